@@ -1,0 +1,42 @@
+"""megatrain_nb: full-precision training of models larger than accelerator memory, from Jupyter.
+
+    import megatrain_nb as mt
+    mt.init(offload_dir="/nvme/cache", max_vram_gb=80, optimizer_compression=True)
+    trainer = mt.Trainer(model=model, train_dataset=ds, args=TrainingArguments(...))
+    trainer.train()
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# Heavy modules load on first use, so `import megatrain_nb` stays fast.
+_LAZY = {
+    "StreamingEngine": "megatrain_nb.engine",
+    "EngineConfig": "megatrain_nb.engine",
+    "init": "megatrain_nb.trainer",
+    "Trainer": "megatrain_nb.trainer",
+    "estimate": "megatrain_nb.estimate",
+    "Session": "megatrain_nb.notebook",
+}
+
+__all__ = list(_LAZY) + ["load_ipython_extension", "unload_ipython_extension", "__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'megatrain_nb' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython):
+    from .notebook.magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from .notebook.magics import unload_ipython_extension as _unload
+
+    _unload(ipython)

@@ -1,0 +1,8 @@
+"""The streaming engine: no Jupyter imports here.
+
+    from megatrain_nb.engine import StreamingEngine, EngineConfig
+"""
+from .config import EngineConfig
+from .engine import EngineOutput, StreamingEngine
+
+__all__ = ["EngineConfig", "EngineOutput", "StreamingEngine"]

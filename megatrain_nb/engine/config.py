@@ -1,0 +1,128 @@
+"""EngineConfig: every knob of the streaming engine, validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+import torch
+
+_PRECISIONS = ("fp32", "bf16")
+_COMPRESSIONS = ("none", "int8", "int4")
+
+
+def _normalize_compression(value) -> str:
+    # Kept here (not in codecs) so the config has no heavy imports; codecs.RECOMMENDED_CODEC
+    # decides what ``True`` means.
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        try:
+            from .codecs import RECOMMENDED_CODEC
+        except ImportError:  # pragma: no cover - codecs always ship
+            return "int8"
+        return RECOMMENDED_CODEC
+    if isinstance(value, str) and value.lower() in _COMPRESSIONS:
+        return value.lower()
+    raise ValueError(
+        f"optimizer_compression={value!r} is not supported; use one of "
+        f"{', '.join(repr(c) for c in _COMPRESSIONS)} (or True for the recommended compact codec, "
+        "False for none)."
+    )
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of :class:`~megatrain_nb.engine.StreamingEngine`.
+
+    Example::
+
+        cfg = EngineConfig(device="cpu", max_vram_gb=2, checkpoint_interval=2)
+    """
+
+    device: Optional[str] = None
+    """"cpu", "cuda", "cuda:1"; None picks cuda when available, else cpu."""
+    max_vram_gb: Optional[float] = None
+    """Budget for the device working set (slots + activations); None = no cap."""
+    max_host_gb: Optional[float] = None
+    """Budget for the host store; None = derived from free RAM."""
+    offload_dir: Optional[Union[str, os.PathLike]] = None
+    """Folder for the disk tier; None = no disk tier."""
+    optimizer_compression: Union[str, bool, None] = "none"
+    """"none" | "int8" | "int4" (True = recommended compact codec, False = "none")."""
+    checkpoint_interval: Optional[int] = 1
+    """Save the input of every k-th layer; 1 = weights cross twice per step. None = planner picks."""
+    precision: str = "fp32"
+    """"fp32" or "bf16" (bf16 compute; fp32 master weights and gradients)."""
+    adam_betas: Tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    """Decoupled weight decay for every parameter except biases and normalisation weights."""
+    device_slots: Optional[int] = None
+    """Layer slots on the device (>= 2); None = planner picks (2 unless the budget allows more)."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the head + loss; full [batch, seq, vocab] logits never exist."""
+    offload_params: Optional[bool] = None
+    """Master weights on disk too: None = the planner decides from max_host_gb; True forces it."""
+    keep_offload_files: bool = False
+    """Leave the disk-tier files in place on close() (they are removed by default)."""
+
+    def __post_init__(self):
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device={self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'.") from e
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"device={self.device!r}: only 'cpu' and 'cuda' devices are supported.")
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r} was asked for but CUDA is not available here; "
+                                 "use device='cpu' or None.")
+        for name in ("max_vram_gb", "max_host_gb"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or v <= 0):
+                raise ValueError(f"{name}={v!r} must be a positive number of GiB (or None for no cap).")
+        self.optimizer_compression = _normalize_compression(self.optimizer_compression)
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not supported; use one of {_PRECISIONS}.")
+        if self.checkpoint_interval is not None and (
+            not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1
+        ):
+            raise ValueError(f"checkpoint_interval={self.checkpoint_interval!r} must be an integer >= 1 "
+                             "(1 saves every layer's input) or None to let the planner choose.")
+        if self.device_slots is not None and (not isinstance(self.device_slots, int) or self.device_slots < 2):
+            raise ValueError(f"device_slots={self.device_slots!r} must be an integer >= 2 (double buffering).")
+        b1, b2 = self.adam_betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"adam_betas={self.adam_betas!r} must both be in [0, 1).")
+        if self.adam_eps <= 0:
+            raise ValueError(f"adam_eps={self.adam_eps!r} must be > 0.")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0.")
+        if self.loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r} must be >= 1.")
+        if self.offload_dir is not None:
+            self.offload_dir = os.fspath(self.offload_dir)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """Build from keyword options, naming any option that is not a field."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
+        return cls(**options)

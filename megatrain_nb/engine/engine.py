@@ -1,0 +1,382 @@
+"""StreamingEngine: train a causal LM whose training state lives in host RAM (and on disk),
+streaming one layer at a time through a few device slots.
+
+Example::
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from megatrain_nb.engine import StreamingEngine, EngineConfig
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", ...))
+    engine = StreamingEngine(model, EngineConfig(device="cpu"))
+    out = engine.forward_backward(input_ids)      # out.loss, out.num_tokens
+    engine.optimizer_step(lr=1e-3); engine.zero_grad()
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import io as engine_io
+from .config import EngineConfig
+from .host_store import HostStore
+from .optimizer import UnitAdamW
+from .pager import Pager
+from .planner import GiB, activation_bytes, make_plan, UnitSpec
+from .proxies import HiddenStatesStub, LayerProxy, bind, swapped_submodule, unbind
+from .states import OptimizerStates
+from .step import StepRunner
+from .telemetry import Telemetry
+from .units import Unit, build_units, check_supported, find_layer_list
+
+
+@dataclass
+class EngineOutput:
+    loss: float
+    num_tokens: int
+
+
+class StreamingEngine:
+    """Streams a Hugging Face decoder-only model through the device, unit by unit.
+
+    The engine takes ownership of ``model``: its parameters move into the engine's host store
+    (the module keeps meta-device placeholders), and its decoder layers are replaced by proxies.
+    Read weights back with :meth:`named_parameters` or :meth:`save_pretrained`.
+    """
+
+    def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, **options):
+        if config is None:
+            config = EngineConfig.from_options(**options)
+        elif options:
+            config = config.replace(**options)
+        check_supported(model)
+        self.config = config
+        self.model = model
+        self.model_config = model.config
+        self.device = config.torch_device
+        self.dtype = config.compute_dtype
+        self.lock = threading.RLock()
+        self.counters = Telemetry()
+        self._closed = False
+
+        self._layer_parent, self._layer_attr, layers = find_layer_list(model)
+        self.units: List[Unit] = build_units(model, layers)
+        self.embed_unit, self.head_unit = self.units[0], self.units[-1]
+        self.layer_units = self.units[1:-1]
+        self._persistent_buffers = engine_io.persistent_buffers(model)
+
+        self.plan = self._static_plan()
+        self.store = HostStore(self.units, pin=self.device.type == "cuda")
+        self.states = OptimizerStates(self.units, config, self.counters)
+        self._placeholders = self._take_parameters(model)
+        self._move_buffers(model)
+        for u in self.layer_units:
+            layers[u.layer_index] = LayerProxy(self, u)
+        model.config.use_cache = False
+        self.pager = Pager(self.units, device=self.device, dtype=self.dtype, layer_slots=self.plan.layer_slots,
+                           source=self._host_params, telemetry=self.counters, grad_sink=self.store.accumulate)
+        self.adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
+        self.runner = StepRunner(self)
+        self._head_stub = HiddenStatesStub()
+        self._activation_peak = 0
+
+    # ------------------------------------------------------------------ construction
+    def _static_plan(self):
+        cfg = self.config
+        specs = [UnitSpec(u.name, u.numel, u.kind) for u in self.units]
+        mc = self.model_config
+        plan = make_plan(specs, hidden_size=_hidden(mc), num_layers=len(self.layer_units),
+                         intermediate_size=getattr(mc, "intermediate_size", None), vocab_size=0,
+                         vram_bytes=int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else None,
+                         batch=1, seq=1, compression=cfg.optimizer_compression, precision=cfg.precision,
+                         checkpoint_interval=cfg.checkpoint_interval or 1, offload_dir=bool(cfg.offload_dir),
+                         layer_slots=cfg.device_slots, cuda=self.device.type == "cuda",
+                         loss_chunk_tokens=cfg.loss_chunk_tokens)
+        if not plan.feasible:
+            biggest = max(self.units, key=lambda u: u.numel)
+            raise ValueError(
+                f"max_vram_gb={cfg.max_vram_gb} is below what one training step needs: "
+                f"{plan.reason}. The largest unit ({biggest.name}) alone holds "
+                f"{biggest.numel * (2 if cfg.precision == 'bf16' else 4) / GiB:.3f} GiB; "
+                f"set max_vram_gb to at least {plan.device['total'] / GiB:.3f}.")
+        self.checkpoint_interval = plan.checkpoint_interval
+        return plan
+
+    def _take_parameters(self, model: nn.Module) -> Dict[Tuple[int, str], nn.Parameter]:
+        """Copy every parameter into the host store; leave meta placeholders in the modules."""
+        placeholders: Dict[Tuple[int, str], nn.Parameter] = {}
+        for u in self.units:
+            flat = self.store.alloc(u.numel)
+            for p in u.params:
+                mod, attr = p.bindings[0]
+                src = mod._parameters[attr]
+                if src.is_meta:
+                    raise NotImplementedError("meta-device models are initialised by the tiers code")
+                flat[p.offset:p.offset + p.numel].copy_(src.detach().reshape(-1))
+                ph = nn.Parameter(torch.empty(p.shape, device="meta", dtype=torch.float32),
+                                  requires_grad=src.requires_grad)
+                for m, a in p.bindings:
+                    m._parameters[a] = ph
+                    placeholders[(id(m), a)] = ph
+            self.store.set_params(u, flat)
+        return placeholders
+
+    def _move_buffers(self, model: nn.Module) -> None:
+        for mod in list(model.modules()) + [u.module for u in self.layer_units]:
+            for name, b in list(mod._buffers.items()):
+                if b is not None and b.device != self.device:
+                    mod._buffers[name] = b.to(self.device)
+
+    def _host_params(self, unit: Unit) -> torch.Tensor:
+        return self.store.params[unit.index]
+
+    def _params_changed(self, unit: Unit) -> None:
+        """Hook after master weights of a unit were rewritten outside the optimizer."""
+
+    def _layer_call(self, unit: Unit, args, kwargs):
+        return self.runner.layer_call(unit, args, kwargs)
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare(self, input_ids, attention_mask, labels):
+        if not torch.is_tensor(input_ids):
+            input_ids = torch.as_tensor(input_ids)
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq]; got {tuple(input_ids.shape)} "
+                             f"{input_ids.dtype}.")
+        vocab = self.model_config.get_text_config().vocab_size
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1}); the tokenizer "
+                             "does not match the model, or resize the model's embeddings.")
+        max_pos = _max_positions(self.model_config)
+        if max_pos is not None and input_ids.shape[1] > max_pos:
+            raise ValueError(f"input has {input_ids.shape[1]} tokens but the model supports at most {max_pos} "
+                             "positions; truncate or pack sequences to that length.")
+        input_ids = input_ids.long()
+        if attention_mask is not None:
+            attention_mask = torch.as_tensor(attention_mask)
+            if attention_mask.dim() == 1:
+                attention_mask = attention_mask.unsqueeze(0)
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids "
+                                 f"{tuple(input_ids.shape)}.")
+        if labels is None:
+            labels = input_ids.clone()
+            if attention_mask is not None:
+                labels = labels.masked_fill(attention_mask == 0, -100)
+        else:
+            labels = torch.as_tensor(labels).long()
+            if labels.dim() == 1:
+                labels = labels.unsqueeze(0)
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids "
+                                 f"{tuple(input_ids.shape)}.")
+        dev = self.device
+        am = attention_mask.to(dev) if attention_mask is not None else None
+        return input_ids.to(dev), am, labels.to(dev)
+
+    # ------------------------------------------------------------------ public API
+    def forward_backward(self, input_ids, attention_mask=None, labels=None, loss_fn=None,
+                         num_items_in_batch: Optional[int] = None) -> EngineOutput:
+        """Forward and backward of one micro-batch; gradients accumulate on the host.
+
+        ``loss`` is the mean token loss of this micro-batch (the Hugging Face definition:
+        labels shifted by one, ``-100`` ignored). With ``num_items_in_batch`` the gradient is
+        that of ``sum_loss / num_items_in_batch`` (gradient accumulation over a window).
+        """
+        with self.lock:
+            self._check_open()
+            ids, am, labels = self._prepare(input_ids, attention_mask, labels)
+            t0 = time.perf_counter()
+            loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, train=True,
+                                          grad_scale_tokens=num_items_in_batch)
+            self.counters.add("micro_batches", 1)
+            self.counters.add("step_seconds", time.perf_counter() - t0)
+            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n)
+
+    def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None) -> EngineOutput:
+        """Loss of a batch without gradients."""
+        with self.lock:
+            self._check_open()
+            ids, am, labels = self._prepare(input_ids, attention_mask, labels)
+            loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, train=False)
+            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n)
+
+    def forward_logits(self, input_ids, attention_mask=None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] (fp32, CPU) of the current weights, without gradients."""
+        with self.lock:
+            self._check_open()
+            ids, am, _ = self._prepare(input_ids, attention_mask, None)
+            return self.runner.logits(ids, am)
+
+    def named_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(name, fp32 master tensor) with the names of ``model.named_parameters()``."""
+        for u in self.units:
+            flat = self._host_params(u)
+            for p in u.params:
+                yield p.name, flat[p.offset:p.offset + p.numel].view(p.shape)
+
+    def named_gradients(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(name, fp32 accumulated gradient); tied weights once, holding the sum of both uses."""
+        self.pager.wait_grads()
+        for u in self.units:
+            g = self.store.grad(u)
+            for p in u.params:
+                yield p.name, g[p.offset:p.offset + p.numel].view(p.shape)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return dict(self.named_parameters())
+
+    def grad_norm(self) -> float:
+        with self.lock:
+            self.pager.wait_grads()
+            sq = sum(float(torch.linalg.vector_norm(self.store.grad(u)) ** 2) for u in self.units)
+            return sq ** 0.5
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale all accumulated gradients so their global L2 norm is at most ``max_norm``."""
+        with self.lock:
+            total = self.grad_norm()
+            coef = max_norm / (total + 1e-6)
+            if coef < 1.0:
+                for u in self.units:
+                    self.store.grad(u).mul_(coef)
+            return total
+
+    def optimizer_step(self, lr: float) -> None:
+        """One AdamW step on every unit (same result as torch.optim.AdamW with these settings)."""
+        with self.lock:
+            self._check_open()
+            self.pager.wait_grads()
+            t0 = time.perf_counter()
+            for u in self.units:
+                m, v = self.states.load(u)
+                self.adam.step_unit(u, self._host_params(u), self.store.grad(u), m, v, lr)
+                self.states.store(u, m, v)
+            self.states.flush()
+            dt = time.perf_counter() - t0
+            self.counters.add("optimizer_seconds", dt)
+            self.counters.add("optimizer_exposed_seconds", dt)
+            self.counters.add("steps", 1)
+
+    def zero_grad(self) -> None:
+        with self.lock:
+            self.pager.wait_grads()
+            self.store.zero_grad()
+
+    def layer_stats(self) -> List[dict]:
+        """Per-unit statistics gathered during the last optimizer step."""
+        return [self.adam.stats[u.index] for u in self.units if u.index in self.adam.stats]
+
+    def unit_names(self) -> List[str]:
+        return [u.name for u in self.units]
+
+    def num_parameters(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def memory_report(self) -> dict:
+        esize = 2 if self.dtype == torch.bfloat16 else 4
+        dev_w = self.pager.slot_bytes
+        dev_g = self.pager.grad_buf_bytes
+        act = self.runner.activation_peak
+        dev = {"weights": dev_w, "grads": dev_g, "activations": act,
+               "used_bytes": dev_w + dev_g + self.runner.activation_now,
+               "peak_bytes": dev_w + dev_g + act,
+               "capacity_bytes": int(self.config.max_vram_gb * GiB) if self.config.max_vram_gb else None}
+        if self.device.type == "cuda":
+            dev["allocator_used_bytes"] = torch.cuda.memory_allocated(self.device)
+            dev["allocator_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            if dev["capacity_bytes"] is None:
+                dev["capacity_bytes"] = torch.cuda.get_device_properties(self.device).total_memory
+        hb = self.store.nbytes()
+        st = self.states.nbytes()
+        host = {"weights": hb["weights"], "grads": hb["grads"], "optimizer_states": st["host"],
+                "capacity_bytes": int(self.config.max_host_gb * GiB) if self.config.max_host_gb else _ram_total()}
+        host["used_bytes"] = host["weights"] + host["grads"] + host["optimizer_states"]
+        host["peak_bytes"] = host["used_bytes"]
+        disk = {"weights": st.get("disk_weights", 0), "optimizer_states": st["disk"],
+                "capacity_bytes": st.get("disk_capacity")}
+        disk["used_bytes"] = disk["weights"] + disk["optimizer_states"]
+        disk["peak_bytes"] = max(disk["used_bytes"], st.get("disk_peak", 0))
+        return {"device": dev, "host": host, "disk": disk}
+
+    def telemetry(self) -> dict:
+        """Counters: bytes per link, prefetch hits/misses, stall seconds, loads per unit."""
+        return self.counters.snapshot()
+
+    def save_pretrained(self, path) -> None:
+        """Write a folder that ``AutoModelForCausalLM.from_pretrained`` loads (safetensors)."""
+        with self.lock:
+            engine_io.save_pretrained(self, path)
+
+    def save_checkpoint(self, path) -> None:
+        """Weights (Hugging Face layout) plus optimizer states in their stored form."""
+        with self.lock:
+            self.pager.wait_grads()
+            engine_io.save_pretrained(self, path, atomic=False)
+            self.states.save(path, self.adam)
+
+    def load_checkpoint(self, path) -> None:
+        with self.lock:
+            engine_io.load_weights(self, path)
+            self.states.load_saved(path, self.adam)
+
+    def close(self) -> None:
+        """Release device memory, worker threads and the disk files the engine created."""
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.pager.close()
+            self.states.close()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this StreamingEngine is closed; create a new one.")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _hidden(cfg) -> int:
+    cfg = cfg.get_text_config()
+    for name in ("hidden_size", "n_embd", "d_model"):
+        if getattr(cfg, name, None):
+            return int(getattr(cfg, name))
+    return 0
+
+
+def _max_positions(cfg) -> Optional[int]:
+    cfg = cfg.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _ram_total() -> Optional[int]:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return None

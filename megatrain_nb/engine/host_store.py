@@ -1,0 +1,56 @@
+"""HostStore: the authoritative fp32 master weights and gradient accumulators, one flat buffer per unit."""
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional
+
+import torch
+
+from .units import Unit
+
+
+class HostStore:
+    """Flat fp32 buffers per unit in host RAM (pinned when the device is CUDA).
+
+    Parameters may be ``None`` for units whose master weights live on the disk tier; the
+    engine then pages them through a host staging buffer.
+    """
+
+    def __init__(self, units: List[Unit], *, pin: bool):
+        self.units = units
+        self.pin = pin
+        self.params: Dict[int, Optional[torch.Tensor]] = {}
+        self.grads: Dict[int, Optional[torch.Tensor]] = {}
+        self._grad_locks = {u.index: threading.Lock() for u in units}
+
+    def alloc(self, numel: int) -> torch.Tensor:
+        t = torch.empty(numel, dtype=torch.float32)
+        if self.pin:
+            t = t.pin_memory()
+        return t
+
+    def set_params(self, unit: Unit, flat: Optional[torch.Tensor]) -> None:
+        self.params[unit.index] = flat
+
+    def grad(self, unit: Unit) -> torch.Tensor:
+        g = self.grads.get(unit.index)
+        if g is None:
+            g = self.alloc(unit.numel)
+            g.zero_()
+            self.grads[unit.index] = g
+        return g
+
+    def accumulate(self, unit: Unit, flat_grad: torch.Tensor) -> None:
+        """Add a unit's flat fp32 gradient into its accumulator (thread-safe per unit)."""
+        with self._grad_locks[unit.index]:
+            self.grad(unit).add_(flat_grad)
+
+    def zero_grad(self) -> None:
+        for g in self.grads.values():
+            if g is not None:
+                g.zero_()
+
+    def nbytes(self) -> Dict[str, int]:
+        w = sum(t.numel() * 4 for t in self.params.values() if t is not None)
+        g = sum(t.numel() * 4 for t in self.grads.values() if t is not None)
+        return {"weights": w, "grads": g}

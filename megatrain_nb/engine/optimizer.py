@@ -1,0 +1,70 @@
+"""Per-unit AdamW on the host with PyTorch's fused CPU kernel.
+
+Each unit's flat buffer keeps its decayed parameters first, so one unit is two fused calls
+(weight decay on, off). The Adam moments come from an :class:`OptimizerStates` store, which
+keeps them as fp32 or in a compressed codec, in RAM or on the disk tier; they are decoded
+only for the update and encoded right after.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, Optional
+
+import torch
+
+from .units import Unit
+
+
+class UnitAdamW:
+    def __init__(self, *, betas, eps: float, weight_decay: float):
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.steps: Dict[int, torch.Tensor] = {}
+        self.stats: Dict[int, dict] = {}
+        self._lock = threading.Lock()
+
+    def step_unit(self, unit: Unit, params: torch.Tensor, grads: torch.Tensor,
+                  exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, lr: float,
+                  collect_stats: bool = True) -> None:
+        """One AdamW update of a unit's flat fp32 params in place (moments updated in place)."""
+        step = self.steps.get(unit.index)
+        if step is None:
+            step = self.steps[unit.index] = torch.zeros((), dtype=torch.float32)
+        old = params.clone() if collect_stats else None
+        step.add_(1)
+        d = unit.decay_numel
+        groups = [(slice(0, d), self.weight_decay), (slice(d, unit.numel), 0.0)]
+        for sl, wd in groups:
+            if sl.stop - sl.start == 0:
+                continue
+            torch._fused_adamw_([params[sl]], [grads[sl]], [exp_avg[sl]], [exp_avg_sq[sl]], [], [step],
+                                lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
+                                eps=self.eps, amsgrad=False, maximize=False)
+        if collect_stats:
+            self.stats[unit.index] = unit_stats(unit, params, grads, old)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {str(i): s.clone() for i, s in self.steps.items()}
+
+    def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        self.steps = {int(k): v.clone().float() for k, v in sd.items()}
+
+
+def unit_stats(unit: Unit, params: torch.Tensor, grads: torch.Tensor, old: torch.Tensor, bins: int = 32) -> dict:
+    w_norm = float(torch.linalg.vector_norm(old))
+    upd = float(torch.linalg.vector_norm(params - old))
+    g_norm = float(torch.linalg.vector_norm(grads))
+    sample = params if params.numel() <= 65536 else params[:: max(1, params.numel() // 65536)]
+    lo, hi = float(sample.min()), float(sample.max())
+    if lo == hi:
+        lo, hi = lo - 1e-6, hi + 1e-6
+    counts = torch.histc(sample, bins=bins, min=lo, max=hi)
+    step = (hi - lo) / bins
+    return {
+        "unit": unit.name, "index": unit.index, "kind": unit.kind, "numel": unit.numel,
+        "weight_norm": w_norm, "grad_norm": g_norm, "update_norm": upd,
+        "update_ratio": upd / w_norm if w_norm > 0 else 0.0,
+        "hist_counts": [int(c) for c in counts.tolist()],
+        "hist_edges": [lo + i * step for i in range(bins + 1)],
+    }

@@ -1,0 +1,86 @@
+"""Layer proxies and parameter binding.
+
+A :class:`LayerProxy` takes a decoder layer's place in the model's layer list. The model's own
+forward calls it exactly as it would call the layer (same arguments: masks chosen per layer
+type, rotary embeddings, ...); the proxy hands the call to the engine, which runs the *real*
+layer module with its streamed weights bound. Attribute reads the model's forward makes on a
+layer (``attention_type``, ``layer_idx``, ...) fall through to the real layer, so per-layer
+behaviour stays the model's own.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+from torch import nn
+
+from .units import Unit
+
+
+class LayerProxy(nn.Module):
+    def __init__(self, engine, unit: Unit):
+        super().__init__()
+        # Plain attributes (not submodules) so model.named_parameters() keeps its names.
+        object.__setattr__(self, "_mt_engine", engine)
+        object.__setattr__(self, "_mt_unit", unit)
+
+    def forward(self, *args, **kwargs):
+        return self._mt_engine._layer_call(self._mt_unit, args, kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            unit = self.__dict__.get("_mt_unit")
+            if unit is None:
+                raise
+            return getattr(unit.module, name)
+
+    def extra_repr(self) -> str:
+        return f"streams {type(self._mt_unit.module).__name__} {self._mt_unit.name}"
+
+
+def bind(unit: Unit, flat: torch.Tensor, *, requires_grad: bool) -> List[torch.Tensor]:
+    """Point every module attribute of the unit's parameters at views of ``flat``.
+
+    Returns the bound tensors in ``unit.params`` order (leaves when ``requires_grad``).
+    """
+    bound = []
+    for p in unit.params:
+        v = flat[p.offset:p.offset + p.numel].view(p.shape)
+        if requires_grad:
+            v = v.detach().requires_grad_(True)
+        for mod, attr in p.bindings:
+            mod._parameters[attr] = v
+        bound.append(v)
+    return bound
+
+
+def unbind(unit: Unit, placeholders: Dict[Tuple[int, str], nn.Parameter]) -> None:
+    for p in unit.params:
+        for mod, attr in p.bindings:
+            mod._parameters[attr] = placeholders[(id(mod), attr)]
+
+
+@contextmanager
+def swapped_submodule(parent: nn.Module, name: str, replacement: nn.Module):
+    old = parent._modules[name]
+    parent._modules[name] = replacement
+    try:
+        yield
+    finally:
+        parent._modules[name] = old
+
+
+class HiddenStatesStub(nn.Module):
+    """Stands in for the base model so the CausalLM's own head code runs on one chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = None
+
+    def forward(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)

@@ -1,0 +1,178 @@
+"""OptimizerStates: where the Adam moments of each unit live, and in which code.
+
+* codec "none" in RAM: persistent fp32 tensors, updated in place (no copies).
+* a compressed codec: codes + scales, decoded into scratch fp32 only for the update, encoded
+  right after. Stored codes round-trip bit-exactly, so save/resume is exact.
+* with ``offload_dir``: the stored form lives in files on the disk tier, read ahead of the
+  optimizer and written behind it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .units import Unit
+
+_ROLES = ("exp_avg", "exp_avg_sq")
+
+
+class OptimizerStates:
+    def __init__(self, units, config, counters):
+        self.units = units
+        self.codec_name = config.optimizer_compression
+        self.counters = counters
+        self.codecs = None
+        if self.codec_name != "none":
+            from .codecs import get_codec
+
+            self.codecs = {r: get_codec(self.codec_name, r) for r in _ROLES}
+        self.ram: Dict[int, Dict[str, object]] = {}
+        self.disk = None
+        self._reads: Dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._on_disk = set()
+        if config.offload_dir:
+            from .disk_store import DiskStore
+
+            self.disk = DiskStore(config.offload_dir, reserve_bytes=self.stored_nbytes_total(),
+                                  keep=config.keep_offload_files)
+
+    # ------------------------------------------------------------------ sizes
+    def stored_nbytes(self, unit: Unit) -> int:
+        if self.codecs is None:
+            return 2 * unit.numel * 4
+        return sum(c.encoded_nbytes(unit.numel) for c in self.codecs.values())
+
+    def stored_nbytes_total(self) -> int:
+        return sum(self.stored_nbytes(u) for u in self.units)
+
+    # ------------------------------------------------------------------ encode / decode
+    def _encode(self, m: torch.Tensor, v: torch.Tensor) -> Dict[str, torch.Tensor]:
+        if self.codecs is None:
+            return {"exp_avg": m, "exp_avg_sq": v}
+        out = {}
+        for role, t in zip(_ROLES, (m, v)):
+            for k, val in self.codecs[role].encode(t).items():
+                out[f"{role}.{k}"] = val
+        return out
+
+    def _decode(self, unit: Unit, stored: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.codecs is None:
+            return stored["exp_avg"], stored["exp_avg_sq"]
+        res = []
+        for role in _ROLES:
+            enc = {k.split(".", 1)[1]: v for k, v in stored.items() if k.startswith(role + ".")}
+            res.append(self.codecs[role].decode(enc, torch.empty(unit.numel, dtype=torch.float32)))
+        return res[0], res[1]
+
+    # ------------------------------------------------------------------ the optimizer's view
+    def prefetch(self, unit: Unit) -> None:
+        """Start reading a unit's stored states from disk ahead of its update."""
+        if self.disk is None or unit.index not in self._on_disk:
+            return
+        with self._lock:
+            if unit.index not in self._reads:
+                self._reads[unit.index] = self.disk.read(self._key(unit))
+
+    def load(self, unit: Unit) -> Tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (exp_avg, exp_avg_sq) for the update; zeros on the first step."""
+        if self.disk is not None and unit.index in self._on_disk:
+            with self._lock:
+                fut = self._reads.pop(unit.index, None)
+            ahead = fut is not None and fut.done()
+            self.counters.prefetch_result("disk", ahead)
+            if fut is None:
+                fut = self.disk.read(self._key(unit))
+            import time
+
+            t0 = time.perf_counter()
+            stored = fut.result()
+            self.counters.stall("disk", time.perf_counter() - t0)
+            return self._decode(unit, stored)
+        stored = self.ram.get(unit.index)
+        if stored is None:
+            return (torch.zeros(unit.numel, dtype=torch.float32), torch.zeros(unit.numel, dtype=torch.float32))
+        return self._decode(unit, stored)
+
+    def store(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> None:
+        stored = self._encode(m, v)
+        if self.disk is not None:
+            self.disk.write(self._key(unit), stored)
+            self._on_disk.add(unit.index)
+        else:
+            self.ram[unit.index] = stored
+
+    def flush(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
+
+    def _key(self, unit: Unit) -> str:
+        return f"adam-{unit.index:05d}"
+
+    # ------------------------------------------------------------------ accounting
+    def nbytes(self) -> dict:
+        host = sum(t.numel() * t.element_size() for s in self.ram.values() for t in s.values())
+        out = {"host": host, "disk": 0}
+        if self.disk is not None:
+            out["disk"] = self.disk.nbytes()
+            try:
+                import shutil
+
+                out["disk_capacity"] = shutil.disk_usage(self.disk.root).free + out["disk"]
+            except OSError:
+                out["disk_capacity"] = None
+        return out
+
+    # ------------------------------------------------------------------ save / resume
+    def save(self, path, adam) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for u in self.units:
+            if self.disk is not None and u.index in self._on_disk:
+                stored = self.disk.read(self._key(u)).result()
+            else:
+                stored = self.ram.get(u.index)
+            if stored is None:
+                continue
+            for k, t in stored.items():
+                tensors[f"{u.name}/{k}"] = t.contiguous()
+        for k, t in adam.state_dict().items():
+            tensors[f"step/{k}"] = t.reshape(1)
+        save_file(tensors, os.path.join(path, "optimizer_states.safetensors"),
+                  metadata={"codec": self.codec_name, "format": "megatrain_nb-adam-v1"})
+
+    def load_saved(self, path, adam) -> None:
+        from safetensors import safe_open
+
+        f = os.path.join(path, "optimizer_states.safetensors")
+        if not os.path.exists(f):
+            raise FileNotFoundError(f"{path} has no optimizer_states.safetensors; it is not an engine checkpoint.")
+        with safe_open(f, "pt") as fh:
+            codec = (fh.metadata() or {}).get("codec", "none")
+            if codec != self.codec_name:
+                raise ValueError(f"the checkpoint's optimizer states use codec {codec!r} but this engine uses "
+                                 f"{self.codec_name!r}; set optimizer_compression={codec!r} to resume it.")
+            keys = list(fh.keys())
+            steps = {k.split("/", 1)[1]: fh.get_tensor(k).reshape(()) for k in keys if k.startswith("step/")}
+            adam.load_state_dict(steps)
+            for u in self.units:
+                prefix = f"{u.name}/"
+                stored = {k[len(prefix):]: fh.get_tensor(k) for k in keys if k.startswith(prefix)}
+                if not stored:
+                    continue
+                if self.disk is not None:
+                    self.disk.write(self._key(u), stored)
+                    self._on_disk.add(u.index)
+                else:
+                    self.ram[u.index] = stored
+        self.flush()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None

@@ -1,0 +1,339 @@
+"""StepRunner: one micro-batch through the model — streamed forward, chunked head + loss,
+per-layer backward from saved layer inputs (or block checkpoints), embedding backward.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .proxies import bind, swapped_submodule, unbind
+from .units import Unit
+
+
+@dataclass
+class _Call:
+    """How the model's forward called a layer, to re-run it with another hidden state."""
+    args: tuple
+    kwargs: dict
+    positional: bool
+
+    def with_hidden(self, h):
+        if self.positional:
+            return (h,) + self.args[1:], self.kwargs
+        kw = dict(self.kwargs)
+        kw["hidden_states"] = h
+        return self.args, kw
+
+
+@dataclass
+class _StepContext:
+    train: bool
+    k: int
+    calls: Dict[int, _Call] = field(default_factory=dict)
+    saved: Dict[int, torch.Tensor] = field(default_factory=dict)
+    rng: Dict[int, Any] = field(default_factory=dict)
+    h0: Optional[torch.Tensor] = None
+    h_last: Optional[torch.Tensor] = None
+    saved_bytes: int = 0
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _replace_first(out, h):
+    if isinstance(out, tuple):
+        return (h,) + tuple(out[1:])
+    if isinstance(out, list):
+        return [h] + list(out[1:])
+    return h
+
+
+class StepRunner:
+    def __init__(self, engine):
+        self.e = engine
+        self.ctx: Optional[_StepContext] = None
+        self.activation_peak = 0
+        self.activation_now = 0
+        self._slot_ptrs = None
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, train: bool) -> List[Unit]:
+        e = self.e
+        layers = e.layer_units
+        order = [e.embed_unit, e.head_unit] + list(layers)
+        if train:
+            n, k = len(layers), e.checkpoint_interval
+            for b in reversed(range(0, n, k)):
+                end = min(b + k, n)
+                order += layers[b:end - 1]                 # recompute the block's forward
+                order += list(reversed(layers[b:end]))     # then its backward
+        return [u for u in order if u.numel > 0]
+
+    # ------------------------------------------------------------------ the model's own forward
+    def _base_forward(self, ids, am) -> torch.Tensor:
+        """The base model's own forward (layers streamed by the proxies): final hidden states."""
+        out = self.e.model.base_model(input_ids=ids, attention_mask=am, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def _head_logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:
+        """The CausalLM's own head code (lm_head + the family's logit transform) on one chunk."""
+        e = self.e
+        stub = e._head_stub
+        stub.hidden = hidden_chunk
+        dummy = torch.zeros(hidden_chunk.shape[:2], dtype=torch.long, device=hidden_chunk.device)
+        try:
+            with swapped_submodule(e.model, e.model.base_model_prefix, stub):
+                out = e.model(input_ids=dummy, use_cache=False)
+        finally:
+            stub.hidden = None
+        return out.logits
+
+    def _bind_outer(self, requires_grad: bool):
+        e = self.e
+        bound = {}
+        for u in (e.embed_unit, e.head_unit):
+            if u.numel == 0:
+                bound[u.index] = []
+                continue
+            w = e.pager.acquire(u)
+            bound[u.index] = bind(u, w, requires_grad=requires_grad)
+        return bound
+
+    def _release_outer(self, u: Unit):
+        if u.numel:
+            unbind(u, self.e._placeholders)
+            self.e.pager.release(u)
+
+    # ------------------------------------------------------------------ layer calls from the proxies
+    def layer_call(self, unit: Unit, args, kwargs):
+        ctx = self.ctx
+        if args:
+            hidden, call = args[0], _Call(args, kwargs, True)
+        else:
+            hidden, call = kwargs["hidden_states"], _Call(args, kwargs, False)
+        li = unit.layer_index
+        if ctx is not None and ctx.train:
+            for v in list(kwargs.values()) + list(args[1:]):
+                if torch.is_tensor(v) and v.requires_grad:
+                    raise NotImplementedError(
+                        f"{type(unit.module).__name__} receives a tensor argument that needs gradients besides "
+                        "the hidden states; this family is not supported by the streaming engine yet.")
+            if li == 0:
+                ctx.h0 = hidden
+            hidden = hidden.detach()
+            ctx.calls[li] = call
+            if li % ctx.k == 0:
+                ctx.saved[li] = hidden
+                ctx.saved_bytes += hidden.numel() * hidden.element_size()
+                self._note_activation(ctx.saved_bytes)
+            if self.e.model.training:
+                ctx.rng[li] = self._rng_state()
+        out = self._run_layer_nograd(unit, call, hidden)
+        if ctx is not None and ctx.train and li == len(self.e.layer_units) - 1:
+            h = _first(out).detach().requires_grad_(True)
+            ctx.h_last = h
+            out = _replace_first(out, h)
+        return out
+
+    def _run_layer_nograd(self, unit: Unit, call: _Call, hidden):
+        e = self.e
+        w = e.pager.acquire(unit)
+        bind(unit, w, requires_grad=False)
+        try:
+            a, kw = call.with_hidden(hidden)
+            with torch.no_grad():
+                out = unit.module(*a, **kw)
+        finally:
+            unbind(unit, e._placeholders)
+            e.pager.release(unit)
+        return out
+
+    def _layer_backward(self, unit: Unit, inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        e, ctx = self.e, self.ctx
+        w = e.pager.acquire(unit)
+        params = bind(unit, w, requires_grad=True)
+        try:
+            x = inp.detach().requires_grad_(True)
+            a, kw = ctx.calls[unit.layer_index].with_hidden(x)
+            rng = ctx.rng.get(unit.layer_index)
+            with self._restored_rng(rng), torch.enable_grad(), self._count_saved():
+                h = _first(unit.module(*a, **kw))
+            grads = torch.autograd.grad(h, [x] + params, grad_out, allow_unused=True)
+        finally:
+            unbind(unit, e._placeholders)
+        pgrads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads[1:], params)]
+        e.pager.return_grads(unit, pgrads)
+        e.pager.release(unit)
+        return grads[0] if grads[0] is not None else torch.zeros_like(inp)
+
+    # ------------------------------------------------------------------ one micro-batch
+    def run(self, ids, am, labels, *, loss_fn=None, train: bool, grad_scale_tokens=None) -> Tuple[float, int]:
+        e = self.e
+        shift = F.pad(labels[:, 1:], (0, 1), value=-100)
+        n_tokens = int((shift != -100).sum())
+        denom = grad_scale_tokens if grad_scale_tokens else max(n_tokens, 1)
+        self.ctx = _StepContext(train=train, k=e.checkpoint_interval)
+        self.activation_now = 0
+        e.pager.set_schedule(self.schedule(train))
+        try:
+            with contextlib.ExitStack() as stack:
+                if not train:
+                    stack.enter_context(torch.no_grad())
+                bound = self._bind_outer(requires_grad=train)
+                hidden = self._base_forward(ids, am)
+                if not train:
+                    loss_sum = self._loss_chunks(hidden, shift, loss_fn, None)
+                    self._release_outer(e.head_unit)
+                    self._release_outer(e.embed_unit)
+                    return loss_sum, n_tokens
+                hidden_leaf = hidden.detach()
+                loss_sum, grad_hidden = self._loss_chunks(hidden_leaf, shift, loss_fn, denom, backward=True)
+                torch.autograd.backward(hidden, grad_hidden)
+                del hidden, grad_hidden, hidden_leaf
+                self._return_outer_grads(e.head_unit, bound)
+                self._release_outer(e.head_unit)
+                g = self.ctx.h_last.grad
+                self.ctx.h_last = None
+                g = self._layers_backward(g)
+                if self.ctx.h0 is not None and self.ctx.h0.requires_grad:
+                    torch.autograd.backward(self.ctx.h0, g)
+                self._return_outer_grads(e.embed_unit, bound)
+                self._release_outer(e.embed_unit)
+                return loss_sum, n_tokens
+        except BaseException:
+            for u in (e.embed_unit, e.head_unit):
+                unbind(u, e._placeholders)
+            for u in e.layer_units:
+                unbind(u, e._placeholders)
+            e.pager.reset()
+            raise
+        finally:
+            self.ctx = None
+            self.activation_now = 0
+
+    def _return_outer_grads(self, unit: Unit, bound):
+        if unit.numel == 0:
+            return
+        tensors = bound[unit.index]
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
+        self.e.pager.return_grads(unit, grads)
+
+    def _layers_backward(self, g: torch.Tensor) -> torch.Tensor:
+        layers, ctx = self.e.layer_units, self.ctx
+        n, k = len(layers), ctx.k
+        for b in reversed(range(0, n, k)):
+            end = min(b + k, n)
+            inputs = {b: ctx.saved.pop(b)}
+            block_bytes = 0
+            for i in range(b, end - 1):
+                rng = ctx.rng.get(i)
+                with self._restored_rng(rng):
+                    inputs[i + 1] = _first(self._run_layer_nograd(layers[i], ctx.calls[i], inputs[i]))
+                block_bytes += inputs[i + 1].numel() * inputs[i + 1].element_size()
+                self._note_activation(ctx.saved_bytes + block_bytes)
+            for i in reversed(range(b, end)):
+                g = self._layer_backward(layers[i], inputs.pop(i), g)
+            ctx.saved_bytes -= g.numel() * g.element_size()
+        return g
+
+    def _loss_chunks(self, hidden, shift, loss_fn, denom, backward: bool = False):
+        e = self.e
+        B, S = shift.shape
+        chunk = max(1, min(S, e.config.loss_chunk_tokens // max(B, 1) or 1))
+        total = 0.0
+        grads = []
+        for s in range(0, S, chunk):
+            lab = shift[:, s:s + chunk]
+            hc = hidden[:, s:s + chunk]
+            if backward:
+                hc = hc.detach().requires_grad_(True)
+            with torch.enable_grad() if backward else contextlib.nullcontext():
+                logits = self._head_logits(hc).float()
+                if loss_fn is not None:
+                    part = loss_fn(logits, lab)
+                else:
+                    part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
+                                           ignore_index=-100, reduction="sum")
+                self._note_activation(self.ctx.saved_bytes + 3 * logits.numel() * 4)
+            total += float(part.detach())
+            if backward:
+                if part.requires_grad:
+                    (part / denom).backward()
+                grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
+            del logits, part
+        if backward:
+            return total, torch.cat(grads, dim=1)
+        return total
+
+    def logits(self, ids, am) -> torch.Tensor:
+        e = self.e
+        self.ctx = None
+        e.pager.set_schedule(self.schedule(False))
+        try:
+            with torch.no_grad():
+                self._bind_outer(requires_grad=False)
+                hidden = self._base_forward(ids, am)
+                chunk = max(1, e.config.loss_chunk_tokens // max(ids.shape[0], 1))
+                out = [self._head_logits(hidden[:, s:s + chunk]).float().cpu()
+                       for s in range(0, hidden.shape[1], chunk)]
+                self._release_outer(e.head_unit)
+                self._release_outer(e.embed_unit)
+            return torch.cat(out, dim=1)
+        except BaseException:
+            for u in e.units:
+                unbind(u, e._placeholders)
+            e.pager.reset()
+            raise
+
+    # ------------------------------------------------------------------ accounting and RNG
+    def _note_activation(self, nbytes: int) -> None:
+        self.activation_now = nbytes
+        self.activation_peak = max(self.activation_peak, nbytes)
+
+    @contextlib.contextmanager
+    def _count_saved(self):
+        """Count the bytes autograd saves while one layer is re-run (weights in slots excluded)."""
+        e, ctx = self.e, self.ctx
+        if self._slot_ptrs is None:
+            self._slot_ptrs = {s.buf.untyped_storage().data_ptr()
+                               for pool in e.pager.pools.values() for s in pool}
+        total = [0]
+        seen = set()
+
+        def pack(t):
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:
+                return t
+            if ptr not in self._slot_ptrs and ptr not in seen:
+                seen.add(ptr)
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        # saved tensors + their gradients flowing back, on top of the saved inputs
+        self._note_activation(ctx.saved_bytes + 2 * total[0])
+
+    def _rng_state(self):
+        st = {"cpu": torch.get_rng_state()}
+        if self.e.device.type == "cuda":
+            st["cuda"] = torch.cuda.get_rng_state(self.e.device)
+        return st
+
+    @contextlib.contextmanager
+    def _restored_rng(self, st):
+        if st is None:
+            yield
+            return
+        devices = [self.e.device] if self.e.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(st["cpu"])
+            if "cuda" in st:
+                torch.cuda.set_rng_state(st["cuda"], self.e.device)
+            yield

@@ -1,0 +1,71 @@
+"""Plain counters the engine keeps; anything (dashboard, CLI, report) reads them as a dict."""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Dict
+
+
+class Telemetry:
+    """Thread-safe counters: bytes per link, loads per unit, prefetch hits, stall seconds."""
+
+    LINKS = ("host_to_device", "device_to_host", "disk_to_host", "host_to_disk")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes = {k: 0 for k in self.LINKS}
+            self.link_seconds = {k: 0.0 for k in self.LINKS}
+            self.loads_per_unit: Dict[str, int] = defaultdict(int)
+            self.prefetch = {"device": {"ahead": 0, "late": 0}, "disk": {"ahead": 0, "late": 0}}
+            self.stall_seconds = {"device": 0.0, "disk": 0.0, "optimizer": 0.0, "grad_return": 0.0}
+            self.steps = 0
+            self.micro_batches = 0
+            self.step_seconds = 0.0
+            self.optimizer_seconds = 0.0
+            self.optimizer_exposed_seconds = 0.0
+
+    def add_bytes(self, link: str, n: int, seconds: float = 0.0) -> None:
+        with self._lock:
+            self.bytes[link] += int(n)
+            self.link_seconds[link] += seconds
+
+    def load(self, unit_name: str) -> None:
+        with self._lock:
+            self.loads_per_unit[unit_name] += 1
+
+    def prefetch_result(self, tier: str, ahead: bool) -> None:
+        with self._lock:
+            self.prefetch[tier]["ahead" if ahead else "late"] += 1
+
+    def stall(self, what: str, seconds: float) -> None:
+        with self._lock:
+            self.stall_seconds[what] = self.stall_seconds.get(what, 0.0) + seconds
+
+    def add(self, field: str, value) -> None:
+        with self._lock:
+            setattr(self, field, getattr(self, field) + value)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            pf = {t: dict(v) for t, v in self.prefetch.items()}
+            for v in pf.values():
+                total = v["ahead"] + v["late"]
+                v["hit_rate"] = (v["ahead"] / total) if total else None
+            rate = {k: (self.bytes[k] / self.link_seconds[k]) if self.link_seconds[k] > 0 else None
+                    for k in self.LINKS}
+            return {
+                "bytes": dict(self.bytes),
+                "bytes_per_second": rate,
+                "loads_per_unit": dict(self.loads_per_unit),
+                "prefetch": pf,
+                "stall_seconds": dict(self.stall_seconds),
+                "steps": self.steps,
+                "micro_batches": self.micro_batches,
+                "step_seconds": self.step_seconds,
+                "optimizer_seconds": self.optimizer_seconds,
+                "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
+            }

@@ -1,0 +1,157 @@
+"""Split a Hugging Face causal LM into streaming units with flat parameter layouts.
+
+A unit is the granularity of streaming: every decoder layer is one unit, and the parameters
+outside the layer list form two more: ``embed`` (everything the model uses before the first
+layer, plus tied output weights) and ``head`` (final norm and untied ``lm_head``). Each unit's
+parameters live in one flat buffer with a fixed layout: decayed parameters first, then the
+ones without weight decay, so the optimizer runs as two fused calls per unit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+
+SUPPORTED_HINT = ("decoder-only *ForCausalLM models from transformers (Llama, Qwen2, Mistral, GPT-2, "
+                  "Gemma 2, Phi-3, Mixtral and other families with a decoder layer list)")
+
+
+@dataclass
+class ParamEntry:
+    name: str                      # canonical name, as model.named_parameters() gives it
+    offset: int                    # element offset in the unit's flat buffer
+    shape: Tuple[int, ...]
+    decay: bool
+    bindings: List[Tuple[nn.Module, str]] = field(default_factory=list)  # every (module, attr) sharing it
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Unit:
+    name: str                      # "embed", "layers.<i>", "head"
+    kind: str                      # "embed" | "layer" | "head"
+    index: int                     # position in the unit list
+    params: List[ParamEntry]
+    numel: int
+    decay_numel: int               # params[0:decay_numel] of the flat buffer get weight decay
+    layer_index: Optional[int] = None
+    module: Optional[nn.Module] = None   # the real decoder layer for layer units
+
+    def views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {p.name: flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.params}
+
+
+def check_supported(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "get_output_embeddings"):
+        raise TypeError(f"{type(model).__name__} is not a transformers model; the engine supports {SUPPORTED_HINT}.")
+    if getattr(config, "is_encoder_decoder", False):
+        raise TypeError(f"{type(model).__name__} is an encoder-decoder model; the engine supports {SUPPORTED_HINT}.")
+    if model.get_output_embeddings() is None or not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        raise TypeError(f"{type(model).__name__} is not a causal language model (encoder-only or a bare base "
+                        f"model?); the engine supports {SUPPORTED_HINT}. Load it with "
+                        "AutoModelForCausalLM.")
+
+
+def find_layer_list(model: nn.Module) -> Tuple[nn.Module, str, nn.ModuleList]:
+    """The decoder layer list: the ModuleList holding the most parameters.
+
+    Returns (parent module, attribute name, the list).
+    """
+    best = None
+    for parent_name, parent in model.named_modules():
+        for attr, child in parent.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) > 0:
+                numel = sum(p.numel() for p in child.parameters())
+                if best is None or numel > best[0]:
+                    best = (numel, parent, attr, child)
+    if best is None:
+        raise TypeError(f"{type(model).__name__} has no decoder layer list; the engine supports {SUPPORTED_HINT}.")
+    _, parent, attr, layers = best
+    return parent, attr, layers
+
+
+def decay_parameter_names(model: nn.Module) -> set:
+    """The same set transformers.Trainer decays (biases and normalisation weights excluded)."""
+    from transformers import Trainer
+
+    return set(Trainer.get_decay_parameter_names(None, model))
+
+
+def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
+    decay = decay_parameter_names(model)
+    # Group every (module, attr) by the parameter object they hold: tied weights share one entry.
+    canonical: Dict[int, str] = {}
+    bindings: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    params: Dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters():
+        canonical[id(p)] = name
+        params[id(p)] = p
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is not None and id(p) in canonical:
+                bindings.setdefault(id(p), [])
+                if not any(m is mod and a == attr for m, a in bindings[id(p)]):
+                    bindings[id(p)].append((mod, attr))
+
+    layer_param_ids: List[set] = [set(id(p) for p in layer.parameters()) for layer in layers]
+    in_layers = set().union(*layer_param_ids) if layer_param_ids else set()
+
+    # Outer parameters: the ones used after the layer list go to "head"; everything else to
+    # "embed". "After" = the output embedding (unless tied to the input one) and base-model
+    # modules registered after the layer list. A misplacement would fail loudly (a meta tensor
+    # in the forward), never silently.
+    out_emb = model.get_output_embeddings()
+    in_emb = model.get_input_embeddings()
+    tied_ids = set()
+    if out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight:
+        tied_ids.add(id(out_emb.weight))
+    head_ids = set()
+    if out_emb is not None:
+        head_ids |= {id(p) for p in out_emb.parameters()} - tied_ids
+    base = model.base_model if model.base_model is not model else model
+    seen_layers = False
+    for attr, child in base.named_children():
+        if child is layers:
+            seen_layers = True
+            continue
+        if seen_layers:
+            head_ids |= {id(p) for p in child.parameters()} - tied_ids - in_layers
+
+    def make_unit(name, kind, index, ids, layer_index=None, module=None) -> Unit:
+        ordered = [canonical[i] for i in canonical if i in ids]  # model order
+        dec = [n for n in ordered if n in decay]
+        nodec = [n for n in ordered if n not in decay]
+        by_name = {canonical[i]: i for i in ids}
+        entries, off = [], 0
+        for n in dec + nodec:
+            p = params[by_name[n]]
+            entries.append(ParamEntry(n, off, tuple(p.shape), n in decay, bindings[by_name[n]]))
+            off += p.numel()
+        dn = sum(params[by_name[n]].numel() for n in dec)
+        return Unit(name, kind, index, entries, off, dn, layer_index, module)
+
+    outer = [i for i in canonical if i not in in_layers]
+    embed_ids = {i for i in outer if i not in head_ids}
+    units = [make_unit("embed", "embed", 0, embed_ids)]
+    prefix = _layer_prefix(model, layers)
+    for li, layer in enumerate(layers):
+        units.append(make_unit(f"{prefix}.{li}", "layer", li + 1, layer_param_ids[li] - set(), li, layer))
+    units.append(make_unit("head", "head", len(layers) + 1, {i for i in outer if i in head_ids}))
+    return units
+
+
+def _layer_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
+    for name, mod in model.named_modules():
+        if mod is layers:
+            return name
+    return "layers"

@@ -81,6 +81,20 @@ class HiddenStatesStub(nn.Module):
         self.hidden = None
 
     def forward(self, *args, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPast
+        return _StubOutput(last_hidden_state=self.hidden)
 
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+def _stub_output_class():
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class StubOutput(BaseModelOutputWithPast):
+        # Head code of some families reads other fields (cross_attentions, ...): they are None.
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    return StubOutput
+
+
+_StubOutput = _stub_output_class()

@@ -40,10 +40,19 @@ class HostStore:
             self.grads[unit.index] = g
         return g
 
-    def accumulate(self, unit: Unit, flat_grad: torch.Tensor) -> None:
-        """Add a unit's flat fp32 gradient into its accumulator (thread-safe per unit)."""
+    def accumulate(self, unit: Unit, grad) -> None:
+        """Add a unit's gradient into its fp32 accumulator (thread-safe per unit).
+
+        ``grad`` is one flat tensor, or a list of per-parameter tensors in ``unit.params`` order
+        (added in place into the accumulator's views: no concatenation copy).
+        """
         with self._grad_locks[unit.index]:
-            self.grad(unit).add_(flat_grad)
+            acc = self.grad(unit)
+            if torch.is_tensor(grad):
+                acc.add_(grad)
+                return
+            for p, g in zip(unit.params, grad):
+                acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
 
     def zero_grad(self) -> None:
         for g in self.grads.values():

@@ -31,7 +31,10 @@ class UnitAdamW:
         step = self.steps.get(unit.index)
         if step is None:
             step = self.steps[unit.index] = torch.zeros((), dtype=torch.float32)
-        old = params.clone() if collect_stats else None
+        old = None
+        if collect_stats:
+            stride = max(1, unit.numel // 65536)
+            old = params[::stride].clone()  # the update norm is estimated from a strided sample
         step.add_(1)
         d = unit.decay_numel
         groups = [(slice(0, d), self.weight_decay), (slice(d, unit.numel), 0.0)]
@@ -51,11 +54,18 @@ class UnitAdamW:
         self.steps = {int(k): v.clone().float() for k, v in sd.items()}
 
 
-def unit_stats(unit: Unit, params: torch.Tensor, grads: torch.Tensor, old: torch.Tensor, bins: int = 32) -> dict:
-    w_norm = float(torch.linalg.vector_norm(old))
-    upd = float(torch.linalg.vector_norm(params - old))
+def unit_stats(unit: Unit, params: torch.Tensor, grads: torch.Tensor, old_sample: torch.Tensor,
+               bins: int = 32) -> dict:
+    """Exact weight and gradient norms; update norm and histogram from a strided sample.
+
+    Cheap enough to run every step (two passes over the unit besides the sample).
+    """
+    stride = max(1, unit.numel // 65536)
+    sample = params[::stride]
+    w_norm = float(torch.linalg.vector_norm(params))
     g_norm = float(torch.linalg.vector_norm(grads))
-    sample = params if params.numel() <= 65536 else params[:: max(1, params.numel() // 65536)]
+    scale = (params.numel() / max(1, sample.numel())) ** 0.5
+    upd = float(torch.linalg.vector_norm(sample - old_sample)) * scale
     lo, hi = float(sample.min()), float(sample.max())
     if lo == hi:
         lo, hi = lo - 1e-6, hi + 1e-6

@@ -1,0 +1,43 @@
+"""Shared helpers for the benchmark scripts (machine facts, RSS, medians, RESULT lines)."""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import shutil
+import statistics
+
+
+def machine() -> str:
+    try:
+        import psutil
+
+        ram = psutil.virtual_memory().total / 1024 ** 3
+    except Exception:
+        ram = float("nan")
+    disk = shutil.disk_usage(os.getcwd())
+    return (f"{platform.machine()} {os.cpu_count()} cores, {ram:.0f} GiB RAM, disk {disk.total / 1024 ** 3:.0f} GiB "
+            f"({disk.free / 1024 ** 3:.0f} free), python {platform.python_version()}")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process as the OS saw it (ru_maxrss)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def result(name: str, value: float, unit: str, op: str, target: float) -> str:
+    line = f"RESULT {name} {value:.4g} {unit} (target {op} {target:g})"
+    print(line, flush=True)
+    return line

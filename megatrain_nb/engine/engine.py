@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -30,6 +31,7 @@ from .planner import GiB, activation_bytes, make_plan, UnitSpec
 from .proxies import HiddenStatesStub, LayerProxy, bind, swapped_submodule, unbind
 from .states import OptimizerStates
 from .step import StepRunner
+from .materialize import SafetensorsSource, init_unit, is_meta_model, materialize_buffers
 from .telemetry import Telemetry
 from .units import Unit, build_units, check_supported, find_layer_list
 
@@ -48,7 +50,7 @@ class StreamingEngine:
     Read weights back with :meth:`named_parameters` or :meth:`save_pretrained`.
     """
 
-    def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, **options):
+    def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, *, _source=None, **options):
         if config is None:
             config = EngineConfig.from_options(**options)
         elif options:
@@ -72,17 +74,43 @@ class StreamingEngine:
         self.plan = self._static_plan()
         self.store = HostStore(self.units, pin=self.device.type == "cuda")
         self.states = OptimizerStates(self.units, config, self.counters)
-        self._placeholders = self._take_parameters(model)
+        self._placeholders = self._take_parameters(model, _source)
         self._move_buffers(model)
         for u in self.layer_units:
             layers[u.layer_index] = LayerProxy(self, u)
         model.config.use_cache = False
         self.pager = Pager(self.units, device=self.device, dtype=self.dtype, layer_slots=self.plan.layer_slots,
-                           source=self._host_params, telemetry=self.counters, grad_sink=self.store.accumulate)
+                           source=self._host_params, telemetry=self.counters, grad_sink=self._grad_arrived)
         self.adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
         self.runner = StepRunner(self)
+        self._step_lr: Optional[float] = None
+        self._updates: Dict[int, Future] = {}
+        self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._head_stub = HiddenStatesStub()
         self._activation_peak = 0
+
+    @classmethod
+    def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
+        """Load a local Hugging Face folder, streaming safetensors shards unit by unit.
+
+        The model is built on the meta device; at no time is the whole model in RAM beyond
+        the engine's own store (which is on disk for weights when the planner pages them).
+        """
+        import os
+
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if not os.path.isdir(folder) or not os.path.exists(os.path.join(folder, "config.json")):
+            raise FileNotFoundError(f"{folder!r} is not a local model folder (no config.json); save one with "
+                                    "save_pretrained() or pass a model object.")
+        hf_config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        source = SafetensorsSource(folder)
+        try:
+            return cls(model, config, _source=source, **options)
+        finally:
+            source.close()
 
     # ------------------------------------------------------------------ construction
     def _static_plan(self):
@@ -106,24 +134,37 @@ class StreamingEngine:
         self.checkpoint_interval = plan.checkpoint_interval
         return plan
 
-    def _take_parameters(self, model: nn.Module) -> Dict[Tuple[int, str], nn.Parameter]:
-        """Copy every parameter into the host store; leave meta placeholders in the modules."""
+    def _take_parameters(self, model: nn.Module, source=None) -> Dict[Tuple[int, str], nn.Parameter]:
+        """Fill the store unit by unit; leave meta placeholders in the modules.
+
+        Values come from the live model, from ``source`` (a safetensors folder), or — for a
+        meta-device model — from the model's own weight init run on one unit at a time.
+        """
+        meta = is_meta_model(model)
+        layer_modules = [u.module for u in self.layer_units]
         placeholders: Dict[Tuple[int, str], nn.Parameter] = {}
         for u in self.units:
+            if source is not None:
+                values = source.unit_values(u)
+            elif meta:
+                values = init_unit(model, u, layer_modules)
+            else:
+                values = {p.name: p.bindings[0][0]._parameters[p.bindings[0][1]] for p in u.params}
             flat = self.store.alloc(u.numel)
             for p in u.params:
-                mod, attr = p.bindings[0]
-                src = mod._parameters[attr]
-                if src.is_meta:
-                    raise NotImplementedError("meta-device models are initialised by the tiers code")
-                flat[p.offset:p.offset + p.numel].copy_(src.detach().reshape(-1))
-                ph = nn.Parameter(torch.empty(p.shape, device="meta", dtype=torch.float32),
-                                  requires_grad=src.requires_grad)
+                flat[p.offset:p.offset + p.numel].copy_(values[p.name].detach().reshape(-1))
+                ph = nn.Parameter(torch.empty(p.shape, device="meta", dtype=torch.float32))
                 for m, a in p.bindings:
                     m._parameters[a] = ph
                     placeholders[(id(m), a)] = ph
-            self.store.set_params(u, flat)
+            del values
+            self._store_unit_params(u, flat)
+        if meta:
+            materialize_buffers(model, layer_modules)
         return placeholders
+
+    def _store_unit_params(self, unit: Unit, flat: torch.Tensor) -> None:
+        self.store.set_params(unit, flat)
 
     def _move_buffers(self, model: nn.Module) -> None:
         for mod in list(model.modules()) + [u.module for u in self.layer_units]:
@@ -132,7 +173,39 @@ class StreamingEngine:
                     mod._buffers[name] = b.to(self.device)
 
     def _host_params(self, unit: Unit) -> torch.Tensor:
+        """A unit's fp32 master weights; waits for that unit's pending update only."""
+        self._wait_update(unit)
         return self.store.params[unit.index]
+
+    # ------------------------------------------------------------------ optimizer overlap
+    def _grad_arrived(self, unit: Unit, grad) -> None:
+        """Runs in the gradient-return worker once a unit's gradient reached the host."""
+        self.store.accumulate(unit, grad)
+        lr = self._step_lr
+        if lr is not None:  # last micro-batch: this unit's gradient is final, update it now
+            self._updates[unit.index] = self._update_pool.submit(self._update_unit, unit, lr, True)
+
+    def _update_unit(self, unit: Unit, lr: float, zero: bool) -> None:
+        t0 = time.perf_counter()
+        m, v = self.states.load(unit)
+        self.adam.step_unit(unit, self.store.params[unit.index], self.store.grad(unit), m, v, lr)
+        self.states.store(unit, m, v)
+        if zero:
+            self.store.grad(unit).zero_()
+        self.counters.add("optimizer_seconds", time.perf_counter() - t0)
+
+    def _wait_update(self, unit: Unit) -> None:
+        fut = self._updates.get(unit.index)
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        fut.result()
+        self._updates.pop(unit.index, None)
+        self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
+
+    def _wait_all_updates(self) -> None:
+        for u in self.units:
+            self._wait_update(u)
 
     def _params_changed(self, unit: Unit) -> None:
         """Hook after master weights of a unit were rewritten outside the optimizer."""
@@ -184,19 +257,32 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ public API
     def forward_backward(self, input_ids, attention_mask=None, labels=None, loss_fn=None,
-                         num_items_in_batch: Optional[int] = None) -> EngineOutput:
+                         num_items_in_batch: Optional[int] = None,
+                         step_lr: Optional[float] = None) -> EngineOutput:
         """Forward and backward of one micro-batch; gradients accumulate on the host.
 
         ``loss`` is the mean token loss of this micro-batch (the Hugging Face definition:
         labels shifted by one, ``-100`` ignored). With ``num_items_in_batch`` the gradient is
         that of ``sum_loss / num_items_in_batch`` (gradient accumulation over a window).
+
+        With ``step_lr`` this is the step's last micro-batch: each unit's AdamW update runs in a
+        worker as soon as its gradient is final, overlapped with the backward of the units
+        below it, and its gradient is zeroed after. Same result as ``forward_backward`` then
+        ``optimizer_step(step_lr)`` then ``zero_grad()``; the next forward waits per unit.
         """
         with self.lock:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
             t0 = time.perf_counter()
-            loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, train=True,
-                                          grad_scale_tokens=num_items_in_batch)
+            self._step_lr = step_lr
+            try:
+                loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, train=True,
+                                              grad_scale_tokens=num_items_in_batch)
+                self.pager.wait_grads()
+            finally:
+                self._step_lr = None
+            if step_lr is not None:
+                self.counters.add("steps", 1)
             self.counters.add("micro_batches", 1)
             self.counters.add("step_seconds", time.perf_counter() - t0)
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n)
@@ -218,6 +304,8 @@ class StreamingEngine:
 
     def named_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(name, fp32 master tensor) with the names of ``model.named_parameters()``."""
+        self.pager.wait_grads()
+        self._wait_all_updates()
         for u in self.units:
             flat = self._host_params(u)
             for p in u.params:
@@ -255,20 +343,20 @@ class StreamingEngine:
         with self.lock:
             self._check_open()
             self.pager.wait_grads()
+            self._wait_all_updates()
             t0 = time.perf_counter()
-            for u in self.units:
-                m, v = self.states.load(u)
-                self.adam.step_unit(u, self._host_params(u), self.store.grad(u), m, v, lr)
-                self.states.store(u, m, v)
+            for i, u in enumerate(self.units):
+                if i + 1 < len(self.units):
+                    self.states.prefetch(self.units[i + 1])  # disk read ahead of the next update
+                self._update_unit(u, lr, zero=False)
             self.states.flush()
-            dt = time.perf_counter() - t0
-            self.counters.add("optimizer_seconds", dt)
-            self.counters.add("optimizer_exposed_seconds", dt)
+            self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
             self.counters.add("steps", 1)
 
     def zero_grad(self) -> None:
         with self.lock:
             self.pager.wait_grads()
+            self._wait_all_updates()
             self.store.zero_grad()
 
     def layer_stats(self) -> List[dict]:
@@ -334,7 +422,12 @@ class StreamingEngine:
             if self._closed:
                 return
             self._closed = True
-            self.pager.close()
+            try:
+                self.pager.wait_grads()
+                self._wait_all_updates()
+            finally:
+                self._update_pool.shutdown(wait=True)
+                self.pager.close()
             self.states.close()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -157,3 +157,44 @@ def test_input_longer_than_positions_and_ids_outside_vocab():
         engine.forward_backward(torch.tensor([[1, 2, VOCAB + 3]]))
     # the engine is still usable after refusing input
     assert engine.forward_backward(torch.tensor([[1, 2, 3]])).num_tokens == 2
+
+
+def test_optimizer_overlapped_with_backward_matches_separate_step():
+    model = AutoModelForCausalLM.from_config(family_config("mixtral", tie=True)).eval()
+    twin = copy.deepcopy(model)
+    a = StreamingEngine(model, EngineConfig(device="cpu", weight_decay=0.05))
+    b = StreamingEngine(twin, EngineConfig(device="cpu", weight_decay=0.05, checkpoint_interval=2))
+    for i, ids in enumerate(_data(6)):
+        la = a.forward_backward(ids).loss
+        a.optimizer_step(2e-3)
+        a.zero_grad()
+        # two micro-batches on b: the second one carries the update
+        if i % 2 == 0:
+            lb = b.forward_backward(ids).loss
+            b.optimizer_step(2e-3)
+            b.zero_grad()
+        else:
+            lb = b.forward_backward(ids, step_lr=2e-3).loss
+        assert la == pytest.approx(lb, abs=1e-6)
+    pb = dict(b.named_parameters())
+    for name, p in a.named_parameters():
+        assert float((p - pb[name]).abs().max()) <= 1e-6, name
+    assert all(float(g.abs().max()) == 0 for _, g in b.named_gradients())
+    assert b.telemetry()["steps"] == 6
+
+
+def test_meta_model_initialised_in_place_and_from_pretrained(tmp_path):
+    cfg = family_config("gemma2", tie=True)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    engine = StreamingEngine(meta, EngineConfig(device="cpu"))
+    params = dict(engine.named_parameters())
+    assert 0.01 < float(params["model.layers.0.mlp.up_proj.weight"].std()) < 0.03  # the model's own init
+    ids = _data(1)[0]
+    engine.forward_backward(ids)
+    engine.optimizer_step(1e-2)
+    engine.save_pretrained(tmp_path / "m")
+    again = StreamingEngine.from_pretrained(tmp_path / "m", EngineConfig(device="cpu"))
+    torch.testing.assert_close(again.forward_logits(ids), engine.forward_logits(ids))
+    with pytest.raises(FileNotFoundError, match="not a local model folder"):
+        StreamingEngine.from_pretrained(tmp_path / "nope", EngineConfig(device="cpu"))

@@ -1,0 +1,103 @@
+"""Fill the engine's store unit by unit: from a live model, by the model's own init for a
+meta-device model, or from a safetensors folder — never the whole model in RAM at once.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .units import Unit
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _unit_modules(model: nn.Module, unit: Unit, layer_modules) -> list:
+    """Modules whose own parameters belong to this unit (for init)."""
+    if unit.kind == "layer":
+        return list(unit.module.modules())
+    owners = []
+    for p in unit.params:
+        for mod, _ in p.bindings:
+            if not any(mod is o for o in owners):
+                owners.append(mod)
+    return owners
+
+
+def init_unit(model: nn.Module, unit: Unit, layer_modules) -> Dict[str, torch.Tensor]:
+    """Materialise a unit's parameters on the CPU and run the model's own weight init on them."""
+    values: Dict[str, torch.Tensor] = {}
+    mods = _unit_modules(model, unit, layer_modules)
+    saved = []
+    for m in mods:
+        for attr, p in list(m._parameters.items()):
+            if p is not None and p.is_meta:
+                saved.append((m, attr, p))
+                m._parameters[attr] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32),
+                                                   requires_grad=p.requires_grad)
+    # Tied weights: every binding of one entry must see the same tensor during init.
+    for p in unit.params:
+        first_mod, first_attr = p.bindings[0]
+        t = first_mod._parameters[first_attr]
+        for m, a in p.bindings[1:]:
+            if m._parameters.get(a) is not None and m._parameters[a].is_meta:
+                saved.append((m, a, m._parameters[a]))
+            m._parameters[a] = t
+    with torch.no_grad():
+        for m in mods:
+            model._init_weights(m)
+    for p in unit.params:
+        m, a = p.bindings[0]
+        values[p.name] = m._parameters[a].detach()
+    for m, a, orig in saved:
+        m._parameters[a] = orig
+    return values
+
+
+def materialize_buffers(model: nn.Module, extra_modules) -> None:
+    """Meta buffers (rotary inv_freq, ...) recomputed by the model's own init."""
+    for m in list(model.modules()) + list(extra_modules):
+        metas = [n for n, b in m._buffers.items() if b is not None and b.is_meta]
+        if not metas:
+            continue
+        for n in metas:
+            b = m._buffers[n]
+            m._buffers[n] = torch.zeros(b.shape, dtype=b.dtype)
+        with torch.no_grad():
+            model._init_weights(m)
+        orig = getattr(m, "original_inv_freq", None)
+        if "inv_freq" in m._buffers and torch.is_tensor(orig) and orig.is_meta:
+            m.original_inv_freq = m._buffers["inv_freq"].clone()
+
+
+class SafetensorsSource:
+    """Reads one unit's tensors at a time from a (sharded) safetensors folder."""
+
+    def __init__(self, folder):
+        from .io import shard_files
+
+        self.folder = folder
+        self.files = shard_files(folder)
+        self._handles = {}
+
+    def unit_values(self, unit: Unit) -> Dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out = {}
+        for p in unit.params:
+            f = self.files.get(p.name)
+            if f is None:
+                raise KeyError(f"{self.folder} has no tensor {p.name!r}: the folder does not match its config.")
+            if f not in self._handles:
+                self._handles[f] = safe_open(f, "pt")
+            t = self._handles[f].get_tensor(p.name)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{p.name}: shape {tuple(t.shape)} in {self.folder}, {p.shape} in the config.")
+            out[p.name] = t.float()
+        return out
+
+    def close(self):
+        self._handles.clear()

@@ -34,6 +34,7 @@ from .step import StepRunner
 from .materialize import SafetensorsSource, init_unit, is_meta_model, materialize_buffers
 from .telemetry import Telemetry
 from .units import Unit, build_units, check_supported, find_layer_list
+from .weight_store import WeightStore
 
 
 @dataclass
@@ -72,15 +73,21 @@ class StreamingEngine:
         self._persistent_buffers = engine_io.persistent_buffers(model)
 
         self.plan = self._static_plan()
-        self.store = HostStore(self.units, pin=self.device.type == "cuda")
-        self.states = OptimizerStates(self.units, config, self.counters)
+        pin = self.device.type == "cuda"
+        self.store = HostStore(self.units, pin=pin)
+        self.disk = self._open_disk_tier()
+        self.weights = WeightStore(self.units, self.store, disk=self.disk if self.params_on_disk else None,
+                                   pin=pin, counters=self.counters)
+        self.states = OptimizerStates(self.units, config, self.counters, disk=self.disk)
         self._placeholders = self._take_parameters(model, _source)
+        self.weights.finish_initial()
         self._move_buffers(model)
         for u in self.layer_units:
             layers[u.layer_index] = LayerProxy(self, u)
         model.config.use_cache = False
         self.pager = Pager(self.units, device=self.device, dtype=self.dtype, layer_slots=self.plan.layer_slots,
-                           source=self._host_params, telemetry=self.counters, grad_sink=self._grad_arrived)
+                           source=self._host_params, source_done=self.weights.transfer_done,
+                           telemetry=self.counters, grad_sink=self._grad_arrived)
         self.adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
         self.runner = StepRunner(self)
         self._step_lr: Optional[float] = None
@@ -120,10 +127,16 @@ class StreamingEngine:
         plan = make_plan(specs, hidden_size=_hidden(mc), num_layers=len(self.layer_units),
                          intermediate_size=getattr(mc, "intermediate_size", None), vocab_size=0,
                          vram_bytes=int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else None,
-                         batch=1, seq=1, compression=cfg.optimizer_compression, precision=cfg.precision,
+                         host_bytes=int(cfg.max_host_gb * GiB) if cfg.max_host_gb else None,
+                         offload_params=cfg.offload_params, batch=1, seq=1, compression=cfg.optimizer_compression, precision=cfg.precision,
                          checkpoint_interval=cfg.checkpoint_interval or 1, offload_dir=bool(cfg.offload_dir),
                          layer_slots=cfg.device_slots, cuda=self.device.type == "cuda",
                          loss_chunk_tokens=cfg.loss_chunk_tokens)
+        if not plan.feasible and plan.limiting_tier == "host":
+            raise ValueError(f"max_host_gb={cfg.max_host_gb}: {plan.reason}.")
+        if cfg.offload_params and not cfg.offload_dir:
+            raise ValueError("offload_params=True needs an offload_dir for the disk tier.")
+        self.params_on_disk = plan.placement["master_weights"] == "disk"
         if not plan.feasible:
             biggest = max(self.units, key=lambda u: u.numel)
             raise ValueError(
@@ -164,7 +177,20 @@ class StreamingEngine:
         return placeholders
 
     def _store_unit_params(self, unit: Unit, flat: torch.Tensor) -> None:
-        self.store.set_params(unit, flat)
+        self.weights.put_initial(unit, flat)
+
+    def _open_disk_tier(self):
+        """The disk tier under offload_dir (optimizer states; master weights when planned)."""
+        cfg = self.config
+        if not cfg.offload_dir:
+            return None
+        from .disk_store import DiskStore
+        from .states import stored_state_bytes
+
+        need = stored_state_bytes(self.units, cfg.optimizer_compression)
+        if self.params_on_disk:
+            need += self.num_parameters() * 4
+        return DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)
 
     def _move_buffers(self, model: nn.Module) -> None:
         for mod in list(model.modules()) + [u.module for u in self.layer_units]:
@@ -173,25 +199,35 @@ class StreamingEngine:
                     mod._buffers[name] = b.to(self.device)
 
     def _host_params(self, unit: Unit) -> torch.Tensor:
-        """A unit's fp32 master weights; waits for that unit's pending update only."""
+        """A unit's fp32 master weights for the device; waits for that unit's pending update only."""
         self._wait_update(unit)
-        return self.store.params[unit.index]
+        return self.weights.for_transfer(unit)
 
     # ------------------------------------------------------------------ optimizer overlap
     def _grad_arrived(self, unit: Unit, grad) -> None:
         """Runs in the gradient-return worker once a unit's gradient reached the host."""
-        self.store.accumulate(unit, grad)
         lr = self._step_lr
+        if lr is not None and not self.store.has_grad(unit):
+            # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
+            flat = grad if torch.is_tensor(grad) else torch.cat([g.reshape(-1).float() for g in grad])
+            self.weights.mark_updating(unit)
+            self._updates[unit.index] = self._update_pool.submit(self._update_unit, unit, lr, flat)
+            return
+        self.store.accumulate(unit, grad)
         if lr is not None:  # last micro-batch: this unit's gradient is final, update it now
-            self._updates[unit.index] = self._update_pool.submit(self._update_unit, unit, lr, True)
+            self.weights.mark_updating(unit)
+            self._updates[unit.index] = self._update_pool.submit(self._update_unit, unit, lr, None, True)
 
-    def _update_unit(self, unit: Unit, lr: float, zero: bool) -> None:
+    def _update_unit(self, unit: Unit, lr: float, grad: Optional[torch.Tensor] = None, zero: bool = False) -> None:
         t0 = time.perf_counter()
+        self.weights.mark_updating(unit)
         m, v = self.states.load(unit)
-        self.adam.step_unit(unit, self.store.params[unit.index], self.store.grad(unit), m, v, lr)
+        params = self.weights.for_update(unit)
+        self.adam.step_unit(unit, params, grad if grad is not None else self.store.grad(unit), m, v, lr)
+        self.weights.update_done(unit, params)
         self.states.store(unit, m, v)
         if zero:
-            self.store.grad(unit).zero_()
+            self.store.zero_unit(unit)
         self.counters.add("optimizer_seconds", time.perf_counter() - t0)
 
     def _wait_update(self, unit: Unit) -> None:
@@ -307,7 +343,7 @@ class StreamingEngine:
         self.pager.wait_grads()
         self._wait_all_updates()
         for u in self.units:
-            flat = self._host_params(u)
+            flat = self.weights.read_now(u)
             for p in u.params:
                 yield p.name, flat[p.offset:p.offset + p.numel].view(p.shape)
 
@@ -345,10 +381,11 @@ class StreamingEngine:
             self.pager.wait_grads()
             self._wait_all_updates()
             t0 = time.perf_counter()
+            self.weights.schedule([], self.units)
             for i, u in enumerate(self.units):
                 if i + 1 < len(self.units):
                     self.states.prefetch(self.units[i + 1])  # disk read ahead of the next update
-                self._update_unit(u, lr, zero=False)
+                self._update_unit(u, lr)
             self.states.flush()
             self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
             self.counters.add("steps", 1)
@@ -428,7 +465,9 @@ class StreamingEngine:
             finally:
                 self._update_pool.shutdown(wait=True)
                 self.pager.close()
-            self.states.close()
+                self.weights.reset()
+                if self.disk is not None:
+                    self.disk.close()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -22,6 +22,7 @@ class HostStore:
         self.params: Dict[int, Optional[torch.Tensor]] = {}
         self.grads: Dict[int, Optional[torch.Tensor]] = {}
         self._grad_locks = {u.index: threading.Lock() for u in units}
+        self._has_grad = set()  # units whose accumulator holds a gradient since the last zero
 
     def alloc(self, numel: int) -> torch.Tensor:
         t = torch.empty(numel, dtype=torch.float32)
@@ -47,6 +48,7 @@ class HostStore:
         (added in place into the accumulator's views: no concatenation copy).
         """
         with self._grad_locks[unit.index]:
+            self._has_grad.add(unit.index)
             acc = self.grad(unit)
             if torch.is_tensor(grad):
                 acc.add_(grad)
@@ -54,10 +56,18 @@ class HostStore:
             for p, g in zip(unit.params, grad):
                 acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
 
+    def has_grad(self, unit: Unit) -> bool:
+        return unit.index in self._has_grad
+
+    def zero_unit(self, unit: Unit) -> None:
+        g = self.grads.get(unit.index)
+        if g is not None:
+            g.zero_()
+        self._has_grad.discard(unit.index)
+
     def zero_grad(self) -> None:
-        for g in self.grads.values():
-            if g is not None:
-                g.zero_()
+        for u in self.units:
+            self.zero_unit(u)
 
     def nbytes(self) -> Dict[str, int]:
         w = sum(t.numel() * 4 for t in self.params.values() if t is not None)

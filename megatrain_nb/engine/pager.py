@@ -35,12 +35,14 @@ class Slot:
 
 class Pager:
     def __init__(self, units: List[Unit], *, device: torch.device, dtype: torch.dtype,
-                 layer_slots: int, source: Callable[[Unit], torch.Tensor], telemetry: Telemetry,
+                 layer_slots: int, source: Callable[[Unit], torch.Tensor],
+                 source_done: Callable[[Unit, torch.Tensor], None], telemetry: Telemetry,
                  grad_sink: Callable[[Unit, torch.Tensor], None]):
         self.device = device
         self.dtype = dtype
         self.cuda = device.type == "cuda"
         self.source = source          # unit -> fp32 host flat params (may wait on the disk tier)
+        self.source_done = source_done  # (unit, that tensor): the copy no longer needs it
         self.grad_sink = grad_sink    # (unit, fp32 host flat grad) -> accumulate
         self.telemetry = telemetry
         self._lock = threading.Condition()
@@ -119,10 +121,12 @@ class Pager:
                 dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self._h2d_stream)
+            ev.synchronize()  # this worker only: the host buffer may be reused after this
             result = ev
         else:
             dst.copy_(src)
             result = None
+        self.source_done(unit, src)
         self.telemetry.add_bytes("host_to_device", unit.numel * 4, time.perf_counter() - t0)
         self.telemetry.load(unit.name)
         return result

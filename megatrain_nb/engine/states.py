@@ -21,7 +21,7 @@ _ROLES = ("exp_avg", "exp_avg_sq")
 
 
 class OptimizerStates:
-    def __init__(self, units, config, counters):
+    def __init__(self, units, config, counters, disk=None):
         self.units = units
         self.codec_name = config.optimizer_compression
         self.counters = counters
@@ -31,24 +31,14 @@ class OptimizerStates:
 
             self.codecs = {r: get_codec(self.codec_name, r) for r in _ROLES}
         self.ram: Dict[int, Dict[str, object]] = {}
-        self.disk = None
+        self.disk = disk  # shared with the engine, which closes it
         self._reads: Dict[int, Future] = {}
         self._lock = threading.Lock()
         self._on_disk = set()
-        if config.offload_dir:
-            from .disk_store import DiskStore
-
-            self.disk = DiskStore(config.offload_dir, reserve_bytes=self.stored_nbytes_total(),
-                                  keep=config.keep_offload_files)
 
     # ------------------------------------------------------------------ sizes
-    def stored_nbytes(self, unit: Unit) -> int:
-        if self.codecs is None:
-            return 2 * unit.numel * 4
-        return sum(c.encoded_nbytes(unit.numel) for c in self.codecs.values())
-
     def stored_nbytes_total(self) -> int:
-        return sum(self.stored_nbytes(u) for u in self.units)
+        return stored_state_bytes(self.units, self.codec_name)
 
     # ------------------------------------------------------------------ encode / decode
     def _encode(self, m: torch.Tensor, v: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -118,7 +108,7 @@ class OptimizerStates:
         host = sum(t.numel() * t.element_size() for s in self.ram.values() for t in s.values())
         out = {"host": host, "disk": 0}
         if self.disk is not None:
-            out["disk"] = self.disk.nbytes()
+            out["disk"] = sum(self.disk.nbytes_of(self._key(u)) for u in self.units if u.index in self._on_disk)
             try:
                 import shutil
 
@@ -172,7 +162,12 @@ class OptimizerStates:
                     self.ram[u.index] = stored
         self.flush()
 
-    def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
+
+
+def stored_state_bytes(units, codec_name: str) -> int:
+    """Bytes of both Adam moments of all units in their stored form."""
+    if codec_name == "none":
+        return sum(2 * u.numel * 4 for u in units)
+    from .codecs import get_codec
+
+    return sum(get_codec(codec_name, r).encoded_nbytes(u.numel) for u in units for r in _ROLES)

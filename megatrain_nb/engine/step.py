@@ -179,7 +179,11 @@ class StepRunner:
         denom = grad_scale_tokens if grad_scale_tokens else max(n_tokens, 1)
         self.ctx = _StepContext(train=train, k=e.checkpoint_interval)
         self.activation_now = 0
-        e.pager.set_schedule(self.schedule(train))
+        order = self.schedule(train)
+        e.pager.set_schedule(order)
+        # Disk reads follow the same order; the optimizer's in the order gradients become final.
+        opt_order = [e.head_unit] + list(reversed(e.layer_units)) + [e.embed_unit]
+        e.weights.schedule(order, opt_order if (train and e._step_lr is not None) else None)
         try:
             with contextlib.ExitStack() as stack:
                 if not train:
@@ -273,7 +277,9 @@ class StepRunner:
     def logits(self, ids, am) -> torch.Tensor:
         e = self.e
         self.ctx = None
-        e.pager.set_schedule(self.schedule(False))
+        order = self.schedule(False)
+        e.pager.set_schedule(order)
+        e.weights.schedule(order)
         try:
             with torch.no_grad():
                 self._bind_outer(requires_grad=False)

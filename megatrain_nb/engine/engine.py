@@ -209,7 +209,8 @@ class StreamingEngine:
         lr = self._step_lr
         if lr is not None and not self.store.has_grad(unit):
             # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
-            flat = grad if torch.is_tensor(grad) else torch.cat([g.reshape(-1).float() for g in grad])
+            # (a staging buffer is reused by the next transfer: copy it out)
+            flat = grad.clone() if torch.is_tensor(grad) else torch.cat([g.reshape(-1).float() for g in grad])
             self.weights.mark_updating(unit)
             self._updates[unit.index] = self._update_pool.submit(self._update_unit, unit, lr, flat)
             return

@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -190,6 +191,11 @@ class StreamingEngine:
         need = stored_state_bytes(self.units, cfg.optimizer_compression)
         if self.params_on_disk:
             need += self.num_parameters() * 4
+        if not os.path.isdir(cfg.offload_dir):
+            from .disk_store import OffloadError
+
+            raise OffloadError(f"offload_dir {cfg.offload_dir!r} does not exist; create it on a disk with at least "
+                               f"{need} bytes ({need / GiB:.2f} GiB) free, or pass another folder.")
         return DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)
 
     def _move_buffers(self, model: nn.Module) -> None:

@@ -81,23 +81,27 @@ class SafetensorsSource:
 
         self.folder = folder
         self.files = shard_files(folder)
-        self._handles = {}
 
     def unit_values(self, unit: Unit) -> Dict[str, torch.Tensor]:
+        """One unit's tensors as fp32. Each shard is opened per unit and dropped right after,
+        so its memory-mapped pages never accumulate in this process's RSS."""
         from safetensors import safe_open
 
-        out = {}
+        by_file: Dict[str, list] = {}
         for p in unit.params:
             f = self.files.get(p.name)
             if f is None:
                 raise KeyError(f"{self.folder} has no tensor {p.name!r}: the folder does not match its config.")
-            if f not in self._handles:
-                self._handles[f] = safe_open(f, "pt")
-            t = self._handles[f].get_tensor(p.name)
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{p.name}: shape {tuple(t.shape)} in {self.folder}, {p.shape} in the config.")
-            out[p.name] = t.float()
+            by_file.setdefault(f, []).append(p)
+        out = {}
+        for f, entries in by_file.items():
+            with safe_open(f, "pt") as fh:
+                for p in entries:
+                    t = fh.get_tensor(p.name)
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"{p.name}: shape {tuple(t.shape)} in {self.folder}, {p.shape} in the config.")
+                    out[p.name] = t.to(torch.float32, copy=True)
         return out
 
     def close(self):
-        self._handles.clear()
+        pass

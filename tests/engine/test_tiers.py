@@ -1,0 +1,205 @@
+"""The disk tier, compressed optimizer states, disk prefetch, and models larger than RAM."""
+import copy
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+
+from .families import VOCAB, family_config
+
+
+def _data(steps, batch=2, seq=12):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, VOCAB, (batch, seq), generator=g) for _ in range(steps)]
+
+
+def _train(engine, steps=4, overlap=False, during=None):
+    losses = []
+    for i, ids in enumerate(_data(steps)):
+        if overlap:
+            losses.append(engine.forward_backward(ids, step_lr=3e-3).loss)
+        else:
+            losses.append(engine.forward_backward(ids).loss)
+            engine.optimizer_step(3e-3)
+            engine.zero_grad()
+        if during is not None:
+            during(engine, i)
+    return losses
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("offload_params", [False, True])
+def test_disk_tier_matches_ram_and_cleans_up(tmp_path, overlap, offload_params):
+    model = AutoModelForCausalLM.from_config(family_config("llama", tie=True)).eval()
+    ram = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", weight_decay=0.01))
+    disk = StreamingEngine(model, EngineConfig(device="cpu", weight_decay=0.01, offload_dir=str(tmp_path),
+                                               offload_params=offload_params))
+    assert disk.params_on_disk == offload_params
+    seen = {}
+
+    def during(engine, i):
+        files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
+        seen[i] = (len(files), sum(os.path.getsize(f) for f in files), engine.memory_report()["disk"])
+
+    l_ram = _train(ram, overlap=overlap)
+    l_disk = _train(disk, overlap=overlap, during=during)
+    assert l_disk == pytest.approx(l_ram, abs=1e-6)
+    pr = dict(ram.named_parameters())
+    for name, p in disk.named_parameters():
+        assert float((p - pr[name]).abs().max()) <= 1e-6, name
+    n_files, n_bytes, rep = seen[3]
+    assert n_files >= len(disk.units)
+    assert rep["used_bytes"] > 0 and rep["optimizer_states"] >= 2 * 4 * disk.num_parameters()
+    if offload_params:
+        assert rep["weights"] == 4 * disk.num_parameters()
+    assert rep["used_bytes"] <= n_bytes
+    disk.close()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_compressed_codecs_use_fewer_disk_bytes_in_order(tmp_path):
+    used = {}
+    for codec in ("none", "int8", "int4"):
+        model = AutoModelForCausalLM.from_config(family_config("qwen2"))
+        e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), optimizer_compression=codec))
+        losses = _train(e, steps=6, overlap=True)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        used[codec] = e.memory_report()["disk"]["optimizer_states"]
+        e.close()
+    assert used["none"] > used["int8"] > used["int4"] > 0
+    assert used["int4"] * 3 < used["none"]
+
+
+def test_compressed_states_round_trip_through_checkpoint(tmp_path):
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    twin = copy.deepcopy(model)
+    a = StreamingEngine(model, EngineConfig(device="cpu", optimizer_compression="int8", offload_dir=str(tmp_path)))
+    _train(a, steps=2)
+    a.save_checkpoint(tmp_path / "ckpt")
+    b = StreamingEngine(twin, EngineConfig(device="cpu", optimizer_compression="int8"))
+    b.load_checkpoint(tmp_path / "ckpt")
+    la, lb = _train(a, steps=2), _train(b, steps=2)
+    assert la == lb  # stored codes round-trip bit-exactly: resume is exact
+    with pytest.raises(ValueError, match="codec 'int8'"):
+        StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
+                        EngineConfig(device="cpu")).load_checkpoint(tmp_path / "ckpt")
+
+
+def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=4))
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True))
+    ids = _data(1)[0]
+    e.forward_backward(ids, step_lr=1e-3)
+    e.counters.reset()
+    for _ in range(2):
+        e.forward_backward(ids, step_lr=1e-3)
+    pf = e.telemetry()["prefetch"]["disk"]
+    reads = pf["ahead"] + pf["late"]
+    # per step: weights read for forward + backward + update of every unit, and states per unit
+    assert reads >= 2 * (3 * len(e.units) + len(e.units))
+    assert pf["late"] == 0, pf
+    e.close()
+
+
+# ---------------------------------------------------------------------------- bad offload_dir
+def test_missing_offload_dir_names_path_and_bytes(tmp_path):
+    from megatrain_nb.engine.disk_store import OffloadError
+
+    missing = tmp_path / "nope" / "cache"
+    with pytest.raises(OffloadError, match=r"nope/cache.*\d+ bytes|\d+ bytes.*nope/cache"):
+        StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
+                        EngineConfig(device="cpu", offload_dir=str(missing)))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_offload_dir(tmp_path):
+    from megatrain_nb.engine.disk_store import OffloadError
+
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(OffloadError, match="ro"):
+        StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
+                        EngineConfig(device="cpu", offload_dir=str(ro)))
+
+
+def test_full_disk_fails_clearly_and_leaves_no_half_written_state(tmp_path, monkeypatch):
+    from megatrain_nb.engine import disk_store
+    from megatrain_nb.engine.disk_store import OffloadError
+
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path)))
+    _train(e, steps=1)
+    before = {n: p.clone() for n, p in e.named_parameters()}
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_store.os, "write", full)
+    if hasattr(disk_store.os, "pwrite"):
+        monkeypatch.setattr(disk_store.os, "pwrite", lambda fd, data, off: full(fd, data))
+    with pytest.raises(OffloadError, match=str(tmp_path)):
+        _train(e, steps=1)
+    monkeypatch.setattr(disk_store.os, "write", real_write)
+    leftovers = [p.name for p in tmp_path.rglob("*") if p.is_file() and ".tmp" in p.name]
+    assert leftovers == []
+    e.close()
+    assert before  # the failure raised instead of silently continuing
+
+
+# ---------------------------------------------------------------------------- bigger than RAM
+_RSS_SCRIPT = textwrap.dedent("""
+    import resource, sys, torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from megatrain_nb.engine import EngineConfig, StreamingEngine
+    mode, folder, offload = sys.argv[1], sys.argv[2], sys.argv[3]
+    cfg = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=1024, intermediate_size=2816,
+                               num_hidden_layers=24, num_attention_heads=8, max_position_embeddings=64)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ec = EngineConfig(device="cpu", offload_dir=offload, offload_params=True)
+    if mode == "meta":
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        e = StreamingEngine(model, ec)
+    else:
+        e = StreamingEngine.from_pretrained(folder, ec)
+    out = e.forward_backward(torch.randint(0, 1024, (1, 16)), step_lr=1e-4)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(e.num_parameters() * 4, peak - base, out.loss)
+    e.close()
+""")
+
+
+def _make_sharded_folder(path):
+    code = textwrap.dedent(f"""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        cfg = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=1024, intermediate_size=2816,
+                                   num_hidden_layers=24, num_attention_heads=8, max_position_embeddings=64)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained({str(path)!r}, max_shard_size="100MB")
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["meta", "safetensors"])
+def test_large_model_never_whole_in_ram(tmp_path, mode):
+    folder = tmp_path / "model"
+    if mode == "safetensors":
+        _make_sharded_folder(folder)
+        assert len(list(folder.glob("*.safetensors"))) > 3  # really sharded
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, mode, str(folder), str(offload)],
+                         check=True, capture_output=True, text=True).stdout.split()
+    model_bytes, grew, loss = int(out[0]), int(out[1]), float(out[2])
+    assert model_bytes > 1.2e9  # about 330M params: large enough to see a whole copy
+    assert grew < 0.5 * model_bytes, f"peak RSS grew by {grew / 2**20:.0f} MiB for a {model_bytes / 2**20:.0f} MiB model"
+    assert loss == loss

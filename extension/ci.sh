@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# CI for the JupyterLab integration (extension/, megatrain_nb/lab/, tests/lab/).
+#
+#   bash extension/ci.sh            # from anywhere; uses the python on PATH (the project venv)
+#
+# 1. Debian's chromium for the browser test (Playwright's own browser download is not used).
+# 2. Builds the megatrain_nb_lab wheel from a clean copy of extension/ (only the files a
+#    checkout has: no node_modules, lib or prebuilt labextension) and checks that the wheel
+#    holds the prebuilt labextension and the server-extension config.
+# 3. Installs that wheel into a fresh venv whose PATH has no Node.js and checks that
+#    `jupyter labextension list` reports megatrain-nb-lab enabled and OK.
+# 4. Installs the wheel into the current environment; checks the server extension.
+# 5. jest (panel logic), pytest tests/lab (beacon, handlers), then the browser test.
+#
+# Environment: PYTHON (default: python), SKIP_BROWSER=1 to leave out step 1 and the e2e test.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python}
+DIST="$ROOT/extension/dist"
+STAGE=$(mktemp -d /tmp/megatrain-nb-lab-ci.XXXXXX)
+trap 'rm -rf "$STAGE"' EXIT
+cd "$ROOT"
+
+step() { printf '\n=== %s\n' "$*"; }
+strip_ansi() { sed -e 's/\x1b\[[0-9;]*m//g'; }
+
+if [ "${SKIP_BROWSER:-0}" != 1 ] && ! [ -x /usr/bin/chromium ]; then
+  step "installing Debian chromium"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+fi
+
+step "python test and build tools"
+"$PY" -m pip install -q playwright "pytest-jupyter[server]>=0.9" pytest-timeout build \
+  hatchling hatch-jupyter-builder
+
+step "wheel from a clean copy of extension/"
+mkdir -p "$STAGE/src" "$DIST"
+# tracked files plus new, not ignored ones: exactly what a checkout of this tree contains
+git ls-files -z --cached --others --exclude-standard -- extension \
+  | (cd "$ROOT" && xargs -0 cp --parents -t "$STAGE/src")
+test ! -e "$STAGE/src/extension/node_modules" && test ! -e "$STAGE/src/extension/megatrain_nb_lab/labextension"
+rm -f "$DIST"/megatrain_nb_lab-*.whl
+"$PY" -m build --wheel --outdir "$DIST" "$STAGE/src/extension"
+WHEEL=$(ls "$DIST"/megatrain_nb_lab-*.whl)
+"$PY" - "$WHEEL" <<'EOF'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+ext = [n for n in names if "/share/jupyter/labextensions/megatrain-nb-lab/" in n]
+need = ["package.json", "static/style.js", "install.json"]
+missing = [x for x in need if not any(n.endswith("megatrain-nb-lab/" + x) for n in ext)]
+assert not missing, f"wheel lacks {missing}: {names}"
+assert any("/static/remoteEntry." in n for n in ext), "no remoteEntry.*.js in the wheel"
+assert any(n.endswith("etc/jupyter/jupyter_server_config.d/megatrain_nb.json") for n in names)
+print(f"{sys.argv[1]}: prebuilt labextension with {len(ext)} files")
+EOF
+
+step "fresh venv without Node.js: jupyter labextension list"
+"$PY" -m venv "$STAGE/venv"
+mkdir -p "$STAGE/bin-no-node"   # PATH = the venv only: no node, npm or jlpm reachable
+"$STAGE/venv/bin/python" -m pip install -q jupyterlab "$WHEEL"
+LIST=$(env -i HOME="$STAGE" PATH="$STAGE/venv/bin:$STAGE/bin-no-node" \
+  "$STAGE/venv/bin/jupyter" labextension list 2>&1 | strip_ansi)
+echo "$LIST"
+if env -i PATH="$STAGE/venv/bin:$STAGE/bin-no-node" /bin/sh -c 'command -v node'; then
+  echo "node is reachable in the no-node PATH" >&2; exit 1
+fi
+echo "$LIST" | grep -Eq 'megatrain-nb-lab v[0-9.]+ enabled +OK'
+
+step "install the wheel here; server extension"
+"$PY" -m pip install -q --force-reinstall --no-deps "$WHEEL"
+jupyter labextension list 2>&1 | strip_ansi | grep -E 'megatrain-nb-lab v[0-9.]+ enabled +OK'
+SERVER=$(jupyter server extension list 2>&1 | strip_ansi | grep -A2 'megatrain_nb.lab')
+echo "$SERVER"
+echo "$SERVER" | grep -q 'megatrain_nb.lab  *OK'
+
+step "jest: panel logic"
+(cd "$STAGE/src/extension" && jlpm test --ci)
+
+# The Python tests (tests/lab, including the browser test) run with the rest of the suite in
+# scripts/test.sh; run them alone with:  python -m pytest tests/lab
+if [ "${RUN_LAB_TESTS:-0}" = 1 ]; then
+  step "pytest: beacon, server handlers, browser"
+  "$PY" -m pytest -q -p no:cacheprovider tests/lab -rs
+fi

@@ -1,0 +1,142 @@
+/**
+ * The data the server extension serves (one heartbeat per running session) and pure
+ * functions over it: diffing two polls, finding the active notebook's session and
+ * summarising for the status bar. No JupyterLab imports, so jest tests it directly.
+ */
+
+/** One memory tier as reported by the engine (bytes; null where unknown). */
+export interface IMemoryTier {
+  used_bytes?: number | null;
+  peak_bytes?: number | null;
+  capacity_bytes?: number | null;
+  [key: string]: unknown;
+}
+
+export interface IMemory {
+  device?: IMemoryTier;
+  host?: IMemoryTier;
+  disk?: IMemoryTier;
+}
+
+/** The outcome of the last command the session applied (written by the beacon). */
+export interface ILastCommand {
+  id: string;
+  command?: string;
+  value?: number | null;
+  ok: boolean;
+  error?: string | null;
+  time: number;
+}
+
+/** A heartbeat, see docs/INTERNALS.md "Session beacon". */
+export interface ISessionInfo {
+  id: string;
+  name: string;
+  pid: number;
+  host?: string;
+  kernel_id: string | null;
+  notebook: string | null;
+  state: string;
+  step: number | null;
+  total_steps: number | null;
+  loss: number | null;
+  lr: number | null;
+  tokens_per_s?: number | null;
+  loss_tail: Array<number | null>;
+  memory: IMemory | null;
+  last_command?: ILastCommand | null;
+  started?: number;
+  updated: number;
+  age?: number;
+  kernel_known?: boolean;
+}
+
+export interface ISessionList {
+  sessions: ISessionInfo[];
+  time: number;
+}
+
+export interface ISessionDiff {
+  added: ISessionInfo[];
+  updated: ISessionInfo[];
+  removed: string[];
+  unchanged: string[];
+}
+
+/** Fields that change on every heartbeat without anything visible changing. */
+const VOLATILE = new Set(['updated', 'age']);
+
+function fingerprint(s: ISessionInfo): string {
+  return JSON.stringify(s, (key, value) => (VOLATILE.has(key) ? undefined : value));
+}
+
+/**
+ * Compare two polls by session id. A session counts as updated only if something other
+ * than its timestamps changed, so the view leaves untouched cards (and a half-typed
+ * learning rate) alone.
+ */
+export function diffSessions(
+  previous: readonly ISessionInfo[],
+  next: readonly ISessionInfo[]
+): ISessionDiff {
+  const before = new Map(previous.map(s => [s.id, s]));
+  const diff: ISessionDiff = { added: [], updated: [], removed: [], unchanged: [] };
+  const seen = new Set<string>();
+  for (const s of next) {
+    seen.add(s.id);
+    const old = before.get(s.id);
+    if (!old) {
+      diff.added.push(s);
+    } else if (fingerprint(old) !== fingerprint(s)) {
+      diff.updated.push(s);
+    } else {
+      diff.unchanged.push(s.id);
+    }
+  }
+  for (const id of before.keys()) {
+    if (!seen.has(id)) {
+      diff.removed.push(id);
+    }
+  }
+  return diff;
+}
+
+/** States in which a run still holds its training thread. */
+export const ACTIVE_STATES = new Set(['running', 'paused', 'idle']);
+
+/**
+ * The session that belongs to a notebook: the one in its kernel (the most recently
+ * started if several), else one whose notebook path matches.
+ */
+export function sessionForNotebook(
+  sessions: readonly ISessionInfo[],
+  kernelId: string | null | undefined,
+  path: string | null | undefined
+): ISessionInfo | null {
+  const newest = (xs: ISessionInfo[]) =>
+    xs.length ? xs.reduce((a, b) => ((b.started ?? 0) >= (a.started ?? 0) ? b : a)) : null;
+  if (kernelId) {
+    const inKernel = newest(sessions.filter(s => s.kernel_id === kernelId));
+    if (inKernel) {
+      return inKernel;
+    }
+  }
+  if (path) {
+    return newest(sessions.filter(s => s.notebook === path));
+  }
+  return null;
+}
+
+export interface ISummary {
+  total: number;
+  running: number;
+  paused: number;
+}
+
+export function summarize(sessions: readonly ISessionInfo[]): ISummary {
+  return {
+    total: sessions.length,
+    running: sessions.filter(s => s.state === 'running').length,
+    paused: sessions.filter(s => s.state === 'paused').length
+  };
+}

@@ -1,0 +1,26 @@
+"""JupyterLab integration: the session beacon (kernel side) and the Jupyter server extension.
+
+The frontend (status bar item and sidebar) is the ``megatrain-nb-lab`` labextension, built
+from ``extension/`` and shipped as the ``megatrain_nb_lab`` wheel, which also ships the
+config file that enables this server extension. Importing this package stays cheap: the
+kernel imports only ``beacon``; the server imports ``handlers`` when it loads the extension.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    return [{"module": "megatrain_nb.lab"}]
+
+
+def _load_jupyter_server_extension(server_app: Any) -> None:
+    from megatrain_nb.lab.handlers import setup_handlers
+
+    setup_handlers(server_app.web_app)
+    server_app.log.info("megatrain_nb: session endpoints at /megatrain-nb/sessions")
+
+
+# the pre-2.0 name, still looked up by some tools
+load_jupyter_server_extension = _load_jupyter_server_extension

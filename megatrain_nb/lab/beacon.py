@@ -1,0 +1,331 @@
+"""The kernel side of the JupyterLab channel: a session announces itself and takes commands.
+
+``Session.train()`` starts one beacon per run and stops it when the run ends::
+
+    beacon = SessionBeacon(session).start()
+    ...
+    beacon.stop()          # removes the heartbeat file and the inbox
+
+A daemon thread rewrites ``sessions/<id>.json`` every ``interval`` seconds from the
+session's public attributes (``name, id, state, step, total_steps, history``) and polls
+``sessions/<id>.inbox/`` every ``poll`` seconds. A command found there is applied through
+the session's public methods (``pause``, ``resume``, ``stop``, ``set_lr``) so that it is
+recorded as an event exactly like a notebook control; the heartbeat is rewritten right
+after, so the sidebar sees the result on its next poll.
+
+The session's methods must only *request* the change (the trainer applies it at the next
+step boundary); they are called from this thread and must not block on the training thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import inspect
+import logging
+import os
+import re
+import shutil
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from megatrain_nb.lab.protocol import (
+    SCHEMA_VERSION,
+    SESSION_ID_RE,
+    CommandError,
+    atomic_write_json,
+    clean_json,
+    ensure_sessions_dir,
+    finite_or_none,
+    make_private_dir,
+    read_json,
+    runtime_root,
+    validate_command,
+)
+
+log = logging.getLogger(__name__)
+
+LOSS_TAIL = 100
+_MAX_COMMANDS_PER_POLL = 32
+
+
+class SessionBeacon:
+    """Heartbeat writer and command inbox for one running session.
+
+    >>> beacon = SessionBeacon(session, interval=0.5).start()   # doctest: +SKIP
+    >>> beacon.stop()                                            # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        session: Any,
+        *,
+        interval: float = 0.5,
+        poll: float = 0.2,
+        root: str | Path | None = None,
+    ) -> None:
+        if interval <= 0 or poll <= 0:
+            raise ValueError("interval and poll must be > 0 seconds")
+        self.session = session
+        self.interval = float(interval)
+        self.poll = float(poll)
+        self.root = Path(root) if root is not None else runtime_root()
+        self.id = _session_id(session)
+        self.kernel_id = current_kernel_id()
+        self.started = time.time()
+        self.last_command: dict[str, Any] | None = None
+        self._memory: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one writer of the heartbeat at a time
+
+    # ---- paths ---------------------------------------------------------------------------
+    @property
+    def heartbeat_file(self) -> Path:
+        return self.root / "sessions" / f"{self.id}.json"
+
+    @property
+    def inbox(self) -> Path:
+        return self.root / "sessions" / f"{self.id}.inbox"
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> SessionBeacon:
+        """Create the folders, write the first heartbeat and start the thread (idempotent)."""
+        if self._thread is not None and self._thread.is_alive():
+            return self
+        ensure_sessions_dir(self.root)
+        make_private_dir(self.inbox)
+        self._stop.clear()
+        self.write_heartbeat()
+        self._thread = threading.Thread(
+            target=self._run, name=f"megatrain-nb-beacon-{self.id}", daemon=True
+        )
+        self._thread.start()
+        atexit.register(self._remove_files)
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the thread and remove the heartbeat file and inbox. Safe to call twice,
+        and from the beacon thread itself (a ``stop`` command ending the run)."""
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+        self._remove_files()
+        atexit.unregister(self._remove_files)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def _run(self) -> None:
+        next_beat = time.monotonic() + self.interval
+        while not self._stop.is_set():
+            try:
+                applied = self.poll_inbox()
+                if applied or time.monotonic() >= next_beat:
+                    self.write_heartbeat()
+                    next_beat = time.monotonic() + self.interval
+            except Exception:  # noqa: BLE001 - the beacon must outlive any glitch
+                log.debug("megatrain_nb beacon iteration failed", exc_info=True)
+            self._stop.wait(self.poll)
+
+    def _remove_files(self) -> None:
+        with self._lock:
+            try:
+                self.heartbeat_file.unlink()
+            except OSError:
+                pass
+            shutil.rmtree(self.inbox, ignore_errors=True)
+
+    # ---- heartbeat -----------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The heartbeat record, built only from the session's public attributes."""
+        s = self.session
+        tail = _tail(_attr(s, "history", None), LOSS_TAIL)
+        last = tail[-1] if tail else {}
+        losses = [finite_or_none(r.get("loss")) for r in tail if "loss" in r]
+        # memory comes with every logging_steps-th record: keep the latest one seen
+        memory = next((r["memory"] for r in reversed(tail) if r.get("memory")), None)
+        if memory is not None:
+            self._memory = memory
+        step = _attr(s, "step", None)
+        total = _attr(s, "total_steps", None)
+        return {
+            "schema": SCHEMA_VERSION,
+            "id": self.id,
+            "name": str(_attr(s, "name", None) or f"session-{self.id[:8]}"),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "kernel_id": self.kernel_id,
+            # jupyter_server sets JPY_SESSION_NAME to the notebook path for its kernels;
+            # the server extension overrides it from its session manager when it can.
+            "notebook": os.environ.get("JPY_SESSION_NAME") or None,
+            "state": _text(_attr(s, "state", None)) or "unknown",
+            "step": int(step) if isinstance(step, (int, float)) else None,
+            "total_steps": int(total) if isinstance(total, (int, float)) else None,
+            "loss": finite_or_none(last.get("loss")),
+            "lr": finite_or_none(last.get("lr")),
+            "tokens_per_s": finite_or_none(last.get("tokens_per_s")),
+            "loss_tail": losses,
+            "memory": clean_json(_memory_summary(self._memory)),
+            "last_command": self.last_command,
+            "started": self.started,
+            "updated": time.time(),
+        }
+
+    def write_heartbeat(self) -> None:
+        data = self.snapshot()
+        with self._lock:
+            if self._stop.is_set() and self._thread is not None:
+                return  # stopping: never resurrect a removed file
+            self.heartbeat_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            atomic_write_json(self.heartbeat_file, data)
+
+    # ---- commands ------------------------------------------------------------------------
+    def poll_inbox(self) -> int:
+        """Apply every pending command in arrival order; returns how many were seen."""
+        try:
+            names = sorted(
+                e.name
+                for e in os.scandir(self.inbox)
+                if e.name.endswith(".json") and not e.name.startswith(".")
+            )
+        except FileNotFoundError:
+            make_private_dir(self.inbox)
+            return 0
+        for name in names[:_MAX_COMMANDS_PER_POLL]:
+            path = self.inbox / name
+            try:
+                if path.stat().st_uid != os.getuid():
+                    raise PermissionError("command file not owned by this user")
+                msg = read_json(path)
+            finally:
+                _unlink(path)  # first, so that a failing command is never retried forever
+            self._apply(name[: -len(".json")], msg)
+        return min(len(names), _MAX_COMMANDS_PER_POLL)
+
+    def _apply(self, command_id: str, msg: Any) -> None:
+        record: dict[str, Any] = {"id": command_id, "time": time.time(), "ok": False}
+        try:
+            if not isinstance(msg, dict):
+                raise CommandError("command file is not a JSON object")
+            command, value = validate_command(msg.get("command"), msg.get("value"))
+            record.update(command=command, value=value, source=str(msg.get("source", "lab")))
+            method = {
+                "pause": "pause", "resume": "resume", "stop": "stop", "lr": "set_lr"
+            }[command]
+            fn = getattr(self.session, method)
+            args = (value,) if command == "lr" else ()
+            if _accepts_kwarg(fn, "source"):
+                fn(*args, source=record["source"])
+            else:
+                fn(*args)
+            record["ok"] = True
+            record["error"] = None
+        except Exception as e:  # noqa: BLE001 - reported back through the heartbeat
+            record["error"] = f"{type(e).__name__}: {e}"
+            log.warning("megatrain_nb: command %s failed: %s", command_id, record["error"])
+        self.last_command = clean_json(record)
+
+
+# ---- helpers ---------------------------------------------------------------------------
+def current_kernel_id() -> str | None:
+    """The Jupyter kernel id of this process (from its connection file), or None."""
+    if "ipykernel" not in sys.modules:
+        return None
+    try:
+        from ipykernel import get_connection_file
+        from ipykernel.kernelapp import IPKernelApp
+
+        if not IPKernelApp.initialized():
+            return None
+        name = os.path.basename(get_connection_file())
+    except Exception:  # noqa: BLE001 - not in a kernel
+        return None
+    m = re.match(r"^kernel-(.+)\.json$", name)
+    return m.group(1) if m else None
+
+
+def _session_id(session: Any) -> str:
+    raw = _attr(session, "id", None)
+    if isinstance(raw, str) and SESSION_ID_RE.match(raw):
+        return raw
+    if raw is not None:  # usable but not file-name safe: a stable digest of it
+        return hashlib.sha1(str(raw).encode()).hexdigest()[:16]
+    return uuid.uuid4().hex[:12]
+
+
+def _attr(obj: Any, name: str, default: Any) -> Any:
+    try:
+        return getattr(obj, name, default)
+    except Exception:  # noqa: BLE001 - a property raising must not stop the heartbeat
+        return default
+
+
+def _tail(history: Any, n: int) -> list[dict[str, Any]]:
+    """The last ``n`` dict records of ``history``, read without locking the trainer: one
+    slice of a list is atomic under the GIL; other sequences are copied, retried once."""
+    if not history:
+        return []
+    for _ in range(2):
+        try:
+            try:
+                recs = history[-n:]
+            except TypeError:  # e.g. a deque
+                recs = list(history)[-n:]
+            return [r for r in recs if isinstance(r, dict)]
+        except (RuntimeError, IndexError):  # mutated while copying
+            continue
+        except Exception:  # noqa: BLE001
+            break
+    return []
+
+
+def _text(x: Any) -> str | None:
+    """A state as plain text, also when it is an Enum."""
+    if x is None:
+        return None
+    return str(getattr(x, "value", x))
+
+
+def _memory_summary(memory: Any) -> dict[str, Any] | None:
+    """Per tier, the scalar fields (used/peak/capacity bytes, names) and one level of
+    breakdown: enough for the sidebar, small enough to rewrite every half second."""
+    if not isinstance(memory, dict):
+        return None
+    out: dict[str, Any] = {}
+    for tier in ("device", "host", "disk"):
+        t = memory.get(tier)
+        if not isinstance(t, dict):
+            continue
+        out[tier] = {
+            k: (
+                {kk: vv for kk, vv in v.items() if isinstance(vv, (int, float))}
+                if isinstance(v, dict)
+                else v
+            )
+            for k, v in t.items()
+            if isinstance(v, (int, float, str, dict)) or v is None
+        }
+    return out or None
+
+
+def _accepts_kwarg(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass

@@ -1,0 +1,117 @@
+"""Jupyter server extension handlers: the sidebar's window onto the session registry.
+
+    GET  <base_url>/megatrain-nb/sessions                -> {"sessions": [...], "time": t}
+    POST <base_url>/megatrain-nb/sessions/<id>/command   {"command": "pause"|"resume"|"stop"|"lr",
+                                                          "value": float|null}
+         -> 202 {"id", "session_id", "command", "value", "source", "time"}
+            400 bad command or value, 404 no such running session
+
+Both need an authenticated Jupyter user (token or cookie; XSRF for cookie-authenticated
+POSTs, as for every Jupyter API) and the "kernels" permission: read to list, write to
+command. Nothing listens on a port of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from megatrain_nb.lab.protocol import CommandError
+from megatrain_nb.lab.registry import UnknownSession, enqueue_command, list_sessions
+
+ROUTE = "megatrain-nb"
+ROOT_SETTING = "megatrain_nb_runtime_root"
+
+
+class _BaseHandler(APIHandler):
+    # Sessions live in kernels: the same permission as the kernels API.
+    auth_resource = "kernels"
+
+    @property
+    def runtime_root(self) -> Path | None:
+        return self.settings.get(ROOT_SETTING)
+
+    def _fail(self, status: int, message: str) -> None:
+        self.set_status(status)
+        self.finish(json.dumps({"message": message, "reason": self._reason}))
+
+
+class SessionsHandler(_BaseHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        sessions = list_sessions(self.runtime_root)
+        paths, kernel_ids = await self._kernel_info()
+        for s in sessions:
+            kid = s.get("kernel_id")
+            s["kernel_known"] = kid in kernel_ids
+            if kid in paths:
+                s["notebook"] = paths[kid]
+        self.finish(json.dumps({"sessions": sessions, "time": time.time()}))
+
+    async def _kernel_info(self) -> tuple[dict[str, str], set[str]]:
+        """kernel id -> notebook path (from the session manager), and this server's kernel ids."""
+        paths: dict[str, str] = {}
+        try:
+            for model in await self.session_manager.list_sessions():
+                kid = (model.get("kernel") or {}).get("id")
+                if kid and model.get("path"):
+                    paths[kid] = model["path"]
+        except Exception:  # noqa: BLE001 - listing still works without notebook paths
+            self.log.debug("megatrain_nb: session manager unavailable", exc_info=True)
+        try:
+            kernel_ids = set(self.kernel_manager.list_kernel_ids())
+        except Exception:  # noqa: BLE001
+            kernel_ids = set()
+        return paths, kernel_ids
+
+
+class CommandHandler(_BaseHandler):
+    @web.authenticated
+    @authorized
+    async def post(self, session_id: str) -> None:
+        try:
+            body: Any = json.loads(self.request.body or b"{}")
+        except ValueError:
+            return self._fail(400, "request body must be JSON: {\"command\": ..., \"value\": ...}")
+        if not isinstance(body, dict):
+            return self._fail(400, "request body must be a JSON object")
+        try:
+            record = enqueue_command(
+                session_id,
+                body.get("command"),
+                body.get("value"),
+                source="lab",
+                root=self.runtime_root,
+            )
+        except CommandError as e:
+            return self._fail(400, str(e))
+        except UnknownSession as e:
+            return self._fail(404, str(e))
+        self.log.info(
+            "megatrain_nb: %s %s -> session %s", record["command"], record["value"], session_id
+        )
+        self.set_status(202)
+        self.finish(json.dumps(record))
+
+
+def setup_handlers(web_app: Any, runtime_root: str | Path | None = None) -> None:
+    base = web_app.settings.get("base_url", "/")
+    if runtime_root is not None:
+        web_app.settings[ROOT_SETTING] = Path(runtime_root)
+    host = ".*$"
+    web_app.add_handlers(
+        host,
+        [
+            (url_path_join(base, ROUTE, "sessions"), SessionsHandler),
+            (url_path_join(base, ROUTE, "sessions", r"([A-Za-z0-9_-]{1,64})", "command"),
+             CommandHandler),
+        ],
+    )

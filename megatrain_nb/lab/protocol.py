@@ -1,0 +1,186 @@
+"""The on-disk channel between training sessions and the Jupyter server.
+
+Layout (see docs/INTERNALS.md, "Session beacon")::
+
+    <root>/                                   0700, root = jupyter_runtime_dir()/megatrain_nb
+      sessions/                               0700       (or $MEGATRAIN_NB_RUNTIME_DIR)
+        <session_id>.json                     0600  heartbeat, rewritten atomically
+        <session_id>.inbox/                   0700  command inbox
+          <time_ns>-<pid>-<n>.json            0600  one command per file, deleted once applied
+
+Only the user who runs Jupyter can read or write any of it. This module needs only the
+standard library and jupyter_core, so both the kernel side (beacon) and the server side
+(registry, handlers) import it cheaply.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ENV_RUNTIME_DIR = "MEGATRAIN_NB_RUNTIME_DIR"
+SCHEMA_VERSION = 1
+
+#: Session ids become file names, so they are restricted to a safe alphabet.
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+#: command -> whether it takes a value
+COMMANDS: dict[str, bool] = {"pause": False, "resume": False, "stop": False, "lr": True}
+
+_counter = itertools.count()
+
+
+class CommandError(ValueError):
+    """A command that is not one of COMMANDS, or a bad value for it."""
+
+
+def runtime_root() -> Path:
+    """The folder that holds everything: ``$MEGATRAIN_NB_RUNTIME_DIR`` or
+    ``jupyter_runtime_dir()/megatrain_nb``.
+
+    Kernels inherit the server's environment, so both sides resolve the same folder.
+    """
+    override = os.environ.get(ENV_RUNTIME_DIR)
+    if override:
+        return Path(override).expanduser()
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return Path(jupyter_runtime_dir()) / "megatrain_nb"
+
+
+def sessions_dir(root: Path | str | None = None) -> Path:
+    return Path(root if root is not None else runtime_root()) / "sessions"
+
+
+def heartbeat_path(session_id: str, root: Path | str | None = None) -> Path:
+    return sessions_dir(root) / f"{check_session_id(session_id)}.json"
+
+
+def inbox_path(session_id: str, root: Path | str | None = None) -> Path:
+    return sessions_dir(root) / f"{check_session_id(session_id)}.inbox"
+
+
+def check_session_id(session_id: str) -> str:
+    if not isinstance(session_id, str) or not SESSION_ID_RE.match(session_id):
+        raise ValueError(f"invalid session id {session_id!r}: expected 1-64 of [A-Za-z0-9_-]")
+    return session_id
+
+
+def make_private_dir(path: Path) -> Path:
+    """Create ``path`` (parents too) as 0700; tighten it if it exists with looser bits."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def ensure_sessions_dir(root: Path | str | None = None) -> Path:
+    """``<root>`` and ``<root>/sessions``, both 0700 (the umask is not trusted)."""
+    root = Path(root if root is not None else runtime_root())
+    make_private_dir(root)
+    return make_private_dir(root / "sessions")
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` through a 0600 temp file in the same folder and ``os.replace``.
+
+    Readers therefore never see a half-written file. Temp files start with a dot
+    and end in ``.tmp`` so that directory scans skip them.
+    """
+    text = json.dumps(data, allow_nan=False, separators=(",", ":"))
+    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=path.parent)  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_json(path: Path) -> Any | None:
+    """The parsed file, or None if it vanished or is not valid JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def new_command_name() -> str:
+    """Sortable, unique within the process: ``<time_ns>-<pid>-<n>``."""
+    return f"{time.time_ns()}-{os.getpid()}-{next(_counter)}"
+
+
+def finite_or_none(x: Any) -> float | None:
+    """A plain float, or None for None/NaN/inf/non-numbers (JSON has no NaN)."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def clean_json(x: Any, depth: int = 0) -> Any:
+    """Turn ``x`` into strictly JSON-safe data: NaN/inf -> None, tensors/numpy scalars ->
+    float, unknown objects -> str. Bounded depth so a cycle cannot hang the beacon."""
+    if depth > 6:
+        return None
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): clean_json(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean_json(v, depth + 1) for v in x]
+    if hasattr(x, "item"):  # numpy / torch scalars
+        try:
+            return clean_json(x.item(), depth + 1)
+        except Exception:  # noqa: BLE001 - e.g. a multi-element tensor
+            return None
+    return str(x)
+
+
+def validate_command(command: Any, value: Any = None) -> tuple[str, float | None]:
+    """Check a command the way both the server and the beacon do.
+
+    >>> validate_command("lr", "3e-4")
+    ('lr', 0.0003)
+    """
+    if not isinstance(command, str) or command not in COMMANDS:
+        raise CommandError(
+            f"unknown command {command!r}: expected one of {', '.join(sorted(COMMANDS))}"
+        )
+    if not COMMANDS[command]:
+        if value is not None:
+            raise CommandError(f"command {command!r} takes no value (got {value!r})")
+        return command, None
+    if isinstance(value, bool) or value is None:
+        raise CommandError("command 'lr' needs a positive number as 'value', e.g. 1e-4")
+    try:
+        lr = float(value)
+    except (TypeError, ValueError):
+        raise CommandError(
+            f"command 'lr' needs a positive number as 'value', got {value!r}"
+        ) from None
+    if not math.isfinite(lr) or lr <= 0:
+        raise CommandError(f"learning rate must be a finite number > 0, got {value!r}")
+    if lr > 10:
+        raise CommandError(f"learning rate {lr:g} is implausibly large (limit 10)")
+    return command, lr

@@ -1,0 +1,162 @@
+"""The reader side of the channel: which sessions are alive, and how to send one a command.
+
+Used by the Jupyter server extension (``handlers.py``); plain functions, no Jupyter imports::
+
+    for s in list_sessions():
+        print(s["name"], s["state"], s["step"], s["total_steps"])
+    enqueue_command(s["id"], "lr", 1e-4)
+
+A heartbeat older than ``stale_after`` seconds (5) or whose process is gone is not listed.
+Files of dead processes, and of anything silent for ``ABANDONED_AFTER`` seconds, are removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from megatrain_nb.lab.protocol import (
+    SESSION_ID_RE,
+    atomic_write_json,
+    ensure_sessions_dir,
+    heartbeat_path,
+    inbox_path,
+    make_private_dir,
+    new_command_name,
+    read_json,
+    sessions_dir,
+    validate_command,
+)
+
+STALE_AFTER = 5.0
+ABANDONED_AFTER = 60.0
+
+
+class UnknownSession(KeyError):
+    """No live session with this id."""
+
+    def __str__(self) -> str:
+        return f"no running megatrain_nb session with id {self.args[0]!r}"
+
+
+def list_sessions(
+    root: str | Path | None = None,
+    *,
+    stale_after: float = STALE_AFTER,
+    now: float | None = None,
+    clean: bool = True,
+) -> list[dict[str, Any]]:
+    """The heartbeats of live sessions, oldest first, each with ``age`` (seconds) added."""
+    d = sessions_dir(root)
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(d))
+    except FileNotFoundError:
+        return []
+    live: list[dict[str, Any]] = []
+    heartbeats = set()
+    for e in entries:
+        if e.name.startswith(".") or not e.name.endswith(".json"):
+            continue
+        sid = e.name[: -len(".json")]
+        heartbeats.add(sid)
+        data = read_json(Path(e.path))
+        if not SESSION_ID_RE.match(sid) or not _owned(e) or not isinstance(data, dict):
+            continue
+        updated = data.get("updated")
+        age = now - updated if isinstance(updated, (int, float)) else float("inf")
+        alive = pid_alive(data.get("pid"), data.get("host"))
+        if alive is False or age > ABANDONED_AFTER:
+            if clean:
+                remove_session_files(sid, root)
+            continue
+        if age > stale_after:
+            continue  # silent but not gone (a busy or suspended process): hide, keep files
+        data["id"] = sid
+        data["age"] = max(0.0, age)
+        live.append(data)
+    if clean:
+        _remove_orphan_inboxes(d, heartbeats, now)
+    live.sort(key=lambda s: (s.get("started") or 0, s["id"]))
+    return live
+
+
+def get_session(session_id: str, root: str | Path | None = None, **kw: Any) -> dict[str, Any]:
+    """The live session with this id, or raise UnknownSession."""
+    if not isinstance(session_id, str) or not SESSION_ID_RE.match(session_id):
+        raise UnknownSession(session_id)
+    for s in list_sessions(root, clean=False, **kw):
+        if s["id"] == session_id:
+            return s
+    raise UnknownSession(session_id)
+
+
+def enqueue_command(
+    session_id: str,
+    command: str,
+    value: Any = None,
+    *,
+    source: str = "lab",
+    root: str | Path | None = None,
+) -> dict[str, Any]:
+    """Validate and drop one command into the session's inbox; the beacon applies it within
+    its poll interval. Raises CommandError (bad command/value) or UnknownSession."""
+    command, value = validate_command(command, value)
+    get_session(session_id, root)
+    ensure_sessions_dir(root)
+    inbox = make_private_dir(inbox_path(session_id, root))
+    name = new_command_name()
+    msg = {"id": name, "command": command, "value": value, "source": source, "time": time.time()}
+    atomic_write_json(inbox / f"{name}.json", msg)
+    return {"session_id": session_id, **msg}
+
+
+def remove_session_files(session_id: str, root: str | Path | None = None) -> None:
+    try:
+        heartbeat_path(session_id, root).unlink()
+    except OSError:
+        pass
+    shutil.rmtree(inbox_path(session_id, root), ignore_errors=True)
+
+
+def pid_alive(pid: Any, host: Any = None) -> bool | None:
+    """True/False for a process on this host; None when it cannot be told (another host)."""
+    if host is not None and host != socket.gethostname():
+        return None
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OSError:
+        return None
+    try:  # a killed kernel can linger as a zombie until the server reaps it
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except Exception:  # noqa: BLE001 - psutil missing or the process just went away
+        return True
+
+
+def _owned(entry: os.DirEntry) -> bool:
+    try:
+        return entry.stat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def _remove_orphan_inboxes(d: Path, heartbeats: set[str], now: float) -> None:
+    for e in os.scandir(d):
+        if e.name.endswith(".inbox") and e.name[: -len(".inbox")] not in heartbeats:
+            try:
+                if now - e.stat().st_mtime > ABANDONED_AFTER:
+                    shutil.rmtree(e.path, ignore_errors=True)
+            except OSError:
+                pass

@@ -17,7 +17,11 @@ _LAZY = {
     "EngineConfig": "megatrain_nb.engine",
     "init": "megatrain_nb.trainer",
     "Trainer": "megatrain_nb.trainer",
+    "get_defaults": "megatrain_nb.trainer",
+    "load_default": "megatrain_nb.trainer",
+    "preset_config": "megatrain_nb.trainer",
     "estimate": "megatrain_nb.estimate",
+    "Estimate": "megatrain_nb.estimate",
     "Session": "megatrain_nb.notebook",
 }
 

@@ -1,0 +1,357 @@
+"""``megatrain-nb``: the command line.
+
+    megatrain-nb demo                      # the main job on the built-in default, no network needed
+    megatrain-nb train --config run.yaml   # a training run from a config file
+    megatrain-nb estimate llama-100b --vram 80 --ram 1024 --disk 4096
+
+``run.yaml`` (every section but ``model`` optional)::
+
+    model: path/to/model_folder      # or  preset: tiny   (a fresh model, initialised from seed)
+    tokenizer: path/to/tokenizer     # default: the model folder's, else the built-in one
+    data:
+      train: [data/train.jsonl]      # .jsonl/.json/.txt/.csv/.parquet files, a saved dataset folder,
+      eval: data/eval.jsonl          #   or "builtin" (the stdlib corpus)
+      seq_len: 256
+      text_column: text
+    training:                        # transformers.TrainingArguments fields
+      output_dir: runs/first
+      max_steps: 200
+      learning_rate: 3.0e-4
+    engine:                          # EngineConfig fields (override mt.init defaults)
+      offload_dir: /nvme/cache
+      optimizer_compression: int8
+
+Metrics go to ``<output_dir>/metrics.jsonl``. Errors in the input print one line and exit with
+status 2 (set ``MEGATRAIN_NB_DEBUG=1`` for the traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+
+def _gib(n) -> str:
+    return "-" if n is None else (f"{n / 2 ** 30:.2f}G" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f}M")
+
+
+# ---------------------------------------------------------------------------------------- running
+def _tier_text(memory: Optional[dict]) -> str:
+    if not memory:
+        return ""
+    return " ".join(f"{t[:4]} {_gib(memory.get(t, {}).get('used_bytes'))}" for t in ("device", "host", "disk"))
+
+
+def run_with_progress(trainer, *, resume=None, out=None) -> dict:
+    """Drive ``trainer.iter_steps`` with a progress bar (loss, tokens/s, tier usage); returns a summary."""
+    from tqdm.auto import tqdm
+
+    out = out or sys.stdout
+    total = trainer.total_steps
+    bar = tqdm(total=total, file=out, dynamic_ncols=True, desc="train", mininterval=0.5)
+    t0, first, last, memory, tokens, evals = time.time(), None, None, None, 0, []
+    try:
+        for rec in trainer.iter_steps(resume_from_checkpoint=resume):
+            first = rec["loss"] if first is None else first
+            last = rec
+            tokens += rec["tokens"]
+            memory = rec.get("memory", memory)
+            if "eval_loss" in rec:
+                evals.append((rec["step"], rec["eval_loss"], rec["eval_ppl"]))
+            bar.n = rec["step"]
+            bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | {_tier_text(memory)}",
+                                refresh=False)
+            bar.refresh()
+    finally:
+        bar.close()
+    elapsed = time.time() - t0
+    return {"steps": trainer.state.global_step, "seconds": elapsed, "tokens": tokens, "first_loss": first,
+            "last_loss": last["loss"] if last else None, "evals": evals,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
+
+
+def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metrics: Optional[dict], out=None):
+    from megatrain_nb.trainer.checkpoint import list_checkpoints
+
+    p = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
+    p("")
+    p("== summary ==")
+    p(f"steps {summary['steps']} in {summary['seconds']:.1f} s, {summary['tokens']:,} tokens "
+      f"({summary['tokens_per_s']:.0f} tokens/s)")
+    if summary["first_loss"] is not None:
+        p(f"train loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}")
+    if eval_metrics:
+        p(f"eval loss {eval_metrics['eval_loss']:.3f}, perplexity {eval_metrics['eval_ppl']:.1f}")
+    mem = trainer.engine.memory_report()
+    for tier in ("device", "host", "disk"):
+        d = mem.get(tier, {})
+        kinds = ", ".join(f"{k} {_gib(v)}" for k, v in d.items()
+                          if isinstance(v, int) and not k.endswith("_bytes") and v)
+        p(f"{tier:<6} peak {_gib(d.get('peak_bytes'))}" + (f" ({kinds})" if kinds else ""))
+    tel = trainer.engine.telemetry() or {}
+    moved = {k: v for k, v in (tel.get("bytes") or {}).items() if v}
+    if moved:
+        p("bytes moved: " + ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in moved.items()))
+    pf = (tel.get("prefetch") or {}).get("device") or {}
+    stalls = tel.get("stall_seconds") or {}
+    if pf.get("hit_rate") is not None or stalls:
+        hit = f"prefetch hit rate {pf['hit_rate']:.0%}" if pf.get("hit_rate") is not None else ""
+        st = ", ".join(f"{k} {v:.2f} s" for k, v in stalls.items() if v)
+        p("streaming: " + "; ".join(x for x in (hit, f"stalls: {st}" if st else "no stalls") if x))
+    p("outputs:")
+    if model_dir:
+        p(f"  model (transformers.AutoModelForCausalLM.from_pretrained): {model_dir}")
+    ckpts = list_checkpoints(trainer.args.output_dir)
+    if ckpts:
+        p(f"  checkpoints (resume with resume_from_checkpoint=...): {', '.join(str(c) for c in ckpts)}")
+    p(f"  metrics log (JSONL): {trainer.metrics_log.path}")
+
+
+def _sample(engine, tokenizer, prompt: str, n: int = 32, seed: int = 0) -> str:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    for _ in range(n):
+        logits = engine.forward_logits(torch.tensor([ids]))[0, -1]
+        probs = torch.softmax(logits / 0.8, -1)
+        top = torch.topk(probs, 20)
+        ids.append(int(top.indices[torch.multinomial(top.values, 1, generator=g)]))
+    return tokenizer.decode(ids)
+
+
+# ---------------------------------------------------------------------------------------- demo
+def cmd_demo(ns) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from megatrain_nb.trainer import Trainer
+    from megatrain_nb.trainer.default import cache_dir, load_default
+    from megatrain_nb.trainer.presets import preset_config
+
+    if ns.quick:
+        ns.steps = ns.steps or 20
+        ns.seq_len = ns.seq_len or 64
+    steps, seq_len = ns.steps or 250, ns.seq_len or 128
+    out_dir = Path(ns.output_dir).resolve()
+    offload = None if ns.no_disk else str(out_dir / "offload")
+    if offload:
+        os.makedirs(offload, exist_ok=True)
+    print(f"megatrain-nb demo: preset {ns.preset!r}, {steps} steps of {ns.batch_size} x {seq_len} tokens; "
+          f"disk tier {'off' if offload is None else 'at ' + offload}; optimizer states {ns.compression}")
+    t0 = time.time()
+    tokenizer, train_ds, eval_ds = load_default(seq_len=seq_len, vocab_size=ns.vocab_size,
+                                                max_eval_blocks=16 if ns.quick else 64)
+    print(f"data: the Python standard library's own source as a corpus, {len(train_ds):,} training blocks, "
+          f"{len(eval_ds)} eval blocks; byte-level BPE tokenizer ({len(tokenizer)} tokens) cached in {cache_dir()} "
+          f"[{time.time() - t0:.1f} s]")
+    torch.manual_seed(ns.seed)
+    model = AutoModelForCausalLM.from_config(preset_config(ns.preset, vocab_size=len(tokenizer),
+                                                           max_position_embeddings=max(seq_len, 128)))
+    print(f"model: Llama-style {ns.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          "fp32 master weights")
+    save_every = max(steps // 2, 1)
+    args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=ns.batch_size,
+                             per_device_eval_batch_size=ns.batch_size, learning_rate=ns.lr, max_steps=steps,
+                             lr_scheduler_type="cosine", warmup_steps=max(steps // 10, 1), weight_decay=0.1,
+                             logging_steps=max(min(10, steps // 5), 1), eval_strategy="steps", eval_steps=save_every,
+                             save_steps=save_every, save_total_limit=2, report_to="none", disable_tqdm=True,
+                             seed=ns.seed)
+    engine_opts = {"optimizer_compression": ns.compression, "offload_dir": offload}
+    if ns.device:
+        engine_opts["device"] = ns.device
+    trainer = Trainer(model=model, train_dataset=train_ds, eval_dataset=eval_ds, args=args, tokenizer=tokenizer,
+                      **engine_opts)
+    try:
+        summary = run_with_progress(trainer)
+        metrics = trainer.evaluate()
+        model_dir = trainer.save_model(str(out_dir / "model"))
+        if not ns.quick:
+            print("sample: " + repr(_sample(trainer.engine, tokenizer, "def ", n=32, seed=ns.seed)))
+        print_summary(trainer, summary, model_dir=model_dir, eval_metrics=metrics)
+        print(f"total time {time.time() - t0:.1f} s")
+    finally:
+        trainer.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- train
+def _load_files(spec, *, base: Path):
+    """A datasets.Dataset from local files, a saved dataset folder, or 'builtin' (None)."""
+    import datasets
+
+    if spec is None or spec == "builtin":
+        return None
+    files = [spec] if isinstance(spec, str) else list(spec)
+    files = [str((base / f).resolve()) if not os.path.isabs(f) else f for f in files]
+    if len(files) == 1 and os.path.isdir(files[0]):
+        return datasets.load_from_disk(files[0])
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise SystemExit(f"data file(s) not found: {missing}")
+    ext = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
+    kinds = {ext.get(Path(f).suffix.lower()) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise SystemExit(f"data files {files}: use one kind of .jsonl/.json/.txt/.csv/.parquet")
+    return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+
+
+def load_run_config(path) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"--config {path}: no such file")
+    cfg = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(cfg, dict):
+        raise SystemExit(f"--config {path}: expected a mapping at the top level")
+    unknown = set(cfg) - {"model", "preset", "tokenizer", "data", "training", "engine", "seed"}
+    if unknown:
+        raise SystemExit(f"--config {path}: unknown section(s) {sorted(unknown)}; use model/preset, tokenizer, "
+                         "data, training, engine")
+    if ("model" in cfg) == ("preset" in cfg):
+        raise SystemExit(f"--config {path}: give exactly one of 'model' (a local folder) or 'preset'")
+    return cfg
+
+
+def cmd_train(ns) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+
+    from megatrain_nb.trainer import Trainer
+    from megatrain_nb.trainer.default import load_default
+    from megatrain_nb.trainer.presets import preset_config
+
+    cfg = load_run_config(ns.config)
+    base = Path(ns.config).resolve().parent
+    data = cfg.get("data") or {}
+    training = dict(cfg.get("training") or {})
+    if ns.output_dir:
+        training["output_dir"] = ns.output_dir
+    if ns.max_steps:
+        training["max_steps"] = ns.max_steps
+    training.setdefault("output_dir", "megatrain_outputs")
+    training.setdefault("disable_tqdm", True)
+    training.setdefault("report_to", "none")
+    if not os.path.isabs(training["output_dir"]):
+        training["output_dir"] = str((base / training["output_dir"]).resolve())
+    seq_len = int(data.get("seq_len", 256))
+    tokenizer = None
+    if cfg.get("tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(str((base / cfg["tokenizer"]).resolve()))
+    train_ds = _load_files(data.get("train", "builtin"), base=base)
+    eval_ds = _load_files(data.get("eval"), base=base) if data.get("eval") else None
+    if train_ds is None:  # built-in corpus
+        tok, train_ds, builtin_eval = load_default(seq_len=seq_len)
+        tokenizer = tokenizer or tok
+        eval_ds = eval_ds if eval_ds is not None else builtin_eval
+    if "model" in cfg:
+        model = str((base / cfg["model"]).resolve())  # its own tokenizer, if it has one, is used
+    else:
+        torch.manual_seed(int(cfg.get("seed", training.get("seed", 42))))
+        vocab = {"vocab_size": len(tokenizer)} if tokenizer is not None else {}
+        model = AutoModelForCausalLM.from_config(preset_config(cfg["preset"], max_position_embeddings=max(seq_len, 128),
+                                                               **vocab))
+    args = TrainingArguments(**training)
+    trainer = Trainer(model=model, train_dataset=train_ds, eval_dataset=eval_ds, args=args, tokenizer=tokenizer,
+                      seq_len=seq_len, text_column=data.get("text_column", "text"), **(cfg.get("engine") or {}))
+    try:
+        summary = run_with_progress(trainer, resume=ns.resume if ns.resume is not None else None)
+        metrics = trainer.evaluate() if eval_ds is not None else None
+        model_dir = trainer.save_model()
+        print_summary(trainer, summary, model_dir=model_dir, eval_metrics=metrics)
+    finally:
+        trainer.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- estimate
+def _budget_arg(s: str):
+    if s.lower() in ("auto",):
+        return "auto"
+    if s.lower() in ("none", "unlimited", "inf"):
+        return None
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: give GiB as a number, 'auto' or 'none'")
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{s!r}: must be > 0")
+    return v
+
+
+def cmd_estimate(ns) -> int:
+    from megatrain_nb.estimate import estimate
+
+    est = estimate(ns.model, vram_gb=ns.vram, ram_gb=ns.ram, disk_gb=ns.disk, batch=ns.batch, seq=ns.seq,
+                   compression=ns.compression, precision=ns.precision,
+                   offload_dir=False if ns.no_disk else (ns.offload_dir or True))
+    print(json.dumps(est.to_dict(), indent=2, default=str) if ns.json else est)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatrain-nb", description="Full-precision training of models larger "
+                                 "than accelerator memory.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="train the built-in default (no download) with the disk tier and "
+                                    "compressed optimizer states")
+    d.add_argument("--steps", type=int, default=None, help="optimizer steps (default 250; 20 with --quick)")
+    d.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    d.add_argument("--output-dir", default="megatrain_demo", help="where checkpoints, the model and metrics go")
+    d.add_argument("--quick", action="store_true", help="a very short run (smoke test)")
+    d.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128; 64 with --quick)")
+    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--lr", type=float, default=3e-3)
+    d.add_argument("--vocab-size", type=int, default=4096)
+    d.add_argument("--compression", default="int8", choices=["none", "int8", "int4"],
+                   help="optimizer-state codec (default int8)")
+    d.add_argument("--no-disk", action="store_true", help="keep everything in RAM (no disk tier)")
+    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("train", help="train from a run.yaml config")
+    t.add_argument("--config", required=True, help="the run.yaml (see `megatrain-nb train --help`)")
+    t.add_argument("--output-dir", default=None, help="override training.output_dir")
+    t.add_argument("--max-steps", type=int, default=None, help="override training.max_steps")
+    t.add_argument("--resume", default=None, nargs="?", const=True,
+                   help="resume: a checkpoint folder, or no value for the latest in output_dir")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("estimate", help="the memory table for a model on given hardware")
+    e.add_argument("model", help="a preset (tiny, small, llama-1b, llama-7b, llama-70b, llama-100b), "
+                                 "a local model folder or a config.json")
+    e.add_argument("--vram", type=_budget_arg, default=80.0, help="device budget in GiB (default 80)")
+    e.add_argument("--ram", type=_budget_arg, default="auto", help="host RAM in GiB, 'auto' (this machine) or 'none'")
+    e.add_argument("--disk", type=_budget_arg, default="auto", help="disk tier in GiB, 'auto' (free space) or 'none'")
+    e.add_argument("--batch", type=int, default=1)
+    e.add_argument("--seq", type=int, default=2048)
+    e.add_argument("--compression", default="int8", choices=["none", "int8", "int4"])
+    e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    e.add_argument("--offload-dir", default=None, help="where the disk tier would live (for 'auto' free space)")
+    e.add_argument("--no-disk", action="store_true", help="no disk tier")
+    e.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    e.set_defaults(func=cmd_estimate)
+    return ap
+
+
+def main(argv=None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+        if os.environ.get("MEGATRAIN_NB_DEBUG"):
+            raise
+        print(f"megatrain-nb {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

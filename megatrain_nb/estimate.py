@@ -1,0 +1,265 @@
+"""``mt.estimate``: how a model's training state splits over device, host RAM and disk, whether it
+fits, and what plain GPU-resident fp32 AdamW would need instead.
+
+Example::
+
+    import megatrain_nb as mt
+    est = mt.estimate("llama-100b", vram_gb=80, ram_gb=1024, disk_gb=4096)
+    print(est)            # the table; est.feasible, est.limiting_tier, est.to_dict()
+
+Budgets are in GiB, like ``EngineConfig.max_vram_gb``. ``"auto"`` (the default for RAM and disk)
+reads this machine's total RAM and the free space where the disk tier would live; ``None`` means
+no limit (the table then shows what is needed). The numbers come from the engine's own planner
+(``megatrain_nb.engine.planner``), so they are the ones the engine enforces.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+GiB = 1024 ** 3
+Budget = Union[float, int, str, None]
+
+
+def _fmt(n: Optional[float]) -> str:
+    if n is None:
+        return "unlimited"
+    if n >= 1024 * GiB:
+        return f"{n / 1024 / GiB:.2f} TiB"
+    if n >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    return f"{n / 1024 ** 2:.1f} MiB"
+
+
+def _fmt_dec(n: float) -> str:
+    if n >= 1e12:
+        return f"{n / 1e12:.2f} TB"
+    return f"{n / 1e9:.0f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def resolve_config(model):
+    """A transformers config from a preset name, a model folder, a config.json, a config, a model
+    or an engine. Returns (config, display name)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from megatrain_nb.trainer.presets import PRESETS, preset_config
+
+    if isinstance(model, PretrainedConfig):
+        return model, getattr(model, "name_or_path", "") or model.model_type
+    if isinstance(model, (str, os.PathLike)):
+        s = os.fspath(model)
+        if s in PRESETS:
+            return preset_config(s), s
+        if os.path.isdir(s):
+            if not os.path.isfile(os.path.join(s, "config.json")):
+                raise ValueError(f"{s!r} is a folder without config.json; give a model folder, a config.json or a "
+                                 f"preset ({', '.join(PRESETS)})")
+            return AutoConfig.from_pretrained(s), s
+        if os.path.isfile(s):
+            with open(s) as f:
+                d = json.load(f)
+            model_type = d.pop("model_type", None)
+            if model_type is None:
+                raise ValueError(f"{s!r} has no model_type; is it a transformers config.json?")
+            return AutoConfig.for_model(model_type, **d), s
+        raise ValueError(f"{s!r} is neither a preset ({', '.join(PRESETS)}) nor an existing model folder or "
+                         "config file")
+    cfg = getattr(model, "model_config", None) or getattr(model, "config", None)
+    if cfg is not None:
+        return cfg, type(model).__name__
+    raise TypeError(f"cannot estimate {type(model).__name__}: pass a preset name, a model folder, a config.json, "
+                    "a transformers config, a model or a StreamingEngine")
+
+
+def _machine_ram() -> Optional[int]:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return None
+
+
+def _free_disk(path: Optional[str]) -> Optional[int]:
+    p = os.path.abspath(path or os.getcwd())
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    try:
+        return int(shutil.disk_usage(p).free)
+    except OSError:
+        return None
+
+
+def _budget(value: Budget, auto) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"budget {value!r}: give a number of GiB, 'auto' or None")
+        return auto()
+    if value <= 0:
+        raise ValueError(f"budget {value!r} must be a positive number of GiB")
+    return int(value * GiB)
+
+
+def gpu_resident_bytes(config, *, num_parameters: int, batch: int, seq: int) -> dict:
+    """Plain PyTorch fp32 AdamW with everything on one device, no activation checkpointing.
+
+    weights 4 B/param + gradients 4 B/param + two Adam moments 8 B/param, plus the activations
+    autograd keeps: per layer about ``tokens x (12 h + 4 i) x 4`` bytes (fused attention, no
+    seq^2 term) and the logits with their softmax and gradient.
+    """
+    tc = config.get_text_config()
+    h = int(getattr(tc, "hidden_size", 0) or 0)
+    i = int(getattr(tc, "intermediate_size", 0) or 4 * h)
+    layers = int(getattr(tc, "num_hidden_layers", 0) or 0)
+    vocab = int(getattr(tc, "vocab_size", 0) or 0)
+    tok = batch * seq
+    act = layers * tok * (12 * h + 4 * i) * 4 + 3 * tok * vocab * 4
+    out = {"weights": 4 * num_parameters, "grads": 4 * num_parameters,
+           "optimizer_states": 8 * num_parameters, "activations": act}
+    out["total"] = sum(out.values())
+    return out
+
+
+@dataclass
+class Estimate:
+    """The result of :func:`estimate`; ``print()`` it for the table."""
+
+    name: str
+    num_parameters: int
+    batch: int
+    seq: int
+    precision: str
+    compression: str
+    budgets: dict
+    plan: object
+    gpu_resident: dict
+    notes: list = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return bool(self.plan.feasible)
+
+    @property
+    def limiting_tier(self) -> Optional[str]:
+        return self.plan.limiting_tier
+
+    @property
+    def placement(self) -> dict:
+        return dict(self.plan.placement)
+
+    def tiers(self) -> dict:
+        """{tier: {kind: bytes, "total": bytes}} of our placement."""
+        return {"device": dict(self.plan.device), "host": dict(self.plan.host), "disk": dict(self.plan.disk)}
+
+    def gpus_needed_resident(self) -> Optional[int]:
+        vram = self.budgets.get("device")
+        return math.ceil(self.gpu_resident["total"] / vram) if vram else None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "num_parameters": self.num_parameters, "batch": self.batch, "seq": self.seq,
+                "precision": self.precision, "compression": self.compression, "budgets": self.budgets,
+                "tiers": self.tiers(), "placement": self.placement, "feasible": self.feasible,
+                "limiting_tier": self.limiting_tier, "reason": self.plan.reason,
+                "layer_slots": self.plan.layer_slots, "checkpoint_interval": self.plan.checkpoint_interval,
+                "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident()}
+
+    def _rows(self):
+        kinds = [("weights", "weights"), ("grads", "gradients"), ("optimizer_states", "optimizer states"),
+                 ("activations", "activations")]
+        rows = []
+        for tier in ("device", "host", "disk"):
+            d = self.tiers()[tier]
+            rows.append([tier, _fmt(self.budgets.get(tier)), _fmt(d.get("total", 0))]
+                        + [(_fmt(d[k]) if d.get(k) else "-") for k, _ in kinds])
+        return ["tier", "budget", "needed"] + [label for _, label in kinds], rows
+
+    def _gpu_line(self) -> str:
+        g = self.gpu_resident
+        wgs = g["weights"] + g["grads"] + g["optimizer_states"]
+        line = (f"GPU-resident fp32 AdamW (plain PyTorch, no offload): weights {_fmt(g['weights'])} "
+                f"(≈{_fmt_dec(g['weights'])}); with gradients and Adam states {_fmt(wgs)} (≈{_fmt_dec(wgs)}); "
+                f"with activations {_fmt(g['total'])} (≈{_fmt_dec(g['total'])})")
+        n = self.gpus_needed_resident()
+        if n is not None:
+            line += (f": fits one {_fmt(self.budgets['device'])} device" if n <= 1 else
+                     f": {n}x the {_fmt(self.budgets['device'])} device budget")
+        return line
+
+    def __str__(self) -> str:
+        header, rows = self._rows()
+        widths = [max(len(str(r[c])) for r in [header] + rows) for c in range(len(header))]
+        fmt = "  ".join("{:<%d}" % w for w in widths)
+        p = self.plan
+        lines = [f"megatrain_nb estimate: {self.name}: {_fmt_params(self.num_parameters)} parameters, "
+                 f"batch {self.batch} x seq {self.seq}, {self.precision} compute, fp32 master weights, "
+                 f"optimizer states {self.compression}",
+                 fmt.format(*header)] + [fmt.format(*r) for r in rows]
+        lines.append("placement: " + ", ".join(f"{k.replace('_', ' ')} -> {v}" for k, v in p.placement.items())
+                     + f"; device: {p.layer_slots} layer slots, checkpoint every {p.checkpoint_interval} layer(s)")
+        lines.append("feasible: yes" if p.feasible else f"feasible: NO (limiting tier: {p.limiting_tier}): {p.reason}")
+        lines.append(self._gpu_line())
+        lines += self.notes
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        header, rows = self._rows()
+        e = html.escape
+        th = "".join(f"<th>{e(h)}</th>" for h in header)
+        trs = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+        p = self.plan
+        verdict = ("<b style='color:green'>fits</b>" if p.feasible else
+                   f"<b style='color:#b00'>does not fit</b> (limiting tier: {e(str(p.limiting_tier))}): {e(p.reason)}")
+        return (f"<div><p><b>{e(self.name)}</b>: {_fmt_params(self.num_parameters)} parameters, batch {self.batch} x "
+                f"seq {self.seq}, optimizer states {e(self.compression)}</p><table><tr>{th}</tr>{trs}</table>"
+                f"<p>placement: {e(', '.join(f'{k} → {v}' for k, v in p.placement.items()))}</p><p>{verdict}</p>"
+                f"<p>{e(self._gpu_line())}</p></div>")
+
+
+def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,
+             seq: int = 2048, compression=True, precision: str = "fp32", checkpoint_interval: Optional[int] = 1,
+             offload_dir: Union[bool, str, None] = True, device: str = "cuda") -> Estimate:
+    """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
+
+    ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
+    ``config.json`` path, a transformers config, a model or a StreamingEngine.
+    ``compression``: the optimizer-state codec (``"none"``, ``"int8"``, ``"int4"``; ``True`` = the
+    recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
+    """
+    from megatrain_nb.engine.config import _normalize_compression
+    from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
+
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
+    config, name = resolve_config(model)
+    comp = _normalize_compression(compression)
+    units = unit_specs_from_config(config)
+    tc = config.get_text_config()
+    layers = sum(1 for u in units if u.kind == "layer")
+    disk_path = offload_dir if isinstance(offload_dir, str) else None
+    budgets = {"device": _budget(vram_gb, lambda: None), "host": _budget(ram_gb, _machine_ram),
+               "disk": _budget(disk_gb, lambda: _free_disk(disk_path)) if offload_dir else None}
+    plan = make_plan(units, hidden_size=int(tc.hidden_size), num_layers=layers,
+                     intermediate_size=getattr(tc, "intermediate_size", None), vocab_size=int(tc.vocab_size),
+                     vram_bytes=budgets["device"], host_bytes=budgets["host"], disk_bytes=budgets["disk"],
+                     batch=batch, seq=seq, compression=comp, precision=precision,
+                     checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
+                     cuda=device != "cpu")
+    total = sum(u.numel for u in units)
+    notes = []
+    if ram_gb == "auto" or (disk_gb == "auto" and offload_dir):
+        notes.append("host and disk budgets: this machine's RAM and free disk (pass ram_gb/disk_gb for other hardware)")
+    return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
+                    budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
+                                                                                batch=batch, seq=seq),
+                    notes=notes)

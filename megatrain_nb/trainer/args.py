@@ -1,0 +1,121 @@
+"""Which ``transformers.TrainingArguments`` fields the Trainer honours, and the check that
+rejects the rest.
+
+Every field is in one of three sets:
+
+- ``HONOURED``: the Trainer implements it (batch sizes, optimiser, schedule, logging, eval, save...);
+- ``NO_EFFECT``: bookkeeping that cannot change a single-process run (names, log levels,
+  hub credentials while ``push_to_hub`` is off, DDP knobs...);
+- everything else: accepted only at its default value; a user-set value is rejected with a
+  message naming the field, never silently ignored.
+
+Some honoured fields only accept some values (``optim``, ``save_strategy``...); those are
+checked too. A few map onto engine options: ``bf16`` -> ``precision="bf16"`` (bf16 compute with
+fp32 master weights and gradients, which is what Hugging Face's bf16 mixed precision means),
+``use_cpu`` -> ``device="cpu"``, the Adam fields and ``weight_decay`` -> the engine's AdamW.
+``gradient_checkpointing`` / ``activation_checkpointing`` are accepted: the engine always
+checkpoints layer inputs (see ``checkpoint_interval``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+HONOURED = frozenset({
+    "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
+    "max_steps", "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+    "optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "gradient_accumulation_steps", "max_grad_norm", "bf16", "use_cpu",
+    "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_checkpointing",
+    "activation_checkpointing_kwargs", "logging_strategy", "logging_steps", "logging_first_step",
+    "report_to", "eval_strategy", "eval_steps", "eval_delay", "eval_on_start", "save_strategy",
+    "save_steps", "save_total_limit", "seed", "data_seed", "full_determinism",
+    "dataloader_drop_last", "train_sampling_strategy", "ignore_data_skip", "resume_from_checkpoint",
+    "disable_tqdm", "label_names",
+})
+
+NO_EFFECT = frozenset({
+    "run_name", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
+    "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
+    "include_num_input_tokens_seen", "skip_memory_metrics", "do_train", "do_eval", "do_predict",
+    "remove_unused_columns", "dataloader_pin_memory", "prediction_loss_only",
+    "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
+    "save_on_each_node", "average_tokens_across_devices", "use_cache", "tf32",
+    "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_revision",
+    "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph",
+    "ddp_timeout", "local_rank", "length_column_name", "torch_empty_cache_steps",
+    "dataloader_in_order",
+})
+
+_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+_SCHEDULERS_REJECTED = ("reduce_lr_on_plateau", "greedy")
+_SAVE_STRATEGIES = ("no", "steps", "epoch")
+_SAMPLING = ("random", "sequential")
+
+
+class UnsupportedArgumentError(ValueError):
+    """A TrainingArguments field was set to something megatrain_nb does not do."""
+
+
+def _value(v: Any) -> Any:
+    return getattr(v, "value", v)  # enums -> their string
+
+
+@functools.lru_cache(maxsize=1)
+def _default_values() -> dict:
+    from transformers import TrainingArguments
+
+    ref = TrainingArguments(output_dir=os.path.join(os.getcwd(), "megatrain_outputs"))
+    return {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref)}
+
+
+def validate_training_args(args) -> None:
+    """Raise :class:`UnsupportedArgumentError` naming every field set to something unsupported.
+
+    Example::
+
+        validate_training_args(TrainingArguments(output_dir="o", fp16=True))
+        # UnsupportedArgumentError: TrainingArguments field(s) not supported by megatrain_nb: fp16=True ...
+    """
+    defaults = _default_values()
+    problems = []
+    for f in dataclasses.fields(args):
+        name = f.name
+        if name in HONOURED or name in NO_EFFECT or name not in defaults:
+            continue
+        value, default = getattr(args, name), defaults[name]
+        if _value(value) != _value(default):
+            problems.append(f"{name}={_value(value)!r} (default {_value(default)!r})")
+    if _value(args.optim) not in _OPTIMS:
+        problems.append(f"optim={_value(args.optim)!r} (the engine runs AdamW: use one of {_OPTIMS})")
+    if _value(args.lr_scheduler_type) in _SCHEDULERS_REJECTED:
+        problems.append(f"lr_scheduler_type={_value(args.lr_scheduler_type)!r} (metric-driven schedules "
+                        "are not supported; use e.g. 'linear', 'cosine', 'constant_with_warmup')")
+    if _value(args.save_strategy) not in _SAVE_STRATEGIES:
+        problems.append(f"save_strategy={_value(args.save_strategy)!r} (use one of {_SAVE_STRATEGIES})")
+    if args.train_sampling_strategy not in _SAMPLING:
+        problems.append(f"train_sampling_strategy={args.train_sampling_strategy!r} (use one of {_SAMPLING})")
+    if args.label_names not in (None, ["labels"]):
+        problems.append(f"label_names={args.label_names!r} (only the 'labels' column is used)")
+    if problems:
+        raise UnsupportedArgumentError(
+            "TrainingArguments field(s) not supported by megatrain_nb: " + "; ".join(problems)
+            + ". Remove them (or set them back to their defaults); megatrain_nb never ignores a "
+            "setting silently (the supported fields are listed in megatrain_nb.trainer.args)."
+        )
+
+
+def engine_options_from_args(args) -> dict:
+    """The EngineConfig fields that TrainingArguments decide."""
+    opts = {
+        "adam_betas": (float(args.adam_beta1), float(args.adam_beta2)),
+        "adam_eps": float(args.adam_epsilon),
+        "weight_decay": float(args.weight_decay),
+    }
+    if args.bf16:
+        opts["precision"] = "bf16"
+    if args.use_cpu:
+        opts["device"] = "cpu"
+    return opts

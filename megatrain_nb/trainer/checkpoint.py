@@ -1,0 +1,188 @@
+"""Checkpoint folders: ``output_dir/checkpoint-<step>/`` written whole under a temporary name
+(``checkpoint-<step>.tmp-<pid>-<random>``) and renamed into place, so a crash mid-write leaves
+the previous checkpoints intact and the partial one ignored (and cleaned up later).
+
+A checkpoint folder holds:
+
+- what ``engine.save_checkpoint`` writes: weights in the Hugging Face safetensors layout and the
+  optimizer states in their stored (codec) form;
+- ``scheduler.pt``  (the LR scheduler's state and any live ``set_lr`` override),
+- ``rng_state.pth`` (python, numpy, torch CPU and CUDA generators),
+- ``trainer_state.json`` (``transformers.TrainerState``: step, epoch, log history),
+- ``megatrain_state.json`` (data position, tokens seen, the run's shape; written last: it marks
+  a megatrain_nb checkpoint),
+- ``training_args.json`` and, when there is one, the tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+PREFIX = "checkpoint"
+STATE_FILE = "megatrain_state.json"
+_NAME = re.compile(rf"^{PREFIX}-(\d+)$")
+_TMP = re.compile(rf"^{PREFIX}-\d+\.tmp-(\d+)-[0-9a-f]+$")
+
+
+class CheckpointError(ValueError):
+    """A path given as a checkpoint is not one (the message says what was found)."""
+
+
+def is_checkpoint(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / STATE_FILE).is_file() and (p / "trainer_state.json").is_file()
+
+
+def list_checkpoints(output_dir) -> list[Path]:
+    """Complete checkpoints in ``output_dir``, oldest step first. Partial (temporary) ones are ignored."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _NAME.match(child.name)
+        if m and is_checkpoint(child):
+            found.append((int(m.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir) -> Optional[Path]:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_resume(resume, output_dir) -> Optional[Path]:
+    """``True`` -> the latest checkpoint in output_dir; a path -> that checkpoint, checked."""
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        last = latest_checkpoint(output_dir)
+        if last is None:
+            raise CheckpointError(f"resume_from_checkpoint=True but no complete checkpoint was found in "
+                                  f"output_dir={str(output_dir)!r}")
+        return last
+    p = Path(resume)
+    if not p.exists():
+        raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} does not exist")
+    if is_checkpoint(p):
+        return p
+    inside = latest_checkpoint(p) if p.is_dir() else None
+    hint = (f"; it holds checkpoints, the latest being {str(inside)!r}" if inside is not None
+            else "; pass a folder like <output_dir>/checkpoint-<step> written by megatrain_nb")
+    raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a megatrain_nb checkpoint "
+                          f"(no {STATE_FILE} and trainer_state.json in it){hint}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(output_dir) -> None:
+    """Delete partial checkpoints left by processes that died while writing them."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        m = _TMP.match(child.name)
+        if m and (int(m.group(1)) == os.getpid() or not _pid_alive(int(m.group(1)))):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp_dir)`` then rename ``tmp_dir`` to ``final_dir`` (replacing an older one)."""
+    final = Path(final_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(final.parent)
+    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        _fsync_dir(tmp)
+        if final.exists():
+            old = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            try:
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None) -> list[Path]:
+    """Delete the oldest checkpoints beyond ``keep`` (``save_total_limit``); never ``protect``."""
+    if not keep or keep <= 0:
+        return []
+    found = list_checkpoints(output_dir)
+    doomed = found[:-keep] if len(found) > keep else []
+    removed = []
+    for p in doomed:
+        if protect is not None and p.resolve() == Path(protect).resolve():
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+# -- small files -------------------------------------------------------------------------------
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_json(path: Path, obj) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())

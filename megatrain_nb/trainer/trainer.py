@@ -1,0 +1,511 @@
+"""``mt.Trainer``: the drop-in for ``transformers.Trainer`` on top of the StreamingEngine.
+
+Example::
+
+    import megatrain_nb as mt
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    mt.init(offload_dir="/nvme/cache", max_vram_gb=80, optimizer_compression=True)
+    model = AutoModelForCausalLM.from_pretrained(local_dir, torch_dtype=torch.float32)
+    trainer = mt.Trainer(model=model, train_dataset=ds,
+                         args=TrainingArguments(per_device_train_batch_size=1,
+                                                gradient_accumulation_steps=128, output_dir="out"))
+    trainer.train()             # or: for record in trainer.iter_steps(): ...
+    trainer.save_model()
+
+The loop matches transformers.Trainer step for step: the same batches in the same order, the
+loss normalised by the target tokens of the whole accumulation window (``num_items_in_batch``),
+global-norm clipping, AdamW with the same decay set, and ``get_scheduler`` stepped after each
+optimizer step. It is a generator (:meth:`Trainer.iter_steps`) so a notebook Session can act
+between steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from . import checkpoint as ckpt
+from .args import engine_options_from_args, validate_training_args
+from .data import (
+    BatchStream,
+    ColumnFilter,
+    DataError,
+    count_targets,
+    count_tokens,
+    default_collator,
+    eval_batches,
+    prepare_dataset,
+)
+from .defaults import merge_engine_options
+from .metrics_log import MetricsLog
+from .schedule import LRSchedule
+
+
+def _coerce_args(args):
+    from transformers import TrainingArguments
+
+    if args is None:
+        return TrainingArguments(output_dir="megatrain_outputs")
+    if isinstance(args, dict):
+        return TrainingArguments(**{"output_dir": "megatrain_outputs", **args})
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"args must be a transformers.TrainingArguments (or a dict of its fields), "
+                        f"got {type(args).__name__}")
+    return args
+
+
+def _derived_engine_options(args) -> dict:
+    """Engine options decided by TrainingArguments fields the user changed from their defaults."""
+    from .args import _default_values
+
+    defaults = _default_values()
+    fields_of = {"adam_betas": ("adam_beta1", "adam_beta2"), "adam_eps": ("adam_epsilon",),
+                 "weight_decay": ("weight_decay",), "precision": ("bf16",), "device": ("use_cpu",)}
+    opts = engine_options_from_args(args)
+    return {k: v for k, v in opts.items()
+            if any(getattr(args, f) != defaults[f] for f in fields_of[k])}
+
+
+def _is_engine(obj) -> bool:
+    return hasattr(obj, "forward_backward") and hasattr(obj, "optimizer_step")
+
+
+class Trainer:
+    """Train a causal LM with the StreamingEngine, driven like ``transformers.Trainer``.
+
+    ``model``: a ``*ForCausalLM`` module, a local model folder, or an existing StreamingEngine.
+    ``**engine_options``: any EngineConfig field; they override ``mt.init`` defaults.
+    ``seq_len``/``text_column``/``packing``: how a text dataset is tokenised and packed.
+    """
+
+    def __init__(self, model=None, train_dataset=None, args=None, eval_dataset=None, tokenizer=None,
+                 data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
+                 text_column: str = "text", packing: bool = True, **engine_options):
+        from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
+        from transformers.trainer_utils import enable_full_determinism, set_seed
+
+        self.args = _coerce_args(args)
+        validate_training_args(self.args)
+        if self.args.full_determinism:
+            enable_full_determinism(self.args.seed)
+        else:
+            set_seed(self.args.seed)
+        self.tokenizer = tokenizer if tokenizer is not None else processing_class
+        self.model, self._engine = self._build_engine(model, engine_options)
+        if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
+            self.tokenizer = _local_tokenizer(model)
+        self.seq_len = seq_len or _default_seq_len(self._engine)
+        prep = dict(tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=text_column, packing=packing)
+        self.train_dataset = (prepare_dataset(train_dataset, what="train_dataset", **prep)
+                              if train_dataset is not None else None)
+        self.eval_dataset = (prepare_dataset(eval_dataset, what="eval_dataset", **prep)
+                             if eval_dataset is not None else None)
+        self._prep = prep
+        self.data_collator = (ColumnFilter(data_collator) if data_collator is not None
+                              else default_collator(self.tokenizer))
+
+        from transformers.integrations import get_reporting_integration_callbacks
+
+        cbs = [DefaultFlowCallback] + get_reporting_integration_callbacks(self.args.report_to) + list(callbacks or [])
+        self.callback_handler = CallbackHandler(cbs, self.model, self.tokenizer, None, None)
+        self.state = TrainerState()
+        self.control = TrainerControl()
+        self.schedule: Optional[LRSchedule] = None
+        self._stream: Optional[BatchStream] = None
+        self._pending_lr: Optional[float] = None
+        self._stop = False
+        self._running = False
+        self._tokens_seen = 0
+        self._log_accum = (0.0, 0)  # (sum of step losses, steps) since the last log
+        self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl")
+        self._engine_overlaps = "step_lr" in inspect.signature(self._engine.forward_backward).parameters
+
+    # ------------------------------------------------------------------ construction helpers
+    def _build_engine(self, model, explicit: dict):
+        from megatrain_nb.engine import EngineConfig, StreamingEngine
+
+        if model is None:
+            raise ValueError("model is required: a *ForCausalLM model, a local model folder, or a StreamingEngine")
+        if _is_engine(model):
+            if explicit:
+                raise ValueError(f"engine options {sorted(explicit)} were given with an already built engine")
+            return getattr(model, "model", None), model
+        options = merge_engine_options(_derived_engine_options(self.args), explicit)
+        config = EngineConfig.from_options(**options)
+        if isinstance(model, (str, os.PathLike)):
+            folder = Path(model)
+            if not (folder / "config.json").is_file():
+                raise ValueError(f"model={str(model)!r} is not a local model folder (no config.json in it); "
+                                 "pass a folder written by save_pretrained, or a model object")
+            if hasattr(StreamingEngine, "from_pretrained"):
+                return None, StreamingEngine.from_pretrained(str(folder), config)
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a *ForCausalLM module, a local folder or a StreamingEngine; "
+                            f"got {type(model).__name__}")
+        return model, StreamingEngine(model, config)
+
+    @property
+    def engine(self):
+        """The StreamingEngine that holds the model's training state."""
+        return self._engine
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps this run plans (``max_steps`` or epochs x steps per epoch)."""
+        a = self.args
+        if a.max_steps is not None and a.max_steps > 0:
+            return int(a.max_steps)
+        if self.train_dataset is None:
+            return 0
+        ds = self.train_dataset
+        if not hasattr(ds, "__len__") or isinstance(ds, torch.utils.data.IterableDataset):
+            raise DataError("train_dataset has no length (an iterable dataset): set max_steps in TrainingArguments")
+        n, bs = len(self.train_dataset), a.per_device_train_batch_size
+        batches = n // bs if a.dataloader_drop_last else -(-n // bs)
+        per_epoch = max(-(-batches // a.gradient_accumulation_steps), 1)
+        return int(math.ceil(a.num_train_epochs * per_epoch))
+
+    # ------------------------------------------------------------------ live controls (Session seam)
+    def set_lr(self, lr: float) -> None:
+        """From the next optimizer step the learning rate is ``lr``; the schedule carries on relative to it."""
+        if self.schedule is None:
+            if not (lr >= 0):
+                raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
+            self._pending_lr = float(lr)
+        else:
+            self.schedule.set_lr(lr)
+
+    def request_stop(self) -> None:
+        """Make :meth:`iter_steps` return after the current optimizer step."""
+        self._stop = True
+
+    # ------------------------------------------------------------------ the loop
+    def iter_steps(self, resume_from_checkpoint=None) -> Iterator[dict]:
+        """Train, yielding one plain-dict record per optimizer step (see docs/INTERNALS.md)."""
+        from transformers.trainer_callback import TrainerControl, TrainerState
+
+        if self.train_dataset is None:
+            raise ValueError("train_dataset is required to train")
+        if self._running:
+            raise RuntimeError("this Trainer is already training")
+        args = self.args
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
+        total = self.total_steps
+        ga = args.gradient_accumulation_steps
+        self._running, self._stop = True, False
+        try:
+            stream = BatchStream(self.train_dataset, batch_size=args.per_device_train_batch_size,
+                                 collate=self.data_collator,
+                                 seed=args.data_seed if args.data_seed is not None else args.seed,
+                                 shuffle=args.train_sampling_strategy == "random", drop_last=args.dataloader_drop_last)
+            self._stream = stream
+            self.schedule = LRSchedule(learning_rate=args.learning_rate, scheduler_type=args.lr_scheduler_type,
+                                       num_training_steps=total, num_warmup_steps=args.get_warmup_steps(total),
+                                       scheduler_kwargs=args.lr_scheduler_kwargs)
+            self.state = TrainerState()
+            self._tokens_seen = 0
+            self._log_accum = (0.0, 0)
+            if resume is not None:
+                self._load_checkpoint(resume, stream)
+            else:
+                self._engine.zero_grad()
+            if self._pending_lr is not None:
+                self.schedule.set_lr(self._pending_lr)
+                self._pending_lr = None
+            st = self.state
+            st.max_steps, st.train_batch_size = total, args.per_device_train_batch_size
+            st.num_train_epochs = (math.ceil(total / max(-(-stream.batches_per_epoch // ga), 1))
+                                   if stream.batches_per_epoch else 1)
+            st.compute_steps(args, total)
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            cb, self.control = self.callback_handler, TrainerControl()
+            self.control = cb.on_train_begin(args, st, self.control)
+            if args.eval_on_start and self.eval_dataset is not None and resume is None:
+                self.evaluate()
+            epoch_open = False
+            while st.global_step < total and not self._stop:
+                if not epoch_open:
+                    self.control = cb.on_epoch_begin(args, st, self.control)
+                    epoch_open = True
+                self.control = cb.on_step_begin(args, st, self.control)
+                window, ended = stream.next_window(ga)
+                record = None
+                if window:
+                    record = self._train_window(window, total)
+                    st.global_step += 1
+                    steps_in_epoch = stream.batches_per_epoch or total * ga
+                    st.epoch = stream.epoch + stream.consumed / steps_in_epoch
+                    record["epoch"] = st.epoch
+                    self.control = cb.on_step_end(args, st, self.control)
+                elif stream.consumed == 0:
+                    raise DataError("train_dataset yielded no examples in epoch "
+                                    f"{stream.epoch}; it is empty or exhausted")
+                if ended or self.control.should_epoch_stop:  # a callback may end the epoch early
+                    self.control = cb.on_epoch_end(args, st, self.control)
+                    stream.start_next_epoch()
+                    epoch_open = False
+                self._after_step(record)
+                if record is not None:
+                    self.metrics_log.write(record)
+                    yield record
+                if self.control.should_training_stop:
+                    break
+            self.control = cb.on_train_end(args, st, self.control)
+        finally:
+            self._running = False
+
+    def _train_window(self, window: list, total: int) -> dict:
+        args, engine, cb, st = self.args, self._engine, self.callback_handler, self.state
+        t0 = time.perf_counter()
+        n_items = sum(count_targets(b) for b in window)
+        if n_items == 0:
+            raise DataError(f"optimizer step {st.global_step + 1}: its batches hold no target tokens "
+                            "(every label is -100 or every sequence is padding)")
+        loss_sum, grad_norm = 0.0, None
+        max_norm = args.max_grad_norm
+        # Overlapping each unit's AdamW update with the last backward (the engine's step_lr) is
+        # only exact without clipping: a global norm needs every gradient before any update.
+        overlap = not (max_norm and max_norm > 0) and self._engine_overlaps
+        lock = getattr(engine, "lock", None) or contextlib.nullcontext()
+        with lock:
+            lr = self.schedule.current()
+            for i, b in enumerate(window):
+                last = i == len(window) - 1
+                extra = {}
+                if last and overlap:
+                    self.control = cb.on_pre_optimizer_step(args, st, self.control)
+                    extra["step_lr"] = lr
+                out = engine.forward_backward(b["input_ids"], attention_mask=b.get("attention_mask"),
+                                              labels=b["labels"], num_items_in_batch=n_items, **extra)
+                loss_sum += float(out.loss) * int(out.num_tokens)
+                if not last:
+                    self.control = cb.on_substep_end(args, st, self.control)
+            if overlap:
+                grad_norm = getattr(out, "grad_norm", None)
+            else:
+                grad_norm = engine.clip_grad_norm_(max_norm) if max_norm and max_norm > 0 else engine.grad_norm()
+                self.control = cb.on_pre_optimizer_step(args, st, self.control)
+                engine.optimizer_step(lr)
+                engine.zero_grad()
+            self.control = cb.on_optimizer_step(args, st, self.control)
+            self.schedule.step()
+        dt = time.perf_counter() - t0
+        tokens = sum(count_tokens(b) for b in window)
+        self._tokens_seen += tokens
+        st.num_input_tokens_seen = self._tokens_seen
+        loss = loss_sum / n_items
+        s, k = self._log_accum
+        self._log_accum = (s + loss, k + 1)
+        return {"step": st.global_step + 1, "epoch": st.epoch, "loss": loss, "lr": lr,
+                "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
+                "tokens_seen": self._tokens_seen, "tokens_per_s": tokens / dt if dt > 0 else 0.0,
+                "step_time_s": dt, "time": time.time(), "total_steps": total}
+
+    def _after_step(self, record: Optional[dict]) -> None:
+        """Logging, evaluation and checkpoints as the callbacks' control asks."""
+        c = self.control
+        if c.should_log and self._log_accum[1] > 0:
+            s, k = self._log_accum
+            self._log_accum = (0.0, 0)
+            logs = {"loss": s / k, "learning_rate": record["lr"] if record else self.schedule.current()}
+            if record is not None:
+                if record["grad_norm"] is not None:
+                    logs["grad_norm"] = record["grad_norm"]
+                record["memory"] = self._engine.memory_report()
+                record["telemetry"] = self._engine.telemetry()
+            self.log(logs)
+        if c.should_evaluate and self.eval_dataset is not None:
+            metrics = self.evaluate()
+            if record is not None:
+                record["eval_loss"], record["eval_ppl"] = metrics["eval_loss"], metrics["eval_ppl"]
+        if c.should_save:
+            path = self.save_checkpoint()
+            if record is not None:
+                record["checkpoint"] = path
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def log(self, logs: dict) -> None:
+        """Record ``logs`` in the state's history and hand them to the callbacks (report_to, ...)."""
+        if self.state.epoch is not None:
+            logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """Train to the end (blocking) and return ``transformers.trainer_utils.TrainOutput``."""
+        from transformers.trainer_callback import ProgressCallback
+        from transformers.trainer_utils import TrainOutput
+
+        if trial is not None or kwargs:
+            raise ValueError(f"train() does not support {['trial'] if trial is not None else list(kwargs)}")
+        progress = None
+        if not self.args.disable_tqdm and not any(isinstance(c, ProgressCallback)
+                                                  for c in self.callback_handler.callbacks):
+            progress = ProgressCallback()
+            self.callback_handler.add_callback(progress)
+        t0, losses, tokens = time.time(), [], 0
+        try:
+            for record in self.iter_steps(resume_from_checkpoint=resume_from_checkpoint):
+                losses.append(record["loss"])
+                tokens += record["tokens"]
+        finally:
+            if progress is not None:
+                self.callback_handler.remove_callback(progress)
+        runtime = time.time() - t0
+        train_loss = sum(losses) / len(losses) if losses else float("nan")
+        metrics = {"train_runtime": runtime, "train_loss": train_loss, "train_steps": len(losses),
+                   "train_tokens_per_second": tokens / runtime if runtime > 0 else 0.0}
+        self.log(dict(metrics))
+        self.metrics_log.write({"event": "train_end", **metrics, "step": self.state.global_step, "time": time.time()})
+        return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
+        """Token-weighted mean loss over the eval set and its perplexity: ``{eval_loss, eval_ppl, ...}``."""
+        ds = (prepare_dataset(eval_dataset, what="eval_dataset", **self._prep) if eval_dataset is not None
+              else self.eval_dataset)
+        if ds is None:
+            raise ValueError("evaluate() needs an eval_dataset (give one to the Trainer or to evaluate())")
+        t0, total, n = time.time(), 0.0, 0
+        for b in eval_batches(ds, batch_size=self.args.per_device_eval_batch_size, collate=self.data_collator):
+            out = self._engine.evaluate(b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
+            total += float(out.loss) * int(out.num_tokens)
+            n += int(out.num_tokens)
+        if n == 0:
+            raise DataError("the eval dataset holds no target tokens")
+        loss = total / n
+        p = metric_key_prefix
+        metrics = {f"{p}_loss": loss, f"{p}_ppl": math.exp(loss) if loss < 700 else float("inf"),
+                   f"{p}_tokens": n, f"{p}_runtime": time.time() - t0}
+        self.log(dict(metrics))
+        self.metrics_log.write({"event": "evaluate", **metrics, "step": self.state.global_step, "time": time.time()})
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ saving
+    def save_model(self, output_dir: Optional[str] = None) -> str:
+        """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads (and the tokenizer, if any)."""
+        target = Path(output_dir or self.args.output_dir)
+        target.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".save-tmp-", dir=target))
+        try:
+            self._engine.save_pretrained(str(tmp))
+            if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+                self.tokenizer.save_pretrained(str(tmp))
+            for f in sorted(tmp.iterdir()):
+                dest = target / f.name
+                if dest.is_dir() and not f.is_dir():
+                    shutil.rmtree(dest)
+                os.replace(f, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(target)
+
+    def save_checkpoint(self, path=None) -> str:
+        """Write a complete checkpoint (default ``output_dir/checkpoint-<step>``); returns its path."""
+        if self.schedule is None or self._stream is None:
+            raise RuntimeError("save_checkpoint() needs a training run (call train() or iter_steps() first)")
+        default = path is None
+        final = (Path(path) if path is not None
+                 else Path(self.args.output_dir) / f"{ckpt.PREFIX}-{self.state.global_step}")
+        meta = {"format": 1, "global_step": self.state.global_step, "data": self._stream.state_dict(),
+                "tokens_seen": self._tokens_seen, "total_steps": self.state.max_steps,
+                "log_accum": list(self._log_accum),
+                "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
+                "batch_size": self.args.per_device_train_batch_size,
+                "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                "seed": self.args.seed, "data_seed": self.args.data_seed}
+
+        def write(tmp: Path) -> None:
+            self._engine.save_checkpoint(str(tmp))
+            torch.save(self.schedule.state_dict(), tmp / "scheduler.pt")
+            torch.save(ckpt.rng_state(), tmp / "rng_state.pth")
+            self.state.save_to_json(str(tmp / "trainer_state.json"))
+            ckpt.write_json(tmp / "training_args.json", self.args.to_dict())
+            if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+                self.tokenizer.save_pretrained(str(tmp))
+            ckpt.write_json(tmp / ckpt.STATE_FILE, meta)  # last: marks a complete checkpoint
+
+        lock = getattr(self._engine, "lock", None) or contextlib.nullcontext()
+        with lock:
+            out = ckpt.write_checkpoint(final, write)
+        if default:
+            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out)
+        self.metrics_log.write({"event": "checkpoint", "path": str(out), "step": self.state.global_step,
+                                "time": time.time()})
+        return str(out)
+
+    def _load_checkpoint(self, path: Path, stream: BatchStream) -> None:
+        import warnings
+
+        from transformers.trainer_callback import TrainerState
+
+        meta = ckpt.read_json(path / ckpt.STATE_FILE)
+        mine = {"batch_size": self.args.per_device_train_batch_size,
+                "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
+                "total_steps": self.total_steps, "seed": self.args.seed}
+        changed = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
+        if changed:
+            warnings.warn(f"resuming from {path} with settings that differ from the run that wrote it "
+                          f"{changed}: the continuation will not match an uninterrupted run", stacklevel=3)
+        self._engine.load_checkpoint(str(path))
+        self.schedule.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+        data = dict(meta["data"])
+        if self.args.ignore_data_skip:
+            data["consumed"] = 0
+        stream.load_state_dict(data)
+        self._tokens_seen = int(meta.get("tokens_seen", 0))
+        self._log_accum = tuple(meta.get("log_accum", (0.0, 0)))
+        ckpt.set_rng_state(torch.load(path / "rng_state.pth", weights_only=False))
+        self._engine.zero_grad()
+
+    # ------------------------------------------------------------------ callbacks, lifetime
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def close(self) -> None:
+        """Release the engine (device memory, threads, disk-tier files)."""
+        self._engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _default_seq_len(engine) -> int:
+    cfg = getattr(engine, "model_config", None)
+    n = getattr(cfg, "max_position_embeddings", None) if cfg is not None else None
+    return min(int(n), 1024) if n else 1024
+
+
+def _local_tokenizer(folder):
+    p = Path(folder)
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(p))

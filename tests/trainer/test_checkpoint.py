@@ -1,0 +1,106 @@
+"""Checkpoints: exact resume in a new process, crash safety, rotation, and bad resume paths."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatrain_nb.trainer import CheckpointError, Trainer, latest_checkpoint, list_checkpoints
+
+from .ckpt_job import make_trainer
+from .helpers import args, micro_model, token_dataset
+
+JOB = os.path.join(os.path.dirname(__file__), "ckpt_job.py")
+
+
+def _run_job(*argv, check=True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, JOB, *map(str, argv)], capture_output=True, text=True, env=env, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"job {argv} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return p
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_resume_in_a_new_process_lands_on_the_uninterrupted_weights(tmp_path, compression):
+    full = make_trainer(str(tmp_path / "full"), compression)
+    full.train()
+    expected = full.engine.state_dict()
+
+    out = tmp_path / "split"
+    first = make_trainer(str(out), compression)
+    for record in first.iter_steps():
+        if record["step"] == 3:
+            break  # "stopped after checkpoint 3"
+    first.close()
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"]
+    if compression != "none":
+        assert any(f.startswith("optimizer") for f in os.listdir(out / "checkpoint-3"))
+    _run_job(f"resume:{out / 'checkpoint-3'}", out, compression)
+    resumed = torch.load(out / "final.pt")
+    assert resumed.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(resumed[name], expected[name]), name
+
+
+def test_killed_while_writing_leaves_the_previous_checkpoint_and_ignores_the_partial(tmp_path):
+    out = tmp_path / "run"
+    p = _run_job("kill-at:4", out, "none", check=False)
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2"]
+    partial = [c for c in os.listdir(out) if c.startswith("checkpoint-4")]
+    assert partial and all(".tmp-" in c for c in partial)
+    assert latest_checkpoint(out).name == "checkpoint-2"
+
+    tr = make_trainer(str(out), "none", save_steps=2)
+    tr.train(resume_from_checkpoint=True)  # picks checkpoint-2, not the partial one
+    assert tr.state.global_step == 8
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert not [c for c in os.listdir(out) if ".tmp-" in c]  # the dead process's partial was cleaned up
+
+
+def test_rotation_keeps_the_newest_and_checkpoints_load_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tr = Trainer(model=micro_model(), train_dataset=token_dataset(12),
+                 args=args(tmp_path, max_steps=4, save_strategy="steps", save_steps=1, save_total_limit=2),
+                 device="cpu")
+    tr.train()
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4"]
+    files = set(os.listdir(tmp_path / "checkpoint-4"))
+    assert {"trainer_state.json", "scheduler.pt", "rng_state.pth", "megatrain_state.json"} <= files
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-4")
+    for name, p in tr.engine.named_parameters():
+        assert torch.equal(dict(loaded.named_parameters())[name], p), name
+
+
+def test_save_checkpoint_to_a_chosen_path(tmp_path):
+    tr = Trainer(model=micro_model(), train_dataset=token_dataset(12), args=args(tmp_path / "o", max_steps=4),
+                 device="cpu")
+    with pytest.raises(RuntimeError, match="training run"):
+        tr.save_checkpoint()
+    for r in tr.iter_steps():
+        if r["step"] == 2:
+            path = tr.save_checkpoint(tmp_path / "mine")
+    assert path == str(tmp_path / "mine")
+    again = Trainer(model=micro_model(), train_dataset=token_dataset(12), args=args(tmp_path / "o2", max_steps=4),
+                    device="cpu")
+    again.train(resume_from_checkpoint=path)
+    assert again.state.global_step == 4
+
+
+def test_bad_resume_paths_are_named(tmp_path):
+    tr = Trainer(model=micro_model(), train_dataset=token_dataset(8), args=args(tmp_path / "out", max_steps=2),
+                 device="cpu")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        tr.train(resume_from_checkpoint=str(tmp_path / "missing"))
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(CheckpointError, match="is not a megatrain_nb checkpoint"):
+        tr.train(resume_from_checkpoint=str(tmp_path / "junk"))
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        tr.train(resume_from_checkpoint=True)
+    tr.args.save_strategy = "steps"
+    tr.train()
+    with pytest.raises(CheckpointError, match="the latest being"):
+        tr.train(resume_from_checkpoint=str(tmp_path / "out"))

@@ -52,9 +52,13 @@ class DirtyUnits:
 
 
 class DiskReadStream:
-    def __init__(self, disk, units: List[Unit], dirty: DirtyUnits, *, buffers: int, pin: bool, counters):
+    def __init__(self, disk, units: List[Unit], dirty: DirtyUnits, *, buffers: int, pin: bool, counters,
+                 after_updates: bool):
         self.disk = disk
         self.dirty = dirty
+        # The compute stream reads a unit only after its pending update is written; the
+        # optimizer stream is the one doing the update, so it must not wait for itself.
+        self.after_updates = after_updates
         self.counters = counters
         max_numel = max(u.numel for u in units)
         self._free: List[torch.Tensor] = []
@@ -68,10 +72,18 @@ class DiskReadStream:
         self._inflight: Dict[int, List[tuple]] = {}
         dirty.listeners.append(self._top_up)
 
-    def schedule(self, order: Sequence[Unit]) -> None:
-        """The order in which :meth:`get` will be called; reads start ahead of need."""
+    def schedule(self, order: Sequence[Unit], *, append: bool = False) -> None:
+        """The order in which :meth:`get` will be called; reads start ahead of need.
+
+        ``append`` queues the order behind what is still to come (the optimizer stream: the
+        updates of one step may still run when the next step schedules its own).
+        """
         with self._cv:
-            self._order = [u for u in order if u.numel > 0]
+            new = [u for u in order if u.numel > 0]
+            if append:
+                self._order = self._order[self._issued:] + new
+            else:
+                self._order = new
             self._issued = 0
         self._top_up()
 
@@ -79,7 +91,7 @@ class DiskReadStream:
         with self._cv:
             while self._issued < len(self._order) and self._free:
                 u = self._order[self._issued]
-                if self.dirty.is_dirty(u):
+                if self.after_updates and self.dirty.is_dirty(u):
                     break  # strict order: wait for its update's write
                 self._issued += 1
                 self._start(u)
@@ -88,18 +100,22 @@ class DiskReadStream:
         buf = self._free.pop()
         fut = self.disk.read(weights_key(unit), out={"w": buf[:unit.numel]})
         self._inflight.setdefault(unit.index, []).append((buf, fut))
+        self._cv.notify_all()
 
     def get(self, unit: Unit) -> torch.Tensor:
         """The unit's weights in a staging buffer; hand it back with :meth:`release`."""
         with self._cv:
             entries = self._inflight.get(unit.index)
+        on_demand = False
         if not entries:
-            self.dirty.wait_clean(unit)
+            if self.after_updates:
+                self.dirty.wait_clean(unit)
             with self._cv:
-                entries = self._inflight.get(unit.index)
-                if not entries:  # not read ahead: read on demand (counted as late)
-                    while not self._free:
-                        self._cv.wait(0.05)
+                # Wait for the read-ahead to reach this unit, or for a buffer to read it now.
+                while not self._inflight.get(unit.index) and not self._free:
+                    self._cv.wait(0.05)
+                if not self._inflight.get(unit.index):  # not read ahead: read on demand (late)
+                    on_demand = True
                     self._start(unit)
                     for i in range(self._issued, len(self._order)):
                         if self._order[i] is unit:
@@ -110,11 +126,10 @@ class DiskReadStream:
             buf, fut = entries.pop(0)
             if not entries:
                 del self._inflight[unit.index]
-        ahead = fut.done()
         t0 = time.perf_counter()
         fut.result()
         self.counters.stall("disk", time.perf_counter() - t0)
-        self.counters.prefetch_result("disk", ahead)
+        self.counters.prefetch_result("disk", not on_demand)  # issued ahead of need, or late
         return buf[:unit.numel]
 
     def release(self, buf: torch.Tensor) -> None:

@@ -78,7 +78,7 @@ class StreamingEngine:
         self.store = HostStore(self.units, pin=pin)
         self.disk = self._open_disk_tier()
         self.weights = WeightStore(self.units, self.store, disk=self.disk if self.params_on_disk else None,
-                                   pin=pin, counters=self.counters)
+                                   pin=pin, counters=self.counters, compute_buffers=2, optimizer_buffers=2)
         self.states = OptimizerStates(self.units, config, self.counters, disk=self.disk)
         self._placeholders = self._take_parameters(model, _source)
         self.weights.finish_initial()
@@ -94,6 +94,7 @@ class StreamingEngine:
         self._step_lr: Optional[float] = None
         self._updates: Dict[int, Future] = {}
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
+        self._update_slots = threading.BoundedSemaphore(1)  # units queued for an update, at most
         self._head_stub = HiddenStatesStub()
         self._activation_peak = 0
 
@@ -191,6 +192,9 @@ class StreamingEngine:
         need = stored_state_bytes(self.units, cfg.optimizer_compression)
         if self.params_on_disk:
             need += self.num_parameters() * 4
+        from .host_store import return_freed_memory_to_os
+
+        return_freed_memory_to_os()  # RAM must stay flat while units stream through it
         if not os.path.isdir(cfg.offload_dir):
             from .disk_store import OffloadError
 
@@ -217,13 +221,22 @@ class StreamingEngine:
             # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
             # (a staging buffer is reused by the next transfer: copy it out)
             flat = grad.clone() if torch.is_tensor(grad) else torch.cat([g.reshape(-1).float() for g in grad])
-            self.weights.mark_updating(unit)
-            self._updates[unit.index] = self._update_pool.submit(self._update_unit, unit, lr, flat)
+            self._submit_update(unit, lr, flat, False)
             return
         self.store.accumulate(unit, grad)
         if lr is not None:  # last micro-batch: this unit's gradient is final, update it now
-            self.weights.mark_updating(unit)
-            self._updates[unit.index] = self._update_pool.submit(self._update_unit, unit, lr, None, True)
+            self._submit_update(unit, lr, None, True)
+
+    def _submit_update(self, unit: Unit, lr: float, grad, zero: bool) -> None:
+        self.weights.mark_updating(unit)
+        self._update_slots.acquire()  # back-pressure: RAM holds only a few pending updates
+
+        def run():
+            try:
+                self._update_unit(unit, lr, grad, zero)
+            finally:
+                self._update_slots.release()
+        self._updates[unit.index] = self._update_pool.submit(run)
 
     def _update_unit(self, unit: Unit, lr: float, grad: Optional[torch.Tensor] = None, zero: bool = False) -> None:
         t0 = time.perf_counter()
@@ -389,9 +402,8 @@ class StreamingEngine:
             self._wait_all_updates()
             t0 = time.perf_counter()
             self.weights.schedule([], self.units)
-            for i, u in enumerate(self.units):
-                if i + 1 < len(self.units):
-                    self.states.prefetch(self.units[i + 1])  # disk read ahead of the next update
+            self.states.schedule(self.units)  # disk reads ahead of the updates
+            for u in self.units:
                 self._update_unit(u, lr)
             self.states.flush()
             self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
@@ -429,14 +441,16 @@ class StreamingEngine:
                 dev["capacity_bytes"] = torch.cuda.get_device_properties(self.device).total_memory
         hb = self.store.nbytes()
         st = self.states.nbytes()
-        host = {"weights": hb["weights"], "grads": hb["grads"], "optimizer_states": st["host"],
+        wb = self.weights.nbytes()
+        host = {"weights": wb["host"], "grads": hb["grads"], "optimizer_states": st["host"],
                 "capacity_bytes": int(self.config.max_host_gb * GiB) if self.config.max_host_gb else _ram_total()}
         host["used_bytes"] = host["weights"] + host["grads"] + host["optimizer_states"]
-        host["peak_bytes"] = host["used_bytes"]
-        disk = {"weights": st.get("disk_weights", 0), "optimizer_states": st["disk"],
-                "capacity_bytes": st.get("disk_capacity")}
+        self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"])
+        host["peak_bytes"] = self._host_peak
+        disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "capacity_bytes": st.get("disk_capacity")}
         disk["used_bytes"] = disk["weights"] + disk["optimizer_states"]
-        disk["peak_bytes"] = max(disk["used_bytes"], st.get("disk_peak", 0))
+        self._disk_peak = max(getattr(self, "_disk_peak", 0), disk["used_bytes"])
+        disk["peak_bytes"] = self._disk_peak
         return {"device": dev, "host": host, "disk": disk}
 
     def telemetry(self) -> dict:

@@ -9,6 +9,32 @@ import torch
 from .units import Unit
 
 
+_MALLOC_TUNED = False
+
+
+def return_freed_memory_to_os(threshold: int = 1 << 20) -> bool:
+    """Make glibc return freed large blocks to the OS (a fixed mmap threshold).
+
+    glibc raises its mmap threshold dynamically up to 32 MiB, after which freed unit-sized
+    buffers stay in the heap: the process's RSS then grows to the sum of every unit it ever
+    touched — the whole model, for the disk tier. With a fixed threshold every large buffer is
+    its own mapping and goes back to the OS when freed. Used when the disk tier is on.
+    """
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED:
+        return True
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        M_MMAP_THRESHOLD = -3
+        _MALLOC_TUNED = bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        _MALLOC_TUNED = False
+    return _MALLOC_TUNED
+
+
 class HostStore:
     """Flat fp32 buffers per unit in host RAM (pinned when the device is CUDA).
 

@@ -49,6 +49,7 @@ class Pager:
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="mtnb-h2d")
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="mtnb-d2h")
         self._grad_futures: List[Future] = []
+        self.max_grads_in_flight = 1
         esize = torch.tensor([], dtype=dtype).element_size()
         self.pools: Dict[str, List[Slot]] = {}
         sizes = {"embed": 0, "layer": 0, "head": 0}
@@ -136,6 +137,7 @@ class Pager:
         with self._lock:
             slot = self._resident.get(unit.index)
             in_order = self._consumed < len(self._order) and self._order[self._consumed] is unit
+            ahead = slot is not None   # issued by the schedule before it was needed
             if slot is None:
                 # Not prefetched (no schedule, or out of order): fetch on demand.
                 while (slot := self._free_slot(unit.kind)) is None:
@@ -145,11 +147,9 @@ class Pager:
                     self._issued += 1
             if in_order:
                 self._consumed += 1
-        ahead = slot.ready.done()
         t0 = time.perf_counter()
         ev = slot.ready.result()
         if self.cuda and ev is not None:
-            ahead = ahead and ev.query()
             torch.cuda.current_stream(self.device).wait_event(ev)
         self.telemetry.stall("device", time.perf_counter() - t0)
         self.telemetry.prefetch_result("device", ahead)
@@ -203,6 +203,13 @@ class Pager:
                 self.grad_sink(unit, grads)
             fut = self._d2h.submit(finish)
         self._grad_futures.append(fut)
+        # Bounded: at most a few units' gradients in flight to the host (memory stays flat).
+        pending = [f for f in self._grad_futures if not f.done()]
+        self._grad_futures = pending
+        if len(pending) > self.max_grads_in_flight:
+            t0 = time.perf_counter()
+            pending[0].result()
+            self.telemetry.stall("grad_return", time.perf_counter() - t0)
 
     def wait_grads(self) -> None:
         t0 = time.perf_counter()

@@ -60,6 +60,26 @@ class OptimizerStates:
         return res[0], res[1]
 
     # ------------------------------------------------------------------ the optimizer's view
+    def schedule(self, order, ahead: int = 2) -> None:
+        """The order of the coming updates: keep ``ahead`` units' state reads in flight."""
+        # Appended: the updates of one step may still be running when the next step schedules.
+        self._sched = getattr(self, "_sched", []) + list(order)
+        self._ahead = ahead
+        for u in self._sched[:ahead]:
+            self.prefetch(u)
+
+    def _advance(self, unit: Unit) -> None:
+        sched = getattr(self, "_sched", None)
+        if not sched:
+            return
+        try:
+            i = next(i for i, u in enumerate(sched) if u is unit)
+        except StopIteration:
+            return
+        del sched[: i + 1]
+        for u in sched[: self._ahead]:
+            self.prefetch(u)
+
     def prefetch(self, unit: Unit) -> None:
         """Start reading a unit's stored states from disk ahead of its update."""
         if self.disk is None or unit.index not in self._on_disk:
@@ -70,11 +90,11 @@ class OptimizerStates:
 
     def load(self, unit: Unit) -> Tuple[torch.Tensor, torch.Tensor]:
         """fp32 (exp_avg, exp_avg_sq) for the update; zeros on the first step."""
+        self._advance(unit)
         if self.disk is not None and unit.index in self._on_disk:
             with self._lock:
                 fut = self._reads.pop(unit.index, None)
-            ahead = fut is not None and fut.done()
-            self.counters.prefetch_result("disk", ahead)
+            self.counters.prefetch_result("disk", fut is not None)  # issued ahead of need, or late
             if fut is None:
                 fut = self.disk.read(self._key(unit))
             import time
@@ -82,6 +102,7 @@ class OptimizerStates:
             t0 = time.perf_counter()
             stored = fut.result()
             self.counters.stall("disk", time.perf_counter() - t0)
+            self.counters.add_bytes("disk_to_host", sum(t.numel() * t.element_size() for t in stored.values()))
             return self._decode(unit, stored)
         stored = self.ram.get(unit.index)
         if stored is None:
@@ -91,8 +112,14 @@ class OptimizerStates:
     def store(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> None:
         stored = self._encode(m, v)
         if self.disk is not None:
-            self.disk.write(self._key(unit), stored)
+            # One state write behind at a time: the decoded moments of only a unit or two are
+            # ever held in RAM.
+            prev = getattr(self, "_last_write", None)
+            if prev is not None:
+                prev.result()
+            self._last_write = self.disk.write(self._key(unit), stored)
             self._on_disk.add(unit.index)
+            self.counters.add_bytes("host_to_disk", sum(t.numel() * t.element_size() for t in stored.values()))
         else:
             self.ram[unit.index] = stored
 

@@ -180,10 +180,15 @@ class StepRunner:
         self.ctx = _StepContext(train=train, k=e.checkpoint_interval)
         self.activation_now = 0
         order = self.schedule(train)
-        e.pager.set_schedule(order)
-        # Disk reads follow the same order; the optimizer's in the order gradients become final.
+        # Disk reads follow the same order (set first: the pager starts fetching at once); the
+        # optimizer's reads go in the order gradients become final.
         opt_order = [e.head_unit] + list(reversed(e.layer_units)) + [e.embed_unit]
-        e.weights.schedule(order, opt_order if (train and e._step_lr is not None) else None)
+        if train and e._step_lr is not None:
+            e.weights.schedule(order, opt_order)
+            e.states.schedule(opt_order)
+        else:
+            e.weights.schedule(order)
+        e.pager.set_schedule(order)
         try:
             with contextlib.ExitStack() as stack:
                 if not train:
@@ -278,8 +283,8 @@ class StepRunner:
         e = self.e
         self.ctx = None
         order = self.schedule(False)
-        e.pager.set_schedule(order)
         e.weights.schedule(order)
+        e.pager.set_schedule(order)
         try:
             with torch.no_grad():
                 self._bind_outer(requires_grad=False)

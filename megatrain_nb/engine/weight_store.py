@@ -26,8 +26,10 @@ class WeightStore:
         self.dirty = DirtyUnits()
         self._pending_writes = []
         if self.on_disk:
-            self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters)
-            self._opt = DiskReadStream(disk, units, self.dirty, buffers=optimizer_buffers, pin=pin, counters=counters)
+            self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters,
+                                         after_updates=True)
+            self._opt = DiskReadStream(disk, units, self.dirty, buffers=optimizer_buffers, pin=pin, counters=counters,
+                                       after_updates=False)
 
     # ------------------------------------------------------------------ construction
     def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:
@@ -50,7 +52,7 @@ class WeightStore:
             return
         self._fetch.schedule(compute_order)
         if optimizer_order is not None:
-            self._opt.schedule(optimizer_order)
+            self._opt.schedule(optimizer_order, append=True)
 
     # ------------------------------------------------------------------ compute stream
     def for_transfer(self, unit: Unit) -> torch.Tensor:
@@ -108,4 +110,4 @@ class WeightStore:
         if not self.on_disk:
             return {"host": self.host.nbytes()["weights"], "disk": 0}
         staging = self._fetch.staging_bytes + self._opt.staging_bytes
-        return {"host": staging, "disk": sum(u.numel * 4 for u in self.units)}
+        return {"host": staging, "disk": sum(self.disk.nbytes_of(weights_key(u)) for u in self.units)}

@@ -45,6 +45,8 @@ def test_disk_tier_matches_ram_and_cleans_up(tmp_path, overlap, offload_params):
     seen = {}
 
     def during(engine, i):
+        engine.zero_grad()      # waits for overlapped updates
+        engine.disk.flush()     # and for their write-behind
         files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
         seen[i] = (len(files), sum(os.path.getsize(f) for f in files), engine.memory_report()["disk"])
 
@@ -58,7 +60,7 @@ def test_disk_tier_matches_ram_and_cleans_up(tmp_path, overlap, offload_params):
     assert n_files >= len(disk.units)
     assert rep["used_bytes"] > 0 and rep["optimizer_states"] >= 2 * 4 * disk.num_parameters()
     if offload_params:
-        assert rep["weights"] == 4 * disk.num_parameters()
+        assert rep["weights"] >= 4 * disk.num_parameters()  # files: the data plus small headers
     assert rep["used_bytes"] <= n_bytes
     disk.close()
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
@@ -100,10 +102,13 @@ def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
     e.counters.reset()
     for _ in range(2):
         e.forward_backward(ids, step_lr=1e-3)
+    e.zero_grad()  # waits for the overlapped updates of the last step
     pf = e.telemetry()["prefetch"]["disk"]
     reads = pf["ahead"] + pf["late"]
-    # per step: weights read for forward + backward + update of every unit, and states per unit
-    assert reads >= 2 * (3 * len(e.units) + len(e.units))
+    # per step: weights read for the forward (every unit), the backward (every layer) and the
+    # update (every unit), plus the optimizer states of (nearly) every unit
+    n, layers = len(e.units), len(e.layer_units)
+    assert reads >= 2 * (n + layers + n + n), pf
     assert pf["late"] == 0, pf
     e.close()
 
@@ -160,10 +165,10 @@ _RSS_SCRIPT = textwrap.dedent("""
     from transformers import AutoConfig, AutoModelForCausalLM
     from megatrain_nb.engine import EngineConfig, StreamingEngine
     mode, folder, offload = sys.argv[1], sys.argv[2], sys.argv[3]
-    cfg = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=1024, intermediate_size=2816,
-                               num_hidden_layers=24, num_attention_heads=8, max_position_embeddings=64)
+    cfg = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=768, intermediate_size=2048,
+                               num_hidden_layers=64, num_attention_heads=8, max_position_embeddings=64)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    ec = EngineConfig(device="cpu", offload_dir=offload, offload_params=True)
+    ec = EngineConfig(device="cpu", offload_dir=offload, offload_params=True, optimizer_compression="int8")
     if mode == "meta":
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
@@ -181,9 +186,9 @@ def _make_sharded_folder(path):
     code = textwrap.dedent(f"""
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
-        cfg = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=1024, intermediate_size=2816,
-                                   num_hidden_layers=24, num_attention_heads=8, max_position_embeddings=64)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained({str(path)!r}, max_shard_size="100MB")
+        cfg = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=768, intermediate_size=2048,
+                                   num_hidden_layers=64, num_attention_heads=8, max_position_embeddings=64)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained({str(path)!r}, max_shard_size="200MB")
     """)
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -200,6 +205,6 @@ def test_large_model_never_whole_in_ram(tmp_path, mode):
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, mode, str(folder), str(offload)],
                          check=True, capture_output=True, text=True).stdout.split()
     model_bytes, grew, loss = int(out[0]), int(out[1]), float(out[2])
-    assert model_bytes > 1.2e9  # about 330M params: large enough to see a whole copy
+    assert model_bytes > 1.6e9  # about 450M params in 64 layers: large enough to see a whole copy
     assert grew < 0.5 * model_bytes, f"peak RSS grew by {grew / 2**20:.0f} MiB for a {model_bytes / 2**20:.0f} MiB model"
     assert loss == loss

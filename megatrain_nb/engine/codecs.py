@@ -1,0 +1,420 @@
+"""Optimizer-state codecs: how the Adam moments are stored in the host and disk tiers.
+
+Full precision in this project means fp32 master weights and fp32 gradients. Only the two Adam
+moments (``exp_avg`` = m, ``exp_avg_sq`` = v) may be stored compressed. The optimizer always
+runs in fp32: the engine decodes a unit's moments into fp32 buffers, runs PyTorch's fused AdamW,
+and encodes them again.
+
+Codecs (``get_codec(name, role)``)::
+
+    name   role        stored form                                   bytes / param
+    none   both        fp32 as is                                    4
+    int8   exp_avg     block 256, fp32 absmax scale, int8 code c in [-127, 127],
+                       value = sign(c) * (|c|/127)**2 * scale          1 + 4/256
+    int8   exp_avg_sq  block 256, fp32 max scale, uint8 code c in [1, 255],
+                       value = (c/255)**4 * scale                      1 + 4/256
+    int4   exp_avg     block 32, fp32 absmax scale, 4-bit code c in [-8, 7],
+                       value = -(|c|/8)**2 * scale (c < 0), (c/7)**2 * scale (c >= 0)
+                                                                     0.5 + 4/32
+    int4   exp_avg_sq  block 32, fp32 max scale, 4-bit code k in [0, 15],
+                       value = ((k+1)/16)**4 * scale  (no zero level) 0.5 + 4/32
+
+Why these maps (measured against fp32 AdamW with ``benchmarks/bench_codec_speed.py --tracking``,
+a tiny Llama trained on CPU):
+
+* Adam moments span several decades inside a block, so a linear map is poor. Quantising
+  ``sqrt(|m|)`` and ``v ** (1/4)`` (i.e. ``sqrt`` of ``sqrt(v)``) linearly gives fine steps near
+  the block maximum, where the entries that dominate the update live, and a wide range below
+  it. For v this also makes the error in ``sqrt(v)`` -- what divides the update -- uniform.
+* m changes by 10 % of the gradient per step (beta1 = 0.9), far more than a code step, so
+  round-to-nearest is right for it. v changes by only 0.1 % per step (beta2 = 0.999), less than
+  half a code step, so round-to-nearest freezes v and the update error keeps growing (about 21 %
+  after 1500 steps at 8 bits, against 7 % with the rounding below). v is therefore
+  *stochastically* rounded, which keeps the moving average unbiased at 8 bits (at 4 bits the
+  rounding is unbiased in ``v ** (1/4)``, so v is biased high: updates are damped, not inflated).
+  The dither is a deterministic function of the input value (its low 16 mantissa bits, close to
+  uniformly distributed), so encoding is reproducible and needs no random state to save.
+* The second moment never decodes to zero for a positive input: the int8 code is at least 1,
+  the int4 map has no zero level (its lowest level is ``scale / 65536``), and a decoded value
+  that would underflow fp32 is raised to the smallest positive float. A decoded v that is too
+  small would blow the update ``m / (sqrt(v) + eps)`` up; one that is too large only damps it.
+  An all-zero block (scale 0) decodes to zeros.
+* Measured (tiny Llama, 1500 steps): int8 tracks the fp32 Adam update within ~7 % and the loss
+  within run-to-run noise; int4's update error is ~30-40 %. Its loss also stayed within noise
+  there, which a tiny model does not prove for a large one.
+
+What is exact and what is not: the quantised codecs are lossy with respect to fp32 Adam. The
+stored codes and scales round-trip bit-exactly (saving and loading them is exact, so resume is
+exact), decoding is deterministic, and ``encode(decode(encode(x)))`` reproduces the codes and
+scales of ``encode(x)``.
+
+Example::
+
+    >>> import torch
+    >>> from megatrain_nb.engine.codecs import get_codec
+    >>> codec = get_codec("int8", "exp_avg_sq")
+    >>> v = torch.rand(1000) * 1e-6
+    >>> enc = codec.encode(v)                     # {"codes": uint8[1024], "scales": fp32[4]}
+    >>> back = codec.decode(enc, torch.empty_like(v))
+    >>> codec.encoded_nbytes(v.numel())
+    1040
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "CODEC_NAMES",
+    "INT4_BLOCK",
+    "INT8_BLOCK",
+    "RECOMMENDED_CODEC",
+    "ROLES",
+    "StateCodec",
+    "get_codec",
+    "normalize_compression",
+]
+
+#: What ``optimizer_compression=True`` maps to: int8 tracks fp32 AdamW closely, int4 visibly
+#: less (see the module docstring and ``benchmarks/bench_codec_speed.py --tracking``).
+RECOMMENDED_CODEC: str = "int8"
+CODEC_NAMES = ("none", "int8", "int4")
+ROLES = ("exp_avg", "exp_avg_sq")
+INT8_BLOCK = 256
+INT4_BLOCK = 32
+
+# Elements per vectorised step: a multiple of both block sizes, small enough that the
+# temporaries stay in the L2 cache (several times faster than streaming whole tensors).
+_CHUNK = 1 << 16
+_F32_MIN_SUBNORMAL = 2.0**-149
+# Dither u in [_DELTA, 1 - _DELTA]: a decoded value re-encodes to its own code even with a few
+# ulps of rounding error, which makes encode(decode(encode(x))) reproduce the codes exactly.
+_DELTA = 2.0**-10
+_DITHER_ALPHA = (1.0 - 2.0 * _DELTA) / 65536.0
+
+
+@runtime_checkable
+class StateCodec(Protocol):
+    """Stores one 1-D fp32 optimizer-state tensor in a compact form.
+
+    ``encode(x)`` takes a 1-D fp32 CPU tensor of any length and returns a dict of CPU tensors:
+    ``"codes"`` (and ``"scales"`` for the quantised codecs), nothing else. ``decode(enc, out)``
+    writes the fp32 values into ``out`` (1-D, same numel as the encoded tensor) and returns it.
+    ``encoded_nbytes(numel)`` is the exact size of what ``encode`` returns.
+    """
+
+    name: str
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def decode(self, enc: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor: ...
+
+    def encoded_nbytes(self, numel: int) -> int: ...
+
+
+def normalize_compression(value) -> str:
+    """Map a user's ``optimizer_compression`` setting to a codec name.
+
+    ``True`` -> ``RECOMMENDED_CODEC``; ``False``/``None`` -> ``"none"``; a string must be one of
+    ``"none"``, ``"int8"``, ``"int4"`` (case and surrounding spaces ignored).
+
+    >>> normalize_compression(True)
+    'int8'
+    """
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return RECOMMENDED_CODEC
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in CODEC_NAMES:
+            return name
+    raise ValueError(
+        f"optimizer_compression={value!r} is not supported; use one of "
+        f"{', '.join(repr(n) for n in CODEC_NAMES)}, True (= {RECOMMENDED_CODEC!r}) or False "
+        f"(= 'none')"
+    )
+
+
+def get_codec(name: str, role: str) -> StateCodec:
+    """Return the codec ``name`` ("none" | "int8" | "int4") for the moment ``role``
+    ("exp_avg" | "exp_avg_sq"). Codecs are stateless and safe to share between threads."""
+    if role not in ROLES:
+        raise ValueError(f"unknown optimizer-state role {role!r}; expected one of {ROLES}")
+    name = normalize_compression(name)
+    if name == "none":
+        return NoneCodec(role)
+    if name == "int8":
+        return Int8MomentCodec() if role == "exp_avg" else Int8VarianceCodec()
+    return Int4MomentCodec() if role == "exp_avg" else Int4VarianceCodec()
+
+
+def _scratch(rows: int, block: int) -> list[torch.Tensor]:
+    """Per-call work buffers (two fp32, one int32): codecs hold no state, so threads can share
+    them."""
+    return [torch.empty(rows, block), torch.empty(rows, block),
+            torch.empty(rows, block, dtype=torch.int32)]
+
+
+def _check_input(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 1:
+        raise TypeError(f"codecs encode 1-D float32 tensors, got {getattr(x, 'dtype', type(x))} "
+                        f"with shape {tuple(getattr(x, 'shape', ()))}")
+    if x.device.type != "cpu":
+        raise ValueError(f"codecs run on CPU tensors, got a tensor on {x.device}")
+    return x.contiguous()
+
+
+def _check_out(out: torch.Tensor, numel: int) -> None:
+    if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != numel:
+        raise ValueError(f"decode needs a 1-D float32 `out` with {numel} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError("decode needs a contiguous `out` tensor")
+
+
+def _add_dither(r: torch.Tensor, xb: torch.Tensor, scratch: list[torch.Tensor]) -> None:
+    """r += u, u = _DITHER_ALPHA * (low 16 bits of xb + 65), in [~_DELTA, ~1 - _DELTA].
+
+    The low mantissa bits of an Adam moment are close to uniform and nearly independent of
+    where the value falls between two code levels, so floor(r + u) is stochastic rounding that
+    is a pure function of the input."""
+    low = torch.bitwise_and(xb.view(torch.int32), 0xFFFF, out=scratch[2]).add_(65)
+    r.add_(low, alpha=_DITHER_ALPHA)
+
+
+class NoneCodec:
+    """fp32 stored as is (a copy). ``{"codes": fp32[numel]}``."""
+
+    name = "none"
+    block = 0
+
+    def __init__(self, role: str = "exp_avg"):
+        self.role = role
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"codes": _check_input(x).clone()}
+
+    def decode(self, enc: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        codes = enc["codes"]
+        _check_out(out, codes.numel())
+        out.copy_(codes)
+        return out
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return 4 * int(numel)
+
+    def __repr__(self) -> str:
+        return f"NoneCodec(role={self.role!r})"
+
+
+class _BlockCodec:
+    """Block-wise codec skeleton: fp32 scale per block, codes padded to whole blocks.
+
+    Subclasses implement ``_encode_blocks(xb, codes, scales, scratch)`` and
+    ``_decode_blocks(codes, scales, outb, tmp)`` on a ``[nblocks, block]`` view of one chunk.
+    """
+
+    name = ""
+    role = ""
+    block = 0
+    codes_per_byte = 1
+    code_dtype = torch.uint8
+
+    def encoded_nbytes(self, numel: int) -> int:
+        nblocks = -(-int(numel) // self.block)
+        return nblocks * self.block // self.codes_per_byte + 4 * nblocks
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = _check_input(x)
+        n, b = x.numel(), self.block
+        nblocks = -(-n // b)
+        codes = torch.empty(nblocks * b // self.codes_per_byte, dtype=self.code_dtype)
+        scales = torch.empty(nblocks, dtype=torch.float32)
+        step = min(_CHUNK, max(b, n - n % b))
+        scratch = _scratch(step // b, b)
+        full = n - n % b
+        for i in range(0, full, step):
+            j = min(i + step, full)
+            k = (j - i) // b
+            self._encode_blocks(x[i:j].view(k, b), codes[i // self.codes_per_byte:
+                                j // self.codes_per_byte], scales[i // b:j // b],
+                                [s[:k] for s in scratch])
+        if full < n:                                   # ragged tail: one zero-padded block
+            tail = torch.zeros(1, b)
+            tail[0, :n - full].copy_(x[full:])
+            self._encode_blocks(tail, codes[full // self.codes_per_byte:],
+                                scales[full // b:], _scratch(1, b))
+        if n and not bool(torch.isfinite(scales).all()):
+            raise ValueError(f"cannot encode {self.role} with the {self.name} codec: it contains "
+                             f"NaN or Inf (the optimizer state has diverged)")
+        return {"codes": codes, "scales": scales}
+
+    def decode(self, enc: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        codes, scales = enc["codes"], enc["scales"]
+        n, b = out.numel(), self.block
+        nblocks = -(-n // b)
+        if (codes.dtype != self.code_dtype or scales.dtype != torch.float32
+                or scales.numel() != nblocks
+                or codes.numel() != nblocks * b // self.codes_per_byte):
+            raise ValueError(
+                f"{self.name} {self.role} codes ({codes.dtype}, {codes.numel()}) and scales "
+                f"({scales.dtype}, {scales.numel()}) do not match an output of {n} elements")
+        _check_out(out, n)
+        full = n - n % b
+        step = min(_CHUNK, max(b, full))
+        tmp = torch.empty(step // b, b)
+        for i in range(0, full, step):
+            j = min(i + step, full)
+            outb = out[i:j].view(-1, b)
+            self._decode_blocks(codes[i // self.codes_per_byte:j // self.codes_per_byte],
+                                scales[i // b:j // b], outb, tmp[:outb.shape[0]])
+        if full < n:
+            tail = torch.empty(1, b)
+            self._decode_blocks(codes[full // self.codes_per_byte:], scales[full // b:], tail,
+                                torch.empty(1, b))
+            out[full:].copy_(tail[0, :n - full])
+        if self.role == "exp_avg_sq":
+            _floor_positive_blocks(out, scales, b)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block={self.block})"
+
+
+class Int8MomentCodec(_BlockCodec):
+    """First moment, 8 bits: ``sign(x) * sqrt(|x| / absmax)`` quantised to 127 levels a side,
+    round to nearest. Decoded value ``sign(c) * (|c|/127)**2 * absmax``."""
+
+    name, role, block, code_dtype = "int8", "exp_avg", INT8_BLOCK, torch.int8
+
+    def _encode_blocks(self, xb, codes, scales, scratch):
+        a = _sqrt_of_abs_scaled(xb, scales, scratch, 127.0)
+        torch.round(a, out=a)
+        torch.copysign(a, xb, out=a)
+        codes.view(a.shape).copy_(a)
+
+    def _decode_blocks(self, codes, scales, outb, tmp):
+        t = torch.mul(codes.view(outb.shape), 1.0 / 127.0, out=outb)
+        t.mul_(torch.abs(t, out=tmp)).mul_(scales.unsqueeze(1))
+
+
+class Int8VarianceCodec(_BlockCodec):
+    """Second moment, 8 bits: ``255 * (v / max) ** (1/4)`` stochastically rounded (dither from
+    the value's low mantissa bits), code >= 1 so positive v never decodes to 0. Decoded value
+    ``(c/255)**4 * max``."""
+
+    name, role, block, code_dtype = "int8", "exp_avg_sq", INT8_BLOCK, torch.uint8
+
+    def _encode_blocks(self, xb, codes, scales, scratch):
+        c = _fourth_root_codes(xb, scales, scratch, 255.0)
+        codes.view(c.shape).copy_(c)
+
+    def _decode_blocks(self, codes, scales, outb, tmp):
+        t = torch.mul(codes.view(outb.shape), 1.0 / 255.0, out=outb)
+        t.mul_(t).mul_(t).mul_(scales.unsqueeze(1))          # (c/255)**4 * max
+
+
+class Int4MomentCodec(_BlockCodec):
+    """First moment, 4 bits, two codes per byte (even index in the low nibble): the levels
+    ``-(|c|/8)**2`` (c = -8..-1), 0 and ``(c/7)**2`` (c = 1..7) times the block absmax (all 16
+    codes used), round to the nearest level. Decoded value = level * absmax."""
+
+    name, role, block, codes_per_byte = "int4", "exp_avg", INT4_BLOCK, 2
+    _LEVELS = torch.tensor([-((8 - i) / 8.0) ** 2 for i in range(8)]
+                           + [(i / 7.0) ** 2 for i in range(8)], dtype=torch.float64).float()
+
+    def _encode_blocks(self, xb, codes, scales, scratch):
+        # Nearest level in value (not in sqrt): with only 8 levels a side this lowers the update
+        # error noticeably. Between levels k and k+1 the midpoint is ((k**2 + (k+1)**2) / 2) /
+        # L**2, so c = round(sqrt(L**2 * y - 1/4)).
+        a = torch.abs(xb, out=scratch[0])
+        torch.amax(a, dim=1, out=scales)
+        k = torch.rsqrt(scales.clamp_min(_F32_MIN_SUBNORMAL)).unsqueeze(1)
+        y = a.mul_(k).mul_(k)                                # |x| / absmax, no overflow
+        q = torch.copysign(y, xb, out=scratch[1])
+        q.mul_(-7.5).add_(y, alpha=56.5)                     # L**2 * y: 64 y (x < 0), 49 y
+        q.sub_(0.25).clamp_min_(0.0).sqrt_().round_()
+        torch.copysign(q, xb, out=q).add_(8.0)               # nibble 0..15
+        _pack_nibbles(scratch[2].copy_(q), codes)
+
+    def _decode_blocks(self, codes, scales, outb, tmp):
+        _unpack_lut(_PAIR_LUTS[type(self)], codes, outb)
+        outb.mul_(scales.unsqueeze(1))
+
+
+class Int4VarianceCodec(_BlockCodec):
+    """Second moment, 4 bits: ``16 * (v / max) ** (1/4)`` stochastically rounded to the 16
+    levels ``(k+1)/16``; there is no zero level, so positive v never decodes to 0 (lowest
+    decoded value ``max / 65536``). Decoded value ``((k+1)/16)**4 * max``."""
+
+    name, role, block, codes_per_byte = "int4", "exp_avg_sq", INT4_BLOCK, 2
+    _LEVELS = torch.tensor([((i + 1) / 16.0) ** 4 for i in range(16)], dtype=torch.float64).float()
+
+    def _encode_blocks(self, xb, codes, scales, scratch):
+        c = _fourth_root_codes(xb, scales, scratch, 16.0)    # 1..16
+        _pack_nibbles(c.sub_(1), codes)
+
+    def _decode_blocks(self, codes, scales, outb, tmp):
+        _unpack_lut(_PAIR_LUTS[type(self)], codes, outb)
+        outb.mul_(scales.unsqueeze(1))
+
+
+def _sqrt_of_abs_scaled(xb, scales, scratch, levels: float) -> torch.Tensor:
+    """scales <- per-block absmax; returns ``levels * sqrt(|x| / absmax)`` in scratch[0].
+
+    Works from sqrt(|x|) and sqrt(absmax) so that even subnormal blocks do not overflow."""
+    a = torch.abs(xb, out=scratch[0])
+    torch.amax(a, dim=1, out=scales)
+    k = torch.rsqrt(scales.clamp_min(_F32_MIN_SUBNORMAL)).mul_(levels).unsqueeze(1)
+    return a.sqrt_().mul_(k)
+
+
+def _fourth_root_codes(xb, scales, scratch, levels: float) -> torch.Tensor:
+    """scales <- per-block max; returns int32 codes ``floor(levels * (v/max)**(1/4) + u)``
+    clamped to [1, levels] (u: the dither of ``_add_dither``), in scratch[2]."""
+    torch.amax(xb, dim=1, out=scales)
+    if bool((torch.amin(xb, dim=1) < 0).any()):
+        raise ValueError("exp_avg_sq must be non-negative")
+    k = torch.rsqrt(scales.clamp_min(_F32_MIN_SUBNORMAL).sqrt()).mul_(levels).unsqueeze(1)
+    r = torch.sqrt(xb, out=scratch[0]).sqrt_().mul_(k)
+    _add_dither(r, xb, scratch)
+    torch.clamp(r, 1.0, levels + 0.5, out=r)
+    return scratch[2].copy_(r)                       # truncation == floor for r >= 1
+
+
+def _floor_positive_blocks(out: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """Raise decoded values that underflowed to 0 in a block with a positive scale to the
+    smallest positive float. Only scales below ~1e-30 can underflow, so the common path is one
+    cheap check over the scales."""
+    tiny = (scales > 0) & (scales < 1e-30)
+    if not bool(tiny.any()):
+        return
+    n = out.numel()
+    padded = torch.zeros(scales.numel() * block)
+    padded[:n].copy_(out)
+    rows = tiny.nonzero().squeeze(1)
+    blocks = padded.view(-1, block)
+    blocks[rows] = blocks[rows].clamp_min(_F32_MIN_SUBNORMAL)
+    out.copy_(padded[:n])
+
+
+def _pack_nibbles(nib: torch.Tensor, codes: torch.Tensor) -> None:
+    """Pack int32 nibbles (0..15) pairwise into bytes: even index low, odd index high."""
+    flat = nib.view(-1)
+    codes.copy_(torch.add(flat[0::2], flat[1::2], alpha=16))
+
+
+def _pair_lut(levels: torch.Tensor) -> torch.Tensor:
+    """[256, 2] fp32 table: byte -> (level of the low nibble, level of the high nibble)."""
+    byte = torch.arange(256)
+    return torch.stack([levels[byte & 15], levels[byte >> 4]], dim=1).contiguous()
+
+
+_PAIR_LUTS = {cls: _pair_lut(cls._LEVELS) for cls in (Int4MomentCodec, Int4VarianceCodec)}
+
+
+def _unpack_lut(lut: torch.Tensor, codes: torch.Tensor, outb: torch.Tensor) -> None:
+    torch.index_select(lut, 0, codes.long(), out=outb.view(-1, 2))

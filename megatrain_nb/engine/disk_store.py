@@ -1,0 +1,642 @@
+"""The disk tier: named groups of tensors in files under ``offload_dir``.
+
+``DiskStore`` keeps one file per key (a unit's optimizer states, or its master weights when the
+host budget cannot hold them). Writes are write-behind and reads are read-ahead: both run in
+worker threads and return ``concurrent.futures.Future`` objects, so the pager can overlap disk
+I/O with compute. Operations on the same key run in the order they were issued (a read issued
+after a write of that key sees the new data); operations on different keys run concurrently.
+
+File layout (``<key>-<hash>.mtd``), one file per key::
+
+    [0, H)          header: magic b"MTNBDS\\x00\\x01", u64 json length, u32 crc32(json), json
+                    {"key", "file_size", "tensors": [{"name", "dtype", "shape", "offset",
+                    "nbytes"}]}
+    [offset, ...)   each tensor's raw bytes, back to back: tensors of 1 MiB or more start on a
+                    4096-byte boundary, smaller ones are packed at 64 bytes
+    ... file_size   zero padding to a multiple of 4096 (the direct-I/O block)
+
+A reader checks the magic, the header checksum, the key and that the file size matches the
+header, so a truncated or foreign file is refused with ``OffloadError``.
+
+Durability: a file is written under a temporary name, flushed with ``fdatasync`` and then
+``os.replace``'d onto the key's name, so an interrupted or failed write (ENOSPC, a crash) never
+leaves a file that reads as valid; the previous version of the key stays readable.
+
+Page cache: where the filesystem supports it, files are written and read with ``O_DIRECT``
+(bypassing the page cache, so offloading does not turn into RAM use). Tensors whose memory is
+4096-aligned (see :func:`aligned_empty`; ``read()`` allocates such tensors) move without a
+copy; others go through a per-thread aligned staging buffer. Where ``O_DIRECT`` is refused
+(older tmpfs, some network filesystems) the store falls back to buffered I/O and drops the pages it
+touched with ``posix_fadvise(POSIX_FADV_DONTNEED)``.
+
+The offload folder: ``DiskStore(root)`` creates a private folder ``megatrain-<pid>-<random>``
+(mode 0700, files 0600) under ``root`` and removes it on ``close()`` (or when the store is
+garbage collected / the interpreter exits) unless ``keep=True``.
+
+Example::
+
+    >>> import torch, tempfile
+    >>> from megatrain_nb.engine.disk_store import DiskStore
+    >>> with DiskStore(tempfile.gettempdir()) as store:
+    ...     fut = store.write("layers.0", {"exp_avg": torch.ones(1000)})
+    ...     got = store.read("layers.0").result()       # ordered after the write
+    ...     float(got["exp_avg"].sum())
+    1000.0
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import mmap
+import os
+import re
+import shutil
+import struct
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+__all__ = ["ALIGN", "DiskStore", "OffloadError", "aligned_empty"]
+
+ALIGN = 4096                      # file offsets and direct-I/O buffers are aligned to this
+_IO_CHUNK = 32 << 20              # bytes per read/write syscall (large sequential I/O)
+_ALIGN_MIN = 1 << 20              # tensors this large start on an ALIGN boundary in the file
+_PACK = 64                        # smaller tensors are packed at this alignment
+_BUFFERED_SYNC_EVERY = 256 << 20  # buffered mode: fdatasync + drop pages this often
+_MAGIC = b"MTNBDS\x00\x01"
+_PREFIX = struct.Struct("<8sQI")  # magic, json length, crc32(json)
+_SUFFIX = ".mtd"
+
+
+class OffloadError(RuntimeError):
+    """The disk tier could not be used: the message names the path, the bytes needed and what
+    to do about it."""
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def aligned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised CPU tensor whose data starts on a 4096-byte boundary, so that
+    ``DiskStore`` can read and write it with direct I/O without a staging copy.
+
+    >>> t = aligned_empty((3, 5), torch.bfloat16)
+    >>> t.data_ptr() % 4096
+    0
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off:off + nbytes].view(dtype).view(shape)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's memory (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _np(t: torch.Tensor):
+    return t.numpy()
+
+
+class _Staging(threading.local):
+    """A page-aligned ``_IO_CHUNK``-byte buffer per I/O thread (so ``io_threads * 32 MiB``)."""
+
+    def get(self) -> tuple[torch.Tensor, memoryview]:
+        if not hasattr(self, "buf"):
+            self.mm = mmap.mmap(-1, _IO_CHUNK)          # anonymous mmap: page aligned
+            self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+            self.mv = memoryview(self.mm)
+        return self.buf, self.mv
+
+
+def _pwrite_all(fd: int, mv, offset: int) -> None:
+    mv = memoryview(mv).cast("B")
+    while len(mv):
+        n = os.pwrite(fd, mv, offset)
+        mv, offset = mv[n:], offset + n
+
+
+def _pread_all(fd: int, mv, offset: int) -> None:
+    mv = memoryview(mv).cast("B")
+    while len(mv):
+        n = os.preadv(fd, [mv], offset)
+        if n == 0:
+            raise OSError(errno.EIO, "unexpected end of file")
+        mv, offset = mv[n:], offset + n
+
+
+def _drop_cache(fd: int, offset: int = 0, length: int = 0) -> None:
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
+def _probe_direct_io(folder: str) -> bool:
+    """True if ``folder``'s filesystem accepts O_DIRECT writes of aligned buffers."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = os.path.join(folder, ".direct-io-probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        with mmap.mmap(-1, ALIGN) as mm:
+            os.pwrite(fd, mm, 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _remove_folder(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+class DiskStore:
+    """Named groups of tensors in files under ``root`` (see the module docstring).
+
+    Args:
+        root: folder for offloaded state; created if missing. The store works in a private
+            subfolder ``megatrain-<pid>-<random>`` (mode 0700) inside it.
+        reserve_bytes: bytes the caller plans to store; ``OffloadError`` up front if the disk
+            has less free space.
+        keep: leave the files on ``close()`` (for inspection); default removes them.
+        io_threads: worker threads doing the I/O.
+        max_inflight: outstanding reads + writes; ``write``/``read`` block while this many are
+            pending (bounds the memory pinned by write-behind / read-ahead).
+
+    All methods are thread-safe. The tensors given to ``write`` must stay unchanged until its
+    future is done (the store writes them from their memory, without a snapshot).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, reserve_bytes: int = 0, keep: bool = False,
+                 io_threads: int = 2, max_inflight: int = 4):
+        if io_threads < 1 or max_inflight < 1:
+            raise ValueError(f"io_threads ({io_threads}) and max_inflight ({max_inflight}) "
+                             f"must be at least 1")
+        root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        try:
+            os.makedirs(root, exist_ok=True)
+            folder = tempfile.mkdtemp(prefix=f"megatrain-{os.getpid()}-", dir=root)  # 0700
+        except OSError as e:
+            raise OffloadError(
+                f"cannot use offload directory {root}: {e.strerror or e}. Choose a folder you "
+                f"can write to (offload_dir=...) on a disk with enough free space") from e
+        try:
+            os.chmod(folder, 0o700)
+            probe = os.path.join(folder, ".write-probe")
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.close(fd)
+            os.unlink(probe)
+            free = shutil.disk_usage(folder).free
+        except OSError as e:
+            _remove_folder(folder)
+            raise OffloadError(f"offload directory {root} is not writable: {e.strerror or e}. "
+                               f"Choose a folder you can write to (offload_dir=...)") from e
+        if free < reserve_bytes:
+            _remove_folder(folder)
+            raise OffloadError(
+                f"offload directory {root} has {free} bytes ({_human(free)}) free but "
+                f"{reserve_bytes} bytes ({_human(reserve_bytes)}) are needed. Free space there, "
+                f"point offload_dir at a larger disk, or lower what is offloaded (more host RAM, "
+                f"optimizer_compression)")
+        self.root = root
+        self.path = folder
+        self.keep = keep
+        self.direct_io = _probe_direct_io(folder)
+        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="megatrain-disk")
+        self._staging = _Staging()
+        self._lock = threading.Lock()
+        self._tail: dict[str, Future] = {}      # last operation issued per key
+        self._pending: set[Future] = set()
+        self._errors: list[BaseException] = []  # failed writes not yet reported by flush()
+        self._sizes: dict[str, int] = {}        # committed file size per key
+        self._stats = dict(bytes_read=0, bytes_written=0, read_seconds=0.0, write_seconds=0.0,
+                           reads=0, writes=0)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _remove_folder, folder) if not keep else None
+
+    # ----------------------------------------------------------------------------- public
+    def write(self, key: str, tensors: dict[str, torch.Tensor]) -> Future:
+        """Write ``tensors`` as the new version of ``key`` in a worker (write-behind).
+
+        Returns a Future that resolves to the number of bytes written, or raises
+        ``OffloadError`` (ENOSPC, I/O error) -- then the previous version stays readable.
+        Blocks while ``max_inflight`` operations are pending.
+        """
+        items = []
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                raise ValueError(f"DiskStore.write({key!r}): {name!r} must be a CPU tensor")
+            items.append((str(name), t.detach().contiguous()))
+        return self._submit(self._checked_key(key), True, self._write_file, key, items)
+
+    def read(self, key: str, out: dict[str, torch.Tensor] | None = None) -> Future:
+        """Read ``key`` in a worker (read-ahead); ordered after earlier writes of ``key``.
+
+        With ``out``, tensors are read into ``out[name]`` (same dtype and numel, contiguous; no
+        allocation) and those tensors are returned; names missing from ``out`` are allocated
+        (4096-aligned). The Future resolves to ``{name: tensor}``.
+        """
+        self._checked_key(key)
+        if out is not None:
+            for name, t in out.items():
+                if not isinstance(t, torch.Tensor) or t.device.type != "cpu" \
+                        or not t.is_contiguous():
+                    raise ValueError(f"DiskStore.read({key!r}): out[{name!r}] must be a "
+                                     f"contiguous CPU tensor")
+        return self._submit(key, False, self._read_file, key, dict(out or {}))
+
+    def wait_key(self, key: str) -> None:
+        """Wait until every operation issued so far on ``key`` is done; re-raise its error."""
+        with self._lock:
+            fut = self._tail.get(key)
+        if fut is not None:
+            fut.result()
+
+    def nbytes(self) -> int:
+        """Bytes on disk of all committed files (writes still pending are not counted)."""
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def nbytes_of(self, key: str) -> int:
+        """Bytes on disk of ``key``'s committed file (header and padding included), 0 if none."""
+        with self._lock:
+            return self._sizes.get(key, 0)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._sizes)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (after its pending operations)."""
+        self.wait_key(key)
+        with self._lock:
+            self._sizes.pop(key, None)
+        try:
+            os.unlink(self._file(key))
+        except FileNotFoundError:
+            pass
+
+    def stats(self) -> dict:
+        """``bytes_read``, ``bytes_written``, ``read_seconds``, ``write_seconds`` (time spent in
+        the workers), ``reads``, ``writes``, plus ``direct_io`` and ``path``."""
+        with self._lock:
+            return dict(self._stats, direct_io=self.direct_io, path=self.path)
+
+    def flush(self) -> None:
+        """Wait for all pending operations; raise the first write error since the last flush."""
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                break
+            for fut in pending:
+                try:
+                    fut.result()
+                except BaseException:
+                    pass
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Wait for pending operations, stop the workers, remove the folder unless ``keep``.
+
+        Does not raise for failed writes (their futures and ``flush()`` report them): closing
+        after an ``OffloadError`` must still clean up."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        except BaseException:  # noqa: BLE001 - already delivered through the futures
+            pass
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+            if self._finalizer is not None:
+                self._finalizer()                 # removes the folder
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"DiskStore({self.path!r}, keys={len(self._sizes)}, nbytes={self.nbytes()}, "
+                f"direct_io={self.direct_io})")
+
+    # ---------------------------------------------------------------------------- helpers
+    def _checked_key(self, key: str) -> str:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"DiskStore keys are non-empty strings, got {key!r}")
+        if self._closed:
+            raise RuntimeError("DiskStore is closed")
+        return key
+
+    def _file(self, key: str) -> str:
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key)[:80]
+        digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+        return os.path.join(self.path, f"{safe}-{digest}{_SUFFIX}")
+
+    def _submit(self, key: str, is_write: bool, fn, *args) -> Future:
+        """Run ``fn(*args)`` in a worker after the previous operation on ``key``."""
+        self._slots.acquire()
+        outer: Future = Future()
+        with self._lock:
+            prev = self._tail.get(key)
+            self._tail[key] = outer
+            self._pending.add(outer)
+
+        def finish() -> None:
+            self._slots.release()
+            with self._lock:
+                self._pending.discard(outer)
+                if self._tail.get(key) is outer:
+                    del self._tail[key]
+
+        def run() -> None:
+            if not outer.set_running_or_notify_cancel():
+                finish()
+                return
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                if is_write:
+                    with self._lock:
+                        self._errors.append(e)
+                finish()
+                outer.set_exception(e)
+            else:
+                finish()
+                outer.set_result(result)
+
+        def start(_=None) -> None:
+            try:
+                self._pool.submit(run)
+            except RuntimeError as e:           # pool already shut down
+                finish()
+                outer.set_exception(OffloadError(f"DiskStore at {self.path} is closed: {e}"))
+
+        if prev is None:
+            start()
+        else:
+            prev.add_done_callback(start)
+        return outer
+
+    def _count(self, kind: str, nbytes: int, seconds: float) -> None:
+        """kind: "read" or "write"."""
+        past = "read" if kind == "read" else "written"
+        with self._lock:
+            self._stats[f"bytes_{past}"] += nbytes
+            self._stats[f"{kind}_seconds"] += seconds
+            self._stats[f"{kind}s"] += 1
+
+    # ------------------------------------------------------------------- file I/O
+    def _write_file(self, key: str, items) -> int:
+        t0 = time.perf_counter()
+        final = self._file(key)
+        header, offsets, file_size = _layout(key, items)
+        free = shutil.disk_usage(self.path).free
+        if free < file_size:
+            raise self._no_space(key, final, file_size, free)
+        segments = [(0, torch.frombuffer(bytearray(header), dtype=torch.uint8))]
+        segments += [(off, _bytes_view(t)) for off, (_, t) in zip(offsets, items)]
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct_io else 0)
+            fd = os.open(tmp, flags, 0o600)
+            try:
+                if self.direct_io:
+                    _transfer(fd, segments, file_size, self._staging.get(), write=True)
+                else:
+                    _buffered_write(fd, segments, file_size)
+                os.fdatasync(fd)
+                if not self.direct_io:
+                    _drop_cache(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._no_space(key, final, file_size, None, e) from e
+            raise OffloadError(f"writing {file_size} bytes ({_human(file_size)}) for {key!r} to "
+                               f"{final} failed: {e.strerror or e}. Check the disk behind the "
+                               f"offload directory {self.root}") from e
+        with self._lock:
+            self._sizes[key] = file_size
+        self._count("write", file_size, time.perf_counter() - t0)
+        return file_size
+
+    def _no_space(self, key, path, needed, free, err=None) -> OffloadError:
+        if free is None:
+            try:
+                free = shutil.disk_usage(self.path).free
+            except OSError:
+                free = -1
+        why = f"{err.strerror}: " if err is not None and err.strerror else ""
+        return OffloadError(
+            f"{why}offloading {key!r} needs {needed} bytes ({_human(needed)}) at {path} but the "
+            f"disk has {free} bytes ({_human(max(free, 0))}) free. Free space there, point "
+            f"offload_dir at a larger disk, or offload less (more host RAM, "
+            f"optimizer_compression)")
+
+    def _read_file(self, key: str, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        path = self._file(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0))
+        except FileNotFoundError:
+            raise KeyError(f"DiskStore has no key {key!r} (no file {path})") from None
+        except OSError as e:
+            raise OffloadError(f"cannot open {path} for {key!r}: {e.strerror or e}") from e
+        try:
+            meta = self._read_header(fd, key, path)
+            unknown = set(out) - {e["name"] for e in meta["tensors"]}
+            if unknown:
+                raise ValueError(f"DiskStore.read({key!r}): out has names not stored: "
+                                 f"{sorted(unknown)}")
+            result, segments = {}, []
+            for e in meta["tensors"]:
+                dtype = getattr(torch, e["dtype"])
+                dest = out.get(e["name"])
+                if dest is None:
+                    dest = aligned_empty(e["shape"], dtype)
+                elif dest.dtype != dtype or dest.numel() * dest.element_size() != e["nbytes"]:
+                    raise ValueError(
+                        f"DiskStore.read({key!r}): out[{e['name']!r}] is {dest.dtype} "
+                        f"{tuple(dest.shape)} but the stored tensor is {e['dtype']} "
+                        f"{tuple(e['shape'])}")
+                segments.append((e["offset"], _bytes_view(dest)))
+                result[e["name"]] = dest
+            segments.sort(key=lambda seg: seg[0])
+            if self.direct_io:
+                _transfer(fd, segments, meta["file_size"], self._staging.get(), write=False)
+            else:
+                for off, dest in segments:
+                    _pread_all(fd, _np(dest), off)
+                _drop_cache(fd)
+        except OSError as e:
+            raise OffloadError(f"reading {key!r} from {path} failed: {e.strerror or e}") from e
+        finally:
+            os.close(fd)
+        self._count("read", meta["file_size"], time.perf_counter() - t0)
+        return result
+
+    def _read_header(self, fd: int, key: str, path: str) -> dict:
+        _, mv = self._staging.get()
+        size = os.fstat(fd).st_size
+        if size < ALIGN or size % ALIGN:
+            raise OffloadError(f"{path} (key {key!r}) is not a valid DiskStore file "
+                               f"({size} bytes)")
+        _pread_all(fd, mv[:ALIGN], 0)
+        magic, length, crc = _PREFIX.unpack_from(mv, 0)
+        header_size = _align_up(_PREFIX.size + length)
+        if magic != _MAGIC or header_size > min(size, _IO_CHUNK):
+            raise OffloadError(f"{path} (key {key!r}) is not a valid DiskStore file")
+        if header_size > ALIGN:
+            _pread_all(fd, mv[:header_size], 0)
+        body = bytes(mv[_PREFIX.size:_PREFIX.size + length])
+        meta = json.loads(body) if zlib.crc32(body) == crc else None
+        if meta is None or meta.get("key") != key or meta.get("file_size") != size:
+            raise OffloadError(f"{path} (key {key!r}) is damaged or incomplete "
+                               f"({size} bytes on disk)")
+        return meta
+
+
+# ---------------------------------------------------------------------------- file format
+def _layout(key: str, items) -> tuple[bytes, list[int], int]:
+    """Header bytes, each tensor's offset and the file size (a multiple of ALIGN).
+
+    Tensors of at least ``_ALIGN_MIN`` bytes start on an ALIGN boundary (so aligned memory moves
+    with zero-copy direct I/O); smaller ones are packed at ``_PACK`` bytes after the header, so
+    small files stay small."""
+    reserved = 256
+    while True:
+        cursor, entries = _round(reserved, _PACK), []
+        for name, t in items:
+            n = t.numel() * t.element_size()
+            off = _align_up(cursor) if n >= _ALIGN_MIN else _round(cursor, _PACK)
+            entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
+                            "shape": list(t.shape), "offset": off, "nbytes": n})
+            cursor = off + n
+        file_size = _align_up(cursor)
+        body = json.dumps({"key": key, "file_size": file_size, "tensors": entries},
+                          separators=(",", ":")).encode()
+        header = _PREFIX.pack(_MAGIC, len(body), zlib.crc32(body)) + body
+        if len(header) <= reserved:
+            return header, [e["offset"] for e in entries], file_size
+        reserved = len(header) + 64
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _transfer(fd: int, segments, file_size: int, staging, *, write: bool) -> None:
+    """Direct I/O of ``segments`` [(file offset, uint8 tensor)], sorted by offset.
+
+    A segment whose memory and offset are ALIGN-aligned moves straight between the tensor and
+    the disk (its last partial block excepted); everything else is gathered into / scattered
+    from the aligned staging buffer in windows of up to ``_IO_CHUNK`` bytes, with the gaps
+    between segments zero-filled when writing."""
+    run: list[tuple[int, torch.Tensor]] = []
+    for off, t in segments:
+        n = t.numel()
+        body = n - n % ALIGN
+        if n and off % ALIGN == 0 and body and t.data_ptr() % ALIGN == 0:
+            if run:
+                _staged(fd, run, file_size, staging, write)
+                run = []
+            arr, move = _np(t), (_pwrite_all if write else _pread_all)
+            for a in range(0, body, _IO_CHUNK):
+                move(fd, arr[a:min(a + _IO_CHUNK, body)], off + a)
+            if body < n:
+                run.append((off + body, t[body:]))
+        elif n:
+            run.append((off, t))
+    if run:
+        _staged(fd, run, file_size, staging, write)
+
+
+def _staged(fd: int, run, file_size: int, staging, write: bool) -> None:
+    buf, mv = staging
+    start = run[0][0] - run[0][0] % ALIGN
+    end = min(_align_up(run[-1][0] + run[-1][1].numel()), file_size)
+    first = 0
+    for w in range(start, end, _IO_CHUNK):
+        wl = min(_IO_CHUNK, end - w)
+        if not write:
+            _pread_all(fd, mv[:wl], w)
+        cursor = w
+        for i in range(first, len(run)):
+            off, t = run[i]
+            a, b = max(off, w), min(off + t.numel(), w + wl)
+            if off >= w + wl:
+                break
+            if b <= a:
+                first = i + 1
+                continue
+            if write:
+                if a > cursor:
+                    buf[cursor - w:a - w].zero_()
+                buf[a - w:b - w].copy_(t[a - off:b - off])
+            else:
+                t[a - off:b - off].copy_(buf[a - w:b - w])
+            cursor = b
+        if write:
+            if cursor < w + wl:
+                buf[cursor - w:wl].zero_()
+            _pwrite_all(fd, mv[:wl], w)
+
+
+def _buffered_write(fd: int, segments, file_size: int) -> None:
+    """Page-cache writes straight from the tensors; sync and drop the pages as we go."""
+    since_sync = 0
+    for off, t in segments:
+        arr = _np(t)
+        for a in range(0, t.numel(), _IO_CHUNK):
+            _pwrite_all(fd, arr[a:a + _IO_CHUNK], off + a)
+            since_sync += min(_IO_CHUNK, t.numel() - a)
+            if since_sync >= _BUFFERED_SYNC_EVERY:
+                os.fdatasync(fd)
+                _drop_cache(fd)
+                since_sync = 0
+    os.ftruncate(fd, file_size)

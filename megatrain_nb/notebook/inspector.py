@@ -1,0 +1,89 @@
+"""Per-layer statistics as the user sees them: which unit a name or index means, and a
+dict that renders as a small table with a histogram in a notebook.
+
+The numbers come from ``engine.layer_stats()``, which the engine fills during its
+optimizer step while each unit is in hand (no extra pass over the weights).
+"""
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+_SCALARS = ("weight_norm", "grad_norm", "update_norm", "update_ratio")
+
+
+def resolve_unit(layer: Any, names: list[str]) -> str:
+    """``3`` -> the fourth decoder layer ("model.layers.3"); ``-1`` -> the last one; a unit name
+    ("embed", "model.layers.3", "head") or its short form ("layers.3", "3") is checked against
+    the engine's units."""
+    decoder = [n for n in names if n not in ("embed", "head")]
+    if isinstance(layer, bool):
+        raise TypeError("layer must be an int index or a unit name, not a bool")
+    if isinstance(layer, int):
+        if not decoder:
+            return f"layers.{layer}" if layer >= 0 else _unknown(layer, names)
+        try:
+            return decoder[layer]
+        except IndexError:
+            raise IndexError(f"layer {layer} is out of range: the model has {len(decoder)} decoder "
+                             f"layers (0..{len(decoder) - 1})") from None
+    name = str(layer).strip()
+    if name.lstrip("-").isdigit():
+        return resolve_unit(int(name), names)
+    if not names or name in names:
+        return name
+    matches = [n for n in names if n.endswith("." + name)]
+    if len(matches) == 1:
+        return matches[0]
+    return _unknown(layer, names)
+
+
+def _unknown(layer: Any, names: list[str]) -> str:
+    shown = ", ".join(names) if len(names) <= 8 else ", ".join(names[:3] + ["..."] + names[-2:])
+    raise LookupError(f"no unit {layer!r}; units are {shown or '(none yet: train a step first)'}")
+
+
+class LayerReport(dict):
+    """``session.inspect(layer)``: a dict (``unit, step, weight_norm, grad_norm, update_norm,
+    update_ratio, hist_counts, hist_edges, history``) that displays as a table + histogram."""
+
+    def __init__(self, stats: dict, *, unit: str, history: dict):
+        super().__init__(stats)
+        self["unit"] = unit
+        self["history"] = {m: {"step": s, "value": v} for m, (s, v) in history.items()}
+
+    def __repr__(self) -> str:
+        scalars = ", ".join(f"{k}={_fmt(self.get(k))}" for k in _SCALARS)
+        return f"<LayerReport {self['unit']} at step {self.get('step', '?')}: {scalars}>"
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{k.replace('_', ' ')}</th><td>{_fmt(self.get(k))}</td></tr>"
+            for k in _SCALARS)
+        return (f"<div><b>{html.escape(str(self['unit']))}</b> at step {self.get('step', '?')}"
+                f"<div style='display:flex;gap:16px;align-items:flex-end'>"
+                f"<table>{rows}</table>{histogram_svg(self.get('hist_counts'), self.get('hist_edges'))}</div></div>")
+
+
+def histogram_svg(counts: Any, edges: Any, width: int = 260, height: int = 90) -> str:
+    """A dependency-free inline SVG bar chart (renders in saved notebooks and reports)."""
+    if not counts or not edges or len(edges) != len(counts) + 1:
+        return ""
+    top = max(counts) or 1
+    bw = width / len(counts)
+    bars = "".join(
+        f"<rect x='{i * bw:.1f}' y='{height - 14 - (c / top) * (height - 18):.1f}' width='{max(bw - 1, 0.5):.1f}' "
+        f"height='{(c / top) * (height - 18):.1f}' fill='#4c78a8'/>" for i, c in enumerate(counts))
+    lo, hi = _fmt(edges[0]), _fmt(edges[-1])
+    return (f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{bars}"
+            f"<text x='0' y='{height - 2}' font-size='10'>{lo}</text>"
+            f"<text x='{width}' y='{height - 2}' font-size='10' text-anchor='end'>{hi}</text></svg>")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.4g}"
+    return html.escape(str(v)) if v is not None else "–"

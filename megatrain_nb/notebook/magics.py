@@ -1,0 +1,224 @@
+"""``%load_ext megatrain_nb`` registers ``%megatrain``, acting on the current session (the one
+most recently created or trained) or a named one (``-s NAME`` / ``--session NAME``)::
+
+    %megatrain status
+    %megatrain pause | resume | stop
+    %megatrain lr 5e-4
+    %megatrain dashboard
+    %megatrain report run.html
+    %megatrain estimate llama-100b --vram 80 --ram 512 --disk 4096
+    %megatrain sessions
+"""
+from __future__ import annotations
+
+import shlex
+import time
+from typing import Any, Optional
+
+from . import registry
+
+USAGE = """Usage: %megatrain <command> [-s SESSION]
+  status              the run at a glance
+  pause | resume      pause after the current step / carry on
+  stop                end the run after the current step and release its memory
+  lr <value>          learning rate from the next step (e.g. %megatrain lr 5e-4)
+  dashboard           show the live dashboard
+  report <path>       write a report (.html or .ipynb)
+  estimate <model dir | config.json | preset> [--vram GB] [--ram GB] [--disk GB]
+  sessions            list the sessions of this kernel"""
+
+_NO_SESSION = ("No megatrain session here yet. Create one and start it:\n"
+               "    import megatrain_nb as mt\n"
+               "    session = mt.Session('tiny')   # or a model / local folder with train_dataset=...\n"
+               "    session.train()")
+
+
+class MagicError(Exception):
+    """Shown to the user as one line (no traceback)."""
+
+
+def megatrain(line: str) -> Any:
+    """The ``%megatrain`` line magic (see module docstring)."""
+    try:
+        return _dispatch(line)
+    except MagicError as e:
+        print(str(e))
+    except (ValueError, RuntimeError, LookupError, FileNotFoundError, TypeError) as e:
+        print(f"megatrain: {e}")
+    return None
+
+
+def _dispatch(line: str) -> Any:
+    try:
+        words = shlex.split(line)
+    except ValueError as e:
+        raise MagicError(f"megatrain: cannot parse {line!r}: {e}") from None
+    name = _pop_option(words, ("-s", "--session"))
+    if not words or words[0] in ("help", "-h", "--help"):
+        print(USAGE)
+        return None
+    cmd, rest = words[0], words[1:]
+    if cmd == "estimate":
+        return _estimate(rest)
+    if cmd == "sessions":
+        return _sessions()
+    handler = {"status": _status, "pause": _pause, "resume": _resume, "stop": _stop, "lr": _lr,
+               "dashboard": _dashboard, "report": _report}.get(cmd)
+    if handler is None:
+        raise MagicError(f"megatrain: unknown command {cmd!r}\n{USAGE}")
+    return handler(_session(name), rest)
+
+
+def _pop_option(words: list[str], flags: tuple[str, ...]) -> Optional[str]:
+    for i, w in enumerate(words):
+        if w in flags:
+            if i + 1 >= len(words):
+                raise MagicError(f"megatrain: {w} needs a value")
+            value = words[i + 1]
+            del words[i:i + 2]
+            return value
+        for f in flags:
+            if f.startswith("--") and w.startswith(f + "="):
+                del words[i]
+                return w.split("=", 1)[1]
+    return None
+
+
+def _session(name: Optional[str]):
+    s = registry.get(name)
+    if s is not None:
+        return s
+    if name is None:
+        raise MagicError(_NO_SESSION)
+    known = ", ".join(x.name for x in registry.all_sessions()) or "none"
+    raise MagicError(f"megatrain: no session named {name!r} (sessions: {known})")
+
+
+def _wait_state(session, states: tuple[str, ...], seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if session.state in states:
+            return True
+        time.sleep(0.02)
+    return session.state in states
+
+
+def status_line(session) -> str:
+    from .summary_html import eta_seconds, fmt_num, fmt_seconds
+
+    view = session.run_log.view(max_points=2)
+    total = session.total_steps
+    last = view.last
+    parts = [f"{session.name}: {session.state}", f"step {view.step}{'/' + str(total) if total else ''}",
+             f"loss {fmt_num(last.get('loss'))}", f"lr {fmt_num(last.get('lr'), '.3g')}",
+             f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s", f"ETA {fmt_seconds(eta_seconds(session, view))}"]
+    line = ", ".join(parts)
+    if view.events:
+        from .figures import event_label
+
+        e = view.events[-1]
+        line += f"; {len(view.events)} events (last: {event_label(e)} at step {e['step']})"
+    if session.error is not None:
+        line += f"\nerror: {type(session.error).__name__}: {session.error} (session.wait() re-raises it)"
+    return line
+
+
+def _status(session, rest):
+    print(status_line(session))
+
+
+def _pause(session, rest):
+    session.pause(source="magic")
+    if _wait_state(session, ("paused",) + _ENDED, 2.0):
+        print(f"{session.name}: paused at step {session.step}." if session.state == "paused"
+              else f"{session.name}: {session.state}.")
+    else:
+        print(f"{session.name}: pause requested; it takes effect when step {session.step + 1} ends.")
+
+
+def _resume(session, rest):
+    was = session.state
+    session.resume(source="magic")
+    if was != "paused":
+        print(f"{session.name}: not paused ({was}); nothing to resume.")
+    elif _wait_state(session, ("running",) + _ENDED, 2.0):
+        print(f"{session.name}: resumed at step {session.step}.")
+    else:
+        print(f"{session.name}: resume requested.")
+
+
+def _stop(session, rest):
+    if session.state in _ENDED:
+        session.stop(source="magic")
+        print(f"{session.name}: already {session.state}; its memory is released.")
+        return
+    session.stop(wait=False, source="magic")
+    if _wait_state(session, _ENDED, 10.0):
+        print(f"{session.name}: stopped at step {session.step}; memory, threads and files released.")
+    else:
+        print(f"{session.name}: stop requested; the run ends when step {session.step + 1} ends.")
+
+
+def _lr(session, rest):
+    if len(rest) != 1:
+        raise MagicError("megatrain: lr needs one value, e.g. %megatrain lr 5e-4")
+    try:
+        value = float(rest[0])
+    except ValueError:
+        raise MagicError(f"megatrain: {rest[0]!r} is not a learning rate (e.g. 5e-4)") from None
+    session.set_lr(value, source="magic")
+    print(f"{session.name}: learning rate {value:g} from the next step (after step {session.step}).")
+
+
+def _dashboard(session, rest):
+    from IPython.display import display
+
+    display(session.dashboard())
+
+
+def _report(session, rest):
+    if len(rest) != 1:
+        raise MagicError("megatrain: report needs a path ending in .html or .ipynb, e.g. %megatrain report run.html")
+    print(f"{session.name}: report written to {session.export_report(rest[0])}")
+
+
+def _estimate(rest):
+    words = list(rest)
+    budgets = {}
+    for flag, key in (("--vram", "vram_gb"), ("--ram", "ram_gb"), ("--disk", "disk_gb")):
+        v = _pop_option(words, (flag,))
+        if v is not None:
+            try:
+                budgets[key] = float(v)
+            except ValueError:
+                raise MagicError(f"megatrain: {flag} takes a number of GiB, not {v!r}") from None
+    if len(words) != 1:
+        raise MagicError("megatrain: estimate needs one model: a folder, a config.json or a preset, e.g.\n"
+                         "    %megatrain estimate llama-100b --vram 80 --ram 512 --disk 4096")
+    from megatrain_nb.estimate import estimate
+
+    from IPython.display import display
+
+    display(estimate(words[0], **budgets))
+
+
+def _sessions():
+    sessions = registry.all_sessions()
+    if not sessions:
+        print(_NO_SESSION)
+        return
+    current = registry.get()
+    for s in sessions:
+        print(("* " if s is current else "  ") + status_line(s).splitlines()[0])
+
+
+_ENDED = ("stopped", "finished", "failed")
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext megatrain_nb``."""
+    ipython.register_magic_function(megatrain, magic_kind="line", magic_name="megatrain")
+
+
+def unload_ipython_extension(ipython) -> None:
+    ipython.magics_manager.magics["line"].pop("megatrain", None)

@@ -1,0 +1,124 @@
+"""Turn what a user hands ``Session(model, ...)`` into a Trainer.
+
+``model`` may be
+- a model object (a transformers ``*ForCausalLM``, possibly on the meta device);
+- a local folder path (``config.json`` + safetensors; the engine streams it unit by unit,
+  and the folder's tokenizer is used when none is given);
+- a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``, ...): the
+  model is built from that config, and when no data is given the built-in corpus and
+  tokenizer are used (nothing is downloaded).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+
+def build_trainer(
+    model: Any,
+    *,
+    train_dataset: Any = None,
+    args: Any = None,
+    tokenizer: Any = None,
+    eval_dataset: Any = None,
+    seq_len: Optional[int] = None,
+    trainer_options: dict,
+) -> tuple[Any, Any]:
+    """(trainer, tokenizer) for a Session. ``trainer_options`` go to ``Trainer`` as keywords
+    (engine options, ``loss_fn``...)."""
+    from megatrain_nb.trainer import Trainer
+
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model).expanduser()
+        if path.exists():
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"{str(path)!r} has no config.json: pass a Hugging Face model folder "
+                    "(config.json + *.safetensors), a model object, or a preset name")
+            if tokenizer is None:
+                tokenizer = _folder_tokenizer(path)
+            model = str(path)
+        else:
+            model, tokenizer, train_dataset, eval_dataset, args = _builtin(
+                str(model), tokenizer, train_dataset, eval_dataset, args, seq_len)
+    if train_dataset is None:
+        raise ValueError("train_dataset is required (a datasets.Dataset, IterableDataset or torch "
+                         "Dataset of token ids); or pass a preset name such as 'tiny' as the model "
+                         "to train on the built-in corpus")
+    if "loss_fn" in trainer_options:
+        trainer_options = _loss_option(Trainer, dict(trainer_options))
+    if seq_len is not None:
+        trainer_options = dict(trainer_options, seq_len=seq_len)
+    trainer = Trainer(model=model, train_dataset=train_dataset, args=args,
+                      eval_dataset=eval_dataset, tokenizer=tokenizer, **trainer_options)
+    return trainer, tokenizer
+
+
+def _loss_option(trainer_cls, options: dict) -> dict:
+    """Hand ``loss_fn`` to the Trainer under the name it takes (``loss_fn`` or HF's
+    ``compute_loss_func``)."""
+    import inspect
+
+    params = inspect.signature(trainer_cls.__init__).parameters
+    if "loss_fn" in params:
+        return options
+    if "compute_loss_func" in params:
+        options["compute_loss_func"] = options.pop("loss_fn")
+        return options
+    raise TypeError(f"{trainer_cls.__name__} does not take a custom loss function (no loss_fn / compute_loss_func "
+                    "parameter); build the Trainer yourself and use Session.from_trainer")
+
+
+def default_args(output_dir: str, **overrides: Any):
+    """Small TrainingArguments for the built-in default (constant LR, frequent logging)."""
+    from transformers import TrainingArguments
+
+    fields = dict(output_dir=output_dir, max_steps=200, per_device_train_batch_size=8,
+                  learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=10,
+                  eval_strategy="steps", eval_steps=50, save_strategy="no", report_to="none")
+    fields.update(overrides)
+    return TrainingArguments(**fields)
+
+
+def _builtin(name, tokenizer, train_dataset, eval_dataset, args, seq_len):
+    from megatrain_nb.trainer.presets import preset_config, preset_names
+
+    if name not in preset_names():
+        raise FileNotFoundError(
+            f"model={name!r} is neither an existing folder nor a preset; presets: "
+            f"{', '.join(preset_names())} (a folder needs config.json + safetensors)")
+    if train_dataset is None:
+        from megatrain_nb.trainer.default import load_default
+
+        tok, train_dataset, default_eval = load_default(seq_len=seq_len or 128)
+        tokenizer = tokenizer or tok
+        if eval_dataset is None:
+            eval_dataset = default_eval
+    vocab = len(tokenizer) if tokenizer is not None else None
+    config = preset_config(name, vocab_size=vocab)
+    if args is None:
+        args = default_args(os.path.join("megatrain_outputs", name),
+                            eval_strategy="steps" if eval_dataset is not None else "no")
+    return _model_from_config(config), tokenizer, train_dataset, eval_dataset, args
+
+
+def _model_from_config(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    h, layers = config.hidden_size, config.num_hidden_layers
+    approx = layers * (4 * h * h + 3 * h * config.intermediate_size) + 2 * config.vocab_size * h
+    if approx > 300_000_000:
+        # Too big to materialise: the engine initialises each unit in its own tier.
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _folder_tokenizer(path: Path):
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,252 @@
+"""Reports of a run: a notebook built with nbformat (``.ipynb``) or rendered by nbconvert
+(``.html``). Both are static and open offline: figures are plotly HTML with plotly.js embedded
+once (no CDN), plus the plotly JSON mimetype so JupyterLab renders them natively; the HTML
+template drops the CDN scripts (require.js, MathJax, mermaid) nbconvert would add.
+
+Example::
+
+    session.export_report("run.html")      # or "run.ipynb"
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import numpy as np
+import plotly.graph_objects as go
+from nbformat import v4
+
+from . import environment
+from .figures import (_scale, event_label, fill_heatmap, fill_loss, fill_memory, heatmap_figure, loss_figure,
+                      memory_figure)
+from .inspector import _fmt
+from .summary_html import fmt_bytes, fmt_num, fmt_seconds
+
+_MAX_POINTS = 2000
+# The lab template without anything fetched from the network.
+_OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js -%}{%- endblock html_head_js -%}
+{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+"""
+
+
+def export_report(session: Any, path: str | os.PathLike) -> str:
+    """Write ``path`` (.ipynb or .html) atomically; returns it."""
+    target = Path(path).expanduser()
+    suffix = target.suffix.lower()
+    if suffix not in (".ipynb", ".html"):
+        raise ValueError(f"report path {str(path)!r} must end in .ipynb or .html")
+    nb = build_notebook(session)
+    nbformat.validate(nb)
+    text = render_html(nb) if suffix == ".html" else nbformat.writes(nb)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; a report is an ordinary file
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return str(target)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def render_html(nb) -> str:
+    from jinja2 import DictLoader
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(template_name="lab", extra_loaders=[DictLoader({"megatrain_report.j2": _OFFLINE_TEMPLATE})],
+                            template_file="megatrain_report.j2", exclude_input=True, exclude_output_prompt=True,
+                            exclude_input_prompt=True)
+    body, _ = exporter.from_notebook_node(nb)
+    return body
+
+
+class _Figures:
+    """Figure outputs; plotly.js goes into the first one only."""
+
+    def __init__(self):
+        self.first = True
+
+    def output(self, fig: go.Figure):
+        div = fig.to_html(full_html=False, include_plotlyjs=self.first, config={"displaylogo": False})
+        self.first = False
+        return v4.new_output("display_data", data={"application/vnd.plotly.v1+json": json.loads(fig.to_json()),
+                                                   "text/html": div, "text/plain": f"<plotly figure: {_title(fig)}>"})
+
+
+def _title(fig) -> str:
+    t = fig.layout.title.text
+    return t or "figure"
+
+
+def _md(text: str):
+    return v4.new_markdown_cell(text)
+
+
+def _figure_cell(figs: _Figures, fig: go.Figure, caption: str):
+    cell = v4.new_code_cell(f"# {caption} (static figure written by megatrain_nb)")
+    cell.outputs = [figs.output(fig)]
+    cell.metadata["jupyter"] = {"source_hidden": True}
+    return cell
+
+
+def _html_cell(html_text: str, caption: str):
+    cell = v4.new_code_cell(f"# {caption}")
+    cell.outputs = [v4.new_output("display_data", data={"text/html": html_text, "text/plain": caption})]
+    cell.metadata["jupyter"] = {"source_hidden": True}
+    return cell
+
+
+def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
+    def cell(v):
+        return str(v).replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def build_notebook(session: Any):
+    """The report as an nbformat v4 notebook with every output already in place."""
+    log = session.run_log
+    view = log.view(max_points=_MAX_POINTS)
+    records = log.records()
+    figs = _Figures()
+    nb = v4.new_notebook()
+    nb.metadata["title"] = f"megatrain_nb report: {session.name}"
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    cells = [_md(_summary_md(session, view, records))]
+
+    cells.append(_md("## Configuration\n\n" + _table(environment.configuration(session), ("setting", "value"))))
+    cells.append(_md("## Environment\n\n" + _table(environment.environment(session), ("item", "value"))))
+
+    fig = loss_figure(height=460)
+    fill_loss(fig, view)
+    cells.append(_md("## Loss and learning rate\n\nDotted lines mark the interventions (see the events below)."))
+    cells.append(_figure_cell(figs, fig, "loss and learning rate"))
+
+    cells.append(_md("## Interventions\n\n" + (_table(
+        [(e["step"], e["kind"], event_label(e), e.get("source", ""), _event_detail(e)) for e in view.events],
+        ("step", "kind", "marker", "source", "detail")) if view.events else "None: the run went untouched.")))
+
+    cells.append(_md("## Memory tiers\n\nUsed bytes per tier over the run and, at the last report, by kind "
+                     "against capacity."))
+    cells.append(_figure_cell(figs, _tier_history_figure(records), "memory tiers over time"))
+    mem = memory_figure()
+    fill_memory(mem, view)
+    cells.append(_figure_cell(figs, mem, "memory tiers by kind"))
+    cells.append(_md(_links_md(view)))
+
+    cells.append(_md("## Per-layer statistics\n\nFrom the engine's last optimizer step; the heatmaps show "
+                     "every unit over the run (older steps averaged in pairs)."))
+    cells.append(_md(_layers_md(view)))
+    for metric in ("grad_norm", "update_ratio"):
+        units, steps, z = log.heat(metric)
+        if z.size:
+            hm = heatmap_figure(metric, height=max(260, 22 * len(units) + 120))
+            fill_heatmap(hm, units, steps, z, metric)
+            cells.append(_figure_cell(figs, hm, f"layers x steps: {metric}"))
+
+    cells.append(_md("## Throughput\n\n" + _throughput_md(view, records)))
+    cells.append(_figure_cell(figs, _throughput_figure(view), "throughput"))
+
+    samples = session.samples
+    if samples:
+        body = "".join(f"<h4>step {s['step']}: <code>{html.escape(s['prompt'])}</code></h4>"
+                       f"<pre style='white-space:pre-wrap'>{html.escape(s['text'])}</pre>" for s in samples)
+        cells.append(_md("## Samples\n\nDrawn with `session.generate` from the weights at that step."))
+        cells.append(_html_cell(body, "samples"))
+    nb.cells = cells
+    return nb
+
+
+def _summary_md(session, view, records) -> str:
+    last = view.last
+    total = session.total_steps
+    evals = [r["eval_loss"] for r in records if r.get("eval_loss") is not None]
+    duration = None
+    if session._started_at is not None:
+        end = session._ended_at or (records[-1]["time"] if records else session._started_at)
+        duration = end - session._started_at
+    rows = [("state", session.state), ("optimizer steps", f"{view.step}" + (f" of {total}" if total else "")),
+            ("final loss", fmt_num(last.get("loss"))), ("last eval loss", fmt_num(evals[-1]) if evals else "–"),
+            ("learning rate at the end", fmt_num(last.get("lr"), ".3g")),
+            ("wall time", fmt_seconds(duration)), ("interventions", len(view.events))]
+    text = f"# Training report: {session.name}\n\n" + _table(rows, ("", ""))
+    if session.error is not None:
+        text += f"\n\n**The run failed:** `{type(session.error).__name__}: {session.error}`\n\n```\n{session._error_tb}\n```"
+    return text
+
+
+def _event_detail(e: dict) -> str:
+    if e.get("error"):
+        return str(e["error"])
+    if e.get("path"):
+        return str(e["path"])
+    return ""
+
+
+def _tier_history_figure(records: list[dict]) -> go.Figure:
+    series = {}
+    for tier in ("device", "host", "disk"):
+        pts = [(r.get("step"), (r.get("memory") or {}).get(tier, {}).get("used_bytes")) for r in records
+               if isinstance((r.get("memory") or {}).get(tier), dict)]
+        series[tier] = [(x, y) for x, y in pts if isinstance(y, (int, float))]
+    div, unit = _scale(max([y for pts in series.values() for _, y in pts] + [0.0]))
+    fig = go.Figure([go.Scatter(x=[x for x, _ in pts], y=[y / div for _, y in pts], name=tier, mode="lines+markers")
+                     for tier, pts in series.items()])
+    fig.update_layout(title=dict(text=f"Memory used per tier ({unit})", x=0.01), template="plotly_white", height=300,
+                      margin=dict(l=60, r=20, t=50, b=40), xaxis_title="optimizer step", yaxis_title=unit,
+                      yaxis_rangemode="tozero")
+    return fig
+
+
+def _throughput_figure(view) -> go.Figure:
+    x, y = view.curves.get("tokens_per_s", (np.zeros(0), np.zeros(0)))
+    fig = go.Figure(go.Scatter(x=x, y=y, mode="lines", name="tokens/s"))
+    fig.update_layout(title=dict(text="Tokens per second", x=0.01), template="plotly_white", height=280,
+                      margin=dict(l=60, r=20, t=50, b=40), xaxis_title="optimizer step", yaxis_title="tokens/s",
+                      yaxis_rangemode="tozero")
+    return fig
+
+
+def _links_md(view) -> str:
+    rows = [(k.replace("_", " "), f"{fmt_bytes(v)}/s") for k, v in view.links.items() if v is not None]
+    rows += [(f"prefetch hit rate ({t})", f"{fmt_num(100 * v, '.1f')}%") for t, v in view.prefetch_hit_rate.items()
+             if v is not None]
+    if view.stall_share is not None:
+        rows.append(("stall share of step time", f"{100 * view.stall_share:.1f}%"))
+    return _table(rows, ("link / counter", "value")) if rows else "No transfer telemetry was logged."
+
+
+def _layers_md(view) -> str:
+    if not view.layers:
+        return "No layer statistics were gathered."
+    rows = [(u, s.get("step"), _fmt(s.get("weight_norm")), _fmt(s.get("grad_norm")), _fmt(s.get("update_norm")),
+             _fmt(s.get("update_ratio"))) for u, s in view.layers.items()]
+    return _table(rows, ("unit", "step", "weight norm", "grad norm", "update norm", "update / weight"))
+
+
+def _throughput_md(view, records) -> str:
+    tps = [r["tokens_per_s"] for r in records if isinstance(r.get("tokens_per_s"), (int, float))]
+    st = [r["step_time_s"] for r in records if isinstance(r.get("step_time_s"), (int, float))]
+    tokens = sum(r.get("tokens", 0) or 0 for r in records)
+    rows = [("tokens trained", f"{tokens:,}"),
+            ("median tokens/s", fmt_num(float(np.median(tps)), ",.0f") if tps else "–"),
+            ("median step time", f"{np.median(st):.3f} s" if st else "–")]
+    return _table(rows, ("", ""))
+

@@ -1,0 +1,77 @@
+"""Sampling text from the engine's current weights (no KV cache: the engine streams layers,
+so each new token re-runs the window; fine for the short samples a notebook asks for).
+
+Example::
+
+    text = sample_text(engine, tokenizer, "def main(", max_new_tokens=40, temperature=0.8, top_k=50)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+
+
+def sample_text(
+    engine: Any,
+    tokenizer: Any,
+    prompt: str,
+    *,
+    max_new_tokens: int = 50,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 50,
+    seed: Optional[int] = None,
+) -> str:
+    """``prompt`` followed by up to ``max_new_tokens`` sampled tokens, decoded.
+
+    The whole sample is drawn under ``engine.lock`` so every token sees the same weights: a
+    running trainer waits at most this long before its next micro-batch.
+    """
+    if tokenizer is None:
+        raise ValueError("generate() needs a tokenizer: pass tokenizer= to the Session "
+                         "(or use a model folder that contains one)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else []
+    if not ids:
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is None:
+            bos = getattr(tokenizer, "eos_token_id", None)
+        if bos is None:
+            raise ValueError("an empty prompt needs a tokenizer with a bos or eos token")
+        ids = [int(bos)]
+    window = _context_length(engine)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    lock = getattr(engine, "lock", None) or contextlib.nullcontext()
+    new: list[int] = []
+    with lock:
+        for _ in range(max_new_tokens):
+            ctx = (ids + new)[-window:]
+            logits = engine.forward_logits(torch.tensor([ctx], dtype=torch.long))[0, -1].float()
+            tok = _pick(logits, temperature, top_k, gen)
+            new.append(tok)
+            if eos is not None and tok == eos:
+                break
+    return tokenizer.decode(ids + new, skip_special_tokens=True) if prompt else tokenizer.decode(
+        new, skip_special_tokens=True)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: Optional[int], gen) -> int:
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _context_length(engine: Any) -> int:
+    cfg = getattr(engine, "model_config", None)
+    n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    return int(n) if n else 2048

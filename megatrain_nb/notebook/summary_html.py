@@ -1,0 +1,149 @@
+"""A self-contained HTML picture of a run: no scripts, no external resources, so it renders
+where widgets cannot (nbconvert, GitHub, a notebook opened without the kernel) and it is what
+a saved notebook keeps once the run has ended.
+
+Example::
+
+    from IPython.display import HTML
+    HTML(summary_html(session, session.run_log.view()))
+"""
+from __future__ import annotations
+
+import html
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from .figures import TIERS, event_label, grouped_events
+from .run_log import RunView, tier_summary
+
+STATE_COLORS = {"idle": "#888", "running": "#2e7d32", "paused": "#ef6c00", "stopped": "#6d4c41",
+                "finished": "#1565c0", "failed": "#b00020"}
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "–"
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
+
+
+def fmt_bytes(b: float | None) -> str:
+    if b is None or not math.isfinite(b):
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return f"{b:.1f} TiB"
+
+
+def fmt_num(v: Any, spec: str = ".4g") -> str:
+    return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "–"
+
+
+def eta_seconds(session: Any, view: RunView) -> float | None:
+    total = session.total_steps
+    if not total or view.step_time_s is None or session.state not in ("running", "paused"):
+        return None
+    return max(0, total - view.step) * view.step_time_s
+
+
+def header_html(session: Any, view: RunView) -> str:
+    """One line: name, state, step/total with a bar, ETA, tokens/s, loss, lr."""
+    state = session.state
+    total = session.total_steps
+    frac = min(1.0, view.step / total) if total else 0.0
+    color = STATE_COLORS.get(state, "#888")
+    last = view.last
+    cells = [
+        f"<b>{html.escape(session.name)}</b>",
+        f"<span class='mtnb-dashboard-state' style='background:{color};color:white;border-radius:3px;"
+        f"padding:1px 6px'>{state}</span>",
+        f"step <b>{view.step}</b>{'/' + str(total) if total else ''}",
+        f"ETA {fmt_seconds(eta_seconds(session, view))}",
+        f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s",
+        f"loss {fmt_num(last.get('loss'))}",
+        f"lr {fmt_num(last.get('lr'), '.3g')}",
+        f"elapsed {fmt_seconds(view.elapsed_s)}",
+    ]
+    bar = (f"<div style='height:4px;background:#eee;margin-top:4px'><div style='height:4px;width:{frac * 100:.1f}%;"
+           f"background:{color}'></div></div>") if total else ""
+    err = ""
+    if state == "failed" and getattr(session, "_error_tb", None):
+        err = (f"<details open style='margin-top:4px;color:#b00020'><summary>{html.escape(session.summary()['error'])}"
+               f"</summary><pre style='font-size:11px;white-space:pre-wrap'>{html.escape(session._error_tb)}</pre>"
+               "</details>")
+    return (f"<div style='font-family:sans-serif;font-size:13px'>{' &nbsp;·&nbsp; '.join(cells)}{bar}{err}</div>")
+
+
+def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
+    """The loss curve (with eval points and event markers) as inline SVG."""
+    x, y = view.curves.get("loss", (np.zeros(0), np.zeros(0)))
+    if len(x) < 2:
+        return ""
+    ex, ey = view.eval
+    ys = np.concatenate([y, ey[np.isfinite(ey)]]) if len(ey) else y
+    x0, x1 = float(x.min()), float(x.max()) or 1.0
+    y0, y1 = float(ys.min()), float(ys.max())
+    if y1 <= y0:
+        y1 = y0 + 1.0
+    pad = 6
+
+    def px(a):
+        return pad + (a - x0) / ((x1 - x0) or 1.0) * (width - 2 * pad)
+
+    def py(b):
+        return height - pad - (b - y0) / (y1 - y0) * (height - 2 * pad - 12)
+
+    pts = " ".join(f"{px(a):.1f},{py(b):.1f}" for a, b in zip(x, y))
+    parts = [f"<polyline fill='none' stroke='#4c78a8' stroke-width='1.5' points='{pts}'/>"]
+    for a, b in zip(ex, ey):
+        if math.isfinite(b):
+            parts.append(f"<circle cx='{px(a):.1f}' cy='{py(b):.1f}' r='2.5' fill='#f58518'/>")
+    for step, label, c in grouped_events(view.events):
+        xe = px(float(step))
+        parts.append(f"<line x1='{xe:.1f}' x2='{xe:.1f}' y1='12' y2='{height - pad}' stroke='{c}' "
+                     f"stroke-dasharray='3,3'/><text x='{xe + 2:.1f}' y='10' font-size='9' fill='{c}'>"
+                     f"{html.escape(label)}</text>")
+    parts.append(f"<text x='{width - pad}' y='{height - 8}' font-size='9' text-anchor='end'>"
+                 f"loss {y0:.3g}–{y1:.3g}, steps {x0:.0f}–{x1:.0f}</text>")
+    return f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{''.join(parts)}</svg>"
+
+
+def memory_table(view: RunView) -> str:
+    tiers = tier_summary(view.memory)
+    if not tiers:
+        return ""
+    rows = "".join(
+        f"<tr><td>{t}</td><td>{fmt_bytes(tiers[t]['used'])}</td><td>{fmt_bytes(tiers[t]['peak'])}</td>"
+        f"<td>{fmt_bytes(tiers[t]['capacity'])}</td></tr>" for t in TIERS if t in tiers)
+    return ("<table style='font-size:12px'><tr><th>tier</th><th>used</th><th>peak</th><th>capacity</th></tr>"
+            f"{rows}</table>")
+
+
+def events_table(events: list[dict], limit: int = 12) -> str:
+    if not events:
+        return ""
+    rows = "".join(
+        f"<tr><td>{e.get('step')}</td><td>{html.escape(event_label(e))}</td>"
+        f"<td>{html.escape(str(e.get('source', '')))}</td>"
+        f"<td>{time.strftime('%H:%M:%S', time.localtime(e.get('time', 0)))}</td></tr>"
+        for e in events[-limit:])
+    more = f"<div style='font-size:11px'>({len(events) - limit} earlier)</div>" if len(events) > limit else ""
+    return ("<table style='font-size:12px'><tr><th>step</th><th>event</th><th>source</th><th>time</th></tr>"
+            f"{rows}</table>{more}")
+
+
+def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
+    """The whole static summary: header, loss curve, memory tiers, events."""
+    note = ("<div style='font-size:11px;color:#666'>Static snapshot of the run (saved with the notebook).</div>"
+            if final else "")
+    return (f"<div class='megatrain-summary' style='border:1px solid #ddd;padding:8px;border-radius:4px'>"
+            f"{header_html(session, view)}{note}"
+            f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
+            f"<div>{loss_svg(view)}</div><div>{memory_table(view)}{events_table(view.events)}</div></div></div>")

@@ -1,0 +1,284 @@
+"""DiskStore: round trips, ordering, permissions, cleanup, and failing clearly on a full disk."""
+
+import errno
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from megatrain_nb.engine import disk_store
+from megatrain_nb.engine.disk_store import ALIGN, DiskStore, OffloadError, aligned_empty
+
+
+def sample(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "codes": torch.randint(-128, 127, (5000,), dtype=torch.int8, generator=g),
+        "scales": torch.rand(20, generator=g),
+        "w": torch.randn(3, 7, generator=g).to(torch.bfloat16),
+        "flag": torch.tensor(True),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(params=["direct", "buffered"])
+def store(request, tmp_path, monkeypatch):
+    if request.param == "buffered":     # the fallback used where O_DIRECT is refused (tmpfs...)
+        monkeypatch.setattr(disk_store, "_probe_direct_io", lambda folder: False)
+    s = DiskStore(tmp_path, io_threads=2, max_inflight=3)
+    yield s
+    s.close()
+
+
+def test_write_read_round_trip(store):
+    data = sample()
+    assert store.write("layers.0/adam", data).result() == store.nbytes_of("layers.0/adam")
+    got = store.read("layers.0/adam").result()
+    assert_same(got, data)
+    for t in got.values():                          # read() allocates direct-I/O ready memory
+        assert t.data_ptr() % ALIGN == 0 or t.numel() == 0
+
+
+@pytest.mark.parametrize("align_min", [4096, 1 << 30])
+def test_large_tensors_zero_copy_and_staged(store, monkeypatch, align_min):
+    # small chunks and threshold: exercises zero-copy runs, staged windows and ragged tails
+    monkeypatch.setattr(disk_store, "_IO_CHUNK", 64 * 1024)
+    monkeypatch.setattr(disk_store, "_ALIGN_MIN", align_min)
+    x = aligned_empty(100_003).copy_(torch.randn(100_003))
+    data = {"s": torch.arange(7, dtype=torch.int16), "x": x, "y": torch.randn(50_001),
+            "t": torch.ones(3, dtype=torch.uint8), "z": torch.randn(4096)}
+    store.write("big", data).result()
+    out = {"x": torch.empty(100_003), "y": aligned_empty(50_001), "z": aligned_empty(4096)}
+    got = store.read("big", out).result()
+    assert_same(got, data)
+    assert_same(store.read("big").result(), data)
+
+
+def test_reads_into_provided_buffers(store):
+    data = sample(1)
+    store.write("k", data)
+    out = {"codes": torch.empty(5000, dtype=torch.int8), "w": aligned_empty((21,), torch.bfloat16)}
+    ptrs = {k: t.data_ptr() for k, t in out.items()}
+    got = store.read("k", out).result()
+    assert got["codes"] is out["codes"] and got["w"] is out["w"]
+    assert {k: out[k].data_ptr() for k in out} == ptrs          # no reallocation
+    assert torch.equal(out["codes"], data["codes"])
+    assert torch.equal(out["w"], data["w"].reshape(-1))
+    assert torch.equal(got["scales"], data["scales"])           # the rest is allocated
+    with pytest.raises(ValueError, match="scales"):
+        store.read("k", {"scales": torch.empty(21)}).result()
+    with pytest.raises(ValueError, match="not stored"):
+        store.read("k", {"nope": torch.empty(1)}).result()
+
+
+def test_read_after_write_of_the_same_key_sees_the_new_data(store, monkeypatch):
+    release = threading.Event()
+    real = disk_store._pwrite_all
+
+    def slow(fd, mv, offset):
+        release.wait(5)
+        real(fd, mv, offset)
+
+    store.write("k", {"x": torch.zeros(1000)}).result()
+    monkeypatch.setattr(disk_store, "_pwrite_all", slow)
+    w1 = store.write("k", {"x": torch.ones(1000)})
+    w2 = store.write("k", {"x": torch.full((1000,), 2.0)})
+    r = store.read("k")
+    assert not r.done()                             # waits for both writes, in order
+    release.set()
+    assert float(r.result()["x"][0]) == 2.0
+    assert w1.done() and w2.done()
+    store.wait_key("k")
+    assert float(store.read("k").result()["x"][0]) == 2.0
+
+
+def test_other_keys_do_not_wait(tmp_path, monkeypatch):
+    with DiskStore(tmp_path, io_threads=2) as s:
+        s.write("b", {"x": torch.ones(10)}).result()
+        release = threading.Event()
+        real = disk_store._pwrite_all
+        monkeypatch.setattr(disk_store, "_pwrite_all",
+                            lambda fd, mv, off: (release.wait(5), real(fd, mv, off)))
+        w = s.write("a", {"x": torch.zeros(10)})
+        assert float(s.read("b").result(timeout=5)["x"][0]) == 1.0
+        assert not w.done()
+        release.set()
+        w.result()
+
+
+def test_permissions_and_cleanup(tmp_path):
+    s = DiskStore(tmp_path)
+    assert os.path.dirname(s.path) == str(tmp_path)
+    assert os.path.basename(s.path).startswith(f"megatrain-{os.getpid()}-")
+    assert stat.S_IMODE(os.stat(s.path).st_mode) == 0o700
+    s.write("a", sample()).result()
+    s.write("b/c", {"x": torch.ones(3)}).result()
+    files = os.listdir(s.path)
+    assert len(files) == 2
+    for f in files:
+        assert stat.S_IMODE(os.stat(os.path.join(s.path, f)).st_mode) == 0o600
+    s.close()
+    assert not os.path.exists(s.path)
+    assert os.listdir(tmp_path) == []
+    s.close()                                       # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        s.write("a", {"x": torch.ones(1)})
+
+
+def test_keep_leaves_the_files(tmp_path):
+    with DiskStore(tmp_path, keep=True) as s:
+        s.write("a", {"x": torch.ones(3)})
+    assert len(os.listdir(s.path)) == 1             # close() waited for the pending write
+
+
+def test_missing_root_is_created_and_bad_root_names_the_path(tmp_path):
+    with DiskStore(tmp_path / "new" / "dir") as s:
+        assert os.path.isdir(s.path)
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(OffloadError, match=str(not_a_dir)):
+        DiskStore(not_a_dir / "sub")
+
+
+def test_unwritable_root_names_the_path(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(disk_store.tempfile, "mkdtemp", refuse)
+    with pytest.raises(OffloadError, match=f"{tmp_path}.*Permission denied"):
+        DiskStore(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_read_only_root(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(OffloadError, match=str(ro)):
+        DiskStore(ro)
+
+
+def test_reserve_bytes_checked_up_front(tmp_path):
+    free = disk_store.shutil.disk_usage(tmp_path).free
+    with pytest.raises(OffloadError) as err:
+        DiskStore(tmp_path, reserve_bytes=free * 4 + (1 << 40))
+    msg = str(err.value)
+    assert str(tmp_path) in msg and str(free * 4 + (1 << 40)) in msg and "free" in msg
+    assert os.listdir(tmp_path) == []               # nothing left behind
+
+
+def test_enospc_fails_clearly_and_keeps_the_previous_version(tmp_path, monkeypatch):
+    s = DiskStore(tmp_path)
+    old = {"x": torch.arange(4096, dtype=torch.float32)}
+    s.write("unit", old).result()
+    size = s.nbytes_of("unit")
+
+    def full(fd, mv, offset):                       # one block lands, then the disk is full
+        os.pwrite(fd, memoryview(mv)[:ALIGN], offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_store, "_pwrite_all", full)
+    fut = s.write("unit", {"x": torch.zeros(4096)})
+    with pytest.raises(OffloadError) as err:
+        fut.result()
+    msg = str(err.value)
+    assert s.path in msg and "bytes" in msg and "No space left" in msg
+    assert any(ch.isdigit() for ch in msg)
+    monkeypatch.undo()
+    assert [f for f in os.listdir(s.path) if ".tmp" in f] == []
+    assert_same(s.read("unit").result(), old)       # the previous version is intact
+    assert s.nbytes_of("unit") == size
+    with pytest.raises(OffloadError):                # flush() reports the failed write once
+        s.flush()
+    s.flush()
+    s.close()
+
+
+def test_not_enough_free_space_is_refused_before_writing(tmp_path, monkeypatch):
+    s = DiskStore(tmp_path)
+    usage = disk_store.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(disk_store.shutil, "disk_usage",
+                        lambda p: usage._replace(free=1000))
+    with pytest.raises(OffloadError, match=r"needs \d+ bytes .* 1000 bytes"):
+        s.write("k", {"x": torch.ones(10_000)}).result()
+    monkeypatch.undo()
+    assert os.listdir(s.path) == []
+    s.close()
+
+
+def test_truncated_file_is_not_read_as_valid(store):
+    store.write("k", {"x": torch.ones(5000)}).result()
+    path = store._file("k")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - ALIGN)
+    with pytest.raises(OffloadError, match="damaged|incomplete|valid"):
+        store.read("k").result()
+    with pytest.raises(KeyError):
+        store.read("missing").result()
+
+
+def test_nbytes_and_stats(store):
+    assert store.nbytes() == 0 and store.nbytes_of("a") == 0
+    store.write("a", {"x": torch.ones(1000)})
+    store.write("b", {"x": torch.ones(3000), "y": torch.ones(1, dtype=torch.uint8)})
+    store.flush()
+    a, b = store.nbytes_of("a"), store.nbytes_of("b")
+    assert a == os.path.getsize(store._file("a")) and b == os.path.getsize(store._file("b"))
+    assert (a, b) == (2 * ALIGN, 4 * ALIGN)     # small header + packed tensors, whole blocks
+    assert store.nbytes() == a + b
+    assert sorted(store.keys()) == ["a", "b"] and "a" in store
+    store.read("a").result()
+    st = store.stats()
+    assert st["writes"] == 2 and st["reads"] == 1
+    assert st["bytes_written"] == a + b and st["bytes_read"] == a
+    assert st["write_seconds"] > 0 and st["read_seconds"] > 0
+    store.delete("a")
+    assert store.nbytes() == b and "a" not in store
+
+
+def test_max_inflight_bounds_pending_work(tmp_path, monkeypatch):
+    release = threading.Event()
+    real = disk_store._pwrite_all
+    monkeypatch.setattr(disk_store, "_pwrite_all",
+                        lambda fd, mv, off: (release.wait(5), real(fd, mv, off)))
+    s = DiskStore(tmp_path, io_threads=1, max_inflight=2)
+    s.write("a", {"x": torch.ones(4)})
+    s.write("b", {"x": torch.ones(4)})
+    third = threading.Thread(target=lambda: s.write("c", {"x": torch.ones(4)}))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive()                         # blocked: two writes already in flight
+    release.set()
+    third.join(5)
+    assert not third.is_alive()
+    s.close()
+
+
+def test_concurrent_writers_and_readers(store):
+    errors = []
+
+    def worker(i):
+        try:
+            for j in range(5):
+                x = torch.full((3000 + i,), float(i * 10 + j))
+                store.write(f"k{i}", {"x": x})
+                got = store.read(f"k{i}").result()["x"]
+                assert torch.equal(got, x)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert store.nbytes() == sum(store.nbytes_of(f"k{i}") for i in range(4))

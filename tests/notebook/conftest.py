@@ -1,0 +1,36 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # nb_fakes
+
+
+@pytest.fixture(autouse=True)
+def _private_runtime_dir(tmp_path_factory, monkeypatch):
+    """Session beacons write their heartbeat files here, not in the user's Jupyter runtime dir."""
+    monkeypatch.setenv("MEGATRAIN_NB_RUNTIME_DIR", str(tmp_path_factory.getbasetemp() / "runtime"))
+
+
+@pytest.fixture
+def fake_session(tmp_path):
+    """Build Sessions around FakeTrainers; every one is closed at the end of the test."""
+    from megatrain_nb.notebook import Session
+    from nb_fakes import CharTokenizer, FakeTrainer
+
+    made = []
+
+    def make(name=None, **kw):
+        kw.setdefault("output_dir", str(tmp_path / "out"))
+        trainer = FakeTrainer(**kw)
+        s = Session.from_trainer(trainer, tokenizer=CharTokenizer(), name=name)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        try:
+            s.stop(wait=True, timeout=10)
+            s.close()
+        except Exception:
+            pass

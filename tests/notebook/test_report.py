@@ -1,0 +1,103 @@
+"""Reports: the notebook validates, the HTML opens offline and shows the run."""
+import re
+from html.parser import HTMLParser
+
+import nbformat
+import pytest
+
+from nb_fakes import wait_until
+
+
+class _Resources(HTMLParser):
+    """Every URL the page would fetch when opened: script/img/iframe src, stylesheet links,
+    CSS url(...) and @import."""
+
+    def __init__(self):
+        super().__init__()
+        self.urls = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag in ("script", "img", "iframe", "embed", "source", "audio", "video") and a.get("src"):
+            self.urls.append(a["src"])
+        if tag == "link" and a.get("href") and "stylesheet" in (a.get("rel") or "") + (a.get("as") or ""):
+            self.urls.append(a["href"])
+        if tag == "link" and a.get("rel") in ("preload", "modulepreload", "import") and a.get("href"):
+            self.urls.append(a["href"])
+
+
+def _network_urls(page: str) -> list[str]:
+    p = _Resources()
+    p.feed(page)
+    css = re.findall(r"@import\s+(?:url\()?['\"]?(https?:[^'\")\s]+)", page)
+    css += re.findall(r"url\(\s*['\"]?(https?://[^'\")]+)", _styles(page))
+    return [u for u in p.urls + css if not u.startswith("data:")]
+
+
+def _styles(page: str) -> str:
+    return "".join(re.findall(r"<style[^>]*>(.*?)</style>", page, flags=re.S))
+
+
+@pytest.fixture
+def finished_session(fake_session):
+    s = fake_session(total_steps=120, step_time=0.002, eval_every=30)
+    s.train()
+    assert wait_until(lambda: s.step >= 40)
+    s.pause()
+    assert wait_until(lambda: s.state == "paused")
+    s.set_lr(5e-4)
+    s.resume()
+    s.wait(timeout=30)
+    s.generate("hi", max_new_tokens=4, temperature=0)
+    return s
+
+
+def test_html_report_opens_offline_and_shows_loss_and_lr_marker(finished_session, tmp_path):
+    s = finished_session
+    path = s.export_report(tmp_path / "run.html")
+    page = open(path, encoding="utf-8").read()
+    assert _network_urls(page) == []
+    assert "require.min.js" not in page and "mathjax/2.7.7" not in page and "mermaid.esm" not in page
+    # plotly.js is embedded once, and every figure is drawn by it
+    assert page.count("Plotly v3") + page.count("plotly.js v") >= 1
+    assert page.count("window.PlotlyConfig") == 1
+    assert "Loss and learning rate" in page
+    lr = [e for e in s.events if e["kind"] == "lr"][0]
+    assert "lr 0.001→0.0005" in page  # the marker's label on the loss figure...
+    assert f'"x0":{lr["step"]}' in page.replace(" ", "")  # ...drawn at the step it happened
+    assert "Interventions" in page and "Per-layer statistics" in page and "Environment" in page
+    assert "model.layers.2" in page and "hi" in page  # layer table and the sample
+    assert not list(tmp_path.glob(".run.html.*"))  # no temporary left behind
+
+
+def test_ipynb_report_validates_and_carries_figures(finished_session, tmp_path):
+    path = finished_session.export_report(str(tmp_path / "run.ipynb"))
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    figures = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+               if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert len(figures) >= 4
+    with_js = [o for o in figures if "window.PlotlyConfig" in o["data"]["text/html"]]
+    assert len(with_js) == 1  # plotly.js once, in the first figure
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "| 40 | lr |" in text.replace(f"| {finished_session.events[1]['step']} | lr |", "| 40 | lr |")
+    assert "Training report" in text
+
+
+def test_report_of_a_failed_run_says_so(fake_session, tmp_path):
+    def boom(step):
+        if step == 5:
+            raise ValueError("loss exploded")
+        return 1.0
+
+    s = fake_session(total_steps=20, loss_fn=boom)
+    s.train()
+    with pytest.raises(ValueError):
+        s.wait(timeout=10)
+    page = open(s.export_report(tmp_path / "failed.html"), encoding="utf-8").read()
+    assert "The run failed" in page and "loss exploded" in page
+
+
+def test_report_path_must_be_ipynb_or_html(fake_session, tmp_path):
+    with pytest.raises(ValueError, match=".ipynb or .html"):
+        fake_session().export_report(tmp_path / "x.pdf")

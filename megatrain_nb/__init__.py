@@ -20,8 +20,8 @@ _LAZY = {
     "get_defaults": "megatrain_nb.trainer",
     "load_default": "megatrain_nb.trainer",
     "preset_config": "megatrain_nb.trainer",
-    "estimate": "megatrain_nb.estimate",
-    "Estimate": "megatrain_nb.estimate",
+    "estimate": "megatrain_nb.estimator",
+    "Estimate": "megatrain_nb.estimator",
     "Session": "megatrain_nb.notebook",
 }
 

@@ -285,7 +285,7 @@ def _budget_arg(s: str):
 
 
 def cmd_estimate(ns) -> int:
-    from megatrain_nb.estimate import estimate
+    from megatrain_nb.estimator import estimate
 
     est = estimate(ns.model, vram_gb=ns.vram, ram_gb=ns.ram, disk_gb=ns.disk, batch=ns.batch, seq=ns.seq,
                    compression=ns.compression, precision=ns.precision,

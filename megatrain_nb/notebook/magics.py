@@ -195,7 +195,7 @@ def _estimate(rest):
     if len(words) != 1:
         raise MagicError("megatrain: estimate needs one model: a folder, a config.json or a preset, e.g.\n"
                          "    %megatrain estimate llama-100b --vram 80 --ram 512 --disk 4096")
-    from megatrain_nb.estimate import estimate
+    from megatrain_nb.estimator import estimate
 
     from IPython.display import display
 

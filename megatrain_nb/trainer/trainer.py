@@ -89,10 +89,12 @@ class Trainer:
 
     def __init__(self, model=None, train_dataset=None, args=None, eval_dataset=None, tokenizer=None,
                  data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
-                 text_column: str = "text", packing: bool = True, **engine_options):
+                 text_column: str = "text", packing: bool = True, loss_fn=None, **engine_options):
         from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
         from transformers.trainer_utils import enable_full_determinism, set_seed
 
+        # loss_fn(logits_chunk, shifted_labels_chunk) -> summed loss of the chunk (see the engine).
+        self.loss_fn = loss_fn
         self.args = _coerce_args(args)
         validate_training_args(self.args)
         if self.args.full_determinism:
@@ -290,7 +292,8 @@ class Trainer:
                     self.control = cb.on_pre_optimizer_step(args, st, self.control)
                     extra["step_lr"] = lr
                 out = engine.forward_backward(b["input_ids"], attention_mask=b.get("attention_mask"),
-                                              labels=b["labels"], num_items_in_batch=n_items, **extra)
+                                              labels=b["labels"], num_items_in_batch=n_items,
+                                              loss_fn=self.loss_fn, **extra)
                 loss_sum += float(out.loss) * int(out.num_tokens)
                 if not last:
                     self.control = cb.on_substep_end(args, st, self.control)
@@ -382,7 +385,8 @@ class Trainer:
             raise ValueError("evaluate() needs an eval_dataset (give one to the Trainer or to evaluate())")
         t0, total, n = time.time(), 0.0, 0
         for b in eval_batches(ds, batch_size=self.args.per_device_eval_batch_size, collate=self.data_collator):
-            out = self._engine.evaluate(b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
+            out = self._engine.evaluate(b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"],
+                                        loss_fn=self.loss_fn)
             total += float(out.loss) * int(out.num_tokens)
             n += int(out.num_tokens)
         if n == 0:

@@ -52,7 +52,9 @@ class EngineConfig:
     optimizer_compression: Union[str, bool, None] = "none"
     """"none" | "int8" | "int4" (True = recommended compact codec, False = "none")."""
     checkpoint_interval: Optional[int] = 1
-    """Save the input of every k-th layer; 1 = weights cross twice per step. None = planner picks."""
+    """Save the input of every k-th layer; 1 = weights cross twice per step. None = planner picks.
+    0 = no recompute: every layer's activations and weights stay on the device for the step (one
+    load per layer; only for models whose layers all fit the device budget)."""
     precision: str = "fp32"
     """"fp32" or "bf16" (bf16 compute; fp32 master weights and gradients)."""
     adam_betas: Tuple[float, float] = (0.9, 0.999)
@@ -87,10 +89,11 @@ class EngineConfig:
         if self.precision not in _PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not supported; use one of {_PRECISIONS}.")
         if self.checkpoint_interval is not None and (
-            not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1
+            not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 0
         ):
             raise ValueError(f"checkpoint_interval={self.checkpoint_interval!r} must be an integer >= 1 "
-                             "(1 saves every layer's input) or None to let the planner choose.")
+                             "(1 saves every layer's input), 0 (keep all activations, no recompute) or None "
+                             "to let the planner choose.")
         if self.device_slots is not None and (not isinstance(self.device_slots, int) or self.device_slots < 2):
             raise ValueError(f"device_slots={self.device_slots!r} must be an integer >= 2 (double buffering).")
         b1, b2 = self.adam_betas

@@ -131,7 +131,7 @@ class StreamingEngine:
                          vram_bytes=int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else None,
                          host_bytes=int(cfg.max_host_gb * GiB) if cfg.max_host_gb else None,
                          offload_params=cfg.offload_params, batch=1, seq=1, compression=cfg.optimizer_compression, precision=cfg.precision,
-                         checkpoint_interval=cfg.checkpoint_interval or 1, offload_dir=bool(cfg.offload_dir),
+                         checkpoint_interval=cfg.checkpoint_interval, offload_dir=bool(cfg.offload_dir),
                          layer_slots=cfg.device_slots, cuda=self.device.type == "cuda",
                          loss_chunk_tokens=cfg.loss_chunk_tokens)
         if not plan.feasible and plan.limiting_tier == "host":

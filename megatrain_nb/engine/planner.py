@@ -66,13 +66,16 @@ def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: in
                      loss_chunk_tokens: int = 1024, num_heads: int = 0, eager_attention: bool = False) -> int:
     """Device bytes for activations of one micro-batch (an estimate; the engine also measures)."""
     tok = batch * seq
-    k = max(1, checkpoint_interval)
-    saved_inputs = math.ceil(num_layers / k) * tok * hidden_size * compute_bytes
-    block_inputs = (k - 1) * tok * hidden_size * compute_bytes
     # One layer re-run under autograd: its saved activations and their gradients.
     layer_work = tok * (12 * hidden_size + 4 * intermediate_size) * compute_bytes
     if eager_attention and num_heads:
         layer_work += 2 * batch * num_heads * seq * seq * compute_bytes
+    if checkpoint_interval == 0:  # every layer's autograd graph kept for the step
+        saved_inputs, block_inputs = num_layers * layer_work // 2, 0
+    else:
+        k = max(1, checkpoint_interval)
+        saved_inputs = math.ceil(num_layers / k) * tok * hidden_size * compute_bytes
+        block_inputs = (k - 1) * tok * hidden_size * compute_bytes
     chunk = min(loss_chunk_tokens, seq)
     head_work = 3 * batch * chunk * vocab_size * 4 + 2 * tok * hidden_size * 4
     return saved_inputs + block_inputs + max(layer_work, head_work)
@@ -100,7 +103,9 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
         return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
 
     # Schedule: the checkpoint interval and the number of layer slots.
-    candidates = [checkpoint_interval] if checkpoint_interval else sorted(
+    if checkpoint_interval == 0:  # no recompute: every layer resident for the step
+        layer_slots = max(num_layers, 1)
+    candidates = [checkpoint_interval] if checkpoint_interval is not None else sorted(
         {1, 2, 3, 4, max(1, int(math.sqrt(num_layers))), max(1, num_layers)})
     chosen_k, dev = None, None
     for k in candidates:

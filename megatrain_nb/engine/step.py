@@ -39,6 +39,7 @@ class _StepContext:
     h0: Optional[torch.Tensor] = None
     h_last: Optional[torch.Tensor] = None
     saved_bytes: int = 0
+    kept: Dict[int, tuple] = field(default_factory=dict)   # k == 0: (input, output, params) per layer
 
 
 def _first(out):
@@ -66,7 +67,7 @@ class StepRunner:
         e = self.e
         layers = e.layer_units
         order = [e.embed_unit, e.head_unit] + list(layers)
-        if train:
+        if train and e.checkpoint_interval > 0:
             n, k = len(layers), e.checkpoint_interval
             for b in reversed(range(0, n, k)):
                 end = min(b + k, n)
@@ -126,6 +127,8 @@ class StepRunner:
             if li == 0:
                 ctx.h0 = hidden
             hidden = hidden.detach()
+            if ctx.k == 0:
+                return self._layer_forward_kept(unit, call, hidden)
             ctx.calls[li] = call
             if li % ctx.k == 0:
                 ctx.saved[li] = hidden
@@ -139,6 +142,27 @@ class StepRunner:
             ctx.h_last = h
             out = _replace_first(out, h)
         return out
+
+    def _layer_forward_kept(self, unit: Unit, call: _Call, hidden):
+        """checkpoint_interval=0: run the layer under autograd and keep its graph (and its
+        weights in their slot) until the backward: no recompute, one load per step."""
+        e, ctx = self.e, self.ctx
+        w = e.pager.acquire(unit)
+        params = bind(unit, w, requires_grad=True)
+        try:
+            x = hidden.requires_grad_(True)
+            a, kw = call.with_hidden(x)
+            with torch.enable_grad(), self._count_saved(accumulate=True):
+                out = unit.module(*a, **kw)
+        finally:
+            unbind(unit, e._placeholders)
+        h = _first(out)
+        ctx.kept[unit.layer_index] = (x, h, params)
+        h_out = h.detach()
+        if unit.layer_index == len(e.layer_units) - 1:
+            h_out.requires_grad_(True)
+            ctx.h_last = h_out
+        return _replace_first(out, h_out)
 
     def _run_layer_nograd(self, unit: Unit, call: _Call, hidden):
         e = self.e
@@ -235,6 +259,17 @@ class StepRunner:
     def _layers_backward(self, g: torch.Tensor) -> torch.Tensor:
         layers, ctx = self.e.layer_units, self.ctx
         n, k = len(layers), ctx.k
+        if k == 0:
+            e = self.e
+            for unit in reversed(layers):
+                x, h, params = ctx.kept.pop(unit.layer_index)
+                grads = torch.autograd.grad(h, [x] + params, g, allow_unused=True)
+                pgrads = [gr if gr is not None else torch.zeros_like(p) for gr, p in zip(grads[1:], params)]
+                e.pager.return_grads(unit, pgrads)
+                e.pager.release(unit)
+                g = grads[0] if grads[0] is not None else torch.zeros_like(x)
+                del x, h, params, grads
+            return g
         for b in reversed(range(0, n, k)):
             end = min(b + k, n)
             inputs = {b: ctx.saved.pop(b)}
@@ -307,7 +342,7 @@ class StepRunner:
         self.activation_peak = max(self.activation_peak, nbytes)
 
     @contextlib.contextmanager
-    def _count_saved(self):
+    def _count_saved(self, accumulate: bool = False):
         """Count the bytes autograd saves while one layer is re-run (weights in slots excluded)."""
         e, ctx = self.e, self.ctx
         if self._slot_ptrs is None:
@@ -328,8 +363,11 @@ class StepRunner:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
-        # saved tensors + their gradients flowing back, on top of the saved inputs
-        self._note_activation(ctx.saved_bytes + 2 * total[0])
+        if accumulate:  # graphs kept for the backward (checkpoint_interval=0)
+            ctx.saved_bytes += total[0]
+            self._note_activation(ctx.saved_bytes)
+        else:  # saved tensors + their gradients flowing back, on top of the saved inputs
+            self._note_activation(ctx.saved_bytes + 2 * total[0])
 
     def _rng_state(self):
         st = {"cpu": torch.get_rng_state()}

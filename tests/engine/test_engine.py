@@ -198,3 +198,19 @@ def test_meta_model_initialised_in_place_and_from_pretrained(tmp_path):
     torch.testing.assert_close(again.forward_logits(ids), engine.forward_logits(ids))
     with pytest.raises(FileNotFoundError, match="not a local model folder"):
         StreamingEngine.from_pretrained(tmp_path / "nope", EngineConfig(device="cpu"))
+
+
+def test_interval_0_keeps_activations_loads_once_and_matches_interval_1():
+    model = AutoModelForCausalLM.from_config(family_config("phi3", layers=4)).eval()
+    twin = copy.deepcopy(model)
+    keep = StreamingEngine(model, EngineConfig(device="cpu", checkpoint_interval=0))
+    recompute = StreamingEngine(twin, EngineConfig(device="cpu", checkpoint_interval=1))
+    for ids in _data(3):
+        a = keep.forward_backward(ids, step_lr=1e-3).loss
+        b = recompute.forward_backward(ids, step_lr=1e-3).loss
+        assert a == pytest.approx(b, abs=1e-6)
+    loads = keep.telemetry()["loads_per_unit"]
+    assert {v for k, v in loads.items() if "layers" in k} == {3}
+    pb = dict(recompute.named_parameters())
+    for name, p in keep.named_parameters():
+        assert float((p - pb[name]).abs().max()) <= 1e-6, name

@@ -39,7 +39,7 @@ def _max_rel_err(engine, grads):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
 @pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_gradients_match_hf(family, k, padding, tie):

@@ -134,6 +134,20 @@ def test_unwritable_offload_dir(tmp_path):
                         EngineConfig(device="cpu", offload_dir=str(ro)))
 
 
+def test_unwritable_offload_dir_even_as_root(tmp_path, monkeypatch):
+    """As root every folder is writable, so make the OS refuse the store's folder creation."""
+    from megatrain_nb.engine import disk_store
+    from megatrain_nb.engine.disk_store import OffloadError
+
+    def refuse(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(disk_store.tempfile, "mkdtemp", refuse)
+    with pytest.raises(OffloadError, match=f"{tmp_path}.*(not writable|cannot use)|cannot use.*{tmp_path}"):
+        StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
+                        EngineConfig(device="cpu", offload_dir=str(tmp_path)))
+
+
 def test_full_disk_fails_clearly_and_leaves_no_half_written_state(tmp_path, monkeypatch):
     from megatrain_nb.engine import disk_store
     from megatrain_nb.engine.disk_store import OffloadError

@@ -29,7 +29,7 @@ GiB = 1024 ** 3
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--layers", type=int, default=23)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=11008)
     ap.add_argument("--vocab", type=int, default=32000)

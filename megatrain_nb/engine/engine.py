@@ -77,8 +77,12 @@ class StreamingEngine:
         pin = self.device.type == "cuda"
         self.store = HostStore(self.units, pin=pin)
         self.disk = self._open_disk_tier()
+        # Pipeline depth (units in flight through host RAM per stage): deeper while units are
+        # small; for multi-GB models one unit per stage keeps RAM flat.
+        self.inflight_depth = 2 if max(u.numel for u in self.units) * 4 <= 256 * 2 ** 20 else 1
         self.weights = WeightStore(self.units, self.store, disk=self.disk if self.params_on_disk else None,
-                                   pin=pin, counters=self.counters, compute_buffers=2, optimizer_buffers=2)
+                                   pin=pin, counters=self.counters, compute_buffers=1 + self.inflight_depth,
+                                   optimizer_buffers=2)
         self.states = OptimizerStates(self.units, config, self.counters, disk=self.disk)
         self._placeholders = self._take_parameters(model, _source)
         self.weights.finish_initial()
@@ -94,7 +98,8 @@ class StreamingEngine:
         self._step_lr: Optional[float] = None
         self._updates: Dict[int, Future] = {}
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
-        self._update_slots = threading.BoundedSemaphore(1)  # units queued for an update, at most
+        self._update_slots = threading.BoundedSemaphore(self.inflight_depth)  # units queued for an update
+        self.pager.max_grads_in_flight = self.inflight_depth
         self._head_stub = HiddenStatesStub()
         self._activation_peak = 0
 

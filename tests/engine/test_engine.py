@@ -136,7 +136,7 @@ def test_vram_budget_below_one_unit_says_how_much():
 @pytest.mark.parametrize("kwargs,match", [
     ({"precision": "fp8"}, "precision"),
     ({"optimizer_compression": "zip"}, "optimizer_compression"),
-    ({"checkpoint_interval": 0}, "checkpoint_interval"),
+    ({"checkpoint_interval": -1}, "checkpoint_interval"),
     ({"device": "tpu"}, "device"),
 ])
 def test_unknown_option_values(kwargs, match):

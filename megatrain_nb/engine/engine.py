@@ -28,8 +28,8 @@ from .config import EngineConfig
 from .host_store import HostStore
 from .optimizer import UnitAdamW
 from .pager import Pager
-from .planner import GiB, activation_bytes, make_plan, UnitSpec
-from .proxies import HiddenStatesStub, LayerProxy, bind, swapped_submodule, unbind
+from .planner import GiB, make_plan, UnitSpec
+from .proxies import HiddenStatesStub, LayerProxy
 from .states import OptimizerStates
 from .step import StepRunner
 from .materialize import SafetensorsSource, init_unit, is_meta_model, materialize_buffers
@@ -101,7 +101,6 @@ class StreamingEngine:
         self._update_slots = threading.BoundedSemaphore(self.inflight_depth)  # units queued for an update
         self.pager.max_grads_in_flight = self.inflight_depth
         self._head_stub = HiddenStatesStub()
-        self._activation_peak = 0
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
@@ -267,9 +266,6 @@ class StreamingEngine:
     def _wait_all_updates(self) -> None:
         for u in self.units:
             self._wait_update(u)
-
-    def _params_changed(self, unit: Unit) -> None:
-        """Hook after master weights of a unit were rewritten outside the optimizer."""
 
     def _layer_call(self, unit: Unit, args, kwargs):
         return self.runner.layer_call(unit, args, kwargs)
@@ -476,6 +472,8 @@ class StreamingEngine:
 
     def load_checkpoint(self, path) -> None:
         with self.lock:
+            self.pager.wait_grads()
+            self._wait_all_updates()
             engine_io.load_weights(self, path)
             self.states.load_saved(path, self.adam)
 

@@ -110,24 +110,13 @@ def shard_files(folder) -> Dict[str, str]:
 
 
 def load_weights(engine, folder) -> None:
-    """Read safetensors weights into the engine's master store, unit by unit."""
-    from safetensors import safe_open
+    """Read safetensors weights into the engine's master store, unit by unit (RAM or disk)."""
+    from .materialize import SafetensorsSource
 
-    files = shard_files(folder)
-    handles = {}
-    try:
-        for u in engine.units:
-            flat = engine._host_params(u)
-            for p in u.params:
-                f = files.get(p.name)
-                if f is None:
-                    raise KeyError(f"{folder} has no tensor {p.name!r}; it does not match this model.")
-                key = p.name
-                fh = handles.get(f) or handles.setdefault(f, safe_open(f, "pt"))
-                t = fh.get_tensor(key)
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"{p.name}: shape {tuple(t.shape)} in {folder} but {p.shape} in the model.")
-                flat[p.offset:p.offset + p.numel].copy_(t.reshape(-1))
-            engine._params_changed(u)
-    finally:
-        handles.clear()
+    source = SafetensorsSource(folder)
+    for u in engine.units:
+        values = source.unit_values(u)
+        flat = torch.empty(u.numel, dtype=torch.float32)
+        for p in u.params:
+            flat[p.offset:p.offset + p.numel].copy_(values[p.name].reshape(-1))
+        engine.weights.overwrite(u, flat)

@@ -37,9 +37,6 @@ class OptimizerStates:
         self._on_disk = set()
 
     # ------------------------------------------------------------------ sizes
-    def stored_nbytes_total(self) -> int:
-        return stored_state_bytes(self.units, self.codec_name)
-
     # ------------------------------------------------------------------ encode / decode
     def _encode(self, m: torch.Tensor, v: torch.Tensor) -> Dict[str, torch.Tensor]:
         if self.codecs is None:

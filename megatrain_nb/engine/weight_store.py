@@ -99,7 +99,7 @@ class WeightStore:
         if not self.on_disk:
             self.host.params[unit.index].copy_(flat)
             return
-        self.disk.write(weights_key(unit), {"w": flat.clone()}).result()
+        self.disk.write(weights_key(unit), {"w": flat}).result()  # waited: no copy needed
 
     def reset(self) -> None:
         if self.on_disk:

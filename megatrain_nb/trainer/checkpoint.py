@@ -127,17 +127,7 @@ def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
     return final
 
 
-def _fsync_dir(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            try:
-                fd = os.open(f, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
+def _fsync(path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -146,6 +136,13 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
     except OSError:
         pass
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    _fsync(path)
 
 
 def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None) -> list[Path]:

@@ -222,3 +222,16 @@ def test_large_model_never_whole_in_ram(tmp_path, mode):
     assert model_bytes > 1.6e9  # about 450M params in 64 layers: large enough to see a whole copy
     assert grew < 0.5 * model_bytes, f"peak RSS grew by {grew / 2**20:.0f} MiB for a {model_bytes / 2**20:.0f} MiB model"
     assert loss == loss
+
+
+def test_checkpoint_loads_into_weights_on_disk(tmp_path):
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    twin = copy.deepcopy(model)
+    a = StreamingEngine(model, EngineConfig(device="cpu"))
+    _train(a, steps=2)
+    a.save_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "off").mkdir()
+    b = StreamingEngine(twin, EngineConfig(device="cpu", offload_dir=str(tmp_path / "off"), offload_params=True))
+    b.load_checkpoint(tmp_path / "ckpt")
+    assert _train(a, steps=2) == pytest.approx(_train(b, steps=2), abs=1e-6)
+    b.close()

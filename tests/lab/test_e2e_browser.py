@@ -215,9 +215,11 @@ def browser(lab):
         b.close()
 
 
-def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: str) -> None:
+def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: str, settle_step: int = 0) -> None:
     """The scenario of the issue, for one notebook path (relative to the server root).
-    ``finish``: "stop" clicks Stop in the sidebar, "kill" kills the kernel process."""
+    ``finish``: "stop" clicks Stop in the sidebar, "kill" kills the kernel process.
+    ``settle_step``: click Pause only once the run is past this step (a notebook that pauses
+    and resumes itself earlier would otherwise race the click with its own resume)."""
     from playwright.sync_api import expect
 
     ARTIFACTS.mkdir(exist_ok=True)
@@ -254,6 +256,12 @@ def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: st
         dashboard_paused = _dashboard_paused(page)
         expect(dashboard_paused).to_have_count(0, timeout=START_TIMEOUT_MS)
         expect(card.locator(".mtnb-pause")).to_be_enabled(timeout=START_TIMEOUT_MS)
+        deadline = time.monotonic() + START_TIMEOUT_MS / 1000
+        while time.monotonic() < deadline:
+            sessions = json.loads(lab.get("megatrain-nb/sessions"))["sessions"]
+            if sessions and (sessions[0].get("step") or 0) > settle_step and sessions[0]["state"] == "running":
+                break
+            time.sleep(0.2)
 
         # Pause from the sidebar: the sidebar, the status bar and the dashboard all follow
         t0 = time.monotonic()
@@ -327,4 +335,5 @@ def test_quickstart_notebook(lab, browser):
         pytest.skip(f"{QUICKSTART.relative_to(REPO)} does not exist yet")
     # a copy: running it must not write outputs into the checkout
     shutil.copytree(QUICKSTART.parent, lab.root / "notebooks", dirs_exist_ok=True)
-    drive_notebook(lab, browser, "notebooks/01-quickstart.ipynb", "lab-e2e-quickstart", "stop")
+    # the quickstart pauses itself at step 30 and resumes a few cells later
+    drive_notebook(lab, browser, "notebooks/01-quickstart.ipynb", "lab-e2e-quickstart", "stop", settle_step=35)

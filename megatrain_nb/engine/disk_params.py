@@ -6,15 +6,21 @@ gradients become final). Each has its own staging pool and its own read-ahead sc
 neither can starve the other of buffers. A unit whose update is pending is *dirty*: the
 compute stream does not read it ahead until the update's write has been submitted (the store
 orders a read after a write of the same key), so a read never sees stale weights.
+
+A compute read can be marked *kept*: the unit's backward load is its last compute access of
+the step, and the weights it read are exactly what that unit's update needs, so the staging
+buffer is handed to the optimizer instead of reading the same bytes a third time.
 """
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from typing import Dict, List, Sequence
 
 import torch
 
+from .disk_store import aligned_empty
 from .units import Unit
 
 
@@ -53,54 +59,79 @@ class DirtyUnits:
 
 class DiskReadStream:
     def __init__(self, disk, units: List[Unit], dirty: DirtyUnits, *, buffers: int, pin: bool, counters,
-                 after_updates: bool):
+                 after_updates: bool, urgent: bool = False):
         self.disk = disk
         self.dirty = dirty
         # The compute stream reads a unit only after its pending update is written; the
         # optimizer stream is the one doing the update, so it must not wait for itself.
         self.after_updates = after_updates
+        self.urgent = urgent  # compute waits on these reads: they go ahead of queued disk work
         self.counters = counters
         max_numel = max(u.numel for u in units)
         self._free: List[torch.Tensor] = []
         for _ in range(max(1, buffers)):
-            t = torch.empty(max_numel, dtype=torch.float32)
-            self._free.append(t.pin_memory() if pin else t)
+            # Page-aligned (pinned memory is too), so direct I/O needs no bounce copy.
+            self._free.append(torch.empty(max_numel, dtype=torch.float32).pin_memory() if pin
+                              else aligned_empty(max_numel))
+        self._by_ptr = {t.data_ptr(): t for t in self._free}  # a view handed out -> its buffer
+        # Fresh copies: a just-updated unit's weights, still in the optimizer's buffer, served
+        # without a disk read. ``fresh_source(unit)`` -> (buffer, release callback) or None.
+        self.fresh_source = None
+        self._foreign: Dict[int, object] = {}  # data_ptr of a fresh buffer -> its release callback
         self.staging_bytes = len(self._free) * max_numel * 4
         self._cv = threading.Condition()
         self._order: List[Unit] = []
         self._issued = 0
         self._inflight: Dict[int, List[tuple]] = {}
+        self._keep_at: set = set()        # positions in the order whose buffer is kept (handed off)
+        self._kept: Dict[int, bool] = {}  # data_ptr of a buffer returned by get() -> kept?
         dirty.listeners.append(self._top_up)
 
-    def schedule(self, order: Sequence[Unit], *, append: bool = False) -> None:
+    def schedule(self, order: Sequence[Unit], *, append: bool = False, keep: Sequence[int] = ()) -> None:
         """The order in which :meth:`get` will be called; reads start ahead of need.
 
         ``append`` queues the order behind what is still to come (the optimizer stream: the
-        updates of one step may still run when the next step schedules its own).
+        updates of one step may still run when the next step schedules its own). ``keep``:
+        positions in ``order`` whose buffer :meth:`is_kept` reports as handed off.
         """
         with self._cv:
-            new = [u for u in order if u.numel > 0]
+            positions = [i for i, u in enumerate(order) if u.numel > 0]
+            new = [order[i] for i in positions]
             if append:
                 self._order = self._order[self._issued:] + new
+                self._keep_at = set()
             else:
                 self._order = new
+                keep = set(keep)
+                self._keep_at = {j for j, i in enumerate(positions) if i in keep}
             self._issued = 0
         self._top_up()
 
     def _top_up(self) -> None:
         with self._cv:
-            while self._issued < len(self._order) and self._free:
+            while self._issued < len(self._order):
                 u = self._order[self._issued]
                 if self.after_updates and self.dirty.is_dirty(u):
                     break  # strict order: wait for its update's write
+                if not self._start(u, keep=self._issued in self._keep_at):
+                    break
                 self._issued += 1
-                self._start(u)
 
-    def _start(self, unit: Unit) -> None:
-        buf = self._free.pop()
-        fut = self.disk.read(weights_key(unit), out={"w": buf[:unit.numel]})
-        self._inflight.setdefault(unit.index, []).append((buf, fut))
+    def _start(self, unit: Unit, keep: bool = False) -> bool:
+        fresh = self.fresh_source(unit) if self.fresh_source is not None else None
+        if fresh is not None:
+            buf, on_release = fresh
+            self._foreign[buf.data_ptr()] = on_release
+            fut = Future()
+            fut.set_result(None)
+        elif self._free:
+            buf = self._free.pop()
+            fut = self.disk.read(weights_key(unit), out={"w": buf[:unit.numel]}, urgent=self.urgent)
+        else:
+            return False
+        self._inflight.setdefault(unit.index, []).append((buf, fut, keep))
         self._cv.notify_all()
+        return True
 
     def get(self, unit: Unit) -> torch.Tensor:
         """The unit's weights in a staging buffer; hand it back with :meth:`release`."""
@@ -116,38 +147,68 @@ class DiskReadStream:
                     self._cv.wait(0.05)
                 if not self._inflight.get(unit.index):  # not read ahead: read on demand (late)
                     on_demand = True
-                    self._start(unit)
+                    keep = False
                     for i in range(self._issued, len(self._order)):
                         if self._order[i] is unit:
                             del self._order[i]
+                            keep = i in self._keep_at
+                            self._keep_at = {j - (j > i) for j in self._keep_at if j != i}
                             break
+                    self._start(unit, keep=keep)  # a buffer is free: always starts
         with self._cv:
             entries = self._inflight[unit.index]
-            buf, fut = entries.pop(0)
+            buf, fut, keep = entries.pop(0)
             if not entries:
                 del self._inflight[unit.index]
-        t0 = time.perf_counter()
-        fut.result()
-        self.counters.stall("disk", time.perf_counter() - t0)
-        self.counters.prefetch_result("disk", not on_demand)  # issued ahead of need, or late
+            self._kept[buf.data_ptr()] = keep
+            fresh = buf.data_ptr() in self._foreign
+        if not fresh:
+            t0 = time.perf_counter()
+            fut.result()
+            self.counters.stall("disk", time.perf_counter() - t0)
+            self.counters.prefetch_result("disk", not on_demand)  # issued ahead of need, or late
         return buf[:unit.numel]
 
-    def release(self, buf: torch.Tensor) -> None:
-        base = buf if buf._base is None else buf._base
+    def was_fresh(self, buf: torch.Tensor) -> bool:
+        """Whether :meth:`get` served this buffer from a fresh copy (no disk read)."""
         with self._cv:
-            self._free.append(base)
+            return buf.data_ptr() in self._foreign
+
+    def is_kept(self, buf: torch.Tensor) -> bool:
+        """Whether this buffer (from :meth:`get`) is to be handed on rather than released."""
+        with self._cv:
+            return self._kept.get(buf.data_ptr(), False)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cv:
+            self._kept.pop(buf.data_ptr(), None)
+            on_release = self._foreign.pop(buf.data_ptr(), None)
+            if on_release is None:
+                self._free.append(self._by_ptr[buf.data_ptr()])
+        if on_release is not None:
+            on_release()
+            return
+        with self._cv:
             self._cv.notify_all()
         self._top_up()
 
     def reset(self) -> None:
+        callbacks = []
         with self._cv:
             for entries in self._inflight.values():
-                for buf, fut in entries:
+                for buf, fut, _ in entries:
                     try:
                         fut.result()
                     except Exception:
                         pass
-                    self._free.append(buf)
+                    on_release = self._foreign.pop(buf.data_ptr(), None)
+                    if on_release is not None:
+                        callbacks.append(on_release)
+                    else:
+                        self._free.append(buf)
             self._inflight.clear()
+            self._keep_at = set()
             self._order = []
             self._issued = 0
+        for fn in callbacks:
+            fn()

@@ -60,7 +60,8 @@ import time
 import uuid
 import weakref
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+import heapq
+from concurrent.futures import Future
 
 import torch
 
@@ -74,6 +75,47 @@ _BUFFERED_SYNC_EVERY = 256 << 20  # buffered mode: fdatasync + drop pages this o
 _MAGIC = b"MTNBDS\x00\x01"
 _PREFIX = struct.Struct("<8sQI")  # magic, json length, crc32(json)
 _SUFFIX = ".mtd"
+
+
+class _PriorityPool:
+    """Worker threads that take the most urgent queued job first (FIFO within a priority)."""
+
+    def __init__(self, threads: int, name: str):
+        self._cv = threading.Condition()
+        self._heap: list = []
+        self._seq = 0
+        self._shutdown = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, priority: int = 1) -> None:
+        with self._cv:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new I/O after shutdown")
+            heapq.heappush(self._heap, (priority, self._seq, fn))
+            self._seq += 1
+            self._cv.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._shutdown:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, fn = heapq.heappop(self._heap)
+            fn()
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._cv:
+            self._shutdown = True
+            self._cv.notify_all()
+        if wait:
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join()
 
 
 class OffloadError(RuntimeError):
@@ -231,7 +273,7 @@ class DiskStore:
         self.keep = keep
         self.direct_io = _probe_direct_io(folder)
         self._slots = threading.BoundedSemaphore(max_inflight)
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="megatrain-disk")
+        self._pool = _PriorityPool(io_threads, "megatrain-disk")
         self._staging = _Staging()
         self._lock = threading.Lock()
         self._tail: dict[str, Future] = {}      # last operation issued per key
@@ -258,12 +300,14 @@ class DiskStore:
             items.append((str(name), t.detach().contiguous()))
         return self._submit(self._checked_key(key), True, self._write_file, key, items)
 
-    def read(self, key: str, out: dict[str, torch.Tensor] | None = None) -> Future:
+    def read(self, key: str, out: dict[str, torch.Tensor] | None = None, *, urgent: bool = False) -> Future:
         """Read ``key`` in a worker (read-ahead); ordered after earlier writes of ``key``.
 
         With ``out``, tensors are read into ``out[name]`` (same dtype and numel, contiguous; no
         allocation) and those tensors are returned; names missing from ``out`` are allocated
-        (4096-aligned). The Future resolves to ``{name: tensor}``.
+        (4096-aligned). The Future resolves to ``{name: tensor}``. An ``urgent`` read (the
+        caller bounds its own buffers: compute waits on it) goes ahead of queued operations
+        and does not count against ``max_inflight``.
         """
         self._checked_key(key)
         if out is not None:
@@ -272,7 +316,7 @@ class DiskStore:
                         or not t.is_contiguous():
                     raise ValueError(f"DiskStore.read({key!r}): out[{name!r}] must be a "
                                      f"contiguous CPU tensor")
-        return self._submit(key, False, self._read_file, key, dict(out or {}))
+        return self._submit(key, False, self._read_file, key, dict(out or {}), urgent=urgent)
 
     def wait_key(self, key: str) -> None:
         """Wait until every operation issued so far on ``key`` is done; re-raise its error."""
@@ -372,9 +416,10 @@ class DiskStore:
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
         return os.path.join(self.path, f"{safe}-{digest}{_SUFFIX}")
 
-    def _submit(self, key: str, is_write: bool, fn, *args) -> Future:
+    def _submit(self, key: str, is_write: bool, fn, *args, urgent: bool = False) -> Future:
         """Run ``fn(*args)`` in a worker after the previous operation on ``key``."""
-        self._slots.acquire()
+        if not urgent:
+            self._slots.acquire()
         outer: Future = Future()
         with self._lock:
             prev = self._tail.get(key)
@@ -382,7 +427,8 @@ class DiskStore:
             self._pending.add(outer)
 
         def finish() -> None:
-            self._slots.release()
+            if not urgent:
+                self._slots.release()
             with self._lock:
                 self._pending.discard(outer)
                 if self._tail.get(key) is outer:
@@ -406,7 +452,7 @@ class DiskStore:
 
         def start(_=None) -> None:
             try:
-                self._pool.submit(run)
+                self._pool.submit(run, 0 if urgent else 1)
             except RuntimeError as e:           # pool already shut down
                 finish()
                 outer.set_exception(OffloadError(f"DiskStore at {self.path} is closed: {e}"))

@@ -81,7 +81,7 @@ class StreamingEngine:
         # (depth 2 measured no faster on 2 cores and left more optimizer time exposed: keep 1)
         self.inflight_depth = 1
         self.weights = WeightStore(self.units, self.store, disk=self.disk if self.params_on_disk else None,
-                                   pin=pin, counters=self.counters, compute_buffers=1 + self.inflight_depth,
+                                   pin=pin, counters=self.counters, compute_buffers=2 + self.inflight_depth,
                                    optimizer_buffers=2)
         self.states = OptimizerStates(self.units, config, self.counters, disk=self.disk)
         self._placeholders = self._take_parameters(model, _source)

@@ -35,6 +35,7 @@ class OptimizerStates:
         self._reads: Dict[int, Future] = {}
         self._lock = threading.Lock()
         self._on_disk = set()
+        self.writes_behind = 2
 
     # ------------------------------------------------------------------ sizes
     # ------------------------------------------------------------------ encode / decode
@@ -109,12 +110,13 @@ class OptimizerStates:
     def store(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> None:
         stored = self._encode(m, v)
         if self.disk is not None:
-            # One state write behind at a time: the decoded moments of only a unit or two are
-            # ever held in RAM.
-            prev = getattr(self, "_last_write", None)
-            if prev is not None:
-                prev.result()
-            self._last_write = self.disk.write(self._key(unit), stored)
+            # At most two state writes behind: the moments of only a few units are ever held
+            # in RAM, and an update never waits for the write of the one just before it.
+            writes = getattr(self, "_writes", [])
+            while len(writes) >= self.writes_behind:
+                writes.pop(0).result()
+            writes.append(self.disk.write(self._key(unit), stored))
+            self._writes = writes
             self._on_disk.add(unit.index)
             self.counters.add_bytes("host_to_disk", sum(t.numel() * t.element_size() for t in stored.values()))
         else:

@@ -27,6 +27,7 @@ class Telemetry:
             self.step_seconds = 0.0
             self.optimizer_seconds = 0.0
             self.optimizer_exposed_seconds = 0.0
+            self.weight_reads_saved = 0   # disk reads of master weights served by a kept buffer
 
     def add_bytes(self, link: str, n: int, seconds: float = 0.0) -> None:
         with self._lock:
@@ -68,4 +69,5 @@ class Telemetry:
                 "step_seconds": self.step_seconds,
                 "optimizer_seconds": self.optimizer_seconds,
                 "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
+                "weight_reads_saved": self.weight_reads_saved,
             }

@@ -3,9 +3,17 @@
 In RAM (the HostStore's flat buffers, used in place) or on the disk tier (paged through
 staging buffers by two read streams: compute and optimizer). The engine asks for a unit's
 weights "for transfer" (to the device) or "for update" (the optimizer), and hands them back.
+
+On the disk tier a layer's weights are read twice per training step, not three times: the
+backward's read (the unit's last compute access) keeps its staging buffer after the copy to
+the device and hands it to that unit's update, which writes it back and only then frees it.
+And the last units a step updates, which the next step's forward needs first (the embedding
+above all), stay in their buffer as a *fresh copy* that the next forward reads instead of
+waiting for the write and reading it back.
 """
 from __future__ import annotations
 
+import threading
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -17,7 +25,7 @@ from .units import Unit
 
 class WeightStore:
     def __init__(self, units: List[Unit], host: HostStore, *, disk=None, pin: bool, counters,
-                 compute_buffers: int = 3, optimizer_buffers: int = 2):
+                 compute_buffers: int = 3, optimizer_buffers: int = 1):
         self.units = units
         self.host = host
         self.disk = disk
@@ -25,11 +33,18 @@ class WeightStore:
         self.counters = counters
         self.dirty = DirtyUnits()
         self._pending_writes = []
+        self._handed: Dict[int, torch.Tensor] = {}    # unit -> staging buffer kept for its update
+        self._owner: Dict[int, object] = {}           # unit -> stream its update buffer goes back to
+        self._lock = threading.Lock()
+        self._fresh: Dict[int, dict] = {}             # unit -> updated buffer the next read may use
+        self._fresh_wanted: set = set()
+        self._last_compute: List[Unit] = []           # the recorded compute order of a training step
         if self.on_disk:
             self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters,
-                                         after_updates=True)
+                                         after_updates=True, urgent=True)
             self._opt = DiskReadStream(disk, units, self.dirty, buffers=optimizer_buffers, pin=pin, counters=counters,
                                        after_updates=False)
+            self._fetch.fresh_source = self._take_fresh
 
     # ------------------------------------------------------------------ construction
     def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:
@@ -50,20 +65,53 @@ class WeightStore:
     def schedule(self, compute_order: Sequence[Unit], optimizer_order: Optional[Sequence[Unit]] = None) -> None:
         if not self.on_disk:
             return
-        self._fetch.schedule(compute_order)
+        keep, handed = [], set()
         if optimizer_order is not None:
-            self._opt.schedule(optimizer_order, append=True)
+            # A unit loaded twice (forward, then backward) hands its backward read to its update.
+            updated = {u.index for u in optimizer_order}
+            last: Dict[int, int] = {}
+            first: Dict[int, int] = {}
+            for i, u in enumerate(compute_order):
+                first.setdefault(u.index, i)
+                last[u.index] = i
+            keep = [i for idx, i in last.items() if idx in updated and i > first[idx]]
+            handed = {compute_order[i].index for i in keep}
+            # The step's access order repeats: the last units updated that the next forward
+            # reads among its first stay fresh in their buffers.
+            if compute_order:
+                self._last_compute = list(compute_order)
+            early = {u.index for u in self._last_compute[:4]}
+            with self._lock:
+                self._fresh_wanted = {u.index for u in list(optimizer_order)[-2:] if u.index in early}
+        stale = []
+        with self._lock:
+            wanted = {u.index for u in compute_order}
+            for idx in [i for i in self._fresh if i not in wanted]:
+                stale.append(self._fresh.pop(idx))
+        for entry in stale:  # not read by this schedule: back to its pool once written
+            self._unref(entry)
+        self._fetch.schedule(compute_order, keep=keep)
+        if optimizer_order is not None:
+            self._opt.schedule([u for u in optimizer_order if u.index not in handed], append=True)
 
     # ------------------------------------------------------------------ compute stream
     def for_transfer(self, unit: Unit) -> torch.Tensor:
         if not self.on_disk:
             return self.host.params[unit.index]
         t = self._fetch.get(unit)
-        self.counters.add_bytes("disk_to_host", unit.numel * 4)
+        if self._fetch.was_fresh(t):
+            self.counters.add("weight_reads_saved", 1)
+        else:
+            self.counters.add_bytes("disk_to_host", unit.numel * 4)
         return t
 
     def transfer_done(self, unit: Unit, t: torch.Tensor) -> None:
-        if self.on_disk:
+        if not self.on_disk:
+            return
+        if self._fetch.is_kept(t):
+            with self._lock:
+                self._handed[unit.index] = t
+        else:
             self._fetch.release(t)
 
     # ------------------------------------------------------------------ optimizer stream
@@ -74,6 +122,12 @@ class WeightStore:
     def for_update(self, unit: Unit) -> torch.Tensor:
         if not self.on_disk:
             return self.host.params[unit.index]
+        with self._lock:
+            t = self._handed.pop(unit.index, None)
+            self._owner[unit.index] = self._opt if t is None else self._fetch
+        if t is not None:
+            self.counters.add("weight_reads_saved", 1)
+            return t
         t = self._opt.get(unit)
         self.counters.add_bytes("disk_to_host", unit.numel * 4)
         return t
@@ -81,10 +135,45 @@ class WeightStore:
     def update_done(self, unit: Unit, t: torch.Tensor) -> None:
         if not self.on_disk:
             return
+        with self._lock:
+            owner = self._owner.pop(unit.index, self._opt)
+            fresh = unit.index in self._fresh_wanted
         fut = self.disk.write(weights_key(unit), {"w": t})
         self.counters.add_bytes("host_to_disk", unit.numel * 4)
-        fut.add_done_callback(lambda f, b=t: self._opt.release(b))
-        self.dirty.clean(unit)
+        if fresh:
+            # Two users: the write, and the next compute read (or the schedule that drops it).
+            entry = {"buf": t, "owner": owner, "users": 2, "unit": unit}
+            with self._lock:
+                self._fresh[unit.index] = entry
+            fut.add_done_callback(lambda f, e=entry: self._unref(e))
+        else:
+            fut.add_done_callback(lambda f, b=t, o=owner: o.release(b))
+        self.dirty.clean(unit)  # the compute stream may now read it (or take the fresh copy)
+
+    def _take_fresh(self, unit: Unit):
+        """For the compute stream: (buffer, release callback) of a fresh copy, or None."""
+        with self._lock:
+            entry = self._fresh.pop(unit.index, None)
+        if entry is None:
+            return None
+        return entry["buf"], lambda e=entry: self._unref(e)
+
+    def _unref(self, entry: dict) -> None:
+        with self._lock:
+            entry["users"] -= 1
+            done = entry["users"] == 0
+        if done:
+            entry["owner"].release(entry["buf"])
+
+    def _drop_fresh(self, unit: Optional[Unit] = None) -> None:
+        with self._lock:
+            if unit is None:
+                entries, self._fresh = list(self._fresh.values()), {}
+            else:
+                e = self._fresh.pop(unit.index, None)
+                entries = [e] if e is not None else []
+        for e in entries:
+            self._unref(e)
 
     # ------------------------------------------------------------------ direct access
     def read_now(self, unit: Unit) -> torch.Tensor:
@@ -99,10 +188,16 @@ class WeightStore:
         if not self.on_disk:
             self.host.params[unit.index].copy_(flat)
             return
+        self._drop_fresh(unit)  # its fresh copy would be stale
         self.disk.write(weights_key(unit), {"w": flat}).result()  # waited: no copy needed
 
     def reset(self) -> None:
         if self.on_disk:
+            with self._lock:
+                handed, self._handed = list(self._handed.values()), {}
+            for t in handed:  # the step failed before those updates ran
+                self._fetch.release(t)
+            self._drop_fresh()
             self._fetch.reset()
             self._opt.reset()
 

@@ -99,17 +99,27 @@ def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
     e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True))
     ids = _data(1)[0]
     e.forward_backward(ids, step_lr=1e-3)
+    e.zero_grad()  # the first step's last update counts before the reset
     e.counters.reset()
     for _ in range(2):
         e.forward_backward(ids, step_lr=1e-3)
     e.zero_grad()  # waits for the overlapped updates of the last step
-    pf = e.telemetry()["prefetch"]["disk"]
+    tel = e.telemetry()
+    pf = tel["prefetch"]["disk"]
     reads = pf["ahead"] + pf["late"]
-    # per step: weights read for the forward (every unit), the backward (every layer) and the
-    # update (every unit), plus the optimizer states of (nearly) every unit
+    # Per step: weights for the forward (every unit but the two served fresh from the last
+    # updates: embed and layer 0), for the backward (every layer, whose buffer then serves its
+    # update), for the updates of embed and head; and the optimizer states of every unit.
     n, layers = len(e.units), len(e.layer_units)
-    assert reads >= 2 * (n + layers + n + n), pf
+    assert reads == 2 * ((n - 2) + layers + 2 + n), pf
     assert pf["late"] == 0, pf
+    assert tel["weight_reads_saved"] == 2 * (layers + 2)
+    # bytes: a layer's weights cross disk->host twice per step (not three times), the states once
+    w = sum(u.numel * 4 for u in e.units)
+    fwd = w - 4 * (e.embed_unit.numel + e.layer_units[0].numel)
+    bwd = sum(u.numel * 4 for u in e.layer_units)
+    upd = 4 * (e.embed_unit.numel + e.head_unit.numel)
+    assert tel["bytes"]["disk_to_host"] == 2 * (fwd + bwd + upd + 2 * w)
     e.close()
 
 

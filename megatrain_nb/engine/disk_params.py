@@ -77,6 +77,7 @@ class DiskReadStream:
         # Fresh copies: a just-updated unit's weights, still in the optimizer's buffer, served
         # without a disk read. ``fresh_source(unit)`` -> (buffer, release callback) or None.
         self.fresh_source = None
+        self.reclaim = None                    # reclaim(stream): drop fresh copies holding its buffers
         self._foreign: Dict[int, object] = {}  # data_ptr of a fresh buffer -> its release callback
         self.staging_bytes = len(self._free) * max_numel * 4
         self._cv = threading.Condition()
@@ -144,6 +145,8 @@ class DiskReadStream:
             with self._cv:
                 # Wait for the read-ahead to reach this unit, or for a buffer to read it now.
                 while not self._inflight.get(unit.index) and not self._free:
+                    if self.reclaim is not None:
+                        self.reclaim(self)  # fresh copies must never starve a reader of buffers
                     self._cv.wait(0.05)
                 if not self._inflight.get(unit.index):  # not read ahead: read on demand (late)
                     on_demand = True

@@ -42,6 +42,7 @@ from .weight_store import WeightStore
 class EngineOutput:
     loss: float
     num_tokens: int
+    grad_norm: Optional[float] = None   # with step_lr and max_grad_norm: the norm before clipping
 
 
 class StreamingEngine:
@@ -96,6 +97,9 @@ class StreamingEngine:
         self.adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
         self.runner = StepRunner(self)
         self._step_lr: Optional[float] = None
+        self._clip: Optional[float] = None       # max_grad_norm of the step being run
+        self._norm_sq = 0.0                      # sum of the final gradients' squared norms
+        self._norm_lock = threading.Lock()
         self._updates: Dict[int, Future] = {}
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._update_slots = threading.BoundedSemaphore(self.inflight_depth)  # units queued for an update
@@ -204,6 +208,9 @@ class StreamingEngine:
 
             raise OffloadError(f"offload_dir {cfg.offload_dir!r} does not exist; create it on a disk with at least "
                                f"{need} bytes ({need / GiB:.2f} GiB) free, or pass another folder.")
+        # The engine bounds the memory its disk operations hold itself (staging pools, states
+        # read ahead / written behind), so the store's own cap on queued operations only has to
+        # stay out of the way.
         return DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)
 
     def _move_buffers(self, model: nn.Module) -> None:
@@ -221,6 +228,14 @@ class StreamingEngine:
     def _grad_arrived(self, unit: Unit, grad) -> None:
         """Runs in the gradient-return worker once a unit's gradient reached the host."""
         lr = self._step_lr
+        if lr is not None and self._clip is not None:
+            # Clipping: every update needs the global norm, so the gradient stays in its
+            # accumulator; its share of the norm is taken now, while the backward goes on.
+            self.store.accumulate(unit, grad)
+            sq = float(torch.linalg.vector_norm(self.store.grad(unit))) ** 2
+            with self._norm_lock:
+                self._norm_sq += sq
+            return
         if lr is not None and not self.store.has_grad(unit):
             # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
             # (a staging buffer is reused by the next transfer: copy it out)
@@ -242,12 +257,43 @@ class StreamingEngine:
                 self._update_slots.release()
         self._updates[unit.index] = self._update_pool.submit(run)
 
-    def _update_unit(self, unit: Unit, lr: float, grad: Optional[torch.Tensor] = None, zero: bool = False) -> None:
+    def _submit_clipped_updates(self, lr: float, max_norm: float) -> float:
+        """After the last backward with clipping: every unit's update, in the next forward's
+        order, in the worker; the next forward waits per unit. Returns the norm before clipping."""
+        with self._norm_lock:
+            total, self._norm_sq = self._norm_sq ** 0.5, 0.0
+        coef = max_norm / (total + 1e-6)   # as torch.nn.utils.clip_grad_norm_
+        coef = coef if coef < 1.0 else None
+        order = [self.embed_unit, self.head_unit] + list(self.layer_units)
+        order = [u for u in order if u.numel > 0]
+        futures = {}
+        for u in order:
+            self.weights.mark_updating(u)
+            futures[u.index] = self._updates[u.index] = Future()
+
+        def run():
+            for i, u in enumerate(order):
+                try:
+                    self._update_unit(u, lr, None, True, grad_coef=coef)
+                except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on the units
+                    for v in order[i:]:
+                        futures[v.index].set_exception(e)
+                        self.weights.dirty.clean(v)
+                    return
+                futures[u.index].set_result(None)
+        self._update_pool.submit(run)
+        return total
+
+    def _update_unit(self, unit: Unit, lr: float, grad: Optional[torch.Tensor] = None, zero: bool = False,
+                     grad_coef: Optional[float] = None) -> None:
         t0 = time.perf_counter()
         self.weights.mark_updating(unit)
         m, v = self.states.load(unit)
         params = self.weights.for_update(unit)
-        self.adam.step_unit(unit, params, grad if grad is not None else self.store.grad(unit), m, v, lr)
+        grad = grad if grad is not None else self.store.grad(unit)
+        if grad_coef is not None:
+            grad.mul_(grad_coef)
+        self.adam.step_unit(unit, params, grad, m, v, lr)
         self.weights.update_done(unit, params)
         self.states.store(unit, m, v)
         if zero:
@@ -315,7 +361,8 @@ class StreamingEngine:
     # ------------------------------------------------------------------ public API
     def forward_backward(self, input_ids, attention_mask=None, labels=None, loss_fn=None,
                          num_items_in_batch: Optional[int] = None,
-                         step_lr: Optional[float] = None) -> EngineOutput:
+                         step_lr: Optional[float] = None,
+                         max_grad_norm: Optional[float] = None) -> EngineOutput:
         """Forward and backward of one micro-batch; gradients accumulate on the host.
 
         ``loss`` is the mean token loss of this micro-batch (the Hugging Face definition:
@@ -326,23 +373,40 @@ class StreamingEngine:
         worker as soon as its gradient is final, overlapped with the backward of the units
         below it, and its gradient is zeroed after. Same result as ``forward_backward`` then
         ``optimizer_step(step_lr)`` then ``zero_grad()``; the next forward waits per unit.
+
+        With ``step_lr`` and ``max_grad_norm`` (global-norm clipping): each unit's share of the
+        norm is taken as its gradient becomes final and its optimizer states and weights are
+        read ahead during the backward; once the norm is known every update runs in the worker,
+        in the next forward's order, while this call returns. Same result as
+        ``clip_grad_norm_(max_grad_norm)``, ``optimizer_step(step_lr)``, ``zero_grad()``;
+        ``out.grad_norm`` is the norm before clipping.
         """
+        if max_grad_norm is not None and step_lr is None:
+            raise ValueError("max_grad_norm is applied with the step's update: pass step_lr too (or call "
+                             "clip_grad_norm_() before optimizer_step()).")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}; pass None for no clipping.")
         with self.lock:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
             t0 = time.perf_counter()
-            self._step_lr = step_lr
+            # (a unit's pending update from the last step finishes before its forward reads it,
+            # so before its new gradient reaches the accumulator)
+            self._step_lr, self._clip, self._norm_sq = step_lr, max_grad_norm, 0.0
+            norm = None
             try:
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, train=True,
                                               grad_scale_tokens=num_items_in_batch)
                 self.pager.wait_grads()
+                if max_grad_norm is not None:
+                    norm = self._submit_clipped_updates(step_lr, max_grad_norm)
             finally:
-                self._step_lr = None
+                self._step_lr, self._clip = None, None
             if step_lr is not None:
                 self.counters.add("steps", 1)
             self.counters.add("micro_batches", 1)
             self.counters.add("step_seconds", time.perf_counter() - t0)
-            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n)
+            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm)
 
     def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None) -> EngineOutput:
         """Loss of a batch without gradients."""

@@ -45,7 +45,9 @@ class UnitAdamW:
                                 lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
                                 eps=self.eps, amsgrad=False, maximize=False)
         if collect_stats:
-            self.stats[unit.index] = unit_stats(unit, params, grads, old)
+            st = unit_stats(unit, params, grads, old)
+            st["optimizer_step"] = int(step)  # updates run in a worker: say which step this is
+            self.stats[unit.index] = st
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {str(i): s.clone() for i, s in self.steps.items()}

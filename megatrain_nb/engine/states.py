@@ -36,6 +36,7 @@ class OptimizerStates:
         self._lock = threading.Lock()
         self._on_disk = set()
         self.writes_behind = 2
+        self._writes = []   # state writes still pending (futures)
 
     # ------------------------------------------------------------------ sizes
     # ------------------------------------------------------------------ encode / decode
@@ -88,6 +89,11 @@ class OptimizerStates:
 
     def load(self, unit: Unit) -> Tuple[torch.Tensor, torch.Tensor]:
         """fp32 (exp_avg, exp_avg_sq) for the update; zeros on the first step."""
+        while len(self._writes) >= self.writes_behind:
+            self._writes.pop(0).result()   # a failed write raises here, in the update
+        for w in [w for w in self._writes if w.done()]:
+            self._writes.remove(w)
+            w.result()
         self._advance(unit)
         if self.disk is not None and unit.index in self._on_disk:
             with self._lock:
@@ -110,13 +116,10 @@ class OptimizerStates:
     def store(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> None:
         stored = self._encode(m, v)
         if self.disk is not None:
-            # At most two state writes behind: the moments of only a few units are ever held
-            # in RAM, and an update never waits for the write of the one just before it.
-            writes = getattr(self, "_writes", [])
-            while len(writes) >= self.writes_behind:
-                writes.pop(0).result()
-            writes.append(self.disk.write(self._key(unit), stored))
-            self._writes = writes
+            # Written behind; the next load waits until at most ``writes_behind`` are pending,
+            # so the moments of only a few units are ever in RAM, and the step's last update
+            # (nothing after it) never waits for a write.
+            self._writes.append(self.disk.write(self._key(unit), stored))
             self._on_disk.add(unit.index)
             self.counters.add_bytes("host_to_disk", sum(t.numel() * t.element_size() for t in stored.values()))
         else:

@@ -207,7 +207,13 @@ class StepRunner:
         # Disk reads follow the same order (set first: the pager starts fetching at once); the
         # optimizer's reads go in the order gradients become final.
         opt_order = [e.head_unit] + list(reversed(e.layer_units)) + [e.embed_unit]
-        if train and e._step_lr is not None:
+        if train and e._step_lr is not None and e._clip is not None:
+            # Clipping: the updates run after the backward, in the next forward's order; their
+            # reads start now, as deep as the optimizer's buffers allow.
+            opt_order = [e.embed_unit, e.head_unit] + list(e.layer_units)
+            e.weights.schedule(order, opt_order, updates_after_backward=True)
+            e.states.schedule(opt_order)
+        elif train and e._step_lr is not None:
             e.weights.schedule(order, opt_order)
             e.states.schedule(opt_order)
         else:

@@ -45,6 +45,7 @@ class WeightStore:
             self._opt = DiskReadStream(disk, units, self.dirty, buffers=optimizer_buffers, pin=pin, counters=counters,
                                        after_updates=False)
             self._fetch.fresh_source = self._take_fresh
+            self._fetch.reclaim = self._opt.reclaim = self._reclaim
 
     # ------------------------------------------------------------------ construction
     def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:
@@ -62,11 +63,19 @@ class WeightStore:
         self._pending_writes = []
 
     # ------------------------------------------------------------------ schedules
-    def schedule(self, compute_order: Sequence[Unit], optimizer_order: Optional[Sequence[Unit]] = None) -> None:
+    def schedule(self, compute_order: Sequence[Unit], optimizer_order: Optional[Sequence[Unit]] = None,
+                 *, updates_after_backward: bool = False) -> None:
+        """``updates_after_backward``: the updates wait for the whole backward (clipping) and run
+        in the next forward's order, so every updated buffer is kept fresh for that forward."""
         if not self.on_disk:
             return
         keep, handed = [], set()
-        if optimizer_order is not None:
+        if optimizer_order is not None and updates_after_backward:
+            if compute_order:
+                self._last_compute = list(compute_order)
+            with self._lock:
+                self._fresh_wanted = {u.index for u in optimizer_order}
+        elif optimizer_order is not None:
             # A unit loaded twice (forward, then backward) hands its backward read to its update.
             updated = {u.index for u in optimizer_order}
             last: Dict[int, int] = {}
@@ -157,6 +166,15 @@ class WeightStore:
         if entry is None:
             return None
         return entry["buf"], lambda e=entry: self._unref(e)
+
+    def _reclaim(self, stream) -> None:
+        """A reader of ``stream`` has no buffer: its buffers held as fresh copies go back (once
+        written); the next forward reads those units from disk instead."""
+        with self._lock:
+            drop = [i for i, e in self._fresh.items() if e["owner"] is stream]
+            entries = [self._fresh.pop(i) for i in drop]
+        for e in entries:
+            self._unref(e)
 
     def _unref(self, entry: dict) -> None:
         with self._lock:

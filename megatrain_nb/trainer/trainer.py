@@ -129,7 +129,9 @@ class Trainer:
         self._tokens_seen = 0
         self._log_accum = (0.0, 0)  # (sum of step losses, steps) since the last log
         self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl")
-        self._engine_overlaps = "step_lr" in inspect.signature(self._engine.forward_backward).parameters
+        fb_params = inspect.signature(self._engine.forward_backward).parameters
+        self._engine_overlaps = "step_lr" in fb_params
+        self._engine_clips = "max_grad_norm" in fb_params
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict):
@@ -279,9 +281,11 @@ class Trainer:
                             "(every label is -100 or every sequence is padding)")
         loss_sum, grad_norm = 0.0, None
         max_norm = args.max_grad_norm
-        # Overlapping each unit's AdamW update with the last backward (the engine's step_lr) is
-        # only exact without clipping: a global norm needs every gradient before any update.
-        overlap = not (max_norm and max_norm > 0) and self._engine_overlaps
+        # The engine runs each unit's AdamW update in a worker (step_lr on the last micro-batch):
+        # without clipping, overlapped with the backward; with clipping, once the global norm is
+        # known at the end of the backward, overlapped with the next forward.
+        clip = bool(max_norm and max_norm > 0)
+        overlap = self._engine_overlaps and (not clip or self._engine_clips)
         lock = getattr(engine, "lock", None) or contextlib.nullcontext()
         with lock:
             lr = self.schedule.current()
@@ -291,6 +295,8 @@ class Trainer:
                 if last and overlap:
                     self.control = cb.on_pre_optimizer_step(args, st, self.control)
                     extra["step_lr"] = lr
+                    if clip:
+                        extra["max_grad_norm"] = max_norm
                 out = engine.forward_backward(b["input_ids"], attention_mask=b.get("attention_mask"),
                                               labels=b["labels"], num_items_in_batch=n_items,
                                               loss_fn=self.loss_fn, **extra)

@@ -245,3 +245,52 @@ def test_checkpoint_loads_into_weights_on_disk(tmp_path):
     b.load_checkpoint(tmp_path / "ckpt")
     assert _train(a, steps=2) == pytest.approx(_train(b, steps=2), abs=1e-6)
     b.close()
+
+
+# ---------------------------------------------------------------------------- clipping, overlapped
+@pytest.mark.parametrize("where", ["ram", "disk"])
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])   # clipping active / never reached
+def test_clipped_overlapped_steps_match_torch(tmp_path, where, max_norm):
+    """forward_backward(step_lr, max_grad_norm) over 2 micro-batches == torch AdamW after
+    clip_grad_norm_; the updates run after the backward, the next forward waits per unit."""
+    from transformers import Trainer
+
+    model = AutoModelForCausalLM.from_config(family_config("llama", tie=True)).eval()
+    ref = copy.deepcopy(model)
+    decay = set(Trainer.get_decay_parameter_names(None, ref))
+    groups = [{"params": [p for n, p in ref.named_parameters() if n in decay], "weight_decay": 0.1},
+              {"params": [p for n, p in ref.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    opts = dict(offload_dir=str(tmp_path), offload_params=True) if where == "disk" else {}
+    e = StreamingEngine(model, EngineConfig(device="cpu", adam_betas=(0.9, 0.95), weight_decay=0.1, **opts))
+    batches = _data(6)
+    for step in range(3):
+        window = batches[2 * step:2 * step + 2]
+        n_items = sum(int(b[:, 1:].numel()) for b in window)
+        for b in window:
+            out = ref(input_ids=b, labels=b)
+            (out.loss * b[:, 1:].numel() / n_items).backward()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
+        opt.step()
+        opt.zero_grad()
+        e.forward_backward(window[0], num_items_in_batch=n_items)
+        out = e.forward_backward(window[1], num_items_in_batch=n_items, step_lr=3e-3, max_grad_norm=max_norm)
+        assert out.grad_norm == pytest.approx(ref_norm, rel=1e-4)
+        if max_norm < 1:
+            assert out.grad_norm > max_norm  # clipping really happened
+    refp = dict(ref.named_parameters())
+    for name, p in e.named_parameters():  # waits for the last step's updates
+        assert float((p - refp[name].detach()).abs().max()) <= 1e-5, name
+    if where == "disk":
+        assert e.telemetry()["weight_reads_saved"] > 0  # updated buffers fed the next forward
+    e.close()
+
+
+def test_max_grad_norm_needs_step_lr():
+    e = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")), EngineConfig(device="cpu"))
+    ids = _data(1)[0]
+    with pytest.raises(ValueError, match="step_lr"):
+        e.forward_backward(ids, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
+        e.forward_backward(ids, step_lr=1e-3, max_grad_norm=0.0)
+    e.close()

@@ -286,28 +286,30 @@ class DiskStore:
         self._finalizer = weakref.finalize(self, _remove_folder, folder) if not keep else None
 
     # ----------------------------------------------------------------------------- public
-    def write(self, key: str, tensors: dict[str, torch.Tensor]) -> Future:
+    def write(self, key: str, tensors: dict[str, torch.Tensor], *, throttle: bool = True) -> Future:
         """Write ``tensors`` as the new version of ``key`` in a worker (write-behind).
 
         Returns a Future that resolves to the number of bytes written, or raises
         ``OffloadError`` (ENOSPC, I/O error) -- then the previous version stays readable.
-        Blocks while ``max_inflight`` operations are pending.
+        Blocks while ``max_inflight`` operations are pending, unless ``throttle=False`` (for a
+        caller that bounds the memory its pending operations hold itself).
         """
         items = []
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 raise ValueError(f"DiskStore.write({key!r}): {name!r} must be a CPU tensor")
             items.append((str(name), t.detach().contiguous()))
-        return self._submit(self._checked_key(key), True, self._write_file, key, items)
+        return self._submit(self._checked_key(key), True, self._write_file, key, items, throttle=throttle)
 
-    def read(self, key: str, out: dict[str, torch.Tensor] | None = None, *, urgent: bool = False) -> Future:
+    def read(self, key: str, out: dict[str, torch.Tensor] | None = None, *, urgent: bool = False,
+             throttle: bool = True) -> Future:
         """Read ``key`` in a worker (read-ahead); ordered after earlier writes of ``key``.
 
         With ``out``, tensors are read into ``out[name]`` (same dtype and numel, contiguous; no
         allocation) and those tensors are returned; names missing from ``out`` are allocated
         (4096-aligned). The Future resolves to ``{name: tensor}``. An ``urgent`` read (the
         caller bounds its own buffers: compute waits on it) goes ahead of queued operations
-        and does not count against ``max_inflight``.
+        and does not count against ``max_inflight``; nor does a read with ``throttle=False``.
         """
         self._checked_key(key)
         if out is not None:
@@ -316,7 +318,8 @@ class DiskStore:
                         or not t.is_contiguous():
                     raise ValueError(f"DiskStore.read({key!r}): out[{name!r}] must be a "
                                      f"contiguous CPU tensor")
-        return self._submit(key, False, self._read_file, key, dict(out or {}), urgent=urgent)
+        return self._submit(key, False, self._read_file, key, dict(out or {}), urgent=urgent,
+                            throttle=throttle and not urgent)
 
     def wait_key(self, key: str) -> None:
         """Wait until every operation issued so far on ``key`` is done; re-raise its error."""
@@ -416,9 +419,9 @@ class DiskStore:
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
         return os.path.join(self.path, f"{safe}-{digest}{_SUFFIX}")
 
-    def _submit(self, key: str, is_write: bool, fn, *args, urgent: bool = False) -> Future:
+    def _submit(self, key: str, is_write: bool, fn, *args, urgent: bool = False, throttle: bool = True) -> Future:
         """Run ``fn(*args)`` in a worker after the previous operation on ``key``."""
-        if not urgent:
+        if throttle:
             self._slots.acquire()
         outer: Future = Future()
         with self._lock:
@@ -427,7 +430,7 @@ class DiskStore:
             self._pending.add(outer)
 
         def finish() -> None:
-            if not urgent:
+            if throttle:
                 self._slots.release()
             with self._lock:
                 self._pending.discard(outer)

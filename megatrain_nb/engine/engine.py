@@ -25,7 +25,7 @@ from torch import nn
 
 from . import io as engine_io
 from .config import EngineConfig
-from .host_store import HostStore
+from .host_store import BufferPool, HostStore
 from .optimizer import UnitAdamW
 from .pager import Pager
 from .planner import GiB, make_plan, UnitSpec
@@ -103,6 +103,7 @@ class StreamingEngine:
         self._updates: Dict[int, Future] = {}
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._update_slots = threading.BoundedSemaphore(self.inflight_depth)  # units queued for an update
+        self._grad_pool = BufferPool(max_bytes=(1 + self.inflight_depth) * 4 * max(u.numel for u in self.units))
         self.pager.max_grads_in_flight = self.inflight_depth
         self._head_stub = HiddenStatesStub()
 
@@ -239,14 +240,18 @@ class StreamingEngine:
         if lr is not None and not self.store.has_grad(unit):
             # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
             # (a staging buffer is reused by the next transfer: copy it out)
-            flat = grad.clone() if torch.is_tensor(grad) else torch.cat([g.reshape(-1).float() for g in grad])
-            self._submit_update(unit, lr, flat, False)
+            flat = self._grad_pool.take(unit.numel)
+            if torch.is_tensor(grad):
+                flat.copy_(grad)
+            else:
+                torch.cat([g.reshape(-1).float() for g in grad], out=flat)
+            self._submit_update(unit, lr, flat, False, recycle=True)
             return
         self.store.accumulate(unit, grad)
         if lr is not None:  # last micro-batch: this unit's gradient is final, update it now
             self._submit_update(unit, lr, None, True)
 
-    def _submit_update(self, unit: Unit, lr: float, grad, zero: bool) -> None:
+    def _submit_update(self, unit: Unit, lr: float, grad, zero: bool, recycle: bool = False) -> None:
         self.weights.mark_updating(unit)
         self._update_slots.acquire()  # back-pressure: RAM holds only a few pending updates
 
@@ -254,6 +259,8 @@ class StreamingEngine:
             try:
                 self._update_unit(unit, lr, grad, zero)
             finally:
+                if recycle:
+                    self._grad_pool.give(grad)
                 self._update_slots.release()
         self._updates[unit.index] = self._update_pool.submit(run)
 

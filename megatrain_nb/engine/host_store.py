@@ -35,6 +35,37 @@ def return_freed_memory_to_os(threshold: int = 1 << 20) -> bool:
     return _MALLOC_TUNED
 
 
+class BufferPool:
+    """Recycled page-aligned fp32 buffers, by size, for per-step temporaries of a unit (Adam
+    moments read from disk, a final gradient): reusing them saves faulting in and zeroing fresh
+    pages every step (the fixed mmap threshold above returns every freed buffer to the OS).
+    Keeps at most ``max_bytes`` of free buffers."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self._free: Dict[int, List[torch.Tensor]] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, numel: int) -> torch.Tensor:
+        with self._lock:
+            bufs = self._free.get(numel)
+            if bufs:
+                self._free_bytes -= numel * 4
+                return bufs.pop()
+        from .disk_store import aligned_empty
+
+        return aligned_empty(numel)
+
+    def give(self, *tensors: torch.Tensor) -> None:
+        with self._lock:
+            for t in tensors:
+                n = t.numel()
+                if t.dtype == torch.float32 and self._free_bytes + n * 4 <= self.max_bytes:
+                    self._free.setdefault(n, []).append(t)
+                    self._free_bytes += n * 4
+
+
 class HostStore:
     """Flat fp32 buffers per unit in host RAM (pinned when the device is CUDA).
 

@@ -37,6 +37,11 @@ class OptimizerStates:
         self._on_disk = set()
         self.writes_behind = 2
         self._writes = []   # state writes still pending (futures)
+        self._sched = []    # the coming updates, in order: (unit, last of its step)
+        self.read_ahead_bytes = 1 << 30  # stored states read ahead of their updates (RAM)
+        from .host_store import BufferPool
+
+        self.pool = BufferPool()         # moments' buffers, recycled from step to step (disk tier)
 
     # ------------------------------------------------------------------ sizes
     # ------------------------------------------------------------------ encode / decode
@@ -55,29 +60,42 @@ class OptimizerStates:
         res = []
         for role in _ROLES:
             enc = {k.split(".", 1)[1]: v for k, v in stored.items() if k.startswith(role + ".")}
-            res.append(self.codecs[role].decode(enc, torch.empty(unit.numel, dtype=torch.float32)))
+            out = self.pool.take(unit.numel) if self.disk is not None else torch.empty(unit.numel, dtype=torch.float32)
+            res.append(self.codecs[role].decode(enc, out))
         return res[0], res[1]
 
     # ------------------------------------------------------------------ the optimizer's view
-    def schedule(self, order, ahead: int = 2) -> None:
-        """The order of the coming updates: keep ``ahead`` units' state reads in flight."""
+    def schedule(self, order) -> None:
+        """The order of the coming updates: their state reads start now, as deep as
+        ``read_ahead_bytes`` allows (at least two units), so they use the disk while the
+        forward leaves it idle rather than queueing behind the backward's writes."""
         # Appended: the updates of one step may still be running when the next step schedules.
-        self._sched = getattr(self, "_sched", []) + list(order)
-        self._ahead = ahead
-        for u in self._sched[:ahead]:
+        order = list(order)
+        self._sched = self._sched + [(u, i == len(order) - 1) for i, u in enumerate(order)]
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        held = 0
+        for i, (u, _) in enumerate(self._sched):
+            nbytes = self._stored_nbytes(u)
+            if i >= 2 and held + nbytes > self.read_ahead_bytes:
+                break
+            held += nbytes
             self.prefetch(u)
 
+    def _stored_nbytes(self, unit: Unit) -> int:
+        if self.codecs is None:
+            return 8 * unit.numel
+        return sum(c.encoded_nbytes(unit.numel) for c in self.codecs.values())
+
     def _advance(self, unit: Unit) -> None:
-        sched = getattr(self, "_sched", None)
-        if not sched:
-            return
+        sched = self._sched
         try:
-            i = next(i for i, u in enumerate(sched) if u is unit)
+            i = next(i for i, (u, _) in enumerate(sched) if u is unit)
         except StopIteration:
             return
         del sched[: i + 1]
-        for u in sched[: self._ahead]:
-            self.prefetch(u)
+        self._read_ahead()
 
     def prefetch(self, unit: Unit) -> None:
         """Start reading a unit's stored states from disk ahead of its update."""
@@ -85,11 +103,18 @@ class OptimizerStates:
             return
         with self._lock:
             if unit.index not in self._reads:
-                self._reads[unit.index] = self.disk.read(self._key(unit))
+                out = None
+                if self.codecs is None:  # fp32 moments: read straight into recycled buffers
+                    out = {r: self.pool.take(unit.numel) for r in _ROLES}
+                self._reads[unit.index] = self.disk.read(self._key(unit), out=out, throttle=False)  # bounded here
 
     def load(self, unit: Unit) -> Tuple[torch.Tensor, torch.Tensor]:
         """fp32 (exp_avg, exp_avg_sq) for the update; zeros on the first step."""
-        while len(self._writes) >= self.writes_behind:
+        # At most ``writes_behind`` state writes pending, so only a few units' moments are in
+        # RAM; the last update scheduled (nothing after it) does not wait: the next step's first
+        # update does, during the forward.
+        last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
+        while len(self._writes) >= self.writes_behind and not last:
             self._writes.pop(0).result()   # a failed write raises here, in the update
         for w in [w for w in self._writes if w.done()]:
             self._writes.remove(w)
@@ -100,7 +125,9 @@ class OptimizerStates:
                 fut = self._reads.pop(unit.index, None)
             self.counters.prefetch_result("disk", fut is not None)  # issued ahead of need, or late
             if fut is None:
-                fut = self.disk.read(self._key(unit))
+                self.prefetch(unit)
+                with self._lock:
+                    fut = self._reads.pop(unit.index)
             import time
 
             t0 = time.perf_counter()
@@ -110,6 +137,8 @@ class OptimizerStates:
             return self._decode(unit, stored)
         stored = self.ram.get(unit.index)
         if stored is None:
+            if self.disk is not None:  # first step on the disk tier: recycled buffers
+                return self.pool.take(unit.numel).zero_(), self.pool.take(unit.numel).zero_()
             return (torch.zeros(unit.numel, dtype=torch.float32), torch.zeros(unit.numel, dtype=torch.float32))
         return self._decode(unit, stored)
 
@@ -119,7 +148,12 @@ class OptimizerStates:
             # Written behind; the next load waits until at most ``writes_behind`` are pending,
             # so the moments of only a few units are ever in RAM, and the step's last update
             # (nothing after it) never waits for a write.
-            self._writes.append(self.disk.write(self._key(unit), stored))
+            fut = self.disk.write(self._key(unit), stored, throttle=False)  # bounded in load()
+            self._writes.append(fut)
+            if self.codecs is None:  # the moments are what is written: recycle them once written
+                fut.add_done_callback(lambda f, a=m, b=v: self.pool.give(a, b))
+            else:                    # decoded scratch: the codes are written, the moments are free
+                self.pool.give(m, v)
             self._on_disk.add(unit.index)
             self.counters.add_bytes("host_to_disk", sum(t.numel() * t.element_size() for t in stored.values()))
         else:

@@ -147,7 +147,7 @@ class WeightStore:
         with self._lock:
             owner = self._owner.pop(unit.index, self._opt)
             fresh = unit.index in self._fresh_wanted
-        fut = self.disk.write(weights_key(unit), {"w": t})
+        fut = self.disk.write(weights_key(unit), {"w": t}, throttle=False)  # the pools bound these
         self.counters.add_bytes("host_to_disk", unit.numel * 4)
         if fresh:
             # Two users: the write, and the next compute read (or the schedule that drops it).

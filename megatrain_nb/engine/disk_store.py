@@ -107,6 +107,7 @@ class _PriorityPool:
                     return
                 _, _, fn = heapq.heappop(self._heap)
             fn()
+            del fn  # drop the job (and the tensors it holds) before waiting for the next one
 
     def shutdown(self, wait: bool = True) -> None:
         with self._cv:

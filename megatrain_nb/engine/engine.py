@@ -83,7 +83,7 @@ class StreamingEngine:
         self.inflight_depth = 1
         self.weights = WeightStore(self.units, self.store, disk=self.disk if self.params_on_disk else None,
                                    pin=pin, counters=self.counters, compute_buffers=2 + self.inflight_depth,
-                                   optimizer_buffers=2)
+                                   optimizer_buffers=2 if self._small_units() else 1)
         self.states = OptimizerStates(self.units, config, self.counters, disk=self.disk)
         self._placeholders = self._take_parameters(model, _source)
         self.weights.finish_initial()
@@ -103,7 +103,7 @@ class StreamingEngine:
         self._updates: Dict[int, Future] = {}
         self._update_pool = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._update_slots = threading.BoundedSemaphore(self.inflight_depth)  # units queued for an update
-        self._grad_pool = BufferPool(max_bytes=(1 + self.inflight_depth) * 4 * max(u.numel for u in self.units))
+        self._grad_pool = BufferPool(max_bytes=256 << 20)
         self.pager.max_grads_in_flight = self.inflight_depth
         self._head_stub = HiddenStatesStub()
 
@@ -186,6 +186,12 @@ class StreamingEngine:
         if meta:
             materialize_buffers(model, layer_modules)
         return placeholders
+
+    def _small_units(self) -> bool:
+        """Units small enough that a spare buffer or two per stream costs little RAM (<= 256 MiB
+        each). Large units get the minimum: one optimizer staging buffer (RAM stays flat for
+        models far larger than RAM; their steps are long, so what it would overlap is small)."""
+        return max(u.numel for u in self.units) * 4 <= (256 << 20)
 
     def _store_unit_params(self, unit: Unit, flat: torch.Tensor) -> None:
         self.weights.put_initial(unit, flat)

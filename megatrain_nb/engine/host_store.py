@@ -41,7 +41,7 @@ class BufferPool:
     pages every step (the fixed mmap threshold above returns every freed buffer to the OS).
     Keeps at most ``max_bytes`` of free buffers."""
 
-    def __init__(self, max_bytes: int = 1 << 30):
+    def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
         self._free: Dict[int, List[torch.Tensor]] = {}
         self._free_bytes = 0

@@ -41,7 +41,9 @@ class OptimizerStates:
         self.read_ahead_bytes = 1 << 30  # stored states read ahead of their updates (RAM)
         from .host_store import BufferPool
 
-        self.pool = BufferPool()         # moments' buffers, recycled from step to step (disk tier)
+        # moments' buffers, recycled from step to step (disk tier); a unit larger than the cap is
+        # never kept, so RAM stays flat for very large units (whose page faults cost little)
+        self.pool = BufferPool(max_bytes=512 << 20)
 
     # ------------------------------------------------------------------ sizes
     # ------------------------------------------------------------------ encode / decode

@@ -282,3 +282,40 @@ def test_concurrent_writers_and_readers(store):
         t.join(30)
     assert errors == []
     assert store.nbytes() == sum(store.nbytes_of(f"k{i}") for i in range(4))
+
+
+def _uses(t):
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def test_finished_operations_release_their_tensors(store):
+    """The store holds a written tensor only until its write is done (a worker once kept the
+    last job it ran, and with it a whole unit's buffer, until it got another one)."""
+    t = torch.ones(1 << 16)
+    before = _uses(t)
+    store.write("k", {"w": t}).result()
+    out = torch.empty(1 << 16)
+    before_out = _uses(out)
+    store.read("k", out={"w": out}).result()
+    store.flush()
+    deadline = __import__("time").monotonic() + 5
+    while (_uses(t) > before or _uses(out) > before_out) and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.01)
+    assert _uses(t) == before and _uses(out) == before_out
+
+
+def test_urgent_reads_go_ahead_of_queued_work(tmp_path):
+    store = DiskStore(tmp_path, io_threads=1)
+    order = []
+    gate = threading.Event()
+    store.write("a", {"w": torch.ones(8)}).result()
+    store.write("b", {"w": torch.ones(8)}).result()
+    store._pool.submit(gate.wait, 0)           # hold the only worker
+    f1 = store.read("a", throttle=False)
+    f2 = store.read("b", urgent=True)
+    f1.add_done_callback(lambda f: order.append("queued"))
+    f2.add_done_callback(lambda f: order.append("urgent"))
+    gate.set()
+    f1.result(); f2.result()
+    assert order == ["urgent", "queued"]
+    store.close()

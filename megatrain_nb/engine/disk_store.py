@@ -25,7 +25,9 @@ leaves a file that reads as valid; the previous version of the key stays readabl
 Page cache: where the filesystem supports it, files are written and read with ``O_DIRECT``
 (bypassing the page cache, so offloading does not turn into RAM use). Tensors whose memory is
 4096-aligned (see :func:`aligned_empty`; ``read()`` allocates such tensors) move without a
-copy; others go through a per-thread aligned staging buffer. Where ``O_DIRECT`` is refused
+copy; others go through a per-thread aligned staging buffer (large ones are read through the
+page cache instead, straight into the tensor, dropping each chunk's pages as it goes: the
+kernel's read-ahead then overlaps the copy). Where ``O_DIRECT`` is refused
 (older tmpfs, some network filesystems) the store falls back to buffered I/O and drops the pages it
 touched with ``posix_fadvise(POSIX_FADV_DONTNEED)``.
 
@@ -180,6 +182,21 @@ def _pread_all(fd: int, mv, offset: int) -> None:
         if n == 0:
             raise OSError(errno.EIO, "unexpected end of file")
         mv, offset = mv[n:], offset + n
+
+
+def _buffered_read(path: str, segments) -> None:
+    """Read [(file offset, uint8 tensor)] through the page cache, dropping each chunk's pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, dest in segments:
+            arr = _np(dest)
+            for a in range(0, len(arr), _IO_CHUNK):
+                b = min(a + _IO_CHUNK, len(arr))
+                _pread_all(fd, arr[a:b], off + a)
+                _drop_cache(fd, off + a, b - a)
+        _drop_cache(fd)  # and whatever the kernel read ahead past the end
+    finally:
+        os.close(fd)
 
 
 def _drop_cache(fd: int, offset: int = 0, length: int = 0) -> None:
@@ -558,6 +575,13 @@ class DiskStore:
                 result[e["name"]] = dest
             segments.sort(key=lambda seg: seg[0])
             if self.direct_io:
+                # A large destination whose memory is not page-aligned cannot take direct I/O;
+                # a buffered read straight into it (the kernel reads ahead while it copies),
+                # with its pages dropped as it goes, beats bouncing through the staging buffer.
+                bounce = [(o, d) for o, d in segments if d.numel() >= _ALIGN_MIN and d.data_ptr() % ALIGN]
+                if bounce:
+                    _buffered_read(path, bounce)
+                    segments = [(o, d) for o, d in segments if not (d.numel() >= _ALIGN_MIN and d.data_ptr() % ALIGN)]
                 _transfer(fd, segments, meta["file_size"], self._staging.get(), write=False)
             else:
                 for off, dest in segments:

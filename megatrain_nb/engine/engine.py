@@ -67,6 +67,7 @@ class StreamingEngine:
         self.lock = threading.RLock()
         self.counters = Telemetry()
         self._closed = False
+        self._failed: Optional[BaseException] = None   # an update that failed (see _check_open)
 
         self._layer_parent, self._layer_attr, layers = find_layer_list(model)
         self.units: List[Unit] = build_units(model, layers)
@@ -318,9 +319,25 @@ class StreamingEngine:
         if fut is None:
             return
         t0 = time.perf_counter()
-        fut.result()
+        try:
+            fut.result()
+        except BaseException as e:
+            # Delivered once; the engine then refuses to train on (see _check_open).
+            self._updates.pop(unit.index, None)
+            self._failed = e
+            self._settle_disk()
+            raise
         self._updates.pop(unit.index, None)
         self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
+
+    def _settle_disk(self) -> None:
+        """After a failed update: let the disk operations still in flight finish (a failed
+        write removes its own temporary file), so the error leaves the offload folder settled."""
+        if self.disk is not None:
+            try:
+                self.disk.flush()
+            except BaseException:  # noqa: BLE001 - the first error is the one being raised
+                pass
 
     def _wait_all_updates(self) -> None:
         for u in self.units:
@@ -481,9 +498,14 @@ class StreamingEngine:
             t0 = time.perf_counter()
             self.weights.schedule([], self.units)
             self.states.schedule(self.units)  # disk reads ahead of the updates
-            for u in self.units:
-                self._update_unit(u, lr)
-            self.states.flush()
+            try:
+                for u in self.units:
+                    self._update_unit(u, lr)
+                self.states.flush()
+            except BaseException as e:
+                self._failed = e  # some units may be updated and others not
+                self._settle_disk()
+                raise
             self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
             self.counters.add("steps", 1)
 
@@ -550,9 +572,13 @@ class StreamingEngine:
     def load_checkpoint(self, path) -> None:
         with self.lock:
             self.pager.wait_grads()
-            self._wait_all_updates()
+            try:
+                self._wait_all_updates()
+            except BaseException:  # noqa: BLE001 - a failed update is what loading repairs
+                pass
             engine_io.load_weights(self, path)
             self.states.load_saved(path, self.adam)
+            self._failed = None
 
     def close(self) -> None:
         """Release device memory, worker threads and the disk files the engine created."""
@@ -562,7 +588,12 @@ class StreamingEngine:
             self._closed = True
             try:
                 self.pager.wait_grads()
-                self._wait_all_updates()
+                delivered = self._failed is not None
+                try:
+                    self._wait_all_updates()
+                except BaseException:  # noqa: BLE001 - an error already delivered is not raised again
+                    if not delivered:
+                        raise
             finally:
                 self._update_pool.shutdown(wait=True)
                 self.pager.close()
@@ -575,6 +606,11 @@ class StreamingEngine:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this StreamingEngine is closed; create a new one.")
+        failed = self._failed
+        if failed is not None:
+            raise RuntimeError(f"an optimizer update failed earlier ({type(failed).__name__}: {failed}); weights and "
+                               "optimizer states may be out of step. Fix the cause, then load_checkpoint() a saved "
+                               "checkpoint or build a new engine.") from failed
 
     def __enter__(self):
         return self

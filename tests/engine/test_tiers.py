@@ -158,7 +158,8 @@ def test_unwritable_offload_dir_even_as_root(tmp_path, monkeypatch):
                         EngineConfig(device="cpu", offload_dir=str(tmp_path)))
 
 
-def test_full_disk_fails_clearly_and_leaves_no_half_written_state(tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_full_disk_fails_clearly_and_leaves_no_half_written_state(tmp_path, monkeypatch, overlap):
     from megatrain_nb.engine import disk_store
     from megatrain_nb.engine.disk_store import OffloadError
 
@@ -175,10 +176,13 @@ def test_full_disk_fails_clearly_and_leaves_no_half_written_state(tmp_path, monk
     if hasattr(disk_store.os, "pwrite"):
         monkeypatch.setattr(disk_store.os, "pwrite", lambda fd, data, off: full(fd, data))
     with pytest.raises(OffloadError, match=str(tmp_path)):
-        _train(e, steps=1)
+        _train(e, steps=1, overlap=overlap)
+        e.zero_grad()  # overlapped: the updates' error surfaces where they are waited for
     monkeypatch.setattr(disk_store.os, "write", real_write)
     leftovers = [p.name for p in tmp_path.rglob("*") if p.is_file() and ".tmp" in p.name]
     assert leftovers == []
+    with pytest.raises(RuntimeError, match="failed earlier.*load_checkpoint"):
+        _train(e, steps=1, overlap=overlap)  # weights and states may be out of step: refused
     e.close()
     assert before  # the failure raised instead of silently continuing
 

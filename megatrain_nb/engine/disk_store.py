@@ -87,6 +87,7 @@ class _PriorityPool:
         self._heap: list = []
         self._seq = 0
         self._shutdown = False
+        self.stopping = False   # set without the lock (finalizers): idle workers exit within a second
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
                          for i in range(threads)]
         for t in self._threads:
@@ -103,8 +104,8 @@ class _PriorityPool:
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._heap and not self._shutdown:
-                    self._cv.wait()
+                while not self._heap and not self._shutdown and not self.stopping:
+                    self._cv.wait(1.0)
                 if not self._heap:
                     return
                 _, _, fn = heapq.heappop(self._heap)
@@ -413,6 +414,12 @@ class DiskStore:
             self._pool.shutdown(wait=True)
             if self._finalizer is not None:
                 self._finalizer()                 # removes the folder
+
+    def abandon(self) -> None:
+        """Let the workers exit once idle, without taking a lock or waiting (for a finalizer,
+        where either could deadlock); the folder is removed when the store is collected."""
+        self._closed = True
+        self._pool.stopping = True
 
     def __enter__(self) -> DiskStore:
         return self

@@ -619,10 +619,17 @@ class StreamingEngine:
         self.close()
 
     def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        # The garbage collector can run this anywhere, even inside an executor's submit() or
+        # threading's own bookkeeping while a thread starts: taking a lock or joining a thread
+        # here can deadlock. So only flags are set: idle workers exit on their own once their
+        # executor is collected (or, for the disk store, when they see the flag), and the disk
+        # folder goes with the store's finalizer. close() is the orderly way.
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        disk = getattr(self, "disk", None)
+        if disk is not None:
+            disk.abandon()
 
 
 def _hidden(cfg) -> int:

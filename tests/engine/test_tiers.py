@@ -298,3 +298,25 @@ def test_max_grad_norm_needs_step_lr():
     with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
         e.forward_backward(ids, step_lr=1e-3, max_grad_norm=0.0)
     e.close()
+
+
+def test_an_engine_dropped_without_close_cleans_up_without_joining(tmp_path):
+    """__del__ may run inside the garbage collector anywhere (even within an executor's own
+    locks): it only sets flags; the disk folder goes with the store, idle workers exit."""
+    import gc
+    import time
+
+    e = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
+                        EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True))
+    _train(e, steps=1, overlap=True)
+    e.zero_grad()
+    e.disk.flush()
+    workers = list(e.disk._pool._threads)
+    assert workers and all(t.is_alive() for t in workers)
+    del e
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (list(tmp_path.rglob("*.mtd")) or any(t.is_alive() for t in workers)):
+        time.sleep(0.1)
+    assert list(tmp_path.rglob("*.mtd")) == []
+    assert not any(t.is_alive() for t in workers)

@@ -3,8 +3,9 @@
 ``DiskStore`` keeps one file per key (a unit's optimizer states, or its master weights when the
 host budget cannot hold them). Writes are write-behind and reads are read-ahead: both run in
 worker threads and return ``concurrent.futures.Future`` objects, so the pager can overlap disk
-I/O with compute. Operations on the same key run in the order they were issued (a read issued
-after a write of that key sees the new data); operations on different keys run concurrently.
+I/O with compute. Operations on the same key keep their order where it matters (a read issued
+after a write of that key sees the new data; a write waits for the reads issued before it),
+while reads of a key, and operations on different keys, run concurrently.
 
 File layout (``<key>-<hash>.mtd``), one file per key::
 
@@ -80,7 +81,9 @@ _SUFFIX = ".mtd"
 
 
 class _PriorityPool:
-    """Worker threads that take the most urgent queued job first (FIFO within a priority)."""
+    """Worker threads that take the most urgent queued job first (FIFO within a priority),
+    plus one that takes only urgent (priority 0) jobs, so an urgent read never waits for a
+    long write already in progress."""
 
     def __init__(self, threads: int, name: str):
         self._cv = threading.Condition()
@@ -90,6 +93,7 @@ class _PriorityPool:
         self.stopping = False   # set without the lock (finalizers): idle workers exit within a second
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
                          for i in range(threads)]
+        self._threads.append(threading.Thread(target=self._work, args=(True,), name=f"{name}_urgent", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -99,14 +103,17 @@ class _PriorityPool:
                 raise RuntimeError("cannot schedule new I/O after shutdown")
             heapq.heappush(self._heap, (priority, self._seq, fn))
             self._seq += 1
-            self._cv.notify()
+            self._cv.notify_all()  # the urgent-only worker must hear of urgent jobs
 
-    def _work(self) -> None:
+    def _work(self, urgent_only: bool = False) -> None:
+        def ready():
+            return self._heap and (not urgent_only or self._heap[0][0] == 0)
+
         while True:
             with self._cv:
-                while not self._heap and not self._shutdown and not self.stopping:
+                while not ready() and not self._shutdown and not self.stopping:
                     self._cv.wait(1.0)
-                if not self._heap:
+                if not ready():
                     return
                 _, _, fn = heapq.heappop(self._heap)
             fn()
@@ -295,7 +302,8 @@ class DiskStore:
         self._pool = _PriorityPool(io_threads, "megatrain-disk")
         self._staging = _Staging()
         self._lock = threading.Lock()
-        self._tail: dict[str, Future] = {}      # last operation issued per key
+        # per key: the last write issued and the reads issued after it (still pending)
+        self._ops: dict[str, dict] = {}
         self._pending: set[Future] = set()
         self._errors: list[BaseException] = []  # failed writes not yet reported by flush()
         self._sizes: dict[str, int] = {}        # committed file size per key
@@ -343,8 +351,9 @@ class DiskStore:
     def wait_key(self, key: str) -> None:
         """Wait until every operation issued so far on ``key`` is done; re-raise its error."""
         with self._lock:
-            fut = self._tail.get(key)
-        if fut is not None:
+            ops = self._ops.get(key)
+            futs = ([ops["write"]] if ops and ops["write"] else []) + (list(ops["reads"]) if ops else [])
+        for fut in futs:
             fut.result()
 
     def nbytes(self) -> int:
@@ -445,13 +454,20 @@ class DiskStore:
         return os.path.join(self.path, f"{safe}-{digest}{_SUFFIX}")
 
     def _submit(self, key: str, is_write: bool, fn, *args, urgent: bool = False, throttle: bool = True) -> Future:
-        """Run ``fn(*args)`` in a worker after the previous operation on ``key``."""
+        """Run ``fn(*args)`` in a worker once the operations on ``key`` it must follow are done:
+        a read follows the last write of the key; a write follows that write and every read
+        issued since (reads of a key do not wait for each other)."""
         if throttle:
             self._slots.acquire()
         outer: Future = Future()
         with self._lock:
-            prev = self._tail.get(key)
-            self._tail[key] = outer
+            ops = self._ops.setdefault(key, {"write": None, "reads": set()})
+            deps = [ops["write"]] if ops["write"] is not None else []
+            if is_write:
+                deps += list(ops["reads"])
+                ops["write"], ops["reads"] = outer, set()
+            else:
+                ops["reads"].add(outer)
             self._pending.add(outer)
 
         def finish() -> None:
@@ -459,8 +475,13 @@ class DiskStore:
                 self._slots.release()
             with self._lock:
                 self._pending.discard(outer)
-                if self._tail.get(key) is outer:
-                    del self._tail[key]
+                ops = self._ops.get(key)
+                if ops is not None:
+                    if ops["write"] is outer:
+                        ops["write"] = None
+                    ops["reads"].discard(outer)
+                    if ops["write"] is None and not ops["reads"]:
+                        del self._ops[key]
 
         def run() -> None:
             if not outer.set_running_or_notify_cancel():
@@ -485,10 +506,20 @@ class DiskStore:
                 finish()
                 outer.set_exception(OffloadError(f"DiskStore at {self.path} is closed: {e}"))
 
-        if prev is None:
+        if not deps:
             start()
         else:
-            prev.add_done_callback(start)
+            left = [len(deps)]
+            left_lock = threading.Lock()
+
+            def dep_done(_) -> None:
+                with left_lock:
+                    left[0] -= 1
+                    ready = left[0] == 0
+                if ready:
+                    start()
+            for d in deps:
+                d.add_done_callback(dep_done)
         return outer
 
     def _count(self, kind: str, nbytes: int, seconds: float) -> None:

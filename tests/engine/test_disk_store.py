@@ -305,17 +305,17 @@ def test_finished_operations_release_their_tensors(store):
 
 
 def test_urgent_reads_go_ahead_of_queued_work(tmp_path):
+    """Compute waits on urgent reads: they run even while every general worker is busy (a
+    long write, say) and other work is queued."""
     store = DiskStore(tmp_path, io_threads=1)
-    order = []
-    gate = threading.Event()
     store.write("a", {"w": torch.ones(8)}).result()
     store.write("b", {"w": torch.ones(8)}).result()
-    store._pool.submit(gate.wait, 0)           # hold the only worker
-    f1 = store.read("a", throttle=False)
-    f2 = store.read("b", urgent=True)
-    f1.add_done_callback(lambda f: order.append("queued"))
-    f2.add_done_callback(lambda f: order.append("urgent"))
+    gate = threading.Event()
+    store._pool.submit(gate.wait, 1)           # the only general worker is busy
+    queued = store.read("a", throttle=False)
+    urgent = store.read("b", urgent=True)
+    assert float(urgent.result(timeout=10)["w"].sum()) == 8.0
+    assert not queued.done()
     gate.set()
-    f1.result(); f2.result()
-    assert order == ["urgent", "queued"]
+    queued.result(timeout=10)
     store.close()

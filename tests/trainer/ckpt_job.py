@@ -22,7 +22,8 @@ def make_trainer(out, compression, **kw):
     if compression != "none":
         disk["offload_dir"] = os.path.join(out, "offload")
         os.makedirs(disk["offload_dir"], exist_ok=True)
-    # compressed runs also take the engine's overlapped-update path (no clipping)
+    # fp32 runs clip (updates after the backward, overlapping the next forward); compressed runs
+    # overlap each update with the backward (no clipping)
     kw.setdefault("max_grad_norm", 1.0 if compression == "none" else 0.0)
     a = args(out, gradient_accumulation_steps=2, weight_decay=0.1, lr_scheduler_type="cosine", warmup_steps=2,
              max_steps=8, save_strategy="steps", save_steps=kw.pop("save_steps", 3), **kw)

@@ -13,7 +13,7 @@ from megatrain_nb.trainer import Trainer
 from .helpers import args, micro_model, relative_difference, token_dataset
 
 
-@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0])  # 0.0: the engine overlaps AdamW with the backward
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0])  # 0.5: updates after the backward; 0.0: during it
 def test_same_weights_as_transformers_trainer(tmp_path, max_grad_norm):
     """Same model, data, order and arguments (accumulation, clipping, decay, warmup + cosine)."""
     from transformers import Trainer as HFTrainer

@@ -543,8 +543,10 @@ class StreamingEngine:
         st = self.states.nbytes()
         wb = self.weights.nbytes()
         host = {"weights": wb["host"], "grads": hb["grads"], "optimizer_states": st["host"],
+                # states read ahead of their updates + recycled scratch (moments, final gradients)
+                "buffers": st["host_buffers"] + self._grad_pool.nbytes(),
                 "capacity_bytes": int(self.config.max_host_gb * GiB) if self.config.max_host_gb else _ram_total()}
-        host["used_bytes"] = host["weights"] + host["grads"] + host["optimizer_states"]
+        host["used_bytes"] = host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
         self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"])
         host["peak_bytes"] = self._host_peak
         disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "capacity_bytes": st.get("disk_capacity")}

@@ -57,6 +57,11 @@ class BufferPool:
 
         return aligned_empty(numel)
 
+    def nbytes(self) -> int:
+        """Bytes of the free buffers kept for reuse."""
+        with self._lock:
+            return self._free_bytes
+
     def give(self, *tensors: torch.Tensor) -> None:
         with self._lock:
             for t in tensors:

@@ -171,7 +171,11 @@ class OptimizerStates:
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> dict:
         host = sum(t.numel() * t.element_size() for s in self.ram.values() for t in s.values())
-        out = {"host": host, "disk": 0}
+        with self._lock:
+            ahead = [u for u in self.units if u.index in self._reads]
+        # states read ahead (in flight or waiting for their update) and recycled buffers kept
+        buffers = sum(self._stored_nbytes(u) for u in ahead) + self.pool.nbytes()
+        out = {"host": host, "disk": 0, "host_buffers": buffers}
         if self.disk is not None:
             out["disk"] = sum(self.disk.nbytes_of(self._key(u)) for u in self.units if u.index in self._on_disk)
             try:

@@ -320,3 +320,18 @@ def test_an_engine_dropped_without_close_cleans_up_without_joining(tmp_path):
         time.sleep(0.1)
     assert list(tmp_path.rglob("*.mtd")) == []
     assert not any(t.is_alive() for t in workers)
+
+
+def test_memory_report_counts_read_ahead_and_recycled_buffers(tmp_path):
+    e = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
+                        EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True))
+    _train(e, steps=2, overlap=True)
+    e.zero_grad()
+    e.disk.flush()
+    host = e.memory_report()["host"]
+    moments = 2 * 4 * max(u.numel for u in e.units)
+    assert host["buffers"] >= moments  # the last updates' moments, kept for the next step
+    assert host["used_bytes"] == host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
+    e.states.schedule(e.units)  # the next step's state reads start (all fit the budget): counted
+    assert e.memory_report()["host"]["buffers"] >= sum(8 * u.numel for u in e.units)
+    e.close()

@@ -173,6 +173,10 @@ class DiskReadStream:
             self.counters.prefetch_result("disk", not on_demand)  # issued ahead of need, or late
         return buf[:unit.numel]
 
+    def owns(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` (or a view of it) is one of this stream's staging buffers."""
+        return buf.data_ptr() in self._by_ptr
+
     def was_fresh(self, buf: torch.Tensor) -> bool:
         """Whether :meth:`get` served this buffer from a fresh copy (no disk read)."""
         with self._cv:

@@ -34,7 +34,6 @@ class WeightStore:
         self.dirty = DirtyUnits()
         self._pending_writes = []
         self._handed: Dict[int, torch.Tensor] = {}    # unit -> staging buffer kept for its update
-        self._owner: Dict[int, object] = {}           # unit -> stream its update buffer goes back to
         self._lock = threading.Lock()
         self._fresh: Dict[int, dict] = {}             # unit -> updated buffer the next read may use
         self._fresh_wanted: set = set()
@@ -70,35 +69,29 @@ class WeightStore:
         if not self.on_disk:
             return
         keep, handed = [], set()
-        if optimizer_order is not None and updates_after_backward:
+        if optimizer_order is not None:
             if compute_order:
                 self._last_compute = list(compute_order)
+            if updates_after_backward:
+                fresh = {u.index for u in optimizer_order}
+            else:
+                # A unit loaded twice (forward, then backward) hands its backward read to its update.
+                updated = {u.index for u in optimizer_order}
+                last: Dict[int, int] = {}
+                first: Dict[int, int] = {}
+                for i, u in enumerate(compute_order):
+                    first.setdefault(u.index, i)
+                    last[u.index] = i
+                keep = [i for idx, i in last.items() if idx in updated and i > first[idx]]
+                handed = {compute_order[i].index for i in keep}
+                # The step's access order repeats: the last units updated that the next forward
+                # reads among its first stay fresh in their buffers.
+                early = {u.index for u in self._last_compute[:4]}
+                fresh = {u.index for u in list(optimizer_order)[-2:] if u.index in early}
             with self._lock:
-                self._fresh_wanted = {u.index for u in optimizer_order}
-        elif optimizer_order is not None:
-            # A unit loaded twice (forward, then backward) hands its backward read to its update.
-            updated = {u.index for u in optimizer_order}
-            last: Dict[int, int] = {}
-            first: Dict[int, int] = {}
-            for i, u in enumerate(compute_order):
-                first.setdefault(u.index, i)
-                last[u.index] = i
-            keep = [i for idx, i in last.items() if idx in updated and i > first[idx]]
-            handed = {compute_order[i].index for i in keep}
-            # The step's access order repeats: the last units updated that the next forward
-            # reads among its first stay fresh in their buffers.
-            if compute_order:
-                self._last_compute = list(compute_order)
-            early = {u.index for u in self._last_compute[:4]}
-            with self._lock:
-                self._fresh_wanted = {u.index for u in list(optimizer_order)[-2:] if u.index in early}
-        stale = []
-        with self._lock:
-            wanted = {u.index for u in compute_order}
-            for idx in [i for i in self._fresh if i not in wanted]:
-                stale.append(self._fresh.pop(idx))
-        for entry in stale:  # not read by this schedule: back to its pool once written
-            self._unref(entry)
+                self._fresh_wanted = fresh
+        wanted = {u.index for u in compute_order}
+        self._drop_fresh(lambda idx, e: idx not in wanted)  # not read by this schedule
         self._fetch.schedule(compute_order, keep=keep)
         if optimizer_order is not None:
             self._opt.schedule([u for u in optimizer_order if u.index not in handed], append=True)
@@ -133,7 +126,6 @@ class WeightStore:
             return self.host.params[unit.index]
         with self._lock:
             t = self._handed.pop(unit.index, None)
-            self._owner[unit.index] = self._opt if t is None else self._fetch
         if t is not None:
             self.counters.add("weight_reads_saved", 1)
             return t
@@ -145,18 +137,17 @@ class WeightStore:
         if not self.on_disk:
             return
         with self._lock:
-            owner = self._owner.pop(unit.index, self._opt)
             fresh = unit.index in self._fresh_wanted
         fut = self.disk.write(weights_key(unit), {"w": t}, throttle=False)  # the pools bound these
         self.counters.add_bytes("host_to_disk", unit.numel * 4)
         if fresh:
             # Two users: the write, and the next compute read (or the schedule that drops it).
-            entry = {"buf": t, "owner": owner, "users": 2, "unit": unit}
+            entry = {"buf": t, "users": 2}
             with self._lock:
                 self._fresh[unit.index] = entry
             fut.add_done_callback(lambda f, e=entry: self._unref(e))
         else:
-            fut.add_done_callback(lambda f, b=t, o=owner: o.release(b))
+            fut.add_done_callback(lambda f, b=t: self._release(b))
         self.dirty.clean(unit)  # the compute stream may now read it (or take the fresh copy)
 
     def _take_fresh(self, unit: Unit):
@@ -170,26 +161,23 @@ class WeightStore:
     def _reclaim(self, stream) -> None:
         """A reader of ``stream`` has no buffer: its buffers held as fresh copies go back (once
         written); the next forward reads those units from disk instead."""
-        with self._lock:
-            drop = [i for i, e in self._fresh.items() if e["owner"] is stream]
-            entries = [self._fresh.pop(i) for i in drop]
-        for e in entries:
-            self._unref(e)
+        self._drop_fresh(lambda idx, e: stream.owns(e["buf"]))
+
+    def _release(self, buf: torch.Tensor) -> None:
+        """Back to the stream whose staging buffer it is (a layer's update may hold a compute one)."""
+        (self._fetch if self._fetch.owns(buf) else self._opt).release(buf)
 
     def _unref(self, entry: dict) -> None:
         with self._lock:
             entry["users"] -= 1
             done = entry["users"] == 0
         if done:
-            entry["owner"].release(entry["buf"])
+            self._release(entry["buf"])
 
-    def _drop_fresh(self, unit: Optional[Unit] = None) -> None:
+    def _drop_fresh(self, which=lambda idx, entry: True) -> None:
+        """Drop the fresh copies ``which(unit index, entry)`` selects (each back once written)."""
         with self._lock:
-            if unit is None:
-                entries, self._fresh = list(self._fresh.values()), {}
-            else:
-                e = self._fresh.pop(unit.index, None)
-                entries = [e] if e is not None else []
+            entries = [self._fresh.pop(i) for i, e in list(self._fresh.items()) if which(i, e)]
         for e in entries:
             self._unref(e)
 
@@ -206,7 +194,7 @@ class WeightStore:
         if not self.on_disk:
             self.host.params[unit.index].copy_(flat)
             return
-        self._drop_fresh(unit)  # its fresh copy would be stale
+        self._drop_fresh(lambda idx, e: idx == unit.index)  # its fresh copy would be stale
         self.disk.write(weights_key(unit), {"w": flat}).result()  # waited: no copy needed
 
     def reset(self) -> None:

@@ -4,6 +4,7 @@ import errno
 import os
 import stat
 import threading
+import time
 
 import pytest
 import torch
@@ -298,9 +299,9 @@ def test_finished_operations_release_their_tensors(store):
     before_out = _uses(out)
     store.read("k", out={"w": out}).result()
     store.flush()
-    deadline = __import__("time").monotonic() + 5
-    while (_uses(t) > before or _uses(out) > before_out) and __import__("time").monotonic() < deadline:
-        __import__("time").sleep(0.01)
+    deadline = time.monotonic() + 5
+    while (_uses(t) > before or _uses(out) > before_out) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert _uses(t) == before and _uses(out) == before_out
 
 

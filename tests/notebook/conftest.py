@@ -16,7 +16,7 @@ def _private_runtime_dir(tmp_path_factory, monkeypatch):
 def fake_session(tmp_path):
     """Build Sessions around FakeTrainers; every one is closed at the end of the test."""
     from megatrain_nb.notebook import Session
-    from nb_fakes import CharTokenizer, FakeTrainer
+    from nb_fakes import CharTokenizer, FakeTrainer, close_sessions
 
     made = []
 
@@ -28,9 +28,4 @@ def fake_session(tmp_path):
         return s
 
     yield make
-    for s in made:
-        try:
-            s.stop(wait=True, timeout=10)
-            s.close()
-        except Exception:
-            pass
+    close_sessions(made, timeout=10)

@@ -155,3 +155,13 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.005) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+def close_sessions(sessions, timeout: float) -> None:
+    """Test teardown: stop and close every Session a fixture made (errors already reported)."""
+    for s in sessions:
+        try:
+            s.stop(wait=True, timeout=timeout)
+            s.close()
+        except Exception:
+            pass

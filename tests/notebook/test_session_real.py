@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from nb_fakes import wait_until
+from nb_fakes import close_sessions, wait_until
 
 
 @pytest.fixture
@@ -29,12 +29,7 @@ def real_session(tmp_path):
         return s
 
     yield make
-    for s in made:
-        try:
-            s.stop(wait=True, timeout=30)
-            s.close()
-        except Exception:
-            pass
+    close_sessions(made, timeout=30)
 
 
 def test_real_run_with_controls_inspect_and_generate(real_session, tmp_path):

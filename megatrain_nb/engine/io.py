@@ -29,7 +29,7 @@ def persistent_buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
 def _iter_tensors(engine):
     for name, t in engine.named_parameters():
         yield name, t
-    for name, b in engine._persistent_buffers.items():
+    for name, b in engine.persistent_buffers.items():
         yield name, b.detach().cpu()
 
 

@@ -15,9 +15,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .codecs import ROLES as _ROLES, get_codec
 from .units import Unit
 
-_ROLES = ("exp_avg", "exp_avg_sq")
 
 
 class OptimizerStates:
@@ -27,8 +27,6 @@ class OptimizerStates:
         self.counters = counters
         self.codecs = None
         if self.codec_name != "none":
-            from .codecs import get_codec
-
             self.codecs = {r: get_codec(self.codec_name, r) for r in _ROLES}
         self.ram: Dict[int, Dict[str, object]] = {}
         self.disk = disk  # shared with the engine, which closes it
@@ -237,6 +235,4 @@ def stored_state_bytes(units, codec_name: str) -> int:
     """Bytes of both Adam moments of all units in their stored form."""
     if codec_name == "none":
         return sum(2 * u.numel * 4 for u in units)
-    from .codecs import get_codec
-
     return sum(get_codec(codec_name, r).encoded_nbytes(u.numel) for u in units for r in _ROLES)

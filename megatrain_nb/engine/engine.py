@@ -122,11 +122,7 @@ class StreamingEngine:
         hf_config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        source = SafetensorsSource(folder)
-        try:
-            return cls(model, config, _source=source, **options)
-        finally:
-            source.close()
+        return cls(model, config, _source=SafetensorsSource(folder), **options)
 
     # ------------------------------------------------------------------ construction
     def _small_units(self) -> bool:
@@ -388,10 +384,7 @@ class StreamingEngine:
             disk.abandon()
 
 
-def _ram_total() -> Optional[int]:
-    try:
-        import psutil
+def _ram_total() -> int:
+    import psutil
 
-        return int(psutil.virtual_memory().total)
-    except Exception:
-        return None
+    return int(psutil.virtual_memory().total)

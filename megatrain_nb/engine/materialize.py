@@ -134,6 +134,3 @@ class SafetensorsSource:
                         raise ValueError(f"{p.name}: shape {tuple(t.shape)} in {self.folder}, {p.shape} in the config.")
                     out[p.name] = t.to(torch.float32, copy=True)
         return out
-
-    def close(self):
-        pass

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 import torch
 
 from .disk_params import DirtyUnits, DiskReadStream, weights_key
+from .disk_store import WriteWindow
 from .host_store import HostStore
 from .units import Unit
 
@@ -114,7 +115,7 @@ class DiskWeights:
         self.disk = disk
         self.counters = counters
         self.dirty = DirtyUnits()
-        self._pending_writes = []
+        self._initial_writes = WriteWindow(2)  # bounded: at most a few units in RAM at once
         self._handed: Dict[int, torch.Tensor] = {}    # unit -> staging buffer kept for its update
         self._lock = threading.Lock()
         self._fresh: Dict[int, dict] = {}             # unit -> updated buffer the next read may use
@@ -129,15 +130,11 @@ class DiskWeights:
 
     # ------------------------------------------------------------------ construction
     def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:
-        self._pending_writes.append(self.disk.write(weights_key(unit), {"w": flat}))
+        self._initial_writes.add(self.disk.write(weights_key(unit), {"w": flat}))
         self.counters.add_bytes("host_to_disk", unit.numel * 4)
-        while len(self._pending_writes) > 2:  # bounded: at most a few units in RAM at once
-            self._pending_writes.pop(0).result()
 
     def finish_initial(self) -> None:
-        for f in self._pending_writes:
-            f.result()
-        self._pending_writes = []
+        self._initial_writes.drain()
 
     # ------------------------------------------------------------------ schedules
     def schedule(self, compute_order: Sequence[Unit], optimizer_order: Optional[Sequence[Unit]] = None,
@@ -208,7 +205,7 @@ class DiskWeights:
     def update_done(self, unit: Unit, t: torch.Tensor) -> None:
         with self._lock:
             fresh = unit.index in self._fresh_wanted
-        fut = self.disk.write(weights_key(unit), {"w": t}, throttle=False)  # the pools bound these
+        fut = self.disk.write(weights_key(unit), {"w": t})  # the pools bound these
         self.counters.add_bytes("host_to_disk", unit.numel * 4)
         if fresh:
             # Two users: the write, and the next compute read (or the schedule that drops it).

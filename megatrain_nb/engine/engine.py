@@ -359,6 +359,11 @@ class StreamingEngine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (a closed engine refuses every call)."""
+        return self._closed
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this StreamingEngine is closed; create a new one.")

@@ -49,6 +49,10 @@ class EngineConfig:
     """Tokens per chunk of the head + loss; full [batch, seq, vocab] logits never exist."""
     offload_params: Optional[bool] = None
     """Master weights on disk too: None = the planner decides from max_host_gb; True forces it."""
+    host_cache_gb: Optional[float] = None
+    """Host RAM used as a cache of the disk tier (disk_cache.HostCache: the step's schedule
+    decides what stays resident). None = what max_host_gb leaves after the engine's own host
+    needs, or without max_host_gb the free RAM less a safety margin; 0 = no cache."""
     keep_offload_files: bool = False
     """Leave the disk-tier files in place on close() (they are removed by default)."""
 
@@ -63,6 +67,10 @@ class EngineConfig:
             if dev.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device={self.device!r} was asked for but CUDA is not available here; "
                                  "use device='cpu' or None.")
+        if self.host_cache_gb is not None and (not isinstance(self.host_cache_gb, (int, float))
+                                               or isinstance(self.host_cache_gb, bool) or self.host_cache_gb < 0):
+            raise ValueError(f"host_cache_gb={self.host_cache_gb!r} must be a number of GiB >= 0 (0 = no cache of "
+                             "the disk tier) or None (derived from max_host_gb / free RAM).")
         for name in ("max_vram_gb", "max_host_gb"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):

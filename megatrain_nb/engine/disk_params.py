@@ -28,6 +28,18 @@ def weights_key(unit: Unit) -> str:
     return f"weights-{unit.index:05d}"
 
 
+def handed_units(compute_order: Sequence[Unit], updated: Sequence[Unit]) -> set:
+    """Units whose last compute read of a step (the backward's) hands its buffer to their
+    update: those loaded more than once and updated. Unit indices."""
+    want = {u.index for u in updated}
+    first: Dict[int, int] = {}
+    last: Dict[int, int] = {}
+    for i, u in enumerate(compute_order):
+        first.setdefault(u.index, i)
+        last[u.index] = i
+    return {idx for idx, i in last.items() if idx in want and i > first[idx]}
+
+
 class DirtyUnits:
     """Units whose weights are being updated; readers wait until the new write is submitted."""
 

@@ -152,7 +152,11 @@ class StreamingEngine:
                                f"{need} bytes ({need / GiB:.2f} GiB) free, or pass another folder.")
         # The engine bounds the memory its disk operations hold itself (staging pools, states
         # read ahead / written behind); the store queues whatever it is given.
-        return DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)
+        from .disk_cache import HostCache, cache_budget
+
+        store = DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)
+        budget = cache_budget(cfg.host_cache_gb, cfg.max_host_gb, self.plan.host["total"], need)
+        return HostCache(store, budget, counters=self.counters)
 
     def _move_buffers(self, model: nn.Module) -> None:
         for mod in list(model.modules()) + [u.module for u in self.layer_units]:
@@ -307,7 +311,14 @@ class StreamingEngine:
                 # states read ahead of their updates + recycled scratch (moments, final gradients)
                 "buffers": st["host_buffers"] + self.updates.buffer_bytes(),
                 "capacity_bytes": int(self.config.max_host_gb * GiB) if self.config.max_host_gb else _ram_total()}
-        host["used_bytes"] = host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
+        # the disk tier's host cache (disk_cache.HostCache): resident bytes, its budget, hits
+        cache = self.disk.report() if self.disk is not None else None
+        host["disk_cache"] = cache["ram_bytes"] if cache else 0
+        host["disk_cache_capacity_bytes"] = cache["capacity_bytes"] if cache else 0
+        host["disk_cache_hits"] = cache["hits"] if cache else 0
+        host["disk_cache_bytes_saved"] = cache["bytes_saved"] if cache else 0
+        host["used_bytes"] = (host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
+                              + host["disk_cache"])
         self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"])
         host["peak_bytes"] = self._host_peak
         disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "capacity_bytes": st.get("disk_capacity")}
@@ -318,7 +329,10 @@ class StreamingEngine:
 
     def telemetry(self) -> dict:
         """Counters: bytes per link, prefetch hits/misses, stall seconds, loads per unit."""
-        return self.counters.snapshot()
+        out = self.counters.snapshot()
+        if self.disk is not None:
+            out["disk_cache"] = self.disk.report()
+        return out
 
     def save_pretrained(self, path) -> None:
         """Write a folder that ``AutoModelForCausalLM.from_pretrained`` loads (safetensors)."""

@@ -134,7 +134,6 @@ class OptimizerStates:
             t0 = time.perf_counter()
             stored = fut.result()
             self.counters.stall("disk", time.perf_counter() - t0)
-            self.counters.add_bytes("disk_to_host", sum(t.numel() * t.element_size() for t in stored.values()))
             return self._decode(unit, stored)
         stored = self.ram.get(unit.index)
         if stored is None:
@@ -156,13 +155,20 @@ class OptimizerStates:
             else:                    # decoded scratch: the codes are written, the moments are free
                 self.pool.give(m, v)
             self._on_disk.add(unit.index)
-            self.counters.add_bytes("host_to_disk", sum(t.numel() * t.element_size() for t in stored.values()))
         else:
             self.ram[unit.index] = stored
 
     def flush(self) -> None:
         if self.disk is not None:
             self.disk.flush()
+
+    def key(self, unit: Unit) -> str:
+        """The disk tier's key of a unit's stored states."""
+        return self._key(unit)
+
+    def stored_nbytes(self, unit: Unit) -> int:
+        """Bytes of a unit's two moments in their stored form."""
+        return self._stored_nbytes(unit)
 
     def _key(self, unit: Unit) -> str:
         return f"adam-{unit.index:05d}"
@@ -192,7 +198,7 @@ class OptimizerStates:
         tensors = {}
         for u in self.units:
             if self.disk is not None and u.index in self._on_disk:
-                stored = self.disk.read(self._key(u)).result()
+                stored = self.disk.read(self._key(u), outside_plan=True).result()
             else:
                 stored = self.ram.get(u.index)
             if stored is None:

@@ -97,6 +97,8 @@ class UpdateScheduler:
     def plan_reads(self, compute_order: Sequence[Unit], step: Optional[StepContext]) -> None:
         """Disk read-ahead for the coming micro-batch (``step`` None: evaluation). The weights
         follow ``compute_order``; the optimizer's reads go in the order its updates will run."""
+        if step is not None and step.updates:
+            self._plan_cache(compute_order, step)
         if step is None or not step.updates:
             self.weights.schedule(compute_order)
         elif step.clipped:
@@ -107,6 +109,19 @@ class UpdateScheduler:
         else:
             self.weights.schedule(compute_order, self.gradient_order)
             self.states.schedule(self.gradient_order)
+
+    def _plan_cache(self, compute_order: Sequence[Unit], step: StepContext) -> None:
+        """The host cache of the disk tier (disk_cache.HostCache) learns this step's accesses:
+        the same orders the reads below are scheduled in."""
+        set_schedule = getattr(self.disk, "set_schedule", None)
+        if set_schedule is None:
+            return
+        from .disk_cache import step_accesses
+
+        order = self.update_order if step.clipped else self.gradient_order
+        set_schedule(step_accesses(compute_order, order, clipped=step.clipped,
+                                   params_on_disk=getattr(self.weights, "disk", None) is not None,
+                                   state_key=self.states.key, state_nbytes=self.states.stored_nbytes))
 
     # ------------------------------------------------------------------ 3-5: gradients become final
     def gradient_arrived(self, unit: Unit, grad) -> None:

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 
-from .disk_params import DirtyUnits, DiskReadStream, weights_key
+from .disk_params import DirtyUnits, DiskReadStream, handed_units, weights_key
 from .disk_store import WriteWindow
 from .host_store import HostStore
 from .units import Unit
@@ -125,13 +125,15 @@ class DiskWeights:
                                      after_updates=True, urgent=True)
         self._opt = DiskReadStream(disk, units, self.dirty, buffers=optimizer_buffers, pin=pin, counters=counters,
                                    after_updates=False)
+        #: A host cache of the disk tier decides what stays in RAM (disk_cache.HostCache): the
+        #: fresh copies, whose survival depends on timing, are then not kept.
+        self.cached = getattr(disk, "capacity", 0) > 0
         self._fetch.fresh_source = self._take_fresh
         self._fetch.reclaim = self._opt.reclaim = self._reclaim
 
     # ------------------------------------------------------------------ construction
     def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:
         self._initial_writes.add(self.disk.write(weights_key(unit), {"w": flat}))
-        self.counters.add_bytes("host_to_disk", unit.numel * 4)
 
     def finish_initial(self) -> None:
         self._initial_writes.drain()
@@ -149,18 +151,15 @@ class DiskWeights:
                 fresh = {u.index for u in optimizer_order}
             else:
                 # A unit loaded twice (forward, then backward) hands its backward read to its update.
-                updated = {u.index for u in optimizer_order}
-                last: Dict[int, int] = {}
-                first: Dict[int, int] = {}
-                for i, u in enumerate(compute_order):
-                    first.setdefault(u.index, i)
-                    last[u.index] = i
-                keep = [i for idx, i in last.items() if idx in updated and i > first[idx]]
-                handed = {compute_order[i].index for i in keep}
+                handed = handed_units(compute_order, optimizer_order)
+                last = {u.index: i for i, u in enumerate(compute_order)}
+                keep = [last[idx] for idx in handed]
                 # The step's access order repeats: the last units updated that the next forward
                 # reads among its first stay fresh in their buffers.
                 early = {u.index for u in self._last_compute[:NEXT_FORWARD_FIRST]}
                 fresh = {u.index for u in list(optimizer_order)[-LAST_UPDATES_KEPT:] if u.index in early}
+            if self.cached:
+                fresh = set()  # the host cache keeps what the plan says, deterministically
             with self._lock:
                 self._fresh_wanted = fresh
         wanted = {u.index for u in compute_order}
@@ -174,8 +173,6 @@ class DiskWeights:
         t = self._fetch.get(unit)
         if self._fetch.was_fresh(t):
             self.counters.add("weight_reads_saved", 1)
-        else:
-            self.counters.add_bytes("disk_to_host", unit.numel * 4)
         return t
 
     def transfer_done(self, unit: Unit, t: torch.Tensor) -> None:
@@ -198,15 +195,12 @@ class DiskWeights:
         if t is not None:
             self.counters.add("weight_reads_saved", 1)
             return t
-        t = self._opt.get(unit)
-        self.counters.add_bytes("disk_to_host", unit.numel * 4)
-        return t
+        return self._opt.get(unit)
 
     def update_done(self, unit: Unit, t: torch.Tensor) -> None:
         with self._lock:
             fresh = unit.index in self._fresh_wanted
         fut = self.disk.write(weights_key(unit), {"w": t})  # the pools bound these
-        self.counters.add_bytes("host_to_disk", unit.numel * 4)
         if fresh:
             # Two users: the write, and the next compute read (or the schedule that drops it).
             entry = {"buf": t, "users": 2}
@@ -252,7 +246,7 @@ class DiskWeights:
     def read_now(self, unit: Unit) -> torch.Tensor:
         """A unit's current weights (a copy) for reading outside a step."""
         self.dirty.wait_clean(unit)
-        return self.disk.read(weights_key(unit)).result()["w"]
+        return self.disk.read(weights_key(unit), outside_plan=True).result()["w"]
 
     def overwrite(self, unit: Unit, flat: torch.Tensor) -> None:
         """New weights for a unit (loading a checkpoint)."""

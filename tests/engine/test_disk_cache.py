@@ -1,0 +1,154 @@
+"""Host RAM as a schedule-driven cache of the disk tier (engine/disk_cache.py)."""
+import copy
+import functools
+import itertools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine.disk_cache import READ, WRITE, cache_budget, plan_cache
+
+from .families import VOCAB, family_config
+
+
+# ---------------------------------------------------------------------------- the simulator
+def _brute_force_reads(seq, slots, steps):
+    """Fewest misses any cache of ``slots`` equal-size keys can reach on ``seq`` repeated
+    ``steps`` times, reads only (exhaustive search over which key to drop)."""
+    full = [k for k, _, _ in seq] * steps
+
+    @functools.lru_cache(maxsize=None)
+    def best(p, resident):
+        if p == len(full):
+            return 0
+        k = full[p]
+        if k in resident:
+            return best(p + 1, resident)
+        now = resident | {k}
+        if len(now) <= slots:
+            return 1 + best(p + 1, frozenset(now))
+        return 1 + min(best(p + 1, frozenset(now - {v})) for v in now)
+    return best
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_simulated_reads_are_the_minimum_for_equal_clean_keys(slots):
+    # forward then backward (reverse) over five keys, as a step's weight reads
+    keys = ["a", "b", "c", "d", "e"]
+    seq = [(k, READ, 10) for k in keys + keys[::-1]]
+    steps = 4
+    plan = plan_cache(seq, slots * 10, steps=steps)
+    # the minimum over `steps` steps from a cold cache, minus the minimum over `steps - 1`,
+    # bounds the steady per-step cost from below; Belady's equals it
+    best = _brute_force_reads(seq, slots, steps)
+    best_less = _brute_force_reads(seq, slots, steps - 1)
+    per_step_min = best(0, frozenset()) - best_less(0, frozenset())
+    assert plan.read_bytes == 10 * per_step_min
+    assert plan.write_bytes == 0
+
+
+def test_simulator_extremes_and_dirty_data_written_once():
+    seq = [("w", READ, 8), ("w", READ, 8), ("s", READ, 4), ("w", WRITE, 8), ("s", WRITE, 4)]
+    none = plan_cache(seq, 0)
+    assert (none.read_bytes, none.write_bytes, none.hits) == (8 + 8 + 4, 8 + 4, 0)
+    everything = plan_cache(seq, 12)
+    assert (everything.read_bytes, everything.write_bytes, everything.hits) == (0, 0, 3)
+    # room for the states only: the weights stream, the states never touch the disk
+    some = plan_cache(seq, 4)
+    assert (some.read_bytes, some.write_bytes) == (16, 8)
+    assert some.keep[("s", WRITE, 0)] and not some.keep[("w", WRITE, 0)]
+
+
+def test_budget_from_config():
+    G = 1 << 30
+    assert cache_budget(2, None, 0, 10 * G) == 2 * G
+    assert cache_budget(2, None, 0, G) == G                  # never more than the disk tier holds
+    assert cache_budget(None, 3, G, 10 * G) == 2 * G         # max_host_gb less the engine's own needs
+    assert cache_budget(None, 1, 2 * G, 10 * G) == 0
+    assert cache_budget(0, None, 0, 10 * G) == 0
+    with pytest.raises(ValueError, match="host_cache_gb=-1"):
+        EngineConfig(host_cache_gb=-1)
+
+
+# ---------------------------------------------------------------------------- in the engine
+def _data(steps):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(1, VOCAB, (2, 12), generator=g) for _ in range(steps)]
+
+
+def _drain(e):
+    e.zero_grad()       # waits for the step's updates
+    e.disk.flush()      # and their write-behind
+
+
+def _run(model, tmp_path, cache_gb, clip, steps=4, codec="none"):
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True,
+                                            host_cache_gb=cache_gb, optimizer_compression=codec,
+                                            weight_decay=0.01))
+    data = _data(steps)
+    losses, per_step = [], []
+    for i, ids in enumerate(data):
+        # the cache counts every read and write it sends to the store (tensor bytes; the
+        # store's own stats add file headers and padding)
+        s0, n0 = e.disk.report(), e.disk.stats()
+        losses.append(e.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip).loss)
+        _drain(e)
+        s1, n1 = e.disk.report(), e.disk.stats()
+        per_step.append((s1["disk_read_bytes"] - s0["disk_read_bytes"], s1["disk_write_bytes"] - s0["disk_write_bytes"]))
+        if per_step[-1][0] == 0:
+            assert n1["reads"] == n0["reads"]
+        if per_step[-1][1] == 0:
+            assert n1["writes"] == n0["writes"]
+    params = {n: p.clone() for n, p in e.named_parameters()}
+    return e, losses, params, per_step
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("fraction", [0.3, 0.7, 2.0])
+def test_cached_disk_tier_moves_the_planned_bytes_and_trains_exactly(tmp_path, clip, fraction):
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=4, hidden=64))
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    plain, l_plain, p_plain, io_plain = _run(twin, tmp_path / "b", 0, clip)
+    total = sum(u.numel for u in plain.units) * 4 * 3   # weights + fp32 moments
+    cached, l_cached, p_cached, io_cached = _run(model, tmp_path / "a", fraction * total / 2**30, clip)
+    # exactly the same training
+    assert l_cached == l_plain
+    for n, p in p_plain.items():
+        assert torch.equal(p_cached[n], p), n
+    # from the second step on, each step moves exactly the simulator's bytes
+    plan = cached.disk.plan
+    assert plan is not None
+    for read, written in io_cached[1:]:
+        assert (read, written) == (plan.read_bytes, plan.write_bytes)
+    # and no more than the uncached engine
+    for (rc, wc), (rp, wp) in zip(io_cached[1:], io_plain[1:]):
+        assert rc <= rp and wc <= wp
+    if fraction >= 1.0:   # everything fits: after the first step nothing touches the disk
+        assert io_cached[-1] == (0, 0)
+    else:
+        assert io_cached[-1][0] > 0
+    rep = cached.telemetry()["disk_cache"]
+    assert rep["hits"] > 0 and rep["bytes_saved"] > 0
+    assert rep["ram_bytes"] <= rep["capacity_bytes"]
+    host = cached.memory_report()["host"]
+    assert host["disk_cache"] == rep["ram_bytes"] and host["disk_cache_capacity_bytes"] == rep["capacity_bytes"]
+    # a checkpoint sees the resident (dirty) data
+    sd = cached.state_dict()
+    for n, p in p_plain.items():
+        assert torch.equal(sd[n], p), n
+    cached.close(); plain.close()
+
+
+def test_cache_off_is_a_pass_through(tmp_path):
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2))
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True,
+                                            host_cache_gb=0))
+    e.forward_backward(_data(1)[0], step_lr=1e-3)
+    _drain(e)
+    rep = e.telemetry()["disk_cache"]
+    assert rep["capacity_bytes"] == 0 and rep["hits"] == 0 and rep["ram_bytes"] == 0
+    assert rep["disk_read_bytes"] > 0 and e.telemetry()["bytes"]["disk_to_host"] == rep["disk_read_bytes"]
+    e.close()

@@ -236,6 +236,7 @@ class HostCache:
         self._reads: Dict[str, int] = {}          # key -> reads since its last write (the phase)
         self._version: Dict[str, int] = {}
         self._loading: Dict[str, Future] = {}     # key -> a read in flight that will stay resident
+        self._lost: Dict[str, BaseException] = {}  # key -> its write-back failed (file is stale)
         self.counts = {"disk_read_bytes": 0, "disk_write_bytes": 0, "hits": 0, "bytes_saved": 0,
                       "write_backs": 0, "ram_bytes": 0, "ram_peak_bytes": 0, "steps_planned": 0}
 
@@ -285,6 +286,11 @@ class HostCache:
         """From RAM if resident (evicted after if not ``keep``), else from disk (and kept)."""
         evict = None
         with self._lock:
+            lost = self._lost.get(key)
+            if lost is not None:
+                f = Future()
+                f.set_exception(lost)
+                return f
             e = self._entries.get(key)
             if e is not None:
                 result = self._copy_out(e["t"], out)
@@ -328,6 +334,7 @@ class HostCache:
         with self._lock:
             keep = self._keep(key, WRITE)
             self._version[key] = self._version.get(key, 0) + 1
+            self._lost.pop(key, None)   # a complete new version replaces what was lost
             old = self._pop(key)
             if keep:
                 reuse = old["t"] if old is not None and _same_layout(old["t"], tensors) else None
@@ -405,9 +412,18 @@ class HostCache:
 
     # ------------------------------------------------------------------ disk traffic
     def _write_back(self, key: str, entry: dict) -> None:
+        """A dirty key leaves RAM. If its write fails (a full disk), the file still holds the
+        old version: the key's next read raises that error instead of returning stale data."""
         with self._lock:
             self.counts["write_backs"] += 1
-        self._raw_write(key, entry["t"])
+        fut = self._raw_write(key, entry["t"])
+
+        def written(f):
+            err = f.exception()
+            if err is not None:
+                with self._lock:
+                    self._lost[key] = err
+        fut.add_done_callback(written)
 
     def _raw_write(self, key: str, tensors: dict) -> Future:
         fut = self.store.write(key, tensors)

@@ -152,3 +152,34 @@ def test_cache_off_is_a_pass_through(tmp_path):
     assert rep["capacity_bytes"] == 0 and rep["hits"] == 0 and rep["ram_bytes"] == 0
     assert rep["disk_read_bytes"] > 0 and e.telemetry()["bytes"]["disk_to_host"] == rep["disk_read_bytes"]
     e.close()
+
+
+def test_failed_write_back_is_never_read_as_stale_data(tmp_path, monkeypatch):
+    """A full disk while dirty keys leave RAM: the error surfaces, training is refused."""
+    import errno
+    import os
+
+    from megatrain_nb.engine import disk_store
+    from megatrain_nb.engine.disk_store import OffloadError
+
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=4, hidden=64))
+    total = sum(p.numel() for p in model.parameters()) * 12
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True,
+                                            host_cache_gb=0.5 * total / 2**30))
+    data = _data(4)
+    e.forward_backward(data[0], step_lr=1e-3)
+    _drain(e)
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(disk_store.os, "write", full)
+    if hasattr(disk_store.os, "pwrite"):
+        monkeypatch.setattr(disk_store.os, "pwrite", full)
+    with pytest.raises((OffloadError, RuntimeError)):
+        for ids in data[1:]:
+            e.forward_backward(ids, step_lr=1e-3)
+            _drain(e)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        e.forward_backward(data[0], step_lr=1e-3)
+    e.close()

@@ -39,8 +39,10 @@ def _train(engine, steps=4, overlap=False, during=None):
 def test_disk_tier_matches_ram_and_cleans_up(tmp_path, overlap, offload_params):
     model = AutoModelForCausalLM.from_config(family_config("llama", tie=True)).eval()
     ram = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", weight_decay=0.01))
+    # host_cache_gb=0: this test is about the files of the disk tier (with the default host
+    # cache a model this small would stay in RAM; tests/engine/test_disk_cache.py covers that)
     disk = StreamingEngine(model, EngineConfig(device="cpu", weight_decay=0.01, offload_dir=str(tmp_path),
-                                               offload_params=offload_params))
+                                               offload_params=offload_params, host_cache_gb=0))
     assert disk.params_on_disk == offload_params
     seen = {}
 
@@ -70,7 +72,8 @@ def test_compressed_codecs_use_fewer_disk_bytes_in_order(tmp_path):
     used = {}
     for codec in ("none", "int8", "int4"):
         model = AutoModelForCausalLM.from_config(family_config("qwen2"))
-        e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), optimizer_compression=codec))
+        e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), optimizer_compression=codec,
+                                                host_cache_gb=0))   # the states' files are measured
         losses = _train(e, steps=6, overlap=True)
         assert all(torch.isfinite(torch.tensor(losses)))
         used[codec] = e.memory_report()["disk"]["optimizer_states"]
@@ -96,7 +99,9 @@ def test_compressed_states_round_trip_through_checkpoint(tmp_path):
 
 def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=4))
-    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True))
+    # host_cache_gb=0: the uncached read streams (fresh copies, handed buffers) are what is counted
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True,
+                                            host_cache_gb=0))
     ids = _data(1)[0]
     e.forward_backward(ids, step_lr=1e-3)
     e.zero_grad()  # the first step's last update counts before the reset
@@ -164,7 +169,8 @@ def test_full_disk_fails_clearly_and_leaves_no_half_written_state(tmp_path, monk
     from megatrain_nb.engine.disk_store import OffloadError
 
     model = AutoModelForCausalLM.from_config(family_config("llama"))
-    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path)))
+    # host_cache_gb=0: every write reaches the disk at once (the cached case: test_disk_cache.py)
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), host_cache_gb=0))
     _train(e, steps=1)
     before = {n: p.clone() for n, p in e.named_parameters()}
     real_write = os.write
@@ -196,7 +202,9 @@ _RSS_SCRIPT = textwrap.dedent("""
     cfg = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=768, intermediate_size=2048,
                                num_hidden_layers=64, num_attention_heads=8, max_position_embeddings=64)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    ec = EngineConfig(device="cpu", offload_dir=offload, offload_params=True, optimizer_compression="int8")
+    # host_cache_gb=0: RAM must stay flat (a host cache of the disk tier would use free RAM)
+    ec = EngineConfig(device="cpu", offload_dir=offload, offload_params=True, optimizer_compression="int8",
+                      host_cache_gb=0)
     if mode == "meta":
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
@@ -286,7 +294,9 @@ def test_clipped_overlapped_steps_match_torch(tmp_path, where, max_norm):
     for name, p in e.named_parameters():  # waits for the last step's updates
         assert float((p - refp[name].detach()).abs().max()) <= 1e-5, name
     if where == "disk":
-        assert e.telemetry()["weight_reads_saved"] > 0  # updated buffers fed the next forward
+        tel = e.telemetry()
+        # updated buffers fed the next forward: fresh copies, or hits of the host cache
+        assert tel["weight_reads_saved"] + tel["disk_cache"]["hits"] > 0
     e.close()
 
 
@@ -331,7 +341,8 @@ def test_memory_report_counts_read_ahead_and_recycled_buffers(tmp_path):
     host = e.memory_report()["host"]
     moments = 2 * 4 * max(u.numel for u in e.units)
     assert host["buffers"] >= moments  # the last updates' moments, kept for the next step
-    assert host["used_bytes"] == host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
+    assert host["used_bytes"] == (host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
+                                  + host["disk_cache"])
     e.states.schedule(e.units)  # the next step's state reads start (all fit the budget): counted
     assert e.memory_report()["host"]["buffers"] >= sum(8 * u.numel for u in e.units)
     e.close()

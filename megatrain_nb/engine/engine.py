@@ -314,9 +314,9 @@ class StreamingEngine:
         # the disk tier's host cache (disk_cache.HostCache): resident bytes, its budget, hits
         cache = self.disk.report() if self.disk is not None else None
         host["disk_cache"] = cache["ram_bytes"] if cache else 0
-        host["disk_cache_capacity_bytes"] = cache["capacity_bytes"] if cache else 0
-        host["disk_cache_hits"] = cache["hits"] if cache else 0
-        host["disk_cache_bytes_saved"] = cache["bytes_saved"] if cache else 0
+        if cache:   # a dict: not a kind of bytes in the tier (the dashboard shows it as text)
+            host["disk_cache_stats"] = {k: cache[k] for k in ("capacity_bytes", "hits", "bytes_saved",
+                                                              "disk_read_bytes", "disk_write_bytes")}
         host["used_bytes"] = (host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
                               + host["disk_cache"])
         self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"])

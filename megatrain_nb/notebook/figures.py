@@ -21,7 +21,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .run_log import RunView, tier_summary
+from .run_log import RunView, disk_cache_line, tier_summary
 
 TIERS = ("device", "host", "disk")
 KINDS = ("weights", "grads", "optimizer", "activations", "other")
@@ -180,6 +180,9 @@ def memory_bars(memory: dict | None) -> dict:
             ticks[i] = f"{tier}<br>{fmt_bytes(used)} (no cap)"
         for k in KINDS:
             pct[k][i] = 100.0 * nbytes[k][i] / denom
+        cache = disk_cache_line((memory or {}).get(tier))
+        if cache:
+            ticks[i] += f"<br>{cache}"
     hover = {k: [fmt_bytes(b) for b in v] for k, v in nbytes.items()}
     return {"pct": pct, "hover": hover, "marker": marker, "ticks": ticks}
 

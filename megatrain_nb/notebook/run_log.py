@@ -288,6 +288,18 @@ def tier_summary(memory: dict | None) -> dict[str, dict]:
     return out
 
 
+def disk_cache_line(tier: dict | None) -> str:
+    """"disk cache 1.2 GiB / 4 GiB, 310 hits, 9.8 GiB saved" from a host tier's
+    ``disk_cache_stats`` (engine.memory_report()), or "" without a cache."""
+    from .summary_html import fmt_bytes
+
+    st = (tier or {}).get("disk_cache_stats") if isinstance(tier, dict) else None
+    if not isinstance(st, dict) or not st.get("capacity_bytes"):
+        return ""
+    return (f"disk cache {fmt_bytes(tier.get('disk_cache') or 0)} / {fmt_bytes(st['capacity_bytes'])}, "
+            f"{st.get('hits', 0)} hits, {fmt_bytes(st.get('bytes_saved', 0))} saved")
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

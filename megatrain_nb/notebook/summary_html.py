@@ -122,8 +122,12 @@ def memory_table(view: RunView) -> str:
     rows = "".join(
         f"<tr><td>{t}</td><td>{fmt_bytes(tiers[t]['used'])}</td><td>{fmt_bytes(tiers[t]['peak'])}</td>"
         f"<td>{fmt_bytes(tiers[t]['capacity'])}</td></tr>" for t in TIERS if t in tiers)
+    from .run_log import disk_cache_line
+
+    cache = disk_cache_line((view.memory or {}).get("host"))
+    note = f"<div style='font-size:11px'>{html.escape(cache)}</div>" if cache else ""
     return ("<table style='font-size:12px'><tr><th>tier</th><th>used</th><th>peak</th><th>capacity</th></tr>"
-            f"{rows}</table>")
+            f"{rows}</table>{note}")
 
 
 def events_table(events: list[dict], limit: int = 12) -> str:

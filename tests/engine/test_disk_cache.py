@@ -134,7 +134,9 @@ def test_cached_disk_tier_moves_the_planned_bytes_and_trains_exactly(tmp_path, c
     assert rep["hits"] > 0 and rep["bytes_saved"] > 0
     assert rep["ram_bytes"] <= rep["capacity_bytes"]
     host = cached.memory_report()["host"]
-    assert host["disk_cache"] == rep["ram_bytes"] and host["disk_cache_capacity_bytes"] == rep["capacity_bytes"]
+    assert host["disk_cache"] == rep["ram_bytes"]
+    assert host["disk_cache_stats"]["capacity_bytes"] == rep["capacity_bytes"]
+    assert host["disk_cache_stats"]["hits"] == rep["hits"]
     # a checkpoint sees the resident (dirty) data
     sd = cached.state_dict()
     for n, p in p_plain.items():
@@ -183,3 +185,18 @@ def test_failed_write_back_is_never_read_as_stale_data(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="failed earlier"):
         e.forward_backward(data[0], step_lr=1e-3)
     e.close()
+
+
+def test_dashboard_memory_panel_shows_the_cache():
+    from megatrain_nb.notebook.figures import memory_bars
+    from megatrain_nb.notebook.run_log import disk_cache_line, tier_summary
+
+    host = {"weights": 100, "grads": 50, "optimizer_states": 0, "buffers": 10, "disk_cache": 3 << 30,
+            "used_bytes": 160 + (3 << 30), "peak_bytes": 200 + (3 << 30), "capacity_bytes": 8 << 30,
+            "disk_cache_stats": {"capacity_bytes": 4 << 30, "hits": 12, "bytes_saved": 5 << 30,
+                                 "disk_read_bytes": 0, "disk_write_bytes": 0}}
+    line = disk_cache_line(host)
+    assert "disk cache" in line and "12 hits" in line
+    assert "disk_cache_stats" not in tier_summary({"host": host})["host"]["kinds"]
+    assert line in " ".join(memory_bars({"host": host})["ticks"])
+    assert disk_cache_line({"weights": 1}) == ""

@@ -246,9 +246,7 @@ class HostCache:
     # ------------------------------------------------------------------ the plan
     def set_schedule(self, seq: Sequence[Access]) -> None:
         """The step's access sequence; replanned only when it changes."""
-        if self.capacity <= 0:
-            return
-        sig = tuple(seq)
+        sig = tuple(seq)   # (with no capacity the plan still says what the schedule moves)
         if sig != self._plan_for:
             self.plan = plan_cache(seq, self.capacity)
             self._plan_for = sig

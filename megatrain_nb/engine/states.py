@@ -34,6 +34,7 @@ class OptimizerStates:
         self._reads: Dict[int, Future] = {}
         self._lock = threading.Lock()
         self._on_disk = set()
+        self._updating = set()   # units between load() and store(): not read ahead
         self.writes_behind = 2
         self._writes = []   # state writes still pending (futures)
         self._sched = []    # the coming updates, in order: (unit, last of its step)
@@ -99,15 +100,19 @@ class OptimizerStates:
         self._read_ahead()
 
     def prefetch(self, unit: Unit) -> None:
-        """Start reading a unit's stored states from disk ahead of its update."""
+        """Start reading a unit's stored states from disk ahead of its update. Not while that
+        unit is being updated: the read would be issued before the update's write and return
+        the old moments (the next step's schedule can come while the last update runs);
+        :meth:`store` reads ahead again once the write is issued."""
         if self.disk is None or unit.index not in self._on_disk:
             return
         with self._lock:
-            if unit.index not in self._reads:
-                out = None
-                if self.codecs is None:  # fp32 moments: read straight into recycled buffers
-                    out = {r: self.pool.take(unit.numel) for r in _ROLES}
-                self._reads[unit.index] = self.disk.read(self._key(unit), out=out)  # bounded here: read_ahead_bytes
+            if unit.index not in self._reads and unit.index not in self._updating:
+                self._reads[unit.index] = self.disk.read(self._key(unit), out=self._read_buffers(unit))  # bounded here: read_ahead_bytes
+
+    def _read_buffers(self, unit: Unit):
+        """fp32 moments are read straight into recycled buffers; codes are allocated."""
+        return {r: self.pool.take(unit.numel) for r in _ROLES} if self.codecs is None else None
 
     def load(self, unit: Unit) -> Tuple[torch.Tensor, torch.Tensor]:
         """fp32 (exp_avg, exp_avg_sq) for the update; zeros on the first step."""
@@ -120,15 +125,16 @@ class OptimizerStates:
         for w in [w for w in self._writes if w.done()]:
             self._writes.remove(w)
             w.result()
+        with self._lock:
+            self._updating.add(unit.index)   # until store(): no read of it ahead of the write
         self._advance(unit)
         if self.disk is not None and unit.index in self._on_disk:
             with self._lock:
                 fut = self._reads.pop(unit.index, None)
             self.counters.prefetch_result("disk", fut is not None)  # issued ahead of need, or late
-            if fut is None:
-                self.prefetch(unit)
+            if fut is None:  # not read ahead: read now (this update's own read)
                 with self._lock:
-                    fut = self._reads.pop(unit.index)
+                    fut = self.disk.read(self._key(unit), out=self._read_buffers(unit))
             import time
 
             t0 = time.perf_counter()
@@ -157,6 +163,15 @@ class OptimizerStates:
             self._on_disk.add(unit.index)
         else:
             self.ram[unit.index] = stored
+        with self._lock:
+            self._updating.discard(unit.index)
+        if self.disk is not None:
+            self._read_ahead()   # reads skipped while it was being updated now follow its write
+
+    def update_failed(self, unit: Unit) -> None:
+        """The unit's update failed between load() and store(): reads of it may go ahead."""
+        with self._lock:
+            self._updating.discard(unit.index)
 
     def flush(self) -> None:
         if self.disk is not None:

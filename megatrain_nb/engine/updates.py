@@ -210,6 +210,16 @@ class UpdateScheduler:
                grad_coef: Optional[float] = None) -> None:
         t0 = time.perf_counter()
         self.weights.mark_updating(unit)
+        try:
+            self._update(unit, lr, grad, grad_coef)
+        except BaseException:
+            self.states.update_failed(unit)
+            raise
+        if zero:
+            self.grads.zero_unit(unit)
+        self.counters.add("optimizer_seconds", time.perf_counter() - t0)
+
+    def _update(self, unit: Unit, lr: float, grad, grad_coef) -> None:
         m, v = self.states.load(unit)
         params = self.weights.for_update(unit)
         grad = grad if grad is not None else self.grads.grad(unit)
@@ -218,9 +228,6 @@ class UpdateScheduler:
         self.adam.step_unit(unit, params, grad, m, v, lr)
         self.weights.update_done(unit, params)
         self.states.store(unit, m, v)
-        if zero:
-            self.grads.zero_unit(unit)
-        self.counters.add("optimizer_seconds", time.perf_counter() - t0)
 
     def update_all(self, lr: float) -> None:
         """Every unit's update now, in this thread (``optimizer_step``)."""

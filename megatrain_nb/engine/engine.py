@@ -110,7 +110,8 @@ class StreamingEngine:
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
-        """Load a local Hugging Face folder, streaming safetensors shards unit by unit.
+        """Load a local Hugging Face folder or Hub id (``revision=``, ``token=``), streaming
+        safetensors shards unit by unit.
 
         The model is built on the meta device; at no time is the whole model in RAM beyond
         the engine's own store (which is on disk for weights when the planner pages them).
@@ -119,6 +120,8 @@ class StreamingEngine:
 
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from megatrain_nb.hub import resolve_model  # a Hub id ("org/name") -> its cached snapshot folder
+        folder = resolve_model(folder, revision=options.pop("revision", None), token=options.pop("token", None))
         if not os.path.isdir(folder) or not os.path.exists(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"{folder!r} is not a local model folder (no config.json); save one with "
                                     "save_pretrained() or pass a model object.")

@@ -6,7 +6,7 @@ Example::
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     mt.init(offload_dir="/nvme/cache", max_vram_gb=80, optimizer_compression=True)
-    model = AutoModelForCausalLM.from_pretrained(local_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=torch.float32)
     trainer = mt.Trainer(model=model, train_dataset=ds,
                          args=TrainingArguments(per_device_train_batch_size=1,
                                                 gradient_accumulation_steps=128, output_dir="out"))
@@ -82,14 +82,17 @@ def _is_engine(obj) -> bool:
 class Trainer:
     """Train a causal LM with the StreamingEngine, driven like ``transformers.Trainer``.
 
-    ``model``: a ``*ForCausalLM`` module, a local model folder, or an existing StreamingEngine.
+    ``model``: a ``*ForCausalLM`` module, a local model folder, a Hugging Face Hub id
+    (``"org/name"``; ``revision=``/``token=`` as for ``from_pretrained``, config, tokenizer and
+    safetensors only, see :mod:`megatrain_nb.hub`), or an existing StreamingEngine.
     ``**engine_options``: any EngineConfig field; they override ``mt.init`` defaults.
     ``seq_len``/``text_column``/``packing``: how a text dataset is tokenised and packed.
     """
 
     def __init__(self, model=None, train_dataset=None, args=None, eval_dataset=None, tokenizer=None,
                  data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
-                 text_column: str = "text", packing: bool = True, loss_fn=None, **engine_options):
+                 text_column: str = "text", packing: bool = True, loss_fn=None, revision: Optional[str] = None,
+                 token=None, **engine_options):
         from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
         from transformers.trainer_utils import enable_full_determinism, set_seed
 
@@ -102,6 +105,10 @@ class Trainer:
         else:
             set_seed(self.args.seed)
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
+        if isinstance(model, (str, os.PathLike)):
+            from megatrain_nb.hub import resolve_model
+
+            model = resolve_model(model, revision=revision, token=token)  # a Hub id -> its cached folder
         self.model, self._engine = self._build_engine(model, engine_options)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)

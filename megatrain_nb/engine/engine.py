@@ -205,7 +205,7 @@ class StreamingEngine:
         cfg = self.config
         if not cfg.offload_dir:
             return None
-        from .disk_store import DiskStore
+        from .disk_store import DiskStore, prepare_offload_dir
         from .states import stored_state_bytes
 
         need = stored_state_bytes(self.units, cfg.optimizer_compression)
@@ -214,11 +214,7 @@ class StreamingEngine:
         from .host_store import return_freed_memory_to_os
 
         return_freed_memory_to_os()  # RAM must stay flat while units stream through it
-        if not os.path.isdir(cfg.offload_dir):
-            from .disk_store import OffloadError
-
-            raise OffloadError(f"offload_dir {cfg.offload_dir!r} does not exist; create it on a disk with at least "
-                               f"{need} bytes ({need / GiB:.2f} GiB) free, or pass another folder.")
+        prepare_offload_dir(cfg.offload_dir, need)  # created (0700) when missing; a missing parent is an error
         # The engine bounds the memory its disk operations hold itself (staging pools, states
         # read ahead / written behind), so the store's own cap on queued operations only has to
         # stay out of the way.

@@ -105,8 +105,8 @@ def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metr
     p("outputs:")
     if model_dir:
         p(f"  model (transformers.AutoModelForCausalLM.from_pretrained): {model_dir}")
-    ckpts = list_checkpoints(trainer.args.output_dir)
-    if ckpts:
+    ckpts = list_checkpoints(trainer.args.output_dir, run_id=getattr(trainer, "run_id", None))
+    if ckpts:  # this run's only: an earlier run in the same folder is not this run's resume point
         p(f"  checkpoints (resume with resume_from_checkpoint=...): {', '.join(str(c) for c in ckpts)}")
     p(f"  metrics log (JSONL): {trainer.metrics_log.path}")
 

@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -136,6 +137,9 @@ class Trainer:
         self._tokens_seen = 0
         self._log_accum = (0.0, 0)  # (sum of step losses, steps) since the last log
         self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl")
+        # Which run this is: a fresh iter_steps() starts a new one, a resume continues the run of
+        # its checkpoint. Tags metrics lines and checkpoints, so runs sharing output_dir stay apart.
+        self.run_id: Optional[str] = None
         fb_params = inspect.signature(self._engine.forward_backward).parameters
         self._engine_overlaps = "step_lr" in fb_params
         self._engine_clips = "max_grad_norm" in fb_params
@@ -230,10 +234,16 @@ class Trainer:
             self.state = TrainerState()
             self._tokens_seen = 0
             self._log_accum = (0.0, 0)
+            self.run_id = None
             if resume is not None:
                 self._load_checkpoint(resume, stream)
             else:
                 self._engine.zero_grad()
+            self.run_id = self.run_id or uuid.uuid4().hex[:12]
+            self.metrics_log.run_id = self.run_id
+            self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
+                                    "resumed_from": str(resume) if resume is not None else None,
+                                    "time": time.time()})
             if self._pending_lr is not None:
                 self.schedule.set_lr(self._pending_lr)
                 self._pending_lr = None
@@ -445,7 +455,8 @@ class Trainer:
                 "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
                 "batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
-                "seed": self.args.seed, "data_seed": self.args.data_seed}
+                "seed": self.args.seed, "data_seed": self.args.data_seed,
+                "run_id": self.run_id, "saved_at": time.time()}
 
         def write(tmp: Path) -> None:
             self._engine.save_checkpoint(str(tmp))
@@ -461,7 +472,7 @@ class Trainer:
         with lock:
             out = ckpt.write_checkpoint(final, write)
         if default:
-            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out)
+            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out, run_id=self.run_id)
         self.metrics_log.write({"event": "checkpoint", "path": str(out), "step": self.state.global_step,
                                 "time": time.time()})
         return str(out)
@@ -489,6 +500,7 @@ class Trainer:
         stream.load_state_dict(data)
         self._tokens_seen = int(meta.get("tokens_seen", 0))
         self._log_accum = tuple(meta.get("log_accum", (0.0, 0)))
+        self.run_id = meta.get("run_id")  # a resumed run goes on as the same run
         ckpt.set_rng_state(torch.load(path / "rng_state.pth", weights_only=False))
         self._engine.zero_grad()
 

@@ -388,11 +388,11 @@ def _budget_arg(s: str):
 
 
 def cmd_estimate(ns) -> int:
-    from megatrain_nb.estimator import estimate
+    from megatrain_nb.estimator import CLI_NAMES, estimate
 
     est = estimate(ns.model, vram_gb=ns.vram, ram_gb=ns.ram, disk_gb=ns.disk, batch=ns.batch, seq=ns.seq,
                    compression=ns.compression, precision=ns.precision,
-                   offload_dir=False if ns.no_disk else (ns.offload_dir or True))
+                   offload_dir=False if ns.no_disk else (ns.offload_dir or True), names=CLI_NAMES)
     print(json.dumps(est.to_dict(), indent=2, default=str) if ns.json else est)
     return 0
 

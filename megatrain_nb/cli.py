@@ -185,7 +185,11 @@ def cmd_demo(ns) -> int:
         metrics = trainer.evaluate()
         model_dir = trainer.save_model(str(out_dir / "model"))
         if not ns.quick:
-            print("sample: " + repr(_sample(trainer.engine, tokenizer, "def ", n=32, seed=ns.seed)))
+            n_params = sum(p.numel() for _, p in trainer.engine.named_parameters())
+            print(f"sample from this {n_params / 1e6:.1f}M-parameter model after {summary['steps']} steps "
+                  f"({summary['seconds'] / 60:.1f} min of training); a model this small and this briefly trained "
+                  "writes Python-flavoured noise, as expected: "
+                  + repr(_sample(trainer.engine, tokenizer, "def ", n=32, seed=ns.seed)))
         print_summary(trainer, summary, model_dir=model_dir, eval_metrics=metrics)
         print(f"total time {time.time() - t0:.1f} s")
     finally:

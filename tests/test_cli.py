@@ -179,3 +179,21 @@ def test_progress_labels_and_streaming_wording():
     assert "hit rate" not in line
     assert streaming_text({"prefetch": {"device": {"ahead": 0, "late": 0}}, "stall_seconds": {"device": 0.0}}) \
         == "no time spent waiting"
+
+
+def test_demo_again_into_the_same_folder_is_a_new_run(tmp_path, monkeypatch, shared_cache, capsys):
+    from megatrain_nb.trainer import list_checkpoints
+
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(shared_cache))
+    out_dir = tmp_path / "demo"
+    assert main(["demo", "--quick", "--steps", "4", "--output-dir", str(out_dir)]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--steps", "2", "--seq-len", "32", "--output-dir", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    offered = [line for line in out.splitlines() if "checkpoints (resume" in line]
+    assert offered and "checkpoint-2" in offered[0] and "checkpoint-4" not in offered[0]
+    assert [c.name for c in list_checkpoints(out_dir)] == ["checkpoint-1", "checkpoint-2"]  # save_total_limit 2
+    starts = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if "run_start" in x]
+    assert len(starts) == 2 and starts[0]["run_id"] != starts[1]["run_id"]
+    sample = [line for line in out.splitlines() if line.startswith("sample from this ")]
+    assert sample and "M-parameter model after 2 steps" in sample[0] and "as expected" in sample[0]

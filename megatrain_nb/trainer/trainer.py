@@ -506,12 +506,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ callbacks, lifetime
     def add_callback(self, callback) -> None:
+        """Add a ``transformers.TrainerCallback`` (a class or an instance), as in transformers."""
         self.callback_handler.add_callback(callback)
 
     def pop_callback(self, callback):
+        """Remove a callback and return it (None when it was not there)."""
         return self.callback_handler.pop_callback(callback)
 
     def remove_callback(self, callback) -> None:
+        """Remove a callback (a class or an instance)."""
         self.callback_handler.remove_callback(callback)
 
     def close(self) -> None:

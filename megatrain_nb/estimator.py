@@ -269,13 +269,13 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     ``names``: how messages spell the arguments (the CLI passes ``CLI_NAMES``: ``--ram`` for
     ``ram_gb``...); by default the Python names.
     """
-    from megatrain_nb.engine.config import _normalize_compression
+    from megatrain_nb.engine.codecs import normalize_compression
     from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
 
     if batch < 1 or seq < 1:
         raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
     config, name = resolve_config(model)
-    comp = _normalize_compression(compression)
+    comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
     tc = config.get_text_config()
     layers = sum(1 for u in units if u.kind == "layer")

@@ -60,7 +60,8 @@ def run_with_progress(trainer, *, resume=None, out=None) -> dict:
             if "eval_loss" in rec:
                 evals.append((rec["step"], rec["eval_loss"], rec["eval_ppl"]))
             bar.n = rec["step"]
-            bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | {_tier_text(memory)}",
+            tiers = _tier_text(memory)  # empty until the first memory record
+            bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s" + (f" | {tiers}" if tiers else ""),
                                 refresh=False)
             bar.refresh()
     finally:

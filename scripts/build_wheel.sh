@@ -18,7 +18,7 @@ STAGE=$(mktemp -d /tmp/megatrain-nb-wheel.XXXXXX)
 trap 'rm -rf "$STAGE"' EXIT
 cd "$ROOT"
 step() { printf '\n=== %s\n' "$*"; }
-strip_ansi() { sed -e 's/\x1b\[[0-9;]*m//g'; }
+. "$ROOT/extension/wheel_checks.sh"   # check_wheel, check_no_node_install
 
 step "labextension (Node.js $(node --version 2>/dev/null || echo missing))"
 if [ ! -f extension/megatrain_nb_lab/labextension/package.json ]; then
@@ -29,27 +29,8 @@ step "wheel"
 rm -f dist/megatrain_nb-*.whl
 MEGATRAIN_NB_REQUIRE_LABEXTENSION=1 "$PY" -m pip wheel --no-deps --no-build-isolation -w dist .
 WHEEL=$(ls dist/megatrain_nb-*.whl)
-"$PY" - "$WHEEL" <<'EOF'
-import sys, zipfile
-names = zipfile.ZipFile(sys.argv[1]).namelist()
-ext = [n for n in names if "/share/jupyter/labextensions/megatrain-nb-lab/" in n]
-missing = [x for x in ("package.json", "install.json") if not any(n.endswith("megatrain-nb-lab/" + x) for n in ext)]
-assert not missing, f"wheel lacks {missing}"
-assert any("/static/remoteEntry." in n for n in ext), "no static/remoteEntry.*.js in the wheel"
-assert any(n.endswith("etc/jupyter/jupyter_server_config.d/megatrain_nb.json") for n in names)
-print(f"{sys.argv[1]}: the prebuilt labextension ({len(ext)} files) and the server-extension config")
-EOF
+check_wheel "$WHEEL"
 
 step "fresh venv without Node.js: jupyter labextension list"
-"$PY" -m venv "$STAGE/venv"
-mkdir -p "$STAGE/bin-no-node"
-"$STAGE/venv/bin/python" -m pip install -q jupyterlab
-"$STAGE/venv/bin/python" -m pip install -q --no-deps "$WHEEL"
-LIST=$(env -i HOME="$STAGE" PATH="$STAGE/venv/bin:$STAGE/bin-no-node" \
-  "$STAGE/venv/bin/jupyter" labextension list 2>&1 | strip_ansi)
-echo "$LIST"
-if env -i PATH="$STAGE/venv/bin:$STAGE/bin-no-node" /bin/sh -c 'command -v node'; then
-  echo "node is reachable in the no-node PATH" >&2; exit 1
-fi
-echo "$LIST" | grep -Eq 'megatrain-nb-lab v[0-9.]+ enabled +OK'
+check_no_node_install "$STAGE" "$WHEEL" --no-deps
 echo "OK: $WHEEL carries the JupyterLab extension; installing it needed no Node.js"

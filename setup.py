@@ -10,11 +10,12 @@ Node.js (>= 20) is needed only to *build* the frontend (``extension/``, with jlp
 jupyterlab), never to install the wheel. When building:
 
 - an already built ``extension/megatrain_nb_lab/labextension`` is used as it is;
-- else, with Node.js >= 20 and jlpm available, it is built (``jlpm install``, ``jlpm build:prod``);
-- else the wheel is built without it and a warning says so (a source checkout without Node.js
-  still installs; the Python side works, the JupyterLab sidebar is absent).
-  ``MEGATRAIN_NB_REQUIRE_LABEXTENSION=1`` turns that into an error (release builds:
-  ``bash scripts/build_wheel.sh``); ``MEGATRAIN_NB_SKIP_LABEXTENSION=1`` never builds it.
+- else, with ``MEGATRAIN_NB_BUILD_LABEXTENSION=1`` (``scripts/build_wheel.sh`` and
+  ``scripts/setup.sh lab`` set it), it is built first: ``jlpm install``, ``jlpm build:prod``
+  (minutes, from the npm registry: never as a side effect of a plain ``pip install``);
+- else the wheel is built without it and a warning says so (the Python side works, the
+  JupyterLab sidebar is absent). ``MEGATRAIN_NB_REQUIRE_LABEXTENSION=1`` turns that into an
+  error (release builds).
 """
 import os
 import shutil
@@ -71,7 +72,12 @@ def build_labextension() -> bool:
     """Make sure ``extension/megatrain_nb_lab/labextension`` exists; False when it cannot be built."""
     if (BUILT / "package.json").is_file():
         return True
-    if _env_flag("MEGATRAIN_NB_SKIP_LABEXTENSION") or not (EXT / "package.json").is_file():
+    wanted = _env_flag("MEGATRAIN_NB_BUILD_LABEXTENSION") or _env_flag("MEGATRAIN_NB_REQUIRE_LABEXTENSION")
+    if not (EXT / "package.json").is_file():
+        return False
+    if not wanted:
+        _say(f"the JupyterLab extension is not built ({BUILT} is missing); MEGATRAIN_NB_BUILD_LABEXTENSION=1 "
+             "builds it (needs Node.js >= 20), as do scripts/build_wheel.sh and scripts/setup.sh lab")
         return False
     major, jlpm = _node_major(), _jlpm()
     if major is None or major < 20 or jlpm is None:
@@ -109,7 +115,7 @@ def data_files() -> list:
         raise SystemExit("megatrain-nb build: MEGATRAIN_NB_REQUIRE_LABEXTENSION=1 but the JupyterLab "
                          "extension could not be built (needs Node.js >= 20 and jlpm)")
     _say("building WITHOUT the JupyterLab extension (the Python package and the notebook dashboard "
-         "work; for the JupyterLab sidebar install Node.js >= 20 and jupyterlab, then reinstall)")
+         "work; the JupyterLab sidebar needs the extension built: see above)")
     return files
 
 

@@ -3,6 +3,7 @@
 #
 #   bash scripts/setup.sh            # the package
 #   bash scripts/setup.sh test       # the package and its test dependencies (any extras, comma-separated)
+#   bash scripts/setup.sh lab        # with JupyterLab and the megatrain-nb sidebar (builds it: Node.js >= 20)
 #
 # PyTorch: a torch already in .venv (a CUDA build you installed, say) is kept. Otherwise, on a
 # Linux/Windows machine without an NVIDIA GPU, torch comes from PyTorch's CPU wheel index, so no
@@ -78,4 +79,20 @@ fi
 
 step "installing megatrain-nb${EXTRAS:+[$EXTRAS]} (editable) and its dependencies: transformers, datasets, jupyter, ..."
 pip_install -e ".${EXTRAS:+[$EXTRAS]}"
+
+# `setup.sh lab`: the JupyterLab sidebar. Its frontend is built once from extension/ with
+# Node.js >= 20 (installing a released wheel never needs Node.js: it carries the build).
+if [[ ",$EXTRAS," == *,lab,* ]] && [ ! -f extension/megatrain_nb_lab/labextension/package.json ]; then
+  node_major=$(node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/' || true)
+  if [ -n "$node_major" ] && [ "$node_major" -ge 20 ]; then
+    step "building the JupyterLab extension with Node.js $(node --version) (jlpm install, jlpm build:prod; a few minutes)"
+    (cd extension && jlpm install --immutable | grep --line-buffered -E '┌|└|YN0001|rror' | sed -u 's/^/    /' \
+       && jlpm build:prod 2>&1 | tail -n 5 | sed 's/^/    /')
+    step "reinstalling so that the installed package carries the built extension"
+    pip_install --no-deps -e .
+  else
+    step "Node.js >= 20 not found (${node_major:+found v$node_major}): JupyterLab and the rest are installed, the" \
+         "megatrain-nb sidebar is not; install Node.js >= 20 and run bash scripts/setup.sh lab again"
+  fi
+fi
 step "done: $(python -c 'import torch, megatrain_nb; print("megatrain-nb", getattr(megatrain_nb, "__version__", "?"), "with torch", torch.__version__)') in .venv (activate: . .venv/bin/activate)"

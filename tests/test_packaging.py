@@ -17,7 +17,7 @@ LABEXT = "share/jupyter/labextensions/megatrain-nb-lab/"
 def _tree(tmp_path: Path, *, built: bool) -> Path:
     """A copy of what a wheel build reads; ``built``: with a (minimal) built labextension."""
     src = tmp_path / "src"
-    src.mkdir()
+    src.mkdir(parents=True)
     for name in ("pyproject.toml", "setup.py", "README.md", "MANIFEST.in"):
         shutil.copy(REPO / name, src / name)
     shutil.copytree(REPO / "megatrain_nb", src / "megatrain_nb", ignore=shutil.ignore_patterns("__pycache__"))
@@ -32,11 +32,11 @@ def _tree(tmp_path: Path, *, built: bool) -> Path:
     return src
 
 
-def _build(src: Path, tmp_path: Path) -> tuple[zipfile.ZipFile, str]:
+def _build(src: Path, tmp_path: Path, **flags) -> tuple[zipfile.ZipFile, str]:
     no_node = tmp_path / "bin"
     no_node.mkdir(exist_ok=True)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{no_node}:/usr/sbin:/sbin"}
-    env = {k: v for k, v in env.items() if not k.startswith("MEGATRAIN_NB_")}
+    env = {k: v for k, v in env.items() if not k.startswith("MEGATRAIN_NB_")} | flags
     assert shutil.which("node", path=env["PATH"]) is None
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w",
                         str(tmp_path / "dist"), str(src)], capture_output=True, text=True, env=env, timeout=300)
@@ -64,7 +64,11 @@ def test_without_node_the_wheel_builds_without_the_extension_and_says_so(tmp_pat
     whl, log = _build(_tree(tmp_path, built=False), tmp_path)
     assert not [n for n in whl.namelist() if LABEXT in n]
     assert any(n.endswith("megatrain_nb/cli.py") for n in whl.namelist())
-    assert "Node.js >= 20 is not on PATH" in log and "WITHOUT the JupyterLab extension" in log
+    assert "MEGATRAIN_NB_BUILD_LABEXTENSION=1 builds it" in log and "WITHOUT the JupyterLab extension" in log
+    shutil.rmtree(tmp_path / "dist")
+    whl, log = _build(_tree(tmp_path / "asked", built=False), tmp_path, MEGATRAIN_NB_BUILD_LABEXTENSION="1")
+    assert not [n for n in whl.namelist() if LABEXT in n]
+    assert "cannot be built here: Node.js >= 20 is not on PATH" in log
 
 
 def test_pyproject_names_nothing_unpublished_and_an_spdx_licence():

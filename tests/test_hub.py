@@ -140,6 +140,8 @@ def test_trainer_and_session_take_a_hub_id(hub, tmp_path):
         torch.testing.assert_close(got[name], dict(ref.named_parameters())[name])
     finally:
         s.close()
+    with pytest.raises(ValueError, match="revision='v2' applies to a model given by name"):
+        mt.Trainer(model=micro_model(), args=args(tmp_path / "r"), device="cpu", revision="v2")
     with pytest.raises(ModelNotFoundError, match="or a preset: .*tiny"):
         mt.Session("org/absent", train_dataset=token_dataset(4, seq=8), device="cpu")
 

@@ -110,6 +110,9 @@ class Trainer:
             from megatrain_nb.hub import resolve_model
 
             model = resolve_model(model, revision=revision, token=token)  # a Hub id -> its cached folder
+        elif revision is not None:
+            raise ValueError(f"revision={revision!r} applies to a model given by name (a Hub id); "
+                             f"model is a {type(model).__name__}")
         self.model, self._engine = self._build_engine(model, engine_options)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)

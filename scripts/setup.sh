@@ -26,7 +26,7 @@ pip_install() {
   log=$(mktemp)
   set +e
   python -m pip install --progress-bar off --disable-pip-version-check "$@" 2>&1 | tee "$log" |
-    { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|Requirement already satisfied: megatrain)' |
+    { grep --line-buffered -E '^(Collecting|Processing|Installing collected|Successfully installed|Requirement already satisfied: megatrain)' |
       sed -u 's/^/    /' || true; }
   rc=${PIPESTATUS[0]}
   set -e

@@ -150,8 +150,7 @@ class StreamingEngine:
         return_freed_memory_to_os()  # RAM must stay flat while units stream through it
         prepare_offload_dir(cfg.offload_dir, need)  # created (0700) when missing; a missing parent is an error
         # The engine bounds the memory its disk operations hold itself (staging pools, states
-        # read ahead / written behind), so the store's own cap on queued operations only has to
-        # stay out of the way.
+        # read ahead / written behind); the store queues whatever it is given.
         return DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)
 
     def _move_buffers(self, model: nn.Module) -> None:

@@ -33,7 +33,7 @@ proven optimum.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -237,6 +237,7 @@ class HostCache:
         self._version: Dict[str, int] = {}
         self._loading: Dict[str, Future] = {}     # key -> a read in flight that will stay resident
         self._lost: Dict[str, BaseException] = {}  # key -> its write-back failed (file is stale)
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="mtnb-cache")  # hits copied out
         self.counts = {"disk_read_bytes": 0, "disk_write_bytes": 0, "hits": 0, "bytes_saved": 0,
                       "write_backs": 0, "ram_bytes": 0, "ram_peak_bytes": 0, "steps_planned": 0}
 
@@ -291,16 +292,23 @@ class HostCache:
                 return f
             e = self._entries.get(key)
             if e is not None:
-                result = self._copy_out(e["t"], out)
                 self.counts["hits"] += 1
                 self.counts["bytes_saved"] += _nbytes(e["t"])
+                if out is None:
+                    result = _done(self._copy_out(e["t"], None))
+                else:
+                    # The copy runs in the cache's own thread (the second core), so read-ahead
+                    # of a resident key costs its reader nothing; the entry is lent meanwhile
+                    # (a write of the key then does not reuse its tensors in place).
+                    e["lent"] = e.get("lent", 0) + 1
+                    result = self._copier.submit(self._lend, e, out)
                 if not keep and not outside_plan:
                     evict = self._pop(key)
             version = self._version.get(key, 0)
         if e is not None:
             if evict is not None and evict["dirty"]:
                 self._write_back(key, evict)
-            return _done(result)
+            return result
         raw = self.store.read(key, out=out, urgent=urgent)
         mine = Future()
         if keep:
@@ -335,7 +343,8 @@ class HostCache:
             self._lost.pop(key, None)   # a complete new version replaces what was lost
             old = self._pop(key)
             if keep:
-                reuse = old["t"] if old is not None and _same_layout(old["t"], tensors) else None
+                reuse = (old["t"] if old is not None and not old.get("lent") and _same_layout(old["t"], tensors)
+                         else None)
                 if reuse is not None:
                     for n, t in tensors.items():
                         reuse[n].copy_(t.reshape(reuse[n].shape))
@@ -361,6 +370,7 @@ class HostCache:
             self._reads.clear()
 
     def close(self) -> None:
+        self._copier.shutdown(wait=True)
         if getattr(self.store, "keep", False):
             self.write_back_all()
         with self._lock:
@@ -395,6 +405,14 @@ class HostCache:
         if e is not None:
             self.counts["ram_bytes"] -= _nbytes(e["t"])
         return e
+
+    def _lend(self, entry: dict, out: dict) -> dict:
+        """(cache thread) a resident entry's tensors into ``out``."""
+        try:
+            return self._copy_out(entry["t"], out)
+        finally:
+            with self._lock:
+                entry["lent"] -= 1
 
     @staticmethod
     def _copy_out(tensors: dict, out: Optional[dict]) -> dict:

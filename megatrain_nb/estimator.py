@@ -22,18 +22,14 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from megatrain_nb.formatting import fmt_bytes
+
 GiB = 1024 ** 3
 Budget = Union[float, int, str, None]
 
 
 def _fmt(n: Optional[float]) -> str:
-    if n is None:
-        return "unlimited"
-    if n >= 1024 * GiB:
-        return f"{n / 1024 / GiB:.2f} TiB"
-    if n >= GiB:
-        return f"{n / GiB:.1f} GiB"
-    return f"{n / 1024 ** 2:.1f} MiB"
+    return fmt_bytes(n, none="unlimited")
 
 
 def _fmt_dec(n: float) -> str:
@@ -236,13 +232,13 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     ``compression``: the optimizer-state codec (``"none"``, ``"int8"``, ``"int4"``; ``True`` = the
     recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
     """
-    from megatrain_nb.engine.config import _normalize_compression
+    from megatrain_nb.engine.codecs import normalize_compression
     from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
 
     if batch < 1 or seq < 1:
         raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
     config, name = resolve_config(model)
-    comp = _normalize_compression(compression)
+    comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
     tc = config.get_text_config()
     layers = sum(1 for u in units if u.kind == "layer")

@@ -20,10 +20,11 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from megatrain_nb.atomic import write_file_atomically
 
 ENV_RUNTIME_DIR = "MEGATRAIN_NB_RUNTIME_DIR"
 SCHEMA_VERSION = 1
@@ -95,18 +96,7 @@ def atomic_write_json(path: Path, data: Any) -> None:
     Readers therefore never see a half-written file. Temp files start with a dot
     and end in ``.tmp`` so that directory scans skip them.
     """
-    text = json.dumps(data, allow_nan=False, separators=(",", ":"))
-    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=path.parent)  # mode 0600
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_file_atomically(path, json.dumps(data, allow_nan=False, separators=(",", ":")), private=True)
 
 
 def read_json(path: Path) -> Any | None:

@@ -46,28 +46,11 @@ def build_trainer(
         raise ValueError("train_dataset is required (a datasets.Dataset, IterableDataset or torch "
                          "Dataset of token ids); or pass a preset name such as 'tiny' as the model "
                          "to train on the built-in corpus")
-    if "loss_fn" in trainer_options:
-        trainer_options = _loss_option(Trainer, dict(trainer_options))
     if seq_len is not None:
         trainer_options = dict(trainer_options, seq_len=seq_len)
     trainer = Trainer(model=model, train_dataset=train_dataset, args=args,
                       eval_dataset=eval_dataset, tokenizer=tokenizer, **trainer_options)
     return trainer, tokenizer
-
-
-def _loss_option(trainer_cls, options: dict) -> dict:
-    """Hand ``loss_fn`` to the Trainer under the name it takes (``loss_fn`` or HF's
-    ``compute_loss_func``)."""
-    import inspect
-
-    params = inspect.signature(trainer_cls.__init__).parameters
-    if "loss_fn" in params:
-        return options
-    if "compute_loss_func" in params:
-        options["compute_loss_func"] = options.pop("loss_fn")
-        return options
-    raise TypeError(f"{trainer_cls.__name__} does not take a custom loss function (no loss_fn / compute_loss_func "
-                    "parameter); build the Trainer yourself and use Session.from_trainer")
 
 
 def default_args(output_dir: str, **overrides: Any):

@@ -7,7 +7,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch
@@ -46,9 +45,8 @@ def sample_text(
     window = _context_length(engine)
     eos = getattr(tokenizer, "eos_token_id", None)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    lock = getattr(engine, "lock", None) or contextlib.nullcontext()
     new: list[int] = []
-    with lock:
+    with engine.lock:
         for _ in range(max_new_tokens):
             ctx = (ids + new)[-window:]
             logits = engine.forward_logits(torch.tensor([ctx], dtype=torch.long))[0, -1].float()

@@ -27,6 +27,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from megatrain_nb.atomic import fsync_dir, fsync_tree, replace_dir_atomically
+from megatrain_nb.processes import pid_alive
+
 PREFIX = "checkpoint"
 STATE_FILE = "megatrain_state.json"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
@@ -82,16 +85,6 @@ def resolve_resume(resume, output_dir) -> Optional[Path]:
                           f"(no {STATE_FILE} and trainer_state.json in it){hint}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temporaries(output_dir) -> None:
     """Delete partial checkpoints left by processes that died while writing them."""
     root = Path(output_dir)
@@ -99,7 +92,7 @@ def remove_stale_temporaries(output_dir) -> None:
         return
     for child in root.iterdir():
         m = _TMP.match(child.name)
-        if m and (int(m.group(1)) == os.getpid() or not _pid_alive(int(m.group(1)))):
+        if m and (int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))) is False):
             shutil.rmtree(child, ignore_errors=True)
 
 
@@ -108,41 +101,22 @@ def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
     final = Path(final_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final.parent)
-    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = _temporary(final)
     tmp.mkdir()
     try:
         write(tmp)
-        _fsync_dir(tmp)
-        if final.exists():
-            old = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_tree(tmp)
+        replace_dir_atomically(tmp, final, aside=_temporary(final))
+        fsync_dir(final.parent)  # the rename itself
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 
 
-def _fsync(path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    _fsync(path)
+def _temporary(final: Path) -> Path:
+    # the name remove_stale_temporaries recognises: it carries the writer's pid
+    return final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None) -> list[Path]:

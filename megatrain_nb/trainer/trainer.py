@@ -21,20 +21,19 @@ between steps.
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
+from megatrain_nb.atomic import staging_dir
+
 from . import checkpoint as ckpt
-from .args import engine_options_from_args, validate_training_args
+from .args import default_values, engine_options_from_args, validate_training_args
 from .data import (
     BatchStream,
     ColumnFilter,
@@ -65,9 +64,7 @@ def _coerce_args(args):
 
 def _derived_engine_options(args) -> dict:
     """Engine options decided by TrainingArguments fields the user changed from their defaults."""
-    from .args import _default_values
-
-    defaults = _default_values()
+    defaults = default_values()
     fields_of = {"adam_betas": ("adam_beta1", "adam_beta2"), "adam_eps": ("adam_epsilon",),
                  "weight_decay": ("weight_decay",), "precision": ("bf16",), "device": ("use_cpu",)}
     opts = engine_options_from_args(args)
@@ -129,9 +126,6 @@ class Trainer:
         self._tokens_seen = 0
         self._log_accum = (0.0, 0)  # (sum of step losses, steps) since the last log
         self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl")
-        fb_params = inspect.signature(self._engine.forward_backward).parameters
-        self._engine_overlaps = "step_lr" in fb_params
-        self._engine_clips = "max_grad_norm" in fb_params
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict):
@@ -150,11 +144,7 @@ class Trainer:
             if not (folder / "config.json").is_file():
                 raise ValueError(f"model={str(model)!r} is not a local model folder (no config.json in it); "
                                  "pass a folder written by save_pretrained, or a model object")
-            if hasattr(StreamingEngine, "from_pretrained"):
-                return None, StreamingEngine.from_pretrained(str(folder), config)
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+            return None, StreamingEngine.from_pretrained(str(folder), config)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a *ForCausalLM module, a local folder or a StreamingEngine; "
                             f"got {type(model).__name__}")
@@ -279,37 +269,25 @@ class Trainer:
         if n_items == 0:
             raise DataError(f"optimizer step {st.global_step + 1}: its batches hold no target tokens "
                             "(every label is -100 or every sequence is padding)")
-        loss_sum, grad_norm = 0.0, None
-        max_norm = args.max_grad_norm
+        loss_sum = 0.0
+        max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         # The engine runs each unit's AdamW update in a worker (step_lr on the last micro-batch):
         # without clipping, overlapped with the backward; with clipping, once the global norm is
         # known at the end of the backward, overlapped with the next forward.
-        clip = bool(max_norm and max_norm > 0)
-        overlap = self._engine_overlaps and (not clip or self._engine_clips)
-        lock = getattr(engine, "lock", None) or contextlib.nullcontext()
-        with lock:
+        with engine.lock:
             lr = self.schedule.current()
             for i, b in enumerate(window):
                 last = i == len(window) - 1
-                extra = {}
-                if last and overlap:
+                if last:  # the step's update rides on its last backward
                     self.control = cb.on_pre_optimizer_step(args, st, self.control)
-                    extra["step_lr"] = lr
-                    if clip:
-                        extra["max_grad_norm"] = max_norm
+                extra = {"step_lr": lr, "max_grad_norm": max_norm} if last else {}
                 out = engine.forward_backward(b["input_ids"], attention_mask=b.get("attention_mask"),
                                               labels=b["labels"], num_items_in_batch=n_items,
                                               loss_fn=self.loss_fn, **extra)
                 loss_sum += float(out.loss) * int(out.num_tokens)
                 if not last:
                     self.control = cb.on_substep_end(args, st, self.control)
-            if overlap:
-                grad_norm = getattr(out, "grad_norm", None)
-            else:
-                grad_norm = engine.clip_grad_norm_(max_norm) if max_norm and max_norm > 0 else engine.grad_norm()
-                self.control = cb.on_pre_optimizer_step(args, st, self.control)
-                engine.optimizer_step(lr)
-                engine.zero_grad()
+            grad_norm = out.grad_norm
             self.control = cb.on_optimizer_step(args, st, self.control)
             self.schedule.step()
         dt = time.perf_counter() - t0
@@ -411,8 +389,8 @@ class Trainer:
         """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads (and the tokenizer, if any)."""
         target = Path(output_dir or self.args.output_dir)
         target.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".save-tmp-", dir=target))
-        try:
+        # output_dir also holds checkpoints and metrics: each file is renamed in, not the folder
+        with staging_dir(target, prefix=".save-tmp-") as tmp:
             self._engine.save_pretrained(str(tmp))
             if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(str(tmp))
@@ -421,8 +399,6 @@ class Trainer:
                 if dest.is_dir() and not f.is_dir():
                     shutil.rmtree(dest)
                 os.replace(f, dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return str(target)
 
     def save_checkpoint(self, path=None) -> str:
@@ -450,8 +426,7 @@ class Trainer:
                 self.tokenizer.save_pretrained(str(tmp))
             ckpt.write_json(tmp / ckpt.STATE_FILE, meta)  # last: marks a complete checkpoint
 
-        lock = getattr(self._engine, "lock", None) or contextlib.nullcontext()
-        with lock:
+        with self._engine.lock:
             out = ckpt.write_checkpoint(final, write)
         if default:
             ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out)

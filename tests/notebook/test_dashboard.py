@@ -51,9 +51,9 @@ def test_message_rate_is_bounded_during_hundreds_of_fast_steps(fake_session, rec
     s.train()
     t0 = time.monotonic()
     d2 = s.dashboard()  # attaches the live publisher (no kernel here, so train() displayed nothing)
-    assert d2 is d and s._live is not None
+    assert d2 is d and s.publisher is not None
     s.wait(timeout=60)
-    s._live.join(5)
+    s.publisher.join(5)
     t1 = time.monotonic()
     duration = t1 - t0
     assert duration > 2.0, "the run should last a few seconds for the rate to mean something"
@@ -83,7 +83,7 @@ def test_message_rate_is_bounded_during_hundreds_of_fast_steps(fake_session, rec
     # the training thread never touched a widget; the publisher is gone with the run
     senders = {m[4] for m in recording.messages}
     assert f"megatrain-nb-{s.name}" not in senders
-    assert f"megatrain-nb-publisher-{s.name}" in senders and not s._live._thread.is_alive()
+    assert f"megatrain-nb-publisher-{s.name}" in senders and not s.publisher.running
 
 
 def test_buttons_and_the_lr_field_change_the_run(fake_session, recording):
@@ -201,8 +201,8 @@ def test_failed_run_shows_the_error_in_the_header(fake_session, recording):
     d = s.dashboard()
     s.train()
     s.dashboard()
-    assert s._live is not None
+    assert s.publisher is not None
     with pytest.raises(RuntimeError):
         s.wait(timeout=10)
-    s._live.join(5)
+    s.publisher.join(5)
     assert "failed" in d.header.value and "bad batch" in d.header.value and "Traceback" in d.header.value

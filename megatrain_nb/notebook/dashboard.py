@@ -55,6 +55,18 @@ def panel(name: str, interval: float, key: Callable[["Dashboard"], tuple], **opt
     return register
 
 
+def _control(act: Callable[..., str]) -> Callable[..., None]:
+    """A control callback: ``act`` asks the session for something and returns the note to
+    show; an error is shown as the note instead, never raised into the frontend."""
+    def handler(self: "Dashboard", *args: Any) -> None:
+        try:
+            note = act(self, *args)
+        except Exception as e:  # noqa: BLE001 - shown to the user
+            note = f"<span style='color:#b00020'>{html.escape(str(e))}</span>"
+        self._note(note)
+    return handler
+
+
 _LINKS = (("host_to_device", "host→device"), ("device_to_host", "device→host"),
           ("disk_to_host", "disk→host"), ("host_to_disk", "host→disk"))
 
@@ -125,50 +137,38 @@ class Dashboard(W.VBox):
             self._notice_n += 1
         self.poke()
 
-    def _guard(self, fn: Callable[[], str]) -> None:
-        try:
-            self._note(fn())
-        except Exception as e:  # noqa: BLE001 - shown to the user, never raised into the frontend
-            self._note(f"<span style='color:#b00020'>{html.escape(str(e))}</span>")
-
-    def _on_pause(self, _b=None) -> None:
+    @_control
+    def _on_pause(self, _b=None) -> str:
         s = self.session
+        if s.state == "paused":
+            s.resume(source="widget")
+            return "Resume requested."
+        s.pause(source="widget")
+        return "Pause requested: it takes effect when the current step ends."
 
-        def act():
-            if s.state == "paused":
-                s.resume(source="widget")
-                return "Resume requested."
-            s.pause(source="widget")
-            return "Pause requested: it takes effect when the current step ends."
-        self._guard(act)
-
-    def _on_stop(self, _b=None) -> None:
-        def act():
-            self.session.stop(wait=False, source="widget")
-            return "Stop requested: the run ends after the current step and releases its memory."
-        self._guard(act)
+    @_control
+    def _on_stop(self, _b=None) -> str:
+        self.session.stop(wait=False, source="widget")
+        return "Stop requested: the run ends after the current step and releases its memory."
 
     def _on_lr_field(self, change: dict) -> None:
         if not self._showing_lr:  # a value the user entered, not the publisher showing the LR
             self._apply_lr(change["new"])
 
-    def _apply_lr(self, value: Any) -> None:
+    @_control
+    def _apply_lr(self, value: Any) -> str:
         s = self.session
+        v = float(value)
+        current = s.requested_lr if s.requested_lr is not None else s.lr
+        if current is not None and v == current:
+            return f"The learning rate is already {v:.3g}."
+        s.set_lr(v, source="widget")
+        return f"Learning rate {v:.3g} from the next step."
 
-        def act():
-            v = float(value)
-            current = s.requested_lr if s.requested_lr is not None else s.lr
-            if current is not None and v == current:
-                return f"The learning rate is already {v:.3g}."
-            s.set_lr(v, source="widget")
-            return f"Learning rate {v:.3g} from the next step."
-        self._guard(act)
-
-    def _on_checkpoint(self, _b=None) -> None:
-        def act():
-            self.session.save_checkpoint(wait=False, source="widget")
-            return "Checkpoint requested at the next step boundary (see the events)."
-        self._guard(act)
+    @_control
+    def _on_checkpoint(self, _b=None) -> str:
+        self.session.save_checkpoint(wait=False, source="widget")
+        return "Checkpoint requested at the next step boundary (see the events)."
 
     # ---- refresh (publisher thread only) -------------------------------------------------------
     def refresh(self, now: float | None = None, force: bool = False) -> int:

@@ -165,15 +165,10 @@ def _summary_md(session, view, records) -> str:
     last = view.last
     total = session.total_steps
     evals = [r["eval_loss"] for r in records if r.get("eval_loss") is not None]
-    duration = None
-    started = session.started_at
-    if started is not None:
-        end = session.ended_at or (records[-1]["time"] if records else started)
-        duration = end - started
     rows = [("state", session.state), ("optimizer steps", f"{view.step}" + (f" of {total}" if total else "")),
             ("final loss", fmt_num(last.get("loss"))), ("last eval loss", fmt_num(evals[-1]) if evals else "–"),
             ("learning rate at the end", fmt_num(last.get("lr"), ".3g")),
-            ("wall time", fmt_seconds(duration)), ("interventions", len(view.events))]
+            ("wall time", fmt_seconds(session.wall_time_s)), ("interventions", len(view.events))]
     text = f"# Training report: {session.name}\n\n" + _table(rows, ("", ""))
     if session.error is not None:
         text += f"\n\n**The run failed:** `{type(session.error).__name__}: {session.error}`\n\n```\n{session.error_traceback}\n```"

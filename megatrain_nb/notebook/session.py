@@ -176,6 +176,7 @@ class Session:
 
     @property
     def error(self) -> Optional[BaseException]:
+        """The exception that ended a failed run (``wait()`` re-raises it), else None."""
         return self._error
 
     @property
@@ -184,14 +185,23 @@ class Session:
         return self._error_tb
 
     @property
-    def started_at(self) -> Optional[float]:
-        """``time.time()`` when ``train()`` started the run (None before)."""
-        return self._started_at
+    def wall_time_s(self) -> Optional[float]:
+        """Seconds from ``train()`` to the end of the run (to its latest step while it runs);
+        None before ``train()``."""
+        if self._started_at is None:
+            return None
+        end = self._ended_at or self._log.last_record().get("time", self._started_at)
+        return end - self._started_at
 
     @property
-    def ended_at(self) -> Optional[float]:
-        """``time.time()`` when the run finished, stopped or failed (None before)."""
-        return self._ended_at
+    def trainer(self) -> Any:
+        """The trainer that runs the loop (``mt.Trainer``, or the TrainerLike given to from_trainer)."""
+        return self._trainer
+
+    @property
+    def engine(self) -> Any:
+        """The trainer's StreamingEngine (its weights stay until ``close()`` after a finished run)."""
+        return getattr(self._trainer, "engine", None)
 
     @property
     def released(self) -> bool:
@@ -200,24 +210,12 @@ class Session:
         return self._released
 
     @property
-    def publisher(self) -> Any:
-        """The publisher pushing this run to the notebook display, while one is shown (else None)."""
-        return self._live
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer
-
-    @property
-    def engine(self) -> Any:
-        return getattr(self._trainer, "engine", None)
-
-    @property
     def tokenizer(self) -> Any:
         return self._tokenizer
 
     @property
     def run_log(self) -> RunLog:
+        """Records, events and layer statistics of the run, for displays and reports."""
         return self._log
 
     @property
@@ -229,6 +227,11 @@ class Session:
         if v is None:
             v = getattr(getattr(self._trainer, "args", None), "learning_rate", None)
         return float(v) if v is not None else None
+
+    @property
+    def publisher(self) -> Any:
+        """The publisher pushing this run to the notebook display, while one is shown (else None)."""
+        return self._live
 
     @property
     def requested_lr(self) -> Optional[float]:

@@ -23,9 +23,11 @@ def pid_alive(pid: Any, host: Any = None) -> Optional[bool]:
         return True  # exists, owned by someone else
     except OSError:
         return None
-    try:
-        import psutil
+    import psutil
 
+    try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except Exception:  # noqa: BLE001 - psutil missing or the process just went away
+    except psutil.NoSuchProcess:  # it went away just now
+        return False
+    except psutil.Error:  # e.g. access denied: it exists
         return True

@@ -36,9 +36,7 @@ def build_trainer(
                 raise FileNotFoundError(
                     f"{str(path)!r} has no config.json: pass a Hugging Face model folder "
                     "(config.json + *.safetensors), a model object, or a preset name")
-            if tokenizer is None:
-                tokenizer = _folder_tokenizer(path)
-            model = str(path)
+            model = str(path)  # the Trainer picks up the folder's tokenizer when none is given
         else:
             model, tokenizer, train_dataset, eval_dataset, args = _builtin(
                 str(model), tokenizer, train_dataset, eval_dataset, args, seq_len)
@@ -50,7 +48,7 @@ def build_trainer(
         trainer_options = dict(trainer_options, seq_len=seq_len)
     trainer = Trainer(model=model, train_dataset=train_dataset, args=args,
                       eval_dataset=eval_dataset, tokenizer=tokenizer, **trainer_options)
-    return trainer, tokenizer
+    return trainer, trainer.tokenizer
 
 
 def default_args(output_dir: str, **overrides: Any):
@@ -97,11 +95,3 @@ def _model_from_config(config):
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def _folder_tokenizer(path: Path):
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

@@ -604,10 +604,8 @@ class Session:
                 print(f"megatrain_nb: releasing session {self.name!r} failed: {e}", file=sys.stderr)
 
     def _start_beacon(self) -> None:
-        try:
-            from megatrain_nb.lab.beacon import SessionBeacon
-        except ImportError:
-            return
+        from megatrain_nb.lab.beacon import SessionBeacon
+
         try:
             self._beacon = SessionBeacon(self).start()
         except Exception as e:  # noqa: BLE001 - the sidebar is optional; training is not

@@ -7,6 +7,10 @@ write happens in :meth:`Dashboard.refresh`, which only the publisher calls. Each
 a minimum interval (text ~2/s, figures ~1/s, heatmap ~0.5/s) and is sent only when its data
 changed, inside ``hold_sync()`` / ``batch_update()``.
 
+Adding a panel: build its widgets in ``Dashboard.__init__`` and decorate the method that fills
+them with ``@panel(name, interval, key=...)``; the registration (:data:`PANELS`) is all
+``refresh`` needs to know about it.
+
 Example::
 
     d = session.dashboard()      # display it; d.pause_button.click() pauses the run

@@ -206,3 +206,17 @@ def test_failed_run_shows_the_error_in_the_header(fake_session, recording):
         s.wait(timeout=10)
     s.publisher.join(5)
     assert "failed" in d.header.value and "bad batch" in d.header.value and "Traceback" in d.header.value
+
+
+def test_refresh_serves_each_registered_panel_and_resends_only_what_changed(fake_session):
+    from megatrain_nb.notebook.dashboard import PANELS
+
+    names = [p.name for p in PANELS]
+    assert len(set(names)) == len(names) and {"header", "controls", "training", "layers"} <= set(names)
+    s = fake_session(total_steps=3)
+    d = s.dashboard()  # idle: refreshed once, every panel
+    assert d.refresh(force=True) == 0  # nothing changed since
+    d.layer_select.value = d.layer_select.options[-1]  # a user's choice shows at once, only that panel
+    assert d.refresh() == 1 and "no statistics yet" in d.layer_stats.value
+    s.train(block=True)
+    assert d.refresh(force=True) >= 3  # header, controls (state), training, layers... changed

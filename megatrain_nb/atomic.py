@@ -1,17 +1,15 @@
-"""Writing files and folders so that a reader (or a crash) never sees half of one.
+"""The package's one atomic-save helper: weights, checkpoints, reports and the JupyterLab
+heartbeats are written to a temporary sibling, fsynced, then renamed into place, so a reader
+(or a crash) sees the old version or the new one, never half of one.
 
-A file is written to a temporary name in its own folder and ``os.replace``'d onto its name; a
-folder is built whole under a temporary name and swapped in the same way. Weights
-(``save_pretrained``), checkpoints, reports and the JupyterLab heartbeats all go through here.
-This module imports only the standard library, so the engine may use it too.
+Standard library only: the engine, the trainer, the notebook and the Jupyter server side
+(``lab/``) all use it without importing each other (or torch).
 
 Example::
 
-    write_file_atomically("run.html", text)                  # an ordinary file (umask applies)
-    write_file_atomically("beacon.json", data, private=True)  # 0600
-    with staging_dir(parent, prefix=".save-tmp-") as tmp:
-        ...write into tmp...
-        replace_dir_atomically(tmp, parent / "model")
+    with atomic_file("run.html") as f:                 # umask applies, like open(path, "w")
+        f.write(text)
+    atomic_dir("out/checkpoint-4", lambda tmp: write_everything_into(tmp))
 """
 from __future__ import annotations
 
@@ -21,75 +19,19 @@ import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Union
 
 PathLike = Union[str, os.PathLike]
 
 
-def write_file_atomically(path: PathLike, data: Union[str, bytes], *, private: bool = False) -> None:
-    """Write ``data`` to ``path`` through a temporary file beside it and ``os.replace``.
-
-    The temporary name starts with a dot and ends in ``.tmp`` so folder scans skip it.
-    ``private``: the file is 0600 (mkstemp's mode); otherwise 0666 less the umask, like
-    ``open(path, "w")`` would make it.
-    """
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w",
-                       **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as f:
-            f.write(data)
-        if not private:
-            os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+def temp_name(final: PathLike) -> str:
+    """A sibling of ``final`` for its next version: ``<name>.tmp-<pid>-<random>`` (the pid lets a
+    cleaner tell a dead writer's leftovers from a live one's)."""
+    return f"{os.fspath(final).rstrip(os.sep)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def replace_dir_atomically(src: PathLike, dst: PathLike, *, aside: Optional[PathLike] = None) -> None:
-    """Move the finished folder ``src`` to ``dst`` (same filesystem). An existing ``dst`` is
-    renamed to ``aside`` first (default: a hidden name beside it) and removed only once ``src``
-    stands in its place, so at every moment one complete folder exists under one of the names.
-    A caller that cleans up after crashed writers passes an ``aside`` its clean-up recognises."""
-    src, dst = Path(src), Path(dst)
-    if dst.exists():
-        old = Path(aside) if aside is not None else dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
-
-
-@contextlib.contextmanager
-def staging_dir(parent: PathLike, prefix: str) -> Iterator[Path]:
-    """A new empty folder in ``parent`` to build something in; whatever is still there when
-    the block ends (an error, or what was not moved out) is removed."""
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def fsync_tree(path: PathLike) -> None:
-    """Flush every file below ``path`` and the folder itself to disk (best effort: a
-    filesystem that cannot fsync a folder is not an error)."""
-    root = Path(path)
-    for f in root.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    _fsync(root)
-
-
-def fsync_dir(path: PathLike) -> None:
-    """Flush a folder's entries (after a rename into it), best effort."""
-    _fsync(path)
-
-
-def _fsync(path: PathLike) -> None:
+def fsync_path(path: PathLike) -> None:
+    """Flush a file's or a folder's entry to disk (best effort: some filesystems refuse)."""
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -100,7 +42,75 @@ def _fsync(path: PathLike) -> None:
         pass
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def fsync_tree(path: PathLike) -> None:
+    """fsync every file under ``path``, then the folders themselves."""
+    for folder, _, files in os.walk(path):
+        for f in files:
+            fsync_path(os.path.join(folder, f))
+        fsync_path(folder)
+
+
+def atomic_dir(final: PathLike, write: Callable[[str], None]) -> str:
+    """Call ``write(tmp)`` on a fresh temporary folder beside ``final``, fsync it, then rename it
+    to ``final`` (an older ``final`` is moved aside and removed). On any error the temporary
+    folder is removed and ``final`` is left as it was. Returns ``final``."""
+    final = os.path.abspath(os.fspath(final))
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    tmp = temp_name(final)
+    os.mkdir(tmp)
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        if os.path.isdir(final):
+            old = temp_name(final)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_path(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+@contextlib.contextmanager
+def atomic_file(final: PathLike, mode: str = "w", *, encoding: Union[str, None] = "utf-8",
+                private: bool = False, fsync: bool = True) -> Iterator:
+    """``with atomic_file(path) as f: f.write(...)``: written to a temporary sibling and renamed
+    over ``path`` when the block ends without an error (removed if it raises). ``mode`` "w"
+    (text) or "wb" (bytes). The file gets the usual permissions (umask applied), or 0600 with
+    ``private``. ``fsync=False`` skips flushing to disk, for files rewritten every second
+    whose loss in a power cut does not matter (heartbeats)."""
+    final = os.path.abspath(os.fspath(final))
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = temp_name(final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
+        with open(fd, mode, encoding=None if "b" in mode else encoding) as f:
+            yield f
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        if fsync:
+            fsync_path(os.path.dirname(final))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def staging_dir(parent: PathLike, prefix: str) -> Iterator[Path]:
+    """A new empty folder in ``parent`` to build something in before moving it (or its files)
+    into place yourself; whatever is still there when the block ends is removed. For the
+    cases :func:`atomic_dir` does not cover: files merged into a folder that holds other
+    things, or a cache folder another process may have created first."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -4,19 +4,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from megatrain_nb.atomic import fsync_tree, replace_dir_atomically, staging_dir, write_file_atomically
+from megatrain_nb.atomic import atomic_dir, atomic_file, staging_dir, temp_name
 from megatrain_nb.formatting import byte_scale, fmt_bytes, fmt_num, fmt_seconds
 from megatrain_nb.processes import pid_alive
 
 
-def test_write_file_atomically_modes_and_no_leftovers(tmp_path):
+def test_atomic_file_modes_and_no_leftovers(tmp_path):
     old = os.umask(0o022)
     try:
-        write_file_atomically(tmp_path / "a.html", "<p>ü</p>")
-        write_file_atomically(tmp_path / "b.json", b"{}", private=True)
+        with atomic_file(tmp_path / "a.html") as f:
+            f.write("<p>ü</p>")
+        with atomic_file(tmp_path / "b.json", "wb", private=True, fsync=False) as f:
+            f.write(b"{}")
     finally:
         os.umask(old)
     assert (tmp_path / "a.html").read_text(encoding="utf-8") == "<p>ü</p>"
@@ -28,36 +31,37 @@ def test_write_file_atomically_modes_and_no_leftovers(tmp_path):
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     target = tmp_path / "r.txt"
     target.write_text("old")
-
-    with pytest.raises(TypeError):
-        write_file_atomically(target, 42)  # not str/bytes: the write itself fails
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as f:
+            f.write("half")
+            raise RuntimeError("crash mid-write")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["r.txt"]
 
 
-def test_replace_dir_atomically_swaps_whole_folders(tmp_path):
+def test_atomic_dir_swaps_whole_folders_and_cleans_up(tmp_path):
     dst = tmp_path / "model"
     dst.mkdir()
     (dst / "old.bin").write_text("old")
-    with staging_dir(tmp_path, prefix=".tmp-") as tmp:
-        (tmp / "new.bin").write_text("new")
-        fsync_tree(tmp)
-        replace_dir_atomically(tmp, dst)
-    assert [p.name for p in dst.iterdir()] == ["new.bin"]
-    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # neither the old copy nor the staging dir
-
-
-def test_replace_dir_atomically_parks_the_old_folder_where_asked(tmp_path, monkeypatch):
-    dst, aside = tmp_path / "ckpt", tmp_path / "ckpt.aside"
-    dst.mkdir()
-    src = tmp_path / "src"
-    src.mkdir()
     seen = []
-    real = os.replace
-    monkeypatch.setattr(os, "replace", lambda a, b: (seen.append((str(a), str(b))), real(a, b)))
-    replace_dir_atomically(src, dst, aside=aside)
-    assert seen == [(str(dst), str(aside)), (str(src), str(dst))]
-    assert dst.is_dir() and not aside.exists() and not src.exists()
+
+    def write(tmp):
+        seen.append(os.path.basename(tmp))
+        (Path(tmp) / "new.bin").write_text("new")
+
+    assert atomic_dir(dst, write) == str(dst)
+    assert [p.name for p in dst.iterdir()] == ["new.bin"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # neither the old copy nor the temporary
+    assert seen[0].startswith(f"model.tmp-{os.getpid()}-") and temp_name(dst) != temp_name(dst)
+
+    def fail(tmp):
+        (Path(tmp) / "partial.bin").write_text("x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        atomic_dir(dst, fail)
+    assert [p.name for p in dst.iterdir()] == ["new.bin"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
 def test_staging_dir_is_removed_on_error(tmp_path):

@@ -20,7 +20,7 @@ import numpy as np
 import plotly.graph_objects as go
 from nbformat import v4
 
-from megatrain_nb.atomic import write_file_atomically
+from megatrain_nb.atomic import atomic_file
 from megatrain_nb.formatting import byte_scale, fmt_bytes, fmt_num, fmt_seconds
 
 from . import environment
@@ -48,7 +48,8 @@ def export_report(session: Any, path: str | os.PathLike) -> str:
     nbformat.validate(nb)
     text = render_html(nb) if suffix == ".html" else nbformat.writes(nb)
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_file_atomically(target, text)
+    with atomic_file(target) as f:
+        f.write(text)
     return str(target)
 
 

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import re
-import secrets
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
@@ -27,7 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from megatrain_nb.atomic import fsync_dir, fsync_tree, replace_dir_atomically
+from megatrain_nb.atomic import atomic_dir
 from megatrain_nb.processes import pid_alive
 
 PREFIX = "checkpoint"
@@ -101,22 +100,9 @@ def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
     final = Path(final_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final.parent)
-    tmp = _temporary(final)
-    tmp.mkdir()
-    try:
-        write(tmp)
-        fsync_tree(tmp)
-        replace_dir_atomically(tmp, final, aside=_temporary(final))
-        fsync_dir(final.parent)  # the rename itself
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # atomic_dir's temporary names carry the writer's pid: what remove_stale_temporaries reads
+    atomic_dir(final, lambda tmp: write(Path(tmp)))
     return final
-
-
-def _temporary(final: Path) -> Path:
-    # the name remove_stale_temporaries recognises: it carries the writer's pid
-    return final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None) -> list[Path]:

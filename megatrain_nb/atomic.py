@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -51,29 +52,69 @@ def fsync_tree(path: PathLike) -> None:
 
 
 def atomic_dir(final: PathLike, write: Callable[[str], None]) -> str:
-    """Call ``write(tmp)`` on a fresh temporary folder beside ``final``, fsync it, then rename it
-    to ``final`` (an older ``final`` is moved aside and removed). On any error the temporary
-    folder is removed and ``final`` is left as it was. Returns ``final``."""
+    """Call ``write(tmp)`` on a fresh temporary folder beside ``final`` (``<name>.tmp-<pid>-<hex>``),
+    fsync it, then rename it to ``final``. An older ``final`` is first moved aside
+    (``<name>.old-<pid>-<hex>``) and deleted only once the new one is in place. Whatever stops
+    it (an error here, or a kill: see :func:`recover_interrupted`), ``final`` ends up as the
+    complete old folder or the complete new one. Returns ``final``."""
     final = os.path.abspath(os.fspath(final))
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
-    tmp = temp_name(final)
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp, old = f"{final}.tmp-{tag}", f"{final}.old-{tag}"
     os.mkdir(tmp)
     try:
         write(tmp)
         fsync_tree(tmp)
         if os.path.isdir(final):
-            old = temp_name(final)
             os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        os.replace(tmp, final)
         fsync_path(parent)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        # judge by what is on disk, not by how far this got: a rename may just have happened
+        if os.path.exists(old):
+            if os.path.exists(final):
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, final)  # the previous folder is back
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+#: what atomic_dir leaves beside ``<name>`` while it works
+_SIDE = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def recover_interrupted(folder: PathLike) -> list[str]:
+    """Finish the :func:`atomic_dir` saves in ``folder`` whose writer died (or is this
+    process): a moved-aside old folder whose replacement never arrived is renamed back, one
+    whose replacement is in place is deleted, and partial new folders are deleted. Returns
+    what was done, one line each."""
+    from megatrain_nb.processes import pid_alive
+
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    done = []
+    for child in sorted(root.iterdir()):
+        m = _SIDE.match(child.name)
+        if not m or not child.is_dir():
+            continue
+        pid = int(m.group("pid"))
+        if pid != os.getpid() and pid_alive(pid) is not False:
+            continue  # a live writer's, or one we cannot judge
+        final = root / m.group("name")
+        if m.group("kind") == "old" and not final.exists():
+            os.replace(child, final)
+            done.append(f"restored {final}")
+        else:
+            shutil.rmtree(child, ignore_errors=True)
+            done.append(f"removed {child}")
+    if done:
+        fsync_path(root)
+    return done
 
 
 @contextlib.contextmanager

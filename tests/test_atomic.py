@@ -94,3 +94,44 @@ def test_formatters():
     assert byte_scale(5 * 2**20) == (2.0**20, "MiB") and byte_scale(10) == (1.0, "B")
     assert [fmt_seconds(s) for s in (None, 42, 187, 3725)] == ["–", "42s", "3m07s", "1h02m"]
     assert fmt_num(0.000123, ".3g") == "0.000123" and fmt_num(float("inf")) == "–" and fmt_num("x") == "–"
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_save_cut_between_its_two_renames_keeps_the_old_folder(tmp_path, monkeypatch):
+    from megatrain_nb import atomic
+
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    (dst / "w").write_text("old")
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        calls.append(b)
+        if len(calls) == 2:  # the old one is aside, the new one not yet in place
+            raise OSError("killed here")
+        real(a, b)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    with pytest.raises(OSError):
+        atomic_dir(dst, lambda tmp: (Path(tmp) / "w").write_text("new"))
+    monkeypatch.setattr(atomic.os, "replace", real)
+    assert (dst / "w").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_recover_interrupted_finishes_dead_writers_saves_only(tmp_path):
+    from megatrain_nb.atomic import recover_interrupted
+
+    dead, live = _dead_pid(), os.getppid()
+    for name in (f"a.tmp-{dead}-0123abcd", f"b.old-{dead}-0123abcd", f"c.old-{dead}-0123abcd", "c",
+                 f"d.tmp-{live}-0123abcd", "e.tmp-notapid"):
+        (tmp_path / name).mkdir()
+    (tmp_path / f"b.old-{dead}-0123abcd" / "w").write_text("previous")
+    done = recover_interrupted(tmp_path)
+    assert len(done) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c", f"d.tmp-{live}-0123abcd", "e.tmp-notapid"]
+    assert (tmp_path / "b" / "w").read_text() == "previous"  # a save that died with the old one aside

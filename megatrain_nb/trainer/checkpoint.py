@@ -16,7 +16,6 @@ A checkpoint folder holds:
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -26,13 +25,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from megatrain_nb.atomic import atomic_dir
-from megatrain_nb.processes import pid_alive
+from megatrain_nb.atomic import atomic_dir, recover_interrupted
 
 PREFIX = "checkpoint"
 STATE_FILE = "megatrain_state.json"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
-_TMP = re.compile(rf"^{PREFIX}-\d+\.tmp-(\d+)-[0-9a-f]+$")
 
 
 class CheckpointError(ValueError):
@@ -84,23 +81,18 @@ def resolve_resume(resume, output_dir) -> Optional[Path]:
                           f"(no {STATE_FILE} and trainer_state.json in it){hint}")
 
 
-def remove_stale_temporaries(output_dir) -> None:
-    """Delete partial checkpoints left by processes that died while writing them."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return
-    for child in root.iterdir():
-        m = _TMP.match(child.name)
-        if m and (int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))) is False):
-            shutil.rmtree(child, ignore_errors=True)
+def remove_stale_temporaries(output_dir) -> list[str]:
+    """Finish the saves that processes died in (see ``atomic.recover_interrupted``): partial
+    checkpoints go, a previous checkpoint left moved aside comes back."""
+    return recover_interrupted(output_dir)
 
 
 def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_dir)`` then rename ``tmp_dir`` to ``final_dir`` (replacing an older one)."""
+    """Call ``write(tmp_dir)`` then rename ``tmp_dir`` to ``final_dir`` (replacing an older one);
+    see ``atomic.atomic_dir`` for what a crash at any point leaves."""
     final = Path(final_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final.parent)
-    # atomic_dir's temporary names carry the writer's pid: what remove_stale_temporaries reads
     atomic_dir(final, lambda tmp: write(Path(tmp)))
     return final
 

@@ -34,7 +34,6 @@ from .lifecycle import ENDED, LIVE
 from .run_log import RunLog
 
 
-
 @runtime_checkable
 class TrainerLike(Protocol):
     """All a Session needs from a trainer (``megatrain_nb.trainer.Trainer`` provides it)."""

@@ -284,13 +284,9 @@ def cmd_estimate(ns) -> int:
 
 
 # ---------------------------------------------------------------------------------------- parser
-def _codec_names() -> list[str]:
-    from megatrain_nb.engine.codecs import CODEC_NAMES
-
-    return list(CODEC_NAMES)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from megatrain_nb.engine.codecs import codec_names  # the codec registry: a new codec is one file
+
     ap = argparse.ArgumentParser(prog="megatrain-nb", description="Full-precision training of models larger "
                                  "than accelerator memory.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -305,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--lr", type=float, default=3e-3)
     d.add_argument("--vocab-size", type=int, default=4096)
-    d.add_argument("--compression", default="int8", choices=_codec_names(),
+    d.add_argument("--compression", default="int8", choices=codec_names(),
                    help="optimizer-state codec (default int8)")
     d.add_argument("--no-disk", action="store_true", help="keep everything in RAM (no disk tier)")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -328,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--disk", type=_budget_arg, default="auto", help="disk tier in GiB, 'auto' (free space) or 'none'")
     e.add_argument("--batch", type=int, default=1)
     e.add_argument("--seq", type=int, default=2048)
-    e.add_argument("--compression", default="int8", choices=_codec_names())
+    e.add_argument("--compression", default="int8", choices=codec_names())
     e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     e.add_argument("--offload-dir", default=None, help="where the disk tier would live (for 'auto' free space)")
     e.add_argument("--no-disk", action="store_true", help="no disk tier")

@@ -114,11 +114,12 @@ def gpu_resident_bytes(config, *, num_parameters: int, batch: int, seq: int) -> 
     autograd keeps: per layer about ``tokens x (12 h + 4 i) x 4`` bytes (fused attention, no
     seq^2 term) and the logits with their softmax and gradient.
     """
-    tc = config.get_text_config()
-    h = int(getattr(tc, "hidden_size", 0) or 0)
-    i = int(getattr(tc, "intermediate_size", 0) or 4 * h)
-    layers = int(getattr(tc, "num_hidden_layers", 0) or 0)
-    vocab = int(getattr(tc, "vocab_size", 0) or 0)
+    from megatrain_nb.engine import family
+
+    h = family.hidden_size(config)
+    i = int(family.intermediate_size(config) or 4 * h)
+    layers = int(getattr(family.text_config(config), "num_hidden_layers", 0) or 0)
+    vocab = int(family.vocab_size(config) or 0)
     tok = batch * seq
     act = layers * tok * (12 * h + 4 * i) * 4 + 3 * tok * vocab * 4
     out = {"weights": 4 * num_parameters, "grads": 4 * num_parameters,
@@ -233,6 +234,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
     """
     from megatrain_nb.engine.codecs import normalize_compression
+    from megatrain_nb.engine import family
     from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
 
     if batch < 1 or seq < 1:
@@ -240,13 +242,12 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     config, name = resolve_config(model)
     comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
-    tc = config.get_text_config()
     layers = sum(1 for u in units if u.kind == "layer")
     disk_path = offload_dir if isinstance(offload_dir, str) else None
     budgets = {"device": _budget(vram_gb, lambda: None), "host": _budget(ram_gb, _machine_ram),
                "disk": _budget(disk_gb, lambda: _free_disk(disk_path)) if offload_dir else None}
-    plan = make_plan(units, hidden_size=int(tc.hidden_size), num_layers=layers,
-                     intermediate_size=getattr(tc, "intermediate_size", None), vocab_size=int(tc.vocab_size),
+    plan = make_plan(units, hidden_size=family.hidden_size(config), num_layers=layers,
+                     intermediate_size=family.intermediate_size(config), vocab_size=family.vocab_size(config),
                      vram_bytes=budgets["device"], host_bytes=budgets["host"], disk_bytes=budgets["disk"],
                      batch=batch, seq=seq, compression=comp, precision=precision,
                      checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),

@@ -482,9 +482,10 @@ class Trainer:
 
 
 def _default_seq_len(engine) -> int:
-    cfg = getattr(engine, "model_config", None)
-    n = getattr(cfg, "max_position_embeddings", None) if cfg is not None else None
-    return min(int(n), 1024) if n else 1024
+    from megatrain_nb.engine.family import max_positions
+
+    n = max_positions(engine.model_config)
+    return min(n, 1024) if n else 1024
 
 
 def _local_tokenizer(folder):

@@ -70,7 +70,7 @@ class Publisher:
     def start(self) -> "Publisher":
         ctx = contextvars.copy_context()  # the displaying cell's parent header goes along
         self._thread = threading.Thread(target=ctx.run, args=(self._loop,), daemon=True,
-                                        name=f"megatrain-nb-publisher-{self.session.name}")
+                                        name=f"mtnb-publisher-{self.session.name}")
         self._thread.start()
         return self
 

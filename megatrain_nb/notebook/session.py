@@ -255,7 +255,7 @@ class Session:
                     "new Session, or mt.Session.from_checkpoint(path) from a saved checkpoint.")
             self._state = "running"
             self._started_at = time.time()
-            self._thread = threading.Thread(target=self._run, name=f"megatrain-nb-{self.name}", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"mtnb-session-{self.name}", daemon=True)
         registry.make_current(self)
         self._start_beacon()
         if mode is not None:  # display first: the training thread would slow the widget set-up down

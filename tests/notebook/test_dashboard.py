@@ -82,8 +82,8 @@ def test_message_rate_is_bounded_during_hundreds_of_fast_steps(fake_session, rec
     assert sum(t.x[1] for t in d.training_fig.data[3:8]) == pytest.approx(100 * 16000 / 64000)
     # the training thread never touched a widget; the publisher is gone with the run
     senders = {m[4] for m in recording.messages}
-    assert f"megatrain-nb-{s.name}" not in senders
-    assert f"megatrain-nb-publisher-{s.name}" in senders and not s.publisher.running
+    assert f"mtnb-session-{s.name}" not in senders
+    assert f"mtnb-publisher-{s.name}" in senders and not s.publisher.running
 
 
 def test_buttons_and_the_lr_field_change_the_run(fake_session, recording):

@@ -24,12 +24,15 @@ def byte_scale(max_bytes: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
-def fmt_bytes(b: Optional[float], *, none: str = "–") -> str:
-    """``'512 B'``, ``'1.5 KiB'`` ... ``'2.0 TiB'``; ``none`` for None or a non-finite value."""
+def fmt_bytes(b: Optional[float], *, none: str = "–", digits: int = 1, compact: bool = False) -> str:
+    """``'512 B'``, ``'1.5 KiB'`` ... ``'2.0 TiB'`` (``digits`` decimals); ``none`` for None or a
+    non-finite value. ``compact`` (a progress bar's narrow field): ``'512B'``, ``'1.5K'``, ``'3.0M'``..."""
     if b is None or not math.isfinite(b):
         return none
     div, unit = byte_scale(abs(b))
-    return f"{b:.0f} B" if unit == "B" else f"{b / div:.1f} {unit}"
+    if compact:
+        return f"{b:.0f}B" if unit == "B" else f"{b / div:.{digits}f}{unit[0]}"
+    return f"{b:.0f} B" if unit == "B" else f"{b / div:.{digits}f} {unit}"
 
 
 def fmt_seconds(s: Optional[float]) -> str:

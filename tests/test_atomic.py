@@ -91,6 +91,7 @@ def test_formatters():
     assert fmt_bytes(None) == "–" and fmt_bytes(float("nan")) == "–" and fmt_bytes(None, none="unlimited") == "unlimited"
     assert [fmt_bytes(n) for n in (0, 1023, 1024, 1536, 3 * 2**30, 2**41)] == [
         "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "3.0 GiB", "2.0 TiB"]
+    assert [fmt_bytes(n, compact=True) for n in (512, 3 << 20, 1.5 * 2**30)] == ["512B", "3.0M", "1.5G"]
     assert byte_scale(5 * 2**20) == (2.0**20, "MiB") and byte_scale(10) == (1.0, "B")
     assert [fmt_seconds(s) for s in (None, 42, 187, 3725)] == ["–", "42s", "3m07s", "1h02m"]
     assert fmt_num(0.000123, ".3g") == "0.000123" and fmt_num(float("inf")) == "–" and fmt_num("x") == "–"

@@ -60,7 +60,8 @@ class Session:
 
     ``model``: a transformers ``*ForCausalLM`` (possibly on the meta device), a local model
     folder (``config.json`` + safetensors; its tokenizer is used when ``tokenizer`` is None),
-    or a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``...; with
+    a Hugging Face Hub id (``"Qwen/Qwen2.5-0.5B"``: config, tokenizer and safetensors fetched
+    into the HF cache; ``revision=``/``token=`` go with the options), or a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``...; with
     no ``train_dataset`` it trains on the built-in corpus and tokenizer, nothing downloaded).
     ``train_dataset``/``eval_dataset``/``args``/``tokenizer``: as for ``mt.Trainer``.
     ``name``: how ``%megatrain -s NAME`` and the JupyterLab sidebar call it (default
@@ -155,6 +156,7 @@ class Session:
 
     @property
     def total_steps(self) -> Optional[int]:
+        """Optimizer steps the run plans (None when the trainer cannot tell)."""
         total = getattr(self._trainer, "total_steps", None)
         return int(total) if isinstance(total, (int, float)) and total > 0 else None
 
@@ -175,7 +177,7 @@ class Session:
 
     @property
     def error(self) -> Optional[BaseException]:
-        """The exception that ended a failed run (``wait()`` re-raises it), else None."""
+        """The exception that ended a failed run (None otherwise); ``wait()`` re-raises it."""
         return self._error
 
     @property
@@ -194,12 +196,12 @@ class Session:
 
     @property
     def trainer(self) -> Any:
-        """The trainer that runs the loop (``mt.Trainer``, or the TrainerLike given to from_trainer)."""
+        """The trainer the session drives (an ``mt.Trainer`` unless built ``from_trainer``)."""
         return self._trainer
 
     @property
     def engine(self) -> Any:
-        """The trainer's StreamingEngine (its weights stay until ``close()`` after a finished run)."""
+        """The trainer's StreamingEngine (None for a trainer without one)."""
         return getattr(self._trainer, "engine", None)
 
     @property
@@ -210,11 +212,12 @@ class Session:
 
     @property
     def tokenizer(self) -> Any:
+        """The tokenizer ``generate`` and text datasets use (None if there is none)."""
         return self._tokenizer
 
     @property
     def run_log(self) -> RunLog:
-        """Records, events and layer statistics of the run, for displays and reports."""
+        """The thread-safe log of records and events the dashboard and reports read."""
         return self._log
 
     @property
@@ -310,6 +313,7 @@ class Session:
         self._enqueue(_Command("pause", source=source))
 
     def resume(self, *, source: str = "notebook") -> None:
+        """Continue a paused run from the step it paused at."""
         self._enqueue(_Command("resume", source=source))
 
     def set_lr(self, lr: float, *, source: str = "notebook") -> None:
@@ -384,6 +388,8 @@ class Session:
 
     # ---- looking inside ------------------------------------------------------------------------
     def unit_names(self) -> list[str]:
+        """The model's streaming units in order ("embed", "layers.0", ..., "head"): what
+        ``inspect`` takes."""
         names = self._log.units()
         if not names and self.engine is not None:
             try:

@@ -185,3 +185,84 @@ def engine_plan(units, model_config, cfg, *, cuda: bool) -> Plan:
             f"{biggest.numel * (2 if cfg.precision == 'bf16' else 4) / GiB:.3f} GiB; "
             f"set max_vram_gb to at least {plan.device['total'] / GiB:.3f}.")
     return plan
+
+
+# ---------------------------------------------------------------------- accumulation windows
+@dataclass
+class WindowPlan:
+    """How an accumulation window of ``micro_batches`` runs: layer-major in ``groups`` groups
+    of at most ``group_size`` micro-batches (one group: each layer crosses to the device twice
+    per step at checkpoint interval 1; G groups: 2·G), the boundary activations on ``tier``."""
+    micro_batches: int
+    groups: int
+    group_size: int
+    tier: str                          # "device" | "host": where the boundary activations wait
+    boundary_bytes: int                # boundary activations of the largest group, on ``tier``
+    device_work_bytes: int             # fronts, gradients, block inputs of that group (device)
+    loads_per_layer: float             # weight loads per layer per optimizer step
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def loads_per_layer(num_layers: int, checkpoint_interval: int, groups: int = 1) -> float:
+    """Weight loads per layer per optimizer step (averaged over the layers): forward and
+    backward once per group, plus the recompute of the layers inside a checkpoint block."""
+    if checkpoint_interval == 0:
+        return float(groups)
+    n, k = max(num_layers, 1), max(checkpoint_interval, 1)
+    recomputed = n - math.ceil(n / k)
+    return groups * (2 + recomputed / n)
+
+
+def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers: int, checkpoint_interval: int,
+                compute_bytes: int, device_free: Optional[int], host_free: Optional[int],
+                layer_work_bytes_per_token: int = 0, tier: str = "auto",
+                max_group: Optional[int] = None) -> WindowPlan:
+    """Decide a window's layout. ``tokens``: of the largest micro-batch. ``device_free`` /
+    ``host_free``: bytes left for the window's activations (None: no limit). ``tier`` forces
+    "device" or "host"; ``max_group`` caps the group size (micro-batches per layer-major pass).
+
+    Per micro-batch the boundary activations are the inputs of every k-th layer (k = 0: every
+    layer's autograd graph, device only); the device also holds each micro-batch's current
+    hidden state or gradient and, in the backward, a block's recomputed inputs."""
+    A = micro_batches
+    k = checkpoint_interval
+    row = tokens * hidden_size * compute_bytes
+    if k == 0:
+        saved = num_layers * tokens * layer_work_bytes_per_token // 2 + row
+        work = row
+    else:
+        saved = math.ceil(num_layers / k) * row
+        work = (k + 1) * row
+
+    def fits(g: int, where: str) -> bool:
+        if where == "device":
+            return device_free is None or g * (saved + work) <= device_free
+        if k == 0:
+            return False
+        return (device_free is None or g * work <= device_free) and (host_free is None or g * saved <= host_free)
+
+    tiers = ["device", "host"] if tier == "auto" else [tier]
+    cap = min(A, max_group) if max_group else A
+    best = None
+    for where in tiers:
+        g = cap
+        while g > 1 and not fits(g, where):
+            g -= 1
+        if best is None or g > best[0]:
+            best = (g, where)
+        if g == cap:
+            break
+    g, where = best
+    groups = math.ceil(A / g)
+    if groups == 1:
+        reason = f"layer-major: all {A} micro-batches per pass, boundary activations on the {where}"
+    else:
+        reason = (f"split into {groups} groups of up to {g} micro-batches (boundary activations on the {where}): "
+                  f"{A} micro-batches' boundary activations ({A * saved / GiB:.2f} GiB) do not fit"
+                  + (f" (max_window_micro_batches={max_group})" if max_group and max_group < A else ""))
+    return WindowPlan(micro_batches=A, groups=groups, group_size=g, tier=where, boundary_bytes=g * saved,
+                      device_work_bytes=g * work, loads_per_layer=loads_per_layer(num_layers, k, groups),
+                      reason=reason)

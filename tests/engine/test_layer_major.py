@@ -1,0 +1,246 @@
+"""Layer-major accumulation (forward_backward of a whole window): same weights as the
+micro-batch-major path, each layer loaded twice per step, no host gradient accumulator."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine.planner import GiB, loads_per_layer, window_plan
+
+from .families import VOCAB, family_config
+
+
+def _windows(steps, A, batch=2, seq=12, seed=3, pad=True):
+    """``steps`` windows of ``A`` micro-batches; right and left padding, unequal target counts."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(steps):
+        w = []
+        for a in range(A):
+            ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+            am = torch.ones_like(ids)
+            if pad:
+                if (s + a) % 2:
+                    am[1, 7 + a % 3:] = 0
+                else:
+                    am[0, :2 + a % 3] = 0
+            w.append({"input_ids": ids, "attention_mask": am})
+        out.append(w)
+    return out
+
+
+def _targets(w):
+    return sum(int((b["attention_mask"][:, 1:] == 1).sum()) for b in w)
+
+
+def _micro_batch_major(engine, w, lr, clip=None):
+    """Today's path: one forward_backward per micro-batch, the update on the last."""
+    n = _targets(w)
+    loss = 0.0
+    for i, b in enumerate(w):
+        last = i == len(w) - 1
+        out = engine.forward_backward(b["input_ids"], attention_mask=b["attention_mask"], num_items_in_batch=n,
+                                      step_lr=lr if last else None, max_grad_norm=clip if last else None)
+        loss += out.loss * out.num_tokens
+    return loss / n, out.grad_norm
+
+
+def _rel(a: StreamingEngine, b: StreamingEngine) -> float:
+    pa = dict(a.named_parameters())
+    num = den = 0.0
+    for name, p in b.named_parameters():
+        num += float((pa[name] - p).double().norm() ** 2)
+        den += float(p.double().norm() ** 2)
+    return (num / den) ** 0.5
+
+
+def _pair(model, **cfg):
+    return (StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", **cfg)),
+            StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", **cfg)))
+
+
+@pytest.mark.parametrize("family,tie", [("llama", True), ("gpt2", True), ("gemma2", False), ("mistral", False)])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_20_steps_match_micro_batch_major(family, tie, k):
+    """20 optimizer steps, accumulation 3, padding; clipping at k=2, int8 states at k=3.
+
+    Untied, the sums are formed in the same order as the micro-batch-major path (bitwise the
+    same weights). Tied, the embedding's two uses are summed in another order (all head uses,
+    then all embedding uses); int8 states turn such last-bit differences into different codes,
+    so int8 runs on the untied families here."""
+    model = AutoModelForCausalLM.from_config(family_config(family, tie=tie)).eval()
+    clip = 0.05 if k == 2 else None
+    codec = "int8" if k == 3 and not tie else "none"
+    ref, lm = _pair(model, checkpoint_interval=k, optimizer_compression=codec, weight_decay=0.1)
+    start = copy.deepcopy(dict(ref.named_parameters()))
+    for w in _windows(5, 3) * 4:
+        ref_loss, ref_norm = _micro_batch_major(ref, w, 3e-3, clip)
+        out = lm.forward_backward(w, step_lr=3e-3, max_grad_norm=clip)
+        assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+        assert out.num_tokens == _targets(w)
+        if clip:
+            assert out.grad_norm == pytest.approx(ref_norm, rel=1e-5)
+    assert _rel(lm, ref) <= 1e-5
+    moved = sum(float((p - start[n]).norm() ** 2) for n, p in ref.named_parameters()) ** 0.5
+    assert moved > 1e-2  # training really moved the weights
+    for e in (ref, lm):
+        e.close()
+
+
+def test_keep_all_activations_interval_0():
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    ref, lm = _pair(model, checkpoint_interval=0)
+    for w in _windows(3, 4):
+        _micro_batch_major(ref, w, 3e-3)
+        lm.forward_backward(w, step_lr=3e-3)
+    assert _rel(lm, ref) <= 1e-5
+    assert lm.telemetry()["last_step"]["loads_per_layer"] == 1
+
+
+def test_counts_a4_each_layer_twice_and_no_host_gradients():
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=4))
+    engine = StreamingEngine(model, EngineConfig(device="cpu", checkpoint_interval=1))
+    windows = _windows(3, 4, pad=False)
+    for w in windows:
+        engine.forward_backward(w, step_lr=1e-3)
+    tel = engine.telemetry()
+    layer_loads = {k: v for k, v in tel["loads_per_unit"].items() if "layers" in k}
+    assert len(layer_loads) == 4 and set(layer_loads.values()) == {2 * 3}   # twice per step, 3 steps
+    assert tel["loads_per_unit"]["embed"] == 3 and tel["loads_per_unit"]["head"] == 3
+    last = tel["last_step"]
+    assert last["loads_per_layer"] == 2 and last["micro_batches"] == 4 and last["groups"] == 1
+    tokens = sum(b["input_ids"].numel() for b in windows[-1])
+    assert last["tokens"] == tokens and last["tokens_per_weight_fetch"] == tokens / 2
+    assert last["host_to_device_bytes"] == 4 * (engine.num_parameters() + sum(u.numel for u in engine.layer_units))
+    # the boundary activations: every layer's input of every micro-batch (2x12 tokens, hidden 32, fp32)
+    assert last["boundary_tier"] == "device" and last["boundary_bytes"] == {"device": 4 * 4 * 2 * 12 * 32 * 4,
+                                                                              "host": 0}
+    mem = engine.memory_report()
+    assert mem["host"]["grads"] == 0                    # no host gradient accumulator
+    assert mem["device"]["boundary_activations"] == last["boundary_bytes"]["device"]
+    # the micro-batch-major path of the same window loads every layer 2 x 4 times
+    ref = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama", layers=4)),
+                          EngineConfig(device="cpu"))
+    _micro_batch_major(ref, windows[0], 1e-3)
+    assert ref.telemetry()["last_step"]["loads_per_layer"] == 8
+    assert ref.memory_report()["host"]["grads"] > 0
+    for e in (engine, ref):
+        e.close()
+
+
+def test_host_tier_same_result_counted_on_host():
+    model = AutoModelForCausalLM.from_config(family_config("qwen2")).eval()
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=2))
+    lm = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=2, window_tier="host"))
+    for w in _windows(4, 3):
+        _micro_batch_major(ref, w, 3e-3)
+        lm.forward_backward(w, step_lr=3e-3)
+    assert _rel(lm, ref) <= 1e-5
+    last = lm.telemetry()["last_step"]
+    assert last["boundary_tier"] == "host"
+    assert last["boundary_bytes"]["device"] == 0 and last["boundary_bytes"]["host"] > 0
+    mem = lm.memory_report()
+    assert mem["host"]["activations"] == last["boundary_bytes"]["host"] and mem["host"]["grads"] == 0
+
+
+def test_split_into_groups_loads_twice_per_group():
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu"))
+    lm = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", max_window_micro_batches=2))
+    for w in _windows(3, 5):
+        _micro_batch_major(ref, w, 3e-3, clip=0.1)
+        out = lm.forward_backward(w, step_lr=3e-3, max_grad_norm=0.1)
+    assert _rel(lm, ref) <= 1e-5
+    assert lm.last_window_plan.groups == 3 and lm.last_window_plan.group_size == 2
+    assert "split into 3 groups" in lm.last_window_plan.reason
+    assert lm.telemetry()["last_step"]["loads_per_layer"] == 6
+    assert out.grad_norm is not None
+
+
+def test_dropout_rng_restored_per_micro_batch_and_layer():
+    cfg = family_config("gpt2", tie=True)
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.2
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    w = _windows(1, 3)[0]
+    grads = {}
+    for k in (0, 1, 2):  # 0: no recompute, the forward's own graphs: the reference for the recompute
+        e = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=k))
+        torch.manual_seed(5)
+        loss = e.forward_backward(w).loss
+        grads[k] = (loss, {n: g.clone() for n, g in e.named_gradients()})
+        e.close()
+    for k in (1, 2):
+        assert grads[k][0] == pytest.approx(grads[0][0], rel=1e-6)
+        for n, g in grads[0][1].items():
+            assert float((grads[k][1][n] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-9, (k, n)
+    # a window of one micro-batch draws the same masks as the micro-batch-major path
+    a, b = _pair(model, checkpoint_interval=2)
+    torch.manual_seed(9)
+    la = a.forward_backward([w[0]]).loss
+    torch.manual_seed(9)
+    lb = b.forward_backward(w[0]["input_ids"], attention_mask=w[0]["attention_mask"]).loss
+    assert la == pytest.approx(lb, rel=1e-6)
+    ga = dict(a.named_gradients())
+    for n, g in b.named_gradients():
+        assert float((ga[n] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-9, n
+    # and the masks matter: another seed gives another loss
+    torch.manual_seed(10)
+    assert a.forward_backward([w[0]]).loss != pytest.approx(la, rel=1e-6)
+
+
+def test_num_items_in_batch_and_loss_fn_and_tensor_micro_batches():
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    w = [torch.randint(1, VOCAB, (2, 10), generator=g) for _ in range(3)]
+
+    def loss_fn(lg, lab):
+        mask = lab != -100
+        picked = lg.gather(-1, lab.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (((picked - 1.0) ** 2) * mask).sum()
+
+    total = 0.0
+    for ids in w:  # reference: HF autograd, the summed loss over the window / 40
+        logits = ref(input_ids=ids).logits[:, :-1]
+        part = ((logits.gather(-1, ids[:, 1:].unsqueeze(-1)) - 1.0) ** 2).sum()
+        (part / 40).backward()
+        total += float(part.detach())
+    engine = StreamingEngine(model, EngineConfig(device="cpu", loss_chunk_tokens=8))
+    out = engine.forward_backward(w, loss_fn=loss_fn, num_items_in_batch=40)
+    assert out.num_tokens == 3 * 2 * 9 and out.loss * out.num_tokens == pytest.approx(total, rel=1e-5)
+    refg = {n: p.grad for n, p in ref.named_parameters()}
+    for n, gr in engine.named_gradients():
+        assert float((gr - refg[n]).norm()) <= 1e-4 * float(refg[n].norm()), n
+
+
+def test_window_bad_input_is_named():
+    engine = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")), EngineConfig(device="cpu"))
+    ids = torch.randint(1, VOCAB, (1, 8))
+    with pytest.raises(ValueError, match="micro-batch 1 of the window"):
+        engine.forward_backward([ids, {"ids": ids}])
+    with pytest.raises(ValueError, match="in its dict"):
+        engine.forward_backward([ids, ids], attention_mask=torch.ones_like(ids))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.forward_backward([ids, ids + VOCAB])
+    engine.close()
+
+
+def test_window_plan_device_then_host_then_split():
+    row = 4096 * 8192 * 2     # one micro-batch's hidden state: 4096 tokens, hidden 8192, bf16
+    kw = dict(tokens=4096, hidden_size=8192, num_layers=80, checkpoint_interval=1, compute_bytes=2)
+    p = window_plan(16, device_free=None, host_free=None, **kw)
+    assert (p.tier, p.groups, p.loads_per_layer) == ("device", 1, 2)
+    p = window_plan(16, device_free=16 * 82 * row, host_free=None, **kw)
+    assert (p.tier, p.groups, p.boundary_bytes) == ("device", 1, 16 * 80 * row)
+    p = window_plan(16, device_free=40 * GiB, host_free=None, **kw)       # 16 x 80 x 64 MiB = 80 GiB: host
+    assert (p.tier, p.groups, p.boundary_bytes) == ("host", 1, 16 * 80 * row)
+    p = window_plan(16, device_free=40 * GiB, host_free=25 * GiB, **kw)   # 7 fit the device, 5 the host
+    assert (p.tier, p.group_size, p.groups, p.loads_per_layer) == ("device", 7, 3, 6)
+    p = window_plan(16, device_free=10 * GiB, host_free=25 * GiB, **kw)   # 1 fits the device, 5 the host
+    assert (p.tier, p.group_size, p.groups, p.loads_per_layer) == ("host", 5, 4, 8)
+    assert "split into 4 groups of up to 5" in p.reason
+    p = window_plan(16, device_free=None, host_free=None, max_group=4, **kw)
+    assert (p.groups, p.group_size) == (4, 4)
+    assert loads_per_layer(80, 2) == pytest.approx(2.5)

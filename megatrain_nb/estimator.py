@@ -172,7 +172,8 @@ class Estimate:
                 "tiers": self.tiers(), "placement": self.placement, "feasible": self.feasible,
                 "limiting_tier": self.limiting_tier, "reason": self.plan.reason,
                 "layer_slots": self.plan.layer_slots, "checkpoint_interval": self.plan.checkpoint_interval,
-                "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident()}
+                "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident(),
+                "window": self.plan.window}
 
     def _rows(self):
         kinds = [("weights", "weights"), ("grads", "gradients"), ("optimizer_states", "optimizer states"),
@@ -228,13 +229,18 @@ class Estimate:
 
 def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,
              seq: int = 2048, compression=True, precision: str = "fp32", checkpoint_interval: Optional[int] = 1,
-             offload_dir: Union[bool, str, None] = True, device: str = "cuda") -> Estimate:
+             offload_dir: Union[bool, str, None] = True, device: str = "cuda", accumulation: int = 1,
+             clipping: bool = True, layer_major: bool = True) -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
     ``config.json`` path, a transformers config, a model or a StreamingEngine.
     ``compression``: the optimizer-state codec (``"none"``, ``"int8"``, ``"int4"``; ``True`` = the
     recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
+    ``accumulation``: micro-batches per optimizer step; layer-major (the engine's default for a
+    window) keeps no host gradient accumulator, unless ``clipping`` (global-norm clipping, on by
+    default as in TrainingArguments) holds the final gradients for the norm;
+    ``layer_major=False`` shows the micro-batch-major path.
     """
     from megatrain_nb.engine.codecs import normalize_compression
     from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
@@ -254,9 +260,18 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                      vram_bytes=budgets["device"], host_bytes=budgets["host"], disk_bytes=budgets["disk"],
                      batch=batch, seq=seq, compression=comp, precision=precision,
                      checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
-                     cuda=device != "cpu")
+                     cuda=device != "cpu", accumulation=accumulation if layer_major else 1,
+                     host_gradients=clipping or (accumulation > 1 and not layer_major))
     total = sum(u.numel for u in units)
     notes = []
+    if plan.window:
+        w = plan.window
+        notes.append(f"accumulation {accumulation}: {w['reason']}; each layer loaded {w['loads_per_layer']:g}x per "
+                     f"step; {w['tokens_per_weight_fetch']:,.0f} tokens per weight fetch"
+                     + ("; host gradients: final, held for the clipping norm" if clipping else ""))
+    elif accumulation > 1:
+        notes.append(f"accumulation {accumulation}, micro-batch-major: each layer loaded {2 * accumulation}x per step; "
+                     f"{batch * seq / 2:,.0f} tokens per weight fetch")
     if ram_gb == "auto" or (disk_gb == "auto" and offload_dir):
         notes.append("host and disk budgets: this machine's RAM and free disk (pass ram_gb/disk_gb for other hardware)")
     return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,

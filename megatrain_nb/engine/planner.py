@@ -52,6 +52,8 @@ class Plan:
     limiting_tier: Optional[str]
     reason: str
     capacity: Dict[str, Optional[int]] = field(default_factory=dict)
+    #: With accumulation > 1: the window's layout (WindowPlan.to_dict()) and tokens per weight fetch.
+    window: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,8 +84,14 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
               disk_bytes: Optional[int] = None, batch: int = 1, seq: int = 2048, compression: str = "none",
               precision: str = "fp32", checkpoint_interval: Optional[int] = 1, offload_dir: bool = True,
               layer_slots: Optional[int] = None, offload_params: Optional[bool] = None,
-              cuda: bool = True, loss_chunk_tokens: int = 1024) -> Plan:
-    """Place a model's training state on (device, host, disk) under the given budgets."""
+              cuda: bool = True, loss_chunk_tokens: int = 1024, accumulation: int = 1,
+              host_gradients: bool = True) -> Plan:
+    """Place a model's training state on (device, host, disk) under the given budgets.
+
+    ``host_gradients``: whether a whole model's fp32 gradients live in host RAM (the
+    micro-batch-major accumulator, or final gradients waiting for a clipping norm); a
+    layer-major step without clipping has none. ``accumulation`` > 1: the window is planned
+    too (``plan.window``; boundary activations that do not fit the device go to host RAM)."""
     cb = 2 if precision == "bf16" else 4
     inter = intermediate_size or 4 * hidden_size
     by_kind = {k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")}
@@ -129,7 +137,7 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     # Host and disk: gradients always on the host; optimizer states to disk when a disk tier
     # exists; master weights to disk when the host budget cannot hold them (or when forced).
     states = int(total * codec_bytes_per_param(compression))
-    weights, grads = total * 4, total * 4
+    weights, grads = total * 4, (total * 4 if host_gradients else 0)
     staging = 4 * max_unit * 4  # paged units in flight through host memory
     placement = {"gradients": "host", "master_weights": "host",
                  "optimizer_states": "disk" if offload_dir else "host"}
@@ -139,6 +147,22 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     host = {"weights": weights if placement["master_weights"] == "host" else staging,
             "grads": grads,
             "optimizer_states": states if placement["optimizer_states"] == "host" else staging // 2}
+    window = None
+    if accumulation > 1:
+        free_dev = None if vram_bytes is None else max(vram_bytes - dev["total"], 0)
+        free_host = None if host_bytes is None else max(host_bytes - sum(host.values()), 0)
+        wp = window_plan(accumulation, tokens=batch * seq, hidden_size=hidden_size, num_layers=num_layers,
+                         checkpoint_interval=chosen_k, compute_bytes=cb, device_free=free_dev, host_free=free_host,
+                         layer_work_bytes_per_token=(12 * hidden_size + 4 * inter) * cb)
+        window = wp.to_dict()
+        window["tokens_per_weight_fetch"] = batch * seq * accumulation / wp.loads_per_layer
+        dev = dict(dev)
+        if wp.tier == "host":
+            host["activations"] = wp.boundary_bytes
+            dev["activations"] += wp.device_work_bytes
+        else:
+            dev["activations"] += wp.boundary_bytes + wp.device_work_bytes
+        dev["total"] = dev["weights"] + dev["grads"] + dev["activations"]
     host["total"] = sum(host.values())
     disk = {"weights": weights if placement["master_weights"] == "disk" else 0,
             "optimizer_states": states if placement["optimizer_states"] == "disk" else 0}
@@ -156,7 +180,7 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
                   "free space, use a larger disk, or compress the optimizer states")
     return Plan(device=dev, host=host, disk=disk, placement=placement, layer_slots=slots,
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
-                capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes})
+                capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes}, window=window)
 
 
 def engine_plan(units, model_config, cfg, *, cuda: bool) -> Plan:

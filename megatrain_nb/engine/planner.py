@@ -212,6 +212,9 @@ def engine_plan(units, model_config, cfg, *, cuda: bool) -> Plan:
 
 
 # ---------------------------------------------------------------------- accumulation windows
+#: Tokens per layer-major pass beyond which a group stops growing (see window_plan).
+TOKENS_PER_PASS = 65536
+
 @dataclass
 class WindowPlan:
     """How an accumulation window of ``micro_batches`` runs: layer-major in ``groups`` groups
@@ -243,10 +246,13 @@ def loads_per_layer(num_layers: int, checkpoint_interval: int, groups: int = 1) 
 def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers: int, checkpoint_interval: int,
                 compute_bytes: int, device_free: Optional[int], host_free: Optional[int],
                 layer_work_bytes_per_token: int = 0, tier: str = "auto",
-                max_group: Optional[int] = None) -> WindowPlan:
+                max_group: Optional[int] = None, max_tokens_per_pass: Optional[int] = TOKENS_PER_PASS) -> WindowPlan:
     """Decide a window's layout. ``tokens``: of the largest micro-batch. ``device_free`` /
     ``host_free``: bytes left for the window's activations (None: no limit). ``tier`` forces
     "device" or "host"; ``max_group`` caps the group size (micro-batches per layer-major pass).
+    ``max_tokens_per_pass``: a group stops growing at this many tokens: each weight fetch then
+    already carries several times the tokens that hide its transfer behind compute (about
+    12-17k on H100/H200 over PCIe), and a larger group would only hold more activations.
 
     Per micro-batch the boundary activations are the inputs of every k-th layer (k = 0: every
     layer's autograd graph, device only); the device also holds each micro-batch's current
@@ -270,6 +276,8 @@ def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers
 
     tiers = ["device", "host"] if tier == "auto" else [tier]
     cap = min(A, max_group) if max_group else A
+    by_tokens = max(1, max_tokens_per_pass // max(tokens, 1)) if max_tokens_per_pass else A
+    cap = min(cap, by_tokens)
     best = None
     for where in tiers:
         g = cap
@@ -284,9 +292,14 @@ def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers
     if groups == 1:
         reason = f"layer-major: all {A} micro-batches per pass, boundary activations on the {where}"
     else:
-        reason = (f"split into {groups} groups of up to {g} micro-batches (boundary activations on the {where}): "
-                  f"{A} micro-batches' boundary activations ({A * saved / GiB:.2f} GiB) do not fit"
-                  + (f" (max_window_micro_batches={max_group})" if max_group and max_group < A else ""))
+        if g == by_tokens and g < (min(A, max_group) if max_group else A):
+            why = (f"{g * tokens} tokens per pass already hide the weight streaming; larger groups would only "
+                   f"hold more activations")
+        elif max_group and g == max_group:
+            why = f"max_window_micro_batches={max_group}"
+        else:
+            why = f"{A} micro-batches' boundary activations ({A * saved / GiB:.2f} GiB) do not fit"
+        reason = f"split into {groups} groups of up to {g} micro-batches (boundary activations on the {where}): {why}"
     return WindowPlan(micro_batches=A, groups=groups, group_size=g, tier=where, boundary_bytes=g * saved,
                       device_work_bytes=g * work, loads_per_layer=loads_per_layer(num_layers, k, groups),
                       reason=reason)

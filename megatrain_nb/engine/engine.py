@@ -399,7 +399,7 @@ class StreamingEngine:
         wb = self.weights.nbytes()
         host = {"weights": wb["host"], "grads": hb["grads"], "optimizer_states": st["host"],
                 # states read ahead of their updates + recycled scratch (moments, final gradients)
-                "buffers": st["host_buffers"] + self.updates.buffer_bytes(),
+                "buffers": st["host_buffers"] + self.updates.buffer_bytes() + self.boundary.free_bytes(),
                 # layer-boundary activations a layer-major window kept in host RAM (peak)
                 "activations": self._boundary_peak["host"],
                 "capacity_bytes": int(self.config.max_host_gb * GiB) if self.config.max_host_gb else _ram_total()}

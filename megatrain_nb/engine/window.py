@@ -52,6 +52,9 @@ class BoundaryStore:
         self.cuda = device.type == "cuda"
         self.tier = "device"
         self._t: Dict[Tuple[int, int], torch.Tensor] = {}
+        # Host buffers recycled across steps (pinning is slow): a buffer's next use is a copy
+        # on the same stream as its last read, so the stream orders them.
+        self._free: Dict[tuple, List[torch.Tensor]] = {}
         self.bytes = {"device": 0, "host": 0}
         self.peak = {"device": 0, "host": 0}
 
@@ -62,7 +65,8 @@ class BoundaryStore:
 
     def put(self, key, t: torch.Tensor) -> None:
         if self.tier == "host":
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+            free = self._free.get((tuple(t.shape), t.dtype))
+            h = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
             h.copy_(t, non_blocking=self.cuda)
             t = h
         self._t[key] = t
@@ -74,8 +78,15 @@ class BoundaryStore:
         t = self._t.pop(key)
         self.bytes[self.tier] -= t.numel() * t.element_size()
         if self.tier == "host":
-            return t.to(self.device, non_blocking=self.cuda)
+            out = t.to(self.device, non_blocking=self.cuda)
+            if self.cuda or out is not t:
+                self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+            return out
         return t
+
+    def free_bytes(self) -> int:
+        """Recycled host buffers kept for the next window."""
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
     def clear(self) -> None:
         self._t.clear()

@@ -301,8 +301,7 @@ class WindowRunner:
                         rng[a][i] = r._rng_state()
                     with torch.no_grad():
                         hs[a] = self._call_layer(unit, calls[a][i], hs[a])
-                    self._front_bytes = sum(_nbytes(h) for h in hs)
-                    self._note()
+                self._note()
             finally:
                 unbind(unit, r.placeholders)
                 r.pager.release(unit)
@@ -330,6 +329,7 @@ class WindowRunner:
         for b in reversed(range(0, n, k)):
             end = min(b + k, n)
             inputs = [{b: self.boundary.pop((b, a))} for a in range(A)]
+            block = sum(_nbytes(d[b]) for d in inputs)
             for i in range(b, end - 1):   # recompute the block's inner inputs
                 unit = layers[i]
                 w = r.pager.acquire(unit)
@@ -338,7 +338,8 @@ class WindowRunner:
                     for a in range(A):
                         with r._restored_rng(rng[a].get(i)), torch.no_grad():
                             inputs[a][i + 1] = self._call_layer(unit, calls[a][i], inputs[a][i])
-                        self._note(sum(_nbytes(t) for d in inputs for t in d.values()))
+                        block += _nbytes(inputs[a][i + 1])
+                    self._note(block)
                 finally:
                     unbind(unit, r.placeholders)
                     r.pager.release(unit)
@@ -362,4 +363,5 @@ class WindowRunner:
                 del acc
                 r.pager.release(unit)
             self._front_bytes = sum(_nbytes(g) for g in gs)
+            self._note()
         return gs

@@ -62,7 +62,7 @@ def _pair(model, **cfg):
 
 
 @pytest.mark.parametrize("family,tie", [("llama", True), ("gpt2", True), ("gemma2", False), ("mistral", False)])
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_20_steps_match_micro_batch_major(family, tie, k):
     """20 optimizer steps, accumulation 3, padding; clipping at k=2, int8 states at k=3.
 

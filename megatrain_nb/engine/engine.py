@@ -26,11 +26,11 @@ from . import io as engine_io
 from .config import EngineConfig
 from .family import max_positions, vocab_size
 from .host_store import HostStore
-from .inputs import prepare_batch
+from .inputs import prepare_batch, window_batches
 from .materialize import SafetensorsSource, take_parameters
 from .optimizer import UnitAdamW
 from .pager import Pager
-from .planner import GiB, WindowPlan, engine_plan, window_plan
+from .planner import GiB, WindowPlan, engine_plan, engine_window_plan
 from .proxies import LayerProxy
 from .states import OptimizerStates
 from .step import StepRunner
@@ -240,27 +240,12 @@ class StreamingEngine:
     def plan_window(self, batches) -> WindowPlan:
         """The layout a window of prepared ``(ids, am, labels)`` micro-batches gets: layer-major
         when their boundary activations fit the device budget, else host RAM, else split."""
-        from .family import hidden_size, intermediate_size
-
-        cfg, plan = self.config, self.plan
-        esize = 2 if self.dtype == torch.bfloat16 else 4
-        tokens = max(int(b[0].numel()) for b in batches)
-        cap = (int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else
-               torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None)
-        hid, inter = hidden_size(self.model_config), intermediate_size(self.model_config) or 0
-        layer_work = (12 * hid + 4 * inter) * esize          # one layer re-run, per token (planner's figure)
-        dev_free = None
-        if cap is not None:
-            dev_free = cap - plan.device["weights"] - plan.device["grads"] - tokens * layer_work
-            dev_free = max(dev_free, 0)
-        if cfg.max_host_gb:
-            host_free = max(int(cfg.max_host_gb * GiB) - (plan.host["total"] - plan.host["grads"]), 0)
-        else:
-            host_free = int(0.8 * _ram_available())
-        return window_plan(len(batches), tokens=tokens, hidden_size=hid, num_layers=len(self.layer_units),
-                           checkpoint_interval=self.checkpoint_interval, compute_bytes=esize,
-                           device_free=dev_free, host_free=host_free, layer_work_bytes_per_token=layer_work,
-                           tier=cfg.window_tier, max_group=cfg.max_window_micro_batches)
+        cap = None
+        if self.device.type == "cuda" and not self.config.max_vram_gb:
+            cap = torch.cuda.get_device_properties(self.device).total_memory
+        return engine_window_plan(self.plan, self.model_config, self.config, len(self.layer_units),
+                                  tokens=max(int(b[0].numel()) for b in batches), micro_batches=len(batches),
+                                  device_capacity=cap)
 
     def _forward_backward_window(self, window, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
         with self.lock:
@@ -484,33 +469,6 @@ class StreamingEngine:
         disk = getattr(self, "disk", None)
         if disk is not None:
             disk.abandon()
-
-
-def window_batches(x) -> Optional[list]:
-    """``x`` as a window of ``(input_ids, attention_mask, labels)`` micro-batches, or None when
-    it is one batch. A window is a list or tuple whose items are all tensors (input ids) or
-    dicts with ``input_ids`` (and optionally ``attention_mask``, ``labels``)."""
-    from collections.abc import Mapping
-
-    if not isinstance(x, (list, tuple)) or not x or not all(torch.is_tensor(b) or isinstance(b, Mapping) for b in x):
-        return None
-    out = []
-    for i, b in enumerate(x):
-        if torch.is_tensor(b):
-            out.append((b, None, None))
-            continue
-        extra = set(b) - {"input_ids", "attention_mask", "labels"}
-        if "input_ids" not in b or extra:
-            raise ValueError(f"micro-batch {i} of the window must be a tensor of input ids or a dict with "
-                             f"'input_ids' (and optionally 'attention_mask', 'labels'); got keys {sorted(b)}.")
-        out.append((b["input_ids"], b.get("attention_mask"), b.get("labels")))
-    return out
-
-
-def _ram_available() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def _ram_total() -> int:

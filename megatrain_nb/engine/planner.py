@@ -303,3 +303,29 @@ def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers
     return WindowPlan(micro_batches=A, groups=groups, group_size=g, tier=where, boundary_bytes=g * saved,
                       device_work_bytes=g * work, loads_per_layer=loads_per_layer(num_layers, k, groups),
                       reason=reason)
+
+
+def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens: int, micro_batches: int,
+                       device_capacity: Optional[int] = None) -> WindowPlan:
+    """The engine's window layout under an EngineConfig ``cfg`` and its ``plan``. ``tokens``: of
+    the largest micro-batch; ``device_capacity``: the device's memory when ``max_vram_gb`` is
+    unset (None on a CPU "device": no cap)."""
+    from .family import hidden_size, intermediate_size
+
+    esize = 2 if cfg.precision == "bf16" else 4
+    cap = int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else device_capacity
+    hid, inter = hidden_size(model_config), intermediate_size(model_config) or 0
+    layer_work = (12 * hid + 4 * inter) * esize          # one layer re-run, per token (as activation_bytes)
+    dev_free = None
+    if cap is not None:
+        dev_free = max(cap - plan.device["weights"] - plan.device["grads"] - tokens * layer_work, 0)
+    if cfg.max_host_gb:  # a layer-major step keeps no host gradient accumulator
+        host_free = max(int(cfg.max_host_gb * GiB) - (plan.host["total"] - plan.host["grads"]), 0)
+    else:
+        import psutil
+
+        host_free = int(0.8 * psutil.virtual_memory().available)
+    return window_plan(micro_batches, tokens=tokens, hidden_size=hid, num_layers=num_layers,
+                       checkpoint_interval=plan.checkpoint_interval, compute_bytes=esize, device_free=dev_free,
+                       host_free=host_free, layer_work_bytes_per_token=layer_work, tier=cfg.window_tier,
+                       max_group=cfg.max_window_micro_batches)

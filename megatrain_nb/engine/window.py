@@ -30,7 +30,6 @@ major path (same distribution; with A = 1 they are the same).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch

@@ -70,17 +70,24 @@ def run_child(path, A, a) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def estimator_figures():
+def estimator_figures() -> None:
+    """llama-100b, batch 1 x accumulation 128, 80 GiB device, 1 TiB RAM: host RAM before
+    (micro-batch-major) and after (layer-major), with and without clipping, fp32 and bf16."""
     import megatrain_nb as mt
 
     kw = dict(vram_gb=80, ram_gb=1024, disk_gb=4096, batch=1, seq=2048, accumulation=128)
-    before = mt.estimate("llama-100b", layer_major=False, **kw)
-    after = mt.estimate("llama-100b", clipping=False, **kw)
-    after_clip = mt.estimate("llama-100b", clipping=True, **kw)
-    for name, e in (("micro-batch-major", before), ("layer-major", after), ("layer-major, clipping", after_clip)):
-        print(f"--- estimator, llama-100b, batch 1 x accumulation 128, {name}")
-        print(e)
-    return before, after, after_clip
+    for prec in ("fp32", "bf16"):
+        before = mt.estimate("llama-100b", layer_major=False, precision=prec, **kw)
+        b = before.plan.host["total"] / 2**30
+        result(f"estimate_llama100b_acc128_{prec}_host_before", b, "GiB", ">", 0)
+        for clip in (False, True):
+            after = mt.estimate("llama-100b", clipping=clip, precision=prec, **kw)
+            h = {k: round(v / 2**30, 1) for k, v in after.plan.host.items()}
+            print(f"llama-100b acc 128 {prec} layer-major{' + clipping' if clip else ''}: host {h}; {after.notes[0]}")
+            tag = f"estimate_llama100b_acc128_{prec}{'_clip' if clip else ''}"
+            result(f"{tag}_host_after", after.plan.host["total"] / 2**30, "GiB", "<", round(b, 1))
+            result(f"{tag}_loads_per_layer", after.plan.window["loads_per_layer"], "loads", "<=", 2)
+            result(f"{tag}_tokens_per_fetch", after.plan.window["tokens_per_weight_fetch"], "tokens", ">=", 12000)
 
 
 def main(argv=None):
@@ -94,7 +101,11 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--estimate-only", action="store_true", help="only the estimator figures")
     a = ap.parse_args(argv)
+    if a.estimate_only:
+        estimator_figures()
+        return 0
     if a.child:
         print(json.dumps(child(a)))
         return 0
@@ -109,7 +120,6 @@ def main(argv=None):
                   f"{r['loads_per_layer']:g}  tokens/fetch {r['tokens_per_weight_fetch']:g}  h2d "
                   f"{r['h2d_bytes'] / 2**20:.0f} MiB  peak RSS {r['peak_rss'] / 2**20:.0f} MiB  host grads "
                   f"{r['host_grads'] / 2**20:.0f} MiB", flush=True)
-    before, after, after_clip = estimator_figures()
     acc_bytes = 4 * res[("layer_major", 1)]["params"]
     print(f"fp32 gradient accumulator of this model: {acc_bytes / 2**20:.0f} MiB")
     for A in (1, 4, 16):
@@ -118,13 +128,7 @@ def main(argv=None):
         result(f"accum_rss_saved_A{A}", (mb["peak_rss"] - lm["peak_rss"]) / 2**20, "MiB", ">=",
                round(acc_bytes / 2**20) if A > 1 else 0)
         result(f"accum_step_vs_micro_batch_major_A{A}", lm["step_s"] / mb["step_s"], "x", "<=", 1.05)
-    result("estimate_llama100b_acc128_host_before", before.plan.host["total"] / 2**30, "GiB", ">", 0)
-    result("estimate_llama100b_acc128_host_after", after.plan.host["total"] / 2**30, "GiB", "<",
-           round(before.plan.host["total"] / 2**30, 1))
-    result("estimate_llama100b_acc128_host_after_clipping", after_clip.plan.host["total"] / 2**30, "GiB", "<",
-           round(before.plan.host["total"] / 2**30, 1))
-    result("estimate_llama100b_acc128_tokens_per_fetch", after.plan.window["tokens_per_weight_fetch"], "tokens",
-           ">=", 12000)
+    estimator_figures()
     return 0
 
 

@@ -153,7 +153,10 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
         free_host = None if host_bytes is None else max(host_bytes - sum(host.values()), 0)
         wp = window_plan(accumulation, tokens=batch * seq, hidden_size=hidden_size, num_layers=num_layers,
                          checkpoint_interval=chosen_k, compute_bytes=cb, device_free=free_dev, host_free=free_host,
-                         layer_work_bytes_per_token=(12 * hidden_size + 4 * inter) * cb)
+                         layer_work_bytes_per_token=(12 * hidden_size + 4 * inter) * cb,
+                         accumulator_bytes=0 if host_gradients else total * 4)
+        if wp.groups > 1:   # a later group adds into the host accumulator
+            host["grads"] = total * 4
         window = wp.to_dict()
         window["tokens_per_weight_fetch"] = batch * seq * accumulation / wp.loads_per_layer
         dev = dict(dev)
@@ -246,13 +249,16 @@ def loads_per_layer(num_layers: int, checkpoint_interval: int, groups: int = 1) 
 def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers: int, checkpoint_interval: int,
                 compute_bytes: int, device_free: Optional[int], host_free: Optional[int],
                 layer_work_bytes_per_token: int = 0, tier: str = "auto",
-                max_group: Optional[int] = None, max_tokens_per_pass: Optional[int] = TOKENS_PER_PASS) -> WindowPlan:
+                max_group: Optional[int] = None, max_tokens_per_pass: Optional[int] = None,
+                accumulator_bytes: int = 0) -> WindowPlan:
     """Decide a window's layout. ``tokens``: of the largest micro-batch. ``device_free`` /
     ``host_free``: bytes left for the window's activations (None: no limit). ``tier`` forces
     "device" or "host"; ``max_group`` caps the group size (micro-batches per layer-major pass).
-    ``max_tokens_per_pass``: a group stops growing at this many tokens: each weight fetch then
-    already carries several times the tokens that hide its transfer behind compute (about
-    12-17k on H100/H200 over PCIe), and a larger group would only hold more activations.
+    ``max_tokens_per_pass`` (optional): a group stops growing at this many tokens (e.g.
+    ``TOKENS_PER_PASS``: each weight fetch then carries several times the ~12-17k tokens that
+    hide its transfer behind compute on H100/H200 over PCIe). ``accumulator_bytes``: host RAM a
+    split window needs for the gradient accumulator (a later group adds into it); one group
+    needs none, so a split must fit its boundary activations in ``host_free`` minus that.
 
     Per micro-batch the boundary activations are the inputs of every k-th layer (k = 0: every
     layer's autograd graph, device only); the device also holds each micro-batch's current
@@ -272,7 +278,8 @@ def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers
             return device_free is None or g * (saved + work) <= device_free
         if k == 0:
             return False
-        return (device_free is None or g * work <= device_free) and (host_free is None or g * saved <= host_free)
+        hf = None if host_free is None else host_free - (accumulator_bytes if g < A else 0)
+        return (device_free is None or g * work <= device_free) and (hf is None or g * saved <= hf)
 
     tiers = ["device", "host"] if tier == "auto" else [tier]
     cap = min(A, max_group) if max_group else A
@@ -319,8 +326,9 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
     dev_free = None
     if cap is not None:
         dev_free = max(cap - plan.device["weights"] - plan.device["grads"] - tokens * layer_work, 0)
-    if cfg.max_host_gb:  # a layer-major step keeps no host gradient accumulator
-        host_free = max(int(cfg.max_host_gb * GiB) - (plan.host["total"] - plan.host["grads"]), 0)
+    accumulator = plan.host["grads"]
+    if cfg.max_host_gb:  # a one-group layer-major step keeps no host gradient accumulator
+        host_free = max(int(cfg.max_host_gb * GiB) - (plan.host["total"] - accumulator), 0)
     else:
         import psutil
 
@@ -328,4 +336,4 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
     return window_plan(micro_batches, tokens=tokens, hidden_size=hid, num_layers=num_layers,
                        checkpoint_interval=plan.checkpoint_interval, compute_bytes=esize, device_free=dev_free,
                        host_free=host_free, layer_work_bytes_per_token=layer_work, tier=cfg.window_tier,
-                       max_group=cfg.max_window_micro_batches)
+                       max_group=cfg.max_window_micro_batches, accumulator_bytes=accumulator)

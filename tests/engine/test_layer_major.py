@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.planner import GiB, loads_per_layer, window_plan
+from megatrain_nb.engine.planner import TOKENS_PER_PASS, GiB, loads_per_layer, window_plan
 
 from .families import VOCAB, family_config
 
@@ -230,7 +230,7 @@ def test_window_bad_input_is_named():
 def test_window_plan_device_then_host_then_split():
     row = 4096 * 8192 * 2     # one micro-batch's hidden state: 4096 tokens, hidden 8192, bf16
     kw = dict(tokens=4096, hidden_size=8192, num_layers=80, checkpoint_interval=1, compute_bytes=2)
-    p = window_plan(16, device_free=None, host_free=None, **kw)          # 16 x 4096 = 65,536 tokens: one pass
+    p = window_plan(16, device_free=None, host_free=None, **kw)
     assert (p.tier, p.groups, p.loads_per_layer) == ("device", 1, 2)
     p = window_plan(16, device_free=16 * 82 * row, host_free=None, **kw)
     assert (p.tier, p.groups, p.boundary_bytes) == ("device", 1, 16 * 80 * row)
@@ -244,8 +244,13 @@ def test_window_plan_device_then_host_then_split():
     p = window_plan(16, device_free=None, host_free=None, max_group=4, **kw)
     assert (p.groups, p.group_size) == (4, 4)
     assert loads_per_layer(80, 2) == pytest.approx(2.5)
-    # groups stop growing at max_tokens_per_pass (default 65,536 tokens): 128 x 2048 tokens -> 4 groups of 32
-    p = window_plan(128, device_free=None, host_free=None, **{**kw, "tokens": 2048})
+    # a split window needs the host accumulator: its groups get the host RAM left after it
+    p = window_plan(16, device_free=10 * GiB, host_free=25 * GiB, accumulator_bytes=10 * GiB, **kw)
+    assert (p.tier, p.group_size, p.groups) == ("host", 3, 6)
+    p = window_plan(4, device_free=10 * GiB, host_free=25 * GiB, accumulator_bytes=10 * GiB, **kw)
+    assert p.groups == 1   # 4 x 5 GiB fit in one group, which needs no accumulator
+    # optionally, groups stop growing at max_tokens_per_pass: 128 x 2048 tokens -> 4 groups of 32
+    p = window_plan(128, device_free=None, host_free=None, max_tokens_per_pass=TOKENS_PER_PASS,
+                    **{**kw, "tokens": 2048})
     assert (p.groups, p.group_size, p.loads_per_layer) == (4, 32, 8) and "hide the weight streaming" in p.reason
-    p = window_plan(128, device_free=None, host_free=None, max_tokens_per_pass=None, **{**kw, "tokens": 2048})
-    assert p.groups == 1
+    assert window_plan(128, device_free=None, host_free=None, **{**kw, "tokens": 2048}).groups == 1

@@ -254,3 +254,34 @@ def test_window_plan_device_then_host_then_split():
                     **{**kw, "tokens": 2048})
     assert (p.groups, p.group_size, p.loads_per_layer) == (4, 32, 8) and "hide the weight streaming" in p.reason
     assert window_plan(128, device_free=None, host_free=None, **{**kw, "tokens": 2048}).groups == 1
+
+
+@pytest.mark.parametrize("clip,max_group", [(None, None), (0.5, None), (None, 2)])
+def test_reduce_point_sees_each_final_gradient_once_per_window(clip, max_group):
+    """The seam a distributed reduce plugs into: once per unit per step, the window's summed gradient."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2)).eval()
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", weight_decay=0.0))
+    eng = StreamingEngine(model, EngineConfig(device="cpu", weight_decay=0.0, max_window_micro_batches=max_group))
+    g = torch.Generator().manual_seed(5)
+    window = [torch.randint(1, VOCAB, (2, 10), generator=g) for _ in range(3)]
+    for ids in window:
+        ref.forward_backward(ids, num_items_in_batch=3 * 2 * 9)
+    want = {name: gr.clone() for name, gr in ref.named_gradients()}
+    before = {name: p.clone() for name, p in eng.named_parameters()}
+    seen = {}
+
+    def reduce(unit, flat):
+        assert unit.index not in seen, f"{unit.name} reduced twice"
+        seen[unit.index] = (unit, flat.clone())
+        flat.zero_()
+    eng.updates.reduce = reduce
+    eng.forward_backward(window, step_lr=1e-2, max_grad_norm=clip)
+    eng.zero_grad()
+    assert {u.index for u in eng.units if u.numel} == set(seen)
+    for unit, flat in seen.values():
+        for p in unit.params:
+            assert torch.allclose(flat[p.offset:p.offset + p.numel].view(p.shape), want[p.name], atol=1e-6), p.name
+    for name, p in eng.named_parameters():
+        assert torch.equal(p, before[name]), name
+    eng.close()
+    ref.close()

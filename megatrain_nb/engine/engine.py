@@ -219,7 +219,7 @@ class StreamingEngine:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
             t0 = time.perf_counter()
-            step = StepContext(lr=step_lr, clip=max_grad_norm)
+            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self._clip_hold())
             self.updates.begin(step)
             try:
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, step=step,
@@ -261,7 +261,7 @@ class StreamingEngine:
             for g0 in range(0, len(batches), wp.group_size):
                 group = batches[g0:g0 + wp.group_size]
                 last = g0 + wp.group_size >= len(batches)
-                step = StepContext(lr=step_lr, clip=max_grad_norm) if last else StepContext()
+                step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self._clip_hold()) if last else StepContext()
                 self.updates.begin(step)
                 try:
                     part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
@@ -282,6 +282,12 @@ class StreamingEngine:
             self.counters.add("micro_batches", len(batches))
             self.counters.add("step_seconds", time.perf_counter() - t0)
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm)
+
+    def _clip_hold(self) -> str:
+        hold = self.config.clip_hold
+        if hold == "auto":
+            hold = "disk" if self.disk is not None and self.params_on_disk else "host"
+        return hold
 
     def _close_step(self, **extra) -> None:
         self.counters.close_step([u.name for u in self.layer_units], **extra)
@@ -392,8 +398,9 @@ class StreamingEngine:
         self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"],
                               host["used_bytes"] - self.boundary.bytes["host"] + self._boundary_peak["host"])
         host["peak_bytes"] = self._host_peak
-        disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "capacity_bytes": st.get("disk_capacity")}
-        disk["used_bytes"] = disk["weights"] + disk["optimizer_states"]
+        disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "grads": self.updates.held_disk_bytes(),
+                "capacity_bytes": st.get("disk_capacity")}
+        disk["used_bytes"] = disk["weights"] + disk["optimizer_states"] + disk["grads"]
         self._disk_peak = max(getattr(self, "_disk_peak", 0), disk["used_bytes"])
         disk["peak_bytes"] = self._disk_peak
         return {"device": dev, "host": host, "disk": disk}

@@ -285,3 +285,34 @@ def test_reduce_point_sees_each_final_gradient_once_per_window(clip, max_group):
         assert torch.equal(p, before[name]), name
     eng.close()
     ref.close()
+
+
+@pytest.mark.parametrize("window", [True, False])
+def test_clipping_holds_final_gradients_on_the_disk_tier(tmp_path, window):
+    """clip_hold='disk': the final gradients wait for the norm on the disk tier, not in RAM;
+    same weights as holding them in RAM."""
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ram = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=str(tmp_path / "a"),
+                                                             clip_hold="host"))
+    disk = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=str(tmp_path / "b"),
+                                                              clip_hold="disk"))
+    for w in _windows(3, 3 if window else 1):
+        outs = []
+        for e in (ram, disk):
+            if window:
+                outs.append(e.forward_backward(w, step_lr=3e-3, max_grad_norm=0.05))
+            else:
+                b = w[0]
+                outs.append(e.forward_backward(b["input_ids"], attention_mask=b["attention_mask"], step_lr=3e-3,
+                                               max_grad_norm=0.05))
+        assert outs[1].grad_norm == outs[0].grad_norm and outs[0].grad_norm > 0.05
+    assert _rel(disk, ram) == 0.0
+    mem = disk.memory_report()
+    assert mem["host"]["grads"] == 0 and mem["disk"]["grads"] >= 4 * disk.num_parameters()
+    assert ram.memory_report()["host"]["grads"] == 4 * ram.num_parameters()
+    with pytest.raises(ValueError, match="clip_hold='disk' needs an offload_dir"):
+        EngineConfig(clip_hold="disk")
+    for e in (ram, disk):
+        e.close()

@@ -261,7 +261,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                      batch=batch, seq=seq, compression=comp, precision=precision,
                      checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
                      cuda=device != "cpu", accumulation=accumulation if layer_major else 1,
-                     host_gradients=clipping or (accumulation > 1 and not layer_major))
+                     host_gradients=clipping or (accumulation > 1 and not layer_major),
+                     clip_hold="auto" if clipping and layer_major else None)
     total = sum(u.numel for u in units)
     notes = []
     if plan.window:

@@ -85,13 +85,15 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
               precision: str = "fp32", checkpoint_interval: Optional[int] = 1, offload_dir: bool = True,
               layer_slots: Optional[int] = None, offload_params: Optional[bool] = None,
               cuda: bool = True, loss_chunk_tokens: int = 1024, accumulation: int = 1,
-              host_gradients: bool = True) -> Plan:
+              host_gradients: bool = True, clip_hold: Optional[str] = None) -> Plan:
     """Place a model's training state on (device, host, disk) under the given budgets.
 
     ``host_gradients``: whether a whole model's fp32 gradients live in host RAM (the
     micro-batch-major accumulator, or final gradients waiting for a clipping norm); a
     layer-major step without clipping has none. ``accumulation`` > 1: the window is planned
-    too (``plan.window``; boundary activations that do not fit the device go to host RAM)."""
+    too (``plan.window``; boundary activations that do not fit the device go to host RAM).
+    ``clip_hold`` ("host" | "disk" | "auto", as ``EngineConfig.clip_hold``): where final
+    gradients held for a clipping norm live; "auto" = the disk tier when master weights are."""
     cb = 2 if precision == "bf16" else 4
     inter = intermediate_size or 4 * hidden_size
     by_kind = {k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")}
@@ -144,6 +146,11 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     if offload_params or (offload_params is None and offload_dir and host_bytes is not None
                           and weights + grads + (0 if offload_dir else states) > host_bytes):
         placement["master_weights"] = "disk" if offload_dir else "host"
+    grads_on_disk = bool(offload_dir) and (clip_hold == "disk" or (
+        clip_hold == "auto" and placement["master_weights"] == "disk"))
+    if grads_on_disk:
+        placement["gradients"] = "disk"
+        grads = 0
     host = {"weights": weights if placement["master_weights"] == "host" else staging,
             "grads": grads,
             "optimizer_states": states if placement["optimizer_states"] == "host" else staging // 2}
@@ -154,9 +161,11 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
         wp = window_plan(accumulation, tokens=batch * seq, hidden_size=hidden_size, num_layers=num_layers,
                          checkpoint_interval=chosen_k, compute_bytes=cb, device_free=free_dev, host_free=free_host,
                          layer_work_bytes_per_token=(12 * hidden_size + 4 * inter) * cb,
-                         accumulator_bytes=0 if host_gradients else total * 4)
+                         accumulator_bytes=0 if host["grads"] else total * 4)
         if wp.groups > 1:   # a later group adds into the host accumulator
             host["grads"] = total * 4
+            grads_on_disk = False
+            placement["gradients"] = "host"
         window = wp.to_dict()
         window["tokens_per_weight_fetch"] = batch * seq * accumulation / wp.loads_per_layer
         dev = dict(dev)
@@ -168,6 +177,7 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
         dev["total"] = dev["weights"] + dev["grads"] + dev["activations"]
     host["total"] = sum(host.values())
     disk = {"weights": weights if placement["master_weights"] == "disk" else 0,
+            "grads": total * 4 if grads_on_disk else 0,
             "optimizer_states": states if placement["optimizer_states"] == "disk" else 0}
     disk["total"] = sum(disk.values())
     if feasible and host_bytes is not None and host["total"] > host_bytes:

@@ -11,8 +11,9 @@ The step's path, top to bottom in this file:
    distributed gradient reduce-scatter goes).
 5. Without clipping the unit's AdamW update is queued at once (:meth:`_submit`), overlapped
    with the backward of the units below it. With clipping only its share of the global norm
-   is taken; :meth:`finish` then queues every update, in :attr:`update_order`, scaled by the
-   clip coefficient.
+   is taken (the gradient waits in RAM, or with ``StepContext.hold == "disk"`` on the disk
+   tier: :meth:`_hold_on_disk`); :meth:`finish` then queues every update, in
+   :attr:`update_order`, scaled by the clip coefficient.
 6. :meth:`_apply` — one unit's update in the AdamW worker thread: optimizer states loaded,
    weights taken, AdamW, weights and states written (behind, on the disk tier).
 7. :meth:`ready_weights` — the next forward waits for exactly that unit's update before its

@@ -261,7 +261,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
              seq: int = 2048, compression=True, precision: str = "fp32", checkpoint_interval: Optional[int] = 1,
              offload_dir: Union[bool, str, None] = True, device: str = "cuda",
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
-             layer_major: bool = True) -> Estimate:
+             layer_major: bool = True, clip_hold: str = "host") -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
@@ -273,7 +273,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     ``accumulation``: micro-batches per optimizer step; layer-major (the engine's default for a
     window) keeps no host gradient accumulator, unless ``clipping`` (global-norm clipping, on by
     default as in TrainingArguments) holds the final gradients for the norm;
-    ``layer_major=False`` shows the micro-batch-major path.
+    ``layer_major=False`` shows the micro-batch-major path. ``clip_hold``: as
+    ``EngineConfig.clip_hold`` ("disk"/"auto": those final gradients on the disk tier).
     """
     from megatrain_nb.engine.codecs import normalize_compression
     from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
@@ -296,7 +297,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                          checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
                          cuda=device != "cpu", accumulation=accumulation if layer_major else 1,
                          host_gradients=clipping or (accumulation > 1 and not layer_major),
-                         clip_hold="auto" if clipping and layer_major else None)
+                         clip_hold=clip_hold if clipping else None)
 
     by_codec = {codec: plan_for(codec) for codec in ("none", "int8", "int4")}
     plan = by_codec.get(comp) or plan_for(comp)

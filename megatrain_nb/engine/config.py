@@ -54,7 +54,7 @@ class EngineConfig:
     window_tier: str = "auto"
     """Where a layer-major window keeps its layer-boundary activations: "auto" (the device when
     they fit its budget, else host RAM), "device" or "host"."""
-    clip_hold: str = "auto"
+    clip_hold: str = "host"
     """With global-norm clipping, where gradients that arrive final in one piece (a layer-major
     window's, a single micro-batch's) wait for the norm: "host" RAM, "disk" (the disk tier:
     written at once, read back by the update), or "auto" (disk when the master weights are on

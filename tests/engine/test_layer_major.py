@@ -316,3 +316,13 @@ def test_clipping_holds_final_gradients_on_the_disk_tier(tmp_path, window):
         EngineConfig(clip_hold="disk")
     for e in (ram, disk):
         e.close()
+
+
+def test_estimate_counts_gradients_held_on_disk():
+    from megatrain_nb import estimate
+
+    kw = dict(vram_gb=80, ram_gb=64, disk_gb=4096)
+    host = estimate("llama-100b", **kw)
+    disk = estimate("llama-100b", clip_hold="auto", **kw)   # master weights on disk -> gradients too
+    assert not host.feasible and host.plan.host["grads"] > 0
+    assert disk.feasible and disk.plan.host["grads"] == 0 and disk.plan.disk["grads"] == host.plan.host["grads"]

@@ -296,17 +296,24 @@ class Trainer:
         # known at the end of the backward, overlapped with the next forward.
         with engine.lock:
             lr = self.schedule.current()
-            for i, b in enumerate(window):
-                last = i == len(window) - 1
-                if last:  # the step's update rides on its last backward
-                    self.control = cb.on_pre_optimizer_step(args, st, self.control)
-                extra = {"step_lr": lr, "max_grad_norm": max_norm} if last else {}
+            if len(window) > 1:
+                # Layer-major: the whole window in one call, each layer on the device twice per
+                # step (the engine's planner may split it into groups and says so).
+                micro = [{k: b[k] for k in ("input_ids", "attention_mask", "labels") if b.get(k) is not None}
+                         for b in window]
+                for _ in window[:-1]:
+                    self.control = cb.on_substep_end(args, st, self.control)
+                self.control = cb.on_pre_optimizer_step(args, st, self.control)
+                out = engine.forward_backward(micro, num_items_in_batch=n_items, loss_fn=self.loss_fn,
+                                              step_lr=lr, max_grad_norm=max_norm)
+                loss_sum = float(out.loss) * int(out.num_tokens)
+            else:  # one micro-batch: the step's update rides on its backward
+                b = window[0]
+                self.control = cb.on_pre_optimizer_step(args, st, self.control)
                 out = engine.forward_backward(b["input_ids"], attention_mask=b.get("attention_mask"),
                                               labels=b["labels"], num_items_in_batch=n_items,
-                                              loss_fn=self.loss_fn, **extra)
-                loss_sum += float(out.loss) * int(out.num_tokens)
-                if not last:
-                    self.control = cb.on_substep_end(args, st, self.control)
+                                              loss_fn=self.loss_fn, step_lr=lr, max_grad_norm=max_norm)
+                loss_sum = float(out.loss) * int(out.num_tokens)
             grad_norm = out.grad_norm
             self.control = cb.on_optimizer_step(args, st, self.control)
             self.schedule.step()

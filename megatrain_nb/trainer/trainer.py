@@ -33,6 +33,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..engine.dist import Dist
 from . import checkpoint as ckpt
 from .args import engine_options_from_args, validate_training_args
 from .data import (
@@ -129,6 +130,8 @@ class Trainer:
         self._tokens_seen = 0
         self._log_accum = (0.0, 0)  # (sum of step losses, steps) since the last log
         self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl")
+        # Data-parallel ranks: the engine's process group (one process: Dist.single()).
+        self.dist = getattr(self._engine, "dist", None) or Dist.single()
         fb_params = inspect.signature(self._engine.forward_backward).parameters
         self._engine_overlaps = "step_lr" in fb_params
         self._engine_clips = "max_grad_norm" in fb_params
@@ -178,7 +181,7 @@ class Trainer:
             raise DataError("train_dataset has no length (an iterable dataset): set max_steps in TrainingArguments")
         n, bs = len(self.train_dataset), a.per_device_train_batch_size
         batches = n // bs if a.dataloader_drop_last else -(-n // bs)
-        per_epoch = max(-(-batches // a.gradient_accumulation_steps), 1)
+        per_epoch = max(-(-batches // (a.gradient_accumulation_steps * self.dist.world)), 1)
         return int(math.ceil(a.num_train_epochs * per_epoch))
 
     # ------------------------------------------------------------------ live controls (Session seam)
@@ -215,7 +218,8 @@ class Trainer:
             stream = BatchStream(self.train_dataset, batch_size=args.per_device_train_batch_size,
                                  collate=self.data_collator,
                                  seed=args.data_seed if args.data_seed is not None else args.seed,
-                                 shuffle=args.train_sampling_strategy == "random", drop_last=args.dataloader_drop_last)
+                                 shuffle=args.train_sampling_strategy == "random", drop_last=args.dataloader_drop_last,
+                                 rank=self.dist.rank, world=self.dist.world)
             self._stream = stream
             self.schedule = LRSchedule(learning_rate=args.learning_rate, scheduler_type=args.lr_scheduler_type,
                                        num_training_steps=total, num_warmup_steps=args.get_warmup_steps(total),
@@ -232,7 +236,7 @@ class Trainer:
                 self._pending_lr = None
             st = self.state
             st.max_steps, st.train_batch_size = total, args.per_device_train_batch_size
-            st.num_train_epochs = (math.ceil(total / max(-(-stream.batches_per_epoch // ga), 1))
+            st.num_train_epochs = (math.ceil(total / max(-(-stream.batches_per_epoch // (ga * self.dist.world)), 1))
                                    if stream.batches_per_epoch else 1)
             st.compute_steps(args, total)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -275,7 +279,8 @@ class Trainer:
     def _train_window(self, window: list, total: int) -> dict:
         args, engine, cb, st = self.args, self._engine, self.callback_handler, self.state
         t0 = time.perf_counter()
-        n_items = sum(count_targets(b) for b in window)
+        # The loss is normalised by the target tokens of the whole step, over all ranks.
+        n_items = self.dist.sum(sum(count_targets(b) for b in window))
         if n_items == 0:
             raise DataError(f"optimizer step {st.global_step + 1}: its batches hold no target tokens "
                             "(every label is -100 or every sequence is padding)")
@@ -312,8 +317,9 @@ class Trainer:
                 engine.zero_grad()
             self.control = cb.on_optimizer_step(args, st, self.control)
             self.schedule.step()
+        loss_sum = self.dist.sum(loss_sum)
         dt = time.perf_counter() - t0
-        tokens = sum(count_tokens(b) for b in window)
+        tokens = self.dist.sum(sum(count_tokens(b) for b in window))
         self._tokens_seen += tokens
         st.num_input_tokens_seen = self._tokens_seen
         loss = loss_sum / n_items

@@ -19,11 +19,16 @@ def _clean(v):
 
 
 class MetricsLog:
-    def __init__(self, path):
+    """``enabled=False`` (a data-parallel rank other than 0) writes nothing: one run, one log."""
+
+    def __init__(self, path, enabled: bool = True):
         self.path = Path(path)
+        self.enabled = enabled
         self._lock = threading.Lock()
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
         line = json.dumps(_clean(record), default=str)
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)

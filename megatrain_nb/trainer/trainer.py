@@ -129,9 +129,10 @@ class Trainer:
         self._running = False
         self._tokens_seen = 0
         self._log_accum = (0.0, 0)  # (sum of step losses, steps) since the last log
-        self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl")
         # Data-parallel ranks: the engine's process group (one process: Dist.single()).
+        # Rank 0 alone logs and writes shared files.
         self.dist = getattr(self._engine, "dist", None) or Dist.single()
+        self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl", enabled=self.dist.is_main)
         fb_params = inspect.signature(self._engine.forward_backward).parameters
         self._engine_overlaps = "step_lr" in fb_params
         self._engine_clips = "max_grad_norm" in fb_params
@@ -235,6 +236,9 @@ class Trainer:
                 self.schedule.set_lr(self._pending_lr)
                 self._pending_lr = None
             st = self.state
+            # callbacks (report_to, progress bars) act on the main process only, as under transformers
+            st.is_world_process_zero = self.dist.is_main
+            st.is_local_process_zero = self.dist.local_rank == 0
             st.max_steps, st.train_batch_size = total, args.per_device_train_batch_size
             st.num_train_epochs = (math.ceil(total / max(-(-stream.batches_per_epoch // (ga * self.dist.world)), 1))
                                    if stream.batches_per_epoch else 1)

@@ -99,10 +99,14 @@ class Traffic:
     minimum: dict = field(default_factory=dict)
     calls: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        self._lock = threading.Lock()   # the pager's and the gradients' threads both count
+
     def add(self, kind: str, sent: float, minimum: float) -> None:
-        self.sent[kind] = self.sent.get(kind, 0) + int(sent)
-        self.minimum[kind] = self.minimum.get(kind, 0) + int(minimum)
-        self.calls[kind] = self.calls.get(kind, 0) + 1
+        with self._lock:
+            self.sent[kind] = self.sent.get(kind, 0) + int(sent)
+            self.minimum[kind] = self.minimum.get(kind, 0) + int(minimum)
+            self.calls[kind] = self.calls.get(kind, 0) + 1
 
     def total(self) -> tuple[int, int]:
         return sum(self.sent.values()), sum(self.minimum.values())
@@ -215,6 +219,27 @@ class Dist:
         if self.backend == "nccl":
             return torch.device(f"cuda:{self.local_rank}")
         return torch.device("cpu")
+
+    def channel(self, name: str) -> "Dist":
+        """A Dist over a process group of its own, for collectives issued from one worker thread
+        (the pager's gathers, the gradients' reduce-scatters): collectives on one group must be
+        issued in the same order on every rank, which two threads sharing a group cannot promise.
+        Every rank must ask for its channels in the same order (the engine does, at construction).
+        The channel counts its bytes into this object's :attr:`traffic`."""
+        if self.world == 1:
+            return self
+        with self._lock:
+            chans = self.__dict__.setdefault("_channels", {})
+            if name not in chans:
+                import torch.distributed as tdist
+
+                ranks = tdist.get_process_group_ranks(self.group) if self.group is not None else None
+                g = tdist.new_group(ranks=ranks, backend=self.backend,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+                c = Dist(g, device=self.device, local_rank=self.local_rank, timeout_s=self.timeout_s)
+                c.traffic = self.traffic
+                chans[name] = c
+            return chans[name]
 
     def close(self) -> None:
         """Tear down the group if this object made it."""

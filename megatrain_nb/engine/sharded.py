@@ -48,8 +48,12 @@ def shard_unit(unit: Unit, layout: ShardLayout, rank: int) -> ShardUnit:
 class ShardedUnits:
     """The shards of a model's units on this rank, and the collectives that move whole units."""
 
-    def __init__(self, units: Iterable[Unit], dist: Dist):
+    def __init__(self, units: Iterable[Unit], dist: Dist, *, gather_dist: Optional[Dist] = None,
+                 reduce_dist: Optional[Dist] = None):
+        # gathers and reduce-scatters may run in two worker threads: each on its own channel
         self.dist = dist
+        self.gather_dist = gather_dist or dist
+        self.reduce_dist = reduce_dist or dist
         self.units: List[Unit] = list(units)
         self.layouts: Dict[int, ShardLayout] = {u.index: dist.layout(u.numel) for u in self.units}
         self.shards: List[ShardUnit] = [shard_unit(u, self.layouts[u.index], dist.rank) for u in self.units]
@@ -70,11 +74,11 @@ class ShardedUnits:
                async_op: bool = False):
         """The whole unit's flat weights on this rank's device, built from every rank's shard.
         ``out``: a device buffer of at least ``padded_numel(unit)`` elements to fill."""
-        return self.dist.gather(shard, self.layout(unit), out=out, async_op=async_op)
+        return self.gather_dist.gather(shard, self.layout(unit), out=out, async_op=async_op)
 
     def reduce_grad(self, unit: Unit, full_grad: torch.Tensor, async_op: bool = False):
         """This rank's shard of the gradient summed over ranks (on ``full_grad``'s device)."""
-        return self.dist.reduce_scatter(full_grad, self.layout(unit), async_op=async_op)
+        return self.reduce_dist.reduce_scatter(full_grad, self.layout(unit), async_op=async_op)
 
     def padded_numel(self, unit: Unit) -> int:
         """Elements a device buffer needs to receive a gathered unit (shards are padded)."""

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .host_store import BufferPool
+from .sharded import ShardUnit
 from .units import Unit, forward_order
 
 
@@ -64,8 +65,12 @@ class UpdateScheduler:
     after a failure). ``depth``: units queued for an update at once (back-pressure on RAM).
     """
 
-    def __init__(self, units: List[Unit], *, grads, weights, states, adam, counters, disk=None, depth: int = 1):
+    def __init__(self, units: List[Unit], *, grads, weights, states, adam, counters, disk=None, depth: int = 1,
+                 sharded=None):
         self.units = units
+        # Data parallel (engine.sharded.ShardedUnits): ``units`` are this rank's shards; the
+        # reduce point reduce-scatters each micro-batch's gradient, the norm is all-reduced.
+        self.sharded = sharded
         self.grads = grads
         self.weights = weights
         self.states = states
@@ -113,6 +118,7 @@ class UpdateScheduler:
         """Runs in the pager's gradient-return thread once a unit's gradient reached the host
         (a flat fp32 tensor, or on a CPU "device" the per-parameter gradients)."""
         step = self._step
+        unit, grad = self.reduce(unit, grad)
         if not step.updates:                    # not the step's last micro-batch
             self.grads.accumulate(unit, grad)
             return
@@ -124,11 +130,9 @@ class UpdateScheduler:
                 flat.copy_(grad)
             else:
                 torch.cat([g.reshape(-1).float() for g in grad], out=flat)
-            self.reduce(unit, flat)
             self._submit(unit, step.lr, flat, zero=False, recycle=True)
             return
         self.grads.accumulate(unit, grad)       # the last micro-batch: final in the accumulator
-        self.reduce(unit, self.grads.grad(unit))
         if step.clipped:
             # Every update needs the global norm, so the gradient stays in its accumulator;
             # its share of the norm is taken now, while the backward goes on.
@@ -138,11 +142,27 @@ class UpdateScheduler:
             return
         self._submit(unit, step.lr, None, zero=True)
 
-    def reduce(self, unit: Unit, flat: torch.Tensor) -> None:
-        """The reduce point: ``flat`` is this process's final gradient of ``unit`` (fp32, in
-        place). One process has nothing to reduce. Under data parallelism a reduce-scatter
-        (or all-reduce) goes here, before the norm share is taken and the update queued; it
-        runs in the gradient-return thread, so it overlaps the backward of the units below."""
+    def reduce(self, unit: Unit, grad):
+        """The reduce point: this micro-batch's gradient of ``unit`` -> (the unit this rank
+        updates, the gradient it accumulates). One process: unchanged. Data parallel: a
+        reduce-scatter, so this rank gets the sum over ranks of its own shard (every
+        micro-batch's, as FSDP does: the host only ever holds shard-sized gradients). Runs in
+        the gradient-return thread, in the backward's order on every rank, overlapping the
+        backward of the units below. A CUDA pager has already reduce-scattered on the device
+        and hands over the shard (a ShardUnit)."""
+        sh = self.sharded
+        if sh is None or isinstance(unit, ShardUnit):
+            return unit, grad
+        padded = self._grad_pool.take(sh.padded_numel(unit))
+        if torch.is_tensor(grad):
+            padded[:unit.numel].copy_(grad.reshape(-1))
+        else:
+            torch.cat([g.reshape(-1).float() for g in grad], out=padded[:unit.numel])
+        padded[unit.numel:].zero_()
+        try:
+            return sh.shard(unit), sh.reduce_grad(unit, padded)
+        finally:
+            self._grad_pool.give(padded)
 
     def _submit(self, unit: Unit, lr: float, grad, zero: bool, recycle: bool = False) -> None:
         self.weights.mark_updating(unit)
@@ -164,7 +184,10 @@ class UpdateScheduler:
         if not step.clipped:
             return None
         with self._norm_lock:
-            total, self._norm_sq = self._norm_sq ** 0.5, 0.0
+            sq, self._norm_sq = self._norm_sq, 0.0
+        if self.sharded is not None:   # the global norm: one all-reduce of the shards' squares
+            sq = self.sharded.global_norm_sq(sq)
+        total = sq ** 0.5
         coef = step.clip / (total + 1e-6)   # as torch.nn.utils.clip_grad_norm_
         coef = coef if coef < 1.0 else None
         order = [u for u in self.update_order if u.numel > 0]

@@ -452,7 +452,8 @@ def _ram_total() -> int:
 
 def resolve_dist(dist, config) -> Dist:
     """The engine's process group: a Dist as given; a torch ProcessGroup wrapped; else the
-    initialised default group (under torchrun); else one process."""
+    initialised default group; else, under torchrun (WORLD_SIZE > 1), the group built from the
+    environment; else one process."""
     if isinstance(dist, Dist):
         return dist
     import torch.distributed as tdist
@@ -464,4 +465,6 @@ def resolve_dist(dist, config) -> Dist:
         return Dist(dist, device=want)
     if tdist.is_available() and tdist.is_initialized():
         return Dist(None, device=want)
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:   # under torchrun: join the run's group
+        return Dist.from_env(device=want)
     return Dist.single()

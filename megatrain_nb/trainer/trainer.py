@@ -420,6 +420,9 @@ class Trainer:
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads (and the tokenizer, if any)."""
         target = Path(output_dir or self.args.output_dir)
+        if not self.dist.is_main:   # the other ranks take part in each unit's gather; rank 0 writes
+            self._engine.save_pretrained(str(target))
+            return str(target)
         target.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".save-tmp-", dir=target))
         try:

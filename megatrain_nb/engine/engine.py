@@ -377,13 +377,16 @@ class StreamingEngine:
     def save_checkpoint(self, path) -> None:
         """Weights (Hugging Face layout) plus optimizer states in their stored form."""
         with self.lock:
-            self._refuse_sharded("save_checkpoint")
+            if self.sharded is not None:
+                return self.save_sharded_checkpoint(path)
             self.pager.wait_grads()
             engine_io.save_pretrained(self, path, atomic=False)
             self.states.save(path, self.adam)
 
     def load_checkpoint(self, path) -> None:
         with self.lock:
+            if any(f.startswith("shards-") for f in os.listdir(path)):
+                return self.load_sharded_checkpoint(path)
             self._refuse_sharded("load_checkpoint")
             self.pager.wait_grads()
             self.updates.settle()
@@ -409,10 +412,65 @@ class StreamingEngine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    def save_sharded_checkpoint(self, path) -> None:
+        """Every rank writes its shard of every unit (master weights, Adam states in their stored
+        form, step counts) to its own file in ``path`` (a folder all ranks see), in parallel; any
+        world size can load it back (:meth:`load_sharded_checkpoint`). Collective."""
+        from .reshard import write_rank_shards
+
+        with self.lock:
+            self.pager.wait_grads()
+            self.updates.wait_all()
+            self.states.flush()
+            os.makedirs(path, exist_ok=True)
+            ranges, tensors, steps = {}, {}, {}
+            for u in self.units:
+                su = self._state_unit(u)
+                start = su.start if self.sharded is not None else 0
+                ranges[u.name] = (u.numel, start, start + su.numel)
+                keys = {"master": self.weights.read_now(su)}
+                keys.update(self.states.stored(su) or {})
+                tensors[u.name] = keys
+                if u.index in self.adam.steps:
+                    steps[u.name] = int(self.adam.steps[u.index])
+            write_rank_shards(path, rank=self.dist.rank, world=self.dist.world,
+                              codec=self.config.optimizer_compression, units=ranges, tensors=tensors,
+                              extra={"steps": steps})
+            self.dist.barrier()   # the checkpoint is complete once every rank's file is
+
+    def load_sharded_checkpoint(self, path) -> None:
+        """Load a checkpoint written by :meth:`save_sharded_checkpoint` with any world size:
+        this rank reads only its range of each unit from the files that hold it. Collective."""
+        from .reshard import read_meta, read_rank_shards
+
+        with self.lock:
+            self.pager.wait_grads()
+            self.updates.settle()
+            metas = read_meta(path)
+            codec = metas[0]["codec"]
+            if codec != self.config.optimizer_compression:
+                raise ValueError(f"the checkpoint's optimizer states use codec {codec!r} but this engine uses "
+                                 f"{self.config.optimizer_compression!r}; set optimizer_compression={codec!r}")
+            parts = read_rank_shards(path, self.dist.rank, self.dist.world, {u.name: u.numel for u in self.units})
+            steps = metas[0]["extra"].get("steps", {})
+            for u in self.units:
+                su = self._state_unit(u)
+                got = dict(parts[u.name])
+                if su.numel == 0:
+                    continue
+                self.weights.overwrite(su, got.pop("master"))
+                if got:
+                    self.states.put_stored(su, got)
+            self.states.flush()
+            self.adam.load_state_dict({str(u.index): torch.tensor(float(steps[u.name]))
+                                       for u in self.units if u.name in steps})
+            self.updates.clear_failure()
+            self.dist.barrier()
+
     def _refuse_sharded(self, what: str) -> None:
         if self.sharded is not None:
-            raise NotImplementedError(f"{what}() with state sharded over {self.dist.world} ranks is not built yet "
-                                      "(engine/reshard.py holds the per-rank format); save_pretrained() works")
+            raise NotImplementedError(f"{what}() from a Hugging Face-layout checkpoint with state sharded over "
+                                      f"{self.dist.world} ranks is not built yet; use a sharded checkpoint")
 
     @property
     def closed(self) -> bool:

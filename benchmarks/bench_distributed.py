@@ -37,7 +37,7 @@ def worker(ns) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common import peak_rss_bytes
+    from common import current_rss_bytes, peak_rss_bytes
     from megatrain_nb.engine import StreamingEngine
     from megatrain_nb.engine.dist import Dist
     from megatrain_nb.trainer.presets import preset_config
@@ -48,7 +48,8 @@ def worker(ns) -> None:
     torch.manual_seed(0)
     cfg = preset_config("small", hidden_size=ns.hidden, num_hidden_layers=ns.layers, intermediate_size=ns.hidden * 8 // 3,
                         num_attention_heads=ns.hidden // 64, num_key_value_heads=ns.hidden // 64, vocab_size=ns.vocab)
-    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.device("meta"):      # built unit by unit in the engine: no whole model in RAM
+        model = AutoModelForCausalLM.from_config(cfg)
     off = tempfile.mkdtemp(prefix=f"bench-dist-{dist.rank}-", dir=ns.offload_root)
     engine = StreamingEngine(model, device="cpu", optimizer_compression="int8", offload_dir=off, dist=dist)
     g = torch.Generator().manual_seed(1)
@@ -80,7 +81,7 @@ def worker(ns) -> None:
     # per micro-batch: every unit gathered for the forward, the layers again for the recompute,
     # every gradient reduce-scattered once; (N-1)/N of each crosses this rank's link
     floor = (n - 1) / n * 4 * (total + layers + total) * acc
-    out = {"rank": dist.rank, "world": n, "peak_rss": peak_rss_bytes(), "host_weights": rep["host"]["weights"],
+    out = {"rank": dist.rank, "world": n, "peak_rss": peak_rss_bytes(), "rss": current_rss_bytes(), "host_weights": rep["host"]["weights"],
            "host_grads": rep["host"]["grads"], "disk_states": rep["disk"]["optimizer_states"],
            "step_s": statistics.median(times), "sent": statistics.median(per_step_sent) if n > 1 else 0,
            "floor": floor, "params": total}
@@ -134,7 +135,8 @@ def main() -> None:
     two = launch(ns, 2)
     print(f"model: {one['params'] / 1e6:.1f}M parameters, global batch 2 x {ns.seq} tokens, int8 states on disk")
     for r in [one] + two:
-        print(f"  world {r['world']} rank {r['rank']}: peak RSS {r['peak_rss'] / 2**20:.0f} MiB, host weights "
+        print(f"  world {r['world']} rank {r['rank']}: peak RSS {r['peak_rss'] / 2**20:.0f} MiB (after the steps "
+              f"{r['rss'] / 2**20:.0f}), host weights "
               f"{r['host_weights'] / 2**20:.1f} MiB, grads {r['host_grads'] / 2**20:.1f} MiB, disk states "
               f"{r['disk_states'] / 2**20:.1f} MiB, step {r['step_s']:.2f} s, sent/step {r['sent'] / 2**20:.1f} MiB")
     worst = max(two, key=lambda r: r["peak_rss"])

@@ -112,19 +112,24 @@ def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
     tmp.mkdir()
     try:
         write(tmp)
-        _fsync_dir(tmp)
-        if final.exists():
-            old = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """fsync the written folder ``tmp`` and rename it to ``final`` (replacing an older one)."""
+    _fsync_dir(tmp)
+    if final.exists():
+        old = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def _fsync(path) -> None:

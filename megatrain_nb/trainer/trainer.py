@@ -451,10 +451,15 @@ class Trainer:
                 "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
                 "batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                "micro_batches_per_step": self.args.gradient_accumulation_steps * self.dist.world,
+                "world_size": self.dist.world,
                 "seed": self.args.seed, "data_seed": self.args.data_seed}
 
         def write(tmp: Path) -> None:
             self._engine.save_checkpoint(str(tmp))
+            write_shared(tmp)
+
+        def write_shared(tmp: Path) -> None:
             torch.save(self.schedule.state_dict(), tmp / "scheduler.pt")
             torch.save(ckpt.rng_state(), tmp / "rng_state.pth")
             self.state.save_to_json(str(tmp / "trainer_state.json"))
@@ -465,12 +470,39 @@ class Trainer:
 
         lock = getattr(self._engine, "lock", None) or contextlib.nullcontext()
         with lock:
-            out = ckpt.write_checkpoint(final, write)
-        if default:
+            if self.dist.world > 1:
+                out = self._write_sharded_checkpoint(final, write_shared)
+            else:
+                out = ckpt.write_checkpoint(final, write)
+        if default and self.dist.is_main:
             ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out)
         self.metrics_log.write({"event": "checkpoint", "path": str(out), "step": self.state.global_step,
                                 "time": time.time()})
         return str(out)
+
+    def _write_sharded_checkpoint(self, final: Path, write_shared) -> Path:
+        """Data parallel: every rank writes its shards into one temporary folder (named by rank 0)
+        in parallel; rank 0 then writes the shared files, the state file last, and renames the
+        folder into place. The others wait for the rename, so a checkpoint is whole when seen."""
+        d = self.dist
+        tmp = None
+        if d.is_main:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            ckpt.remove_stale_temporaries(final.parent)
+            tmp = final.parent / f"{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+            tmp.mkdir()
+        tmp = Path(d.all_gather_object(str(tmp) if tmp is not None else None)[0])
+        try:
+            self._engine.save_checkpoint(str(tmp))    # collective: each rank its file, then a barrier
+            if d.is_main:
+                write_shared(tmp)
+                ckpt.replace_dir(tmp, final)
+        except BaseException:
+            if d.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        d.barrier()
+        return final
 
     def _load_checkpoint(self, path: Path, stream: BatchStream) -> None:
         import warnings
@@ -480,8 +512,14 @@ class Trainer:
         meta = ckpt.read_json(path / ckpt.STATE_FILE)
         mine = {"batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                "micro_batches_per_step": self.args.gradient_accumulation_steps * self.dist.world,
                 "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
                 "total_steps": self.total_steps, "seed": self.args.seed}
+        if "micro_batches_per_step" in meta:
+            # a run may resume on another number of ranks: what must match is the global step
+            mine.pop("gradient_accumulation_steps")
+        else:
+            mine.pop("micro_batches_per_step")
         changed = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
         if changed:
             warnings.warn(f"resuming from {path} with settings that differ from the run that wrote it "

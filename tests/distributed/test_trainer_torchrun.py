@@ -18,13 +18,36 @@ def _weights(folder):
     return load_file(str(Path(folder) / "model.safetensors"))
 
 
+def _alone(*argv):
+    p = subprocess.run([sys.executable, str(HERE / "w_trainer.py"), *argv], cwd=str(REPO),
+                       env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                            "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def _agree(a, b):
+    assert a.keys() == b.keys()
+    diff = sum(float((a[k] - b[k]).norm()) ** 2 for k in a) ** 0.5
+    norm = sum(float(b[k].norm()) ** 2 for k in a) ** 0.5
+    assert diff / norm <= 1e-5 and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-4
+
+
+def test_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path):
+    """Trainer checkpoint written by 2 ranks (each its shards, rank 0 the shared files), resumed
+    by one process with accumulation 4: it ends where the 2-rank run ended."""
+    check(torchrun(HERE / "w_trainer.py", str(tmp_path / "two"), "2", "save", nproc=2, timeout=300))
+    ck = tmp_path / "two" / "checkpoint-2"
+    assert sorted(f.name for f in ck.glob("shards-*")) == ["shards-00000-of-00002.safetensors",
+                                                           "shards-00001-of-00002.safetensors"]
+    assert (ck / "trainer_state.json").is_file() and not list((tmp_path / "two").glob("*.tmp-*"))
+    _alone(str(tmp_path / "one"), "4", f"resume:{ck}")
+    _agree(_weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final"))
+
+
 def test_trainer_two_ranks_equal_one_process(tmp_path):
     check(torchrun(HERE / "w_trainer.py", str(tmp_path / "two"), "2", nproc=2, timeout=300))
-    one = subprocess.run([sys.executable, str(HERE / "w_trainer.py"), str(tmp_path / "one"), "4"], cwd=str(REPO),
-                         env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                              "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
+    _alone(str(tmp_path / "one"), "4")
     a, b = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final")
     assert a.keys() == b.keys()
     diff = sum(float((a[k] - b[k]).norm()) ** 2 for k in a) ** 0.5

@@ -37,5 +37,30 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180, env
         raise AssertionError(f"torchrun {script.name} ran past {timeout}s\n{out[-3000:]}\n{err[-3000:]}") from None
 
 
+def two_agents(script: Path, *args: str, timeout: float = 240, dist_timeout_s: float = 60) -> list:
+    """Two torchrun agents on localhost, one rank each, as two "nodes" (static rendezvous:
+    --nnodes 2 --node-rank 0/1 against one master). Returns both CompletedProcess-like results."""
+    e = dict(os.environ)
+    e.update({"PYTHONPATH": f"{REPO}{os.pathsep}{e.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
+              "MEGATRAIN_DIST_TIMEOUT_S": str(dist_timeout_s), "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
+                               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+                               "--max-restarts=0", str(script), *args], cwd=str(REPO), env=e,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
+    out = []
+    try:
+        for p in procs:
+            so, se = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
 def check(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"torchrun failed (rc {proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"

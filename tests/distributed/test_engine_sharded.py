@@ -10,7 +10,7 @@ import torch
 from megatrain_nb.engine.dist import Dist
 
 from . import zero3_flow as flow
-from .launch import check, torchrun
+from .launch import check, torchrun, two_agents
 from .test_zero3_flow import _max_rel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,3 +67,11 @@ def test_traffic_is_the_zero3_floor(two_ranks):
     floor = res["minimum"]["gather"] + res["minimum"]["reduce_scatter"]
     assert sent <= 1.1 * floor
     assert res["minimum"]["gather"] == pytest.approx(2 * res["minimum"]["reduce_scatter"], rel=0.1)
+
+
+def test_two_nodes_simulated_by_two_agents(tmp_path):
+    """Two torchrun agents on localhost (--nnodes 2, one rank each) train like one process."""
+    for proc in two_agents(Path(engine_flow.__file__), str(tmp_path), "clip_wd"):
+        check(proc)
+    got = torch.load(tmp_path / "clip_wd-rank0.pt")
+    assert _max_rel(got["weights"], flow.run_reference("clip_wd", 2 * flow.ACC)["weights"]) <= 1e-5

@@ -119,6 +119,8 @@ class UpdateScheduler:
         (a flat fp32 tensor, or on a CPU "device" the per-parameter gradients)."""
         step = self._step
         unit, grad = self.reduce(unit, grad)
+        if unit.numel == 0:   # a small unit's shard of this rank is empty: nothing to update
+            return
         if not step.updates:                    # not the step's last micro-batch
             self.grads.accumulate(unit, grad)
             return
@@ -238,7 +240,8 @@ class UpdateScheduler:
         self.states.schedule(self.units)  # disk reads ahead of the updates
         try:
             for u in self.units:
-                self._apply(u, lr)
+                if u.numel > 0:
+                    self._apply(u, lr)
             self.states.flush()
         except BaseException as e:
             self.failed = e  # some units may be updated and others not

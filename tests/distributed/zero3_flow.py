@@ -29,6 +29,7 @@ CASES = {
     "adamw": (False, 0.0, None, "none", False),
     "clip_wd": (False, 0.1, 0.05, "none", False),
     "tied_clip_wd": (True, 0.1, 0.05, "none", False),
+    "tied": (True, 0.0, None, "none", False),      # head = the final norm only: rank 1's shard is empty
     "int8": (False, 0.1, 0.05, "int8", False),
     "moe": (False, 0.1, 0.05, "none", True),
 }

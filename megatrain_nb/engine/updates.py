@@ -118,7 +118,7 @@ class UpdateScheduler:
         """Runs in the pager's gradient-return thread once a unit's gradient reached the host
         (a flat fp32 tensor, or on a CPU "device" the per-parameter gradients)."""
         step = self._step
-        unit, grad = self.reduce(unit, grad)
+        unit, grad = self.shard_gradient(unit, grad)
         if unit.numel == 0:   # a small unit's shard of this rank is empty: nothing to update
             return
         if not step.updates:                    # not the step's last micro-batch
@@ -132,9 +132,11 @@ class UpdateScheduler:
                 flat.copy_(grad)
             else:
                 torch.cat([g.reshape(-1).float() for g in grad], out=flat)
+            self.reduce(unit, flat)
             self._submit(unit, step.lr, flat, zero=False, recycle=True)
             return
         self.grads.accumulate(unit, grad)       # the last micro-batch: final in the accumulator
+        self.reduce(unit, self.grads.grad(unit))
         if step.clipped:
             # Every update needs the global norm, so the gradient stays in its accumulator;
             # its share of the norm is taken now, while the backward goes on.
@@ -144,14 +146,20 @@ class UpdateScheduler:
             return
         self._submit(unit, step.lr, None, zero=True)
 
-    def reduce(self, unit: Unit, grad):
-        """The reduce point: this micro-batch's gradient of ``unit`` -> (the unit this rank
-        updates, the gradient it accumulates). One process: unchanged. Data parallel: a
-        reduce-scatter, so this rank gets the sum over ranks of its own shard (every
-        micro-batch's, as FSDP does: the host only ever holds shard-sized gradients). Runs in
-        the gradient-return thread, in the backward's order on every rank, overlapping the
-        backward of the units below. A CUDA pager has already reduce-scattered on the device
-        and hands over the shard (a ShardUnit)."""
+    def reduce(self, unit: Unit, flat: torch.Tensor) -> None:
+        """The reduce point: ``flat`` is this process's final gradient of ``unit`` (fp32, in
+        place), before its norm share is taken and its update queued. Nothing to do in one
+        process, nor with sharded state: there each micro-batch's gradient was already
+        reduce-scattered on arrival (:meth:`shard_gradient`), so the accumulated shard is the
+        sum over ranks. (A hook for tests and for reductions of the final gradient.)"""
+
+    def shard_gradient(self, unit: Unit, grad):
+        """Data parallel, on each micro-batch's arrival: (unit, its gradient) -> (this rank's
+        shard of the unit, the gradient of the shard summed over ranks), by a reduce-scatter.
+        Every micro-batch's is reduced (as FSDP does), so the host only ever holds shard-sized
+        gradients. Runs in the gradient-return thread, in the backward's order on every rank,
+        overlapping the backward of the units below. One process: unchanged. A CUDA pager has
+        already reduce-scattered on the device and hands over the shard (a ShardUnit)."""
         sh = self.sharded
         if sh is None or isinstance(unit, ShardUnit):
             return unit, grad

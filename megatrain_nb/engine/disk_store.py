@@ -68,7 +68,7 @@ from concurrent.futures import Future
 
 import torch
 
-__all__ = ["ALIGN", "DiskStore", "OffloadError", "aligned_empty"]
+__all__ = ["ALIGN", "DiskStore", "OffloadError", "aligned_empty", "prepare_offload_dir"]
 
 ALIGN = 4096                      # file offsets and direct-I/O buffers are aligned to this
 _IO_CHUNK = 32 << 20              # bytes per read/write syscall (large sequential I/O)
@@ -132,6 +132,31 @@ class _PriorityPool:
 class OffloadError(RuntimeError):
     """The disk tier could not be used: the message names the path, the bytes needed and what
     to do about it."""
+
+
+def prepare_offload_dir(path: str | os.PathLike, need_bytes: int = 0) -> str:
+    """``offload_dir`` as an absolute path, created (mode 0700, user only) when it is missing
+    but its parent exists, as ``output_dir`` is. A missing parent stays an ``OffloadError``
+    naming the path: an unmounted ``/nvme`` must never turn into offload files on the root disk."""
+    root = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if os.path.isdir(root):
+        return root
+    parent = os.path.dirname(root)
+    need = f"{need_bytes} bytes ({need_bytes / 2 ** 30:.2f} GiB)"
+    if not os.path.isdir(parent):
+        raise OffloadError(f"offload_dir {os.fspath(path)!r} does not exist and neither does its parent {parent!r} "
+                           f"(a disk not mounted?); create it on a disk with at least {need} free, or pass "
+                           "another folder.")
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(root):
+            raise OffloadError(f"offload_dir {root!r} exists but is not a folder; pass a folder "
+                               f"(needs {need} free).") from None
+    except OSError as e:
+        raise OffloadError(f"cannot create offload_dir {root!r}: {e.strerror or e}; create it yourself on a disk "
+                           f"with at least {need} free, or pass another folder.") from e
+    return root
 
 
 def _align_up(n: int) -> int:

@@ -136,13 +136,16 @@ class StreamingEngine:
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
-        """Load a local Hugging Face folder, streaming safetensors shards unit by unit.
+        """Load a local Hugging Face folder or Hub id (``revision=``, ``token=``), streaming
+        safetensors shards unit by unit.
 
         The model is built on the meta device; at no time is the whole model in RAM beyond
         the engine's own store (which is on disk for weights when the planner pages them).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from megatrain_nb.hub import resolve_model  # a Hub id ("org/name") -> its cached snapshot folder
+        folder = resolve_model(folder, revision=options.pop("revision", None), token=options.pop("token", None))
         if not os.path.isdir(folder) or not os.path.exists(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"{folder!r} is not a local model folder (no config.json); save one with "
                                     "save_pretrained() or pass a model object.")
@@ -177,7 +180,7 @@ class StreamingEngine:
         cfg = self.config
         if not cfg.offload_dir:
             return None
-        from .disk_store import DiskStore
+        from .disk_store import DiskStore, prepare_offload_dir
         from .states import stored_state_bytes
 
         need = stored_state_bytes(self.units, cfg.optimizer_compression)
@@ -186,11 +189,7 @@ class StreamingEngine:
         from .host_store import return_freed_memory_to_os
 
         return_freed_memory_to_os()  # RAM must stay flat while units stream through it
-        if not os.path.isdir(cfg.offload_dir):
-            from .disk_store import OffloadError
-
-            raise OffloadError(f"offload_dir {cfg.offload_dir!r} does not exist; create it on a disk with at least "
-                               f"{need} bytes ({need / GiB:.2f} GiB) free, or pass another folder.")
+        prepare_offload_dir(cfg.offload_dir, need)  # created (0700) when missing; a missing parent is an error
         # The engine bounds the memory its disk operations hold itself (staging pools, states
         # read ahead / written behind); the store queues whatever it is given.
         return DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)

@@ -32,6 +32,12 @@ def unit_specs_from_config(config) -> List[UnitSpec]:
     return [UnitSpec(u.name, u.numel, u.kind) for u in build_units(model, layers)]
 
 
+def _smaller_codec_hint(compression: str) -> str:
+    """Advice to compress further, only where a smaller codec exists (int8 is not compressed again)."""
+    smaller = {"none": "'int8' (or 'int4')", "int8": "'int4'"}.get(compression)
+    return f", or store the optimizer states smaller: optimizer_compression={smaller}" if smaller else ""
+
+
 def codec_bytes_per_param(compression: str) -> float:
     """Stored bytes per parameter for both Adam moments together."""
     from .codecs import ROLES, get_codec
@@ -149,11 +155,12 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
                   f"gradients {host['grads'] / GiB:.2f}, optimizer states {host['optimizer_states'] / GiB:.2f}) "
                   f"but {host_bytes / GiB:.2f} GiB are available: "
                   + ("give an offload_dir for the disk tier" if not offload_dir
-                     else "use optimizer_compression or more RAM"))
+                     else "more RAM, or offload_params=True to put the master weights on disk"
+                     if placement["master_weights"] == "host" else "more RAM (gradients always live there)"))
     if feasible and disk_bytes is not None and disk["total"] > disk_bytes:
         feasible, limiting = False, "disk"
         reason = (f"the disk tier needs {disk['total'] / GiB:.2f} GiB but {disk_bytes / GiB:.2f} GiB are free: "
-                  "free space, use a larger disk, or compress the optimizer states")
+                  "free space or use a larger disk" + _smaller_codec_hint(compression))
     return Plan(device=dev, host=host, disk=disk, placement=placement, layer_slots=slots,
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
                 capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes})

@@ -208,9 +208,10 @@ class Dashboard(W.VBox):
                 if view.links.get(k) is not None]
         hits = ", ".join(f"{t} {fmt_num(100 * v, '.0f')}%" for t, v in view.prefetch_hit_rate.items()
                          if v is not None)
-        rows.append(f"<td>prefetch hit rate</td><td>{hits or '–'}</td>")
+        # "issued ahead" is about scheduling; whether transfers still made the step wait is the next row
+        rows.append(f"<td>loads issued ahead of need</td><td>{hits or '–'}</td>")
         share = view.stall_share
-        rows.append(f"<td>stall share</td><td>{fmt_num(100 * share, '.1f') + '%' if share is not None else '–'}</td>")
+        rows.append(f"<td>step time spent waiting</td><td>{fmt_num(100 * share, '.1f') + '%' if share is not None else '–'}</td>")
         self.links.value = ("<table style='font-size:12px;font-family:sans-serif'>"
                             + "".join(f"<tr>{r}</tr>" for r in rows) + "</table>")
 

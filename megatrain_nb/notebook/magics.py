@@ -195,11 +195,11 @@ def _estimate(rest):
     if len(words) != 1:
         raise MagicError("megatrain: estimate needs one model: a folder, a config.json or a preset, e.g.\n"
                          "    %megatrain estimate llama-100b --vram 80 --ram 512 --disk 4096")
-    from megatrain_nb.estimator import estimate
+    from megatrain_nb.estimator import CLI_NAMES, estimate
 
     from IPython.display import display
 
-    display(estimate(words[0], **budgets))
+    display(estimate(words[0], names=CLI_NAMES, **budgets))  # messages name --vram/--ram/--disk
 
 
 def _sessions():

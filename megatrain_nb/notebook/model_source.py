@@ -4,6 +4,9 @@
 - a model object (a transformers ``*ForCausalLM``, possibly on the meta device);
 - a local folder path (``config.json`` + safetensors; the engine streams it unit by unit,
   and the folder's tokenizer is used when none is given);
+- a Hugging Face Hub id (``"Qwen/Qwen2.5-0.5B"``; ``revision=``/``token=`` among the options):
+  its config, tokenizer and safetensors are fetched into the HF cache (see
+  :mod:`megatrain_nb.hub`) and then used as a local folder;
 - a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``, ...): the
   model is built from that config, and when no data is given the built-in corpus and
   tokenizer are used (nothing is downloaded).
@@ -31,6 +34,16 @@ def build_trainer(
 
     if isinstance(model, (str, os.PathLike)):
         path = Path(model).expanduser()
+        if not path.exists() and not _is_preset(str(model)):
+            from megatrain_nb.hub import ModelNotFoundError, resolve_model
+            from megatrain_nb.trainer.presets import preset_names
+
+            try:  # a Hub id -> its cached snapshot folder (config, tokenizer, safetensors only)
+                path = Path(resolve_model(model, revision=trainer_options.get("revision"),
+                                          token=trainer_options.get("token")))
+            except ModelNotFoundError as e:
+                raise ModelNotFoundError(f"{e}; or a preset: {', '.join(preset_names())}") from e
+            trainer_options = {k: v for k, v in trainer_options.items() if k not in ("revision", "token")}
         if path.exists():
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(
@@ -79,6 +92,12 @@ def default_args(output_dir: str, **overrides: Any):
                   eval_strategy="steps", eval_steps=50, save_strategy="no", report_to="none")
     fields.update(overrides)
     return TrainingArguments(**fields)
+
+
+def _is_preset(name: str) -> bool:
+    from megatrain_nb.trainer.presets import preset_names
+
+    return name in preset_names()
 
 
 def _builtin(name, tokenizer, train_dataset, eval_dataset, args, seq_len):

@@ -226,10 +226,10 @@ def _throughput_figure(view) -> go.Figure:
 
 def _links_md(view) -> str:
     rows = [(k.replace("_", " "), f"{fmt_bytes(v)}/s") for k, v in view.links.items() if v is not None]
-    rows += [(f"prefetch hit rate ({t})", f"{fmt_num(100 * v, '.1f')}%") for t, v in view.prefetch_hit_rate.items()
+    rows += [(f"loads issued ahead of need ({t})", f"{fmt_num(100 * v, '.1f')}%") for t, v in view.prefetch_hit_rate.items()
              if v is not None]
     if view.stall_share is not None:
-        rows.append(("stall share of step time", f"{100 * view.stall_share:.1f}%"))
+        rows.append(("step time spent waiting for transfers", f"{100 * view.stall_share:.1f}%"))
     return _table(rows, ("link / counter", "value")) if rows else "No transfer telemetry was logged."
 
 

@@ -63,7 +63,8 @@ class Session:
 
     ``model``: a transformers ``*ForCausalLM`` (possibly on the meta device), a local model
     folder (``config.json`` + safetensors; its tokenizer is used when ``tokenizer`` is None),
-    or a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``...; with
+    a Hugging Face Hub id (``"Qwen/Qwen2.5-0.5B"``: config, tokenizer and safetensors fetched
+    into the HF cache; ``revision=``/``token=`` go with the options), or a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``...; with
     no ``train_dataset`` it trains on the built-in corpus and tokenizer, nothing downloaded).
     ``train_dataset``/``eval_dataset``/``args``/``tokenizer``: as for ``mt.Trainer``.
     ``name``: how ``%megatrain -s NAME`` and the JupyterLab sidebar call it (default
@@ -158,6 +159,7 @@ class Session:
 
     @property
     def total_steps(self) -> Optional[int]:
+        """Optimizer steps the run plans (None when the trainer cannot tell)."""
         total = getattr(self._trainer, "total_steps", None)
         return int(total) if isinstance(total, (int, float)) and total > 0 else None
 
@@ -178,22 +180,27 @@ class Session:
 
     @property
     def error(self) -> Optional[BaseException]:
+        """The exception that ended a failed run (None otherwise); ``wait()`` re-raises it."""
         return self._error
 
     @property
     def trainer(self) -> Any:
+        """The trainer the session drives (an ``mt.Trainer`` unless built ``from_trainer``)."""
         return self._trainer
 
     @property
     def engine(self) -> Any:
+        """The trainer's StreamingEngine (None for a trainer without one)."""
         return getattr(self._trainer, "engine", None)
 
     @property
     def tokenizer(self) -> Any:
+        """The tokenizer ``generate`` and text datasets use (None if there is none)."""
         return self._tokenizer
 
     @property
     def run_log(self) -> RunLog:
+        """The thread-safe log of records and events the dashboard and reports read."""
         return self._log
 
     @property
@@ -284,6 +291,7 @@ class Session:
         self._enqueue(_Command("pause", source=source))
 
     def resume(self, *, source: str = "notebook") -> None:
+        """Continue a paused run from the step it paused at."""
         self._enqueue(_Command("resume", source=source))
 
     def set_lr(self, lr: float, *, source: str = "notebook") -> None:
@@ -358,6 +366,8 @@ class Session:
 
     # ---- looking inside ------------------------------------------------------------------------
     def unit_names(self) -> list[str]:
+        """The model's streaming units in order ("embed", "layers.0", ..., "head"): what
+        ``inspect`` takes."""
         names = self._log.units()
         if not names and self.engine is not None and hasattr(self.engine, "unit_names"):
             try:

@@ -9,8 +9,8 @@ A checkpoint folder holds:
 - ``scheduler.pt``  (the LR scheduler's state and any live ``set_lr`` override),
 - ``rng_state.pth`` (python, numpy, torch CPU and CUDA generators),
 - ``trainer_state.json`` (``transformers.TrainerState``: step, epoch, log history),
-- ``megatrain_state.json`` (data position, tokens seen, the run's shape; written last: it marks
-  a megatrain_nb checkpoint),
+- ``megatrain_state.json`` (data position, tokens seen, the run's shape, the ``run_id`` of the
+  run that wrote it and when; written last: it marks a megatrain_nb checkpoint),
 - ``training_args.json`` and, when there is one, the tokenizer.
 """
 from __future__ import annotations
@@ -42,22 +42,47 @@ def is_checkpoint(path) -> bool:
     return p.is_dir() and (p / STATE_FILE).is_file() and (p / "trainer_state.json").is_file()
 
 
-def list_checkpoints(output_dir) -> list[Path]:
-    """Complete checkpoints in ``output_dir``, oldest step first. Partial (temporary) ones are ignored."""
+def checkpoint_info(path) -> dict:
+    """``run_id`` (None for checkpoints written before runs had ids) and ``saved_at`` (seconds
+    since the epoch; the state file's mtime when not recorded) of a checkpoint."""
+    state = Path(path) / STATE_FILE
+    try:
+        meta = json.loads(state.read_text())
+    except (OSError, ValueError):
+        meta = {}
+    saved = meta.get("saved_at")
+    if not isinstance(saved, (int, float)):
+        try:
+            saved = state.stat().st_mtime
+        except OSError:
+            saved = 0.0
+    return {"run_id": meta.get("run_id"), "saved_at": float(saved)}
+
+
+def list_checkpoints(output_dir, run_id: Optional[str] = None) -> list[Path]:
+    """Complete checkpoints in ``output_dir``, oldest step first. Partial (temporary) ones are
+    ignored. With ``run_id``, only the checkpoints that run wrote (several runs may share a folder)."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         m = _NAME.match(child.name)
-        if m and is_checkpoint(child):
+        if m and is_checkpoint(child) and (run_id is None or checkpoint_info(child)["run_id"] == run_id):
             found.append((int(m.group(1)), child))
     return [p for _, p in sorted(found)]
 
 
 def latest_checkpoint(output_dir) -> Optional[Path]:
+    """The newest checkpoint of the run that wrote last into ``output_dir``: when runs share a
+    folder, a later run's step 20 is the resume point, not an earlier run's step 250."""
     found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    if not found:
+        return None
+    info = {p: checkpoint_info(p) for p in found}
+    last_run = max(found, key=lambda p: info[p]["saved_at"])
+    mine = [p for p in found if info[p]["run_id"] == info[last_run]["run_id"]]
+    return mine[-1]
 
 
 def resolve_resume(resume, output_dir) -> Optional[Path]:
@@ -150,14 +175,23 @@ def _fsync_dir(path: Path) -> None:
     _fsync(path)
 
 
-def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None) -> list[Path]:
-    """Delete the oldest checkpoints beyond ``keep`` (``save_total_limit``); never ``protect``."""
+def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None,
+           run_id: Optional[str] = None) -> list[Path]:
+    """Delete checkpoints until ``output_dir`` holds at most ``keep`` (``save_total_limit``);
+    never ``protect``. Other runs' checkpoints go first (the longest ago written first), then
+    run ``run_id``'s lowest steps: a new run never loses its own checkpoints to an old run's
+    higher step numbers."""
     if not keep or keep <= 0:
         return []
     found = list_checkpoints(output_dir)
-    doomed = found[:-keep] if len(found) > keep else []
+    info = {p: checkpoint_info(p) for p in found}
+    others = sorted((p for p in found if run_id is None or info[p]["run_id"] != run_id),
+                    key=lambda p: info[p]["saved_at"]) if run_id is not None else []
+    order = others + [p for p in found if p not in others]
     removed = []
-    for p in doomed:
+    for p in order:
+        if len(found) - len(removed) <= keep:
+            break
         if protect is not None and p.resolve() == Path(protect).resolve():
             continue
         shutil.rmtree(p, ignore_errors=True)

@@ -6,7 +6,7 @@ Example::
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     mt.init(offload_dir="/nvme/cache", max_vram_gb=80, optimizer_compression=True)
-    model = AutoModelForCausalLM.from_pretrained(local_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=torch.float32)
     trainer = mt.Trainer(model=model, train_dataset=ds,
                          args=TrainingArguments(per_device_train_batch_size=1,
                                                 gradient_accumulation_steps=128, output_dir="out"))
@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -83,14 +84,17 @@ def _is_engine(obj) -> bool:
 class Trainer:
     """Train a causal LM with the StreamingEngine, driven like ``transformers.Trainer``.
 
-    ``model``: a ``*ForCausalLM`` module, a local model folder, or an existing StreamingEngine.
+    ``model``: a ``*ForCausalLM`` module, a local model folder, a Hugging Face Hub id
+    (``"org/name"``; ``revision=``/``token=`` as for ``from_pretrained``, config, tokenizer and
+    safetensors only, see :mod:`megatrain_nb.hub`), or an existing StreamingEngine.
     ``**engine_options``: any EngineConfig field; they override ``mt.init`` defaults.
     ``seq_len``/``text_column``/``packing``: how a text dataset is tokenised and packed.
     """
 
     def __init__(self, model=None, train_dataset=None, args=None, eval_dataset=None, tokenizer=None,
                  data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
-                 text_column: str = "text", packing: bool = True, loss_fn=None, **engine_options):
+                 text_column: str = "text", packing: bool = True, loss_fn=None, revision: Optional[str] = None,
+                 token=None, **engine_options):
         from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
         from transformers.trainer_utils import enable_full_determinism, set_seed
 
@@ -103,6 +107,13 @@ class Trainer:
         else:
             set_seed(self.args.seed)
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
+        if isinstance(model, (str, os.PathLike)):
+            from megatrain_nb.hub import resolve_model
+
+            model = resolve_model(model, revision=revision, token=token)  # a Hub id -> its cached folder
+        elif revision is not None:
+            raise ValueError(f"revision={revision!r} applies to a model given by name (a Hub id); "
+                             f"model is a {type(model).__name__}")
         self.model, self._engine = self._build_engine(model, engine_options)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)
@@ -133,6 +144,9 @@ class Trainer:
         # Rank 0 alone logs and writes shared files.
         self.dist = getattr(self._engine, "dist", None) or Dist.single()
         self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl", enabled=self.dist.is_main)
+        # Which run this is: a fresh iter_steps() starts a new one, a resume continues the run of
+        # its checkpoint. Tags metrics lines and checkpoints, so runs sharing output_dir stay apart.
+        self.run_id: Optional[str] = None
         fb_params = inspect.signature(self._engine.forward_backward).parameters
         self._engine_overlaps = "step_lr" in fb_params
         self._engine_clips = "max_grad_norm" in fb_params
@@ -228,10 +242,18 @@ class Trainer:
             self.state = TrainerState()
             self._tokens_seen = 0
             self._log_accum = (0.0, 0)
+            self.run_id = None
             if resume is not None:
                 self._load_checkpoint(resume, stream)
             else:
                 self._engine.zero_grad()
+            self.run_id = self.run_id or uuid.uuid4().hex[:12]
+            if self.dist.world > 1:   # one run: every rank takes rank 0's id
+                self.run_id = self.dist.all_gather_object(self.run_id)[0]
+            self.metrics_log.run_id = self.run_id
+            self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
+                                    "resumed_from": str(resume) if resume is not None else None,
+                                    "time": time.time()})
             if self._pending_lr is not None:
                 self.schedule.set_lr(self._pending_lr)
                 self._pending_lr = None
@@ -453,7 +475,8 @@ class Trainer:
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                 "micro_batches_per_step": self.args.gradient_accumulation_steps * self.dist.world,
                 "world_size": self.dist.world,
-                "seed": self.args.seed, "data_seed": self.args.data_seed}
+                "seed": self.args.seed, "data_seed": self.args.data_seed,
+                "run_id": self.run_id, "saved_at": time.time()}
 
         def write(tmp: Path) -> None:
             self._engine.save_checkpoint(str(tmp))
@@ -475,7 +498,7 @@ class Trainer:
             else:
                 out = ckpt.write_checkpoint(final, write)
         if default and self.dist.is_main:
-            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out)
+            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out, run_id=self.run_id)
         self.metrics_log.write({"event": "checkpoint", "path": str(out), "step": self.state.global_step,
                                 "time": time.time()})
         return str(out)
@@ -533,17 +556,21 @@ class Trainer:
         stream.load_state_dict(data)
         self._tokens_seen = int(meta.get("tokens_seen", 0))
         self._log_accum = tuple(meta.get("log_accum", (0.0, 0)))
+        self.run_id = meta.get("run_id")  # a resumed run goes on as the same run
         ckpt.set_rng_state(torch.load(path / "rng_state.pth", weights_only=False))
         self._engine.zero_grad()
 
     # ------------------------------------------------------------------ callbacks, lifetime
     def add_callback(self, callback) -> None:
+        """Add a ``transformers.TrainerCallback`` (a class or an instance), as in transformers."""
         self.callback_handler.add_callback(callback)
 
     def pop_callback(self, callback):
+        """Remove a callback and return it (None when it was not there)."""
         return self.callback_handler.pop_callback(callback)
 
     def remove_callback(self, callback) -> None:
+        """Remove a callback (a class or an instance)."""
         self.callback_handler.remove_callback(callback)
 
     def close(self) -> None:

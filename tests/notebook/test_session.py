@@ -196,3 +196,19 @@ def test_wait_until_a_step(fake_session):
     assert s.wait(until_step=20, timeout=10) == "running"
     assert 20 <= s.step < 300
     assert s.wait(until_step=10_000, timeout=20) == "finished"
+
+
+def test_help_shows_a_docstring_for_every_public_member():
+    """help(mt.Session) / help(mt.Trainer): no member without its own docstring (pydoc would
+    otherwise show the section comment above it)."""
+    import inspect
+
+    import megatrain_nb as mt
+
+    for cls in (mt.Session, mt.Trainer):
+        for name, member in vars(cls).items():
+            if name.startswith("_") or not (callable(member) or isinstance(member, (property, classmethod))):
+                continue
+            target = member if isinstance(member, property) else getattr(member, "__func__", member)
+            doc = inspect.getdoc(target)
+            assert doc and "----" not in doc, f"{cls.__name__}.{name}"

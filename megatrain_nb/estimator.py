@@ -179,7 +179,8 @@ class Estimate:
                 "tiers": self.tiers(), "placement": self.placement, "feasible": self.feasible,
                 "limiting_tier": self.limiting_tier, "reason": self.plan.reason,
                 "layer_slots": self.plan.layer_slots, "checkpoint_interval": self.plan.checkpoint_interval,
-                "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident()}
+                "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident(),
+                "window": self.plan.window}
 
     def _rows(self):
         kinds = [("weights", "weights"), ("grads", "gradients"), ("optimizer_states", "optimizer states"),
@@ -259,7 +260,8 @@ class Estimate:
 def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,
              seq: int = 2048, compression=True, precision: str = "fp32", checkpoint_interval: Optional[int] = 1,
              offload_dir: Union[bool, str, None] = True, device: str = "cuda",
-             names: Optional[dict] = None) -> Estimate:
+             names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
+             layer_major: bool = True, clip_hold: str = "host") -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
@@ -268,6 +270,11 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
     ``names``: how messages spell the arguments (the CLI passes ``CLI_NAMES``: ``--ram`` for
     ``ram_gb``...); by default the Python names.
+    ``accumulation``: micro-batches per optimizer step; layer-major (the engine's default for a
+    window) keeps no host gradient accumulator, unless ``clipping`` (global-norm clipping, on by
+    default as in TrainingArguments) holds the final gradients for the norm;
+    ``layer_major=False`` shows the micro-batch-major path. ``clip_hold``: as
+    ``EngineConfig.clip_hold`` ("disk"/"auto": those final gradients on the disk tier).
     """
     from megatrain_nb.engine.codecs import normalize_compression
     from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
@@ -288,12 +295,22 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                          vram_bytes=budgets["device"], host_bytes=budgets["host"], disk_bytes=budgets["disk"],
                          batch=batch, seq=seq, compression=codec, precision=precision,
                          checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
-                         cuda=device != "cpu")
+                         cuda=device != "cpu", accumulation=accumulation if layer_major else 1,
+                         host_gradients=clipping or (accumulation > 1 and not layer_major),
+                         clip_hold=clip_hold if clipping else None)
 
     by_codec = {codec: plan_for(codec) for codec in ("none", "int8", "int4")}
     plan = by_codec.get(comp) or plan_for(comp)
     total = sum(u.numel for u in units)
     notes = []
+    if plan.window:
+        w = plan.window
+        notes.append(f"accumulation {accumulation}: {w['reason']}; each layer loaded {w['loads_per_layer']:g}x per "
+                     f"step; {w['tokens_per_weight_fetch']:,.0f} tokens per weight fetch"
+                     + ("; host gradients: final, held for the clipping norm" if clipping else ""))
+    elif accumulation > 1:
+        notes.append(f"accumulation {accumulation}, micro-batch-major: each layer loaded {2 * accumulation}x per step; "
+                     f"{batch * seq / 2:,.0f} tokens per weight fetch")
     if ram_gb == "auto":
         notes.append(f"host budget: this machine's RAM ({_fmt(budgets['host'])}); pass ram_gb=... to plan "
                      "for other hardware")

@@ -26,11 +26,11 @@ from . import io as engine_io
 from .config import EngineConfig
 from .family import max_positions, vocab_size
 from .host_store import HostStore
-from .inputs import prepare_batch
+from .inputs import prepare_batch, window_batches
 from .materialize import SafetensorsSource, take_parameters
 from .optimizer import UnitAdamW
 from .pager import Pager
-from .planner import GiB, engine_plan
+from .planner import GiB, WindowPlan, engine_plan, engine_window_plan
 from .proxies import LayerProxy
 from .states import OptimizerStates
 from .step import StepRunner
@@ -40,6 +40,7 @@ from .updates import StepContext, UpdateScheduler
 from .weight_store import make_weight_store
 from .dist import Dist
 from .sharded import ShardedUnits
+from .window import BoundaryStore, WindowRunner
 
 
 @dataclass
@@ -133,6 +134,10 @@ class StreamingEngine:
                                  loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=plan_reads)
         for u in self.layer_units:
             layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
+        self.boundary = BoundaryStore(self.device)
+        self.window_runner = WindowRunner(self.runner, self.boundary)
+        self.last_window_plan: Optional[WindowPlan] = None
+        self._boundary_peak = {"device": 0, "host": 0}
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
@@ -209,13 +214,24 @@ class StreamingEngine:
                          num_items_in_batch: Optional[int] = None,
                          step_lr: Optional[float] = None,
                          max_grad_norm: Optional[float] = None) -> EngineOutput:
-        """Forward and backward of one micro-batch; gradients accumulate on the host.
+        """Forward and backward of one micro-batch, or of a whole accumulation window.
 
+        **One micro-batch** (``input_ids`` a tensor [batch, seq]): gradients accumulate on the host.
         ``loss`` is the mean token loss of this micro-batch (the Hugging Face definition:
         labels shifted by one, ``-100`` ignored). With ``num_items_in_batch`` the gradient is
         that of ``sum_loss / num_items_in_batch`` (gradient accumulation over a window).
 
-        With ``step_lr`` this is the step's last micro-batch: each unit's AdamW update runs in a
+        **A window** (``input_ids`` a list of micro-batches, each a tensor of input ids or a
+        dict with ``input_ids`` and optionally ``attention_mask`` / ``labels``): layer-major —
+        each unit, once on the device, runs every micro-batch; each unit's gradient is summed
+        on the device and leaves it once per step (see ``window.py``). The gradient is that of
+        ``sum of all token losses / num_items_in_batch`` (default: the window's target tokens,
+        as transformers.Trainer normalises); ``loss`` is the window's mean token loss and
+        ``num_tokens`` its target tokens. The planner may split a window whose boundary
+        activations fit nowhere into groups (``last_window_plan``). ``attention_mask`` and
+        ``labels`` go inside the micro-batches then.
+
+        With ``step_lr`` this ends the optimizer step: each unit's AdamW update runs in a
         worker as soon as its gradient is final, overlapped with the backward of the units
         below it, and its gradient is zeroed after. Same result as ``forward_backward`` then
         ``optimizer_step(step_lr)`` then ``zero_grad()``; the next forward waits per unit.
@@ -225,18 +241,25 @@ class StreamingEngine:
         read ahead during the backward; once the norm is known every update runs in the worker,
         in the next forward's order, while this call returns. Same result as
         ``clip_grad_norm_(max_grad_norm)``, ``optimizer_step(step_lr)``, ``zero_grad()``;
-        ``out.grad_norm`` is the norm before clipping.
+        ``out.grad_norm`` is the norm before clipping. (The final gradients wait in host RAM
+        for the norm.)
         """
         if max_grad_norm is not None and step_lr is None:
             raise ValueError("max_grad_norm is applied with the step's update: pass step_lr too (or call "
                              "clip_grad_norm_() before optimizer_step()).")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}; pass None for no clipping.")
+        window = window_batches(input_ids)
+        if window is not None:
+            if attention_mask is not None or labels is not None:
+                raise ValueError("forward_backward got a list of micro-batches and a separate attention_mask/labels; "
+                                 "put each micro-batch's attention_mask and labels in its dict instead.")
+            return self._forward_backward_window(window, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
         with self.lock:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
             t0 = time.perf_counter()
-            step = StepContext(lr=step_lr, clip=max_grad_norm)
+            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self._clip_hold())
             self.updates.begin(step)
             try:
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, step=step,
@@ -245,11 +268,69 @@ class StreamingEngine:
                 norm = self.updates.finish(step)
             finally:
                 self.updates.end()
+            self.counters.add_tokens(ids.numel())
             if step_lr is not None:
                 self.counters.add("steps", 1)
+                self._close_step(groups=None)
             self.counters.add("micro_batches", 1)
             self.counters.add("step_seconds", time.perf_counter() - t0)
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm)
+
+    def plan_window(self, batches) -> WindowPlan:
+        """The layout a window of prepared ``(ids, am, labels)`` micro-batches gets: layer-major
+        when their boundary activations fit the device budget, else host RAM, else split."""
+        cap = None
+        if self.device.type == "cuda" and not self.config.max_vram_gb:
+            cap = torch.cuda.get_device_properties(self.device).total_memory
+        return engine_window_plan(self.plan, self.model_config, self.config, len(self.layer_units),
+                                  tokens=max(int(b[0].numel()) for b in batches), micro_batches=len(batches),
+                                  device_capacity=cap)
+
+    def _forward_backward_window(self, window, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
+        with self.lock:
+            self._check_open()
+            batches = [self._prepare(*b) for b in window]
+            t0 = time.perf_counter()
+            if num_items_in_batch is None:
+                num_items_in_batch = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in batches)
+            denom = max(num_items_in_batch, 1)
+            wp = self.plan_window(batches)
+            self.last_window_plan = wp
+            loss_sum, n, norm = 0.0, 0, None
+            boundary_peak = {"device": 0, "host": 0}
+            for g0 in range(0, len(batches), wp.group_size):
+                group = batches[g0:g0 + wp.group_size]
+                last = g0 + wp.group_size >= len(batches)
+                step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self._clip_hold()) if last else StepContext()
+                self.updates.begin(step)
+                try:
+                    part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
+                                                               tier=wp.tier)
+                    self.pager.wait_grads()
+                    norm = self.updates.finish(step)
+                finally:
+                    self.updates.end()
+                loss_sum, n = loss_sum + part, n + cnt
+                for t in boundary_peak:
+                    boundary_peak[t] = max(boundary_peak[t], self.boundary.peak[t])
+                self.counters.add_tokens(tokens, len(group))
+            self._boundary_peak = {t: max(v, self._boundary_peak[t]) for t, v in boundary_peak.items()}
+            if step_lr is not None:
+                self.counters.add("steps", 1)
+                self._close_step(groups=wp.groups, group_size=wp.group_size, boundary_tier=wp.tier,
+                                 boundary_bytes=boundary_peak)
+            self.counters.add("micro_batches", len(batches))
+            self.counters.add("step_seconds", time.perf_counter() - t0)
+            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm)
+
+    def _clip_hold(self) -> str:
+        hold = self.config.clip_hold
+        if hold == "auto":
+            hold = "disk" if self.disk is not None and self.params_on_disk else "host"
+        return hold
+
+    def _close_step(self, **extra) -> None:
+        self.counters.close_step([u.name for u in self.layer_units], **extra)
 
     def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None) -> EngineOutput:
         """Loss of a batch without gradients."""
@@ -311,6 +392,7 @@ class StreamingEngine:
             self.pager.wait_grads()
             self.updates.update_all(lr)
             self.counters.add("steps", 1)
+            self._close_step(groups=None)
 
     def zero_grad(self) -> None:
         with self.lock:
@@ -334,6 +416,8 @@ class StreamingEngine:
         dev_g = self.pager.grad_buf_bytes
         act = self.runner.activation_peak
         dev = {"weights": dev_w, "grads": dev_g, "activations": act,
+               # layer-boundary activations of a layer-major window (part of "activations"); peak
+               "boundary_activations": self._boundary_peak["device"],
                "used_bytes": dev_w + dev_g + self.runner.activation_now,
                "peak_bytes": dev_w + dev_g + act,
                "capacity_bytes": int(self.config.max_vram_gb * GiB) if self.config.max_vram_gb else None}
@@ -347,13 +431,18 @@ class StreamingEngine:
         wb = self.weights.nbytes()
         host = {"weights": wb["host"], "grads": hb["grads"], "optimizer_states": st["host"],
                 # states read ahead of their updates + recycled scratch (moments, final gradients)
-                "buffers": st["host_buffers"] + self.updates.buffer_bytes(),
+                "buffers": st["host_buffers"] + self.updates.buffer_bytes() + self.boundary.free_bytes(),
+                # layer-boundary activations a layer-major window kept in host RAM (peak)
+                "activations": self._boundary_peak["host"],
                 "capacity_bytes": int(self.config.max_host_gb * GiB) if self.config.max_host_gb else _ram_total()}
-        host["used_bytes"] = host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
-        self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"])
+        host["used_bytes"] = (host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
+                              + self.boundary.bytes["host"])
+        self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"],
+                              host["used_bytes"] - self.boundary.bytes["host"] + self._boundary_peak["host"])
         host["peak_bytes"] = self._host_peak
-        disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "capacity_bytes": st.get("disk_capacity")}
-        disk["used_bytes"] = disk["weights"] + disk["optimizer_states"]
+        disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "grads": self.updates.held_disk_bytes(),
+                "capacity_bytes": st.get("disk_capacity")}
+        disk["used_bytes"] = disk["weights"] + disk["optimizer_states"] + disk["grads"]
         self._disk_peak = max(getattr(self, "_disk_peak", 0), disk["used_bytes"])
         disk["peak_bytes"] = self._disk_peak
         return {"device": dev, "host": host, "disk": disk}

@@ -11,8 +11,9 @@ The step's path, top to bottom in this file:
    distributed gradient reduce-scatter goes).
 5. Without clipping the unit's AdamW update is queued at once (:meth:`_submit`), overlapped
    with the backward of the units below it. With clipping only its share of the global norm
-   is taken; :meth:`finish` then queues every update, in :attr:`update_order`, scaled by the
-   clip coefficient.
+   is taken (the gradient waits in RAM, or with ``StepContext.hold == "disk"`` on the disk
+   tier: :meth:`_hold_on_disk`); :meth:`finish` then queues every update, in
+   :attr:`update_order`, scaled by the clip coefficient.
 6. :meth:`_apply` — one unit's update in the AdamW worker thread: optimizer states loaded,
    weights taken, AdamW, weights and states written (behind, on the disk tier).
 7. :meth:`ready_weights` — the next forward waits for exactly that unit's update before its
@@ -24,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -44,6 +46,10 @@ class StepContext:
     """
     lr: Optional[float] = None
     clip: Optional[float] = None
+    #: With clipping: where a gradient that arrives final in one piece (a layer-major window's,
+    #: or a single micro-batch's) waits for the norm: "host" RAM, or "disk" (the disk tier,
+    #: when there is one): written at once, read back by its update.
+    hold: str = "host"
 
     @property
     def updates(self) -> bool:
@@ -90,6 +96,8 @@ class UpdateScheduler:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._slots = threading.BoundedSemaphore(depth)
         self._grad_pool = BufferPool(max_bytes=256 << 20)  # final gradients of single micro-batches
+        self._held: Dict[int, Future] = {}            # unit index -> write of its final gradient (hold="disk")
+        self._held_keys: set = set()
 
     # ------------------------------------------------------------------ 1-2: a step begins
     def begin(self, step: StepContext) -> None:
@@ -126,14 +134,12 @@ class UpdateScheduler:
             return
         if not step.clipped and not self.grads.has_grad(unit):
             # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
-            # (a staging buffer is reused by the next transfer: copy it out)
-            flat = self._grad_pool.take(unit.numel)
-            if torch.is_tensor(grad):
-                flat.copy_(grad)
-            else:
-                torch.cat([g.reshape(-1).float() for g in grad], out=flat)
+            flat = self._copy_final(unit, grad)
             self.reduce(unit, flat)
             self._submit(unit, step.lr, flat, zero=False, recycle=True)
+            return
+        if step.clipped and step.hold == "disk" and self.disk is not None and not self.grads.has_grad(unit):
+            self._hold_on_disk(unit, self._copy_final(unit, grad))
             return
         self.grads.accumulate(unit, grad)       # the last micro-batch: final in the accumulator
         self.reduce(unit, self.grads.grad(unit))
@@ -145,6 +151,40 @@ class UpdateScheduler:
                 self._norm_sq += sq
             return
         self._submit(unit, step.lr, None, zero=True)
+
+    def _copy_final(self, unit: Unit, grad) -> torch.Tensor:
+        """A final gradient copied out of the transfer's staging buffer (reused by the next
+        transfer) into a recycled flat fp32 buffer."""
+        flat = self._grad_pool.take(unit.numel)
+        if torch.is_tensor(grad):
+            flat.copy_(grad)
+        else:
+            torch.cat([g.reshape(-1).float() for g in grad], out=flat)
+        return flat
+
+    def _hold_key(self, unit: Unit) -> str:
+        return f"final-grad-{unit.index:05d}"
+
+    def _hold_on_disk(self, unit: Unit, flat: torch.Tensor) -> None:
+        """Clipping, hold="disk": reduce, take the norm share, write the final gradient to the
+        disk tier (its update reads it back once the norm is known); RAM holds only the writes
+        in flight (at most a few units)."""
+        self.reduce(unit, flat)
+        sq = float(torch.linalg.vector_norm(flat)) ** 2
+        with self._norm_lock:
+            self._norm_sq += sq
+        key = self._hold_key(unit)
+        fut = self.disk.write(key, {"g": flat})
+        fut.add_done_callback(lambda _f, flat=flat: self._grad_pool.give(flat))
+        self._held[unit.index] = fut
+        self._held_keys.add(key)
+        inflight = [f for f in self._held.values() if not f.done()]
+        if len(inflight) > 2:   # back-pressure on the gradient thread (errors surface in the update)
+            futures_wait(inflight[:-2])
+
+    def held_disk_bytes(self) -> int:
+        """Bytes of final gradients kept on the disk tier for clipping (hold="disk")."""
+        return sum(self.disk.nbytes_of(k) for k in self._held_keys) if self.disk is not None else 0
 
     def reduce(self, unit: Unit, flat: torch.Tensor) -> None:
         """The reduce point: ``flat`` is this process's final gradient of ``unit`` (fp32, in
@@ -228,14 +268,29 @@ class UpdateScheduler:
                grad_coef: Optional[float] = None) -> None:
         t0 = time.perf_counter()
         self.weights.mark_updating(unit)
-        m, v = self.states.load(unit)
-        params = self.weights.for_update(unit)
-        grad = grad if grad is not None else self.grads.grad(unit)
-        if grad_coef is not None:
-            grad.mul_(grad_coef)
-        self.adam.step_unit(unit, params, grad, m, v, lr)
-        self.weights.update_done(unit, params)
-        self.states.store(unit, m, v)
+        held = self._held.pop(unit.index, None)
+        if grad is None and held is not None:   # hold="disk": the final gradient comes back
+            held.result()
+            grad = self._grad_pool.take(unit.numel)
+            try:
+                self.disk.read(self._hold_key(unit), {"g": grad}, urgent=True).result()
+            except BaseException:
+                self._grad_pool.give(grad)
+                raise
+        else:
+            held = None
+        try:
+            m, v = self.states.load(unit)
+            params = self.weights.for_update(unit)
+            grad = grad if grad is not None else self.grads.grad(unit)
+            if grad_coef is not None:
+                grad.mul_(grad_coef)
+            self.adam.step_unit(unit, params, grad, m, v, lr)
+            self.weights.update_done(unit, params)
+            self.states.store(unit, m, v)
+        finally:
+            if held is not None:
+                self._grad_pool.give(grad)
         if zero:
             self.grads.zero_unit(unit)
         self.counters.add("optimizer_seconds", time.perf_counter() - t0)

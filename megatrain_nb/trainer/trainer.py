@@ -150,6 +150,8 @@ class Trainer:
         fb_params = inspect.signature(self._engine.forward_backward).parameters
         self._engine_overlaps = "step_lr" in fb_params
         self._engine_clips = "max_grad_norm" in fb_params
+        # Engines that take a whole accumulation window (layer-major) in one forward_backward.
+        self._engine_windows = hasattr(self._engine, "plan_window")
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict):
@@ -320,8 +322,21 @@ class Trainer:
         lock = getattr(engine, "lock", None) or contextlib.nullcontext()
         with lock:
             lr = self.schedule.current()
-            for i, b in enumerate(window):
-                last = i == len(window) - 1
+            layer_major = overlap and len(window) > 1 and self._engine_windows
+            if layer_major:
+                # Layer-major: the whole window in one call, each layer on the device twice per
+                # step (the engine's planner may split it into groups and says so).
+                extra = {"step_lr": lr, **({"max_grad_norm": max_norm} if clip else {})}
+                micro = [{k: b[k] for k in ("input_ids", "attention_mask", "labels") if b.get(k) is not None}
+                         for b in window]
+                for _ in window[:-1]:
+                    self.control = cb.on_substep_end(args, st, self.control)
+                self.control = cb.on_pre_optimizer_step(args, st, self.control)
+                out = engine.forward_backward(micro, num_items_in_batch=n_items, loss_fn=self.loss_fn, **extra)
+                loss_sum = float(out.loss) * int(out.num_tokens)
+            one_by_one = [] if layer_major else window
+            for i, b in enumerate(one_by_one):
+                last = i == len(one_by_one) - 1
                 extra = {}
                 if last and overlap:
                     self.control = cb.on_pre_optimizer_step(args, st, self.control)

@@ -53,18 +53,30 @@ def fsync_tree(path: PathLike) -> None:
 
 def atomic_dir(final: PathLike, write: Callable[[str], None]) -> str:
     """Call ``write(tmp)`` on a fresh temporary folder beside ``final`` (``<name>.tmp-<pid>-<hex>``),
-    fsync it, then rename it to ``final``. An older ``final`` is first moved aside
-    (``<name>.old-<pid>-<hex>``) and deleted only once the new one is in place. Whatever stops
-    it (an error here, or a kill: see :func:`recover_interrupted`), ``final`` ends up as the
-    complete old folder or the complete new one. Returns ``final``."""
+    then :func:`commit_dir` it. Whatever stops it (an error here, or a kill: see
+    :func:`recover_interrupted`), ``final`` ends up as the complete old folder or the complete
+    new one. Returns ``final``."""
     final = os.path.abspath(os.fspath(final))
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-    tmp, old = f"{final}.tmp-{tag}", f"{final}.old-{tag}"
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = temp_name(final)
     os.mkdir(tmp)
     try:
         write(tmp)
+        commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def commit_dir(tmp: PathLike, final: PathLike) -> str:
+    """fsync the written folder ``tmp`` (made by :func:`temp_name` beside ``final``) and rename it
+    to ``final``. An older ``final`` is first moved aside (``<name>.old-<pid>-<hex>``) and deleted
+    only once the new one is in place; on an error the old one is put back."""
+    tmp, final = os.fspath(tmp), os.path.abspath(os.fspath(final))
+    parent = os.path.dirname(final)
+    old = f"{final}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
         fsync_tree(tmp)
         if os.path.isdir(final):
             os.replace(final, old)
@@ -78,7 +90,6 @@ def atomic_dir(final: PathLike, write: Callable[[str], None]) -> str:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(old, final)  # the previous folder is back
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from megatrain_nb.atomic import atomic_dir, commit_dir, recover_interrupted, temp_name  # noqa: F401 (re-exported for the sharded save)
+from megatrain_nb.atomic import atomic_dir, recover_interrupted
 
 PREFIX = "checkpoint"
 STATE_FILE = "megatrain_state.json"

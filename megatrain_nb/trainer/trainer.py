@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatrain_nb.atomic import staging_dir
+from megatrain_nb.atomic import commit_dir, staging_dir, temp_name
 
 from ..engine.dist import Dist
 from . import checkpoint as ckpt
@@ -494,14 +494,14 @@ class Trainer:
         if d.is_main:
             final.parent.mkdir(parents=True, exist_ok=True)
             ckpt.remove_stale_temporaries(final.parent)
-            tmp = Path(ckpt.temp_name(final))
+            tmp = Path(temp_name(final))
             tmp.mkdir()
         tmp = Path(d.all_gather_object(str(tmp) if tmp is not None else None)[0])
         try:
             self._engine.save_checkpoint(str(tmp))    # collective: each rank its file, then a barrier
             if d.is_main:
                 write_shared(tmp)
-                ckpt.commit_dir(tmp, final)
+                commit_dir(tmp, final)
         except BaseException:
             if d.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)

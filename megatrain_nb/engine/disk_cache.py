@@ -363,6 +363,14 @@ class HostCache:
             if e["dirty"]:
                 self._write_back(k, e)
 
+    def delete(self, key: str) -> None:
+        """As ``DiskStore.delete``; a resident copy goes too."""
+        with self._lock:
+            self._version[key] = self._version.get(key, 0) + 1
+            self._pop(key)
+            self._lost.pop(key, None)
+        self.store.delete(key)
+
     def invalidate(self) -> None:
         """Forget the phases (a step failed, or new weights were loaded): nothing resident is
         stale, but the next accesses start a fresh cycle."""

@@ -72,12 +72,15 @@ class OptimizerStates:
         forward leaves it idle rather than queueing behind the backward's writes."""
         # Appended: the updates of one step may still be running when the next step schedules.
         order = list(order)
-        self._sched = self._sched + [(u, i == len(order) - 1) for i, u in enumerate(order)]
+        with self._lock:  # the optimizer thread advances the same list
+            self._sched.extend((u, i == len(order) - 1) for i, u in enumerate(order))
         self._read_ahead()
 
     def _read_ahead(self) -> None:
         held = 0
-        for i, (u, _) in enumerate(self._sched):
+        with self._lock:
+            sched = list(self._sched)
+        for i, (u, _) in enumerate(sched):
             nbytes = self._stored_nbytes(u)
             if i >= 2 and held + nbytes > self.read_ahead_bytes:
                 break
@@ -90,12 +93,13 @@ class OptimizerStates:
         return sum(c.encoded_nbytes(unit.numel) for c in self.codecs.values())
 
     def _advance(self, unit: Unit) -> None:
-        sched = self._sched
-        try:
-            i = next(i for i, (u, _) in enumerate(sched) if u is unit)
-        except StopIteration:
-            return
-        del sched[: i + 1]
+        with self._lock:
+            sched = self._sched
+            try:
+                i = next(i for i, (u, _) in enumerate(sched) if u is unit)
+            except StopIteration:
+                return
+            del sched[: i + 1]
         self._read_ahead()
 
     def prefetch(self, unit: Unit) -> None:
@@ -114,7 +118,8 @@ class OptimizerStates:
         # At most ``writes_behind`` state writes pending, so only a few units' moments are in
         # RAM; the last update scheduled (nothing after it) does not wait: the next step's first
         # update does, during the forward.
-        last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
+        with self._lock:
+            last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
         while len(self._writes) >= self.writes_behind and not last:
             self._writes.pop(0).result()   # a failed write raises here, in the update
         for w in [w for w in self._writes if w.done()]:
@@ -149,7 +154,20 @@ class OptimizerStates:
             # Written behind; the next load waits until at most ``writes_behind`` are pending,
             # so the moments of only a few units are ever in RAM, and the step's last update
             # (nothing after it) never waits for a write.
-            fut = self.disk.write(self._key(unit), stored)  # bounded in load()
+            # Read-after-write: the next step's read-ahead (``schedule`` from the caller's thread)
+            # may have read this unit while its update was still running, so before this write
+            # was issued; DiskStore orders a read only after the writes issued before it, so that
+            # read holds the moments of the step before, and the next update would use them
+            # (disk-tier runs then differed from RAM runs, most with no accumulation). Under
+            # ``_lock``, which ``prefetch`` holds to issue a read, such a read is dropped and
+            # issued again after the write: every read of a unit's states follows its last store.
+            with self._lock:
+                fut = self.disk.write(self._key(unit), stored)  # bounded in load()
+                stale = self._reads.pop(unit.index, None)
+            if stale is not None:
+                if self.codecs is None:  # its buffers go back once it has finished filling them
+                    stale.add_done_callback(lambda f: f.exception() or self.pool.give(*f.result().values()))
+                self.prefetch(unit)
             self._writes.append(fut)
             if self.codecs is None:  # the moments are what is written: recycle them once written
                 fut.add_done_callback(lambda f, a=m, b=v: self.pool.give(a, b))

@@ -60,7 +60,7 @@ def _torch_adamw(model, accum, max_norm, batches):
 @pytest.mark.parametrize("max_norm", [None, 0.05])   # unclipped / clipping active every step
 def test_disk_tier_states_equal_ram_states(tmp_path, codec, accum, max_norm):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config("llama", tie=True, layers=4)).eval()
+    model = AutoModelForCausalLM.from_config(family_config("llama", tie=True)).eval()
     batches = _batches(STEPS * accum)
     common = dict(device="cpu", adam_betas=(0.9, 0.95), weight_decay=0.1, optimizer_compression=codec)
     ram = _run(copy.deepcopy(model), EngineConfig(**common), accum, max_norm, batches)
@@ -68,7 +68,7 @@ def test_disk_tier_states_equal_ram_states(tmp_path, codec, accum, max_norm):
         ref = _torch_adamw(model, accum, max_norm, batches)
         for n, p in ram.items():
             assert float((p - ref[n]).abs().max()) <= 1e-5, n
-    for attempt in range(3):   # the race was intermittent
+    for attempt in range(2):   # the race was intermittent
         disk = _run(copy.deepcopy(model), EngineConfig(**common, offload_dir=str(tmp_path)), accum,
                     max_norm, batches)
         for n, p in ram.items():

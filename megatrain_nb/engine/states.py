@@ -154,29 +154,36 @@ class OptimizerStates:
             # Written behind; the next load waits until at most ``writes_behind`` are pending,
             # so the moments of only a few units are ever in RAM, and the step's last update
             # (nothing after it) never waits for a write.
-            # Read-after-write: the next step's read-ahead (``schedule`` from the caller's thread)
-            # may have read this unit while its update was still running, so before this write
-            # was issued; DiskStore orders a read only after the writes issued before it, so that
-            # read holds the moments of the step before, and the next update would use them
-            # (disk-tier runs then differed from RAM runs, most with no accumulation). Under
-            # ``_lock``, which ``prefetch`` holds to issue a read, such a read is dropped and
-            # issued again after the write: every read of a unit's states follows its last store.
-            with self._lock:
-                fut = self.disk.write(self._key(unit), stored)  # bounded in load()
-                stale = self._reads.pop(unit.index, None)
-            if stale is not None:
-                if self.codecs is None:  # its buffers go back once it has finished filling them
-                    stale.add_done_callback(lambda f: f.exception() or self.pool.give(*f.result().values()))
-                self.prefetch(unit)
+            fut = self._write(unit, stored)  # bounded in load()
             self._writes.append(fut)
             if self.codecs is None:  # the moments are what is written: recycle them once written
                 fut.add_done_callback(lambda f, a=m, b=v: self.pool.give(a, b))
             else:                    # decoded scratch: the codes are written, the moments are free
                 self.pool.give(m, v)
-            self._on_disk.add(unit.index)
             self.counters.add_bytes("host_to_disk", sum(t.numel() * t.element_size() for t in stored.values()))
         else:
             self.ram[unit.index] = stored
+
+    def _write(self, unit: Unit, stored: Dict[str, torch.Tensor]) -> Future:
+        """Write a unit's stored states to the disk tier; a read-ahead of them issued before
+        this write is dropped and issued again after it.
+
+        Read-after-write: the next step's read-ahead (``schedule``, in the caller's thread)
+        may read a unit while its update is still running in the optimizer thread, so before
+        that update's write is issued. DiskStore orders a read only after the writes issued
+        before it, so such a read returns the moments of the step before, and the next update
+        used them: disk-tier runs differed from RAM runs (most with no accumulation, where the
+        next forward starts while the updates still run). Under ``_lock``, which ``prefetch``
+        holds to issue a read, every read of a unit's states is issued after its last write."""
+        with self._lock:
+            fut = self.disk.write(self._key(unit), stored)
+            stale = self._reads.pop(unit.index, None)
+        self._on_disk.add(unit.index)
+        if stale is not None:
+            if self.codecs is None:  # its buffers go back to the pool once it has filled them
+                stale.add_done_callback(lambda f: f.exception() or self.pool.give(*f.result().values()))
+            self.prefetch(unit)
+        return fut
 
     def flush(self) -> None:
         if self.disk is not None:
@@ -240,8 +247,7 @@ class OptimizerStates:
                 if not stored:
                     continue
                 if self.disk is not None:
-                    writes.add(self.disk.write(self._key(u), stored))
-                    self._on_disk.add(u.index)
+                    writes.add(self._write(u, stored))
                 else:
                     self.ram[u.index] = stored
         self.flush()
@@ -258,8 +264,7 @@ class OptimizerStates:
         """Replace a unit's moments with ``stored`` (their stored form, from a sharded
         checkpoint). Waits for the write: one unit's states in RAM at a time."""
         if self.disk is not None:
-            self.disk.write(self._key(unit), stored).result()
-            self._on_disk.add(unit.index)
+            self._write(unit, stored).result()
         else:
             self.ram[unit.index] = stored
 

@@ -107,10 +107,10 @@ class StreamingEngine:
                                  loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=self.updates.plan_reads)
         for u in self.layer_units:
             layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
-        self.boundary = BoundaryStore(self.device)
+        self.boundary = BoundaryStore(self.device, disk=self.disk)
         self.window_runner = WindowRunner(self.runner, self.boundary)
         self.last_window_plan: Optional[WindowPlan] = None
-        self._boundary_peak = {"device": 0, "host": 0}
+        self._boundary_peak = {"device": 0, "host": 0, "disk": 0}
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
@@ -256,7 +256,7 @@ class StreamingEngine:
             wp = self.plan_window(batches)
             self.last_window_plan = wp
             loss_sum, n, norm = 0.0, 0, None
-            boundary_peak = {"device": 0, "host": 0}
+            boundary_peak = {"device": 0, "host": 0, "disk": 0}
             for g0 in range(0, len(batches), wp.group_size):
                 group = batches[g0:g0 + wp.group_size]
                 last = g0 + wp.group_size >= len(batches)
@@ -264,7 +264,7 @@ class StreamingEngine:
                 self.updates.begin(step)
                 try:
                     part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
-                                                               tier=wp.tier)
+                                                               tier=wp.tier, k=wp.checkpoint_interval)
                     self.pager.wait_grads()
                     norm = self.updates.finish(step)
                 finally:
@@ -386,7 +386,7 @@ class StreamingEngine:
         hb = self.store.nbytes()
         st = self.states.nbytes()
         wb = self.weights.nbytes()
-        host = {"weights": wb["host"], "grads": hb["grads"], "optimizer_states": st["host"],
+        host = {"weights": wb["host"], "grads": hb["grads"] + self.updates.held_ram_bytes(), "optimizer_states": st["host"],
                 # states read ahead of their updates + recycled scratch (moments, final gradients)
                 "buffers": st["host_buffers"] + self.updates.buffer_bytes() + self.boundary.free_bytes(),
                 # layer-boundary activations a layer-major window kept in host RAM (peak)
@@ -398,8 +398,11 @@ class StreamingEngine:
                               host["used_bytes"] - self.boundary.bytes["host"] + self._boundary_peak["host"])
         host["peak_bytes"] = self._host_peak
         disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "grads": self.updates.held_disk_bytes(),
+                # layer-boundary activations a layer-major window kept on the disk tier (peak)
+                "activations": self._boundary_peak["disk"],
                 "capacity_bytes": st.get("disk_capacity")}
-        disk["used_bytes"] = disk["weights"] + disk["optimizer_states"] + disk["grads"]
+        disk["used_bytes"] = (disk["weights"] + disk["optimizer_states"] + disk["grads"]
+                              + self.boundary.bytes["disk"])
         self._disk_peak = max(getattr(self, "_disk_peak", 0), disk["used_bytes"])
         disk["peak_bytes"] = self._disk_peak
         return {"device": dev, "host": host, "disk": disk}

@@ -257,6 +257,7 @@ class StreamingEngine:
             self.last_window_plan = wp
             loss_sum, n, norm = 0.0, 0, None
             boundary_peak = {"device": 0, "host": 0, "disk": 0}
+            disk_ops: dict = {}
             for g0 in range(0, len(batches), wp.group_size):
                 group = batches[g0:g0 + wp.group_size]
                 last = g0 + wp.group_size >= len(batches)
@@ -272,12 +273,15 @@ class StreamingEngine:
                 loss_sum, n = loss_sum + part, n + cnt
                 for t in boundary_peak:
                     boundary_peak[t] = max(boundary_peak[t], self.boundary.peak[t])
+                for op, v in self.boundary.disk_ops.items():
+                    disk_ops[op] = disk_ops.get(op, 0) + v
                 self.counters.add_tokens(tokens, len(group))
             self._boundary_peak = {t: max(v, self._boundary_peak[t]) for t, v in boundary_peak.items()}
             if step_lr is not None:
                 self.counters.add("steps", 1)
                 self._close_step(groups=wp.groups, group_size=wp.group_size, boundary_tier=wp.tier,
-                                 boundary_bytes=boundary_peak)
+                                 boundary_bytes=boundary_peak, boundary_disk_ops=disk_ops,
+                                 checkpoint_interval=wp.checkpoint_interval)
             self.counters.add("micro_batches", len(batches))
             self.counters.add("step_seconds", time.perf_counter() - t0)
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm)

@@ -107,7 +107,6 @@ class UpdateScheduler:
         self._step = step
         with self._norm_lock:
             self._norm_sq = 0.0
-        self._held_ram.clear()   # a failed step's held gradients
 
     def plan_reads(self, compute_order: Sequence[Unit], step: Optional[StepContext]) -> None:
         """Disk read-ahead for the coming micro-batch (``step`` None: evaluation). The weights
@@ -128,7 +127,10 @@ class UpdateScheduler:
         """Runs in the pager's gradient-return thread once a unit's gradient reached the host
         (a flat fp32 tensor, or on a CPU "device" the per-parameter gradients)."""
         step = self._step
+        # (updates of the last step may still be running: they pop their own held gradients; an
+        # entry left by a failed step is dropped when this unit's gradient goes elsewhere)
         if not step.updates:                    # not the step's last micro-batch
+            self._held_ram.pop(unit.index, None)
             self.grads.accumulate(unit, grad)
             return
         if not step.clipped and not self.grads.has_grad(unit):
@@ -145,6 +147,7 @@ class UpdateScheduler:
             else:
                 self._hold_in_ram(unit, self._copy_final(unit, grad))
             return
+        self._held_ram.pop(unit.index, None)
         self.grads.accumulate(unit, grad)       # the last micro-batch: final in the accumulator
         self.reduce(unit, self.grads.grad(unit))
         if step.clipped:

@@ -385,9 +385,8 @@ def test_window_plan_disk_tier_and_interval():
     p = window_plan(16, device_free=10 * GiB, host_free=45 * GiB, **kw)   # interval 2 is enough
     assert (p.tier, p.checkpoint_interval, p.loads_per_layer) == ("host", 2, 2.5)
     # a too small disk tier counts as short too; nothing fits at any interval: split at the given one
-    p = window_plan(16, device_free=10 * GiB, host_free=5 * GiB, disk_free=6 * GiB, **kw)
-    assert p.checkpoint_interval == 1 and p.groups > 1 and p.tier == "disk"
-    assert p.group_size * 80 * row <= 6 * GiB
+    p = window_plan(16, device_free=10 * GiB, host_free=5 * GiB, disk_free=11 * GiB, **kw)
+    assert (p.checkpoint_interval, p.tier, p.group_size, p.groups) == (1, "disk", 2, 8)   # 2 x 5 GiB
     # a fixed interval (raise_interval=False) is kept
     p = window_plan(16, device_free=10 * GiB, host_free=25 * GiB, raise_interval=False, **kw)
     assert p.checkpoint_interval == 1 and p.groups > 1

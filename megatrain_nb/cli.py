@@ -24,9 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-
-def _gib(n) -> str:
-    return "-" if n is None else (f"{n / 2 ** 30:.2f}G" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f}M")
+from megatrain_nb.formatting import fmt_bytes
 
 
 # ---------------------------------------------------------------------------------------- running
@@ -40,7 +38,8 @@ class UsageError(ValueError):
 def _tier_text(memory: Optional[dict]) -> str:
     if not memory:
         return ""
-    return " ".join(f"{t} {_gib(memory.get(t, {}).get('used_bytes'))}" for t in ("device", "host", "disk"))
+    return " ".join(f"{t} {fmt_bytes(memory.get(t, {}).get('used_bytes'), none='-', compact=True)}"
+                    for t in ("device", "host", "disk"))
 
 
 def run_with_progress(trainer, *, resume=None, out=None) -> dict:
@@ -87,13 +86,13 @@ def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metr
     mem = trainer.engine.memory_report()
     for tier in ("device", "host", "disk"):
         d = mem.get(tier, {})
-        kinds = ", ".join(f"{k} {_gib(v)}" for k, v in d.items()
+        kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d.items()
                           if isinstance(v, int) and not k.endswith("_bytes") and v)
-        p(f"{tier:<6} peak {_gib(d.get('peak_bytes'))}" + (f" ({kinds})" if kinds else ""))
+        p(f"{tier:<6} peak {fmt_bytes(d.get('peak_bytes'))}" + (f" ({kinds})" if kinds else ""))
     tel = trainer.engine.telemetry() or {}
     moved = {k: v for k, v in (tel.get("bytes") or {}).items() if v}
     if moved:
-        p("bytes moved: " + ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in moved.items()))
+        p("bytes moved: " + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in moved.items()))
     line = streaming_text(tel)
     if line:
         p("streaming: " + line)
@@ -124,19 +123,6 @@ def streaming_text(tel: dict) -> str:
     if tel.get("stall_seconds") is not None:
         parts.append("time spent waiting: " + ", ".join(waits) if waits else "no time spent waiting")
     return "; ".join(parts)
-
-
-def _sample(engine, tokenizer, prompt: str, n: int = 32, seed: int = 0) -> str:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    for _ in range(n):
-        logits = engine.forward_logits(torch.tensor([ids]))[0, -1]
-        probs = torch.softmax(logits / 0.8, -1)
-        top = torch.topk(probs, 20)
-        ids.append(int(top.indices[torch.multinomial(top.values, 1, generator=g)]))
-    return tokenizer.decode(ids)
 
 
 # ---------------------------------------------------------------------------------------- demo
@@ -186,11 +172,14 @@ def cmd_demo(ns) -> int:
         metrics = trainer.evaluate()
         model_dir = trainer.save_model(str(out_dir / "model"))
         if not ns.quick:
+            from megatrain_nb.notebook.sampling import sample_text
+
             n_params = sum(p.numel() for _, p in trainer.engine.named_parameters())
             print(f"sample from this {n_params / 1e6:.1f}M-parameter model after {summary['steps']} steps "
                   f"({summary['seconds'] / 60:.1f} min of training); a model this small and this briefly trained "
                   "writes Python-flavoured noise, as expected: "
-                  + repr(_sample(trainer.engine, tokenizer, "def ", n=32, seed=ns.seed)))
+                  + repr(sample_text(trainer.engine, tokenizer, "def ", max_new_tokens=32, temperature=0.8,
+                                     top_k=20, seed=ns.seed)))
         print_summary(trainer, summary, model_dir=model_dir, eval_metrics=metrics)
         print(f"total time {time.time() - t0:.1f} s")
     finally:
@@ -404,6 +393,8 @@ def cmd_estimate(ns) -> int:
 
 # ---------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from megatrain_nb.engine.codecs import codec_names  # the codec registry: a new codec is one file
+
     ap = argparse.ArgumentParser(prog="megatrain-nb", description="Full-precision training of models larger "
                                  "than accelerator memory.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -418,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--lr", type=float, default=3e-3)
     d.add_argument("--vocab-size", type=int, default=4096)
-    d.add_argument("--compression", default="int8", choices=["none", "int8", "int4"],
+    d.add_argument("--compression", default="int8", choices=codec_names(),
                    help="optimizer-state codec (default int8)")
     d.add_argument("--no-disk", action="store_true", help="keep everything in RAM (no disk tier)")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -445,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--disk", type=_budget_arg, default="auto", help="disk tier in GiB, 'auto' (free space) or 'none'")
     e.add_argument("--batch", type=int, default=1)
     e.add_argument("--seq", type=int, default=2048)
-    e.add_argument("--compression", default="int8", choices=["none", "int8", "int4"])
+    e.add_argument("--compression", default="int8", choices=codec_names())
     e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     e.add_argument("--offload-dir", default=None, help="where the disk tier would live (for 'auto' free space)")
     e.add_argument("--no-disk", action="store_true", help="no disk tier")

@@ -22,18 +22,15 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from megatrain_nb.formatting import fmt_bytes
+
 GiB = 1024 ** 3
 Budget = Union[float, int, str, None]
 
 
 def _fmt(n: Optional[float]) -> str:
-    if n is None:
-        return "unlimited"
-    if n >= 1024 * GiB:
-        return f"{n / 1024 / GiB:.2f} TiB"
-    if n >= GiB:
-        return f"{n / GiB:.1f} GiB"
-    return f"{n / 1024 ** 2:.1f} MiB"
+    # TiB to two decimals: a 100B model's tiers differ in the second digit
+    return fmt_bytes(n, none="unlimited", digits=2 if n is not None and n >= 1024 * GiB else 1)
 
 
 def _fmt_dec(n: float) -> str:
@@ -123,11 +120,12 @@ def gpu_resident_bytes(config, *, num_parameters: int, batch: int, seq: int) -> 
     autograd keeps: per layer about ``tokens x (12 h + 4 i) x 4`` bytes (fused attention, no
     seq^2 term) and the logits with their softmax and gradient.
     """
-    tc = config.get_text_config()
-    h = int(getattr(tc, "hidden_size", 0) or 0)
-    i = int(getattr(tc, "intermediate_size", 0) or 4 * h)
-    layers = int(getattr(tc, "num_hidden_layers", 0) or 0)
-    vocab = int(getattr(tc, "vocab_size", 0) or 0)
+    from megatrain_nb.engine import family
+
+    h = family.hidden_size(config)
+    i = int(family.intermediate_size(config) or 4 * h)
+    layers = int(getattr(family.text_config(config), "num_hidden_layers", 0) or 0)
+    vocab = int(family.vocab_size(config) or 0)
     tok = batch * seq
     act = layers * tok * (12 * h + 4 * i) * 4 + 3 * tok * vocab * 4
     out = {"weights": 4 * num_parameters, "grads": 4 * num_parameters,
@@ -276,7 +274,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     ``layer_major=False`` shows the micro-batch-major path. ``clip_hold``: as
     ``EngineConfig.clip_hold`` ("disk"/"auto": those final gradients on the disk tier).
     """
-    from megatrain_nb.engine.codecs import normalize_compression
+    from megatrain_nb.engine import family
+    from megatrain_nb.engine.codecs import codec_names, normalize_compression
     from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
 
     if batch < 1 or seq < 1:
@@ -284,14 +283,13 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     config, name = resolve_config(model)
     comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
-    tc = config.get_text_config()
     layers = sum(1 for u in units if u.kind == "layer")
     disk_path = offload_dir if isinstance(offload_dir, str) else None
     budgets = {"device": _budget(vram_gb, lambda: None), "host": _budget(ram_gb, _machine_ram),
                "disk": _budget(disk_gb, lambda: _free_disk(disk_path)) if offload_dir else None}
     def plan_for(codec):
-        return make_plan(units, hidden_size=int(tc.hidden_size), num_layers=layers,
-                         intermediate_size=getattr(tc, "intermediate_size", None), vocab_size=int(tc.vocab_size),
+        return make_plan(units, hidden_size=family.hidden_size(config), num_layers=layers,
+                         intermediate_size=family.intermediate_size(config), vocab_size=family.vocab_size(config),
                          vram_bytes=budgets["device"], host_bytes=budgets["host"], disk_bytes=budgets["disk"],
                          batch=batch, seq=seq, compression=codec, precision=precision,
                          checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
@@ -299,8 +297,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                          host_gradients=clipping or (accumulation > 1 and not layer_major),
                          clip_hold=clip_hold if clipping else None)
 
-    by_codec = {codec: plan_for(codec) for codec in ("none", "int8", "int4")}
-    plan = by_codec.get(comp) or plan_for(comp)
+    by_codec = {codec: plan_for(codec) for codec in codec_names()}  # the registry: a new codec shows too
+    plan = by_codec[comp]
     total = sum(u.numel for u in units)
     notes = []
     if plan.window:

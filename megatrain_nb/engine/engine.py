@@ -38,6 +38,8 @@ from .telemetry import Telemetry
 from .units import Unit, build_units, check_supported, find_layer_list
 from .updates import StepContext, UpdateScheduler
 from .weight_store import make_weight_store
+from .dist import Dist
+from .sharded import ShardedUnits
 from .window import BoundaryStore, WindowRunner
 
 
@@ -56,7 +58,8 @@ class StreamingEngine:
     Read weights back with :meth:`named_parameters` or :meth:`save_pretrained`.
     """
 
-    def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, *, _source=None, **options):
+    def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, *, _source=None, dist=None,
+                 **options):
         if config is None:
             config = EngineConfig.from_options(**options)
         elif options:
@@ -65,7 +68,11 @@ class StreamingEngine:
         self.config = config
         self.model = model
         self.model_config = model.config
-        self.device = config.torch_device
+        # Data parallel: ``dist`` (a Dist or a torch ProcessGroup), else the default group if
+        # one is initialised (torchrun), else one process. With world > 1 every unit's training
+        # state is sharded over the ranks (see engine/sharded.py).
+        self.dist = resolve_dist(dist, config)
+        self.device = self.dist.device if self.dist.world > 1 else config.torch_device
         self.dtype = config.compute_dtype
         self.lock = threading.RLock()
         self.counters = Telemetry()
@@ -75,36 +82,56 @@ class StreamingEngine:
         self.units: List[Unit] = build_units(model, layers)
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.layer_units = self.units[1:-1]
+        self.sharded: Optional[ShardedUnits] = None
+        if self.dist.world > 1:
+            self.dist.check_same("model", (type(model).__name__, [(u.name, u.numel) for u in self.units]))
+            self.dist.check_same("optimizer settings", (config.optimizer_compression, config.adam_betas,
+                                                         config.adam_eps, config.weight_decay, config.precision))
+            self.sharded = ShardedUnits(self.units, self.dist, gather_dist=self.dist.channel("gather"),
+                                        reduce_dist=self.dist.channel("reduce"))
+        # The units whose training state this process holds: whole units, or this rank's shards.
+        self.state_units: List[Unit] = self.sharded.shards if self.sharded is not None else self.units
         self.persistent_buffers = engine_io.persistent_buffers(model)
 
         self.plan = engine_plan(self.units, self.model_config, config, cuda=self.device.type == "cuda")
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"
         self.checkpoint_interval = self.plan.checkpoint_interval
         pin = self.device.type == "cuda"
-        self.store = HostStore(self.units, pin=pin)
+        self.store = HostStore(self.state_units, pin=pin)
         self.disk = self._open_disk_tier()
         # Pipeline depth: units in flight through host RAM per stage (RAM stays flat).
         # (depth 2 measured no faster on 2 cores and left more optimizer time exposed: keep 1)
         self.inflight_depth = 1
-        self.weights = make_weight_store(self.units, self.store, disk=self.disk if self.params_on_disk else None,
+        self.weights = make_weight_store(self.state_units, self.store, disk=self.disk if self.params_on_disk else None,
                                          pin=pin, counters=self.counters, compute_buffers=2 + self.inflight_depth,
                                          optimizer_buffers=2 if self._small_units() else 1)
-        self.states = OptimizerStates(self.units, config, self.counters, disk=self.disk)
-        placeholders = take_parameters(model, self.units, self.store.alloc, self.weights.put_initial, _source)
+        self.states = OptimizerStates(self.state_units, config, self.counters, disk=self.disk)
+        alloc, put = self.store.alloc, self.weights.put_initial
+        if self.sharded is not None:   # each rank keeps its slice of every unit as it is built
+            alloc = lambda n: torch.empty(n, dtype=torch.float32)  # noqa: E731 - one unit at a time
+            put = self._put_own_shard
+        placeholders = take_parameters(model, self.units, alloc, put, _source)
         self.weights.finish_initial()
         self._move_buffers(model)
         model.config.use_cache = False
         self.adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
-        self.updates = UpdateScheduler(self.units, grads=self.store, weights=self.weights, states=self.states,
+        self.updates = UpdateScheduler(self.state_units, grads=self.store, weights=self.weights, states=self.states,
                                        adam=self.adam, counters=self.counters, disk=self.disk,
-                                       depth=self.inflight_depth)
+                                       depth=self.inflight_depth, sharded=self.sharded)
+        source, source_done, plan_reads = self.updates.ready_weights, self.weights.transfer_done, \
+            self.updates.plan_reads
+        if self.sharded is not None:   # the pager sees whole units; the stores hold shards
+            shard = self.sharded.shard
+            source = lambda u: self.updates.ready_weights(shard(u))                  # noqa: E731
+            source_done = lambda u, t: self.weights.transfer_done(shard(u), t)       # noqa: E731
+            plan_reads = lambda order, step: self.updates.plan_reads([shard(u) for u in order], step)  # noqa: E731
         self.pager = Pager(self.units, device=self.device, dtype=self.dtype, layer_slots=self.plan.layer_slots,
-                           source=self.updates.ready_weights, source_done=self.weights.transfer_done,
+                           source=source, source_done=source_done, sharded=self.sharded,
                            telemetry=self.counters, grad_sink=self.updates.gradient_arrived)
         self.pager.max_grads_in_flight = self.inflight_depth
         self.runner = StepRunner(model, self.units, self.pager, placeholders, device=self.device,
                                  checkpoint_interval=self.checkpoint_interval,
-                                 loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=self.updates.plan_reads)
+                                 loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=plan_reads)
         for u in self.layer_units:
             layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
         self.boundary = BoundaryStore(self.device, disk=self.disk)
@@ -133,6 +160,20 @@ class StreamingEngine:
         return cls(model, config, _source=SafetensorsSource(folder), **options)
 
     # ------------------------------------------------------------------ construction
+    def _put_own_shard(self, unit: Unit, full: torch.Tensor) -> None:
+        sh = self.sharded.shard(unit)
+        own = self.store.alloc(sh.numel)
+        own.copy_(full[sh.start:sh.start + sh.numel])
+        self.weights.put_initial(sh, own)
+
+    def _state_unit(self, unit: Unit) -> Unit:
+        return self.sharded.shard(unit) if self.sharded is not None else unit
+
+    def _whole(self, unit: Unit, flat: torch.Tensor) -> torch.Tensor:
+        """A unit's whole flat buffer from this process's part (a collective when sharded: every
+        rank must ask for the same units in the same order)."""
+        return self.sharded.assemble(unit, flat) if self.sharded is not None else flat
+
     def _small_units(self) -> bool:
         """Units small enough that a spare buffer or two per stream costs little RAM (<= 256 MiB
         each). Large units get the minimum: one optimizer staging buffer (RAM stays flat for
@@ -315,7 +356,7 @@ class StreamingEngine:
         self.pager.wait_grads()
         self.updates.wait_all()
         for u in self.units:
-            flat = self.weights.read_now(u)
+            flat = self._whole(u, self.weights.read_now(self._state_unit(u)))
             for p in u.params:
                 yield p.name, flat[p.offset:p.offset + p.numel].view(p.shape)
 
@@ -323,7 +364,7 @@ class StreamingEngine:
         """(name, fp32 accumulated gradient); tied weights once, holding the sum of both uses."""
         self.pager.wait_grads()
         for u in self.units:
-            g = self.store.grad(u)
+            g = self._whole(u, self.store.grad(self._state_unit(u)))
             for p in u.params:
                 yield p.name, g[p.offset:p.offset + p.numel].view(p.shape)
 
@@ -333,7 +374,9 @@ class StreamingEngine:
     def grad_norm(self) -> float:
         with self.lock:
             self.pager.wait_grads()
-            sq = sum(float(torch.linalg.vector_norm(self.store.grad(u)) ** 2) for u in self.units)
+            sq = sum(float(torch.linalg.vector_norm(self.store.grad(u)) ** 2) for u in self.state_units)
+            if self.sharded is not None:
+                sq = self.sharded.global_norm_sq(sq)
             return sq ** 0.5
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -342,7 +385,7 @@ class StreamingEngine:
             total = self.grad_norm()
             coef = max_norm / (total + 1e-6)
             if coef < 1.0:
-                for u in self.units:
+                for u in self.state_units:
                     self.store.grad(u).mul_(coef)
             return total
 
@@ -418,17 +461,27 @@ class StreamingEngine:
     def save_pretrained(self, path) -> None:
         """Write a folder that ``AutoModelForCausalLM.from_pretrained`` loads (safetensors)."""
         with self.lock:
-            engine_io.save_pretrained(self, path)
+            if self.dist.is_main:
+                engine_io.save_pretrained(self, path)
+            else:   # the other ranks take part in each unit's gather; rank 0 writes
+                for _ in self.named_parameters():
+                    pass
+            self.dist.barrier()
 
     def save_checkpoint(self, path) -> None:
         """Weights (Hugging Face layout) plus optimizer states in their stored form."""
         with self.lock:
+            if self.sharded is not None:
+                return self.save_sharded_checkpoint(path)
             self.pager.wait_grads()
             engine_io.save_pretrained(self, path, atomic=False)
             self.states.save(path, self.adam)
 
     def load_checkpoint(self, path) -> None:
         with self.lock:
+            if any(f.startswith("shards-") for f in os.listdir(path)):
+                return self.load_sharded_checkpoint(path)
+            self._refuse_sharded("load_checkpoint")
             self.pager.wait_grads()
             self.updates.settle()
             engine_io.load_weights(self, path)
@@ -452,6 +505,66 @@ class StreamingEngine:
                     self.disk.close()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def save_sharded_checkpoint(self, path) -> None:
+        """Every rank writes its shard of every unit (master weights, Adam states in their stored
+        form, step counts) to its own file in ``path`` (a folder all ranks see), in parallel; any
+        world size can load it back (:meth:`load_sharded_checkpoint`). Collective."""
+        from .reshard import write_rank_shards
+
+        with self.lock:
+            self.pager.wait_grads()
+            self.updates.wait_all()
+            self.states.flush()
+            os.makedirs(path, exist_ok=True)
+            ranges, tensors, steps = {}, {}, {}
+            for u in self.units:
+                su = self._state_unit(u)
+                start = su.start if self.sharded is not None else 0
+                ranges[u.name] = (u.numel, start, start + su.numel)
+                keys = {"master": self.weights.read_now(su)}
+                keys.update(self.states.stored(su) or {})
+                tensors[u.name] = keys
+                if u.index in self.adam.steps:
+                    steps[u.name] = int(self.adam.steps[u.index])
+            write_rank_shards(path, rank=self.dist.rank, world=self.dist.world,
+                              codec=self.config.optimizer_compression, units=ranges, tensors=tensors,
+                              extra={"steps": steps})
+            self.dist.barrier()   # the checkpoint is complete once every rank's file is
+
+    def load_sharded_checkpoint(self, path) -> None:
+        """Load a checkpoint written by :meth:`save_sharded_checkpoint` with any world size:
+        this rank reads only its range of each unit from the files that hold it. Collective."""
+        from .reshard import read_meta, read_rank_shards
+
+        with self.lock:
+            self.pager.wait_grads()
+            self.updates.settle()
+            metas = read_meta(path)
+            codec = metas[0]["codec"]
+            if codec != self.config.optimizer_compression:
+                raise ValueError(f"the checkpoint's optimizer states use codec {codec!r} but this engine uses "
+                                 f"{self.config.optimizer_compression!r}; set optimizer_compression={codec!r}")
+            parts = read_rank_shards(path, self.dist.rank, self.dist.world, {u.name: u.numel for u in self.units})
+            steps = metas[0]["extra"].get("steps", {})
+            for u in self.units:
+                su = self._state_unit(u)
+                got = dict(parts[u.name])
+                if su.numel == 0:
+                    continue
+                self.weights.overwrite(su, got.pop("master"))
+                if got:
+                    self.states.put_stored(su, got)
+            self.states.flush()
+            self.adam.load_state_dict({str(u.index): torch.tensor(float(steps[u.name]))
+                                       for u in self.units if u.name in steps})
+            self.updates.clear_failure()
+            self.dist.barrier()
+
+    def _refuse_sharded(self, what: str) -> None:
+        if self.sharded is not None:
+            raise NotImplementedError(f"{what}() from a Hugging Face-layout checkpoint with state sharded over "
+                                      f"{self.dist.world} ranks is not built yet; use a sharded checkpoint")
 
     @property
     def closed(self) -> bool:
@@ -487,3 +600,23 @@ def _ram_total() -> int:
     import psutil
 
     return int(psutil.virtual_memory().total)
+
+
+def resolve_dist(dist, config) -> Dist:
+    """The engine's process group: a Dist as given; a torch ProcessGroup wrapped; else the
+    initialised default group; else, under torchrun (WORLD_SIZE > 1), the group built from the
+    environment; else one process."""
+    if isinstance(dist, Dist):
+        return dist
+    import torch.distributed as tdist
+
+    want = None
+    if config.device is not None and torch.device(config.device).type == "cpu":
+        want = "cpu"
+    if dist is not None:
+        return Dist(dist, device=want)
+    if tdist.is_available() and tdist.is_initialized():
+        return Dist(None, device=want)
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:   # under torchrun: join the run's group
+        return Dist.from_env(device=want)
+    return Dist.single()

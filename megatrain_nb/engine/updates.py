@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .host_store import BufferPool
+from .sharded import ShardUnit
 from .units import Unit, forward_order
 
 
@@ -71,8 +72,12 @@ class UpdateScheduler:
     after a failure). ``depth``: units queued for an update at once (back-pressure on RAM).
     """
 
-    def __init__(self, units: List[Unit], *, grads, weights, states, adam, counters, disk=None, depth: int = 1):
+    def __init__(self, units: List[Unit], *, grads, weights, states, adam, counters, disk=None, depth: int = 1,
+                 sharded=None):
         self.units = units
+        # Data parallel (engine.sharded.ShardedUnits): ``units`` are this rank's shards; the
+        # reduce point reduce-scatters each micro-batch's gradient, the norm is all-reduced.
+        self.sharded = sharded
         self.grads = grads
         self.weights = weights
         self.states = states
@@ -127,6 +132,9 @@ class UpdateScheduler:
         """Runs in the pager's gradient-return thread once a unit's gradient reached the host
         (a flat fp32 tensor, or on a CPU "device" the per-parameter gradients)."""
         step = self._step
+        unit, grad = self.shard_gradient(unit, grad)
+        if unit.numel == 0:   # a small unit's shard of this rank is empty: nothing to update
+            return
         # (updates of the last step may still be running: they pop their own held gradients; an
         # entry left by a failed step is dropped when this unit's gradient goes elsewhere)
         if not step.updates:                    # not the step's last micro-batch
@@ -209,9 +217,31 @@ class UpdateScheduler:
 
     def reduce(self, unit: Unit, flat: torch.Tensor) -> None:
         """The reduce point: ``flat`` is this process's final gradient of ``unit`` (fp32, in
-        place). One process has nothing to reduce. Under data parallelism a reduce-scatter
-        (or all-reduce) goes here, before the norm share is taken and the update queued; it
-        runs in the gradient-return thread, so it overlaps the backward of the units below."""
+        place), before its norm share is taken and its update queued. Nothing to do in one
+        process, nor with sharded state: there each micro-batch's gradient was already
+        reduce-scattered on arrival (:meth:`shard_gradient`), so the accumulated shard is the
+        sum over ranks. (A hook for tests and for reductions of the final gradient.)"""
+
+    def shard_gradient(self, unit: Unit, grad):
+        """Data parallel, on each micro-batch's arrival: (unit, its gradient) -> (this rank's
+        shard of the unit, the gradient of the shard summed over ranks), by a reduce-scatter.
+        Every micro-batch's is reduced (as FSDP does), so the host only ever holds shard-sized
+        gradients. Runs in the gradient-return thread, in the backward's order on every rank,
+        overlapping the backward of the units below. One process: unchanged. A CUDA pager has
+        already reduce-scattered on the device and hands over the shard (a ShardUnit)."""
+        sh = self.sharded
+        if sh is None or isinstance(unit, ShardUnit):
+            return unit, grad
+        padded = self._grad_pool.take(sh.padded_numel(unit))
+        if torch.is_tensor(grad):
+            padded[:unit.numel].copy_(grad.reshape(-1))
+        else:
+            torch.cat([g.reshape(-1).float() for g in grad], out=padded[:unit.numel])
+        padded[unit.numel:].zero_()
+        try:
+            return sh.shard(unit), sh.reduce_grad(unit, padded)
+        finally:
+            self._grad_pool.give(padded)
 
     def _submit(self, unit: Unit, lr: float, grad, zero: bool, recycle: bool = False) -> None:
         self.weights.mark_updating(unit)
@@ -233,7 +263,10 @@ class UpdateScheduler:
         if not step.clipped:
             return None
         with self._norm_lock:
-            total, self._norm_sq = self._norm_sq ** 0.5, 0.0
+            sq, self._norm_sq = self._norm_sq, 0.0
+        if self.sharded is not None:   # the global norm: one all-reduce of the shards' squares
+            sq = self.sharded.global_norm_sq(sq)
+        total = sq ** 0.5
         coef = step.clip / (total + 1e-6)   # as torch.nn.utils.clip_grad_norm_
         coef = coef if coef < 1.0 else None
         order = [u for u in self.update_order if u.numel > 0]
@@ -302,7 +335,8 @@ class UpdateScheduler:
         self.states.schedule(self.units)  # disk reads ahead of the updates
         try:
             for u in self.units:
-                self._apply(u, lr)
+                if u.numel > 0:
+                    self._apply(u, lr)
             self.states.flush()
         except BaseException as e:
             self.failed = e  # some units may be updated and others not

@@ -16,10 +16,8 @@ A checkpoint folder holds:
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import secrets
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
@@ -27,10 +25,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from megatrain_nb.atomic import atomic_dir, recover_interrupted
+
 PREFIX = "checkpoint"
 STATE_FILE = "megatrain_state.json"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
-_TMP = re.compile(rf"^{PREFIX}-\d+\.tmp-(\d+)-[0-9a-f]+$")
 
 
 class CheckpointError(ValueError):
@@ -107,67 +106,20 @@ def resolve_resume(resume, output_dir) -> Optional[Path]:
                           f"(no {STATE_FILE} and trainer_state.json in it){hint}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temporaries(output_dir) -> None:
-    """Delete partial checkpoints left by processes that died while writing them."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return
-    for child in root.iterdir():
-        m = _TMP.match(child.name)
-        if m and (int(m.group(1)) == os.getpid() or not _pid_alive(int(m.group(1)))):
-            shutil.rmtree(child, ignore_errors=True)
+def remove_stale_temporaries(output_dir) -> list[str]:
+    """Finish the saves that processes died in (see ``atomic.recover_interrupted``): partial
+    checkpoints go, a previous checkpoint left moved aside comes back."""
+    return recover_interrupted(output_dir)
 
 
 def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_dir)`` then rename ``tmp_dir`` to ``final_dir`` (replacing an older one)."""
+    """Call ``write(tmp_dir)`` then rename ``tmp_dir`` to ``final_dir`` (replacing an older one);
+    see ``atomic.atomic_dir`` for what a crash at any point leaves."""
     final = Path(final_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final.parent)
-    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        _fsync_dir(tmp)
-        if final.exists():
-            old = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    atomic_dir(final, lambda tmp: write(Path(tmp)))
     return final
-
-
-def _fsync(path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    _fsync(path)
 
 
 def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None,

@@ -23,12 +23,17 @@ def _clean(v):
 
 
 class MetricsLog:
-    def __init__(self, path):
+    """``enabled=False`` (a data-parallel rank other than 0) writes nothing: one run, one log."""
+
+    def __init__(self, path, enabled: bool = True):
         self.path = Path(path)
+        self.enabled = enabled
         self._lock = threading.Lock()
         self.run_id = None  # set by the Trainer when a run starts
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
         if self.run_id is not None:
             record = {**record, "run_id": self.run_id}
         line = json.dumps(_clean(record), default=str)

@@ -436,3 +436,22 @@ def test_clipped_window_keeps_no_host_accumulator_and_pool_is_bounded():
         assert mem["host"]["grads"] == 0 and eng.updates.held_ram_bytes() == 0
         assert eng.updates.buffer_bytes() <= bound
     eng.close()
+
+
+def test_estimate_puts_llama100b_boundaries_on_disk_and_says_so():
+    """The seed's configuration (batch 1 x 2048 x accumulation 128, fp32, no clipping): the
+    window's boundary activations (768 GiB) do not fit the device nor the host budget's free
+    part, so they go to the disk tier; host RAM falls below the micro-batch-major figure (its
+    accumulator gone, nothing in its place) with 2 loads per layer."""
+    from megatrain_nb import estimate
+
+    kw = dict(vram_gb=80, ram_gb=1024, disk_gb=4096, batch=1, seq=2048, accumulation=128, clipping=False)
+    before = estimate("llama-100b", layer_major=False, **kw)
+    after = estimate("llama-100b", **kw)
+    w = after.plan.window
+    assert (w["tier"], w["groups"], w["checkpoint_interval"], w["loads_per_layer"]) == ("disk", 1, 1, 2)
+    assert after.plan.disk["activations"] == w["boundary_bytes"] == 128 * 96 * 2048 * 8192 * 4   # 96 layers, hidden 8192, fp32
+    assert "activations" not in after.plan.host and after.plan.host["grads"] == 0
+    assert after.plan.host["total"] < before.plan.host["total"] - before.plan.host["grads"] // 2
+    assert after.feasible and w["tokens_per_weight_fetch"] == 2048 * 128 / 2
+    assert "on the disk" in after.notes[0] and "131,072 tokens per weight fetch" in after.notes[0]

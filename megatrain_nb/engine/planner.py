@@ -99,7 +99,9 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     ``host_gradients``: whether a whole model's fp32 gradients live in host RAM (the
     micro-batch-major accumulator, or final gradients waiting for a clipping norm); a
     layer-major step without clipping has none. ``accumulation`` > 1: the window is planned
-    too (``plan.window``; boundary activations that do not fit the device go to host RAM).
+    too (``plan.window``: boundary activations on the device, else host RAM within
+    ``1 - HOST_HEADROOM`` of the budget, else the disk tier (``disk["activations"]``), else a
+    larger checkpoint interval for the window, else split).
     ``clip_hold`` ("host" | "disk" | "auto", as ``EngineConfig.clip_hold``): where final
     gradients held for a clipping norm live; "auto" = the disk tier when master weights are."""
     cb = 2 if precision == "bf16" else 4

@@ -274,3 +274,21 @@ def stored_state_bytes(units, codec_name: str) -> int:
     if codec_name == "none":
         return sum(2 * u.numel * 4 for u in units)
     return sum(get_codec(codec_name, r).encoded_nbytes(u.numel) for u in units for r in _ROLES)
+
+
+def open_disk_tier(units, config, params_on_disk: bool):
+    """The disk tier under ``config.offload_dir`` (optimizer states; master weights when
+    ``params_on_disk``), or None without an offload_dir."""
+    if not config.offload_dir:
+        return None
+    from .disk_store import DiskStore, prepare_offload_dir
+    from .host_store import return_freed_memory_to_os
+
+    need = stored_state_bytes(units, config.optimizer_compression)
+    if params_on_disk:
+        need += sum(u.numel for u in units) * 4
+    return_freed_memory_to_os()  # RAM must stay flat while units stream through it
+    prepare_offload_dir(config.offload_dir, need)  # created (0700) when missing; a missing parent is an error
+    # The engine bounds the memory its disk operations hold itself (staging pools, states
+    # read ahead / written behind); the store queues whatever it is given.
+    return DiskStore(config.offload_dir, reserve_bytes=need, keep=config.keep_offload_files)

@@ -6,8 +6,9 @@ A checkpoint folder holds:
 
 - what ``engine.save_checkpoint`` writes: weights in the Hugging Face safetensors layout and the
   optimizer states in their stored (codec) form;
-- ``scheduler.pt``  (the LR scheduler's state and any live ``set_lr`` override),
-- ``rng_state.pth`` (python, numpy, torch CPU and CUDA generators),
+- ``scheduler.json`` (the LR scheduler's state and any live ``set_lr`` override),
+- ``rng_state.json`` (python, numpy, torch CPU and CUDA generators),
+- ``manifest.json`` (size and sha256 of every other file; checked before a resume),
 - ``trainer_state.json`` (``transformers.TrainerState``: step, epoch, log history),
 - ``megatrain_state.json`` (data position, tokens seen, the run's shape; written last: it marks
   a megatrain_nb checkpoint),
@@ -15,6 +16,7 @@ A checkpoint folder holds:
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -27,10 +29,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from .manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
+
 PREFIX = "checkpoint"
 STATE_FILE = "megatrain_state.json"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
-_TMP = re.compile(rf"^{PREFIX}-\d+\.tmp-(\d+)-[0-9a-f]+$")
 
 
 class CheckpointError(ValueError):
@@ -47,6 +50,7 @@ def list_checkpoints(output_dir) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
+    recover_interrupted(root)
     found = []
     for child in root.iterdir():
         m = _NAME.match(child.name)
@@ -71,6 +75,7 @@ def resolve_resume(resume, output_dir) -> Optional[Path]:
                                   f"output_dir={str(output_dir)!r}")
         return last
     p = Path(resume)
+    recover_interrupted(p.parent)  # a save of this very name may have been cut short
     if not p.exists():
         raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} does not exist")
     if is_checkpoint(p):
@@ -80,6 +85,17 @@ def resolve_resume(resume, output_dir) -> Optional[Path]:
             else "; pass a folder like <output_dir>/checkpoint-<step> written by megatrain_nb")
     raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a megatrain_nb checkpoint "
                           f"(no {STATE_FILE} and trainer_state.json in it){hint}")
+
+
+def verify(path) -> bool:
+    """Check ``path`` against its manifest; the error names the bad file and the checkpoint
+    before it in the same folder (the one to resume from instead)."""
+    path = Path(path)
+    others = [c for c in list_checkpoints(path.parent) if c.resolve() != path.resolve()]
+    mine = _NAME.match(path.name)
+    if mine:
+        others = [c for c in others if int(_NAME.match(c.name).group(1)) < int(mine.group(1))]
+    return verify_manifest(path, others[-1] if others else None)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -92,36 +108,71 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(output_dir) -> None:
-    """Delete partial checkpoints left by processes that died while writing them."""
+# ``<name>.tmp-<pid>-<hex>``: a checkpoint being written; ``<name>.old-<pid>-<hex>``: the previous
+# checkpoint of the same name, moved aside while the new one is renamed into place.
+_SIDE = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def recover_interrupted(output_dir) -> list[str]:
+    """Finish the save protocol of processes that died in it (and this process's own leftovers):
+    a moved-aside previous checkpoint whose replacement never arrived is renamed back; one whose
+    replacement is in place is deleted; partial new checkpoints are deleted. Returns what was done."""
     root = Path(output_dir)
     if not root.is_dir():
-        return
-    for child in root.iterdir():
-        m = _TMP.match(child.name)
-        if m and (int(m.group(1)) == os.getpid() or not _pid_alive(int(m.group(1)))):
+        return []
+    done = []
+    for child in sorted(root.iterdir()):
+        m = _SIDE.match(child.name)
+        if not m or not (int(m.group("pid")) == os.getpid() or not _pid_alive(int(m.group("pid")))):
+            continue
+        final = root / m.group("name")
+        if m.group("kind") == "old" and not final.exists():
+            os.replace(child, final)  # the new one never landed: the previous checkpoint is back
+            done.append(f"restored {final}")
+        else:
             shutil.rmtree(child, ignore_errors=True)
+            done.append(f"removed {child}")
+    if done:
+        _fsync(root)
+    return done
+
+
+remove_stale_temporaries = recover_interrupted
 
 
 def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_dir)`` then rename ``tmp_dir`` to ``final_dir`` (replacing an older one)."""
+    """Call ``write(tmp_dir)``, add the checksum manifest, then rename ``tmp_dir`` to ``final_dir``.
+
+    Replacing a checkpoint of the same name moves the old one aside first (``.old-<pid>-<hex>``)
+    and deletes it only once the new one is in place; a kill at any point leaves either the old
+    or the new checkpoint complete under ``final_dir`` -- or, between the two renames, the old one
+    aside, which :func:`recover_interrupted` (run by the next save, listing or resume) puts back."""
     final = Path(final_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(final.parent)
-    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    recover_interrupted(final.parent)
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = final.parent / f"{final.name}.tmp-{tag}"
+    old = final.parent / f"{final.name}.old-{tag}"
     tmp.mkdir()
+    moved = placed = False
     try:
         write(tmp)
+        write_manifest(tmp)
         _fsync_dir(tmp)
         if final.exists():
-            old = final.parent / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
             os.replace(final, old)
-            os.replace(tmp, final)
+            moved = True
+        os.replace(tmp, final)
+        placed = True
+        _fsync(final.parent)
+        if moved:
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        _fsync(final.parent)
     except BaseException:
+        if moved and not placed:
+            os.replace(old, final)  # put the previous checkpoint back
+        elif moved:
+            shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
@@ -160,25 +211,83 @@ def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None) -> l
     return removed
 
 
-# -- small files -------------------------------------------------------------------------------
+# -- small files: JSON only, so that loading a checkpoint never unpickles anything ----------------
+
+RNG_FILE = "rng_state.json"
+SCHEDULER_FILE = "scheduler.json"
+_OLD_RNG, _OLD_SCHEDULER = "rng_state.pth", "scheduler.pt"  # pickles written by earlier versions
+
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    """Python, numpy, torch CPU (and CUDA) generator states as JSON-able values."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(mt), gauss],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "cpu": _b64(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_b64(t) for t in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["cpu"])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["cpu"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_unb64(t) for t in state["cuda"]])
 
 
-def write_json(path: Path, obj) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.contiguous().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def read_rng_state(folder: Path) -> dict:
+    folder = Path(folder)
+    if (folder / RNG_FILE).is_file():
+        return read_json(folder / RNG_FILE)
+    old = _load_old(folder / _OLD_RNG)
+    # the old pickle held python's state as a tuple and numpy's arrays; normalise to the JSON form
+    py, npst = old["python"], old["numpy"]
+    out = {"python": [py[0], list(py[1]), py[2]],
+           "numpy": [npst[0], np.asarray(npst[1]).tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+           "cpu": _b64(old["cpu"])}
+    if "cuda" in old:
+        out["cuda"] = [_b64(t) for t in old["cuda"]]
+    return out
+
+
+def read_scheduler_state(folder: Path) -> dict:
+    folder = Path(folder)
+    if (folder / SCHEDULER_FILE).is_file():
+        return read_json(folder / SCHEDULER_FILE)
+    return _load_old(folder / _OLD_SCHEDULER)
+
+
+def _load_old(path: Path):
+    """A pickle from an older checkpoint, read with ``weights_only=True``: tensors and plain
+    containers only, never code. A file that needs more is refused, by name."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path.parent)!r} has neither {path.stem}.json nor {path.name}")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any refusal means the same to the user
+        raise CheckpointError(f"{str(path)!r} cannot be loaded safely (it holds more than tensors and plain "
+                              f"values, and megatrain_nb never unpickles objects from a file): {e}. "
+                              "Load an older checkpoint, or re-save this one with the megatrain_nb version "
+                              "that wrote it") from None
+
+
+def write_json(path: Path, obj, *, strict: bool = False) -> None:
+    """``strict``: a value that is not JSON fails loudly instead of being written as a string
+    that would read back differently (state that is loaded again, not informational files)."""
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=None if strict else str))
 
 
 def read_json(path: Path):

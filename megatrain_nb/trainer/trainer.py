@@ -442,8 +442,8 @@ class Trainer:
 
         def write(tmp: Path) -> None:
             self._engine.save_checkpoint(str(tmp))
-            torch.save(self.schedule.state_dict(), tmp / "scheduler.pt")
-            torch.save(ckpt.rng_state(), tmp / "rng_state.pth")
+            ckpt.write_json(tmp / ckpt.SCHEDULER_FILE, self.schedule.state_dict(), strict=True)
+            ckpt.write_json(tmp / ckpt.RNG_FILE, ckpt.rng_state(), strict=True)
             self.state.save_to_json(str(tmp / "trainer_state.json"))
             ckpt.write_json(tmp / "training_args.json", self.args.to_dict())
             if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
@@ -464,6 +464,7 @@ class Trainer:
 
         from transformers.trainer_callback import TrainerState
 
+        ckpt.verify(path)  # before reading anything from it
         meta = ckpt.read_json(path / ckpt.STATE_FILE)
         mine = {"batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
@@ -474,7 +475,7 @@ class Trainer:
             warnings.warn(f"resuming from {path} with settings that differ from the run that wrote it "
                           f"{changed}: the continuation will not match an uninterrupted run", stacklevel=3)
         self._engine.load_checkpoint(str(path))
-        self.schedule.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        self.schedule.load_state_dict(ckpt.read_scheduler_state(path))
         self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
         data = dict(meta["data"])
         if self.args.ignore_data_skip:
@@ -482,7 +483,7 @@ class Trainer:
         stream.load_state_dict(data)
         self._tokens_seen = int(meta.get("tokens_seen", 0))
         self._log_accum = tuple(meta.get("log_accum", (0.0, 0)))
-        ckpt.set_rng_state(torch.load(path / "rng_state.pth", weights_only=False))
+        ckpt.set_rng_state(ckpt.read_rng_state(path))
         self._engine.zero_grad()
 
     # ------------------------------------------------------------------ callbacks, lifetime

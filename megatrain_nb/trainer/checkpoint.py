@@ -154,25 +154,24 @@ def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
     tmp = final.parent / f"{final.name}.tmp-{tag}"
     old = final.parent / f"{final.name}.old-{tag}"
     tmp.mkdir()
-    moved = placed = False
     try:
         write(tmp)
         write_manifest(tmp)
         _fsync_dir(tmp)
         if final.exists():
             os.replace(final, old)
-            moved = True
         os.replace(tmp, final)
-        placed = True
         _fsync(final.parent)
-        if moved:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
         _fsync(final.parent)
     except BaseException:
-        if moved and not placed:
-            os.replace(old, final)  # put the previous checkpoint back
-        elif moved:
-            shutil.rmtree(old, ignore_errors=True)
+        # Judge by what is on disk, not by how far this code got: a rename may have happened
+        # just before the error.
+        if old.exists():
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, final)  # put the previous checkpoint back
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final

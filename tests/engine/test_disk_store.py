@@ -320,3 +320,18 @@ def test_urgent_reads_go_ahead_of_queued_work(tmp_path):
     gate.set()
     queued.result(timeout=10)
     store.close()
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["packed", "aligned"])
+def test_a_flipped_payload_byte_is_refused_by_name(store, big):
+    x = torch.randn((1 << 19) if big else 1000)  # 2 MiB starts on an ALIGN boundary; 4 KB is packed
+    store.write("k", {"a": torch.ones(3), "x": x}).result()
+    path = store._file("k")
+    with open(path, "r+b") as f:  # the last bytes of x: the header still checks out
+        where = os.path.getsize(path) - ALIGN if big else 512
+        f.seek(where)
+        b = f.read(1)
+        f.seek(where)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(OffloadError, match=f"{path}.*'x'.*checksum"):
+        store.read("k").result()

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import io as engine_io
+from . import finite
 from .config import EngineConfig
 from .host_store import BufferPool, HostStore
 from .optimizer import UnitAdamW
@@ -42,7 +43,8 @@ from .weight_store import WeightStore
 class EngineOutput:
     loss: float
     num_tokens: int
-    grad_norm: Optional[float] = None   # with step_lr and max_grad_norm: the norm before clipping
+    grad_norm: Optional[float] = None   # with step_lr: the global norm (before any clipping)
+    skipped: bool = False               # the step was not applied (non-finite, on_nonfinite='skip')
 
 
 class StreamingEngine:
@@ -68,6 +70,7 @@ class StreamingEngine:
         self.counters = Telemetry()
         self._closed = False
         self._failed: Optional[BaseException] = None   # an update that failed (see _check_open)
+        self._guard: Optional[finite.StepGuard] = None  # the overlapped step's NaN/inf check
 
         self._layer_parent, self._layer_attr, layers = find_layer_list(model)
         self.units: List[Unit] = build_units(model, layers)
@@ -261,21 +264,35 @@ class StreamingEngine:
     def _submit_update(self, unit: Unit, lr: float, grad, zero: bool, recycle: bool = False) -> None:
         self.weights.mark_updating(unit)
         self._update_slots.acquire()  # back-pressure: RAM holds only a few pending updates
+        guard = self._guard
 
         def run():
             try:
-                self._update_unit(unit, lr, grad, zero)
+                self._update_unit(unit, lr, grad, zero, guard=guard)
+            except BaseException:
+                self.weights.dirty.clean(unit)  # readers must not wait forever for a failed update
+                raise
             finally:
                 if recycle:
                     self._grad_pool.give(grad)
                 self._update_slots.release()
         self._updates[unit.index] = self._update_pool.submit(run)
 
-    def _submit_clipped_updates(self, lr: float, max_norm: float) -> float:
+    def _submit_clipped_updates(self, lr: float, max_norm: float, loss: Optional[float] = None):
         """After the last backward with clipping: every unit's update, in the next forward's
-        order, in the worker; the next forward waits per unit. Returns the norm before clipping."""
+        order, in the worker; the next forward waits per unit. Returns the norm before clipping
+        and whether the step is skipped (non-finite; the updates then leave everything as is)."""
         with self._norm_lock:
             total, self._norm_sq = self._norm_sq ** 0.5, 0.0
+        # A non-finite step still runs its updates, as no-ops: the reads scheduled for them are
+        # consumed and the gradients zeroed, so the engine stays usable; 'stop' raises after.
+        try:
+            skip = not finite.apply_step(loss, total, self._next_step(), self.config.on_nonfinite)
+            stop = None
+        except finite.NonFiniteError as e:
+            skip, stop = True, e
+        if skip and stop is None:
+            self.counters.add("skipped_steps", 1)
         coef = max_norm / (total + 1e-6)   # as torch.nn.utils.clip_grad_norm_
         coef = coef if coef < 1.0 else None
         order = [self.embed_unit, self.head_unit] + list(self.layer_units)
@@ -288,7 +305,7 @@ class StreamingEngine:
         def run():
             for i, u in enumerate(order):
                 try:
-                    self._update_unit(u, lr, None, True, grad_coef=coef)
+                    self._update_unit(u, lr, None, True, grad_coef=coef, skip=skip)
                 except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on the units
                     for v in order[i:]:
                         futures[v.index].set_exception(e)
@@ -296,23 +313,39 @@ class StreamingEngine:
                     return
                 futures[u.index].set_result(None)
         self._update_pool.submit(run)
-        return total
+        if stop is not None:
+            raise stop
+        return total, skip
+
+    def _next_step(self) -> int:
+        """The number of the optimizer step about to be applied (1-based, survives a resume)."""
+        return 1 + max((int(s) for s in self.adam.steps.values()), default=0)
 
     def _update_unit(self, unit: Unit, lr: float, grad: Optional[torch.Tensor] = None, zero: bool = False,
-                     grad_coef: Optional[float] = None) -> None:
+                     grad_coef: Optional[float] = None, skip: bool = False,
+                     guard: Optional["finite.StepGuard"] = None) -> None:
         t0 = time.perf_counter()
         self.weights.mark_updating(unit)
         m, v = self.states.load(unit)
         params = self.weights.for_update(unit)
         grad = grad if grad is not None else self.store.grad(unit)
-        if grad_coef is not None:
-            grad.mul_(grad_coef)
-        self.adam.step_unit(unit, params, grad, m, v, lr)
+        error = None
+        if guard is not None:
+            skip, error = guard.check(unit.name, grad)
+            if error is not None and not error.partial and guard.policy == "skip":
+                self.counters.add("skipped_steps", 1)
+                error = None
+        if not skip:  # a skipped (non-finite) step: states and weights go back as they came
+            if grad_coef is not None:
+                grad.mul_(grad_coef)
+            self.adam.step_unit(unit, params, grad, m, v, lr)
         self.weights.update_done(unit, params)
         self.states.store(unit, m, v)
         if zero:
             self.store.zero_unit(unit)
         self.counters.add("optimizer_seconds", time.perf_counter() - t0)
+        if error is not None:
+            raise error
 
     def _wait_update(self, unit: Unit) -> None:
         fut = self._updates.get(unit.index)
@@ -322,9 +355,11 @@ class StreamingEngine:
         try:
             fut.result()
         except BaseException as e:
-            # Delivered once; the engine then refuses to train on (see _check_open).
+            # Delivered once; the engine then refuses to train on (see _check_open) -- except
+            # after a non-finite step none of whose updates was applied.
             self._updates.pop(unit.index, None)
-            self._failed = e
+            if not (isinstance(e, finite.NonFiniteError) and not e.partial):
+                self._failed = e
             self._settle_disk()
             raise
         self._updates.pop(unit.index, None)
@@ -411,6 +446,8 @@ class StreamingEngine:
         ``clip_grad_norm_(max_grad_norm)``, ``optimizer_step(step_lr)``, ``zero_grad()``;
         ``out.grad_norm`` is the norm before clipping.
         """
+        if step_lr is not None:
+            step_lr = finite.check_lr(step_lr)
         if max_grad_norm is not None and step_lr is None:
             raise ValueError("max_grad_norm is applied with the step's update: pass step_lr too (or call "
                              "clip_grad_norm_() before optimizer_step()).")
@@ -423,20 +460,24 @@ class StreamingEngine:
             # (a unit's pending update from the last step finishes before its forward reads it,
             # so before its new gradient reaches the accumulator)
             self._step_lr, self._clip, self._norm_sq = step_lr, max_grad_norm, 0.0
-            norm = None
+            # Without clipping the updates start during the backward, before the global norm is
+            # known: each checks its own gradient instead (finite.StepGuard).
+            self._guard = (finite.StepGuard(self._next_step(), self.config.on_nonfinite)
+                           if step_lr is not None and max_grad_norm is None else None)
+            norm, skipped = None, False
             try:
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, train=True,
                                               grad_scale_tokens=num_items_in_batch)
                 self.pager.wait_grads()
                 if max_grad_norm is not None:
-                    norm = self._submit_clipped_updates(step_lr, max_grad_norm)
+                    norm, skipped = self._submit_clipped_updates(step_lr, max_grad_norm, loss_sum / max(n, 1))
             finally:
                 self._step_lr, self._clip = None, None
             if step_lr is not None:
                 self.counters.add("steps", 1)
             self.counters.add("micro_batches", 1)
             self.counters.add("step_seconds", time.perf_counter() - t0)
-            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm)
+            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm, skipped=skipped)
 
     def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None) -> EngineOutput:
         """Loss of a batch without gradients."""
@@ -456,7 +497,7 @@ class StreamingEngine:
     def named_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(name, fp32 master tensor) with the names of ``model.named_parameters()``."""
         self.pager.wait_grads()
-        self._wait_all_updates()
+        self._check_intact("named_parameters()")
         for u in self.units:
             flat = self.weights.read_now(u)
             for p in u.params:
@@ -490,11 +531,16 @@ class StreamingEngine:
             return total
 
     def optimizer_step(self, lr: float) -> None:
-        """One AdamW step on every unit (same result as torch.optim.AdamW with these settings)."""
+        """One AdamW step on every unit (same result as torch.optim.AdamW with these settings).
+        A non-finite gradient is refused (or the step skipped) as ``on_nonfinite`` says."""
+        lr = finite.check_lr(lr)
         with self.lock:
             self._check_open()
             self.pager.wait_grads()
             self._wait_all_updates()
+            if not finite.apply_step(None, self.grad_norm(), self._next_step(), self.config.on_nonfinite):
+                self.counters.add("skipped_steps", 1)
+                return
             t0 = time.perf_counter()
             self.weights.schedule([], self.units)
             self.states.schedule(self.units)  # disk reads ahead of the updates
@@ -562,12 +608,14 @@ class StreamingEngine:
     def save_pretrained(self, path) -> None:
         """Write a folder that ``AutoModelForCausalLM.from_pretrained`` loads (safetensors)."""
         with self.lock:
+            self._check_intact("save_pretrained()")
             engine_io.save_pretrained(self, path)
 
     def save_checkpoint(self, path) -> None:
         """Weights (Hugging Face layout) plus optimizer states in their stored form."""
         with self.lock:
             self.pager.wait_grads()
+            self._check_intact("save_checkpoint()")
             engine_io.save_pretrained(self, path, atomic=False)
             self.states.save(path, self.adam)
 
@@ -604,6 +652,19 @@ class StreamingEngine:
                     self.disk.close()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def _check_intact(self, what: str) -> None:
+        """After a failed update some units hold the new step and others the old one: reading
+        or saving the weights then would hand out a mixture, so it is refused until a load."""
+        try:
+            self._wait_all_updates()
+        except BaseException:  # noqa: BLE001 - recorded in _failed and reported below
+            pass
+        failed = self._failed
+        if failed is not None:
+            raise RuntimeError(f"{what} refused: an optimizer update failed ({type(failed).__name__}: {failed}), so "
+                               "the weights hold a half-applied step. load_checkpoint() a saved checkpoint (or "
+                               "build a new engine) first.") from failed
 
     def _check_open(self):
         if self._closed:

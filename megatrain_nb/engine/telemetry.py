@@ -28,6 +28,7 @@ class Telemetry:
             self.optimizer_seconds = 0.0
             self.optimizer_exposed_seconds = 0.0
             self.weight_reads_saved = 0   # disk reads of master weights served by a kept buffer
+            self.skipped_steps = 0        # non-finite steps dropped (on_nonfinite="skip")
 
     def add_bytes(self, link: str, n: int, seconds: float = 0.0) -> None:
         with self._lock:
@@ -70,4 +71,5 @@ class Telemetry:
                 "optimizer_seconds": self.optimizer_seconds,
                 "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
                 "weight_reads_saved": self.weight_reads_saved,
+                "skipped_steps": self.skipped_steps,
             }

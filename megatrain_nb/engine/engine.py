@@ -71,6 +71,7 @@ class StreamingEngine:
         self._closed = False
         self._failed: Optional[BaseException] = None   # an update that failed (see _check_open)
         self._guard: Optional[finite.StepGuard] = None  # the overlapped step's NaN/inf check
+        self._nonfinite: Optional[BaseException] = None  # a stopped non-finite step not yet reported
 
         self._layer_parent, self._layer_attr, layers = find_layer_list(model)
         self.units: List[Unit] = build_units(model, layers)
@@ -358,7 +359,9 @@ class StreamingEngine:
             # Delivered once; the engine then refuses to train on (see _check_open) -- except
             # after a non-finite step none of whose updates was applied.
             self._updates.pop(unit.index, None)
-            if not (isinstance(e, finite.NonFiniteError) and not e.partial):
+            if isinstance(e, finite.NonFiniteError) and not e.partial:
+                self._nonfinite = e  # raised (once) by whichever engine call comes next
+            else:
                 self._failed = e
             self._settle_disk()
             raise
@@ -375,8 +378,12 @@ class StreamingEngine:
                 pass
 
     def _wait_all_updates(self) -> None:
-        for u in self.units:
-            self._wait_update(u)
+        try:
+            for u in self.units:
+                self._wait_update(u)
+        except finite.NonFiniteError:
+            self._nonfinite = None  # reported here, to this caller
+            raise
 
     def _layer_call(self, unit: Unit, args, kwargs):
         return self.runner.layer_call(unit, args, kwargs)
@@ -466,11 +473,15 @@ class StreamingEngine:
                            if step_lr is not None and max_grad_norm is None else None)
             norm, skipped = None, False
             try:
+                self._raise_nonfinite()
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, train=True,
                                               grad_scale_tokens=num_items_in_batch)
                 self.pager.wait_grads()
                 if max_grad_norm is not None:
                     norm, skipped = self._submit_clipped_updates(step_lr, max_grad_norm, loss_sum / max(n, 1))
+            except finite.NonFiniteError:
+                self._nonfinite = None  # reported now (the forward met the stopped step's error)
+                raise
             finally:
                 self._step_lr, self._clip = None, None
             if step_lr is not None:
@@ -658,17 +669,26 @@ class StreamingEngine:
         or saving the weights then would hand out a mixture, so it is refused until a load."""
         try:
             self._wait_all_updates()
+        except finite.NonFiniteError:
+            raise  # a stopped step: nothing was applied, but the caller must hear of it
         except BaseException:  # noqa: BLE001 - recorded in _failed and reported below
             pass
+        self._raise_nonfinite()
         failed = self._failed
         if failed is not None:
             raise RuntimeError(f"{what} refused: an optimizer update failed ({type(failed).__name__}: {failed}), so "
                                "the weights hold a half-applied step. load_checkpoint() a saved checkpoint (or "
                                "build a new engine) first.") from failed
 
+    def _raise_nonfinite(self) -> None:
+        e, self._nonfinite = self._nonfinite, None
+        if e is not None:
+            raise e
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this StreamingEngine is closed; create a new one.")
+        self._raise_nonfinite()
         failed = self._failed
         if failed is not None:
             raise RuntimeError(f"an optimizer update failed earlier ({type(failed).__name__}: {failed}); weights and "

@@ -319,7 +319,9 @@ class Trainer:
         loss = loss_sum / n_items
         s, k = self._log_accum
         self._log_accum = (s + loss, k + 1)
+        counters = getattr(engine, "counters", None)
         return {"step": st.global_step + 1, "epoch": st.epoch, "loss": loss, "lr": lr,
+                "skipped_steps": int(getattr(counters, "skipped_steps", 0) or 0),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
                 "tokens_seen": self._tokens_seen, "tokens_per_s": tokens / dt if dt > 0 else 0.0,
                 "step_time_s": dt, "time": time.time(), "total_steps": total}
@@ -441,6 +443,7 @@ class Trainer:
                 "seed": self.args.seed, "data_seed": self.args.data_seed}
 
         def write(tmp: Path) -> None:
+            _refuse_non_finite(self._engine, final)
             self._engine.save_checkpoint(str(tmp))
             ckpt.write_json(tmp / ckpt.SCHEDULER_FILE, self.schedule.state_dict(), strict=True)
             ckpt.write_json(tmp / ckpt.RNG_FILE, ckpt.rng_state(), strict=True)
@@ -505,6 +508,15 @@ class Trainer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _refuse_non_finite(engine, final) -> None:
+    """A diverged run's weights never become the latest checkpoint (which a resume would pick)."""
+    for name, p in engine.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise FloatingPointError(f"refusing to save checkpoint {str(final)!r}: weight {name!r} holds NaN/inf (the "
+                                     "run diverged). The earlier checkpoints are kept; resume from the last one "
+                                     "with a lower learning rate")
 
 
 def _default_seq_len(engine) -> int:

@@ -85,7 +85,6 @@ def main() -> None:
     ap.add_argument("--unit-mib", type=int, default=128, help="MiB per stored tensor")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--io-threads", type=int, default=2)
-    ap.add_argument("--max-inflight", type=int, default=4)
     args = ap.parse_args()
 
     nunits = max(1, round(args.gib * 1024 / args.unit_mib))
@@ -105,7 +104,7 @@ def main() -> None:
     times: dict[str, list[float]] = {}
     sizes = {"dd write": dd_bytes, "dd read": dd_bytes}
     try:
-        stores = {k: DiskStore(work, io_threads=args.io_threads, max_inflight=args.max_inflight)
+        stores = {k: DiskStore(work, io_threads=args.io_threads)
                   for k in kinds}
         print(f"direct I/O: {stores['plain'].direct_io}")
         for rep in range(args.reps + 1):        # rep 0 is the warm-up

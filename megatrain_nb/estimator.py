@@ -236,13 +236,13 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     ``compression``: the optimizer-state codec (``"none"``, ``"int8"``, ``"int4"``; ``True`` = the
     recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
     """
-    from megatrain_nb.engine.config import _normalize_compression
+    from megatrain_nb.engine.codecs import normalize_compression
     from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
 
     if batch < 1 or seq < 1:
         raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
     config, name = resolve_config(model)
-    comp = _normalize_compression(compression)
+    comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
     tc = config.get_text_config()
     layers = sum(1 for u in units if u.kind == "layer")

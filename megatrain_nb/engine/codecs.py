@@ -62,25 +62,27 @@ Example::
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 __all__ = [
+    "CODECS",
     "CODEC_NAMES",
     "INT4_BLOCK",
     "INT8_BLOCK",
     "RECOMMENDED_CODEC",
     "ROLES",
     "StateCodec",
+    "codec_names",
     "get_codec",
     "normalize_compression",
+    "register_codec",
 ]
 
 #: What ``optimizer_compression=True`` maps to: int8 tracks fp32 AdamW closely, int4 visibly
 #: less (see the module docstring and ``benchmarks/bench_codec_speed.py --tracking``).
 RECOMMENDED_CODEC: str = "int8"
-CODEC_NAMES = ("none", "int8", "int4")
 ROLES = ("exp_avg", "exp_avg_sq")
 INT8_BLOCK = 256
 INT4_BLOCK = 32
@@ -117,8 +119,8 @@ class StateCodec(Protocol):
 def normalize_compression(value) -> str:
     """Map a user's ``optimizer_compression`` setting to a codec name.
 
-    ``True`` -> ``RECOMMENDED_CODEC``; ``False``/``None`` -> ``"none"``; a string must be one of
-    ``"none"``, ``"int8"``, ``"int4"`` (case and surrounding spaces ignored).
+    ``True`` -> ``RECOMMENDED_CODEC``; ``False``/``None`` -> ``"none"``; a string must name a
+    registered codec (:func:`codec_names`; case and surrounding spaces ignored).
 
     >>> normalize_compression(True)
     'int8'
@@ -129,26 +131,36 @@ def normalize_compression(value) -> str:
         return RECOMMENDED_CODEC
     if isinstance(value, str):
         name = value.strip().lower()
-        if name in CODEC_NAMES:
+        if name in CODECS:
             return name
     raise ValueError(
         f"optimizer_compression={value!r} is not supported; use one of "
-        f"{', '.join(repr(n) for n in CODEC_NAMES)}, True (= {RECOMMENDED_CODEC!r}) or False "
+        f"{', '.join(repr(n) for n in CODECS)}, True (= {RECOMMENDED_CODEC!r}) or False "
         f"(= 'none')"
     )
 
 
 def get_codec(name: str, role: str) -> StateCodec:
-    """Return the codec ``name`` ("none" | "int8" | "int4") for the moment ``role``
+    """Return the codec ``name`` (one of :func:`codec_names`) for the moment ``role``
     ("exp_avg" | "exp_avg_sq"). Codecs are stateless and safe to share between threads."""
     if role not in ROLES:
         raise ValueError(f"unknown optimizer-state role {role!r}; expected one of {ROLES}")
-    name = normalize_compression(name)
-    if name == "none":
-        return NoneCodec(role)
-    if name == "int8":
-        return Int8MomentCodec() if role == "exp_avg" else Int8VarianceCodec()
-    return Int4MomentCodec() if role == "exp_avg" else Int4VarianceCodec()
+    return CODECS[normalize_compression(name)](role)
+
+
+def codec_names() -> tuple[str, ...]:
+    """The registered codec names (what ``optimizer_compression`` accepts), "none" first."""
+    return tuple(CODECS)
+
+
+def register_codec(name: str, make: Callable[[str], StateCodec]) -> None:
+    """Add a codec: ``make(role)`` returns its :class:`StateCodec` for "exp_avg" or
+    "exp_avg_sq". The config, the planner, the estimator and the CLI read the registry, so a
+    new codec is one module that defines its classes and calls this."""
+    name = name.strip().lower()
+    if not name or name in CODECS:
+        raise ValueError(f"codec name {name!r} is empty or already registered ({', '.join(CODECS)})")
+    CODECS[name] = make
 
 
 def _scratch(rows: int, block: int) -> list[torch.Tensor]:
@@ -418,3 +430,13 @@ _PAIR_LUTS = {cls: _pair_lut(cls._LEVELS) for cls in (Int4MomentCodec, Int4Varia
 
 def _unpack_lut(lut: torch.Tensor, codes: torch.Tensor, outb: torch.Tensor) -> None:
     torch.index_select(lut, 0, codes.long(), out=outb.view(-1, 2))
+
+
+#: The codec registry: name -> ``make(role)``. Built-ins here; more via :func:`register_codec`.
+CODECS: dict[str, Callable[[str], StateCodec]] = {
+    "none": NoneCodec,
+    "int8": lambda role: Int8MomentCodec() if role == "exp_avg" else Int8VarianceCodec(),
+    "int4": lambda role: Int4MomentCodec() if role == "exp_avg" else Int4VarianceCodec(),
+}
+#: The built-in codec names (use :func:`codec_names` for every registered one).
+CODEC_NAMES = tuple(CODECS)

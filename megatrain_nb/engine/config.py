@@ -8,28 +8,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from .codecs import normalize_compression
+
 _PRECISIONS = ("fp32", "bf16")
-_COMPRESSIONS = ("none", "int8", "int4")
-
-
-def _normalize_compression(value) -> str:
-    # Kept here (not in codecs) so the config has no heavy imports; codecs.RECOMMENDED_CODEC
-    # decides what ``True`` means.
-    if value is None or value is False:
-        return "none"
-    if value is True:
-        try:
-            from .codecs import RECOMMENDED_CODEC
-        except ImportError:  # pragma: no cover - codecs always ship
-            return "int8"
-        return RECOMMENDED_CODEC
-    if isinstance(value, str) and value.lower() in _COMPRESSIONS:
-        return value.lower()
-    raise ValueError(
-        f"optimizer_compression={value!r} is not supported; use one of "
-        f"{', '.join(repr(c) for c in _COMPRESSIONS)} (or True for the recommended compact codec, "
-        "False for none)."
-    )
 
 
 @dataclass
@@ -50,7 +31,8 @@ class EngineConfig:
     offload_dir: Optional[Union[str, os.PathLike]] = None
     """Folder for the disk tier; None = no disk tier."""
     optimizer_compression: Union[str, bool, None] = "none"
-    """"none" | "int8" | "int4" (True = recommended compact codec, False = "none")."""
+    """A registered codec name (``codecs.codec_names()``: "none", "int8", "int4"); True = the
+    recommended compact codec, False = "none"."""
     checkpoint_interval: Optional[int] = 1
     """Save the input of every k-th layer; 1 = weights cross twice per step. None = planner picks.
     0 = no recompute: every layer's activations and weights stay on the device for the step (one
@@ -88,7 +70,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):
                 raise ValueError(f"{name}={v!r} must be a positive number of GiB (or None for no cap).")
-        self.optimizer_compression = _normalize_compression(self.optimizer_compression)
+        self.optimizer_compression = normalize_compression(self.optimizer_compression)
         from .finite import check_policy
         check_policy(self.on_nonfinite)
         if self.precision not in _PRECISIONS:

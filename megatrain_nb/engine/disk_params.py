@@ -127,8 +127,7 @@ class DiskReadStream:
             fut.set_result(None)
         elif self._free:
             buf = self._free.pop()
-            fut = self.disk.read(weights_key(unit), out={"w": buf[:unit.numel]}, urgent=self.urgent,
-                                 throttle=False)  # unthrottled: the pool's buffers bound these
+            fut = self.disk.read(weights_key(unit), out={"w": buf[:unit.numel]}, urgent=self.urgent)  # the pool's buffers bound these
         else:
             return False
         self._inflight.setdefault(unit.index, []).append((buf, fut, keep))

@@ -248,6 +248,25 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
+class WriteWindow:
+    """Writes left in flight behind their caller, at most ``depth`` at once (the tensors they
+    write stay in RAM until written): ``add`` waits for the oldest beyond that."""
+
+    def __init__(self, depth: int = 2):
+        self.depth = depth
+        self._futures: list[Future] = []
+
+    def add(self, fut: Future) -> None:
+        self._futures.append(fut)
+        while len(self._futures) > self.depth:
+            self._futures.pop(0).result()
+
+    def drain(self) -> None:
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+
+
 class DiskStore:
     """Named groups of tensors in files under ``root`` (see the module docstring).
 
@@ -258,18 +277,18 @@ class DiskStore:
             has less free space.
         keep: leave the files on ``close()`` (for inspection); default removes them.
         io_threads: worker threads doing the I/O.
-        max_inflight: outstanding reads + writes; ``write``/``read`` block while this many are
-            pending (bounds the memory pinned by write-behind / read-ahead).
+
+    ``write`` and ``read`` never block: callers bound the memory their pending operations hold
+    (the engine's staging pools and read-ahead budgets do).
 
     All methods are thread-safe. The tensors given to ``write`` must stay unchanged until its
     future is done (the store writes them from their memory, without a snapshot).
     """
 
     def __init__(self, root: str | os.PathLike, *, reserve_bytes: int = 0, keep: bool = False,
-                 io_threads: int = 2, max_inflight: int = 4):
-        if io_threads < 1 or max_inflight < 1:
-            raise ValueError(f"io_threads ({io_threads}) and max_inflight ({max_inflight}) "
-                             f"must be at least 1")
+                 io_threads: int = 2):
+        if io_threads < 1:
+            raise ValueError(f"io_threads ({io_threads}) must be at least 1")
         root = os.path.abspath(os.path.expanduser(os.fspath(root)))
         try:
             os.makedirs(root, exist_ok=True)
@@ -300,8 +319,7 @@ class DiskStore:
         self.path = folder
         self.keep = keep
         self.direct_io = _probe_direct_io(folder)
-        self._slots = threading.BoundedSemaphore(max_inflight)
-        self._pool = _PriorityPool(io_threads, "megatrain-disk")
+        self._pool = _PriorityPool(io_threads, "mtnb-disk")
         self._staging = _Staging()
         self._lock = threading.Lock()
         # per key: the last write issued and the reads issued after it (still pending)
@@ -315,30 +333,26 @@ class DiskStore:
         self._finalizer = weakref.finalize(self, _remove_folder, folder) if not keep else None
 
     # ----------------------------------------------------------------------------- public
-    def write(self, key: str, tensors: dict[str, torch.Tensor], *, throttle: bool = True) -> Future:
+    def write(self, key: str, tensors: dict[str, torch.Tensor]) -> Future:
         """Write ``tensors`` as the new version of ``key`` in a worker (write-behind).
 
         Returns a Future that resolves to the number of bytes written, or raises
         ``OffloadError`` (ENOSPC, I/O error) -- then the previous version stays readable.
-        Blocks while ``max_inflight`` operations are pending, unless ``throttle=False`` (for a
-        caller that bounds the memory its pending operations hold itself).
         """
         items = []
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 raise ValueError(f"DiskStore.write({key!r}): {name!r} must be a CPU tensor")
             items.append((str(name), t.detach().contiguous()))
-        return self._submit(self._checked_key(key), True, self._write_file, key, items, throttle=throttle)
+        return self._submit(self._checked_key(key), True, self._write_file, key, items)
 
-    def read(self, key: str, out: dict[str, torch.Tensor] | None = None, *, urgent: bool = False,
-             throttle: bool = True) -> Future:
+    def read(self, key: str, out: dict[str, torch.Tensor] | None = None, *, urgent: bool = False) -> Future:
         """Read ``key`` in a worker (read-ahead); ordered after earlier writes of ``key``.
 
         With ``out``, tensors are read into ``out[name]`` (same dtype and numel, contiguous; no
         allocation) and those tensors are returned; names missing from ``out`` are allocated
-        (4096-aligned). The Future resolves to ``{name: tensor}``. An ``urgent`` read (the
-        caller bounds its own buffers: compute waits on it) goes ahead of queued operations
-        and does not count against ``max_inflight``; nor does a read with ``throttle=False``.
+        (4096-aligned). The Future resolves to ``{name: tensor}``. An ``urgent`` read (compute
+        waits on it) goes ahead of queued operations.
         """
         self._checked_key(key)
         if out is not None:
@@ -347,8 +361,7 @@ class DiskStore:
                         or not t.is_contiguous():
                     raise ValueError(f"DiskStore.read({key!r}): out[{name!r}] must be a "
                                      f"contiguous CPU tensor")
-        return self._submit(key, False, self._read_file, key, dict(out or {}), urgent=urgent,
-                            throttle=throttle and not urgent)
+        return self._submit(key, False, self._read_file, key, dict(out or {}), urgent=urgent)
 
     def wait_key(self, key: str) -> None:
         """Wait until every operation issued so far on ``key`` is done; re-raise its error."""
@@ -455,12 +468,10 @@ class DiskStore:
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
         return os.path.join(self.path, f"{safe}-{digest}{_SUFFIX}")
 
-    def _submit(self, key: str, is_write: bool, fn, *args, urgent: bool = False, throttle: bool = True) -> Future:
+    def _submit(self, key: str, is_write: bool, fn, *args, urgent: bool = False) -> Future:
         """Run ``fn(*args)`` in a worker once the operations on ``key`` it must follow are done:
         a read follows the last write of the key; a write follows that write and every read
         issued since (reads of a key do not wait for each other)."""
-        if throttle:
-            self._slots.acquire()
         outer: Future = Future()
         with self._lock:
             ops = self._ops.setdefault(key, {"write": None, "reads": set()})
@@ -473,8 +484,6 @@ class DiskStore:
             self._pending.add(outer)
 
         def finish() -> None:
-            if throttle:
-                self._slots.release()
             with self._lock:
                 self._pending.discard(outer)
                 ops = self._ops.get(key)

@@ -73,6 +73,38 @@ def materialize_buffers(model: nn.Module, extra_modules) -> None:
             m.original_inv_freq = m._buffers["inv_freq"].clone()
 
 
+def take_parameters(model: nn.Module, units, alloc: Callable[[int], torch.Tensor],
+                    put: Callable[[Unit, torch.Tensor], None], source=None) -> Dict[Tuple[int, str], nn.Parameter]:
+    """Fill the store unit by unit (``alloc`` a flat buffer, ``put`` it); leave meta
+    placeholders in the modules and return them by (id(module), attribute).
+
+    Values come from the live model, from ``source`` (a safetensors folder), or — for a
+    meta-device model — from the model's own weight init run on one unit at a time.
+    """
+    meta = is_meta_model(model)
+    layer_modules = [u.module for u in units[1:-1]]
+    placeholders: Dict[Tuple[int, str], nn.Parameter] = {}
+    for u in units:
+        if source is not None:
+            values = source.unit_values(u)
+        elif meta:
+            values = init_unit(model, u, layer_modules)
+        else:
+            values = {p.name: p.bindings[0][0]._parameters[p.bindings[0][1]] for p in u.params}
+        flat = alloc(u.numel)
+        for p in u.params:
+            flat[p.offset:p.offset + p.numel].copy_(values[p.name].detach().reshape(-1))
+            ph = nn.Parameter(torch.empty(p.shape, device="meta", dtype=torch.float32))
+            for m, a in p.bindings:
+                m._parameters[a] = ph
+                placeholders[(id(m), a)] = ph
+        del values
+        put(u, flat)
+    if meta:
+        materialize_buffers(model, layer_modules)
+    return placeholders
+
+
 class SafetensorsSource:
     """Reads one unit's tensors at a time from a (sharded) safetensors folder."""
 
@@ -102,6 +134,3 @@ class SafetensorsSource:
                         raise ValueError(f"{p.name}: shape {tuple(t.shape)} in {self.folder}, {p.shape} in the config.")
                     out[p.name] = t.to(torch.float32, copy=True)
         return out
-
-    def close(self):
-        pass

@@ -7,7 +7,6 @@ only for the update and encoded right after.
 """
 from __future__ import annotations
 
-import threading
 from typing import Dict, Optional
 
 import torch
@@ -22,7 +21,6 @@ class UnitAdamW:
         self.weight_decay = weight_decay
         self.steps: Dict[int, torch.Tensor] = {}
         self.stats: Dict[int, dict] = {}
-        self._lock = threading.Lock()
 
     def step_unit(self, unit: Unit, params: torch.Tensor, grads: torch.Tensor,
                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, lr: float,

@@ -218,11 +218,6 @@ class Pager:
             f.result()
         self.telemetry.stall("grad_return", time.perf_counter() - t0)
 
-    def synchronize(self) -> None:
-        self.wait_grads()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
     def reset(self) -> None:
         """Drop every residency (after an error mid-step)."""
         with self._lock:

@@ -34,14 +34,10 @@ def unit_specs_from_config(config) -> List[UnitSpec]:
 
 def codec_bytes_per_param(compression: str) -> float:
     """Stored bytes per parameter for both Adam moments together."""
-    try:
-        from .codecs import get_codec
+    from .codecs import ROLES, get_codec
 
-        n = 1 << 20
-        return (get_codec(compression, "exp_avg").encoded_nbytes(n)
-                + get_codec(compression, "exp_avg_sq").encoded_nbytes(n)) / n
-    except Exception:  # codecs not importable: nominal sizes
-        return {"none": 8.0, "int8": 2.0 + 16 / 256, "int4": 1.0 + 16 / 64}[compression]
+    n = 1 << 20
+    return sum(get_codec(compression, role).encoded_nbytes(n) for role in ROLES) / n
 
 
 @dataclass
@@ -161,3 +157,31 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     return Plan(device=dev, host=host, disk=disk, placement=placement, layer_slots=slots,
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
                 capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes})
+
+
+def engine_plan(units, model_config, cfg, *, cuda: bool) -> Plan:
+    """The engine's plan for its units under an EngineConfig ``cfg``, or a ValueError naming
+    the budget to change."""
+    from .family import hidden_size, intermediate_size
+
+    specs = [UnitSpec(u.name, u.numel, u.kind) for u in units]
+    plan = make_plan(specs, hidden_size=hidden_size(model_config), num_layers=len(units) - 2,
+                     intermediate_size=intermediate_size(model_config), vocab_size=0,
+                     vram_bytes=int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else None,
+                     host_bytes=int(cfg.max_host_gb * GiB) if cfg.max_host_gb else None,
+                     offload_params=cfg.offload_params, batch=1, seq=1, compression=cfg.optimizer_compression,
+                     precision=cfg.precision, checkpoint_interval=cfg.checkpoint_interval,
+                     offload_dir=bool(cfg.offload_dir), layer_slots=cfg.device_slots, cuda=cuda,
+                     loss_chunk_tokens=cfg.loss_chunk_tokens)
+    if not plan.feasible and plan.limiting_tier == "host":
+        raise ValueError(f"max_host_gb={cfg.max_host_gb}: {plan.reason}.")
+    if cfg.offload_params and not cfg.offload_dir:
+        raise ValueError("offload_params=True needs an offload_dir for the disk tier.")
+    if not plan.feasible:
+        biggest = max(units, key=lambda u: u.numel)
+        raise ValueError(
+            f"max_vram_gb={cfg.max_vram_gb} is below what one training step needs: "
+            f"{plan.reason}. The largest unit ({biggest.name}) alone holds "
+            f"{biggest.numel * (2 if cfg.precision == 'bf16' else 4) / GiB:.3f} GiB; "
+            f"set max_vram_gb to at least {plan.device['total'] / GiB:.3f}.")
+    return plan

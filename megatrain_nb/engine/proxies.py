@@ -19,14 +19,15 @@ from .units import Unit
 
 
 class LayerProxy(nn.Module):
-    def __init__(self, engine, unit: Unit):
+    def __init__(self, call, unit: Unit):
         super().__init__()
         # Plain attributes (not submodules) so model.named_parameters() keeps its names.
-        object.__setattr__(self, "_mt_engine", engine)
+        # ``call(unit, args, kwargs)`` runs the real layer (the StepRunner's layer_call).
+        object.__setattr__(self, "_mt_call", call)
         object.__setattr__(self, "_mt_unit", unit)
 
     def forward(self, *args, **kwargs):
-        return self._mt_engine._layer_call(self._mt_unit, args, kwargs)
+        return self._mt_call(self._mt_unit, args, kwargs)
 
     def __getattr__(self, name):
         try:

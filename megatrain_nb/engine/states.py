@@ -15,9 +15,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .codecs import ROLES as _ROLES, get_codec
+from .disk_store import WriteWindow
 from .units import Unit
 
-_ROLES = ("exp_avg", "exp_avg_sq")
 
 
 class OptimizerStates:
@@ -27,8 +28,6 @@ class OptimizerStates:
         self.counters = counters
         self.codecs = None
         if self.codec_name != "none":
-            from .codecs import get_codec
-
             self.codecs = {r: get_codec(self.codec_name, r) for r in _ROLES}
         self.ram: Dict[int, Dict[str, object]] = {}
         self.disk = disk  # shared with the engine, which closes it
@@ -108,7 +107,7 @@ class OptimizerStates:
                 out = None
                 if self.codecs is None:  # fp32 moments: read straight into recycled buffers
                     out = {r: self.pool.take(unit.numel) for r in _ROLES}
-                self._reads[unit.index] = self.disk.read(self._key(unit), out=out, throttle=False)  # bounded here
+                self._reads[unit.index] = self.disk.read(self._key(unit), out=out)  # bounded here: read_ahead_bytes
 
     def load(self, unit: Unit) -> Tuple[torch.Tensor, torch.Tensor]:
         """fp32 (exp_avg, exp_avg_sq) for the update; zeros on the first step."""
@@ -150,7 +149,7 @@ class OptimizerStates:
             # Written behind; the next load waits until at most ``writes_behind`` are pending,
             # so the moments of only a few units are ever in RAM, and the step's last update
             # (nothing after it) never waits for a write.
-            fut = self.disk.write(self._key(unit), stored, throttle=False)  # bounded in load()
+            fut = self.disk.write(self._key(unit), stored)  # bounded in load()
             self._writes.append(fut)
             if self.codecs is None:  # the moments are what is written: recycle them once written
                 fut.add_done_callback(lambda f, a=m, b=v: self.pool.give(a, b))
@@ -219,13 +218,14 @@ class OptimizerStates:
             keys = list(fh.keys())
             steps = {k.split("/", 1)[1]: fh.get_tensor(k).reshape(()) for k in keys if k.startswith("step/")}
             adam.load_state_dict(steps)
+            writes = WriteWindow(2)  # a few units' states in RAM at once
             for u in self.units:
                 prefix = f"{u.name}/"
                 stored = {k[len(prefix):]: fh.get_tensor(k) for k in keys if k.startswith(prefix)}
                 if not stored:
                     continue
                 if self.disk is not None:
-                    self.disk.write(self._key(u), stored)
+                    writes.add(self.disk.write(self._key(u), stored))
                     self._on_disk.add(u.index)
                 else:
                     self.ram[u.index] = stored
@@ -237,6 +237,4 @@ def stored_state_bytes(units, codec_name: str) -> int:
     """Bytes of both Adam moments of all units in their stored form."""
     if codec_name == "none":
         return sum(2 * u.numel * 4 for u in units)
-    from .codecs import get_codec
-
     return sum(get_codec(codec_name, r).encoded_nbytes(u.numel) for u in units for r in _ROLES)

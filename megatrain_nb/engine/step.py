@@ -10,8 +10,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .proxies import bind, swapped_submodule, unbind
-from .units import Unit
+from .proxies import HiddenStatesStub, bind, swapped_submodule, unbind
+from .units import Unit, forward_order
+from .updates import StepContext
 
 
 @dataclass
@@ -55,8 +56,23 @@ def _replace_first(out, h):
 
 
 class StepRunner:
-    def __init__(self, engine):
-        self.e = engine
+    """Runs micro-batches through ``model``. Collaborators: ``units`` (embedding first, head
+    last), the ``pager`` (device slots), the meta ``placeholders`` parameters go back to after
+    each use, and ``plan_reads(compute_order, step)`` (the update scheduler's disk read-ahead)."""
+
+    def __init__(self, model, units: List[Unit], pager, placeholders, *, device: torch.device,
+                 checkpoint_interval: int, loss_chunk_tokens: int,
+                 plan_reads: Callable[[List[Unit], Optional[StepContext]], None]):
+        self.model = model
+        self.units = units
+        self.embed, self.head, self.layers = units[0], units[-1], units[1:-1]
+        self.pager = pager
+        self.placeholders = placeholders
+        self.device = device
+        self.checkpoint_interval = checkpoint_interval
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.plan_reads = plan_reads
+        self._head_stub = HiddenStatesStub()
         self.ctx: Optional[_StepContext] = None
         self.activation_peak = 0
         self.activation_now = 0
@@ -64,11 +80,10 @@ class StepRunner:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, train: bool) -> List[Unit]:
-        e = self.e
-        layers = e.layer_units
-        order = [e.embed_unit, e.head_unit] + list(layers)
-        if train and e.checkpoint_interval > 0:
-            n, k = len(layers), e.checkpoint_interval
+        layers = self.layers
+        order = forward_order(self.units)
+        if train and self.checkpoint_interval > 0:
+            n, k = len(layers), self.checkpoint_interval
             for b in reversed(range(0, n, k)):
                 end = min(b + k, n)
                 order += layers[b:end - 1]                 # recompute the block's forward
@@ -78,37 +93,35 @@ class StepRunner:
     # ------------------------------------------------------------------ the model's own forward
     def _base_forward(self, ids, am) -> torch.Tensor:
         """The base model's own forward (layers streamed by the proxies): final hidden states."""
-        out = self.e.model.base_model(input_ids=ids, attention_mask=am, use_cache=False)
+        out = self.model.base_model(input_ids=ids, attention_mask=am, use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def _head_logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:
         """The CausalLM's own head code (lm_head + the family's logit transform) on one chunk."""
-        e = self.e
-        stub = e._head_stub
+        stub = self._head_stub
         stub.hidden = hidden_chunk
         dummy = torch.zeros(hidden_chunk.shape[:2], dtype=torch.long, device=hidden_chunk.device)
         try:
-            with swapped_submodule(e.model, e.model.base_model_prefix, stub):
-                out = e.model(input_ids=dummy, use_cache=False)
+            with swapped_submodule(self.model, self.model.base_model_prefix, stub):
+                out = self.model(input_ids=dummy, use_cache=False)
         finally:
             stub.hidden = None
         return out.logits
 
     def _bind_outer(self, requires_grad: bool):
-        e = self.e
         bound = {}
-        for u in (e.embed_unit, e.head_unit):
+        for u in (self.embed, self.head):
             if u.numel == 0:
                 bound[u.index] = []
                 continue
-            w = e.pager.acquire(u)
+            w = self.pager.acquire(u)
             bound[u.index] = bind(u, w, requires_grad=requires_grad)
         return bound
 
     def _release_outer(self, u: Unit):
         if u.numel:
-            unbind(u, self.e._placeholders)
-            self.e.pager.release(u)
+            unbind(u, self.placeholders)
+            self.pager.release(u)
 
     # ------------------------------------------------------------------ layer calls from the proxies
     def layer_call(self, unit: Unit, args, kwargs):
@@ -134,10 +147,10 @@ class StepRunner:
                 ctx.saved[li] = hidden
                 ctx.saved_bytes += hidden.numel() * hidden.element_size()
                 self._note_activation(ctx.saved_bytes)
-            if self.e.model.training:
+            if self.model.training:
                 ctx.rng[li] = self._rng_state()
         out = self._run_layer_nograd(unit, call, hidden)
-        if ctx is not None and ctx.train and li == len(self.e.layer_units) - 1:
+        if ctx is not None and ctx.train and li == len(self.layers) - 1:
             h = _first(out).detach().requires_grad_(True)
             ctx.h_last = h
             out = _replace_first(out, h)
@@ -146,8 +159,8 @@ class StepRunner:
     def _layer_forward_kept(self, unit: Unit, call: _Call, hidden):
         """checkpoint_interval=0: run the layer under autograd and keep its graph (and its
         weights in their slot) until the backward: no recompute, one load per step."""
-        e, ctx = self.e, self.ctx
-        w = e.pager.acquire(unit)
+        ctx = self.ctx
+        w = self.pager.acquire(unit)
         params = bind(unit, w, requires_grad=True)
         try:
             x = hidden.requires_grad_(True)
@@ -155,31 +168,30 @@ class StepRunner:
             with torch.enable_grad(), self._count_saved(accumulate=True):
                 out = unit.module(*a, **kw)
         finally:
-            unbind(unit, e._placeholders)
+            unbind(unit, self.placeholders)
         h = _first(out)
         ctx.kept[unit.layer_index] = (x, h, params)
         h_out = h.detach()
-        if unit.layer_index == len(e.layer_units) - 1:
+        if unit.layer_index == len(self.layers) - 1:
             h_out.requires_grad_(True)
             ctx.h_last = h_out
         return _replace_first(out, h_out)
 
     def _run_layer_nograd(self, unit: Unit, call: _Call, hidden):
-        e = self.e
-        w = e.pager.acquire(unit)
+        w = self.pager.acquire(unit)
         bind(unit, w, requires_grad=False)
         try:
             a, kw = call.with_hidden(hidden)
             with torch.no_grad():
                 out = unit.module(*a, **kw)
         finally:
-            unbind(unit, e._placeholders)
-            e.pager.release(unit)
+            unbind(unit, self.placeholders)
+            self.pager.release(unit)
         return out
 
     def _layer_backward(self, unit: Unit, inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        e, ctx = self.e, self.ctx
-        w = e.pager.acquire(unit)
+        ctx = self.ctx
+        w = self.pager.acquire(unit)
         params = bind(unit, w, requires_grad=True)
         try:
             x = inp.detach().requires_grad_(True)
@@ -189,36 +201,26 @@ class StepRunner:
                 h = _first(unit.module(*a, **kw))
             grads = torch.autograd.grad(h, [x] + params, grad_out, allow_unused=True)
         finally:
-            unbind(unit, e._placeholders)
+            unbind(unit, self.placeholders)
         pgrads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads[1:], params)]
-        e.pager.return_grads(unit, pgrads)
-        e.pager.release(unit)
+        self.pager.return_grads(unit, pgrads)
+        self.pager.release(unit)
         return grads[0] if grads[0] is not None else torch.zeros_like(inp)
 
     # ------------------------------------------------------------------ one micro-batch
-    def run(self, ids, am, labels, *, loss_fn=None, train: bool, grad_scale_tokens=None) -> Tuple[float, int]:
-        e = self.e
+    def run(self, ids, am, labels, *, loss_fn=None, step: Optional[StepContext] = None,
+            grad_scale_tokens=None) -> Tuple[float, int]:
+        """One micro-batch: with ``step`` (training) forward and backward, gradients to the
+        pager's gradient thread; without, the loss only."""
+        train = step is not None
         shift = F.pad(labels[:, 1:], (0, 1), value=-100)
         n_tokens = int((shift != -100).sum())
         denom = grad_scale_tokens if grad_scale_tokens else max(n_tokens, 1)
-        self.ctx = _StepContext(train=train, k=e.checkpoint_interval)
+        self.ctx = _StepContext(train=train, k=self.checkpoint_interval)
         self.activation_now = 0
         order = self.schedule(train)
-        # Disk reads follow the same order (set first: the pager starts fetching at once); the
-        # optimizer's reads go in the order gradients become final.
-        opt_order = [e.head_unit] + list(reversed(e.layer_units)) + [e.embed_unit]
-        if train and e._step_lr is not None and e._clip is not None:
-            # Clipping: the updates run after the backward, in the next forward's order; their
-            # reads start now, as deep as the optimizer's buffers allow.
-            opt_order = [e.embed_unit, e.head_unit] + list(e.layer_units)
-            e.weights.schedule(order, opt_order, updates_after_backward=True)
-            e.states.schedule(opt_order)
-        elif train and e._step_lr is not None:
-            e.weights.schedule(order, opt_order)
-            e.states.schedule(opt_order)
-        else:
-            e.weights.schedule(order)
-        e.pager.set_schedule(order)
+        self.plan_reads(order, step)  # set first: the pager starts fetching at once
+        self.pager.set_schedule(order)
         try:
             with contextlib.ExitStack() as stack:
                 if not train:
@@ -227,29 +229,29 @@ class StepRunner:
                 hidden = self._base_forward(ids, am)
                 if not train:
                     loss_sum = self._loss_chunks(hidden, shift, loss_fn, None)
-                    self._release_outer(e.head_unit)
-                    self._release_outer(e.embed_unit)
+                    self._release_outer(self.head)
+                    self._release_outer(self.embed)
                     return loss_sum, n_tokens
                 hidden_leaf = hidden.detach()
                 loss_sum, grad_hidden = self._loss_chunks(hidden_leaf, shift, loss_fn, denom, backward=True)
                 torch.autograd.backward(hidden, grad_hidden)
                 del hidden, grad_hidden, hidden_leaf
-                self._return_outer_grads(e.head_unit, bound)
-                self._release_outer(e.head_unit)
+                self._return_outer_grads(self.head, bound)
+                self._release_outer(self.head)
                 g = self.ctx.h_last.grad
                 self.ctx.h_last = None
                 g = self._layers_backward(g)
                 if self.ctx.h0 is not None and self.ctx.h0.requires_grad:
                     torch.autograd.backward(self.ctx.h0, g)
-                self._return_outer_grads(e.embed_unit, bound)
-                self._release_outer(e.embed_unit)
+                self._return_outer_grads(self.embed, bound)
+                self._release_outer(self.embed)
                 return loss_sum, n_tokens
         except BaseException:
-            for u in (e.embed_unit, e.head_unit):
-                unbind(u, e._placeholders)
-            for u in e.layer_units:
-                unbind(u, e._placeholders)
-            e.pager.reset()
+            for u in (self.embed, self.head):
+                unbind(u, self.placeholders)
+            for u in self.layers:
+                unbind(u, self.placeholders)
+            self.pager.reset()
             raise
         finally:
             self.ctx = None
@@ -260,19 +262,18 @@ class StepRunner:
             return
         tensors = bound[unit.index]
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
-        self.e.pager.return_grads(unit, grads)
+        self.pager.return_grads(unit, grads)
 
     def _layers_backward(self, g: torch.Tensor) -> torch.Tensor:
-        layers, ctx = self.e.layer_units, self.ctx
+        layers, ctx = self.layers, self.ctx
         n, k = len(layers), ctx.k
         if k == 0:
-            e = self.e
             for unit in reversed(layers):
                 x, h, params = ctx.kept.pop(unit.layer_index)
                 grads = torch.autograd.grad(h, [x] + params, g, allow_unused=True)
                 pgrads = [gr if gr is not None else torch.zeros_like(p) for gr, p in zip(grads[1:], params)]
-                e.pager.return_grads(unit, pgrads)
-                e.pager.release(unit)
+                self.pager.return_grads(unit, pgrads)
+                self.pager.release(unit)
                 g = grads[0] if grads[0] is not None else torch.zeros_like(x)
                 del x, h, params, grads
             return g
@@ -292,9 +293,8 @@ class StepRunner:
         return g
 
     def _loss_chunks(self, hidden, shift, loss_fn, denom, backward: bool = False):
-        e = self.e
         B, S = shift.shape
-        chunk = max(1, min(S, e.config.loss_chunk_tokens // max(B, 1) or 1))
+        chunk = max(1, min(S, self.loss_chunk_tokens // max(B, 1) or 1))
         total = 0.0
         grads = []
         for s in range(0, S, chunk):
@@ -321,25 +321,24 @@ class StepRunner:
         return total
 
     def logits(self, ids, am) -> torch.Tensor:
-        e = self.e
         self.ctx = None
         order = self.schedule(False)
-        e.weights.schedule(order)
-        e.pager.set_schedule(order)
+        self.plan_reads(order, None)
+        self.pager.set_schedule(order)
         try:
             with torch.no_grad():
                 self._bind_outer(requires_grad=False)
                 hidden = self._base_forward(ids, am)
-                chunk = max(1, e.config.loss_chunk_tokens // max(ids.shape[0], 1))
+                chunk = max(1, self.loss_chunk_tokens // max(ids.shape[0], 1))
                 out = [self._head_logits(hidden[:, s:s + chunk]).float().cpu()
                        for s in range(0, hidden.shape[1], chunk)]
-                self._release_outer(e.head_unit)
-                self._release_outer(e.embed_unit)
+                self._release_outer(self.head)
+                self._release_outer(self.embed)
             return torch.cat(out, dim=1)
         except BaseException:
-            for u in e.units:
-                unbind(u, e._placeholders)
-            e.pager.reset()
+            for u in self.units:
+                unbind(u, self.placeholders)
+            self.pager.reset()
             raise
 
     # ------------------------------------------------------------------ accounting and RNG
@@ -350,10 +349,10 @@ class StepRunner:
     @contextlib.contextmanager
     def _count_saved(self, accumulate: bool = False):
         """Count the bytes autograd saves while one layer is re-run (weights in slots excluded)."""
-        e, ctx = self.e, self.ctx
+        ctx = self.ctx
         if self._slot_ptrs is None:
             self._slot_ptrs = {s.buf.untyped_storage().data_ptr()
-                               for pool in e.pager.pools.values() for s in pool}
+                               for pool in self.pager.pools.values() for s in pool}
         total = [0]
         seen = set()
 
@@ -377,8 +376,8 @@ class StepRunner:
 
     def _rng_state(self):
         st = {"cpu": torch.get_rng_state()}
-        if self.e.device.type == "cuda":
-            st["cuda"] = torch.cuda.get_rng_state(self.e.device)
+        if self.device.type == "cuda":
+            st["cuda"] = torch.cuda.get_rng_state(self.device)
         return st
 
     @contextlib.contextmanager
@@ -386,9 +385,9 @@ class StepRunner:
         if st is None:
             yield
             return
-        devices = [self.e.device] if self.e.device.type == "cuda" else []
+        devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(st["cpu"])
             if "cuda" in st:
-                torch.cuda.set_rng_state(st["cuda"], self.e.device)
+                torch.cuda.set_rng_state(st["cuda"], self.device)
             yield

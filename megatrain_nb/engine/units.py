@@ -150,6 +150,13 @@ def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
     return units
 
 
+def forward_order(units: List[Unit]) -> List[Unit]:
+    """The embedding, the head, then the layers (``units`` as :func:`build_units` orders them:
+    embedding first, head last): the order a forward acquires units (the head is bound before
+    the layers run) and the order updates run in when they wait for the whole backward."""
+    return [units[0], units[-1]] + list(units[1:-1])
+
+
 def _layer_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
     for name, mod in model.named_modules():
         if mod is layers:

@@ -1,8 +1,10 @@
 """WeightStore: the one place that knows where each unit's fp32 master weights live.
 
-In RAM (the HostStore's flat buffers, used in place) or on the disk tier (paged through
-staging buffers by two read streams: compute and optimizer). The engine asks for a unit's
-weights "for transfer" (to the device) or "for update" (the optimizer), and hands them back.
+Two strategies behind one protocol (:class:`WeightStore`): :class:`RamWeights` (the
+HostStore's flat buffers, used in place) and :class:`DiskWeights` (the disk tier, paged
+through staging buffers by two read streams: compute and optimizer). The engine asks for a
+unit's weights "for transfer" (to the device) or "for update" (the optimizer), and hands them
+back; :func:`make_weight_store` picks the strategy.
 
 On the disk tier a layer's weights are read twice per training step, not three times: the
 backward's read (the unit's last compute access) keeps its staging buffer after the copy to
@@ -14,60 +16,131 @@ waiting for the write and reading it back.
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 
 from .disk_params import DirtyUnits, DiskReadStream, weights_key
+from .disk_store import WriteWindow
 from .host_store import HostStore
 from .units import Unit
 
 
-class WeightStore:
-    def __init__(self, units: List[Unit], host: HostStore, *, disk=None, pin: bool, counters,
-                 compute_buffers: int = 3, optimizer_buffers: int = 1):
+#: Fresh copies are kept only for units among the first accesses of a step's compute order
+#: (embedding, head, the first layers): the next forward reads those before anything else.
+NEXT_FORWARD_FIRST = 4
+#: How many of a step's last updates may stay as fresh copies (the optimizer stream's
+#: staging buffers, two for small units, hold no more).
+LAST_UPDATES_KEPT = 2
+
+
+class WeightStore(Protocol):
+    """Where a unit's fp32 master weights live; every method takes the unit."""
+
+    def put_initial(self, unit: Unit, flat: torch.Tensor) -> None: ...      # construction, unit by unit
+    def finish_initial(self) -> None: ...
+    def schedule(self, compute_order: Sequence[Unit], optimizer_order: Optional[Sequence[Unit]] = None,
+                 *, updates_after_backward: bool = False) -> None: ...    # read-ahead of a step
+    def for_transfer(self, unit: Unit) -> torch.Tensor: ...               # to the device ...
+    def transfer_done(self, unit: Unit, t: torch.Tensor) -> None: ...     # ... and back
+    def mark_updating(self, unit: Unit) -> None: ...                      # an update is queued
+    def update_failed(self, unit: Unit) -> None: ...                      # ... and will not run
+    def for_update(self, unit: Unit) -> torch.Tensor: ...                 # to the optimizer ...
+    def update_done(self, unit: Unit, t: torch.Tensor) -> None: ...       # ... and written
+    def read_now(self, unit: Unit) -> torch.Tensor: ...                   # outside a step
+    def overwrite(self, unit: Unit, flat: torch.Tensor) -> None: ...      # loading a checkpoint
+    def reset(self) -> None: ...
+    def nbytes(self) -> Dict[str, int]: ...
+
+
+def make_weight_store(units: List[Unit], host: HostStore, *, disk=None, pin: bool, counters,
+                      compute_buffers: int = 3, optimizer_buffers: int = 1) -> WeightStore:
+    """Weights in RAM, or on ``disk`` (a DiskStore) when given."""
+    if disk is None:
+        return RamWeights(units, host)
+    return DiskWeights(units, disk, pin=pin, counters=counters, compute_buffers=compute_buffers,
+                       optimizer_buffers=optimizer_buffers)
+
+
+class RamWeights:
+    """Weights in the HostStore's flat buffers, used in place: every hand-out is the buffer
+    itself, updated where it lies, so there is nothing to schedule, release or write."""
+
+    def __init__(self, units: List[Unit], host: HostStore):
         self.units = units
         self.host = host
+
+    def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:
+        self.host.set_params(unit, flat)
+
+    def for_transfer(self, unit: Unit) -> torch.Tensor:
+        return self.host.params[unit.index]
+
+    for_update = read_now = for_transfer
+
+    def overwrite(self, unit: Unit, flat: torch.Tensor) -> None:
+        self.host.params[unit.index].copy_(flat)
+
+    def nbytes(self) -> Dict[str, int]:
+        return {"host": self.host.nbytes()["weights"], "disk": 0}
+
+    def schedule(self, compute_order, optimizer_order=None, *, updates_after_backward: bool = False) -> None:
+        pass
+
+    def finish_initial(self) -> None:
+        pass
+
+    def transfer_done(self, unit: Unit, t: torch.Tensor) -> None:
+        pass
+
+    def update_done(self, unit: Unit, t: torch.Tensor) -> None:
+        pass
+
+    def mark_updating(self, unit: Unit) -> None:
+        pass
+
+    def update_failed(self, unit: Unit) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class DiskWeights:
+    """Weights on the disk tier (see the module docstring)."""
+
+    def __init__(self, units: List[Unit], disk, *, pin: bool, counters, compute_buffers: int = 3,
+                 optimizer_buffers: int = 1):
+        self.units = units
         self.disk = disk
-        self.on_disk = disk is not None
         self.counters = counters
         self.dirty = DirtyUnits()
-        self._pending_writes = []
+        self._initial_writes = WriteWindow(2)  # bounded: at most a few units in RAM at once
         self._handed: Dict[int, torch.Tensor] = {}    # unit -> staging buffer kept for its update
         self._lock = threading.Lock()
         self._fresh: Dict[int, dict] = {}             # unit -> updated buffer the next read may use
         self._fresh_wanted: set = set()
         self._last_compute: List[Unit] = []           # the recorded compute order of a training step
-        if self.on_disk:
-            self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters,
-                                         after_updates=True, urgent=True)
-            self._opt = DiskReadStream(disk, units, self.dirty, buffers=optimizer_buffers, pin=pin, counters=counters,
-                                       after_updates=False)
-            self._fetch.fresh_source = self._take_fresh
-            self._fetch.reclaim = self._opt.reclaim = self._reclaim
+        self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters,
+                                     after_updates=True, urgent=True)
+        self._opt = DiskReadStream(disk, units, self.dirty, buffers=optimizer_buffers, pin=pin, counters=counters,
+                                   after_updates=False)
+        self._fetch.fresh_source = self._take_fresh
+        self._fetch.reclaim = self._opt.reclaim = self._reclaim
 
     # ------------------------------------------------------------------ construction
     def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:
-        if not self.on_disk:
-            self.host.set_params(unit, flat)
-            return
-        self._pending_writes.append(self.disk.write(weights_key(unit), {"w": flat}))
+        self._initial_writes.add(self.disk.write(weights_key(unit), {"w": flat}))
         self.counters.add_bytes("host_to_disk", unit.numel * 4)
-        while len(self._pending_writes) > 2:  # bounded: at most a few units in RAM at once
-            self._pending_writes.pop(0).result()
 
     def finish_initial(self) -> None:
-        for f in self._pending_writes:
-            f.result()
-        self._pending_writes = []
+        self._initial_writes.drain()
 
     # ------------------------------------------------------------------ schedules
     def schedule(self, compute_order: Sequence[Unit], optimizer_order: Optional[Sequence[Unit]] = None,
                  *, updates_after_backward: bool = False) -> None:
         """``updates_after_backward``: the updates wait for the whole backward (clipping) and run
         in the next forward's order, so every updated buffer is kept fresh for that forward."""
-        if not self.on_disk:
-            return
         keep, handed = [], set()
         if optimizer_order is not None:
             if compute_order:
@@ -86,8 +159,8 @@ class WeightStore:
                 handed = {compute_order[i].index for i in keep}
                 # The step's access order repeats: the last units updated that the next forward
                 # reads among its first stay fresh in their buffers.
-                early = {u.index for u in self._last_compute[:4]}
-                fresh = {u.index for u in list(optimizer_order)[-2:] if u.index in early}
+                early = {u.index for u in self._last_compute[:NEXT_FORWARD_FIRST]}
+                fresh = {u.index for u in list(optimizer_order)[-LAST_UPDATES_KEPT:] if u.index in early}
             with self._lock:
                 self._fresh_wanted = fresh
         wanted = {u.index for u in compute_order}
@@ -98,8 +171,6 @@ class WeightStore:
 
     # ------------------------------------------------------------------ compute stream
     def for_transfer(self, unit: Unit) -> torch.Tensor:
-        if not self.on_disk:
-            return self.host.params[unit.index]
         t = self._fetch.get(unit)
         if self._fetch.was_fresh(t):
             self.counters.add("weight_reads_saved", 1)
@@ -108,8 +179,6 @@ class WeightStore:
         return t
 
     def transfer_done(self, unit: Unit, t: torch.Tensor) -> None:
-        if not self.on_disk:
-            return
         if self._fetch.is_kept(t):
             with self._lock:
                 self._handed[unit.index] = t
@@ -118,12 +187,12 @@ class WeightStore:
 
     # ------------------------------------------------------------------ optimizer stream
     def mark_updating(self, unit: Unit) -> None:
-        if self.on_disk:
-            self.dirty.mark(unit)
+        self.dirty.mark(unit)
+
+    def update_failed(self, unit: Unit) -> None:
+        self.dirty.clean(unit)  # its queued update will not run: readers stop waiting
 
     def for_update(self, unit: Unit) -> torch.Tensor:
-        if not self.on_disk:
-            return self.host.params[unit.index]
         with self._lock:
             t = self._handed.pop(unit.index, None)
         if t is not None:
@@ -134,11 +203,9 @@ class WeightStore:
         return t
 
     def update_done(self, unit: Unit, t: torch.Tensor) -> None:
-        if not self.on_disk:
-            return
         with self._lock:
             fresh = unit.index in self._fresh_wanted
-        fut = self.disk.write(weights_key(unit), {"w": t}, throttle=False)  # the pools bound these
+        fut = self.disk.write(weights_key(unit), {"w": t})  # the pools bound these
         self.counters.add_bytes("host_to_disk", unit.numel * 4)
         if fresh:
             # Two users: the write, and the next compute read (or the schedule that drops it).
@@ -183,32 +250,24 @@ class WeightStore:
 
     # ------------------------------------------------------------------ direct access
     def read_now(self, unit: Unit) -> torch.Tensor:
-        """A unit's current weights (a copy when on disk) for reading outside a step."""
-        if not self.on_disk:
-            return self.host.params[unit.index]
+        """A unit's current weights (a copy) for reading outside a step."""
         self.dirty.wait_clean(unit)
         return self.disk.read(weights_key(unit)).result()["w"]
 
     def overwrite(self, unit: Unit, flat: torch.Tensor) -> None:
         """New weights for a unit (loading a checkpoint)."""
-        if not self.on_disk:
-            self.host.params[unit.index].copy_(flat)
-            return
         self._drop_fresh(lambda idx, e: idx == unit.index)  # its fresh copy would be stale
         self.disk.write(weights_key(unit), {"w": flat}).result()  # waited: no copy needed
 
     def reset(self) -> None:
-        if self.on_disk:
-            with self._lock:
-                handed, self._handed = list(self._handed.values()), {}
-            for t in handed:  # the step failed before those updates ran
-                self._fetch.release(t)
-            self._drop_fresh()
-            self._fetch.reset()
-            self._opt.reset()
+        with self._lock:
+            handed, self._handed = list(self._handed.values()), {}
+        for t in handed:  # the step failed before those updates ran
+            self._fetch.release(t)
+        self._drop_fresh()
+        self._fetch.reset()
+        self._opt.reset()
 
     def nbytes(self) -> Dict[str, int]:
-        if not self.on_disk:
-            return {"host": self.host.nbytes()["weights"], "disk": 0}
         staging = self._fetch.staging_bytes + self._opt.staging_bytes
         return {"host": staging, "disk": sum(self.disk.nbytes_of(weights_key(u)) for u in self.units)}

@@ -35,7 +35,7 @@ def assert_same(a: dict, b: dict) -> None:
 def store(request, tmp_path, monkeypatch):
     if request.param == "buffered":     # the fallback used where O_DIRECT is refused (tmpfs...)
         monkeypatch.setattr(disk_store, "_probe_direct_io", lambda folder: False)
-    s = DiskStore(tmp_path, io_threads=2, max_inflight=3)
+    s = DiskStore(tmp_path, io_threads=2)
     yield s
     s.close()
 
@@ -245,24 +245,6 @@ def test_nbytes_and_stats(store):
     assert store.nbytes() == b and "a" not in store
 
 
-def test_max_inflight_bounds_pending_work(tmp_path, monkeypatch):
-    release = threading.Event()
-    real = disk_store._pwrite_all
-    monkeypatch.setattr(disk_store, "_pwrite_all",
-                        lambda fd, mv, off: (release.wait(5), real(fd, mv, off)))
-    s = DiskStore(tmp_path, io_threads=1, max_inflight=2)
-    s.write("a", {"x": torch.ones(4)})
-    s.write("b", {"x": torch.ones(4)})
-    third = threading.Thread(target=lambda: s.write("c", {"x": torch.ones(4)}))
-    third.start()
-    third.join(0.3)
-    assert third.is_alive()                         # blocked: two writes already in flight
-    release.set()
-    third.join(5)
-    assert not third.is_alive()
-    s.close()
-
-
 def test_concurrent_writers_and_readers(store):
     errors = []
 
@@ -313,7 +295,7 @@ def test_urgent_reads_go_ahead_of_queued_work(tmp_path):
     store.write("b", {"w": torch.ones(8)}).result()
     gate = threading.Event()
     store._pool.submit(gate.wait, 1)           # the only general worker is busy
-    queued = store.read("a", throttle=False)
+    queued = store.read("a")
     urgent = store.read("b", urgent=True)
     assert float(urgent.result(timeout=10)["w"].sum()) == 8.0
     assert not queued.done()

@@ -335,3 +335,18 @@ def test_memory_report_counts_read_ahead_and_recycled_buffers(tmp_path):
     e.states.schedule(e.units)  # the next step's state reads start (all fit the budget): counted
     assert e.memory_report()["host"]["buffers"] >= sum(8 * u.numel for u in e.units)
     e.close()
+
+
+def test_engine_threads_share_one_name_prefix(tmp_path):
+    """docs/INTERNALS.md "Threads and locks": every thread the engine starts is named mtnb-*."""
+    import threading
+
+    before = set(threading.enumerate())
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True))
+    _train(e, steps=2, overlap=True)
+    e.forward_backward(_data(1)[0], step_lr=1e-3, max_grad_norm=1.0)
+    started = [t.name for t in set(threading.enumerate()) - before]
+    e.close()
+    assert {n.split("_")[0] for n in started} >= {"mtnb-h2d", "mtnb-d2h", "mtnb-adamw", "mtnb-disk"}
+    assert all(n.startswith("mtnb-") for n in started), started

@@ -1,0 +1,47 @@
+"""Validate and normalise one batch (input ids, attention mask, labels) for the engine."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Optional[int], device: torch.device):
+    """``(input_ids, attention_mask, labels)`` as [batch, seq] tensors on ``device``; labels
+    default to the input ids (masked positions -100). Bad input raises ValueError naming it."""
+    if not torch.is_tensor(input_ids):
+        input_ids = torch.as_tensor(input_ids)
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be an integer tensor [batch, seq]; got {tuple(input_ids.shape)} "
+                         f"{input_ids.dtype}.")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1}); the tokenizer "
+                         "does not match the model, or resize the model's embeddings.")
+    if max_pos is not None and input_ids.shape[1] > max_pos:
+        raise ValueError(f"input has {input_ids.shape[1]} tokens but the model supports at most {max_pos} "
+                         "positions; truncate or pack sequences to that length.")
+    input_ids = input_ids.long()
+    if attention_mask is not None:
+        attention_mask = torch.as_tensor(attention_mask)
+        if attention_mask.dim() == 1:
+            attention_mask = attention_mask.unsqueeze(0)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids "
+                             f"{tuple(input_ids.shape)}.")
+    if labels is None:
+        labels = input_ids.clone()
+        if attention_mask is not None:
+            labels = labels.masked_fill(attention_mask == 0, -100)
+    else:
+        labels = torch.as_tensor(labels).long()
+        if labels.dim() == 1:
+            labels = labels.unsqueeze(0)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids "
+                             f"{tuple(input_ids.shape)}.")
+    am = attention_mask.to(device) if attention_mask is not None else None
+    return input_ids.to(device), am, labels.to(device)

@@ -1,0 +1,370 @@
+"""UpdateScheduler: everything from "a unit's gradient is final" to "its update is written".
+
+The step's path, top to bottom in this file:
+
+1. :meth:`UpdateScheduler.begin` — the step's :class:`StepContext` (lr, clip) is set.
+2. :meth:`UpdateScheduler.plan_reads` — the disk tier reads weights and optimizer states
+   ahead, in the order the updates will want them.
+3. :meth:`UpdateScheduler.gradient_arrived` — the pager's gradient-return thread hands over a
+   unit's gradient of this micro-batch. On the step's last micro-batch it is *final*:
+4. :meth:`UpdateScheduler.reduce` — the reduce point (a no-op for one process; where a
+   distributed gradient reduce-scatter goes).
+5. Without clipping the unit's AdamW update is queued at once (:meth:`_submit`), overlapped
+   with the backward of the units below it. With clipping only its share of the global norm
+   is taken; :meth:`finish` then queues every update, in :attr:`update_order`, scaled by the
+   clip coefficient.
+6. :meth:`_apply` — one unit's update in the AdamW worker thread: optimizer states loaded,
+   weights taken, AdamW, weights and states written (behind, on the disk tier).
+7. :meth:`ready_weights` — the next forward waits for exactly that unit's update before its
+   weights go to the device. A failed update is delivered there once (:attr:`failed`), the
+   disk tier is settled, and the engine refuses to train until a checkpoint is loaded.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from . import finite
+from .host_store import BufferPool
+from .units import Unit, forward_order
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What one training micro-batch does with its gradients.
+
+    ``lr`` None: they accumulate (not the step's last micro-batch). ``lr`` set: this is the
+    step's last micro-batch and each unit is updated once its gradient is final. ``clip``
+    (max_grad_norm, with ``lr``): global-norm clipping, so updates wait for the whole backward.
+    """
+    lr: Optional[float] = None
+    clip: Optional[float] = None
+
+    @property
+    def updates(self) -> bool:
+        return self.lr is not None
+
+    @property
+    def clipped(self) -> bool:
+        return self.lr is not None and self.clip is not None
+
+
+_ACCUMULATE = StepContext()
+
+
+class UpdateScheduler:
+    """Owns the AdamW worker thread (``mtnb-adamw``) and every pending update.
+
+    Collaborators: ``grads`` (HostStore: gradient accumulators), ``weights`` (WeightStore),
+    ``states`` (OptimizerStates), ``adam`` (UnitAdamW), ``disk`` (DiskStore or None, settled
+    after a failure). ``depth``: units queued for an update at once (back-pressure on RAM).
+    """
+
+    def __init__(self, units: List[Unit], *, grads, weights, states, adam, counters, disk=None, depth: int = 1):
+        self.units = units
+        self.grads = grads
+        self.weights = weights
+        self.states = states
+        self.adam = adam
+        self.counters = counters
+        self.disk = disk
+        #: The order updates run in when they wait for the whole backward (clipping): the next
+        #: forward's order, so that forward waits for each unit's update as late as possible.
+        self.update_order: List[Unit] = forward_order(units)
+        #: The order gradients become final in the backward (and unclipped updates run).
+        self.gradient_order: List[Unit] = [units[-1]] + list(reversed(units[1:-1])) + [units[0]]
+        self.failed: Optional[BaseException] = None   # an update that failed, delivered once
+        self.policy = "stop"                          # on_nonfinite (finite.py)
+        self.nonfinite: Optional[BaseException] = None  # a stopped non-finite step not yet reported
+        self._guard: Optional[finite.StepGuard] = None  # the unclipped step's per-unit NaN/inf check
+        self._step = _ACCUMULATE
+        self._norm_sq = 0.0                           # sum of the final gradients' squared norms
+        self._norm_lock = threading.Lock()
+        self._pending: Dict[int, Future] = {}         # unit index -> its update of the last step
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
+        self._slots = threading.BoundedSemaphore(depth)
+        self._grad_pool = BufferPool(max_bytes=256 << 20)  # final gradients of single micro-batches
+
+    # ------------------------------------------------------------------ 1-2: a step begins
+    def begin(self, step: StepContext) -> None:
+        """A training micro-batch starts. (A unit's pending update from the last step finishes
+        before its forward reads it, so before its new gradient reaches the accumulator.)"""
+        self._step = step
+        with self._norm_lock:
+            self._norm_sq = 0.0
+        # Without clipping the updates start during the backward, before the global norm is
+        # known: each checks its own gradient first (finite.StepGuard).
+        self._guard = finite.StepGuard(self.next_step(), self.policy) if step.updates and not step.clipped else None
+
+    def next_step(self) -> int:
+        """The number of the optimizer step about to be applied (1-based, survives a resume)."""
+        return 1 + max((int(s) for s in self.adam.steps.values()), default=0)
+
+    def plan_reads(self, compute_order: Sequence[Unit], step: Optional[StepContext]) -> None:
+        """Disk read-ahead for the coming micro-batch (``step`` None: evaluation). The weights
+        follow ``compute_order``; the optimizer's reads go in the order its updates will run."""
+        if step is None or not step.updates:
+            self.weights.schedule(compute_order)
+        elif step.clipped:
+            # The updates run after the backward, in the next forward's order; their reads
+            # start now, as deep as the optimizer's buffers allow.
+            self.weights.schedule(compute_order, self.update_order, updates_after_backward=True)
+            self.states.schedule(self.update_order)
+        else:
+            self.weights.schedule(compute_order, self.gradient_order)
+            self.states.schedule(self.gradient_order)
+
+    # ------------------------------------------------------------------ 3-5: gradients become final
+    def gradient_arrived(self, unit: Unit, grad) -> None:
+        """Runs in the pager's gradient-return thread once a unit's gradient reached the host
+        (a flat fp32 tensor, or on a CPU "device" the per-parameter gradients)."""
+        step = self._step
+        if not step.updates:                    # not the step's last micro-batch
+            self.grads.accumulate(unit, grad)
+            return
+        if not step.clipped and not self.grads.has_grad(unit):
+            # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
+            # (a staging buffer is reused by the next transfer: copy it out)
+            flat = self._grad_pool.take(unit.numel)
+            if torch.is_tensor(grad):
+                flat.copy_(grad)
+            else:
+                torch.cat([g.reshape(-1).float() for g in grad], out=flat)
+            self.reduce(unit, flat)
+            self._submit(unit, step.lr, flat, zero=False, recycle=True)
+            return
+        self.grads.accumulate(unit, grad)       # the last micro-batch: final in the accumulator
+        self.reduce(unit, self.grads.grad(unit))
+        if step.clipped:
+            # Every update needs the global norm, so the gradient stays in its accumulator;
+            # its share of the norm is taken now, while the backward goes on.
+            sq = float(torch.linalg.vector_norm(self.grads.grad(unit))) ** 2
+            with self._norm_lock:
+                self._norm_sq += sq
+            return
+        self._submit(unit, step.lr, None, zero=True)
+
+    def reduce(self, unit: Unit, flat: torch.Tensor) -> None:
+        """The reduce point: ``flat`` is this process's final gradient of ``unit`` (fp32, in
+        place). One process has nothing to reduce. Under data parallelism a reduce-scatter
+        (or all-reduce) goes here, before the norm share is taken and the update queued; it
+        runs in the gradient-return thread, so it overlaps the backward of the units below."""
+
+    def _submit(self, unit: Unit, lr: float, grad, zero: bool, recycle: bool = False) -> None:
+        self.weights.mark_updating(unit)
+        self._slots.acquire()  # back-pressure: RAM holds only a few pending updates
+        guard = self._guard
+
+        def run():
+            try:
+                self._apply(unit, lr, grad, zero, guard=guard)
+            except BaseException:
+                self.weights.update_failed(unit)  # readers must not wait forever for it
+                raise
+            finally:
+                if recycle:
+                    self._grad_pool.give(grad)
+                self._slots.release()
+        self._pending[unit.index] = self._worker.submit(run)
+
+    def finish(self, step: StepContext, loss: Optional[float] = None) -> tuple[Optional[float], bool]:
+        """After the micro-batch's gradients all arrived. With clipping: the loss and the global
+        norm are checked (finite.py), every unit's update is queued, in :attr:`update_order`,
+        and (the norm before clipping, skipped) returned; the next forward waits per unit. A
+        non-finite step still queues its updates, as no-ops (the reads planned for them are
+        consumed, the gradients zeroed); under 'stop' it then raises."""
+        if not step.clipped:
+            return None, False
+        with self._norm_lock:
+            total, self._norm_sq = self._norm_sq ** 0.5, 0.0
+        try:
+            skip, stop = not finite.apply_step(loss, total, self.next_step(), self.policy), None
+        except finite.NonFiniteError as e:
+            skip, stop = True, e
+        if skip and stop is None:
+            self.counters.add("skipped_steps", 1)
+        coef = step.clip / (total + 1e-6)   # as torch.nn.utils.clip_grad_norm_
+        coef = coef if coef < 1.0 else None
+        order = [u for u in self.update_order if u.numel > 0]
+        futures = {}
+        for u in order:
+            self.weights.mark_updating(u)
+            futures[u.index] = self._pending[u.index] = Future()
+
+        def run():
+            for i, u in enumerate(order):
+                try:
+                    self._apply(u, step.lr, None, True, grad_coef=coef, skip=skip)
+                except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on the units
+                    for v in order[i:]:
+                        futures[v.index].set_exception(e)
+                        self.weights.update_failed(v)
+                    return
+                futures[u.index].set_result(None)
+        self._worker.submit(run)
+        if stop is not None:
+            raise stop
+        return total, skip
+
+    def end(self) -> None:
+        """The micro-batch is over (or failed): gradients accumulate again."""
+        self._step = _ACCUMULATE
+
+    # ------------------------------------------------------------------ 6: one update
+    def _apply(self, unit: Unit, lr: float, grad: Optional[torch.Tensor] = None, zero: bool = False,
+               grad_coef: Optional[float] = None, skip: bool = False,
+               guard: Optional[finite.StepGuard] = None) -> None:
+        """``skip``: a non-finite step -- weights and states go back as they came."""
+        t0 = time.perf_counter()
+        self.weights.mark_updating(unit)
+        m, v = self.states.load(unit)
+        params = self.weights.for_update(unit)
+        grad = grad if grad is not None else self.grads.grad(unit)
+        error = None
+        if guard is not None:
+            skip, error = guard.check(unit.name, grad)
+            if error is not None and not error.partial and guard.policy == "skip":
+                self.counters.add("skipped_steps", 1)
+                error = None
+        if not skip:
+            if grad_coef is not None:
+                grad.mul_(grad_coef)
+            self.adam.step_unit(unit, params, grad, m, v, lr)
+        self.weights.update_done(unit, params)
+        self.states.store(unit, m, v)
+        if zero:
+            self.grads.zero_unit(unit)
+        self.counters.add("optimizer_seconds", time.perf_counter() - t0)
+        if error is not None:
+            raise error
+
+    def update_all(self, lr: float, grad_norm: Optional[float] = None) -> bool:
+        """Every unit's update now, in this thread (``optimizer_step``); ``grad_norm`` (the
+        global one) is checked first. Returns False when the step was skipped (non-finite)."""
+        self.wait_all()
+        if not finite.apply_step(None, grad_norm, self.next_step(), self.policy):
+            self.counters.add("skipped_steps", 1)
+            return False
+        t0 = time.perf_counter()
+        self.weights.schedule([], self.units)
+        self.states.schedule(self.units)  # disk reads ahead of the updates
+        try:
+            for u in self.units:
+                self._apply(u, lr)
+            self.states.flush()
+        except BaseException as e:
+            self.failed = e  # some units may be updated and others not
+            self._settle_disk()
+            raise
+        self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
+        return True
+
+    # ------------------------------------------------------------------ 7: waiting for updates
+    def ready_weights(self, unit: Unit) -> torch.Tensor:
+        """A unit's fp32 master weights for the device (the pager's source); waits for that
+        unit's pending update only."""
+        self.wait(unit)
+        return self.weights.for_transfer(unit)
+
+    def wait(self, unit: Unit) -> None:
+        fut = self._pending.get(unit.index)
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            fut.result()
+        except BaseException as e:
+            # Delivered once; the engine then refuses to train on (see check()) -- except after
+            # a non-finite step none of whose updates was applied: reported by the next call.
+            self._pending.pop(unit.index, None)
+            if isinstance(e, finite.NonFiniteError) and not e.partial:
+                self.nonfinite = e
+            else:
+                self.failed = e
+                self._settle_disk()
+            raise
+        self._pending.pop(unit.index, None)
+        self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
+
+    def wait_all(self) -> None:
+        try:
+            for u in self.units:
+                self.wait(u)
+        except finite.NonFiniteError:
+            self.nonfinite = None  # reported here, to this caller
+            raise
+
+    def raise_nonfinite(self) -> None:
+        """A stopped non-finite step met in a worker or another thread: reported once."""
+        e, self.nonfinite = self.nonfinite, None
+        if e is not None:
+            raise e
+
+    def _settle_disk(self) -> None:
+        """After a failed update: let the disk operations still in flight finish (a failed
+        write removes its own temporary file), so the error leaves the offload folder settled."""
+        if self.disk is not None:
+            try:
+                self.disk.flush()
+            except BaseException:  # noqa: BLE001 - the first error is the one being raised
+                pass
+
+    def check(self) -> None:
+        """Raise if an update failed earlier (weights and states may be out of step), or a
+        stopped non-finite step is not reported yet."""
+        self.raise_nonfinite()
+        failed = self.failed
+        if failed is not None:
+            raise RuntimeError(f"an optimizer update failed earlier ({type(failed).__name__}: {failed}); weights and "
+                               "optimizer states may be out of step. Fix the cause, then load_checkpoint() a saved "
+                               "checkpoint or build a new engine.") from failed
+
+    def check_intact(self, what: str) -> None:
+        """After a failed update some units hold the new step and others the old one: reading
+        or saving the weights would hand out a mixture, so it is refused until a load."""
+        try:
+            self.wait_all()
+        except finite.NonFiniteError:
+            raise  # a stopped step: nothing was applied, but the caller must hear of it
+        except BaseException:  # noqa: BLE001 - recorded in self.failed and reported below
+            pass
+        self.raise_nonfinite()
+        failed = self.failed
+        if failed is not None:
+            raise RuntimeError(f"{what} refused: an optimizer update failed ({type(failed).__name__}: {failed}), so "
+                               "the weights hold a half-applied step. load_checkpoint() a saved checkpoint (or "
+                               "build a new engine) first.") from failed
+
+    def settle(self) -> None:
+        """Before weights and states are replaced (loading a checkpoint): wait for every
+        update; a failure stays recorded until :meth:`clear_failure`."""
+        try:
+            self.wait_all()
+        except BaseException:  # noqa: BLE001 - a failed update is what loading repairs
+            pass
+
+    def clear_failure(self) -> None:
+        """Weights and states were replaced consistently: training may go on."""
+        self.failed = self.nonfinite = None
+
+    def buffer_bytes(self) -> int:
+        """Recycled final-gradient buffers held in RAM."""
+        return self._grad_pool.nbytes()
+
+    def drain(self) -> None:
+        """Wait for every update; an error already delivered is not raised again."""
+        delivered = self.failed is not None
+        try:
+            self.wait_all()
+        except BaseException:  # noqa: BLE001
+            if not delivered:
+                raise
+
+    def close(self) -> None:
+        """Stop the worker (after the updates queued on it)."""
+        self._worker.shutdown(wait=True)

@@ -155,8 +155,13 @@ def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
     old = final.parent / f"{final.name}.old-{tag}"
     tmp.mkdir()
     try:
-        write(tmp)
-        write_manifest(tmp)
+        try:
+            write(tmp)
+            write_manifest(tmp)
+        except Exception as e:  # noqa: BLE001 - a full disk is reported plainly, the rest as it is
+            if _disk_full(e):
+                raise _disk_full_error(final, tmp, e) from e
+            raise
         _fsync_dir(tmp)
         if final.exists():
             os.replace(final, old)
@@ -175,6 +180,28 @@ def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT from Python, or safetensors' Rust error text for it ("os error 28")."""
+    import errno
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return "os error 28" in text or "StorageFull" in text or "No space left on device" in text
+
+
+def _disk_full_error(final: Path, tmp: Path, e: BaseException) -> OSError:
+    import errno
+    written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+    try:
+        free = shutil.disk_usage(tmp).free
+    except OSError:
+        free = -1
+    return OSError(errno.ENOSPC, f"the disk is full: writing checkpoint {str(final)!r} stopped after {written} bytes "
+                                 f"({free} bytes free there). Nothing was replaced; earlier checkpoints are intact. "
+                                 "Free space, lower save_total_limit, or point output_dir at a larger disk "
+                                 f"(cause: {type(e).__name__}: {e})")
 
 
 def _fsync(path) -> None:

@@ -34,9 +34,10 @@ kernel's read-ahead then overlaps the copy). Where ``O_DIRECT`` is refused
 (older tmpfs, some network filesystems) the store falls back to buffered I/O and drops the pages it
 touched with ``posix_fadvise(POSIX_FADV_DONTNEED)``.
 
-The offload folder: ``DiskStore(root)`` creates a private folder ``megatrain-<pid>-<random>``
+The offload folder: ``DiskStore(root)`` creates a private folder ``megatrain-<pid>-...``
 (mode 0700, files 0600) under ``root`` and removes it on ``close()`` (or when the store is
-garbage collected / the interpreter exits) unless ``keep=True``.
+garbage collected / the interpreter exits) unless ``keep=True``. Folders left by killed
+processes are reclaimed when the next store opens under ``root`` (reclaim.py).
 
 Example::
 
@@ -69,6 +70,8 @@ import heapq
 from concurrent.futures import Future
 
 import torch
+
+from .reclaim import folder_prefix, reclaim
 
 __all__ = ["ALIGN", "DiskStore", "OffloadError", "aligned_empty"]
 
@@ -292,7 +295,8 @@ class DiskStore:
         root = os.path.abspath(os.path.expanduser(os.fspath(root)))
         try:
             os.makedirs(root, exist_ok=True)
-            folder = tempfile.mkdtemp(prefix=f"megatrain-{os.getpid()}-", dir=root)  # 0700
+            self.reclaimed = reclaim(root)  # folders of killed processes, before the free-space check
+            folder = tempfile.mkdtemp(prefix=folder_prefix(), dir=root)  # 0700
         except OSError as e:
             raise OffloadError(
                 f"cannot use offload directory {root}: {e.strerror or e}. Choose a folder you "

@@ -154,8 +154,7 @@ class StreamingEngine:
             raise OffloadError(f"offload_dir {cfg.offload_dir!r} does not exist; create it on a disk with at least "
                                f"{need} bytes ({need / GiB:.2f} GiB) free, or pass another folder.")
         # The engine bounds the memory its disk operations hold itself (staging pools, states
-        # read ahead / written behind), so the store's own cap on queued operations only has to
-        # stay out of the way.
+        # read ahead / written behind); the store queues whatever it is given.
         return DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)
 
     def _move_buffers(self, model: nn.Module) -> None:

@@ -3,7 +3,7 @@ meta-device model, or from a safetensors folder — never the whole model in RAM
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 from torch import nn

@@ -7,7 +7,7 @@ only for the update and encoded right after.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 

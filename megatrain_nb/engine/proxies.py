@@ -10,7 +10,7 @@ behaviour stays the model's own.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import nn

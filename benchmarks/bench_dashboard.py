@@ -89,7 +89,7 @@ def main() -> None:
     session.dashboard()  # built before training (as train() does in a notebook)
     session.train()
     session.dashboard()  # outside a kernel train() displays nothing: this attaches the publisher
-    pub = session._live
+    pub = session.publisher
     pub.enabled = False
     session.wait(until_step=ns.warmup_steps)
     t0, s0 = time.perf_counter(), session.step

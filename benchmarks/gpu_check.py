@@ -7,6 +7,9 @@
 2. Throughput: a ~1B Llama-style model streamed through the GPU; TFLOPS counted as
    6 * params * real tokens + attention (12 * layers * hidden * seq * tokens), from timed steps.
 3. Stall fraction (compute waiting for weights) and peak device memory against the plan.
+4. Accumulation 8, layer-major (one forward_backward of the 8-micro-batch window per step):
+   TFLOPS, loads per layer per step (2) and tokens per weight fetch, against the same window
+   run micro-batch by micro-batch.
 Ends with RESULT lines.
 """
 from __future__ import annotations
@@ -87,6 +90,46 @@ def throughput(a):
     return tflops, stall, rep["allocator_peak_bytes"], engine.plan.device["total"]
 
 
+def accumulation(a, A: int = 8):
+    """Throughput of an A-micro-batch window: layer-major against micro-batch-major."""
+    cfg = llama(a.layers, a.hidden)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    engine = StreamingEngine(model, EngineConfig(device="cuda", precision=a.precision, max_vram_gb=a.vram))
+    n = engine.num_parameters()
+    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq))
+    window = [ids] * A
+    tokens = A * ids.numel()
+    flops = 6 * n * tokens + 12 * a.layers * a.hidden * a.seq * tokens
+    n_items = A * a.batch * (a.seq - 1)
+
+    def step(layer_major: bool):
+        if layer_major:
+            engine.forward_backward(window, step_lr=1e-5)
+        else:
+            for i, b in enumerate(window):
+                engine.forward_backward(b, num_items_in_batch=n_items, step_lr=1e-5 if i == A - 1 else None)
+        torch.cuda.synchronize()
+
+    out = {}
+    for layer_major in (False, True):
+        step(layer_major)  # warm-up
+        times = []
+        for _ in range(max(1, a.steps - 1)):
+            t0 = time.perf_counter()
+            step(layer_major)
+            times.append(time.perf_counter() - t0)
+        last = engine.telemetry()["last_step"]
+        tf = flops / median(times) / 1e12
+        name = "layer-major" if layer_major else "micro-batch-major"
+        print(f"accumulation {A}, {name}: step {median(times):.2f}s, {tf:.1f} TFLOPS, loads/layer "
+              f"{last['loads_per_layer']:g}, tokens/fetch {last['tokens_per_weight_fetch']:.0f}, boundary "
+              f"{last.get('boundary_bytes')}, plan {engine.last_window_plan.reason if layer_major else '-'}")
+        out[layer_major] = (tf, last["loads_per_layer"])
+    engine.close()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
@@ -107,11 +150,15 @@ def main(argv=None):
     e32 = parity("fp32")
     e16 = parity("bf16")
     tflops, stall, peak, plan = throughput(a)
+    acc = accumulation(a)
     result("gpu_grad_rel_err_fp32", e32, "", "<=", 1e-4)
     result("gpu_grad_rel_err_bf16", e16, "", "<=", 5e-2)
     result("gpu_tflops", tflops, "TFLOPS", ">", 0)
     result("gpu_stall_fraction", stall, "", "<=", 0.1)
     result("gpu_peak_vs_plan", peak / plan, "x", "<=", 1.3)
+    result("gpu_accum8_tflops_layer_major", acc[True][0], "TFLOPS", ">=", round(acc[False][0], 1))
+    result("gpu_accum8_tflops_micro_batch_major", acc[False][0], "TFLOPS", ">", 0)
+    result("gpu_accum8_loads_per_layer", acc[True][1], "loads", "==", 2)
     return 0
 
 

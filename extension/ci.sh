@@ -23,7 +23,7 @@ trap 'rm -rf "$STAGE"' EXIT
 cd "$ROOT"
 
 step() { printf '\n=== %s\n' "$*"; }
-strip_ansi() { sed -e 's/\x1b\[[0-9;]*m//g'; }
+. "$ROOT/extension/wheel_checks.sh"   # check_wheel, check_no_node_install, strip_ansi
 
 if [ "${SKIP_BROWSER:-0}" != 1 ] && ! [ -x /usr/bin/chromium ]; then
   step "installing Debian chromium"
@@ -43,29 +43,10 @@ test ! -e "$STAGE/src/extension/node_modules" && test ! -e "$STAGE/src/extension
 rm -f "$DIST"/megatrain_nb_lab-*.whl
 "$PY" -m build --wheel --outdir "$DIST" "$STAGE/src/extension"
 WHEEL=$(ls "$DIST"/megatrain_nb_lab-*.whl)
-"$PY" - "$WHEEL" <<'EOF'
-import sys, zipfile
-names = zipfile.ZipFile(sys.argv[1]).namelist()
-ext = [n for n in names if "/share/jupyter/labextensions/megatrain-nb-lab/" in n]
-need = ["package.json", "static/style.js", "install.json"]
-missing = [x for x in need if not any(n.endswith("megatrain-nb-lab/" + x) for n in ext)]
-assert not missing, f"wheel lacks {missing}: {names}"
-assert any("/static/remoteEntry." in n for n in ext), "no remoteEntry.*.js in the wheel"
-assert any(n.endswith("etc/jupyter/jupyter_server_config.d/megatrain_nb.json") for n in names)
-print(f"{sys.argv[1]}: prebuilt labextension with {len(ext)} files")
-EOF
+check_wheel "$WHEEL"
 
 step "fresh venv without Node.js: jupyter labextension list"
-"$PY" -m venv "$STAGE/venv"
-mkdir -p "$STAGE/bin-no-node"   # PATH = the venv only: no node, npm or jlpm reachable
-"$STAGE/venv/bin/python" -m pip install -q jupyterlab "$WHEEL"
-LIST=$(env -i HOME="$STAGE" PATH="$STAGE/venv/bin:$STAGE/bin-no-node" \
-  "$STAGE/venv/bin/jupyter" labextension list 2>&1 | strip_ansi)
-echo "$LIST"
-if env -i PATH="$STAGE/venv/bin:$STAGE/bin-no-node" /bin/sh -c 'command -v node'; then
-  echo "node is reachable in the no-node PATH" >&2; exit 1
-fi
-echo "$LIST" | grep -Eq 'megatrain-nb-lab v[0-9.]+ enabled +OK'
+check_no_node_install "$STAGE" "$WHEEL"
 
 step "install the wheel here; server extension"
 "$PY" -m pip install -q --force-reinstall --no-deps "$WHEEL"

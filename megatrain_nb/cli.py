@@ -4,25 +4,15 @@
     megatrain-nb train --config run.yaml   # a training run from a config file
     megatrain-nb estimate llama-100b --vram 80 --ram 1024 --disk 4096
 
-``run.yaml`` (every section but ``model`` optional)::
+``run.yaml``: see ``examples/run.yaml`` (every field, commented) and the README's "run.yaml"
+section. Sections: ``model`` (a local folder or a Hugging Face Hub id; ``revision`` optional) or
+``preset``; ``tokenizer``; ``data`` (``train``, ``eval``, ``seq_len``, ``text_column``);
+``training`` (``transformers.TrainingArguments`` fields); ``engine`` (``EngineConfig`` fields);
+``seed``.
 
-    model: path/to/model_folder      # or  preset: tiny   (a fresh model, initialised from seed)
-    tokenizer: path/to/tokenizer     # default: the model folder's, else the built-in one
-    data:
-      train: [data/train.jsonl]      # .jsonl/.json/.txt/.csv/.parquet files, a saved dataset folder,
-      eval: data/eval.jsonl          #   or "builtin" (the stdlib corpus)
-      seq_len: 256
-      text_column: text
-    training:                        # transformers.TrainingArguments fields
-      output_dir: runs/first
-      max_steps: 200
-      learning_rate: 3.0e-4
-    engine:                          # EngineConfig fields (override mt.init defaults)
-      offload_dir: /nvme/cache
-      optimizer_compression: int8
-
-Metrics go to ``<output_dir>/metrics.jsonl``. Errors in the input print one line and exit with
-status 2 (set ``MEGATRAIN_NB_DEBUG=1`` for the traceback).
+Metrics go to ``<output_dir>/metrics.jsonl``. Errors in the input print one line
+``megatrain-nb <command>: error: ...`` and exit with status 2 (set ``MEGATRAIN_NB_DEBUG=1`` for
+the traceback).
 """
 from __future__ import annotations
 
@@ -34,16 +24,22 @@ import time
 from pathlib import Path
 from typing import Optional
 
-
-def _gib(n) -> str:
-    return "-" if n is None else (f"{n / 2 ** 30:.2f}G" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f}M")
+from megatrain_nb.formatting import fmt_bytes
 
 
 # ---------------------------------------------------------------------------------------- running
+EXAMPLE_CONFIG = "examples/run.yaml"
+
+
+class UsageError(ValueError):
+    """Bad input on the command line or in run.yaml: one line, exit status 2."""
+
+
 def _tier_text(memory: Optional[dict]) -> str:
     if not memory:
         return ""
-    return " ".join(f"{t[:4]} {_gib(memory.get(t, {}).get('used_bytes'))}" for t in ("device", "host", "disk"))
+    return " ".join(f"{t} {fmt_bytes(memory.get(t, {}).get('used_bytes'), none='-', compact=True)}"
+                    for t in ("device", "host", "disk"))
 
 
 def run_with_progress(trainer, *, resume=None, out=None) -> dict:
@@ -63,7 +59,8 @@ def run_with_progress(trainer, *, resume=None, out=None) -> dict:
             if "eval_loss" in rec:
                 evals.append((rec["step"], rec["eval_loss"], rec["eval_ppl"]))
             bar.n = rec["step"]
-            bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | {_tier_text(memory)}",
+            tiers = _tier_text(memory)  # empty until the first memory record
+            bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s" + (f" | {tiers}" if tiers else ""),
                                 refresh=False)
             bar.refresh()
     finally:
@@ -89,39 +86,43 @@ def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metr
     mem = trainer.engine.memory_report()
     for tier in ("device", "host", "disk"):
         d = mem.get(tier, {})
-        kinds = ", ".join(f"{k} {_gib(v)}" for k, v in d.items()
+        kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d.items()
                           if isinstance(v, int) and not k.endswith("_bytes") and v)
-        p(f"{tier:<6} peak {_gib(d.get('peak_bytes'))}" + (f" ({kinds})" if kinds else ""))
+        p(f"{tier:<6} peak {fmt_bytes(d.get('peak_bytes'))}" + (f" ({kinds})" if kinds else ""))
     tel = trainer.engine.telemetry() or {}
     moved = {k: v for k, v in (tel.get("bytes") or {}).items() if v}
     if moved:
-        p("bytes moved: " + ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in moved.items()))
-    pf = (tel.get("prefetch") or {}).get("device") or {}
-    stalls = tel.get("stall_seconds") or {}
-    if pf.get("hit_rate") is not None or stalls:
-        hit = f"prefetch hit rate {pf['hit_rate']:.0%}" if pf.get("hit_rate") is not None else ""
-        st = ", ".join(f"{k} {v:.2f} s" for k, v in stalls.items() if v)
-        p("streaming: " + "; ".join(x for x in (hit, f"stalls: {st}" if st else "no stalls") if x))
+        p("bytes moved: " + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in moved.items()))
+    line = streaming_text(tel)
+    if line:
+        p("streaming: " + line)
     p("outputs:")
     if model_dir:
         p(f"  model (transformers.AutoModelForCausalLM.from_pretrained): {model_dir}")
-    ckpts = list_checkpoints(trainer.args.output_dir)
-    if ckpts:
+    ckpts = list_checkpoints(trainer.args.output_dir, run_id=getattr(trainer, "run_id", None))
+    if ckpts:  # this run's only: an earlier run in the same folder is not this run's resume point
         p(f"  checkpoints (resume with resume_from_checkpoint=...): {', '.join(str(c) for c in ckpts)}")
     p(f"  metrics log (JSONL): {trainer.metrics_log.path}")
 
 
-def _sample(engine, tokenizer, prompt: str, n: int = 32, seed: int = 0) -> str:
-    import torch
+# What each stall counter measures: time the training thread waited, whether or not the
+# transfer had been started ahead ("issued ahead" is about scheduling, not about arriving in time).
+_WAITS = {"device": "for weights to reach the device", "disk": "for disk reads",
+          "optimizer": "for optimizer updates", "grad_return": "for gradients to return to the host"}
 
-    g = torch.Generator().manual_seed(seed)
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    for _ in range(n):
-        logits = engine.forward_logits(torch.tensor([ids]))[0, -1]
-        probs = torch.softmax(logits / 0.8, -1)
-        top = torch.topk(probs, 20)
-        ids.append(int(top.indices[torch.multinomial(top.values, 1, generator=g)]))
-    return tokenizer.decode(ids)
+
+def streaming_text(tel: dict) -> str:
+    """One line on how well streaming hid transfers: how many unit loads were issued ahead of
+    need, then how long the step still waited, per cause."""
+    pf = (tel.get("prefetch") or {}).get("device") or {}
+    parts = []
+    loads = (pf.get("ahead") or 0) + (pf.get("late") or 0)
+    if loads:
+        parts.append(f"{pf.get('ahead', 0) / loads:.0%} of {loads:,} weight loads issued ahead of need")
+    waits = [f"{_WAITS.get(k, k)} {v:.2f} s" for k, v in (tel.get("stall_seconds") or {}).items() if v >= 0.005]
+    if tel.get("stall_seconds") is not None:
+        parts.append("time spent waiting: " + ", ".join(waits) if waits else "no time spent waiting")
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------- demo
@@ -171,7 +172,14 @@ def cmd_demo(ns) -> int:
         metrics = trainer.evaluate()
         model_dir = trainer.save_model(str(out_dir / "model"))
         if not ns.quick:
-            print("sample: " + repr(_sample(trainer.engine, tokenizer, "def ", n=32, seed=ns.seed)))
+            from megatrain_nb.notebook.sampling import sample_text
+
+            n_params = sum(p.numel() for _, p in trainer.engine.named_parameters())
+            print(f"sample from this {n_params / 1e6:.1f}M-parameter model after {summary['steps']} steps "
+                  f"({summary['seconds'] / 60:.1f} min of training); a model this small and this briefly trained "
+                  "writes Python-flavoured noise, as expected: "
+                  + repr(sample_text(trainer.engine, tokenizer, "def ", max_new_tokens=32, temperature=0.8,
+                                     top_k=20, seed=ns.seed)))
         print_summary(trainer, summary, model_dir=model_dir, eval_metrics=metrics)
         print(f"total time {time.time() - t0:.1f} s")
     finally:
@@ -180,42 +188,115 @@ def cmd_demo(ns) -> int:
 
 
 # ---------------------------------------------------------------------------------------- train
-def _load_files(spec, *, base: Path):
+_SECTIONS = {"model", "revision", "preset", "tokenizer", "data", "training", "engine", "seed"}
+_DATA_KEYS = {"train", "eval", "seq_len", "text_column"}
+_DATA_KINDS = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _load_files(spec, *, base: Path, what: str):
     """A datasets.Dataset from local files, a saved dataset folder, or 'builtin' (None)."""
     import datasets
 
     if spec is None or spec == "builtin":
         return None
+    if not isinstance(spec, (str, list)) or not all(isinstance(f, str) for f in ([spec] if isinstance(spec, str) else spec)):
+        raise UsageError(f"data.{what}: expected a file name, a list of them or 'builtin', got {spec!r}")
     files = [spec] if isinstance(spec, str) else list(spec)
     files = [str((base / f).resolve()) if not os.path.isabs(f) else f for f in files]
     if len(files) == 1 and os.path.isdir(files[0]):
         return datasets.load_from_disk(files[0])
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
-        raise SystemExit(f"data file(s) not found: {missing}")
-    ext = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
-    kinds = {ext.get(Path(f).suffix.lower()) for f in files}
+        raise UsageError(f"data.{what}: file(s) not found: {', '.join(missing)}")
+    kinds = {_DATA_KINDS.get(Path(f).suffix.lower()) for f in files}
     if None in kinds or len(kinds) != 1:
-        raise SystemExit(f"data files {files}: use one kind of .jsonl/.json/.txt/.csv/.parquet")
+        raise UsageError(f"data.{what}: {files}: use files of one kind, .jsonl/.json/.txt/.csv/.parquet")
     return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
 
 
 def load_run_config(path) -> dict:
+    """run.yaml as a dict, its shape checked (see examples/run.yaml); bad input -> UsageError."""
     import yaml
 
     p = Path(path)
     if not p.is_file():
-        raise SystemExit(f"--config {path}: no such file")
-    cfg = yaml.safe_load(p.read_text()) or {}
+        raise UsageError(f"--config {path}: no such file (see {EXAMPLE_CONFIG} for an example)")
+    try:
+        cfg = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"--config {path}: not valid YAML: {' '.join(str(e).split())}") from e
     if not isinstance(cfg, dict):
-        raise SystemExit(f"--config {path}: expected a mapping at the top level")
-    unknown = set(cfg) - {"model", "preset", "tokenizer", "data", "training", "engine", "seed"}
+        raise UsageError(f"--config {path}: expected a mapping at the top level (see {EXAMPLE_CONFIG})")
+    unknown = set(cfg) - _SECTIONS
     if unknown:
-        raise SystemExit(f"--config {path}: unknown section(s) {sorted(unknown)}; use model/preset, tokenizer, "
-                         "data, training, engine")
+        raise UsageError(f"--config {path}: unknown section(s) {sorted(unknown)}; use model (+ revision) or "
+                         "preset, tokenizer, data, training, engine, seed")
     if ("model" in cfg) == ("preset" in cfg):
-        raise SystemExit(f"--config {path}: give exactly one of 'model' (a local folder) or 'preset'")
+        raise UsageError(f"--config {path}: give exactly one of 'model' (a local folder or a Hugging Face Hub "
+                         "id) or 'preset'")
+    for key in ("data", "training", "engine"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise UsageError(f"--config {path}: '{key}' must be a mapping, got {cfg[key]!r}")
+    bad = set(cfg.get("data") or {}) - _DATA_KEYS
+    if bad:
+        raise UsageError(f"--config {path}: unknown data field(s) {sorted(bad)}; use {', '.join(sorted(_DATA_KEYS))}")
+    for key in ("model", "preset", "tokenizer", "revision"):
+        if key in cfg and not isinstance(cfg[key], str):
+            raise UsageError(f"--config {path}: '{key}' must be a string, got {cfg[key]!r}")
     return cfg
+
+
+def _model_source(cfg: dict, base: Path) -> tuple[str, str]:
+    """(folder, how to name it) for run.yaml's ``model``: a folder relative to the config file,
+    else a Hub id fetched through huggingface_hub (config, tokenizer and safetensors only)."""
+    from megatrain_nb.hub import resolve_model
+
+    local = (base / os.path.expanduser(cfg["model"])).resolve()
+    name = str(local) if local.exists() else cfg["model"]
+    folder = resolve_model(name, revision=cfg.get("revision"))
+    if folder == name:
+        return folder, f"folder {folder}"
+    return folder, f"{cfg['model']} (Hugging Face Hub{', revision ' + cfg['revision'] if cfg.get('revision') else ''}; {folder})"
+
+
+def _device_text(engine) -> str:
+    import torch
+
+    dev = engine.device
+    if dev.type == "cuda":
+        return f"{dev} ({torch.cuda.get_device_name(dev)})"
+    return f"{dev} ({torch.get_num_threads()} threads)" if dev.type == "cpu" else str(dev)
+
+
+def print_header(trainer, *, model: str, data: str, out=None) -> None:
+    """What a run is about to do, before its first step: model, data, device, tiers, codec."""
+    from megatrain_nb.engine.planner import codec_bytes_per_param
+
+    p = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
+    engine, cfg = trainer.engine, trainer.engine.config
+    placement = dict(getattr(getattr(engine, "plan", None), "placement", {}) or {})
+    where = {"disk": f"disk ({cfg.offload_dir})", "host": "host RAM"}.get  # noqa: E731
+    codec = cfg.optimizer_compression
+    p(f"model:  {model}, {engine.num_parameters() / 1e6:,.2f}M parameters, fp32 master weights")
+    p(f"data:   {data}")
+    p(f"device: {_device_text(engine)}")
+    if placement:
+        p("tiers:  " + ", ".join(f"{k.replace('_', ' ')} in {where(v, v)}" for k, v in placement.items()))
+    p(f"codec:  optimizer states {codec} ({codec_bytes_per_param(codec):.2f} bytes/parameter for both Adam "
+      "moments" + (", lossy vs fp32 AdamW)" if codec != "none" else ", exact)"))
+    p(f"output: {trainer.args.output_dir} ({trainer.total_steps} steps; metrics in {trainer.metrics_log.path})")
+
+
+def _data_text(data: dict, train_ds, eval_ds, seq_len: int) -> str:
+    def one(spec, ds):
+        what = "built-in corpus" if spec in (None, "builtin") else ", ".join([spec] if isinstance(spec, str) else spec)
+        n = f"{len(ds):,} examples" if hasattr(ds, "__len__") else "streamed"
+        return f"{what} ({n})"
+
+    text = f"train {one(data.get('train', 'builtin'), train_ds)}"
+    if eval_ds is not None:
+        text += f", eval {one(data.get('eval', 'builtin'), eval_ds)}"
+    return text + f"; blocks of {seq_len} tokens"
 
 
 def cmd_train(ns) -> int:
@@ -224,7 +305,7 @@ def cmd_train(ns) -> int:
 
     from megatrain_nb.trainer import Trainer
     from megatrain_nb.trainer.default import load_default
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.trainer.presets import preset_config, preset_names
 
     cfg = load_run_config(ns.config)
     base = Path(ns.config).resolve().parent
@@ -239,27 +320,43 @@ def cmd_train(ns) -> int:
     training.setdefault("report_to", "none")
     if not os.path.isabs(training["output_dir"]):
         training["output_dir"] = str((base / training["output_dir"]).resolve())
-    seq_len = int(data.get("seq_len", 256))
+    try:
+        seq_len = int(data.get("seq_len", 256))
+    except (TypeError, ValueError):
+        raise UsageError(f"data.seq_len: expected a whole number, got {data.get('seq_len')!r}") from None
+    if "preset" in cfg and cfg["preset"] not in preset_names():
+        raise UsageError(f"preset: {cfg['preset']!r} is not a preset; use one of {', '.join(preset_names())}")
+    try:
+        args = TrainingArguments(**training)
+    except TypeError as e:  # an unknown field
+        raise UsageError(f"training: {e} (fields of transformers.TrainingArguments)") from None
+    model_text = f"preset {cfg.get('preset')}"
+    model = None
+    if "model" in cfg:
+        model, model_text = _model_source(cfg, base)  # its own tokenizer, if it has one, is used
     tokenizer = None
     if cfg.get("tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(str((base / cfg["tokenizer"]).resolve()))
-    train_ds = _load_files(data.get("train", "builtin"), base=base)
-    eval_ds = _load_files(data.get("eval"), base=base) if data.get("eval") else None
+        local = (base / cfg["tokenizer"]).resolve()
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else cfg["tokenizer"])
+    train_ds = _load_files(data.get("train", "builtin"), base=base, what="train")
+    eval_ds = _load_files(data.get("eval"), base=base, what="eval") if data.get("eval") else None
     if train_ds is None:  # built-in corpus
         tok, train_ds, builtin_eval = load_default(seq_len=seq_len)
         tokenizer = tokenizer or tok
         eval_ds = eval_ds if eval_ds is not None else builtin_eval
-    if "model" in cfg:
-        model = str((base / cfg["model"]).resolve())  # its own tokenizer, if it has one, is used
-    else:
+    if model is None:
         torch.manual_seed(int(cfg.get("seed", training.get("seed", 42))))
         vocab = {"vocab_size": len(tokenizer)} if tokenizer is not None else {}
         model = AutoModelForCausalLM.from_config(preset_config(cfg["preset"], max_position_embeddings=max(seq_len, 128),
                                                                **vocab))
-    args = TrainingArguments(**training)
+    engine_options = dict(cfg.get("engine") or {})
+    if engine_options.get("offload_dir") and not os.path.isabs(os.path.expanduser(str(engine_options["offload_dir"]))):
+        engine_options["offload_dir"] = str((base / engine_options["offload_dir"]).resolve())
+    os.makedirs(args.output_dir, exist_ok=True)  # so an offload_dir inside it can be created
     trainer = Trainer(model=model, train_dataset=train_ds, eval_dataset=eval_ds, args=args, tokenizer=tokenizer,
-                      seq_len=seq_len, text_column=data.get("text_column", "text"), **(cfg.get("engine") or {}))
+                      seq_len=seq_len, text_column=data.get("text_column", "text"), **engine_options)
     try:
+        print_header(trainer, model=model_text, data=_data_text(data, train_ds, eval_ds, seq_len))
         summary = run_with_progress(trainer, resume=ns.resume if ns.resume is not None else None)
         metrics = trainer.evaluate() if eval_ds is not None else None
         model_dir = trainer.save_model()
@@ -285,17 +382,19 @@ def _budget_arg(s: str):
 
 
 def cmd_estimate(ns) -> int:
-    from megatrain_nb.estimator import estimate
+    from megatrain_nb.estimator import CLI_NAMES, estimate
 
     est = estimate(ns.model, vram_gb=ns.vram, ram_gb=ns.ram, disk_gb=ns.disk, batch=ns.batch, seq=ns.seq,
                    compression=ns.compression, precision=ns.precision,
-                   offload_dir=False if ns.no_disk else (ns.offload_dir or True))
+                   offload_dir=False if ns.no_disk else (ns.offload_dir or True), names=CLI_NAMES)
     print(json.dumps(est.to_dict(), indent=2, default=str) if ns.json else est)
     return 0
 
 
 # ---------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from megatrain_nb.engine.codecs import codec_names  # the codec registry: a new codec is one file
+
     ap = argparse.ArgumentParser(prog="megatrain-nb", description="Full-precision training of models larger "
                                  "than accelerator memory.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -310,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--lr", type=float, default=3e-3)
     d.add_argument("--vocab-size", type=int, default=4096)
-    d.add_argument("--compression", default="int8", choices=["none", "int8", "int4"],
+    d.add_argument("--compression", default="int8", choices=codec_names(),
                    help="optimizer-state codec (default int8)")
     d.add_argument("--no-disk", action="store_true", help="keep everything in RAM (no disk tier)")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -318,11 +417,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     t = sub.add_parser("train", help="train from a run.yaml config")
-    t.add_argument("--config", required=True, help="the run.yaml (see `megatrain-nb train --help`)")
+    t.add_argument("--config", required=True, metavar="RUN_YAML",
+                   help=f"the run config: model or preset, data, training (TrainingArguments fields), engine "
+                        f"(EngineConfig fields); every field is shown in {EXAMPLE_CONFIG} in the repository and "
+                        "the README's 'run.yaml' section")
     t.add_argument("--output-dir", default=None, help="override training.output_dir")
     t.add_argument("--max-steps", type=int, default=None, help="override training.max_steps")
     t.add_argument("--resume", default=None, nargs="?", const=True,
-                   help="resume: a checkpoint folder, or no value for the latest in output_dir")
+                   help="resume: a checkpoint folder, or no value for the newest checkpoint of the run that "
+                        "wrote last into output_dir")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("estimate", help="the memory table for a model on given hardware")
@@ -333,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--disk", type=_budget_arg, default="auto", help="disk tier in GiB, 'auto' (free space) or 'none'")
     e.add_argument("--batch", type=int, default=1)
     e.add_argument("--seq", type=int, default=2048)
-    e.add_argument("--compression", default="int8", choices=["none", "int8", "int4"])
+    e.add_argument("--compression", default="int8", choices=codec_names())
     e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     e.add_argument("--offload-dir", default=None, help="where the disk tier would live (for 'auto' free space)")
     e.add_argument("--no-disk", action="store_true", help="no disk tier")
@@ -343,13 +446,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = build_parser().parse_args(argv)  # usage errors: argparse prints them and exits 2
     try:
         return ns.func(ns)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
+        # UsageError, CheckpointError, DataError, OffloadError, a missing model or file...
         if os.environ.get("MEGATRAIN_NB_DEBUG"):
             raise
-        print(f"megatrain-nb {ns.command}: error: {e}", file=sys.stderr)
+        text = " ".join(str(e).split())
+        print(f"megatrain-nb {ns.command}: error: {text}", file=sys.stderr)
         return 2
 
 

@@ -22,18 +22,15 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from megatrain_nb.formatting import fmt_bytes
+
 GiB = 1024 ** 3
 Budget = Union[float, int, str, None]
 
 
 def _fmt(n: Optional[float]) -> str:
-    if n is None:
-        return "unlimited"
-    if n >= 1024 * GiB:
-        return f"{n / 1024 / GiB:.2f} TiB"
-    if n >= GiB:
-        return f"{n / GiB:.1f} GiB"
-    return f"{n / 1024 ** 2:.1f} MiB"
+    # TiB to two decimals: a 100B model's tiers differ in the second digit
+    return fmt_bytes(n, none="unlimited", digits=2 if n is not None and n >= 1024 * GiB else 1)
 
 
 def _fmt_dec(n: float) -> str:
@@ -89,10 +86,15 @@ def _machine_ram() -> Optional[int]:
         return None
 
 
-def _free_disk(path: Optional[str]) -> Optional[int]:
+def _free_disk_path(path: Optional[str]) -> str:
     p = os.path.abspath(path or os.getcwd())
     while not os.path.exists(p):
         p = os.path.dirname(p)
+    return p
+
+
+def _free_disk(path: Optional[str]) -> Optional[int]:
+    p = _free_disk_path(path)
     try:
         return int(shutil.disk_usage(p).free)
     except OSError:
@@ -118,11 +120,12 @@ def gpu_resident_bytes(config, *, num_parameters: int, batch: int, seq: int) -> 
     autograd keeps: per layer about ``tokens x (12 h + 4 i) x 4`` bytes (fused attention, no
     seq^2 term) and the logits with their softmax and gradient.
     """
-    tc = config.get_text_config()
-    h = int(getattr(tc, "hidden_size", 0) or 0)
-    i = int(getattr(tc, "intermediate_size", 0) or 4 * h)
-    layers = int(getattr(tc, "num_hidden_layers", 0) or 0)
-    vocab = int(getattr(tc, "vocab_size", 0) or 0)
+    from megatrain_nb.engine import family
+
+    h = family.hidden_size(config)
+    i = int(family.intermediate_size(config) or 4 * h)
+    layers = int(getattr(family.text_config(config), "num_hidden_layers", 0) or 0)
+    vocab = int(family.vocab_size(config) or 0)
     tok = batch * seq
     act = layers * tok * (12 * h + 4 * i) * 4 + 3 * tok * vocab * 4
     out = {"weights": 4 * num_parameters, "grads": 4 * num_parameters,
@@ -145,6 +148,8 @@ class Estimate:
     plan: object
     gpu_resident: dict
     notes: list = field(default_factory=list)
+    by_codec: dict = field(default_factory=dict)   # codec -> the plan with that optimizer-state codec
+    names: dict = field(default_factory=dict)      # python argument -> how the caller spells it (CLI flags)
 
     @property
     def feasible(self) -> bool:
@@ -172,7 +177,8 @@ class Estimate:
                 "tiers": self.tiers(), "placement": self.placement, "feasible": self.feasible,
                 "limiting_tier": self.limiting_tier, "reason": self.plan.reason,
                 "layer_slots": self.plan.layer_slots, "checkpoint_interval": self.plan.checkpoint_interval,
-                "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident()}
+                "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident(),
+                "window": self.plan.window}
 
     def _rows(self):
         kinds = [("weights", "weights"), ("grads", "gradients"), ("optimizer_states", "optimizer states"),
@@ -207,10 +213,33 @@ class Estimate:
                  fmt.format(*header)] + [fmt.format(*r) for r in rows]
         lines.append("placement: " + ", ".join(f"{k.replace('_', ' ')} -> {v}" for k, v in p.placement.items())
                      + f"; device: {p.layer_slots} layer slots, checkpoint every {p.checkpoint_interval} layer(s)")
-        lines.append("feasible: yes" if p.feasible else f"feasible: NO (limiting tier: {p.limiting_tier}): {p.reason}")
+        lines.append("feasible: yes" if p.feasible else
+                     f"feasible: NO (limiting tier: {p.limiting_tier}): {self._spell(p.reason)}")
+        lines += self._codec_lines()
         lines.append(self._gpu_line())
-        lines += self.notes
+        lines += [self._spell(n) for n in self.notes]
         return "\n".join(lines)
+
+    def _spell(self, text: str) -> str:
+        """Argument names as the caller knows them (``max_vram_gb`` -> ``--vram`` on the CLI)."""
+        for py, shown in sorted(self.names.items(), key=lambda kv: -len(kv[0])):
+            text = text.replace(py, shown)
+        return text
+
+    def _codec_lines(self) -> list:
+        """Each tier's total with and without optimizer-state compression (the 100B comparison)."""
+        if not self.by_codec:
+            return []
+        rows = [["optimizer states", "device", "host", "disk", "fits"]]
+        for codec, plan in self.by_codec.items():
+            label = {"none": "none (fp32, exact)", "int8": "int8 (lossy)", "int4": "int4 (lossy)"}.get(codec, codec)
+            rows.append([label + (" *" if codec == self.compression else ""),
+                         _fmt(plan.device["total"]), _fmt(plan.host["total"]), _fmt(plan.disk["total"]),
+                         "yes" if plan.feasible else f"NO ({plan.limiting_tier})"])
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        fmt = "  ".join("{:<%d}" % w for w in widths)
+        return (["per tier, with and without optimizer-state compression (* = this estimate):"]
+                + [fmt.format(*r).rstrip() for r in rows])
 
     def _repr_html_(self) -> str:
         header, rows = self._rows()
@@ -228,15 +257,25 @@ class Estimate:
 
 def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,
              seq: int = 2048, compression=True, precision: str = "fp32", checkpoint_interval: Optional[int] = 1,
-             offload_dir: Union[bool, str, None] = True, device: str = "cuda") -> Estimate:
+             offload_dir: Union[bool, str, None] = True, device: str = "cuda",
+             names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
+             layer_major: bool = True, clip_hold: str = "host") -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
     ``config.json`` path, a transformers config, a model or a StreamingEngine.
     ``compression``: the optimizer-state codec (``"none"``, ``"int8"``, ``"int4"``; ``True`` = the
     recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
+    ``names``: how messages spell the arguments (the CLI passes ``CLI_NAMES``: ``--ram`` for
+    ``ram_gb``...); by default the Python names.
+    ``accumulation``: micro-batches per optimizer step; layer-major (the engine's default for a
+    window) keeps no host gradient accumulator, unless ``clipping`` (global-norm clipping, on by
+    default as in TrainingArguments) holds the final gradients for the norm;
+    ``layer_major=False`` shows the micro-batch-major path. ``clip_hold``: as
+    ``EngineConfig.clip_hold`` ("disk"/"auto": those final gradients on the disk tier).
     """
-    from megatrain_nb.engine.codecs import normalize_compression
+    from megatrain_nb.engine import family
+    from megatrain_nb.engine.codecs import codec_names, normalize_compression
     from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
 
     if batch < 1 or seq < 1:
@@ -244,22 +283,50 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     config, name = resolve_config(model)
     comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
-    tc = config.get_text_config()
     layers = sum(1 for u in units if u.kind == "layer")
     disk_path = offload_dir if isinstance(offload_dir, str) else None
     budgets = {"device": _budget(vram_gb, lambda: None), "host": _budget(ram_gb, _machine_ram),
                "disk": _budget(disk_gb, lambda: _free_disk(disk_path)) if offload_dir else None}
-    plan = make_plan(units, hidden_size=int(tc.hidden_size), num_layers=layers,
-                     intermediate_size=getattr(tc, "intermediate_size", None), vocab_size=int(tc.vocab_size),
-                     vram_bytes=budgets["device"], host_bytes=budgets["host"], disk_bytes=budgets["disk"],
-                     batch=batch, seq=seq, compression=comp, precision=precision,
-                     checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
-                     cuda=device != "cpu")
+    def plan_for(codec):
+        return make_plan(units, hidden_size=family.hidden_size(config), num_layers=layers,
+                         intermediate_size=family.intermediate_size(config), vocab_size=family.vocab_size(config),
+                         vram_bytes=budgets["device"], host_bytes=budgets["host"], disk_bytes=budgets["disk"],
+                         batch=batch, seq=seq, compression=codec, precision=precision,
+                         checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
+                         cuda=device != "cpu", accumulation=accumulation if layer_major else 1,
+                         host_gradients=clipping or (accumulation > 1 and not layer_major),
+                         clip_hold=clip_hold if clipping else None)
+
+    by_codec = {codec: plan_for(codec) for codec in codec_names()}  # the registry: a new codec shows too
+    plan = by_codec[comp]
     total = sum(u.numel for u in units)
     notes = []
-    if ram_gb == "auto" or (disk_gb == "auto" and offload_dir):
-        notes.append("host and disk budgets: this machine's RAM and free disk (pass ram_gb/disk_gb for other hardware)")
+    if plan.window:
+        w = plan.window
+        notes.append(f"accumulation {accumulation}: {w['reason']}; each layer loaded {w['loads_per_layer']:g}x per "
+                     f"step; {w['tokens_per_weight_fetch']:,.0f} tokens per weight fetch"
+                     + ("; host gradients: final, held for the clipping norm" if clipping else ""))
+    elif accumulation > 1:
+        notes.append(f"accumulation {accumulation}, micro-batch-major: each layer loaded {2 * accumulation}x per step; "
+                     f"{batch * seq / 2:,.0f} tokens per weight fetch")
+    if ram_gb == "auto":
+        notes.append(f"host budget: this machine's RAM ({_fmt(budgets['host'])}); pass ram_gb=... to plan "
+                     "for other hardware")
+    if disk_gb == "auto" and offload_dir:
+        notes.append(f"disk budget: the free space at {_free_disk_path(disk_path)} ({_fmt(budgets['disk'])}); "
+                     "pass disk_gb=... to plan for other hardware")
     return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
                                                                                 batch=batch, seq=seq),
-                    notes=notes)
+                    notes=notes, by_codec=by_codec, names=dict(names or {}))
+
+
+# How the command line and %megatrain spell estimate()'s and the planner's argument names.
+# Longer phrases are replaced first.
+CLI_NAMES = {"vram_gb": "--vram", "max_vram_gb": "--vram", "ram_gb": "--ram", "max_host_gb": "--ram",
+             "ram_gb=...": "--ram GiB", "disk_gb=...": "--disk GiB", "disk_gb": "--disk",
+             "optimizer_compression='int8' (or 'int4')": "--compression int8 (or int4)",
+             "optimizer_compression='int4'": "--compression int4", "optimizer_compression": "--compression",
+             "give an offload_dir": "drop --no-disk", "offload_dir": "--offload-dir",
+             "offload_params=True to put the master weights on disk": "a disk tier for the master weights",
+             "batch/sequence": "--batch/--seq"}

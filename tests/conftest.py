@@ -12,3 +12,21 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without chromium (or playwright) the browser tests are left out, with one line saying why."""
+    from tests.browser import missing
+
+    browser = [item for item in items if item.get_closest_marker("browser")]
+    why = missing() if browser else None
+    if why:
+        items[:] = [item for item in items if not item.get_closest_marker("browser")]
+        config.hook.pytest_deselected(items=browser)
+        config._megatrain_browser_note = f"browser tests skipped ({len(browser)}): {why}"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    note = getattr(config, "_megatrain_browser_note", None)
+    if note:
+        terminalreporter.write_line(note, yellow=True)

@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from megatrain_nb.cli import main
+from tests.test_hub import hub  # noqa: F401 - the offline hub-cache fixture
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +59,141 @@ def test_train_from_a_config_file(tmp_path, capsys):
     assert "steps 4" in capsys.readouterr().out
 
 
-def test_train_config_errors_are_named(tmp_path, capsys):
-    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"model": "m", "preset": "tiny"}))
-    with pytest.raises(SystemExit, match="exactly one of 'model'"):
-        main(["train", "--config", str(tmp_path / "bad.yaml")])
-    (tmp_path / "bad2.yaml").write_text(yaml.safe_dump({"preset": "micro", "training": {"fp16": True}}))
-    assert main(["train", "--config", str(tmp_path / "bad2.yaml")]) == 2
-    assert "fp16" in capsys.readouterr().err
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("megatrain-nb train: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("cfg,text", [
+    ({"model": "m", "preset": "tiny"}, "exactly one of 'model'"),
+    ({"preset": "micro", "training": {"fp16": True}}, "fp16"),
+    ({"preset": "micro", "training": {"no_such_field": 1}}, "no_such_field"),
+    ({"preset": "nope"}, "'nope' is not a preset; use one of micro"),
+    ({"preset": "micro", "colour": 1}, "unknown section(s) ['colour']"),
+    ({"preset": "micro", "data": {"train": "missing.jsonl"}}, r"data.train: file\(s\) not found: .*missing.jsonl"),
+    ({"preset": "micro", "data": {"trian": "x"}}, "unknown data field(s) ['trian']"),
+    ({"preset": "micro", "data": {"seq_len": "long"}}, "data.seq_len: expected a whole number, got 'long'"),
+    ({"preset": "micro", "engine": "cpu"}, "'engine' must be a mapping"),
+    ({"model": "./no/such/folder"}, "not a local model folder"),
+    ({"preset": "micro", "training": {"max_steps": 1}, "data": {"train": "t.jsonl"}},
+     r"data.train: .*use files of one kind"),
+])
+def test_every_train_input_error_exits_2_with_one_line(tmp_path, capsys, cfg, text):
+    import re
+
+    (tmp_path / "t.jsonl").write_text("{}\n")
+    if cfg.get("data", {}).get("train") == "t.jsonl":
+        (tmp_path / "t.jsonl").rename(tmp_path / "t.weird")
+        cfg["data"]["train"] = ["t.weird"]
+        (tmp_path / "t.weird").write_text("x")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")]) == 2
+    line = _error_line(capsys)
+    assert (re.search(text, line) if ".*" in text else text in line), (text, line)
+
+
+def test_train_file_errors_exit_2(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: no such file (see examples/run.yaml" in _error_line(capsys)
+    (tmp_path / "broken.yaml").write_text("preset: [tiny\n")
+    assert main(["train", "--config", str(tmp_path / "broken.yaml")]) == 2
+    assert "not valid YAML" in _error_line(capsys)
+    with pytest.raises(SystemExit) as e:  # argparse's own usage errors: status 2, same prefix
+        main(["train"])
+    assert e.value.code == 2
+    assert "megatrain-nb train: error: the following arguments are required: --config" in capsys.readouterr().err
+
+
+def test_config_help_points_at_the_example_that_exists(capsys):
+    from pathlib import Path
+
     with pytest.raises(SystemExit):
-        main(["train", "--config", str(tmp_path / "missing.yaml")])
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "examples/run.yaml" in out and "README" in out
+    example = Path(__file__).resolve().parent.parent / "examples" / "run.yaml"
+    assert example.is_file()
+
+
+def test_the_example_run_yaml_is_complete_and_runs(tmp_path, monkeypatch, shared_cache, capsys):
+    """Every field examples/run.yaml sets (or shows commented out) is one train reads, and it runs."""
+    import dataclasses
+    from pathlib import Path
+
+    from transformers import TrainingArguments
+
+    from megatrain_nb.cli import load_run_config
+    from megatrain_nb.engine import EngineConfig
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "run.yaml"
+    cfg = load_run_config(example)
+    text = example.read_text()
+    for key in ("model:", "revision:", "tokenizer:", "eval:"):
+        assert f"# {key}" in text, key  # the alternatives are shown
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(cfg["engine"]) <= engine_fields
+    assert set(cfg["training"]) <= {f.name for f in dataclasses.fields(TrainingArguments)}
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(shared_cache))
+    run = tmp_path / "examples"
+    run.mkdir()
+    (run / "run.yaml").write_text(text.replace("seq_len: 128", "seq_len: 32"))
+    assert main(["train", "--config", str(run / "run.yaml"), "--max-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "megatrain_runs" / "example" / "model.safetensors").is_file()
+    header = out[:out.index("== summary ==")]
+    for label in ("model:  preset tiny", "data:   train built-in corpus", "device: cpu", "tiers:  ",
+                  "optimizer states in disk (" + str(tmp_path / "megatrain_runs" / "example" / "offload"),
+                  "codec:  optimizer states int8"):
+        assert label in header, label
+
+
+def test_train_a_hub_id_from_the_offline_cache(tmp_path, hub, capsys):
+    from tests.trainer.helpers import token_rows
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in token_rows(8, seq=8)))
+    cfg = {"model": "org/micro", "revision": "v2", "data": {"train": "train.jsonl", "seq_len": 8},
+           "training": {"output_dir": "run", "max_steps": 2, "per_device_train_batch_size": 2},
+           "engine": {"device": "cpu"}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(tmp_path / "run.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "model:  org/micro (Hugging Face Hub, revision v2; " + str(hub) in out
+    assert "steps 2" in out
+    cfg["model"] = "org/absent"
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(tmp_path / "run.yaml")]) == 2
+    assert "org/absent" in _error_line(capsys)
+
+
+def test_progress_labels_and_streaming_wording():
+    from megatrain_nb.cli import _tier_text, streaming_text
+
+    mem = {t: {"used_bytes": 3 << 20} for t in ("device", "host", "disk")}
+    assert _tier_text(mem) == "device 3.0M host 3.0M disk 3.0M"
+    line = streaming_text({"prefetch": {"device": {"ahead": 30, "late": 0}},
+                           "stall_seconds": {"device": 26.0, "disk": 0.0, "optimizer": 1.5}})
+    assert line == ("100% of 30 weight loads issued ahead of need; time spent waiting: for weights to reach "
+                    "the device 26.00 s, for optimizer updates 1.50 s")
+    assert "hit rate" not in line
+    assert streaming_text({"prefetch": {"device": {"ahead": 0, "late": 0}}, "stall_seconds": {"device": 0.0}}) \
+        == "no time spent waiting"
+
+
+def test_demo_again_into_the_same_folder_is_a_new_run(tmp_path, monkeypatch, shared_cache, capsys):
+    from megatrain_nb.trainer import list_checkpoints
+
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(shared_cache))
+    out_dir = tmp_path / "demo"
+    assert main(["demo", "--quick", "--steps", "4", "--output-dir", str(out_dir)]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--steps", "2", "--seq-len", "32", "--output-dir", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    offered = [line for line in out.splitlines() if "checkpoints (resume" in line]
+    assert offered and "checkpoint-2" in offered[0] and "checkpoint-4" not in offered[0]
+    assert [c.name for c in list_checkpoints(out_dir)] == ["checkpoint-1", "checkpoint-2"]  # save_total_limit 2
+    starts = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if "run_start" in x]
+    assert len(starts) == 2 and starts[0]["run_id"] != starts[1]["run_id"]
+    sample = [line for line in out.splitlines() if line.startswith("sample from this ")]
+    assert sample and "M-parameter model after 2 steps" in sample[0] and "as expected" in sample[0]

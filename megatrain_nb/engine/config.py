@@ -54,6 +54,17 @@ class EngineConfig:
     on_nonfinite: str = "stop"
     """A step with a NaN/inf loss or gradient norm: 'stop' raises before it is applied; 'skip'
     drops it (counted in ``telemetry()["skipped_steps"]``) and goes on."""
+    window_tier: str = "auto"
+    """Where a layer-major window keeps its layer-boundary activations: "auto" (the device when
+    they fit its budget, else host RAM), "device" or "host"."""
+    clip_hold: str = "host"
+    """With global-norm clipping, where gradients that arrive final in one piece (a layer-major
+    window's, a single micro-batch's) wait for the norm: "host" RAM, "disk" (the disk tier:
+    written at once, read back by the update), or "auto" (disk when the master weights are on
+    the disk tier, i.e. RAM is short; else host)."""
+    max_window_micro_batches: Optional[int] = None
+    """Cap on the micro-batches one layer-major pass runs (None: as many as fit); a larger window
+    is split into groups, each layer then crossing to the device 2 x groups times per step."""
 
     def __post_init__(self):
         if self.device is not None:
@@ -94,6 +105,15 @@ class EngineConfig:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r} must be >= 1.")
         if self.offload_dir is not None:
             self.offload_dir = os.fspath(self.offload_dir)
+        if self.clip_hold not in ("auto", "host", "disk"):
+            raise ValueError(f"clip_hold={self.clip_hold!r} must be 'auto', 'host' or 'disk'.")
+        if self.clip_hold == "disk" and not self.offload_dir:
+            raise ValueError("clip_hold='disk' needs an offload_dir for the disk tier.")
+        if self.window_tier not in ("auto", "device", "host"):
+            raise ValueError(f"window_tier={self.window_tier!r} must be 'auto', 'device' or 'host'.")
+        m = self.max_window_micro_batches
+        if m is not None and (not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_window_micro_batches={m!r} must be an integer >= 1 (or None for no cap).")
 
     @property
     def torch_device(self) -> torch.device:

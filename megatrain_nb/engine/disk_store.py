@@ -71,9 +71,11 @@ from concurrent.futures import Future
 
 import torch
 
+from megatrain_nb.formatting import fmt_bytes
+
 from .reclaim import folder_prefix, reclaim
 
-__all__ = ["ALIGN", "DiskStore", "OffloadError", "aligned_empty"]
+__all__ = ["ALIGN", "DiskStore", "OffloadError", "aligned_empty", "prepare_offload_dir"]
 
 ALIGN = 4096                      # file offsets and direct-I/O buffers are aligned to this
 _IO_CHUNK = 32 << 20              # bytes per read/write syscall (large sequential I/O)
@@ -137,6 +139,31 @@ class _PriorityPool:
 class OffloadError(RuntimeError):
     """The disk tier could not be used: the message names the path, the bytes needed and what
     to do about it."""
+
+
+def prepare_offload_dir(path: str | os.PathLike, need_bytes: int = 0) -> str:
+    """``offload_dir`` as an absolute path, created (mode 0700, user only) when it is missing
+    but its parent exists, as ``output_dir`` is. A missing parent stays an ``OffloadError``
+    naming the path: an unmounted ``/nvme`` must never turn into offload files on the root disk."""
+    root = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if os.path.isdir(root):
+        return root
+    parent = os.path.dirname(root)
+    need = f"{need_bytes} bytes ({fmt_bytes(need_bytes)})"
+    if not os.path.isdir(parent):
+        raise OffloadError(f"offload_dir {os.fspath(path)!r} does not exist and neither does its parent {parent!r} "
+                           f"(a disk not mounted?); create it on a disk with at least {need} free, or pass "
+                           "another folder.")
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(root):
+            raise OffloadError(f"offload_dir {root!r} exists but is not a folder; pass a folder "
+                               f"(needs {need} free).") from None
+    except OSError as e:
+        raise OffloadError(f"cannot create offload_dir {root!r}: {e.strerror or e}; create it yourself on a disk "
+                           f"with at least {need} free, or pass another folder.") from e
+    return root
 
 
 def _align_up(n: int) -> int:
@@ -243,14 +270,6 @@ def _remove_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"
-
-
 class WriteWindow:
     """Writes left in flight behind their caller, at most ``depth`` at once (the tensors they
     write stay in RAM until written): ``add`` waits for the oldest beyond that."""
@@ -315,8 +334,8 @@ class DiskStore:
         if free < reserve_bytes:
             _remove_folder(folder)
             raise OffloadError(
-                f"offload directory {root} has {free} bytes ({_human(free)}) free but "
-                f"{reserve_bytes} bytes ({_human(reserve_bytes)}) are needed. Free space there, "
+                f"offload directory {root} has {free} bytes ({fmt_bytes(free)}) free but "
+                f"{reserve_bytes} bytes ({fmt_bytes(reserve_bytes)}) are needed. Free space there, "
                 f"point offload_dir at a larger disk, or lower what is offloaded (more host RAM, "
                 f"optimizer_compression)")
         self.root = root
@@ -577,7 +596,7 @@ class DiskStore:
                 pass
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise self._no_space(key, final, file_size, None, e) from e
-            raise OffloadError(f"writing {file_size} bytes ({_human(file_size)}) for {key!r} to "
+            raise OffloadError(f"writing {file_size} bytes ({fmt_bytes(file_size)}) for {key!r} to "
                                f"{final} failed: {e.strerror or e}. Check the disk behind the "
                                f"offload directory {self.root}") from e
         with self._lock:
@@ -593,8 +612,8 @@ class DiskStore:
                 free = -1
         why = f"{err.strerror}: " if err is not None and err.strerror else ""
         return OffloadError(
-            f"{why}offloading {key!r} needs {needed} bytes ({_human(needed)}) at {path} but the "
-            f"disk has {free} bytes ({_human(max(free, 0))}) free. Free space there, point "
+            f"{why}offloading {key!r} needs {needed} bytes ({fmt_bytes(needed)}) at {path} but the "
+            f"disk has {free} bytes ({fmt_bytes(max(free, 0))}) free. Free space there, point "
             f"offload_dir at a larger disk, or offload less (more host RAM, "
             f"optimizer_compression)")
 

@@ -27,11 +27,11 @@ from . import finite
 from .config import EngineConfig
 from .family import max_positions, vocab_size
 from .host_store import HostStore
-from .inputs import prepare_batch
+from .inputs import prepare_batch, window_batches
 from .materialize import SafetensorsSource, take_parameters
 from .optimizer import UnitAdamW
 from .pager import Pager
-from .planner import GiB, engine_plan
+from .planner import GiB, WindowPlan, engine_plan, engine_window_plan
 from .proxies import LayerProxy
 from .states import OptimizerStates
 from .step import StepRunner
@@ -39,6 +39,9 @@ from .telemetry import Telemetry
 from .units import Unit, build_units, check_supported, find_layer_list
 from .updates import StepContext, UpdateScheduler
 from .weight_store import make_weight_store
+from .dist import Dist
+from .sharded import ShardedUnits
+from .window import BoundaryStore, WindowRunner
 
 
 @dataclass
@@ -57,7 +60,8 @@ class StreamingEngine:
     Read weights back with :meth:`named_parameters` or :meth:`save_pretrained`.
     """
 
-    def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, *, _source=None, **options):
+    def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, *, _source=None, dist=None,
+                 **options):
         if config is None:
             config = EngineConfig.from_options(**options)
         elif options:
@@ -66,7 +70,11 @@ class StreamingEngine:
         self.config = config
         self.model = model
         self.model_config = model.config
-        self.device = config.torch_device
+        # Data parallel: ``dist`` (a Dist or a torch ProcessGroup), else the default group if
+        # one is initialised (torchrun), else one process. With world > 1 every unit's training
+        # state is sharded over the ranks (see engine/sharded.py).
+        self.dist = resolve_dist(dist, config)
+        self.device = self.dist.device if self.dist.world > 1 else config.torch_device
         self.dtype = config.compute_dtype
         self.lock = threading.RLock()
         self.counters = Telemetry()
@@ -76,49 +84,76 @@ class StreamingEngine:
         self.units: List[Unit] = build_units(model, layers)
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.layer_units = self.units[1:-1]
+        self.sharded: Optional[ShardedUnits] = None
+        if self.dist.world > 1:
+            self.dist.check_same("model", (type(model).__name__, [(u.name, u.numel) for u in self.units]))
+            self.dist.check_same("optimizer settings", (config.optimizer_compression, config.adam_betas,
+                                                         config.adam_eps, config.weight_decay, config.precision))
+            self.sharded = ShardedUnits(self.units, self.dist, gather_dist=self.dist.channel("gather"),
+                                        reduce_dist=self.dist.channel("reduce"))
+        # The units whose training state this process holds: whole units, or this rank's shards.
+        self.state_units: List[Unit] = self.sharded.shards if self.sharded is not None else self.units
         self.persistent_buffers = engine_io.persistent_buffers(model)
 
         self.plan = engine_plan(self.units, self.model_config, config, cuda=self.device.type == "cuda")
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"
         self.checkpoint_interval = self.plan.checkpoint_interval
         pin = self.device.type == "cuda"
-        self.store = HostStore(self.units, pin=pin)
+        self.store = HostStore(self.state_units, pin=pin)
         self.disk = self._open_disk_tier()
         # Pipeline depth: units in flight through host RAM per stage (RAM stays flat).
         # (depth 2 measured no faster on 2 cores and left more optimizer time exposed: keep 1)
         self.inflight_depth = 1
-        self.weights = make_weight_store(self.units, self.store, disk=self.disk if self.params_on_disk else None,
+        self.weights = make_weight_store(self.state_units, self.store, disk=self.disk if self.params_on_disk else None,
                                          pin=pin, counters=self.counters, compute_buffers=2 + self.inflight_depth,
                                          optimizer_buffers=2 if self._small_units() else 1)
-        self.states = OptimizerStates(self.units, config, self.counters, disk=self.disk)
-        placeholders = take_parameters(model, self.units, self.store.alloc, self.weights.put_initial, _source)
+        self.states = OptimizerStates(self.state_units, config, self.counters, disk=self.disk)
+        alloc, put = self.store.alloc, self.weights.put_initial
+        if self.sharded is not None:   # each rank keeps its slice of every unit as it is built
+            alloc = lambda n: torch.empty(n, dtype=torch.float32)  # noqa: E731 - one unit at a time
+            put = self._put_own_shard
+        placeholders = take_parameters(model, self.units, alloc, put, _source)
         self.weights.finish_initial()
         self._move_buffers(model)
         model.config.use_cache = False
         self.adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
-        self.updates = UpdateScheduler(self.units, grads=self.store, weights=self.weights, states=self.states,
+        self.updates = UpdateScheduler(self.state_units, grads=self.store, weights=self.weights, states=self.states,
                                        adam=self.adam, counters=self.counters, disk=self.disk,
-                                       depth=self.inflight_depth)
+                                       depth=self.inflight_depth, sharded=self.sharded)
         self.updates.policy = self.config.on_nonfinite
+        source, source_done, plan_reads = self.updates.ready_weights, self.weights.transfer_done, \
+            self.updates.plan_reads
+        if self.sharded is not None:   # the pager sees whole units; the stores hold shards
+            shard = self.sharded.shard
+            source = lambda u: self.updates.ready_weights(shard(u))                  # noqa: E731
+            source_done = lambda u, t: self.weights.transfer_done(shard(u), t)       # noqa: E731
+            plan_reads = lambda order, step: self.updates.plan_reads([shard(u) for u in order], step)  # noqa: E731
         self.pager = Pager(self.units, device=self.device, dtype=self.dtype, layer_slots=self.plan.layer_slots,
-                           source=self.updates.ready_weights, source_done=self.weights.transfer_done,
+                           source=source, source_done=source_done, sharded=self.sharded,
                            telemetry=self.counters, grad_sink=self.updates.gradient_arrived)
         self.pager.max_grads_in_flight = self.inflight_depth
         self.runner = StepRunner(model, self.units, self.pager, placeholders, device=self.device,
                                  checkpoint_interval=self.checkpoint_interval,
-                                 loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=self.updates.plan_reads)
+                                 loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=plan_reads)
         for u in self.layer_units:
             layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
+        self.boundary = BoundaryStore(self.device)
+        self.window_runner = WindowRunner(self.runner, self.boundary)
+        self.last_window_plan: Optional[WindowPlan] = None
+        self._boundary_peak = {"device": 0, "host": 0}
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
-        """Load a local Hugging Face folder, streaming safetensors shards unit by unit.
+        """Load a local Hugging Face folder or Hub id (``revision=``, ``token=``), streaming
+        safetensors shards unit by unit.
 
         The model is built on the meta device; at no time is the whole model in RAM beyond
         the engine's own store (which is on disk for weights when the planner pages them).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from megatrain_nb.hub import resolve_model  # a Hub id ("org/name") -> its cached snapshot folder
+        folder = resolve_model(folder, revision=options.pop("revision", None), token=options.pop("token", None))
         if not os.path.isdir(folder) or not os.path.exists(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"{folder!r} is not a local model folder (no config.json); save one with "
                                     "save_pretrained() or pass a model object.")
@@ -128,6 +163,20 @@ class StreamingEngine:
         return cls(model, config, _source=SafetensorsSource(folder), **options)
 
     # ------------------------------------------------------------------ construction
+    def _put_own_shard(self, unit: Unit, full: torch.Tensor) -> None:
+        sh = self.sharded.shard(unit)
+        own = self.store.alloc(sh.numel)
+        own.copy_(full[sh.start:sh.start + sh.numel])
+        self.weights.put_initial(sh, own)
+
+    def _state_unit(self, unit: Unit) -> Unit:
+        return self.sharded.shard(unit) if self.sharded is not None else unit
+
+    def _whole(self, unit: Unit, flat: torch.Tensor) -> torch.Tensor:
+        """A unit's whole flat buffer from this process's part (a collective when sharded: every
+        rank must ask for the same units in the same order)."""
+        return self.sharded.assemble(unit, flat) if self.sharded is not None else flat
+
     def _small_units(self) -> bool:
         """Units small enough that a spare buffer or two per stream costs little RAM (<= 256 MiB
         each). Large units get the minimum: one optimizer staging buffer (RAM stays flat for
@@ -139,7 +188,7 @@ class StreamingEngine:
         cfg = self.config
         if not cfg.offload_dir:
             return None
-        from .disk_store import DiskStore
+        from .disk_store import DiskStore, prepare_offload_dir
         from .states import stored_state_bytes
 
         need = stored_state_bytes(self.units, cfg.optimizer_compression)
@@ -148,11 +197,7 @@ class StreamingEngine:
         from .host_store import return_freed_memory_to_os
 
         return_freed_memory_to_os()  # RAM must stay flat while units stream through it
-        if not os.path.isdir(cfg.offload_dir):
-            from .disk_store import OffloadError
-
-            raise OffloadError(f"offload_dir {cfg.offload_dir!r} does not exist; create it on a disk with at least "
-                               f"{need} bytes ({need / GiB:.2f} GiB) free, or pass another folder.")
+        prepare_offload_dir(cfg.offload_dir, need)  # created (0700) when missing; a missing parent is an error
         # The engine bounds the memory its disk operations hold itself (staging pools, states
         # read ahead / written behind); the store queues whatever it is given.
         return DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)
@@ -172,13 +217,24 @@ class StreamingEngine:
                          num_items_in_batch: Optional[int] = None,
                          step_lr: Optional[float] = None,
                          max_grad_norm: Optional[float] = None) -> EngineOutput:
-        """Forward and backward of one micro-batch; gradients accumulate on the host.
+        """Forward and backward of one micro-batch, or of a whole accumulation window.
 
+        **One micro-batch** (``input_ids`` a tensor [batch, seq]): gradients accumulate on the host.
         ``loss`` is the mean token loss of this micro-batch (the Hugging Face definition:
         labels shifted by one, ``-100`` ignored). With ``num_items_in_batch`` the gradient is
         that of ``sum_loss / num_items_in_batch`` (gradient accumulation over a window).
 
-        With ``step_lr`` this is the step's last micro-batch: each unit's AdamW update runs in a
+        **A window** (``input_ids`` a list of micro-batches, each a tensor of input ids or a
+        dict with ``input_ids`` and optionally ``attention_mask`` / ``labels``): layer-major —
+        each unit, once on the device, runs every micro-batch; each unit's gradient is summed
+        on the device and leaves it once per step (see ``window.py``). The gradient is that of
+        ``sum of all token losses / num_items_in_batch`` (default: the window's target tokens,
+        as transformers.Trainer normalises); ``loss`` is the window's mean token loss and
+        ``num_tokens`` its target tokens. The planner may split a window whose boundary
+        activations fit nowhere into groups (``last_window_plan``). ``attention_mask`` and
+        ``labels`` go inside the micro-batches then.
+
+        With ``step_lr`` this ends the optimizer step: each unit's AdamW update runs in a
         worker as soon as its gradient is final, overlapped with the backward of the units
         below it, and its gradient is zeroed after. Same result as ``forward_backward`` then
         ``optimizer_step(step_lr)`` then ``zero_grad()``; the next forward waits per unit.
@@ -188,7 +244,8 @@ class StreamingEngine:
         read ahead during the backward; once the norm is known every update runs in the worker,
         in the next forward's order, while this call returns. Same result as
         ``clip_grad_norm_(max_grad_norm)``, ``optimizer_step(step_lr)``, ``zero_grad()``;
-        ``out.grad_norm`` is the norm before clipping.
+        ``out.grad_norm`` is the norm before clipping. (The final gradients wait in host RAM
+        for the norm.)
         """
         if step_lr is not None:
             step_lr = finite.check_lr(step_lr)
@@ -197,11 +254,17 @@ class StreamingEngine:
                              "clip_grad_norm_() before optimizer_step()).")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}; pass None for no clipping.")
+        window = window_batches(input_ids)
+        if window is not None:
+            if attention_mask is not None or labels is not None:
+                raise ValueError("forward_backward got a list of micro-batches and a separate attention_mask/labels; "
+                                 "put each micro-batch's attention_mask and labels in its dict instead.")
+            return self._forward_backward_window(window, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
         with self.lock:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
             t0 = time.perf_counter()
-            step = StepContext(lr=step_lr, clip=max_grad_norm)
+            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self._clip_hold())
             self.updates.begin(step)
             try:
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, step=step,
@@ -213,11 +276,73 @@ class StreamingEngine:
                 raise
             finally:
                 self.updates.end()
+            self.counters.add_tokens(ids.numel())
             if step_lr is not None:
                 self.counters.add("steps", 1)
+                self._close_step(groups=None)
             self.counters.add("micro_batches", 1)
             self.counters.add("step_seconds", time.perf_counter() - t0)
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm, skipped=skipped)
+
+    def plan_window(self, batches) -> WindowPlan:
+        """The layout a window of prepared ``(ids, am, labels)`` micro-batches gets: layer-major
+        when their boundary activations fit the device budget, else host RAM, else split."""
+        cap = None
+        if self.device.type == "cuda" and not self.config.max_vram_gb:
+            cap = torch.cuda.get_device_properties(self.device).total_memory
+        return engine_window_plan(self.plan, self.model_config, self.config, len(self.layer_units),
+                                  tokens=max(int(b[0].numel()) for b in batches), micro_batches=len(batches),
+                                  device_capacity=cap)
+
+    def _forward_backward_window(self, window, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
+        with self.lock:
+            self._check_open()
+            batches = [self._prepare(*b) for b in window]
+            t0 = time.perf_counter()
+            if num_items_in_batch is None:
+                num_items_in_batch = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in batches)
+            denom = max(num_items_in_batch, 1)
+            wp = self.plan_window(batches)
+            self.last_window_plan = wp
+            loss_sum, n, norm, skipped = 0.0, 0, None, False
+            boundary_peak = {"device": 0, "host": 0}
+            for g0 in range(0, len(batches), wp.group_size):
+                group = batches[g0:g0 + wp.group_size]
+                last = g0 + wp.group_size >= len(batches)
+                step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self._clip_hold()) if last else StepContext()
+                self.updates.begin(step)
+                try:
+                    part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
+                                                               tier=wp.tier)
+                    self.pager.wait_grads()
+                    # The finiteness check sees the whole window's loss (every group's so far).
+                    norm, skipped = self.updates.finish(step, (loss_sum + part) / max(n + cnt, 1))
+                except finite.NonFiniteError:
+                    self.updates.nonfinite = None  # reported now, to this caller
+                    raise
+                finally:
+                    self.updates.end()
+                loss_sum, n = loss_sum + part, n + cnt
+                for t in boundary_peak:
+                    boundary_peak[t] = max(boundary_peak[t], self.boundary.peak[t])
+                self.counters.add_tokens(tokens, len(group))
+            self._boundary_peak = {t: max(v, self._boundary_peak[t]) for t, v in boundary_peak.items()}
+            if step_lr is not None:
+                self.counters.add("steps", 1)
+                self._close_step(groups=wp.groups, group_size=wp.group_size, boundary_tier=wp.tier,
+                                 boundary_bytes=boundary_peak)
+            self.counters.add("micro_batches", len(batches))
+            self.counters.add("step_seconds", time.perf_counter() - t0)
+            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm, skipped=skipped)
+
+    def _clip_hold(self) -> str:
+        hold = self.config.clip_hold
+        if hold == "auto":
+            hold = "disk" if self.disk is not None and self.params_on_disk else "host"
+        return hold
+
+    def _close_step(self, **extra) -> None:
+        self.counters.close_step([u.name for u in self.layer_units], **extra)
 
     def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None) -> EngineOutput:
         """Loss of a batch without gradients."""
@@ -239,7 +364,7 @@ class StreamingEngine:
         self.pager.wait_grads()
         self.updates.check_intact("named_parameters()")
         for u in self.units:
-            flat = self.weights.read_now(u)
+            flat = self._whole(u, self.weights.read_now(self._state_unit(u)))
             for p in u.params:
                 yield p.name, flat[p.offset:p.offset + p.numel].view(p.shape)
 
@@ -247,7 +372,7 @@ class StreamingEngine:
         """(name, fp32 accumulated gradient); tied weights once, holding the sum of both uses."""
         self.pager.wait_grads()
         for u in self.units:
-            g = self.store.grad(u)
+            g = self._whole(u, self.store.grad(self._state_unit(u)))
             for p in u.params:
                 yield p.name, g[p.offset:p.offset + p.numel].view(p.shape)
 
@@ -257,7 +382,9 @@ class StreamingEngine:
     def grad_norm(self) -> float:
         with self.lock:
             self.pager.wait_grads()
-            sq = sum(float(torch.linalg.vector_norm(self.store.grad(u)) ** 2) for u in self.units)
+            sq = sum(float(torch.linalg.vector_norm(self.store.grad(u)) ** 2) for u in self.state_units)
+            if self.sharded is not None:
+                sq = self.sharded.global_norm_sq(sq)
             return sq ** 0.5
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -266,7 +393,7 @@ class StreamingEngine:
             total = self.grad_norm()
             coef = max_norm / (total + 1e-6)
             if coef < 1.0:
-                for u in self.units:
+                for u in self.state_units:
                     self.store.grad(u).mul_(coef)
             return total
 
@@ -279,6 +406,7 @@ class StreamingEngine:
             self.pager.wait_grads()
             if self.updates.update_all(lr, grad_norm=self.grad_norm()):
                 self.counters.add("steps", 1)
+                self._close_step(groups=None)
 
     def zero_grad(self) -> None:
         with self.lock:
@@ -302,6 +430,8 @@ class StreamingEngine:
         dev_g = self.pager.grad_buf_bytes
         act = self.runner.activation_peak
         dev = {"weights": dev_w, "grads": dev_g, "activations": act,
+               # layer-boundary activations of a layer-major window (part of "activations"); peak
+               "boundary_activations": self._boundary_peak["device"],
                "used_bytes": dev_w + dev_g + self.runner.activation_now,
                "peak_bytes": dev_w + dev_g + act,
                "capacity_bytes": int(self.config.max_vram_gb * GiB) if self.config.max_vram_gb else None}
@@ -315,13 +445,18 @@ class StreamingEngine:
         wb = self.weights.nbytes()
         host = {"weights": wb["host"], "grads": hb["grads"], "optimizer_states": st["host"],
                 # states read ahead of their updates + recycled scratch (moments, final gradients)
-                "buffers": st["host_buffers"] + self.updates.buffer_bytes(),
+                "buffers": st["host_buffers"] + self.updates.buffer_bytes() + self.boundary.free_bytes(),
+                # layer-boundary activations a layer-major window kept in host RAM (peak)
+                "activations": self._boundary_peak["host"],
                 "capacity_bytes": int(self.config.max_host_gb * GiB) if self.config.max_host_gb else _ram_total()}
-        host["used_bytes"] = host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
-        self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"])
+        host["used_bytes"] = (host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
+                              + self.boundary.bytes["host"])
+        self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"],
+                              host["used_bytes"] - self.boundary.bytes["host"] + self._boundary_peak["host"])
         host["peak_bytes"] = self._host_peak
-        disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "capacity_bytes": st.get("disk_capacity")}
-        disk["used_bytes"] = disk["weights"] + disk["optimizer_states"]
+        disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "grads": self.updates.held_disk_bytes(),
+                "capacity_bytes": st.get("disk_capacity")}
+        disk["used_bytes"] = disk["weights"] + disk["optimizer_states"] + disk["grads"]
         self._disk_peak = max(getattr(self, "_disk_peak", 0), disk["used_bytes"])
         disk["peak_bytes"] = self._disk_peak
         return {"device": dev, "host": host, "disk": disk}
@@ -334,11 +469,18 @@ class StreamingEngine:
         """Write a folder that ``AutoModelForCausalLM.from_pretrained`` loads (safetensors)."""
         with self.lock:
             self.updates.check_intact("save_pretrained()")
-            engine_io.save_pretrained(self, path)
+            if self.dist.is_main:
+                engine_io.save_pretrained(self, path)
+            else:   # the other ranks take part in each unit's gather; rank 0 writes
+                for _ in self.named_parameters():
+                    pass
+            self.dist.barrier()
 
     def save_checkpoint(self, path) -> None:
         """Weights (Hugging Face layout) plus optimizer states in their stored form."""
         with self.lock:
+            if self.sharded is not None:
+                return self.save_sharded_checkpoint(path)
             self.pager.wait_grads()
             self.updates.check_intact("save_checkpoint()")
             engine_io.save_pretrained(self, path, atomic=False)
@@ -346,6 +488,9 @@ class StreamingEngine:
 
     def load_checkpoint(self, path) -> None:
         with self.lock:
+            if any(f.startswith("shards-") for f in os.listdir(path)):
+                return self.load_sharded_checkpoint(path)
+            self._refuse_sharded("load_checkpoint")
             self.pager.wait_grads()
             self.updates.settle()
             engine_io.load_weights(self, path)
@@ -369,6 +514,66 @@ class StreamingEngine:
                     self.disk.close()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def save_sharded_checkpoint(self, path) -> None:
+        """Every rank writes its shard of every unit (master weights, Adam states in their stored
+        form, step counts) to its own file in ``path`` (a folder all ranks see), in parallel; any
+        world size can load it back (:meth:`load_sharded_checkpoint`). Collective."""
+        from .reshard import write_rank_shards
+
+        with self.lock:
+            self.pager.wait_grads()
+            self.updates.wait_all()
+            self.states.flush()
+            os.makedirs(path, exist_ok=True)
+            ranges, tensors, steps = {}, {}, {}
+            for u in self.units:
+                su = self._state_unit(u)
+                start = su.start if self.sharded is not None else 0
+                ranges[u.name] = (u.numel, start, start + su.numel)
+                keys = {"master": self.weights.read_now(su)}
+                keys.update(self.states.stored(su) or {})
+                tensors[u.name] = keys
+                if u.index in self.adam.steps:
+                    steps[u.name] = int(self.adam.steps[u.index])
+            write_rank_shards(path, rank=self.dist.rank, world=self.dist.world,
+                              codec=self.config.optimizer_compression, units=ranges, tensors=tensors,
+                              extra={"steps": steps})
+            self.dist.barrier()   # the checkpoint is complete once every rank's file is
+
+    def load_sharded_checkpoint(self, path) -> None:
+        """Load a checkpoint written by :meth:`save_sharded_checkpoint` with any world size:
+        this rank reads only its range of each unit from the files that hold it. Collective."""
+        from .reshard import read_meta, read_rank_shards
+
+        with self.lock:
+            self.pager.wait_grads()
+            self.updates.settle()
+            metas = read_meta(path)
+            codec = metas[0]["codec"]
+            if codec != self.config.optimizer_compression:
+                raise ValueError(f"the checkpoint's optimizer states use codec {codec!r} but this engine uses "
+                                 f"{self.config.optimizer_compression!r}; set optimizer_compression={codec!r}")
+            parts = read_rank_shards(path, self.dist.rank, self.dist.world, {u.name: u.numel for u in self.units})
+            steps = metas[0]["extra"].get("steps", {})
+            for u in self.units:
+                su = self._state_unit(u)
+                got = dict(parts[u.name])
+                if su.numel == 0:
+                    continue
+                self.weights.overwrite(su, got.pop("master"))
+                if got:
+                    self.states.put_stored(su, got)
+            self.states.flush()
+            self.adam.load_state_dict({str(u.index): torch.tensor(float(steps[u.name]))
+                                       for u in self.units if u.name in steps})
+            self.updates.clear_failure()
+            self.dist.barrier()
+
+    def _refuse_sharded(self, what: str) -> None:
+        if self.sharded is not None:
+            raise NotImplementedError(f"{what}() from a Hugging Face-layout checkpoint with state sharded over "
+                                      f"{self.dist.world} ranks is not built yet; use a sharded checkpoint")
 
     @property
     def closed(self) -> bool:
@@ -404,3 +609,23 @@ def _ram_total() -> int:
     import psutil
 
     return int(psutil.virtual_memory().total)
+
+
+def resolve_dist(dist, config) -> Dist:
+    """The engine's process group: a Dist as given; a torch ProcessGroup wrapped; else the
+    initialised default group; else, under torchrun (WORLD_SIZE > 1), the group built from the
+    environment; else one process."""
+    if isinstance(dist, Dist):
+        return dist
+    import torch.distributed as tdist
+
+    want = None
+    if config.device is not None and torch.device(config.device).type == "cpu":
+        want = "cpu"
+    if dist is not None:
+        return Dist(dist, device=want)
+    if tdist.is_available() and tdist.is_initialized():
+        return Dist(None, device=want)
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:   # under torchrun: join the run's group
+        return Dist.from_env(device=want)
+    return Dist.single()

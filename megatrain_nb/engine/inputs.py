@@ -1,4 +1,5 @@
-"""Validate and normalise one batch (input ids, attention mask, labels) for the engine."""
+"""Validate and normalise one batch (input ids, attention mask, labels) for the engine, and tell
+a window of micro-batches (layer-major accumulation) from one batch."""
 from __future__ import annotations
 
 from typing import Optional
@@ -55,3 +56,24 @@ def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Opt
                              "the ignore index -100; the labels do not match the model's tokenizer.")
     am = attention_mask.to(device) if attention_mask is not None else None
     return input_ids.to(device), am, labels.to(device)
+
+
+def window_batches(x) -> Optional[list]:
+    """``x`` as a window of ``(input_ids, attention_mask, labels)`` micro-batches, or None when
+    it is one batch. A window is a list or tuple whose items are all tensors (input ids) or
+    dicts with ``input_ids`` (and optionally ``attention_mask``, ``labels``)."""
+    from collections.abc import Mapping
+
+    if not isinstance(x, (list, tuple)) or not x or not all(torch.is_tensor(b) or isinstance(b, Mapping) for b in x):
+        return None
+    out = []
+    for i, b in enumerate(x):
+        if torch.is_tensor(b):
+            out.append((b, None, None))
+            continue
+        extra = set(b) - {"input_ids", "attention_mask", "labels"}
+        if "input_ids" not in b or extra:
+            raise ValueError(f"micro-batch {i} of the window must be a tensor of input ids or a dict with "
+                             f"'input_ids' (and optionally 'attention_mask', 'labels'); got keys {sorted(b)}.")
+        out.append((b["input_ids"], b.get("attention_mask"), b.get("labels")))
+    return out

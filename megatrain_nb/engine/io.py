@@ -1,94 +1,16 @@
-"""Hugging Face folders in and out: safetensors shards written unit by unit, atomically.
-
-Also the package's one atomic-save helper: :func:`atomic_dir` / :func:`atomic_file` write to
-a temporary sibling, fsync, then rename into place, so a reader (or a crash) sees the old
-version or the new one, never half of one.
-"""
+"""Hugging Face folders in and out: safetensors shards written unit by unit, atomically
+(through the package's one atomic-save helper, :mod:`megatrain_nb.atomic`)."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
-import secrets
-import shutil
-from typing import Callable, Dict, Iterator, Union
+from typing import Dict
 
 import torch
 from torch import nn
 
-# ---------------------------------------------------------------------------- atomic saves
-def temp_name(final: str) -> str:
-    """A sibling of ``final`` for its next version: ``<name>.tmp-<pid>-<random>`` (the pid lets a
-    cleaner tell a dead writer's leftovers from a live one's)."""
-    return f"{os.fspath(final).rstrip(os.sep)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def fsync_path(path) -> None:
-    """Flush a file's or a folder's entry to disk (best effort: some filesystems refuse)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def fsync_tree(path) -> None:
-    """fsync every file under ``path``, then the folders themselves."""
-    for folder, _, files in os.walk(path):
-        for f in files:
-            fsync_path(os.path.join(folder, f))
-        fsync_path(folder)
-
-
-def atomic_dir(final, write: Callable[[str], None]) -> str:
-    """Call ``write(tmp)`` on a fresh temporary folder beside ``final``, fsync it, then rename it
-    to ``final`` (an older ``final`` is moved aside and removed). On any error the temporary
-    folder is removed and ``final`` is left as it was. Returns ``final``."""
-    final = os.path.abspath(os.fspath(final))
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    tmp = temp_name(final)
-    os.mkdir(tmp)
-    try:
-        write(tmp)
-        fsync_tree(tmp)
-        if os.path.isdir(final):
-            old = temp_name(final)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_path(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
-@contextlib.contextmanager
-def atomic_file(final, mode: str = "w", *, encoding: Union[str, None] = "utf-8") -> Iterator:
-    """``with atomic_file(path) as f: f.write(...)``: written to a temporary sibling, fsynced and
-    renamed over ``path`` when the block ends without an error (removed if it raises).
-    ``mode`` "w" (text) or "wb" (bytes). The file gets the usual permissions (umask applied)."""
-    final = os.path.abspath(os.fspath(final))
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = temp_name(final)
-    try:
-        with open(tmp, mode, encoding=None if "b" in mode else encoding) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_path(os.path.dirname(final))
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+from megatrain_nb.atomic import atomic_dir
 
 
 # ---------------------------------------------------------------------------- Hugging Face folders

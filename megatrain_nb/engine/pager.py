@@ -37,7 +37,7 @@ class Pager:
     def __init__(self, units: List[Unit], *, device: torch.device, dtype: torch.dtype,
                  layer_slots: int, source: Callable[[Unit], torch.Tensor],
                  source_done: Callable[[Unit, torch.Tensor], None], telemetry: Telemetry,
-                 grad_sink: Callable[[Unit, torch.Tensor], None]):
+                 grad_sink: Callable[[Unit, torch.Tensor], None], sharded=None):
         self.device = device
         self.dtype = dtype
         self.cuda = device.type == "cuda"
@@ -45,6 +45,10 @@ class Pager:
         self.source_done = source_done  # (unit, that tensor): the copy no longer needs it
         self.grad_sink = grad_sink    # (unit, fp32 host flat grad) -> accumulate
         self.telemetry = telemetry
+        # Data parallel (engine.sharded.ShardedUnits): ``source`` gives this rank's shard of a
+        # unit and a gather builds the whole unit in its slot; on CUDA a unit's gradient is
+        # reduce-scattered on the device and only this rank's shard goes to the host.
+        self.sharded = sharded
         self._lock = threading.Condition()
         self._h2d = ThreadPoolExecutor(1, thread_name_prefix="mtnb-h2d")
         self._d2h = ThreadPoolExecutor(1, thread_name_prefix="mtnb-d2h")
@@ -54,7 +58,7 @@ class Pager:
         self.pools: Dict[str, List[Slot]] = {}
         sizes = {"embed": 0, "layer": 0, "head": 0}
         for u in units:
-            sizes[u.kind] = max(sizes[u.kind], u.numel)
+            sizes[u.kind] = max(sizes[u.kind], self._slot_numel(u))
         counts = {"embed": 1, "layer": layer_slots, "head": 1}
         for kind, n in counts.items():
             if sizes[kind] > 0:
@@ -62,7 +66,7 @@ class Pager:
                                     for _ in range(n)]
         self.slot_bytes = sum(s.buf.numel() * esize for pool in self.pools.values() for s in pool)
         # Gradient return buffers: device flat fp32 grads and (CUDA) pinned host staging.
-        max_unit = max(u.numel for u in units)
+        max_unit = max(self._slot_numel(u) for u in units)
         self.grad_buf_bytes = 0
         if self.cuda:
             self._h2d_stream = torch.cuda.Stream(device)
@@ -76,6 +80,10 @@ class Pager:
         self._issued = 0              # order[:_issued] have been fetched (or consumed)
         self._consumed = 0
         self._resident: Dict[int, Slot] = {}
+
+    def _slot_numel(self, unit: Unit) -> int:
+        """Elements a device buffer for ``unit`` needs (a gathered unit arrives padded)."""
+        return self.sharded.padded_numel(unit) if self.sharded is not None else unit.numel
 
     # ------------------------------------------------------------------ schedule
     def set_schedule(self, order: Sequence[Unit]) -> None:
@@ -119,16 +127,22 @@ class Pager:
             with torch.cuda.stream(self._h2d_stream):
                 if slot.free_event is not None:
                     self._h2d_stream.wait_event(slot.free_event)
-                dst.copy_(src, non_blocking=True)
+                if self.sharded is not None:   # NCCL all-gather on this (the h2d) stream
+                    self.sharded.gather(unit, src, out=slot.buf)
+                else:
+                    dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self._h2d_stream)
             ev.synchronize()  # this worker only: the host buffer may be reused after this
             result = ev
         else:
-            dst.copy_(src)
+            if self.sharded is not None:
+                self.sharded.gather(unit, src, out=slot.buf)
+            else:
+                dst.copy_(src)
             result = None
         self.source_done(unit, src)
-        self.telemetry.add_bytes("host_to_device", unit.numel * 4, time.perf_counter() - t0)
+        self.telemetry.add_bytes("host_to_device", src.numel() * 4, time.perf_counter() - t0)
         self.telemetry.load(unit.name)
         return result
 
@@ -178,20 +192,35 @@ class Pager:
             dev, host = self._grad_dev[turn], self._grad_host[turn]
             if self._grad_free[turn] is not None:
                 self._grad_free[turn].result()     # the staging buffer's last user is done
+            if self.sharded is not None:   # padded to whole shards; the tail must be zero
+                dev[unit.numel:self._slot_numel(unit)].zero_()
             torch.cat([g.reshape(-1).float() for g in grads], out=dev[:unit.numel])
             ev_c = torch.cuda.Event()
             ev_c.record(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h_stream):
-                self._d2h_stream.wait_event(ev_c)
-                host[:unit.numel].copy_(dev[:unit.numel], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self._d2h_stream)
+            if self.sharded is None:
+                with torch.cuda.stream(self._d2h_stream):
+                    self._d2h_stream.wait_event(ev_c)
+                    host[:unit.numel].copy_(dev[:unit.numel], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(self._d2h_stream)
+            sink_unit = unit if self.sharded is None else self.sharded.shard(unit)
 
             def finish():
+                nonlocal ev
                 t0 = time.perf_counter()
+                if self.sharded is not None:
+                    # NCCL reduce-scatter on the d2h stream (issued from this one thread, in the
+                    # backward's order on every rank), then only this rank's shard to the host.
+                    with torch.cuda.stream(self._d2h_stream):
+                        self._d2h_stream.wait_event(ev_c)
+                        mine = self.sharded.reduce_grad(unit, dev[:self._slot_numel(unit)])
+                        host[:mine.numel()].copy_(mine, non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(self._d2h_stream)
                 ev.synchronize()
-                self.telemetry.add_bytes("device_to_host", unit.numel * 4, time.perf_counter() - t0)
-                self.grad_sink(unit, host[:unit.numel])
+                self.telemetry.add_bytes("device_to_host", sink_unit.numel * 4, time.perf_counter() - t0)
+                self.grad_sink(sink_unit, host[:sink_unit.numel])
+            ev = None if self.sharded is not None else ev
             fut = self._d2h.submit(finish)
             self._grad_free[turn] = fut
         else:

@@ -32,6 +32,12 @@ def unit_specs_from_config(config) -> List[UnitSpec]:
     return [UnitSpec(u.name, u.numel, u.kind) for u in build_units(model, layers)]
 
 
+def _smaller_codec_hint(compression: str) -> str:
+    """Advice to compress further, only where a smaller codec exists (int8 is not compressed again)."""
+    smaller = {"none": "'int8' (or 'int4')", "int8": "'int4'"}.get(compression)
+    return f", or store the optimizer states smaller: optimizer_compression={smaller}" if smaller else ""
+
+
 def codec_bytes_per_param(compression: str) -> float:
     """Stored bytes per parameter for both Adam moments together."""
     from .codecs import ROLES, get_codec
@@ -52,6 +58,8 @@ class Plan:
     limiting_tier: Optional[str]
     reason: str
     capacity: Dict[str, Optional[int]] = field(default_factory=dict)
+    #: With accumulation > 1: the window's layout (WindowPlan.to_dict()) and tokens per weight fetch.
+    window: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,8 +90,16 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
               disk_bytes: Optional[int] = None, batch: int = 1, seq: int = 2048, compression: str = "none",
               precision: str = "fp32", checkpoint_interval: Optional[int] = 1, offload_dir: bool = True,
               layer_slots: Optional[int] = None, offload_params: Optional[bool] = None,
-              cuda: bool = True, loss_chunk_tokens: int = 1024) -> Plan:
-    """Place a model's training state on (device, host, disk) under the given budgets."""
+              cuda: bool = True, loss_chunk_tokens: int = 1024, accumulation: int = 1,
+              host_gradients: bool = True, clip_hold: Optional[str] = None) -> Plan:
+    """Place a model's training state on (device, host, disk) under the given budgets.
+
+    ``host_gradients``: whether a whole model's fp32 gradients live in host RAM (the
+    micro-batch-major accumulator, or final gradients waiting for a clipping norm); a
+    layer-major step without clipping has none. ``accumulation`` > 1: the window is planned
+    too (``plan.window``; boundary activations that do not fit the device go to host RAM).
+    ``clip_hold`` ("host" | "disk" | "auto", as ``EngineConfig.clip_hold``): where final
+    gradients held for a clipping norm live; "auto" = the disk tier when master weights are."""
     cb = 2 if precision == "bf16" else 4
     inter = intermediate_size or 4 * hidden_size
     by_kind = {k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")}
@@ -129,18 +145,45 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     # Host and disk: gradients always on the host; optimizer states to disk when a disk tier
     # exists; master weights to disk when the host budget cannot hold them (or when forced).
     states = int(total * codec_bytes_per_param(compression))
-    weights, grads = total * 4, total * 4
+    weights, grads = total * 4, (total * 4 if host_gradients else 0)
     staging = 4 * max_unit * 4  # paged units in flight through host memory
     placement = {"gradients": "host", "master_weights": "host",
                  "optimizer_states": "disk" if offload_dir else "host"}
     if offload_params or (offload_params is None and offload_dir and host_bytes is not None
                           and weights + grads + (0 if offload_dir else states) > host_bytes):
         placement["master_weights"] = "disk" if offload_dir else "host"
+    grads_on_disk = bool(offload_dir) and (clip_hold == "disk" or (
+        clip_hold == "auto" and placement["master_weights"] == "disk"))
+    if grads_on_disk:
+        placement["gradients"] = "disk"
+        grads = 0
     host = {"weights": weights if placement["master_weights"] == "host" else staging,
             "grads": grads,
             "optimizer_states": states if placement["optimizer_states"] == "host" else staging // 2}
+    window = None
+    if accumulation > 1:
+        free_dev = None if vram_bytes is None else max(vram_bytes - dev["total"], 0)
+        free_host = None if host_bytes is None else max(host_bytes - sum(host.values()), 0)
+        wp = window_plan(accumulation, tokens=batch * seq, hidden_size=hidden_size, num_layers=num_layers,
+                         checkpoint_interval=chosen_k, compute_bytes=cb, device_free=free_dev, host_free=free_host,
+                         layer_work_bytes_per_token=(12 * hidden_size + 4 * inter) * cb,
+                         accumulator_bytes=0 if host["grads"] else total * 4)
+        if wp.groups > 1:   # a later group adds into the host accumulator
+            host["grads"] = total * 4
+            grads_on_disk = False
+            placement["gradients"] = "host"
+        window = wp.to_dict()
+        window["tokens_per_weight_fetch"] = batch * seq * accumulation / wp.loads_per_layer
+        dev = dict(dev)
+        if wp.tier == "host":
+            host["activations"] = wp.boundary_bytes
+            dev["activations"] += wp.device_work_bytes
+        else:
+            dev["activations"] += wp.boundary_bytes + wp.device_work_bytes
+        dev["total"] = dev["weights"] + dev["grads"] + dev["activations"]
     host["total"] = sum(host.values())
     disk = {"weights": weights if placement["master_weights"] == "disk" else 0,
+            "grads": total * 4 if grads_on_disk else 0,
             "optimizer_states": states if placement["optimizer_states"] == "disk" else 0}
     disk["total"] = sum(disk.values())
     if feasible and host_bytes is not None and host["total"] > host_bytes:
@@ -149,14 +192,15 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
                   f"gradients {host['grads'] / GiB:.2f}, optimizer states {host['optimizer_states'] / GiB:.2f}) "
                   f"but {host_bytes / GiB:.2f} GiB are available: "
                   + ("give an offload_dir for the disk tier" if not offload_dir
-                     else "use optimizer_compression or more RAM"))
+                     else "more RAM, or offload_params=True to put the master weights on disk"
+                     if placement["master_weights"] == "host" else "more RAM (gradients always live there)"))
     if feasible and disk_bytes is not None and disk["total"] > disk_bytes:
         feasible, limiting = False, "disk"
         reason = (f"the disk tier needs {disk['total'] / GiB:.2f} GiB but {disk_bytes / GiB:.2f} GiB are free: "
-                  "free space, use a larger disk, or compress the optimizer states")
+                  "free space or use a larger disk" + _smaller_codec_hint(compression))
     return Plan(device=dev, host=host, disk=disk, placement=placement, layer_slots=slots,
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
-                capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes})
+                capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes}, window=window)
 
 
 def engine_plan(units, model_config, cfg, *, cuda: bool) -> Plan:
@@ -185,3 +229,128 @@ def engine_plan(units, model_config, cfg, *, cuda: bool) -> Plan:
             f"{biggest.numel * (2 if cfg.precision == 'bf16' else 4) / GiB:.3f} GiB; "
             f"set max_vram_gb to at least {plan.device['total'] / GiB:.3f}.")
     return plan
+
+
+# ---------------------------------------------------------------------- accumulation windows
+#: Tokens per layer-major pass beyond which a group stops growing (see window_plan).
+TOKENS_PER_PASS = 65536
+
+@dataclass
+class WindowPlan:
+    """How an accumulation window of ``micro_batches`` runs: layer-major in ``groups`` groups
+    of at most ``group_size`` micro-batches (one group: each layer crosses to the device twice
+    per step at checkpoint interval 1; G groups: 2·G), the boundary activations on ``tier``."""
+    micro_batches: int
+    groups: int
+    group_size: int
+    tier: str                          # "device" | "host": where the boundary activations wait
+    boundary_bytes: int                # boundary activations of the largest group, on ``tier``
+    device_work_bytes: int             # fronts, gradients, block inputs of that group (device)
+    loads_per_layer: float             # weight loads per layer per optimizer step
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def loads_per_layer(num_layers: int, checkpoint_interval: int, groups: int = 1) -> float:
+    """Weight loads per layer per optimizer step (averaged over the layers): forward and
+    backward once per group, plus the recompute of the layers inside a checkpoint block."""
+    if checkpoint_interval == 0:
+        return float(groups)
+    n, k = max(num_layers, 1), max(checkpoint_interval, 1)
+    recomputed = n - math.ceil(n / k)
+    return groups * (2 + recomputed / n)
+
+
+def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers: int, checkpoint_interval: int,
+                compute_bytes: int, device_free: Optional[int], host_free: Optional[int],
+                layer_work_bytes_per_token: int = 0, tier: str = "auto",
+                max_group: Optional[int] = None, max_tokens_per_pass: Optional[int] = None,
+                accumulator_bytes: int = 0) -> WindowPlan:
+    """Decide a window's layout. ``tokens``: of the largest micro-batch. ``device_free`` /
+    ``host_free``: bytes left for the window's activations (None: no limit). ``tier`` forces
+    "device" or "host"; ``max_group`` caps the group size (micro-batches per layer-major pass).
+    ``max_tokens_per_pass`` (optional): a group stops growing at this many tokens (e.g.
+    ``TOKENS_PER_PASS``: each weight fetch then carries several times the ~12-17k tokens that
+    hide its transfer behind compute on H100/H200 over PCIe). ``accumulator_bytes``: host RAM a
+    split window needs for the gradient accumulator (a later group adds into it); one group
+    needs none, so a split must fit its boundary activations in ``host_free`` minus that.
+
+    Per micro-batch the boundary activations are the inputs of every k-th layer (k = 0: every
+    layer's autograd graph, device only); the device also holds each micro-batch's current
+    hidden state or gradient and, in the backward, a block's recomputed inputs."""
+    A = micro_batches
+    k = checkpoint_interval
+    row = tokens * hidden_size * compute_bytes
+    if k == 0:
+        saved = num_layers * tokens * layer_work_bytes_per_token // 2 + row
+        work = row
+    else:
+        saved = math.ceil(num_layers / k) * row
+        work = (k + 1) * row
+
+    def fits(g: int, where: str) -> bool:
+        if where == "device":
+            return device_free is None or g * (saved + work) <= device_free
+        if k == 0:
+            return False
+        hf = None if host_free is None else host_free - (accumulator_bytes if g < A else 0)
+        return (device_free is None or g * work <= device_free) and (hf is None or g * saved <= hf)
+
+    tiers = ["device", "host"] if tier == "auto" else [tier]
+    cap = min(A, max_group) if max_group else A
+    by_tokens = max(1, max_tokens_per_pass // max(tokens, 1)) if max_tokens_per_pass else A
+    cap = min(cap, by_tokens)
+    best = None
+    for where in tiers:
+        g = cap
+        while g > 1 and not fits(g, where):
+            g -= 1
+        if best is None or g > best[0]:
+            best = (g, where)
+        if g == cap:
+            break
+    g, where = best
+    groups = math.ceil(A / g)
+    if groups == 1:
+        reason = f"layer-major: all {A} micro-batches per pass, boundary activations on the {where}"
+    else:
+        if g == by_tokens and g < (min(A, max_group) if max_group else A):
+            why = (f"{g * tokens} tokens per pass already hide the weight streaming; larger groups would only "
+                   f"hold more activations")
+        elif max_group and g == max_group:
+            why = f"max_window_micro_batches={max_group}"
+        else:
+            why = f"{A} micro-batches' boundary activations ({A * saved / GiB:.2f} GiB) do not fit"
+        reason = f"split into {groups} groups of up to {g} micro-batches (boundary activations on the {where}): {why}"
+    return WindowPlan(micro_batches=A, groups=groups, group_size=g, tier=where, boundary_bytes=g * saved,
+                      device_work_bytes=g * work, loads_per_layer=loads_per_layer(num_layers, k, groups),
+                      reason=reason)
+
+
+def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens: int, micro_batches: int,
+                       device_capacity: Optional[int] = None) -> WindowPlan:
+    """The engine's window layout under an EngineConfig ``cfg`` and its ``plan``. ``tokens``: of
+    the largest micro-batch; ``device_capacity``: the device's memory when ``max_vram_gb`` is
+    unset (None on a CPU "device": no cap)."""
+    from .family import hidden_size, intermediate_size
+
+    esize = 2 if cfg.precision == "bf16" else 4
+    cap = int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else device_capacity
+    hid, inter = hidden_size(model_config), intermediate_size(model_config) or 0
+    layer_work = (12 * hid + 4 * inter) * esize          # one layer re-run, per token (as activation_bytes)
+    dev_free = None
+    if cap is not None:
+        dev_free = max(cap - plan.device["weights"] - plan.device["grads"] - tokens * layer_work, 0)
+    accumulator = plan.host["grads"]
+    if cfg.max_host_gb:  # a one-group layer-major step keeps no host gradient accumulator
+        host_free = max(int(cfg.max_host_gb * GiB) - (plan.host["total"] - accumulator), 0)
+    else:
+        import psutil
+
+        host_free = int(0.8 * psutil.virtual_memory().available)
+    return window_plan(micro_batches, tokens=tokens, hidden_size=hid, num_layers=num_layers,
+                       checkpoint_interval=plan.checkpoint_interval, compute_bytes=esize, device_free=dev_free,
+                       host_free=host_free, layer_work_bytes_per_token=layer_work, tier=cfg.window_tier,
+                       max_group=cfg.max_window_micro_batches, accumulator_bytes=accumulator)

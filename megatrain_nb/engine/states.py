@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -191,10 +191,7 @@ class OptimizerStates:
 
         tensors = {}
         for u in self.units:
-            if self.disk is not None and u.index in self._on_disk:
-                stored = self.disk.read(self._key(u)).result()
-            else:
-                stored = self.ram.get(u.index)
+            stored = self.stored(u)
             if stored is None:
                 continue
             for k, t in stored.items():
@@ -231,6 +228,22 @@ class OptimizerStates:
                     self.ram[u.index] = stored
         self.flush()
 
+
+    def stored(self, unit: Unit) -> Optional[Dict[str, torch.Tensor]]:
+        """A unit's moments in their stored form (codes and scales, or fp32); None before its
+        first update."""
+        if self.disk is not None and unit.index in self._on_disk:
+            return self.disk.read(self._key(unit)).result()
+        return self.ram.get(unit.index)
+
+    def put_stored(self, unit: Unit, stored: Dict[str, torch.Tensor]) -> None:
+        """Replace a unit's moments with ``stored`` (their stored form, from a sharded
+        checkpoint). Waits for the write: one unit's states in RAM at a time."""
+        if self.disk is not None:
+            self.disk.write(self._key(unit), stored).result()
+            self._on_disk.add(unit.index)
+        else:
+            self.ram[unit.index] = stored
 
 
 def stored_state_bytes(units, codec_name: str) -> int:

@@ -77,6 +77,9 @@ class StepRunner:
         self.activation_peak = 0
         self.activation_now = 0
         self._slot_ptrs = None
+        #: When set, the layer proxies hand their calls to it instead (window.WindowRunner's
+        #: capture and replay passes of the model's own forward).
+        self.intercept: Optional[Callable] = None
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, train: bool) -> List[Unit]:
@@ -125,6 +128,8 @@ class StepRunner:
 
     # ------------------------------------------------------------------ layer calls from the proxies
     def layer_call(self, unit: Unit, args, kwargs):
+        if self.intercept is not None:
+            return self.intercept(unit, args, kwargs)
         ctx = self.ctx
         if args:
             hidden, call = args[0], _Call(args, kwargs, True)

@@ -29,6 +29,11 @@ class Telemetry:
             self.optimizer_exposed_seconds = 0.0
             self.weight_reads_saved = 0   # disk reads of master weights served by a kept buffer
             self.skipped_steps = 0        # non-finite steps dropped (on_nonfinite="skip")
+            # Per optimizer step (the last one closed): see close_step().
+            self.last_step: dict = {}
+            self._mark = ({}, 0)          # loads per unit and host->device bytes at the last close
+            self._step_tokens = 0
+            self._step_micro_batches = 0
 
     def add_bytes(self, link: str, n: int, seconds: float = 0.0) -> None:
         with self._lock:
@@ -51,6 +56,35 @@ class Telemetry:
         with self._lock:
             setattr(self, field, getattr(self, field) + value)
 
+    def add_tokens(self, tokens: int, micro_batches: int = 1) -> None:
+        """Tokens (and micro-batches) trained in the optimizer step that is running."""
+        with self._lock:
+            self._step_tokens += int(tokens)
+            self._step_micro_batches += int(micro_batches)
+
+    def close_step(self, layer_names, **extra) -> dict:
+        """An optimizer step ended: its loads per unit, host->device bytes, tokens and tokens per
+        weight fetch (tokens ÷ loads per layer) become ``last_step``; ``extra`` (groups, boundary
+        bytes per tier, ...) is recorded with them."""
+        with self._lock:
+            loads0, h2d0 = self._mark
+            loads = {k: v - loads0.get(k, 0) for k, v in self.loads_per_unit.items() if v - loads0.get(k, 0)}
+            layer_loads = [loads.get(n, 0) for n in layer_names]
+            per_layer = sum(layer_loads) / len(layer_loads) if layer_loads else 0.0
+            self.last_step = {
+                "loads_per_unit": loads,
+                "loads_per_layer": per_layer,
+                "host_to_device_bytes": self.bytes["host_to_device"] - h2d0,
+                "tokens": self._step_tokens,
+                "micro_batches": self._step_micro_batches,
+                "tokens_per_weight_fetch": (self._step_tokens / per_layer) if per_layer else None,
+                **extra,
+            }
+            self._mark = (dict(self.loads_per_unit), self.bytes["host_to_device"])
+            self._step_tokens = 0
+            self._step_micro_batches = 0
+            return dict(self.last_step)
+
     def snapshot(self) -> dict:
         with self._lock:
             pf = {t: dict(v) for t, v in self.prefetch.items()}
@@ -72,4 +106,5 @@ class Telemetry:
                 "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
                 "weight_reads_saved": self.weight_reads_saved,
                 "skipped_steps": self.skipped_steps,
+                "last_step": dict(self.last_step),
             }

@@ -11,8 +11,9 @@ The step's path, top to bottom in this file:
    distributed gradient reduce-scatter goes).
 5. Without clipping the unit's AdamW update is queued at once (:meth:`_submit`), overlapped
    with the backward of the units below it. With clipping only its share of the global norm
-   is taken; :meth:`finish` then queues every update, in :attr:`update_order`, scaled by the
-   clip coefficient.
+   is taken (the gradient waits in RAM, or with ``StepContext.hold == "disk"`` on the disk
+   tier: :meth:`_hold_on_disk`); :meth:`finish` then queues every update, in
+   :attr:`update_order`, scaled by the clip coefficient.
 6. :meth:`_apply` — one unit's update in the AdamW worker thread: optimizer states loaded,
    weights taken, AdamW, weights and states written (behind, on the disk tier).
 7. :meth:`ready_weights` — the next forward waits for exactly that unit's update before its
@@ -21,9 +22,11 @@ The step's path, top to bottom in this file:
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -31,6 +34,7 @@ import torch
 
 from . import finite
 from .host_store import BufferPool
+from .sharded import ShardUnit
 from .units import Unit, forward_order
 
 
@@ -44,6 +48,10 @@ class StepContext:
     """
     lr: Optional[float] = None
     clip: Optional[float] = None
+    #: With clipping: where a gradient that arrives final in one piece (a layer-major window's,
+    #: or a single micro-batch's) waits for the norm: "host" RAM, or "disk" (the disk tier,
+    #: when there is one): written at once, read back by its update.
+    hold: str = "host"
 
     @property
     def updates(self) -> bool:
@@ -65,8 +73,12 @@ class UpdateScheduler:
     after a failure). ``depth``: units queued for an update at once (back-pressure on RAM).
     """
 
-    def __init__(self, units: List[Unit], *, grads, weights, states, adam, counters, disk=None, depth: int = 1):
+    def __init__(self, units: List[Unit], *, grads, weights, states, adam, counters, disk=None, depth: int = 1,
+                 sharded=None):
         self.units = units
+        # Data parallel (engine.sharded.ShardedUnits): ``units`` are this rank's shards; the
+        # reduce point reduce-scatters each micro-batch's gradient, the norm is all-reduced.
+        self.sharded = sharded
         self.grads = grads
         self.weights = weights
         self.states = states
@@ -89,6 +101,8 @@ class UpdateScheduler:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._slots = threading.BoundedSemaphore(depth)
         self._grad_pool = BufferPool(max_bytes=256 << 20)  # final gradients of single micro-batches
+        self._held: Dict[int, Future] = {}            # unit index -> write of its final gradient (hold="disk")
+        self._held_keys: set = set()
 
     # ------------------------------------------------------------------ 1-2: a step begins
     def begin(self, step: StepContext) -> None:
@@ -124,19 +138,20 @@ class UpdateScheduler:
         """Runs in the pager's gradient-return thread once a unit's gradient reached the host
         (a flat fp32 tensor, or on a CPU "device" the per-parameter gradients)."""
         step = self._step
+        unit, grad = self.shard_gradient(unit, grad)
+        if unit.numel == 0:   # a small unit's shard of this rank is empty: nothing to update
+            return
         if not step.updates:                    # not the step's last micro-batch
             self.grads.accumulate(unit, grad)
             return
         if not step.clipped and not self.grads.has_grad(unit):
             # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
-            # (a staging buffer is reused by the next transfer: copy it out)
-            flat = self._grad_pool.take(unit.numel)
-            if torch.is_tensor(grad):
-                flat.copy_(grad)
-            else:
-                torch.cat([g.reshape(-1).float() for g in grad], out=flat)
+            flat = self._copy_final(unit, grad)
             self.reduce(unit, flat)
             self._submit(unit, step.lr, flat, zero=False, recycle=True)
+            return
+        if step.clipped and step.hold == "disk" and self.disk is not None and not self.grads.has_grad(unit):
+            self._hold_on_disk(unit, self._copy_final(unit, grad))
             return
         self.grads.accumulate(unit, grad)       # the last micro-batch: final in the accumulator
         self.reduce(unit, self.grads.grad(unit))
@@ -149,11 +164,67 @@ class UpdateScheduler:
             return
         self._submit(unit, step.lr, None, zero=True)
 
+    def _copy_final(self, unit: Unit, grad) -> torch.Tensor:
+        """A final gradient copied out of the transfer's staging buffer (reused by the next
+        transfer) into a recycled flat fp32 buffer."""
+        flat = self._grad_pool.take(unit.numel)
+        if torch.is_tensor(grad):
+            flat.copy_(grad)
+        else:
+            torch.cat([g.reshape(-1).float() for g in grad], out=flat)
+        return flat
+
+    def _hold_key(self, unit: Unit) -> str:
+        return f"final-grad-{unit.index:05d}"
+
+    def _hold_on_disk(self, unit: Unit, flat: torch.Tensor) -> None:
+        """Clipping, hold="disk": reduce, take the norm share, write the final gradient to the
+        disk tier (its update reads it back once the norm is known); RAM holds only the writes
+        in flight (at most a few units)."""
+        self.reduce(unit, flat)
+        sq = float(torch.linalg.vector_norm(flat)) ** 2
+        with self._norm_lock:
+            self._norm_sq += sq
+        key = self._hold_key(unit)
+        fut = self.disk.write(key, {"g": flat})
+        fut.add_done_callback(lambda _f, flat=flat: self._grad_pool.give(flat))
+        self._held[unit.index] = fut
+        self._held_keys.add(key)
+        inflight = [f for f in self._held.values() if not f.done()]
+        if len(inflight) > 2:   # back-pressure on the gradient thread (errors surface in the update)
+            futures_wait(inflight[:-2])
+
+    def held_disk_bytes(self) -> int:
+        """Bytes of final gradients kept on the disk tier for clipping (hold="disk")."""
+        return sum(self.disk.nbytes_of(k) for k in self._held_keys) if self.disk is not None else 0
+
     def reduce(self, unit: Unit, flat: torch.Tensor) -> None:
         """The reduce point: ``flat`` is this process's final gradient of ``unit`` (fp32, in
-        place). One process has nothing to reduce. Under data parallelism a reduce-scatter
-        (or all-reduce) goes here, before the norm share is taken and the update queued; it
-        runs in the gradient-return thread, so it overlaps the backward of the units below."""
+        place), before its norm share is taken and its update queued. Nothing to do in one
+        process, nor with sharded state: there each micro-batch's gradient was already
+        reduce-scattered on arrival (:meth:`shard_gradient`), so the accumulated shard is the
+        sum over ranks. (A hook for tests and for reductions of the final gradient.)"""
+
+    def shard_gradient(self, unit: Unit, grad):
+        """Data parallel, on each micro-batch's arrival: (unit, its gradient) -> (this rank's
+        shard of the unit, the gradient of the shard summed over ranks), by a reduce-scatter.
+        Every micro-batch's is reduced (as FSDP does), so the host only ever holds shard-sized
+        gradients. Runs in the gradient-return thread, in the backward's order on every rank,
+        overlapping the backward of the units below. One process: unchanged. A CUDA pager has
+        already reduce-scattered on the device and hands over the shard (a ShardUnit)."""
+        sh = self.sharded
+        if sh is None or isinstance(unit, ShardUnit):
+            return unit, grad
+        padded = self._grad_pool.take(sh.padded_numel(unit))
+        if torch.is_tensor(grad):
+            padded[:unit.numel].copy_(grad.reshape(-1))
+        else:
+            torch.cat([g.reshape(-1).float() for g in grad], out=padded[:unit.numel])
+        padded[unit.numel:].zero_()
+        try:
+            return sh.shard(unit), sh.reduce_grad(unit, padded)
+        finally:
+            self._grad_pool.give(padded)
 
     def _submit(self, unit: Unit, lr: float, grad, zero: bool, recycle: bool = False) -> None:
         self.weights.mark_updating(unit)
@@ -181,7 +252,15 @@ class UpdateScheduler:
         if not step.clipped:
             return None, False
         with self._norm_lock:
-            total, self._norm_sq = self._norm_sq ** 0.5, 0.0
+            sq, self._norm_sq = self._norm_sq, 0.0
+        if self.sharded is not None:
+            # The global norm: one all-reduce of the shards' squares. A rank whose own loss is
+            # NaN/inf adds a NaN, so every rank sees a non-finite norm and takes the same
+            # decision (skip or stop) -- ranks must never disagree on applying a step.
+            if loss is not None and not math.isfinite(loss):
+                sq = float("nan")
+            sq = self.sharded.global_norm_sq(sq)
+        total = sq ** 0.5
         try:
             skip, stop = not finite.apply_step(loss, total, self.next_step(), self.policy), None
         except finite.NonFiniteError as e:
@@ -222,21 +301,36 @@ class UpdateScheduler:
         """``skip``: a non-finite step -- weights and states go back as they came."""
         t0 = time.perf_counter()
         self.weights.mark_updating(unit)
-        m, v = self.states.load(unit)
-        params = self.weights.for_update(unit)
-        grad = grad if grad is not None else self.grads.grad(unit)
+        held = self._held.pop(unit.index, None)
+        if grad is None and held is not None:   # hold="disk": the final gradient comes back
+            held.result()
+            grad = self._grad_pool.take(unit.numel)
+            try:
+                self.disk.read(self._hold_key(unit), {"g": grad}, urgent=True).result()
+            except BaseException:
+                self._grad_pool.give(grad)
+                raise
+        else:
+            held = None
         error = None
-        if guard is not None:
-            skip, error = guard.check(unit.name, grad)
-            if error is not None and not error.partial and guard.policy == "skip":
-                self.counters.add("skipped_steps", 1)
-                error = None
-        if not skip:
-            if grad_coef is not None:
-                grad.mul_(grad_coef)
-            self.adam.step_unit(unit, params, grad, m, v, lr)
-        self.weights.update_done(unit, params)
-        self.states.store(unit, m, v)
+        try:
+            m, v = self.states.load(unit)
+            params = self.weights.for_update(unit)
+            grad = grad if grad is not None else self.grads.grad(unit)
+            if guard is not None:
+                skip, error = guard.check(unit.name, grad)
+                if error is not None and not error.partial and guard.policy == "skip":
+                    self.counters.add("skipped_steps", 1)
+                    error = None
+            if not skip:
+                if grad_coef is not None:
+                    grad.mul_(grad_coef)
+                self.adam.step_unit(unit, params, grad, m, v, lr)
+            self.weights.update_done(unit, params)
+            self.states.store(unit, m, v)
+        finally:
+            if held is not None:
+                self._grad_pool.give(grad)
         if zero:
             self.grads.zero_unit(unit)
         self.counters.add("optimizer_seconds", time.perf_counter() - t0)
@@ -255,7 +349,8 @@ class UpdateScheduler:
         self.states.schedule(self.units)  # disk reads ahead of the updates
         try:
             for u in self.units:
-                self._apply(u, lr)
+                if u.numel > 0:
+                    self._apply(u, lr)
             self.states.flush()
         except BaseException as e:
             self.failed = e  # some units may be updated and others not

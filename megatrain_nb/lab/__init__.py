@@ -1,8 +1,9 @@
 """JupyterLab integration: the session beacon (kernel side) and the Jupyter server extension.
 
 The frontend (status bar item and sidebar) is the ``megatrain-nb-lab`` labextension, built
-from ``extension/`` and shipped as the ``megatrain_nb_lab`` wheel, which also ships the
-config file that enables this server extension. Importing this package stays cheap: the
+from ``extension/`` and shipped prebuilt inside the megatrain-nb wheel (see ``setup.py``), with
+the config file that enables this server extension; ``extension/`` also builds it alone as the
+``megatrain_nb_lab`` wheel. Importing this package stays cheap: the
 kernel imports only ``beacon``; the server imports ``handlers`` when it loads the extension.
 """
 

@@ -104,7 +104,7 @@ class SessionBeacon:
         self._stop.clear()
         self.write_heartbeat()
         self._thread = threading.Thread(
-            target=self._run, name=f"megatrain-nb-beacon-{self.id}", daemon=True
+            target=self._run, name=f"mtnb-beacon-{self.id}", daemon=True
         )
         self._thread.start()
         atexit.register(self._remove_files)

@@ -21,10 +21,11 @@ import math
 import os
 import re
 import stat
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from megatrain_nb.atomic import atomic_file
 
 ENV_RUNTIME_DIR = "MEGATRAIN_NB_RUNTIME_DIR"
 SCHEMA_VERSION = 1
@@ -115,23 +116,14 @@ def ensure_sessions_dir(root: Path | str | None = None) -> Path:
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` through a 0600 temp file in the same folder and ``os.replace``.
+    """Write JSON to ``path`` (0600) through a temp file in the same folder and ``os.replace``.
 
-    Readers therefore never see a half-written file. Temp files start with a dot
-    and end in ``.tmp`` so that directory scans skip them.
+    Readers therefore never see a half-written file. Temp names end in ``.tmp-<pid>-<random>``,
+    not ``.json``, so directory scans skip them. Not fsynced: a heartbeat is rewritten every
+    half second and means nothing after a power cut.
     """
-    text = json.dumps(data, allow_nan=False, separators=(",", ":"))
-    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=path.parent)  # mode 0600
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_file(path, private=True, fsync=False) as f:
+        f.write(json.dumps(data, allow_nan=False, separators=(",", ":")))
 
 
 def read_json(path: Path) -> Any | None:

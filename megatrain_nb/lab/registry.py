@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import stat
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from megatrain_nb.lab.protocol import (
     sessions_dir,
     validate_command,
 )
+from megatrain_nb.processes import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -132,28 +132,6 @@ def remove_session_files(session_id: str, root: str | Path | None = None) -> Non
     except OSError:
         pass
     shutil.rmtree(inbox_path(session_id, root), ignore_errors=True)
-
-
-def pid_alive(pid: Any, host: Any = None) -> bool | None:
-    """True/False for a process on this host; None when it cannot be told (another host)."""
-    if host is not None and host != socket.gethostname():
-        return None
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    except OSError:
-        return None
-    try:  # a killed kernel can linger as a zombie until the server reaps it
-        import psutil
-
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except Exception:  # noqa: BLE001 - psutil missing or the process just went away
-        return True
 
 
 def _owned(entry: os.DirEntry) -> bool:

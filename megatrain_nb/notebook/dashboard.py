@@ -7,6 +7,10 @@ write happens in :meth:`Dashboard.refresh`, which only the publisher calls. Each
 a minimum interval (text ~2/s, figures ~1/s, heatmap ~0.5/s) and is sent only when its data
 changed, inside ``hold_sync()`` / ``batch_update()``.
 
+Adding a panel: build its widgets in ``Dashboard.__init__`` and decorate the method that fills
+them with ``@panel(name, interval, key=...)``; the registration (:data:`PANELS`) is all
+``refresh`` needs to know about it.
+
 Example::
 
     d = session.dashboard()      # display it; d.pause_button.click() pauses the run
@@ -16,18 +20,57 @@ from __future__ import annotations
 import html
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import ipywidgets as W
 
+from megatrain_nb.formatting import fmt_bytes, fmt_num
+
 from .figures import fill_heatmap, fill_histogram, fill_training, layers_widget, training_widget
-from .inspector import _SCALARS, _fmt
+from .inspector import stats_rows_html
+from .lifecycle import ENDED
 from .probe import RenderProbe
 from .run_log import RunView
-from .summary_html import fmt_bytes, fmt_num, header_html
+from .summary_html import header_html
 
-#: seconds between two updates of a panel (a panel is also skipped when nothing changed)
-INTERVALS = {"header": 0.5, "controls": 0.25, "notice": 0.25, "links": 0.5, "training": 1.0, "layers": 2.0}
+
+@dataclass(frozen=True)
+class Panel:
+    """A part of the dashboard the publisher refreshes on its own schedule."""
+
+    name: str
+    interval: float  # seconds between two updates of the panel
+    key: Callable[["Dashboard"], tuple]  # what it shows depends on: an unchanged key is not resent
+    refresh: Callable[["Dashboard", RunView], None]  # writes its widgets (publisher thread only)
+    curves: tuple[str, ...] = ()  # the RunView curves it draws (downsampling them is the costly part)
+    at_once: Callable[[tuple, tuple], bool] = lambda sent, key: False  # (sent, key) -> skip the interval
+
+
+#: the dashboard's panels in refresh order; :func:`panel` adds one
+PANELS: list[Panel] = []
+
+
+def panel(name: str, interval: float, key: Callable[["Dashboard"], tuple], **options: Any):
+    """Register the decorated ``Dashboard`` method as the refresh of a panel (see :class:`Panel`)."""
+    def register(refresh: Callable[["Dashboard", RunView], None]):
+        PANELS.append(Panel(name, interval, key, refresh, **options))
+        return refresh
+    return register
+
+
+def _control(act: Callable[..., str]) -> Callable[..., None]:
+    """A control callback: ``act`` asks the session for something and returns the note to
+    show; an error is shown as the note instead, never raised into the frontend."""
+    def handler(self: "Dashboard", *args: Any) -> None:
+        try:
+            note = act(self, *args)
+        except Exception as e:  # noqa: BLE001 - shown to the user
+            note = f"<span style='color:#b00020'>{html.escape(str(e))}</span>"
+        self._note(note)
+    return handler
+
+
 _LINKS = (("host_to_device", "host→device"), ("device_to_host", "device→host"),
           ("disk_to_host", "disk→host"), ("host_to_disk", "host→disk"))
 
@@ -77,8 +120,8 @@ class Dashboard(W.VBox):
         self._showing_lr = False
         self._notice_text = ""
         self._notice_n = 0
-        self._due: dict[str, float] = {k: 0.0 for k in INTERVALS}
-        self._sent: dict[str, Any] = {k: None for k in INTERVALS}
+        self._due: dict[str, float] = {p.name: 0.0 for p in PANELS}
+        self._sent: dict[str, Any] = {p.name: None for p in PANELS}
         self.poke: Callable[[], None] = lambda: None  # set by the publisher: refresh soon
         self.pause_button.on_click(self._on_pause)
         self.stop_button.on_click(self._on_stop)
@@ -98,89 +141,67 @@ class Dashboard(W.VBox):
             self._notice_n += 1
         self.poke()
 
-    def _guard(self, fn: Callable[[], str]) -> None:
-        try:
-            self._note(fn())
-        except Exception as e:  # noqa: BLE001 - shown to the user, never raised into the frontend
-            self._note(f"<span style='color:#b00020'>{html.escape(str(e))}</span>")
-
-    def _on_pause(self, _b=None) -> None:
+    @_control
+    def _on_pause(self, _b=None) -> str:
         s = self.session
+        if s.state == "paused":
+            s.resume(source="widget")
+            return "Resume requested."
+        s.pause(source="widget")
+        return "Pause requested: it takes effect when the current step ends."
 
-        def act():
-            if s.state == "paused":
-                s.resume(source="widget")
-                return "Resume requested."
-            s.pause(source="widget")
-            return "Pause requested: it takes effect when the current step ends."
-        self._guard(act)
-
-    def _on_stop(self, _b=None) -> None:
-        def act():
-            self.session.stop(wait=False, source="widget")
-            return "Stop requested: the run ends after the current step and releases its memory."
-        self._guard(act)
+    @_control
+    def _on_stop(self, _b=None) -> str:
+        self.session.stop(wait=False, source="widget")
+        return "Stop requested: the run ends after the current step and releases its memory."
 
     def _on_lr_field(self, change: dict) -> None:
         if not self._showing_lr:  # a value the user entered, not the publisher showing the LR
             self._apply_lr(change["new"])
 
-    def _apply_lr(self, value: Any) -> None:
+    @_control
+    def _apply_lr(self, value: Any) -> str:
         s = self.session
+        v = float(value)
+        current = s.requested_lr if s.requested_lr is not None else s.lr
+        if current is not None and v == current:
+            return f"The learning rate is already {v:.3g}."
+        s.set_lr(v, source="widget")
+        return f"Learning rate {v:.3g} from the next step."
 
-        def act():
-            v = float(value)
-            current = s.requested_lr if s.requested_lr is not None else s.lr
-            if current is not None and v == current:
-                return f"The learning rate is already {v:.3g}."
-            s.set_lr(v, source="widget")
-            return f"Learning rate {v:.3g} from the next step."
-        self._guard(act)
-
-    def _on_checkpoint(self, _b=None) -> None:
-        def act():
-            self.session.save_checkpoint(wait=False, source="widget")
-            return "Checkpoint requested at the next step boundary (see the events)."
-        self._guard(act)
+    @_control
+    def _on_checkpoint(self, _b=None) -> str:
+        self.session.save_checkpoint(wait=False, source="widget")
+        return "Checkpoint requested at the next step boundary (see the events)."
 
     # ---- refresh (publisher thread only) -------------------------------------------------------
     def refresh(self, now: float | None = None, force: bool = False) -> int:
         """Update the panels that are due and changed; returns how many were sent."""
         now = time.monotonic() if now is None else now
-        s, log = self.session, self.session.run_log
-        picked = (self.layer_select.value, self.metric.value)
-        keys = {
-            "header": (log.version, s.state),
-            "controls": (s.state, s.requested_lr),
-            "notice": (self._notice_n,),
-            "links": (log.version,),
-            "training": (log.version,),
-            "layers": (log.version, *picked),
-        }
-        due = [p for p, key in keys.items() if self._is_due(p, key, now, force)]
+        keyed = [(p, p.key(self)) for p in PANELS]
+        due = [(p, key) for p, key in keyed if self._is_due(p, key, now, force)]
         if not due:
             return 0
-        view = log.view(curves=("loss", "lr") if "training" in due else ())
-        for panel in due:
-            getattr(self, f"_refresh_{panel}")(view)
-            self._sent[panel], self._due[panel] = keys[panel], now + INTERVALS[panel]
+        view = self.session.run_log.view(curves=tuple(dict.fromkeys(c for p, _ in due for c in p.curves)))
+        for p, key in due:
+            p.refresh(self, view)
+            self._sent[p.name], self._due[p.name] = key, now + p.interval
         return len(due)
 
-    def _is_due(self, panel: str, key: tuple, now: float, force: bool) -> bool:
-        sent = self._sent[panel]
+    def _is_due(self, p: Panel, key: tuple, now: float, force: bool) -> bool:
+        sent = self._sent[p.name]
         if key == sent:
             return False
-        if force or now >= self._due[panel]:
-            return True
-        # a new choice in the layer inspector shows at once (user actions are rare)
-        return panel == "layers" and sent is not None and key[1:] != sent[1:]
+        return force or now >= self._due[p.name] or (sent is not None and p.at_once(sent, key))
 
+    @panel("header", 0.5, key=lambda d: (d.session.run_log.version, d.session.state))
     def _refresh_header(self, view: RunView) -> None:
         self.header.value = header_html(self.session, view)
 
+    @panel("controls", 0.25, key=lambda d: (d.session.state, d.session.requested_lr))
     def _refresh_controls(self, view: RunView) -> None:
         state = self.session.state
-        ended = state in ("stopped", "finished", "failed")
+        ended = state in ENDED
         with self.pause_button.hold_sync():
             self.pause_button.description = "Resume" if state == "paused" else "Pause"
             self.pause_button.icon = "play" if state == "paused" else "pause"
@@ -192,31 +213,38 @@ class Dashboard(W.VBox):
                 self.lr_field.value = lr
             finally:
                 self._showing_lr = False
-        can_checkpoint = not ended or (self.session.engine is not None and not self.session._released)
+        can_checkpoint = not ended or (self.session.engine is not None and not self.session.released)
         for w, off in ((self.stop_button, ended), (self.lr_apply, ended), (self.lr_field, ended),
                        (self.checkpoint_button, not can_checkpoint)):
             if w.disabled != off:
                 w.disabled = off
 
+    @panel("notice", 0.25, key=lambda d: (d._notice_n,))
     def _refresh_notice(self, view: RunView) -> None:
         with self._lock:
             text = self._notice_text
         self.notice.value = f"<div style='font-size:12px;color:#555'>{text}</div>" if text else ""
 
+    @panel("links", 0.5, key=lambda d: (d.session.run_log.version,))
     def _refresh_links(self, view: RunView) -> None:
         rows = [f"<td>{label}</td><td>{fmt_bytes(view.links.get(k))}/s</td>" for k, label in _LINKS
                 if view.links.get(k) is not None]
         hits = ", ".join(f"{t} {fmt_num(100 * v, '.0f')}%" for t, v in view.prefetch_hit_rate.items()
                          if v is not None)
-        rows.append(f"<td>prefetch hit rate</td><td>{hits or '–'}</td>")
+        # "issued ahead" is about scheduling; whether transfers still made the step wait is the next row
+        rows.append(f"<td>loads issued ahead of need</td><td>{hits or '–'}</td>")
         share = view.stall_share
-        rows.append(f"<td>stall share</td><td>{fmt_num(100 * share, '.1f') + '%' if share is not None else '–'}</td>")
+        rows.append(f"<td>step time spent waiting</td><td>{fmt_num(100 * share, '.1f') + '%' if share is not None else '–'}</td>")
         self.links.value = ("<table style='font-size:12px;font-family:sans-serif'>"
                             + "".join(f"<tr>{r}</tr>" for r in rows) + "</table>")
 
+    @panel("training", 1.0, key=lambda d: (d.session.run_log.version,), curves=("loss", "lr"))
     def _refresh_training(self, view: RunView) -> None:
         fill_training(self.training_fig, view)
 
+    # a new choice in the layer inspector shows at once (user actions are rare)
+    @panel("layers", 2.0, key=lambda d: (d.session.run_log.version, d.layer_select.value, d.metric.value),
+           at_once=lambda sent, key: key[1:] != sent[1:])
     def _refresh_layers(self, view: RunView) -> None:
         if not self.layer_select.options and view.units:
             with self.layer_select.hold_sync():
@@ -227,7 +255,7 @@ class Dashboard(W.VBox):
         if stats is None:
             self.layer_stats.value = "<i>no statistics yet (gathered at each optimizer step)</i>"
         else:
-            rows = "".join(f"<tr><td>{k.replace('_', ' ')}</td><td>{_fmt(stats.get(k))}</td></tr>" for k in _SCALARS)
+            rows = stats_rows_html(stats)
             self.layer_stats.value = (f"<table style='font-size:12px;font-family:sans-serif'>"
                                       f"<tr><td><b>{html.escape(str(unit))}</b></td><td>step {stats.get('step')}</td>"
                                       f"</tr>{rows}</table>")

@@ -8,7 +8,7 @@ import shutil
 import sys
 from typing import Any
 
-from .summary_html import fmt_bytes
+from megatrain_nb.formatting import fmt_bytes
 
 _ARGS_SHOWN = ("output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size",
                "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps",

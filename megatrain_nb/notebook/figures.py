@@ -21,6 +21,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from megatrain_nb.formatting import fmt_bytes
+
 from .run_log import RunView, tier_summary
 
 TIERS = ("device", "host", "disk")
@@ -82,13 +84,6 @@ def event_markers(events: list[dict], xref: str = "x", max_markers: int = 40) ->
         notes.append(dict(x=x, y=1.0, xref=xref, yref="paper", text=label, showarrow=False,
                           textangle=-30, xanchor="left", yanchor="bottom", font=dict(size=10, color=color)))
     return shapes, notes
-
-
-def _scale(max_bytes: float) -> tuple[float, str]:
-    for unit, div in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if max_bytes >= div:
-            return float(div), unit
-    return 1.0, "B"
 
 
 # ---- loss and learning rate -----------------------------------------------------------------------
@@ -154,8 +149,6 @@ def memory_bars(memory: dict | None) -> dict:
     """Per kind group the share of each tier's capacity it uses (%), hover texts in bytes, the
     capacity marker (100 % where a capacity is known) and tick labels "used / capacity".
     A tier without a known capacity is drawn against its own peak."""
-    from .summary_html import fmt_bytes
-
     tiers = tier_summary(memory)
     n = len(TIERS)
     nbytes = {k: [0.0] * n for k in KINDS}

@@ -10,7 +10,8 @@ import html
 import math
 from typing import Any
 
-_SCALARS = ("weight_norm", "grad_norm", "update_norm", "update_ratio")
+#: the per-unit statistics shown as numbers (the histogram is drawn)
+SCALARS = ("weight_norm", "grad_norm", "update_norm", "update_ratio")
 
 
 def resolve_unit(layer: Any, names: list[str]) -> str:
@@ -54,13 +55,11 @@ class LayerReport(dict):
         self["history"] = {m: {"step": s, "value": v} for m, (s, v) in history.items()}
 
     def __repr__(self) -> str:
-        scalars = ", ".join(f"{k}={_fmt(self.get(k))}" for k in _SCALARS)
+        scalars = ", ".join(f"{k}={fmt_stat(self.get(k))}" for k in SCALARS)
         return f"<LayerReport {self['unit']} at step {self.get('step', '?')}: {scalars}>"
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><th style='text-align:left'>{k.replace('_', ' ')}</th><td>{_fmt(self.get(k))}</td></tr>"
-            for k in _SCALARS)
+        rows = stats_rows_html(self)
         return (f"<div><b>{html.escape(str(self['unit']))}</b> at step {self.get('step', '?')}"
                 f"<div style='display:flex;gap:16px;align-items:flex-end'>"
                 f"<table>{rows}</table>{histogram_svg(self.get('hist_counts'), self.get('hist_edges'))}</div></div>")
@@ -75,13 +74,20 @@ def histogram_svg(counts: Any, edges: Any, width: int = 260, height: int = 90) -
     bars = "".join(
         f"<rect x='{i * bw:.1f}' y='{height - 14 - (c / top) * (height - 18):.1f}' width='{max(bw - 1, 0.5):.1f}' "
         f"height='{(c / top) * (height - 18):.1f}' fill='#4c78a8'/>" for i, c in enumerate(counts))
-    lo, hi = _fmt(edges[0]), _fmt(edges[-1])
+    lo, hi = fmt_stat(edges[0]), fmt_stat(edges[-1])
     return (f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{bars}"
             f"<text x='0' y='{height - 2}' font-size='10'>{lo}</text>"
             f"<text x='{width}' y='{height - 2}' font-size='10' text-anchor='end'>{hi}</text></svg>")
 
 
-def _fmt(v: Any) -> str:
+def stats_rows_html(stats: dict) -> str:
+    """One table row per statistic in SCALARS (the dashboard's and ``inspect``'s tables)."""
+    return "".join(f"<tr><th style='text-align:left'>{k.replace('_', ' ')}</th><td>{fmt_stat(stats.get(k))}</td></tr>"
+                   for k in SCALARS)
+
+
+def fmt_stat(v: Any) -> str:
+    """A statistic as HTML-safe text: floats to 4 significant digits (nan/inf shown as such)."""
     if isinstance(v, float):
         if not math.isfinite(v):
             return str(v)

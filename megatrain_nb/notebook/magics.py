@@ -16,6 +16,7 @@ import time
 from typing import Any, Optional
 
 from . import registry
+from .lifecycle import ENDED
 
 USAGE = """Usage: %megatrain <command> [-s SESSION]
   status              the run at a glance
@@ -104,7 +105,9 @@ def _wait_state(session, states: tuple[str, ...], seconds: float) -> bool:
 
 
 def status_line(session) -> str:
-    from .summary_html import eta_seconds, fmt_num, fmt_seconds
+    from megatrain_nb.formatting import fmt_num, fmt_seconds
+
+    from .summary_html import eta_seconds
 
     view = session.run_log.view(max_points=2)
     total = session.total_steps
@@ -129,7 +132,7 @@ def _status(session, rest):
 
 def _pause(session, rest):
     session.pause(source="magic")
-    if _wait_state(session, ("paused",) + _ENDED, 2.0):
+    if _wait_state(session, ("paused",) + ENDED, 2.0):
         print(f"{session.name}: paused at step {session.step}." if session.state == "paused"
               else f"{session.name}: {session.state}.")
     else:
@@ -141,19 +144,19 @@ def _resume(session, rest):
     session.resume(source="magic")
     if was != "paused":
         print(f"{session.name}: not paused ({was}); nothing to resume.")
-    elif _wait_state(session, ("running",) + _ENDED, 2.0):
+    elif _wait_state(session, ("running",) + ENDED, 2.0):
         print(f"{session.name}: resumed at step {session.step}.")
     else:
         print(f"{session.name}: resume requested.")
 
 
 def _stop(session, rest):
-    if session.state in _ENDED:
+    if session.state in ENDED:
         session.stop(source="magic")
         print(f"{session.name}: already {session.state}; its memory is released.")
         return
     session.stop(wait=False, source="magic")
-    if _wait_state(session, _ENDED, 10.0):
+    if _wait_state(session, ENDED, 10.0):
         print(f"{session.name}: stopped at step {session.step}; memory, threads and files released.")
     else:
         print(f"{session.name}: stop requested; the run ends when step {session.step + 1} ends.")
@@ -195,11 +198,11 @@ def _estimate(rest):
     if len(words) != 1:
         raise MagicError("megatrain: estimate needs one model: a folder, a config.json or a preset, e.g.\n"
                          "    %megatrain estimate llama-100b --vram 80 --ram 512 --disk 4096")
-    from megatrain_nb.estimator import estimate
+    from megatrain_nb.estimator import CLI_NAMES, estimate
 
     from IPython.display import display
 
-    display(estimate(words[0], **budgets))
+    display(estimate(words[0], names=CLI_NAMES, **budgets))  # messages name --vram/--ram/--disk
 
 
 def _sessions():
@@ -210,9 +213,6 @@ def _sessions():
     current = registry.get()
     for s in sessions:
         print(("* " if s is current else "  ") + status_line(s).splitlines()[0])
-
-
-_ENDED = ("stopped", "finished", "failed")
 
 
 def load_ipython_extension(ipython) -> None:

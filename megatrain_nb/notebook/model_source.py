@@ -4,6 +4,9 @@
 - a model object (a transformers ``*ForCausalLM``, possibly on the meta device);
 - a local folder path (``config.json`` + safetensors; the engine streams it unit by unit,
   and the folder's tokenizer is used when none is given);
+- a Hugging Face Hub id (``"Qwen/Qwen2.5-0.5B"``; ``revision=``/``token=`` among the options):
+  its config, tokenizer and safetensors are fetched into the HF cache (see
+  :mod:`megatrain_nb.hub`) and then used as a local folder;
 - a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``, ...): the
   model is built from that config, and when no data is given the built-in corpus and
   tokenizer are used (nothing is downloaded).
@@ -31,14 +34,22 @@ def build_trainer(
 
     if isinstance(model, (str, os.PathLike)):
         path = Path(model).expanduser()
+        if not path.exists() and not _is_preset(str(model)):
+            from megatrain_nb.hub import ModelNotFoundError, resolve_model
+            from megatrain_nb.trainer.presets import preset_names
+
+            try:  # a Hub id -> its cached snapshot folder (config, tokenizer, safetensors only)
+                path = Path(resolve_model(model, revision=trainer_options.get("revision"),
+                                          token=trainer_options.get("token")))
+            except ModelNotFoundError as e:
+                raise ModelNotFoundError(f"{e}; or a preset: {', '.join(preset_names())}") from e
+            trainer_options = {k: v for k, v in trainer_options.items() if k not in ("revision", "token")}
         if path.exists():
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(
                     f"{str(path)!r} has no config.json: pass a Hugging Face model folder "
                     "(config.json + *.safetensors), a model object, or a preset name")
-            if tokenizer is None:
-                tokenizer = _folder_tokenizer(path)
-            model = str(path)
+            model = str(path)  # the Trainer picks up the folder's tokenizer when none is given
         else:
             model, tokenizer, train_dataset, eval_dataset, args = _builtin(
                 str(model), tokenizer, train_dataset, eval_dataset, args, seq_len)
@@ -46,28 +57,11 @@ def build_trainer(
         raise ValueError("train_dataset is required (a datasets.Dataset, IterableDataset or torch "
                          "Dataset of token ids); or pass a preset name such as 'tiny' as the model "
                          "to train on the built-in corpus")
-    if "loss_fn" in trainer_options:
-        trainer_options = _loss_option(Trainer, dict(trainer_options))
     if seq_len is not None:
         trainer_options = dict(trainer_options, seq_len=seq_len)
     trainer = Trainer(model=model, train_dataset=train_dataset, args=args,
                       eval_dataset=eval_dataset, tokenizer=tokenizer, **trainer_options)
-    return trainer, tokenizer
-
-
-def _loss_option(trainer_cls, options: dict) -> dict:
-    """Hand ``loss_fn`` to the Trainer under the name it takes (``loss_fn`` or HF's
-    ``compute_loss_func``)."""
-    import inspect
-
-    params = inspect.signature(trainer_cls.__init__).parameters
-    if "loss_fn" in params:
-        return options
-    if "compute_loss_func" in params:
-        options["compute_loss_func"] = options.pop("loss_fn")
-        return options
-    raise TypeError(f"{trainer_cls.__name__} does not take a custom loss function (no loss_fn / compute_loss_func "
-                    "parameter); build the Trainer yourself and use Session.from_trainer")
+    return trainer, trainer.tokenizer
 
 
 def default_args(output_dir: str, **overrides: Any):
@@ -79,6 +73,12 @@ def default_args(output_dir: str, **overrides: Any):
                   eval_strategy="steps", eval_steps=50, save_strategy="no", report_to="none")
     fields.update(overrides)
     return TrainingArguments(**fields)
+
+
+def _is_preset(name: str) -> bool:
+    from megatrain_nb.trainer.presets import preset_names
+
+    return name in preset_names()
 
 
 def _builtin(name, tokenizer, train_dataset, eval_dataset, args, seq_len):
@@ -114,11 +114,3 @@ def _model_from_config(config):
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def _folder_tokenizer(path: Path):
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

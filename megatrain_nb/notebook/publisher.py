@@ -9,7 +9,7 @@ regression ipykernel#1450). We start the thread inside a copy of the caller's co
 messages carry the parent of the cell that displayed the dashboard.
 
 Rates: the publisher wakes every ``TICK`` seconds (or when a control pokes it); each
-dashboard panel has its own minimum interval (see ``dashboard.INTERVALS``) and is only sent
+dashboard panel has its own minimum interval (see ``dashboard.PANELS``) and is only sent
 when its data changed; the HTML summary is rewritten at most once per ``HTML_INTERVAL``.
 
 Where widgets cannot render: the dashboard carries a tiny anywidget probe whose frontend
@@ -26,12 +26,12 @@ import threading
 import time
 from typing import Any, Optional
 
+from .lifecycle import ENDED, LIVE
 from .summary_html import summary_html
 
 log = logging.getLogger(__name__)
 
 TICK = 0.1
-_ENDED = ("stopped", "finished", "failed")
 HTML_INTERVAL = 1.0
 
 
@@ -56,9 +56,10 @@ class Publisher:
         self.enabled = True  # the benchmark switches publishing off and on
         self._clear_html = False
         if dashboard is not None:
-            self._attach(dashboard)
+            self.attach(dashboard)
 
-    def _attach(self, dashboard: Any) -> None:
+    def attach(self, dashboard: Any) -> None:
+        """Publish to ``dashboard`` from now on."""
         self.dashboard = dashboard
         dashboard.poke = self.poke
         dashboard.probe.on_render = self.widgets_rendered
@@ -69,7 +70,7 @@ class Publisher:
     def start(self) -> "Publisher":
         ctx = contextvars.copy_context()  # the displaying cell's parent header goes along
         self._thread = threading.Thread(target=ctx.run, args=(self._loop,), daemon=True,
-                                        name=f"megatrain-nb-publisher-{self.session.name}")
+                                        name=f"mtnb-publisher-{self.session.name}")
         self._thread.start()
         return self
 
@@ -79,6 +80,11 @@ class Publisher:
     def run_ended(self) -> None:
         self._ended.set()
         self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
 
     def join(self, timeout: Optional[float] = None) -> None:
         t = self._thread
@@ -95,7 +101,7 @@ class Publisher:
     def _loop(self) -> None:
         while True:
             # the state check covers a run that ended before this publisher was attached
-            ended = self._ended.is_set() or self.session.state in _ENDED
+            ended = self._ended.is_set() or self.session.state in ENDED
             if self.enabled or ended:
                 self.tick(force=ended)
             if ended:
@@ -155,22 +161,18 @@ class Publisher:
             self._update_final()
 
 
-# ---- what Session.train() / Session.dashboard() call ------------------------------------------------
-def _dashboard_for(session: Any):
-    if session._dashboard is None:
-        from .dashboard import Dashboard
-
-        session._dashboard = Dashboard(session)
-    return session._dashboard
+# ---- what Session.train() / Session.dashboard() call; the session keeps what they return --------------
+#: display modes that show the widget dashboard (the others only the HTML summary)
+WIDGET_MODES = ("auto", "widgets")
 
 
-def show_live(session: Any, mode: str) -> Publisher:
-    """Display the run (``mode`` from ``display_mode.resolve_mode``) and start its publisher."""
+def show_live(session: Any, mode: str, dashboard: Any = None) -> Publisher:
+    """Display the run (``mode`` from ``display_mode.resolve_mode``; ``dashboard``, the
+    session's widget, for the modes in WIDGET_MODES) and start its publisher."""
     from IPython.display import HTML, display
 
     _check_ipykernel()
 
-    dashboard = _dashboard_for(session) if mode in ("auto", "widgets") else None
     pub = Publisher(session, dashboard=dashboard, html_live=mode in ("auto", "html"))
     if dashboard is not None:
         display(dashboard)
@@ -190,16 +192,16 @@ def _check_ipykernel() -> None:
                       stacklevel=3)
 
 
-def attach_dashboard(session: Any):
-    """The session's dashboard, made live: publishing while the run is, refreshed once if not."""
-    d = _dashboard_for(session)
-    pub = session._live
-    if session.state in ("running", "paused"):
-        if pub is None:
-            session._live = Publisher(session, dashboard=d).start()
-        elif pub.dashboard is None:
-            pub._attach(d)
-            pub.poke()
-    else:
-        d.refresh(force=True)
-    return d
+def make_live(session: Any, dashboard: Any, pub: Optional[Publisher]) -> Optional[Publisher]:
+    """Make the session's ``dashboard`` live: while the run is, a publisher (``pub``, the one
+    already running, or a new one) pushes to it; otherwise it is refreshed once. Returns the
+    publisher the session keeps."""
+    if session.state not in LIVE:
+        dashboard.refresh(force=True)
+        return pub
+    if pub is None:
+        return Publisher(session, dashboard=dashboard).start()
+    if pub.dashboard is None:
+        pub.attach(dashboard)
+        pub.poke()
+    return pub

@@ -10,6 +10,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Optional
 
+from .lifecycle import LIVE
+
 if TYPE_CHECKING:  # pragma: no cover
     from .session import Session
 
@@ -71,7 +73,7 @@ def _stop_running_sessions() -> None:
     # boundary so that engine files and threads are released rather than abandoned.
     for s in all_sessions():
         try:
-            if s.state in ("running", "paused"):
+            if s.state in LIVE:
                 s.stop(wait=True, timeout=30, source="exit")
         except Exception:  # noqa: BLE001 - exiting anyway
             pass

@@ -13,7 +13,6 @@ import html
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,13 @@ import numpy as np
 import plotly.graph_objects as go
 from nbformat import v4
 
+from megatrain_nb.atomic import atomic_file
+from megatrain_nb.formatting import byte_scale, fmt_bytes, fmt_num, fmt_seconds
+
 from . import environment
-from .figures import (_scale, event_label, fill_heatmap, fill_loss, fill_memory, heatmap_figure, loss_figure,
+from .figures import (event_label, fill_heatmap, fill_loss, fill_memory, heatmap_figure, loss_figure,
                       memory_figure)
-from .inspector import _fmt
-from .summary_html import fmt_bytes, fmt_num, fmt_seconds
+from .inspector import fmt_stat
 
 _MAX_POINTS = 2000
 # The lab template without anything fetched from the network.
@@ -48,22 +49,9 @@ def export_report(session: Any, path: str | os.PathLike) -> str:
     nbformat.validate(nb)
     text = render_html(nb) if suffix == ".html" else nbformat.writes(nb)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; a report is an ordinary file
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(target) as f:
+        f.write(text)
     return str(target)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def render_html(nb) -> str:
@@ -195,18 +183,14 @@ def _summary_md(session, view, records) -> str:
     last = view.last
     total = session.total_steps
     evals = [r["eval_loss"] for r in records if r.get("eval_loss") is not None]
-    duration = None
-    if session._started_at is not None:
-        end = session._ended_at or (records[-1]["time"] if records else session._started_at)
-        duration = end - session._started_at
     rows = [("state", session.state), ("optimizer steps", f"{view.step}" + (f" of {total}" if total else "")),
             ("final loss", fmt_num(last.get("loss"))), ("last eval loss", fmt_num(evals[-1]) if evals else "–"),
             ("learning rate at the end", fmt_num(last.get("lr"), ".3g")),
-            ("wall time", fmt_seconds(duration)), ("interventions", len(view.events))]
+            ("wall time", fmt_seconds(session.wall_time_s)), ("interventions", len(view.events))]
     text = f"# Training report: {_text(session.name)}\n\n" + _table(rows, ("", ""))
     if session.error is not None:
         text += (f"\n\n**The run failed:** {_text(f'{type(session.error).__name__}: {session.error}')}\n\n"
-                 + _pre(session._error_tb))
+                 + _pre(session.error_traceback))
     return text
 
 
@@ -224,7 +208,7 @@ def _tier_history_figure(records: list[dict]) -> go.Figure:
         pts = [(r.get("step"), (r.get("memory") or {}).get(tier, {}).get("used_bytes")) for r in records
                if isinstance((r.get("memory") or {}).get(tier), dict)]
         series[tier] = [(x, y) for x, y in pts if isinstance(y, (int, float))]
-    div, unit = _scale(max([y for pts in series.values() for _, y in pts] + [0.0]))
+    div, unit = byte_scale(max([y for pts in series.values() for _, y in pts] + [0.0]))
     fig = go.Figure([go.Scatter(x=[x for x, _ in pts], y=[y / div for _, y in pts], name=tier, mode="lines+markers")
                      for tier, pts in series.items()])
     fig.update_layout(title=dict(text=f"Memory used per tier ({unit})", x=0.01), template="plotly_white", height=300,
@@ -244,18 +228,18 @@ def _throughput_figure(view) -> go.Figure:
 
 def _links_md(view) -> str:
     rows = [(k.replace("_", " "), f"{fmt_bytes(v)}/s") for k, v in view.links.items() if v is not None]
-    rows += [(f"prefetch hit rate ({t})", f"{fmt_num(100 * v, '.1f')}%") for t, v in view.prefetch_hit_rate.items()
+    rows += [(f"loads issued ahead of need ({t})", f"{fmt_num(100 * v, '.1f')}%") for t, v in view.prefetch_hit_rate.items()
              if v is not None]
     if view.stall_share is not None:
-        rows.append(("stall share of step time", f"{100 * view.stall_share:.1f}%"))
+        rows.append(("step time spent waiting for transfers", f"{100 * view.stall_share:.1f}%"))
     return _table(rows, ("link / counter", "value")) if rows else "No transfer telemetry was logged."
 
 
 def _layers_md(view) -> str:
     if not view.layers:
         return "No layer statistics were gathered."
-    rows = [(u, s.get("step"), _fmt(s.get("weight_norm")), _fmt(s.get("grad_norm")), _fmt(s.get("update_norm")),
-             _fmt(s.get("update_ratio"))) for u, s in view.layers.items()]
+    rows = [(u, s.get("step"), fmt_stat(s.get("weight_norm")), fmt_stat(s.get("grad_norm")), fmt_stat(s.get("update_norm")),
+             fmt_stat(s.get("update_ratio"))) for u, s in view.layers.items()]
     return _table(rows, ("unit", "step", "weight norm", "grad norm", "update norm", "update / weight"))
 
 

@@ -7,10 +7,11 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch
+
+from megatrain_nb.engine.family import max_positions
 
 
 def sample_text(
@@ -43,12 +44,11 @@ def sample_text(
         if bos is None:
             raise ValueError("an empty prompt needs a tokenizer with a bos or eos token")
         ids = [int(bos)]
-    window = _context_length(engine)
+    window = max_positions(engine.model_config) or 2048  # tokens the model attends over
     eos = getattr(tokenizer, "eos_token_id", None)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    lock = getattr(engine, "lock", None) or contextlib.nullcontext()
     new: list[int] = []
-    with lock:
+    with engine.lock:
         for _ in range(max_new_tokens):
             ctx = (ids + new)[-window:]
             logits = engine.forward_logits(torch.tensor([ctx], dtype=torch.long))[0, -1].float()
@@ -69,9 +69,3 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: Optional[int], gen) -
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def _context_length(engine: Any) -> int:
-    cfg = getattr(engine, "model_config", None)
-    n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    return int(n) if n else 2048

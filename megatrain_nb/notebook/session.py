@@ -30,11 +30,8 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 from . import registry
 from .display_mode import in_kernel, resolve_mode
+from .lifecycle import ENDED, LIVE
 from .run_log import RunLog
-
-STATES = ("idle", "running", "paused", "stopped", "finished", "failed")
-_LIVE = ("running", "paused")
-_ENDED = ("stopped", "finished", "failed")
 
 
 @runtime_checkable
@@ -63,7 +60,8 @@ class Session:
 
     ``model``: a transformers ``*ForCausalLM`` (possibly on the meta device), a local model
     folder (``config.json`` + safetensors; its tokenizer is used when ``tokenizer`` is None),
-    or a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``...; with
+    a Hugging Face Hub id (``"Qwen/Qwen2.5-0.5B"``: config, tokenizer and safetensors fetched
+    into the HF cache; ``revision=``/``token=`` go with the options), or a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``...; with
     no ``train_dataset`` it trains on the built-in corpus and tokenizer, nothing downloaded).
     ``train_dataset``/``eval_dataset``/``args``/``tokenizer``: as for ``mt.Trainer``.
     ``name``: how ``%megatrain -s NAME`` and the JupyterLab sidebar call it (default
@@ -158,6 +156,7 @@ class Session:
 
     @property
     def total_steps(self) -> Optional[int]:
+        """Optimizer steps the run plans (None when the trainer cannot tell)."""
         total = getattr(self._trainer, "total_steps", None)
         return int(total) if isinstance(total, (int, float)) and total > 0 else None
 
@@ -178,22 +177,47 @@ class Session:
 
     @property
     def error(self) -> Optional[BaseException]:
+        """The exception that ended a failed run (None otherwise); ``wait()`` re-raises it."""
         return self._error
 
     @property
+    def error_traceback(self) -> Optional[str]:
+        """The training thread's formatted traceback when the run failed, else None."""
+        return self._error_tb
+
+    @property
+    def wall_time_s(self) -> Optional[float]:
+        """Seconds from ``train()`` to the end of the run (to its latest step while it runs);
+        None before ``train()``."""
+        if self._started_at is None:
+            return None
+        end = self._ended_at or self._log.last_record().get("time", self._started_at)
+        return end - self._started_at
+
+    @property
     def trainer(self) -> Any:
+        """The trainer the session drives (an ``mt.Trainer`` unless built ``from_trainer``)."""
         return self._trainer
 
     @property
     def engine(self) -> Any:
+        """The trainer's StreamingEngine (None for a trainer without one)."""
         return getattr(self._trainer, "engine", None)
 
     @property
+    def released(self) -> bool:
+        """True once the engine is released (device memory, threads, disk files): nothing left
+        to checkpoint, sample or inspect."""
+        return self._released
+
+    @property
     def tokenizer(self) -> Any:
+        """The tokenizer ``generate`` and text datasets use (None if there is none)."""
         return self._tokenizer
 
     @property
     def run_log(self) -> RunLog:
+        """The thread-safe log of records and events the dashboard and reports read."""
         return self._log
 
     @property
@@ -205,6 +229,11 @@ class Session:
         if v is None:
             v = getattr(getattr(self._trainer, "args", None), "learning_rate", None)
         return float(v) if v is not None else None
+
+    @property
+    def publisher(self) -> Any:
+        """The publisher pushing this run to the notebook display, while one is shown (else None)."""
+        return self._live
 
     @property
     def requested_lr(self) -> Optional[float]:
@@ -221,22 +250,22 @@ class Session:
         """
         mode = resolve_mode(dashboard)
         with self._cv:
-            if self._state in _LIVE:
+            if self._state in LIVE:
                 return
-            if self._state in _ENDED:
+            if self._state in ENDED:
                 raise RuntimeError(
                     f"session {self.name!r} has {self._state}; a run cannot be restarted. Start a "
                     "new Session, or mt.Session.from_checkpoint(path) from a saved checkpoint.")
             self._state = "running"
             self._started_at = time.time()
-            self._thread = threading.Thread(target=self._run, name=f"megatrain-nb-{self.name}", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"mtnb-session-{self.name}", daemon=True)
         registry.make_current(self)
         self._start_beacon()
         if mode is not None:  # display first: the training thread would slow the widget set-up down
             try:
-                from .publisher import show_live
+                from .publisher import WIDGET_MODES, show_live
 
-                self._live = show_live(self, mode)
+                self._live = show_live(self, mode, self._widget() if mode in WIDGET_MODES else None)
             except Exception as e:  # noqa: BLE001 - the run matters more than its display
                 print(f"megatrain_nb: the dashboard could not be shown ({type(e).__name__}: {e}); "
                       "training goes on (session.dashboard() tries again)", file=sys.stderr)
@@ -254,14 +283,14 @@ class Session:
         try:
             if until_step is not None:
                 with self._cv:
-                    self._cv.wait_for(lambda: self.step >= until_step or self._state in _ENDED, timeout)
+                    self._cv.wait_for(lambda: self.step >= until_step or self._state in ENDED, timeout)
             else:
                 t.join(timeout)
         except KeyboardInterrupt:
             print(f"megatrain_nb: stopped waiting; session {self.name!r} keeps training in the "
                   "background (session.stop() ends it).", file=sys.stderr)
             raise
-        if self._state in _ENDED and t is not threading.current_thread():
+        if self._state in ENDED and t is not threading.current_thread():
             t.join()  # quick once the state says so (the beacon and publisher are told last)
             if self._live is not None:
                 self._live.final_from_caller()
@@ -272,7 +301,7 @@ class Session:
     def close(self) -> None:
         """Release the engine (device memory, worker threads, disk-tier files). A finished run
         keeps its weights for ``generate``/``inspect`` until this (or ``stop``) is called."""
-        if self._state in _LIVE:
+        if self._state in LIVE:
             self.stop(wait=True)
             return
         self._release()
@@ -284,6 +313,7 @@ class Session:
         self._enqueue(_Command("pause", source=source))
 
     def resume(self, *, source: str = "notebook") -> None:
+        """Continue a paused run from the step it paused at."""
         self._enqueue(_Command("resume", source=source))
 
     def set_lr(self, lr: float, *, source: str = "notebook") -> None:
@@ -339,7 +369,7 @@ class Session:
             finally:
                 self._end("stopped")
             return
-        if state in _ENDED:
+        if state in ENDED:
             self._release()
             return
         self._commands.put(_Command("stop", checkpoint, source))
@@ -353,13 +383,15 @@ class Session:
         self._commands.put(cmd)
 
     def _check_not_ended(self, what: str) -> None:
-        if self._state in _ENDED:
+        if self._state in ENDED:
             raise RuntimeError(f"session {self.name!r} has {self._state}: nothing to {what}")
 
     # ---- looking inside ------------------------------------------------------------------------
     def unit_names(self) -> list[str]:
+        """The model's streaming units in order ("embed", "layers.0", ..., "head"): what
+        ``inspect`` takes."""
         names = self._log.units()
-        if not names and self.engine is not None and hasattr(self.engine, "unit_names"):
+        if not names and self.engine is not None:
             try:
                 names = list(self.engine.unit_names())
             except Exception:  # noqa: BLE001 - a released engine
@@ -399,9 +431,18 @@ class Session:
 
     def dashboard(self):
         """The dashboard widget (display it again anywhere); it stays live while the run does."""
-        from .publisher import attach_dashboard
+        from .publisher import make_live
 
-        return attach_dashboard(self)
+        d = self._widget()
+        self._live = make_live(self, d, self._live)
+        return d
+
+    def _widget(self):
+        if self._dashboard is None:  # one per session: every display of it shows the same widgets
+            from .dashboard import Dashboard
+
+            self._dashboard = Dashboard(self)
+        return self._dashboard
 
     def export_report(self, path: str) -> str:
         """Write a report of the run: ``.ipynb`` (nbformat) or ``.html`` (nbconvert), with
@@ -463,10 +504,8 @@ class Session:
             self._end(outcome)
 
     def _on_record(self, record: dict) -> None:
-        stats = record.get("layer_stats")
         engine = self.engine
-        if stats is None and engine is not None and hasattr(engine, "layer_stats"):
-            stats = engine.layer_stats()
+        stats = engine.layer_stats() if engine is not None else None
         if stats:
             self._log.add_layer_stats(int(record.get("step", 0) or 0), list(stats))
         self._log.add_record(record)
@@ -577,10 +616,8 @@ class Session:
                 print(f"megatrain_nb: releasing session {self.name!r} failed: {e}", file=sys.stderr)
 
     def _start_beacon(self) -> None:
-        try:
-            from megatrain_nb.lab.beacon import SessionBeacon
-        except ImportError:
-            return
+        from megatrain_nb.lab.beacon import SessionBeacon
+
         try:
             self._beacon = SessionBeacon(self).start()
         except Exception as e:  # noqa: BLE001 - the sidebar is optional; training is not

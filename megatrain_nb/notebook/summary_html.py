@@ -16,39 +16,19 @@ from typing import Any
 
 import numpy as np
 
+from megatrain_nb.formatting import fmt_bytes, fmt_num, fmt_seconds
+
 from .figures import TIERS, event_label, grouped_events
+from .lifecycle import LIVE
 from .run_log import RunView, tier_summary
 
 STATE_COLORS = {"idle": "#888", "running": "#2e7d32", "paused": "#ef6c00", "stopped": "#6d4c41",
                 "finished": "#1565c0", "failed": "#b00020"}
 
 
-def fmt_seconds(s: float | None) -> str:
-    if s is None or not math.isfinite(s):
-        return "–"
-    s = int(round(s))
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
-
-
-def fmt_bytes(b: float | None) -> str:
-    if b is None or not math.isfinite(b):
-        return "–"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(b) < 1024 or unit == "TiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return f"{b:.1f} TiB"
-
-
-def fmt_num(v: Any, spec: str = ".4g") -> str:
-    return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "–"
-
-
 def eta_seconds(session: Any, view: RunView) -> float | None:
     total = session.total_steps
-    if not total or view.step_time_s is None or session.state not in ("running", "paused"):
+    if not total or view.step_time_s is None or session.state not in LIVE:
         return None
     return max(0, total - view.step) * view.step_time_s
 
@@ -81,9 +61,9 @@ def header_html(session: Any, view: RunView) -> str:
     bar = (f"<div style='height:4px;background:#eee;margin-top:4px'><div style='height:4px;width:{frac * 100:.1f}%;"
            f"background:{color}'></div></div>") if total else ""
     err = ""
-    if state == "failed" and getattr(session, "_error_tb", None):
+    if state == "failed" and session.error_traceback:
         err = (f"<details open style='margin-top:4px;color:#b00020'><summary>{html.escape(session.summary()['error'])}"
-               f"</summary><pre style='font-size:11px;white-space:pre-wrap'>{html.escape(session._error_tb)}</pre>"
+               f"</summary><pre style='font-size:11px;white-space:pre-wrap'>{html.escape(session.error_traceback)}</pre>"
                "</details>")
     return (f"<div style='font-family:sans-serif;font-size:13px'>{' &nbsp;·&nbsp; '.join(cells)}{bar}{err}</div>")
 

@@ -64,7 +64,8 @@ def _value(v: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def _default_values() -> dict:
+def default_values() -> dict:
+    """Every TrainingArguments field's default value, by name."""
     from transformers import TrainingArguments
 
     ref = TrainingArguments(output_dir=os.path.join(os.getcwd(), "megatrain_outputs"))
@@ -79,7 +80,7 @@ def validate_training_args(args) -> None:
         validate_training_args(TrainingArguments(output_dir="o", fp16=True))
         # UnsupportedArgumentError: TrainingArguments field(s) not supported by megatrain_nb: fp16=True ...
     """
-    defaults = _default_values()
+    defaults = default_values()
     problems = []
     for f in dataclasses.fields(args):
         name = f.name

@@ -10,24 +10,24 @@ A checkpoint folder holds:
 - ``rng_state.json`` (python, numpy, torch CPU and CUDA generators),
 - ``manifest.json`` (size and sha256 of every other file; checked before a resume),
 - ``trainer_state.json`` (``transformers.TrainerState``: step, epoch, log history),
-- ``megatrain_state.json`` (data position, tokens seen, the run's shape; written last: it marks
-  a megatrain_nb checkpoint),
+- ``megatrain_state.json`` (data position, tokens seen, the run's shape, the ``run_id`` of the
+  run that wrote it and when; written last: it marks a megatrain_nb checkpoint),
 - ``training_args.json`` and, when there is one, the tokenizer.
 """
 from __future__ import annotations
 
 import base64
 import json
-import os
 import random
 import re
-import secrets
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import torch
+
+from megatrain_nb.atomic import atomic_dir, recover_interrupted
 
 from .manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
 
@@ -45,8 +45,26 @@ def is_checkpoint(path) -> bool:
     return p.is_dir() and (p / STATE_FILE).is_file() and (p / "trainer_state.json").is_file()
 
 
-def list_checkpoints(output_dir) -> list[Path]:
-    """Complete checkpoints in ``output_dir``, oldest step first. Partial (temporary) ones are ignored."""
+def checkpoint_info(path) -> dict:
+    """``run_id`` (None for checkpoints written before runs had ids) and ``saved_at`` (seconds
+    since the epoch; the state file's mtime when not recorded) of a checkpoint."""
+    state = Path(path) / STATE_FILE
+    try:
+        meta = json.loads(state.read_text())
+    except (OSError, ValueError):
+        meta = {}
+    saved = meta.get("saved_at")
+    if not isinstance(saved, (int, float)):
+        try:
+            saved = state.stat().st_mtime
+        except OSError:
+            saved = 0.0
+    return {"run_id": meta.get("run_id"), "saved_at": float(saved)}
+
+
+def list_checkpoints(output_dir, run_id: Optional[str] = None) -> list[Path]:
+    """Complete checkpoints in ``output_dir``, oldest step first. Partial (temporary) ones are
+    ignored. With ``run_id``, only the checkpoints that run wrote (several runs may share a folder)."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
@@ -54,14 +72,21 @@ def list_checkpoints(output_dir) -> list[Path]:
     found = []
     for child in root.iterdir():
         m = _NAME.match(child.name)
-        if m and is_checkpoint(child):
+        if m and is_checkpoint(child) and (run_id is None or checkpoint_info(child)["run_id"] == run_id):
             found.append((int(m.group(1)), child))
     return [p for _, p in sorted(found)]
 
 
 def latest_checkpoint(output_dir) -> Optional[Path]:
+    """The newest checkpoint of the run that wrote last into ``output_dir``: when runs share a
+    folder, a later run's step 20 is the resume point, not an earlier run's step 250."""
     found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    if not found:
+        return None
+    info = {p: checkpoint_info(p) for p in found}
+    last_run = max(found, key=lambda p: info[p]["saved_at"])
+    mine = [p for p in found if info[p]["run_id"] == info[last_run]["run_id"]]
+    return mine[-1]
 
 
 def resolve_resume(resume, output_dir) -> Optional[Path]:
@@ -98,63 +123,22 @@ def verify(path) -> bool:
     return verify_manifest(path, others[-1] if others else None)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-# ``<name>.tmp-<pid>-<hex>``: a checkpoint being written; ``<name>.old-<pid>-<hex>``: the previous
-# checkpoint of the same name, moved aside while the new one is renamed into place.
-_SIDE = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
-
-
-def recover_interrupted(output_dir) -> list[str]:
-    """Finish the save protocol of processes that died in it (and this process's own leftovers):
-    a moved-aside previous checkpoint whose replacement never arrived is renamed back; one whose
-    replacement is in place is deleted; partial new checkpoints are deleted. Returns what was done."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    done = []
-    for child in sorted(root.iterdir()):
-        m = _SIDE.match(child.name)
-        if not m or not (int(m.group("pid")) == os.getpid() or not _pid_alive(int(m.group("pid")))):
-            continue
-        final = root / m.group("name")
-        if m.group("kind") == "old" and not final.exists():
-            os.replace(child, final)  # the new one never landed: the previous checkpoint is back
-            done.append(f"restored {final}")
-        else:
-            shutil.rmtree(child, ignore_errors=True)
-            done.append(f"removed {child}")
-    if done:
-        _fsync(root)
-    return done
-
-
-remove_stale_temporaries = recover_interrupted
+def remove_stale_temporaries(output_dir) -> list[str]:
+    """Finish the saves that processes died in (see ``atomic.recover_interrupted``): partial
+    checkpoints go, a previous checkpoint left moved aside comes back."""
+    return recover_interrupted(output_dir)
 
 
 def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_dir)``, add the checksum manifest, then rename ``tmp_dir`` to ``final_dir``.
-
-    Replacing a checkpoint of the same name moves the old one aside first (``.old-<pid>-<hex>``)
-    and deletes it only once the new one is in place; a kill at any point leaves either the old
-    or the new checkpoint complete under ``final_dir`` -- or, between the two renames, the old one
-    aside, which :func:`recover_interrupted` (run by the next save, listing or resume) puts back."""
+    """Call ``write(tmp_dir)``, add the checksum manifest (last: a folder with a manifest is
+    complete), then rename ``tmp_dir`` to ``final_dir`` (replacing an older one); see
+    ``atomic.atomic_dir`` for what a crash at any point leaves."""
     final = Path(final_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
-    recover_interrupted(final.parent)
-    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-    tmp = final.parent / f"{final.name}.tmp-{tag}"
-    old = final.parent / f"{final.name}.old-{tag}"
-    tmp.mkdir()
-    try:
+    remove_stale_temporaries(final.parent)
+
+    def fill(tmp: str) -> None:
+        tmp = Path(tmp)
         try:
             write(tmp)
             write_manifest(tmp)
@@ -162,23 +146,7 @@ def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
             if _disk_full(e):
                 raise _disk_full_error(final, tmp, e) from e
             raise
-        _fsync_dir(tmp)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        _fsync(final.parent)
-    except BaseException:
-        # Judge by what is on disk, not by how far this code got: a rename may have happened
-        # just before the error.
-        if old.exists():
-            if final.exists():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(old, final)  # put the previous checkpoint back
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    atomic_dir(final, fill)
     return final
 
 
@@ -204,32 +172,23 @@ def _disk_full_error(final: Path, tmp: Path, e: BaseException) -> OSError:
                                  f"(cause: {type(e).__name__}: {e})")
 
 
-def _fsync(path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    _fsync(path)
-
-
-def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None) -> list[Path]:
-    """Delete the oldest checkpoints beyond ``keep`` (``save_total_limit``); never ``protect``."""
+def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None,
+           run_id: Optional[str] = None) -> list[Path]:
+    """Delete checkpoints until ``output_dir`` holds at most ``keep`` (``save_total_limit``);
+    never ``protect``. Other runs' checkpoints go first (the longest ago written first), then
+    run ``run_id``'s lowest steps: a new run never loses its own checkpoints to an old run's
+    higher step numbers."""
     if not keep or keep <= 0:
         return []
     found = list_checkpoints(output_dir)
-    doomed = found[:-keep] if len(found) > keep else []
+    info = {p: checkpoint_info(p) for p in found}
+    others = sorted((p for p in found if run_id is None or info[p]["run_id"] != run_id),
+                    key=lambda p: info[p]["saved_at"]) if run_id is not None else []
+    order = others + [p for p in found if p not in others]
     removed = []
-    for p in doomed:
+    for p in order:
+        if len(found) - len(removed) <= keep:
+            break
         if protect is not None and p.resolve() == Path(protect).resolve():
             continue
         shutil.rmtree(p, ignore_errors=True)

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from .sharding import ZERO_WEIGHT, deal
+
 IGNORE_INDEX = -100
 
 
@@ -208,6 +210,8 @@ def count_targets(batch: dict) -> int:
 
 
 def count_tokens(batch: dict) -> int:
+    if batch.get(ZERO_WEIGHT):  # a data-parallel rank's filler micro-batch: no real tokens
+        return 0
     m = batch.get("attention_mask")
     return int(m.sum()) if m is not None else batch["input_ids"].numel()
 
@@ -215,15 +219,19 @@ def count_tokens(batch: dict) -> int:
 class BatchStream:
     """Micro-batches in training order, grouped into optimizer windows, with a restorable position.
 
-    Position = (epoch, micro-batches already consumed in that epoch). For map-style data the
+    Position = (epoch, micro-batches of the global order already consumed in that epoch, by all
+    ranks together: a position saved by N ranks means the same on M). For map-style data the
     order of epoch ``e`` is ``torch.randperm(n, generator=seeded(seed + e))`` (what
     transformers.Trainer's seedable sampler gives), or ``range(n)`` for ``sequential``.
     """
 
     def __init__(self, dataset, *, batch_size: int, collate: Callable, seed: int, shuffle: bool = True,
-                 drop_last: bool = False):
+                 drop_last: bool = False, rank: int = 0, world: int = 1):
         self.dataset, self.batch_size, self.collate = dataset, batch_size, collate
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        # Data parallel: every rank walks the same global order; a step's window of
+        # accumulation x world micro-batches is dealt out by sharding.deal.
+        self.rank, self.world = int(rank), int(world)
         self.iterable = _is_iterable_style(dataset)
         self.epoch, self.consumed = 0, 0
         self._iter: Optional[Iterator] = None
@@ -264,41 +272,50 @@ class BatchStream:
             return it
         return self._iter_indices(self._order(self.epoch), self.consumed)
 
+    # The iterators yield callables that load and collate one micro-batch, so that a rank of a
+    # data-parallel run builds only its own share of a window.
     def _iter_indices(self, order, start):
         bs = self.batch_size
         for b in range(start, self.batches_per_epoch):
-            idx = order[b * bs:(b + 1) * bs]
+            yield self._loader(order[b * bs:(b + 1) * bs])
+
+    def _loader(self, idx):
+        def load():
             getitems = getattr(self.dataset, "__getitems__", None)
             examples = getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
-            yield self.collate(examples)
+            return self.collate(examples)
+        return load
 
     def _iter_examples_iterable(self):
         buf = []
         for ex in self.dataset:
             buf.append(ex)
             if len(buf) == self.batch_size:
-                yield self.collate(buf)
+                yield (lambda b=buf: self.collate(b))
                 buf = []
         if buf and not self.drop_last:
-            yield self.collate(buf)
+            yield (lambda b=buf: self.collate(b))
 
     def next_window(self, accumulation: int) -> tuple[list[dict], bool]:
-        """Up to ``accumulation`` micro-batches of the current epoch and whether the epoch ended.
-        At an epoch's end the window is shorter (transformers.Trainer does the same)."""
+        """This rank's micro-batches of the next optimizer step and whether the epoch ended.
+
+        The step takes up to ``accumulation x world`` micro-batches of the global order; this
+        rank gets its share (see :mod:`.sharding`). At an epoch's end the window is shorter
+        (transformers.Trainer does the same)."""
         if self._iter is None:
             self._iter = self._make_iter()
-        window: list[dict] = []
+        raw: list = []
         ended = False
-        while len(window) < accumulation:
-            batch = next(self._iter, None)
-            if batch is None:
+        while len(raw) < accumulation * self.world:
+            load = next(self._iter, None)
+            if load is None:
                 ended = True
                 break
-            window.append(finish_batch(batch))
+            raw.append(load)
             self.consumed += 1
         if not ended and self.batches_per_epoch is not None and self.consumed >= self.batches_per_epoch:
             ended = True
-        return window, ended
+        return deal(raw, self.rank, self.world, finish_batch), ended
 
     def start_next_epoch(self) -> None:
         self.epoch += 1

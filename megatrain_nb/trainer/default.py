@@ -15,15 +15,16 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from megatrain_nb.atomic import staging_dir
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 _FORMAT = 1
@@ -110,19 +111,13 @@ def load_default_tokens(vocab_size: int = 4096, max_bytes: int = 4_000_000, eval
     if not (folder / "done").is_file():
         tok = wrap_tokenizer(train_tokenizer(train, vocab_size))
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
-        try:
+        with staging_dir(folder.parent, prefix=folder.name + ".tmp-") as tmp:
             tok.save_pretrained(tmp)
             np.save(tmp / "train_ids.npy", _encode_stream(tok, train))
             np.save(tmp / "eval_ids.npy", _encode_stream(tok, evals))
             (tmp / "done").write_text(json.dumps({"files": len(train) + len(evals)}))
-            try:
+            with contextlib.suppress(OSError):  # another process won the race: use theirs
                 os.replace(tmp, folder)
-            except OSError:  # another process won the race; use theirs
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))

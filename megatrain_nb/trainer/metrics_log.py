@@ -1,5 +1,9 @@
 """The JSONL metrics log: one JSON object per line in ``output_dir/metrics.jsonl`` (step records,
-evaluations, checkpoints, the end of training). Appends, so a resumed run continues the file."""
+evaluations, checkpoints, the end of training). Appends, so a resumed run continues the file.
+
+Every run starts with an ``{"event": "run_start", "run_id": ...}`` line and, once the run has an
+id, every line carries its ``run_id``: runs that share an output_dir can be told apart
+(``MetricsLog.read(run_id=...)``)."""
 from __future__ import annotations
 
 import json
@@ -19,18 +23,28 @@ def _clean(v):
 
 
 class MetricsLog:
-    def __init__(self, path):
+    """``enabled=False`` (a data-parallel rank other than 0) writes nothing: one run, one log."""
+
+    def __init__(self, path, enabled: bool = True):
         self.path = Path(path)
+        self.enabled = enabled
         self._lock = threading.Lock()
+        self.run_id = None  # set by the Trainer when a run starts
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        if self.run_id is not None:
+            record = {**record, "run_id": self.run_id}
         line = json.dumps(_clean(record), default=str)
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
 
-    def read(self) -> list[dict]:
+    def read(self, run_id=None) -> list[dict]:
+        """The lines of the file (with ``run_id``: that run's only)."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return lines if run_id is None else [x for x in lines if x.get("run_id") == run_id]

@@ -9,29 +9,29 @@ Example::
 """
 from __future__ import annotations
 
+def _llama(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, positions: int,
+           **extra) -> dict:
+    return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
+                max_position_embeddings=positions, **extra)
+
+
+# Each: _llama(hidden, layers, heads, kv_heads, intermediate, vocab, positions, **other config fields)
 PRESETS: dict[str, dict] = {
     # ~0.2M params: unit tests.
-    "micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                  intermediate_size=192, vocab_size=512, max_position_embeddings=256),
+    "micro": _llama(64, 2, 4, 4, 192, 512, 256),
     # ~1.9M params with a 4k vocabulary: the demo's default, a couple of minutes on 2 CPU cores.
-    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                 intermediate_size=384, vocab_size=4096, max_position_embeddings=1024),
+    "tiny": _llama(128, 4, 4, 4, 384, 4096, 1024),
     # ~7M params.
-    "small": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
-                  intermediate_size=768, vocab_size=4096, max_position_embeddings=2048),
+    "small": _llama(256, 6, 8, 8, 768, 4096, 2048),
     # Llama 3.2 1B shape (1.24B, tied embeddings).
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
-                     tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-1b": _llama(2048, 16, 32, 8, 8192, 128256, 131072, tie_word_embeddings=True, rope_theta=500000.0),
     # Llama 2 7B shape (6.7B).
-    "llama-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                     intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096),
+    "llama-7b": _llama(4096, 32, 32, 32, 11008, 32000, 4096),
     # Llama 2 70B shape (69B).
-    "llama-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                      intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096),
+    "llama-70b": _llama(8192, 80, 64, 8, 28672, 32000, 4096),
     # A 100B-parameter Llama-style model (100.2B): the seed article's example size.
-    "llama-100b": dict(hidden_size=12288, num_hidden_layers=64, num_attention_heads=96, num_key_value_heads=8,
-                       intermediate_size=33280, vocab_size=32000, max_position_embeddings=4096),
+    "llama-100b": _llama(12288, 64, 96, 8, 33280, 32000, 4096),
 }
 
 

@@ -6,7 +6,7 @@ Example::
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     mt.init(offload_dir="/nvme/cache", max_vram_gb=80, optimizer_compression=True)
-    model = AutoModelForCausalLM.from_pretrained(local_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=torch.float32)
     trainer = mt.Trainer(model=model, train_dataset=ds,
                          args=TrainingArguments(per_device_train_batch_size=1,
                                                 gradient_accumulation_steps=128, output_dir="out"))
@@ -21,20 +21,21 @@ between steps.
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 import os
 import shutil
-import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
+from megatrain_nb.atomic import commit_dir, staging_dir, temp_name
+
+from ..engine.dist import Dist
 from . import checkpoint as ckpt
-from .args import engine_options_from_args, validate_training_args
+from .args import default_values, engine_options_from_args, validate_training_args
 from .data import (
     BatchStream,
     ColumnFilter,
@@ -65,9 +66,7 @@ def _coerce_args(args):
 
 def _derived_engine_options(args) -> dict:
     """Engine options decided by TrainingArguments fields the user changed from their defaults."""
-    from .args import _default_values
-
-    defaults = _default_values()
+    defaults = default_values()
     fields_of = {"adam_betas": ("adam_beta1", "adam_beta2"), "adam_eps": ("adam_epsilon",),
                  "weight_decay": ("weight_decay",), "precision": ("bf16",), "device": ("use_cpu",)}
     opts = engine_options_from_args(args)
@@ -82,14 +81,17 @@ def _is_engine(obj) -> bool:
 class Trainer:
     """Train a causal LM with the StreamingEngine, driven like ``transformers.Trainer``.
 
-    ``model``: a ``*ForCausalLM`` module, a local model folder, or an existing StreamingEngine.
+    ``model``: a ``*ForCausalLM`` module, a local model folder, a Hugging Face Hub id
+    (``"org/name"``; ``revision=``/``token=`` as for ``from_pretrained``, config, tokenizer and
+    safetensors only, see :mod:`megatrain_nb.hub`), or an existing StreamingEngine.
     ``**engine_options``: any EngineConfig field; they override ``mt.init`` defaults.
     ``seq_len``/``text_column``/``packing``: how a text dataset is tokenised and packed.
     """
 
     def __init__(self, model=None, train_dataset=None, args=None, eval_dataset=None, tokenizer=None,
                  data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
-                 text_column: str = "text", packing: bool = True, loss_fn=None, **engine_options):
+                 text_column: str = "text", packing: bool = True, loss_fn=None, revision: Optional[str] = None,
+                 token=None, **engine_options):
         from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
         from transformers.trainer_utils import enable_full_determinism, set_seed
 
@@ -102,6 +104,13 @@ class Trainer:
         else:
             set_seed(self.args.seed)
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
+        if isinstance(model, (str, os.PathLike)):
+            from megatrain_nb.hub import resolve_model
+
+            model = resolve_model(model, revision=revision, token=token)  # a Hub id -> its cached folder
+        elif revision is not None:
+            raise ValueError(f"revision={revision!r} applies to a model given by name (a Hub id); "
+                             f"model is a {type(model).__name__}")
         self.model, self._engine = self._build_engine(model, engine_options)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)
@@ -128,10 +137,13 @@ class Trainer:
         self._running = False
         self._tokens_seen = 0
         self._log_accum = (0.0, 0)  # (sum of step losses, steps) since the last log
-        self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl")
-        fb_params = inspect.signature(self._engine.forward_backward).parameters
-        self._engine_overlaps = "step_lr" in fb_params
-        self._engine_clips = "max_grad_norm" in fb_params
+        # Data-parallel ranks: the engine's process group (one process: Dist.single()).
+        # Rank 0 alone logs and writes shared files.
+        self.dist = getattr(self._engine, "dist", None) or Dist.single()
+        self.metrics_log = MetricsLog(Path(self.args.output_dir) / "metrics.jsonl", enabled=self.dist.is_main)
+        # Which run this is: a fresh iter_steps() starts a new one, a resume continues the run of
+        # its checkpoint. Tags metrics lines and checkpoints, so runs sharing output_dir stay apart.
+        self.run_id: Optional[str] = None
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict):
@@ -150,11 +162,7 @@ class Trainer:
             if not (folder / "config.json").is_file():
                 raise ValueError(f"model={str(model)!r} is not a local model folder (no config.json in it); "
                                  "pass a folder written by save_pretrained, or a model object")
-            if hasattr(StreamingEngine, "from_pretrained"):
-                return None, StreamingEngine.from_pretrained(str(folder), config)
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+            return None, StreamingEngine.from_pretrained(str(folder), config)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a *ForCausalLM module, a local folder or a StreamingEngine; "
                             f"got {type(model).__name__}")
@@ -178,7 +186,7 @@ class Trainer:
             raise DataError("train_dataset has no length (an iterable dataset): set max_steps in TrainingArguments")
         n, bs = len(self.train_dataset), a.per_device_train_batch_size
         batches = n // bs if a.dataloader_drop_last else -(-n // bs)
-        per_epoch = max(-(-batches // a.gradient_accumulation_steps), 1)
+        per_epoch = max(-(-batches // (a.gradient_accumulation_steps * self.dist.world)), 1)
         return int(math.ceil(a.num_train_epochs * per_epoch))
 
     # ------------------------------------------------------------------ live controls (Session seam)
@@ -215,7 +223,8 @@ class Trainer:
             stream = BatchStream(self.train_dataset, batch_size=args.per_device_train_batch_size,
                                  collate=self.data_collator,
                                  seed=args.data_seed if args.data_seed is not None else args.seed,
-                                 shuffle=args.train_sampling_strategy == "random", drop_last=args.dataloader_drop_last)
+                                 shuffle=args.train_sampling_strategy == "random", drop_last=args.dataloader_drop_last,
+                                 rank=self.dist.rank, world=self.dist.world)
             self._stream = stream
             self.schedule = LRSchedule(learning_rate=args.learning_rate, scheduler_type=args.lr_scheduler_type,
                                        num_training_steps=total, num_warmup_steps=args.get_warmup_steps(total),
@@ -223,16 +232,27 @@ class Trainer:
             self.state = TrainerState()
             self._tokens_seen = 0
             self._log_accum = (0.0, 0)
+            self.run_id = None
             if resume is not None:
                 self._load_checkpoint(resume, stream)
             else:
                 self._engine.zero_grad()
+            self.run_id = self.run_id or uuid.uuid4().hex[:12]
+            if self.dist.world > 1:   # one run: every rank takes rank 0's id
+                self.run_id = self.dist.all_gather_object(self.run_id)[0]
+            self.metrics_log.run_id = self.run_id
+            self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
+                                    "resumed_from": str(resume) if resume is not None else None,
+                                    "time": time.time()})
             if self._pending_lr is not None:
                 self.schedule.set_lr(self._pending_lr)
                 self._pending_lr = None
             st = self.state
+            # callbacks (report_to, progress bars) act on the main process only, as under transformers
+            st.is_world_process_zero = self.dist.is_main
+            st.is_local_process_zero = self.dist.local_rank == 0
             st.max_steps, st.train_batch_size = total, args.per_device_train_batch_size
-            st.num_train_epochs = (math.ceil(total / max(-(-stream.batches_per_epoch // ga), 1))
+            st.num_train_epochs = (math.ceil(total / max(-(-stream.batches_per_epoch // (ga * self.dist.world)), 1))
                                    if stream.batches_per_epoch else 1)
             st.compute_steps(args, total)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -275,45 +295,42 @@ class Trainer:
     def _train_window(self, window: list, total: int) -> dict:
         args, engine, cb, st = self.args, self._engine, self.callback_handler, self.state
         t0 = time.perf_counter()
-        n_items = sum(count_targets(b) for b in window)
+        # The loss is normalised by the target tokens of the whole step, over all ranks.
+        n_items = self.dist.sum(sum(count_targets(b) for b in window))
         if n_items == 0:
             raise DataError(f"optimizer step {st.global_step + 1}: its batches hold no target tokens "
                             "(every label is -100 or every sequence is padding)")
-        loss_sum, grad_norm = 0.0, None
-        max_norm = args.max_grad_norm
+        loss_sum = 0.0
+        max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         # The engine runs each unit's AdamW update in a worker (step_lr on the last micro-batch):
         # without clipping, overlapped with the backward; with clipping, once the global norm is
         # known at the end of the backward, overlapped with the next forward.
-        clip = bool(max_norm and max_norm > 0)
-        overlap = self._engine_overlaps and (not clip or self._engine_clips)
-        lock = getattr(engine, "lock", None) or contextlib.nullcontext()
-        with lock:
+        with engine.lock:
             lr = self.schedule.current()
-            for i, b in enumerate(window):
-                last = i == len(window) - 1
-                extra = {}
-                if last and overlap:
-                    self.control = cb.on_pre_optimizer_step(args, st, self.control)
-                    extra["step_lr"] = lr
-                    if clip:
-                        extra["max_grad_norm"] = max_norm
+            if len(window) > 1:
+                # Layer-major: the whole window in one call, each layer on the device twice per
+                # step (the engine's planner may split it into groups and says so).
+                micro = [{k: b[k] for k in ("input_ids", "attention_mask", "labels") if b.get(k) is not None}
+                         for b in window]
+                for _ in window[:-1]:
+                    self.control = cb.on_substep_end(args, st, self.control)
+                self.control = cb.on_pre_optimizer_step(args, st, self.control)
+                out = engine.forward_backward(micro, num_items_in_batch=n_items, loss_fn=self.loss_fn,
+                                              step_lr=lr, max_grad_norm=max_norm)
+                loss_sum = float(out.loss) * int(out.num_tokens)
+            else:  # one micro-batch: the step's update rides on its backward
+                b = window[0]
+                self.control = cb.on_pre_optimizer_step(args, st, self.control)
                 out = engine.forward_backward(b["input_ids"], attention_mask=b.get("attention_mask"),
                                               labels=b["labels"], num_items_in_batch=n_items,
-                                              loss_fn=self.loss_fn, **extra)
-                loss_sum += float(out.loss) * int(out.num_tokens)
-                if not last:
-                    self.control = cb.on_substep_end(args, st, self.control)
-            if overlap:
-                grad_norm = getattr(out, "grad_norm", None)
-            else:
-                grad_norm = engine.clip_grad_norm_(max_norm) if max_norm and max_norm > 0 else engine.grad_norm()
-                self.control = cb.on_pre_optimizer_step(args, st, self.control)
-                engine.optimizer_step(lr)
-                engine.zero_grad()
+                                              loss_fn=self.loss_fn, step_lr=lr, max_grad_norm=max_norm)
+                loss_sum = float(out.loss) * int(out.num_tokens)
+            grad_norm = out.grad_norm
             self.control = cb.on_optimizer_step(args, st, self.control)
             self.schedule.step()
+        loss_sum = self.dist.sum(loss_sum)
         dt = time.perf_counter() - t0
-        tokens = sum(count_tokens(b) for b in window)
+        tokens = self.dist.sum(sum(count_tokens(b) for b in window))
         self._tokens_seen += tokens
         st.num_input_tokens_seen = self._tokens_seen
         loss = loss_sum / n_items
@@ -412,9 +429,12 @@ class Trainer:
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads (and the tokenizer, if any)."""
         target = Path(output_dir or self.args.output_dir)
+        if not self.dist.is_main:   # the other ranks take part in each unit's gather; rank 0 writes
+            self._engine.save_pretrained(str(target))
+            return str(target)
         target.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".save-tmp-", dir=target))
-        try:
+        # output_dir also holds checkpoints and metrics: each file is renamed in, not the folder
+        with staging_dir(target, prefix=".save-tmp-") as tmp:
             self._engine.save_pretrained(str(tmp))
             if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(str(tmp))
@@ -423,8 +443,6 @@ class Trainer:
                 if dest.is_dir() and not f.is_dir():
                     shutil.rmtree(dest)
                 os.replace(f, dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return str(target)
 
     def save_checkpoint(self, path=None) -> str:
@@ -440,11 +458,17 @@ class Trainer:
                 "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
                 "batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
-                "seed": self.args.seed, "data_seed": self.args.data_seed}
+                "micro_batches_per_step": self.args.gradient_accumulation_steps * self.dist.world,
+                "world_size": self.dist.world,
+                "seed": self.args.seed, "data_seed": self.args.data_seed,
+                "run_id": self.run_id, "saved_at": time.time()}
 
         def write(tmp: Path) -> None:
             _refuse_non_finite(self._engine, final)
             self._engine.save_checkpoint(str(tmp))
+            write_shared(tmp)
+
+        def write_shared(tmp: Path) -> None:
             ckpt.write_json(tmp / ckpt.SCHEDULER_FILE, self.schedule.state_dict(), strict=True)
             ckpt.write_json(tmp / ckpt.RNG_FILE, ckpt.rng_state(), strict=True)
             self.state.save_to_json(str(tmp / "trainer_state.json"))
@@ -453,14 +477,42 @@ class Trainer:
                 self.tokenizer.save_pretrained(str(tmp))
             ckpt.write_json(tmp / ckpt.STATE_FILE, meta)  # last: marks a complete checkpoint
 
-        lock = getattr(self._engine, "lock", None) or contextlib.nullcontext()
-        with lock:
-            out = ckpt.write_checkpoint(final, write)
-        if default:
-            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out)
+        with self._engine.lock:
+            if self.dist.world > 1:
+                out = self._write_sharded_checkpoint(final, write_shared)
+            else:
+                out = ckpt.write_checkpoint(final, write)
+        if default and self.dist.is_main:
+            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out, run_id=self.run_id)
         self.metrics_log.write({"event": "checkpoint", "path": str(out), "step": self.state.global_step,
                                 "time": time.time()})
         return str(out)
+
+    def _write_sharded_checkpoint(self, final: Path, write_shared) -> Path:
+        """Data parallel: every rank writes its shards into one temporary folder (named by rank 0)
+        in parallel; rank 0 then writes the shared files, the state file last, and renames the
+        folder into place. The others wait for the rename, so a checkpoint is whole when seen."""
+        d = self.dist
+        tmp = None
+        _refuse_non_finite(self._engine, final)   # collective: every rank reads the gathered weights
+        if d.is_main:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            ckpt.remove_stale_temporaries(final.parent)
+            tmp = Path(temp_name(final))
+            tmp.mkdir()
+        tmp = Path(d.all_gather_object(str(tmp) if tmp is not None else None)[0])
+        try:
+            self._engine.save_checkpoint(str(tmp))    # collective: each rank its file, then a barrier
+            if d.is_main:   # every rank's shards are written (the barrier ending save_checkpoint)
+                write_shared(tmp)
+                ckpt.write_manifest(tmp)   # last, over every rank's files
+                commit_dir(tmp, final)
+        except BaseException:
+            if d.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        d.barrier()
+        return final
 
     def _load_checkpoint(self, path: Path, stream: BatchStream) -> None:
         import warnings
@@ -471,8 +523,14 @@ class Trainer:
         meta = ckpt.read_json(path / ckpt.STATE_FILE)
         mine = {"batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                "micro_batches_per_step": self.args.gradient_accumulation_steps * self.dist.world,
                 "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
                 "total_steps": self.total_steps, "seed": self.args.seed}
+        if "micro_batches_per_step" in meta:
+            # a run may resume on another number of ranks: what must match is the global step
+            mine.pop("gradient_accumulation_steps")
+        else:
+            mine.pop("micro_batches_per_step")
         changed = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
         if changed:
             warnings.warn(f"resuming from {path} with settings that differ from the run that wrote it "
@@ -486,17 +544,21 @@ class Trainer:
         stream.load_state_dict(data)
         self._tokens_seen = int(meta.get("tokens_seen", 0))
         self._log_accum = tuple(meta.get("log_accum", (0.0, 0)))
+        self.run_id = meta.get("run_id")  # a resumed run goes on as the same run
         ckpt.set_rng_state(ckpt.read_rng_state(path))
         self._engine.zero_grad()
 
     # ------------------------------------------------------------------ callbacks, lifetime
     def add_callback(self, callback) -> None:
+        """Add a ``transformers.TrainerCallback`` (a class or an instance), as in transformers."""
         self.callback_handler.add_callback(callback)
 
     def pop_callback(self, callback):
+        """Remove a callback and return it (None when it was not there)."""
         return self.callback_handler.pop_callback(callback)
 
     def remove_callback(self, callback) -> None:
+        """Remove a callback (a class or an instance)."""
         self.callback_handler.remove_callback(callback)
 
     def close(self) -> None:
@@ -520,9 +582,10 @@ def _refuse_non_finite(engine, final) -> None:
 
 
 def _default_seq_len(engine) -> int:
-    cfg = getattr(engine, "model_config", None)
-    n = getattr(cfg, "max_position_embeddings", None) if cfg is not None else None
-    return min(int(n), 1024) if n else 1024
+    from megatrain_nb.engine.family import max_positions
+
+    n = max_positions(engine.model_config)
+    return min(n, 1024) if n else 1024
 
 
 def _local_tokenizer(folder):

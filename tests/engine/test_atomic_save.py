@@ -1,9 +1,9 @@
-"""engine.io's atomic-save helpers: the old version or the new one, never half, no leftovers."""
+"""The atomic-save helpers (megatrain_nb.atomic, used by engine.io): the old version or the new one, never half, no leftovers."""
 import os
 
 import pytest
 
-from megatrain_nb.engine.io import atomic_dir, atomic_file
+from megatrain_nb.atomic import atomic_dir, atomic_file
 
 
 def _write(name, text):

@@ -395,3 +395,18 @@ def test_a_short_file_on_disk_is_refused_not_read_as_zeros(store):
         f.write(b"\0" * ALIGN)
     with pytest.raises(OffloadError, match="checksum"):
         store.read("k").result(timeout=30)
+def test_prepare_offload_dir_creates_only_under_an_existing_parent(tmp_path):
+    from megatrain_nb.engine.disk_store import OffloadError, prepare_offload_dir
+
+    assert prepare_offload_dir(tmp_path) == str(tmp_path)  # an existing folder is kept as it is
+    mode = tmp_path.stat().st_mode & 0o777
+    new = tmp_path / "cache"
+    assert prepare_offload_dir(str(new), 10) == str(new)
+    assert new.is_dir() and (new.stat().st_mode & 0o777) == 0o700
+    assert tmp_path.stat().st_mode & 0o777 == mode
+    with pytest.raises(OffloadError, match=r"unmounted/cache.*parent.*unmounted.*10 bytes"):
+        prepare_offload_dir(tmp_path / "unmounted" / "cache", 10)
+    assert not (tmp_path / "unmounted").exists()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OffloadError, match="afile.*not a folder"):
+        prepare_offload_dir(tmp_path / "afile")

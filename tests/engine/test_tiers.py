@@ -134,6 +134,20 @@ def test_missing_offload_dir_names_path_and_bytes(tmp_path):
                         EngineConfig(device="cpu", offload_dir=str(missing)))
 
 
+def test_offload_dir_is_created_user_only_when_its_parent_exists(tmp_path):
+    made = tmp_path / "nvme" / "cache"
+    made.parent.mkdir()
+    e = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
+                        EngineConfig(device="cpu", offload_dir=str(made)))
+    try:
+        assert made.is_dir() and (made.stat().st_mode & 0o777) == 0o700
+        _train(e, steps=1)
+        assert e.memory_report()["disk"]["used_bytes"] > 0  # the tier really lives there
+        assert any(made.iterdir())
+    finally:
+        e.close()
+
+
 def test_unwritable_offload_dir(tmp_path):
     """As root (CI) the engine is built by an unprivileged user in a forked child."""
     from megatrain_nb.engine.disk_store import OffloadError

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS_DIR = REPO / "tests"
 QUICKSTART = REPO / "notebooks" / "01-quickstart.ipynb"
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = os.environ.get("MEGATRAIN_NB_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+from tests.browser import CHROMIUM  # noqa: E402
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
@@ -51,9 +51,9 @@ START_TIMEOUT_MS = int(os.environ.get("MEGATRAIN_NB_E2E_START_TIMEOUT", "300")) 
 
 
 def _require_browser() -> None:
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"chromium not found at {CHROMIUM} (apt-get install -y chromium)")
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    from tests.browser import require_browser
+
+    require_browser()
 
 
 def _free_port() -> int:

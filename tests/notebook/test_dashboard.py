@@ -51,9 +51,9 @@ def test_message_rate_is_bounded_during_hundreds_of_fast_steps(fake_session, rec
     s.train()
     t0 = time.monotonic()
     d2 = s.dashboard()  # attaches the live publisher (no kernel here, so train() displayed nothing)
-    assert d2 is d and s._live is not None
+    assert d2 is d and s.publisher is not None
     s.wait(timeout=60)
-    s._live.join(5)
+    s.publisher.join(5)
     t1 = time.monotonic()
     duration = t1 - t0
     assert duration > 2.0, "the run should last a few seconds for the rate to mean something"
@@ -82,8 +82,8 @@ def test_message_rate_is_bounded_during_hundreds_of_fast_steps(fake_session, rec
     assert sum(t.x[1] for t in d.training_fig.data[3:8]) == pytest.approx(100 * 16000 / 64000)
     # the training thread never touched a widget; the publisher is gone with the run
     senders = {m[4] for m in recording.messages}
-    assert f"megatrain-nb-{s.name}" not in senders
-    assert f"megatrain-nb-publisher-{s.name}" in senders and not s._live._thread.is_alive()
+    assert f"mtnb-session-{s.name}" not in senders
+    assert f"mtnb-publisher-{s.name}" in senders and not s.publisher.running
 
 
 def test_buttons_and_the_lr_field_change_the_run(fake_session, recording):
@@ -201,8 +201,22 @@ def test_failed_run_shows_the_error_in_the_header(fake_session, recording):
     d = s.dashboard()
     s.train()
     s.dashboard()
-    assert s._live is not None
+    assert s.publisher is not None
     with pytest.raises(RuntimeError):
         s.wait(timeout=10)
-    s._live.join(5)
+    s.publisher.join(5)
     assert "failed" in d.header.value and "bad batch" in d.header.value and "Traceback" in d.header.value
+
+
+def test_refresh_serves_each_registered_panel_and_resends_only_what_changed(fake_session):
+    from megatrain_nb.notebook.dashboard import PANELS
+
+    names = [p.name for p in PANELS]
+    assert len(set(names)) == len(names) and {"header", "controls", "training", "layers"} <= set(names)
+    s = fake_session(total_steps=3)
+    d = s.dashboard()  # idle: refreshed once, every panel
+    assert d.refresh(force=True) == 0  # nothing changed since
+    d.layer_select.value = d.layer_select.options[-1]  # a user's choice shows at once, only that panel
+    assert d.refresh() == 1 and "no statistics yet" in d.layer_stats.value
+    s.train(block=True)
+    assert d.refresh(force=True) >= 3  # header, controls (state), training, layers... changed

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = os.environ.get("MEGATRAIN_NB_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+from tests.browser import CHROMIUM  # noqa: E402
 
 CELLS = [
     f"""import sys
@@ -49,9 +49,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"chromium not found at {CHROMIUM}")
-    pytest.importorskip("playwright.sync_api")
+    from tests.browser import require_browser
+
+    require_browser()
     base = tmp_path_factory.mktemp("dashboard-e2e")
     root = base / "work"
     root.mkdir()

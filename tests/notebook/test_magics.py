@@ -85,5 +85,7 @@ def test_dashboard_magic_displays_the_widget(ip, fake_session, monkeypatch):
     s = fake_session(total_steps=5)
     s.train(block=True)
     ip.run_line_magic("megatrain", "dashboard")
-    assert isinstance(s._dashboard, Dashboard) and shown
-    assert "finished" in s._dashboard.header.value
+    d = s.dashboard()  # the session keeps one widget: the one the magic displayed
+    assert isinstance(d, Dashboard)
+    assert any((x.get("application/vnd.jupyter.widget-view+json") or {}).get("model_id") == d.model_id for x in shown)
+    assert "finished" in d.header.value

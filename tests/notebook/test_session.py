@@ -18,7 +18,7 @@ def test_train_returns_at_once_and_runs_in_background(fake_session):
     assert wait_until(lambda: s.step >= 3)
     assert s.wait(timeout=20) == "finished"
     assert s.step == 40 and len(s.history) == 40
-    assert s.trainer.threads_seen == {f"megatrain-nb-{s.name}"}
+    assert s.trainer.threads_seen == {f"mtnb-session-{s.name}"}
     assert not s.engine.closed  # a finished run keeps its weights for generate()/inspect()
     s.close()
     assert s.engine.closed
@@ -78,7 +78,7 @@ def test_stop_ends_within_one_step_and_releases_everything(fake_session, tmp_pat
     assert s.state == "stopped"
     assert s.engine.closed and s.trainer.closed_generator
     assert not [t.name for t in threading.enumerate()
-                if t.name == f"megatrain-nb-{s.name}" or s.id in t.name]  # training thread, beacon
+                if t.name == f"mtnb-session-{s.name}" or s.id in t.name]  # training thread, beacon
     assert os.path.isfile(tmp_path / "kept" / "state.json")
     kinds = [e["kind"] for e in s.events]
     assert kinds == ["checkpoint", "stop"]
@@ -196,3 +196,19 @@ def test_wait_until_a_step(fake_session):
     assert s.wait(until_step=20, timeout=10) == "running"
     assert 20 <= s.step < 300
     assert s.wait(until_step=10_000, timeout=20) == "finished"
+
+
+def test_help_shows_a_docstring_for_every_public_member():
+    """help(mt.Session) / help(mt.Trainer): no member without its own docstring (pydoc would
+    otherwise show the section comment above it)."""
+    import inspect
+
+    import megatrain_nb as mt
+
+    for cls in (mt.Session, mt.Trainer):
+        for name, member in vars(cls).items():
+            if name.startswith("_") or not (callable(member) or isinstance(member, (property, classmethod))):
+                continue
+            target = member if isinstance(member, property) else getattr(member, "__func__", member)
+            doc = inspect.getdoc(target)
+            assert doc and "----" not in doc, f"{cls.__name__}.{name}"

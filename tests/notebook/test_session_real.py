@@ -58,7 +58,7 @@ def test_real_run_with_controls_inspect_and_generate(real_session, tmp_path):
     assert [e["kind"] for e in s.events] == ["pause", "lr", "checkpoint", "resume", "stop"]
     for r in s.history:
         assert r["lr"] == (1e-3 if r["step"] <= held else 5e-4)
-    assert s.engine._closed
+    assert s.engine.closed
 
 
 def test_resume_from_a_session_checkpoint(real_session, tmp_path):
@@ -98,7 +98,7 @@ def test_an_engine_error_at_step_5_fails_the_session(real_session, monkeypatch):
     s.train()
     with pytest.raises(FloatingPointError, match="step 5"):
         s.wait(timeout=60)
-    assert s.state == "failed" and s.step == 4 and s.engine._closed
+    assert s.state == "failed" and s.step == 4 and s.engine.closed
     assert s.events[-1]["kind"] == "error"
 
 

@@ -112,3 +112,56 @@ def test_bad_resume_paths_are_named(tmp_path):
     tr.train()
     with pytest.raises(CheckpointError, match="the latest being"):
         tr.train(resume_from_checkpoint=str(tmp_path / "out"))
+
+
+def test_runs_sharing_an_output_dir_stay_apart(tmp_path):
+    """A second, fresh run into the same folder: its own run id, the limit kept with the older
+    run's checkpoints removed first, only its checkpoints offered, a marker in metrics.jsonl."""
+    import io
+    import json
+
+    from megatrain_nb.cli import print_summary
+
+    def run(steps, resume=None, limit=2):
+        tr = Trainer(model=micro_model(), train_dataset=token_dataset(12),
+                     args=args(tmp_path, max_steps=steps, save_strategy="steps", save_steps=1,
+                               save_total_limit=limit), device="cpu")
+        tr.train(resume_from_checkpoint=resume)
+        return tr
+
+    first = run(4)
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4"]
+    second = run(2)
+    assert second.run_id and second.run_id != first.run_id
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]  # limit 2, all its own
+    assert list_checkpoints(tmp_path, run_id=first.run_id) == []
+    assert latest_checkpoint(tmp_path).name == "checkpoint-2"
+    text = io.StringIO()
+    print_summary(second, {"steps": 2, "seconds": 1.0, "tokens": 1, "tokens_per_s": 1.0, "first_loss": None},
+                  model_dir=None, eval_metrics=None, out=text)
+    offered = [line for line in text.getvalue().splitlines() if "checkpoints" in line]
+    assert offered and "checkpoint-2" in offered[0] and "checkpoint-4" not in offered[0]
+
+    third = run(3, resume=True)  # continues the second run
+    assert third.run_id == second.run_id and third.state.global_step == 3
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    starts = [x for x in lines if x.get("event") == "run_start"]
+    assert [x["run_id"] for x in starts] == [first.run_id, second.run_id, second.run_id]
+    assert starts[2]["resumed_from"].endswith("checkpoint-2") and starts[1]["resumed_from"] is None
+    assert all("run_id" in x for x in lines)
+    steps = [x["step"] for x in third.metrics_log.read(run_id=second.run_id) if "loss" in x and "event" not in x]
+    assert steps == [1, 2, 3]
+
+
+def test_resume_true_picks_the_latest_run_not_the_highest_step(tmp_path):
+    def run(steps, resume=None):
+        tr = Trainer(model=micro_model(), train_dataset=token_dataset(12),
+                     args=args(tmp_path, max_steps=steps, save_strategy="steps", save_steps=1), device="cpu")
+        tr.train(resume_from_checkpoint=resume)
+        return tr
+
+    run(3)
+    later = run(1)
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert latest_checkpoint(tmp_path).name == "checkpoint-1"  # the later run's, not the earlier run's step 3
+    assert list_checkpoints(tmp_path, run_id=later.run_id) == [tmp_path / "checkpoint-1"]

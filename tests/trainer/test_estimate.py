@@ -41,3 +41,65 @@ def test_model_folder_config_file_and_objects(tmp_path):
     assert by_folder.num_parameters == by_file.num_parameters == by_config.num_parameters == 172352
     with pytest.raises(ValueError, match="preset"):
         estimate("no-such-model")
+
+
+def test_per_tier_table_with_and_without_compression():
+    est = estimate("llama-100b", vram_gb=80, ram_gb=512, disk_gb=4096, compression="int8")
+    assert set(est.by_codec) == {"none", "int8", "int4"}
+    disk = {c: p.disk["total"] for c, p in est.by_codec.items()}
+    n = est.num_parameters
+    assert disk["none"] - disk["int8"] == pytest.approx(n * (8 - 2.0625), rel=0.01)  # fp32 moments vs int8 codes
+    assert disk["int4"] < disk["int8"] < disk["none"]
+    text = str(est)
+    table = text[text.index("per tier, with and without"):].splitlines()[1:5]
+    assert table[0].split()[:4] == ["optimizer", "states", "device", "host"]
+    assert table[1].startswith("none (fp32, exact)") and "1.09 TiB" in table[1] and table[1].endswith("yes")
+    assert table[2].startswith("int8 (lossy) *")  # the codec of this estimate is marked
+
+
+def test_no_advice_to_compress_what_is_already_compressed():
+    for codec, hint in (("none", "'int8' (or 'int4')"), ("int8", "'int4'"), ("int4", None)):
+        est = estimate("llama-100b", vram_gb=80, ram_gb=None, disk_gb=100, compression=codec)
+        assert est.limiting_tier == "disk"
+        reason = est.plan.reason
+        if hint is None:
+            assert "compression" not in reason and "compress" not in reason, reason
+        else:
+            assert f"optimizer_compression={hint}" in reason, reason
+
+
+def test_cli_messages_name_flags(capsys):
+    from megatrain_nb.cli import main
+
+    assert main(["estimate", "llama-100b", "--vram", "80", "--ram", "64", "--disk", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "feasible: NO (limiting tier: host)" in out
+    assert main(["estimate", "llama-100b", "--vram", "80", "--ram", "512", "--disk", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "--compression int4" in out and "optimizer_compression" not in out
+    assert main(["estimate", "llama-7b", "--vram", "0.5", "--ram", "auto", "--disk", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "raise --vram" in out and "pass --ram GiB" in out
+    for py in ("ram_gb", "disk_gb", "vram_gb", "max_vram_gb", "max_host_gb"):
+        assert py not in out, py
+    est = estimate("llama-7b", vram_gb=0.5, ram_gb="auto", disk_gb=None)
+    assert "max_vram_gb" in str(est) and "ram_gb=..." in str(est)  # the Python API keeps Python names
+
+
+def test_the_readme_estimate_examples_say_what_they_mean(capsys):
+    """Each `megatrain-nb estimate ...` line in the README runs without depending on this machine."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from megatrain_nb.cli import main
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = re.findall(r"^megatrain-nb (estimate [^#\n]*)", readme, flags=re.M)
+    assert lines
+    for line in lines:
+        argv = shlex.split(line)
+        assert "--disk" in argv and "--ram" in argv, line  # explicit budgets, not this machine's
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "feasible: yes" in out and "this machine" not in out, line

@@ -212,3 +212,17 @@ def test_callback_can_end_an_epoch_early(tmp_path):
                  args=args(tmp_path, num_train_epochs=2), device="cpu")
     epochs = [r["epoch"] for r in tr.iter_steps()]
     assert epochs[0] == 0.25 and epochs[1] == 1.25  # epoch 0 stopped after one of its four batches
+
+
+def test_accumulation_runs_layer_major(tmp_path):
+    """gradient_accumulation_steps=4: one layer-major window per step, each layer loaded twice
+    per step, no host gradient accumulator (no clipping)."""
+    ds = token_dataset(16)
+    tr = Trainer(model=micro_model(), train_dataset=ds, device="cpu",
+                 args=args(tmp_path, gradient_accumulation_steps=4, max_grad_norm=0.0, max_steps=2))
+    records = list(tr.iter_steps())
+    last = records[-1]["telemetry"]["last_step"]
+    assert last["micro_batches"] == 4 and last["groups"] == 1 and last["loads_per_layer"] == 2
+    assert last["tokens_per_weight_fetch"] == records[-1]["tokens"] / 2
+    assert records[-1]["memory"]["host"]["grads"] == 0
+    tr.close()

@@ -1,0 +1,136 @@
+"""Layer-major accumulation against the micro-batch-major path: loads per layer per step, host
+peak RSS, step time, and the estimator's host RAM for llama-100b (batch 1 x accumulation 128).
+
+    python benchmarks/bench_accumulation.py          # ~2 minutes on 2 cores
+
+Each (path, accumulation) runs in its own process, so its peak RSS is its own. The same
+micro-batch is used for every A; accumulation A = 1, 4, 16. Ends with RESULT lines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, median, result  # noqa: E402
+
+
+def child(a) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common import peak_rss_bytes
+    from megatrain_nb.engine import EngineConfig, StreamingEngine
+
+    cfg = AutoConfig.for_model("llama", vocab_size=a.vocab, hidden_size=a.hidden,
+                               intermediate_size=int(a.hidden * 8 / 3), num_hidden_layers=a.layers,
+                               num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    engine = StreamingEngine(AutoModelForCausalLM.from_config(cfg), EngineConfig(device="cpu"))
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq))
+    window = [ids] * a.accumulation
+    n_items = a.accumulation * a.batch * (a.seq - 1)
+
+    def step():
+        if a.path == "layer_major":
+            engine.forward_backward(window, step_lr=1e-4)
+            return
+        for i, b in enumerate(window):
+            engine.forward_backward(b, num_items_in_batch=n_items,
+                                    step_lr=1e-4 if i == len(window) - 1 else None)
+
+    step()  # warm-up: optimizer states, buffers
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    engine.updates.wait_all()
+    last = engine.telemetry()["last_step"]
+    mem = engine.memory_report()
+    out = {"step_s": median(times), "times": times, "loads_per_layer": last["loads_per_layer"],
+           "tokens_per_weight_fetch": last["tokens_per_weight_fetch"],
+           "h2d_bytes": last["host_to_device_bytes"], "peak_rss": peak_rss_bytes(),
+           "host_grads": mem["host"]["grads"], "params": engine.num_parameters()}
+    engine.close()
+    return out
+
+
+def run_child(path, A, a) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--path", path, "--accumulation", str(A)]
+    for k in ("layers", "hidden", "vocab", "batch", "seq", "steps"):
+        cmd += [f"--{k}", str(getattr(a, k))]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr[-3000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def estimator_figures() -> None:
+    """llama-100b, batch 1 x accumulation 128, 80 GiB device, 1 TiB RAM: host RAM before
+    (micro-batch-major) and after (layer-major), with and without clipping, fp32 and bf16."""
+    import megatrain_nb as mt
+
+    kw = dict(vram_gb=80, ram_gb=1024, disk_gb=4096, batch=1, seq=2048, accumulation=128)
+    for prec in ("fp32", "bf16"):
+        before = mt.estimate("llama-100b", layer_major=False, precision=prec, **kw)
+        b = before.plan.host["total"] / 2**30
+        result(f"estimate_llama100b_acc128_{prec}_host_before", b, "GiB", ">", 0)
+        for clip in (False, True):
+            after = mt.estimate("llama-100b", clipping=clip, precision=prec, **kw)
+            h = {k: round(v / 2**30, 1) for k, v in after.plan.host.items()}
+            print(f"llama-100b acc 128 {prec} layer-major{' + clipping' if clip else ''}: host {h}; {after.notes[0]}")
+            tag = f"estimate_llama100b_acc128_{prec}{'_clip' if clip else ''}"
+            result(f"{tag}_host_after", after.plan.host["total"] / 2**30, "GiB", "<", round(b, 1))
+            result(f"{tag}_loads_per_layer", after.plan.window["loads_per_layer"], "loads", "<=", 2)
+            result(f"{tag}_tokens_per_fetch", after.plan.window["tokens_per_weight_fetch"], "tokens", ">=", 12000)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--path", default="layer_major")
+    ap.add_argument("--accumulation", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--estimate-only", action="store_true", help="only the estimator figures")
+    a = ap.parse_args(argv)
+    if a.estimate_only:
+        estimator_figures()
+        return 0
+    if a.child:
+        print(json.dumps(child(a)))
+        return 0
+    print(machine())
+    print(f"model: llama {a.layers} layers x {a.hidden} hidden, vocab {a.vocab}; micro-batch {a.batch} x {a.seq}; "
+          f"{a.steps} timed steps per case, each case in its own process")
+    res = {}
+    for A in (1, 4, 16):
+        for path in ("micro_batch_major", "layer_major"):
+            r = res[(path, A)] = run_child(path, A, a)
+            print(f"A={A:>2} {path:<18} step {r['step_s']:.3f}s {[round(t, 3) for t in r['times']]}  loads/layer "
+                  f"{r['loads_per_layer']:g}  tokens/fetch {r['tokens_per_weight_fetch']:g}  h2d "
+                  f"{r['h2d_bytes'] / 2**20:.0f} MiB  peak RSS {r['peak_rss'] / 2**20:.0f} MiB  host grads "
+                  f"{r['host_grads'] / 2**20:.0f} MiB", flush=True)
+    acc_bytes = 4 * res[("layer_major", 1)]["params"]
+    print(f"fp32 gradient accumulator of this model: {acc_bytes / 2**20:.0f} MiB")
+    for A in (1, 4, 16):
+        lm, mb = res[("layer_major", A)], res[("micro_batch_major", A)]
+        result(f"accum_loads_per_layer_A{A}", lm["loads_per_layer"], "loads", "==", 2)
+        result(f"accum_rss_saved_A{A}", (mb["peak_rss"] - lm["peak_rss"]) / 2**20, "MiB", ">=",
+               round(acc_bytes / 2**20) if A > 1 else 0)
+        result(f"accum_step_vs_micro_batch_major_A{A}", lm["step_s"] / mb["step_s"], "x", "<=", 1.05)
+    estimator_figures()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,440 @@
+"""The process group of a run spread over several ranks: who we are, which device we drive,
+how each unit's flat buffer is cut into per-rank shards, and the three collectives the sharded
+engine needs (gather a unit, reduce-scatter its gradient, all-reduce a few numbers).
+
+One object, :class:`Dist`, owns all of it (as picotron's process-group manager does), so the
+engine, the trainer and the tests never call ``torch.distributed`` themselves. A run in one
+process gets ``Dist.single()``: world 1, every collective a copy, no torch.distributed at all.
+
+Shards: a unit's ``numel`` elements are cut into ``world`` contiguous shards of ``shard``
+elements each (the last ones may be short, or empty for a tiny unit); ``shard`` is a multiple of
+:data:`SHARD_ALIGN`, the largest codec block, so a compressed Adam state's blocks never straddle
+a shard boundary and a shard's blocks are the same blocks whatever the world size (a checkpoint
+written by N ranks can be re-cut for M without re-encoding). On the wire every shard is padded
+to ``shard`` elements, as the collectives need equal pieces.
+
+Traffic: every collective adds to :attr:`Dist.traffic` the bytes this rank sends with the
+algorithm the backend uses (``sent``) and the floor for the operation on the unpadded data
+(``minimum``: (N-1)/N of the unit for a gather or a reduce-scatter, 2(N-1)/N for an all-reduce,
+the ring algorithms NCCL uses). Where a backend lacks a collective we fall back to one it has
+(gloo before torch 2.6 had no reduce-scatter: all-reduce and keep our slice), and ``sent``
+says what that costs.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from .codecs import INT4_BLOCK, INT8_BLOCK
+
+#: Shard sizes are multiples of this: every codec block size divides it.
+SHARD_ALIGN = max(INT8_BLOCK, INT4_BLOCK)
+assert SHARD_ALIGN % INT8_BLOCK == 0 and SHARD_ALIGN % INT4_BLOCK == 0
+
+#: Bound on every wait of a collective (init included), unless the caller passes another.
+DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRAIN_DIST_TIMEOUT_S", 600))
+
+
+class DistError(RuntimeError):
+    """The ranks cannot work together (they disagree, or the process group is missing)."""
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one flat buffer of ``numel`` elements is cut over ``world`` ranks."""
+
+    numel: int
+    world: int
+    shard: int          # elements per rank on the wire (padded); a multiple of the alignment
+
+    @classmethod
+    def make(cls, numel: int, world: int, align: int = SHARD_ALIGN) -> "ShardLayout":
+        if numel < 0 or world < 1 or align < 1:
+            raise ValueError(f"ShardLayout: numel={numel}, world={world}, align={align}; need numel >= 0, "
+                             "world >= 1, align >= 1")
+        per_rank = -(-numel // world)
+        return cls(numel=numel, world=world, shard=max(align, -(-per_rank // align) * align))
+
+    @property
+    def padded(self) -> int:
+        return self.shard * self.world
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's real elements in the full buffer (start == end: it owns none)."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is outside world size {self.world}")
+        start = min(rank * self.shard, self.numel)
+        return start, min(start + self.shard, self.numel)
+
+    def numel_of(self, rank: int) -> int:
+        s, e = self.bounds(rank)
+        return e - s
+
+    def local_range(self, rank: int, lo: int, hi: int) -> tuple[int, int]:
+        """The part of the full buffer's [lo, hi) that rank owns, in its shard's coordinates
+        (e.g. the weight-decayed prefix of a unit, for the update of a shard)."""
+        s, e = self.bounds(rank)
+        a, b = max(lo, s), min(hi, e)
+        return (a - s, b - s) if a < b else (0, 0)
+
+    def shard_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank's slice of a full flat buffer (a view)."""
+        if full.numel() < self.numel:
+            raise ValueError(f"buffer of {full.numel()} elements is shorter than the layout's {self.numel}")
+        s, e = self.bounds(rank)
+        return full.view(-1)[s:e]
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent, per kind of collective: what the backend's algorithm sends and the
+    floor for the same operation on the unpadded data."""
+
+    sent: dict = field(default_factory=dict)
+    minimum: dict = field(default_factory=dict)
+    calls: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._lock = threading.Lock()   # the pager's and the gradients' threads both count
+
+    def add(self, kind: str, sent: float, minimum: float) -> None:
+        with self._lock:
+            self.sent[kind] = self.sent.get(kind, 0) + int(sent)
+            self.minimum[kind] = self.minimum.get(kind, 0) + int(minimum)
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def total(self) -> tuple[int, int]:
+        return sum(self.sent.values()), sum(self.minimum.values())
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.minimum.clear()
+        self.calls.clear()
+
+
+class Pending:
+    """A collective in flight; :meth:`wait` returns its result (bounded by the group's timeout)."""
+
+    def __init__(self, work, finish: Callable[[], torch.Tensor]):
+        self._work, self._finish, self._result = work, finish, None
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
+
+
+def _done(t: torch.Tensor) -> Pending:
+    return Pending(None, lambda: t)
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise DistError(f"environment variable {name}={v!r} is not an integer (torchrun sets it)") from None
+
+
+class Dist:
+    """Rank, world size, device and collectives of one run. Build it with :meth:`single`,
+    :meth:`from_env` (torchrun) or ``Dist(group)`` for a group the caller made."""
+
+    def __init__(self, group=None, *, device: Optional[torch.device | str] = None,
+                 local_rank: Optional[int] = None, timeout_s: Optional[float] = None,
+                 _single: bool = False):
+        import torch.distributed as tdist
+
+        self.traffic = Traffic()
+        self._lock = threading.Lock()
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        self.owns_group = False
+        if _single:
+            self.group, self.rank, self.world, self.backend = None, 0, 1, None
+        else:
+            if not (tdist.is_available() and tdist.is_initialized()):
+                raise DistError("Dist(group): torch.distributed is not initialised; use Dist.from_env() "
+                                "under torchrun, or Dist.single() for one process")
+            self.group = group
+            self.rank = tdist.get_rank(group)
+            self.world = tdist.get_world_size(group)
+            self.backend = str(tdist.get_backend(group)).lower()
+        self.local_rank = _env_int("LOCAL_RANK", self.rank if self.world > 1 else 0) \
+            if local_rank is None else int(local_rank)
+        self.device = torch.device(device) if device is not None else self._default_device()
+        if self.backend == "nccl" and self.device.type != "cuda":
+            raise DistError(f"the NCCL backend needs a CUDA device, got {self.device}; use gloo on the CPU")
+        self._native = self._probe_collectives()
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def single(cls, device: Optional[torch.device | str] = None) -> "Dist":
+        """One process: world 1, no torch.distributed."""
+        return cls(_single=True, device=device if device is not None else "cpu")
+
+    @classmethod
+    def from_env(cls, *, backend: Optional[str] = None, device: Optional[torch.device | str] = None,
+                 timeout_s: Optional[float] = None) -> "Dist":
+        """The run's group: the default group if one exists, else one built from torchrun's
+        environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), else :meth:`single`.
+        NCCL when this rank drives a CUDA device, gloo otherwise; every wait is bounded by
+        ``timeout_s``."""
+        import torch.distributed as tdist
+
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        if tdist.is_available() and tdist.is_initialized():
+            return cls(None, device=device, timeout_s=timeout_s)
+        world = _env_int("WORLD_SIZE", 1)
+        if world <= 1:
+            return cls.single(device=device)
+        if not tdist.is_available():
+            raise DistError(f"WORLD_SIZE={world} but this torch build has no torch.distributed")
+        local_rank = _env_int("LOCAL_RANK", 0)
+        if device is None:
+            device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if backend is None:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        kwargs = {}
+        if backend == "nccl":
+            kwargs["device_id"] = device  # eager NCCL init: a missing peer fails within the timeout
+        tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        d = cls(None, device=device, local_rank=local_rank, timeout_s=timeout_s)
+        d.owns_group = True
+        return d
+
+    def _default_device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device(f"cuda:{self.local_rank}")
+        return torch.device("cpu")
+
+    def channel(self, name: str) -> "Dist":
+        """A Dist over a process group of its own, for collectives issued from one worker thread
+        (the pager's gathers, the gradients' reduce-scatters): collectives on one group must be
+        issued in the same order on every rank, which two threads sharing a group cannot promise.
+        Every rank must ask for its channels in the same order (the engine does, at construction).
+        The channel counts its bytes into this object's :attr:`traffic`."""
+        if self.world == 1:
+            return self
+        with self._lock:
+            chans = self.__dict__.setdefault("_channels", {})
+            if name not in chans:
+                import torch.distributed as tdist
+
+                ranks = tdist.get_process_group_ranks(self.group) if self.group is not None else None
+                g = tdist.new_group(ranks=ranks, backend=self.backend,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+                c = Dist(g, device=self.device, local_rank=self.local_rank, timeout_s=self.timeout_s)
+                c.traffic = self.traffic
+                chans[name] = c
+            return chans[name]
+
+    def close(self) -> None:
+        """Tear down the group if this object made it."""
+        import torch.distributed as tdist
+
+        if self.owns_group and tdist.is_initialized():
+            tdist.destroy_process_group()
+        self.owns_group = False
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that logs, reports and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def layout(self, numel: int) -> ShardLayout:
+        return ShardLayout.make(int(numel), self.world)
+
+    def __repr__(self) -> str:
+        return f"Dist(rank={self.rank}, world={self.world}, backend={self.backend}, device={self.device})"
+
+    # -- collectives ---------------------------------------------------------------------------
+    def gather(self, shard: torch.Tensor, layout: ShardLayout, out: Optional[torch.Tensor] = None,
+               async_op: bool = False):
+        """Every rank's shard -> the whole flat buffer on this rank's device.
+
+        ``shard``: this rank's real elements (``layout.numel_of(rank)``, any device);
+        ``out``: an optional device buffer of ``layout.padded`` elements to fill. Returns the
+        ``[numel]`` tensor, or a :class:`Pending` with ``async_op=True`` (a prefetch)."""
+        self._check_layout(layout)
+        n_own = layout.numel_of(self.rank)
+        if shard.numel() != n_own:
+            raise ValueError(f"gather: rank {self.rank} holds {n_own} elements of this unit, got a shard of "
+                             f"{shard.numel()}")
+        if out is None:
+            out = torch.empty(layout.padded, dtype=shard.dtype, device=self.device)
+        elif out.numel() < layout.padded or out.device != self.device:
+            raise ValueError(f"gather: out must hold {layout.padded} elements on {self.device}, got "
+                             f"{out.numel()} on {out.device}")
+        out = out.view(-1)[:layout.padded]
+        if self.world == 1:
+            out[:n_own].copy_(shard.view(-1), non_blocking=True)
+            return _done(out[:layout.numel]) if async_op else out[:layout.numel]
+        import torch.distributed as tdist
+
+        mine = out[self.rank * layout.shard:(self.rank + 1) * layout.shard]
+        mine[:n_own].copy_(shard.view(-1), non_blocking=True)
+        if n_own < layout.shard:
+            mine[n_own:].zero_()  # padding travels; keep it deterministic
+        esize, n = out.element_size(), self.world
+        self.traffic.add("gather", (n - 1) * layout.shard * esize, (n - 1) * layout.numel * esize / n)
+        if self._native["gather"]:
+            work = _all_gather_single(out, mine, self.group, async_op)
+        else:
+            # Inputs must not alias outputs for the list form: send a copy of our piece.
+            pieces = list(out.split(layout.shard))
+            work = tdist.all_gather(pieces, mine.clone(), group=self.group, async_op=async_op)
+        full = out[:layout.numel]
+        return Pending(work, lambda: full) if async_op else full
+
+    def reduce_scatter(self, full: torch.Tensor, layout: ShardLayout, async_op: bool = False):
+        """Sum a full flat buffer (a gradient) over ranks and return this rank's shard of the sum
+        (``layout.numel_of(rank)`` elements, on ``full``'s device).
+
+        ``full`` holds ``numel`` or ``padded`` elements; with ``padded`` (tail zero) no copy is
+        made. The result is a fresh tensor (or a :class:`Pending` with ``async_op=True``)."""
+        self._check_layout(layout)
+        flat = full.view(-1)
+        n_own = layout.numel_of(self.rank)
+        if self.world == 1:
+            if flat.numel() < layout.numel:
+                raise ValueError(f"reduce_scatter: got {flat.numel()} elements, the unit has {layout.numel}")
+            res = flat[:layout.numel].clone()
+            return _done(res) if async_op else res
+        import torch.distributed as tdist
+
+        if flat.numel() == layout.padded:
+            src = flat
+        elif flat.numel() == layout.numel:
+            src = torch.zeros(layout.padded, dtype=flat.dtype, device=flat.device)
+            src[:layout.numel].copy_(flat)
+        else:
+            raise ValueError(f"reduce_scatter: got {flat.numel()} elements; expected {layout.numel} or the "
+                             f"padded {layout.padded}")
+        esize, n = flat.element_size(), self.world
+        minimum = (n - 1) * layout.numel * esize / n
+        if self._native["reduce_scatter"]:
+            out = torch.empty(layout.shard, dtype=flat.dtype, device=flat.device)
+            work = _reduce_scatter_single(out, src, self.group, async_op)
+            self.traffic.add("reduce_scatter", (n - 1) * layout.shard * esize, minimum)
+            return Pending(work, lambda: out[:n_own]) if async_op else out[:n_own]
+        # Fallback (gloo without reduce-scatter): all-reduce the whole buffer, keep our slice.
+        # A ring all-reduce sends twice what a reduce-scatter would.
+        buf = src.clone() if src is flat else src
+        work = tdist.all_reduce(buf, group=self.group, async_op=async_op)
+        self.traffic.add("reduce_scatter", 2 * (n - 1) * layout.shard * esize, minimum)
+        s = self.rank * layout.shard
+
+        def finish():
+            return buf[s:s + n_own].clone()
+
+        return Pending(work, finish) if async_op else finish()
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over ranks in place (e.g. per-shard squared gradient norms). Returns ``t``."""
+        if self.world == 1:
+            return t
+        import torch.distributed as tdist
+
+        n, b = self.world, t.numel() * t.element_size()
+        self.traffic.add("all_reduce", 2 * (n - 1) * b / n, 2 * (n - 1) * b / n)
+        dev = self.device if (self.backend == "nccl") else torch.device("cpu")
+        if t.device != dev:  # NCCL reduces device tensors only; gloo works on the CPU
+            tmp = t.to(dev)
+            tdist.all_reduce(tmp, group=self.group)
+            t.copy_(tmp)
+        else:
+            tdist.all_reduce(t, group=self.group)
+        return t
+
+    def sum(self, value: float | int) -> float | int:
+        """A number summed over ranks (token counts, loss sums); exact for integers below 2**53."""
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        self.all_reduce_(t)
+        out = t.item()
+        return int(round(out)) if isinstance(value, int) else out
+
+    def all_gather_object(self, obj: Any) -> list:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as tdist
+
+        out: list = [None] * self.world
+        tdist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def check_same(self, what: str, value: Any) -> None:
+        """Refuse to start when the ranks disagree on ``value`` (model, codec, seed, data...):
+        raise on every rank, naming the ranks and their values."""
+        values = self.all_gather_object(value)
+        if any(v != values[0] for v in values):
+            detail = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise DistError(f"the ranks disagree on {what} ({detail}); every rank must start the run with "
+                            "the same settings")
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as tdist
+
+            if self.backend == "nccl":
+                tdist.barrier(group=self.group, device_ids=[self.device.index or 0])
+            else:
+                tdist.barrier(group=self.group)
+
+    def _probe_collectives(self) -> dict:
+        """Which single-tensor collectives the backend has. NCCL has both; gloo gained them in
+        later torch releases. Every rank runs the same probe at the same point, so a collective
+        that is missing fails on all of them before any data moves (an unsupported op raises at
+        the call, before it is enqueued)."""
+        native = {"gather": True, "reduce_scatter": True}
+        if self.world == 1 or self.backend == "nccl":
+            return native
+        dev = self.device
+        for name, run in (("gather", lambda: _all_gather_single(
+                                torch.zeros(self.world, device=dev), torch.zeros(1, device=dev), self.group, False)),
+                          ("reduce_scatter", lambda: _reduce_scatter_single(
+                                torch.zeros(1, device=dev), torch.zeros(self.world, device=dev), self.group, False))):
+            try:
+                run()
+            except (NotImplementedError, RuntimeError) as e:
+                if "support" not in str(e).lower() and not isinstance(e, NotImplementedError):
+                    raise  # a real failure (a peer died, a timeout): not a missing feature
+                native[name] = False
+        return native
+
+    def _check_layout(self, layout: ShardLayout) -> None:
+        if layout.world != self.world:
+            raise ValueError(f"layout cut for world size {layout.world}, this group has {self.world} ranks")
+
+
+def _all_gather_single(out, inp, group, async_op):
+    import torch.distributed as tdist
+
+    fn = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _reduce_scatter_single(out, inp, group, async_op):
+    import torch.distributed as tdist
+
+    fn = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)

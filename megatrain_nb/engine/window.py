@@ -1,0 +1,366 @@
+"""Layer-major accumulation: a whole accumulation window (A micro-batches) through the model
+with every unit resident once per pass.
+
+Forward: each unit, once on the device, runs all A micro-batches; the layer-boundary
+activations (the input of every k-th layer, per micro-batch) stay in a :class:`BoundaryStore`
+(device or host tier). Backward: the units in reverse, each resident once, recompute and
+back-propagate every micro-batch; the unit's gradient is summed on the device (fp32) and leaves
+once, final, so its update can start at once (the update scheduler's path). With
+checkpoint interval 1 every layer crosses to the device twice per step, whatever A.
+
+The model's own code still runs for everything outside the layers. The base model's forward
+is run per micro-batch with the layer proxies switched into one of two modes
+(``StepRunner.intercept``):
+
+* *capture*: each proxy records how the model called its layer (masks per layer type, rotary
+  embeddings, positions: everything but the hidden state) and passes the hidden state through
+  untouched; layer 0's input is the embedding's output. Nothing of the layers runs.
+* *replay*: the last layer's proxy returns that micro-batch's real final hidden state (a leaf
+  that collects its gradient), so the model's own post-layer code (final norm) runs on it.
+
+The real layers are then called by this module, unit outer, micro-batch inner, with each
+micro-batch's captured arguments. The embedding's part is captured again at the end of the
+backward (same RNG state) to back-propagate into the embedding weights, so no autograd graph
+is held across the step.
+
+Dropout: the RNG state at each (micro-batch, layer) call is recorded in the forward and
+restored for the recompute, so the backward sees the forward's masks. The draws happen in
+layer-major order, so with dropout and A > 1 the masks differ from those of the micro-batch-
+major path (same distribution; with A = 1 they are the same).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .proxies import bind, unbind
+from .step import StepRunner, _Call, _first, _StepContext
+from .units import Unit
+from .updates import StepContext
+
+
+class BoundaryStore:
+    """Layer-boundary activations of a window, keyed (layer index, micro-batch), on the device
+    tier (kept as they are) or the host tier (copied out; pinned on CUDA, copies on the
+    compute stream so their order with the kernels that produced them is the stream's)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.tier = "device"
+        self._t: Dict[Tuple[int, int], torch.Tensor] = {}
+        # Host buffers recycled across steps (pinning is slow): a buffer's next use is a copy
+        # on the same stream as its last read, so the stream orders them.
+        self._free: Dict[tuple, List[torch.Tensor]] = {}
+        self.bytes = {"device": 0, "host": 0}
+        self.peak = {"device": 0, "host": 0}
+
+    def start(self, tier: str) -> None:
+        self.clear()
+        self.tier = tier
+        self.peak = {"device": 0, "host": 0}
+
+    def put(self, key, t: torch.Tensor) -> None:
+        if self.tier == "host":
+            free = self._free.get((tuple(t.shape), t.dtype))
+            h = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+            h.copy_(t, non_blocking=self.cuda)
+            t = h
+        self._t[key] = t
+        n = t.numel() * t.element_size()
+        self.bytes[self.tier] += n
+        self.peak[self.tier] = max(self.peak[self.tier], self.bytes[self.tier])
+
+    def pop(self, key) -> torch.Tensor:
+        t = self._t.pop(key)
+        self.bytes[self.tier] -= t.numel() * t.element_size()
+        if self.tier == "host":
+            out = t.to(self.device, non_blocking=self.cuda)
+            if self.cuda or out is not t:
+                self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+            return out
+        return t
+
+    def free_bytes(self) -> int:
+        """Recycled host buffers kept for the next window."""
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+    def clear(self) -> None:
+        self._t.clear()
+        self.bytes = {"device": 0, "host": 0}
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class WindowRunner:
+    """Runs an accumulation window layer-major on a :class:`StepRunner`'s model, units, pager
+    and helpers (head logits, chunked loss, RNG, activation accounting)."""
+
+    def __init__(self, runner: StepRunner, boundary: BoundaryStore):
+        self.r = runner
+        self.boundary = boundary
+        self.tuple_out = False     # whether the layers return a tuple (learned from real calls)
+
+    # ------------------------------------------------------------------ helpers
+    def _out(self, h):
+        return (h,) if self.tuple_out else h
+
+    def _call_layer(self, unit: Unit, call: _Call, hidden):
+        a, kw = call.with_hidden(hidden)
+        out = unit.module(*a, **kw)
+        self.tuple_out = isinstance(out, (tuple, list))
+        return _first(out)
+
+    def _capture(self, ids, am, calls: Dict[int, _Call]) -> torch.Tensor:
+        """The model's own forward up to the layers: each layer's call arguments into ``calls``;
+        returns layer 0's input (with its autograd graph when grad mode is on)."""
+        h0 = []
+
+        def intercept(unit, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            for v in list(kwargs.values()) + list(args[1:]):
+                if torch.is_tensor(v) and v.requires_grad:
+                    raise NotImplementedError(
+                        f"{type(unit.module).__name__} receives a tensor argument that needs gradients besides "
+                        "the hidden states; this family is not supported by the streaming engine yet.")
+            if unit.layer_index == 0:
+                h0.append(hidden)
+            if args:   # the hidden state itself is not kept (with_hidden puts each one in)
+                calls[unit.layer_index] = _Call((None,) + tuple(args[1:]), kwargs, True)
+            else:
+                calls[unit.layer_index] = _Call(args, {k: v for k, v in kwargs.items() if k != "hidden_states"},
+                                                False)
+            return self._out(hidden)
+
+        self.r.intercept = intercept
+        try:
+            self.r._base_forward(ids, am)
+        finally:
+            self.r.intercept = None
+        return h0[0]
+
+    def _replay(self, ids, am, h_last: torch.Tensor) -> torch.Tensor:
+        """The model's own post-layer code (final norm, ...) on ``h_last``: the base forward
+        with the last layer's proxy returning it. Under a forked RNG: the embedding's part,
+        run again here, must not draw from the step's random stream."""
+        last = len(self.r.layers) - 1
+
+        def intercept(unit, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            return self._out(h_last if unit.layer_index == last else hidden)
+
+        self.r.intercept = intercept
+        devices = [self.r.device] if self.r.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                return self.r._base_forward(ids, am)
+        finally:
+            self.r.intercept = None
+
+    @staticmethod
+    def _add(acc: torch.Tensor, unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        for p, g in zip(unit.params, grads):
+            if g is not None:
+                acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
+
+    def _fold_outer(self, acc: torch.Tensor, unit: Unit, bound: List[torch.Tensor]) -> None:
+        """Move the bound outer tensors' .grad (this micro-batch's share) into the fp32 sum."""
+        self._add(acc, unit, [t.grad for t in bound])
+        for t in bound:
+            t.grad = None
+
+    def _return(self, unit: Unit, acc: torch.Tensor) -> None:
+        self.r.pager.return_grads(unit, [acc[p.offset:p.offset + p.numel] for p in unit.params])
+
+    def _note(self, extra: int = 0) -> None:
+        self.r.ctx.saved_bytes = self.boundary.bytes["device"] + self._front_bytes
+        self.r._note_activation(self.r.ctx.saved_bytes + extra)
+
+    # ------------------------------------------------------------------ one window
+    def run(self, batches, *, loss_fn=None, step: StepContext, denom: float, tier: str) -> Tuple[float, int, int]:
+        """Forward and backward of ``batches`` (each ``(ids, am, labels)`` on the device),
+        layer-major. Returns (loss sum, target tokens, tokens)."""
+        r = self.r
+        k = r.checkpoint_interval
+        A = len(batches)
+        shifts = [F.pad(lab[:, 1:], (0, 1), value=-100) for _, _, lab in batches]
+        n_tokens = sum(int((s != -100).sum()) for s in shifts)
+        r.ctx = _StepContext(train=True, k=k)
+        r.activation_now = 0
+        self._front_bytes = 0
+        self.boundary.start(tier)
+        order = r.schedule(True)
+        r.plan_reads(order, step)
+        r.pager.set_schedule(order)
+        training = r.model.training
+        dev = r.device
+        try:
+            bound = r._bind_outer(requires_grad=True)
+            calls: List[Dict[int, _Call]] = [{} for _ in range(A)]
+            rng_embed = [None] * A
+            rng: List[Dict[int, object]] = [{} for _ in range(A)]
+            hs = []
+            for a, (ids, am, _) in enumerate(batches):
+                rng_embed[a] = r._rng_state() if training else None
+                with torch.no_grad():
+                    hs.append(self._capture(ids, am, calls[a]).detach())
+            self._front_bytes = sum(_nbytes(h) for h in hs)
+            self._note()
+
+            kept = self._forward_layers(hs, calls, rng, k)
+
+            # Head: per micro-batch, the model's own post-layer code and the chunked loss.
+            head, embed = r.head, r.embed
+            head_acc = torch.zeros(head.numel, dtype=torch.float32, device=dev) if head.numel else None
+            embed_acc = torch.zeros(embed.numel, dtype=torch.float32, device=dev) if embed.numel else None
+            loss_sum, gs = 0.0, []
+            for a, (ids, am, _) in enumerate(batches):
+                h_last = hs[a].detach().requires_grad_(True)
+                hs[a] = None
+                hidden = self._replay(ids, am, h_last)
+                leaf = hidden.detach()
+                part, grad_hidden = r._loss_chunks(leaf, shifts[a], loss_fn, denom, backward=True)
+                torch.autograd.backward(hidden, grad_hidden)
+                loss_sum += part
+                del hidden, leaf, grad_hidden
+                gs.append(h_last.grad if h_last.grad is not None else torch.zeros_like(h_last))
+                if head.numel:
+                    self._fold_outer(head_acc, head, bound[head.index])
+                if embed.numel:   # tied output embeddings
+                    self._fold_outer(embed_acc, embed, bound[embed.index])
+            self._front_bytes = sum(_nbytes(g) for g in gs)
+            if head.numel:
+                self._return(head, head_acc)
+                del head_acc
+            # (the head stays bound until the embedding's capture below: the model's post-layer
+            # code runs in every pass of its forward; its slot is its own, so this costs nothing)
+
+            gs = self._backward_layers(gs, calls, rng, k, kept)
+
+            # Embedding: its part of the forward again (same RNG state), back-propagated.
+            if embed.numel:
+                for a, (ids, am, _) in enumerate(batches):
+                    with r._restored_rng(rng_embed[a]), torch.enable_grad():
+                        h0 = self._capture(ids, am, {})
+                    if h0.requires_grad:
+                        torch.autograd.backward(h0, gs[a])
+                    gs[a] = None
+                    del h0
+                    self._fold_outer(embed_acc, embed, bound[embed.index])
+                self._return(embed, embed_acc)
+            r._release_outer(head)
+            r._release_outer(embed)
+            tokens = sum(int(ids.numel()) for ids, _, _ in batches)
+            return loss_sum, n_tokens, tokens
+        except BaseException:
+            for u in r.units:
+                unbind(u, r.placeholders)
+            r.pager.reset()
+            raise
+        finally:
+            self.boundary.clear()
+            r.ctx = None
+            r.activation_now = 0
+            self._front_bytes = 0
+
+    # ------------------------------------------------------------------ layers, forward
+    def _forward_layers(self, hs: List[torch.Tensor], calls, rng, k: int):
+        """Every layer once, all micro-batches; ``hs`` becomes the last layer's outputs.
+        k == 0: the layers' autograd graphs are kept (returned) and their slots stay held."""
+        r = self.r
+        kept = {}
+        for unit in r.layers:
+            i = unit.layer_index
+            w = r.pager.acquire(unit)
+            if k == 0:
+                params = bind(unit, w, requires_grad=True)
+                try:
+                    for a in range(len(hs)):
+                        x = hs[a].detach().requires_grad_(True)
+                        if r.model.training:
+                            rng[a][i] = r._rng_state()
+                        with torch.enable_grad(), r._count_saved(accumulate=True):
+                            h = self._call_layer(unit, calls[a][i], x)
+                        kept[(i, a)] = (x, h)
+                        hs[a] = h.detach()
+                finally:
+                    unbind(unit, r.placeholders)
+                kept[i] = params
+                continue
+            bind(unit, w, requires_grad=False)
+            try:
+                for a in range(len(hs)):
+                    if i % k == 0:
+                        self.boundary.put((i, a), hs[a])
+                    if r.model.training:
+                        rng[a][i] = r._rng_state()
+                    with torch.no_grad():
+                        hs[a] = self._call_layer(unit, calls[a][i], hs[a])
+                self._note()
+            finally:
+                unbind(unit, r.placeholders)
+                r.pager.release(unit)
+        return kept
+
+    # ------------------------------------------------------------------ layers, backward
+    def _backward_layers(self, gs: List[torch.Tensor], calls, rng, k: int, kept):
+        r = self.r
+        layers, n, A = r.layers, len(r.layers), len(gs)
+        dev = r.device
+        if k == 0:
+            for unit in reversed(layers):
+                i = unit.layer_index
+                params = kept.pop(i)
+                acc = torch.zeros(unit.numel, dtype=torch.float32, device=dev)
+                for a in range(A):
+                    x, h = kept.pop((i, a))
+                    grads = torch.autograd.grad(h, [x] + params, gs[a], allow_unused=True)
+                    self._add(acc, unit, grads[1:])
+                    gs[a] = grads[0] if grads[0] is not None else torch.zeros_like(x)
+                    del x, h, grads
+                self._return(unit, acc)
+                r.pager.release(unit)
+            return gs
+        for b in reversed(range(0, n, k)):
+            end = min(b + k, n)
+            inputs = [{b: self.boundary.pop((b, a))} for a in range(A)]
+            block = sum(_nbytes(d[b]) for d in inputs)
+            for i in range(b, end - 1):   # recompute the block's inner inputs
+                unit = layers[i]
+                w = r.pager.acquire(unit)
+                bind(unit, w, requires_grad=False)
+                try:
+                    for a in range(A):
+                        with r._restored_rng(rng[a].get(i)), torch.no_grad():
+                            inputs[a][i + 1] = self._call_layer(unit, calls[a][i], inputs[a][i])
+                        block += _nbytes(inputs[a][i + 1])
+                    self._note(block)
+                finally:
+                    unbind(unit, r.placeholders)
+                    r.pager.release(unit)
+            for i in reversed(range(b, end)):
+                unit = layers[i]
+                w = r.pager.acquire(unit)
+                params = bind(unit, w, requires_grad=True)
+                acc = torch.zeros(unit.numel, dtype=torch.float32, device=dev)
+                try:
+                    for a in range(A):
+                        x = inputs[a].pop(i).detach().requires_grad_(True)
+                        with r._restored_rng(rng[a].get(i)), torch.enable_grad(), r._count_saved():
+                            h = self._call_layer(unit, calls[a][i], x)
+                        grads = torch.autograd.grad(h, [x] + params, gs[a], allow_unused=True)
+                        self._add(acc, unit, grads[1:])
+                        gs[a] = grads[0] if grads[0] is not None else torch.zeros_like(x)
+                        del x, h, grads
+                finally:
+                    unbind(unit, r.placeholders)
+                self._return(unit, acc)
+                del acc
+                r.pager.release(unit)
+            self._front_bytes = sum(_nbytes(g) for g in gs)
+            self._note()
+        return gs

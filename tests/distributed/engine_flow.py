@@ -1,0 +1,78 @@
+"""The StreamingEngine with its state sharded over ranks (ZeRO-3), driven like the Trainer
+drives it: each optimizer step's micro-batches dealt out over ranks, loss normalised by the
+target tokens of all ranks, the update overlapped with the last micro-batch's backward.
+Importable (one-process runs) and runnable under torchrun (``python engine_flow.py OUT CASES``)."""
+import os
+import sys
+import tempfile
+
+import torch
+
+from megatrain_nb.engine import StreamingEngine
+from megatrain_nb.engine.dist import Dist
+from megatrain_nb.trainer.sharding import deal
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero3_flow import ACC, CASES, LR, STEPS, micro_batches, tiny_model  # noqa: E402
+
+
+def _targets(b) -> int:
+    return int((b["labels"][:, 1:] != -100).sum())
+
+
+def run_engine(dist: Dist, case: str, acc: int, offload_dir=None, steps=(0, STEPS), load_from=None,
+               save_to=None) -> dict:
+    """Optimizer steps ``steps[0]..steps[1]-1`` of the run (global micro-batches of those steps),
+    after loading a sharded checkpoint ``load_from``; ``save_to``: save one after."""
+    tied, wd, clip, codec, moe = CASES[case]
+    model = tiny_model(tied, moe)
+    engine = StreamingEngine(model, device="cpu", weight_decay=wd, optimizer_compression=codec,
+                             offload_dir=offload_dir, dist=dist)
+    if load_from is not None:
+        engine.load_checkpoint(load_from)
+    data = micro_batches(STEPS * acc * dist.world)
+    dist.traffic.reset()
+    norms = []
+    for step in range(*steps):
+        window = data[step * acc * dist.world:(step + 1) * acc * dist.world]
+        mine = deal([lambda b=b: b for b in window], dist.rank, dist.world, lambda b: b)
+        n_items = dist.sum(sum(_targets(b) for b in mine))
+        for i, b in enumerate(mine):
+            last = i == len(mine) - 1
+            extra = {"step_lr": LR, "max_grad_norm": clip} if last else {}
+            out = engine.forward_backward(b["input_ids"], labels=b["labels"], num_items_in_batch=n_items, **extra)
+        norms.append(out.grad_norm)
+    if save_to is not None:
+        engine.save_sharded_checkpoint(save_to)
+    weights = {k: v.clone() for k, v in engine.named_parameters()}
+    rep = engine.memory_report()
+    engine.close()
+    return {"weights": weights, "norms": norms, "sent": dict(dist.traffic.sent),
+            "minimum": dict(dist.traffic.minimum), "host": rep["host"], "disk": rep["disk"]}
+
+
+def main(out_dir: str, cases: str) -> None:
+    torch.manual_seed(0)
+    dist = Dist.from_env()
+    if cases.startswith("ckpt:"):          # ckpt:<save|resume>:<case>:<folder>
+        _, mode, case, folder = cases.split(":", 3)
+        if mode == "save":
+            res = run_engine(dist, case, ACC, steps=(0, 2), save_to=folder)
+        else:
+            res = run_engine(dist, case, ACC, steps=(2, STEPS), load_from=folder)
+        torch.save(res, f"{out_dir}/ckpt-{mode}-rank{dist.rank}.pt")
+        dist.barrier()
+        dist.close()
+        return
+    for case in cases.split(","):
+        off = None
+        if CASES[case][3] != "none":          # compressed states on the disk tier
+            off = tempfile.mkdtemp(prefix=f"off{dist.rank}-")
+        res = run_engine(dist, case, ACC, offload_dir=off)
+        torch.save(res, f"{out_dir}/{case}-rank{dist.rank}.pt")
+    dist.barrier()
+    dist.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,66 @@
+"""Run a script on N local ranks with torchrun (gloo, 127.0.0.1), every wait bounded."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180, env: dict | None = None,
+             dist_timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --nproc-per-node N`` on loopback. The collectives'
+    own timeout (MEGATRAIN_DIST_TIMEOUT_S) is well under ``timeout``, so a stuck rank fails
+    the run with an error before the subprocess bound kills it."""
+    e = dict(os.environ)
+    e.update({"PYTHONPATH": f"{REPO}{os.pathsep}{e.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
+              "MEGATRAIN_DIST_TIMEOUT_S": str(dist_timeout_s), "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})
+    e.update(env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+           str(script), *args]
+    try:
+        return subprocess.run(cmd, cwd=str(REPO), env=e, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # name the bound; the test fails with the output so far
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        raise AssertionError(f"torchrun {script.name} ran past {timeout}s\n{out[-3000:]}\n{err[-3000:]}") from None
+
+
+def two_agents(script: Path, *args: str, timeout: float = 240, dist_timeout_s: float = 60) -> list:
+    """Two torchrun agents on localhost, one rank each, as two "nodes" (static rendezvous:
+    --nnodes 2 --node-rank 0/1 against one master). Returns both CompletedProcess-like results."""
+    e = dict(os.environ)
+    e.update({"PYTHONPATH": f"{REPO}{os.pathsep}{e.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
+              "MEGATRAIN_DIST_TIMEOUT_S": str(dist_timeout_s), "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
+                               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+                               "--max-restarts=0", str(script), *args], cwd=str(REPO), env=e,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
+    out = []
+    try:
+        for p in procs:
+            so, se = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def check(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"torchrun failed (rc {proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"

@@ -1,0 +1,328 @@
+"""Layer-major accumulation (forward_backward of a whole window): same weights as the
+micro-batch-major path, each layer loaded twice per step, no host gradient accumulator."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine.planner import TOKENS_PER_PASS, GiB, loads_per_layer, window_plan
+
+from .families import VOCAB, family_config
+
+
+def _windows(steps, A, batch=2, seq=12, seed=3, pad=True):
+    """``steps`` windows of ``A`` micro-batches; right and left padding, unequal target counts."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(steps):
+        w = []
+        for a in range(A):
+            ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+            am = torch.ones_like(ids)
+            if pad:
+                if (s + a) % 2:
+                    am[1, 7 + a % 3:] = 0
+                else:
+                    am[0, :2 + a % 3] = 0
+            w.append({"input_ids": ids, "attention_mask": am})
+        out.append(w)
+    return out
+
+
+def _targets(w):
+    return sum(int((b["attention_mask"][:, 1:] == 1).sum()) for b in w)
+
+
+def _micro_batch_major(engine, w, lr, clip=None):
+    """Today's path: one forward_backward per micro-batch, the update on the last."""
+    n = _targets(w)
+    loss = 0.0
+    for i, b in enumerate(w):
+        last = i == len(w) - 1
+        out = engine.forward_backward(b["input_ids"], attention_mask=b["attention_mask"], num_items_in_batch=n,
+                                      step_lr=lr if last else None, max_grad_norm=clip if last else None)
+        loss += out.loss * out.num_tokens
+    return loss / n, out.grad_norm
+
+
+def _rel(a: StreamingEngine, b: StreamingEngine) -> float:
+    pa = dict(a.named_parameters())
+    num = den = 0.0
+    for name, p in b.named_parameters():
+        num += float((pa[name] - p).double().norm() ** 2)
+        den += float(p.double().norm() ** 2)
+    return (num / den) ** 0.5
+
+
+def _pair(model, **cfg):
+    return (StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", **cfg)),
+            StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", **cfg)))
+
+
+@pytest.mark.parametrize("family,tie", [("llama", True), ("gpt2", True), ("gemma2", False), ("mistral", False)])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+def test_20_steps_match_micro_batch_major(family, tie, k):
+    """20 optimizer steps, accumulation 3, padding; clipping at k=2, int8 states at k=3.
+
+    Untied, the sums are formed in the same order as the micro-batch-major path (bitwise the
+    same weights). Tied, the embedding's two uses are summed in another order (all head uses,
+    then all embedding uses); int8 states turn such last-bit differences into different codes,
+    so int8 runs on the untied families here."""
+    model = AutoModelForCausalLM.from_config(family_config(family, tie=tie)).eval()
+    clip = 0.05 if k == 2 else None
+    codec = "int8" if k == 3 and not tie else "none"
+    ref, lm = _pair(model, checkpoint_interval=k, optimizer_compression=codec, weight_decay=0.1)
+    start = copy.deepcopy(dict(ref.named_parameters()))
+    for w in _windows(5, 3) * 4:
+        ref_loss, ref_norm = _micro_batch_major(ref, w, 3e-3, clip)
+        out = lm.forward_backward(w, step_lr=3e-3, max_grad_norm=clip)
+        assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+        assert out.num_tokens == _targets(w)
+        if clip:
+            assert out.grad_norm == pytest.approx(ref_norm, rel=1e-5)
+    assert _rel(lm, ref) <= 1e-5
+    moved = sum(float((p - start[n]).norm() ** 2) for n, p in ref.named_parameters()) ** 0.5
+    assert moved > 1e-2  # training really moved the weights
+    for e in (ref, lm):
+        e.close()
+
+
+def test_keep_all_activations_interval_0():
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    ref, lm = _pair(model, checkpoint_interval=0)
+    for w in _windows(3, 4):
+        _micro_batch_major(ref, w, 3e-3)
+        lm.forward_backward(w, step_lr=3e-3)
+    assert _rel(lm, ref) <= 1e-5
+    assert lm.telemetry()["last_step"]["loads_per_layer"] == 1
+
+
+def test_counts_a4_each_layer_twice_and_no_host_gradients():
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=4))
+    engine = StreamingEngine(model, EngineConfig(device="cpu", checkpoint_interval=1))
+    windows = _windows(3, 4, pad=False)
+    for w in windows:
+        engine.forward_backward(w, step_lr=1e-3)
+    tel = engine.telemetry()
+    layer_loads = {k: v for k, v in tel["loads_per_unit"].items() if "layers" in k}
+    assert len(layer_loads) == 4 and set(layer_loads.values()) == {2 * 3}   # twice per step, 3 steps
+    assert tel["loads_per_unit"]["embed"] == 3 and tel["loads_per_unit"]["head"] == 3
+    last = tel["last_step"]
+    assert last["loads_per_layer"] == 2 and last["micro_batches"] == 4 and last["groups"] == 1
+    tokens = sum(b["input_ids"].numel() for b in windows[-1])
+    assert last["tokens"] == tokens and last["tokens_per_weight_fetch"] == tokens / 2
+    assert last["host_to_device_bytes"] == 4 * (engine.num_parameters() + sum(u.numel for u in engine.layer_units))
+    # the boundary activations: every layer's input of every micro-batch (2x12 tokens, hidden 32, fp32)
+    assert last["boundary_tier"] == "device" and last["boundary_bytes"] == {"device": 4 * 4 * 2 * 12 * 32 * 4,
+                                                                              "host": 0}
+    mem = engine.memory_report()
+    assert mem["host"]["grads"] == 0                    # no host gradient accumulator
+    assert mem["device"]["boundary_activations"] == last["boundary_bytes"]["device"]
+    # the micro-batch-major path of the same window loads every layer 2 x 4 times
+    ref = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama", layers=4)),
+                          EngineConfig(device="cpu"))
+    _micro_batch_major(ref, windows[0], 1e-3)
+    assert ref.telemetry()["last_step"]["loads_per_layer"] == 8
+    assert ref.memory_report()["host"]["grads"] > 0
+    for e in (engine, ref):
+        e.close()
+
+
+def test_host_tier_same_result_counted_on_host():
+    model = AutoModelForCausalLM.from_config(family_config("qwen2")).eval()
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=2))
+    lm = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=2, window_tier="host"))
+    for w in _windows(4, 3):
+        _micro_batch_major(ref, w, 3e-3)
+        lm.forward_backward(w, step_lr=3e-3)
+    assert _rel(lm, ref) <= 1e-5
+    last = lm.telemetry()["last_step"]
+    assert last["boundary_tier"] == "host"
+    assert last["boundary_bytes"]["device"] == 0 and last["boundary_bytes"]["host"] > 0
+    mem = lm.memory_report()
+    assert mem["host"]["activations"] == last["boundary_bytes"]["host"] and mem["host"]["grads"] == 0
+
+
+def test_split_into_groups_loads_twice_per_group():
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu"))
+    lm = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", max_window_micro_batches=2))
+    for w in _windows(3, 5):
+        _micro_batch_major(ref, w, 3e-3, clip=0.1)
+        out = lm.forward_backward(w, step_lr=3e-3, max_grad_norm=0.1)
+    assert _rel(lm, ref) <= 1e-5
+    assert lm.last_window_plan.groups == 3 and lm.last_window_plan.group_size == 2
+    assert "split into 3 groups" in lm.last_window_plan.reason
+    assert lm.telemetry()["last_step"]["loads_per_layer"] == 6
+    assert out.grad_norm is not None
+
+
+def test_dropout_rng_restored_per_micro_batch_and_layer():
+    cfg = family_config("gpt2", tie=True)
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.2
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    w = _windows(1, 3)[0]
+    grads = {}
+    for k in (0, 1, 2):  # 0: no recompute, the forward's own graphs: the reference for the recompute
+        e = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=k))
+        torch.manual_seed(5)
+        loss = e.forward_backward(w).loss
+        grads[k] = (loss, {n: g.clone() for n, g in e.named_gradients()})
+        e.close()
+    for k in (1, 2):
+        assert grads[k][0] == pytest.approx(grads[0][0], rel=1e-6)
+        for n, g in grads[0][1].items():
+            assert float((grads[k][1][n] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-9, (k, n)
+    # a window of one micro-batch draws the same masks as the micro-batch-major path
+    a, b = _pair(model, checkpoint_interval=2)
+    torch.manual_seed(9)
+    la = a.forward_backward([w[0]]).loss
+    torch.manual_seed(9)
+    lb = b.forward_backward(w[0]["input_ids"], attention_mask=w[0]["attention_mask"]).loss
+    assert la == pytest.approx(lb, rel=1e-6)
+    ga = dict(a.named_gradients())
+    for n, g in b.named_gradients():
+        assert float((ga[n] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-9, n
+    # and the masks matter: another seed gives another loss
+    torch.manual_seed(10)
+    assert a.forward_backward([w[0]]).loss != pytest.approx(la, rel=1e-6)
+
+
+def test_num_items_in_batch_and_loss_fn_and_tensor_micro_batches():
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    w = [torch.randint(1, VOCAB, (2, 10), generator=g) for _ in range(3)]
+
+    def loss_fn(lg, lab):
+        mask = lab != -100
+        picked = lg.gather(-1, lab.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (((picked - 1.0) ** 2) * mask).sum()
+
+    total = 0.0
+    for ids in w:  # reference: HF autograd, the summed loss over the window / 40
+        logits = ref(input_ids=ids).logits[:, :-1]
+        part = ((logits.gather(-1, ids[:, 1:].unsqueeze(-1)) - 1.0) ** 2).sum()
+        (part / 40).backward()
+        total += float(part.detach())
+    engine = StreamingEngine(model, EngineConfig(device="cpu", loss_chunk_tokens=8))
+    out = engine.forward_backward(w, loss_fn=loss_fn, num_items_in_batch=40)
+    assert out.num_tokens == 3 * 2 * 9 and out.loss * out.num_tokens == pytest.approx(total, rel=1e-5)
+    refg = {n: p.grad for n, p in ref.named_parameters()}
+    for n, gr in engine.named_gradients():
+        assert float((gr - refg[n]).norm()) <= 1e-4 * float(refg[n].norm()), n
+
+
+def test_window_bad_input_is_named():
+    engine = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")), EngineConfig(device="cpu"))
+    ids = torch.randint(1, VOCAB, (1, 8))
+    with pytest.raises(ValueError, match="micro-batch 1 of the window"):
+        engine.forward_backward([ids, {"ids": ids}])
+    with pytest.raises(ValueError, match="in its dict"):
+        engine.forward_backward([ids, ids], attention_mask=torch.ones_like(ids))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.forward_backward([ids, ids + VOCAB])
+    engine.close()
+
+
+def test_window_plan_device_then_host_then_split():
+    row = 4096 * 8192 * 2     # one micro-batch's hidden state: 4096 tokens, hidden 8192, bf16
+    kw = dict(tokens=4096, hidden_size=8192, num_layers=80, checkpoint_interval=1, compute_bytes=2)
+    p = window_plan(16, device_free=None, host_free=None, **kw)
+    assert (p.tier, p.groups, p.loads_per_layer) == ("device", 1, 2)
+    p = window_plan(16, device_free=16 * 82 * row, host_free=None, **kw)
+    assert (p.tier, p.groups, p.boundary_bytes) == ("device", 1, 16 * 80 * row)
+    p = window_plan(16, device_free=40 * GiB, host_free=None, **kw)       # 16 x 80 x 64 MiB = 80 GiB: host
+    assert (p.tier, p.groups, p.boundary_bytes) == ("host", 1, 16 * 80 * row)
+    p = window_plan(16, device_free=40 * GiB, host_free=25 * GiB, **kw)   # 7 fit the device, 5 the host
+    assert (p.tier, p.group_size, p.groups, p.loads_per_layer) == ("device", 7, 3, 6)
+    p = window_plan(16, device_free=10 * GiB, host_free=25 * GiB, **kw)   # 1 fits the device, 5 the host
+    assert (p.tier, p.group_size, p.groups, p.loads_per_layer) == ("host", 5, 4, 8)
+    assert "split into 4 groups of up to 5" in p.reason
+    p = window_plan(16, device_free=None, host_free=None, max_group=4, **kw)
+    assert (p.groups, p.group_size) == (4, 4)
+    assert loads_per_layer(80, 2) == pytest.approx(2.5)
+    # a split window needs the host accumulator: its groups get the host RAM left after it
+    p = window_plan(16, device_free=10 * GiB, host_free=25 * GiB, accumulator_bytes=10 * GiB, **kw)
+    assert (p.tier, p.group_size, p.groups) == ("host", 3, 6)
+    p = window_plan(4, device_free=10 * GiB, host_free=25 * GiB, accumulator_bytes=10 * GiB, **kw)
+    assert p.groups == 1   # 4 x 5 GiB fit in one group, which needs no accumulator
+    # optionally, groups stop growing at max_tokens_per_pass: 128 x 2048 tokens -> 4 groups of 32
+    p = window_plan(128, device_free=None, host_free=None, max_tokens_per_pass=TOKENS_PER_PASS,
+                    **{**kw, "tokens": 2048})
+    assert (p.groups, p.group_size, p.loads_per_layer) == (4, 32, 8) and "hide the weight streaming" in p.reason
+    assert window_plan(128, device_free=None, host_free=None, **{**kw, "tokens": 2048}).groups == 1
+
+
+@pytest.mark.parametrize("clip,max_group", [(None, None), (0.5, None), (None, 2)])
+def test_reduce_point_sees_each_final_gradient_once_per_window(clip, max_group):
+    """The seam a distributed reduce plugs into: once per unit per step, the window's summed gradient."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2)).eval()
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", weight_decay=0.0))
+    eng = StreamingEngine(model, EngineConfig(device="cpu", weight_decay=0.0, max_window_micro_batches=max_group))
+    g = torch.Generator().manual_seed(5)
+    window = [torch.randint(1, VOCAB, (2, 10), generator=g) for _ in range(3)]
+    for ids in window:
+        ref.forward_backward(ids, num_items_in_batch=3 * 2 * 9)
+    want = {name: gr.clone() for name, gr in ref.named_gradients()}
+    before = {name: p.clone() for name, p in eng.named_parameters()}
+    seen = {}
+
+    def reduce(unit, flat):
+        assert unit.index not in seen, f"{unit.name} reduced twice"
+        seen[unit.index] = (unit, flat.clone())
+        flat.zero_()
+    eng.updates.reduce = reduce
+    eng.forward_backward(window, step_lr=1e-2, max_grad_norm=clip)
+    eng.zero_grad()
+    assert {u.index for u in eng.units if u.numel} == set(seen)
+    for unit, flat in seen.values():
+        for p in unit.params:
+            assert torch.allclose(flat[p.offset:p.offset + p.numel].view(p.shape), want[p.name], atol=1e-6), p.name
+    for name, p in eng.named_parameters():
+        assert torch.equal(p, before[name]), name
+    eng.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("window", [True, False])
+def test_clipping_holds_final_gradients_on_the_disk_tier(tmp_path, window):
+    """clip_hold='disk': the final gradients wait for the norm on the disk tier, not in RAM;
+    same weights as holding them in RAM."""
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ram = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=str(tmp_path / "a"),
+                                                             clip_hold="host"))
+    disk = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=str(tmp_path / "b"),
+                                                              clip_hold="disk"))
+    for w in _windows(3, 3 if window else 1):
+        outs = []
+        for e in (ram, disk):
+            if window:
+                outs.append(e.forward_backward(w, step_lr=3e-3, max_grad_norm=0.05))
+            else:
+                b = w[0]
+                outs.append(e.forward_backward(b["input_ids"], attention_mask=b["attention_mask"], step_lr=3e-3,
+                                               max_grad_norm=0.05))
+        assert outs[1].grad_norm == outs[0].grad_norm and outs[0].grad_norm > 0.05
+    assert _rel(disk, ram) == 0.0
+    mem = disk.memory_report()
+    assert mem["host"]["grads"] == 0 and mem["disk"]["grads"] >= 4 * disk.num_parameters()
+    assert ram.memory_report()["host"]["grads"] == 4 * ram.num_parameters()
+    with pytest.raises(ValueError, match="clip_hold='disk' needs an offload_dir"):
+        EngineConfig(clip_hold="disk")
+    for e in (ram, disk):
+        e.close()
+
+
+def test_estimate_counts_gradients_held_on_disk():
+    from megatrain_nb import estimate
+
+    kw = dict(vram_gb=80, ram_gb=64, disk_gb=4096)
+    host = estimate("llama-100b", **kw)
+    disk = estimate("llama-100b", clip_hold="auto", **kw)   # master weights on disk -> gradients too
+    assert not host.feasible and host.plan.host["grads"] > 0
+    assert disk.feasible and disk.plan.host["grads"] == 0 and disk.plan.disk["grads"] == host.plan.host["grads"]

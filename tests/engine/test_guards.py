@@ -135,3 +135,26 @@ def test_optimizer_step_refuses_a_bad_learning_rate(lr):
     with pytest.raises(ValueError, match="learning rate"):
         e.forward_backward(_ids(), labels=_ids(), step_lr=lr)
     e.close()
+
+
+@pytest.mark.parametrize("hold", ["host", "disk"])
+def test_a_layer_major_window_is_checked_too(tmp_path, hold):
+    """A window of micro-batches (layer-major) with clipping: a NaN gradient stops it before
+    any update (its final gradients waiting in RAM or on the disk tier), or is skipped."""
+    def window(seed):
+        return [{"input_ids": _ids(seed + k), "labels": _ids(seed + k)} for k in range(2)]
+    for policy in ("stop", "skip"):
+        e = _engine(tmp_path / policy, clip_hold=hold, on_nonfinite=policy)
+        e.forward_backward(window(0), step_lr=1e-3, max_grad_norm=1.0)
+        before, states = _snapshot(e), e.adam.state_dict()
+        if policy == "stop":
+            with pytest.raises(NonFiniteError, match="at step 2"):
+                e.forward_backward(window(10), step_lr=1e-3, max_grad_norm=1.0, loss_fn=_nan_grad)
+        else:
+            out = e.forward_backward(window(10), step_lr=1e-3, max_grad_norm=1.0, loss_fn=_nan_grad)
+            assert out.skipped and e.telemetry()["skipped_steps"] == 1
+        assert _same(before, _snapshot(e))
+        assert all(torch.equal(states[k], v) for k, v in e.adam.state_dict().items())  # AdamW step counts
+        out = e.forward_backward(window(20), step_lr=1e-3, max_grad_norm=1.0)  # training goes on
+        assert not out.skipped and math.isfinite(out.grad_norm) and not _same(before, _snapshot(e))
+        e.close()

@@ -303,7 +303,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     notes = []
     if plan.window:
         w = plan.window
-        notes.append(f"accumulation {accumulation}: {w['reason']}; each layer loaded {w['loads_per_layer']:g}x per "
+        notes.append(f"accumulation {accumulation}: {w['reason']} ({_fmt(w['boundary_bytes'])} of boundary "
+                     f"activations on the {w['tier']}); each layer loaded {w['loads_per_layer']:g}x per "
                      f"step; {w['tokens_per_weight_fetch']:,.0f} tokens per weight fetch"
                      + ("; host gradients: final, held for the clipping norm" if clipping else ""))
     elif accumulation > 1:

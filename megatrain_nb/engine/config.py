@@ -56,7 +56,8 @@ class EngineConfig:
     drops it (counted in ``telemetry()["skipped_steps"]``) and goes on."""
     window_tier: str = "auto"
     """Where a layer-major window keeps its layer-boundary activations: "auto" (the device when
-    they fit its budget, else host RAM), "device" or "host"."""
+    they fit its budget, else host RAM, else the disk tier), "device", "host" or "disk" (needs
+    an offload_dir)."""
     clip_hold: str = "host"
     """With global-norm clipping, where gradients that arrive final in one piece (a layer-major
     window's, a single micro-batch's) wait for the norm: "host" RAM, "disk" (the disk tier:
@@ -109,8 +110,10 @@ class EngineConfig:
             raise ValueError(f"clip_hold={self.clip_hold!r} must be 'auto', 'host' or 'disk'.")
         if self.clip_hold == "disk" and not self.offload_dir:
             raise ValueError("clip_hold='disk' needs an offload_dir for the disk tier.")
-        if self.window_tier not in ("auto", "device", "host"):
-            raise ValueError(f"window_tier={self.window_tier!r} must be 'auto', 'device' or 'host'.")
+        if self.window_tier not in ("auto", "device", "host", "disk"):
+            raise ValueError(f"window_tier={self.window_tier!r} must be 'auto', 'device', 'host' or 'disk'.")
+        if self.window_tier == "disk" and not self.offload_dir:
+            raise ValueError("window_tier='disk' needs an offload_dir for the disk tier.")
         m = self.max_window_micro_batches
         if m is not None and (not isinstance(m, int) or m < 1):
             raise ValueError(f"max_window_micro_batches={m!r} must be an integer >= 1 (or None for no cap).")

@@ -137,10 +137,10 @@ class StreamingEngine:
                                  loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=plan_reads)
         for u in self.layer_units:
             layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
-        self.boundary = BoundaryStore(self.device)
+        self.boundary = BoundaryStore(self.device, disk=self.disk)
         self.window_runner = WindowRunner(self.runner, self.boundary)
         self.last_window_plan: Optional[WindowPlan] = None
-        self._boundary_peak = {"device": 0, "host": 0}
+        self._boundary_peak = {"device": 0, "host": 0, "disk": 0}
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
@@ -305,7 +305,8 @@ class StreamingEngine:
             wp = self.plan_window(batches)
             self.last_window_plan = wp
             loss_sum, n, norm, skipped = 0.0, 0, None, False
-            boundary_peak = {"device": 0, "host": 0}
+            boundary_peak = {"device": 0, "host": 0, "disk": 0}
+            disk_ops: dict = {}
             for g0 in range(0, len(batches), wp.group_size):
                 group = batches[g0:g0 + wp.group_size]
                 last = g0 + wp.group_size >= len(batches)
@@ -313,7 +314,7 @@ class StreamingEngine:
                 self.updates.begin(step)
                 try:
                     part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
-                                                               tier=wp.tier)
+                                                               tier=wp.tier, k=wp.checkpoint_interval)
                     self.pager.wait_grads()
                     # The finiteness check sees the whole window's loss (every group's so far).
                     norm, skipped = self.updates.finish(step, (loss_sum + part) / max(n + cnt, 1))
@@ -325,12 +326,15 @@ class StreamingEngine:
                 loss_sum, n = loss_sum + part, n + cnt
                 for t in boundary_peak:
                     boundary_peak[t] = max(boundary_peak[t], self.boundary.peak[t])
+                for op, v in self.boundary.disk_ops.items():
+                    disk_ops[op] = disk_ops.get(op, 0) + v
                 self.counters.add_tokens(tokens, len(group))
             self._boundary_peak = {t: max(v, self._boundary_peak[t]) for t, v in boundary_peak.items()}
             if step_lr is not None:
                 self.counters.add("steps", 1)
                 self._close_step(groups=wp.groups, group_size=wp.group_size, boundary_tier=wp.tier,
-                                 boundary_bytes=boundary_peak)
+                                 boundary_bytes=boundary_peak, boundary_disk_ops=disk_ops,
+                                 checkpoint_interval=wp.checkpoint_interval)
             self.counters.add("micro_batches", len(batches))
             self.counters.add("step_seconds", time.perf_counter() - t0)
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm, skipped=skipped)
@@ -443,7 +447,7 @@ class StreamingEngine:
         hb = self.store.nbytes()
         st = self.states.nbytes()
         wb = self.weights.nbytes()
-        host = {"weights": wb["host"], "grads": hb["grads"], "optimizer_states": st["host"],
+        host = {"weights": wb["host"], "grads": hb["grads"] + self.updates.held_ram_bytes(), "optimizer_states": st["host"],
                 # states read ahead of their updates + recycled scratch (moments, final gradients)
                 "buffers": st["host_buffers"] + self.updates.buffer_bytes() + self.boundary.free_bytes(),
                 # layer-boundary activations a layer-major window kept in host RAM (peak)
@@ -455,8 +459,11 @@ class StreamingEngine:
                               host["used_bytes"] - self.boundary.bytes["host"] + self._boundary_peak["host"])
         host["peak_bytes"] = self._host_peak
         disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "grads": self.updates.held_disk_bytes(),
+                # layer-boundary activations a layer-major window kept on the disk tier (peak)
+                "activations": self._boundary_peak["disk"],
                 "capacity_bytes": st.get("disk_capacity")}
-        disk["used_bytes"] = disk["weights"] + disk["optimizer_states"] + disk["grads"]
+        disk["used_bytes"] = (disk["weights"] + disk["optimizer_states"] + disk["grads"]
+                              + self.boundary.bytes["disk"])
         self._disk_peak = max(getattr(self, "_disk_peak", 0), disk["used_bytes"])
         disk["peak_bytes"] = self._disk_peak
         return {"device": dev, "host": host, "disk": disk}

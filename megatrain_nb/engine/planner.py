@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 GiB = 1024 ** 3
+#: Share of the host budget that layer-boundary activations leave free (see make_plan).
+HOST_HEADROOM = 0.1
 
 
 @dataclass
@@ -97,7 +99,9 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     ``host_gradients``: whether a whole model's fp32 gradients live in host RAM (the
     micro-batch-major accumulator, or final gradients waiting for a clipping norm); a
     layer-major step without clipping has none. ``accumulation`` > 1: the window is planned
-    too (``plan.window``; boundary activations that do not fit the device go to host RAM).
+    too (``plan.window``: boundary activations on the device, else host RAM within
+    ``1 - HOST_HEADROOM`` of the budget, else the disk tier (``disk["activations"]``), else a
+    larger checkpoint interval for the window, else split).
     ``clip_hold`` ("host" | "disk" | "auto", as ``EngineConfig.clip_hold``): where final
     gradients held for a clipping norm live; "auto" = the disk tier when master weights are."""
     cb = 2 if precision == "bf16" else 4
@@ -163,11 +167,17 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     window = None
     if accumulation > 1:
         free_dev = None if vram_bytes is None else max(vram_bytes - dev["total"], 0)
-        free_host = None if host_bytes is None else max(host_bytes - sum(host.values()), 0)
+        # Boundary activations leave HOST_HEADROOM of the host budget free (the OS, page cache,
+        # allocator slack: a pinned RAM tier filled to the last GiB is what gets a process killed).
+        free_host = None if host_bytes is None else max(int((1 - HOST_HEADROOM) * host_bytes) - sum(host.values()), 0)
+        disk_used = ((weights if placement["master_weights"] == "disk" else 0) + (total * 4 if grads_on_disk else 0)
+                     + (states if placement["optimizer_states"] == "disk" else 0))
+        free_disk = 0 if not offload_dir else None if disk_bytes is None else max(disk_bytes - disk_used, 0)
         wp = window_plan(accumulation, tokens=batch * seq, hidden_size=hidden_size, num_layers=num_layers,
                          checkpoint_interval=chosen_k, compute_bytes=cb, device_free=free_dev, host_free=free_host,
                          layer_work_bytes_per_token=(12 * hidden_size + 4 * inter) * cb,
-                         accumulator_bytes=0 if host["grads"] else total * 4)
+                         accumulator_bytes=0 if host["grads"] else total * 4, disk_free=free_disk,
+                         raise_interval=checkpoint_interval is not None and checkpoint_interval >= 1)
         if wp.groups > 1:   # a later group adds into the host accumulator
             host["grads"] = total * 4
             grads_on_disk = False
@@ -175,8 +185,9 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
         window = wp.to_dict()
         window["tokens_per_weight_fetch"] = batch * seq * accumulation / wp.loads_per_layer
         dev = dict(dev)
-        if wp.tier == "host":
-            host["activations"] = wp.boundary_bytes
+        if wp.tier in ("host", "disk"):
+            if wp.tier == "host":
+                host["activations"] = wp.boundary_bytes
             dev["activations"] += wp.device_work_bytes
         else:
             dev["activations"] += wp.boundary_bytes + wp.device_work_bytes
@@ -185,6 +196,8 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     disk = {"weights": weights if placement["master_weights"] == "disk" else 0,
             "grads": total * 4 if grads_on_disk else 0,
             "optimizer_states": states if placement["optimizer_states"] == "disk" else 0}
+    if window is not None and window["tier"] == "disk":
+        disk["activations"] = window["boundary_bytes"]
     disk["total"] = sum(disk.values())
     if feasible and host_bytes is not None and host["total"] > host_bytes:
         feasible, limiting = False, "host"
@@ -239,15 +252,17 @@ TOKENS_PER_PASS = 65536
 class WindowPlan:
     """How an accumulation window of ``micro_batches`` runs: layer-major in ``groups`` groups
     of at most ``group_size`` micro-batches (one group: each layer crosses to the device twice
-    per step at checkpoint interval 1; G groups: 2·G), the boundary activations on ``tier``."""
+    per step at checkpoint interval 1; G groups: 2·G), the boundary activations on ``tier``,
+    at ``checkpoint_interval`` (the planner may raise it for the window so they fit)."""
     micro_batches: int
     groups: int
     group_size: int
-    tier: str                          # "device" | "host": where the boundary activations wait
+    tier: str                          # "device" | "host" | "disk": where the boundary activations wait
     boundary_bytes: int                # boundary activations of the largest group, on ``tier``
     device_work_bytes: int             # fronts, gradients, block inputs of that group (device)
     loads_per_layer: float             # weight loads per layer per optimizer step
     reason: str
+    checkpoint_interval: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -263,58 +278,84 @@ def loads_per_layer(num_layers: int, checkpoint_interval: int, groups: int = 1) 
     return groups * (2 + recomputed / n)
 
 
+#: Checkpoint intervals a window may be raised to so its boundary activations fit (k = 2 halves
+#: them, at half a load more per layer; splitting the window costs two loads per extra group).
+WINDOW_INTERVALS = (2, 3, 4)
+
+
 def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers: int, checkpoint_interval: int,
                 compute_bytes: int, device_free: Optional[int], host_free: Optional[int],
                 layer_work_bytes_per_token: int = 0, tier: str = "auto",
                 max_group: Optional[int] = None, max_tokens_per_pass: Optional[int] = None,
-                accumulator_bytes: int = 0) -> WindowPlan:
+                accumulator_bytes: int = 0, disk_free: Optional[int] = 0,
+                raise_interval: bool = True) -> WindowPlan:
     """Decide a window's layout. ``tokens``: of the largest micro-batch. ``device_free`` /
-    ``host_free``: bytes left for the window's activations (None: no limit). ``tier`` forces
-    "device" or "host"; ``max_group`` caps the group size (micro-batches per layer-major pass).
+    ``host_free`` / ``disk_free``: bytes left for the window's activations on each tier (None:
+    no limit; ``disk_free`` 0: no disk tier). ``tier`` forces "device", "host" or "disk";
+    ``max_group`` caps the group size (micro-batches per layer-major pass).
     ``max_tokens_per_pass`` (optional): a group stops growing at this many tokens (e.g.
     ``TOKENS_PER_PASS``: each weight fetch then carries several times the ~12-17k tokens that
     hide its transfer behind compute on H100/H200 over PCIe). ``accumulator_bytes``: host RAM a
     split window needs for the gradient accumulator (a later group adds into it); one group
     needs none, so a split must fit its boundary activations in ``host_free`` minus that.
 
-    Per micro-batch the boundary activations are the inputs of every k-th layer (k = 0: every
-    layer's autograd graph, device only); the device also holds each micro-batch's current
-    hidden state or gradient and, in the backward, a block's recomputed inputs."""
+    Order of preference: the whole window at the given checkpoint interval on the device, then
+    host RAM, then the disk tier; then (``raise_interval``, k >= 1) at a larger interval
+    (``WINDOW_INTERVALS``: exact, block recompute) on those tiers; only then the largest
+    groups that fit. Per micro-batch the boundary activations are the inputs of every k-th
+    layer (k = 0: every layer's autograd graph, device only); the device also holds each
+    micro-batch's current hidden state or gradient and, in the backward, a block's recomputed
+    inputs."""
     A = micro_batches
-    k = checkpoint_interval
+    k0 = checkpoint_interval
     row = tokens * hidden_size * compute_bytes
-    if k == 0:
-        saved = num_layers * tokens * layer_work_bytes_per_token // 2 + row
-        work = row
-    else:
-        saved = math.ceil(num_layers / k) * row
-        work = (k + 1) * row
 
-    def fits(g: int, where: str) -> bool:
+    def sizes(k: int):
+        if k == 0:
+            return num_layers * tokens * layer_work_bytes_per_token // 2 + row, row
+        return math.ceil(num_layers / k) * row, (k + 1) * row
+
+    def fits(g: int, where: str, k: int) -> bool:
+        saved, work = sizes(k)
         if where == "device":
             return device_free is None or g * (saved + work) <= device_free
         if k == 0:
             return False
-        hf = None if host_free is None else host_free - (accumulator_bytes if g < A else 0)
-        return (device_free is None or g * work <= device_free) and (hf is None or g * saved <= hf)
+        room = {"host": host_free, "disk": disk_free}[where]
+        if room is not None and g < A and where == "host":
+            room -= accumulator_bytes
+        return (device_free is None or g * work <= device_free) and (room is None or g * saved <= room)
 
-    tiers = ["device", "host"] if tier == "auto" else [tier]
+    tiers = ["device", "host", "disk"] if tier == "auto" else [tier]
+    intervals = [k0] + ([k for k in WINDOW_INTERVALS if k > k0 and k <= max(num_layers, 1)]
+                        if raise_interval and k0 >= 1 else [])
     cap = min(A, max_group) if max_group else A
     by_tokens = max(1, max_tokens_per_pass // max(tokens, 1)) if max_tokens_per_pass else A
     cap = min(cap, by_tokens)
     best = None
-    for where in tiers:
-        g = cap
-        while g > 1 and not fits(g, where):
-            g -= 1
-        if best is None or g > best[0]:
-            best = (g, where)
-        if g == cap:
+    for k in intervals:
+        for where in tiers:
+            g = cap
+            while g > 1 and not fits(g, where, k):
+                g -= 1
+            if best is None or g > best[0]:
+                best = (g, where, k)
+            if g == cap:
+                break
+        if best[0] == cap:
             break
-    g, where = best
+    g, where, k = best
+    if g < cap:   # split: keep the given interval (more groups cost more loads than a larger k saves)
+        k = k0
+        g = max([gg for gg in range(1, cap + 1) for w in tiers if fits(gg, w, k)] or [1])
+        where = next((w for w in tiers if fits(g, w, k)), tiers[0])
+    saved, work = sizes(k)
     groups = math.ceil(A / g)
+    loads = loads_per_layer(num_layers, k, groups)
+    raised = (f"; checkpoint interval {k} for this window (boundary activations {k0}/{k} of those at "
+              f"interval {k0}; block recompute keeps the result exact, {loads:g} loads per layer)") if k != k0 else ""
     if groups == 1:
-        reason = f"layer-major: all {A} micro-batches per pass, boundary activations on the {where}"
+        reason = f"layer-major: all {A} micro-batches per pass, boundary activations on the {where}{raised}"
     else:
         if g == by_tokens and g < (min(A, max_group) if max_group else A):
             why = (f"{g * tokens} tokens per pass already hide the weight streaming; larger groups would only "
@@ -323,10 +364,10 @@ def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers
             why = f"max_window_micro_batches={max_group}"
         else:
             why = f"{A} micro-batches' boundary activations ({A * saved / GiB:.2f} GiB) do not fit"
-        reason = f"split into {groups} groups of up to {g} micro-batches (boundary activations on the {where}): {why}"
+        reason = (f"split into {groups} groups of up to {g} micro-batches (boundary activations on the "
+                  f"{where}): {why}{raised}")
     return WindowPlan(micro_batches=A, groups=groups, group_size=g, tier=where, boundary_bytes=g * saved,
-                      device_work_bytes=g * work, loads_per_layer=loads_per_layer(num_layers, k, groups),
-                      reason=reason)
+                      device_work_bytes=g * work, loads_per_layer=loads, reason=reason, checkpoint_interval=k)
 
 
 def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens: int, micro_batches: int,
@@ -350,7 +391,12 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
         import psutil
 
         host_free = int(0.8 * psutil.virtual_memory().available)
+    disk_free = 0   # no disk tier
+    if cfg.offload_dir:
+        import shutil
+
+        disk_free = int(0.9 * shutil.disk_usage(cfg.offload_dir).free)
     return window_plan(micro_batches, tokens=tokens, hidden_size=hid, num_layers=num_layers,
                        checkpoint_interval=plan.checkpoint_interval, compute_bytes=esize, device_free=dev_free,
                        host_free=host_free, layer_work_bytes_per_token=layer_work, tier=cfg.window_tier,
-                       max_group=cfg.max_window_micro_batches, accumulator_bytes=accumulator)
+                       max_group=cfg.max_window_micro_batches, accumulator_bytes=accumulator, disk_free=disk_free)

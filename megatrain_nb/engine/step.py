@@ -82,11 +82,13 @@ class StepRunner:
         self.intercept: Optional[Callable] = None
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self, train: bool) -> List[Unit]:
+    def schedule(self, train: bool, k: Optional[int] = None) -> List[Unit]:
+        """The units' compute order; ``k``: the checkpoint interval (default the runner's)."""
         layers = self.layers
         order = forward_order(self.units)
-        if train and self.checkpoint_interval > 0:
-            n, k = len(layers), self.checkpoint_interval
+        k = self.checkpoint_interval if k is None else k
+        if train and k > 0:
+            n = len(layers)
             for b in reversed(range(0, n, k)):
                 end = min(b + k, n)
                 order += layers[b:end - 1]                 # recompute the block's forward

@@ -63,6 +63,7 @@ class StepContext:
 
 
 _ACCUMULATE = StepContext()
+_HOLD_WRITES = 2   # disk writes of held final gradients in flight at once (hold="disk")
 
 
 class UpdateScheduler:
@@ -100,7 +101,12 @@ class UpdateScheduler:
         self._pending: Dict[int, Future] = {}         # unit index -> its update of the last step
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._slots = threading.BoundedSemaphore(depth)
-        self._grad_pool = BufferPool(max_bytes=256 << 20)  # final gradients of single micro-batches
+        # Recycled final-gradient buffers: at most what the pipeline has in flight at once (the
+        # pending updates, the one being copied, the disk writes of a clipping hold), so a
+        # layer-major step keeps no whole-model's worth of gradients in RAM between steps.
+        largest = max((u.numel for u in units), default=0) * 4
+        self._grad_pool = BufferPool(max_bytes=(depth + 1 + _HOLD_WRITES) * largest)
+        self._held_ram: Dict[int, torch.Tensor] = {}  # unit index -> final gradient held for the norm (hold="host")
         self._held: Dict[int, Future] = {}            # unit index -> write of its final gradient (hold="disk")
         self._held_keys: set = set()
 
@@ -141,7 +147,10 @@ class UpdateScheduler:
         unit, grad = self.shard_gradient(unit, grad)
         if unit.numel == 0:   # a small unit's shard of this rank is empty: nothing to update
             return
+        # (updates of the last step may still be running: they pop their own held gradients; an
+        # entry left by a failed step is dropped when this unit's gradient goes elsewhere)
         if not step.updates:                    # not the step's last micro-batch
+            self._held_ram.pop(unit.index, None)
             self.grads.accumulate(unit, grad)
             return
         if not step.clipped and not self.grads.has_grad(unit):
@@ -150,9 +159,15 @@ class UpdateScheduler:
             self.reduce(unit, flat)
             self._submit(unit, step.lr, flat, zero=False, recycle=True)
             return
-        if step.clipped and step.hold == "disk" and self.disk is not None and not self.grads.has_grad(unit):
-            self._hold_on_disk(unit, self._copy_final(unit, grad))
+        if step.clipped and not self.grads.has_grad(unit):
+            # Final in one piece (a layer-major window, a single micro-batch): held for the norm
+            # outside the accumulator, which is then never allocated.
+            if step.hold == "disk" and self.disk is not None:
+                self._hold_on_disk(unit, self._copy_final(unit, grad))
+            else:
+                self._hold_in_ram(unit, self._copy_final(unit, grad))
             return
+        self._held_ram.pop(unit.index, None)
         self.grads.accumulate(unit, grad)       # the last micro-batch: final in the accumulator
         self.reduce(unit, self.grads.grad(unit))
         if step.clipped:
@@ -177,22 +192,36 @@ class UpdateScheduler:
     def _hold_key(self, unit: Unit) -> str:
         return f"final-grad-{unit.index:05d}"
 
+    def _add_norm_share(self, flat: torch.Tensor) -> None:
+        sq = float(torch.linalg.vector_norm(flat)) ** 2
+        with self._norm_lock:
+            self._norm_sq += sq
+
+    def _hold_in_ram(self, unit: Unit, flat: torch.Tensor) -> None:
+        """Clipping, hold="host": reduce, take the norm share, keep the final gradient until its
+        update (which hands the buffer back to the pool, bounded: the rest is freed)."""
+        self.reduce(unit, flat)
+        self._add_norm_share(flat)
+        self._held_ram[unit.index] = flat
+
+    def held_ram_bytes(self) -> int:
+        """Bytes of final gradients held in RAM for a clipping norm (freed by their updates)."""
+        return sum(t.numel() * 4 for t in list(self._held_ram.values()))
+
     def _hold_on_disk(self, unit: Unit, flat: torch.Tensor) -> None:
         """Clipping, hold="disk": reduce, take the norm share, write the final gradient to the
         disk tier (its update reads it back once the norm is known); RAM holds only the writes
         in flight (at most a few units)."""
         self.reduce(unit, flat)
-        sq = float(torch.linalg.vector_norm(flat)) ** 2
-        with self._norm_lock:
-            self._norm_sq += sq
+        self._add_norm_share(flat)
         key = self._hold_key(unit)
         fut = self.disk.write(key, {"g": flat})
         fut.add_done_callback(lambda _f, flat=flat: self._grad_pool.give(flat))
         self._held[unit.index] = fut
         self._held_keys.add(key)
         inflight = [f for f in self._held.values() if not f.done()]
-        if len(inflight) > 2:   # back-pressure on the gradient thread (errors surface in the update)
-            futures_wait(inflight[:-2])
+        if len(inflight) > _HOLD_WRITES:   # back-pressure on the gradient thread (errors surface in the update)
+            futures_wait(inflight[:-_HOLD_WRITES])
 
     def held_disk_bytes(self) -> int:
         """Bytes of final gradients kept on the disk tier for clipping (hold="disk")."""
@@ -302,7 +331,11 @@ class UpdateScheduler:
         t0 = time.perf_counter()
         self.weights.mark_updating(unit)
         held = self._held.pop(unit.index, None)
-        if grad is None and held is not None:   # hold="disk": the final gradient comes back
+        in_ram = self._held_ram.pop(unit.index, None)
+        own = False   # grad is a pool buffer this update hands back
+        if grad is None and in_ram is not None:   # hold="host": kept since it arrived
+            grad, own = in_ram, True
+        elif grad is None and held is not None:   # hold="disk": the final gradient comes back
             held.result()
             grad = self._grad_pool.take(unit.numel)
             try:
@@ -310,8 +343,7 @@ class UpdateScheduler:
             except BaseException:
                 self._grad_pool.give(grad)
                 raise
-        else:
-            held = None
+            own = True
         error = None
         try:
             m, v = self.states.load(unit)
@@ -329,7 +361,7 @@ class UpdateScheduler:
             self.weights.update_done(unit, params)
             self.states.store(unit, m, v)
         finally:
-            if held is not None:
+            if own:
                 self._grad_pool.give(grad)
         if zero:
             self.grads.zero_unit(unit)

@@ -3,7 +3,7 @@ with every unit resident once per pass.
 
 Forward: each unit, once on the device, runs all A micro-batches; the layer-boundary
 activations (the input of every k-th layer, per micro-batch) stay in a :class:`BoundaryStore`
-(device or host tier). Backward: the units in reverse, each resident once, recompute and
+(device, host or disk tier). Backward: the units in reverse, each resident once, recompute and
 back-propagate every micro-batch; the unit's gradient is summed on the device (fp32) and leaves
 once, final, so its update can start at once (the update scheduler's path). With
 checkpoint interval 1 every layer crosses to the device twice per step, whatever A.
@@ -30,6 +30,9 @@ major path (same distribution; with A = 1 they are the same).
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -42,54 +45,146 @@ from .updates import StepContext
 
 
 class BoundaryStore:
-    """Layer-boundary activations of a window, keyed (layer index, micro-batch), on the device
-    tier (kept as they are) or the host tier (copied out; pinned on CUDA, copies on the
-    compute stream so their order with the kernels that produced them is the stream's)."""
+    """Layer-boundary activations of a window, keyed (layer index, micro-batch), on one tier:
 
-    def __init__(self, device: torch.device):
+    * "device": kept as they are;
+    * "host": copied out (pinned on CUDA, copies on the compute stream so their order with the
+      kernels that produced them is the stream's);
+    * "disk": copied out to a recycled host buffer and written behind through the engine's
+      :class:`DiskStore`; the backward pops them in its order (layers descending, micro-batches
+      ascending), so each pop starts the reads of the next ``READ_AHEAD`` keys, and a read key's
+      file is deleted (the disk holds only what the backward has still to read). RAM holds only
+      the writes and reads in flight.
+    """
+
+    READ_AHEAD = 4       # disk reads started ahead of the backward
+    WRITES_IN_FLIGHT = 4  # disk writes behind the forward before it waits
+
+    def __init__(self, device: torch.device, disk=None):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.disk = disk
         self.tier = "device"
-        self._t: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._t: Dict[Tuple[int, int], object] = {}
         # Host buffers recycled across steps (pinning is slow): a buffer's next use is a copy
         # on the same stream as its last read, so the stream orders them.
         self._free: Dict[tuple, List[torch.Tensor]] = {}
-        self.bytes = {"device": 0, "host": 0}
-        self.peak = {"device": 0, "host": 0}
+        self._lock = threading.Lock()
+        self.bytes = {"device": 0, "host": 0, "disk": 0}
+        self.peak = {"device": 0, "host": 0, "disk": 0}
+        self.disk_ops = {"writes": 0, "reads": 0}   # of the last window
+        self._writes: List[Future] = []
+        self._order: Optional[List[Tuple[int, int]]] = None   # the backward's pop order (disk)
+        self._reads: Dict[Tuple[int, int], Tuple[Future, torch.Tensor]] = {}
 
     def start(self, tier: str) -> None:
+        if tier == "disk" and self.disk is None:
+            raise ValueError("boundary activations on the disk tier need an offload_dir (the engine's disk tier)")
         self.clear()
         self.tier = tier
-        self.peak = {"device": 0, "host": 0}
+        self.peak = {"device": 0, "host": 0, "disk": 0}
+        self.disk_ops = {"writes": 0, "reads": 0}
+
+    def _buffer(self, shape, dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((tuple(shape), dtype))
+            if free:
+                return free.pop()
+        if self.tier == "disk":
+            from .disk_store import aligned_empty   # page-aligned: direct I/O
+
+            return aligned_empty(tuple(shape), dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+
+    def _recycle(self, t: torch.Tensor) -> None:
+        with self._lock:   # also from the disk workers (a write's buffer, once written)
+            self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+    @staticmethod
+    def _key(key) -> str:
+        return f"boundary-{key[0]:05d}-{key[1]:05d}"
 
     def put(self, key, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
         if self.tier == "host":
-            free = self._free.get((tuple(t.shape), t.dtype))
-            h = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+            h = self._buffer(t.shape, t.dtype)
             h.copy_(t, non_blocking=self.cuda)
             t = h
+        elif self.tier == "disk":
+            h = self._buffer(t.shape, t.dtype)
+            h.copy_(t)   # synchronous: the write runs in another thread
+            fut = self.disk.write(self._key(key), {"h": h})
+            fut.add_done_callback(lambda _f, h=h: self._recycle(h))
+            self._writes = [f for f in self._writes if not f.done()] + [fut]
+            if len(self._writes) > self.WRITES_IN_FLIGHT:   # back-pressure: RAM holds a few writes
+                futures_wait(self._writes[:-self.WRITES_IN_FLIGHT])
+            self.disk_ops["writes"] += 1
+            t = (tuple(t.shape), t.dtype, fut)
         self._t[key] = t
-        n = t.numel() * t.element_size()
         self.bytes[self.tier] += n
         self.peak[self.tier] = max(self.peak[self.tier], self.bytes[self.tier])
 
+    def _read(self, k, urgent: bool = False) -> None:
+        shape, dtype, _ = self._t[k]
+        buf = self._buffer(shape, dtype)
+        self._reads[k] = (self.disk.read(self._key(k), {"h": buf}, urgent=urgent), buf)
+        self.disk_ops["reads"] += 1
+
+    def _read_ahead(self) -> None:
+        """Keep READ_AHEAD reads going, in the backward's order."""
+        if self._order is None:
+            self._order, self._pos = sorted(self._t, key=lambda k: (-k[0], k[1])), 0
+        while self._pos < len(self._order) and len(self._reads) < self.READ_AHEAD:
+            k = self._order[self._pos]
+            self._pos += 1
+            if k in self._t and k not in self._reads:
+                self._read(k)
+
     def pop(self, key) -> torch.Tensor:
+        if self.tier == "disk":
+            self._read_ahead()
+            if key not in self._reads:   # out of the backward's order: read it now
+                self._read(key, urgent=True)
+            fut, buf = self._reads.pop(key)
+            shape, dtype, _ = self._t.pop(key)
+            fut.result()
+            self.disk.delete(self._key(key))
+            self.bytes["disk"] -= buf.numel() * buf.element_size()
+            out = buf.to(self.device)   # synchronous: the buffer is recycled for the next read
+            if out is buf:
+                out = buf.clone()
+            self._recycle(buf)
+            self._read_ahead()
+            return out
         t = self._t.pop(key)
         self.bytes[self.tier] -= t.numel() * t.element_size()
         if self.tier == "host":
             out = t.to(self.device, non_blocking=self.cuda)
             if self.cuda or out is not t:
-                self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+                self._recycle(t)
             return out
         return t
 
     def free_bytes(self) -> int:
         """Recycled host buffers kept for the next window."""
-        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+        with self._lock:
+            return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
     def clear(self) -> None:
+        """Drop the window's activations (after a window, or a failed one): disk operations in
+        flight finish and the tier's files are removed."""
+        if self.tier == "disk" and self.disk is not None:
+            futures_wait(self._writes + [f for f, _ in self._reads.values()])
+            for f, buf in self._reads.values():
+                self._recycle(buf)
+            for k in list(self._t):
+                try:
+                    self.disk.delete(self._key(k))
+                except Exception:  # noqa: BLE001 - a failed write left no file
+                    pass
+        self._writes, self._reads, self._order = [], {}, None
         self._t.clear()
-        self.bytes = {"device": 0, "host": 0}
+        self.bytes = {"device": 0, "host": 0, "disk": 0}
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:
@@ -181,11 +276,14 @@ class WindowRunner:
         self.r._note_activation(self.r.ctx.saved_bytes + extra)
 
     # ------------------------------------------------------------------ one window
-    def run(self, batches, *, loss_fn=None, step: StepContext, denom: float, tier: str) -> Tuple[float, int, int]:
+    def run(self, batches, *, loss_fn=None, step: StepContext, denom: float, tier: str,
+            k: Optional[int] = None) -> Tuple[float, int, int]:
         """Forward and backward of ``batches`` (each ``(ids, am, labels)`` on the device),
-        layer-major. Returns (loss sum, target tokens, tokens)."""
+        layer-major, with checkpoint interval ``k`` (default: the runner's; the planner may
+        choose a larger one for a window, block recompute keeps the result the same).
+        Returns (loss sum, target tokens, tokens)."""
         r = self.r
-        k = r.checkpoint_interval
+        k = r.checkpoint_interval if k is None else k
         A = len(batches)
         shifts = [F.pad(lab[:, 1:], (0, 1), value=-100) for _, _, lab in batches]
         n_tokens = sum(int((s != -100).sum()) for s in shifts)
@@ -193,7 +291,7 @@ class WindowRunner:
         r.activation_now = 0
         self._front_bytes = 0
         self.boundary.start(tier)
-        order = r.schedule(True)
+        order = r.schedule(True, k)
         r.plan_reads(order, step)
         r.pager.set_schedule(order)
         training = r.model.training

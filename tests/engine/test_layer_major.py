@@ -116,7 +116,7 @@ def test_counts_a4_each_layer_twice_and_no_host_gradients():
     assert last["host_to_device_bytes"] == 4 * (engine.num_parameters() + sum(u.numel for u in engine.layer_units))
     # the boundary activations: every layer's input of every micro-batch (2x12 tokens, hidden 32, fp32)
     assert last["boundary_tier"] == "device" and last["boundary_bytes"] == {"device": 4 * 4 * 2 * 12 * 32 * 4,
-                                                                              "host": 0}
+                                                                              "host": 0, "disk": 0}
     mem = engine.memory_report()
     assert mem["host"]["grads"] == 0                    # no host gradient accumulator
     assert mem["device"]["boundary_activations"] == last["boundary_bytes"]["device"]
@@ -229,7 +229,8 @@ def test_window_bad_input_is_named():
 
 def test_window_plan_device_then_host_then_split():
     row = 4096 * 8192 * 2     # one micro-batch's hidden state: 4096 tokens, hidden 8192, bf16
-    kw = dict(tokens=4096, hidden_size=8192, num_layers=80, checkpoint_interval=1, compute_bytes=2)
+    kw = dict(tokens=4096, hidden_size=8192, num_layers=80, checkpoint_interval=1, compute_bytes=2,
+              raise_interval=False)   # (raising the interval: test_window_plan_disk_tier_and_interval)
     p = window_plan(16, device_free=None, host_free=None, **kw)
     assert (p.tier, p.groups, p.loads_per_layer) == ("device", 1, 2)
     p = window_plan(16, device_free=16 * 82 * row, host_free=None, **kw)
@@ -311,7 +312,7 @@ def test_clipping_holds_final_gradients_on_the_disk_tier(tmp_path, window):
     assert _rel(disk, ram) == 0.0
     mem = disk.memory_report()
     assert mem["host"]["grads"] == 0 and mem["disk"]["grads"] >= 4 * disk.num_parameters()
-    assert ram.memory_report()["host"]["grads"] == 4 * ram.num_parameters()
+    assert ram.memory_report()["host"]["grads"] == 0   # held only until their updates (no accumulator kept)
     with pytest.raises(ValueError, match="clip_hold='disk' needs an offload_dir"):
         EngineConfig(clip_hold="disk")
     for e in (ram, disk):
@@ -326,3 +327,131 @@ def test_estimate_counts_gradients_held_on_disk():
     disk = estimate("llama-100b", clip_hold="auto", **kw)   # master weights on disk -> gradients too
     assert not host.feasible and host.plan.host["grads"] > 0
     assert disk.feasible and disk.plan.host["grads"] == 0 and disk.plan.disk["grads"] == host.plan.host["grads"]
+
+
+# ---------------------------------------------------------------------- the disk tier, the window's interval
+@pytest.mark.parametrize("k", [1, 2])
+def test_disk_tier_bitwise_same_as_host_tier_counted_per_tier(tmp_path, k):
+    """window_tier='disk': the boundary activations go through the disk tier (written behind,
+    read back in the backward's order, files removed once read); the weights are bitwise those
+    of the host tier; bytes per tier in telemetry and memory_report."""
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    (tmp_path / "h").mkdir()
+    (tmp_path / "d").mkdir()
+    cfg = dict(device="cpu", checkpoint_interval=k)
+    host = StreamingEngine(copy.deepcopy(model), EngineConfig(offload_dir=str(tmp_path / "h"), window_tier="host",
+                                                              **cfg))
+    disk = StreamingEngine(copy.deepcopy(model), EngineConfig(offload_dir=str(tmp_path / "d"), window_tier="disk",
+                                                              **cfg))
+    A, clip = 3, 0.05
+    for w in _windows(3, A):
+        outs = [e.forward_backward(w, step_lr=3e-3, max_grad_norm=clip) for e in (host, disk)]
+        assert outs[0].loss == outs[1].loss and outs[0].grad_norm == outs[1].grad_norm
+    assert _rel(disk, host) == 0.0
+    layers = len(disk.layer_units)
+    row = 2 * 12 * 32 * 4                                  # one micro-batch's hidden state (fp32)
+    saved = -(-layers // k) * A * row                      # every k-th layer's input, every micro-batch
+    lh, ld = host.telemetry()["last_step"], disk.telemetry()["last_step"]
+    assert lh["boundary_bytes"] == {"device": 0, "host": saved, "disk": 0}
+    assert ld["boundary_tier"] == "disk" and ld["boundary_bytes"] == {"device": 0, "host": 0, "disk": saved}
+    n_keys = -(-layers // k) * A
+    assert ld["boundary_disk_ops"] == {"writes": n_keys, "reads": n_keys}
+    assert lh["boundary_disk_ops"] == {"writes": 0, "reads": 0}
+    assert ld["loads_per_layer"] == lh["loads_per_layer"] == loads_per_layer(layers, k)
+    mem = disk.memory_report()
+    assert mem["disk"]["activations"] == saved and mem["host"]["activations"] == 0
+    assert host.memory_report()["host"]["activations"] == saved
+    assert not [key for key in disk.disk.keys() if key.startswith("boundary-")]   # read once, then removed
+    # RAM holds only the transfers in flight: a few recycled buffers, not the window's activations
+    assert disk.boundary.free_bytes() <= (disk.boundary.READ_AHEAD + disk.boundary.WRITES_IN_FLIGHT + 1) * row
+    with pytest.raises(ValueError, match="window_tier='disk' needs an offload_dir"):
+        EngineConfig(window_tier="disk")
+    for e in (host, disk):
+        e.close()
+
+
+def test_window_plan_disk_tier_and_interval():
+    row = 4096 * 8192 * 2     # one micro-batch's hidden state: 4096 tokens, hidden 8192, bf16
+    kw = dict(tokens=4096, hidden_size=8192, num_layers=80, checkpoint_interval=1, compute_bytes=2)
+    # device (10 GiB) and host (25 GiB) short for 16 x 80 GiB/16: the disk tier, interval 1
+    p = window_plan(16, device_free=10 * GiB, host_free=25 * GiB, disk_free=None, **kw)
+    assert (p.tier, p.groups, p.checkpoint_interval, p.loads_per_layer) == ("disk", 1, 1, 2)
+    assert p.boundary_bytes == 16 * 80 * row and "on the disk" in p.reason
+    # no disk tier: interval 2 halves them (40 GiB, still too many); 4 -> 20 GiB fit the host
+    p = window_plan(16, device_free=10 * GiB, host_free=25 * GiB, **kw)
+    assert (p.tier, p.groups, p.checkpoint_interval) == ("host", 1, 4)
+    assert p.boundary_bytes == 16 * 20 * row and p.loads_per_layer == loads_per_layer(80, 4) == 2.75
+    assert "checkpoint interval 4 for this window" in p.reason and "exact" in p.reason
+    p = window_plan(16, device_free=10 * GiB, host_free=45 * GiB, **kw)   # interval 2 is enough
+    assert (p.tier, p.checkpoint_interval, p.loads_per_layer) == ("host", 2, 2.5)
+    # a too small disk tier counts as short too; nothing fits at any interval: split at the given one
+    p = window_plan(16, device_free=10 * GiB, host_free=5 * GiB, disk_free=11 * GiB, **kw)
+    assert (p.checkpoint_interval, p.tier, p.group_size, p.groups) == (1, "disk", 2, 8)   # 2 x 5 GiB
+    # a fixed interval (raise_interval=False) is kept
+    p = window_plan(16, device_free=10 * GiB, host_free=25 * GiB, raise_interval=False, **kw)
+    assert p.checkpoint_interval == 1 and p.groups > 1
+
+
+def test_engine_runs_a_window_at_the_planned_interval():
+    """A window the planner gives interval 2 (its boundary activations then fit) gives the
+    same weights as the micro-batch-major path at interval 1; the recompute adds the loads."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=4)).eval()
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu"))
+    lm = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu"))
+    row = 2 * 12 * 32 * 4
+    plan_window = lm.plan_window
+
+    def tight(batches):   # room on the "device" for the boundary activations at interval 2 only
+        p = window_plan(len(batches), tokens=24, hidden_size=32, num_layers=4, checkpoint_interval=1,
+                        compute_bytes=4, device_free=3 * (2 + 3) * row, host_free=0)
+        assert plan_window(batches).checkpoint_interval == 1    # the engine's own plan: no limit here
+        return p
+    lm.plan_window = tight
+    for w in _windows(3, 3):
+        _micro_batch_major(ref, w, 3e-3)
+        lm.forward_backward(w, step_lr=3e-3)
+    assert _rel(lm, ref) <= 1e-5
+    last = lm.telemetry()["last_step"]
+    assert last["checkpoint_interval"] == 2 and last["loads_per_layer"] == 2.5 and last["groups"] == 1
+    assert last["boundary_bytes"]["device"] == 2 * 3 * row   # layers 0 and 2, three micro-batches
+    for e in (ref, lm):
+        e.close()
+
+
+def test_clipped_window_keeps_no_host_accumulator_and_pool_is_bounded():
+    """After a clipped layer-major step no host gradient accumulator exists (the final
+    gradients wait for the norm in buffers their updates free); the recycled final-gradient
+    buffers are bounded by what the update pipeline has in flight, not the model size."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=4)).eval()
+    eng = StreamingEngine(model, EngineConfig(device="cpu"))
+    largest = max(u.numel for u in eng.units) * 4
+    bound = eng.updates._grad_pool.max_bytes
+    assert bound < 4 * eng.num_parameters() and bound >= largest
+    for w in _windows(2, 3):
+        out = eng.forward_backward(w, step_lr=1e-3, max_grad_norm=0.01)
+        assert out.grad_norm > 0.01
+        eng.updates.wait_all()
+        assert not [g for g in eng.store.grads.values() if g is not None]   # never allocated
+        mem = eng.memory_report()
+        assert mem["host"]["grads"] == 0 and eng.updates.held_ram_bytes() == 0
+        assert eng.updates.buffer_bytes() <= bound
+    eng.close()
+
+
+def test_estimate_puts_llama100b_boundaries_on_disk_and_says_so():
+    """The seed's configuration (batch 1 x 2048 x accumulation 128, fp32, no clipping): the
+    window's boundary activations (768 GiB) do not fit the device nor the host budget's free
+    part, so they go to the disk tier; host RAM falls below the micro-batch-major figure (its
+    accumulator gone, nothing in its place) with 2 loads per layer."""
+    from megatrain_nb import estimate
+
+    kw = dict(vram_gb=80, ram_gb=1024, disk_gb=4096, batch=1, seq=2048, accumulation=128, clipping=False)
+    before = estimate("llama-100b", layer_major=False, **kw)
+    after = estimate("llama-100b", **kw)
+    w = after.plan.window
+    assert (w["tier"], w["groups"], w["checkpoint_interval"], w["loads_per_layer"]) == ("disk", 1, 1, 2)
+    assert after.plan.disk["activations"] == w["boundary_bytes"] == 128 * 96 * 2048 * 8192 * 4   # 96 layers, hidden 8192, fp32
+    assert "activations" not in after.plan.host and after.plan.host["grads"] == 0
+    assert after.plan.host["total"] < before.plan.host["total"] - before.plan.host["grads"] // 2
+    assert after.feasible and w["tokens_per_weight_fetch"] == 2048 * 128 / 2
+    assert "on the disk" in after.notes[0] and "131,072 tokens per weight fetch" in after.notes[0]

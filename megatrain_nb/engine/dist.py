@@ -438,3 +438,23 @@ def _reduce_scatter_single(out, inp, group, async_op):
 
     fn = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
     return fn(out, inp, group=group, async_op=async_op)
+
+
+def resolve_dist(dist, config) -> Dist:
+    """The engine's process group: a Dist as given; a torch ProcessGroup wrapped; else the
+    initialised default group; else, under torchrun (WORLD_SIZE > 1), the group built from the
+    environment; else one process."""
+    if isinstance(dist, Dist):
+        return dist
+    import torch.distributed as tdist
+
+    want = None
+    if config.device is not None and torch.device(config.device).type == "cpu":
+        want = "cpu"
+    if dist is not None:
+        return Dist(dist, device=want)
+    if tdist.is_available() and tdist.is_initialized():
+        return Dist(None, device=want)
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:   # under torchrun: join the run's group
+        return Dist.from_env(device=want)
+    return Dist.single()

@@ -31,17 +31,19 @@ from .inputs import prepare_batch, window_batches
 from .materialize import SafetensorsSource, take_parameters
 from .optimizer import UnitAdamW
 from .pager import Pager
-from .planner import GiB, WindowPlan, engine_plan, engine_window_plan
+from .memory import memory_report
+from .planner import WindowPlan, engine_plan
 from .proxies import LayerProxy
-from .states import OptimizerStates
+from .states import OptimizerStates, open_disk_tier
 from .step import StepRunner
 from .telemetry import Telemetry
 from .units import Unit, build_units, check_supported, find_layer_list
 from .updates import StepContext, UpdateScheduler
 from .weight_store import make_weight_store
-from .dist import Dist
+from .dist import resolve_dist
+from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
 from .sharded import ShardedUnits
-from .window import BoundaryStore, WindowRunner
+from .window import BoundaryStore, WindowRunner, WindowStep, plan_for
 
 
 @dataclass
@@ -100,7 +102,7 @@ class StreamingEngine:
         self.checkpoint_interval = self.plan.checkpoint_interval
         pin = self.device.type == "cuda"
         self.store = HostStore(self.state_units, pin=pin)
-        self.disk = self._open_disk_tier()
+        self.disk = open_disk_tier(self.units, config, self.params_on_disk)
         # Pipeline depth: units in flight through host RAM per stage (RAM stays flat).
         # (depth 2 measured no faster on 2 cores and left more optimizer time exposed: keep 1)
         self.inflight_depth = 1
@@ -139,8 +141,10 @@ class StreamingEngine:
             layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
         self.boundary = BoundaryStore(self.device, disk=self.disk)
         self.window_runner = WindowRunner(self.runner, self.boundary)
-        self.last_window_plan: Optional[WindowPlan] = None
-        self._boundary_peak = {"device": 0, "host": 0, "disk": 0}
+        self.window_step = WindowStep(self.window_runner, self.boundary, updates=self.updates, pager=self.pager,
+                                      counters=self.counters, config=config, layer_names=self.unit_names()[1:-1],
+                                      clip_hold_disk=self.disk is not None and self.params_on_disk)
+        self.memory_peaks = {"host": 0, "disk": 0}   # memory_report's peaks across calls
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
@@ -182,25 +186,6 @@ class StreamingEngine:
         each). Large units get the minimum: one optimizer staging buffer (RAM stays flat for
         models far larger than RAM; their steps are long, so what it would overlap is small)."""
         return max(u.numel for u in self.units) * 4 <= (256 << 20)
-
-    def _open_disk_tier(self):
-        """The disk tier under offload_dir (optimizer states; master weights when planned)."""
-        cfg = self.config
-        if not cfg.offload_dir:
-            return None
-        from .disk_store import DiskStore, prepare_offload_dir
-        from .states import stored_state_bytes
-
-        need = stored_state_bytes(self.units, cfg.optimizer_compression)
-        if self.params_on_disk:
-            need += self.num_parameters() * 4
-        from .host_store import return_freed_memory_to_os
-
-        return_freed_memory_to_os()  # RAM must stay flat while units stream through it
-        prepare_offload_dir(cfg.offload_dir, need)  # created (0700) when missing; a missing parent is an error
-        # The engine bounds the memory its disk operations hold itself (staging pools, states
-        # read ahead / written behind); the store queues whatever it is given.
-        return DiskStore(cfg.offload_dir, reserve_bytes=need, keep=cfg.keep_offload_files)
 
     def _move_buffers(self, model: nn.Module) -> None:
         for mod in list(model.modules()) + [u.module for u in self.layer_units]:
@@ -264,7 +249,7 @@ class StreamingEngine:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
             t0 = time.perf_counter()
-            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self._clip_hold())
+            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self.window_step.hold())
             self.updates.begin(step)
             try:
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, step=step,
@@ -285,65 +270,22 @@ class StreamingEngine:
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm, skipped=skipped)
 
     def plan_window(self, batches) -> WindowPlan:
-        """The layout a window of prepared ``(ids, am, labels)`` micro-batches gets: layer-major
-        when their boundary activations fit the device budget, else host RAM, else split."""
-        cap = None
-        if self.device.type == "cuda" and not self.config.max_vram_gb:
-            cap = torch.cuda.get_device_properties(self.device).total_memory
-        return engine_window_plan(self.plan, self.model_config, self.config, len(self.layer_units),
-                                  tokens=max(int(b[0].numel()) for b in batches), micro_batches=len(batches),
-                                  device_capacity=cap)
+        """The :class:`WindowPlan` of prepared ``(ids, am, labels)`` micro-batches (``window.plan_for``)."""
+        return plan_for(batches, plan=self.plan, model_config=self.model_config, config=self.config,
+                        num_layers=len(self.layer_units), device=self.device)
+
+    @property
+    def last_window_plan(self) -> Optional[WindowPlan]:
+        """The plan of the last window :meth:`forward_backward` ran (None before the first)."""
+        return self.window_step.last_plan
 
     def _forward_backward_window(self, window, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
         with self.lock:
             self._check_open()
             batches = [self._prepare(*b) for b in window]
-            t0 = time.perf_counter()
-            if num_items_in_batch is None:
-                num_items_in_batch = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in batches)
-            denom = max(num_items_in_batch, 1)
-            wp = self.plan_window(batches)
-            self.last_window_plan = wp
-            loss_sum, n, norm, skipped = 0.0, 0, None, False
-            boundary_peak = {"device": 0, "host": 0, "disk": 0}
-            disk_ops: dict = {}
-            for g0 in range(0, len(batches), wp.group_size):
-                group = batches[g0:g0 + wp.group_size]
-                last = g0 + wp.group_size >= len(batches)
-                step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self._clip_hold()) if last else StepContext()
-                self.updates.begin(step)
-                try:
-                    part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
-                                                               tier=wp.tier, k=wp.checkpoint_interval)
-                    self.pager.wait_grads()
-                    # The finiteness check sees the whole window's loss (every group's so far).
-                    norm, skipped = self.updates.finish(step, (loss_sum + part) / max(n + cnt, 1))
-                except finite.NonFiniteError:
-                    self.updates.nonfinite = None  # reported now, to this caller
-                    raise
-                finally:
-                    self.updates.end()
-                loss_sum, n = loss_sum + part, n + cnt
-                for t in boundary_peak:
-                    boundary_peak[t] = max(boundary_peak[t], self.boundary.peak[t])
-                for op, v in self.boundary.disk_ops.items():
-                    disk_ops[op] = disk_ops.get(op, 0) + v
-                self.counters.add_tokens(tokens, len(group))
-            self._boundary_peak = {t: max(v, self._boundary_peak[t]) for t, v in boundary_peak.items()}
-            if step_lr is not None:
-                self.counters.add("steps", 1)
-                self._close_step(groups=wp.groups, group_size=wp.group_size, boundary_tier=wp.tier,
-                                 boundary_bytes=boundary_peak, boundary_disk_ops=disk_ops,
-                                 checkpoint_interval=wp.checkpoint_interval)
-            self.counters.add("micro_batches", len(batches))
-            self.counters.add("step_seconds", time.perf_counter() - t0)
-            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm, skipped=skipped)
-
-    def _clip_hold(self) -> str:
-        hold = self.config.clip_hold
-        if hold == "auto":
-            hold = "disk" if self.disk is not None and self.params_on_disk else "host"
-        return hold
+            loss, n, norm, skipped = self.window_step.run(batches, self.plan_window, loss_fn, num_items_in_batch,
+                                                          step_lr, max_grad_norm)
+            return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
 
     def _close_step(self, **extra) -> None:
         self.counters.close_step([u.name for u in self.layer_units], **extra)
@@ -429,44 +371,9 @@ class StreamingEngine:
         return sum(u.numel for u in self.units)
 
     def memory_report(self) -> dict:
-        esize = 2 if self.dtype == torch.bfloat16 else 4
-        dev_w = self.pager.slot_bytes
-        dev_g = self.pager.grad_buf_bytes
-        act = self.runner.activation_peak
-        dev = {"weights": dev_w, "grads": dev_g, "activations": act,
-               # layer-boundary activations of a layer-major window (part of "activations"); peak
-               "boundary_activations": self._boundary_peak["device"],
-               "used_bytes": dev_w + dev_g + self.runner.activation_now,
-               "peak_bytes": dev_w + dev_g + act,
-               "capacity_bytes": int(self.config.max_vram_gb * GiB) if self.config.max_vram_gb else None}
-        if self.device.type == "cuda":
-            dev["allocator_used_bytes"] = torch.cuda.memory_allocated(self.device)
-            dev["allocator_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-            if dev["capacity_bytes"] is None:
-                dev["capacity_bytes"] = torch.cuda.get_device_properties(self.device).total_memory
-        hb = self.store.nbytes()
-        st = self.states.nbytes()
-        wb = self.weights.nbytes()
-        host = {"weights": wb["host"], "grads": hb["grads"] + self.updates.held_ram_bytes(), "optimizer_states": st["host"],
-                # states read ahead of their updates + recycled scratch (moments, final gradients)
-                "buffers": st["host_buffers"] + self.updates.buffer_bytes() + self.boundary.free_bytes(),
-                # layer-boundary activations a layer-major window kept in host RAM (peak)
-                "activations": self._boundary_peak["host"],
-                "capacity_bytes": int(self.config.max_host_gb * GiB) if self.config.max_host_gb else _ram_total()}
-        host["used_bytes"] = (host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
-                              + self.boundary.bytes["host"])
-        self._host_peak = max(getattr(self, "_host_peak", 0), host["used_bytes"],
-                              host["used_bytes"] - self.boundary.bytes["host"] + self._boundary_peak["host"])
-        host["peak_bytes"] = self._host_peak
-        disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "grads": self.updates.held_disk_bytes(),
-                # layer-boundary activations a layer-major window kept on the disk tier (peak)
-                "activations": self._boundary_peak["disk"],
-                "capacity_bytes": st.get("disk_capacity")}
-        disk["used_bytes"] = (disk["weights"] + disk["optimizer_states"] + disk["grads"]
-                              + self.boundary.bytes["disk"])
-        self._disk_peak = max(getattr(self, "_disk_peak", 0), disk["used_bytes"])
-        disk["peak_bytes"] = self._disk_peak
-        return {"device": dev, "host": host, "disk": disk}
+        return memory_report(pager=self.pager, runner=self.runner, store=self.store, states=self.states,
+                             weights=self.weights, updates=self.updates, boundary=self.boundary, config=self.config,
+                             boundary_peak=self.window_step.boundary_peak, peaks=self.memory_peaks, device=self.device)
 
     def telemetry(self) -> dict:
         """Counters: bytes per link, prefetch hits/misses, stall seconds, loads per unit."""
@@ -497,7 +404,7 @@ class StreamingEngine:
         with self.lock:
             if any(f.startswith("shards-") for f in os.listdir(path)):
                 return self.load_sharded_checkpoint(path)
-            self._refuse_sharded("load_checkpoint")
+            refuse_sharded("load_checkpoint", self.dist.world)
             self.pager.wait_grads()
             self.updates.settle()
             engine_io.load_weights(self, path)
@@ -523,64 +430,25 @@ class StreamingEngine:
                 torch.cuda.empty_cache()
 
     def save_sharded_checkpoint(self, path) -> None:
-        """Every rank writes its shard of every unit (master weights, Adam states in their stored
-        form, step counts) to its own file in ``path`` (a folder all ranks see), in parallel; any
-        world size can load it back (:meth:`load_sharded_checkpoint`). Collective."""
-        from .reshard import write_rank_shards
-
+        """Every rank writes its shard of every unit to its own file in ``path`` (a folder all ranks
+        see); any world size loads it back (:meth:`load_sharded_checkpoint`). Collective."""
         with self.lock:
             self.pager.wait_grads()
             self.updates.wait_all()
-            self.states.flush()
-            os.makedirs(path, exist_ok=True)
-            ranges, tensors, steps = {}, {}, {}
-            for u in self.units:
-                su = self._state_unit(u)
-                start = su.start if self.sharded is not None else 0
-                ranges[u.name] = (u.numel, start, start + su.numel)
-                keys = {"master": self.weights.read_now(su)}
-                keys.update(self.states.stored(su) or {})
-                tensors[u.name] = keys
-                if u.index in self.adam.steps:
-                    steps[u.name] = int(self.adam.steps[u.index])
-            write_rank_shards(path, rank=self.dist.rank, world=self.dist.world,
-                              codec=self.config.optimizer_compression, units=ranges, tensors=tensors,
-                              extra={"steps": steps})
-            self.dist.barrier()   # the checkpoint is complete once every rank's file is
+            save_engine_shards(path, units=self.units, state_unit=self._state_unit, weights=self.weights,
+                               states=self.states, adam_steps=self.adam.steps, dist=self.dist,
+                               codec=self.config.optimizer_compression)
 
     def load_sharded_checkpoint(self, path) -> None:
-        """Load a checkpoint written by :meth:`save_sharded_checkpoint` with any world size:
-        this rank reads only its range of each unit from the files that hold it. Collective."""
-        from .reshard import read_meta, read_rank_shards
-
+        """Load a :meth:`save_sharded_checkpoint` folder of any world size (reads this rank's ranges). Collective."""
         with self.lock:
             self.pager.wait_grads()
             self.updates.settle()
-            metas = read_meta(path)
-            codec = metas[0]["codec"]
-            if codec != self.config.optimizer_compression:
-                raise ValueError(f"the checkpoint's optimizer states use codec {codec!r} but this engine uses "
-                                 f"{self.config.optimizer_compression!r}; set optimizer_compression={codec!r}")
-            parts = read_rank_shards(path, self.dist.rank, self.dist.world, {u.name: u.numel for u in self.units})
-            steps = metas[0]["extra"].get("steps", {})
-            for u in self.units:
-                su = self._state_unit(u)
-                got = dict(parts[u.name])
-                if su.numel == 0:
-                    continue
-                self.weights.overwrite(su, got.pop("master"))
-                if got:
-                    self.states.put_stored(su, got)
-            self.states.flush()
-            self.adam.load_state_dict({str(u.index): torch.tensor(float(steps[u.name]))
-                                       for u in self.units if u.name in steps})
+            load_engine_shards(path, units=self.units, state_unit=self._state_unit, weights=self.weights,
+                               states=self.states, adam=self.adam, dist=self.dist,
+                               codec=self.config.optimizer_compression)
             self.updates.clear_failure()
             self.dist.barrier()
-
-    def _refuse_sharded(self, what: str) -> None:
-        if self.sharded is not None:
-            raise NotImplementedError(f"{what}() from a Hugging Face-layout checkpoint with state sharded over "
-                                      f"{self.dist.world} ranks is not built yet; use a sharded checkpoint")
 
     @property
     def closed(self) -> bool:
@@ -611,28 +479,3 @@ class StreamingEngine:
         if disk is not None:
             disk.abandon()
 
-
-def _ram_total() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().total)
-
-
-def resolve_dist(dist, config) -> Dist:
-    """The engine's process group: a Dist as given; a torch ProcessGroup wrapped; else the
-    initialised default group; else, under torchrun (WORLD_SIZE > 1), the group built from the
-    environment; else one process."""
-    if isinstance(dist, Dist):
-        return dist
-    import torch.distributed as tdist
-
-    want = None
-    if config.device is not None and torch.device(config.device).type == "cpu":
-        want = "cpu"
-    if dist is not None:
-        return Dist(dist, device=want)
-    if tdist.is_available() and tdist.is_initialized():
-        return Dist(None, device=want)
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:   # under torchrun: join the run's group
-        return Dist.from_env(device=want)
-    return Dist.single()

@@ -157,3 +157,53 @@ def read_rank_shards(folder, rank: int, world: int, numels: Mapping[str, int],
                              f"model {numel}; it was written for another model")
         out[name] = read_range(folder, metas, name, s, e, keys)
     return out
+
+
+def save_engine_shards(path, *, units, state_unit, weights, states, adam_steps, dist, codec: str) -> None:
+    """Write this rank's shard of every unit of an engine (master weights, stored Adam states,
+    step counts) into ``path``, then wait for every rank (collective). ``state_unit(u)``: the
+    part of ``u`` this rank holds (``u`` itself when not sharded)."""
+    states.flush()
+    os.makedirs(path, exist_ok=True)
+    ranges, tensors, steps = {}, {}, {}
+    for u in units:
+        su = state_unit(u)
+        start = su.start if su is not u else 0
+        ranges[u.name] = (u.numel, start, start + su.numel)
+        keys = {"master": weights.read_now(su)}
+        keys.update(states.stored(su) or {})
+        tensors[u.name] = keys
+        if u.index in adam_steps:
+            steps[u.name] = int(adam_steps[u.index])
+    write_rank_shards(path, rank=dist.rank, world=dist.world, codec=codec, units=ranges, tensors=tensors,
+                      extra={"steps": steps})
+    dist.barrier()   # the checkpoint is complete once every rank's file is
+
+
+def load_engine_shards(path, *, units, state_unit, weights, states, adam, dist, codec: str) -> None:
+    """Read this rank's range of every unit from a checkpoint :func:`save_engine_shards` wrote
+    with any world size into ``weights``, ``states`` and ``adam``'s step counts."""
+    metas = read_meta(path)
+    saved = metas[0]["codec"]
+    if saved != codec:
+        raise ValueError(f"the checkpoint's optimizer states use codec {saved!r} but this engine uses "
+                         f"{codec!r}; set optimizer_compression={saved!r}")
+    parts = read_rank_shards(path, dist.rank, dist.world, {u.name: u.numel for u in units})
+    steps = metas[0]["extra"].get("steps", {})
+    for u in units:
+        su = state_unit(u)
+        got = dict(parts[u.name])
+        if su.numel == 0:
+            continue
+        weights.overwrite(su, got.pop("master"))
+        if got:
+            states.put_stored(su, got)
+    states.flush()
+    adam.load_state_dict({str(u.index): torch.tensor(float(steps[u.name])) for u in units if u.name in steps})
+
+
+def refuse_sharded(what: str, world: int) -> None:
+    """Hugging Face-layout checkpoints hold whole units: refuse them with state sharded over ranks."""
+    if world > 1:
+        raise NotImplementedError(f"{what}() from a Hugging Face-layout checkpoint with state sharded over "
+                                  f"{world} ranks is not built yet; use a sharded checkpoint")

@@ -72,12 +72,15 @@ class OptimizerStates:
         forward leaves it idle rather than queueing behind the backward's writes."""
         # Appended: the updates of one step may still be running when the next step schedules.
         order = list(order)
-        self._sched = self._sched + [(u, i == len(order) - 1) for i, u in enumerate(order)]
+        with self._lock:  # the optimizer thread advances the same list
+            self._sched.extend((u, i == len(order) - 1) for i, u in enumerate(order))
         self._read_ahead()
 
     def _read_ahead(self) -> None:
         held = 0
-        for i, (u, _) in enumerate(self._sched):
+        with self._lock:
+            sched = list(self._sched)
+        for i, (u, _) in enumerate(sched):
             nbytes = self._stored_nbytes(u)
             if i >= 2 and held + nbytes > self.read_ahead_bytes:
                 break
@@ -90,12 +93,13 @@ class OptimizerStates:
         return sum(c.encoded_nbytes(unit.numel) for c in self.codecs.values())
 
     def _advance(self, unit: Unit) -> None:
-        sched = self._sched
-        try:
-            i = next(i for i, (u, _) in enumerate(sched) if u is unit)
-        except StopIteration:
-            return
-        del sched[: i + 1]
+        with self._lock:
+            sched = self._sched
+            try:
+                i = next(i for i, (u, _) in enumerate(sched) if u is unit)
+            except StopIteration:
+                return
+            del sched[: i + 1]
         self._read_ahead()
 
     def prefetch(self, unit: Unit) -> None:
@@ -114,7 +118,8 @@ class OptimizerStates:
         # At most ``writes_behind`` state writes pending, so only a few units' moments are in
         # RAM; the last update scheduled (nothing after it) does not wait: the next step's first
         # update does, during the forward.
-        last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
+        with self._lock:
+            last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
         while len(self._writes) >= self.writes_behind and not last:
             self._writes.pop(0).result()   # a failed write raises here, in the update
         for w in [w for w in self._writes if w.done()]:
@@ -149,16 +154,36 @@ class OptimizerStates:
             # Written behind; the next load waits until at most ``writes_behind`` are pending,
             # so the moments of only a few units are ever in RAM, and the step's last update
             # (nothing after it) never waits for a write.
-            fut = self.disk.write(self._key(unit), stored)  # bounded in load()
+            fut = self._write(unit, stored)  # bounded in load()
             self._writes.append(fut)
             if self.codecs is None:  # the moments are what is written: recycle them once written
                 fut.add_done_callback(lambda f, a=m, b=v: self.pool.give(a, b))
             else:                    # decoded scratch: the codes are written, the moments are free
                 self.pool.give(m, v)
-            self._on_disk.add(unit.index)
             self.counters.add_bytes("host_to_disk", sum(t.numel() * t.element_size() for t in stored.values()))
         else:
             self.ram[unit.index] = stored
+
+    def _write(self, unit: Unit, stored: Dict[str, torch.Tensor]) -> Future:
+        """Write a unit's stored states to the disk tier; a read-ahead of them issued before
+        this write is dropped and issued again after it.
+
+        Read-after-write: the next step's read-ahead (``schedule``, in the caller's thread)
+        may read a unit while its update is still running in the optimizer thread, so before
+        that update's write is issued. DiskStore orders a read only after the writes issued
+        before it, so such a read returns the moments of the step before, and the next update
+        used them: disk-tier runs differed from RAM runs (most with no accumulation, where the
+        next forward starts while the updates still run). Under ``_lock``, which ``prefetch``
+        holds to issue a read, every read of a unit's states is issued after its last write."""
+        with self._lock:
+            fut = self.disk.write(self._key(unit), stored)
+            stale = self._reads.pop(unit.index, None)
+        self._on_disk.add(unit.index)
+        if stale is not None:
+            if self.codecs is None:  # its buffers go back to the pool once it has filled them
+                stale.add_done_callback(lambda f: f.exception() or self.pool.give(*f.result().values()))
+            self.prefetch(unit)
+        return fut
 
     def flush(self) -> None:
         if self.disk is not None:
@@ -222,8 +247,7 @@ class OptimizerStates:
                 if not stored:
                     continue
                 if self.disk is not None:
-                    writes.add(self.disk.write(self._key(u), stored))
-                    self._on_disk.add(u.index)
+                    writes.add(self._write(u, stored))
                 else:
                     self.ram[u.index] = stored
         self.flush()
@@ -240,8 +264,7 @@ class OptimizerStates:
         """Replace a unit's moments with ``stored`` (their stored form, from a sharded
         checkpoint). Waits for the write: one unit's states in RAM at a time."""
         if self.disk is not None:
-            self.disk.write(self._key(unit), stored).result()
-            self._on_disk.add(unit.index)
+            self._write(unit, stored).result()
         else:
             self.ram[unit.index] = stored
 
@@ -251,3 +274,21 @@ def stored_state_bytes(units, codec_name: str) -> int:
     if codec_name == "none":
         return sum(2 * u.numel * 4 for u in units)
     return sum(get_codec(codec_name, r).encoded_nbytes(u.numel) for u in units for r in _ROLES)
+
+
+def open_disk_tier(units, config, params_on_disk: bool):
+    """The disk tier under ``config.offload_dir`` (optimizer states; master weights when
+    ``params_on_disk``), or None without an offload_dir."""
+    if not config.offload_dir:
+        return None
+    from .disk_store import DiskStore, prepare_offload_dir
+    from .host_store import return_freed_memory_to_os
+
+    need = stored_state_bytes(units, config.optimizer_compression)
+    if params_on_disk:
+        need += sum(u.numel for u in units) * 4
+    return_freed_memory_to_os()  # RAM must stay flat while units stream through it
+    prepare_offload_dir(config.offload_dir, need)  # created (0700) when missing; a missing parent is an error
+    # The engine bounds the memory its disk operations hold itself (staging pools, states
+    # read ahead / written behind); the store queues whatever it is given.
+    return DiskStore(config.offload_dir, reserve_bytes=need, keep=config.keep_offload_files)

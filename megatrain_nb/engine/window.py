@@ -31,13 +31,16 @@ major path (same distribution; with A = 1 they are the same).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from . import finite
+from .planner import WindowPlan, engine_window_plan
 from .proxies import bind, unbind
 from .step import StepRunner, _Call, _first, _StepContext
 from .units import Unit
@@ -462,3 +465,79 @@ class WindowRunner:
             self._front_bytes = sum(_nbytes(g) for g in gs)
             self._note()
         return gs
+
+
+def plan_for(batches, *, plan, model_config, config, num_layers: int, device: torch.device) -> WindowPlan:
+    """The layout a window of prepared ``(ids, am, labels)`` micro-batches gets: layer-major
+    when their boundary activations fit the device budget, else host RAM, else split."""
+    cap = None
+    if device.type == "cuda" and not config.max_vram_gb:
+        cap = torch.cuda.get_device_properties(device).total_memory
+    return engine_window_plan(plan, model_config, config, num_layers,
+                              tokens=max(int(b[0].numel()) for b in batches), micro_batches=len(batches),
+                              device_capacity=cap)
+
+
+class WindowStep:
+    """One layer-major window through the engine's parts: plans its groups, runs each through
+    the :class:`WindowRunner` with the step's updates, and records the telemetry.
+    ``clip_hold_disk``: whether ``clip_hold="auto"`` means the disk tier (master weights on disk)."""
+
+    def __init__(self, window_runner: WindowRunner, boundary: BoundaryStore, *, updates, pager, counters,
+                 config, layer_names: List[str], clip_hold_disk: bool):
+        self.window_runner, self.boundary = window_runner, boundary
+        self.updates, self.pager, self.counters, self.config = updates, pager, counters, config
+        self.layer_names, self.clip_hold_disk = layer_names, clip_hold_disk
+        self.last_plan: Optional[WindowPlan] = None
+        self.boundary_peak = {"device": 0, "host": 0, "disk": 0}   # over all windows, per tier
+
+    def hold(self) -> str:
+        """Where final gradients wait for the clipping norm ("host" | "disk")."""
+        hold = self.config.clip_hold
+        if hold == "auto":
+            hold = "disk" if self.clip_hold_disk else "host"
+        return hold
+
+    def run(self, batches, plan_window: Callable, loss_fn, num_items_in_batch, step_lr, max_grad_norm):
+        """``(loss, target tokens, grad norm, skipped)`` of the window ``batches``; ``plan_window(batches)``
+        gives its :class:`WindowPlan`."""
+        t0 = time.perf_counter()
+        if num_items_in_batch is None:
+            num_items_in_batch = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in batches)
+        denom = max(num_items_in_batch, 1)
+        wp = plan_window(batches)
+        self.last_plan = wp
+        loss_sum, n, norm, skipped = 0.0, 0, None, False
+        boundary_peak = {"device": 0, "host": 0, "disk": 0}
+        disk_ops: dict = {}
+        for g0 in range(0, len(batches), wp.group_size):
+            group = batches[g0:g0 + wp.group_size]
+            last = g0 + wp.group_size >= len(batches)
+            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self.hold()) if last else StepContext()
+            self.updates.begin(step)
+            try:
+                part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
+                                                           tier=wp.tier, k=wp.checkpoint_interval)
+                self.pager.wait_grads()
+                # The finiteness check sees the whole window's loss (every group's so far).
+                norm, skipped = self.updates.finish(step, (loss_sum + part) / max(n + cnt, 1))
+            except finite.NonFiniteError:
+                self.updates.nonfinite = None  # reported now, to this caller
+                raise
+            finally:
+                self.updates.end()
+            loss_sum, n = loss_sum + part, n + cnt
+            for t in boundary_peak:
+                boundary_peak[t] = max(boundary_peak[t], self.boundary.peak[t])
+            for op, v in self.boundary.disk_ops.items():
+                disk_ops[op] = disk_ops.get(op, 0) + v
+            self.counters.add_tokens(tokens, len(group))
+        self.boundary_peak = {t: max(v, self.boundary_peak[t]) for t, v in boundary_peak.items()}
+        if step_lr is not None:
+            self.counters.add("steps", 1)
+            self.counters.close_step(list(self.layer_names), groups=wp.groups, group_size=wp.group_size,
+                                     boundary_tier=wp.tier, boundary_bytes=boundary_peak,
+                                     boundary_disk_ops=disk_ops, checkpoint_interval=wp.checkpoint_interval)
+        self.counters.add("micro_batches", len(batches))
+        self.counters.add("step_seconds", time.perf_counter() - t0)
+        return loss_sum / max(n, 1), n, norm, skipped

@@ -1,0 +1,57 @@
+"""The engine's memory report: bytes per tier (device, host RAM, disk) and what holds them."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from .planner import GiB
+
+
+def ram_total() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def memory_report(*, pager, runner, store, states, weights, updates, boundary, boundary_peak: Dict[str, int],
+                  peaks: Dict[str, int], config, device) -> dict:
+    """``{"device", "host", "disk"}`` with bytes per kind, used, peak and capacity. ``peaks``
+    (``{"host", "disk"}``) carries the peaks seen across calls and is updated here."""
+    dev_w = pager.slot_bytes
+    dev_g = pager.grad_buf_bytes
+    act = runner.activation_peak
+    dev = {"weights": dev_w, "grads": dev_g, "activations": act,
+           # layer-boundary activations of a layer-major window (part of "activations"); peak
+           "boundary_activations": boundary_peak["device"],
+           "used_bytes": dev_w + dev_g + runner.activation_now,
+           "peak_bytes": dev_w + dev_g + act,
+           "capacity_bytes": int(config.max_vram_gb * GiB) if config.max_vram_gb else None}
+    if device.type == "cuda":
+        dev["allocator_used_bytes"] = torch.cuda.memory_allocated(device)
+        dev["allocator_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        if dev["capacity_bytes"] is None:
+            dev["capacity_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    hb = store.nbytes()
+    st = states.nbytes()
+    wb = weights.nbytes()
+    host = {"weights": wb["host"], "grads": hb["grads"] + updates.held_ram_bytes(), "optimizer_states": st["host"],
+            # states read ahead of their updates + recycled scratch (moments, final gradients)
+            "buffers": st["host_buffers"] + updates.buffer_bytes() + boundary.free_bytes(),
+            # layer-boundary activations a layer-major window kept in host RAM (peak)
+            "activations": boundary_peak["host"],
+            "capacity_bytes": int(config.max_host_gb * GiB) if config.max_host_gb else ram_total()}
+    host["used_bytes"] = (host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
+                          + boundary.bytes["host"])
+    peaks["host"] = max(peaks["host"], host["used_bytes"],
+                        host["used_bytes"] - boundary.bytes["host"] + boundary_peak["host"])
+    host["peak_bytes"] = peaks["host"]
+    disk = {"weights": wb["disk"], "optimizer_states": st["disk"], "grads": updates.held_disk_bytes(),
+            # layer-boundary activations a layer-major window kept on the disk tier (peak)
+            "activations": boundary_peak["disk"],
+            "capacity_bytes": st.get("disk_capacity")}
+    disk["used_bytes"] = (disk["weights"] + disk["optimizer_states"] + disk["grads"]
+                          + boundary.bytes["disk"])
+    peaks["disk"] = max(peaks["disk"], disk["used_bytes"])
+    disk["peak_bytes"] = peaks["disk"]
+    return {"device": dev, "host": host, "disk": disk}

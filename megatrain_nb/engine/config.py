@@ -55,6 +55,9 @@ class EngineConfig:
     needs, or without max_host_gb the free RAM less a safety margin; 0 = no cache."""
     keep_offload_files: bool = False
     """Leave the disk-tier files in place on close() (they are removed by default)."""
+    on_nonfinite: str = "stop"
+    """A step with a NaN/inf loss or gradient norm: 'stop' raises before it is applied; 'skip'
+    drops it (counted in ``telemetry()["skipped_steps"]``) and goes on."""
     window_tier: str = "auto"
     """Where a layer-major window keeps its layer-boundary activations: "auto" (the device when
     they fit its budget, else host RAM, else the disk tier), "device", "host" or "disk" (needs
@@ -88,6 +91,8 @@ class EngineConfig:
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):
                 raise ValueError(f"{name}={v!r} must be a positive number of GiB (or None for no cap).")
         self.optimizer_compression = normalize_compression(self.optimizer_compression)
+        from .finite import check_policy
+        check_policy(self.on_nonfinite)
         if self.precision not in _PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not supported; use one of {_PRECISIONS}.")
         if self.checkpoint_interval is not None and (

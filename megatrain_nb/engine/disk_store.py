@@ -11,13 +11,15 @@ File layout (``<key>-<hash>.mtd``), one file per key::
 
     [0, H)          header: magic b"MTNBDS\\x00\\x01", u64 json length, u32 crc32(json), json
                     {"key", "file_size", "tensors": [{"name", "dtype", "shape", "offset",
-                    "nbytes"}]}
+                    "nbytes", "crc32"}]}
     [offset, ...)   each tensor's raw bytes, back to back: tensors of 1 MiB or more start on a
                     4096-byte boundary, smaller ones are packed at 64 bytes
     ... file_size   zero padding to a multiple of 4096 (the direct-I/O block)
 
 A reader checks the magic, the header checksum, the key and that the file size matches the
-header, so a truncated or foreign file is refused with ``OffloadError``.
+header, so a truncated or foreign file is refused with ``OffloadError``; each tensor's entry also
+carries the crc32 of its bytes, checked after the read, so a flipped byte in the payload is
+refused too.
 
 Durability: a file is written under a temporary name, flushed with ``fdatasync`` and then
 ``os.replace``'d onto the key's name, so an interrupted or failed write (ENOSPC, a crash) never
@@ -32,9 +34,10 @@ kernel's read-ahead then overlaps the copy). Where ``O_DIRECT`` is refused
 (older tmpfs, some network filesystems) the store falls back to buffered I/O and drops the pages it
 touched with ``posix_fadvise(POSIX_FADV_DONTNEED)``.
 
-The offload folder: ``DiskStore(root)`` creates a private folder ``megatrain-<pid>-<random>``
+The offload folder: ``DiskStore(root)`` creates a private folder ``megatrain-<pid>-...``
 (mode 0700, files 0600) under ``root`` and removes it on ``close()`` (or when the store is
-garbage collected / the interpreter exits) unless ``keep=True``.
+garbage collected / the interpreter exits) unless ``keep=True``. Folders left by killed
+processes are reclaimed when the next store opens under ``root`` (reclaim.py).
 
 Example::
 
@@ -69,6 +72,8 @@ from concurrent.futures import Future
 import torch
 
 from megatrain_nb.formatting import fmt_bytes
+
+from .reclaim import folder_prefix, reclaim
 
 __all__ = ["ALIGN", "DiskStore", "OffloadError", "aligned_empty", "prepare_offload_dir"]
 
@@ -309,7 +314,8 @@ class DiskStore:
         root = os.path.abspath(os.path.expanduser(os.fspath(root)))
         try:
             os.makedirs(root, exist_ok=True)
-            folder = tempfile.mkdtemp(prefix=f"megatrain-{os.getpid()}-", dir=root)  # 0700
+            self.reclaimed = reclaim(root)  # folders of killed processes, before the free-space check
+            folder = tempfile.mkdtemp(prefix=folder_prefix(), dir=root)  # 0700
         except OSError as e:
             raise OffloadError(
                 f"cannot use offload directory {root}: {e.strerror or e}. Choose a folder you "
@@ -653,6 +659,11 @@ class DiskStore:
                 for off, dest in segments:
                     _pread_all(fd, _np(dest), off)
                 _drop_cache(fd)
+            for e in meta["tensors"]:
+                if "crc32" in e and _crc(result[e["name"]]) != e["crc32"]:
+                    raise OffloadError(f"{path} (key {key!r}): the payload of {e['name']!r} does not match its "
+                                       f"checksum (the file was corrupted on disk). The run cannot continue from "
+                                       f"this state: resume from the last checkpoint")
         except OSError as e:
             raise OffloadError(f"reading {key!r} from {path} failed: {e.strerror or e}") from e
         finally:
@@ -689,13 +700,14 @@ def _layout(key: str, items) -> tuple[bytes, list[int], int]:
     with zero-copy direct I/O); smaller ones are packed at ``_PACK`` bytes after the header, so
     small files stay small."""
     reserved = 256
+    crcs = [_crc(t) for _, t in items]
     while True:
         cursor, entries = _round(reserved, _PACK), []
-        for name, t in items:
+        for (name, t), crc in zip(items, crcs):
             n = t.numel() * t.element_size()
             off = _align_up(cursor) if n >= _ALIGN_MIN else _round(cursor, _PACK)
             entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
-                            "shape": list(t.shape), "offset": off, "nbytes": n})
+                            "shape": list(t.shape), "offset": off, "nbytes": n, "crc32": crc})
             cursor = off + n
         file_size = _align_up(cursor)
         body = json.dumps({"key": key, "file_size": file_size, "tensors": entries},
@@ -704,6 +716,11 @@ def _layout(key: str, items) -> tuple[bytes, list[int], int]:
         if len(header) <= reserved:
             return header, [e["offset"] for e in entries], file_size
         reserved = len(header) + 64
+
+
+def _crc(t: torch.Tensor) -> int:
+    """crc32 of a tensor's bytes (zlib releases the GIL: I/O threads checksum in parallel)."""
+    return zlib.crc32(_np(_bytes_view(t))) if t.numel() else 0
 
 
 def _round(n: int, to: int) -> int:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from . import io as engine_io
+from . import finite
 from .config import EngineConfig
 from .family import max_positions, vocab_size
 from .host_store import HostStore
@@ -50,6 +51,7 @@ class EngineOutput:
     loss: float
     num_tokens: int
     grad_norm: Optional[float] = None   # with step_lr and max_grad_norm: the norm before clipping
+    skipped: bool = False               # the step was not applied (non-finite, on_nonfinite='skip')
 
 
 class StreamingEngine:
@@ -129,6 +131,7 @@ class StreamingEngine:
         self.updates = UpdateScheduler(self.state_units, grads=self.store, weights=self.weights, states=self.states,
                                        adam=self.adam, counters=self.counters, disk=self.disk,
                                        depth=self.inflight_depth, sharded=self.sharded)
+        self.updates.policy = self.config.on_nonfinite
         source, source_done, plan_reads = self.updates.ready_weights, self.weights.transfer_done, \
             self.updates.plan_reads
         if self.sharded is not None:   # the pager sees whole units; the stores hold shards
@@ -238,6 +241,8 @@ class StreamingEngine:
         ``out.grad_norm`` is the norm before clipping. (The final gradients wait in host RAM
         for the norm.)
         """
+        if step_lr is not None:
+            step_lr = finite.check_lr(step_lr)
         if max_grad_norm is not None and step_lr is None:
             raise ValueError("max_grad_norm is applied with the step's update: pass step_lr too (or call "
                              "clip_grad_norm_() before optimizer_step()).")
@@ -259,7 +264,10 @@ class StreamingEngine:
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, step=step,
                                               grad_scale_tokens=num_items_in_batch)
                 self.pager.wait_grads()
-                norm = self.updates.finish(step)
+                norm, skipped = self.updates.finish(step, loss_sum / max(n, 1))
+            except finite.NonFiniteError:
+                self.updates.nonfinite = None  # reported now, to this caller
+                raise
             finally:
                 self.updates.end()
             self.counters.add_tokens(ids.numel())
@@ -268,7 +276,7 @@ class StreamingEngine:
                 self._close_step(groups=None)
             self.counters.add("micro_batches", 1)
             self.counters.add("step_seconds", time.perf_counter() - t0)
-            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm)
+            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm, skipped=skipped)
 
     def plan_window(self, batches) -> WindowPlan:
         """The :class:`WindowPlan` of prepared ``(ids, am, labels)`` micro-batches (``window.plan_for``)."""
@@ -284,9 +292,9 @@ class StreamingEngine:
         with self.lock:
             self._check_open()
             batches = [self._prepare(*b) for b in window]
-            loss, n, norm = self.window_step.run(batches, self.plan_window, loss_fn, num_items_in_batch, step_lr,
-                                                 max_grad_norm)
-            return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm)
+            loss, n, norm, skipped = self.window_step.run(batches, self.plan_window, loss_fn, num_items_in_batch,
+                                                          step_lr, max_grad_norm)
+            return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
 
     def _close_step(self, **extra) -> None:
         self.counters.close_step([u.name for u in self.layer_units], **extra)
@@ -309,7 +317,7 @@ class StreamingEngine:
     def named_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(name, fp32 master tensor) with the names of ``model.named_parameters()``."""
         self.pager.wait_grads()
-        self.updates.wait_all()
+        self.updates.check_intact("named_parameters()")
         for u in self.units:
             flat = self._whole(u, self.weights.read_now(self._state_unit(u)))
             for p in u.params:
@@ -345,13 +353,15 @@ class StreamingEngine:
             return total
 
     def optimizer_step(self, lr: float) -> None:
-        """One AdamW step on every unit (same result as torch.optim.AdamW with these settings)."""
+        """One AdamW step on every unit (same result as torch.optim.AdamW with these settings).
+        A NaN/inf gradient is refused before any unit moves (or the step skipped: on_nonfinite)."""
+        lr = finite.check_lr(lr)
         with self.lock:
             self._check_open()
             self.pager.wait_grads()
-            self.updates.update_all(lr)
-            self.counters.add("steps", 1)
-            self._close_step(groups=None)
+            if self.updates.update_all(lr, grad_norm=self.grad_norm()):
+                self.counters.add("steps", 1)
+                self._close_step(groups=None)
 
     def zero_grad(self) -> None:
         with self.lock:
@@ -384,6 +394,7 @@ class StreamingEngine:
     def save_pretrained(self, path) -> None:
         """Write a folder that ``AutoModelForCausalLM.from_pretrained`` loads (safetensors)."""
         with self.lock:
+            self.updates.check_intact("save_pretrained()")
             if self.dist.is_main:
                 engine_io.save_pretrained(self, path)
             else:   # the other ranks take part in each unit's gather; rank 0 writes
@@ -397,6 +408,7 @@ class StreamingEngine:
             if self.sharded is not None:
                 return self.save_sharded_checkpoint(path)
             self.pager.wait_grads()
+            self.updates.check_intact("save_checkpoint()")
             engine_io.save_pretrained(self, path, atomic=False)
             self.states.save(path, self.adam)
 

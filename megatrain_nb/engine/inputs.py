@@ -17,6 +17,9 @@ def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Opt
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"input_ids must be an integer tensor [batch, seq]; got {tuple(input_ids.shape)} "
                          f"{input_ids.dtype}.")
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): a batch needs at least one "
+                         "sequence of at least one token; drop empty batches or examples.")
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab:
         bad = lo if lo < 0 else hi
@@ -38,12 +41,19 @@ def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Opt
         if attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, -100)
     else:
-        labels = torch.as_tensor(labels).long()
+        labels = torch.as_tensor(labels)
+        if labels.is_floating_point() or labels.dtype == torch.bool:
+            raise ValueError(f"labels must be integer token ids (or -100); got {labels.dtype}.")
+        labels = labels.long()
         if labels.dim() == 1:
             labels = labels.unsqueeze(0)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids "
                              f"{tuple(input_ids.shape)}.")
+        bad = labels[(labels != -100) & ((labels < 0) | (labels >= vocab))]
+        if bad.numel():
+            raise ValueError(f"label {int(bad[0])} is outside the model's vocabulary (0..{vocab - 1}) and is not "
+                             "the ignore index -100; the labels do not match the model's tokenizer.")
     am = attention_mask.to(device) if attention_mask is not None else None
     return input_ids.to(device), am, labels.to(device)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 

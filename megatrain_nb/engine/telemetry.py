@@ -28,6 +28,7 @@ class Telemetry:
             self.optimizer_seconds = 0.0
             self.optimizer_exposed_seconds = 0.0
             self.weight_reads_saved = 0   # disk reads of master weights served by a kept buffer
+            self.skipped_steps = 0        # non-finite steps dropped (on_nonfinite="skip")
             # Per optimizer step (the last one closed): see close_step().
             self.last_step: dict = {}
             self._mark = ({}, 0)          # loads per unit and host->device bytes at the last close
@@ -104,5 +105,6 @@ class Telemetry:
                 "optimizer_seconds": self.optimizer_seconds,
                 "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
                 "weight_reads_saved": self.weight_reads_saved,
+                "skipped_steps": self.skipped_steps,
                 "last_step": dict(self.last_step),
             }

@@ -22,6 +22,7 @@ The step's path, top to bottom in this file:
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from . import finite
 from .host_store import BufferPool
 from .sharded import ShardUnit
 from .units import Unit, forward_order
@@ -90,6 +92,9 @@ class UpdateScheduler:
         #: The order gradients become final in the backward (and unclipped updates run).
         self.gradient_order: List[Unit] = [units[-1]] + list(reversed(units[1:-1])) + [units[0]]
         self.failed: Optional[BaseException] = None   # an update that failed, delivered once
+        self.policy = "stop"                          # on_nonfinite (finite.py)
+        self.nonfinite: Optional[BaseException] = None  # a stopped non-finite step not yet reported
+        self._guard: Optional[finite.StepGuard] = None  # the unclipped step's per-unit NaN/inf check
         self._step = _ACCUMULATE
         self._norm_sq = 0.0                           # sum of the final gradients' squared norms
         self._norm_lock = threading.Lock()
@@ -112,6 +117,13 @@ class UpdateScheduler:
         self._step = step
         with self._norm_lock:
             self._norm_sq = 0.0
+        # Without clipping the updates start during the backward, before the global norm is
+        # known: each checks its own gradient first (finite.StepGuard).
+        self._guard = finite.StepGuard(self.next_step(), self.policy) if step.updates and not step.clipped else None
+
+    def next_step(self) -> int:
+        """The number of the optimizer step about to be applied (1-based, survives a resume)."""
+        return 1 + max((int(s) for s in self.adam.steps.values()), default=0)
 
     def plan_reads(self, compute_order: Sequence[Unit], step: Optional[StepContext]) -> None:
         """Disk read-ahead for the coming micro-batch (``step`` None: evaluation). The weights
@@ -261,27 +273,44 @@ class UpdateScheduler:
     def _submit(self, unit: Unit, lr: float, grad, zero: bool, recycle: bool = False) -> None:
         self.weights.mark_updating(unit)
         self._slots.acquire()  # back-pressure: RAM holds only a few pending updates
+        guard = self._guard
 
         def run():
             try:
-                self._apply(unit, lr, grad, zero)
+                self._apply(unit, lr, grad, zero, guard=guard)
+            except BaseException:
+                self.weights.update_failed(unit)  # readers must not wait forever for it
+                raise
             finally:
                 if recycle:
                     self._grad_pool.give(grad)
                 self._slots.release()
         self._pending[unit.index] = self._worker.submit(run)
 
-    def finish(self, step: StepContext) -> Optional[float]:
-        """After the micro-batch's gradients all arrived. With clipping: every unit's update
-        is queued, in :attr:`update_order`, and the norm before clipping returned; the next
-        forward waits per unit."""
+    def finish(self, step: StepContext, loss: Optional[float] = None) -> tuple[Optional[float], bool]:
+        """After the micro-batch's gradients all arrived. With clipping: the loss and the global
+        norm are checked (finite.py), every unit's update is queued, in :attr:`update_order`,
+        and (the norm before clipping, skipped) returned; the next forward waits per unit. A
+        non-finite step still queues its updates, as no-ops (the reads planned for them are
+        consumed, the gradients zeroed); under 'stop' it then raises."""
         if not step.clipped:
-            return None
+            return None, False
         with self._norm_lock:
             sq, self._norm_sq = self._norm_sq, 0.0
-        if self.sharded is not None:   # the global norm: one all-reduce of the shards' squares
+        if self.sharded is not None:
+            # The global norm: one all-reduce of the shards' squares. A rank whose own loss is
+            # NaN/inf adds a NaN, so every rank sees a non-finite norm and takes the same
+            # decision (skip or stop) -- ranks must never disagree on applying a step.
+            if loss is not None and not math.isfinite(loss):
+                sq = float("nan")
             sq = self.sharded.global_norm_sq(sq)
         total = sq ** 0.5
+        try:
+            skip, stop = not finite.apply_step(loss, total, self.next_step(), self.policy), None
+        except finite.NonFiniteError as e:
+            skip, stop = True, e
+        if skip and stop is None:
+            self.counters.add("skipped_steps", 1)
         coef = step.clip / (total + 1e-6)   # as torch.nn.utils.clip_grad_norm_
         coef = coef if coef < 1.0 else None
         order = [u for u in self.update_order if u.numel > 0]
@@ -293,7 +322,7 @@ class UpdateScheduler:
         def run():
             for i, u in enumerate(order):
                 try:
-                    self._apply(u, step.lr, None, True, grad_coef=coef)
+                    self._apply(u, step.lr, None, True, grad_coef=coef, skip=skip)
                 except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on the units
                     for v in order[i:]:
                         futures[v.index].set_exception(e)
@@ -301,7 +330,9 @@ class UpdateScheduler:
                     return
                 futures[u.index].set_result(None)
         self._worker.submit(run)
-        return total
+        if stop is not None:
+            raise stop
+        return total, skip
 
     def end(self) -> None:
         """The micro-batch is over (or failed): gradients accumulate again."""
@@ -309,7 +340,9 @@ class UpdateScheduler:
 
     # ------------------------------------------------------------------ 6: one update
     def _apply(self, unit: Unit, lr: float, grad: Optional[torch.Tensor] = None, zero: bool = False,
-               grad_coef: Optional[float] = None) -> None:
+               grad_coef: Optional[float] = None, skip: bool = False,
+               guard: Optional[finite.StepGuard] = None) -> None:
+        """``skip``: a non-finite step -- weights and states go back as they came."""
         t0 = time.perf_counter()
         self.weights.mark_updating(unit)
         held = self._held.pop(unit.index, None)
@@ -326,13 +359,20 @@ class UpdateScheduler:
                 self._grad_pool.give(grad)
                 raise
             own = True
+        error = None
         try:
             m, v = self.states.load(unit)
             params = self.weights.for_update(unit)
             grad = grad if grad is not None else self.grads.grad(unit)
-            if grad_coef is not None:
-                grad.mul_(grad_coef)
-            self.adam.step_unit(unit, params, grad, m, v, lr)
+            if guard is not None:
+                skip, error = guard.check(unit.name, grad)
+                if error is not None and not error.partial and guard.policy == "skip":
+                    self.counters.add("skipped_steps", 1)
+                    error = None
+            if not skip:
+                if grad_coef is not None:
+                    grad.mul_(grad_coef)
+                self.adam.step_unit(unit, params, grad, m, v, lr)
             self.weights.update_done(unit, params)
             self.states.store(unit, m, v)
         except BaseException:
@@ -344,10 +384,16 @@ class UpdateScheduler:
         if zero:
             self.grads.zero_unit(unit)
         self.counters.add("optimizer_seconds", time.perf_counter() - t0)
+        if error is not None:
+            raise error
 
-    def update_all(self, lr: float) -> None:
-        """Every unit's update now, in this thread (``optimizer_step``)."""
+    def update_all(self, lr: float, grad_norm: Optional[float] = None) -> bool:
+        """Every unit's update now, in this thread (``optimizer_step``); ``grad_norm`` (the
+        global one) is checked first. Returns False when the step was skipped (non-finite)."""
         self.wait_all()
+        if not finite.apply_step(None, grad_norm, self.next_step(), self.policy):
+            self.counters.add("skipped_steps", 1)
+            return False
         t0 = time.perf_counter()
         self.weights.schedule([], self.units)
         self.states.schedule(self.units)  # disk reads ahead of the updates
@@ -361,6 +407,7 @@ class UpdateScheduler:
             self._settle_disk()
             raise
         self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
+        return True
 
     # ------------------------------------------------------------------ 7: waiting for updates
     def ready_weights(self, unit: Unit) -> torch.Tensor:
@@ -377,17 +424,31 @@ class UpdateScheduler:
         try:
             fut.result()
         except BaseException as e:
-            # Delivered once; the engine then refuses to train on (see check()).
+            # Delivered once; the engine then refuses to train on (see check()) -- except after
+            # a non-finite step none of whose updates was applied: reported by the next call.
             self._pending.pop(unit.index, None)
-            self.failed = e
-            self._settle_disk()
+            if isinstance(e, finite.NonFiniteError) and not e.partial:
+                self.nonfinite = e
+            else:
+                self.failed = e
+                self._settle_disk()
             raise
         self._pending.pop(unit.index, None)
         self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
 
     def wait_all(self) -> None:
-        for u in self.units:
-            self.wait(u)
+        try:
+            for u in self.units:
+                self.wait(u)
+        except finite.NonFiniteError:
+            self.nonfinite = None  # reported here, to this caller
+            raise
+
+    def raise_nonfinite(self) -> None:
+        """A stopped non-finite step met in a worker or another thread: reported once."""
+        e, self.nonfinite = self.nonfinite, None
+        if e is not None:
+            raise e
 
     def _settle_disk(self) -> None:
         """After a failed update: let the disk operations still in flight finish (a failed
@@ -399,12 +460,30 @@ class UpdateScheduler:
                 pass
 
     def check(self) -> None:
-        """Raise if an update failed earlier (weights and states may be out of step)."""
+        """Raise if an update failed earlier (weights and states may be out of step), or a
+        stopped non-finite step is not reported yet."""
+        self.raise_nonfinite()
         failed = self.failed
         if failed is not None:
             raise RuntimeError(f"an optimizer update failed earlier ({type(failed).__name__}: {failed}); weights and "
                                "optimizer states may be out of step. Fix the cause, then load_checkpoint() a saved "
                                "checkpoint or build a new engine.") from failed
+
+    def check_intact(self, what: str) -> None:
+        """After a failed update some units hold the new step and others the old one: reading
+        or saving the weights would hand out a mixture, so it is refused until a load."""
+        try:
+            self.wait_all()
+        except finite.NonFiniteError:
+            raise  # a stopped step: nothing was applied, but the caller must hear of it
+        except BaseException:  # noqa: BLE001 - recorded in self.failed and reported below
+            pass
+        self.raise_nonfinite()
+        failed = self.failed
+        if failed is not None:
+            raise RuntimeError(f"{what} refused: an optimizer update failed ({type(failed).__name__}: {failed}), so "
+                               "the weights hold a half-applied step. load_checkpoint() a saved checkpoint (or "
+                               "build a new engine) first.") from failed
 
     def settle(self) -> None:
         """Before weights and states are replaced (loading a checkpoint): wait for every
@@ -416,7 +495,7 @@ class UpdateScheduler:
 
     def clear_failure(self) -> None:
         """Weights and states were replaced consistently: training may go on."""
-        self.failed = None
+        self.failed = self.nonfinite = None
 
     def buffer_bytes(self) -> int:
         """Recycled final-gradient buffers held in RAM."""

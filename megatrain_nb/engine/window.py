@@ -39,6 +39,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import finite
 from .planner import WindowPlan, engine_window_plan
 from .proxies import bind, unbind
 from .step import StepRunner, _Call, _first, _StepContext
@@ -498,7 +499,7 @@ class WindowStep:
         return hold
 
     def run(self, batches, plan_window: Callable, loss_fn, num_items_in_batch, step_lr, max_grad_norm):
-        """``(loss, target tokens, grad norm)`` of the window ``batches``; ``plan_window(batches)``
+        """``(loss, target tokens, grad norm, skipped)`` of the window ``batches``; ``plan_window(batches)``
         gives its :class:`WindowPlan`."""
         t0 = time.perf_counter()
         if num_items_in_batch is None:
@@ -506,7 +507,7 @@ class WindowStep:
         denom = max(num_items_in_batch, 1)
         wp = plan_window(batches)
         self.last_plan = wp
-        loss_sum, n, norm = 0.0, 0, None
+        loss_sum, n, norm, skipped = 0.0, 0, None, False
         boundary_peak = {"device": 0, "host": 0, "disk": 0}
         disk_ops: dict = {}
         for g0 in range(0, len(batches), wp.group_size):
@@ -518,7 +519,11 @@ class WindowStep:
                 part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
                                                            tier=wp.tier, k=wp.checkpoint_interval)
                 self.pager.wait_grads()
-                norm = self.updates.finish(step)
+                # The finiteness check sees the whole window's loss (every group's so far).
+                norm, skipped = self.updates.finish(step, (loss_sum + part) / max(n + cnt, 1))
+            except finite.NonFiniteError:
+                self.updates.nonfinite = None  # reported now, to this caller
+                raise
             finally:
                 self.updates.end()
             loss_sum, n = loss_sum + part, n + cnt
@@ -535,4 +540,4 @@ class WindowStep:
                                      boundary_disk_ops=disk_ops, checkpoint_interval=wp.checkpoint_interval)
         self.counters.add("micro_batches", len(batches))
         self.counters.add("step_seconds", time.perf_counter() - t0)
-        return loss_sum / max(n, 1), n, norm
+        return loss_sum / max(n, 1), n, norm, skipped

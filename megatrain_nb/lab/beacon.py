@@ -39,6 +39,7 @@ from megatrain_nb.lab.protocol import (
     SESSION_ID_RE,
     CommandError,
     atomic_write_json,
+    check_private_dir,
     clean_json,
     ensure_sessions_dir,
     finite_or_none,
@@ -184,13 +185,14 @@ class SessionBeacon:
         with self._lock:
             if self._stop.is_set() and self._thread is not None:
                 return  # stopping: never resurrect a removed file
-            self.heartbeat_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private_dir(self.heartbeat_file.parent)  # checked each time: never a swapped-in folder
             atomic_write_json(self.heartbeat_file, data)
 
     # ---- commands ------------------------------------------------------------------------
     def poll_inbox(self) -> int:
         """Apply every pending command in arrival order; returns how many were seen."""
         try:
+            check_private_dir(self.inbox)
             names = sorted(
                 e.name
                 for e in os.scandir(self.inbox)
@@ -202,8 +204,8 @@ class SessionBeacon:
         for name in names[:_MAX_COMMANDS_PER_POLL]:
             path = self.inbox / name
             try:
-                if path.stat().st_uid != os.getuid():
-                    raise PermissionError("command file not owned by this user")
+                # O_NOFOLLOW, this user's regular files only: anything else reads as None and is
+                # reported as a bad command
                 msg = read_json(path)
             finally:
                 _unlink(path)  # first, so that a failing command is never retried forever

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -74,13 +75,37 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
-def make_private_dir(path: Path) -> Path:
-    """Create ``path`` (parents too) as 0700; tighten it if it exists with looser bits."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = path.stat()
-    if st.st_uid == os.getuid() and st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+class UnsafeFolderError(PermissionError):
+    """A runtime folder that another user could control (the message says what to fix)."""
+
+
+def check_private_dir(path: Path) -> Path:
+    """``path`` must be a real folder (not a symlink), owned by this user, and writable by no
+    one else: otherwise another local user could hide commands or plant fake sessions."""
+    st = os.lstat(path)
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a folder"
+    elif st.st_uid != os.getuid():
+        why = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif st.st_mode & 0o022:
+        why = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    if why:
+        raise UnsafeFolderError(f"megatrain_nb runtime folder {str(path)!r} {why}; refusing to use it. Remove it "
+                                f"(or fix it: chmod 700, owned by you), or set ${ENV_RUNTIME_DIR} to a private folder")
     return path
+
+
+def make_private_dir(path: Path) -> Path:
+    """Create ``path`` (parents too) as 0700 and check it (:func:`check_private_dir`); an own
+    folder readable by others is tightened to 0700."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o055 and not st.st_mode & 0o022:
+        os.chmod(path, 0o700)
+    return check_private_dir(path)
 
 
 def ensure_sessions_dir(root: Path | str | None = None) -> Path:
@@ -102,12 +127,24 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path) -> Any | None:
-    """The parsed file, or None if it vanished or is not valid JSON."""
+    """The parsed file, or None if it vanished, is not valid JSON, or is not a regular file
+    of this user's (opened with ``O_NOFOLLOW``: a symlink planted in its place is not read)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        with os.fdopen(fd, encoding="utf-8") as f:
+            fd = -1
             return json.load(f)
     except (OSError, ValueError):
         return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def new_command_name() -> str:

@@ -12,15 +12,19 @@ Files of dead processes, and of anything silent for ``ABANDONED_AFTER`` seconds,
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from megatrain_nb.lab.protocol import (
     SESSION_ID_RE,
+    UnsafeFolderError,
     atomic_write_json,
+    check_private_dir,
     ensure_sessions_dir,
     heartbeat_path,
     inbox_path,
@@ -31,6 +35,8 @@ from megatrain_nb.lab.protocol import (
     validate_command,
 )
 from megatrain_nb.processes import pid_alive
+
+log = logging.getLogger(__name__)
 
 STALE_AFTER = 5.0
 ABANDONED_AFTER = 60.0
@@ -54,8 +60,13 @@ def list_sessions(
     d = sessions_dir(root)
     now = time.time() if now is None else now
     try:
+        check_private_dir(d.parent)
+        check_private_dir(d)
         entries = list(os.scandir(d))
     except FileNotFoundError:
+        return []
+    except UnsafeFolderError as e:  # another user could plant sessions there: list none
+        log.warning("%s", e)
         return []
     live: list[dict[str, Any]] = []
     heartbeats = set()
@@ -124,10 +135,12 @@ def remove_session_files(session_id: str, root: str | Path | None = None) -> Non
 
 
 def _owned(entry: os.DirEntry) -> bool:
+    """A regular file of this user's (a symlink is never followed)."""
     try:
-        return entry.stat().st_uid == os.getuid()
+        st = entry.stat(follow_symlinks=False)
     except OSError:
         return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
 
 
 def _remove_orphan_inboxes(d: Path, heartbeats: set[str], now: float) -> None:

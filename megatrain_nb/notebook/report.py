@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +101,27 @@ def _html_cell(html_text: str, caption: str):
     return cell
 
 
+# Markdown punctuation that could open a link, image, code span, emphasis or table cell.
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]!|~])")
+
+
+def _text(v: Any) -> str:
+    """``v`` as inert text inside a markdown cell: markdown punctuation backslash-escaped and
+    HTML escaped, on one line. Every user- or error-derived string goes through here: nbconvert
+    passes raw HTML in markdown straight into the page."""
+    one_line = " ".join(str(v).splitlines())
+    return html.escape(_MD_SPECIAL.sub(r"\\\1", one_line), quote=True)
+
+
+def _pre(text: str) -> str:
+    """A block of preformatted text (a traceback) as an escaped HTML block, not a ``` fence
+    that text containing ``` could close."""
+    return f"<pre>{html.escape(str(text), quote=True)}</pre>"
+
+
 def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
-    def cell(v):
-        return str(v).replace("|", "\\|").replace("\n", " ")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    lines += ["| " + " | ".join(_text(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -170,9 +187,10 @@ def _summary_md(session, view, records) -> str:
             ("final loss", fmt_num(last.get("loss"))), ("last eval loss", fmt_num(evals[-1]) if evals else "–"),
             ("learning rate at the end", fmt_num(last.get("lr"), ".3g")),
             ("wall time", fmt_seconds(session.wall_time_s)), ("interventions", len(view.events))]
-    text = f"# Training report: {session.name}\n\n" + _table(rows, ("", ""))
+    text = f"# Training report: {_text(session.name)}\n\n" + _table(rows, ("", ""))
     if session.error is not None:
-        text += f"\n\n**The run failed:** `{type(session.error).__name__}: {session.error}`\n\n```\n{session.error_traceback}\n```"
+        text += (f"\n\n**The run failed:** {_text(f'{type(session.error).__name__}: {session.error}')}\n\n"
+                 + _pre(session.error_traceback))
     return text
 
 

@@ -457,7 +457,14 @@ class Session:
         return {"id": self.id, "name": self.name, "state": self._state, "step": self.step,
                 "total_steps": self.total_steps, "loss": last.get("loss"), "lr": last.get("lr"),
                 "tokens_per_s": last.get("tokens_per_s"), "events": len(self._log.events()),
-                "error": None if self._error is None else f"{type(self._error).__name__}: {self._error}"}
+                "error": None if self._error is None else f"{type(self._error).__name__}: {self._error}",
+                "diverged_at": getattr(self._error, "step", None) if _is_divergence(self._error) else None,
+                "skipped_steps": last.get("skipped_steps") or 0}
+
+    @property
+    def diverged(self) -> bool:
+        """True when the run stopped on a NaN/inf loss or gradient (see ``on_nonfinite``)."""
+        return _is_divergence(self._error)
 
     def __repr__(self) -> str:
         total = self.total_steps
@@ -624,3 +631,9 @@ class Session:
             except Exception:  # noqa: BLE001
                 pass
             self._beacon = None
+
+
+def _is_divergence(error) -> bool:
+    from ..engine.finite import NonFiniteError
+
+    return isinstance(error, NonFiniteError)

@@ -51,6 +51,13 @@ def header_html(session: Any, view: RunView) -> str:
         f"lr {fmt_num(last.get('lr'), '.3g')}",
         f"elapsed {fmt_seconds(view.elapsed_s)}",
     ]
+    summary = session.summary() if hasattr(session, "summary") else {}
+    if summary.get("diverged_at") is not None:
+        cells.insert(2, f"<span class='mtnb-diverged' style='color:#b00020;font-weight:bold'>diverged at step "
+                        f"{int(summary['diverged_at'])} (NaN/inf; weights kept from the step before)</span>")
+    if summary.get("skipped_steps"):
+        cells.append(f"<span class='mtnb-skipped' style='color:#b26a00'>{int(summary['skipped_steps'])} non-finite "
+                     "step(s) skipped</span>")
     bar = (f"<div style='height:4px;background:#eee;margin-top:4px'><div style='height:4px;width:{frac * 100:.1f}%;"
            f"background:{color}'></div></div>") if total else ""
     err = ""

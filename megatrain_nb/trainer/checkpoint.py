@@ -6,8 +6,9 @@ A checkpoint folder holds:
 
 - what ``engine.save_checkpoint`` writes: weights in the Hugging Face safetensors layout and the
   optimizer states in their stored (codec) form;
-- ``scheduler.pt``  (the LR scheduler's state and any live ``set_lr`` override),
-- ``rng_state.pth`` (python, numpy, torch CPU and CUDA generators),
+- ``scheduler.json`` (the LR scheduler's state and any live ``set_lr`` override),
+- ``rng_state.json`` (python, numpy, torch CPU and CUDA generators),
+- ``manifest.json`` (size and sha256 of every other file; checked before a resume),
 - ``trainer_state.json`` (``transformers.TrainerState``: step, epoch, log history),
 - ``megatrain_state.json`` (data position, tokens seen, the run's shape, the ``run_id`` of the
   run that wrote it and when; written last: it marks a megatrain_nb checkpoint),
@@ -15,6 +16,7 @@ A checkpoint folder holds:
 """
 from __future__ import annotations
 
+import base64
 import json
 import random
 import re
@@ -26,6 +28,8 @@ import numpy as np
 import torch
 
 from megatrain_nb.atomic import atomic_dir, recover_interrupted
+
+from .manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
 
 PREFIX = "checkpoint"
 STATE_FILE = "megatrain_state.json"
@@ -64,6 +68,7 @@ def list_checkpoints(output_dir, run_id: Optional[str] = None) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
+    recover_interrupted(root)
     found = []
     for child in root.iterdir():
         m = _NAME.match(child.name)
@@ -95,6 +100,7 @@ def resolve_resume(resume, output_dir) -> Optional[Path]:
                                   f"output_dir={str(output_dir)!r}")
         return last
     p = Path(resume)
+    recover_interrupted(p.parent)  # a save of this very name may have been cut short
     if not p.exists():
         raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} does not exist")
     if is_checkpoint(p):
@@ -106,6 +112,17 @@ def resolve_resume(resume, output_dir) -> Optional[Path]:
                           f"(no {STATE_FILE} and trainer_state.json in it){hint}")
 
 
+def verify(path) -> bool:
+    """Check ``path`` against its manifest; the error names the bad file and the checkpoint
+    before it in the same folder (the one to resume from instead)."""
+    path = Path(path)
+    others = [c for c in list_checkpoints(path.parent) if c.resolve() != path.resolve()]
+    mine = _NAME.match(path.name)
+    if mine:
+        others = [c for c in others if int(_NAME.match(c.name).group(1)) < int(mine.group(1))]
+    return verify_manifest(path, others[-1] if others else None)
+
+
 def remove_stale_temporaries(output_dir) -> list[str]:
     """Finish the saves that processes died in (see ``atomic.recover_interrupted``): partial
     checkpoints go, a previous checkpoint left moved aside comes back."""
@@ -113,13 +130,46 @@ def remove_stale_temporaries(output_dir) -> list[str]:
 
 
 def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_dir)`` then rename ``tmp_dir`` to ``final_dir`` (replacing an older one);
-    see ``atomic.atomic_dir`` for what a crash at any point leaves."""
+    """Call ``write(tmp_dir)``, add the checksum manifest (last: a folder with a manifest is
+    complete), then rename ``tmp_dir`` to ``final_dir`` (replacing an older one); see
+    ``atomic.atomic_dir`` for what a crash at any point leaves."""
     final = Path(final_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final.parent)
-    atomic_dir(final, lambda tmp: write(Path(tmp)))
+
+    def fill(tmp: str) -> None:
+        tmp = Path(tmp)
+        try:
+            write(tmp)
+            write_manifest(tmp)
+        except Exception as e:  # noqa: BLE001 - a full disk is reported plainly, the rest as it is
+            if _disk_full(e):
+                raise _disk_full_error(final, tmp, e) from e
+            raise
+    atomic_dir(final, fill)
     return final
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT from Python, or safetensors' Rust error text for it ("os error 28")."""
+    import errno
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return "os error 28" in text or "StorageFull" in text or "No space left on device" in text
+
+
+def _disk_full_error(final: Path, tmp: Path, e: BaseException) -> OSError:
+    import errno
+    written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+    try:
+        free = shutil.disk_usage(tmp).free
+    except OSError:
+        free = -1
+    return OSError(errno.ENOSPC, f"the disk is full: writing checkpoint {str(final)!r} stopped after {written} bytes "
+                                 f"({free} bytes free there). Nothing was replaced; earlier checkpoints are intact. "
+                                 "Free space, lower save_total_limit, or point output_dir at a larger disk "
+                                 f"(cause: {type(e).__name__}: {e})")
 
 
 def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None,
@@ -146,25 +196,83 @@ def rotate(output_dir, keep: Optional[int], protect: Optional[Path] = None,
     return removed
 
 
-# -- small files -------------------------------------------------------------------------------
+# -- small files: JSON only, so that loading a checkpoint never unpickles anything ----------------
+
+RNG_FILE = "rng_state.json"
+SCHEDULER_FILE = "scheduler.json"
+_OLD_RNG, _OLD_SCHEDULER = "rng_state.pth", "scheduler.pt"  # pickles written by earlier versions
+
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    """Python, numpy, torch CPU (and CUDA) generator states as JSON-able values."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(mt), gauss],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "cpu": _b64(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_b64(t) for t in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["cpu"])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["cpu"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_unb64(t) for t in state["cuda"]])
 
 
-def write_json(path: Path, obj) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.contiguous().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def read_rng_state(folder: Path) -> dict:
+    folder = Path(folder)
+    if (folder / RNG_FILE).is_file():
+        return read_json(folder / RNG_FILE)
+    old = _load_old(folder / _OLD_RNG)
+    # the old pickle held python's state as a tuple and numpy's arrays; normalise to the JSON form
+    py, npst = old["python"], old["numpy"]
+    out = {"python": [py[0], list(py[1]), py[2]],
+           "numpy": [npst[0], np.asarray(npst[1]).tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+           "cpu": _b64(old["cpu"])}
+    if "cuda" in old:
+        out["cuda"] = [_b64(t) for t in old["cuda"]]
+    return out
+
+
+def read_scheduler_state(folder: Path) -> dict:
+    folder = Path(folder)
+    if (folder / SCHEDULER_FILE).is_file():
+        return read_json(folder / SCHEDULER_FILE)
+    return _load_old(folder / _OLD_SCHEDULER)
+
+
+def _load_old(path: Path):
+    """A pickle from an older checkpoint, read with ``weights_only=True``: tensors and plain
+    containers only, never code. A file that needs more is refused, by name."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path.parent)!r} has neither {path.stem}.json nor {path.name}")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any refusal means the same to the user
+        raise CheckpointError(f"{str(path)!r} cannot be loaded safely (it holds more than tensors and plain "
+                              f"values, and megatrain_nb never unpickles objects from a file): {e}. "
+                              "Load an older checkpoint, or re-save this one with the megatrain_nb version "
+                              "that wrote it") from None
+
+
+def write_json(path: Path, obj, *, strict: bool = False) -> None:
+    """``strict``: a value that is not JSON fails loudly instead of being written as a string
+    that would read back differently (state that is loaded again, not informational files)."""
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=None if strict else str))
 
 
 def read_json(path: Path):

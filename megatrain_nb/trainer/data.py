@@ -143,10 +143,14 @@ def _check_lengths(ds, what: str, limit: int = 1000) -> None:
                             "(one input and one target). Filter out short sequences or pack text.")
 
 
-def _to_long(x) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.long()
-    return torch.as_tensor(x, dtype=torch.long)
+def _to_long(x, what: str = "input_ids") -> torch.Tensor:
+    """Token ids as int64; a float or bool column is refused, not truncated (1.7 -> 1)."""
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    if t.is_floating_point() or t.is_complex() or (t.dtype == torch.bool and what != "attention_mask"):
+        sample = t.reshape(-1)[:3].tolist()
+        raise DataError(f"{what} holds {t.dtype} values (e.g. {sample}); token ids must be integers. Tokenize "
+                        "the text, or cast the column to int (datasets: ds.cast_column(...))")
+    return t.long()
 
 
 @dataclass
@@ -170,8 +174,8 @@ class PaddingCollator:
         for row, (e, t) in enumerate(zip(examples, ids)):
             n = t.numel()
             batch_ids[row, :n] = t
-            mask[row, :n] = _to_long(e["attention_mask"]).reshape(-1)[:n] if "attention_mask" in e else 1
-            lab = _to_long(e["labels"]).reshape(-1)[:n] if "labels" in e and e["labels"] is not None else t
+            mask[row, :n] = _to_long(e["attention_mask"], "attention_mask").reshape(-1)[:n] if "attention_mask" in e else 1
+            lab = _to_long(e["labels"], "labels").reshape(-1)[:n] if "labels" in e and e["labels"] is not None else t
             labels[row, :n] = lab
         labels[mask == 0] = IGNORE_INDEX
         out = {"input_ids": batch_ids, "labels": labels}
@@ -188,13 +192,13 @@ def finish_batch(batch: dict) -> dict:
     if out["input_ids"].dim() != 2:
         raise DataError(f"input_ids batch has shape {tuple(out['input_ids'].shape)}; expected [batch, seq]")
     if batch.get("attention_mask") is not None:
-        out["attention_mask"] = _to_long(batch["attention_mask"])
+        out["attention_mask"] = _to_long(batch["attention_mask"], "attention_mask")
     labels = batch.get("labels")
     if labels is None:
         labels = out["input_ids"].clone()
         if "attention_mask" in out:
             labels[out["attention_mask"] == 0] = IGNORE_INDEX
-    out["labels"] = _to_long(labels)
+    out["labels"] = _to_long(labels, "labels")
     if out["input_ids"].shape[1] < 2:
         raise DataError("a batch has sequences of 1 token; a causal LM needs at least 2 (input and target)")
     return out

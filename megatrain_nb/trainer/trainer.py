@@ -336,7 +336,9 @@ class Trainer:
         loss = loss_sum / n_items
         s, k = self._log_accum
         self._log_accum = (s + loss, k + 1)
+        counters = getattr(engine, "counters", None)
         return {"step": st.global_step + 1, "epoch": st.epoch, "loss": loss, "lr": lr,
+                "skipped_steps": int(getattr(counters, "skipped_steps", 0) or 0),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
                 "tokens_seen": self._tokens_seen, "tokens_per_s": tokens / dt if dt > 0 else 0.0,
                 "step_time_s": dt, "time": time.time(), "total_steps": total}
@@ -462,12 +464,13 @@ class Trainer:
                 "run_id": self.run_id, "saved_at": time.time()}
 
         def write(tmp: Path) -> None:
+            _refuse_non_finite(self._engine, final)
             self._engine.save_checkpoint(str(tmp))
             write_shared(tmp)
 
         def write_shared(tmp: Path) -> None:
-            torch.save(self.schedule.state_dict(), tmp / "scheduler.pt")
-            torch.save(ckpt.rng_state(), tmp / "rng_state.pth")
+            ckpt.write_json(tmp / ckpt.SCHEDULER_FILE, self.schedule.state_dict(), strict=True)
+            ckpt.write_json(tmp / ckpt.RNG_FILE, ckpt.rng_state(), strict=True)
             self.state.save_to_json(str(tmp / "trainer_state.json"))
             ckpt.write_json(tmp / "training_args.json", self.args.to_dict())
             if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
@@ -491,6 +494,7 @@ class Trainer:
         folder into place. The others wait for the rename, so a checkpoint is whole when seen."""
         d = self.dist
         tmp = None
+        _refuse_non_finite(self._engine, final)   # collective: every rank reads the gathered weights
         if d.is_main:
             final.parent.mkdir(parents=True, exist_ok=True)
             ckpt.remove_stale_temporaries(final.parent)
@@ -499,8 +503,9 @@ class Trainer:
         tmp = Path(d.all_gather_object(str(tmp) if tmp is not None else None)[0])
         try:
             self._engine.save_checkpoint(str(tmp))    # collective: each rank its file, then a barrier
-            if d.is_main:
+            if d.is_main:   # every rank's shards are written (the barrier ending save_checkpoint)
                 write_shared(tmp)
+                ckpt.write_manifest(tmp)   # last, over every rank's files
                 commit_dir(tmp, final)
         except BaseException:
             if d.is_main:
@@ -514,6 +519,7 @@ class Trainer:
 
         from transformers.trainer_callback import TrainerState
 
+        ckpt.verify(path)  # before reading anything from it
         meta = ckpt.read_json(path / ckpt.STATE_FILE)
         mine = {"batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
@@ -530,7 +536,7 @@ class Trainer:
             warnings.warn(f"resuming from {path} with settings that differ from the run that wrote it "
                           f"{changed}: the continuation will not match an uninterrupted run", stacklevel=3)
         self._engine.load_checkpoint(str(path))
-        self.schedule.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        self.schedule.load_state_dict(ckpt.read_scheduler_state(path))
         self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
         data = dict(meta["data"])
         if self.args.ignore_data_skip:
@@ -539,7 +545,7 @@ class Trainer:
         self._tokens_seen = int(meta.get("tokens_seen", 0))
         self._log_accum = tuple(meta.get("log_accum", (0.0, 0)))
         self.run_id = meta.get("run_id")  # a resumed run goes on as the same run
-        ckpt.set_rng_state(torch.load(path / "rng_state.pth", weights_only=False))
+        ckpt.set_rng_state(ckpt.read_rng_state(path))
         self._engine.zero_grad()
 
     # ------------------------------------------------------------------ callbacks, lifetime
@@ -564,6 +570,15 @@ class Trainer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _refuse_non_finite(engine, final) -> None:
+    """A diverged run's weights never become the latest checkpoint (which a resume would pick)."""
+    for name, p in engine.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise FloatingPointError(f"refusing to save checkpoint {str(final)!r}: weight {name!r} holds NaN/inf (the "
+                                     "run diverged). The earlier checkpoints are kept; resume from the last one "
+                                     "with a lower learning rate")
 
 
 def _default_seq_len(engine) -> int:

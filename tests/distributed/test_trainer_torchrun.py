@@ -41,6 +41,14 @@ def test_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path):
     assert sorted(f.name for f in ck.glob("shards-*")) == ["shards-00000-of-00002.safetensors",
                                                            "shards-00001-of-00002.safetensors"]
     assert (ck / "trainer_state.json").is_file() and not list((tmp_path / "two").glob("*.tmp-*"))
+    # rank 0's manifest covers every rank's shards; scheduler and RNG state are JSON, no pickles
+    from megatrain_nb.trainer.manifest import verify_manifest
+
+    assert verify_manifest(ck)
+    listed = set(json.loads((ck / "manifest.json").read_text())["files"])
+    assert {"shards-00000-of-00002.safetensors", "shards-00001-of-00002.safetensors",
+            "scheduler.json", "rng_state.json"} <= listed
+    assert not list(ck.glob("*.pt")) and not list(ck.glob("*.pth"))
     _alone(str(tmp_path / "one"), "4", f"resume:{ck}")
     _agree(_weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final"))
 

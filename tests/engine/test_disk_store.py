@@ -159,12 +159,24 @@ def test_unwritable_root_names_the_path(tmp_path, monkeypatch):
         DiskStore(tmp_path)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
 def test_read_only_root(tmp_path):
-    ro = tmp_path / "ro"
+    """As root (CI) the store is opened by an unprivileged user in a forked child."""
+    from pathlib import Path
+
+    from ..privileges import as_user, shared_dir
+
+    root = os.geteuid() == 0
+    ro = Path(shared_dir(None, "ro") if root else tmp_path) / "ro"
     ro.mkdir(mode=0o500)
-    with pytest.raises(OffloadError, match=str(ro)):
-        DiskStore(ro)
+
+    def open_store():
+        try:
+            DiskStore(ro).close()
+        except OffloadError as e:
+            return str(e)
+        return "accepted"
+    ok, msg = as_user(open_store) if root else (True, open_store())
+    assert ok and str(ro) in msg, msg
 
 
 def test_reserve_bytes_checked_up_front(tmp_path):
@@ -304,6 +316,85 @@ def test_urgent_reads_go_ahead_of_queued_work(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["packed", "aligned"])
+def test_a_flipped_payload_byte_is_refused_by_name(store, big):
+    x = torch.randn((1 << 19) if big else 1000)  # 2 MiB starts on an ALIGN boundary; 4 KB is packed
+    store.write("k", {"a": torch.ones(3), "x": x}).result()
+    path = store._file("k")
+    with open(path, "r+b") as f:  # the last bytes of x: the header still checks out
+        where = os.path.getsize(path) - ALIGN if big else 512
+        f.seek(where)
+        b = f.read(1)
+        f.seek(where)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(OffloadError, match=f"{path}.*'x'.*checksum"):
+        store.read("k").result()
+
+
+# -- fault injection: each fault ends in a clear error or a correct result, in bounded time ----
+
+def test_eio_on_a_read_is_a_clear_error_in_bounded_time(store, monkeypatch):
+    data = {"x": torch.randn(300_000)}
+    store.write("k", data).result(timeout=30)
+
+    def eio(fd, bufs, off):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(disk_store.os, "preadv", eio)
+    t0 = time.monotonic()
+    with pytest.raises(OffloadError, match=f"reading 'k' from {store._file('k')}.*Input/output error"):
+        store.read("k").result(timeout=30)
+    assert time.monotonic() - t0 < 10
+    monkeypatch.undo()
+    assert_same(store.read("k").result(timeout=30), data)  # the file itself is intact
+
+
+def test_short_writes_and_reads_still_give_the_right_bytes(store, monkeypatch):
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def cut(n):  # the kernel may move less than asked (whole blocks, under O_DIRECT)
+        return (n // 3) // ALIGN * ALIGN or n
+
+    def short_write(fd, mv, off):
+        return real_pwrite(fd, memoryview(mv)[: cut(len(mv))], off)
+
+    def short_read(fd, bufs, off):
+        mv = memoryview(bufs[0])
+        return real_preadv(fd, [mv[: cut(len(mv))]], off)
+    monkeypatch.setattr(disk_store.os, "pwrite", short_write)
+    monkeypatch.setattr(disk_store.os, "preadv", short_read)
+    data = sample(3)
+    data["big"] = torch.randn(700_000)
+    store.write("k", data).result(timeout=30)
+    assert_same(store.read("k").result(timeout=30), data)
+
+
+def test_a_read_that_takes_seconds_still_returns_the_right_data(store, monkeypatch):
+    real_preadv = os.preadv
+    slow = {"n": 0}
+
+    def slow_read(fd, bufs, off):
+        if slow["n"] == 0:
+            time.sleep(2.0)
+        slow["n"] += 1
+        return real_preadv(fd, bufs, off)
+    data = {"x": torch.randn(100_000)}
+    store.write("k", data).result(timeout=30)
+    monkeypatch.setattr(disk_store.os, "preadv", slow_read)
+    t0 = time.monotonic()
+    got = store.read("k").result(timeout=30)
+    assert 2.0 <= time.monotonic() - t0 < 15
+    assert_same(got, data)
+
+
+def test_a_short_file_on_disk_is_refused_not_read_as_zeros(store):
+    store.write("k", {"x": torch.randn(300_000)}).result(timeout=30)
+    path = store._file("k")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:  # a write that was cut short without the size changing
+        f.seek(size - 3 * ALIGN)
+        f.write(b"\0" * ALIGN)
+    with pytest.raises(OffloadError, match="checksum"):
+        store.read("k").result(timeout=30)
 def test_prepare_offload_dir_creates_only_under_an_existing_parent(tmp_path):
     from megatrain_nb.engine.disk_store import OffloadError, prepare_offload_dir
 

@@ -78,9 +78,18 @@ def test_heartbeat_content_and_permissions(runtime_root, beacon_for, monkeypatch
 def test_loose_existing_folders_are_tightened(runtime_root, beacon_for):
     (runtime_root / "sessions").mkdir(parents=True, mode=0o755)
     os.chmod(runtime_root, 0o755)
-    os.chmod(runtime_root / "sessions", 0o777)
+    os.chmod(runtime_root / "sessions", 0o755)
     beacon_for(FakeSession())
     assert mode(runtime_root) == 0o700 and mode(runtime_root / "sessions") == 0o700
+
+
+def test_a_folder_writable_by_others_is_refused(runtime_root, beacon_for):
+    from megatrain_nb.lab.protocol import UnsafeFolderError
+
+    (runtime_root / "sessions").mkdir(parents=True, mode=0o700)
+    os.chmod(runtime_root / "sessions", 0o777)  # others could have planted files in it
+    with pytest.raises(UnsafeFolderError, match="writable by group or others.*chmod 700"):
+        beacon_for(FakeSession())
 
 
 def test_heartbeat_follows_the_session(runtime_root, beacon_for):

@@ -101,3 +101,87 @@ def test_report_of_a_failed_run_says_so(fake_session, tmp_path):
 def test_report_path_must_be_ipynb_or_html(fake_session, tmp_path):
     with pytest.raises(ValueError, match=".ipynb or .html"):
         fake_session().export_report(tmp_path / "x.pdf")
+
+
+# -- escaping: a hostile session name, path, exception and traceback run no script ------------
+
+HOSTILE_NAME = "run<img src=x onerror=alert(1)>[a](javascript:alert(2))"
+HOSTILE_ERROR = "</code><script>alert(3)</script>``` <img src=y onerror=alert(4)>"
+
+
+class _Active(HTMLParser):
+    """Tags and attributes that would run script: script bodies calling alert, on* handlers,
+    javascript: URLs."""
+
+    def __init__(self):
+        super().__init__()
+        self.found, self._in_script = [], False
+
+    def handle_starttag(self, tag, attrs):
+        self._in_script = tag == "script"
+        for k, v in attrs:
+            if k.startswith("on") or (k in ("href", "src", "action", "formaction")
+                                       and (v or "").strip().lower().startswith("javascript:")):
+                self.found.append((tag, k, v))
+
+    def handle_data(self, data):
+        if self._in_script and "alert(" in data:
+            self.found.append(("script", data[:80]))
+
+
+@pytest.fixture
+def hostile_session(fake_session, tmp_path):
+    def boom(step):
+        if step == 4:
+            raise ValueError(HOSTILE_ERROR)
+        return 1.0
+
+    out = tmp_path / "o<img src=z onerror=alert(5)>"
+    s = fake_session(name=HOSTILE_NAME, total_steps=20, loss_fn=boom, output_dir=str(out))
+    s.generate("<script>alert(6)</script>", max_new_tokens=2, temperature=0)
+    s.train()
+    with pytest.raises(ValueError):
+        s.wait(timeout=10)
+    return s
+
+
+def test_report_escapes_user_and_error_strings(hostile_session, tmp_path):
+    page = open(hostile_session.export_report(tmp_path / "r.html"), encoding="utf-8").read()
+    p = _Active()
+    p.feed(page)
+    assert p.found == []
+    # ...while the strings are still shown, as text
+    text = re.sub(r"<[^>]+>", "", page)
+    assert "alert(3)" in text and "onerror=alert(1)" in text.replace("&gt;", ">").replace("&lt;", "<")
+    nb = nbformat.read(hostile_session.export_report(tmp_path / "r.ipynb"), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            assert "<img" not in cell.source and "<script" not in cell.source
+            assert not re.search(r"(?<!\\)\]\(javascript", cell.source)  # an unescaped markdown link
+
+
+def test_report_in_a_browser_fires_no_dialog(hostile_session, tmp_path):
+    from test_dashboard_browser import CHROMIUM
+    import os
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"chromium not found at {CHROMIUM} (apt-get install -y chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    page_path = hostile_session.export_report(tmp_path / "r.html")
+    control = tmp_path / "control.html"  # proves the harness sees a dialog when one fires
+    control.write_text("<html><body><img src=x onerror=alert(1)></body></html>")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            seen = {}
+            for path in (control, page_path):
+                page = browser.new_page()
+                dialogs = []
+                page.on("dialog", lambda d, dialogs=dialogs: (dialogs.append(d.message), d.dismiss()))
+                page.goto(f"file://{path}", wait_until="load", timeout=30_000)
+                page.wait_for_timeout(1000)  # onerror handlers of broken images fire after load
+                seen[str(path)] = dialogs
+                page.close()
+        finally:
+            browser.close()
+    assert seen[str(control)] == ["1"]
+    assert seen[str(page_path)] == []

@@ -48,16 +48,23 @@ def test_killed_while_writing_leaves_the_previous_checkpoint_and_ignores_the_par
     out = tmp_path / "run"
     p = _run_job("kill-at:4", out, "none", check=False)
     assert p.returncode == -9, p.stderr[-2000:]
-    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2"]
     partial = [c for c in os.listdir(out) if c.startswith("checkpoint-4")]
     assert partial and all(".tmp-" in c for c in partial)
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2"]
+    assert not [c for c in os.listdir(out) if ".tmp-" in c]  # the dead process's partial was cleaned up
     assert latest_checkpoint(out).name == "checkpoint-2"
 
     tr = make_trainer(str(out), "none", save_steps=2)
     tr.train(resume_from_checkpoint=True)  # picks checkpoint-2, not the partial one
     assert tr.state.global_step == 8
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
-    assert not [c for c in os.listdir(out) if ".tmp-" in c]  # the dead process's partial was cleaned up
+    # ...and lands on the weights and states of a run that was never interrupted
+    full = make_trainer(str(tmp_path / "full"), "none", save_steps=2)
+    full.train()
+    expected, got = full.engine.state_dict(), tr.engine.state_dict()
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
 
 
 def test_rotation_keeps_the_newest_and_checkpoints_load_in_transformers(tmp_path):
@@ -69,7 +76,8 @@ def test_rotation_keeps_the_newest_and_checkpoints_load_in_transformers(tmp_path
     tr.train()
     assert [c.name for c in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4"]
     files = set(os.listdir(tmp_path / "checkpoint-4"))
-    assert {"trainer_state.json", "scheduler.pt", "rng_state.pth", "megatrain_state.json"} <= files
+    assert {"trainer_state.json", "scheduler.json", "rng_state.json", "megatrain_state.json", "manifest.json"} <= files
+    assert not [f for f in files if f.endswith((".pt", ".pth", ".bin", ".pkl"))]  # nothing pickled
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-4")
     for name, p in tr.engine.named_parameters():
         assert torch.equal(dict(loaded.named_parameters())[name], p), name

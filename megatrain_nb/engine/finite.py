@@ -1,0 +1,90 @@
+"""The divergence guard: a step whose loss or global gradient norm is NaN or infinite never
+reaches the weights or the optimizer states.
+
+``on_nonfinite="stop"`` (the default) raises :class:`NonFiniteError` before any update of that
+step is applied (the weights and states stay those of the step before; the gradients are
+dropped); ``"skip"`` drops the step's gradients, leaves weights, moments and the AdamW step
+count untouched, counts it (``telemetry()["skipped_steps"]``) and training goes on.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+POLICIES = ("stop", "skip")
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or gradient norm was NaN/inf; nothing of that step was applied."""
+
+    def __init__(self, step: int, loss: Optional[float], grad_norm: Optional[float], *,
+                 unit: Optional[str] = None, partial: bool = False):
+        self.step, self.loss, self.grad_norm, self.unit, self.partial = step, loss, grad_norm, unit, partial
+        where = f" (in the gradient of {unit})" if unit else f" (loss={_f(loss)}, gradient norm={_f(grad_norm)})"
+        if partial:
+            state = ("Units updated before it in this step keep their update: the engine refuses to go on "
+                     "until load_checkpoint(). Set max_grad_norm so that the check runs before any update")
+        else:
+            state = (f"The weights and optimizer states were left as they were after step {step - 1} "
+                     "(this step was not applied)")
+        super().__init__(
+            f"non-finite loss/gradient at step {step}{where}: the training diverged. {state}. Lower the "
+            "learning rate (or set max_grad_norm), resume from the last checkpoint, or pass "
+            "on_nonfinite='skip' to skip such steps")
+
+
+def _f(v) -> str:
+    return "?" if v is None else f"{v:.6g}"
+
+
+class StepGuard:
+    """The check of a step whose updates start during the backward (no clipping), before the
+    global norm is known: each unit's gradient is checked before its update. The head's
+    gradient comes first and carries a NaN/inf loss, so the usual divergence stops the step
+    before anything moved; a unit found non-finite later makes the step partial. Every unit
+    after the first bad one is skipped. Used from the single update worker, in order."""
+
+    def __init__(self, step: int, policy: str):
+        self.step, self.policy = step, policy
+        self.applied = 0
+        self.bad: Optional[str] = None
+
+    def check(self, unit: str, grad) -> tuple[bool, Optional[NonFiniteError]]:
+        """(skip this unit's update, the error to raise after it)."""
+        import torch
+
+        if self.bad is not None:
+            return True, None
+        if bool(torch.isfinite(grad).all()):
+            self.applied += 1
+            return False, None
+        self.bad = unit
+        return True, NonFiniteError(self.step, None, None, unit=unit, partial=self.applied > 0)
+
+
+def check_policy(value: str) -> str:
+    if value not in POLICIES:
+        raise ValueError(f"on_nonfinite={value!r}: use 'stop' (raise before the step is applied) or "
+                         "'skip' (drop the step and go on)")
+    return value
+
+
+def apply_step(loss: Optional[float], grad_norm: Optional[float], step: int, policy: str) -> bool:
+    """True: apply the step. False: skip it (policy 'skip'). Raises under 'stop'."""
+    if all(v is None or math.isfinite(v) for v in (loss, grad_norm)):
+        return True
+    if policy == "skip":
+        return False
+    raise NonFiniteError(step, loss, grad_norm)
+
+
+def check_lr(lr) -> float:
+    """A learning rate for an update: a finite number >= 0 (a negative one would climb the loss)."""
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise ValueError(f"learning rate {lr!r} is not a number; pass a float >= 0") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"learning rate {lr!r} must be a finite number >= 0 (a negative rate moves the "
+                         "weights uphill); pass e.g. 1e-4")
+    return value

@@ -1,0 +1,99 @@
+"""Reclaiming the offload folders of processes that died without cleaning up.
+
+A killed process leaves its offload folder under ``offload_dir`` (tens of GiB at scale, after
+which the next run's free-space check fails). The folder's name says whose it is:
+``megatrain-<pid>-<host tag>-<process start time>-<random>`` (see :func:`folder_prefix`). On start,
+under an exclusive ``flock`` on ``offload_dir`` itself, a folder is removed only when it is this
+user's, a real folder (not a symlink), from this host, and its process is gone -- a pid now used
+by a process started at another time counts as gone. Anything uncertain is left alone. Folders
+named by older versions (``megatrain-<pid>-<random>``) are reclaimed when their pid is gone.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import socket
+import stat
+import warnings
+
+_NAMED = re.compile(r"^megatrain-(\d+)-([0-9a-f]{6})-([0-9a-f]+)-[A-Za-z0-9_]+$")
+_LEGACY = re.compile(r"^megatrain-(\d+)-[A-Za-z0-9_]{8}$")
+
+
+def _host_tag() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:6]
+
+
+def _start_time(pid: int):
+    try:
+        import psutil
+
+        return int(psutil.Process(pid).create_time())
+    except Exception:  # noqa: BLE001 - gone, or psutil cannot tell
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def folder_prefix() -> str:
+    """The name prefix of this process's offload folder."""
+    return f"megatrain-{os.getpid()}-{_host_tag()}-{_start_time(os.getpid()) or 0:x}-"
+
+
+def _abandoned(path: str, name: str) -> bool:
+    m = _NAMED.match(name)
+    legacy = None if m else _LEGACY.match(name)
+    if not m and not legacy:
+        return False
+    st = os.lstat(path)
+    pid = int((m or legacy).group(1))
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or pid == os.getpid():
+        return False
+    if legacy:
+        return not _alive(pid)
+    if m.group(2) != _host_tag():
+        return False  # another machine sharing this disk: its pids mean nothing here
+    if not _alive(pid):
+        return True
+    now = _start_time(pid)
+    return now is not None and int(m.group(3), 16) not in (0, now)  # the pid was reused
+
+
+def reclaim(root: str) -> list[tuple[str, int]]:
+    """Remove the abandoned offload folders under ``root``; returns (path, bytes) of each and
+    warns with the total. Never touches a live process's folder."""
+    try:
+        lock = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return []  # cannot lock: reclaim nothing rather than race another process
+    done = []
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name in sorted(os.listdir(root)):
+            path = os.path.join(root, name)
+            try:
+                if not _abandoned(path, name):
+                    continue
+                size = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(path))
+                shutil.rmtree(path)
+                done.append((path, size))
+            except OSError:
+                continue
+    finally:
+        os.close(lock)  # releases the lock
+    if done:
+        total = sum(n for _, n in done)
+        warnings.warn(f"megatrain_nb reclaimed {len(done)} offload folder(s) of processes that no longer run "
+                      f"({total} bytes): {', '.join(p for p, _ in done)}", stacklevel=3)
+    return done

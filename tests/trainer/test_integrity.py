@@ -1,0 +1,112 @@
+"""Checkpoint integrity: a flipped byte, a truncation or a garbled header is refused before
+anything is loaded, naming the file and the checkpoint to fall back to; nothing in a checkpoint
+is unpickled."""
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from megatrain_nb.trainer import Trainer, checkpoint as ckpt
+from megatrain_nb.trainer.manifest import IntegrityError
+
+from .helpers import args, micro_model, token_dataset
+
+
+def _trainer(out, **kw):
+    torch.set_num_threads(1)
+    a = args(out, max_steps=4, save_strategy="steps", save_steps=2, **kw)
+    return Trainer(model=micro_model(), train_dataset=token_dataset(12), args=a, device="cpu",
+                   optimizer_compression="int8")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("integrity") / "run"
+    tr = _trainer(out)
+    tr.train()
+    tr.close()
+    return out
+
+
+def _copy(saved, tmp_path):
+    import shutil
+    dst = tmp_path / "run"
+    shutil.copytree(saved, dst)
+    return dst
+
+
+def _big_files(folder):
+    return sorted((p for p in folder.iterdir() if p.suffix == ".safetensors"), key=lambda p: p.stat().st_size)
+
+
+def test_a_checkpoint_carries_a_manifest_that_verifies(saved):
+    c4 = saved / "checkpoint-4"
+    m = json.loads((c4 / "manifest.json").read_text())
+    assert set(m["files"]) == {p.name for p in c4.iterdir() if p.name != "manifest.json"}
+    assert ckpt.verify(c4) is True
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+def test_damaged_weights_or_states_are_refused_naming_the_file_and_the_previous_checkpoint(saved, tmp_path, damage):
+    out = _copy(saved, tmp_path)
+    files = _big_files(out / "checkpoint-4")
+    assert any("optimizer" in p.name for p in files) and any("model" in p.name for p in files)
+    for victim in files:
+        data = bytearray(victim.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0x01
+        elif damage == "truncate":
+            data = data[:-100]
+        else:
+            data[0:8] = b"\xff" * 8  # the safetensors header length
+        victim.write_bytes(bytes(data))
+        tr = _trainer(out)
+        with pytest.raises(IntegrityError) as e:
+            tr.train(resume_from_checkpoint=True)
+        tr.close()
+        msg = str(e.value)
+        assert victim.name in msg and str(out / "checkpoint-2") in msg, msg
+        (out / "checkpoint-4" / victim.name).write_bytes((saved / "checkpoint-4" / victim.name).read_bytes())
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/megatrain_nb_pwned_$PPID",))
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "rng_state.pth"])
+def test_a_crafted_pickle_in_an_old_style_checkpoint_is_never_run(saved, tmp_path, name):
+    out = _copy(saved, tmp_path)
+    c4 = out / "checkpoint-4"
+    stem = name.split(".")[0]
+    (c4 / f"{stem}.json").unlink()
+    (c4 / name).write_bytes(pickle.dumps({"scheduler": _Boom()}))
+    ckpt.write_manifest(c4)  # a crafted checkpoint comes with a matching manifest
+    marker = f"/tmp/megatrain_nb_pwned_{os.getpid()}"
+    tr = _trainer(out)
+    with pytest.raises(ckpt.CheckpointError, match="cannot be loaded safely"):
+        tr.train(resume_from_checkpoint=str(c4))
+    tr.close()
+    assert not os.path.exists(marker)
+
+
+def test_old_style_plain_pickles_still_load_with_weights_only(saved, tmp_path):
+    out = _copy(saved, tmp_path)
+    c4 = out / "checkpoint-4"
+    sched = ckpt.read_json(c4 / "scheduler.json")
+    (c4 / "scheduler.json").unlink()
+    torch.save(sched, c4 / "scheduler.pt")
+    assert ckpt.read_scheduler_state(c4) == sched
+
+
+def test_rng_state_round_trips_through_json():
+    import random
+
+    import numpy as np
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    state = json.loads(json.dumps(ckpt.rng_state()))
+    a = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    ckpt.set_rng_state(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == a

@@ -123,7 +123,8 @@ class UpdateScheduler:
 
     def next_step(self) -> int:
         """The number of the optimizer step about to be applied (1-based, survives a resume)."""
-        return 1 + max((int(s) for s in self.adam.steps.values()), default=0)
+        # tuple() copies in one step: the AdamW worker may be adding the last step's counts
+        return 1 + max((int(s) for s in tuple(self.adam.steps.values())), default=0)
 
     def plan_reads(self, compute_order: Sequence[Unit], step: Optional[StepContext]) -> None:
         """Disk read-ahead for the coming micro-batch (``step`` None: evaluation). The weights

@@ -56,11 +56,16 @@ def parity(precision: str) -> float:
     return worst
 
 
-def throughput(a):
+def _meta_engine(a):
+    """A Llama of the requested shape built on the meta device and streamed on CUDA."""
     cfg = llama(a.layers, a.hidden)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    engine = StreamingEngine(model, EngineConfig(device="cuda", precision=a.precision, max_vram_gb=a.vram))
+    return cfg, StreamingEngine(model, EngineConfig(device="cuda", precision=a.precision, max_vram_gb=a.vram))
+
+
+def throughput(a):
+    cfg, engine = _meta_engine(a)
     n = engine.num_parameters()
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq))
     tokens = ids.numel()
@@ -92,10 +97,7 @@ def throughput(a):
 
 def accumulation(a, A: int = 8):
     """Throughput of an A-micro-batch window: layer-major against micro-batch-major."""
-    cfg = llama(a.layers, a.hidden)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    engine = StreamingEngine(model, EngineConfig(device="cuda", precision=a.precision, max_vram_gb=a.vram))
+    cfg, engine = _meta_engine(a)
     n = engine.num_parameters()
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq))
     window = [ids] * A

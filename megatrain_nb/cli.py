@@ -375,20 +375,60 @@ def _budget_arg(s: str):
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r}: give GiB as a number, 'auto' or 'none'")
+        raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'none', not {s!r}")
     if v <= 0:
         raise argparse.ArgumentTypeError(f"{s!r}: must be > 0")
     return v
 
 
-def cmd_estimate(ns) -> int:
+def run_estimate(ns):
+    """The estimate an ``estimate`` command line asks for (the CLI and ``%megatrain estimate``)."""
     from megatrain_nb.estimator import CLI_NAMES, estimate
 
-    est = estimate(ns.model, vram_gb=ns.vram, ram_gb=ns.ram, disk_gb=ns.disk, batch=ns.batch, seq=ns.seq,
-                   compression=ns.compression, precision=ns.precision,
-                   offload_dir=False if ns.no_disk else (ns.offload_dir or True), names=CLI_NAMES)
+    kw = dict(vram_gb=ns.vram, ram_gb=ns.ram, disk_gb=ns.disk, batch=ns.batch, seq=ns.seq,
+              compression=ns.compression, precision=ns.precision,
+              offload_dir=False if ns.no_disk else (ns.offload_dir or True), names=CLI_NAMES)
+    if ns.accumulation != 1:
+        kw["accumulation"] = ns.accumulation
+    if ns.nodes == 1 and ns.gpus_per_node == 1:
+        return estimate(ns.model, **kw)
+    from megatrain_nb.estimator_dist import estimate_scale_out  # the state sharded over every GPU
+
+    return estimate_scale_out(ns.model, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, **kw)
+
+
+def estimate_from_words(words):
+    """``%megatrain estimate <words>``: the CLI's own parser; a usage error raises ValueError
+    with argparse's message instead of exiting."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = build_parser().parse_args(["estimate", *words])
+    except SystemExit:
+        lines = [x for x in err.getvalue().strip().splitlines() if x]
+        raise ValueError(lines[-1].replace("megatrain-nb estimate: error: ", "") if lines else
+                         "usage: estimate <model> [--vram GB] [--ram GB] [--disk GB] [--nodes M] "
+                         "[--gpus-per-node N]") from None
+    return run_estimate(ns)
+
+
+def cmd_estimate(ns) -> int:
+    est = run_estimate(ns)
     print(json.dumps(est.to_dict(), indent=2, default=str) if ns.json else est)
     return 0
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, not {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, not {s!r}")
+    return v
 
 
 # ---------------------------------------------------------------------------------------- parser
@@ -440,6 +480,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     e.add_argument("--offload-dir", default=None, help="where the disk tier would live (for 'auto' free space)")
     e.add_argument("--no-disk", action="store_true", help="no disk tier")
+    e.add_argument("--accumulation", type=_positive_int, default=1,
+                   help="micro-batches per optimizer step on each GPU (default 1)")
+    e.add_argument("--nodes", type=_positive_int, default=1,
+                   help="machines in the run (default 1); --ram and --disk are per node")
+    e.add_argument("--gpus-per-node", type=_positive_int, default=1,
+                   help="GPUs (ranks) per node (default 1); the training state is sharded over all of them")
     e.add_argument("--json", action="store_true", help="print JSON instead of the table")
     e.set_defaults(func=cmd_estimate)
     return ap

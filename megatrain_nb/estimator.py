@@ -258,6 +258,7 @@ class Estimate:
 def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,
              seq: int = 2048, compression=True, precision: str = "fp32", checkpoint_interval: Optional[int] = 1,
              offload_dir: Union[bool, str, None] = True, device: str = "cuda",
+             world: int = 1,
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
              layer_major: bool = True, clip_hold: str = "host") -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
@@ -273,6 +274,10 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     default as in TrainingArguments) holds the final gradients for the norm;
     ``layer_major=False`` shows the micro-batch-major path. ``clip_hold``: as
     ``EngineConfig.clip_hold`` ("disk"/"auto": those final gradients on the disk tier).
+    ``world``: ranks the training state is sharded over (ZeRO-3): the host and disk figures are
+    then one rank's (its shard of every unit), the device working set is unchanged and the
+    budgets are one rank's; :func:`megatrain_nb.estimator_dist.estimate_scale_out` adds the
+    per-node and on-the-wire figures.
     """
     from megatrain_nb.engine import family
     from megatrain_nb.engine.codecs import codec_names, normalize_compression
@@ -283,6 +288,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     config, name = resolve_config(model)
     comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
+    held = shard_specs(units, world) if world > 1 else None   # this rank's part of the state
     layers = sum(1 for u in units if u.kind == "layer")
     disk_path = offload_dir if isinstance(offload_dir, str) else None
     budgets = {"device": _budget(vram_gb, lambda: None), "host": _budget(ram_gb, _machine_ram),
@@ -295,7 +301,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                          checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
                          cuda=device != "cpu", accumulation=accumulation if layer_major else 1,
                          host_gradients=clipping or (accumulation > 1 and not layer_major),
-                         clip_hold=clip_hold if clipping else None)
+                         clip_hold=clip_hold if clipping else None, state_units=held)
 
     by_codec = {codec: plan_for(codec) for codec in codec_names()}  # the registry: a new codec shows too
     plan = by_codec[comp]
@@ -320,6 +326,17 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
                                                                                 batch=batch, seq=seq),
                     notes=notes, by_codec=by_codec, names=dict(names or {}))
+
+
+def shard_specs(units, world: int, rank: int = 0) -> list:
+    """Rank ``rank``'s shard of every unit, as the sharded engine cuts them (``engine/dist.py``;
+    rank 0 holds the largest shards)."""
+    from megatrain_nb.engine.dist import ShardLayout
+    from megatrain_nb.engine.planner import UnitSpec
+
+    if world < 1:
+        raise ValueError(f"world={world}: the number of ranks must be >= 1")
+    return [UnitSpec(u.name, ShardLayout.make(u.numel, world).numel_of(rank), u.kind) for u in units]
 
 
 # How the command line and %megatrain spell estimate()'s and the planner's argument names.

@@ -97,7 +97,8 @@ class StreamingEngine:
         self.state_units: List[Unit] = self.sharded.shards if self.sharded is not None else self.units
         self.persistent_buffers = engine_io.persistent_buffers(model)
 
-        self.plan = engine_plan(self.units, self.model_config, config, cuda=self.device.type == "cuda")
+        self.plan = engine_plan(self.units, self.model_config, config, cuda=self.device.type == "cuda",
+                                state_units=self.state_units)
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"
         self.checkpoint_interval = self.plan.checkpoint_interval
         pin = self.device.type == "cuda"

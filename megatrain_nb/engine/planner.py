@@ -93,7 +93,8 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
               precision: str = "fp32", checkpoint_interval: Optional[int] = 1, offload_dir: bool = True,
               layer_slots: Optional[int] = None, offload_params: Optional[bool] = None,
               cuda: bool = True, loss_chunk_tokens: int = 1024, accumulation: int = 1,
-              host_gradients: bool = True, clip_hold: Optional[str] = None) -> Plan:
+              host_gradients: bool = True, clip_hold: Optional[str] = None,
+              state_units: Optional[List[UnitSpec]] = None) -> Plan:
     """Place a model's training state on (device, host, disk) under the given budgets.
 
     ``host_gradients``: whether a whole model's fp32 gradients live in host RAM (the
@@ -103,16 +104,21 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     ``1 - HOST_HEADROOM`` of the budget, else the disk tier (``disk["activations"]``), else a
     larger checkpoint interval for the window, else split).
     ``clip_hold`` ("host" | "disk" | "auto", as ``EngineConfig.clip_hold``): where final
-    gradients held for a clipping norm live; "auto" = the disk tier when master weights are."""
+    gradients held for a clipping norm live; "auto" = the disk tier when master weights are.
+    ``state_units``: the part of each unit whose training state this process holds (data
+    parallel: this rank's shards, ``engine/sharded.py``); host and disk figures are theirs, the
+    device working set stays that of the whole ``units``. Default: ``units``."""
     cb = 2 if precision == "bf16" else 4
     inter = intermediate_size or 4 * hidden_size
     by_kind = {k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")}
-    total = sum(u.numel for u in units)
-    max_unit = max(u.numel for u in units)
+    dev_max_unit = max(u.numel for u in units)
+    held = units if state_units is None else state_units   # whole units, or this rank's shards
+    total = sum(u.numel for u in held)
+    max_unit = max(u.numel for u in held)
 
     def device_need(slots: int, k: int) -> Dict[str, int]:
         w = (by_kind["embed"] + by_kind["head"] + slots * by_kind["layer"]) * cb
-        grads = (2 * max_unit * 4) if cuda else max_unit * 4
+        grads = (2 * dev_max_unit * 4) if cuda else dev_max_unit * 4
         act = activation_bytes(hidden_size=hidden_size, intermediate_size=inter, num_layers=num_layers,
                                vocab_size=vocab_size, batch=batch, seq=seq, checkpoint_interval=k,
                                compute_bytes=cb, loss_chunk_tokens=loss_chunk_tokens)
@@ -216,12 +222,13 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
                 capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes}, window=window)
 
 
-def engine_plan(units, model_config, cfg, *, cuda: bool) -> Plan:
+def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None) -> Plan:
     """The engine's plan for its units under an EngineConfig ``cfg``, or a ValueError naming
-    the budget to change."""
+    the budget to change. ``state_units``: this rank's shards when the state is sharded."""
     from .family import hidden_size, intermediate_size
 
     specs = [UnitSpec(u.name, u.numel, u.kind) for u in units]
+    held = None if state_units is None else [UnitSpec(u.name, u.numel, u.kind) for u in state_units]
     plan = make_plan(specs, hidden_size=hidden_size(model_config), num_layers=len(units) - 2,
                      intermediate_size=intermediate_size(model_config), vocab_size=0,
                      vram_bytes=int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else None,
@@ -229,7 +236,7 @@ def engine_plan(units, model_config, cfg, *, cuda: bool) -> Plan:
                      offload_params=cfg.offload_params, batch=1, seq=1, compression=cfg.optimizer_compression,
                      precision=cfg.precision, checkpoint_interval=cfg.checkpoint_interval,
                      offload_dir=bool(cfg.offload_dir), layer_slots=cfg.device_slots, cuda=cuda,
-                     loss_chunk_tokens=cfg.loss_chunk_tokens)
+                     loss_chunk_tokens=cfg.loss_chunk_tokens, state_units=held)
     if not plan.feasible and plan.limiting_tier == "host":
         raise ValueError(f"max_host_gb={cfg.max_host_gb}: {plan.reason}.")
     if cfg.offload_params and not cfg.offload_dir:

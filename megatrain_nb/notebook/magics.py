@@ -25,7 +25,7 @@ USAGE = """Usage: %megatrain <command> [-s SESSION]
   lr <value>          learning rate from the next step (e.g. %megatrain lr 5e-4)
   dashboard           show the live dashboard
   report <path>       write a report (.html or .ipynb)
-  estimate <model dir | config.json | preset> [--vram GB] [--ram GB] [--disk GB]
+  estimate <model dir | config.json | preset> [--vram GB] [--ram GB] [--disk GB] [--nodes M] [--gpus-per-node N]
   sessions            list the sessions of this kernel"""
 
 _NO_SESSION = ("No megatrain session here yet. Create one and start it:\n"
@@ -186,23 +186,19 @@ def _report(session, rest):
 
 
 def _estimate(rest):
-    words = list(rest)
-    budgets = {}
-    for flag, key in (("--vram", "vram_gb"), ("--ram", "ram_gb"), ("--disk", "disk_gb")):
-        v = _pop_option(words, (flag,))
-        if v is not None:
-            try:
-                budgets[key] = float(v)
-            except ValueError:
-                raise MagicError(f"megatrain: {flag} takes a number of GiB, not {v!r}") from None
-    if len(words) != 1:
-        raise MagicError("megatrain: estimate needs one model: a folder, a config.json or a preset, e.g.\n"
-                         "    %megatrain estimate llama-100b --vram 80 --ram 512 --disk 4096")
-    from megatrain_nb.estimator import CLI_NAMES, estimate
+    # the CLI's own parser: the same flags (--vram/--ram/--disk/--nodes/--gpus-per-node/...)
+    from megatrain_nb.cli import estimate_from_words
 
     from IPython.display import display
 
-    display(estimate(words[0], names=CLI_NAMES, **budgets))  # messages name --vram/--ram/--disk
+    if not rest:
+        raise MagicError("megatrain: estimate needs one model: a folder, a config.json or a preset, e.g.\n"
+                         "    %megatrain estimate llama-100b --vram 80 --ram 512 --disk 4096")
+    try:
+        est = estimate_from_words(list(rest))
+    except ValueError as e:
+        raise MagicError(f"megatrain: estimate: {e}") from None
+    display(est)  # messages name --vram/--ram/--disk
 
 
 def _sessions():

@@ -465,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-steps", type=int, default=None, help="override training.max_steps")
     t.add_argument("--resume", default=None, nargs="?", const=True,
                    help="resume: a checkpoint folder, or no value for the newest checkpoint of the run that "
-                        "wrote last into output_dir")
+                        "wrote last into output_dir; 'auto': that checkpoint if there is one, else a fresh start "
+                        "(for torchrun --max-restarts: the restarted workers continue by themselves)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("estimate", help="the memory table for a model on given hardware")

@@ -89,10 +89,19 @@ def latest_checkpoint(output_dir) -> Optional[Path]:
     return mine[-1]
 
 
+#: ``resume_from_checkpoint=AUTO``: the latest complete checkpoint in output_dir if there is one,
+#: else a fresh start. One script then serves the first launch and every restart (torchrun
+#: ``--max-restarts``, a job scheduler's requeue): the restarted workers resume by themselves.
+AUTO = "auto"
+
+
 def resolve_resume(resume, output_dir) -> Optional[Path]:
-    """``True`` -> the latest checkpoint in output_dir; a path -> that checkpoint, checked."""
+    """``True`` -> the latest checkpoint in output_dir; ``"auto"`` -> the same, or None when there
+    is none; a path -> that checkpoint, checked."""
     if resume is None or resume is False:
         return None
+    if isinstance(resume, str) and resume == AUTO and not Path(resume).exists():
+        return latest_checkpoint(output_dir)
     if resume is True:
         last = latest_checkpoint(output_dir)
         if last is None:

@@ -215,7 +215,7 @@ class Trainer:
         args = self.args
         if resume_from_checkpoint is None:
             resume_from_checkpoint = args.resume_from_checkpoint
-        resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
+        resume = self._resolve_resume(resume_from_checkpoint)
         total = self.total_steps
         ga = args.gradient_accumulation_steps
         self._running, self._stop = True, False
@@ -291,6 +291,30 @@ class Trainer:
             self.control = cb.on_train_end(args, st, self.control)
         finally:
             self._running = False
+
+    def _resolve_resume(self, resume_from_checkpoint) -> Optional[Path]:
+        """The checkpoint to resume from. With several ranks rank 0 alone looks (listing the
+        checkpoints also clears the partial one a failed run left) and every rank takes its answer,
+        or its error. Under a torchrun restart with no resume asked, warn: that attempt starts over."""
+        import warnings
+
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restart > 0 and resume_from_checkpoint in (None, False) and self.dist.is_main:
+            warnings.warn(f"torchrun restart {restart}: no resume was asked, so this attempt starts from step 0; "
+                          f"pass resume_from_checkpoint='{ckpt.AUTO}' (megatrain-nb train --resume {ckpt.AUTO}) "
+                          "to continue from the last complete checkpoint", stacklevel=3)
+        if self.dist.world == 1:
+            return ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        found = error = None
+        if self.dist.is_main:
+            try:
+                found = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+            except Exception as e:   # handed to every rank: the others must not wait for rank 0
+                error = e
+        found, error = self.dist.all_gather_object((str(found) if found is not None else None, error))[0]
+        if error is not None:
+            raise error
+        return Path(found) if found is not None else None
 
     def _train_window(self, window: list, total: int) -> dict:
         args, engine, cb, st = self.args, self._engine, self.callback_handler, self.state

@@ -17,7 +17,7 @@ def free_port() -> int:
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180, env: dict | None = None,
-             dist_timeout_s: float = 60) -> subprocess.CompletedProcess:
+             dist_timeout_s: float = 60, max_restarts: int = 0) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --nproc-per-node N`` on loopback. The collectives'
     own timeout (MEGATRAIN_DIST_TIMEOUT_S) is well under ``timeout``, so a stuck rank fails
     the run with an error before the subprocess bound kills it."""
@@ -26,9 +26,15 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180, env
               "MEGATRAIN_DIST_TIMEOUT_S": str(dist_timeout_s), "HF_HUB_OFFLINE": "1",
               "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})
     e.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
-           str(script), *args]
+    # Restarts: the c10d rendezvous, and a fresh TCPStore per attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE):
+    # in the agent's shared store the restarted ranks read the first attempt's keys, so a new
+    # rank connects to a dead peer's address (README, "When a rank fails").
+    where = ([f"--master-addr=127.0.0.1", f"--master-port={free_port()}"] if max_restarts == 0 else
+             ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1"])
+    if max_restarts:
+        e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *where,
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.5", str(script), *args]
     try:
         return subprocess.run(cmd, cwd=str(REPO), env=e, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:  # name the bound; the test fails with the output so far

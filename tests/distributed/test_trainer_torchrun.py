@@ -76,3 +76,36 @@ def test_trainer_two_ranks_equal_one_process(tmp_path):
         assert abs(r2["loss"] - r1["loss"]) <= 1e-5 * abs(r1["loss"])
         assert abs(r2["grad_norm"] - r1["grad_norm"]) <= 1e-5 * r1["grad_norm"]
     assert not list((tmp_path / "two" / "final").glob(".save-tmp-*"))
+
+
+def test_rank_death_restarts_and_resumes_exactly(tmp_path):
+    """torchrun --max-restarts 1: rank 1 dies after checkpoint-2; the agent stops rank 0 and starts
+    both again; with resume_from_checkpoint="auto" they resume from checkpoint-2 by themselves and
+    end where an uninterrupted run ends (item 3's rule)."""
+    out = tmp_path / "two"
+    out.mkdir()
+    proc = torchrun(HERE / "w_trainer.py", str(out), "2", "crash", nproc=2, timeout=300, max_restarts=1,
+                    dist_timeout_s=30)
+    check(proc)
+    assert sorted(p.name for p in out.glob("attempt-*")) == ["attempt-0-rank0", "attempt-0-rank1",
+                                                             "attempt-1-rank0", "attempt-1-rank1"]
+    log = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    starts = [r for r in log if r.get("event") == "run_start"]
+    assert [s["step"] for s in starts] == [0, 2] and starts[1]["resumed_from"].endswith("checkpoint-2")
+    assert starts[0]["run_id"] == starts[1]["run_id"]          # the same run, continued
+    assert [r["step"] for r in log if "loss" in r and "event" not in r] == [1, 2, 3]
+    _alone(str(tmp_path / "one"), "4")
+    _agree(_weights(out / "final"), _weights(tmp_path / "one" / "final"))
+
+
+def test_rank_death_then_rerun_with_resume_true(tmp_path):
+    """Without restarts the run fails (rank 1 named); re-running the job with
+    resume_from_checkpoint=True continues from the last complete checkpoint, exactly."""
+    out = tmp_path / "two"
+    out.mkdir()
+    failed = torchrun(HERE / "w_trainer.py", str(out), "2", "crash", nproc=2, timeout=300, dist_timeout_s=30)
+    assert failed.returncode != 0 and "exitcode  : 9" in failed.stderr
+    assert (out / "checkpoint-2").is_dir() and not (out / "final").exists()
+    check(torchrun(HERE / "w_trainer.py", str(out), "2", "resume:latest", nproc=2, timeout=300))
+    _alone(str(tmp_path / "one"), "4")
+    _agree(_weights(out / "final"), _weights(tmp_path / "one" / "final"))

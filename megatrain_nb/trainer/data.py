@@ -323,9 +323,12 @@ class BatchStream:
         self._iter = None
 
 
-def eval_batches(dataset, *, batch_size: int, collate: Callable) -> Iterator[dict]:
-    """Evaluation batches in dataset order."""
-    stream = BatchStream(dataset, batch_size=batch_size, collate=collate, seed=0, shuffle=False)
+def eval_batches(dataset, *, batch_size: int, collate: Callable, rank: int = 0, world: int = 1) -> Iterator[dict]:
+    """Evaluation batches in dataset order; with ``world`` > 1, this rank's share: batch i goes to
+    rank i mod world, and every rank gets the same number of batches (the last ones padded with
+    zero-weight batches: each evaluation is a round of gathers every rank must join)."""
+    stream = BatchStream(dataset, batch_size=batch_size, collate=collate, seed=0, shuffle=False,
+                         rank=rank, world=world)
     while True:
         window, ended = stream.next_window(1)
         yield from window

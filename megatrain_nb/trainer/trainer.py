@@ -433,11 +433,14 @@ class Trainer:
         if ds is None:
             raise ValueError("evaluate() needs an eval_dataset (give one to the Trainer or to evaluate())")
         t0, total, n = time.time(), 0.0, 0
-        for b in eval_batches(ds, batch_size=self.args.per_device_eval_batch_size, collate=self.data_collator):
+        # Data parallel: each rank evaluates its share of the batches; loss and tokens are summed.
+        for b in eval_batches(ds, batch_size=self.args.per_device_eval_batch_size, collate=self.data_collator,
+                              rank=self.dist.rank, world=self.dist.world):
             out = self._engine.evaluate(b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"],
                                         loss_fn=self.loss_fn)
             total += float(out.loss) * int(out.num_tokens)
             n += int(out.num_tokens)
+        total, n = self.dist.sum(total), self.dist.sum(n)
         if n == 0:
             raise DataError("the eval dataset holds no target tokens")
         loss = total / n

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from .launch import REPO, check, torchrun
@@ -76,6 +77,13 @@ def test_trainer_two_ranks_equal_one_process(tmp_path):
         assert abs(r2["loss"] - r1["loss"]) <= 1e-5 * abs(r1["loss"])
         assert abs(r2["grad_norm"] - r1["grad_norm"]) <= 1e-5 * r1["grad_norm"]
     assert not list((tmp_path / "two" / "final").glob(".save-tmp-*"))
+    # evaluation is sharded: 5 eval batches, 3 on rank 0 and 2 + a zero-weight pad on rank 1;
+    # the summed loss is the one-process eval loss
+    ev2 = [json.loads((tmp_path / "two" / f"eval-rank{r}.json").read_text()) for r in range(2)]
+    ev1 = json.loads((tmp_path / "one" / "eval-rank0.json").read_text())
+    assert [e["batches"] for e in ev2] == [3, 3] and ev1["batches"] == 5
+    assert ev2[0]["tokens"] == ev2[1]["tokens"] == ev1["tokens"]
+    assert ev2[0]["loss"] == ev2[1]["loss"] == pytest.approx(ev1["loss"], rel=1e-6)
 
 
 def test_rank_death_restarts_and_resumes_exactly(tmp_path):

@@ -5,6 +5,7 @@ output folder. ``w_trainer.py OUT GA [save | resume:<checkpoint> | resume:latest
 first attempt rank 1 dies (``os._exit``) as step 3 begins, after checkpoint-2 is complete, while
 rank 0 goes into the step's collectives. torchrun ``--max-restarts`` starts both again; they
 find checkpoint-2 themselves and finish the run."""
+import json
 import os
 import sys
 
@@ -22,8 +23,9 @@ def main(out_dir: str, ga: str, mode: str = "") -> None:
         kw.update(save_strategy="steps", save_steps=2)
     if mode == "crash":
         kw.update(resume_from_checkpoint="auto")
+    kw.update(per_device_eval_batch_size=2)    # 9 rows: 5 batches, one rank runs a zero-weight pad
     t = Trainer(model=micro_model(), train_dataset=token_dataset(22, masked=True), args=args(out_dir, **kw),
-                device="cpu")
+                eval_dataset=token_dataset(9, seed=3, masked=True), device="cpu")
     if mode == "crash":
         from transformers import TrainerCallback
 
@@ -38,6 +40,12 @@ def main(out_dir: str, ga: str, mode: str = "") -> None:
         t.add_callback(DieOnce())
     resume = mode.split(":", 1)[1] if mode.startswith("resume:") else None
     t.train(resume_from_checkpoint=True if resume == "latest" else resume)
+    calls = []
+    evaluate = t.engine.evaluate
+    t.engine.evaluate = lambda *a, **k: calls.append(1) or evaluate(*a, **k)   # batches this rank ran
+    metrics = t.evaluate()
+    with open(f"{out_dir}/eval-rank{t.dist.rank}.json", "w") as f:
+        json.dump({"loss": metrics["eval_loss"], "tokens": metrics["eval_tokens"], "batches": len(calls)}, f)
     t.save_model(out_dir + "/final")
     t.engine.close()
 

@@ -106,6 +106,7 @@ class UpdateScheduler:
         # layer-major step keeps no whole-model's worth of gradients in RAM between steps.
         largest = max((u.numel for u in units), default=0) * 4
         self._grad_pool = BufferPool(max_bytes=(depth + 1 + _HOLD_WRITES) * largest)
+        self._rs_buf: Optional[torch.Tensor] = None   # sharded: the reduce-scatter's whole-unit input
         self._held_ram: Dict[int, torch.Tensor] = {}  # unit index -> final gradient held for the norm (hold="host")
         self._held: Dict[int, Future] = {}            # unit index -> write of its final gradient (hold="disk")
         self._held_keys: set = set()
@@ -260,16 +261,20 @@ class UpdateScheduler:
         sh = self.sharded
         if sh is None or isinstance(unit, ShardUnit):
             return unit, grad
-        padded = self._grad_pool.take(sh.padded_numel(unit))
+        # One whole-unit buffer for the reduce-scatter's input, reused (this runs in the one
+        # gradient thread and the collective is synchronous): handed back to the pool, such
+        # buffers took the pool's room (sized for shards) and stayed in RAM at world size N.
+        if self._rs_buf is None:
+            from .disk_store import aligned_empty
+
+            self._rs_buf = aligned_empty(max(sh.padded_numel(u) for u in sh.units))
+        padded = self._rs_buf[:sh.padded_numel(unit)]
         if torch.is_tensor(grad):
             padded[:unit.numel].copy_(grad.reshape(-1))
         else:
             torch.cat([g.reshape(-1).float() for g in grad], out=padded[:unit.numel])
         padded[unit.numel:].zero_()
-        try:
-            return sh.shard(unit), sh.reduce_grad(unit, padded)
-        finally:
-            self._grad_pool.give(padded)
+        return sh.shard(unit), sh.reduce_grad(unit, padded)
 
     def _submit(self, unit: Unit, lr: float, grad, zero: bool, recycle: bool = False) -> None:
         self.weights.mark_updating(unit)
@@ -499,8 +504,9 @@ class UpdateScheduler:
         self.failed = self.nonfinite = None
 
     def buffer_bytes(self) -> int:
-        """Recycled final-gradient buffers held in RAM."""
-        return self._grad_pool.nbytes()
+        """Recycled final-gradient buffers held in RAM (and, sharded, the reduce-scatter's input)."""
+        rs = self._rs_buf.numel() * 4 if self._rs_buf is not None else 0
+        return self._grad_pool.nbytes() + rs
 
     def drain(self) -> None:
         """Wait for every update; an error already delivered is not raised again."""

@@ -22,6 +22,7 @@ _LAZY = {
     "preset_config": "megatrain_nb.trainer",
     "estimate": "megatrain_nb.estimator",
     "Estimate": "megatrain_nb.estimator",
+    "estimate_scale_out": "megatrain_nb.estimator_dist",
     "Session": "megatrain_nb.notebook",
 }
 

@@ -192,12 +192,16 @@ class Trainer:
     # ------------------------------------------------------------------ live controls (Session seam)
     def set_lr(self, lr: float) -> None:
         """From the next optimizer step the learning rate is ``lr``; the schedule carries on relative to it."""
-        if self.schedule is None:
-            if not (lr >= 0):
-                raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
-            self._pending_lr = float(lr)
-        else:
+        if not (lr >= 0):
+            raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
+        if self._running:
             self.schedule.set_lr(lr)
+        else:
+            # Between runs: the next iter_steps() builds a new schedule (and a resume loads the
+            # checkpoint's); the change applies on top of that, from its first step.
+            self._pending_lr = float(lr)
+            if self.schedule is not None:
+                self.schedule.set_lr(lr)  # schedule.current() shows it meanwhile
 
     def request_stop(self) -> None:
         """Make :meth:`iter_steps` return after the current optimizer step."""

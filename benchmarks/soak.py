@@ -199,12 +199,18 @@ def run(out: Path, steps: int, kills: int, save_every: int, seed: int, timeout: 
 
     soak = out / "killed"
     soak.mkdir()
+    plan = plan_controls(steps, seed)
+    lr_steps = sorted(s for s, c in plan.items() if c["lr"] is not None)
+    # the last kill comes after a checkpoint that holds an LR change (which the resume must keep)
+    floor = min(lr_steps[0] + save_every + 1, steps - 1) if lr_steps else 0
     killed = 0
     while killed < kills:
         before = _last_step(soak)
         p = _start(soak, steps, save_every, seed)
         # kill at a random point, after the job got somewhere (every wait bounded)
         target = before + rng.randint(1, max(2, 3 * save_every))
+        if killed == kills - 1:
+            target = max(target, floor)
         deadline = time.time() + timeout
         while _last_step(soak) < target and p.poll() is None and time.time() < deadline:
             time.sleep(0.01)
@@ -221,11 +227,13 @@ def run(out: Path, steps: int, kills: int, save_every: int, seed: int, timeout: 
     a, b = load_file(str(ref / "final.safetensors")), load_file(str(soak / "final.safetensors"))
     exact = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     lr_ref, lr_soak = _lr_by_step(ref / "run"), _lr_by_step(soak / "run")
-    plan = plan_controls(steps, seed)
+    resumed_at = [r["step"] for r in _metrics(soak / "run") if r.get("event") == "run_start" and r["step"] > 0]
     rows = [json.loads(x) for x in (soak / "metrics.jsonl").read_text().splitlines()]
     final_run = rows[[i for i, r in enumerate(rows) if i == 0 or r["step"] <= rows[i - 1]["step"]][-1]:]
     res = {"exact": exact, "lr_match": lr_ref == lr_soak and len(lr_ref) == steps, "kills": killed,
            "starts": _starts(soak / "run"), "seconds": time.time() - t0, "steps": steps,
+           "resumed_at": resumed_at,
+           "resumed_past_lr_change": bool(lr_steps) and any(r > lr_steps[0] for r in resumed_at),
            "pauses": sum(c["pause"] for c in plan.values()),
            "lr_changes": sum(c["lr"] is not None for c in plan.values()),
            "lr_changed_steps": sum(1 for s, lr in enumerate(_scheduled(steps), 1) if lr_ref.get(s, lr) != lr),
@@ -267,7 +275,8 @@ def main(argv=None) -> dict:
     print(f"RESULT soak_final_weights_bit_exact {int(res['exact'])} bool (target == 1)")
     print(f"RESULT soak_lr_every_step_matches {int(res['lr_match'])} bool (target == 1; {res['lr_changes']} LR "
           f"changes, {res['pauses']} pause/resume, {res['lr_changed_steps']} steps off the schedule)")
-    print(f"RESULT soak_kill9_resumes {res['kills']} count (target >= {o.kills}; {res['starts']} starts)")
+    print(f"RESULT soak_kill9_resumes {res['kills']} count (target >= {o.kills}; {res['starts']} starts, resumed at "
+          f"steps {res['resumed_at']}, past an LR change: {res['resumed_past_lr_change']})")
     for key, (first, last, peak) in res["series"].items():
         print(f"RESULT soak_{key}_first_last_max {first}/{last}/{peak} {'bytes' if 'bytes' in key or key == 'rss' else 'count'} "
               f"(target flat: last <= first * 1.1 + slack)")

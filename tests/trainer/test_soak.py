@@ -33,6 +33,7 @@ def test_short_soak_with_pauses_lr_changes_and_kill9_resumes(tmp_path):
     res = soak.run(tmp_path, steps=100, kills=2, save_every=5, seed=1, timeout=120)
     assert time.time() - t0 < 240  # bounded (about 60 s on a busy 2-core machine)
     assert res["kills"] == 2 and res["starts"] == 3
+    assert res["resumed_past_lr_change"]  # a resume had to take an LR change from its checkpoint
     assert res["pauses"] >= 1 and res["lr_changes"] >= 1 and res["lr_changed_steps"] > 10
     assert res["lr_match"], "a step trained with another learning rate than the uninterrupted run"
     assert res["exact"], "the final weights differ from the uninterrupted run's"

@@ -314,6 +314,7 @@ class UpdateScheduler:
             if loss is not None and not math.isfinite(loss):
                 sq = float("nan")
             sq = self.sharded.global_norm_sq(sq)
+            loss = None   # this rank's share only: the error names the global norm, alike on every rank
         total = sq ** 0.5
         try:
             skip, stop = not finite.apply_step(loss, total, self.next_step(), self.policy), None

@@ -37,3 +37,5 @@ def test_a_nan_in_one_ranks_shard_stops_or_skips_every_rank_alike(tmp_path, poli
         else:
             assert r[k]["skipped"] == [False] and len(w) == 2
             assert "non-finite loss/gradient at step 2" in r[k]["error"], r[k]["error"]
+    if policy == "stop":
+        assert r[0]["error"] == r[1]["error"]

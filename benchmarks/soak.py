@@ -112,8 +112,8 @@ def _job(out: Path, steps: int, save_every: int, seed: int) -> None:
         time.sleep(rng.random() * 0.3)  # held paused a while: a kill may land here
         if c["via"] == "lab":  # the sidebar's path: command files the beacon applies in order
             if c["lr"] is not None:
-                registry.enqueue_command(session.id, "lr", c["lr"], source="soak")
-            registry.enqueue_command(session.id, "resume", source="soak")
+                registry.enqueue_command(session.id, "lr", c["lr"], source="soak-lab")
+            registry.enqueue_command(session.id, "resume", source="soak-lab")
         else:
             if c["lr"] is not None:
                 session.set_lr(c["lr"], source="soak")
@@ -121,6 +121,8 @@ def _job(out: Path, steps: int, save_every: int, seed: int) -> None:
     if session.state != "finished":
         raise RuntimeError(f"soak job ended {session.state} at step {session.step}: {session.error!r}")
     save_file({k: v.contiguous() for k, v in tr.engine.state_dict().items()}, str(out / "final.safetensors"))
+    (out / "events.json").write_text(json.dumps([{k: e.get(k) for k in ("kind", "step", "value", "source")}
+                                                 for e in session.events]))
     session.close()
 
 
@@ -227,11 +229,16 @@ def run(out: Path, steps: int, kills: int, save_every: int, seed: int, timeout: 
     a, b = load_file(str(ref / "final.safetensors")), load_file(str(soak / "final.safetensors"))
     exact = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     lr_ref, lr_soak = _lr_by_step(ref / "run"), _lr_by_step(soak / "run")
+    # every planned control, as the uninterrupted run's Session recorded it (step, kind, value, path)
+    seen = {(e["step"], e["kind"], e["value"], e["source"]) for e in json.loads((ref / "events.json").read_text())}
+    wanted = [(b, kind, c["lr"] if kind == "lr" else None, "soak-lab" if c["via"] == "lab" and kind != "pause" else "soak")
+              for b, c in plan.items() for kind in (["pause", "resume"] if c["pause"] else []) + (["lr"] if c["lr"] else [])]
     resumed_at = [r["step"] for r in _metrics(soak / "run") if r.get("event") == "run_start" and r["step"] > 0]
     rows = [json.loads(x) for x in (soak / "metrics.jsonl").read_text().splitlines()]
     final_run = rows[[i for i, r in enumerate(rows) if i == 0 or r["step"] <= rows[i - 1]["step"]][-1]:]
     res = {"exact": exact, "lr_match": lr_ref == lr_soak and len(lr_ref) == steps, "kills": killed,
            "starts": _starts(soak / "run"), "seconds": time.time() - t0, "steps": steps,
+           "controls": (sum(w in seen for w in wanted), len(wanted)),
            "resumed_at": resumed_at,
            "resumed_past_lr_change": bool(lr_steps) and any(r > lr_steps[0] for r in resumed_at),
            "pauses": sum(c["pause"] for c in plan.values()),
@@ -275,6 +282,8 @@ def main(argv=None) -> dict:
     print(f"RESULT soak_final_weights_bit_exact {int(res['exact'])} bool (target == 1)")
     print(f"RESULT soak_lr_every_step_matches {int(res['lr_match'])} bool (target == 1; {res['lr_changes']} LR "
           f"changes, {res['pauses']} pause/resume, {res['lr_changed_steps']} steps off the schedule)")
+    print(f"RESULT soak_controls_applied_at_their_step {res['controls'][0]}/{res['controls'][1]} count (target all; "
+          f"pause/resume/set_lr through the Session and the beacon inbox)")
     print(f"RESULT soak_kill9_resumes {res['kills']} count (target >= {o.kills}; {res['starts']} starts, resumed at "
           f"steps {res['resumed_at']}, past an LR change: {res['resumed_past_lr_change']})")
     for key, (first, last, peak) in res["series"].items():

@@ -35,6 +35,8 @@ def test_short_soak_with_pauses_lr_changes_and_kill9_resumes(tmp_path):
     assert res["kills"] == 2 and res["starts"] == 3
     assert res["resumed_past_lr_change"]  # a resume had to take an LR change from its checkpoint
     assert res["pauses"] >= 1 and res["lr_changes"] >= 1 and res["lr_changed_steps"] > 10
+    done, planned = res["controls"]
+    assert done == planned and planned >= 4, res["controls"]
     assert res["lr_match"], "a step trained with another learning rate than the uninterrupted run"
     assert res["exact"], "the final weights differ from the uninterrupted run's"
     s = res["series"]

@@ -6,7 +6,7 @@ takes the same controls at the same steps, and report RSS, open file descriptors
 bytes under offload_dir over the run.
 
     python benchmarks/soak.py --steps 2000 --kills 8          # the long soak
-    python benchmarks/soak.py --steps 100 --kills 2           # what tests/trainer/test_soak.py runs
+    python benchmarks/soak.py --steps 100 --kills 2 --save-every 5 --seed 1   # what tests/trainer/test_soak.py runs
 
 The controls go through the real paths: a callback at the end of a planned step calls
 ``session.pause()`` (or ``session.set_lr()``), which the Session applies at that step boundary;

@@ -209,8 +209,8 @@ def run(out: Path, steps: int, kills: int, save_every: int, seed: int, timeout: 
     while killed < kills:
         before = _last_step(soak)
         p = _start(soak, steps, save_every, seed)
-        # kill at a random point, after the job got somewhere (every wait bounded)
-        target = before + rng.randint(1, max(2, 3 * save_every))
+        # kill at a random point, after the job got somewhere, spread over the run (every wait bounded)
+        target = before + rng.randint(1, max(2, 3 * save_every, 2 * steps // (kills + 1)))
         if killed == kills - 1:
             target = max(target, floor)
         deadline = time.time() + timeout

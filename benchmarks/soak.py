@@ -213,6 +213,7 @@ def run(out: Path, steps: int, kills: int, save_every: int, seed: int, timeout: 
         target = before + rng.randint(1, max(2, 3 * save_every, 2 * steps // (kills + 1)))
         if killed == kills - 1:
             target = max(target, floor)
+        target = min(target, steps - save_every - 2)  # while steps are left (the job must not finish first)
         deadline = time.time() + timeout
         while _last_step(soak) < target and p.poll() is None and time.time() < deadline:
             time.sleep(0.01)

@@ -235,7 +235,8 @@ def run(out: Path, steps: int, kills: int, save_every: int, seed: int, timeout: 
     wanted = [(b, kind, c["lr"] if kind == "lr" else None, "soak-lab" if c["via"] == "lab" and kind != "pause" else "soak")
               for b, c in plan.items() for kind in (["pause", "resume"] if c["pause"] else []) + (["lr"] if c["lr"] else [])]
     resumed_at = [r["step"] for r in _metrics(soak / "run") if r.get("event") == "run_start" and r["step"] > 0]
-    rows = [json.loads(x) for x in (soak / "metrics.jsonl").read_text().splitlines()]
+    ref_rows = _metrics(ref)
+    rows = _metrics(soak)
     final_run = rows[[i for i, r in enumerate(rows) if i == 0 or r["step"] <= rows[i - 1]["step"]][-1]:]
     res = {"exact": exact, "lr_match": lr_ref == lr_soak and len(lr_ref) == steps, "kills": killed,
            "starts": _starts(soak / "run"), "seconds": time.time() - t0, "steps": steps,
@@ -245,11 +246,18 @@ def run(out: Path, steps: int, kills: int, save_every: int, seed: int, timeout: 
            "pauses": sum(c["pause"] for c in plan.values()),
            "lr_changes": sum(c["lr"] is not None for c in plan.values()),
            "lr_changed_steps": sum(1 for s, lr in enumerate(_scheduled(steps), 1) if lr_ref.get(s, lr) != lr),
-           "series": {}}
-    for key in ("rss", "fds", "threads", "offload_bytes"):
-        vals = [r[key] for r in final_run[1:]] or [r[key] for r in final_run]
-        res["series"][key] = (vals[0], vals[-1], max(vals))
+           "series": _series(ref_rows), "series_last_resume": _series(final_run)}
     return res
+
+
+def _series(rows: list[dict]) -> dict:
+    """(first, last, max) of each resource over one process's steps (the first step excluded:
+    it sets up the buffers)."""
+    out = {}
+    for key in ("rss", "fds", "threads", "offload_bytes"):
+        vals = [r[key] for r in rows[1:]] or [r[key] for r in rows]
+        out[key] = (vals[0], vals[-1], max(vals))
+    return out
 
 
 def _scheduled(steps: int) -> list[float]:
@@ -287,9 +295,12 @@ def main(argv=None) -> dict:
           f"pause/resume/set_lr through the Session and the beacon inbox)")
     print(f"RESULT soak_kill9_resumes {res['kills']} count (target >= {o.kills}; {res['starts']} starts, resumed at "
           f"steps {res['resumed_at']}, past an LR change: {res['resumed_past_lr_change']})")
-    for key, (first, last, peak) in res["series"].items():
-        print(f"RESULT soak_{key}_first_last_max {first}/{last}/{peak} {'bytes' if 'bytes' in key or key == 'rss' else 'count'} "
-              f"(target flat: last <= first * 1.1 + slack)")
+    for which, label in (("series", f"the uninterrupted process, {o.steps} steps"),
+                         ("series_last_resume", "the last resumed process")):
+        for key, (first, last, peak) in res[which].items():
+            unit = "bytes" if "bytes" in key or key == "rss" else "count"
+            name = f"soak_{key}_first_last_max" + ("" if which == "series" else "_after_resume")
+            print(f"RESULT {name} {first}/{last}/{peak} {unit} (target flat: last <= first * 1.1 + slack; {label})")
     print(f"RESULT soak_wall {res['seconds']:.1f} s ({o.steps} steps)")
     return res
 

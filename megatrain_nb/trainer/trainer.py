@@ -288,7 +288,6 @@ class Trainer:
                     epoch_open = False
                 self._after_step(record)
                 if record is not None:
-                    self.metrics_log.write(record)
                     yield record
                 if self.control.should_training_stop:
                     break
@@ -364,10 +363,14 @@ class Trainer:
             metrics = self.evaluate()
             if record is not None:
                 record["eval_loss"], record["eval_ppl"] = metrics["eval_loss"], metrics["eval_ppl"]
+        if record is not None:
+            # logged before the checkpoint that holds its step: a kill after the save must not
+            # leave a step in a checkpoint without its line in metrics.jsonl
+            self.metrics_log.write(record)
         if c.should_save:
             path = self.save_checkpoint()
             if record is not None:
-                record["checkpoint"] = path
+                record["checkpoint"] = path   # the yielded record (the log has a "checkpoint" event line)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def log(self, logs: dict) -> None:

@@ -210,3 +210,26 @@ def test_lr_changes_made_before_a_checkpoint_survive_a_resume(tmp_path):
     assert lrs == lrs_full
     got = again.engine.state_dict()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_step_in_a_checkpoint_has_its_line_in_metrics_jsonl_even_if_the_process_dies_right_after(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    tr = make_trainer(str(out), "none", save_steps=2)
+    real = tr.save_checkpoint
+
+    class Died(BaseException):
+        pass
+
+    def save_then_die(path=None):
+        real(path)
+        if tr.state.global_step == 4:
+            raise Died  # as a kill -9 the moment checkpoint-4 is complete
+    tr.save_checkpoint = save_then_die
+    with pytest.raises(Died):
+        tr.train()
+    tr.close()
+    assert latest_checkpoint(out).name == "checkpoint-4"
+    steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4]  # the resume starts at 5: no step is missing from the log

@@ -162,7 +162,7 @@ class RunControl:
                     event["path"] = t.save_checkpoint(None if value is True else str(value))
                 t.request_stop()
                 self.stopped = True
-                self.state = "stopping"
+                self.state = "running"   # leaves a pause; the run ends after this step
         except Exception as e:  # noqa: BLE001 - a failed control must not end the run
             event["kind"] = f"{kind}_failed"
             event["error"] = f"{type(e).__name__}: {e}"

@@ -48,12 +48,16 @@ def test_launcher_in_a_real_kernel(kernel, tmp_path):
     assert float(took) < 3.0 and state == "running", took
     assert any("application/vnd.jupyter.widget-view+json" in d for d in out["displays"])   # the dashboard
 
-    # the kernel answers while the workers start and train
+    # the kernel answers while the workers start, and while they train
+    t0 = time.monotonic()
+    assert k.ok("print(1 + 1)", timeout=10).strip() == "2" and time.monotonic() - t0 < 2.0
+    k.ok("session.wait(timeout=60, until_step=2)", timeout=70)
+    steps = []
     for _ in range(3):
         t0 = time.monotonic()
-        assert k.ok("print(1 + 1)", timeout=10).strip() == "2"
+        steps.append(int(k.ok("time.sleep(0.3); print(session.step)", timeout=10)))
         assert time.monotonic() - t0 < 2.0
-    k.ok("session.wait(timeout=60, until_step=2)", timeout=70)
+    assert steps[-1] > steps[0] >= 2 and k.ok("print(session.state)").strip() == "running"
     assert k.ok("print(torch.cuda.is_initialized())").strip() == "False"
 
     k.ok("%megatrain pause")

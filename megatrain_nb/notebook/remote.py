@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -163,6 +164,19 @@ class RemoteSession(Session):
         if v is None:
             v = (self._spec or {}).get("args", {}).get("learning_rate", 5e-5 if self._spec else None)
         return float(v) if v is not None else None
+
+    def launch_info(self) -> list[tuple[str, Any]]:
+        """Rows for the report's configuration: ranks, model, the training arguments given."""
+        rows: list[tuple[str, Any]] = [("ranks (nproc_per_node)", self._nproc), ("output_dir", self._output_dir)]
+        if self._attached is not None:
+            rows.append(("attached to", f"{self._attached.get('launcher')} run, rank 0 pid {self._attached.get('pid')}"))
+        if self._spec:
+            model = self._spec["model"]
+            rows.append(("model", "(saved from the notebook)" if model.get("written") else
+                         model.get("folder") or model.get("preset")))
+            rows.extend((f"args.{k}", v) for k, v in sorted(self._spec["args"].items()) if k != "output_dir")
+            rows.extend((f"engine.{k}", v) for k, v in sorted(self._spec["engine_options"].items()))
+        return rows
 
     def inspect(self, layer: Any):
         raise RuntimeError(f"session {self.name!r} trains in {self._nproc} worker processes; per-layer statistics "
@@ -346,6 +360,19 @@ class RemoteSession(Session):
         errors = self._rank_errors()
         if rc == 0 and not errors:
             return "stopped" if any(r.get("outcome") == "stopped" for r in self._ranks) else "finished"
+        tail = self._read_log_tail()
+        # A rank that died without a word (a signal, os._exit) left no file, and the others then
+        # failed in a collective: torchrun's agent saw it exit with its own code (not the SIGTERM
+        # the agent sends the rest), and that rank is the cause.
+        reported = {e.get("rank") for e in errors} | {r.get("rank") for r in self._ranks}
+        first, _ = root_cause(tail)
+        died = {r: c for r, c in agent_failures(tail).items() if r not in reported and c not in ("-15", "-9")}
+        if died:
+            rank = first if first in died else min(died)
+            also = f"; then rank {errors[0].get('rank')} failed: {errors[0].get('type')}: " \
+                   f"{errors[0].get('message')}" if errors else ""
+            raise WorkerError(f"rank {rank} died (exit code {died[rank]}) without raising (killed? out of "
+                              f"memory?){also}\n--- the workers' last output ---\n{tail}", rank=rank)
         if errors:
             first = errors[0]   # the others usually failed because it did
             others = sorted({e.get("rank") for e in errors[1:]} - {first.get("rank")})
@@ -354,8 +381,8 @@ class RemoteSession(Session):
                               f"{first.get('message')}{more}\n--- rank {first.get('rank')}'s traceback ---\n"
                               f"{first.get('traceback', '')}", rank=first.get("rank"), exc_type=first.get("type"),
                               remote_traceback=first.get("traceback"))
-        raise WorkerError(f"the worker processes ended with exit code {rc} and no rank reported an error (killed? "
-                          f"out of memory?); their last output:\n{self._read_log_tail()}")
+        raise WorkerError(f"the worker processes ended with exit code {rc} and no rank reported an error; their "
+                          f"last output:\n{tail}")
 
     def _attached_outcome(self) -> str:
         if self._stop_seen and self._ended_by:
@@ -399,6 +426,19 @@ class RemoteSession(Session):
                 return f.read().decode("utf-8", "replace")
         except OSError:
             return self._log_tail
+
+
+def root_cause(agent_output: str) -> tuple[Optional[int], Optional[str]]:
+    """(rank, exit code) of the first failure torchrun's agent reports ("Root Cause" block), or
+    (None, None): how a rank that died without a word (a signal, ``os._exit``) is named."""
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", agent_output, re.S)
+    return (int(m.group(1)), m.group(2)) if m else (None, None)
+
+
+def agent_failures(agent_output: str) -> dict[int, str]:
+    """{rank: exit code} of every failure in torchrun's agent report."""
+    return {int(r): c for r, c in re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)",
+                                            agent_output)}
 
 
 def _free_port() -> int:

@@ -14,6 +14,14 @@ class RaiseOnRank1(TrainerCallback):
             raise ValueError("boom on rank 1 at step 2")
 
 
+class ExitOnRank1(TrainerCallback):
+    """Rank 1 dies at the end of step 2: no exception, no cleanup (as if killed)."""
+
+    def on_step_end(self, args, state, control, **kw):
+        if os.environ.get("RANK") == "1" and state.global_step == 2:
+            os._exit(9)
+
+
 def job(out_dir: str) -> None:
     """A plain mt.Trainer script, as a user runs it under torchrun: nothing notebook-specific."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -108,20 +108,26 @@ def test_launcher_pause_lr_checkpoint_stop_land_on_every_rank_at_one_step(tmp_pa
     assert diff / norm <= 1e-5
 
 
-def test_a_worker_that_raises_fails_wait_naming_the_rank(tmp_path):
+@pytest.mark.parametrize("how", ["raises", "dies"])
+def test_a_worker_that_fails_ends_wait_naming_the_rank(tmp_path, how):
     import megatrain_nb as mt
     from megatrain_nb.notebook.remote import WorkerError
 
     args, micro_model, token_dataset = _data()
+    callback = {"raises": "RaiseOnRank1", "dies": "ExitOnRank1"}[how]
     s = mt.Session(micro_model(), train_dataset=token_dataset(64), nproc_per_node=2, device="cpu",
                    args=args(tmp_path / "out", max_steps=100000),
-                   callbacks=["tests.distributed.launcher_helpers:RaiseOnRank1"])
+                   callbacks=[f"tests.distributed.launcher_helpers:{callback}"])
     t0 = time.monotonic()
     s.train()
-    with pytest.raises(WorkerError, match=r"rank 1 .*ValueError: boom on rank 1 at step 2") as info:
+    message = (r"rank 1 \(pid \d+\) failed: ValueError: boom on rank 1 at step 2" if how == "raises"
+               else r"rank 1 died \(exit code 9\) without raising")
+    with pytest.raises(WorkerError, match=message) as info:
         s.wait(timeout=BOUND)
     assert time.monotonic() - t0 < BOUND and s.state == "failed"
-    assert info.value.rank == 1 and "on_step_end" in info.value.remote_traceback
+    assert info.value.rank == 1
+    if how == "raises":
+        assert "on_step_end" in info.value.remote_traceback
     assert s.events[-1]["kind"] == "error" and "rank 1" in s.events[-1]["error"]
 
 

@@ -105,3 +105,24 @@ def test_run_commands_are_checked():
     for bad in (("checkpoint", 3), ("checkpoint", "a\0b"), ("lr", -1), ("reboot", None)):
         with pytest.raises(CommandError):
             validate_run_command(*bad)
+
+
+def test_root_cause_names_the_rank_torchrun_saw_fail_first():
+    from megatrain_nb.notebook.remote import agent_failures, root_cause
+
+    out = """[1]:
+  time      : 2026-12-01_08:00:01
+  host      : box
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 11) SIGTERM
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_08:00:00
+  host      : box
+  rank      : 1 (local_rank: 1)
+  exitcode  : 9 (pid: 12)
+  error_file: <N/A>"""
+    assert root_cause(out) == (1, "9")
+    assert agent_failures(out) == {0: "-15", 1: "9"}
+    assert root_cause("nothing useful") == (None, None)

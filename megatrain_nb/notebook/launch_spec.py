@@ -37,6 +37,16 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
                seq_len: Optional[int], loss_fn: Any, callbacks: Any, engine_options: dict,
                resume: Any = None) -> dict:
     """Write everything into ``run_dir`` (which exists, private); returns the spec."""
+    if args is None:   # spell out the defaults, so that the controller knows the output folder too
+        from megatrain_nb.trainer.presets import preset_names
+
+        if isinstance(model, str) and model in preset_names() and not Path(model).exists():
+            from .model_source import default_args
+
+            on_corpus = train_dataset is None or eval_dataset is not None   # as model_source._builtin
+            args = default_args(os.path.join("megatrain_outputs", model), eval_strategy="steps" if on_corpus else "no")
+        else:
+            args = {"output_dir": "megatrain_outputs"}
     spec: dict = {"format": 1, "model": _model_ref(run_dir, model, engine_options), "seq_len": seq_len,
                   "args": _args_fields(args), "engine_options": _json_only(engine_options, "engine option"),
                   "loss_fn": import_ref(loss_fn, "loss_fn") if loss_fn is not None else None,

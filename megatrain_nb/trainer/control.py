@@ -76,7 +76,6 @@ class RunControl:
         self._recent: collections.deque = collections.deque(maxlen=100)
         self._root = root
         self._beacon = None
-        self._lr_requested: Optional[float] = None
 
     # ---- lifetime ----------------------------------------------------------------------------
     def start(self) -> "RunControl":
@@ -100,8 +99,6 @@ class RunControl:
     def request(self, kind: str, value: Any = None, *, source: str = "lab", command_id: Optional[str] = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown command {kind!r}: expected one of {', '.join(KINDS)}")
-        if kind == "lr":
-            self._lr_requested = float(value)
         self._inbox.put({"kind": kind, "value": value, "source": source, "id": command_id})
 
     def _drain(self, wait: float = 0.0) -> list[dict]:

@@ -126,3 +126,30 @@ Root Cause (first observed failure):
     assert root_cause(out) == (1, "9")
     assert agent_failures(out) == {0: "-15", 1: "9"}
     assert root_cause("nothing useful") == (None, None)
+
+
+def test_defaults_are_spelled_out_so_the_controller_finds_the_metrics(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, spec = _write(tmp_path, model="micro", train_dataset=None)
+    assert spec["model"] == {"preset": "micro"} and spec["train"] is None
+    assert spec["args"]["output_dir"] == str(tmp_path / "megatrain_outputs" / "micro")
+    assert spec["args"]["max_steps"] == 200 and spec["args"]["eval_strategy"] == "steps"
+    _, spec = _write(tmp_path)
+    assert spec["args"] == {"output_dir": str(tmp_path / "megatrain_outputs")}
+
+
+def test_every_ranks_memory_reaches_the_view_and_the_tables():
+    from megatrain_nb.notebook.run_log import RunLog
+    from megatrain_nb.notebook.summary_html import rank_memory_table
+
+    def mem(host):
+        return {"device": {"used_bytes": 0, "peak_bytes": 0}, "host": {"used_bytes": host, "peak_bytes": 2 * host}}
+
+    log = RunLog()
+    log.add_record({"step": 1, "loss": 2.0, "memory": mem(1 << 20), "rank_memory": [mem(1 << 20), mem(3 << 20)]})
+    log.add_record({"step": 2, "loss": 1.9})
+    view = log.view()
+    assert len(view.rank_memory) == 2
+    table = rank_memory_table(view)
+    assert "rank 0" in table and "rank 1" in table and "3.0 MiB" in table and "6.0 MiB" in table
+    assert rank_memory_table(RunLog().view()) == ""

@@ -120,7 +120,7 @@ def _folder(tmp_path, sizes=(300_000, 70_000, 0)):
     return d
 
 
-@pytest.mark.parametrize("algorithm", ["sha256", "blake2b"])
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "blake2b"])
 def test_every_piece_of_a_chunked_manifest_is_checked(tmp_path, algorithm):
     from megatrain_nb.trainer import manifest as mf
 

@@ -152,7 +152,7 @@ class StreamingEngine:
         self.window_runner = WindowRunner(self.runner, self.boundary)
         self.window_step = WindowStep(self.window_runner, self.boundary, updates=self.updates, pager=self.pager,
                                       counters=self.counters, config=config, layer_names=self.unit_names()[1:-1],
-                                      clip_hold_disk=self.disk is not None and self.params_on_disk)
+                                      clip_hold_disk=self.plan.placement["gradients"] == "disk")
         self.memory_peaks = {"host": 0, "disk": 0}   # memory_report's peaks across calls
 
     @classmethod

@@ -481,7 +481,8 @@ def plan_for(batches, *, plan, model_config, config, num_layers: int, device: to
 class WindowStep:
     """One layer-major window through the engine's parts: plans its groups, runs each through
     the :class:`WindowRunner` with the step's updates, and records the telemetry.
-    ``clip_hold_disk``: whether ``clip_hold="auto"`` means the disk tier (master weights on disk)."""
+    ``clip_hold_disk``: whether ``clip_hold="auto"`` means the disk tier (the planner's
+    ``placement["gradients"]``: the host budget cannot hold them)."""
 
     def __init__(self, window_runner: WindowRunner, boundary: BoundaryStore, *, updates, pager, counters,
                  config, layer_names: List[str], clip_hold_disk: bool):

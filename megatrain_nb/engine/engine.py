@@ -240,8 +240,8 @@ class StreamingEngine:
         read ahead during the backward; once the norm is known every update runs in the worker,
         in the next forward's order, while this call returns. Same result as
         ``clip_grad_norm_(max_grad_norm)``, ``optimizer_step(step_lr)``, ``zero_grad()``;
-        ``out.grad_norm`` is the norm before clipping. (The final gradients wait in host RAM
-        for the norm.)
+        ``out.grad_norm`` is the norm before clipping. (The final gradients wait for the norm
+        in host RAM, or on the disk tier when the host budget is short: ``EngineConfig.clip_hold``.)
         """
         if step_lr is not None:
             step_lr = finite.check_lr(step_lr)

@@ -508,3 +508,33 @@ def test_estimate_puts_llama100b_boundaries_on_disk_and_says_so():
     assert after.plan.host["total"] < before.plan.host["total"] - before.plan.host["grads"] // 2
     assert after.feasible and w["tokens_per_weight_fetch"] == 2048 * 128 / 2
     assert "on the disk" in after.notes[0] and "131,072 tokens per weight fetch" in after.notes[0]
+
+
+def test_cpu_window_sums_are_pool_buffers_adopted_whole(monkeypatch):
+    """On a CPU "device" each unit's sum over the window is a buffer lent by the update pool
+    and adopted as the final gradient: after a warm-up step a window allocates no gradient
+    buffer at all, and the device tier accounts the sums (one unit at a time when untied)."""
+    from megatrain_nb.engine import disk_store
+
+    model = AutoModelForCausalLM.from_config(family_config("llama", tie=False)).eval()
+    eng = StreamingEngine(model, EngineConfig(device="cpu"))
+    windows = _windows(3, 3)
+    eng.forward_backward(windows[0], step_lr=1e-3)
+    eng.updates.wait_all()
+    made = []
+    real = disk_store.aligned_empty
+    monkeypatch.setattr(disk_store, "aligned_empty", lambda *a, **k: made.append(a) or real(*a, **k))
+    pool = eng.updates._grad_pool
+    takes = []
+    real_take = pool.take
+    monkeypatch.setattr(pool, "take", lambda n: takes.append(n) or real_take(n))
+    for w in windows[1:]:
+        eng.forward_backward(w, step_lr=1e-3)
+        eng.updates.wait_all()
+    assert made == []   # nothing new from the allocator
+    # one pool buffer per unit per step: the sum, adopted (a copy on arrival would take a second)
+    assert sorted(takes) == sorted([u.numel for u in eng.units] * 2)
+    assert len(eng.updates._lent) == 0   # every lent sum came back as a final gradient
+    largest = max(u.numel for u in eng.units) * 4
+    assert eng.memory_report()["device"]["grad_sums"] == largest
+    eng.close()

@@ -144,6 +144,9 @@ class Trainer:
         # Which run this is: a fresh iter_steps() starts a new one, a resume continues the run of
         # its checkpoint. Tags metrics lines and checkpoints, so runs sharing output_dir stay apart.
         self.run_id: Optional[str] = None
+        # train() under torchrun: rank 0 announces the run and takes commands that every rank
+        # applies at the same step boundary (trainer/control.py); None when a Session drives us
+        self.run_control = None
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict):
@@ -284,7 +287,11 @@ class Trainer:
                     epoch_open = False
                 self._after_step(record)
                 if record is not None:
+                    if self.run_control is not None:   # commands reach every rank at this step
+                        self.run_control.boundary(record)
                     self.metrics_log.write(record)
+                    if self.run_control is not None:   # paused: the ranks wait here, together
+                        self.run_control.hold()
                     yield record
                 if self.control.should_training_stop:
                     break
@@ -385,14 +392,21 @@ class Trainer:
                                                   for c in self.callback_handler.callbacks):
             progress = ProgressCallback()
             self.callback_handler.add_callback(progress)
+        from .control import RunControl, wanted
+
         t0, losses, tokens = time.time(), [], 0
+        self.run_control = RunControl(self).start() if wanted(self.dist) else None
+        outcome = "failed"
         try:
             for record in self.iter_steps(resume_from_checkpoint=resume_from_checkpoint):
                 losses.append(record["loss"])
                 tokens += record["tokens"]
+            outcome = "stopped" if self.run_control is not None and self.run_control.stopped else "finished"
         finally:
             if progress is not None:
                 self.callback_handler.remove_callback(progress)
+            if self.run_control is not None:
+                self.run_control.close(outcome)
         runtime = time.time() - t0
         train_loss = sum(losses) / len(losses) if losses else float("nan")
         metrics = {"train_runtime": runtime, "train_loss": train_loss, "train_steps": len(losses),

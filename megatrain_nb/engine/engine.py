@@ -38,7 +38,7 @@ from .states import OptimizerStates, open_disk_tier
 from .step import StepRunner
 from .telemetry import Telemetry
 from .units import Unit, build_units, check_supported, find_layer_list
-from .updates import StepContext, UpdateScheduler
+from .updates import UpdateScheduler
 from .weight_store import make_weight_store
 from .dist import resolve_dist
 from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
@@ -264,7 +264,7 @@ class StreamingEngine:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
             t0 = time.perf_counter()
-            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self.window_step.hold())
+            step = self.updates.context(step_lr, max_grad_norm, self.window_step.hold())
             self.updates.begin(step)
             try:
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, step=step,

@@ -115,6 +115,15 @@ class UpdateScheduler:
         self._held_keys: set = set()
 
     # ------------------------------------------------------------------ 1-2: a step begins
+    def context(self, lr: Optional[float], clip: Optional[float], hold: str) -> StepContext:
+        """The StepContext of a micro-batch. Data parallel: the step's updates always wait for
+        the global norm (``clip`` inf when not clipping: the hold path, no scaling). Unclipped,
+        each rank would check only its own shards before updating them, so a NaN/inf confined
+        to one rank's shard would stop or skip the step on that rank alone."""
+        if self.sharded is not None and lr is not None and clip is None:
+            clip = math.inf
+        return StepContext(lr=lr, clip=clip, hold=hold)
+
     def begin(self, step: StepContext) -> None:
         """A training micro-batch starts. (A unit's pending update from the last step finishes
         before its forward reads it, so before its new gradient reaches the accumulator.)"""
@@ -323,6 +332,7 @@ class UpdateScheduler:
             if loss is not None and not math.isfinite(loss):
                 sq = float("nan")
             sq = self.sharded.global_norm_sq(sq)
+            loss = None   # this rank's share only: the error names the global norm, alike on every rank
         total = sq ** 0.5
         try:
             skip, stop = not finite.apply_step(loss, total, self.next_step(), self.policy), None
@@ -331,7 +341,7 @@ class UpdateScheduler:
         if skip and stop is None:
             self.counters.add("skipped_steps", 1)
         coef = step.clip / (total + 1e-6)   # as torch.nn.utils.clip_grad_norm_
-        coef = coef if coef < 1.0 else None
+        coef = coef if coef < 1.0 else None   # (clip inf, or a NaN norm: no scaling)
         order = [u for u in self.update_order if u.numel > 0]
         futures = {}
         for u in order:

@@ -537,7 +537,7 @@ class WindowStep:
         for g0 in range(0, len(batches), wp.group_size):
             group = batches[g0:g0 + wp.group_size]
             last = g0 + wp.group_size >= len(batches)
-            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self.hold()) if last else StepContext()
+            step = self.updates.context(step_lr if last else None, max_grad_norm if last else None, self.hold())
             self.updates.begin(step)
             try:
                 part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,

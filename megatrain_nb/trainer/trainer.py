@@ -195,12 +195,16 @@ class Trainer:
     # ------------------------------------------------------------------ live controls (Session seam)
     def set_lr(self, lr: float) -> None:
         """From the next optimizer step the learning rate is ``lr``; the schedule carries on relative to it."""
-        if self.schedule is None:
-            if not (lr >= 0):
-                raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
-            self._pending_lr = float(lr)
-        else:
+        if not (lr >= 0):
+            raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
+        if self._running:
             self.schedule.set_lr(lr)
+        else:
+            # Between runs: the next iter_steps() builds a new schedule (and a resume loads the
+            # checkpoint's); the change applies on top of that, from its first step.
+            self._pending_lr = float(lr)
+            if self.schedule is not None:
+                self.schedule.set_lr(lr)  # schedule.current() shows it meanwhile
 
     def request_stop(self) -> None:
         """Make :meth:`iter_steps` return after the current optimizer step."""
@@ -289,7 +293,11 @@ class Trainer:
                 if record is not None:
                     if self.run_control is not None:   # commands reach every rank at this step
                         self.run_control.boundary(record)
+                    # logged before the checkpoint that holds its step: a kill after the save
+                    # must not leave a step in a checkpoint without its line in metrics.jsonl
                     self.metrics_log.write(record)
+                self._save_if_due(record)
+                if record is not None:
                     if self.run_control is not None:   # paused: the ranks wait here, together
                         self.run_control.hold()
                     yield record
@@ -351,7 +359,7 @@ class Trainer:
                 "step_time_s": dt, "time": time.time(), "total_steps": total}
 
     def _after_step(self, record: Optional[dict]) -> None:
-        """Logging, evaluation and checkpoints as the callbacks' control asks."""
+        """Logging and evaluation as the callbacks' control asks (the checkpoint: _save_if_due)."""
         c = self.control
         if c.should_log and self._log_accum[1] > 0:
             s, k = self._log_accum
@@ -367,10 +375,13 @@ class Trainer:
             metrics = self.evaluate()
             if record is not None:
                 record["eval_loss"], record["eval_ppl"] = metrics["eval_loss"], metrics["eval_ppl"]
-        if c.should_save:
+
+    def _save_if_due(self, record: Optional[dict]) -> None:
+        """The checkpoint the callbacks' control asks for at this step."""
+        if self.control.should_save:
             path = self.save_checkpoint()
             if record is not None:
-                record["checkpoint"] = path
+                record["checkpoint"] = path   # the yielded record (the log has a "checkpoint" event line)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def log(self, logs: dict) -> None:

@@ -370,7 +370,10 @@ class StreamingEngine:
             self.store.zero_grad()
 
     def layer_stats(self) -> List[dict]:
-        """Per-unit statistics gathered during the last optimizer step."""
+        """Per-unit statistics gathered during the last optimizer step. They cost the optimizer
+        two passes per unit, so they are gathered only once asked for: the first call turns
+        gathering on (from the next step; the dashboard asks after every step)."""
+        self.adam.collect_stats = True
         return [self.adam.stats[u.index] for u in self.units if u.index in self.adam.stats]
 
     def unit_names(self) -> List[str]:

@@ -112,11 +112,23 @@ class OptimizerStates:
             return
         with self._lock:
             if unit.index not in self._reads and unit.index not in self._updating:
-                self._reads[unit.index] = self.disk.read(self._key(unit), out=self._read_buffers(unit))  # bounded here: read_ahead_bytes
+                self._reads[unit.index] = self._read(unit)  # bounded here: read_ahead_bytes
 
     def _read_buffers(self, unit: Unit):
         """fp32 moments are read straight into recycled buffers; codes are allocated."""
         return {r: self.pool.take(unit.numel) for r in _ROLES} if self.codecs is None else None
+
+    def _read(self, unit: Unit) -> Future:
+        """A unit's stored states from the disk tier. Codes are only decoded (read, never
+        written), so the host cache may hand out its resident copy itself (``share``)."""
+        out = self._read_buffers(unit)
+        if out is None and self._cached():
+            return self.disk.read(self._key(unit), share=True)
+        return self.disk.read(self._key(unit), out=out)
+
+    def _cached(self) -> bool:
+        """Whether the disk tier is seen through a host cache (disk_cache.HostCache)."""
+        return getattr(self.disk, "capacity", 0) > 0
 
     def load(self, unit: Unit) -> Tuple[torch.Tensor, torch.Tensor]:
         """fp32 (exp_avg, exp_avg_sq) for the update; zeros on the first step."""
@@ -139,7 +151,7 @@ class OptimizerStates:
             self.counters.prefetch_result("disk", fut is not None)  # issued ahead of need, or late
             if fut is None:  # not read ahead: read now (this update's own read)
                 with self._lock:
-                    fut = self.disk.read(self._key(unit), out=self._read_buffers(unit))
+                    fut = self._read(unit)
             import time
 
             t0 = time.perf_counter()
@@ -159,9 +171,14 @@ class OptimizerStates:
             # Written behind; the next load waits until at most ``writes_behind`` are pending,
             # so the moments of only a few units are ever in RAM, and the step's last update
             # (nothing after it) never waits for a write.
-            fut = self._write(unit, stored)  # bounded in load()
+            fut, spare = self._write(unit, stored, adopt=True)  # bounded in load()
             self._writes.append(fut)
-            if self.codecs is None:  # the moments are what is written: recycle them once written
+            if spare is not None:    # the host cache kept the written tensors themselves
+                if self.codecs is None:
+                    self.pool.give(*spare.values())   # its previous copy, to be read into next
+                else:
+                    self.pool.give(m, v)
+            elif self.codecs is None:  # the moments are what is written: recycle them once written
                 fut.add_done_callback(lambda f, a=m, b=v: self.pool.give(a, b))
             else:                    # decoded scratch: the codes are written, the moments are free
                 self.pool.give(m, v)
@@ -178,7 +195,7 @@ class OptimizerStates:
         with self._lock:
             self._updating.discard(unit.index)
 
-    def _write(self, unit: Unit, stored: Dict[str, torch.Tensor]) -> Future:
+    def _write(self, unit: Unit, stored: Dict[str, torch.Tensor], adopt: bool = False):
         """Write a unit's stored states to the disk tier; a read-ahead of them issued before
         this write is dropped and issued again after it.
 
@@ -188,16 +205,24 @@ class OptimizerStates:
         before it, so such a read returns the moments of the step before, and the next update
         used them: disk-tier runs differed from RAM runs (most with no accumulation, where the
         next forward starts while the updates still run). Under ``_lock``, which ``prefetch``
-        holds to issue a read, every read of a unit's states is issued after its last write."""
+        holds to issue a read, every read of a unit's states is issued after its last write.
+
+        ``adopt`` (the update's own write): a host cache that keeps the key resident takes
+        ``stored`` without copying it (HostCache.write_adopt); returns (future, the tensors
+        handed back in exchange, or None when ``stored`` stays the caller's). Else the future."""
+        spare = None
         with self._lock:
-            fut = self.disk.write(self._key(unit), stored)
+            if adopt and self._cached():
+                fut, spare = self.disk.write_adopt(self._key(unit), stored)
+            else:
+                fut = self.disk.write(self._key(unit), stored)
             stale = self._reads.pop(unit.index, None)
         self._on_disk.add(unit.index)
         if stale is not None:
             if self.codecs is None:  # its buffers go back to the pool once it has filled them
                 stale.add_done_callback(lambda f: f.exception() or self.pool.give(*f.result().values()))
             self.prefetch(unit)
-        return fut
+        return (fut, spare) if adopt else fut
 
     def flush(self) -> None:
         if self.disk is not None:

@@ -33,6 +33,7 @@ proven optimum.
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -197,8 +198,14 @@ def cache_budget(host_cache_gb: Optional[float], max_host_gb: Optional[float], h
         import psutil
 
         vm = psutil.virtual_memory()
-        want = int(vm.available) - host_needed - max(int(SAFETY_SHARE * vm.total), SAFETY_MIN_BYTES)
+        # other engines' caches in this process fill lazily: what they may still take is not free
+        pending = sum(max(0, c.capacity - c.ram_bytes()) for c in list(_LIVE))
+        want = int(vm.available) - pending - host_needed - max(int(SAFETY_SHARE * vm.total), SAFETY_MIN_BYTES)
     return max(0, min(want, disk_bytes))
+
+
+#: Open caches of this process (their budgets are taken when the next one is sized).
+_LIVE: "weakref.WeakSet[HostCache]" = weakref.WeakSet()
 
 
 def _done(value) -> Future:
@@ -238,6 +245,8 @@ class HostCache:
         self._loading: Dict[str, Future] = {}     # key -> a read in flight that will stay resident
         self._lost: Dict[str, BaseException] = {}  # key -> its write-back failed (file is stale)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="mtnb-cache")  # hits copied out
+        if self.capacity > 0:
+            _LIVE.add(self)
         self.counts = {"disk_read_bytes": 0, "disk_write_bytes": 0, "hits": 0, "bytes_saved": 0,
                       "write_backs": 0, "ram_bytes": 0, "ram_peak_bytes": 0, "steps_planned": 0,
                       "shared_reads": 0, "adopted_writes": 0}
@@ -423,6 +432,7 @@ class HostCache:
             self._reads.clear()
 
     def close(self) -> None:
+        _LIVE.discard(self)
         self._copier.shutdown(wait=True)
         if getattr(self.store, "keep", False):
             self.write_back_all()

@@ -437,6 +437,7 @@ class StreamingEngine:
                 self.updates.drain()
             finally:
                 self.updates.close()
+                self.states.close()
                 self.pager.close()
                 self.weights.reset()
                 if self.disk is not None:

@@ -100,7 +100,11 @@ class UpdateScheduler:
         self._norm_lock = threading.Lock()
         self._unit_norm: Dict[int, float] = {}        # unit index -> its final gradient's norm (clipping)
         self._pending: Dict[int, Future] = {}         # unit index -> its update of the last step
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
+        # One OpenMP thread: the worker runs beside the compute (and, with a codec, the codec
+        # thread), so its kernels take one core; a second OpenMP team on a busy 2-core machine
+        # mostly waits at barriers. (Elementwise kernels: the result does not depend on it.)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw", initializer=torch.set_num_threads,
+                                          initargs=(1,))
         self._slots = threading.BoundedSemaphore(depth)
         # Recycled final-gradient buffers: at most what the pipeline has in flight at once (the
         # pending updates, the one being copied, the disk writes of a clipping hold), so a
@@ -447,6 +451,12 @@ class UpdateScheduler:
                 self.wait(u)
         except finite.NonFiniteError:
             self.nonfinite = None  # reported here, to this caller
+            raise
+        try:
+            self.states.wait_encodes()   # compressed states: encoded and written behind
+        except BaseException as e:
+            self.failed = e   # that unit's states were not written
+            self._settle_disk()
             raise
 
     def raise_nonfinite(self) -> None:

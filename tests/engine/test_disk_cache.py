@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.disk_cache import READ, WRITE, cache_budget, plan_cache
+from megatrain_nb.engine.disk_cache import _LIVE, READ, WRITE, cache_budget, plan_cache
 
 from .families import VOCAB, family_config
 
@@ -70,6 +70,25 @@ def test_budget_from_config():
     assert cache_budget(0, None, 0, 10 * G) == 0
     with pytest.raises(ValueError, match="host_cache_gb=-1"):
         EngineConfig(host_cache_gb=-1)
+
+
+def test_default_budget_leaves_room_for_other_open_caches(monkeypatch):
+    """From free RAM: an open cache that has not filled yet still owns its budget."""
+    import psutil
+
+    from megatrain_nb.engine.disk_cache import HostCache
+
+    G = 1 << 30
+
+    class VM:
+        total, available = 32 * G, 20 * G
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: VM)
+    alone = cache_budget(None, None, G, 100 * G)
+    assert alone == 20 * G - G - 8 * G                     # free RAM less needs and a quarter of RAM
+    other = HostCache(store=None, capacity=3 * G)
+    assert cache_budget(None, None, G, 100 * G) == alone - 3 * G
+    other._copier.shutdown(); _LIVE.discard(other)
+    assert cache_budget(None, None, G, 100 * G) == alone
 
 
 # ---------------------------------------------------------------------------- in the engine

@@ -45,15 +45,16 @@ class OptimizerStates:
         # moments' buffers, recycled from step to step (disk tier); a unit larger than the cap is
         # never kept, so RAM stays flat for very large units (whose page faults cost little)
         self.pool = BufferPool(max_bytes=512 << 20)
-        # Compressed states on the disk tier: decode ahead and encode behind in a thread of their
-        # own (mtnb-codec), so the codec runs beside the AdamW worker (the second core) instead of
-        # in line with it, and each update waits only for its own AdamW. Bounded: one unit decoded
-        # ahead, ``writes_behind`` units waiting to be encoded.
-        self._codec = None
+        # Compressed states on the disk tier: decoded ahead (mtnb-decode) and encoded behind
+        # (mtnb-encode) in threads of their own, so the codec runs beside the AdamW worker (on the
+        # second core while the compute waits) instead of in line with it. Bounded: one unit
+        # decoded ahead, ``writes_behind`` units waiting to be encoded.
+        self._codec = self._decoder = None
         if self.codecs is not None and disk is not None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._codec = ThreadPoolExecutor(1, thread_name_prefix="mtnb-codec", initializer=_one_torch_thread)
+            self._codec = ThreadPoolExecutor(1, thread_name_prefix="mtnb-encode", initializer=_one_torch_thread)
+            self._decoder = ThreadPoolExecutor(1, thread_name_prefix="mtnb-decode", initializer=_one_torch_thread)
         self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
         self._decoded: Dict[int, Future] = {}    # unit -> its moments decoded ahead (codec thread)
 
@@ -203,7 +204,7 @@ class OptimizerStates:
             read = None if nxt.index in self._updating else self._reads.pop(nxt.index, None)
             if read is None:
                 return
-            self._decoded[nxt.index] = self._codec.submit(lambda: self._decode(nxt, read.result()))
+            self._decoded[nxt.index] = self._decoder.submit(lambda: self._decode(nxt, read.result()))
 
     def store(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> None:
         if self._codec is not None:
@@ -281,6 +282,7 @@ class OptimizerStates:
     def close(self) -> None:
         if self._codec is not None:
             self._codec.shutdown(wait=True)
+            self._decoder.shutdown(wait=True)
 
     def update_failed(self, unit: Unit) -> None:
         """The unit's update failed between load() and store(): reads of it may go ahead."""
@@ -424,8 +426,9 @@ def _settle(f: Future):
 
 
 def _one_torch_thread() -> None:
-    """The codec thread runs its own kernels single-threaded: it works beside the AdamW worker
-    and the compute, and a second OpenMP team on a busy 2-core machine mostly waits at barriers."""
+    """The codec threads run their kernels single-threaded: they work beside the AdamW worker
+    and the compute, and more OpenMP teams on a busy 2-core machine mostly wait at barriers.
+    (Elementwise kernels and exact max-reductions: the codes do not depend on it.)"""
     torch.set_num_threads(1)
 
 

@@ -100,11 +100,7 @@ class UpdateScheduler:
         self._norm_lock = threading.Lock()
         self._unit_norm: Dict[int, float] = {}        # unit index -> its final gradient's norm (clipping)
         self._pending: Dict[int, Future] = {}         # unit index -> its update of the last step
-        # One OpenMP thread: the worker runs beside the compute (and, with a codec, the codec
-        # thread), so its kernels take one core; a second OpenMP team on a busy 2-core machine
-        # mostly waits at barriers. (Elementwise kernels: the result does not depend on it.)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw", initializer=torch.set_num_threads,
-                                          initargs=(1,))
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._slots = threading.BoundedSemaphore(depth)
         # Recycled final-gradient buffers: at most what the pipeline has in flight at once (the
         # pending updates, the one being copied, the disk writes of a clipping hold), so a

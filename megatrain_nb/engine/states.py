@@ -38,6 +38,10 @@ class OptimizerStates:
         self._updating = set()   # units between load() and store(): not read ahead
         self.writes_behind = 2
         self._writes = []   # state writes still pending (futures)
+        #: With a codec thread: fp32 moments waiting to be encoded may hold up to this many bytes
+        #: (beyond ``writes_behind`` units), so the encodes of a step's last updates run during
+        #: the next forward instead of holding up the updates the forward waits for.
+        self.encode_behind_bytes = 0
         self._sched = []    # the coming updates, in order: (unit, last of its step)
         self.read_ahead_bytes = 1 << 30  # stored states read ahead of their updates (RAM)
         from .host_store import BufferPool
@@ -54,6 +58,7 @@ class OptimizerStates:
             from concurrent.futures import ThreadPoolExecutor
 
             self._codec = ThreadPoolExecutor(1, thread_name_prefix="mtnb-encode", initializer=_one_torch_thread)
+            self.encode_behind_bytes = 512 << 20
             self._decoder = ThreadPoolExecutor(1, thread_name_prefix="mtnb-decode", initializer=_one_torch_thread)
         self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
         self._decoded: Dict[int, Future] = {}    # unit -> its moments decoded ahead (codec thread)
@@ -89,6 +94,7 @@ class OptimizerStates:
         with self._lock:  # the optimizer thread advances the same list
             self._sched.extend((u, i == len(order) - 1) for i, u in enumerate(order))
         self._read_ahead()
+        self._decode_next()   # the first update's states decode during the forward and backward
 
     def _read_ahead(self) -> None:
         held = 0
@@ -153,7 +159,7 @@ class OptimizerStates:
             _settle(enc)
         with self._lock:
             last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
-        while len(self._writes) >= self.writes_behind and not last:
+        while len(self._writes) >= self.writes_behind and not last and self._behind_bytes() > self.encode_behind_bytes:
             _settle(self._writes.pop(0))   # a failed encode or write raises here, in the update
         for w in [w for w in self._writes if w.done()]:
             self._writes.remove(w)
@@ -185,6 +191,10 @@ class OptimizerStates:
             return (torch.zeros(unit.numel, dtype=torch.float32), torch.zeros(unit.numel, dtype=torch.float32))
         return self._decode(unit, stored)
 
+    def _behind_bytes(self) -> int:
+        """fp32 moment bytes of the writes still pending (encodes not done yet)."""
+        return sum(getattr(f, "moment_bytes", 0) for f in self._writes if not f.done())
+
     def _waited(self, fut: Future):
         t0 = time.perf_counter()
         got = fut.result()
@@ -211,6 +221,7 @@ class OptimizerStates:
             # Encoded and written behind, in the codec thread; the unit stays "being updated"
             # (no read ahead of it) until its write is issued.
             enc = self._codec.submit(self._store_disk, unit, m, v)
+            enc.moment_bytes = 8 * unit.numel
             self._encoding[unit.index] = enc
             self._writes.append(enc)
             enc.add_done_callback(lambda f, i=unit.index: f is self._encoding.get(i) and f.exception() is None

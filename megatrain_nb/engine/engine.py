@@ -115,9 +115,13 @@ class StreamingEngine:
         # Pipeline depth: units in flight through host RAM per stage (RAM stays flat).
         # (depth 2 measured no faster on 2 cores and left more optimizer time exposed: keep 1)
         self.inflight_depth = 1
+        # Large units (> 256 MiB) get the minimum staging: one buffer being read, one being copied
+        # (each is a unit's size; a third overlapped nothing measurable on steps that long).
+        small = self._small_units()
         self.weights = make_weight_store(self.state_units, self.store, disk=self.disk if self.params_on_disk else None,
-                                         pin=pin, counters=self.counters, compute_buffers=2 + self.inflight_depth,
-                                         optimizer_buffers=2 if self._small_units() else 1)
+                                         pin=pin, counters=self.counters,
+                                         compute_buffers=2 + self.inflight_depth if small else 2,
+                                         optimizer_buffers=2 if small else 1)
         self.states = OptimizerStates(self.state_units, config, self.counters, disk=self.disk)
         alloc, put = self.store.alloc, self.weights.put_initial
         if self.sharded is not None:   # each rank keeps its slice of every unit as it is built

@@ -26,8 +26,9 @@ def run_engine(dist: Dist, case: str, acc: int, offload_dir=None, steps=(0, STEP
     after loading a sharded checkpoint ``load_from``; ``save_to``: save one after."""
     tied, wd, clip, codec, moe = CASES[case]
     model = tiny_model(tied, moe)
+    # host_cache_gb=0: the states must really reach each rank's disk tier (what is checked)
     engine = StreamingEngine(model, device="cpu", weight_decay=wd, optimizer_compression=codec,
-                             offload_dir=offload_dir, dist=dist)
+                             offload_dir=offload_dir, dist=dist, host_cache_gb=0)
     if load_from is not None:
         engine.load_checkpoint(load_from)
     data = micro_batches(STEPS * acc * dist.world)

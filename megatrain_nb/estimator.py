@@ -150,6 +150,7 @@ class Estimate:
     notes: list = field(default_factory=list)
     by_codec: dict = field(default_factory=dict)   # codec -> the plan with that optimizer-state codec
     names: dict = field(default_factory=dict)      # python argument -> how the caller spells it (CLI flags)
+    host_min: Optional[int] = None                 # the least host RAM any plan needs (see estimate())
 
     @property
     def feasible(self) -> bool:
@@ -178,7 +179,7 @@ class Estimate:
                 "limiting_tier": self.limiting_tier, "reason": self.plan.reason,
                 "layer_slots": self.plan.layer_slots, "checkpoint_interval": self.plan.checkpoint_interval,
                 "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident(),
-                "window": self.plan.window}
+                "window": self.plan.window, "host_min": self.host_min}
 
     def _rows(self):
         kinds = [("weights", "weights"), ("grads", "gradients"), ("optimizer_states", "optimizer states"),
@@ -259,7 +260,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
              seq: int = 2048, compression=True, precision: str = "fp32", checkpoint_interval: Optional[int] = 1,
              offload_dir: Union[bool, str, None] = True, device: str = "cuda",
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
-             layer_major: bool = True, clip_hold: str = "host") -> Estimate:
+             layer_major: bool = True, clip_hold: str = "auto") -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
@@ -272,7 +273,11 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     window) keeps no host gradient accumulator, unless ``clipping`` (global-norm clipping, on by
     default as in TrainingArguments) holds the final gradients for the norm;
     ``layer_major=False`` shows the micro-batch-major path. ``clip_hold``: as
-    ``EngineConfig.clip_hold`` ("disk"/"auto": those final gradients on the disk tier).
+    ``EngineConfig.clip_hold`` ("auto", the default: host RAM when the budget holds those final
+    gradients beside the master weights, else the disk tier; "host"; "disk"); an accumulator
+    (micro-batch-major, or a split window) stays in RAM whatever it says.
+    ``Estimate.host_min``: the least host RAM any plan needs (what a short budget gets: master
+    weights, held gradients and boundary activations on the disk tier).
     """
     from megatrain_nb.engine import family
     from megatrain_nb.engine.codecs import codec_names, normalize_compression
@@ -287,29 +292,39 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     disk_path = offload_dir if isinstance(offload_dir, str) else None
     budgets = {"device": _budget(vram_gb, lambda: None), "host": _budget(ram_gb, _machine_ram),
                "disk": _budget(disk_gb, lambda: _free_disk(disk_path)) if offload_dir else None}
-    def plan_for(codec):
+    accumulator = accumulation > 1 and not layer_major   # micro-batch-major: the host accumulator
+
+    def plan_for(codec, host_bytes):
         return make_plan(units, hidden_size=family.hidden_size(config), num_layers=layers,
                          intermediate_size=family.intermediate_size(config), vocab_size=family.vocab_size(config),
-                         vram_bytes=budgets["device"], host_bytes=budgets["host"], disk_bytes=budgets["disk"],
+                         vram_bytes=budgets["device"], host_bytes=host_bytes, disk_bytes=budgets["disk"],
                          batch=batch, seq=seq, compression=codec, precision=precision,
                          checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
                          cuda=device != "cpu", accumulation=accumulation if layer_major else 1,
-                         host_gradients=clipping or (accumulation > 1 and not layer_major),
-                         clip_hold=clip_hold if clipping else None)
+                         host_gradients=clipping or accumulator,
+                         clip_hold=clip_hold if clipping and not accumulator else None)
 
-    by_codec = {codec: plan_for(codec) for codec in codec_names()}  # the registry: a new codec shows too
+    by_codec = {codec: plan_for(codec, budgets["host"]) for codec in codec_names()}  # the registry: a new codec shows too
     plan = by_codec[comp]
+    # The least host RAM: the plan a one-byte host budget gets (everything that may leave RAM is
+    # on the disk tier); the table shows what this budget's plan uses, which may be more.
+    host_min = plan_for(comp, 1).host["total"]
     total = sum(u.numel for u in units)
     notes = []
     if plan.window:
         w = plan.window
         notes.append(f"accumulation {accumulation}: {w['reason']} ({_fmt(w['boundary_bytes'])} of boundary "
                      f"activations on the {w['tier']}); each layer loaded {w['loads_per_layer']:g}x per "
-                     f"step; {w['tokens_per_weight_fetch']:,.0f} tokens per weight fetch"
-                     + ("; host gradients: final, held for the clipping norm" if clipping else ""))
+                     f"step; {w['tokens_per_weight_fetch']:,.0f} tokens per weight fetch")
     elif accumulation > 1:
         notes.append(f"accumulation {accumulation}, micro-batch-major: each layer loaded {2 * accumulation}x per step; "
                      f"{batch * seq / 2:,.0f} tokens per weight fetch")
+    if clipping and not accumulator and not (plan.window and plan.window["groups"] > 1):
+        notes.append(f"clipping: the final gradients wait for the global norm {_held_where(plan)}")
+    if host_min < plan.host["total"]:
+        notes.append(f"host RAM: {_fmt(plan.host['total'])} with this budget; at least {_fmt(host_min)} "
+                     "with everything that may leave it on the disk tier (master weights, gradients held "
+                     "for clipping, boundary activations)")
     if ram_gb == "auto":
         notes.append(f"host budget: this machine's RAM ({_fmt(budgets['host'])}); pass ram_gb=... to plan "
                      "for other hardware")
@@ -319,7 +334,13 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
                                                                                 batch=batch, seq=seq),
-                    notes=notes, by_codec=by_codec, names=dict(names or {}))
+                    notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min)
+
+
+def _held_where(plan) -> str:
+    if plan.placement["gradients"] == "disk":
+        return "on the disk tier (the host budget cannot hold them beside the master weights)"
+    return "in host RAM (the host budget holds them)"
 
 
 # How the command line and %megatrain spell estimate()'s and the planner's argument names.

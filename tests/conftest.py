@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -6,6 +7,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# runs announce themselves (heartbeat files, trainer/control.py): into a folder of the test
+# session's own, never the user's Jupyter runtime folder
+os.environ.setdefault("MEGATRAIN_NB_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtnb-test-runtime-"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

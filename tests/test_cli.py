@@ -18,7 +18,7 @@ def test_estimate_prints_the_100b_comparison(capsys):
     out = capsys.readouterr().out
     assert "GPU-resident fp32 AdamW" in out and "≈401 GB" in out and "≈1.60 TB" in out
     assert "feasible: yes" in out and "optimizer states -> disk" in out
-    assert main(["estimate", "llama-100b", "--ram", "64", "--disk", "4096", "--json"]) == 0
+    assert main(["estimate", "llama-100b", "--ram", "16", "--disk", "4096", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["feasible"] is False and d["limiting_tier"] == "host"
 

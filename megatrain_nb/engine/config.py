@@ -64,11 +64,13 @@ class EngineConfig:
     """Where a layer-major window keeps its layer-boundary activations: "auto" (the device when
     they fit its budget, else host RAM, else the disk tier), "device", "host" or "disk" (needs
     an offload_dir)."""
-    clip_hold: str = "host"
+    clip_hold: str = "auto"
     """With global-norm clipping, where gradients that arrive final in one piece (a layer-major
     window's, a single micro-batch's) wait for the norm: "host" RAM, "disk" (the disk tier:
-    written at once, read back by the update), or "auto" (disk when the master weights are on
-    the disk tier, i.e. RAM is short; else host)."""
+    written at once, read back by the update), or "auto" (the default: host RAM when
+    max_host_gb holds them beside the master weights, or when no max_host_gb is set; else the
+    disk tier; without an offload_dir a budget too short for them is refused with the numbers).
+    The planner decides (``engine.plan.placement["gradients"]``); the estimator shows the same."""
     max_window_micro_batches: Optional[int] = None
     """Cap on the micro-batches one layer-major pass runs (None: as many as fit); a larger window
     is split into groups, each layer then crossing to the device 2 x groups times per step."""

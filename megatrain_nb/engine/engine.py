@@ -38,7 +38,7 @@ from .states import OptimizerStates, open_disk_tier
 from .step import StepRunner
 from .telemetry import Telemetry
 from .units import Unit, build_units, check_supported, find_layer_list
-from .updates import StepContext, UpdateScheduler
+from .updates import UpdateScheduler
 from .weight_store import make_weight_store
 from .dist import resolve_dist
 from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
@@ -153,10 +153,12 @@ class StreamingEngine:
         for u in self.layer_units:
             layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
         self.boundary = BoundaryStore(self.device, disk=self.disk)
-        self.window_runner = WindowRunner(self.runner, self.boundary)
+        # (a CPU "device" sums each unit's gradient in a pool buffer the update adopts)
+        lend = self.updates.lend_buffer if self.device.type == "cpu" and self.sharded is None else None
+        self.window_runner = WindowRunner(self.runner, self.boundary, grad_buffer=lend)
         self.window_step = WindowStep(self.window_runner, self.boundary, updates=self.updates, pager=self.pager,
                                       counters=self.counters, config=config, layer_names=self.unit_names()[1:-1],
-                                      clip_hold_disk=self.disk is not None and self.params_on_disk)
+                                      clip_hold_disk=self.plan.placement["gradients"] == "disk")
         self.memory_peaks = {"host": 0, "disk": 0}   # memory_report's peaks across calls
 
     @classmethod
@@ -242,8 +244,8 @@ class StreamingEngine:
         read ahead during the backward; once the norm is known every update runs in the worker,
         in the next forward's order, while this call returns. Same result as
         ``clip_grad_norm_(max_grad_norm)``, ``optimizer_step(step_lr)``, ``zero_grad()``;
-        ``out.grad_norm`` is the norm before clipping. (The final gradients wait in host RAM
-        for the norm.)
+        ``out.grad_norm`` is the norm before clipping. (The final gradients wait for the norm
+        in host RAM, or on the disk tier when the host budget is short: ``EngineConfig.clip_hold``.)
         """
         if step_lr is not None:
             step_lr = finite.check_lr(step_lr)
@@ -262,7 +264,7 @@ class StreamingEngine:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
             t0 = time.perf_counter()
-            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self.window_step.hold())
+            step = self.updates.context(step_lr, max_grad_norm, self.window_step.hold())
             self.updates.begin(step)
             try:
                 loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, step=step,
@@ -389,7 +391,8 @@ class StreamingEngine:
     def memory_report(self) -> dict:
         return memory_report(pager=self.pager, runner=self.runner, store=self.store, states=self.states,
                              weights=self.weights, updates=self.updates, boundary=self.boundary, config=self.config,
-                             boundary_peak=self.window_step.boundary_peak, peaks=self.memory_peaks, device=self.device)
+                             boundary_peak=self.window_step.boundary_peak, peaks=self.memory_peaks, device=self.device,
+                             grad_sums_peak=self.window_runner.sum_peak)
 
     def telemetry(self) -> dict:
         """Counters: bytes per link, prefetch hits/misses, stall seconds, loads per unit."""

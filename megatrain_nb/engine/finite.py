@@ -20,7 +20,8 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, step: int, loss: Optional[float], grad_norm: Optional[float], *,
                  unit: Optional[str] = None, partial: bool = False):
         self.step, self.loss, self.grad_norm, self.unit, self.partial = step, loss, grad_norm, unit, partial
-        where = f" (in the gradient of {unit})" if unit else f" (loss={_f(loss)}, gradient norm={_f(grad_norm)})"
+        values = ", ".join(f"{k}={_f(v)}" for k, v in (("loss", loss), ("gradient norm", grad_norm)) if v is not None)
+        where = f" (in the gradient of {unit})" if unit else (f" ({values})" if values else "")
         if partial:
             state = ("Units updated before it in this step keep their update: the engine refuses to go on "
                      "until load_checkpoint(). Set max_grad_norm so that the check runs before any update")

@@ -107,8 +107,11 @@ class HostStore:
         """Add a unit's gradient into its fp32 accumulator (thread-safe per unit).
 
         ``grad`` is one flat tensor, or a list of per-parameter tensors in ``unit.params`` order
-        (added in place into the accumulator's views: no concatenation copy).
+        (added in place into the accumulator's views: no concatenation copy), or a list of one
+        flat tensor of the whole unit.
         """
+        if not torch.is_tensor(grad) and len(grad) == 1:
+            grad = grad[0].reshape(-1)
         with self._grad_locks[unit.index]:
             self._has_grad.add(unit.index)
             acc = self.grad(unit)

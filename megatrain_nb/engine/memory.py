@@ -15,17 +15,21 @@ def ram_total() -> int:
 
 
 def memory_report(*, pager, runner, store, states, weights, updates, boundary, boundary_peak: Dict[str, int],
-                  peaks: Dict[str, int], config, device) -> dict:
+                  peaks: Dict[str, int], config, device, grad_sums_peak: int = 0) -> dict:
     """``{"device", "host", "disk"}`` with bytes per kind, used, peak and capacity. ``peaks``
-    (``{"host", "disk"}``) carries the peaks seen across calls and is updated here."""
+    (``{"host", "disk"}``) carries the peaks seen across calls and is updated here.
+    ``grad_sums_peak``: a layer-major window's fp32 gradient sums on the device (peak)."""
     dev_w = pager.slot_bytes
     dev_g = pager.grad_buf_bytes
     act = runner.activation_peak
     dev = {"weights": dev_w, "grads": dev_g, "activations": act,
            # layer-boundary activations of a layer-major window (part of "activations"); peak
            "boundary_activations": boundary_peak["device"],
+           # a layer-major window's per-unit fp32 gradient sums (current unit, head, embedding);
+           # peak. On a CPU "device" these are RAM lent by the update pool (host "buffers")
+           "grad_sums": grad_sums_peak,
            "used_bytes": dev_w + dev_g + runner.activation_now,
-           "peak_bytes": dev_w + dev_g + act,
+           "peak_bytes": dev_w + dev_g + act + grad_sums_peak,
            "capacity_bytes": int(config.max_vram_gb * GiB) if config.max_vram_gb else None}
     if device.type == "cuda":
         dev["allocator_used_bytes"] = torch.cuda.memory_allocated(device)

@@ -224,7 +224,7 @@ class Pager:
             fut = self._d2h.submit(finish)
             self._grad_free[turn] = fut
         else:
-            grads = [g.detach() for g in grads]
+            grads = [g.detach() if g.requires_grad else g for g in grads]   # (the same object: see updates.lend_buffer)
 
             def finish():
                 # CPU "device": the gradients already are host memory; add them in place.

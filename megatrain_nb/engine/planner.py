@@ -102,8 +102,10 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     too (``plan.window``: boundary activations on the device, else host RAM within
     ``1 - HOST_HEADROOM`` of the budget, else the disk tier (``disk["activations"]``), else a
     larger checkpoint interval for the window, else split).
-    ``clip_hold`` ("host" | "disk" | "auto", as ``EngineConfig.clip_hold``): where final
-    gradients held for a clipping norm live; "auto" = the disk tier when master weights are."""
+    ``clip_hold`` ("host" | "disk" | "auto", as ``EngineConfig.clip_hold``; None: the host
+    gradients are an accumulator, which stays in RAM): where final gradients held for a
+    clipping norm live; "auto" = host RAM when the host budget holds them beside the master
+    weights, else the disk tier (``placement["gradients"]`` says which)."""
     cb = 2 if precision == "bf16" else 4
     inter = intermediate_size or 4 * hidden_size
     by_kind = {k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")}
@@ -153,14 +155,21 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     staging = 4 * max_unit * 4  # paged units in flight through host memory
     placement = {"gradients": "host", "master_weights": "host",
                  "optimizer_states": "disk" if offload_dir else "host"}
-    if offload_params or (offload_params is None and offload_dir and host_bytes is not None
-                          and weights + grads + (0 if offload_dir else states) > host_bytes):
-        placement["master_weights"] = "disk" if offload_dir else "host"
-    grads_on_disk = bool(offload_dir) and (clip_hold == "disk" or (
-        clip_hold == "auto" and placement["master_weights"] == "disk"))
+    host_states = 0 if offload_dir else states
+    # Final gradients held for a clipping norm may wait on the disk tier (an accumulator may
+    # not). "auto": there only when the host budget cannot hold them beside the master
+    # weights; they move before the master weights do (one write and one read per step,
+    # where weights on disk are also read by every forward).
+    host_rest = ((staging if offload_params else weights)
+                 + (staging // 2 if offload_dir else states))   # the host's other needs, as counted below
+    grads_on_disk = bool(offload_dir and grads) and (clip_hold == "disk" or (
+        clip_hold == "auto" and host_bytes is not None and host_rest + grads > host_bytes))
     if grads_on_disk:
         placement["gradients"] = "disk"
         grads = 0
+    if offload_params or (offload_params is None and offload_dir and host_bytes is not None
+                          and weights + grads + host_states > host_bytes):
+        placement["master_weights"] = "disk" if offload_dir else "host"
     host = {"weights": weights if placement["master_weights"] == "host" else staging,
             "grads": grads,
             "optimizer_states": states if placement["optimizer_states"] == "host" else staging // 2}
@@ -206,7 +215,9 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
                   f"but {host_bytes / GiB:.2f} GiB are available: "
                   + ("give an offload_dir for the disk tier" if not offload_dir
                      else "more RAM, or offload_params=True to put the master weights on disk"
-                     if placement["master_weights"] == "host" else "more RAM (gradients always live there)"))
+                     if placement["master_weights"] == "host" else
+                     "more RAM (the gradient accumulator lives there)" if host["grads"] else
+                     "more RAM (units in flight are staged there)"))
     if feasible and disk_bytes is not None and disk["total"] > disk_bytes:
         feasible, limiting = False, "disk"
         reason = (f"the disk tier needs {disk['total'] / GiB:.2f} GiB but {disk_bytes / GiB:.2f} GiB are free: "
@@ -229,7 +240,7 @@ def engine_plan(units, model_config, cfg, *, cuda: bool) -> Plan:
                      offload_params=cfg.offload_params, batch=1, seq=1, compression=cfg.optimizer_compression,
                      precision=cfg.precision, checkpoint_interval=cfg.checkpoint_interval,
                      offload_dir=bool(cfg.offload_dir), layer_slots=cfg.device_slots, cuda=cuda,
-                     loss_chunk_tokens=cfg.loss_chunk_tokens)
+                     loss_chunk_tokens=cfg.loss_chunk_tokens, clip_hold=cfg.clip_hold)
     if not plan.feasible and plan.limiting_tier == "host":
         raise ValueError(f"max_host_gb={cfg.max_host_gb}: {plan.reason}.")
     if cfg.offload_params and not cfg.offload_dir:
@@ -384,7 +395,8 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
     dev_free = None
     if cap is not None:
         dev_free = max(cap - plan.device["weights"] - plan.device["grads"] - tokens * layer_work, 0)
-    accumulator = plan.host["grads"]
+    # (a split window's accumulator is in RAM even where held final gradients go to disk)
+    accumulator = plan.host["grads"] or plan.disk["grads"]
     if cfg.max_host_gb:  # a one-group layer-major step keeps no host gradient accumulator
         host_free = max(int(cfg.max_host_gb * GiB) - (plan.host["total"] - accumulator), 0)
     else:

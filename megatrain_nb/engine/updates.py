@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -107,11 +108,23 @@ class UpdateScheduler:
         # layer-major step keeps no whole-model's worth of gradients in RAM between steps.
         largest = max((u.numel for u in units), default=0) * 4
         self._grad_pool = BufferPool(max_bytes=(depth + 1 + _HOLD_WRITES) * largest)
+        # Pool buffers lent out (lend_buffer) that a final gradient may come back in, adopted
+        # without a copy; weak: one that never comes back is simply freed.
+        self._lent: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._held_ram: Dict[int, torch.Tensor] = {}  # unit index -> final gradient held for the norm (hold="host")
         self._held: Dict[int, Future] = {}            # unit index -> write of its final gradient (hold="disk")
         self._held_keys: set = set()
 
     # ------------------------------------------------------------------ 1-2: a step begins
+    def context(self, lr: Optional[float], clip: Optional[float], hold: str) -> StepContext:
+        """The StepContext of a micro-batch. Data parallel: the step's updates always wait for
+        the global norm (``clip`` inf when not clipping: the hold path, no scaling). Unclipped,
+        each rank would check only its own shards before updating them, so a NaN/inf confined
+        to one rank's shard would stop or skip the step on that rank alone."""
+        if self.sharded is not None and lr is not None and clip is None:
+            clip = math.inf
+        return StepContext(lr=lr, clip=clip, hold=hold)
+
     def begin(self, step: StepContext) -> None:
         """A training micro-batch starts. (A unit's pending update from the last step finishes
         before its forward reads it, so before its new gradient reaches the accumulator.)"""
@@ -196,9 +209,23 @@ class UpdateScheduler:
             return
         self._submit(unit, step.lr, None, zero=True)
 
+    def lend_buffer(self, numel: int) -> torch.Tensor:
+        """A flat fp32 buffer (not zeroed) from the final-gradient pool. On a CPU "device" a
+        layer-major window sums a unit's gradient in it and returns it whole (``[buf]``): a
+        final gradient arriving in it is adopted, not copied (:meth:`_copy_final`), and goes
+        back to the pool after its update, so no per-step allocation and no copy."""
+        t = self._grad_pool.take(numel)
+        self._lent[id(t)] = t
+        return t
+
     def _copy_final(self, unit: Unit, grad) -> torch.Tensor:
         """A final gradient copied out of the transfer's staging buffer (reused by the next
-        transfer) into a recycled flat fp32 buffer."""
+        transfer) into a recycled flat fp32 buffer; a lent buffer (:meth:`lend_buffer`) coming
+        back whole is adopted as it is."""
+        t = grad[0] if isinstance(grad, (list, tuple)) and len(grad) == 1 else grad
+        if torch.is_tensor(t) and t.numel() == unit.numel and self._lent.get(id(t)) is t:
+            self._lent.pop(id(t), None)
+            return t
         flat = self._grad_pool.take(unit.numel)
         if torch.is_tensor(grad):
             flat.copy_(grad)
@@ -307,6 +334,7 @@ class UpdateScheduler:
             if loss is not None and not math.isfinite(loss):
                 sq = float("nan")
             sq = self.sharded.global_norm_sq(sq)
+            loss = None   # this rank's share only: the error names the global norm, alike on every rank
         total = sq ** 0.5
         try:
             skip, stop = not finite.apply_step(loss, total, self.next_step(), self.policy), None
@@ -315,7 +343,7 @@ class UpdateScheduler:
         if skip and stop is None:
             self.counters.add("skipped_steps", 1)
         coef = step.clip / (total + 1e-6)   # as torch.nn.utils.clip_grad_norm_
-        coef = coef if coef < 1.0 else None
+        coef = coef if coef < 1.0 else None   # (clip inf, or a NaN norm: no scaling)
         order = [u for u in self.update_order if u.numel > 0]
         futures = {}
         for u in order:

@@ -198,10 +198,17 @@ class WindowRunner:
     """Runs an accumulation window layer-major on a :class:`StepRunner`'s model, units, pager
     and helpers (head logits, chunked loss, RNG, activation accounting)."""
 
-    def __init__(self, runner: StepRunner, boundary: BoundaryStore):
+    def __init__(self, runner: StepRunner, boundary: BoundaryStore,
+                 grad_buffer: Optional[Callable[[int], torch.Tensor]] = None):
         self.r = runner
         self.boundary = boundary
         self.tuple_out = False     # whether the layers return a tuple (learned from real calls)
+        # CPU "device": the units' gradient sums are taken from the update scheduler's pool
+        # (UpdateScheduler.lend_buffer) and handed over whole: no fresh pages to fault in per
+        # unit per step, no copy on arrival. None: fresh device tensors.
+        self.grad_buffer = grad_buffer
+        self.sum_bytes = 0         # fp32 gradient sums alive on the device now
+        self.sum_peak = 0          # ... and their peak over the windows run
 
     # ------------------------------------------------------------------ helpers
     def _out(self, h):
@@ -265,14 +272,32 @@ class WindowRunner:
             if g is not None:
                 acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
 
-    def _fold_outer(self, acc: torch.Tensor, unit: Unit, bound: List[torch.Tensor]) -> None:
-        """Move the bound outer tensors' .grad (this micro-batch's share) into the fp32 sum."""
-        self._add(acc, unit, [t.grad for t in bound])
+    def _fold_outer(self, acc: Optional[torch.Tensor], unit: Unit, bound: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Move the bound outer tensors' .grad (this micro-batch's share) into the fp32 sum,
+        made on the first share (an untied embedding's sum exists only at the step's end)."""
+        grads = [t.grad for t in bound]
+        if acc is None and any(g is not None for g in grads):
+            acc = self._sum(unit.numel)
+        if acc is not None:
+            self._add(acc, unit, grads)
         for t in bound:
             t.grad = None
+        return acc
+
+    def _sum(self, numel: int) -> torch.Tensor:
+        """A zeroed fp32 buffer on the device for a unit's gradient summed over micro-batches."""
+        if self.grad_buffer is not None:
+            acc = self.grad_buffer(numel).zero_()
+        else:
+            acc = torch.zeros(numel, dtype=torch.float32, device=self.r.device)
+        self.sum_bytes += numel * 4
+        self.sum_peak = max(self.sum_peak, self.sum_bytes)
+        return acc
 
     def _return(self, unit: Unit, acc: torch.Tensor) -> None:
-        self.r.pager.return_grads(unit, [acc[p.offset:p.offset + p.numel] for p in unit.params])
+        """Send a unit's final sum to the host (whole: a lent buffer is adopted, not copied)."""
+        self.r.pager.return_grads(unit, [acc])
+        self.sum_bytes -= acc.numel() * 4
 
     def _note(self, extra: int = 0) -> None:
         self.r.ctx.saved_bytes = self.boundary.bytes["device"] + self._front_bytes
@@ -298,7 +323,6 @@ class WindowRunner:
         r.plan_reads(order, step)
         r.pager.set_schedule(order)
         training = r.model.training
-        dev = r.device
         try:
             bound = r._bind_outer(requires_grad=True)
             calls: List[Dict[int, _Call]] = [{} for _ in range(A)]
@@ -316,8 +340,7 @@ class WindowRunner:
 
             # Head: per micro-batch, the model's own post-layer code and the chunked loss.
             head, embed = r.head, r.embed
-            head_acc = torch.zeros(head.numel, dtype=torch.float32, device=dev) if head.numel else None
-            embed_acc = torch.zeros(embed.numel, dtype=torch.float32, device=dev) if embed.numel else None
+            head_acc = embed_acc = None
             loss_sum, gs = 0.0, []
             for a, (ids, am, _) in enumerate(batches):
                 h_last = hs[a].detach().requires_grad_(True)
@@ -330,12 +353,12 @@ class WindowRunner:
                 del hidden, leaf, grad_hidden
                 gs.append(h_last.grad if h_last.grad is not None else torch.zeros_like(h_last))
                 if head.numel:
-                    self._fold_outer(head_acc, head, bound[head.index])
+                    head_acc = self._fold_outer(head_acc, head, bound[head.index])
                 if embed.numel:   # tied output embeddings
-                    self._fold_outer(embed_acc, embed, bound[embed.index])
+                    embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
             self._front_bytes = sum(_nbytes(g) for g in gs)
             if head.numel:
-                self._return(head, head_acc)
+                self._return(head, head_acc if head_acc is not None else self._sum(head.numel))
                 del head_acc
             # (the head stays bound until the embedding's capture below: the model's post-layer
             # code runs in every pass of its forward; its slot is its own, so this costs nothing)
@@ -351,8 +374,8 @@ class WindowRunner:
                         torch.autograd.backward(h0, gs[a])
                     gs[a] = None
                     del h0
-                    self._fold_outer(embed_acc, embed, bound[embed.index])
-                self._return(embed, embed_acc)
+                    embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
+                self._return(embed, embed_acc if embed_acc is not None else self._sum(embed.numel))
             r._release_outer(head)
             r._release_outer(embed)
             tokens = sum(int(ids.numel()) for ids, _, _ in batches)
@@ -364,6 +387,7 @@ class WindowRunner:
             raise
         finally:
             self.boundary.clear()
+            self.sum_bytes = 0
             r.ctx = None
             r.activation_now = 0
             self._front_bytes = 0
@@ -411,12 +435,11 @@ class WindowRunner:
     def _backward_layers(self, gs: List[torch.Tensor], calls, rng, k: int, kept):
         r = self.r
         layers, n, A = r.layers, len(r.layers), len(gs)
-        dev = r.device
         if k == 0:
             for unit in reversed(layers):
                 i = unit.layer_index
                 params = kept.pop(i)
-                acc = torch.zeros(unit.numel, dtype=torch.float32, device=dev)
+                acc = self._sum(unit.numel)
                 for a in range(A):
                     x, h = kept.pop((i, a))
                     grads = torch.autograd.grad(h, [x] + params, gs[a], allow_unused=True)
@@ -447,7 +470,7 @@ class WindowRunner:
                 unit = layers[i]
                 w = r.pager.acquire(unit)
                 params = bind(unit, w, requires_grad=True)
-                acc = torch.zeros(unit.numel, dtype=torch.float32, device=dev)
+                acc = self._sum(unit.numel)
                 try:
                     for a in range(A):
                         x = inputs[a].pop(i).detach().requires_grad_(True)
@@ -481,7 +504,8 @@ def plan_for(batches, *, plan, model_config, config, num_layers: int, device: to
 class WindowStep:
     """One layer-major window through the engine's parts: plans its groups, runs each through
     the :class:`WindowRunner` with the step's updates, and records the telemetry.
-    ``clip_hold_disk``: whether ``clip_hold="auto"`` means the disk tier (master weights on disk)."""
+    ``clip_hold_disk``: whether ``clip_hold="auto"`` means the disk tier (the planner's
+    ``placement["gradients"]``: the host budget cannot hold them)."""
 
     def __init__(self, window_runner: WindowRunner, boundary: BoundaryStore, *, updates, pager, counters,
                  config, layer_names: List[str], clip_hold_disk: bool):
@@ -513,7 +537,7 @@ class WindowStep:
         for g0 in range(0, len(batches), wp.group_size):
             group = batches[g0:g0 + wp.group_size]
             last = g0 + wp.group_size >= len(batches)
-            step = StepContext(lr=step_lr, clip=max_grad_norm, hold=self.hold()) if last else StepContext()
+            step = self.updates.context(step_lr if last else None, max_grad_norm if last else None, self.hold())
             self.updates.begin(step)
             try:
                 part, cnt, tokens = self.window_runner.run(group, loss_fn=loss_fn, step=step, denom=denom,

@@ -178,7 +178,17 @@ class SessionBeacon:
             "last_command": self.last_command,
             "started": self.started,
             "updated": time.time(),
+            **self._extra(),
         }
+
+    def _extra(self) -> dict[str, Any]:
+        # a run of several ranks adds what a follower needs (its metrics log, world size...)
+        fn = _attr(self.session, "heartbeat_extra", None)
+        try:
+            extra = fn() if callable(fn) else None
+        except Exception:  # noqa: BLE001 - the heartbeat must go on
+            extra = None
+        return clean_json(extra) if isinstance(extra, dict) else {}
 
     def write_heartbeat(self) -> None:
         data = self.snapshot()
@@ -234,6 +244,49 @@ class SessionBeacon:
             record["error"] = f"{type(e).__name__}: {e}"
             log.warning("megatrain_nb: command %s failed: %s", command_id, record["error"])
         self.last_command = clean_json(record)
+
+
+class ControlBeacon(SessionBeacon):
+    """The beacon of a run trained by several ranks (``trainer/control.py``), on rank 0.
+
+    Besides the sidebar's four commands it takes ``{"command": "checkpoint", "value": path or
+    null}`` and ``stop`` with a checkpoint value, which only a controller Session sends, and
+    passes each command's id along, so the event that records it can be matched.
+    ``kernel_id``: the notebook kernel that launched the ranks (the sidebar links the run to it).
+    """
+
+    def __init__(self, session: Any, *, kernel_id: str | None = None, **kw: Any) -> None:
+        super().__init__(session, **kw)
+        if kernel_id is not None:
+            self.kernel_id = kernel_id
+
+    def _apply(self, command_id: str, msg: Any) -> None:
+        record: dict[str, Any] = {"id": command_id, "time": time.time(), "ok": False}
+        try:
+            if not isinstance(msg, dict):
+                raise CommandError("command file is not a JSON object")
+            command, value = validate_run_command(msg.get("command"), msg.get("value"))
+            record.update(command=command, value=value, source=str(msg.get("source", "lab")))
+            fn = getattr(self.session, "set_lr" if command == "lr" else
+                         "save_checkpoint" if command == "checkpoint" else command)
+            args = (value,) if command in ("lr", "checkpoint") or (command == "stop" and value) else ()
+            fn(*args, source=record["source"], command_id=command_id)
+            record.update(ok=True, error=None)
+        except Exception as e:  # noqa: BLE001 - reported back through the heartbeat
+            record["error"] = f"{type(e).__name__}: {e}"
+            log.warning("megatrain_nb: command %s failed: %s", command_id, record["error"])
+        self.last_command = clean_json(record)
+
+
+def validate_run_command(command: Any, value: Any = None) -> tuple[str, Any]:
+    """:func:`validate_command` plus ``checkpoint`` (value: a path string or None) and ``stop``
+    with a checkpoint value (True or a path)."""
+    if command == "checkpoint" or (command == "stop" and value is not None):
+        if value is None or value is True or (command == "stop" and value is False) or (
+                isinstance(value, str) and 0 < len(value) < 4096 and "\0" not in value):
+            return command, value
+        raise CommandError(f"command {command!r} takes a path string (or nothing), got {value!r}")
+    return validate_command(command, value)
 
 
 # ---- helpers ---------------------------------------------------------------------------

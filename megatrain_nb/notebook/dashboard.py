@@ -32,7 +32,7 @@ from .inspector import stats_rows_html
 from .lifecycle import ENDED
 from .probe import RenderProbe
 from .run_log import RunView
-from .summary_html import header_html
+from .summary_html import header_html, rank_memory_table
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class Dashboard(W.VBox):
         self.header = W.HTML()
         self.training_fig = training_widget()
         self.links = W.HTML()
+        self.ranks = W.HTML()   # several ranks: each rank's memory tiers
         self.pause_button = W.Button(description="Pause", icon="pause", tooltip="Pause after the current step")
         self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
                                     tooltip="End the run after the current step and release memory")
@@ -111,6 +112,7 @@ class Dashboard(W.VBox):
             self.header,
             _boxed(self.training_fig, "100%"),
             W.HBox([controls, self.links]),
+            self.ranks,
             W.HTML("<b style='font-family:sans-serif'>Layer inspector</b>"),
             W.HBox([self.layer_select, self.metric]),
             W.HBox([self.layer_stats, _boxed(self.layers_fig, "72%")]),
@@ -237,6 +239,10 @@ class Dashboard(W.VBox):
         rows.append(f"<td>step time spent waiting</td><td>{fmt_num(100 * share, '.1f') + '%' if share is not None else '–'}</td>")
         self.links.value = ("<table style='font-size:12px;font-family:sans-serif'>"
                             + "".join(f"<tr>{r}</tr>" for r in rows) + "</table>")
+
+    @panel("ranks", 1.0, key=lambda d: (d.session.run_log.version,))
+    def _refresh_ranks(self, view: RunView) -> None:
+        self.ranks.value = rank_memory_table(view)
 
     @panel("training", 1.0, key=lambda d: (d.session.run_log.version,), curves=("loss", "lr"))
     def _refresh_training(self, view: RunView) -> None:

@@ -36,6 +36,9 @@ def configuration(session: Any) -> list[tuple[str, Any]]:
             if hasattr(args, key):
                 v = getattr(args, key)
                 rows.append((f"args.{key}", getattr(v, "value", v)))
+    launch = getattr(session, "launch_info", None)   # ranks in worker processes (notebook/remote.py)
+    if callable(launch):
+        rows.extend(launch())
     econf = getattr(engine, "config", None)
     if dataclasses.is_dataclass(econf):
         for f in dataclasses.fields(econf):
@@ -52,7 +55,8 @@ def environment(session: Any) -> list[tuple[str, Any]]:
         rows.append((mod, _version(mod)))
     device = getattr(session.engine, "device", None)
     rows.append(("device", str(device) if device is not None else "?"))
-    if torch.cuda.is_available():
+    # a launched run's kernel never initialises CUDA (its ranks do), so it does not ask the GPU
+    if session.engine is not None and torch.cuda.is_available():
         rows.append(("accelerator", torch.cuda.get_device_name(0)))
         rows.append(("accelerator memory", fmt_bytes(torch.cuda.get_device_properties(0).total_memory)))
     rows.append(("CPU cores", os.cpu_count()))

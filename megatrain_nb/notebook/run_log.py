@@ -88,6 +88,7 @@ class RunView:
     events: list[dict] = field(default_factory=list)
     last: dict = field(default_factory=dict)
     memory: dict | None = None
+    rank_memory: list | None = None     # several ranks: each rank's memory report, by rank
     links: dict[str, float | None] = field(default_factory=dict)
     prefetch_hit_rate: dict[str, float | None] = field(default_factory=dict)
     stall_share: float | None = None
@@ -109,6 +110,7 @@ class RunLog:
         self._steps: list[float] = []
         self._eval: tuple[list[float], list[float]] = ([], [])
         self._memory: dict | None = None
+        self._rank_memory: list | None = None
         self._telemetry: list[tuple[float, dict]] = []  # (time, snapshot), last two kept
         self._units: list[str] = []
         self._layers: dict[str, dict] = {}
@@ -132,6 +134,8 @@ class RunLog:
                 self._eval[1].append(_num(rec.get("eval_loss")))
             if isinstance(rec.get("memory"), dict):
                 self._memory = rec["memory"]
+            if isinstance(rec.get("rank_memory"), list):
+                self._rank_memory = rec["rank_memory"]
             if isinstance(rec.get("telemetry"), dict):
                 self._telemetry = (self._telemetry + [(rec["time"], rec["telemetry"])])[-2:]
             self._version += 1
@@ -225,6 +229,7 @@ class RunLog:
                 events=[dict(e) for e in self._events],
                 last=last,
                 memory=self._memory,
+                rank_memory=self._rank_memory,
                 units=list(self._units),
                 layers={k: dict(v) for k, v in self._layers.items()},
             )

@@ -68,11 +68,30 @@ class Session:
     "session-N"). ``seq_len``: block length for text datasets and the built-in corpus.
     ``loss_fn``: a custom loss, handed to the Trainer. ``**engine_options``: any
     ``EngineConfig`` field (``offload_dir=``, ``optimizer_compression=``, ``device=``...).
+    ``nproc_per_node=N``: train on N local ranks in worker processes (``remote.py``); the
+    object is then a :class:`~megatrain_nb.notebook.remote.RemoteSession` with this API.
 
     >>> session = Session("micro", seq_len=32)                  # doctest: +SKIP
     >>> session.train(); session.wait()                         # doctest: +SKIP
     'finished'
     """
+
+    def __new__(cls, *args: Any, nproc_per_node: Optional[int] = None, **kwargs: Any):
+        # nproc_per_node=N: the ranks train in N worker processes, this object steers them
+        if cls is Session and nproc_per_node is not None:
+            from .remote import RemoteSession
+
+            return super().__new__(RemoteSession)
+        return super().__new__(cls)
+
+    @classmethod
+    def attach(cls, name: str, **kw: Any) -> "Session":
+        """Follow and steer a run started with torchrun on this machine (``mt.Trainer.train()``
+        inside; rank 0 announces it under ``name``): history, events, dashboard, pause / resume
+        / set_lr / save_checkpoint / stop. Raises LookupError listing the runs there are."""
+        from .remote import RemoteSession
+
+        return RemoteSession.attach(name, **kw)
 
     def __init__(self, model: Any, train_dataset: Any = None, args: Any = None, tokenizer: Any = None,
                  eval_dataset: Any = None, name: Optional[str] = None, *, seq_len: Optional[int] = None,

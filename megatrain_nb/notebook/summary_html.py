@@ -117,6 +117,21 @@ def memory_table(view: RunView) -> str:
             f"{rows}</table>{note}")
 
 
+def rank_memory_table(view: RunView) -> str:
+    """Several ranks: each rank's used / peak bytes per tier (from the latest logging step)."""
+    ranks = view.rank_memory
+    if not ranks or len(ranks) < 2:
+        return ""
+    rows = []
+    for r, mem in enumerate(ranks):
+        tiers = tier_summary(mem)
+        cells = "".join(f"<td>{fmt_bytes(tiers[t]['used'])} ({fmt_bytes(tiers[t]['peak'])})</td>"
+                        if t in tiers else "<td>–</td>" for t in TIERS)
+        rows.append(f"<tr><td>rank {r}</td>{cells}</tr>")
+    head = "".join(f"<th>{t} used (peak)</th>" for t in TIERS)
+    return f"<table style='font-size:12px'><tr><th></th>{head}</tr>{''.join(rows)}</table>"
+
+
 def events_table(events: list[dict], limit: int = 12) -> str:
     if not events:
         return ""
@@ -137,4 +152,5 @@ def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
     return (f"<div class='megatrain-summary' style='border:1px solid #ddd;padding:8px;border-radius:4px'>"
             f"{header_html(session, view)}{note}"
             f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
-            f"<div>{loss_svg(view)}</div><div>{memory_table(view)}{events_table(view.events)}</div></div></div>")
+            f"<div>{loss_svg(view)}</div><div>{memory_table(view)}{rank_memory_table(view)}"
+            f"{events_table(view.events)}</div></div></div>")

@@ -8,7 +8,7 @@ A checkpoint folder holds:
   optimizer states in their stored (codec) form;
 - ``scheduler.json`` (the LR scheduler's state and any live ``set_lr`` override),
 - ``rng_state.json`` (python, numpy, torch CPU and CUDA generators),
-- ``manifest.json`` (size and sha256 of every other file; checked before a resume),
+- ``manifest.json`` (size and sha256 of every 64 MiB piece of every other file; checked before a resume),
 - ``trainer_state.json`` (``transformers.TrainerState``: step, epoch, log history),
 - ``megatrain_state.json`` (data position, tokens seen, the run's shape, the ``run_id`` of the
   run that wrote it and when; written last: it marks a megatrain_nb checkpoint),

@@ -144,6 +144,9 @@ class Trainer:
         # Which run this is: a fresh iter_steps() starts a new one, a resume continues the run of
         # its checkpoint. Tags metrics lines and checkpoints, so runs sharing output_dir stay apart.
         self.run_id: Optional[str] = None
+        # train() under torchrun: rank 0 announces the run and takes commands that every rank
+        # applies at the same step boundary (trainer/control.py); None when a Session drives us
+        self.run_control = None
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict):
@@ -192,12 +195,16 @@ class Trainer:
     # ------------------------------------------------------------------ live controls (Session seam)
     def set_lr(self, lr: float) -> None:
         """From the next optimizer step the learning rate is ``lr``; the schedule carries on relative to it."""
-        if self.schedule is None:
-            if not (lr >= 0):
-                raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
-            self._pending_lr = float(lr)
-        else:
+        if not (lr >= 0):
+            raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
+        if self._running:
             self.schedule.set_lr(lr)
+        else:
+            # Between runs: the next iter_steps() builds a new schedule (and a resume loads the
+            # checkpoint's); the change applies on top of that, from its first step.
+            self._pending_lr = float(lr)
+            if self.schedule is not None:
+                self.schedule.set_lr(lr)  # schedule.current() shows it meanwhile
 
     def request_stop(self) -> None:
         """Make :meth:`iter_steps` return after the current optimizer step."""
@@ -284,7 +291,15 @@ class Trainer:
                     epoch_open = False
                 self._after_step(record)
                 if record is not None:
+                    if self.run_control is not None:   # commands reach every rank at this step
+                        self.run_control.boundary(record)
+                    # logged before the checkpoint that holds its step: a kill after the save
+                    # must not leave a step in a checkpoint without its line in metrics.jsonl
                     self.metrics_log.write(record)
+                self._save_if_due(record)
+                if record is not None:
+                    if self.run_control is not None:   # paused: the ranks wait here, together
+                        self.run_control.hold()
                     yield record
                 if self.control.should_training_stop:
                     break
@@ -344,7 +359,7 @@ class Trainer:
                 "step_time_s": dt, "time": time.time(), "total_steps": total}
 
     def _after_step(self, record: Optional[dict]) -> None:
-        """Logging, evaluation and checkpoints as the callbacks' control asks."""
+        """Logging and evaluation as the callbacks' control asks (the checkpoint: _save_if_due)."""
         c = self.control
         if c.should_log and self._log_accum[1] > 0:
             s, k = self._log_accum
@@ -360,10 +375,13 @@ class Trainer:
             metrics = self.evaluate()
             if record is not None:
                 record["eval_loss"], record["eval_ppl"] = metrics["eval_loss"], metrics["eval_ppl"]
-        if c.should_save:
+
+    def _save_if_due(self, record: Optional[dict]) -> None:
+        """The checkpoint the callbacks' control asks for at this step."""
+        if self.control.should_save:
             path = self.save_checkpoint()
             if record is not None:
-                record["checkpoint"] = path
+                record["checkpoint"] = path   # the yielded record (the log has a "checkpoint" event line)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def log(self, logs: dict) -> None:
@@ -385,14 +403,21 @@ class Trainer:
                                                   for c in self.callback_handler.callbacks):
             progress = ProgressCallback()
             self.callback_handler.add_callback(progress)
+        from .control import RunControl, wanted
+
         t0, losses, tokens = time.time(), [], 0
+        self.run_control = RunControl(self).start() if wanted(self.dist) else None
+        outcome = "failed"
         try:
             for record in self.iter_steps(resume_from_checkpoint=resume_from_checkpoint):
                 losses.append(record["loss"])
                 tokens += record["tokens"]
+            outcome = "stopped" if self.run_control is not None and self.run_control.stopped else "finished"
         finally:
             if progress is not None:
                 self.callback_handler.remove_callback(progress)
+            if self.run_control is not None:
+                self.run_control.close(outcome)
         runtime = time.time() - t0
         train_loss = sum(losses) / len(losses) if losses else float("nan")
         metrics = {"train_runtime": runtime, "train_loss": train_loss, "train_steps": len(losses),

@@ -319,14 +319,67 @@ def test_clipping_holds_final_gradients_on_the_disk_tier(tmp_path, window):
         e.close()
 
 
+def test_default_clip_hold_goes_to_disk_when_the_host_budget_is_short(tmp_path):
+    """clip_hold="auto" (the default): with a max_host_gb that holds the master weights but not
+    also a whole model's final gradients, the planner puts the held gradients on the disk tier
+    (the master weights stay in RAM); the weights are bitwise those of holding them in RAM.
+    Without a disk tier that budget is refused, naming the numbers."""
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    ram = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=str(tmp_path / "a")))
+    assert ram.config.clip_hold == "auto" and ram.plan.placement["gradients"] == "host"   # no budget: RAM
+    grads = ram.plan.host["grads"]
+    assert grads == 4 * ram.num_parameters()
+    short = (ram.plan.host["total"] - grads // 2) / GiB   # room for everything but the gradients
+    auto = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=str(tmp_path / "b"),
+                                                              max_host_gb=short))
+    assert auto.plan.placement == {"gradients": "disk", "master_weights": "host", "optimizer_states": "disk"}
+    assert auto.plan.host["grads"] == 0 and auto.plan.disk["grads"] == grads
+    assert auto.window_step.hold() == "disk"
+    roomy = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=str(tmp_path / "c"),
+                                                               max_host_gb=short + grads / GiB))
+    assert roomy.plan.placement["gradients"] == "host" and roomy.window_step.hold() == "host"
+    for w in _windows(3, 3):
+        outs = [e.forward_backward(w, step_lr=3e-3, max_grad_norm=0.05) for e in (ram, auto, roomy)]
+        assert outs[0].grad_norm == outs[1].grad_norm == outs[2].grad_norm and outs[0].grad_norm > 0.05
+    single = _windows(1, 1, seed=5)[0][0]   # a single micro-batch's final gradient is held the same way
+    outs = [e.forward_backward(single["input_ids"], attention_mask=single["attention_mask"], step_lr=3e-3,
+                               max_grad_norm=0.05) for e in (ram, auto, roomy)]
+    assert outs[0].grad_norm == outs[1].grad_norm == outs[2].grad_norm
+    assert _rel(auto, ram) == 0.0 and _rel(roomy, ram) == 0.0
+    mem = auto.memory_report()
+    assert mem["host"]["grads"] == 0 and mem["disk"]["grads"] >= grads
+    assert ram.memory_report()["disk"]["grads"] == 0
+    for e in (ram, auto, roomy):
+        e.close()
+    with pytest.raises(ValueError, match=r"max_host_gb=.*host RAM needs .* GiB .*gradients .* give an offload_dir"):
+        StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", max_host_gb=short))
+
+
 def test_estimate_counts_gradients_held_on_disk():
+    """The estimator plans as the engine: with clipping, final gradients that the host budget
+    cannot hold beside the master weights go to the disk tier (clip_hold "auto", the default);
+    the table shows them there. An accumulator (micro-batch-major) stays in RAM."""
     from megatrain_nb import estimate
 
-    kw = dict(vram_gb=80, ram_gb=64, disk_gb=4096)
-    host = estimate("llama-100b", **kw)
-    disk = estimate("llama-100b", clip_hold="auto", **kw)   # master weights on disk -> gradients too
-    assert not host.feasible and host.plan.host["grads"] > 0
-    assert disk.feasible and disk.plan.host["grads"] == 0 and disk.plan.disk["grads"] == host.plan.host["grads"]
+    kw = dict(vram_gb=80, ram_gb=512, disk_gb=4096)
+    host = estimate("llama-100b", clip_hold="host", **kw)
+    auto = estimate("llama-100b", **kw)
+    assert host.feasible and host.plan.placement["gradients"] == "host" and host.plan.host["grads"] > 0
+    assert auto.feasible and auto.plan.host["grads"] == 0 and auto.plan.disk["grads"] == host.plan.host["grads"]
+    assert auto.plan.placement == {"gradients": "disk", "master_weights": "host", "optimizer_states": "disk"}
+    disk_row = next(r for r in auto._rows()[1] if r[0] == "disk")
+    assert disk_row[4] != "-"   # the gradients column of the disk row
+    assert "gradients -> disk" in str(auto) and "wait for the global norm on the disk tier" in str(auto)
+    big = estimate("llama-100b", **dict(kw, ram_gb=1024))   # the budget holds them: RAM
+    assert big.plan.placement["gradients"] == "host" and big.plan.host["grads"] == host.plan.host["grads"]
+    mbm = estimate("llama-100b", accumulation=4, layer_major=False, **kw)   # an accumulator: never on disk
+    assert mbm.plan.placement["gradients"] == "host" and mbm.plan.host["grads"] == host.plan.host["grads"]
+    # the least host RAM: weights, held gradients, boundaries all on the disk tier
+    assert auto.host_min == estimate("llama-100b", **dict(kw, ram_gb=1)).plan.host["total"]
+    assert auto.host_min < auto.plan.host["total"] and "at least" in str(auto)
+    assert mbm.host_min >= host.plan.host["grads"]
 
 
 # ---------------------------------------------------------------------- the disk tier, the window's interval
@@ -455,3 +508,35 @@ def test_estimate_puts_llama100b_boundaries_on_disk_and_says_so():
     assert after.plan.host["total"] < before.plan.host["total"] - before.plan.host["grads"] // 2
     assert after.feasible and w["tokens_per_weight_fetch"] == 2048 * 128 / 2
     assert "on the disk" in after.notes[0] and "131,072 tokens per weight fetch" in after.notes[0]
+
+
+def test_cpu_window_sums_are_pool_buffers_adopted_whole(monkeypatch):
+    """On a CPU "device" each unit's sum over the window is a buffer lent by the update pool
+    and adopted as the final gradient: after a warm-up step a window takes its sums from the
+    pool, and the device tier accounts them (one unit at a time when untied)."""
+    from megatrain_nb.engine import disk_store
+
+    model = AutoModelForCausalLM.from_config(family_config("llama", tie=False)).eval()
+    eng = StreamingEngine(model, EngineConfig(device="cpu"))
+    windows = _windows(3, 3)
+    eng.forward_backward(windows[0], step_lr=1e-3)
+    eng.updates.wait_all()
+    made = []
+    real = disk_store.aligned_empty
+    monkeypatch.setattr(disk_store, "aligned_empty", lambda *a, **k: made.append(a) or real(*a, **k))
+    pool = eng.updates._grad_pool
+    takes = []
+    real_take = pool.take
+    monkeypatch.setattr(pool, "take", lambda n: takes.append(n) or real_take(n))
+    for w in windows[1:]:
+        eng.forward_backward(w, step_lr=1e-3)
+        eng.updates.wait_all()
+    # recycled, not allocated (without the pool: one per unit per step; a slow update thread
+    # may keep one more buffer in flight than the pool retained, so not always zero)
+    assert len(made) < len(eng.units)
+    # one pool buffer per unit per step: the sum, adopted (a copy on arrival would take a second)
+    assert sorted(takes) == sorted([u.numel for u in eng.units] * 2)
+    assert len(eng.updates._lent) == 0   # every lent sum came back as a final gradient
+    largest = max(u.numel for u in eng.units) * 4
+    assert eng.memory_report()["device"]["grad_sums"] == largest
+    eng.close()

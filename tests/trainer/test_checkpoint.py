@@ -165,3 +165,71 @@ def test_resume_true_picks_the_latest_run_not_the_highest_step(tmp_path):
     assert [c.name for c in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert latest_checkpoint(tmp_path).name == "checkpoint-1"  # the later run's, not the earlier run's step 3
     assert list_checkpoints(tmp_path, run_id=later.run_id) == [tmp_path / "checkpoint-1"]
+
+
+def _lr_run(trainer, changes, stop_at=None, resume=None, lrs=None):
+    """Train, calling set_lr(changes[s]) at the boundary after step s; {step: lr} it trained with."""
+    lrs = {} if lrs is None else lrs
+    for record in trainer.iter_steps(resume_from_checkpoint=resume):
+        lrs[record["step"]] = record["lr"]
+        if record["step"] in changes:
+            trainer.set_lr(changes[record["step"]])
+        if record["step"] == stop_at:
+            break
+    return lrs
+
+
+def test_lr_changes_made_before_a_checkpoint_survive_a_resume(tmp_path):
+    # set_lr at boundary 2 comes before checkpoint-4: the resume must take it from the checkpoint
+    # (not re-applied here). The change at boundary 4 comes after checkpoint-4 was written, so the
+    # resumed run is given it before it starts (what the soak and a Session do).
+    changes = {2: 1e-3, 4: 7e-4, 6: 2e-3}
+    full = make_trainer(str(tmp_path / "full"), "none", save_steps=4)
+    lrs_full = _lr_run(full, changes)
+    expected = full.engine.state_dict()
+    full.close()
+    assert len(set(lrs_full.values())) == 8  # the changes and the cosine schedule move every step
+
+    out = tmp_path / "split"
+    first = make_trainer(str(out), "none", save_steps=4)
+    lrs = _lr_run(first, {2: changes[2]}, stop_at=4)
+    first.close()  # as a kill -9 after checkpoint-4: nothing of this process carries over
+
+    fresh = make_trainer(str(out), "none", save_steps=4)
+    fresh.set_lr(changes[4])  # before the run starts: applied on top of the checkpoint's state
+    _lr_run(fresh, {6: changes[6]}, resume=out / "checkpoint-4", lrs=lrs)
+    assert lrs == lrs_full
+    got = fresh.engine.state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+    # the same trainer object, stopped and resumed: a set_lr between its two runs is kept too
+    again = make_trainer(str(tmp_path / "again"), "none", save_steps=4)
+    lrs = _lr_run(again, {2: changes[2]}, stop_at=4)
+    again.set_lr(changes[4])
+    _lr_run(again, {6: changes[6]}, resume=tmp_path / "again" / "checkpoint-4", lrs=lrs)
+    assert lrs == lrs_full
+    got = again.engine.state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_step_in_a_checkpoint_has_its_line_in_metrics_jsonl_even_if_the_process_dies_right_after(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    tr = make_trainer(str(out), "none", save_steps=2)
+    real = tr.save_checkpoint
+
+    class Died(BaseException):
+        pass
+
+    def save_then_die(path=None):
+        real(path)
+        if tr.state.global_step == 4:
+            raise Died  # as a kill -9 the moment checkpoint-4 is complete
+    tr.save_checkpoint = save_then_die
+    with pytest.raises(Died):
+        tr.train()
+    tr.close()
+    assert latest_checkpoint(out).name == "checkpoint-4"
+    steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4]  # the resume starts at 5: no step is missing from the log

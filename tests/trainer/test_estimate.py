@@ -24,7 +24,7 @@ def test_100b_reproduces_the_seed_article_comparison():
 
 
 def test_limiting_tier_is_reported():
-    est = estimate("llama-100b", vram_gb=80, ram_gb=64, disk_gb=4096)
+    est = estimate("llama-100b", vram_gb=80, ram_gb=16, disk_gb=4096)
     assert not est.feasible and est.limiting_tier == "host"
     assert "limiting tier: host" in str(est)
     assert estimate("llama-7b", vram_gb=0.5, ram_gb=None, disk_gb=None).limiting_tier == "device"
@@ -71,7 +71,7 @@ def test_no_advice_to_compress_what_is_already_compressed():
 def test_cli_messages_name_flags(capsys):
     from megatrain_nb.cli import main
 
-    assert main(["estimate", "llama-100b", "--vram", "80", "--ram", "64", "--disk", "4096"]) == 0
+    assert main(["estimate", "llama-100b", "--vram", "80", "--ram", "16", "--disk", "4096"]) == 0
     out = capsys.readouterr().out
     assert "feasible: NO (limiting tier: host)" in out
     assert main(["estimate", "llama-100b", "--vram", "80", "--ram", "512", "--disk", "100"]) == 0

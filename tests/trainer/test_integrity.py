@@ -110,3 +110,64 @@ def test_rng_state_round_trips_through_json():
     a = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     ckpt.set_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == a
+
+
+def _folder(tmp_path, sizes=(300_000, 70_000, 0)):
+    d = tmp_path / "ck"
+    d.mkdir()
+    for i, n in enumerate(sizes):
+        (d / f"f{i}.bin").write_bytes(os.urandom(n))
+    return d
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "blake2b"])
+def test_every_piece_of_a_chunked_manifest_is_checked(tmp_path, algorithm):
+    from megatrain_nb.trainer import manifest as mf
+
+    d = _folder(tmp_path)
+    m = mf.write_manifest(d, algorithm=algorithm, chunk=64 << 10)  # f0 in 5 pieces
+    assert m["algorithm"] == algorithm and len(m["files"]["f0.bin"]["chunks"]) == 5
+    assert mf.verify_manifest(d)
+    good = (d / "f0.bin").read_bytes()
+    for at in (0, (64 << 10) - 1, 64 << 10, 200_000, len(good) - 1):  # each piece, its edges
+        bad = bytearray(good)
+        bad[at] ^= 0x40
+        (d / "f0.bin").write_bytes(bytes(bad))
+        with pytest.raises(IntegrityError, match="f0.bin.*does not match its checksum"):
+            mf.verify_manifest(d)
+    (d / "f0.bin").write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # same size, last byte changed
+    with pytest.raises(IntegrityError, match="f0.bin"):
+        mf.verify_manifest(d)
+    (d / "f0.bin").write_bytes(good[: 64 << 10])  # truncated on a piece boundary
+    with pytest.raises(IntegrityError, match="f0.bin.*truncated"):
+        mf.verify_manifest(d)
+    (d / "f0.bin").write_bytes(good)
+    assert mf.verify_manifest(d)
+
+
+def test_format_1_manifests_written_before_stay_verifiable(tmp_path):
+    import hashlib
+
+    from megatrain_nb.trainer import manifest as mf
+
+    d = _folder(tmp_path)
+    files = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in sorted(d.iterdir())}
+    (d / "manifest.json").write_text(json.dumps({"format": 1, "algorithm": "sha256", "files": files}))
+    assert mf.verify_manifest(d)
+    data = bytearray((d / "f1.bin").read_bytes())
+    data[5] ^= 1
+    (d / "f1.bin").write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="f1.bin.*does not match"):
+        mf.verify_manifest(d)
+
+
+@pytest.mark.parametrize("edit", [{"algorithm": "md5"}, {"format": 9}, {"chunk_bytes": 0}])
+def test_a_manifest_naming_an_unknown_algorithm_or_format_is_refused(tmp_path, edit):
+    from megatrain_nb.trainer import manifest as mf
+
+    d = _folder(tmp_path)
+    m = mf.write_manifest(d)
+    (d / "manifest.json").write_text(json.dumps({**m, **edit}))
+    with pytest.raises(IntegrityError, match="manifest.json is damaged"):
+        mf.verify_manifest(d)

@@ -1,0 +1,206 @@
+"""What the worker processes of ``mt.Session(..., nproc_per_node=N)`` need, written once into a
+private folder as plain files, so that nothing crosses the process boundary as a pickle:
+
+- the model: a local folder or a Hub id (resolved here, once, into the HF cache) is passed as
+  its path; a preset name as its name; a model object is written once with
+  ``save_pretrained`` (safetensors) into ``<run>/model``;
+- datasets: ``datasets.Dataset.save_to_disk`` (Arrow) into ``<run>/train`` / ``<run>/eval``; a
+  list or a torch map-style dataset is first turned into a ``datasets.Dataset``;
+- the tokenizer: ``save_pretrained`` into ``<run>/tokenizer``;
+- ``TrainingArguments``: the fields that differ from their defaults, as JSON;
+- engine options, ``seq_len``: JSON; ``loss_fn`` and callbacks: import paths
+  (``"package.module:name"``), since a function defined in a notebook cell cannot be imported
+  by another process.
+
+``spec.json`` lists it all; :func:`build_from_spec` (in each worker) turns it back into an
+``mt.Trainer``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+SPEC_FILE = "spec.json"
+
+
+class LaunchError(ValueError):
+    """Something given to a multi-process Session cannot reach its worker processes."""
+
+
+def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, tokenizer: Any, eval_dataset: Any,
+               seq_len: Optional[int], loss_fn: Any, callbacks: Any, engine_options: dict,
+               resume: Any = None) -> dict:
+    """Write everything into ``run_dir`` (which exists, private); returns the spec."""
+    if args is None:   # spell out the defaults, so that the controller knows the output folder too
+        from megatrain_nb.trainer.presets import preset_names
+
+        if isinstance(model, str) and model in preset_names() and not Path(model).exists():
+            from .model_source import default_args
+
+            on_corpus = train_dataset is None or eval_dataset is not None   # as model_source._builtin
+            args = default_args(os.path.join("megatrain_outputs", model), eval_strategy="steps" if on_corpus else "no")
+        else:
+            args = {"output_dir": "megatrain_outputs"}
+    spec: dict = {"format": 1, "model": _model_ref(run_dir, model, engine_options), "seq_len": seq_len,
+                  "args": _args_fields(args), "engine_options": _json_only(engine_options, "engine option"),
+                  "loss_fn": import_ref(loss_fn, "loss_fn") if loss_fn is not None else None,
+                  "callbacks": [import_ref(c, "callback") for c in (callbacks or [])],
+                  "resume": str(resume) if resume not in (None, False) else None,
+                  "train": _dataset(run_dir / "train", train_dataset, "train_dataset"),
+                  "eval": _dataset(run_dir / "eval", eval_dataset, "eval_dataset"),
+                  "tokenizer": None}
+    if tokenizer is not None:
+        if not hasattr(tokenizer, "save_pretrained"):
+            raise LaunchError(f"tokenizer of type {type(tokenizer).__name__} has no save_pretrained(); the worker "
+                              "processes load it from a folder: pass a transformers tokenizer")
+        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        spec["tokenizer"] = str(run_dir / "tokenizer")
+    with open(run_dir / SPEC_FILE, "w", encoding="utf-8") as f:
+        json.dump(spec, f, indent=1)
+    return spec
+
+
+def _model_ref(run_dir: Path, model: Any, options: dict) -> dict:
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model).expanduser()
+        if path.exists():
+            if not (path / "config.json").is_file():
+                raise LaunchError(f"{str(path)!r} has no config.json: pass a Hugging Face model folder, a model "
+                                  "object, a Hub id or a preset name")
+            return {"folder": str(path.resolve())}
+        from megatrain_nb.trainer.presets import preset_names
+
+        if str(model) in preset_names():
+            return {"preset": str(model)}
+        from megatrain_nb.hub import resolve_model
+
+        # once here, so that N workers do not each go to the Hub
+        return {"folder": str(resolve_model(str(model), revision=options.pop("revision", None),
+                                            token=options.pop("token", None)))}
+    import torch
+
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "save_pretrained"):
+        raise LaunchError(f"model of type {type(model).__name__} cannot reach the worker processes: pass a "
+                          "transformers *ForCausalLM, a local model folder, a Hub id or a preset name")
+    if any(p.is_meta for p in model.parameters()):
+        raise LaunchError("the model is on the meta device (its weights exist nowhere yet), so the worker "
+                          "processes cannot load it: save a real model with save_pretrained and pass the folder")
+    model.save_pretrained(str(run_dir / "model"), safe_serialization=True)
+    return {"folder": str(run_dir / "model"), "written": True}
+
+
+def _dataset(path: Path, ds: Any, what: str) -> Optional[str]:
+    if ds is None:
+        return None
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        raise LaunchError(f"{what} is a DatasetDict with splits {list(ds)}; pass one split, e.g. ds['train']")
+    if isinstance(ds, datasets.IterableDataset) or not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
+        raise LaunchError(f"{what} of type {type(ds).__name__} is iterable-only: the worker processes need it "
+                          "written to disk first; pass a datasets.Dataset (e.g. Dataset.from_generator(...))")
+    if not isinstance(ds, datasets.Dataset):
+        from megatrain_nb.trainer.data import _as_example
+
+        rows = [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in _as_example(ds[i]).items()}
+                for i in range(len(ds))]
+        ds = datasets.Dataset.from_list(rows)
+    ds.save_to_disk(str(path))
+    return str(path)
+
+
+def _args_fields(args: Any) -> dict:
+    """The TrainingArguments fields that differ from their defaults (JSON values)."""
+    if args is None:
+        return {}
+    if isinstance(args, dict):
+        fields = dict(args)
+    else:
+        from megatrain_nb.trainer.args import default_values
+
+        defaults = default_values()
+        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
+                  if f.init and not f.name.startswith("_") and getattr(args, f.name) != defaults.get(f.name)}
+        fields["output_dir"] = args.output_dir
+    fields = {k: v.value if isinstance(v, enum.Enum) else v for k, v in fields.items()}
+    if fields.get("output_dir"):
+        fields["output_dir"] = str(Path(fields["output_dir"]).expanduser().resolve())
+    return _json_only(fields, "TrainingArguments field")
+
+
+def _json_only(values: dict, what: str) -> dict:
+    out = {}
+    for k, v in values.items():
+        try:
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError):
+            raise LaunchError(f"{what} {k}={v!r} cannot be written as JSON for the worker processes; pass plain "
+                              "values (strings, numbers, lists)") from None
+        out[k] = v
+    return out
+
+
+def import_ref(obj: Any, what: str) -> str:
+    """``"module:qualname"`` of an importable function or class (or such a string, checked)."""
+    if isinstance(obj, str):
+        load_ref(obj, what)   # fail here, not in N workers
+        return obj
+    # a function or class by its name; an instance by its class (each worker makes its own)
+    target = obj if isinstance(obj, type) or inspect.isfunction(obj) or inspect.isbuiltin(obj) else type(obj)
+    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
+    if module and module != "__main__" and "<" not in name:
+        ref = f"{module}:{name}"
+        try:
+            if load_ref(ref, what) is target:
+                return ref
+        except LaunchError:
+            pass
+    raise LaunchError(f"{what} {obj!r} must reach the worker processes by import: define it in a module "
+                      "(not a notebook cell) and pass it, or its path as 'package.module:name'")
+
+
+def load_ref(ref: str, what: str) -> Any:
+    module, _, name = ref.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise LaunchError(f"{what} {ref!r} cannot be imported ({type(e).__name__}: {e}); give "
+                          "'package.module:name' of something on the worker processes' path") from None
+    return obj
+
+
+def build_from_spec(run_dir: Path):
+    """(trainer, tokenizer) in a worker process, from ``run_dir/spec.json``."""
+    import datasets
+
+    from .model_source import build_trainer
+
+    spec = json.loads((run_dir / SPEC_FILE).read_text(encoding="utf-8"))
+    model = spec["model"].get("folder") or spec["model"]["preset"]
+    tokenizer = None
+    if spec["tokenizer"]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    options = dict(spec["engine_options"])
+    if spec["loss_fn"]:
+        options["loss_fn"] = load_ref(spec["loss_fn"], "loss_fn")
+    if spec["callbacks"]:
+        options["callbacks"] = [load_ref(c, "callback") for c in spec["callbacks"]]
+    args = None
+    if spec["args"]:
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(**spec["args"])
+    load = datasets.load_from_disk
+    return build_trainer(model, train_dataset=load(spec["train"]) if spec["train"] else None, args=args,
+                         tokenizer=tokenizer, eval_dataset=load(spec["eval"]) if spec["eval"] else None,
+                         seq_len=spec["seq_len"], trainer_options=options), spec

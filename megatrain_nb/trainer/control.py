@@ -1,0 +1,217 @@
+"""Steering a run that several ranks train: every command reaches every rank at the same step.
+
+``Trainer.train()`` under torchrun (and the workers of ``mt.Session(..., nproc_per_node=N)``)
+runs a :class:`RunControl`:
+
+- rank 0 announces the run once (a heartbeat file, the same one a notebook Session writes, so
+  the JupyterLab sidebar and ``mt.Session.attach(name)`` see one run, not N) and takes commands
+  through its inbox (``lab/beacon.py``: private folder, ``O_NOFOLLOW`` reads);
+- at every optimizer-step boundary rank 0 hands the commands received since the last boundary
+  to every rank in one small collective (``all_gather_object`` of a few dicts on the main group,
+  bounded by the group's timeout), and every rank applies them in the same order at the same
+  step; rank 0 records each in ``metrics.jsonl`` as ``{"event": "control", "kind", "step", ...}``;
+- the same collective carries each rank's ``memory_report()`` on logging steps, so the one log
+  holds every rank's memory tiers (``record["rank_memory"]``, a list by rank);
+- while paused the ranks meet at the boundary every :data:`PAUSE_POLL_S` seconds (a collective
+  each time), so no wait runs into the group's timeout however long the pause lasts.
+
+Commands: ``pause``, ``resume``, ``lr`` (value), ``checkpoint`` (value: a path or None),
+``stop`` (value: False, True or a path to checkpoint first). Enabled by default when the run
+has several ranks or was started by torchrun; ``MEGATRAIN_NB_CONTROL=0`` turns it off, ``=1``
+on. ``MEGATRAIN_NB_RUN_NAME`` names the run (default: ``args.run_name``, else the output
+folder's name) and ``MEGATRAIN_NB_SESSION_ID`` fixes its heartbeat id.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+ENV_ENABLE = "MEGATRAIN_NB_CONTROL"
+ENV_NAME = "MEGATRAIN_NB_RUN_NAME"
+ENV_ID = "MEGATRAIN_NB_SESSION_ID"
+ENV_KERNEL = "MEGATRAIN_NB_KERNEL_ID"
+ENV_LAUNCHER = "MEGATRAIN_NB_LAUNCHER"
+#: how often paused ranks meet (seconds): a pause or a stop while paused lands within this
+PAUSE_POLL_S = 0.25
+#: the commands a run takes; the lab protocol's four plus a checkpoint
+KINDS = ("pause", "resume", "lr", "checkpoint", "stop")
+
+
+def wanted(dist) -> bool:
+    """Whether ``Trainer.train()`` runs a RunControl (see the module docstring)."""
+    flag = os.environ.get(ENV_ENABLE, "").strip().lower()
+    if flag in ("0", "false", "no", "off"):
+        return False
+    if flag in ("1", "true", "yes", "on"):
+        return True
+    return dist.world > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def run_name(args) -> str:
+    name = os.environ.get(ENV_NAME) or getattr(args, "run_name", None)
+    if not name or str(name) == str(args.output_dir):
+        name = Path(str(args.output_dir)).resolve().name or "run"
+    return str(name)
+
+
+class RunControl:
+    """The step-boundary channel of one ``Trainer.train()`` (every rank builds one)."""
+
+    def __init__(self, trainer, *, name: Optional[str] = None, session_id: Optional[str] = None,
+                 root: Any = None):
+        self.trainer = trainer
+        self.dist = trainer.dist
+        self.name = name or run_name(trainer.args)
+        self.id = session_id or os.environ.get(ENV_ID) or uuid.uuid4().hex[:12]
+        self.state = "running"
+        self.applied: list[dict] = []       # every command this rank applied, with its step
+        self.stopped = False
+        self._inbox: "queue.Queue[dict]" = queue.Queue()   # rank 0: filled by the beacon thread
+        self._recent: collections.deque = collections.deque(maxlen=100)
+        self._root = root
+        self._beacon = None
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def start(self) -> "RunControl":
+        if self.dist.is_main:
+            from megatrain_nb.lab.beacon import ControlBeacon
+
+            try:
+                self._beacon = ControlBeacon(_Announced(self), root=self._root,
+                                             kernel_id=os.environ.get(ENV_KERNEL) or None).start()
+            except Exception as e:  # noqa: BLE001 - the channel is optional; training is not
+                print(f"megatrain_nb: run {self.name!r} is not announced to JupyterLab ({e})", file=sys.stderr)
+        return self
+
+    def close(self, outcome: str) -> None:
+        self.state = outcome
+        if self._beacon is not None:
+            self._beacon.stop()
+            self._beacon = None
+
+    # ---- rank 0's inbox (beacon thread) ---------------------------------------------------------
+    def request(self, kind: str, value: Any = None, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown command {kind!r}: expected one of {', '.join(KINDS)}")
+        self._inbox.put({"kind": kind, "value": value, "source": source, "id": command_id})
+
+    def _drain(self, wait: float = 0.0) -> list[dict]:
+        out = []
+        try:
+            out.append(self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait())
+            while True:
+                out.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return out
+
+    # ---- the step boundary (every rank, main thread) --------------------------------------------
+    def boundary(self, record: dict) -> None:
+        """Exchange and apply commands at this step boundary; gather the ranks' memory."""
+        self._recent.append(record)
+        self._exchange(record, wait=0.0)
+
+    def hold(self) -> None:
+        """While paused, meet the other ranks every PAUSE_POLL_S for the next commands (after the
+        step's record is written, so a paused run shows the step it paused at)."""
+        while self.state == "paused" and not self.stopped:
+            self._exchange(None, wait=PAUSE_POLL_S)
+
+    def _exchange(self, record: Optional[dict], wait: float) -> None:
+        mine = {"commands": self._drain(wait) if self.dist.is_main else [],
+                "memory": record.get("memory") if record is not None else None}
+        if self.dist.world > 1:
+            gathered = self.dist.all_gather_object(mine)
+        else:
+            gathered = [mine]
+        if record is not None and any(g["memory"] is not None for g in gathered):
+            record["rank_memory"] = [g["memory"] for g in gathered]
+        for cmd in gathered[0]["commands"]:
+            self._apply(cmd)
+
+    def _apply(self, cmd: dict) -> None:
+        t = self.trainer
+        step = t.state.global_step
+        kind, value = cmd["kind"], cmd.get("value")
+        event = {"kind": kind, "step": step, "source": cmd.get("source"), "id": cmd.get("id")}
+        try:
+            if kind == "pause":
+                if self.state != "running":
+                    return
+                self.state = "paused"
+            elif kind == "resume":
+                if self.state != "paused":
+                    return
+                self.state = "running"
+            elif kind == "lr":
+                event["previous"] = t.schedule.current() if t.schedule is not None else None
+                t.set_lr(float(value))
+                event["value"] = float(value)
+            elif kind == "checkpoint":
+                event["path"] = t.save_checkpoint(value or None)
+            elif kind == "stop":
+                if value:
+                    event["path"] = t.save_checkpoint(None if value is True else str(value))
+                t.request_stop()
+                self.stopped = True
+                self.state = "running"   # leaves a pause; the run ends after this step
+        except Exception as e:  # noqa: BLE001 - a failed control must not end the run
+            event["kind"] = f"{kind}_failed"
+            event["error"] = f"{type(e).__name__}: {e}"
+            if kind == "stop":
+                t.request_stop()
+                self.stopped = True
+        self.applied.append(dict(event, time=time.time()))
+        t.metrics_log.write({"event": "control", **event, "time": time.time()})
+
+
+class _Announced:
+    """What the heartbeat shows of a run (rank 0 only); its controls enqueue for the boundary."""
+
+    def __init__(self, control: RunControl):
+        self._c = control
+        self.id, self.name = control.id, control.name
+
+    @property
+    def state(self) -> str:
+        return self._c.state
+
+    @property
+    def step(self) -> int:
+        return int(self._c.trainer.state.global_step)
+
+    @property
+    def total_steps(self) -> int:
+        return self._c.trainer.total_steps
+
+    @property
+    def history(self) -> list:
+        return list(self._c._recent)
+
+    def heartbeat_extra(self) -> dict:
+        t = self._c.trainer
+        return {"kind": "run", "world_size": t.dist.world, "run_id": t.run_id,
+                "output_dir": str(Path(t.args.output_dir).resolve()),
+                "metrics_log": str(Path(t.metrics_log.path).resolve()),
+                "launcher": os.environ.get(ENV_LAUNCHER) or "torchrun"}
+
+    def pause(self, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        self._c.request("pause", source=source, command_id=command_id)
+
+    def resume(self, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        self._c.request("resume", source=source, command_id=command_id)
+
+    def set_lr(self, lr: float, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        self._c.request("lr", float(lr), source=source, command_id=command_id)
+
+    def stop(self, checkpoint: Any = False, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        self._c.request("stop", checkpoint, source=source, command_id=command_id)
+
+    def save_checkpoint(self, path: Optional[str] = None, *, source: str = "lab",
+                        command_id: Optional[str] = None) -> None:
+        self._c.request("checkpoint", path, source=source, command_id=command_id)

@@ -1,0 +1,170 @@
+"""mt.Session(..., nproc_per_node=2): worker processes (gloo, 127.0.0.1) steered from this
+process; mt.Session.attach(name) on a torchrun job. Every wait is bounded."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .launch import REPO, free_port
+
+HERE = Path(__file__).parent
+BOUND = 60
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_NB_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("MEGATRAIN_DIST_TIMEOUT_S", "30")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+
+
+def _until(pred, what, bound=BOUND):
+    end = time.monotonic() + bound
+    while not pred():
+        assert time.monotonic() < end, f"waited {bound}s for {what}"
+        time.sleep(0.05)
+
+
+def _data():
+    sys.path.insert(0, str(REPO / "tests"))
+    from trainer.helpers import args, micro_model, token_dataset
+
+    return args, micro_model, token_dataset
+
+
+def test_launcher_pause_lr_checkpoint_stop_land_on_every_rank_at_one_step(tmp_path):
+    import megatrain_nb as mt
+    from megatrain_nb.lab.registry import list_sessions
+    from megatrain_nb.trainer import Trainer
+
+    args, micro_model, token_dataset = _data()
+    targs = args(tmp_path / "out", max_steps=100000, logging_steps=2, learning_rate=1e-3,
+                 lr_scheduler_type="constant", seed=3)
+    s = mt.Session(micro_model(), train_dataset=token_dataset(64), args=targs, nproc_per_node=2,
+                   name="launch-test", device="cpu")
+    t0 = time.monotonic()
+    s.train()
+    assert time.monotonic() - t0 < 3.0 and s.state == "running"
+    assert not torch.cuda.is_initialized()     # the controller never touches CUDA
+    assert s.wait(timeout=BOUND, until_step=2) == "running" and s.step >= 2
+    runs = [b for b in list_sessions() if b["name"] == "launch-test"]
+    assert len(runs) == 1 and runs[0]["kind"] == "run" and runs[0]["world_size"] == 2   # the sidebar: once
+
+    s.pause()
+    _until(lambda: s.state == "paused", "the pause")
+    held = s.step
+    time.sleep(1.0)
+    assert s.step == held and s.state == "paused"
+    s.set_lr(5e-4)
+    s.resume()
+    s.wait(timeout=BOUND, until_step=held + 2)
+    path = s.save_checkpoint()
+    assert Path(path).is_dir() and sorted(p.name for p in Path(path).glob("shards-*")) == [
+        "shards-00000-of-00002.safetensors", "shards-00001-of-00002.safetensors"]
+    s.wait(timeout=BOUND, until_step=held + 4)
+    s.stop(timeout=BOUND)
+    assert s.state == "stopped", (s.state, s.worker_log)
+    final = s.step
+
+    # every command was applied by both ranks at the same step, in the same order
+    kinds = [e["kind"] for e in s.events]
+    assert kinds == ["pause", "lr", "resume", "checkpoint", "stop"], s.events
+    assert [e["step"] for e in s.events[:3]] == [held] * 3
+    ranks = s.ranks
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["outcome"] == "stopped" for r in ranks)
+    seen = [[(e["kind"], e["step"], e["id"]) for e in r["events"]] for r in ranks]
+    assert seen[0] == seen[1] == [(e["kind"], e["step"], e["id"]) for e in s.events]
+    assert ranks[0]["step"] == ranks[1]["step"] == final
+    # history: the global loss and LR of rank 0, every rank's memory tiers on logging steps
+    hist = s.history
+    assert [r["step"] for r in hist] == list(range(1, final + 1))
+    assert all(r["lr"] == (1e-3 if r["step"] <= held else 5e-4) for r in hist)
+    mem = [r for r in hist if r.get("rank_memory")]
+    assert mem and all(len(r["rank_memory"]) == 2 and "host" in r["rank_memory"][1] for r in mem)
+
+    # the saved model equals one process with accumulation 2, the same LR change and stop
+    ref = Trainer(model=micro_model(), train_dataset=token_dataset(64), device="cpu",
+                  args=args(tmp_path / "ref", max_steps=100000, learning_rate=1e-3, lr_scheduler_type="constant",
+                            seed=3, gradient_accumulation_steps=2))
+    for rec in ref.iter_steps():
+        if rec["step"] == held:
+            ref.set_lr(5e-4)
+        if rec["step"] == final:
+            ref.request_stop()
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    want = {k: v for k, v in ref.engine.state_dict().items()}
+    ref.close()
+    assert got.keys() == want.keys()
+    diff = sum(float((got[k] - want[k]).norm()) ** 2 for k in want) ** 0.5
+    norm = sum(float(want[k].norm()) ** 2 for k in want) ** 0.5
+    assert diff / norm <= 1e-5
+
+
+@pytest.mark.parametrize("how", ["raises", "dies"])
+def test_a_worker_that_fails_ends_wait_naming_the_rank(tmp_path, how):
+    import megatrain_nb as mt
+    from megatrain_nb.notebook.remote import WorkerError
+
+    args, micro_model, token_dataset = _data()
+    callback = {"raises": "RaiseOnRank1", "dies": "ExitOnRank1"}[how]
+    s = mt.Session(micro_model(), train_dataset=token_dataset(64), nproc_per_node=2, device="cpu",
+                   args=args(tmp_path / "out", max_steps=100000),
+                   callbacks=[f"tests.distributed.launcher_helpers:{callback}"])
+    t0 = time.monotonic()
+    s.train()
+    message = (r"rank 1 \(pid \d+\) failed: ValueError: boom on rank 1 at step 2" if how == "raises"
+               else r"rank 1 died \(exit code 9\) without raising")
+    with pytest.raises(WorkerError, match=message) as info:
+        s.wait(timeout=BOUND)
+    assert time.monotonic() - t0 < BOUND and s.state == "failed"
+    assert info.value.rank == 1
+    if how == "raises":
+        assert "on_step_end" in info.value.remote_traceback
+    assert s.events[-1]["kind"] == "error" and "rank 1" in s.events[-1]["error"]
+
+
+def test_attach_follows_and_steers_a_torchrun_job(tmp_path):
+    import megatrain_nb as mt
+    from megatrain_nb.lab.registry import enqueue_command, list_sessions
+
+    env = dict(os.environ, MEGATRAIN_NB_RUN_NAME="attach-test")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "--max-restarts=0", str(HERE / "launcher_helpers.py"),
+           str(tmp_path / "job")]
+    job = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with pytest.raises(LookupError, match="no run named 'nope'"):
+            mt.Session.attach("nope")
+        _until(lambda: any(b["name"] == "attach-test" for b in list_sessions()), "the job's heartbeat")
+        with pytest.raises(LookupError, match="runs: 'attach-test'"):
+            mt.Session.attach("nope")
+        s = mt.Session.attach("attach-test")
+        assert s.wait(timeout=BOUND, until_step=3) == "running"
+        assert s.history[0]["step"] == 1 and s.nproc_per_node == 2
+        s.pause()
+        _until(lambda: s.state == "paused", "the pause")
+        held = s.step
+        enqueue_command(s.id, "lr", 2e-4)          # as the JupyterLab sidebar does
+        s.resume()
+        s.wait(timeout=BOUND, until_step=held + 2)
+        s.stop(timeout=BOUND)
+        assert s.state == "stopped"
+        out, _ = job.communicate(timeout=BOUND)
+        assert job.returncode == 0, out[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert [(e["kind"], e["step"]) for e in s.events[:3]] == [("pause", held), ("lr", held), ("resume", held)]
+    assert s.events[1]["source"] == "lab" and s.events[-1]["kind"] == "stop"
+    assert all(r["lr"] == (1e-3 if r["step"] <= held else 2e-4) for r in s.history)
+    assert (tmp_path / "job" / "final" / "model.safetensors").is_file()
+    assert not list_sessions()      # rank 0 removed its heartbeat when the run ended

@@ -1,0 +1,41 @@
+"""Data parallel without clipping: a NaN confined to one rank's gradient shard. Every rank must
+take the same decision: all skip the step (on_nonfinite="skip") or all stop with the same
+"non-finite loss/gradient at step N" error ("stop") -- never one rank applying a step another
+dropped, never a collective timeout."""
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .launch import check, torchrun
+
+HERE = Path(__file__).parent
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_nan_in_one_ranks_shard_stops_or_skips_every_rank_alike(tmp_path, policy):
+    t0 = time.monotonic()
+    proc = torchrun(HERE / "w_nonfinite.py", str(tmp_path), policy, nproc=2, timeout=150, dist_timeout_s=30)
+    check(proc)
+    assert time.monotonic() - t0 < 120
+    r = [torch.load(tmp_path / f"nonfinite-{policy}-rank{k}.pt") for k in range(2)]
+    for k in range(2):
+        w = r[k]["weights"]
+        assert _same(w[0], r[0]["weights"][0])            # ranks see one model
+        assert _same(w[1], w[0]), f"rank {k}: step 2 moved the weights"
+        if policy == "skip":
+            assert r[k]["error"] is None
+            assert r[k]["skipped"] == [False, True, False], (k, r[k]["skipped"])
+            assert r[k]["skipped_steps"] == 1
+            assert not _same(w[2], w[1])                  # step 3 applied again, on both ranks
+            assert _same(w[2], r[0]["weights"][2])
+        else:
+            assert r[k]["skipped"] == [False] and len(w) == 2
+            assert "non-finite loss/gradient at step 2" in r[k]["error"], r[k]["error"]
+    if policy == "stop":
+        assert r[0]["error"] == r[1]["error"]

@@ -1,0 +1,155 @@
+"""What mt.Session(..., nproc_per_node=N) hands its workers: plain files, no pickles, and clear
+refusals for what cannot cross a process boundary. No worker processes here."""
+import json
+
+import pytest
+import torch
+
+
+def _micro():
+    from transformers import AutoModelForCausalLM
+
+    from megatrain_nb.trainer.presets import preset_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(preset_config("micro"))
+
+
+def _write(tmp_path, **kw):
+    from megatrain_nb.notebook.launch_spec import write_spec
+
+    base = dict(model=_micro(), train_dataset=[{"input_ids": list(range(16))}] * 8, args=None, tokenizer=None,
+                eval_dataset=None, seq_len=None, loss_fn=None, callbacks=None, engine_options={})
+    base.update(kw)
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    return run, write_spec(run, **base)
+
+
+def test_spec_is_plain_files_and_rebuilds_the_trainer(tmp_path):
+    from transformers import TrainingArguments
+
+    from megatrain_nb.notebook.launch_spec import build_from_spec
+
+    model = _micro()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=7, learning_rate=3e-4, report_to="none",
+                             lr_scheduler_type="cosine", seed=11)
+    run, spec = _write(tmp_path, model=model, args=args, engine_options={"device": "cpu"})
+    files = {p.suffix for p in run.rglob("*") if p.is_file()}
+    assert not files & {".bin", ".pt", ".pth", ".pkl"}, files
+    assert (run / "model" / "model.safetensors").is_file() and spec["model"]["written"]
+    assert spec["args"]["max_steps"] == 7 and spec["args"]["lr_scheduler_type"] == "cosine"
+    assert "per_device_train_batch_size" not in spec["args"]          # only what differs from the defaults
+    assert json.loads((run / "spec.json").read_text()) == spec
+    (trainer, _tok), _ = build_from_spec(run)
+    try:
+        assert trainer.args.max_steps == 7 and trainer.args.learning_rate == 3e-4 and trainer.args.seed == 11
+        assert len(trainer.train_dataset) == 8
+        for name, p in model.named_parameters():
+            if name in dict(trainer.engine.named_parameters()):
+                assert torch.equal(dict(trainer.engine.named_parameters())[name], p.detach())
+                break
+    finally:
+        trainer.close()
+
+
+def test_what_cannot_reach_the_workers_is_refused_with_a_reason(tmp_path):
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    from megatrain_nb.notebook.launch_spec import LaunchError
+    from megatrain_nb.trainer.presets import preset_config
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(preset_config("micro"))
+    with pytest.raises(LaunchError, match="meta device"):
+        _write(tmp_path, model=meta)
+    with pytest.raises(LaunchError, match="by import"):
+        _write(tmp_path, loss_fn=lambda logits, labels: logits.sum())
+    with pytest.raises(LaunchError, match="cannot be imported"):
+        _write(tmp_path, callbacks=["no_such_module:Thing"])
+    it = datasets.Dataset.from_list([{"input_ids": [1, 2, 3]}]).to_iterable_dataset()
+    with pytest.raises(LaunchError, match="iterable-only"):
+        _write(tmp_path, train_dataset=it)
+    with pytest.raises(LaunchError, match="offload_dir"):
+        _write(tmp_path, engine_options={"offload_dir": object()})
+    with pytest.raises(ValueError, match="nproc_per_node=0"):
+        import megatrain_nb as mt
+
+        mt.Session(_micro(), train_dataset=[{"input_ids": [1, 2, 3]}], nproc_per_node=0)
+
+
+def test_callbacks_and_loss_by_import_path(tmp_path):
+    from megatrain_nb.notebook.launch_spec import import_ref
+    from megatrain_nb.trainer.checkpoint import read_json
+
+    assert import_ref(read_json, "loss_fn") == "megatrain_nb.trainer.checkpoint:read_json"
+    assert import_ref("megatrain_nb.trainer.checkpoint:read_json", "loss_fn").endswith(":read_json")
+
+
+def test_attach_names_the_runs_there_are(tmp_path):
+    import megatrain_nb as mt
+
+    with pytest.raises(LookupError, match=r"no run named 'ghost' on this machine \(runs: none\)"):
+        mt.Session.attach("ghost")
+
+
+def test_run_commands_are_checked():
+    from megatrain_nb.lab.beacon import validate_run_command
+    from megatrain_nb.lab.protocol import CommandError
+
+    assert validate_run_command("checkpoint", None) == ("checkpoint", None)
+    assert validate_run_command("checkpoint", "/tmp/x") == ("checkpoint", "/tmp/x")
+    assert validate_run_command("stop", True) == ("stop", True)
+    assert validate_run_command("lr", "1e-4") == ("lr", 1e-4)
+    for bad in (("checkpoint", 3), ("checkpoint", "a\0b"), ("lr", -1), ("reboot", None)):
+        with pytest.raises(CommandError):
+            validate_run_command(*bad)
+
+
+def test_root_cause_names_the_rank_torchrun_saw_fail_first():
+    from megatrain_nb.notebook.remote import agent_failures, root_cause
+
+    out = """[1]:
+  time      : 2026-12-01_08:00:01
+  host      : box
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 11) SIGTERM
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_08:00:00
+  host      : box
+  rank      : 1 (local_rank: 1)
+  exitcode  : 9 (pid: 12)
+  error_file: <N/A>"""
+    assert root_cause(out) == (1, "9")
+    assert agent_failures(out) == {0: "-15", 1: "9"}
+    assert root_cause("nothing useful") == (None, None)
+
+
+def test_defaults_are_spelled_out_so_the_controller_finds_the_metrics(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, spec = _write(tmp_path, model="micro", train_dataset=None)
+    assert spec["model"] == {"preset": "micro"} and spec["train"] is None
+    assert spec["args"]["output_dir"] == str(tmp_path / "megatrain_outputs" / "micro")
+    assert spec["args"]["max_steps"] == 200 and spec["args"]["eval_strategy"] == "steps"
+    _, spec = _write(tmp_path)
+    assert spec["args"] == {"output_dir": str(tmp_path / "megatrain_outputs")}
+
+
+def test_every_ranks_memory_reaches_the_view_and_the_tables():
+    from megatrain_nb.notebook.run_log import RunLog
+    from megatrain_nb.notebook.summary_html import rank_memory_table
+
+    def mem(host):
+        return {"device": {"used_bytes": 0, "peak_bytes": 0}, "host": {"used_bytes": host, "peak_bytes": 2 * host}}
+
+    log = RunLog()
+    log.add_record({"step": 1, "loss": 2.0, "memory": mem(1 << 20), "rank_memory": [mem(1 << 20), mem(3 << 20)]})
+    log.add_record({"step": 2, "loss": 1.9})
+    view = log.view()
+    assert len(view.rank_memory) == 2
+    table = rank_memory_table(view)
+    assert "rank 0" in table and "rank 1" in table and "3.0 MiB" in table and "6.0 MiB" in table
+    assert rank_memory_table(RunLog().view()) == ""

@@ -49,11 +49,12 @@ class EngineConfig:
     """Tokens per chunk of the head + loss; full [batch, seq, vocab] logits never exist."""
     offload_params: Optional[bool] = None
     """Master weights on disk too: None = the planner decides from max_host_gb; True forces it."""
-    host_cache_gb: Optional[float] = 0.0
+    host_cache_gb: Optional[float] = None
     """Host RAM used as a cache of the disk tier (disk_cache.HostCache: the step's schedule
-    decides what stays resident). 0 (default, for now) = no cache; None = what max_host_gb
-    leaves after the engine's own host needs, or without max_host_gb the free RAM less a
-    safety margin; a number = that many GiB."""
+    decides what stays resident). None (default) = what max_host_gb leaves after the engine's
+    own host needs, or without max_host_gb the free RAM less a safety margin (a quarter of RAM,
+    at least 4 GiB, and the budgets of other open caches); never more than the disk tier
+    holds. A number = that many GiB; 0 = no cache (every access goes to the disk)."""
     keep_offload_files: bool = False
     """Leave the disk-tier files in place on close() (they are removed by default)."""
     on_nonfinite: str = "stop"

@@ -33,6 +33,7 @@ proven optimum.
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -197,8 +198,14 @@ def cache_budget(host_cache_gb: Optional[float], max_host_gb: Optional[float], h
         import psutil
 
         vm = psutil.virtual_memory()
-        want = int(vm.available) - host_needed - max(int(SAFETY_SHARE * vm.total), SAFETY_MIN_BYTES)
+        # other engines' caches in this process fill lazily: what they may still take is not free
+        pending = sum(max(0, c.capacity - c.ram_bytes()) for c in list(_LIVE))
+        want = int(vm.available) - pending - host_needed - max(int(SAFETY_SHARE * vm.total), SAFETY_MIN_BYTES)
     return max(0, min(want, disk_bytes))
+
+
+#: Open caches of this process (their budgets are taken when the next one is sized).
+_LIVE: "weakref.WeakSet[HostCache]" = weakref.WeakSet()
 
 
 def _done(value) -> Future:
@@ -238,8 +245,11 @@ class HostCache:
         self._loading: Dict[str, Future] = {}     # key -> a read in flight that will stay resident
         self._lost: Dict[str, BaseException] = {}  # key -> its write-back failed (file is stale)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="mtnb-cache")  # hits copied out
+        if self.capacity > 0:
+            _LIVE.add(self)
         self.counts = {"disk_read_bytes": 0, "disk_write_bytes": 0, "hits": 0, "bytes_saved": 0,
-                      "write_backs": 0, "ram_bytes": 0, "ram_peak_bytes": 0, "steps_planned": 0}
+                      "write_backs": 0, "ram_bytes": 0, "ram_peak_bytes": 0, "steps_planned": 0,
+                      "shared_reads": 0, "adopted_writes": 0}
 
     def __getattr__(self, name):   # the DiskStore's other methods (flush, stats, nbytes_of, ...)
         return getattr(self.store, name)
@@ -267,9 +277,11 @@ class HostCache:
 
     # ------------------------------------------------------------------ reads and writes
     def read(self, key: str, out: Optional[dict] = None, *, urgent: bool = False,
-             outside_plan: bool = False) -> Future:
+             outside_plan: bool = False, share: bool = False) -> Future:
         """As ``DiskStore.read``. ``outside_plan``: a read the schedule does not contain (a
-        checkpoint, ``state_dict``): served from RAM if resident, never changes the cache."""
+        checkpoint, ``state_dict``): served from RAM if resident, never changes the cache.
+        ``share`` (with ``out`` None): the reader only reads the tensors it gets, so a resident
+        key hands out its own tensors, no copy (a later write of the key replaces them)."""
         with self._lock:
             keep = False if outside_plan else self._keep(key, READ)
             loading = self._loading.get(key)
@@ -277,11 +289,11 @@ class HostCache:
             # a read of this key that will stay resident is still in flight (the forward's and
             # the backward's reads of the last layer are issued back to back): it is a hit
             mine = Future()
-            loading.add_done_callback(lambda _: _chain(self._serve(key, out, keep, urgent, outside_plan), mine))
+            loading.add_done_callback(lambda _: _chain(self._serve(key, out, keep, urgent, outside_plan, share), mine))
             return mine
-        return self._serve(key, out, keep, urgent, outside_plan)
+        return self._serve(key, out, keep, urgent, outside_plan, share)
 
-    def _serve(self, key, out, keep, urgent, outside_plan) -> Future:
+    def _serve(self, key, out, keep, urgent, outside_plan, share=False) -> Future:
         """From RAM if resident (evicted after if not ``keep``), else from disk (and kept)."""
         evict = None
         with self._lock:
@@ -294,7 +306,11 @@ class HostCache:
             if e is not None:
                 self.counts["hits"] += 1
                 self.counts["bytes_saved"] += _nbytes(e["t"])
-                if out is None:
+                if out is None and share:
+                    e["shared"] = True   # read-only from now on: never reused in place
+                    self.counts["shared_reads"] += 1
+                    result = _done(dict(e["t"]))
+                elif out is None:
                     result = _done(self._copy_out(e["t"], None))
                 else:
                     # The copy runs in the cache's own thread (the second core), so read-ahead
@@ -327,7 +343,11 @@ class HostCache:
             self._count("disk_to_host", _nbytes(got), "disk_read_bytes")
             with self._lock:
                 if keep and self._version.get(key, 0) == version and key not in self._entries:
-                    self._insert(key, {n: _aligned_copy(t) for n, t in got.items()}, dirty=False)
+                    if share and out is None:   # the store's own fresh tensors, read-only
+                        self._insert(key, dict(got), dirty=False)
+                        self._entries[key]["shared"] = True
+                    else:
+                        self._insert(key, {n: _aligned_copy(t) for n, t in got.items()}, dirty=False)
                 if self._loading.get(key) is mine:
                     del self._loading[key]
             mine.set_result(got)
@@ -343,8 +363,8 @@ class HostCache:
             self._lost.pop(key, None)   # a complete new version replaces what was lost
             old = self._pop(key)
             if keep:
-                reuse = (old["t"] if old is not None and not old.get("lent") and _same_layout(old["t"], tensors)
-                         else None)
+                reuse = (old["t"] if old is not None and not old.get("lent") and not old.get("shared")
+                         and _same_layout(old["t"], tensors) else None)
                 if reuse is not None:
                     for n, t in tensors.items():
                         reuse[n].copy_(t.reshape(reuse[n].shape))
@@ -354,6 +374,40 @@ class HostCache:
                 self.counts["bytes_saved"] += _nbytes(tensors)
                 return _done(_nbytes(tensors))
         return self._raw_write(key, tensors)
+
+    def write_adopt(self, key: str, tensors: dict) -> Tuple[Future, Optional[dict]]:
+        """As :meth:`write`, without the copy into RAM: when the plan keeps the key resident the
+        cache takes ``tensors`` themselves (the caller must not touch them again) and returns,
+        as the second value, the tensors of the key's previous version for the caller to reuse
+        (same layout, no reader copying from them; else ``{}``). Second value None: not adopted
+        (written through or copied, as :meth:`write`): ``tensors`` stay the caller's.
+
+        The optimizer states' write after each update is the largest copy of the clipped path
+        (two fp32 moments per parameter); with this it is a swap of buffers."""
+        with self._lock:
+            if self.capacity <= 0 or not self._adoptable(key):
+                adopt = False
+            else:
+                adopt = True
+                self._keep(key, WRITE)
+                self._version[key] = self._version.get(key, 0) + 1
+                self._lost.pop(key, None)
+                old = self._pop(key)
+                self._insert(key, dict(tensors), dirty=True)
+                self.counts["bytes_saved"] += _nbytes(tensors)
+                self.counts["adopted_writes"] += 1
+                spare = {}
+                if old is not None and not old.get("lent") and not old.get("shared") \
+                        and _same_layout(old["t"], tensors):
+                    spare = old["t"]
+        if not adopt:
+            return self.write(key, tensors), None
+        return _done(_nbytes(tensors)), spare
+
+    def _adoptable(self, key: str) -> bool:
+        """(lock held) Whether the plan keeps the key's next write resident (phase not advanced)."""
+        plan = self.plan
+        return bool(plan is not None and plan.keep.get((key, WRITE, 0), False))
 
     def write_back_all(self) -> None:
         """Every dirty key to disk (before files are kept, or the cache is dropped)."""
@@ -378,6 +432,7 @@ class HostCache:
             self._reads.clear()
 
     def close(self) -> None:
+        _LIVE.discard(self)
         self._copier.shutdown(wait=True)
         if getattr(self.store, "keep", False):
             self.write_back_all()

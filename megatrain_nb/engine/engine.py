@@ -377,7 +377,10 @@ class StreamingEngine:
             self.store.zero_grad()
 
     def layer_stats(self) -> List[dict]:
-        """Per-unit statistics gathered during the last optimizer step."""
+        """Per-unit statistics gathered during the last optimizer step. They cost the optimizer
+        two passes per unit, so they are gathered only once asked for: the first call turns
+        gathering on (from the next step; the dashboard asks after every step)."""
+        self.adam.collect_stats = True
         return [self.adam.stats[u.index] for u in self.units if u.index in self.adam.stats]
 
     def unit_names(self) -> List[str]:
@@ -442,6 +445,7 @@ class StreamingEngine:
                 self.updates.drain()
             finally:
                 self.updates.close()
+                self.states.close()
                 self.pager.close()
                 self.weights.reset()
                 if self.disk is not None:

@@ -7,7 +7,7 @@ only for the update and encoded right after.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -21,11 +21,19 @@ class UnitAdamW:
         self.weight_decay = weight_decay
         self.steps: Dict[int, torch.Tensor] = {}
         self.stats: Dict[int, dict] = {}
+        #: Per-unit statistics (unit_stats) cost two passes over a unit, as much as a third of
+        #: the update itself, on the optimizer's critical path: gathered only once someone reads
+        #: them (StreamingEngine.layer_stats turns this on).
+        self.collect_stats = False
 
     def step_unit(self, unit: Unit, params: torch.Tensor, grads: torch.Tensor,
                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, lr: float,
-                  collect_stats: bool = True) -> None:
-        """One AdamW update of a unit's flat fp32 params in place (moments updated in place)."""
+                  collect_stats: Optional[bool] = None, grad_norm: Optional[float] = None) -> None:
+        """One AdamW update of a unit's flat fp32 params in place (moments updated in place).
+        ``collect_stats`` None: :attr:`collect_stats`. ``grad_norm``: the gradient's norm when
+        the caller knows it (the clipped path took it during the backward), saving a pass."""
+        if collect_stats is None:
+            collect_stats = self.collect_stats
         step = self.steps.get(unit.index)
         if step is None:
             step = self.steps[unit.index] = torch.zeros((), dtype=torch.float32)
@@ -43,7 +51,7 @@ class UnitAdamW:
                                 lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
                                 eps=self.eps, amsgrad=False, maximize=False)
         if collect_stats:
-            st = unit_stats(unit, params, grads, old)
+            st = unit_stats(unit, params, grads, old, grad_norm=grad_norm)
             st["optimizer_step"] = int(step)  # updates run in a worker: say which step this is
             self.stats[unit.index] = st
 
@@ -55,7 +63,7 @@ class UnitAdamW:
 
 
 def unit_stats(unit: Unit, params: torch.Tensor, grads: torch.Tensor, old_sample: torch.Tensor,
-               bins: int = 32) -> dict:
+               bins: int = 32, grad_norm: Optional[float] = None) -> dict:
     """Exact weight and gradient norms; update norm and histogram from a strided sample.
 
     Cheap enough to run every step (two passes over the unit besides the sample).
@@ -63,7 +71,7 @@ def unit_stats(unit: Unit, params: torch.Tensor, grads: torch.Tensor, old_sample
     stride = max(1, unit.numel // 65536)
     sample = params[::stride]
     w_norm = float(torch.linalg.vector_norm(params))
-    g_norm = float(torch.linalg.vector_norm(grads))
+    g_norm = float(torch.linalg.vector_norm(grads)) if grad_norm is None else float(grad_norm)
     scale = (params.numel() / max(1, sample.numel())) ** 0.5
     upd = float(torch.linalg.vector_norm(sample - old_sample)) * scale
     lo, hi = float(sample.min()), float(sample.max())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future
 from typing import Dict, Optional, Tuple
 
@@ -37,6 +38,10 @@ class OptimizerStates:
         self._updating = set()   # units between load() and store(): not read ahead
         self.writes_behind = 2
         self._writes = []   # state writes still pending (futures)
+        #: With a codec thread: fp32 moments waiting to be encoded may hold up to this many bytes
+        #: (beyond ``writes_behind`` units), so the encodes of a step's last updates run during
+        #: the next forward instead of holding up the updates the forward waits for.
+        self.encode_behind_bytes = 0
         self._sched = []    # the coming updates, in order: (unit, last of its step)
         self.read_ahead_bytes = 1 << 30  # stored states read ahead of their updates (RAM)
         from .host_store import BufferPool
@@ -44,6 +49,19 @@ class OptimizerStates:
         # moments' buffers, recycled from step to step (disk tier); a unit larger than the cap is
         # never kept, so RAM stays flat for very large units (whose page faults cost little)
         self.pool = BufferPool(max_bytes=512 << 20)
+        # Compressed states on the disk tier: decoded ahead (mtnb-decode) and encoded behind
+        # (mtnb-encode) in threads of their own, so the codec runs beside the AdamW worker (on the
+        # second core while the compute waits) instead of in line with it. Bounded: one unit
+        # decoded ahead, ``writes_behind`` units waiting to be encoded.
+        self._codec = self._decoder = None
+        if self.codecs is not None and disk is not None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._codec = ThreadPoolExecutor(1, thread_name_prefix="mtnb-encode", initializer=_one_torch_thread)
+            self.encode_behind_bytes = 512 << 20
+            self._decoder = ThreadPoolExecutor(1, thread_name_prefix="mtnb-decode", initializer=_one_torch_thread)
+        self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
+        self._decoded: Dict[int, Future] = {}    # unit -> its moments decoded ahead (codec thread)
 
     # ------------------------------------------------------------------ sizes
     # ------------------------------------------------------------------ encode / decode
@@ -76,6 +94,7 @@ class OptimizerStates:
         with self._lock:  # the optimizer thread advances the same list
             self._sched.extend((u, i == len(order) - 1) for i, u in enumerate(order))
         self._read_ahead()
+        self._decode_next()   # the first update's states decode during the forward and backward
 
     def _read_ahead(self) -> None:
         held = 0
@@ -111,41 +130,60 @@ class OptimizerStates:
         if self.disk is None or unit.index not in self._on_disk:
             return
         with self._lock:
-            if unit.index not in self._reads and unit.index not in self._updating:
-                self._reads[unit.index] = self.disk.read(self._key(unit), out=self._read_buffers(unit))  # bounded here: read_ahead_bytes
+            if unit.index not in self._reads and unit.index not in self._updating and unit.index not in self._decoded:
+                self._reads[unit.index] = self._read(unit)  # bounded here: read_ahead_bytes
 
     def _read_buffers(self, unit: Unit):
         """fp32 moments are read straight into recycled buffers; codes are allocated."""
         return {r: self.pool.take(unit.numel) for r in _ROLES} if self.codecs is None else None
+
+    def _read(self, unit: Unit) -> Future:
+        """A unit's stored states from the disk tier. Codes are only decoded (read, never
+        written), so the host cache may hand out its resident copy itself (``share``)."""
+        out = self._read_buffers(unit)
+        if out is None and self._cached():
+            return self.disk.read(self._key(unit), share=True)
+        return self.disk.read(self._key(unit), out=out)
+
+    def _cached(self) -> bool:
+        """Whether the disk tier is seen through a host cache (disk_cache.HostCache)."""
+        return getattr(self.disk, "capacity", 0) > 0
 
     def load(self, unit: Unit) -> Tuple[torch.Tensor, torch.Tensor]:
         """fp32 (exp_avg, exp_avg_sq) for the update; zeros on the first step."""
         # At most ``writes_behind`` state writes pending, so only a few units' moments are in
         # RAM; the last update scheduled (nothing after it) does not wait: the next step's first
         # update does, during the forward.
+        enc = self._encoding.pop(unit.index, None)
+        if enc is not None:   # its last update's encode must have issued its write
+            _settle(enc)
         with self._lock:
             last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
-        while len(self._writes) >= self.writes_behind and not last:
-            self._writes.pop(0).result()   # a failed write raises here, in the update
+        while len(self._writes) >= self.writes_behind and not last and self._behind_bytes() > self.encode_behind_bytes:
+            _settle(self._writes.pop(0))   # a failed encode or write raises here, in the update
         for w in [w for w in self._writes if w.done()]:
             self._writes.remove(w)
-            w.result()
+            _settle(w)
         with self._lock:
             self._updating.add(unit.index)   # until store(): no read of it ahead of the write
         self._advance(unit)
+        with self._lock:
+            ahead = self._decoded.pop(unit.index, None)
+        if ahead is not None:   # read and decoded while the update before it ran
+            self.counters.prefetch_result("disk", True)
+            self._decode_next()
+            return self._waited(ahead)
         if self.disk is not None and unit.index in self._on_disk:
             with self._lock:
                 fut = self._reads.pop(unit.index, None)
             self.counters.prefetch_result("disk", fut is not None)  # issued ahead of need, or late
             if fut is None:  # not read ahead: read now (this update's own read)
                 with self._lock:
-                    fut = self.disk.read(self._key(unit), out=self._read_buffers(unit))
-            import time
-
-            t0 = time.perf_counter()
-            stored = fut.result()
-            self.counters.stall("disk", time.perf_counter() - t0)
-            return self._decode(unit, stored)
+                    fut = self._read(unit)
+            stored = self._waited(fut)
+            out = self._decode(unit, stored)
+            self._decode_next()
+            return out
         stored = self.ram.get(unit.index)
         if stored is None:
             if self.disk is not None:  # first step on the disk tier: recycled buffers
@@ -153,15 +191,68 @@ class OptimizerStates:
             return (torch.zeros(unit.numel, dtype=torch.float32), torch.zeros(unit.numel, dtype=torch.float32))
         return self._decode(unit, stored)
 
+    def _behind_bytes(self) -> int:
+        """fp32 moment bytes of the writes still pending (encodes not done yet)."""
+        return sum(getattr(f, "moment_bytes", 0) for f in self._writes if not f.done())
+
+    def _waited(self, fut: Future):
+        t0 = time.perf_counter()
+        got = fut.result()
+        self.counters.stall("disk", time.perf_counter() - t0)
+        return got
+
+    def _decode_next(self) -> None:
+        """Decode the next update's states (read ahead) in the codec thread, now, while this
+        update runs: at most one unit ahead."""
+        if self._codec is None:
+            return
+        with self._lock:
+            if not self._sched or self._decoded:
+                return
+            nxt = self._sched[0][0]
+            # (a unit still being updated has no read ahead: its read follows its write)
+            read = None if nxt.index in self._updating else self._reads.pop(nxt.index, None)
+            if read is None:
+                return
+            self._decoded[nxt.index] = self._decoder.submit(lambda: self._decode(nxt, read.result()))
+
     def store(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> None:
-        stored = self._encode(m, v)
+        if self._codec is not None:
+            # Encoded and written behind, in the codec thread; the unit stays "being updated"
+            # (no read ahead of it) until its write is issued.
+            enc = self._codec.submit(self._store_disk, unit, m, v)
+            enc.moment_bytes = 8 * unit.numel
+            self._encoding[unit.index] = enc
+            self._writes.append(enc)
+            enc.add_done_callback(lambda f, i=unit.index: f is self._encoding.get(i) and f.exception() is None
+                                  and self._encoding.pop(i, None))
+            self._decode_next()
+            return
+        self._store_disk(unit, m, v)
+
+    def _store_disk(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> Future:
+        """Encode (a codec) and write the moments; returns the write's future (disk tier)."""
+        try:
+            stored = self._encode(m, v)
+        except BaseException:
+            if self.disk is not None:
+                self.pool.give(m, v)
+            self.update_failed(unit)
+            raise
+        fut = None
         if self.disk is not None:
             # Written behind; the next load waits until at most ``writes_behind`` are pending,
             # so the moments of only a few units are ever in RAM, and the step's last update
             # (nothing after it) never waits for a write.
-            fut = self._write(unit, stored)  # bounded in load()
-            self._writes.append(fut)
-            if self.codecs is None:  # the moments are what is written: recycle them once written
+            fut, spare = self._write(unit, stored, adopt=True)  # bounded in load()
+            if self._codec is None:
+                self._writes.append(fut)
+            if spare is not None:    # the host cache kept the written tensors themselves
+                if self.codecs is None:
+                    self.pool.give(*spare.values())   # its previous copy, to be read into next
+                else:
+                    self.pool.give(m, v)
+            elif self.codecs is None:  # the moments are what is written: recycle them once written
                 fut.add_done_callback(lambda f, a=m, b=v: self.pool.give(a, b))
             else:                    # decoded scratch: the codes are written, the moments are free
                 self.pool.give(m, v)
@@ -172,13 +263,44 @@ class OptimizerStates:
             self._updating.discard(unit.index)
         if self.disk is not None:
             self._read_ahead()   # reads skipped while it was being updated now follow its write
+        return fut
+
+    def wait_encodes(self) -> None:
+        """Every update's encode done and its write issued (the codec thread); raises the first
+        failure (its unit's states were not written)."""
+        for i in list(self._encoding):
+            f = self._encoding.pop(i, None)
+            if f is not None:
+                _settle(f)
+
+    def _drop_codec_work(self) -> None:
+        """Before states are replaced (a checkpoint loaded): pending encodes finish first (their
+        writes must not land after the new states); moments decoded ahead are dropped."""
+        for f in list(self._encoding.values()):
+            try:
+                _settle(f)
+            except BaseException:  # noqa: BLE001 - the states are being replaced
+                pass
+        self._encoding.clear()
+        with self._lock:
+            ahead, self._decoded = list(self._decoded.values()), {}
+        for f in ahead:
+            try:
+                self.pool.give(*f.result())
+            except BaseException:  # noqa: BLE001
+                pass
+
+    def close(self) -> None:
+        if self._codec is not None:
+            self._codec.shutdown(wait=True)
+            self._decoder.shutdown(wait=True)
 
     def update_failed(self, unit: Unit) -> None:
         """The unit's update failed between load() and store(): reads of it may go ahead."""
         with self._lock:
             self._updating.discard(unit.index)
 
-    def _write(self, unit: Unit, stored: Dict[str, torch.Tensor]) -> Future:
+    def _write(self, unit: Unit, stored: Dict[str, torch.Tensor], adopt: bool = False):
         """Write a unit's stored states to the disk tier; a read-ahead of them issued before
         this write is dropped and issued again after it.
 
@@ -188,19 +310,28 @@ class OptimizerStates:
         before it, so such a read returns the moments of the step before, and the next update
         used them: disk-tier runs differed from RAM runs (most with no accumulation, where the
         next forward starts while the updates still run). Under ``_lock``, which ``prefetch``
-        holds to issue a read, every read of a unit's states is issued after its last write."""
+        holds to issue a read, every read of a unit's states is issued after its last write.
+
+        ``adopt`` (the update's own write): a host cache that keeps the key resident takes
+        ``stored`` without copying it (HostCache.write_adopt); returns (future, the tensors
+        handed back in exchange, or None when ``stored`` stays the caller's). Else the future."""
+        spare = None
         with self._lock:
-            fut = self.disk.write(self._key(unit), stored)
+            if adopt and self._cached():
+                fut, spare = self.disk.write_adopt(self._key(unit), stored)
+            else:
+                fut = self.disk.write(self._key(unit), stored)
             stale = self._reads.pop(unit.index, None)
         self._on_disk.add(unit.index)
         if stale is not None:
             if self.codecs is None:  # its buffers go back to the pool once it has filled them
                 stale.add_done_callback(lambda f: f.exception() or self.pool.give(*f.result().values()))
             self.prefetch(unit)
-        return fut
+        return (fut, spare) if adopt else fut
 
     def flush(self) -> None:
         if self.disk is not None:
+            self.wait_encodes()
             self.disk.flush()
 
     def key(self, unit: Unit) -> str:
@@ -221,6 +352,9 @@ class OptimizerStates:
             ahead = [u for u in self.units if u.index in self._reads]
         # states read ahead (in flight or waiting for their update) and recycled buffers kept
         buffers = sum(self._stored_nbytes(u) for u in ahead) + self.pool.nbytes()
+        # moments decoded ahead of their update or waiting to be encoded (codec thread)
+        codec = set(self._decoded) | set(self._encoding)
+        buffers += sum(8 * u.numel for u in self.units if u.index in codec)
         out = {"host": host, "disk": 0, "host_buffers": buffers}
         if self.disk is not None:
             out["disk"] = sum(self.disk.nbytes_of(self._key(u)) for u in self.units if u.index in self._on_disk)
@@ -263,6 +397,7 @@ class OptimizerStates:
             steps = {k.split("/", 1)[1]: fh.get_tensor(k).reshape(()) for k in keys if k.startswith("step/")}
             adam.load_state_dict(steps)
             writes = WriteWindow(2)  # a few units' states in RAM at once
+            self._drop_codec_work()
             for u in self.units:
                 prefix = f"{u.name}/"
                 stored = {k[len(prefix):]: fh.get_tensor(k) for k in keys if k.startswith(prefix)}
@@ -278,6 +413,9 @@ class OptimizerStates:
     def stored(self, unit: Unit) -> Optional[Dict[str, torch.Tensor]]:
         """A unit's moments in their stored form (codes and scales, or fp32); None before its
         first update."""
+        enc = self._encoding.get(unit.index)
+        if enc is not None:
+            _settle(enc)
         if self.disk is not None and unit.index in self._on_disk:
             return self.disk.read(self._key(unit), outside_plan=True).result()
         return self.ram.get(unit.index)
@@ -286,9 +424,23 @@ class OptimizerStates:
         """Replace a unit's moments with ``stored`` (their stored form, from a sharded
         checkpoint). Waits for the write: one unit's states in RAM at a time."""
         if self.disk is not None:
+            self._drop_codec_work()
             self._write(unit, stored).result()
         else:
             self.ram[unit.index] = stored
+
+
+def _settle(f: Future):
+    """Wait for a pending state write: a write's future, or a codec job's that returns one."""
+    got = f.result()
+    return got.result() if isinstance(got, Future) else got
+
+
+def _one_torch_thread() -> None:
+    """The codec threads run their kernels single-threaded: they work beside the AdamW worker
+    and the compute, and more OpenMP teams on a busy 2-core machine mostly wait at barriers.
+    (Elementwise kernels and exact max-reductions: the codes do not depend on it.)"""
+    torch.set_num_threads(1)
 
 
 def stored_state_bytes(units, codec_name: str) -> int:

@@ -99,6 +99,7 @@ class UpdateScheduler:
         self._step = _ACCUMULATE
         self._norm_sq = 0.0                           # sum of the final gradients' squared norms
         self._norm_lock = threading.Lock()
+        self._unit_norm: Dict[int, float] = {}        # unit index -> its final gradient's norm (clipping)
         self._pending: Dict[int, Future] = {}         # unit index -> its update of the last step
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._slots = threading.BoundedSemaphore(depth)
@@ -183,6 +184,8 @@ class UpdateScheduler:
             self._held_ram.pop(unit.index, None)
             self.grads.accumulate(unit, grad)
             return
+        if not step.clipped:
+            self._unit_norm.pop(unit.index, None)   # left by a failed clipped step
         if not step.clipped and not self.grads.has_grad(unit):
             # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
             flat = self._copy_final(unit, grad)
@@ -203,9 +206,7 @@ class UpdateScheduler:
         if step.clipped:
             # Every update needs the global norm, so the gradient stays in its accumulator;
             # its share of the norm is taken now, while the backward goes on.
-            sq = float(torch.linalg.vector_norm(self.grads.grad(unit))) ** 2
-            with self._norm_lock:
-                self._norm_sq += sq
+            self._add_norm_share(unit, self.grads.grad(unit))
             return
         self._submit(unit, step.lr, None, zero=True)
 
@@ -236,16 +237,17 @@ class UpdateScheduler:
     def _hold_key(self, unit: Unit) -> str:
         return f"final-grad-{unit.index:05d}"
 
-    def _add_norm_share(self, flat: torch.Tensor) -> None:
-        sq = float(torch.linalg.vector_norm(flat)) ** 2
+    def _add_norm_share(self, unit: Unit, flat: torch.Tensor) -> None:
+        norm = float(torch.linalg.vector_norm(flat))
         with self._norm_lock:
-            self._norm_sq += sq
+            self._norm_sq += norm ** 2
+            self._unit_norm[unit.index] = norm   # the layer statistics' grad norm (no second pass)
 
     def _hold_in_ram(self, unit: Unit, flat: torch.Tensor) -> None:
         """Clipping, hold="host": reduce, take the norm share, keep the final gradient until its
         update (which hands the buffer back to the pool, bounded: the rest is freed)."""
         self.reduce(unit, flat)
-        self._add_norm_share(flat)
+        self._add_norm_share(unit, flat)
         self._held_ram[unit.index] = flat
 
     def held_ram_bytes(self) -> int:
@@ -257,7 +259,7 @@ class UpdateScheduler:
         disk tier (its update reads it back once the norm is known); RAM holds only the writes
         in flight (at most a few units)."""
         self.reduce(unit, flat)
-        self._add_norm_share(flat)
+        self._add_norm_share(unit, flat)
         key = self._hold_key(unit)
         fut = self.disk.write(key, {"g": flat})
         fut.add_done_callback(lambda _f, flat=flat: self._grad_pool.give(flat))
@@ -403,10 +405,12 @@ class UpdateScheduler:
                 if error is not None and not error.partial and guard.policy == "skip":
                     self.counters.add("skipped_steps", 1)
                     error = None
+            norm = self._unit_norm.pop(unit.index, None)   # set by a clipped step only
             if not skip:
                 if grad_coef is not None:
                     grad.mul_(grad_coef)
-                self.adam.step_unit(unit, params, grad, m, v, lr)
+                    norm = None if norm is None else norm * grad_coef   # (equal up to rounding)
+                self.adam.step_unit(unit, params, grad, m, v, lr, grad_norm=norm)
             self.weights.update_done(unit, params)
             self.states.store(unit, m, v)
         except BaseException:
@@ -476,6 +480,12 @@ class UpdateScheduler:
                 self.wait(u)
         except finite.NonFiniteError:
             self.nonfinite = None  # reported here, to this caller
+            raise
+        try:
+            self.states.wait_encodes()   # compressed states: encoded and written behind
+        except BaseException as e:
+            self.failed = e   # that unit's states were not written
+            self._settle_disk()
             raise
 
     def raise_nonfinite(self) -> None:

@@ -500,6 +500,8 @@ class Session:
         it = None
         outcome = "finished"
         try:
+            if self.engine is not None:   # the dashboard reads layer statistics after every step:
+                self.engine.layer_stats()  # the engine gathers them once asked, so from step 1
             it = iter(self._trainer.iter_steps(resume_from_checkpoint=self._resume))
             while True:
                 if self._apply_commands():

@@ -31,8 +31,10 @@ def run_engine(dist: Dist, case: str, acc: int, offload_dir=None, steps=(0, STEP
     model = tiny_model(tied, moe)
     if offload_params and offload_dir is None:
         offload_dir = tempfile.mkdtemp(prefix=f"offp{dist.rank}-")
+    # host_cache_gb=0: the states (and weights) must really reach each rank's disk tier (what is checked)
     engine = StreamingEngine(model, device="cpu", weight_decay=wd, optimizer_compression=codec,
-                             offload_dir=offload_dir, dist=dist, offload_params=offload_params or None)
+                             offload_dir=offload_dir, dist=dist, offload_params=offload_params or None,
+                             host_cache_gb=0)
     if load_from is not None:
         engine.load_checkpoint(load_from)
     data = micro_batches(STEPS * acc * dist.world)

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.disk_cache import READ, WRITE, cache_budget, plan_cache
+from megatrain_nb.engine.disk_cache import _LIVE, READ, WRITE, cache_budget, plan_cache
 
 from .families import VOCAB, family_config
 
@@ -70,6 +70,25 @@ def test_budget_from_config():
     assert cache_budget(0, None, 0, 10 * G) == 0
     with pytest.raises(ValueError, match="host_cache_gb=-1"):
         EngineConfig(host_cache_gb=-1)
+
+
+def test_default_budget_leaves_room_for_other_open_caches(monkeypatch):
+    """From free RAM: an open cache that has not filled yet still owns its budget."""
+    import psutil
+
+    from megatrain_nb.engine.disk_cache import HostCache
+
+    G = 1 << 30
+
+    class VM:
+        total, available = 32 * G, 20 * G
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: VM)
+    alone = cache_budget(None, None, G, 100 * G)
+    assert alone == 20 * G - G - 8 * G                     # free RAM less needs and a quarter of RAM
+    other = HostCache(store=None, capacity=3 * G)
+    assert cache_budget(None, None, G, 100 * G) == alone - 3 * G
+    other._copier.shutdown(); _LIVE.discard(other)
+    assert cache_budget(None, None, G, 100 * G) == alone
 
 
 # ---------------------------------------------------------------------------- in the engine
@@ -141,6 +160,37 @@ def test_cached_disk_tier_moves_the_planned_bytes_and_trains_exactly(tmp_path, c
     sd = cached.state_dict()
     for n, p in p_plain.items():
         assert torch.equal(sd[n], p), n
+    cached.close(); plain.close()
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_cached_states_are_swapped_not_copied_and_train_exactly(tmp_path, codec):
+    """With the whole disk tier resident, an update's state write hands its tensors to the
+    cache (fp32: the previous copy comes back to be read into; codes: the cache keeps them and
+    lends them to the next decode) -- same training as without the cache, clipped."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=3, hidden=64))
+    twin = copy.deepcopy(model)
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    plain, l_plain, p_plain, _ = _run(twin, tmp_path / "b", 0, 1.0, codec=codec)
+    cached, l_cached, p_cached, io = _run(model, tmp_path / "a", 1.0, 1.0, codec=codec)
+    assert l_cached == l_plain
+    for n, p in p_plain.items():
+        assert torch.equal(p_cached[n], p), n
+    assert io[-1] == (0, 0)
+    entries = cached.disk._entries
+    keys = [cached.states.key(u) for u in cached.units]
+    rep = cached.disk.report()
+    assert rep["adopted_writes"] >= 3 * len(keys)   # every update's state write after the first step's
+    if codec == "int8":   # the decode's reads got the resident codes themselves
+        assert rep["shared_reads"] >= 2 * len(keys)
+    else:                 # the moments written are the very buffers the cache now holds
+        pool_ptrs = {t.data_ptr() for ts in cached.states.pool._free.values() for t in ts}
+        held = {t.data_ptr() for k in keys for t in entries[k]["t"].values()}
+        assert held and not held & pool_ptrs
+    # a checkpoint of the states sees the resident data
+    for u in cached.units:
+        got, want = cached.states.stored(u), plain.states.stored(u)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     cached.close(); plain.close()
 
 

@@ -59,7 +59,10 @@ def worker(ns) -> None:
     # What this process holds before any training state: the interpreter, torch, transformers,
     # the process group. The state-bearing RSS is the peak above this.
     rss_before = current_rss_bytes()
-    engine = StreamingEngine(model, device="cpu", optimizer_compression="int8", offload_dir=off, dist=dist)
+    # host_cache_gb=0: the states really live on each rank's disk tier (what is measured); the
+    # host cache, on by default, would fill free RAM with them and make RSS a measure of the cache.
+    engine = StreamingEngine(model, device="cpu", optimizer_compression="int8", offload_dir=off, dist=dist,
+                             host_cache_gb=0)
     rss_built = current_rss_bytes()
     g = torch.Generator().manual_seed(1)
     global_mb = 2

@@ -50,13 +50,14 @@ class StepGuard:
         self.applied = 0
         self.bad: Optional[str] = None
 
-    def check(self, unit: str, grad) -> tuple[bool, Optional[NonFiniteError]]:
-        """(skip this unit's update, the error to raise after it)."""
+    def check(self, unit: str, grad, finite: Optional[bool] = None) -> tuple[bool, Optional[NonFiniteError]]:
+        """(skip this unit's update, the error to raise after it). ``finite``: the ranks' vote
+        (data parallel), instead of this rank's shard alone."""
         import torch
 
         if self.bad is not None:
             return True, None
-        if bool(torch.isfinite(grad).all()):
+        if finite if finite is not None else bool(torch.isfinite(grad).all()):
             self.applied += 1
             return False, None
         self.bad = unit

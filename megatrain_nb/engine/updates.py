@@ -96,6 +96,7 @@ class UpdateScheduler:
         self.policy = "stop"                          # on_nonfinite (finite.py)
         self.nonfinite: Optional[BaseException] = None  # a stopped non-finite step not yet reported
         self._guard: Optional[finite.StepGuard] = None  # the unclipped step's per-unit NaN/inf check
+        self._votes: Dict[int, bool] = {}             # unit index -> finite on every rank (data parallel, _vote)
         self._step = _ACCUMULATE
         self._norm_sq = 0.0                           # sum of the final gradients' squared norms
         self._norm_lock = threading.Lock()
@@ -118,11 +119,14 @@ class UpdateScheduler:
 
     # ------------------------------------------------------------------ 1-2: a step begins
     def context(self, lr: Optional[float], clip: Optional[float], hold: str) -> StepContext:
-        """The StepContext of a micro-batch. Data parallel: the step's updates always wait for
-        the global norm (``clip`` inf when not clipping: the hold path, no scaling). Unclipped,
-        each rank would check only its own shards before updating them, so a NaN/inf confined
-        to one rank's shard would stop or skip the step on that rank alone."""
-        if self.sharded is not None and lr is not None and clip is None:
+        """The StepContext of a micro-batch. Data parallel, unclipped: each rank would check
+        only its own shards before updating them, so a NaN/inf confined to one rank's shard would
+        stop or skip the step on that rank alone. Under ``on_nonfinite="skip"`` the step's
+        updates wait for the global norm (``clip`` inf: the hold path, no scaling), so every rank
+        skips the whole step; under "stop" the ranks vote per unit as each gradient becomes
+        final (:meth:`_vote`), so the updates still overlap the backward and every rank stops
+        at the same unit with the same error, as one process would."""
+        if self.sharded is not None and lr is not None and clip is None and self.policy == "skip":
             clip = math.inf
         return StepContext(lr=lr, clip=clip, hold=hold)
 
@@ -176,6 +180,8 @@ class UpdateScheduler:
         (a flat fp32 tensor, or on a CPU "device" the per-parameter gradients)."""
         step = self._step
         unit, grad = self.shard_gradient(unit, grad)
+        if self.sharded is not None and step.updates and not step.clipped:
+            self._vote(unit, grad)   # every rank, empty shard or not: a collective
         if unit.numel == 0:   # a small unit's shard of this rank is empty: nothing to update
             return
         # (updates of the last step may still be running: they pop their own held gradients; an
@@ -279,6 +285,15 @@ class UpdateScheduler:
         process, nor with sharded state: there each micro-batch's gradient was already
         reduce-scattered on arrival (:meth:`shard_gradient`), so the accumulated shard is the
         sum over ranks. (A hook for tests and for reductions of the final gradient.)"""
+
+    def _vote(self, unit: Unit, grad) -> None:
+        """Data parallel, unclipped: is this unit's final gradient finite on every rank? One
+        all-reduce of a flag on the reduce-scatter's channel, in the same thread and order as
+        the reduce-scatters (so every rank issues it alike); the unit's update reads the answer."""
+        bad = 0.0 if unit.numel == 0 or bool(torch.isfinite(grad).all()) else 1.0
+        t = torch.tensor([bad], dtype=torch.float64)
+        self.sharded.reduce_dist.all_reduce_(t)
+        self._votes[unit.index] = float(t.item()) == 0.0
 
     def shard_gradient(self, unit: Unit, grad):
         """Data parallel, on each micro-batch's arrival: (unit, its gradient) -> (this rank's
@@ -401,7 +416,7 @@ class UpdateScheduler:
             params = self.weights.for_update(unit)
             grad = grad if grad is not None else self.grads.grad(unit)
             if guard is not None:
-                skip, error = guard.check(unit.name, grad)
+                skip, error = guard.check(unit.name, grad, finite=self._votes.pop(unit.index, None))
                 if error is not None and not error.partial and guard.policy == "skip":
                     self.counters.add("skipped_steps", 1)
                     error = None

@@ -51,7 +51,12 @@ def main(out_dir: str, policy: str) -> None:
         else:
             res["skipped"].append(bool(out.skipped))
             res["norms"].append(out.grad_norm)
-        res["weights"].append({k: v.clone() for k, v in engine.named_parameters()})  # collective
+        try:
+            res["weights"].append({k: v.clone() for k, v in engine.named_parameters()})  # collective
+        except NonFiniteError as e:   # an unclipped step stopped part-way: delivered by the updates' wait
+            res["error"] = res["error"] or str(e)
+        except RuntimeError as e:     # and then refused until load_checkpoint()
+            res["refused"] = str(e)
         if res["error"] is not None:
             break
     res["skipped_steps"] = engine.telemetry().get("skipped_steps")

@@ -223,27 +223,28 @@ class SessionBeacon:
         return min(len(names), _MAX_COMMANDS_PER_POLL)
 
     def _apply(self, command_id: str, msg: Any) -> None:
+        """Run one command file's command; its outcome goes to the heartbeat (``last_command``)."""
         record: dict[str, Any] = {"id": command_id, "time": time.time(), "ok": False}
         try:
             if not isinstance(msg, dict):
                 raise CommandError("command file is not a JSON object")
-            command, value = validate_command(msg.get("command"), msg.get("value"))
-            record.update(command=command, value=value, source=str(msg.get("source", "lab")))
-            method = {
-                "pause": "pause", "resume": "resume", "stop": "stop", "lr": "set_lr"
-            }[command]
-            fn = getattr(self.session, method)
-            args = (value,) if command == "lr" else ()
-            if _accepts_kwarg(fn, "source"):
-                fn(*args, source=record["source"])
-            else:
-                fn(*args)
-            record["ok"] = True
-            record["error"] = None
+            record["source"] = str(msg.get("source", "lab"))
+            self._call(command_id, msg.get("command"), msg.get("value"), record)
+            record.update(ok=True, error=None)
         except Exception as e:  # noqa: BLE001 - reported back through the heartbeat
             record["error"] = f"{type(e).__name__}: {e}"
             log.warning("megatrain_nb: command %s failed: %s", command_id, record["error"])
         self.last_command = clean_json(record)
+
+    def _call(self, command_id: str, command: Any, value: Any, record: dict) -> None:
+        command, value = validate_command(command, value)
+        record.update(command=command, value=value)
+        fn = getattr(self.session, {"pause": "pause", "resume": "resume", "stop": "stop", "lr": "set_lr"}[command])
+        args = (value,) if command == "lr" else ()
+        if _accepts_kwarg(fn, "source"):
+            fn(*args, source=record["source"])
+        else:
+            fn(*args)
 
 
 class ControlBeacon(SessionBeacon):
@@ -260,22 +261,13 @@ class ControlBeacon(SessionBeacon):
         if kernel_id is not None:
             self.kernel_id = kernel_id
 
-    def _apply(self, command_id: str, msg: Any) -> None:
-        record: dict[str, Any] = {"id": command_id, "time": time.time(), "ok": False}
-        try:
-            if not isinstance(msg, dict):
-                raise CommandError("command file is not a JSON object")
-            command, value = validate_run_command(msg.get("command"), msg.get("value"))
-            record.update(command=command, value=value, source=str(msg.get("source", "lab")))
-            fn = getattr(self.session, "set_lr" if command == "lr" else
-                         "save_checkpoint" if command == "checkpoint" else command)
-            args = (value,) if command in ("lr", "checkpoint") or (command == "stop" and value) else ()
-            fn(*args, source=record["source"], command_id=command_id)
-            record.update(ok=True, error=None)
-        except Exception as e:  # noqa: BLE001 - reported back through the heartbeat
-            record["error"] = f"{type(e).__name__}: {e}"
-            log.warning("megatrain_nb: command %s failed: %s", command_id, record["error"])
-        self.last_command = clean_json(record)
+    def _call(self, command_id: str, command: Any, value: Any, record: dict) -> None:
+        command, value = validate_run_command(command, value)
+        record.update(command=command, value=value)
+        fn = getattr(self.session, "set_lr" if command == "lr" else
+                     "save_checkpoint" if command == "checkpoint" else command)
+        args = (value,) if command in ("lr", "checkpoint") or (command == "stop" and value) else ()
+        fn(*args, source=record["source"], command_id=command_id)
 
 
 def validate_run_command(command: Any, value: Any = None) -> tuple[str, Any]:

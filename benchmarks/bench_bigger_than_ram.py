@@ -12,7 +12,8 @@ The bound, measured in the same run: the larger of
   * compute: the same step with everything in RAM, on models of the same layer shape with 1 and
     2 layers (a subprocess, so its RAM does not count here), extrapolated to this depth;
   * I/O: the disk bytes this step moved / the bandwidth ``dd`` (direct I/O) reaches in ``--dir``;
-  * optimizer + codec: the RAM runs' AdamW + encode/decode seconds, extrapolated the same way.
+  * optimizer + codec: the RAM runs' AdamW worker seconds (its waits for the moments decoded
+    ahead included; encodes run behind in their own thread), extrapolated the same way.
 
 Prints RESULT lines: bigger_than_ram_params, bigger_than_ram_state_vs_ram (16 B/param of fp32
 training state over RAM), bigger_than_ram_peak_rss_share (target < 0.6),

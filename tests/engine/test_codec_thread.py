@@ -1,6 +1,8 @@
-"""Compressed optimizer states on the disk tier: decoded ahead and encoded behind in the codec
-thread (states.OptimizerStates, mtnb-codec) -- same training as in RAM, failures delivered."""
+"""Compressed optimizer states, in RAM or on the disk tier: decoded ahead and encoded behind in
+the codec threads (states.OptimizerStates, mtnb-decode / mtnb-encode) -- same training as the
+codec in line, failures delivered."""
 import copy
+import threading
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ def test_disk_codec_thread_trains_like_ram(tmp_path, cache_gb, clip):
     disk = StreamingEngine(model, EngineConfig(device="cpu", optimizer_compression="int8", weight_decay=0.01,
                                                offload_dir=str(tmp_path), offload_params=True,
                                                host_cache_gb=cache_gb))
-    assert disk.states._codec is not None and ram.states._codec is None
+    assert disk.states._codec is not None and ram.states._codec is not None
     data = _ids(5)
     la = [ram.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip).loss for ids in data]
     lb = [disk.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip).loss for ids in data]  # back to back
@@ -39,10 +41,47 @@ def test_disk_codec_thread_trains_like_ram(tmp_path, cache_gb, clip):
     ram.close(); disk.close()
 
 
-def test_a_failed_encode_behind_is_delivered_and_refuses_training(tmp_path, monkeypatch):
+def _in_line(engine):
+    """The codec run in line by the AdamW worker (the path before the codec threads)."""
+    for pool in (engine.states._codec, engine.states._decoder):
+        pool.shutdown()
+    engine.states._codec = engine.states._decoder = None
+    return engine
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_ram_codec_threads_train_like_the_codec_in_line(codec, clip):
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=3, hidden=64))
+    cfg = dict(device="cpu", optimizer_compression=codec, weight_decay=0.01)
+    ref = _in_line(StreamingEngine(copy.deepcopy(model), EngineConfig(**cfg)))
+    e = StreamingEngine(model, EngineConfig(**cfg))
+    threads = set()
+    codec = e.states.codecs["exp_avg"]
+    for name in ("encode", "decode"):
+        def spy(*a, _f=getattr(codec, name), **k):
+            threads.add(threading.current_thread().name.rsplit("_", 1)[0])
+            return _f(*a, **k)
+        setattr(codec, name, spy)
+    data = _ids(5)
+    la = [ref.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip).loss for ids in data]
+    lb = [e.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip).loss for ids in data]
+    assert lb == la
+    assert {"mtnb-decode", "mtnb-encode"} <= threads, threads   # the codec ran beside the AdamW worker
+    pr = dict(ref.named_parameters())
+    for n, p in e.named_parameters():
+        assert torch.equal(p, pr[n]), n
+    for u in e.units:
+        got, want = e.states.stored(u), ref.states.stored(u)
+        assert all(torch.equal(got[k], want[k]) for k in want), u.name
+    ref.close(); e.close()
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_a_failed_encode_behind_is_delivered_and_refuses_training(tmp_path, monkeypatch, tier):
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
-    e = StreamingEngine(model, EngineConfig(device="cpu", optimizer_compression="int8", offload_dir=str(tmp_path),
-                                            offload_params=True, host_cache_gb=0))
+    disk = dict(offload_dir=str(tmp_path), offload_params=True, host_cache_gb=0) if tier == "disk" else {}
+    e = StreamingEngine(model, EngineConfig(device="cpu", optimizer_compression="int8", **disk))
     data = _ids(3)
     e.forward_backward(data[0], step_lr=1e-3, max_grad_norm=1.0)
     e.zero_grad()

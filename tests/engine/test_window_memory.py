@@ -182,3 +182,28 @@ def test_window_with_unused_parameters_matches_micro_batch_major(k):
     assert _rel(lm, ref) <= 1e-5
     for e in (ref, lm):
         e.close()
+
+
+def test_engine_window_plan_leaves_the_device_room_for_the_sums():
+    """The engine's window layout (engine_window_plan) takes the window's gradient sums out of
+    the device room before placing boundary activations there."""
+    from megatrain_nb.engine.planner import GiB, engine_window_plan
+
+    eng = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama", layers=4, hidden=64)),
+                          EngineConfig(device="cpu"))
+    plan, A, tokens = eng.plan, 3, 24
+    row = tokens * 64 * 4
+    need = A * (4 * row + 2 * row)   # every layer's input + the front and one block input, per micro-batch
+    base = plan.device["weights"] + plan.device["grads"] + tokens * (12 * 64 + 4 * 128) * 4
+    assert plan.window_sum_bytes == 4 * max(u.numel for u in eng.units)
+
+    def layout(room):
+        cfg = eng.config.replace(max_vram_gb=(base + room) / GiB)
+        w = engine_window_plan(plan, eng.model_config, cfg, 4, tokens=tokens, micro_batches=A)
+        return w.tier, w.group_size
+    sums = plan.window_sum_bytes
+    assert layout(sums + need + 64) == ("device", A)
+    # room for the sums and the fronts only: the boundary activations go to host RAM (before, the
+    # sums' room was taken for them: the whole window on the device)
+    assert sums > A * 4 * row and layout(sums + A * 2 * row + 64) == ("host", A)
+    eng.close()

@@ -160,7 +160,11 @@ class OptimizerStates:
             _settle(enc)
         with self._lock:
             last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
-        while len(self._writes) >= self.writes_behind and not last and self._behind_bytes() > self.encode_behind_bytes:
+        # A unit whose moments alone exceed encode_behind_bytes (a 4096-hidden layer: 1.6 GB)
+        # keeps one encode pending, not two: the encoder still always has the next one queued,
+        # and the step's peak RSS is a unit's moments lower (bench_bigger_than_ram).
+        limit = self.writes_behind if 8 * unit.numel <= self.encode_behind_bytes else 1
+        while len(self._writes) >= limit and not last and self._behind_bytes() > self.encode_behind_bytes:
             _settle(self._writes.pop(0))   # a failed encode or write raises here, in the update
         for w in [w for w in self._writes if w.done()]:
             self._writes.remove(w)

@@ -39,10 +39,16 @@ class BufferPool:
     """Recycled page-aligned fp32 buffers, by size, for per-step temporaries of a unit (Adam
     moments read from disk, a final gradient): reusing them saves faulting in and zeroing fresh
     pages every step (the fixed mmap threshold above returns every freed buffer to the OS).
-    Keeps at most ``max_bytes`` of free buffers."""
+    Keeps at most ``max_bytes`` of free buffers.
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    ``slot_numel`` (optional): :meth:`take_slot` hands out a prefix of a buffer of that many
+    elements (the largest unit's), so one set of buffers serves every unit in turn: a
+    pipeline with N gradients in flight holds N buffers, not one per unit size besides (the
+    head's and the embedding's idle through the layers' backward)."""
+
+    def __init__(self, max_bytes: int = 256 << 20, slot_numel: int = 0):
         self.max_bytes = max_bytes
+        self.slot_numel = slot_numel
         self._free: Dict[int, List[torch.Tensor]] = {}
         self._free_bytes = 0
         self._lock = threading.Lock()
@@ -57,6 +63,22 @@ class BufferPool:
 
         return aligned_empty(numel)
 
+    def take_slot(self, numel: int) -> torch.Tensor:
+        """A buffer for ``numel`` elements: the first ``numel`` of a slot-sized one (``numel``
+        above ``slot_numel``: a buffer of its own size). :meth:`give` takes the prefix back."""
+        if numel > self.slot_numel:
+            return self.take(numel)
+        return self.take(self.slot_numel)[:numel]
+
+    def _whole(self, t: torch.Tensor) -> torch.Tensor:
+        """A slot's prefix -> the whole slot buffer (its storage is a slot's: aligned_empty's)."""
+        from .disk_store import ALIGN
+
+        n = self.slot_numel
+        if n and t.numel() < n and t.untyped_storage().nbytes() == n * 4 + ALIGN:
+            return t.as_strided((n,), (1,), t.storage_offset())
+        return t
+
     def nbytes(self) -> int:
         """Bytes of the free buffers kept for reuse."""
         with self._lock:
@@ -65,10 +87,21 @@ class BufferPool:
     def give(self, *tensors: torch.Tensor) -> None:
         with self._lock:
             for t in tensors:
+                t = self._whole(t)
                 n = t.numel()
                 if t.dtype == torch.float32 and self._free_bytes + n * 4 <= self.max_bytes:
                     self._free.setdefault(n, []).append(t)
                     self._free_bytes += n * 4
+
+    def trim(self, max_bytes: int) -> None:
+        """Keep at most ``max_bytes`` of free buffers from now on (the rest is freed now)."""
+        with self._lock:
+            self.max_bytes = max_bytes
+            for n in sorted(self._free, reverse=True):
+                bufs = self._free[n]
+                while bufs and self._free_bytes > max_bytes:
+                    bufs.pop()
+                    self._free_bytes -= n * 4
 
 
 class HostStore:

@@ -19,6 +19,17 @@ class UnitSpec:
     name: str
     numel: int
     kind: str  # "embed" | "layer" | "head"
+    tied_output: bool = False   # (embed) also the output embedding (units.Unit.tied_output)
+
+
+def window_sum_bytes(units: List[UnitSpec]) -> int:
+    """Peak device bytes of a layer-major window's fp32 gradient sums (window.WindowRunner):
+    one unit's at a time (the head's, each layer's, the embedding's at the end); a tied
+    embedding's sum is formed from the head pass on, so it sits beside each of the others."""
+    by_kind = {k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")}
+    if any(u.tied_output for u in units if u.kind == "embed"):
+        return 4 * (by_kind["embed"] + max(by_kind["layer"], by_kind["head"]))
+    return 4 * max(by_kind.values())
 
 
 def unit_specs_from_config(config) -> List[UnitSpec]:
@@ -31,7 +42,7 @@ def unit_specs_from_config(config) -> List[UnitSpec]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     _, _, layers = find_layer_list(model)
-    return [UnitSpec(u.name, u.numel, u.kind) for u in build_units(model, layers)]
+    return [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in build_units(model, layers)]
 
 
 def _smaller_codec_hint(compression: str) -> str:
@@ -62,6 +73,9 @@ class Plan:
     capacity: Dict[str, Optional[int]] = field(default_factory=dict)
     #: With accumulation > 1: the window's layout (WindowPlan.to_dict()) and tokens per weight fetch.
     window: Optional[dict] = None
+    #: Device bytes a layer-major window's gradient sums take (``window_sum_bytes``; in
+    #: ``device["grad_sums"]`` when ``window`` is planned here, else taken by engine_window_plan).
+    window_sum_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -180,8 +194,9 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
             "grads": grads,
             "optimizer_states": states if placement["optimizer_states"] == "host" else staging // 2}
     window = None
+    sums = window_sum_bytes(units)   # a window sums each unit's gradient on the device (fp32)
     if accumulation > 1:
-        free_dev = None if vram_bytes is None else max(vram_bytes - dev["total"], 0)
+        free_dev = None if vram_bytes is None else max(vram_bytes - dev["total"] - sums, 0)
         # Boundary activations leave HOST_HEADROOM of the host budget free (the OS, page cache,
         # allocator slack: a pinned RAM tier filled to the last GiB is what gets a process killed).
         free_host = None if host_bytes is None else max(int((1 - HOST_HEADROOM) * host_bytes) - sum(host.values()), 0)
@@ -199,14 +214,14 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
             placement["gradients"] = "host"
         window = wp.to_dict()
         window["tokens_per_weight_fetch"] = batch * seq * accumulation / wp.loads_per_layer
-        dev = dict(dev)
+        dev = dict(dev, grad_sums=sums)
         if wp.tier in ("host", "disk"):
             if wp.tier == "host":
                 host["activations"] = wp.boundary_bytes
             dev["activations"] += wp.device_work_bytes
         else:
             dev["activations"] += wp.boundary_bytes + wp.device_work_bytes
-        dev["total"] = dev["weights"] + dev["grads"] + dev["activations"]
+        dev["total"] = dev["weights"] + dev["grads"] + dev["grad_sums"] + dev["activations"]
     host["total"] = sum(host.values())
     disk = {"weights": weights if placement["master_weights"] == "disk" else 0,
             "grads": total * 4 if grads_on_disk else 0,
@@ -230,7 +245,8 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
                   "free space or use a larger disk" + _smaller_codec_hint(compression))
     return Plan(device=dev, host=host, disk=disk, placement=placement, layer_slots=slots,
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
-                capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes}, window=window)
+                capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes}, window=window,
+                window_sum_bytes=sums)
 
 
 def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None) -> Plan:
@@ -238,7 +254,7 @@ def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None) -> Pl
     the budget to change. ``state_units``: this rank's shards when the state is sharded."""
     from .family import hidden_size, intermediate_size
 
-    specs = [UnitSpec(u.name, u.numel, u.kind) for u in units]
+    specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in units]
     held = None if state_units is None else [UnitSpec(u.name, u.numel, u.kind) for u in state_units]
     plan = make_plan(specs, hidden_size=hidden_size(model_config), num_layers=len(units) - 2,
                      intermediate_size=intermediate_size(model_config), vocab_size=0,
@@ -400,8 +416,9 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
     hid, inter = hidden_size(model_config), intermediate_size(model_config) or 0
     layer_work = (12 * hid + 4 * inter) * esize          # one layer re-run, per token (as activation_bytes)
     dev_free = None
-    if cap is not None:
-        dev_free = max(cap - plan.device["weights"] - plan.device["grads"] - tokens * layer_work, 0)
+    if cap is not None:   # (the engine's plan is made without a window: its sums are taken here)
+        dev_free = max(cap - plan.device["weights"] - plan.device["grads"] - plan.window_sum_bytes
+                       - tokens * layer_work, 0)
     # (a split window's accumulator is in RAM even where held final gradients go to disk)
     accumulator = plan.host["grads"] or plan.disk["grads"]
     if cfg.max_host_gb:  # a one-group layer-major step keeps no host gradient accumulator

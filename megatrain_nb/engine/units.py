@@ -45,6 +45,9 @@ class Unit:
     decay_numel: int               # params[0:decay_numel] of the flat buffer get weight decay
     layer_index: Optional[int] = None
     module: Optional[nn.Module] = None   # the real decoder layer for layer units
+    #: The embedding unit also holds the (tied) output embedding: its gradient gets a share from
+    #: the head's loss too, so a layer-major window keeps its sum for the whole backward.
+    tied_output: bool = False
 
     def views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {p.name: flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.params}
@@ -143,6 +146,7 @@ def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
     outer = [i for i in canonical if i not in in_layers]
     embed_ids = {i for i in outer if i not in head_ids}
     units = [make_unit("embed", "embed", 0, embed_ids)]
+    units[0].tied_output = bool(tied_ids & embed_ids)
     prefix = _layer_prefix(model, layers)
     for li, layer in enumerate(layers):
         units.append(make_unit(f"{prefix}.{li}", "layer", li + 1, layer_param_ids[li] - set(), li, layer))

@@ -104,11 +104,13 @@ class UpdateScheduler:
         self._pending: Dict[int, Future] = {}         # unit index -> its update of the last step
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mtnb-adamw")
         self._slots = threading.BoundedSemaphore(depth)
-        # Recycled final-gradient buffers: at most what the pipeline has in flight at once (the
-        # pending updates, the one being copied, the disk writes of a clipping hold), so a
-        # layer-major step keeps no whole-model's worth of gradients in RAM between steps.
-        largest = max((u.numel for u in units), default=0) * 4
-        self._grad_pool = BufferPool(max_bytes=(depth + 1 + _HOLD_WRITES) * largest)
+        # Recycled final-gradient buffers: at most what the pipeline has in flight at once
+        # (_pool_bytes), so a layer-major step keeps no whole-model's worth of gradients in RAM
+        # between steps. A gradient that goes straight to its update takes a slot-sized buffer
+        # (the largest unit's; BufferPool.take_slot), so every unit reuses the same few.
+        self._depth = depth
+        self._largest = max((u.numel for u in units), default=0)
+        self._grad_pool = BufferPool(max_bytes=self._pool_bytes(None), slot_numel=self._largest)
         self._rs_buf: Optional[torch.Tensor] = None   # sharded: the reduce-scatter's whole-unit input
         # Pool buffers lent out (lend_buffer) that a final gradient may come back in, adopted
         # without a copy; weak: one that never comes back is simply freed.
@@ -130,10 +132,30 @@ class UpdateScheduler:
             clip = math.inf
         return StepContext(lr=lr, clip=clip, hold=hold)
 
+    def _pool_bytes(self, step: Optional[StepContext]) -> int:
+        """The final-gradient buffers worth keeping for ``step`` (None: any step). A gradient
+        that goes straight to its update is in one of ``depth + 1`` buffers: the units being
+        updated and the one gradient next in line (a window's sum being formed on a CPU
+        "device", or one copied off the device while the update before it runs). A clipping
+        step's come back from the norm's hold one by one (and ``hold="disk"`` has a few
+        writes in flight). A tied embedding's sum (CPU "device": a lent buffer) is formed
+        through the whole backward beside them."""
+        n = self._depth + 1 + sum(1 for u in self.units[:1] if getattr(u, "tied_output", False))
+        if step is None or step.clipped:
+            n += _HOLD_WRITES
+        return n * self._largest * 4
+
+    def straight(self) -> bool:
+        """Whether this micro-batch's final gradients go straight to their updates (the step's
+        last, unclipped): their buffers are the slot-sized ones (BufferPool.take_slot)."""
+        return self._step.updates and not self._step.clipped
+
     def begin(self, step: StepContext) -> None:
         """A training micro-batch starts. (A unit's pending update from the last step finishes
         before its forward reads it, so before its new gradient reaches the accumulator.)"""
         self._step = step
+        if step.updates:   # free buffers beyond what this step can have in flight
+            self._grad_pool.trim(self._pool_bytes(step))
         with self._norm_lock:
             self._norm_sq = 0.0
         # Without clipping the updates start during the backward, before the global norm is
@@ -194,7 +216,7 @@ class UpdateScheduler:
             self._unit_norm.pop(unit.index, None)   # left by a failed clipped step
         if not step.clipped and not self.grads.has_grad(unit):
             # Single micro-batch: the incoming gradient is final as it is; no accumulator needed.
-            flat = self._copy_final(unit, grad)
+            flat = self._copy_final(unit, grad, slot=True)
             self.reduce(unit, flat)
             self._submit(unit, step.lr, flat, zero=False, recycle=True)
             return
@@ -221,19 +243,20 @@ class UpdateScheduler:
         layer-major window sums a unit's gradient in it and returns it whole (``[buf]``): a
         final gradient arriving in it is adopted, not copied (:meth:`_copy_final`), and goes
         back to the pool after its update, so no per-step allocation and no copy."""
-        t = self._grad_pool.take(numel)
+        t = self._grad_pool.take_slot(numel) if self.straight() else self._grad_pool.take(numel)
         self._lent[id(t)] = t
         return t
 
-    def _copy_final(self, unit: Unit, grad) -> torch.Tensor:
+    def _copy_final(self, unit: Unit, grad, slot: bool = False) -> torch.Tensor:
         """A final gradient copied out of the transfer's staging buffer (reused by the next
-        transfer) into a recycled flat fp32 buffer; a lent buffer (:meth:`lend_buffer`) coming
-        back whole is adopted as it is."""
+        transfer) into a recycled flat fp32 buffer (``slot``: a slot-sized one, for a gradient
+        going straight to its update); a lent buffer (:meth:`lend_buffer`) coming back whole
+        is adopted as it is."""
         t = grad[0] if isinstance(grad, (list, tuple)) and len(grad) == 1 else grad
         if torch.is_tensor(t) and t.numel() == unit.numel and self._lent.get(id(t)) is t:
             self._lent.pop(id(t), None)
             return t
-        flat = self._grad_pool.take(unit.numel)
+        flat = self._grad_pool.take_slot(unit.numel) if slot else self._grad_pool.take(unit.numel)
         if torch.is_tensor(grad):
             flat.copy_(grad)
         else:

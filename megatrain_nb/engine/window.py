@@ -209,6 +209,7 @@ class WindowRunner:
         self.grad_buffer = grad_buffer
         self.sum_bytes = 0         # fp32 gradient sums alive on the device now
         self.sum_peak = 0          # ... and their peak over the windows run
+        self._straight = False     # this window's sums go straight to their updates (unclipped)
 
     # ------------------------------------------------------------------ helpers
     def _out(self, h):
@@ -272,6 +273,37 @@ class WindowRunner:
             if g is not None:
                 acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
 
+    @staticmethod
+    def _grads_into(acc: torch.Tensor, unit: Unit, params: List[torch.Tensor]) -> bool:
+        """Let autograd add each parameter's gradient straight into the unit's fp32 sum: every
+        bound parameter's ``.grad`` becomes its view of ``acc``, and AccumulateGrad adds into an
+        existing ``.grad`` in place (the backward runs with grad mode off). A micro-batch's
+        backward then holds one parameter's fresh gradient at a time, not a whole unit's beside
+        the sum (``autograd.grad`` returns them all at once). The same adds in the same order
+        (the first into the zeroed sum is exact). Only where the bound tensors are fp32 on the
+        sum's device (a bf16 parameter cannot have an fp32 ``.grad``): otherwise False, and
+        :meth:`_layer_grads` adds ``autograd.grad``'s results itself."""
+        if any(p.dtype != acc.dtype or p.device != acc.device for p in params):
+            return False
+        for spec, p in zip(unit.params, params):
+            p.grad = acc[spec.offset:spec.offset + spec.numel].view(spec.shape)
+        return True
+
+    def _layer_grads(self, acc: torch.Tensor, unit: Unit, params: List[torch.Tensor], direct: bool,
+                     x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Back-propagate ``g`` through one layer call (input ``x``, output ``h``): the
+        parameters' gradients are added into ``acc`` (``direct``: by autograd itself, see
+        :meth:`_grads_into`); returns the input's gradient."""
+        if direct:
+            torch.autograd.backward(h, g, inputs=[x] + params)
+            gx = x.grad
+        else:
+            grads = torch.autograd.grad(h, [x] + params, g, allow_unused=True)
+            self._add(acc, unit, grads[1:])
+            gx = grads[0]
+            del grads
+        return gx if gx is not None else torch.zeros_like(x)
+
     def _fold_outer(self, acc: Optional[torch.Tensor], unit: Unit, bound: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """Move the bound outer tensors' .grad (this micro-batch's share) into the fp32 sum,
         made on the first share (an untied embedding's sum exists only at the step's end)."""
@@ -287,6 +319,12 @@ class WindowRunner:
     def _sum(self, numel: int) -> torch.Tensor:
         """A zeroed fp32 buffer on the device for a unit's gradient summed over micro-batches."""
         if self.grad_buffer is not None:
+            if self._straight:
+                # The sums go straight to their updates: take the next one once every sum
+                # returned so far is with its update (the one before it done). RAM then holds
+                # the unit being updated and the sum being formed, never a third waiting in
+                # line; the backward of a unit still overlaps the update of the one above it.
+                self.r.pager.wait_grads()
             acc = self.grad_buffer(numel).zero_()
         else:
             acc = torch.zeros(numel, dtype=torch.float32, device=self.r.device)
@@ -318,6 +356,7 @@ class WindowRunner:
         r.ctx = _StepContext(train=True, k=k)
         r.activation_now = 0
         self._front_bytes = 0
+        self._straight = step.updates and not step.clipped
         self.boundary.start(tier)
         order = r.schedule(True, k)
         r.plan_reads(order, step)
@@ -440,12 +479,13 @@ class WindowRunner:
                 i = unit.layer_index
                 params = kept.pop(i)
                 acc = self._sum(unit.numel)
+                direct = self._grads_into(acc, unit, params)
                 for a in range(A):
                     x, h = kept.pop((i, a))
-                    grads = torch.autograd.grad(h, [x] + params, gs[a], allow_unused=True)
-                    self._add(acc, unit, grads[1:])
-                    gs[a] = grads[0] if grads[0] is not None else torch.zeros_like(x)
-                    del x, h, grads
+                    gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a])
+                    del x, h
+                for p in params:
+                    p.grad = None
                 self._return(unit, acc)
                 r.pager.release(unit)
             return gs
@@ -471,17 +511,18 @@ class WindowRunner:
                 w = r.pager.acquire(unit)
                 params = bind(unit, w, requires_grad=True)
                 acc = self._sum(unit.numel)
+                direct = self._grads_into(acc, unit, params)
                 try:
                     for a in range(A):
                         x = inputs[a].pop(i).detach().requires_grad_(True)
                         with r._restored_rng(rng[a].get(i)), torch.enable_grad(), r._count_saved():
                             h = self._call_layer(unit, calls[a][i], x)
-                        grads = torch.autograd.grad(h, [x] + params, gs[a], allow_unused=True)
-                        self._add(acc, unit, grads[1:])
-                        gs[a] = grads[0] if grads[0] is not None else torch.zeros_like(x)
-                        del x, h, grads
+                        gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a])
+                        del x, h
                 finally:
                     unbind(unit, r.placeholders)
+                    for p in params:
+                        p.grad = None
                 self._return(unit, acc)
                 del acc
                 r.pager.release(unit)

@@ -156,14 +156,8 @@ class RemoteSession(Session):
         """The last lines the worker processes printed (torchrun's output)."""
         return self._read_log_tail() if self._run_dir is not None and self._run_dir.exists() else self._log_tail
 
-    @property
-    def lr(self) -> Optional[float]:
-        if self._pending_lr is not None:
-            return self._pending_lr
-        v = self._log.last_record().get("lr")
-        if v is None:
-            v = (self._spec or {}).get("args", {}).get("learning_rate", 5e-5 if self._spec else None)
-        return float(v) if v is not None else None
+    def _configured_lr(self) -> Optional[float]:   # the ranks' TrainingArguments (5e-5 when not given)
+        return (self._spec or {}).get("args", {}).get("learning_rate", 5e-5 if self._spec else None)
 
     def launch_info(self) -> list[tuple[str, Any]]:
         """Rows for the report's configuration: ranks, model, the training arguments given."""

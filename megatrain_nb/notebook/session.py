@@ -246,8 +246,12 @@ class Session:
             return self._pending_lr
         v = self._log.last_record().get("lr")
         if v is None:
-            v = getattr(getattr(self._trainer, "args", None), "learning_rate", None)
+            v = self._configured_lr()
         return float(v) if v is not None else None
+
+    def _configured_lr(self) -> Optional[float]:
+        """The learning rate the run was set up with (before any step logged one)."""
+        return getattr(getattr(self._trainer, "args", None), "learning_rate", None)
 
     @property
     def publisher(self) -> Any:

@@ -18,8 +18,24 @@ def _seed():
     torch.manual_seed(0)
 
 
+# The fast subset is `python -m pytest -m "not slow"` (README, "Development"). Besides the tests
+# marked `slow` in their own files, whole kinds of test are slow by nature and marked here, in
+# one place: everything that starts ranks under torchrun or gloo (tests/distributed/) and every
+# browser test.
+SLOW_FOLDERS = ("distributed",)
+
+
+def _mark_slow_kinds(items):
+    for item in items:
+        folder = item.path.parent.name
+        if folder in SLOW_FOLDERS or item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without chromium (or playwright) the browser tests are left out, with one line saying why."""
+    """Marks the slow kinds; without chromium (or playwright) the browser tests are left out,
+    with one line saying why."""
+    _mark_slow_kinds(items)
     from tests.browser import missing
 
     browser = [item for item in items if item.get_closest_marker("browser")]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -35,15 +34,16 @@ from .memory import memory_report
 from .planner import WindowPlan, engine_plan
 from .proxies import LayerProxy
 from .states import OptimizerStates, open_disk_tier
-from .step import StepRunner
+from .step import StepRunner, Steps
 from .telemetry import Telemetry
+from .transport import make_transport
 from .units import Unit, build_units, check_supported, find_layer_list
 from .updates import UpdateScheduler
 from .weight_store import make_weight_store
 from .dist import resolve_dist
 from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
 from .sharded import ShardedUnits
-from .window import BoundaryStore, WindowRunner, WindowStep, plan_for
+from .window import BoundaryStore, plan_for
 
 
 @dataclass
@@ -139,27 +139,31 @@ class StreamingEngine:
         self.updates.policy = self.config.on_nonfinite
         source, source_done, plan_reads = self.updates.ready_weights, self.weights.transfer_done, \
             self.updates.plan_reads
+        grad_sink = self.updates.gradient_arrived
         if self.sharded is not None:   # the pager sees whole units; the stores hold shards
             shard = self.sharded.shard
             source = lambda u: self.updates.ready_weights(shard(u))                  # noqa: E731
             source_done = lambda u, t: self.weights.transfer_done(shard(u), t)       # noqa: E731
             plan_reads = lambda order, step: self.updates.plan_reads([shard(u) for u in order], step)  # noqa: E731
+            grad_sink = lambda u, g: self.updates.gradient_arrived(shard(u), g)      # noqa: E731
+        # (on CPU, MEGATRAIN_ADVERSARIAL_TRANSPORT=1 makes it the tests' adversarial one)
+        self.transport = make_transport(self.device, sharded=self.sharded)
         self.pager = Pager(self.units, device=self.device, dtype=self.dtype, layer_slots=self.plan.layer_slots,
-                           source=source, source_done=source_done, sharded=self.sharded,
-                           telemetry=self.counters, grad_sink=self.updates.gradient_arrived)
+                           source=source, source_done=source_done, transport=self.transport,
+                           telemetry=self.counters, grad_sink=grad_sink)
         self.pager.max_grads_in_flight = self.inflight_depth
-        self.runner = StepRunner(model, self.units, self.pager, placeholders, device=self.device,
-                                 checkpoint_interval=self.checkpoint_interval,
-                                 loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=plan_reads)
-        for u in self.layer_units:
-            layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
-        self.boundary = BoundaryStore(self.device, disk=self.disk)
+        self.boundary = BoundaryStore(self.device, self.transport, disk=self.disk)
         # (a CPU "device" sums each unit's gradient in a pool buffer the update adopts)
         lend = self.updates.lend_buffer if self.device.type == "cpu" and self.sharded is None else None
-        self.window_runner = WindowRunner(self.runner, self.boundary, grad_buffer=lend)
-        self.window_step = WindowStep(self.window_runner, self.boundary, updates=self.updates, pager=self.pager,
-                                      counters=self.counters, config=config, layer_names=self.unit_names()[1:-1],
-                                      clip_hold_disk=self.plan.placement["gradients"] == "disk")
+        self.runner = StepRunner(model, self.units, self.pager, placeholders, self.boundary, device=self.device,
+                                 checkpoint_interval=self.checkpoint_interval,
+                                 loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=plan_reads,
+                                 grad_buffer=lend)
+        for u in self.layer_units:
+            layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
+        self.steps = Steps(self.runner, self.boundary, updates=self.updates, pager=self.pager,
+                           counters=self.counters, config=config, layer_names=self.unit_names()[1:-1],
+                           clip_hold_disk=self.plan.placement["gradients"] == "disk")
         self.memory_peaks = {"host": 0, "disk": 0}   # memory_report's peaks across calls
 
     @classmethod
@@ -263,27 +267,8 @@ class StreamingEngine:
             return self._forward_backward_window(window, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
         with self.lock:
             self._check_open()
-            ids, am, labels = self._prepare(input_ids, attention_mask, labels)
-            t0 = time.perf_counter()
-            step = self.updates.context(step_lr, max_grad_norm, self.window_step.hold())
-            self.updates.begin(step)
-            try:
-                loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, step=step,
-                                              grad_scale_tokens=num_items_in_batch)
-                self.pager.wait_grads()
-                norm, skipped = self.updates.finish(step, loss_sum / max(n, 1))
-            except finite.NonFiniteError:
-                self.updates.nonfinite = None  # reported now, to this caller
-                raise
-            finally:
-                self.updates.end()
-            self.counters.add_tokens(ids.numel())
-            if step_lr is not None:
-                self.counters.add("steps", 1)
-                self._close_step(groups=None)
-            self.counters.add("micro_batches", 1)
-            self.counters.add("step_seconds", time.perf_counter() - t0)
-            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm, skipped=skipped)
+            batches = [self._prepare(input_ids, attention_mask, labels)]
+            return self._train(batches, None, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
 
     def plan_window(self, batches) -> WindowPlan:
         """The :class:`WindowPlan` of prepared ``(ids, am, labels)`` micro-batches (``window.plan_for``)."""
@@ -293,25 +278,25 @@ class StreamingEngine:
     @property
     def last_window_plan(self) -> Optional[WindowPlan]:
         """The plan of the last window :meth:`forward_backward` ran (None before the first)."""
-        return self.window_step.last_plan
+        return self.steps.last_plan
 
     def _forward_backward_window(self, window, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
         with self.lock:
             self._check_open()
             batches = [self._prepare(*b) for b in window]
-            loss, n, norm, skipped = self.window_step.run(batches, self.plan_window, loss_fn, num_items_in_batch,
-                                                          step_lr, max_grad_norm)
-            return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
+            return self._train(batches, self.plan_window(batches), loss_fn, num_items_in_batch, step_lr,
+                               max_grad_norm)
 
-    def _close_step(self, **extra) -> None:
-        self.counters.close_step([u.name for u in self.layer_units], **extra)
+    def _train(self, batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
+        loss, n, norm, skipped = self.steps.run(batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
+        return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
 
     def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None) -> EngineOutput:
         """Loss of a batch without gradients."""
         with self.lock:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
-            loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn)
+            loss_sum, n = self.runner.evaluate(ids, am, labels, loss_fn=loss_fn)
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n)
 
     def forward_logits(self, input_ids, attention_mask=None) -> torch.Tensor:
@@ -368,7 +353,7 @@ class StreamingEngine:
             self.pager.wait_grads()
             if self.updates.update_all(lr, grad_norm=self.grad_norm()):
                 self.counters.add("steps", 1)
-                self._close_step(groups=None)
+                self.counters.close_step([u.name for u in self.layer_units], groups=None)
 
     def zero_grad(self) -> None:
         with self.lock:
@@ -392,8 +377,8 @@ class StreamingEngine:
     def memory_report(self) -> dict:
         return memory_report(pager=self.pager, runner=self.runner, store=self.store, states=self.states,
                              weights=self.weights, updates=self.updates, boundary=self.boundary, config=self.config,
-                             boundary_peak=self.window_step.boundary_peak, peaks=self.memory_peaks, device=self.device,
-                             grad_sums_peak=self.window_runner.sum_peak)
+                             boundary_peak=self.steps.boundary_peak, peaks=self.memory_peaks, device=self.device,
+                             grad_sums_peak=self.runner.sum_peak)
 
     def telemetry(self) -> dict:
         """Counters: bytes per link, prefetch hits/misses, stall seconds, loads per unit."""

@@ -336,10 +336,10 @@ def test_default_clip_hold_goes_to_disk_when_the_host_budget_is_short(tmp_path):
                                                               max_host_gb=short))
     assert auto.plan.placement == {"gradients": "disk", "master_weights": "host", "optimizer_states": "disk"}
     assert auto.plan.host["grads"] == 0 and auto.plan.disk["grads"] == grads
-    assert auto.window_step.hold() == "disk"
+    assert auto.steps.hold() == "disk"
     roomy = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=str(tmp_path / "c"),
                                                                max_host_gb=short + grads / GiB))
-    assert roomy.plan.placement["gradients"] == "host" and roomy.window_step.hold() == "host"
+    assert roomy.plan.placement["gradients"] == "host" and roomy.steps.hold() == "host"
     for w in _windows(3, 3):
         outs = [e.forward_backward(w, step_lr=3e-3, max_grad_norm=0.05) for e in (ram, auto, roomy)]
         assert outs[0].grad_norm == outs[1].grad_norm == outs[2].grad_norm and outs[0].grad_norm > 0.05

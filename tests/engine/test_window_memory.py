@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.window import WindowRunner
+from megatrain_nb.engine.step import StepRunner
 
 from .families import VOCAB, family_config
 
@@ -58,14 +58,14 @@ def test_layer_backward_adds_gradients_straight_into_the_sum(monkeypatch, k):
     unit_bytes = 4 * max(u.numel for u in eng.layer_units)
     largest_param = 4 * max(p.numel for u in eng.layer_units for p in u.params)
     peaks = []
-    real = WindowRunner._backward_layers
+    real = StepRunner.backward_layers
 
     def measured(self, *a, **kw):
         with LiveBytes() as live:
             out = real(self, *a, **kw)
         peaks.append(live.peak)
         return out
-    monkeypatch.setattr(WindowRunner, "_backward_layers", measured)
+    monkeypatch.setattr(StepRunner, "backward_layers", measured)
     eng.forward_backward(_window(2, seed=1), step_lr=1e-3)
     eng.updates.wait_all()
     assert len(peaks) == 1

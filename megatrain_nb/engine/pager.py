@@ -63,6 +63,9 @@ class Pager:
                 self.pools[kind] = [Slot(kind, torch.empty(sizes[kind], dtype=dtype, device=device))
                                     for _ in range(n)]
         self.slot_bytes = sum(s.buf.numel() * esize for pool in self.pools.values() for s in pool)
+        for pool in self.pools.values():   # a new slot starts released (the adversarial transport: NaN)
+            for s in pool:
+                transport.release(s.buf)
         # Gradient staging (a transport that stages: CUDA): two device flat fp32 buffers and their
         # pinned host twins, used in turn; a unit's gradient sum is copied into one and leaves.
         max_unit = max(transport.slot_numel(u) for u in units)
@@ -114,18 +117,28 @@ class Pager:
         slot.busy = True
         slot.unit = unit
         self._resident[unit.index] = slot
-        slot.ready = self._h2d.submit(self._copy_in, unit, slot)
+        slot.ready = Future()
+        self._h2d.submit(self._copy_in, unit, slot, slot.ready)
 
-    def _copy_in(self, unit: Unit, slot: Slot):
-        """In the copy thread: the unit's host weights into its slot; returns the ready handle."""
-        src = self.source(unit)
-        t0 = time.perf_counter()
-        ready = self.transport.copy_in(unit, src, slot.buf)
-        ready.result()   # (this thread only) the host buffer may be reused after this
-        self.source_done(unit, src)
+    def _copy_in(self, unit: Unit, slot: Slot, issued: Future) -> None:
+        """In the copy thread: the unit's host weights into its slot. ``issued`` gets the
+        transport's ready handle as soon as the copy is issued (the compute waits on that
+        handle, not on this thread); this thread then waits for the copy itself before the
+        host buffer is handed back (``source_done``)."""
+        try:
+            src = self.source(unit)
+            t0 = time.perf_counter()
+            ready = self.transport.copy_in(unit, src, slot.buf)
+        except BaseException as e:  # noqa: BLE001 - delivered to the compute's acquire
+            issued.set_exception(e)
+            return
+        issued.set_result(ready)
+        try:
+            ready.result()
+        finally:
+            self.source_done(unit, src)
         self.telemetry.add_bytes("host_to_device", src.numel() * 4, time.perf_counter() - t0)
         self.telemetry.load(unit.name)
-        return ready
 
     def acquire(self, unit: Unit) -> torch.Tensor:
         """The unit's weights as a flat device tensor; waits for the transfer if needed."""

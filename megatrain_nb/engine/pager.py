@@ -190,7 +190,9 @@ class Pager:
             torch.cat([g.reshape(-1).float() for g in grads], out=dev[:unit.numel])
             src = dev[:n_slot]
         else:   # the gradient already is host memory: it leaves as it is
-            src = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1).float() for g in grads])
+            # (a lent buffer must arrive as the same object: the update adopts it by identity)
+            src = grads[0] if len(grads) == 1 and grads[0].dim() == 1 else \
+                torch.cat([g.reshape(-1).float() for g in grads])
             host = None
         after = self.transport.record()   # the compute that made the gradient
 

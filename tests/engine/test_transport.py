@@ -2,6 +2,7 @@
 wait or release into an error or a wrong gradient, and the engine's own step keeps the
 discipline (parity and layer-major tests under it)."""
 import copy
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -19,11 +20,15 @@ def _slot(n=64):
 
 
 def test_a_copy_in_is_late_until_waited_for():
-    t = CpuTransport(adversarial=True, max_delay_s=0.05)
+    """(``after``: a transfer the copy must follow, still running here: the copy cannot have
+    landed, however the threads are scheduled.)"""
+    t = CpuTransport(adversarial=True)
     src, dst = torch.arange(64, dtype=torch.float32), _slot()
     t.release(dst)   # a new slot starts released: poisoned
-    ready = t.copy_in(None, src, dst)
-    assert torch.isnan(dst).all()           # read without waiting: the poison
+    before = Future()
+    ready = t.copy_in(None, src, dst, after=FutureHandle(before))
+    assert torch.isnan(dst).all() and not ready.done()   # read without waiting: the poison
+    before.set_result(None)
     ready.wait()
     assert torch.equal(dst, src)
     t.close()
@@ -46,10 +51,12 @@ def test_release_poisons_and_reuse_before_release_raises():
 
 
 def test_a_copy_out_is_done_only_at_its_result():
-    t = CpuTransport(adversarial=True, max_delay_s=0.05)
+    t = CpuTransport(adversarial=True)
     src, host = torch.arange(8, dtype=torch.float32), torch.zeros(8)
-    done = t.copy_out(None, src, host, after=t.record())
-    assert float(host.abs().sum()) == 0.0   # not there yet
+    before = Future()   # the compute that makes ``src``, still running
+    done = t.copy_out(None, src, host, after=FutureHandle(before))
+    assert float(host.abs().sum()) == 0.0 and not done.done()   # not there yet
+    before.set_result(None)
     assert torch.equal(done.result(), src)
     t.close()
 

@@ -289,27 +289,7 @@ class StepRunner:
             kept = self._forward_layers(hs, calls, rng, k)
 
             # 3. head: per micro-batch the model's own post-layer code and the chunked loss
-            head, embed = self.head, self.embed
-            head_acc = embed_acc = None
-            loss_sum, gs = 0.0, []
-            for a, (ids, am, _) in enumerate(batches):
-                h_last = hs[a].detach().requires_grad_(True)
-                hs[a] = None
-                hidden = self._replay(ids, am, h_last)
-                leaf = hidden.detach()
-                part, grad_hidden = self._loss_chunks(leaf, shifts[a], loss_fn, denom, backward=True)
-                torch.autograd.backward(hidden, grad_hidden)
-                loss_sum += part
-                del hidden, leaf, grad_hidden
-                gs.append(h_last.grad if h_last.grad is not None else torch.zeros_like(h_last))
-                if head.numel:
-                    head_acc = self._fold_outer(head_acc, head, bound[head.index])
-                if embed.numel:   # tied output embeddings
-                    embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
-            self._front_bytes = sum(_nbytes(g) for g in gs)
-            if head.numel:
-                self._return(head, head_acc if head_acc is not None else self._sum(head.numel))
-                del head_acc
+            loss_sum, gs, embed_acc = self._head(batches, shifts, hs, bound, loss_fn, denom)
             # (the head stays bound until the embedding's capture below: the model's post-layer
             # code runs in every pass of its forward; its slot is its own, so this costs nothing)
 
@@ -317,6 +297,7 @@ class StepRunner:
             gs = self.backward_layers(gs, calls, rng, k, kept)
 
             # 5. embedding: its part of the forward again (same RNG state), back-propagated
+            embed = self.embed
             if embed.numel:
                 for a, (ids, am, _) in enumerate(batches):
                     with self._restored_rng(rng_embed[a]), torch.enable_grad():
@@ -327,7 +308,7 @@ class StepRunner:
                     del h0
                     embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
                 self._return(embed, embed_acc if embed_acc is not None else self._sum(embed.numel))
-            self._release_outer(head)
+            self._release_outer(self.head)
             self._release_outer(embed)
             tokens = sum(int(ids.numel()) for ids, _, _ in batches)
             return loss_sum, n_tokens, tokens
@@ -339,6 +320,32 @@ class StepRunner:
             self.sum_bytes = 0
             self.activation_now = 0
             self._saved_bytes = self._front_bytes = 0
+
+    def _head(self, batches, shifts, hs: List[torch.Tensor], bound, loss_fn, denom):
+        """Per micro-batch: the model's post-layer code replayed on the last layer's output, the
+        chunked loss and its backward. The head's gradient sum leaves; returns (loss sum, each
+        micro-batch's gradient at the last layer's output, a tied embedding's sum so far)."""
+        head, embed = self.head, self.embed
+        head_acc = embed_acc = None
+        loss_sum, gs = 0.0, []
+        for a, (ids, am, _) in enumerate(batches):
+            h_last = hs[a].detach().requires_grad_(True)
+            hs[a] = None
+            hidden = self._replay(ids, am, h_last)
+            leaf = hidden.detach()
+            part, grad_hidden = self._loss_chunks(leaf, shifts[a], loss_fn, denom, backward=True)
+            torch.autograd.backward(hidden, grad_hidden)
+            loss_sum += part
+            del hidden, leaf, grad_hidden
+            gs.append(h_last.grad if h_last.grad is not None else torch.zeros_like(h_last))
+            if head.numel:
+                head_acc = self._fold_outer(head_acc, head, bound[head.index])
+            if embed.numel:   # tied output embeddings
+                embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
+        self._front_bytes = sum(_nbytes(g) for g in gs)
+        if head.numel:
+            self._return(head, head_acc if head_acc is not None else self._sum(head.numel))
+        return loss_sum, gs, embed_acc
 
     def _forward_layers(self, hs: List[torch.Tensor], calls, rng, k: int):
         """Every layer once, all micro-batches; ``hs`` becomes the last layer's outputs.

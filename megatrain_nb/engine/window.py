@@ -359,7 +359,7 @@ class WindowRunner:
         # (one micro-batch: each unit's backward is too short to hide the update it would wait
         # for -- 10 % slower than the single-batch path in bench_accumulation -- and the window
         # holds no more than that path does)
-        self._straight = step.updates and not step.clipped and len(batches) > 1
+        self._straight = step.straight and len(batches) > 1
         self.boundary.start(tier)
         order = r.schedule(True, k)
         r.plan_reads(order, step)
@@ -590,7 +590,7 @@ class WindowStep:
                 # The finiteness check sees the whole window's loss (every group's so far).
                 norm, skipped = self.updates.finish(step, (loss_sum + part) / max(n + cnt, 1))
             except finite.NonFiniteError:
-                self.updates.nonfinite = None  # reported now, to this caller
+                self.updates.reported()  # reported now, to this caller
                 raise
             finally:
                 self.updates.end()

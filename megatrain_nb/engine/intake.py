@@ -120,16 +120,18 @@ class IntakePolicy:
 
 class GradientIntake:
     """Runs in the pager's gradient-return thread. Collaborators: ``grads`` (HostStore: the
-    accumulators), ``submit(unit, lr, grad, zero, release)`` (the update runner), ``pool`` (the
+    accumulators), ``submit(unit, lr, grad, zero, release, reserved)`` and ``reserve(unit)`` (the
+    update runner: queue an update, wait for a free update slot), ``pool`` (the
     final-gradient buffers), ``disk`` (hold="disk"), ``sharded`` (data parallel)."""
 
     def __init__(self, units: List[Unit], *, grads, policy: IntakePolicy, pool: BufferPool,
-                 submit: Callable, counters, disk=None, sharded=None):
+                 submit: Callable, reserve: Callable, counters, disk=None, sharded=None):
         self.units = units
         self.grads = grads
         self.policy = policy
         self.pool = pool
         self.submit = submit
+        self.reserve = reserve
         self.counters = counters
         self.disk = disk
         self.sharded = sharded
@@ -173,9 +175,16 @@ class GradientIntake:
         elif route == Route.STRAIGHT:
             with self._norm_lock:
                 self._unit_norm.pop(unit.index, None)   # left by a failed clipped step
-            flat = self._final_buffer(unit, grad, slot=True)
-            self.reduce(unit, flat)
-            self.submit(unit, step.lr, flat, zero=False, release=self.pool.give)
+            # The update slot first: while the update before it runs, the gradient waits in its
+            # transfer buffer (pinned staging, or on a CPU "device" autograd's own), not in a copy.
+            cancel = self.reserve(unit)
+            try:
+                flat = self._final_buffer(unit, grad, slot=True)
+                self.reduce(unit, flat)
+            except BaseException:
+                cancel()
+                raise
+            self.submit(unit, step.lr, flat, zero=False, release=self.pool.give, reserved=True)
         elif route == Route.HOLD:
             flat = self._final_buffer(unit, grad)
             self.reduce(unit, flat)

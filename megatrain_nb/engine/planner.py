@@ -84,22 +84,25 @@ class Plan:
 def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: bool, states_on_disk: bool,
                    cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20) -> int:
     """Host RAM the engine's code holds in flight besides the stored state, as it allocates
-    it (the largest unit ``u``; "large" units over 256 MiB get the minimum staging):
+    it (``u``: the largest unit; "large": over 256 MiB, ``parts.SMALL_UNIT_BYTES``):
 
     * master weights on the disk tier: the compute stream's staging buffers (``2 + depth``,
       large units 2) and the optimizer stream's (2, large units 1), each ``u``
-      (``engine._small_units``, ``weight_store.DiskWeights``);
-    * final gradients: the recycled buffers of the update pipeline
-      (``updates.final_gradient_pool_bytes``: depth + 1 units, + 1 for a tied embedding,
-      + 2 when a clipping norm is waited for) and on CUDA the two pinned staging buffers of
-      the device->host copies (``pager``);
+      (``parts.build_parts``, ``weight_store.DiskWeights``);
+    * final gradients: on CUDA the two pinned staging buffers of the device->host copies
+      (``pager``) and the ``depth`` units being updated, each in a pool buffer (a gradient
+      waits for its update slot in its staging buffer: ``intake.GradientIntake.arrived``); on
+      a CPU "device" one more (the window's sum being formed, a lent pool buffer) and a tied
+      embedding's sum; + 2 when a clipping norm is waited for (the hold's disk writes);
     * compressed optimizer states, updated in chunks (``states.OptimizerStates.update``): the
-      fp32 moments of ``RING`` chunks, the unit's new codes, and on the disk tier the codes
-      read ahead (at least two units) and written behind (``writes_behind``, two units);
-      fp32 states on the disk tier are read into and written from whole-unit buffers (m and v:
-      reads ahead, two units; writes behind, two units); fp32 states in RAM are updated in place.
+      fp32 moments of ``RING`` chunks and the codes of the unit being updated (encoded back in
+      place when read from the disk tier; a new set in RAM), and on the disk tier the codes
+      read ahead (``states.min_reads_ahead``) and written behind (``states.writes_pending``);
+      fp32 states on the disk tier are read into and written from whole-unit buffers (the unit
+      being updated, reads ahead, writes behind); fp32 states in RAM are updated in place.
+    (Without a host cache of the disk tier: the estimate's least host RAM.)
     """
-    from .states import RING
+    from .states import RING, min_reads_ahead, writes_pending
 
     if not units:
         return 0
@@ -109,14 +112,16 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     if weights_on_disk:
         out += ((2 if large else 2 + depth) + (1 if large else 2)) * u * 4
     tied = any(x.tied_output for x in units if x.kind == "embed")
-    out += (depth + 1 + int(tied) + (2 if clipped else 0)) * u * 4
-    if cuda:
-        out += 2 * u * 4
+    grads = 2 + depth if cuda else depth + 1 + int(tied)
+    out += (grads + (2 if clipped else 0)) * u * 4
     if compression == "none":
-        out += (2 + 2) * 8 * u if states_on_disk else 0
+        if states_on_disk:
+            out += (1 + min_reads_ahead(8 * u) + writes_pending(8 * u, False)) * 8 * u
     else:
         stored = int(u * codec_bytes_per_param(compression))
-        out += RING * 8 * chunk_numel + stored + ((2 + 2) * stored if states_on_disk else 0)
+        out += RING * 8 * chunk_numel + stored
+        if states_on_disk:
+            out += (min_reads_ahead(stored) + writes_pending(stored, True)) * stored
     return out
 
 

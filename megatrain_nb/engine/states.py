@@ -29,6 +29,22 @@ UPDATE_CHUNK = 1 << 20
 RING = 3
 
 
+READ_AHEAD_BYTES = 1 << 30
+WRITES_BEHIND = 2
+ENCODE_BEHIND_BYTES = 512 << 20
+
+
+def min_reads_ahead(stored_nbytes: int, read_ahead_bytes: int = READ_AHEAD_BYTES) -> int:
+    """Units whose states are read ahead whatever their size: two, or one when a unit's stored
+    states alone exceed half the read-ahead allowance (each is RAM until its update)."""
+    return 2 if stored_nbytes <= read_ahead_bytes // 2 else 1
+
+
+def writes_pending(stored_nbytes: int, chunked: bool) -> int:
+    """State writes pending at most when an update starts (their codes or moments are RAM)."""
+    return WRITES_BEHIND if not chunked or stored_nbytes <= ENCODE_BEHIND_BYTES else 1
+
+
 def chunk_bounds(numel: int, chunk: int):
     """``[(a, b), ...]``: the unit's elements in chunks of ``chunk`` (the last one shorter)."""
     return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
@@ -62,14 +78,14 @@ class OptimizerStates:
         self._lock = threading.Lock()
         self._on_disk = set()
         self._updating = set()   # units between load() and store(): not read ahead
-        self.writes_behind = 2
+        self.writes_behind = WRITES_BEHIND
         self._writes = []   # state writes still pending (futures)
         #: With a codec thread: fp32 moments waiting to be encoded may hold up to this many bytes
         #: (beyond ``writes_behind`` units), so the encodes of a step's last updates run during
         #: the next forward instead of holding up the updates the forward waits for.
         self.encode_behind_bytes = 0
         self._sched = []    # the coming updates, in order: (unit, last of its step)
-        self.read_ahead_bytes = 1 << 30  # stored states read ahead of their updates (RAM)
+        self.read_ahead_bytes = READ_AHEAD_BYTES  # stored states read ahead of their updates (RAM)
         from .host_store import BufferPool
 
         # moments' buffers, recycled from step to step (disk tier); a unit larger than the cap is
@@ -85,7 +101,7 @@ class OptimizerStates:
             from ..threads import DECODE, ENCODE, executor
 
             self._codec = executor(ENCODE)
-            self.encode_behind_bytes = 512 << 20
+            self.encode_behind_bytes = ENCODE_BEHIND_BYTES
             self._decoder = executor(DECODE)
         self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
         self._decoded: Dict[int, Future] = {}    # unit -> its moments decoded ahead (codec thread)
@@ -129,7 +145,7 @@ class OptimizerStates:
             sched = list(self._sched)
         for i, (u, _) in enumerate(sched):
             nbytes = self._stored_nbytes(u)
-            if i >= 2 and held + nbytes > self.read_ahead_bytes:
+            if i >= min_reads_ahead(nbytes, self.read_ahead_bytes) and held + nbytes > self.read_ahead_bytes:
                 break
             held += nbytes
             self.prefetch(u)
@@ -274,7 +290,11 @@ class OptimizerStates:
         if apply is None:
             out = None if stored is None else {k: t.clone() for k, t in stored.items()}
         else:
-            out = self._new_codes(unit)
+            # Codes read from the disk tier are this update's own: each chunk is encoded back
+            # where it was decoded from. (RAM codes are the state itself until the update is
+            # done; a host cache's resident codes are shared.)
+            own = stored is not None and self.disk is not None and not self._cached()
+            out = stored if own else self._new_codes(unit)
             self._run_chunks(unit, stored, out, apply)
         if out is None:
             self.update_failed(unit)
@@ -294,7 +314,10 @@ class OptimizerStates:
         starts; the step's last update (nothing after it) does not wait."""
         with self._lock:
             last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
-        while len(self._writes) >= self.writes_behind and not last:
+        # codes of a unit larger than the allowance: one write pending, not two (its codes are
+        # being written while the next unit's are read and updated)
+        limit = self.writes_behind if self._stored_nbytes(unit) <= self.encode_behind_bytes else 1  # writes_pending
+        while len(self._writes) >= limit and not last:
             _settle(self._writes.pop(0))   # a failed write raises here, in the update
         for w in [w for w in self._writes if w.done()]:
             self._writes.remove(w)

@@ -61,11 +61,23 @@ class UpdateRunner:
         self.guard = finite.StepGuard(self.next_step(), self.policy) if straight else None
 
     # ------------------------------------------------------------------ queueing
-    def submit(self, unit: Unit, lr: float, grad: Optional[torch.Tensor], zero: bool,
-               release: Optional[Callable] = None) -> None:
-        """Queue one unit's update (the gradient thread, as its gradient becomes final)."""
+    def reserve(self, unit: Unit) -> Callable[[], None]:
+        """Wait for a free update slot for ``unit`` (back-pressure: RAM holds only ``depth``
+        pending updates); returns how to give it up if the update is not submitted."""
         self.weights.mark_updating(unit)
-        self._slots.acquire()  # back-pressure: RAM holds only a few pending updates
+        self._slots.acquire()
+
+        def cancel():
+            self._slots.release()
+            self.weights.update_failed(unit)
+        return cancel
+
+    def submit(self, unit: Unit, lr: float, grad: Optional[torch.Tensor], zero: bool,
+               release: Optional[Callable] = None, reserved: bool = False) -> None:
+        """Queue one unit's update (the gradient thread, as its gradient becomes final);
+        ``reserved``: its slot was taken by :meth:`reserve`."""
+        if not reserved:
+            self.reserve(unit)
         guard = self.guard
 
         def run():

@@ -75,7 +75,8 @@ class UpdateScheduler:
         self.intake = GradientIntake(units, grads=grads, pool=pool, counters=counters, disk=disk, sharded=sharded,
                                      policy=IntakePolicy(sharded=sharded is not None, on_nonfinite=policy,
                                                          hold_disk_ok=disk is not None),
-                                     submit=lambda *a, **k: self.runner.submit(*a, **k))
+                                     submit=lambda *a, **k: self.runner.submit(*a, **k),
+                                     reserve=lambda unit: self.runner.reserve(unit))
         self.runner = UpdateRunner(units, grads=grads, weights=weights, states=states, adam=adam, counters=counters,
                                    outcome=self.outcome, claim=self.intake.claim, unit_norm=self.intake.unit_norm,
                                    vote=self.intake.vote, policy=policy, disk=disk, depth=depth)

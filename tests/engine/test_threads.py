@@ -23,7 +23,7 @@ def _doc_threads() -> dict:
     for line in section.splitlines():
         if line.startswith("| `mtnb-"):
             cells = [c.strip() for c in line.strip("|").split("|")]
-            for name in re.findall(r"`(mtnb-[a-z_-]+)`", cells[0]):
+            for name in re.findall(r"`(mtnb-[a-z0-9_-]+)`", cells[0]):
                 rows[name] = cells
     return rows
 

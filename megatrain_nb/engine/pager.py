@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from .telemetry import Telemetry
+from ..threads import D2H, H2D, executor
 from .units import Unit
 
 
@@ -39,7 +40,7 @@ class Pager:
     def __init__(self, units: List[Unit], *, device: torch.device, dtype: torch.dtype,
                  layer_slots: int, source: Callable[[Unit], torch.Tensor],
                  source_done: Callable[[Unit, torch.Tensor], None], telemetry: Telemetry,
-                 grad_sink: Callable[[Unit, torch.Tensor], None], transport):
+                 grad_sink: Callable[[Unit, torch.Tensor], None], transport, max_grads_in_flight: int = 1):
         self.device = device
         self.dtype = dtype
         self.source = source          # unit -> fp32 host flat params (may wait on the disk tier)
@@ -48,10 +49,9 @@ class Pager:
         self.telemetry = telemetry
         self.transport = transport
         self._lock = threading.Condition()
-        self._h2d = ThreadPoolExecutor(1, thread_name_prefix="mtnb-h2d")
-        self._d2h = ThreadPoolExecutor(1, thread_name_prefix="mtnb-d2h")
+        self._h2d, self._d2h = executor(H2D), executor(D2H)
         self._grad_futures: List[Future] = []
-        self.max_grads_in_flight = 1
+        self.max_grads_in_flight = max_grads_in_flight
         esize = torch.tensor([], dtype=dtype).element_size()
         self.pools: Dict[str, List[Slot]] = {}
         sizes = {"embed": 0, "layer": 0, "head": 0}

@@ -266,7 +266,7 @@ class StepRunner:
         self._saved_bytes = self._front_bytes = 0
         # (one micro-batch: each unit's backward is too short to hide the update it would wait
         # for -- 10 % slower in bench_accumulation -- and it holds no more sums than that)
-        self._straight = step.updates and not step.clipped and A > 1
+        self._straight = step.straight and A > 1
         self.boundary.start(tier)
         self._start(self.schedule(True, k), step)
         training = self.model.training
@@ -685,7 +685,7 @@ class Steps:
                 # The finiteness check sees the whole window's loss (every group's so far).
                 norm, skipped = self.updates.finish(step, (loss_sum + part) / max(n + cnt, 1))
             except finite.NonFiniteError:
-                self.updates.nonfinite = None  # reported now, to this caller
+                self.updates.reported()  # reported now, to this caller
                 raise
             finally:
                 self.updates.end()

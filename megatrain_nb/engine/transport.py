@@ -32,11 +32,12 @@ import os
 import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Dict, Optional
 
 import torch
 
+from ..threads import TRANSPORT_IN, TRANSPORT_OUT, executor
 from .units import Unit
 
 ADVERSARIAL_ENV = "MEGATRAIN_ADVERSARIAL_TRANSPORT"
@@ -195,8 +196,8 @@ class CpuTransport:
         self._state: Dict[int, str] = {}   # buffer -> "filling" | "filled" (absent: free)
         self._in = self._out = None
         if adversarial:   # one thread per direction: each keeps its order (collectives in order)
-            self._in = ThreadPoolExecutor(1, thread_name_prefix="mtnb-transport-in")
-            self._out = ThreadPoolExecutor(1, thread_name_prefix="mtnb-transport-out")
+            self._in = executor(TRANSPORT_IN)
+            self._out = executor(TRANSPORT_OUT)
         self.poisoned = 0   # buffers poisoned at their release (adversarial)
 
     def slot_numel(self, unit: Unit) -> int:

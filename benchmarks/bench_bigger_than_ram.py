@@ -15,8 +15,11 @@ The bound, measured in the same run: the larger of
   * optimizer + codec: the RAM runs' AdamW worker seconds (its waits for the moments decoded
     ahead included; encodes run behind in their own thread), extrapolated the same way.
 
-Prints RESULT lines: bigger_than_ram_params, bigger_than_ram_state_vs_ram (16 B/param of fp32
-training state over RAM), bigger_than_ram_peak_rss_share (target < 0.6),
+Prints RESULT lines: bigger_than_ram_llama100b_host_min (the estimator's least host RAM for
+llama-100b in the seed's configuration, batch 1 x 2048 x accumulation 128 on one 80 GiB GPU:
+target <= 24 GiB), bigger_than_ram_params, bigger_than_ram_state_vs_ram (16 B/param of fp32
+training state over RAM), bigger_than_ram_peak_rss_share (target <= 0.4; it was 0.56 before
+the update runner worked in chunks),
 bigger_than_ram_loss_falls (1 = finite and falling), bigger_than_ram_step_seconds,
 bigger_than_ram_step_vs_bound (target <= 1.3).
 """
@@ -140,6 +143,21 @@ def ram_reference(a, layers: int) -> dict:
             "optimizer_s": out[1]["optimizer_s"] + (layers - 1) * per_opt, "runs": out}
 
 
+def estimate_figure() -> None:
+    """The estimator's least host RAM (``Estimate.host_min``) for llama-100b in the seed's
+    configuration: what the engine's code holds with the master weights, the optimizer states
+    and the boundary activations on the disk tier (``planner.host_in_flight``)."""
+    from megatrain_nb import estimate
+
+    e = estimate("llama-100b", vram_gb=80, ram_gb=1024, disk_gb=4096, batch=1, seq=2048, accumulation=128,
+                 clipping=False)
+    lo = estimate("llama-100b", vram_gb=80, ram_gb=1 / GiB, disk_gb=4096, batch=1, seq=2048, accumulation=128,
+                  clipping=False)
+    print("llama-100b, seed configuration, least host RAM:",
+          {k: f"{v / GiB:.1f} GiB" for k, v in lo.plan.host.items() if v})
+    result("bigger_than_ram_llama100b_host_min", e.host_min / GiB, "GiB", "<=", 24)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="23", help="a number, or 'auto' (from free disk and --min-params)")
@@ -161,6 +179,7 @@ def main(argv=None):
     if a.reference:
         return reference(a)
     print(machine())
+    estimate_figure()
     ram = psutil.virtual_memory().total
     layers = choose_layers(a) if a.layers == "auto" else int(a.layers)
     model = meta_model(a, layers)
@@ -222,7 +241,7 @@ def main(argv=None):
     step_s = median(steady)
     result("bigger_than_ram_params", n / 1e9, "B", ">=", 10)
     result("bigger_than_ram_state_vs_ram", state / ram, "x", ">=", 3)
-    result("bigger_than_ram_peak_rss_share", peak / ram, "x", "<", 0.6)
+    result("bigger_than_ram_peak_rss_share", peak / ram, "x", "<=", 0.4)
     result("bigger_than_ram_step_seconds", step_s, "s", ">", 0)
     result("bigger_than_ram_loss_falls", 1.0 if falls else 0.0, "bool", "=", 1)
     if bound is not None:

@@ -1,6 +1,7 @@
 """One prepared script for a CUDA machine: correctness and throughput of the engine on the GPU.
 
-    python benchmarks/gpu_check.py            # < 5 minutes on one H100/H200-class GPU
+    python benchmarks/gpu_check.py            # < 8 minutes on one H100/H200-class GPU
+    python benchmarks/gpu_check.py --sanitizer-only   # section 5 alone (about 1-3 minutes)
 
 1. Gradient parity on CUDA against plain PyTorch (the HF model's own forward/backward), fp32
    (TF32 off) and bf16 compute (fp32 master and gradients).
@@ -10,12 +11,20 @@
 4. Accumulation 8, layer-major (one forward_backward of the 8-micro-batch window per step):
    TFLOPS, loads per layer per step (2) and tokens per weight fetch, against the same window
    run micro-batch by micro-batch.
+5. The streams' synchronisation under PyTorch's CUDA stream sanitizer (``TORCH_CUDA_SANITIZER=1``,
+   in a subprocess, bounded): a small model, single-batch steps with and without clipping, a
+   layer-major window (boundary activations on the device, then in host RAM), an evaluation;
+   every kernel launch is checked against the events the engine records and waits on. The
+   sanitizer's dispatch mode is per thread, so the child enters it in the engine's worker
+   threads too (the copies, the gathers and the gradient return run there).
 Ends with RESULT lines.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -132,6 +141,86 @@ def accumulation(a, A: int = 8):
     return out
 
 
+SANITIZER_TIMEOUT_S = 240
+SANITIZER_STEPS = 7   # what sanitizer_child runs: 3 single batches, 3 windows, 1 evaluation
+
+
+def _sanitize_worker_threads() -> None:
+    """CSAN's dispatch mode is thread-local: enter it in every worker thread the engine starts
+    (each ThreadPoolExecutor gets an initializer that does), so their copies are checked too."""
+    import concurrent.futures
+    from torch.cuda._sanitizer import cuda_sanitizer
+
+    base = concurrent.futures.ThreadPoolExecutor.__init__
+
+    def init(self, max_workers=None, thread_name_prefix="", initializer=None, initargs=()):
+        def start(*a):
+            cuda_sanitizer.dispatch.__enter__()
+            if initializer is not None:
+                initializer(*a)
+        base(self, max_workers, thread_name_prefix, start, initargs)
+    concurrent.futures.ThreadPoolExecutor.__init__ = init
+
+
+def sanitizer_child(device: str = "cuda") -> int:
+    """Run under TORCH_CUDA_SANITIZER=1: a few steps of the streaming engine; prints one
+    ``SANITIZER steps=N error=...`` line (data races themselves go to stderr, one report each)."""
+    from torch.cuda._sanitizer import cuda_sanitizer
+
+    if device == "cuda":   # (device "cpu": a dry run of this script's plumbing, without CUDA)
+        assert cuda_sanitizer.enabled, "TORCH_CUDA_SANITIZER=1 was not set"
+        _sanitize_worker_threads()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(llama(4, 128, vocab=512, heads=4))
+    done, err = 0, ""
+    try:
+        engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device=device, precision="bf16"))
+        ids = torch.randint(0, 512, (2, 64))
+        for lr, clip in ((1e-4, None), (None, None), (1e-4, 1.0)):
+            out = engine.forward_backward(ids, step_lr=lr, max_grad_norm=clip)
+            assert out.loss == out.loss, "NaN loss"
+            done += 1
+        out = engine.forward_backward([ids, ids.flip(1)], step_lr=1e-4)
+        done += 1
+        # the boundary activations in host RAM (copies out and back in), block recompute
+        host = StreamingEngine(copy.deepcopy(model), EngineConfig(device=device, precision="bf16",
+                                                                  window_tier="host", checkpoint_interval=2))
+        host.forward_backward([ids, ids.flip(1)], step_lr=1e-4, max_grad_norm=1.0)
+        host.forward_backward([ids, ids.flip(1)], step_lr=1e-4)
+        done += 2
+        engine.evaluate(ids)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        done += 1
+        for e in (engine, host):
+            e.close()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    print(f"SANITIZER steps={done} error={err!r}", flush=True)
+    return 0
+
+
+def sanitizer() -> tuple:
+    """(steps done, data races reported, seconds) of :func:`sanitizer_child` in a subprocess."""
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, __file__, "--sanitizer-child"], env=env, capture_output=True,
+                           text=True, timeout=SANITIZER_TIMEOUT_S)
+        out, errout = p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        errout = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + "\n(timed out)"
+    dt = time.perf_counter() - t0
+    races = errout.count("CSAN detected a possible data race")
+    line = next((ln for ln in out.splitlines() if ln.startswith("SANITIZER ")), "SANITIZER steps=0 error='no report'")
+    steps = int(line.split()[1].split("=")[1])
+    print(f"sanitizer: {line[len('SANITIZER '):]}, {races} data race report(s), {dt:.0f}s")
+    if races or steps < SANITIZER_STEPS:
+        print("sanitizer stderr (last 4000 characters):\n" + errout[-4000:])
+    return steps, races, dt
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
@@ -141,18 +230,29 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--vram", type=float, default=None)
+    ap.add_argument("--sanitizer-only", action="store_true", help="section 5 alone")
+    ap.add_argument("--sanitizer-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-device", default="cuda", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.sanitizer_child:
+        return sanitizer_child(a.child_device)
     print(machine())
     if not torch.cuda.is_available():
         print("no CUDA device here: nothing to check (run this on a GPU machine)")
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if a.sanitizer_only:
+        steps, races, _ = sanitizer()
+        result("gpu_sanitizer_steps", steps, "steps", "==", SANITIZER_STEPS)
+        result("gpu_sanitizer_races", races, "reports", "==", 0)
+        return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     e32 = parity("fp32")
     e16 = parity("bf16")
     tflops, stall, peak, plan = throughput(a)
     acc = accumulation(a)
+    steps, races, _ = sanitizer()
     result("gpu_grad_rel_err_fp32", e32, "", "<=", 1e-4)
     result("gpu_grad_rel_err_bf16", e16, "", "<=", 5e-2)
     result("gpu_tflops", tflops, "TFLOPS", ">", 0)
@@ -161,6 +261,8 @@ def main(argv=None):
     result("gpu_accum8_tflops_layer_major", acc[True][0], "TFLOPS", ">=", round(acc[False][0], 1))
     result("gpu_accum8_tflops_micro_batch_major", acc[False][0], "TFLOPS", ">", 0)
     result("gpu_accum8_loads_per_layer", acc[True][1], "loads", "==", 2)
+    result("gpu_sanitizer_steps", steps, "steps", "==", SANITIZER_STEPS)
+    result("gpu_sanitizer_races", races, "reports", "==", 0)
     return 0
 
 

@@ -101,6 +101,10 @@ def _free_disk(path: Optional[str]) -> Optional[int]:
         return None
 
 
+def _gib(nbytes: Optional[int]) -> Optional[float]:
+    return None if nbytes is None else nbytes / GiB
+
+
 def _budget(value: Budget, auto) -> Optional[int]:
     if value is None:
         return None
@@ -183,7 +187,7 @@ class Estimate:
 
     def _rows(self):
         kinds = [("weights", "weights"), ("grads", "gradients"), ("optimizer_states", "optimizer states"),
-                 ("activations", "activations")]
+                 ("activations", "activations"), ("buffers", "buffers in flight")]
         rows = []
         for tier in ("device", "host", "disk"):
             d = self.tiers()[tier]
@@ -286,7 +290,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     """
     from megatrain_nb.engine import family
     from megatrain_nb.engine.codecs import codec_names, normalize_compression
-    from megatrain_nb.engine.planner import make_plan, unit_specs_from_config
+    from megatrain_nb.engine.config import EngineConfig
+    from megatrain_nb.engine.planner import ModelShape, Workload, make_plan, unit_specs_from_config
 
     if batch < 1 or seq < 1:
         raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
@@ -294,21 +299,20 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
     held = shard_specs(units, world) if world > 1 else None   # this rank's part of the state
-    layers = sum(1 for u in units if u.kind == "layer")
     disk_path = offload_dir if isinstance(offload_dir, str) else None
     budgets = {"device": _budget(vram_gb, lambda: None), "host": _budget(ram_gb, _machine_ram),
                "disk": _budget(disk_gb, lambda: _free_disk(disk_path)) if offload_dir else None}
     accumulator = accumulation > 1 and not layer_major   # micro-batch-major: the host accumulator
 
     def plan_for(codec, host_bytes):
-        return make_plan(units, hidden_size=family.hidden_size(config), num_layers=layers,
-                         intermediate_size=family.intermediate_size(config), vocab_size=family.vocab_size(config),
-                         vram_bytes=budgets["device"], host_bytes=host_bytes, disk_bytes=budgets["disk"],
-                         batch=batch, seq=seq, compression=codec, precision=precision,
-                         checkpoint_interval=checkpoint_interval, offload_dir=bool(offload_dir),
-                         cuda=device != "cpu", accumulation=accumulation if layer_major else 1,
-                         host_gradients=clipping or accumulator,
-                         clip_hold=clip_hold if clipping and not accumulator else None, state_units=held)
+        cfg = EngineConfig(max_vram_gb=_gib(budgets["device"]), max_host_gb=_gib(host_bytes),
+                           offload_dir=(disk_path or "disk-tier") if offload_dir else None,
+                           optimizer_compression=codec, precision=precision, checkpoint_interval=checkpoint_interval,
+                           clip_hold=clip_hold)
+        work = Workload(batch=batch, seq=seq, accumulation=accumulation if layer_major else 1, clipped=clipping,
+                        gradients="accumulator" if accumulator else "held" if clipping else "none")
+        return make_plan(units, ModelShape.of(config), cfg, cuda=device != "cpu", workload=work,
+                         disk_bytes=budgets["disk"], state_units=held)
 
     by_codec = {codec: plan_for(codec, budgets["host"]) for codec in codec_names()}  # the registry: a new codec shows too
     plan = by_codec[comp]

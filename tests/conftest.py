@@ -13,6 +13,19 @@ os.environ.setdefault("MEGATRAIN_NB_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtnb-
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--adversarial-transport", action="store_true",
+                     help="run every engine on a CPU device through the adversarial transport (copies late at "
+                          "random, buffers NaN-filled at their release, reuse before release raises)")
+
+
+def pytest_configure(config):
+    if config.getoption("--adversarial-transport", default=False):
+        from megatrain_nb.engine.transport import ADVERSARIAL_ENV
+
+        os.environ[ADVERSARIAL_ENV] = "1"
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

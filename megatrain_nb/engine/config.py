@@ -1,4 +1,9 @@
-"""EngineConfig: every knob of the streaming engine, validated on construction."""
+"""EngineConfig: the streaming engine's knobs, validated on construction.
+
+The fields of :class:`EngineConfig` are what users set (budgets, tiers, precision, the
+optimizer, the placement policies). Settings the planner decides and tests pin down live in
+:class:`EngineOverrides` (``EngineConfig(overrides=...)``), so the user-facing list stays short.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +16,46 @@ import torch
 from .codecs import normalize_compression
 
 _PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class EngineOverrides:
+    """Settings the planner decides, pinned for tests and experiments (not for users):
+    ``EngineConfig(overrides=EngineOverrides(device_slots=3))`` or ``overrides={"device_slots": 3}``."""
+
+    device_slots: Optional[int] = None
+    """Layer slots on the device (>= 2); None = planner picks (2 unless the budget allows more)."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the head + loss; full [batch, seq, vocab] logits never exist."""
+    update_chunk_numel: int = 1 << 20
+    """Elements of the Adam moments decoded at a time by an update (compressed states),
+    rounded down to whole codec blocks; the result does not depend on it."""
+    inflight_depth: int = 1
+    """Units in flight through host RAM per pipeline stage (updates queued, gradients
+    returning). (depth 2 measured no faster on 2 cores and left more optimizer time exposed.)"""
+
+    def __post_init__(self):
+        if self.device_slots is not None and (not isinstance(self.device_slots, int) or self.device_slots < 2):
+            raise ValueError(f"device_slots={self.device_slots!r} must be an integer >= 2 (double buffering).")
+        for name in ("update_chunk_numel", "inflight_depth"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1.")
+
+    @classmethod
+    def of(cls, value) -> "EngineOverrides":
+        """An EngineOverrides from itself, a dict of its fields, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            names = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - names)
+            if unknown:
+                raise TypeError(f"unknown engine override(s) {unknown}; valid: {sorted(names)}")
+            return cls(**value)
+        raise TypeError(f"overrides={value!r}: pass an EngineOverrides, a dict of its fields, or None")
 
 
 @dataclass
@@ -43,10 +88,6 @@ class EngineConfig:
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
     """Decoupled weight decay for every parameter except biases and normalisation weights."""
-    device_slots: Optional[int] = None
-    """Layer slots on the device (>= 2); None = planner picks (2 unless the budget allows more)."""
-    loss_chunk_tokens: int = 1024
-    """Tokens per chunk of the head + loss; full [batch, seq, vocab] logits never exist."""
     offload_params: Optional[bool] = None
     """Master weights on disk too: None = the planner decides from max_host_gb; True forces it."""
     host_cache_gb: Optional[float] = None
@@ -74,6 +115,8 @@ class EngineConfig:
     max_window_micro_batches: Optional[int] = None
     """Cap on the micro-batches one layer-major pass runs (None: as many as fit); a larger window
     is split into groups, each layer then crossing to the device 2 x groups times per step."""
+    overrides: Union[EngineOverrides, dict, None] = None
+    """Planner and test settings (:class:`EngineOverrides`); None = the defaults."""
 
     def __post_init__(self):
         if self.device is not None:
@@ -105,8 +148,7 @@ class EngineConfig:
             raise ValueError(f"checkpoint_interval={self.checkpoint_interval!r} must be an integer >= 1 "
                              "(1 saves every layer's input), 0 (keep all activations, no recompute) or None "
                              "to let the planner choose.")
-        if self.device_slots is not None and (not isinstance(self.device_slots, int) or self.device_slots < 2):
-            raise ValueError(f"device_slots={self.device_slots!r} must be an integer >= 2 (double buffering).")
+        self.overrides = EngineOverrides.of(self.overrides)
         b1, b2 = self.adam_betas
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError(f"adam_betas={self.adam_betas!r} must both be in [0, 1).")
@@ -114,8 +156,6 @@ class EngineConfig:
             raise ValueError(f"adam_eps={self.adam_eps!r} must be > 0.")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0.")
-        if self.loss_chunk_tokens < 1:
-            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r} must be >= 1.")
         if self.offload_dir is not None:
             self.offload_dir = os.fspath(self.offload_dir)
         if self.clip_hold not in ("auto", "host", "disk"):
@@ -141,12 +181,22 @@ class EngineConfig:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
     def replace(self, **changes) -> "EngineConfig":
+        """A copy with ``changes`` (an :class:`EngineOverrides` field goes into ``overrides``)."""
+        names = {f.name for f in dataclasses.fields(EngineOverrides)}
+        moved = {k: changes.pop(k) for k in list(changes) if k in names}
+        if moved:
+            changes["overrides"] = dataclasses.replace(EngineOverrides.of(changes.get("overrides", self.overrides)),
+                                                       **moved)
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
-        """Build from keyword options, naming any option that is not a field."""
+        """Build from keyword options, naming any option that is not a field; an
+        :class:`EngineOverrides` field (``device_slots=3``) goes into ``overrides``."""
         names = {f.name for f in dataclasses.fields(cls)}
+        moved = {k: options.pop(k) for k in list(options) if k in {f.name for f in dataclasses.fields(EngineOverrides)}}
+        if moved:
+            options["overrides"] = dataclasses.replace(EngineOverrides.of(options.get("overrides")), **moved)
         unknown = sorted(set(options) - names)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")

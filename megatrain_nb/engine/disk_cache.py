@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -42,6 +42,7 @@ import torch
 
 from .disk_params import handed_units, weights_key
 from .disk_store import aligned_empty
+from ..threads import CACHE, executor
 from .units import Unit
 
 READ, WRITE = "R", "W"
@@ -244,7 +245,7 @@ class HostCache:
         self._version: Dict[str, int] = {}
         self._loading: Dict[str, Future] = {}     # key -> a read in flight that will stay resident
         self._lost: Dict[str, BaseException] = {}  # key -> its write-back failed (file is stale)
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="mtnb-cache")  # hits copied out
+        self._copier = executor(CACHE)  # hits copied out
         if self.capacity > 0:
             _LIVE.add(self)
         self.counts = {"disk_read_bytes": 0, "disk_write_bytes": 0, "hits": 0, "bytes_saved": 0,

@@ -74,6 +74,7 @@ import torch
 from megatrain_nb.formatting import fmt_bytes
 
 from .reclaim import folder_prefix, reclaim
+from ..threads import DISK
 
 __all__ = ["ALIGN", "DiskStore", "OffloadError", "aligned_empty", "prepare_offload_dir"]
 
@@ -342,7 +343,7 @@ class DiskStore:
         self.path = folder
         self.keep = keep
         self.direct_io = _probe_direct_io(folder)
-        self._pool = _PriorityPool(io_threads, "mtnb-disk")
+        self._pool = _PriorityPool(io_threads, DISK.name)
         self._staging = _Staging()
         self._lock = threading.Lock()
         # per key: the last write issued and the reads issued after it (still pending)

@@ -13,9 +13,9 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -25,25 +25,17 @@ from torch import nn
 from . import io as engine_io
 from . import finite
 from .config import EngineConfig
-from .family import max_positions, vocab_size
-from .host_store import HostStore
-from .inputs import prepare_batch, window_batches
-from .materialize import SafetensorsSource, take_parameters
-from .optimizer import UnitAdamW
-from .pager import Pager
-from .memory import memory_report
-from .planner import WindowPlan, engine_plan
-from .proxies import LayerProxy
-from .states import OptimizerStates, open_disk_tier
-from .step import StepRunner
-from .telemetry import Telemetry
-from .units import Unit, build_units, check_supported, find_layer_list
-from .updates import UpdateScheduler
-from .weight_store import make_weight_store
 from .dist import resolve_dist
+from .family import max_positions, vocab_size
+from .inputs import prepare_batch, window_batches
+from .materialize import SafetensorsSource
+from .memory import memory_report
+from .parts import build_parts
+from .planner import WindowPlan
 from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
-from .sharded import ShardedUnits
-from .window import BoundaryStore, WindowRunner, WindowStep, plan_for
+from .telemetry import Telemetry
+from .units import Unit, check_supported
+from .window import plan_for
 
 
 @dataclass
@@ -81,85 +73,12 @@ class StreamingEngine:
         self.lock = threading.RLock()
         self.counters = Telemetry()
         self._closed = False
-
-        _, _, layers = find_layer_list(model)
-        self.units: List[Unit] = build_units(model, layers)
+        parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters, source=_source)
+        for f in dataclasses.fields(parts):
+            setattr(self, f.name, getattr(parts, f.name))
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
-        self.layer_units = self.units[1:-1]
-        self.sharded: Optional[ShardedUnits] = None
-        if self.dist.world > 1:
-            self.dist.check_same("model", (type(model).__name__, [(u.name, u.numel) for u in self.units]))
-            self.dist.check_same("optimizer settings", (config.optimizer_compression, config.adam_betas,
-                                                         config.adam_eps, config.weight_decay, config.precision))
-            self.sharded = ShardedUnits(self.units, self.dist, gather_dist=self.dist.channel("gather"),
-                                        reduce_dist=self.dist.channel("reduce"))
-        # The units whose training state this process holds: whole units, or this rank's shards.
-        self.state_units: List[Unit] = self.sharded.shards if self.sharded is not None else self.units
-        self.persistent_buffers = engine_io.persistent_buffers(model)
-
-        self.plan = engine_plan(self.units, self.model_config, config, cuda=self.device.type == "cuda",
-                                state_units=self.state_units)
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"
         self.checkpoint_interval = self.plan.checkpoint_interval
-        pin = self.device.type == "cuda"
-        self.store = HostStore(self.state_units, pin=pin)
-        store = open_disk_tier(self.units, config, self.params_on_disk)
-        self.disk = None
-        if store is not None:   # host RAM as a schedule-driven cache of the disk tier
-            from .disk_cache import HostCache, cache_budget
-            from .states import stored_state_bytes
-
-            need = stored_state_bytes(self.units, config.optimizer_compression)
-            need += self.num_parameters() * 4 if self.params_on_disk else 0
-            budget = cache_budget(config.host_cache_gb, config.max_host_gb, self.plan.host["total"], need)
-            self.disk = HostCache(store, budget, counters=self.counters)
-        # Pipeline depth: units in flight through host RAM per stage (RAM stays flat).
-        # (depth 2 measured no faster on 2 cores and left more optimizer time exposed: keep 1)
-        self.inflight_depth = 1
-        # Large units (> 256 MiB) get the minimum staging: one buffer being read, one being copied
-        # (each is a unit's size; a third overlapped nothing measurable on steps that long).
-        small = self._small_units()
-        self.weights = make_weight_store(self.state_units, self.store, disk=self.disk if self.params_on_disk else None,
-                                         pin=pin, counters=self.counters,
-                                         compute_buffers=2 + self.inflight_depth if small else 2,
-                                         optimizer_buffers=2 if small else 1)
-        self.states = OptimizerStates(self.state_units, config, self.counters, disk=self.disk)
-        alloc, put = self.store.alloc, self.weights.put_initial
-        if self.sharded is not None:   # each rank keeps its slice of every unit as it is built
-            alloc = lambda n: torch.empty(n, dtype=torch.float32)  # noqa: E731 - one unit at a time
-            put = self._put_own_shard
-        placeholders = take_parameters(model, self.units, alloc, put, _source)
-        self.weights.finish_initial()
-        self._move_buffers(model)
-        model.config.use_cache = False
-        self.adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
-        self.updates = UpdateScheduler(self.state_units, grads=self.store, weights=self.weights, states=self.states,
-                                       adam=self.adam, counters=self.counters, disk=self.disk,
-                                       depth=self.inflight_depth, sharded=self.sharded)
-        self.updates.policy = self.config.on_nonfinite
-        source, source_done, plan_reads = self.updates.ready_weights, self.weights.transfer_done, \
-            self.updates.plan_reads
-        if self.sharded is not None:   # the pager sees whole units; the stores hold shards
-            shard = self.sharded.shard
-            source = lambda u: self.updates.ready_weights(shard(u))                  # noqa: E731
-            source_done = lambda u, t: self.weights.transfer_done(shard(u), t)       # noqa: E731
-            plan_reads = lambda order, step: self.updates.plan_reads([shard(u) for u in order], step)  # noqa: E731
-        self.pager = Pager(self.units, device=self.device, dtype=self.dtype, layer_slots=self.plan.layer_slots,
-                           source=source, source_done=source_done, sharded=self.sharded,
-                           telemetry=self.counters, grad_sink=self.updates.gradient_arrived)
-        self.pager.max_grads_in_flight = self.inflight_depth
-        self.runner = StepRunner(model, self.units, self.pager, placeholders, device=self.device,
-                                 checkpoint_interval=self.checkpoint_interval,
-                                 loss_chunk_tokens=config.loss_chunk_tokens, plan_reads=plan_reads)
-        for u in self.layer_units:
-            layers[u.layer_index] = LayerProxy(self.runner.layer_call, u)
-        self.boundary = BoundaryStore(self.device, disk=self.disk)
-        # (a CPU "device" sums each unit's gradient in a pool buffer the update adopts)
-        lend = self.updates.lend_buffer if self.device.type == "cpu" and self.sharded is None else None
-        self.window_runner = WindowRunner(self.runner, self.boundary, grad_buffer=lend)
-        self.window_step = WindowStep(self.window_runner, self.boundary, updates=self.updates, pager=self.pager,
-                                      counters=self.counters, config=config, layer_names=self.unit_names()[1:-1],
-                                      clip_hold_disk=self.plan.placement["gradients"] == "disk")
         self.memory_peaks = {"host": 0, "disk": 0}   # memory_report's peaks across calls
 
     @classmethod
@@ -182,13 +101,7 @@ class StreamingEngine:
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         return cls(model, config, _source=SafetensorsSource(folder), **options)
 
-    # ------------------------------------------------------------------ construction
-    def _put_own_shard(self, unit: Unit, full: torch.Tensor) -> None:
-        sh = self.sharded.shard(unit)
-        own = self.store.alloc(sh.numel)
-        own.copy_(full[sh.start:sh.start + sh.numel])
-        self.weights.put_initial(sh, own)
-
+    # ------------------------------------------------------------------ helpers
     def _state_unit(self, unit: Unit) -> Unit:
         return self.sharded.shard(unit) if self.sharded is not None else unit
 
@@ -196,18 +109,6 @@ class StreamingEngine:
         """A unit's whole flat buffer from this process's part (a collective when sharded: every
         rank must ask for the same units in the same order)."""
         return self.sharded.assemble(unit, flat) if self.sharded is not None else flat
-
-    def _small_units(self) -> bool:
-        """Units small enough that a spare buffer or two per stream costs little RAM (<= 256 MiB
-        each). Large units get the minimum: one optimizer staging buffer (RAM stays flat for
-        models far larger than RAM; their steps are long, so what it would overlap is small)."""
-        return max(u.numel for u in self.units) * 4 <= (256 << 20)
-
-    def _move_buffers(self, model: nn.Module) -> None:
-        for mod in list(model.modules()) + [u.module for u in self.layer_units]:
-            for name, b in list(mod._buffers.items()):
-                if b is not None and b.device != self.device:
-                    mod._buffers[name] = b.to(self.device)
 
     def _prepare(self, input_ids, attention_mask, labels):
         return prepare_batch(input_ids, attention_mask, labels, vocab=vocab_size(self.model_config),
@@ -263,27 +164,8 @@ class StreamingEngine:
             return self._forward_backward_window(window, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
         with self.lock:
             self._check_open()
-            ids, am, labels = self._prepare(input_ids, attention_mask, labels)
-            t0 = time.perf_counter()
-            step = self.updates.context(step_lr, max_grad_norm, self.window_step.hold())
-            self.updates.begin(step)
-            try:
-                loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn, step=step,
-                                              grad_scale_tokens=num_items_in_batch)
-                self.pager.wait_grads()
-                norm, skipped = self.updates.finish(step, loss_sum / max(n, 1))
-            except finite.NonFiniteError:
-                self.updates.nonfinite = None  # reported now, to this caller
-                raise
-            finally:
-                self.updates.end()
-            self.counters.add_tokens(ids.numel())
-            if step_lr is not None:
-                self.counters.add("steps", 1)
-                self._close_step(groups=None)
-            self.counters.add("micro_batches", 1)
-            self.counters.add("step_seconds", time.perf_counter() - t0)
-            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n, grad_norm=norm, skipped=skipped)
+            batches = [self._prepare(input_ids, attention_mask, labels)]
+            return self._train(batches, None, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
 
     def plan_window(self, batches) -> WindowPlan:
         """The :class:`WindowPlan` of prepared ``(ids, am, labels)`` micro-batches (``window.plan_for``)."""
@@ -293,25 +175,25 @@ class StreamingEngine:
     @property
     def last_window_plan(self) -> Optional[WindowPlan]:
         """The plan of the last window :meth:`forward_backward` ran (None before the first)."""
-        return self.window_step.last_plan
+        return self.steps.last_plan
 
     def _forward_backward_window(self, window, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
         with self.lock:
             self._check_open()
             batches = [self._prepare(*b) for b in window]
-            loss, n, norm, skipped = self.window_step.run(batches, self.plan_window, loss_fn, num_items_in_batch,
-                                                          step_lr, max_grad_norm)
-            return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
+            return self._train(batches, self.plan_window(batches), loss_fn, num_items_in_batch, step_lr,
+                               max_grad_norm)
 
-    def _close_step(self, **extra) -> None:
-        self.counters.close_step([u.name for u in self.layer_units], **extra)
+    def _train(self, batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
+        loss, n, norm, skipped = self.steps.run(batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
+        return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
 
     def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None) -> EngineOutput:
         """Loss of a batch without gradients."""
         with self.lock:
             self._check_open()
             ids, am, labels = self._prepare(input_ids, attention_mask, labels)
-            loss_sum, n = self.runner.run(ids, am, labels, loss_fn=loss_fn)
+            loss_sum, n = self.runner.evaluate(ids, am, labels, loss_fn=loss_fn)
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n)
 
     def forward_logits(self, input_ids, attention_mask=None) -> torch.Tensor:
@@ -368,7 +250,7 @@ class StreamingEngine:
             self.pager.wait_grads()
             if self.updates.update_all(lr, grad_norm=self.grad_norm()):
                 self.counters.add("steps", 1)
-                self._close_step(groups=None)
+                self.counters.close_step([u.name for u in self.layer_units], groups=None)
 
     def zero_grad(self) -> None:
         with self.lock:
@@ -392,8 +274,8 @@ class StreamingEngine:
     def memory_report(self) -> dict:
         return memory_report(pager=self.pager, runner=self.runner, store=self.store, states=self.states,
                              weights=self.weights, updates=self.updates, boundary=self.boundary, config=self.config,
-                             boundary_peak=self.window_step.boundary_peak, peaks=self.memory_peaks, device=self.device,
-                             grad_sums_peak=self.window_runner.sum_peak)
+                             boundary_peak=self.steps.boundary_peak, peaks=self.memory_peaks, device=self.device,
+                             grad_sums_peak=self.runner.sum_peak)
 
     def telemetry(self) -> dict:
         """Counters: bytes per link, prefetch hits/misses, stall seconds, loads per unit."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -52,6 +53,9 @@ class BufferPool:
         self._free: Dict[int, List[torch.Tensor]] = {}
         self._free_bytes = 0
         self._lock = threading.Lock()
+        # Buffers lent out (lend) that may come back as they are (take_back), by data pointer;
+        # weak: one that never comes back is simply freed.
+        self._lent: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
     def take(self, numel: int) -> torch.Tensor:
         with self._lock:
@@ -78,6 +82,30 @@ class BufferPool:
         if n and t.numel() < n and t.untyped_storage().nbytes() == n * 4 + ALIGN:
             return t.as_strided((n,), (1,), t.storage_offset())
         return t
+
+    def lend(self, numel: int, slot: bool = False) -> torch.Tensor:
+        """A buffer (:meth:`take`, or ``slot``: :meth:`take_slot`) that the borrower may hand
+        back whole to whoever holds this pool: :meth:`take_back` recognises it."""
+        t = self.take_slot(numel) if slot else self.take(numel)
+        with self._lock:
+            self._lent[t.data_ptr()] = t
+        return t
+
+    def take_back(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a buffer :meth:`lend` handed out (the same storage and size): it is
+        then the caller's, to :meth:`give` back when done."""
+        with self._lock:
+            lent = self._lent.get(t.data_ptr())
+            if lent is None or lent.numel() != t.numel() or \
+                    lent.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+                return False
+            del self._lent[t.data_ptr()]
+            return True
+
+    def lent_count(self) -> int:
+        """Buffers lent and not taken back (alive)."""
+        with self._lock:
+            return len(self._lent)
 
     def nbytes(self) -> int:
         """Bytes of the free buffers kept for reuse."""

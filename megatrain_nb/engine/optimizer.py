@@ -47,19 +47,62 @@ class UnitAdamW:
         for sl, wd in groups:
             if sl.stop - sl.start == 0:
                 continue
-            torch._fused_adamw_([params[sl]], [grads[sl]], [exp_avg[sl]], [exp_avg_sq[sl]], [], [step],
-                                lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
-                                eps=self.eps, amsgrad=False, maximize=False)
+            self.fused(params[sl], grads[sl], exp_avg[sl], exp_avg_sq[sl], step, lr, wd)
         if collect_stats:
             st = unit_stats(unit, params, grads, old, grad_norm=grad_norm)
             st["optimizer_step"] = int(step)  # updates run in a worker: say which step this is
             self.stats[unit.index] = st
+
+    def start_unit(self, unit: Unit, params: torch.Tensor,
+                   collect_stats: Optional[bool] = None) -> "UnitRun":
+        """One unit's update applied slice by slice (:meth:`UnitRun.step` on ``[a, b)``, then
+        :meth:`UnitRun.finish`): the same arithmetic as :meth:`step_unit` (AdamW is elementwise;
+        the step count advances once), so the moments need exist only a slice at a time."""
+        if collect_stats is None:
+            collect_stats = self.collect_stats
+        step = self.steps.get(unit.index)
+        if step is None:
+            step = self.steps[unit.index] = torch.zeros((), dtype=torch.float32)
+        old = None
+        if collect_stats:
+            old = params[::max(1, unit.numel // 65536)].clone()
+        step.add_(1)
+        return UnitRun(self, unit, params, step, old)
+
+    def fused(self, params, grads, exp_avg, exp_avg_sq, step, lr: float, wd: float) -> None:
+        torch._fused_adamw_([params], [grads], [exp_avg], [exp_avg_sq], [], [step],
+                            lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
+                            eps=self.eps, amsgrad=False, maximize=False)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {str(i): s.clone() for i, s in self.steps.items()}
 
     def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
         self.steps = {int(k): v.clone().float() for k, v in sd.items()}
+
+
+class UnitRun:
+    """A unit's AdamW update in slices (:meth:`UnitAdamW.start_unit`)."""
+
+    def __init__(self, adam: UnitAdamW, unit: Unit, params: torch.Tensor, step: torch.Tensor, old):
+        self.adam, self.unit, self.params, self.step_t, self.old = adam, unit, params, step, old
+
+    def step(self, a: int, b: int, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+             lr: float) -> None:
+        """AdamW on elements ``[a, b)`` of the unit; ``exp_avg``/``exp_avg_sq`` hold just that
+        slice (``b - a`` elements). The slice is split where weight decay stops (the decayed
+        parameters come first), as :meth:`UnitAdamW.step_unit` splits the whole unit."""
+        d = self.unit.decay_numel
+        for lo, hi, wd in ((a, min(b, d), self.adam.weight_decay), (max(a, d), b, 0.0)):
+            if hi > lo:
+                self.adam.fused(self.params[lo:hi], grads[lo:hi], exp_avg[lo - a:hi - a],
+                                 exp_avg_sq[lo - a:hi - a], self.step_t, lr, wd)
+
+    def finish(self, grads: torch.Tensor, grad_norm: Optional[float] = None) -> None:
+        if self.old is not None:
+            st = unit_stats(self.unit, self.params, grads, self.old, grad_norm=grad_norm)
+            st["optimizer_step"] = int(self.step_t)
+            self.adam.stats[self.unit.index] = st
 
 
 def unit_stats(unit: Unit, params: torch.Tensor, grads: torch.Tensor, old_sample: torch.Tensor,

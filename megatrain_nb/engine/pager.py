@@ -4,22 +4,26 @@ The engine tells the pager the step's unit access order (forward, then backward)
 keeps as many of the upcoming units in flight as free slots allow, so a unit's weights are
 usually on the device before the compute thread asks for them.
 
-Two transports share one code path:
-* CUDA: a host->device stream and a device->host stream, synchronised with events; the
-  compute stream waits on a slot's ready event, a slot is refilled only after its free event.
-* CPU: the "device" is the CPU; slots are plain tensors, copies are memcpy in worker threads
-  (torch's copy releases the GIL), so transfers overlap compute exactly as on a GPU.
+Every copy goes through the transport (engine/transport.py): a slot is filled by
+``copy_in`` (its ready handle is waited on when the compute acquires the unit), handed back
+by ``release`` (the next fill waits for that point), and a unit's gradient leaves by
+``copy_out`` (the gradient thread waits for it, then hands the host tensor to the sink). The
+copies are issued from two worker threads (``mtnb-h2d``, ``mtnb-d2h``), so transfers overlap
+compute on a CPU "device" exactly as on a GPU. Data parallel, the transport gathers a unit's
+shards into its slot and reduce-scatters its gradient (``transport.ShardedTransport``): the
+pager sees whole units.
 """
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from .telemetry import Telemetry
+from ..threads import D2H, H2D, executor
 from .units import Unit
 
 
@@ -28,8 +32,7 @@ class Slot:
         self.pool = pool
         self.buf = buf
         self.unit: Optional[Unit] = None
-        self.ready: Optional[Future] = None
-        self.free_event = None        # CUDA event recorded when compute released the slot
+        self.ready: Optional[Future] = None   # -> the transport's ready handle of the slot's fill
         self.busy = False             # holds (or is being filled with) a unit
 
 
@@ -37,43 +40,40 @@ class Pager:
     def __init__(self, units: List[Unit], *, device: torch.device, dtype: torch.dtype,
                  layer_slots: int, source: Callable[[Unit], torch.Tensor],
                  source_done: Callable[[Unit, torch.Tensor], None], telemetry: Telemetry,
-                 grad_sink: Callable[[Unit, torch.Tensor], None], sharded=None):
+                 grad_sink: Callable[[Unit, torch.Tensor], None], transport, max_grads_in_flight: int = 1):
         self.device = device
         self.dtype = dtype
-        self.cuda = device.type == "cuda"
         self.source = source          # unit -> fp32 host flat params (may wait on the disk tier)
         self.source_done = source_done  # (unit, that tensor): the copy no longer needs it
         self.grad_sink = grad_sink    # (unit, fp32 host flat grad) -> accumulate
         self.telemetry = telemetry
-        # Data parallel (engine.sharded.ShardedUnits): ``source`` gives this rank's shard of a
-        # unit and a gather builds the whole unit in its slot; on CUDA a unit's gradient is
-        # reduce-scattered on the device and only this rank's shard goes to the host.
-        self.sharded = sharded
+        self.transport = transport
         self._lock = threading.Condition()
-        self._h2d = ThreadPoolExecutor(1, thread_name_prefix="mtnb-h2d")
-        self._d2h = ThreadPoolExecutor(1, thread_name_prefix="mtnb-d2h")
+        self._h2d, self._d2h = executor(H2D), executor(D2H)
         self._grad_futures: List[Future] = []
-        self.max_grads_in_flight = 1
+        self.max_grads_in_flight = max_grads_in_flight
         esize = torch.tensor([], dtype=dtype).element_size()
         self.pools: Dict[str, List[Slot]] = {}
         sizes = {"embed": 0, "layer": 0, "head": 0}
         for u in units:
-            sizes[u.kind] = max(sizes[u.kind], self._slot_numel(u))
+            sizes[u.kind] = max(sizes[u.kind], transport.slot_numel(u))
         counts = {"embed": 1, "layer": layer_slots, "head": 1}
         for kind, n in counts.items():
             if sizes[kind] > 0:
                 self.pools[kind] = [Slot(kind, torch.empty(sizes[kind], dtype=dtype, device=device))
                                     for _ in range(n)]
         self.slot_bytes = sum(s.buf.numel() * esize for pool in self.pools.values() for s in pool)
-        # Gradient return buffers: device flat fp32 grads and (CUDA) pinned host staging.
-        max_unit = max(self._slot_numel(u) for u in units)
+        for pool in self.pools.values():   # a new slot starts released (the adversarial transport: NaN)
+            for s in pool:
+                transport.release(s.buf)
+        # Gradient staging (a transport that stages: CUDA): two device flat fp32 buffers and their
+        # pinned host twins, used in turn; a unit's gradient sum is copied into one and leaves.
+        max_unit = max(transport.slot_numel(u) for u in units)
         self.grad_buf_bytes = 0
-        if self.cuda:
-            self._h2d_stream = torch.cuda.Stream(device)
-            self._d2h_stream = torch.cuda.Stream(device)
+        if transport.stages:
             self._grad_dev = [torch.empty(max_unit, dtype=torch.float32, device=device) for _ in range(2)]
-            self._grad_host = [torch.empty(max_unit, dtype=torch.float32).pin_memory() for _ in range(2)]
-            self._grad_free = [None, None]
+            self._grad_host = [transport.host_buffer(max_unit) for _ in range(2)]
+            self._grad_free: List[Optional[Future]] = [None, None]
             self._grad_turn = 0
             self.grad_buf_bytes = 2 * max_unit * 4
         self._order: List[Unit] = []
@@ -81,9 +81,9 @@ class Pager:
         self._consumed = 0
         self._resident: Dict[int, Slot] = {}
 
-    def _slot_numel(self, unit: Unit) -> int:
-        """Elements a device buffer for ``unit`` needs (a gathered unit arrives padded)."""
-        return self.sharded.padded_numel(unit) if self.sharded is not None else unit.numel
+    def slot_storages(self) -> set:
+        """The data pointers of the slots' storages (weights bound from a slot are not activations)."""
+        return {s.buf.untyped_storage().data_ptr() for pool in self.pools.values() for s in pool}
 
     # ------------------------------------------------------------------ schedule
     def set_schedule(self, order: Sequence[Unit]) -> None:
@@ -117,34 +117,28 @@ class Pager:
         slot.busy = True
         slot.unit = unit
         self._resident[unit.index] = slot
-        slot.ready = self._h2d.submit(self._copy_in, unit, slot)
+        slot.ready = Future()
+        self._h2d.submit(self._copy_in, unit, slot, slot.ready)
 
-    def _copy_in(self, unit: Unit, slot: Slot):
-        src = self.source(unit)
-        t0 = time.perf_counter()
-        dst = slot.buf[:unit.numel]
-        if self.cuda:
-            with torch.cuda.stream(self._h2d_stream):
-                if slot.free_event is not None:
-                    self._h2d_stream.wait_event(slot.free_event)
-                if self.sharded is not None:   # NCCL all-gather on this (the h2d) stream
-                    self.sharded.gather(unit, src, out=slot.buf)
-                else:
-                    dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self._h2d_stream)
-            ev.synchronize()  # this worker only: the host buffer may be reused after this
-            result = ev
-        else:
-            if self.sharded is not None:
-                self.sharded.gather(unit, src, out=slot.buf)
-            else:
-                dst.copy_(src)
-            result = None
-        self.source_done(unit, src)
+    def _copy_in(self, unit: Unit, slot: Slot, issued: Future) -> None:
+        """In the copy thread: the unit's host weights into its slot. ``issued`` gets the
+        transport's ready handle as soon as the copy is issued (the compute waits on that
+        handle, not on this thread); this thread then waits for the copy itself before the
+        host buffer is handed back (``source_done``)."""
+        try:
+            src = self.source(unit)
+            t0 = time.perf_counter()
+            ready = self.transport.copy_in(unit, src, slot.buf)
+        except BaseException as e:  # noqa: BLE001 - delivered to the compute's acquire
+            issued.set_exception(e)
+            return
+        issued.set_result(ready)
+        try:
+            ready.result()
+        finally:
+            self.source_done(unit, src)
         self.telemetry.add_bytes("host_to_device", src.numel() * 4, time.perf_counter() - t0)
         self.telemetry.load(unit.name)
-        return result
 
     def acquire(self, unit: Unit) -> torch.Tensor:
         """The unit's weights as a flat device tensor; waits for the transfer if needed."""
@@ -162,9 +156,7 @@ class Pager:
             if in_order:
                 self._consumed += 1
         t0 = time.perf_counter()
-        ev = slot.ready.result()
-        if self.cuda and ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+        slot.ready.result().wait()
         self.telemetry.stall("device", time.perf_counter() - t0)
         self.telemetry.prefetch_result("device", ahead)
         return slot.buf[:unit.numel]
@@ -174,10 +166,7 @@ class Pager:
             slot = self._resident.pop(unit.index, None)
             if slot is None:
                 return
-            if self.cuda:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device))
-                slot.free_event = ev
+            self.transport.release(slot.buf)
             slot.busy = False
             slot.unit = None
             self._lock.notify_all()
@@ -185,52 +174,36 @@ class Pager:
 
     # ------------------------------------------------------------------ gradients
     def return_grads(self, unit: Unit, grads: Sequence[torch.Tensor]) -> None:
-        """Send a unit's weight gradients (in unit.params order) to the host, asynchronously."""
-        if self.cuda:
+        """Send a unit's weight gradient (one flat fp32 tensor, or per-parameter tensors in
+        unit.params order) to the host, asynchronously: the gradient thread waits for the
+        transport's copy out and hands the host tensor to the sink."""
+        grads = [g.detach() if g.requires_grad else g for g in grads]   # (the same object: see updates.lend_buffer)
+        if self.transport.stages:
             turn = self._grad_turn
             self._grad_turn ^= 1
             dev, host = self._grad_dev[turn], self._grad_host[turn]
             if self._grad_free[turn] is not None:
-                self._grad_free[turn].result()     # the staging buffer's last user is done
-            if self.sharded is not None:   # padded to whole shards; the tail must be zero
-                dev[unit.numel:self._slot_numel(unit)].zero_()
+                self._grad_free[turn].result()     # the staging buffers' last user is done
+            n_slot = self.transport.slot_numel(unit)
+            if n_slot > unit.numel:   # padded to whole shards; the tail must be zero
+                dev[unit.numel:n_slot].zero_()
             torch.cat([g.reshape(-1).float() for g in grads], out=dev[:unit.numel])
-            ev_c = torch.cuda.Event()
-            ev_c.record(torch.cuda.current_stream(self.device))
-            if self.sharded is None:
-                with torch.cuda.stream(self._d2h_stream):
-                    self._d2h_stream.wait_event(ev_c)
-                    host[:unit.numel].copy_(dev[:unit.numel], non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(self._d2h_stream)
-            sink_unit = unit if self.sharded is None else self.sharded.shard(unit)
+            src = dev[:n_slot]
+        else:   # the gradient already is host memory: it leaves as it is
+            # (a lent buffer must arrive as the same object: the update adopts it by identity)
+            src = grads[0] if len(grads) == 1 and grads[0].dim() == 1 else \
+                torch.cat([g.reshape(-1).float() for g in grads])
+            host = None
+        after = self.transport.record()   # the compute that made the gradient
 
-            def finish():
-                nonlocal ev
-                t0 = time.perf_counter()
-                if self.sharded is not None:
-                    # NCCL reduce-scatter on the d2h stream (issued from this one thread, in the
-                    # backward's order on every rank), then only this rank's shard to the host.
-                    with torch.cuda.stream(self._d2h_stream):
-                        self._d2h_stream.wait_event(ev_c)
-                        mine = self.sharded.reduce_grad(unit, dev[:self._slot_numel(unit)])
-                        host[:mine.numel()].copy_(mine, non_blocking=True)
-                        ev = torch.cuda.Event()
-                        ev.record(self._d2h_stream)
-                ev.synchronize()
-                self.telemetry.add_bytes("device_to_host", sink_unit.numel * 4, time.perf_counter() - t0)
-                self.grad_sink(sink_unit, host[:sink_unit.numel])
-            ev = None if self.sharded is not None else ev
-            fut = self._d2h.submit(finish)
+        def finish():
+            t0 = time.perf_counter()
+            out = self.transport.copy_out(unit, src, host, after=after).result()
+            self.telemetry.add_bytes("device_to_host", out.numel() * 4, time.perf_counter() - t0)
+            self.grad_sink(unit, out)
+        fut = self._d2h.submit(finish)
+        if self.transport.stages:
             self._grad_free[turn] = fut
-        else:
-            grads = [g.detach() if g.requires_grad else g for g in grads]   # (the same object: see updates.lend_buffer)
-
-            def finish():
-                # CPU "device": the gradients already are host memory; add them in place.
-                self.telemetry.add_bytes("device_to_host", unit.numel * 4, 0.0)
-                self.grad_sink(unit, grads)
-            fut = self._d2h.submit(finish)
         self._grad_futures.append(fut)
         # Bounded: at most a few units' gradients in flight to the host (memory stays flat).
         pending = [f for f in self._grad_futures if not f.done()]
@@ -253,9 +226,10 @@ class Pager:
             for s in list(self._resident.values()):
                 if s.ready is not None:
                     try:
-                        s.ready.result()
+                        s.ready.result().result()
                     except Exception:
                         pass
+                self.transport.release(s.buf)
                 s.busy = False
                 s.unit = None
             self._resident.clear()
@@ -270,7 +244,8 @@ class Pager:
         self.reset()
         self._h2d.shutdown(wait=True)
         self._d2h.shutdown(wait=True)
+        self.transport.close()
         self.pools.clear()
-        if self.cuda:
+        if self.transport.stages:
             self._grad_dev.clear()
             self._grad_host.clear()

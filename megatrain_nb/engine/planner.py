@@ -23,7 +23,7 @@ class UnitSpec:
 
 
 def window_sum_bytes(units: List[UnitSpec]) -> int:
-    """Peak device bytes of a layer-major window's fp32 gradient sums (window.WindowRunner):
+    """Peak device bytes of a layer-major window's fp32 gradient sums (step.StepRunner):
     one unit's at a time (the head's, each layer's, the embedding's at the end); a tied
     embedding's sum is formed from the head pass on, so it sits beside each of the others."""
     by_kind = {k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")}
@@ -81,6 +81,50 @@ class Plan:
         return asdict(self)
 
 
+def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: bool, states_on_disk: bool,
+                   cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20) -> int:
+    """Host RAM the engine's code holds in flight besides the stored state, as it allocates
+    it (``u``: the largest unit; "large": over 256 MiB, ``parts.SMALL_UNIT_BYTES``):
+
+    * master weights on the disk tier: the compute stream's staging buffers (``2 + depth``,
+      large units 2) and the optimizer stream's (2, large units 1), each ``u``
+      (``parts.build_parts``, ``weight_store.DiskWeights``);
+    * final gradients: on CUDA the two pinned staging buffers of the device->host copies
+      (``pager``) and the ``depth`` units being updated, each in a pool buffer (a gradient
+      waits for its update slot in its staging buffer: ``intake.GradientIntake.arrived``); on
+      a CPU "device" one more (the window's sum being formed, a lent pool buffer) and a tied
+      embedding's sum; + 2 when a clipping norm is waited for (the hold's disk writes);
+    * compressed optimizer states, updated in chunks (``states.OptimizerStates.update``): the
+      fp32 moments of ``RING`` chunks and the codes of the unit being updated (encoded back in
+      place when read from the disk tier; a new set in RAM), and on the disk tier the codes
+      read ahead (``states.min_reads_ahead``) and written behind (``states.writes_pending``);
+      fp32 states on the disk tier are read into and written from whole-unit buffers (the unit
+      being updated, reads ahead, writes behind); fp32 states in RAM are updated in place.
+    (Without a host cache of the disk tier: the estimate's least host RAM.)
+    """
+    from .states import RING, min_reads_ahead, writes_pending
+
+    if not units:
+        return 0
+    u = max(x.numel for x in units)
+    large = u * 4 > (256 << 20)
+    out = 0
+    if weights_on_disk:
+        out += ((2 if large else 2 + depth) + (1 if large else 2)) * u * 4
+    tied = any(x.tied_output for x in units if x.kind == "embed")
+    grads = 2 + depth if cuda else depth + 1 + int(tied)
+    out += (grads + (2 if clipped else 0)) * u * 4
+    if compression == "none":
+        if states_on_disk:
+            out += (1 + min_reads_ahead(8 * u) + writes_pending(8 * u, False)) * 8 * u
+    else:
+        stored = int(u * codec_bytes_per_param(compression))
+        out += RING * 8 * chunk_numel + stored
+        if states_on_disk:
+            out += (min_reads_ahead(stored) + writes_pending(stored, True)) * stored
+    return out
+
+
 def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: int, vocab_size: int,
                      batch: int, seq: int, checkpoint_interval: int, compute_bytes: int,
                      loss_chunk_tokens: int = 1024, num_heads: int = 0, eager_attention: bool = False) -> int:
@@ -101,29 +145,67 @@ def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: in
     return saved_inputs + block_inputs + max(layer_work, head_work)
 
 
-def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, intermediate_size: Optional[int] = None,
-              vocab_size: int = 0, vram_bytes: Optional[int] = None, host_bytes: Optional[int] = None,
-              disk_bytes: Optional[int] = None, batch: int = 1, seq: int = 2048, compression: str = "none",
-              precision: str = "fp32", checkpoint_interval: Optional[int] = 1, offload_dir: bool = True,
-              layer_slots: Optional[int] = None, offload_params: Optional[bool] = None,
-              cuda: bool = True, loss_chunk_tokens: int = 1024, accumulation: int = 1,
-              host_gradients: bool = True, clip_hold: Optional[str] = None,
-              state_units: Optional[List[UnitSpec]] = None) -> Plan:
-    """Place a model's training state on (device, host, disk) under the given budgets.
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model beyond its units' sizes."""
+    hidden_size: int
+    num_layers: int
+    intermediate_size: Optional[int] = None
+    vocab_size: int = 0
 
-    ``host_gradients``: whether a whole model's fp32 gradients live in host RAM (the
-    micro-batch-major accumulator, or final gradients waiting for a clipping norm); a
-    layer-major step without clipping has none. ``accumulation`` > 1: the window is planned
-    too (``plan.window``: boundary activations on the device, else host RAM within
-    ``1 - HOST_HEADROOM`` of the budget, else the disk tier (``disk["activations"]``), else a
-    larger checkpoint interval for the window, else split).
-    ``clip_hold`` ("host" | "disk" | "auto", as ``EngineConfig.clip_hold``; None: the host
-    gradients are an accumulator, which stays in RAM): where final gradients held for a
-    clipping norm live; "auto" = host RAM when the host budget holds them beside the master
-    weights, else the disk tier (``placement["gradients"]`` says which).
+    @classmethod
+    def of(cls, model_config, *, logits: bool = True) -> "ModelShape":
+        """From a transformers config (``logits`` False: the head's logits are not planned)."""
+        from .family import hidden_size, intermediate_size, text_config, vocab_size
+
+        layers = int(getattr(text_config(model_config), "num_hidden_layers", 0) or 0)
+        return cls(hidden_size(model_config), layers, intermediate_size(model_config),
+                   int(vocab_size(model_config) or 0) if logits else 0)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step trains on: ``batch`` x ``seq`` tokens per micro-batch, ``accumulation``
+    micro-batches per optimizer step (> 1: planned as one layer-major window), and where a
+    whole model's fp32 gradients are: ``gradients`` "none" (a layer-major step without
+    clipping), "held" (final gradients waiting for a clipping norm: ``EngineConfig.clip_hold``
+    decides RAM or disk) or "accumulator" (micro-batch-major accumulation: RAM)."""
+    batch: int = 1
+    seq: int = 2048
+    accumulation: int = 1
+    gradients: str = "held"
+    clipped: bool = True
+
+
+def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = True, workload: Workload = Workload(),
+              disk_bytes: Optional[int] = None, state_units: Optional[List[UnitSpec]] = None) -> Plan:
+    """Place a model's training state on (device, host, disk) under ``cfg``'s budgets (an
+    EngineConfig: ``max_vram_gb``, ``max_host_gb``, ``offload_dir``, ``offload_params``,
+    ``optimizer_compression``, ``precision``, ``checkpoint_interval``, ``clip_hold``,
+    ``overrides.device_slots`` / ``loss_chunk_tokens`` / ``update_chunk_numel`` /
+    ``inflight_depth``); ``disk_bytes``: the disk tier's free bytes (None: no limit).
+
+    ``workload.accumulation`` > 1: the window is planned too (``plan.window``: boundary
+    activations on the device, else host RAM within ``1 - HOST_HEADROOM`` of the budget, else
+    the disk tier (``disk["activations"]``), else a larger checkpoint interval for the window,
+    else split). Final gradients held for a clipping norm live in host RAM when the host
+    budget holds them beside the master weights, else on the disk tier ("auto";
+    ``placement["gradients"]`` says which). ``host["buffers"]``: what the engine's code holds
+    in flight (:func:`host_in_flight`).
     ``state_units``: the part of each unit whose training state this process holds (data
     parallel: this rank's shards, ``engine/sharded.py``); host and disk figures are theirs, the
     device working set stays that of the whole ``units``. Default: ``units``."""
+    hidden_size, num_layers = shape.hidden_size, shape.num_layers
+    intermediate_size, vocab_size = shape.intermediate_size, shape.vocab_size
+    vram_bytes = int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else None
+    host_bytes = int(cfg.max_host_gb * GiB) if cfg.max_host_gb else None
+    batch, seq, accumulation = workload.batch, workload.seq, workload.accumulation
+    compression, precision = cfg.optimizer_compression, cfg.precision
+    checkpoint_interval, offload_dir = cfg.checkpoint_interval, bool(cfg.offload_dir)
+    layer_slots, offload_params = cfg.overrides.device_slots, cfg.offload_params
+    loss_chunk_tokens = cfg.overrides.loss_chunk_tokens
+    host_gradients = workload.gradients != "none"
+    clip_hold = cfg.clip_hold if workload.gradients == "held" else None
     cb = 2 if precision == "bf16" else 4
     inter = intermediate_size or 4 * hidden_size
     by_kind = {k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")}
@@ -172,7 +254,7 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     # exists; master weights to disk when the host budget cannot hold them (or when forced).
     states = int(total * codec_bytes_per_param(compression))
     weights, grads = total * 4, (total * 4 if host_gradients else 0)
-    staging = 4 * max_unit * 4  # paged units in flight through host memory
+    staging = 4 * max_unit * 4  # (the auto placement's rough figure of the host's other needs)
     placement = {"gradients": "host", "master_weights": "host",
                  "optimizer_states": "disk" if offload_dir else "host"}
     host_states = 0 if offload_dir else states
@@ -190,9 +272,14 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     if offload_params or (offload_params is None and offload_dir and host_bytes is not None
                           and weights + grads + host_states > host_bytes):
         placement["master_weights"] = "disk" if offload_dir else "host"
-    host = {"weights": weights if placement["master_weights"] == "host" else staging,
+    host = {"weights": weights if placement["master_weights"] == "host" else 0,
             "grads": grads,
-            "optimizer_states": states if placement["optimizer_states"] == "host" else staging // 2}
+            "optimizer_states": states if placement["optimizer_states"] == "host" else 0,
+            "buffers": host_in_flight(held, compression, weights_on_disk=placement["master_weights"] == "disk",
+                                      states_on_disk=placement["optimizer_states"] == "disk", cuda=cuda,
+                                      clipped=workload.clipped and workload.gradients != "accumulator",
+                                      depth=cfg.overrides.inflight_depth,
+                                      chunk_numel=cfg.overrides.update_chunk_numel)}
     window = None
     sums = window_sum_bytes(units)   # a window sums each unit's gradient on the device (fp32)
     if accumulation > 1:
@@ -232,7 +319,8 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
     if feasible and host_bytes is not None and host["total"] > host_bytes:
         feasible, limiting = False, "host"
         reason = (f"host RAM needs {host['total'] / GiB:.2f} GiB (master weights {host['weights'] / GiB:.2f}, "
-                  f"gradients {host['grads'] / GiB:.2f}, optimizer states {host['optimizer_states'] / GiB:.2f}) "
+                  f"gradients {host['grads'] / GiB:.2f}, optimizer states {host['optimizer_states'] / GiB:.2f}, "
+                  f"buffers in flight {host['buffers'] / GiB:.2f}) "
                   f"but {host_bytes / GiB:.2f} GiB are available: "
                   + ("give an offload_dir for the disk tier" if not offload_dir
                      else "more RAM, or offload_params=True to put the master weights on disk"
@@ -252,18 +340,11 @@ def make_plan(units: List[UnitSpec], *, hidden_size: int, num_layers: int, inter
 def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None) -> Plan:
     """The engine's plan for its units under an EngineConfig ``cfg``, or a ValueError naming
     the budget to change. ``state_units``: this rank's shards when the state is sharded."""
-    from .family import hidden_size, intermediate_size
-
     specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in units]
     held = None if state_units is None else [UnitSpec(u.name, u.numel, u.kind) for u in state_units]
-    plan = make_plan(specs, hidden_size=hidden_size(model_config), num_layers=len(units) - 2,
-                     intermediate_size=intermediate_size(model_config), vocab_size=0,
-                     vram_bytes=int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else None,
-                     host_bytes=int(cfg.max_host_gb * GiB) if cfg.max_host_gb else None,
-                     offload_params=cfg.offload_params, batch=1, seq=1, compression=cfg.optimizer_compression,
-                     precision=cfg.precision, checkpoint_interval=cfg.checkpoint_interval,
-                     offload_dir=bool(cfg.offload_dir), layer_slots=cfg.device_slots, cuda=cuda,
-                     loss_chunk_tokens=cfg.loss_chunk_tokens, clip_hold=cfg.clip_hold, state_units=held)
+    shape = ModelShape.of(model_config, logits=False)
+    shape = ModelShape(shape.hidden_size, len(units) - 2, shape.intermediate_size, 0)
+    plan = make_plan(specs, shape, cfg, cuda=cuda, workload=Workload(batch=1, seq=1), state_units=held)
     if not plan.feasible and plan.limiting_tier == "host":
         raise ValueError(f"max_host_gb={cfg.max_host_gb}: {plan.reason}.")
     if cfg.offload_params and not cfg.offload_dir:

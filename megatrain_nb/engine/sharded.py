@@ -5,7 +5,9 @@ A :class:`ShardUnit` is a :class:`~.units.Unit` whose flat buffer is this rank's
 prefix that falls in the shard. The host stores (master weights, gradient accumulators,
 optimizer states in any codec, RAM or disk) and the per-unit AdamW key everything on
 ``unit.index`` and ``unit.numel``, so they hold shards without knowing it; only the two ends
-of a unit's trip to the device see whole units:
+of a unit's trip to the device see whole units, both in the transport
+(``transport.ShardedTransport``, as FSDP2's ``fully_shard`` wraps a module): the pager and
+the step see whole units and nothing of the ranks.
 
 * :meth:`ShardedUnits.gather` — before the unit runs (forward, backward recompute): every
   rank's shard -> the whole flat buffer on the device;

@@ -8,11 +8,12 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from concurrent.futures import Future
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,28 +23,69 @@ from .units import Unit
 
 
 
+#: Elements of the moments decoded at a time by a chunked update (OptimizerStates.update):
+#: three chunks of both moments in flight (decoded ahead, in AdamW, encoded behind) = 24 MiB.
+UPDATE_CHUNK = 1 << 20
+RING = 3
+
+
+READ_AHEAD_BYTES = 1 << 30
+WRITES_BEHIND = 2
+ENCODE_BEHIND_BYTES = 512 << 20
+
+
+def min_reads_ahead(stored_nbytes: int, read_ahead_bytes: int = READ_AHEAD_BYTES) -> int:
+    """Units whose states are read ahead whatever their size: two, or one when a unit's stored
+    states alone exceed half the read-ahead allowance (each is RAM until its update)."""
+    return 2 if stored_nbytes <= read_ahead_bytes // 2 else 1
+
+
+def writes_pending(stored_nbytes: int, chunked: bool) -> int:
+    """State writes pending at most when an update starts (their codes or moments are RAM)."""
+    return WRITES_BEHIND if not chunked or stored_nbytes <= ENCODE_BEHIND_BYTES else 1
+
+
+def chunk_bounds(numel: int, chunk: int):
+    """``[(a, b), ...]``: the unit's elements in chunks of ``chunk`` (the last one shorter)."""
+    return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
+
+
+def sliceable(codec) -> bool:
+    """Whether a codec stores whole blocks independently (``block``, ``codes_per_byte``,
+    ``code_dtype``, codes and scales): a slice of blocks then decodes and encodes alone."""
+    return all(hasattr(codec, a) for a in ("block", "codes_per_byte", "code_dtype")) and codec.block > 0
+
+
 class OptimizerStates:
-    def __init__(self, units, config, counters, disk=None):
+    def __init__(self, units, config, counters, disk=None, chunk_numel: int = UPDATE_CHUNK):
         self.units = units
         self.codec_name = config.optimizer_compression
         self.counters = counters
         self.codecs = None
         if self.codec_name != "none":
             self.codecs = {r: get_codec(self.codec_name, r) for r in _ROLES}
+        #: Compressed states in whole codec blocks are updated in chunks (:meth:`update`): only
+        #: ``RING`` chunks of fp32 moments exist at a time, never a unit's.
+        self.chunked = self.codecs is not None and all(sliceable(c) for c in self.codecs.values())
+        self.chunk_numel = 0
+        if self.chunked:
+            align = math.lcm(*(c.block for c in self.codecs.values()))
+            self.chunk_numel = max(align, chunk_numel // align * align)
+        self._ring = None   # RING x (m, v) chunk buffers, made on the first chunked update
         self.ram: Dict[int, Dict[str, object]] = {}
         self.disk = disk  # shared with the engine, which closes it
         self._reads: Dict[int, Future] = {}
         self._lock = threading.Lock()
         self._on_disk = set()
         self._updating = set()   # units between load() and store(): not read ahead
-        self.writes_behind = 2
+        self.writes_behind = WRITES_BEHIND
         self._writes = []   # state writes still pending (futures)
         #: With a codec thread: fp32 moments waiting to be encoded may hold up to this many bytes
         #: (beyond ``writes_behind`` units), so the encodes of a step's last updates run during
         #: the next forward instead of holding up the updates the forward waits for.
         self.encode_behind_bytes = 0
         self._sched = []    # the coming updates, in order: (unit, last of its step)
-        self.read_ahead_bytes = 1 << 30  # stored states read ahead of their updates (RAM)
+        self.read_ahead_bytes = READ_AHEAD_BYTES  # stored states read ahead of their updates (RAM)
         from .host_store import BufferPool
 
         # moments' buffers, recycled from step to step (disk tier); a unit larger than the cap is
@@ -56,11 +98,11 @@ class OptimizerStates:
         # encoded. (In line, a 4096-hidden layer's int8 update took 9 s, in threads ~4 s.)
         self._codec = self._decoder = None
         if self.codecs is not None:
-            from concurrent.futures import ThreadPoolExecutor
+            from ..threads import DECODE, ENCODE, executor
 
-            self._codec = ThreadPoolExecutor(1, thread_name_prefix="mtnb-encode", initializer=_one_torch_thread)
-            self.encode_behind_bytes = 512 << 20
-            self._decoder = ThreadPoolExecutor(1, thread_name_prefix="mtnb-decode", initializer=_one_torch_thread)
+            self._codec = executor(ENCODE)
+            self.encode_behind_bytes = ENCODE_BEHIND_BYTES
+            self._decoder = executor(DECODE)
         self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
         self._decoded: Dict[int, Future] = {}    # unit -> its moments decoded ahead (codec thread)
 
@@ -103,7 +145,7 @@ class OptimizerStates:
             sched = list(self._sched)
         for i, (u, _) in enumerate(sched):
             nbytes = self._stored_nbytes(u)
-            if i >= 2 and held + nbytes > self.read_ahead_bytes:
+            if i >= min_reads_ahead(nbytes, self.read_ahead_bytes) and held + nbytes > self.read_ahead_bytes:
                 break
             held += nbytes
             self.prefetch(u)
@@ -212,8 +254,8 @@ class OptimizerStates:
 
     def _decode_next(self) -> None:
         """Decode the next update's states (read ahead) in the codec thread, now, while this
-        update runs: at most one unit ahead."""
-        if self._codec is None:
+        update runs: at most one unit ahead. (A chunked update decodes its own chunks ahead.)"""
+        if self._codec is None or self.chunked:
             return
         with self._lock:
             if not self._sched or self._decoded:
@@ -231,6 +273,131 @@ class OptimizerStates:
             if read is None:
                 return
             self._decoded[nxt.index] = self._decoder.submit(lambda: self._decode(nxt, read.result()))
+
+    # ------------------------------------------------------------------ the chunked update
+    def update(self, unit: Unit, apply) -> None:
+        """One unit's update in chunks: for each ``[a, b)`` the moments' slice is decoded (in
+        ``mtnb-decode``, a chunk ahead), ``apply(a, b, m, v)`` runs AdamW on it (this thread),
+        and it is encoded into the unit's new codes (in ``mtnb-encode``, a chunk behind); then
+        the new codes are stored (RAM) or written behind (the disk tier). Chunks are whole codec
+        blocks, so the codes equal those of the whole unit decoded, updated and encoded at once.
+        ``apply`` None: a skipped step -- the states are stored again as they are."""
+        self._bound_writes(unit)
+        with self._lock:
+            self._updating.add(unit.index)   # until stored: no read of it ahead of the write
+        self._advance(unit)
+        stored = self._stored_for_update(unit)
+        if apply is None:
+            out = None if stored is None else {k: t.clone() for k, t in stored.items()}
+        else:
+            # Codes read from the disk tier are this update's own: each chunk is encoded back
+            # where it was decoded from. (RAM codes are the state itself until the update is
+            # done; a host cache's resident codes are shared.)
+            own = stored is not None and self.disk is not None and not self._cached()
+            out = stored if own else self._new_codes(unit)
+            self._run_chunks(unit, stored, out, apply)
+        if out is None:
+            self.update_failed(unit)
+            return
+        if self.disk is not None:
+            fut, _ = self._write(unit, out, adopt=True)   # the written codes are the cache's, if kept
+            self._writes.append(fut)
+        else:
+            self.ram[unit.index] = out
+        with self._lock:
+            self._updating.discard(unit.index)
+        if self.disk is not None:
+            self._read_ahead()   # reads skipped while it was being updated now follow its write
+
+    def _bound_writes(self, unit: Unit) -> None:
+        """At most ``writes_behind`` state writes pending (their codes are RAM) when an update
+        starts; the step's last update (nothing after it) does not wait."""
+        with self._lock:
+            last = bool(self._sched) and self._sched[0][0] is unit and self._sched[0][1]
+        # codes of a unit larger than the allowance: one write pending, not two (its codes are
+        # being written while the next unit's are read and updated)
+        limit = self.writes_behind if self._stored_nbytes(unit) <= self.encode_behind_bytes else 1  # writes_pending
+        while len(self._writes) >= limit and not last:
+            _settle(self._writes.pop(0))   # a failed write raises here, in the update
+        for w in [w for w in self._writes if w.done()]:
+            self._writes.remove(w)
+            _settle(w)
+
+    def _stored_for_update(self, unit: Unit) -> Optional[Dict[str, torch.Tensor]]:
+        """The unit's stored codes (read ahead, or read now), or None before its first update."""
+        if self.disk is not None and unit.index in self._on_disk:
+            with self._lock:
+                fut = self._reads.pop(unit.index, None)
+            self.counters.prefetch_result("disk", fut is not None)  # issued ahead of need, or late
+            if fut is None:
+                with self._lock:
+                    fut = self._read(unit)
+            return self._waited(fut)
+        return self.ram.get(unit.index)
+
+    def _new_codes(self, unit: Unit) -> Dict[str, torch.Tensor]:
+        out = {}
+        for role in _ROLES:
+            c = self.codecs[role]
+            nblocks = -(-unit.numel // c.block)
+            out[f"{role}.codes"] = torch.empty(nblocks * c.block // c.codes_per_byte, dtype=c.code_dtype)
+            out[f"{role}.scales"] = torch.empty(nblocks, dtype=torch.float32)
+        return out
+
+    def _slice(self, role: str, codes: Dict[str, torch.Tensor], a: int, b: int) -> Dict[str, torch.Tensor]:
+        """The codes and scales of elements ``[a, b)`` (``a`` on a block boundary)."""
+        c = self.codecs[role]
+        lo, hi = a // c.block, -(-b // c.block)
+        return {"codes": codes[f"{role}.codes"][lo * c.block // c.codes_per_byte:hi * c.block // c.codes_per_byte],
+                "scales": codes[f"{role}.scales"][lo:hi]}
+
+    def _ring_buffers(self):
+        if self._ring is None:
+            from .disk_store import aligned_empty
+
+            self._ring = [(aligned_empty(self.chunk_numel), aligned_empty(self.chunk_numel)) for _ in range(RING)]
+        return self._ring
+
+    def _run_chunks(self, unit: Unit, stored, out, apply) -> None:
+        chunks = chunk_bounds(unit.numel, self.chunk_numel)
+        ring = self._ring_buffers()
+
+        def decode(i):
+            a, b = chunks[i]
+            m, v = (t[:b - a] for t in ring[i % RING])
+            for role, t in zip(_ROLES, (m, v)):
+                if stored is None:
+                    t.zero_()
+                else:
+                    self.codecs[role].decode(self._slice(role, stored, a, b), t)
+            return m, v
+
+        def encode(i, m, v):
+            a, b = chunks[i]
+            for role, t in zip(_ROLES, (m, v)):
+                dst = self._slice(role, out, a, b)
+                for k, val in self.codecs[role].encode(t).items():
+                    dst[k].copy_(val)
+
+        decoded = {0: _run_on(self._decoder, decode, 0)}
+        encoded: List[Future] = []
+        try:
+            for i, (a, b) in enumerate(chunks):
+                if i + 1 < len(chunks):
+                    if i + 1 >= RING:   # chunk i+1's ring slot is free once chunk i+1-RING is encoded
+                        encoded[i + 1 - RING].result()
+                    decoded[i + 1] = _run_on(self._decoder, decode, i + 1)
+                m, v = decoded.pop(i).result()
+                apply(a, b, m, v)
+                encoded.append(_run_on(self._codec, encode, i, m, v))
+        finally:   # nothing may still write into the ring (a failure: the next update reuses it)
+            for f in list(decoded.values()) + encoded:
+                try:
+                    f.result()
+                except BaseException:  # noqa: BLE001 - raised below or already raising
+                    pass
+        for f in encoded:
+            f.result()   # a failed encode (diverged states) fails this update
 
     def store(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> None:
         if self._codec is not None:
@@ -371,6 +538,7 @@ class OptimizerStates:
         # moments decoded ahead of their update or waiting to be encoded (codec thread)
         codec = set(self._decoded) | set(self._encoding)
         buffers += sum(8 * u.numel for u in self.units if u.index in codec)
+        buffers += RING * 8 * self.chunk_numel if self._ring is not None else 0   # chunked updates' moments
         out = {"host": host, "disk": 0, "host_buffers": buffers}
         if self.disk is not None:
             out["disk"] = sum(self.disk.nbytes_of(self._key(u)) for u in self.units if u.index in self._on_disk)
@@ -447,17 +615,19 @@ class OptimizerStates:
             self.ram[unit.index] = stored
 
 
+def _run_on(pool, fn, *args) -> Future:
+    """``fn(*args)`` in ``pool``'s thread, or here when there is none (the codec in line)."""
+    if pool is not None:
+        return pool.submit(fn, *args)
+    fut = Future()
+    fut.set_result(fn(*args))
+    return fut
+
+
 def _settle(f: Future):
     """Wait for a pending state write: a write's future, or a codec job's that returns one."""
     got = f.result()
     return got.result() if isinstance(got, Future) else got
-
-
-def _one_torch_thread() -> None:
-    """The codec threads run their kernels single-threaded: they work beside the AdamW worker
-    and the compute, and more OpenMP teams on a busy 2-core machine mostly wait at barriers.
-    (Elementwise kernels and exact max-reductions: the codes do not depend on it.)"""
-    torch.set_num_threads(1)
 
 
 def stored_state_bytes(units, codec_name: str) -> int:

@@ -1,26 +1,69 @@
-"""StepRunner: one micro-batch through the model — streamed forward, chunked head + loss,
-per-layer backward from saved layer inputs (or block checkpoints), embedding backward.
+"""One training step, top to bottom: the layer-major loop is the only training loop.
+
+A step is a window of A micro-batches (a single batch is a window of one). :class:`Steps` runs
+it: the planner's layout (groups of micro-batches, where the boundary activations wait, the
+checkpoint interval), then per group the update scheduler's begin, the :class:`StepRunner`'s
+forward and backward, the gradients' return, the scheduler's finish (norm, clipping,
+skipped) and end, then the telemetry.
+
+:class:`StepRunner` runs one group, every unit resident once per pass:
+
+1. *capture*: the model's own forward, per micro-batch, with the layer proxies recording how
+   the model called each layer (masks per layer type, rotary embeddings, positions: all but
+   the hidden state) and passing the hidden state through; layer 0's input is the embedding's
+   output. Nothing of the layers runs.
+2. *forward*: each layer, once on the device, runs every micro-batch (its captured call); the
+   input of every k-th layer waits in the :class:`~.window.BoundaryStore` (device, host or
+   disk tier). k == 0: every layer's autograd graph is kept instead (no recompute).
+3. *head*: per micro-batch, the model's own post-layer code (final norm, ...) is *replayed*
+   on the last layer's output (the last proxy returns it) and the loss is taken in chunks of
+   the head; the head's gradient is summed.
+4. *backward*: the layers' blocks of k in reverse; a block's inner inputs are recomputed from
+   its boundary input, then each layer, resident once, back-propagates every micro-batch; its
+   gradient is summed on the device (fp32) and leaves once, final, so its update can start.
+5. *embedding*: its part of the forward again (same RNG state), back-propagated into its
+   weights; no autograd graph is held across the step.
+
+Dropout: the RNG state at each (micro-batch, layer) call is recorded in the forward and
+restored for the recompute, so the backward sees the forward's masks. The draws happen in
+layer-major order: with dropout and A > 1 the masks differ from those of one micro-batch at a
+time (same distribution; with A = 1 they are the same).
+
+Evaluation and logits take a small path of their own (:meth:`StepRunner.evaluate`,
+:meth:`StepRunner.logits`): the model's own forward, each proxy running its layer without
+gradients as it is called.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from . import finite
 from .proxies import HiddenStatesStub, bind, swapped_submodule, unbind
 from .units import Unit, forward_order
+from .planner import WindowPlan
 from .updates import StepContext
+from .window import BoundaryStore
 
 
 @dataclass
-class _Call:
-    """How the model's forward called a layer, to re-run it with another hidden state."""
+class LayerCall:
+    """How the model's forward called a layer (all but the hidden state), to call it again with
+    another hidden state."""
     args: tuple
     kwargs: dict
     positional: bool
+
+    @classmethod
+    def captured(cls, args, kwargs) -> "LayerCall":
+        if args:   # the hidden state itself is not kept (with_hidden puts each one in)
+            return cls((None,) + tuple(args[1:]), kwargs, True)
+        return cls(args, {k: v for k, v in kwargs.items() if k != "hidden_states"}, False)
 
     def with_hidden(self, h):
         if self.positional:
@@ -30,56 +73,59 @@ class _Call:
         return self.args, kw
 
 
-@dataclass
-class _StepContext:
-    train: bool
-    k: int
-    calls: Dict[int, _Call] = field(default_factory=dict)
-    saved: Dict[int, torch.Tensor] = field(default_factory=dict)
-    rng: Dict[int, Any] = field(default_factory=dict)
-    h0: Optional[torch.Tensor] = None
-    h_last: Optional[torch.Tensor] = None
-    saved_bytes: int = 0
-    kept: Dict[int, tuple] = field(default_factory=dict)   # k == 0: (input, output, params) per layer
-
-
 def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _replace_first(out, h):
-    if isinstance(out, tuple):
-        return (h,) + tuple(out[1:])
-    if isinstance(out, list):
-        return [h] + list(out[1:])
-    return h
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _hidden_of(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _single_plan(checkpoint_interval: int) -> WindowPlan:
+    """A single batch's layout: one micro-batch, its boundary activations on the device."""
+    return WindowPlan(micro_batches=1, groups=1, group_size=1, tier="device", boundary_bytes=0,
+                      device_work_bytes=0, loads_per_layer=0.0, reason="one micro-batch",
+                      checkpoint_interval=checkpoint_interval)
 
 
 class StepRunner:
-    """Runs micro-batches through ``model``. Collaborators: ``units`` (embedding first, head
-    last), the ``pager`` (device slots), the meta ``placeholders`` parameters go back to after
-    each use, and ``plan_reads(compute_order, step)`` (the update scheduler's disk read-ahead)."""
+    """Runs groups of micro-batches through ``model`` layer-major. Collaborators: ``units``
+    (embedding first, head last), the ``pager`` (device slots, gradients back to the host), the
+    meta ``placeholders`` parameters go back to after each use, the ``boundary`` store, and
+    ``plan_reads(compute_order, step)`` (the update scheduler's disk read-ahead).
+    ``grad_buffer(numel)``: where a unit's gradient sum is formed (a CPU "device": the update
+    scheduler's pool, handed over whole, adopted without a copy); None: fresh device tensors."""
 
-    def __init__(self, model, units: List[Unit], pager, placeholders, *, device: torch.device,
-                 checkpoint_interval: int, loss_chunk_tokens: int,
-                 plan_reads: Callable[[List[Unit], Optional[StepContext]], None]):
+    def __init__(self, model, units: List[Unit], pager, placeholders, boundary: BoundaryStore, *,
+                 device: torch.device, checkpoint_interval: int, loss_chunk_tokens: int,
+                 plan_reads: Callable[[List[Unit], Optional[StepContext]], None],
+                 grad_buffer: Optional[Callable[[int], torch.Tensor]] = None):
         self.model = model
         self.units = units
         self.embed, self.head, self.layers = units[0], units[-1], units[1:-1]
         self.pager = pager
         self.placeholders = placeholders
+        self.boundary = boundary
         self.device = device
         self.checkpoint_interval = checkpoint_interval
         self.loss_chunk_tokens = loss_chunk_tokens
         self.plan_reads = plan_reads
-        self._head_stub = HiddenStatesStub()
-        self.ctx: Optional[_StepContext] = None
-        self.activation_peak = 0
+        self.grad_buffer = grad_buffer
+        self.activation_peak = 0   # device bytes of activations (saved inputs, work, logits): peak
         self.activation_now = 0
+        self.sum_bytes = 0         # fp32 gradient sums alive on the device now
+        self.sum_peak = 0          # ... and their peak over the steps run
+        self._head_stub = HiddenStatesStub()
         self._slot_ptrs = None
-        #: When set, the layer proxies hand their calls to it instead (window.WindowRunner's
-        #: capture and replay passes of the model's own forward).
-        self.intercept: Optional[Callable] = None
+        self._mode: Optional[Callable] = None   # the proxies' mode: capture or replay (None: run the layer)
+        self._tuple_out = False    # whether the layers return a tuple (learned from real calls)
+        self._straight = False     # this group's sums go straight to their updates (unclipped)
+        self._saved_bytes = 0      # activations held across the step (boundary, fronts, kept graphs)
+        self._front_bytes = 0
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, train: bool, k: Optional[int] = None) -> List[Unit]:
@@ -95,9 +141,26 @@ class StepRunner:
                 order += list(reversed(layers[b:end]))     # then its backward
         return [u for u in order if u.numel > 0]
 
-    # ------------------------------------------------------------------ the model's own forward
+    def _start(self, order: List[Unit], step: Optional[StepContext]) -> None:
+        self.plan_reads(order, step)  # set first: the pager starts fetching at once
+        self.pager.set_schedule(order)
+
+    def _abort(self) -> None:
+        """After an error mid-step: every unit back to its placeholders, every slot dropped."""
+        for u in self.units:
+            unbind(u, self.placeholders)
+        self.pager.reset()
+
+    # ------------------------------------------------------------------ the model's own code
+    def layer_call(self, unit: Unit, args, kwargs):
+        """A layer proxy's call: handed to the current mode (capture, replay), else the layer
+        runs now without gradients (evaluation)."""
+        if self._mode is not None:
+            return self._mode(unit, args, kwargs)
+        return self._run_layer_nograd(unit, LayerCall.captured(args, kwargs), _hidden_of(args, kwargs))
+
     def _base_forward(self, ids, am) -> torch.Tensor:
-        """The base model's own forward (layers streamed by the proxies): final hidden states."""
+        """The base model's own forward (layers through the proxies): final hidden states."""
         out = self.model.base_model(input_ids=ids, attention_mask=am, use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
@@ -113,78 +176,57 @@ class StepRunner:
             stub.hidden = None
         return out.logits
 
-    def _bind_outer(self, requires_grad: bool):
-        bound = {}
-        for u in (self.embed, self.head):
-            if u.numel == 0:
-                bound[u.index] = []
-                continue
-            w = self.pager.acquire(u)
-            bound[u.index] = bind(u, w, requires_grad=requires_grad)
-        return bound
+    def _out(self, h):
+        return (h,) if self._tuple_out else h
 
-    def _release_outer(self, u: Unit):
-        if u.numel:
-            unbind(u, self.placeholders)
-            self.pager.release(u)
+    def _capture(self, ids, am, calls: Dict[int, LayerCall]) -> torch.Tensor:
+        """The model's own forward up to the layers: each layer's call into ``calls``; returns
+        layer 0's input (with its autograd graph when grad mode is on)."""
+        h0 = []
 
-    # ------------------------------------------------------------------ layer calls from the proxies
-    def layer_call(self, unit: Unit, args, kwargs):
-        if self.intercept is not None:
-            return self.intercept(unit, args, kwargs)
-        ctx = self.ctx
-        if args:
-            hidden, call = args[0], _Call(args, kwargs, True)
-        else:
-            hidden, call = kwargs["hidden_states"], _Call(args, kwargs, False)
-        li = unit.layer_index
-        if ctx is not None and ctx.train:
+        def capture(unit, args, kwargs):
             for v in list(kwargs.values()) + list(args[1:]):
                 if torch.is_tensor(v) and v.requires_grad:
                     raise NotImplementedError(
                         f"{type(unit.module).__name__} receives a tensor argument that needs gradients besides "
                         "the hidden states; this family is not supported by the streaming engine yet.")
-            if li == 0:
-                ctx.h0 = hidden
-            hidden = hidden.detach()
-            if ctx.k == 0:
-                return self._layer_forward_kept(unit, call, hidden)
-            ctx.calls[li] = call
-            if li % ctx.k == 0:
-                ctx.saved[li] = hidden
-                ctx.saved_bytes += hidden.numel() * hidden.element_size()
-                self._note_activation(ctx.saved_bytes)
-            if self.model.training:
-                ctx.rng[li] = self._rng_state()
-        out = self._run_layer_nograd(unit, call, hidden)
-        if ctx is not None and ctx.train and li == len(self.layers) - 1:
-            h = _first(out).detach().requires_grad_(True)
-            ctx.h_last = h
-            out = _replace_first(out, h)
-        return out
+            hidden = _hidden_of(args, kwargs)
+            if unit.layer_index == 0:
+                h0.append(hidden)
+            calls[unit.layer_index] = LayerCall.captured(args, kwargs)
+            return self._out(hidden)
 
-    def _layer_forward_kept(self, unit: Unit, call: _Call, hidden):
-        """checkpoint_interval=0: run the layer under autograd and keep its graph (and its
-        weights in their slot) until the backward: no recompute, one load per step."""
-        ctx = self.ctx
-        w = self.pager.acquire(unit)
-        params = bind(unit, w, requires_grad=True)
+        self._mode = capture
         try:
-            x = hidden.requires_grad_(True)
-            a, kw = call.with_hidden(x)
-            with torch.enable_grad(), self._count_saved(accumulate=True):
-                out = unit.module(*a, **kw)
+            self._base_forward(ids, am)
         finally:
-            unbind(unit, self.placeholders)
-        h = _first(out)
-        ctx.kept[unit.layer_index] = (x, h, params)
-        h_out = h.detach()
-        if unit.layer_index == len(self.layers) - 1:
-            h_out.requires_grad_(True)
-            ctx.h_last = h_out
-        return _replace_first(out, h_out)
+            self._mode = None
+        return h0[0]
 
-    def _run_layer_nograd(self, unit: Unit, call: _Call, hidden):
+    def _replay(self, ids, am, h_last: torch.Tensor) -> torch.Tensor:
+        """The model's own post-layer code (final norm, ...) on ``h_last``: the base forward
+        with the last layer's proxy returning it. Under a forked RNG: the embedding's part,
+        run again here, must not draw from the step's random stream."""
+        last = len(self.layers) - 1
+
+        def replay(unit, args, kwargs):
+            return self._out(h_last if unit.layer_index == last else _hidden_of(args, kwargs))
+
+        self._mode = replay
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                return self._base_forward(ids, am)
+        finally:
+            self._mode = None
+
+    def _call_layer(self, unit: Unit, call: LayerCall, hidden):
+        a, kw = call.with_hidden(hidden)
+        out = unit.module(*a, **kw)
+        self._tuple_out = isinstance(out, (tuple, list))
+        return _first(out)
+
+    def _run_layer_nograd(self, unit: Unit, call: LayerCall, hidden):
         w = self.pager.acquire(unit)
         bind(unit, w, requires_grad=False)
         try:
@@ -194,112 +236,219 @@ class StepRunner:
         finally:
             unbind(unit, self.placeholders)
             self.pager.release(unit)
+        self._tuple_out = isinstance(out, (tuple, list))
         return out
 
-    def _layer_backward(self, unit: Unit, inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        ctx = self.ctx
-        w = self.pager.acquire(unit)
-        params = bind(unit, w, requires_grad=True)
-        try:
-            x = inp.detach().requires_grad_(True)
-            a, kw = ctx.calls[unit.layer_index].with_hidden(x)
-            rng = ctx.rng.get(unit.layer_index)
-            with self._restored_rng(rng), torch.enable_grad(), self._count_saved():
-                h = _first(unit.module(*a, **kw))
-            grads = torch.autograd.grad(h, [x] + params, grad_out, allow_unused=True)
-        finally:
-            unbind(unit, self.placeholders)
-        pgrads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads[1:], params)]
-        self.pager.return_grads(unit, pgrads)
-        self.pager.release(unit)
-        return grads[0] if grads[0] is not None else torch.zeros_like(inp)
+    def _bind_outer(self, requires_grad: bool) -> Dict[int, List[torch.Tensor]]:
+        bound = {}
+        for u in (self.embed, self.head):
+            bound[u.index] = bind(u, self.pager.acquire(u), requires_grad=requires_grad) if u.numel else []
+        return bound
 
-    # ------------------------------------------------------------------ one micro-batch
-    def run(self, ids, am, labels, *, loss_fn=None, step: Optional[StepContext] = None,
-            grad_scale_tokens=None) -> Tuple[float, int]:
-        """One micro-batch: with ``step`` (training) forward and backward, gradients to the
-        pager's gradient thread; without, the loss only."""
-        train = step is not None
-        shift = F.pad(labels[:, 1:], (0, 1), value=-100)
-        n_tokens = int((shift != -100).sum())
-        denom = grad_scale_tokens if grad_scale_tokens else max(n_tokens, 1)
-        self.ctx = _StepContext(train=train, k=self.checkpoint_interval)
+    def _release_outer(self, u: Unit) -> None:
+        if u.numel:
+            unbind(u, self.placeholders)
+            self.pager.release(u)
+
+    # ------------------------------------------------------------------ one group of micro-batches
+    def run(self, batches, *, loss_fn=None, step: StepContext, denom: float, tier: str = "device",
+            k: Optional[int] = None) -> Tuple[float, int, int]:
+        """Forward and backward of ``batches`` (each ``(ids, am, labels)`` on the device),
+        layer-major, with checkpoint interval ``k`` (default: the runner's; the planner may
+        choose a larger one for a window, block recompute keeps the result the same), the
+        boundary activations on ``tier``; the gradients go to the pager, that of ``sum of token
+        losses / denom``. Returns (loss sum, target tokens, tokens)."""
+        k = self.checkpoint_interval if k is None else k
+        A = len(batches)
+        shifts = [F.pad(lab[:, 1:], (0, 1), value=-100) for _, _, lab in batches]
+        n_tokens = sum(int((s != -100).sum()) for s in shifts)
         self.activation_now = 0
-        order = self.schedule(train)
-        self.plan_reads(order, step)  # set first: the pager starts fetching at once
-        self.pager.set_schedule(order)
+        self._saved_bytes = self._front_bytes = 0
+        # (one micro-batch: each unit's backward is too short to hide the update it would wait
+        # for -- 10 % slower in bench_accumulation -- and it holds no more sums than that)
+        self._straight = step.straight and A > 1
+        self.boundary.start(tier)
+        self._start(self.schedule(True, k), step)
+        training = self.model.training
         try:
-            with contextlib.ExitStack() as stack:
-                if not train:
-                    stack.enter_context(torch.no_grad())
-                bound = self._bind_outer(requires_grad=train)
-                hidden = self._base_forward(ids, am)
-                if not train:
-                    loss_sum = self._loss_chunks(hidden, shift, loss_fn, None)
-                    self._release_outer(self.head)
-                    self._release_outer(self.embed)
-                    return loss_sum, n_tokens
-                hidden_leaf = hidden.detach()
-                loss_sum, grad_hidden = self._loss_chunks(hidden_leaf, shift, loss_fn, denom, backward=True)
-                torch.autograd.backward(hidden, grad_hidden)
-                del hidden, grad_hidden, hidden_leaf
-                self._return_outer_grads(self.head, bound)
-                self._release_outer(self.head)
-                g = self.ctx.h_last.grad
-                self.ctx.h_last = None
-                g = self._layers_backward(g)
-                if self.ctx.h0 is not None and self.ctx.h0.requires_grad:
-                    torch.autograd.backward(self.ctx.h0, g)
-                self._return_outer_grads(self.embed, bound)
-                self._release_outer(self.embed)
-                return loss_sum, n_tokens
+            # 1. capture: each micro-batch's layer calls and layer 0's input
+            bound = self._bind_outer(requires_grad=True)
+            calls: List[Dict[int, LayerCall]] = [{} for _ in range(A)]
+            rng_embed = [None] * A
+            rng: List[Dict[int, Any]] = [{} for _ in range(A)]
+            hs = []
+            for a, (ids, am, _) in enumerate(batches):
+                if training:
+                    rng_embed[a] = self._rng_state()
+                with torch.no_grad():
+                    hs.append(self._capture(ids, am, calls[a]).detach())
+            self._front_bytes = sum(_nbytes(h) for h in hs)
+            self._note()
+
+            # 2. forward: every layer once, all micro-batches
+            kept = self._forward_layers(hs, calls, rng, k)
+
+            # 3. head: per micro-batch the model's own post-layer code and the chunked loss
+            loss_sum, gs, embed_acc = self._head(batches, shifts, hs, bound, loss_fn, denom)
+            # (the head stays bound until the embedding's capture below: the model's post-layer
+            # code runs in every pass of its forward; its slot is its own, so this costs nothing)
+
+            # 4. backward: the layers' blocks in reverse
+            gs = self.backward_layers(gs, calls, rng, k, kept)
+
+            # 5. embedding: its part of the forward again (same RNG state), back-propagated
+            embed = self.embed
+            if embed.numel:
+                for a, (ids, am, _) in enumerate(batches):
+                    with self._restored_rng(rng_embed[a]), torch.enable_grad():
+                        h0 = self._capture(ids, am, {})
+                    if h0.requires_grad:
+                        torch.autograd.backward(h0, gs[a])
+                    gs[a] = None
+                    del h0
+                    embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
+                self._return(embed, embed_acc if embed_acc is not None else self._sum(embed.numel))
+            self._release_outer(self.head)
+            self._release_outer(embed)
+            tokens = sum(int(ids.numel()) for ids, _, _ in batches)
+            return loss_sum, n_tokens, tokens
         except BaseException:
-            for u in (self.embed, self.head):
-                unbind(u, self.placeholders)
-            for u in self.layers:
-                unbind(u, self.placeholders)
-            self.pager.reset()
+            self._abort()
             raise
         finally:
-            self.ctx = None
+            self.boundary.clear()
+            self.sum_bytes = 0
             self.activation_now = 0
+            self._saved_bytes = self._front_bytes = 0
 
-    def _return_outer_grads(self, unit: Unit, bound):
-        if unit.numel == 0:
-            return
-        tensors = bound[unit.index]
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
-        self.pager.return_grads(unit, grads)
+    def _head(self, batches, shifts, hs: List[torch.Tensor], bound, loss_fn, denom):
+        """Per micro-batch: the model's post-layer code replayed on the last layer's output, the
+        chunked loss and its backward. The head's gradient sum leaves; returns (loss sum, each
+        micro-batch's gradient at the last layer's output, a tied embedding's sum so far)."""
+        head, embed = self.head, self.embed
+        head_acc = embed_acc = None
+        loss_sum, gs = 0.0, []
+        for a, (ids, am, _) in enumerate(batches):
+            h_last = hs[a].detach().requires_grad_(True)
+            hs[a] = None
+            hidden = self._replay(ids, am, h_last)
+            leaf = hidden.detach()
+            part, grad_hidden = self._loss_chunks(leaf, shifts[a], loss_fn, denom, backward=True)
+            torch.autograd.backward(hidden, grad_hidden)
+            loss_sum += part
+            del hidden, leaf, grad_hidden
+            gs.append(h_last.grad if h_last.grad is not None else torch.zeros_like(h_last))
+            if head.numel:
+                head_acc = self._fold_outer(head_acc, head, bound[head.index])
+            if embed.numel:   # tied output embeddings
+                embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
+        self._front_bytes = sum(_nbytes(g) for g in gs)
+        if head.numel:
+            self._return(head, head_acc if head_acc is not None else self._sum(head.numel))
+        return loss_sum, gs, embed_acc
 
-    def _layers_backward(self, g: torch.Tensor) -> torch.Tensor:
-        layers, ctx = self.layers, self.ctx
-        n, k = len(layers), ctx.k
+    def _forward_layers(self, hs: List[torch.Tensor], calls, rng, k: int):
+        """Every layer once, all micro-batches; ``hs`` becomes the last layer's outputs.
+        k == 0: the layers' autograd graphs are kept (returned) and their slots stay held."""
+        kept = {}
+        for unit in self.layers:
+            i = unit.layer_index
+            w = self.pager.acquire(unit)
+            if k == 0:
+                params = bind(unit, w, requires_grad=True)
+                try:
+                    for a in range(len(hs)):
+                        x = hs[a].detach().requires_grad_(True)
+                        if self.model.training:
+                            rng[a][i] = self._rng_state()
+                        with torch.enable_grad(), self._count_saved(accumulate=True):
+                            h = self._call_layer(unit, calls[a][i], x)
+                        kept[(i, a)] = (x, h)
+                        hs[a] = h.detach()
+                finally:
+                    unbind(unit, self.placeholders)
+                kept[i] = params
+                continue
+            bind(unit, w, requires_grad=False)
+            try:
+                for a in range(len(hs)):
+                    if i % k == 0:
+                        self.boundary.put((i, a), hs[a])
+                    if self.model.training:
+                        rng[a][i] = self._rng_state()
+                    with torch.no_grad():
+                        hs[a] = self._call_layer(unit, calls[a][i], hs[a])
+                self._note()
+            finally:
+                unbind(unit, self.placeholders)
+                self.pager.release(unit)
+        return kept
+
+    def backward_layers(self, gs: List[torch.Tensor], calls, rng, k: int, kept):
+        """The layers' backward, last block first; ``gs``: each micro-batch's gradient at the
+        last layer's output, returned as that at layer 0's input."""
+        layers, n, A = self.layers, len(self.layers), len(gs)
         if k == 0:
             for unit in reversed(layers):
-                x, h, params = ctx.kept.pop(unit.layer_index)
-                grads = torch.autograd.grad(h, [x] + params, g, allow_unused=True)
-                pgrads = [gr if gr is not None else torch.zeros_like(p) for gr, p in zip(grads[1:], params)]
-                self.pager.return_grads(unit, pgrads)
+                i = unit.layer_index
+                params = kept.pop(i)
+                acc = self._sum(unit.numel)
+                direct = self._grads_into(acc, unit, params)
+                for a in range(A):
+                    x, h = kept.pop((i, a))
+                    gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a])
+                    del x, h
+                for p in params:
+                    p.grad = None
+                self._return(unit, acc)
                 self.pager.release(unit)
-                g = grads[0] if grads[0] is not None else torch.zeros_like(x)
-                del x, h, params, grads
-            return g
+            return gs
         for b in reversed(range(0, n, k)):
             end = min(b + k, n)
-            inputs = {b: ctx.saved.pop(b)}
-            block_bytes = 0
-            for i in range(b, end - 1):
-                rng = ctx.rng.get(i)
-                with self._restored_rng(rng):
-                    inputs[i + 1] = _first(self._run_layer_nograd(layers[i], ctx.calls[i], inputs[i]))
-                block_bytes += inputs[i + 1].numel() * inputs[i + 1].element_size()
-                self._note_activation(ctx.saved_bytes + block_bytes)
+            inputs = [{b: self.boundary.pop((b, a))} for a in range(A)]
+            block = sum(_nbytes(d[b]) for d in inputs)
+            for i in range(b, end - 1):   # recompute the block's inner inputs
+                unit = layers[i]
+                w = self.pager.acquire(unit)
+                bind(unit, w, requires_grad=False)
+                try:
+                    for a in range(A):
+                        with self._restored_rng(rng[a].get(i)), torch.no_grad():
+                            inputs[a][i + 1] = self._call_layer(unit, calls[a][i], inputs[a][i])
+                        block += _nbytes(inputs[a][i + 1])
+                    self._note(block)
+                finally:
+                    unbind(unit, self.placeholders)
+                    self.pager.release(unit)
             for i in reversed(range(b, end)):
-                g = self._layer_backward(layers[i], inputs.pop(i), g)
-            ctx.saved_bytes -= g.numel() * g.element_size()
-        return g
+                unit = layers[i]
+                w = self.pager.acquire(unit)
+                params = bind(unit, w, requires_grad=True)
+                acc = self._sum(unit.numel)
+                direct = self._grads_into(acc, unit, params)
+                try:
+                    for a in range(A):
+                        x = inputs[a].pop(i).detach().requires_grad_(True)
+                        with self._restored_rng(rng[a].get(i)), torch.enable_grad(), self._count_saved():
+                            h = self._call_layer(unit, calls[a][i], x)
+                        gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a])
+                        del x, h
+                finally:
+                    unbind(unit, self.placeholders)
+                    for p in params:
+                        p.grad = None
+                self._return(unit, acc)
+                del acc
+                self.pager.release(unit)
+            self._front_bytes = sum(_nbytes(g) for g in gs)
+            self._note()
+        return gs
 
+    # ------------------------------------------------------------------ loss
     def _loss_chunks(self, hidden, shift, loss_fn, denom, backward: bool = False):
+        """The head and the loss over ``hidden`` in chunks of ``loss_chunk_tokens``; with
+        ``backward`` each chunk's ``loss / denom`` is back-propagated to its hidden states.
+        Returns the loss sum (and with ``backward`` the gradient at ``hidden``)."""
         B, S = shift.shape
         chunk = max(1, min(S, self.loss_chunk_tokens // max(B, 1) or 1))
         total = 0.0
@@ -316,7 +465,7 @@ class StepRunner:
                 else:
                     part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
                                            ignore_index=-100, reduction="sum")
-                self._note_activation(self.ctx.saved_bytes + 3 * logits.numel() * 4)
+                self._note_activation(self._saved_bytes + 3 * logits.numel() * 4)
             total += float(part.detach())
             if backward:
                 if part.requires_grad:
@@ -327,39 +476,127 @@ class StepRunner:
             return total, torch.cat(grads, dim=1)
         return total
 
+    # ------------------------------------------------------------------ gradient sums
+    @staticmethod
+    def _add(acc: torch.Tensor, unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        for p, g in zip(unit.params, grads):
+            if g is not None:
+                acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
+
+    @staticmethod
+    def _grads_into(acc: torch.Tensor, unit: Unit, params: List[torch.Tensor]) -> bool:
+        """Let autograd add each parameter's gradient straight into the unit's fp32 sum: every
+        bound parameter's ``.grad`` becomes its view of ``acc``, and AccumulateGrad adds into an
+        existing ``.grad`` in place (the backward runs with grad mode off). A micro-batch's
+        backward then holds one parameter's fresh gradient at a time, not a whole unit's beside
+        the sum (``autograd.grad`` returns them all at once). The same adds in the same order
+        (the first into the zeroed sum is exact). Only where the bound tensors are fp32 on the
+        sum's device (a bf16 parameter cannot have an fp32 ``.grad``): otherwise False, and
+        :meth:`_layer_grads` adds ``autograd.grad``'s results itself."""
+        if any(p.dtype != acc.dtype or p.device != acc.device for p in params):
+            return False
+        for spec, p in zip(unit.params, params):
+            p.grad = acc[spec.offset:spec.offset + spec.numel].view(spec.shape)
+        return True
+
+    def _layer_grads(self, acc: torch.Tensor, unit: Unit, params: List[torch.Tensor], direct: bool,
+                     x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Back-propagate ``g`` through one layer call (input ``x``, output ``h``): the
+        parameters' gradients are added into ``acc`` (``direct``: by autograd itself, see
+        :meth:`_grads_into`); returns the input's gradient."""
+        if direct:
+            torch.autograd.backward(h, g, inputs=[x] + params)
+            gx = x.grad
+        else:
+            grads = torch.autograd.grad(h, [x] + params, g, allow_unused=True)
+            self._add(acc, unit, grads[1:])
+            gx = grads[0]
+            del grads
+        return gx if gx is not None else torch.zeros_like(x)
+
+    def _fold_outer(self, acc: Optional[torch.Tensor], unit: Unit, bound: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Move the bound outer tensors' .grad (this micro-batch's share) into the fp32 sum,
+        made on the first share (an untied embedding's sum exists only at the step's end)."""
+        grads = [t.grad for t in bound]
+        if acc is None and any(g is not None for g in grads):
+            acc = self._sum(unit.numel)
+        if acc is not None:
+            self._add(acc, unit, grads)
+        for t in bound:
+            t.grad = None
+        return acc
+
+    def _sum(self, numel: int) -> torch.Tensor:
+        """A zeroed fp32 buffer on the device for a unit's gradient summed over micro-batches."""
+        if self.grad_buffer is not None:
+            if self._straight:
+                # The sums go straight to their updates: take the next one once every sum
+                # returned so far is with its update (the one before it done). RAM then holds
+                # the unit being updated and the sum being formed, never a third waiting in
+                # line; the backward of a unit still overlaps the update of the one above it.
+                self.pager.wait_grads()
+            acc = self.grad_buffer(numel).zero_()
+        else:
+            acc = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        self.sum_bytes += numel * 4
+        self.sum_peak = max(self.sum_peak, self.sum_bytes)
+        return acc
+
+    def _return(self, unit: Unit, acc: torch.Tensor) -> None:
+        """Send a unit's final sum to the host (whole: a lent buffer is adopted, not copied)."""
+        self.pager.return_grads(unit, [acc])
+        self.sum_bytes -= acc.numel() * 4
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, ids, am, labels, loss_fn=None) -> Tuple[float, int]:
+        """The loss sum and target tokens of one batch, without gradients."""
+        shift = F.pad(labels[:, 1:], (0, 1), value=-100)
+        n_tokens = int((shift != -100).sum())
+        self._saved_bytes = 0
+        with self._outer_only():
+            hidden = self._base_forward(ids, am)
+            return self._loss_chunks(hidden, shift, loss_fn, None), n_tokens
+
     def logits(self, ids, am) -> torch.Tensor:
-        self.ctx = None
-        order = self.schedule(False)
-        self.plan_reads(order, None)
-        self.pager.set_schedule(order)
+        """Logits [batch, seq, vocab] (fp32, CPU) of one batch, without gradients."""
+        with self._outer_only():
+            hidden = self._base_forward(ids, am)
+            chunk = max(1, self.loss_chunk_tokens // max(ids.shape[0], 1))
+            out = [self._head_logits(hidden[:, s:s + chunk]).float().cpu()
+                   for s in range(0, hidden.shape[1], chunk)]
+        return torch.cat(out, dim=1)
+
+    @contextlib.contextmanager
+    def _outer_only(self):
+        """No gradients; the embedding and the head bound through the block, the layers run by
+        their proxies as the model calls them."""
+        self._start(self.schedule(False), None)
         try:
             with torch.no_grad():
                 self._bind_outer(requires_grad=False)
-                hidden = self._base_forward(ids, am)
-                chunk = max(1, self.loss_chunk_tokens // max(ids.shape[0], 1))
-                out = [self._head_logits(hidden[:, s:s + chunk]).float().cpu()
-                       for s in range(0, hidden.shape[1], chunk)]
+                yield
                 self._release_outer(self.head)
                 self._release_outer(self.embed)
-            return torch.cat(out, dim=1)
         except BaseException:
-            for u in self.units:
-                unbind(u, self.placeholders)
-            self.pager.reset()
+            self._abort()
             raise
+        finally:
+            self.activation_now = 0
 
     # ------------------------------------------------------------------ accounting and RNG
+    def _note(self, extra: int = 0) -> None:
+        self._saved_bytes = self.boundary.bytes["device"] + self._front_bytes
+        self._note_activation(self._saved_bytes + extra)
+
     def _note_activation(self, nbytes: int) -> None:
         self.activation_now = nbytes
         self.activation_peak = max(self.activation_peak, nbytes)
 
     @contextlib.contextmanager
     def _count_saved(self, accumulate: bool = False):
-        """Count the bytes autograd saves while one layer is re-run (weights in slots excluded)."""
-        ctx = self.ctx
+        """Count the bytes autograd saves while one layer is (re-)run (weights in slots excluded)."""
         if self._slot_ptrs is None:
-            self._slot_ptrs = {s.buf.untyped_storage().data_ptr()
-                               for pool in self.pager.pools.values() for s in pool}
+            self._slot_ptrs = self.pager.slot_storages()
         total = [0]
         seen = set()
 
@@ -376,10 +613,10 @@ class StepRunner:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         if accumulate:  # graphs kept for the backward (checkpoint_interval=0)
-            ctx.saved_bytes += total[0]
-            self._note_activation(ctx.saved_bytes)
+            self._saved_bytes += total[0]
+            self._note_activation(self._saved_bytes)
         else:  # saved tensors + their gradients flowing back, on top of the saved inputs
-            self._note_activation(ctx.saved_bytes + 2 * total[0])
+            self._note_activation(self._saved_bytes + 2 * total[0])
 
     def _rng_state(self):
         st = {"cpu": torch.get_rng_state()}
@@ -398,3 +635,76 @@ class StepRunner:
             if "cuda" in st:
                 torch.cuda.set_rng_state(st["cuda"], self.device)
             yield
+
+
+class Steps:
+    """A training step through the engine's parts: the layout of its micro-batches, each group
+    through the :class:`StepRunner` between the update scheduler's begin / finish / end, and
+    the telemetry. ``clip_hold_disk``: whether ``clip_hold="auto"`` means the disk tier (the
+    planner's ``placement["gradients"]``: the host budget cannot hold them)."""
+
+    def __init__(self, runner: StepRunner, boundary: BoundaryStore, *, updates, pager, counters, config,
+                 layer_names: List[str], clip_hold_disk: bool):
+        self.runner, self.boundary = runner, boundary
+        self.updates, self.pager, self.counters, self.config = updates, pager, counters, config
+        self.layer_names, self.clip_hold_disk = layer_names, clip_hold_disk
+        self.last_plan: Optional[WindowPlan] = None
+        self.boundary_peak = {"device": 0, "host": 0, "disk": 0}   # over all windows, per tier
+
+    def hold(self) -> str:
+        """Where final gradients wait for the clipping norm ("host" | "disk")."""
+        hold = self.config.clip_hold
+        if hold == "auto":
+            hold = "disk" if self.clip_hold_disk else "host"
+        return hold
+
+    def run(self, batches, wp: Optional[WindowPlan], loss_fn, num_items_in_batch, step_lr, max_grad_norm):
+        """``(loss, target tokens, grad norm, skipped)`` of the prepared micro-batches ``batches``
+        laid out by ``wp`` (None: a single batch -- one micro-batch, as it always ran)."""
+        t0 = time.perf_counter()
+        window = wp is not None
+        if not num_items_in_batch:
+            num_items_in_batch = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in batches)
+        denom = max(num_items_in_batch, 1)
+        if window:
+            self.last_plan = wp
+        else:
+            wp = _single_plan(self.runner.checkpoint_interval)
+        loss_sum, n, norm, skipped = 0.0, 0, None, False
+        boundary_peak = {"device": 0, "host": 0, "disk": 0}
+        disk_ops: dict = {}
+        for g0 in range(0, len(batches), wp.group_size):
+            group = batches[g0:g0 + wp.group_size]
+            last = g0 + wp.group_size >= len(batches)
+            step = self.updates.context(step_lr if last else None, max_grad_norm if last else None, self.hold())
+            self.updates.begin(step)
+            try:
+                part, cnt, tokens = self.runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
+                                                    tier=wp.tier, k=wp.checkpoint_interval)
+                self.pager.wait_grads()
+                # The finiteness check sees the whole window's loss (every group's so far).
+                norm, skipped = self.updates.finish(step, (loss_sum + part) / max(n + cnt, 1))
+            except finite.NonFiniteError:
+                self.updates.reported()  # reported now, to this caller
+                raise
+            finally:
+                self.updates.end()
+            loss_sum, n = loss_sum + part, n + cnt
+            for t in boundary_peak:
+                boundary_peak[t] = max(boundary_peak[t], self.boundary.peak[t])
+            for op, v in self.boundary.disk_ops.items():
+                disk_ops[op] = disk_ops.get(op, 0) + v
+            self.counters.add_tokens(tokens, len(group))
+        if window:
+            self.boundary_peak = {t: max(v, self.boundary_peak[t]) for t, v in boundary_peak.items()}
+        if step_lr is not None:
+            self.counters.add("steps", 1)
+            extra = dict(groups=None)
+            if window:
+                extra = dict(groups=wp.groups, group_size=wp.group_size, boundary_tier=wp.tier,
+                             boundary_bytes=boundary_peak, boundary_disk_ops=disk_ops,
+                             checkpoint_interval=wp.checkpoint_interval)
+            self.counters.close_step(list(self.layer_names), **extra)
+        self.counters.add("micro_batches", len(batches))
+        self.counters.add("step_seconds", time.perf_counter() - t0)
+        return loss_sum / max(n, 1), n, norm, skipped

@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from megatrain_nb.threads import BEACON, thread_name
 from megatrain_nb.lab.protocol import (
     SCHEMA_VERSION,
     SESSION_ID_RE,
@@ -104,7 +105,7 @@ class SessionBeacon:
         self._stop.clear()
         self.write_heartbeat()
         self._thread = threading.Thread(
-            target=self._run, name=f"mtnb-beacon-{self.id}", daemon=True
+            target=self._run, name=thread_name(BEACON, self.id), daemon=True
         )
         self._thread.start()
         atexit.register(self._remove_files)

@@ -18,6 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
+from megatrain_nb.threads import CONTROLLER_WATCH, thread_name
 from megatrain_nb.lab.protocol import atomic_write_json
 
 ENV_CONTROLLER_PID = "MEGATRAIN_NB_CONTROLLER_PID"
@@ -66,7 +67,7 @@ def _watch_controller(trainer) -> None:
         if control is not None and not control.stopped:
             control.request("stop", source="controller-exit")
 
-    threading.Thread(target=watch, name="mtnb-controller-watch", daemon=True).start()
+    threading.Thread(target=watch, name=thread_name(CONTROLLER_WATCH), daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from megatrain_nb.threads import PUBLISHER, thread_name
 from .lifecycle import ENDED, LIVE
 from .summary_html import summary_html
 
@@ -70,7 +71,7 @@ class Publisher:
     def start(self) -> "Publisher":
         ctx = contextvars.copy_context()  # the displaying cell's parent header goes along
         self._thread = threading.Thread(target=ctx.run, args=(self._loop,), daemon=True,
-                                        name=f"mtnb-publisher-{self.session.name}")
+                                        name=thread_name(PUBLISHER, self.session.name))
         self._thread.start()
         return self
 

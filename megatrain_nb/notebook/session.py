@@ -28,6 +28,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
+from megatrain_nb.threads import SESSION, thread_name
 from . import registry
 from .display_mode import in_kernel, resolve_mode
 from .lifecycle import ENDED, LIVE
@@ -281,7 +282,7 @@ class Session:
                     "new Session, or mt.Session.from_checkpoint(path) from a saved checkpoint.")
             self._state = "running"
             self._started_at = time.time()
-            self._thread = threading.Thread(target=self._run, name=f"mtnb-session-{self.name}", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=thread_name(SESSION, self.name), daemon=True)
         registry.make_current(self)
         self._start_beacon()
         if mode is not None:  # display first: the training thread would slow the widget set-up down

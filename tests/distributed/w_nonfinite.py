@@ -22,7 +22,7 @@ def main(out_dir: str, policy: str) -> None:
     dist = Dist.from_env()
     engine = StreamingEngine(tiny_model(False), device="cpu", on_nonfinite=policy, dist=dist)
     updates = engine.updates
-    real = updates.shard_gradient
+    real = updates.intake.shard_gradient
     state = {"step": 0, "mb": 0}
 
     def poisoned(unit, grad):
@@ -31,7 +31,7 @@ def main(out_dir: str, policy: str) -> None:
                 and g.numel() > 0):
             g.view(-1)[0] = float("nan")
         return shard, g
-    updates.shard_gradient = poisoned
+    updates.intake.shard_gradient = poisoned
 
     data = micro_batches(STEPS * ACC * dist.world)
     res = {"skipped": [], "norms": [], "error": None, "weights": []}

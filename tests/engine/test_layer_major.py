@@ -207,7 +207,7 @@ def test_num_items_in_batch_and_loss_fn_and_tensor_micro_batches():
         part = ((logits.gather(-1, ids[:, 1:].unsqueeze(-1)) - 1.0) ** 2).sum()
         (part / 40).backward()
         total += float(part.detach())
-    engine = StreamingEngine(model, EngineConfig(device="cpu", loss_chunk_tokens=8))
+    engine = StreamingEngine(model, EngineConfig(device="cpu", overrides={"loss_chunk_tokens": 8}))
     out = engine.forward_backward(w, loss_fn=loss_fn, num_items_in_batch=40)
     assert out.num_tokens == 3 * 2 * 9 and out.loss * out.num_tokens == pytest.approx(total, rel=1e-5)
     refg = {n: p.grad for n, p in ref.named_parameters()}
@@ -275,7 +275,7 @@ def test_reduce_point_sees_each_final_gradient_once_per_window(clip, max_group):
         assert unit.index not in seen, f"{unit.name} reduced twice"
         seen[unit.index] = (unit, flat.clone())
         flat.zero_()
-    eng.updates.reduce = reduce
+    eng.updates.intake.reduce = reduce
     eng.forward_backward(window, step_lr=1e-2, max_grad_norm=clip)
     eng.zero_grad()
     assert {u.index for u in eng.units if u.numel} == set(seen)
@@ -336,10 +336,10 @@ def test_default_clip_hold_goes_to_disk_when_the_host_budget_is_short(tmp_path):
                                                               max_host_gb=short))
     assert auto.plan.placement == {"gradients": "disk", "master_weights": "host", "optimizer_states": "disk"}
     assert auto.plan.host["grads"] == 0 and auto.plan.disk["grads"] == grads
-    assert auto.window_step.hold() == "disk"
+    assert auto.steps.hold() == "disk"
     roomy = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=str(tmp_path / "c"),
                                                                max_host_gb=short + grads / GiB))
-    assert roomy.plan.placement["gradients"] == "host" and roomy.window_step.hold() == "host"
+    assert roomy.plan.placement["gradients"] == "host" and roomy.steps.hold() == "host"
     for w in _windows(3, 3):
         outs = [e.forward_backward(w, step_lr=3e-3, max_grad_norm=0.05) for e in (ram, auto, roomy)]
         assert outs[0].grad_norm == outs[1].grad_norm == outs[2].grad_norm and outs[0].grad_norm > 0.05
@@ -478,7 +478,7 @@ def test_clipped_window_keeps_no_host_accumulator_and_pool_is_bounded():
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=4)).eval()
     eng = StreamingEngine(model, EngineConfig(device="cpu"))
     largest = max(u.numel for u in eng.units) * 4
-    bound = eng.updates._grad_pool.max_bytes
+    bound = eng.updates.intake.pool.max_bytes
     assert bound < 4 * eng.num_parameters() and bound >= largest
     for w in _windows(2, 3):
         out = eng.forward_backward(w, step_lr=1e-3, max_grad_norm=0.01)
@@ -524,7 +524,7 @@ def test_cpu_window_sums_are_pool_buffers_adopted_whole(monkeypatch):
     made = []
     real = disk_store.aligned_empty
     monkeypatch.setattr(disk_store, "aligned_empty", lambda *a, **k: made.append(a) or real(*a, **k))
-    pool = eng.updates._grad_pool
+    pool = eng.updates.intake.pool
     takes = []
     real_take = pool.take
     monkeypatch.setattr(pool, "take", lambda n: takes.append(n) or real_take(n))
@@ -537,7 +537,7 @@ def test_cpu_window_sums_are_pool_buffers_adopted_whole(monkeypatch):
     # one pool buffer per unit per step: the sum, adopted (a copy on arrival would take a second);
     # each a slot of the largest unit's size (BufferPool.take_slot: the same few serve every unit)
     assert takes == [max(u.numel for u in eng.units)] * (len(eng.units) * 2)
-    assert len(eng.updates._lent) == 0   # every lent sum came back as a final gradient
+    assert eng.updates.intake.pool.lent_count() == 0   # every lent sum came back as a final gradient
     largest = max(u.numel for u in eng.units) * 4
     assert eng.memory_report()["device"]["grad_sums"] == largest
     eng.close()

@@ -107,7 +107,7 @@ def test_custom_loss_fn_and_num_items_in_batch():
         picked = lg.gather(-1, lab.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         return (((picked - 1.0) ** 2) * mask).sum()
 
-    engine = StreamingEngine(model, EngineConfig(device="cpu", loss_chunk_tokens=8))
+    engine = StreamingEngine(model, EngineConfig(device="cpu", overrides={"loss_chunk_tokens": 8}))
     out = engine.forward_backward(ids, loss_fn=loss_fn, num_items_in_batch=10)
     assert out.loss * out.num_tokens == pytest.approx(float(ref_sum), rel=1e-5)
     assert _max_rel_err(engine, {n: p.grad for n, p in ref.named_parameters()}) <= 1e-4

@@ -36,7 +36,7 @@ def test_reduce_point_sees_each_final_gradient_once(path):
         assert unit.index not in seen, f"{unit.name} reduced twice"
         seen[unit.index] = (unit, flat.clone())
         flat.zero_()
-    eng.updates.reduce = reduce
+    eng.updates.intake.reduce = reduce
 
     kw = dict(step_lr=1e-2, max_grad_norm=0.5 if path == "clip" else None)
     for i, ids in enumerate(batches):

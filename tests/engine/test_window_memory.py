@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.window import WindowRunner
+from megatrain_nb.engine.step import StepRunner
 
 from .families import VOCAB, family_config
 
@@ -58,14 +58,14 @@ def test_layer_backward_adds_gradients_straight_into_the_sum(monkeypatch, k):
     unit_bytes = 4 * max(u.numel for u in eng.layer_units)
     largest_param = 4 * max(p.numel for u in eng.layer_units for p in u.params)
     peaks = []
-    real = WindowRunner._backward_layers
+    real = StepRunner.backward_layers
 
     def measured(self, *a, **kw):
         with LiveBytes() as live:
             out = real(self, *a, **kw)
         peaks.append(live.peak)
         return out
-    monkeypatch.setattr(WindowRunner, "_backward_layers", measured)
+    monkeypatch.setattr(StepRunner, "backward_layers", measured)
     eng.forward_backward(_window(2, seed=1), step_lr=1e-3)
     eng.updates.wait_all()
     assert len(peaks) == 1
@@ -91,7 +91,7 @@ def test_final_gradient_buffers_are_the_update_and_the_sum_being_formed(monkeypa
         time.sleep(0.05)
         return real_step(*a, **kw)
     monkeypatch.setattr(eng.adam, "step_unit", slow_step)
-    pool = eng.updates._grad_pool
+    pool = eng.updates.intake.pool
     largest = 4 * max(u.numel for u in eng.units)
     out, most = {}, [0]   # buffers handed out and not back (by storage) -> bytes; the most at once
     real_take, real_give = pool.take, pool.give
@@ -122,7 +122,7 @@ def test_plan_counts_the_window_gradient_sums_on_the_device(tie):
     """make_plan's device figure of a layer-major window includes its fp32 gradient sums (one
     unit's at a time; a tied embedding's from the head pass on, beside each layer's), so the
     estimator's device total and the room left for boundary activations account for them."""
-    from megatrain_nb.engine.planner import make_plan, unit_specs_from_config, window_sum_bytes
+    from megatrain_nb.engine.planner import GiB, ModelShape, Workload, make_plan, unit_specs_from_config, window_sum_bytes
 
     specs = unit_specs_from_config(family_config("llama", layers=4, hidden=64, tie=tie))
     emb = next(u for u in specs if u.kind == "embed")
@@ -131,18 +131,21 @@ def test_plan_counts_the_window_gradient_sums_on_the_device(tie):
     head = next(u for u in specs if u.kind == "head").numel
     want = 4 * (emb.numel + max(layer, head)) if tie else 4 * max(emb.numel, layer, head)
     assert window_sum_bytes(specs) == want
-    kw = dict(hidden_size=64, num_layers=4, intermediate_size=128, vocab_size=VOCAB, batch=2, seq=16, cuda=True,
-              layer_slots=2)
-    one = make_plan(specs, **kw)
-    win = make_plan(specs, accumulation=4, **kw)
+    shape = ModelShape(hidden_size=64, num_layers=4, intermediate_size=128, vocab_size=VOCAB)
+
+    def plan(accumulation=1, vram_bytes=None):
+        cfg = EngineConfig(max_vram_gb=vram_bytes / GiB if vram_bytes else None, overrides={"device_slots": 2})
+        return make_plan(specs, shape, cfg, cuda=True, workload=Workload(batch=2, seq=16, accumulation=accumulation))
+    one = plan()
+    win = plan(4)
     assert "grad_sums" not in one.device and one.window_sum_bytes == want
     assert win.device["grad_sums"] == want
     assert win.device["total"] == (win.device["weights"] + win.device["grads"] + want + win.device["activations"])
     # a device budget that holds the window's boundary activations only if the sums are left out
     room = one.device["total"] + win.window["device_work_bytes"] + win.window["boundary_bytes"]
-    tight = make_plan(specs, accumulation=4, vram_bytes=room, **kw)
+    tight = plan(4, room)
     assert tight.window["tier"] == "host" and tight.device["grad_sums"] == want
-    roomy = make_plan(specs, accumulation=4, vram_bytes=room + want, **kw)
+    roomy = plan(4, room + want)
     assert roomy.window["tier"] == "device"
 
 

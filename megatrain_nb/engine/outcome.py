@@ -1,0 +1,94 @@
+"""StepOutcome: what the last optimizer step came to -- its global norm, whether it was
+skipped, and a failure not yet reported.
+
+Written only by the update modules (:mod:`.intake` records the norm and the skip decision,
+:mod:`.update_runner` a failed update); the engine reads it (``engine.updates.outcome``) and
+reports a failure through :meth:`check` / :meth:`check_intact`.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from . import finite
+
+
+class StepOutcome:
+    """The last step's norm (before clipping; None without clipping), whether it was skipped,
+    a failed update (delivered once, then recorded until a checkpoint is loaded) and a stopped
+    non-finite step met in a worker thread that no caller has heard of yet."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._norm: Optional[float] = None
+        self._skipped = False
+        self._failed: Optional[BaseException] = None
+        self._nonfinite: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ read by the engine
+    @property
+    def norm(self) -> Optional[float]:
+        return self._norm
+
+    @property
+    def skipped(self) -> bool:
+        return self._skipped
+
+    @property
+    def failed(self) -> Optional[BaseException]:
+        return self._failed
+
+    @property
+    def nonfinite(self) -> Optional[BaseException]:
+        return self._nonfinite
+
+    def check(self) -> None:
+        """Raise if an update failed earlier (weights and states may be out of step), or a
+        stopped non-finite step is not reported yet."""
+        self.raise_nonfinite()
+        failed = self._failed
+        if failed is not None:
+            raise RuntimeError(f"an optimizer update failed earlier ({type(failed).__name__}: {failed}); weights and "
+                               "optimizer states may be out of step. Fix the cause, then load_checkpoint() a saved "
+                               "checkpoint or build a new engine.") from failed
+
+    def refuse_if_failed(self, what: str) -> None:
+        """After a failed update some units hold the new step and others the old one: reading
+        or saving the weights would hand out a mixture, so ``what`` is refused until a load."""
+        self.raise_nonfinite()
+        failed = self._failed
+        if failed is not None:
+            raise RuntimeError(f"{what} refused: an optimizer update failed ({type(failed).__name__}: {failed}), so "
+                               "the weights hold a half-applied step. load_checkpoint() a saved checkpoint (or "
+                               "build a new engine) first.") from failed
+
+    def raise_nonfinite(self) -> None:
+        """A stopped non-finite step met in a worker or another thread: reported once."""
+        with self._lock:
+            e, self._nonfinite = self._nonfinite, None
+        if e is not None:
+            raise e
+
+    # ------------------------------------------------------------------ written by the update modules
+    def record_step(self, norm: Optional[float], skipped: bool) -> None:
+        self._norm, self._skipped = norm, skipped
+
+    def record_failure(self, error: BaseException) -> None:
+        """An update failed (``error``), or a stopped non-finite step none of whose updates was
+        applied: the latter is reported once by the next call; the former refuses training."""
+        with self._lock:
+            if isinstance(error, finite.NonFiniteError) and not error.partial:
+                self._nonfinite = error
+            else:
+                self._failed = error
+
+    def reported(self, error: Optional[BaseException] = None) -> None:
+        """``error`` (None: any) reached a caller: a pending non-finite step is not reported again."""
+        with self._lock:
+            if error is None or error is self._nonfinite:
+                self._nonfinite = None
+
+    def clear(self) -> None:
+        """Weights and states were replaced consistently: training may go on."""
+        with self._lock:
+            self._failed = self._nonfinite = None

@@ -1,0 +1,145 @@
+"""build_parts: the one factory of a StreamingEngine's parts, each built complete (nothing is
+set on a part after its construction), in dependency order:
+
+units -> (sharded) -> plan -> host store, disk tier (+ host cache) -> weights, optimizer
+states -> parameters taken from the model -> AdamW, update scheduler -> transport -> pager -> boundary store -> step runner (+ the layer proxies) -> steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from . import io as engine_io
+from .config import EngineConfig
+from .host_store import HostStore
+from .materialize import take_parameters
+from .optimizer import UnitAdamW
+from .pager import Pager
+from .planner import Plan, engine_plan
+from .proxies import LayerProxy
+from .sharded import ShardedUnits
+from .states import OptimizerStates, open_disk_tier, stored_state_bytes
+from .step import StepRunner, Steps
+from .transport import make_transport
+from .units import Unit, build_units, find_layer_list
+from .updates import UpdateScheduler
+from .weight_store import make_weight_store
+from .window import BoundaryStore
+
+#: Units up to this size get spare staging buffers (a spare or two per stream costs little RAM);
+#: larger ones the minimum (RAM stays flat for models far larger than RAM; their steps are
+#: long, so what a spare would overlap is small).
+SMALL_UNIT_BYTES = 256 << 20
+
+
+@dataclass
+class EngineParts:
+    units: List[Unit]
+    layer_units: List[Unit]
+    sharded: Optional[ShardedUnits]
+    state_units: List[Unit]          # whole units, or this rank's shards
+    persistent_buffers: dict
+    plan: Plan
+    store: HostStore
+    disk: object                     # HostCache around the DiskStore, or None
+    weights: object                  # WeightStore
+    states: OptimizerStates
+    adam: UnitAdamW
+    updates: UpdateScheduler
+    transport: object                # engine.transport: Cuda | Cpu | Sharded
+    pager: Pager
+    runner: StepRunner
+    boundary: BoundaryStore
+    steps: Steps
+
+
+def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.device, counters,
+                source=None) -> EngineParts:
+    """Every part of the engine for ``model`` (whose parameters move into the stores and whose
+    decoder layers are replaced by proxies)."""
+    _, _, layers = find_layer_list(model)
+    units = build_units(model, layers)
+    sharded = None
+    if dist.world > 1:
+        dist.check_same("model", (type(model).__name__, [(u.name, u.numel) for u in units]))
+        dist.check_same("optimizer settings", (config.optimizer_compression, config.adam_betas,
+                                               config.adam_eps, config.weight_decay, config.precision))
+        sharded = ShardedUnits(units, dist, gather_dist=dist.channel("gather"), reduce_dist=dist.channel("reduce"))
+    state_units = sharded.shards if sharded is not None else units
+    persistent = engine_io.persistent_buffers(model)
+    plan = engine_plan(units, model.config, config, cuda=device.type == "cuda", state_units=state_units)
+    params_on_disk = plan.placement["master_weights"] == "disk"
+    pin = device.type == "cuda"
+    store = HostStore(state_units, pin=pin)
+    disk = _disk_tier(units, config, plan, params_on_disk, counters)
+    depth = config.overrides.inflight_depth
+    small = max(u.numel for u in units) * 4 <= SMALL_UNIT_BYTES
+    weights = make_weight_store(state_units, store, disk=disk if params_on_disk else None, pin=pin, counters=counters,
+                                compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1)
+    states = OptimizerStates(state_units, config, counters, disk=disk, chunk_numel=config.overrides.update_chunk_numel)
+    alloc, put = store.alloc, weights.put_initial
+    if sharded is not None:   # each rank keeps its slice of every unit as it is built
+        alloc = lambda n: torch.empty(n, dtype=torch.float32)  # noqa: E731 - one unit at a time
+
+        def put(unit, full):
+            sh = sharded.shard(unit)
+            own = store.alloc(sh.numel)
+            own.copy_(full[sh.start:sh.start + sh.numel])
+            weights.put_initial(sh, own)
+    placeholders = take_parameters(model, units, alloc, put, source)
+    weights.finish_initial()
+    _move_buffers(model, units[1:-1], device)
+    model.config.use_cache = False
+    adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
+    updates = UpdateScheduler(state_units, grads=store, weights=weights, states=states, adam=adam, counters=counters,
+                              disk=disk, depth=depth, sharded=sharded, policy=config.on_nonfinite)
+    source_fn, source_done, plan_reads = updates.ready_weights, weights.transfer_done, updates.plan_reads
+    grad_sink = updates.gradient_arrived
+    if sharded is not None:   # the pager sees whole units; the stores hold shards
+        shard = sharded.shard
+        source_fn = lambda u: updates.ready_weights(shard(u))                          # noqa: E731
+        source_done = lambda u, t: weights.transfer_done(shard(u), t)                  # noqa: E731
+        plan_reads = lambda order, step: updates.plan_reads([shard(u) for u in order], step)  # noqa: E731
+        grad_sink = lambda u, g: updates.gradient_arrived(shard(u), g)                 # noqa: E731
+    # (on CPU, MEGATRAIN_ADVERSARIAL_TRANSPORT=1 makes it the tests' adversarial one)
+    transport = make_transport(device, sharded=sharded)
+    pager = Pager(units, device=device, dtype=config.compute_dtype, layer_slots=plan.layer_slots, source=source_fn,
+                  source_done=source_done, transport=transport, telemetry=counters, grad_sink=grad_sink,
+                  max_grads_in_flight=depth)
+    boundary = BoundaryStore(device, transport, disk=disk)
+    # (a CPU "device" sums each unit's gradient in a pool buffer the update adopts)
+    lend = updates.lend_buffer if device.type == "cpu" and sharded is None else None
+    runner = StepRunner(model, units, pager, placeholders, boundary, device=device,
+                        checkpoint_interval=plan.checkpoint_interval,
+                        loss_chunk_tokens=config.overrides.loss_chunk_tokens, plan_reads=plan_reads, grad_buffer=lend)
+    for u in units[1:-1]:
+        layers[u.layer_index] = LayerProxy(runner.layer_call, u)
+    steps = Steps(runner, boundary, updates=updates, pager=pager, counters=counters, config=config,
+                  layer_names=[u.name for u in units[1:-1]], clip_hold_disk=plan.placement["gradients"] == "disk")
+    return EngineParts(units=units, layer_units=units[1:-1], sharded=sharded, state_units=state_units,
+                       persistent_buffers=persistent, plan=plan, store=store, disk=disk, weights=weights,
+                       states=states, adam=adam, updates=updates, transport=transport, pager=pager, runner=runner,
+                       boundary=boundary, steps=steps)
+
+
+def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, counters):
+    """The disk tier (with host RAM as a schedule-driven cache of it), or None."""
+    store = open_disk_tier(units, config, params_on_disk)
+    if store is None:
+        return None
+    from .disk_cache import HostCache, cache_budget
+
+    need = stored_state_bytes(units, config.optimizer_compression)
+    need += sum(u.numel for u in units) * 4 if params_on_disk else 0
+    budget = cache_budget(config.host_cache_gb, config.max_host_gb, plan.host["total"], need)
+    return HostCache(store, budget, counters=counters)
+
+
+def _move_buffers(model: nn.Module, layer_units: List[Unit], device: torch.device) -> None:
+    for mod in list(model.modules()) + [u.module for u in layer_units]:
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.device != device:
+                mod._buffers[name] = b.to(device)

@@ -1,0 +1,78 @@
+"""The update runner works on a unit in chunks (OptimizerStates.update): decode a slice of the
+moments, AdamW on that slice, encode it. Chunks are whole codec blocks, so any chunk size gives
+bitwise the result of the whole unit at once (the path before chunking, still used for states
+that are not block codes), and no fp32 moments larger than a chunk ever exist."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+
+from .families import VOCAB, family_config
+
+
+def _ids(steps):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(1, VOCAB, (2, 12), generator=g) for _ in range(steps)]
+
+
+def _engine(model, codec, chunk, **kw):
+    overrides = {"update_chunk_numel": chunk} if chunk else {}
+    return StreamingEngine(model, EngineConfig(device="cpu", optimizer_compression=codec, weight_decay=0.01,
+                                               overrides=overrides, **kw))
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_chunked_updates_equal_the_whole_unit_bitwise(codec, clip):
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
+    whole = _engine(copy.deepcopy(model), codec, None)
+    if whole.states.chunked:
+        whole.states.chunked = False       # the whole-unit path: decode all, AdamW, encode all
+    small = _engine(model, codec, 1280)    # 5 int8 blocks, 40 int4 blocks: many chunks per unit
+    assert small.states.chunk_numel == (1280 if codec != "none" else 0)
+    # the decayed part of a layer does not end on a chunk boundary: a chunk is split there
+    assert all(u.decay_numel % 1280 for u in small.units)
+    seen = []
+    if small.states.chunked:
+        c = small.states.codecs["exp_avg"]
+        real = c.decode
+        c.decode = lambda enc, out: seen.append(out.numel()) or real(enc, out)
+    for ids in _ids(4):
+        a = whole.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
+        b = small.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
+        assert a.loss == b.loss
+    pw = dict(whole.named_parameters())
+    for n, p in small.named_parameters():
+        assert torch.equal(p, pw[n]), n
+    for u in small.units:
+        got, want = small.states.stored(u), whole.states.stored(u)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), u.name
+    if small.states.chunked:   # only chunk-sized fp32 moments were ever decoded
+        assert seen and max(seen) <= 1280
+    whole.close(); small.close()
+
+
+def test_chunk_size_is_aligned_to_the_codec_blocks():
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=1, hidden=32))
+    e = _engine(model, "int8", 1000)      # int8 blocks of 256: rounded down to 768
+    assert e.states.chunk_numel == 768
+    e.close()
+    for asked, got in ((100, 96), (10, 32)):   # int4 blocks of 32; at least one block
+        e = _engine(AutoModelForCausalLM.from_config(family_config("llama", layers=1, hidden=32)), "int4", asked)
+        assert e.states.chunk_numel == got
+        e.close()
+
+
+def test_chunked_updates_on_the_disk_tier_equal_ram(tmp_path):
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
+    ram = _engine(copy.deepcopy(model), "int8", 768)
+    disk = _engine(model, "int8", 768, offload_dir=str(tmp_path), offload_params=True, host_cache_gb=0)
+    for ids in _ids(3):
+        assert ram.forward_backward(ids, step_lr=3e-3).loss == disk.forward_backward(ids, step_lr=3e-3).loss
+    pr = dict(ram.named_parameters())
+    for n, p in disk.named_parameters():
+        assert torch.equal(p, pr[n]), n
+    ram.close(); disk.close()

@@ -1,0 +1,134 @@
+"""The transport seam (engine/transport.py): the CPU transport's adversarial mode turns a missing
+wait or release into an error or a wrong gradient, and the engine's own step keeps the
+discipline (parity and layer-major tests under it)."""
+import copy
+from concurrent.futures import Future
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine.transport import ADVERSARIAL_ENV, CpuTransport, FutureHandle, TransportError
+
+from . import test_layer_major, test_parity
+from .families import VOCAB, family_config
+
+
+def _slot(n=64):
+    return torch.zeros(n)
+
+
+def test_a_copy_in_is_late_until_waited_for():
+    """(``after``: a transfer the copy must follow, still running here: the copy cannot have
+    landed, however the threads are scheduled.)"""
+    t = CpuTransport(adversarial=True)
+    src, dst = torch.arange(64, dtype=torch.float32), _slot()
+    t.release(dst)   # a new slot starts released: poisoned
+    before = Future()
+    ready = t.copy_in(None, src, dst, after=FutureHandle(before))
+    assert torch.isnan(dst).all() and not ready.done()   # read without waiting: the poison
+    before.set_result(None)
+    ready.wait()
+    assert torch.equal(dst, src)
+    t.close()
+
+
+def test_release_poisons_and_reuse_before_release_raises():
+    from megatrain_nb.engine.units import Unit
+
+    unit = Unit(name="layers.0", kind="layer", index=1, params=[], numel=64, decay_numel=0)
+    t = CpuTransport(adversarial=True)
+    dst = _slot()
+    t.copy_in(unit, torch.ones(64), dst).wait()
+    with pytest.raises(TransportError, match="not released"):
+        t.copy_in(unit, torch.ones(64), dst)
+    t.release(dst)
+    assert torch.isnan(dst).all() and t.poisoned == 1
+    t.copy_in(unit, torch.full((64,), 2.0), dst).wait()   # released: may be filled again
+    assert float(dst.sum()) == 128.0
+    t.close()
+
+
+def test_a_copy_out_is_done_only_at_its_result():
+    t = CpuTransport(adversarial=True)
+    src, host = torch.arange(8, dtype=torch.float32), torch.zeros(8)
+    before = Future()   # the compute that makes ``src``, still running
+    done = t.copy_out(None, src, host, after=FutureHandle(before))
+    assert float(host.abs().sum()) == 0.0 and not done.done()   # not there yet
+    before.set_result(None)
+    assert torch.equal(done.result(), src)
+    t.close()
+
+
+def _grads_error(engine, ref_grads) -> float:
+    worst = 0.0
+    for name, g in engine.named_gradients():
+        r = ref_grads[name]
+        err = float((g - r).norm() / (r.norm() + 1e-12))
+        worst = max(worst, err if err == err else float("inf"))
+    return worst
+
+
+@pytest.mark.parametrize("adversarial", [False, True])
+def test_a_missing_wait_is_caught_only_by_the_adversarial_transport(monkeypatch, adversarial):
+    """Break the step on purpose: the compute no longer waits for the copies it reads (every
+    ready handle's wait() does nothing). The ordinary CPU transport copies inline, so nothing
+    shows; the adversarial one lands the copies late, into poisoned slots: NaN or wrong
+    gradients, or an error."""
+    monkeypatch.setenv(ADVERSARIAL_ENV, "1" if adversarial else "0")
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=3)).eval()
+    ids = torch.randint(1, VOCAB, (2, 12))
+    ref = copy.deepcopy(model)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    monkeypatch.setattr(FutureHandle, "wait", lambda self: None)
+    engine = StreamingEngine(model, EngineConfig(device="cpu"))
+    try:
+        engine.forward_backward(ids)
+        err = _grads_error(engine, ref_grads)
+    except (TransportError, RuntimeError) as e:
+        err = float("inf") if adversarial else pytest.fail(f"ordinary transport failed: {e}")
+    finally:
+        monkeypatch.undo()   # (close() waits properly)
+        engine.close()
+    if adversarial:
+        assert err > 1e-2, err
+    else:
+        assert err <= 1e-4, err
+
+
+# ---------------------------------------------------------------- the step under the adversarial transport
+@pytest.fixture
+def adversarial(monkeypatch):
+    monkeypatch.setenv(ADVERSARIAL_ENV, "1")
+
+
+@pytest.mark.parametrize("family,k,padding,tie", [("llama", 1, "right", True), ("gpt2", 0, "left", False),
+                                                   ("qwen2", 2, "left", True), ("gemma2", 3, "right", False)])
+def test_parity_under_adversarial_transport(adversarial, family, k, padding, tie):
+    test_parity.test_gradients_match_hf(family, k, padding, tie)
+
+
+def test_dropout_parity_under_adversarial_transport(adversarial):
+    test_parity.test_dropout_recompute_matches_hf_in_train_mode()
+
+
+def test_accumulation_parity_under_adversarial_transport(adversarial):
+    test_parity.test_gradients_accumulate_over_micro_batches_and_zero_grad()
+
+
+def test_layer_major_under_adversarial_transport(adversarial):
+    test_layer_major.test_20_steps_match_micro_batch_major("llama", True, 1)
+
+
+def test_layer_major_host_tier_under_adversarial_transport(adversarial):
+    test_layer_major.test_host_tier_same_result_counted_on_host()
+
+
+def test_layer_major_interval_0_under_adversarial_transport(adversarial):
+    test_layer_major.test_keep_all_activations_interval_0()
+
+
+def test_layer_major_groups_under_adversarial_transport(adversarial):
+    test_layer_major.test_split_into_groups_loads_twice_per_group()

@@ -285,6 +285,10 @@ def print_header(trainer, *, model: str, data: str, out=None) -> None:
     p(f"codec:  optimizer states {codec} ({codec_bytes_per_param(codec):.2f} bytes/parameter for both Adam "
       "moments" + (", lossy vs fp32 AdamW)" if codec != "none" else ", exact)"))
     p(f"output: {trainer.args.output_dir} ({trainer.total_steps} steps; metrics in {trainer.metrics_log.path})")
+    if trainer.args.max_steps < 1:   # transformers: no step limit, the epochs decide
+        p(f"steps:  max_steps {trainer.args.max_steps} means no step limit: num_train_epochs "
+          f"{trainer.args.num_train_epochs:g} epochs give {trainer.total_steps:,} optimizer steps (set "
+          "training.max_steps or --max-steps for fewer)")
 
 
 def _data_text(data: dict, train_ds, eval_ds, seq_len: int) -> str:
@@ -313,8 +317,10 @@ def cmd_train(ns) -> int:
     training = dict(cfg.get("training") or {})
     if ns.output_dir:
         training["output_dir"] = ns.output_dir
-    if ns.max_steps:
+    if ns.max_steps is not None:
         training["max_steps"] = ns.max_steps
+    _check_max_steps(training.get("max_steps", -1), "--max-steps" if ns.max_steps is not None else
+                     "training.max_steps")
     training.setdefault("output_dir", "megatrain_outputs")
     training.setdefault("disable_tqdm", True)
     training.setdefault("report_to", "none")
@@ -421,6 +427,24 @@ def cmd_estimate(ns) -> int:
     return 0
 
 
+def _max_steps_arg(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1 (or -1 for epochs), not {s!r}") from None
+    _check_max_steps(v, "", error=argparse.ArgumentTypeError)
+    return v
+
+
+def _check_max_steps(v, where: str, error=None) -> None:
+    """max_steps: >= 1, or -1 (transformers' "no step limit": num_train_epochs decides). 0 and
+    other negatives would silently fall back to epochs in transformers: refused."""
+    error = error or UsageError
+    if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
+        raise error(f"{where + ' ' if where else ''}{v!r}: give a whole number of optimizer steps >= 1, or -1 for no step limit "
+                    "(the run then lasts training.num_train_epochs epochs)")
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -433,22 +457,26 @@ def _positive_int(s: str) -> int:
 
 # ---------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from megatrain_nb import __version__
     from megatrain_nb.engine.codecs import codec_names  # the codec registry: a new codec is one file
+    from megatrain_nb.trainer.presets import preset_names  # the preset registry
 
     ap = argparse.ArgumentParser(prog="megatrain-nb", description="Full-precision training of models larger "
                                  "than accelerator memory.")
+    ap.add_argument("--version", action="version", version=f"megatrain-nb {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="train the built-in default (no download) with the disk tier and "
                                     "compressed optimizer states")
-    d.add_argument("--steps", type=int, default=None, help="optimizer steps (default 250; 20 with --quick)")
+    d.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default 250; 20 with --quick)")
     d.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     d.add_argument("--output-dir", default="megatrain_demo", help="where checkpoints, the model and metrics go")
     d.add_argument("--quick", action="store_true", help="a very short run (smoke test)")
-    d.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128; 64 with --quick)")
-    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens per sequence (default 128; 64 with --quick)")
+    d.add_argument("--batch-size", type=_positive_int, default=8)
     d.add_argument("--lr", type=float, default=3e-3)
-    d.add_argument("--vocab-size", type=int, default=4096)
+    d.add_argument("--vocab-size", type=_positive_int, default=4096)
     d.add_argument("--compression", default="int8", choices=codec_names(),
                    help="optimizer-state codec (default int8)")
     d.add_argument("--no-disk", action="store_true", help="keep everything in RAM (no disk tier)")
@@ -462,7 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(EngineConfig fields); every field is shown in {EXAMPLE_CONFIG} in the repository and "
                         "the README's 'run.yaml' section")
     t.add_argument("--output-dir", default=None, help="override training.output_dir")
-    t.add_argument("--max-steps", type=int, default=None, help="override training.max_steps")
+    t.add_argument("--max-steps", type=_max_steps_arg, default=None,
+                   help="override training.max_steps: a whole number >= 1, or -1 for no step limit (the run "
+                        "then lasts training.num_train_epochs epochs, as in transformers)")
     t.add_argument("--resume", default=None, nargs="?", const=True,
                    help="resume: a checkpoint folder, or no value for the newest checkpoint of the run that "
                         "wrote last into output_dir; 'auto': that checkpoint if there is one, else a fresh start "
@@ -470,8 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("estimate", help="the memory table for a model on given hardware")
-    e.add_argument("model", help="a preset (tiny, small, llama-1b, llama-7b, llama-70b, llama-100b), "
-                                 "a local model folder or a config.json")
+    e.add_argument("model", help=f"a preset ({', '.join(preset_names())}), a local model folder or a config.json")
     e.add_argument("--vram", type=_budget_arg, default=80.0, help="device budget in GiB (default 80)")
     e.add_argument("--ram", type=_budget_arg, default="auto", help="host RAM in GiB, 'auto' (this machine) or 'none'")
     e.add_argument("--disk", type=_budget_arg, default="auto", help="disk tier in GiB, 'auto' (free space) or 'none'")

@@ -199,3 +199,55 @@ def test_demo_again_into_the_same_folder_is_a_new_run(tmp_path, monkeypatch, sha
     assert len(starts) == 2 and starts[0]["run_id"] != starts[1]["run_id"]
     sample = [line for line in out.splitlines() if line.startswith("sample from this ")]
     assert sample and "M-parameter model after 2 steps" in sample[0] and "as expected" in sample[0]
+
+
+# ------------------------------------------------------------------ issue 25: counts, version, presets
+@pytest.mark.parametrize("argv,text", [
+    (["demo", "--steps", "0"], "argument --steps: takes a whole number >= 1, not '0'"),
+    (["demo", "--steps", "-3"], "argument --steps: takes a whole number >= 1, not '-3'"),
+    (["demo", "--quick", "--steps", "0"], "argument --steps"),
+    (["demo", "--seq-len", "0"], "argument --seq-len"),
+    (["demo", "--batch-size", "-1"], "argument --batch-size"),
+    (["train", "--config", "run.yaml", "--max-steps", "0"], "argument --max-steps: 0: give a whole number"),
+    (["train", "--config", "run.yaml", "--max-steps", "-2"], "or -1 for no step limit"),
+])
+def test_zero_and_negative_counts_are_refused(argv, text, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert text in capsys.readouterr().err
+
+
+def test_max_steps_zero_in_the_config_is_refused(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"preset": "micro", "training": {"max_steps": 0}}))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "training.max_steps 0: give a whole number of optimizer steps >= 1, or -1" in _error_line(capsys)
+
+
+def test_max_steps_minus_one_says_it_trains_by_epochs(tmp_path, capsys):
+    from tests.trainer.helpers import micro_model, token_rows
+
+    micro_model().save_pretrained(tmp_path / "model")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in token_rows(8)))
+    cfg = {"model": "model", "data": {"train": "train.jsonl"},
+           "training": {"output_dir": "run", "max_steps": 5, "num_train_epochs": 1, "per_device_train_batch_size": 2,
+                        "save_strategy": "no"},
+           "engine": {"device": "cpu"}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--max-steps", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert ("steps:  max_steps -1 means no step limit: num_train_epochs 1 epochs give 4 optimizer steps" in out), out
+    assert "steps 4 in" in out
+
+
+def test_version_and_every_preset_in_estimate_help(capsys):
+    from megatrain_nb import __version__
+    from megatrain_nb.trainer.presets import preset_names
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"megatrain-nb {__version__}"
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in preset_names()) and "micro" in text

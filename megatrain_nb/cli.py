@@ -90,6 +90,9 @@ def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metr
                           if isinstance(v, int) and not k.endswith("_bytes") and v)
         p(f"{tier:<6} peak {fmt_bytes(d.get('peak_bytes'))}" + (f" ({kinds})" if kinds else ""))
     tel = trainer.engine.telemetry() or {}
+    cache = cache_text(mem.get("host", {}))
+    if cache:
+        p(cache)
     moved = {k: v for k, v in (tel.get("bytes") or {}).items() if v}
     if moved:
         p("bytes moved: " + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in moved.items()))
@@ -105,9 +108,41 @@ def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metr
     p(f"  metrics log (JSONL): {trainer.metrics_log.path}")
 
 
+def cache_text(host: dict) -> str:
+    """What the disk tier's host cache holds and how much of the tier reached the disk, said
+    plainly (a cache large enough keeps the whole tier in RAM: the disk then holds nothing)."""
+    st = host.get("disk_cache_stats") or {}
+    if not st:
+        return ""
+    kinds = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in (st.get("by_kind") or {}).items() if v)
+    held = f"host cache of the disk tier: {fmt_bytes(st.get('ram_bytes', 0))} in RAM" + (f" ({kinds})" if kinds else "") \
+        + f" of its {fmt_bytes(st.get('capacity_bytes', 0))}"
+    wrote, read = st.get("disk_write_bytes", 0), st.get("disk_read_bytes", 0)
+    if not wrote and not read:
+        return held + "; nothing reached the disk: the cache held the whole tier"
+    return held + f"; reached the disk: {fmt_bytes(wrote)} written, {fmt_bytes(read)} read back"
+
+
+def disk_text(engine) -> str:
+    """Where the disk tier is (filesystem, free space) and how much RAM caches it; "" without one."""
+    from megatrain_nb.engine.diskspace import filesystem_text
+
+    fs = (engine.memory_report().get("disk") or {}).get("filesystem")
+    if not fs:
+        return ""
+    cache = (engine.telemetry() or {}).get("disk_cache") or {}
+    text = f"{fs['path']} {filesystem_text(fs)}"
+    if cache.get("capacity_bytes"):
+        text += f"; host cache of the disk tier up to {fmt_bytes(cache['capacity_bytes'])} of RAM"
+    elif cache:
+        text += "; no host cache (every access goes to the disk)"
+    return text
+
+
 # What each stall counter measures: time the training thread waited, whether or not the
 # transfer had been started ahead ("issued ahead" is about scheduling, not about arriving in time).
 _WAITS = {"device": "for weights to reach the device", "disk": "for disk reads",
+          "host_cache": "for copies out of the disk tier's host cache", "decode": "for optimizer states to decode",
           "optimizer": "for optimizer updates", "grad_return": "for gradients to return to the host"}
 
 
@@ -126,6 +161,20 @@ def streaming_text(tel: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------- demo
+#: The demo's host cache holds this share of its disk tier (the rest is read and written each step).
+DEMO_CACHE_SHARE = 0.5
+
+
+def demo_cache_gb(model, compression: str) -> float:
+    """GiB of host cache for the demo: DEMO_CACHE_SHARE of its disk tier (the optimizer states
+    in their stored form), so that both RAM and the disk carry the states. By default the cache
+    takes what RAM allows, which at the demo's size is the whole tier: the disk would stay empty."""
+    from megatrain_nb.engine.planner import codec_bytes_per_param
+
+    states = sum(p.numel() for p in model.parameters()) * codec_bytes_per_param(compression)
+    return DEMO_CACHE_SHARE * states / (1 << 30)
+
+
 def cmd_demo(ns) -> int:
     import torch
     from transformers import AutoModelForCausalLM, TrainingArguments
@@ -163,11 +212,16 @@ def cmd_demo(ns) -> int:
                              save_steps=save_every, save_total_limit=2, report_to="none", disable_tqdm=True,
                              seed=ns.seed)
     engine_opts = {"optimizer_compression": ns.compression, "offload_dir": offload}
+    if offload:   # the main job shows both tiers at work: RAM caches part of the disk tier, not all of it
+        engine_opts["host_cache_gb"] = ns.host_cache if ns.host_cache is not None else demo_cache_gb(model, ns.compression)
     if ns.device:
         engine_opts["device"] = ns.device
     trainer = Trainer(model=model, train_dataset=train_ds, eval_dataset=eval_ds, args=args, tokenizer=tokenizer,
                       **engine_opts)
     try:
+        disk = disk_text(trainer.engine)
+        if disk:
+            print(f"disk tier: {disk}")
         summary = run_with_progress(trainer)
         metrics = trainer.evaluate()
         model_dir = trainer.save_model(str(out_dir / "model"))
@@ -282,6 +336,9 @@ def print_header(trainer, *, model: str, data: str, out=None) -> None:
     p(f"device: {_device_text(engine)}")
     if placement:
         p("tiers:  " + ", ".join(f"{k.replace('_', ' ')} in {where(v, v)}" for k, v in placement.items()))
+    disk = disk_text(engine)
+    if disk:
+        p(f"disk:   {disk}")
     p(f"codec:  optimizer states {codec} ({codec_bytes_per_param(codec):.2f} bytes/parameter for both Adam "
       "moments" + (", lossy vs fp32 AdamW)" if codec != "none" else ", exact)"))
     p(f"output: {trainer.args.output_dir} ({trainer.total_steps} steps; metrics in {trainer.metrics_log.path})")
@@ -480,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--compression", default="int8", choices=codec_names(),
                    help="optimizer-state codec (default int8)")
     d.add_argument("--no-disk", action="store_true", help="keep everything in RAM (no disk tier)")
+    d.add_argument("--host-cache", type=float, default=None, metavar="GB",
+                   help="GiB of RAM caching the disk tier (default: half the tier, so that both carry the "
+                        "optimizer states; 0 = every access goes to the disk)")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)

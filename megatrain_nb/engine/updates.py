@@ -298,6 +298,12 @@ class UpdateScheduler:
         if len(inflight) > _HOLD_WRITES:   # back-pressure on the gradient thread (errors surface in the update)
             futures_wait(inflight[:-_HOLD_WRITES])
 
+    def held_cached_bytes(self) -> int:
+        """Bytes of those final gradients the disk tier's host cache holds in RAM."""
+        if self.disk is None or not hasattr(self.disk, "resident_bytes"):
+            return 0
+        return self.disk.resident_bytes(list(self._held_keys))
+
     def held_disk_bytes(self) -> int:
         """Bytes of final gradients kept on the disk tier for clipping (hold="disk")."""
         return sum(self.disk.nbytes_of(k) for k in self._held_keys) if self.disk is not None else 0

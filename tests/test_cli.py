@@ -39,9 +39,18 @@ def test_demo_quick_runs_the_main_job(tmp_path, monkeypatch, shared_cache, capsy
     assert (out_dir / "model" / "config.json").is_file()
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r and "event" not in r] == list(range(1, 7))
-    # the disk tier was used: its files, or (the host cache of the disk tier is on by default) RAM holding its data
-    assert any(r.get("memory", {}).get("disk", {}).get("used_bytes") or r.get("memory", {}).get("host", {}).get("disk_cache")
-               for r in records)
+    # the disk tier really carries bytes (issue 25: the default host cache held it all, the disk got 0 B)
+    last = [r for r in records if r.get("telemetry")][-1]
+    assert last["telemetry"]["bytes"]["host_to_disk"] > 0 and last["telemetry"]["bytes"]["disk_to_host"] > 0
+    assert last["telemetry"]["disk_cache"]["disk_read_bytes"] > 0
+    assert any(r.get("memory", {}).get("disk", {}).get("optimizer_states") for r in records)
+    summary = out[out.index("== summary =="):]
+    disk_line = next(x for x in summary.splitlines() if x.startswith("disk   peak"))
+    assert "disk   peak 0 B" not in disk_line and "optimizer_states" in disk_line
+    assert "host cache of the disk tier:" in summary and "reached the disk:" in summary
+    host_line = next(x for x in summary.splitlines() if x.startswith("host   peak"))
+    assert "optimizer_states" in host_line   # the cached half counted as what it is
+    assert "disk tier: " + str(out_dir / "offload") + " on " in out and " free of " in out
 
 
 def test_train_from_a_config_file(tmp_path, capsys):
@@ -149,6 +158,10 @@ def test_the_example_run_yaml_is_complete_and_runs(tmp_path, monkeypatch, shared
                   "optimizer states in disk (" + str(tmp_path / "megatrain_runs" / "example" / "offload"),
                   "codec:  optimizer states int8"):
         assert label in header, label
+    # issue 25: where the disk tier is and how much is free; what the cache held and what reached the disk
+    disk = next(x for x in header.splitlines() if x.startswith("disk:   "))
+    assert str(tmp_path / "megatrain_runs" / "example" / "offload") in disk and "mounted at" in disk and "free of" in disk
+    assert "host cache of the disk tier:" in out[out.index("== summary =="):]
 
 
 def test_train_a_hub_id_from_the_offline_cache(tmp_path, hub, capsys):

@@ -114,9 +114,11 @@ def cache_text(host: dict) -> str:
     st = host.get("disk_cache_stats") or {}
     if not st:
         return ""
+    if not st.get("capacity_bytes"):
+        return "no host cache of the disk tier: every access went to the disk"
     kinds = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in (st.get("by_kind") or {}).items() if v)
-    held = f"host cache of the disk tier: {fmt_bytes(st.get('ram_bytes', 0))} in RAM" + (f" ({kinds})" if kinds else "") \
-        + f" of its {fmt_bytes(st.get('capacity_bytes', 0))}"
+    held = (f"host cache of the disk tier: {fmt_bytes(st.get('ram_bytes', 0))} in RAM"
+            + (f" ({kinds})" if kinds else "") + f" of its {fmt_bytes(st['capacity_bytes'])}")
     wrote, read = st.get("disk_write_bytes", 0), st.get("disk_read_bytes", 0)
     if not wrote and not read:
         return held + "; nothing reached the disk: the cache held the whole tier"
@@ -213,7 +215,8 @@ def cmd_demo(ns) -> int:
                              seed=ns.seed)
     engine_opts = {"optimizer_compression": ns.compression, "offload_dir": offload}
     if offload:   # the main job shows both tiers at work: RAM caches part of the disk tier, not all of it
-        engine_opts["host_cache_gb"] = ns.host_cache if ns.host_cache is not None else demo_cache_gb(model, ns.compression)
+        engine_opts["host_cache_gb"] = (ns.host_cache if ns.host_cache is not None
+                                        else demo_cache_gb(model, ns.compression))
     if ns.device:
         engine_opts["device"] = ns.device
     trainer = Trainer(model=model, train_dataset=train_ds, eval_dataset=eval_ds, args=args, tokenizer=tokenizer,
@@ -498,8 +501,8 @@ def _check_max_steps(v, where: str, error=None) -> None:
     other negatives would silently fall back to epochs in transformers: refused."""
     error = error or UsageError
     if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
-        raise error(f"{where + ' ' if where else ''}{v!r}: give a whole number of optimizer steps >= 1, or -1 for no step limit "
-                    "(the run then lasts training.num_train_epochs epochs)")
+        raise error(f"{where + ' ' if where else ''}{v!r}: give a whole number of optimizer steps >= 1, or -1 "
+                    "for no step limit (the run then lasts training.num_train_epochs epochs)")
 
 
 def _positive_int(s: str) -> int:

@@ -24,7 +24,9 @@ import socket
 import stat
 import warnings
 
+
 def _named(label: str):
+    """``megatrain-<label><pid>-<host tag>-<start time>-<random>``."""
     return re.compile(rf"^megatrain-{re.escape(label)}(\d+)-([0-9a-f]{{6}})-([0-9a-f]+)-[A-Za-z0-9_]+$")
 
 

@@ -175,7 +175,8 @@ def _kernel(tmp_path, mode):
     from pathlib import Path
 
     repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "TMPDIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     p = subprocess.Popen([sys.executable, "-c", _KERNEL, mode], stdout=subprocess.PIPE, text=True, env=env)
     path = p.stdout.readline().strip()
     assert path.startswith(str(tmp_path / "megatrain-launch-")), path

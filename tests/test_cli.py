@@ -265,3 +265,17 @@ def test_version_and_every_preset_in_estimate_help(capsys):
         main(["estimate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text for name in preset_names()) and "micro" in text
+
+
+def test_the_summary_says_plainly_what_the_host_cache_held_and_what_reached_the_disk():
+    from megatrain_nb.cli import cache_text
+
+    whole = {"disk_cache_stats": {"capacity_bytes": 8 << 20, "ram_bytes": 4 << 20, "disk_read_bytes": 0,
+                                  "disk_write_bytes": 0, "by_kind": {"optimizer_states": 4 << 20}}}
+    assert cache_text(whole) == ("host cache of the disk tier: 4.0 MiB in RAM (optimizer states 4.0 MiB) of its "
+                                 "8.0 MiB; nothing reached the disk: the cache held the whole tier")
+    part = {"disk_cache_stats": {**whole["disk_cache_stats"], "disk_read_bytes": 3 << 20, "disk_write_bytes": 5 << 20}}
+    assert cache_text(part).endswith("reached the disk: 5.0 MiB written, 3.0 MiB read back")
+    none = {"disk_cache_stats": {"capacity_bytes": 0, "ram_bytes": 0, "disk_read_bytes": 1, "disk_write_bytes": 1}}
+    assert cache_text(none) == "no host cache of the disk tier: every access went to the disk"
+    assert cache_text({"weights": 1}) == ""

@@ -90,6 +90,9 @@ def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metr
                           if isinstance(v, int) and not k.endswith("_bytes") and v)
         p(f"{tier:<6} peak {fmt_bytes(d.get('peak_bytes'))}" + (f" ({kinds})" if kinds else ""))
     tel = trainer.engine.telemetry() or {}
+    cache = cache_text(mem.get("host", {}))
+    if cache:
+        p(cache)
     moved = {k: v for k, v in (tel.get("bytes") or {}).items() if v}
     if moved:
         p("bytes moved: " + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in moved.items()))
@@ -105,9 +108,43 @@ def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metr
     p(f"  metrics log (JSONL): {trainer.metrics_log.path}")
 
 
+def cache_text(host: dict) -> str:
+    """What the disk tier's host cache holds and how much of the tier reached the disk, said
+    plainly (a cache large enough keeps the whole tier in RAM: the disk then holds nothing)."""
+    st = host.get("disk_cache_stats") or {}
+    if not st:
+        return ""
+    if not st.get("capacity_bytes"):
+        return "no host cache of the disk tier: every access went to the disk"
+    kinds = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in (st.get("by_kind") or {}).items() if v)
+    held = (f"host cache of the disk tier: {fmt_bytes(st.get('ram_bytes', 0))} in RAM"
+            + (f" ({kinds})" if kinds else "") + f" of its {fmt_bytes(st['capacity_bytes'])}")
+    wrote, read = st.get("disk_write_bytes", 0), st.get("disk_read_bytes", 0)
+    if not wrote and not read:
+        return held + "; nothing reached the disk: the cache held the whole tier"
+    return held + f"; reached the disk: {fmt_bytes(wrote)} written, {fmt_bytes(read)} read back"
+
+
+def disk_text(engine) -> str:
+    """Where the disk tier is (filesystem, free space) and how much RAM caches it; "" without one."""
+    from megatrain_nb.engine.diskspace import filesystem_text
+
+    fs = (engine.memory_report().get("disk") or {}).get("filesystem")
+    if not fs:
+        return ""
+    cache = (engine.telemetry() or {}).get("disk_cache") or {}
+    text = f"{fs['path']} {filesystem_text(fs)}"
+    if cache.get("capacity_bytes"):
+        text += f"; host cache of the disk tier up to {fmt_bytes(cache['capacity_bytes'])} of RAM"
+    elif cache:
+        text += "; no host cache (every access goes to the disk)"
+    return text
+
+
 # What each stall counter measures: time the training thread waited, whether or not the
 # transfer had been started ahead ("issued ahead" is about scheduling, not about arriving in time).
 _WAITS = {"device": "for weights to reach the device", "disk": "for disk reads",
+          "host_cache": "for copies out of the disk tier's host cache", "decode": "for optimizer states to decode",
           "optimizer": "for optimizer updates", "grad_return": "for gradients to return to the host"}
 
 
@@ -126,6 +163,20 @@ def streaming_text(tel: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------- demo
+#: The demo's host cache holds this share of its disk tier (the rest is read and written each step).
+DEMO_CACHE_SHARE = 0.5
+
+
+def demo_cache_gb(model, compression: str) -> float:
+    """GiB of host cache for the demo: DEMO_CACHE_SHARE of its disk tier (the optimizer states
+    in their stored form), so that both RAM and the disk carry the states. By default the cache
+    takes what RAM allows, which at the demo's size is the whole tier: the disk would stay empty."""
+    from megatrain_nb.engine.planner import codec_bytes_per_param
+
+    states = sum(p.numel() for p in model.parameters()) * codec_bytes_per_param(compression)
+    return DEMO_CACHE_SHARE * states / (1 << 30)
+
+
 def cmd_demo(ns) -> int:
     import torch
     from transformers import AutoModelForCausalLM, TrainingArguments
@@ -163,11 +214,17 @@ def cmd_demo(ns) -> int:
                              save_steps=save_every, save_total_limit=2, report_to="none", disable_tqdm=True,
                              seed=ns.seed)
     engine_opts = {"optimizer_compression": ns.compression, "offload_dir": offload}
+    if offload:   # the main job shows both tiers at work: RAM caches part of the disk tier, not all of it
+        engine_opts["host_cache_gb"] = (ns.host_cache if ns.host_cache is not None
+                                        else demo_cache_gb(model, ns.compression))
     if ns.device:
         engine_opts["device"] = ns.device
     trainer = Trainer(model=model, train_dataset=train_ds, eval_dataset=eval_ds, args=args, tokenizer=tokenizer,
                       **engine_opts)
     try:
+        disk = disk_text(trainer.engine)
+        if disk:
+            print(f"disk tier: {disk}")
         summary = run_with_progress(trainer)
         metrics = trainer.evaluate()
         model_dir = trainer.save_model(str(out_dir / "model"))
@@ -282,9 +339,16 @@ def print_header(trainer, *, model: str, data: str, out=None) -> None:
     p(f"device: {_device_text(engine)}")
     if placement:
         p("tiers:  " + ", ".join(f"{k.replace('_', ' ')} in {where(v, v)}" for k, v in placement.items()))
+    disk = disk_text(engine)
+    if disk:
+        p(f"disk:   {disk}")
     p(f"codec:  optimizer states {codec} ({codec_bytes_per_param(codec):.2f} bytes/parameter for both Adam "
       "moments" + (", lossy vs fp32 AdamW)" if codec != "none" else ", exact)"))
     p(f"output: {trainer.args.output_dir} ({trainer.total_steps} steps; metrics in {trainer.metrics_log.path})")
+    if trainer.args.max_steps < 1:   # transformers: no step limit, the epochs decide
+        p(f"steps:  max_steps {trainer.args.max_steps} means no step limit: num_train_epochs "
+          f"{trainer.args.num_train_epochs:g} epochs give {trainer.total_steps:,} optimizer steps (set "
+          "training.max_steps or --max-steps for fewer)")
 
 
 def _data_text(data: dict, train_ds, eval_ds, seq_len: int) -> str:
@@ -313,8 +377,10 @@ def cmd_train(ns) -> int:
     training = dict(cfg.get("training") or {})
     if ns.output_dir:
         training["output_dir"] = ns.output_dir
-    if ns.max_steps:
+    if ns.max_steps is not None:
         training["max_steps"] = ns.max_steps
+    _check_max_steps(training.get("max_steps", -1), "--max-steps" if ns.max_steps is not None else
+                     "training.max_steps")
     training.setdefault("output_dir", "megatrain_outputs")
     training.setdefault("disable_tqdm", True)
     training.setdefault("report_to", "none")
@@ -421,6 +487,24 @@ def cmd_estimate(ns) -> int:
     return 0
 
 
+def _max_steps_arg(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1 (or -1 for epochs), not {s!r}") from None
+    _check_max_steps(v, "", error=argparse.ArgumentTypeError)
+    return v
+
+
+def _check_max_steps(v, where: str, error=None) -> None:
+    """max_steps: >= 1, or -1 (transformers' "no step limit": num_train_epochs decides). 0 and
+    other negatives would silently fall back to epochs in transformers: refused."""
+    error = error or UsageError
+    if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
+        raise error(f"{where + ' ' if where else ''}{v!r}: give a whole number of optimizer steps >= 1, or -1 "
+                    "for no step limit (the run then lasts training.num_train_epochs epochs)")
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -433,25 +517,32 @@ def _positive_int(s: str) -> int:
 
 # ---------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from megatrain_nb import __version__
     from megatrain_nb.engine.codecs import codec_names  # the codec registry: a new codec is one file
+    from megatrain_nb.trainer.presets import preset_names  # the preset registry
 
     ap = argparse.ArgumentParser(prog="megatrain-nb", description="Full-precision training of models larger "
                                  "than accelerator memory.")
+    ap.add_argument("--version", action="version", version=f"megatrain-nb {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="train the built-in default (no download) with the disk tier and "
                                     "compressed optimizer states")
-    d.add_argument("--steps", type=int, default=None, help="optimizer steps (default 250; 20 with --quick)")
+    d.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default 250; 20 with --quick)")
     d.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     d.add_argument("--output-dir", default="megatrain_demo", help="where checkpoints, the model and metrics go")
     d.add_argument("--quick", action="store_true", help="a very short run (smoke test)")
-    d.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128; 64 with --quick)")
-    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens per sequence (default 128; 64 with --quick)")
+    d.add_argument("--batch-size", type=_positive_int, default=8)
     d.add_argument("--lr", type=float, default=3e-3)
-    d.add_argument("--vocab-size", type=int, default=4096)
+    d.add_argument("--vocab-size", type=_positive_int, default=4096)
     d.add_argument("--compression", default="int8", choices=codec_names(),
                    help="optimizer-state codec (default int8)")
     d.add_argument("--no-disk", action="store_true", help="keep everything in RAM (no disk tier)")
+    d.add_argument("--host-cache", type=float, default=None, metavar="GB",
+                   help="GiB of RAM caching the disk tier (default: half the tier, so that both carry the "
+                        "optimizer states; 0 = every access goes to the disk)")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
@@ -462,7 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(EngineConfig fields); every field is shown in {EXAMPLE_CONFIG} in the repository and "
                         "the README's 'run.yaml' section")
     t.add_argument("--output-dir", default=None, help="override training.output_dir")
-    t.add_argument("--max-steps", type=int, default=None, help="override training.max_steps")
+    t.add_argument("--max-steps", type=_max_steps_arg, default=None,
+                   help="override training.max_steps: a whole number >= 1, or -1 for no step limit (the run "
+                        "then lasts training.num_train_epochs epochs, as in transformers)")
     t.add_argument("--resume", default=None, nargs="?", const=True,
                    help="resume: a checkpoint folder, or no value for the newest checkpoint of the run that "
                         "wrote last into output_dir; 'auto': that checkpoint if there is one, else a fresh start "
@@ -470,8 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("estimate", help="the memory table for a model on given hardware")
-    e.add_argument("model", help="a preset (tiny, small, llama-1b, llama-7b, llama-70b, llama-100b), "
-                                 "a local model folder or a config.json")
+    e.add_argument("model", help=f"a preset ({', '.join(preset_names())}), a local model folder or a config.json")
     e.add_argument("--vram", type=_budget_arg, default=80.0, help="device budget in GiB (default 80)")
     e.add_argument("--ram", type=_budget_arg, default="auto", help="host RAM in GiB, 'auto' (this machine) or 'none'")
     e.add_argument("--disk", type=_budget_arg, default="auto", help="disk tier in GiB, 'auto' (free space) or 'none'")

@@ -6,27 +6,55 @@
 # Needs: Python 3.10+ and network access to the package indexes; for the JupyterLab part,
 # Node.js >= 20 (to build the extension; SKIP_LAB=1 leaves that out) and root for
 # `apt-get install chromium` (without chromium the browser tests are skipped, with one line
-# saying so).
+# saying so; SKIP_BROWSER=1 leaves chromium and the browser tests out). How long it takes: the
+# README's Quick start.
+#
+# What it installs, said before it is done: .venv (scripts/setup.sh, with JupyterLab and the
+# megatrain-nb sidebar built); as root, Debian's chromium system-wide (apt-get); the sidebar's own
+# wheel (megatrain_nb_lab), which extension/ci.sh installs to check it and this script removes
+# again, so that megatrain-nb alone owns the sidebar in `jupyter labextension list`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "[test] $*"; }
-bash scripts/setup.sh test
-. .venv/bin/activate
-if [ "${SKIP_LAB:-0}" = 1 ]; then
-  say "SKIP_LAB=1: not building the JupyterLab extension"
-elif [ -f extension/ci.sh ]; then
+lab=1
+if [ "${SKIP_LAB:-0}" = 1 ] || ! [ -f extension/ci.sh ]; then
+  lab=0
+fi
+if [ "$lab" = 1 ]; then
   major=$(node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/' || true)
   if [ -z "$major" ] || [ "$major" -lt 20 ]; then
     echo "[test] error: building the JupyterLab extension needs Node.js >= 20 (found: ${major:-none})." \
          "Install it, or run SKIP_LAB=1 bash scripts/test.sh" >&2
     exit 2
   fi
-  if ! [ -x /usr/bin/chromium ] && [ "$(id -u)" != 0 ]; then
-    say "chromium is missing and installing it needs root: the browser tests will be skipped"
-    export SKIP_BROWSER=1
-  fi
-  say "building and checking the JupyterLab extension (extension/ci.sh; a few minutes)"
-  bash extension/ci.sh
+  bash scripts/setup.sh test,lab    # megatrain-nb carries the built sidebar: its one owner
+else
+  bash scripts/setup.sh test
 fi
-say "running the test suite: python -m pytest -q $* (about 12 minutes on 2 cores)"
+. .venv/bin/activate
+if [ "$lab" = 0 ]; then
+  say "SKIP_LAB=1: not building the JupyterLab extension"
+else
+  if [ "${SKIP_BROWSER:-0}" != 1 ] && ! [ -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ]; then
+      say "installing Debian's chromium system-wide (apt-get, as root) for the browser tests;" \
+          "SKIP_BROWSER=1 leaves it and them out"
+    else
+      say "chromium is missing and installing it needs root: the browser tests will be skipped"
+      export SKIP_BROWSER=1
+    fi
+  fi
+  say "building and checking the JupyterLab extension (extension/ci.sh; a few minutes): it installs" \
+      "playwright, pytest-jupyter, build and hatchling into .venv, and the megatrain_nb_lab wheel it" \
+      "checks (removed again below)"
+  bash extension/ci.sh
+  say "removing the megatrain_nb_lab wheel extension/ci.sh installed; megatrain-nb keeps the sidebar"
+  python -m pip uninstall -y -q megatrain_nb_lab
+  python -m pip install -q --no-deps --force-reinstall --disable-pip-version-check -e .   # its labextension files again
+  jupyter labextension list 2>&1 | sed -E 's/\x1b\[[0-9;]*m//g' | grep -E 'megatrain-nb-lab v[0-9.]+ enabled' | sed 's/^/    /' || {
+    echo "[test] error: after removing megatrain_nb_lab, megatrain-nb's own sidebar is not listed" >&2
+    exit 1
+  }
+fi
+say "running the test suite: python -m pytest -q $*"
 python -m pytest -q "$@"

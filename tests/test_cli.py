@@ -39,9 +39,18 @@ def test_demo_quick_runs_the_main_job(tmp_path, monkeypatch, shared_cache, capsy
     assert (out_dir / "model" / "config.json").is_file()
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r and "event" not in r] == list(range(1, 7))
-    # the disk tier was used: its files, or (the host cache of the disk tier is on by default) RAM holding its data
-    assert any(r.get("memory", {}).get("disk", {}).get("used_bytes") or r.get("memory", {}).get("host", {}).get("disk_cache")
-               for r in records)
+    # the disk tier really carries bytes (issue 25: the default host cache held it all, the disk got 0 B)
+    last = [r for r in records if r.get("telemetry")][-1]
+    assert last["telemetry"]["bytes"]["host_to_disk"] > 0 and last["telemetry"]["bytes"]["disk_to_host"] > 0
+    assert last["telemetry"]["disk_cache"]["disk_read_bytes"] > 0
+    assert any(r.get("memory", {}).get("disk", {}).get("optimizer_states") for r in records)
+    summary = out[out.index("== summary =="):]
+    disk_line = next(x for x in summary.splitlines() if x.startswith("disk   peak"))
+    assert "disk   peak 0 B" not in disk_line and "optimizer_states" in disk_line
+    assert "host cache of the disk tier:" in summary and "reached the disk:" in summary
+    host_line = next(x for x in summary.splitlines() if x.startswith("host   peak"))
+    assert "optimizer_states" in host_line   # the cached half counted as what it is
+    assert "disk tier: " + str(out_dir / "offload") + " on " in out and " free of " in out
 
 
 def test_train_from_a_config_file(tmp_path, capsys):
@@ -149,6 +158,11 @@ def test_the_example_run_yaml_is_complete_and_runs(tmp_path, monkeypatch, shared
                   "optimizer states in disk (" + str(tmp_path / "megatrain_runs" / "example" / "offload"),
                   "codec:  optimizer states int8"):
         assert label in header, label
+    # issue 25: where the disk tier is and how much is free; what the cache held and what reached the disk
+    disk = next(x for x in header.splitlines() if x.startswith("disk:   "))
+    assert str(tmp_path / "megatrain_runs" / "example" / "offload") in disk
+    assert "mounted at" in disk and "free of" in disk
+    assert "host cache of the disk tier:" in out[out.index("== summary =="):]
 
 
 def test_train_a_hub_id_from_the_offline_cache(tmp_path, hub, capsys):
@@ -199,3 +213,69 @@ def test_demo_again_into_the_same_folder_is_a_new_run(tmp_path, monkeypatch, sha
     assert len(starts) == 2 and starts[0]["run_id"] != starts[1]["run_id"]
     sample = [line for line in out.splitlines() if line.startswith("sample from this ")]
     assert sample and "M-parameter model after 2 steps" in sample[0] and "as expected" in sample[0]
+
+
+# ------------------------------------------------------------------ issue 25: counts, version, presets
+@pytest.mark.parametrize("argv,text", [
+    (["demo", "--steps", "0"], "argument --steps: takes a whole number >= 1, not '0'"),
+    (["demo", "--steps", "-3"], "argument --steps: takes a whole number >= 1, not '-3'"),
+    (["demo", "--quick", "--steps", "0"], "argument --steps"),
+    (["demo", "--seq-len", "0"], "argument --seq-len"),
+    (["demo", "--batch-size", "-1"], "argument --batch-size"),
+    (["train", "--config", "run.yaml", "--max-steps", "0"], "argument --max-steps: 0: give a whole number"),
+    (["train", "--config", "run.yaml", "--max-steps", "-2"], "or -1 for no step limit"),
+])
+def test_zero_and_negative_counts_are_refused(argv, text, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert text in capsys.readouterr().err
+
+
+def test_max_steps_zero_in_the_config_is_refused(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"preset": "micro", "training": {"max_steps": 0}}))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "training.max_steps 0: give a whole number of optimizer steps >= 1, or -1" in _error_line(capsys)
+
+
+def test_max_steps_minus_one_says_it_trains_by_epochs(tmp_path, capsys):
+    from tests.trainer.helpers import micro_model, token_rows
+
+    micro_model().save_pretrained(tmp_path / "model")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in token_rows(8)))
+    cfg = {"model": "model", "data": {"train": "train.jsonl"},
+           "training": {"output_dir": "run", "max_steps": 5, "num_train_epochs": 1, "per_device_train_batch_size": 2,
+                        "save_strategy": "no"},
+           "engine": {"device": "cpu"}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--max-steps", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert ("steps:  max_steps -1 means no step limit: num_train_epochs 1 epochs give 4 optimizer steps" in out), out
+    assert "steps 4 in" in out
+
+
+def test_version_and_every_preset_in_estimate_help(capsys):
+    from megatrain_nb import __version__
+    from megatrain_nb.trainer.presets import preset_names
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"megatrain-nb {__version__}"
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in preset_names()) and "micro" in text
+
+
+def test_the_summary_says_plainly_what_the_host_cache_held_and_what_reached_the_disk():
+    from megatrain_nb.cli import cache_text
+
+    whole = {"disk_cache_stats": {"capacity_bytes": 8 << 20, "ram_bytes": 4 << 20, "disk_read_bytes": 0,
+                                  "disk_write_bytes": 0, "by_kind": {"optimizer_states": 4 << 20}}}
+    assert cache_text(whole) == ("host cache of the disk tier: 4.0 MiB in RAM (optimizer states 4.0 MiB) of its "
+                                 "8.0 MiB; nothing reached the disk: the cache held the whole tier")
+    part = {"disk_cache_stats": {**whole["disk_cache_stats"], "disk_read_bytes": 3 << 20, "disk_write_bytes": 5 << 20}}
+    assert cache_text(part).endswith("reached the disk: 5.0 MiB written, 3.0 MiB read back")
+    none = {"disk_cache_stats": {"capacity_bytes": 0, "ram_bytes": 0, "disk_read_bytes": 1, "disk_write_bytes": 1}}
+    assert cache_text(none) == "no host cache of the disk tier: every access went to the disk"
+    assert cache_text({"weights": 1}) == ""

@@ -282,7 +282,9 @@ class HostCache:
         """As ``DiskStore.read``. ``outside_plan``: a read the schedule does not contain (a
         checkpoint, ``state_dict``): served from RAM if resident, never changes the cache.
         ``share`` (with ``out`` None): the reader only reads the tensors it gets, so a resident
-        key hands out its own tensors, no copy (a later write of the key replaces them)."""
+        key hands out its own tensors, no copy (a later write of the key replaces them).
+        The future's ``stall_kind`` says what a wait on it waits for: "host_cache" (served from
+        RAM) or "disk" (a read of the disk tier)."""
         with self._lock:
             keep = False if outside_plan else self._keep(key, READ)
             loading = self._loading.get(key)
@@ -290,6 +292,7 @@ class HostCache:
             # a read of this key that will stay resident is still in flight (the forward's and
             # the backward's reads of the last layer are issued back to back): it is a hit
             mine = Future()
+            mine.stall_kind = "disk"   # waiting for that disk read
             loading.add_done_callback(lambda _: _chain(self._serve(key, out, keep, urgent, outside_plan, share), mine))
             return mine
         return self._serve(key, out, keep, urgent, outside_plan, share)
@@ -325,9 +328,11 @@ class HostCache:
         if e is not None:
             if evict is not None and evict["dirty"]:
                 self._write_back(key, evict)
+            result.stall_kind = "host_cache"   # a wait on it is a wait for RAM, not for the disk
             return result
         raw = self.store.read(key, out=out, urgent=urgent)
         mine = Future()
+        mine.stall_kind = "disk"
         if keep:
             with self._lock:
                 self._loading[key] = mine
@@ -457,6 +462,12 @@ class HostCache:
     def ram_bytes(self) -> int:
         with self._lock:
             return self.counts["ram_bytes"]
+
+    def resident_bytes(self, keys) -> int:
+        """Bytes of RAM the cache holds for ``keys`` (their owners report them as their own
+        kind: cached optimizer states are optimizer states)."""
+        with self._lock:
+            return sum(_nbytes(self._entries[k]["t"]) for k in keys if k in self._entries)
 
     # ------------------------------------------------------------------ internals (lock held)
     def _insert(self, key: str, tensors: dict, dirty: bool) -> None:

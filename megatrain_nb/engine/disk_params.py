@@ -14,7 +14,6 @@ buffer is handed to the optimizer instead of reading the same bytes a third time
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import Future
 from typing import Dict, List, Sequence
 
@@ -178,9 +177,7 @@ class DiskReadStream:
             self._kept[buf.data_ptr()] = keep
             fresh = buf.data_ptr() in self._foreign
         if not fresh:
-            t0 = time.perf_counter()
-            fut.result()
-            self.counters.stall("disk", time.perf_counter() - t0)
+            self.counters.wait(fut, "disk")   # the disk, or the host cache that served it
             self.counters.prefetch_result("disk", not on_demand)  # issued ahead of need, or late
         return buf[:unit.numel]
 

@@ -73,6 +73,7 @@ import torch
 
 from megatrain_nb.formatting import fmt_bytes
 
+from .diskspace import filesystem_of, filesystem_text
 from .reclaim import folder_prefix, reclaim
 from ..threads import DISK
 
@@ -143,27 +144,33 @@ class OffloadError(RuntimeError):
 
 
 def prepare_offload_dir(path: str | os.PathLike, need_bytes: int = 0) -> str:
-    """``offload_dir`` as an absolute path, created (mode 0700, user only) when it is missing
-    but its parent exists, as ``output_dir`` is. A missing parent stays an ``OffloadError``
-    naming the path: an unmounted ``/nvme`` must never turn into offload files on the root disk."""
+    """``offload_dir`` as an absolute path, created with its missing parents (each mode 0700,
+    user only), as ``output_dir`` is. What guards against a disk that is not mounted is not the
+    parent (its empty mount point usually stays behind) but the space: the run's header and
+    ``memory_report()`` name the filesystem the tier is on and its free space, and
+    :class:`DiskStore` refuses a tier that does not fit there, with the numbers."""
     root = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if os.path.isdir(root):
         return root
-    parent = os.path.dirname(root)
     need = f"{need_bytes} bytes ({fmt_bytes(need_bytes)})"
-    if not os.path.isdir(parent):
-        raise OffloadError(f"offload_dir {os.fspath(path)!r} does not exist and neither does its parent {parent!r} "
-                           f"(a disk not mounted?); create it on a disk with at least {need} free, or pass "
-                           "another folder.")
-    try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        if not os.path.isdir(root):
-            raise OffloadError(f"offload_dir {root!r} exists but is not a folder; pass a folder "
-                               f"(needs {need} free).") from None
-    except OSError as e:
-        raise OffloadError(f"cannot create offload_dir {root!r}: {e.strerror or e}; create it yourself on a disk "
-                           f"with at least {need} free, or pass another folder.") from e
+    missing = []
+    p = root
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        missing.append(p)
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise OffloadError(f"offload_dir {root!r}: {p!r} exists but is not a folder; pass a folder "
+                           f"(needs {need} free).")
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise OffloadError(f"offload_dir {root!r}: {d!r} exists but is not a folder; pass a folder "
+                                   f"(needs {need} free).") from None
+        except OSError as e:
+            raise OffloadError(f"cannot create offload_dir {root!r} ({d}): {e.strerror or e}; create it yourself "
+                               f"on a disk with at least {need} free, or pass another folder.") from e
     return root
 
 
@@ -335,8 +342,9 @@ class DiskStore:
         if free < reserve_bytes:
             _remove_folder(folder)
             raise OffloadError(
-                f"offload directory {root} has {free} bytes ({fmt_bytes(free)}) free but "
-                f"{reserve_bytes} bytes ({fmt_bytes(reserve_bytes)}) are needed. Free space there, "
+                f"offload directory {root} ({filesystem_text(filesystem_of(root))}) has {free} bytes "
+                f"({fmt_bytes(free)}) free but the disk tier needs {reserve_bytes} bytes "
+                f"({fmt_bytes(reserve_bytes)}). Free space there, "
                 f"point offload_dir at a larger disk, or lower what is offloaded (more host RAM, "
                 f"optimizer_compression)")
         self.root = root

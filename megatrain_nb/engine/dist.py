@@ -23,6 +23,7 @@ says what that costs.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -39,6 +40,26 @@ assert SHARD_ALIGN % INT8_BLOCK == 0 and SHARD_ALIGN % INT4_BLOCK == 0
 #: Bound on every wait of a collective (init included), unless the caller passes another.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRAIN_DIST_TIMEOUT_S", 600))
 
+
+
+_DDP_HINT = "parallel_mode != ParallelMode.DISTRIBUTED"
+
+
+class _NoDdpHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _DDP_HINT not in record.getMessage()
+
+
+def quiet_transformers_ddp_hint() -> None:
+    """transformers.TrainingArguments warns, each time a rank sets up its device under an
+    initialized process group, "torch.distributed process group is initialized, but
+    parallel_mode != ParallelMode.DISTRIBUTED ... launch with torch.distributed.launch" (its
+    accelerate state sees no DDP). Here that is by design: the ranks shard the training state
+    themselves (engine/sharded.py) and never wrap the model in DDP, so the advice does not
+    apply; this one message is filtered, every other transformers warning stays."""
+    log = logging.getLogger("transformers.training_args")
+    if not any(isinstance(f, _NoDdpHint) for f in log.filters):
+        log.addFilter(_NoDdpHint())
 
 class DistError(RuntimeError):
     """The ranks cannot work together (they disagree, or the process group is missing)."""
@@ -193,6 +214,7 @@ class Dist:
 
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         if tdist.is_available() and tdist.is_initialized():
+            quiet_transformers_ddp_hint()
             return cls(None, device=device, timeout_s=timeout_s)
         world = _env_int("WORLD_SIZE", 1)
         if world <= 1:
@@ -211,6 +233,7 @@ class Dist:
         if backend == "nccl":
             kwargs["device_id"] = device  # eager NCCL init: a missing peer fails within the timeout
         tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        quiet_transformers_ddp_hint()
         d = cls(None, device=device, local_rank=local_rank, timeout_s=timeout_s)
         d.owns_group = True
         return d

@@ -290,6 +290,12 @@ class GradientIntake:
         """Bytes of final gradients kept on the disk tier for clipping (hold="disk")."""
         return sum(self.disk.nbytes_of(k) for k in self._held_keys) if self.disk is not None else 0
 
+    def held_cached_bytes(self) -> int:
+        """Bytes of those final gradients the disk tier's host cache holds in RAM."""
+        if self.disk is None or not hasattr(self.disk, "resident_bytes"):
+            return 0
+        return self.disk.resident_bytes(list(self._held_keys))
+
     # ------------------------------------------------------------------ internals
     def _add_norm_share(self, unit: Unit, flat: torch.Tensor) -> None:
         norm = float(torch.linalg.vector_norm(flat))

@@ -5,6 +5,7 @@ from typing import Dict
 
 import torch
 
+from .diskspace import filesystem_of
 from .planner import GiB
 
 
@@ -39,19 +40,26 @@ def memory_report(*, pager, runner, store, states, weights, updates, boundary, b
     hb = store.nbytes()
     st = states.nbytes()
     wb = weights.nbytes()
-    host = {"weights": wb["host"], "grads": hb["grads"] + updates.held_ram_bytes(), "optimizer_states": st["host"],
+    # The disk tier's host cache (disk_cache.HostCache) holds some of that tier's data in RAM:
+    # each kind counts as what it is (cached optimizer states are optimizer states); what no
+    # owner claims (layer-boundary activations) stays "disk_cache".
+    cached = {"optimizer_states": st.get("cached", 0), "weights": wb.get("cached", 0),
+              "grads": updates.held_cached_bytes()}
+    disk_tier = getattr(states, "disk", None)
+    cache = disk_tier.report() if disk_tier is not None and hasattr(disk_tier, "report") else None
+    host = {"weights": wb["host"] + cached["weights"],
+            "grads": hb["grads"] + updates.held_ram_bytes() + cached["grads"],
+            "optimizer_states": st["host"] + cached["optimizer_states"],
             # states read ahead of their updates + recycled scratch (moments, final gradients)
             "buffers": st["host_buffers"] + updates.buffer_bytes() + boundary.free_bytes(),
             # layer-boundary activations a layer-major window kept in host RAM (peak)
             "activations": boundary_peak["host"],
             "capacity_bytes": int(config.max_host_gb * GiB) if config.max_host_gb else ram_total()}
-    # the disk tier's host cache (disk_cache.HostCache): resident bytes, its budget, hits
-    disk_tier = getattr(states, "disk", None)
-    cache = disk_tier.report() if disk_tier is not None and hasattr(disk_tier, "report") else None
-    host["disk_cache"] = cache["ram_bytes"] if cache else 0
+    host["disk_cache"] = max(0, cache["ram_bytes"] - sum(cached.values())) if cache else 0
     if cache:   # a dict: not a kind of bytes in the tier (the dashboard shows it as text)
-        host["disk_cache_stats"] = {k: cache[k] for k in ("capacity_bytes", "hits", "bytes_saved",
+        host["disk_cache_stats"] = {k: cache[k] for k in ("capacity_bytes", "ram_bytes", "hits", "bytes_saved",
                                                           "disk_read_bytes", "disk_write_bytes")}
+        host["disk_cache_stats"]["by_kind"] = {k: v for k, v in cached.items() if v}
     host["used_bytes"] = (host["weights"] + host["grads"] + host["optimizer_states"] + host["buffers"]
                           + host["disk_cache"] + boundary.bytes["host"])
     peaks["host"] = max(peaks["host"], host["used_bytes"],
@@ -65,4 +73,6 @@ def memory_report(*, pager, runner, store, states, weights, updates, boundary, b
                           + boundary.bytes["disk"])
     peaks["disk"] = max(peaks["disk"], disk["used_bytes"])
     disk["peak_bytes"] = peaks["disk"]
+    if disk_tier is not None and getattr(disk_tier, "root", None):
+        disk["filesystem"] = filesystem_of(disk_tier.root)   # a dict: where the tier is, how much is free
     return {"device": dev, "host": host, "disk": disk}

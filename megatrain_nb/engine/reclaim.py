@@ -7,6 +7,11 @@ under an exclusive ``flock`` on ``offload_dir`` itself, a folder is removed only
 user's, a real folder (not a symlink), from this host, and its process is gone -- a pid now used
 by a process started at another time counts as gone. Anything uncertain is left alone. Folders
 named by older versions (``megatrain-<pid>-<random>``) are reclaimed when their pid is gone.
+
+The same rule reclaims the launch folders of ``mt.Session(..., nproc_per_node=N)``
+(``megatrain-launch-<pid>-...`` in the temporary folder, ``label="launch-"``), whose owner is
+the notebook kernel; ``in_use`` then also keeps a folder a live process still names (its
+worker processes finishing after the kernel died).
 """
 from __future__ import annotations
 
@@ -19,7 +24,13 @@ import socket
 import stat
 import warnings
 
-_NAMED = re.compile(r"^megatrain-(\d+)-([0-9a-f]{6})-([0-9a-f]+)-[A-Za-z0-9_]+$")
+
+def _named(label: str):
+    """``megatrain-<label><pid>-<host tag>-<start time>-<random>``."""
+    return re.compile(rf"^megatrain-{re.escape(label)}(\d+)-([0-9a-f]{{6}})-([0-9a-f]+)-[A-Za-z0-9_]+$")
+
+
+_NAMED = _named("")
 _LEGACY = re.compile(r"^megatrain-(\d+)-[A-Za-z0-9_]{8}$")
 
 
@@ -46,14 +57,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def folder_prefix() -> str:
-    """The name prefix of this process's offload folder."""
-    return f"megatrain-{os.getpid()}-{_host_tag()}-{_start_time(os.getpid()) or 0:x}-"
+def folder_prefix(label: str = "") -> str:
+    """The name prefix of this process's offload folder (``label="launch-"``: launch folder)."""
+    return f"megatrain-{label}{os.getpid()}-{_host_tag()}-{_start_time(os.getpid()) or 0:x}-"
 
 
-def _abandoned(path: str, name: str) -> bool:
-    m = _NAMED.match(name)
-    legacy = None if m else _LEGACY.match(name)
+def _abandoned(path: str, name: str, label: str = "") -> bool:
+    m = (_NAMED if not label else _named(label)).match(name)
+    legacy = None if m or label else _LEGACY.match(name)
     if not m and not legacy:
         return False
     st = os.lstat(path)
@@ -70,9 +81,21 @@ def _abandoned(path: str, name: str) -> bool:
     return now is not None and int(m.group(3), 16) not in (0, now)  # the pid was reused
 
 
-def reclaim(root: str) -> list[tuple[str, int]]:
-    """Remove the abandoned offload folders under ``root``; returns (path, bytes) of each and
-    warns with the total. Never touches a live process's folder."""
+def _size(path: str) -> int:
+    total = 0
+    for top, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(top, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def reclaim(root: str, *, label: str = "", in_use=None, what: str = "offload folder") -> list[tuple[str, int]]:
+    """Remove the abandoned folders under ``root`` (offload folders; ``label="launch-"``: launch
+    folders); returns (path, bytes) of each and warns with the total. Never touches a live
+    process's folder, nor one ``in_use(path)`` says is still used."""
     try:
         lock = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
@@ -83,9 +106,9 @@ def reclaim(root: str) -> list[tuple[str, int]]:
         for name in sorted(os.listdir(root)):
             path = os.path.join(root, name)
             try:
-                if not _abandoned(path, name):
+                if not _abandoned(path, name, label) or (in_use is not None and in_use(path)):
                     continue
-                size = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(path))
+                size = _size(path)
                 shutil.rmtree(path)
                 done.append((path, size))
             except OSError:
@@ -94,6 +117,6 @@ def reclaim(root: str) -> list[tuple[str, int]]:
         os.close(lock)  # releases the lock
     if done:
         total = sum(n for _, n in done)
-        warnings.warn(f"megatrain_nb reclaimed {len(done)} offload folder(s) of processes that no longer run "
+        warnings.warn(f"megatrain_nb reclaimed {len(done)} {what}(s) of processes that no longer run "
                       f"({total} bytes): {', '.join(p for p, _ in done)}", stacklevel=3)
     return done

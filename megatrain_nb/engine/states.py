@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import time
 from concurrent.futures import Future
 from typing import Dict, List, Optional, Tuple
 
@@ -247,10 +246,12 @@ class OptimizerStates:
         return sum(getattr(f, "moment_bytes", 0) for f in self._writes if not f.done())
 
     def _waited(self, fut: Future):
-        t0 = time.perf_counter()
-        got = fut.result()
-        self.counters.stall("disk", time.perf_counter() - t0)
-        return got
+        """A read's (or a read-ahead decode's) result, the wait counted against its cause: the
+        disk, the host cache (disk_cache.HostCache marks its futures), or the decode."""
+        read = getattr(fut, "read", None)
+        if read is not None:   # a decode of states read ahead: first the read, then the decode
+            self.counters.wait(read, "disk")
+        return self.counters.wait(fut, "disk" if read is None else "decode")
 
     def _decode_next(self) -> None:
         """Decode the next update's states (read ahead) in the codec thread, now, while this
@@ -272,7 +273,9 @@ class OptimizerStates:
             read = None if nxt.index in self._updating else self._reads.pop(nxt.index, None)
             if read is None:
                 return
-            self._decoded[nxt.index] = self._decoder.submit(lambda: self._decode(nxt, read.result()))
+            dec = self._decoder.submit(lambda: self._decode(nxt, read.result()))
+            dec.read = read   # (_waited tells the read's wait from the decode's)
+            self._decoded[nxt.index] = dec
 
     # ------------------------------------------------------------------ the chunked update
     def update(self, unit: Unit, apply) -> None:
@@ -539,9 +542,12 @@ class OptimizerStates:
         codec = set(self._decoded) | set(self._encoding)
         buffers += sum(8 * u.numel for u in self.units if u.index in codec)
         buffers += RING * 8 * self.chunk_numel if self._ring is not None else 0   # chunked updates' moments
-        out = {"host": host, "disk": 0, "host_buffers": buffers}
+        out = {"host": host, "disk": 0, "host_buffers": buffers, "cached": 0}
         if self.disk is not None:
             out["disk"] = sum(self.disk.nbytes_of(self._key(u)) for u in self.units if u.index in self._on_disk)
+            # held in RAM by the disk tier's host cache (some perhaps never written to disk)
+            if hasattr(self.disk, "resident_bytes"):
+                out["cached"] = self.disk.resident_bytes([self._key(u) for u in self.units])
             try:
                 import shutil
 
@@ -649,7 +655,7 @@ def open_disk_tier(units, config, params_on_disk: bool):
     if params_on_disk:
         need += sum(u.numel for u in units) * 4
     return_freed_memory_to_os()  # RAM must stay flat while units stream through it
-    prepare_offload_dir(config.offload_dir, need)  # created (0700) when missing; a missing parent is an error
+    prepare_offload_dir(config.offload_dir, need)  # created (0700) with its parents when missing
     # The engine bounds the memory its disk operations hold itself (staging pools, states
     # read ahead / written behind); the store queues whatever it is given.
     return DiskStore(config.offload_dir, reserve_bytes=need, keep=config.keep_offload_files)

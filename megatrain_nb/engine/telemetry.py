@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from typing import Dict
 
@@ -21,7 +22,10 @@ class Telemetry:
             self.link_seconds = {k: 0.0 for k in self.LINKS}
             self.loads_per_unit: Dict[str, int] = defaultdict(int)
             self.prefetch = {"device": {"ahead": 0, "late": 0}, "disk": {"ahead": 0, "late": 0}}
-            self.stall_seconds = {"device": 0.0, "disk": 0.0, "optimizer": 0.0, "grad_return": 0.0}
+            # what the waiting thread waited for: a tier ("device", "disk", "host_cache": a copy out
+            # of the disk tier's RAM cache), "decode" (optimizer states still decoding), ...
+            self.stall_seconds = {"device": 0.0, "disk": 0.0, "host_cache": 0.0, "decode": 0.0, "optimizer": 0.0,
+                                  "grad_return": 0.0}
             self.steps = 0
             self.micro_batches = 0
             self.step_seconds = 0.0
@@ -51,6 +55,15 @@ class Telemetry:
     def stall(self, what: str, seconds: float) -> None:
         with self._lock:
             self.stall_seconds[what] = self.stall_seconds.get(what, 0.0) + seconds
+
+    def wait(self, fut, default: str = "disk"):
+        """``fut.result()``, the time waited counted against the tier that caused it: the
+        future's ``stall_kind`` (set by the disk tier's host cache), else ``default``."""
+        t0 = time.perf_counter()
+        try:
+            return fut.result()
+        finally:
+            self.stall(getattr(fut, "stall_kind", default), time.perf_counter() - t0)
 
     def add(self, field: str, value) -> None:
         with self._lock:

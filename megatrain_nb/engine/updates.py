@@ -252,3 +252,6 @@ class UpdateScheduler:
 
     def held_disk_bytes(self) -> int:
         return self.intake.held_disk_bytes()
+
+    def held_cached_bytes(self) -> int:
+        return self.intake.held_cached_bytes()

@@ -264,4 +264,7 @@ class DiskWeights:
 
     def nbytes(self) -> Dict[str, int]:
         staging = self._fetch.staging_bytes + self._opt.staging_bytes
-        return {"host": staging, "disk": sum(self.disk.nbytes_of(weights_key(u)) for u in self.units)}
+        cached = self.disk.resident_bytes([weights_key(u) for u in self.units]) \
+            if hasattr(self.disk, "resident_bytes") else 0   # in the disk tier's host cache
+        return {"host": staging, "disk": sum(self.disk.nbytes_of(weights_key(u)) for u in self.units),
+                "cached": cached}

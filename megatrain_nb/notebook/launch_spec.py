@@ -14,19 +14,75 @@ private folder as plain files, so that nothing crosses the process boundary as a
 
 ``spec.json`` lists it all; :func:`build_from_spec` (in each worker) turns it back into an
 ``mt.Trainer``.
+
+The folder (:func:`make_run_dir`): ``megatrain-launch-<pid>-<host>-<start>-<random>`` in the
+temporary folder, mode 0700. ``close()`` removes it; so does the kernel's exit without
+``close()`` (atexit) once no worker process names it; one left behind (a killed kernel, workers
+still finishing) is reclaimed when the next multi-process Session starts, as offload folders
+are (``engine/reclaim.py``).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import enum
 import importlib
 import inspect
 import json
 import os
+import shutil
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
 SPEC_FILE = "spec.json"
+RUN_DIR_LABEL = "launch-"
+_made: set = set()          # this process's launch folders (removed at exit if still there)
+_made_lock = threading.Lock()
+
+
+def folder_in_use(path) -> bool:
+    """Whether a running process names ``path`` on its command line (torchrun's agent and the
+    workers get the launch folder as their argument)."""
+    import psutil
+
+    path = str(path)
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if path in (proc.info.get("cmdline") or []):
+                return True
+        except (psutil.Error, OSError):
+            continue
+    return False
+
+
+def make_run_dir(root=None) -> Path:
+    """A private launch folder under ``root`` (default: the temporary folder), after reclaiming
+    the ones processes that no longer run left there."""
+    from megatrain_nb.engine.reclaim import folder_prefix, reclaim
+
+    root = str(root or tempfile.gettempdir())
+    reclaim(root, label=RUN_DIR_LABEL, in_use=folder_in_use, what="launch folder")
+    path = Path(tempfile.mkdtemp(prefix=folder_prefix(RUN_DIR_LABEL), dir=root))   # 0700
+    with _made_lock:
+        _made.add(str(path))
+    return path
+
+
+@atexit.register
+def _remove_run_dirs() -> None:
+    """The kernel exits without ``close()``: its launch folders go, unless a worker still uses
+    one (then the next start reclaims it)."""
+    with _made_lock:
+        paths = [p for p in _made if os.path.isdir(p)]
+        _made.clear()
+    for p in paths:
+        try:
+            if not folder_in_use(p):
+                shutil.rmtree(p, ignore_errors=True)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 class LaunchError(ValueError):

@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -66,7 +65,7 @@ class RemoteSession(Session):
                  eval_dataset: Any = None, name: Optional[str] = None, *, nproc_per_node: int,
                  seq_len: Optional[int] = None, loss_fn: Any = None, callbacks: Any = None,
                  save_model: bool = True, **engine_options: Any):
-        from .launch_spec import write_spec
+        from .launch_spec import make_run_dir, write_spec
 
         if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
             raise ValueError(f"nproc_per_node={nproc_per_node!r}: give the number of worker processes, an int >= 1")
@@ -74,7 +73,7 @@ class RemoteSession(Session):
         self._nproc = nproc_per_node
         self._attached: Optional[dict] = None
         self._proc: Optional[subprocess.Popen] = None
-        self._run_dir = Path(tempfile.mkdtemp(prefix="megatrain-launch-"))   # 0700
+        self._run_dir = make_run_dir()   # 0700; removed at close() or exit, else reclaimed at the next start
         try:
             self._spec = write_spec(self._run_dir, model=model, train_dataset=train_dataset, args=args,
                                     tokenizer=tokenizer, eval_dataset=eval_dataset, seq_len=seq_len,

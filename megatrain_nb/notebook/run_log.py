@@ -301,7 +301,8 @@ def disk_cache_line(tier: dict | None) -> str:
     st = (tier or {}).get("disk_cache_stats") if isinstance(tier, dict) else None
     if not isinstance(st, dict) or not st.get("capacity_bytes"):
         return ""
-    return (f"disk cache {fmt_bytes(tier.get('disk_cache') or 0)} / {fmt_bytes(st['capacity_bytes'])}, "
+    held = st.get("ram_bytes", tier.get("disk_cache") or 0)   # all it holds (each kind is counted as itself)
+    return (f"disk cache {fmt_bytes(held)} / {fmt_bytes(st['capacity_bytes'])}, "
             f"{st.get('hits', 0)} hits, {fmt_bytes(st.get('bytes_saved', 0))} saved")
 
 

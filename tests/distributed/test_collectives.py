@@ -127,3 +127,35 @@ def test_traffic_counts_against_floor(two_ranks):
         # the all-reduce fallback sends twice a reduce-scatter's bytes; the list all-gather the same
         fb = res["traffic_fallback"]
         assert fb["reduce_scatter"] == 2 * sent["reduce_scatter"] and fb["gather"] == sent["gather"]
+
+
+_HINT_JOB = """
+import os, sys, tempfile
+import torch.distributed as tdist
+from transformers import TrainingArguments
+tdist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+if sys.argv[2] == "megatrain":
+    from megatrain_nb.engine.dist import Dist
+    Dist.from_env()
+TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none").device
+tdist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", ["megatrain", "plain"])
+def test_transformers_ddp_hint_is_silenced_once_dist_owns_the_group(tmp_path, who):
+    """Issue 25: worker logs carried transformers' "parallel_mode != ParallelMode.DISTRIBUTED"
+    warning (advice to use DDP, which the sharded ranks never do). "plain": the warning is real
+    without megatrain_nb, so the test can see it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", _HINT_JOB, str(tmp_path / "init"), who], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert ("parallel_mode != ParallelMode.DISTRIBUTED" in out.stderr) == (who == "plain"), out.stderr

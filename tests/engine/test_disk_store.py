@@ -395,7 +395,9 @@ def test_a_short_file_on_disk_is_refused_not_read_as_zeros(store):
         f.write(b"\0" * ALIGN)
     with pytest.raises(OffloadError, match="checksum"):
         store.read("k").result(timeout=30)
-def test_prepare_offload_dir_creates_only_under_an_existing_parent(tmp_path):
+def test_prepare_offload_dir_creates_it_with_its_parents_user_only(tmp_path):
+    """Issue 25: offload_dir=os.path.join(output_dir, "offload") before output_dir exists is
+    created (as output_dir is); each folder created is user-only, an existing one is untouched."""
     from megatrain_nb.engine.disk_store import OffloadError, prepare_offload_dir
 
     assert prepare_offload_dir(tmp_path) == str(tmp_path)  # an existing folder is kept as it is
@@ -404,9 +406,25 @@ def test_prepare_offload_dir_creates_only_under_an_existing_parent(tmp_path):
     assert prepare_offload_dir(str(new), 10) == str(new)
     assert new.is_dir() and (new.stat().st_mode & 0o777) == 0o700
     assert tmp_path.stat().st_mode & 0o777 == mode
-    with pytest.raises(OffloadError, match=r"unmounted/cache.*parent.*unmounted.*10 bytes"):
-        prepare_offload_dir(tmp_path / "unmounted" / "cache", 10)
-    assert not (tmp_path / "unmounted").exists()
+    deep = tmp_path / "run" / "outputs" / "offload"
+    assert prepare_offload_dir(deep, 10) == str(deep)
+    for d in (tmp_path / "run", tmp_path / "run" / "outputs", deep):
+        assert d.is_dir() and (d.stat().st_mode & 0o777) == 0o700, d
     (tmp_path / "afile").write_text("x")
     with pytest.raises(OffloadError, match="afile.*not a folder"):
         prepare_offload_dir(tmp_path / "afile")
+    with pytest.raises(OffloadError, match="afile.*not a folder"):
+        prepare_offload_dir(tmp_path / "afile" / "below")
+
+
+def test_a_disk_tier_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
+    import shutil
+
+    from megatrain_nb.engine.disk_store import DiskStore, OffloadError
+
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(OffloadError) as e:
+        DiskStore(tmp_path / "a" / "b", reserve_bytes=free * 4)
+    text = str(e.value)
+    assert f"needs {free * 4} bytes" in text and "free but" in text and "mounted at " in text
+    assert os.listdir(tmp_path / "a" / "b") == []   # its private folder was removed again

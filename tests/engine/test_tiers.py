@@ -130,13 +130,30 @@ def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
 
 
 # ---------------------------------------------------------------------------- bad offload_dir
-def test_missing_offload_dir_names_path_and_bytes(tmp_path):
+def test_offload_dir_with_missing_parents_is_created_and_a_tier_too_big_refused(tmp_path, monkeypatch):
+    """Issue 25: offload_dir inside an output_dir that does not exist yet is created (user-only,
+    parents too); what protects an unmounted disk is the space check, with the numbers."""
+    import collections
+    import shutil
+
     from megatrain_nb.engine.disk_store import OffloadError
 
-    missing = tmp_path / "nope" / "cache"
-    with pytest.raises(OffloadError, match=r"nope/cache.*\d+ bytes|\d+ bytes.*nope/cache"):
-        StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
+    missing = tmp_path / "run" / "outputs" / "offload"
+    e = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
                         EngineConfig(device="cpu", offload_dir=str(missing)))
+    try:
+        assert missing.is_dir() and (missing.stat().st_mode & 0o777) == 0o700
+        assert (missing.parent.stat().st_mode & 0o777) == 0o700
+        fs = e.memory_report()["disk"]["filesystem"]
+        assert fs["path"] == str(missing) and fs["free_bytes"] > 0 and fs["type"]
+    finally:
+        e.close()
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 20, 10 << 20, 1000))   # a full disk
+    with pytest.raises(OffloadError, match=r"has 1000 bytes .* free but the disk tier needs \d+ bytes") as err:
+        StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
+                        EngineConfig(device="cpu", offload_dir=str(tmp_path / "other" / "offload")))
+    assert str(tmp_path / "other" / "offload") in str(err.value) and "mounted at" in str(err.value)
 
 
 def test_offload_dir_is_created_user_only_when_its_parent_exists(tmp_path):

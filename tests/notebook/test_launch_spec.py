@@ -153,3 +153,74 @@ def test_every_ranks_memory_reaches_the_view_and_the_tables():
     table = rank_memory_table(view)
     assert "rank 0" in table and "rank 1" in table and "3.0 MiB" in table and "6.0 MiB" in table
     assert rank_memory_table(RunLog().view()) == ""
+
+
+# ------------------------------------------------------------------ issue 25: launch folders left behind
+_KERNEL = """
+import os, signal, sys
+import megatrain_nb as mt
+s = mt.Session("micro", nproc_per_node=2)   # workers start at train(): none here
+print(s._run_dir, flush=True)
+if sys.argv[1] == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[1] == "hang":
+    import time; time.sleep(120)
+"""
+
+
+def _kernel(tmp_path, mode):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "TMPDIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-c", _KERNEL, mode], stdout=subprocess.PIPE, text=True, env=env)
+    path = p.stdout.readline().strip()
+    assert path.startswith(str(tmp_path / "megatrain-launch-")), path
+    return p, path
+
+
+def test_a_kernel_that_exits_without_close_leaves_no_launch_folder(tmp_path):
+    import os
+
+    p, path = _kernel(tmp_path, "exit")
+    assert p.wait(timeout=120) == 0
+    assert not os.path.exists(path)
+
+
+def test_a_killed_kernels_launch_folder_is_reclaimed_at_the_next_start(tmp_path):
+    import os
+    import signal
+
+    from megatrain_nb.notebook.launch_spec import make_run_dir
+
+    live, live_path = _kernel(tmp_path, "hang")
+    try:
+        dead, dead_path = _kernel(tmp_path, "die")
+        assert dead.wait(timeout=120) == -signal.SIGKILL and os.path.isdir(dead_path)
+        with pytest.warns(UserWarning, match=rf"reclaimed 1 launch folder.*{os.path.basename(dead_path)}"):
+            mine = make_run_dir(tmp_path)
+        assert not os.path.exists(dead_path) and os.path.isdir(live_path) and mine.is_dir()
+        assert (mine.stat().st_mode & 0o777) == 0o700
+        # a folder a live process still names (workers finishing after their kernel died) is kept
+        orphan = tmp_path / (os.path.basename(dead_path) + "x")
+        orphan.mkdir()
+        import subprocess
+        import sys
+        user = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(orphan)])
+        try:
+            from megatrain_nb.engine.reclaim import reclaim
+            from megatrain_nb.notebook.launch_spec import folder_in_use
+
+            assert folder_in_use(orphan)
+            assert reclaim(str(tmp_path), label="launch-", in_use=folder_in_use) == []
+            assert orphan.is_dir()
+        finally:
+            user.kill()
+            user.wait(timeout=30)
+    finally:
+        live.kill()
+        live.wait(timeout=30)

@@ -513,7 +513,7 @@ class Trainer:
                 "micro_batches_per_step": self.args.gradient_accumulation_steps * self.dist.world,
                 "world_size": self.dist.world,
                 "seed": self.args.seed, "data_seed": self.args.data_seed,
-                "run_id": self.run_id, "saved_at": time.time()}
+                "run_id": self.run_id, "saved_at": time.time(), "model": ckpt.model_record(self._engine)}
 
         def write(tmp: Path) -> None:
             _refuse_non_finite(self._engine, final)
@@ -572,6 +572,7 @@ class Trainer:
         from transformers.trainer_callback import TrainerState
 
         ckpt.verify(path)  # before reading anything from it
+        ckpt.check_model(path, self._engine)
         meta = ckpt.read_json(path / ckpt.STATE_FILE)
         mine = {"batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,

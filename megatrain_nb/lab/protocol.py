@@ -200,16 +200,9 @@ def validate_command(command: Any, value: Any = None) -> tuple[str, float | None
         if value is not None:
             raise CommandError(f"command {command!r} takes no value (got {value!r})")
         return command, None
-    if isinstance(value, bool) or value is None:
-        raise CommandError("command 'lr' needs a positive number as 'value', e.g. 1e-4")
+    from megatrain_nb.learning_rate import check_learning_rate
+
     try:
-        lr = float(value)
-    except (TypeError, ValueError):
-        raise CommandError(
-            f"command 'lr' needs a positive number as 'value', got {value!r}"
-        ) from None
-    if not math.isfinite(lr) or lr <= 0:
-        raise CommandError(f"learning rate must be a finite number > 0, got {value!r}")
-    if lr > 10:
-        raise CommandError(f"learning rate {lr:g} is implausibly large (limit 10)")
-    return command, lr
+        return command, check_learning_rate(value)
+    except ValueError as e:
+        raise CommandError(f"command 'lr': {e}") from None

@@ -35,7 +35,13 @@ from megatrain_nb.atomic import commit_dir, staging_dir, temp_name
 
 from ..engine.dist import Dist
 from . import checkpoint as ckpt
-from .args import default_values, engine_options_from_args, validate_training_args
+from .args import (
+    check_learning_rate,
+    default_values,
+    engine_options_from_args,
+    training_arguments,
+    validate_training_args,
+)
 from .data import (
     BatchStream,
     ColumnFilter,
@@ -57,7 +63,7 @@ def _coerce_args(args):
     if args is None:
         return TrainingArguments(output_dir="megatrain_outputs")
     if isinstance(args, dict):
-        return TrainingArguments(**{"output_dir": "megatrain_outputs", **args})
+        return training_arguments({"output_dir": "megatrain_outputs", **args}, where="args")
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"args must be a transformers.TrainingArguments (or a dict of its fields), "
                         f"got {type(args).__name__}")
@@ -195,8 +201,7 @@ class Trainer:
     # ------------------------------------------------------------------ live controls (Session seam)
     def set_lr(self, lr: float) -> None:
         """From the next optimizer step the learning rate is ``lr``; the schedule carries on relative to it."""
-        if not (lr >= 0):
-            raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
+        lr = check_learning_rate(lr)
         if self._running:
             self.schedule.set_lr(lr)
         else:

@@ -153,3 +153,12 @@ def test_every_ranks_memory_reaches_the_view_and_the_tables():
     table = rank_memory_table(view)
     assert "rank 0" in table and "rank 1" in table and "3.0 MiB" in table and "6.0 MiB" in table
     assert rank_memory_table(RunLog().view()) == ""
+
+
+def test_unusable_args_are_refused_before_any_worker_starts(tmp_path):
+    from megatrain_nb.trainer.args import UnsupportedArgumentError
+
+    with pytest.raises(UnsupportedArgumentError, match="per_device_train_batch_size=0"):
+        _write(tmp_path, args={"output_dir": str(tmp_path / "o"), "per_device_train_batch_size": 0})
+    with pytest.raises(UnsupportedArgumentError, match=r"did you mean 'learning_rate'"):
+        _write(tmp_path, args={"output_dir": str(tmp_path / "o"), "learnig_rate": 1e-4})

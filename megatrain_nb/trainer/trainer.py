@@ -24,8 +24,10 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -118,6 +120,10 @@ class Trainer:
             raise ValueError(f"revision={revision!r} applies to a model given by name (a Hub id); "
                              f"model is a {type(model).__name__}")
         self.model, self._engine = self._build_engine(model, engine_options)
+        # The engine this Trainer built is its own: released with it (close(), the with block,
+        # or when the Trainer is collected, e.g. after a failed train() and `del trainer`).
+        self._finalizer = (weakref.finalize(self, _release_engine, self._engine)
+                           if not _is_engine(model) else None)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)
         self.seq_len = seq_len or _default_seq_len(self._engine)
@@ -620,7 +626,15 @@ class Trainer:
         self.callback_handler.remove_callback(callback)
 
     def close(self) -> None:
-        """Release the engine (device memory, threads, disk-tier files)."""
+        """Release the engine (device memory, threads, disk-tier files). Also done at the end of
+        a ``with`` block (whether or not training raised) and, for an engine the Trainer built,
+        when the Trainer is garbage-collected: keep the Trainer while you use its ``engine``.
+
+        >>> with mt.Trainer(model=model, train_dataset=ds, args=args) as trainer:   # doctest: +SKIP
+        ...     trainer.train()
+        """
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self._engine.close()
 
     def __enter__(self):
@@ -628,6 +642,19 @@ class Trainer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _release_engine(engine) -> None:
+    """The finalizer of a collected Trainer: close its engine (joins the engine's threads, so a
+    failed run leaves none behind). On one of the engine's own worker threads (names
+    ``mtnb-*``) joining could wait on itself: there the engine's own finalizer lets the
+    workers exit by themselves instead."""
+    if threading.current_thread().name.startswith("mtnb-"):
+        return
+    try:
+        engine.close()
+    except Exception:  # noqa: BLE001 - a finalizer cannot report; the engine says why on its next use
+        pass
 
 
 def _refuse_non_finite(engine, final) -> None:

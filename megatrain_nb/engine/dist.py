@@ -23,6 +23,7 @@ says what that costs.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import threading
 from dataclasses import dataclass, field
@@ -373,19 +374,44 @@ class Dist:
         out = t.item()
         return int(round(out)) if isinstance(value, int) else out
 
-    def all_gather_object(self, obj: Any) -> list:
+    def all_gather_json(self, obj: Any) -> list:
+        """Every rank's ``obj`` (a control message: commands, memory figures, a path, a run id),
+        in rank order. It travels as JSON text in a byte tensor, never pickled: what a peer sends
+        is parsed as data, so no rank runs code another sent (``all_gather_object`` unpickles).
+        Tuples come back as lists, as JSON has them; a value JSON cannot hold is a TypeError."""
+        text = json.dumps(obj, separators=(",", ":"))
         if self.world == 1:
-            return [obj]
+            return [json.loads(text)]
         import torch.distributed as tdist
 
-        out: list = [None] * self.world
-        tdist.all_gather_object(out, obj, group=self.group)
-        return out
+        dev = self.device if self.backend == "nccl" else torch.device("cpu")
+        data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if text else \
+            torch.empty(0, dtype=torch.uint8)
+        sizes = torch.zeros(self.world, dtype=torch.int64, device=dev)
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+        self._gather_flat(sizes, mine)
+        longest = int(sizes.max())
+        buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        buf[:data.numel()] = data.to(dev)
+        out = torch.empty(longest * self.world, dtype=torch.uint8, device=dev)
+        self._gather_flat(out, buf)
+        raw = out.cpu().numpy().tobytes()
+        return [json.loads(raw[r * longest:r * longest + int(sizes[r])].decode("utf-8")) for r in range(self.world)]
+
+    def _gather_flat(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        """``out`` = every rank's ``mine`` end to end (not counted in :attr:`traffic`: the
+        control messages are a few hundred bytes a step, the traffic figures are the model's)."""
+        import torch.distributed as tdist
+
+        if self._native["gather"]:
+            _all_gather_single(out, mine, self.group, False)
+        else:
+            tdist.all_gather(list(out.split(mine.numel())), mine.clone(), group=self.group)
 
     def check_same(self, what: str, value: Any) -> None:
         """Refuse to start when the ranks disagree on ``value`` (model, codec, seed, data...):
         raise on every rank, naming the ranks and their values."""
-        values = self.all_gather_object(value)
+        values = self.all_gather_json(value)
         if any(v != values[0] for v in values):
             detail = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
             raise DistError(f"the ranks disagree on {what} ({detail}); every rank must start the run with "

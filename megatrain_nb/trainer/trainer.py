@@ -257,7 +257,7 @@ class Trainer:
                 self._engine.zero_grad()
             self.run_id = self.run_id or uuid.uuid4().hex[:12]
             if self.dist.world > 1:   # one run: every rank takes rank 0's id
-                self.run_id = self.dist.all_gather_object(self.run_id)[0]
+                self.run_id = self.dist.all_gather_json(self.run_id)[0]
             self.metrics_log.run_id = self.run_id
             self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
                                     "resumed_from": str(resume) if resume is not None else None,
@@ -331,15 +331,19 @@ class Trainer:
                           "to continue from the last complete checkpoint", stacklevel=3)
         if self.dist.world == 1:
             return ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        found = error = None
+        found = error = mine = None
         if self.dist.is_main:
             try:
                 found = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
             except Exception as e:   # handed to every rank: the others must not wait for rank 0
                 error = e
-        found, error = self.dist.all_gather_object((str(found) if found is not None else None, error))[0]
+                mine = [type(e).__name__, str(e)]
+        found, told = self.dist.all_gather_json([str(found) if found is not None else None, mine])[0]
         if error is not None:
             raise error
+        if told is not None:   # the others raise what rank 0 raised, rebuilt from its name and text
+            kind = {"CheckpointError": ckpt.CheckpointError, "IntegrityError": ckpt.IntegrityError}.get(told[0])
+            raise kind(told[1]) if kind is not None else RuntimeError(f"rank 0: {told[0]}: {told[1]}")
         return Path(found) if found is not None else None
 
     def _train_window(self, window: list, total: int) -> dict:
@@ -563,7 +567,7 @@ class Trainer:
             ckpt.remove_stale_temporaries(final.parent)
             tmp = Path(temp_name(final))
             tmp.mkdir()
-        tmp = Path(d.all_gather_object(str(tmp) if tmp is not None else None)[0])
+        tmp = Path(d.all_gather_json(str(tmp) if tmp is not None else None)[0])
         try:
             self._engine.save_checkpoint(str(tmp))    # collective: each rank its file, then a barrier
             if d.is_main:   # every rank's shards are written (the barrier ending save_checkpoint)

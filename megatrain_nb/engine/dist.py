@@ -160,6 +160,7 @@ class Dist:
         self._lock = threading.Lock()
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         self.owns_group = False
+        self.store = None   # a rendezvous store this rank hosts on loopback (see _loopback_rendezvous)
         if _single:
             self.group, self.rank, self.world, self.backend = None, 0, 1, None
         else:
@@ -211,9 +212,11 @@ class Dist:
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = device  # eager NCCL init: a missing peer fails within the timeout
+        store = _loopback_rendezvous(timeout_s)
         tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         d = cls(None, device=device, local_rank=local_rank, timeout_s=timeout_s)
         d.owns_group = True
+        d.store = store
         return d
 
     def _default_device(self) -> torch.device:
@@ -450,6 +453,25 @@ class Dist:
     def _check_layout(self, layout: ShardLayout) -> None:
         if layout.world != self.world:
             raise ValueError(f"layout cut for world size {layout.world}, this group has {self.world} ranks")
+
+
+def _loopback_rendezvous(timeout_s: float):
+    """A run whose rendezvous is on this machine (MASTER_ADDR a loopback address) keeps every
+    socket on loopback: the collectives' (gloo, NCCL's bootstrap) on the ``lo`` interface, and,
+    when rank 0 hosts the store itself (torchrun's c10d rendezvous with its store not shared),
+    that store bound to 127.0.0.1, where torch's own would listen on every interface. Returns
+    that store (kept alive with the group) or None."""
+    from megatrain_nb.torchrun import is_loopback, loopback_env, loopback_store
+
+    if not is_loopback(os.environ.get("MASTER_ADDR")):
+        return None
+    os.environ.update(loopback_env())
+    if _env_int("RANK", 0) != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None   # a client of the agent's store (or of rank 0's)
+    try:
+        return loopback_store(_env_int("MASTER_PORT", 0), world_size=_env_int("WORLD_SIZE", 1), timeout_s=timeout_s)
+    except OSError:
+        return None   # the port is taken (a store already there): torch's own connects to it
 
 
 def _all_gather_single(out, inp, group, async_op):

@@ -33,7 +33,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -257,8 +256,10 @@ class RemoteSession(Session):
                     control.ENV_LAUNCHER: "notebook", "MEGATRAIN_NB_CONTROLLER_PID": str(os.getpid()),
                     control.ENV_KERNEL: current_kernel_id() or ""})
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self._nproc)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self._nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--max-restarts=0",
+        # torchrun through megatrain_nb.torchrun: its rendezvous store and the workers' sockets on
+        # loopback only (torchrun's own store listens on every interface, unauthenticated)
+        cmd = [sys.executable, "-m", "megatrain_nb.torchrun", f"--nproc-per-node={self._nproc}",
+               "--master-addr=127.0.0.1", "--master-port=0", "--max-restarts=0",
                "--monitor-interval=0.1", "-m", "megatrain_nb.notebook.launch_worker", str(self._run_dir)]
         log = open(self._run_dir / "workers.log", "wb")
         try:
@@ -440,9 +441,3 @@ def agent_failures(agent_output: str) -> dict[int, str]:
     """{rank: exit code} of every failure in torchrun's agent report."""
     return {int(r): c for r, c in re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)",
                                             agent_output)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

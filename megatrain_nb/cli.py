@@ -276,6 +276,11 @@ def load_run_config(path) -> dict:
     import yaml
 
     p = Path(path)
+    if p.is_dir():
+        inside = sorted(q.name for q in p.glob("*.y*ml") if q.is_file())
+        hint = f" (it holds {', '.join(inside)})" if inside else ""
+        raise UsageError(f"--config {path}: is a directory, not a config file; give the run.yaml itself{hint} "
+                         f"(see {EXAMPLE_CONFIG} for an example)")
     if not p.is_file():
         raise UsageError(f"--config {path}: no such file (see {EXAMPLE_CONFIG} for an example)")
     try:
@@ -365,9 +370,10 @@ def _data_text(data: dict, train_ds, eval_ds, seq_len: int) -> str:
 
 def cmd_train(ns) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatrain_nb.trainer import Trainer
+    from megatrain_nb.trainer.args import training_arguments
     from megatrain_nb.trainer.default import load_default
     from megatrain_nb.trainer.presets import preset_config, preset_names
 
@@ -392,10 +398,10 @@ def cmd_train(ns) -> int:
         raise UsageError(f"data.seq_len: expected a whole number, got {data.get('seq_len')!r}") from None
     if "preset" in cfg and cfg["preset"] not in preset_names():
         raise UsageError(f"preset: {cfg['preset']!r} is not a preset; use one of {', '.join(preset_names())}")
-    try:
-        args = TrainingArguments(**training)
-    except TypeError as e:  # an unknown field
-        raise UsageError(f"training: {e} (fields of transformers.TrainingArguments)") from None
+    try:   # checked before any data is prepared; a misspelled field gets the closest name
+        args = training_arguments(training, where="training")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     model_text = f"preset {cfg.get('preset')}"
     model = None
     if "model" in cfg:

@@ -81,6 +81,12 @@ def _error_line(capsys) -> str:
     ({"model": "m", "preset": "tiny"}, "exactly one of 'model'"),
     ({"preset": "micro", "training": {"fp16": True}}, "fp16"),
     ({"preset": "micro", "training": {"no_such_field": 1}}, "no_such_field"),
+    ({"preset": "micro", "training": {"learning_rte": 1e-4}}, "training.learning_rte (did you mean 'learning_rate'?)"),
+    ({"preset": "micro", "training": {"per_device_train_batch_size": 0}}, "training.per_device_train_batch_size=0"),
+    ({"preset": "micro", "training": {"gradient_accumulation_steps": -1}}, "training.gradient_accumulation_steps=-1"),
+    # named before any data is read (the train file does not even exist)
+    ({"preset": "micro", "training": {"learning_rate": -1}, "data": {"train": "missing.jsonl"}},
+     "training.learning_rate must be a finite number > 0"),
     ({"preset": "nope"}, "'nope' is not a preset; use one of micro"),
     ({"preset": "micro", "colour": 1}, "unknown section(s) ['colour']"),
     ({"preset": "micro", "data": {"train": "missing.jsonl"}}, r"data.train: file\(s\) not found: .*missing.jsonl"),
@@ -108,6 +114,11 @@ def test_every_train_input_error_exits_2_with_one_line(tmp_path, capsys, cfg, te
 def test_train_file_errors_exit_2(tmp_path, capsys):
     assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml: no such file (see examples/run.yaml" in _error_line(capsys)
+    (tmp_path / "cfgdir").mkdir()
+    (tmp_path / "cfgdir" / "run.yaml").write_text("preset: micro\n")
+    assert main(["train", "--config", str(tmp_path / "cfgdir")]) == 2
+    line = _error_line(capsys)
+    assert "cfgdir: is a directory, not a config file" in line and "run.yaml" in line, line
     (tmp_path / "broken.yaml").write_text("preset: [tiny\n")
     assert main(["train", "--config", str(tmp_path / "broken.yaml")]) == 2
     assert "not valid YAML" in _error_line(capsys)

@@ -23,6 +23,7 @@ says what that costs.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import threading
@@ -180,6 +181,7 @@ class Dist:
         self._lock = threading.Lock()
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         self.owns_group = False
+        self.store = None   # a rendezvous store this rank hosts on loopback (see _loopback_rendezvous)
         if _single:
             self.group, self.rank, self.world, self.backend = None, 0, 1, None
         else:
@@ -232,10 +234,12 @@ class Dist:
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = device  # eager NCCL init: a missing peer fails within the timeout
+        store = _loopback_rendezvous(timeout_s)
         tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         quiet_transformers_ddp_hint()
         d = cls(None, device=device, local_rank=local_rank, timeout_s=timeout_s)
         d.owns_group = True
+        d.store = store
         return d
 
     def _default_device(self) -> torch.device:
@@ -396,19 +400,44 @@ class Dist:
         out = t.item()
         return int(round(out)) if isinstance(value, int) else out
 
-    def all_gather_object(self, obj: Any) -> list:
+    def all_gather_json(self, obj: Any) -> list:
+        """Every rank's ``obj`` (a control message: commands, memory figures, a path, a run id),
+        in rank order. It travels as JSON text in a byte tensor, never pickled: what a peer sends
+        is parsed as data, so no rank runs code another sent (``all_gather_object`` unpickles).
+        Tuples come back as lists, as JSON has them; a value JSON cannot hold is a TypeError."""
+        text = json.dumps(obj, separators=(",", ":"))
         if self.world == 1:
-            return [obj]
+            return [json.loads(text)]
         import torch.distributed as tdist
 
-        out: list = [None] * self.world
-        tdist.all_gather_object(out, obj, group=self.group)
-        return out
+        dev = self.device if self.backend == "nccl" else torch.device("cpu")
+        data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if text else \
+            torch.empty(0, dtype=torch.uint8)
+        sizes = torch.zeros(self.world, dtype=torch.int64, device=dev)
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+        self._gather_flat(sizes, mine)
+        longest = int(sizes.max())
+        buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        buf[:data.numel()] = data.to(dev)
+        out = torch.empty(longest * self.world, dtype=torch.uint8, device=dev)
+        self._gather_flat(out, buf)
+        raw = out.cpu().numpy().tobytes()
+        return [json.loads(raw[r * longest:r * longest + int(sizes[r])].decode("utf-8")) for r in range(self.world)]
+
+    def _gather_flat(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        """``out`` = every rank's ``mine`` end to end (not counted in :attr:`traffic`: the
+        control messages are a few hundred bytes a step, the traffic figures are the model's)."""
+        import torch.distributed as tdist
+
+        if self._native["gather"]:
+            _all_gather_single(out, mine, self.group, False)
+        else:
+            tdist.all_gather(list(out.split(mine.numel())), mine.clone(), group=self.group)
 
     def check_same(self, what: str, value: Any) -> None:
         """Refuse to start when the ranks disagree on ``value`` (model, codec, seed, data...):
         raise on every rank, naming the ranks and their values."""
-        values = self.all_gather_object(value)
+        values = self.all_gather_json(value)
         if any(v != values[0] for v in values):
             detail = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
             raise DistError(f"the ranks disagree on {what} ({detail}); every rank must start the run with "
@@ -447,6 +476,25 @@ class Dist:
     def _check_layout(self, layout: ShardLayout) -> None:
         if layout.world != self.world:
             raise ValueError(f"layout cut for world size {layout.world}, this group has {self.world} ranks")
+
+
+def _loopback_rendezvous(timeout_s: float):
+    """A run whose rendezvous is on this machine (MASTER_ADDR a loopback address) keeps every
+    socket on loopback: the collectives' (gloo, NCCL's bootstrap) on the ``lo`` interface, and,
+    when rank 0 hosts the store itself (torchrun's c10d rendezvous with its store not shared),
+    that store bound to 127.0.0.1, where torch's own would listen on every interface. Returns
+    that store (kept alive with the group) or None."""
+    from megatrain_nb.torchrun import is_loopback, loopback_env, loopback_store
+
+    if not is_loopback(os.environ.get("MASTER_ADDR")):
+        return None
+    os.environ.update(loopback_env())
+    if _env_int("RANK", 0) != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None   # a client of the agent's store (or of rank 0's)
+    try:
+        return loopback_store(_env_int("MASTER_PORT", 0), world_size=_env_int("WORLD_SIZE", 1), timeout_s=timeout_s)
+    except OSError:
+        return None   # the port is taken (a store already there): torch's own connects to it
 
 
 def _all_gather_single(out, inp, group, async_op):

@@ -20,6 +20,7 @@ step boundary); they are called from this thread and must not block on the train
 from __future__ import annotations
 
 import atexit
+import collections
 import hashlib
 import inspect
 import logging
@@ -45,7 +46,7 @@ from megatrain_nb.lab.protocol import (
     ensure_sessions_dir,
     finite_or_none,
     make_private_dir,
-    read_json,
+    read_command_file,
     runtime_root,
     validate_command,
 )
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 LOSS_TAIL = 100
 _MAX_COMMANDS_PER_POLL = 32
+_REFUSED_KEPT = 20
 
 
 class SessionBeacon:
@@ -81,6 +83,8 @@ class SessionBeacon:
         self.kernel_id = current_kernel_id()
         self.started = time.time()
         self.last_command: dict[str, Any] | None = None
+        #: the latest refused commands (each also in the log), shown in the heartbeat
+        self.refused: collections.deque = collections.deque(maxlen=_REFUSED_KEPT)
         self._memory: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -177,6 +181,7 @@ class SessionBeacon:
             "loss_tail": losses,
             "memory": clean_json(_memory_summary(self._memory)),
             "last_command": self.last_command,
+            "refused_commands": list(self.refused),
             "started": self.started,
             "updated": time.time(),
             **self._extra(),
@@ -201,32 +206,56 @@ class SessionBeacon:
 
     # ---- commands ------------------------------------------------------------------------
     def poll_inbox(self) -> int:
-        """Apply every pending command in arrival order; returns how many were seen."""
+        """Apply every pending command in arrival order; returns how many were seen.
+
+        The inbox is bounded: a file over ``MAX_COMMAND_BYTES`` is refused from its size,
+        unread; an entry that is not a regular file (a folder, a FIFO, a symlink named like a
+        command) is moved aside to a hidden name once and reported once; JSON that is not a
+        command (invalid, nested) is refused. Every refusal is recorded (``last_command``, the
+        heartbeat's ``refused_commands``, the log)."""
         try:
             check_private_dir(self.inbox)
-            names = sorted(
-                e.name
-                for e in os.scandir(self.inbox)
-                if e.name.endswith(".json") and not e.name.startswith(".")
+            entries = sorted(
+                (e for e in os.scandir(self.inbox) if e.name.endswith(".json") and not e.name.startswith(".")),
+                key=lambda e: e.name,
             )
         except FileNotFoundError:
             make_private_dir(self.inbox)
             return 0
-        for name in names[:_MAX_COMMANDS_PER_POLL]:
-            path = self.inbox / name
+        for entry in entries[:_MAX_COMMANDS_PER_POLL]:
+            path = self.inbox / entry.name
+            command_id = entry.name[: -len(".json")]
+            if not entry.is_file(follow_symlinks=False):
+                self._set_aside(path, command_id)
+                continue
             try:
-                # O_NOFOLLOW, this user's regular files only: anything else reads as None and is
-                # reported as a bad command
-                msg = read_json(path)
+                msg = read_command_file(path)
+            except FileNotFoundError:
+                continue
+            except CommandError as e:
+                msg = e
             finally:
                 _unlink(path)  # first, so that a failing command is never retried forever
-            self._apply(name[: -len(".json")], msg)
-        return min(len(names), _MAX_COMMANDS_PER_POLL)
+            self._apply(command_id, msg)
+        return min(len(entries), _MAX_COMMANDS_PER_POLL)
+
+    def _set_aside(self, path: Path, command_id: str) -> None:
+        """A non-regular entry named like a command: renamed to a hidden name the scan skips
+        (so it is reported once, not on every poll), and recorded as refused."""
+        try:
+            os.rename(path, path.with_name(f".refused-{path.name}"))
+        except OSError:
+            pass
+        self._apply(command_id, CommandError("command entry is not a regular file (a folder, FIFO or link "
+                                             "named like a command); moved aside, not read"))
 
     def _apply(self, command_id: str, msg: Any) -> None:
-        """Run one command file's command; its outcome goes to the heartbeat (``last_command``)."""
+        """Run one command file's command; its outcome goes to the heartbeat (``last_command``).
+        ``msg`` is the parsed file, or the :class:`CommandError` that refused it."""
         record: dict[str, Any] = {"id": command_id, "time": time.time(), "ok": False}
         try:
+            if isinstance(msg, CommandError):
+                raise msg
             if not isinstance(msg, dict):
                 raise CommandError("command file is not a JSON object")
             record["source"] = str(msg.get("source", "lab"))
@@ -234,7 +263,8 @@ class SessionBeacon:
             record.update(ok=True, error=None)
         except Exception as e:  # noqa: BLE001 - reported back through the heartbeat
             record["error"] = f"{type(e).__name__}: {e}"
-            log.warning("megatrain_nb: command %s failed: %s", command_id, record["error"])
+            log.warning("megatrain_nb: command %s refused: %s", command_id, record["error"])
+            self.refused.append({"id": command_id, "time": record["time"], "error": record["error"]})
         self.last_command = clean_json(record)
 
     def _call(self, command_id: str, command: Any, value: Any, record: dict) -> None:

@@ -23,7 +23,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from megatrain_nb.lab.protocol import CommandError
+from megatrain_nb.lab.protocol import CommandError, parse_command_json
 from megatrain_nb.lab.registry import UnknownSession, enqueue_command, list_sessions
 
 ROUTE = "megatrain-nb"
@@ -37,6 +37,11 @@ class _BaseHandler(APIHandler):
     @property
     def runtime_root(self) -> Path | None:
         return self.settings.get(ROOT_SETTING)
+
+    def _refuse(self, status: int, session_id: str, message: str) -> None:
+        """Every refused command is logged (the server log is its record), then answered."""
+        self.log.warning("megatrain_nb: refused a command for session %s (%d): %s", session_id, status, message)
+        self._fail(status, message)
 
     def _fail(self, status: int, message: str) -> None:
         self.set_status(status)
@@ -78,12 +83,13 @@ class CommandHandler(_BaseHandler):
     @authorized
     async def post(self, session_id: str) -> None:
         try:
-            body: Any = json.loads(self.request.body or b"{}")
-        except ValueError:
-            return self._fail(400, "request body must be JSON: {\"command\": ..., \"value\": ...}")
-        if not isinstance(body, dict):
-            return self._fail(400, "request body must be a JSON object")
-        try:
+            try:
+                body: Any = parse_command_json(self.request.body or b"{}")
+            except CommandError as e:
+                raise CommandError(f"request body must be JSON, an object like {{\"command\": ..., \"value\": ...}}: "
+                                   f"{e}") from None
+            if not isinstance(body, dict):
+                raise CommandError("request body must be a JSON object")
             record = enqueue_command(
                 session_id,
                 body.get("command"),
@@ -92,9 +98,9 @@ class CommandHandler(_BaseHandler):
                 root=self.runtime_root,
             )
         except CommandError as e:
-            return self._fail(400, str(e))
+            return self._refuse(400, session_id, str(e))
         except UnknownSession as e:
-            return self._fail(404, str(e))
+            return self._refuse(404, session_id, str(e))
         self.log.info(
             "megatrain_nb: %s %s -> session %s", record["command"], record["value"], session_id
         )

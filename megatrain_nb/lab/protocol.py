@@ -147,6 +147,71 @@ def read_json(path: Path) -> Any | None:
             os.close(fd)
 
 
+#: A command file or request body is about 100 bytes; anything over this is refused unread.
+MAX_COMMAND_BYTES = 4096
+#: How deeply a command's JSON may nest (a command is one flat object).
+MAX_COMMAND_DEPTH = 4
+
+
+def parse_command_json(raw: bytes | str) -> Any:
+    """A command's JSON (a request body or an inbox file), or :class:`CommandError` saying why
+    not: over :data:`MAX_COMMAND_BYTES`, not valid JSON, or nested deeper than a command is
+    (the check runs before the parser could recurse: a deeply nested body is an answer, not a
+    crash)."""
+    if len(raw) > MAX_COMMAND_BYTES:
+        raise CommandError(f"a command is at most {MAX_COMMAND_BYTES} bytes; this one is {len(raw)}")
+    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:   # bracket depth outside strings, so the parser never meets a deep document
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > MAX_COMMAND_DEPTH:
+        raise CommandError(f"a command is a flat JSON object; this one nests {deepest} levels deep")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise CommandError(f"not valid JSON ({e})") from None
+
+
+def read_command_file(path: Path) -> Any:
+    """The parsed command in inbox file ``path``; :class:`CommandError` when it is not one of
+    this user's regular files (opened with ``O_NOFOLLOW``, never a FIFO read), is over
+    :data:`MAX_COMMAND_BYTES` (refused from its size, unread) or not a command's JSON.
+    FileNotFoundError when it vanished."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CommandError(f"command file cannot be opened ({e.strerror}; a symbolic link?)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CommandError("command entry is not a regular file")
+        if st.st_uid != os.getuid():
+            raise CommandError(f"command file is owned by uid {st.st_uid}, not by this user")
+        if st.st_size > MAX_COMMAND_BYTES:
+            raise CommandError(f"command file is {st.st_size} bytes, over the {MAX_COMMAND_BYTES}-byte limit; "
+                               "not read")
+        raw = os.read(fd, MAX_COMMAND_BYTES + 1)
+    finally:
+        os.close(fd)
+    return parse_command_json(raw)
+
+
 def new_command_name() -> str:
     """Sortable, unique within the process: ``<time_ns>-<pid>-<n>``."""
     return f"{time.time_ns()}-{os.getpid()}-{next(_counter)}"
@@ -200,16 +265,9 @@ def validate_command(command: Any, value: Any = None) -> tuple[str, float | None
         if value is not None:
             raise CommandError(f"command {command!r} takes no value (got {value!r})")
         return command, None
-    if isinstance(value, bool) or value is None:
-        raise CommandError("command 'lr' needs a positive number as 'value', e.g. 1e-4")
+    from megatrain_nb.learning_rate import check_learning_rate
+
     try:
-        lr = float(value)
-    except (TypeError, ValueError):
-        raise CommandError(
-            f"command 'lr' needs a positive number as 'value', got {value!r}"
-        ) from None
-    if not math.isfinite(lr) or lr <= 0:
-        raise CommandError(f"learning rate must be a finite number > 0, got {value!r}")
-    if lr > 10:
-        raise CommandError(f"learning rate {lr:g} is implausibly large (limit 10)")
-    return command, lr
+        return command, check_learning_rate(value)
+    except ValueError as e:
+        raise CommandError(f"command 'lr': {e}") from None

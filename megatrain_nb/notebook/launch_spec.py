@@ -103,8 +103,12 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
             args = default_args(os.path.join("megatrain_outputs", model), eval_strategy="steps" if on_corpus else "no")
         else:
             args = {"output_dir": "megatrain_outputs"}
+    fields = _args_fields(args)
+    from megatrain_nb.trainer.args import training_arguments
+
+    training_arguments(fields, where="args")   # refused here, before any worker starts
     spec: dict = {"format": 1, "model": _model_ref(run_dir, model, engine_options), "seq_len": seq_len,
-                  "args": _args_fields(args), "engine_options": _json_only(engine_options, "engine option"),
+                  "args": fields, "engine_options": _json_only(engine_options, "engine option"),
                   "loss_fn": import_ref(loss_fn, "loss_fn") if loss_fn is not None else None,
                   "callbacks": [import_ref(c, "callback") for c in (callbacks or [])],
                   "resume": str(resume) if resume not in (None, False) else None,

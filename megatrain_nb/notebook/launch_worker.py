@@ -27,8 +27,12 @@ ENV_CONTROLLER_PID = "MEGATRAIN_NB_CONTROLLER_PID"
 def main(run_dir: str) -> None:
     from .launch_spec import build_from_spec
 
+    from .rank_watch import pid_file
+
     run = Path(run_dir)
     rank = int(os.environ.get("RANK", "0"))
+    # the controller watches this pid: a rank that dies without a word is then named
+    atomic_write_json(pid_file(run, rank), {"rank": rank, "pid": os.getpid(), "time": time.time()})
     try:
         (trainer, _tokenizer), spec = build_from_spec(run)
         if rank == 0:

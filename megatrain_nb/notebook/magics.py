@@ -165,10 +165,16 @@ def _stop(session, rest):
 def _lr(session, rest):
     if len(rest) != 1:
         raise MagicError("megatrain: lr needs one value, e.g. %megatrain lr 5e-4")
+    from megatrain_nb.learning_rate import check_learning_rate
+
     try:
-        value = float(rest[0])
+        float(rest[0])
     except ValueError:
         raise MagicError(f"megatrain: {rest[0]!r} is not a learning rate (e.g. 5e-4)") from None
+    try:
+        value = check_learning_rate(rest[0])
+    except ValueError as e:
+        raise MagicError(f"megatrain: {e}") from None
     session.set_lr(value, source="magic")
     print(f"{session.name}: learning rate {value:g} from the next step (after step {session.step}).")
 

@@ -33,7 +33,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -221,6 +220,7 @@ class RemoteSession(Session):
             self._forward_commands()
             self._read_metrics()
             if self._attached is None:
+                self._watch.poll()
                 rc = self._proc.poll()
                 if rc is not None:
                     self._read_metrics()
@@ -243,6 +243,9 @@ class RemoteSession(Session):
         from megatrain_nb.trainer import control
 
         spec = dict(self._spec, resume=str(self._resume) if self._resume not in (None, False) else self._spec["resume"])
+        from .rank_watch import RankWatch
+
+        self._watch = RankWatch(self._run_dir)
         with open(self._run_dir / "spec.json", "w", encoding="utf-8") as f:
             json.dump(spec, f, indent=1)
         self._offset = self._metrics.stat().st_size if self._metrics.is_file() else 0   # earlier runs' lines
@@ -252,8 +255,10 @@ class RemoteSession(Session):
                     control.ENV_LAUNCHER: "notebook", "MEGATRAIN_NB_CONTROLLER_PID": str(os.getpid()),
                     control.ENV_KERNEL: current_kernel_id() or ""})
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self._nproc)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self._nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--max-restarts=0",
+        # torchrun through megatrain_nb.torchrun: its rendezvous store and the workers' sockets on
+        # loopback only (torchrun's own store listens on every interface, unauthenticated)
+        cmd = [sys.executable, "-m", "megatrain_nb.torchrun", f"--nproc-per-node={self._nproc}",
+               "--master-addr=127.0.0.1", "--master-port=0", "--max-restarts=0",
                "--monitor-interval=0.1", "-m", "megatrain_nb.notebook.launch_worker", str(self._run_dir)]
         log = open(self._run_dir / "workers.log", "wb")
         try:
@@ -354,26 +359,29 @@ class RemoteSession(Session):
         if rc == 0 and not errors:
             return "stopped" if any(r.get("outcome") == "stopped" for r in self._ranks) else "finished"
         tail = self._read_log_tail()
-        # A rank that died without a word (a signal, os._exit) left no file, and the others then
-        # failed in a collective: torchrun's agent saw it exit with its own code (not the SIGTERM
-        # the agent sends the rest), and that rank is the cause.
+        # The first rank to fail is the cause, the others' errors (a collective failing on a
+        # peer's death) its consequences. A rank that died without a word left no file: the
+        # watch saw it go, torchrun's agent reports its exit code (the agent's own SIGTERM to
+        # the rest, -15, is not a failure).
+        from .rank_watch import first_failure
+
         reported = {e.get("rank") for e in errors} | {r.get("rank") for r in self._ranks}
-        first, _ = root_cause(tail)
-        died = {r: c for r, c in agent_failures(tail).items() if r not in reported and c not in ("-15", "-9")}
-        if died:
-            rank = first if first in died else min(died)
-            also = f"; then rank {errors[0].get('rank')} failed: {errors[0].get('type')}: " \
-                   f"{errors[0].get('message')}" if errors else ""
-            raise WorkerError(f"rank {rank} died (exit code {died[rank]}) without raising (killed? out of "
-                              f"memory?){also}\n--- the workers' last output ---\n{tail}", rank=rank)
-        if errors:
-            first = errors[0]   # the others usually failed because it did
-            others = sorted({e.get("rank") for e in errors[1:]} - {first.get("rank")})
-            more = f" (ranks {others} failed after it)" if others else ""
-            raise WorkerError(f"rank {first.get('rank')} (pid {first.get('pid')}) failed: {first.get('type')}: "
-                              f"{first.get('message')}{more}\n--- rank {first.get('rank')}'s traceback ---\n"
-                              f"{first.get('traceback', '')}", rank=first.get("rank"), exc_type=first.get("type"),
-                              remote_traceback=first.get("traceback"))
+        codes = agent_failures(tail)
+        silent = {}
+        for rank in (set(codes) | set(self._watch.gone_at)) - reported:
+            code = codes.get(rank)
+            if code in ("-15", "0"):
+                continue
+            silent[rank] = {"pid": self._watch.pids.get(rank), "exit_code": code,
+                            "gone_at": self._watch.gone_at.get(rank), "memory": self._watch.memory_before.get(rank)}
+        rank, how, then = first_failure(errors, silent)
+        if rank is not None:
+            err = next((e for e in errors if e.get("rank") == rank), None)
+            after = ("\nthen, as a consequence: " + "; ".join(then)) if then else ""
+            detail = (f"\n--- rank {rank}'s traceback ---\n{err.get('traceback', '')}" if err is not None
+                      else f"\n--- the workers' last output ---\n{tail}")
+            raise WorkerError(f"{how}{after}{detail}", rank=rank, exc_type=err.get("type") if err else None,
+                              remote_traceback=err.get("traceback") if err else None)
         raise WorkerError(f"the worker processes ended with exit code {rc} and no rank reported an error; their "
                           f"last output:\n{tail}")
 
@@ -432,9 +440,3 @@ def agent_failures(agent_output: str) -> dict[int, str]:
     """{rank: exit code} of every failure in torchrun's agent report."""
     return {int(r): c for r, c in re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)",
                                             agent_output)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -16,7 +16,6 @@ widgets; it appends to a :class:`RunLog` that a publisher (see ``publisher.py``)
 """
 from __future__ import annotations
 
-import math
 import queue
 import sys
 import threading
@@ -343,12 +342,9 @@ class Session:
     def set_lr(self, lr: float, *, source: str = "notebook") -> None:
         """From the next optimizer step the learning rate is ``lr``; a schedule carries on
         relative to it (a constant schedule stays at ``lr``). Recorded as an event."""
-        try:
-            value = float(lr)
-        except (TypeError, ValueError):
-            raise ValueError(f"learning rate {lr!r} is not a number") from None
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"learning rate {lr!r} must be a finite number >= 0")
+        from megatrain_nb.learning_rate import check_learning_rate
+
+        value = check_learning_rate(lr)
         self._check_not_ended("change the learning rate of")
         self._requested_lr = self._pending_lr = value  # before the command: it may apply at once
         self._commands.put(_Command("lr", value, source=source))

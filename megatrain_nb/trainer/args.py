@@ -19,9 +19,12 @@ checkpoints layer inputs (see ``checkpoint_interval``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
 from typing import Any
+
+from megatrain_nb.learning_rate import MAX_LEARNING_RATE, check_learning_rate  # noqa: F401 - re-exported
 
 HONOURED = frozenset({
     "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
@@ -72,14 +75,56 @@ def default_values() -> dict:
     return {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref)}
 
 
-def validate_training_args(args) -> None:
-    """Raise :class:`UnsupportedArgumentError` naming every field set to something unsupported.
+def training_arguments(fields: dict, *, where: str = "TrainingArguments"):
+    """``transformers.TrainingArguments(**fields)``, checked (:func:`validate_training_args`); a
+    misspelled field is named with the closest real one (``where``: how the message names the
+    mapping, e.g. run.yaml's ``training``)."""
+    from transformers import TrainingArguments
+
+    known = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            hints.append(f"{where}.{name}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise UnsupportedArgumentError(f"unknown TrainingArguments field(s): {', '.join(hints)}. The fields are those "
+                                       "of transformers.TrainingArguments")
+    try:
+        args = TrainingArguments(**fields)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedArgumentError(f"{where}: {e}") from None
+    validate_training_args(args, where=where)
+    return args
+
+
+def _check_values(args, where: str) -> list[str]:
+    """Values no run can use, named now rather than deep in the first step."""
+    problems = []
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        v = getattr(args, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            problems.append(f"{where}.{name}={v!r} (a whole number >= 1)")
+    try:
+        check_learning_rate(args.learning_rate, f"{where}.learning_rate")
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def validate_training_args(args, *, where: str = "TrainingArguments") -> None:
+    """Raise :class:`UnsupportedArgumentError` naming every field set to something unsupported
+    or unusable (a batch size of 0, a negative accumulation, a learning rate outside
+    :func:`~megatrain_nb.learning_rate.check_learning_rate`'s rule).
 
     Example::
 
         validate_training_args(TrainingArguments(output_dir="o", fp16=True))
         # UnsupportedArgumentError: TrainingArguments field(s) not supported by megatrain_nb: fp16=True ...
     """
+    bad = _check_values(args, where)
+    if bad:
+        raise UnsupportedArgumentError("unusable training arguments: " + "; ".join(bad))
     defaults = default_values()
     problems = []
     for f in dataclasses.fields(args):

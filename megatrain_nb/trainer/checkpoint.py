@@ -8,10 +8,13 @@ A checkpoint folder holds:
   optimizer states in their stored (codec) form;
 - ``scheduler.json`` (the LR scheduler's state and any live ``set_lr`` override),
 - ``rng_state.json`` (python, numpy, torch CPU and CUDA generators),
-- ``manifest.json`` (size and sha256 of every 64 MiB piece of every other file; checked before a resume),
+- ``manifest.json`` (size and checksum of every 64 MiB piece of every other file; checked before a
+  resume: a checkpoint without one, or with a file it does not list, is refused; :func:`seal`
+  writes one for a checkpoint made by hand),
 - ``trainer_state.json`` (``transformers.TrainerState``: step, epoch, log history),
-- ``megatrain_state.json`` (data position, tokens seen, the run's shape, the ``run_id`` of the
-  run that wrote it and when; written last: it marks a megatrain_nb checkpoint),
+- ``megatrain_state.json`` (data position, tokens seen, the run's shape, the model that wrote it
+  (:func:`model_record`: its type, size and every parameter's shape), the ``run_id`` of the run
+  that wrote it and when; written last: it marks a megatrain_nb checkpoint),
 - ``training_args.json`` and, when there is one, the tokenizer.
 """
 from __future__ import annotations
@@ -130,6 +133,102 @@ def verify(path) -> bool:
     if mine:
         others = [c for c in others if int(_NAME.match(c.name).group(1)) < int(mine.group(1))]
     return verify_manifest(path, others[-1] if others else None)
+
+
+def seal(path) -> dict:
+    """Vouch for a checkpoint assembled by hand (not written by megatrain_nb): write its
+    ``manifest.json`` over the files it holds now, so that a resume accepts it. This is the one
+    explicit opt-out from "a checkpoint without a manifest is damaged"; run it only on a folder
+    whose every file you trust. Returns the manifest."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"seal({str(path)!r}): not a folder")
+    return write_manifest(path)
+
+
+# -- the model a checkpoint belongs to ---------------------------------------------------------
+
+_DESCRIBE = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+             "num_key_value_heads", "vocab_size", "n_layer", "n_embd", "n_head")
+
+
+def model_record(engine) -> dict:
+    """What a checkpoint records about the model that wrote it: a description (type, layers,
+    widths, its name or path) and every parameter's name and shape, the part that is checked."""
+    config = engine.model_config
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    describe = {k: cfg[k] for k in _DESCRIBE if cfg.get(k) is not None}
+    name = getattr(config, "name_or_path", None) or cfg.get("_name_or_path")
+    if name:
+        describe["name_or_path"] = str(name)
+    if cfg.get("architectures"):
+        describe["architectures"] = list(cfg["architectures"])
+    params = {p.name: list(p.shape) for u in engine.units for p in u.params}
+    return {"describe": describe, "parameters": params}
+
+
+def _describe(record: dict) -> str:
+    d = dict(record.get("describe") or {})
+    kind = (d.pop("architectures", None) or [d.get("model_type", "?")])[0]
+    name = d.pop("name_or_path", None)
+    d.pop("model_type", None)
+    sizes = ", ".join(f"{k}={d[k]}" for k in _DESCRIBE if k in d)   # one order, whatever JSON kept
+    return f"a {kind} model ({sizes}{', from ' + repr(name) if name else ''})"
+
+
+def check_model(path, engine) -> None:
+    """Refuse a checkpoint written by another model: a parameter it lacks, holds in another shape,
+    or holds that this model does not have (a 3-layer checkpoint into a 2-layer model). Checked
+    against the record the checkpoint carries; a checkpoint made by hand without one is checked
+    against the tensors its weights file names."""
+    path = Path(path)
+    mine = model_record(engine)
+    meta = read_json(path / STATE_FILE) if (path / STATE_FILE).is_file() else {}
+    theirs = meta.get("model") if isinstance(meta, dict) else None
+    if isinstance(theirs, dict) and isinstance(theirs.get("parameters"), dict):
+        saved = {k: list(v) for k, v in theirs["parameters"].items()}
+        writer = _describe(theirs)
+    else:
+        saved = _weights_in(path)
+        if saved is None:
+            return   # a sharded checkpoint from before models were recorded: its shards are checked by unit
+        writer = "a model that did not record itself (a checkpoint made by hand or by an older version)"
+    want = mine["parameters"]
+    extra = sorted(set(saved) - set(want))
+    missing = sorted(set(want) - set(saved))
+    shape = sorted(k for k in set(saved) & set(want) if list(saved[k]) != list(want[k]))
+    if not (extra or missing or shape):
+        return
+    parts = []
+    if shape:
+        k = shape[0]
+        parts.append(f"{len(shape)} parameter(s) differ in shape, e.g. {k!r}: {tuple(saved[k])} in the checkpoint, "
+                     f"{tuple(want[k])} in this model")
+    if extra:
+        parts.append(f"{len(extra)} parameter(s) this model does not have, e.g. {extra[0]!r}")
+    if missing:
+        parts.append(f"{len(missing)} of this model's parameters are missing, e.g. {missing[0]!r}")
+    raise CheckpointError(f"checkpoint {str(path)!r} was written by {writer}; this Trainer's model is "
+                          f"{_describe(mine)}: " + "; ".join(parts) + ". Resume it with the model that wrote it, "
+                          "or start this model from its own checkpoints")
+
+
+def _weights_in(path: Path) -> Optional[dict]:
+    """name -> shape of the tensors in a checkpoint's Hugging Face weights files (None: there are none)."""
+    from safetensors import safe_open
+
+    from megatrain_nb.engine.io import shard_files
+
+    try:
+        files = shard_files(path)
+    except FileNotFoundError:
+        return None
+    out = {}
+    for f in sorted(set(files.values())):
+        with safe_open(f, "pt") as fh:
+            for k in fh.keys():
+                out[k] = list(fh.get_slice(k).get_shape())
+    return out
 
 
 def remove_stale_temporaries(output_dir) -> list[str]:

@@ -7,7 +7,8 @@ runs a :class:`RunControl`:
   the JupyterLab sidebar and ``mt.Session.attach(name)`` see one run, not N) and takes commands
   through its inbox (``lab/beacon.py``: private folder, ``O_NOFOLLOW`` reads);
 - at every optimizer-step boundary rank 0 hands the commands received since the last boundary
-  to every rank in one small collective (``all_gather_object`` of a few dicts on the main group,
+  to every rank in one small collective (``Dist.all_gather_json``: a few dicts as JSON bytes, never
+  pickled, on the main group,
   bounded by the group's timeout), and every rank applies them in the same order at the same
   step; rank 0 records each in ``metrics.jsonl`` as ``{"event": "control", "kind", "step", ...}``;
 - the same collective carries each rank's ``memory_report()`` on logging steps, so the one log
@@ -24,6 +25,7 @@ folder's name) and ``MEGATRAIN_NB_SESSION_ID`` fixes its heartbeat id.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import queue
 import sys
@@ -124,9 +126,9 @@ class RunControl:
 
     def _exchange(self, record: Optional[dict], wait: float) -> None:
         mine = {"commands": self._drain(wait) if self.dist.is_main else [],
-                "memory": record.get("memory") if record is not None else None}
+                "memory": _plain(record.get("memory")) if record is not None else None}
         if self.dist.world > 1:
-            gathered = self.dist.all_gather_object(mine)
+            gathered = self.dist.all_gather_json(mine)
         else:
             gathered = [mine]
         if record is not None and any(g["memory"] is not None for g in gathered):
@@ -215,3 +217,8 @@ class _Announced:
     def save_checkpoint(self, path: Optional[str] = None, *, source: str = "lab",
                         command_id: Optional[str] = None) -> None:
         self._c.request("checkpoint", path, source=source, command_id=command_id)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain JSON data (what metrics.jsonl would hold: unknown objects as text)."""
+    return json.loads(json.dumps(value, default=str)) if value is not None else None

@@ -124,14 +124,22 @@ def write_manifest(folder, *, algorithm: str = ALGORITHM, chunk: int = CHUNK_BYT
 
 def verify_manifest(folder, previous: Optional[Path] = None) -> bool:
     """Check every file listed in ``folder/manifest.json``; raise :class:`IntegrityError` naming
-    the first bad file and ``previous`` (the checkpoint to fall back to). Returns False when the
-    folder has no manifest (written before manifests existed), True when all files match."""
+    the first bad file and ``previous`` (the checkpoint to fall back to). A folder without a
+    manifest is refused (every checkpoint megatrain_nb writes has one, so its absence is damage),
+    and so is a file the manifest does not list. Returns True when all files match.
+
+    A checkpoint assembled by hand has no manifest: :func:`seal` writes one for it, the one
+    explicit way to vouch for files this package did not write."""
     folder = Path(folder)
     path = folder / MANIFEST
-    if not path.is_file():
-        return False
     hint = (f"Resume from the previous checkpoint instead: resume_from_checkpoint={str(previous)!r}"
             if previous is not None else "There is no earlier checkpoint in that folder to fall back to")
+    if not path.is_file():
+        raise IntegrityError(
+            f"checkpoint {str(folder)!r} has no {MANIFEST}: every checkpoint megatrain_nb writes carries one, so "
+            f"it was removed or lost and nothing in the folder can be checked. {hint}. If you assembled this "
+            f"checkpoint yourself, vouch for its files with megatrain_nb.trainer.checkpoint.seal({str(folder)!r}), "
+            "which writes the manifest")
     try:
         manifest = json.loads(path.read_text())
         files, algorithm, fmt = manifest["files"], manifest.get("algorithm"), manifest.get("format", 1)
@@ -151,6 +159,9 @@ def verify_manifest(folder, previous: Optional[Path] = None) -> bool:
         raise IntegrityError(f"checkpoint {str(folder)!r}: its {MANIFEST} is damaged ({e!s}). {hint}") from None
 
     problems: dict[str, str] = {}
+    for name in sorted(set(_files(folder)) - set(want)):
+        problems[name] = (f"{str(folder / name)!r} is not listed in its {MANIFEST} (added after the checkpoint was "
+                          "written, or its entry was removed)")
     present = []
     for name, (size, digests) in sorted(want.items()):
         f = folder / name

@@ -24,8 +24,10 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -35,7 +37,13 @@ from megatrain_nb.atomic import commit_dir, staging_dir, temp_name
 
 from ..engine.dist import Dist
 from . import checkpoint as ckpt
-from .args import default_values, engine_options_from_args, validate_training_args
+from .args import (
+    check_learning_rate,
+    default_values,
+    engine_options_from_args,
+    training_arguments,
+    validate_training_args,
+)
 from .data import (
     BatchStream,
     ColumnFilter,
@@ -57,7 +65,7 @@ def _coerce_args(args):
     if args is None:
         return TrainingArguments(output_dir="megatrain_outputs")
     if isinstance(args, dict):
-        return TrainingArguments(**{"output_dir": "megatrain_outputs", **args})
+        return training_arguments({"output_dir": "megatrain_outputs", **args}, where="args")
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"args must be a transformers.TrainingArguments (or a dict of its fields), "
                         f"got {type(args).__name__}")
@@ -112,6 +120,10 @@ class Trainer:
             raise ValueError(f"revision={revision!r} applies to a model given by name (a Hub id); "
                              f"model is a {type(model).__name__}")
         self.model, self._engine = self._build_engine(model, engine_options)
+        # The engine this Trainer built is its own: released with it (close(), the with block,
+        # or when the Trainer is collected, e.g. after a failed train() and `del trainer`).
+        self._finalizer = (weakref.finalize(self, _release_engine, self._engine)
+                           if not _is_engine(model) else None)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)
         self.seq_len = seq_len or _default_seq_len(self._engine)
@@ -195,8 +207,7 @@ class Trainer:
     # ------------------------------------------------------------------ live controls (Session seam)
     def set_lr(self, lr: float) -> None:
         """From the next optimizer step the learning rate is ``lr``; the schedule carries on relative to it."""
-        if not (lr >= 0):
-            raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
+        lr = check_learning_rate(lr)
         if self._running:
             self.schedule.set_lr(lr)
         else:
@@ -246,7 +257,7 @@ class Trainer:
                 self._engine.zero_grad()
             self.run_id = self.run_id or uuid.uuid4().hex[:12]
             if self.dist.world > 1:   # one run: every rank takes rank 0's id
-                self.run_id = self.dist.all_gather_object(self.run_id)[0]
+                self.run_id = self.dist.all_gather_json(self.run_id)[0]
             self.metrics_log.run_id = self.run_id
             self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
                                     "resumed_from": str(resume) if resume is not None else None,
@@ -320,15 +331,19 @@ class Trainer:
                           "to continue from the last complete checkpoint", stacklevel=3)
         if self.dist.world == 1:
             return ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        found = error = None
+        found = error = mine = None
         if self.dist.is_main:
             try:
                 found = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
             except Exception as e:   # handed to every rank: the others must not wait for rank 0
                 error = e
-        found, error = self.dist.all_gather_object((str(found) if found is not None else None, error))[0]
+                mine = [type(e).__name__, str(e)]
+        found, told = self.dist.all_gather_json([str(found) if found is not None else None, mine])[0]
         if error is not None:
             raise error
+        if told is not None:   # the others raise what rank 0 raised, rebuilt from its name and text
+            kind = {"CheckpointError": ckpt.CheckpointError, "IntegrityError": ckpt.IntegrityError}.get(told[0])
+            raise kind(told[1]) if kind is not None else RuntimeError(f"rank 0: {told[0]}: {told[1]}")
         return Path(found) if found is not None else None
 
     def _train_window(self, window: list, total: int) -> dict:
@@ -513,7 +528,7 @@ class Trainer:
                 "micro_batches_per_step": self.args.gradient_accumulation_steps * self.dist.world,
                 "world_size": self.dist.world,
                 "seed": self.args.seed, "data_seed": self.args.data_seed,
-                "run_id": self.run_id, "saved_at": time.time()}
+                "run_id": self.run_id, "saved_at": time.time(), "model": ckpt.model_record(self._engine)}
 
         def write(tmp: Path) -> None:
             _refuse_non_finite(self._engine, final)
@@ -552,7 +567,7 @@ class Trainer:
             ckpt.remove_stale_temporaries(final.parent)
             tmp = Path(temp_name(final))
             tmp.mkdir()
-        tmp = Path(d.all_gather_object(str(tmp) if tmp is not None else None)[0])
+        tmp = Path(d.all_gather_json(str(tmp) if tmp is not None else None)[0])
         try:
             self._engine.save_checkpoint(str(tmp))    # collective: each rank its file, then a barrier
             if d.is_main:   # every rank's shards are written (the barrier ending save_checkpoint)
@@ -572,6 +587,7 @@ class Trainer:
         from transformers.trainer_callback import TrainerState
 
         ckpt.verify(path)  # before reading anything from it
+        ckpt.check_model(path, self._engine)
         meta = ckpt.read_json(path / ckpt.STATE_FILE)
         mine = {"batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
@@ -614,7 +630,15 @@ class Trainer:
         self.callback_handler.remove_callback(callback)
 
     def close(self) -> None:
-        """Release the engine (device memory, threads, disk-tier files)."""
+        """Release the engine (device memory, threads, disk-tier files). Also done at the end of
+        a ``with`` block (whether or not training raised) and, for an engine the Trainer built,
+        when the Trainer is garbage-collected: keep the Trainer while you use its ``engine``.
+
+        >>> with mt.Trainer(model=model, train_dataset=ds, args=args) as trainer:   # doctest: +SKIP
+        ...     trainer.train()
+        """
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self._engine.close()
 
     def __enter__(self):
@@ -622,6 +646,19 @@ class Trainer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _release_engine(engine) -> None:
+    """The finalizer of a collected Trainer: close its engine (joins the engine's threads, so a
+    failed run leaves none behind). On one of the engine's own worker threads (names
+    ``mtnb-*``) joining could wait on itself: there the engine's own finalizer lets the
+    workers exit by themselves instead."""
+    if threading.current_thread().name.startswith("mtnb-"):
+        return
+    try:
+        engine.close()
+    except Exception:  # noqa: BLE001 - a finalizer cannot report; the engine says why on its next use
+        pass
 
 
 def _refuse_non_finite(engine, final) -> None:

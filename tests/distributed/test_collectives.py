@@ -159,3 +159,28 @@ def test_transformers_ddp_hint_is_silenced_once_dist_owns_the_group(tmp_path, wh
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert ("parallel_mode != ParallelMode.DISTRIBUTED" in out.stderr) == (who == "plain"), out.stderr
+
+def test_control_messages_travel_as_json_never_pickled(two_ranks):
+    want = [{"rank": r, "text": "é✓" * (r * 50), "values": [1.5, None, True, float("inf")], "t": [r, "x"]}
+            for r in range(2)]
+    for res in two_ranks:
+        assert res["json"] == want and res["json_fb"] == want
+    assert "not JSON serializable" in two_ranks[1]["json_refused"]
+    assert Dist.single().all_gather_json({"a": (1, 2)}) == [{"a": [1, 2]}]
+
+
+def test_no_module_exchanges_pickles_between_ranks():
+    """torch.distributed's *_object collectives unpickle what a peer sends: none is used."""
+    import re
+
+    pkg = Path(__file__).resolve().parents[2] / "megatrain_nb"
+    pattern = re.compile(r"\b(all_gather_object|gather_object|broadcast_object_list|scatter_object_list|"
+                         r"send_object_list|recv_object_list|pickle\.loads?|torch\.load)\(")
+    found = [f"{p.relative_to(pkg)}:{i}" for p in sorted(pkg.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    # the one torch.load reads an old checkpoint file with weights_only=True (tests/trainer/test_integrity.py)
+    assert found == ["trainer/checkpoint.py:" + str(_line_of(pkg / "trainer" / "checkpoint.py", "torch.load("))], found
+
+
+def _line_of(path, text):
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)

@@ -121,7 +121,7 @@ def test_a_worker_that_fails_ends_wait_naming_the_rank(tmp_path, how):
     t0 = time.monotonic()
     s.train()
     message = (r"rank 1 \(pid \d+\) failed: ValueError: boom on rank 1 at step 2" if how == "raises"
-               else r"rank 1 died \(exit code 9\) without raising")
+               else r"rank 1 \(pid \d+\) died \(exit code 9\) without raising")
     with pytest.raises(WorkerError, match=message) as info:
         s.wait(timeout=BOUND)
     assert time.monotonic() - t0 < BOUND and s.state == "failed"
@@ -129,6 +129,46 @@ def test_a_worker_that_fails_ends_wait_naming_the_rank(tmp_path, how):
     if how == "raises":
         assert "on_step_end" in info.value.remote_traceback
     assert s.events[-1]["kind"] == "error" and "rank 1" in s.events[-1]["error"]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_with_signal_9_is_named_first_not_the_rank_its_death_broke(tmp_path):
+    """kill -9 of rank 1 mid-run (what the OOM killer does): rank 0 then fails in its next
+    collective, but the error names rank 1, how it died, and rank 0's failure as the consequence."""
+    import psutil
+
+    import megatrain_nb as mt
+    from megatrain_nb.notebook.remote import WorkerError
+
+    args, micro_model, token_dataset = _data()
+    s = mt.Session(micro_model(), train_dataset=token_dataset(64), nproc_per_node=2, device="cpu",
+                   args=args(tmp_path / "out", max_steps=100000))
+    t0 = time.monotonic()
+    s.train()
+    _until(lambda: s.step >= 2 or s.state == "failed", "two steps")
+
+    def rank1():
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if "megatrain_nb.notebook.launch_worker" in " ".join(p.info["cmdline"] or []) and \
+                        p.environ().get("RANK") == "1" and str(tmp_path / "runtime") in p.environ().get(
+                            "MEGATRAIN_NB_RUNTIME_DIR", ""):
+                    return p
+            except psutil.Error:
+                continue
+        return None
+
+    victim = rank1()
+    assert victim is not None
+    victim.kill()   # SIGKILL
+    with pytest.raises(WorkerError) as info:
+        s.wait(timeout=BOUND)
+    assert time.monotonic() - t0 < 2 * BOUND and s.state == "failed"
+    msg = str(info.value)
+    assert info.value.rank == 1, msg
+    assert msg.startswith(f"rank 1 (pid {victim.pid}) was killed (signal 9, SIGKILL)"), msg
+    if "rank 0" in msg:   # rank 0 failed in a collective (or the agent stopped it first)
+        assert msg.index("rank 1") < msg.index("then, as a consequence: rank 0"), msg
 
 
 def test_attach_follows_and_steers_a_torchrun_job(tmp_path):

@@ -48,6 +48,17 @@ def rest(d, res, out_dir):
     res["tokens"] = d.sum(10 * (r + 1))
     res["traffic_sent"], res["traffic_min"] = dict(d.traffic.sent), dict(d.traffic.minimum)
     d.check_same("codec", "int8")
+    # control messages: JSON in byte tensors, of different lengths per rank, native and fallback
+    msg = {"rank": r, "text": "é✓" * (r * 50), "values": [1.5, None, True, float("inf")], "t": (r, "x")}
+    res["json"] = d.all_gather_json(msg)
+    native = d._native
+    d._native = {"gather": False, "reduce_scatter": False}
+    res["json_fb"] = d.all_gather_json(msg)
+    d._native = native
+    try:
+        d.all_gather_json(object()) if r == 1 else None   # refused before any collective
+    except TypeError as e:
+        res["json_refused"] = str(e)
     try:
         d.check_same("seed", 1234 + r)
         res["disagree"] = None

@@ -304,3 +304,66 @@ def test_enum_state_deque_history_and_sparse_memory(runtime_root, beacon_for):
         s.history.append({"step": 302, "loss": 1.0})
     # ... and once seen, the latest memory report stays until a newer one comes
     assert b.snapshot()["memory"] == {"host": {"used_bytes": 5}}
+
+
+def _refused(s):
+    return get_session(s.id).get("refused_commands") or []
+
+
+def test_an_oversized_command_file_is_refused_unread(runtime_root, beacon_for):
+    import resource
+
+    s = FakeSession()
+    b = beacon_for(s, poll=0.05)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    big = b.inbox / "1-big.json"
+    with open(big, "wb") as f:   # a sparse 300 MB file: cheap to make, expensive to read
+        f.truncate(300 << 20)
+    (b.inbox / "2-ok.json").write_text('{"command": "pause", "value": null}')
+    wait_for(lambda: s.state == "paused")
+    refused, _ = wait_for(lambda: _refused(s))
+    assert refused[0]["id"] == "1-big" and "over the 4096-byte limit; not read" in refused[0]["error"]
+    assert not big.exists()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100 << 10   # KiB: never read whole
+
+
+def test_a_folder_named_like_a_command_is_moved_aside_and_reported_once(runtime_root, beacon_for, caplog):
+    import logging
+
+    s = FakeSession()
+    caplog.set_level(logging.WARNING, logger="megatrain_nb.lab.beacon")
+    b = beacon_for(s, poll=0.02)
+    (b.inbox / "1-dir.json").mkdir()
+    os.mkfifo(b.inbox / "2-fifo.json")
+    wait_for(lambda: len(_refused(s)) == 2)
+    time.sleep(0.5)   # some 25 polls
+    assert sorted(p.name for p in b.inbox.iterdir()) == [".refused-1-dir.json", ".refused-2-fifo.json"]
+    assert [r["id"] for r in _refused(s)] == ["1-dir", "2-fifo"]
+    assert "not a regular file" in _refused(s)[0]["error"]
+    warned = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warned) == 2, [r.getMessage() for r in warned]
+    enqueue_command(s.id, "pause")   # the inbox goes on working
+    wait_for(lambda: s.state == "paused")
+    assert b.running
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"command": {"a": {"b": {"c": {"d": 1}}}}}',
+                                  "not json"])
+def test_bad_or_deeply_nested_json_is_refused_and_recorded(runtime_root, beacon_for, text):
+    s = FakeSession()
+    b = beacon_for(s, poll=0.05)
+    (b.inbox / "1-deep.json").write_text(text[:4000] if len(text) > 4000 and text[0] == "{" else text)
+    refused, _ = wait_for(lambda: _refused(s))
+    assert refused[0]["id"] == "1-deep" and "CommandError" in refused[0]["error"]
+    assert get_session(s.id)["last_command"]["ok"] is False
+    assert s.events == [] and b.running
+
+
+def test_command_json_limits():
+    from megatrain_nb.lab.protocol import MAX_COMMAND_BYTES, parse_command_json
+
+    assert parse_command_json(b'{"command": "lr", "value": "[[[[[["}') == {"command": "lr", "value": "[[[[[["}
+    assert parse_command_json('{"command": "x", "value": "\\\\\\"[[[[[["}')["value"] == '\\"[[[[[['
+    for bad, why in [(b"[" * 3000, "nests"), (b" " * (MAX_COMMAND_BYTES + 1), "at most"), (b"{", "not valid JSON")]:
+        with pytest.raises(CommandError, match=why):
+            parse_command_json(bad)

@@ -163,3 +163,18 @@ def test_cookie_authenticated_post_needs_xsrf(fetch, running):
                                 "X-XSRFToken": jar["_xsrf"].value})
     assert code == 202
     wait_for(lambda: running.state == "paused")
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("[" * 100_000 + "]" * 100_000, "at most 4096 bytes"),
+    ("[" * 1000 + "]" * 1000, "nests 1000 levels"),
+    ('{"command": "pause", "value": [[[[[[1]]]]]]}', "nests"),
+])
+def test_deeply_nested_or_huge_bodies_are_400_and_logged(fetch, running, body, message, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    code, data, _ = fetch("megatrain-nb", "sessions", running.id, "command", method="POST", body=body)
+    assert code == 400 and message in data["message"], (code, data)
+    assert running.events == []
+    assert any("refused a command" in r.getMessage() for r in caplog.records)

@@ -224,3 +224,34 @@ def test_a_killed_kernels_launch_folder_is_reclaimed_at_the_next_start(tmp_path)
     finally:
         live.kill()
         live.wait(timeout=30)
+
+def test_unusable_args_are_refused_before_any_worker_starts(tmp_path):
+    from megatrain_nb.trainer.args import UnsupportedArgumentError
+
+    with pytest.raises(UnsupportedArgumentError, match="per_device_train_batch_size=0"):
+        _write(tmp_path, args={"output_dir": str(tmp_path / "o"), "per_device_train_batch_size": 0})
+    with pytest.raises(UnsupportedArgumentError, match=r"did you mean 'learning_rate'"):
+        _write(tmp_path, args={"output_dir": str(tmp_path / "o"), "learnig_rate": 1e-4})
+
+
+def test_the_first_failing_rank_is_named_and_how():
+    from megatrain_nb.notebook.rank_watch import describe_death, first_failure
+
+    reset = {"rank": 0, "pid": 10, "type": "RuntimeError", "message": "gloo: Connection reset by peer", "time": 100.3}
+    # rank 1 was SIGKILLed while memory was near its limit; rank 0's error followed from it
+    rank, how, then = first_failure([reset], {1: {"pid": 11, "exit_code": "-9", "gone_at": 100.35, "memory": 0.97}})
+    assert rank == 1 and how == "rank 1 (pid 11) was killed (signal 9, SIGKILL) — out of memory? (memory was at " \
+                                 "97% of its limit just before)"
+    assert then == ["rank 0 (pid 10) failed: RuntimeError: gloo: Connection reset by peer"]
+    # memory far from the limit: no OOM guess
+    assert "out of memory?" not in describe_death(1, 11, "-9", 0.3)
+    assert "from outside the run" in describe_death(1, 11, "-9", 0.3)
+    # an exception first, a rank that vanished long after: the exception is the cause
+    boom = {"rank": 1, "pid": 11, "type": "ValueError", "message": "boom", "time": 100.0}
+    rank, how, then = first_failure([boom], {0: {"pid": 10, "exit_code": None, "gone_at": 130.0, "memory": None}})
+    assert rank == 1 and how == "rank 1 (pid 11) failed: ValueError: boom" and "rank 0" in then[0]
+    # only errors: the earliest
+    rank, how, _ = first_failure([boom, reset], {})
+    assert rank == 1
+    assert describe_death(2, None, "9", None) == "rank 2 died (exit code 9) without raising (killed? out of memory?)"
+    assert describe_death(2, 5, "-11", None).startswith("rank 2 (pid 5) was killed by signal 11 (SIGSEGV)")

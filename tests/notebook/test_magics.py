@@ -44,6 +44,10 @@ def test_controls_act_on_the_current_session(ip, fake_session, capsys):
     assert "learning rate 0.0005" in capsys.readouterr().out
     ip.run_line_magic("megatrain", "lr fast")
     assert "not a learning rate" in capsys.readouterr().out
+    ip.run_line_magic("megatrain", "lr 1e10")   # the Trainer's, the Session's and the sidebar's rule
+    assert "implausibly large (the limit is 10" in capsys.readouterr().out
+    ip.run_line_magic("megatrain", "lr 0")
+    assert "must be a finite number > 0" in capsys.readouterr().out
     ip.run_line_magic("megatrain", "status")
     out = capsys.readouterr().out
     assert "paused" in out and f"step {held}/3000" in out and "lr" in out

@@ -82,3 +82,64 @@ def test_args_as_dict_and_none(tmp_path, monkeypatch):
     tr = Trainer(model=micro_model(), train_dataset=token_dataset(), args={"max_steps": 3}, device="cpu")
     assert tr.total_steps == 3 and tr.args.output_dir.endswith("megatrain_outputs")
     assert Trainer(model=micro_model(), device="cpu").args.per_device_train_batch_size == 8
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("per_device_train_batch_size", 0, "per_device_train_batch_size=0"),
+    ("gradient_accumulation_steps", -2, "gradient_accumulation_steps=-2"),
+    ("learning_rate", -1e-3, "learning_rate must be a finite number > 0"),
+    ("learning_rate", 1e10, r"learning_rate 1e\+10 is implausibly large"),
+])
+def test_unusable_values_are_refused_when_the_trainer_or_session_is_built(tmp_path, field, value, text):
+    from megatrain_nb.notebook import Session
+
+    a = TrainingArguments(output_dir=str(tmp_path), report_to="none", **{field: value})
+    with pytest.raises(UnsupportedArgumentError, match=text):
+        Trainer(model=micro_model(), train_dataset=token_dataset(4), args=a, device="cpu")
+    with pytest.raises(UnsupportedArgumentError, match=text):
+        Session(micro_model(), train_dataset=token_dataset(4), args=a, device="cpu")
+    with pytest.raises(UnsupportedArgumentError, match=text):   # a dict of fields too
+        Trainer(model=micro_model(), train_dataset=token_dataset(4), device="cpu",
+                args={"output_dir": str(tmp_path), field: value})
+
+
+def test_a_misspelled_field_in_a_dict_suggests_the_closest_name(tmp_path):
+    with pytest.raises(UnsupportedArgumentError, match=r"args.learning_rte \(did you mean 'learning_rate'\?\)"):
+        Trainer(model=micro_model(), train_dataset=token_dataset(4), device="cpu",
+                args={"output_dir": str(tmp_path), "learning_rte": 1e-4})
+
+
+BAD_LRS = [0, -1e-4, float("nan"), float("inf"), 10.5, 1e10, True, None, "fast"]
+GOOD_LRS = [1e-6, 3e-4, 10]
+
+
+def test_one_learning_rate_rule_for_trainer_session_commands_and_the_sidebar(tmp_path):
+    """Trainer.set_lr, Session.set_lr, the server's and the beacon's command check and the
+    sidebar's own check accept and refuse the same values."""
+    import re
+    from pathlib import Path
+
+    from megatrain_nb.lab.protocol import CommandError, validate_command
+    from megatrain_nb.learning_rate import MAX_LEARNING_RATE
+    from megatrain_nb.notebook import Session
+
+    tr = Trainer(model=micro_model(), train_dataset=token_dataset(4), device="cpu",
+                 args=TrainingArguments(output_dir=str(tmp_path), report_to="none"))
+    session = Session.from_trainer(tr)
+    try:
+        for lr in BAD_LRS:
+            for set_lr in (tr.set_lr, session.set_lr):
+                with pytest.raises(ValueError):
+                    set_lr(lr)
+            with pytest.raises(CommandError):
+                validate_command("lr", lr)
+        for lr in GOOD_LRS:
+            tr.set_lr(lr)
+            session.set_lr(lr)
+            assert validate_command("lr", lr) == ("lr", float(lr))
+    finally:
+        session.close()
+        tr.close()
+    ts = (Path(__file__).resolve().parents[2] / "extension" / "src" / "commands.ts").read_text()
+    assert re.search(r"export const MAX_LR = (\S+);", ts).group(1) == f"{MAX_LEARNING_RATE:g}"
+    assert "value <= 0" in ts   # the sidebar's lower bound: > 0, as check_learning_rate

@@ -171,3 +171,100 @@ def test_a_manifest_naming_an_unknown_algorithm_or_format_is_refused(tmp_path, e
     (d / "manifest.json").write_text(json.dumps({**m, **edit}))
     with pytest.raises(IntegrityError, match="manifest.json is damaged"):
         mf.verify_manifest(d)
+
+
+def _flip_weights(c):
+    w = next(p for p in c.iterdir() if p.name.startswith("model") and p.suffix == ".safetensors")
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    w.write_bytes(bytes(data))
+    return w
+
+
+def test_a_checkpoint_stripped_of_its_manifest_is_refused_naming_it_and_the_previous_one(saved, tmp_path):
+    out = _copy(saved, tmp_path)
+    c4 = out / "checkpoint-4"
+    (c4 / "manifest.json").unlink()
+    _flip_weights(c4)
+    tr = _trainer(out)
+    with pytest.raises(IntegrityError) as e:
+        tr.train(resume_from_checkpoint=True)
+    tr.close()
+    msg = str(e.value)
+    assert "no manifest.json" in msg and str(c4) in msg and str(out / "checkpoint-2") in msg, msg
+    assert "seal(" in msg, msg   # the documented opt-out for a checkpoint made by hand
+
+
+def test_a_file_whose_manifest_entry_was_removed_is_refused(saved, tmp_path):
+    out = _copy(saved, tmp_path)
+    c4 = out / "checkpoint-4"
+    w = _flip_weights(c4)
+    m = json.loads((c4 / "manifest.json").read_text())
+    del m["files"][w.name]
+    (c4 / "manifest.json").write_text(json.dumps(m))
+    tr = _trainer(out)
+    with pytest.raises(IntegrityError, match=rf"{w.name}.*not listed in its manifest.json"):
+        tr.train(resume_from_checkpoint=True)
+    tr.close()
+    (c4 / "extra.bin").write_bytes(b"x")   # a file added later is refused the same way
+    ckpt.seal(c4)
+    (c4 / "added.txt").write_text("later")
+    with pytest.raises(IntegrityError, match="added.txt.*not listed"):
+        ckpt.verify(c4)
+
+
+def test_sealing_a_hand_made_checkpoint_is_the_explicit_way_to_resume_it(saved, tmp_path):
+    out = _copy(saved, tmp_path)
+    c4 = out / "checkpoint-4"
+    (c4 / "manifest.json").unlink()
+    with pytest.raises(IntegrityError):
+        ckpt.verify(c4)
+    ckpt.seal(c4)
+    tr = _trainer(out)
+    tr.train(resume_from_checkpoint=str(c4))   # max_steps=4: resumes at 4 and ends
+    assert tr.state.global_step == 4
+    tr.close()
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_a_checkpoint_of_another_model_is_refused_naming_the_model_that_wrote_it(tmp_path, record):
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    a = args(out, max_steps=2, save_strategy="steps", save_steps=2)
+    tr = Trainer(model=micro_model(layers=3), train_dataset=token_dataset(12), args=a, device="cpu")
+    tr.train()
+    tr.close()
+    c2 = out / "checkpoint-2"
+    meta = json.loads((c2 / "megatrain_state.json").read_text())
+    assert meta["model"]["describe"]["num_hidden_layers"] == 3
+    if not record:   # a checkpoint without the record (made by hand): its weights file is checked
+        del meta["model"]
+        (c2 / "megatrain_state.json").write_text(json.dumps(meta))
+        ckpt.seal(c2)
+    a = args(out, max_steps=4, save_strategy="no")
+    tr = Trainer(model=micro_model(layers=2), train_dataset=token_dataset(12), args=a, device="cpu")
+    with pytest.raises(ckpt.CheckpointError) as e:
+        tr.train(resume_from_checkpoint=str(c2))
+    tr.close()
+    msg = str(e.value)
+    assert str(c2) in msg and "layers.2." in msg and "this model does not have" in msg, msg
+    if record:
+        assert "num_hidden_layers=3" in msg and "num_hidden_layers=2" in msg, msg
+
+
+def test_a_checkpoint_with_a_parameter_of_another_shape_is_refused(tmp_path):
+    from megatrain_nb.trainer.presets import preset_config
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    tr = Trainer(model=micro_model(), train_dataset=token_dataset(12), device="cpu",
+                 args=args(out, max_steps=2, save_strategy="steps", save_steps=2))
+    tr.train()
+    tr.close()
+    torch.manual_seed(0)
+    wider = AutoModelForCausalLM.from_config(preset_config("micro", num_hidden_layers=2, intermediate_size=96))
+    tr = Trainer(model=wider, train_dataset=token_dataset(12), device="cpu", args=args(out, max_steps=4))
+    with pytest.raises(ckpt.CheckpointError, match=r"differ in shape.*mlp"):
+        tr.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    tr.close()

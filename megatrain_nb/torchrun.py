@@ -1,0 +1,136 @@
+"""``python -m megatrain_nb.torchrun``: torchrun for one machine, every socket on loopback.
+
+torchrun's rendezvous store (a ``TCPStore``, in the agent process ``pt_elastic``) listens on
+every interface (``::``) whatever ``--master-addr`` says, and has no authentication: anyone who
+reaches the port can read and write the run's keys. On one machine nothing needs to reach it
+from outside, so this wrapper takes the arguments torchrun takes and, for a single-node launch:
+
+- binds the store's socket to 127.0.0.1 itself and hands it to a ``TCPStore`` server
+  (``master_listen_fd``) created as ``multi_tenant`` before torchrun starts: the agent's own
+  store on that port, in the same process, is then this server (torch keeps one server per port
+  per process) instead of a new one on ``::``;
+- with the c10d rendezvous (what restarts need, see the README), the workers host their own
+  store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, set here) at ``--local-addr 127.0.0.1``:
+  rank 0 binds it to loopback the same way (:func:`megatrain_nb.engine.dist.Dist.from_env`);
+- the workers' gloo (and NCCL bootstrap) sockets go on the loopback interface
+  (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME=lo`` unless set).
+
+Then it runs torch's own ``torch.distributed.run.main``. A multi-node launch (``--nnodes`` > 1)
+is passed through unchanged: its ports must be reachable by the other nodes, so they belong on a
+private network (README, "Several machines").
+
+    python -m megatrain_nb.torchrun --nproc-per-node 2 train.py
+"""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import sys
+from typing import Optional
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_IFNAME = "lo"
+_C10D_DEFAULT_PORT = 29400
+
+
+def is_loopback(host: Optional[str]) -> bool:
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_store(port: int = 0, *, world_size: Optional[int] = None, timeout_s: float = 600.0):
+    """A ``TCPStore`` server listening on 127.0.0.1 only (``port`` 0: a free one), registered as
+    the process's multi-tenant server for its port, so a later ``TCPStore(..., is_master=True,
+    multi_tenant=True)`` on that port in this process (torchrun's agent, ``init_process_group``)
+    reuses it. Keep the returned store alive as long as the run."""
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, int(port)))
+        sock.listen(128)
+        bound = sock.getsockname()[1]
+        store = TCPStore(LOOPBACK, bound, world_size, True, datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()   # the server listens on this very descriptor from now on: never close it here
+    return store
+
+
+def loopback_env(env: Optional[dict] = None) -> dict:
+    """The environment variables that put the workers' collective sockets on loopback."""
+    env = os.environ if env is None else env
+    out = {}
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if not env.get(name):
+            out[name] = LOOPBACK_IFNAME
+    return out
+
+
+def _single_node(nnodes: Optional[str]) -> bool:
+    return all(x.strip() == "1" for x in str(nnodes or "1").split(":"))
+
+
+def loopback_argv(argv: list[str]) -> tuple[list[str], Optional[object], dict]:
+    """(torchrun's arguments, the store to keep alive, environment to add) for ``argv``; for a
+    multi-node launch ``argv`` unchanged, no store, no environment. Read with torchrun's own
+    parser; the settings that put the rendezvous on loopback are added right before the script
+    (torchrun takes the last value given)."""
+    from torch.distributed.run import get_args_parser
+
+    ns = get_args_parser().parse_args(argv)
+    if not _single_node(ns.nnodes):
+        return argv, None, {}
+    at = len(argv) - len(ns.training_script_args) - 1    # where the script (or module) starts
+    head = [a for a in argv[:at] if a != "--standalone"]
+    backend = "c10d" if ns.standalone else ns.rdzv_backend
+    env = loopback_env()
+    if backend == "static":
+        if not is_loopback(ns.master_addr):
+            raise SystemExit(f"megatrain_nb.torchrun: --master-addr {ns.master_addr} is not a loopback address; a "
+                             "single-node launch listens on 127.0.0.1 only (several machines: use torchrun)")
+        store = loopback_store(int(ns.master_port or 0))
+        extra = [f"--master-addr={LOOPBACK}", f"--master-port={store.port}"]
+    elif backend == "c10d":
+        port = 0
+        if ns.rdzv_endpoint and not ns.standalone:
+            host, _, p = ns.rdzv_endpoint.rpartition(":")
+            if not is_loopback(host or LOOPBACK):
+                raise SystemExit(f"megatrain_nb.torchrun: --rdzv-endpoint {ns.rdzv_endpoint} is not on loopback; a "
+                                 "single-node launch listens on 127.0.0.1 only (several machines: use torchrun)")
+            port = int(p or _C10D_DEFAULT_PORT)
+        store = loopback_store(port)
+        # the workers then host their own store at --local-addr, bound to loopback by rank 0
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        extra = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{store.port}",
+                 f"--local-addr={LOOPBACK}"]
+    else:
+        raise SystemExit(f"megatrain_nb.torchrun: --rdzv-backend {backend}: use static (the default) or c10d")
+    return head + extra + argv[at:], store, env
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, store, env = loopback_argv(argv)
+    os.environ.update(env)
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(args)
+    finally:
+        del store
+
+
+if __name__ == "__main__":
+    main()

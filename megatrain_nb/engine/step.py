@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .inputs import model_inputs
 from .proxies import HiddenStatesStub, bind, swapped_submodule, unbind
 from .units import Unit, forward_order
 from .updates import StepContext
@@ -98,7 +99,7 @@ class StepRunner:
     # ------------------------------------------------------------------ the model's own forward
     def _base_forward(self, ids, am) -> torch.Tensor:
         """The base model's own forward (layers streamed by the proxies): final hidden states."""
-        out = self.model.base_model(input_ids=ids, attention_mask=am, use_cache=False)
+        out = self.model.base_model(input_ids=ids, use_cache=False, **model_inputs(am))
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def _head_logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:

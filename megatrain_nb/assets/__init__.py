@@ -130,7 +130,7 @@ def as_format(conv: dict, fmt: str) -> dict:
         return {"conversations": [{"from": role[m["role"]], "value": m["content"]} for m in msgs]}
     q, a = turns[0]["content"], turns[1]["content"]
     if fmt == "alpaca":
-        return {"instruction": q, "input": "", "output": a, **({"system": system} if system else {})}
+        return {"instruction": q, "input": "", "output": a, "system": system or ""}
     if fmt == "prompt_completion":
         return {"prompt": [m for m in msgs if m is not turns[1] and msgs.index(m) < msgs.index(turns[1])],
                 "completion": [turns[1]]}

@@ -212,11 +212,15 @@ class SFTTrainer(Trainer):
                              "set max_length=None with inputs already truncated")
         from .sft_data import _as_dataset, to_trl_rows, detect_format, _head
 
-        sample = _head(_as_dataset(train_dataset, "train_dataset"), 1)
+        text_field = args.dataset_text_field if formatting_func is None else None
+        sample = _head(_as_dataset(train_dataset, "train_dataset", text_field), 1)
         if not sample:
             raise DataError("train_dataset is empty")
-        fmt = detect_format(sample, args.dataset_text_field if formatting_func is None else "text")
-        trl_sample = to_trl_rows(sample, fmt, "train_dataset")[0] if fmt in ("alpaca", "sharegpt") else sample[0]
+        if formatting_func is not None:
+            trl_sample = {"text": formatting_func(sample[0])}
+        else:
+            fmt = detect_format(sample, text_field)
+            trl_sample = to_trl_rows(sample, fmt, "train_dataset")[0] if fmt in ("alpaca", "sharegpt") else sample[0]
         if args.assistant_only_loss and not is_conversational(trl_sample):
             raise ValueError("You set `assistant_only_loss=True`, but the dataset is not conversational. This option "
                              "is only supported for conversational datasets (messages, or prompt/completion as lists "

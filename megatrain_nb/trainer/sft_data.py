@@ -167,7 +167,7 @@ class SFTDataOptions:
     dataset_num_proc: Optional[int] = None
 
 
-def _as_dataset(ds, what: str):
+def _as_dataset(ds, what: str, text_field: Optional[str] = "text"):
     import datasets
 
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
@@ -177,7 +177,10 @@ def _as_dataset(ds, what: str):
     if isinstance(ds, (list, tuple)):
         if not ds:
             raise DataError(f"{what} is empty (0 examples)")
-        return datasets.Dataset.from_list([dict(r) for r in ds])
+        rows = [dict(r) for r in ds]
+        if text_field is not None:   # before a Dataset keeps the first row's columns only
+            detect_format(rows, text_field, what)
+        return datasets.Dataset.from_list(rows)
     raise DataError(f"{what} is a {type(ds).__name__}; SFTTrainer takes a datasets.Dataset, IterableDataset "
                     "or a list of dicts")
 
@@ -211,7 +214,7 @@ def prepare_sft_dataset(ds, tokenizer, opts: SFTDataOptions, *, formatting_func:
 
     from trl.data_utils import common_prefix_length
 
-    ds = _as_dataset(ds, what)
+    ds = _as_dataset(ds, what, None if formatting_func is not None else opts.dataset_text_field)
     report = PrepReport(what=what)
     map_kwargs = {"num_proc": opts.dataset_num_proc} if isinstance(ds, datasets.Dataset) else {}
     is_map = isinstance(ds, datasets.Dataset)
@@ -220,7 +223,9 @@ def prepare_sft_dataset(ds, tokenizer, opts: SFTDataOptions, *, formatting_func:
     columns = ds.column_names if ds.column_names is not None else list(next(iter(ds)).keys())
     is_processed = "input_ids" in columns
     if formatting_func is not None and not is_processed:
-        ds = ds.map(lambda ex: {"text": formatting_func(ex)}, batched=False, **map_kwargs)
+        # the formatter's text is the example (language modelling): the source columns go
+        ds = ds.map(lambda ex: {"text": formatting_func(ex)}, batched=False,
+                    remove_columns=[c for c in columns if c != "text"], **map_kwargs)
     head = _head(ds)
     if not head:
         raise DataError(f"{what} is empty (it yielded no examples)")

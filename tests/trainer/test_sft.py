@@ -106,7 +106,8 @@ def test_long_examples_are_truncated_counted_and_reported_once(tmp_path):
         t = _trainer(tmp_path, rows, max_length=20)
     assert sum("longer than max_length" in str(w.message) for w in rec) == 1
     rep = t.prep_reports[0]
-    lengths = [len(tokenizer().apply_chat_template(r["messages"], tokenize=True)) for r in rows]
+    lengths = [len(tokenizer().apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"])
+               for r in rows]
     assert rep.truncated == sum(n > 20 for n in lengths) > 0
     assert rep.tokens_dropped == sum(max(n - 20, 0) for n in lengths)
     assert all(len(x) <= 20 for x in t.train_dataset["input_ids"])
@@ -179,4 +180,16 @@ def test_train_logs_token_metrics(tmp_path):
     t.train()
     logged = [h for h in t.state.log_history if "loss" in h]
     assert logged and all("mean_token_accuracy" in h and "entropy" in h for h in logged)
+    t.close()
+
+
+def test_text_and_formatting_func_train_on_every_token(tmp_path):
+    tok = tokenizer()
+    rows = [as_format(c, "alpaca") for c in CONVS[:6]]
+    t = mt.SFTTrainer(model=tiny_llama(len(tok)), args=sft_config(tmp_path, max_steps=1), train_dataset=rows,
+                      processing_class=tok, device="cpu",
+                      formatting_func=lambda ex: f"{ex['instruction']} {ex['output']}")
+    for ids, lab in zip(t.train_dataset["input_ids"], t.train_dataset["labels"]):
+        assert ids == lab and ids[-1] == tok.eos_token_id   # language modelling: EOS added, every token
+    t.train()
     t.close()

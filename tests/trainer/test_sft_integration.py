@@ -52,6 +52,11 @@ def test_session_builds_an_sft_trainer_and_samples_the_chat_prompt(tmp_path):
     text = session.generate(max_new_tokens=5, seed=0)
     assert text.startswith("What is two plus three")   # the rendered chat prompt, special tokens dropped
     assert session.samples[-1]["prompt"].startswith("<|user|>")
+    from megatrain_nb.notebook.magics import _dispatch
+
+    assert _dispatch(f"trained-on 1 -s {session.name}").counted_tokens > 0
+    report = session.export_report(str(tmp_path / "run.html"))
+    assert "What the model is trained on" in Path(report).read_text()
     session.close()
 
 

@@ -294,6 +294,11 @@ class SFTTrainer(Trainer):
         from .data import prepare_dataset
 
         if self._skip_prepare:
+            cols = getattr(ds, "column_names", None) or (list(ds[0]) if isinstance(ds, (list, tuple)) and ds else [])
+            if "labels" not in cols and ("completion_mask" in cols or "assistant_masks" in cols):
+                raise DataError(f"{what} has mask columns but no 'labels', and skip_prepare_dataset=True skips label "
+                                "building, so it would train on the full sequence. Add a 'labels' column (-100 for "
+                                "tokens outside the loss) or drop skip_prepare_dataset")
             return prepare_dataset(ds, what=what)
         a = self.args
         opts = SFTDataOptions(max_length=a.max_length, truncation_mode=a.truncation_mode,

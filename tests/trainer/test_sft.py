@@ -193,3 +193,41 @@ def test_text_and_formatting_func_train_on_every_token(tmp_path):
         assert ids == lab and ids[-1] == tok.eos_token_id   # language modelling: EOS added, every token
     t.train()
     t.close()
+
+
+def test_skip_prepare_dataset_with_masks_but_no_labels_is_refused(tmp_path):
+    rows = [{"input_ids": [4, 5, 6, 7], "assistant_masks": [0, 0, 1, 1]}] * 4
+    with pytest.raises(DataError, match="mask columns but no 'labels'"):
+        _trainer(tmp_path, rows, dataset_kwargs={"skip_prepare_dataset": True})
+    t = _trainer(tmp_path, [{"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, 7]}] * 4,
+                 dataset_kwargs={"skip_prepare_dataset": True})
+    assert t.train_dataset[0]["labels"] == [-100, -100, 6, 7]   # used as given
+    t.train()
+    t.close()
+
+
+def test_resume_continues_exactly(tmp_path):
+    """A packed run saved at step 2 and resumed ends with the weights of an uninterrupted run."""
+    tok = tokenizer()
+    rows = _msgs(24)
+    kw = dict(packing=True, max_length=64, assistant_only_loss=True, gradient_accumulation_steps=2, max_steps=4,
+              per_device_train_batch_size=2)
+
+    def make(out, **extra):
+        return mt.SFTTrainer(model=tiny_llama(len(tok)), args=sft_config(out, **kw, **extra), train_dataset=rows,
+                             processing_class=tok, device="cpu")
+
+    full = make(tmp_path / "full")
+    full.train()
+    want = {n: p.clone() for n, p in full.engine.named_parameters()}
+    full.close()
+    first = make(tmp_path / "cut", save_strategy="steps", save_steps=2)
+    gen = first.iter_steps()
+    next(gen), next(gen)
+    gen.close()
+    first.close()
+    second = make(tmp_path / "cut")
+    second.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
+    for n, p in second.engine.named_parameters():
+        assert torch.equal(p, want[n]), n
+    second.close()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
+pytestmark = pytest.mark.slow   # ~20 s each: two trainers per case
 
 from datasets import Dataset  # noqa: E402
 
@@ -56,4 +57,18 @@ def test_weight_comparison_can_fail(tmp_path):
                                                                      max_steps=2), tok)
     seen, mt_w, trainer = run_mt(model, Dataset.from_list(rows), sft_config(tmp_path / "m", max_steps=2), tok)
     assert max_rel_diff(mt_w, trl_w, start) > 1e-2
+    trainer.close()
+
+
+def test_dft_loss_matches_trl(tmp_path):
+    """loss_type='dft' (the engine's loss_fn hook) trains as TRL's DFT loss does."""
+    tok = tokenizer()
+    rows = [as_format(c, "prompt_completion") for c in CONVS[:16]]
+    model = tiny_llama(len(tok))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = dict(loss_type="dft", gradient_accumulation_steps=2, max_steps=2)
+    trl_seen, trl_w, _ = run_trl(model, Dataset.from_list(rows), sft_config(tmp_path / "trl", **args), tok)
+    mt_seen, mt_w, trainer = run_mt(model, Dataset.from_list(rows), sft_config(tmp_path / "mt", **args), tok)
+    assert_same_batches(trl_seen, mt_seen)
+    assert max_rel_diff(mt_w, trl_w, start) < 1e-4
     trainer.close()

@@ -422,7 +422,8 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     except TypeError as e:
         raise UsageError(f"training/sft: {e} (fields of trl.SFTConfig)") from None
     builtin = data.get("train", "builtin") in (None, "builtin")
-    train_ds = assets.chat_dataset(fmt or "messages") if builtin else _load_files(data["train"], base=base, what="train")
+    train_ds = (assets.chat_dataset(fmt or "messages") if builtin
+                else _load_files(data["train"], base=base, what="train"))
     eval_ds = _load_files(data.get("eval"), base=base, what="eval") if data.get("eval") not in (None, "builtin") else (
         assets.chat_dataset(fmt or "messages").select(range(200, 240)) if builtin else None)
     if builtin:

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from transformers import TrainerCallback
 
 from .data import DataError
-from .sft_data import PrepReport, SFTDataOptions, prepare_sft_dataset, require_trl
+from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, head_rows, prepare_sft_dataset,
+                       require_trl, to_trl_rows)
 from .trainer import Trainer
 
 # SFTConfig fields that the trainer honours (beyond TrainingArguments'), and those that cannot
@@ -149,7 +150,8 @@ class TokenMetrics:
         """``{mean_token_accuracy, entropy}`` since the last take (empty when nothing was counted)."""
         if not self.tokens:
             return {}
-        out = {f"{prefix}mean_token_accuracy": self.correct / self.tokens, f"{prefix}entropy": self.entropy / self.tokens}
+        out = {f"{prefix}mean_token_accuracy": self.correct / self.tokens,
+               f"{prefix}entropy": self.entropy / self.tokens}
         self.reset()
         return out
 
@@ -210,10 +212,8 @@ class SFTTrainer(Trainer):
         if self.padding_free and not args.packing and args.max_length is not None:
             raise ValueError("padding_free=True without packing does not enforce max_length: enable packing, or "
                              "set max_length=None with inputs already truncated")
-        from .sft_data import _as_dataset, to_trl_rows, detect_format, _head
-
         text_field = args.dataset_text_field if formatting_func is None else None
-        sample = _head(_as_dataset(train_dataset, "train_dataset", text_field), 1)
+        sample = head_rows(as_dataset(train_dataset, "train_dataset", text_field), 1)
         if not sample:
             raise DataError("train_dataset is empty")
         if formatting_func is not None:
@@ -344,7 +344,8 @@ class MetricsSchedule(TrainerCallback):
         self.metrics = metrics
 
     def on_step_begin(self, args, state, control, **kw):
-        steps = args.logging_steps if args.logging_steps >= 1 else max(math.ceil(state.max_steps * args.logging_steps), 1)
+        steps = (args.logging_steps if args.logging_steps >= 1
+                 else max(math.ceil(state.max_steps * args.logging_steps), 1))
         step = state.global_step + 1
         self.metrics.collect = (step % int(steps) == 0 or (args.logging_first_step and step == 1)
                                 or step == state.max_steps)

@@ -167,7 +167,7 @@ class SFTDataOptions:
     dataset_num_proc: Optional[int] = None
 
 
-def _as_dataset(ds, what: str, text_field: Optional[str] = "text"):
+def as_dataset(ds, what: str, text_field: Optional[str] = "text"):
     import datasets
 
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
@@ -185,7 +185,7 @@ def _as_dataset(ds, what: str, text_field: Optional[str] = "text"):
                     "or a list of dicts")
 
 
-def _head(ds, n: int = 1000) -> list:
+def head_rows(ds, n: int = 1000) -> list:
     import datasets
 
     if isinstance(ds, datasets.Dataset):
@@ -200,7 +200,7 @@ def _head(ds, n: int = 1000) -> list:
 
 def is_conversational_dataset(ds, text_field: str = "text") -> bool:
     """Whether ``ds`` (a dataset or list) holds instruction or chat rows (vs text or token ids)."""
-    rows = _head(ds, 1) if not isinstance(ds, (list, tuple)) else list(ds[:1])
+    rows = head_rows(ds, 1) if not isinstance(ds, (list, tuple)) else list(ds[:1])
     return bool(rows) and row_format(dict(rows[0]), text_field) in ("prompt_completion", "messages", "alpaca",
                                                                      "sharegpt")
 
@@ -210,11 +210,9 @@ def prepare_sft_dataset(ds, tokenizer, opts: SFTDataOptions, *, formatting_func:
     """``(dataset, report)``: ``ds`` tokenised with ``input_ids`` and ``labels`` (-100: not in the
     loss), truncated or packed (``seq_lengths`` per packed row), as ``trl.SFTTrainer`` prepares it."""
     import datasets
-    from trl.data_utils import is_conversational, pack_dataset
+    from trl.data_utils import common_prefix_length, is_conversational, pack_dataset
 
-    from trl.data_utils import common_prefix_length
-
-    ds = _as_dataset(ds, what, None if formatting_func is not None else opts.dataset_text_field)
+    ds = as_dataset(ds, what, None if formatting_func is not None else opts.dataset_text_field)
     report = PrepReport(what=what)
     map_kwargs = {"num_proc": opts.dataset_num_proc} if isinstance(ds, datasets.Dataset) else {}
     is_map = isinstance(ds, datasets.Dataset)
@@ -226,7 +224,7 @@ def prepare_sft_dataset(ds, tokenizer, opts: SFTDataOptions, *, formatting_func:
         # the formatter's text is the example (language modelling): the source columns go
         ds = ds.map(lambda ex: {"text": formatting_func(ex)}, batched=False,
                     remove_columns=[c for c in columns if c != "text"], **map_kwargs)
-    head = _head(ds)
+    head = head_rows(ds)
     if not head:
         raise DataError(f"{what} is empty (it yielded no examples)")
     fmt = detect_format(head, "text" if formatting_func is not None else opts.dataset_text_field, what)

@@ -44,7 +44,8 @@ class TrainedOnView:
                          f"{html.escape(t)}</span>")
         head = (f"<div><b>Training example {self.index}</b>: {self.counted_tokens} of {len(self.tokens)} tokens "
                 "count toward the loss (<span style='background:#c8f7c5'>highlighted</span>)</div>")
-        return head + "<div style='font-family:monospace;line-height:1.8;white-space:normal'>" + " ".join(parts) + "</div>"
+        body = " ".join(parts)
+        return head + f"<div style='font-family:monospace;line-height:1.8;white-space:normal'>{body}</div>"
 
     def __repr__(self) -> str:
         return f"<trained on: example {self.index}, {self.counted_tokens}/{len(self.tokens)} tokens in the loss>"

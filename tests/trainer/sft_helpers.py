@@ -51,7 +51,8 @@ def run_trl(model, ds, args, tok):
     import trl
 
     seen = []
-    trainer = trl.SFTTrainer(model=copy.deepcopy(model), args=args, train_dataset=ds, processing_class=copy.deepcopy(tok))
+    trainer = trl.SFTTrainer(model=copy.deepcopy(model), args=args, train_dataset=ds,
+                             processing_class=copy.deepcopy(tok))
 
     def hook(mod, a, kw):
         if mod.training:

@@ -10,7 +10,8 @@ from datasets import Dataset  # noqa: E402
 
 from megatrain_nb.assets import as_format  # noqa: E402
 
-from .sft_helpers import CONVS, assert_same_batches, max_rel_diff, run_mt, run_trl, sft_config, tiny_llama, tokenizer  # noqa: E402
+from .sft_helpers import (CONVS, assert_same_batches, max_rel_diff, run_mt, run_trl, sft_config,  # noqa: E402
+                          tiny_llama, tokenizer)
 
 CASES = {
     "conversational_assistant_only": (dict(assistant_only_loss=True), "messages"),

@@ -17,6 +17,7 @@ _LAZY = {
     "EngineConfig": "megatrain_nb.engine",
     "init": "megatrain_nb.trainer",
     "Trainer": "megatrain_nb.trainer",
+    "SFTTrainer": "megatrain_nb.trainer.sft",
     "get_defaults": "megatrain_nb.trainer",
     "load_default": "megatrain_nb.trainer",
     "preset_config": "megatrain_nb.trainer",

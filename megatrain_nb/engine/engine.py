@@ -110,15 +110,15 @@ class StreamingEngine:
         rank must ask for the same units in the same order)."""
         return self.sharded.assemble(unit, flat) if self.sharded is not None else flat
 
-    def _prepare(self, input_ids, attention_mask, labels):
+    def _prepare(self, input_ids, attention_mask, labels, position_ids=None):
         return prepare_batch(input_ids, attention_mask, labels, vocab=vocab_size(self.model_config),
-                             max_pos=max_positions(self.model_config), device=self.device)
+                             max_pos=max_positions(self.model_config), device=self.device, position_ids=position_ids)
 
     # ------------------------------------------------------------------ public API
     def forward_backward(self, input_ids, attention_mask=None, labels=None, loss_fn=None,
                          num_items_in_batch: Optional[int] = None,
                          step_lr: Optional[float] = None,
-                         max_grad_norm: Optional[float] = None) -> EngineOutput:
+                         max_grad_norm: Optional[float] = None, position_ids=None) -> EngineOutput:
         """Forward and backward of one micro-batch, or of a whole accumulation window.
 
         **One micro-batch** (``input_ids`` a tensor [batch, seq]): gradients accumulate on the host.
@@ -135,6 +135,10 @@ class StreamingEngine:
         ``num_tokens`` its target tokens. The planner may split a window whose boundary
         activations fit nowhere into groups (``last_window_plan``). ``attention_mask`` and
         ``labels`` go inside the micro-batches then.
+
+        **Packed rows** (several documents per row, no padding): ``position_ids`` [batch, seq]
+        restarting at 0 for each document and no ``attention_mask``; the model's own mask code
+        keeps the documents apart (``inputs.PackedRows``).
 
         With ``step_lr`` this ends the optimizer step: each unit's AdamW update runs in a
         worker as soon as its gradient is final, overlapped with the backward of the units
@@ -158,13 +162,13 @@ class StreamingEngine:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}; pass None for no clipping.")
         window = window_batches(input_ids)
         if window is not None:
-            if attention_mask is not None or labels is not None:
-                raise ValueError("forward_backward got a list of micro-batches and a separate attention_mask/labels; "
-                                 "put each micro-batch's attention_mask and labels in its dict instead.")
+            if attention_mask is not None or labels is not None or position_ids is not None:
+                raise ValueError("forward_backward got a list of micro-batches and a separate attention_mask/labels/"
+                                 "position_ids; put each micro-batch's in its dict instead.")
             return self._forward_backward_window(window, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
         with self.lock:
             self._check_open()
-            batches = [self._prepare(input_ids, attention_mask, labels)]
+            batches = [self._prepare(input_ids, attention_mask, labels, position_ids)]
             return self._train(batches, None, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
 
     def plan_window(self, batches) -> WindowPlan:
@@ -188,19 +192,19 @@ class StreamingEngine:
         loss, n, norm, skipped = self.steps.run(batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
         return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
 
-    def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None) -> EngineOutput:
+    def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None, position_ids=None) -> EngineOutput:
         """Loss of a batch without gradients."""
         with self.lock:
             self._check_open()
-            ids, am, labels = self._prepare(input_ids, attention_mask, labels)
+            ids, am, labels = self._prepare(input_ids, attention_mask, labels, position_ids)
             loss_sum, n = self.runner.evaluate(ids, am, labels, loss_fn=loss_fn)
             return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n)
 
-    def forward_logits(self, input_ids, attention_mask=None) -> torch.Tensor:
+    def forward_logits(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Logits [batch, seq, vocab] (fp32, CPU) of the current weights, without gradients."""
         with self.lock:
             self._check_open()
-            ids, am, _ = self._prepare(input_ids, attention_mask, None)
+            ids, am, _ = self._prepare(input_ids, attention_mask, None, position_ids)
             return self.runner.logits(ids, am)
 
     def named_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -1,15 +1,55 @@
 """Validate and normalise one batch (input ids, attention mask, labels) for the engine, and tell
-a window of micro-batches (layer-major accumulation) from one batch."""
+a window of micro-batches (layer-major accumulation) from one batch.
+
+Packed rows (several documents in one row, no padding: TRL's padding-free packing) come with
+``position_ids`` that restart at 0 for each document and no attention mask. They travel in the
+attention-mask slot as :class:`PackedRows`; the model's own forward receives them as
+``position_ids`` and its mask code keeps the documents apart (``masking_utils`` finds the
+document boundaries where the position ids restart).
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 
-def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Optional[int], device: torch.device):
+@dataclass(frozen=True)
+class PackedRows:
+    """Per-document position ids [batch, seq] of packed rows (taking the attention mask's place)."""
+
+    position_ids: torch.Tensor
+
+
+def model_inputs(am) -> dict:
+    """The keyword arguments the model's forward takes for the attention-mask slot ``am``."""
+    if isinstance(am, PackedRows):
+        return {"position_ids": am.position_ids}
+    return {"attention_mask": am}
+
+
+def _prepare_positions(position_ids, input_ids: torch.Tensor, attention_mask, max_pos: Optional[int]) -> PackedRows:
+    if attention_mask is not None:
+        raise ValueError("position_ids were given with an attention_mask: packed rows (per-document position ids) "
+                         "carry no attention mask; pass one or the other.")
+    pos = torch.as_tensor(position_ids)
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    if pos.shape != input_ids.shape or pos.is_floating_point() or pos.dtype == torch.bool:
+        raise ValueError(f"position_ids must be integers shaped like input_ids {tuple(input_ids.shape)}; got "
+                         f"{tuple(pos.shape)} {pos.dtype}.")
+    if int(pos.min()) < 0 or (max_pos is not None and int(pos.max()) >= max_pos):
+        raise ValueError(f"position_ids range {int(pos.min())}..{int(pos.max())} is outside the model's positions "
+                         f"(0..{max_pos - 1 if max_pos else 'any'}).")
+    return PackedRows(pos.long())
+
+
+def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Optional[int], device: torch.device,
+                  position_ids=None):
     """``(input_ids, attention_mask, labels)`` as [batch, seq] tensors on ``device``; labels
-    default to the input ids (masked positions -100). Bad input raises ValueError naming it."""
+    default to the input ids (masked positions -100). With ``position_ids`` (packed rows) the
+    second item is a :class:`PackedRows`. Bad input raises ValueError naming it."""
     if not torch.is_tensor(input_ids):
         input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
@@ -25,7 +65,7 @@ def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Opt
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1}); the tokenizer "
                          "does not match the model, or resize the model's embeddings.")
-    if max_pos is not None and input_ids.shape[1] > max_pos:
+    if max_pos is not None and input_ids.shape[1] > max_pos and position_ids is None:
         raise ValueError(f"input has {input_ids.shape[1]} tokens but the model supports at most {max_pos} "
                          "positions; truncate or pack sequences to that length.")
     input_ids = input_ids.long()
@@ -54,14 +94,17 @@ def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Opt
         if bad.numel():
             raise ValueError(f"label {int(bad[0])} is outside the model's vocabulary (0..{vocab - 1}) and is not "
                              "the ignore index -100; the labels do not match the model's tokenizer.")
+    if position_ids is not None:
+        packed = _prepare_positions(position_ids, input_ids, attention_mask, max_pos)
+        return input_ids.to(device), PackedRows(packed.position_ids.to(device)), labels.to(device)
     am = attention_mask.to(device) if attention_mask is not None else None
     return input_ids.to(device), am, labels.to(device)
 
 
 def window_batches(x) -> Optional[list]:
-    """``x`` as a window of ``(input_ids, attention_mask, labels)`` micro-batches, or None when
-    it is one batch. A window is a list or tuple whose items are all tensors (input ids) or
-    dicts with ``input_ids`` (and optionally ``attention_mask``, ``labels``)."""
+    """``x`` as a window of ``(input_ids, attention_mask, labels, position_ids)`` micro-batches, or
+    None when it is one batch. A window is a list or tuple whose items are all tensors (input ids)
+    or dicts with ``input_ids`` (and optionally ``attention_mask``, ``labels``, ``position_ids``)."""
     from collections.abc import Mapping
 
     if not isinstance(x, (list, tuple)) or not x or not all(torch.is_tensor(b) or isinstance(b, Mapping) for b in x):
@@ -69,11 +112,12 @@ def window_batches(x) -> Optional[list]:
     out = []
     for i, b in enumerate(x):
         if torch.is_tensor(b):
-            out.append((b, None, None))
+            out.append((b, None, None, None))
             continue
-        extra = set(b) - {"input_ids", "attention_mask", "labels"}
+        extra = set(b) - {"input_ids", "attention_mask", "labels", "position_ids"}
         if "input_ids" not in b or extra:
             raise ValueError(f"micro-batch {i} of the window must be a tensor of input ids or a dict with "
-                             f"'input_ids' (and optionally 'attention_mask', 'labels'); got keys {sorted(b)}.")
-        out.append((b["input_ids"], b.get("attention_mask"), b.get("labels")))
+                             f"'input_ids' (and optionally 'attention_mask', 'labels', 'position_ids'); "
+                             f"got keys {sorted(b)}.")
+        out.append((b["input_ids"], b.get("attention_mask"), b.get("labels"), b.get("position_ids")))
     return out

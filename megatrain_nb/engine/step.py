@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from . import finite
+from .inputs import model_inputs
 from .proxies import HiddenStatesStub, bind, swapped_submodule, unbind
 from .units import Unit, forward_order
 from .planner import WindowPlan
@@ -161,7 +162,7 @@ class StepRunner:
 
     def _base_forward(self, ids, am) -> torch.Tensor:
         """The base model's own forward (layers through the proxies): final hidden states."""
-        out = self.model.base_model(input_ids=ids, attention_mask=am, use_cache=False)
+        out = self.model.base_model(input_ids=ids, use_cache=False, **model_inputs(am))
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def _head_logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:

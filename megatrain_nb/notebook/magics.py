@@ -25,6 +25,7 @@ USAGE = """Usage: %megatrain <command> [-s SESSION]
   lr <value>          learning rate from the next step (e.g. %megatrain lr 5e-4)
   dashboard           show the live dashboard
   report <path>       write a report (.html or .ipynb)
+  trained-on [index]  one training example, the tokens that count toward the loss highlighted
   estimate <model dir | config.json | preset> [--vram GB] [--ram GB] [--disk GB] [--nodes M] [--gpus-per-node N]
   sessions            list the sessions of this kernel"""
 
@@ -64,7 +65,7 @@ def _dispatch(line: str) -> Any:
     if cmd == "sessions":
         return _sessions()
     handler = {"status": _status, "pause": _pause, "resume": _resume, "stop": _stop, "lr": _lr,
-               "dashboard": _dashboard, "report": _report}.get(cmd)
+               "dashboard": _dashboard, "report": _report, "trained-on": _trained_on}.get(cmd)
     if handler is None:
         raise MagicError(f"megatrain: unknown command {cmd!r}\n{USAGE}")
     return handler(_session(name), rest)
@@ -183,6 +184,12 @@ def _dashboard(session, rest):
     from IPython.display import display
 
     display(session.dashboard())
+
+
+def _trained_on(session, rest):
+    if len(rest) > 1 or (rest and not rest[0].isdigit()):
+        raise MagicError("megatrain: trained-on takes an example index, e.g. %megatrain trained-on 3")
+    return session.trained_on(int(rest[0]) if rest else 0)
 
 
 def _report(session, rest):

@@ -57,11 +57,34 @@ def build_trainer(
         raise ValueError("train_dataset is required (a datasets.Dataset, IterableDataset or torch "
                          "Dataset of token ids); or pass a preset name such as 'tiny' as the model "
                          "to train on the built-in corpus")
+    if _wants_sft(args, train_dataset):   # instruction / chat data, or an SFTConfig: mt.SFTTrainer
+        from megatrain_nb.trainer.sft import SFTTrainer
+
+        if seq_len is not None or "loss_fn" in trainer_options:
+            raise ValueError("seq_len / loss_fn do not apply to fine-tuning on conversations: use "
+                             "SFTConfig(max_length=...) and SFTConfig(loss_type=...)")
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             processing_class=tokenizer, **trainer_options)
+        return trainer, trainer.tokenizer
     if seq_len is not None:
         trainer_options = dict(trainer_options, seq_len=seq_len)
     trainer = Trainer(model=model, train_dataset=train_dataset, args=args,
                       eval_dataset=eval_dataset, tokenizer=tokenizer, **trainer_options)
     return trainer, trainer.tokenizer
+
+
+def _wants_sft(args, train_dataset) -> bool:
+    """An SFTConfig, or rows in an instruction / chat format (without importing trl otherwise)."""
+    if type(args).__name__ == "SFTConfig" and type(args).__module__.startswith("trl"):
+        return True
+    if train_dataset is None:
+        return False
+    from megatrain_nb.trainer.sft_data import is_conversational_dataset
+
+    try:
+        return is_conversational_dataset(train_dataset)
+    except Exception:   # a torch dataset of tensors, an iterable without rows: not chat data
+        return False
 
 
 def default_args(output_dir: str, **overrides: Any):

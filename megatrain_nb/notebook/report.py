@@ -169,6 +169,11 @@ def build_notebook(session: Any):
     cells.append(_md("## Throughput\n\n" + _throughput_md(view, records)))
     cells.append(_figure_cell(figs, _throughput_figure(view), "throughput"))
 
+    trained_on = _trained_on_html(session)
+    if trained_on:
+        cells.append(_md("## What the model is trained on\n\nThe first training example; the highlighted "
+                         "tokens count toward the loss."))
+        cells.append(_html_cell(trained_on, "trained on"))
     samples = session.samples
     if samples:
         body = "".join(f"<h4>step {s['step']}: <code>{html.escape(s['prompt'])}</code></h4>"
@@ -177,6 +182,19 @@ def build_notebook(session: Any):
         cells.append(_html_cell(body, "samples"))
     nb.cells = cells
     return nb
+
+
+def _trained_on_html(session) -> str:
+    """The trained-on view of fine-tuning runs (SFTTrainer), else nothing."""
+    from megatrain_nb.trainer.sft_view import trained_on_view
+
+    trainer = getattr(session, "trainer", None)
+    if type(trainer).__name__ != "SFTTrainer":
+        return ""
+    try:
+        return trained_on_view(trainer, 0)._repr_html_()
+    except (ValueError, IndexError):   # an iterable dataset: nothing to show
+        return ""
 
 
 def _summary_md(session, view, records) -> str:

@@ -434,11 +434,31 @@ class Session:
         hist = {m: self._log.unit_series(unit, m) for m in ("grad_norm", "update_ratio")}
         return LayerReport(stats, unit=unit, history=hist)
 
+    def set_sample_prompt(self, messages: Any) -> None:
+        """The conversation (a list of ``{"role", "content"}``) that ``generate()`` without a prompt
+        answers, rendered with the tokenizer's chat template, so samples show the answers change."""
+        from megatrain_nb.trainer.sft_view import chat_prompt
+
+        chat_prompt(self._tokenizer, messages)   # refused now, not at the next sample, if it cannot render
+        self._sample_messages = list(messages)
+
+    def trained_on(self, index: int = 0):
+        """One training example with the tokens that count toward the loss highlighted (HTML)."""
+        from megatrain_nb.trainer.sft_view import trained_on_view
+
+        return trained_on_view(self._trainer, index)
+
     def generate(self, prompt: str = "", max_new_tokens: int = 50, *, temperature: float = 0.8,
                  top_k: Optional[int] = 50, seed: Optional[int] = None) -> str:
         """Sample from the model as it is now (safe while training runs or is paused: the
-        sample is drawn between two training micro-batches)."""
+        sample is drawn between two training micro-batches). No prompt: the conversation set
+        with :meth:`set_sample_prompt`, if any."""
         from .sampling import sample_text
+
+        if not prompt and getattr(self, "_sample_messages", None):
+            from megatrain_nb.trainer.sft_view import chat_prompt
+
+            prompt = chat_prompt(self._tokenizer, self._sample_messages)
 
         if self._released or self.engine is None:
             raise RuntimeError(f"session {self.name!r} released its model when it {self._state}; "

@@ -185,7 +185,8 @@ class PaddingCollator:
 
 
 def finish_batch(batch: dict) -> dict:
-    """Make a collator's output usable: tensors, labels present (input_ids, -100 on padding)."""
+    """Make a collator's output usable: tensors, labels present (input_ids, -100 on padding);
+    ``position_ids`` (packed rows) kept."""
     if "input_ids" not in batch:
         raise DataError(f"the data collator returned keys {list(batch)}; it must return 'input_ids'")
     out = {"input_ids": _to_long(batch["input_ids"])}
@@ -193,6 +194,8 @@ def finish_batch(batch: dict) -> dict:
         raise DataError(f"input_ids batch has shape {tuple(out['input_ids'].shape)}; expected [batch, seq]")
     if batch.get("attention_mask") is not None:
         out["attention_mask"] = _to_long(batch["attention_mask"], "attention_mask")
+    if batch.get("position_ids") is not None:   # packed rows (padding-free): per-document positions
+        out["position_ids"] = _to_long(batch["position_ids"], "position_ids")
     labels = batch.get("labels")
     if labels is None:
         labels = out["input_ids"].clone()

@@ -364,8 +364,8 @@ class Trainer:
             if len(window) > 1:
                 # Layer-major: the whole window in one call, each layer on the device twice per
                 # step (the engine's planner may split it into groups and says so).
-                micro = [{k: b[k] for k in ("input_ids", "attention_mask", "labels") if b.get(k) is not None}
-                         for b in window]
+                micro = [{k: b[k] for k in ("input_ids", "attention_mask", "labels", "position_ids")
+                          if b.get(k) is not None} for b in window]
                 for _ in window[:-1]:
                     self.control = cb.on_substep_end(args, st, self.control)
                 self.control = cb.on_pre_optimizer_step(args, st, self.control)
@@ -377,7 +377,8 @@ class Trainer:
                 self.control = cb.on_pre_optimizer_step(args, st, self.control)
                 out = engine.forward_backward(b["input_ids"], attention_mask=b.get("attention_mask"),
                                               labels=b["labels"], num_items_in_batch=n_items,
-                                              loss_fn=self.loss_fn, step_lr=lr, max_grad_norm=max_norm)
+                                              loss_fn=self.loss_fn, step_lr=lr, max_grad_norm=max_norm,
+                                              position_ids=b.get("position_ids"))
                 loss_sum = float(out.loss) * int(out.num_tokens)
             grad_norm = out.grad_norm
             self.control = cb.on_optimizer_step(args, st, self.control)
@@ -477,7 +478,7 @@ class Trainer:
         for b in eval_batches(ds, batch_size=self.args.per_device_eval_batch_size, collate=self.data_collator,
                               rank=self.dist.rank, world=self.dist.world):
             out = self._engine.evaluate(b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"],
-                                        loss_fn=self.loss_fn)
+                                        loss_fn=self.loss_fn, position_ids=b.get("position_ids"))
             total += float(out.loss) * int(out.num_tokens)
             n += int(out.num_tokens)
         total, n = self.dist.sum(total), self.dist.sum(n)

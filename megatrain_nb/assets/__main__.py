@@ -1,0 +1,3 @@
+from . import write_assets
+
+write_assets()

@@ -1,0 +1,374 @@
+"""Instruction and chat data for :class:`~megatrain_nb.trainer.sft.SFTTrainer`: the formats,
+their detection and conversion, and the preparation ``trl.SFTTrainer`` does (chat template,
+completion / assistant masks, labels, truncation, packing), built on TRL's public utilities.
+
+Formats (one per dataset; a row of another format is refused with its index)::
+
+    text               {"text": "..."}                         (SFTConfig.dataset_text_field)
+    prompt_completion  {"prompt": "...", "completion": "..."}  (or lists of messages: conversational)
+    messages           {"messages": [{"role": ..., "content": ...}, ...]}
+    alpaca             {"instruction", "input", "output"[, "system"]}  -> conversational prompt-completion
+    sharegpt           {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]} -> messages
+
+The steps and their order are those of TRL's ``SFTTrainer._prepare_dataset`` (a private method,
+so it is reproduced here from TRL's public pieces; ``tests/trainer/test_sft_parity.py`` checks
+that the output is the same, row for row). Where TRL is silent this module counts and reports:
+examples truncated to ``max_length`` and examples left with no target token are counted in a
+:class:`PrepReport` and reported once; bad rows (no chat template, an empty assistant turn, a
+role the template does not render, rows of mixed formats) are refused with the row's index.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .data import DataError
+
+FORMATS = ("text", "prompt_completion", "messages", "alpaca", "sharegpt")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool", "observation": "tool"}
+INSTALL_HINT = 'pip install "megatrain-nb[sft]"'
+
+
+def require_trl():
+    """Import trl, or say how to install it."""
+    try:
+        import trl
+    except ImportError as e:
+        raise ImportError(f"mt.SFTTrainer uses TRL's data utilities; install them with: {INSTALL_HINT}") from e
+    return trl
+
+
+@dataclass
+class PrepReport:
+    """What preparation decided, per dataset: reported once as a warning, kept on the trainer."""
+
+    what: str = "train_dataset"
+    format: str = ""
+    examples: int = 0
+    truncated: int = 0            # longer than max_length: cut to it
+    no_target_dropped: int = 0    # left with no token counted in the loss (after truncation): dropped
+    tokens_dropped: int = 0       # tokens cut by truncation
+    notes: list = field(default_factory=list)
+
+    def message(self) -> str:
+        parts = []
+        if self.truncated:
+            parts.append(f"{self.truncated} of {self.examples} examples were longer than max_length and were "
+                         f"truncated ({self.tokens_dropped} tokens dropped); raise SFTConfig.max_length to keep them")
+        if self.no_target_dropped:
+            parts.append(f"{self.no_target_dropped} examples had no token left to learn from (an empty completion "
+                         "or assistant turn after truncation) and were dropped")
+        return f"{self.what}: " + "; ".join(parts) if parts else ""
+
+
+# ---------------------------------------------------------------------------------------- formats
+def row_format(ex: dict, text_field: str = "text") -> Optional[str]:
+    """The format of one row (None: not recognised). Columns holding None do not count."""
+    has = {k for k, v in ex.items() if v is not None}
+    if "input_ids" in has:
+        return "tokens"
+    if "conversations" in has:
+        return "sharegpt"
+    if "messages" in has:
+        return "messages"
+    if "instruction" in has and "output" in has:
+        return "alpaca"
+    if "prompt" in has and "completion" in has:
+        return "prompt_completion"
+    if text_field in has:
+        return "text"
+    return None
+
+
+def detect_format(rows: list, text_field: str = "text", what: str = "train_dataset") -> str:
+    """The one format of ``rows``; mixed or unrecognised rows are refused with their index."""
+    seen: dict[str, int] = {}
+    for i, ex in enumerate(rows):
+        f = row_format(ex, text_field)
+        if f is None:
+            raise DataError(f"{what}[{i}] has keys {sorted(k for k, v in ex.items() if v is not None)}: not a "
+                            f"format SFTTrainer reads ({', '.join(FORMATS)}; text is read from "
+                            f"'{text_field}' = SFTConfig.dataset_text_field)")
+        seen.setdefault(f, i)
+    if len(seen) > 1:
+        where = ", ".join(f"{f} (first at row {i})" for f, i in seen.items())
+        raise DataError(f"{what} mixes formats: {where}. Convert the rows to one format first")
+    return next(iter(seen))
+
+
+def alpaca_to_prompt_completion(ex: dict) -> dict:
+    """alpaca -> conversational prompt-completion (the response alone counts in the loss by default)."""
+    user = ex["instruction"] if not ex.get("input") else f"{ex['instruction']}\n\n{ex['input']}"
+    prompt = ([{"role": "system", "content": ex["system"]}] if ex.get("system") else []) + \
+        [{"role": "user", "content": user}]
+    return {"prompt": prompt, "completion": [{"role": "assistant", "content": ex["output"]}]}
+
+
+def sharegpt_to_messages(ex: dict, index: int = 0, what: str = "train_dataset") -> dict:
+    """sharegpt (``from``/``value``, roles human/gpt/system) -> ``messages`` (role/content)."""
+    msgs = [{"role": "system", "content": ex["system"]}] if ex.get("system") else []
+    for turn in ex["conversations"]:
+        role = SHAREGPT_ROLES.get(turn.get("from"))
+        if role is None:
+            raise DataError(f"{what}[{index}]: sharegpt role {turn.get('from')!r} is not one of "
+                            f"{sorted(SHAREGPT_ROLES)}; map it to one of them first")
+        msgs.append({"role": role, "content": turn.get("value")})
+    return {"messages": msgs}
+
+
+def to_trl_rows(rows: list, fmt: str, what: str) -> list:
+    """Rows of TRL's own formats (alpaca and sharegpt converted; others unchanged)."""
+    if fmt == "alpaca":
+        return [alpaca_to_prompt_completion(ex) for ex in rows]
+    if fmt == "sharegpt":
+        return [sharegpt_to_messages(ex, i, what) for i, ex in enumerate(rows)]
+    return rows
+
+
+def check_conversation(messages: list, tokenizer, chat_template: Optional[str], index: int, what: str,
+                       tools=None) -> None:
+    """An empty assistant turn, or a message the chat template does not render, is refused."""
+    for m in messages:
+        if m.get("role") == "assistant" and not (m.get("content") or "").strip() and not m.get("tool_calls"):
+            raise DataError(f"{what}[{index}] has an empty assistant turn: it would teach the model to answer "
+                            "nothing. Remove the turn or the example")
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template, tools=tools)
+    except Exception as e:   # jinja's TemplateError, or the template's raise_exception
+        roles = sorted({str(m.get("role")) for m in messages})
+        raise DataError(f"{what}[{index}]: the chat template cannot render these messages (roles {roles}): {e}. "
+                        "Use roles the template knows or a template that knows them "
+                        "(SFTConfig.chat_template_path)") from e
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str) and content.strip() and content.strip() not in rendered:
+            raise DataError(f"{what}[{index}]: the chat template left out a {m.get('role')!r} message "
+                            f"({content[:40]!r}): it does not render that role. Use roles the template knows")
+
+
+# ---------------------------------------------------------------------------------------- preparation
+@dataclass
+class SFTDataOptions:
+    """The SFTConfig fields preparation reads, plus what the trainer decided."""
+
+    max_length: Optional[int]
+    truncation_mode: str
+    dataset_text_field: str
+    packing: bool
+    packing_strategy: str
+    shuffle_dataset: bool
+    seed: int
+    completion_only_loss: bool
+    assistant_only_loss: bool
+    chat_template: Optional[str]      # a training template TRL swaps in (None: the tokenizer's own)
+    dataset_num_proc: Optional[int] = None
+
+
+def as_dataset(ds, what: str, text_field: Optional[str] = "text"):
+    import datasets
+
+    if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        raise DataError(f"{what} is a DatasetDict with splits {list(ds)}; pass one split, e.g. ds['train']")
+    if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
+        return ds
+    if isinstance(ds, (list, tuple)):
+        if not ds:
+            raise DataError(f"{what} is empty (0 examples)")
+        rows = [dict(r) for r in ds]
+        if text_field is not None:   # before a Dataset keeps the first row's columns only
+            detect_format(rows, text_field, what)
+        return datasets.Dataset.from_list(rows)
+    raise DataError(f"{what} is a {type(ds).__name__}; SFTTrainer takes a datasets.Dataset, IterableDataset "
+                    "or a list of dicts")
+
+
+def head_rows(ds, n: int = 1000) -> list:
+    import datasets
+
+    if isinstance(ds, datasets.Dataset):
+        return [ds[i] for i in range(min(len(ds), n))] if n < len(ds) else list(ds)
+    out = []
+    for ex in ds:
+        out.append(ex)
+        if len(out) >= n:
+            break
+    return out
+
+
+def is_conversational_dataset(ds, text_field: str = "text") -> bool:
+    """Whether ``ds`` (a dataset or list) holds instruction or chat rows (vs text or token ids)."""
+    rows = head_rows(ds, 1) if not isinstance(ds, (list, tuple)) else list(ds[:1])
+    return bool(rows) and row_format(dict(rows[0]), text_field) in ("prompt_completion", "messages", "alpaca",
+                                                                     "sharegpt")
+
+
+def prepare_sft_dataset(ds, tokenizer, opts: SFTDataOptions, *, formatting_func: Optional[Callable] = None,
+                        what: str = "train_dataset") -> tuple:
+    """``(dataset, report)``: ``ds`` tokenised with ``input_ids`` and ``labels`` (-100: not in the
+    loss), truncated or packed (``seq_lengths`` per packed row), as ``trl.SFTTrainer`` prepares it."""
+    import datasets
+    from trl.data_utils import common_prefix_length, is_conversational, pack_dataset
+
+    ds = as_dataset(ds, what, None if formatting_func is not None else opts.dataset_text_field)
+    report = PrepReport(what=what)
+    map_kwargs = {"num_proc": opts.dataset_num_proc} if isinstance(ds, datasets.Dataset) else {}
+    is_map = isinstance(ds, datasets.Dataset)
+    if is_map and len(ds) == 0:
+        raise DataError(f"{what} is empty (0 examples)")
+    columns = ds.column_names if ds.column_names is not None else list(next(iter(ds)).keys())
+    is_processed = "input_ids" in columns
+    if formatting_func is not None and not is_processed:
+        # the formatter's text is the example (language modelling): the source columns go
+        ds = ds.map(lambda ex: {"text": formatting_func(ex)}, batched=False,
+                    remove_columns=[c for c in columns if c != "text"], **map_kwargs)
+    head = head_rows(ds)
+    if not head:
+        raise DataError(f"{what} is empty (it yielded no examples)")
+    fmt = detect_format(head, "text" if formatting_func is not None else opts.dataset_text_field, what)
+    report.format = fmt
+    if not is_processed and fmt in ("alpaca", "sharegpt"):
+        if not is_map:
+            raise DataError(f"{what}: {fmt} rows in an iterable dataset; convert them first "
+                            "(megatrain_nb.trainer.sft_data.to_trl_rows) or pass a map-style dataset")
+        # every row is checked (the head only was above), then converted
+        rows = [ds[i] for i in range(len(ds))]
+        detect_format(rows, opts.dataset_text_field, what)
+        ds = datasets.Dataset.from_list(to_trl_rows(rows, fmt, what))
+        columns = ds.column_names
+    elif is_map and not is_processed and len(ds) > len(head):
+        detect_format([ds[i] for i in range(len(ds))], opts.dataset_text_field, what)
+
+    if not is_processed:
+        first = next(iter(ds))
+        conversational = is_conversational(first)
+        if conversational:
+            if opts.chat_template is None and not getattr(tokenizer, "chat_template", None):
+                raise DataError(f"{what} is conversational but the tokenizer has no chat template. Give one: "
+                                "SFTConfig(chat_template_path='template.jinja'), or set tokenizer.chat_template "
+                                "(a Jinja string) before building the trainer")
+            if is_map:
+                for i in range(len(ds)):
+                    ex = ds[i]
+                    msgs = ex["messages"] if "messages" in ex and ex["messages"] is not None \
+                        else list(ex["prompt"]) + list(ex["completion"])
+                    check_conversation(msgs, tokenizer, opts.chat_template, i, what, tools=_tools(ex))
+        else:
+            eos = tokenizer.eos_token
+
+            def add_eos(example):
+                if opts.dataset_text_field in example and not example[opts.dataset_text_field].endswith(eos):
+                    example[opts.dataset_text_field] = example[opts.dataset_text_field] + eos
+                elif "completion" in example and not example["completion"].endswith(eos):
+                    example["completion"] = example["completion"] + eos
+                return example
+
+            ds = ds.map(add_eos, remove_columns="messages" if "messages" in columns else None, **map_kwargs)
+
+        def tokenize(example, idx):
+            return _tokenize_example(example, idx, tokenizer, opts, what, common_prefix_length)
+
+        ds = ds.map(tokenize, with_indices=True, **map_kwargs)
+    columns = ds.column_names if ds.column_names is not None else list(next(iter(ds)).keys())
+    if "labels" not in columns:
+        masks = []
+        if opts.completion_only_loss and "completion_mask" in columns:
+            masks.append("completion_mask")
+        if "assistant_masks" in columns:
+            masks.append("assistant_masks")
+
+        def build_labels(example):
+            bits = [example[c] for c in masks]
+            return {"labels": [t if all(b) else -100 for t, *b in zip(example["input_ids"], *bits)]}
+
+        ds = ds.map(build_labels, remove_columns=masks, **map_kwargs)
+
+    if opts.max_length is not None and not opts.packing:
+        if opts.truncation_mode not in ("keep_start", "keep_end"):
+            raise DataError(f"truncation_mode={opts.truncation_mode!r}: use 'keep_start' or 'keep_end'")
+        if is_map:
+            lengths = [len(x) for x in ds["input_ids"]]
+            report.examples = len(lengths)
+            report.truncated = sum(n > opts.max_length for n in lengths)
+            report.tokens_dropped = sum(max(n - opts.max_length, 0) for n in lengths)
+        sl = slice(None, opts.max_length) if opts.truncation_mode == "keep_start" else slice(-opts.max_length, None)
+        ds = ds.map(lambda ex: {"input_ids": ex["input_ids"][sl], "labels": ex["labels"][sl]}, **map_kwargs)
+    before = len(ds) if is_map else None
+    # An example with no target token adds nothing but a zero-loss step: dropped, as TRL drops
+    # them after truncation, and counted. (TRL keeps such rows when it does not truncate.)
+    if opts.max_length is not None and not opts.packing:
+        ds = ds.filter(lambda ex: any(t != -100 for t in ex["labels"]), **map_kwargs)
+    elif is_map:
+        empty = [i for i, lab in enumerate(ds["labels"]) if all(t == -100 for t in lab)]
+        if empty:
+            raise DataError(f"{what}[{empty[0]}] (and {len(empty) - 1} more) has no token counted in the loss "
+                            "(its completion or assistant turns are empty or masked); remove such examples")
+    if is_map:
+        report.examples = report.examples or before
+        report.no_target_dropped = before - len(ds)
+        if len(ds) == 0:
+            raise DataError(f"{what}: no example is left with a token to learn from after truncation to "
+                            f"max_length={opts.max_length}; raise max_length")
+
+    if opts.packing:
+        if opts.max_length is None:
+            raise DataError("packing=True needs max_length (the packed row length); set SFTConfig.max_length")
+        if is_map:
+            lengths = [len(x) for x in ds["input_ids"]]
+            report.examples = len(lengths)
+            if opts.packing_strategy == "bfd":   # bfd truncates documents longer than a row
+                report.truncated = sum(n > opts.max_length for n in lengths)
+                report.tokens_dropped = sum(max(n - opts.max_length, 0) for n in lengths)
+        ds = ds.select_columns(["input_ids", "labels"])
+        if opts.shuffle_dataset:
+            ds = ds.shuffle(seed=opts.seed)
+        ds = pack_dataset(ds, opts.max_length, opts.packing_strategy, map_kwargs)
+    if opts.shuffle_dataset:
+        ds = ds.shuffle(seed=opts.seed)
+    return ds, report
+
+
+def _tools(example):
+    tools = example.get("tools")
+    return json.loads(tools) if isinstance(tools, str) else tools
+
+
+def _chat(tokenizer, messages, **kw) -> dict:
+    return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
+
+
+def _tokenize_example(example: dict, idx: int, tokenizer, opts: SFTDataOptions, what: str, prefix_len) -> dict:
+    """One row as TRL tokenises it (``SFTTrainer._prepare_dataset``'s ``tokenize_fn``)."""
+    from trl.data_utils import is_conversational
+
+    kw = {"chat_template": opts.chat_template, "tools": _tools(example), **(example.get("chat_template_kwargs") or {})}
+    out: dict[str, Any] = {}
+    if "prompt" in example and example.get("prompt") is not None:
+        if is_conversational(example):
+            prompt_ids = _chat(tokenizer, example["prompt"], add_generation_prompt=True, **kw)["input_ids"]
+            full = _chat(tokenizer, list(example["prompt"]) + list(example["completion"]),
+                         return_assistant_tokens_mask=opts.assistant_only_loss, **kw)
+            ids = full["input_ids"]
+            if "assistant_masks" in full:
+                out["assistant_masks"] = full["assistant_masks"]
+        else:
+            prompt_ids = tokenizer(text=example["prompt"])["input_ids"]
+            ids = tokenizer(text=example["prompt"] + example["completion"])["input_ids"]
+        n = prefix_len(prompt_ids, ids)
+        if n < len(prompt_ids):
+            warnings.warn(f"{what}[{idx}]: the tokenized prompt is not a prefix of prompt+completion; the "
+                          "completion starts where they diverge (as in TRL)", stacklevel=2)
+        out["input_ids"] = ids
+        out["completion_mask"] = [0] * n + [1] * (len(ids) - n)
+    elif is_conversational(example):
+        done = _chat(tokenizer, example["messages"], return_assistant_tokens_mask=opts.assistant_only_loss, **kw)
+        out = {k: done[k] for k in ("input_ids", "assistant_masks") if k in done}
+    else:
+        out = {"input_ids": tokenizer(text=example[opts.dataset_text_field])["input_ids"]}
+    if "assistant_masks" in out and 1 not in out["assistant_masks"]:
+        raise DataError(f"{what}[{idx}] has no assistant token in its assistant mask with assistant_only_loss=True: "
+                        "the chat template marks no span with {% generation %} for it (or it has no assistant "
+                        "turn). Check the template's generation marks and the example")
+    return out

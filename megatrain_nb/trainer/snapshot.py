@@ -45,6 +45,7 @@ class SnapshotInfo:
     bytes_shared: int = 0           # bytes hard-linked with the disk tier or other snapshots
     parent_run_id: Optional[str] = None
     forked_at_step: Optional[int] = None
+    branch: Optional[str] = None    # the branch's name, where a Session knows it
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -123,6 +123,17 @@ class Explorer:
     def store(self) -> SnapshotStore:
         return SnapshotStore(self.trainer.args.output_dir)
 
+    def apply(self, kind: str, value: Any = None, source: str = "notebook"):
+        """A snapshot / rewind / fork at a step boundary (the training thread), or now when
+        nothing trains. ``fork``'s value: (step, name, changes)."""
+        if kind == "snapshot":
+            return self.take(source)
+        if kind == "rewind":
+            return self.rewind(value, source)
+        step, name, changes = value
+        info = self.take(source) if step is None else self.find(step)
+        return self.fork(info, name, changes)
+
     # ---- snapshots ---------------------------------------------------------------------------
     def take(self, source: str = "notebook") -> SnapshotInfo:
         """A snapshot now (the caller is at a step boundary); an event either way."""
@@ -224,9 +235,13 @@ class Explorer:
                 setattr(args, k, v)
         if "max_steps" in changes and int(changes["max_steps"]) <= info.step:
             raise ValueError(f"max_steps={changes['max_steps']} is not after the fork's step {info.step}")
+        from megatrain_nb.trainer.checkpoint import rng_state, set_rng_state
+
+        rng = rng_state()   # a Trainer seeds the global generators: the parent's run must not notice
         trainer = type(tr)(model=tr.engine, train_dataset=changes.get("train_dataset", tr.train_dataset), args=args,
                            eval_dataset=tr.eval_dataset, tokenizer=tr.tokenizer, data_collator=tr.data_collator,
                            loss_fn=changes.get("loss_fn", tr.loss_fn), seq_len=tr.seq_len)
+        set_rng_state(rng)
         trainer.branch_start = BranchStart(new_run=True, rebuild_schedule=any(k in changes for k in SCHEDULE_FIELDS),
                                            restart_data="train_dataset" in changes)
         if name is None:

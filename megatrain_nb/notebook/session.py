@@ -421,13 +421,14 @@ class Session:
         check_changes(changes)
         if self._released:
             raise RuntimeError(f"session {self.name!r} released its model: nothing to fork")
-        info = self.snapshot() if step is None else self._explore.find(step)
-        return self._explore.fork(info, name, changes)
+        if step is not None:
+            self._explore.find(step)   # no snapshot there: the error lists the steps that have one
+        return self._at_boundary("fork", (step, name, changes))
 
     def _at_boundary(self, kind: str, value: Any):
         t = self._thread
         if t is None or not t.is_alive() or t is threading.current_thread():
-            return self._explore.take() if kind == "snapshot" else self._explore.rewind(value)
+            return self._explore.apply(kind, value)
         fut: Future = Future()
         self._commands.put(_Command(kind, value, "notebook", fut))
         while True:
@@ -634,9 +635,8 @@ class Session:
                 self._log.add_event("lr", step, value=cmd.value, previous=previous, source=cmd.source)
                 if self._pending_lr == cmd.value:
                     self._pending_lr = None
-            elif cmd.kind in ("snapshot", "rewind"):
-                result = self._explore.take(cmd.source) if cmd.kind == "snapshot" else \
-                    self._explore.rewind(cmd.value, cmd.source)
+            elif cmd.kind in ("snapshot", "rewind", "fork"):
+                result = self._explore.apply(cmd.kind, cmd.value, cmd.source)
                 if cmd.kind == "rewind" and self._state == "running":
                     self._set_state("paused")
                     self._log.add_event("pause", result.step, source="rewind")

@@ -1,6 +1,7 @@
 """Session.snapshot / rewind / fork (notebook/branches.py) over the real Trainer and engine:
 bit-exact rewinds and no-change forks, branches switching on one engine, bad input."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -156,3 +157,40 @@ def test_one_branch_trains_at_a_time_and_switching_back_is_exact(make, capsys):
     s.resume()
     assert s.wait(timeout=300) == "finished"
     _same(_weights(s), expected)
+
+
+def test_keep_snapshots_prunes_but_never_a_snapshot_a_branch_starts_from(make):
+    s = make(max_steps=8, snapshot_steps=1, keep_snapshots=2, name="main")
+    s.train()
+    assert s.wait(until_step=2, timeout=120) == "running"
+    b = s.fork(name="later")          # at the next step boundary, while the run goes on
+    start = b.explorer.origin[1]
+    assert s.wait(timeout=300) == "finished"
+    steps = [i.step for i in s.snapshots]
+    assert steps == [start, 7, 8]     # the two newest, and the one the branch starts from
+    assert [i.step for i in b.snapshots] == [start]
+
+
+def test_a_full_disk_during_a_snapshot_is_reported_and_the_run_goes_on(make, monkeypatch):
+    import errno
+
+    from megatrain_nb.engine import engine as engine_mod
+
+    real = engine_mod.StreamingEngine.save_checkpoint
+
+    def full(self, path, *, link_disk=False):
+        if link_disk:
+            open(os.path.join(path, "partial"), "w").write("x")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, path, link_disk=link_disk)
+
+    monkeypatch.setattr(engine_mod.StreamingEngine, "save_checkpoint", full)
+    s = make(snapshot_steps=2, max_steps=4)
+    s.train(block=True)
+    assert s.state == "finished" and s.step == 4
+    failed = [e for e in s.events if e["kind"] == "snapshot_failed"]
+    assert [e["step"] for e in failed] == [2, 4] and "disk is full" in failed[0]["error"]
+    assert s.snapshots == []
+    assert not os.listdir(os.path.join(s.trainer.args.output_dir, "snapshots"))
+    with pytest.raises(OSError, match="disk is full.*training goes on"):
+        s.snapshot()

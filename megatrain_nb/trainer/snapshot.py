@@ -28,6 +28,7 @@ from . import checkpoint as ckpt
 
 FOLDER = "snapshots"
 _NAME = re.compile(r"^step-(\d+)-([0-9A-Za-z_-]+)$")
+_CHECKPOINT = re.compile(rf"^{ckpt.PREFIX}-(\d+)$")
 #: fork changes that rebuild the LR schedule from the fork's arguments at the fork's step
 SCHEDULE_FIELDS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps")
 
@@ -142,12 +143,13 @@ class SnapshotStore:
 
     def list(self, include_checkpoints: bool = True) -> List[SnapshotInfo]:
         """Complete snapshots (and checkpoints), by step then time. Partial ones are never listed."""
+        # (no clean-up of temporaries here: a listing from the notebook must not remove the
+        # folder a snapshot is being written into by the training thread; take() cleans up)
         found = []
         if self.root.is_dir():
-            ckpt.remove_stale_temporaries(self.root)
             found += [p for p in self.root.iterdir() if _NAME.match(p.name) and ckpt.is_checkpoint(p)]
-        if include_checkpoints:
-            found += ckpt.list_checkpoints(self.output_dir)
+        if include_checkpoints and self.output_dir.is_dir():
+            found += [p for p in self.output_dir.iterdir() if _CHECKPOINT.match(p.name) and ckpt.is_checkpoint(p)]
         infos = []
         for p in found:
             try:

@@ -194,3 +194,16 @@ def test_a_full_disk_during_a_snapshot_is_reported_and_the_run_goes_on(make, mon
     assert not os.listdir(os.path.join(s.trainer.args.output_dir, "snapshots"))
     with pytest.raises(OSError, match="disk is full.*training goes on"):
         s.snapshot()
+
+
+def test_a_branch_saves_its_own_weights(make, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    s = make(snapshot_steps=3, name="main")
+    s.train(block=True)
+    b = s.fork(step=3, name="b", learning_rate=1e-4)
+    b.train(block=True)
+    b.trainer.save_model(str(tmp_path / "b-model"))
+    loaded = dict(AutoModelForCausalLM.from_pretrained(str(tmp_path / "b-model")).named_parameters())
+    mine = _weights(b)
+    assert all(torch.equal(loaded[k].detach(), mine[k]) for k in mine)

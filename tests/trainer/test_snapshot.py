@@ -133,3 +133,28 @@ def test_disk_full_during_a_snapshot_leaves_nothing_listed(tmp_path, monkeypatch
     assert store.take(tr).step == 2
     it.close()
     tr.close()
+
+
+def test_on_another_filesystem_the_disk_files_are_copied_and_still_resume(tmp_path, monkeypatch):
+    from megatrain_nb.engine import linked
+
+    tr = _trainer(tmp_path / "run", tmp_path / "offload", steps=3)
+    store = SnapshotStore(tmp_path / "run")
+    it, _ = _train_to(tr, 1)
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(linked.os, "link", cross_device)
+    path = store.path_for(1, tr.run_id)
+    sizes = tr.save_snapshot(path)
+    assert sizes["linked_bytes"] == 0 and sizes["copied_bytes"] > 0
+    info = store.info(path)
+    assert info.bytes_shared == 0 and info.bytes_unique > sizes["copied_bytes"]
+    before = {k: v.clone() for k, v in tr.engine.state_dict().items()}
+    next(it)
+    it.close()
+    tr.engine.load_checkpoint(str(path))
+    after = tr.engine.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    tr.close()

@@ -140,6 +140,12 @@ class Explorer:
         s = self.session
         if getattr(self.trainer, "run_id", None) is None:
             raise RuntimeError(f"session {s.name!r} has not trained a step yet: nothing to snapshot")
+        with self.group.lock:
+            elsewhere = self.group.active is not None and self.group.active is not self
+        if elsewhere:   # the engine holds another branch's state; this one's was kept when it left
+            if self.switched_out is None:
+                raise RuntimeError(f"session {s.name!r} does not hold the engine; resume it to snapshot it")
+            return self._named(self.store.info(self.switched_out))
         try:
             info = self.store.take(self.trainer)
         except Exception as e:

@@ -207,3 +207,14 @@ def test_a_branch_saves_its_own_weights(make, tmp_path):
     loaded = dict(AutoModelForCausalLM.from_pretrained(str(tmp_path / "b-model")).named_parameters())
     mine = _weights(b)
     assert all(torch.equal(loaded[k].detach(), mine[k]) for k in mine)
+
+
+def test_a_branch_that_does_not_hold_the_engine_snapshots_its_kept_state(make):
+    s = make(snapshot_steps=3, name="main")
+    s.train(block=True)
+    b = s.fork(step=3, name="b", learning_rate=1e-4)
+    b.train(block=True)                  # main was switched out (finished, at step 6)
+    kept = s.snapshot()
+    assert kept.step == 6 and kept.run_id == s.trainer.run_id
+    c = s.fork(name="c")                 # from main's step 6, not from the weights b left
+    assert c.explorer.origin == (s.trainer.run_id, 6)

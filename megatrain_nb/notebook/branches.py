@@ -106,7 +106,8 @@ class Explorer:
         self.group = BranchGroup()
         self.group.members.append(self)
         self.origin: Optional[tuple] = None      # a fork: (parent run id, step) before its first step
-        self.changes: dict = {}
+        self.changes: dict = {}                  # a fork's changes (described)
+        self.note: str = ""                      # e.g. "rewound to step 20": said of the run going on
         self.weight_decay: Optional[float] = None
         self.restart_path: Optional[str] = None  # the loop restarts from here (rewind, switch back)
         self.switched_out: Optional[str] = None  # the state to load when this branch trains again
@@ -214,8 +215,12 @@ class Explorer:
                 if gone:
                     n.name = f"{s.name} (abandoned after step {info.step})"
         tr.engine.load_checkpoint(info.path)   # at once: generate()/save_model() see that step's weights
-        tr.branch_start = BranchStart(new_run=True, extra={"reason": f"rewound to step {info.step}"})
-        self.changes = {"rewound_to": info.step}
+        # back into an ancestor's run (before this fork's point): this fork's changes apply again
+        other = info.run_id != old_run
+        tr.branch_start = BranchStart(new_run=True,
+                                      rebuild_schedule=other and any(k in self.changes for k in SCHEDULE_FIELDS),
+                                      restart_data=other and "train_dataset" in self.changes)
+        self.note = f"rewound to step {info.step}"
         self.restart_path, self.switched_out = info.path, None
         s.run_log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
         return info
@@ -340,8 +345,8 @@ class Explorer:
                 n.parent_run_id, n.forked_at_step = parent, at
             if not n.abandoned:
                 n.name = s.name
-            if not n.changes and self.changes:
-                n.changes = ", ".join(f"{k}={v}" for k, v in self.changes.items())
+            if not n.changes and (self.changes or self.note):
+                n.changes = ", ".join([f"{k}={v}" for k, v in self.changes.items()] + ([self.note] if self.note else []))
         return n
 
     def _lineage(self) -> dict:

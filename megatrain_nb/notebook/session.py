@@ -405,7 +405,7 @@ class Session:
                                "mt.Session.from_checkpoint(<a snapshot folder>) starts from one")
         self._explore.find(step)   # a step without a snapshot fails here, listing those that have one
         info = self._at_boundary("rewind", step)
-        if self._state in ENDED:   # finished (it kept its model): train() continues from the snapshot
+        if self._state in ENDED + ("idle",):   # finished (it kept its model) or not started: train() goes on from it
             self._resume = self._explore.take_restart()
             self._ended_at = None
             self._set_state("idle")

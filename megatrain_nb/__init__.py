@@ -25,6 +25,7 @@ _LAZY = {
     "Estimate": "megatrain_nb.estimator",
     "estimate_scale_out": "megatrain_nb.estimator_dist",
     "Session": "megatrain_nb.notebook",
+    "compare": "megatrain_nb.notebook.compare",
 }
 
 __all__ = list(_LAZY) + ["load_ipython_extension", "unload_ipython_extension", "__version__"]

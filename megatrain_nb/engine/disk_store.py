@@ -417,6 +417,19 @@ class DiskStore:
         with self._lock:
             return list(self._sizes)
 
+    def file_of(self, key: str) -> str | None:
+        """The path of ``key``'s committed file (None if it has none). A file is never rewritten
+        in place (a new version is written and renamed over it), so a hard link to this path
+        keeps this version's bytes whatever the store writes later (snapshots rely on it).
+        Call after :meth:`flush` for the version holding every write issued so far."""
+        with self._lock:
+            return self._file(key) if key in self._sizes else None
+
+    def read_file(self, path: str | os.PathLike, key: str) -> dict[str, torch.Tensor]:
+        """Read a file in this store's format from ``path`` (a snapshot's hard link to a file of
+        ``key``), at once, through the page cache, with every check a read makes."""
+        return self._read_file(key, {}, path=os.fspath(path))
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._sizes
@@ -626,11 +639,12 @@ class DiskStore:
             f"offload_dir at a larger disk, or offload less (more host RAM, "
             f"optimizer_compression)")
 
-    def _read_file(self, key: str, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _read_file(self, key: str, out: dict[str, torch.Tensor], path: str | None = None) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        path = self._file(key)
+        direct = self.direct_io and path is None   # a file elsewhere may sit on another filesystem
+        path = path or self._file(key)
         try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0))
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         except FileNotFoundError:
             raise KeyError(f"DiskStore has no key {key!r} (no file {path})") from None
         except OSError as e:
@@ -655,7 +669,7 @@ class DiskStore:
                 segments.append((e["offset"], _bytes_view(dest)))
                 result[e["name"]] = dest
             segments.sort(key=lambda seg: seg[0])
-            if self.direct_io:
+            if direct:
                 # A large destination whose memory is not page-aligned cannot take direct I/O;
                 # a buffered read straight into it (the kernel reads ahead while it copies),
                 # with its pages dropped as it goes, beats bouncing through the staging buffer.

@@ -299,9 +299,16 @@ class StreamingEngine:
                     pass
             self.dist.barrier()
 
-    def save_checkpoint(self, path) -> None:
-        """Weights (Hugging Face layout) plus optimizer states in their stored form."""
+    def save_checkpoint(self, path, *, link_disk: bool = False) -> Optional[dict]:
+        """Weights (Hugging Face layout) plus optimizer states in their stored form.
+
+        ``link_disk`` (a snapshot): hard-link the disk tier's files and write only what lives in
+        RAM (see ``engine/linked.py``); returns the bytes linked, copied and written."""
         with self.lock:
+            if link_disk and self.sharded is None:
+                from .linked import save_linked
+
+                return save_linked(self, path)
             if self.sharded is not None:
                 return self.save_sharded_checkpoint(path)
             self.pager.wait_grads()
@@ -311,6 +318,10 @@ class StreamingEngine:
 
     def load_checkpoint(self, path) -> None:
         with self.lock:
+            from .linked import is_linked, load_linked
+
+            if is_linked(path):
+                return load_linked(self, path)
             if any(f.startswith("shards-") for f in os.listdir(path)):
                 return self.load_sharded_checkpoint(path)
             refuse_sharded("load_checkpoint", self.dist.world)

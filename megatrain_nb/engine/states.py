@@ -520,6 +520,10 @@ class OptimizerStates:
         if self.disk is not None:
             self.disk.flush()
 
+    def on_disk(self, unit: Unit) -> bool:
+        """Whether a unit's stored states are a file of the disk tier (else in RAM, or none yet)."""
+        return self.disk is not None and unit.index in self._on_disk
+
     def key(self, unit: Unit) -> str:
         """The disk tier's key of a unit's stored states."""
         return self._key(unit)

@@ -32,6 +32,7 @@ from .inspector import stats_rows_html
 from .lifecycle import ENDED
 from .probe import RenderProbe
 from .run_log import RunView
+from .run_tree import BranchesPanel
 from .summary_html import header_html, rank_memory_table
 
 
@@ -106,6 +107,7 @@ class Dashboard(W.VBox):
         self.layer_stats = W.HTML(layout=W.Layout(width="28%"))
         self.layers_fig = layers_widget()
         self.probe = RenderProbe()
+        self.branches = BranchesPanel(session)   # the run tree, shown once the run has branches
         controls = W.VBox([W.HBox([self.pause_button, self.stop_button, self.checkpoint_button]),
                            W.HBox([self.lr_field, self.lr_apply]), self.notice], layout=W.Layout(width="60%"))
         super().__init__([
@@ -116,6 +118,7 @@ class Dashboard(W.VBox):
             W.HTML("<b style='font-family:sans-serif'>Layer inspector</b>"),
             W.HBox([self.layer_select, self.metric]),
             W.HBox([self.layer_stats, _boxed(self.layers_fig, "72%")]),
+            self.branches.box,
             self.probe,
         ])
         self._lock = threading.Lock()
@@ -247,6 +250,10 @@ class Dashboard(W.VBox):
     @panel("training", 1.0, key=lambda d: (d.session.run_log.version,), curves=("loss", "lr"))
     def _refresh_training(self, view: RunView) -> None:
         fill_training(self.training_fig, view)
+
+    @panel("branches", 2.0, key=lambda d: d.branches.key())
+    def _refresh_branches(self, view: RunView) -> None:
+        self.branches.update()
 
     # a new choice in the layer inspector shows at once (user actions are rare)
     @panel("layers", 2.0, key=lambda d: (d.session.run_log.version, d.layer_select.value, d.metric.value),

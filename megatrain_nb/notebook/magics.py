@@ -8,6 +8,7 @@ most recently created or trained) or a named one (``-s NAME`` / ``--session NAME
     %megatrain report run.html
     %megatrain estimate llama-100b --vram 80 --ram 512 --disk 4096
     %megatrain sessions
+    %megatrain snapshot | rewind 200 | fork learning_rate=1e-4 name=low | branches
 """
 from __future__ import annotations
 
@@ -27,7 +28,11 @@ USAGE = """Usage: %megatrain <command> [-s SESSION]
   report <path>       write a report (.html or .ipynb)
   trained-on [index]  one training example, the tokens that count toward the loss highlighted
   estimate <model dir | config.json | preset> [--vram GB] [--ram GB] [--disk GB] [--nodes M] [--gpus-per-node N]
-  sessions            list the sessions of this kernel"""
+  sessions            list the sessions of this kernel
+  snapshot            take a snapshot at the next step boundary
+  rewind <step>       go back to the snapshot at that step (train()/resume continues)
+  fork key=value ...  a branch from now (step=N: from that snapshot; name=...), e.g. learning_rate=1e-4
+  branches            the run tree: branches, fork points, what changed, snapshots"""
 
 _NO_SESSION = ("No megatrain session here yet. Create one and start it:\n"
                "    import megatrain_nb as mt\n"
@@ -65,7 +70,8 @@ def _dispatch(line: str) -> Any:
     if cmd == "sessions":
         return _sessions()
     handler = {"status": _status, "pause": _pause, "resume": _resume, "stop": _stop, "lr": _lr,
-               "dashboard": _dashboard, "report": _report, "trained-on": _trained_on}.get(cmd)
+               "dashboard": _dashboard, "report": _report, "trained-on": _trained_on, "snapshot": _snapshot,
+               "rewind": _rewind, "fork": _fork, "branches": _branches}.get(cmd)
     if handler is None:
         raise MagicError(f"megatrain: unknown command {cmd!r}\n{USAGE}")
     return handler(_session(name), rest)
@@ -196,6 +202,57 @@ def _report(session, rest):
     if len(rest) != 1:
         raise MagicError("megatrain: report needs a path ending in .html or .ipynb, e.g. %megatrain report run.html")
     print(f"{session.name}: report written to {session.export_report(rest[0])}")
+
+
+def _snapshot(session, rest):
+    from megatrain_nb.formatting import fmt_bytes
+
+    info = session.snapshot()
+    print(f"{session.name}: snapshot at step {info.step} ({fmt_bytes(info.bytes_unique)} written, "
+          f"{fmt_bytes(info.bytes_shared)} shared by hard links): {info.path}")
+
+
+def _rewind(session, rest):
+    if len(rest) != 1 or not rest[0].lstrip("-").isdigit():
+        raise MagicError("megatrain: rewind needs one step, e.g. %megatrain rewind 200")
+    info = session.rewind(int(rest[0]))
+    print(f"{session.name}: back at step {info.step} ({session.state}); "
+          f"{'resume' if session.state == 'paused' else 'train'} to continue from there.")
+
+
+def _fork(session, rest):
+    import ast
+
+    changes = {}
+    for w in rest:
+        if "=" not in w:
+            raise MagicError(f"megatrain: fork takes key=value pairs, got {w!r} (e.g. %megatrain fork learning_rate=1e-4)")
+        k, v = w.split("=", 1)
+        try:
+            changes[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            changes[k] = v   # a plain word (a scheduler type, a name)
+    step, name = changes.pop("step", None), changes.pop("name", None)
+    branch = session.fork(step=step, name=name, **changes)
+    print(f"{session.name}: branch {branch.name!r} forked at step {branch.explorer.origin[1]}; "
+          f"`{branch.name} = _` keeps it, then .train() starts it (pausing {session.name}); "
+          f"or %megatrain -s {branch.name} ...")
+    return branch
+
+
+def _branches(session, rest):
+    from megatrain_nb.formatting import fmt_bytes
+
+    ex = session.explorer
+    for run in ex.tree():
+        steps = [r.get("step") for r in run["records"]]
+        span = f"steps {min(steps)}-{max(steps)}" if steps else "no steps yet"
+        at = f", from step {run['forked_at_step']}" if run["forked_at_step"] is not None else ""
+        print(f"  {run['name']} [{run['run_id']}]{at}: {span}{'; ' + run['changes'] if run['changes'] else ''}")
+    snaps = ex.all_snapshots()
+    if snaps:
+        print("snapshots: " + ", ".join(f"{i.step} ({i.branch or i.run_id}, {fmt_bytes(i.bytes_unique)})"
+                                        for i in snaps))
 
 
 def _estimate(rest):

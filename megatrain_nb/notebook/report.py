@@ -174,6 +174,17 @@ def build_notebook(session: Any):
         cells.append(_md("## What the model is trained on\n\nThe first training example; the highlighted "
                          "tokens count toward the loss."))
         cells.append(_html_cell(trained_on, "trained on"))
+
+    runs = session.explorer.tree() if hasattr(session, "explorer") else []
+    if len(runs) > 1:   # rewinds and forks: the run tree (issue 21)
+        from .run_tree import label, run_tree_figure
+
+        cells.append(_md("## Branches\n\nEvery run of the tree on shared step axes; diamonds mark fork points.\n\n"
+                         + _table([(label(r), r["run_id"], r["parent_run_id"] or "", r["forked_at_step"] or "",
+                                    len(r["records"])) for r in runs],
+                                  ("branch", "run id", "parent run", "forked at step", "steps logged"))))
+        cells.append(_figure_cell(figs, run_tree_figure(runs), "run tree"))
+
     samples = session.samples
     if samples:
         body = "".join(f"<h4>step {s['step']}: <code>{html.escape(s['prompt'])}</code></h4>"

@@ -162,6 +162,20 @@ class RunLog:
             self._version += 1
         return event
 
+    def truncate_after(self, step: int) -> list[dict]:
+        """Remove and return the records of steps after ``step`` (a rewind: they become a branch of
+        their own, see branches.py); the curves follow. Events and layer statistics stay."""
+        with self._lock:
+            keep = [r for r in self._records if int(r.get("step", 0) or 0) <= step]
+            gone = [r for r in self._records if int(r.get("step", 0) or 0) > step]
+            self._records = keep
+            self._steps = [float(r.get("step", i + 1)) for i, r in enumerate(keep)]
+            self._curves = {k: [_num(r.get(k)) for r in keep] for k in _CURVES}
+            ev = [(float(r.get("step", 0)), _num(r.get("eval_loss"))) for r in keep if r.get("eval_loss") is not None]
+            self._eval = ([e[0] for e in ev], [e[1] for e in ev])
+            self._version += 1
+        return gone
+
     def add_paused_time(self, seconds: float) -> None:
         with self._lock:
             self._paused_s += seconds

@@ -31,6 +31,7 @@ from megatrain_nb.threads import SESSION, thread_name
 from . import registry
 from .display_mode import in_kernel, resolve_mode
 from .lifecycle import ENDED, LIVE
+from .branches import Explorer
 from .run_log import RunLog
 
 
@@ -95,7 +96,8 @@ class Session:
 
     def __init__(self, model: Any, train_dataset: Any = None, args: Any = None, tokenizer: Any = None,
                  eval_dataset: Any = None, name: Optional[str] = None, *, seq_len: Optional[int] = None,
-                 loss_fn: Any = None, **engine_options: Any):
+                 loss_fn: Any = None, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None,
+                 **engine_options: Any):
         from .model_source import build_trainer
 
         options = dict(engine_options)
@@ -105,6 +107,7 @@ class Session:
             model, train_dataset=train_dataset, args=args, tokenizer=tokenizer,
             eval_dataset=eval_dataset, seq_len=seq_len, trainer_options=options)
         self._setup(trainer, tokenizer, name, model_ref=model, engine_options=engine_options)
+        self._explore = Explorer(self, snapshot_steps, keep_snapshots)
 
     @classmethod
     def from_trainer(cls, trainer: TrainerLike, *, tokenizer: Any = None, name: Optional[str] = None,
@@ -155,6 +158,7 @@ class Session:
         self._ended_at: Optional[float] = None
         self._model_ref = model_ref
         self._engine_options = dict(engine_options)
+        self._explore = Explorer(self)   # snapshots, rewind, fork (branches.py)
         registry.register(self)
         if in_kernel():  # import the display stack now (plotly's FigureWidget: ~1.5 s), not in train()
             from .dashboard import warm_up
@@ -373,6 +377,64 @@ class Session:
                                            "was written, and released its model") from None
                     return self._do_checkpoint(path, source)
 
+    # ---- explore: snapshots, rewind, fork (the logic is in branches.py) ------------------------------
+    @property
+    def explorer(self) -> Explorer:
+        """This run's snapshots and branches (``branches.Explorer``)."""
+        return self._explore
+
+    def snapshot(self):
+        """Take a snapshot at the next step boundary (now, if nothing is training) and return its
+        ``SnapshotInfo``. On the disk tier it hard-links the files and writes only RAM state."""
+        return self._at_boundary("snapshot", None)
+
+    @property
+    def snapshots(self) -> list:
+        """The snapshots this run can rewind to (checkpoints count): step, time, branch, path,
+        bytes unique / shared."""
+        return self._explore.snapshots()
+
+    def rewind(self, step: int):
+        """Go back to the snapshot at ``step``; ``train()``/``resume()`` continues from there. While
+        running: at the next step boundary, then paused. The abandoned steps stay a branch."""
+        if self._released:
+            raise RuntimeError(f"session {self.name!r} {self._state} and released its model: nothing to rewind. "
+                               "mt.Session.from_checkpoint(<a snapshot folder>) starts from one")
+        self._explore.find(step)   # a step without a snapshot fails here, listing those that have one
+        info = self._at_boundary("rewind", step)
+        if self._state in ENDED + ("idle",):   # finished (it kept its model) or not started: train() goes on from it
+            self._resume = self._explore.take_restart()
+            self._ended_at = None
+            self._set_state("idle")
+        return info
+
+    def fork(self, step: Optional[int] = None, name: Optional[str] = None, **changes: Any) -> "Session":
+        """A new Session (a branch) from the snapshot at ``step`` (default: a snapshot now) with
+        ``changes`` (learning_rate, lr_scheduler_type, warmup_steps, weight_decay, max_grad_norm,
+        max_steps, gradient_accumulation_steps, data_seed, train_dataset, loss_fn). It shares this
+        session's engine: starting it pauses this one (one branch trains at a time)."""
+        from .branches import check_changes
+
+        check_changes(changes)
+        if self._released:
+            raise RuntimeError(f"session {self.name!r} released its model: nothing to fork")
+        if step is not None:
+            self._explore.find(step)   # no snapshot there: the error lists the steps that have one
+        return self._at_boundary("fork", (step, name, changes))
+
+    def _at_boundary(self, kind: str, value: Any):
+        t = self._thread
+        if t is None or not t.is_alive() or t is threading.current_thread():
+            return self._explore.apply(kind, value)
+        fut: Future = Future()
+        self._commands.put(_Command(kind, value, "notebook", fut))
+        while True:
+            try:
+                return fut.result(timeout=0.25)
+            except FuturesTimeout:
+                if not t.is_alive() and not fut.done():   # the run ended before reaching it
+                    return self._at_boundary(kind, value)
+
     def stop(self, checkpoint: Any = False, *, wait: Optional[bool] = None, timeout: Optional[float] = None,
              source: str = "notebook") -> None:
         """End the run after the current step and release device memory, threads and disk
@@ -523,11 +585,16 @@ class Session:
         try:
             if self.engine is not None:   # the dashboard reads layer statistics after every step:
                 self.engine.layer_stats()  # the engine gathers them once asked, so from step 1
+            self._explore.activate()   # branches sharing the engine: this one's state in it
             it = iter(self._trainer.iter_steps(resume_from_checkpoint=self._resume))
             while True:
                 if self._apply_commands():
                     outcome = "stopped"
                     break
+                restart = self._explore.take_restart()   # rewound, or back from another branch
+                if restart is not None:
+                    it.close()
+                    it = iter(self._trainer.iter_steps(resume_from_checkpoint=restart))
                 try:
                     record = next(it)
                 except StopIteration:
@@ -551,6 +618,7 @@ class Session:
         if stats:
             self._log.add_layer_stats(int(record.get("step", 0) or 0), list(stats))
         self._log.add_record(record)
+        self._explore.on_record(record)
         with self._cv:
             self._cv.notify_all()
 
@@ -575,6 +643,7 @@ class Session:
                 self._set_state("paused")
                 self._log.add_event("pause", step, source=cmd.source)
             elif cmd.kind == "resume" and self._state == "paused":
+                self._explore.activate()   # another branch trained meanwhile: switch back
                 self._set_state("running")
                 self._log.add_event("resume", step, source=cmd.source)
             elif cmd.kind == "lr":
@@ -583,6 +652,12 @@ class Session:
                 self._log.add_event("lr", step, value=cmd.value, previous=previous, source=cmd.source)
                 if self._pending_lr == cmd.value:
                     self._pending_lr = None
+            elif cmd.kind in ("snapshot", "rewind", "fork"):
+                result = self._explore.apply(cmd.kind, cmd.value, cmd.source)
+                if cmd.kind == "rewind" and self._state == "running":
+                    self._set_state("paused")
+                    self._log.add_event("pause", result.step, source="rewind")
+                cmd.future.set_result(result)
             elif cmd.kind == "checkpoint":
                 path = self._do_checkpoint(cmd.value, cmd.source)
                 if cmd.future is not None:
@@ -648,6 +723,8 @@ class Session:
         if self._released:
             return
         self._released = True
+        if self._explore.engine_shared():   # branches still use the engine: the last one closes it
+            return
         closer = getattr(self._trainer, "close", None)
         if not callable(closer):
             closer = getattr(self.engine, "close", None)

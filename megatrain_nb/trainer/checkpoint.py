@@ -237,7 +237,7 @@ def remove_stale_temporaries(output_dir) -> list[str]:
     return recover_interrupted(output_dir)
 
 
-def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
+def write_checkpoint(final_dir, write: Callable[[Path], None], *, manifest_exclude: tuple = ()) -> Path:
     """Call ``write(tmp_dir)``, add the checksum manifest (last: a folder with a manifest is
     complete), then rename ``tmp_dir`` to ``final_dir`` (replacing an older one); see
     ``atomic.atomic_dir`` for what a crash at any point leaves."""
@@ -249,7 +249,7 @@ def write_checkpoint(final_dir, write: Callable[[Path], None]) -> Path:
         tmp = Path(tmp)
         try:
             write(tmp)
-            write_manifest(tmp)
+            write_manifest(tmp, exclude=manifest_exclude)
         except Exception as e:  # noqa: BLE001 - a full disk is reported plainly, the rest as it is
             if _disk_full(e):
                 raise _disk_full_error(final, tmp, e) from e

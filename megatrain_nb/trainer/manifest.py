@@ -111,11 +111,14 @@ def file_checksums(folder, names, *, algorithm: str = ALGORITHM, chunk: int = CH
     return out
 
 
-def write_manifest(folder, *, algorithm: str = ALGORITHM, chunk: int = CHUNK_BYTES) -> dict:
-    """Hash every file under ``folder`` into ``folder/manifest.json``; returns the manifest."""
+def write_manifest(folder, *, algorithm: str = ALGORITHM, chunk: int = CHUNK_BYTES, exclude: tuple = ()) -> dict:
+    """Hash every file under ``folder`` into ``folder/manifest.json``; returns the manifest.
+    ``exclude``: sub-folders left out (a snapshot's hard links to disk-tier files, which carry
+    checksums of their own)."""
     folder = Path(folder)
+    names = [n for n in _files(folder) if not any(n.startswith(x.rstrip("/") + "/") for x in exclude)]
     manifest = {"format": 2, "algorithm": algorithm, "chunk_bytes": chunk,
-                "files": file_checksums(folder, _files(folder), algorithm=algorithm, chunk=chunk)}
+                "files": file_checksums(folder, names, algorithm=algorithm, chunk=chunk)}
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(tmp, folder / MANIFEST)

@@ -30,12 +30,14 @@ class MetricsLog:
         self.enabled = enabled
         self._lock = threading.Lock()
         self.run_id = None  # set by the Trainer when a run starts
+        self.lineage: dict = {}  # parent_run_id, forked_at_step of a branch (None for a root run)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         if self.run_id is not None:
-            record = {**record, "run_id": self.run_id}
+            record = {**record, "parent_run_id": self.lineage.get("parent_run_id"),
+                      "forked_at_step": self.lineage.get("forked_at_step"), "run_id": self.run_id}
         line = json.dumps(_clean(record), default=str)
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)

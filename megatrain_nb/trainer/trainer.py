@@ -156,6 +156,12 @@ class Trainer:
         # Which run this is: a fresh iter_steps() starts a new one, a resume continues the run of
         # its checkpoint. Tags metrics lines and checkpoints, so runs sharing output_dir stay apart.
         self.run_id: Optional[str] = None
+        # Branches (trainer/snapshot.py): the run this one was forked from and at which step
+        # (None for a root run); every metrics line carries them.
+        self.parent_run_id: Optional[str] = None
+        self.forked_at_step: Optional[int] = None
+        #: set by a Session before iter_steps() resumes from a snapshot as a branch (snapshot.BranchStart)
+        self.branch_start = None
         # train() under torchrun: rank 0 announces the run and takes commands that every rank
         # applies at the same step boundary (trainer/control.py); None when a Session drives us
         self.run_control = None
@@ -251,14 +257,20 @@ class Trainer:
             self._tokens_seen = 0
             self._log_accum = (0.0, 0)
             self.run_id = None
+            start, self.branch_start = self.branch_start, None
             if resume is not None:
-                self._load_checkpoint(resume, stream)
+                self._load_checkpoint(resume, stream, quiet=start is not None)
             else:
                 self._engine.zero_grad()
+            if start is not None:
+                from .snapshot import apply_branch_start
+
+                self.schedule = apply_branch_start(self, start, stream, total)
             self.run_id = self.run_id or uuid.uuid4().hex[:12]
             if self.dist.world > 1:   # one run: every rank takes rank 0's id
                 self.run_id = self.dist.all_gather_json(self.run_id)[0]
             self.metrics_log.run_id = self.run_id
+            self.metrics_log.lineage = self.lineage
             self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
                                     "resumed_from": str(resume) if resume is not None else None,
                                     "time": time.time()})
@@ -396,7 +408,7 @@ class Trainer:
                 "skipped_steps": int(getattr(counters, "skipped_steps", 0) or 0),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
                 "tokens_seen": self._tokens_seen, "tokens_per_s": tokens / dt if dt > 0 else 0.0,
-                "step_time_s": dt, "time": time.time(), "total_steps": total}
+                "step_time_s": dt, "time": time.time(), "total_steps": total, **self.lineage}
 
     def _after_step(self, record: Optional[dict]) -> None:
         """Logging and evaluation as the callbacks' control asks (the checkpoint: _save_if_due)."""
@@ -513,6 +525,11 @@ class Trainer:
                 os.replace(f, dest)
         return str(target)
 
+    @property
+    def lineage(self) -> dict:
+        """``run_id``, ``parent_run_id`` and ``forked_at_step`` of this run (see trainer/snapshot.py)."""
+        return {"run_id": self.run_id, "parent_run_id": self.parent_run_id, "forked_at_step": self.forked_at_step}
+
     def save_checkpoint(self, path=None) -> str:
         """Write a complete checkpoint (default ``output_dir/checkpoint-<step>``); returns its path."""
         if self.schedule is None or self._stream is None:
@@ -520,6 +537,26 @@ class Trainer:
         default = path is None
         final = (Path(path) if path is not None
                  else Path(self.args.output_dir) / f"{ckpt.PREFIX}-{self.state.global_step}")
+        out, _ = self._write_state(final)
+        if default and self.dist.is_main:
+            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out, run_id=self.run_id)
+        self.metrics_log.write({"event": "checkpoint", "path": str(out), "step": self.state.global_step,
+                                "time": time.time()})
+        return str(out)
+
+    def save_snapshot(self, path) -> dict:
+        """Write a snapshot to ``path``: a checkpoint whose disk-tier files are hard links and
+        whose RAM-held state alone is written (see trainer/snapshot.py; ``Session.snapshot``
+        takes them). Returns the bytes linked, copied and written."""
+        if self.schedule is None or self._stream is None:
+            raise RuntimeError("save_snapshot() needs a training run (call train() or iter_steps() first)")
+        _, sizes = self._write_state(Path(path), snapshot=True)
+        return sizes
+
+    def _write_state(self, final: Path, snapshot: bool = False):
+        """The one save protocol of checkpoints and snapshots: the engine's files, then the
+        trainer's (state file last), in a temporary folder renamed into place."""
+        sizes: dict = {}
         meta = {"format": 1, "global_step": self.state.global_step, "data": self._stream.state_dict(),
                 "tokens_seen": self._tokens_seen, "total_steps": self.state.max_steps,
                 "log_accum": list(self._log_accum),
@@ -529,11 +566,16 @@ class Trainer:
                 "micro_batches_per_step": self.args.gradient_accumulation_steps * self.dist.world,
                 "world_size": self.dist.world,
                 "seed": self.args.seed, "data_seed": self.args.data_seed,
-                "run_id": self.run_id, "saved_at": time.time(), "model": ckpt.model_record(self._engine)}
+                "run_id": self.run_id, "parent_run_id": self.parent_run_id,
+                "forked_at_step": self.forked_at_step, "snapshot": snapshot, "saved_at": time.time(),
+                "model": ckpt.model_record(self._engine)}
 
         def write(tmp: Path) -> None:
-            _refuse_non_finite(self._engine, final)
-            self._engine.save_checkpoint(str(tmp))
+            if snapshot:   # (the NaN check would read the whole disk tier; on_nonfinite guards steps)
+                sizes.update(self._engine.save_checkpoint(str(tmp), link_disk=True) or {})
+            else:
+                _refuse_non_finite(self._engine, final)
+                self._engine.save_checkpoint(str(tmp))
             write_shared(tmp)
 
         def write_shared(tmp: Path) -> None:
@@ -549,12 +591,8 @@ class Trainer:
             if self.dist.world > 1:
                 out = self._write_sharded_checkpoint(final, write_shared)
             else:
-                out = ckpt.write_checkpoint(final, write)
-        if default and self.dist.is_main:
-            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=out, run_id=self.run_id)
-        self.metrics_log.write({"event": "checkpoint", "path": str(out), "step": self.state.global_step,
-                                "time": time.time()})
-        return str(out)
+                out = ckpt.write_checkpoint(final, write, manifest_exclude=("disk",) if snapshot else ())
+        return out, sizes
 
     def _write_sharded_checkpoint(self, final: Path, write_shared) -> Path:
         """Data parallel: every rank writes its shards into one temporary folder (named by rank 0)
@@ -582,7 +620,7 @@ class Trainer:
         d.barrier()
         return final
 
-    def _load_checkpoint(self, path: Path, stream: BatchStream) -> None:
+    def _load_checkpoint(self, path: Path, stream: BatchStream, quiet: bool = False) -> None:
         import warnings
 
         from transformers.trainer_callback import TrainerState
@@ -601,7 +639,7 @@ class Trainer:
         else:
             mine.pop("micro_batches_per_step")
         changed = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
-        if changed:
+        if changed and not quiet:   # (a branch changes settings on purpose)
             warnings.warn(f"resuming from {path} with settings that differ from the run that wrote it "
                           f"{changed}: the continuation will not match an uninterrupted run", stacklevel=3)
         self._engine.load_checkpoint(str(path))
@@ -614,6 +652,7 @@ class Trainer:
         self._tokens_seen = int(meta.get("tokens_seen", 0))
         self._log_accum = tuple(meta.get("log_accum", (0.0, 0)))
         self.run_id = meta.get("run_id")  # a resumed run goes on as the same run
+        self.parent_run_id, self.forked_at_step = meta.get("parent_run_id"), meta.get("forked_at_step")
         ckpt.set_rng_state(ckpt.read_rng_state(path))
         self._engine.zero_grad()
 

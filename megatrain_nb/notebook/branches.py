@@ -1,0 +1,403 @@
+"""Snapshots, rewind and fork for a Session: the logic ``Session.snapshot / rewind / fork``
+delegate to (the Session only queues the call to a step boundary and displays).
+
+A *branch* is a run with a parent: its ``run_id``, ``parent_run_id`` and ``forked_at_step``
+are on every metrics line (``trainer/snapshot.py``). Branches of one Session share its engine
+(the training state of one model in host RAM / on disk, a few layers at a time on the device):
+one branch trains at a time. Starting or resuming a branch pauses the one training (at its
+next step boundary), snapshots it and loads the branch's own state; it says so on the
+console and in both runs' events. Resuming the paused one later switches back the same way.
+
+Decisions where the issue left a choice:
+
+* ``rewind(step)`` while the run is *running* applies at the next step boundary and leaves
+  the run paused there (change settings, then ``resume()``); on a *paused* run at once; on a
+  *finished* one it loads the snapshot and ``train()`` continues. A stopped or failed run has
+  released its model: rewind is refused (``Session.from_checkpoint`` on a snapshot folder
+  works). The abandoned steps stay as a branch of their own (the run id they were logged
+  under); the run goes on under a new run id whose parent is that one.
+* ``fork(step=None)`` snapshots the run at its next step boundary (a running run keeps
+  running until the fork starts training). A fork that changes ``learning_rate``,
+  ``lr_scheduler_type``, ``warmup_steps`` or ``max_steps`` rebuilds the schedule from its
+  settings at the fork's step (a ``set_lr`` override of the parent is not carried); another
+  ``train_dataset`` starts at its beginning (same tokenizer and ``seq_len``).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart, SnapshotInfo, SnapshotStore
+
+#: what a fork may change mid-run (TrainingArguments fields, the data, the loss)
+ALLOWED = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "max_steps",
+           "gradient_accumulation_steps", "data_seed", "train_dataset", "loss_fn")
+#: what cannot change mid-run, and why (anything else not in ALLOWED is refused too)
+FIXED = {
+    "optimizer_compression": "the optimizer states are stored in that codec",
+    "precision": "the run's compute precision is fixed by its engine",
+    "model": "the model (and its shape) is the snapshot's",
+    "per_device_train_batch_size": "the data position counts batches of that size",
+    "seq_len": "the data position counts blocks of that length",
+    "offload_dir": "the disk tier holds the run's state",
+    "device": "the engine lives on its device",
+}
+
+
+@dataclass
+class Node:
+    """One run of the tree: its lineage, its label and, once abandoned, its records."""
+
+    run_id: str
+    name: str
+    parent_run_id: Optional[str] = None
+    forked_at_step: Optional[int] = None
+    changes: str = ""
+    abandoned: list = field(default_factory=list)   # records no session's history holds any more
+
+
+class BranchGroup:
+    """The branches sharing one engine: which one's state the engine holds, the run tree, and
+    the snapshots branches start from (never pruned)."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.switch = threading.Lock()     # one branch switch at a time
+        self.members: list = []            # Explorers
+        self.active = None                 # the Explorer whose state the engine holds
+        self.nodes: dict[str, Node] = {}
+        self.protected: set = set()
+
+    def names(self) -> list[str]:
+        return [m.session.name for m in self.members]
+
+    def node(self, run_id: str, name: str, parent: Optional[str] = None, at: Optional[int] = None) -> Node:
+        with self.lock:
+            n = self.nodes.get(run_id)
+            if n is None:
+                n = self.nodes[run_id] = Node(run_id, name, parent, at)
+            return n
+
+    def records_by_run(self) -> dict[str, list]:
+        """Every run's records, by step: what sessions hold now and what rewinds abandoned."""
+        out: dict[str, list] = {}
+        for m in list(self.members):
+            for r in m.session.history:
+                if r.get("run_id"):
+                    out.setdefault(r["run_id"], []).append(r)
+        with self.lock:
+            for n in self.nodes.values():
+                out.setdefault(n.run_id, []).extend(n.abandoned)
+        return {k: sorted(v, key=lambda r: r.get("step", 0)) for k, v in out.items()}
+
+
+class Explorer:
+    """One Session's snapshots and branches (``session.explorer``)."""
+
+    def __init__(self, session, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None):
+        self._session = weakref.ref(session)
+        self.snapshot_steps = _positive("snapshot_steps", snapshot_steps)
+        self.keep_snapshots = _positive("keep_snapshots", keep_snapshots)
+        self.group = BranchGroup()
+        self.group.members.append(self)
+        self.origin: Optional[tuple] = None      # a fork: (parent run id, step) before its first step
+        self.changes: dict = {}                  # a fork's changes (described)
+        self.note: str = ""                      # e.g. "rewound to step 20": said of the run going on
+        self.weight_decay: Optional[float] = None
+        self.restart_path: Optional[str] = None  # the loop restarts from here (rewind, switch back)
+        self.switched_out: Optional[str] = None  # the state to load when this branch trains again
+
+    @property
+    def session(self):
+        return self._session()
+
+    @property
+    def trainer(self):
+        return self.session.trainer
+
+    @property
+    def store(self) -> SnapshotStore:
+        return SnapshotStore(self.trainer.args.output_dir)
+
+    def apply(self, kind: str, value: Any = None, source: str = "notebook"):
+        """A snapshot / rewind / fork at a step boundary (the training thread), or now when
+        nothing trains. ``fork``'s value: (step, name, changes)."""
+        if kind == "snapshot":
+            return self.take(source)
+        if kind == "rewind":
+            return self.rewind(value, source)
+        step, name, changes = value
+        info = self.take(source) if step is None else self.find(step)
+        return self.fork(info, name, changes)
+
+    # ---- snapshots ---------------------------------------------------------------------------
+    def take(self, source: str = "notebook") -> SnapshotInfo:
+        """A snapshot now (the caller is at a step boundary); an event either way."""
+        s = self.session
+        if getattr(self.trainer, "run_id", None) is None:
+            raise RuntimeError(f"session {s.name!r} has not trained a step yet: nothing to snapshot")
+        with self.group.lock:
+            elsewhere = self.group.active is not None and self.group.active is not self
+        if elsewhere:   # the engine holds another branch's state; this one's was kept when it left
+            if self.switched_out is None:
+                raise RuntimeError(f"session {s.name!r} does not hold the engine; resume it to snapshot it")
+            return self._named(self.store.info(self.switched_out))
+        try:
+            info = self.store.take(self.trainer)
+        except Exception as e:
+            s.run_log.add_event("snapshot_failed", s.step, error=f"{type(e).__name__}: {e}", source=source)
+            raise
+        self._register(self.trainer.run_id)
+        s.run_log.add_event("snapshot", s.step, path=info.path, bytes_unique=info.bytes_unique,
+                            bytes_shared=info.bytes_shared, source=source)
+        self.prune()
+        return self._named(info)
+
+    def on_record(self, record: dict) -> None:
+        """After each step (training thread): automatic snapshots every ``snapshot_steps``."""
+        self._register(record.get("run_id"), record.get("parent_run_id"), record.get("forked_at_step"))
+        step = int(record.get("step", 0) or 0)
+        if self.snapshot_steps and step % self.snapshot_steps == 0:
+            try:
+                self.take(source="snapshot_steps")
+            except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
+                print(f"megatrain_nb: snapshot at step {step} failed, training goes on: {e}", file=sys.stderr)
+
+    def prune(self) -> list:
+        if not self.keep_snapshots:
+            return []
+        return self.store.prune(self.keep_snapshots, protect=self.protected(), run_ids=[self.trainer.run_id])
+
+    def protected(self) -> set:
+        with self.group.lock:
+            keep = set(self.group.protected)
+        keep |= {m.switched_out for m in self.group.members if m.switched_out}
+        return keep
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """The snapshots (and checkpoints) this run can rewind to: its own, and its ancestors'
+        up to the step it was forked at."""
+        reach = self._lineage()
+        return [self._named(i) for i in self.store.list()
+                if i.run_id in reach and i.step <= reach[i.run_id]]
+
+    def all_snapshots(self) -> list[SnapshotInfo]:
+        ids = set(self.group.nodes) | {m.trainer.run_id for m in self.group.members}
+        return [self._named(i) for i in self.store.list() if i.run_id in ids]
+
+    def find(self, step: int) -> SnapshotInfo:
+        found = [i for i in self.snapshots() if i.step == int(step)]
+        if not found:
+            have = sorted({i.step for i in self.snapshots()})
+            raise LookupError(f"no snapshot at step {step} of session {self.session.name!r}; the steps that "
+                              f"have one: {', '.join(map(str, have)) or 'none'} (take them with "
+                              "session.snapshot() or snapshot_steps=N)")
+        return max(found, key=lambda i: i.time)
+
+    # ---- rewind ------------------------------------------------------------------------------
+    def rewind(self, step: int, source: str = "notebook") -> SnapshotInfo:
+        """Go back to the snapshot at ``step`` (the caller is at a step boundary or the run has
+        finished). The loop restarts from it as a new run whose parent is the current one."""
+        s, tr = self.session, self.trainer
+        info = self.find(step)
+        old_step, old_run = s.step, tr.run_id
+        self.activate(source=f"rewind of {s.name}")
+        gone = s.run_log.truncate_after(info.step)
+        if old_run is not None:
+            n = self._register(old_run)
+            with self.group.lock:
+                n.abandoned.extend(r for r in gone if r.get("run_id") == old_run)
+                if gone:
+                    n.name = f"{s.name} (abandoned after step {info.step})"
+        tr.engine.load_checkpoint(info.path)   # at once: generate()/save_model() see that step's weights
+        # back into an ancestor's run (before this fork's point): this fork's changes apply again
+        other = info.run_id != old_run
+        tr.branch_start = BranchStart(new_run=True,
+                                      rebuild_schedule=other and any(k in self.changes for k in SCHEDULE_FIELDS),
+                                      restart_data=other and "train_dataset" in self.changes)
+        self.note = f"rewound to step {info.step}"
+        self.restart_path, self.switched_out = info.path, None
+        s.run_log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
+        return info
+
+    def take_restart(self) -> Optional[str]:
+        path, self.restart_path = self.restart_path, None
+        return path
+
+    # ---- fork ----------------------------------------------------------------------------------
+    def fork(self, info: SnapshotInfo, name: Optional[str], changes: dict):
+        """A new Session from snapshot ``info``, sharing this engine, with ``changes``."""
+        from .session import Session
+
+        check_changes(changes)
+        taken = set(self.group.names())
+        if name is not None and str(name) in taken:
+            raise ValueError(f"a branch named {str(name)!r} exists already (branches: {', '.join(sorted(taken))}); "
+                             "pass another name=")
+        tr = self.trainer
+        args = copy.deepcopy(tr.args)
+        for k, v in changes.items():
+            if k not in ("train_dataset", "loss_fn"):
+                setattr(args, k, v)
+        if "max_steps" in changes and int(changes["max_steps"]) <= info.step:
+            raise ValueError(f"max_steps={changes['max_steps']} is not after the fork's step {info.step}")
+        from megatrain_nb.trainer.checkpoint import rng_state, set_rng_state
+
+        rng = rng_state()   # a Trainer seeds the global generators: the parent's run must not notice
+        trainer = type(tr)(model=tr.engine, train_dataset=changes.get("train_dataset", tr.train_dataset), args=args,
+                           eval_dataset=tr.eval_dataset, tokenizer=tr.tokenizer, data_collator=tr.data_collator,
+                           loss_fn=changes.get("loss_fn", tr.loss_fn), seq_len=tr.seq_len)
+        set_rng_state(rng)
+        trainer.branch_start = BranchStart(new_run=True, rebuild_schedule=any(k in changes for k in SCHEDULE_FIELDS),
+                                           restart_data="train_dataset" in changes)
+        if name is None:
+            name = _free_name(f"{self.session.name}-fork", taken)
+        child = Session.from_trainer(trainer, tokenizer=self.session.tokenizer, name=str(name),
+                                     resume_from_checkpoint=info.path)
+        ex = child.explorer
+        ex.snapshot_steps, ex.keep_snapshots = self.snapshot_steps, self.keep_snapshots
+        ex.join(self.group)
+        ex.origin = (info.run_id, info.step)
+        ex.changes = {k: _describe(v) for k, v in changes.items()}
+        ex.weight_decay = float(changes.get("weight_decay", self.engine_weight_decay()))
+        with self.group.lock:
+            self.group.protected.add(str(info.path))
+        self.session.run_log.add_event("fork", info.step, branch=child.name, changes=ex.changes, path=info.path)
+        return child
+
+    def join(self, group: BranchGroup) -> None:
+        with group.lock:
+            self.group.members.remove(self)
+            self.group = group
+            group.members.append(self)
+
+    def engine_shared(self) -> bool:
+        """Whether another branch still uses this engine (not released)."""
+        with self.group.lock:
+            others = [m.session for m in self.group.members if m is not self]
+        return any(o is not None and not o.released for o in others)
+
+    def engine_weight_decay(self) -> float:
+        if self.weight_decay is None:
+            self.weight_decay = float(self.trainer.engine.adam.weight_decay)
+        return self.weight_decay
+
+    # ---- one branch trains at a time -------------------------------------------------------------
+    def activate(self, source: Optional[str] = None) -> None:
+        """Make the engine hold this branch's state (training thread, before it trains): the
+        branch that holds it now is paused at its step boundary and snapshotted first."""
+        g = self.group
+        with g.switch:
+            with g.lock:
+                cur = g.active
+                if cur is self or (cur is None and len(g.members) == 1):
+                    g.active = self
+                    return
+            if cur is not None and cur.session is not None and not cur.session.released:
+                cur.switch_out(by=self.session.name)
+            self.engine_weight_decay()
+            self.trainer.engine.adam.weight_decay = self.weight_decay
+            with g.lock:
+                g.active = self
+            if self.switched_out is not None:   # it trained before: back to where it was
+                self.restart_path, self.switched_out = self.switched_out, None
+                self.trainer.branch_start = BranchStart(new_run=False)
+
+    def switch_out(self, by: str) -> None:
+        """Another branch takes the engine: pause this one (if running), keep its state."""
+        s = self.session
+        if s.state == "running":
+            s.pause(source=f"branch {by}")
+            while s.state == "running":     # it pauses at its next step boundary
+                time.sleep(0.02)
+        if getattr(self.trainer, "run_id", None) is None:
+            return   # never trained: its state is its start snapshot
+        self.engine_weight_decay()
+        info = self.store.take(self.trainer)
+        self.switched_out = info.path
+        msg = (f"megatrain_nb: branch {by!r} trains now; {s.name!r} is {s.state} at step {s.step} "
+               f"(one device trains one branch at a time; {s.name}.resume() switches back)")
+        print(msg)
+        s.run_log.add_event("switched_out", s.step, by=by, path=info.path)
+
+    # ---- the tree ------------------------------------------------------------------------------
+    def tree(self) -> list[dict]:
+        """One row per run of the tree: run id, name, parent, fork step, what changed, records."""
+        recs = self.group.records_by_run()
+        with self.group.lock:
+            nodes = list(self.group.nodes.values())
+        return [{"run_id": n.run_id, "name": n.name, "parent_run_id": n.parent_run_id,
+                 "forked_at_step": n.forked_at_step, "changes": n.changes, "records": recs.get(n.run_id, [])}
+                for n in nodes]
+
+    def _register(self, run_id, parent=None, at=None) -> Optional[Node]:
+        if not run_id:
+            return None
+        s = self.session
+        n = self.group.node(run_id, s.name, parent, at)
+        with self.group.lock:
+            if parent is not None and n.parent_run_id is None:
+                n.parent_run_id, n.forked_at_step = parent, at
+            if not n.abandoned:
+                n.name = s.name
+            if not n.changes and (self.changes or self.note):
+                n.changes = ", ".join([f"{k}={v}" for k, v in self.changes.items()] + ([self.note] if self.note else []))
+        return n
+
+    def _lineage(self) -> dict:
+        """run id -> the last step of it this run descends from."""
+        reach: dict = {}
+        rid = getattr(self.trainer, "run_id", None)
+        limit = float("inf")
+        if rid is None and self.origin is not None:
+            rid, limit = self.origin
+        with self.group.lock:
+            while rid and rid not in reach:
+                reach[rid] = limit
+                n = self.group.nodes.get(rid)
+                if n is None or n.parent_run_id is None:
+                    break
+                limit = min(limit, n.forked_at_step if n.forked_at_step is not None else limit)
+                rid = n.parent_run_id
+        return reach
+
+    def _named(self, info: SnapshotInfo) -> SnapshotInfo:
+        n = self.group.nodes.get(info.run_id)
+        info.branch = n.name if n is not None else None
+        return info
+
+
+def check_changes(changes: dict) -> None:
+    bad = [k for k in changes if k not in ALLOWED]
+    if bad:
+        why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
+        raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
+                         f"{', '.join(ALLOWED)}")
+
+
+def _describe(v: Any) -> str:
+    if callable(v):
+        return getattr(v, "__name__", type(v).__name__)
+    if hasattr(v, "__len__") and not isinstance(v, (str, bytes)) and hasattr(v, "column_names"):
+        return f"<dataset of {len(v)}>"
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def _free_name(base: str, taken: set) -> str:
+    k = 1
+    while f"{base}-{k}" in taken:
+        k += 1
+    return f"{base}-{k}"
+
+
+def _positive(name: str, v):
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a whole number >= 1 (or None), got {v!r}")
+    return v

@@ -1,0 +1,117 @@
+"""The run tree as a figure: every branch's loss, eval loss, learning rate and gradient norm on
+shared step axes, each fork point marked, each branch's legend line saying what changed.
+
+``run_tree_figure(runs)`` takes rows like ``session.explorer.tree()`` gives (``name``,
+``run_id``, ``parent_run_id``, ``forked_at_step``, ``changes``, ``records``); the dashboard
+(``BranchesPanel``), ``mt.compare`` and ``export_report`` draw it.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .run_log import downsample
+
+PANELS = (("loss", "loss"), ("eval_loss", "eval loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"))
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
+
+
+def label(run: dict) -> str:
+    """The branch's legend line: its name, where it came from, what changed."""
+    text = str(run.get("name") or run.get("run_id"))
+    at = run.get("forked_at_step")
+    if at is not None:
+        text += f" (from step {at})"
+    if run.get("changes"):
+        text += f": {run['changes']}"
+    return text
+
+
+def run_tree_figure(runs: list[dict], *, height: int = 520, max_points: int = 600,
+                    title: Optional[str] = "Run tree") -> go.Figure:
+    fig = make_subplots(rows=2, cols=2, shared_xaxes=True, subplot_titles=[t for _, t in PANELS],
+                        vertical_spacing=0.12, horizontal_spacing=0.08)
+    by_id = {r.get("run_id"): r for r in runs}
+    for i, run in enumerate(runs):
+        color = COLORS[i % len(COLORS)]
+        recs = run.get("records") or []
+        name = label(run)
+        for k, (key, _) in enumerate(PANELS):
+            x, y = _series(recs, key)
+            if key != "eval_loss":
+                x, y = downsample(x, y, max_points)
+            if not len(x):
+                continue
+            fig.add_trace(go.Scatter(x=x, y=y, name=name, legendgroup=name, showlegend=k == 0 or not _has(recs, "loss"),
+                                     mode="lines+markers" if key == "eval_loss" else "lines",
+                                     line=dict(color=color, width=1.6)),
+                          row=k // 2 + 1, col=k % 2 + 1)
+        at = run.get("forked_at_step")
+        if at is not None:   # the fork point, on the parent's loss curve where there is one
+            parent = by_id.get(run.get("parent_run_id"))
+            y = _value_at(parent.get("records") if parent else recs, int(at))
+            if y is not None:
+                fig.add_trace(go.Scatter(x=[at], y=[y], mode="markers", legendgroup=name, showlegend=False,
+                                         marker=dict(symbol="diamond", size=10, color=color,
+                                                     line=dict(width=1, color="black")),
+                                         hovertext=f"{run.get('name')} forks here", hoverinfo="text"),
+                              row=1, col=1)
+    fig.update_layout(height=height, margin=dict(l=50, r=20, t=60 if title else 30, b=40),
+                      legend=dict(orientation="h", y=-0.12), template="plotly_white", title=title)
+    fig.update_xaxes(title_text="step", row=2)
+    return fig
+
+
+def _series(recs: list[dict], key: str):
+    pts = [(float(r["step"]), float(r[key])) for r in recs
+           if r.get("step") is not None and isinstance(r.get(key), (int, float))]
+    if not pts:
+        return np.zeros(0), np.zeros(0)
+    a = np.asarray(pts, dtype=float)
+    return a[:, 0], a[:, 1]
+
+
+def _has(recs, key) -> bool:
+    return any(isinstance(r.get(key), (int, float)) for r in recs)
+
+
+def _value_at(recs: Any, step: int) -> Optional[float]:
+    best = None
+    for r in recs or []:
+        s, v = r.get("step"), r.get("loss")
+        if s is not None and s <= step and isinstance(v, (int, float)):
+            best = float(v)
+    return best
+
+
+class BranchesPanel:
+    """The dashboard's run tree: a FigureWidget in a box, shown once the run has branches."""
+
+    def __init__(self, session: Any):
+        import ipywidgets as W
+
+        self.session = session
+        self.fig = go.FigureWidget(run_tree_figure([], height=460, title="Branches"))
+        self.box = W.VBox([self.fig], layout=W.Layout(display="none", width="100%"))
+
+    def key(self) -> tuple:
+        ex = getattr(self.session, "explorer", None)
+        if ex is None:
+            return ()
+        return tuple((m.session.name, m.session.run_log.version) for m in ex.group.members if m.session) + \
+            (len(ex.group.nodes),)
+
+    def update(self) -> None:
+        ex = getattr(self.session, "explorer", None)
+        runs = ex.tree() if ex is not None else []
+        if len(runs) < 2:
+            return
+        new = run_tree_figure(runs, height=460, title="Branches")
+        with self.fig.batch_update():
+            self.fig.data = ()
+            self.fig.add_traces(list(new.data))
+            self.fig.update_layout(new.layout.to_plotly_json())
+        self.box.layout.display = ""

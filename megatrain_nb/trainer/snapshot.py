@@ -1,0 +1,183 @@
+"""Snapshots: checkpoints that cost almost nothing at scale, to rewind and fork a run.
+
+A snapshot is written by the checkpoints' own save protocol (``Trainer._write_state``: the
+engine's files, the scheduler, RNG, data position and trainer state, the state file last, in a
+temporary folder renamed into place by ``checkpoint.write_checkpoint``). The difference is the
+engine's part: the disk tier never rewrites a file in place, so its current files are
+hard-linked, and only what lives in RAM is written (``engine/linked.py``). The manifest hashes
+the written files; the linked ones carry checksums of their own.
+
+Layout: ``<output_dir>/snapshots/step-<step>-<run_id>/`` (one per run and step). The run's
+checkpoints (``<output_dir>/checkpoint-<step>``) count as snapshots too.
+
+    store = SnapshotStore(output_dir)
+    info = store.take(trainer)              # at a step boundary
+    store.list()                            # [SnapshotInfo(step, time, run_id, path, ...)]
+    store.prune(keep=5, protect={path})     # never a snapshot a branch starts from
+"""
+from __future__ import annotations
+
+import errno
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+from . import checkpoint as ckpt
+
+FOLDER = "snapshots"
+_NAME = re.compile(r"^step-(\d+)-([0-9A-Za-z_-]+)$")
+_CHECKPOINT = re.compile(rf"^{ckpt.PREFIX}-(\d+)$")
+#: fork changes that rebuild the LR schedule from the fork's arguments at the fork's step
+SCHEDULE_FIELDS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps")
+
+
+@dataclass
+class SnapshotInfo:
+    """One snapshot (or checkpoint) of a run: where it is and what it holds."""
+
+    step: int
+    time: float
+    run_id: Optional[str]
+    path: str
+    kind: str = "snapshot"          # "snapshot" | "checkpoint"
+    bytes_unique: int = 0           # bytes only this snapshot holds (freed by deleting it)
+    bytes_shared: int = 0           # bytes hard-linked with the disk tier or other snapshots
+    parent_run_id: Optional[str] = None
+    forked_at_step: Optional[int] = None
+    branch: Optional[str] = None    # the branch's name, where a Session knows it
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class BranchStart:
+    """How a trainer resumes from a snapshot as a branch (``Trainer.branch_start``).
+
+    ``new_run``: the branch gets a run id of its own (``run_id``, or a new one) whose parent is
+    the snapshot's run, forked at the snapshot's step; else the run goes on as the snapshot's.
+    ``rebuild_schedule``: the LR schedule is built from the trainer's arguments and advanced to
+    the step (a fork that changed learning_rate, lr_scheduler_type, warmup_steps or max_steps;
+    a ``set_lr`` override of the parent is not carried), else it is the snapshot's.
+    ``restart_data``: the data position starts at the beginning (another train_dataset)."""
+
+    new_run: bool = True
+    run_id: Optional[str] = None
+    rebuild_schedule: bool = False
+    restart_data: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def apply_branch_start(trainer, start: BranchStart, stream, total: int):
+    """After a trainer loaded a snapshot: give it the branch's lineage, schedule and data
+    position. Returns the schedule the run goes on with."""
+    import uuid
+
+    from .schedule import LRSchedule
+
+    step = int(trainer.state.global_step)
+    if start.new_run:
+        parent = trainer.run_id
+        trainer.run_id = start.run_id or uuid.uuid4().hex[:12]
+        trainer.parent_run_id, trainer.forked_at_step = parent, step
+    schedule = trainer.schedule
+    if start.rebuild_schedule:
+        a = trainer.args
+        schedule = LRSchedule(learning_rate=a.learning_rate, scheduler_type=a.lr_scheduler_type,
+                              num_training_steps=total, num_warmup_steps=a.get_warmup_steps(total),
+                              scheduler_kwargs=a.lr_scheduler_kwargs)
+        for _ in range(step):
+            schedule.step()
+    if start.restart_data:
+        stream.load_state_dict({"epoch": 0, "consumed": 0})
+    return schedule
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot could not be taken or found (the message says what to do)."""
+
+
+class SnapshotStore:
+    """The snapshots under ``<output_dir>/snapshots`` and the checkpoints in ``output_dir``."""
+
+    def __init__(self, output_dir):
+        self.output_dir = Path(output_dir)
+        self.root = self.output_dir / FOLDER
+
+    def path_for(self, step: int, run_id: Optional[str]) -> Path:
+        return self.root / f"step-{int(step):08d}-{run_id or 'run'}"
+
+    def take(self, trainer) -> SnapshotInfo:
+        """Snapshot ``trainer`` now (call at a step boundary). A full disk raises ``OSError``
+        (ENOSPC) naming what to free; nothing partial is left or listed."""
+        path = self.path_for(trainer.state.global_step, trainer.run_id)
+        try:
+            trainer.save_snapshot(path)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(e.errno, f"the disk is full: snapshot at step {trainer.state.global_step} was not "
+                                       f"taken (nothing partial was kept; training goes on). Free space under "
+                                       f"{str(self.root)!r}, lower keep_snapshots, or delete old snapshots "
+                                       f"({e.strerror or e})") from e
+            raise
+        return self.info(path)
+
+    def info(self, path) -> SnapshotInfo:
+        path = Path(path)
+        meta = ckpt.read_json(path / ckpt.STATE_FILE)
+        unique = shared = 0
+        for f in path.rglob("*"):
+            if f.is_file():
+                st = f.stat()
+                if st.st_nlink > 1:
+                    shared += st.st_size
+                else:
+                    unique += st.st_size
+        return SnapshotInfo(step=int(meta.get("global_step", 0)), time=float(meta.get("saved_at") or 0.0),
+                            run_id=meta.get("run_id"), path=str(path),
+                            kind="snapshot" if meta.get("snapshot") else "checkpoint",
+                            bytes_unique=unique, bytes_shared=shared, parent_run_id=meta.get("parent_run_id"),
+                            forked_at_step=meta.get("forked_at_step"))
+
+    def list(self, include_checkpoints: bool = True) -> List[SnapshotInfo]:
+        """Complete snapshots (and checkpoints), by step then time. Partial ones are never listed."""
+        # (no clean-up of temporaries here: a listing from the notebook must not remove the
+        # folder a snapshot is being written into by the training thread; take() cleans up)
+        found = []
+        if self.root.is_dir():
+            found += [p for p in self.root.iterdir() if _NAME.match(p.name) and ckpt.is_checkpoint(p)]
+        if include_checkpoints and self.output_dir.is_dir():
+            found += [p for p in self.output_dir.iterdir() if _CHECKPOINT.match(p.name) and ckpt.is_checkpoint(p)]
+        infos = []
+        for p in found:
+            try:
+                infos.append(self.info(p))
+            except (OSError, ValueError):
+                continue   # removed meanwhile, or not readable: not a snapshot to offer
+        return sorted(infos, key=lambda i: (i.step, i.time))
+
+    def prune(self, keep: Optional[int], protect: Iterable = (), run_ids: Optional[Iterable[str]] = None) -> List[str]:
+        """Delete the oldest snapshots (not checkpoints: ``save_total_limit`` rules those) of runs
+        ``run_ids`` (all when None) until the newest ``keep`` remain, besides those in ``protect``
+        (the snapshots branches start from), which are never deleted. Returns the paths removed."""
+        if not keep or keep <= 0:
+            return []
+        keep_paths = {str(Path(p).resolve()) for p in protect}
+        ids = None if run_ids is None else set(run_ids)
+        mine = [i for i in self.list(include_checkpoints=False) if (ids is None or i.run_id in ids)
+                and str(Path(i.path).resolve()) not in keep_paths]
+        removed = []
+        for info in sorted(mine, key=lambda i: i.time)[:max(0, len(mine) - keep)]:
+            shutil.rmtree(info.path, ignore_errors=True)
+            removed.append(info.path)
+        return removed
+
+
+def steps_text(infos: List[SnapshotInfo]) -> str:
+    return ", ".join(str(s) for s in sorted({i.step for i in infos})) or "none"
+
+
+__all__ = ["BranchStart", "SnapshotError", "SnapshotInfo", "SnapshotStore", "apply_branch_start",
+           "SCHEDULE_FIELDS", "FOLDER"]

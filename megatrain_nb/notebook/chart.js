@@ -38,15 +38,17 @@ function label(parent, x, y, text, { anchor = "start", color = FG2, size = TICK,
   return t;
 }
 
-// "nice" ticks: 1, 2, 5 x 10^k
+// "nice" ticks: 1, 2, 2.5, 5 x 10^k, from one at or below lo to one at or above hi (the
+// first and last tick are the axis' ends, so nothing drawn falls outside them)
 function ticks(lo, hi, count) {
-  if (!(hi > lo)) return [lo];
+  if (!(hi > lo)) return [lo, lo + 1];
   const raw = (hi - lo) / Math.max(1, count);
   const mag = Math.pow(10, Math.floor(Math.log10(raw)));
   const step = [1, 2, 2.5, 5, 10].map(m => m * mag).find(s => s >= raw) || 10 * mag;
   const out = [];
-  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toPrecision(12));
-  return out;
+  const first = Math.floor(lo / step + 1e-9) * step, last = Math.ceil(hi / step - 1e-9) * step;
+  for (let k = 0; first + k * step <= last + step * 1e-9; k++) out.push(+(first + k * step).toPrecision(12));
+  return out.length > 1 ? out : [first, first + step];
 }
 
 function fmt(v) {
@@ -136,7 +138,7 @@ function drawTraining(root, spec, width) {
   const events = spec.events || [];
   const heightLoss = spec.height || 300, heightLr = 96;
   const xr = extent([loss.x, lr.x, ev.x, events.map(e => e.step)]) || [0, 1];
-  const x0 = xr[0], x1 = Math.max(xr[1], spec.total || 0, x0 + 1);
+  const x0 = xr[0], x1 = Math.max(xr[1], x0 + 1);
   const yr = extent([loss.y, ev.y]) || [0, 1];
   const pad = (yr[1] - yr[0]) * 0.05 || 0.5;
   const yt = ticks(yr[0] - pad, yr[1] + pad, 5);
@@ -201,7 +203,7 @@ function drawTraining(root, spec, width) {
   }
   node("path", { d: path(lr.x, lr.y, sx, sy2, true), fill: "none", "stroke-width": 1.8 }, g2).style.stroke = "var(--mtnb-c3)";
   node("line", { x1: left, x2: right, y1: b2, y2: b2 }, svg2).style.stroke = AXIS;
-  xTicks(g2, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90))), sx, b2 + 15, 0, width);
+  xTicks(g2, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90))).filter(v => v >= x0 && v <= x1), sx, b2 + 15, 0, width);
   node("title", {}, svg2).textContent = "learning rate by optimizer step";
 }
 

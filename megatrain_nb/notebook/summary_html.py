@@ -169,24 +169,38 @@ def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
     if y1 <= y0:
         y1 = y0 + 1.0
     pad = 6
+    n_rows = min(3, len(grouped_events(view.events)))
+    top = 4 + 12 * n_rows
+    height += 12 * max(0, n_rows - 1)
 
     def px(a):
         return pad + (a - x0) / ((x1 - x0) or 1.0) * (width - 2 * pad)
 
     def py(b):
-        return height - pad - (b - y0) / (y1 - y0) * (height - 2 * pad - 12)
+        return height - pad - 12 - (b - y0) / (y1 - y0) * (height - top - pad - 14)
 
     pts = " ".join(f"{px(a):.1f},{py(b):.1f}" for a, b in zip(x, y))
     parts = [f"<polyline fill='none' stroke='#4c78a8' stroke-width='1.5' points='{pts}'/>"]
     for a, b in zip(ex, ey):
         if math.isfinite(b):
             parts.append(f"<circle cx='{px(a):.1f}' cy='{py(b):.1f}' r='2.5' fill='#f58518'/>")
+    # marker labels in rows above the curve, none touching another, none past the edges
+    rows_end: list[float] = []
     for step, label, c in grouped_events(view.events):
         xe = px(float(step))
-        parts.append(f"<line x1='{xe:.1f}' x2='{xe:.1f}' y1='12' y2='{height - pad}' stroke='{c}' "
-                     f"stroke-dasharray='3,3'/><text x='{xe + 2:.1f}' y='10' font-size='9' fill='{c}'>"
-                     f"{html.escape(label)}</text>")
-    parts.append(f"<text x='{width - pad}' y='{height - 8}' font-size='9' text-anchor='end'>"
+        w = 6.0 * len(label)  # generous for 10 px sans-serif
+        x0 = xe + 2 if xe + 2 + w <= width else max(0.0, xe - 2 - w)
+        row = next((i for i, end in enumerate(rows_end) if x0 >= end + 6), None)
+        if row is None and len(rows_end) < 3:
+            rows_end.append(-1e9)
+            row = len(rows_end) - 1
+        parts.append(f"<line x1='{xe:.1f}' x2='{xe:.1f}' y1='{top}' y2='{height - pad}' stroke='{c}' "
+                     f"stroke-dasharray='3,3'><title>step {step}: {html.escape(label)}</title></line>")
+        if row is None:
+            continue  # no room: the line and its tooltip remain
+        rows_end[row] = x0 + w
+        parts.append(f"<text x='{x0:.1f}' y='{11 + 12 * row}' font-size='10' fill='{c}'>{html.escape(label)}</text>")
+    parts.append(f"<text x='{width - pad}' y='{height - 4}' font-size='10' fill='currentColor' text-anchor='end'>"
                  f"loss {y0:.3g}–{y1:.3g}, steps {x0:.0f}–{x1:.0f}</text>")
     return f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{''.join(parts)}</svg>"
 
@@ -234,9 +248,9 @@ def events_table(events: list[dict], limit: int = 12) -> str:
 
 def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
     """The whole static summary: header, loss curve, memory tiers, events."""
-    note = ("<div style='font-size:11px;color:#666'>Static snapshot of the run (saved with the notebook).</div>"
+    note = (f"<div style='font-size:11px;color:{FG2}'>Static snapshot of the run (saved with the notebook).</div>"
             if final else "")
-    return (f"<div class='megatrain-summary' style='border:1px solid #ddd;padding:8px;border-radius:4px'>"
+    return (f"<div class='megatrain-summary' style='border:1px solid {BORDER};padding:8px;border-radius:4px;color:{FG}'>"
             f"{header_html(session, view)}{note}"
             f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
             f"<div>{loss_svg(view)}</div><div>{memory_table(view)}{rank_memory_table(view)}"

@@ -174,7 +174,7 @@ def test_html_fallback_is_rate_limited_and_ends_with_a_static_snapshot(fake_sess
 def test_a_rendering_widget_frontend_retires_the_html_fallback(fake_session, recording):
     from megatrain_nb.notebook.publisher import Publisher
 
-    s = fake_session(total_steps=400, step_time=0.005)
+    s = fake_session(total_steps=2000, step_time=0.005)
     d = s.dashboard()
     pub = Publisher(s, dashboard=d, html_live=True)
     pub.html_handle = FakeHandle()
@@ -221,3 +221,58 @@ def test_refresh_serves_each_registered_panel_and_resends_only_what_changed(fake
     assert d.refresh() == 1 and "no statistics yet" in d.layer_stats.value
     s.train(block=True)
     assert d.refresh(force=True) >= 3  # header, controls (state), training, layers... changed
+
+
+def _header_step(d):
+    import re
+
+    return int(re.search(r"data-step='(\d+)'", d.header.value).group(1))
+
+
+def test_every_panel_shows_one_snapshot_after_each_refresh(fake_session):
+    """Header, curves, inspector and extra figures are filled from one view: never two steps."""
+    s = fake_session(total_steps=2000, step_time=0.005)
+    d = s.dashboard()
+    seen = []
+    d.add_figure(__import__("ipywidgets").HTML(), fill=lambda view: seen.append(view.step))
+    s.train()
+    checked = 0
+    while s.state == "running" and checked < 12:
+        # every 0.3 s: past the quick panels' interval each time, the data panels' now and then
+        if d.refresh() and _header_step(d) > 0:
+            step = _header_step(d)
+            assert d.training_fig.spec["step"] == step
+            assert f"(step {step})" in d.layers_fig.spec["hist_title"] and f"step {step}<" in d.layer_stats.value
+            assert seen[-1] == step
+            checked += 1
+        time.sleep(0.3)
+    s.stop()
+    s.wait(timeout=30)
+    assert checked >= 5
+
+
+def test_no_eta_while_paused(fake_session):
+    from megatrain_nb.notebook.magics import status_line
+
+    s = fake_session(total_steps=5000, step_time=0.003)
+    s.train()
+    d = s.dashboard()
+    assert wait_until(lambda: s.step >= 5)
+    assert wait_until(lambda: "ETA" in status_line(s))
+    s.pause()
+    assert wait_until(lambda: s.state == "paused")
+    assert "ETA" not in status_line(s) and "paused" in status_line(s)
+    d.refresh(force=True)
+    assert "ETA" not in d.header.value and "paused" in d.header.value
+    s.stop()
+    s.wait(timeout=10)
+
+
+def test_memory_tiers_say_when_a_tier_has_no_cap(fake_session):
+    s = fake_session(total_steps=20)
+    s.train(block=True)
+    d = s.dashboard()
+    disk = d.memory.value.split("data-tier='disk'")[1]
+    assert "no limit set" in disk.split("</span>")[0] and "%" not in disk.split("</span>")[0]
+    host = d.memory.value.split("data-tier='host'")[1]
+    assert "15.6 KiB of 62.5 KiB · 25.0%" in host

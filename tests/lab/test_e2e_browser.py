@@ -241,8 +241,8 @@ def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: st
 
         _run_all_cells(page)
 
-        # the notebook's own dashboard renders a plotly plot ...
-        plot = page.locator(".jp-Notebook .js-plotly-plot").first
+        # the notebook's own dashboard renders its loss chart (the fake notebook: a plotly figure) ...
+        plot = page.locator(".jp-Notebook :is(.js-plotly-plot, .mtnb-chart-loss)").first
         expect(plot).to_be_visible(timeout=START_TIMEOUT_MS)
         # ... and the sidebar lists the session, running, with this notebook
         card = panel.locator(".mtnb-session").first

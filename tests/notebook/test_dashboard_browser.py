@@ -2,7 +2,7 @@
 
     pytest -m browser tests/notebook/test_dashboard_browser.py
 
-It renders (both plotly FigureWidgets), the render probe retires the HTML fallback, the
+It renders (both charts), the render probe retires the HTML fallback, the
 dashboard's own buttons and learning-rate field steer the run through the kernel, and the
 run's end leaves the static snapshot. Screenshots go to ``test-artifacts/``.
 """
@@ -143,7 +143,9 @@ def test_dashboard_renders_and_steers_the_run(lab):
             page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
 
             out = page.locator(".jp-Notebook .jp-OutputArea-output")
-            expect(out.locator(".js-plotly-plot")).to_have_count(2, timeout=120_000)
+            # the dashboard's two charts (our own light widget; no plotly bundle in the notebook)
+            expect(out.locator(".mtnb-chart-loss")).to_have_count(1, timeout=120_000)
+            expect(out.locator(".mtnb-chart-heat")).to_have_count(1, timeout=60_000)
             state = out.locator(".mtnb-dashboard-state").first
             expect(state).to_have_text("running", timeout=60_000)
             # the frontend rendered widgets, so the live HTML fallback is retired
@@ -157,7 +159,7 @@ def test_dashboard_renders_and_steers_the_run(lab):
             field.fill("0.0005")
             field.press("Enter")
             expect(out.locator(".widget-html", has_text="Learning rate 0.0005")).to_be_visible(timeout=15_000)
-            expect(out.locator(".js-plotly-plot text", has_text="lr 0.001→0.0005")).to_have_count(1, timeout=15_000)
+            expect(out.locator(".mtnb-chart-marker", has_text="lr 0.001→0.0005")).to_have_count(1, timeout=15_000)
             out.locator(".widget-button", has_text="Resume").click()
             expect(state).to_have_text("running", timeout=30_000)
             expect(out.locator(".widget-html", has_text=re.compile(r"lr 0\.0005"))).to_be_visible(timeout=15_000)

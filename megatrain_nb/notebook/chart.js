@@ -105,14 +105,14 @@ function placeMarkers(events, sx, left, right, maxRows) {
   for (const e of events) {
     const x = sx(e.step);
     let text = e.label, w = textWidth(text);
-    let row = rowsEnd.findIndex(end => x + 3 >= end + 6 || (x - 3 - w >= end + 6 && x - 3 - w >= left));
+    // right of its line, or left of it near the chart's right edge
+    let x0 = x + 3 + w <= right ? x + 3 : Math.max(left, x - 3 - w);
+    let row = rowsEnd.findIndex(end => x0 >= end + 6);
     if (row < 0 && rowsEnd.length < maxRows) { row = rowsEnd.length; rowsEnd.push(-Infinity); }
-    if (row < 0) {  // every row is taken: the row that ends first, text shortened
+    if (row < 0) {  // every row is taken here: the row that ends first, the text shortened
       row = rowsEnd.indexOf(Math.min(...rowsEnd));
+      x0 = Math.max(x0, rowsEnd[row] + 6);
     }
-    let x0 = x + 3 >= rowsEnd[row] + 6 ? x + 3 : x - 3 - w;
-    if (x0 + w > right) x0 = Math.max(left, x - 3 - w);   // near the right edge: left of the line
-    x0 = Math.max(x0, rowsEnd[row] + 6, left);
     const room = right - x0;
     if (w > room) {
       while (text.length > 1 && textWidth(text + "…") > room) text = text.slice(0, -1);

@@ -51,15 +51,15 @@ def header_html(session: Any, view: RunView) -> str:
     loss = _last_loss(view)
     eta = eta_seconds(session, view)
     cells = [
-        f"step <b class='mtnb-step'>{view.step}</b>{'/' + str(total) if total else ''}",
+        f"step <b class='mtnb-dash-step'>{view.step}</b>{'/' + str(total) if total else ''}",
         *([f"ETA {fmt_seconds(eta)}"] if eta is not None else []),
         f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s",
-        f"lr <b class='mtnb-lr'>{fmt_num(last.get('lr'), '.3g')}</b>",
+        f"lr <b class='mtnb-dash-lr'>{fmt_num(last.get('lr'), '.3g')}</b>",
         f"elapsed {fmt_seconds(view.elapsed_s)}",
     ]
     requested = getattr(session, "requested_lr", None)
     if requested is not None and state in LIVE and _differs(requested, last.get("lr")):
-        cells.insert(2, f"<span class='mtnb-lr-pending'>lr {fmt_num(requested, '.3g')} from the next step</span>")
+        cells.insert(2, f"<span class='mtnb-dash-lr-pending'>lr {fmt_num(requested, '.3g')} from the next step</span>")
     summary = session.summary() if hasattr(session, "summary") else {}
     notes = []
     if summary.get("diverged_at") is not None:
@@ -76,10 +76,10 @@ def header_html(session: Any, view: RunView) -> str:
                f"</summary><pre style='font-size:11px;white-space:pre-wrap'>{html.escape(session.error_traceback)}</pre>"
                "</details>")
     loss_text = fmt_num(loss) if loss is not None else "–"
-    return (f"<div class='mtnb-header' data-step='{view.step}' style='font-family:sans-serif;color:{FG}'>"
+    return (f"<div class='mtnb-dash-header' data-step='{view.step}' style='font-family:sans-serif;color:{FG}'>"
             f"<div style='display:flex;flex-wrap:wrap;align-items:baseline;gap:4px 18px'>"
             f"<span style='white-space:nowrap'><span style='color:{FG2};font-size:13px'>loss</span> "
-            f"<span class='mtnb-loss' style='font-size:28px;font-weight:600;line-height:1.1'>{loss_text}</span></span>"
+            f"<span class='mtnb-dash-loss' style='font-size:28px;font-weight:600;line-height:1.1'>{loss_text}</span></span>"
             f"<span style='white-space:nowrap;font-size:14px'><b>{html.escape(session.name)}</b> "
             f"<span class='mtnb-dashboard-state' style='background:{color};color:white;border-radius:3px;"
             f"padding:1px 6px'>{state}</span></span>"

@@ -280,15 +280,15 @@ def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: st
         print(f"{notebook}: pause visible in the sidebar after {pause_latency:.2f} s")
 
         # Set LR from the sidebar: confirmed in the card, which shows the rate asked for
-        card.locator(".mtnb-lr-input").fill("0.0005")
+        card.locator(".mtnb-lr-input").fill("0.0003")
         card.locator(".mtnb-lr-set").click()
-        expect(card.locator(".mtnb-feedback")).to_have_text("Learning rate 5e-4 from the next step.",
+        expect(card.locator(".mtnb-feedback")).to_have_text("Learning rate 3e-4 from the next step.",
                                                             timeout=10_000)
-        expect(card.locator(".mtnb-lr")).to_contain_text("5e-4")
+        expect(card.locator(".mtnb-lr")).to_contain_text("3e-4")
         if notebook.endswith("quickstart.ipynb"):
             # while paused, the dashboard, the sidebar and the status bar show one step
-            header = page.locator(".jp-Notebook .mtnb-header").first
-            expect(header.locator(".mtnb-lr-pending")).to_contain_text("0.0005", timeout=10_000)
+            header = page.locator(".jp-Notebook .mtnb-dashboard .mtnb-dash-header").first
+            expect(header.locator(".mtnb-dash-lr-pending")).to_contain_text("0.0003", timeout=10_000)
             step = header.get_attribute("data-step")
             expect(card.locator(".mtnb-progress-text")).to_have_text(re.compile(rf"^{step}/"), timeout=5_000)
             expect(status).to_contain_text(f"paused {step}/")
@@ -330,7 +330,7 @@ def _sidebar_keeps_up(page, card) -> None:
     """The sidebar shows the step the dashboard shows within a second: read both at one
     instant, a few times, and turn the gap in steps into seconds at the run's step rate."""
     read = """() => {
-      const h = document.querySelector('.jp-Notebook .mtnb-header');
+      const h = document.querySelector('.jp-Notebook .mtnb-dashboard .mtnb-dash-header');
       const c = document.querySelector('#megatrain-nb-sessions .mtnb-progress-text');
       return [performance.now(), Number(h.dataset.step), parseInt(c.textContent)];
     }"""

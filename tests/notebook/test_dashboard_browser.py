@@ -297,7 +297,7 @@ def test_dashboard_layout_has_no_overlapping_or_clipped_text(lab):
                 dash.scroll_into_view_if_needed()
                 _check_layout(page, f"{width}-{theme}")
                 # legible: the loss text is drawn in the theme's font colour, not a fixed dark grey
-                color = page.evaluate("""() => getComputedStyle(document.querySelector('.jp-Notebook .mtnb-loss')).color""")
+                color = page.evaluate("""() => getComputedStyle(document.querySelector('.jp-Notebook .mtnb-dash-loss')).color""")
                 rgb = [int(c) for c in re.findall(r"\d+", color)[:3]]
                 assert (sum(rgb) > 450) == (theme == "dark"), (theme, color)
             # the run's end: the static snapshot below is checked the same way

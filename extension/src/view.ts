@@ -335,7 +335,8 @@ class SessionCard {
     // a run that ended has nothing to steer: only Dismiss
     n.pause.hidden = n.pause.hidden || ended;
     n.stop.hidden = ended;
-    (n.lrSet.parentElement as HTMLElement).hidden = ended;
+    // (the lr box is display: inline-flex, which the hidden attribute does not override)
+    (n.lrSet.parentElement as HTMLElement).style.display = ended ? 'none' : '';
     n.dismiss.hidden = !ended || !this._actions.dismiss;
     if (this._stopArmed !== null && now - this._stopArmed > STOP_CONFIRM_MS) {
       this._stopArmed = null;

@@ -213,6 +213,7 @@ describe('SessionListView', () => {
     expect(q('.mtnb-state').textContent).toBe('finished');
     expect(q('.mtnb-loss').textContent).toBe('final loss 1.5');
     expect(q('.mtnb-stop').hidden).toBe(true);
+    expect(q('.mtnb-lr-box').style.display).toBe('none');
     expect(q('.mtnb-dismiss').hidden).toBe(false);
     q('.mtnb-dismiss').click();
     await flush();

@@ -208,6 +208,14 @@ class Dashboard(W.VBox):
             self.poke()
         return widget
 
+    def resend_state(self) -> None:
+        """Send the run's panels again from the calling thread (``session.wait()``, once the
+        publisher is done): a notebook runner saves the widget state it sees in the executing
+        cell's messages, so the saved notebook keeps the final dashboard, not its first frame."""
+        for w in (self.header, self.training_fig, self.memory, self.links, self.ranks, self.layer_stats,
+                  self.layers_fig, *(e.widget for e in self._extra)):
+            w.send_state()
+
     # ---- refresh (publisher thread only) -------------------------------------------------------
     def refresh(self, now: float | None = None, force: bool = False, view: RunView | None = None) -> int:
         """Update the panels that are due and changed; returns how many were sent. When any

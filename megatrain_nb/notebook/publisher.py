@@ -166,6 +166,12 @@ class Publisher:
             self._emit_final()
         else:
             self._update_final()
+        d = self.dashboard
+        if d is not None and not self.running:  # the publisher is done: no other writer
+            try:
+                d.resend_state()
+            except Exception:  # noqa: BLE001
+                log.debug("megatrain_nb: resending the dashboard's state failed", exc_info=True)
 
 
 # ---- what Session.train() / Session.dashboard() call; the session keeps what they return --------------

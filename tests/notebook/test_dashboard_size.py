@@ -17,14 +17,14 @@ QUICKSTART = REPO / "notebooks" / "01-quickstart.ipynb"
 
 
 def test_the_widget_state_of_a_dashboard_is_small(fake_session):
-    from ipywidgets.embed import embed_data
+    from ipywidgets.embed import dependency_state
 
     s = fake_session(total_steps=600, eval_every=50)
     s.train(block=True)
     d = s.dashboard()  # ended run: filled once
-    state = embed_data(views=[d])["manager_state"]
+    state = dependency_state([d])  # the dashboard and every widget it holds, as a notebook saves them
     size = len(json.dumps(state))
-    charts = [w["state"] for w in state["state"].values() if "spec" in w["state"]]
+    charts = [w["state"] for w in state.values() if "spec" in w["state"]]
     assert len(charts) == 2 and any(len(c["spec"].get("loss", {}).get("x", [])) > 100 for c in charts)
     # everything of the dashboard: ~35 widgets, two chart modules, 400 loss points, the heatmap
     assert size < 200_000, size

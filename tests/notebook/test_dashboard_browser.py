@@ -219,7 +219,7 @@ LAYOUT_PROBE = """
       const cs = getComputedStyle(el);
       if (cs.textOverflow === 'ellipsis') ellipsis = true;
       const clips = el.tagName.toLowerCase() === 'svg' || cs.overflowX !== 'visible' || cs.overflowY !== 'visible';
-      if (clips && !ellipsis && el !== t.node) {
+      if (clips && !ellipsis) {
         const box = el.getBoundingClientRect();
         for (const r of t.rects) {
           if (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1 || r.bottom > box.bottom + 1) {
@@ -311,3 +311,33 @@ def test_dashboard_layout_has_no_overlapping_or_clipped_text(lab):
             raise
         finally:
             browser.close()
+
+
+def test_the_layout_probe_sees_overlaps_and_clipped_labels():
+    """The check above can fail: on a page with two texts drawn over each other, a label cut
+    off by its SVG and one by a box with overflow hidden, it reports each."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser import require_browser
+
+    require_browser()
+    page_html = """<div class='mtnb-dashboard'>
+      <svg width='200' height='40'><text x='10' y='20' font-size='12'>host 27.0 MiB / 23.6 GiB</text>
+        <text x='30' y='22' font-size='12'>loss 2.31</text>
+        <text x='150' y='20' font-size='12'>pause · lr 0.002→0.0005 · resume</text>
+        <text x='20' y='2' font-size='12'>cut at the top</text></svg>
+      <div style='width:60px;overflow:hidden;white-space:nowrap'>a label far too long for its box</div>
+      <div>fine text</div><div>more fine text</div></div>"""
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.set_content(page_html)
+            found = page.evaluate(LAYOUT_PROBE, ".mtnb-dashboard")
+        finally:
+            browser.close()
+    assert found["count"] == 7
+    assert found["overlaps"] == ['"host 27.0 MiB / 23.6 GiB" x "loss 2.31"']
+    clipped = " ".join(found["clipped"])
+    assert "pause · lr" in clipped and "cut at the top" in clipped and "far too long" in clipped
+    assert "fine text" not in clipped

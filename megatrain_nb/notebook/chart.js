@@ -141,7 +141,8 @@ function drawTraining(root, spec, width) {
   const x0 = xr[0], x1 = Math.max(xr[1], x0 + 1);
   const yr = extent([loss.y, ev.y]) || [0, 1];
   const pad = (yr[1] - yr[0]) * 0.05 || 0.5;
-  const yt = ticks(yr[0] - pad, yr[1] + pad, 5);
+  // a loss that is never negative gets no negative axis
+  const yt = ticks(yr[0] >= 0 ? Math.max(0, yr[0] - pad) : yr[0] - pad, yr[1] + pad, 5);
   const lrr = extent([lr.y]) || [0, 1];
   const lrt = ticks(0, lrr[1] * 1.1 || 1, 2);
   const left = 10 + Math.max(...yt.map(v => textWidth(fmt(v))), ...lrt.map(v => textWidth(fmt(v))), 24);

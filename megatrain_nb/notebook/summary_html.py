@@ -115,7 +115,7 @@ def memory_tiers_html(view: RunView) -> str:
 
     tiers = tier_summary(view.memory)
     if not tiers:
-        return (f"<div class='mtnb-memory' style='font-family:sans-serif;font-size:12px;color:{FG2}'>"
+        return (f"<div class='mtnb-dash-memory' style='font-family:sans-serif;font-size:12px;color:{FG2}'>"
                 "memory tiers: not reported yet</div>")
     rows = []
     for name in TIERS:
@@ -152,7 +152,7 @@ def memory_tiers_html(view: RunView) -> str:
     legend = "".join(
         f"<span style='white-space:nowrap'><span style='display:inline-block;width:10px;height:10px;border-radius:2px;"
         f"background:{c};margin-right:4px;vertical-align:-1px'></span>{k}</span>" for k, c in KIND_COLORS.items())
-    return (f"<div class='mtnb-memory' style='font-family:sans-serif;font-size:12px;color:{FG}'>"
+    return (f"<div class='mtnb-dash-memory' style='font-family:sans-serif;font-size:12px;color:{FG}'>"
             f"<div style='font-weight:600;margin-bottom:2px'>Memory tiers</div>{''.join(rows)}"
             f"<div style='display:flex;flex-wrap:wrap;gap:2px 12px;color:{FG2}'>{legend}</div></div>")
 

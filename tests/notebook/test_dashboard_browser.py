@@ -296,6 +296,10 @@ def test_dashboard_layout_has_no_overlapping_or_clipped_text(lab):
                     1, timeout=15_000)
                 dash.scroll_into_view_if_needed()
                 _check_layout(page, f"{width}-{theme}")
+                # the tiers: one below the other, each bar wide enough to read
+                boxes = [dash.locator(f".mtnb-tier[data-tier={t}]").bounding_box() for t in ("device", "host", "disk")]
+                assert boxes[0]["y"] + boxes[0]["height"] <= boxes[1]["y"] + 1 <= boxes[2]["y"] + 1, boxes
+                assert all(b["width"] >= 250 for b in boxes), boxes
                 # legible: the loss text is drawn in the theme's font colour, not a fixed dark grey
                 color = page.evaluate("""() => getComputedStyle(document.querySelector('.jp-Notebook .mtnb-dash-loss')).color""")
                 rgb = [int(c) for c in re.findall(r"\d+", color)[:3]]

@@ -64,3 +64,11 @@ export function sendCommand(
     body: JSON.stringify(body)
   });
 }
+
+/** Remove a run that ended from the list (the card's Dismiss). */
+export async function dismissSession(
+  settings: ServerConnection.ISettings,
+  sessionId: string
+): Promise<void> {
+  await request<null>(settings, ['sessions', sessionId], { method: 'DELETE' });
+}

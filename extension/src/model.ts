@@ -41,12 +41,16 @@ export interface ISessionInfo {
   total_steps: number | null;
   loss: number | null;
   lr: number | null;
+  /** A learning rate asked for and not applied yet (it applies at the next step). */
+  requested_lr?: number | null;
   tokens_per_s?: number | null;
   loss_tail: Array<number | null>;
   memory: IMemory | null;
   last_command?: ILastCommand | null;
   started?: number;
   updated: number;
+  /** Set when the run is over (finished, stopped, failed): kept in the list until dismissed. */
+  ended?: number | null;
   age?: number;
   kernel_known?: boolean;
 }
@@ -127,6 +131,11 @@ export function sessionForNotebook(
   return null;
 }
 
+/** A run that is over and kept in the list until dismissed. */
+export function isEnded(s: ISessionInfo): boolean {
+  return typeof s.ended === 'number';
+}
+
 export interface ISummary {
   total: number;
   running: number;
@@ -135,7 +144,7 @@ export interface ISummary {
 
 export function summarize(sessions: readonly ISessionInfo[]): ISummary {
   return {
-    total: sessions.length,
+    total: sessions.filter(s => !isEnded(s)).length,
     running: sessions.filter(s => s.state === 'running').length,
     paused: sessions.filter(s => s.state === 'paused').length
   };

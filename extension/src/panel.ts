@@ -23,6 +23,7 @@ export class SessionsPanel extends Widget {
     this.title.caption = 'MegaTrain training sessions';
     this._view = new SessionListView({
       send: (id, request) => this._store.send(id, request),
+      dismiss: id => this._store.dismiss(id),
       openNotebook
     });
     this.node.appendChild(this._view.node);

@@ -6,7 +6,12 @@
  * Stable hooks for tests and styling: .mtnb-session[data-session-id][data-state],
  * .mtnb-name, .mtnb-state, .mtnb-pending, .mtnb-notebook, .mtnb-progress-text,
  * .mtnb-loss, .mtnb-lr, .mtnb-sparkline, .mtnb-mem-{device,host,disk}, .mtnb-pause,
- * .mtnb-resume, .mtnb-stop, .mtnb-lr-input, .mtnb-lr-set, .mtnb-feedback.
+ * .mtnb-resume, .mtnb-stop, .mtnb-lr-input, .mtnb-lr-set, .mtnb-feedback, .mtnb-dismiss.
+ *
+ * A run that ended stays as a card (state "finished"/"stopped"/"failed", final loss, class
+ * .mtnb-ended) until its Dismiss button removes it. A learning rate that was asked for and
+ * not applied yet shows next to the current one ("lr 2e-3 → 5e-4 next step"), and a Set LR
+ * the session took is confirmed in the card's feedback line.
  */
 
 import {
@@ -25,7 +30,7 @@ import {
   formatTier,
   progressFraction
 } from './format';
-import { diffSessions, ISessionInfo } from './model';
+import { diffSessions, isEnded, ISessionInfo } from './model';
 import { sparkline } from './sparkline';
 
 export interface IViewActions {
@@ -33,6 +38,8 @@ export interface IViewActions {
   send(sessionId: string, request: ICommandRequest): Promise<{ id: string }>;
   /** Open a notebook by path (the card's notebook link). */
   openNotebook?(path: string): void;
+  /** Remove a run that ended from the list. */
+  dismiss?(sessionId: string): Promise<void>;
 }
 
 export interface IViewState {
@@ -229,6 +236,9 @@ class SessionCard {
     n.lrSet = this._button('mtnb-lr-set', 'Set LR', () => this._onSetLr());
     lrBox.append(this._lrInput, n.lrSet);
     controls.append(n.pause, n.resume, n.stop, lrBox);
+    n.dismiss = this._button('mtnb-dismiss', 'Dismiss', () => this._onDismiss());
+    n.dismiss.title = 'Remove this run that ended from the list';
+    controls.append(n.dismiss);
 
     n.feedback = el(d, 'div', 'mtnb-feedback');
     n.meta = el(d, 'div', 'mtnb-meta');
@@ -262,8 +272,14 @@ class SessionCard {
     setText(n.progress, formatProgress(s.step, s.total_steps));
     const frac = progressFraction(s.step, s.total_steps);
     n.fill.style.width = frac === null ? '0%' : `${(frac * 100).toFixed(1)}%`;
-    setText(n.loss, `loss ${formatLoss(s.loss)}`);
-    setText(n.lr, `lr ${formatLr(s.lr)}`);
+    const ended = isEnded(s);
+    this.node.classList.toggle('mtnb-ended', ended);
+    setText(n.loss, `${ended ? 'final loss' : 'loss'} ${formatLoss(s.loss)}`);
+    const requested = s.requested_lr;
+    const pendingLr =
+      !ended && typeof requested === 'number' && typeof s.lr === 'number' && formatLr(requested) !== formatLr(s.lr);
+    setText(n.lr, pendingLr ? `lr ${formatLr(s.lr)} \u2192 ${formatLr(requested)} next step` : `lr ${formatLr(s.lr)}`);
+    n.lr.classList.toggle('mtnb-lr-pending', pendingLr);
     setText(
       n.speed,
       typeof s.tokens_per_s === 'number' ? `${Math.round(s.tokens_per_s)} tok/s` : ''
@@ -292,6 +308,9 @@ class SessionCard {
           this._feedback(`No answer from the session to "${what}" yet.`, true);
         } else if (verdict.result && !verdict.result.ok) {
           this._feedback(verdict.result.error ?? `"${what}" failed`, true);
+        } else if (what === 'lr' && verdict.result) {
+          // confirmed by the session: say so, the heartbeat's lr changes only at the next step
+          this._feedback(`Learning rate ${formatLr(verdict.result.value ?? null)} from the next step.`, false);
         } else {
           this._feedback('', false);
         }
@@ -301,7 +320,8 @@ class SessionCard {
   }
 
   private _renderControls(now: number): void {
-    const c = controlsFor(this._session.state);
+    const ended = isEnded(this._session);
+    const c = ended ? { pause: false, resume: false, stop: false, lr: false } : controlsFor(this._session.state);
     const busy = this._pending !== null;
     setText(this._n.pending, busy ? PENDING_LABELS[this._pending!.command] : '');
     const n = this._n;
@@ -312,6 +332,12 @@ class SessionCard {
     (n.stop as HTMLButtonElement).disabled = busy || !c.stop;
     (n.lrSet as HTMLButtonElement).disabled = busy || !c.lr;
     this._lrInput.disabled = !c.lr;
+    // a run that ended has nothing to steer: only Dismiss
+    n.pause.hidden = n.pause.hidden || ended;
+    n.stop.hidden = ended;
+    // (the lr box is display: inline-flex, which the hidden attribute does not override)
+    (n.lrSet.parentElement as HTMLElement).style.display = ended ? 'none' : '';
+    n.dismiss.hidden = !ended || !this._actions.dismiss;
     if (this._stopArmed !== null && now - this._stopArmed > STOP_CONFIRM_MS) {
       this._stopArmed = null;
     }
@@ -346,6 +372,17 @@ class SessionCard {
     });
   }
 
+  private _onDismiss(): void {
+    if (!this._actions.dismiss) {
+      return;
+    }
+    (this._n.dismiss as HTMLButtonElement).disabled = true;
+    this._actions.dismiss(this._session.id).catch(err => {
+      (this._n.dismiss as HTMLButtonElement).disabled = false;
+      this._feedback(err instanceof Error ? err.message : String(err), true);
+    });
+  }
+
   private async _send(command: 'pause' | 'resume' | 'stop' | 'lr', value: number | null = null): Promise<boolean> {
     const pending: IPending = { command, id: null, since: Date.now() };
     this._pending = pending;
@@ -368,6 +405,7 @@ class SessionCard {
   private _feedback(text: string, isError: boolean): void {
     setText(this._n.feedback, text);
     this._n.feedback.classList.toggle('mtnb-feedback-error', isError && !!text);
+    this._n.feedback.classList.toggle('mtnb-feedback-ok', !isError && !!text);
   }
 
   dispose(): void {

@@ -4,7 +4,8 @@
 
     beacon = SessionBeacon(session).start()
     ...
-    beacon.stop()          # removes the heartbeat file and the inbox
+    beacon.stop()          # a run that ended: one last heartbeat, kept (marked "ended") until
+                           # dismissed in the sidebar; otherwise the heartbeat file goes
 
 A daemon thread rewrites ``sessions/<id>.json`` every ``interval`` seconds from the
 session's public attributes (``name, id, state, step, total_steps, history``) and polls
@@ -54,6 +55,8 @@ from megatrain_nb.lab.protocol import (
 log = logging.getLogger(__name__)
 
 LOSS_TAIL = 100
+#: states of a run that is over: its last heartbeat stays until dismissed
+ENDED_STATES = ("finished", "stopped", "failed")
 _MAX_COMMANDS_PER_POLL = 32
 _REFUSED_KEPT = 20
 
@@ -69,7 +72,7 @@ class SessionBeacon:
         self,
         session: Any,
         *,
-        interval: float = 0.5,
+        interval: float = 0.25,
         poll: float = 0.2,
         root: str | Path | None = None,
     ) -> None:
@@ -116,13 +119,27 @@ class SessionBeacon:
         return self
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Stop the thread and remove the heartbeat file and inbox. Safe to call twice,
-        and from the beacon thread itself (a ``stop`` command ending the run)."""
+        """Stop the thread and remove the inbox. A run that ended (finished, stopped, failed)
+        leaves its last heartbeat, with ``ended`` set, so the sidebar keeps showing it with its
+        final loss until the user dismisses it (``registry.dismiss_session``); anything else
+        removes the heartbeat too. Safe to call twice, and from the beacon thread itself (a
+        ``stop`` command ending the run)."""
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
-        self._remove_files()
+        final = self.snapshot()
+        if final["state"] in ENDED_STATES:
+            final["ended"] = final["updated"]
+            with self._lock:
+                shutil.rmtree(self.inbox, ignore_errors=True)
+                try:
+                    make_private_dir(self.heartbeat_file.parent)
+                    atomic_write_json(self.heartbeat_file, final)
+                except OSError:
+                    log.debug("megatrain_nb: final heartbeat not written", exc_info=True)
+        else:
+            self._remove_files()
         atexit.unregister(self._remove_files)
 
     @property
@@ -177,6 +194,8 @@ class SessionBeacon:
             "total_steps": int(total) if isinstance(total, (int, float)) else None,
             "loss": finite_or_none(last.get("loss")),
             "lr": finite_or_none(last.get("lr")),
+            # a learning rate asked for and not yet applied (it applies at the next step)
+            "requested_lr": finite_or_none(_attr(s, "requested_lr", None)),
             "tokens_per_s": finite_or_none(last.get("tokens_per_s")),
             "loss_tail": losses,
             "memory": clean_json(_memory_summary(self._memory)),

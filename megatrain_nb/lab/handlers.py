@@ -5,6 +5,8 @@
                                                           "value": float|null}
          -> 202 {"id", "session_id", "command", "value", "source", "time"}
             400 bad command or value, 404 no such running session
+    DELETE <base_url>/megatrain-nb/sessions/<id>         (dismiss a run that ended)
+         -> 204; 404 no such session, 409 still running
 
 Both need an authenticated Jupyter user (token or cookie; XSRF for cookie-authenticated
 POSTs, as for every Jupyter API) and the "kernels" permission: read to list, write to
@@ -24,7 +26,13 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 
 from megatrain_nb.lab.protocol import CommandError, parse_command_json
-from megatrain_nb.lab.registry import UnknownSession, enqueue_command, list_sessions
+from megatrain_nb.lab.registry import (
+    StillRunning,
+    UnknownSession,
+    dismiss_session,
+    enqueue_command,
+    list_sessions,
+)
 
 ROUTE = "megatrain-nb"
 ROOT_SETTING = "megatrain_nb_runtime_root"
@@ -108,6 +116,20 @@ class CommandHandler(_BaseHandler):
         self.finish(json.dumps(record))
 
 
+class SessionHandler(_BaseHandler):
+    @web.authenticated
+    @authorized
+    async def delete(self, session_id: str) -> None:
+        try:
+            dismiss_session(session_id, self.runtime_root)
+        except UnknownSession as e:
+            return self._fail(404, str(e))
+        except StillRunning as e:
+            return self._fail(409, str(e))
+        self.set_status(204)
+        self.finish()
+
+
 def setup_handlers(web_app: Any, runtime_root: str | Path | None = None) -> None:
     base = web_app.settings.get("base_url", "/")
     if runtime_root is not None:
@@ -119,5 +141,6 @@ def setup_handlers(web_app: Any, runtime_root: str | Path | None = None) -> None
             (url_path_join(base, ROUTE, "sessions"), SessionsHandler),
             (url_path_join(base, ROUTE, "sessions", r"([A-Za-z0-9_-]{1,64})", "command"),
              CommandHandler),
+            (url_path_join(base, ROUTE, "sessions", r"([A-Za-z0-9_-]{1,64})"), SessionHandler),
         ],
     )

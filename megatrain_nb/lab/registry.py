@@ -8,6 +8,8 @@ Used by the Jupyter server extension (``handlers.py``); plain functions, no Jupy
 
 A heartbeat older than ``stale_after`` seconds (5) or whose process is gone is not listed.
 Files of dead processes, and of anything silent for ``ABANDONED_AFTER`` seconds, are removed.
+A run that ended leaves a last heartbeat with ``ended`` set: it is listed (its process may be
+gone) until :func:`dismiss_session` removes it, or for ``ENDED_KEPT`` seconds at most.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ log = logging.getLogger(__name__)
 
 STALE_AFTER = 5.0
 ABANDONED_AFTER = 60.0
+ENDED_KEPT = 24 * 3600.0
+
+
+class StillRunning(ValueError):
+    """Dismissing a session that has not ended."""
 
 
 class UnknownSession(KeyError):
@@ -80,6 +87,15 @@ def list_sessions(
             continue
         updated = data.get("updated")
         age = now - updated if isinstance(updated, (int, float)) else float("inf")
+        if isinstance(data.get("ended"), (int, float)):  # over: kept until dismissed
+            if now - data["ended"] > ENDED_KEPT:
+                if clean:
+                    remove_session_files(sid, root)
+                continue
+            data["id"] = sid
+            data["age"] = max(0.0, age)
+            live.append(data)
+            continue
         alive = pid_alive(data.get("pid"), data.get("host"))
         if alive is False or age > ABANDONED_AFTER:
             if clean:
@@ -117,13 +133,23 @@ def enqueue_command(
     """Validate and drop one command into the session's inbox; the beacon applies it within
     its poll interval. Raises CommandError (bad command/value) or UnknownSession."""
     command, value = validate_command(command, value)
-    get_session(session_id, root)
+    if isinstance(get_session(session_id, root).get("ended"), (int, float)):
+        raise UnknownSession(session_id)  # over: nothing reads its inbox any more
     ensure_sessions_dir(root)
     inbox = make_private_dir(inbox_path(session_id, root))
     name = new_command_name()
     msg = {"id": name, "command": command, "value": value, "source": source, "time": time.time()}
     atomic_write_json(inbox / f"{name}.json", msg)
     return {"session_id": session_id, **msg}
+
+
+def dismiss_session(session_id: str, root: str | Path | None = None) -> None:
+    """Remove an ended run from the list (the sidebar's Dismiss). Raises UnknownSession, or
+    StillRunning for a run that has not ended (stop it first)."""
+    s = get_session(session_id, root)
+    if not isinstance(s.get("ended"), (int, float)):
+        raise StillRunning(f"session {session_id!r} is {s.get('state')}: stop it before dismissing it")
+    remove_session_files(session_id, root)
 
 
 def remove_session_files(session_id: str, root: str | Path | None = None) -> None:

@@ -1,15 +1,20 @@
-"""The live dashboard: header, loss/LR curves with intervention markers, memory tiers,
-controls and a layer inspector, as ipywidgets + plotly FigureWidgets.
+"""The live dashboard: loss first and large, loss/LR curves with intervention markers,
+memory tiers, controls and a layer inspector, as ipywidgets + two light chart widgets
+(``chart.py``: our own few-kilobyte module, not plotly's 5 MB bundle per figure).
 
 Threads: the control callbacks run on the kernel's main thread and only call the session's
 control methods (which enqueue commands) or leave a note for the publisher; every widget
-write happens in :meth:`Dashboard.refresh`, which only the publisher calls. Each panel has
-a minimum interval (text ~2/s, figures ~1/s, heatmap ~0.5/s) and is sent only when its data
-changed, inside ``hold_sync()`` / ``batch_update()``.
+write happens in :meth:`Dashboard.refresh`, which only the publisher calls.
+
+One snapshot per refresh: every panel that shows the run (``data=True``: header, curves,
+memory, links, inspector, extra figures) is filled from the same :class:`RunView`, at the
+same moment, so they never show different steps; they refresh at most once a second and
+only when the run changed. Controls and notes are quicker (0.25 s).
 
 Adding a panel: build its widgets in ``Dashboard.__init__`` and decorate the method that fills
 them with ``@panel(name, interval, key=...)``; the registration (:data:`PANELS`) is all
-``refresh`` needs to know about it.
+``refresh`` needs to know about it. A figure from elsewhere (any widget) goes in with
+:meth:`Dashboard.add_figure`, with a function that fills it from each snapshot.
 
 Example::
 
@@ -27,13 +32,13 @@ import ipywidgets as W
 
 from megatrain_nb.formatting import fmt_bytes, fmt_num
 
-from .figures import fill_heatmap, fill_histogram, fill_training, layers_widget, training_widget
+from .chart import Chart, layers_spec, training_spec
 from .inspector import stats_rows_html
 from .lifecycle import ENDED
 from .probe import RenderProbe
 from .run_log import RunView
 from .run_tree import BranchesPanel
-from .summary_html import header_html, rank_memory_table
+from .summary_html import FG2, header_html, memory_tiers_html, rank_memory_table
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class Panel:
     refresh: Callable[["Dashboard", RunView], None]  # writes its widgets (publisher thread only)
     curves: tuple[str, ...] = ()  # the RunView curves it draws (downsampling them is the costly part)
     at_once: Callable[[tuple, tuple], bool] = lambda sent, key: False  # (sent, key) -> skip the interval
+    data: bool = False  # shows the run: refreshed together with the other data panels, from one view
+    heat: bool = False  # needs the layers x steps matrix of the selected metric
 
 
 #: the dashboard's panels in refresh order; :func:`panel` adds one
@@ -76,9 +83,13 @@ _LINKS = (("host_to_device", "host→device"), ("device_to_host", "device→host
           ("disk_to_host", "disk→host"), ("host_to_disk", "host→disk"))
 
 
-def _boxed(fig, width: str) -> W.Box:
-    # FigureWidget.layout is the plotly layout, so size the figure through a wrapper Box.
-    return W.Box([fig], layout=W.Layout(width=width, min_width="300px"))
+@dataclass
+class ExtraFigure:
+    widget: Any
+    fill: Callable[[RunView], None] | None
+
+
+DATA_INTERVAL = 1.0  # seconds between two snapshots shown
 
 
 class Dashboard(W.VBox):
@@ -86,9 +97,10 @@ class Dashboard(W.VBox):
 
     def __init__(self, session: Any):
         self.session = session
-        self.header = W.HTML()
-        self.training_fig = training_widget()
-        self.links = W.HTML()
+        self.header = W.HTML(layout=W.Layout(width="100%"))
+        self.training_fig = Chart(layout=W.Layout(width="100%", min_width="280px"))
+        self.memory = W.HTML(layout=W.Layout(flex="1 1 340px", min_width="260px"))
+        self.links = W.HTML(layout=W.Layout(flex="0 1 auto"))
         self.ranks = W.HTML()   # several ranks: each rank's memory tiers
         self.pause_button = W.Button(description="Pause", icon="pause", tooltip="Pause after the current step")
         self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
@@ -104,23 +116,31 @@ class Dashboard(W.VBox):
                                        layout=W.Layout(width="260px"))
         self.metric = W.ToggleButtons(options=[("grad norm", "grad_norm"), ("update ratio", "update_ratio")],
                                       value="grad_norm", description="Heatmap")
-        self.layer_stats = W.HTML(layout=W.Layout(width="28%"))
-        self.layers_fig = layers_widget()
+        self.layer_stats = W.HTML(layout=W.Layout(flex="0 1 260px", min_width="200px"))
+        self.layers_fig = Chart(layout=W.Layout(flex="1 1 420px", min_width="280px"))
+        self.extras = W.VBox([])   # add_figure() puts figures from elsewhere here
+        self._extra: list[ExtraFigure] = []
         self.probe = RenderProbe()
         self.branches = BranchesPanel(session)   # the run tree, shown once the run has branches
-        controls = W.VBox([W.HBox([self.pause_button, self.stop_button, self.checkpoint_button]),
-                           W.HBox([self.lr_field, self.lr_apply]), self.notice], layout=W.Layout(width="60%"))
+        wrap = W.Layout(display="flex", flex_flow="row wrap", align_items="flex-start", width="100%",
+                        grid_gap="8px 24px")
+        controls = W.VBox([W.HBox([self.pause_button, self.stop_button, self.checkpoint_button],
+                                  layout=W.Layout(flex_flow="row wrap")),
+                           W.HBox([self.lr_field, self.lr_apply]), self.notice, self.links],
+                          layout=W.Layout(flex="1 1 360px", min_width="300px"))
         super().__init__([
             self.header,
-            _boxed(self.training_fig, "100%"),
-            W.HBox([controls, self.links]),
+            self.training_fig,
+            W.Box([self.memory, controls], layout=wrap),
             self.ranks,
-            W.HTML("<b style='font-family:sans-serif'>Layer inspector</b>"),
-            W.HBox([self.layer_select, self.metric]),
-            W.HBox([self.layer_stats, _boxed(self.layers_fig, "72%")]),
+            W.HTML(f"<b style='font-family:sans-serif;color:{FG2}'>Layer inspector</b>"),
+            W.Box([self.layer_select, self.metric], layout=W.Layout(display="flex", flex_flow="row wrap")),
+            W.Box([self.layer_stats, self.layers_fig], layout=wrap),
             self.branches.box,
+            self.extras,
             self.probe,
-        ])
+        ], layout=W.Layout(width="100%"))
+        self.add_class("mtnb-dashboard")
         self._lock = threading.Lock()
         self._showing_lr = False
         self._notice_text = ""
@@ -179,19 +199,51 @@ class Dashboard(W.VBox):
         self.session.save_checkpoint(wait=False, source="widget")
         return "Checkpoint requested at the next step boundary (see the events)."
 
+    # ---- figures from elsewhere ------------------------------------------------------------------
+    def add_figure(self, widget: Any, fill: Callable[[RunView], None] | None = None) -> Any:
+        """Show ``widget`` (any ipywidget, e.g. a :class:`Chart`) below the layer inspector;
+        ``fill(view)``, if given, updates it from each snapshot the other panels show (on the
+        publisher thread, at most once a second, only when the run changed). Returns ``widget``."""
+        self._extra.append(ExtraFigure(widget, fill))
+        self.extras.children = tuple(e.widget for e in self._extra)
+        if fill is not None:
+            self._sent["extra"] = None  # fill it at the next refresh
+            self.poke()
+        return widget
+
+    def resend_state(self) -> None:
+        """Send the run's panels again from the calling thread (``session.wait()``, once the
+        publisher is done): a notebook runner saves the widget state it sees in the executing
+        cell's messages, so the saved notebook keeps the final dashboard, not its first frame."""
+        for w in (self.header, self.training_fig, self.memory, self.links, self.ranks, self.layer_stats,
+                  self.layers_fig, *(e.widget for e in self._extra)):
+            w.send_state()
+
     # ---- refresh (publisher thread only) -------------------------------------------------------
-    def refresh(self, now: float | None = None, force: bool = False) -> int:
-        """Update the panels that are due and changed; returns how many were sent."""
+    def refresh(self, now: float | None = None, force: bool = False, view: RunView | None = None) -> int:
+        """Update the panels that are due and changed; returns how many were sent. When any
+        panel that shows the run is due, every one of them whose data changed is refreshed,
+        all from one snapshot (``view``, or one taken here)."""
         now = time.monotonic() if now is None else now
         keyed = [(p, p.key(self)) for p in PANELS]
         due = [(p, key) for p, key in keyed if self._is_due(p, key, now, force)]
+        if any(p.data for p, _ in due):  # one snapshot for all: never two steps on screen
+            due = [(p, key) for p, key in keyed if (p, key) in due or (p.data and key != self._sent[p.name])]
         if not due:
             return 0
-        view = self.session.run_log.view(curves=tuple(dict.fromkeys(c for p, _ in due for c in p.curves)))
+        if view is None:
+            view = self.snapshot(due)
         for p, key in due:
             p.refresh(self, view)
             self._sent[p.name], self._due[p.name] = key, now + p.interval
         return len(due)
+
+    def snapshot(self, panels=None) -> RunView:
+        """One consistent copy of the run for the given (or all) panels."""
+        panels = [p for p, _ in panels] if panels is not None else PANELS
+        curves = tuple(dict.fromkeys(c for p in panels for c in p.curves))
+        heat = (self.metric.value,) if any(p.heat for p in panels) else ()
+        return self.session.run_log.view(curves=curves, heat=heat)
 
     def _is_due(self, p: Panel, key: tuple, now: float, force: bool) -> bool:
         sent = self._sent[p.name]
@@ -199,7 +251,8 @@ class Dashboard(W.VBox):
             return False
         return force or now >= self._due[p.name] or (sent is not None and p.at_once(sent, key))
 
-    @panel("header", 0.5, key=lambda d: (d.session.run_log.version, d.session.state))
+    @panel("header", DATA_INTERVAL, key=lambda d: (d.session.run_log.version, d.session.state,
+                                                   d.session.requested_lr), data=True)
     def _refresh_header(self, view: RunView) -> None:
         self.header.value = header_html(self.session, view)
 
@@ -228,9 +281,10 @@ class Dashboard(W.VBox):
     def _refresh_notice(self, view: RunView) -> None:
         with self._lock:
             text = self._notice_text
-        self.notice.value = f"<div style='font-size:12px;color:#555'>{text}</div>" if text else ""
+        self.notice.value = (f"<div style='font-size:12px;font-family:sans-serif;color:{FG2}'>{text}</div>"
+                             if text else "")
 
-    @panel("links", 0.5, key=lambda d: (d.session.run_log.version,))
+    @panel("links", DATA_INTERVAL, key=lambda d: (d.session.run_log.version,), data=True)
     def _refresh_links(self, view: RunView) -> None:
         rows = [f"<td>{label}</td><td>{fmt_bytes(view.links.get(k))}/s</td>" for k, label in _LINKS
                 if view.links.get(k) is not None]
@@ -240,24 +294,28 @@ class Dashboard(W.VBox):
         rows.append(f"<td>loads issued ahead of need</td><td>{hits or '–'}</td>")
         share = view.stall_share
         rows.append(f"<td>step time spent waiting</td><td>{fmt_num(100 * share, '.1f') + '%' if share is not None else '–'}</td>")
-        self.links.value = ("<table style='font-size:12px;font-family:sans-serif'>"
+        self.links.value = (f"<table style='font-size:12px;font-family:sans-serif;color:{FG2}'>"
                             + "".join(f"<tr>{r}</tr>" for r in rows) + "</table>")
 
-    @panel("ranks", 1.0, key=lambda d: (d.session.run_log.version,))
+    @panel("memory", DATA_INTERVAL, key=lambda d: (d.session.run_log.version,), data=True)
+    def _refresh_memory(self, view: RunView) -> None:
+        self.memory.value = memory_tiers_html(view)
+
+    @panel("ranks", DATA_INTERVAL, key=lambda d: (d.session.run_log.version,), data=True)
     def _refresh_ranks(self, view: RunView) -> None:
         self.ranks.value = rank_memory_table(view)
 
-    @panel("training", 1.0, key=lambda d: (d.session.run_log.version,), curves=("loss", "lr"))
+    @panel("training", DATA_INTERVAL, key=lambda d: (d.session.run_log.version,), curves=("loss", "lr"), data=True)
     def _refresh_training(self, view: RunView) -> None:
-        fill_training(self.training_fig, view)
+        self.training_fig.spec = training_spec(view, total=self.session.total_steps)
 
     @panel("branches", 2.0, key=lambda d: d.branches.key())
     def _refresh_branches(self, view: RunView) -> None:
         self.branches.update()
 
     # a new choice in the layer inspector shows at once (user actions are rare)
-    @panel("layers", 2.0, key=lambda d: (d.session.run_log.version, d.layer_select.value, d.metric.value),
-           at_once=lambda sent, key: key[1:] != sent[1:])
+    @panel("layers", DATA_INTERVAL, key=lambda d: (d.session.run_log.version, d.layer_select.value, d.metric.value),
+           at_once=lambda sent, key: key[1:] != sent[1:], data=True, heat=True)
     def _refresh_layers(self, view: RunView) -> None:
         if not self.layer_select.options and view.units:
             with self.layer_select.hold_sync():
@@ -273,22 +331,19 @@ class Dashboard(W.VBox):
                                       f"<tr><td><b>{html.escape(str(unit))}</b></td><td>step {stats.get('step')}</td>"
                                       f"</tr>{rows}</table>")
         metric = self.metric.value
-        units, steps, z = self.session.run_log.heat(metric)
-        with self.layers_fig.batch_update():
-            fill_histogram(self.layers_fig, stats, unit or "", index=0, axis="xaxis")
-            fill_heatmap(self.layers_fig, units, steps, z, metric, index=1)
+        heat = view.heat.get(metric) or self.session.run_log.heat(metric)
+        self.layers_fig.spec = layers_spec(view, unit, metric, heat)
+
+    @panel("extra", DATA_INTERVAL, key=lambda d: (d.session.run_log.version, len(d._extra)), data=True)
+    def _refresh_extra(self, view: RunView) -> None:
+        for e in self._extra:
+            if e.fill is not None:
+                e.fill(view)
 
 
 def warm_up() -> None:
-    """Pay plotly's one-off costs now (FigureWidget pulls in nbformat/jsonschema; the first
-    figure of each kind builds its validators and template): ~2 s once per process."""
-    import plotly.graph_objects as go
-
-    from . import publisher  # noqa: F401
-
-    go.FigureWidget  # noqa: B018 - the attribute access is the lazy import
-    training_widget(widget=False)  # static twins: no comm is opened
-    layers_widget(widget=False)
+    """Import the display stack now rather than in ``train()`` (ipywidgets, anywidget)."""
+    from . import chart, publisher  # noqa: F401
 
 
 def _default_unit(units: list[str]) -> str | None:

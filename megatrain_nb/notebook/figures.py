@@ -1,11 +1,9 @@
-"""Plotly figures of a run, shared by the live dashboard (FigureWidget) and the report
-(static Figure).
+"""Plotly figures of a run for the exported report (static figures, plotly.js inlined once),
+and what the dashboard shares with them (event grouping and labels, memory kinds).
 
 ``add_*`` puts a panel's traces into a figure at a subplot; ``fill_*`` writes a
-:class:`RunView` into them (inside ``batch_update()``, which nests, so a caller can group
-several panels into one update message). The dashboard uses two FigureWidgets only
-(training: loss/LR + memory; layers: histogram + heatmap) because plotly's FigureWidget
-ships its ~5 MB JavaScript bundle with every instance; the report uses one figure per panel.
+:class:`RunView` into them. The live dashboard does not use plotly (a FigureWidget puts its
+~5 MB bundle into the notebook's widget state): it draws with ``chart.py``.
 
 Example::
 
@@ -34,12 +32,6 @@ HEAT_LABELS = {"grad_norm": "log10 gradient norm", "update_ratio": "log10 update
                "weight_norm": "log10 weight norm"}
 _MARGIN = dict(l=60, r=20, t=50, b=40)
 _LEGEND = dict(orientation="h", y=1.02, yanchor="bottom", x=1, xanchor="right")
-#: trace counts per panel (offsets into fig.data for combined figures)
-LOSS_TRACES, MEMORY_TRACES = 3, len(KINDS) + 1
-
-
-def _finish(fig: go.Figure, widget: bool):
-    return go.FigureWidget(fig) if widget else fig
 
 
 def event_label(e: dict) -> str:
@@ -75,14 +67,34 @@ def grouped_events(events: list[dict], max_markers: int = 40) -> list[tuple[int,
     return out
 
 
-def event_markers(events: list[dict], xref: str = "x", max_markers: int = 40) -> tuple[list[dict], list[dict]]:
-    """Vertical dotted lines at each event's step over the whole figure height, labelled on top."""
+def event_markers(events: list[dict], xref: str = "x", max_markers: int = 40,
+                  x_range: tuple[float, float] | None = None, plot_px: float = 900.0,
+                  rows: int = 3) -> tuple[list[dict], list[dict]]:
+    """Vertical dotted lines at each event's step over the whole figure height, labelled on
+    top: horizontal labels in up to ``rows`` rows, each in the first row where it does not
+    touch the previous one (widths estimated for a plot ``plot_px`` wide); a label that fits
+    no row is left to its line's hover text. Returns (shapes, annotations)."""
     shapes, notes = [], []
-    for x, label, color in grouped_events(events, max_markers):
+    groups = grouped_events(events, max_markers)
+    lo, hi = x_range if x_range else ((min(g[0] for g in groups), max(g[0] for g in groups)) if groups else (0, 1))
+    per_px = max(hi - lo, 1) / plot_px
+    ends: list[float] = []
+    for x, label, color in groups:
         shapes.append(dict(type="line", xref=xref, yref="paper", x0=x, x1=x, y0=0, y1=1,
                            line=dict(color=color, width=1.5, dash="dot")))
-        notes.append(dict(x=x, y=1.0, xref=xref, yref="paper", text=label, showarrow=False,
-                          textangle=-30, xanchor="left", yanchor="bottom", font=dict(size=10, color=color)))
+        width = (6.5 * len(label) + 8) * per_px
+        right_side = x + width <= hi + 1e-9
+        start = x if right_side else x - width
+        row = next((i for i, end in enumerate(ends) if start >= end), None)
+        if row is None and len(ends) < rows:
+            ends.append(float("-inf"))
+            row = len(ends) - 1
+        if row is None:
+            continue
+        ends[row] = start + width
+        notes.append(dict(x=x, y=1.0, xref=xref, yref="paper", text=label, showarrow=False, hovertext=label,
+                          xanchor="left" if right_side else "right", yanchor="bottom", yshift=2 + 14 * row,
+                          font=dict(size=10, color=color)))
     return shapes, notes
 
 
@@ -101,7 +113,9 @@ def fill_loss(fig, view: RunView, base: int = 0, xref: str = "x") -> None:
     x, y = view.curves.get("loss", (np.zeros(0), np.zeros(0)))
     lx, ly = view.curves.get("lr", (np.zeros(0), np.zeros(0)))
     ex, ey = view.eval
-    shapes, notes = event_markers(view.events, xref=xref)
+    xs = [a for a in (x, lx, ex) if len(a)]
+    x_range = (float(min(a.min() for a in xs)), float(max(a.max() for a in xs))) if xs else None
+    shapes, notes = event_markers(view.events, xref=xref, x_range=x_range)
     with fig.batch_update():
         fig.data[base].x, fig.data[base].y = x, y
         fig.data[base + 1].x, fig.data[base + 1].y = ex, ey
@@ -113,7 +127,7 @@ def fill_loss(fig, view: RunView, base: int = 0, xref: str = "x") -> None:
 def loss_figure(height: int = 420) -> go.Figure:
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.08)
     add_loss(fig)
-    fig.update_layout(height=height, template="plotly_white", legend=_LEGEND, margin=dict(_MARGIN, t=90),
+    fig.update_layout(height=height, template="plotly_white", legend=_LEGEND, margin=dict(_MARGIN, t=110),
                       title=dict(text="Loss and learning rate", x=0.01, y=0.98))
     return fig
 
@@ -148,7 +162,7 @@ def add_memory(fig: go.Figure, *, row: int | None = None, col: int | None = None
 def memory_bars(memory: dict | None) -> dict:
     """Per kind group the share of each tier's capacity it uses (%), hover texts in bytes, the
     capacity marker (100 % where a capacity is known) and tick labels "used / capacity".
-    A tier without a known capacity is drawn against its own peak."""
+    A tier without a known capacity is drawn against its own peak, labelled so."""
     tiers = tier_summary(memory)
     n = len(TIERS)
     nbytes = {k: [0.0] * n for k in KINDS}
@@ -168,9 +182,10 @@ def memory_bars(memory: dict | None) -> dict:
             denom, marker[i] = cap, 100.0
             ticks[i] = f"{tier}<br>{fmt_bytes(used)} / {fmt_bytes(cap)}"
         else:
+            # no capacity: the bar is the share of the tier's own peak, and says so (no "100%")
             peak = t["peak"] if math.isfinite(t["peak"]) else 0.0
             denom = max(sum(nbytes[k][i] for k in KINDS), peak) or 1.0
-            ticks[i] = f"{tier}<br>{fmt_bytes(used)} (no cap)"
+            ticks[i] = f"{tier}<br>{fmt_bytes(used)}, no limit set<br>(bar: share of peak {fmt_bytes(peak)})"
         for k in KINDS:
             pct[k][i] = 100.0 * nbytes[k][i] / denom
         cache = disk_cache_line((memory or {}).get(tier))
@@ -246,33 +261,3 @@ def fill_histogram(fig, stats: dict | None, unit: str = "", index: int = 0, axis
         fig.layout[axis].title.text = f"weights of {unit}" if unit else "weight value"
         # an explicit range: autorange would keep what it computed for the empty first frame
         fig.layout[axis].range = [float(edges[0]), float(edges[-1])] if len(centers) else None
-
-
-# ---- the dashboard's two widgets --------------------------------------------------------------------
-def training_widget(height: int = 400, widget: bool = True):
-    """Loss (top left), learning rate (bottom left, same steps), memory tiers (right)."""
-    fig = make_subplots(rows=2, cols=2, specs=[[{}, {"rowspan": 2}], [{}, None]], column_widths=[0.62, 0.38],
-                        row_heights=[0.68, 0.32], horizontal_spacing=0.12, vertical_spacing=0.08)
-    add_loss(fig, row=1, col=1, lr_row=2)
-    fig.update_xaxes(matches="x", row=2, col=1)
-    add_memory(fig, row=1, col=2)
-    fig.update_layout(height=height, template="plotly_white", margin=dict(_MARGIN, t=60, b=50),
-                      legend=dict(orientation="h", y=-0.18, yanchor="top", x=0, font=dict(size=11)),
-                      barmode="stack")
-    return _finish(fig, widget)
-
-
-def fill_training(fig, view: RunView) -> None:
-    with fig.batch_update():
-        fill_loss(fig, view, base=0, xref="x")
-        fill_memory(fig, view, base=LOSS_TRACES, axis="xaxis2", yaxis="yaxis2")
-
-
-def layers_widget(height: int = 300, widget: bool = True):
-    """Weight histogram of the selected unit (left), layers x steps heatmap (right)."""
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.35, 0.65], horizontal_spacing=0.16)
-    add_histogram(fig, row=1, col=1)
-    add_heatmap(fig, row=1, col=2, colorbar_x=1.0)
-    fig.update_layout(height=height, template="plotly_white", margin=dict(_MARGIN, t=20), showlegend=False,
-                      bargap=0.02)
-    return _finish(fig, widget)

@@ -119,9 +119,10 @@ def status_line(session) -> str:
     view = session.run_log.view(max_points=2)
     total = session.total_steps
     last = view.last
+    eta = eta_seconds(session, view)  # None unless running: a paused run has no ETA
     parts = [f"{session.name}: {session.state}", f"step {view.step}{'/' + str(total) if total else ''}",
              f"loss {fmt_num(last.get('loss'))}", f"lr {fmt_num(last.get('lr'), '.3g')}",
-             f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s", f"ETA {fmt_seconds(eta_seconds(session, view))}"]
+             f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s", *([f"ETA {fmt_seconds(eta)}"] if eta is not None else [])]
     line = ", ".join(parts)
     if view.events:
         from .figures import event_label

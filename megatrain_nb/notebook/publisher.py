@@ -117,19 +117,22 @@ class Publisher:
         sent = 0
         try:
             now = time.monotonic()
+            html_key = (self.session.run_log.version, self.session.state)
+            html_due = (self.html_live and self.html_handle is not None and not force
+                        and html_key != self._html_version and now >= self._html_due)
+            # one snapshot for the dashboard and the summary of this tick: both show one step
+            view = self._snapshot() if html_due else None
             if self.dashboard is not None:
-                sent += self.dashboard.refresh(now, force=force)
+                sent += self.dashboard.refresh(now, force=force, view=view)
             if self._clear_html and self.html_handle is not None and not force:
                 self._clear_html = False
                 self.html_handle.update({"text/html": ""}, raw=True)
                 sent += 1
-            if self.html_live and self.html_handle is not None and not force:
-                key = (self.session.run_log.version, self.session.state)
-                if key != self._html_version and now >= self._html_due:
-                    self.html_handle.update({"text/html": summary_html(self.session, self.session.run_log.view()),
-                                             "text/plain": repr(self.session)}, raw=True)
-                    self._html_version, self._html_due = key, now + HTML_INTERVAL
-                    sent += 1
+            if html_due and self.html_live:
+                self.html_handle.update({"text/html": summary_html(self.session, view),
+                                         "text/plain": repr(self.session)}, raw=True)
+                self._html_version, self._html_due = html_key, now + HTML_INTERVAL
+                sent += 1
         except Exception:  # noqa: BLE001 - a display glitch must never reach the run
             self.failures += 1
             log.log(logging.WARNING if self.failures == 1 else logging.DEBUG,
@@ -137,6 +140,10 @@ class Publisher:
         self.refreshes += sent
         self.busy_s += time.perf_counter() - t0
         return sent
+
+    def _snapshot(self):
+        d = self.dashboard
+        return d.snapshot() if d is not None else self.session.run_log.view()
 
     def _emit_final(self) -> None:
         with self._lock:
@@ -160,6 +167,12 @@ class Publisher:
             self._emit_final()
         else:
             self._update_final()
+        d = self.dashboard
+        if d is not None and not self.running:  # the publisher is done: no other writer
+            try:
+                d.resend_state()
+            except Exception:  # noqa: BLE001
+                log.debug("megatrain_nb: resending the dashboard's state failed", exc_info=True)
 
 
 # ---- what Session.train() / Session.dashboard() call; the session keeps what they return --------------

@@ -97,6 +97,7 @@ class RunView:
     elapsed_s: float = 0.0
     units: list[str] = field(default_factory=list)
     layers: dict[str, dict] = field(default_factory=dict)
+    heat: dict[str, tuple] = field(default_factory=dict)  # metric -> (units, steps, z), if asked for
 
 
 class RunLog:
@@ -225,10 +226,16 @@ class RunLog:
             return [], []
         return steps, z[units.index(unit)].tolist()
 
-    def view(self, max_points: int = 400, curves: tuple[str, ...] = _CURVES) -> RunView:
+    def view(self, max_points: int = 400, curves: tuple[str, ...] = _CURVES,
+             heat: tuple[str, ...] = ()) -> RunView:
         """A consistent copy for one display refresh; ``curves`` picks which curves to
-        downsample (the costly part), e.g. ``()`` for a header only."""
+        downsample (the costly part), e.g. ``()`` for a header only; ``heat``, which layers x
+        steps matrices to copy (``view.heat[metric] = (units, steps, z)``)."""
+        for m in heat:
+            if m not in self._heat:
+                raise ValueError(f"metric {m!r}: choose one of {', '.join(HEAT_METRICS)}")
         with self._lock:
+            matrices = {m: (list(self._units), *self._heat[m].matrix()) for m in heat}
             x = np.asarray(self._steps, dtype=float) if curves else None
             raw = {k: np.asarray(self._curves[k], dtype=float) for k in curves}
             ev = (np.asarray(self._eval[0], dtype=float), np.asarray(self._eval[1], dtype=float))
@@ -246,6 +253,7 @@ class RunLog:
                 rank_memory=self._rank_memory,
                 units=list(self._units),
                 layers={k: dict(v) for k, v in self._layers.items()},
+                heat=matrices,
             )
             paused = self._paused_s
         view.curves = {k: downsample(x, y, max_points) for k, y in raw.items()}  # outside the lock

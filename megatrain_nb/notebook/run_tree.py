@@ -88,14 +88,16 @@ def _value_at(recs: Any, step: int) -> Optional[float]:
 
 
 class BranchesPanel:
-    """The dashboard's run tree: a FigureWidget in a box, shown once the run has branches."""
+    """The dashboard's run tree: a FigureWidget in a box, made and shown once the run has branches."""
 
     def __init__(self, session: Any):
         import ipywidgets as W
 
         self.session = session
-        self.fig = go.FigureWidget(run_tree_figure([], height=460, title="Branches"))
-        self.box = W.VBox([self.fig], layout=W.Layout(display="none", width="100%"))
+        # The FigureWidget (and plotly.js with it, ~5 MB of widget state) is made only once the
+        # run has branches: a dashboard without any stays light when the notebook is saved.
+        self.fig = None
+        self.box = W.VBox([], layout=W.Layout(display="none", width="100%"))
 
     def key(self) -> tuple:
         ex = getattr(self.session, "explorer", None)
@@ -110,6 +112,11 @@ class BranchesPanel:
         if len(runs) < 2:
             return
         new = run_tree_figure(runs, height=460, title="Branches")
+        if self.fig is None:
+            self.fig = go.FigureWidget(new)
+            self.box.children = (self.fig,)
+            self.box.layout.display = ""
+            return
         with self.fig.batch_update():
             self.fig.data = ()
             self.fig.add_traces(list(new.data))

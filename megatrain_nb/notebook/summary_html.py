@@ -20,7 +20,7 @@ from megatrain_nb.formatting import fmt_bytes, fmt_num, fmt_seconds
 
 from .figures import TIERS, event_label, grouped_events
 from .lifecycle import LIVE
-from .run_log import RunView, tier_summary
+from .run_log import RunView, disk_cache_line, tier_summary
 
 STATE_COLORS = {"idle": "#888", "running": "#2e7d32", "paused": "#ef6c00", "stopped": "#6d4c41",
                 "finished": "#1565c0", "failed": "#b00020"}
@@ -28,44 +28,133 @@ STATE_COLORS = {"idle": "#888", "running": "#2e7d32", "paused": "#ef6c00", "stop
 
 def eta_seconds(session: Any, view: RunView) -> float | None:
     total = session.total_steps
-    if not total or view.step_time_s is None or session.state not in LIVE:
+    # paused: no ETA (the run is not moving towards its end)
+    if not total or view.step_time_s is None or session.state != "running":
         return None
     return max(0, total - view.step) * view.step_time_s
 
 
+FG = "var(--jp-ui-font-color1, #1f1f1f)"
+FG2 = "var(--jp-ui-font-color2, #616161)"
+TRACK = "var(--jp-layout-color3, #e0e0e0)"
+BORDER = "var(--jp-border-color2, #d0d0d0)"
+
+
 def header_html(session: Any, view: RunView) -> str:
-    """One line: name, state, step/total with a bar, ETA, tokens/s, loss, lr."""
+    """The run at a glance, loss first and large: loss, state, step/total with a bar, ETA
+    (while running), tokens/s, lr, elapsed. Everything from one ``view``."""
     state = session.state
     total = session.total_steps
     frac = min(1.0, view.step / total) if total else 0.0
     color = STATE_COLORS.get(state, "#888")
     last = view.last
+    loss = _last_loss(view)
+    eta = eta_seconds(session, view)
     cells = [
-        f"<b>{html.escape(session.name)}</b>",
-        f"<span class='mtnb-dashboard-state' style='background:{color};color:white;border-radius:3px;"
-        f"padding:1px 6px'>{state}</span>",
-        f"step <b>{view.step}</b>{'/' + str(total) if total else ''}",
-        f"ETA {fmt_seconds(eta_seconds(session, view))}",
+        f"step <b class='mtnb-dash-step'>{view.step}</b>{'/' + str(total) if total else ''}",
+        *([f"ETA {fmt_seconds(eta)}"] if eta is not None else []),
         f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s",
-        f"loss {fmt_num(last.get('loss'))}",
-        f"lr {fmt_num(last.get('lr'), '.3g')}",
+        f"lr <b class='mtnb-dash-lr'>{fmt_num(last.get('lr'), '.3g')}</b>",
         f"elapsed {fmt_seconds(view.elapsed_s)}",
     ]
+    requested = getattr(session, "requested_lr", None)
+    if requested is not None and state in LIVE and _differs(requested, last.get("lr")):
+        cells.insert(2, f"<span class='mtnb-dash-lr-pending'>lr {fmt_num(requested, '.3g')} from the next step</span>")
     summary = session.summary() if hasattr(session, "summary") else {}
+    notes = []
     if summary.get("diverged_at") is not None:
-        cells.insert(2, f"<span class='mtnb-diverged' style='color:#b00020;font-weight:bold'>diverged at step "
-                        f"{int(summary['diverged_at'])} (NaN/inf; weights kept from the step before)</span>")
+        notes.append(f"<span class='mtnb-diverged' style='color:#d32f2f;font-weight:bold'>diverged at step "
+                     f"{int(summary['diverged_at'])} (NaN/inf; weights kept from the step before)</span>")
     if summary.get("skipped_steps"):
-        cells.append(f"<span class='mtnb-skipped' style='color:#b26a00'>{int(summary['skipped_steps'])} non-finite "
+        notes.append(f"<span class='mtnb-skipped' style='color:#e08a00'>{int(summary['skipped_steps'])} non-finite "
                      "step(s) skipped</span>")
-    bar = (f"<div style='height:4px;background:#eee;margin-top:4px'><div style='height:4px;width:{frac * 100:.1f}%;"
-           f"background:{color}'></div></div>") if total else ""
+    bar = (f"<div style='height:4px;background:{TRACK};margin-top:6px;border-radius:2px'><div style='height:4px;"
+           f"width:{frac * 100:.1f}%;background:{color};border-radius:2px'></div></div>") if total else ""
     err = ""
     if state == "failed" and session.error_traceback:
-        err = (f"<details open style='margin-top:4px;color:#b00020'><summary>{html.escape(session.summary()['error'])}"
+        err = (f"<details open style='margin-top:4px;color:#d32f2f'><summary>{html.escape(session.summary()['error'])}"
                f"</summary><pre style='font-size:11px;white-space:pre-wrap'>{html.escape(session.error_traceback)}</pre>"
                "</details>")
-    return (f"<div style='font-family:sans-serif;font-size:13px'>{' &nbsp;·&nbsp; '.join(cells)}{bar}{err}</div>")
+    loss_text = fmt_num(loss) if loss is not None else "–"
+    return (f"<div class='mtnb-dash-header' data-step='{view.step}' style='font-family:sans-serif;color:{FG}'>"
+            f"<div style='display:flex;flex-wrap:wrap;align-items:baseline;gap:4px 18px'>"
+            f"<span style='white-space:nowrap'><span style='color:{FG2};font-size:13px'>loss</span> "
+            f"<span class='mtnb-dash-loss' style='font-size:28px;font-weight:600;line-height:1.1'>{loss_text}</span></span>"
+            f"<span style='white-space:nowrap;font-size:14px'><b>{html.escape(session.name)}</b> "
+            f"<span class='mtnb-dashboard-state' style='background:{color};color:white;border-radius:3px;"
+            f"padding:1px 6px'>{state}</span></span>"
+            f"<span style='font-size:13px;color:{FG2};display:flex;flex-wrap:wrap;gap:2px 14px'>"
+            + "".join(f"<span style='white-space:nowrap'>{c}</span>" for c in cells)
+            + "</span></div>"
+            + (f"<div style='font-size:13px;margin-top:2px'>{' · '.join(notes)}</div>" if notes else "")
+            + f"{bar}{err}</div>")
+
+
+def _last_loss(view: RunView) -> float | None:
+    v = view.last.get("loss")
+    if isinstance(v, (int, float)) and math.isfinite(v):
+        return float(v)
+    _, y = view.curves.get("loss", (np.zeros(0), np.zeros(0)))
+    finite = y[np.isfinite(y)] if len(y) else y
+    return float(finite[-1]) if len(finite) else None
+
+
+def _differs(a: Any, b: Any) -> bool:
+    return not (isinstance(b, (int, float)) and abs(float(a) - float(b)) <= 1e-12 * max(abs(float(a)), 1e-30))
+
+
+KIND_COLORS = {"weights": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b", "activations": "#b279a2",
+               "other": "#9e9e9e"}
+
+
+def memory_tiers_html(view: RunView) -> str:
+    """Each memory tier as a labelled bar: used against the tier's capacity, split by what it
+    holds (weights, grads, optimizer states, activations, other); a tier without a known
+    capacity is drawn against its own peak and says so (no percentage)."""
+    from .figures import kind_group
+
+    tiers = tier_summary(view.memory)
+    if not tiers:
+        return (f"<div class='mtnb-dash-memory' style='font-family:sans-serif;font-size:12px;color:{FG2}'>"
+                "memory tiers: not reported yet</div>")
+    rows = []
+    for name in TIERS:
+        t = tiers.get(name)
+        if not t:
+            continue
+        kinds = {k: 0.0 for k in KIND_COLORS}
+        for k, b in t["kinds"].items():
+            kinds[kind_group(k)] += b
+        accounted = sum(kinds.values())
+        used = t["used"] if math.isfinite(t["used"]) else accounted
+        kinds["other"] += max(0.0, used - accounted)
+        cap = t["capacity"]
+        capped = cap is not None and math.isfinite(cap) and cap > 0
+        peak = t["peak"] if math.isfinite(t["peak"]) else 0.0
+        denom = cap if capped else max(used, peak, sum(kinds.values())) or 1.0
+        if capped:
+            text = f"{fmt_bytes(used)} of {fmt_bytes(cap)} · {fmt_num(100 * used / cap, '.1f')}%"
+        else:
+            text = f"{fmt_bytes(used)} · no limit set (bar: share of its peak {fmt_bytes(peak)})"
+        segs = "".join(
+            f"<div title='{k}: {fmt_bytes(b)}' class='mtnb-tier-seg' data-kind='{k}' style='width:"
+            f"{min(100.0, 100 * b / denom):.2f}%;min-width:{2 if b > 0 else 0}px;background:{KIND_COLORS[k]}'></div>"
+            for k, b in kinds.items() if b > 0)
+        cache = disk_cache_line((view.memory or {}).get(name))
+        track = (f"border:1px dashed {BORDER};background:transparent" if not capped else f"background:{TRACK}")
+        rows.append(
+            f"<div class='mtnb-tier' data-tier='{name}' style='margin:4px 0 8px'>"
+            f"<div style='display:flex;flex-wrap:wrap;gap:0 10px;align-items:baseline'>"
+            f"<b style='min-width:48px'>{name}</b><span class='mtnb-tier-text' style='color:{FG2}'>{text}</span></div>"
+            f"<div style='display:flex;height:10px;border-radius:3px;overflow:hidden;margin-top:2px;{track}'>{segs}</div>"
+            + (f"<div style='color:{FG2};font-size:11px'>{html.escape(cache)}</div>" if cache else "")
+            + "</div>")
+    legend = "".join(
+        f"<span style='white-space:nowrap'><span style='display:inline-block;width:10px;height:10px;border-radius:2px;"
+        f"background:{c};margin-right:4px;vertical-align:-1px'></span>{k}</span>" for k, c in KIND_COLORS.items())
+    return (f"<div class='mtnb-dash-memory' style='font-family:sans-serif;font-size:12px;color:{FG}'>"
+            f"<div style='font-weight:600;margin-bottom:2px'>Memory tiers</div>{''.join(rows)}"
+            f"<div style='display:flex;flex-wrap:wrap;gap:2px 12px;color:{FG2}'>{legend}</div></div>")
 
 
 def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
@@ -80,24 +169,38 @@ def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
     if y1 <= y0:
         y1 = y0 + 1.0
     pad = 6
+    n_rows = min(3, len(grouped_events(view.events)))
+    top = 4 + 12 * n_rows
+    height += 12 * max(0, n_rows - 1)
 
     def px(a):
         return pad + (a - x0) / ((x1 - x0) or 1.0) * (width - 2 * pad)
 
     def py(b):
-        return height - pad - (b - y0) / (y1 - y0) * (height - 2 * pad - 12)
+        return height - pad - 12 - (b - y0) / (y1 - y0) * (height - top - pad - 14)
 
     pts = " ".join(f"{px(a):.1f},{py(b):.1f}" for a, b in zip(x, y))
     parts = [f"<polyline fill='none' stroke='#4c78a8' stroke-width='1.5' points='{pts}'/>"]
     for a, b in zip(ex, ey):
         if math.isfinite(b):
             parts.append(f"<circle cx='{px(a):.1f}' cy='{py(b):.1f}' r='2.5' fill='#f58518'/>")
+    # marker labels in rows above the curve, none touching another, none past the edges
+    rows_end: list[float] = []
     for step, label, c in grouped_events(view.events):
         xe = px(float(step))
-        parts.append(f"<line x1='{xe:.1f}' x2='{xe:.1f}' y1='12' y2='{height - pad}' stroke='{c}' "
-                     f"stroke-dasharray='3,3'/><text x='{xe + 2:.1f}' y='10' font-size='9' fill='{c}'>"
-                     f"{html.escape(label)}</text>")
-    parts.append(f"<text x='{width - pad}' y='{height - 8}' font-size='9' text-anchor='end'>"
+        w = 6.0 * len(label)  # generous for 10 px sans-serif
+        x0 = xe + 2 if xe + 2 + w <= width else max(0.0, xe - 2 - w)
+        row = next((i for i, end in enumerate(rows_end) if x0 >= end + 6), None)
+        if row is None and len(rows_end) < 3:
+            rows_end.append(-1e9)
+            row = len(rows_end) - 1
+        parts.append(f"<line x1='{xe:.1f}' x2='{xe:.1f}' y1='{top}' y2='{height - pad}' stroke='{c}' "
+                     f"stroke-dasharray='3,3'><title>step {step}: {html.escape(label)}</title></line>")
+        if row is None:
+            continue  # no room: the line and its tooltip remain
+        rows_end[row] = x0 + w
+        parts.append(f"<text x='{x0:.1f}' y='{11 + 12 * row}' font-size='10' fill='{c}'>{html.escape(label)}</text>")
+    parts.append(f"<text x='{width - pad}' y='{height - 4}' font-size='10' fill='currentColor' text-anchor='end'>"
                  f"loss {y0:.3g}–{y1:.3g}, steps {x0:.0f}–{x1:.0f}</text>")
     return f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{''.join(parts)}</svg>"
 
@@ -109,8 +212,6 @@ def memory_table(view: RunView) -> str:
     rows = "".join(
         f"<tr><td>{t}</td><td>{fmt_bytes(tiers[t]['used'])}</td><td>{fmt_bytes(tiers[t]['peak'])}</td>"
         f"<td>{fmt_bytes(tiers[t]['capacity'])}</td></tr>" for t in TIERS if t in tiers)
-    from .run_log import disk_cache_line
-
     cache = disk_cache_line((view.memory or {}).get("host"))
     note = f"<div style='font-size:11px'>{html.escape(cache)}</div>" if cache else ""
     return ("<table style='font-size:12px'><tr><th>tier</th><th>used</th><th>peak</th><th>capacity</th></tr>"
@@ -147,9 +248,9 @@ def events_table(events: list[dict], limit: int = 12) -> str:
 
 def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
     """The whole static summary: header, loss curve, memory tiers, events."""
-    note = ("<div style='font-size:11px;color:#666'>Static snapshot of the run (saved with the notebook).</div>"
+    note = (f"<div style='font-size:11px;color:{FG2}'>Static snapshot of the run (saved with the notebook).</div>"
             if final else "")
-    return (f"<div class='megatrain-summary' style='border:1px solid #ddd;padding:8px;border-radius:4px'>"
+    return (f"<div class='megatrain-summary' style='border:1px solid {BORDER};padding:8px;border-radius:4px;color:{FG}'>"
             f"{header_html(session, view)}{note}"
             f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
             f"<div>{loss_svg(view)}</div><div>{memory_table(view)}{rank_memory_table(view)}"

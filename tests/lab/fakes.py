@@ -53,6 +53,7 @@ class FakeSession:
 
     def set_lr(self, lr: float, source: str = "notebook") -> None:
         self.lr = lr
+        self.requested_lr = lr  # as Session: what was asked for; applies from the next step
         self._event("lr", value=lr, source=source)
 
 

@@ -367,3 +367,42 @@ def test_command_json_limits():
     for bad, why in [(b"[" * 3000, "nests"), (b" " * (MAX_COMMAND_BYTES + 1), "at most"), (b"{", "not valid JSON")]:
         with pytest.raises(CommandError, match=why):
             parse_command_json(bad)
+
+def test_a_finished_run_stays_listed_with_its_final_loss_until_dismissed(runtime_root):
+    from megatrain_nb.lab.registry import StillRunning, dismiss_session
+
+    s = FakeSession("done-run", total_steps=5)
+    s.advance(5, loss=1.25)
+    b = SessionBeacon(s).start()
+    with pytest.raises(StillRunning):
+        dismiss_session(b.id)  # a live run is stopped first, not dismissed
+    s.state = "finished"
+    b.stop()
+    [info] = list_sessions()
+    assert info["state"] == "finished" and info["loss"] == s.history[-1]["loss"] and info["step"] == 5
+    assert isinstance(info["ended"], float)
+    assert not b.inbox.exists()
+    # its process gone and silent for minutes: still listed (over, not lost)
+    later = list_sessions(now=time.time() + 600)
+    assert [x["id"] for x in later] == [b.id]
+    with pytest.raises(UnknownSession):
+        enqueue_command(b.id, "pause")  # nothing reads its commands any more
+    dismiss_session(b.id)
+    assert list_sessions() == [] and not b.heartbeat_file.exists()
+
+
+def test_a_beacon_stopped_while_running_leaves_nothing(runtime_root):
+    s = FakeSession("interrupted", total_steps=5)
+    b = SessionBeacon(s).start()
+    b.stop()
+    assert list_sessions() == [] and not b.heartbeat_file.exists()
+
+
+def test_the_heartbeat_carries_a_requested_learning_rate(runtime_root):
+    s = FakeSession("lr-run", total_steps=5)
+    s.requested_lr = 5e-4
+    b = SessionBeacon(s).start()
+    try:
+        assert list_sessions()[0]["requested_lr"] == 5e-4
+    finally:
+        b.stop()

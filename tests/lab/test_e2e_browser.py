@@ -241,8 +241,8 @@ def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: st
 
         _run_all_cells(page)
 
-        # the notebook's own dashboard renders a plotly plot ...
-        plot = page.locator(".jp-Notebook .js-plotly-plot").first
+        # the notebook's own dashboard renders its loss chart (the fake notebook: a plotly figure) ...
+        plot = page.locator(".jp-Notebook :is(.js-plotly-plot, .mtnb-chart-loss)").first
         expect(plot).to_be_visible(timeout=START_TIMEOUT_MS)
         # ... and the sidebar lists the session, running, with this notebook
         card = panel.locator(".mtnb-session").first
@@ -279,11 +279,36 @@ def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: st
         page.screenshot(path=str(ARTIFACTS / f"{shot}.png"), full_page=True)
         print(f"{notebook}: pause visible in the sidebar after {pause_latency:.2f} s")
 
+        # Set LR from the sidebar: confirmed in the card, which shows the rate asked for
+        card.locator(".mtnb-lr-input").fill("0.0003")
+        card.locator(".mtnb-lr-set").click()
+        expect(card.locator(".mtnb-feedback")).to_have_text("Learning rate 3e-4 from the next step.",
+                                                            timeout=10_000)
+        expect(card.locator(".mtnb-lr")).to_contain_text("3e-4")
+        if notebook.endswith("quickstart.ipynb"):
+            # while paused, the dashboard, the sidebar and the status bar show one step
+            header = page.locator(".jp-Notebook .mtnb-dashboard .mtnb-dash-header").first
+            expect(header.locator(".mtnb-dash-lr-pending")).to_contain_text("0.0003", timeout=10_000)
+            step = header.get_attribute("data-step")
+            expect(card.locator(".mtnb-progress-text")).to_have_text(re.compile(rf"^{step}/"), timeout=5_000)
+            expect(status).to_contain_text(f"paused {step}/")
+            card.locator(".mtnb-resume").click()
+            expect(card.locator(".mtnb-state")).to_have_text("running", timeout=30_000)
+            _sidebar_keeps_up(page, card)
+
         if finish == "stop":
-            # Stop (two clicks) ends the run; its card leaves the sidebar
+            # Stop (two clicks) ends the run; its card stays, marked, with its final loss, until dismissed
             card.locator(".mtnb-stop").click()
             card.locator(".mtnb-stop").click()
-            expect(panel.locator(".mtnb-session")).to_have_count(0, timeout=30_000)
+            expect(card.locator(".mtnb-state")).to_have_text(re.compile(r"^(stopped|finished)$"), timeout=30_000)
+            expect(card).to_have_class(re.compile(r"\bmtnb-ended\b"), timeout=10_000)
+            expect(card.locator(".mtnb-loss")).to_have_text(re.compile(r"^final loss \d"))
+            page.wait_for_timeout(3_000)
+            expect(panel.locator(".mtnb-session")).to_have_count(1)
+            page.screenshot(path=str(ARTIFACTS / f"{shot}-ended.png"), full_page=True)
+            card.locator(".mtnb-dismiss").click()
+            expect(panel.locator(".mtnb-session")).to_have_count(0, timeout=10_000)
+            assert json.loads(lab.get("megatrain-nb/sessions"))["sessions"] == []
         else:
             # the kernel dies without any clean-up: the card goes within a few seconds
             [info] = json.loads(lab.get("megatrain-nb/sessions"))["sessions"]
@@ -299,6 +324,26 @@ def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: st
         raise
     finally:
         context.close()
+
+
+def _sidebar_keeps_up(page, card) -> None:
+    """The sidebar shows the step the dashboard shows within a second: read both at one
+    instant, a few times, and turn the gap in steps into seconds at the run's step rate."""
+    read = """() => {
+      const h = document.querySelector('.jp-Notebook .mtnb-dashboard .mtnb-dash-header');
+      const c = document.querySelector('#megatrain-nb-sessions .mtnb-progress-text');
+      return [performance.now(), Number(h.dataset.step), parseInt(c.textContent)];
+    }"""
+    samples = []
+    for _ in range(8):
+        samples.append(page.evaluate(read))
+        page.wait_for_timeout(400)
+    (t0, s0, _), (t1, s1, _) = samples[0], samples[-1]
+    rate = (s1 - s0) / ((t1 - t0) / 1000)
+    if rate <= 0:
+        return  # the run ended meanwhile
+    lags = sorted(abs(h - c) / rate for _, h, c in samples)
+    assert lags[len(lags) // 2] <= 1.0, (lags, rate, samples)
 
 
 def _run_all_cells(page) -> None:

@@ -178,3 +178,20 @@ def test_deeply_nested_or_huge_bodies_are_400_and_logged(fetch, running, body, m
     assert code == 400 and message in data["message"], (code, data)
     assert running.events == []
     assert any("refused a command" in r.getMessage() for r in caplog.records)
+
+def test_dismiss_removes_an_ended_run_and_refuses_a_running_one(fetch, runtime_root):
+    s = FakeSession("dismiss-run", total_steps=3)
+    s.advance(3, loss=0.5)
+    b = SessionBeacon(s).start()
+    code, data, _ = fetch("megatrain-nb", "sessions", b.id, method="DELETE")
+    assert code == 409 and "stop it" in data["message"]
+    s.state = "finished"
+    b.stop()
+    _, listed, _ = fetch("megatrain-nb", "sessions")
+    assert [(x["state"], x["loss"]) for x in listed["sessions"]] == [("finished", s.history[-1]["loss"])]
+    code, _, _ = fetch("megatrain-nb", "sessions", b.id, method="DELETE")
+    assert code == 204
+    _, listed, _ = fetch("megatrain-nb", "sessions")
+    assert listed["sessions"] == []
+    code, _, _ = fetch("megatrain-nb", "sessions", b.id, method="DELETE")
+    assert code == 404

@@ -54,4 +54,9 @@ describe('summarize', () => {
     const s = [session({ id: '1' }), session({ id: '2', state: 'paused' }), session({ id: '3' })];
     expect(summarize(s)).toEqual({ total: 3, running: 2, paused: 1 });
   });
+
+  it('leaves out runs that ended', () => {
+    const s = [session({ id: '1' }), session({ id: '2', state: 'finished', ended: 5 })];
+    expect(summarize(s)).toEqual({ total: 1, running: 1, paused: 0 });
+  });
 });

@@ -6,6 +6,7 @@ import { session } from './helpers';
 
 function setup() {
   const sent: Array<[string, ICommandRequest]> = [];
+  const dismissed: string[] = [];
   let fail: string | null = null;
   const opened: string[] = [];
   const view = new SessionListView({
@@ -16,11 +17,14 @@ function setup() {
       }
       return { id: `cmd-${sent.length}` };
     },
-    openNotebook: path => opened.push(path)
+    openNotebook: path => opened.push(path),
+    dismiss: async id => {
+      dismissed.push(id);
+    }
   });
   document.body.appendChild(view.node);
   const q = (sel: string) => view.node.querySelector(sel) as HTMLElement;
-  return { view, sent, opened, q, failWith: (m: string | null) => (fail = m) };
+  return { view, sent, opened, dismissed, q, failWith: (m: string | null) => (fail = m) };
 }
 
 const flush = () => new Promise(r => setTimeout(r, 0));
@@ -173,5 +177,49 @@ describe('SessionListView', () => {
     view.update({ sessions: [session()] });
     q('.mtnb-notebook').click();
     expect(opened).toEqual(['notebooks/01-quickstart.ipynb']);
+  });
+
+  it('confirms a learning rate the session took and shows it until the next step applies it', async () => {
+    const { view, q, sent } = setup();
+    view.update({ sessions: [session({ state: 'paused', lr: 2e-3 })] });
+    const input = q('.mtnb-lr-input') as HTMLInputElement;
+    input.value = '5e-4';
+    q('.mtnb-lr-set').click();
+    expect(sent).toEqual([['abc123', { command: 'lr', value: 5e-4 }]]);
+    await flush();
+    // the beacon applied it (paused: the run's lr changes at the next step)
+    view.update({
+      sessions: [
+        session({
+          state: 'paused',
+          lr: 2e-3,
+          requested_lr: 5e-4,
+          last_command: { id: 'cmd-1', command: 'lr', value: 5e-4, ok: true, time: 1 }
+        })
+      ]
+    });
+    expect(q('.mtnb-feedback').textContent).toBe('Learning rate 5e-4 from the next step.');
+    expect(q('.mtnb-feedback').classList.contains('mtnb-feedback-ok')).toBe(true);
+    expect(q('.mtnb-lr').textContent).toBe('lr 2e-3 \u2192 5e-4 next step');
+    view.update({ sessions: [session({ state: 'running', lr: 5e-4, requested_lr: 5e-4 })] });
+    expect(q('.mtnb-lr').textContent).toBe('lr 5e-4');
+  });
+
+  it('keeps a run that ended, with its final loss, until it is dismissed', async () => {
+    const { view, q, dismissed } = setup();
+    view.update({ sessions: [session({ state: 'finished', ended: 3000, step: 100, loss: 1.5 })] });
+    const card = q('.mtnb-session');
+    expect(card.classList.contains('mtnb-ended')).toBe(true);
+    expect(q('.mtnb-state').textContent).toBe('finished');
+    expect(q('.mtnb-loss').textContent).toBe('final loss 1.5');
+    expect(q('.mtnb-stop').hidden).toBe(true);
+    expect(q('.mtnb-lr-box').style.display).toBe('none');
+    expect(q('.mtnb-dismiss').hidden).toBe(false);
+    q('.mtnb-dismiss').click();
+    await flush();
+    expect(dismissed).toEqual(['abc123']);
+    // a running card has no Dismiss
+    view.update({ sessions: [session({ id: 'live' })] });
+    expect((view.node.querySelector('.mtnb-dismiss') as HTMLElement).hidden).toBe(true);
   });
 });

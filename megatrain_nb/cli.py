@@ -138,6 +138,11 @@ def disk_text(engine) -> str:
     text = f"{fs['path']} {filesystem_text(fs)}"
     if cache.get("capacity_bytes"):
         text += f"; host cache of the disk tier up to {fmt_bytes(cache['capacity_bytes'])} of RAM"
+        units = engine.state_units
+        tier = sum(engine.states.stored_nbytes(u) for u in units) + (
+            4 * sum(u.numel for u in units) if engine.params_on_disk else 0)
+        if cache["capacity_bytes"] >= tier:
+            text += f", room for the whole tier ({fmt_bytes(tier)}): the disk may hold nothing"
     elif cache:
         text += "; no host cache (every access goes to the disk)"
     return text

@@ -172,7 +172,7 @@ def test_the_example_run_yaml_is_complete_and_runs(tmp_path, monkeypatch, shared
     # issue 25: where the disk tier is and how much is free; what the cache held and what reached the disk
     disk = next(x for x in header.splitlines() if x.startswith("disk:   "))
     assert str(tmp_path / "megatrain_runs" / "example" / "offload") in disk
-    assert "mounted at" in disk and "free of" in disk
+    assert "mounted at" in disk and "free of" in disk and "room for the whole tier" in disk
     assert "host cache of the disk tier:" in out[out.index("== summary =="):]
 
 

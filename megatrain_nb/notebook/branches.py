@@ -111,6 +111,9 @@ class Explorer:
         self.weight_decay: Optional[float] = None
         self.restart_path: Optional[str] = None  # the loop restarts from here (rewind, switch back)
         self.switched_out: Optional[str] = None  # the state to load when this branch trains again
+        # rewound, not trained since: the engine holds that snapshot's state but the trainer's
+        # step, schedule and data position are still those of before (they load when it trains)
+        self.pending_start: Optional[str] = None
 
     @property
     def session(self):
@@ -149,6 +152,8 @@ class Explorer:
             raise RuntimeError(f"session {s.name!r} has not trained a step yet: nothing to snapshot")
         with self.group.lock:
             elsewhere = self.group.active is not None and self.group.active is not self
+        if self.pending_start is not None:   # its state is that snapshot's until it trains again
+            return self._named(self.store.info(self.pending_start))
         if elsewhere:   # the engine holds another branch's state; this one's was kept when it left
             if self.switched_out is None:
                 raise RuntimeError(f"session {s.name!r} does not hold the engine; resume it to snapshot it")
@@ -166,6 +171,7 @@ class Explorer:
 
     def on_record(self, record: dict) -> None:
         """After each step (training thread): automatic snapshots every ``snapshot_steps``."""
+        self.pending_start = None
         self._register(record.get("run_id"), record.get("parent_run_id"), record.get("forked_at_step"))
         step = int(record.get("step", 0) or 0)
         if self.snapshot_steps and step % self.snapshot_steps == 0:
@@ -229,7 +235,7 @@ class Explorer:
                                       rebuild_schedule=other and any(k in self.changes for k in SCHEDULE_FIELDS),
                                       restart_data=other and "train_dataset" in self.changes)
         self.note = f"rewound to step {info.step}"
-        self.restart_path, self.switched_out = info.path, None
+        self.restart_path, self.switched_out, self.pending_start = info.path, None, info.path
         s.run_log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
         return info
 
@@ -318,7 +324,8 @@ class Explorer:
                 from megatrain_nb.trainer.snapshot import BranchStart
 
                 self.restart_path, self.switched_out = self.switched_out, None
-                self.trainer.branch_start = BranchStart(new_run=False)
+                if self.trainer.branch_start is None:   # (a rewind's new run, not started yet, stays one)
+                    self.trainer.branch_start = BranchStart(new_run=False)
 
     def switch_out(self, by: str) -> None:
         """Another branch takes the engine: pause this one (if running), keep its state."""
@@ -330,12 +337,11 @@ class Explorer:
         if getattr(self.trainer, "run_id", None) is None:
             return   # never trained: its state is its start snapshot
         self.engine_weight_decay()
-        info = self.store.take(self.trainer)
-        self.switched_out = info.path
+        self.switched_out = self.pending_start or self.store.take(self.trainer).path
         msg = (f"megatrain_nb: branch {by!r} trains now; {s.name!r} is {s.state} at step {s.step} "
                f"(one device trains one branch at a time; {s.name}.resume() switches back)")
         print(msg)
-        s.run_log.add_event("switched_out", s.step, by=by, path=info.path)
+        s.run_log.add_event("switched_out", s.step, by=by, path=self.switched_out)
 
     # ---- the tree ------------------------------------------------------------------------------
     def tree(self) -> list[dict]:

@@ -243,3 +243,16 @@ def test_every_allowed_change_applies_and_the_parent_is_unaffected(make):
     s.train(block=True)
     assert s.trainer.engine.adam.weight_decay == 0.0
     _same(_weights(s), final)
+
+
+def test_after_a_rewind_a_snapshot_or_fork_is_of_the_rewound_state(make):
+    s = make(max_steps=400, snapshot_steps=2, name="main")
+    s.train()
+    assert s.wait(until_step=5, timeout=120) == "running"
+    s.pause()
+    assert wait_until(lambda: s.state == "paused", timeout=60)
+    target = s.rewind(2)
+    assert s.snapshot().path == target.path      # not the trainer's old step with step 2's weights
+    b = s.fork(name="from-2")
+    assert b.explorer.origin == (target.run_id, 2)
+    s.stop()

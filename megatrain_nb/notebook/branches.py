@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart, SnapshotInfo, SnapshotStore
+# (the trainer's modules import torch: loaded when first used, so importing a Session stays light)
 
 #: what a fork may change mid-run (TrainingArguments fields, the data, the loss)
 ALLOWED = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "max_steps",
@@ -111,6 +111,9 @@ class Explorer:
         self.weight_decay: Optional[float] = None
         self.restart_path: Optional[str] = None  # the loop restarts from here (rewind, switch back)
         self.switched_out: Optional[str] = None  # the state to load when this branch trains again
+        # rewound, not trained since: the engine holds that snapshot's state but the trainer's
+        # step, schedule and data position are still those of before (they load when it trains)
+        self.pending_start: Optional[str] = None
 
     @property
     def session(self):
@@ -121,7 +124,13 @@ class Explorer:
         return self.session.trainer
 
     @property
-    def store(self) -> SnapshotStore:
+    def store(self):
+        from megatrain_nb.trainer.snapshot import SnapshotStore
+
+        if not callable(getattr(self.trainer, "save_snapshot", None)):
+            raise NotImplementedError(f"session {self.session.name!r} drives a trainer without snapshots "
+                                      f"({type(self.trainer).__name__}); snapshots, rewind and fork need mt.Trainer "
+                                      "in this process (not yet nproc_per_node sessions)")
         return SnapshotStore(self.trainer.args.output_dir)
 
     def apply(self, kind: str, value: Any = None, source: str = "notebook"):
@@ -136,13 +145,15 @@ class Explorer:
         return self.fork(info, name, changes)
 
     # ---- snapshots ---------------------------------------------------------------------------
-    def take(self, source: str = "notebook") -> SnapshotInfo:
+    def take(self, source: str = "notebook") :
         """A snapshot now (the caller is at a step boundary); an event either way."""
         s = self.session
         if getattr(self.trainer, "run_id", None) is None:
             raise RuntimeError(f"session {s.name!r} has not trained a step yet: nothing to snapshot")
         with self.group.lock:
             elsewhere = self.group.active is not None and self.group.active is not self
+        if self.pending_start is not None:   # its state is that snapshot's until it trains again
+            return self._named(self.store.info(self.pending_start))
         if elsewhere:   # the engine holds another branch's state; this one's was kept when it left
             if self.switched_out is None:
                 raise RuntimeError(f"session {s.name!r} does not hold the engine; resume it to snapshot it")
@@ -160,6 +171,7 @@ class Explorer:
 
     def on_record(self, record: dict) -> None:
         """After each step (training thread): automatic snapshots every ``snapshot_steps``."""
+        self.pending_start = None
         self._register(record.get("run_id"), record.get("parent_run_id"), record.get("forked_at_step"))
         step = int(record.get("step", 0) or 0)
         if self.snapshot_steps and step % self.snapshot_steps == 0:
@@ -179,18 +191,18 @@ class Explorer:
         keep |= {m.switched_out for m in self.group.members if m.switched_out}
         return keep
 
-    def snapshots(self) -> list[SnapshotInfo]:
+    def snapshots(self) -> list:
         """The snapshots (and checkpoints) this run can rewind to: its own, and its ancestors'
         up to the step it was forked at."""
         reach = self._lineage()
         return [self._named(i) for i in self.store.list()
                 if i.run_id in reach and i.step <= reach[i.run_id]]
 
-    def all_snapshots(self) -> list[SnapshotInfo]:
+    def all_snapshots(self) -> list:
         ids = set(self.group.nodes) | {m.trainer.run_id for m in self.group.members}
         return [self._named(i) for i in self.store.list() if i.run_id in ids]
 
-    def find(self, step: int) -> SnapshotInfo:
+    def find(self, step: int) :
         found = [i for i in self.snapshots() if i.step == int(step)]
         if not found:
             have = sorted({i.step for i in self.snapshots()})
@@ -200,7 +212,7 @@ class Explorer:
         return max(found, key=lambda i: i.time)
 
     # ---- rewind ------------------------------------------------------------------------------
-    def rewind(self, step: int, source: str = "notebook") -> SnapshotInfo:
+    def rewind(self, step: int, source: str = "notebook") :
         """Go back to the snapshot at ``step`` (the caller is at a step boundary or the run has
         finished). The loop restarts from it as a new run whose parent is the current one."""
         s, tr = self.session, self.trainer
@@ -214,6 +226,8 @@ class Explorer:
                 n.abandoned.extend(r for r in gone if r.get("run_id") == old_run)
                 if gone:
                     n.name = f"{s.name} (abandoned after step {info.step})"
+        from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart
+
         tr.engine.load_checkpoint(info.path)   # at once: generate()/save_model() see that step's weights
         # back into an ancestor's run (before this fork's point): this fork's changes apply again
         other = info.run_id != old_run
@@ -221,7 +235,7 @@ class Explorer:
                                       rebuild_schedule=other and any(k in self.changes for k in SCHEDULE_FIELDS),
                                       restart_data=other and "train_dataset" in self.changes)
         self.note = f"rewound to step {info.step}"
-        self.restart_path, self.switched_out = info.path, None
+        self.restart_path, self.switched_out, self.pending_start = info.path, None, info.path
         s.run_log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
         return info
 
@@ -230,8 +244,10 @@ class Explorer:
         return path
 
     # ---- fork ----------------------------------------------------------------------------------
-    def fork(self, info: SnapshotInfo, name: Optional[str], changes: dict):
+    def fork(self, info, name: Optional[str], changes: dict):
         """A new Session from snapshot ``info``, sharing this engine, with ``changes``."""
+        from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart
+
         from .session import Session
 
         check_changes(changes)
@@ -305,8 +321,11 @@ class Explorer:
             with g.lock:
                 g.active = self
             if self.switched_out is not None:   # it trained before: back to where it was
+                from megatrain_nb.trainer.snapshot import BranchStart
+
                 self.restart_path, self.switched_out = self.switched_out, None
-                self.trainer.branch_start = BranchStart(new_run=False)
+                if self.trainer.branch_start is None:   # (a rewind's new run, not started yet, stays one)
+                    self.trainer.branch_start = BranchStart(new_run=False)
 
     def switch_out(self, by: str) -> None:
         """Another branch takes the engine: pause this one (if running), keep its state."""
@@ -318,12 +337,11 @@ class Explorer:
         if getattr(self.trainer, "run_id", None) is None:
             return   # never trained: its state is its start snapshot
         self.engine_weight_decay()
-        info = self.store.take(self.trainer)
-        self.switched_out = info.path
+        self.switched_out = self.pending_start or self.store.take(self.trainer).path
         msg = (f"megatrain_nb: branch {by!r} trains now; {s.name!r} is {s.state} at step {s.step} "
                f"(one device trains one branch at a time; {s.name}.resume() switches back)")
         print(msg)
-        s.run_log.add_event("switched_out", s.step, by=by, path=info.path)
+        s.run_log.add_event("switched_out", s.step, by=by, path=self.switched_out)
 
     # ---- the tree ------------------------------------------------------------------------------
     def tree(self) -> list[dict]:
@@ -366,7 +384,7 @@ class Explorer:
                 rid = n.parent_run_id
         return reach
 
-    def _named(self, info: SnapshotInfo) -> SnapshotInfo:
+    def _named(self, info) :
         n = self.group.nodes.get(info.run_id)
         info.branch = n.name if n is not None else None
         return info

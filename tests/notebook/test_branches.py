@@ -218,3 +218,41 @@ def test_a_branch_that_does_not_hold_the_engine_snapshots_its_kept_state(make):
     assert kept.step == 6 and kept.run_id == s.trainer.run_id
     c = s.fork(name="c")                 # from main's step 6, not from the weights b left
     assert c.explorer.origin == (s.trainer.run_id, 6)
+
+
+def test_every_allowed_change_applies_and_the_parent_is_unaffected(make):
+    s = make(snapshot_steps=3, name="main")
+    s.train(block=True)
+    final = _weights(s)
+    seen = []
+
+    def loss_sum(logits, labels):
+        seen.append(labels.numel())
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 ignore_index=-100, reduction="sum")
+
+    b = s.fork(step=3, name="all", learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
+               weight_decay=0.5, max_grad_norm=2.0, max_steps=5, gradient_accumulation_steps=1, data_seed=5,
+               train_dataset=_dataset(n=20, seed=9), loss_fn=loss_sum)
+    b.train(block=True)
+    assert [r["step"] for r in b.history] == [4, 5] and seen
+    assert all(r["lr"] == 1e-3 for r in b.history)
+    assert b.trainer.engine.adam.weight_decay == 0.5
+    # the parent goes back to its own settings (weight decay included) and lands where it did
+    s.rewind(3)
+    s.train(block=True)
+    assert s.trainer.engine.adam.weight_decay == 0.0
+    _same(_weights(s), final)
+
+
+def test_after_a_rewind_a_snapshot_or_fork_is_of_the_rewound_state(make):
+    s = make(max_steps=400, snapshot_steps=2, name="main")
+    s.train()
+    assert s.wait(until_step=5, timeout=120) == "running"
+    s.pause()
+    assert wait_until(lambda: s.state == "paused", timeout=60)
+    target = s.rewind(2)
+    assert s.snapshot().path == target.path      # not the trainer's old step with step 2's weights
+    b = s.fork(name="from-2")
+    assert b.explorer.origin == (target.run_id, 2)
+    s.stop()

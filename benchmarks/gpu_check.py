@@ -141,7 +141,7 @@ def accumulation(a, A: int = 8):
     return out
 
 
-SANITIZER_TIMEOUT_S = 240
+SANITIZER_TIMEOUT_S = 150   # (the whole script stays under 8 minutes)
 SANITIZER_STEPS = 7   # what sanitizer_child runs: 3 single batches, 3 windows, 1 evaluation
 
 

@@ -105,6 +105,11 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _prefix(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The first ``like.numel()`` elements of the contiguous ``buf``, in ``like``'s shape."""
+    return buf.view(-1)[:like.numel()].view(like.shape)
+
+
 class CudaTransport:
     """Streams, events and pinned buffers. ``copy_in`` is issued from the pager's copy thread
     or the compute thread, ``copy_out`` from the gradient thread or the compute thread; each
@@ -146,7 +151,7 @@ class CudaTransport:
             if fill is not None:
                 fill(dst)
             else:
-                dst.view(-1)[:src.numel()].copy_(src.view(-1), non_blocking=True)
+                _prefix(dst, src).copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.h2d)
         return EventHandle(ev, self.device, dst)
@@ -154,8 +159,9 @@ class CudaTransport:
     def release(self, dst: torch.Tensor) -> Handle:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
-        with self._lock:
-            self._free[_key(dst)] = ev
+        if dst.is_cuda:   # (a host buffer's next copy out is ordered by the caller, with this handle)
+            with self._lock:
+                self._free[_key(dst)] = ev
         return EventHandle(ev, self.device)
 
     def copy_out(self, unit: Optional[Unit], src: torch.Tensor, dst: torch.Tensor, *, after: Handle,
@@ -169,11 +175,11 @@ class CudaTransport:
                 src = reduce(src)
             else:
                 src.record_stream(self.d2h)
-            out = dst.view(-1)[:src.numel()]
-            out.copy_(src.view(-1), non_blocking=True)
+            out = _prefix(dst, src)
+            out.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.d2h)
-        return EventHandle(ev, self.device, out.view(src.shape) if src.dim() > 1 else out)
+        return EventHandle(ev, self.device, out)
 
     def close(self) -> None:
         with self._lock:
@@ -229,7 +235,7 @@ class CpuTransport:
                 if fill is not None:
                     fill(dst)
                 else:
-                    dst.view(-1)[:src.numel()].copy_(src.view(-1))
+                    _prefix(dst, src).copy_(src)
             finally:
                 if tracked:
                     with self._lock:
@@ -268,9 +274,9 @@ class CpuTransport:
             s = reduce(src) if reduce is not None else src
             if dst is None:
                 return s
-            out = dst.view(-1)[:s.numel()]
-            out.copy_(s.view(-1))
-            return out.view(s.shape) if s.dim() > 1 else out
+            out = _prefix(dst, s)
+            out.copy_(s)
+            return out
 
         if not self.adversarial:
             return Handle(run())

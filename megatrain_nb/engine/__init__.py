@@ -2,7 +2,7 @@
 
     from megatrain_nb.engine import StreamingEngine, EngineConfig
 """
-from .config import EngineConfig
+from .config import EngineConfig, EngineOverrides
 from .engine import EngineOutput, StreamingEngine
 
-__all__ = ["EngineConfig", "EngineOutput", "StreamingEngine"]
+__all__ = ["EngineConfig", "EngineOutput", "EngineOverrides", "StreamingEngine"]

@@ -254,7 +254,11 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
     # exists; master weights to disk when the host budget cannot hold them (or when forced).
     states = int(total * codec_bytes_per_param(compression))
     weights, grads = total * 4, (total * 4 if host_gradients else 0)
-    staging = 4 * max_unit * 4  # (the auto placement's rough figure of the host's other needs)
+
+    def in_flight(weights_on_disk: bool) -> int:
+        return host_in_flight(held, compression, weights_on_disk=weights_on_disk, states_on_disk=offload_dir,
+                              cuda=cuda, clipped=workload.clipped and workload.gradients != "accumulator",
+                              depth=cfg.overrides.inflight_depth, chunk_numel=cfg.overrides.update_chunk_numel)
     placement = {"gradients": "host", "master_weights": "host",
                  "optimizer_states": "disk" if offload_dir else "host"}
     host_states = 0 if offload_dir else states
@@ -262,24 +266,20 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
     # not). "auto": there only when the host budget cannot hold them beside the master
     # weights; they move before the master weights do (one write and one read per step,
     # where weights on disk are also read by every forward).
-    host_rest = ((staging if offload_params else weights)
-                 + (staging // 2 if offload_dir else states))   # the host's other needs, as counted below
+    host_rest = ((0 if offload_params else weights) + (0 if offload_dir else states)
+                 + in_flight(bool(offload_params)))   # the host's other needs, as counted below
     grads_on_disk = bool(offload_dir and grads) and (clip_hold == "disk" or (
         clip_hold == "auto" and host_bytes is not None and host_rest + grads > host_bytes))
     if grads_on_disk:
         placement["gradients"] = "disk"
         grads = 0
     if offload_params or (offload_params is None and offload_dir and host_bytes is not None
-                          and weights + grads + host_states > host_bytes):
+                          and weights + grads + host_states + in_flight(False) > host_bytes):
         placement["master_weights"] = "disk" if offload_dir else "host"
     host = {"weights": weights if placement["master_weights"] == "host" else 0,
             "grads": grads,
             "optimizer_states": states if placement["optimizer_states"] == "host" else 0,
-            "buffers": host_in_flight(held, compression, weights_on_disk=placement["master_weights"] == "disk",
-                                      states_on_disk=placement["optimizer_states"] == "disk", cuda=cuda,
-                                      clipped=workload.clipped and workload.gradients != "accumulator",
-                                      depth=cfg.overrides.inflight_depth,
-                                      chunk_numel=cfg.overrides.update_chunk_numel)}
+            "buffers": in_flight(placement["master_weights"] == "disk")}
     window = None
     sums = window_sum_bytes(units)   # a window sums each unit's gradient on the device (fp32)
     if accumulation > 1:

@@ -15,18 +15,18 @@ import shlex
 import time
 from typing import Any, Optional
 
+from megatrain_nb.commands import usage_lines
+
 from . import registry
 from .lifecycle import ENDED
 
-USAGE = """Usage: %megatrain <command> [-s SESSION]
-  status              the run at a glance
-  pause | resume      pause after the current step / carry on
-  stop                end the run after the current step and release its memory
-  lr <value>          learning rate from the next step (e.g. %megatrain lr 5e-4)
-  dashboard           show the live dashboard
+USAGE = "\n".join(["Usage: %megatrain <command> [-s SESSION]",
+                   "  status              the run at a glance",
+                   *usage_lines(["pause", "resume", "stop", "lr"]),   # the run commands' table
+                   """  dashboard           show the live dashboard
   report <path>       write a report (.html or .ipynb)
   estimate <model dir | config.json | preset> [--vram GB] [--ram GB] [--disk GB] [--nodes M] [--gpus-per-node N]
-  sessions            list the sessions of this kernel"""
+  sessions            list the sessions of this kernel"""])
 
 _NO_SESSION = ("No megatrain session here yet. Create one and start it:\n"
                "    import megatrain_nb as mt\n"

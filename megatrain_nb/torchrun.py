@@ -69,13 +69,17 @@ def loopback_store(port: int = 0, *, world_size: Optional[int] = None, timeout_s
 
 
 def loopback_env(env: Optional[dict] = None) -> dict:
-    """The environment variables that put the workers' collective sockets on loopback."""
+    """The environment variables that put the workers' collective sockets on the loopback
+    interface (``lo``; ``lo0`` on macOS), unless they are set already."""
     env = os.environ if env is None else env
-    out = {}
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if not env.get(name):
-            out[name] = LOOPBACK_IFNAME
-    return out
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        names = set()
+    ifname = next((n for n in (LOOPBACK_IFNAME, "lo0") if n in names), None)
+    if ifname is None:
+        return {}
+    return {name: ifname for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not env.get(name)}
 
 
 def _single_node(nnodes: Optional[str]) -> bool:

@@ -36,6 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from megatrain_nb.commands import check_command
 from megatrain_nb.threads import BEACON, thread_name
 from megatrain_nb.lab.protocol import (
     SCHEMA_VERSION,
@@ -322,13 +323,8 @@ class ControlBeacon(SessionBeacon):
 
 def validate_run_command(command: Any, value: Any = None) -> tuple[str, Any]:
     """:func:`validate_command` plus ``checkpoint`` (value: a path string or None) and ``stop``
-    with a checkpoint value (True or a path)."""
-    if command == "checkpoint" or (command == "stop" and value is not None):
-        if value is None or value is True or (command == "stop" and value is False) or (
-                isinstance(value, str) and 0 < len(value) < 4096 and "\0" not in value):
-            return command, value
-        raise CommandError(f"command {command!r} takes a path string (or nothing), got {value!r}")
-    return validate_command(command, value)
+    with a checkpoint value (True or a path): every command of :mod:`megatrain_nb.commands`."""
+    return check_command(command, value)
 
 
 # ---- helpers ---------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_nb.atomic import atomic_file
+from megatrain_nb.commands import COMMANDS as _TABLE
+from megatrain_nb.commands import SIDEBAR, CommandError, check_command  # noqa: F401 - CommandError re-exported
 
 ENV_RUNTIME_DIR = "MEGATRAIN_NB_RUNTIME_DIR"
 SCHEMA_VERSION = 1
@@ -33,14 +35,10 @@ SCHEMA_VERSION = 1
 #: Session ids become file names, so they are restricted to a safe alphabet.
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
-#: command -> whether it takes a value
-COMMANDS: dict[str, bool] = {"pause": False, "resume": False, "stop": False, "lr": True}
+#: command -> whether it takes a value, for what the sidebar sends (the table: megatrain_nb/commands.py)
+COMMANDS: dict[str, bool] = {n: _TABLE[n].value not in ("none", "stop") for n in SIDEBAR}
 
 _counter = itertools.count()
-
-
-class CommandError(ValueError):
-    """A command that is not one of COMMANDS, or a bad value for it."""
 
 
 def runtime_root() -> Path:
@@ -252,22 +250,11 @@ def clean_json(x: Any, depth: int = 0) -> Any:
 
 
 def validate_command(command: Any, value: Any = None) -> tuple[str, float | None]:
-    """Check a command the way both the server and the beacon do.
+    """Check a command the sidebar sent, the way both the server and the beacon do (the
+    table and its checks: :mod:`megatrain_nb.commands`).
 
     >>> validate_command("lr", "3e-4")
     ('lr', 0.0003)
     """
-    if not isinstance(command, str) or command not in COMMANDS:
-        raise CommandError(
-            f"unknown command {command!r}: expected one of {', '.join(sorted(COMMANDS))}"
-        )
-    if not COMMANDS[command]:
-        if value is not None:
-            raise CommandError(f"command {command!r} takes no value (got {value!r})")
-        return command, None
-    from megatrain_nb.learning_rate import check_learning_rate
+    return check_command(command, value, sidebar=True)
 
-    try:
-        return command, check_learning_rate(value)
-    except ValueError as e:
-        raise CommandError(f"command 'lr': {e}") from None

@@ -16,15 +16,15 @@ import shlex
 import time
 from typing import Any, Optional
 
+from megatrain_nb.commands import usage_lines
+
 from . import registry
 from .lifecycle import ENDED
 
-USAGE = """Usage: %megatrain <command> [-s SESSION]
-  status              the run at a glance
-  pause | resume      pause after the current step / carry on
-  stop                end the run after the current step and release its memory
-  lr <value>          learning rate from the next step (e.g. %megatrain lr 5e-4)
-  dashboard           show the live dashboard
+USAGE = "\n".join(["Usage: %megatrain <command> [-s SESSION]",
+                   "  status              the run at a glance",
+                   *usage_lines(["pause", "resume", "stop", "lr"]),   # the run commands' table
+                   """  dashboard           show the live dashboard
   report <path>       write a report (.html or .ipynb)
   trained-on [index]  one training example, the tokens that count toward the loss highlighted
   estimate <model dir | config.json | preset> [--vram GB] [--ram GB] [--disk GB] [--nodes M] [--gpus-per-node N]
@@ -32,7 +32,7 @@ USAGE = """Usage: %megatrain <command> [-s SESSION]
   snapshot            take a snapshot at the next step boundary
   rewind <step>       go back to the snapshot at that step (train()/resume continues)
   fork key=value ...  a branch from now (step=N: from that snapshot; name=...), e.g. learning_rate=1e-4
-  branches            the run tree: branches, fork points, what changed, snapshots"""
+  branches            the run tree: branches, fork points, what changed, snapshots"""])
 
 _NO_SESSION = ("No megatrain session here yet. Create one and start it:\n"
                "    import megatrain_nb as mt\n"

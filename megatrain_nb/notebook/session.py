@@ -50,10 +50,16 @@ class TrainerLike(Protocol):
 
 @dataclass
 class _Command:
-    kind: str  # pause | resume | lr | checkpoint | stop
+    kind: str  # a name in megatrain_nb.commands.COMMANDS: pause | resume | lr | checkpoint | stop
     value: Any = None
     source: str = "notebook"
     future: Optional[Future] = None
+
+    def __post_init__(self):
+        from megatrain_nb.commands import COMMANDS
+
+        if self.kind not in COMMANDS:
+            raise ValueError(f"unknown command {self.kind!r}: expected one of {', '.join(COMMANDS)}")
 
 
 class Session:

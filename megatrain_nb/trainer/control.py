@@ -34,6 +34,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.commands import COMMANDS
+
 ENV_ENABLE = "MEGATRAIN_NB_CONTROL"
 ENV_NAME = "MEGATRAIN_NB_RUN_NAME"
 ENV_ID = "MEGATRAIN_NB_SESSION_ID"
@@ -42,7 +44,7 @@ ENV_LAUNCHER = "MEGATRAIN_NB_LAUNCHER"
 #: how often paused ranks meet (seconds): a pause or a stop while paused lands within this
 PAUSE_POLL_S = 0.25
 #: the commands a run takes; the lab protocol's four plus a checkpoint
-KINDS = ("pause", "resume", "lr", "checkpoint", "stop")
+KINDS = tuple(COMMANDS)   # the one table: megatrain_nb/commands.py
 
 
 def wanted(dist) -> bool:

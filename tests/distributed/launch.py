@@ -18,7 +18,7 @@ def free_port() -> int:
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180, env: dict | None = None,
              dist_timeout_s: float = 60, max_restarts: int = 0) -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run --nproc-per-node N`` on loopback. The collectives'
+    """``python -m megatrain_nb.torchrun --nproc-per-node N`` (torchrun, on loopback). The collectives'
     own timeout (MEGATRAIN_DIST_TIMEOUT_S) is well under ``timeout``, so a stuck rank fails
     the run with an error before the subprocess bound kills it."""
     e = dict(os.environ)
@@ -33,7 +33,8 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180, env
              ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1"])
     if max_restarts:
         e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *where,
+    # megatrain_nb.torchrun, as the README's single-node recipes: every socket on loopback
+    cmd = [sys.executable, "-m", "megatrain_nb.torchrun", f"--nproc-per-node={nproc}", *where,
            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", str(script), *args]
     try:
         return subprocess.run(cmd, cwd=str(REPO), env=e, capture_output=True, text=True, timeout=timeout)

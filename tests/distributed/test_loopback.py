@@ -113,3 +113,24 @@ def test_the_notebook_launcher_listens_on_loopback_only(tmp_path, monkeypatch):
     finally:
         s.stop(wait=True)
         s.close()
+
+
+def test_the_wrapper_rewrites_single_node_arguments_and_passes_multi_node_through():
+    from megatrain_nb.torchrun import loopback_argv
+
+    args, store, env = loopback_argv(["--nproc-per-node", "2", "train.py", "--lr", "1"])
+    assert args == ["--nproc-per-node", "2", "--master-addr=127.0.0.1", f"--master-port={store.port}",
+                    "train.py", "--lr", "1"]
+    assert env.get("GLOO_SOCKET_IFNAME") in ("lo", "lo0", None)
+    probe = [c for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN
+             and c.laddr.port == store.port]
+    assert [c.laddr.ip for c in probe] == ["127.0.0.1"], probe   # the store listens here, on loopback only
+    del store
+    args, store, env = loopback_argv(["--nproc-per-node=2", "--standalone", "-m", "pkg.mod", "RUN"])
+    assert "--standalone" not in args and f"--rdzv-endpoint=127.0.0.1:{store.port}" in args
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and args[-2:] == ["pkg.mod", "RUN"]
+    del store
+    multi = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "t.py"]
+    assert loopback_argv(multi) == (multi, None, {})
+    with pytest.raises(SystemExit, match="not a loopback address"):
+        loopback_argv(["--master-addr", "10.0.0.1", "t.py"])

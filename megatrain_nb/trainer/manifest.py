@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-from megatrain_nb.threads import MANIFEST
+from megatrain_nb.threads import MANIFEST as MANIFEST_THREADS
 
 MANIFEST = "manifest.json"
 ALGORITHM = "xxh3_128"
@@ -99,7 +99,7 @@ def file_checksums(folder, names, *, algorithm: str = ALGORITHM, chunk: int = CH
     jobs = [(n, off, length) for n in names for off, length in _pieces(sizes[n], chunk)]
     # the biggest pieces first, so the pool does not end on one long piece
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i][2])
-    with ThreadPoolExecutor(_threads(), thread_name_prefix=MANIFEST.name) as pool:
+    with ThreadPoolExecutor(_threads(), thread_name_prefix=MANIFEST_THREADS.name) as pool:
         done = dict(zip(order, pool.map(lambda i: digest_range(folder / jobs[i][0], jobs[i][1], jobs[i][2],
                                                                algorithm), order)))
     out = {n: {"size": sizes[n], "chunks": []} for n in names}
@@ -197,5 +197,5 @@ def verify_manifest(folder, previous: Optional[Path] = None) -> bool:
 
 def _whole_files(folder: Path, names, algorithm: str) -> list[tuple[int, str]]:
     """Format 1: one digest per whole file (files in parallel)."""
-    with ThreadPoolExecutor(_threads(), thread_name_prefix=MANIFEST.name) as pool:
+    with ThreadPoolExecutor(_threads(), thread_name_prefix=MANIFEST_THREADS.name) as pool:
         return list(pool.map(lambda n: digest_range(folder / n, 0, None, algorithm), names))

@@ -84,6 +84,10 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+def _excluded(name: str, folders) -> bool:
+    return any(name.startswith(x + "/") for x in folders)
+
+
 def _threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
@@ -116,9 +120,12 @@ def write_manifest(folder, *, algorithm: str = ALGORITHM, chunk: int = CHUNK_BYT
     ``exclude``: sub-folders left out (a snapshot's hard links to disk-tier files, which carry
     checksums of their own)."""
     folder = Path(folder)
-    names = [n for n in _files(folder) if not any(n.startswith(x.rstrip("/") + "/") for x in exclude)]
+    exclude = sorted(x.rstrip("/") for x in exclude)
+    names = [n for n in _files(folder) if not _excluded(n, exclude)]
     manifest = {"format": 2, "algorithm": algorithm, "chunk_bytes": chunk,
                 "files": file_checksums(folder, names, algorithm=algorithm, chunk=chunk)}
+    if exclude:   # recorded, so verify_manifest knows those files are left out on purpose
+        manifest["excluded"] = exclude
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(tmp, folder / MANIFEST)
@@ -146,6 +153,7 @@ def verify_manifest(folder, previous: Optional[Path] = None) -> bool:
     try:
         manifest = json.loads(path.read_text())
         files, algorithm, fmt = manifest["files"], manifest.get("algorithm"), manifest.get("format", 1)
+        excluded = [str(x) for x in manifest.get("excluded", [])]
         if algorithm not in ALGORITHMS:
             raise KeyError(f"algorithm {algorithm!r}")
         if fmt == 1:   # one digest of each whole file
@@ -162,7 +170,8 @@ def verify_manifest(folder, previous: Optional[Path] = None) -> bool:
         raise IntegrityError(f"checkpoint {str(folder)!r}: its {MANIFEST} is damaged ({e!s}). {hint}") from None
 
     problems: dict[str, str] = {}
-    for name in sorted(set(_files(folder)) - set(want)):
+    # (files under a folder the manifest names as excluded carry checksums of their own)
+    for name in sorted(n for n in set(_files(folder)) - set(want) if not _excluded(n, excluded)):
         problems[name] = (f"{str(folder / name)!r} is not listed in its {MANIFEST} (added after the checkpoint was "
                           "written, or its entry was removed)")
     present = []

@@ -173,6 +173,27 @@ def test_a_manifest_naming_an_unknown_algorithm_or_format_is_refused(tmp_path, e
         mf.verify_manifest(d)
 
 
+def test_a_folder_excluded_from_the_manifest_is_recorded_and_only_it_is_let_through(tmp_path):
+    """A snapshot leaves its hard links to the disk tier's files (which carry their own
+    checksums) out of its manifest: those pass verification, an unlisted file elsewhere does not."""
+    from megatrain_nb.trainer import manifest as mf
+
+    d = _folder(tmp_path)
+    (d / "disk").mkdir()
+    (d / "disk" / "u0.mtd").write_bytes(b"linked")
+    m = mf.write_manifest(d, exclude=("disk",))
+    assert m["excluded"] == ["disk"] and "disk/u0.mtd" not in m["files"]
+    assert mf.verify_manifest(d)
+    (d / "diskette.bin").write_bytes(b"x")   # a name that only starts like the folder
+    with pytest.raises(IntegrityError, match="diskette.bin.*not listed"):
+        mf.verify_manifest(d)
+    (d / "diskette.bin").unlink()
+    mf.write_manifest(d)   # nothing excluded: the linked file must be listed
+    (d / "disk" / "u1.mtd").write_bytes(b"added")
+    with pytest.raises(IntegrityError, match="u1.mtd.*not listed"):
+        mf.verify_manifest(d)
+
+
 def _flip_weights(c):
     w = next(p for p in c.iterdir() if p.name.startswith("model") and p.suffix == ".safetensors")
     data = bytearray(w.read_bytes())

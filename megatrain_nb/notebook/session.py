@@ -48,9 +48,15 @@ class TrainerLike(Protocol):
     def request_stop(self) -> None: ...
 
 
+#: Commands only the notebook's own Session applies at a step boundary (exploration: issue 21);
+#: they never come through the inbox, the server or the ranks' run control.
+SESSION_COMMANDS = ("snapshot", "rewind", "fork")
+
+
 @dataclass
 class _Command:
-    kind: str  # a name in megatrain_nb.commands.COMMANDS: pause | resume | lr | checkpoint | stop
+    kind: str  # a name in megatrain_nb.commands.COMMANDS (pause | resume | lr | checkpoint | stop)
+    #            or in SESSION_COMMANDS
     value: Any = None
     source: str = "notebook"
     future: Optional[Future] = None
@@ -58,8 +64,9 @@ class _Command:
     def __post_init__(self):
         from megatrain_nb.commands import COMMANDS
 
-        if self.kind not in COMMANDS:
-            raise ValueError(f"unknown command {self.kind!r}: expected one of {', '.join(COMMANDS)}")
+        if self.kind not in COMMANDS and self.kind not in SESSION_COMMANDS:
+            known = ", ".join(list(COMMANDS) + list(SESSION_COMMANDS))
+            raise ValueError(f"unknown command {self.kind!r}: expected one of {known}")
 
 
 class Session:

@@ -207,4 +207,6 @@ def test_attach_follows_and_steers_a_torchrun_job(tmp_path):
     assert s.events[1]["source"] == "lab" and s.events[-1]["kind"] == "stop"
     assert all(r["lr"] == (1e-3 if r["step"] <= held else 2e-4) for r in s.history)
     assert (tmp_path / "job" / "final" / "model.safetensors").is_file()
-    assert not list_sessions()      # rank 0 removed its heartbeat when the run ended
+    # rank 0's last heartbeat says the run ended; the sidebar keeps it, marked, until dismissed
+    [ended] = [x for x in list_sessions() if x["name"] == "attach-test"]
+    assert ended["state"] == "stopped" and ended.get("ended"), ended

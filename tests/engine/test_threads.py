@@ -1,5 +1,6 @@
 """docs/INTERNALS.md's thread table against the thread registry (megatrain_nb/threads.py) and
 against the threads a training step really starts."""
+import gc
 import re
 import threading
 from pathlib import Path
@@ -47,7 +48,10 @@ def test_the_table_lists_every_registered_thread_with_its_owner_and_settings():
 
 
 def test_a_training_step_starts_exactly_the_registered_engine_threads(tmp_path):
-    before = {t.ident for t in threading.enumerate()}
+    # (thread objects, not idents: a thread of an engine an earlier test left behind may end
+    # during this step, and a new thread can then be given its ident)
+    gc.collect()
+    before = set(threading.enumerate())
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
     e = StreamingEngine(model, EngineConfig(device="cpu", optimizer_compression="int8", offload_dir=str(tmp_path),
                                             offload_params=True, host_cache_gb=0.01))
@@ -55,7 +59,7 @@ def test_a_training_step_starts_exactly_the_registered_engine_threads(tmp_path):
     for _ in range(2):
         e.forward_backward(ids, step_lr=1e-3)
     e.zero_grad()
-    started = {_base(t.name) for t in threading.enumerate() if t.ident not in before}
+    started = {_base(t.name) for t in threading.enumerate() if t not in before}
     want = {n for n, s in THREADS.items() if s.per_step}
     assert started == want, (sorted(started), sorted(want))
     e.close()

@@ -36,13 +36,57 @@ def _seed():
 # one place: everything that starts ranks under torchrun or gloo (tests/distributed/) and every
 # browser test.
 SLOW_FOLDERS = ("distributed",)
+# And the tests that took longest in the fast set (measured on 2 cores, `--durations`): many
+# steps on the disk tier, end-to-end CLI runs, processes killed and restarted. What they check
+# is also checked by a shorter test of the fast set; CI runs them all.
+SLOW_TESTS = {
+    "tests/engine/test_layer_major.py::" + name for name in (
+        "test_20_steps_match_micro_batch_major", "test_default_clip_hold_goes_to_disk_when_the_host_budget_is_short",
+        "test_disk_tier_bitwise_same_as_host_tier_counted_per_tier", "test_split_into_groups_loads_twice_per_group",
+        "test_dropout_rng_restored_per_micro_batch_and_layer", "test_host_tier_same_result_counted_on_host",
+        "test_clipping_holds_final_gradients_on_the_disk_tier", "test_counts_a4_each_layer_twice_and_no_host_gradients",
+        "test_num_items_in_batch_and_loss_fn_and_tensor_micro_batches", "test_keep_all_activations_interval_0")
+} | {
+    "tests/engine/test_determinism.py::test_disk_tier_states_equal_ram_states",
+    "tests/engine/test_determinism.py::test_large_unit_minimum_staging_equals_ram",
+    "tests/engine/test_disk_cache.py::test_cached_disk_tier_moves_the_planned_bytes_and_trains_exactly",
+    "tests/engine/test_disk_cache.py::test_back_to_back_overlapped_steps_read_the_updated_states",
+    "tests/engine/test_disk_cache.py::test_cached_states_are_swapped_not_copied_and_train_exactly",
+    "tests/engine/test_guards.py::test_a_layer_major_window_is_checked_too",
+    "tests/engine/test_guards.py::test_skip_policy_drops_the_step_and_counts_it",
+    "tests/engine/test_engine.py::test_20_adamw_steps_match_torch_adamw",
+    "tests/engine/test_chunked_updates.py::test_chunked_updates_equal_the_whole_unit_bitwise",
+    "tests/engine/test_transport.py::test_layer_major_under_adversarial_transport",
+    "tests/engine/test_reclaim.py::test_a_killed_process_folder_is_reclaimed_and_a_live_one_kept",
+    "tests/engine/test_tiers.py::test_checkpoint_loads_into_weights_on_disk",
+    "tests/test_cli.py::test_demo_quick_runs_the_main_job",
+    "tests/test_cli.py::test_demo_again_into_the_same_folder_is_a_new_run",
+    "tests/test_cli.py::test_the_example_run_yaml_is_complete_and_runs",
+    "tests/notebook/test_launch_spec.py::test_a_killed_kernels_launch_folder_is_reclaimed_at_the_next_start",
+    "tests/notebook/test_launch_spec.py::test_a_kernel_that_exits_without_close_leaves_no_launch_folder",
+    "tests/notebook/test_dashboard.py::test_a_rendering_widget_frontend_retires_the_html_fallback",
+    "tests/notebook/test_dashboard.py::test_every_panel_shows_one_snapshot_after_each_refresh",
+    "tests/notebook/test_report.py::test_report_in_a_browser_fires_no_dialog",
+    "tests/trainer/test_checkpoint.py::test_resume_in_a_new_process_lands_on_the_uninterrupted_weights",
+    "tests/trainer/test_checkpoint.py::test_killed_while_writing_leaves_the_previous_checkpoint_and_ignores_the_partial",
+    "tests/trainer/test_save_protocol.py::test_kill_at_every_step_of_a_save_keeps_a_complete_checkpoint",
+}
 
 
 def _mark_slow_kinds(items):
+    modules = {}
     for item in items:
+        name = item.nodeid.split("[", 1)[0]
+        if getattr(item, "module", None) is not None:
+            modules[name.split("::", 1)[0]] = item.module
         folder = item.path.parent.name
-        if folder in SLOW_FOLDERS or item.get_closest_marker("browser"):
+        if folder in SLOW_FOLDERS or item.get_closest_marker("browser") or name in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+    # a renamed or removed test would silently stop being marked: refuse its stale entry
+    stale = sorted(n for n in SLOW_TESTS if n.split("::", 1)[0] in modules
+                   and not hasattr(modules[n.split("::", 1)[0]], n.split("::", 1)[1]))
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}")
 
 
 def pytest_collection_modifyitems(config, items):

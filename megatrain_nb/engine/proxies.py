@@ -75,14 +75,34 @@ def swapped_submodule(parent: nn.Module, name: str, replacement: nn.Module):
 
 
 class HiddenStatesStub(nn.Module):
-    """Stands in for the base model so the CausalLM's own head code runs on one chunk."""
+    """Stands in for the base model so the CausalLM's own head code runs on one chunk.
 
-    def __init__(self):
+    Calling it (or any module of the stack path the head code reaches it through, such as
+    ``self.model.decoder``) returns the chunk's hidden states; every other attribute the head
+    code reads (``config``, ``embed_tokens``, multipliers, ...) is the real base model's.
+    """
+
+    def __init__(self, base: nn.Module = None, path=()):
         super().__init__()
         self.hidden = None
+        # Plain attributes, not submodules: the stub owns no parameters.
+        object.__setattr__(self, "_mt_base", base)
+        object.__setattr__(self, "_mt_path", tuple(id(m) for m in path))
 
     def forward(self, *args, **kwargs):
         return _StubOutput(last_hidden_state=self.hidden)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__.get("_mt_base")
+            if base is None or name.startswith("__"):
+                raise
+            value = getattr(base, name)
+            if isinstance(value, nn.Module) and id(value) in self.__dict__["_mt_path"]:
+                return self
+            return value
 
 
 def _stub_output_class():

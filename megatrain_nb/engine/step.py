@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .discovery import locate
 from .proxies import HiddenStatesStub, bind, swapped_submodule, unbind
 from .units import Unit, forward_order
 from .updates import StepContext
@@ -72,7 +73,8 @@ class StepRunner:
         self.checkpoint_interval = checkpoint_interval
         self.loss_chunk_tokens = loss_chunk_tokens
         self.plan_reads = plan_reads
-        self._head_stub = HiddenStatesStub()
+        self.base_name, self.base, path = locate(model)   # before the layer proxies go in
+        self._head_stub = HiddenStatesStub(self.base, path)
         self.ctx: Optional[_StepContext] = None
         self.activation_peak = 0
         self.activation_now = 0
@@ -98,7 +100,7 @@ class StepRunner:
     # ------------------------------------------------------------------ the model's own forward
     def _base_forward(self, ids, am) -> torch.Tensor:
         """The base model's own forward (layers streamed by the proxies): final hidden states."""
-        out = self.model.base_model(input_ids=ids, attention_mask=am, use_cache=False)
+        out = self.base(input_ids=ids, attention_mask=am, use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def _head_logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:
@@ -107,7 +109,7 @@ class StepRunner:
         stub.hidden = hidden_chunk
         dummy = torch.zeros(hidden_chunk.shape[:2], dtype=torch.long, device=hidden_chunk.device)
         try:
-            with swapped_submodule(self.model, self.model.base_model_prefix, stub):
+            with swapped_submodule(self.model, self.base_name, stub):
                 out = self.model(input_ids=dummy, use_cache=False)
         finally:
             stub.hidden = None

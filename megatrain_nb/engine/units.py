@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .discovery import modules_after_layers
+
 
 SUPPORTED_HINT = ("decoder-only *ForCausalLM models from transformers (Llama, Qwen2, Mistral, GPT-2, "
                   "Gemma 2, Phi-3, Mixtral and other families with a decoder layer list)")
@@ -121,14 +123,8 @@ def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
     head_ids = set()
     if out_emb is not None:
         head_ids |= {id(p) for p in out_emb.parameters()} - tied_ids
-    base = model.base_model if model.base_model is not model else model
-    seen_layers = False
-    for attr, child in base.named_children():
-        if child is layers:
-            seen_layers = True
-            continue
-        if seen_layers:
-            head_ids |= {id(p) for p in child.parameters()} - tied_ids - in_layers
+    for child in modules_after_layers(model, layers):
+        head_ids |= {id(p) for p in child.parameters()} - tied_ids - in_layers
 
     def make_unit(name, kind, index, ids, layer_index=None, module=None) -> Unit:
         ordered = [canonical[i] for i in canonical if i in ids]  # model order

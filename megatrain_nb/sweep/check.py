@@ -69,8 +69,8 @@ def kind_of(model_type: str, architecture: str) -> str:
 
 
 def _short(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
+    msg = " ".join(line.strip() for line in str(e).strip().splitlines())
+    return f"{type(e).__name__}: {msg[:300]}"
 
 
 def _batches(vocab: int, n: int, seed: int = 0):
@@ -158,7 +158,12 @@ def check(model_type: str, modes=MODES) -> Result:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
         res.layers = _num_layers(model)
     except Exception as e:  # noqa: BLE001 - the reason is the result
-        res.status, res.reason = NOT_BUILT, f"transformers cannot build it on a CPU: {_short(e)}"
+        res.status = NOT_BUILT
+        default = _default_build_error(model_type)
+        if default is not None:
+            res.reason = f"transformers cannot build it from its own default config: {default}"
+        else:
+            res.status, res.reason = FAILING, f"the tiny-config rules do not fit it: {_short(e)}"
         return res
     try:
         vocab = model.get_input_embeddings().num_embeddings
@@ -185,6 +190,20 @@ def check(model_type: str, modes=MODES) -> Result:
         res.status = FAILING
         res.reason = "; ".join(f"{m}: {v}" for m, v in bad.items())
     return res
+
+
+def _default_build_error(model_type: str) -> Optional[str]:
+    """Why transformers cannot build ``model_type`` from its default config (on the meta
+    device: no memory), or None when it can."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+    except Exception as e:  # noqa: BLE001
+        return _short(e)
+    return None
 
 
 def _is_refusal(e: BaseException) -> bool:

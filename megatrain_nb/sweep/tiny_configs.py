@@ -108,6 +108,10 @@ def _pick_layers(d: Dict[str, Any], n: Optional[int]) -> List[int]:
     return sorted(picked)
 
 
+def _is_index(x) -> bool:
+    return (isinstance(x, int) and not isinstance(x, bool)) or (isinstance(x, str) and x.isdigit())
+
+
 def _cut(v, keep: List[int]):
     return [v[i] for i in keep if i < len(v)]
 
@@ -139,14 +143,18 @@ def shrink(d: Dict[str, Any], model_type: str) -> Dict[str, Any]:
                 d[k] = value
 
     setint(WIDTH_KEYS, HIDDEN)
-    setint(HEAD_KEYS, HEADS)
-    for k in KV_HEAD_KEYS:
+    heads = next((d[k] for k in HEAD_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
+    for k in KV_HEAD_KEYS:   # as many key/value heads as heads (MHA, MLA) stays so; one stays one
         v = d.get(k)
         if isinstance(v, int) and not isinstance(v, bool):
-            d[k] = 1 if v == 1 else KV_HEADS
+            d[k] = 1 if v == 1 else HEADS if v == heads else KV_HEADS
+    setint(HEAD_KEYS, HEADS)
     setint(HEAD_DIM_KEYS, HEAD_DIM)
     if isinstance(d.get("qk_head_dim"), int):
         d["qk_head_dim"] = d.get("qk_rope_head_dim", HEAD_DIM) + d.get("qk_nope_head_dim", HEAD_DIM)
+    if isinstance(d.get("swa_head_dim"), int) and isinstance(d.get("qk_nope_head_dim"), int):
+        d["swa_head_dim"] = d["qk_nope_head_dim"] + d.get("qk_rope_head_dim", 0)
+    setint(("rotary_dim",), HEAD_DIM)
     for k in INTERMEDIATE_KEYS:
         v = d.get(k)
         if isinstance(v, int) and not isinstance(v, bool) and v > INTERMEDIATE:
@@ -179,6 +187,13 @@ def shrink(d: Dict[str, Any], model_type: str) -> Dict[str, Any]:
                 top -= 1
         elif k.endswith("_token_id") and isinstance(v, list):
             d[k] = [x if x < VOCAB else 2 for x in v]
+    for k, v in list(d.items()):   # sub-configs (a text/vision/encoder config inside this one)
+        if isinstance(v, dict) and any(x in v for x in LAYER_KEYS + WIDTH_KEYS):
+            d[k] = shrink(v, model_type)
+        elif isinstance(v, dict) and v and all(_is_index(x) for x in v):   # per-layer config keyed by index
+            d[k] = {str(keep.index(int(x))) if isinstance(x, str) else keep.index(x):
+                    shrink(y, model_type) if isinstance(y, dict) else y
+                    for x, y in v.items() if int(x) in keep}
     d.update(OVERRIDES.get(model_type, {}))
     for k in ("use_cache",):
         if k in d:

@@ -9,8 +9,9 @@ behaviour stays the model's own.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -62,6 +63,32 @@ def unbind(unit: Unit, placeholders: Dict[Tuple[int, str], nn.Parameter]) -> Non
     for p in unit.params:
         for mod, attr in p.bindings:
             mod._parameters[attr] = placeholders[(id(mod), attr)]
+
+
+def output_length(unit: Unit, args, kwargs, placeholders) -> Optional[int]:
+    """How many items the layer's output has (0: a bare tensor), found without its weights: the
+    layer runs once on fake tensors (no memory, no compute). None if that cannot be found."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not torch.is_tensor(hidden):
+        return None
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)   # an op without a fake kernel is an answer (None), not an error
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            for p in unit.params:
+                t = torch.empty(p.shape, device=hidden.device, dtype=hidden.dtype)
+                for mod, attr in p.bindings:
+                    mod._parameters[attr] = t
+            out = unit.module(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the caller keeps what it knew
+        return None
+    finally:
+        unbind(unit, placeholders)
+        quiet.setLevel(level)
+    return len(out) if isinstance(out, (tuple, list)) else 0
 
 
 @contextmanager

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from . import finite
 from .planner import WindowPlan, engine_window_plan
-from .proxies import bind, unbind
+from .proxies import bind, output_length, unbind
 from .step import StepRunner, _Call, _first, _StepContext
 from .units import Unit
 from .updates import StepContext
@@ -203,6 +203,7 @@ class WindowRunner:
         self.r = runner
         self.boundary = boundary
         self.tuple_out = False     # whether the layers return a tuple (learned from real calls)
+        self.out_length: Dict[int, int] = {}   # per layer: its output's length (0: a bare tensor)
         # CPU "device": the units' gradient sums are taken from the update scheduler's pool
         # (UpdateScheduler.lend_buffer) and handed over whole: no fresh pages to fault in per
         # unit per step, no copy on arrival. None: fresh device tensors.
@@ -212,13 +213,25 @@ class WindowRunner:
         self._straight = False     # this window's sums go straight to their updates (unclipped)
 
     # ------------------------------------------------------------------ helpers
-    def _out(self, h):
-        return (h,) if self.tuple_out else h
+    def _out(self, h, unit: Optional[Unit] = None, args=(), kwargs=None):
+        """``h`` shaped as the layer returns its output (a bare tensor, or a tuple whose first
+        item is the hidden state: its length learned from a real call or a fake-tensor probe)."""
+        n = self.out_length.get(unit.layer_index) if unit is not None else None
+        if n is None and unit is not None:
+            n = output_length(unit, args, kwargs or {}, self.r.placeholders)
+            if n is not None:
+                self.out_length[unit.layer_index] = n
+        if n is None and self.out_length:   # the probe failed: as the other layers
+            n = next(iter(self.out_length.values()))
+        if n is None:
+            return (h,) if self.tuple_out else h
+        return (h,) + (None,) * (n - 1) if n else h
 
     def _call_layer(self, unit: Unit, call: _Call, hidden):
         a, kw = call.with_hidden(hidden)
         out = unit.module(*a, **kw)
         self.tuple_out = isinstance(out, (tuple, list))
+        self.out_length[unit.layer_index] = len(out) if self.tuple_out else 0
         return _first(out)
 
     def _capture(self, ids, am, calls: Dict[int, _Call]) -> torch.Tensor:
@@ -240,7 +253,7 @@ class WindowRunner:
             else:
                 calls[unit.layer_index] = _Call(args, {k: v for k, v in kwargs.items() if k != "hidden_states"},
                                                 False)
-            return self._out(hidden)
+            return self._out(hidden, unit, args, kwargs)
 
         self.r.intercept = intercept
         try:
@@ -257,7 +270,7 @@ class WindowRunner:
 
         def intercept(unit, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
-            return self._out(h_last if unit.layer_index == last else hidden)
+            return self._out(h_last if unit.layer_index == last else hidden, unit, args, kwargs)
 
         self.r.intercept = intercept
         devices = [self.r.device] if self.r.device.type == "cuda" else []

@@ -40,7 +40,7 @@ HEAD_DIM_KEYS = ("head_dim", "swa_head_dim", "linear_key_head_dim", "linear_valu
                  "kv_channels", "attention_head_dim", "d_head", "dim_head", "qk_rope_head_dim", "qk_nope_head_dim",
                  "v_head_dim", "index_head_dim", "attention_head_size", "d_rel")
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
-              "num_decoder_layers", "num_encoder_layers")
+              "num_decoder_layers", "num_encoder_layers", "num_blocks")
 INTERMEDIATE_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim",
                      "dense_intermediate_size", "intermediate_size_mlp", "feed_forward_size", "dim_ff", "d_inner",
                      "dff", "ffn_hidden_size", "shared_intermediate_size", "shared_expert_intermediate_size",

@@ -56,15 +56,17 @@ def locate(model: nn.Module) -> Tuple[str, nn.Module, List[nn.Module]]:
 
 def modules_after_layers(model: nn.Module, layers: nn.ModuleList) -> List[nn.Module]:
     """The base model's modules registered after the layer list, at every level of the stack
-    path (the final norm of ``model.model.norm`` and of ``model.model.decoder.layer_norm``)."""
+    path (the final norm of ``model.model.norm`` and of ``model.model.decoder.layer_norm``).
+    Embedding modules (an attribute name with "embed") run before the layers wherever they are
+    registered (``layernorm_embedding``, ``embed_positions`` of the BART family)."""
     _, base = find_base_model(model, layers)
     path = stack_path(base, layers)
     out = []
     for parent, child in zip(path, path[1:] + [layers]):
         seen = False
-        for mod in parent.children():
+        for name, mod in parent.named_children():
             if mod is child:
                 seen = True
-            elif seen:
+            elif seen and "embed" not in name:
                 out.append(mod)
     return out

@@ -42,6 +42,7 @@ class _StepContext:
     h_last: Optional[torch.Tensor] = None
     saved_bytes: int = 0
     kept: Dict[int, tuple] = field(default_factory=dict)   # k == 0: (input, output, params) per layer
+    extras: set = field(default_factory=set)   # ids of the last layer output's tensors besides the hidden state
 
 
 def _first(out):
@@ -146,6 +147,11 @@ class StepRunner:
                     raise NotImplementedError(
                         f"{type(unit.module).__name__} receives a tensor argument that needs gradients besides "
                         "the hidden states; this family is not supported by the streaming engine yet.")
+                if torch.is_tensor(v) and id(v) in ctx.extras:
+                    raise NotImplementedError(
+                        f"{type(unit.module).__name__} receives another output of the layer before it besides the "
+                        "hidden states (a second stream between layers); this family is not supported by the "
+                        "streaming engine yet.")
             if li == 0:
                 ctx.h0 = hidden
             hidden = hidden.detach()
@@ -159,6 +165,8 @@ class StepRunner:
             if self.model.training:
                 ctx.rng[li] = self._rng_state()
         out = self._run_layer_nograd(unit, call, hidden)
+        if ctx is not None and ctx.train and isinstance(out, (tuple, list)):
+            ctx.extras = {id(v) for v in out[1:] if torch.is_tensor(v)}
         if ctx is not None and ctx.train and li == len(self.layers) - 1:
             h = _first(out).detach().requires_grad_(True)
             ctx.h_last = h

@@ -61,24 +61,45 @@ def check_supported(model: nn.Module) -> None:
         raise TypeError(f"{type(model).__name__} is not a transformers model; the engine supports {SUPPORTED_HINT}.")
     if getattr(config, "is_encoder_decoder", False):
         raise TypeError(f"{type(model).__name__} is an encoder-decoder model; the engine supports {SUPPORTED_HINT}.")
-    if model.get_output_embeddings() is None or not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+    if model.get_output_embeddings() is None or not (type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+                                                     or _registered_causal_lm(model)):
         raise TypeError(f"{type(model).__name__} is not a causal language model (encoder-only or a bare base "
                         f"model?); the engine supports {SUPPORTED_HINT}. Load it with "
                         "AutoModelForCausalLM.")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise TypeError(f"{type(model).__name__} has frozen parameters (requires_grad=False: {frozen[:3]}); the "
+                        "engine trains every parameter, so frozen ones are not supported: unfreeze them "
+                        "(model.requires_grad_(True)) or train with another tool.")
+
+
+def _registered_causal_lm(model: nn.Module) -> bool:
+    """Whether transformers registers the model's class as a causal LM (BertGenerationDecoder, ...)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return False
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def find_layer_list(model: nn.Module) -> Tuple[nn.Module, str, nn.ModuleList]:
-    """The decoder layer list: the ModuleList holding the most parameters.
+    """The decoder layer list: of the ModuleLists holding parameters, the one nearest the top
+    of the module tree, and of those the one holding the most parameters (a vision or audio
+    tower's layers, deeper inside the embedding, are not the decoder's).
 
     Returns (parent module, attribute name, the list).
     """
     best = None
     for parent_name, parent in model.named_modules():
+        depth = parent_name.count(".") + 1 if parent_name else 0
         for attr, child in parent.named_children():
             if isinstance(child, nn.ModuleList) and len(child) > 0:
                 numel = sum(p.numel() for p in child.parameters())
-                if best is None or numel > best[0]:
-                    best = (numel, parent, attr, child)
+                if numel == 0:
+                    continue
+                key = (-depth, numel)
+                if best is None or key > best[0]:
+                    best = (key, parent, attr, child)
     if best is None:
         raise TypeError(f"{type(model).__name__} has no decoder layer list; the engine supports {SUPPORTED_HINT}.")
     _, parent, attr, layers = best

@@ -171,7 +171,7 @@ def check(model_type: str, modes=MODES) -> Result:
         window = _batches(vocab, 2, seed=1)
         refs = {"single": reference(model, single), "window": reference(model, window)}
     except Exception as e:  # noqa: BLE001
-        res.status, res.reason = NOT_BUILT, f"transformers cannot run it on a CPU: {_short(e)}"
+        res.status, res.reason = FAILING, f"the tiny model does not run in transformers (the rules?): {_short(e)}"
         return res
     for mode in modes:
         batches, ref = (window, refs["window"]) if mode == "window of 2" else (single, refs["single"])

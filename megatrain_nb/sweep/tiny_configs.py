@@ -68,6 +68,8 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     # mamba2: num_heads * head_dim == expand * hidden_size
     "mamba2": {"num_heads": 4, "head_dim": 16, "time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
+    # deepseek_v2: the default leaves the router's top-k unset (None)
+    "deepseek_v2": {"num_experts_per_tok": 2},
     "falcon_mamba": {"time_step_rank": 4},
     "jamba": {"mamba_dt_rank": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
               "expert_layer_offset": 1, "use_mamba_kernels": False},

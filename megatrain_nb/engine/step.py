@@ -142,6 +142,10 @@ class StepRunner:
             hidden, call = kwargs["hidden_states"], _Call(args, kwargs, False)
         li = unit.layer_index
         if ctx is not None and ctx.train:
+            if li in ctx.calls or li in ctx.kept:
+                raise NotImplementedError(
+                    f"{type(self.model).__name__} calls its layer {li} more than once in one forward (a looped or "
+                    "shared layer); this family is not supported by the streaming engine yet.")
             for v in list(kwargs.values()) + list(args[1:]):
                 if torch.is_tensor(v) and v.requires_grad:
                     raise NotImplementedError(
@@ -166,7 +170,7 @@ class StepRunner:
                 ctx.rng[li] = self._rng_state()
         out = self._run_layer_nograd(unit, call, hidden)
         if ctx is not None and ctx.train and isinstance(out, (tuple, list)):
-            ctx.extras = {id(v) for v in out[1:] if torch.is_tensor(v)}
+            ctx.extras = {id(v) for v in out[1:] if torch.is_tensor(v) and v.is_floating_point()}
         if ctx is not None and ctx.train and li == len(self.layers) - 1:
             h = _first(out).detach().requires_grad_(True)
             ctx.h_last = h

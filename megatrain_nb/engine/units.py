@@ -131,6 +131,10 @@ def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
 
     layer_param_ids: List[set] = [set(id(p) for p in layer.parameters()) for layer in layers]
     in_layers = set().union(*layer_param_ids) if layer_param_ids else set()
+    if sum(len(ids) for ids in layer_param_ids) != len(in_layers):
+        raise TypeError(f"{type(model).__name__} shares parameters between its decoder layers (a block tied "
+                        "across layers); this is not supported by the streaming engine, which streams each "
+                        "layer's own weights.")
 
     # Outer parameters: the ones used after the layer list go to "head"; everything else to
     # "embed". "After" = the output embedding (unless tied to the input one) and base-model

@@ -246,6 +246,10 @@ class WindowRunner:
                     raise NotImplementedError(
                         f"{type(unit.module).__name__} receives a tensor argument that needs gradients besides "
                         "the hidden states; this family is not supported by the streaming engine yet.")
+            if unit.layer_index in calls:
+                raise NotImplementedError(
+                    f"{type(self.r.model).__name__} calls its layer {unit.layer_index} more than once in one "
+                    "forward (a looped or shared layer); this family is not supported by the streaming engine yet.")
             if unit.layer_index == 0:
                 h0.append(hidden)
             if args:   # the hidden state itself is not kept (with_hidden puts each one in)

@@ -68,6 +68,20 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     # mamba2: num_heads * head_dim == expand * hidden_size
     "mamba2": {"num_heads": 4, "head_dim": 16, "time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
+    # dots3_note: the sliding-window layers' head_dim == qk_nope_head_dim + qk_rope_head_dim
+    "dots3_note_text": {"head_dim": 16},
+    "dots3_note": {"head_dim": 16},
+    # dory: n_input_layers + n_recurrent_layers + n_output_layers == num_hidden_layers
+    # (its to_dict counts blocks: an attention and an mlp block per layer)
+    "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,
+             "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]},
+    # zamba: the shared transformer is tied across hybrid layers: two of them
+    # (its attention runs on the hidden state beside the embeddings: twice the width)
+    "zamba": {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_dt_rank": 4,
+              "attention_hidden_size": 64, "attention_head_dim": 16,
+              "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"]},
+    # reformer: the axial position factors sum to the width, their shape multiplies to a sequence length
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 16], "axial_pos_shape": [4, 2]},
     # deepseek_v2: the default leaves the router's top-k unset (None)
     "deepseek_v2": {"num_experts_per_tok": 2},
     "falcon_mamba": {"time_step_rank": 4},
@@ -78,7 +92,6 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "nemotron_h": {"mamba_head_dim": 16, "use_mamba_kernels": False},
     "bamba": {"mamba_d_head": 16},
     "granitemoehybrid": {"mamba_d_head": 16},
-    "zamba": {"mamba_dt_rank": 4, "attn_layer_period": 2, "attn_layer_offset": 1},
     "zamba2": {"mamba_headdim": 16, "attention_hidden_size": 64, "attention_head_dim": 16,
                "hybrid_layer_ids": [1], "layers_block_type": ["mamba", "hybrid"], "num_hidden_layers": 2},
 }

@@ -112,6 +112,10 @@ class StepRunner:
         try:
             with swapped_submodule(self.model, self.base_name, stub):
                 out = self.model(input_ids=dummy, use_cache=False)
+        except IndexError as e:   # the head indexes outputs of the base model the stub does not have
+            raise NotImplementedError(
+                f"{type(self.model).__name__}'s head reads more of its base model's output than the final hidden "
+                f"states ({e}); this family is not supported by the streaming engine yet.") from e
         finally:
             stub.hidden = None
         return out.logits

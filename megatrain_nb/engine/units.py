@@ -102,7 +102,13 @@ def find_layer_list(model: nn.Module) -> Tuple[nn.Module, str, nn.ModuleList]:
                     best = (key, parent, attr, child)
     if best is None:
         raise TypeError(f"{type(model).__name__} has no decoder layer list; the engine supports {SUPPORTED_HINT}.")
-    _, parent, attr, layers = best
+    (_, numel), parent, attr, layers = best
+    for other_attr, other in parent.named_children():   # XLM: attentions, ffns, norms in lists side by side
+        if other is not layers and isinstance(other, nn.ModuleList) and len(other) == len(layers) \
+                and sum(p.numel() for p in other.parameters()) >= numel // 10:
+            raise TypeError(f"{type(model).__name__} keeps each layer's parts in parallel lists ({attr}, "
+                            f"{other_attr}, ...) rather than one list of layers; the engine supports "
+                            f"{SUPPORTED_HINT}.")
     return parent, attr, layers
 
 

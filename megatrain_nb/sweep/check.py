@@ -156,6 +156,8 @@ def check(model_type: str, modes=MODES) -> Result:
         cfg = tiny_config(model_type)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        if hasattr(model, "set_default_language") and getattr(cfg, "languages", None):   # X-MOD's adapters
+            model.set_default_language(cfg.languages[0])
         res.layers = _num_layers(model)
     except Exception as e:  # noqa: BLE001 - the reason is the result
         res.status = NOT_BUILT

@@ -9,7 +9,8 @@ micro-batches, and compares the loss and every parameter's gradient. The result 
 * ``refused``: the engine declined the model with a stated reason (a TypeError or
   NotImplementedError naming what it does not support);
 * ``failing``: the engine ran and the numbers differ, or it crashed;
-* ``not a decoder stack``: the registry entry is a multimodal top-level class;
+* ``not a decoder stack``: the registry entry is a multimodal top-level class, or a
+  speculative-decoding assistant that runs only beside its target model;
 * ``not built``: transformers itself cannot build or run the tiny model on a CPU (the reason).
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ MODES = ("interval 1", "interval 2", "window of 2")
 class Result:
     model_type: str
     architecture: str
-    kind: str                       # "decoder-only", "encoder as decoder", "decoder of encoder-decoder", "multimodal"
+    kind: str   # "decoder-only", "encoder as decoder", "decoder of encoder-decoder", "multimodal", "assistant"
     status: str
     reason: str = ""
     modes: Dict[str, str] = field(default_factory=dict)   # mode -> "ok" / what differed
@@ -61,6 +62,8 @@ def registry() -> Dict[str, str]:
 def kind_of(model_type: str, architecture: str) -> str:
     if architecture.endswith("ForConditionalGeneration"):
         return "multimodal"
+    if "Assistant" in architecture:
+        return "assistant"
     if model_type in ENCODER_DECODER_PART:
         return "decoder of encoder-decoder"
     if model_type in ENCODER_AS_DECODER:
@@ -151,6 +154,11 @@ def check(model_type: str, modes=MODES) -> Result:
         res.status = NOT_DECODER
         res.reason = (f"{architecture} is a multimodal top-level class (vision/audio towers around a language "
                       "model); train its text model (the …ForCausalLM of config.get_text_config()) instead")
+        return res
+    if kind == "assistant":
+        res.status = NOT_DECODER
+        res.reason = (f"{architecture} is a speculative-decoding assistant: its forward needs its target model's "
+                      "key/value states (shared_kv_states), so it is not a language model trained on its own")
         return res
     try:
         cfg = tiny_config(model_type)

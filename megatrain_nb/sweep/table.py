@@ -84,7 +84,8 @@ def markdown(results: List[dict], version: str) -> str:
         "relative);",
         "* **refused**: the engine declines the model, saying why;",
         "* **failing**: the engine runs it and gets it wrong (listed, with what differs);",
-        "* **not a decoder stack**: a multimodal top-level class; train its text model;",
+        "* **not a decoder stack**: a multimodal top-level class (train its text model), or a speculative-"
+        "decoding assistant that runs only beside its target model;",
         "* **not built**: transformers itself cannot build the model from its own default config on a CPU.",
         "",
         "```",

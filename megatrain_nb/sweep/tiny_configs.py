@@ -29,7 +29,8 @@ WINDOW = 4
 
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed", "word_embed_proj_dim",
               "attention_hidden_size", "lru_width", "emb_dim", "embedding_dim", "embedding_size",
-              "input_embedding_size", "output_embedding_size", "backbone_hidden_size", "hidden_dim")
+              "input_embedding_size", "output_embedding_size", "backbone_hidden_size", "hidden_dim",
+              "hidden_size_global")
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
              "encoder_attention_heads", "attention_heads", "swa_num_attention_heads", "index_n_heads",
              "linear_num_value_heads", "linear_num_heads", "num_decoder_attention_heads",
@@ -54,7 +55,7 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k")
 ONE_KEYS = ("n_group", "num_expert_group", "topk_group", "mamba_n_groups", "n_groups", "mamba_ngroups",
             "first_k_dense_replace", "num_dense_layers", "num_nextn_predict_layers")
-VOCAB_KEYS = ("vocab_size", "vocab_size_per_layer_input", "decoder_vocab_size")
+VOCAB_KEYS = ("vocab_size", "vocab_size_per_layer_input", "decoder_vocab_size", "encoder_hash_byte_group_vocab")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions")
 WINDOW_KEYS = ("sliding_window", "attention_window_size", "sliding_window_size", "local_attention_window_len",
                "window_size")
@@ -187,7 +188,8 @@ def shrink(d: Dict[str, Any], model_type: str) -> Dict[str, Any]:
     setint(POSITION_KEYS, POSITIONS)
     setint(("original_max_position_embeddings",), POSITIONS // 2)
     setint(WINDOW_KEYS, WINDOW)
-    setint(("num_kv_shared_layers",), 1)
+    if isinstance(d.get("num_kv_shared_layers"), int) and n is not None:   # all shared stays all shared
+        d["num_kv_shared_layers"] = new_n if d["num_kv_shared_layers"] >= n else min(d["num_kv_shared_layers"], 1)
     if isinstance(d.get("time_step_rank"), int):
         d["time_step_rank"] = 4
     if isinstance(d.get("mamba_dt_rank"), int):

@@ -53,6 +53,8 @@ def bind(unit: Unit, flat: torch.Tensor, *, requires_grad: bool) -> List[torch.T
         v = flat[p.offset:p.offset + p.numel].view(p.shape)
         if requires_grad:
             v = v.detach().requires_grad_(True)
+            if p.frozen:   # the model's requires_grad=False: its gradient is zero
+                v.register_hook(torch.zeros_like)
         for mod, attr in p.bindings:
             mod._parameters[attr] = v
         bound.append(v)
@@ -65,9 +67,9 @@ def unbind(unit: Unit, placeholders: Dict[Tuple[int, str], nn.Parameter]) -> Non
             mod._parameters[attr] = placeholders[(id(mod), attr)]
 
 
-def output_length(unit: Unit, args, kwargs, placeholders) -> Optional[int]:
-    """How many items the layer's output has (0: a bare tensor), found without its weights: the
-    layer runs once on fake tensors (no memory, no compute). None if that cannot be found."""
+def output_template(unit: Unit, args, kwargs, placeholders) -> Optional[Tuple[bool, Tuple[bool, ...]]]:
+    """:func:`template_of` the layer's output, found without its weights (the layer runs once
+    on fake tensors: no memory, no compute); None if that cannot be found."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     hidden = args[0] if args else kwargs.get("hidden_states")
@@ -88,7 +90,15 @@ def output_length(unit: Unit, args, kwargs, placeholders) -> Optional[int]:
     finally:
         unbind(unit, placeholders)
         quiet.setLevel(level)
-    return len(out) if isinstance(out, (tuple, list)) else 0
+    return template_of(out)
+
+
+def template_of(out) -> Tuple[bool, Tuple[bool, ...]]:
+    """(whether the layer returns a tuple, for each item after the hidden state whether it is
+    something rather than None)."""
+    if isinstance(out, (tuple, list)):
+        return True, tuple(x is not None for x in out[1:])
+    return False, ()
 
 
 @contextmanager

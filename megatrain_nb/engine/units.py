@@ -28,6 +28,9 @@ class ParamEntry:
     shape: Tuple[int, ...]
     decay: bool
     bindings: List[Tuple[nn.Module, str]] = field(default_factory=list)  # every (module, attr) sharing it
+    #: requires_grad=False in the model (a sinusoidal table, a router's correction bias): its
+    #: gradient is zero and it gets no weight decay, so the optimizer leaves it as it is
+    frozen: bool = False
 
     @property
     def numel(self) -> int:
@@ -66,11 +69,6 @@ def check_supported(model: nn.Module) -> None:
         raise TypeError(f"{type(model).__name__} is not a causal language model (encoder-only or a bare base "
                         f"model?); the engine supports {SUPPORTED_HINT}. Load it with "
                         "AutoModelForCausalLM.")
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise TypeError(f"{type(model).__name__} has frozen parameters (requires_grad=False: {frozen[:3]}); the "
-                        "engine trains every parameter, so frozen ones are not supported: unfreeze them "
-                        "(model.requires_grad_(True)) or train with another tool.")
 
 
 def _registered_causal_lm(model: nn.Module) -> bool:
@@ -159,13 +157,14 @@ def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
 
     def make_unit(name, kind, index, ids, layer_index=None, module=None) -> Unit:
         ordered = [canonical[i] for i in canonical if i in ids]  # model order
-        dec = [n for n in ordered if n in decay]
-        nodec = [n for n in ordered if n not in decay]
         by_name = {canonical[i]: i for i in ids}
+        dec = [n for n in ordered if n in decay and params[by_name[n]].requires_grad]
+        nodec = [n for n in ordered if n not in dec]
         entries, off = [], 0
         for n in dec + nodec:
             p = params[by_name[n]]
-            entries.append(ParamEntry(n, off, tuple(p.shape), n in decay, bindings[by_name[n]]))
+            entries.append(ParamEntry(n, off, tuple(p.shape), n in dec, bindings[by_name[n]],
+                                      frozen=not p.requires_grad))
             off += p.numel()
         dn = sum(params[by_name[n]].numel() for n in dec)
         return Unit(name, kind, index, entries, off, dn, layer_index, module)

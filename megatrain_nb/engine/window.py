@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from . import finite
 from .planner import WindowPlan, engine_window_plan
-from .proxies import bind, output_length, unbind
+from .proxies import bind, output_template, template_of, unbind
 from .step import StepRunner, _Call, _first, _StepContext
 from .units import Unit
 from .updates import StepContext
@@ -194,6 +194,17 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+class _NotRun:
+    """Stands for a layer's outputs besides the hidden state in the capture and replay passes
+    (the layers do not run there); a layer receiving one is refused."""
+
+    def __repr__(self):
+        return "<output of a layer that did not run>"
+
+
+NOT_RUN = _NotRun()
+
+
 class WindowRunner:
     """Runs an accumulation window layer-major on a :class:`StepRunner`'s model, units, pager
     and helpers (head logits, chunked loss, RNG, activation accounting)."""
@@ -203,7 +214,7 @@ class WindowRunner:
         self.r = runner
         self.boundary = boundary
         self.tuple_out = False     # whether the layers return a tuple (learned from real calls)
-        self.out_length: Dict[int, int] = {}   # per layer: its output's length (0: a bare tensor)
+        self.out_template: Dict[int, tuple] = {}   # per layer: proxies.template_of its output
         # CPU "device": the units' gradient sums are taken from the update scheduler's pool
         # (UpdateScheduler.lend_buffer) and handed over whole: no fresh pages to fault in per
         # unit per step, no copy on arrival. None: fresh device tensors.
@@ -214,24 +225,26 @@ class WindowRunner:
 
     # ------------------------------------------------------------------ helpers
     def _out(self, h, unit: Optional[Unit] = None, args=(), kwargs=None):
-        """``h`` shaped as the layer returns its output (a bare tensor, or a tuple whose first
-        item is the hidden state: its length learned from a real call or a fake-tensor probe)."""
-        n = self.out_length.get(unit.layer_index) if unit is not None else None
-        if n is None and unit is not None:
-            n = output_length(unit, args, kwargs or {}, self.r.placeholders)
-            if n is not None:
-                self.out_length[unit.layer_index] = n
-        if n is None and self.out_length:   # the probe failed: as the other layers
-            n = next(iter(self.out_length.values()))
-        if n is None:
+        """``h`` shaped as the layer returns its output: a bare tensor, or a tuple whose first
+        item is the hidden state and whose others are None where the layer returns None and
+        NOT_RUN where it returns something (learned from a real call or a fake-tensor probe)."""
+        t = self.out_template.get(unit.layer_index) if unit is not None else None
+        if t is None and unit is not None:
+            t = output_template(unit, args, kwargs or {}, self.r.placeholders)
+            if t is not None:
+                self.out_template[unit.layer_index] = t
+        if t is None and self.out_template:   # the probe failed: as the other layers
+            t = next(iter(self.out_template.values()))
+        if t is None:
             return (h,) if self.tuple_out else h
-        return (h,) + (None,) * (n - 1) if n else h
+        is_tuple, extras = t
+        return (h,) + tuple(NOT_RUN if x else None for x in extras) if is_tuple else h
 
     def _call_layer(self, unit: Unit, call: _Call, hidden):
         a, kw = call.with_hidden(hidden)
         out = unit.module(*a, **kw)
         self.tuple_out = isinstance(out, (tuple, list))
-        self.out_length[unit.layer_index] = len(out) if self.tuple_out else 0
+        self.out_template[unit.layer_index] = template_of(out)
         return _first(out)
 
     def _capture(self, ids, am, calls: Dict[int, _Call]) -> torch.Tensor:
@@ -246,6 +259,11 @@ class WindowRunner:
                     raise NotImplementedError(
                         f"{type(unit.module).__name__} receives a tensor argument that needs gradients besides "
                         "the hidden states; this family is not supported by the streaming engine yet.")
+            if any(v is NOT_RUN for v in list(kwargs.values()) + list(args[1:])):
+                raise NotImplementedError(
+                    f"{type(unit.module).__name__} receives another output of the layer before it besides the "
+                    "hidden states; a layer-major window does not run the layers in the model's forward, so this "
+                    "family is not supported there (train it one micro-batch at a time).")
             if unit.layer_index in calls:
                 raise NotImplementedError(
                     f"{type(self.r.model).__name__} calls its layer {unit.layer_index} more than once in one "

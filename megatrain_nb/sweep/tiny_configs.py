@@ -71,7 +71,7 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "mamba": {"time_step_rank": 4},
     # dots3_note: the sliding-window layers' head_dim == qk_nope_head_dim + qk_rope_head_dim
     "dots3_note_text": {"head_dim": 16},
-    "dots3_note": {"head_dim": 16},
+    "dots3_note": {"head_dim": 16, "adapter_in_dim": 32},
     # dory: n_input_layers + n_recurrent_layers + n_output_layers == num_hidden_layers
     # (its to_dict counts blocks: an attention and an mlp block per layer)
     "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,

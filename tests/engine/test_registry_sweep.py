@@ -66,3 +66,62 @@ def test_tiny_config_keeps_one_layer_of_each_kind():
     cfg = tiny_config("qwen3_next")   # 3 linear-attention layers, then a full one, repeated
     assert cfg.num_hidden_layers == 2 and sorted(set(cfg.layer_types)) == ["full_attention", "linear_attention"]
     assert cfg.hidden_size == 32 and cfg.vocab_size == 128 and cfg.num_experts == 4
+
+
+def test_models_table_is_generated_from_the_shipped_results():
+    """docs/MODELS.md is what scripts/models_table.py writes from megatrain_nb/data/models.json."""
+    import os
+
+    from megatrain_nb.sweep import table
+
+    stored = table.load()
+    assert stored["results"], "no shipped sweep results"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "MODELS.md")) as f:
+        assert f.read() == table.markdown(stored["results"], stored["transformers"])
+    statuses = {r["status"] for r in stored["results"]}
+    assert statuses <= {"supported", "refused", "not a decoder stack", "not built"} | (
+        {"failing"} if KNOWN_FAILING else set())
+
+
+def test_cli_models_prints_the_table(capsys):
+    from megatrain_nb.cli import main
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("llama "))
+    assert "supported" in line
+    assert "decoder-only" in out and "% " not in out.splitlines()[0]
+
+
+def test_cli_models_check_runs_here(capsys):
+    from megatrain_nb.cli import main
+
+    assert main(["models", "--check", "gpt2"]) == 0
+    out = capsys.readouterr().out
+    assert any(x.startswith("gpt2 ") and "supported" in x for x in out.splitlines())
+
+
+def test_frozen_parameter_is_left_as_it_is():
+    """requires_grad=False (here the input embedding): zero gradient, no decay, unchanged by steps,
+    while the other parameters train."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatrain_nb.engine import EngineConfig, StreamingEngine
+
+    from .families import VOCAB, family_config
+
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    before = copy.deepcopy(dict(model.named_parameters()))
+    engine = StreamingEngine(model, EngineConfig(device="cpu", weight_decay=0.1))
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        engine.forward_backward(ids, step_lr=1e-2)
+    after = dict(engine.named_parameters())
+    assert torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])
+    engine.close()

@@ -30,7 +30,7 @@ WINDOW = 4
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed", "word_embed_proj_dim",
               "attention_hidden_size", "lru_width", "emb_dim", "embedding_dim", "embedding_size",
               "input_embedding_size", "output_embedding_size", "backbone_hidden_size", "hidden_dim",
-              "hidden_size_global")
+              "hidden_size_global", "adapter_in_dim", "adapter_out_dim")
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
              "encoder_attention_heads", "attention_heads", "swa_num_attention_heads", "index_n_heads",
              "linear_num_value_heads", "linear_num_heads", "num_decoder_attention_heads",
@@ -71,7 +71,7 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "mamba": {"time_step_rank": 4},
     # dots3_note: the sliding-window layers' head_dim == qk_nope_head_dim + qk_rope_head_dim
     "dots3_note_text": {"head_dim": 16},
-    "dots3_note": {"head_dim": 16, "adapter_in_dim": 32},
+    "dots3_note": {"head_dim": 16},
     # dory: n_input_layers + n_recurrent_layers + n_output_layers == num_hidden_layers
     # (its to_dict counts blocks: an attention and an mlp block per layer)
     "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,

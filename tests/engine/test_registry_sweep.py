@@ -18,7 +18,10 @@ FAST = ["llama", "gpt2", "mixtral", "deepseek_v3", "qwen3_next", "mamba2", "gemm
         "gpt_neo"]
 
 #: Entries the engine gets wrong today, each with the reason (docs/MODELS.md lists them too).
-KNOWN_FAILING = {}
+KNOWN_FAILING = {
+    "dots3_note": "the tiny-config rules do not fit its vision adapter (adapter_input_size must match hidden_size)",
+    "reformer": "Hugging Face back-propagates Reformer only in train mode (LSH attention); the check runs in eval",
+}
 
 ALL = list(registry())
 

@@ -83,7 +83,8 @@ def markdown(results: List[dict], version: str) -> str:
         "* **supported**: every mode matched Hugging Face (loss within 1e-5, every gradient within 1e-4 "
         "relative);",
         "* **refused**: the engine declines the model, saying why;",
-        "* **failing**: the engine runs it and gets it wrong (listed, with what differs);",
+        "* **failing**: neither a pass nor a stated refusal: the engine got it wrong or crashed, or the sweep's "
+        "tiny config or setting does not fit the model (listed with what happened);",
         "* **not a decoder stack**: a multimodal top-level class (train its text model), or a speculative-"
         "decoding assistant that runs only beside its target model;",
         "* **not built**: transformers itself cannot build the model from its own default config on a CPU.",

@@ -138,6 +138,7 @@ class StepRunner:
         self._mode: Optional[Callable] = None   # the proxies' mode: capture or replay (None: run the layer)
         self._tuple_out = False    # whether the layers return a tuple (learned from real calls)
         self._out_template: Dict[int, tuple] = {}   # per layer: proxies.template_of its output
+        self._guessed: set = set()   # layers whose output shape _out guessed in this pass
         self._straight = False     # this group's sums go straight to their updates (unclipped)
         self._saved_bytes = 0      # activations held across the step (boundary, fronts, kept graphs)
         self._front_bytes = 0
@@ -205,8 +206,9 @@ class StepRunner:
             t = output_template(unit, args, kwargs or {}, self.placeholders)
             if t is not None:
                 self._out_template[unit.layer_index] = t
-        if t is None and self._out_template:   # the probe failed: as the other layers
-            t = next(iter(self._out_template.values()))
+        if t is None:   # the probe failed: as the other layers (a guess)
+            self._guessed.add(unit.layer_index)
+            t = next(iter(self._out_template.values()), None)
         if t is None:
             return (h,) if self._tuple_out else h
         is_tuple, extras = t
@@ -243,8 +245,18 @@ class StepRunner:
             return self._out(hidden, unit, args, kwargs)
 
         self._mode = capture
+        self._guessed = set()
         try:
             self._base_forward(ids, am)
+        except (TypeError, ValueError, IndexError) as e:
+            if not self._guessed:
+                raise
+            # The model's code took apart an output shaped by a guess: what these layers return
+            # could not be found without running them (the fake-tensor probe failed).
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: what its layers {sorted(self._guessed)} return could not be found "
+                f"without running them, and the model's forward failed on the guess ({type(e).__name__}: {e}); "
+                "this family is not supported by the streaming engine yet.") from e
         finally:
             self._mode = None
         return h0[0]

@@ -693,7 +693,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs (ranks) per node (default 1); the training state is sharded over all of them")
     e.add_argument("--json", action="store_true", help="print JSON instead of the table")
     e.set_defaults(func=cmd_estimate)
+
+    m = sub.add_parser("models", help="which causal LMs of the installed transformers the engine supports "
+                                      "(docs/MODELS.md)")
+    m.add_argument("--check", nargs="*", metavar="MODEL_TYPE", default=None,
+                   help="run the check here (tiny models, CPU; the whole registry takes minutes) instead of "
+                        "showing the shipped results; with model types, only those")
+    m.set_defaults(func=cmd_models)
     return ap
+
+
+def cmd_models(ns) -> int:
+    """The models table for the installed transformers (shipped results, or checked here)."""
+    import transformers
+
+    from megatrain_nb.sweep import table
+
+    if ns.check is not None:
+        from megatrain_nb.sweep.check import sweep
+
+        results = [r.to_dict() for r in sweep(ns.check or None)]
+    else:
+        stored = table.load()
+        results = table.for_installed(stored)
+        if stored.get("transformers") and stored["transformers"] != transformers.__version__:
+            print(f"(results checked with transformers {stored['transformers']}; installed: "
+                  f"{transformers.__version__}; `megatrain-nb models --check` checks this one)")
+    print(table.text(results, transformers.__version__))
+    return 0
 
 
 def main(argv=None) -> int:

@@ -38,8 +38,12 @@ def max_positions(cfg) -> Optional[int]:
 
 
 def intermediate_size(cfg) -> Optional[int]:
-    """The MLP width, or None (the planner then assumes 4 x hidden)."""
-    return getattr(text_config(cfg), "intermediate_size", None)
+    """The MLP width (the widest, where it is given per layer), or None (the planner then
+    assumes 4 x hidden)."""
+    v = getattr(text_config(cfg), "intermediate_size", None)
+    if isinstance(v, (list, tuple)):
+        v = max((x for x in v if isinstance(x, int)), default=None)
+    return v
 
 
 def vocab_size(cfg) -> int:

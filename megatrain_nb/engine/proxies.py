@@ -9,8 +9,9 @@ behaviour stays the model's own.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -52,6 +53,8 @@ def bind(unit: Unit, flat: torch.Tensor, *, requires_grad: bool) -> List[torch.T
         v = flat[p.offset:p.offset + p.numel].view(p.shape)
         if requires_grad:
             v = v.detach().requires_grad_(True)
+            if p.frozen:   # the model's requires_grad=False: its gradient is zero
+                v.register_hook(torch.zeros_like)
         for mod, attr in p.bindings:
             mod._parameters[attr] = v
         bound.append(v)
@@ -62,6 +65,40 @@ def unbind(unit: Unit, placeholders: Dict[Tuple[int, str], nn.Parameter]) -> Non
     for p in unit.params:
         for mod, attr in p.bindings:
             mod._parameters[attr] = placeholders[(id(mod), attr)]
+
+
+def output_template(unit: Unit, args, kwargs, placeholders) -> Optional[Tuple[bool, Tuple[bool, ...]]]:
+    """:func:`template_of` the layer's output, found without its weights (the layer runs once
+    on fake tensors: no memory, no compute); None if that cannot be found."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not torch.is_tensor(hidden):
+        return None
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)   # an op without a fake kernel is an answer (None), not an error
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            for p in unit.params:
+                t = torch.empty(p.shape, device=hidden.device, dtype=hidden.dtype)
+                for mod, attr in p.bindings:
+                    mod._parameters[attr] = t
+            out = unit.module(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the caller keeps what it knew
+        return None
+    finally:
+        unbind(unit, placeholders)
+        quiet.setLevel(level)
+    return template_of(out)
+
+
+def template_of(out) -> Tuple[bool, Tuple[bool, ...]]:
+    """(whether the layer returns a tuple, for each item after the hidden state whether it is
+    something rather than None)."""
+    if isinstance(out, (tuple, list)):
+        return True, tuple(x is not None for x in out[1:])
+    return False, ()
 
 
 @contextmanager
@@ -75,14 +112,34 @@ def swapped_submodule(parent: nn.Module, name: str, replacement: nn.Module):
 
 
 class HiddenStatesStub(nn.Module):
-    """Stands in for the base model so the CausalLM's own head code runs on one chunk."""
+    """Stands in for the base model so the CausalLM's own head code runs on one chunk.
 
-    def __init__(self):
+    Calling it (or any module of the stack path the head code reaches it through, such as
+    ``self.model.decoder``) returns the chunk's hidden states; every other attribute the head
+    code reads (``config``, ``embed_tokens``, multipliers, ...) is the real base model's.
+    """
+
+    def __init__(self, base: nn.Module = None, path=()):
         super().__init__()
         self.hidden = None
+        # Plain attributes, not submodules: the stub owns no parameters.
+        object.__setattr__(self, "_mt_base", base)
+        object.__setattr__(self, "_mt_path", tuple(id(m) for m in path))
 
     def forward(self, *args, **kwargs):
         return _StubOutput(last_hidden_state=self.hidden)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__.get("_mt_base")
+            if base is None or name.startswith("__"):
+                raise
+            value = getattr(base, name)
+            if isinstance(value, nn.Module) and id(value) in self.__dict__["_mt_path"]:
+                return self
+            return value
 
 
 def _stub_output_class():

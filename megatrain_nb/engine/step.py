@@ -44,8 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from . import finite
+from .discovery import locate
 from .inputs import model_inputs
-from .proxies import HiddenStatesStub, bind, swapped_submodule, unbind
+from .proxies import HiddenStatesStub, bind, output_template, swapped_submodule, template_of, unbind
 from .units import Unit, forward_order
 from .planner import WindowPlan
 from .updates import StepContext
@@ -72,6 +73,17 @@ class LayerCall:
         kw = dict(self.kwargs)
         kw["hidden_states"] = h
         return self.args, kw
+
+
+class _NotRun:
+    """Stands for a layer's outputs besides the hidden state in the capture and replay passes
+    (the layers do not run there); a layer receiving one is refused."""
+
+    def __repr__(self):
+        return "<output of a layer that did not run>"
+
+
+NOT_RUN = _NotRun()
 
 
 def _first(out):
@@ -116,14 +128,17 @@ class StepRunner:
         self.loss_chunk_tokens = loss_chunk_tokens
         self.plan_reads = plan_reads
         self.grad_buffer = grad_buffer
+        self.base_name, self.base, path = locate(model)   # before the layer proxies go in
+        self._head_stub = HiddenStatesStub(self.base, path)
         self.activation_peak = 0   # device bytes of activations (saved inputs, work, logits): peak
         self.activation_now = 0
         self.sum_bytes = 0         # fp32 gradient sums alive on the device now
         self.sum_peak = 0          # ... and their peak over the steps run
-        self._head_stub = HiddenStatesStub()
         self._slot_ptrs = None
         self._mode: Optional[Callable] = None   # the proxies' mode: capture or replay (None: run the layer)
         self._tuple_out = False    # whether the layers return a tuple (learned from real calls)
+        self._out_template: Dict[int, tuple] = {}   # per layer: proxies.template_of its output
+        self._guessed: set = set()   # layers whose output shape _out guessed in this pass
         self._straight = False     # this group's sums go straight to their updates (unclipped)
         self._saved_bytes = 0      # activations held across the step (boundary, fronts, kept graphs)
         self._front_bytes = 0
@@ -162,7 +177,7 @@ class StepRunner:
 
     def _base_forward(self, ids, am) -> torch.Tensor:
         """The base model's own forward (layers through the proxies): final hidden states."""
-        out = self.model.base_model(input_ids=ids, use_cache=False, **model_inputs(am))
+        out = self.base(input_ids=ids, use_cache=False, **model_inputs(am))
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def _head_logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:
@@ -171,14 +186,37 @@ class StepRunner:
         stub.hidden = hidden_chunk
         dummy = torch.zeros(hidden_chunk.shape[:2], dtype=torch.long, device=hidden_chunk.device)
         try:
-            with swapped_submodule(self.model, self.model.base_model_prefix, stub):
+            with swapped_submodule(self.model, self.base_name, stub):
                 out = self.model(input_ids=dummy, use_cache=False)
+        except IndexError as e:   # the head indexes outputs of the base model the stub does not have
+            raise NotImplementedError(
+                f"{type(self.model).__name__}'s head reads more of its base model's output than the final hidden "
+                f"states ({e}); this family is not supported by the streaming engine yet.") from e
         finally:
             stub.hidden = None
         return out.logits
 
-    def _out(self, h):
-        return (h,) if self._tuple_out else h
+    def _out(self, h, unit: Unit, args=(), kwargs=None):
+        """``h`` shaped as ``unit``'s layer returns its output (capture and replay, where the
+        layers do not run): a bare tensor, or a tuple whose first item is the hidden state and
+        whose others are None where the layer returns None and :data:`NOT_RUN` where it returns
+        something (learned from a real call or a fake-tensor probe)."""
+        t = self._out_template.get(unit.layer_index)
+        if t is None:
+            t = output_template(unit, args, kwargs or {}, self.placeholders)
+            if t is not None:
+                self._out_template[unit.layer_index] = t
+        if t is None:   # the probe failed: as the other layers (a guess)
+            self._guessed.add(unit.layer_index)
+            t = next(iter(self._out_template.values()), None)
+        if t is None:
+            return (h,) if self._tuple_out else h
+        is_tuple, extras = t
+        return (h,) + tuple(NOT_RUN if x else None for x in extras) if is_tuple else h
+
+    def _learn_output(self, unit: Unit, out) -> None:
+        self._tuple_out = isinstance(out, (tuple, list))
+        self._out_template[unit.layer_index] = template_of(out)
 
     def _capture(self, ids, am, calls: Dict[int, LayerCall]) -> torch.Tensor:
         """The model's own forward up to the layers: each layer's call into ``calls``; returns
@@ -191,15 +229,34 @@ class StepRunner:
                     raise NotImplementedError(
                         f"{type(unit.module).__name__} receives a tensor argument that needs gradients besides "
                         "the hidden states; this family is not supported by the streaming engine yet.")
+            if any(v is NOT_RUN for v in list(kwargs.values()) + list(args[1:])):
+                raise NotImplementedError(
+                    f"{type(unit.module).__name__} receives another output of the layer before it besides the "
+                    "hidden states (a second stream between layers); this family is not supported by the "
+                    "streaming engine yet.")
+            if unit.layer_index in calls:
+                raise NotImplementedError(
+                    f"{type(self.model).__name__} calls its layer {unit.layer_index} more than once in one "
+                    "forward (a looped or shared layer); this family is not supported by the streaming engine yet.")
             hidden = _hidden_of(args, kwargs)
             if unit.layer_index == 0:
                 h0.append(hidden)
             calls[unit.layer_index] = LayerCall.captured(args, kwargs)
-            return self._out(hidden)
+            return self._out(hidden, unit, args, kwargs)
 
         self._mode = capture
+        self._guessed = set()
         try:
             self._base_forward(ids, am)
+        except (TypeError, ValueError, IndexError) as e:
+            if not self._guessed:
+                raise
+            # The model's code took apart an output shaped by a guess: what these layers return
+            # could not be found without running them (the fake-tensor probe failed).
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: what its layers {sorted(self._guessed)} return could not be found "
+                f"without running them, and the model's forward failed on the guess ({type(e).__name__}: {e}); "
+                "this family is not supported by the streaming engine yet.") from e
         finally:
             self._mode = None
         return h0[0]
@@ -211,7 +268,7 @@ class StepRunner:
         last = len(self.layers) - 1
 
         def replay(unit, args, kwargs):
-            return self._out(h_last if unit.layer_index == last else _hidden_of(args, kwargs))
+            return self._out(h_last if unit.layer_index == last else _hidden_of(args, kwargs), unit, args, kwargs)
 
         self._mode = replay
         devices = [self.device] if self.device.type == "cuda" else []
@@ -224,7 +281,7 @@ class StepRunner:
     def _call_layer(self, unit: Unit, call: LayerCall, hidden):
         a, kw = call.with_hidden(hidden)
         out = unit.module(*a, **kw)
-        self._tuple_out = isinstance(out, (tuple, list))
+        self._learn_output(unit, out)
         return _first(out)
 
     def _run_layer_nograd(self, unit: Unit, call: LayerCall, hidden):
@@ -237,7 +294,7 @@ class StepRunner:
         finally:
             unbind(unit, self.placeholders)
             self.pager.release(unit)
-        self._tuple_out = isinstance(out, (tuple, list))
+        self._learn_output(unit, out)
         return out
 
     def _bind_outer(self, requires_grad: bool) -> Dict[int, List[torch.Tensor]]:

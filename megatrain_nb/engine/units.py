@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .discovery import modules_after_layers
+
 
 SUPPORTED_HINT = ("decoder-only *ForCausalLM models from transformers (Llama, Qwen2, Mistral, GPT-2, "
                   "Gemma 2, Phi-3, Mixtral and other families with a decoder layer list)")
@@ -26,6 +28,9 @@ class ParamEntry:
     shape: Tuple[int, ...]
     decay: bool
     bindings: List[Tuple[nn.Module, str]] = field(default_factory=list)  # every (module, attr) sharing it
+    #: requires_grad=False in the model (a sinusoidal table, a router's correction bias): its
+    #: gradient is zero and it gets no weight decay, so the optimizer leaves it as it is
+    frozen: bool = False
 
     @property
     def numel(self) -> int:
@@ -59,27 +64,49 @@ def check_supported(model: nn.Module) -> None:
         raise TypeError(f"{type(model).__name__} is not a transformers model; the engine supports {SUPPORTED_HINT}.")
     if getattr(config, "is_encoder_decoder", False):
         raise TypeError(f"{type(model).__name__} is an encoder-decoder model; the engine supports {SUPPORTED_HINT}.")
-    if model.get_output_embeddings() is None or not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+    if model.get_output_embeddings() is None or not (type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+                                                     or _registered_causal_lm(model)):
         raise TypeError(f"{type(model).__name__} is not a causal language model (encoder-only or a bare base "
                         f"model?); the engine supports {SUPPORTED_HINT}. Load it with "
                         "AutoModelForCausalLM.")
 
 
+def _registered_causal_lm(model: nn.Module) -> bool:
+    """Whether transformers registers the model's class as a causal LM (BertGenerationDecoder, ...)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return False
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
 def find_layer_list(model: nn.Module) -> Tuple[nn.Module, str, nn.ModuleList]:
-    """The decoder layer list: the ModuleList holding the most parameters.
+    """The decoder layer list: of the ModuleLists holding parameters, the one nearest the top
+    of the module tree, and of those the one holding the most parameters (a vision or audio
+    tower's layers, deeper inside the embedding, are not the decoder's).
 
     Returns (parent module, attribute name, the list).
     """
     best = None
     for parent_name, parent in model.named_modules():
+        depth = parent_name.count(".") + 1 if parent_name else 0
         for attr, child in parent.named_children():
             if isinstance(child, nn.ModuleList) and len(child) > 0:
                 numel = sum(p.numel() for p in child.parameters())
-                if best is None or numel > best[0]:
-                    best = (numel, parent, attr, child)
+                if numel == 0:
+                    continue
+                key = (-depth, numel)
+                if best is None or key > best[0]:
+                    best = (key, parent, attr, child)
     if best is None:
         raise TypeError(f"{type(model).__name__} has no decoder layer list; the engine supports {SUPPORTED_HINT}.")
-    _, parent, attr, layers = best
+    (_, numel), parent, attr, layers = best
+    for other_attr, other in parent.named_children():   # XLM: attentions, ffns, norms in lists side by side
+        if other is not layers and isinstance(other, nn.ModuleList) and len(other) == len(layers) \
+                and sum(p.numel() for p in other.parameters()) >= numel // 10:
+            raise TypeError(f"{type(model).__name__} keeps each layer's parts in parallel lists ({attr}, "
+                            f"{other_attr}, ...) rather than one list of layers; the engine supports "
+                            f"{SUPPORTED_HINT}.")
     return parent, attr, layers
 
 
@@ -108,6 +135,10 @@ def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
 
     layer_param_ids: List[set] = [set(id(p) for p in layer.parameters()) for layer in layers]
     in_layers = set().union(*layer_param_ids) if layer_param_ids else set()
+    if sum(len(ids) for ids in layer_param_ids) != len(in_layers):
+        raise TypeError(f"{type(model).__name__} shares parameters between its decoder layers (a block tied "
+                        "across layers); this is not supported by the streaming engine, which streams each "
+                        "layer's own weights.")
 
     # Outer parameters: the ones used after the layer list go to "head"; everything else to
     # "embed". "After" = the output embedding (unless tied to the input one) and base-model
@@ -121,24 +152,19 @@ def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
     head_ids = set()
     if out_emb is not None:
         head_ids |= {id(p) for p in out_emb.parameters()} - tied_ids
-    base = model.base_model if model.base_model is not model else model
-    seen_layers = False
-    for attr, child in base.named_children():
-        if child is layers:
-            seen_layers = True
-            continue
-        if seen_layers:
-            head_ids |= {id(p) for p in child.parameters()} - tied_ids - in_layers
+    for child in modules_after_layers(model, layers):
+        head_ids |= {id(p) for p in child.parameters()} - tied_ids - in_layers
 
     def make_unit(name, kind, index, ids, layer_index=None, module=None) -> Unit:
         ordered = [canonical[i] for i in canonical if i in ids]  # model order
-        dec = [n for n in ordered if n in decay]
-        nodec = [n for n in ordered if n not in decay]
         by_name = {canonical[i]: i for i in ids}
+        dec = [n for n in ordered if n in decay and params[by_name[n]].requires_grad]
+        nodec = [n for n in ordered if n not in dec]
         entries, off = [], 0
         for n in dec + nodec:
             p = params[by_name[n]]
-            entries.append(ParamEntry(n, off, tuple(p.shape), n in decay, bindings[by_name[n]]))
+            entries.append(ParamEntry(n, off, tuple(p.shape), n in dec, bindings[by_name[n]],
+                                      frozen=not p.requires_grad))
             off += p.numel()
         dn = sum(params[by_name[n]].numel() for n in dec)
         return Unit(name, kind, index, entries, off, dn, layer_index, module)

@@ -1,0 +1,1 @@
+"""The causal-LM registry sweep: tiny configs, the parity check, the table."""

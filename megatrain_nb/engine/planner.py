@@ -95,14 +95,14 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       a CPU "device" one more (the window's sum being formed, a lent pool buffer) and a tied
       embedding's sum; + 2 when a clipping norm is waited for (the hold's disk writes);
     * compressed optimizer states, updated in chunks (``states.OptimizerStates.update``): the
-      fp32 moments of ``RING`` chunks and the codes of the unit being updated (encoded back in
+      fp32 moments of ``RING`` chunks (at most the largest unit's size, ``states.update_chunk``) and the codes of the unit being updated (encoded back in
       place when read from the disk tier; a new set in RAM), and on the disk tier the codes
       read ahead (``states.min_reads_ahead``) and written behind (``states.writes_pending``);
       fp32 states on the disk tier are read into and written from whole-unit buffers (the unit
       being updated, reads ahead, writes behind); fp32 states in RAM are updated in place.
     (Without a host cache of the disk tier: the estimate's least host RAM.)
     """
-    from .states import RING, min_reads_ahead, writes_pending
+    from .states import RING, min_reads_ahead, update_chunk, writes_pending
 
     if not units:
         return 0
@@ -119,7 +119,7 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
             out += (1 + min_reads_ahead(8 * u) + writes_pending(8 * u, False)) * 8 * u
     else:
         stored = int(u * codec_bytes_per_param(compression))
-        out += RING * 8 * chunk_numel + stored
+        out += RING * 8 * update_chunk(compression, chunk_numel, u) + stored
         if states_on_disk:
             out += (min_reads_ahead(stored) + writes_pending(stored, True)) * stored
     return out

@@ -49,6 +49,20 @@ def chunk_bounds(numel: int, chunk: int):
     return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
 
 
+def update_chunk(codec_name: str, chunk_numel: int, largest_unit: int) -> int:
+    """Elements of the moments an update decodes at a time (0: the states are not updated in
+    chunks): ``chunk_numel`` in whole codec blocks, and no more than the largest unit needs (a
+    small model's ring is not sized for a megaparameter chunk it never fills)."""
+    if codec_name == "none":
+        return 0
+    codecs = [get_codec(codec_name, r) for r in _ROLES]
+    if not all(sliceable(c) for c in codecs):
+        return 0
+    align = math.lcm(*(c.block for c in codecs))
+    want = min(chunk_numel, -(-max(largest_unit, 1) // align) * align)
+    return max(align, want // align * align)
+
+
 def sliceable(codec) -> bool:
     """Whether a codec stores whole blocks independently (``block``, ``codes_per_byte``,
     ``code_dtype``, codes and scales): a slice of blocks then decodes and encodes alone."""
@@ -65,11 +79,8 @@ class OptimizerStates:
             self.codecs = {r: get_codec(self.codec_name, r) for r in _ROLES}
         #: Compressed states in whole codec blocks are updated in chunks (:meth:`update`): only
         #: ``RING`` chunks of fp32 moments exist at a time, never a unit's.
-        self.chunked = self.codecs is not None and all(sliceable(c) for c in self.codecs.values())
-        self.chunk_numel = 0
-        if self.chunked:
-            align = math.lcm(*(c.block for c in self.codecs.values()))
-            self.chunk_numel = max(align, chunk_numel // align * align)
+        self.chunk_numel = update_chunk(self.codec_name, chunk_numel, max((u.numel for u in units), default=0))
+        self.chunked = self.chunk_numel > 0
         self._ring = None   # RING x (m, v) chunk buffers, made on the first chunked update
         self.ram: Dict[int, Dict[str, object]] = {}
         self.disk = disk  # shared with the engine, which closes it

@@ -81,4 +81,5 @@ def test_launcher_in_a_real_kernel(kernel, tmp_path):
                              ["stop", final, "lab"]]
     per_rank = [["pause", held], ["lr", held], ["resume", held], ["stop", final]]
     assert got["ranks"] == [["stopped", final, per_rank], ["stopped", final, per_rank]]
-    assert not list_sessions(tmp_path / "runtime")
+    # the run's last heartbeat says it ended; the sidebar keeps it, marked, until dismissed
+    assert [(s["name"], s["state"]) for s in list_sessions(tmp_path / "runtime")] == [("kernel-launch", "stopped")]

@@ -116,10 +116,13 @@ def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
     # Per step: weights for the forward (every unit but the two served fresh from the last
     # updates: embed and layer 0), for the backward (every layer, whose buffer then serves its
     # update), for the updates of embed and head; and the optimizer states of every unit.
+    # At most that: a unit whose update is still running when the next forward asks for it is
+    # handed its fresh copy instead of a read, and how many are depends on the threads' timing
+    # (on a loaded machine a few more than the two; seen: 33 of 40 reads).
     n, layers = len(e.units), len(e.layer_units)
-    assert reads == 2 * ((n - 2) + layers + 2 + n), pf
+    assert 2 * (layers + n) <= reads <= 2 * ((n - 2) + layers + 2 + n), pf
     assert pf["late"] == 0, pf
-    assert tel["weight_reads_saved"] == 2 * (layers + 2)
+    assert tel["weight_reads_saved"] >= 2 * (layers + 2)
     # bytes: a layer's weights cross disk->host twice per step (not three times), the states once
     w = sum(u.numel * 4 for u in e.units)
     fwd = w - 4 * (e.embed_unit.numel + e.layer_units[0].numel)

@@ -16,7 +16,7 @@ The updates wait for the global norm when the step clips, and -- data parallel u
 ``on_nonfinite="skip"`` -- when every rank must take the same decision on a NaN/inf before
 any update (``StepContext.gate``). Each final gradient passes :meth:`GradientIntake.reduce`
 (the reduce point) once. Data parallel, every micro-batch's gradient is reduce-scattered on
-arrival (:meth:`GradientIntake.shard_gradient`), so the host holds only shard-sized ones.
+its way out of the device (``transport.ShardedTransport``), so the host holds only shard-sized ones.
 
 Final-gradient buffers come from one :class:`~.host_store.BufferPool`; a layer-major window
 on a CPU "device" borrows one per unit (:meth:`GradientIntake.lend_buffer`), sums into it and
@@ -36,7 +36,6 @@ import torch
 
 from . import finite
 from .host_store import BufferPool
-from .sharded import ShardUnit
 from .units import Unit
 
 HOLD_WRITES = 2   # disk writes of held final gradients in flight at once (hold="disk")
@@ -140,7 +139,6 @@ class GradientIntake:
         self._norm_lock = threading.Lock()
         self._unit_norm: Dict[int, float] = {}        # unit index -> its final gradient's norm (clipping)
         self._votes: Dict[int, bool] = {}             # unit index -> finite on every rank (data parallel)
-        self._rs_buf: Optional[torch.Tensor] = None   # sharded: the reduce-scatter's whole-unit input
         self._held_ram: Dict[int, torch.Tensor] = {}  # unit index -> final gradient held for the norm (hold="host")
         self._held: Dict[int, Future] = {}            # unit index -> write of its final gradient (hold="disk")
         self._held_keys: set = set()
@@ -159,7 +157,6 @@ class GradientIntake:
         """A unit's gradient of this micro-batch reached the host (a flat fp32 tensor, or on a
         CPU "device" the per-parameter gradients)."""
         step = self.step
-        unit, grad = self.shard_gradient(unit, grad)
         if self.policy.votes(step):
             self._vote(unit, grad)   # every rank, empty shard or not: a collective
         if unit.numel == 0:   # a small unit's shard of this rank is empty: nothing to update
@@ -209,7 +206,7 @@ class GradientIntake:
         """The reduce point: ``flat`` is this process's final gradient of ``unit`` (fp32, in
         place), before its norm share is taken and its update queued. Nothing to do in one
         process, nor with sharded state: there each micro-batch's gradient was already
-        reduce-scattered on arrival (:meth:`shard_gradient`), so the accumulated shard is the
+        reduce-scattered on its way out of the device (``transport.ShardedTransport``), so the accumulated shard is the
         sum over ranks. (A hook for tests and for reductions of the final gradient.)"""
 
     def global_norm(self, loss: Optional[float]) -> Tuple[float, Optional[float]]:
@@ -277,9 +274,8 @@ class GradientIntake:
         return flat
 
     def buffer_bytes(self) -> int:
-        """Recycled final-gradient buffers held in RAM (and, sharded, the reduce-scatter's input)."""
-        rs = self._rs_buf.numel() * 4 if self._rs_buf is not None else 0
-        return self.pool.nbytes() + rs
+        """Recycled final-gradient buffers held in RAM."""
+        return self.pool.nbytes()
 
     def held_ram_bytes(self) -> int:
         """Bytes of final gradients held in RAM for a clipping norm (freed by their updates)."""
@@ -327,28 +323,3 @@ class GradientIntake:
         t = torch.tensor([bad], dtype=torch.float64)
         self.sharded.reduce_dist.all_reduce_(t)
         self._votes[unit.index] = float(t.item()) == 0.0
-
-    def shard_gradient(self, unit: Unit, grad):
-        """Data parallel, on each micro-batch's arrival: (unit, its gradient) -> (this rank's
-        shard of the unit, the gradient of the shard summed over ranks), by a reduce-scatter.
-        Every micro-batch's is reduced (as FSDP does), so the host only ever holds shard-sized
-        gradients. Runs in the gradient-return thread, in the backward's order on every rank,
-        overlapping the backward of the units below. One process: unchanged. A CUDA pager has
-        already reduce-scattered on the device and hands over the shard (a ShardUnit)."""
-        sh = self.sharded
-        if sh is None or isinstance(unit, ShardUnit):
-            return unit, grad
-        # One whole-unit buffer for the reduce-scatter's input, reused (this runs in the one
-        # gradient thread and the collective is synchronous): handed back to the pool, such
-        # buffers took the pool's room (sized for shards) and stayed in RAM at world size N.
-        if self._rs_buf is None:
-            from .disk_store import aligned_empty
-
-            self._rs_buf = aligned_empty(max(sh.padded_numel(u) for u in sh.units))
-        padded = self._rs_buf[:sh.padded_numel(unit)]
-        if torch.is_tensor(grad):
-            padded[:unit.numel].copy_(grad.reshape(-1))
-        else:
-            torch.cat([g.reshape(-1).float() for g in grad], out=padded[:unit.numel])
-        padded[unit.numel:].zero_()
-        return sh.shard(unit), sh.reduce_grad(unit, padded)

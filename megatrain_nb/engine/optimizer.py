@@ -32,26 +32,9 @@ class UnitAdamW:
         """One AdamW update of a unit's flat fp32 params in place (moments updated in place).
         ``collect_stats`` None: :attr:`collect_stats`. ``grad_norm``: the gradient's norm when
         the caller knows it (the clipped path took it during the backward), saving a pass."""
-        if collect_stats is None:
-            collect_stats = self.collect_stats
-        step = self.steps.get(unit.index)
-        if step is None:
-            step = self.steps[unit.index] = torch.zeros((), dtype=torch.float32)
-        old = None
-        if collect_stats:
-            stride = max(1, unit.numel // 65536)
-            old = params[::stride].clone()  # the update norm is estimated from a strided sample
-        step.add_(1)
-        d = unit.decay_numel
-        groups = [(slice(0, d), self.weight_decay), (slice(d, unit.numel), 0.0)]
-        for sl, wd in groups:
-            if sl.stop - sl.start == 0:
-                continue
-            self.fused(params[sl], grads[sl], exp_avg[sl], exp_avg_sq[sl], step, lr, wd)
-        if collect_stats:
-            st = unit_stats(unit, params, grads, old, grad_norm=grad_norm)
-            st["optimizer_step"] = int(step)  # updates run in a worker: say which step this is
-            self.stats[unit.index] = st
+        run = self.start_unit(unit, params, collect_stats)
+        run.step(0, unit.numel, grads, exp_avg, exp_avg_sq, lr)
+        run.finish(grads, grad_norm=grad_norm)
 
     def start_unit(self, unit: Unit, params: torch.Tensor,
                    collect_stats: Optional[bool] = None) -> "UnitRun":
@@ -64,7 +47,7 @@ class UnitAdamW:
         if step is None:
             step = self.steps[unit.index] = torch.zeros((), dtype=torch.float32)
         old = None
-        if collect_stats:
+        if collect_stats:   # the update norm is estimated from a strided sample
             old = params[::max(1, unit.numel // 65536)].clone()
         step.add_(1)
         return UnitRun(self, unit, params, step, old)

@@ -22,16 +22,15 @@ def main(out_dir: str, policy: str) -> None:
     dist = Dist.from_env()
     engine = StreamingEngine(tiny_model(False), device="cpu", on_nonfinite=policy, dist=dist)
     updates = engine.updates
-    real = updates.intake.shard_gradient
+    real = updates.intake.arrived   # gradients arrive as this rank's shard, reduce-scattered
     state = {"step": 0, "mb": 0}
 
     def poisoned(unit, grad):
-        shard, g = real(unit, grad)
         if (dist.rank == 1 and state["step"] == BAD_STEP and state["mb"] == ACC - 1 and unit.name == BAD_UNIT
-                and g.numel() > 0):
-            g.view(-1)[0] = float("nan")
-        return shard, g
-    updates.intake.shard_gradient = poisoned
+                and grad.numel() > 0):
+            grad.view(-1)[0] = float("nan")
+        return real(unit, grad)
+    updates.intake.arrived = poisoned
 
     data = micro_batches(STEPS * ACC * dist.world)
     res = {"skipped": [], "norms": [], "error": None, "weights": []}

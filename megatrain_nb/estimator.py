@@ -28,7 +28,7 @@ GiB = 1024 ** 3
 Budget = Union[float, int, str, None]
 
 
-def _fmt(n: Optional[float]) -> str:
+def format_bytes(n: Optional[float]) -> str:
     # TiB to two decimals: a 100B model's tiers differ in the second digit
     return fmt_bytes(n, none="unlimited", digits=2 if n is not None and n >= 1024 * GiB else 1)
 
@@ -77,7 +77,7 @@ def resolve_config(model):
                     "a transformers config, a model or a StreamingEngine")
 
 
-def _machine_ram() -> Optional[int]:
+def machine_ram() -> Optional[int]:
     try:
         import psutil
 
@@ -93,7 +93,7 @@ def _free_disk_path(path: Optional[str]) -> str:
     return p
 
 
-def _free_disk(path: Optional[str]) -> Optional[int]:
+def free_disk(path: Optional[str]) -> Optional[int]:
     p = _free_disk_path(path)
     try:
         return int(shutil.disk_usage(p).free)
@@ -105,7 +105,7 @@ def _gib(nbytes: Optional[int]) -> Optional[float]:
     return None if nbytes is None else nbytes / GiB
 
 
-def _budget(value: Budget, auto) -> Optional[int]:
+def resolve_budget(value: Budget, auto) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, str):
@@ -191,20 +191,20 @@ class Estimate:
         rows = []
         for tier in ("device", "host", "disk"):
             d = self.tiers()[tier]
-            rows.append([tier, _fmt(self.budgets.get(tier)), _fmt(d.get("total", 0))]
-                        + [(_fmt(d[k]) if d.get(k) else "-") for k, _ in kinds])
+            rows.append([tier, format_bytes(self.budgets.get(tier)), format_bytes(d.get("total", 0))]
+                        + [(format_bytes(d[k]) if d.get(k) else "-") for k, _ in kinds])
         return ["tier", "budget", "needed"] + [label for _, label in kinds], rows
 
     def _gpu_line(self) -> str:
         g = self.gpu_resident
         wgs = g["weights"] + g["grads"] + g["optimizer_states"]
-        line = (f"GPU-resident fp32 AdamW (plain PyTorch, no offload): weights {_fmt(g['weights'])} "
-                f"(≈{_fmt_dec(g['weights'])}); with gradients and Adam states {_fmt(wgs)} (≈{_fmt_dec(wgs)}); "
-                f"with activations {_fmt(g['total'])} (≈{_fmt_dec(g['total'])})")
+        line = (f"GPU-resident fp32 AdamW (plain PyTorch, no offload): weights {format_bytes(g['weights'])} "
+                f"(≈{_fmt_dec(g['weights'])}); with gradients and Adam states {format_bytes(wgs)} (≈{_fmt_dec(wgs)}); "
+                f"with activations {format_bytes(g['total'])} (≈{_fmt_dec(g['total'])})")
         n = self.gpus_needed_resident()
         if n is not None:
-            line += (f": fits one {_fmt(self.budgets['device'])} device" if n <= 1 else
-                     f": {n}x the {_fmt(self.budgets['device'])} device budget")
+            line += (f": fits one {format_bytes(self.budgets['device'])} device" if n <= 1 else
+                     f": {n}x the {format_bytes(self.budgets['device'])} device budget")
         return line
 
     def __str__(self) -> str:
@@ -239,7 +239,7 @@ class Estimate:
         for codec, plan in self.by_codec.items():
             label = {"none": "none (fp32, exact)", "int8": "int8 (lossy)", "int4": "int4 (lossy)"}.get(codec, codec)
             rows.append([label + (" *" if codec == self.compression else ""),
-                         _fmt(plan.device["total"]), _fmt(plan.host["total"]), _fmt(plan.disk["total"]),
+                         format_bytes(plan.device["total"]), format_bytes(plan.host["total"]), format_bytes(plan.disk["total"]),
                          "yes" if plan.feasible else f"NO ({plan.limiting_tier})"])
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         fmt = "  ".join("{:<%d}" % w for w in widths)
@@ -300,8 +300,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     units = unit_specs_from_config(config)
     held = shard_specs(units, world) if world > 1 else None   # this rank's part of the state
     disk_path = offload_dir if isinstance(offload_dir, str) else None
-    budgets = {"device": _budget(vram_gb, lambda: None), "host": _budget(ram_gb, _machine_ram),
-               "disk": _budget(disk_gb, lambda: _free_disk(disk_path)) if offload_dir else None}
+    budgets = {"device": resolve_budget(vram_gb, lambda: None), "host": resolve_budget(ram_gb, machine_ram),
+               "disk": resolve_budget(disk_gb, lambda: free_disk(disk_path)) if offload_dir else None}
     accumulator = accumulation > 1 and not layer_major   # micro-batch-major: the host accumulator
 
     def plan_for(codec, host_bytes):
@@ -323,7 +323,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     notes = []
     if plan.window:
         w = plan.window
-        notes.append(f"accumulation {accumulation}: {w['reason']} ({_fmt(w['boundary_bytes'])} of boundary "
+        notes.append(f"accumulation {accumulation}: {w['reason']} ({format_bytes(w['boundary_bytes'])} of boundary "
                      f"activations on the {w['tier']}); each layer loaded {w['loads_per_layer']:g}x per "
                      f"step; {w['tokens_per_weight_fetch']:,.0f} tokens per weight fetch")
     elif accumulation > 1:
@@ -332,14 +332,14 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     if clipping and not accumulator and not (plan.window and plan.window["groups"] > 1):
         notes.append(f"clipping: the final gradients wait for the global norm {_held_where(plan)}")
     if host_min < plan.host["total"]:
-        notes.append(f"host RAM: {_fmt(plan.host['total'])} with this budget; at least {_fmt(host_min)} "
+        notes.append(f"host RAM: {format_bytes(plan.host['total'])} with this budget; at least {format_bytes(host_min)} "
                      "with everything that may leave it on the disk tier (master weights, gradients held "
                      "for clipping, boundary activations)")
     if ram_gb == "auto":
-        notes.append(f"host budget: this machine's RAM ({_fmt(budgets['host'])}); pass ram_gb=... to plan "
+        notes.append(f"host budget: this machine's RAM ({format_bytes(budgets['host'])}); pass ram_gb=... to plan "
                      "for other hardware")
     if disk_gb == "auto" and offload_dir:
-        notes.append(f"disk budget: the free space at {_free_disk_path(disk_path)} ({_fmt(budgets['disk'])}); "
+        notes.append(f"disk budget: the free space at {_free_disk_path(disk_path)} ({format_bytes(budgets['disk'])}); "
                      "pass disk_gb=... to plan for other hardware")
     return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,

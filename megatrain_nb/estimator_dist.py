@@ -20,7 +20,7 @@ import html
 from dataclasses import dataclass
 from typing import Optional
 
-from megatrain_nb.estimator import GiB, Budget, _budget, _fmt, _free_disk, _machine_ram, estimate
+from megatrain_nb.estimator import GiB, Budget, resolve_budget, format_bytes, free_disk, machine_ram, estimate
 
 
 def wire_bytes_per_rank(units, world: int, plan, *, accumulation: int = 1, layer_major: bool = True,
@@ -101,11 +101,11 @@ class ScaleOutEstimate:
             f"(ZeRO-3): each rank holds 1/{self.world} of every unit's master weights, gradients and optimizer "
             f"states; global batch {r.batch} x {r.seq} x accumulation {self.accumulation} x {self.world} ranks = "
             f"{tokens:,} tokens per step",
-            f"per node ({self.gpus_per_node} ranks): RAM {_fmt(n['host'])} of {_fmt(nb.get('host'))}, disk "
-            f"{_fmt(n['disk'])} of {_fmt(nb.get('disk'))}",
-            f"whole run ({self.nodes} node(s)): RAM {_fmt(w['host'])}, disk {_fmt(w['disk'])}",
-            f"on the wire per rank per step: {_fmt(self.wire['total'])} sent (ZeRO-3 floor: weights gathered "
-            f"{_fmt(self.wire['gather'])}, gradients reduce-scattered {_fmt(self.wire['reduce_scatter'])}; "
+            f"per node ({self.gpus_per_node} ranks): RAM {format_bytes(n['host'])} of {format_bytes(nb.get('host'))}, disk "
+            f"{format_bytes(n['disk'])} of {format_bytes(nb.get('disk'))}",
+            f"whole run ({self.nodes} node(s)): RAM {format_bytes(w['host'])}, disk {format_bytes(w['disk'])}",
+            f"on the wire per rank per step: {format_bytes(self.wire['total'])} sent (ZeRO-3 floor: weights gathered "
+            f"{format_bytes(self.wire['gather'])}, gradients reduce-scattered {format_bytes(self.wire['reduce_scatter'])}; "
             f"{self.world - 1}/{self.world} of each)",
             f"per GPU (one rank; budgets: the GPU's device, 1/{self.gpus_per_node} of its node's RAM and disk):",
         ]
@@ -138,8 +138,8 @@ def estimate_scale_out(model, *, nodes: int = 1, gpus_per_node: int = 1, vram_gb
             raise ValueError(f"{name}={v!r} must be a whole number >= 1")
     world = nodes * gpus_per_node
     disk_path = offload_dir if isinstance(offload_dir, str) else None
-    node = {"host": _budget(ram_gb, _machine_ram),
-            "disk": _budget(disk_gb, lambda: _free_disk(disk_path)) if offload_dir else None}
+    node = {"host": resolve_budget(ram_gb, machine_ram),
+            "disk": resolve_budget(disk_gb, lambda: free_disk(disk_path)) if offload_dir else None}
     if world == 1:   # the plain estimate, budgets as given ("auto" notes included)
         per_rank = estimate(model, vram_gb=vram_gb, ram_gb=ram_gb, disk_gb=disk_gb, offload_dir=offload_dir,
                             accumulation=accumulation, layer_major=layer_major, precision=precision, **options)

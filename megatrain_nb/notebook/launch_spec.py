@@ -166,9 +166,9 @@ def _dataset(path: Path, ds: Any, what: str) -> Optional[str]:
         raise LaunchError(f"{what} of type {type(ds).__name__} is iterable-only: the worker processes need it "
                           "written to disk first; pass a datasets.Dataset (e.g. Dataset.from_generator(...))")
     if not isinstance(ds, datasets.Dataset):
-        from megatrain_nb.trainer.data import _as_example
+        from megatrain_nb.trainer.data import as_example
 
-        rows = [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in _as_example(ds[i]).items()}
+        rows = [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in as_example(ds[i]).items()}
                 for i in range(len(ds))]
         ds = datasets.Dataset.from_list(rows)
     ds.save_to_disk(str(path))

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .session import Session, _Command
+from .session import Session, QueuedCommand
 
 #: after a rank reported an error, how long the agent gets to stop the others before we kill them
 ERROR_GRACE_S = 15.0
@@ -274,7 +274,7 @@ class RemoteSession(Session):
             except queue.Empty:
                 return
 
-    def _forward(self, cmd: _Command) -> None:
+    def _forward(self, cmd: QueuedCommand) -> None:
         """One control -> a file in rank 0's inbox; its id comes back on the event that records it."""
         from megatrain_nb.lab.protocol import atomic_write_json, inbox_path, make_private_dir, new_command_name
 

@@ -54,7 +54,7 @@ SESSION_COMMANDS = ("snapshot", "rewind", "fork")
 
 
 @dataclass
-class _Command:
+class QueuedCommand:
     kind: str  # a name in megatrain_nb.commands.COMMANDS (pause | resume | lr | checkpoint | stop)
     #            or in SESSION_COMMANDS
     value: Any = None
@@ -152,7 +152,7 @@ class Session:
         self.id = uuid.uuid4().hex[:12]
         self.name = str(name) if name else registry.next_default_name()
         self._log = RunLog()
-        self._commands: "queue.Queue[_Command]" = queue.Queue()
+        self._commands: "queue.Queue[QueuedCommand]" = queue.Queue()
         self._cv = threading.Condition()
         self._state = "idle"
         self._thread: Optional[threading.Thread] = None
@@ -350,11 +350,11 @@ class Session:
     # ---- controls: enqueue; the training thread applies them at a step boundary ----------------
     def pause(self, *, source: str = "notebook") -> None:
         """Pause after the current step (the step count then holds still)."""
-        self._enqueue(_Command("pause", source=source))
+        self._enqueue(QueuedCommand("pause", source=source))
 
     def resume(self, *, source: str = "notebook") -> None:
         """Continue a paused run from the step it paused at."""
-        self._enqueue(_Command("resume", source=source))
+        self._enqueue(QueuedCommand("resume", source=source))
 
     def set_lr(self, lr: float, *, source: str = "notebook") -> None:
         """From the next optimizer step the learning rate is ``lr``; a schedule carries on
@@ -364,7 +364,7 @@ class Session:
         value = check_learning_rate(lr)
         self._check_not_ended("change the learning rate of")
         self._requested_lr = self._pending_lr = value  # before the command: it may apply at once
-        self._commands.put(_Command("lr", value, source=source))
+        self._commands.put(QueuedCommand("lr", value, source=source))
 
     def save_checkpoint(self, path: Optional[str] = None, *, wait: bool = True,
                         source: str = "notebook") -> Optional[str]:
@@ -377,7 +377,7 @@ class Session:
         if t is None or not t.is_alive() or t is threading.current_thread():
             return self._do_checkpoint(path, source)  # nothing else is training: write it here
         fut: Future = Future()
-        self._commands.put(_Command("checkpoint", path, source, fut))
+        self._commands.put(QueuedCommand("checkpoint", path, source, fut))
         if not wait:
             return None
         while True:
@@ -440,7 +440,7 @@ class Session:
         if t is None or not t.is_alive() or t is threading.current_thread():
             return self._explore.apply(kind, value)
         fut: Future = Future()
-        self._commands.put(_Command(kind, value, "notebook", fut))
+        self._commands.put(QueuedCommand(kind, value, "notebook", fut))
         while True:
             try:
                 return fut.result(timeout=0.25)
@@ -467,13 +467,13 @@ class Session:
         if state in ENDED:
             self._release()
             return
-        self._commands.put(_Command("stop", checkpoint, source))
+        self._commands.put(QueuedCommand("stop", checkpoint, source))
         if wait and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._state == "finished":  # it finished before reaching the stop: release anyway
                 self._release()
 
-    def _enqueue(self, cmd: _Command) -> None:
+    def _enqueue(self, cmd: QueuedCommand) -> None:
         self._check_not_ended(cmd.kind)
         self._commands.put(cmd)
 
@@ -649,7 +649,7 @@ class Session:
             if self._apply(cmd):
                 return True
 
-    def _apply(self, cmd: _Command) -> bool:
+    def _apply(self, cmd: QueuedCommand) -> bool:
         step = self.step
         try:
             if cmd.kind == "pause" and self._state == "running":

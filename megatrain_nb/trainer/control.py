@@ -173,6 +173,10 @@ class RunControl:
         self.applied.append(dict(event, time=time.time()))
         t.metrics_log.write({"event": "control", **event, "time": time.time()})
 
+    def recent_records(self) -> list:
+        """The last records this rank logged (at most 100), oldest first."""
+        return list(self._recent)
+
 
 class _Announced:
     """What the heartbeat shows of a run (rank 0 only); its controls enqueue for the boundary."""
@@ -195,7 +199,7 @@ class _Announced:
 
     @property
     def history(self) -> list:
-        return list(self._c._recent)
+        return self._c.recent_records()
 
     def heartbeat_extra(self) -> dict:
         t = self._c.trainer

@@ -47,7 +47,7 @@ def _first_example(ds):
     return ds[0] if len(ds) else None
 
 
-def _as_example(ex) -> dict:
+def as_example(ex) -> dict:
     if isinstance(ex, dict) or hasattr(ex, "keys"):
         return ex
     if isinstance(ex, (list, tuple, torch.Tensor)):
@@ -77,7 +77,7 @@ class _PackedIterable(torch.utils.data.IterableDataset):
             self.source.set_epoch(epoch)
 
     def __iter__(self):
-        docs = (self.tokenizer(_as_example(ex)[self.text_column], add_special_tokens=False)["input_ids"]
+        docs = (self.tokenizer(as_example(ex)[self.text_column], add_special_tokens=False)["input_ids"]
                 for ex in self.source)
         for block in pack_token_stream(docs, self.seq_len, self.tokenizer.eos_token_id):
             yield {"input_ids": block}
@@ -93,7 +93,7 @@ def _tokenize_texts(ds, tokenizer, seq_len, text_column, packing, what):
         if not packing:
             raise DataError("packing=False is only supported for map-style datasets")
         return _PackedIterable(ds, tokenizer, seq_len, text_column)
-    texts = [_as_example(ds[i])[text_column] for i in range(len(ds))]
+    texts = [as_example(ds[i])[text_column] for i in range(len(ds))]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     if packing:
         blocks = list(pack_token_stream(iter(encoded), seq_len, tokenizer.eos_token_id))
@@ -122,7 +122,7 @@ def prepare_dataset(ds, *, tokenizer=None, seq_len: Optional[int] = None, text_c
     first = _first_example(ds)
     if first is None:
         raise DataError(f"{what} is empty (it yielded no examples)")
-    keys = list(_as_example(first).keys()) if cols is None else cols
+    keys = list(as_example(first).keys()) if cols is None else cols
     if "input_ids" in keys:
         _check_lengths(ds, what)
         return ds
@@ -161,7 +161,7 @@ class PaddingCollator:
     pad_token_id: int = 0
 
     def __call__(self, examples: list) -> dict:
-        examples = [_as_example(e) for e in examples]
+        examples = [as_example(e) for e in examples]
         ids = [_to_long(e["input_ids"]).reshape(-1) for e in examples]
         for i, t in enumerate(ids):
             if t.numel() < 2:
@@ -350,7 +350,7 @@ class ColumnFilter:
         self.collator = collator
 
     def __call__(self, examples: list):
-        examples = [_as_example(e) for e in examples]
+        examples = [as_example(e) for e in examples]
         return self.collator([{k: e[k] for k in MODEL_INPUT_KEYS if k in e} for e in examples])
 
 
@@ -362,5 +362,5 @@ def default_collator(tokenizer) -> PaddingCollator:
 
 
 def example_len(ex: Any) -> int:
-    ids = _as_example(ex).get("input_ids")
+    ids = as_example(ex).get("input_ids")
     return len(ids) if ids is not None else 0

@@ -13,7 +13,7 @@ TS = Path(__file__).resolve().parents[2] / "extension" / "src" / "commands.ts"
 def test_every_place_reads_the_one_table():
     from megatrain_nb.lab.protocol import COMMANDS as server
     from megatrain_nb.notebook.magics import USAGE
-    from megatrain_nb.notebook.session import _Command
+    from megatrain_nb.notebook.session import QueuedCommand
     from megatrain_nb.trainer.control import KINDS
 
     assert set(KINDS) == set(COMMANDS)
@@ -21,9 +21,9 @@ def test_every_place_reads_the_one_table():
     for name in SIDEBAR:
         assert COMMANDS[name].help in USAGE
     for name in COMMANDS:
-        _Command(name)
+        QueuedCommand(name)
     with pytest.raises(ValueError, match="unknown command 'reboot'"):
-        _Command("reboot")
+        QueuedCommand("reboot")
 
 
 def test_the_sidebar_typescript_matches_the_table():

@@ -1,6 +1,8 @@
-"""The one table of run commands: their names, what value each takes, and their help line.
+"""The one table of run commands: their names, what value each takes, who applies them, in
+which states the sidebar offers them, and their help line.
 
-Read by every place that takes a command: the Session's controls, the ranks' run control
+Read by every place that takes a command: the Session's controls and its run controllers
+(``notebook/session.py``, ``thread_run.py``, ``remote.py``), the ranks' run control
 (``trainer/control.py``), the beacon and the Jupyter server (``lab/protocol.py``,
 ``lab/beacon.py``), ``%megatrain``'s help, and the JupyterLab sidebar, whose TypeScript
 (``extension/src/commands.ts``) a test checks against :data:`COMMANDS`. Standard library
@@ -8,7 +10,14 @@ only: the server side imports it cheaply.
 
 Values: ``none`` (no value); ``learning_rate`` (:func:`~megatrain_nb.learning_rate.check_learning_rate`);
 ``path`` (a checkpoint folder, or None for the default one); ``stop`` (nothing, or a
-checkpoint to write first: True for the default folder, or a path).
+checkpoint to write first: True for the default folder, or a path); ``step`` (an optimizer
+step, an int >= 0); ``fork`` (``(step or None, name or None, changes)``, what ``Session.fork``
+queues).
+
+Who applies a command: every Session (its run controller: in-kernel thread or worker
+processes); ``ranks`` marks those the ranks' run control applies too, so a Session whose ranks
+train in worker processes forwards them (the others it refuses, saying so). ``sidebar`` marks
+what the sidebar sends, ``states`` the run states in which it offers it.
 """
 from __future__ import annotations
 
@@ -17,39 +26,53 @@ from typing import Any
 
 _MAX_PATH = 4096
 
+LIVE_STATES = ("running", "paused")
+
 
 @dataclass(frozen=True)
 class Command:
     name: str
-    value: str       # "none" | "learning_rate" | "path" | "stop"
+    value: str       # "none" | "learning_rate" | "path" | "stop" | "step" | "fork"
     help: str        # one line, as %megatrain's usage prints it
+    method: str      # the Session method (and the announced run's) that takes it
+    ranks: bool      # the ranks' run control applies it (trainer/control.py); else only an in-kernel Session
     sidebar: bool    # the JupyterLab sidebar offers it (the server accepts it from there)
+    states: tuple = ()   # the run states in which the sidebar offers it
 
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
-    Command("pause", "none", "pause after the current step", True),
-    Command("resume", "none", "carry on from the step it paused at", True),
-    Command("stop", "stop", "end the run after the current step (a checkpoint first, if given)", True),
-    Command("lr", "learning_rate", "learning rate from the next step (e.g. 5e-4)", True),
-    Command("checkpoint", "path", "write a checkpoint at the next step boundary", False),
+    Command("pause", "none", "pause after the current step", "pause", True, True, ("running",)),
+    Command("resume", "none", "carry on from the step it paused at", "resume", True, True, ("paused",)),
+    Command("stop", "stop", "end the run after the current step (a checkpoint first, if given)", "stop",
+            True, True, LIVE_STATES + ("idle",)),
+    Command("lr", "learning_rate", "learning rate from the next step (e.g. 5e-4)", "set_lr", True, True,
+            LIVE_STATES),
+    Command("checkpoint", "path", "write a checkpoint at the next step boundary", "save_checkpoint", True, False),
+    # exploration (notebook/branches.py); the ranks do not apply these yet
+    Command("snapshot", "none", "take a snapshot at the next step boundary", "snapshot", False, False),
+    Command("rewind", "step", "go back to the snapshot at a step (then paused)", "rewind", False, False),
+    Command("fork", "fork", "a new branch from a snapshot, with changed settings", "fork", False, False),
 )}
 
 #: What the sidebar sends (and the Jupyter server accepts from it).
 SIDEBAR = tuple(n for n, c in COMMANDS.items() if c.sidebar)
+#: What the ranks' run control applies (and a run's beacon accepts from its inbox).
+RANKS = tuple(n for n, c in COMMANDS.items() if c.ranks)
 
 
 class CommandError(ValueError):
     """A command that is not in :data:`COMMANDS`, or a bad value for it."""
 
 
-def check_command(name: Any, value: Any = None, *, sidebar: bool = False) -> tuple[str, Any]:
+def check_command(name: Any, value: Any = None, *, sidebar: bool = False, ranks: bool = False) -> tuple[str, Any]:
     """``(name, value)`` checked against the table (``sidebar``: only what the sidebar may
-    send, and ``stop`` without a checkpoint); :class:`CommandError` saying what is wrong.
+    send, and ``stop`` without a checkpoint; ``ranks``: only what the ranks apply);
+    :class:`CommandError` saying what is wrong.
 
     >>> check_command("lr", "3e-4")
     ('lr', 0.0003)
     """
-    allowed = SIDEBAR if sidebar else tuple(COMMANDS)
+    allowed = SIDEBAR if sidebar else RANKS if ranks else tuple(COMMANDS)
     if not isinstance(name, str) or name not in allowed:
         raise CommandError(f"unknown command {name!r}: expected one of {', '.join(sorted(allowed))}")
     kind = COMMANDS[name].value
@@ -64,6 +87,14 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False) -> tup
             return name, check_learning_rate(value)
         except ValueError as e:
             raise CommandError(f"command 'lr': {e}") from None
+    if kind == "step":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CommandError(f"command {name!r} takes an optimizer step (an int >= 0), got {value!r}")
+        return name, value
+    if kind == "fork":
+        if not (isinstance(value, tuple) and len(value) == 3 and isinstance(value[2], dict)):
+            raise CommandError(f"command 'fork' takes (step or None, name or None, changes), got {value!r}")
+        return name, value
     # a checkpoint path (or None: the default folder); stop also takes True/False
     if value is None or (kind == "stop" and isinstance(value, bool)) or (
             isinstance(value, str) and 0 < len(value) < _MAX_PATH and "\0" not in value):
@@ -73,6 +104,7 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False) -> tup
 
 def usage_lines(names=None) -> list[str]:
     """``name <value>   help`` lines for ``%megatrain``'s usage."""
-    arg = {"none": "", "learning_rate": " <value>", "path": " [path]", "stop": ""}
+    arg = {"none": "", "learning_rate": " <value>", "path": " [path]", "stop": "", "step": " <step>",
+           "fork": " [step]"}
     names = list(COMMANDS) if names is None else list(names)
     return [f"  {(n + arg[COMMANDS[n].value]):<20}{COMMANDS[n].help}" for n in names]

@@ -135,7 +135,7 @@ def test_trainer_and_session_take_a_hub_id(hub, tmp_path):
                    device="cpu", revision="v2")
     try:
         ref = AutoModelForCausalLM.from_pretrained(str(hub / "models--org--micro" / "snapshots" / COMMIT_B))
-        got = dict(s._trainer.engine.named_parameters())
+        got = dict(s.trainer.engine.named_parameters())
         name = "model.layers.0.mlp.up_proj.weight"
         torch.testing.assert_close(got[name], dict(ref.named_parameters())[name])
     finally:

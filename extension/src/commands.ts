@@ -1,7 +1,8 @@
 /**
- * Commands the sidebar can send: validation that mirrors the server's
- * (megatrain_nb/lab/protocol.py validate_command), which controls a state allows, and
- * tracking of a command between the click and the heartbeat that shows its outcome.
+ * Commands the sidebar can send (those megatrain_nb/commands.py marks `sidebar`): validation
+ * that mirrors the server's (megatrain_nb/lab/protocol.py validate_command), which controls a
+ * state allows, and tracking of a command between the click and the heartbeat that shows its
+ * outcome.
  */
 
 import { ILastCommand, ISessionInfo } from './model';
@@ -58,14 +59,24 @@ export interface IControls {
   lr: boolean;
 }
 
+/**
+ * The run states in which the sidebar offers each command: the `states` of the one command
+ * table (megatrain_nb/commands.py), which tests/lab/test_commands.py checks this against.
+ */
+export const OFFERED_IN: Record<CommandName, readonly string[]> = {
+  pause: ['running'],
+  resume: ['paused'],
+  stop: ['running', 'paused', 'idle'],
+  lr: ['running', 'paused']
+};
+
 /** Which controls make sense in a state. */
 export function controlsFor(state: string): IControls {
-  const live = state === 'running' || state === 'paused';
   return {
-    pause: state === 'running',
-    resume: state === 'paused',
-    stop: live || state === 'idle',
-    lr: live
+    pause: OFFERED_IN.pause.includes(state),
+    resume: OFFERED_IN.resume.includes(state),
+    stop: OFFERED_IN.stop.includes(state),
+    lr: OFFERED_IN.lr.includes(state)
   };
 }
 

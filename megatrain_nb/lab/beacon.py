@@ -36,7 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from megatrain_nb.commands import check_command
+from megatrain_nb.commands import COMMANDS, check_command
 from megatrain_nb.threads import BEACON, thread_name
 from megatrain_nb.lab.protocol import (
     SCHEMA_VERSION,
@@ -290,8 +290,8 @@ class SessionBeacon:
     def _call(self, command_id: str, command: Any, value: Any, record: dict) -> None:
         command, value = validate_command(command, value)
         record.update(command=command, value=value)
-        fn = getattr(self.session, {"pause": "pause", "resume": "resume", "stop": "stop", "lr": "set_lr"}[command])
-        args = (value,) if command == "lr" else ()
+        fn = getattr(self.session, COMMANDS[command].method)
+        args = () if COMMANDS[command].value == "none" or (command == "stop" and not value) else (value,)
         if _accepts_kwarg(fn, "source"):
             fn(*args, source=record["source"])
         else:
@@ -315,16 +315,16 @@ class ControlBeacon(SessionBeacon):
     def _call(self, command_id: str, command: Any, value: Any, record: dict) -> None:
         command, value = validate_run_command(command, value)
         record.update(command=command, value=value)
-        fn = getattr(self.session, "set_lr" if command == "lr" else
-                     "save_checkpoint" if command == "checkpoint" else command)
-        args = (value,) if command in ("lr", "checkpoint") or (command == "stop" and value) else ()
+        fn = getattr(self.session, COMMANDS[command].method)
+        args = () if COMMANDS[command].value == "none" or (command == "stop" and not value) else (value,)
         fn(*args, source=record["source"], command_id=command_id)
 
 
 def validate_run_command(command: Any, value: Any = None) -> tuple[str, Any]:
     """:func:`validate_command` plus ``checkpoint`` (value: a path string or None) and ``stop``
-    with a checkpoint value (True or a path): every command of :mod:`megatrain_nb.commands`."""
-    return check_command(command, value)
+    with a checkpoint value (True or a path): every command :mod:`megatrain_nb.commands` marks
+    ``ranks`` (what the ranks' run control applies)."""
+    return check_command(command, value, ranks=True)
 
 
 # ---- helpers ---------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from megatrain_nb.commands import COMMANDS
+from megatrain_nb.commands import RANKS
 
 ENV_ENABLE = "MEGATRAIN_NB_CONTROL"
 ENV_NAME = "MEGATRAIN_NB_RUN_NAME"
@@ -43,8 +43,8 @@ ENV_KERNEL = "MEGATRAIN_NB_KERNEL_ID"
 ENV_LAUNCHER = "MEGATRAIN_NB_LAUNCHER"
 #: how often paused ranks meet (seconds): a pause or a stop while paused lands within this
 PAUSE_POLL_S = 0.25
-#: the commands a run takes; the lab protocol's four plus a checkpoint
-KINDS = tuple(COMMANDS)   # the one table: megatrain_nb/commands.py
+#: the commands the ranks apply: those the one table (megatrain_nb/commands.py) marks ``ranks``
+KINDS = RANKS
 
 
 def wanted(dist) -> bool:

@@ -20,10 +20,11 @@ def fake_session(tmp_path):
 
     made = []
 
-    def make(name=None, **kw):
+    def make(name=None, resume_from_checkpoint=None, **kw):
         kw.setdefault("output_dir", str(tmp_path / "out"))
         trainer = FakeTrainer(**kw)
-        s = Session.from_trainer(trainer, tokenizer=CharTokenizer(), name=name)
+        s = Session.from_trainer(trainer, tokenizer=CharTokenizer(), name=name,
+                                 resume_from_checkpoint=resume_from_checkpoint)
         made.append(s)
         return s
 

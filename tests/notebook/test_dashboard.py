@@ -156,7 +156,7 @@ def test_html_fallback_is_rate_limited_and_ends_with_a_static_snapshot(fake_sess
     s = fake_session(total_steps=300, step_time=0.008)
     pub = Publisher(s, html_live=True)
     pub.html_handle = FakeHandle()
-    s._live = pub
+    s.publisher = pub
     pub.start()
     t0 = time.monotonic()
     s.train()
@@ -178,7 +178,7 @@ def test_a_rendering_widget_frontend_retires_the_html_fallback(fake_session, rec
     d = s.dashboard()
     pub = Publisher(s, dashboard=d, html_live=True)
     pub.html_handle = FakeHandle()
-    s._live = pub
+    s.publisher = pub
     pub.start()
     s.train()
     assert wait_until(lambda: len(pub.html_handle.updates) >= 1)

@@ -160,7 +160,7 @@ _KERNEL = """
 import os, signal, sys
 import megatrain_nb as mt
 s = mt.Session("micro", nproc_per_node=2)   # workers start at train(): none here
-print(s._run_dir, flush=True)
+print(s.run_dir, flush=True)
 if sys.argv[1] == "die":
     os.kill(os.getpid(), signal.SIGKILL)
 if sys.argv[1] == "hang":

@@ -138,8 +138,7 @@ def test_resume_from_a_checkpoint(fake_session, tmp_path):
     s = fake_session(total_steps=20)
     s.train(block=True)
     ckpt = s.save_checkpoint(str(tmp_path / "c20"))
-    s2 = fake_session(total_steps=30)
-    s2._resume = ckpt  # what Session.from_checkpoint sets
+    s2 = fake_session(total_steps=30, resume_from_checkpoint=ckpt)
     s2.train(block=True)
     assert s2.history[0]["step"] == 21 and s2.step == 30
 

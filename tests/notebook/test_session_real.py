@@ -47,7 +47,7 @@ def test_real_run_with_controls_inspect_and_generate(real_session, tmp_path):
     # generate() while paused: from the engine's current weights (the tokenizer is a stand-in)
     from nb_fakes import CharTokenizer
 
-    s._tokenizer = CharTokenizer()
+    s.tokenizer = CharTokenizer()
     assert s.generate("ab", max_new_tokens=3, seed=0).startswith("ab")
     ckpt = s.save_checkpoint(str(tmp_path / "mid"))
     assert os.path.isfile(os.path.join(ckpt, "config.json"))

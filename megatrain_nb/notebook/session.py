@@ -50,15 +50,37 @@ class TrainerLike(Protocol):
     def request_stop(self) -> None: ...
 
 
+#: What the Session's attributes that are its parts' mean (``help(Session.state)``).
+_FORWARDED = dict(line.split(": ", 1) for line in """
+state: "idle" | "running" | "paused" | "stopped" | "finished" | "failed".
+step: Optimizer steps done.
+history: One record per optimizer step (step, loss, lr, tokens_per_s, memory, ...).
+events: Interventions in order: pause, resume, lr, checkpoint, stop, error (each with its step).
+run_log: The thread-safe log of records and events the dashboard and reports read.
+error: The exception that ended a failed run (None otherwise); ``wait()`` re-raises it.
+error_traceback: The training thread's formatted traceback when the run failed, else None.
+released: True once the engine is released (device memory, threads, disk files): nothing left to checkpoint, \
+sample or inspect.
+requested_lr: The last value given to ``set_lr`` (by code, magic, widget or sidebar), or None.
+trainer: The trainer the session drives (an ``mt.Trainer`` unless built ``from_trainer``; None when the ranks \
+train in worker processes).
+tokenizer: The tokenizer ``generate`` and text datasets use (None if there is none).
+publisher: The publisher pushing this run to the notebook display, while one is shown (else None).
+explorer: This run's snapshots and branches (``branches.Explorer``).
+snapshots: The snapshots this run can rewind to (checkpoints count): step, time, branch, path, bytes unique / \
+shared.
+""".strip().splitlines())
+
+
 class _Forward:
     """A Session attribute that is one of its parts' (no logic of its own): ``path`` from the
     Session, ``call`` to call what it names, ``settable`` to let it be set."""
 
-    def __init__(self, path: str, doc: str, *, call: bool = False, settable: bool = False):
-        self.path, self.call, self.settable, self.__doc__ = path, call, settable, doc
+    def __init__(self, path: str, *, call: bool = False, settable: bool = False):
+        self.path, self.call, self.settable = path, call, settable
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
+        self.name, self.__doc__ = name, _FORWARDED[name]
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         if obj is None:
@@ -192,31 +214,21 @@ class Session:
             return getattr(run, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    # ---- what the run looks like -------------------------------------------------------------
-    state = _Forward("_status.state", '''"idle" | "running" | "paused" | "stopped" | "finished" | "failed".''')
-    step = _Forward("_status.step", "Optimizer steps done.")
-    history = _Forward("_status.log.records", "One record per optimizer step (step, loss, lr, tokens_per_s, "
-                       "memory, ...).", call=True)
-    events = _Forward("_status.log.events", "Interventions in order: pause, resume, lr, checkpoint, stop, error "
-                      "(each with its step).", call=True)
-    run_log = _Forward("_status.log", "The thread-safe log of records and events the dashboard and reports read.")
-    error = _Forward("_status.error", "The exception that ended a failed run (None otherwise); ``wait()`` "
-                     "re-raises it.")
-    error_traceback = _Forward("_status.error_traceback", "The training thread's formatted traceback when the "
-                               "run failed, else None.")
-    released = _Forward("_status.released", "True once the engine is released (device memory, threads, disk "
-                        "files): nothing left to checkpoint, sample or inspect.")
-    requested_lr = _Forward("_status.requested_lr", "The last value given to ``set_lr`` (by code, magic, widget "
-                            "or sidebar), or None.")
-    trainer = _Forward("_trainer", "The trainer the session drives (an ``mt.Trainer`` unless built "
-                       "``from_trainer``; None when the ranks train in worker processes).")
-    tokenizer = _Forward("_tokenizer", "The tokenizer ``generate`` and text datasets use (None if there is "
-                         "none).", settable=True)
-    publisher = _Forward("_view.live", "The publisher pushing this run to the notebook display, while one is "
-                         "shown (else None).", settable=True)
-    explorer = _Forward("_explore", "This run's snapshots and branches (``branches.Explorer``).")
-    snapshots = _Forward("_explore.snapshots", "The snapshots this run can rewind to (checkpoints count): step, "
-                         "time, branch, path, bytes unique / shared.", call=True)
+    # ---- what the run looks like (the parts' attributes; their help: _FORWARDED) --------------
+    state = _Forward("_status.state")
+    step = _Forward("_status.step")
+    history = _Forward("_status.log.records", call=True)
+    events = _Forward("_status.log.events", call=True)
+    run_log = _Forward("_status.log")
+    error = _Forward("_status.error")
+    error_traceback = _Forward("_status.error_traceback")
+    released = _Forward("_status.released")
+    requested_lr = _Forward("_status.requested_lr")
+    trainer = _Forward("_trainer")
+    tokenizer = _Forward("_tokenizer", settable=True)
+    publisher = _Forward("_view.live", settable=True)
+    explorer = _Forward("_explore")
+    snapshots = _Forward("_explore.snapshots", call=True)
 
     @property
     def total_steps(self) -> Optional[int]:
@@ -391,7 +403,8 @@ class Session:
         if st.released:
             raise RuntimeError(f"session {self.name!r} {st.state} and released its model: nothing to rewind. "
                                "mt.Session.from_checkpoint(<a snapshot folder>) starts from one")
-        self._explore.find(step)   # a step without a snapshot fails here, listing those that have one
+        if self._trainer is not None:   # (ranks in worker processes keep their own snapshots)
+            self._explore.find(step)   # a step without a snapshot fails here, listing those that have one
         info = self._at_boundary("rewind", step)
         if st.state in ENDED + ("idle",):   # finished (it kept its model) or not started: train() goes on from it
             self._run.resume_from = self._explore.take_restart()

@@ -101,6 +101,24 @@ class ProcessRun:
         return cls(status, session_id, nproc=nproc_per_node, spec=written, run_dir=run_dir)
 
     @classmethod
+    def factory(cls, nproc_per_node: Any, model: Any, *, snapshots: tuple = (None, None), engine_options: dict,
+                **given: Any) -> Callable[[RunState, Any, str], "ProcessRun"]:
+        """What ``Session(model, ..., nproc_per_node=N)`` builds its run controller with (``given``:
+        the datasets, args, tokenizer, seq_len, loss_fn; ``callbacks=``/``save_model=`` come in
+        ``engine_options``)."""
+        if any(v is not None for v in snapshots):
+            raise ValueError("snapshot_steps/keep_snapshots: snapshots are taken by a Session that trains in "
+                             "this kernel; the ranks of nproc_per_node do not take them")
+        options = dict(engine_options)
+        extra = {"callbacks": options.pop("callbacks", None), "save_model": options.pop("save_model", True)}
+
+        def build(status: RunState, explorer: Any, session_id: str) -> "ProcessRun":
+            return cls.launching(status, session_id, nproc_per_node, model=model, engine_options=options,
+                                 **given, **extra)
+
+        return build
+
+    @classmethod
     def attaching(cls, status: RunState, beat: dict, root: Any = None) -> "ProcessRun":
         """Follow the torchrun job whose rank 0 wrote heartbeat ``beat`` (see :func:`find_run`)."""
         return cls(status, beat["id"], nproc=beat.get("world_size"), attached=beat, root=root)

@@ -13,11 +13,24 @@ import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from megatrain_nb.commands import COMMANDS
 from .lifecycle import ENDED
 from .run_log import RunLog
+
+
+@runtime_checkable
+class TrainerLike(Protocol):
+    """All a Session needs from a trainer (``megatrain_nb.trainer.Trainer`` provides it)."""
+
+    total_steps: Any
+    engine: Any
+
+    def iter_steps(self, resume_from_checkpoint: Any = None): ...
+    def set_lr(self, lr: float) -> None: ...
+    def save_checkpoint(self, path: Optional[str] = None) -> str: ...
+    def request_stop(self) -> None: ...
 
 
 @dataclass

@@ -24,30 +24,18 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
-from operator import attrgetter
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional
 
 from megatrain_nb.threads import SESSION, thread_name
 from . import registry
 from .branches import Explorer
 from .display_mode import in_kernel, resolve_mode
 from .lifecycle import ENDED, LIVE
-from .run_state import QueuedCommand, RunState  # noqa: F401 - QueuedCommand: the queue's item, re-exported
+from .samples import Samples
+from .forwarding import Forward
+from .run_state import QueuedCommand, RunState, TrainerLike  # noqa: F401 - re-exported
 from .session_view import SessionView
 from .thread_run import ThreadRun
-
-
-@runtime_checkable
-class TrainerLike(Protocol):
-    """All a Session needs from a trainer (``megatrain_nb.trainer.Trainer`` provides it)."""
-
-    total_steps: Any
-    engine: Any
-
-    def iter_steps(self, resume_from_checkpoint: Any = None): ...
-    def set_lr(self, lr: float) -> None: ...
-    def save_checkpoint(self, path: Optional[str] = None) -> str: ...
-    def request_stop(self) -> None: ...
 
 
 #: What the Session's attributes that are its parts' mean (``help(Session.state)``).
@@ -72,27 +60,8 @@ shared.
 """.strip().splitlines())
 
 
-class _Forward:
-    """A Session attribute that is one of its parts' (no logic of its own): ``path`` from the
-    Session, ``call`` to call what it names, ``settable`` to let it be set."""
-
-    def __init__(self, path: str, *, call: bool = False, settable: bool = False):
-        self.path, self.call, self.settable = path, call, settable
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name, self.__doc__ = name, _FORWARDED[name]
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        value = attrgetter(self.path)(obj)
-        return value() if self.call else value
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        if not self.settable:
-            raise AttributeError(f"Session.{self.name} cannot be set")
-        head, _, last = self.path.rpartition(".")
-        setattr(attrgetter(head)(obj) if head else obj, last, value)
+def _forward(path: str, **kw: Any) -> Forward:
+    return Forward(path, docs=_FORWARDED, **kw)
 
 
 class Session:
@@ -129,17 +98,8 @@ class Session:
         if nproc_per_node is not None:   # the ranks train in worker processes; this object steers them
             from .remote import ProcessRun
 
-            if snapshot_steps is not None or keep_snapshots is not None:
-                raise ValueError("snapshot_steps/keep_snapshots: snapshots are taken by a Session that trains in "
-                                 "this kernel; the ranks of nproc_per_node do not take them")
-            options = dict(engine_options)
-            extra = {"callbacks": options.pop("callbacks", None), "save_model": options.pop("save_model", True)}
-
-            def run(status, explorer, ident):
-                return ProcessRun.launching(status, ident, nproc_per_node, model=model, loss_fn=loss_fn,
-                                            engine_options=options, **given, **extra)
-
-            self._setup(run, None, tokenizer, name)
+            self._setup(ProcessRun.factory(nproc_per_node, model, loss_fn=loss_fn, snapshots=(snapshot_steps, keep_snapshots),
+                                           engine_options=engine_options, **given), None, tokenizer, name)
             return
         from .model_source import build_trainer
 
@@ -199,8 +159,7 @@ class Session:
         self._explore = Explorer(self, *snapshots)   # snapshots, rewind, fork (branches.py)
         self._run = make_run(self._status, self._explore, self.id)
         self._view = SessionView(self)
-        self._samples: list[dict] = []
-        self._sample_messages: Optional[list] = None
+        self._samples = Samples()
         registry.register(self)
         if in_kernel():  # import the display stack now (plotly's FigureWidget: ~1.5 s), not in train()
             from .dashboard import warm_up
@@ -214,21 +173,21 @@ class Session:
             return getattr(run, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    # ---- what the run looks like (the parts' attributes; their help: _FORWARDED) --------------
-    state = _Forward("_status.state")
-    step = _Forward("_status.step")
-    history = _Forward("_status.log.records", call=True)
-    events = _Forward("_status.log.events", call=True)
-    run_log = _Forward("_status.log")
-    error = _Forward("_status.error")
-    error_traceback = _Forward("_status.error_traceback")
-    released = _Forward("_status.released")
-    requested_lr = _Forward("_status.requested_lr")
-    trainer = _Forward("_trainer")
-    tokenizer = _Forward("_tokenizer", settable=True)
-    publisher = _Forward("_view.live", settable=True)
-    explorer = _Forward("_explore")
-    snapshots = _Forward("_explore.snapshots", call=True)
+    # ---- what the run looks like (its parts' attributes: forwarding.Forward; their help: _FORWARDED) ----
+    state = _forward("_status.state")
+    step = _forward("_status.step")
+    history = _forward("_status.log.records", call=True)
+    events = _forward("_status.log.events", call=True)
+    run_log = _forward("_status.log")
+    error = _forward("_status.error")
+    error_traceback = _forward("_status.error_traceback")
+    released = _forward("_status.released")
+    requested_lr = _forward("_status.requested_lr")
+    trainer = _forward("_trainer")
+    tokenizer = _forward("_tokenizer", settable=True)
+    publisher = _forward("_view.live", settable=True)
+    explorer = _forward("_explore")
+    snapshots = _forward("_explore.snapshots", call=True)
 
     @property
     def total_steps(self) -> Optional[int]:
@@ -238,7 +197,7 @@ class Session:
     @property
     def samples(self) -> list[dict]:
         """What ``generate`` produced: {"step", "prompt", "text"}."""
-        return list(self._samples)
+        return list(self._samples.drawn)
 
     @property
     def wall_time_s(self) -> Optional[float]:
@@ -478,10 +437,7 @@ class Session:
     def set_sample_prompt(self, messages: Any) -> None:
         """The conversation (a list of ``{"role", "content"}``) that ``generate()`` without a prompt
         answers, rendered with the tokenizer's chat template, so samples show the answers change."""
-        from megatrain_nb.trainer.sft_view import chat_prompt
-
-        chat_prompt(self._tokenizer, messages)   # refused now, not at the next sample, if it cannot render
-        self._sample_messages = list(messages)
+        self._samples.set_prompt(self._tokenizer, messages)
 
     def trained_on(self, index: int = 0):
         """One training example with the tokens that count toward the loss highlighted (HTML)."""
@@ -494,21 +450,14 @@ class Session:
         """Sample from the model as it is now (safe while training runs or is paused: the
         sample is drawn between two training micro-batches). No prompt: the conversation set
         with :meth:`set_sample_prompt`, if any."""
-        from .sampling import sample_text
-
+        st = self._status
         self._run.check("generate")
-        if not prompt and getattr(self, "_sample_messages", None):
-            from megatrain_nb.trainer.sft_view import chat_prompt
-
-            prompt = chat_prompt(self._tokenizer, self._sample_messages)
-
-        if self._status.released or self.engine is None:
-            raise RuntimeError(f"session {self.name!r} released its model when it {self._status.state}; "
+        if st.released or self.engine is None:
+            raise RuntimeError(f"session {self.name!r} released its model when it {st.state}; "
                                "load the last checkpoint (mt.Session.from_checkpoint) to sample")
-        text = sample_text(self.engine, self._tokenizer, prompt, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_k=top_k, seed=seed)
-        self._samples.append({"step": self.step, "prompt": prompt, "text": text, "time": time.time()})
-        self._status.log.touch()
+        text = self._samples.draw(self.engine, self._tokenizer, prompt, st.step, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_k=top_k, seed=seed)
+        st.log.touch()
         return text
 
     def dashboard(self):
@@ -524,14 +473,9 @@ class Session:
 
     def summary(self) -> dict:
         """A small JSON-able picture of the run (used by the magic and the HTML summary)."""
-        st = self._status
-        last, error = st.log.last_record(), st.error
-        return {"id": self.id, "name": self.name, "state": st.state, "step": st.step,
-                "total_steps": self.total_steps, "loss": last.get("loss"), "lr": last.get("lr"),
-                "tokens_per_s": last.get("tokens_per_s"), "events": len(st.log.events()),
-                "error": None if error is None else f"{type(error).__name__}: {error}",
-                "diverged_at": getattr(error, "step", None) if _is_divergence(error) else None,
-                "skipped_steps": last.get("skipped_steps") or 0}
+        from .summary_html import session_summary
+
+        return session_summary(self)
 
     def __repr__(self) -> str:
         total = self.total_steps

@@ -255,3 +255,14 @@ def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
             f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
             f"<div>{loss_svg(view)}</div><div>{memory_table(view)}{rank_memory_table(view)}"
             f"{events_table(view.events)}</div></div></div>")
+
+
+def session_summary(session: Any) -> dict:
+    """A small JSON-able picture of a run (``Session.summary``: the magic, the HTML summary)."""
+    last, error = session.run_log.last_record(), session.error
+    return {"id": session.id, "name": session.name, "state": session.state, "step": session.step,
+            "total_steps": session.total_steps, "loss": last.get("loss"), "lr": last.get("lr"),
+            "tokens_per_s": last.get("tokens_per_s"), "events": len(session.events),
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "diverged_at": getattr(error, "step", None) if session.diverged else None,
+            "skipped_steps": last.get("skipped_steps") or 0}

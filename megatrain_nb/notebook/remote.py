@@ -44,8 +44,9 @@ from typing import Any, Callable, Optional
 
 from megatrain_nb.commands import COMMANDS
 from .run_state import QueuedCommand, RunState
+# WorkerError and the agent's report are re-exported (where they were)
 from .worker_outcome import (WorkerError, agent_failures, attached_outcome, launched_outcome,  # noqa: F401
-                             rank_errors, rank_reports, root_cause)   # (WorkerError and the agent's report, re-exported)
+                             rank_errors, rank_reports, root_cause)
 
 #: after a rank reported an error, how long the agent gets to stop the others before we kill them
 ERROR_GRACE_S = 15.0
@@ -136,7 +137,8 @@ class ProcessRun:
 
     def launch_info(self) -> list[tuple[str, Any]]:
         """Rows for the report's configuration: ranks, model, the training arguments given."""
-        rows: list[tuple[str, Any]] = [("ranks (nproc_per_node)", self.nproc_per_node), ("output_dir", self.output_dir)]
+        rows: list[tuple[str, Any]] = [("ranks (nproc_per_node)", self.nproc_per_node),
+                                       ("output_dir", self.output_dir)]
         if self._attached is not None:
             rows.append(("attached to", f"{self._attached.get('launcher')} run, rank 0 pid {self._attached.get('pid')}"))
         if self._spec:
@@ -272,7 +274,8 @@ class ProcessRun:
         if cmd.future is not None:
             self._futures[name] = cmd.future
         inbox = make_private_dir(inbox_path(self.session_id, self._root))
-        atomic_write_json(inbox / f"{name}.json", {"id": name, "command": cmd.kind, "value": cmd.value if takes else None,
+        atomic_write_json(inbox / f"{name}.json", {"id": name, "command": cmd.kind,
+                                                    "value": cmd.value if takes else None,
                                                     "source": cmd.source, "time": time.time()})
 
     def _read_metrics(self) -> None:

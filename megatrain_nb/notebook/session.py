@@ -98,8 +98,9 @@ class Session:
         if nproc_per_node is not None:   # the ranks train in worker processes; this object steers them
             from .remote import ProcessRun
 
-            self._setup(ProcessRun.factory(nproc_per_node, model, loss_fn=loss_fn, snapshots=(snapshot_steps, keep_snapshots),
-                                           engine_options=engine_options, **given), None, tokenizer, name)
+            make = ProcessRun.factory(nproc_per_node, model, loss_fn=loss_fn, engine_options=engine_options,
+                                      snapshots=(snapshot_steps, keep_snapshots), **given)
+            self._setup(make, None, tokenizer, name)
             return
         from .model_source import build_trainer
 

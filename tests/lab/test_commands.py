@@ -38,6 +38,12 @@ def test_the_session_has_a_method_for_every_command_and_no_second_list():
         assert callable(getattr(Session, c.method)), name
     assert not hasattr(session_module, "SESSION_COMMANDS")
     assert {n for n, c in COMMANDS.items() if not c.ranks} >= {"fork"}
+    # what a run of ranks announces takes every command the ranks apply, by the table's method name
+    from megatrain_nb.trainer import control
+
+    announced = control._Announced   # (the beacon-facing side of RunControl)
+    for name in RANKS:
+        assert callable(getattr(announced, COMMANDS[name].method)), name
     assert callable(RunControl.request)
 
 

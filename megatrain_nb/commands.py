@@ -48,10 +48,14 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("lr", "learning_rate", "learning rate from the next step (e.g. 5e-4)", "set_lr", True, True,
             LIVE_STATES),
     Command("checkpoint", "path", "write a checkpoint at the next step boundary", "save_checkpoint", True, False),
-    # exploration (notebook/branches.py); the ranks do not apply these yet
-    Command("snapshot", "none", "take a snapshot at the next step boundary", "snapshot", False, False),
-    Command("rewind", "step", "go back to the snapshot at a step (then paused)", "rewind", False, False),
-    Command("fork", "fork", "a new branch from a snapshot, with changed settings", "fork", False, False),
+    # exploration (notebook/branches.py): a Session that trains in this kernel applies them; once the
+    # ranks' run control does too (snapshot, rewind), ranks=True makes a run in worker processes forward them
+    Command("snapshot", "none", "take a snapshot at the next step boundary", "snapshot",
+            ranks=False, sidebar=False),
+    Command("rewind", "step", "go back to the snapshot at that step (train()/resume continues)", "rewind",
+            ranks=False, sidebar=False),
+    Command("fork", "fork", "a new branch from a snapshot, with changed settings", "fork",
+            ranks=False, sidebar=False),
 )}
 
 #: What the sidebar sends (and the Jupyter server accepts from it).

@@ -28,10 +28,9 @@ USAGE = "\n".join(["Usage: %megatrain <command> [-s SESSION]",
   report <path>       write a report (.html or .ipynb)
   trained-on [index]  one training example, the tokens that count toward the loss highlighted
   estimate <model dir | config.json | preset> [--vram GB] [--ram GB] [--disk GB] [--nodes M] [--gpus-per-node N]
-  sessions            list the sessions of this kernel
-  snapshot            take a snapshot at the next step boundary
-  rewind <step>       go back to the snapshot at that step (train()/resume continues)
-  fork key=value ...  a branch from now (step=N: from that snapshot; name=...), e.g. learning_rate=1e-4
+  sessions            list the sessions of this kernel""",
+                   *usage_lines(["snapshot", "rewind"]),
+                   """  fork key=value ...  a branch from now (step=N: from that snapshot; name=...), e.g. learning_rate=1e-4
   branches            the run tree: branches, fork points, what changed, snapshots"""])
 
 _NO_SESSION = ("No megatrain session here yet. Create one and start it:\n"

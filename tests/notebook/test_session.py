@@ -211,3 +211,27 @@ def test_help_shows_a_docstring_for_every_public_member():
             target = member if isinstance(member, property) else getattr(member, "__func__", member)
             doc = inspect.getdoc(target)
             assert doc and "----" not in doc, f"{cls.__name__}.{name}"
+
+
+def test_one_session_class_with_a_run_controller_chosen_at_construction(fake_session):
+    """Composed, not subclassed (issue 22): in-kernel and worker-process runs are the same class;
+    what only a run of ranks has comes from its controller, what it cannot do is refused."""
+    from megatrain_nb.notebook.session import Session
+
+    s = fake_session(total_steps=2)
+    assert type(s) is Session and not Session.__subclasses__()
+    members = [v for v in vars(Session).values() if callable(v) or isinstance(v, (property, classmethod))]
+    assert len(members) <= 40
+    with pytest.raises(AttributeError, match="no attribute 'ranks'"):
+        s.ranks
+    r = Session("micro", nproc_per_node=2)   # the launch folder is written; workers start at train()
+    try:
+        assert type(r) is Session and r.nproc_per_node == 2 and r.run_dir.is_dir()
+        assert r.engine is None and r.trainer is None and r.state == "idle"
+        for refused in (lambda: r.inspect(0), lambda: r.generate("x"), r.snapshot, lambda: r.fork()):
+            with pytest.raises(RuntimeError, match="weights are not in this kernel"):
+                refused()
+        assert [k for k, _ in r.launch_info()][:2] == ["ranks (nproc_per_node)", "output_dir"]
+    finally:
+        r.close()
+    assert not r.run_dir.exists()

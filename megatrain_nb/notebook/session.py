@@ -30,10 +30,10 @@ from megatrain_nb.threads import SESSION, thread_name
 from . import registry
 from .branches import Explorer
 from .display_mode import in_kernel, resolve_mode
-from .lifecycle import ENDED, LIVE
-from .samples import Samples
 from .forwarding import Forward
+from .lifecycle import ENDED, LIVE
 from .run_state import QueuedCommand, RunState, TrainerLike  # noqa: F401 - re-exported
+from .samples import Samples
 from .session_view import SessionView
 from .thread_run import ThreadRun
 

@@ -33,6 +33,7 @@ from .display_mode import in_kernel, resolve_mode
 from .lifecycle import ENDED, LIVE
 from .branches import Explorer
 from .run_log import RunLog
+from .sample_watch import SampleWatch
 
 
 @runtime_checkable
@@ -172,6 +173,7 @@ class Session:
         self._model_ref = model_ref
         self._engine_options = dict(engine_options)
         self._explore = Explorer(self)   # snapshots, rewind, fork (branches.py)
+        self._sample_watch = SampleWatch(self)   # answers to the sample prompt (sample_watch.py)
         registry.register(self)
         if in_kernel():  # import the display stack now (plotly's FigureWidget: ~1.5 s), not in train()
             from .dashboard import warm_up
@@ -344,6 +346,7 @@ class Session:
         if self._state in LIVE:
             self.stop(wait=True)
             return
+        self._sample_watch.close()
         self._release()
         registry.forget(self)
 
@@ -509,13 +512,19 @@ class Session:
         hist = {m: self._log.unit_series(unit, m) for m in ("grad_norm", "update_ratio")}
         return LayerReport(stats, unit=unit, history=hist)
 
-    def set_sample_prompt(self, messages: Any) -> None:
-        """The conversation (a list of ``{"role", "content"}``) that ``generate()`` without a prompt
-        answers, rendered with the tokenizer's chat template, so samples show the answers change."""
-        from megatrain_nb.trainer.sft_view import chat_prompt
+    def set_sample_prompt(self, messages: Any, *, every: Optional[int] = None, max_new_tokens: int = 48,
+                          temperature: float = 0.0) -> None:
+        """The conversation (a list of ``{"role", "content"}``), rendered with the tokenizer's chat
+        template, that is answered now and every ``every`` steps while the run trains (default: a
+        tenth of the run), on a thread of its own; the dashboard shows the last answers with their
+        steps (``session.sample_watch.answers()``). ``generate()`` without a prompt answers it too."""
+        self._sample_watch.set_prompt(messages, every=every, max_new_tokens=max_new_tokens,
+                                      temperature=temperature)
 
-        chat_prompt(self._tokenizer, messages)   # refused now, not at the next sample, if it cannot render
-        self._sample_messages = list(messages)
+    @property
+    def sample_watch(self) -> SampleWatch:
+        """The sample prompt and the last answers to it (see :meth:`set_sample_prompt`)."""
+        return self._sample_watch
 
     def trained_on(self, index: int = 0):
         """One training example with the tokens that count toward the loss highlighted (HTML)."""
@@ -530,11 +539,8 @@ class Session:
         with :meth:`set_sample_prompt`, if any."""
         from .sampling import sample_text
 
-        if not prompt and getattr(self, "_sample_messages", None):
-            from megatrain_nb.trainer.sft_view import chat_prompt
-
-            prompt = chat_prompt(self._tokenizer, self._sample_messages)
-
+        if not prompt and self._sample_watch.prompt:
+            prompt = self._sample_watch.prompt
         if self._released or self.engine is None:
             raise RuntimeError(f"session {self.name!r} released its model when it {self._state}; "
                                "load the last checkpoint (mt.Session.from_checkpoint) to sample")
@@ -632,6 +638,7 @@ class Session:
             self._log.add_layer_stats(int(record.get("step", 0) or 0), list(stats))
         self._log.add_record(record)
         self._explore.on_record(record)
+        self._sample_watch.on_step(int(record.get("step", 0) or 0))
         with self._cv:
             self._cv.notify_all()
 
@@ -724,6 +731,7 @@ class Session:
         self._log.touch()
 
     def _end(self, outcome: str) -> None:
+        self._sample_watch.run_ended(weights_kept=outcome == "finished")
         if outcome != "finished":
             self._release()  # a finished run keeps its weights for generate()/inspect()
         self._ended_at = time.time()

@@ -61,6 +61,9 @@ class SampleWatch:
             raise ValueError(f"every={every!r}: the number of steps between two answers, an int >= 1")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if self.session.engine is None or self.session.released:
+            raise RuntimeError(f"session {self.session.name!r} has no model in this process to answer with (it was "
+                               "released, or the run trains in worker processes); sample from its saved model")
         try:
             total = self.session.total_steps
         except Exception:  # noqa: BLE001 - an iterable dataset without max_steps: no length

@@ -116,6 +116,10 @@ def test_bad_prompts_are_refused_when_set(fake_session, chat_session):
     with pytest.raises(ValueError, match="every=0"):
         c.set_sample_prompt(ASK, every=0)
     assert c.sample_watch.prompt is None
+    c.train(block=True)
+    c.close()   # released: nothing to answer with
+    with pytest.raises(RuntimeError, match="no model in this process"):
+        c.set_sample_prompt(ASK)
 
 
 def test_dashboard_panel_and_static_html_show_the_answers_newest_first(chat_session):

@@ -24,6 +24,8 @@ import time
 from collections import deque
 from typing import Any, Optional
 
+from megatrain_nb.threads import SAMPLES, thread_name
+
 DEFAULT_EVERY = 50        # steps between two answers when the run's length is unknown
 DEFAULT_TOKENS = 48
 SHARE = 0.1               # at most this share of the run's time goes to drawing answers (a slow sample: fewer)
@@ -130,7 +132,7 @@ class SampleWatch:
         if self._thread is None or not self._thread.is_alive():
             self._closed = False
             self._thread = threading.Thread(target=self._loop, daemon=True,
-                                            name=f"megatrain-samples-{self.session.name}")
+                                            name=thread_name(SAMPLES, self.session.name))
             self._thread.start()
 
     def _loop(self) -> None:

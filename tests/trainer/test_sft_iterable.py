@@ -45,12 +45,14 @@ def _read(ds):
                                       ("prompt_completion", dict(max_length=24)),
                                       ("alpaca", {}), ("sharegpt", {}),
                                       ("messages", dict(max_length=40, packing=True))])
-def test_iterable_prepares_as_map_style(fmt, opts):
+@pytest.mark.parametrize("typed", [False, True], ids=["generator", "with-features"])
+def test_iterable_prepares_as_map_style(fmt, opts, typed):
     tok, rows = tokenizer(), _rows(fmt, 12)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         eager, _ = prepare_sft_dataset(Dataset.from_list(rows), tok, _opts(**opts))
-        lazy, _ = prepare_sft_dataset(_stream(rows), tok, _opts(**opts))
+        stream = Dataset.from_list(rows).to_iterable_dataset() if typed else _stream(rows)
+        lazy, _ = prepare_sft_dataset(stream, tok, _opts(**opts))
         assert _read(lazy) == _read(eager)
     assert len(_read(eager)) > 0
 

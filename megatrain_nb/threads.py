@@ -71,6 +71,8 @@ PUBLISHER = _register(ThreadSpec("mtnb-publisher", "Publisher", "1 per session (
                                  "the only writer of widgets and display handles"))
 BEACON = _register(ThreadSpec("mtnb-beacon", "SessionBeacon", "1 per session (mtnb-beacon-<id>)",
                               "heartbeat file, command inbox"))
+SAMPLES = _register(ThreadSpec("mtnb-samples", "SampleWatch", "1 per session with a sample prompt (mtnb-samples-<name>)",
+                               "draws the answers to the sample prompt (a caller of the engine, as generate())"))
 CONTROLLER_WATCH = _register(ThreadSpec("mtnb-controller-watch", "launch_worker", "1 on rank 0",
                                         "stops the run if the launching kernel dies"))
 

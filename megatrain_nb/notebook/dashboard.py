@@ -38,6 +38,7 @@ from .lifecycle import ENDED
 from .probe import RenderProbe
 from .run_log import RunView
 from .run_tree import BranchesPanel
+from .sample_watch import answers_html
 from .summary_html import FG2, header_html, memory_tiers_html, rank_memory_table
 
 
@@ -102,6 +103,7 @@ class Dashboard(W.VBox):
         self.memory = W.HTML(layout=W.Layout(flex="1 1 340px", min_width="260px"))
         self.links = W.HTML(layout=W.Layout(flex="0 1 auto"))
         self.ranks = W.HTML()   # several ranks: each rank's memory tiers
+        self.samples = W.HTML()   # answers to the sample prompt, once one is set
         self.pause_button = W.Button(description="Pause", icon="pause", tooltip="Pause after the current step")
         self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger",
                                     tooltip="End the run after the current step and release memory")
@@ -132,6 +134,7 @@ class Dashboard(W.VBox):
             self.header,
             self.training_fig,
             W.Box([self.memory, controls], layout=wrap),
+            self.samples,
             self.ranks,
             W.HTML(f"<b style='font-family:sans-serif;color:{FG2}'>Layer inspector</b>"),
             W.Box([self.layer_select, self.metric], layout=W.Layout(display="flex", flex_flow="row wrap")),
@@ -215,7 +218,7 @@ class Dashboard(W.VBox):
         """Send the run's panels again from the calling thread (``session.wait()``, once the
         publisher is done): a notebook runner saves the widget state it sees in the executing
         cell's messages, so the saved notebook keeps the final dashboard, not its first frame."""
-        for w in (self.header, self.training_fig, self.memory, self.links, self.ranks, self.layer_stats,
+        for w in (self.header, self.training_fig, self.memory, self.links, self.ranks, self.samples, self.layer_stats,
                   self.layers_fig, *(e.widget for e in self._extra)):
             w.send_state()
 
@@ -308,6 +311,11 @@ class Dashboard(W.VBox):
     @panel("training", DATA_INTERVAL, key=lambda d: (d.session.run_log.version,), curves=("loss", "lr"), data=True)
     def _refresh_training(self, view: RunView) -> None:
         self.training_fig.spec = training_spec(view, total=self.session.total_steps)
+
+    # drawn on the sample watch's thread; shown here (publisher thread) when one is added
+    @panel("samples", DATA_INTERVAL, key=lambda d: (d.session.sample_watch.version,))
+    def _refresh_samples(self, view: RunView) -> None:
+        self.samples.value = answers_html(self.session.sample_watch)
 
     @panel("branches", 2.0, key=lambda d: d.branches.key())
     def _refresh_branches(self, view: RunView) -> None:

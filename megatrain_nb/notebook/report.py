@@ -185,6 +185,11 @@ def build_notebook(session: Any):
                                   ("branch", "run id", "parent run", "forked at step", "steps logged"))))
         cells.append(_figure_cell(figs, run_tree_figure(runs), "run tree"))
 
+    answers_cell = _sample_answers_html(session)
+    if answers_cell:
+        cells.append(_md("## Answers to the sample prompt\n\nThe conversation set with `session.set_sample_prompt`, "
+                         "answered from the weights at each step shown (the last answers, newest first)."))
+        cells.append(_html_cell(answers_cell, "sample answers"))
     samples = session.samples
     if samples:
         body = "".join(f"<h4>step {s['step']}: <code>{html.escape(s['prompt'])}</code></h4>"
@@ -193,6 +198,13 @@ def build_notebook(session: Any):
         cells.append(_html_cell(body, "samples"))
     nb.cells = cells
     return nb
+
+
+def _sample_answers_html(session) -> str:
+    from .sample_watch import answers_html
+
+    watch = getattr(session, "sample_watch", None)
+    return answers_html(watch, last=watch.keep) if watch is not None and watch.answers() else ""
 
 
 def _trained_on_html(session) -> str:

@@ -23,8 +23,10 @@ def sample_text(
     temperature: float = 0.8,
     top_k: Optional[int] = 50,
     seed: Optional[int] = None,
+    answer_only: bool = False,
 ) -> str:
-    """``prompt`` followed by up to ``max_new_tokens`` sampled tokens, decoded.
+    """``prompt`` followed by up to ``max_new_tokens`` sampled tokens, decoded (``answer_only``:
+    the sampled tokens alone, e.g. the assistant's answer to a chat prompt).
 
     The whole sample is drawn under ``engine.lock`` so every token sees the same weights: a
     running trainer waits at most this long before its next micro-batch.
@@ -56,8 +58,7 @@ def sample_text(
             new.append(tok)
             if eos is not None and tok == eos:
                 break
-    return tokenizer.decode(ids + new, skip_special_tokens=True) if prompt else tokenizer.decode(
-        new, skip_special_tokens=True)
+    return tokenizer.decode(ids + new if prompt and not answer_only else new, skip_special_tokens=True)
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: Optional[int], gen) -> int:

@@ -34,6 +34,7 @@ from .forwarding import Forward
 from .lifecycle import ENDED, LIVE
 from .run_state import QueuedCommand, RunState, TrainerLike  # noqa: F401 - re-exported
 from .samples import Samples
+from .sample_watch import SampleWatch
 from .session_view import SessionView
 from .thread_run import ThreadRun
 
@@ -161,6 +162,9 @@ class Session:
         self._run = make_run(self._status, self._explore, self.id)
         self._view = SessionView(self)
         self._samples = Samples()
+        self._sample_watch = SampleWatch(self)   # answers to the sample prompt (sample_watch.py)
+        if hasattr(self._run, "after_record"):   # an in-kernel run: the watch hears of each step
+            self._run.after_record.append(lambda r: self._sample_watch.on_step(int(r.get("step", 0) or 0)))
         registry.register(self)
         if in_kernel():  # import the display stack now (plotly's FigureWidget: ~1.5 s), not in train()
             from .dashboard import warm_up
@@ -292,6 +296,7 @@ class Session:
         if self._status.state in LIVE:
             self.stop(wait=True)
             return
+        self._sample_watch.close()
         self._release()
         registry.forget(self)
 
@@ -435,10 +440,19 @@ class Session:
         hist = {m: self._status.log.unit_series(unit, m) for m in ("grad_norm", "update_ratio")}
         return LayerReport(stats, unit=unit, history=hist)
 
-    def set_sample_prompt(self, messages: Any) -> None:
-        """The conversation (a list of ``{"role", "content"}``) that ``generate()`` without a prompt
-        answers, rendered with the tokenizer's chat template, so samples show the answers change."""
-        self._samples.set_prompt(self._tokenizer, messages)
+    def set_sample_prompt(self, messages: Any, *, every: Optional[int] = None, max_new_tokens: int = 48,
+                          temperature: float = 0.0) -> None:
+        """The conversation (a list of ``{"role", "content"}``), rendered with the tokenizer's chat
+        template, that is answered now and every ``every`` steps while the run trains (default: a
+        tenth of the run), on a thread of its own; the dashboard shows the last answers with their
+        steps (``session.sample_watch.answers()``). ``generate()`` without a prompt answers it too."""
+        self._sample_watch.set_prompt(messages, every=every, max_new_tokens=max_new_tokens,
+                                      temperature=temperature)
+
+    @property
+    def sample_watch(self) -> SampleWatch:
+        """The sample prompt and the last answers to it (see :meth:`set_sample_prompt`)."""
+        return self._sample_watch
 
     def trained_on(self, index: int = 0):
         """One training example with the tokens that count toward the loss highlighted (HTML)."""
@@ -453,6 +467,8 @@ class Session:
         with :meth:`set_sample_prompt`, if any."""
         st = self._status
         self._run.check("generate")
+        if not prompt and self._sample_watch.prompt:
+            prompt = self._sample_watch.prompt
         if st.released or self.engine is None:
             raise RuntimeError(f"session {self.name!r} released its model when it {st.state}; "
                                "load the last checkpoint (mt.Session.from_checkpoint) to sample")
@@ -490,6 +506,7 @@ class Session:
 
     # ---- the end of a run (the background thread, or stop() before it started) -------------------
     def _end(self, outcome: str) -> None:
+        self._sample_watch.run_ended(weights_kept=outcome == "finished")
         if outcome != "finished":
             self._release()  # a finished run keeps its weights for generate()/inspect()
         self._status.ended_at = time.time()

@@ -21,6 +21,7 @@ from megatrain_nb.formatting import fmt_bytes, fmt_num, fmt_seconds
 from .figures import TIERS, event_label, grouped_events
 from .lifecycle import LIVE
 from .run_log import RunView, disk_cache_line, tier_summary
+from .sample_watch import answers_html
 
 STATE_COLORS = {"idle": "#888", "running": "#2e7d32", "paused": "#ef6c00", "stopped": "#6d4c41",
                 "finished": "#1565c0", "failed": "#b00020"}
@@ -254,7 +255,7 @@ def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
             f"{header_html(session, view)}{note}"
             f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
             f"<div>{loss_svg(view)}</div><div>{memory_table(view)}{rank_memory_table(view)}"
-            f"{events_table(view.events)}</div></div></div>")
+            f"{events_table(view.events)}</div></div>{answers_html(getattr(session, 'sample_watch', None))}</div>")
 
 
 def session_summary(session: Any) -> dict:

@@ -24,6 +24,7 @@ class ThreadRun:
         self.trainer = trainer
         self.explorer = explorer
         self.resume_from = resume_from
+        self.after_record: list[Callable[[dict], None]] = []   # the Session's watchers of each step
 
     @property
     def engine(self) -> Any:
@@ -112,6 +113,8 @@ class ThreadRun:
             self.status.log.add_layer_stats(int(record.get("step", 0) or 0), list(stats))
         self.status.log.add_record(record)
         self.explorer.on_record(record)
+        for hook in self.after_record:
+            hook(record)
         self.status.notify()
 
     def _apply_commands(self) -> bool:

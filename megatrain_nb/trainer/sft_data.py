@@ -16,13 +16,12 @@ that the output is the same, row for row). Where TRL is silent this module count
 examples truncated to ``max_length`` and examples left with no target token are counted in a
 :class:`PrepReport` and reported once; bad rows (no chat template, an empty assistant turn, a
 role the template does not render, rows of mixed formats) are refused with the row's index.
+The steps themselves are in ``sft_prepare.py``; an iterable dataset is checked there lazily.
 """
 from __future__ import annotations
 
-import json
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from .data import DataError
 
@@ -205,170 +204,40 @@ def is_conversational_dataset(ds, text_field: str = "text") -> bool:
                                                                      "sharegpt")
 
 
+def column_names(ds) -> list:
+    """A dataset's columns (an iterable dataset without features: the first row's keys)."""
+    return list(ds.column_names) if ds.column_names is not None else list(next(iter(ds)).keys())
+
+
 def prepare_sft_dataset(ds, tokenizer, opts: SFTDataOptions, *, formatting_func: Optional[Callable] = None,
                         what: str = "train_dataset") -> tuple:
     """``(dataset, report)``: ``ds`` tokenised with ``input_ids`` and ``labels`` (-100: not in the
-    loss), truncated or packed (``seq_lengths`` per packed row), as ``trl.SFTTrainer`` prepares it."""
+    loss), truncated or packed (``seq_lengths`` per packed row), as ``trl.SFTTrainer`` prepares it.
+
+    A map-style dataset is checked row by row here; an iterable one as its rows are read (the
+    error names the row), its truncations counted as they happen and reported at the first."""
     import datasets
-    from trl.data_utils import common_prefix_length, is_conversational, pack_dataset
+
+    from .sft_prepare import Preparation
 
     ds = as_dataset(ds, what, None if formatting_func is not None else opts.dataset_text_field)
-    report = PrepReport(what=what)
-    map_kwargs = {"num_proc": opts.dataset_num_proc} if isinstance(ds, datasets.Dataset) else {}
-    is_map = isinstance(ds, datasets.Dataset)
-    if is_map and len(ds) == 0:
+    prep = Preparation(tokenizer, opts, what, isinstance(ds, datasets.Dataset))
+    if prep.is_map and len(ds) == 0:
         raise DataError(f"{what} is empty (0 examples)")
-    columns = ds.column_names if ds.column_names is not None else list(next(iter(ds)).keys())
-    is_processed = "input_ids" in columns
-    if formatting_func is not None and not is_processed:
+    text_field = "text" if formatting_func is not None else opts.dataset_text_field
+    if formatting_func is not None and "input_ids" not in column_names(ds):
         # the formatter's text is the example (language modelling): the source columns go
-        ds = ds.map(lambda ex: {"text": formatting_func(ex)}, batched=False,
-                    remove_columns=[c for c in columns if c != "text"], **map_kwargs)
+        ds = prep.map(ds, lambda ex: {"text": formatting_func(ex)}, batched=False,
+                      remove_columns=[c for c in column_names(ds) if c != "text"])
     head = head_rows(ds)
     if not head:
         raise DataError(f"{what} is empty (it yielded no examples)")
-    fmt = detect_format(head, "text" if formatting_func is not None else opts.dataset_text_field, what)
-    report.format = fmt
-    if not is_processed and fmt in ("alpaca", "sharegpt"):
-        if not is_map:
-            raise DataError(f"{what}: {fmt} rows in an iterable dataset; convert them first "
-                            "(megatrain_nb.trainer.sft_data.to_trl_rows) or pass a map-style dataset")
-        # every row is checked (the head only was above), then converted
-        rows = [ds[i] for i in range(len(ds))]
-        detect_format(rows, opts.dataset_text_field, what)
-        ds = datasets.Dataset.from_list(to_trl_rows(rows, fmt, what))
-        columns = ds.column_names
-    elif is_map and not is_processed and len(ds) > len(head):
-        detect_format([ds[i] for i in range(len(ds))], opts.dataset_text_field, what)
-
-    if not is_processed:
-        first = next(iter(ds))
-        conversational = is_conversational(first)
-        if conversational:
-            if opts.chat_template is None and not getattr(tokenizer, "chat_template", None):
-                raise DataError(f"{what} is conversational but the tokenizer has no chat template. Give one: "
-                                "SFTConfig(chat_template_path='template.jinja'), or set tokenizer.chat_template "
-                                "(a Jinja string) before building the trainer")
-            if is_map:
-                for i in range(len(ds)):
-                    ex = ds[i]
-                    msgs = ex["messages"] if "messages" in ex and ex["messages"] is not None \
-                        else list(ex["prompt"]) + list(ex["completion"])
-                    check_conversation(msgs, tokenizer, opts.chat_template, i, what, tools=_tools(ex))
-        else:
-            eos = tokenizer.eos_token
-
-            def add_eos(example):
-                if opts.dataset_text_field in example and not example[opts.dataset_text_field].endswith(eos):
-                    example[opts.dataset_text_field] = example[opts.dataset_text_field] + eos
-                elif "completion" in example and not example["completion"].endswith(eos):
-                    example["completion"] = example["completion"] + eos
-                return example
-
-            ds = ds.map(add_eos, remove_columns="messages" if "messages" in columns else None, **map_kwargs)
-
-        def tokenize(example, idx):
-            return _tokenize_example(example, idx, tokenizer, opts, what, common_prefix_length)
-
-        ds = ds.map(tokenize, with_indices=True, **map_kwargs)
-    columns = ds.column_names if ds.column_names is not None else list(next(iter(ds)).keys())
-    if "labels" not in columns:
-        masks = []
-        if opts.completion_only_loss and "completion_mask" in columns:
-            masks.append("completion_mask")
-        if "assistant_masks" in columns:
-            masks.append("assistant_masks")
-
-        def build_labels(example):
-            bits = [example[c] for c in masks]
-            return {"labels": [t if all(b) else -100 for t, *b in zip(example["input_ids"], *bits)]}
-
-        ds = ds.map(build_labels, remove_columns=masks, **map_kwargs)
-
-    if opts.max_length is not None and not opts.packing:
-        if opts.truncation_mode not in ("keep_start", "keep_end"):
-            raise DataError(f"truncation_mode={opts.truncation_mode!r}: use 'keep_start' or 'keep_end'")
-        if is_map:
-            lengths = [len(x) for x in ds["input_ids"]]
-            report.examples = len(lengths)
-            report.truncated = sum(n > opts.max_length for n in lengths)
-            report.tokens_dropped = sum(max(n - opts.max_length, 0) for n in lengths)
-        sl = slice(None, opts.max_length) if opts.truncation_mode == "keep_start" else slice(-opts.max_length, None)
-        ds = ds.map(lambda ex: {"input_ids": ex["input_ids"][sl], "labels": ex["labels"][sl]}, **map_kwargs)
-    before = len(ds) if is_map else None
-    # An example with no target token adds nothing but a zero-loss step: dropped, as TRL drops
-    # them after truncation, and counted. (TRL keeps such rows when it does not truncate.)
-    if opts.max_length is not None and not opts.packing:
-        ds = ds.filter(lambda ex: any(t != -100 for t in ex["labels"]), **map_kwargs)
-    elif is_map:
-        empty = [i for i, lab in enumerate(ds["labels"]) if all(t == -100 for t in lab)]
-        if empty:
-            raise DataError(f"{what}[{empty[0]}] (and {len(empty) - 1} more) has no token counted in the loss "
-                            "(its completion or assistant turns are empty or masked); remove such examples")
-    if is_map:
-        report.examples = report.examples or before
-        report.no_target_dropped = before - len(ds)
-        if len(ds) == 0:
-            raise DataError(f"{what}: no example is left with a token to learn from after truncation to "
-                            f"max_length={opts.max_length}; raise max_length")
-
+    prep.report.format = fmt = detect_format(head, text_field, what)
+    if fmt != "tokens":
+        ds = prep.tokenized(prep.checked_rows(ds, fmt, text_field, len(head)))
+    ds = prep.with_target(prep.truncated(prep.with_labels(ds)))
     if opts.packing:
-        if opts.max_length is None:
-            raise DataError("packing=True needs max_length (the packed row length); set SFTConfig.max_length")
-        if is_map:
-            lengths = [len(x) for x in ds["input_ids"]]
-            report.examples = len(lengths)
-            if opts.packing_strategy == "bfd":   # bfd truncates documents longer than a row
-                report.truncated = sum(n > opts.max_length for n in lengths)
-                report.tokens_dropped = sum(max(n - opts.max_length, 0) for n in lengths)
-        ds = ds.select_columns(["input_ids", "labels"])
-        if opts.shuffle_dataset:
-            ds = ds.shuffle(seed=opts.seed)
-        ds = pack_dataset(ds, opts.max_length, opts.packing_strategy, map_kwargs)
+        ds = prep.packed(ds)
     if opts.shuffle_dataset:
         ds = ds.shuffle(seed=opts.seed)
-    return ds, report
-
-
-def _tools(example):
-    tools = example.get("tools")
-    return json.loads(tools) if isinstance(tools, str) else tools
-
-
-def _chat(tokenizer, messages, **kw) -> dict:
-    return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
-
-
-def _tokenize_example(example: dict, idx: int, tokenizer, opts: SFTDataOptions, what: str, prefix_len) -> dict:
-    """One row as TRL tokenises it (``SFTTrainer._prepare_dataset``'s ``tokenize_fn``)."""
-    from trl.data_utils import is_conversational
-
-    kw = {"chat_template": opts.chat_template, "tools": _tools(example), **(example.get("chat_template_kwargs") or {})}
-    out: dict[str, Any] = {}
-    if "prompt" in example and example.get("prompt") is not None:
-        if is_conversational(example):
-            prompt_ids = _chat(tokenizer, example["prompt"], add_generation_prompt=True, **kw)["input_ids"]
-            full = _chat(tokenizer, list(example["prompt"]) + list(example["completion"]),
-                         return_assistant_tokens_mask=opts.assistant_only_loss, **kw)
-            ids = full["input_ids"]
-            if "assistant_masks" in full:
-                out["assistant_masks"] = full["assistant_masks"]
-        else:
-            prompt_ids = tokenizer(text=example["prompt"])["input_ids"]
-            ids = tokenizer(text=example["prompt"] + example["completion"])["input_ids"]
-        n = prefix_len(prompt_ids, ids)
-        if n < len(prompt_ids):
-            warnings.warn(f"{what}[{idx}]: the tokenized prompt is not a prefix of prompt+completion; the "
-                          "completion starts where they diverge (as in TRL)", stacklevel=2)
-        out["input_ids"] = ids
-        out["completion_mask"] = [0] * n + [1] * (len(ids) - n)
-    elif is_conversational(example):
-        done = _chat(tokenizer, example["messages"], return_assistant_tokens_mask=opts.assistant_only_loss, **kw)
-        out = {k: done[k] for k in ("input_ids", "assistant_masks") if k in done}
-    else:
-        out = {"input_ids": tokenizer(text=example[opts.dataset_text_field])["input_ids"]}
-    if "assistant_masks" in out and 1 not in out["assistant_masks"]:
-        raise DataError(f"{what}[{idx}] has no assistant token in its assistant mask with assistant_only_loss=True: "
-                        "the chat template marks no span with {% generation %} for it (or it has no assistant "
-                        "turn). Check the template's generation marks and the example")
-    return out
+    return ds, prep.report

@@ -1,5 +1,6 @@
 """SFT end to end: examples/sft.yaml as written (shortened), the Session hook, the sample prompt
 and the "what the model is trained on" view."""
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,15 @@ def test_session_builds_an_sft_trainer_and_samples_the_chat_prompt(tmp_path):
     assert view.counted == [False] + [lab != -100 for lab in row["labels"][1:]]
     assert "<|user|>" not in [t for t, c in zip(view.tokens, view.counted) if c]
     session.train(block=True)
+    # the answers to the sample prompt: before training and from the final weights (greedy, the
+    # answer alone); the same greedy answer from generate() now, the weights being the final ones
+    end = time.monotonic() + 60   # bounded: the watch's thread draws the last answer after the run
+    while [a["step"] for a in session.sample_watch.answers()][-1:] != [3] and time.monotonic() < end:
+        time.sleep(0.05)
+    answers = session.sample_watch.answers()
+    assert answers[0]["step"] == 0 and answers[-1]["step"] == 3
+    greedy = session.generate(max_new_tokens=48, temperature=0)
+    assert greedy.endswith(answers[-1]["answer"]) and not answers[-1]["answer"].startswith("What is")
     text = session.generate(max_new_tokens=5, seed=0)
     assert text.startswith("What is two plus three")   # the rendered chat prompt, special tokens dropped
     assert session.samples[-1]["prompt"].startswith("<|user|>")
@@ -57,6 +67,7 @@ def test_session_builds_an_sft_trainer_and_samples_the_chat_prompt(tmp_path):
     assert _dispatch(f"trained-on 1 -s {session.name}").counted_tokens > 0
     report = session.export_report(str(tmp_path / "run.html"))
     assert "What the model is trained on" in Path(report).read_text()
+    assert "Answers to the sample prompt" in Path(report).read_text()
     session.close()
 
 

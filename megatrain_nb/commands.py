@@ -8,7 +8,8 @@ only: the server side imports it cheaply.
 
 Values: ``none`` (no value); ``learning_rate`` (:func:`~megatrain_nb.learning_rate.check_learning_rate`);
 ``path`` (a checkpoint folder, or None for the default one); ``stop`` (nothing, or a
-checkpoint to write first: True for the default folder, or a path).
+checkpoint to write first: True for the default folder, or a path); ``step`` (an optimizer step,
+an int >= 0: the snapshot to go back to).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ _MAX_PATH = 4096
 @dataclass(frozen=True)
 class Command:
     name: str
-    value: str       # "none" | "learning_rate" | "path" | "stop"
+    value: str       # "none" | "learning_rate" | "path" | "stop" | "step"
     help: str        # one line, as %megatrain's usage prints it
     sidebar: bool    # the JupyterLab sidebar offers it (the server accepts it from there)
 
@@ -32,6 +33,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("stop", "stop", "end the run after the current step (a checkpoint first, if given)", True),
     Command("lr", "learning_rate", "learning rate from the next step (e.g. 5e-4)", True),
     Command("checkpoint", "path", "write a checkpoint at the next step boundary", False),
+    Command("snapshot", "none", "take a snapshot at the next step boundary (every rank its shard)", False),
+    Command("rewind", "step", "go back to the snapshot at step N (every rank; a paused run stays paused)", False),
 )}
 
 #: What the sidebar sends (and the Jupyter server accepts from it).
@@ -64,6 +67,16 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False) -> tup
             return name, check_learning_rate(value)
         except ValueError as e:
             raise CommandError(f"command 'lr': {e}") from None
+    if kind == "step":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise CommandError(f"command {name!r} takes a step number, got {value!r}")
+        try:
+            step = int(value)
+        except ValueError:
+            raise CommandError(f"command {name!r} takes a step number, got {value!r}") from None
+        if step < 0:
+            raise CommandError(f"command {name!r} takes a step number >= 0, got {step}")
+        return name, step
     # a checkpoint path (or None: the default folder); stop also takes True/False
     if value is None or (kind == "stop" and isinstance(value, bool)) or (
             isinstance(value, str) and 0 < len(value) < _MAX_PATH and "\0" not in value):
@@ -73,6 +86,6 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False) -> tup
 
 def usage_lines(names=None) -> list[str]:
     """``name <value>   help`` lines for ``%megatrain``'s usage."""
-    arg = {"none": "", "learning_rate": " <value>", "path": " [path]", "stop": ""}
+    arg = {"none": "", "learning_rate": " <value>", "path": " [path]", "stop": "", "step": " <step>"}
     names = list(COMMANDS) if names is None else list(names)
     return [f"  {(n + arg[COMMANDS[n].value]):<20}{COMMANDS[n].help}" for n in names]

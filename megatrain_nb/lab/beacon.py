@@ -317,7 +317,7 @@ class ControlBeacon(SessionBeacon):
         record.update(command=command, value=value)
         fn = getattr(self.session, "set_lr" if command == "lr" else
                      "save_checkpoint" if command == "checkpoint" else command)
-        args = (value,) if command in ("lr", "checkpoint") or (command == "stop" and value) else ()
+        args = (value,) if command in ("lr", "checkpoint", "rewind") or (command == "stop" and value) else ()
         fn(*args, source=record["source"], command_id=command_id)
 
 

@@ -17,7 +17,11 @@ runs a :class:`RunControl`:
   each time), so no wait runs into the group's timeout however long the pause lasts.
 
 Commands: ``pause``, ``resume``, ``lr`` (value), ``checkpoint`` (value: a path or None),
-``stop`` (value: False, True or a path to checkpoint first). Enabled by default when the run
+``stop`` (value: False, True or a path to checkpoint first), ``snapshot`` (every rank its
+shard, ``trainer/snapshot.py``) and ``rewind`` (value: a step with a snapshot or checkpoint):
+at the boundary every rank ends the pass it is in, and ``train()`` starts again from the
+snapshot as a branch (a new run id whose parent is the snapshot's run) on every rank; a
+paused run stays paused at the snapshot's step. Enabled by default when the run
 has several ranks or was started by torchrun; ``MEGATRAIN_NB_CONTROL=0`` turns it off, ``=1``
 on. ``MEGATRAIN_NB_RUN_NAME`` names the run (default: ``args.run_name``, else the output
 folder's name) and ``MEGATRAIN_NB_SESSION_ID`` fixes its heartbeat id.
@@ -76,6 +80,7 @@ class RunControl:
         self.state = "running"
         self.applied: list[dict] = []       # every command this rank applied, with its step
         self.stopped = False
+        self.rewind_to: Optional[str] = None   # set by a rewind: train() starts again from it
         self._inbox: "queue.Queue[dict]" = queue.Queue()   # rank 0: filled by the beacon thread
         self._recent: collections.deque = collections.deque(maxlen=100)
         self._root = root
@@ -123,7 +128,7 @@ class RunControl:
     def hold(self) -> None:
         """While paused, meet the other ranks every PAUSE_POLL_S for the next commands (after the
         step's record is written, so a paused run shows the step it paused at)."""
-        while self.state == "paused" and not self.stopped:
+        while self.state == "paused" and not self.stopped and self.rewind_to is None:
             self._exchange(None, wait=PAUSE_POLL_S)
 
     def _exchange(self, record: Optional[dict], wait: float) -> None:
@@ -158,6 +163,15 @@ class RunControl:
                 event["value"] = float(value)
             elif kind == "checkpoint":
                 event["path"] = t.save_checkpoint(value or None)
+            elif kind == "snapshot":   # collective: each rank its shard, rank 0 the shared files
+                from .snapshot import SnapshotStore
+
+                info = SnapshotStore(t.args.output_dir).take(t)
+                event["path"], event["bytes_unique"] = info.path, info.bytes_unique
+            elif kind == "rewind":
+                event["path"] = self.rewind_to = snapshot_at(t, int(value))
+                event["value"] = int(value)
+                t.request_stop()   # this pass ends after the step; train() starts again from it
             elif kind == "stop":
                 if value:
                     event["path"] = t.save_checkpoint(None if value is True else str(value))
@@ -172,6 +186,11 @@ class RunControl:
                 self.stopped = True
         self.applied.append(dict(event, time=time.time()))
         t.metrics_log.write({"event": "control", **event, "time": time.time()})
+
+    def take_rewind(self) -> Optional[str]:
+        """The snapshot a rewind asked for since the last call (None: none), cleared."""
+        path, self.rewind_to = self.rewind_to, None
+        return path
 
     def recent_records(self) -> list:
         """The last records this rank logged (at most 100), oldest first."""
@@ -223,6 +242,34 @@ class _Announced:
     def save_checkpoint(self, path: Optional[str] = None, *, source: str = "lab",
                         command_id: Optional[str] = None) -> None:
         self._c.request("checkpoint", path, source=source, command_id=command_id)
+
+    def snapshot(self, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        self._c.request("snapshot", source=source, command_id=command_id)
+
+    def rewind(self, step: int, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        self._c.request("rewind", int(step), source=source, command_id=command_id)
+
+
+def snapshot_at(trainer, step: int) -> str:
+    """The snapshot (or checkpoint) at ``step`` to rewind to: rank 0 looks (this run's own first,
+    else the newest) and every rank takes its answer, or its error (:class:`SnapshotError`
+    listing the steps that have one)."""
+    from .snapshot import SnapshotError, SnapshotStore, steps_text
+
+    found = error = None
+    if trainer.dist.is_main:
+        infos = SnapshotStore(trainer.args.output_dir).list()
+        at = sorted((i for i in infos if i.step == step), key=lambda i: (i.run_id == trainer.run_id, i.time))
+        if at:
+            found = at[-1].path
+        else:
+            error = (f"no snapshot at step {step} under {str(trainer.args.output_dir)!r}; steps with one: "
+                     f"{steps_text(infos)}")
+    if trainer.dist.world > 1:
+        found, error = trainer.dist.all_gather_json([found, error])[0]
+    if error is not None:
+        raise SnapshotError(error)
+    return found
 
 
 def _plain(value: Any) -> Any:

@@ -1,28 +1,18 @@
 """mt.Session(..., args=SFTConfig(...), nproc_per_node=2) (issue 20): the worker ranks build an
 mt.SFTTrainer from the SFTConfig (not a plain Trainer) and end where one process with twice the
 accumulation ends. Every wait is bounded."""
-import os
 import sys
-from pathlib import Path
 
 import pytest
 
 from .launch import REPO
+from .test_launcher import _env  # noqa: F401 - the same environment (autouse)
 from .test_sft_torchrun import _alone
 from .test_trainer_torchrun import _agree, _weights
 
 pytest.importorskip("trl")
 
 BOUND = 240
-
-
-@pytest.fixture(autouse=True)
-def _env(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_NB_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setenv("MEGATRAIN_DIST_TIMEOUT_S", "30")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
 
 
 @pytest.mark.slow

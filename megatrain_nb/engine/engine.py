@@ -323,6 +323,10 @@ class StreamingEngine:
             from .linked_ranks import is_rank_linked, load_linked_rank
 
             if is_linked(path):
+                if self.sharded is not None:
+                    raise ValueError(f"snapshot {os.fspath(path)!r} was written by one process and this run has "
+                                     f"{self.dist.world} ranks: a snapshot loads back into the run that wrote it; "
+                                     "to move between world sizes, resume from a checkpoint (checkpoint-<step>)")
                 return load_linked(self, path)
             if is_rank_linked(path):
                 return load_linked_rank(self, path)

@@ -89,18 +89,26 @@ def test_a_run_rewound_while_paused_stays_paused_at_the_snapshot(tmp_path):
             t.run_control.request("pause", source="test")
             at_pause["step"] = step
 
-    def drive():   # another thread, as the beacon: commands while the run waits paused
+    def send(rc, command, value=None):   # as the notebook's controller does: a file in rank 0's inbox
+        from megatrain_nb.lab.protocol import atomic_write_json, inbox_path, make_private_dir, new_command_name
+
+        name = new_command_name()
+        inbox = make_private_dir(inbox_path(rc.id))
+        atomic_write_json(inbox / f"{name}.json", {"id": name, "command": command, "value": value,
+                                                    "source": "controller", "time": time.time()})
+
+    def drive():   # another thread: commands through the beacon while the run waits paused
         end = time.monotonic() + BOUND
         rc = None
         while time.monotonic() < end and (rc is None or rc.state != "paused" or t.state.global_step != 4):
             rc = t.run_control
             time.sleep(0.02)
-        rc.request("rewind", 2, source="test")
+        send(rc, "rewind", 2)
         while time.monotonic() < end and t.state.global_step != 2:
             time.sleep(0.02)
         time.sleep(0.5)
         at_pause["after_rewind"] = (t.state.global_step, rc.state)
-        rc.request("resume", source="test")
+        send(rc, "resume")
 
     t.add_callback(At(steer))
     th = threading.Thread(target=drive, daemon=True)
@@ -110,6 +118,7 @@ def test_a_run_rewound_while_paused_stays_paused_at_the_snapshot(tmp_path):
     assert at_pause["after_rewind"] == (2, "paused")
     kinds = [(e["kind"], e["step"]) for e in t.run_control.applied]
     assert kinds == [("snapshot", 2), ("pause", 4), ("rewind", 4), ("resume", 2)]
+    assert [e["source"] for e in t.run_control.applied[2:]] == ["controller", "controller"]
     got = t.engine.state_dict()
     for name in want:
         assert torch.equal(got[name], want[name]), name

@@ -92,8 +92,11 @@ class LaunchError(ValueError):
 
 def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, tokenizer: Any, eval_dataset: Any,
                seq_len: Optional[int], loss_fn: Any, callbacks: Any, engine_options: dict,
-               resume: Any = None) -> dict:
-    """Write everything into ``run_dir`` (which exists, private); returns the spec."""
+               resume: Any = None, branch: Optional[dict] = None) -> dict:
+    """Write everything into ``run_dir`` (which exists, private); returns the spec.
+    ``branch`` (with ``resume``: a snapshot or checkpoint): the fields of a
+    ``trainer.snapshot.BranchStart``; every rank then starts from the snapshot as that branch (a
+    fork of a multi-process run: the same step on every rank)."""
     if args is None:   # spell out the defaults, so that the controller knows the output folder too
         from megatrain_nb.trainer.presets import preset_names
 
@@ -111,6 +114,7 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
                   "loss_fn": import_ref(loss_fn, "loss_fn") if loss_fn is not None else None,
                   "callbacks": [import_ref(c, "callback") for c in (callbacks or [])],
                   "resume": str(resume) if resume not in (None, False) else None,
+                  "branch": _branch(branch, resume),
                   "train": _dataset(run_dir / "train", train_dataset, "train_dataset"),
                   "eval": _dataset(run_dir / "eval", eval_dataset, "eval_dataset"),
                   "tokenizer": None}
@@ -123,6 +127,29 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
     with open(run_dir / SPEC_FILE, "w", encoding="utf-8") as f:
         json.dump(spec, f, indent=1)
     return spec
+
+
+def _branch(branch: Optional[dict], resume: Any) -> Optional[dict]:
+    if branch is None:
+        return None
+    from megatrain_nb.trainer.snapshot import BranchStart
+
+    if resume in (None, False, True):
+        raise LaunchError("a branch starts from a snapshot: give resume=<the snapshot's or checkpoint's folder>")
+    fields = {f.name for f in dataclasses.fields(BranchStart)} - {"extra"}
+    unknown = sorted(set(branch) - fields)
+    if unknown:
+        raise LaunchError(f"branch fields {unknown} are not BranchStart fields ({', '.join(sorted(fields))})")
+    return _json_only(dict(branch), "branch field")
+
+
+def branch_start(spec: dict):
+    """The ``BranchStart`` a worker gives its trainer before ``train()`` (None: not a branch)."""
+    if not spec.get("branch"):
+        return None
+    from megatrain_nb.trainer.snapshot import BranchStart
+
+    return BranchStart(**spec["branch"])
 
 
 def _model_ref(run_dir: Path, model: Any, options: dict) -> dict:

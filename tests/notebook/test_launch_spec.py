@@ -304,3 +304,18 @@ def test_an_sft_config_that_cannot_apply_is_refused_before_any_worker_starts(tmp
     args = SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, use_liger_kernel=True)
     with pytest.raises(UnsupportedArgumentError, match="use_liger_kernel"):
         _write(tmp_path, args=args)
+
+
+def test_a_branch_needs_a_snapshot_and_known_fields(tmp_path):
+    """A fork of a multi-process run: the spec's branch (BranchStart fields), from a snapshot."""
+    from megatrain_nb.notebook.launch_spec import LaunchError, branch_start
+
+    with pytest.raises(LaunchError, match="starts from a snapshot"):
+        _write(tmp_path, branch={"new_run": True})
+    with pytest.raises(LaunchError, match=r"\['colour'\] are not BranchStart fields"):
+        _write(tmp_path, branch={"colour": 1}, resume=str(tmp_path))
+    _, spec = _write(tmp_path, branch={"new_run": True, "rebuild_schedule": True}, resume=str(tmp_path))
+    start = branch_start(spec)
+    assert start.new_run and start.rebuild_schedule and not start.restart_data
+    _, plain = _write(tmp_path)
+    assert plain["branch"] is None and branch_start(plain) is None

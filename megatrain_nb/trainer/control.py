@@ -21,7 +21,9 @@ Commands: ``pause``, ``resume``, ``lr`` (value), ``checkpoint`` (value: a path o
 shard, ``trainer/snapshot.py``) and ``rewind`` (value: a step with a snapshot or checkpoint):
 at the boundary every rank ends the pass it is in, and ``train()`` starts again from the
 snapshot as a branch (a new run id whose parent is the snapshot's run) on every rank; a
-paused run stays paused at the snapshot's step. Enabled by default when the run
+paused run stays paused at the snapshot's step. ``MEGATRAIN_NB_SNAPSHOT_STEPS=N`` takes a
+snapshot every N steps on every rank and ``MEGATRAIN_NB_KEEP_SNAPSHOTS=K`` keeps the newest K
+(rank 0 prunes; never one a rewind went back to). Enabled by default when the run
 has several ranks or was started by torchrun; ``MEGATRAIN_NB_CONTROL=0`` turns it off, ``=1``
 on. ``MEGATRAIN_NB_RUN_NAME`` names the run (default: ``args.run_name``, else the output
 folder's name) and ``MEGATRAIN_NB_SESSION_ID`` fixes its heartbeat id.
@@ -45,6 +47,10 @@ ENV_NAME = "MEGATRAIN_NB_RUN_NAME"
 ENV_ID = "MEGATRAIN_NB_SESSION_ID"
 ENV_KERNEL = "MEGATRAIN_NB_KERNEL_ID"
 ENV_LAUNCHER = "MEGATRAIN_NB_LAUNCHER"
+#: a snapshot every N optimizer steps on every rank (``snapshot_steps`` of an nproc_per_node
+#: Session), and how many of them to keep (``keep_snapshots``; never one a rewind went back to)
+ENV_SNAPSHOT_STEPS = "MEGATRAIN_NB_SNAPSHOT_STEPS"
+ENV_KEEP_SNAPSHOTS = "MEGATRAIN_NB_KEEP_SNAPSHOTS"
 #: how often paused ranks meet (seconds): a pause or a stop while paused lands within this
 PAUSE_POLL_S = 0.25
 #: the commands a run takes; the lab protocol's four plus a checkpoint
@@ -81,6 +87,9 @@ class RunControl:
         self.applied: list[dict] = []       # every command this rank applied, with its step
         self.stopped = False
         self.rewind_to: Optional[str] = None   # set by a rewind: train() starts again from it
+        self.snapshot_steps = _env_int(ENV_SNAPSHOT_STEPS)
+        self.keep_snapshots = _env_int(ENV_KEEP_SNAPSHOTS)
+        self._protect: set = set()   # the snapshots a rewind went back to: never pruned
         self._inbox: "queue.Queue[dict]" = queue.Queue()   # rank 0: filled by the beacon thread
         self._recent: collections.deque = collections.deque(maxlen=100)
         self._root = root
@@ -124,6 +133,10 @@ class RunControl:
         """Exchange and apply commands at this step boundary; gather the ranks' memory."""
         self._recent.append(record)
         self._exchange(record, wait=0.0)
+        step = self.trainer.state.global_step
+        if self.snapshot_steps and step % self.snapshot_steps == 0 and self.rewind_to is None and not any(
+                e["kind"] == "snapshot" and e["step"] == step for e in self.applied[-4:]):
+            self._apply({"kind": "snapshot", "source": "snapshot_steps"})   # every rank, this same step
 
     def hold(self) -> None:
         """While paused, meet the other ranks every PAUSE_POLL_S for the next commands (after the
@@ -166,10 +179,14 @@ class RunControl:
             elif kind == "snapshot":   # collective: each rank its shard, rank 0 the shared files
                 from .snapshot import SnapshotStore
 
-                info = SnapshotStore(t.args.output_dir).take(t)
+                store = SnapshotStore(t.args.output_dir)
+                info = store.take(t)
                 event["path"], event["bytes_unique"] = info.path, info.bytes_unique
+                if self.keep_snapshots and self.dist.is_main:   # (one filesystem: rank 0 prunes)
+                    event["pruned"] = store.prune(self.keep_snapshots, protect=self._protect)
             elif kind == "rewind":
                 event["path"] = self.rewind_to = snapshot_at(t, int(value))
+                self._protect.add(self.rewind_to)   # a branch starts from it
                 event["value"] = int(value)
                 t.request_stop()   # this pass ends after the step; train() starts again from it
             elif kind == "stop":
@@ -270,6 +287,19 @@ def snapshot_at(trainer, step: int) -> str:
     if error is not None:
         raise SnapshotError(error)
     return found
+
+
+def _env_int(name: str) -> Optional[int]:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a whole number of steps (or unset)") from None
+    if value < 0:
+        raise ValueError(f"{name}={value}: expected a number >= 0")
+    return value or None
 
 
 def _plain(value: Any) -> Any:

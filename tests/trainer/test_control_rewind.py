@@ -125,6 +125,33 @@ def test_a_run_rewound_while_paused_stays_paused_at_the_snapshot(tmp_path):
     t.close()
 
 
+def test_snapshot_steps_and_keep_on_the_ranks_never_prune_a_rewind_target(tmp_path, monkeypatch):
+    """MEGATRAIN_NB_SNAPSHOT_STEPS=2 / KEEP_SNAPSHOTS=1 (what an nproc_per_node Session passes its
+    ranks): a snapshot every 2 steps, the newest kept, and the one a rewind went back to too."""
+    from megatrain_nb.trainer.snapshot import SnapshotStore
+
+    monkeypatch.setenv("MEGATRAIN_NB_SNAPSHOT_STEPS", "2")
+    monkeypatch.setenv("MEGATRAIN_NB_KEEP_SNAPSHOTS", "1")
+    t = _trainer(tmp_path / "run")
+    t.args.max_steps = 7
+    done = []
+
+    def steer(step):
+        if step == 3 and not done:
+            t.run_control.request("rewind", 2, source="test")
+            done.append(step)
+
+    t.add_callback(At(steer))
+    t.train()
+    applied = [(e["kind"], e["step"], e["source"]) for e in t.run_control.applied]
+    assert applied == [("snapshot", 2, "snapshot_steps"), ("rewind", 3, "test"), ("snapshot", 4, "snapshot_steps"),
+                       ("snapshot", 6, "snapshot_steps")]
+    left = SnapshotStore(tmp_path / "run").list(include_checkpoints=False)
+    assert [i.step for i in left] == [2, 6]
+    assert t.run_control.applied[-1]["pruned"] and "step-00000004" in t.run_control.applied[-1]["pruned"][0]
+    t.close()
+
+
 @pytest.mark.parametrize("value,want", [(3, 3), ("12", 12), (0, 0)])
 def test_rewind_takes_a_step(value, want):
     assert check_command("rewind", value) == ("rewind", want)

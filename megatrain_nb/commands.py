@@ -68,20 +68,28 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False) -> tup
         except ValueError as e:
             raise CommandError(f"command 'lr': {e}") from None
     if kind == "step":
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise CommandError(f"command {name!r} takes a step number, got {value!r}")
         try:
-            step = int(value)
-        except ValueError:
-            raise CommandError(f"command {name!r} takes a step number, got {value!r}") from None
-        if step < 0:
-            raise CommandError(f"command {name!r} takes a step number >= 0, got {step}")
-        return name, step
+            return name, as_step(value, f"command {name!r}")
+        except ValueError as e:
+            raise CommandError(str(e)) from None
     # a checkpoint path (or None: the default folder); stop also takes True/False
     if value is None or (kind == "stop" and isinstance(value, bool)) or (
             isinstance(value, str) and 0 < len(value) < _MAX_PATH and "\0" not in value):
         return name, value
     raise CommandError(f"command {name!r} takes a path string (or nothing), got {value!r}")
+
+
+def as_step(value: Any, what: str) -> int:
+    """``value`` (an int, or its text) as an optimizer step >= 0; ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{what} takes a step number, got {value!r}")
+    try:
+        step = int(value)
+    except ValueError:
+        raise ValueError(f"{what} takes a step number, got {value!r}") from None
+    if step < 0:
+        raise ValueError(f"{what} takes a step number >= 0, got {step}")
+    return step
 
 
 def usage_lines(names=None) -> list[str]:

@@ -40,7 +40,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from megatrain_nb.commands import COMMANDS
+from megatrain_nb.commands import COMMANDS, as_step
 
 ENV_ENABLE = "MEGATRAIN_NB_CONTROL"
 ENV_NAME = "MEGATRAIN_NB_RUN_NAME"
@@ -291,15 +291,7 @@ def snapshot_at(trainer, step: int) -> str:
 
 def _env_int(name: str) -> Optional[int]:
     text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected a whole number of steps (or unset)") from None
-    if value < 0:
-        raise ValueError(f"{name}={value}: expected a number >= 0")
-    return value or None
+    return (as_step(text, f"{name} (a number of steps, or unset)") or None) if text else None
 
 
 def _plain(value: Any) -> Any:

@@ -2,7 +2,8 @@
 resume ... work as for mt.Trainer"): 2 gloo ranks x accumulation 2 end where 1 process x
 accumulation 4 ends, on conversational data with assistant_only_loss, plain and packed; the
 token metrics (mean_token_accuracy, entropy) are counted over every rank; a checkpoint of the
-2 ranks resumes in one process and ends there too."""
+2 ranks resumes in one process and ends there too; on_nonfinite="skip" skips a step on every
+rank when one rank's gradient shard holds a NaN."""
 import json
 import subprocess
 import sys
@@ -59,3 +60,15 @@ def test_sft_two_ranks_equal_one_process(tmp_path, case):
     if case == "packed":   # the 2 ranks' checkpoint, resumed by one process with accumulation 4
         _alone(str(tmp_path / "resumed"), "4", case, f"resume:{ck}")
         _agree(_weights(tmp_path / "resumed" / "final"), _weights(tmp_path / "one" / "final"))
+
+
+@pytest.mark.slow
+def test_sft_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """on_nonfinite="skip" as for mt.Trainer: a NaN in rank 1's gradient shard at step 2 makes
+    both ranks skip that step (no collective timeout), and steps 1 and 3 train."""
+    check(torchrun(HERE / "w_sft.py", str(tmp_path / "two"), "2", "assistant", "nan", nproc=2, timeout=300,
+                   dist_timeout_s=30))
+    log = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in log if "loss" in r and "event" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and [r["skipped_steps"] for r in steps] == [0, 1, 1]
+    assert (tmp_path / "two" / "final" / "model.safetensors").is_file()

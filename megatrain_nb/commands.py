@@ -51,9 +51,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     # exploration (notebook/branches.py): a Session that trains in this kernel applies them; once the
     # ranks' run control does too (snapshot, rewind), ranks=True makes a run in worker processes forward them
     Command("snapshot", "none", "take a snapshot at the next step boundary", "snapshot",
-            ranks=False, sidebar=False),
+            ranks=True, sidebar=False),
     Command("rewind", "step", "go back to the snapshot at that step (train()/resume continues)", "rewind",
-            ranks=False, sidebar=False),
+            ranks=True, sidebar=False),
     Command("fork", "fork", "a new branch from a snapshot, with changed settings", "fork",
             ranks=False, sidebar=False),
 )}
@@ -92,9 +92,10 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False, ranks:
         except ValueError as e:
             raise CommandError(f"command 'lr': {e}") from None
     if kind == "step":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CommandError(f"command {name!r} takes an optimizer step (an int >= 0), got {value!r}")
-        return name, value
+        try:
+            return name, as_step(value, f"command {name!r}")
+        except ValueError as e:
+            raise CommandError(str(e)) from None
     if kind == "fork":
         if not (isinstance(value, tuple) and len(value) == 3 and isinstance(value[2], dict)):
             raise CommandError(f"command 'fork' takes (step or None, name or None, changes), got {value!r}")
@@ -104,6 +105,19 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False, ranks:
             isinstance(value, str) and 0 < len(value) < _MAX_PATH and "\0" not in value):
         return name, value
     raise CommandError(f"command {name!r} takes a path string (or nothing), got {value!r}")
+
+
+def as_step(value: Any, what: str) -> int:
+    """``value`` (an int, or its text) as an optimizer step >= 0; ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{what} takes a step number, got {value!r}")
+    try:
+        step = int(value)
+    except ValueError:
+        raise ValueError(f"{what} takes a step number, got {value!r}") from None
+    if step < 0:
+        raise ValueError(f"{what} takes a step number >= 0, got {step}")
+    return step
 
 
 def usage_lines(names=None) -> list[str]:

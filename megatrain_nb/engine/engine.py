@@ -305,10 +305,11 @@ class StreamingEngine:
         ``link_disk`` (a snapshot): hard-link the disk tier's files and write only what lives in
         RAM (see ``engine/linked.py``); returns the bytes linked, copied and written."""
         with self.lock:
-            if link_disk and self.sharded is None:
+            if link_disk:   # a snapshot; with several ranks each writes its own linked folder
                 from .linked import save_linked
+                from .linked_ranks import save_linked_rank
 
-                return save_linked(self, path)
+                return save_linked(self, path) if self.sharded is None else save_linked_rank(self, path)
             if self.sharded is not None:
                 return self.save_sharded_checkpoint(path)
             self.pager.wait_grads()
@@ -319,9 +320,16 @@ class StreamingEngine:
     def load_checkpoint(self, path) -> None:
         with self.lock:
             from .linked import is_linked, load_linked
+            from .linked_ranks import is_rank_linked, load_linked_rank
 
             if is_linked(path):
+                if self.sharded is not None:
+                    raise ValueError(f"snapshot {os.fspath(path)!r} was written by one process and this run has "
+                                     f"{self.dist.world} ranks: a snapshot loads back into the run that wrote it; "
+                                     "to move between world sizes, resume from a checkpoint (checkpoint-<step>)")
                 return load_linked(self, path)
+            if is_rank_linked(path):
+                return load_linked_rank(self, path)
             if any(f.startswith("shards-") for f in os.listdir(path)):
                 return self.load_sharded_checkpoint(path)
             refuse_sharded("load_checkpoint", self.dist.world)

@@ -7,7 +7,8 @@ private folder as plain files, so that nothing crosses the process boundary as a
 - datasets: ``datasets.Dataset.save_to_disk`` (Arrow) into ``<run>/train`` / ``<run>/eval``; a
   list or a torch map-style dataset is first turned into a ``datasets.Dataset``;
 - the tokenizer: ``save_pretrained`` into ``<run>/tokenizer``;
-- ``TrainingArguments``: the fields that differ from their defaults, as JSON;
+- ``TrainingArguments`` (or a ``trl.SFTConfig``, then the workers build an ``mt.SFTTrainer``):
+  the fields that differ from their defaults, as JSON, and which class they are;
 - engine options, ``seq_len``: JSON; ``loss_fn`` and callbacks: import paths
   (``"package.module:name"``), since a function defined in a notebook cell cannot be imported
   by another process.
@@ -91,8 +92,11 @@ class LaunchError(ValueError):
 
 def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, tokenizer: Any, eval_dataset: Any,
                seq_len: Optional[int], loss_fn: Any, callbacks: Any, engine_options: dict,
-               resume: Any = None) -> dict:
-    """Write everything into ``run_dir`` (which exists, private); returns the spec."""
+               resume: Any = None, branch: Optional[dict] = None) -> dict:
+    """Write everything into ``run_dir`` (which exists, private); returns the spec.
+    ``branch`` (with ``resume``: a snapshot or checkpoint): the fields of a
+    ``trainer.snapshot.BranchStart``; every rank then starts from the snapshot as that branch (a
+    fork of a multi-process run: the same step on every rank)."""
     if args is None:   # spell out the defaults, so that the controller knows the output folder too
         from megatrain_nb.trainer.presets import preset_names
 
@@ -104,14 +108,13 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
         else:
             args = {"output_dir": "megatrain_outputs"}
     fields = _args_fields(args)
-    from megatrain_nb.trainer.args import training_arguments
-
-    training_arguments(fields, where="args")   # refused here, before any worker starts
+    args_class = _check_args(fields, sft=_is_sft_config(args))   # refused here, before any worker starts
     spec: dict = {"format": 1, "model": _model_ref(run_dir, model, engine_options), "seq_len": seq_len,
-                  "args": fields, "engine_options": _json_only(engine_options, "engine option"),
+                  "args": fields, "args_class": args_class, "engine_options": _json_only(engine_options, "engine option"),
                   "loss_fn": import_ref(loss_fn, "loss_fn") if loss_fn is not None else None,
                   "callbacks": [import_ref(c, "callback") for c in (callbacks or [])],
                   "resume": str(resume) if resume not in (None, False) else None,
+                  "branch": _branch(branch, resume),
                   "train": _dataset(run_dir / "train", train_dataset, "train_dataset"),
                   "eval": _dataset(run_dir / "eval", eval_dataset, "eval_dataset"),
                   "tokenizer": None}
@@ -124,6 +127,29 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
     with open(run_dir / SPEC_FILE, "w", encoding="utf-8") as f:
         json.dump(spec, f, indent=1)
     return spec
+
+
+def _branch(branch: Optional[dict], resume: Any) -> Optional[dict]:
+    if branch is None:
+        return None
+    from megatrain_nb.trainer.snapshot import BranchStart
+
+    if resume in (None, False, True):
+        raise LaunchError("a branch starts from a snapshot: give resume=<the snapshot's or checkpoint's folder>")
+    fields = {f.name for f in dataclasses.fields(BranchStart)} - {"extra"}
+    unknown = sorted(set(branch) - fields)
+    if unknown:
+        raise LaunchError(f"branch fields {unknown} are not BranchStart fields ({', '.join(sorted(fields))})")
+    return _json_only(dict(branch), "branch field")
+
+
+def branch_start(spec: dict):
+    """The ``BranchStart`` a worker gives its trainer before ``train()`` (None: not a branch)."""
+    if not spec.get("branch"):
+        return None
+    from megatrain_nb.trainer.snapshot import BranchStart
+
+    return BranchStart(**spec["branch"])
 
 
 def _model_ref(run_dir: Path, model: Any, options: dict) -> dict:
@@ -175,8 +201,48 @@ def _dataset(path: Path, ds: Any, what: str) -> Optional[str]:
     return str(path)
 
 
+def _is_sft_config(args: Any) -> bool:
+    """A ``trl.SFTConfig`` (told by its type, without importing trl otherwise)."""
+    return any(c.__name__ == "SFTConfig" and c.__module__.startswith("trl") for c in type(args).__mro__)
+
+
+def _check_args(fields: dict, *, sft: bool) -> str:
+    """Check the arguments the workers will build (so that they are refused before any starts);
+    returns the class they build: ``"TrainingArguments"`` or ``"SFTConfig"`` (an SFTTrainer)."""
+    if not sft:
+        from megatrain_nb.trainer.args import training_arguments
+
+        training_arguments(fields, where="args")
+        return "TrainingArguments"
+    from megatrain_nb.trainer.args import validate_training_args
+    from megatrain_nb.trainer.sft import validate_sft_args
+
+    config = _sft_config(fields)
+    validate_training_args(config, where="args")
+    validate_sft_args(config)
+    return "SFTConfig"
+
+
+def _sft_config(fields: dict):
+    from trl import SFTConfig
+
+    return SFTConfig(**fields)
+
+
+def _sft_defaults(args) -> dict:
+    """An SFTConfig's default values (its own differ from TrainingArguments': learning_rate,
+    bf16...). Built with ``args``' precision and device fields, since a default SFTConfig (bf16)
+    cannot be built on a machine without bf16; those fields are then never "defaults"."""
+    own = {k: getattr(args, k) for k in _SFT_ALWAYS}
+    ref = _sft_config({"output_dir": os.path.join(os.getcwd(), "megatrain_outputs"), **own})
+    return {f.name: (object() if f.name in _SFT_ALWAYS else getattr(ref, f.name)) for f in dataclasses.fields(ref)}
+
+
+_SFT_ALWAYS = ("bf16", "fp16", "use_cpu")
+
+
 def _args_fields(args: Any) -> dict:
-    """The TrainingArguments fields that differ from their defaults (JSON values)."""
+    """The TrainingArguments (or SFTConfig) fields that differ from their defaults (JSON values)."""
     if args is None:
         return {}
     if isinstance(args, dict):
@@ -184,7 +250,7 @@ def _args_fields(args: Any) -> dict:
     else:
         from megatrain_nb.trainer.args import default_values
 
-        defaults = default_values()
+        defaults = _sft_defaults(args) if _is_sft_config(args) else default_values()
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
                   if f.init and not f.name.startswith("_") and getattr(args, f.name) != defaults.get(f.name)}
         fields["output_dir"] = args.output_dir
@@ -256,7 +322,9 @@ def build_from_spec(run_dir: Path):
     if spec["callbacks"]:
         options["callbacks"] = [load_ref(c, "callback") for c in spec["callbacks"]]
     args = None
-    if spec["args"]:
+    if spec.get("args_class") == "SFTConfig":   # the workers build an SFTTrainer (model_source.build_trainer)
+        args = _sft_config(spec["args"])
+    elif spec["args"]:
         from transformers import TrainingArguments
 
         args = TrainingArguments(**spec["args"])

@@ -1,8 +1,8 @@
 """One worker process of ``mt.Session(..., nproc_per_node=N)``, started by torchrun's elastic
 agent (``python -m torch.distributed.run ... -m megatrain_nb.notebook.launch_worker RUN_DIR``).
 
-It builds an ``mt.Trainer`` from ``RUN_DIR/spec.json`` (``launch_spec.py``) and calls
-``train()``: the same sharded path, process group from the environment and step-boundary
+It builds an ``mt.Trainer`` (an ``mt.SFTTrainer`` for an SFTConfig) from ``RUN_DIR/spec.json``
+(``launch_spec.py``), gives it the spec's branch (a fork from a snapshot) and calls ``train()``: the same sharded path, process group from the environment and step-boundary
 commands (``trainer/control.py``) as a script run under torchrun. At the end it saves the model
 into ``output_dir`` (the weights live only in these processes) and writes ``rank-<r>.json``
 (outcome, steps, the commands it applied). A rank that raises writes ``error-<r>.json`` (its
@@ -25,7 +25,7 @@ ENV_CONTROLLER_PID = "MEGATRAIN_NB_CONTROLLER_PID"
 
 
 def main(run_dir: str) -> None:
-    from .launch_spec import build_from_spec
+    from .launch_spec import branch_start, build_from_spec
 
     from .rank_watch import pid_file
 
@@ -37,6 +37,7 @@ def main(run_dir: str) -> None:
         (trainer, _tokenizer), spec = build_from_spec(run)
         if rank == 0:
             _watch_controller(trainer)
+        trainer.branch_start = branch_start(spec)   # a fork: every rank from the snapshot, as that branch
         trainer.train(resume_from_checkpoint=spec["resume"])
         control = trainer.run_control
         outcome = "stopped" if control is not None and control.stopped else "finished"

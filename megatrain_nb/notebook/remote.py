@@ -66,6 +66,8 @@ class ProcessRun:
         self.nproc_per_node = nproc
         self.run_dir = run_dir      # 0700; removed at close() or exit, else reclaimed at the next start
         self.resume_from: Any = None
+        self.snapshot_every: Optional[int] = None   # snapshot_steps / keep_snapshots, for the ranks
+        self.keep_snapshots: Optional[int] = None
         self._spec, self._attached, self._root = spec, attached, root
         self._proc: Optional[subprocess.Popen] = None
         output_dir = (attached or {}).get("output_dir") or (spec or {}).get("args", {}).get("output_dir")
@@ -107,15 +109,14 @@ class ProcessRun:
         """What ``Session(model, ..., nproc_per_node=N)`` builds its run controller with (``given``:
         the datasets, args, tokenizer, seq_len, loss_fn; ``callbacks=``/``save_model=`` come in
         ``engine_options``)."""
-        if any(v is not None for v in snapshots):
-            raise ValueError("snapshot_steps/keep_snapshots: snapshots are taken by a Session that trains in "
-                             "this kernel; the ranks of nproc_per_node do not take them")
         options = dict(engine_options)
         extra = {"callbacks": options.pop("callbacks", None), "save_model": options.pop("save_model", True)}
 
         def build(status: RunState, explorer: Any, session_id: str) -> "ProcessRun":
-            return cls.launching(status, session_id, nproc_per_node, model=model, engine_options=options,
-                                 **given, **extra)
+            run = cls.launching(status, session_id, nproc_per_node, model=model, engine_options=options,
+                                **given, **extra)
+            run.snapshot_every, run.keep_snapshots = snapshots   # every rank takes them (its own shard)
+            return run
 
         return build
 
@@ -245,6 +246,10 @@ class ProcessRun:
         env.update({control.ENV_ENABLE: "1", control.ENV_ID: self.session_id, control.ENV_NAME: self.status.name,
                     control.ENV_LAUNCHER: "notebook", "MEGATRAIN_NB_CONTROLLER_PID": str(os.getpid()),
                     control.ENV_KERNEL: current_kernel_id() or ""})
+        for var, value in ((control.ENV_SNAPSHOT_STEPS, self.snapshot_every),
+                           (control.ENV_KEEP_SNAPSHOTS, self.keep_snapshots)):
+            if value is not None:
+                env[var] = str(int(value))
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc_per_node)))
         # torchrun through megatrain_nb.torchrun: its rendezvous store and the workers' sockets on
         # loopback only (torchrun's own store listens on every interface, unauthenticated)
@@ -301,6 +306,8 @@ class ProcessRun:
         if event == "run_start":
             if self._run_id is None:   # launched: the first run to start after we launched is ours
                 self._run_id = rec.get("run_id")
+            elif self._run_id is not None and rec.get("parent_run_id") == self._run_id:
+                self._run_id = rec.get("run_id")   # the ranks rewound: the run goes on as a branch
             if rec.get("run_id") == self._run_id:
                 self._total = rec.get("total_steps") or self._total
             return

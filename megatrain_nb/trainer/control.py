@@ -17,7 +17,13 @@ runs a :class:`RunControl`:
   each time), so no wait runs into the group's timeout however long the pause lasts.
 
 Commands: ``pause``, ``resume``, ``lr`` (value), ``checkpoint`` (value: a path or None),
-``stop`` (value: False, True or a path to checkpoint first). Enabled by default when the run
+``stop`` (value: False, True or a path to checkpoint first), ``snapshot`` (every rank its
+shard, ``trainer/snapshot.py``) and ``rewind`` (value: a step with a snapshot or checkpoint):
+at the boundary every rank ends the pass it is in, and ``train()`` starts again from the
+snapshot as a branch (a new run id whose parent is the snapshot's run) on every rank; a
+paused run stays paused at the snapshot's step. ``MEGATRAIN_NB_SNAPSHOT_STEPS=N`` takes a
+snapshot every N steps on every rank and ``MEGATRAIN_NB_KEEP_SNAPSHOTS=K`` keeps the newest K
+(rank 0 prunes; never one a rewind went back to). Enabled by default when the run
 has several ranks or was started by torchrun; ``MEGATRAIN_NB_CONTROL=0`` turns it off, ``=1``
 on. ``MEGATRAIN_NB_RUN_NAME`` names the run (default: ``args.run_name``, else the output
 folder's name) and ``MEGATRAIN_NB_SESSION_ID`` fixes its heartbeat id.
@@ -34,13 +40,17 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from megatrain_nb.commands import RANKS
+from megatrain_nb.commands import RANKS, as_step
 
 ENV_ENABLE = "MEGATRAIN_NB_CONTROL"
 ENV_NAME = "MEGATRAIN_NB_RUN_NAME"
 ENV_ID = "MEGATRAIN_NB_SESSION_ID"
 ENV_KERNEL = "MEGATRAIN_NB_KERNEL_ID"
 ENV_LAUNCHER = "MEGATRAIN_NB_LAUNCHER"
+#: a snapshot every N optimizer steps on every rank (``snapshot_steps`` of an nproc_per_node
+#: Session), and how many of them to keep (``keep_snapshots``; never one a rewind went back to)
+ENV_SNAPSHOT_STEPS = "MEGATRAIN_NB_SNAPSHOT_STEPS"
+ENV_KEEP_SNAPSHOTS = "MEGATRAIN_NB_KEEP_SNAPSHOTS"
 #: how often paused ranks meet (seconds): a pause or a stop while paused lands within this
 PAUSE_POLL_S = 0.25
 #: the commands the ranks apply: those the one table (megatrain_nb/commands.py) marks ``ranks``
@@ -76,6 +86,10 @@ class RunControl:
         self.state = "running"
         self.applied: list[dict] = []       # every command this rank applied, with its step
         self.stopped = False
+        self.rewind_to: Optional[str] = None   # set by a rewind: train() starts again from it
+        self.snapshot_steps = _env_int(ENV_SNAPSHOT_STEPS)
+        self.keep_snapshots = _env_int(ENV_KEEP_SNAPSHOTS)
+        self._protect: set = set()   # the snapshots a rewind went back to: never pruned
         self._inbox: "queue.Queue[dict]" = queue.Queue()   # rank 0: filled by the beacon thread
         self._recent: collections.deque = collections.deque(maxlen=100)
         self._root = root
@@ -119,11 +133,15 @@ class RunControl:
         """Exchange and apply commands at this step boundary; gather the ranks' memory."""
         self._recent.append(record)
         self._exchange(record, wait=0.0)
+        step = self.trainer.state.global_step
+        if self.snapshot_steps and step % self.snapshot_steps == 0 and self.rewind_to is None and not any(
+                e["kind"] == "snapshot" and e["step"] == step for e in self.applied[-4:]):
+            self._apply({"kind": "snapshot", "source": "snapshot_steps"})   # every rank, this same step
 
     def hold(self) -> None:
         """While paused, meet the other ranks every PAUSE_POLL_S for the next commands (after the
         step's record is written, so a paused run shows the step it paused at)."""
-        while self.state == "paused" and not self.stopped:
+        while self.state == "paused" and not self.stopped and self.rewind_to is None:
             self._exchange(None, wait=PAUSE_POLL_S)
 
     def _exchange(self, record: Optional[dict], wait: float) -> None:
@@ -158,6 +176,19 @@ class RunControl:
                 event["value"] = float(value)
             elif kind == "checkpoint":
                 event["path"] = t.save_checkpoint(value or None)
+            elif kind == "snapshot":   # collective: each rank its shard, rank 0 the shared files
+                from .snapshot import SnapshotStore
+
+                store = SnapshotStore(t.args.output_dir)
+                info = store.take(t)
+                event["path"], event["bytes_unique"] = info.path, info.bytes_unique
+                if self.keep_snapshots and self.dist.is_main:   # (one filesystem: rank 0 prunes)
+                    event["pruned"] = store.prune(self.keep_snapshots, protect=self._protect)
+            elif kind == "rewind":
+                event["path"] = self.rewind_to = snapshot_at(t, int(value))
+                self._protect.add(self.rewind_to)   # a branch starts from it
+                event["value"] = int(value)
+                t.request_stop()   # this pass ends after the step; train() starts again from it
             elif kind == "stop":
                 if value:
                     event["path"] = t.save_checkpoint(None if value is True else str(value))
@@ -172,6 +203,11 @@ class RunControl:
                 self.stopped = True
         self.applied.append(dict(event, time=time.time()))
         t.metrics_log.write({"event": "control", **event, "time": time.time()})
+
+    def take_rewind(self) -> Optional[str]:
+        """The snapshot a rewind asked for since the last call (None: none), cleared."""
+        path, self.rewind_to = self.rewind_to, None
+        return path
 
     def recent_records(self) -> list:
         """The last records this rank logged (at most 100), oldest first."""
@@ -223,6 +259,39 @@ class _Announced:
     def save_checkpoint(self, path: Optional[str] = None, *, source: str = "lab",
                         command_id: Optional[str] = None) -> None:
         self._c.request("checkpoint", path, source=source, command_id=command_id)
+
+    def snapshot(self, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        self._c.request("snapshot", source=source, command_id=command_id)
+
+    def rewind(self, step: int, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        self._c.request("rewind", int(step), source=source, command_id=command_id)
+
+
+def snapshot_at(trainer, step: int) -> str:
+    """The snapshot (or checkpoint) at ``step`` to rewind to: rank 0 looks (this run's own first,
+    else the newest) and every rank takes its answer, or its error (:class:`SnapshotError`
+    listing the steps that have one)."""
+    from .snapshot import SnapshotError, SnapshotStore, steps_text
+
+    found = error = None
+    if trainer.dist.is_main:
+        infos = SnapshotStore(trainer.args.output_dir).list()
+        at = sorted((i for i in infos if i.step == step), key=lambda i: (i.run_id == trainer.run_id, i.time))
+        if at:
+            found = at[-1].path
+        else:
+            error = (f"no snapshot at step {step} under {str(trainer.args.output_dir)!r}; steps with one: "
+                     f"{steps_text(infos)}")
+    if trainer.dist.world > 1:
+        found, error = trainer.dist.all_gather_json([found, error])[0]
+    if error is not None:
+        raise SnapshotError(error)
+    return found
+
+
+def _env_int(name: str) -> Optional[int]:
+    text = os.environ.get(name, "").strip()
+    return (as_step(text, f"{name} (a number of steps, or unset)") or None) if text else None
 
 
 def _plain(value: Any) -> Any:

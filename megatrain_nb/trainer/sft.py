@@ -146,14 +146,17 @@ class TokenMetrics:
             return -(logp * logp.exp().detach())[keep].sum()
         return F.cross_entropy(flat, lab, ignore_index=-100, reduction="sum")
 
-    def take(self, prefix: str = "") -> dict:
-        """``{mean_token_accuracy, entropy}`` since the last take (empty when nothing was counted)."""
-        if not self.tokens:
-            return {}
-        out = {f"{prefix}mean_token_accuracy": self.correct / self.tokens,
-               f"{prefix}entropy": self.entropy / self.tokens}
+    def take(self, prefix: str = "", total: Optional[Callable] = None) -> dict:
+        """``{mean_token_accuracy, entropy}`` since the last take (empty when nothing was counted).
+        ``total``: sums a number over the ranks (``Dist.sum``; every rank calls take together), so
+        the figures are over every rank's tokens, as one process would count them."""
+        tokens, correct, entropy = self.tokens, self.correct, self.entropy
+        if total is not None:
+            tokens, correct, entropy = int(total(tokens)), int(total(correct)), float(total(entropy))
         self.reset()
-        return out
+        if not tokens:
+            return {}
+        return {f"{prefix}mean_token_accuracy": correct / tokens, f"{prefix}entropy": entropy / tokens}
 
 
 class SFTCollator:
@@ -317,11 +320,12 @@ class SFTTrainer(Trainer):
     def log(self, logs: dict) -> None:
         """As ``Trainer.log``, with ``mean_token_accuracy`` and ``entropy`` added as TRL adds them."""
         p = self._eval_prefix
+        total = self.dist.sum if self.dist.world > 1 else None   # (every rank logs the same steps)
         if p is not None and f"{p}_loss" in logs:
-            self._eval_extra = self.metrics.take(f"{p}_")
+            self._eval_extra = self.metrics.take(f"{p}_", total)
             logs = {**logs, **self._eval_extra}
         elif "loss" in logs:
-            logs = {**logs, **self.metrics.take()}
+            logs = {**logs, **self.metrics.take(total=total)}
         super().log(logs)
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:

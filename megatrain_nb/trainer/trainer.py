@@ -230,105 +230,113 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def iter_steps(self, resume_from_checkpoint=None) -> Iterator[dict]:
         """Train, yielding one plain-dict record per optimizer step (see docs/INTERNALS.md)."""
-        from transformers.trainer_callback import TrainerControl, TrainerState
-
         if self.train_dataset is None:
             raise ValueError("train_dataset is required to train")
         if self._running:
             raise RuntimeError("this Trainer is already training")
-        args = self.args
         if resume_from_checkpoint is None:
-            resume_from_checkpoint = args.resume_from_checkpoint
+            resume_from_checkpoint = self.args.resume_from_checkpoint
         resume = self._resolve_resume(resume_from_checkpoint)
         total = self.total_steps
-        ga = args.gradient_accumulation_steps
         self._running, self._stop = True, False
         try:
-            stream = BatchStream(self.train_dataset, batch_size=args.per_device_train_batch_size,
-                                 collate=self.data_collator,
-                                 seed=args.data_seed if args.data_seed is not None else args.seed,
-                                 shuffle=args.train_sampling_strategy == "random", drop_last=args.dataloader_drop_last,
-                                 rank=self.dist.rank, world=self.dist.world)
-            self._stream = stream
-            self.schedule = LRSchedule(learning_rate=args.learning_rate, scheduler_type=args.lr_scheduler_type,
-                                       num_training_steps=total, num_warmup_steps=args.get_warmup_steps(total),
-                                       scheduler_kwargs=args.lr_scheduler_kwargs)
-            self.state = TrainerState()
-            self._tokens_seen = 0
-            self._log_accum = (0.0, 0)
-            self.run_id = None
-            start, self.branch_start = self.branch_start, None
-            if resume is not None:
-                self._load_checkpoint(resume, stream, quiet=start is not None)
-            else:
-                self._engine.zero_grad()
-            if start is not None:
-                from .snapshot import apply_branch_start
-
-                self.schedule = apply_branch_start(self, start, stream, total)
-            self.run_id = self.run_id or uuid.uuid4().hex[:12]
-            if self.dist.world > 1:   # one run: every rank takes rank 0's id
-                self.run_id = self.dist.all_gather_json(self.run_id)[0]
-            self.metrics_log.run_id = self.run_id
-            self.metrics_log.lineage = self.lineage
-            self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
-                                    "resumed_from": str(resume) if resume is not None else None,
-                                    "time": time.time()})
-            if self._pending_lr is not None:
-                self.schedule.set_lr(self._pending_lr)
-                self._pending_lr = None
-            st = self.state
-            # callbacks (report_to, progress bars) act on the main process only, as under transformers
-            st.is_world_process_zero = self.dist.is_main
-            st.is_local_process_zero = self.dist.local_rank == 0
-            st.max_steps, st.train_batch_size = total, args.per_device_train_batch_size
-            st.num_train_epochs = (math.ceil(total / max(-(-stream.batches_per_epoch // (ga * self.dist.world)), 1))
-                                   if stream.batches_per_epoch else 1)
-            st.compute_steps(args, total)
-            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-            cb, self.control = self.callback_handler, TrainerControl()
-            self.control = cb.on_train_begin(args, st, self.control)
-            if args.eval_on_start and self.eval_dataset is not None and resume is None:
-                self.evaluate()
+            stream = self._begin_run(resume, total)
             epoch_open = False
-            while st.global_step < total and not self._stop:
-                if not epoch_open:
-                    self.control = cb.on_epoch_begin(args, st, self.control)
-                    epoch_open = True
-                self.control = cb.on_step_begin(args, st, self.control)
-                window, ended = stream.next_window(ga)
-                record = None
-                if window:
-                    record = self._train_window(window, total)
-                    st.global_step += 1
-                    steps_in_epoch = stream.batches_per_epoch or total * ga
-                    st.epoch = stream.epoch + stream.consumed / steps_in_epoch
-                    record["epoch"] = st.epoch
-                    self.control = cb.on_step_end(args, st, self.control)
-                elif stream.consumed == 0:
-                    raise DataError("train_dataset yielded no examples in epoch "
-                                    f"{stream.epoch}; it is empty or exhausted")
-                if ended or self.control.should_epoch_stop:  # a callback may end the epoch early
-                    self.control = cb.on_epoch_end(args, st, self.control)
-                    stream.start_next_epoch()
-                    epoch_open = False
-                self._after_step(record)
-                if record is not None:
-                    if self.run_control is not None:   # commands reach every rank at this step
-                        self.run_control.boundary(record)
-                    # logged before the checkpoint that holds its step: a kill after the save
-                    # must not leave a step in a checkpoint without its line in metrics.jsonl
-                    self.metrics_log.write(record)
-                self._save_if_due(record)
+            while self.state.global_step < total and not self._stop:
+                record, epoch_open = self._run_step(stream, total, epoch_open)
                 if record is not None:
                     if self.run_control is not None:   # paused: the ranks wait here, together
                         self.run_control.hold()
                     yield record
                 if self.control.should_training_stop:
                     break
-            self.control = cb.on_train_end(args, st, self.control)
+            self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         finally:
             self._running = False
+
+    def _begin_run(self, resume: Optional[Path], total: int) -> BatchStream:
+        """A run's start: the data stream, the LR schedule, the state (a checkpoint's, when
+        resuming; a branch's lineage), the run_start line and ``on_train_begin``."""
+        from transformers.trainer_callback import TrainerControl, TrainerState
+
+        args, ga = self.args, self.args.gradient_accumulation_steps
+        stream = BatchStream(self.train_dataset, batch_size=args.per_device_train_batch_size,
+                             collate=self.data_collator,
+                             seed=args.data_seed if args.data_seed is not None else args.seed,
+                             shuffle=args.train_sampling_strategy == "random", drop_last=args.dataloader_drop_last,
+                             rank=self.dist.rank, world=self.dist.world)
+        self._stream = stream
+        self.schedule = LRSchedule(learning_rate=args.learning_rate, scheduler_type=args.lr_scheduler_type,
+                                   num_training_steps=total, num_warmup_steps=args.get_warmup_steps(total),
+                                   scheduler_kwargs=args.lr_scheduler_kwargs)
+        self.state = TrainerState()
+        self._tokens_seen, self._log_accum, self.run_id = 0, (0.0, 0), None
+        start, self.branch_start = self.branch_start, None
+        if resume is not None:
+            self._load_checkpoint(resume, stream, quiet=start is not None)
+        else:
+            self._engine.zero_grad()
+        if start is not None:
+            from .snapshot import apply_branch_start
+
+            self.schedule = apply_branch_start(self, start, stream, total)
+        self.run_id = self.run_id or uuid.uuid4().hex[:12]
+        if self.dist.world > 1:   # one run: every rank takes rank 0's id
+            self.run_id = self.dist.all_gather_json(self.run_id)[0]
+        self.metrics_log.run_id, self.metrics_log.lineage = self.run_id, self.lineage
+        self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
+                                "resumed_from": str(resume) if resume is not None else None, "time": time.time()})
+        if self._pending_lr is not None:
+            self.schedule.set_lr(self._pending_lr)
+            self._pending_lr = None
+        st = self.state
+        # callbacks (report_to, progress bars) act on the main process only, as under transformers
+        st.is_world_process_zero = self.dist.is_main
+        st.is_local_process_zero = self.dist.local_rank == 0
+        st.max_steps, st.train_batch_size = total, args.per_device_train_batch_size
+        st.num_train_epochs = (math.ceil(total / max(-(-stream.batches_per_epoch // (ga * self.dist.world)), 1))
+                               if stream.batches_per_epoch else 1)
+        st.compute_steps(args, total)
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        self.control = self.callback_handler.on_train_begin(args, st, TrainerControl())
+        if args.eval_on_start and self.eval_dataset is not None and resume is None:
+            self.evaluate()
+        if self.run_control is not None:   # a run rewound while paused stays paused at its new step
+            self.run_control.hold()
+        return stream
+
+    def _run_step(self, stream: BatchStream, total: int, epoch_open: bool):
+        """One optimizer step with its callbacks, logging, commands and checkpoint:
+        ``(record or None when the epoch ended first, whether an epoch is open)``."""
+        args, st, cb = self.args, self.state, self.callback_handler
+        if not epoch_open:
+            self.control = cb.on_epoch_begin(args, st, self.control)
+            epoch_open = True
+        self.control = cb.on_step_begin(args, st, self.control)
+        window, ended = stream.next_window(args.gradient_accumulation_steps)
+        record = None
+        if window:
+            record = self._train_window(window, total)
+            st.global_step += 1
+            steps_in_epoch = stream.batches_per_epoch or total * args.gradient_accumulation_steps
+            st.epoch = stream.epoch + stream.consumed / steps_in_epoch
+            record["epoch"] = st.epoch
+            self.control = cb.on_step_end(args, st, self.control)
+        elif stream.consumed == 0:
+            raise DataError(f"train_dataset yielded no examples in epoch {stream.epoch}; it is empty or exhausted")
+        if ended or self.control.should_epoch_stop:  # a callback may end the epoch early
+            self.control = cb.on_epoch_end(args, st, self.control)
+            stream.start_next_epoch()
+            epoch_open = False
+        self._after_step(record)
+        if record is not None:
+            if self.run_control is not None:   # commands reach every rank at this step
+                self.run_control.boundary(record)
+            # logged before the checkpoint that holds its step: a kill after the save
+            # must not leave a step in a checkpoint without its line in metrics.jsonl
+            self.metrics_log.write(record)
+        self._save_if_due(record)
+        return record, epoch_open
 
     def _resolve_resume(self, resume_from_checkpoint) -> Optional[Path]:
         """The checkpoint to resume from. With several ranks rank 0 alone looks (listing the
@@ -461,9 +469,19 @@ class Trainer:
         self.run_control = RunControl(self).start() if wanted(self.dist) else None
         outcome = "failed"
         try:
-            for record in self.iter_steps(resume_from_checkpoint=resume_from_checkpoint):
-                losses.append(record["loss"])
-                tokens += record["tokens"]
+            resume = resume_from_checkpoint
+            while True:
+                for record in self.iter_steps(resume_from_checkpoint=resume):
+                    losses.append(record["loss"])
+                    tokens += record["tokens"]
+                # a "rewind" command (every rank at the same step): again from the snapshot, as a branch
+                rc = self.run_control
+                resume = rc.take_rewind() if rc is not None else None
+                if resume is None or rc.stopped:   # (a stop at the same boundary wins)
+                    break
+                from .snapshot import BranchStart
+
+                self.branch_start = BranchStart(new_run=True)
             outcome = "stopped" if self.run_control is not None and self.run_control.stopped else "finished"
         finally:
             if progress is not None:
@@ -589,18 +607,24 @@ class Trainer:
 
         with self._engine.lock:
             if self.dist.world > 1:
-                out = self._write_sharded_checkpoint(final, write_shared)
+                out = self._write_sharded_checkpoint(final, write_shared, snapshot=snapshot, sizes=sizes)
             else:
                 out = ckpt.write_checkpoint(final, write, manifest_exclude=("disk",) if snapshot else ())
         return out, sizes
 
-    def _write_sharded_checkpoint(self, final: Path, write_shared) -> Path:
+    def _write_sharded_checkpoint(self, final: Path, write_shared, snapshot: bool = False,
+                                  sizes: Optional[dict] = None) -> Path:
         """Data parallel: every rank writes its shards into one temporary folder (named by rank 0)
         in parallel; rank 0 then writes the shared files, the state file last, and renames the
-        folder into place. The others wait for the rename, so a checkpoint is whole when seen."""
+        folder into place. The others wait for the rename, so a checkpoint is whole when seen.
+        A snapshot: each rank links its own disk-tier files and writes its RAM-held shards
+        (``engine/linked_ranks.py``); the manifest leaves the links out."""
+        from megatrain_nb.engine.linked_ranks import disk_folders
+
         d = self.dist
         tmp = None
-        _refuse_non_finite(self._engine, final)   # collective: every rank reads the gathered weights
+        if not snapshot:   # (the NaN check would read the whole disk tier; on_nonfinite guards steps)
+            _refuse_non_finite(self._engine, final)   # collective: every rank reads the gathered weights
         if d.is_main:
             final.parent.mkdir(parents=True, exist_ok=True)
             ckpt.remove_stale_temporaries(final.parent)
@@ -608,10 +632,14 @@ class Trainer:
             tmp.mkdir()
         tmp = Path(d.all_gather_json(str(tmp) if tmp is not None else None)[0])
         try:
-            self._engine.save_checkpoint(str(tmp))    # collective: each rank its file, then a barrier
+            # collective: each rank its file (or linked folder), then a barrier
+            written = self._engine.save_checkpoint(str(tmp), link_disk=snapshot)
+            if sizes is not None and written:
+                sizes.update(written)
             if d.is_main:   # every rank's shards are written (the barrier ending save_checkpoint)
                 write_shared(tmp)
-                ckpt.write_manifest(tmp)   # last, over every rank's files
+                # last, over every rank's files
+                ckpt.write_manifest(tmp, exclude=disk_folders(d.world) if snapshot else ())
                 commit_dir(tmp, final)
         except BaseException:
             if d.is_main:

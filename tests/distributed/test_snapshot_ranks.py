@@ -15,7 +15,7 @@ def test_two_ranks_rewind_to_a_snapshot_exactly(tmp_path):
     check(torchrun(HERE / "w_snapshot.py", str(tmp_path / "full"), "full", nproc=2, timeout=300))
     check(torchrun(HERE / "w_snapshot.py", str(tmp_path / "snap"), "snap", nproc=2, timeout=300))
     snaps = list((tmp_path / "snap" / "snapshots").iterdir())
-    assert len(snaps) == 1 and any(f.name.startswith("shards-") for f in snaps[0].iterdir())
+    assert len(snaps) == 1 and sorted(f.name for f in snaps[0].glob("rank-*")) == ["rank-00000-of-00002", "rank-00001-of-00002"]
     a = load_file(tmp_path / "full" / "final" / "model.safetensors")
     b = load_file(tmp_path / "snap" / "final" / "model.safetensors")
     assert a.keys() == b.keys()

@@ -255,3 +255,67 @@ def test_the_first_failing_rank_is_named_and_how():
     assert rank == 1
     assert describe_death(2, None, "9", None) == "rank 2 died (exit code 9) without raising (killed? out of memory?)"
     assert describe_death(2, 5, "-11", None).startswith("rank 2 (pid 5) was killed by signal 11 (SIGSEGV)")
+
+
+def test_an_sft_config_reaches_the_workers_as_an_sft_trainer(tmp_path):
+    """mt.Session(..., args=SFTConfig(...), nproc_per_node=N): the workers build mt.SFTTrainer with
+    the same SFTConfig (issue 20), not a plain Trainer with TrainingArguments."""
+    pytest.importorskip("trl")
+    import sys
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    from megatrain_nb.notebook.launch_spec import build_from_spec
+    from megatrain_nb.trainer.sft import SFTTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from trainer.sft_helpers import CONVS, sft_config, tiny_llama, tokenizer
+
+    tok = tokenizer()
+    args = sft_config(tmp_path / "out", assistant_only_loss=True, packing=True, max_length=96, max_steps=5,
+                      learning_rate=3e-4)
+    run, spec = _write(tmp_path, model=tiny_llama(len(tok)), args=args, tokenizer=tok,
+                       train_dataset=Dataset.from_list(CONVS[:12]), engine_options={"device": "cpu"})
+    assert spec["args_class"] == "SFTConfig" and spec["args"]["assistant_only_loss"] is True
+    assert spec["args"]["max_length"] == 96 and "dataset_text_field" not in spec["args"]   # only what differs
+    (trainer, _tok), _ = build_from_spec(run)
+    try:
+        assert isinstance(trainer, SFTTrainer) and type(trainer.args).__name__ == "SFTConfig"
+        for name in ("assistant_only_loss", "packing", "max_length", "max_steps", "learning_rate", "bf16",
+                     "per_device_train_batch_size", "packing_strategy", "output_dir"):
+            assert getattr(trainer.args, name) == getattr(args, name), name
+        assert trainer.padding_free and len(trainer.train_dataset) > 0
+    finally:
+        trainer.close()
+
+
+def test_an_sft_config_that_cannot_apply_is_refused_before_any_worker_starts(tmp_path):
+    pytest.importorskip("trl")
+    from trl import SFTConfig
+
+    from megatrain_nb.trainer.sft import SFTArgumentError
+
+    from megatrain_nb.trainer.args import UnsupportedArgumentError
+
+    args = SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, router_aux_loss_coef=0.5)
+    with pytest.raises(SFTArgumentError, match="router_aux_loss_coef"):
+        _write(tmp_path, args=args)
+    args = SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, use_liger_kernel=True)
+    with pytest.raises(UnsupportedArgumentError, match="use_liger_kernel"):
+        _write(tmp_path, args=args)
+
+
+def test_a_branch_needs_a_snapshot_and_known_fields(tmp_path):
+    """A fork of a multi-process run: the spec's branch (BranchStart fields), from a snapshot."""
+    from megatrain_nb.notebook.launch_spec import LaunchError, branch_start
+
+    with pytest.raises(LaunchError, match="starts from a snapshot"):
+        _write(tmp_path, branch={"new_run": True})
+    with pytest.raises(LaunchError, match=r"\['colour'\] are not BranchStart fields"):
+        _write(tmp_path, branch={"colour": 1}, resume=str(tmp_path))
+    _, spec = _write(tmp_path, branch={"new_run": True, "rebuild_schedule": True}, resume=str(tmp_path))
+    start = branch_start(spec)
+    assert start.new_run and start.rebuild_schedule and not start.restart_data
+    _, plain = _write(tmp_path)
+    assert plain["branch"] is None and branch_start(plain) is None

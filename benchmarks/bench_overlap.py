@@ -22,9 +22,9 @@ that it measured the cache.
 
     python benchmarks/bench_overlap.py [--dir PATH] [--reps N] [--disk-cache-gb G]
 
-RESULT lines: ``overlap_step_vs_bound`` (disk-tier step / bound, target <= 1.25),
-``clipped_step_vs_unclipped`` (target <= 1), ``optimizer_exposed_share`` (target <= 0.10),
-``clipped_optimizer_exposed_share`` (target <= 0.3), ``cache_step_vs_bound`` (the cache figure
+RESULT lines: ``overlap_step_vs_bound`` (disk-tier step / bound, target <= 1.25) and
+``clipped_step_vs_unclipped`` (target <= 1), each the median over the reps of the ratio within a
+rep; ``optimizer_exposed_share`` (target <= 0.10), ``clipped_optimizer_exposed_share`` (target <= 0.3), ``cache_step_vs_bound`` (the cache figure
 against max(compute, optimizer), target <= 1.25) and ``disk_cache_bytes_vs_min`` (the cache
 figure's disk bytes against the simulator's minimum for its budget, target <= 1.05).
 """
@@ -199,6 +199,14 @@ def report(a, eng, runs, t_io, k):
     print(f"pure I/O (dd, direct I/O) of the disk-tier step's bytes ({rd / MiB:.0f} MiB read, {wr / MiB:.0f} MiB "
           f"written): median {mio:.3f}s {[round(x, 3) for x in t_io]}")
     print(f"bound = max(compute {m['compute']:.3f}, pure I/O {mio:.3f}, optimizer {mo:.3f}) = {bound:.3f}s")
+    # the load of a shared machine drifts between reps: each rep's figure against the bound
+    # measured in that rep, then the median of those
+    per_rep = [d["s"] / max(c["s"], io, c["opt"])
+               for d, c, io in zip(runs["disk-tier"], runs["compute"], t_io)]
+    clip_rep = [c["s"] / d["s"] for c, d in zip(runs["disk-tier clipped"], runs["disk-tier"])]
+    print(f"per rep: disk-tier / bound {[round(x, 3) for x in per_rep]} (ratio of the medians "
+          f"{m['disk-tier'] / bound:.3f}); clipped / unclipped {[round(x, 3) for x in clip_rep]} "
+          f"(ratio of the medians {m['disk-tier clipped'] / m['disk-tier']:.3f})")
     for name in ("disk-tier", "disk-tier clipped", "cache"):
         print(f"stalls per step, {name}: {stalls(runs[name])}")
     tel = eng["disk-tier"].telemetry()
@@ -223,10 +231,10 @@ def report(a, eng, runs, t_io, k):
           f"simulator's minimum {plan['read_bytes_per_step'] / MiB:.1f} / {plan['write_bytes_per_step'] / MiB:.1f} "
           f"MiB per step" + ("; 0 disk bytes: it measured the host cache (RAM), not the disk" if got == 0 else ""))
     dbytes = rd + wr
-    result("overlap_step_vs_bound", m["disk-tier"] / bound, "x", "<=", 1.25)
+    result("overlap_step_vs_bound", median(per_rep), "x", "<=", 1.25)
     print(f"  (disk-tier: {dbytes / MiB:.0f} MiB of disk per step"
           + (", NONE: measured the cache" if dbytes == 0 else "") + ")")
-    result("clipped_step_vs_unclipped", m["disk-tier clipped"] / m["disk-tier"], "x", "<=", 1.0)
+    result("clipped_step_vs_unclipped", median(clip_rep), "x", "<=", 1.0)
     result("optimizer_exposed_share", share, "x", "<=", 0.10)
     result("clipped_optimizer_exposed_share", clip_share, "x", "<=", 0.3)
     result("cache_step_vs_bound", m["cache"] / cache_bound, "x", "<=", 1.25)

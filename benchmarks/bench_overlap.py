@@ -24,9 +24,10 @@ that it measured the cache.
 
 RESULT lines: ``overlap_step_vs_bound`` (disk-tier step / bound, target <= 1.25) and
 ``clipped_step_vs_unclipped`` (target <= 1), each the median over the reps of the ratio within a
-rep; ``optimizer_exposed_share`` (target <= 0.10), ``clipped_optimizer_exposed_share`` (target <= 0.3), ``cache_step_vs_bound`` (the cache figure
-against max(compute, optimizer), target <= 1.25) and ``disk_cache_bytes_vs_min`` (the cache
-figure's disk bytes against the simulator's minimum for its budget, target <= 1.05).
+rep; ``optimizer_exposed_share`` (target <= 0.10), ``clipped_optimizer_exposed_share`` (target
+<= 0.3), ``cache_step_vs_bound`` (the cache figure against max(compute, optimizer), target
+<= 1.25) and ``disk_cache_bytes_vs_min`` (the cache figure's disk bytes against the simulator's
+minimum for its budget, target <= 1.05).
 """
 from __future__ import annotations
 

@@ -1,20 +1,41 @@
-"""Step time with optimizer states and master weights on the disk tier against
-max(compute-only step, pure I/O of the same bytes, optimizer + codec time), same run; and the optimizer time left
-exposed after the backward (no clipping: updates overlap the backward). Also prints, without a
-target, the same step with global-norm clipping (updates after the backward, overlapped with the
-next forward).
+"""The disk tier really used: step time with master weights and optimizer states streamed from
+disk every step (the host cache of the disk tier off, or sized below the state) against
+max(compute alone, pure I/O of the same bytes, optimizer alone), all measured in the same run.
 
-    python benchmarks/bench_overlap.py [--dir PATH]
-Prints RESULT overlap_step_vs_bound (target <= 1.25), RESULT optimizer_exposed_share
-(target <= 0.10), RESULT clipped_optimizer_exposed_share (with max_grad_norm; target <= 0.3) and
-RESULT disk_cache_bytes_vs_min: the disk bytes a step moved through the host cache of the disk
-tier against the minimum the simulator finds for that schedule and budget (target <= 1.05).
-``--host-cache-gb 0`` runs without the cache (the disk tier as it was).
+Contenders, run one after the other in every repetition (alternating, medians over the reps):
+
+* ``compute``: the same step with everything in RAM (same codec): the compute bound; its
+  optimizer + codec seconds per step (no disk waits inside them) are the optimizer bound;
+* ``disk-tier``: weights and states on disk, the host cache at ``--disk-cache-gb`` (default 0:
+  off), no clipping (updates overlap the backward);
+* ``disk-tier clipped``: the same with ``max_grad_norm=1.0`` (updates after the backward,
+  overlapped with the next forward);
+* ``pure I/O``: ``dd`` with direct I/O (``oflag=direct conv=fdatasync``, ``iflag=direct``) on the
+  same disk, writing then reading the bytes the disk-tier step moved in this rep, in blocks of
+  the largest unit;
+* ``cache``: weights and states on the disk tier with the engine's default host cache (the
+  cache figure, labelled as such: with a budget that holds the whole tier it moves no disk
+  bytes and measures RAM, not the disk).
+
+Every figure prints the disk bytes it moved per step; a disk-tier figure that moved none says
+that it measured the cache.
+
+    python benchmarks/bench_overlap.py [--dir PATH] [--reps N] [--disk-cache-gb G]
+
+RESULT lines: ``overlap_step_vs_bound`` (disk-tier step / bound, target <= 1.25) and
+``clipped_step_vs_unclipped`` (target <= 1), each the median over the reps of the ratio within a
+rep; ``optimizer_exposed_share`` (target <= 0.10), ``clipped_optimizer_exposed_share`` (target
+<= 0.3), ``cache_step_vs_bound`` (the cache figure against max(compute, optimizer), target
+<= 1.25) and ``disk_cache_bytes_vs_min`` (the cache figure's disk bytes against the simulator's
+minimum for its budget, target <= 1.05).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,27 +48,91 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, median, result  # noqa: E402
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine  # noqa: E402
-from megatrain_nb.engine.disk_store import DiskStore, aligned_empty  # noqa: E402
+
+MiB = 2 ** 20
+TIERS = ("device", "disk", "host_cache", "decode", "optimizer", "grad_return")
 
 
-def pure_io(folder: str, unit_numel: int, read_bytes: int, write_bytes: int) -> float:
-    """Seconds for the disk tier to write then read the same bytes in unit-sized files."""
-    store = DiskStore(folder)
-    buf = aligned_empty(unit_numel).normal_()  # page-aligned, as the engine's staging buffers
-    nbytes = unit_numel * 4
-    n_w = max(1, round(write_bytes / nbytes))
-    n_r = max(1, round(read_bytes / nbytes))
+def dd_seconds(args: list) -> float:
+    """Run dd; the seconds it reports."""
+    proc = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    m = re.search(r"copied, ([0-9.eE+-]+) s", proc.stderr)
+    if not m:
+        raise RuntimeError(f"cannot parse dd's output: {proc.stderr!r}")
+    return float(m.group(1))
+
+
+def pure_io(folder: str, block: int, read_bytes: int, write_bytes: int) -> float:
+    """Seconds dd (direct I/O) takes to write ``write_bytes`` then read ``read_bytes`` in
+    ``block``-byte blocks on ``folder``'s disk."""
+    path = os.path.join(folder, "dd-probe.bin")
+    n_w = max(1, -(-write_bytes // block))
+    n_r = max(1, -(-read_bytes // block))
+    try:
+        t = dd_seconds(["if=/dev/zero", f"of={path}", f"bs={block}", f"count={max(n_w, n_r)}",
+                        "oflag=direct", "conv=fdatasync"]) * n_w / max(n_w, n_r)
+        t += dd_seconds([f"if={path}", "of=/dev/null", f"bs={block}", f"count={n_r}", "iflag=direct"])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return t
+
+
+def timed_steps(engine, ids, k: int, clip=None) -> dict:
+    """k consecutive steps (steady state: one step's write-behind overlaps the next), ending
+    with the write-behind drained so the time covers all the step's bytes; per step: seconds,
+    disk bytes read / written, stall seconds per tier, optimizer seconds."""
+    disk = engine.disk
+    r0 = disk.report() if disk is not None else None
+    t0_tel = engine.telemetry()
     t0 = time.perf_counter()
-    futs = [store.write(f"u{i % n_w}", {"w": buf}) for i in range(n_w)]
-    for f in futs:
-        f.result()
-    outs = [aligned_empty(unit_numel) for _ in range(4)]
-    futs = [store.read(f"u{i % n_w}", out={"w": outs[i % 4]}) for i in range(n_r)]
-    for f in futs:
-        f.result()
-    dt = time.perf_counter() - t0
-    store.close()
-    return dt
+    for _ in range(k):
+        engine.forward_backward(ids, step_lr=1e-4, max_grad_norm=clip)
+    mid_tel = engine.telemetry()
+    engine.zero_grad()
+    if disk is not None:
+        disk.flush()
+    dt = (time.perf_counter() - t0) / k
+    t1_tel = engine.telemetry()
+    r1 = disk.report() if disk is not None else None
+    out = {"s": dt, "read": 0, "written": 0,
+           "stall": {t: (t1_tel["stall_seconds"].get(t, 0.0) - t0_tel["stall_seconds"].get(t, 0.0)) / k
+                     for t in TIERS},
+           "opt": (t1_tel["optimizer_seconds"] - t0_tel["optimizer_seconds"]) / k,
+           # the next forwards' wait for the previous step's updates (clipped): steps 2..k
+           "exposed_mid": mid_tel["optimizer_exposed_seconds"] - t0_tel["optimizer_exposed_seconds"],
+           "opt_total": t1_tel["optimizer_seconds"] - t0_tel["optimizer_seconds"]}
+    if r0 is not None:
+        out["read"] = (r1["disk_read_bytes"] - r0["disk_read_bytes"]) // k
+        out["written"] = (r1["disk_write_bytes"] - r0["disk_write_bytes"]) // k
+    return out
+
+
+def describe(name: str, runs: list) -> str:
+    secs = [r["s"] for r in runs]
+    rd, wr = median([r["read"] for r in runs]), median([r["written"] for r in runs])
+    line = (f"{name:<26} median {median(secs):.3f}s {[round(x, 3) for x in secs]}; disk per step: "
+            f"read {rd / MiB:.1f} MiB, written {wr / MiB:.1f} MiB")
+    if rd + wr == 0 and name.startswith("disk-tier"):
+        line += "  <- NO DISK BYTES: this figure measured the host cache, not the disk"
+    return line
+
+
+def stalls(runs: list) -> str:
+    return ", ".join(f"{t} {median([r['stall'][t] for r in runs]):.3f}s" for t in TIERS)
+
+
+def build(model, a, d: str):
+    def cfg(**kw):
+        return EngineConfig(device="cpu", optimizer_compression=a.codec, **kw)
+    on_disk = dict(offload_dir=d, offload_params=True)
+    engines = {
+        "compute": StreamingEngine(copy.deepcopy(model), cfg()),
+        "disk-tier": StreamingEngine(copy.deepcopy(model), cfg(host_cache_gb=a.disk_cache_gb, **on_disk)),
+        "disk-tier clipped": StreamingEngine(copy.deepcopy(model), cfg(host_cache_gb=a.disk_cache_gb, **on_disk)),
+        "cache": StreamingEngine(model, cfg(host_cache_gb=a.cache_gb, **on_disk)),
+    }
+    return engines
 
 
 def main(argv=None):
@@ -60,106 +145,101 @@ def main(argv=None):
     ap.add_argument("--steps-per-rep", type=int, default=3)
     ap.add_argument("--codec", default="none")
     ap.add_argument("--dir", default=".")
-    ap.add_argument("--host-cache-gb", type=float, default=None,
-                    help="host RAM cache of the disk tier (default: the engine's, from free RAM; 0 = off)")
+    ap.add_argument("--disk-cache-gb", type=float, default=0.0,
+                    help="host cache of the disk-tier figures (default 0: off; keep it below the state)")
+    ap.add_argument("--cache-gb", type=float, default=None,
+                    help="host cache of the cache figure (default: the engine's, from free RAM)")
     a = ap.parse_args(argv)
     print(machine())
+    print(f"load average at start: {os.getloadavg()}")
     cfg = AutoConfig.for_model("llama", vocab_size=8192, hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3,
                                num_hidden_layers=a.layers, num_attention_heads=8, max_position_embeddings=a.seq)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     ids = torch.randint(0, 8192, (a.batch, a.seq))
+    k = a.steps_per_rep
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
-        # the same step with everything in RAM (same optimizer codec): the compute bound, and
-        # its optimizer + codec seconds per step (no disk waits inside them): the optimizer bound
-        ram = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", optimizer_compression=a.codec))
-        clipped = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", offload_dir=d, offload_params=True,
-                                                                     optimizer_compression=a.codec,
-                                                                     host_cache_gb=a.host_cache_gb))
-        disk = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=d, offload_params=True,
-                                                   optimizer_compression=a.codec, host_cache_gb=a.host_cache_gb))
+        eng = build(model, a, d)
+        disk = eng["disk-tier"]
         print(f"llama {a.layers}x{a.hidden}: {disk.num_parameters() / 1e6:.1f}M params; batch {a.batch}x{a.seq}; "
               f"weights and '{a.codec}' optimizer states on disk under {d}")
-        for e in (ram, disk):  # warm-up: the first step creates the states
-            e.forward_backward(ids, step_lr=1e-4)
-        clipped.forward_backward(ids, step_lr=1e-4, max_grad_norm=1.0)
-        t_ram, t_disk, t_io, moved, t_clip, cached, t_opt = [], [], [], [], [], [], []
-        clip_exposed = clip_overlappable = 0.0
-        max_unit = max(u.numel for u in disk.units)
-        disk.disk.flush()
-        k = a.steps_per_rep
+        for name, e in eng.items():   # warm-up: the first step creates the states
+            e.forward_backward(ids, step_lr=1e-4, max_grad_norm=1.0 if "clipped" in name else None)
+            e.zero_grad()
+            if e.disk is not None:
+                e.disk.flush()
+        state_bytes = disk.disk.nbytes()
+        for name in ("disk-tier", "disk-tier clipped", "cache"):
+            rep = eng[name].disk.report()
+            print(f"{name}: host cache budget {rep['capacity_bytes'] / MiB:.0f} MiB for a disk tier of "
+                  f"{state_bytes / MiB:.0f} MiB")
+        block = -(-max(u.numel for u in disk.units) * 4 // 4096) * 4096
+        runs = {n: [] for n in eng}
+        t_io = []
         for _ in range(a.reps):
-            # k consecutive steps each (steady state: write-behind of one step overlaps the next);
-            # the disk run ends with its write-behind drained, so its time covers all its bytes.
-            o0 = ram.telemetry()["optimizer_seconds"]
-            t0 = time.perf_counter()
-            for _ in range(k):
-                ram.forward_backward(ids, step_lr=1e-4)
-            ram.zero_grad()
-            t_ram.append((time.perf_counter() - t0) / k)
-            t_opt.append((ram.telemetry()["optimizer_seconds"] - o0) / k)
-            s0, c0 = disk.disk.stats(), disk.disk.report()
-            t0 = time.perf_counter()
-            for _ in range(k):
-                disk.forward_backward(ids, step_lr=1e-4)
-            disk.zero_grad(); disk.disk.flush()
-            t_disk.append((time.perf_counter() - t0) / k)
-            s1, c1 = disk.disk.stats(), disk.disk.report()
-            cached.append(((c1["disk_read_bytes"] - c0["disk_read_bytes"]) / k,
-                           (c1["disk_write_bytes"] - c0["disk_write_bytes"]) / k))
-            moved.append(((s1["bytes_read"] - s0["bytes_read"]) // k, (s1["bytes_written"] - s0["bytes_written"]) // k))
-            # the same bytes (per step), in the same rep
-            t_io.append(pure_io(d, max_unit, moved[-1][0] * k, moved[-1][1] * k) / k)
-            # with global-norm clipping (updates after the backward, overlapped with the next forward)
-            # Exposed = time the forwards of steps 2..k waited for the previous step's updates;
-            # the drain after step k (nothing left to overlap with) is not a training step's cost,
-            # so the share is taken over the updates of steps 1..k-1 (every step's are alike).
-            c0 = clipped.telemetry()
-            t0 = time.perf_counter()
-            for _ in range(k):
-                clipped.forward_backward(ids, step_lr=1e-4, max_grad_norm=1.0)
-            c1 = clipped.telemetry()
-            clipped.zero_grad(); clipped.disk.flush()
-            t_clip.append((time.perf_counter() - t0) / k)
-            c2 = clipped.telemetry()
-            clip_exposed += c1["optimizer_exposed_seconds"] - c0["optimizer_exposed_seconds"]
-            clip_overlappable += (c2["optimizer_seconds"] - c0["optimizer_seconds"]) * (k - 1) / k
-        tel = disk.telemetry()
-        read_b, write_b = moved[-1]
-        t_io = median(t_io)
-        mr, md, mo = median(t_ram), median(t_disk), median(t_opt)
-        bound = max(mr, t_io, mo)
-        print(f"compute-only step (all in RAM): median {mr:.3f}s {[round(x, 3) for x in t_ram]}")
-        print(f"optimizer + codec ('{a.codec}') per step, in RAM: median {mo:.3f}s {[round(x, 3) for x in t_opt]}")
-        print(f"bound = max(compute in RAM, pure I/O, optimizer + codec) = {bound:.3f}s")
-        print(f"disk-tier step:                 median {md:.3f}s {[round(x, 3) for x in t_disk]}")
-        print(f"pure I/O of the same bytes ({read_b / 2**20:.0f} MiB read, {write_b / 2**20:.0f} MiB written per step): "
-              f"{t_io:.3f}s")
-        print(f"weight reads saved (backward's buffer kept for the update, or a fresh copy): {tel['weight_reads_saved']}")
-        pf = tel["prefetch"]["disk"]
-        print(f"disk prefetch: {pf['ahead']} issued ahead, {pf['late']} late; stall {tel['stall_seconds']}")
-        share = tel["optimizer_exposed_seconds"] / max(tel["optimizer_seconds"], 1e-9)
-        print(f"optimizer: {tel['optimizer_seconds']:.3f}s total, {tel['optimizer_exposed_seconds']:.3f}s exposed")
-        ct = clipped.telemetry()
-        clip_share = clip_exposed / max(clip_overlappable, 1e-9)
-        print(f"with clipping (max_grad_norm=1.0): step median {median(t_clip):.3f}s {[round(x, 3) for x in t_clip]}; "
-              f"optimizer {ct['optimizer_seconds']:.3f}s total; the next forward waited {clip_exposed:.3f}s for "
-              f"{clip_overlappable:.3f}s of updates it could overlap (share {clip_share:.3f}); with the drains "
-              f"after each rep {ct['optimizer_exposed_seconds']:.3f}s exposed")
-        rep = disk.disk.report()
-        plan = rep["planned"] or {"read_bytes_per_step": 0, "write_bytes_per_step": 0, "hits_per_step": 0}
-        got_r, got_w = cached[-1]
-        want = plan["read_bytes_per_step"] + plan["write_bytes_per_step"]
-        vs_min = (got_r + got_w) / want if want else (1.0 if got_r + got_w == 0 else float("inf"))
-        print(f"host cache of the disk tier: budget {rep['capacity_bytes'] / 2**20:.0f} MiB, resident "
-              f"{rep['ram_bytes'] / 2**20:.0f} MiB (peak {rep['ram_peak_bytes'] / 2**20:.0f}); per step disk read "
-              f"{got_r / 2**20:.1f} MiB, written {got_w / 2**20:.1f} MiB; simulator's minimum for this schedule "
-              f"{plan['read_bytes_per_step'] / 2**20:.1f} / {plan['write_bytes_per_step'] / 2**20:.1f} MiB; "
-              f"{rep['hits']} hits, {rep['bytes_saved'] / 2**20:.0f} MiB saved in all")
-        ram.close(); disk.close(); clipped.close()
-    result("overlap_step_vs_bound", md / bound, "x", "<=", 1.25)
+            for name, e in eng.items():
+                runs[name].append(timed_steps(e, ids, k, clip=1.0 if "clipped" in name else None))
+            last = runs["disk-tier"][-1]
+            t_io.append(pure_io(d, block, last["read"], last["written"]))
+        report(a, eng, runs, t_io, k)
+        for e in eng.values():
+            e.close()
+
+
+def report(a, eng, runs, t_io, k):
+    m = {n: median([r["s"] for r in rs]) for n, rs in runs.items()}
+    mo = median([r["opt"] for r in runs["compute"]])
+    mio = median(t_io)
+    bound = max(m["compute"], mio, mo)
+    print(f"load average at end: {os.getloadavg()}")
+    for name in ("compute", "disk-tier", "disk-tier clipped", "cache"):
+        print(describe(name, runs[name]))
+    print(f"optimizer + codec ('{a.codec}') per step, in RAM: median {mo:.3f}s")
+    rd = median([r["read"] for r in runs["disk-tier"]])
+    wr = median([r["written"] for r in runs["disk-tier"]])
+    print(f"pure I/O (dd, direct I/O) of the disk-tier step's bytes ({rd / MiB:.0f} MiB read, {wr / MiB:.0f} MiB "
+          f"written): median {mio:.3f}s {[round(x, 3) for x in t_io]}")
+    print(f"bound = max(compute {m['compute']:.3f}, pure I/O {mio:.3f}, optimizer {mo:.3f}) = {bound:.3f}s")
+    # the load of a shared machine drifts between reps: each rep's figure against the bound
+    # measured in that rep, then the median of those
+    per_rep = [d["s"] / max(c["s"], io, c["opt"])
+               for d, c, io in zip(runs["disk-tier"], runs["compute"], t_io)]
+    clip_rep = [c["s"] / d["s"] for c, d in zip(runs["disk-tier clipped"], runs["disk-tier"])]
+    print(f"per rep: disk-tier / bound {[round(x, 3) for x in per_rep]} (ratio of the medians "
+          f"{m['disk-tier'] / bound:.3f}); clipped / unclipped {[round(x, 3) for x in clip_rep]} "
+          f"(ratio of the medians {m['disk-tier clipped'] / m['disk-tier']:.3f})")
+    for name in ("disk-tier", "disk-tier clipped", "cache"):
+        print(f"stalls per step, {name}: {stalls(runs[name])}")
+    tel = eng["disk-tier"].telemetry()
+    pf = tel["prefetch"]["disk"]
+    print(f"disk-tier: {tel['weight_reads_saved']} weight reads saved; disk prefetch {pf['ahead']} ahead, "
+          f"{pf['late']} late")
+    share = tel["optimizer_exposed_seconds"] / max(tel["optimizer_seconds"], 1e-9)
+    # clipped: the forwards of steps 2..k waited for the previous step's updates; the drain after
+    # step k (nothing left to overlap with) is not a training step's cost
+    clip_exposed = sum(r["exposed_mid"] for r in runs["disk-tier clipped"])
+    clip_overlappable = sum(r["opt_total"] * (k - 1) / k for r in runs["disk-tier clipped"])
+    clip_share = clip_exposed / max(clip_overlappable, 1e-9)
+    print(f"disk-tier optimizer exposed {tel['optimizer_exposed_seconds']:.3f}s of {tel['optimizer_seconds']:.3f}s; "
+          f"clipped: the next forward waited {clip_exposed:.3f}s for {clip_overlappable:.3f}s of updates")
+    crep = eng["cache"].disk.report()
+    plan = crep["planned"] or {"read_bytes_per_step": 0, "write_bytes_per_step": 0}
+    got = runs["cache"][-1]["read"] + runs["cache"][-1]["written"]
+    want = plan["read_bytes_per_step"] + plan["write_bytes_per_step"]
+    vs_min = got / want if want else (1.0 if got == 0 else float("inf"))
+    cache_bound = max(m["compute"], mo)
+    print(f"cache figure: budget {crep['capacity_bytes'] / MiB:.0f} MiB, resident {crep['ram_bytes'] / MiB:.0f} MiB; "
+          f"simulator's minimum {plan['read_bytes_per_step'] / MiB:.1f} / {plan['write_bytes_per_step'] / MiB:.1f} "
+          f"MiB per step" + ("; 0 disk bytes: it measured the host cache (RAM), not the disk" if got == 0 else ""))
+    dbytes = rd + wr
+    result("overlap_step_vs_bound", median(per_rep), "x", "<=", 1.25)
+    print(f"  (disk-tier: {dbytes / MiB:.0f} MiB of disk per step"
+          + (", NONE: measured the cache" if dbytes == 0 else "") + ")")
+    result("clipped_step_vs_unclipped", median(clip_rep), "x", "<=", 1.0)
     result("optimizer_exposed_share", share, "x", "<=", 0.10)
     result("clipped_optimizer_exposed_share", clip_share, "x", "<=", 0.3)
+    result("cache_step_vs_bound", m["cache"] / cache_bound, "x", "<=", 1.25)
+    print(f"  (cache figure: {got / MiB:.0f} MiB of disk per step; bound max(compute, optimizer))")
     result("disk_cache_bytes_vs_min", vs_min, "x", "<=", 1.05)
 
 

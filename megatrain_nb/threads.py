@@ -36,45 +36,47 @@ class ThreadSpec:
         return "one torch thread" if self.initializer is one_torch_thread else "-"
 
 
-THREADS: Dict[str, ThreadSpec] = {}
+#: The registry as one table: name | owner | count | settings ("one torch thread" or "-") |
+#: "step" when a training step with the disk tier and a codec starts it (else "-") | what it does.
+_TABLE = """
+mtnb-h2d | Pager | 1 | - | step | host->device weight copies
+mtnb-d2h | Pager | 1 | - | step | device->host gradient copies; the gradient intake
+mtnb-adamw | UpdateRunner | 1 | - | step | every AdamW update
+mtnb-decode | OptimizerStates | 1 | one torch thread | step | decodes moment chunks ahead of AdamW
+mtnb-encode | OptimizerStates | 1 | one torch thread | step | encodes moment chunks after AdamW
+mtnb-disk | DiskStore | 2 (mtnb-disk_0, mtnb-disk_1) + mtnb-disk_urgent | - | step | reads and writes, by priority
+mtnb-cache | HostCache | 1 | - | step | copies resident keys into readers' buffers
+mtnb-transport-in | CpuTransport | 1, adversarial mode (tests) | - | - | delayed copies in; sharded gathers on CPU
+mtnb-transport-out | CpuTransport | 1, adversarial mode (tests) | - | - | delayed copies out; sharded reduce-scatters on CPU
+mtnb-manifest | trainer.manifest | up to 8 (a pool per call) | - | - | hashes checkpoint files
+mtnb-session | Session | 1 per session (mtnb-session-<name>) | - | - | drives trainer.iter_steps()
+mtnb-publisher | Publisher | 1 per session (mtnb-publisher-<name>) | - | - | the only writer of widgets and displays
+mtnb-beacon | SessionBeacon | 1 per session (mtnb-beacon-<id>) | - | - | heartbeat file, command inbox
+mtnb-samples | SampleWatch | 1 per session with a sample prompt (mtnb-samples-<name>) | - | - | draws the answers to the sample prompt (a caller of the engine, as generate())
+mtnb-controller-watch | launch_worker | 1 on rank 0 | - | - | stops the run if the launching kernel dies
+"""
+_SETTINGS = {"-": None, "one torch thread": one_torch_thread}
 
 
-def _register(spec: ThreadSpec) -> ThreadSpec:
-    THREADS[spec.name] = spec
-    return spec
+def _parse(table: str) -> Dict[str, ThreadSpec]:
+    specs = {}
+    for line in table.strip().splitlines():
+        name, owner, count, settings, when, does = (c.strip() for c in line.split("|"))
+        specs[name] = ThreadSpec(name, owner, count, does, initializer=_SETTINGS[settings], per_step=when == "step")
+    return specs
 
 
-# ---------------------------------------------------------------------- the engine
-H2D = _register(ThreadSpec("mtnb-h2d", "Pager", "1", "host->device weight copies", per_step=True))
-D2H = _register(ThreadSpec("mtnb-d2h", "Pager", "1", "device->host gradient copies; the gradient intake",
-                           per_step=True))
-ADAMW = _register(ThreadSpec("mtnb-adamw", "UpdateRunner", "1", "every AdamW update", initializer=None,
-                             per_step=True))
-DECODE = _register(ThreadSpec("mtnb-decode", "OptimizerStates", "1", "decodes moment chunks ahead of AdamW",
-                              initializer=one_torch_thread, per_step=True))
-ENCODE = _register(ThreadSpec("mtnb-encode", "OptimizerStates", "1", "encodes moment chunks behind AdamW",
-                              initializer=one_torch_thread, per_step=True))
-DISK = _register(ThreadSpec("mtnb-disk", "DiskStore", "2 (mtnb-disk_0, mtnb-disk_1) + mtnb-disk_urgent",
-                            "file reads and writes in priority order", per_step=True))
-CACHE = _register(ThreadSpec("mtnb-cache", "HostCache", "1", "copies resident keys into readers' buffers",
-                             per_step=True))
-TRANSPORT_IN = _register(ThreadSpec("mtnb-transport-in", "CpuTransport", "1, adversarial mode only (tests)",
-                                    "the late copies in (random delays); a sharded engine's gathers on CPU"))
-TRANSPORT_OUT = _register(ThreadSpec("mtnb-transport-out", "CpuTransport", "1, adversarial mode only (tests)",
-                                     "the late copies out (random delays); a sharded engine's reduce-scatters on CPU"))
-# ---------------------------------------------------------------------- outside the engine
-MANIFEST = _register(ThreadSpec("mtnb-manifest", "trainer.manifest", "up to 8 (a pool per call)",
-                                "hashes checkpoint files"))
-SESSION = _register(ThreadSpec("mtnb-session", "Session", "1 per session (mtnb-session-<name>)",
-                               "drives trainer.iter_steps()"))
-PUBLISHER = _register(ThreadSpec("mtnb-publisher", "Publisher", "1 per session (mtnb-publisher-<name>)",
-                                 "the only writer of widgets and display handles"))
-BEACON = _register(ThreadSpec("mtnb-beacon", "SessionBeacon", "1 per session (mtnb-beacon-<id>)",
-                              "heartbeat file, command inbox"))
-SAMPLES = _register(ThreadSpec("mtnb-samples", "SampleWatch", "1 per session with a sample prompt (mtnb-samples-<name>)",
-                               "draws the answers to the sample prompt (a caller of the engine, as generate())"))
-CONTROLLER_WATCH = _register(ThreadSpec("mtnb-controller-watch", "launch_worker", "1 on rank 0",
-                                        "stops the run if the launching kernel dies"))
+THREADS: Dict[str, ThreadSpec] = _parse(_TABLE)
+# the engine's
+H2D, D2H, ADAMW = THREADS["mtnb-h2d"], THREADS["mtnb-d2h"], THREADS["mtnb-adamw"]
+DECODE, ENCODE = THREADS["mtnb-decode"], THREADS["mtnb-encode"]
+DISK, CACHE = THREADS["mtnb-disk"], THREADS["mtnb-cache"]
+TRANSPORT_IN, TRANSPORT_OUT = THREADS["mtnb-transport-in"], THREADS["mtnb-transport-out"]
+# outside the engine
+MANIFEST, SESSION = THREADS["mtnb-manifest"], THREADS["mtnb-session"]
+PUBLISHER, BEACON = THREADS["mtnb-publisher"], THREADS["mtnb-beacon"]
+SAMPLES = THREADS["mtnb-samples"]
+CONTROLLER_WATCH = THREADS["mtnb-controller-watch"]
 
 
 def thread_name(spec: ThreadSpec, suffix: str = "") -> str:

@@ -39,6 +39,16 @@ def handed_units(compute_order: Sequence[Unit], updated: Sequence[Unit]) -> set:
     return {idx for idx, i in last.items() if idx in want and i > first[idx]}
 
 
+def handed_after_backward(compute_order: Sequence[Unit], updated: Sequence[Unit], n: int) -> set:
+    """Updates that wait for the whole backward (clipping) run in the next forward's order, so
+    the first ones want the units the backward reads last: the last ``n`` units the backward
+    reads (loaded more than once, updated) keep that read's buffer for their update. Unit
+    indices."""
+    twice = handed_units(compute_order, updated)
+    last = {u.index: i for i, u in enumerate(compute_order)}
+    return set(sorted(twice, key=last.__getitem__)[-n:]) if n > 0 else set()
+
+
 class DirtyUnits:
     """Units whose weights are being updated; readers wait until the new write is submitted."""
 
@@ -180,6 +190,11 @@ class DiskReadStream:
             self.counters.wait(fut, "disk")   # the disk, or the host cache that served it
             self.counters.prefetch_result("disk", not on_demand)  # issued ahead of need, or late
         return buf[:unit.numel]
+
+    @property
+    def buffers(self) -> int:
+        """How many staging buffers the stream has."""
+        return len(self._by_ptr)
 
     def owns(self, buf: torch.Tensor) -> bool:
         """Whether ``buf`` (or a view of it) is one of this stream's staging buffers."""

@@ -45,22 +45,22 @@ class StepOutcome:
     def check(self) -> None:
         """Raise if an update failed earlier (weights and states may be out of step), or a
         stopped non-finite step is not reported yet."""
-        self.raise_nonfinite()
-        failed = self._failed
-        if failed is not None:
-            raise RuntimeError(f"an optimizer update failed earlier ({type(failed).__name__}: {failed}); weights and "
-                               "optimizer states may be out of step. Fix the cause, then load_checkpoint() a saved "
-                               "checkpoint or build a new engine.") from failed
+        self._raise_failed("an optimizer update failed earlier", "; weights and optimizer states may be out of "
+                           "step. Fix the cause, then load_checkpoint() a saved checkpoint or build a new engine.")
 
     def refuse_if_failed(self, what: str) -> None:
         """After a failed update some units hold the new step and others the old one: reading
         or saving the weights would hand out a mixture, so ``what`` is refused until a load."""
+        self._raise_failed(f"{what} refused: an optimizer update failed", ", so the weights hold a half-applied "
+                           "step. load_checkpoint() a saved checkpoint (or build a new engine) first.")
+
+    def _raise_failed(self, head: str, tail: str) -> None:
+        """A stopped non-finite step not reported yet; else, if an update failed,
+        ``RuntimeError("<head> (<the failure>)<tail>")`` from that failure."""
         self.raise_nonfinite()
         failed = self._failed
         if failed is not None:
-            raise RuntimeError(f"{what} refused: an optimizer update failed ({type(failed).__name__}: {failed}), so "
-                               "the weights hold a half-applied step. load_checkpoint() a saved checkpoint (or "
-                               "build a new engine) first.") from failed
+            raise RuntimeError(f"{head} ({type(failed).__name__}: {failed}){tail}") from failed
 
     def raise_nonfinite(self) -> None:
         """A stopped non-finite step met in a worker or another thread: reported once."""

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 
-from .disk_params import DirtyUnits, DiskReadStream, handed_units, weights_key
+from .disk_params import DirtyUnits, DiskReadStream, handed_after_backward, handed_units, weights_key
 from .disk_store import WriteWindow
 from .host_store import HostStore
 from .units import Unit
@@ -147,12 +147,19 @@ class DiskWeights:
         if optimizer_order is not None:
             if compute_order:
                 self._last_compute = list(compute_order)
+            last = {u.index: i for i, u in enumerate(compute_order)}
             if updates_after_backward:
                 fresh = {u.index for u in optimizer_order}
+                if not self.cached:
+                    # The first updates want the units the backward read last: those buffers are
+                    # handed over (all the compute stream's but one, which the backward's reads
+                    # and the next forward's go on using), so the updates start without a read
+                    # while the optimizer stream reads ahead for the ones after them.
+                    handed = handed_after_backward(compute_order, optimizer_order, self._fetch.buffers - 1)
+                    keep = [last[idx] for idx in handed]
             else:
                 # A unit loaded twice (forward, then backward) hands its backward read to its update.
                 handed = handed_units(compute_order, optimizer_order)
-                last = {u.index: i for i, u in enumerate(compute_order)}
                 keep = [last[idx] for idx in handed]
                 # The step's access order repeats: the last units updated that the next forward
                 # reads among its first stay fresh in their buffers.

@@ -318,7 +318,7 @@ def test_checkpoint_loads_into_weights_on_disk(tmp_path):
 
 
 # ---------------------------------------------------------------------------- clipping, overlapped
-@pytest.mark.parametrize("where", ["ram", "disk"])
+@pytest.mark.parametrize("where", ["ram", "disk", "disk-uncached"])
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])   # clipping active / never reached
 def test_clipped_overlapped_steps_match_torch(tmp_path, where, max_norm):
     """forward_backward(step_lr, max_grad_norm) over 2 micro-batches == torch AdamW after
@@ -331,7 +331,9 @@ def test_clipped_overlapped_steps_match_torch(tmp_path, where, max_norm):
     groups = [{"params": [p for n, p in ref.named_parameters() if n in decay], "weight_decay": 0.1},
               {"params": [p for n, p in ref.named_parameters() if n not in decay], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
-    opts = dict(offload_dir=str(tmp_path), offload_params=True) if where == "disk" else {}
+    opts = dict(offload_dir=str(tmp_path), offload_params=True) if where.startswith("disk") else {}
+    if where == "disk-uncached":   # the read streams: backward buffers handed to the first updates, fresh copies
+        opts["host_cache_gb"] = 0
     e = StreamingEngine(model, EngineConfig(device="cpu", adam_betas=(0.9, 0.95), weight_decay=0.1, **opts))
     batches = _data(6)
     for step in range(3):
@@ -351,10 +353,43 @@ def test_clipped_overlapped_steps_match_torch(tmp_path, where, max_norm):
     refp = dict(ref.named_parameters())
     for name, p in e.named_parameters():  # waits for the last step's updates
         assert float((p - refp[name].detach()).abs().max()) <= 1e-5, name
-    if where == "disk":
+    if where.startswith("disk"):
         tel = e.telemetry()
         # updated buffers fed the next forward: fresh copies, or hits of the host cache
         assert tel["weight_reads_saved"] + tel["disk_cache"]["hits"] > 0
+    e.close()
+
+
+def test_clipped_updates_read_only_the_weights_the_backward_did_not_hand_them(tmp_path):
+    # Without a host cache, clipped updates run after the backward in the next forward's order:
+    # the first ones want the units the backward read last, whose buffers (all the compute
+    # stream's but one: 2 + depth - 1 = 2) are handed to them; the optimizer's own read stream
+    # (the store's non-urgent reads) reads the weights of every other updated unit, once.
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=4))
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True,
+                                            host_cache_gb=0))
+    reads = []
+    read = e.disk.read
+
+    def counted(key, out=None, **kw):
+        reads.append((key, kw.get("urgent", False)))
+        return read(key, out, **kw)
+    ids = _data(1)[0]
+    e.forward_backward(ids, step_lr=1e-3, max_grad_norm=1.0)
+    e.zero_grad()
+    e.disk.read = counted
+    steps = 3
+    for _ in range(steps):
+        e.forward_backward(ids, step_lr=1e-3, max_grad_norm=1.0)
+    e.zero_grad()   # the last step's updates done
+    from megatrain_nb.engine.disk_params import weights_key
+
+    keys = {weights_key(u): u.name for u in e.units}
+    optimizer_reads = [keys[k] for k, urgent in reads if k in keys and not urgent]
+    handed = {u.name for u in e.layer_units[:2]}   # layers 0 and 1: the backward's last two
+    assert sorted(set(optimizer_reads)) == sorted(u.name for u in e.units if u.name not in handed)
+    assert len(optimizer_reads) == steps * (len(e.units) - 2), optimizer_reads
+    assert e.telemetry()["weight_reads_saved"] >= 2 * steps
     e.close()
 
 

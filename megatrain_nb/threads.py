@@ -65,6 +65,8 @@ TRANSPORT_OUT = _register(ThreadSpec("mtnb-transport-out", "CpuTransport", "1, a
 # ---------------------------------------------------------------------- outside the engine
 MANIFEST = _register(ThreadSpec("mtnb-manifest", "trainer.manifest", "up to 8 (a pool per call)",
                                 "hashes checkpoint files"))
+SNAPSHOT = _register(ThreadSpec("mtnb-snapshot", "PendingSnapshot", "1 while a snapshot completes",
+                                "links, manifest and rename of a snapshot taken without waiting for the step"))
 SESSION = _register(ThreadSpec("mtnb-session", "Session", "1 per session (mtnb-session-<name>)",
                                "drives trainer.iter_steps()"))
 PUBLISHER = _register(ThreadSpec("mtnb-publisher", "Publisher", "1 per session (mtnb-publisher-<name>)",

@@ -114,6 +114,8 @@ class Explorer:
         # rewound, not trained since: the engine holds that snapshot's state but the trainer's
         # step, schedule and data position are still those of before (they load when it trains)
         self.pending_start: Optional[str] = None
+        self._pending = None                     # (a snapshot completing in the background, its source)
+        self._pending_lock = threading.Lock()
 
     @property
     def session(self):
@@ -145,11 +147,14 @@ class Explorer:
         return self.fork(info, name, changes)
 
     # ---- snapshots ---------------------------------------------------------------------------
-    def take(self, source: str = "notebook") :
-        """A snapshot now (the caller is at a step boundary); an event either way."""
+    def take(self, source: str = "notebook", wait: bool = True):
+        """A snapshot now (the caller is at a step boundary); an event either way. ``wait``
+        False (automatic snapshots): it completes in the background while training goes on,
+        logged once complete (:meth:`settle`); returns None then."""
         s = self.session
         if getattr(self.trainer, "run_id", None) is None:
             raise RuntimeError(f"session {s.name!r} has not trained a step yet: nothing to snapshot")
+        self.settle()
         with self.group.lock:
             elsewhere = self.group.active is not None and self.group.active is not self
         if self.pending_start is not None:   # its state is that snapshot's until it trains again
@@ -159,24 +164,51 @@ class Explorer:
                 raise RuntimeError(f"session {s.name!r} does not hold the engine; resume it to snapshot it")
             return self._named(self.store.info(self.switched_out))
         try:
-            info = self.store.take(self.trainer)
+            pending = self.store.begin(self.trainer)
+            if not wait:
+                with self._pending_lock:
+                    self._pending = (pending, source)
+                return None
+            info = self.store.finish(pending)
         except Exception as e:
             s.run_log.add_event("snapshot_failed", s.step, error=f"{type(e).__name__}: {e}", source=source)
             raise
-        self._register(self.trainer.run_id)
-        s.run_log.add_event("snapshot", s.step, path=info.path, bytes_unique=info.bytes_unique,
-                            bytes_shared=info.bytes_shared, source=source)
+        return self._taken(info, source)
+
+    def settle(self, block: bool = True) -> None:
+        """A snapshot completing in the background: once complete, logged and pruned as
+        :meth:`take` does (a failure is logged and said on stderr; the run goes on).
+        ``block`` False: only if complete already."""
+        with self._pending_lock:
+            if self._pending is None or not (block or getattr(self._pending[0], "done", lambda: True)()):
+                return
+            (pending, source), self._pending = self._pending, None
+        try:
+            info = self.store.finish(pending)
+        except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
+            self.session.run_log.add_event("snapshot_failed", getattr(pending, "step", self.session.step),
+                                           error=f"{type(e).__name__}: {e}", source=source)
+            print(f"megatrain_nb: a snapshot failed, training goes on: {e}", file=sys.stderr)
+            return
+        self._taken(info, source)
+
+    def _taken(self, info, source: str):
+        self._register(info.run_id)
+        self.session.run_log.add_event("snapshot", info.step, path=info.path, bytes_unique=info.bytes_unique,
+                                       bytes_shared=info.bytes_shared, source=source)
         self.prune()
         return self._named(info)
 
     def on_record(self, record: dict) -> None:
-        """After each step (training thread): automatic snapshots every ``snapshot_steps``."""
+        """After each step (training thread): automatic snapshots every ``snapshot_steps``,
+        completed in the background (the step's updates and the next step go on meanwhile)."""
         self.pending_start = None
         self._register(record.get("run_id"), record.get("parent_run_id"), record.get("forked_at_step"))
+        self.settle(block=False)
         step = int(record.get("step", 0) or 0)
         if self.snapshot_steps and step % self.snapshot_steps == 0:
             try:
-                self.take(source="snapshot_steps")
+                self.take(source="snapshot_steps", wait=False)
             except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
                 print(f"megatrain_nb: snapshot at step {step} failed, training goes on: {e}", file=sys.stderr)
 
@@ -194,11 +226,13 @@ class Explorer:
     def snapshots(self) -> list:
         """The snapshots (and checkpoints) this run can rewind to: its own, and its ancestors'
         up to the step it was forked at."""
+        self.settle()
         reach = self._lineage()
         return [self._named(i) for i in self.store.list()
                 if i.run_id in reach and i.step <= reach[i.run_id]]
 
     def all_snapshots(self) -> list:
+        self.settle()
         ids = set(self.group.nodes) | {m.trainer.run_id for m in self.group.members}
         return [self._named(i) for i in self.store.list() if i.run_id in ids]
 
@@ -337,6 +371,7 @@ class Explorer:
         if getattr(self.trainer, "run_id", None) is None:
             return   # never trained: its state is its start snapshot
         self.engine_weight_decay()
+        self.settle()
         self.switched_out = self.pending_start or self.store.take(self.trainer).path
         msg = (f"megatrain_nb: branch {by!r} trains now; {s.name!r} is {s.state} at step {s.step} "
                f"(one device trains one branch at a time; {s.name}.resume() switches back)")

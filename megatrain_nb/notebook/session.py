@@ -622,6 +622,7 @@ class Session:
                     it.close()
                 except Exception:  # noqa: BLE001 - already ending
                     pass
+            self._explore.settle()   # an automatic snapshot completing in the background: logged
             self._drain_commands(outcome)
             self._end(outcome)
 

@@ -103,12 +103,13 @@ class PendingSnapshot:
     follow the step's updates in the disk tier's queue), then the manifest and the rename into
     place. Until then the folder has a temporary name and is never listed."""
 
-    def __init__(self, final: Path, tmp: Path, linked, write_shared):
+    def __init__(self, final: Path, tmp: Path, linked, write_shared, step: int):
         import threading
 
         from ..threads import SNAPSHOT, thread_name
 
         self.path = final
+        self.step = step
         self._future: Future = Future()
         self._thread = threading.Thread(target=self._complete, args=(tmp, linked, write_shared),
                                         name=thread_name(SNAPSHOT), daemon=True)
@@ -152,7 +153,7 @@ def begin_snapshot(trainer, final: Path) -> PendingSnapshot:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return PendingSnapshot(Path(final), tmp, linked, write_shared)
+    return PendingSnapshot(Path(final), tmp, linked, write_shared, int(trainer.state.global_step))
 
 
 class SnapshotError(RuntimeError):
@@ -190,8 +191,7 @@ class SnapshotStore:
             try:
                 pending.result()
             except OSError as e:
-                step = _NAME.match(pending.path.name)
-                raise self._full(e, int(step.group(1)) if step else "?") from e
+                raise self._full(e, pending.step) from e
             pending = pending.path
         return self.info(pending)
 

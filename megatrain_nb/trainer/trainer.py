@@ -654,6 +654,7 @@ class Trainer:
 
         from transformers.trainer_callback import TrainerState
 
+        self.wait_snapshot()   # (a snapshot completing in the background reads the engine's files)
         ckpt.verify(path)  # before reading anything from it
         ckpt.check_model(path, self._engine)
         meta = ckpt.read_json(path / ckpt.STATE_FILE)

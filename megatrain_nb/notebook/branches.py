@@ -32,6 +32,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .placement import PLACEMENT, placement, sibling_engine
+
 # (the trainer's modules import torch: loaded when first used, so importing a Session stays light)
 
 #: what a fork may change mid-run (TrainingArguments fields, the data, the loss)
@@ -45,7 +47,6 @@ FIXED = {
     "per_device_train_batch_size": "the data position counts batches of that size",
     "seq_len": "the data position counts blocks of that length",
     "offload_dir": "the disk tier holds the run's state",
-    "device": "the engine lives on its device",
 }
 
 
@@ -114,6 +115,7 @@ class Explorer:
         # rewound, not trained since: the engine holds that snapshot's state but the trainer's
         # step, schedule and data position are still those of before (they load when it trains)
         self.pending_start: Optional[str] = None
+        self.own_engine = False                  # a side-by-side branch (another device): not the group's engine
         self._pending = None                     # (a snapshot completing in the background, its source)
         self._pending_lock = threading.Lock()
 
@@ -156,7 +158,7 @@ class Explorer:
             raise RuntimeError(f"session {s.name!r} has not trained a step yet: nothing to snapshot")
         self.settle()
         with self.group.lock:
-            elsewhere = self.group.active is not None and self.group.active is not self
+            elsewhere = not self.own_engine and self.group.active is not None and self.group.active is not self
         if self.pending_start is not None:   # its state is that snapshot's until it trains again
             return self._named(self.store.info(self.pending_start))
         if elsewhere:   # the engine holds another branch's state; this one's was kept when it left
@@ -285,6 +287,9 @@ class Explorer:
         from .session import Session
 
         check_changes(changes)
+        changes = dict(changes)
+        device = changes.pop(PLACEMENT, None)
+        side = placement(self.trainer.engine.device, device) == "side_by_side"
         taken = set(self.group.names())
         if name is not None and str(name) in taken:
             raise ValueError(f"a branch named {str(name)!r} exists already (branches: {', '.join(sorted(taken))}); "
@@ -299,7 +304,8 @@ class Explorer:
         from megatrain_nb.trainer.checkpoint import rng_state, set_rng_state
 
         rng = rng_state()   # a Trainer seeds the global generators: the parent's run must not notice
-        trainer = type(tr)(model=tr.engine, train_dataset=changes.get("train_dataset", tr.train_dataset), args=args,
+        engine = sibling_engine(tr.engine, device) if side else tr.engine
+        trainer = type(tr)(model=engine, train_dataset=changes.get("train_dataset", tr.train_dataset), args=args,
                            eval_dataset=tr.eval_dataset, tokenizer=tr.tokenizer, data_collator=tr.data_collator,
                            loss_fn=changes.get("loss_fn", tr.loss_fn), seq_len=tr.seq_len)
         set_rng_state(rng)
@@ -315,6 +321,11 @@ class Explorer:
         ex.origin = (info.run_id, info.step)
         ex.changes = {k: _describe(v) for k, v in changes.items()}
         ex.weight_decay = float(changes.get("weight_decay", self.engine_weight_decay()))
+        if side:   # an engine of its own: never paused for another branch, nor pausing one
+            ex.own_engine = True
+            ex.changes["device"] = str(device)
+            print(f"megatrain_nb: branch {child.name!r} trains side by side on {device} (an engine of its own); "
+                  f"{self.session.name!r} goes on on {self.trainer.engine.device}")
         with self.group.lock:
             self.group.protected.add(str(info.path))
         self.session.run_log.add_event("fork", info.step, branch=child.name, changes=ex.changes, path=info.path)
@@ -328,8 +339,10 @@ class Explorer:
 
     def engine_shared(self) -> bool:
         """Whether another branch still uses this engine (not released)."""
+        if self.own_engine:
+            return False
         with self.group.lock:
-            others = [m.session for m in self.group.members if m is not self]
+            others = [m.session for m in self.group.members if m is not self and not m.own_engine]
         return any(o is not None and not o.released for o in others)
 
     def engine_weight_decay(self) -> float:
@@ -340,7 +353,11 @@ class Explorer:
     # ---- one branch trains at a time -------------------------------------------------------------
     def activate(self, source: Optional[str] = None) -> None:
         """Make the engine hold this branch's state (training thread, before it trains): the
-        branch that holds it now is paused at its step boundary and snapshotted first."""
+        branch that holds it now is paused at its step boundary and snapshotted first. A
+        side-by-side branch holds an engine of its own: nothing to switch."""
+        if self.own_engine:
+            self.trainer.engine.adam.weight_decay = self.engine_weight_decay()
+            return
         g = self.group
         with g.switch:
             with g.lock:
@@ -426,7 +443,7 @@ class Explorer:
 
 
 def check_changes(changes: dict) -> None:
-    bad = [k for k in changes if k not in ALLOWED]
+    bad = [k for k in changes if k not in ALLOWED and k != PLACEMENT]
     if bad:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
@@ -454,3 +471,4 @@ def _positive(name: str, v):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be a whole number >= 1 (or None), got {v!r}")
     return v
+

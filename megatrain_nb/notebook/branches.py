@@ -406,30 +406,10 @@ class Explorer:
                 for n in nodes]
 
     def sidebar_rows(self) -> list[dict]:
-        """The run tree in a few fields per run, for the JupyterLab sidebar (the heartbeat's
-        ``branches``): ``run_id`` (None for a fork not started), ``name``, ``parent_run_id``,
-        ``forked_at_step``, ``state`` ("abandoned" for steps a rewind left), ``step``, ``loss``,
-        ``changes``, ``current`` (this session's run). [] while the run has no branches."""
-        with self.group.lock:
-            nodes = dict(self.group.nodes)
-            members = list(self.group.members)
-        rows, seen = [], set()
-        for m in members:
-            s = m.session
-            if s is None:
-                continue
-            rid = getattr(m.trainer, "run_id", None)
-            n = nodes.get(rid)
-            parent, at = (n.parent_run_id, n.forked_at_step) if n is not None else (m.origin or (None, None))
-            hist = s.history
-            rows.append(_row(rid, s.name, parent, at, s.state, hist[-1] if hist else {},
-                             n.changes if n is not None and n.changes else _changes_text(m), m is self))
-            seen.add(rid)
-        for n in nodes.values():
-            if n.run_id not in seen:
-                rows.append(_row(n.run_id, n.name, n.parent_run_id, n.forked_at_step, "abandoned",
-                                 n.abandoned[-1] if n.abandoned else {}, n.changes, False))
-        return rows if len(rows) > 1 else []
+        """The run tree in a few fields per run, for the JupyterLab sidebar (branch_rows.py)."""
+        from .branch_rows import sidebar_rows
+
+        return sidebar_rows(self)
 
     def _register(self, run_id, parent=None, at=None) -> Optional[Node]:
         if not run_id:
@@ -466,15 +446,6 @@ class Explorer:
         n = self.group.nodes.get(info.run_id)
         info.branch = n.name if n is not None else None
         return info
-
-
-def _row(run_id, name, parent, at, state, last: dict, changes: str, current: bool) -> dict:
-    return {"run_id": run_id, "name": name, "parent_run_id": parent, "forked_at_step": at, "state": state,
-            "step": last.get("step"), "loss": last.get("loss"), "changes": changes or "", "current": current}
-
-
-def _changes_text(ex) -> str:
-    return ", ".join([f"{k}={v}" for k, v in ex.changes.items()] + ([ex.note] if ex.note else []))
 
 
 def check_changes(changes: dict) -> None:

@@ -97,6 +97,10 @@ def apply_branch_start(trainer, start: BranchStart, stream, total: int):
     return schedule
 
 
+#: snapshots of this process still completing (begin_snapshot waits for those in the same folder)
+_IN_FLIGHT: set = set()
+
+
 class PendingSnapshot:
     """A snapshot begun at a step boundary and completed in a thread of its own
     (``mtnb-snapshot``) while training goes on: the engine's links (``engine/linked.py``: they
@@ -111,6 +115,8 @@ class PendingSnapshot:
         self.path = final
         self.step = step
         self._future: Future = Future()
+        self._future.add_done_callback(lambda _: _IN_FLIGHT.discard(self))
+        _IN_FLIGHT.add(self)
         self._thread = threading.Thread(target=self._complete, args=(tmp, linked, write_shared),
                                         name=thread_name(SNAPSHOT), daemon=True)
         self._thread.start()
@@ -145,6 +151,9 @@ def begin_snapshot(trainer, final: Path) -> PendingSnapshot:
     files as of now and the engine's part begun (``Engine.begin_linked_checkpoint``, which does
     not wait for the step's updates when the disk tier holds the state); the rest completes in
     the background."""
+    for other in list(_IN_FLIGHT):   # (another trainer's, e.g. a side-by-side branch's: begin_checkpoint
+        if other.path.parent == Path(final).parent:   # clears this process's unfinished temporaries there)
+            other.wait()
     tmp = ckpt.begin_checkpoint(final)
     try:
         with trainer.engine.lock:

@@ -425,6 +425,34 @@ class DiskStore:
         with self._lock:
             return self._file(key) if key in self._sizes else None
 
+    def link(self, key: str, folder: str | os.PathLike) -> Future:
+        """Hard-link ``key``'s file into ``folder`` (which exists), in the key's order: after
+        the writes of ``key`` issued before this call, before those issued after it (as a read
+        is). So a snapshot can ask for the version current now while that version's write is
+        still queued, without waiting for the other keys' writes. Copies the bytes where a link
+        cannot be made (``folder`` on another filesystem). The Future resolves to ``(file name,
+        bytes linked, bytes copied)``; ``OffloadError`` when the key has no file."""
+        self._checked_key(key)
+        return self._submit(key, False, self._link_file, key, os.fspath(folder))
+
+    def _link_file(self, key: str, folder: str) -> tuple[str, int, int]:
+        with self._lock:
+            committed = key in self._sizes
+        if not committed:
+            raise OffloadError(f"the disk tier has no file for {key!r}: a snapshot needs every unit written once")
+        src = self._file(key)
+        name = os.path.basename(src)
+        dest = os.path.join(folder, name)
+        size = os.path.getsize(src)
+        try:
+            os.link(src, dest)
+            return name, size, 0
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+        shutil.copyfile(src, dest)   # another filesystem: the bytes must be copied
+        return name, 0, size
+
     def read_file(self, path: str | os.PathLike, key: str) -> dict[str, torch.Tensor]:
         """Read a file in this store's format from ``path`` (a snapshot's hard link to a file of
         ``key``), at once, through the page cache, with every check a read makes."""

@@ -110,6 +110,21 @@ class UpdateRunner:
                 futures[u.index].set_result(None)
         self._worker.submit(run)
 
+    def after_updates(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn()`` in the AdamW worker after every update queued so far and before any
+        queued later (a snapshot takes the step's state there without waiting for it). Raises
+        through the Future, without calling ``fn``, when one of those updates failed."""
+        queued = list(self._pending.values())
+
+        def run():
+            for f in queued:
+                err = f.exception() if f.done() else None
+                if err is not None:
+                    raise RuntimeError(f"an update of the step failed ({type(err).__name__}: {err}); "
+                                       "its state is not snapshotted") from err
+            return fn()
+        return self._worker.submit(run)
+
     # ------------------------------------------------------------------ one update
     def apply(self, unit: Unit, lr: float, grad: Optional[torch.Tensor] = None, *, zero: bool = False,
               grad_coef: Optional[float] = None, skip: bool = False, guard: Optional[finite.StepGuard] = None,

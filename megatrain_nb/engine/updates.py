@@ -22,6 +22,7 @@ A step, top to bottom:
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import List, Optional, Sequence
 
 import torch
@@ -175,6 +176,10 @@ class UpdateScheduler:
 
     def wait_all(self) -> None:
         self.runner.wait_all()
+
+    def after_updates(self, fn) -> Future:
+        """``fn()`` in the AdamW worker once the updates queued so far ran (UpdateRunner.after_updates)."""
+        return self.runner.after_updates(fn)
 
     def update_all(self, lr: float, grad_norm: Optional[float] = None) -> bool:
         return self.runner.update_all(lr, grad_norm)

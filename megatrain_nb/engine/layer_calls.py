@@ -1,0 +1,165 @@
+"""How the model's forward called a layer, recorded to call it again (engine/step.py).
+
+A :class:`LayerCall` keeps every argument of one layer call but the hidden state. Some models
+pass a layer more than masks and rotary tables: tensors computed from trainable weights before
+the layers (per-layer embeddings, the embedding output itself, a position bias). Hugging Face
+autograd sends those tensors' gradients back through the arguments into the pre-layer graph;
+so does the engine. The recorded call holds such a tensor detached (the step holds no graph),
+and remembers where it sits (its *path* in the arguments) and which tensor of the forward it
+was (its *key*: the layer and path where the model first passed that very tensor, so a tensor
+the model hands to every layer is one key). A layer's backward makes each of them a leaf and
+returns its gradient; the step sums the gradients per key and back-propagates them with the
+embedding's (the model's own forward run again, its layer calls recorded with their graph).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+Path = Tuple[Any, ...]
+
+
+def _tensors(obj, path: Path = ()):
+    """(path, tensor) of every tensor in nested tuples, lists and mappings."""
+    if torch.is_tensor(obj):
+        yield path, obj
+    elif isinstance(obj, (tuple, list)):
+        for i, x in enumerate(obj):
+            yield from _tensors(x, path + (i,))
+    elif isinstance(obj, Mapping):
+        for k, x in obj.items():
+            yield from _tensors(x, path + (k,))
+
+
+def _replaced(obj, path: Path, value):
+    """``obj`` with the item at ``path`` replaced by ``value`` (containers copied on the way)."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(obj, dict):
+        out = dict(obj)
+        out[head] = _replaced(obj[head], rest, value)
+        return out
+    items = list(obj)
+    items[head] = _replaced(items[head], rest, value)
+    if isinstance(obj, list):
+        return items
+    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)   # a namedtuple, a tuple
+
+
+def _at(obj, path: Path):
+    for p in path:
+        obj = obj[p]
+    return obj
+
+
+class GradKeys:
+    """One forward's keys of the layer arguments that need gradients: a tensor gets the key of
+    the first (layer, path) it was passed at. Holds the tensors until :meth:`close` (so their
+    ids are not reused while the forward runs)."""
+
+    def __init__(self):
+        self._by_id: Dict[int, Tuple[int, Path]] = {}
+        self._held: List[torch.Tensor] = []
+
+    def key(self, layer: int, path: Path, t: torch.Tensor) -> Tuple[int, Path]:
+        k = self._by_id.get(id(t))
+        if k is None:
+            k = self._by_id[id(t)] = (layer, path)
+            self._held.append(t)
+        return k
+
+    def close(self) -> None:
+        self._by_id.clear()
+        self._held.clear()
+
+
+@dataclass
+class LayerCall:
+    """How the model's forward called a layer (all but the hidden state), to call it again with
+    another hidden state. ``grad_paths``/``grad_keys``: where the arguments that need gradients
+    sit and their keys (:class:`GradKeys`); ``graph``: those tensors with their autograd graph
+    (only when recorded with ``keep_graph``: the embedding's backward)."""
+    args: tuple
+    kwargs: dict
+    positional: bool
+    grad_paths: List[Path] = field(default_factory=list)
+    grad_keys: List[Tuple[int, Path]] = field(default_factory=list)
+    graph: List[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def captured(cls, args, kwargs, layer: int = -1, keys: Optional[GradKeys] = None,
+                 keep_graph: bool = False) -> "LayerCall":
+        if args:   # the hidden state itself is not kept (with_hidden puts each one in)
+            call = cls((None,) + tuple(args[1:]), kwargs, True)
+        else:
+            call = cls(args, {k: v for k, v in kwargs.items() if k != "hidden_states"}, False)
+        if keys is None or not torch.is_grad_enabled():
+            return call
+        rest = (call.args, call.kwargs)
+        for path, t in list(_tensors(rest)):
+            if t.requires_grad:
+                call.grad_paths.append(path)
+                call.grad_keys.append(keys.key(layer, path, t))
+                if keep_graph:
+                    call.graph.append(t)
+                rest = _replaced(rest, path, t.detach())
+        call.args, call.kwargs = rest
+        return call
+
+    def check_no_writes(self, layer_name: str) -> None:
+        """Refuse a layer that stored a tensor with an autograd graph into one of its arguments
+        (state shared with other layers, e.g. shared key/value states): its gradient would not
+        reach this layer, as the layers run one at a time."""
+        for path, t in _tensors((self.args, self.kwargs)):
+            if t.grad_fn is not None:
+                raise NotImplementedError(
+                    f"{layer_name} stores tensors into an argument it shares with other layers (at {path[1:]}: "
+                    "state passed between layers, such as shared key/value states); layers that read another "
+                    "layer's state this way are not supported by the streaming engine yet.")
+
+    def with_hidden(self, h):
+        if self.positional:
+            return (h,) + self.args[1:], self.kwargs
+        kw = dict(self.kwargs)
+        kw["hidden_states"] = h
+        return self.args, kw
+
+    def with_leaves(self, h) -> Tuple[tuple, dict, List[torch.Tensor]]:
+        """(args, kwargs) with hidden state ``h`` and every argument that needs gradients a
+        fresh leaf (returned third, in ``grad_paths`` order)."""
+        rest = (self.args, self.kwargs)
+        leaves = []
+        for path in self.grad_paths:
+            leaf = _at(rest, path).detach().requires_grad_(True)
+            leaves.append(leaf)
+            rest = _replaced(rest, path, leaf)
+        a, kw = LayerCall(rest[0], rest[1], self.positional).with_hidden(h)
+        return a, kw, leaves
+
+
+def add_grads(sums: Dict[Tuple[int, Path], torch.Tensor], call: LayerCall, grads) -> None:
+    """Add a layer call's argument gradients (``grad_paths`` order) into ``sums`` by key."""
+    for key, g in zip(call.grad_keys, grads):
+        if g is not None:
+            sums[key] = g if key not in sums else sums[key] + g
+
+
+def graph_roots(calls: Dict[int, LayerCall], sums: Dict[Tuple[int, Path], torch.Tensor]):
+    """(tensors, gradients) to back-propagate into the pre-layer graph: each key's tensor (from
+    calls recorded with their graph) with its summed gradient."""
+    roots, grads, seen = [], [], set()
+    for call in calls.values():
+        for key, t in zip(call.grad_keys, call.graph):
+            if key in seen or key not in sums:
+                continue
+            seen.add(key)
+            roots.append(t)
+            grads.append(sums[key])
+    if len(seen) != len(sums):
+        raise RuntimeError("the model passed its layers different tensors needing gradients in two runs of its "
+                           f"forward ({sorted(set(sums) - seen)[:3]}); the engine cannot back-propagate them")
+    return roots, grads

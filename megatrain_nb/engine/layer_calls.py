@@ -22,16 +22,28 @@ import torch
 Path = Tuple[Any, ...]
 
 
-def _tensors(obj, path: Path = ()):
-    """(path, tensor) of every tensor in nested tuples, lists and mappings."""
-    if torch.is_tensor(obj):
+class NotRun:
+    """Stands for output ``item`` (after the hidden state) of layer ``layer`` in the capture and
+    replay passes, where the layers do not run. A later layer receiving it gets the real output
+    when it runs (a :class:`SideStreams` value)."""
+
+    def __init__(self, layer: int, item: int):
+        self.layer, self.item = layer, item
+
+    def __repr__(self):
+        return f"<output {self.item + 1} of layer {self.layer}, which did not run>"
+
+
+def _tensors(obj, path: Path = (), kind=torch.Tensor):
+    """(path, item) of every ``kind`` (tensors) in nested tuples, lists and mappings."""
+    if isinstance(obj, kind):
         yield path, obj
     elif isinstance(obj, (tuple, list)):
         for i, x in enumerate(obj):
-            yield from _tensors(x, path + (i,))
+            yield from _tensors(x, path + (i,), kind)
     elif isinstance(obj, Mapping):
         for k, x in obj.items():
-            yield from _tensors(x, path + (k,))
+            yield from _tensors(x, path + (k,), kind)
 
 
 def _replaced(obj, path: Path, value):
@@ -89,6 +101,7 @@ class LayerCall:
     grad_paths: List[Path] = field(default_factory=list)
     grad_keys: List[Tuple[int, Path]] = field(default_factory=list)
     graph: List[torch.Tensor] = field(default_factory=list)
+    links: List[Tuple[Path, int, int]] = field(default_factory=list)   # (path, layer, item) of NotRun args
 
     @classmethod
     def captured(cls, args, kwargs, layer: int = -1, keys: Optional[GradKeys] = None,
@@ -97,9 +110,10 @@ class LayerCall:
             call = cls((None,) + tuple(args[1:]), kwargs, True)
         else:
             call = cls(args, {k: v for k, v in kwargs.items() if k != "hidden_states"}, False)
+        rest = (call.args, call.kwargs)
+        call.links = [(path, x.layer, x.item) for path, x in _tensors(rest, kind=NotRun)]
         if keys is None or not torch.is_grad_enabled():
             return call
-        rest = (call.args, call.kwargs)
         for path, t in list(_tensors(rest)):
             if t.requires_grad:
                 call.grad_paths.append(path)
@@ -121,23 +135,31 @@ class LayerCall:
                     "state passed between layers, such as shared key/value states); layers that read another "
                     "layer's state this way are not supported by the streaming engine yet.")
 
-    def with_hidden(self, h):
+    def with_hidden(self, h, side: Optional[dict] = None):
+        """(args, kwargs) with hidden state ``h``; ``side``: the earlier layers' outputs (by
+        (layer, item)) that the call's :class:`NotRun` arguments stand for."""
+        args, kwargs = self.args, self.kwargs
+        if self.links:
+            rest = (args, kwargs)
+            for path, j, item in self.links:
+                rest = _replaced(rest, path, side[(j, item)])
+            args, kwargs = rest
         if self.positional:
-            return (h,) + self.args[1:], self.kwargs
-        kw = dict(self.kwargs)
+            return (h,) + args[1:], kwargs
+        kw = dict(kwargs)
         kw["hidden_states"] = h
-        return self.args, kw
+        return args, kw
 
-    def with_leaves(self, h) -> Tuple[tuple, dict, List[torch.Tensor]]:
-        """(args, kwargs) with hidden state ``h`` and every argument that needs gradients a
-        fresh leaf (returned third, in ``grad_paths`` order)."""
+    def with_leaves(self, h, side: Optional[dict] = None) -> Tuple[tuple, dict, List[torch.Tensor]]:
+        """:meth:`with_hidden`, and every argument that needs gradients a fresh leaf (returned
+        third, in ``grad_paths`` order)."""
         rest = (self.args, self.kwargs)
         leaves = []
         for path in self.grad_paths:
             leaf = _at(rest, path).detach().requires_grad_(True)
             leaves.append(leaf)
             rest = _replaced(rest, path, leaf)
-        a, kw = LayerCall(rest[0], rest[1], self.positional).with_hidden(h)
+        a, kw = LayerCall(rest[0], rest[1], self.positional, links=self.links).with_hidden(h, side)
         return a, kw, leaves
 
 
@@ -163,3 +185,47 @@ def graph_roots(calls: Dict[int, LayerCall], sums: Dict[Tuple[int, Path], torch.
         raise RuntimeError("the model passed its layers different tensors needing gradients in two runs of its "
                            f"forward ({sorted(set(sums) - seen)[:3]}); the engine cannot back-propagate them")
     return roots, grads
+
+
+class SideStreams:
+    """The outputs of layers besides the hidden state that the model passes to later layers
+    (``prev_topk_indices``: one layer's selected key indices reused by the next), in one
+    layer-major group: per micro-batch the values alive now (``live``), and at each block start
+    of the forward the values the block's layers take from before it, for its backward. Only
+    non-float values (indices, masks): a float one would carry gradients between layers."""
+
+    def __init__(self, calls: List[Dict[int, "LayerCall"]]):
+        self.last_use: Dict[Tuple[int, int], int] = {}
+        for i, call in (calls[0].items() if calls else ()):
+            for _, j, item in call.links:
+                self.last_use[(j, item)] = max(i, self.last_use.get((j, item), -1))
+        self.live: List[dict] = [{} for _ in calls]
+        self._saved: Dict[Tuple[int, int], dict] = {}
+
+    def learn(self, layer: int, out, live: dict, name: str) -> None:
+        """Keep the items of ``layer``'s output that later layers take."""
+        if not self.last_use or not isinstance(out, (tuple, list)):
+            return
+        for item, v in enumerate(out[1:]):
+            if (layer, item) not in self.last_use:
+                continue
+            if torch.is_tensor(v) and v.is_floating_point():
+                raise NotImplementedError(
+                    f"{name} passes a floating-point output besides the hidden states to a later layer (a second "
+                    "stream of activations, with gradients, between layers); this family is not supported by the "
+                    "streaming engine yet.")
+            live[(layer, item)] = v
+
+    def block_start(self, b: int, a: int) -> None:
+        """The forward reaches the block starting at layer ``b``: keep what its layers take from before ``b``;
+        drop what no layer from ``b`` on takes."""
+        live = self.live[a]
+        for key in [k for k, last in self.last_use.items() if last < b and k in live]:
+            del live[key]
+        if self.last_use:
+            self._saved[(b, a)] = {k: v for k, v in live.items() if k[0] < b and self.last_use[k] >= b}
+
+    def block_backward(self, b: int, a: int) -> dict:
+        """The values block ``b``'s backward starts from (its recompute adds the rest)."""
+        self.live[a] = self._saved.pop((b, a), {})
+        return self.live[a]

@@ -45,23 +45,12 @@ import torch.nn.functional as F
 from . import finite
 from .discovery import locate
 from .inputs import model_inputs
-from .layer_calls import GradKeys, LayerCall, add_grads, graph_roots
+from .layer_calls import GradKeys, LayerCall, NotRun, SideStreams, add_grads, graph_roots
 from .proxies import HiddenStatesStub, bind, output_template, swapped_submodule, template_of, unbind
 from .units import Unit, forward_order
 from .planner import WindowPlan
 from .updates import StepContext
 from .window import BoundaryStore
-
-
-class _NotRun:
-    """Stands for a layer's outputs besides the hidden state in the capture and replay passes
-    (the layers do not run there); a layer receiving one is refused."""
-
-    def __repr__(self):
-        return "<output of a layer that did not run>"
-
-
-NOT_RUN = _NotRun()
 
 
 def _first(out):
@@ -118,6 +107,7 @@ class StepRunner:
         self._out_template: Dict[int, tuple] = {}   # per layer: proxies.template_of its output
         self._guessed: set = set()   # layers whose output shape _out guessed in this pass
         self._arg_grads: Optional[bool] = None   # whether layer arguments need gradients (None: not known yet)
+        self._streams = SideStreams([])   # this group's layer outputs that later layers take
         self._straight = False     # this group's sums go straight to their updates (unclipped)
         self._saved_bytes = 0      # activations held across the step (boundary, fronts, kept graphs)
         self._front_bytes = 0
@@ -178,7 +168,7 @@ class StepRunner:
     def _out(self, h, unit: Unit, args=(), kwargs=None):
         """``h`` shaped as ``unit``'s layer returns its output (capture and replay, where the
         layers do not run): a bare tensor, or a tuple whose first item is the hidden state and
-        whose others are None where the layer returns None and :data:`NOT_RUN` where it returns
+        whose others are None where the layer returns None and a :class:`.NotRun` where it returns
         something (learned from a real call or a fake-tensor probe)."""
         t = self._out_template.get(unit.layer_index)
         if t is None:
@@ -191,7 +181,9 @@ class StepRunner:
         if t is None:
             return (h,) if self._tuple_out else h
         is_tuple, extras = t
-        return (h,) + tuple(NOT_RUN if x else None for x in extras) if is_tuple else h
+        if not is_tuple:
+            return h
+        return (h,) + tuple(NotRun(unit.layer_index, j) if x else None for j, x in enumerate(extras))
 
     def _learn_output(self, unit: Unit, out) -> None:
         self._tuple_out = isinstance(out, (tuple, list))
@@ -206,11 +198,6 @@ class StepRunner:
         keys = GradKeys()
 
         def capture(unit, args, kwargs):
-            if any(v is NOT_RUN for v in list(kwargs.values()) + list(args[1:])):
-                raise NotImplementedError(
-                    f"{type(unit.module).__name__} receives another output of the layer before it besides the "
-                    "hidden states (a second stream between layers); this family is not supported by the "
-                    "streaming engine yet.")
             if unit.layer_index in calls:
                 raise NotImplementedError(
                     f"{type(self.model).__name__} calls its layer {unit.layer_index} more than once in one "
@@ -256,17 +243,22 @@ class StepRunner:
         finally:
             self._mode = None
 
-    def _call_layer(self, unit: Unit, call: LayerCall, hidden, leaves: Optional[List[torch.Tensor]] = None):
+    def _call_layer(self, unit: Unit, call: LayerCall, hidden, leaves: Optional[List[torch.Tensor]] = None,
+                    side: Optional[dict] = None):
         """The layer's output hidden state; ``leaves``: a list to receive the leaves made of the
-        call's arguments that need gradients (:meth:`.LayerCall.with_leaves`)."""
+        call's arguments that need gradients (:meth:`.LayerCall.with_leaves`); ``side``: the
+        micro-batch's :class:`.SideStreams` values (taken from and added to)."""
         if leaves is None:
-            a, kw = call.with_hidden(hidden)
+            a, kw = call.with_hidden(hidden, side)
         else:
-            a, kw, made = call.with_leaves(hidden)
+            a, kw, made = call.with_leaves(hidden, side)
             leaves.extend(made)
         out = unit.module(*a, **kw)
+        name = type(unit.module).__name__
         if leaves is not None:
-            call.check_no_writes(type(unit.module).__name__)
+            call.check_no_writes(name)
+        if side is not None:
+            self._streams.learn(unit.layer_index, out, side, name)
         self._learn_output(unit, out)
         return _first(out)
 
@@ -329,6 +321,7 @@ class StepRunner:
                 with torch.set_grad_enabled(self._arg_grads is not False):
                     hs.append(self._capture(ids, am, calls[a]).detach())
             self._arg_grads = any(c.grad_paths for d in calls for c in d.values())
+            self._streams = SideStreams(calls)
             self._front_bytes = sum(_nbytes(h) for h in hs)
             self._note()
 
@@ -431,7 +424,7 @@ class StepRunner:
                             rng[a][i] = self._rng_state()
                         leaves: List[torch.Tensor] = []
                         with torch.enable_grad(), self._count_saved(accumulate=True):
-                            h = self._call_layer(unit, calls[a][i], x, leaves)
+                            h = self._call_layer(unit, calls[a][i], x, leaves, self._streams.live[a])
                         kept[(i, a)] = (x, leaves, h)
                         hs[a] = h.detach()
                 finally:
@@ -443,10 +436,11 @@ class StepRunner:
                 for a in range(len(hs)):
                     if i % k == 0:
                         self.boundary.put((i, a), hs[a])
+                        self._streams.block_start(i, a)
                     if self.model.training:
                         rng[a][i] = self._rng_state()
                     with torch.no_grad():
-                        hs[a] = self._call_layer(unit, calls[a][i], hs[a])
+                        hs[a] = self._call_layer(unit, calls[a][i], hs[a], side=self._streams.live[a])
                 self._note()
             finally:
                 unbind(unit, self.placeholders)
@@ -476,6 +470,7 @@ class StepRunner:
         for b in reversed(range(0, n, k)):
             end = min(b + k, n)
             inputs = [{b: self.boundary.pop((b, a))} for a in range(A)]
+            side = [self._streams.block_backward(b, a) for a in range(A)]
             block = sum(_nbytes(d[b]) for d in inputs)
             for i in range(b, end - 1):   # recompute the block's inner inputs
                 unit = layers[i]
@@ -484,7 +479,7 @@ class StepRunner:
                 try:
                     for a in range(A):
                         with self._restored_rng(rng[a].get(i)), torch.no_grad():
-                            inputs[a][i + 1] = self._call_layer(unit, calls[a][i], inputs[a][i])
+                            inputs[a][i + 1] = self._call_layer(unit, calls[a][i], inputs[a][i], side=side[a])
                         block += _nbytes(inputs[a][i + 1])
                     self._note(block)
                 finally:
@@ -501,7 +496,7 @@ class StepRunner:
                         x = inputs[a].pop(i).detach().requires_grad_(True)
                         leaves: List[torch.Tensor] = []
                         with self._restored_rng(rng[a].get(i)), torch.enable_grad(), self._count_saved():
-                            h = self._call_layer(unit, calls[a][i], x, leaves)
+                            h = self._call_layer(unit, calls[a][i], x, leaves, side[a])
                         gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a], leaves, calls[a][i],
                                                   arg_grads[a])
                         del x, h, leaves

@@ -187,12 +187,24 @@ def graph_roots(calls: Dict[int, LayerCall], sums: Dict[Tuple[int, Path], torch.
     return roots, grads
 
 
+@dataclass
+class GradRecord:
+    """What one layer call with gradients made besides its output hidden state: the leaves of
+    its arguments that need gradients (``grad_paths`` order), the leaves of the float
+    :class:`SideStreams` values it took and its own side outputs later layers take (each as
+    ((layer, item), tensor))."""
+    leaves: List[torch.Tensor] = field(default_factory=list)
+    side_in: List[Tuple[Tuple[int, int], torch.Tensor]] = field(default_factory=list)
+    side_out: List[Tuple[Tuple[int, int], torch.Tensor]] = field(default_factory=list)
+
+
 class SideStreams:
     """The outputs of layers besides the hidden state that the model passes to later layers
-    (``prev_topk_indices``: one layer's selected key indices reused by the next), in one
-    layer-major group: per micro-batch the values alive now (``live``), and at each block start
-    of the forward the values the block's layers take from before it, for its backward. Only
-    non-float values (indices, masks): a float one would carry gradients between layers."""
+    (``prev_topk_indices``: one layer's selected key indices reused by the next; a router's
+    states carried to the next layer's router), in one layer-major group: per micro-batch the
+    values alive now (``live``, detached), at each block start of the forward the values the
+    block's layers take from before it, for its backward, and the gradients that later layers'
+    backward sent to float values (``grads``), taken by the backward of the layer that made them."""
 
     def __init__(self, calls: List[Dict[int, "LayerCall"]]):
         self.last_use: Dict[Tuple[int, int], int] = {}
@@ -200,21 +212,36 @@ class SideStreams:
             for _, j, item in call.links:
                 self.last_use[(j, item)] = max(i, self.last_use.get((j, item), -1))
         self.live: List[dict] = [{} for _ in calls]
+        self.grads: List[dict] = [{} for _ in calls]
         self._saved: Dict[Tuple[int, int], dict] = {}
 
-    def learn(self, layer: int, out, live: dict, name: str) -> None:
-        """Keep the items of ``layer``'s output that later layers take."""
+    def learn(self, layer: int, out, live: dict, rec: Optional[GradRecord]) -> None:
+        """Keep the items of ``layer``'s output that later layers take (detached; with ``rec``
+        also as they are, with their graph, for this layer's backward)."""
         if not self.last_use or not isinstance(out, (tuple, list)):
             return
         for item, v in enumerate(out[1:]):
             if (layer, item) not in self.last_use:
                 continue
-            if torch.is_tensor(v) and v.is_floating_point():
-                raise NotImplementedError(
-                    f"{name} passes a floating-point output besides the hidden states to a later layer (a second "
-                    "stream of activations, with gradients, between layers); this family is not supported by the "
-                    "streaming engine yet.")
-            live[(layer, item)] = v
+            live[(layer, item)] = v.detach() if torch.is_tensor(v) else v
+            if rec is not None and torch.is_tensor(v) and v.requires_grad:
+                rec.side_out.append(((layer, item), v))
+
+    def leaves(self, call: "LayerCall", live: dict, rec: GradRecord) -> dict:
+        """``live`` with the float values ``call`` takes made leaves (into ``rec.side_in``)."""
+        out = dict(live)
+        for _, j, item in call.links:
+            v = live.get((j, item))
+            if torch.is_tensor(v) and v.is_floating_point() and all(k != (j, item) for k, _ in rec.side_in):
+                leaf = v.detach().requires_grad_(True)
+                rec.side_in.append(((j, item), leaf))
+                out[(j, item)] = leaf
+        return out
+
+    def add_grad(self, a: int, key: Tuple[int, int], g: Optional[torch.Tensor]) -> None:
+        if g is not None:
+            d = self.grads[a]
+            d[key] = g if key not in d else d[key] + g
 
     def block_start(self, b: int, a: int) -> None:
         """The forward reaches the block starting at layer ``b``: keep what its layers take from before ``b``;

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from . import finite
 from .discovery import locate
 from .inputs import model_inputs
-from .layer_calls import GradKeys, LayerCall, NotRun, SideStreams, add_grads, graph_roots
+from .layer_calls import GradKeys, GradRecord, LayerCall, NotRun, SideStreams, add_grads, graph_roots
 from .proxies import HiddenStatesStub, bind, output_template, swapped_submodule, template_of, unbind
 from .units import Unit, forward_order
 from .planner import WindowPlan
@@ -243,22 +243,23 @@ class StepRunner:
         finally:
             self._mode = None
 
-    def _call_layer(self, unit: Unit, call: LayerCall, hidden, leaves: Optional[List[torch.Tensor]] = None,
+    def _call_layer(self, unit: Unit, call: LayerCall, hidden, rec: Optional[GradRecord] = None,
                     side: Optional[dict] = None):
-        """The layer's output hidden state; ``leaves``: a list to receive the leaves made of the
-        call's arguments that need gradients (:meth:`.LayerCall.with_leaves`); ``side``: the
-        micro-batch's :class:`.SideStreams` values (taken from and added to)."""
-        if leaves is None:
+        """The layer's output hidden state; ``rec``: (a call with gradients) receives the leaves
+        made of the call's arguments that need gradients (:meth:`.LayerCall.with_leaves`) and
+        its side values; ``side``: the micro-batch's :class:`.SideStreams` values (taken from
+        and added to)."""
+        if rec is None:
             a, kw = call.with_hidden(hidden, side)
         else:
-            a, kw, made = call.with_leaves(hidden, side)
-            leaves.extend(made)
+            taken = self._streams.leaves(call, side, rec) if side is not None else None
+            a, kw, made = call.with_leaves(hidden, taken)
+            rec.leaves.extend(made)
         out = unit.module(*a, **kw)
-        name = type(unit.module).__name__
-        if leaves is not None:
-            call.check_no_writes(name)
+        if rec is not None:
+            call.check_no_writes(type(unit.module).__name__)
         if side is not None:
-            self._streams.learn(unit.layer_index, out, side, name)
+            self._streams.learn(unit.layer_index, out, side, rec)
         self._learn_output(unit, out)
         return _first(out)
 
@@ -422,10 +423,10 @@ class StepRunner:
                         x = hs[a].detach().requires_grad_(True)
                         if self.model.training:
                             rng[a][i] = self._rng_state()
-                        leaves: List[torch.Tensor] = []
+                        rec = GradRecord()
                         with torch.enable_grad(), self._count_saved(accumulate=True):
-                            h = self._call_layer(unit, calls[a][i], x, leaves, self._streams.live[a])
-                        kept[(i, a)] = (x, leaves, h)
+                            h = self._call_layer(unit, calls[a][i], x, rec, self._streams.live[a])
+                        kept[(i, a)] = (x, rec, h)
                         hs[a] = h.detach()
                 finally:
                     unbind(unit, self.placeholders)
@@ -459,9 +460,9 @@ class StepRunner:
                 acc = self._sum(unit.numel)
                 direct = self._grads_into(acc, unit, params)
                 for a in range(A):
-                    x, leaves, h = kept.pop((i, a))
-                    gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a], leaves, calls[a][i], arg_grads[a])
-                    del x, leaves, h
+                    x, rec, h = kept.pop((i, a))
+                    gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a], rec, calls[a][i], a, arg_grads)
+                    del x, rec, h
                 for p in params:
                     p.grad = None
                 self._return(unit, acc)
@@ -494,12 +495,12 @@ class StepRunner:
                 try:
                     for a in range(A):
                         x = inputs[a].pop(i).detach().requires_grad_(True)
-                        leaves: List[torch.Tensor] = []
+                        rec = GradRecord()
                         with self._restored_rng(rng[a].get(i)), torch.enable_grad(), self._count_saved():
-                            h = self._call_layer(unit, calls[a][i], x, leaves, side[a])
-                        gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a], leaves, calls[a][i],
-                                                  arg_grads[a])
-                        del x, h, leaves
+                            h = self._call_layer(unit, calls[a][i], x, rec, side[a])
+                        gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a], rec, calls[a][i], a,
+                                                  arg_grads)
+                        del x, h, rec
                 finally:
                     unbind(unit, self.placeholders)
                     for p in params:
@@ -567,22 +568,33 @@ class StepRunner:
         return True
 
     def _layer_grads(self, acc: torch.Tensor, unit: Unit, params: List[torch.Tensor], direct: bool,
-                     x: torch.Tensor, h: torch.Tensor, g: torch.Tensor, leaves: List[torch.Tensor],
-                     call: LayerCall, arg_grads: dict) -> torch.Tensor:
-        """Back-propagate ``g`` through one layer call (input ``x``, the call's argument
-        ``leaves``, output ``h``): the parameters' gradients are added into ``acc`` (``direct``:
-        by autograd itself, see :meth:`_grads_into`), the leaves' into ``arg_grads`` by key;
-        returns the input's gradient."""
-        n = 1 + len(leaves)
+                     x: torch.Tensor, h: torch.Tensor, g: torch.Tensor, rec: GradRecord,
+                     call: LayerCall, a: int, arg_grads: List[dict]) -> torch.Tensor:
+        """Back-propagate ``g`` (and the gradients later layers sent to its side outputs)
+        through one layer call of micro-batch ``a`` (input ``x``, output ``h``, ``rec``): the
+        parameters' gradients are added into ``acc`` (``direct``: by autograd itself, see
+        :meth:`_grads_into`), its argument leaves' into ``arg_grads[a]`` by key, its side
+        inputs' into the :class:`.SideStreams`; returns the input's gradient."""
+        outs, gouts = [h], [g]
+        for key, t in rec.side_out:
+            gt = self._streams.grads[a].pop(key, None)
+            if gt is not None:
+                outs.append(t)
+                gouts.append(gt)
+        ins = [x] + rec.leaves + [t for _, t in rec.side_in]
         if direct:
-            torch.autograd.backward(h, g, inputs=[x] + leaves + params)
-            gx, gl = x.grad, [t.grad for t in leaves]
+            torch.autograd.backward(outs, gouts, inputs=ins + params)
+            gin = [t.grad for t in ins]
         else:
-            grads = torch.autograd.grad(h, [x] + leaves + params, g, allow_unused=True)
-            self._add(acc, unit, grads[n:])
-            gx, gl = grads[0], list(grads[1:n])
+            grads = torch.autograd.grad(outs, ins + params, gouts, allow_unused=True)
+            self._add(acc, unit, grads[len(ins):])
+            gin = list(grads[:len(ins)])
             del grads
-        add_grads(arg_grads, call, gl)
+        n = 1 + len(rec.leaves)
+        add_grads(arg_grads[a], call, gin[1:n])
+        for (key, _), gt in zip(rec.side_in, gin[n:]):
+            self._streams.add_grad(a, key, gt)
+        gx = gin[0]
         return gx if gx is not None else torch.zeros_like(x)
 
     def _fold_outer(self, acc: Optional[torch.Tensor], unit: Unit, bound: List[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -30,7 +30,7 @@ WINDOW = 4
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed", "word_embed_proj_dim",
               "attention_hidden_size", "lru_width", "emb_dim", "embedding_dim", "embedding_size",
               "input_embedding_size", "output_embedding_size", "backbone_hidden_size", "hidden_dim",
-              "hidden_size_global", "adapter_in_dim", "adapter_out_dim")
+              "hidden_size_global", "adapter_in_dim", "adapter_out_dim", "adapter_input_size")
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
              "encoder_attention_heads", "attention_heads", "swa_num_attention_heads", "index_n_heads",
              "linear_num_value_heads", "linear_num_heads", "num_decoder_attention_heads",

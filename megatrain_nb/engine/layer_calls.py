@@ -46,17 +46,17 @@ def _tensors(obj, path: Path = (), kind=torch.Tensor):
             yield from _tensors(x, path + (k,), kind)
 
 
-def _replaced(obj, path: Path, value):
+def replaced(obj, path: Path, value):
     """``obj`` with the item at ``path`` replaced by ``value`` (containers copied on the way)."""
     if not path:
         return value
     head, rest = path[0], path[1:]
     if isinstance(obj, dict):
         out = dict(obj)
-        out[head] = _replaced(obj[head], rest, value)
+        out[head] = replaced(obj[head], rest, value)
         return out
     items = list(obj)
-    items[head] = _replaced(items[head], rest, value)
+    items[head] = replaced(items[head], rest, value)
     if isinstance(obj, list):
         return items
     return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)   # a namedtuple, a tuple
@@ -120,20 +120,9 @@ class LayerCall:
                 call.grad_keys.append(keys.key(layer, path, t))
                 if keep_graph:
                     call.graph.append(t)
-                rest = _replaced(rest, path, t.detach())
+                rest = replaced(rest, path, t.detach())
         call.args, call.kwargs = rest
         return call
-
-    def check_no_writes(self, layer_name: str) -> None:
-        """Refuse a layer that stored a tensor with an autograd graph into one of its arguments
-        (state shared with other layers, e.g. shared key/value states): its gradient would not
-        reach this layer, as the layers run one at a time."""
-        for path, t in _tensors((self.args, self.kwargs)):
-            if t.grad_fn is not None:
-                raise NotImplementedError(
-                    f"{layer_name} stores tensors into an argument it shares with other layers (at {path[1:]}: "
-                    "state passed between layers, such as shared key/value states); layers that read another "
-                    "layer's state this way are not supported by the streaming engine yet.")
 
     def with_hidden(self, h, side: Optional[dict] = None):
         """(args, kwargs) with hidden state ``h``; ``side``: the earlier layers' outputs (by
@@ -142,7 +131,7 @@ class LayerCall:
         if self.links:
             rest = (args, kwargs)
             for path, j, item in self.links:
-                rest = _replaced(rest, path, side[(j, item)])
+                rest = replaced(rest, path, side[(j, item)])
             args, kwargs = rest
         if self.positional:
             return (h,) + args[1:], kwargs
@@ -158,7 +147,7 @@ class LayerCall:
         for path in self.grad_paths:
             leaf = _at(rest, path).detach().requires_grad_(True)
             leaves.append(leaf)
-            rest = _replaced(rest, path, leaf)
+            rest = replaced(rest, path, leaf)
         a, kw = LayerCall(rest[0], rest[1], self.positional, links=self.links).with_hidden(h, side)
         return a, kw, leaves
 

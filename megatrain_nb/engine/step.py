@@ -46,6 +46,7 @@ from . import finite
 from .discovery import locate
 from .inputs import model_inputs
 from .layer_calls import GradKeys, GradRecord, LayerCall, NotRun, SideStreams, add_grads, graph_roots
+from .layer_state import SharedState
 from .proxies import HiddenStatesStub, bind, output_template, swapped_submodule, template_of, unbind
 from .units import Unit, forward_order
 from .planner import WindowPlan
@@ -108,6 +109,7 @@ class StepRunner:
         self._guessed: set = set()   # layers whose output shape _out guessed in this pass
         self._arg_grads: Optional[bool] = None   # whether layer arguments need gradients (None: not known yet)
         self._streams = SideStreams([])   # this group's layer outputs that later layers take
+        self._state = SharedState()       # ... and state its layers store in shared arguments
         self._straight = False     # this group's sums go straight to their updates (unclipped)
         self._saved_bytes = 0      # activations held across the step (boundary, fronts, kept graphs)
         self._front_bytes = 0
@@ -262,9 +264,10 @@ class StepRunner:
             taken = self._streams.leaves(call, side, rec) if side is not None else None
             a, kw, made = call.with_leaves(hidden, taken)
             rec.leaves.extend(made)
+        state = self._state.before(call, rec) if side is not None else None
         out = unit.module(*a, **kw)
-        if rec is not None:
-            call.check_no_writes(type(unit.module).__name__)
+        if state is not None:
+            self._state.after(call, rec, state)
         if side is not None:
             self._streams.learn(unit.layer_index, out, side, rec)
         self._learn_output(unit, out)
@@ -329,7 +332,7 @@ class StepRunner:
                 with torch.set_grad_enabled(self._arg_grads is not False):
                     hs.append(self._capture(ids, am, calls[a]).detach())
             self._arg_grads = any(c.grad_paths for d in calls for c in d.values())
-            self._streams = SideStreams(calls)
+            self._streams, self._state = SideStreams(calls), SharedState()
             self._front_bytes = sum(_nbytes(h) for h in hs)
             self._note()
 

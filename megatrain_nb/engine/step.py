@@ -203,10 +203,10 @@ class StepRunner:
         def capture(unit, args, kwargs):
             if grad_on and not torch.is_grad_enabled():
                 raise NotImplementedError(
-                    f"{type(self.model).__name__} calls its layers with gradients off (inside a custom autograd "
-                    "function, such as reversible residual layers whose backward recomputes activations by "
-                    "inverting the layers); the streaming engine forms each layer's gradient itself, so this "
-                    "family is not supported.")
+                    f"{type(self.model).__name__} calls its layers with gradients off in a training forward "
+                    "(under torch.no_grad, as iterations that take no gradient, or inside a custom autograd function, "
+                    "as reversible layers whose backward inverts them); the streaming engine forms each layer's "
+                    "gradient itself, so this family is not supported.")
             if unit.layer_index in calls:
                 raise NotImplementedError(
                     f"{type(self.model).__name__} calls its layer {unit.layer_index} more than once in one "

@@ -94,8 +94,11 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     _move_buffers(model, units[1:-1], device)
     model.config.use_cache = False
     adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
+    # (on CPU, MEGATRAIN_ADVERSARIAL_TRANSPORT=1 makes it the tests' adversarial one)
+    transport = make_transport(device, sharded=sharded)
     updates = UpdateScheduler(state_units, grads=store, weights=weights, states=states, adam=adam, counters=counters,
-                              disk=disk, depth=depth, sharded=sharded, policy=config.on_nonfinite)
+                              disk=disk, depth=depth, sharded=sharded, policy=config.on_nonfinite,
+                              staged=transport.stages)
     source_fn, source_done, plan_reads = updates.ready_weights, weights.transfer_done, updates.plan_reads
     grad_sink = updates.gradient_arrived
     if sharded is not None:   # the pager sees whole units; the stores hold shards
@@ -104,8 +107,6 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
         source_done = lambda u, t: weights.transfer_done(shard(u), t)                  # noqa: E731
         plan_reads = lambda order, step: updates.plan_reads([shard(u) for u in order], step)  # noqa: E731
         grad_sink = lambda u, g: updates.gradient_arrived(shard(u), g)                 # noqa: E731
-    # (on CPU, MEGATRAIN_ADVERSARIAL_TRANSPORT=1 makes it the tests' adversarial one)
-    transport = make_transport(device, sharded=sharded)
     pager = Pager(units, device=device, dtype=config.compute_dtype, layer_slots=plan.layer_slots, source=source_fn,
                   source_done=source_done, transport=transport, telemetry=counters, grad_sink=grad_sink,
                   max_grads_in_flight=depth)

@@ -316,12 +316,7 @@ class OptimizerStates:
         if self.disk is not None:
             fut, _ = self._write(unit, out, adopt=True)   # the written codes are the cache's, if kept
             self._writes.append(fut)
-        else:
-            self.ram[unit.index] = out
-        with self._lock:
-            self._updating.discard(unit.index)
-        if self.disk is not None:
-            self._read_ahead()   # reads skipped while it was being updated now follow its write
+        self._stored(unit, out)
 
     def _bound_writes(self, unit: Unit) -> None:
         """At most ``writes_behind`` state writes pending (their codes are RAM) when an update
@@ -454,13 +449,18 @@ class OptimizerStates:
             else:                    # decoded scratch: the codes are written, the moments are free
                 self.pool.give(m, v)
             self._on_disk.add(unit.index)
-        else:
+        self._stored(unit, stored)
+        return fut
+
+    def _stored(self, unit: Unit, stored: Dict[str, torch.Tensor]) -> None:
+        """A unit's update stored its states (``stored``: kept as they are in RAM without a disk
+        tier, else its write is issued): reads of it may go ahead again."""
+        if self.disk is None:
             self.ram[unit.index] = stored
         with self._lock:
             self._updating.discard(unit.index)
         if self.disk is not None:
             self._read_ahead()   # reads skipped while it was being updated now follow its write
-        return fut
 
     def wait_encodes(self) -> None:
         """Every update's encode done and its write issued (the codec thread); raises the first

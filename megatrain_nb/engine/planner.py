@@ -97,9 +97,11 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       a clipping norm is waited for (the hold's disk writes; on CUDA one more: a held gradient
       is copied out of its staging buffer into a pool buffer);
     * compressed optimizer states, updated in chunks (``states.OptimizerStates.update``): the
-      fp32 moments of ``RING`` chunks (at most the largest unit's size, ``states.update_chunk``) and the codes of the unit being updated (encoded back in
-      place when read from the disk tier; a new set in RAM), and on the disk tier the codes
-      read ahead (``states.min_reads_ahead``) and written behind (``states.writes_pending``);
+      fp32 moments of ``RING`` chunks (at most the largest unit's size, ``states.update_chunk``);
+      on the disk tier the codes of those chunks only, read from the unit's file and written to
+      its new version range by range (``states.OptimizerStates.ranged_io``,
+      ``disk_store.DiskStore.ranged``: nothing read ahead nor written behind); in RAM a new
+      set of the unit's codes;
       fp32 states on the disk tier are read into and written from whole-unit buffers (the unit
       being updated, reads ahead, writes behind); fp32 states in RAM are updated in place.
     (Without a host cache of the disk tier: the estimate's least host RAM.)
@@ -125,10 +127,12 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
         if states_on_disk:
             out += (1 + min_reads_ahead(8 * u) + writes_pending(8 * u, False)) * 8 * u
     else:
-        stored = int(u * codec_bytes_per_param(compression))
-        out += RING * 8 * update_chunk(compression, chunk_numel, u) + stored
-        if states_on_disk:
-            out += (min_reads_ahead(stored) + writes_pending(stored, True)) * stored
+        chunk = update_chunk(compression, chunk_numel, u)
+        out += RING * 8 * chunk   # the fp32 moments of the ring's chunks
+        if states_on_disk and chunk:   # codes read and written range by range (states.ranged_io)
+            out += RING * int(chunk * codec_bytes_per_param(compression))
+        else:   # a new set of codes in RAM
+            out += int(u * codec_bytes_per_param(compression))
     return out
 
 

@@ -82,6 +82,7 @@ class OptimizerStates:
         self.chunk_numel = update_chunk(self.codec_name, chunk_numel, max((u.numel for u in units), default=0))
         self.chunked = self.chunk_numel > 0
         self._ring = None   # RING x (m, v) chunk buffers, made on the first chunked update
+        self._ring_code_bufs = None   # RING chunks' codes read from the disk tier (ranged_io)
         self.ram: Dict[int, Dict[str, object]] = {}
         self.disk = disk  # shared with the engine, which closes it
         self._reads: Dict[int, Future] = {}
@@ -180,8 +181,8 @@ class OptimizerStates:
         unit is being updated: the read would be issued before the update's write and return
         the old moments (the next step's schedule can come while the last update runs);
         :meth:`store` reads ahead again once the write is issued."""
-        if self.disk is None or unit.index not in self._on_disk:
-            return
+        if self.disk is None or unit.index not in self._on_disk or self.ranged_io():
+            return   # (ranged I/O: each chunk's codes are read by its update)
         with self._lock:
             if unit.index not in self._reads and unit.index not in self._updating and unit.index not in self._decoded:
                 self._reads[unit.index] = self._read(unit)  # bounded here: read_ahead_bytes
@@ -300,6 +301,9 @@ class OptimizerStates:
         with self._lock:
             self._updating.add(unit.index)   # until stored: no read of it ahead of the write
         self._advance(unit)
+        if self.ranged_io():
+            self._update_ranged(unit, apply)
+            return
         stored = self._stored_for_update(unit)
         if apply is None:
             out = None if stored is None else {k: t.clone() for k, t in stored.items()}
@@ -317,6 +321,38 @@ class OptimizerStates:
             fut, _ = self._write(unit, out, adopt=True)   # the written codes are the cache's, if kept
             self._writes.append(fut)
         self._stored(unit, out)
+
+    def ranged_io(self) -> bool:
+        """Whether chunked updates read and write the codes straight from and to their file on
+        the disk tier, range by range (``DiskStore.ranged``): the disk tier without a host cache
+        (whose resident copies are whole units). No codes are then read ahead or written behind."""
+        return self.chunked and self.disk is not None and not self._cached() and hasattr(self.disk, "ranged")
+
+    def _update_ranged(self, unit: Unit, apply) -> None:
+        """A chunked update from the unit's file to its new version, chunk by chunk: each
+        chunk's codes are read (``mtnb-decode``), decoded, updated, encoded and written
+        (``mtnb-encode``); only the ring's chunks are in RAM. A skipped step leaves the file."""
+        if apply is not None:
+            old = unit.index in self._on_disk
+            rw = self.disk.ranged(self._key(unit), self._code_specs(unit.numel), read_old=old)
+            try:
+                self._run_chunks(unit, rw if old else None, rw, apply)
+                rw.commit()
+            except BaseException as e:
+                rw.abort(e)
+                raise
+            self._on_disk.add(unit.index)
+        self._stored(unit, None)
+
+    def _code_specs(self, numel: int) -> Dict[str, tuple]:
+        """name -> (dtype, shape) of the stored codes and scales of ``numel`` elements."""
+        out = {}
+        for role in _ROLES:
+            c = self.codecs[role]
+            nblocks = -(-numel // c.block)
+            out[f"{role}.codes"] = (c.code_dtype, (nblocks * c.block // c.codes_per_byte,))
+            out[f"{role}.scales"] = (torch.float32, (nblocks,))
+        return out
 
     def _bound_writes(self, unit: Unit) -> None:
         """At most ``writes_behind`` state writes pending (their codes are RAM) when an update
@@ -345,20 +381,30 @@ class OptimizerStates:
         return self.ram.get(unit.index)
 
     def _new_codes(self, unit: Unit) -> Dict[str, torch.Tensor]:
-        out = {}
-        for role in _ROLES:
-            c = self.codecs[role]
-            nblocks = -(-unit.numel // c.block)
-            out[f"{role}.codes"] = torch.empty(nblocks * c.block // c.codes_per_byte, dtype=c.code_dtype)
-            out[f"{role}.scales"] = torch.empty(nblocks, dtype=torch.float32)
-        return out
+        return {k: torch.empty(shape, dtype=dtype) for k, (dtype, shape) in self._code_specs(unit.numel).items()}
 
-    def _slice(self, role: str, codes: Dict[str, torch.Tensor], a: int, b: int) -> Dict[str, torch.Tensor]:
-        """The codes and scales of elements ``[a, b)`` (``a`` on a block boundary)."""
+    def _ranges(self, role: str, a: int, b: int) -> Dict[str, Tuple[int, int]]:
+        """Where the codes and scales of elements ``[a, b)`` are (``a`` on a block boundary)."""
         c = self.codecs[role]
         lo, hi = a // c.block, -(-b // c.block)
-        return {"codes": codes[f"{role}.codes"][lo * c.block // c.codes_per_byte:hi * c.block // c.codes_per_byte],
-                "scales": codes[f"{role}.scales"][lo:hi]}
+        return {"codes": (lo * c.block // c.codes_per_byte, hi * c.block // c.codes_per_byte), "scales": (lo, hi)}
+
+    def _slice(self, role: str, codes, a: int, b: int, ring: Optional[dict] = None) -> Dict[str, torch.Tensor]:
+        """The codes and scales of elements ``[a, b)``: views of ``codes`` (a unit's), or read
+        into ``ring``'s buffers from ``codes`` when it is a ranged rewrite's old version."""
+        spans = self._ranges(role, a, b)
+        if isinstance(codes, dict):
+            return {k: codes[f"{role}.{k}"][s:e] for k, (s, e) in spans.items()}
+        return {k: codes.read(f"{role}.{k}", s, ring[role][k][:e - s]) for k, (s, e) in spans.items()}
+
+    def _put(self, role: str, out, a: int, b: int, encoded: Dict[str, torch.Tensor]) -> None:
+        """A chunk's new codes into ``out`` (a unit's codes, or a ranged rewrite's new version)."""
+        spans = self._ranges(role, a, b)
+        for k, val in encoded.items():
+            if isinstance(out, dict):
+                out[f"{role}.{k}"][spans[k][0]:spans[k][1]].copy_(val)
+            else:
+                out.write(f"{role}.{k}", spans[k][0], val)
 
     def _ring_buffers(self):
         if self._ring is None:
@@ -367,9 +413,18 @@ class OptimizerStates:
             self._ring = [(aligned_empty(self.chunk_numel), aligned_empty(self.chunk_numel)) for _ in range(RING)]
         return self._ring
 
+    def _ring_codes(self):
+        """RING chunks' codes and scales, read from the disk tier (ranged I/O)."""
+        if self._ring_code_bufs is None:
+            specs = self._code_specs(self.chunk_numel)
+            self._ring_code_bufs = [{r: {k: torch.empty(specs[f"{r}.{k}"][1], dtype=specs[f"{r}.{k}"][0])
+                                         for k in ("codes", "scales")} for r in _ROLES} for _ in range(RING)]
+        return self._ring_code_bufs
+
     def _run_chunks(self, unit: Unit, stored, out, apply) -> None:
         chunks = chunk_bounds(unit.numel, self.chunk_numel)
         ring = self._ring_buffers()
+        codes = None if isinstance(stored, dict) or stored is None else self._ring_codes()
 
         def decode(i):
             a, b = chunks[i]
@@ -378,15 +433,13 @@ class OptimizerStates:
                 if stored is None:
                     t.zero_()
                 else:
-                    self.codecs[role].decode(self._slice(role, stored, a, b), t)
+                    self.codecs[role].decode(self._slice(role, stored, a, b, codes and codes[i % RING]), t)
             return m, v
 
         def encode(i, m, v):
             a, b = chunks[i]
             for role, t in zip(_ROLES, (m, v)):
-                dst = self._slice(role, out, a, b)
-                for k, val in self.codecs[role].encode(t).items():
-                    dst[k].copy_(val)
+                self._put(role, out, a, b, self.codecs[role].encode(t))
 
         decoded = {0: _run_on(self._decoder, decode, 0)}
         encoded: List[Future] = []
@@ -557,6 +610,9 @@ class OptimizerStates:
         codec = set(self._decoded) | set(self._encoding)
         buffers += sum(8 * u.numel for u in self.units if u.index in codec)
         buffers += RING * 8 * self.chunk_numel if self._ring is not None else 0   # chunked updates' moments
+        if self._ring_code_bufs is not None:   # and their codes, read range by range (ranged_io)
+            buffers += sum(t.numel() * t.element_size() for r in self._ring_code_bufs for d in r.values()
+                           for t in d.values())
         out = {"host": host, "disk": 0, "host_buffers": buffers, "cached": 0}
         if self.disk is not None:
             out["disk"] = sum(self.disk.nbytes_of(self._key(u)) for u in self.units if u.index in self._on_disk)

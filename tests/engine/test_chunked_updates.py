@@ -76,3 +76,56 @@ def test_chunked_updates_on_the_disk_tier_equal_ram(tmp_path):
     for n, p in disk.named_parameters():
         assert torch.equal(p, pr[n]), n
     ram.close(); disk.close()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_codes_on_the_disk_tier_are_read_and_written_range_by_range_bitwise(tmp_path, codec, clip):
+    """Without a host cache, a chunked update reads each chunk's codes from the unit's file and
+    writes its new codes to the file's next version (DiskStore.ranged): no unit's codes are
+    ever read whole, and weights and states are bitwise those of RAM-held states."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
+    ram = _engine(copy.deepcopy(model), codec, 1280)
+    disk = _engine(model, codec, 1280, offload_dir=str(tmp_path), host_cache_gb=0)
+    assert disk.states.ranged_io() and not ram.states.ranged_io()
+    whole_reads = []
+    real_read = disk.states.disk.read
+    disk.states.disk.read = lambda key, *a, **k: (whole_reads.append(key) if key.startswith("adam-") else None) \
+        or real_read(key, *a, **k)
+    for ids in _ids(3):
+        a = ram.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
+        b = disk.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
+        assert a.loss == b.loss
+    disk.updates.wait_all()
+    assert whole_reads == []   # every state read was a chunk's range
+    pr = dict(ram.named_parameters())
+    for n, p in disk.named_parameters():
+        assert torch.equal(p, pr[n]), n
+    for u in disk.units:
+        got, want = disk.states.stored(u), ram.states.stored(u)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), u.name
+    # RAM: the ring's moments and codes, nothing unit-sized
+    assert disk.states.nbytes()["host_buffers"] < min(8 * u.numel for u in disk.units if u.kind == "layer")
+    ram.close(); disk.close()
+
+
+def test_a_corrupted_state_file_is_refused_by_the_ranged_update(tmp_path):
+    from megatrain_nb.engine.disk_store import OffloadError
+
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=1, hidden=64))
+    e = _engine(model, "int8", 768, offload_dir=str(tmp_path), host_cache_gb=0)
+    ids = _ids(2)
+    e.forward_backward(ids[0], step_lr=3e-3)
+    e.updates.wait_all()
+    e.states.disk.flush()
+    unit = e.units[1]
+    path = e.states.disk._file(e.states.key(unit))
+    with open(path, "r+b") as f:   # flip a byte of the last tensor's payload
+        f.seek(-4096 - 1, 2)
+        byte = f.read(1)
+        f.seek(-4096 - 1, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(OffloadError, match="does not match its checksum"):
+        e.forward_backward(ids[1], step_lr=3e-3)
+        e.updates.wait_all()
+    e.close()

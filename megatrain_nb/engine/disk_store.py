@@ -951,8 +951,9 @@ class RangedRewrite:
         self.outer.set_result(self.file_size)
         return self.file_size
 
-    def abort(self, error: BaseException) -> None:
-        """Drop the new version (the old one stays); operations waiting on this one go ahead."""
+    def abort(self, error: Optional[BaseException]) -> None:
+        """Drop the new version (the old one stays); operations waiting on this one go ahead
+        (``error`` None: nothing went wrong, the key is left as it was)."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -963,7 +964,10 @@ class RangedRewrite:
         self._close_old()
         if not self.outer.done():
             self.store._op_done(self.key, self.outer)
-            self.outer.set_exception(error)
+            if error is None:
+                self.outer.set_result(0)
+            else:
+                self.outer.set_exception(error)
 
     def _close_old(self) -> None:
         if self.old_fd is not None:

@@ -21,7 +21,7 @@ from .pager import Pager
 from .planner import Plan, engine_plan
 from .proxies import LayerProxy
 from .sharded import ShardedUnits
-from .states import OptimizerStates, open_disk_tier, stored_state_bytes
+from .states import OptimizerStates, open_disk_tier, stored_state_bytes, update_chunk
 from .step import StepRunner, Steps
 from .transport import make_transport
 from .units import Unit, build_units, find_layer_list
@@ -77,8 +77,11 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     disk = _disk_tier(units, config, plan, params_on_disk, counters)
     depth = config.overrides.inflight_depth
     small = max(u.numel for u in units) * 4 <= SMALL_UNIT_BYTES
+    chunked = update_chunk(config.optimizer_compression, config.overrides.update_chunk_numel,
+                           max(u.numel for u in state_units)) > 0   # (as OptimizerStates decides)
     weights = make_weight_store(state_units, store, disk=disk if params_on_disk else None, pin=pin, counters=counters,
-                                compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1)
+                                compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1,
+                                ranged=chunked)
     states = OptimizerStates(state_units, config, counters, disk=disk, chunk_numel=config.overrides.update_chunk_numel)
     alloc, put = store.alloc, weights.put_initial
     if sharded is not None:   # each rank keeps its slice of every unit as it is built

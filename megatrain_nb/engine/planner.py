@@ -87,8 +87,10 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     it (``u``: the largest unit; "large": over 256 MiB, ``parts.SMALL_UNIT_BYTES``):
 
     * master weights on the disk tier: the compute stream's staging buffers (``2 + depth``,
-      large units 2) and the optimizer stream's (2, large units 1), each ``u``
-      (``parts.build_parts``, ``weight_store.DiskWeights``);
+      large units 2), each ``u``, and the optimizer stream's (2, large units 1), each ``u``,
+      or with chunked updates one chunk's buffer: an update not handed its backward's buffer
+      reads and writes its weights range by range (``weight_store.DiskWeights.ranged_update``)
+      (``parts.build_parts``);
     * final gradients: on CUDA the pinned staging buffers of the device->host copies
       (``pager.staging_buffers``: the ``depth`` units being updated, in the very buffers their
       gradients arrived in, and the one next in line, waiting for its update slot:
@@ -115,8 +117,10 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     u = max(x.numel for x in units)
     large = u * 4 > (256 << 20)
     out = 0
-    if weights_on_disk:
-        out += ((2 if large else 2 + depth) + (1 if large else 2)) * u * 4
+    chunk = update_chunk(compression, chunk_numel, u)
+    if weights_on_disk:   # compute staging; the optimizer's, or (chunked updates) one chunk's
+        out += (2 if large else 2 + depth) * u * 4
+        out += chunk * 4 if chunk else (1 if large else 2) * u * 4
     tied = any(x.tied_output for x in units if x.kind == "embed")
     if cuda:   # clipped: a held gradient is copied out of its staging buffer (+ the hold's writes)
         grads = staging_buffers(depth) + (HOLD_WRITES + 1 if clipped else 0)
@@ -127,7 +131,6 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
         if states_on_disk:
             out += (1 + min_reads_ahead(8 * u) + writes_pending(8 * u, False)) * 8 * u
     else:
-        chunk = update_chunk(compression, chunk_numel, u)
         out += RING * 8 * chunk   # the fp32 moments of the ring's chunks
         if states_on_disk and chunk:   # codes read and written range by range (states.ranged_io)
             out += RING * int(chunk * codec_bytes_per_param(compression))

@@ -13,8 +13,8 @@ from megatrain_nb.engine import EngineConfig, StreamingEngine
 from .families import VOCAB, family_config
 
 
-def _ids(steps):
-    g = torch.Generator().manual_seed(7)
+def _ids(steps, seed=7):
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, VOCAB, (2, 12), generator=g) for _ in range(steps)]
 
 
@@ -66,11 +66,37 @@ def test_chunk_size_is_aligned_to_the_codec_blocks():
         e.close()
 
 
-def test_chunked_updates_on_the_disk_tier_equal_ram(tmp_path):
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_chunked_updates_on_the_disk_tier_equal_ram(tmp_path, codec, clip):
+    """Master weights and states on the disk tier, no host cache: an update not handed its
+    backward's buffer reads and writes its weights range by range (no optimizer staging
+    buffer exists); weights and states stay bitwise those of RAM."""
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
-    ram = _engine(copy.deepcopy(model), "int8", 768)
-    disk = _engine(model, "int8", 768, offload_dir=str(tmp_path), offload_params=True, host_cache_gb=0)
+    ram = _engine(copy.deepcopy(model), codec, 768)
+    disk = _engine(model, codec, 768, offload_dir=str(tmp_path), offload_params=True, host_cache_gb=0)
+    # the compute stream's staging (2 + depth for small units) and nothing for the optimizer
+    assert disk.weights.ranged and disk.weights.nbytes()["host"] == (2 + 1) * 4 * max(u.numel for u in disk.units)
+    ranged = []
+    real = disk.weights.disk.ranged
+    disk.weights.disk.ranged = lambda key, *a, **k: ranged.append(key) or real(key, *a, **k)
     for ids in _ids(3):
+        a = ram.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
+        b = disk.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
+        assert a.loss == b.loss
+    disk.updates.wait_all()
+    # clipped: every update after the norm is ranged; unclipped: those not handed a buffer
+    weight_keys = [k for k in ranged if k.startswith("weights-")]
+    assert weight_keys and (len(weight_keys) == 3 * len(disk.units)) == (clip is not None), weight_keys
+    pr = dict(ram.named_parameters())
+    for n, p in disk.named_parameters():
+        assert torch.equal(p, pr[n]), n
+    for u in disk.units:
+        got, want = disk.states.stored(u), ram.states.stored(u)
+        assert all(torch.equal(got[k], want[k]) for k in want), u.name
+    disk.layer_stats()   # layer statistics need whole units: the next updates read them whole
+    for ids in _ids(2, seed=8):
+        ram.layer_stats()
         assert ram.forward_backward(ids, step_lr=3e-3).loss == disk.forward_backward(ids, step_lr=3e-3).loss
     pr = dict(ram.named_parameters())
     for n, p in disk.named_parameters():

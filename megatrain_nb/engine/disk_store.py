@@ -876,7 +876,16 @@ class RangedRewrite:
         self.new = {n: (off, t.numel() * t.element_size()) for (n, t), off in zip(items, offsets)}
         self.write_pos = {n: [0, 0] for n in self.new}
         self.tmp = f"{self.final}.tmp-{uuid.uuid4().hex[:8]}"
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self.fd = None
+        free = shutil.disk_usage(store.path).free
+        if free < self.file_size:
+            self._close_old()
+            raise store._no_space(key, self.final, self.file_size, free)
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            self._close_old()
+            raise self._failed(e) from e
         self.since_sync = self.read_bytes = 0
         self.lock = threading.Lock()
 
@@ -890,7 +899,10 @@ class RangedRewrite:
             raise ValueError(f"RangedRewrite.read({self.key!r}, {name!r}): bytes [{a}, {a + n}) out of order "
                              f"(next {pos[0]} of {e['nbytes']})")
         arr = _np(_bytes_view(out))
-        _pread_all(self.old_fd, arr, e["offset"] + a)
+        try:
+            _pread_all(self.old_fd, arr, e["offset"] + a)
+        except OSError as err:
+            raise OffloadError(f"reading {self.key!r} from {self.final} failed: {err.strerror or err}") from err
         _drop_cache(self.old_fd, e["offset"] + a, n)
         pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
         self.read_bytes += n
@@ -911,12 +923,15 @@ class RangedRewrite:
                              f"(next {pos[0]} of {nbytes})")
         arr = _np(_bytes_view(src))
         with self.lock:
-            _pwrite_all(self.fd, arr, off + a)
-            self.since_sync += n
-            if self.since_sync >= _BUFFERED_SYNC_EVERY:
-                os.fdatasync(self.fd)
-                _drop_cache(self.fd)
-                self.since_sync = 0
+            try:
+                _pwrite_all(self.fd, arr, off + a)
+                self.since_sync += n
+                if self.since_sync >= _BUFFERED_SYNC_EVERY:
+                    os.fdatasync(self.fd)
+                    _drop_cache(self.fd)
+                    self.since_sync = 0
+            except OSError as err:
+                raise self._failed(err) from err
         pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
 
     def commit(self) -> int:
@@ -934,8 +949,7 @@ class RangedRewrite:
             self.fd = None
             os.replace(self.tmp, self.final)
         except OSError as e:
-            self.abort(OffloadError(f"writing {self.key!r} to {self.final} failed: {e.strerror or e}. Check the "
-                                    f"disk behind the offload directory {self.store.root}"))
+            self.abort(self._failed(e))
             raise self.outer.exception() from e
         except BaseException as e:
             self.abort(e)
@@ -968,6 +982,13 @@ class RangedRewrite:
                 self.outer.set_result(0)
             else:
                 self.outer.set_exception(error)
+
+    def _failed(self, err: OSError) -> OffloadError:
+        """The error to raise for a failed write of the new version (ENOSPC: the space needed)."""
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return self.store._no_space(self.key, self.final, self.file_size, None, err)
+        return OffloadError(f"writing {self.key!r} to {self.final} failed: {err.strerror or err}. Check the "
+                            f"disk behind the offload directory {self.store.root}")
 
     def _close_old(self) -> None:
         if self.old_fd is not None:

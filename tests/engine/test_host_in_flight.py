@@ -80,3 +80,26 @@ def test_planner_counts_the_staging_buffers_as_the_gradients_in_flight():
         assert cuda == staging_buffers(depth) * 4 * u          # no pool buffer besides them
         held = host_in_flight(units, "none", cuda=True, clipped=True, depth=depth, **kw)
         assert held == cuda + 3 * 4 * u                        # a copy out of staging + 2 writes
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_the_disk_tiers_buffers_in_flight_are_what_the_planner_counts(tmp_path, codec):
+    """Weights and compressed states on the disk tier, no host cache: the staging and chunk
+    buffers the engine allocates are exactly ``host_in_flight``'s figure for them (the compute
+    stream's staging, one chunk of weights, the ring's moments and codes), with no unit-sized
+    buffer for the optimizer's weights or codes."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
+    eng = StreamingEngine(model, EngineConfig(device="cpu", optimizer_compression=codec, offload_dir=str(tmp_path),
+                                              offload_params=True, host_cache_gb=0, overrides={"update_chunk_numel": 768}))
+    for ids in _ids(2):
+        eng.forward_backward(ids, step_lr=3e-3)
+    eng.updates.wait_all()
+    specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in eng.units]
+    u = max(s.numel for s in specs)
+    counted = host_in_flight(specs, codec, weights_on_disk=True, states_on_disk=True, cuda=False, clipped=False,
+                             depth=1, chunk_numel=768)
+    grads = (1 + 1 + int(any(s.tied_output for s in specs))) * 4 * u   # the final-gradient pool's part
+    allocated = eng.weights.nbytes()["host"] + eng.states.nbytes()["host_buffers"]
+    assert allocated == counted - grads, (allocated, counted - grads)
+    assert eng.plan.host["buffers"] == counted
+    eng.close()

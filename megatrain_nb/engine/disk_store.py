@@ -925,6 +925,7 @@ class RangedRewrite:
         with self.lock:
             try:
                 _pwrite_all(self.fd, arr, off + a)
+                _drop_cache(self.fd, off + a, n)   # starts its writeback (the pages stay until clean)
                 self.since_sync += n
                 if self.since_sync >= _BUFFERED_SYNC_EVERY:
                     os.fdatasync(self.fd)
@@ -934,14 +935,41 @@ class RangedRewrite:
                 raise self._failed(err) from err
         pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
 
-    def commit(self) -> int:
-        """The new version replaces the old one (every tensor must be written whole)."""
+    def commit(self, behind: bool = False):
+        """The new version replaces the old one (every tensor must be written whole). Returns
+        the file size; ``behind``: the header is written now, the sync and rename in a worker
+        of the store (write-behind: operations on the key wait for it, a failure is reported
+        by ``flush`` as a write's) -- returns the Future."""
         try:
             short = [n for n, (_, nbytes) in self.new.items() if self.write_pos[n][0] != nbytes]
             if short:
                 raise ValueError(f"RangedRewrite.commit({self.key!r}): {short} not written whole")
-            header = _header_at(self.key, self.items, self.new, self.write_pos, self.file_size)
-            _pwrite_all(self.fd, header, 0)
+            _pwrite_all(self.fd, _header_at(self.key, self.items, self.new, self.write_pos, self.file_size), 0)
+        except OSError as e:
+            self.abort(self._failed(e))
+            raise self.outer.exception() from e
+        except BaseException as e:
+            self.abort(e)
+            raise
+        if not behind:
+            self._finish()
+            return self.outer.result()
+        try:
+            self.store._pool.submit(self._finish_behind)
+        except RuntimeError:   # the store's workers are stopping: here, then
+            self._finish_behind()
+        return self.outer
+
+    def _finish_behind(self) -> None:
+        try:
+            self._finish()
+        except BaseException as e:  # noqa: BLE001 - delivered through the future and flush()
+            with self.store._lock:
+                self.store._errors.append(e)
+
+    def _finish(self) -> None:
+        """Sync, rename, count; the key's next operations may start."""
+        try:
             os.ftruncate(self.fd, self.file_size)
             os.fdatasync(self.fd)
             _drop_cache(self.fd)
@@ -951,19 +979,14 @@ class RangedRewrite:
         except OSError as e:
             self.abort(self._failed(e))
             raise self.outer.exception() from e
-        except BaseException as e:
-            self.abort(e)
-            raise
         self._close_old()
         with self.store._lock:
             self.store._sizes[self.key] = self.file_size
-        seconds = time.perf_counter() - self.t0
-        if self.old_fd is not None or self.read_bytes:
+        if self.read_bytes:
             self.store._count("read", self.read_bytes, 0.0)
-        self.store._count("write", self.file_size, seconds)
+        self.store._count("write", self.file_size, time.perf_counter() - self.t0)
         self.store._op_done(self.key, self.outer)
         self.outer.set_result(self.file_size)
-        return self.file_size
 
     def abort(self, error: Optional[BaseException]) -> None:
         """Drop the new version (the old one stays); operations waiting on this one go ahead

@@ -89,8 +89,9 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     * master weights on the disk tier: the compute stream's staging buffers (``2 + depth``,
       large units 2), each ``u``, and the optimizer stream's (2, large units 1), each ``u``,
       or with chunked updates one chunk's buffer: an update not handed its backward's buffer
-      reads and writes its weights range by range (``weight_store.DiskWeights.ranged_update``)
-      (``parts.build_parts``);
+      reads and writes its weights range by range (``weight_store.DiskWeights.ranged_update``;
+      layer statistics, once turned on, read such a unit whole into the optimizer stream's
+      buffers, not counted here) (``parts.build_parts``);
     * final gradients: on CUDA the pinned staging buffers of the device->host copies
       (``pager.staging_buffers``: the ``depth`` units being updated, in the very buffers their
       gradients arrived in, and the one next in line, waiting for its update slot:

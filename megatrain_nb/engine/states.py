@@ -337,10 +337,11 @@ class OptimizerStates:
             rw = self.disk.ranged(self._key(unit), self._code_specs(unit.numel), read_old=old)
             try:
                 self._run_chunks(unit, rw if old else None, rw, apply)
-                rw.commit()
+                fut = rw.commit(behind=True)   # synced and renamed behind (bounded: _bound_writes)
             except BaseException as e:
                 rw.abort(e)
                 raise
+            self._writes.append(fut)
             self._on_disk.add(unit.index)
         self._stored(unit, None)
 

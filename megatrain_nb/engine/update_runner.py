@@ -186,7 +186,7 @@ class UpdateRunner:
                     rw.write("w", a, p)
                 self.states.update(unit, apply)
                 run.finish(grad, grad_norm=norm)
-                rw.commit()
+                rw.commit(behind=True)   # synced and renamed behind: the next read of it waits
         except BaseException as e:
             rw.abort(e)
             raise

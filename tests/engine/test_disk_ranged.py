@@ -34,7 +34,7 @@ def test_a_ranged_rewrite_is_ordered_as_a_write_and_reads_back_whole(tmp_path):
     _rewrite(rw)
     later = s.read("k")              # issued during the rewrite: waits for its commit
     assert not later.done()
-    assert rw.commit() == s.nbytes_of("k")
+    assert rw.commit() == s.nbytes_of("k")   # (inline; the engine commits behind)
     got = later.result()
     assert torch.equal(got["a"], a * 2) and torch.equal(got["c"], c + 1)
     fresh = s.ranged("x", SPECS, read_old=False)   # a new key: nothing to read
@@ -86,4 +86,23 @@ def test_a_corrupted_old_version_and_a_full_disk_fail_clearly(tmp_path, monkeypa
     got = s.read("k").result()
     assert torch.equal(got["a"], a) and torch.equal(got["c"], c)
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+    s.close()
+
+
+def test_a_commit_behind_orders_the_next_read_and_reports_its_failure_at_flush(tmp_path, monkeypatch):
+    s, a, c = _store(tmp_path)
+    rw = s.ranged("k", SPECS, read_old=True)
+    _rewrite(rw)
+    fut = rw.commit(behind=True)
+    got = s.read("k").result()          # after the rename
+    assert fut.done() and torch.equal(got["a"], a * 2)
+    rw = s.ranged("k", SPECS, read_old=True)
+    _rewrite(rw)
+    monkeypatch.setattr(disk_store.os, "fdatasync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    fut = rw.commit(behind=True)
+    with pytest.raises(OffloadError, match="failed"):
+        s.flush()
+    monkeypatch.undo()
+    assert isinstance(fut.exception(), OffloadError)
+    assert torch.equal(s.read("k").result()["a"], a * 2)   # the version before stays
     s.close()

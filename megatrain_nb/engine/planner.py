@@ -109,7 +109,8 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       being updated, reads ahead, writes behind); fp32 states in RAM are updated in place.
     (Without a host cache of the disk tier: the estimate's least host RAM.)
     """
-    from .states import RING, min_reads_ahead, update_chunk, writes_pending
+    from .chunk_ring import RING
+    from .states import min_reads_ahead, update_chunk, writes_pending
     from .intake import HOLD_WRITES
     from .pager import staging_buffers
 

@@ -12,11 +12,12 @@ import math
 import os
 import threading
 from concurrent.futures import Future
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .codecs import ROLES as _ROLES, get_codec
+from .chunk_ring import ChunkRing
 from .disk_store import WriteWindow
 from .units import Unit
 
@@ -25,7 +26,6 @@ from .units import Unit
 #: Elements of the moments decoded at a time by a chunked update (OptimizerStates.update):
 #: three chunks of both moments in flight (decoded ahead, in AdamW, encoded behind) = 24 MiB.
 UPDATE_CHUNK = 1 << 20
-RING = 3
 
 
 READ_AHEAD_BYTES = 1 << 30
@@ -42,11 +42,6 @@ def min_reads_ahead(stored_nbytes: int, read_ahead_bytes: int = READ_AHEAD_BYTES
 def writes_pending(stored_nbytes: int, chunked: bool) -> int:
     """State writes pending at most when an update starts (their codes or moments are RAM)."""
     return WRITES_BEHIND if not chunked or stored_nbytes <= ENCODE_BEHIND_BYTES else 1
-
-
-def chunk_bounds(numel: int, chunk: int):
-    """``[(a, b), ...]``: the unit's elements in chunks of ``chunk`` (the last one shorter)."""
-    return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
 
 
 def update_chunk(codec_name: str, chunk_numel: int, largest_unit: int) -> int:
@@ -81,8 +76,6 @@ class OptimizerStates:
         #: ``RING`` chunks of fp32 moments exist at a time, never a unit's.
         self.chunk_numel = update_chunk(self.codec_name, chunk_numel, max((u.numel for u in units), default=0))
         self.chunked = self.chunk_numel > 0
-        self._ring = None   # RING x (m, v) chunk buffers, made on the first chunked update
-        self._ring_code_bufs = None   # RING chunks' codes read from the disk tier (ranged_io)
         self.ram: Dict[int, Dict[str, object]] = {}
         self.disk = disk  # shared with the engine, which closes it
         self._reads: Dict[int, Future] = {}
@@ -114,6 +107,8 @@ class OptimizerStates:
             self._codec = executor(ENCODE)
             self.encode_behind_bytes = ENCODE_BEHIND_BYTES
             self._decoder = executor(DECODE)
+        #: Chunked updates' ring (only ``RING`` chunks of fp32 moments at a time, never a unit's).
+        self.ring = ChunkRing(self.codecs, self.chunk_numel) if self.chunked else None
         self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
         self._decoded: Dict[int, Future] = {}    # unit -> its moments decoded ahead (codec thread)
 
@@ -312,8 +307,8 @@ class OptimizerStates:
             # where it was decoded from. (RAM codes are the state itself until the update is
             # done; a host cache's resident codes are shared.)
             own = stored is not None and self.disk is not None and not self._cached()
-            out = stored if own else self._new_codes(unit)
-            self._run_chunks(unit, stored, out, apply)
+            out = stored if own else self.ring.new_codes(unit.numel)
+            self.ring.run(unit.numel, stored, out, apply, self._decoder, self._codec)
         if out is None:
             self.update_failed(unit)
             return
@@ -334,9 +329,9 @@ class OptimizerStates:
         (``mtnb-encode``); only the ring's chunks are in RAM. A skipped step leaves the file."""
         if apply is not None:
             old = unit.index in self._on_disk
-            rw = self.disk.ranged(self._key(unit), self._code_specs(unit.numel), read_old=old)
+            rw = self.disk.ranged(self._key(unit), self.ring.code_specs(unit.numel), read_old=old)
             try:
-                self._run_chunks(unit, rw if old else None, rw, apply)
+                self.ring.run(unit.numel, rw if old else None, rw, apply, self._decoder, self._codec)
                 fut = rw.commit(behind=True)   # synced and renamed behind (bounded: _bound_writes)
             except BaseException as e:
                 rw.abort(e)
@@ -344,16 +339,6 @@ class OptimizerStates:
             self._writes.append(fut)
             self._on_disk.add(unit.index)
         self._stored(unit, None)
-
-    def _code_specs(self, numel: int) -> Dict[str, tuple]:
-        """name -> (dtype, shape) of the stored codes and scales of ``numel`` elements."""
-        out = {}
-        for role in _ROLES:
-            c = self.codecs[role]
-            nblocks = -(-numel // c.block)
-            out[f"{role}.codes"] = (c.code_dtype, (nblocks * c.block // c.codes_per_byte,))
-            out[f"{role}.scales"] = (torch.float32, (nblocks,))
-        return out
 
     def _bound_writes(self, unit: Unit) -> None:
         """At most ``writes_behind`` state writes pending (their codes are RAM) when an update
@@ -380,87 +365,6 @@ class OptimizerStates:
                     fut = self._read(unit)
             return self._waited(fut)
         return self.ram.get(unit.index)
-
-    def _new_codes(self, unit: Unit) -> Dict[str, torch.Tensor]:
-        return {k: torch.empty(shape, dtype=dtype) for k, (dtype, shape) in self._code_specs(unit.numel).items()}
-
-    def _ranges(self, role: str, a: int, b: int) -> Dict[str, Tuple[int, int]]:
-        """Where the codes and scales of elements ``[a, b)`` are (``a`` on a block boundary)."""
-        c = self.codecs[role]
-        lo, hi = a // c.block, -(-b // c.block)
-        return {"codes": (lo * c.block // c.codes_per_byte, hi * c.block // c.codes_per_byte), "scales": (lo, hi)}
-
-    def _slice(self, role: str, codes, a: int, b: int, ring: Optional[dict] = None) -> Dict[str, torch.Tensor]:
-        """The codes and scales of elements ``[a, b)``: views of ``codes`` (a unit's), or read
-        into ``ring``'s buffers from ``codes`` when it is a ranged rewrite's old version."""
-        spans = self._ranges(role, a, b)
-        if isinstance(codes, dict):
-            return {k: codes[f"{role}.{k}"][s:e] for k, (s, e) in spans.items()}
-        return {k: codes.read(f"{role}.{k}", s, ring[role][k][:e - s]) for k, (s, e) in spans.items()}
-
-    def _put(self, role: str, out, a: int, b: int, encoded: Dict[str, torch.Tensor]) -> None:
-        """A chunk's new codes into ``out`` (a unit's codes, or a ranged rewrite's new version)."""
-        spans = self._ranges(role, a, b)
-        for k, val in encoded.items():
-            if isinstance(out, dict):
-                out[f"{role}.{k}"][spans[k][0]:spans[k][1]].copy_(val)
-            else:
-                out.write(f"{role}.{k}", spans[k][0], val)
-
-    def _ring_buffers(self):
-        if self._ring is None:
-            from .disk_store import aligned_empty
-
-            self._ring = [(aligned_empty(self.chunk_numel), aligned_empty(self.chunk_numel)) for _ in range(RING)]
-        return self._ring
-
-    def _ring_codes(self):
-        """RING chunks' codes and scales, read from the disk tier (ranged I/O)."""
-        if self._ring_code_bufs is None:
-            specs = self._code_specs(self.chunk_numel)
-            self._ring_code_bufs = [{r: {k: torch.empty(specs[f"{r}.{k}"][1], dtype=specs[f"{r}.{k}"][0])
-                                         for k in ("codes", "scales")} for r in _ROLES} for _ in range(RING)]
-        return self._ring_code_bufs
-
-    def _run_chunks(self, unit: Unit, stored, out, apply) -> None:
-        chunks = chunk_bounds(unit.numel, self.chunk_numel)
-        ring = self._ring_buffers()
-        codes = None if isinstance(stored, dict) or stored is None else self._ring_codes()
-
-        def decode(i):
-            a, b = chunks[i]
-            m, v = (t[:b - a] for t in ring[i % RING])
-            for role, t in zip(_ROLES, (m, v)):
-                if stored is None:
-                    t.zero_()
-                else:
-                    self.codecs[role].decode(self._slice(role, stored, a, b, codes and codes[i % RING]), t)
-            return m, v
-
-        def encode(i, m, v):
-            a, b = chunks[i]
-            for role, t in zip(_ROLES, (m, v)):
-                self._put(role, out, a, b, self.codecs[role].encode(t))
-
-        decoded = {0: _run_on(self._decoder, decode, 0)}
-        encoded: List[Future] = []
-        try:
-            for i, (a, b) in enumerate(chunks):
-                if i + 1 < len(chunks):
-                    if i + 1 >= RING:   # chunk i+1's ring slot is free once chunk i+1-RING is encoded
-                        encoded[i + 1 - RING].result()
-                    decoded[i + 1] = _run_on(self._decoder, decode, i + 1)
-                m, v = decoded.pop(i).result()
-                apply(a, b, m, v)
-                encoded.append(_run_on(self._codec, encode, i, m, v))
-        finally:   # nothing may still write into the ring (a failure: the next update reuses it)
-            for f in list(decoded.values()) + encoded:
-                try:
-                    f.result()
-                except BaseException:  # noqa: BLE001 - raised below or already raising
-                    pass
-        for f in encoded:
-            f.result()   # a failed encode (diverged states) fails this update
 
     def store(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> None:
         if self._codec is not None:
@@ -610,10 +514,7 @@ class OptimizerStates:
         # moments decoded ahead of their update or waiting to be encoded (codec thread)
         codec = set(self._decoded) | set(self._encoding)
         buffers += sum(8 * u.numel for u in self.units if u.index in codec)
-        buffers += RING * 8 * self.chunk_numel if self._ring is not None else 0   # chunked updates' moments
-        if self._ring_code_bufs is not None:   # and their codes, read range by range (ranged_io)
-            buffers += sum(t.numel() * t.element_size() for r in self._ring_code_bufs for d in r.values()
-                           for t in d.values())
+        buffers += self.ring.nbytes() if self.ring is not None else 0   # chunked updates' moments (and codes)
         out = {"host": host, "disk": 0, "host_buffers": buffers, "cached": 0}
         if self.disk is not None:
             out["disk"] = sum(self.disk.nbytes_of(self._key(u)) for u in self.units if u.index in self._on_disk)
@@ -691,15 +592,6 @@ class OptimizerStates:
         else:
             self._drop_codec_work()
             self.ram[unit.index] = stored
-
-
-def _run_on(pool, fn, *args) -> Future:
-    """``fn(*args)`` in ``pool``'s thread, or here when there is none (the codec in line)."""
-    if pool is not None:
-        return pool.submit(fn, *args)
-    fut = Future()
-    fut.set_result(fn(*args))
-    return fut
 
 
 def _settle(f: Future):

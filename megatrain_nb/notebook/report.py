@@ -169,11 +169,9 @@ def build_notebook(session: Any):
     cells.append(_md("## Throughput\n\n" + _throughput_md(view, records)))
     cells.append(_figure_cell(figs, _throughput_figure(view), "throughput"))
 
-    trained_on = _trained_on_html(session)
-    if trained_on:
-        cells.append(_md("## What the model is trained on\n\nThe first training example; the highlighted "
-                         "tokens count toward the loss."))
-        cells.append(_html_cell(trained_on, "trained on"))
+    _html_section(cells, _trained_on_html(session), "trained on",
+                  "## What the model is trained on\n\nThe first training example; the highlighted "
+                  "tokens count toward the loss.")
 
     runs = session.explorer.tree() if hasattr(session, "explorer") else []
     if len(runs) > 1:   # rewinds and forks: the run tree (issue 21)
@@ -185,11 +183,9 @@ def build_notebook(session: Any):
                                   ("branch", "run id", "parent run", "forked at step", "steps logged"))))
         cells.append(_figure_cell(figs, run_tree_figure(runs), "run tree"))
 
-    answers_cell = _sample_answers_html(session)
-    if answers_cell:
-        cells.append(_md("## Answers to the sample prompt\n\nThe conversation set with `session.set_sample_prompt`, "
-                         "answered from the weights at each step shown (the last answers, newest first)."))
-        cells.append(_html_cell(answers_cell, "sample answers"))
+    _html_section(cells, _sample_answers_html(session), "sample answers",
+                  "## Answers to the sample prompt\n\nThe conversation set with `session.set_sample_prompt`, "
+                  "answered from the weights at each step shown (the last answers, newest first).")
     samples = session.samples
     if samples:
         body = "".join(f"<h4>step {s['step']}: <code>{html.escape(s['prompt'])}</code></h4>"
@@ -198,6 +194,13 @@ def build_notebook(session: Any):
         cells.append(_html_cell(body, "samples"))
     nb.cells = cells
     return nb
+
+
+def _html_section(cells: list, body: str, name: str, heading: str) -> None:
+    """A heading cell and an HTML cell, when there is something to show."""
+    if body:
+        cells.append(_md(heading))
+        cells.append(_html_cell(body, name))
 
 
 def _sample_answers_html(session) -> str:

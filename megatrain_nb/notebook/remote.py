@@ -87,6 +87,8 @@ class ProcessRun:
         self._ranks: list[dict] = []
         self._log_tail = ""
         self._watch: Any = None
+        self._branch: Optional[dict] = None   # a relaunch after a rewind: BranchStart fields
+        self._next_start = False   # a rewind: the next run to start is the branch it starts
 
     @classmethod
     def launching(cls, status: RunState, session_id: str, nproc_per_node: Any, *, save_model: bool = True,
@@ -201,6 +203,8 @@ class ProcessRun:
 
     def apply_now(self, kind: str, value: Any, source: str) -> Any:
         self.check(kind)
+        if kind == "rewind" and self.status.state == "finished" and self.inputs is not None:
+            return self._rewind_ended(int(value), source)
         raise RuntimeError(f"session {self.status.name!r} has no running workers to {kind} "
                            f"({self.status.state}); the model the run saved is in {self.output_dir!r}")
 
@@ -215,6 +219,19 @@ class ProcessRun:
                                f"(steps: {', '.join(str(i.step) for i in self.explorer.snapshots()) or 'none'})")
         info = session.snapshot() if step is None else self.explorer.find(step)
         return fork_ranks(session, self, info, name, changes)
+
+    def _rewind_ended(self, step: int, source: str) -> Any:
+        """A rewind of a finished run (its ranks gone): ``train()`` launches them again from the
+        snapshot at ``step``, as a branch of the run (a new run id whose parent is this one)."""
+        info = self.explorer.find(step)
+        old_step = self.status.step
+        self.explorer.abandon_after(info.step, self._run_id)
+        self.resume_from, self._branch = info.path, {"new_run": True}
+        self._ended_by, self._stop_seen, self._ranks, self._next_start = None, False, [], True
+        for old in (p for pattern in ("rank-*.json", "error-*.json", "pid-*.json") for p in self.run_dir.glob(pattern)):
+            old.unlink()   # the last launch's reports
+        self.status.log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
+        return info
 
     def release(self) -> None:
         if self.run_dir is not None:
@@ -275,6 +292,8 @@ class ProcessRun:
             hook()
         resume = self.resume_from
         spec = dict(self._spec, resume=str(resume) if resume not in (None, False) else self._spec["resume"])
+        if self._branch is not None:   # rewound after the end: the ranks start from the snapshot as a branch
+            spec["branch"] = self._branch
         self._watch = RankWatch(self.run_dir)
         with open(self.run_dir / "spec.json", "w", encoding="utf-8") as f:
             json.dump(spec, f, indent=1)
@@ -342,10 +361,10 @@ class ProcessRun:
     def _take(self, rec: dict) -> None:
         event = rec.get("event")
         if event == "run_start":
-            if self._run_id is None:   # launched: the first run to start after we launched is ours
-                self._run_id = rec.get("run_id")
-            elif self._run_id is not None and rec.get("parent_run_id") == self._run_id:
-                self._run_id = rec.get("run_id")   # the ranks rewound: the run goes on as a branch
+            # launched: the first run to start after we launched is ours; after a rewind, the
+            # next to start is its branch (whose parent is the snapshot's run: maybe not this one)
+            if self._run_id is None or self._next_start:
+                self._run_id, self._next_start = rec.get("run_id"), False
             if rec.get("run_id") == self._run_id:
                 self._total = rec.get("total_steps") or self._total
             return
@@ -369,6 +388,7 @@ class ProcessRun:
         result: Any = dict(fields, step=step)
         if kind == "rewind":   # as in this kernel: at the step gone back to; the later steps a branch
             fields["from_step"], step = step, int(rec.get("value") or 0)
+            self._next_start = True
             if self.explorer is not None:
                 self.explorer.abandon_after(step, self._run_id)
         if kind in ("snapshot", "rewind") and self.explorer is not None and rec.get("path"):

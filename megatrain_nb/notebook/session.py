@@ -379,7 +379,9 @@ class Session:
         self._explore.find(step)   # a step without a snapshot fails here, listing those that have one
         info = self._at_boundary("rewind", step)
         if st.state in ENDED + ("idle",):   # finished (it kept its model) or not started: train() goes on from it
-            self._run.resume_from = self._explore.take_restart()
+            restart = self._explore.take_restart()   # (ranks in worker processes: their controller has it)
+            if restart is not None:
+                self._run.resume_from = restart
             st.ended_at = None
             st.set_state("idle")
         return info

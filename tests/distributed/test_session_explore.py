@@ -97,6 +97,20 @@ def test_snapshot_rewind_resume_and_fork_of_two_ranks_are_bit_exact(tmp_path):
     assert [r["step"] for r in tree[first]["records"]] == list(range(1, far + 1))   # the abandoned steps stay
     assert tree[branch]["parent_run_id"] == first and tree[branch]["forked_at_step"] == info.step
 
+    # a rewind of the finished run (its ranks gone): train() launches them again from the snapshot
+    again = s.rewind(info.step)
+    assert again.step == info.step and s.state == "idle" and s.step == info.step
+    s.train()
+    assert s.wait(timeout=3 * BOUND) == "finished", s.worker_log
+    _same(_weights(tmp_path / "steered"), _weights(tmp_path / "ref"))
+    hist = s.history
+    third = hist[-1]["run_id"]
+    assert [r["step"] for r in hist] == list(range(1, KW["max_steps"] + 1)) and third not in (first, branch)
+    assert {(r["run_id"], r["parent_run_id"], r["forked_at_step"]) for r in hist[info.step:]} == {
+        (third, first, info.step)}
+    assert [(e["kind"], e["step"], e.get("from_step")) for e in s.events][-1] == ("rewind", info.step, 9)
+    assert [r["outcome"] for r in s.ranks] == ["finished", "finished"]
+
     # a fork with no change, from the finished parent's snapshot at step 3: new ranks, same weights
     child = ref.fork(3)
     assert child.name == "ref-fork-1" and child.nproc_per_node == 2

@@ -48,8 +48,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("lr", "learning_rate", "learning rate from the next step (e.g. 5e-4)", "set_lr", True, True,
             LIVE_STATES),
     Command("checkpoint", "path", "write a checkpoint at the next step boundary", "save_checkpoint", True, False),
-    # exploration (notebook/branches.py): a Session that trains in this kernel applies them; once the
-    # ranks' run control does too (snapshot, rewind), ranks=True makes a run in worker processes forward them
+    # exploration (notebook/branches.py): a Session that trains in this kernel applies them; the ranks'
+    # run control applies snapshot and rewind (ranks=True: a run in worker processes forwards them);
+    # a fork is never applied by running ranks: a run in worker processes launches new ones (rank_fork.py)
     Command("snapshot", "none", "take a snapshot at the next step boundary", "snapshot",
             ranks=True, sidebar=False),
     Command("rewind", "step", "go back to the snapshot at that step (train()/resume continues)", "rewind",

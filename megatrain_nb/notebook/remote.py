@@ -25,9 +25,11 @@ loss and throughput, every rank's memory tiers in ``rank_memory``) and the event
 as applied, at its step, on every rank: ``trainer/control.py``); the processes' exit and
 ``error-<rank>.json`` give the outcome (``worker_outcome.py``). Only the commands the one table
 (``megatrain_nb/commands.py``) marks ``ranks`` are forwarded; the others are refused, saying so
-(when the ranks apply ``snapshot``/``rewind``, marking them there is all it takes: their events
-come back like a checkpoint's). The JupyterLab sidebar lists the run once: rank 0 writes the
-heartbeat, not us.
+(``snapshot`` and ``rewind`` among them: their events come back with the snapshot's path, answered
+as the Session's ``SnapshotInfo``; after a rewind the next run to start is the branch, followed;
+a finished run rewound launches its ranks again from the snapshot). ``fork`` is no command to the
+ranks: it launches new ones (``rank_fork.py``). The JupyterLab sidebar lists the run once: rank 0
+writes the heartbeat, not us.
 """
 from __future__ import annotations
 

@@ -82,8 +82,8 @@ class Session:
     ``nproc_per_node=N``: train on N local ranks in worker processes (``remote.py``; also
     ``callbacks=`` and ``save_model=``); the Session then also has ``nproc_per_node``,
     ``output_dir``, ``ranks``, ``worker_log``, ``launch_info()`` and ``run_dir`` (its run
-    controller's), and refuses what needs the weights in this kernel (``inspect``, ``generate``,
-    snapshots).
+    controller's), and refuses what needs the weights in this kernel (``inspect``, ``generate``);
+    its ranks take the snapshots and rewinds, and ``fork`` launches new ranks (``rank_fork.py``).
 
     >>> session = Session("micro", seq_len=32)                  # doctest: +SKIP
     >>> session.train(); session.wait()                         # doctest: +SKIP
@@ -390,7 +390,8 @@ class Session:
         """A new Session (a branch) from the snapshot at ``step`` (default: a snapshot now) with
         ``changes`` (learning_rate, lr_scheduler_type, warmup_steps, weight_decay, max_grad_norm,
         max_steps, gradient_accumulation_steps, data_seed, train_dataset, loss_fn). It shares this
-        session's engine: starting it pauses this one (one branch trains at a time)."""
+        session's engine: starting it pauses this one (one branch trains at a time). Ranks in worker
+        processes (``nproc_per_node``): the fork launches ranks of its own from the snapshot."""
         from .branches import check_changes
 
         self._run.check("fork")

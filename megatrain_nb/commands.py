@@ -108,6 +108,17 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False, ranks:
     raise CommandError(f"command {name!r} takes a path string (or nothing), got {value!r}")
 
 
+def state_after(kind: str, state: str) -> Any:
+    """The run state ``pause`` or ``resume`` leads to from ``state``, or None when it has nothing
+    to do (a pause of a run that is not running, a resume of one that is not paused: no event).
+    One rule for the in-kernel thread (``notebook/thread_run.py``) and the ranks (``trainer/control.py``).
+
+    >>> state_after("pause", "running"), state_after("pause", "paused"), state_after("resume", "paused")
+    ('paused', None, 'running')
+    """
+    return {("pause", "running"): "paused", ("resume", "paused"): "running"}.get((kind, state))
+
+
 def as_step(value: Any, what: str) -> int:
     """``value`` (an int, or its text) as an optimizer step >= 0; ValueError naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):

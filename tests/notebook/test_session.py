@@ -33,8 +33,10 @@ def test_pause_holds_the_step_count_and_resume_continues(fake_session):
     held = s.step
     time.sleep(0.2)
     assert s.step == held
+    s.pause()          # paused already: nothing to do, no event (not a "pause_failed")
     s.resume()
     assert wait_until(lambda: s.step > held + 3)
+    s.resume()         # running already: the same
     s.wait(timeout=20)
     kinds = [(e["kind"], e["step"]) for e in s.events]
     assert kinds == [("pause", held), ("resume", held)]

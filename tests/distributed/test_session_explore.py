@@ -127,3 +127,17 @@ def test_snapshot_rewind_resume_and_fork_of_two_ranks_are_bit_exact(tmp_path):
     assert start.is_dir() and [i.step for i in child.snapshots][0] == 3
     linked = [f for f in start.rglob("*") if f.is_file()]
     assert linked and all(f.stat().st_nlink > 1 for f in linked)
+
+    # a fork with another learning rate follows its own schedule from step 6; bad forks are refused
+    with pytest.raises(ValueError, match="a branch named 'ref-fork-1' exists already"):
+        ref.fork(3, name="ref-fork-1")
+    with pytest.raises(ValueError, match="cannot change seq_len mid-run"):
+        ref.fork(3, seq_len=8)
+    low = ref.fork(6, name="low", learning_rate=5e-4)
+    low.train()
+    assert low.wait(timeout=3 * BOUND) == "finished", low.worker_log
+    lr = {r["step"]: r["lr"] for r in ref.history}
+    assert {r["step"]: r["lr"] for r in low.history} == pytest.approx({k: lr[k] / 2 for k in (7, 8, 9)}, rel=1e-9)
+    theirs = _weights(tmp_path / "ref" / "branches" / "low")
+    assert any(not torch.equal(theirs[k], v) for k, v in _weights(tmp_path / "ref").items())
+    assert {r["name"] for r in ref.explorer.tree()} >= {"ref", "ref-fork-1", "low"}

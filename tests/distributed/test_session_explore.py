@@ -141,3 +141,8 @@ def test_snapshot_rewind_resume_and_fork_of_two_ranks_are_bit_exact(tmp_path):
     theirs = _weights(tmp_path / "ref" / "branches" / "low")
     assert any(not torch.equal(theirs[k], v) for k, v in _weights(tmp_path / "ref").items())
     assert {r["name"] for r in ref.explorer.tree()} >= {"ref", "ref-fork-1", "low"}
+    import megatrain_nb as mt
+
+    table = {r["branch"]: r for r in mt.compare(ref, low).rows}
+    assert table["low"]["forked_from"] == "ref" and table["low"]["forked_at_step"] == 6
+    assert (table["ref"]["learning_rate"], table["low"]["learning_rate"]) == (1e-3, 5e-4)

@@ -396,7 +396,7 @@ class ProcessRun:
         if kind in ("snapshot", "rewind") and self.explorer is not None and rec.get("path"):
             try:
                 result = self.explorer.named(self.explorer.store.info(rec["path"]))   # a SnapshotInfo
-            except OSError:   # pruned already
+            except Exception:  # noqa: BLE001 - pruned already, or unreadable: the event's fields answer
                 pass
         st.log.add_event(kind, step, **fields)
         if kind == "pause":

@@ -8,13 +8,13 @@ the same disk (hard links need one filesystem):
 
 * **disk tier** (the bigger-than-RAM configuration): master weights and int8 optimizer states
   on the disk tier, host cache off. Blocks of two training steps alternate, one plain, one
-  with a snapshot after its first step (``SnapshotStore.take``: waits for the step's updates
-  and writes behind, hard-links every disk-tier file, writes the RAM-held state, the scheduler
-  / RNG / data position and the manifest). ``snapshot_seconds`` is the median difference of the
-  two blocks (the snapshot's work plus the update overlap it breaks), ``snapshot_vs_step`` that
-  over one step (target <= 0.05); ``snapshot_link_and_write_seconds`` the snapshot call less its
-  wait for the step's updates; ``snapshot_bytes_vs_disk_tier`` the bytes written over the disk
-  tier's bytes (what a copying checkpoint would write).
+  with a snapshot begun after its first step (``SnapshotStore.begin``: the trainer's files
+  written, the engine's ordered links queued behind the step's updates -- it does not wait for
+  them) and completed in the background during the second (``SnapshotStore.finish`` at the
+  block's end). ``snapshot_seconds`` is the median difference of the two blocks (all the
+  snapshot takes from training), ``snapshot_vs_step`` that over one step (target <= 0.05);
+  ``snapshot_begin_seconds`` the training thread's part; ``snapshot_bytes_vs_disk_tier`` the
+  bytes written over the disk tier's bytes (what a copying checkpoint would write).
 * **weights in RAM** (states on the disk tier): here RAM holds real training state, so
   ``snapshot_bytes_vs_ram_state`` is the bytes the snapshot wrote over the RAM-resident state
   (fp32 weights + AdamW step counts + scheduler, RNG, data position, trainer state as
@@ -69,10 +69,12 @@ def disk_tier_run(a, root: Path) -> None:
     it = tr.iter_steps()
     next(it)                 # warm-up step
     store.take(tr)           # warm-up snapshot
-    # Blocks of two steps, alternated: A plain, B with a snapshot after its first step. A step
-    # returns while its updates still run (overlapped with the next forward); a snapshot must
-    # wait for them, so its cost is B - A: the snapshot's own work plus the overlap it breaks.
-    plain, with_snap, snaps, waits, written = [], [], [], [], []
+    # Blocks of two steps, alternated: A plain, B with a snapshot after its first step. The
+    # snapshot is begun at the step boundary (store.begin: the trainer's files, the engine's
+    # ordered links queued behind the step's updates) and completes in the background while the
+    # second step trains; the block ends when it is complete (store.finish). So B - A is all it
+    # costs training: its own work in the training thread, and what it takes from the step.
+    plain, with_snap, begins, completes, written = [], [], [], [], []
     for _ in range(a.reps):
         t0 = time.perf_counter()
         next(it)
@@ -81,15 +83,14 @@ def disk_tier_run(a, root: Path) -> None:
         t0 = time.perf_counter()
         next(it)
         t1 = time.perf_counter()
-        tr.engine.updates.wait_all()     # (part of the snapshot: its wait for the step's updates)
-        tr.engine.disk.flush()
+        pending = store.begin(tr)
         t2 = time.perf_counter()
-        info = store.take(tr)
-        t3 = time.perf_counter()
         next(it)
-        with_snap.append(time.perf_counter() - t0)
-        waits.append(t2 - t1)
-        snaps.append(t3 - t1)
+        info = store.finish(pending)
+        t3 = time.perf_counter()
+        with_snap.append(t3 - t0)
+        begins.append(t2 - t1)
+        completes.append(t3 - t1)
         written.append(info.bytes_unique)
     disk = tr.engine.disk
     tier = sum(disk.nbytes_of(k) for k in disk.keys())
@@ -98,12 +99,13 @@ def disk_tier_run(a, root: Path) -> None:
     print(f"disk tier: {tr.engine.num_parameters() / 1e6:.1f}M params, {tier / 1e6:.1f} MB in files")
     print(f"  two plain steps {', '.join(f'{s:.2f}' for s in plain)} s; two steps + snapshot "
           f"{', '.join(f'{s:.2f}' for s in with_snap)} s")
-    print(f"  snapshot call {', '.join(f'{s:.3f}' for s in snaps)} s, of which waiting for the step's updates and "
-          f"writes {', '.join(f'{s:.3f}' for s in waits)} s; written {', '.join(str(w) for w in written)} B")
+    print(f"  snapshot begun in {', '.join(f'{s:.3f}' for s in begins)} s (the training thread's part), complete "
+          f"{', '.join(f'{s:.2f}' for s in completes)} s after the step boundary; written "
+          f"{', '.join(str(w) for w in written)} B")
     it.close()
     tr.close()
     result("snapshot_seconds", max(cost, 0.0), "s", "<=", 0.05 * step)
-    result("snapshot_link_and_write_seconds", median([s - w for s, w in zip(snaps, waits)]), "s", "<=", 0.05 * step)
+    result("snapshot_begin_seconds", median(begins), "s", "<=", 0.05 * step)
     result("snapshot_vs_step", max(cost, 0.0) / step, "x", "<=", 0.05)
     result("snapshot_bytes_vs_disk_tier", median(written) / tier, "x", "<=", 0.01)
 

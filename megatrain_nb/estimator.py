@@ -320,6 +320,19 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     # on the disk tier); the table shows what this budget's plan uses, which may be more.
     host_min = plan_for(comp, 1).host["total"]
     total = sum(u.numel for u in units)
+    notes = _estimate_notes(plan, host_min, budgets, accumulation=accumulation, batch=batch, seq=seq,
+                            clipping=clipping, accumulator=accumulator, ram_auto=ram_gb == "auto",
+                            disk_auto=disk_gb == "auto" and bool(offload_dir), disk_path=disk_path)
+    return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
+                    budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
+                                                                                batch=batch, seq=seq),
+                    notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min)
+
+
+def _estimate_notes(plan, host_min: int, budgets: dict, *, accumulation: int, batch: int, seq: int,
+                    clipping: bool, accumulator: bool, ram_auto: bool, disk_auto: bool,
+                    disk_path: Optional[str]) -> list:
+    """The lines printed under an estimate's table: the window, clipping, the least host RAM, budgets read here."""
     notes = []
     if plan.window:
         w = plan.window
@@ -335,16 +348,13 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
         notes.append(f"host RAM: {format_bytes(plan.host['total'])} with this budget; at least {format_bytes(host_min)} "
                      "with everything that may leave it on the disk tier (master weights, gradients held "
                      "for clipping, boundary activations)")
-    if ram_gb == "auto":
+    if ram_auto:
         notes.append(f"host budget: this machine's RAM ({format_bytes(budgets['host'])}); pass ram_gb=... to plan "
                      "for other hardware")
-    if disk_gb == "auto" and offload_dir:
+    if disk_auto:
         notes.append(f"disk budget: the free space at {_free_disk_path(disk_path)} ({format_bytes(budgets['disk'])}); "
                      "pass disk_gb=... to plan for other hardware")
-    return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
-                    budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
-                                                                                batch=batch, seq=seq),
-                    notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min)
+    return notes
 
 
 def _held_where(plan) -> str:

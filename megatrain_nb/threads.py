@@ -49,6 +49,7 @@ mtnb-cache | HostCache | 1 | - | step | copies resident keys into readers' buffe
 mtnb-transport-in | CpuTransport | 1, adversarial mode (tests) | - | - | delayed copies in; sharded gathers on CPU
 mtnb-transport-out | CpuTransport | 1, adversarial mode (tests) | - | - | delayed copies out; sharded reduce-scatters on CPU
 mtnb-manifest | trainer.manifest | up to 8 (a pool per call) | - | - | hashes checkpoint files
+mtnb-snapshot | PendingSnapshot | 1 while a snapshot completes | - | - | links, manifest and rename of a snapshot taken without waiting for the step
 mtnb-session | Session | 1 per session (mtnb-session-<name>) | - | - | drives trainer.iter_steps()
 mtnb-publisher | Publisher | 1 per session (mtnb-publisher-<name>) | - | - | the only writer of widgets and displays
 mtnb-beacon | SessionBeacon | 1 per session (mtnb-beacon-<id>) | - | - | heartbeat file, command inbox
@@ -73,7 +74,7 @@ DECODE, ENCODE = THREADS["mtnb-decode"], THREADS["mtnb-encode"]
 DISK, CACHE = THREADS["mtnb-disk"], THREADS["mtnb-cache"]
 TRANSPORT_IN, TRANSPORT_OUT = THREADS["mtnb-transport-in"], THREADS["mtnb-transport-out"]
 # outside the engine
-MANIFEST, SESSION = THREADS["mtnb-manifest"], THREADS["mtnb-session"]
+MANIFEST, SNAPSHOT, SESSION = THREADS["mtnb-manifest"], THREADS["mtnb-snapshot"], THREADS["mtnb-session"]
 PUBLISHER, BEACON = THREADS["mtnb-publisher"], THREADS["mtnb-beacon"]
 SAMPLES = THREADS["mtnb-samples"]
 CONTROLLER_WATCH = THREADS["mtnb-controller-watch"]

@@ -56,6 +56,8 @@ SLOW_TESTS = {
     "tests/engine/test_guards.py::test_skip_policy_drops_the_step_and_counts_it",
     "tests/engine/test_engine.py::test_20_adamw_steps_match_torch_adamw",
     "tests/engine/test_chunked_updates.py::test_chunked_updates_equal_the_whole_unit_bitwise",
+    "tests/engine/test_chunked_updates.py::test_chunked_updates_on_the_disk_tier_equal_ram",
+    "tests/engine/test_chunked_updates.py::test_codes_on_the_disk_tier_are_read_and_written_range_by_range_bitwise",
     "tests/engine/test_transport.py::test_layer_major_under_adversarial_transport",
     "tests/engine/test_reclaim.py::test_a_killed_process_folder_is_reclaimed_and_a_live_one_kept",
     "tests/engine/test_tiers.py::test_checkpoint_loads_into_weights_on_disk",

@@ -28,6 +28,22 @@ export interface ILastCommand {
   time: number;
 }
 
+/** One run of a session's tree (the session's own run, a fork, the steps a rewind left). */
+export interface IBranch {
+  /** null for a fork that has not trained yet. */
+  run_id: string | null;
+  name: string;
+  parent_run_id: string | null;
+  forked_at_step: number | null;
+  /** The session's state, or "abandoned" (steps a rewind left behind). */
+  state: string;
+  step: number | null;
+  loss: number | null;
+  changes: string;
+  /** The run this heartbeat's session trains now. */
+  current: boolean;
+}
+
 /** A heartbeat, see docs/INTERNALS.md "Session beacon". */
 export interface ISessionInfo {
   id: string;
@@ -53,6 +69,8 @@ export interface ISessionInfo {
   ended?: number | null;
   age?: number;
   kernel_known?: boolean;
+  /** The run's tree once it has branches (forks, rewinds); empty or absent otherwise. */
+  branches?: IBranch[];
 }
 
 export interface ISessionList {

@@ -6,7 +6,8 @@
  * Stable hooks for tests and styling: .mtnb-session[data-session-id][data-state],
  * .mtnb-name, .mtnb-state, .mtnb-pending, .mtnb-notebook, .mtnb-progress-text,
  * .mtnb-loss, .mtnb-lr, .mtnb-sparkline, .mtnb-mem-{device,host,disk}, .mtnb-pause,
- * .mtnb-resume, .mtnb-stop, .mtnb-lr-input, .mtnb-lr-set, .mtnb-feedback, .mtnb-dismiss.
+ * .mtnb-resume, .mtnb-stop, .mtnb-lr-input, .mtnb-lr-set, .mtnb-feedback, .mtnb-dismiss, and the
+ * run's branches nested under it (.mtnb-branches, see branches.ts).
  *
  * A run that ended stays as a card (state "finished"/"stopped"/"failed", final loss, class
  * .mtnb-ended) until its Dismiss button removes it. A learning rate that was asked for and
@@ -14,6 +15,7 @@
  * the session took is confirmed in the card's feedback line.
  */
 
+import { renderBranches } from './branches';
 import {
   controlsFor,
   ICommandRequest,
@@ -159,6 +161,7 @@ class SessionCard {
   private _session: ISessionInfo;
   private _pending: IPending | null = null;
   private _stopArmed: number | null = null;
+  private _branchKey = '';
   private _n: Record<string, HTMLElement> = {};
   private _spark: SVGPathElement;
   private _sparkSvg: SVGSVGElement;
@@ -241,9 +244,11 @@ class SessionCard {
     controls.append(n.dismiss);
 
     n.feedback = el(d, 'div', 'mtnb-feedback');
+    n.branches = el(d, 'ul', 'mtnb-branches');
+    n.branches.hidden = true;
     n.meta = el(d, 'div', 'mtnb-meta');
 
-    li.append(title, n.notebook, progress, metrics, this._sparkSvg, mem, controls, n.feedback, n.meta);
+    li.append(title, n.notebook, progress, metrics, this._sparkSvg, mem, controls, n.feedback, n.branches, n.meta);
   }
 
   private _button(cls: string, label: string, onClick: () => void): HTMLButtonElement {
@@ -296,6 +301,11 @@ class SessionCard {
 
     for (const tier of ['device', 'host', 'disk'] as const) {
       setText(n[`mem_${tier}`], formatTier(s.memory?.[tier]));
+    }
+    const branches = JSON.stringify(s.branches ?? []);
+    if (this._branchKey !== branches) {
+      this._branchKey = branches;
+      renderBranches(this._doc, n.branches, s.branches);
     }
     setText(n.meta, `pid ${s.pid}${s.host ? ` @ ${s.host}` : ''} \u00b7 id ${s.id}`);
 

@@ -32,6 +32,7 @@ proven optimum.
 """
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from concurrent.futures import Future
@@ -380,6 +381,24 @@ class HostCache:
                 self.counts["bytes_saved"] += _nbytes(tensors)
                 return _done(_nbytes(tensors))
         return self._raw_write(key, tensors)
+
+    def ranged(self, key: str, specs: dict, *, read_old: bool):
+        """As ``DiskStore.ranged`` (used where nothing is kept: ``capacity`` 0): the key's
+        phase advances as a read (``read_old``) and a write, a resident copy (stale from now
+        on) is dropped, and the bytes it moves are counted as they are issued."""
+        with self._lock:
+            if read_old:
+                self._keep(key, READ)
+            self._keep(key, WRITE)
+            self._version[key] = self._version.get(key, 0) + 1
+            self._lost.pop(key, None)
+            self._pop(key)
+        rw = self.store.ranged(key, specs, read_old=read_old)
+        nb = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in specs.values())
+        if read_old:
+            self._count("disk_to_host", nb, "disk_read_bytes")
+        self._count("host_to_disk", nb, "disk_write_bytes")
+        return rw
 
     def write_adopt(self, key: str, tensors: dict) -> Tuple[Future, Optional[dict]]:
         """As :meth:`write`, without the copy into RAM: when the plan keeps the key resident the

@@ -68,6 +68,7 @@ import weakref
 import zlib
 import heapq
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 
 import torch
 
@@ -395,6 +396,27 @@ class DiskStore:
                                      f"contiguous CPU tensor")
         return self._submit(key, False, self._read_file, key, dict(out or {}), urgent=urgent)
 
+    def ranged(self, key: str, specs: dict, *, read_old: bool) -> "RangedRewrite":
+        """A new version of ``key`` written range by range (``specs``: name -> (dtype, shape)),
+        with the old version (``read_old``) read range by range beside it, in the caller's
+        threads: neither version is ever whole in RAM. Ordered as a write: it starts (this call
+        returns) after the operations issued on ``key`` before it; those issued after it wait
+        for its :meth:`RangedRewrite.commit` (or ``abort``). See :class:`RangedRewrite`."""
+        self._checked_key(key)
+        outer: Future = Future()
+        with self._lock:
+            ops = self._ops.setdefault(key, {"write": None, "reads": set()})
+            deps = ([ops["write"]] if ops["write"] is not None else []) + list(ops["reads"])
+            ops["write"], ops["reads"] = outer, set()
+            self._pending.add(outer)
+        futures_wait(deps)   # (their errors are their callers')
+        try:
+            return RangedRewrite(self, key, specs, read_old, outer)
+        except BaseException as e:
+            self._op_done(key, outer)
+            outer.set_exception(e)
+            raise
+
     def wait_key(self, key: str) -> None:
         """Wait until every operation issued so far on ``key`` is done; re-raise its error."""
         with self._lock:
@@ -424,6 +446,34 @@ class DiskStore:
         Call after :meth:`flush` for the version holding every write issued so far."""
         with self._lock:
             return self._file(key) if key in self._sizes else None
+
+    def link(self, key: str, folder: str | os.PathLike) -> Future:
+        """Hard-link ``key``'s file into ``folder`` (which exists), in the key's order: after
+        the writes of ``key`` issued before this call, before those issued after it (as a read
+        is). So a snapshot can ask for the version current now while that version's write is
+        still queued, without waiting for the other keys' writes. Copies the bytes where a link
+        cannot be made (``folder`` on another filesystem). The Future resolves to ``(file name,
+        bytes linked, bytes copied)``; ``OffloadError`` when the key has no file."""
+        self._checked_key(key)
+        return self._submit(key, False, self._link_file, key, os.fspath(folder))
+
+    def _link_file(self, key: str, folder: str) -> tuple[str, int, int]:
+        with self._lock:
+            committed = key in self._sizes
+        if not committed:
+            raise OffloadError(f"the disk tier has no file for {key!r}: a snapshot needs every unit written once")
+        src = self._file(key)
+        name = os.path.basename(src)
+        dest = os.path.join(folder, name)
+        size = os.path.getsize(src)
+        try:
+            os.link(src, dest)
+            return name, size, 0
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+        shutil.copyfile(src, dest)   # another filesystem: the bytes must be copied
+        return name, 0, size
 
     def read_file(self, path: str | os.PathLike, key: str) -> dict[str, torch.Tensor]:
         """Read a file in this store's format from ``path`` (a snapshot's hard link to a file of
@@ -529,15 +579,7 @@ class DiskStore:
             self._pending.add(outer)
 
         def finish() -> None:
-            with self._lock:
-                self._pending.discard(outer)
-                ops = self._ops.get(key)
-                if ops is not None:
-                    if ops["write"] is outer:
-                        ops["write"] = None
-                    ops["reads"].discard(outer)
-                    if ops["write"] is None and not ops["reads"]:
-                        del self._ops[key]
+            self._op_done(key, outer)
 
         def run() -> None:
             if not outer.set_running_or_notify_cancel():
@@ -577,6 +619,18 @@ class DiskStore:
             for d in deps:
                 d.add_done_callback(dep_done)
         return outer
+
+    def _op_done(self, key: str, outer: Future) -> None:
+        """An operation on ``key`` is over: operations ordered after it may start."""
+        with self._lock:
+            self._pending.discard(outer)
+            ops = self._ops.get(key)
+            if ops is not None:
+                if ops["write"] is outer:
+                    ops["write"] = None
+                ops["reads"].discard(outer)
+                if ops["write"] is None and not ops["reads"]:
+                    del self._ops[key]
 
     def _count(self, kind: str, nbytes: int, seconds: float) -> None:
         """kind: "read" or "write"."""
@@ -716,14 +770,14 @@ class DiskStore:
 
 
 # ---------------------------------------------------------------------------- file format
-def _layout(key: str, items) -> tuple[bytes, list[int], int]:
+def _layout(key: str, items, crcs=None) -> tuple[bytes, list[int], int]:
     """Header bytes, each tensor's offset and the file size (a multiple of ALIGN).
 
     Tensors of at least ``_ALIGN_MIN`` bytes start on an ALIGN boundary (so aligned memory moves
     with zero-copy direct I/O); smaller ones are packed at ``_PACK`` bytes after the header, so
-    small files stay small."""
+    small files stay small. ``crcs``: the tensors' checksums when ``items`` hold no data yet."""
     reserved = 256
-    crcs = [_crc(t) for _, t in items]
+    crcs = [_crc(t) for _, t in items] if crcs is None else crcs
     while True:
         cursor, entries = _round(reserved, _PACK), []
         for (name, t), crc in zip(items, crcs):
@@ -820,3 +874,182 @@ def _buffered_write(fd: int, segments, file_size: int) -> None:
                 _drop_cache(fd)
                 since_sync = 0
     os.ftruncate(fd, file_size)
+
+
+class RangedRewrite:
+    """A key's new version written range by range, its old version read range by range beside
+    it (``DiskStore.ranged``). Each tensor's ranges are read, and written, in order from its
+    start (its crc32 is taken as they pass: a read of the old version's last range checks its
+    checksum; the new header carries the new ones). The new file has a temporary name until
+    :meth:`commit` (fdatasync, then ``os.replace``): an :meth:`abort` or a crash leaves the old
+    version as it was. Buffered I/O, each range's pages dropped as it goes (ranges need not be
+    aligned to direct I/O's blocks); writes are synced every ``_BUFFERED_SYNC_EVERY`` bytes."""
+
+    def __init__(self, store: DiskStore, key: str, specs: dict, read_old: bool, outer: Future):
+        self.store, self.key, self.outer = store, key, outer
+        self.t0 = time.perf_counter()
+        self.final = store._file(key)
+        self.old_fd, self.old = None, {}
+        if read_old:
+            try:
+                self.old_fd = os.open(self.final, os.O_RDONLY)
+            except OSError as e:
+                raise OffloadError(f"cannot open {self.final} for {key!r}: {e.strerror or e}") from e
+            meta = store._read_header(self.old_fd, key, self.final)
+            self.old = {e["name"]: e for e in meta["tensors"]}
+            self.read_pos = {n: [0, 0] for n in self.old}            # name -> [bytes read, crc so far]
+        items = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, (dtype, shape) in specs.items()]
+        self.items = items
+        _, offsets, self.file_size = _layout(key, items, crcs=[0xFFFFFFFF] * len(items))   # the widest header
+        self.new = {n: (off, t.numel() * t.element_size()) for (n, t), off in zip(items, offsets)}
+        self.write_pos = {n: [0, 0] for n in self.new}
+        self.tmp = f"{self.final}.tmp-{uuid.uuid4().hex[:8]}"
+        self.fd = None
+        free = shutil.disk_usage(store.path).free
+        if free < self.file_size:
+            self._close_old()
+            raise store._no_space(key, self.final, self.file_size, free)
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            self._close_old()
+            raise self._failed(e) from e
+        self.since_sync = self.read_bytes = 0
+        self.lock = threading.Lock()
+
+    def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, start + out.numel())`` of the old version's ``name`` into ``out``."""
+        e = self.old[name]
+        pos = self.read_pos[name]
+        esize = out.element_size()
+        a, n = start * esize, out.numel() * esize
+        if a != pos[0] or a + n > e["nbytes"]:
+            raise ValueError(f"RangedRewrite.read({self.key!r}, {name!r}): bytes [{a}, {a + n}) out of order "
+                             f"(next {pos[0]} of {e['nbytes']})")
+        arr = _np(_bytes_view(out))
+        try:
+            _pread_all(self.old_fd, arr, e["offset"] + a)
+        except OSError as err:
+            raise OffloadError(f"reading {self.key!r} from {self.final} failed: {err.strerror or err}") from err
+        _drop_cache(self.old_fd, e["offset"] + a, n)
+        pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
+        self.read_bytes += n
+        if pos[0] == e["nbytes"] and "crc32" in e and pos[1] != e["crc32"]:
+            raise OffloadError(f"{self.final} (key {self.key!r}): the payload of {name!r} does not match its "
+                               f"checksum (the file was corrupted on disk). The run cannot continue from this "
+                               f"state: resume from the last checkpoint")
+        return out
+
+    def write(self, name: str, start: int, src: torch.Tensor) -> None:
+        """Elements ``[start, start + src.numel())`` of the new version's ``name``."""
+        off, nbytes = self.new[name]
+        pos = self.write_pos[name]
+        src = src.contiguous()
+        a, n = start * src.element_size(), src.numel() * src.element_size()
+        if a != pos[0] or a + n > nbytes:
+            raise ValueError(f"RangedRewrite.write({self.key!r}, {name!r}): bytes [{a}, {a + n}) out of order "
+                             f"(next {pos[0]} of {nbytes})")
+        arr = _np(_bytes_view(src))
+        with self.lock:
+            try:
+                _pwrite_all(self.fd, arr, off + a)
+                _drop_cache(self.fd, off + a, n)   # starts its writeback (the pages stay until clean)
+                self.since_sync += n
+                if self.since_sync >= _BUFFERED_SYNC_EVERY:
+                    os.fdatasync(self.fd)
+                    _drop_cache(self.fd)
+                    self.since_sync = 0
+            except OSError as err:
+                raise self._failed(err) from err
+        pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
+
+    def commit(self, behind: bool = False):
+        """The new version replaces the old one (every tensor must be written whole). Returns
+        the file size; ``behind``: the header is written now, the sync and rename in a worker
+        of the store (write-behind: operations on the key wait for it, a failure is reported
+        by ``flush`` as a write's) -- returns the Future."""
+        try:
+            short = [n for n, (_, nbytes) in self.new.items() if self.write_pos[n][0] != nbytes]
+            if short:
+                raise ValueError(f"RangedRewrite.commit({self.key!r}): {short} not written whole")
+            _pwrite_all(self.fd, _header_at(self.key, self.items, self.new, self.write_pos, self.file_size), 0)
+        except OSError as e:
+            self.abort(self._failed(e))
+            raise self.outer.exception() from e
+        except BaseException as e:
+            self.abort(e)
+            raise
+        if not behind:
+            self._finish()
+            return self.outer.result()
+        try:
+            self.store._pool.submit(self._finish_behind)
+        except RuntimeError:   # the store's workers are stopping: here, then
+            self._finish_behind()
+        return self.outer
+
+    def _finish_behind(self) -> None:
+        try:
+            self._finish()
+        except BaseException as e:  # noqa: BLE001 - delivered through the future and flush()
+            with self.store._lock:
+                self.store._errors.append(e)
+
+    def _finish(self) -> None:
+        """Sync, rename, count; the key's next operations may start."""
+        try:
+            os.ftruncate(self.fd, self.file_size)
+            os.fdatasync(self.fd)
+            _drop_cache(self.fd)
+            os.close(self.fd)
+            self.fd = None
+            os.replace(self.tmp, self.final)
+        except OSError as e:
+            self.abort(self._failed(e))
+            raise self.outer.exception() from e
+        self._close_old()
+        with self.store._lock:
+            self.store._sizes[self.key] = self.file_size
+        if self.read_bytes:
+            self.store._count("read", self.read_bytes, 0.0)
+        self.store._count("write", self.file_size, time.perf_counter() - self.t0)
+        self.store._op_done(self.key, self.outer)
+        self.outer.set_result(self.file_size)
+
+    def abort(self, error: Optional[BaseException]) -> None:
+        """Drop the new version (the old one stays); operations waiting on this one go ahead
+        (``error`` None: nothing went wrong, the key is left as it was)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+        self._close_old()
+        if not self.outer.done():
+            self.store._op_done(self.key, self.outer)
+            if error is None:
+                self.outer.set_result(0)
+            else:
+                self.outer.set_exception(error)
+
+    def _failed(self, err: OSError) -> OffloadError:
+        """The error to raise for a failed write of the new version (ENOSPC: the space needed)."""
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return self.store._no_space(self.key, self.final, self.file_size, None, err)
+        return OffloadError(f"writing {self.key!r} to {self.final} failed: {err.strerror or err}. Check the "
+                            f"disk behind the offload directory {self.store.root}")
+
+    def _close_old(self) -> None:
+        if self.old_fd is not None:
+            os.close(self.old_fd)
+            self.old_fd = None
+
+
+def _header_at(key: str, items, new: dict, write_pos: dict, file_size: int) -> bytes:
+    """The header of a file whose tensors sit at ``new``'s offsets (room for the widest header)."""
+    entries = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                "offset": new[n][0], "nbytes": new[n][1], "crc32": write_pos[n][1]} for n, t in items]
+    body = json.dumps({"key": key, "file_size": file_size, "tensors": entries}, separators=(",", ":")).encode()
+    return _PREFIX.pack(_MAGIC, len(body), zlib.crc32(body)) + body

@@ -317,6 +317,15 @@ class StreamingEngine:
             engine_io.save_pretrained(self, path, atomic=False)
             self.states.save(path, self.adam)
 
+    def begin_linked_checkpoint(self, path):
+        """A snapshot's engine part, begun at this step boundary without waiting for the step's
+        updates where the disk tier holds the state (``engine/linked.py``); the returned
+        ``LinkedWrite.result()`` completes it (any thread) and returns the bytes."""
+        with self.lock:
+            from .linked import begin_linked
+
+            return begin_linked(self, path)
+
     def load_checkpoint(self, path) -> None:
         with self.lock:
             from .linked import is_linked, load_linked

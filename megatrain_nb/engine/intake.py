@@ -18,6 +18,11 @@ any update (``StepContext.gate``). Each final gradient passes :meth:`GradientInt
 (the reduce point) once. Data parallel, every micro-batch's gradient is reduce-scattered on
 its way out of the device (``transport.ShardedTransport``), so the host holds only shard-sized ones.
 
+A gradient that arrives final in a transport's staging buffer (CUDA: the pinned buffer of its
+device->host copy; ``staged``) goes straight to its update there: :meth:`GradientIntake.arrived`
+returns a Future that is done once the update is done with it, and the pager reuses that
+buffer only then (no unit-sized copy beside the staging buffers).
+
 Final-gradient buffers come from one :class:`~.host_store.BufferPool`; a layer-major window
 on a CPU "device" borrows one per unit (:meth:`GradientIntake.lend_buffer`), sums into it and
 hands it back whole: the pool knows what it lent (``BufferPool.lend`` / ``take_back``), so it
@@ -121,10 +126,11 @@ class GradientIntake:
     """Runs in the pager's gradient-return thread. Collaborators: ``grads`` (HostStore: the
     accumulators), ``submit(unit, lr, grad, zero, release, reserved)`` and ``reserve(unit)`` (the
     update runner: queue an update, wait for a free update slot), ``pool`` (the
-    final-gradient buffers), ``disk`` (hold="disk"), ``sharded`` (data parallel)."""
+    final-gradient buffers), ``disk`` (hold="disk"), ``sharded`` (data parallel), ``staged``
+    (gradients arrive in the transport's staging buffers, kept by straight updates)."""
 
     def __init__(self, units: List[Unit], *, grads, policy: IntakePolicy, pool: BufferPool,
-                 submit: Callable, reserve: Callable, counters, disk=None, sharded=None):
+                 submit: Callable, reserve: Callable, counters, disk=None, sharded=None, staged: bool = False):
         self.units = units
         self.grads = grads
         self.policy = policy
@@ -134,6 +140,7 @@ class GradientIntake:
         self.counters = counters
         self.disk = disk
         self.sharded = sharded
+        self.staged = staged
         self.step = ACCUMULATE_ONLY
         self._norm_sq = 0.0                           # sum of the final gradients' squared norms
         self._norm_lock = threading.Lock()
@@ -153,14 +160,15 @@ class GradientIntake:
     def end(self) -> None:
         self.step = ACCUMULATE_ONLY
 
-    def arrived(self, unit: Unit, grad) -> None:
+    def arrived(self, unit: Unit, grad) -> Optional[Future]:
         """A unit's gradient of this micro-batch reached the host (a flat fp32 tensor, or on a
-        CPU "device" the per-parameter gradients)."""
+        CPU "device" the per-parameter gradients). Returns a Future when the gradient's staging
+        buffer is kept by its update (done when the buffer may be reused), else None."""
         step = self.step
         if self.policy.votes(step):
             self._vote(unit, grad)   # every rank, empty shard or not: a collective
         if unit.numel == 0:   # a small unit's shard of this rank is empty: nothing to update
-            return
+            return None
         route = self.policy.route(step, self.grads.has_grad(unit))
         # (updates of the last step may still be running: they claim their own held gradients;
         # an entry left by a failed step is dropped when this unit's gradient goes elsewhere)
@@ -170,18 +178,7 @@ class GradientIntake:
         if route == Route.ACCUMULATE:
             self.grads.accumulate(unit, grad)
         elif route == Route.STRAIGHT:
-            with self._norm_lock:
-                self._unit_norm.pop(unit.index, None)   # left by a failed clipped step
-            # The update slot first: while the update before it runs, the gradient waits in its
-            # transfer buffer (pinned staging, or on a CPU "device" autograd's own), not in a copy.
-            cancel = self.reserve(unit)
-            try:
-                flat = self._final_buffer(unit, grad, slot=True)
-                self.reduce(unit, flat)
-            except BaseException:
-                cancel()
-                raise
-            self.submit(unit, step.lr, flat, zero=False, release=self.pool.give, reserved=True)
+            return self._straight(unit, grad, step)
         elif route == Route.HOLD:
             flat = self._final_buffer(unit, grad)
             self.reduce(unit, flat)
@@ -201,6 +198,32 @@ class GradientIntake:
                 with self._norm_lock:
                     self._unit_norm.pop(unit.index, None)
                 self.submit(unit, step.lr, None, zero=True, release=None)
+        return None
+
+    def _straight(self, unit: Unit, grad, step: StepContext) -> Optional[Future]:
+        """A final gradient straight to its update. The update slot first: while the update
+        before it runs, the gradient waits in its transfer buffer (pinned staging, or on a CPU
+        "device" autograd's own), not in a copy. A staging buffer is updated in place (the
+        returned Future: done when the update hands it back); else the gradient is copied into
+        (or adopted as) a pool buffer."""
+        with self._norm_lock:
+            self._unit_norm.pop(unit.index, None)   # left by a failed clipped step
+        cancel = self.reserve(unit)
+        kept = None
+        try:
+            if self.staged and torch.is_tensor(grad) and grad.numel() == unit.numel:
+                flat, kept = grad, Future()
+                release = lambda _g, kept=kept: kept.set_result(None)   # noqa: E731 - the pager may reuse it
+            else:
+                flat, release = self._final_buffer(unit, grad, slot=True), self.pool.give
+            self.reduce(unit, flat)
+        except BaseException:
+            cancel()
+            if kept is not None:
+                kept.set_result(None)
+            raise
+        self.submit(unit, step.lr, flat, zero=False, release=release, reserved=True)
+        return kept
 
     def reduce(self, unit: Unit, flat: torch.Tensor) -> None:
         """The reduce point: ``flat`` is this process's final gradient of ``unit`` (fp32, in

@@ -51,7 +51,8 @@ def memory_report(*, pager, runner, store, states, weights, updates, boundary, b
             "grads": hb["grads"] + updates.held_ram_bytes() + cached["grads"],
             "optimizer_states": st["host"] + cached["optimizer_states"],
             # states read ahead of their updates + recycled scratch (moments, final gradients)
-            "buffers": st["host_buffers"] + updates.buffer_bytes() + boundary.free_bytes(),
+            # (and the pinned buffers gradients arrive in from the device, updated there)
+            "buffers": st["host_buffers"] + updates.buffer_bytes() + boundary.free_bytes() + pager.grad_host_bytes,
             # layer-boundary activations a layer-major window kept in host RAM (peak)
             "activations": boundary_peak["host"],
             "capacity_bytes": int(config.max_host_gb * GiB) if config.max_host_gb else ram_total()}

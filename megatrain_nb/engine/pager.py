@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -25,6 +26,22 @@ import torch
 from .telemetry import Telemetry
 from ..threads import D2H, H2D, executor
 from .units import Unit
+
+
+def staging_buffers(max_grads_in_flight: int) -> int:
+    """Pinned host buffers a staging transport's gradients arrive in (and are updated in):
+    the ``max_grads_in_flight`` units being updated and the one next in line, at least two."""
+    return max(2, max_grads_in_flight + 1)
+
+
+def _wait_kept(fut: Optional[Future]) -> None:
+    """Wait for a gradient's trip to the host and, when its sink kept the host buffer (the
+    trip returned a Future), for the sink to be done with it (its error is the update's, reported there)."""
+    if fut is None:
+        return
+    kept = fut.result()
+    if isinstance(kept, Future):
+        futures_wait([kept])
 
 
 class Slot:
@@ -66,16 +83,21 @@ class Pager:
         for pool in self.pools.values():   # a new slot starts released (the adversarial transport: NaN)
             for s in pool:
                 transport.release(s.buf)
-        # Gradient staging (a transport that stages: CUDA): two device flat fp32 buffers and their
-        # pinned host twins, used in turn; a unit's gradient sum is copied into one and leaves.
+        # Gradient staging (a transport that stages: CUDA): two device flat fp32 buffers, used in
+        # turn, and ``max_grads_in_flight + 1`` (at least two) pinned host ones: a unit's gradient
+        # sum is copied into a device one and leaves into a host one, where its update may run
+        # (the sink keeps the host buffer until the future it returns is done): the units being
+        # updated and the one next in line, with no unit-sized copy besides.
         max_unit = max(transport.slot_numel(u) for u in units)
-        self.grad_buf_bytes = 0
+        self.grad_buf_bytes = self.grad_host_bytes = 0
         if transport.stages:
             self._grad_dev = [torch.empty(max_unit, dtype=torch.float32, device=device) for _ in range(2)]
-            self._grad_host = [transport.host_buffer(max_unit) for _ in range(2)]
-            self._grad_free: List[Optional[Future]] = [None, None]
-            self._grad_turn = 0
-            self.grad_buf_bytes = 2 * max_unit * 4
+            self._grad_host = [transport.host_buffer(max_unit) for _ in range(staging_buffers(max_grads_in_flight))]
+            self._dev_free: List[Optional[Future]] = [None, None]
+            self._grad_free: List[Optional[Future]] = [None] * len(self._grad_host)
+            self._grad_turn = self._host_turn = 0
+            self.grad_buf_bytes = 2 * max_unit * 4                      # device
+            self.grad_host_bytes = len(self._grad_host) * max_unit * 4   # pinned host
         self._order: List[Unit] = []
         self._issued = 0              # order[:_issued] have been fetched (or consumed)
         self._consumed = 0
@@ -179,11 +201,13 @@ class Pager:
         transport's copy out and hands the host tensor to the sink."""
         grads = [g.detach() if g.requires_grad else g for g in grads]   # (the same object: see updates.lend_buffer)
         if self.transport.stages:
-            turn = self._grad_turn
+            turn, hturn = self._grad_turn, self._host_turn
             self._grad_turn ^= 1
-            dev, host = self._grad_dev[turn], self._grad_host[turn]
-            if self._grad_free[turn] is not None:
-                self._grad_free[turn].result()     # the staging buffers' last user is done
+            self._host_turn = (hturn + 1) % len(self._grad_host)
+            dev, host = self._grad_dev[turn], self._grad_host[hturn]
+            if self._dev_free[turn] is not None:
+                self._dev_free[turn].result()      # the device buffer's copy out is done
+            _wait_kept(self._grad_free[hturn])     # the host buffer's last user (an update) is done
             n_slot = self.transport.slot_numel(unit)
             if n_slot > unit.numel:   # padded to whole shards; the tail must be zero
                 dev[unit.numel:n_slot].zero_()
@@ -200,10 +224,10 @@ class Pager:
             t0 = time.perf_counter()
             out = self.transport.copy_out(unit, src, host, after=after).result()
             self.telemetry.add_bytes("device_to_host", out.numel() * 4, time.perf_counter() - t0)
-            self.grad_sink(unit, out)
+            return self.grad_sink(unit, out)   # a Future: the sink keeps the host buffer until it is done
         fut = self._d2h.submit(finish)
         if self.transport.stages:
-            self._grad_free[turn] = fut
+            self._dev_free[turn] = self._grad_free[hturn] = fut
         self._grad_futures.append(fut)
         # Bounded: at most a few units' gradients in flight to the host (memory stays flat).
         pending = [f for f in self._grad_futures if not f.done()]

@@ -21,7 +21,7 @@ from .pager import Pager
 from .planner import Plan, engine_plan
 from .proxies import LayerProxy
 from .sharded import ShardedUnits
-from .states import OptimizerStates, open_disk_tier, stored_state_bytes
+from .states import OptimizerStates, open_disk_tier, stored_state_bytes, update_chunk
 from .step import StepRunner, Steps
 from .transport import make_transport
 from .units import Unit, build_units, find_layer_list
@@ -77,8 +77,11 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     disk = _disk_tier(units, config, plan, params_on_disk, counters)
     depth = config.overrides.inflight_depth
     small = max(u.numel for u in units) * 4 <= SMALL_UNIT_BYTES
+    chunked = update_chunk(config.optimizer_compression, config.overrides.update_chunk_numel,
+                           max(u.numel for u in state_units)) > 0   # (as OptimizerStates decides)
     weights = make_weight_store(state_units, store, disk=disk if params_on_disk else None, pin=pin, counters=counters,
-                                compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1)
+                                compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1,
+                                ranged=chunked)
     states = OptimizerStates(state_units, config, counters, disk=disk, chunk_numel=config.overrides.update_chunk_numel)
     alloc, put = store.alloc, weights.put_initial
     if sharded is not None:   # each rank keeps its slice of every unit as it is built
@@ -94,8 +97,11 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     _move_buffers(model, units[1:-1], device)
     model.config.use_cache = False
     adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
+    # (on CPU, MEGATRAIN_ADVERSARIAL_TRANSPORT=1 makes it the tests' adversarial one)
+    transport = make_transport(device, sharded=sharded)
     updates = UpdateScheduler(state_units, grads=store, weights=weights, states=states, adam=adam, counters=counters,
-                              disk=disk, depth=depth, sharded=sharded, policy=config.on_nonfinite)
+                              disk=disk, depth=depth, sharded=sharded, policy=config.on_nonfinite,
+                              staged=transport.stages)
     source_fn, source_done, plan_reads = updates.ready_weights, weights.transfer_done, updates.plan_reads
     grad_sink = updates.gradient_arrived
     if sharded is not None:   # the pager sees whole units; the stores hold shards
@@ -104,8 +110,6 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
         source_done = lambda u, t: weights.transfer_done(shard(u), t)                  # noqa: E731
         plan_reads = lambda order, step: updates.plan_reads([shard(u) for u in order], step)  # noqa: E731
         grad_sink = lambda u, g: updates.gradient_arrived(shard(u), g)                 # noqa: E731
-    # (on CPU, MEGATRAIN_ADVERSARIAL_TRANSPORT=1 makes it the tests' adversarial one)
-    transport = make_transport(device, sharded=sharded)
     pager = Pager(units, device=device, dtype=config.compute_dtype, layer_slots=plan.layer_slots, source=source_fn,
                   source_done=source_done, transport=transport, telemetry=counters, grad_sink=grad_sink,
                   max_grads_in_flight=depth)

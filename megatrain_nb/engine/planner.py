@@ -87,41 +87,57 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     it (``u``: the largest unit; "large": over 256 MiB, ``parts.SMALL_UNIT_BYTES``):
 
     * master weights on the disk tier: the compute stream's staging buffers (``2 + depth``,
-      large units 2) and the optimizer stream's (2, large units 1), each ``u``
-      (``parts.build_parts``, ``weight_store.DiskWeights``);
-    * final gradients: on CUDA the two pinned staging buffers of the device->host copies
-      (``pager``) and the ``depth`` units being updated, each in a pool buffer (a gradient
-      waits for its update slot in its staging buffer: ``intake.GradientIntake.arrived``); on
-      a CPU "device" one more (the window's sum being formed, a lent pool buffer) and a tied
-      embedding's sum; + 2 when a clipping norm is waited for (the hold's disk writes);
+      large units 2), each ``u``, and the optimizer stream's (2, large units 1), each ``u``,
+      or with chunked updates one chunk's buffer: an update not handed its backward's buffer
+      reads and writes its weights range by range (``weight_store.DiskWeights.ranged_update``;
+      layer statistics, once turned on, read such a unit whole into the optimizer stream's
+      buffers, not counted here) (``parts.build_parts``);
+    * final gradients: on CUDA the pinned staging buffers of the device->host copies
+      (``pager.staging_buffers``: the ``depth`` units being updated, in the very buffers their
+      gradients arrived in, and the one next in line, waiting for its update slot:
+      ``intake.GradientIntake.arrived``); on a CPU "device" ``depth`` pool buffers and one more
+      (the window's sum being formed, a lent pool buffer) and a tied embedding's sum; + 2 when
+      a clipping norm is waited for (the hold's disk writes; on CUDA one more: a held gradient
+      is copied out of its staging buffer into a pool buffer);
     * compressed optimizer states, updated in chunks (``states.OptimizerStates.update``): the
-      fp32 moments of ``RING`` chunks (at most the largest unit's size, ``states.update_chunk``) and the codes of the unit being updated (encoded back in
-      place when read from the disk tier; a new set in RAM), and on the disk tier the codes
-      read ahead (``states.min_reads_ahead``) and written behind (``states.writes_pending``);
+      fp32 moments of ``RING`` chunks (at most the largest unit's size, ``states.update_chunk``);
+      on the disk tier the codes of those chunks only, read from the unit's file and written to
+      its new version range by range (``states.OptimizerStates.ranged_io``,
+      ``disk_store.DiskStore.ranged``: nothing read ahead nor written behind); in RAM a new
+      set of the unit's codes;
       fp32 states on the disk tier are read into and written from whole-unit buffers (the unit
       being updated, reads ahead, writes behind); fp32 states in RAM are updated in place.
     (Without a host cache of the disk tier: the estimate's least host RAM.)
     """
-    from .states import RING, min_reads_ahead, update_chunk, writes_pending
+    from .chunk_ring import RING
+    from .states import min_reads_ahead, update_chunk, writes_pending
+    from .intake import HOLD_WRITES
+    from .pager import staging_buffers
 
     if not units:
         return 0
     u = max(x.numel for x in units)
     large = u * 4 > (256 << 20)
     out = 0
-    if weights_on_disk:
-        out += ((2 if large else 2 + depth) + (1 if large else 2)) * u * 4
+    chunk = update_chunk(compression, chunk_numel, u)
+    if weights_on_disk:   # compute staging; the optimizer's, or (chunked updates) one chunk's
+        out += (2 if large else 2 + depth) * u * 4
+        out += chunk * 4 if chunk else (1 if large else 2) * u * 4
     tied = any(x.tied_output for x in units if x.kind == "embed")
-    grads = 2 + depth if cuda else depth + 1 + int(tied)
-    out += (grads + (2 if clipped else 0)) * u * 4
+    if cuda:   # clipped: a held gradient is copied out of its staging buffer (+ the hold's writes)
+        grads = staging_buffers(depth) + (HOLD_WRITES + 1 if clipped else 0)
+    else:
+        grads = depth + 1 + int(tied) + (HOLD_WRITES if clipped else 0)
+    out += grads * u * 4
     if compression == "none":
         if states_on_disk:
             out += (1 + min_reads_ahead(8 * u) + writes_pending(8 * u, False)) * 8 * u
     else:
-        stored = int(u * codec_bytes_per_param(compression))
-        out += RING * 8 * update_chunk(compression, chunk_numel, u) + stored
-        if states_on_disk:
-            out += (min_reads_ahead(stored) + writes_pending(stored, True)) * stored
+        out += RING * 8 * chunk   # the fp32 moments of the ring's chunks
+        if states_on_disk and chunk:   # codes read and written range by range (states.ranged_io)
+            out += RING * int(chunk * codec_bytes_per_param(compression))
+        else:   # a new set of codes in RAM
+            out += int(u * codec_bytes_per_param(compression))
     return out
 
 
@@ -177,6 +193,165 @@ class Workload:
     clipped: bool = True
 
 
+@dataclass
+class _PlanInputs:
+    """What make_plan's steps share: the budgets, the workload and the unit sizes."""
+    units: List[UnitSpec]
+    held: List[UnitSpec]                # whole units, or this rank's shards
+    shape: ModelShape
+    cfg: object
+    cuda: bool
+    workload: Workload
+    disk_bytes: Optional[int]
+    vram_bytes: Optional[int]
+    host_bytes: Optional[int]
+    cb: int                             # compute bytes per element
+    inter: int                          # intermediate size
+    by_kind: Dict[str, int]             # the largest unit of each kind (device working set)
+    total: int                          # parameters whose state this process holds
+
+    @classmethod
+    def of(cls, units, shape, cfg, cuda, workload, disk_bytes, state_units) -> "_PlanInputs":
+        held = units if state_units is None else state_units
+        return cls(units=units, held=held, shape=shape, cfg=cfg, cuda=cuda, workload=workload, disk_bytes=disk_bytes,
+                   vram_bytes=int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else None,
+                   host_bytes=int(cfg.max_host_gb * GiB) if cfg.max_host_gb else None,
+                   cb=2 if cfg.precision == "bf16" else 4, inter=shape.intermediate_size or 4 * shape.hidden_size,
+                   by_kind={k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")},
+                   total=sum(u.numel for u in held))
+
+    def device_need(self, slots: int, k: int) -> Dict[str, int]:
+        """Device bytes of ``slots`` layer slots at checkpoint interval ``k``."""
+        by_kind, dev_max_unit = self.by_kind, max(u.numel for u in self.units)
+        w = (by_kind["embed"] + by_kind["head"] + slots * by_kind["layer"]) * self.cb
+        grads = (2 * dev_max_unit * 4) if self.cuda else dev_max_unit * 4
+        act = activation_bytes(hidden_size=self.shape.hidden_size, intermediate_size=self.inter,
+                               num_layers=self.shape.num_layers, vocab_size=self.shape.vocab_size,
+                               batch=self.workload.batch, seq=self.workload.seq, checkpoint_interval=k,
+                               compute_bytes=self.cb, loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens)
+        return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
+
+    def in_flight(self, weights_on_disk: bool) -> int:
+        w = self.workload
+        return host_in_flight(self.held, self.cfg.optimizer_compression, weights_on_disk=weights_on_disk,
+                              states_on_disk=bool(self.cfg.offload_dir), cuda=self.cuda,
+                              clipped=w.clipped and w.gradients != "accumulator",
+                              depth=self.cfg.overrides.inflight_depth,
+                              chunk_numel=self.cfg.overrides.update_chunk_numel)
+
+
+def _device_schedule(p: _PlanInputs):
+    """The checkpoint interval and layer slots: (k, device figures, slots, feasible, limiting, reason)."""
+    checkpoint_interval, layer_slots = p.cfg.checkpoint_interval, p.cfg.overrides.device_slots
+    num_layers, vram_bytes = p.shape.num_layers, p.vram_bytes
+    if checkpoint_interval == 0:  # no recompute: every layer resident for the step
+        layer_slots = max(num_layers, 1)
+    candidates = [checkpoint_interval] if checkpoint_interval is not None else sorted(
+        {1, 2, 3, 4, max(1, int(math.sqrt(num_layers))), max(1, num_layers)})
+    chosen_k, dev = None, None
+    for k in candidates:
+        need = p.device_need(layer_slots or 2, k)
+        if vram_bytes is None or need["total"] <= vram_bytes:
+            chosen_k, dev = k, need
+            break
+    feasible, limiting, reason = True, None, "fits"
+    if chosen_k is None:
+        chosen_k = candidates[0]
+        dev = p.device_need(layer_slots or 2, chosen_k)
+        minimal = p.device_need(2, max(candidates))
+        feasible, limiting = False, "device"
+        reason = (f"the device working set needs {dev['total'] / GiB:.2f} GiB (weights slots "
+                  f"{dev['weights'] / GiB:.2f} GiB, gradient buffers {dev['grads'] / GiB:.2f} GiB, activations "
+                  f"{dev['activations'] / GiB:.2f} GiB) but max_vram_gb allows {vram_bytes / GiB:.2f} GiB; the "
+                  f"smallest plan (2 layer slots, checkpoint interval {max(candidates)}) needs "
+                  f"{minimal['total'] / GiB:.2f} GiB: raise max_vram_gb or shorten the batch/sequence")
+    slots = layer_slots or 2
+    if layer_slots is None and vram_bytes is not None and feasible:
+        while slots < 4 and dev["total"] + p.by_kind["layer"] * p.cb <= vram_bytes:
+            slots += 1
+            dev = p.device_need(slots, chosen_k)
+    return chosen_k, dev, slots, feasible, limiting, reason
+
+
+def _host_placement(p: _PlanInputs):
+    """Gradients always on the host (or held on the disk tier for a clipping norm); optimizer
+    states to disk when a disk tier exists; master weights to disk when the host budget cannot
+    hold them (or when forced). Returns (placement, host figures, grads on disk, weights, states)."""
+    cfg, offload_dir, offload_params = p.cfg, bool(p.cfg.offload_dir), p.cfg.offload_params
+    states = int(p.total * codec_bytes_per_param(cfg.optimizer_compression))
+    weights, grads = p.total * 4, (p.total * 4 if p.workload.gradients != "none" else 0)
+    clip_hold = cfg.clip_hold if p.workload.gradients == "held" else None
+    placement = {"gradients": "host", "master_weights": "host",
+                 "optimizer_states": "disk" if offload_dir else "host"}
+    host_states = 0 if offload_dir else states
+    # Final gradients held for a clipping norm may wait on the disk tier (an accumulator may
+    # not). "auto": there only when the host budget cannot hold them beside the master
+    # weights; they move before the master weights do (one write and one read per step,
+    # where weights on disk are also read by every forward).
+    host_rest = ((0 if offload_params else weights) + (0 if offload_dir else states)
+                 + p.in_flight(bool(offload_params)))   # the host's other needs, as counted below
+    grads_on_disk = bool(offload_dir and grads) and (clip_hold == "disk" or (
+        clip_hold == "auto" and p.host_bytes is not None and host_rest + grads > p.host_bytes))
+    if grads_on_disk:
+        placement["gradients"] = "disk"
+        grads = 0
+    if offload_params or (offload_params is None and offload_dir and p.host_bytes is not None
+                          and weights + grads + host_states + p.in_flight(False) > p.host_bytes):
+        placement["master_weights"] = "disk" if offload_dir else "host"
+    host = {"weights": weights if placement["master_weights"] == "host" else 0,
+            "grads": grads,
+            "optimizer_states": states if placement["optimizer_states"] == "host" else 0,
+            "buffers": p.in_flight(placement["master_weights"] == "disk")}
+    return placement, host, grads_on_disk, weights, states
+
+
+def _plan_window(p: _PlanInputs, chosen_k: int, dev: dict, host: dict, placement: dict, grads_on_disk: bool,
+                 weights: int, states: int, sums: int):
+    """``accumulation`` > 1: the window's layout; updates ``dev``, ``host``, ``placement`` in
+    place. Returns (the window's dict, the device figures, grads on disk)."""
+    w, cfg, total = p.workload, p.cfg, p.total
+    free_dev = None if p.vram_bytes is None else max(p.vram_bytes - dev["total"] - sums, 0)
+    # Boundary activations leave HOST_HEADROOM of the host budget free (the OS, page cache,
+    # allocator slack: a pinned RAM tier filled to the last GiB is what gets a process killed).
+    free_host = None if p.host_bytes is None else max(int((1 - HOST_HEADROOM) * p.host_bytes) - sum(host.values()), 0)
+    disk_used = ((weights if placement["master_weights"] == "disk" else 0) + (total * 4 if grads_on_disk else 0)
+                 + (states if placement["optimizer_states"] == "disk" else 0))
+    free_disk = 0 if not cfg.offload_dir else None if p.disk_bytes is None else max(p.disk_bytes - disk_used, 0)
+    hid = p.shape.hidden_size
+    wp = window_plan(w.accumulation, tokens=w.batch * w.seq, hidden_size=hid, num_layers=p.shape.num_layers,
+                     checkpoint_interval=chosen_k, compute_bytes=p.cb, device_free=free_dev, host_free=free_host,
+                     layer_work_bytes_per_token=(12 * hid + 4 * p.inter) * p.cb,
+                     accumulator_bytes=0 if host["grads"] else total * 4, disk_free=free_disk,
+                     raise_interval=cfg.checkpoint_interval is not None and cfg.checkpoint_interval >= 1)
+    if wp.groups > 1:   # a later group adds into the host accumulator
+        host["grads"] = total * 4
+        grads_on_disk = False
+        placement["gradients"] = "host"
+    window = wp.to_dict()
+    window["tokens_per_weight_fetch"] = w.batch * w.seq * w.accumulation / wp.loads_per_layer
+    dev = dict(dev, grad_sums=sums)
+    if wp.tier in ("host", "disk"):
+        if wp.tier == "host":
+            host["activations"] = wp.boundary_bytes
+        dev["activations"] += wp.device_work_bytes
+    else:
+        dev["activations"] += wp.boundary_bytes + wp.device_work_bytes
+    dev["total"] = dev["weights"] + dev["grads"] + dev["grad_sums"] + dev["activations"]
+    return window, dev, grads_on_disk
+
+
+def _host_refusal(p: _PlanInputs, host: dict, placement: dict) -> str:
+    return (f"host RAM needs {host['total'] / GiB:.2f} GiB (master weights {host['weights'] / GiB:.2f}, "
+            f"gradients {host['grads'] / GiB:.2f}, optimizer states {host['optimizer_states'] / GiB:.2f}, "
+            f"buffers in flight {host['buffers'] / GiB:.2f}) "
+            f"but {p.host_bytes / GiB:.2f} GiB are available: "
+            + ("give an offload_dir for the disk tier" if not p.cfg.offload_dir
+               else "more RAM, or offload_params=True to put the master weights on disk"
+               if placement["master_weights"] == "host" else
+               "more RAM (the gradient accumulator lives there)" if host["grads"] else
+               "more RAM (units in flight are staged there)"))
+
+
 def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = True, workload: Workload = Workload(),
               disk_bytes: Optional[int] = None, state_units: Optional[List[UnitSpec]] = None) -> Plan:
     """Place a model's training state on (device, host, disk) under ``cfg``'s budgets (an
@@ -195,145 +370,30 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
     ``state_units``: the part of each unit whose training state this process holds (data
     parallel: this rank's shards, ``engine/sharded.py``); host and disk figures are theirs, the
     device working set stays that of the whole ``units``. Default: ``units``."""
-    hidden_size, num_layers = shape.hidden_size, shape.num_layers
-    intermediate_size, vocab_size = shape.intermediate_size, shape.vocab_size
-    vram_bytes = int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else None
-    host_bytes = int(cfg.max_host_gb * GiB) if cfg.max_host_gb else None
-    batch, seq, accumulation = workload.batch, workload.seq, workload.accumulation
-    compression, precision = cfg.optimizer_compression, cfg.precision
-    checkpoint_interval, offload_dir = cfg.checkpoint_interval, bool(cfg.offload_dir)
-    layer_slots, offload_params = cfg.overrides.device_slots, cfg.offload_params
-    loss_chunk_tokens = cfg.overrides.loss_chunk_tokens
-    host_gradients = workload.gradients != "none"
-    clip_hold = cfg.clip_hold if workload.gradients == "held" else None
-    cb = 2 if precision == "bf16" else 4
-    inter = intermediate_size or 4 * hidden_size
-    by_kind = {k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")}
-    dev_max_unit = max(u.numel for u in units)
-    held = units if state_units is None else state_units   # whole units, or this rank's shards
-    total = sum(u.numel for u in held)
-    max_unit = max(u.numel for u in held)
-
-    def device_need(slots: int, k: int) -> Dict[str, int]:
-        w = (by_kind["embed"] + by_kind["head"] + slots * by_kind["layer"]) * cb
-        grads = (2 * dev_max_unit * 4) if cuda else dev_max_unit * 4
-        act = activation_bytes(hidden_size=hidden_size, intermediate_size=inter, num_layers=num_layers,
-                               vocab_size=vocab_size, batch=batch, seq=seq, checkpoint_interval=k,
-                               compute_bytes=cb, loss_chunk_tokens=loss_chunk_tokens)
-        return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
-
-    # Schedule: the checkpoint interval and the number of layer slots.
-    if checkpoint_interval == 0:  # no recompute: every layer resident for the step
-        layer_slots = max(num_layers, 1)
-    candidates = [checkpoint_interval] if checkpoint_interval is not None else sorted(
-        {1, 2, 3, 4, max(1, int(math.sqrt(num_layers))), max(1, num_layers)})
-    chosen_k, dev = None, None
-    for k in candidates:
-        need = device_need(layer_slots or 2, k)
-        if vram_bytes is None or need["total"] <= vram_bytes:
-            chosen_k, dev = k, need
-            break
-    feasible, limiting, reason = True, None, "fits"
-    if chosen_k is None:
-        chosen_k = candidates[0]
-        dev = device_need(layer_slots or 2, chosen_k)
-        minimal = device_need(2, max(candidates))
-        feasible, limiting = False, "device"
-        reason = (f"the device working set needs {dev['total'] / GiB:.2f} GiB (weights slots "
-                  f"{dev['weights'] / GiB:.2f} GiB, gradient buffers {dev['grads'] / GiB:.2f} GiB, activations "
-                  f"{dev['activations'] / GiB:.2f} GiB) but max_vram_gb allows {vram_bytes / GiB:.2f} GiB; the "
-                  f"smallest plan (2 layer slots, checkpoint interval {max(candidates)}) needs "
-                  f"{minimal['total'] / GiB:.2f} GiB: raise max_vram_gb or shorten the batch/sequence")
-    slots = layer_slots or 2
-    if layer_slots is None and vram_bytes is not None and feasible:
-        while slots < 4 and dev["total"] + by_kind["layer"] * cb <= vram_bytes:
-            slots += 1
-            dev = device_need(slots, chosen_k)
-
-    # Host and disk: gradients always on the host; optimizer states to disk when a disk tier
-    # exists; master weights to disk when the host budget cannot hold them (or when forced).
-    states = int(total * codec_bytes_per_param(compression))
-    weights, grads = total * 4, (total * 4 if host_gradients else 0)
-
-    def in_flight(weights_on_disk: bool) -> int:
-        return host_in_flight(held, compression, weights_on_disk=weights_on_disk, states_on_disk=offload_dir,
-                              cuda=cuda, clipped=workload.clipped and workload.gradients != "accumulator",
-                              depth=cfg.overrides.inflight_depth, chunk_numel=cfg.overrides.update_chunk_numel)
-    placement = {"gradients": "host", "master_weights": "host",
-                 "optimizer_states": "disk" if offload_dir else "host"}
-    host_states = 0 if offload_dir else states
-    # Final gradients held for a clipping norm may wait on the disk tier (an accumulator may
-    # not). "auto": there only when the host budget cannot hold them beside the master
-    # weights; they move before the master weights do (one write and one read per step,
-    # where weights on disk are also read by every forward).
-    host_rest = ((0 if offload_params else weights) + (0 if offload_dir else states)
-                 + in_flight(bool(offload_params)))   # the host's other needs, as counted below
-    grads_on_disk = bool(offload_dir and grads) and (clip_hold == "disk" or (
-        clip_hold == "auto" and host_bytes is not None and host_rest + grads > host_bytes))
-    if grads_on_disk:
-        placement["gradients"] = "disk"
-        grads = 0
-    if offload_params or (offload_params is None and offload_dir and host_bytes is not None
-                          and weights + grads + host_states + in_flight(False) > host_bytes):
-        placement["master_weights"] = "disk" if offload_dir else "host"
-    host = {"weights": weights if placement["master_weights"] == "host" else 0,
-            "grads": grads,
-            "optimizer_states": states if placement["optimizer_states"] == "host" else 0,
-            "buffers": in_flight(placement["master_weights"] == "disk")}
+    p = _PlanInputs.of(units, shape, cfg, cuda, workload, disk_bytes, state_units)
+    chosen_k, dev, slots, feasible, limiting, reason = _device_schedule(p)
+    placement, host, grads_on_disk, weights, states = _host_placement(p)
     window = None
     sums = window_sum_bytes(units)   # a window sums each unit's gradient on the device (fp32)
-    if accumulation > 1:
-        free_dev = None if vram_bytes is None else max(vram_bytes - dev["total"] - sums, 0)
-        # Boundary activations leave HOST_HEADROOM of the host budget free (the OS, page cache,
-        # allocator slack: a pinned RAM tier filled to the last GiB is what gets a process killed).
-        free_host = None if host_bytes is None else max(int((1 - HOST_HEADROOM) * host_bytes) - sum(host.values()), 0)
-        disk_used = ((weights if placement["master_weights"] == "disk" else 0) + (total * 4 if grads_on_disk else 0)
-                     + (states if placement["optimizer_states"] == "disk" else 0))
-        free_disk = 0 if not offload_dir else None if disk_bytes is None else max(disk_bytes - disk_used, 0)
-        wp = window_plan(accumulation, tokens=batch * seq, hidden_size=hidden_size, num_layers=num_layers,
-                         checkpoint_interval=chosen_k, compute_bytes=cb, device_free=free_dev, host_free=free_host,
-                         layer_work_bytes_per_token=(12 * hidden_size + 4 * inter) * cb,
-                         accumulator_bytes=0 if host["grads"] else total * 4, disk_free=free_disk,
-                         raise_interval=checkpoint_interval is not None and checkpoint_interval >= 1)
-        if wp.groups > 1:   # a later group adds into the host accumulator
-            host["grads"] = total * 4
-            grads_on_disk = False
-            placement["gradients"] = "host"
-        window = wp.to_dict()
-        window["tokens_per_weight_fetch"] = batch * seq * accumulation / wp.loads_per_layer
-        dev = dict(dev, grad_sums=sums)
-        if wp.tier in ("host", "disk"):
-            if wp.tier == "host":
-                host["activations"] = wp.boundary_bytes
-            dev["activations"] += wp.device_work_bytes
-        else:
-            dev["activations"] += wp.boundary_bytes + wp.device_work_bytes
-        dev["total"] = dev["weights"] + dev["grads"] + dev["grad_sums"] + dev["activations"]
+    if workload.accumulation > 1:
+        window, dev, grads_on_disk = _plan_window(p, chosen_k, dev, host, placement, grads_on_disk, weights,
+                                                  states, sums)
     host["total"] = sum(host.values())
     disk = {"weights": weights if placement["master_weights"] == "disk" else 0,
-            "grads": total * 4 if grads_on_disk else 0,
+            "grads": p.total * 4 if grads_on_disk else 0,
             "optimizer_states": states if placement["optimizer_states"] == "disk" else 0}
     if window is not None and window["tier"] == "disk":
         disk["activations"] = window["boundary_bytes"]
     disk["total"] = sum(disk.values())
-    if feasible and host_bytes is not None and host["total"] > host_bytes:
-        feasible, limiting = False, "host"
-        reason = (f"host RAM needs {host['total'] / GiB:.2f} GiB (master weights {host['weights'] / GiB:.2f}, "
-                  f"gradients {host['grads'] / GiB:.2f}, optimizer states {host['optimizer_states'] / GiB:.2f}, "
-                  f"buffers in flight {host['buffers'] / GiB:.2f}) "
-                  f"but {host_bytes / GiB:.2f} GiB are available: "
-                  + ("give an offload_dir for the disk tier" if not offload_dir
-                     else "more RAM, or offload_params=True to put the master weights on disk"
-                     if placement["master_weights"] == "host" else
-                     "more RAM (the gradient accumulator lives there)" if host["grads"] else
-                     "more RAM (units in flight are staged there)"))
+    if feasible and p.host_bytes is not None and host["total"] > p.host_bytes:
+        feasible, limiting, reason = False, "host", _host_refusal(p, host, placement)
     if feasible and disk_bytes is not None and disk["total"] > disk_bytes:
         feasible, limiting = False, "disk"
         reason = (f"the disk tier needs {disk['total'] / GiB:.2f} GiB but {disk_bytes / GiB:.2f} GiB are free: "
-                  "free space or use a larger disk" + _smaller_codec_hint(compression))
+                  "free space or use a larger disk" + _smaller_codec_hint(cfg.optimizer_compression))
     return Plan(device=dev, host=host, disk=disk, placement=placement, layer_slots=slots,
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
-                capacity={"device": vram_bytes, "host": host_bytes, "disk": disk_bytes}, window=window,
+                capacity={"device": p.vram_bytes, "host": p.host_bytes, "disk": disk_bytes}, window=window,
                 window_sum_bytes=sums)
 
 
@@ -398,6 +458,77 @@ def loads_per_layer(num_layers: int, checkpoint_interval: int, groups: int = 1) 
 WINDOW_INTERVALS = (2, 3, 4)
 
 
+@dataclass
+class _WindowRoom:
+    """A window's bytes per micro-batch and the room each tier leaves for them."""
+    A: int
+    tokens: int
+    hidden_size: int
+    num_layers: int
+    compute_bytes: int
+    layer_work_bytes_per_token: int
+    device_free: Optional[int]
+    host_free: Optional[int]
+    disk_free: Optional[int]
+    accumulator_bytes: int
+
+    def sizes(self, k: int):
+        """(boundary bytes, device work bytes) of one micro-batch at checkpoint interval ``k``."""
+        row = self.tokens * self.hidden_size * self.compute_bytes
+        if k == 0:
+            return self.num_layers * self.tokens * self.layer_work_bytes_per_token // 2 + row, row
+        return math.ceil(self.num_layers / k) * row, (k + 1) * row
+
+    def fits(self, g: int, where: str, k: int) -> bool:
+        saved, work = self.sizes(k)
+        if where == "device":
+            return self.device_free is None or g * (saved + work) <= self.device_free
+        if k == 0:
+            return False
+        room = {"host": self.host_free, "disk": self.disk_free}[where]
+        if room is not None and g < self.A and where == "host":
+            room -= self.accumulator_bytes
+        return (self.device_free is None or g * work <= self.device_free) and (room is None or g * saved <= room)
+
+    def best(self, tiers, intervals, cap: int, k0: int):
+        """The largest group (then the first tier, interval) that fits; a split keeps ``k0``."""
+        best = None
+        for k in intervals:
+            for where in tiers:
+                g = cap
+                while g > 1 and not self.fits(g, where, k):
+                    g -= 1
+                if best is None or g > best[0]:
+                    best = (g, where, k)
+                if g == cap:
+                    break
+            if best[0] == cap:
+                break
+        g, where, k = best
+        if g < cap:   # split: keep the given interval (more groups cost more loads than a larger k saves)
+            k = k0
+            g = max([gg for gg in range(1, cap + 1) for w in tiers if self.fits(gg, w, k)] or [1])
+            where = next((w for w in tiers if self.fits(g, w, k)), tiers[0])
+        return g, where, k
+
+
+def _window_reason(A: int, g: int, groups: int, where: str, k: int, k0: int, loads: float, saved: int,
+                   tokens: int, by_tokens: int, max_group: Optional[int]) -> str:
+    raised = (f"; checkpoint interval {k} for this window (boundary activations {k0}/{k} of those at "
+              f"interval {k0}; block recompute keeps the result exact, {loads:g} loads per layer)") if k != k0 else ""
+    if groups == 1:
+        return f"layer-major: all {A} micro-batches per pass, boundary activations on the {where}{raised}"
+    if g == by_tokens and g < (min(A, max_group) if max_group else A):
+        why = (f"{g * tokens} tokens per pass already hide the weight streaming; larger groups would only "
+               f"hold more activations")
+    elif max_group and g == max_group:
+        why = f"max_window_micro_batches={max_group}"
+    else:
+        why = f"{A} micro-batches' boundary activations ({A * saved / GiB:.2f} GiB) do not fit"
+    return (f"split into {groups} groups of up to {g} micro-batches (boundary activations on the "
+            f"{where}): {why}{raised}")
+
+
 def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers: int, checkpoint_interval: int,
                 compute_bytes: int, device_free: Optional[int], host_free: Optional[int],
                 layer_work_bytes_per_token: int = 0, tier: str = "auto",
@@ -421,66 +552,20 @@ def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers
     layer (k = 0: every layer's autograd graph, device only); the device also holds each
     micro-batch's current hidden state or gradient and, in the backward, a block's recomputed
     inputs."""
-    A = micro_batches
-    k0 = checkpoint_interval
-    row = tokens * hidden_size * compute_bytes
-
-    def sizes(k: int):
-        if k == 0:
-            return num_layers * tokens * layer_work_bytes_per_token // 2 + row, row
-        return math.ceil(num_layers / k) * row, (k + 1) * row
-
-    def fits(g: int, where: str, k: int) -> bool:
-        saved, work = sizes(k)
-        if where == "device":
-            return device_free is None or g * (saved + work) <= device_free
-        if k == 0:
-            return False
-        room = {"host": host_free, "disk": disk_free}[where]
-        if room is not None and g < A and where == "host":
-            room -= accumulator_bytes
-        return (device_free is None or g * work <= device_free) and (room is None or g * saved <= room)
-
+    A, k0 = micro_batches, checkpoint_interval
+    room = _WindowRoom(A, tokens, hidden_size, num_layers, compute_bytes, layer_work_bytes_per_token, device_free,
+                       host_free, disk_free, accumulator_bytes)
     tiers = ["device", "host", "disk"] if tier == "auto" else [tier]
     intervals = [k0] + ([k for k in WINDOW_INTERVALS if k > k0 and k <= max(num_layers, 1)]
                         if raise_interval and k0 >= 1 else [])
     cap = min(A, max_group) if max_group else A
     by_tokens = max(1, max_tokens_per_pass // max(tokens, 1)) if max_tokens_per_pass else A
     cap = min(cap, by_tokens)
-    best = None
-    for k in intervals:
-        for where in tiers:
-            g = cap
-            while g > 1 and not fits(g, where, k):
-                g -= 1
-            if best is None or g > best[0]:
-                best = (g, where, k)
-            if g == cap:
-                break
-        if best[0] == cap:
-            break
-    g, where, k = best
-    if g < cap:   # split: keep the given interval (more groups cost more loads than a larger k saves)
-        k = k0
-        g = max([gg for gg in range(1, cap + 1) for w in tiers if fits(gg, w, k)] or [1])
-        where = next((w for w in tiers if fits(g, w, k)), tiers[0])
-    saved, work = sizes(k)
+    g, where, k = room.best(tiers, intervals, cap, k0)
+    saved, work = room.sizes(k)
     groups = math.ceil(A / g)
     loads = loads_per_layer(num_layers, k, groups)
-    raised = (f"; checkpoint interval {k} for this window (boundary activations {k0}/{k} of those at "
-              f"interval {k0}; block recompute keeps the result exact, {loads:g} loads per layer)") if k != k0 else ""
-    if groups == 1:
-        reason = f"layer-major: all {A} micro-batches per pass, boundary activations on the {where}{raised}"
-    else:
-        if g == by_tokens and g < (min(A, max_group) if max_group else A):
-            why = (f"{g * tokens} tokens per pass already hide the weight streaming; larger groups would only "
-                   f"hold more activations")
-        elif max_group and g == max_group:
-            why = f"max_window_micro_batches={max_group}"
-        else:
-            why = f"{A} micro-batches' boundary activations ({A * saved / GiB:.2f} GiB) do not fit"
-        reason = (f"split into {groups} groups of up to {g} micro-batches (boundary activations on the "
-                  f"{where}): {why}{raised}")
+    reason = _window_reason(A, g, groups, where, k, k0, loads, saved, tokens, by_tokens, max_group)
     return WindowPlan(micro_batches=A, groups=groups, group_size=g, tier=where, boundary_bytes=g * saved,
                       device_work_bytes=g * work, loads_per_layer=loads, reason=reason, checkpoint_interval=k)
 

@@ -78,19 +78,36 @@ def output_template(unit: Unit, args, kwargs, placeholders) -> Optional[Tuple[bo
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)   # an op without a fake kernel is an answer (None), not an error
+    # (then in bfloat16: some fake kernels, grouped_mm's, take nothing else; the template is
+    # the same in every dtype)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            for p in unit.params:
-                t = torch.empty(p.shape, device=hidden.device, dtype=hidden.dtype)
-                for mod, attr in p.bindings:
-                    mod._parameters[attr] = t
-            out = unit.module(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - the caller keeps what it knew
+        for dtype in dict.fromkeys((hidden.dtype, torch.bfloat16)):
+            try:
+                with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+                    for p in unit.params:
+                        t = torch.empty(p.shape, device=hidden.device, dtype=dtype)
+                        for mod, attr in p.bindings:
+                            mod._parameters[attr] = t
+                    out = unit.module(*_cast(args, dtype), **_cast(kwargs, dtype))
+                return template_of(out)
+            except Exception:  # noqa: BLE001 - the caller keeps what it knew
+                continue
+            finally:
+                unbind(unit, placeholders)
         return None
     finally:
-        unbind(unit, placeholders)
         quiet.setLevel(level)
-    return template_of(out)
+
+
+def _cast(obj, dtype):
+    """``obj`` (nested tuples, lists, dicts) with its floating-point tensors in ``dtype``."""
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields"):
+        return type(obj)(_cast(x, dtype) for x in obj)
+    if type(obj) is dict:
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
 
 
 def template_of(out) -> Tuple[bool, Tuple[bool, ...]]:

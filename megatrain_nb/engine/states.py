@@ -12,11 +12,12 @@ import math
 import os
 import threading
 from concurrent.futures import Future
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .codecs import ROLES as _ROLES, get_codec
+from .chunk_ring import ChunkRing
 from .disk_store import WriteWindow
 from .units import Unit
 
@@ -25,7 +26,6 @@ from .units import Unit
 #: Elements of the moments decoded at a time by a chunked update (OptimizerStates.update):
 #: three chunks of both moments in flight (decoded ahead, in AdamW, encoded behind) = 24 MiB.
 UPDATE_CHUNK = 1 << 20
-RING = 3
 
 
 READ_AHEAD_BYTES = 1 << 30
@@ -42,11 +42,6 @@ def min_reads_ahead(stored_nbytes: int, read_ahead_bytes: int = READ_AHEAD_BYTES
 def writes_pending(stored_nbytes: int, chunked: bool) -> int:
     """State writes pending at most when an update starts (their codes or moments are RAM)."""
     return WRITES_BEHIND if not chunked or stored_nbytes <= ENCODE_BEHIND_BYTES else 1
-
-
-def chunk_bounds(numel: int, chunk: int):
-    """``[(a, b), ...]``: the unit's elements in chunks of ``chunk`` (the last one shorter)."""
-    return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
 
 
 def update_chunk(codec_name: str, chunk_numel: int, largest_unit: int) -> int:
@@ -81,7 +76,6 @@ class OptimizerStates:
         #: ``RING`` chunks of fp32 moments exist at a time, never a unit's.
         self.chunk_numel = update_chunk(self.codec_name, chunk_numel, max((u.numel for u in units), default=0))
         self.chunked = self.chunk_numel > 0
-        self._ring = None   # RING x (m, v) chunk buffers, made on the first chunked update
         self.ram: Dict[int, Dict[str, object]] = {}
         self.disk = disk  # shared with the engine, which closes it
         self._reads: Dict[int, Future] = {}
@@ -113,6 +107,8 @@ class OptimizerStates:
             self._codec = executor(ENCODE)
             self.encode_behind_bytes = ENCODE_BEHIND_BYTES
             self._decoder = executor(DECODE)
+        #: Chunked updates' ring (only ``RING`` chunks of fp32 moments at a time, never a unit's).
+        self.ring = ChunkRing(self.codecs, self.chunk_numel) if self.chunked else None
         self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
         self._decoded: Dict[int, Future] = {}    # unit -> its moments decoded ahead (codec thread)
 
@@ -180,8 +176,8 @@ class OptimizerStates:
         unit is being updated: the read would be issued before the update's write and return
         the old moments (the next step's schedule can come while the last update runs);
         :meth:`store` reads ahead again once the write is issued."""
-        if self.disk is None or unit.index not in self._on_disk:
-            return
+        if self.disk is None or unit.index not in self._on_disk or self.ranged_io():
+            return   # (ranged I/O: each chunk's codes are read by its update)
         with self._lock:
             if unit.index not in self._reads and unit.index not in self._updating and unit.index not in self._decoded:
                 self._reads[unit.index] = self._read(unit)  # bounded here: read_ahead_bytes
@@ -300,6 +296,9 @@ class OptimizerStates:
         with self._lock:
             self._updating.add(unit.index)   # until stored: no read of it ahead of the write
         self._advance(unit)
+        if self.ranged_io():
+            self._update_ranged(unit, apply)
+            return
         stored = self._stored_for_update(unit)
         if apply is None:
             out = None if stored is None else {k: t.clone() for k, t in stored.items()}
@@ -308,20 +307,38 @@ class OptimizerStates:
             # where it was decoded from. (RAM codes are the state itself until the update is
             # done; a host cache's resident codes are shared.)
             own = stored is not None and self.disk is not None and not self._cached()
-            out = stored if own else self._new_codes(unit)
-            self._run_chunks(unit, stored, out, apply)
+            out = stored if own else self.ring.new_codes(unit.numel)
+            self.ring.run(unit.numel, stored, out, apply, self._decoder, self._codec)
         if out is None:
             self.update_failed(unit)
             return
         if self.disk is not None:
             fut, _ = self._write(unit, out, adopt=True)   # the written codes are the cache's, if kept
             self._writes.append(fut)
-        else:
-            self.ram[unit.index] = out
-        with self._lock:
-            self._updating.discard(unit.index)
-        if self.disk is not None:
-            self._read_ahead()   # reads skipped while it was being updated now follow its write
+        self._stored(unit, out)
+
+    def ranged_io(self) -> bool:
+        """Whether chunked updates read and write the codes straight from and to their file on
+        the disk tier, range by range (``DiskStore.ranged``): the disk tier without a host cache
+        (whose resident copies are whole units). No codes are then read ahead or written behind."""
+        return self.chunked and self.disk is not None and not self._cached() and hasattr(self.disk, "ranged")
+
+    def _update_ranged(self, unit: Unit, apply) -> None:
+        """A chunked update from the unit's file to its new version, chunk by chunk: each
+        chunk's codes are read (``mtnb-decode``), decoded, updated, encoded and written
+        (``mtnb-encode``); only the ring's chunks are in RAM. A skipped step leaves the file."""
+        if apply is not None:
+            old = unit.index in self._on_disk
+            rw = self.disk.ranged(self._key(unit), self.ring.code_specs(unit.numel), read_old=old)
+            try:
+                self.ring.run(unit.numel, rw if old else None, rw, apply, self._decoder, self._codec)
+                fut = rw.commit(behind=True)   # synced and renamed behind (bounded: _bound_writes)
+            except BaseException as e:
+                rw.abort(e)
+                raise
+            self._writes.append(fut)
+            self._on_disk.add(unit.index)
+        self._stored(unit, None)
 
     def _bound_writes(self, unit: Unit) -> None:
         """At most ``writes_behind`` state writes pending (their codes are RAM) when an update
@@ -348,70 +365,6 @@ class OptimizerStates:
                     fut = self._read(unit)
             return self._waited(fut)
         return self.ram.get(unit.index)
-
-    def _new_codes(self, unit: Unit) -> Dict[str, torch.Tensor]:
-        out = {}
-        for role in _ROLES:
-            c = self.codecs[role]
-            nblocks = -(-unit.numel // c.block)
-            out[f"{role}.codes"] = torch.empty(nblocks * c.block // c.codes_per_byte, dtype=c.code_dtype)
-            out[f"{role}.scales"] = torch.empty(nblocks, dtype=torch.float32)
-        return out
-
-    def _slice(self, role: str, codes: Dict[str, torch.Tensor], a: int, b: int) -> Dict[str, torch.Tensor]:
-        """The codes and scales of elements ``[a, b)`` (``a`` on a block boundary)."""
-        c = self.codecs[role]
-        lo, hi = a // c.block, -(-b // c.block)
-        return {"codes": codes[f"{role}.codes"][lo * c.block // c.codes_per_byte:hi * c.block // c.codes_per_byte],
-                "scales": codes[f"{role}.scales"][lo:hi]}
-
-    def _ring_buffers(self):
-        if self._ring is None:
-            from .disk_store import aligned_empty
-
-            self._ring = [(aligned_empty(self.chunk_numel), aligned_empty(self.chunk_numel)) for _ in range(RING)]
-        return self._ring
-
-    def _run_chunks(self, unit: Unit, stored, out, apply) -> None:
-        chunks = chunk_bounds(unit.numel, self.chunk_numel)
-        ring = self._ring_buffers()
-
-        def decode(i):
-            a, b = chunks[i]
-            m, v = (t[:b - a] for t in ring[i % RING])
-            for role, t in zip(_ROLES, (m, v)):
-                if stored is None:
-                    t.zero_()
-                else:
-                    self.codecs[role].decode(self._slice(role, stored, a, b), t)
-            return m, v
-
-        def encode(i, m, v):
-            a, b = chunks[i]
-            for role, t in zip(_ROLES, (m, v)):
-                dst = self._slice(role, out, a, b)
-                for k, val in self.codecs[role].encode(t).items():
-                    dst[k].copy_(val)
-
-        decoded = {0: _run_on(self._decoder, decode, 0)}
-        encoded: List[Future] = []
-        try:
-            for i, (a, b) in enumerate(chunks):
-                if i + 1 < len(chunks):
-                    if i + 1 >= RING:   # chunk i+1's ring slot is free once chunk i+1-RING is encoded
-                        encoded[i + 1 - RING].result()
-                    decoded[i + 1] = _run_on(self._decoder, decode, i + 1)
-                m, v = decoded.pop(i).result()
-                apply(a, b, m, v)
-                encoded.append(_run_on(self._codec, encode, i, m, v))
-        finally:   # nothing may still write into the ring (a failure: the next update reuses it)
-            for f in list(decoded.values()) + encoded:
-                try:
-                    f.result()
-                except BaseException:  # noqa: BLE001 - raised below or already raising
-                    pass
-        for f in encoded:
-            f.result()   # a failed encode (diverged states) fails this update
 
     def store(self, unit: Unit, m: torch.Tensor, v: torch.Tensor) -> None:
         if self._codec is not None:
@@ -454,13 +407,18 @@ class OptimizerStates:
             else:                    # decoded scratch: the codes are written, the moments are free
                 self.pool.give(m, v)
             self._on_disk.add(unit.index)
-        else:
+        self._stored(unit, stored)
+        return fut
+
+    def _stored(self, unit: Unit, stored: Dict[str, torch.Tensor]) -> None:
+        """A unit's update stored its states (``stored``: kept as they are in RAM without a disk
+        tier, else its write is issued): reads of it may go ahead again."""
+        if self.disk is None:
             self.ram[unit.index] = stored
         with self._lock:
             self._updating.discard(unit.index)
         if self.disk is not None:
             self._read_ahead()   # reads skipped while it was being updated now follow its write
-        return fut
 
     def wait_encodes(self) -> None:
         """Every update's encode done and its write issued (the codec thread); raises the first
@@ -556,7 +514,7 @@ class OptimizerStates:
         # moments decoded ahead of their update or waiting to be encoded (codec thread)
         codec = set(self._decoded) | set(self._encoding)
         buffers += sum(8 * u.numel for u in self.units if u.index in codec)
-        buffers += RING * 8 * self.chunk_numel if self._ring is not None else 0   # chunked updates' moments
+        buffers += self.ring.nbytes() if self.ring is not None else 0   # chunked updates' moments (and codes)
         out = {"host": host, "disk": 0, "host_buffers": buffers, "cached": 0}
         if self.disk is not None:
             out["disk"] = sum(self.disk.nbytes_of(self._key(u)) for u in self.units if u.index in self._on_disk)
@@ -634,15 +592,6 @@ class OptimizerStates:
         else:
             self._drop_codec_work()
             self.ram[unit.index] = stored
-
-
-def _run_on(pool, fn, *args) -> Future:
-    """``fn(*args)`` in ``pool``'s thread, or here when there is none (the codec in line)."""
-    if pool is not None:
-        return pool.submit(fn, *args)
-    fut = Future()
-    fut.set_result(fn(*args))
-    return fut
 
 
 def _settle(f: Future):

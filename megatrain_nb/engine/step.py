@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -46,44 +45,13 @@ import torch.nn.functional as F
 from . import finite
 from .discovery import locate
 from .inputs import model_inputs
+from .layer_calls import GradKeys, GradRecord, LayerCall, NotRun, SideStreams, add_grads, graph_roots
+from .layer_state import SharedState
 from .proxies import HiddenStatesStub, bind, output_template, swapped_submodule, template_of, unbind
 from .units import Unit, forward_order
 from .planner import WindowPlan
 from .updates import StepContext
 from .window import BoundaryStore
-
-
-@dataclass
-class LayerCall:
-    """How the model's forward called a layer (all but the hidden state), to call it again with
-    another hidden state."""
-    args: tuple
-    kwargs: dict
-    positional: bool
-
-    @classmethod
-    def captured(cls, args, kwargs) -> "LayerCall":
-        if args:   # the hidden state itself is not kept (with_hidden puts each one in)
-            return cls((None,) + tuple(args[1:]), kwargs, True)
-        return cls(args, {k: v for k, v in kwargs.items() if k != "hidden_states"}, False)
-
-    def with_hidden(self, h):
-        if self.positional:
-            return (h,) + self.args[1:], self.kwargs
-        kw = dict(self.kwargs)
-        kw["hidden_states"] = h
-        return self.args, kw
-
-
-class _NotRun:
-    """Stands for a layer's outputs besides the hidden state in the capture and replay passes
-    (the layers do not run there); a layer receiving one is refused."""
-
-    def __repr__(self):
-        return "<output of a layer that did not run>"
-
-
-NOT_RUN = _NotRun()
 
 
 def _first(out):
@@ -139,6 +107,9 @@ class StepRunner:
         self._tuple_out = False    # whether the layers return a tuple (learned from real calls)
         self._out_template: Dict[int, tuple] = {}   # per layer: proxies.template_of its output
         self._guessed: set = set()   # layers whose output shape _out guessed in this pass
+        self._arg_grads: Optional[bool] = None   # whether layer arguments need gradients (None: not known yet)
+        self._streams = SideStreams([])   # this group's layer outputs that later layers take
+        self._state = SharedState()       # ... and state its layers store in shared arguments
         self._straight = False     # this group's sums go straight to their updates (unclipped)
         self._saved_bytes = 0      # activations held across the step (boundary, fronts, kept graphs)
         self._front_bytes = 0
@@ -199,7 +170,7 @@ class StepRunner:
     def _out(self, h, unit: Unit, args=(), kwargs=None):
         """``h`` shaped as ``unit``'s layer returns its output (capture and replay, where the
         layers do not run): a bare tensor, or a tuple whose first item is the hidden state and
-        whose others are None where the layer returns None and :data:`NOT_RUN` where it returns
+        whose others are None where the layer returns None and a :class:`.NotRun` where it returns
         something (learned from a real call or a fake-tensor probe)."""
         t = self._out_template.get(unit.layer_index)
         if t is None:
@@ -212,28 +183,30 @@ class StepRunner:
         if t is None:
             return (h,) if self._tuple_out else h
         is_tuple, extras = t
-        return (h,) + tuple(NOT_RUN if x else None for x in extras) if is_tuple else h
+        if not is_tuple:
+            return h
+        return (h,) + tuple(NotRun(unit.layer_index, j) if x else None for j, x in enumerate(extras))
 
     def _learn_output(self, unit: Unit, out) -> None:
         self._tuple_out = isinstance(out, (tuple, list))
         self._out_template[unit.layer_index] = template_of(out)
 
-    def _capture(self, ids, am, calls: Dict[int, LayerCall]) -> torch.Tensor:
+    def _capture(self, ids, am, calls: Dict[int, LayerCall], keep_graph: bool = False) -> torch.Tensor:
         """The model's own forward up to the layers: each layer's call into ``calls``; returns
-        layer 0's input (with its autograd graph when grad mode is on)."""
+        layer 0's input (with its autograd graph when grad mode is on). With grad mode on, the
+        layer arguments that need gradients are marked in the calls (:mod:`.layer_calls`), and
+        with ``keep_graph`` kept with their graph."""
         h0 = []
+        keys = GradKeys()
+        grad_on = torch.is_grad_enabled()
 
         def capture(unit, args, kwargs):
-            for v in list(kwargs.values()) + list(args[1:]):
-                if torch.is_tensor(v) and v.requires_grad:
-                    raise NotImplementedError(
-                        f"{type(unit.module).__name__} receives a tensor argument that needs gradients besides "
-                        "the hidden states; this family is not supported by the streaming engine yet.")
-            if any(v is NOT_RUN for v in list(kwargs.values()) + list(args[1:])):
+            if grad_on and not torch.is_grad_enabled():
                 raise NotImplementedError(
-                    f"{type(unit.module).__name__} receives another output of the layer before it besides the "
-                    "hidden states (a second stream between layers); this family is not supported by the "
-                    "streaming engine yet.")
+                    f"{type(self.model).__name__} calls its layers with gradients off in a training forward "
+                    "(under torch.no_grad, as iterations that take no gradient, or inside a custom autograd function, "
+                    "as reversible layers whose backward inverts them); the streaming engine forms each layer's "
+                    "gradient itself, so this family is not supported.")
             if unit.layer_index in calls:
                 raise NotImplementedError(
                     f"{type(self.model).__name__} calls its layer {unit.layer_index} more than once in one "
@@ -241,7 +214,7 @@ class StepRunner:
             hidden = _hidden_of(args, kwargs)
             if unit.layer_index == 0:
                 h0.append(hidden)
-            calls[unit.layer_index] = LayerCall.captured(args, kwargs)
+            calls[unit.layer_index] = LayerCall.captured(args, kwargs, unit.layer_index, keys, keep_graph)
             return self._out(hidden, unit, args, kwargs)
 
         self._mode = capture
@@ -259,6 +232,7 @@ class StepRunner:
                 "this family is not supported by the streaming engine yet.") from e
         finally:
             self._mode = None
+            keys.close()
         return h0[0]
 
     def _replay(self, ids, am, h_last: torch.Tensor) -> torch.Tensor:
@@ -278,9 +252,24 @@ class StepRunner:
         finally:
             self._mode = None
 
-    def _call_layer(self, unit: Unit, call: LayerCall, hidden):
-        a, kw = call.with_hidden(hidden)
+    def _call_layer(self, unit: Unit, call: LayerCall, hidden, rec: Optional[GradRecord] = None,
+                    side: Optional[dict] = None):
+        """The layer's output hidden state; ``rec``: (a call with gradients) receives the leaves
+        made of the call's arguments that need gradients (:meth:`.LayerCall.with_leaves`) and
+        its side values; ``side``: the micro-batch's :class:`.SideStreams` values (taken from
+        and added to)."""
+        if rec is None:
+            a, kw = call.with_hidden(hidden, side)
+        else:
+            taken = self._streams.leaves(call, side, rec) if side is not None else None
+            a, kw, made = call.with_leaves(hidden, taken)
+            rec.leaves.extend(made)
+        state = self._state.before(call, rec) if side is not None else None
         out = unit.module(*a, **kw)
+        if state is not None:
+            self._state.after(call, rec, state)
+        if side is not None:
+            self._streams.learn(unit.layer_index, out, side, rec)
         self._learn_output(unit, out)
         return _first(out)
 
@@ -338,8 +327,12 @@ class StepRunner:
             for a, (ids, am, _) in enumerate(batches):
                 if training:
                     rng_embed[a] = self._rng_state()
-                with torch.no_grad():
+                # (grad mode on until the model is known to pass its layers nothing that needs
+                # gradients besides the hidden state: the calls mark what does)
+                with torch.set_grad_enabled(self._arg_grads is not False):
                     hs.append(self._capture(ids, am, calls[a]).detach())
+            self._arg_grads = any(c.grad_paths for d in calls for c in d.values())
+            self._streams, self._state = SideStreams(calls), SharedState()
             self._front_bytes = sum(_nbytes(h) for h in hs)
             self._note()
 
@@ -347,27 +340,18 @@ class StepRunner:
             kept = self._forward_layers(hs, calls, rng, k)
 
             # 3. head: per micro-batch the model's own post-layer code and the chunked loss
-            loss_sum, gs, embed_acc = self._head(batches, shifts, hs, bound, loss_fn, denom)
+            loss_sum, gs, embed_acc, head_acc = self._head(batches, shifts, hs, bound, loss_fn, denom)
             # (the head stays bound until the embedding's capture below: the model's post-layer
             # code runs in every pass of its forward; its slot is its own, so this costs nothing)
 
             # 4. backward: the layers' blocks in reverse
-            gs = self.backward_layers(gs, calls, rng, k, kept)
+            arg_grads: List[dict] = [{} for _ in range(A)]   # per micro-batch: key -> gradient
+            gs = self.backward_layers(gs, calls, rng, k, kept, arg_grads)
 
             # 5. embedding: its part of the forward again (same RNG state), back-propagated
-            embed = self.embed
-            if embed.numel:
-                for a, (ids, am, _) in enumerate(batches):
-                    with self._restored_rng(rng_embed[a]), torch.enable_grad():
-                        h0 = self._capture(ids, am, {})
-                    if h0.requires_grad:
-                        torch.autograd.backward(h0, gs[a])
-                    gs[a] = None
-                    del h0
-                    embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
-                self._return(embed, embed_acc if embed_acc is not None else self._sum(embed.numel))
+            self._embedding_backward(batches, bound, gs, arg_grads, rng_embed, embed_acc, head_acc)
             self._release_outer(self.head)
-            self._release_outer(embed)
+            self._release_outer(self.embed)
             tokens = sum(int(ids.numel()) for ids, _, _ in batches)
             return loss_sum, n_tokens, tokens
         except BaseException:
@@ -382,7 +366,8 @@ class StepRunner:
     def _head(self, batches, shifts, hs: List[torch.Tensor], bound, loss_fn, denom):
         """Per micro-batch: the model's post-layer code replayed on the last layer's output, the
         chunked loss and its backward. The head's gradient sum leaves; returns (loss sum, each
-        micro-batch's gradient at the last layer's output, a tied embedding's sum so far)."""
+        micro-batch's gradient at the last layer's output, a tied embedding's sum so far, the
+        head's sum when it waits for the embedding's backward, else None)."""
         head, embed = self.head, self.embed
         head_acc = embed_acc = None
         loss_sum, gs = 0.0, []
@@ -402,8 +387,37 @@ class StepRunner:
                 embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
         self._front_bytes = sum(_nbytes(g) for g in gs)
         if head.numel:
+            if self._arg_grads:   # layer arguments may reach head weights (registered after the layers)
+                return loss_sum, gs, embed_acc, head_acc if head_acc is not None else self._sum(head.numel)
             self._return(head, head_acc if head_acc is not None else self._sum(head.numel))
-        return loss_sum, gs, embed_acc
+        return loss_sum, gs, embed_acc, None
+
+    def _embedding_backward(self, batches, bound, gs, arg_grads, rng_embed, embed_acc, head_acc) -> None:
+        """Per micro-batch the model's forward up to the layers again (same RNG state, with its
+        graph), back-propagated from layer 0's input (``gs``) and the layer arguments that need
+        gradients (``arg_grads``); the embedding's sum (and a waiting head's) leaves."""
+        embed, head = self.embed, self.head
+        if not embed.numel and head_acc is None:
+            return
+        for a, (ids, am, _) in enumerate(batches):
+            again: Dict[int, LayerCall] = {}
+            with self._restored_rng(rng_embed[a]), torch.enable_grad():
+                h0 = self._capture(ids, am, again, keep_graph=True)
+            roots, grads = graph_roots(again, arg_grads[a])
+            roots, grads = [h0] + roots, [gs[a]] + grads
+            keep = [i for i, t in enumerate(roots) if t.requires_grad]
+            if keep:
+                torch.autograd.backward([roots[i] for i in keep], [grads[i] for i in keep])
+            gs[a] = arg_grads[a] = None
+            del h0, roots, grads, again
+            if embed.numel:
+                embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
+            if head_acc is not None:
+                head_acc = self._fold_outer(head_acc, head, bound[head.index])
+        if head_acc is not None:
+            self._return(head, head_acc)
+        if embed.numel:
+            self._return(embed, embed_acc if embed_acc is not None else self._sum(embed.numel))
 
     def _forward_layers(self, hs: List[torch.Tensor], calls, rng, k: int):
         """Every layer once, all micro-batches; ``hs`` becomes the last layer's outputs.
@@ -419,9 +433,10 @@ class StepRunner:
                         x = hs[a].detach().requires_grad_(True)
                         if self.model.training:
                             rng[a][i] = self._rng_state()
+                        rec = GradRecord()
                         with torch.enable_grad(), self._count_saved(accumulate=True):
-                            h = self._call_layer(unit, calls[a][i], x)
-                        kept[(i, a)] = (x, h)
+                            h = self._call_layer(unit, calls[a][i], x, rec, self._streams.live[a])
+                        kept[(i, a)] = (x, rec, h)
                         hs[a] = h.detach()
                 finally:
                     unbind(unit, self.placeholders)
@@ -432,19 +447,21 @@ class StepRunner:
                 for a in range(len(hs)):
                     if i % k == 0:
                         self.boundary.put((i, a), hs[a])
+                        self._streams.block_start(i, a)
                     if self.model.training:
                         rng[a][i] = self._rng_state()
                     with torch.no_grad():
-                        hs[a] = self._call_layer(unit, calls[a][i], hs[a])
+                        hs[a] = self._call_layer(unit, calls[a][i], hs[a], side=self._streams.live[a])
                 self._note()
             finally:
                 unbind(unit, self.placeholders)
                 self.pager.release(unit)
         return kept
 
-    def backward_layers(self, gs: List[torch.Tensor], calls, rng, k: int, kept):
+    def backward_layers(self, gs: List[torch.Tensor], calls, rng, k: int, kept, arg_grads: List[dict]):
         """The layers' backward, last block first; ``gs``: each micro-batch's gradient at the
-        last layer's output, returned as that at layer 0's input."""
+        last layer's output, returned as that at layer 0's input; the gradients of the layer
+        arguments that need them are summed into ``arg_grads`` (per micro-batch, by key)."""
         layers, n, A = self.layers, len(self.layers), len(gs)
         if k == 0:
             for unit in reversed(layers):
@@ -453,9 +470,9 @@ class StepRunner:
                 acc = self._sum(unit.numel)
                 direct = self._grads_into(acc, unit, params)
                 for a in range(A):
-                    x, h = kept.pop((i, a))
-                    gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a])
-                    del x, h
+                    x, rec, h = kept.pop((i, a))
+                    gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a], rec, calls[a][i], a, arg_grads)
+                    del x, rec, h
                 for p in params:
                     p.grad = None
                 self._return(unit, acc)
@@ -464,6 +481,7 @@ class StepRunner:
         for b in reversed(range(0, n, k)):
             end = min(b + k, n)
             inputs = [{b: self.boundary.pop((b, a))} for a in range(A)]
+            side = [self._streams.block_backward(b, a) for a in range(A)]
             block = sum(_nbytes(d[b]) for d in inputs)
             for i in range(b, end - 1):   # recompute the block's inner inputs
                 unit = layers[i]
@@ -472,7 +490,7 @@ class StepRunner:
                 try:
                     for a in range(A):
                         with self._restored_rng(rng[a].get(i)), torch.no_grad():
-                            inputs[a][i + 1] = self._call_layer(unit, calls[a][i], inputs[a][i])
+                            inputs[a][i + 1] = self._call_layer(unit, calls[a][i], inputs[a][i], side=side[a])
                         block += _nbytes(inputs[a][i + 1])
                     self._note(block)
                 finally:
@@ -487,10 +505,12 @@ class StepRunner:
                 try:
                     for a in range(A):
                         x = inputs[a].pop(i).detach().requires_grad_(True)
+                        rec = GradRecord()
                         with self._restored_rng(rng[a].get(i)), torch.enable_grad(), self._count_saved():
-                            h = self._call_layer(unit, calls[a][i], x)
-                        gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a])
-                        del x, h
+                            h = self._call_layer(unit, calls[a][i], x, rec, side[a])
+                        gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a], rec, calls[a][i], a,
+                                                  arg_grads)
+                        del x, h, rec
                 finally:
                     unbind(unit, self.placeholders)
                     for p in params:
@@ -558,18 +578,33 @@ class StepRunner:
         return True
 
     def _layer_grads(self, acc: torch.Tensor, unit: Unit, params: List[torch.Tensor], direct: bool,
-                     x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """Back-propagate ``g`` through one layer call (input ``x``, output ``h``): the
+                     x: torch.Tensor, h: torch.Tensor, g: torch.Tensor, rec: GradRecord,
+                     call: LayerCall, a: int, arg_grads: List[dict]) -> torch.Tensor:
+        """Back-propagate ``g`` (and the gradients later layers sent to its side outputs)
+        through one layer call of micro-batch ``a`` (input ``x``, output ``h``, ``rec``): the
         parameters' gradients are added into ``acc`` (``direct``: by autograd itself, see
-        :meth:`_grads_into`); returns the input's gradient."""
+        :meth:`_grads_into`), its argument leaves' into ``arg_grads[a]`` by key, its side
+        inputs' into the :class:`.SideStreams`; returns the input's gradient."""
+        outs, gouts = [h], [g]
+        for key, t in rec.side_out:
+            gt = self._streams.grads[a].pop(key, None)
+            if gt is not None:
+                outs.append(t)
+                gouts.append(gt)
+        ins = [x] + rec.leaves + [t for _, t in rec.side_in]
         if direct:
-            torch.autograd.backward(h, g, inputs=[x] + params)
-            gx = x.grad
+            torch.autograd.backward(outs, gouts, inputs=ins + params)
+            gin = [t.grad for t in ins]
         else:
-            grads = torch.autograd.grad(h, [x] + params, g, allow_unused=True)
-            self._add(acc, unit, grads[1:])
-            gx = grads[0]
+            grads = torch.autograd.grad(outs, ins + params, gouts, allow_unused=True)
+            self._add(acc, unit, grads[len(ins):])
+            gin = list(grads[:len(ins)])
             del grads
+        n = 1 + len(rec.leaves)
+        add_grads(arg_grads[a], call, gin[1:n])
+        for (key, _), gt in zip(rec.side_in, gin[n:]):
+            self._streams.add_grad(a, key, gt)
+        gx = gin[0]
         return gx if gx is not None else torch.zeros_like(x)
 
     def _fold_outer(self, acc: Optional[torch.Tensor], unit: Unit, bound: List[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -186,6 +186,11 @@ class CudaTransport:
             self._free.clear()
 
 
+#: The adversarial mode's latest landing of a copy (seconds, uniform from 0): small, so the
+#: parity suites under it stay quick; a test that must see a missing wait sets it larger.
+ADVERSARIAL_MAX_DELAY_S = 0.003
+
+
 class CpuTransport:
     """The CPU "device": slots are host tensors and a copy is a memcpy. Ordinary mode: each copy
     runs inline in the calling (worker) thread and its handle is complete. Adversarial mode:
@@ -193,10 +198,10 @@ class CpuTransport:
 
     stages = False   # a unit's gradient sum already is host memory: it leaves as it is
 
-    def __init__(self, *, adversarial: bool = False, seed: int = 0, max_delay_s: float = 0.003):
+    def __init__(self, *, adversarial: bool = False, seed: int = 0, max_delay_s: Optional[float] = None):
         self.device = torch.device("cpu")
         self.adversarial = adversarial
-        self.max_delay_s = max_delay_s
+        self.max_delay_s = ADVERSARIAL_MAX_DELAY_S if max_delay_s is None else max_delay_s
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._state: Dict[int, str] = {}   # buffer -> "filling" | "filled" (absent: free)

@@ -110,6 +110,21 @@ class UpdateRunner:
                 futures[u.index].set_result(None)
         self._worker.submit(run)
 
+    def after_updates(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn()`` in the AdamW worker after every update queued so far and before any
+        queued later (a snapshot takes the step's state there without waiting for it). Raises
+        through the Future, without calling ``fn``, when one of those updates failed."""
+        queued = list(self._pending.values())
+
+        def run():
+            for f in queued:
+                err = f.exception() if f.done() else None
+                if err is not None:
+                    raise RuntimeError(f"an update of the step failed ({type(err).__name__}: {err}); "
+                                       "its state is not snapshotted") from err
+            return fn()
+        return self._worker.submit(run)
+
     # ------------------------------------------------------------------ one update
     def apply(self, unit: Unit, lr: float, grad: Optional[torch.Tensor] = None, *, zero: bool = False,
               grad_coef: Optional[float] = None, skip: bool = False, guard: Optional[finite.StepGuard] = None,
@@ -147,6 +162,10 @@ class UpdateRunner:
 
     def _step(self, unit: Unit, lr: float, grad: torch.Tensor, skip: bool, norm: Optional[float]) -> None:
         """AdamW on one unit: weights taken and written; the states whole or in chunks."""
+        rw = self.weights.ranged_update(unit) if self.states.chunked and not self.adam.collect_stats else None
+        if rw is not None:
+            self._step_ranged(unit, lr, grad, skip, norm, rw)
+            return
         params = self.weights.for_update(unit)
         if self.states.chunked:
             if skip:
@@ -161,6 +180,32 @@ class UpdateRunner:
                 self.adam.step_unit(unit, params, grad, m, v, lr, grad_norm=norm)
             self.states.store(unit, m, v)
         self.weights.update_done(unit, params)
+
+    def _step_ranged(self, unit: Unit, lr: float, grad: torch.Tensor, skip: bool, norm: Optional[float],
+                     rw) -> None:
+        """AdamW on one unit whose weights are read and written range by range on the disk tier
+        (``weights.ranged_update``): each chunk of the states' chunked update reads its slice of
+        the weights into one chunk buffer, runs AdamW on it and writes it to the weights' new
+        version; committed after the states. A skipped step leaves both files."""
+        try:
+            if skip:
+                rw.abort(None)
+                self.states.update(unit, None)
+            else:
+                run = self.adam.start_unit(unit, None, collect_stats=False)
+                buf = self.weights.chunk_buffer(self.states.chunk_numel)
+
+                def apply(a, b, m, v):
+                    p = rw.read("w", a, buf[:b - a])
+                    run.step(a, b, grad, m, v, lr, params=p)
+                    rw.write("w", a, p)
+                self.states.update(unit, apply)
+                run.finish(grad, grad_norm=norm)
+                rw.commit(behind=True)   # synced and renamed behind: the next read of it waits
+        except BaseException as e:
+            rw.abort(e)
+            raise
+        self.weights.update_done(unit, None)
 
     def update_all(self, lr: float, grad_norm: Optional[float] = None) -> bool:
         """Every unit's update now, in this thread (``optimizer_step``); ``grad_norm`` (the

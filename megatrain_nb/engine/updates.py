@@ -22,6 +22,7 @@ A step, top to bottom:
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import List, Optional, Sequence
 
 import torch
@@ -55,10 +56,11 @@ class UpdateScheduler:
     """The engine's update parts, wired: ``intake``, ``runner``, ``outcome``. Collaborators:
     ``grads`` (HostStore), ``weights`` (WeightStore), ``states`` (OptimizerStates), ``adam``
     (UnitAdamW), ``disk`` (the disk tier or None), ``sharded`` (data parallel), ``policy``
-    (on_nonfinite), ``depth`` (units queued for an update at once)."""
+    (on_nonfinite), ``depth`` (units queued for an update at once), ``staged`` (gradients
+    arrive in the transport's staging buffers: straight updates run there)."""
 
     def __init__(self, units: List[Unit], *, grads, weights, states, adam, counters, disk=None, depth: int = 1,
-                 sharded=None, policy: str = "stop"):
+                 sharded=None, policy: str = "stop", staged: bool = False):
         self.units = units
         self.weights = weights
         self.states = states
@@ -73,6 +75,7 @@ class UpdateScheduler:
         pool = BufferPool(max_bytes=final_gradient_pool_bytes(units, depth, None),
                           slot_numel=max((u.numel for u in units), default=0))
         self.intake = GradientIntake(units, grads=grads, pool=pool, counters=counters, disk=disk, sharded=sharded,
+                                     staged=staged,
                                      policy=IntakePolicy(sharded=sharded is not None, on_nonfinite=policy,
                                                          hold_disk_ok=disk is not None),
                                      submit=lambda *a, **k: self.runner.submit(*a, **k),
@@ -128,9 +131,10 @@ class UpdateScheduler:
                                    params_on_disk=getattr(self.weights, "disk", None) is not None,
                                    state_key=self.states.key, state_nbytes=self.states.stored_nbytes))
 
-    def gradient_arrived(self, unit: Unit, grad) -> None:
-        """The pager's gradient-return thread: a unit's gradient reached the host."""
-        self.intake.arrived(unit, grad)
+    def gradient_arrived(self, unit: Unit, grad):
+        """The pager's gradient-return thread: a unit's gradient reached the host. Returns a
+        Future when its update keeps the staging buffer (the pager reuses it once done)."""
+        return self.intake.arrived(unit, grad)
 
     def finish(self, step: StepContext, loss: Optional[float] = None) -> tuple[Optional[float], bool]:
         """After the micro-batch's gradients all arrived. When the updates wait for the norm:
@@ -175,6 +179,10 @@ class UpdateScheduler:
 
     def wait_all(self) -> None:
         self.runner.wait_all()
+
+    def after_updates(self, fn) -> Future:
+        """``fn()`` in the AdamW worker once the updates queued so far ran (UpdateRunner.after_updates)."""
+        return self.runner.after_updates(fn)
 
     def update_all(self, lr: float, grad_norm: Optional[float] = None) -> bool:
         return self.runner.update_all(lr, grad_norm)

@@ -12,6 +12,12 @@ the device and hands it to that unit's update, which writes it back and only the
 And the last units a step updates, which the next step's forward needs first (the embedding
 above all), stay in their buffer as a *fresh copy* that the next forward reads instead of
 waiting for the write and reading it back.
+
+With ``ranged`` (updates in chunks, no host cache of the disk tier) the optimizer stream has no
+staging buffers: an update that is not handed a compute buffer reads and writes the unit's
+weights range by range (:meth:`DiskWeights.ranged_update`, ``DiskStore.ranged``), a chunk at a
+time in the AdamW worker, so no unit-sized buffer exists for it. (Layer statistics need a whole
+unit: with them on, such an update reads its weights into a buffer made for it.)
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 import torch
 
 from .disk_params import DirtyUnits, DiskReadStream, handed_after_backward, handed_units, weights_key
-from .disk_store import WriteWindow
+from .disk_store import WriteWindow, aligned_empty
 from .host_store import HostStore
 from .units import Unit
 
@@ -49,17 +55,19 @@ class WeightStore(Protocol):
     def update_done(self, unit: Unit, t: torch.Tensor) -> None: ...       # ... and written
     def read_now(self, unit: Unit) -> torch.Tensor: ...                   # outside a step
     def overwrite(self, unit: Unit, flat: torch.Tensor) -> None: ...      # loading a checkpoint
+    def ranged_update(self, unit: Unit): ...                              # None, or a ranged rewrite
     def reset(self) -> None: ...
     def nbytes(self) -> Dict[str, int]: ...
 
 
 def make_weight_store(units: List[Unit], host: HostStore, *, disk=None, pin: bool, counters,
-                      compute_buffers: int = 3, optimizer_buffers: int = 1) -> WeightStore:
-    """Weights in RAM, or on ``disk`` (a DiskStore) when given."""
+                      compute_buffers: int = 3, optimizer_buffers: int = 1, ranged: bool = False) -> WeightStore:
+    """Weights in RAM, or on ``disk`` (a DiskStore) when given (``ranged``: updates in chunks
+    may read and write them range by range, see :class:`DiskWeights`)."""
     if disk is None:
         return RamWeights(units, host)
     return DiskWeights(units, disk, pin=pin, counters=counters, compute_buffers=compute_buffers,
-                       optimizer_buffers=optimizer_buffers)
+                       optimizer_buffers=optimizer_buffers, ranged=ranged)
 
 
 class RamWeights:
@@ -80,6 +88,9 @@ class RamWeights:
 
     def overwrite(self, unit: Unit, flat: torch.Tensor) -> None:
         self.host.params[unit.index].copy_(flat)
+
+    def ranged_update(self, unit: Unit):
+        return None   # (in place: never ranged)
 
     def nbytes(self) -> Dict[str, int]:
         return {"host": self.host.nbytes()["weights"], "disk": 0}
@@ -110,7 +121,7 @@ class DiskWeights:
     """Weights on the disk tier (see the module docstring)."""
 
     def __init__(self, units: List[Unit], disk, *, pin: bool, counters, compute_buffers: int = 3,
-                 optimizer_buffers: int = 1):
+                 optimizer_buffers: int = 1, ranged: bool = False):
         self.units = units
         self.disk = disk
         self.counters = counters
@@ -123,13 +134,22 @@ class DiskWeights:
         self._last_compute: List[Unit] = []           # the recorded compute order of a training step
         self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters,
                                      after_updates=True, urgent=True)
-        self._opt = DiskReadStream(disk, units, self.dirty, buffers=optimizer_buffers, pin=pin, counters=counters,
-                                   after_updates=False)
         #: A host cache of the disk tier decides what stays in RAM (disk_cache.HostCache): the
         #: fresh copies, whose survival depends on timing, are then not kept.
         self.cached = getattr(disk, "capacity", 0) > 0
+        #: Updates not handed a compute buffer read and write range by range (no optimizer stream).
+        self.ranged = ranged and not self.cached and hasattr(disk, "ranged")
+        self._opt_args = dict(buffers=optimizer_buffers, pin=pin, counters=counters, after_updates=False)
+        self._opt = None if self.ranged else self._opt_stream()
+        self._chunk: Optional[torch.Tensor] = None   # a ranged update's chunk of weights
         self._fetch.fresh_source = self._take_fresh
-        self._fetch.reclaim = self._opt.reclaim = self._reclaim
+        self._fetch.reclaim = self._reclaim
+
+    def _opt_stream(self) -> DiskReadStream:
+        """The optimizer stream (made on first need when updates are ranged: layer statistics)."""
+        stream = DiskReadStream(self.disk, self.units, self.dirty, **self._opt_args)
+        stream.reclaim = self._reclaim
+        return stream
 
     # ------------------------------------------------------------------ construction
     def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:
@@ -172,7 +192,7 @@ class DiskWeights:
         wanted = {u.index for u in compute_order}
         self._drop_fresh(lambda idx, e: idx not in wanted)  # not read by this schedule
         self._fetch.schedule(compute_order, keep=keep)
-        if optimizer_order is not None:
+        if optimizer_order is not None and self._opt is not None and not self.ranged:
             self._opt.schedule([u for u in optimizer_order if u.index not in handed], append=True)
 
     # ------------------------------------------------------------------ compute stream
@@ -202,9 +222,34 @@ class DiskWeights:
         if t is not None:
             self.counters.add("weight_reads_saved", 1)
             return t
+        if self._opt is None:   # ranged updates, and a caller needs the whole unit (layer statistics)
+            self._opt = self._opt_stream()
         return self._opt.get(unit)
 
-    def update_done(self, unit: Unit, t: torch.Tensor) -> None:
+    def chunk_buffer(self, numel: int) -> torch.Tensor:
+        """The buffer a ranged update's chunks of weights pass through (one: the AdamW worker's)."""
+        if self._chunk is None or self._chunk.numel() < numel:
+            self._chunk = aligned_empty(numel)
+        return self._chunk
+
+    def handed(self, unit: Unit) -> bool:
+        """Whether a compute buffer waits for this unit's update (its backward's read)."""
+        with self._lock:
+            return unit.index in self._handed
+
+    def ranged_update(self, unit: Unit):
+        """For an update with no buffer handed to it (``ranged``): a ranged rewrite of the unit's
+        weights (``"w"``: read with ``read``, written with ``write``, range by range, in order),
+        to ``commit`` (then :meth:`update_done` with None) or ``abort``; else None."""
+        if not self.ranged or self.handed(unit):
+            return None
+        return self.disk.ranged(weights_key(unit), {"w": (torch.float32, (unit.numel,))}, read_old=True)
+
+    def update_done(self, unit: Unit, t: Optional[torch.Tensor]) -> None:
+        """``t`` None: a ranged update, already committed (or aborted: the weights stay)."""
+        if t is None:
+            self.dirty.clean(unit)
+            return
         with self._lock:
             fresh = unit.index in self._fresh_wanted
         fut = self.disk.write(weights_key(unit), {"w": t})  # the pools bound these
@@ -233,7 +278,7 @@ class DiskWeights:
 
     def _release(self, buf: torch.Tensor) -> None:
         """Back to the stream whose staging buffer it is (a layer's update may hold a compute one)."""
-        (self._fetch if self._fetch.owns(buf) else self._opt).release(buf)
+        (self._fetch if self._fetch.owns(buf) or self._opt is None else self._opt).release(buf)
 
     def _unref(self, entry: dict) -> None:
         with self._lock:
@@ -267,10 +312,12 @@ class DiskWeights:
             self._fetch.release(t)
         self._drop_fresh()
         self._fetch.reset()
-        self._opt.reset()
+        if self._opt is not None:
+            self._opt.reset()
 
     def nbytes(self) -> Dict[str, int]:
-        staging = self._fetch.staging_bytes + self._opt.staging_bytes
+        staging = self._fetch.staging_bytes + (self._opt.staging_bytes if self._opt is not None else 0)
+        staging += self._chunk.numel() * 4 if self._chunk is not None else 0
         cached = self.disk.resident_bytes([weights_key(u) for u in self.units]) \
             if hasattr(self.disk, "resident_bytes") else 0   # in the disk tier's host cache
         return {"host": staging, "disk": sum(self.disk.nbytes_of(weights_key(u)) for u in self.units),

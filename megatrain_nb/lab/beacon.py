@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 LOSS_TAIL = 100
 #: states of a run that is over: its last heartbeat stays until dismissed
 ENDED_STATES = ("finished", "stopped", "failed")
+#: what the heartbeat says of each branch of the run (Explorer.sidebar_rows), and how many at most
+BRANCH_FIELDS = ("run_id", "name", "parent_run_id", "forked_at_step", "state", "step", "loss", "changes", "current")
+MAX_BRANCHES = 64
 _MAX_COMMANDS_PER_POLL = 32
 _REFUSED_KEPT = 20
 
@@ -204,8 +207,21 @@ class SessionBeacon:
             "refused_commands": list(self.refused),
             "started": self.started,
             "updated": time.time(),
+            "branches": self._branches(),
             **self._extra(),
         }
+
+    def _branches(self) -> list[dict[str, Any]]:
+        """The run's branches (rewinds, forks) for the sidebar to nest under it: one row per
+        run of its tree (``Explorer.sidebar_rows``), [] without branches."""
+        rows = getattr(_attr(self.session, "explorer", None), "sidebar_rows", None)
+        try:
+            got = rows() if callable(rows) else None
+        except Exception:  # noqa: BLE001 - the heartbeat must go on
+            got = None
+        if not isinstance(got, list):
+            return []
+        return [clean_json({k: r.get(k) for k in BRANCH_FIELDS}) for r in got[:MAX_BRANCHES] if isinstance(r, dict)]
 
     def _extra(self) -> dict[str, Any]:
         # a run of several ranks adds what a follower needs (its metrics log, world size...)

@@ -32,6 +32,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .placement import PLACEMENT, placement, sibling_engine
+
 # (the trainer's modules import torch: loaded when first used, so importing a Session stays light)
 
 #: what a fork may change mid-run (TrainingArguments fields, the data, the loss)
@@ -45,7 +47,6 @@ FIXED = {
     "per_device_train_batch_size": "the data position counts batches of that size",
     "seq_len": "the data position counts blocks of that length",
     "offload_dir": "the disk tier holds the run's state",
-    "device": "the engine lives on its device",
 }
 
 
@@ -117,6 +118,9 @@ class Explorer:
         # a run in worker processes (remote.ProcessRun): its ranks take the snapshots into its
         # output_dir; what it shows of them (output_dir, run_id) is what this lists and finds
         self.ranks: Any = None
+        self.own_engine = False                  # a side-by-side branch (another device): not the group's engine
+        self._pending = None                     # (a snapshot completing in the background, its source)
+        self._pending_lock = threading.Lock()
 
     @property
     def session(self):
@@ -157,13 +161,16 @@ class Explorer:
         return self.fork(info, name, changes)
 
     # ---- snapshots ---------------------------------------------------------------------------
-    def take(self, source: str = "notebook") :
-        """A snapshot now (the caller is at a step boundary); an event either way."""
+    def take(self, source: str = "notebook", wait: bool = True):
+        """A snapshot now (the caller is at a step boundary); an event either way. ``wait``
+        False (automatic snapshots): it completes in the background while training goes on,
+        logged once complete (:meth:`settle`); returns None then."""
         s = self.session
         if getattr(self.trainer, "run_id", None) is None:
             raise RuntimeError(f"session {s.name!r} has not trained a step yet: nothing to snapshot")
+        self.settle()
         with self.group.lock:
-            elsewhere = self.group.active is not None and self.group.active is not self
+            elsewhere = not self.own_engine and self.group.active is not None and self.group.active is not self
         if self.pending_start is not None:   # its state is that snapshot's until it trains again
             return self.named(self.store.info(self.pending_start))
         if elsewhere:   # the engine holds another branch's state; this one's was kept when it left
@@ -171,24 +178,51 @@ class Explorer:
                 raise RuntimeError(f"session {s.name!r} does not hold the engine; resume it to snapshot it")
             return self.named(self.store.info(self.switched_out))
         try:
-            info = self.store.take(self.trainer)
+            pending = self.store.begin(self.trainer)
+            if not wait:
+                with self._pending_lock:
+                    self._pending = (pending, source)
+                return None
+            info = self.store.finish(pending)
         except Exception as e:
             s.run_log.add_event("snapshot_failed", s.step, error=f"{type(e).__name__}: {e}", source=source)
             raise
-        self._register(self.trainer.run_id)
-        s.run_log.add_event("snapshot", s.step, path=info.path, bytes_unique=info.bytes_unique,
-                            bytes_shared=info.bytes_shared, source=source)
+        return self._taken(info, source)
+
+    def settle(self, block: bool = True) -> None:
+        """A snapshot completing in the background: once complete, logged and pruned as
+        :meth:`take` does (a failure is logged and said on stderr; the run goes on).
+        ``block`` False: only if complete already."""
+        with self._pending_lock:
+            if self._pending is None or not (block or getattr(self._pending[0], "done", lambda: True)()):
+                return
+            (pending, source), self._pending = self._pending, None
+        try:
+            info = self.store.finish(pending)
+        except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
+            self.session.run_log.add_event("snapshot_failed", getattr(pending, "step", self.session.step),
+                                           error=f"{type(e).__name__}: {e}", source=source)
+            print(f"megatrain_nb: a snapshot failed, training goes on: {e}", file=sys.stderr)
+            return
+        self._taken(info, source)
+
+    def _taken(self, info, source: str):
+        self._register(info.run_id)
+        self.session.run_log.add_event("snapshot", info.step, path=info.path, bytes_unique=info.bytes_unique,
+                                       bytes_shared=info.bytes_shared, source=source)
         self.prune()
         return self.named(info)
 
     def on_record(self, record: dict) -> None:
-        """After each step (training thread): automatic snapshots every ``snapshot_steps``."""
+        """After each step (training thread): automatic snapshots every ``snapshot_steps``,
+        completed in the background (the step's updates and the next step go on meanwhile)."""
         self.pending_start = None
         self._register(record.get("run_id"), record.get("parent_run_id"), record.get("forked_at_step"))
+        self.settle(block=False)
         step = int(record.get("step", 0) or 0)
         if self.snapshot_steps and step % self.snapshot_steps == 0:
             try:
-                self.take(source="snapshot_steps")
+                self.take(source="snapshot_steps", wait=False)
             except Exception as e:  # noqa: BLE001 - a failed snapshot must not stop the run
                 print(f"megatrain_nb: snapshot at step {step} failed, training goes on: {e}", file=sys.stderr)
 
@@ -206,11 +240,13 @@ class Explorer:
     def snapshots(self) -> list:
         """The snapshots (and checkpoints) this run can rewind to: its own, and its ancestors'
         up to the step it was forked at."""
+        self.settle()
         reach = self._lineage()
         return [self.named(i) for i in self.store.list()
                 if i.run_id in reach and i.step <= reach[i.run_id]]
 
     def all_snapshots(self) -> list:
+        self.settle()
         ids = set(self.group.nodes) | {m.run_id for m in self.group.members}
         return [self.named(i) for i in self.store.list() if i.run_id in ids]
 
@@ -269,6 +305,9 @@ class Explorer:
         from .session import Session
 
         check_changes(changes)
+        changes = dict(changes)
+        device = changes.pop(PLACEMENT, None)
+        side = placement(self.trainer.engine.device, device) == "side_by_side"
         taken = set(self.group.names())
         if name is not None and str(name) in taken:
             raise ValueError(f"a branch named {str(name)!r} exists already (branches: {', '.join(sorted(taken))}); "
@@ -283,7 +322,8 @@ class Explorer:
         from megatrain_nb.trainer.checkpoint import rng_state, set_rng_state
 
         rng = rng_state()   # a Trainer seeds the global generators: the parent's run must not notice
-        trainer = type(tr)(model=tr.engine, train_dataset=changes.get("train_dataset", tr.train_dataset), args=args,
+        engine = sibling_engine(tr.engine, device) if side else tr.engine
+        trainer = type(tr)(model=engine, train_dataset=changes.get("train_dataset", tr.train_dataset), args=args,
                            eval_dataset=tr.eval_dataset, tokenizer=tr.tokenizer, data_collator=tr.data_collator,
                            loss_fn=changes.get("loss_fn", tr.loss_fn), seq_len=tr.seq_len)
         set_rng_state(rng)
@@ -293,10 +333,11 @@ class Explorer:
             name = free_name(f"{self.session.name}-fork", taken)
         child = Session.from_trainer(trainer, tokenizer=self.session.tokenizer, name=str(name),
                                      resume_from_checkpoint=info.path)
-        self.adopt(child, info, changes, weight_decay=float(changes.get("weight_decay", self.engine_weight_decay())))
+        self.adopt(child, info, changes, weight_decay=float(changes.get("weight_decay", self.engine_weight_decay())),
+                   device=device if side else None)
         return child
 
-    def adopt(self, child, info, changes: dict, weight_decay: Optional[float] = None) -> None:
+    def adopt(self, child, info, changes: dict, weight_decay: Optional[float] = None, device: Any = None) -> None:
         """``child`` (a new Session) is this run's fork from snapshot ``info`` with ``changes``: it
         joins the tree, and the snapshot it starts from is never pruned; a "fork" event here."""
         ex = child.explorer
@@ -305,6 +346,11 @@ class Explorer:
         ex.origin = (info.run_id, info.step)
         ex.changes = {k: _describe(v) for k, v in changes.items()}
         ex.weight_decay = weight_decay
+        if device is not None:   # an engine of its own: never paused for another branch, nor pausing one
+            ex.own_engine = True
+            ex.changes["device"] = str(device)
+            print(f"megatrain_nb: branch {child.name!r} trains side by side on {device} (an engine of its own); "
+                  f"{self.session.name!r} goes on on {self.trainer.engine.device}")
         with self.group.lock:
             self.group.protected.add(str(info.path))
         self.session.run_log.add_event("fork", info.step, branch=child.name, changes=ex.changes, path=info.path)
@@ -321,8 +367,10 @@ class Explorer:
 
     def engine_shared(self) -> bool:
         """Whether another branch still uses this engine (not released)."""
+        if self.own_engine:
+            return False
         with self.group.lock:
-            others = [m.session for m in self.group.members if m is not self]
+            others = [m.session for m in self.group.members if m is not self and not m.own_engine]
         return any(o is not None and not o.released for o in others)
 
     def engine_weight_decay(self) -> float:
@@ -333,7 +381,11 @@ class Explorer:
     # ---- one branch trains at a time -------------------------------------------------------------
     def activate(self, source: Optional[str] = None) -> None:
         """Make the engine hold this branch's state (training thread, before it trains): the
-        branch that holds it now is paused at its step boundary and snapshotted first."""
+        branch that holds it now is paused at its step boundary and snapshotted first. A
+        side-by-side branch holds an engine of its own: nothing to switch."""
+        if self.own_engine:
+            self.trainer.engine.adam.weight_decay = self.engine_weight_decay()
+            return
         g = self.group
         with g.switch:
             with g.lock:
@@ -364,6 +416,7 @@ class Explorer:
         if getattr(self.trainer, "run_id", None) is None:
             return   # never trained: its state is its start snapshot
         self.engine_weight_decay()
+        self.settle()
         self.switched_out = self.pending_start or self.store.take(self.trainer).path
         msg = (f"megatrain_nb: branch {by!r} trains now; {s.name!r} is {s.state} at step {s.step} "
                f"(one device trains one branch at a time; {s.name}.resume() switches back)")
@@ -379,6 +432,12 @@ class Explorer:
         return [{"run_id": n.run_id, "name": n.name, "parent_run_id": n.parent_run_id,
                  "forked_at_step": n.forked_at_step, "changes": n.changes, "records": recs.get(n.run_id, [])}
                 for n in nodes]
+
+    def sidebar_rows(self) -> list[dict]:
+        """The run tree in a few fields per run, for the JupyterLab sidebar (branch_rows.py)."""
+        from .branch_rows import sidebar_rows
+
+        return sidebar_rows(self)
 
     def _register(self, run_id, parent=None, at=None) -> Optional[Node]:
         if not run_id:
@@ -418,7 +477,7 @@ class Explorer:
 
 
 def check_changes(changes: dict) -> None:
-    bad = [k for k in changes if k not in ALLOWED]
+    bad = [k for k in changes if k not in ALLOWED and k != PLACEMENT]
     if bad:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
@@ -446,3 +505,4 @@ def _positive(name: str, v):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be a whole number >= 1 (or None), got {v!r}")
     return v
+

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .branches import check_changes, free_name
+from .placement import PLACEMENT
 
 #: where a fork's output folder goes, inside the parent's
 BRANCHES = "branches"
@@ -36,6 +37,9 @@ def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: 
     from .session import Session
 
     check_changes(changes)
+    if PLACEMENT in changes:
+        raise ValueError(f"{PLACEMENT}={changes[PLACEMENT]!r}: a fork of {session.name!r} trains on ranks of its own, "
+                         "on the devices its parent's ranks use (nproc_per_node); leave device= out")
     ex = session.explorer
     taken = ex.taken_names()
     if name is not None and str(name) in taken:

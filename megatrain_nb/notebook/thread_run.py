@@ -105,6 +105,7 @@ class ThreadRun:
                     it.close()
                 except Exception:  # noqa: BLE001 - already ending
                     pass
+            self.explorer.settle()   # an automatic snapshot completing in the background: logged
             self.status.drain(outcome)
             on_end(outcome)
 

@@ -182,6 +182,9 @@ def check(model_type: str, modes=MODES) -> Result:
         refs = {"single": reference(model, single), "window": reference(model, window)}
     except Exception as e:  # noqa: BLE001
         res.status, res.reason = FAILING, f"the tiny model does not run in transformers (the rules?): {_short(e)}"
+        refusal = _engine_refusal(model)
+        if refusal:   # the engine declines it anyway: that is the result
+            res.status, res.reason = REFUSED, refusal
         return res
     for mode in modes:
         batches, ref = (window, refs["window"]) if mode == "window of 2" else (single, refs["single"])
@@ -200,6 +203,19 @@ def check(model_type: str, modes=MODES) -> Result:
         res.status = FAILING
         res.reason = "; ".join(f"{m}: {v}" for m, v in bad.items())
     return res
+
+
+def _engine_refusal(model) -> Optional[str]:
+    """The engine's stated refusal of ``model`` (one step on a batch), or None."""
+    try:
+        ids = _batches(model.get_input_embeddings().num_embeddings, 1)[0]
+        _run_mode(model, "interval 1", [ids], (0.0, {}))
+    except (TypeError, NotImplementedError) as e:
+        if _is_refusal(e):
+            return str(e).strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 - not a refusal
+        pass
+    return None
 
 
 def _default_build_error(model_type: str) -> Optional[str]:

@@ -30,7 +30,7 @@ WINDOW = 4
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim", "n_embed", "word_embed_proj_dim",
               "attention_hidden_size", "lru_width", "emb_dim", "embedding_dim", "embedding_size",
               "input_embedding_size", "output_embedding_size", "backbone_hidden_size", "hidden_dim",
-              "hidden_size_global", "adapter_in_dim", "adapter_out_dim")
+              "hidden_size_global", "adapter_in_dim", "adapter_out_dim", "adapter_input_size")
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
              "encoder_attention_heads", "attention_heads", "swa_num_attention_heads", "index_n_heads",
              "linear_num_value_heads", "linear_num_heads", "num_decoder_attention_heads",
@@ -137,6 +137,27 @@ def shrink(d: Dict[str, Any], model_type: str) -> Dict[str, Any]:
     d = dict(d)
     n = _layer_count(d)
     keep = _pick_layers(d, n)
+    _cut_depth(d, n, keep)
+    _shrink_sizes(d)
+    if isinstance(d.get("num_kv_shared_layers"), int) and n is not None:   # all shared stays all shared
+        d["num_kv_shared_layers"] = len(keep) if d["num_kv_shared_layers"] >= n else min(d["num_kv_shared_layers"], 1)
+    _fit_token_ids(d)
+    for k, v in list(d.items()):   # sub-configs (a text/vision/encoder config inside this one)
+        if isinstance(v, dict) and any(x in v for x in LAYER_KEYS + WIDTH_KEYS):
+            d[k] = shrink(v, model_type)
+        elif isinstance(v, dict) and v and all(_is_index(x) for x in v):   # per-layer config keyed by index
+            d[k] = {str(keep.index(int(x))) if isinstance(x, str) else keep.index(x):
+                    shrink(y, model_type) if isinstance(y, dict) else y
+                    for x, y in v.items() if int(x) in keep}
+    d.update(OVERRIDES.get(model_type, {}))
+    for k in ("use_cache",):
+        if k in d:
+            d[k] = False
+    return d
+
+
+def _cut_depth(d: Dict[str, Any], n: Optional[int], keep: List[int]) -> None:
+    """Depth: every layer count and per-layer list cut to the layers ``keep`` (in place)."""
     for k in LAYER_KEYS:
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > 0:
             d[k] = len(keep)
@@ -147,11 +168,13 @@ def shrink(d: Dict[str, Any], model_type: str) -> Dict[str, Any]:
         for k in LAYER_LIST_KEYS:
             if isinstance(d.get(k), list) and len(d[k]) > 0:
                 d[k] = _cut(d[k], keep)
-    new_n = len(keep)
     for k in ("mlp_only_layers", "moe_layers", "full_attn_idxs", "hybrid_layer_ids", "ple_layer_ids"):
         if isinstance(d.get(k), list):
             d[k] = [keep.index(i) for i in d[k] if i in keep]
 
+
+def _shrink_sizes(d: Dict[str, Any]) -> None:
+    """Width, heads, sizes, experts, vocabulary, positions and windows by the tables (in place)."""
     def setint(keys, value, only_if_larger=True):
         for k in keys:
             v = d.get(k)
@@ -188,13 +211,14 @@ def shrink(d: Dict[str, Any], model_type: str) -> Dict[str, Any]:
     setint(POSITION_KEYS, POSITIONS)
     setint(("original_max_position_embeddings",), POSITIONS // 2)
     setint(WINDOW_KEYS, WINDOW)
-    if isinstance(d.get("num_kv_shared_layers"), int) and n is not None:   # all shared stays all shared
-        d["num_kv_shared_layers"] = new_n if d["num_kv_shared_layers"] >= n else min(d["num_kv_shared_layers"], 1)
     if isinstance(d.get("time_step_rank"), int):
         d["time_step_rank"] = 4
     if isinstance(d.get("mamba_dt_rank"), int):
         d["mamba_dt_rank"] = 4
-    # special token ids inside the (tiny) vocabulary; the sweep's inputs avoid 0..3 and the top
+
+
+def _fit_token_ids(d: Dict[str, Any]) -> None:
+    """Special token ids inside the (tiny) vocabulary; the sweep's inputs avoid 0..3 and the top."""
     top = VOCAB - 1
     for k, v in sorted(d.items()):
         if (k.endswith("_token_id") or k.endswith("_token_index") or k in ("mask_index", "unk_index")) \
@@ -204,18 +228,6 @@ def shrink(d: Dict[str, Any], model_type: str) -> Dict[str, Any]:
                 top -= 1
         elif k.endswith("_token_id") and isinstance(v, list):
             d[k] = [x if x < VOCAB else 2 for x in v]
-    for k, v in list(d.items()):   # sub-configs (a text/vision/encoder config inside this one)
-        if isinstance(v, dict) and any(x in v for x in LAYER_KEYS + WIDTH_KEYS):
-            d[k] = shrink(v, model_type)
-        elif isinstance(v, dict) and v and all(_is_index(x) for x in v):   # per-layer config keyed by index
-            d[k] = {str(keep.index(int(x))) if isinstance(x, str) else keep.index(x):
-                    shrink(y, model_type) if isinstance(y, dict) else y
-                    for x, y in v.items() if int(x) in keep}
-    d.update(OVERRIDES.get(model_type, {}))
-    for k in ("use_cache",):
-        if k in d:
-            d[k] = False
-    return d
 
 
 def tiny_config(model_type: str):

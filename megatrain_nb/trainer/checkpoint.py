@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
 import re
 import shutil
@@ -30,7 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from megatrain_nb.atomic import atomic_dir, recover_interrupted
+from megatrain_nb.atomic import atomic_dir, commit_dir, recover_interrupted, temp_name
 
 from .manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
 
@@ -244,18 +245,43 @@ def write_checkpoint(final_dir, write: Callable[[Path], None], *, manifest_exclu
     final = Path(final_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final.parent)
-
-    def fill(tmp: str) -> None:
-        tmp = Path(tmp)
-        try:
-            write(tmp)
-            write_manifest(tmp, exclude=manifest_exclude)
-        except Exception as e:  # noqa: BLE001 - a full disk is reported plainly, the rest as it is
-            if _disk_full(e):
-                raise _disk_full_error(final, tmp, e) from e
-            raise
-    atomic_dir(final, fill)
+    atomic_dir(final, lambda tmp: _fill(final, Path(tmp), write, manifest_exclude))
     return final
+
+
+def begin_checkpoint(final_dir) -> Path:
+    """The temporary folder a checkpoint of ``final_dir`` is written into by parts (a snapshot
+    completed in the background): stale temporaries cleared, the folder made. Complete it with
+    :func:`commit_checkpoint` (which removes it on failure). One at a time per folder: a later
+    begin clears this process's unfinished ones too."""
+    final = Path(final_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(final.parent)
+    tmp = Path(temp_name(final))
+    tmp.mkdir()
+    return tmp
+
+
+def commit_checkpoint(final_dir, tmp: Path, write: Callable[[Path], None], *, manifest_exclude: tuple = ()) -> Path:
+    """As :func:`write_checkpoint`, into ``tmp`` from :func:`begin_checkpoint`."""
+    final = Path(os.path.abspath(os.fspath(final_dir)))
+    try:
+        _fill(final, Path(tmp), write, manifest_exclude)
+        commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _fill(final: Path, tmp: Path, write: Callable[[Path], None], manifest_exclude: tuple) -> None:
+    try:
+        write(tmp)
+        write_manifest(tmp, exclude=manifest_exclude)
+    except Exception as e:  # noqa: BLE001 - a full disk is reported plainly, the rest as it is
+        if _disk_full(e):
+            raise _disk_full_error(final, tmp, e) from e
+        raise
 
 
 def _disk_full(e: BaseException) -> bool:

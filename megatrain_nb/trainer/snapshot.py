@@ -20,6 +20,8 @@ from __future__ import annotations
 import errno
 import re
 import shutil
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, List, Optional
@@ -95,6 +97,74 @@ def apply_branch_start(trainer, start: BranchStart, stream, total: int):
     return schedule
 
 
+#: snapshots of this process still completing (begin_snapshot waits for those in the same folder)
+_IN_FLIGHT: set = set()
+
+
+class PendingSnapshot:
+    """A snapshot begun at a step boundary and completed in a thread of its own
+    (``mtnb-snapshot``) while training goes on: the engine's links (``engine/linked.py``: they
+    follow the step's updates in the disk tier's queue), then the manifest and the rename into
+    place. Until then the folder has a temporary name and is never listed."""
+
+    def __init__(self, final: Path, tmp: Path, linked, write_shared, step: int):
+        import threading
+
+        from ..threads import SNAPSHOT, thread_name
+
+        self.path = final
+        self.step = step
+        self._future: Future = Future()
+        self._future.add_done_callback(lambda _: _IN_FLIGHT.discard(self))
+        _IN_FLIGHT.add(self)
+        self._thread = threading.Thread(target=self._complete, args=(tmp, linked, write_shared),
+                                        name=thread_name(SNAPSHOT), daemon=True)
+        self._thread.start()
+
+    def _complete(self, tmp: Path, linked, write_shared) -> None:
+        sizes: dict = {}
+
+        def write(folder: Path) -> None:
+            sizes.update(linked.result())
+            write_shared(folder)
+        try:
+            ckpt.commit_checkpoint(self.path, tmp, write, manifest_exclude=("disk",))
+        except BaseException as e:  # noqa: BLE001 - delivered through result()
+            self._future.set_exception(e)
+        else:
+            self._future.set_result(sizes)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: Optional[float] = None) -> dict:
+        """The bytes linked, copied and written, once complete; raises what failed."""
+        return self._future.result(timeout)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Until complete (or failed: not raised here)."""
+        futures_wait([self._future], timeout)
+
+
+def begin_snapshot(trainer, final: Path) -> PendingSnapshot:
+    """(At a step boundary, one process) a snapshot of ``trainer`` into ``final``: the trainer's
+    files as of now and the engine's part begun (``Engine.begin_linked_checkpoint``, which does
+    not wait for the step's updates when the disk tier holds the state); the rest completes in
+    the background."""
+    for other in list(_IN_FLIGHT):   # (another trainer's, e.g. a side-by-side branch's: begin_checkpoint
+        if other.path.parent == Path(final).parent:   # clears this process's unfinished temporaries there)
+            other.wait()
+    tmp = ckpt.begin_checkpoint(final)
+    try:
+        with trainer.engine.lock:
+            _, write_shared = trainer.snapshot_files(snapshot=True)
+            linked = trainer.engine.begin_linked_checkpoint(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PendingSnapshot(Path(final), tmp, linked, write_shared, int(trainer.state.global_step))
+
+
 class SnapshotError(RuntimeError):
     """A snapshot could not be taken or found (the message says what to do)."""
 
@@ -112,17 +182,34 @@ class SnapshotStore:
     def take(self, trainer) -> SnapshotInfo:
         """Snapshot ``trainer`` now (call at a step boundary). A full disk raises ``OSError``
         (ENOSPC) naming what to free; nothing partial is left or listed."""
+        return self.finish(self.begin(trainer))
+
+    def begin(self, trainer):
+        """Start a snapshot of ``trainer`` (at a step boundary); training may go on while it
+        completes (one process: a :class:`PendingSnapshot`). :meth:`finish` waits for it."""
         path = self.path_for(trainer.state.global_step, trainer.run_id)
         try:
-            trainer.save_snapshot(path)
+            pending = trainer.save_snapshot(path, wait=False)
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OSError(e.errno, f"the disk is full: snapshot at step {trainer.state.global_step} was not "
-                                       f"taken (nothing partial was kept; training goes on). Free space under "
-                                       f"{str(self.root)!r}, lower keep_snapshots, or delete old snapshots "
-                                       f"({e.strerror or e})") from e
-            raise
-        return self.info(path)
+            raise self._full(e, trainer.state.global_step) from e
+        return pending if isinstance(pending, PendingSnapshot) else path
+
+    def finish(self, pending) -> SnapshotInfo:
+        """The snapshot :meth:`begin` started, once complete (its error, a full disk said so)."""
+        if isinstance(pending, PendingSnapshot):
+            try:
+                pending.result()
+            except OSError as e:
+                raise self._full(e, pending.step) from e
+            pending = pending.path
+        return self.info(pending)
+
+    def _full(self, e: OSError, step) -> OSError:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        return OSError(e.errno, f"the disk is full: snapshot at step {step} was not taken (nothing partial was "
+                                f"kept; training goes on). Free space under {str(self.root)!r}, lower "
+                                f"keep_snapshots, or delete old snapshots ({e.strerror or e})")
 
     def info(self, path) -> SnapshotInfo:
         path = Path(path)
@@ -179,5 +266,6 @@ def steps_text(infos: List[SnapshotInfo]) -> str:
     return ", ".join(str(s) for s in sorted({i.step for i in infos})) or "none"
 
 
-__all__ = ["BranchStart", "SnapshotError", "SnapshotInfo", "SnapshotStore", "apply_branch_start",
+__all__ = ["BranchStart", "PendingSnapshot", "SnapshotError", "SnapshotInfo", "SnapshotStore", "apply_branch_start",
+           "begin_snapshot",
            "SCHEDULE_FIELDS", "FOLDER"]

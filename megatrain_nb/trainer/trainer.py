@@ -21,6 +21,9 @@ between steps.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import math
 import os
 import shutil
@@ -162,6 +165,7 @@ class Trainer:
         self.forked_at_step: Optional[int] = None
         #: set by a Session before iter_steps() resumes from a snapshot as a branch (snapshot.BranchStart)
         self.branch_start = None
+        self._pending_snapshot = None   # a snapshot completing in the background (wait_snapshot)
         # train() under torchrun: rank 0 announces the run and takes commands that every rank
         # applies at the same step boundary (trainer/control.py); None when a Session drives us
         self.run_control = None
@@ -562,19 +566,33 @@ class Trainer:
                                 "time": time.time()})
         return str(out)
 
-    def save_snapshot(self, path) -> dict:
+    def save_snapshot(self, path, wait: bool = True):
         """Write a snapshot to ``path``: a checkpoint whose disk-tier files are hard links and
         whose RAM-held state alone is written (see trainer/snapshot.py; ``Session.snapshot``
-        takes them). Returns the bytes linked, copied and written."""
+        takes them). Returns the bytes linked, copied and written. ``wait=False`` (one
+        process): returns a :class:`~.snapshot.PendingSnapshot` at once, completed in the
+        background while training goes on (its ``result()`` the bytes)."""
         if self.schedule is None or self._stream is None:
             raise RuntimeError("save_snapshot() needs a training run (call train() or iter_steps() first)")
-        _, sizes = self._write_state(Path(path), snapshot=True)
-        return sizes
+        if self.dist.world > 1:
+            _, sizes = self._write_state(Path(path), snapshot=True)
+            return sizes
+        from .snapshot import begin_snapshot
 
-    def _write_state(self, final: Path, snapshot: bool = False):
-        """The one save protocol of checkpoints and snapshots: the engine's files, then the
-        trainer's (state file last), in a temporary folder renamed into place."""
-        sizes: dict = {}
+        self.wait_snapshot()   # one at a time (a save clears this process's unfinished temporaries)
+        self._pending_snapshot = begin_snapshot(self, Path(path))
+        return self._pending_snapshot.result() if wait else self._pending_snapshot
+
+    def wait_snapshot(self) -> None:
+        """Wait until a snapshot still completing in the background is done (its failure is
+        its caller's to report, through its ``result()``)."""
+        pending, self._pending_snapshot = getattr(self, "_pending_snapshot", None), None
+        if pending is not None:
+            pending.wait()
+
+    def snapshot_files(self, snapshot: bool = True):
+        """(the state file's dict, ``write_shared(tmp)``: the trainer's files of a checkpoint,
+        the state file last) as of now -- what a snapshot completed later writes."""
         meta = {"format": 1, "global_step": self.state.global_step, "data": self._stream.state_dict(),
                 "tokens_seen": self._tokens_seen, "total_steps": self.state.max_steps,
                 "log_accum": list(self._log_accum),
@@ -587,6 +605,26 @@ class Trainer:
                 "run_id": self.run_id, "parent_run_id": self.parent_run_id,
                 "forked_at_step": self.forked_at_step, "snapshot": snapshot, "saved_at": time.time(),
                 "model": ckpt.model_record(self._engine)}
+        scheduler, rng = copy.deepcopy(self.schedule.state_dict()), ckpt.rng_state()   # (as of now)
+        state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"   # (as save_to_json)
+        args = self.args.to_dict()
+
+        def write_shared(tmp: Path) -> None:
+            ckpt.write_json(tmp / ckpt.SCHEDULER_FILE, scheduler, strict=True)
+            ckpt.write_json(tmp / ckpt.RNG_FILE, rng, strict=True)
+            (tmp / "trainer_state.json").write_text(state, encoding="utf-8")
+            ckpt.write_json(tmp / "training_args.json", args)
+            if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+                self.tokenizer.save_pretrained(str(tmp))
+            ckpt.write_json(tmp / ckpt.STATE_FILE, meta)  # last: marks a complete checkpoint
+        return meta, write_shared
+
+    def _write_state(self, final: Path, snapshot: bool = False):
+        """The one save protocol of checkpoints and snapshots: the engine's files, then the
+        trainer's (state file last), in a temporary folder renamed into place."""
+        sizes: dict = {}
+        self.wait_snapshot()
+        _, write_shared = self.snapshot_files(snapshot)
 
         def write(tmp: Path) -> None:
             if snapshot:   # (the NaN check would read the whole disk tier; on_nonfinite guards steps)
@@ -595,15 +633,6 @@ class Trainer:
                 _refuse_non_finite(self._engine, final)
                 self._engine.save_checkpoint(str(tmp))
             write_shared(tmp)
-
-        def write_shared(tmp: Path) -> None:
-            ckpt.write_json(tmp / ckpt.SCHEDULER_FILE, self.schedule.state_dict(), strict=True)
-            ckpt.write_json(tmp / ckpt.RNG_FILE, ckpt.rng_state(), strict=True)
-            self.state.save_to_json(str(tmp / "trainer_state.json"))
-            ckpt.write_json(tmp / "training_args.json", self.args.to_dict())
-            if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
-                self.tokenizer.save_pretrained(str(tmp))
-            ckpt.write_json(tmp / ckpt.STATE_FILE, meta)  # last: marks a complete checkpoint
 
         with self._engine.lock:
             if self.dist.world > 1:
@@ -653,6 +682,7 @@ class Trainer:
 
         from transformers.trainer_callback import TrainerState
 
+        self.wait_snapshot()   # (a snapshot completing in the background reads the engine's files)
         ckpt.verify(path)  # before reading anything from it
         ckpt.check_model(path, self._engine)
         meta = ckpt.read_json(path / ckpt.STATE_FILE)
@@ -707,6 +737,7 @@ class Trainer:
         """
         if self._finalizer is not None:
             self._finalizer.detach()
+        self.wait_snapshot()
         self._engine.close()
 
     def __enter__(self):

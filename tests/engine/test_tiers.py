@@ -116,19 +116,27 @@ def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
     # Per step: weights for the forward (every unit but the two served fresh from the last
     # updates: embed and layer 0), for the backward (every layer, whose buffer then serves its
     # update), for the updates of embed and head; and the optimizer states of every unit.
-    # At most that: a unit whose update is still running when the next forward asks for it is
+    # Between these: a unit whose update is still running when the next forward asks for it is
     # handed its fresh copy instead of a read, and how many are depends on the threads' timing
-    # (on a loaded machine a few more than the two; seen: 33 of 40 reads).
+    # (on a loaded machine a few more than the two, or none at all: seen 33 and 34 of 40 reads).
     n, layers = len(e.units), len(e.layer_units)
-    assert 2 * (layers + n) <= reads <= 2 * ((n - 2) + layers + 2 + n), pf
+    assert 2 * (layers + n) <= reads <= 2 * (n + layers + 2 + n), pf
     assert pf["late"] == 0, pf
-    assert tel["weight_reads_saved"] >= 2 * (layers + 2)
-    # bytes: a layer's weights cross disk->host twice per step (not three times), the states once
+    # every weight a step asks for is read or saved: the forward's n units, the backward's layers,
+    # the n updates' weights and the n units' states; a layer's update always reuses the buffer
+    # its backward read (saved), the fresh copies the forward is handed are saved too, when in time
+    saved = tel["weight_reads_saved"]
+    assert reads + saved == 2 * (3 * n + layers), (reads, saved)
+    assert saved >= 2 * layers, saved
+    # bytes: a layer's weights cross disk->host twice per step at most (never three times), the
+    # states once; the forward's reads are every unit's but those handed fresh copies
     w = sum(u.numel * 4 for u in e.units)
-    fwd = w - 4 * (e.embed_unit.numel + e.layer_units[0].numel)
+    fresh = 4 * (e.embed_unit.numel + e.layer_units[0].numel)
     bwd = sum(u.numel * 4 for u in e.layer_units)
     upd = 4 * (e.embed_unit.numel + e.head_unit.numel)
-    assert tel["bytes"]["disk_to_host"] == 2 * (fwd + bwd + upd + 2 * w)
+    moved = tel["bytes"]["disk_to_host"]
+    assert 2 * (w - fresh + bwd + upd + 2 * w) <= moved <= 2 * (w + bwd + upd + 2 * w), moved
+    assert moved % 4 == 0
     e.close()
 
 

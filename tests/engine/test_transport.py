@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine import transport
 from megatrain_nb.engine.transport import ADVERSARIAL_ENV, CpuTransport, FutureHandle, TransportError
 
 from . import test_layer_major, test_parity
@@ -77,6 +78,10 @@ def test_a_missing_wait_is_caught_only_by_the_adversarial_transport(monkeypatch,
     shows; the adversarial one lands the copies late, into poisoned slots: NaN or wrong
     gradients, or an error."""
     monkeypatch.setenv(ADVERSARIAL_ENV, "1" if adversarial else "0")
+    # copies land up to 50 ms late, one after another: far later than a compute that does not
+    # wait reads them, however slow a loaded machine makes the compute (3 ms was absorbed by
+    # the prefetch's lead when the machine was busy)
+    monkeypatch.setattr(transport, "ADVERSARIAL_MAX_DELAY_S", 0.05)
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=3)).eval()
     ids = torch.randint(1, VOCAB, (2, 12))
     ref = copy.deepcopy(model)

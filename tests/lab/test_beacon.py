@@ -406,3 +406,42 @@ def test_the_heartbeat_carries_a_requested_learning_rate(runtime_root):
         assert list_sessions()[0]["requested_lr"] == 5e-4
     finally:
         b.stop()
+
+
+class _Explorer:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def sidebar_rows(self):
+        return self.rows
+
+
+def test_the_heartbeat_lists_the_runs_branches_cleaned(runtime_root):
+    s = FakeSession("tree-run", total_steps=5)
+    s.explorer = _Explorer([
+        {"run_id": "aaa", "name": "tree-run", "parent_run_id": None, "forked_at_step": None, "state": "running",
+         "step": 9, "loss": 2.5, "changes": "", "current": True, "records": [{"step": 1}] * 500},
+        {"run_id": "bbb", "name": "low-lr", "parent_run_id": "aaa", "forked_at_step": 4, "state": "paused",
+         "step": 6, "loss": float("nan"), "changes": "learning_rate=0.0001", "current": False},
+        "not a row",
+    ])
+    b = SessionBeacon(s).start()
+    try:
+        got = list_sessions()[0]["branches"]
+        # only the listed fields travel (not the records), NaN as null, non-rows dropped
+        assert got == [
+            {"run_id": "aaa", "name": "tree-run", "parent_run_id": None, "forked_at_step": None, "state": "running",
+             "step": 9, "loss": 2.5, "changes": "", "current": True},
+            {"run_id": "bbb", "name": "low-lr", "parent_run_id": "aaa", "forked_at_step": 4, "state": "paused",
+             "step": 6, "loss": None, "changes": "learning_rate=0.0001", "current": False}]
+        s.explorer = _Explorer(None)            # a failing or odd explorer: no branches, heartbeat goes on
+        b.write_heartbeat()
+        assert list_sessions()[0]["branches"] == []
+    finally:
+        b.stop()
+    plain = FakeSession("no-tree")
+    b = SessionBeacon(plain).start()
+    try:
+        assert list_sessions()[0]["branches"] == []
+    finally:
+        b.stop()

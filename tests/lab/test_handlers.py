@@ -71,6 +71,21 @@ def test_list_running_session(fetch, running):
     assert len(s["loss_tail"]) == 3 and s["memory"]["device"]["used_bytes"] == 2**30
 
 
+def test_the_listing_carries_each_runs_branches(fetch, running):
+    class Tree:
+        def sidebar_rows(self):
+            return [{"run_id": "r1", "name": "handler-run", "state": "running", "step": 3, "loss": 2.0, "current": True},
+                    {"run_id": "r2", "name": "fork", "parent_run_id": "r1", "forked_at_step": 2, "state": "idle"}]
+
+    code, data, _ = fetch("megatrain-nb", "sessions")
+    assert data["sessions"][0]["branches"] == []          # no branches yet
+    running.explorer = Tree()
+    wait_for(lambda: len(fetch("megatrain-nb", "sessions")[1]["sessions"][0]["branches"]) == 2, timeout=3.0)
+    rows = fetch("megatrain-nb", "sessions")[1]["sessions"][0]["branches"]
+    assert [(r["name"], r["parent_run_id"], r["forked_at_step"], r["state"]) for r in rows] == [
+        ("handler-run", None, None, "running"), ("fork", "r1", 2, "idle")]
+
+
 def test_notebook_path_comes_from_the_session_manager(fetch, running, jp_serverapp,
                                                       monkeypatch, runtime_root):
     hb = runtime_root / "sessions" / f"{running.id}.json"

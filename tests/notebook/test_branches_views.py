@@ -73,3 +73,38 @@ def test_report_exports_the_tree(tree, tmp_path):
     nb = json.loads(open(path).read())
     text = json.dumps(nb)
     assert "## Branches" in text and "low (from step 2)" in text and "forked at step" in text
+
+
+def test_the_sidebar_rows_nest_forks_and_rewinds_under_their_run(tree, tmp_path, monkeypatch):
+    from megatrain_nb.lab.beacon import SessionBeacon
+    from megatrain_nb.lab.registry import list_sessions
+
+    s, b = tree
+    idle = s.fork(step=4, name="later", max_grad_norm=0.1)   # not started: no run id yet
+    rows = {r["name"]: r for r in s.explorer.sidebar_rows()}
+    assert set(rows) == {"main", "low", "later"}
+    main = rows["main"]
+    assert main["parent_run_id"] is None and main["state"] == "finished" and main["step"] == 6
+    assert main["current"] and not rows["low"]["current"]
+    assert (rows["low"]["parent_run_id"], rows["low"]["forked_at_step"], rows["low"]["state"]) == \
+        (main["run_id"], 2, "finished")
+    assert rows["low"]["changes"] == "learning_rate=0.0001" and rows["low"]["loss"] == b.history[-1]["loss"]
+    assert (rows["later"]["run_id"], rows["later"]["parent_run_id"], rows["later"]["forked_at_step"]) == \
+        (None, main["run_id"], 4)
+    assert rows["later"]["state"] == "idle"
+    s.rewind(4)   # the steps after 4 stay as a branch of their own, abandoned, once it trains again
+    s.train(block=True)
+    rows = s.explorer.sidebar_rows()
+    gone = [r for r in rows if r["state"] == "abandoned"]
+    assert len(gone) == 1 and gone[0]["run_id"] == main["run_id"] and gone[0]["step"] == 6
+    now = next(r for r in rows if r["current"])
+    assert now["parent_run_id"] == main["run_id"] and now["forked_at_step"] == 4
+    # what the sidebar reads: the session's heartbeat
+    monkeypatch.setenv("MEGATRAIN_NB_RUNTIME_DIR", str(tmp_path / "rt"))
+    beacon = SessionBeacon(s, root=tmp_path / "rt").start()
+    try:
+        [hb] = list_sessions(tmp_path / "rt")
+        assert {r["name"] for r in hb["branches"]} >= {"low", "later"} and len(hb["branches"]) == len(rows)
+    finally:
+        beacon.stop()
+    idle.close()

@@ -1,0 +1,107 @@
+"""Host RAM in flight, as the engine allocates it and as the planner counts it
+(``planner.host_in_flight``): a straight update runs on the staging buffer its gradient arrived
+in (no unit-sized copy beside it), and the results stay bitwise those of the path with a copy."""
+import copy
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine, parts
+from megatrain_nb.engine.pager import staging_buffers
+from megatrain_nb.engine.planner import UnitSpec, host_in_flight
+from megatrain_nb.engine.transport import CpuTransport
+
+from .families import VOCAB, family_config
+
+
+class StagingCpuTransport(CpuTransport):
+    """The CPU "device" with CUDA's staging discipline: a unit's gradient is copied into a
+    device buffer of the pager's, then out into a host staging buffer (as pinned memory)."""
+
+    stages = True
+    made = 0
+
+    def host_buffer(self, numel: int, dtype=torch.float32) -> torch.Tensor:
+        StagingCpuTransport.made += 1
+        return torch.full((numel,), float("nan"), dtype=dtype)
+
+
+def _ids(steps, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (2, 12), generator=g) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_straight_updates_run_on_the_staging_buffer_bitwise(monkeypatch, clip, codec):
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=3, hidden=64))
+    cfg = dict(device="cpu", optimizer_compression=codec, weight_decay=0.01)
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(**cfg))
+    StagingCpuTransport.made = 0
+    monkeypatch.setattr(parts, "make_transport", lambda device, sharded=None: StagingCpuTransport())
+    staged = StreamingEngine(model, EngineConfig(**cfg))
+    assert staged.updates.intake.staged and not ref.updates.intake.staged
+    assert StagingCpuTransport.made == staging_buffers(1) == 2   # the updated one and the one next in line
+    real = staged.adam.fused
+
+    def slow(*a, **kw):   # updates slower than a unit's backward: a reused buffer would show
+        time.sleep(0.01)
+        return real(*a, **kw)
+    monkeypatch.setattr(staged.adam, "fused", slow)
+    pool = staged.updates.intake.pool
+    takes, lends = [], []
+    real_take, real_lend = pool.take, pool.lend
+    monkeypatch.setattr(pool, "take", lambda n: takes.append(n) or real_take(n))
+    # (a CPU "device" forms each unit's sum in a lent pool buffer: device memory here)
+    monkeypatch.setattr(pool, "lend", lambda n, slot=False: lends.append(n) or real_lend(n, slot))
+    for ids in _ids(3):
+        a = ref.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
+        b = staged.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
+        assert a.loss == b.loss
+    ref.updates.wait_all()
+    staged.updates.wait_all()
+    pr = dict(ref.named_parameters())
+    for n, p in staged.named_parameters():
+        assert torch.equal(p, pr[n]), n
+    # unclipped: no final-gradient buffer besides the staging ones; clipped: held ones (copies)
+    assert lends and (len(takes) == len(lends)) == (clip is None), (takes, lends)
+    for e in (ref, staged):
+        e.close()
+
+
+def test_planner_counts_the_staging_buffers_as_the_gradients_in_flight():
+    u = 1 << 20
+    units = [UnitSpec("e", u // 2, "embed"), UnitSpec("l", u, "layer"), UnitSpec("h", u // 2, "head")]
+    kw = dict(weights_on_disk=False, states_on_disk=False)
+    for depth in (1, 2, 3):
+        cuda = host_in_flight(units, "none", cuda=True, clipped=False, depth=depth, **kw)
+        assert cuda == staging_buffers(depth) * 4 * u          # no pool buffer besides them
+        held = host_in_flight(units, "none", cuda=True, clipped=True, depth=depth, **kw)
+        assert held == cuda + 3 * 4 * u                        # a copy out of staging + 2 writes
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_the_disk_tiers_buffers_in_flight_are_what_the_planner_counts(tmp_path, codec):
+    """Weights and compressed states on the disk tier, no host cache: the staging and chunk
+    buffers the engine allocates are exactly ``host_in_flight``'s figure for them (the compute
+    stream's staging, one chunk of weights, the ring's moments and codes), with no unit-sized
+    buffer for the optimizer's weights or codes."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
+    eng = StreamingEngine(model, EngineConfig(device="cpu", optimizer_compression=codec, offload_dir=str(tmp_path),
+                                              offload_params=True, host_cache_gb=0, overrides={"update_chunk_numel": 768}))
+    for ids in _ids(2):
+        eng.forward_backward(ids, step_lr=3e-3)
+    eng.updates.wait_all()
+    specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in eng.units]
+    u = max(s.numel for s in specs)
+    counted = host_in_flight(specs, codec, weights_on_disk=True, states_on_disk=True, cuda=False, clipped=False,
+                             depth=1, chunk_numel=768)
+    grads = (1 + 1 + int(any(s.tied_output for s in specs))) * 4 * u   # the final-gradient pool's part
+    allocated = eng.weights.nbytes()["host"] + eng.states.nbytes()["host_buffers"]
+    assert allocated == counted - grads, (allocated, counted - grads)
+    # (the engine's plan is made for any step: a clipped one's held gradients too)
+    assert eng.plan.host["buffers"] == host_in_flight(specs, codec, weights_on_disk=True, states_on_disk=True,
+                                                      cuda=False, clipped=True, depth=1, chunk_numel=768)
+    eng.close()

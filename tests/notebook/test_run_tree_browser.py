@@ -1,0 +1,193 @@
+"""The run tree in a browser (Debian's chromium, Playwright): the dashboard's branches panel in
+a real JupyterLab (a plotly FigureWidget: it must render there, with every branch, its line
+saying what changed, and the fork point), and the exported HTML report's tree, opened offline.
+
+    pytest -m browser tests/notebook/test_run_tree_browser.py
+
+A real Session (the micro model on CPU) trains 6 steps with a snapshot every 2, forks at step 2
+with another learning rate and trains the fork. Screenshots go to ``test-artifacts/``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from test_dashboard_browser import ARTIFACTS, CHROMIUM, REPO, _free_port
+
+pytestmark = pytest.mark.browser
+
+HERE = Path(__file__).resolve().parent
+BUILD = """import numpy as np, datasets, torch
+from transformers import AutoModelForCausalLM, TrainingArguments
+from megatrain_nb.notebook import Session
+from megatrain_nb.trainer.presets import preset_config
+torch.manual_seed(0)
+ds = datasets.Dataset.from_dict({{"input_ids": np.random.default_rng(0).integers(0, 512, size=(48, 16)).tolist()}})
+args = TrainingArguments(output_dir={out!r}, max_steps=6, per_device_train_batch_size=2, learning_rate=3e-3,
+                         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+s = Session(AutoModelForCausalLM.from_config(preset_config("micro")), train_dataset=ds, args=args, name="main",
+            snapshot_steps=2)
+s.train(block=True)
+low = s.fork(step=2, name="low", learning_rate=1e-4)
+low.train(block=True)"""
+FORK_LABEL = "low (from step 2): learning_rate=0.0001"
+
+# every plotly figure on the page: its title and its traces' names, marker symbols and x values
+FIGURES = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(g => ({
+  title: (g.layout && g.layout.title && (g.layout.title.text || g.layout.title)) || '',
+  traces: (g.data || []).map(t => ({name: t.name || '', symbol: (t.marker && t.marker.symbol) || '',
+                                    x: Array.from(t.x || []).slice(0, 3)})),
+  drawn: g.querySelectorAll('.scatterlayer .trace').length}))"""
+
+
+def _tree_figure(figures, title):
+    found = [f for f in figures if title in str(f["title"])]
+    assert found, f"no plotly figure titled {title!r} on the page: {[f['title'] for f in figures]}"
+    return found[0]
+
+
+def _check_tree(fig):
+    names = {t["name"] for t in fig["traces"]}
+    assert "main" in names and FORK_LABEL in names, names
+    assert any(t["symbol"] == "diamond" and t["x"] == [2] for t in fig["traces"]), fig["traces"]  # the fork point
+    assert fig["drawn"] >= 4   # plotly drew the branches' lines (loss and lr of both, at least)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    from tests.browser import require_browser
+
+    require_browser()
+    base = tmp_path_factory.mktemp("run-tree-e2e")
+    root = base / "work"
+    root.mkdir()
+    cells = [BUILD.format(out=str(root / "out")), "s.dashboard()"]
+    nb = {"cells": [{"cell_type": "code", "metadata": {}, "source": c, "outputs": [], "execution_count": None}
+                    for c in cells],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    (root / "tree.ipynb").write_text(json.dumps(nb))
+    config = base / "config" / "labconfig"
+    config.mkdir(parents=True)
+    (config / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(base / "config"), "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
+           "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(base / "ws"),
+           "IPYTHONDIR": str(base / "ipython"), "MEGATRAIN_NB_RUNTIME_DIR": str(base / "mtnb"),
+           "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)}
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+           f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           f"--ServerApp.root_dir={root}", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    log = base / "jupyterlab.log"
+    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"jupyter lab did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield {"url": url, "token": token, "log": log}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its kernels (its own session)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _browser(p):
+    return p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                             args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+
+
+def test_the_dashboards_branches_panel_draws_the_tree_in_jupyterlab(lab):
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = _browser(p)
+        page = browser.new_page(viewport={"width": 1500, "height": 1600})
+        try:
+            page.goto(f"{lab['url']}/lab/tree/tree.ipynb?token={lab['token']}&reset")
+            expect(page.locator(".jp-Notebook").first).to_be_visible(timeout=60_000)
+            try:
+                page.locator(".jp-Dialog .jp-mod-accept").click(timeout=3_000)  # "Select Kernel", if asked
+            except Exception:  # noqa: BLE001
+                pass
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            out = page.locator(".jp-Notebook .jp-OutputArea-output")
+            # the branches panel, below the dashboard's other figures (scrolled to: JupyterLab
+            # may leave output it does not show undrawn)
+            deadline, figures = time.monotonic() + 240, []
+            while time.monotonic() < deadline:
+                plots = out.locator(".js-plotly-plot")
+                if plots.count():
+                    plots.last.scroll_into_view_if_needed(timeout=10_000)
+                figures = page.evaluate(FIGURES)
+                if any("Branches" in str(f["title"]) and f["drawn"] >= 4 for f in figures):
+                    break
+                page.wait_for_timeout(2_000)
+            _check_tree(_tree_figure(figures, "Branches"))
+            assert out.locator(".js-plotly-plot .legendtext", has_text=FORK_LABEL).count() >= 1
+            page.screenshot(path=str(ARTIFACTS / "run-tree-dashboard.png"), full_page=True)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "run-tree-dashboard-failure.png"), full_page=True)
+            shutil.copy(lab["log"], ARTIFACTS / "run-tree-jupyterlab.log")
+            raise
+        finally:
+            browser.close()
+
+
+def test_the_exported_reports_tree_renders_offline(tmp_path):
+    from tests.browser import require_browser
+
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    scope: dict = {}
+    exec(BUILD.format(out=str(tmp_path / "out")), scope)   # the same run, in this process
+    s, low = scope["s"], scope["low"]
+    try:
+        page_path = s.export_report(str(tmp_path / "report.html"))
+    finally:
+        low.close()
+        s.close()
+    with sync_playwright() as p:
+        browser = _browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        errors, requests = [], []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("request", lambda r: requests.append(r.url))
+        try:
+            page.goto(f"file://{page_path}", wait_until="load", timeout=60_000)
+            page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length >= 4",
+                                   timeout=60_000)
+            _check_tree(_tree_figure(page.evaluate(FIGURES), "Run tree"))
+            assert page.locator(".legendtext", has_text=FORK_LABEL).count() >= 1
+            page.screenshot(path=str(ARTIFACTS / "run-tree-report.png"), full_page=True)
+        finally:
+            browser.close()
+    assert errors == []
+    assert not [u for u in requests if not u.startswith(("file:", "data:", "blob:", "about:"))]   # offline

@@ -26,13 +26,14 @@ def _until(pred, what, bound=BOUND):
     until(pred, what, bound)
 
 
-def _session(tmp_path, name, **kw):
+def _session(tmp_path, name, max_steps=KW["max_steps"], **kw):
     import megatrain_nb as mt
 
     sys.path.insert(0, str(REPO / "tests"))
     from trainer.helpers import args, micro_model, token_dataset
 
-    return mt.Session(micro_model(), train_dataset=token_dataset(64), args=args(tmp_path / name, **KW),
+    return mt.Session(micro_model(), train_dataset=token_dataset(64),
+                      args=args(tmp_path / name, **dict(KW, max_steps=max_steps)),
                       nproc_per_node=2, device="cpu", name=name,
                       callbacks=["tests.distributed.launcher_helpers:SlowSteps"], **kw)
 
@@ -146,3 +147,20 @@ def test_snapshot_rewind_resume_and_fork_of_two_ranks_are_bit_exact(tmp_path):
     table = {r["branch"]: r for r in mt.compare(ref, low).rows}
     assert table["low"]["forked_from"] == "ref" and table["low"]["forked_at_step"] == 6
     assert (table["ref"]["learning_rate"], table["low"]["learning_rate"]) == (1e-3, 5e-4)
+
+
+@pytest.mark.slow
+def test_a_fork_of_running_ranks_pauses_its_parent_when_it_starts(tmp_path):
+    parent = _session(tmp_path, "long", snapshot_steps=2, max_steps=60)
+    parent.train()
+    assert parent.wait(timeout=BOUND, until_step=3) == "running", parent.worker_log
+    with pytest.raises(ValueError, match="trains on ranks of its own"):
+        parent.fork(2, device="cpu")
+    kid = parent.fork(2, name="kid", max_steps=4)
+    kid.train()
+    _until(lambda: parent.state == "paused", "the parent's pause")
+    assert [e["source"] for e in parent.events if e["kind"] == "pause"] == ["branch kid"]
+    assert kid.wait(timeout=3 * BOUND) == "finished", kid.worker_log
+    assert [r["step"] for r in kid.history] == [3, 4] and parent.state == "paused"
+    parent.stop(timeout=BOUND)
+    assert parent.state == "stopped"

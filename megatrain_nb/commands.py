@@ -48,8 +48,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("lr", "learning_rate", "learning rate from the next step (e.g. 5e-4)", "set_lr", True, True,
             LIVE_STATES),
     Command("checkpoint", "path", "write a checkpoint at the next step boundary", "save_checkpoint", True, False),
-    # exploration (notebook/branches.py): a Session that trains in this kernel applies them; once the
-    # ranks' run control does too (snapshot, rewind), ranks=True makes a run in worker processes forward them
+    # exploration (notebook/branches.py): a Session that trains in this kernel applies them; the ranks'
+    # run control applies snapshot and rewind (ranks=True: a run in worker processes forwards them);
+    # a fork is never applied by running ranks: a run in worker processes launches new ones (rank_fork.py)
     Command("snapshot", "none", "take a snapshot at the next step boundary", "snapshot",
             ranks=True, sidebar=False),
     Command("rewind", "step", "go back to the snapshot at that step (train()/resume continues)", "rewind",
@@ -105,6 +106,17 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False, ranks:
             isinstance(value, str) and 0 < len(value) < _MAX_PATH and "\0" not in value):
         return name, value
     raise CommandError(f"command {name!r} takes a path string (or nothing), got {value!r}")
+
+
+def state_after(kind: str, state: str) -> Any:
+    """The run state ``pause`` or ``resume`` leads to from ``state``, or None when it has nothing
+    to do (a pause of a run that is not running, a resume of one that is not paused: no event).
+    One rule for the in-kernel thread (``notebook/thread_run.py``) and the ranks (``trainer/control.py``).
+
+    >>> state_after("pause", "running"), state_after("pause", "paused"), state_after("resume", "paused")
+    ('paused', None, 'running')
+    """
+    return {("pause", "running"): "paused", ("resume", "paused"): "running"}.get((kind, state))
 
 
 def as_step(value: Any, what: str) -> int:

@@ -16,7 +16,7 @@ def sidebar_rows(explorer) -> list[dict]:
         s = m.session
         if s is None:
             continue
-        rid = getattr(m.trainer, "run_id", None)
+        rid = m.run_id   # (ranks in worker processes: the run they train now)
         n = nodes.get(rid)
         parent, at = (n.parent_run_id, n.forked_at_step) if n is not None else (m.origin or (None, None))
         hist = s.history

@@ -115,6 +115,9 @@ class Explorer:
         # rewound, not trained since: the engine holds that snapshot's state but the trainer's
         # step, schedule and data position are still those of before (they load when it trains)
         self.pending_start: Optional[str] = None
+        # a run in worker processes (remote.ProcessRun): its ranks take the snapshots into its
+        # output_dir; what it shows of them (output_dir, run_id) is what this lists and finds
+        self.ranks: Any = None
         self.own_engine = False                  # a side-by-side branch (another device): not the group's engine
         self._pending = None                     # (a snapshot completing in the background, its source)
         self._pending_lock = threading.Lock()
@@ -124,6 +127,13 @@ class Explorer:
         return self._session()
 
     @property
+    def run_id(self) -> Optional[str]:
+        """The id of the run going on (None before its first step)."""
+        if self.ranks is not None:
+            return self.ranks.run_id
+        return getattr(self.trainer, "run_id", None)
+
+    @property
     def trainer(self):
         return self.session.trainer
 
@@ -131,10 +141,12 @@ class Explorer:
     def store(self):
         from megatrain_nb.trainer.snapshot import SnapshotStore
 
+        if self.ranks is not None:
+            return SnapshotStore(self.ranks.output_dir)
         if not callable(getattr(self.trainer, "save_snapshot", None)):
             raise NotImplementedError(f"session {self.session.name!r} drives a trainer without snapshots "
                                       f"({type(self.trainer).__name__}); snapshots, rewind and fork need mt.Trainer "
-                                      "in this process (not yet nproc_per_node sessions)")
+                                      "in this process, or nproc_per_node=N")
         return SnapshotStore(self.trainer.args.output_dir)
 
     def apply(self, kind: str, value: Any = None, source: str = "notebook"):
@@ -160,11 +172,11 @@ class Explorer:
         with self.group.lock:
             elsewhere = not self.own_engine and self.group.active is not None and self.group.active is not self
         if self.pending_start is not None:   # its state is that snapshot's until it trains again
-            return self._named(self.store.info(self.pending_start))
+            return self.named(self.store.info(self.pending_start))
         if elsewhere:   # the engine holds another branch's state; this one's was kept when it left
             if self.switched_out is None:
                 raise RuntimeError(f"session {s.name!r} does not hold the engine; resume it to snapshot it")
-            return self._named(self.store.info(self.switched_out))
+            return self.named(self.store.info(self.switched_out))
         try:
             pending = self.store.begin(self.trainer)
             if not wait:
@@ -199,7 +211,7 @@ class Explorer:
         self.session.run_log.add_event("snapshot", info.step, path=info.path, bytes_unique=info.bytes_unique,
                                        bytes_shared=info.bytes_shared, source=source)
         self.prune()
-        return self._named(info)
+        return self.named(info)
 
     def on_record(self, record: dict) -> None:
         """After each step (training thread): automatic snapshots every ``snapshot_steps``,
@@ -230,13 +242,13 @@ class Explorer:
         up to the step it was forked at."""
         self.settle()
         reach = self._lineage()
-        return [self._named(i) for i in self.store.list()
+        return [self.named(i) for i in self.store.list()
                 if i.run_id in reach and i.step <= reach[i.run_id]]
 
     def all_snapshots(self) -> list:
         self.settle()
-        ids = set(self.group.nodes) | {m.trainer.run_id for m in self.group.members}
-        return [self._named(i) for i in self.store.list() if i.run_id in ids]
+        ids = set(self.group.nodes) | {m.run_id for m in self.group.members}
+        return [self.named(i) for i in self.store.list() if i.run_id in ids]
 
     def find(self, step: int) :
         found = [i for i in self.snapshots() if i.step == int(step)]
@@ -255,13 +267,7 @@ class Explorer:
         info = self.find(step)
         old_step, old_run = s.step, tr.run_id
         self.activate(source=f"rewind of {s.name}")
-        gone = s.run_log.truncate_after(info.step)
-        if old_run is not None:
-            n = self._register(old_run)
-            with self.group.lock:
-                n.abandoned.extend(r for r in gone if r.get("run_id") == old_run)
-                if gone:
-                    n.name = f"{s.name} (abandoned after step {info.step})"
+        self.abandon_after(info.step, old_run)
         from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart
 
         tr.engine.load_checkpoint(info.path)   # at once: generate()/save_model() see that step's weights
@@ -270,10 +276,22 @@ class Explorer:
         tr.branch_start = BranchStart(new_run=True,
                                       rebuild_schedule=other and any(k in self.changes for k in SCHEDULE_FIELDS),
                                       restart_data=other and "train_dataset" in self.changes)
-        self.note = f"rewound to step {info.step}"
         self.restart_path, self.switched_out, self.pending_start = info.path, None, info.path
         s.run_log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
         return info
+
+    def abandon_after(self, step: int, old_run: Optional[str]) -> None:
+        """A rewind to ``step``: the records after it leave the history and stay in the tree as
+        the abandoned branch of ``old_run``; the run going on is said to be rewound."""
+        s = self.session
+        gone = s.run_log.truncate_after(step)
+        if old_run is not None:
+            n = self._register(old_run)
+            with self.group.lock:
+                n.abandoned.extend(r for r in gone if r.get("run_id") == old_run)
+                if gone:
+                    n.name = f"{s.name} (abandoned after step {step})"
+        self.note = f"rewound to step {step}"
 
     def take_restart(self) -> Optional[str]:
         path, self.restart_path = self.restart_path, None
@@ -312,16 +330,23 @@ class Explorer:
         trainer.branch_start = BranchStart(new_run=True, rebuild_schedule=any(k in changes for k in SCHEDULE_FIELDS),
                                            restart_data="train_dataset" in changes)
         if name is None:
-            name = _free_name(f"{self.session.name}-fork", taken)
+            name = free_name(f"{self.session.name}-fork", taken)
         child = Session.from_trainer(trainer, tokenizer=self.session.tokenizer, name=str(name),
                                      resume_from_checkpoint=info.path)
+        self.adopt(child, info, changes, weight_decay=float(changes.get("weight_decay", self.engine_weight_decay())),
+                   device=device if side else None)
+        return child
+
+    def adopt(self, child, info, changes: dict, weight_decay: Optional[float] = None, device: Any = None) -> None:
+        """``child`` (a new Session) is this run's fork from snapshot ``info`` with ``changes``: it
+        joins the tree, and the snapshot it starts from is never pruned; a "fork" event here."""
         ex = child.explorer
         ex.snapshot_steps, ex.keep_snapshots = self.snapshot_steps, self.keep_snapshots
         ex.join(self.group)
         ex.origin = (info.run_id, info.step)
         ex.changes = {k: _describe(v) for k, v in changes.items()}
-        ex.weight_decay = float(changes.get("weight_decay", self.engine_weight_decay()))
-        if side:   # an engine of its own: never paused for another branch, nor pausing one
+        ex.weight_decay = weight_decay
+        if device is not None:   # an engine of its own: never paused for another branch, nor pausing one
             ex.own_engine = True
             ex.changes["device"] = str(device)
             print(f"megatrain_nb: branch {child.name!r} trains side by side on {device} (an engine of its own); "
@@ -329,7 +354,10 @@ class Explorer:
         with self.group.lock:
             self.group.protected.add(str(info.path))
         self.session.run_log.add_event("fork", info.step, branch=child.name, changes=ex.changes, path=info.path)
-        return child
+
+    def taken_names(self) -> set:
+        """The names of the branches of this tree (a fork's name must be another)."""
+        return set(self.group.names())
 
     def join(self, group: BranchGroup) -> None:
         with group.lock:
@@ -428,7 +456,7 @@ class Explorer:
     def _lineage(self) -> dict:
         """run id -> the last step of it this run descends from."""
         reach: dict = {}
-        rid = getattr(self.trainer, "run_id", None)
+        rid = self.run_id
         limit = float("inf")
         if rid is None and self.origin is not None:
             rid, limit = self.origin
@@ -442,7 +470,7 @@ class Explorer:
                 rid = n.parent_run_id
         return reach
 
-    def _named(self, info) :
+    def named(self, info) :
         n = self.group.nodes.get(info.run_id)
         info.branch = n.name if n is not None else None
         return info
@@ -464,7 +492,7 @@ def _describe(v: Any) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
-def _free_name(base: str, taken: set) -> str:
+def free_name(base: str, taken: set) -> str:
     k = 1
     while f"{base}-{k}" in taken:
         k += 1

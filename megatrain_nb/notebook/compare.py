@@ -59,7 +59,8 @@ def compare(*sessions: Any, height: int = 520) -> Comparison:
         if not hasattr(s, "history") or not hasattr(s, "trainer"):
             raise TypeError(f"compare() takes Sessions; got {type(s).__name__}")
     rows, runs = [], []
-    names = {getattr(s.trainer, "run_id", None): s.name for s in sessions}
+    names = {s.explorer.run_id if hasattr(s, "explorer") else getattr(s.trainer, "run_id", None): s.name
+             for s in sessions}
     for s in sessions:
         hist = s.history
         losses = [r["loss"] for r in hist if isinstance(r.get("loss"), (int, float))]
@@ -92,7 +93,12 @@ def compare(*sessions: Any, height: int = 520) -> Comparison:
 
 def _settings(s) -> dict:
     args = getattr(s.trainer, "args", None)
-    out = {k: getattr(args, k, None) for k in _SETTINGS}
+    ranks = getattr(getattr(s, "explorer", None), "ranks", None)
+    if args is None and ranks is not None:   # ranks in worker processes: what they were given
+        written = ranks.spec_args
+        out = {k: written.get(k) for k in _SETTINGS}
+    else:
+        out = {k: getattr(args, k, None) for k in _SETTINGS}
     loss_fn = getattr(s.trainer, "loss_fn", None)
     out["loss_fn"] = getattr(loss_fn, "__name__", type(loss_fn).__name__) if loss_fn is not None else None
     ds = getattr(s.trainer, "train_dataset", None)

@@ -25,9 +25,11 @@ loss and throughput, every rank's memory tiers in ``rank_memory``) and the event
 as applied, at its step, on every rank: ``trainer/control.py``); the processes' exit and
 ``error-<rank>.json`` give the outcome (``worker_outcome.py``). Only the commands the one table
 (``megatrain_nb/commands.py``) marks ``ranks`` are forwarded; the others are refused, saying so
-(when the ranks apply ``snapshot``/``rewind``, marking them there is all it takes: their events
-come back like a checkpoint's). The JupyterLab sidebar lists the run once: rank 0 writes the
-heartbeat, not us.
+(``snapshot`` and ``rewind`` among them: their events come back with the snapshot's path, answered
+as the Session's ``SnapshotInfo``; after a rewind the next run to start is the branch, followed;
+a finished run rewound launches its ranks again from the snapshot). ``fork`` is no command to the
+ranks: it launches new ones (``rank_fork.py``). The JupyterLab sidebar lists the run once: rank 0
+writes the heartbeat, not us.
 """
 from __future__ import annotations
 
@@ -68,6 +70,9 @@ class ProcessRun:
         self.resume_from: Any = None
         self.snapshot_every: Optional[int] = None   # snapshot_steps / keep_snapshots, for the ranks
         self.keep_snapshots: Optional[int] = None
+        self.explorer: Any = None    # the Session's snapshots and branches (branches.Explorer)
+        self.inputs: Optional[dict] = None   # what the spec was written from (a fork writes its own)
+        self.before_launch: list[Callable[[], None]] = []   # e.g. a fork pauses its parent
         self._spec, self._attached, self._root = spec, attached, root
         self._proc: Optional[subprocess.Popen] = None
         output_dir = (attached or {}).get("output_dir") or (spec or {}).get("args", {}).get("output_dir")
@@ -84,6 +89,8 @@ class ProcessRun:
         self._ranks: list[dict] = []
         self._log_tail = ""
         self._watch: Any = None
+        self._branch: Optional[dict] = None   # a relaunch after a rewind: BranchStart fields
+        self._next_start = False   # a rewind: the next run to start is the branch it starts
 
     @classmethod
     def launching(cls, status: RunState, session_id: str, nproc_per_node: Any, *, save_model: bool = True,
@@ -105,25 +112,32 @@ class ProcessRun:
 
     @classmethod
     def factory(cls, nproc_per_node: Any, model: Any, *, snapshots: tuple = (None, None), engine_options: dict,
-                **given: Any) -> Callable[[RunState, Any, str], "ProcessRun"]:
+                start: tuple = (None, None), **given: Any) -> Callable[[RunState, Any, str], "ProcessRun"]:
         """What ``Session(model, ..., nproc_per_node=N)`` builds its run controller with (``given``:
         the datasets, args, tokenizer, seq_len, loss_fn; ``callbacks=``/``save_model=`` come in
-        ``engine_options``)."""
+        ``engine_options``). ``start``: ``(snapshot, branch)`` a fork's ranks start from
+        (``rank_fork.py``)."""
         options = dict(engine_options)
-        extra = {"callbacks": options.pop("callbacks", None), "save_model": options.pop("save_model", True)}
+        inputs = dict(given, model=model, engine_options=options, callbacks=options.pop("callbacks", None),
+                      save_model=options.pop("save_model", True))
 
         def build(status: RunState, explorer: Any, session_id: str) -> "ProcessRun":
-            run = cls.launching(status, session_id, nproc_per_node, model=model, engine_options=options,
-                                **given, **extra)
+            run = cls.launching(status, session_id, nproc_per_node, **inputs, resume=start[0], branch=start[1])
             run.snapshot_every, run.keep_snapshots = snapshots   # every rank takes them (its own shard)
+            run.inputs, run.explorer = inputs, explorer
+            explorer.ranks = run   # the ranks' snapshots are the Session's (output_dir, run_id)
             return run
 
         return build
 
     @classmethod
-    def attaching(cls, status: RunState, beat: dict, root: Any = None) -> "ProcessRun":
+    def attaching(cls, status: RunState, beat: dict, root: Any = None, explorer: Any = None) -> "ProcessRun":
         """Follow the torchrun job whose rank 0 wrote heartbeat ``beat`` (see :func:`find_run`)."""
-        return cls(status, beat["id"], nproc=beat.get("world_size"), attached=beat, root=root)
+        run = cls(status, beat["id"], nproc=beat.get("world_size"), attached=beat, root=root)
+        run.explorer = explorer
+        if explorer is not None:
+            explorer.ranks = run
+        return run
 
     # ---- what only a run in worker processes has (the Session shows them as its own) -------------
     @property
@@ -150,6 +164,16 @@ class ProcessRun:
             rows.extend((f"engine.{k}", v) for k, v in sorted(self._spec["engine_options"].items()))
         return rows
 
+    @property
+    def run_id(self) -> Optional[str]:
+        """The id of the run the ranks train now (a rewind starts a branch: a new one)."""
+        return self._run_id
+
+    @property
+    def spec_args(self) -> dict:
+        """The training arguments the ranks were given (fields that differ from the defaults)."""
+        return dict((self._spec or {}).get("args", {}))
+
     # ---- the run controller (run_state.RunController) ---------------------------------------------
     def total_steps(self) -> Optional[int]:
         if self._total:
@@ -163,6 +187,8 @@ class ProcessRun:
     def check(self, what: str) -> None:
         if what in COMMANDS and COMMANDS[what].ranks:
             return
+        if what == "fork" and self.inputs is not None:   # new ranks from a snapshot (rank_fork.py)
+            return
         hint = {"inspect": "per-layer statistics stay there. Load the saved model (output_dir) or a checkpoint "
                            "to look inside",
                 "generate": f"sample from the model saved in {self.output_dir!r} once the run ends"}.get(
@@ -173,12 +199,41 @@ class ProcessRun:
 
     def deliver(self, cmd: QueuedCommand) -> None:
         self.check(cmd.kind)
+        if cmd.kind == "rewind" and self.status.state == "running":   # as in this kernel: paused after it
+            self.status.commands.put(QueuedCommand("pause", source="rewind"))
         self.status.commands.put(cmd)
 
     def apply_now(self, kind: str, value: Any, source: str) -> Any:
         self.check(kind)
+        if kind == "rewind" and self.status.state == "finished" and self.inputs is not None:
+            return self._rewind_ended(int(value), source)
         raise RuntimeError(f"session {self.status.name!r} has no running workers to {kind} "
                            f"({self.status.state}); the model the run saved is in {self.output_dir!r}")
+
+    def fork(self, session: Any, step: Optional[int], name: Optional[str], changes: dict) -> Any:
+        """``session.fork``: a new Session whose own ranks start from the snapshot at ``step``
+        (None: one taken now by the ranks) as a branch with ``changes`` (``rank_fork.py``)."""
+        from .rank_fork import fork_ranks
+
+        if step is None and self.status.state not in ("running", "paused"):
+            raise RuntimeError(f"session {self.status.name!r} has no running workers to snapshot now "
+                               f"({self.status.state}): fork(step=...) from one of its snapshots "
+                               f"(steps: {', '.join(str(i.step) for i in self.explorer.snapshots()) or 'none'})")
+        info = session.snapshot() if step is None else self.explorer.find(step)
+        return fork_ranks(session, self, info, name, changes)
+
+    def _rewind_ended(self, step: int, source: str) -> Any:
+        """A rewind of a finished run (its ranks gone): ``train()`` launches them again from the
+        snapshot at ``step``, as a branch of the run (a new run id whose parent is this one)."""
+        info = self.explorer.find(step)
+        old_step = self.status.step
+        self.explorer.abandon_after(info.step, self._run_id)
+        self.resume_from, self._branch = info.path, {"new_run": True}
+        self._ended_by, self._stop_seen, self._ranks, self._next_start = None, False, [], True
+        for old in (p for pattern in ("rank-*.json", "error-*.json", "pid-*.json") for p in self.run_dir.glob(pattern)):
+            old.unlink()   # the last launch's reports
+        self.status.log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
+        return info
 
     def release(self) -> None:
         if self.run_dir is not None:
@@ -235,8 +290,12 @@ class ProcessRun:
 
         from .rank_watch import RankWatch
 
+        for hook in self.before_launch:
+            hook()
         resume = self.resume_from
         spec = dict(self._spec, resume=str(resume) if resume not in (None, False) else self._spec["resume"])
+        if self._branch is not None:   # rewound after the end: the ranks start from the snapshot as a branch
+            spec["branch"] = self._branch
         self._watch = RankWatch(self.run_dir)
         with open(self.run_dir / "spec.json", "w", encoding="utf-8") as f:
             json.dump(spec, f, indent=1)
@@ -304,17 +363,19 @@ class ProcessRun:
     def _take(self, rec: dict) -> None:
         event = rec.get("event")
         if event == "run_start":
-            if self._run_id is None:   # launched: the first run to start after we launched is ours
-                self._run_id = rec.get("run_id")
-            elif self._run_id is not None and rec.get("parent_run_id") == self._run_id:
-                self._run_id = rec.get("run_id")   # the ranks rewound: the run goes on as a branch
+            # launched: the first run to start after we launched is ours; after a rewind, the
+            # next to start is its branch (whose parent is the snapshot's run: maybe not this one)
+            if self._run_id is None or self._next_start:
+                self._run_id, self._next_start = rec.get("run_id"), False
             if rec.get("run_id") == self._run_id:
                 self._total = rec.get("total_steps") or self._total
             return
         if self._run_id is None or rec.get("run_id") != self._run_id:
             return   # another run sharing output_dir
-        if event is None:
-            self.status.log.add_record({k: v for k, v in rec.items() if k != "run_id"})
+        if event is None:   # a step's record (with its run id, as an in-kernel run's)
+            self.status.log.add_record(rec)
+            if self.explorer is not None:
+                self.explorer.on_record(rec)   # the run tree: the run's lineage
             self.status.notify()
         elif event == "control":
             self._control_event(rec)
@@ -324,7 +385,19 @@ class ProcessRun:
     def _control_event(self, rec: dict) -> None:
         st = self.status
         kind, step = str(rec.get("kind")), int(rec.get("step") or 0)
-        fields = {k: v for k, v in rec.items() if k not in ("event", "kind", "step", "run_id", "time")}
+        fields = {k: v for k, v in rec.items() if k not in ("event", "kind", "step", "run_id", "time",
+                                                           "parent_run_id", "forked_at_step")}
+        result: Any = dict(fields, step=step)
+        if kind == "rewind":   # as in this kernel: at the step gone back to; the later steps a branch
+            fields["from_step"], step = step, int(rec.get("value") or 0)
+            self._next_start = True
+            if self.explorer is not None:
+                self.explorer.abandon_after(step, self._run_id)
+        if kind in ("snapshot", "rewind") and self.explorer is not None and rec.get("path"):
+            try:
+                result = self.explorer.named(self.explorer.store.info(rec["path"]))   # a SnapshotInfo
+            except Exception:  # noqa: BLE001 - pruned already, or unreadable: the event's fields answer
+                pass
         st.log.add_event(kind, step, **fields)
         if kind == "pause":
             st.set_state("paused")
@@ -338,8 +411,8 @@ class ProcessRun:
         if fut is not None and not fut.done():
             if kind.endswith("_failed"):
                 fut.set_exception(RuntimeError(f"{kind[:-len('_failed')]} failed on the workers: {rec.get('error')}"))
-            else:   # a checkpoint: its path; another command the ranks answer: what they recorded
-                fut.set_result(rec.get("path") if kind == "checkpoint" else dict(fields, step=step))
+            else:   # a checkpoint: its path; a snapshot or rewind: its SnapshotInfo
+                fut.set_result(rec.get("path") if kind == "checkpoint" else result)
 
     # ---- the processes ---------------------------------------------------------------------------
     def _rank0_alive(self) -> bool:

@@ -82,8 +82,8 @@ class Session:
     ``nproc_per_node=N``: train on N local ranks in worker processes (``remote.py``; also
     ``callbacks=`` and ``save_model=``); the Session then also has ``nproc_per_node``,
     ``output_dir``, ``ranks``, ``worker_log``, ``launch_info()`` and ``run_dir`` (its run
-    controller's), and refuses what needs the weights in this kernel (``inspect``, ``generate``,
-    snapshots).
+    controller's), and refuses what needs the weights in this kernel (``inspect``, ``generate``);
+    its ranks take the snapshots and rewinds, and ``fork`` launches new ranks (``rank_fork.py``).
 
     >>> session = Session("micro", seq_len=32)                  # doctest: +SKIP
     >>> session.train(); session.wait()                         # doctest: +SKIP
@@ -121,7 +121,7 @@ class Session:
 
         beat = find_run(name, root)
         self = cls.__new__(cls)
-        self._setup(lambda status, explorer, ident: ProcessRun.attaching(status, beat, root), None, None,
+        self._setup(lambda status, explorer, ident: ProcessRun.attaching(status, beat, root, explorer), None, None,
                     beat.get("name"), ident=beat["id"])
         self.train(dashboard=dashboard)
         return self
@@ -138,6 +138,14 @@ class Session:
         self = cls.__new__(cls)
         self._setup(lambda status, explorer, ident: ThreadRun(status, trainer, explorer, resume_from_checkpoint),
                     trainer, tokenizer if tokenizer is not None else getattr(trainer, "tokenizer", None), name)
+        return self
+
+    @classmethod
+    def from_run_controller(cls, make_run: Any, *, tokenizer: Any = None, name: Optional[str] = None) -> "Session":
+        """A Session around the run controller ``make_run(status, explorer, session_id)`` builds
+        (``run_state.RunController``; e.g. the fork of a run in worker processes, ``rank_fork.py``)."""
+        self = cls.__new__(cls)
+        self._setup(make_run, None, tokenizer, name)
         return self
 
     @classmethod
@@ -368,11 +376,12 @@ class Session:
         if st.released:
             raise RuntimeError(f"session {self.name!r} {st.state} and released its model: nothing to rewind. "
                                "mt.Session.from_checkpoint(<a snapshot folder>) starts from one")
-        if self._trainer is not None:   # (ranks in worker processes keep their own snapshots)
-            self._explore.find(step)   # a step without a snapshot fails here, listing those that have one
+        self._explore.find(step)   # a step without a snapshot fails here, listing those that have one
         info = self._at_boundary("rewind", step)
         if st.state in ENDED + ("idle",):   # finished (it kept its model) or not started: train() goes on from it
-            self._run.resume_from = self._explore.take_restart()
+            restart = self._explore.take_restart()   # (ranks in worker processes: their controller has it)
+            if restart is not None:
+                self._run.resume_from = restart
             st.ended_at = None
             st.set_state("idle")
         return info
@@ -382,7 +391,8 @@ class Session:
         ``changes`` (learning_rate, lr_scheduler_type, warmup_steps, weight_decay, max_grad_norm,
         max_steps, gradient_accumulation_steps, data_seed, train_dataset, loss_fn). It shares this
         session's engine: starting it pauses this one (one branch trains at a time). ``device=``
-        another device than this session's: an engine of its own there, trained side by side."""
+        another device than this session's: an engine of its own there, trained side by side. Ranks
+        in worker processes (``nproc_per_node``): the fork launches ranks of its own from the snapshot."""
         from .branches import check_changes
 
         self._run.check("fork")
@@ -391,6 +401,8 @@ class Session:
             raise RuntimeError(f"session {self.name!r} released its model: nothing to fork")
         if step is not None:
             self._explore.find(step)   # no snapshot there: the error lists the steps that have one
+        if hasattr(self._run, "fork"):   # ranks in worker processes: new ranks from the snapshot
+            return self._run.fork(self, step, name, changes)
         return self._at_boundary("fork", (step, name, changes))
 
     def _at_boundary(self, kind: str, value: Any, source: str = "notebook", *, wait: bool = True):

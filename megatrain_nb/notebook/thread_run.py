@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
+from megatrain_nb.commands import state_after
+
 from .run_state import QueuedCommand, RunState
 
 
@@ -131,13 +133,14 @@ class ThreadRun:
         st, log = self.status, self.status.log
         step = st.step
         try:
-            if cmd.kind == "pause" and st.state == "running":
-                st.set_state("paused")
-                log.add_event("pause", step, source=cmd.source)
-            elif cmd.kind == "resume" and st.state == "paused":
-                self.explorer.activate()   # another branch trained meanwhile: switch back
-                st.set_state("running")
-                log.add_event("resume", step, source=cmd.source)
+            if cmd.kind in ("pause", "resume"):
+                state = state_after(cmd.kind, st.state)
+                if state is None:   # already paused / not paused: nothing to do
+                    return False
+                if cmd.kind == "resume":
+                    self.explorer.activate()   # another branch trained meanwhile: switch back
+                st.set_state(state)
+                log.add_event(cmd.kind, step, source=cmd.source)
             elif cmd.kind == "lr":
                 previous = log.last_record().get("lr")
                 self.trainer.set_lr(cmd.value)

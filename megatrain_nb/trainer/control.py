@@ -40,7 +40,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from megatrain_nb.commands import RANKS, as_step
+from megatrain_nb.commands import RANKS, as_step, state_after
 
 ENV_ENABLE = "MEGATRAIN_NB_CONTROL"
 ENV_NAME = "MEGATRAIN_NB_RUN_NAME"
@@ -162,14 +162,11 @@ class RunControl:
         kind, value = cmd["kind"], cmd.get("value")
         event = {"kind": kind, "step": step, "source": cmd.get("source"), "id": cmd.get("id")}
         try:
-            if kind == "pause":
-                if self.state != "running":
+            if kind in ("pause", "resume"):
+                state = state_after(kind, self.state)
+                if state is None:   # already paused / not paused: nothing to do
                     return
-                self.state = "paused"
-            elif kind == "resume":
-                if self.state != "paused":
-                    return
-                self.state = "running"
+                self.state = state
             elif kind == "lr":
                 event["previous"] = t.schedule.current() if t.schedule is not None else None
                 t.set_lr(float(value))

@@ -71,3 +71,23 @@ def two_agents(script: Path, *args: str, timeout: float = 240, dist_timeout_s: f
 
 def check(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"torchrun failed (rc {proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+def controller_env(tmp_path, monkeypatch) -> None:
+    """The environment of a test that steers worker processes from this one (a Session with
+    ``nproc_per_node``): its own runtime folder, the repo importable, collectives bounded."""
+    monkeypatch.setenv("MEGATRAIN_NB_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("MEGATRAIN_DIST_TIMEOUT_S", "30")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+
+
+def until(pred, what: str, bound: float) -> None:
+    """Wait (at most ``bound`` seconds, else fail saying for what) until ``pred()``."""
+    import time
+
+    end = time.monotonic() + bound
+    while not pred():
+        assert time.monotonic() < end, f"waited {bound}s for {what}"
+        time.sleep(0.05)

@@ -22,6 +22,16 @@ class ExitOnRank1(TrainerCallback):
             os._exit(9)
 
 
+class SlowSteps(TrainerCallback):
+    """Every rank sleeps 0.3 s after each step: time for the controls between steps (the
+    numbers trained are not touched)."""
+
+    def on_step_end(self, args, state, control, **kw):
+        import time
+
+        time.sleep(0.3)
+
+
 def job(out_dir: str) -> None:
     """A plain mt.Trainer script, as a user runs it under torchrun: nothing notebook-specific."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

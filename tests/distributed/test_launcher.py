@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .launch import REPO, free_port
+from .launch import REPO, controller_env, free_port, until
 
 HERE = Path(__file__).parent
 BOUND = 60
@@ -17,18 +17,11 @@ BOUND = 60
 
 @pytest.fixture(autouse=True)
 def _env(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_NB_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setenv("MEGATRAIN_DIST_TIMEOUT_S", "30")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    controller_env(tmp_path, monkeypatch)
 
 
 def _until(pred, what, bound=BOUND):
-    end = time.monotonic() + bound
-    while not pred():
-        assert time.monotonic() < end, f"waited {bound}s for {what}"
-        time.sleep(0.05)
+    until(pred, what, bound)
 
 
 def _data():

@@ -33,8 +33,10 @@ def test_pause_holds_the_step_count_and_resume_continues(fake_session):
     held = s.step
     time.sleep(0.2)
     assert s.step == held
+    s.pause()          # paused already: nothing to do, no event (not a "pause_failed")
     s.resume()
     assert wait_until(lambda: s.step > held + 3)
+    s.resume()         # running already: the same
     s.wait(timeout=20)
     kinds = [(e["kind"], e["step"]) for e in s.events]
     assert kinds == [("pause", held), ("resume", held)]
@@ -228,11 +230,16 @@ def test_one_session_class_with_a_run_controller_chosen_at_construction(fake_ses
     try:
         assert type(r) is Session and r.nproc_per_node == 2 and r.run_dir.is_dir()
         assert r.engine is None and r.trainer is None and r.state == "idle"
-        for refused in (lambda: r.inspect(0), lambda: r.generate("x"), lambda: r.fork()):
+        for refused in (lambda: r.inspect(0), lambda: r.generate("x")):
             with pytest.raises(RuntimeError, match="weights are not in this kernel"):
                 refused()
         with pytest.raises(RuntimeError, match="no running workers to snapshot"):
             r.snapshot()   # the ranks take it at a step boundary (forwarded); before train(), nothing to take
+        with pytest.raises(RuntimeError, match=r"no running workers to snapshot now \(idle\): fork\(step=...\)"):
+            r.fork()       # a fork launches new ranks from a snapshot: none yet
+        with pytest.raises(LookupError, match="the steps that have one: none"):
+            r.fork(3)
+        assert r.snapshots == []
         assert [k for k, _ in r.launch_info()][:2] == ["ranks (nproc_per_node)", "output_dir"]
     finally:
         r.close()

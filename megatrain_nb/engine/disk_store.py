@@ -7,19 +7,10 @@ I/O with compute. Operations on the same key keep their order where it matters (
 after a write of that key sees the new data; a write waits for the reads issued before it),
 while reads of a key, and operations on different keys, run concurrently.
 
-File layout (``<key>-<hash>.mtd``), one file per key::
-
-    [0, H)          header: magic b"MTNBDS\\x00\\x01", u64 json length, u32 crc32(json), json
-                    {"key", "file_size", "tensors": [{"name", "dtype", "shape", "offset",
-                    "nbytes", "crc32"}]}
-    [offset, ...)   each tensor's raw bytes, back to back: tensors of 1 MiB or more start on a
-                    4096-byte boundary, smaller ones are packed at 64 bytes
-    ... file_size   zero padding to a multiple of 4096 (the direct-I/O block)
-
-A reader checks the magic, the header checksum, the key and that the file size matches the
-header, so a truncated or foreign file is refused with ``OffloadError``; each tensor's entry also
-carries the crc32 of its bytes, checked after the read, so a flipped byte in the payload is
-refused too.
+The file format (one ``<key>-<hash>.mtd`` file per key: a checksummed json header, then each
+tensor's bytes with its crc32) and the raw I/O helpers are :mod:`.disk_format`'s; a reader
+refuses a truncated, foreign or corrupted file with ``OffloadError``. ``ranged`` rewrites a key
+range by range (:mod:`.disk_ranged`).
 
 Durability: a file is written under a temporary name, flushed with ``fdatasync`` and then
 ``os.replace``'d onto the key's name, so an interrupted or failed write (ENOSPC, a crash) never
@@ -54,19 +45,15 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
-import mmap
+import heapq
 import os
 import re
 import shutil
-import struct
 import tempfile
 import threading
 import time
 import uuid
 import weakref
-import zlib
-import heapq
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
@@ -74,20 +61,16 @@ import torch
 
 from megatrain_nb.formatting import fmt_bytes
 
+from .disk_format import (ALIGN, SUFFIX, OffloadError, Staging, aligned_empty, as_numpy, buffered_read,
+                          buffered_write, bytes_view, crc, drop_cache, large_unaligned, layout, pread_all,
+                          probe_direct_io, read_header, transfer)
+from .disk_ranged import RangedRewrite
 from .diskspace import filesystem_of, filesystem_text
 from .reclaim import folder_prefix, reclaim
 from ..threads import DISK
 
-__all__ = ["ALIGN", "DiskStore", "OffloadError", "aligned_empty", "prepare_offload_dir"]
-
-ALIGN = 4096                      # file offsets and direct-I/O buffers are aligned to this
-_IO_CHUNK = 32 << 20              # bytes per read/write syscall (large sequential I/O)
-_ALIGN_MIN = 1 << 20              # tensors this large start on an ALIGN boundary in the file
-_PACK = 64                        # smaller tensors are packed at this alignment
-_BUFFERED_SYNC_EVERY = 256 << 20  # buffered mode: fdatasync + drop pages this often
-_MAGIC = b"MTNBDS\x00\x01"
-_PREFIX = struct.Struct("<8sQI")  # magic, json length, crc32(json)
-_SUFFIX = ".mtd"
+__all__ = ["ALIGN", "DiskStore", "OffloadError", "RangedRewrite", "WriteWindow", "aligned_empty",
+           "prepare_offload_dir"]
 
 
 class _PriorityPool:
@@ -139,11 +122,6 @@ class _PriorityPool:
                     t.join()
 
 
-class OffloadError(RuntimeError):
-    """The disk tier could not be used: the message names the path, the bytes needed and what
-    to do about it."""
-
-
 def prepare_offload_dir(path: str | os.PathLike, need_bytes: int = 0) -> str:
     """``offload_dir`` as an absolute path, created with its missing parents (each mode 0700,
     user only), as ``output_dir`` is. What guards against a disk that is not mounted is not the
@@ -173,106 +151,6 @@ def prepare_offload_dir(path: str | os.PathLike, need_bytes: int = 0) -> str:
             raise OffloadError(f"cannot create offload_dir {root!r} ({d}): {e.strerror or e}; create it yourself "
                                f"on a disk with at least {need} free, or pass another folder.") from e
     return root
-
-
-def _align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def aligned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised CPU tensor whose data starts on a 4096-byte boundary, so that
-    ``DiskStore`` can read and write it with direct I/O without a staging copy.
-
-    >>> t = aligned_empty((3, 5), torch.bfloat16)
-    >>> t.data_ptr() % 4096
-    0
-    """
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % ALIGN
-    return raw[off:off + nbytes].view(dtype).view(shape)
-
-
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
-def _np(t: torch.Tensor):
-    return t.numpy()
-
-
-class _Staging(threading.local):
-    """A page-aligned ``_IO_CHUNK``-byte buffer per I/O thread (so ``io_threads * 32 MiB``)."""
-
-    def get(self) -> tuple[torch.Tensor, memoryview]:
-        if not hasattr(self, "buf"):
-            self.mm = mmap.mmap(-1, _IO_CHUNK)          # anonymous mmap: page aligned
-            self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
-            self.mv = memoryview(self.mm)
-        return self.buf, self.mv
-
-
-def _pwrite_all(fd: int, mv, offset: int) -> None:
-    mv = memoryview(mv).cast("B")
-    while len(mv):
-        n = os.pwrite(fd, mv, offset)
-        mv, offset = mv[n:], offset + n
-
-
-def _pread_all(fd: int, mv, offset: int) -> None:
-    mv = memoryview(mv).cast("B")
-    while len(mv):
-        n = os.preadv(fd, [mv], offset)
-        if n == 0:
-            raise OSError(errno.EIO, "unexpected end of file")
-        mv, offset = mv[n:], offset + n
-
-
-def _buffered_read(path: str, segments) -> None:
-    """Read [(file offset, uint8 tensor)] through the page cache, dropping each chunk's pages."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for off, dest in segments:
-            arr = _np(dest)
-            for a in range(0, len(arr), _IO_CHUNK):
-                b = min(a + _IO_CHUNK, len(arr))
-                _pread_all(fd, arr[a:b], off + a)
-                _drop_cache(fd, off + a, b - a)
-        _drop_cache(fd)  # and whatever the kernel read ahead past the end
-    finally:
-        os.close(fd)
-
-
-def _drop_cache(fd: int, offset: int = 0, length: int = 0) -> None:
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except (AttributeError, OSError):
-        pass
-
-
-def _probe_direct_io(folder: str) -> bool:
-    """True if ``folder``'s filesystem accepts O_DIRECT writes of aligned buffers."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    path = os.path.join(folder, ".direct-io-probe")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    try:
-        with mmap.mmap(-1, ALIGN) as mm:
-            os.pwrite(fd, mm, 0)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(path)
 
 
 def _remove_folder(folder: str) -> None:
@@ -351,9 +229,9 @@ class DiskStore:
         self.root = root
         self.path = folder
         self.keep = keep
-        self.direct_io = _probe_direct_io(folder)
+        self.direct_io = probe_direct_io(folder)
         self._pool = _PriorityPool(io_threads, DISK.name)
-        self._staging = _Staging()
+        self._staging = Staging()
         self._lock = threading.Lock()
         # per key: the last write issued and the reads issued after it (still pending)
         self._ops: dict[str, dict] = {}
@@ -396,7 +274,7 @@ class DiskStore:
                                      f"contiguous CPU tensor")
         return self._submit(key, False, self._read_file, key, dict(out or {}), urgent=urgent)
 
-    def ranged(self, key: str, specs: dict, *, read_old: bool) -> "RangedRewrite":
+    def ranged(self, key: str, specs: dict, *, read_old: bool) -> RangedRewrite:
         """A new version of ``key`` written range by range (``specs``: name -> (dtype, shape)),
         with the old version (``read_old``) read range by range beside it, in the caller's
         threads: neither version is ever whole in RAM. Ordered as a write: it starts (this call
@@ -413,7 +291,7 @@ class DiskStore:
         try:
             return RangedRewrite(self, key, specs, read_old, outer)
         except BaseException as e:
-            self._op_done(key, outer)
+            self.op_done(key, outer)
             outer.set_exception(e)
             raise
 
@@ -445,7 +323,7 @@ class DiskStore:
         keeps this version's bytes whatever the store writes later (snapshots rely on it).
         Call after :meth:`flush` for the version holding every write issued so far."""
         with self._lock:
-            return self._file(key) if key in self._sizes else None
+            return self.key_path(key) if key in self._sizes else None
 
     def link(self, key: str, folder: str | os.PathLike) -> Future:
         """Hard-link ``key``'s file into ``folder`` (which exists), in the key's order: after
@@ -462,7 +340,7 @@ class DiskStore:
             committed = key in self._sizes
         if not committed:
             raise OffloadError(f"the disk tier has no file for {key!r}: a snapshot needs every unit written once")
-        src = self._file(key)
+        src = self.key_path(key)
         name = os.path.basename(src)
         dest = os.path.join(folder, name)
         size = os.path.getsize(src)
@@ -490,7 +368,7 @@ class DiskStore:
         with self._lock:
             self._sizes.pop(key, None)
         try:
-            os.unlink(self._file(key))
+            os.unlink(self.key_path(key))
         except FileNotFoundError:
             pass
 
@@ -558,10 +436,10 @@ class DiskStore:
             raise RuntimeError("DiskStore is closed")
         return key
 
-    def _file(self, key: str) -> str:
+    def key_path(self, key: str) -> str:
         safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key)[:80]
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-        return os.path.join(self.path, f"{safe}-{digest}{_SUFFIX}")
+        return os.path.join(self.path, f"{safe}-{digest}{SUFFIX}")
 
     def _submit(self, key: str, is_write: bool, fn, *args, urgent: bool = False) -> Future:
         """Run ``fn(*args)`` in a worker once the operations on ``key`` it must follow are done:
@@ -579,7 +457,7 @@ class DiskStore:
             self._pending.add(outer)
 
         def finish() -> None:
-            self._op_done(key, outer)
+            self.op_done(key, outer)
 
         def run() -> None:
             if not outer.set_running_or_notify_cancel():
@@ -620,7 +498,7 @@ class DiskStore:
                 d.add_done_callback(dep_done)
         return outer
 
-    def _op_done(self, key: str, outer: Future) -> None:
+    def op_done(self, key: str, outer: Future) -> None:
         """An operation on ``key`` is over: operations ordered after it may start."""
         with self._lock:
             self._pending.discard(outer)
@@ -632,7 +510,21 @@ class DiskStore:
                 if ops["write"] is None and not ops["reads"]:
                     del self._ops[key]
 
-    def _count(self, kind: str, nbytes: int, seconds: float) -> None:
+    def run_behind(self, fn) -> None:
+        """Run ``fn()`` in a worker (a write's priority); RuntimeError once the workers stop."""
+        self._pool.submit(fn)
+
+    def record_error(self, error: BaseException) -> None:
+        """A write-behind failure, for :meth:`flush` to raise."""
+        with self._lock:
+            self._errors.append(error)
+
+    def committed(self, key: str, file_size: int) -> None:
+        """``key``'s new file (``file_size`` bytes) is in place."""
+        with self._lock:
+            self._sizes[key] = file_size
+
+    def count(self, kind: str, nbytes: int, seconds: float) -> None:
         """kind: "read" or "write"."""
         past = "read" if kind == "read" else "written"
         with self._lock:
@@ -643,25 +535,25 @@ class DiskStore:
     # ------------------------------------------------------------------- file I/O
     def _write_file(self, key: str, items) -> int:
         t0 = time.perf_counter()
-        final = self._file(key)
-        header, offsets, file_size = _layout(key, items)
+        final = self.key_path(key)
+        header, offsets, file_size = layout(key, items)
         free = shutil.disk_usage(self.path).free
         if free < file_size:
-            raise self._no_space(key, final, file_size, free)
+            raise self.no_space(key, final, file_size, free)
         segments = [(0, torch.frombuffer(bytearray(header), dtype=torch.uint8))]
-        segments += [(off, _bytes_view(t)) for off, (_, t) in zip(offsets, items)]
+        segments += [(off, bytes_view(t)) for off, (_, t) in zip(offsets, items)]
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct_io else 0)
             fd = os.open(tmp, flags, 0o600)
             try:
                 if self.direct_io:
-                    _transfer(fd, segments, file_size, self._staging.get(), write=True)
+                    transfer(fd, segments, file_size, self._staging.get(), write=True)
                 else:
-                    _buffered_write(fd, segments, file_size)
+                    buffered_write(fd, segments, file_size)
                 os.fdatasync(fd)
                 if not self.direct_io:
-                    _drop_cache(fd)
+                    drop_cache(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, final)
@@ -671,16 +563,16 @@ class DiskStore:
             except OSError:
                 pass
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise self._no_space(key, final, file_size, None, e) from e
+                raise self.no_space(key, final, file_size, None, e) from e
             raise OffloadError(f"writing {file_size} bytes ({fmt_bytes(file_size)}) for {key!r} to "
                                f"{final} failed: {e.strerror or e}. Check the disk behind the "
                                f"offload directory {self.root}") from e
         with self._lock:
             self._sizes[key] = file_size
-        self._count("write", file_size, time.perf_counter() - t0)
+        self.count("write", file_size, time.perf_counter() - t0)
         return file_size
 
-    def _no_space(self, key, path, needed, free, err=None) -> OffloadError:
+    def no_space(self, key, path, needed, free, err=None) -> OffloadError:
         if free is None:
             try:
                 free = shutil.disk_usage(self.path).free
@@ -696,7 +588,7 @@ class DiskStore:
     def _read_file(self, key: str, out: dict[str, torch.Tensor], path: str | None = None) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         direct = self.direct_io and path is None   # a file elsewhere may sit on another filesystem
-        path = path or self._file(key)
+        path = path or self.key_path(key)
         try:
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         except FileNotFoundError:
@@ -704,7 +596,7 @@ class DiskStore:
         except OSError as e:
             raise OffloadError(f"cannot open {path} for {key!r}: {e.strerror or e}") from e
         try:
-            meta = self._read_header(fd, key, path)
+            meta = self.read_header(fd, key, path)
             unknown = set(out) - {e["name"] for e in meta["tensors"]}
             if unknown:
                 raise ValueError(f"DiskStore.read({key!r}): out has names not stored: "
@@ -720,24 +612,24 @@ class DiskStore:
                         f"DiskStore.read({key!r}): out[{e['name']!r}] is {dest.dtype} "
                         f"{tuple(dest.shape)} but the stored tensor is {e['dtype']} "
                         f"{tuple(e['shape'])}")
-                segments.append((e["offset"], _bytes_view(dest)))
+                segments.append((e["offset"], bytes_view(dest)))
                 result[e["name"]] = dest
             segments.sort(key=lambda seg: seg[0])
             if direct:
                 # A large destination whose memory is not page-aligned cannot take direct I/O;
                 # a buffered read straight into it (the kernel reads ahead while it copies),
                 # with its pages dropped as it goes, beats bouncing through the staging buffer.
-                bounce = [(o, d) for o, d in segments if d.numel() >= _ALIGN_MIN and d.data_ptr() % ALIGN]
+                bounce = [(o, d) for o, d in segments if large_unaligned(d)]
                 if bounce:
-                    _buffered_read(path, bounce)
-                    segments = [(o, d) for o, d in segments if not (d.numel() >= _ALIGN_MIN and d.data_ptr() % ALIGN)]
-                _transfer(fd, segments, meta["file_size"], self._staging.get(), write=False)
+                    buffered_read(path, bounce)
+                    segments = [(o, d) for o, d in segments if not large_unaligned(d)]
+                transfer(fd, segments, meta["file_size"], self._staging.get(), write=False)
             else:
                 for off, dest in segments:
-                    _pread_all(fd, _np(dest), off)
-                _drop_cache(fd)
+                    pread_all(fd, as_numpy(dest), off)
+                drop_cache(fd)
             for e in meta["tensors"]:
-                if "crc32" in e and _crc(result[e["name"]]) != e["crc32"]:
+                if "crc32" in e and crc(result[e["name"]]) != e["crc32"]:
                     raise OffloadError(f"{path} (key {key!r}): the payload of {e['name']!r} does not match its "
                                        f"checksum (the file was corrupted on disk). The run cannot continue from "
                                        f"this state: resume from the last checkpoint")
@@ -745,311 +637,10 @@ class DiskStore:
             raise OffloadError(f"reading {key!r} from {path} failed: {e.strerror or e}") from e
         finally:
             os.close(fd)
-        self._count("read", meta["file_size"], time.perf_counter() - t0)
+        self.count("read", meta["file_size"], time.perf_counter() - t0)
         return result
 
-    def _read_header(self, fd: int, key: str, path: str) -> dict:
-        _, mv = self._staging.get()
-        size = os.fstat(fd).st_size
-        if size < ALIGN or size % ALIGN:
-            raise OffloadError(f"{path} (key {key!r}) is not a valid DiskStore file "
-                               f"({size} bytes)")
-        _pread_all(fd, mv[:ALIGN], 0)
-        magic, length, crc = _PREFIX.unpack_from(mv, 0)
-        header_size = _align_up(_PREFIX.size + length)
-        if magic != _MAGIC or header_size > min(size, _IO_CHUNK):
-            raise OffloadError(f"{path} (key {key!r}) is not a valid DiskStore file")
-        if header_size > ALIGN:
-            _pread_all(fd, mv[:header_size], 0)
-        body = bytes(mv[_PREFIX.size:_PREFIX.size + length])
-        meta = json.loads(body) if zlib.crc32(body) == crc else None
-        if meta is None or meta.get("key") != key or meta.get("file_size") != size:
-            raise OffloadError(f"{path} (key {key!r}) is damaged or incomplete "
-                               f"({size} bytes on disk)")
-        return meta
-
-
-# ---------------------------------------------------------------------------- file format
-def _layout(key: str, items, crcs=None) -> tuple[bytes, list[int], int]:
-    """Header bytes, each tensor's offset and the file size (a multiple of ALIGN).
-
-    Tensors of at least ``_ALIGN_MIN`` bytes start on an ALIGN boundary (so aligned memory moves
-    with zero-copy direct I/O); smaller ones are packed at ``_PACK`` bytes after the header, so
-    small files stay small. ``crcs``: the tensors' checksums when ``items`` hold no data yet."""
-    reserved = 256
-    crcs = [_crc(t) for _, t in items] if crcs is None else crcs
-    while True:
-        cursor, entries = _round(reserved, _PACK), []
-        for (name, t), crc in zip(items, crcs):
-            n = t.numel() * t.element_size()
-            off = _align_up(cursor) if n >= _ALIGN_MIN else _round(cursor, _PACK)
-            entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
-                            "shape": list(t.shape), "offset": off, "nbytes": n, "crc32": crc})
-            cursor = off + n
-        file_size = _align_up(cursor)
-        body = json.dumps({"key": key, "file_size": file_size, "tensors": entries},
-                          separators=(",", ":")).encode()
-        header = _PREFIX.pack(_MAGIC, len(body), zlib.crc32(body)) + body
-        if len(header) <= reserved:
-            return header, [e["offset"] for e in entries], file_size
-        reserved = len(header) + 64
-
-
-def _crc(t: torch.Tensor) -> int:
-    """crc32 of a tensor's bytes (zlib releases the GIL: I/O threads checksum in parallel)."""
-    return zlib.crc32(_np(_bytes_view(t))) if t.numel() else 0
-
-
-def _round(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def _transfer(fd: int, segments, file_size: int, staging, *, write: bool) -> None:
-    """Direct I/O of ``segments`` [(file offset, uint8 tensor)], sorted by offset.
-
-    A segment whose memory and offset are ALIGN-aligned moves straight between the tensor and
-    the disk (its last partial block excepted); everything else is gathered into / scattered
-    from the aligned staging buffer in windows of up to ``_IO_CHUNK`` bytes, with the gaps
-    between segments zero-filled when writing."""
-    run: list[tuple[int, torch.Tensor]] = []
-    for off, t in segments:
-        n = t.numel()
-        body = n - n % ALIGN
-        if n and off % ALIGN == 0 and body and t.data_ptr() % ALIGN == 0:
-            if run:
-                _staged(fd, run, file_size, staging, write)
-                run = []
-            arr, move = _np(t), (_pwrite_all if write else _pread_all)
-            for a in range(0, body, _IO_CHUNK):
-                move(fd, arr[a:min(a + _IO_CHUNK, body)], off + a)
-            if body < n:
-                run.append((off + body, t[body:]))
-        elif n:
-            run.append((off, t))
-    if run:
-        _staged(fd, run, file_size, staging, write)
-
-
-def _staged(fd: int, run, file_size: int, staging, write: bool) -> None:
-    buf, mv = staging
-    start = run[0][0] - run[0][0] % ALIGN
-    end = min(_align_up(run[-1][0] + run[-1][1].numel()), file_size)
-    first = 0
-    for w in range(start, end, _IO_CHUNK):
-        wl = min(_IO_CHUNK, end - w)
-        if not write:
-            _pread_all(fd, mv[:wl], w)
-        cursor = w
-        for i in range(first, len(run)):
-            off, t = run[i]
-            a, b = max(off, w), min(off + t.numel(), w + wl)
-            if off >= w + wl:
-                break
-            if b <= a:
-                first = i + 1
-                continue
-            if write:
-                if a > cursor:
-                    buf[cursor - w:a - w].zero_()
-                buf[a - w:b - w].copy_(t[a - off:b - off])
-            else:
-                t[a - off:b - off].copy_(buf[a - w:b - w])
-            cursor = b
-        if write:
-            if cursor < w + wl:
-                buf[cursor - w:wl].zero_()
-            _pwrite_all(fd, mv[:wl], w)
-
-
-def _buffered_write(fd: int, segments, file_size: int) -> None:
-    """Page-cache writes straight from the tensors; sync and drop the pages as we go."""
-    since_sync = 0
-    for off, t in segments:
-        arr = _np(t)
-        for a in range(0, t.numel(), _IO_CHUNK):
-            _pwrite_all(fd, arr[a:a + _IO_CHUNK], off + a)
-            since_sync += min(_IO_CHUNK, t.numel() - a)
-            if since_sync >= _BUFFERED_SYNC_EVERY:
-                os.fdatasync(fd)
-                _drop_cache(fd)
-                since_sync = 0
-    os.ftruncate(fd, file_size)
-
-
-class RangedRewrite:
-    """A key's new version written range by range, its old version read range by range beside
-    it (``DiskStore.ranged``). Each tensor's ranges are read, and written, in order from its
-    start (its crc32 is taken as they pass: a read of the old version's last range checks its
-    checksum; the new header carries the new ones). The new file has a temporary name until
-    :meth:`commit` (fdatasync, then ``os.replace``): an :meth:`abort` or a crash leaves the old
-    version as it was. Buffered I/O, each range's pages dropped as it goes (ranges need not be
-    aligned to direct I/O's blocks); writes are synced every ``_BUFFERED_SYNC_EVERY`` bytes."""
-
-    def __init__(self, store: DiskStore, key: str, specs: dict, read_old: bool, outer: Future):
-        self.store, self.key, self.outer = store, key, outer
-        self.t0 = time.perf_counter()
-        self.final = store._file(key)
-        self.old_fd, self.old = None, {}
-        if read_old:
-            try:
-                self.old_fd = os.open(self.final, os.O_RDONLY)
-            except OSError as e:
-                raise OffloadError(f"cannot open {self.final} for {key!r}: {e.strerror or e}") from e
-            meta = store._read_header(self.old_fd, key, self.final)
-            self.old = {e["name"]: e for e in meta["tensors"]}
-            self.read_pos = {n: [0, 0] for n in self.old}            # name -> [bytes read, crc so far]
-        items = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, (dtype, shape) in specs.items()]
-        self.items = items
-        _, offsets, self.file_size = _layout(key, items, crcs=[0xFFFFFFFF] * len(items))   # the widest header
-        self.new = {n: (off, t.numel() * t.element_size()) for (n, t), off in zip(items, offsets)}
-        self.write_pos = {n: [0, 0] for n in self.new}
-        self.tmp = f"{self.final}.tmp-{uuid.uuid4().hex[:8]}"
-        self.fd = None
-        free = shutil.disk_usage(store.path).free
-        if free < self.file_size:
-            self._close_old()
-            raise store._no_space(key, self.final, self.file_size, free)
-        try:
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as e:
-            self._close_old()
-            raise self._failed(e) from e
-        self.since_sync = self.read_bytes = 0
-        self.lock = threading.Lock()
-
-    def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
-        """Elements ``[start, start + out.numel())`` of the old version's ``name`` into ``out``."""
-        e = self.old[name]
-        pos = self.read_pos[name]
-        esize = out.element_size()
-        a, n = start * esize, out.numel() * esize
-        if a != pos[0] or a + n > e["nbytes"]:
-            raise ValueError(f"RangedRewrite.read({self.key!r}, {name!r}): bytes [{a}, {a + n}) out of order "
-                             f"(next {pos[0]} of {e['nbytes']})")
-        arr = _np(_bytes_view(out))
-        try:
-            _pread_all(self.old_fd, arr, e["offset"] + a)
-        except OSError as err:
-            raise OffloadError(f"reading {self.key!r} from {self.final} failed: {err.strerror or err}") from err
-        _drop_cache(self.old_fd, e["offset"] + a, n)
-        pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
-        self.read_bytes += n
-        if pos[0] == e["nbytes"] and "crc32" in e and pos[1] != e["crc32"]:
-            raise OffloadError(f"{self.final} (key {self.key!r}): the payload of {name!r} does not match its "
-                               f"checksum (the file was corrupted on disk). The run cannot continue from this "
-                               f"state: resume from the last checkpoint")
-        return out
-
-    def write(self, name: str, start: int, src: torch.Tensor) -> None:
-        """Elements ``[start, start + src.numel())`` of the new version's ``name``."""
-        off, nbytes = self.new[name]
-        pos = self.write_pos[name]
-        src = src.contiguous()
-        a, n = start * src.element_size(), src.numel() * src.element_size()
-        if a != pos[0] or a + n > nbytes:
-            raise ValueError(f"RangedRewrite.write({self.key!r}, {name!r}): bytes [{a}, {a + n}) out of order "
-                             f"(next {pos[0]} of {nbytes})")
-        arr = _np(_bytes_view(src))
-        with self.lock:
-            try:
-                _pwrite_all(self.fd, arr, off + a)
-                _drop_cache(self.fd, off + a, n)   # starts its writeback (the pages stay until clean)
-                self.since_sync += n
-                if self.since_sync >= _BUFFERED_SYNC_EVERY:
-                    os.fdatasync(self.fd)
-                    _drop_cache(self.fd)
-                    self.since_sync = 0
-            except OSError as err:
-                raise self._failed(err) from err
-        pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
-
-    def commit(self, behind: bool = False):
-        """The new version replaces the old one (every tensor must be written whole). Returns
-        the file size; ``behind``: the header is written now, the sync and rename in a worker
-        of the store (write-behind: operations on the key wait for it, a failure is reported
-        by ``flush`` as a write's) -- returns the Future."""
-        try:
-            short = [n for n, (_, nbytes) in self.new.items() if self.write_pos[n][0] != nbytes]
-            if short:
-                raise ValueError(f"RangedRewrite.commit({self.key!r}): {short} not written whole")
-            _pwrite_all(self.fd, _header_at(self.key, self.items, self.new, self.write_pos, self.file_size), 0)
-        except OSError as e:
-            self.abort(self._failed(e))
-            raise self.outer.exception() from e
-        except BaseException as e:
-            self.abort(e)
-            raise
-        if not behind:
-            self._finish()
-            return self.outer.result()
-        try:
-            self.store._pool.submit(self._finish_behind)
-        except RuntimeError:   # the store's workers are stopping: here, then
-            self._finish_behind()
-        return self.outer
-
-    def _finish_behind(self) -> None:
-        try:
-            self._finish()
-        except BaseException as e:  # noqa: BLE001 - delivered through the future and flush()
-            with self.store._lock:
-                self.store._errors.append(e)
-
-    def _finish(self) -> None:
-        """Sync, rename, count; the key's next operations may start."""
-        try:
-            os.ftruncate(self.fd, self.file_size)
-            os.fdatasync(self.fd)
-            _drop_cache(self.fd)
-            os.close(self.fd)
-            self.fd = None
-            os.replace(self.tmp, self.final)
-        except OSError as e:
-            self.abort(self._failed(e))
-            raise self.outer.exception() from e
-        self._close_old()
-        with self.store._lock:
-            self.store._sizes[self.key] = self.file_size
-        if self.read_bytes:
-            self.store._count("read", self.read_bytes, 0.0)
-        self.store._count("write", self.file_size, time.perf_counter() - self.t0)
-        self.store._op_done(self.key, self.outer)
-        self.outer.set_result(self.file_size)
-
-    def abort(self, error: Optional[BaseException]) -> None:
-        """Drop the new version (the old one stays); operations waiting on this one go ahead
-        (``error`` None: nothing went wrong, the key is left as it was)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        try:
-            os.unlink(self.tmp)
-        except OSError:
-            pass
-        self._close_old()
-        if not self.outer.done():
-            self.store._op_done(self.key, self.outer)
-            if error is None:
-                self.outer.set_result(0)
-            else:
-                self.outer.set_exception(error)
-
-    def _failed(self, err: OSError) -> OffloadError:
-        """The error to raise for a failed write of the new version (ENOSPC: the space needed)."""
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return self.store._no_space(self.key, self.final, self.file_size, None, err)
-        return OffloadError(f"writing {self.key!r} to {self.final} failed: {err.strerror or err}. Check the "
-                            f"disk behind the offload directory {self.store.root}")
-
-    def _close_old(self) -> None:
-        if self.old_fd is not None:
-            os.close(self.old_fd)
-            self.old_fd = None
-
-
-def _header_at(key: str, items, new: dict, write_pos: dict, file_size: int) -> bytes:
-    """The header of a file whose tensors sit at ``new``'s offsets (room for the widest header)."""
-    entries = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                "offset": new[n][0], "nbytes": new[n][1], "crc32": write_pos[n][1]} for n, t in items]
-    body = json.dumps({"key": key, "file_size": file_size, "tensors": entries}, separators=(",", ":")).encode()
-    return _PREFIX.pack(_MAGIC, len(body), zlib.crc32(body)) + body
+    def read_header(self, fd: int, key: str, path: str) -> dict:
+        """The checked header of ``key``'s file open as ``fd`` (read through this thread's
+        staging buffer): :func:`.disk_format.read_header`."""
+        return read_header(fd, key, path, self._staging.get()[1])

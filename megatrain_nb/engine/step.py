@@ -32,22 +32,29 @@ time (same distribution; with A = 1 they are the same).
 Evaluation and logits take a small path of their own (:meth:`StepRunner.evaluate`,
 :meth:`StepRunner.logits`): the model's own forward, each proxy running its layer without
 gradients as it is called.
+
+Beside the loop: the head and the chunked loss are :class:`.LossHead`'s (``loss_head.py``), the
+units' fp32 gradient sums :class:`.GradSums`'s (``grad_sums.py``), the activation bytes and the
+RNG state a recompute replays ``recompute.py``'s.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import finite
 from .discovery import locate
+from .grad_sums import GradSums
 from .inputs import model_inputs
 from .layer_calls import GradKeys, GradRecord, LayerCall, NotRun, SideStreams, add_grads, graph_roots
 from .layer_state import SharedState
-from .proxies import HiddenStatesStub, bind, output_template, swapped_submodule, template_of, unbind
+from .loss_head import LossHead
+from .proxies import bind, output_template, template_of, unbind
+from .recompute import ActivationMeter, restored_rng, rng_state
 from .units import Unit, forward_order
 from .planner import WindowPlan
 from .updates import StepContext
@@ -95,14 +102,10 @@ class StepRunner:
         self.checkpoint_interval = checkpoint_interval
         self.loss_chunk_tokens = loss_chunk_tokens
         self.plan_reads = plan_reads
-        self.grad_buffer = grad_buffer
-        self.base_name, self.base, path = locate(model)   # before the layer proxies go in
-        self._head_stub = HiddenStatesStub(self.base, path)
-        self.activation_peak = 0   # device bytes of activations (saved inputs, work, logits): peak
-        self.activation_now = 0
-        self.sum_bytes = 0         # fp32 gradient sums alive on the device now
-        self.sum_peak = 0          # ... and their peak over the steps run
-        self._slot_ptrs = None
+        base_name, self.base, path = locate(model)   # before the layer proxies go in
+        self.meter = ActivationMeter(boundary, pager)   # device bytes of activations: now, peak
+        self.loss_head = LossHead(model, base_name, self.base, path, loss_chunk_tokens, self.meter)
+        self.sums = GradSums(pager, device, grad_buffer)   # the units' fp32 gradient sums on the device
         self._mode: Optional[Callable] = None   # the proxies' mode: capture or replay (None: run the layer)
         self._tuple_out = False    # whether the layers return a tuple (learned from real calls)
         self._out_template: Dict[int, tuple] = {}   # per layer: proxies.template_of its output
@@ -110,9 +113,20 @@ class StepRunner:
         self._arg_grads: Optional[bool] = None   # whether layer arguments need gradients (None: not known yet)
         self._streams = SideStreams([])   # this group's layer outputs that later layers take
         self._state = SharedState()       # ... and state its layers store in shared arguments
-        self._straight = False     # this group's sums go straight to their updates (unclipped)
-        self._saved_bytes = 0      # activations held across the step (boundary, fronts, kept graphs)
-        self._front_bytes = 0
+
+    @property
+    def activation_peak(self) -> int:
+        """Peak device bytes of activations (saved inputs, work, logits)."""
+        return self.meter.peak
+
+    @property
+    def activation_now(self) -> int:
+        return self.meter.now
+
+    @property
+    def sum_peak(self) -> int:
+        """Peak device bytes of fp32 gradient sums over the steps run."""
+        return self.sums.peak
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, train: bool, k: Optional[int] = None) -> List[Unit]:
@@ -150,22 +164,6 @@ class StepRunner:
         """The base model's own forward (layers through the proxies): final hidden states."""
         out = self.base(input_ids=ids, use_cache=False, **model_inputs(am))
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-    def _head_logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:
-        """The CausalLM's own head code (lm_head + the family's logit transform) on one chunk."""
-        stub = self._head_stub
-        stub.hidden = hidden_chunk
-        dummy = torch.zeros(hidden_chunk.shape[:2], dtype=torch.long, device=hidden_chunk.device)
-        try:
-            with swapped_submodule(self.model, self.base_name, stub):
-                out = self.model(input_ids=dummy, use_cache=False)
-        except IndexError as e:   # the head indexes outputs of the base model the stub does not have
-            raise NotImplementedError(
-                f"{type(self.model).__name__}'s head reads more of its base model's output than the final hidden "
-                f"states ({e}); this family is not supported by the streaming engine yet.") from e
-        finally:
-            stub.hidden = None
-        return out.logits
 
     def _out(self, h, unit: Unit, args=(), kwargs=None):
         """``h`` shaped as ``unit``'s layer returns its output (capture and replay, where the
@@ -309,11 +307,11 @@ class StepRunner:
         A = len(batches)
         shifts = [F.pad(lab[:, 1:], (0, 1), value=-100) for _, _, lab in batches]
         n_tokens = sum(int((s != -100).sum()) for s in shifts)
-        self.activation_now = 0
-        self._saved_bytes = self._front_bytes = 0
+        self.meter.now = 0
+        self.meter.saved = self.meter.front = 0
         # (one micro-batch: each unit's backward is too short to hide the update it would wait
         # for -- 10 % slower in bench_accumulation -- and it holds no more sums than that)
-        self._straight = step.straight and A > 1
+        self.sums.straight = step.straight and A > 1
         self.boundary.start(tier)
         self._start(self.schedule(True, k), step)
         training = self.model.training
@@ -326,15 +324,15 @@ class StepRunner:
             hs = []
             for a, (ids, am, _) in enumerate(batches):
                 if training:
-                    rng_embed[a] = self._rng_state()
+                    rng_embed[a] = rng_state(self.device)
                 # (grad mode on until the model is known to pass its layers nothing that needs
                 # gradients besides the hidden state: the calls mark what does)
                 with torch.set_grad_enabled(self._arg_grads is not False):
                     hs.append(self._capture(ids, am, calls[a]).detach())
             self._arg_grads = any(c.grad_paths for d in calls for c in d.values())
             self._streams, self._state = SideStreams(calls), SharedState()
-            self._front_bytes = sum(_nbytes(h) for h in hs)
-            self._note()
+            self.meter.front = sum(_nbytes(h) for h in hs)
+            self.meter.note()
 
             # 2. forward: every layer once, all micro-batches
             kept = self._forward_layers(hs, calls, rng, k)
@@ -359,9 +357,9 @@ class StepRunner:
             raise
         finally:
             self.boundary.clear()
-            self.sum_bytes = 0
-            self.activation_now = 0
-            self._saved_bytes = self._front_bytes = 0
+            self.sums.bytes = 0
+            self.meter.now = 0
+            self.meter.saved = self.meter.front = 0
 
     def _head(self, batches, shifts, hs: List[torch.Tensor], bound, loss_fn, denom):
         """Per micro-batch: the model's post-layer code replayed on the last layer's output, the
@@ -376,20 +374,20 @@ class StepRunner:
             hs[a] = None
             hidden = self._replay(ids, am, h_last)
             leaf = hidden.detach()
-            part, grad_hidden = self._loss_chunks(leaf, shifts[a], loss_fn, denom, backward=True)
+            part, grad_hidden = self.loss_head.loss(leaf, shifts[a], loss_fn, denom, backward=True)
             torch.autograd.backward(hidden, grad_hidden)
             loss_sum += part
             del hidden, leaf, grad_hidden
             gs.append(h_last.grad if h_last.grad is not None else torch.zeros_like(h_last))
             if head.numel:
-                head_acc = self._fold_outer(head_acc, head, bound[head.index])
+                head_acc = self.sums.fold_outer(head_acc, head, bound[head.index])
             if embed.numel:   # tied output embeddings
-                embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
-        self._front_bytes = sum(_nbytes(g) for g in gs)
+                embed_acc = self.sums.fold_outer(embed_acc, embed, bound[embed.index])
+        self.meter.front = sum(_nbytes(g) for g in gs)
         if head.numel:
             if self._arg_grads:   # layer arguments may reach head weights (registered after the layers)
-                return loss_sum, gs, embed_acc, head_acc if head_acc is not None else self._sum(head.numel)
-            self._return(head, head_acc if head_acc is not None else self._sum(head.numel))
+                return loss_sum, gs, embed_acc, head_acc if head_acc is not None else self.sums.new(head.numel)
+            self.sums.send(head, head_acc if head_acc is not None else self.sums.new(head.numel))
         return loss_sum, gs, embed_acc, None
 
     def _embedding_backward(self, batches, bound, gs, arg_grads, rng_embed, embed_acc, head_acc) -> None:
@@ -401,7 +399,7 @@ class StepRunner:
             return
         for a, (ids, am, _) in enumerate(batches):
             again: Dict[int, LayerCall] = {}
-            with self._restored_rng(rng_embed[a]), torch.enable_grad():
+            with restored_rng(rng_embed[a], self.device), torch.enable_grad():
                 h0 = self._capture(ids, am, again, keep_graph=True)
             roots, grads = graph_roots(again, arg_grads[a])
             roots, grads = [h0] + roots, [gs[a]] + grads
@@ -411,13 +409,13 @@ class StepRunner:
             gs[a] = arg_grads[a] = None
             del h0, roots, grads, again
             if embed.numel:
-                embed_acc = self._fold_outer(embed_acc, embed, bound[embed.index])
+                embed_acc = self.sums.fold_outer(embed_acc, embed, bound[embed.index])
             if head_acc is not None:
-                head_acc = self._fold_outer(head_acc, head, bound[head.index])
+                head_acc = self.sums.fold_outer(head_acc, head, bound[head.index])
         if head_acc is not None:
-            self._return(head, head_acc)
+            self.sums.send(head, head_acc)
         if embed.numel:
-            self._return(embed, embed_acc if embed_acc is not None else self._sum(embed.numel))
+            self.sums.send(embed, embed_acc if embed_acc is not None else self.sums.new(embed.numel))
 
     def _forward_layers(self, hs: List[torch.Tensor], calls, rng, k: int):
         """Every layer once, all micro-batches; ``hs`` becomes the last layer's outputs.
@@ -432,9 +430,9 @@ class StepRunner:
                     for a in range(len(hs)):
                         x = hs[a].detach().requires_grad_(True)
                         if self.model.training:
-                            rng[a][i] = self._rng_state()
+                            rng[a][i] = rng_state(self.device)
                         rec = GradRecord()
-                        with torch.enable_grad(), self._count_saved(accumulate=True):
+                        with torch.enable_grad(), self.meter.count_saved(accumulate=True):
                             h = self._call_layer(unit, calls[a][i], x, rec, self._streams.live[a])
                         kept[(i, a)] = (x, rec, h)
                         hs[a] = h.detach()
@@ -449,10 +447,10 @@ class StepRunner:
                         self.boundary.put((i, a), hs[a])
                         self._streams.block_start(i, a)
                     if self.model.training:
-                        rng[a][i] = self._rng_state()
+                        rng[a][i] = rng_state(self.device)
                     with torch.no_grad():
                         hs[a] = self._call_layer(unit, calls[a][i], hs[a], side=self._streams.live[a])
-                self._note()
+                self.meter.note()
             finally:
                 unbind(unit, self.placeholders)
                 self.pager.release(unit)
@@ -467,15 +465,15 @@ class StepRunner:
             for unit in reversed(layers):
                 i = unit.layer_index
                 params = kept.pop(i)
-                acc = self._sum(unit.numel)
-                direct = self._grads_into(acc, unit, params)
+                acc = self.sums.new(unit.numel)
+                direct = self.sums.grads_into(acc, unit, params)
                 for a in range(A):
                     x, rec, h = kept.pop((i, a))
                     gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a], rec, calls[a][i], a, arg_grads)
                     del x, rec, h
                 for p in params:
                     p.grad = None
-                self._return(unit, acc)
+                self.sums.send(unit, acc)
                 self.pager.release(unit)
             return gs
         for b in reversed(range(0, n, k)):
@@ -489,10 +487,10 @@ class StepRunner:
                 bind(unit, w, requires_grad=False)
                 try:
                     for a in range(A):
-                        with self._restored_rng(rng[a].get(i)), torch.no_grad():
+                        with restored_rng(rng[a].get(i), self.device), torch.no_grad():
                             inputs[a][i + 1] = self._call_layer(unit, calls[a][i], inputs[a][i], side=side[a])
                         block += _nbytes(inputs[a][i + 1])
-                    self._note(block)
+                    self.meter.note(block)
                 finally:
                     unbind(unit, self.placeholders)
                     self.pager.release(unit)
@@ -500,13 +498,13 @@ class StepRunner:
                 unit = layers[i]
                 w = self.pager.acquire(unit)
                 params = bind(unit, w, requires_grad=True)
-                acc = self._sum(unit.numel)
-                direct = self._grads_into(acc, unit, params)
+                acc = self.sums.new(unit.numel)
+                direct = self.sums.grads_into(acc, unit, params)
                 try:
                     for a in range(A):
                         x = inputs[a].pop(i).detach().requires_grad_(True)
                         rec = GradRecord()
-                        with self._restored_rng(rng[a].get(i)), torch.enable_grad(), self._count_saved():
+                        with restored_rng(rng[a].get(i), self.device), torch.enable_grad(), self.meter.count_saved():
                             h = self._call_layer(unit, calls[a][i], x, rec, side[a])
                         gs[a] = self._layer_grads(acc, unit, params, direct, x, h, gs[a], rec, calls[a][i], a,
                                                   arg_grads)
@@ -515,75 +513,21 @@ class StepRunner:
                     unbind(unit, self.placeholders)
                     for p in params:
                         p.grad = None
-                self._return(unit, acc)
+                self.sums.send(unit, acc)
                 del acc
                 self.pager.release(unit)
-            self._front_bytes = sum(_nbytes(g) for g in gs)
-            self._note()
+            self.meter.front = sum(_nbytes(g) for g in gs)
+            self.meter.note()
         return gs
 
-    # ------------------------------------------------------------------ loss
-    def _loss_chunks(self, hidden, shift, loss_fn, denom, backward: bool = False):
-        """The head and the loss over ``hidden`` in chunks of ``loss_chunk_tokens``; with
-        ``backward`` each chunk's ``loss / denom`` is back-propagated to its hidden states.
-        Returns the loss sum (and with ``backward`` the gradient at ``hidden``)."""
-        B, S = shift.shape
-        chunk = max(1, min(S, self.loss_chunk_tokens // max(B, 1) or 1))
-        total = 0.0
-        grads = []
-        for s in range(0, S, chunk):
-            lab = shift[:, s:s + chunk]
-            hc = hidden[:, s:s + chunk]
-            if backward:
-                hc = hc.detach().requires_grad_(True)
-            with torch.enable_grad() if backward else contextlib.nullcontext():
-                logits = self._head_logits(hc).float()
-                if loss_fn is not None:
-                    part = loss_fn(logits, lab)
-                else:
-                    part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
-                                           ignore_index=-100, reduction="sum")
-                self._note_activation(self._saved_bytes + 3 * logits.numel() * 4)
-            total += float(part.detach())
-            if backward:
-                if part.requires_grad:
-                    (part / denom).backward()
-                grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
-            del logits, part
-        if backward:
-            return total, torch.cat(grads, dim=1)
-        return total
-
     # ------------------------------------------------------------------ gradient sums
-    @staticmethod
-    def _add(acc: torch.Tensor, unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        for p, g in zip(unit.params, grads):
-            if g is not None:
-                acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
-
-    @staticmethod
-    def _grads_into(acc: torch.Tensor, unit: Unit, params: List[torch.Tensor]) -> bool:
-        """Let autograd add each parameter's gradient straight into the unit's fp32 sum: every
-        bound parameter's ``.grad`` becomes its view of ``acc``, and AccumulateGrad adds into an
-        existing ``.grad`` in place (the backward runs with grad mode off). A micro-batch's
-        backward then holds one parameter's fresh gradient at a time, not a whole unit's beside
-        the sum (``autograd.grad`` returns them all at once). The same adds in the same order
-        (the first into the zeroed sum is exact). Only where the bound tensors are fp32 on the
-        sum's device (a bf16 parameter cannot have an fp32 ``.grad``): otherwise False, and
-        :meth:`_layer_grads` adds ``autograd.grad``'s results itself."""
-        if any(p.dtype != acc.dtype or p.device != acc.device for p in params):
-            return False
-        for spec, p in zip(unit.params, params):
-            p.grad = acc[spec.offset:spec.offset + spec.numel].view(spec.shape)
-        return True
-
     def _layer_grads(self, acc: torch.Tensor, unit: Unit, params: List[torch.Tensor], direct: bool,
                      x: torch.Tensor, h: torch.Tensor, g: torch.Tensor, rec: GradRecord,
                      call: LayerCall, a: int, arg_grads: List[dict]) -> torch.Tensor:
         """Back-propagate ``g`` (and the gradients later layers sent to its side outputs)
         through one layer call of micro-batch ``a`` (input ``x``, output ``h``, ``rec``): the
         parameters' gradients are added into ``acc`` (``direct``: by autograd itself, see
-        :meth:`_grads_into`), its argument leaves' into ``arg_grads[a]`` by key, its side
+        :meth:`.GradSums.grads_into`), its argument leaves' into ``arg_grads[a]`` by key, its side
         inputs' into the :class:`.SideStreams`; returns the input's gradient."""
         outs, gouts = [h], [g]
         for key, t in rec.side_out:
@@ -597,7 +541,7 @@ class StepRunner:
             gin = [t.grad for t in ins]
         else:
             grads = torch.autograd.grad(outs, ins + params, gouts, allow_unused=True)
-            self._add(acc, unit, grads[len(ins):])
+            self.sums.add(acc, unit, grads[len(ins):])
             gin = list(grads[:len(ins)])
             del grads
         n = 1 + len(rec.leaves)
@@ -607,57 +551,20 @@ class StepRunner:
         gx = gin[0]
         return gx if gx is not None else torch.zeros_like(x)
 
-    def _fold_outer(self, acc: Optional[torch.Tensor], unit: Unit, bound: List[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Move the bound outer tensors' .grad (this micro-batch's share) into the fp32 sum,
-        made on the first share (an untied embedding's sum exists only at the step's end)."""
-        grads = [t.grad for t in bound]
-        if acc is None and any(g is not None for g in grads):
-            acc = self._sum(unit.numel)
-        if acc is not None:
-            self._add(acc, unit, grads)
-        for t in bound:
-            t.grad = None
-        return acc
-
-    def _sum(self, numel: int) -> torch.Tensor:
-        """A zeroed fp32 buffer on the device for a unit's gradient summed over micro-batches."""
-        if self.grad_buffer is not None:
-            if self._straight:
-                # The sums go straight to their updates: take the next one once every sum
-                # returned so far is with its update (the one before it done). RAM then holds
-                # the unit being updated and the sum being formed, never a third waiting in
-                # line; the backward of a unit still overlaps the update of the one above it.
-                self.pager.wait_grads()
-            acc = self.grad_buffer(numel).zero_()
-        else:
-            acc = torch.zeros(numel, dtype=torch.float32, device=self.device)
-        self.sum_bytes += numel * 4
-        self.sum_peak = max(self.sum_peak, self.sum_bytes)
-        return acc
-
-    def _return(self, unit: Unit, acc: torch.Tensor) -> None:
-        """Send a unit's final sum to the host (whole: a lent buffer is adopted, not copied)."""
-        self.pager.return_grads(unit, [acc])
-        self.sum_bytes -= acc.numel() * 4
-
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, ids, am, labels, loss_fn=None) -> Tuple[float, int]:
         """The loss sum and target tokens of one batch, without gradients."""
         shift = F.pad(labels[:, 1:], (0, 1), value=-100)
         n_tokens = int((shift != -100).sum())
-        self._saved_bytes = 0
+        self.meter.saved = 0
         with self._outer_only():
             hidden = self._base_forward(ids, am)
-            return self._loss_chunks(hidden, shift, loss_fn, None), n_tokens
+            return self.loss_head.loss(hidden, shift, loss_fn, None), n_tokens
 
     def logits(self, ids, am) -> torch.Tensor:
         """Logits [batch, seq, vocab] (fp32, CPU) of one batch, without gradients."""
         with self._outer_only():
-            hidden = self._base_forward(ids, am)
-            chunk = max(1, self.loss_chunk_tokens // max(ids.shape[0], 1))
-            out = [self._head_logits(hidden[:, s:s + chunk]).float().cpu()
-                   for s in range(0, hidden.shape[1], chunk)]
-        return torch.cat(out, dim=1)
+            return self.loss_head.all_logits(self._base_forward(ids, am))
 
     @contextlib.contextmanager
     def _outer_only(self):
@@ -674,60 +581,7 @@ class StepRunner:
             self._abort()
             raise
         finally:
-            self.activation_now = 0
-
-    # ------------------------------------------------------------------ accounting and RNG
-    def _note(self, extra: int = 0) -> None:
-        self._saved_bytes = self.boundary.bytes["device"] + self._front_bytes
-        self._note_activation(self._saved_bytes + extra)
-
-    def _note_activation(self, nbytes: int) -> None:
-        self.activation_now = nbytes
-        self.activation_peak = max(self.activation_peak, nbytes)
-
-    @contextlib.contextmanager
-    def _count_saved(self, accumulate: bool = False):
-        """Count the bytes autograd saves while one layer is (re-)run (weights in slots excluded)."""
-        if self._slot_ptrs is None:
-            self._slot_ptrs = self.pager.slot_storages()
-        total = [0]
-        seen = set()
-
-        def pack(t):
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except Exception:
-                return t
-            if ptr not in self._slot_ptrs and ptr not in seen:
-                seen.add(ptr)
-                total[0] += t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        if accumulate:  # graphs kept for the backward (checkpoint_interval=0)
-            self._saved_bytes += total[0]
-            self._note_activation(self._saved_bytes)
-        else:  # saved tensors + their gradients flowing back, on top of the saved inputs
-            self._note_activation(self._saved_bytes + 2 * total[0])
-
-    def _rng_state(self):
-        st = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            st["cuda"] = torch.cuda.get_rng_state(self.device)
-        return st
-
-    @contextlib.contextmanager
-    def _restored_rng(self, st):
-        if st is None:
-            yield
-            return
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(st["cpu"])
-            if "cuda" in st:
-                torch.cuda.set_rng_state(st["cuda"], self.device)
-            yield
+            self.meter.now = 0
 
 
 class Steps:

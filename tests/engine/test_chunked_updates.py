@@ -147,7 +147,7 @@ def test_a_corrupted_state_file_is_refused_by_the_ranged_update(tmp_path):
     e.updates.wait_all()
     e.states.disk.flush()
     unit = e.units[1]
-    path = e.states.disk._file(e.states.key(unit))
+    path = e.states.disk.key_path(e.states.key(unit))
     with open(path, "r+b") as f:   # flip a byte of the last tensor's payload
         f.seek(-4096 - 1, 2)
         byte = f.read(1)

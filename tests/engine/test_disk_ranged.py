@@ -63,7 +63,7 @@ def test_ranges_out_of_order_or_short_are_refused_and_abort_keeps_the_old_versio
 
 def test_a_corrupted_old_version_and_a_full_disk_fail_clearly(tmp_path, monkeypatch):
     s, a, c = _store(tmp_path)
-    path = s._file("k")
+    path = s.key_path("k")
     with open(path, "r+b") as f:   # flip a byte of "c" (the last tensor, packed after "a")
         f.seek(-4096 - 1, 2)
         byte = f.read(1)

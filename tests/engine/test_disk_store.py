@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatrain_nb.engine import disk_store
+from megatrain_nb.engine import disk_format, disk_store
 from megatrain_nb.engine.disk_store import ALIGN, DiskStore, OffloadError, aligned_empty
 
 
@@ -34,7 +34,7 @@ def assert_same(a: dict, b: dict) -> None:
 @pytest.fixture(params=["direct", "buffered"])
 def store(request, tmp_path, monkeypatch):
     if request.param == "buffered":     # the fallback used where O_DIRECT is refused (tmpfs...)
-        monkeypatch.setattr(disk_store, "_probe_direct_io", lambda folder: False)
+        monkeypatch.setattr(disk_store, "probe_direct_io", lambda folder: False)
     s = DiskStore(tmp_path, io_threads=2)
     yield s
     s.close()
@@ -52,8 +52,8 @@ def test_write_read_round_trip(store):
 @pytest.mark.parametrize("align_min", [4096, 1 << 30])
 def test_large_tensors_zero_copy_and_staged(store, monkeypatch, align_min):
     # small chunks and threshold: exercises zero-copy runs, staged windows and ragged tails
-    monkeypatch.setattr(disk_store, "_IO_CHUNK", 64 * 1024)
-    monkeypatch.setattr(disk_store, "_ALIGN_MIN", align_min)
+    monkeypatch.setattr(disk_format, "IO_CHUNK", 64 * 1024)
+    monkeypatch.setattr(disk_format, "ALIGN_MIN", align_min)
     x = aligned_empty(100_003).copy_(torch.randn(100_003))
     data = {"s": torch.arange(7, dtype=torch.int16), "x": x, "y": torch.randn(50_001),
             "t": torch.ones(3, dtype=torch.uint8), "z": torch.randn(4096)}
@@ -83,14 +83,14 @@ def test_reads_into_provided_buffers(store):
 
 def test_read_after_write_of_the_same_key_sees_the_new_data(store, monkeypatch):
     release = threading.Event()
-    real = disk_store._pwrite_all
+    real = disk_format.pwrite_all
 
     def slow(fd, mv, offset):
         release.wait(5)
         real(fd, mv, offset)
 
     store.write("k", {"x": torch.zeros(1000)}).result()
-    monkeypatch.setattr(disk_store, "_pwrite_all", slow)
+    monkeypatch.setattr(disk_format, "pwrite_all", slow)
     w1 = store.write("k", {"x": torch.ones(1000)})
     w2 = store.write("k", {"x": torch.full((1000,), 2.0)})
     r = store.read("k")
@@ -106,8 +106,8 @@ def test_other_keys_do_not_wait(tmp_path, monkeypatch):
     with DiskStore(tmp_path, io_threads=2) as s:
         s.write("b", {"x": torch.ones(10)}).result()
         release = threading.Event()
-        real = disk_store._pwrite_all
-        monkeypatch.setattr(disk_store, "_pwrite_all",
+        real = disk_format.pwrite_all
+        monkeypatch.setattr(disk_format, "pwrite_all",
                             lambda fd, mv, off: (release.wait(5), real(fd, mv, off)))
         w = s.write("a", {"x": torch.zeros(10)})
         assert float(s.read("b").result(timeout=5)["x"][0]) == 1.0
@@ -198,7 +198,7 @@ def test_enospc_fails_clearly_and_keeps_the_previous_version(tmp_path, monkeypat
         os.pwrite(fd, memoryview(mv)[:ALIGN], offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_store, "_pwrite_all", full)
+    monkeypatch.setattr(disk_format, "pwrite_all", full)
     fut = s.write("unit", {"x": torch.zeros(4096)})
     with pytest.raises(OffloadError) as err:
         fut.result()
@@ -229,7 +229,7 @@ def test_not_enough_free_space_is_refused_before_writing(tmp_path, monkeypatch):
 
 def test_truncated_file_is_not_read_as_valid(store):
     store.write("k", {"x": torch.ones(5000)}).result()
-    path = store._file("k")
+    path = store.key_path("k")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - ALIGN)
     with pytest.raises(OffloadError, match="damaged|incomplete|valid"):
@@ -244,7 +244,7 @@ def test_nbytes_and_stats(store):
     store.write("b", {"x": torch.ones(3000), "y": torch.ones(1, dtype=torch.uint8)})
     store.flush()
     a, b = store.nbytes_of("a"), store.nbytes_of("b")
-    assert a == os.path.getsize(store._file("a")) and b == os.path.getsize(store._file("b"))
+    assert a == os.path.getsize(store.key_path("a")) and b == os.path.getsize(store.key_path("b"))
     assert (a, b) == (2 * ALIGN, 4 * ALIGN)     # small header + packed tensors, whole blocks
     assert store.nbytes() == a + b
     assert sorted(store.keys()) == ["a", "b"] and "a" in store
@@ -320,7 +320,7 @@ def test_urgent_reads_go_ahead_of_queued_work(tmp_path):
 def test_a_flipped_payload_byte_is_refused_by_name(store, big):
     x = torch.randn((1 << 19) if big else 1000)  # 2 MiB starts on an ALIGN boundary; 4 KB is packed
     store.write("k", {"a": torch.ones(3), "x": x}).result()
-    path = store._file("k")
+    path = store.key_path("k")
     with open(path, "r+b") as f:  # the last bytes of x: the header still checks out
         where = os.path.getsize(path) - ALIGN if big else 512
         f.seek(where)
@@ -341,7 +341,7 @@ def test_eio_on_a_read_is_a_clear_error_in_bounded_time(store, monkeypatch):
         raise OSError(errno.EIO, "Input/output error")
     monkeypatch.setattr(disk_store.os, "preadv", eio)
     t0 = time.monotonic()
-    with pytest.raises(OffloadError, match=f"reading 'k' from {store._file('k')}.*Input/output error"):
+    with pytest.raises(OffloadError, match=f"reading 'k' from {store.key_path('k')}.*Input/output error"):
         store.read("k").result(timeout=30)
     assert time.monotonic() - t0 < 10
     monkeypatch.undo()
@@ -388,7 +388,7 @@ def test_a_read_that_takes_seconds_still_returns_the_right_data(store, monkeypat
 
 def test_a_short_file_on_disk_is_refused_not_read_as_zeros(store):
     store.write("k", {"x": torch.randn(300_000)}).result(timeout=30)
-    path = store._file("k")
+    path = store.key_path("k")
     size = os.path.getsize(path)
     with open(path, "r+b") as f:  # a write that was cut short without the size changing
         f.seek(size - 3 * ALIGN)

@@ -1,0 +1,284 @@
+"""The disk tier's file format and raw I/O: what :class:`~.disk_store.DiskStore` and
+:class:`~.disk_ranged.RangedRewrite` both write and read.
+
+File layout (``<key>-<hash>.mtd``), one file per key::
+
+    [0, H)          header: magic b"MTNBDS\\x00\\x01", u64 json length, u32 crc32(json), json
+                    {"key", "file_size", "tensors": [{"name", "dtype", "shape", "offset",
+                    "nbytes", "crc32"}]}
+    [offset, ...)   each tensor's raw bytes, back to back: tensors of 1 MiB or more start on a
+                    4096-byte boundary, smaller ones are packed at 64 bytes
+    ... file_size   zero padding to a multiple of 4096 (the direct-I/O block)
+
+:func:`read_header` checks the magic, the header checksum, the key and that the file size
+matches the header, so a truncated or foreign file is refused with ``OffloadError``; each
+tensor's entry also carries the crc32 of its bytes (:func:`crc`), checked after the read.
+
+Raw I/O: :func:`transfer` moves segments with direct I/O (through a per-thread aligned
+:class:`Staging` buffer where memory or offsets are not aligned); :func:`buffered_write` and
+:func:`buffered_read` go through the page cache, dropping the pages they touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import struct
+import threading
+import zlib
+
+import torch
+
+ALIGN = 4096                      # file offsets and direct-I/O buffers are aligned to this
+IO_CHUNK = 32 << 20               # bytes per read/write syscall (large sequential I/O)
+ALIGN_MIN = 1 << 20               # tensors this large start on an ALIGN boundary in the file
+PACK = 64                         # smaller tensors are packed at this alignment
+BUFFERED_SYNC_EVERY = 256 << 20   # buffered mode: fdatasync + drop pages this often
+MAGIC = b"MTNBDS\x00\x01"
+PREFIX = struct.Struct("<8sQI")   # magic, json length, crc32(json)
+SUFFIX = ".mtd"
+
+
+class OffloadError(RuntimeError):
+    """The disk tier could not be used: the message names the path, the bytes needed and what
+    to do about it."""
+
+
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def aligned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised CPU tensor whose data starts on a 4096-byte boundary, so that
+    ``DiskStore`` can read and write it with direct I/O without a staging copy.
+
+    >>> t = aligned_empty((3, 5), torch.bfloat16)
+    >>> t.data_ptr() % 4096
+    0
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off:off + nbytes].view(dtype).view(shape)
+
+
+def bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's memory (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def as_numpy(t: torch.Tensor):
+    return t.numpy()
+
+
+class Staging(threading.local):
+    """A page-aligned ``IO_CHUNK``-byte buffer per I/O thread (so ``io_threads * 32 MiB``)."""
+
+    def get(self) -> tuple[torch.Tensor, memoryview]:
+        if not hasattr(self, "buf"):
+            self.mm = mmap.mmap(-1, IO_CHUNK)          # anonymous mmap: page aligned
+            self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+            self.mv = memoryview(self.mm)
+        return self.buf, self.mv
+
+
+def pwrite_all(fd: int, mv, offset: int) -> None:
+    mv = memoryview(mv).cast("B")
+    while len(mv):
+        n = os.pwrite(fd, mv, offset)
+        mv, offset = mv[n:], offset + n
+
+
+def pread_all(fd: int, mv, offset: int) -> None:
+    mv = memoryview(mv).cast("B")
+    while len(mv):
+        n = os.preadv(fd, [mv], offset)
+        if n == 0:
+            raise OSError(errno.EIO, "unexpected end of file")
+        mv, offset = mv[n:], offset + n
+
+
+def large_unaligned(dest: torch.Tensor) -> bool:
+    """A destination too large for the staging buffer whose memory cannot take direct I/O."""
+    return dest.numel() >= ALIGN_MIN and dest.data_ptr() % ALIGN != 0
+
+
+def buffered_read(path: str, segments) -> None:
+    """Read [(file offset, uint8 tensor)] through the page cache, dropping each chunk's pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, dest in segments:
+            arr = as_numpy(dest)
+            for a in range(0, len(arr), IO_CHUNK):
+                b = min(a + IO_CHUNK, len(arr))
+                pread_all(fd, arr[a:b], off + a)
+                drop_cache(fd, off + a, b - a)
+        drop_cache(fd)  # and whatever the kernel read ahead past the end
+    finally:
+        os.close(fd)
+
+
+def drop_cache(fd: int, offset: int = 0, length: int = 0) -> None:
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+def probe_direct_io(folder: str) -> bool:
+    """True if ``folder``'s filesystem accepts O_DIRECT writes of aligned buffers."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = os.path.join(folder, ".direct-io-probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        with mmap.mmap(-1, ALIGN) as mm:
+            os.pwrite(fd, mm, 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+
+def layout(key: str, items, crcs=None) -> tuple[bytes, list[int], int]:
+    """Header bytes, each tensor's offset and the file size (a multiple of ALIGN).
+
+    Tensors of at least ``ALIGN_MIN`` bytes start on an ALIGN boundary (so aligned memory moves
+    with zero-copy direct I/O); smaller ones are packed at ``PACK`` bytes after the header, so
+    small files stay small. ``crcs``: the tensors' checksums when ``items`` hold no data yet."""
+    reserved = 256
+    crcs = [crc(t) for _, t in items] if crcs is None else crcs
+    while True:
+        cursor, entries = round_up(reserved, PACK), []
+        for (name, t), checksum in zip(items, crcs):
+            n = t.numel() * t.element_size()
+            off = align_up(cursor) if n >= ALIGN_MIN else round_up(cursor, PACK)
+            entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
+                            "shape": list(t.shape), "offset": off, "nbytes": n, "crc32": checksum})
+            cursor = off + n
+        file_size = align_up(cursor)
+        header = header_bytes(key, file_size, entries)
+        if len(header) <= reserved:
+            return header, [e["offset"] for e in entries], file_size
+        reserved = len(header) + 64
+
+
+def header_bytes(key: str, file_size: int, entries: list[dict]) -> bytes:
+    """The header: prefix (magic, json length, crc32 of the json) and the json itself."""
+    body = json.dumps({"key": key, "file_size": file_size, "tensors": entries}, separators=(",", ":")).encode()
+    return PREFIX.pack(MAGIC, len(body), zlib.crc32(body)) + body
+
+
+def read_header(fd: int, key: str, path: str, mv: memoryview) -> dict:
+    """The checked header of ``key``'s file open as ``fd`` (``mv``: an ALIGN-aligned buffer of
+    ``IO_CHUNK`` bytes to read it into); ``OffloadError`` for a short, foreign or damaged file."""
+    size = os.fstat(fd).st_size
+    if size < ALIGN or size % ALIGN:
+        raise OffloadError(f"{path} (key {key!r}) is not a valid DiskStore file "
+                           f"({size} bytes)")
+    pread_all(fd, mv[:ALIGN], 0)
+    magic, length, crc32 = PREFIX.unpack_from(mv, 0)
+    header_size = align_up(PREFIX.size + length)
+    if magic != MAGIC or header_size > min(size, IO_CHUNK):
+        raise OffloadError(f"{path} (key {key!r}) is not a valid DiskStore file")
+    if header_size > ALIGN:
+        pread_all(fd, mv[:header_size], 0)
+    body = bytes(mv[PREFIX.size:PREFIX.size + length])
+    meta = json.loads(body) if zlib.crc32(body) == crc32 else None
+    if meta is None or meta.get("key") != key or meta.get("file_size") != size:
+        raise OffloadError(f"{path} (key {key!r}) is damaged or incomplete "
+                           f"({size} bytes on disk)")
+    return meta
+
+
+def crc(t: torch.Tensor) -> int:
+    """crc32 of a tensor's bytes (zlib releases the GIL: I/O threads checksum in parallel)."""
+    return zlib.crc32(as_numpy(bytes_view(t))) if t.numel() else 0
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def transfer(fd: int, segments, file_size: int, staging, *, write: bool) -> None:
+    """Direct I/O of ``segments`` [(file offset, uint8 tensor)], sorted by offset.
+
+    A segment whose memory and offset are ALIGN-aligned moves straight between the tensor and
+    the disk (its last partial block excepted); everything else is gathered into / scattered
+    from the aligned staging buffer in windows of up to ``IO_CHUNK`` bytes, with the gaps
+    between segments zero-filled when writing."""
+    run: list[tuple[int, torch.Tensor]] = []
+    for off, t in segments:
+        n = t.numel()
+        body = n - n % ALIGN
+        if n and off % ALIGN == 0 and body and t.data_ptr() % ALIGN == 0:
+            if run:
+                staged(fd, run, file_size, staging, write)
+                run = []
+            arr, move = as_numpy(t), (pwrite_all if write else pread_all)
+            for a in range(0, body, IO_CHUNK):
+                move(fd, arr[a:min(a + IO_CHUNK, body)], off + a)
+            if body < n:
+                run.append((off + body, t[body:]))
+        elif n:
+            run.append((off, t))
+    if run:
+        staged(fd, run, file_size, staging, write)
+
+
+def staged(fd: int, run, file_size: int, staging, write: bool) -> None:
+    buf, mv = staging
+    start = run[0][0] - run[0][0] % ALIGN
+    end = min(align_up(run[-1][0] + run[-1][1].numel()), file_size)
+    first = 0
+    for w in range(start, end, IO_CHUNK):
+        wl = min(IO_CHUNK, end - w)
+        if not write:
+            pread_all(fd, mv[:wl], w)
+        cursor = w
+        for i in range(first, len(run)):
+            off, t = run[i]
+            a, b = max(off, w), min(off + t.numel(), w + wl)
+            if off >= w + wl:
+                break
+            if b <= a:
+                first = i + 1
+                continue
+            if write:
+                if a > cursor:
+                    buf[cursor - w:a - w].zero_()
+                buf[a - w:b - w].copy_(t[a - off:b - off])
+            else:
+                t[a - off:b - off].copy_(buf[a - w:b - w])
+            cursor = b
+        if write:
+            if cursor < w + wl:
+                buf[cursor - w:wl].zero_()
+            pwrite_all(fd, mv[:wl], w)
+
+
+def buffered_write(fd: int, segments, file_size: int) -> None:
+    """Page-cache writes straight from the tensors; sync and drop the pages as we go."""
+    since_sync = 0
+    for off, t in segments:
+        arr = as_numpy(t)
+        for a in range(0, t.numel(), IO_CHUNK):
+            pwrite_all(fd, arr[a:a + IO_CHUNK], off + a)
+            since_sync += min(IO_CHUNK, t.numel() - a)
+            if since_sync >= BUFFERED_SYNC_EVERY:
+                os.fdatasync(fd)
+                drop_cache(fd)
+                since_sync = 0
+    os.ftruncate(fd, file_size)
+

@@ -1,0 +1,202 @@
+"""A key's new version written range by range beside its old one (``DiskStore.ranged``):
+neither version is ever whole in RAM. The file format is :mod:`.disk_format`'s; the ordering
+against the key's other operations, the counters and the write-behind worker are the store's
+(through its public methods)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+import uuid
+import zlib
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .disk_format import (BUFFERED_SYNC_EVERY, OffloadError, as_numpy, bytes_view, drop_cache, header_bytes,
+                          layout, pread_all, pwrite_all)
+
+if TYPE_CHECKING:
+    from .disk_store import DiskStore
+
+__all__ = ["RangedRewrite"]
+
+
+class RangedRewrite:
+    """A key's new version written range by range, its old version read range by range beside
+    it (``DiskStore.ranged``). Each tensor's ranges are read, and written, in order from its
+    start (its crc32 is taken as they pass: a read of the old version's last range checks its
+    checksum; the new header carries the new ones). The new file has a temporary name until
+    :meth:`commit` (fdatasync, then ``os.replace``): an :meth:`abort` or a crash leaves the old
+    version as it was. Buffered I/O, each range's pages dropped as it goes (ranges need not be
+    aligned to direct I/O's blocks); writes are synced every ``BUFFERED_SYNC_EVERY`` bytes."""
+
+    def __init__(self, store: DiskStore, key: str, specs: dict, read_old: bool, outer: Future):
+        self.store, self.key, self.outer = store, key, outer
+        self.t0 = time.perf_counter()
+        self.final = store.key_path(key)
+        self.old_fd, self.old = None, {}
+        if read_old:
+            try:
+                self.old_fd = os.open(self.final, os.O_RDONLY)
+            except OSError as e:
+                raise OffloadError(f"cannot open {self.final} for {key!r}: {e.strerror or e}") from e
+            meta = store.read_header(self.old_fd, key, self.final)
+            self.old = {e["name"]: e for e in meta["tensors"]}
+            self.read_pos = {n: [0, 0] for n in self.old}            # name -> [bytes read, crc so far]
+        items = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, (dtype, shape) in specs.items()]
+        self.items = items
+        _, offsets, self.file_size = layout(key, items, crcs=[0xFFFFFFFF] * len(items))   # the widest header
+        self.new = {n: (off, t.numel() * t.element_size()) for (n, t), off in zip(items, offsets)}
+        self.write_pos = {n: [0, 0] for n in self.new}
+        self.tmp = f"{self.final}.tmp-{uuid.uuid4().hex[:8]}"
+        self.fd = None
+        free = shutil.disk_usage(store.path).free
+        if free < self.file_size:
+            self._close_old()
+            raise store.no_space(key, self.final, self.file_size, free)
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            self._close_old()
+            raise self._failed(e) from e
+        self.since_sync = self.read_bytes = 0
+        self.lock = threading.Lock()
+
+    def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, start + out.numel())`` of the old version's ``name`` into ``out``."""
+        e = self.old[name]
+        pos = self.read_pos[name]
+        esize = out.element_size()
+        a, n = start * esize, out.numel() * esize
+        if a != pos[0] or a + n > e["nbytes"]:
+            raise ValueError(f"RangedRewrite.read({self.key!r}, {name!r}): bytes [{a}, {a + n}) out of order "
+                             f"(next {pos[0]} of {e['nbytes']})")
+        arr = as_numpy(bytes_view(out))
+        try:
+            pread_all(self.old_fd, arr, e["offset"] + a)
+        except OSError as err:
+            raise OffloadError(f"reading {self.key!r} from {self.final} failed: {err.strerror or err}") from err
+        drop_cache(self.old_fd, e["offset"] + a, n)
+        pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
+        self.read_bytes += n
+        if pos[0] == e["nbytes"] and "crc32" in e and pos[1] != e["crc32"]:
+            raise OffloadError(f"{self.final} (key {self.key!r}): the payload of {name!r} does not match its "
+                               f"checksum (the file was corrupted on disk). The run cannot continue from this "
+                               f"state: resume from the last checkpoint")
+        return out
+
+    def write(self, name: str, start: int, src: torch.Tensor) -> None:
+        """Elements ``[start, start + src.numel())`` of the new version's ``name``."""
+        off, nbytes = self.new[name]
+        pos = self.write_pos[name]
+        src = src.contiguous()
+        a, n = start * src.element_size(), src.numel() * src.element_size()
+        if a != pos[0] or a + n > nbytes:
+            raise ValueError(f"RangedRewrite.write({self.key!r}, {name!r}): bytes [{a}, {a + n}) out of order "
+                             f"(next {pos[0]} of {nbytes})")
+        arr = as_numpy(bytes_view(src))
+        with self.lock:
+            try:
+                pwrite_all(self.fd, arr, off + a)
+                drop_cache(self.fd, off + a, n)   # starts its writeback (the pages stay until clean)
+                self.since_sync += n
+                if self.since_sync >= BUFFERED_SYNC_EVERY:
+                    os.fdatasync(self.fd)
+                    drop_cache(self.fd)
+                    self.since_sync = 0
+            except OSError as err:
+                raise self._failed(err) from err
+        pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
+
+    def commit(self, behind: bool = False):
+        """The new version replaces the old one (every tensor must be written whole). Returns
+        the file size; ``behind``: the header is written now, the sync and rename in a worker
+        of the store (write-behind: operations on the key wait for it, a failure is reported
+        by ``flush`` as a write's) -- returns the Future."""
+        try:
+            short = [n for n, (_, nbytes) in self.new.items() if self.write_pos[n][0] != nbytes]
+            if short:
+                raise ValueError(f"RangedRewrite.commit({self.key!r}): {short} not written whole")
+            pwrite_all(self.fd, header_at(self.key, self.items, self.new, self.write_pos, self.file_size), 0)
+        except OSError as e:
+            self.abort(self._failed(e))
+            raise self.outer.exception() from e
+        except BaseException as e:
+            self.abort(e)
+            raise
+        if not behind:
+            self._finish()
+            return self.outer.result()
+        try:
+            self.store.run_behind(self._finish_behind)
+        except RuntimeError:   # the store's workers are stopping: here, then
+            self._finish_behind()
+        return self.outer
+
+    def _finish_behind(self) -> None:
+        try:
+            self._finish()
+        except BaseException as e:  # noqa: BLE001 - delivered through the future and flush()
+            self.store.record_error(e)
+
+    def _finish(self) -> None:
+        """Sync, rename, count; the key's next operations may start."""
+        try:
+            os.ftruncate(self.fd, self.file_size)
+            os.fdatasync(self.fd)
+            drop_cache(self.fd)
+            os.close(self.fd)
+            self.fd = None
+            os.replace(self.tmp, self.final)
+        except OSError as e:
+            self.abort(self._failed(e))
+            raise self.outer.exception() from e
+        self._close_old()
+        self.store.committed(self.key, self.file_size)
+        if self.read_bytes:
+            self.store.count("read", self.read_bytes, 0.0)
+        self.store.count("write", self.file_size, time.perf_counter() - self.t0)
+        self.store.op_done(self.key, self.outer)
+        self.outer.set_result(self.file_size)
+
+    def abort(self, error: Optional[BaseException]) -> None:
+        """Drop the new version (the old one stays); operations waiting on this one go ahead
+        (``error`` None: nothing went wrong, the key is left as it was)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+        self._close_old()
+        if not self.outer.done():
+            self.store.op_done(self.key, self.outer)
+            if error is None:
+                self.outer.set_result(0)
+            else:
+                self.outer.set_exception(error)
+
+    def _failed(self, err: OSError) -> OffloadError:
+        """The error to raise for a failed write of the new version (ENOSPC: the space needed)."""
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return self.store.no_space(self.key, self.final, self.file_size, None, err)
+        return OffloadError(f"writing {self.key!r} to {self.final} failed: {err.strerror or err}. Check the "
+                            f"disk behind the offload directory {self.store.root}")
+
+    def _close_old(self) -> None:
+        if self.old_fd is not None:
+            os.close(self.old_fd)
+            self.old_fd = None
+
+
+def header_at(key: str, items, new: dict, write_pos: dict, file_size: int) -> bytes:
+    """The header of a file whose tensors sit at ``new``'s offsets (room for the widest header)."""
+    entries = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                "offset": new[n][0], "nbytes": new[n][1], "crc32": write_pos[n][1]} for n, t in items]
+    return header_bytes(key, file_size, entries)

@@ -1,0 +1,82 @@
+"""The model's head and the loss, run on the final hidden states in chunks of
+``loss_chunk_tokens`` (so the logits of a whole sequence are never on the device at once): the
+CausalLM's own head code runs with its base model swapped for a stub that returns the given
+hidden states (:class:`.HiddenStatesStub`)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .proxies import HiddenStatesStub, swapped_submodule
+from .recompute import ActivationMeter
+
+__all__ = ["LossHead"]
+
+
+class LossHead:
+    """``model``'s head (its base model at ``base_name``, ``path`` inside it: see
+    :func:`.discovery.locate`) over chunks of ``loss_chunk_tokens`` tokens; ``meter`` counts the
+    logits' bytes."""
+
+    def __init__(self, model, base_name: str, base, path, loss_chunk_tokens: int, meter: ActivationMeter):
+        self.model = model
+        self.base_name = base_name
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.meter = meter
+        self._stub = HiddenStatesStub(base, path)
+
+    def logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:
+        """The CausalLM's own head code (lm_head + the family's logit transform) on one chunk."""
+        stub = self._stub
+        stub.hidden = hidden_chunk
+        dummy = torch.zeros(hidden_chunk.shape[:2], dtype=torch.long, device=hidden_chunk.device)
+        try:
+            with swapped_submodule(self.model, self.base_name, stub):
+                out = self.model(input_ids=dummy, use_cache=False)
+        except IndexError as e:   # the head indexes outputs of the base model the stub does not have
+            raise NotImplementedError(
+                f"{type(self.model).__name__}'s head reads more of its base model's output than the final hidden "
+                f"states ({e}); this family is not supported by the streaming engine yet.") from e
+        finally:
+            stub.hidden = None
+        return out.logits
+
+    def all_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] (fp32, CPU) of ``hidden``, chunk by chunk."""
+        chunk = max(1, self.loss_chunk_tokens // max(hidden.shape[0], 1))
+        out = [self.logits(hidden[:, s:s + chunk]).float().cpu() for s in range(0, hidden.shape[1], chunk)]
+        return torch.cat(out, dim=1)
+
+    def loss(self, hidden, shift, loss_fn, denom, backward: bool = False):
+        """The head and the loss over ``hidden`` in chunks of ``loss_chunk_tokens``; with
+        ``backward`` each chunk's ``loss / denom`` is back-propagated to its hidden states.
+        Returns the loss sum (and with ``backward`` the gradient at ``hidden``)."""
+        B, S = shift.shape
+        chunk = max(1, min(S, self.loss_chunk_tokens // max(B, 1) or 1))
+        total = 0.0
+        grads = []
+        for s in range(0, S, chunk):
+            lab = shift[:, s:s + chunk]
+            hc = hidden[:, s:s + chunk]
+            if backward:
+                hc = hc.detach().requires_grad_(True)
+            with torch.enable_grad() if backward else contextlib.nullcontext():
+                logits = self.logits(hc).float()
+                if loss_fn is not None:
+                    part = loss_fn(logits, lab)
+                else:
+                    part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
+                                           ignore_index=-100, reduction="sum")
+                self.meter.at(self.meter.saved + 3 * logits.numel() * 4)
+            total += float(part.detach())
+            if backward:
+                if part.requires_grad:
+                    (part / denom).backward()
+                grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
+            del logits, part
+        if backward:
+            return total, torch.cat(grads, dim=1)
+        return total

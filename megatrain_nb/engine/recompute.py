@@ -1,0 +1,86 @@
+"""What a step needs to run a layer again: the device bytes of activations it holds counted
+(:class:`ActivationMeter`, with the tensors autograd saves while a layer is (re-)run), and the
+RNG state a recompute replays (:func:`rng_state`, :func:`restored_rng`), so dropout draws the
+same masks the first pass drew."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["ActivationMeter", "restored_rng", "rng_state"]
+
+
+class ActivationMeter:
+    """Device bytes of activations (saved inputs, work, logits): ``now`` and ``peak``.
+    ``saved``: activations held across the step (boundary, fronts, kept graphs); ``front``: the
+    micro-batches' hidden states (or gradients) between the layers. ``boundary`` counts the
+    boundary activations on the device; ``pager.slot_storages()`` names the weights' storages,
+    which a layer's saved tensors do not count."""
+
+    def __init__(self, boundary, pager):
+        self.boundary = boundary
+        self.pager = pager
+        self.now = 0
+        self.peak = 0
+        self.saved = 0
+        self.front = 0
+        self._slot_ptrs = None
+
+    def note(self, extra: int = 0) -> None:
+        self.saved = self.boundary.bytes["device"] + self.front
+        self.at(self.saved + extra)
+
+    def at(self, nbytes: int) -> None:
+        self.now = nbytes
+        self.peak = max(self.peak, nbytes)
+
+    @contextlib.contextmanager
+    def count_saved(self, accumulate: bool = False):
+        """Count the bytes autograd saves while one layer is (re-)run (weights in slots excluded)."""
+        if self._slot_ptrs is None:
+            self._slot_ptrs = self.pager.slot_storages()
+        total = [0]
+        seen = set()
+
+        def pack(t):
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:
+                return t
+            if ptr not in self._slot_ptrs and ptr not in seen:
+                seen.add(ptr)
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        if accumulate:  # graphs kept for the backward (checkpoint_interval=0)
+            self.saved += total[0]
+            self.at(self.saved)
+        else:  # saved tensors + their gradients flowing back, on top of the saved inputs
+            self.at(self.saved + 2 * total[0])
+
+
+def rng_state(device: torch.device) -> dict:
+    """The CPU RNG state, and ``device``'s where it is a GPU."""
+    st = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+@contextlib.contextmanager
+def restored_rng(st, device: torch.device):
+    """Run under the RNG state ``st`` (from :func:`rng_state`; None: as it is), the caller's
+    state kept."""
+    if st is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(st["cpu"])
+        if "cuda" in st:
+            torch.cuda.set_rng_state(st["cuda"], device)
+        yield

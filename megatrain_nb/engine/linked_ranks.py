@@ -7,7 +7,7 @@ in parallel: its disk-tier files hard-linked, its RAM-held shards and step count
     <folder>/rank-<r>-of-<world>/linked.json, ram_state.safetensors, disk/<file>.mtd
 
 Rank 0 writes the shared files beside them (trainer state, scheduler, RNG, manifest: see
-``Trainer._write_state``). A rank-linked snapshot loads back into a run of the same world size
+``trainer/saving.py``). A rank-linked snapshot loads back into a run of the same world size
 (the run that wrote it): a snapshot is for going back, not for moving between world sizes,
 which a checkpoint does (``engine/reshard.py``).
 """

@@ -1,6 +1,6 @@
 """Snapshots: checkpoints that cost almost nothing at scale, to rewind and fork a run.
 
-A snapshot is written by the checkpoints' own save protocol (``Trainer._write_state``: the
+A snapshot is written by the checkpoints' own save protocol (``saving.write_state``: the
 engine's files, the scheduler, RNG, data position and trainer state, the state file last, in a
 temporary folder renamed into place by ``checkpoint.write_checkpoint``). The difference is the
 engine's part: the disk tier never rewrites a file in place, so its current files are

@@ -21,12 +21,8 @@ between steps.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
-import json
 import math
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -36,10 +32,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatrain_nb.atomic import commit_dir, staging_dir, temp_name
-
 from ..engine.dist import Dist
 from . import checkpoint as ckpt
+from . import saving
 from .args import (
     check_learning_rate,
     default_values,
@@ -240,7 +235,7 @@ class Trainer:
             raise RuntimeError("this Trainer is already training")
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
-        resume = self._resolve_resume(resume_from_checkpoint)
+        resume = saving.resolve_resume(resume_from_checkpoint, self.args.output_dir, self.dist)
         total = self.total_steps
         self._running, self._stop = True, False
         try:
@@ -341,34 +336,6 @@ class Trainer:
             self.metrics_log.write(record)
         self._save_if_due(record)
         return record, epoch_open
-
-    def _resolve_resume(self, resume_from_checkpoint) -> Optional[Path]:
-        """The checkpoint to resume from. With several ranks rank 0 alone looks (listing the
-        checkpoints also clears the partial one a failed run left) and every rank takes its answer,
-        or its error. Under a torchrun restart with no resume asked, warn: that attempt starts over."""
-        import warnings
-
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        if restart > 0 and resume_from_checkpoint in (None, False) and self.dist.is_main:
-            warnings.warn(f"torchrun restart {restart}: no resume was asked, so this attempt starts from step 0; "
-                          f"pass resume_from_checkpoint='{ckpt.AUTO}' (megatrain-nb train --resume {ckpt.AUTO}) "
-                          "to continue from the last complete checkpoint", stacklevel=3)
-        if self.dist.world == 1:
-            return ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        found = error = mine = None
-        if self.dist.is_main:
-            try:
-                found = ckpt.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-            except Exception as e:   # handed to every rank: the others must not wait for rank 0
-                error = e
-                mine = [type(e).__name__, str(e)]
-        found, told = self.dist.all_gather_json([str(found) if found is not None else None, mine])[0]
-        if error is not None:
-            raise error
-        if told is not None:   # the others raise what rank 0 raised, rebuilt from its name and text
-            kind = {"CheckpointError": ckpt.CheckpointError, "IntegrityError": ckpt.IntegrityError}.get(told[0])
-            raise kind(told[1]) if kind is not None else RuntimeError(f"rank 0: {told[0]}: {told[1]}")
-        return Path(found) if found is not None else None
 
     def _train_window(self, window: list, total: int) -> dict:
         args, engine, cb, st = self.args, self._engine, self.callback_handler, self.state
@@ -530,22 +497,8 @@ class Trainer:
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads (and the tokenizer, if any)."""
-        target = Path(output_dir or self.args.output_dir)
-        if not self.dist.is_main:   # the other ranks take part in each unit's gather; rank 0 writes
-            self._engine.save_pretrained(str(target))
-            return str(target)
-        target.mkdir(parents=True, exist_ok=True)
-        # output_dir also holds checkpoints and metrics: each file is renamed in, not the folder
-        with staging_dir(target, prefix=".save-tmp-") as tmp:
-            self._engine.save_pretrained(str(tmp))
-            if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
-                self.tokenizer.save_pretrained(str(tmp))
-            for f in sorted(tmp.iterdir()):
-                dest = target / f.name
-                if dest.is_dir() and not f.is_dir():
-                    shutil.rmtree(dest)
-                os.replace(f, dest)
-        return str(target)
+        return saving.save_model_folder(self._engine, self.tokenizer, self.dist,
+                                        Path(output_dir or self.args.output_dir))
 
     @property
     def lineage(self) -> dict:
@@ -605,114 +558,26 @@ class Trainer:
                 "run_id": self.run_id, "parent_run_id": self.parent_run_id,
                 "forked_at_step": self.forked_at_step, "snapshot": snapshot, "saved_at": time.time(),
                 "model": ckpt.model_record(self._engine)}
-        scheduler, rng = copy.deepcopy(self.schedule.state_dict()), ckpt.rng_state()   # (as of now)
-        state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"   # (as save_to_json)
-        args = self.args.to_dict()
-
-        def write_shared(tmp: Path) -> None:
-            ckpt.write_json(tmp / ckpt.SCHEDULER_FILE, scheduler, strict=True)
-            ckpt.write_json(tmp / ckpt.RNG_FILE, rng, strict=True)
-            (tmp / "trainer_state.json").write_text(state, encoding="utf-8")
-            ckpt.write_json(tmp / "training_args.json", args)
-            if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
-                self.tokenizer.save_pretrained(str(tmp))
-            ckpt.write_json(tmp / ckpt.STATE_FILE, meta)  # last: marks a complete checkpoint
-        return meta, write_shared
+        return meta, saving.shared_writer(meta, self.schedule, self.state, self.args, self.tokenizer)
 
     def _write_state(self, final: Path, snapshot: bool = False):
-        """The one save protocol of checkpoints and snapshots: the engine's files, then the
-        trainer's (state file last), in a temporary folder renamed into place."""
-        sizes: dict = {}
+        """Checkpoints and snapshots: the one save protocol (trainer/saving.py), after any
+        snapshot still completing in the background."""
         self.wait_snapshot()
         _, write_shared = self.snapshot_files(snapshot)
-
-        def write(tmp: Path) -> None:
-            if snapshot:   # (the NaN check would read the whole disk tier; on_nonfinite guards steps)
-                sizes.update(self._engine.save_checkpoint(str(tmp), link_disk=True) or {})
-            else:
-                _refuse_non_finite(self._engine, final)
-                self._engine.save_checkpoint(str(tmp))
-            write_shared(tmp)
-
-        with self._engine.lock:
-            if self.dist.world > 1:
-                out = self._write_sharded_checkpoint(final, write_shared, snapshot=snapshot, sizes=sizes)
-            else:
-                out = ckpt.write_checkpoint(final, write, manifest_exclude=("disk",) if snapshot else ())
-        return out, sizes
-
-    def _write_sharded_checkpoint(self, final: Path, write_shared, snapshot: bool = False,
-                                  sizes: Optional[dict] = None) -> Path:
-        """Data parallel: every rank writes its shards into one temporary folder (named by rank 0)
-        in parallel; rank 0 then writes the shared files, the state file last, and renames the
-        folder into place. The others wait for the rename, so a checkpoint is whole when seen.
-        A snapshot: each rank links its own disk-tier files and writes its RAM-held shards
-        (``engine/linked_ranks.py``); the manifest leaves the links out."""
-        from megatrain_nb.engine.linked_ranks import disk_folders
-
-        d = self.dist
-        tmp = None
-        if not snapshot:   # (the NaN check would read the whole disk tier; on_nonfinite guards steps)
-            _refuse_non_finite(self._engine, final)   # collective: every rank reads the gathered weights
-        if d.is_main:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            ckpt.remove_stale_temporaries(final.parent)
-            tmp = Path(temp_name(final))
-            tmp.mkdir()
-        tmp = Path(d.all_gather_json(str(tmp) if tmp is not None else None)[0])
-        try:
-            # collective: each rank its file (or linked folder), then a barrier
-            written = self._engine.save_checkpoint(str(tmp), link_disk=snapshot)
-            if sizes is not None and written:
-                sizes.update(written)
-            if d.is_main:   # every rank's shards are written (the barrier ending save_checkpoint)
-                write_shared(tmp)
-                # last, over every rank's files
-                ckpt.write_manifest(tmp, exclude=disk_folders(d.world) if snapshot else ())
-                commit_dir(tmp, final)
-        except BaseException:
-            if d.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        d.barrier()
-        return final
+        return saving.write_state(self._engine, self.dist, final, write_shared, snapshot=snapshot)
 
     def _load_checkpoint(self, path: Path, stream: BatchStream, quiet: bool = False) -> None:
-        import warnings
-
-        from transformers.trainer_callback import TrainerState
-
         self.wait_snapshot()   # (a snapshot completing in the background reads the engine's files)
-        ckpt.verify(path)  # before reading anything from it
-        ckpt.check_model(path, self._engine)
-        meta = ckpt.read_json(path / ckpt.STATE_FILE)
         mine = {"batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                 "micro_batches_per_step": self.args.gradient_accumulation_steps * self.dist.world,
                 "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
                 "total_steps": self.total_steps, "seed": self.args.seed}
-        if "micro_batches_per_step" in meta:
-            # a run may resume on another number of ranks: what must match is the global step
-            mine.pop("gradient_accumulation_steps")
-        else:
-            mine.pop("micro_batches_per_step")
-        changed = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
-        if changed and not quiet:   # (a branch changes settings on purpose)
-            warnings.warn(f"resuming from {path} with settings that differ from the run that wrote it "
-                          f"{changed}: the continuation will not match an uninterrupted run", stacklevel=3)
-        self._engine.load_checkpoint(str(path))
-        self.schedule.load_state_dict(ckpt.read_scheduler_state(path))
-        self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
-        data = dict(meta["data"])
-        if self.args.ignore_data_skip:
-            data["consumed"] = 0
-        stream.load_state_dict(data)
-        self._tokens_seen = int(meta.get("tokens_seen", 0))
-        self._log_accum = tuple(meta.get("log_accum", (0.0, 0)))
-        self.run_id = meta.get("run_id")  # a resumed run goes on as the same run
-        self.parent_run_id, self.forked_at_step = meta.get("parent_run_id"), meta.get("forked_at_step")
-        ckpt.set_rng_state(ckpt.read_rng_state(path))
-        self._engine.zero_grad()
+        r = saving.load_state(path, self._engine, self.schedule, stream, mine,
+                              ignore_data_skip=self.args.ignore_data_skip, quiet=quiet)
+        self.state, self._tokens_seen, self._log_accum = r.state, r.tokens_seen, r.log_accum
+        self.run_id, self.parent_run_id, self.forked_at_step = r.run_id, r.parent_run_id, r.forked_at_step
 
     # ------------------------------------------------------------------ callbacks, lifetime
     def add_callback(self, callback) -> None:
@@ -758,15 +623,6 @@ def _release_engine(engine) -> None:
         engine.close()
     except Exception:  # noqa: BLE001 - a finalizer cannot report; the engine says why on its next use
         pass
-
-
-def _refuse_non_finite(engine, final) -> None:
-    """A diverged run's weights never become the latest checkpoint (which a resume would pick)."""
-    for name, p in engine.named_parameters():
-        if not bool(torch.isfinite(p).all()):
-            raise FloatingPointError(f"refusing to save checkpoint {str(final)!r}: weight {name!r} holds NaN/inf (the "
-                                     "run diverged). The earlier checkpoints are kept; resume from the last one "
-                                     "with a lower learning rate")
 
 
 def _default_seq_len(engine) -> int:

@@ -1,0 +1,112 @@
+"""``megatrain-nb train``'s input: run.yaml read and checked, its files and model located.
+Bad input raises :class:`UsageError` (one line, exit status 2; see megatrain_nb/cli.py)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+EXAMPLE_CONFIG = "examples/run.yaml"
+
+
+class UsageError(ValueError):
+    """Bad input on the command line or in run.yaml: one line, exit status 2."""
+
+
+_SECTIONS = {"model", "revision", "preset", "tokenizer", "data", "training", "engine", "seed", "sft"}
+_DATA_KEYS = {"train", "eval", "seq_len", "text_column", "format"}
+_DATA_KINDS = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_files(spec, *, base: Path, what: str):
+    """A datasets.Dataset from local files, a saved dataset folder, or 'builtin' (None)."""
+    import datasets
+
+    if spec is None or spec == "builtin":
+        return None
+    if not isinstance(spec, (str, list)) or not all(isinstance(f, str) for f in ([spec] if isinstance(spec, str) else spec)):
+        raise UsageError(f"data.{what}: expected a file name, a list of them or 'builtin', got {spec!r}")
+    files = [spec] if isinstance(spec, str) else list(spec)
+    files = [str((base / f).resolve()) if not os.path.isabs(f) else f for f in files]
+    if len(files) == 1 and os.path.isdir(files[0]):
+        return datasets.load_from_disk(files[0])
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise UsageError(f"data.{what}: file(s) not found: {', '.join(missing)}")
+    kinds = {_DATA_KINDS.get(Path(f).suffix.lower()) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise UsageError(f"data.{what}: {files}: use files of one kind, .jsonl/.json/.txt/.csv/.parquet")
+    return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+
+
+def load_run_config(path) -> dict:
+    """run.yaml as a dict, its shape checked (see examples/run.yaml); bad input -> UsageError."""
+    import yaml
+
+    p = Path(path)
+    if p.is_dir():
+        inside = sorted(q.name for q in p.glob("*.y*ml") if q.is_file())
+        hint = f" (it holds {', '.join(inside)})" if inside else ""
+        raise UsageError(f"--config {path}: is a directory, not a config file; give the run.yaml itself{hint} "
+                         f"(see {EXAMPLE_CONFIG} for an example)")
+    if not p.is_file():
+        raise UsageError(f"--config {path}: no such file (see {EXAMPLE_CONFIG} for an example)")
+    try:
+        cfg = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"--config {path}: not valid YAML: {' '.join(str(e).split())}") from e
+    if not isinstance(cfg, dict):
+        raise UsageError(f"--config {path}: expected a mapping at the top level (see {EXAMPLE_CONFIG})")
+    unknown = set(cfg) - _SECTIONS
+    if unknown:
+        raise UsageError(f"--config {path}: unknown section(s) {sorted(unknown)}; use model (+ revision) or "
+                         "preset, tokenizer, data, training, engine, seed")
+    if ("model" in cfg) == ("preset" in cfg):
+        raise UsageError(f"--config {path}: give exactly one of 'model' (a local folder or a Hugging Face Hub "
+                         "id) or 'preset'")
+    for key in ("data", "training", "engine", "sft"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise UsageError(f"--config {path}: '{key}' must be a mapping, got {cfg[key]!r}")
+    bad = set(cfg.get("data") or {}) - _DATA_KEYS
+    if bad:
+        raise UsageError(f"--config {path}: unknown data field(s) {sorted(bad)}; use {', '.join(sorted(_DATA_KEYS))}")
+    for key in ("model", "preset", "tokenizer", "revision"):
+        if key in cfg and not isinstance(cfg[key], str):
+            raise UsageError(f"--config {path}: '{key}' must be a string, got {cfg[key]!r}")
+    return cfg
+
+
+def model_source(cfg: dict, base: Path) -> tuple[str, str]:
+    """(folder, how to name it) for run.yaml's ``model``: a folder relative to the config file,
+    else a Hub id fetched through huggingface_hub (config, tokenizer and safetensors only)."""
+    from megatrain_nb.hub import resolve_model
+
+    local = (base / os.path.expanduser(cfg["model"])).resolve()
+    name = str(local) if local.exists() else cfg["model"]
+    folder = resolve_model(name, revision=cfg.get("revision"))
+    if folder == name:
+        return folder, f"folder {folder}"
+    return folder, f"{cfg['model']} (Hugging Face Hub{', revision ' + cfg['revision'] if cfg.get('revision') else ''}; {folder})"
+
+
+def training_fields(ns, cfg: dict, base: Path) -> dict:
+    training = dict(cfg.get("training") or {})
+    if ns.output_dir:
+        training["output_dir"] = ns.output_dir
+    if ns.max_steps:
+        training["max_steps"] = ns.max_steps
+    training.setdefault("output_dir", "megatrain_outputs")
+    training.setdefault("disable_tqdm", True)
+    training.setdefault("report_to", "none")
+    if not os.path.isabs(training["output_dir"]):
+        training["output_dir"] = str((base / training["output_dir"]).resolve())
+    return training
+
+
+def check_max_steps(v, where: str, error=None) -> None:
+    """max_steps: >= 1, or -1 (transformers' "no step limit": num_train_epochs decides). 0 and
+    other negatives would silently fall back to epochs in transformers: refused."""
+    error = error or UsageError
+    if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
+        raise error(f"{where + ' ' if where else ''}{v!r}: give a whole number of optimizer steps >= 1, or -1 "
+                    "for no step limit (the run then lasts training.num_train_epochs epochs)")

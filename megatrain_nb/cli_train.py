@@ -1,0 +1,183 @@
+"""``megatrain-nb train --config run.yaml``: a training run (pretraining, or fine-tuning with
+``mt.SFTTrainer`` when run.yaml has an ``sft:`` section or instruction/chat data)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatrain_nb.cli_config import (
+    UsageError,
+    check_max_steps,
+    load_files,
+    load_run_config,
+    model_source,
+    training_fields,
+)
+from megatrain_nb.cli_report import print_header, print_summary, run_with_progress
+
+
+def _data_text(data: dict, train_ds, eval_ds, seq_len: int) -> str:
+    def one(spec, ds):
+        what = "built-in corpus" if spec in (None, "builtin") else ", ".join([spec] if isinstance(spec, str) else spec)
+        n = f"{len(ds):,} examples" if hasattr(ds, "__len__") else "streamed"
+        return f"{what} ({n})"
+
+    text = f"train {one(data.get('train', 'builtin'), train_ds)}"
+    if eval_ds is not None:
+        text += f", eval {one(data.get('eval', 'builtin'), eval_ds)}"
+    return text + f"; blocks of {seq_len} tokens"
+
+
+def cmd_train(ns) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatrain_nb.trainer import Trainer
+    from megatrain_nb.trainer.args import training_arguments
+    from megatrain_nb.trainer.default import load_default
+    from megatrain_nb.trainer.presets import preset_config, preset_names
+
+    cfg = load_run_config(ns.config)
+    base = Path(ns.config).resolve().parent
+    data = cfg.get("data") or {}
+    if "sft" in cfg or "format" in data:   # fine-tuning on instructions / conversations
+        return cmd_train_sft(ns, cfg, base)
+    training = dict(cfg.get("training") or {})
+    if ns.output_dir:
+        training["output_dir"] = ns.output_dir
+    if ns.max_steps is not None:
+        training["max_steps"] = ns.max_steps
+    check_max_steps(training.get("max_steps", -1), "--max-steps" if ns.max_steps is not None else
+                     "training.max_steps")
+    training.setdefault("output_dir", "megatrain_outputs")
+    training.setdefault("disable_tqdm", True)
+    training.setdefault("report_to", "none")
+    if not os.path.isabs(training["output_dir"]):
+        training["output_dir"] = str((base / training["output_dir"]).resolve())
+    try:
+        seq_len = int(data.get("seq_len", 256))
+    except (TypeError, ValueError):
+        raise UsageError(f"data.seq_len: expected a whole number, got {data.get('seq_len')!r}") from None
+    if "preset" in cfg and cfg["preset"] not in preset_names():
+        raise UsageError(f"preset: {cfg['preset']!r} is not a preset; use one of {', '.join(preset_names())}")
+    try:   # checked before any data is prepared; a misspelled field gets the closest name
+        args = training_arguments(training, where="training")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    model_text = f"preset {cfg.get('preset')}"
+    model = None
+    if "model" in cfg:
+        model, model_text = model_source(cfg, base)  # its own tokenizer, if it has one, is used
+    tokenizer = None
+    if cfg.get("tokenizer"):
+        local = (base / cfg["tokenizer"]).resolve()
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else cfg["tokenizer"])
+    train_ds = load_files(data.get("train", "builtin"), base=base, what="train")
+    from megatrain_nb.trainer.sft_data import is_conversational_dataset
+
+    if train_ds is not None and is_conversational_dataset(train_ds, data.get("text_column", "text")):
+        return cmd_train_sft(ns, cfg, base)   # instruction / chat rows: the format is detected
+    eval_ds = load_files(data.get("eval"), base=base, what="eval") if data.get("eval") else None
+    if train_ds is None:  # built-in corpus
+        tok, train_ds, builtin_eval = load_default(seq_len=seq_len)
+        tokenizer = tokenizer or tok
+        eval_ds = eval_ds if eval_ds is not None else builtin_eval
+    if model is None:
+        torch.manual_seed(int(cfg.get("seed", training.get("seed", 42))))
+        vocab = {"vocab_size": len(tokenizer)} if tokenizer is not None else {}
+        model = AutoModelForCausalLM.from_config(preset_config(cfg["preset"], max_position_embeddings=max(seq_len, 128),
+                                                               **vocab))
+    engine_options = dict(cfg.get("engine") or {})
+    if engine_options.get("offload_dir") and not os.path.isabs(os.path.expanduser(str(engine_options["offload_dir"]))):
+        engine_options["offload_dir"] = str((base / engine_options["offload_dir"]).resolve())
+    os.makedirs(args.output_dir, exist_ok=True)  # so an offload_dir inside it can be created
+    trainer = Trainer(model=model, train_dataset=train_ds, eval_dataset=eval_ds, args=args, tokenizer=tokenizer,
+                      seq_len=seq_len, text_column=data.get("text_column", "text"), **engine_options)
+    try:
+        print_header(trainer, model=model_text, data=_data_text(data, train_ds, eval_ds, seq_len))
+        summary = run_with_progress(trainer, resume=ns.resume if ns.resume is not None else None)
+        metrics = trainer.evaluate() if eval_ds is not None else None
+        model_dir = trainer.save_model()
+        print_summary(trainer, summary, model_dir=model_dir, eval_metrics=metrics)
+    finally:
+        trainer.close()
+    return 0
+
+
+def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
+    """run.yaml with an ``sft:`` section or an instruction/chat ``data.format``: mt.SFTTrainer.
+    ``data.train: builtin`` is the shipped chat set (in ``data.format``); the tokenizer defaults to
+    the model's own, else the shipped chat tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatrain_nb.trainer.presets import preset_config, preset_names
+    from megatrain_nb.trainer.sft_data import FORMATS, detect_format, require_trl
+
+    require_trl()
+    from trl import SFTConfig
+
+    from megatrain_nb import assets
+    from megatrain_nb.trainer.sft import SFTTrainer
+
+    data = cfg.get("data") or {}
+    fmt = data.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        raise UsageError(f"data.format: {fmt!r}; use one of {', '.join(FORMATS)} (or leave it out to detect it)")
+    bad = {"seq_len", "text_column"} & set(data)
+    if bad:
+        raise UsageError(f"data: {sorted(bad)} do not apply to fine-tuning; use sft.max_length and "
+                         "sft.dataset_text_field")
+    fields = {**training_fields(ns, cfg, base), **(cfg.get("sft") or {})}
+    if fields.get("chat_template_path") and not os.path.isabs(fields["chat_template_path"]):
+        fields["chat_template_path"] = str((base / fields["chat_template_path"]).resolve())
+    if "preset" in cfg and cfg["preset"] not in preset_names():
+        raise UsageError(f"preset: {cfg['preset']!r} is not a preset; use one of {', '.join(preset_names())}")
+    try:
+        args = SFTConfig(**fields)
+    except TypeError as e:
+        raise UsageError(f"training/sft: {e} (fields of trl.SFTConfig)") from None
+    builtin = data.get("train", "builtin") in (None, "builtin")
+    train_ds = (assets.chat_dataset(fmt or "messages") if builtin
+                else load_files(data["train"], base=base, what="train"))
+    eval_ds = load_files(data.get("eval"), base=base, what="eval") if data.get("eval") not in (None, "builtin") else (
+        assets.chat_dataset(fmt or "messages").select(range(200, 240)) if builtin else None)
+    if builtin:
+        train_ds = train_ds.select(range(200))
+    found = detect_format([train_ds[i] for i in range(min(len(train_ds), 1000))], args.dataset_text_field)
+    if fmt is not None and found != fmt:
+        raise UsageError(f"data.format is {fmt!r} but data.train holds {found!r} rows; fix data.format or the data")
+    model, model_text = (None, f"preset {cfg.get('preset')}")
+    if "model" in cfg:
+        model, model_text = model_source(cfg, base)
+    tokenizer = None
+    if cfg.get("tokenizer"):
+        local = (base / cfg["tokenizer"]).resolve()
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else cfg["tokenizer"])
+    elif model is None:
+        tokenizer = assets.chat_tokenizer()
+    if model is None:
+        torch.manual_seed(int(cfg.get("seed", fields.get("seed", 42))))
+        model = AutoModelForCausalLM.from_config(preset_config(
+            cfg["preset"], vocab_size=len(tokenizer), max_position_embeddings=max(args.max_length or 0, 128)))
+    engine_options = dict(cfg.get("engine") or {})
+    if engine_options.get("offload_dir") and not os.path.isabs(os.path.expanduser(str(engine_options["offload_dir"]))):
+        engine_options["offload_dir"] = str((base / engine_options["offload_dir"]).resolve())
+    os.makedirs(args.output_dir, exist_ok=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                         processing_class=tokenizer, **engine_options)
+    try:
+        where = "built-in chat set" if builtin else data["train"]
+        text = (f"{where}, format {found}, {len(trainer.train_dataset):,} rows"
+                + (f" packed into {args.max_length}-token rows" if args.packing else ""))
+        print_header(trainer, model=model_text, data=text)
+        for report in trainer.prep_reports:
+            if report.message():
+                print(f"note:   {report.message()}")
+        summary = run_with_progress(trainer, resume=ns.resume if ns.resume is not None else None)
+        metrics = trainer.evaluate() if trainer.eval_dataset is not None else None
+        model_dir = trainer.save_model()
+        print_summary(trainer, summary, model_dir=model_dir, eval_metrics=metrics)
+    finally:
+        trainer.close()
+    return 0

@@ -11,14 +11,13 @@ import shutil
 import threading
 import time
 import uuid
-import zlib
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .disk_format import (BUFFERED_SYNC_EVERY, OffloadError, as_numpy, bytes_view, drop_cache, header_bytes,
-                          layout, pread_all, pwrite_all)
+from .disk_format import (BUFFERED_SYNC_EVERY, CHECKSUM, WIDEST_CHECKSUM, OffloadError, RunningChecksum, as_numpy,
+                          bytes_view, drop_cache, header_bytes, layout, pread_all, pwrite_all)
 
 if TYPE_CHECKING:
     from .disk_store import DiskStore
@@ -47,12 +46,13 @@ class RangedRewrite:
                 raise OffloadError(f"cannot open {self.final} for {key!r}: {e.strerror or e}") from e
             meta = store.read_header(self.old_fd, key, self.final)
             self.old = {e["name"]: e for e in meta["tensors"]}
-            self.read_pos = {n: [0, 0] for n in self.old}            # name -> [bytes read, crc so far]
+            self.read_pos = {n: [0, RunningChecksum(CHECKSUM if CHECKSUM in e else "crc32")]   # name ->
+                             for n, e in self.old.items()}                              # [bytes read, checksum]
         items = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, (dtype, shape) in specs.items()]
         self.items = items
-        _, offsets, self.file_size = layout(key, items, crcs=[0xFFFFFFFF] * len(items))   # the widest header
+        _, offsets, self.file_size = layout(key, items, crcs=[WIDEST_CHECKSUM] * len(items))   # the widest header
         self.new = {n: (off, t.numel() * t.element_size()) for (n, t), off in zip(items, offsets)}
-        self.write_pos = {n: [0, 0] for n in self.new}
+        self.write_pos = {n: [0, RunningChecksum()] for n in self.new}
         self.tmp = f"{self.final}.tmp-{uuid.uuid4().hex[:8]}"
         self.fd = None
         free = shutil.disk_usage(store.path).free
@@ -82,9 +82,11 @@ class RangedRewrite:
         except OSError as err:
             raise OffloadError(f"reading {self.key!r} from {self.final} failed: {err.strerror or err}") from err
         drop_cache(self.old_fd, e["offset"] + a, n)
-        pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
+        pos[0] = a + n
+        pos[1].update(arr)
         self.read_bytes += n
-        if pos[0] == e["nbytes"] and "crc32" in e and pos[1] != e["crc32"]:
+        field = pos[1].field
+        if pos[0] == e["nbytes"] and field in e and pos[1].value() != e[field]:
             raise OffloadError(f"{self.final} (key {self.key!r}): the payload of {name!r} does not match its "
                                f"checksum (the file was corrupted on disk). The run cannot continue from this "
                                f"state: resume from the last checkpoint")
@@ -111,7 +113,8 @@ class RangedRewrite:
                     self.since_sync = 0
             except OSError as err:
                 raise self._failed(err) from err
-        pos[0], pos[1] = a + n, zlib.crc32(arr, pos[1])
+        pos[0] = a + n
+        pos[1].update(arr)
 
     def commit(self, behind: bool = False):
         """The new version replaces the old one (every tensor must be written whole). Returns
@@ -198,5 +201,5 @@ class RangedRewrite:
 def header_at(key: str, items, new: dict, write_pos: dict, file_size: int) -> bytes:
     """The header of a file whose tensors sit at ``new``'s offsets (room for the widest header)."""
     entries = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                "offset": new[n][0], "nbytes": new[n][1], "crc32": write_pos[n][1]} for n, t in items]
+                "offset": new[n][0], "nbytes": new[n][1], CHECKSUM: write_pos[n][1].value()} for n, t in items]
     return header_bytes(key, file_size, entries)

@@ -8,7 +8,7 @@ after a write of that key sees the new data; a write waits for the reads issued 
 while reads of a key, and operations on different keys, run concurrently.
 
 The file format (one ``<key>-<hash>.mtd`` file per key: a checksummed json header, then each
-tensor's bytes with its crc32) and the raw I/O helpers are :mod:`.disk_format`'s; a reader
+tensor's bytes with its checksum) and the raw I/O helpers are :mod:`.disk_format`'s; a reader
 refuses a truncated, foreign or corrupted file with ``OffloadError``. ``ranged`` rewrites a key
 range by range (:mod:`.disk_ranged`).
 
@@ -62,7 +62,7 @@ import torch
 from megatrain_nb.formatting import fmt_bytes
 
 from .disk_format import (ALIGN, SUFFIX, OffloadError, Staging, aligned_empty, as_numpy, buffered_read,
-                          buffered_write, bytes_view, crc, drop_cache, large_unaligned, layout, pread_all,
+                          buffered_write, bytes_view, drop_cache, large_unaligned, layout, payload_ok, pread_all,
                           probe_direct_io, read_header, transfer)
 from .disk_ranged import RangedRewrite
 from .diskspace import filesystem_of, filesystem_text
@@ -629,7 +629,7 @@ class DiskStore:
                     pread_all(fd, as_numpy(dest), off)
                 drop_cache(fd)
             for e in meta["tensors"]:
-                if "crc32" in e and crc(result[e["name"]]) != e["crc32"]:
+                if not payload_ok(e, result[e["name"]]):
                     raise OffloadError(f"{path} (key {key!r}): the payload of {e['name']!r} does not match its "
                                        f"checksum (the file was corrupted on disk). The run cannot continue from "
                                        f"this state: resume from the last checkpoint")

@@ -428,3 +428,25 @@ def test_a_disk_tier_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
     text = str(e.value)
     assert f"needs {free * 4} bytes" in text and "free but" in text and "mounted at " in text
     assert os.listdir(tmp_path / "a" / "b") == []   # its private folder was removed again
+
+
+def test_payload_checksums_xxh3_and_the_older_crc32_are_both_checked():
+    """The payload checksum is xxh3-64 (fast: the disk tier's CPU share); files written before it
+    carry crc32 and still verify; a range-by-range checksum equals the one-shot one."""
+    import zlib
+
+    from megatrain_nb.engine.disk_format import CHECKSUM, RunningChecksum, as_numpy, bytes_view, crc, payload_ok
+
+    t = torch.randn(1000)
+    raw = as_numpy(bytes_view(t))
+    assert payload_ok({CHECKSUM: crc(t)}, t) and not payload_ok({CHECKSUM: crc(t) ^ 1}, t)
+    assert payload_ok({"crc32": zlib.crc32(raw)}, t) and not payload_ok({"crc32": zlib.crc32(raw) ^ 1}, t)
+    assert payload_ok({}, t)
+    for field, whole in ((CHECKSUM, crc(t)), ("crc32", zlib.crc32(raw))):
+        run = RunningChecksum(field)
+        for a in range(0, 4000, 1024):
+            run.update(raw[a:a + 1024])
+        assert run.value() == whole, field
+    empty = torch.empty(0)
+    run = RunningChecksum()
+    assert payload_ok({CHECKSUM: run.value()}, empty)   # an empty tensor: the same either way

@@ -158,6 +158,8 @@ def main(argv=None):
     model = AutoModelForCausalLM.from_config(cfg)
     ids = torch.randint(0, 8192, (a.batch, a.seq))
     k = a.steps_per_rep
+    if a.dir:
+        os.makedirs(a.dir, exist_ok=True)   # a folder on the disk to measure, created if missing
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
         eng = build(model, a, d)
         disk = eng["disk-tier"]

@@ -10,20 +10,16 @@ with another learning rate and trains the fork. Screenshots go to ``test-artifac
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
 import shutil
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from test_dashboard_browser import ARTIFACTS, CHROMIUM, REPO, _free_port
+from test_dashboard_browser import ARTIFACTS, CHROMIUM
+from tests.browser import running_lab
 
 pytestmark = pytest.mark.browser
 
@@ -78,41 +74,8 @@ def lab(tmp_path_factory):
           "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
           "nbformat": 4, "nbformat_minor": 5}
     (root / "tree.ipynb").write_text(json.dumps(nb))
-    config = base / "config" / "labconfig"
-    config.mkdir(parents=True)
-    (config / "page_config.json").write_text(json.dumps(
-        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(base / "config"), "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
-           "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(base / "ws"),
-           "IPYTHONDIR": str(base / "ipython"), "MEGATRAIN_NB_RUNTIME_DIR": str(base / "mtnb"),
-           "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)}
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-           f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={root}", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-root")
-    log = base / "jupyterlab.log"
-    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"jupyter lab did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(0.5)
-        yield {"url": url, "token": token, "log": log}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its kernels (its own session)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    with running_lab(base, root) as lab_server:
+        yield lab_server
 
 
 def _browser(p):

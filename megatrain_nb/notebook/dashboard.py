@@ -150,6 +150,7 @@ class Dashboard(W.VBox):
         self._notice_n = 0
         self._due: dict[str, float] = {p.name: 0.0 for p in PANELS}
         self._sent: dict[str, Any] = {p.name: None for p in PANELS}
+        self._shown: dict[str, int] = {}  # the run log version each data panel last drew
         self.poke: Callable[[], None] = lambda: None  # set by the publisher: refresh soon
         self.pause_button.on_click(self._on_pause)
         self.stop_button.on_click(self._on_stop)
@@ -230,15 +231,20 @@ class Dashboard(W.VBox):
         now = time.monotonic() if now is None else now
         keyed = [(p, p.key(self)) for p in PANELS]
         due = [(p, key) for p, key in keyed if self._is_due(p, key, now, force)]
-        if any(p.data for p, _ in due):  # one snapshot for all: never two steps on screen
-            due = [(p, key) for p, key in keyed if (p, key) in due or (p.data and key != self._sent[p.name])]
         if not due:
             return 0
-        if view is None:
+        if any(p.data for p, _ in due):  # one snapshot for all: never two steps on screen
+            if view is None:  # the run may have moved on since the keys were read: take what any may need
+                view = self.snapshot([(p, key) for p, key in keyed if p.data or (p, key) in due])
+            due = [(p, key) for p, key in keyed if (p, key) in due
+                   or (p.data and (key != self._sent[p.name] or self._shown.get(p.name) != view.version))]
+        elif view is None:
             view = self.snapshot(due)
         for p, key in due:
             p.refresh(self, view)
             self._sent[p.name], self._due[p.name] = key, now + p.interval
+            if p.data:
+                self._shown[p.name] = view.version
         return len(due)
 
     def snapshot(self, panels=None) -> RunView:

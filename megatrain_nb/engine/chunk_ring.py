@@ -6,7 +6,10 @@ chunk ahead), the caller's ``apply`` runs AdamW on it (its own thread), and it i
 (in the encoder thread, a chunk behind). The codes come from, and go to, either a unit's codes
 in RAM (a dict of tensors: views of them) or a ranged rewrite of its file on the disk tier
 (``DiskStore.ranged``: each chunk's codes read into, and written from, the ring's own code
-buffers), so no unit-sized fp32 moments -- nor, ranged, codes -- ever exist.
+buffers), so no unit-sized fp32 moments -- nor, ranged, codes -- ever exist. An update whose
+master weights are rewritten range by range too (``WeightStore.ranged_update``) has each chunk's
+weights read with its codes (a chunk ahead) and written with them (a chunk behind), through the
+ring's own fp32 weight buffers.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class ChunkRing:
         self.chunk_numel = chunk_numel
         self._moments = None   # RING x (m, v) chunk buffers, made on the first update
         self._codes = None     # RING chunks' codes, read from a ranged rewrite
+        self._weights = None   # RING chunks' fp32 master weights, read from a ranged rewrite
 
     def code_specs(self, numel: int) -> Dict[str, tuple]:
         """name -> (dtype, shape) of the stored codes and scales of ``numel`` elements."""
@@ -62,16 +66,21 @@ class ChunkRing:
         out = RING * 8 * self.chunk_numel if self._moments is not None else 0
         if self._codes is not None:
             out += sum(t.numel() * t.element_size() for r in self._codes for d in r.values() for t in d.values())
+        if self._weights is not None:
+            out += RING * 4 * self.chunk_numel
         return out
 
-    def run(self, numel: int, stored, out, apply, decoder=None, encoder=None) -> None:
+    def run(self, numel: int, stored, out, apply, decoder=None, encoder=None, weights=None) -> None:
         """Update ``numel`` elements: ``stored`` (codes dict, a ranged rewrite, or None: zeros)
         decoded chunk by chunk (in ``decoder``, a single-thread executor, or in line), ``apply(a,
         b, m, v)`` on each (here), encoded into ``out`` (codes dict or ranged rewrite; in
-        ``encoder``). A failed encode (diverged states) raises here."""
+        ``encoder``). ``weights``: a ranged rewrite of the unit's fp32 weights (``"w"``), each
+        chunk's slice read with its codes and written with them; ``apply(a, b, m, v, p)`` then
+        gets it. A failed encode (diverged states) raises here."""
         chunks = chunk_bounds(numel, self.chunk_numel)
         ring = self._ring()
         codes = None if isinstance(stored, dict) or stored is None else self._ring_codes()
+        wbufs = None if weights is None else self._ring_weights()
 
         def decode(i):
             a, b = chunks[i]
@@ -81,12 +90,16 @@ class ChunkRing:
                     t.zero_()
                 else:
                     self.codecs[role].decode(self._slice(role, stored, a, b, codes and codes[i % RING]), t)
-            return m, v
+            if wbufs is None:
+                return m, v
+            return m, v, weights.read("w", a, wbufs[i % RING][:b - a])
 
-        def encode(i, m, v):
+        def encode(i, m, v, *p):
             a, b = chunks[i]
             for role, t in zip(ROLES, (m, v)):
                 self._put(role, out, a, b, self.codecs[role].encode(t))
+            if p:
+                weights.write("w", a, p[0])
 
         decoded = {0: run_on(decoder, decode, 0)}
         encoded: List[Future] = []
@@ -96,9 +109,9 @@ class ChunkRing:
                     if i + 1 >= RING:   # chunk i+1's ring slot is free once chunk i+1-RING is encoded
                         encoded[i + 1 - RING].result()
                     decoded[i + 1] = run_on(decoder, decode, i + 1)
-                m, v = decoded.pop(i).result()
-                apply(a, b, m, v)
-                encoded.append(run_on(encoder, encode, i, m, v))
+                got = decoded.pop(i).result()
+                apply(a, b, *got)
+                encoded.append(run_on(encoder, encode, i, *got))
         finally:   # nothing may still write into the ring (a failure: the next update reuses it)
             for f in list(decoded.values()) + encoded:
                 try:
@@ -115,6 +128,13 @@ class ChunkRing:
 
             self._moments = [(aligned_empty(self.chunk_numel), aligned_empty(self.chunk_numel)) for _ in range(RING)]
         return self._moments
+
+    def _ring_weights(self):
+        if self._weights is None:
+            from .disk_store import aligned_empty
+
+            self._weights = [aligned_empty(self.chunk_numel) for _ in range(RING)]
+        return self._weights
 
     def _ring_codes(self):
         if self._codes is None:

@@ -88,8 +88,9 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
 
     * master weights on the disk tier: the compute stream's staging buffers (``2 + depth``,
       large units 2), each ``u``, and the optimizer stream's (2, large units 1), each ``u``,
-      or with chunked updates one chunk's buffer: an update not handed its backward's buffer
-      reads and writes its weights range by range (``weight_store.DiskWeights.ranged_update``;
+      or with chunked updates ``RING`` chunks' buffers: an update not handed its backward's
+      buffer reads and writes its weights range by range, a chunk ahead and a chunk behind
+      (``weight_store.DiskWeights.ranged_update``, ``chunk_ring.ChunkRing.run``;
       layer statistics, once turned on, read such a unit whole into the optimizer stream's
       buffers, not counted here) (``parts.build_parts``);
     * final gradients: on CUDA the pinned staging buffers of the device->host copies
@@ -122,7 +123,7 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     chunk = update_chunk(compression, chunk_numel, u)
     if weights_on_disk:   # compute staging; the optimizer's, or (chunked updates) one chunk's
         out += (2 if large else 2 + depth) * u * 4
-        out += chunk * 4 if chunk else (1 if large else 2) * u * 4
+        out += RING * chunk * 4 if chunk else (1 if large else 2) * u * 4
     tied = any(x.tied_output for x in units if x.kind == "embed")
     if cuda:   # clipped: a held gradient is copied out of its staging buffer (+ the hold's writes)
         grads = staging_buffers(depth) + (HOLD_WRITES + 1 if clipped else 0)

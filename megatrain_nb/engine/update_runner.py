@@ -184,22 +184,18 @@ class UpdateRunner:
     def _step_ranged(self, unit: Unit, lr: float, grad: torch.Tensor, skip: bool, norm: Optional[float],
                      rw) -> None:
         """AdamW on one unit whose weights are read and written range by range on the disk tier
-        (``weights.ranged_update``): each chunk of the states' chunked update reads its slice of
-        the weights into one chunk buffer, runs AdamW on it and writes it to the weights' new
-        version; committed after the states. A skipped step leaves both files."""
+        (``weights.ranged_update``): the states' chunked update reads each chunk's slice of the
+        weights with its moments (a chunk ahead, in ``mtnb-decode``), AdamW runs on it here and
+        it is written to the weights' new version with the moments (a chunk behind, in
+        ``mtnb-encode``); committed after the states. A skipped step leaves both files."""
         try:
             if skip:
                 rw.abort(None)
                 self.states.update(unit, None)
             else:
                 run = self.adam.start_unit(unit, None, collect_stats=False)
-                buf = self.weights.chunk_buffer(self.states.chunk_numel)
-
-                def apply(a, b, m, v):
-                    p = rw.read("w", a, buf[:b - a])
-                    run.step(a, b, grad, m, v, lr, params=p)
-                    rw.write("w", a, p)
-                self.states.update(unit, apply)
+                self.states.update(unit, lambda a, b, m, v, p: run.step(a, b, grad, m, v, lr, params=p),
+                                   weights=rw)
                 run.finish(grad, grad_norm=norm)
                 rw.commit(behind=True)   # synced and renamed behind: the next read of it waits
         except BaseException as e:

@@ -141,7 +141,6 @@ class DiskWeights:
         self.ranged = ranged and not self.cached and hasattr(disk, "ranged")
         self._opt_args = dict(buffers=optimizer_buffers, pin=pin, counters=counters, after_updates=False)
         self._opt = None if self.ranged else self._opt_stream()
-        self._chunk: Optional[torch.Tensor] = None   # a ranged update's chunk of weights
         self._fetch.fresh_source = self._take_fresh
         self._fetch.reclaim = self._reclaim
 
@@ -225,12 +224,6 @@ class DiskWeights:
         if self._opt is None:   # ranged updates, and a caller needs the whole unit (layer statistics)
             self._opt = self._opt_stream()
         return self._opt.get(unit)
-
-    def chunk_buffer(self, numel: int) -> torch.Tensor:
-        """The buffer a ranged update's chunks of weights pass through (one: the AdamW worker's)."""
-        if self._chunk is None or self._chunk.numel() < numel:
-            self._chunk = aligned_empty(numel)
-        return self._chunk
 
     def handed(self, unit: Unit) -> bool:
         """Whether a compute buffer waits for this unit's update (its backward's read)."""
@@ -317,7 +310,6 @@ class DiskWeights:
 
     def nbytes(self) -> Dict[str, int]:
         staging = self._fetch.staging_bytes + (self._opt.staging_bytes if self._opt is not None else 0)
-        staging += self._chunk.numel() * 4 if self._chunk is not None else 0
         cached = self.disk.resident_bytes([weights_key(u) for u in self.units]) \
             if hasattr(self.disk, "resident_bytes") else 0   # in the disk tier's host cache
         return {"host": staging, "disk": sum(self.disk.nbytes_of(weights_key(u)) for u in self.units),

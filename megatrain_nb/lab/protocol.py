@@ -205,6 +205,9 @@ def read_command_file(path: Path) -> Any:
             raise CommandError(f"command file is {st.st_size} bytes, over the {MAX_COMMAND_BYTES}-byte limit; "
                                "not read")
         raw = os.read(fd, MAX_COMMAND_BYTES + 1)
+        if len(raw) > MAX_COMMAND_BYTES:   # it grew after the fstat (a writer not using a rename)
+            raise CommandError(f"command file is over the {MAX_COMMAND_BYTES}-byte limit; not read (it grew "
+                               f"past the limit while it was being opened)")
     finally:
         os.close(fd)
     return parse_command_json(raw)

@@ -327,6 +327,24 @@ def test_an_oversized_command_file_is_refused_unread(runtime_root, beacon_for):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100 << 10   # KiB: never read whole
 
 
+def test_a_command_file_that_grows_while_it_is_opened_is_refused_alike(tmp_path, monkeypatch):
+    """A writer that grows the file after the size check (no rename): one read of at most the
+    limit + 1 bytes, refused with the same words as a file refused from its size."""
+    from megatrain_nb.lab import protocol
+
+    path = tmp_path / "1-grows.json"
+    path.write_bytes(b" " * (protocol.MAX_COMMAND_BYTES + 10))
+    real = os.fstat
+
+    def small(fd):   # what the check saw before the writer grew it
+        st = real(fd)
+        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid, 2,
+                               st.st_atime, st.st_mtime, st.st_ctime))
+    monkeypatch.setattr(protocol.os, "fstat", small)
+    with pytest.raises(protocol.CommandError, match="over the 4096-byte limit; not read"):
+        protocol.read_command_file(path)
+
+
 def test_a_folder_named_like_a_command_is_moved_aside_and_reported_once(runtime_root, beacon_for, caplog):
     import logging
 

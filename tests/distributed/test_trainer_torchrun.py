@@ -27,6 +27,14 @@ def _alone(*argv):
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """The one-process run (accumulation 4) the two-rank runs end on: trained once per module."""
+    out = tmp_path_factory.mktemp("alone") / "one"
+    _alone(str(out), "4")
+    return out
+
+
 def _agree(a, b):
     assert a.keys() == b.keys()
     diff = sum(float((a[k] - b[k]).norm()) ** 2 for k in a) ** 0.5
@@ -54,10 +62,9 @@ def test_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path):
     _agree(_weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final"))
 
 
-def test_trainer_two_ranks_equal_one_process(tmp_path):
+def test_trainer_two_ranks_equal_one_process(tmp_path, alone):
     check(torchrun(HERE / "w_trainer.py", str(tmp_path / "two"), "2", nproc=2, timeout=300))
-    _alone(str(tmp_path / "one"), "4")
-    a, b = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final")
+    a, b = _weights(tmp_path / "two" / "final"), _weights(alone / "final")
     assert a.keys() == b.keys()
     diff = sum(float((a[k] - b[k]).norm()) ** 2 for k in a) ** 0.5
     norm = sum(float(b[k].norm()) ** 2 for k in a) ** 0.5
@@ -68,7 +75,7 @@ def test_trainer_two_ranks_equal_one_process(tmp_path):
     # (an embedding row seen by both ranks) into a larger step; see test_zero3_flow._max_rel
     assert worst <= 1e-4
     two_log = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    one_log = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    one_log = [json.loads(x) for x in (alone / "metrics.jsonl").read_text().splitlines()]
     steps2 = [r for r in two_log if "loss" in r and "event" not in r]
     steps1 = [r for r in one_log if "loss" in r and "event" not in r]
     assert len(steps2) == len(steps1) == 3                     # one log: rank 1 wrote nothing
@@ -80,13 +87,13 @@ def test_trainer_two_ranks_equal_one_process(tmp_path):
     # evaluation is sharded: 5 eval batches, 3 on rank 0 and 2 + a zero-weight pad on rank 1;
     # the summed loss is the one-process eval loss
     ev2 = [json.loads((tmp_path / "two" / f"eval-rank{r}.json").read_text()) for r in range(2)]
-    ev1 = json.loads((tmp_path / "one" / "eval-rank0.json").read_text())
+    ev1 = json.loads((alone / "eval-rank0.json").read_text())
     assert [e["batches"] for e in ev2] == [3, 3] and ev1["batches"] == 5
     assert ev2[0]["tokens"] == ev2[1]["tokens"] == ev1["tokens"]
     assert ev2[0]["loss"] == ev2[1]["loss"] == pytest.approx(ev1["loss"], rel=1e-6)
 
 
-def test_rank_death_restarts_and_resumes_exactly(tmp_path):
+def test_rank_death_restarts_and_resumes_exactly(tmp_path, alone):
     """torchrun --max-restarts 1: rank 1 dies after checkpoint-2; the agent stops rank 0 and starts
     both again; with resume_from_checkpoint="auto" they resume from checkpoint-2 by themselves and
     end where an uninterrupted run ends (item 3's rule)."""
@@ -102,11 +109,10 @@ def test_rank_death_restarts_and_resumes_exactly(tmp_path):
     assert [s["step"] for s in starts] == [0, 2] and starts[1]["resumed_from"].endswith("checkpoint-2")
     assert starts[0]["run_id"] == starts[1]["run_id"]          # the same run, continued
     assert [r["step"] for r in log if "loss" in r and "event" not in r] == [1, 2, 3]
-    _alone(str(tmp_path / "one"), "4")
-    _agree(_weights(out / "final"), _weights(tmp_path / "one" / "final"))
+    _agree(_weights(out / "final"), _weights(alone / "final"))
 
 
-def test_rank_death_then_rerun_with_resume_true(tmp_path):
+def test_rank_death_then_rerun_with_resume_true(tmp_path, alone):
     """Without restarts the run fails (rank 1 named); re-running the job with
     resume_from_checkpoint=True continues from the last complete checkpoint, exactly."""
     out = tmp_path / "two"
@@ -115,5 +121,4 @@ def test_rank_death_then_rerun_with_resume_true(tmp_path):
     assert failed.returncode != 0 and "exitcode  : 9" in failed.stderr
     assert (out / "checkpoint-2").is_dir() and not (out / "final").exists()
     check(torchrun(HERE / "w_trainer.py", str(out), "2", "resume:latest", nproc=2, timeout=300))
-    _alone(str(tmp_path / "one"), "4")
-    _agree(_weights(out / "final"), _weights(tmp_path / "one" / "final"))
+    _agree(_weights(out / "final"), _weights(alone / "final"))

@@ -56,5 +56,5 @@ else
     exit 1
   }
 fi
-say "running the test suite: python -m pytest -q $*"
-python -m pytest -q "$@"
+say "running the test suite: python -m pytest -q --durations=25 $*"
+python -m pytest -q --durations=25 "$@"

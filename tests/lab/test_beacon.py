@@ -26,6 +26,14 @@ from .conftest import wait_for
 from .fakes import FakeSession, MinimalSession
 
 
+def _drop(path, text: str) -> None:
+    """A command file put in the inbox as its writers do (atomic_write_json): written under a
+    temporary name and renamed, so the beacon's poll never reads it half written."""
+    tmp = path.with_name(path.name + ".tmp-test")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def mode(path):
     return stat.S_IMODE(os.stat(path).st_mode)
 
@@ -168,9 +176,9 @@ def test_invalid_commands_are_refused(runtime_root, beacon_for):
 def test_a_bad_command_file_is_reported_not_fatal(runtime_root, beacon_for):
     s = FakeSession()
     b = beacon_for(s)
-    (b.inbox / "1-bad.json").write_text('{"command": "lr", "value": "fast"}')
-    (b.inbox / "2-junk.json").write_text("not json")
-    (b.inbox / "3-ok.json").write_text('{"command": "pause", "value": null}')
+    _drop(b.inbox / "1-bad.json", '{"command": "lr", "value": "fast"}')
+    _drop(b.inbox / "2-junk.json", "not json")
+    _drop(b.inbox / "3-ok.json", '{"command": "pause", "value": null}')
     wait_for(lambda: s.state == "paused")
     assert [e["kind"] for e in s.events] == ["pause"]
     hb, _ = wait_for(lambda: (get_session(s.id).get("last_command") or {}).get("id") == "3-ok"
@@ -317,9 +325,13 @@ def test_an_oversized_command_file_is_refused_unread(runtime_root, beacon_for):
     b = beacon_for(s, poll=0.05)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     big = b.inbox / "1-big.json"
-    with open(big, "wb") as f:   # a sparse 300 MB file: cheap to make, expensive to read
+    # a sparse 300 MB file: cheap to make, expensive to read; put in place by a rename, as every
+    # writer of the inbox does (atomic_write_json) -- the beacon never sees it half made
+    tmp = b.inbox / "1-big.json.tmp-test"
+    with open(tmp, "wb") as f:
         f.truncate(300 << 20)
-    (b.inbox / "2-ok.json").write_text('{"command": "pause", "value": null}')
+    os.replace(tmp, big)
+    _drop(b.inbox / "2-ok.json", '{"command": "pause", "value": null}')
     wait_for(lambda: s.state == "paused")
     refused, _ = wait_for(lambda: _refused(s))
     assert refused[0]["id"] == "1-big" and "over the 4096-byte limit; not read" in refused[0]["error"]
@@ -370,7 +382,7 @@ def test_a_folder_named_like_a_command_is_moved_aside_and_reported_once(runtime_
 def test_bad_or_deeply_nested_json_is_refused_and_recorded(runtime_root, beacon_for, text):
     s = FakeSession()
     b = beacon_for(s, poll=0.05)
-    (b.inbox / "1-deep.json").write_text(text[:4000] if len(text) > 4000 and text[0] == "{" else text)
+    _drop(b.inbox / "1-deep.json", text[:4000] if len(text) > 4000 and text[0] == "{" else text)
     refused, _ = wait_for(lambda: _refused(s))
     assert refused[0]["id"] == "1-deep" and "CommandError" in refused[0]["error"]
     assert get_session(s.id)["last_command"]["ok"] is False

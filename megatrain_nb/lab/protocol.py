@@ -151,13 +151,20 @@ MAX_COMMAND_BYTES = 4096
 MAX_COMMAND_DEPTH = 4
 
 
+def too_big(nbytes: int | None) -> CommandError:
+    """The refusal of a command over :data:`MAX_COMMAND_BYTES` (its size, when known)."""
+    size = f" ({nbytes} bytes)" if nbytes is not None else ""
+    return CommandError(f"a command is at most {MAX_COMMAND_BYTES} bytes: this one{size} is over the "
+                        f"{MAX_COMMAND_BYTES}-byte limit; not read")
+
+
 def parse_command_json(raw: bytes | str) -> Any:
     """A command's JSON (a request body or an inbox file), or :class:`CommandError` saying why
     not: over :data:`MAX_COMMAND_BYTES`, not valid JSON, or nested deeper than a command is
     (the check runs before the parser could recurse: a deeply nested body is an answer, not a
     crash)."""
     if len(raw) > MAX_COMMAND_BYTES:
-        raise CommandError(f"a command is at most {MAX_COMMAND_BYTES} bytes; this one is {len(raw)}")
+        raise too_big(None)
     text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
     depth = deepest = 0
     in_string = escaped = False
@@ -202,12 +209,8 @@ def read_command_file(path: Path) -> Any:
         if st.st_uid != os.getuid():
             raise CommandError(f"command file is owned by uid {st.st_uid}, not by this user")
         if st.st_size > MAX_COMMAND_BYTES:
-            raise CommandError(f"command file is {st.st_size} bytes, over the {MAX_COMMAND_BYTES}-byte limit; "
-                               "not read")
-        raw = os.read(fd, MAX_COMMAND_BYTES + 1)
-        if len(raw) > MAX_COMMAND_BYTES:   # it grew after the fstat (a writer not using a rename)
-            raise CommandError(f"command file is over the {MAX_COMMAND_BYTES}-byte limit; not read (it grew "
-                               f"past the limit while it was being opened)")
+            raise too_big(st.st_size)
+        raw = os.read(fd, MAX_COMMAND_BYTES + 1)   # one past the limit: the parser refuses a file that grew
     finally:
         os.close(fd)
     return parse_command_json(raw)

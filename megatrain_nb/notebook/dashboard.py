@@ -150,7 +150,7 @@ class Dashboard(W.VBox):
         self._notice_n = 0
         self._due: dict[str, float] = {p.name: 0.0 for p in PANELS}
         self._sent: dict[str, Any] = {p.name: None for p in PANELS}
-        self._shown: dict[str, int] = {}  # the run log version each data panel last drew
+        self._shown_version: int | None = None  # the run log version the data panels show
         self.poke: Callable[[], None] = lambda: None  # set by the publisher: refresh soon
         self.pause_button.on_click(self._on_pause)
         self.stop_button.on_click(self._on_stop)
@@ -237,14 +237,14 @@ class Dashboard(W.VBox):
             if view is None:  # the run may have moved on since the keys were read: take what any may need
                 view = self.snapshot([(p, key) for p, key in keyed if p.data or (p, key) in due])
             due = [(p, key) for p, key in keyed if (p, key) in due
-                   or (p.data and (key != self._sent[p.name] or self._shown.get(p.name) != view.version))]
+                   or (p.data and (key != self._sent[p.name] or self._shown_version != view.version))]
         elif view is None:
             view = self.snapshot(due)
         for p, key in due:
             p.refresh(self, view)
             self._sent[p.name], self._due[p.name] = key, now + p.interval
-            if p.data:
-                self._shown[p.name] = view.version
+        if any(p.data for p, _ in due):
+            self._shown_version = view.version   # every data panel shows it now
         return len(due)
 
     def snapshot(self, panels=None) -> RunView:

@@ -33,6 +33,10 @@ class EngineOverrides:
     inflight_depth: int = 1
     """Units in flight through host RAM per pipeline stage (updates queued, gradients
     returning). (depth 2 measured no faster on 2 cores and left more optimizer time exposed.)"""
+    held_weight_units: Optional[int] = None
+    """Master weights on the disk tier, no host cache of it, a clipped step: units whose
+    backward read is held for their update (which waits for the norm) beyond the compute
+    stream's own buffers; None = as many as the host budget leaves room for."""
 
     def __post_init__(self):
         if self.device_slots is not None and (not isinstance(self.device_slots, int) or self.device_slots < 2):
@@ -41,6 +45,9 @@ class EngineOverrides:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1.")
+        v = self.held_weight_units
+        if v is not None and (not isinstance(v, int) or v < 0):
+            raise ValueError(f"held_weight_units={v!r} must be None or an integer >= 0.")
 
     @classmethod
     def of(cls, value) -> "EngineOverrides":

@@ -88,19 +88,16 @@ class DiskReadStream:
         self.after_updates = after_updates
         self.urgent = urgent  # compute waits on these reads: they go ahead of queued disk work
         self.counters = counters
-        max_numel = max(u.numel for u in units)
-        self._free: List[torch.Tensor] = []
-        for _ in range(max(1, buffers)):
-            # Page-aligned (pinned memory is too), so direct I/O needs no bounce copy.
-            self._free.append(torch.empty(max_numel, dtype=torch.float32).pin_memory() if pin
-                              else aligned_empty(max_numel))
+        self._numel = max(u.numel for u in units)
+        self._pin = pin
+        self._free: List[torch.Tensor] = [self._new_buffer() for _ in range(max(1, buffers))]
         self._by_ptr = {t.data_ptr(): t for t in self._free}  # a view handed out -> its buffer
         # Fresh copies: a just-updated unit's weights, still in the optimizer's buffer, served
         # without a disk read. ``fresh_source(unit)`` -> (buffer, release callback) or None.
         self.fresh_source = None
         self.reclaim = None                    # reclaim(stream): drop fresh copies holding its buffers
         self._foreign: Dict[int, object] = {}  # data_ptr of a fresh buffer -> its release callback
-        self.staging_bytes = len(self._free) * max_numel * 4
+        self.staging_bytes = len(self._free) * self._numel * 4
         self._cv = threading.Condition()
         self._order: List[Unit] = []
         self._issued = 0
@@ -108,6 +105,21 @@ class DiskReadStream:
         self._keep_at: set = set()        # positions in the order whose buffer is kept (handed off)
         self._kept: Dict[int, bool] = {}  # data_ptr of a buffer returned by get() -> kept?
         dirty.listeners.append(self._top_up)
+
+    def _new_buffer(self) -> torch.Tensor:
+        # Page-aligned (pinned memory is too), so direct I/O needs no bounce copy.
+        return torch.empty(self._numel, dtype=torch.float32).pin_memory() if self._pin else aligned_empty(self._numel)
+
+    def grow(self, n: int) -> None:
+        """At least ``n`` staging buffers from now on (more units' reads may be kept)."""
+        with self._cv:
+            while len(self._by_ptr) < n:
+                t = self._new_buffer()
+                self._by_ptr[t.data_ptr()] = t
+                self._free.append(t)
+                self.staging_bytes += self._numel * 4
+            self._cv.notify_all()
+        self._top_up()
 
     def schedule(self, order: Sequence[Unit], *, append: bool = False, keep: Sequence[int] = ()) -> None:
         """The order in which :meth:`get` will be called; reads start ahead of need.

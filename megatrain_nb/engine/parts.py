@@ -81,7 +81,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
                            max(u.numel for u in state_units)) > 0   # (as OptimizerStates decides)
     weights = make_weight_store(state_units, store, disk=disk if params_on_disk else None, pin=pin, counters=counters,
                                 compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1,
-                                ranged=chunked)
+                                ranged=chunked, held_units=held_weight_units(state_units, config, plan, disk))
     states = OptimizerStates(state_units, config, counters, disk=disk, chunk_numel=config.overrides.update_chunk_numel)
     alloc, put = store.alloc, weights.put_initial
     if sharded is not None:   # each rank keeps its slice of every unit as it is built
@@ -140,6 +140,23 @@ def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, co
     need += sum(u.numel for u in units) * 4 if params_on_disk else 0
     budget = cache_budget(config.host_cache_gb, config.max_host_gb, plan.host["total"], need)
     return HostCache(store, budget, counters=counters)
+
+
+def held_weight_units(units, config: EngineConfig, plan: Plan, disk) -> int:
+    """Master weights on the disk tier with no host cache of it: how many more units' backward
+    reads a clipped step may hold for their updates (``weight_store.DiskWeights``): the
+    override, else as many of the units as the room the host budget leaves would hold (the
+    room a cache would have had: ``max_host_gb`` less the plan's host needs, else the available
+    RAM less the safety margin, ``disk_cache.cache_budget``)."""
+    if disk is None or getattr(disk, "capacity", 0) > 0 or plan.placement["master_weights"] != "disk":
+        return 0
+    if config.overrides.held_weight_units is not None:
+        return min(config.overrides.held_weight_units, len(units))
+    from .disk_cache import cache_budget
+
+    unit_bytes = max(u.numel for u in units) * 4
+    room = cache_budget(None, config.max_host_gb, plan.host["total"], len(units) * unit_bytes)
+    return min(len(units), room // max(unit_bytes, 1))
 
 
 def _move_buffers(model: nn.Module, layer_units: List[Unit], device: torch.device) -> None:

@@ -13,6 +13,14 @@ And the last units a step updates, which the next step's forward needs first (th
 above all), stay in their buffer as a *fresh copy* that the next forward reads instead of
 waiting for the write and reading it back.
 
+A clipped step's updates wait for the whole backward, so a backward read can be handed to its
+update only if its buffer is held that long: beyond the compute stream's own buffers (all but
+one of which it may hand over), up to ``held_units`` more are made on the first clipped step
+(one per unit read twice, the embedding and head are read once) -- as many units as the host
+budget leaves room for when the disk tier has no host cache (``parts.held_weight_units``). Each update then starts without a read, its buffer is kept as
+the fresh copy the next forward reads, and the step moves the bytes an unclipped one does
+(the backward's weight reads, the states), not a second read of every weight.
+
 With ``ranged`` (updates in chunks, no host cache of the disk tier) the optimizer stream has no
 staging buffers: an update that is not handed a compute buffer reads and writes the unit's
 weights range by range (:meth:`DiskWeights.ranged_update`, ``DiskStore.ranged``), a chunk at a
@@ -61,13 +69,14 @@ class WeightStore(Protocol):
 
 
 def make_weight_store(units: List[Unit], host: HostStore, *, disk=None, pin: bool, counters,
-                      compute_buffers: int = 3, optimizer_buffers: int = 1, ranged: bool = False) -> WeightStore:
+                      compute_buffers: int = 3, optimizer_buffers: int = 1, ranged: bool = False,
+                      held_units: int = 0) -> WeightStore:
     """Weights in RAM, or on ``disk`` (a DiskStore) when given (``ranged``: updates in chunks
-    may read and write them range by range, see :class:`DiskWeights`)."""
+    may read and write them range by range; ``held_units``: see :class:`DiskWeights`)."""
     if disk is None:
         return RamWeights(units, host)
     return DiskWeights(units, disk, pin=pin, counters=counters, compute_buffers=compute_buffers,
-                       optimizer_buffers=optimizer_buffers, ranged=ranged)
+                       optimizer_buffers=optimizer_buffers, ranged=ranged, held_units=held_units)
 
 
 class RamWeights:
@@ -121,7 +130,7 @@ class DiskWeights:
     """Weights on the disk tier (see the module docstring)."""
 
     def __init__(self, units: List[Unit], disk, *, pin: bool, counters, compute_buffers: int = 3,
-                 optimizer_buffers: int = 1, ranged: bool = False):
+                 optimizer_buffers: int = 1, ranged: bool = False, held_units: int = 0):
         self.units = units
         self.disk = disk
         self.counters = counters
@@ -137,6 +146,9 @@ class DiskWeights:
         #: A host cache of the disk tier decides what stays in RAM (disk_cache.HostCache): the
         #: fresh copies, whose survival depends on timing, are then not kept.
         self.cached = getattr(disk, "capacity", 0) > 0
+        #: A clipped step holds this many more backward reads for their updates (module docstring).
+        self.held_units = 0 if self.cached else held_units
+        self._compute_buffers = max(1, compute_buffers)
         #: Updates not handed a compute buffer read and write range by range (no optimizer stream).
         self.ranged = ranged and not self.cached and hasattr(disk, "ranged")
         self._opt_args = dict(buffers=optimizer_buffers, pin=pin, counters=counters, after_updates=False)
@@ -171,10 +183,13 @@ class DiskWeights:
                 fresh = {u.index for u in optimizer_order}
                 if not self.cached:
                     # The first updates want the units the backward read last: those buffers are
-                    # handed over (all the compute stream's but one, which the backward's reads
-                    # and the next forward's go on using), so the updates start without a read
-                    # while the optimizer stream reads ahead for the ones after them.
-                    handed = handed_after_backward(compute_order, optimizer_order, self._fetch.buffers - 1)
+                    # handed over (all the compute stream's own but one, which the backward's
+                    # reads and the next forward's go on using, and the held ones), so the
+                    # updates start without a read while the optimizer stream reads ahead for
+                    # the ones after them.
+                    own = self._compute_buffers - 1
+                    handed = handed_after_backward(compute_order, optimizer_order, own + self.held_units)
+                    self._fetch.grow(self._compute_buffers + max(0, len(handed) - own))
                     keep = [last[idx] for idx in handed]
             else:
                 # A unit loaded twice (forward, then backward) hands its backward read to its update.

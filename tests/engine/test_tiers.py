@@ -368,14 +368,12 @@ def test_clipped_overlapped_steps_match_torch(tmp_path, where, max_norm):
     e.close()
 
 
-def test_clipped_updates_read_only_the_weights_the_backward_did_not_hand_them(tmp_path):
-    # Without a host cache, clipped updates run after the backward in the next forward's order:
-    # the first ones want the units the backward read last, whose buffers (all the compute
-    # stream's but one: 2 + depth - 1 = 2) are handed to them; the optimizer's own read stream
-    # (the store's non-urgent reads) reads the weights of every other updated unit, once.
+def _clipped_optimizer_reads(tmp_path, held, steps=3):
+    """The optimizer stream's weight reads (the store's non-urgent ones) over ``steps`` clipped
+    steps without a host cache, ``held`` more backward reads held (None: the budget's)."""
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=4))
     e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True,
-                                            host_cache_gb=0))
+                                            host_cache_gb=0, overrides={"held_weight_units": held}))
     reads = []
     read = e.disk.read
 
@@ -386,18 +384,43 @@ def test_clipped_updates_read_only_the_weights_the_backward_did_not_hand_them(tm
     e.forward_backward(ids, step_lr=1e-3, max_grad_norm=1.0)
     e.zero_grad()
     e.disk.read = counted
-    steps = 3
     for _ in range(steps):
         e.forward_backward(ids, step_lr=1e-3, max_grad_norm=1.0)
     e.zero_grad()   # the last step's updates done
     from megatrain_nb.engine.disk_params import weights_key
 
     keys = {weights_key(u): u.name for u in e.units}
-    optimizer_reads = [keys[k] for k, urgent in reads if k in keys and not urgent]
+    return e, [keys[k] for k, urgent in reads if k in keys and not urgent]
+
+
+def test_clipped_updates_read_only_the_weights_the_backward_did_not_hand_them(tmp_path):
+    # Without a host cache, clipped updates run after the backward in the next forward's order:
+    # the first ones want the units the backward read last, whose buffers (all the compute
+    # stream's but one: 2 + depth - 1 = 2) are handed to them; the optimizer's own read stream
+    # (the store's non-urgent reads) reads the weights of every other updated unit, once.
+    steps = 3
+    e, optimizer_reads = _clipped_optimizer_reads(tmp_path, held=0, steps=steps)
     handed = {u.name for u in e.layer_units[:2]}   # layers 0 and 1: the backward's last two
     assert sorted(set(optimizer_reads)) == sorted(u.name for u in e.units if u.name not in handed)
     assert len(optimizer_reads) == steps * (len(e.units) - 2), optimizer_reads
     assert e.telemetry()["weight_reads_saved"] >= 2 * steps
+    e.close()
+
+
+def test_clipped_updates_take_every_held_backward_read(tmp_path):
+    # With room in the host budget (the default here: tiny units, no cache), every layer's
+    # backward read is held for its update: only the units read once (the embedding at the
+    # forward's start, the head) are read again for their updates; the compute stream's
+    # staging grew by the held reads only: its own 3 buffers (2 handed) + 2 for 4 layers.
+    steps = 3
+    e, optimizer_reads = _clipped_optimizer_reads(tmp_path, held=None, steps=steps)
+    assert sorted(optimizer_reads) == sorted(["embed", "head"] * steps), optimizer_reads
+    unit_bytes = max(u.numel for u in e.units) * 4
+    assert e.weights._fetch.staging_bytes == (3 + 2) * unit_bytes
+    e.close()
+    e, optimizer_reads = _clipped_optimizer_reads(tmp_path / "two", held=2, steps=steps)
+    handed = {u.name for u in e.layer_units}   # 2 + 2 held: all four layers
+    assert sorted(set(optimizer_reads)) == sorted(u.name for u in e.units if u.name not in handed)
     e.close()
 
 

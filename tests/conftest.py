@@ -72,6 +72,13 @@ SLOW_TESTS = {
     "tests/trainer/test_checkpoint.py::test_resume_in_a_new_process_lands_on_the_uninterrupted_weights",
     "tests/trainer/test_checkpoint.py::test_killed_while_writing_leaves_the_previous_checkpoint_and_ignores_the_partial",
     "tests/trainer/test_save_protocol.py::test_kill_at_every_step_of_a_save_keeps_a_complete_checkpoint",
+    # soaks and waits by the clock (hundreds of steps, reads made to take seconds, repeated
+    # failures), and a fresh interpreter's imports
+    "tests/notebook/test_dashboard.py::test_message_rate_is_bounded_during_hundreds_of_fast_steps",
+    "tests/notebook/test_dashboard.py::test_html_fallback_is_rate_limited_and_ends_with_a_static_snapshot",
+    "tests/engine/test_disk_store.py::test_a_read_that_takes_seconds_still_returns_the_right_data",
+    "tests/trainer/test_release.py::test_five_failing_trainers_leave_the_thread_count_flat",
+    "tests/trainer/test_sft.py::test_engine_does_not_import_trl",
 }
 
 

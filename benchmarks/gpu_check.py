@@ -25,6 +25,7 @@ import argparse
 import copy
 import os
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -142,7 +143,7 @@ def accumulation(a, A: int = 8):
 
 
 SANITIZER_TIMEOUT_S = 150   # (the whole script stays under 8 minutes)
-SANITIZER_STEPS = 7   # what sanitizer_child runs: 3 single batches, 3 windows, 1 evaluation
+SANITIZER_STEPS = 10   # what sanitizer_child runs: 3 single batches, 3 windows, 1 evaluation, 3 disk-tier steps
 
 
 def _sanitize_worker_threads() -> None:
@@ -192,6 +193,17 @@ def sanitizer_child(device: str = "cuda") -> int:
         if device == "cuda":
             torch.cuda.synchronize()
         done += 1
+        # master weights on the disk tier, no host cache: the pinned staging buffers, a clipped
+        # step's held backward reads (the compute stream grown) and fresh copies, then unclipped
+        with tempfile.TemporaryDirectory() as d:
+            disk = StreamingEngine(copy.deepcopy(model), EngineConfig(device=device, precision="bf16", offload_dir=d,
+                                                                      offload_params=True, host_cache_gb=0))
+            for clip in (1.0, 1.0, None):
+                disk.forward_backward(ids, step_lr=1e-4, max_grad_norm=clip)
+                done += 1
+            if device == "cuda":
+                torch.cuda.synchronize()
+            disk.close()
         for e in (engine, host):
             e.close()
     except Exception as e:  # noqa: BLE001 - reported to the parent

@@ -16,10 +16,10 @@ waiting for the write and reading it back.
 A clipped step's updates wait for the whole backward, so a backward read can be handed to its
 update only if its buffer is held that long: beyond the compute stream's own buffers (all but
 one of which it may hand over), up to ``held_units`` more are made on the first clipped step
-(one per unit read twice, the embedding and head are read once) -- as many units as the host
-budget leaves room for when the disk tier has no host cache (``parts.held_weight_units``). Each update then starts without a read, its buffer is kept as
-the fresh copy the next forward reads, and the step moves the bytes an unclipped one does
-(the backward's weight reads, the states), not a second read of every weight.
+(one per unit read twice; the embedding and head are read once) -- as many units as the host
+budget leaves room for when the disk tier has no host cache (``parts.held_weight_units``).
+Each update then starts without a read and its buffer is kept as the fresh copy the next
+forward reads: the step reads each weight once, not a second time for its update.
 
 With ``ranged`` (updates in chunks, no host cache of the disk tier) the optimizer stream has no
 staging buffers: an update that is not handed a compute buffer reads and writes the unit's

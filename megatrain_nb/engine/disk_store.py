@@ -90,16 +90,31 @@ class _PriorityPool:
         for t in self._threads:
             t.start()
 
-    def submit(self, fn, priority: int = 1) -> None:
+    def submit(self, fn, priority: int = 1) -> list:
+        """Queue ``fn``; returns its job, which :meth:`hurry` may make urgent while it waits."""
+        job = [fn]   # [fn] while queued, [] once a worker took it (it runs once)
         with self._cv:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new I/O after shutdown")
-            heapq.heappush(self._heap, (priority, self._seq, fn))
-            self._seq += 1
-            self._cv.notify_all()  # the urgent-only worker must hear of urgent jobs
+            self._push(priority, job)
+        return job
+
+    def hurry(self, job: list) -> None:
+        """A queued job becomes urgent (someone urgent waits for it): queued again at priority
+        0; whichever entry a worker takes first runs it."""
+        with self._cv:
+            if job and not self._shutdown:
+                self._push(0, job)
+
+    def _push(self, priority: int, job: list) -> None:
+        heapq.heappush(self._heap, (priority, self._seq, job))
+        self._seq += 1
+        self._cv.notify_all()  # the urgent-only worker must hear of urgent jobs
 
     def _work(self, urgent_only: bool = False) -> None:
         def ready():
+            while self._heap and not self._heap[0][2]:
+                heapq.heappop(self._heap)   # an entry of a job already taken (hurried)
             return self._heap and (not urgent_only or self._heap[0][0] == 0)
 
         while True:
@@ -108,7 +123,7 @@ class _PriorityPool:
                     self._cv.wait(1.0)
                 if not ready():
                     return
-                _, _, fn = heapq.heappop(self._heap)
+                fn = heapq.heappop(self._heap)[2].pop()
             fn()
             del fn  # drop the job (and the tensors it holds) before waiting for the next one
 
@@ -239,7 +254,7 @@ class DiskStore:
         self._errors: list[BaseException] = []  # failed writes not yet reported by flush()
         self._sizes: dict[str, int] = {}        # committed file size per key
         self._stats = dict(bytes_read=0, bytes_written=0, read_seconds=0.0, write_seconds=0.0,
-                           reads=0, writes=0)
+                           reads=0, writes=0, writes_hurried=0)
         self._closed = False
         self._finalizer = weakref.finalize(self, _remove_folder, folder) if not keep else None
 
@@ -283,9 +298,10 @@ class DiskStore:
         self._checked_key(key)
         outer: Future = Future()
         with self._lock:
-            ops = self._ops.setdefault(key, {"write": None, "reads": set()})
+            ops = self._key_ops(key)
             deps = ([ops["write"]] if ops["write"] is not None else []) + list(ops["reads"])
-            ops["write"], ops["reads"] = outer, set()
+            # (it runs in the caller's threads: nothing in the pool to hurry)
+            ops["write"], ops["reads"], ops["order"] = outer, set(), None
             self._pending.add(outer)
         futures_wait(deps)   # (their errors are their callers')
         try:
@@ -374,7 +390,8 @@ class DiskStore:
 
     def stats(self) -> dict:
         """``bytes_read``, ``bytes_written``, ``read_seconds``, ``write_seconds`` (time spent in
-        the workers), ``reads``, ``writes``, plus ``direct_io`` and ``path``."""
+        the workers), ``reads``, ``writes``, ``writes_hurried`` (writes an urgent read waited
+        for, made urgent), plus ``direct_io`` and ``path``."""
         with self._lock:
             return dict(self._stats, direct_io=self.direct_io, path=self.path)
 
@@ -444,17 +461,25 @@ class DiskStore:
     def _submit(self, key: str, is_write: bool, fn, *args, urgent: bool = False) -> Future:
         """Run ``fn(*args)`` in a worker once the operations on ``key`` it must follow are done:
         a read follows the last write of the key; a write follows that write and every read
-        issued since (reads of a key do not wait for each other)."""
+        issued since (reads of a key do not wait for each other). An urgent read of a key whose
+        write is still queued makes that write urgent too (:meth:`_hurry`): compute waits on
+        the read, so the write must not wait behind the general queue."""
         outer: Future = Future()
+        order = {"urgent": urgent, "job": None}   # its priority; its pool job once queued
+        hurry = None
         with self._lock:
-            ops = self._ops.setdefault(key, {"write": None, "reads": set()})
+            ops = self._key_ops(key)
             deps = [ops["write"]] if ops["write"] is not None else []
             if is_write:
                 deps += list(ops["reads"])
-                ops["write"], ops["reads"] = outer, set()
+                ops["write"], ops["reads"], ops["order"] = outer, set(), order
             else:
                 ops["reads"].add(outer)
+                if urgent and ops["write"] is not None and ops["order"] is not None:
+                    hurry = ops["order"]
             self._pending.add(outer)
+        if hurry is not None:
+            self._hurry(hurry)
 
         def finish() -> None:
             self.op_done(key, outer)
@@ -477,7 +502,8 @@ class DiskStore:
 
         def start(_=None) -> None:
             try:
-                self._pool.submit(run, 0 if urgent else 1)
+                with self._lock:
+                    order["job"] = self._pool.submit(run, 0 if order["urgent"] else 1)
             except RuntimeError as e:           # pool already shut down
                 finish()
                 outer.set_exception(OffloadError(f"DiskStore at {self.path} is closed: {e}"))
@@ -497,6 +523,23 @@ class DiskStore:
             for d in deps:
                 d.add_done_callback(dep_done)
         return outer
+
+    def _key_ops(self, key: str) -> dict:
+        """(Under the lock.) The pending operations on ``key``: its last write, the reads
+        issued since, and that write's ``order`` (priority and pool job; None: not pooled)."""
+        return self._ops.setdefault(key, {"write": None, "reads": set(), "order": None})
+
+    def _hurry(self, order: dict) -> None:
+        """A pending write an urgent read waits for: urgent from now on (queued again at
+        priority 0 if already queued; queued urgent when its own dependencies are done)."""
+        with self._lock:
+            if order["urgent"]:
+                return
+            order["urgent"] = True
+            job = order["job"]
+            self._stats["writes_hurried"] += 1
+        if job is not None:
+            self._pool.hurry(job)
 
     def op_done(self, key: str, outer: Future) -> None:
         """An operation on ``key`` is over: operations ordered after it may start."""

@@ -316,6 +316,27 @@ def test_urgent_reads_go_ahead_of_queued_work(tmp_path):
     store.close()
 
 
+def test_an_urgent_read_hurries_the_queued_write_it_waits_for(tmp_path):
+    """The read of a key follows its last write; compute waits on an urgent read, so a write
+    still queued (behind general work) is made urgent with it: the read does not wait for the
+    queue, and the other queued work still waits."""
+    store = DiskStore(tmp_path, io_threads=1)
+    gate = threading.Event()
+    store._pool.submit(gate.wait, 1)             # the only general worker is busy
+    other = store.write("x", {"w": torch.ones(4)})   # general work queued first
+    new = store.write("a", {"w": torch.full((8,), 2.0)})
+    urgent = store.read("a", urgent=True)
+    assert float(urgent.result(timeout=10)["w"].sum()) == 16.0   # the new version, not waiting
+    assert new.done() and not other.done()
+    assert store.stats()["writes_hurried"] == 1
+    # the other queued write, hurried the same way, still before the busy worker is free
+    late = store.read("x", urgent=True)
+    assert float(late.result(timeout=10)["w"].sum()) == 4.0
+    assert store.stats()["writes_hurried"] == 2
+    gate.set()
+    store.close()
+
+
 @pytest.mark.parametrize("big", [False, True], ids=["packed", "aligned"])
 def test_a_flipped_payload_byte_is_refused_by_name(store, big):
     x = torch.randn((1 << 19) if big else 1000)  # 2 MiB starts on an ALIGN boundary; 4 KB is packed

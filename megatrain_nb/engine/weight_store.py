@@ -146,8 +146,9 @@ class DiskWeights:
         #: A host cache of the disk tier decides what stays in RAM (disk_cache.HostCache): the
         #: fresh copies, whose survival depends on timing, are then not kept.
         self.cached = getattr(disk, "capacity", 0) > 0
-        #: A clipped step holds this many more backward reads for their updates (module docstring).
-        self.held_units = 0 if self.cached else held_units
+        #: A clipped step holds this many more backward reads for their updates (module docstring;
+        #: without a cache only: with one, nothing is handed after the backward).
+        self.held_units = held_units
         self._compute_buffers = max(1, compute_buffers)
         #: Updates not handed a compute buffer read and write range by range (no optimizer stream).
         self.ranged = ranged and not self.cached and hasattr(disk, "ranged")

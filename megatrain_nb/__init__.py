@@ -18,6 +18,7 @@ _LAZY = {
     "init": "megatrain_nb.trainer",
     "Trainer": "megatrain_nb.trainer",
     "SFTTrainer": "megatrain_nb.trainer.sft",
+    "DPOTrainer": "megatrain_nb.trainer.dpo",
     "get_defaults": "megatrain_nb.trainer",
     "load_default": "megatrain_nb.trainer",
     "preset_config": "megatrain_nb.trainer",

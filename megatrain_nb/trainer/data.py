@@ -184,6 +184,9 @@ class PaddingCollator:
         return out
 
 
+SIDE_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+
+
 def finish_batch(batch: dict) -> dict:
     """Make a collator's output usable: tensors, labels present (input_ids, -100 on padding);
     ``position_ids`` (packed rows) kept."""
@@ -202,6 +205,9 @@ def finish_batch(batch: dict) -> dict:
         if "attention_mask" in out:
             labels[out["attention_mask"] == 0] = IGNORE_INDEX
     out["labels"] = _to_long(labels, "labels")
+    for k in SIDE_KEYS:   # what a sequence-level objective reads per micro-batch (DPO's reference)
+        if batch.get(k) is not None:
+            out[k] = torch.as_tensor(batch[k])
     if out["input_ids"].shape[1] < 2:
         raise DataError("a batch has sequences of 1 token; a causal LM needs at least 2 (input and target)")
     return out

@@ -379,7 +379,7 @@ class Trainer:
         tokens = self.dist.sum(sum(count_tokens(b) for b in window))
         self._tokens_seen += tokens
         st.num_input_tokens_seen = self._tokens_seen
-        loss = loss_sum / n_items
+        loss = self._window_loss(loss_sum, n_items)
         s, k = self._log_accum
         self._log_accum = (s + loss, k + 1)
         counters = getattr(engine, "counters", None)
@@ -388,6 +388,10 @@ class Trainer:
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
                 "tokens_seen": self._tokens_seen, "tokens_per_s": tokens / dt if dt > 0 else 0.0,
                 "step_time_s": dt, "time": time.time(), "total_steps": total, **self.lineage}
+
+    def _window_loss(self, loss_sum: float, n_items: int) -> float:
+        """The step's loss as logged: the mean token loss (a sequence-level objective: its own)."""
+        return loss_sum / n_items
 
     def _after_step(self, record: Optional[dict]) -> None:
         """Logging and evaluation as the callbacks' control asks (the checkpoint: _save_if_due)."""

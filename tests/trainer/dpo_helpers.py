@@ -65,13 +65,13 @@ def step_logs(history):
     return [h for h in history if "loss" in h and "train_runtime" not in h]
 
 
-def assert_logs_match(mt_logs, trl_logs, keys, rel=1e-5):
+def assert_logs_match(mt_logs, trl_logs, keys, rel=1e-5, floor=1e-3):
     assert len(mt_logs) == len(trl_logs), (len(mt_logs), len(trl_logs))
     for i, (a, b) in enumerate(zip(mt_logs, trl_logs)):
         for k in keys:
             assert k in a, (i, k, sorted(a))
             x, y = float(a[k]), float(b[k])
-            assert abs(x - y) <= rel * max(abs(y), 1e-3), (i, k, x, y)
+            assert abs(x - y) <= rel * max(abs(y), floor), (i, k, x, y)
 
 
 def start_weights(model):

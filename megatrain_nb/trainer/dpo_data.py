@@ -39,9 +39,9 @@ def _is_conv(value) -> bool:
     return isinstance(value, list) and (not value or isinstance(value[0], dict))
 
 
-def check_preference_rows(ds, what: str) -> None:
+def check_preference_rows(ds, what: str, cols=None) -> None:
     """Every row has ``chosen`` and ``rejected`` of one format (text or messages) and they differ."""
-    cols = set(ds.column_names or [])
+    cols = set(ds.column_names or []) if cols is None else cols
     missing = [c for c in ("chosen", "rejected") if c not in cols]
     if missing:
         raise DataError(f"{what} has no {missing} column: preference rows need 'chosen' and 'rejected' (and "
@@ -121,7 +121,10 @@ def prepare_preference_dataset(ds, tok, *, max_length: Optional[int], truncation
     if isinstance(ds, datasets.DatasetDict):
         raise DataError(f"{what} is a DatasetDict with splits {list(ds)}; pass one split, e.g. ds['train']")
     if isinstance(ds, (list, tuple)):
-        ds = datasets.Dataset.from_list([dict(r) for r in ds])
+        rows = [dict(r) for r in ds]
+        if rows and not all(k in rows[0] for k in PREF_KEYS):   # checked before Arrow refuses mixed types
+            check_preference_rows(rows, what, cols={k for r in rows for k in r})
+        ds = datasets.Dataset.from_list(rows)
     if not isinstance(ds, datasets.Dataset):
         raise DataError(f"{what} is a {type(ds).__name__}; DPOTrainer takes a datasets.Dataset or a list of dicts")
     if len(ds) == 0:

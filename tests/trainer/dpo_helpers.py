@@ -39,22 +39,22 @@ def dpo_config(out, **kw):
     return DPOConfig(**base)
 
 
-def run_trl(model, ds, args, tok, live_ref: bool = False):
+def run_trl(model, ds, args, tok, live_ref: bool = False, ref_model=None):
     """Train with trl.DPOTrainer; returns (final weights, log_history)."""
     import trl
 
-    ref = copy.deepcopy(model) if live_ref else None
+    ref = copy.deepcopy(ref_model if ref_model is not None else model) if live_ref or ref_model is not None else None
     trainer = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=ref, args=args, train_dataset=ds,
                              processing_class=copy.deepcopy(tok))
     trainer.train()
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer.state.log_history
 
 
-def run_mt(model, ds, args, tok, **engine):
+def run_mt(model, ds, args, tok, ref_model=None, **engine):
     """Train with mt.DPOTrainer; returns (final weights, log_history, trainer)."""
     import megatrain_nb as mt
 
-    trainer = mt.DPOTrainer(model=copy.deepcopy(model), args=args, train_dataset=ds,
+    trainer = mt.DPOTrainer(model=copy.deepcopy(model), ref_model=ref_model, args=args, train_dataset=ds,
                             processing_class=copy.deepcopy(tok), device="cpu", **engine)
     trainer.train()
     weights = {n: w.clone() for n, w in trainer.engine.named_parameters()}

@@ -64,3 +64,24 @@ def test_comparison_catches_a_wrong_beta(tmp_path):
         assert_logs_match(step_logs(mt_h)[1:], step_logs(trl_h)[1:], ("loss",), rel=1e-5)
     assert max_rel_diff(mt_w, trl_w, start) > 1e-2
     trainer.close()
+
+
+@pytest.mark.parametrize("as_folder", [False, True])
+def test_a_given_ref_model_matches_trl(tmp_path, as_folder):
+    """A reference other than the policy (another initialisation), as an object or a saved folder:
+    streamed through an engine of its own, the same losses and weights as TRL's live reference."""
+    tok = tokenizer()
+    model, other = tiny_llama(len(tok)), tiny_llama(len(tok), seed=1)
+    start = start_weights(model)
+    rows = pairs(8, "text")
+    kw = dict(max_steps=2, loss_type=["sigmoid"], beta=0.05)
+    trl_w, trl_h = run_trl(model, Dataset.from_list(rows), dpo_config(tmp_path / "trl", **kw), tok, ref_model=other)
+    ref = other
+    if as_folder:
+        other.save_pretrained(tmp_path / "ref")
+        ref = str(tmp_path / "ref")
+    mt_w, mt_h, trainer = run_mt(model, Dataset.from_list(rows), dpo_config(tmp_path / "mt", **kw), tok, ref_model=ref)
+    assert_logs_match(step_logs(mt_h), step_logs(trl_h), ("loss", "rewards/margins"), rel=1e-5, floor=0.1)
+    assert abs(step_logs(trl_h)[0]["rewards/margins"]) > 1e-3   # the reference is not the policy
+    assert max_rel_diff(mt_w, trl_w, start) < 1e-4
+    trainer.close()

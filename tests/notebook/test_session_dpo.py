@@ -1,0 +1,25 @@
+"""A Session on preference rows (or a DPOConfig) builds an mt.DPOTrainer and trains it in its
+background thread; the metrics TRL logs reach the run's log."""
+import pytest
+
+pytest.importorskip("trl")
+
+import megatrain_nb as mt  # noqa: E402
+from megatrain_nb.trainer.dpo import DPOTrainer  # noqa: E402
+
+from tests.trainer.dpo_helpers import dpo_config, pairs, tiny_llama, tokenizer  # noqa: E402
+
+
+def test_a_session_on_preference_rows_trains_a_dpo_trainer(tmp_path):
+    tok = tokenizer()
+    s = mt.Session(tiny_llama(len(tok)), train_dataset=pairs(8), tokenizer=tok,
+                   args=dpo_config(tmp_path, max_steps=2), name="dpo-session", device="cpu")
+    try:
+        assert isinstance(s.trainer, DPOTrainer)
+        s.train()
+        assert s.wait(timeout=120) == "finished"
+        logs = [h for h in s.trainer.state.log_history if "rewards/margins" in h]
+        assert len(logs) == 2 and all("logps/chosen" in h for h in logs)
+        assert s.trainer.reference_seconds["train"] > 0
+    finally:
+        s.close()

@@ -13,7 +13,7 @@ class UsageError(ValueError):
     """Bad input on the command line or in run.yaml: one line, exit status 2."""
 
 
-_SECTIONS = {"model", "revision", "preset", "tokenizer", "data", "training", "engine", "seed", "sft"}
+_SECTIONS = {"model", "revision", "preset", "tokenizer", "data", "training", "engine", "seed", "sft", "dpo"}
 _DATA_KEYS = {"train", "eval", "seq_len", "text_column", "format"}
 _DATA_KINDS = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
 
@@ -64,7 +64,7 @@ def load_run_config(path) -> dict:
     if ("model" in cfg) == ("preset" in cfg):
         raise UsageError(f"--config {path}: give exactly one of 'model' (a local folder or a Hugging Face Hub "
                          "id) or 'preset'")
-    for key in ("data", "training", "engine", "sft"):
+    for key in ("data", "training", "engine", "sft", "dpo"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             raise UsageError(f"--config {path}: '{key}' must be a mapping, got {cfg[key]!r}")
     bad = set(cfg.get("data") or {}) - _DATA_KEYS

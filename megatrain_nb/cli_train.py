@@ -40,6 +40,10 @@ def cmd_train(ns) -> int:
     cfg = load_run_config(ns.config)
     base = Path(ns.config).resolve().parent
     data = cfg.get("data") or {}
+    from megatrain_nb.cli_train_dpo import cmd_train_dpo, wants_dpo
+
+    if wants_dpo(cfg):   # preference training: a dpo: section or data.format: preference
+        return cmd_train_dpo(ns, cfg, base)
     if "sft" in cfg or "format" in data:   # fine-tuning on instructions / conversations
         return cmd_train_sft(ns, cfg, base)
     training = dict(cfg.get("training") or {})

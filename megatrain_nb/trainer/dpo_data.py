@@ -176,3 +176,21 @@ class PreferenceCollator:
         batch = self.collator([{k: e[k] for k in keys if k in e} for e in examples])
         batch["labels"] = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
         return batch
+
+
+def builtin_preference_pairs(n: Optional[int] = None) -> list:
+    """A preference set generated from the shipped (generated, license-clean) chat set: the
+    prompt a conversation up to its last reply, chosen that reply, rejected the last reply of
+    another conversation (a fluent but wrong answer). Deterministic."""
+    from megatrain_nb.assets import chat_dataset
+
+    convs = list(chat_dataset())
+    rows = []
+    for i, c in enumerate(convs[:n] if n else convs):
+        msgs = c["messages"]
+        own = msgs[-1]["content"]
+        other = next(o["messages"][-1]["content"] for k in range(1, len(convs))
+                     for o in [convs[(i + 7 * k) % len(convs)]] if o["messages"][-1]["content"] != own)
+        rows.append({"prompt": msgs[:-1], "chosen": [msgs[-1]],
+                     "rejected": [{"role": "assistant", "content": other}]})
+    return rows

@@ -409,7 +409,7 @@ class Trainer:
         if c.should_evaluate and self.eval_dataset is not None:
             metrics = self.evaluate()
             if record is not None:
-                record["eval_loss"], record["eval_ppl"] = metrics["eval_loss"], metrics["eval_ppl"]
+                record["eval_loss"], record["eval_ppl"] = metrics["eval_loss"], metrics.get("eval_ppl")
 
     def _save_if_due(self, record: Optional[dict]) -> None:
         """The checkpoint the callbacks' control asks for at this step."""

@@ -119,3 +119,15 @@ def test_evaluate_matches_trl(tmp_path):
     for k in ("eval_loss", "eval_logps/chosen", "eval_logits/rejected", "eval_entropy", "eval_rewards/accuracies"):
         assert got[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-6), k
     m.close()
+
+
+def test_example_dpo_yaml_runs_as_written(tmp_path, capsys):
+    from pathlib import Path
+
+    from megatrain_nb.cli import main
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "dpo.yaml"
+    assert main(["train", "--config", str(example), "--max-steps", "2", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "built-in preference set" in out and "reference log-probs" in out and "reward margin" in out
+    assert list((tmp_path / "reference_logps").glob("train-*.pt"))

@@ -118,8 +118,15 @@ class DPOTrainer(Trainer):
 
     def __init__(self, model=None, ref_model=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), quantization_config=None, peft_config=None, **engine_options):
+                 optimizers=(None, None), quantization_config=None, peft_config=None, *, tokenizer=None,
+                 loss_fn=None, seq_len=None, **engine_options):
+        # (tokenizer / loss_fn / seq_len: what a Session's fork hands any Trainer type: the
+        # tokenizer, this trainer's own objective, and a sequence length that DPOConfig.max_length
+        # decides here)
         require_trl()
+        processing_class = processing_class if processing_class is not None else tokenizer
+        if loss_fn is not None and not isinstance(loss_fn, DPOObjective):
+            raise ValueError("loss_fn does not apply to DPOTrainer: DPOConfig.loss_type picks the loss")
         unsupported = {"compute_metrics": compute_metrics, "quantization_config": quantization_config,
                        "peft_config": peft_config}
         given = [k for k, v in unsupported.items() if v is not None] + (["optimizers"] if any(optimizers) else [])
@@ -143,7 +150,7 @@ class DPOTrainer(Trainer):
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
         if self._ref_weights is None:
-            self._ref_weights = weights_fingerprint(ref_source if ref_model is not None else model)
+            self._ref_weights = weights_fingerprint(ref_source if ref_model is not None else self._engine)
         tok = self.tokenizer
         if tok is None:
             raise ValueError("DPOTrainer needs a tokenizer: pass processing_class=... (or a model folder that holds one)")
@@ -159,7 +166,8 @@ class DPOTrainer(Trainer):
             data_collator = DataCollatorForPreference(pad_token_id=tok.pad_token_id, max_length=args.max_length,
                                                       truncation_mode=args.truncation_mode,
                                                       pad_to_multiple_of=pad_multiple)
-        self.data_collator = PreferenceCollator(data_collator)
+        self.data_collator = (data_collator if isinstance(data_collator, PreferenceCollator)
+                              else PreferenceCollator(data_collator))
         self.prep_reports = []
         self.train_dataset = self._prepare(train_dataset, "train")
         self.eval_dataset = self._prepare(eval_dataset, "eval") if eval_dataset is not None else None
@@ -209,7 +217,8 @@ class DPOTrainer(Trainer):
         """The engine the reference streams through: the policy's own (before its first step), or
         one built for ``ref_model`` (closed after the pass)."""
         if self.ref_model is None:
-            if self.state.global_step > 0:
+            steps = getattr(getattr(self._engine, "counters", None), "steps", 0)
+            if self.state.global_step > 0 or steps > 0:
                 raise ValueError("Cannot compute reference log-probs after training has started when the reference "
                                  "is the policy as it started (no ref_model): pass the dataset as eval_dataset at "
                                  "construction, or give a ref_model.")

@@ -34,6 +34,11 @@ def weights_fingerprint(source) -> str:
             flat = p.detach().reshape(-1)
             idx = torch.linspace(0, flat.numel() - 1, steps=min(64, flat.numel())).long()
             h.update(flat[idx].float().cpu().numpy().tobytes())
+    elif hasattr(source, "named_parameters") and hasattr(source, "forward_backward"):   # a StreamingEngine
+        for name, p in source.named_parameters():
+            flat = p.detach().reshape(-1)
+            idx = torch.linspace(0, flat.numel() - 1, steps=min(64, flat.numel())).long()
+            h.update(f"{name}{tuple(p.shape)}".encode() + flat[idx].float().cpu().numpy().tobytes())
     else:
         folder = Path(source)
         for f in sorted(folder.iterdir()) if folder.is_dir() else []:

@@ -23,3 +23,23 @@ def test_a_session_on_preference_rows_trains_a_dpo_trainer(tmp_path):
         assert s.trainer.reference_seconds["train"] > 0
     finally:
         s.close()
+
+
+def test_a_fork_shares_the_reference(tmp_path):
+    """A fork of a DPO session is a DPOTrainer on the parent's prepared pairs with their reference
+    log-probs: no second reference pass (the engine then holds trained weights, not the reference)."""
+    tok = tokenizer()
+    s = mt.Session(tiny_llama(len(tok)), train_dataset=pairs(8), tokenizer=tok, snapshot_steps=1,
+                   args=dpo_config(tmp_path, max_steps=2), name="dpo-parent", device="cpu")
+    try:
+        s.train()
+        assert s.wait(timeout=120) == "finished"
+        child = s.fork(step=1, learning_rate=5e-4)
+        assert isinstance(child.trainer, DPOTrainer)
+        child.train()
+        assert child.wait(timeout=120) == "finished"
+        assert child.trainer.reference_seconds["train"] == 0.0
+        assert [h for h in child.trainer.state.log_history if "rewards/margins" in h]
+        child.close()
+    finally:
+        s.close()

@@ -197,10 +197,18 @@ class DPOTrainer(Trainer):
         t0 = time.perf_counter()
         if got is None:
             engine, own = self._reference_engine()
+            bar = None
+            if not self.args.disable_tqdm and self.dist.is_main:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(ds), desc=f"reference log-probs ({what}, one forward-only pass)", unit="pair")
             try:
                 got = reference_pass(engine, ds, self.data_collator, batch_size, self.settings,
+                                     progress=(lambda done, n: bar.update(done - bar.n)) if bar is not None else None,
                                      stop=lambda: self._stop)
             finally:
+                if bar is not None:
+                    bar.close()
                 if own:
                     engine.close()
             seconds = time.perf_counter() - t0

@@ -21,7 +21,9 @@ apply are refused by name.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import os
 import time
 import warnings
 
@@ -100,6 +102,14 @@ def _disable_dropout(model) -> None:
             m.p = 0.0
 
 
+def _is_iterable(ds) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(ds, datasets.IterableDataset)
+
+
 def pair_batch(b: dict) -> PairBatch:
     if "ref_chosen_logps" not in b:
         raise DataError("a preference batch reached the engine without reference log-probs")
@@ -144,7 +154,17 @@ class DPOTrainer(Trainer):
         self.objective = DPOObjective(self.settings)
         if isinstance(model, torch.nn.Module) and args.disable_dropout:
             _disable_dropout(model)
+        self._streamed = _is_iterable(train_dataset)
+        if self._streamed and ref_model is None:
+            # read as it trains: the reference runs beside every step, so the policy as it starts
+            # is kept as a model of its own (a frozen copy, or the same folder)
+            if isinstance(model, (str, os.PathLike, torch.nn.Module)):
+                ref_model = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
+            else:
+                raise ValueError("an IterableDataset with an engine as the model needs a ref_model: the policy as it "
+                                 "started cannot be read back from an engine")
         self.ref_model = ref_model
+        self._live_ref = None   # the reference's engine, kept while a streamed dataset trains
         ref_source = ref_model if ref_model is not None else model
         self._ref_weights = weights_fingerprint(ref_source) if isinstance(ref_source, torch.nn.Module) else None
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
@@ -242,7 +262,7 @@ class DPOTrainer(Trainer):
 
     def _ensure_reference(self) -> None:
         a = self.args
-        if "train" not in self.reference_seconds:
+        if "train" not in self.reference_seconds and not self._streamed:
             self.train_dataset = self._with_reference(self.train_dataset, "train",
                                                       a.precompute_ref_batch_size or a.per_device_train_batch_size)
         if self.eval_dataset is not None and "eval" not in self.reference_seconds:
@@ -259,6 +279,7 @@ class DPOTrainer(Trainer):
         obj = self.objective
         obj.scale = 1.0 / len(window) / self.dist.world   # transformers divides by the accumulation steps
         obj.losses = []
+        t_ref = self._live_reference(window)
         obj.feed([pair_batch(b) for b in window])
         before = {k: len(v) for k, v in obj.metrics.items()}
         self._total_train_tokens += self.dist.sum(sum(int(b["attention_mask"].sum()) for b in window))
@@ -268,7 +289,32 @@ class DPOTrainer(Trainer):
             if new:
                 record[k] = sum(new) / len(new)
         record["num_tokens"] = self._total_train_tokens
+        if t_ref is not None:
+            record["reference_s"] = t_ref   # this step's forward-only pass of the reference
         return record
+
+    def _live_reference(self, window: list):
+        """A streamed dataset's batches get their reference log-probs here, one forward-only pass
+        of the reference's own engine per micro-batch; returns its seconds (None: precomputed)."""
+        todo = [b for b in window if "ref_chosen_logps" not in b]
+        if not todo:
+            return None
+        t0 = time.perf_counter()
+        if self._live_ref is None:
+            self._live_ref, _ = self._reference_engine()
+        obj = DPOObjective(self.settings)
+        obj.reference_only = True
+        for b in todo:
+            self._live_ref.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
+            b["ref_chosen_logps"], b["ref_rejected_logps"] = obj.ref_logps.pop().chunk(2, dim=0)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """As :meth:`Trainer.close`, and the reference's own engine when one was kept."""
+        if self._live_ref is not None:
+            self._live_ref.close()
+            self._live_ref = None
+        super().close()
 
     def _window_loss(self, loss_sum: float, n_items: int) -> float:
         return float(self.dist.sum(sum(self.objective.losses)))

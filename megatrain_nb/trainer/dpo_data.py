@@ -115,10 +115,9 @@ def prepare_preference_dataset(ds, tok, *, max_length: Optional[int], truncation
     import datasets
     from trl.data_utils import extract_prompt, is_conversational
 
-    if isinstance(ds, (datasets.IterableDataset, datasets.IterableDatasetDict)):
-        raise DataError(f"{what} is an IterableDataset: megatrain_nb's DPOTrainer streams the reference log-probs "
-                        "once over a map-style dataset; pass a datasets.Dataset (or a list of dicts)")
-    if isinstance(ds, datasets.DatasetDict):
+    if isinstance(ds, datasets.IterableDataset):
+        return prepare_iterable(ds, tok, max_length=max_length, truncation_mode=truncation_mode, what=what)
+    if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         raise DataError(f"{what} is a DatasetDict with splits {list(ds)}; pass one split, e.g. ds['train']")
     if isinstance(ds, (list, tuple)):
         rows = [dict(r) for r in ds]
@@ -153,6 +152,46 @@ def prepare_preference_dataset(ds, tok, *, max_length: Optional[int], truncation
         if len(ds) == 0:
             raise DataError(f"{what}: every pair's prompt fills max_length={max_length}; nothing is left to train "
                             "on. Raise DPOConfig.max_length")
+    return ds, report
+
+
+def check_row(ex: dict, i: int, what: str, first_kind: str) -> None:
+    """One row's checks (:func:`check_preference_rows`), for rows read lazily."""
+    for c in ("chosen", "rejected"):
+        if ex.get(c) is None:
+            raise DataError(f"{what} row {i}: '{c}' is missing (None); every pair needs a chosen and a rejected "
+                            "completion")
+    kinds = {c: "messages" if _is_conv(ex[c]) else "text" for c in ("prompt", "chosen", "rejected") if c in ex}
+    if set(kinds.values()) != {first_kind}:
+        raise DataError(f"{what} row {i} mixes formats: {kinds}; row 0 is {first_kind}: a dataset holds one format")
+    if ex["chosen"] == ex["rejected"]:
+        raise DataError(f"{what} row {i}: chosen and rejected are the same; the pair carries no preference. "
+                        "Remove it or fix the data")
+
+
+def prepare_iterable(ds, tok, *, max_length: Optional[int], truncation_mode: str, what: str):
+    """An IterableDataset prepared lazily, as TRL maps it (each row checked as it is read; the
+    count of dropped pairs is not known ahead)."""
+    from trl.data_utils import extract_prompt, is_conversational
+
+    first = next(iter(ds), None)
+    if first is None:
+        raise DataError(f"{what} is empty (0 examples)")
+    if "chosen" not in first or "rejected" not in first:
+        raise DataError(f"{what} rows need 'chosen' and 'rejected' (and optionally 'prompt'); the first row has "
+                        f"{sorted(first)}")
+    if all(k in first for k in PREF_KEYS):
+        return ds, PreferenceReport(what)
+    kind = "messages" if _is_conv(first["chosen"]) else "text"
+    ds = ds.map(lambda ex, i: check_row(ex, i, what, kind) or ex, with_indices=True)
+    report = PreferenceReport(what, conversational=kind == "messages", implicit_prompt="prompt" not in first)
+    if report.implicit_prompt:
+        ds = ds.map(extract_prompt)
+    if not is_conversational(first):
+        ds = ds.map(_add_eos, fn_kwargs={"eos_token": tok.eos_token})
+    ds = ds.map(_tokenize_pair, fn_kwargs={"tok": tok})
+    if max_length is not None and truncation_mode == "keep_start":
+        ds = ds.filter(lambda ex: len(ex["prompt_ids"]) < max_length)
     return ds, report
 
 

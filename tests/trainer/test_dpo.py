@@ -131,3 +131,15 @@ def test_example_dpo_yaml_runs_as_written(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "built-in preference set" in out and "reference log-probs" in out and "reward margin" in out
     assert list((tmp_path / "reference_logps").glob("train-*.pt"))
+
+
+def test_a_bad_row_of_an_iterable_dataset_is_named_as_it_is_read(tmp_path):
+    rows = pairs(8)
+    rows[5]["rejected"] = rows[5]["chosen"]
+    tok = tokenizer()
+    trainer = mt.DPOTrainer(model=tiny_llama(len(tok)), args=dpo_config(tmp_path, max_steps=4),
+                            train_dataset=Dataset.from_list(rows).to_iterable_dataset(), processing_class=tok,
+                            device="cpu")
+    with pytest.raises(DataError, match="row 5: chosen and rejected are the same"):
+        trainer.train()
+    trainer.close()

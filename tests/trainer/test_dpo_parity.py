@@ -85,3 +85,23 @@ def test_a_given_ref_model_matches_trl(tmp_path, as_folder):
     assert abs(step_logs(trl_h)[0]["rewards/margins"]) > 1e-3   # the reference is not the policy
     assert max_rel_diff(mt_w, trl_w, start) < 1e-4
     trainer.close()
+
+
+def test_an_iterable_dataset_matches_trl(tmp_path):
+    """An IterableDataset: prepared lazily, each step's reference log-probs from a forward-only pass
+    of a frozen copy of the starting policy (in the step's record), as TRL's live reference."""
+    tok = tokenizer()
+    model = tiny_llama(len(tok))
+    start = start_weights(model)
+    rows = pairs(12, "conversational")
+    kw = dict(max_steps=3, gradient_accumulation_steps=2)
+    stream = lambda: Dataset.from_list(rows).to_iterable_dataset()  # noqa: E731
+    trl_w, trl_h = run_trl(model, stream(), dpo_config(tmp_path / "trl", **kw), tok, live_ref=True)
+    mt_w, mt_h, trainer = run_mt(model, stream(), dpo_config(tmp_path / "mt", **kw), tok)
+    assert_logs_match(step_logs(mt_h), step_logs(trl_h), ("loss",), rel=1e-5)
+    assert_logs_match(step_logs(mt_h), step_logs(trl_h), METRICS, rel=1e-4, floor=0.1)
+    assert max_rel_diff(mt_w, trl_w, start) < 1e-4
+    lines = trainer.metrics_log.read()
+    assert all(x["reference_s"] > 0 for x in lines if "rewards/margins" in x)
+    assert not (tmp_path / "mt" / "reference_logps").exists()
+    trainer.close()

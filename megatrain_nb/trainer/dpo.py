@@ -326,7 +326,10 @@ class DPOTrainer(Trainer):
         if p is not None and f"{p}_loss" in logs:
             logs = {**logs, **self._eval_extra}
         elif "loss" in logs:
-            logs = {**logs, **self.objective.take_metrics(), "num_tokens": float(self._total_train_tokens)}
+            metrics = self.objective.take_metrics()
+            if self.dist.world > 1:   # every rank logs the same steps: the mean over ranks, as TRL gathers them
+                metrics = {k: float(self.dist.sum(v)) / self.dist.world for k, v in sorted(metrics.items())}
+            logs = {**logs, **metrics, "num_tokens": float(self._total_train_tokens)}
         super().log(logs)
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:

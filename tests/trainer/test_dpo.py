@@ -143,3 +143,32 @@ def test_a_bad_row_of_an_iterable_dataset_is_named_as_it_is_read(tmp_path):
     with pytest.raises(DataError, match="row 5: chosen and rejected are the same"):
         trainer.train()
     trainer.close()
+
+
+def test_resume_reads_the_cache_and_ends_where_an_uninterrupted_run_ends(tmp_path):
+    tok = tokenizer()
+    model = tiny_llama(len(tok))
+    rows = pairs(12)
+
+    def make(out, **kw):
+        return mt.DPOTrainer(model=copy.deepcopy(model), args=dpo_config(out, **kw), train_dataset=rows,
+                             processing_class=copy.deepcopy(tok), device="cpu")
+
+    straight = make(tmp_path / "a", max_steps=4)
+    straight.train()
+    want = {n: w.clone() for n, w in straight.engine.named_parameters()}
+    want_losses = [h["loss"] for h in straight.state.log_history if "rewards/margins" in h]
+    straight.close()
+    first = make(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2)
+    for record in first.iter_steps():
+        if record["step"] == 2:
+            break
+    first.close()
+    again = make(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2)
+    again.train(resume_from_checkpoint=True)
+    assert again.reference_seconds["train"] == 0.0   # read from the cache, not the resumed weights
+    got = dict(again.engine.named_parameters())
+    assert max(float((got[n] - w).abs().max()) for n, w in want.items()) < 1e-6
+    losses = [h["loss"] for h in again.state.log_history if "rewards/margins" in h]
+    assert losses == pytest.approx(want_losses, rel=1e-6)   # steps 1-2 from the checkpoint's history
+    again.close()

@@ -88,20 +88,22 @@ class LossHead:
             return total, torch.cat(grads, dim=1)
         return total
 
-
     def sequence_loss(self, hidden, shift, objective, backward: bool = False):
         """A sequence-level objective over ``hidden`` (see :mod:`.objective`): its statistics
         summed chunk by chunk without gradients, its loss, and with ``backward`` the chunks again,
-        each token weighted by d(loss)/d(its sequence's statistic). Returns the loss (and with
-        ``backward`` the gradient at ``hidden``)."""
+        each token weighted by d(loss)/d(its sequence's statistic). A micro-batch that is one
+        chunk keeps that chunk's graph from the statistics to the backward instead (one pass).
+        Returns the loss (and with ``backward`` the gradient at ``hidden``)."""
         B, S = shift.shape
         chunk = self._chunk(B, S)
         objective.begin(shift)
+        one = backward and chunk >= S
+        hc = hidden.detach().requires_grad_(True) if one else None
         sums: dict = {}
-        with torch.no_grad():
+        with torch.enable_grad() if one else torch.no_grad():
             for s in range(0, S, chunk):
-                logits = self.logits(hidden[:, s:s + chunk]).float()
-                self.meter.at(self.meter.saved + 2 * logits.numel() * 4)
+                logits = self.logits(hc if one else hidden[:, s:s + chunk]).float()
+                self.meter.at(self.meter.saved + (3 if one else 2) * logits.numel() * 4)
                 for k, v in objective.token_stats(logits, shift[:, s:s + chunk], s, grad=False).items():
                     sums[k] = sums[k] + v if k in sums else v
                 del logits
@@ -110,15 +112,14 @@ class LossHead:
             loss = float(objective.loss(stats))
             objective.done(stats, loss)
             return loss
-        names = [k for k in objective.differentiable if k in stats]
-        leaves = {k: stats[k].clone().requires_grad_(True) for k in names}
-        with torch.enable_grad():
-            loss_t = objective.loss({**stats, **leaves})
-            ws = (torch.autograd.grad(loss_t, [leaves[k] for k in names], allow_unused=True)
-                  if loss_t.requires_grad and names else [None] * len(names))
-        weights = {k: w.detach() for k, w in zip(names, ws) if w is not None}
-        loss = float(loss_t.detach())
+        weights, loss = self._weights(objective, stats)
         objective.done(stats, loss)
+        if one:
+            surrogate = sum((w * sums[k]).sum() for k, w in weights.items())
+            if weights and surrogate.requires_grad:
+                surrogate.backward()
+            return loss, hc.grad if hc.grad is not None else torch.zeros_like(hc)
+        del sums
         grads = []
         for s in range(0, S, chunk):
             hc = hidden[:, s:s + chunk].detach().requires_grad_(True)
@@ -133,3 +134,14 @@ class LossHead:
                     del logits, part, surrogate
             grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
         return loss, torch.cat(grads, dim=1)
+
+    @staticmethod
+    def _weights(objective, stats):
+        """d(loss)/d(each differentiable statistic), per sequence, and the loss."""
+        names = [k for k in objective.differentiable if k in stats]
+        leaves = {k: stats[k].clone().requires_grad_(True) for k in names}
+        with torch.enable_grad():
+            loss_t = objective.loss({**stats, **leaves})
+            ws = (torch.autograd.grad(loss_t, [leaves[k] for k in names], allow_unused=True)
+                  if loss_t.requires_grad and names else [None] * len(names))
+        return {k: w.detach() for k, w in zip(names, ws) if w is not None}, float(loss_t.detach())

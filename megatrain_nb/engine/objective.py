@@ -11,6 +11,7 @@ function and runs it in two passes over the chunks of ``loss_chunk_tokens``:
    autograd gives d(loss)/d(each sequence's statistic), a number per sequence and statistic;
 3. with gradients, each chunk's logits again, back-propagated with every token weighted by its
    sequence's number (``sum_k w_k[b] * stat_k(chunk)[b]``), which is the chain rule exactly.
+   (A micro-batch that fits one chunk is one pass: step 1 runs with gradients and keeps its graph.)
 
 The logits of a whole sequence never exist, the step around the head is unchanged, and a
 micro-batch is never split, so statistics that pair rows (chosen and rejected side by side) see
@@ -43,7 +44,9 @@ class SequenceObjective(Protocol):
                     grad: bool) -> Dict[str, torch.Tensor]:
         """Per-sequence statistics [batch] of one chunk: ``logits`` [batch, chunk, vocab] (fp32,
         the model's own head), ``labels`` its shifted labels, ``start`` its first position. With
-        ``grad`` only the differentiable statistics are needed, and they must carry the graph."""
+        ``grad`` only the differentiable statistics are needed. With grad mode on (``grad``, or a
+        micro-batch of one chunk, whose graph the head keeps for its backward) the differentiable
+        statistics must carry the graph; compute the others under ``torch.no_grad()``."""
 
     def loss(self, stats: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The micro-batch's loss (a scalar, as the step back-propagates it: any averaging over

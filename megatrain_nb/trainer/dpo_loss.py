@@ -195,14 +195,15 @@ class DPOObjective:
             out["plain_logps"] = logp.sum(dim=1)
         if grad or self.reference_only:
             return out
-        k = keep.float()
-        out["tokens"] = k.sum(dim=1)
-        out["entropy"] = (-(logp_all.exp() * logp_all).sum(-1) * k).sum(dim=1)
-        out["mean_logits"] = (logits.mean(-1) * k).sum(dim=1)
-        out["top1"] = ((logits.argmax(-1) == labels) & keep).float().sum(dim=1)
-        if self.s.use_weighting:
-            lssp = torch.logsumexp(2 * logp_all, dim=-1)
-            out["wpo"] = ((logp - lssp) * k).sum(dim=1)
+        with torch.no_grad():   # the metrics' statistics: never differentiated
+            k = keep.float()
+            lp, lg = logp_all.detach(), logits.detach()
+            out["tokens"] = k.sum(dim=1)
+            out["entropy"] = (-(lp.exp() * lp).sum(-1) * k).sum(dim=1)
+            out["mean_logits"] = (lg.mean(-1) * k).sum(dim=1)
+            out["top1"] = ((lg.argmax(-1) == labels) & keep).float().sum(dim=1)
+            if self.s.use_weighting:
+                out["wpo"] = ((logp.detach() - torch.logsumexp(2 * lp, dim=-1)) * k).sum(dim=1)
         return out
 
     # ------------------------------------------------------------------ per micro-batch

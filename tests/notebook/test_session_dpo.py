@@ -4,10 +4,21 @@ import pytest
 
 pytest.importorskip("trl")
 
+import time  # noqa: E402
+
 import megatrain_nb as mt  # noqa: E402
 from megatrain_nb.trainer.dpo import DPOTrainer  # noqa: E402
 
 from tests.trainer.dpo_helpers import dpo_config, pairs, tiny_llama, tokenizer  # noqa: E402
+
+
+def wait_until(cond, timeout=30.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_a_session_on_preference_rows_trains_a_dpo_trainer(tmp_path):
@@ -16,8 +27,10 @@ def test_a_session_on_preference_rows_trains_a_dpo_trainer(tmp_path):
                    args=dpo_config(tmp_path, max_steps=2), name="dpo-session", device="cpu")
     try:
         assert isinstance(s.trainer, DPOTrainer)
+        s.set_sample_prompt([{"role": "user", "content": "What is two plus three ?"}], every=1, max_new_tokens=3)
         s.train()
         assert s.wait(timeout=120) == "finished"
+        assert wait_until(lambda: any(a["step"] == 2 for a in s.sample_watch.answers()))
         logs = [h for h in s.trainer.state.log_history if "rewards/margins" in h]
         assert len(logs) == 2 and all("logps/chosen" in h for h in logs)
         assert s.trainer.reference_seconds["train"] > 0

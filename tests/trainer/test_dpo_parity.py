@@ -32,7 +32,10 @@ CASES = {   # name: (data format, implicit prompt, DPOConfig fields, TRL's refer
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+SLOW = {"aot_nca_sppo_text", "sigmoid_norm_wpo_js_conv"}   # the fast subset keeps 6 cases, 9 loss types
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_losses_metrics_and_weights_match_trl(tmp_path, case):
     fmt, implicit, kw, live = CASES[case]
     tok = tokenizer()

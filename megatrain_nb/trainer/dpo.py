@@ -179,8 +179,19 @@ class DPOTrainer(Trainer):
         if self.model is not None:
             self.model.config.pad_token_id = tok.pad_token_id
         self.processing_class = tok
+        if args.padding_free:
+            warnings.warn("padding_free=True is temporarily unavailable in trl.DPOTrainer and falls back to padding; "
+                          "so does megatrain_nb's DPOTrainer", stacklevel=2)
         if data_collator is None:
             from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+            pad = args.pad_token or tok.pad_token or tok.eos_token
+            if pad not in tok.get_vocab():
+                raise ValueError(f"The specified `pad_token` ({pad!r}) is not found in the vocabulary of the given "
+                                 "processing_class; set DPOConfig.pad_token to a token it has")
+            tok.pad_token = pad
+            if self.model is not None:
+                self.model.config.pad_token_id = tok.pad_token_id
 
             pad_multiple = args.pad_to_multiple_of if args.pad_to_multiple_of != "auto" else None
             data_collator = DataCollatorForPreference(pad_token_id=tok.pad_token_id, max_length=args.max_length,

@@ -220,8 +220,10 @@ class DPOTrainer(Trainer):
 
     def _with_reference(self, ds, what: str, batch_size: int):
         """``ds`` with its reference log-probs: given in the data, cached, or one streamed pass."""
-        if "ref_chosen_logps" in ds.column_names and what not in self.reference_seconds:
-            self.reference_seconds[what] = 0.0
+        if _is_iterable(ds):   # read lazily: each batch gets its reference as it is read (_live_reference)
+            return ds
+        if "ref_chosen_logps" in ds.column_names:   # given in the data, or added before
+            self.reference_seconds.setdefault(what, 0.0)
             return ds
         key = cache_key(ds, self.tokenizer, self._ref_weights, self.args)
         got = self.reference_cache.load(what, key, len(ds))
@@ -311,12 +313,15 @@ class DPOTrainer(Trainer):
         if not todo:
             return None
         t0 = time.perf_counter()
-        if self._live_ref is None:
-            self._live_ref, _ = self._reference_engine()
+        engine = self._live_ref
+        if engine is None:   # the policy itself is the reference only before its first step (checked there)
+            engine, own = self._reference_engine()
+            if own:
+                self._live_ref = engine
         obj = DPOObjective(self.settings)
         obj.reference_only = True
         for b in todo:
-            self._live_ref.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
+            engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
             b["ref_chosen_logps"], b["ref_rejected_logps"] = obj.ref_logps.pop().chunk(2, dim=0)
         return time.perf_counter() - t0
 
@@ -348,7 +353,7 @@ class DPOTrainer(Trainer):
         metrics over the eval set, its reference log-probs streamed once."""
         a = self.args
         if eval_dataset is not None:
-            ds = self._with_reference(self._prepare(eval_dataset, "eval"), f"eval-{time.time_ns()}",
+            ds = self._with_reference(self._prepare(eval_dataset, "eval"), "eval",
                                       a.precompute_ref_batch_size or a.per_device_eval_batch_size)
         else:
             self._ensure_reference()
@@ -359,6 +364,7 @@ class DPOTrainer(Trainer):
         t0, total, rows = time.time(), 0.0, 0
         for b in eval_batches(ds, batch_size=a.per_device_eval_batch_size, collate=self.data_collator,
                               rank=self.dist.rank, world=self.dist.world):
+            self._live_reference([b])
             obj.feed([pair_batch(b)])
             self._engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
             n = int(b["input_ids"].shape[0])

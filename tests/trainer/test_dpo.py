@@ -172,3 +172,16 @@ def test_resume_reads_the_cache_and_ends_where_an_uninterrupted_run_ends(tmp_pat
     losses = [h["loss"] for h in again.state.log_history if "rewards/margins" in h]
     assert losses == pytest.approx(want_losses, rel=1e-6)   # steps 1-2 from the checkpoint's history
     again.close()
+
+
+def test_evaluate_on_an_iterable_eval_set_matches_the_map_style_one(tmp_path):
+    tok = tokenizer()
+    rows = pairs(7)
+    m = mt.DPOTrainer(model=tiny_llama(len(tok)), args=dpo_config(tmp_path, per_device_eval_batch_size=3),
+                      train_dataset=pairs(6), processing_class=tok, device="cpu")
+    mapped = m.evaluate(Dataset.from_list(rows))
+    again = m.evaluate(Dataset.from_list(rows))   # the reference read from the cache
+    streamed = m.evaluate(Dataset.from_list(rows).to_iterable_dataset())
+    for k in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
+        assert again[k] == pytest.approx(mapped[k], rel=1e-6) and streamed[k] == pytest.approx(mapped[k], rel=1e-5)
+    m.close()

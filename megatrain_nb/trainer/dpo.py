@@ -171,34 +171,8 @@ class DPOTrainer(Trainer):
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
         if self._ref_weights is None:
             self._ref_weights = weights_fingerprint(ref_source if ref_model is not None else self._engine)
-        tok = self.tokenizer
-        if tok is None:
-            raise ValueError("DPOTrainer needs a tokenizer: pass processing_class=... (or a model folder that holds one)")
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        if self.model is not None:
-            self.model.config.pad_token_id = tok.pad_token_id
-        self.processing_class = tok
-        if args.padding_free:
-            warnings.warn("padding_free=True is temporarily unavailable in trl.DPOTrainer and falls back to padding; "
-                          "so does megatrain_nb's DPOTrainer", stacklevel=2)
-        if data_collator is None:
-            from trl.trainer.dpo_trainer import DataCollatorForPreference
-
-            pad = args.pad_token or tok.pad_token or tok.eos_token
-            if pad not in tok.get_vocab():
-                raise ValueError(f"The specified `pad_token` ({pad!r}) is not found in the vocabulary of the given "
-                                 "processing_class; set DPOConfig.pad_token to a token it has")
-            tok.pad_token = pad
-            if self.model is not None:
-                self.model.config.pad_token_id = tok.pad_token_id
-
-            pad_multiple = args.pad_to_multiple_of if args.pad_to_multiple_of != "auto" else None
-            data_collator = DataCollatorForPreference(pad_token_id=tok.pad_token_id, max_length=args.max_length,
-                                                      truncation_mode=args.truncation_mode,
-                                                      pad_to_multiple_of=pad_multiple)
-        self.data_collator = (data_collator if isinstance(data_collator, PreferenceCollator)
-                              else PreferenceCollator(data_collator))
+        self.processing_class = self._tokens(args)
+        self.data_collator = self._collator(data_collator, args)
         self.prep_reports = []
         self.train_dataset = self._prepare(train_dataset, "train")
         self.eval_dataset = self._prepare(eval_dataset, "eval") if eval_dataset is not None else None
@@ -206,6 +180,38 @@ class DPOTrainer(Trainer):
         self.reference_seconds: dict = {}   # per split: seconds of the reference pass (0.0: read from the cache)
         self._total_train_tokens = 0
         self._eval_prefix, self._eval_extra = None, {}
+
+    # ------------------------------------------------------------------ construction helpers
+    def _tokens(self, args):
+        """The tokenizer, its pad token set as TRL sets it (and mirrored onto the model's config)."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("DPOTrainer needs a tokenizer: pass processing_class=... (or a model folder that holds one)")
+        pad = args.pad_token or tok.pad_token or tok.eos_token
+        if pad not in tok.get_vocab():
+            raise ValueError(f"The specified `pad_token` ({pad!r}) is not found in the vocabulary of the given "
+                             "processing_class; set DPOConfig.pad_token to a token it has")
+        tok.pad_token = pad
+        if self.model is not None:
+            self.model.config.pad_token_id = tok.pad_token_id
+        if args.padding_free:
+            warnings.warn("padding_free=True is temporarily unavailable in trl.DPOTrainer and falls back to padding; "
+                          "so does megatrain_nb's DPOTrainer", stacklevel=3)
+        return tok
+
+    def _collator(self, data_collator, args):
+        """TRL's preference collator (or the one given), with the labels the engine takes."""
+        if isinstance(data_collator, PreferenceCollator):   # a fork hands the parent's
+            return data_collator
+        if data_collator is None:
+            from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+            pad_multiple = args.pad_to_multiple_of if args.pad_to_multiple_of != "auto" else None
+            data_collator = DataCollatorForPreference(pad_token_id=self.tokenizer.pad_token_id,
+                                                      max_length=args.max_length,
+                                                      truncation_mode=args.truncation_mode,
+                                                      pad_to_multiple_of=pad_multiple)
+        return PreferenceCollator(data_collator)
 
     # ------------------------------------------------------------------ data and reference
     def _prepare(self, ds, what: str):

@@ -29,7 +29,8 @@ import warnings
 
 import torch
 
-from .data import DataError, eval_batches
+from .data import DataError, count_tokens, eval_batches
+from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
 from .dpo_loss import DPOObjective, DPOSettings, PairBatch
 from .dpo_reference import ReferenceCache, cache_key, reference_pass, weights_fingerprint, with_reference
@@ -114,7 +115,7 @@ def pair_batch(b: dict) -> PairBatch:
     if "ref_chosen_logps" not in b:
         raise DataError("a preference batch reached the engine without reference log-probs")
     return PairBatch(b["ref_chosen_logps"], b["ref_rejected_logps"], b["completion_mask"].sum(dim=1),
-                     int(b["attention_mask"].sum()))
+                     count_tokens(b), 0.0 if b.get(ZERO_WEIGHT) else 1.0)
 
 
 class DPOTrainer(Trainer):
@@ -296,12 +297,14 @@ class DPOTrainer(Trainer):
 
     def _train_window(self, window: list, total: int) -> dict:
         obj = self.objective
-        obj.scale = 1.0 / len(window) / self.dist.world   # transformers divides by the accumulation steps
+        # transformers divides by the accumulation steps (and DDP averages over ranks): 1 / the
+        # step's real micro-batches over every rank (a rank's filler micro-batch weighs nothing)
+        obj.scale = 1.0 / max(self.dist.sum(sum(not b.get(ZERO_WEIGHT) for b in window)), 1)
         obj.losses = []
         t_ref = self._live_reference(window)
         obj.feed([pair_batch(b) for b in window])
         before = {k: len(v) for k, v in obj.metrics.items()}
-        self._total_train_tokens += self.dist.sum(sum(int(b["attention_mask"].sum()) for b in window))
+        self._total_train_tokens += self.dist.sum(sum(count_tokens(b) for b in window))
         record = super()._train_window(window, total)
         for k, v in obj.metrics.items():
             new = v[before.get(k, 0):]
@@ -373,7 +376,7 @@ class DPOTrainer(Trainer):
             self._live_reference([b])
             obj.feed([pair_batch(b)])
             self._engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
-            n = int(b["input_ids"].shape[0])
+            n = 0 if b.get(ZERO_WEIGHT) else int(b["input_ids"].shape[0])
             total, rows = total + obj.losses[-1] * n, rows + n
         total, rows = self.dist.sum(total), self.dist.sum(rows)
         if rows == 0:

@@ -145,6 +145,7 @@ class PairBatch:
     ref_rejected: torch.Tensor
     completion_counts: torch.Tensor
     attention_tokens: int
+    weight: float = 1.0   # 0.0: a data-parallel rank's filler micro-batch (no loss, no metrics)
 
 
 class DPOObjective:
@@ -227,14 +228,14 @@ class DPOObjective:
                 cw, rw = torch.exp(mean).chunk(2, dim=0)
                 per_pair = per_pair * (cw * rw)
             total = total + per_pair.mean() * lw
-        return total * self.scale
+        return total * (self.scale * cur.weight)
 
     def done(self, stats, loss):
         if self.reference_only:
             self.ref_logps.append(stats["logps"].detach().cpu())
             return
         self.losses.append(loss)
-        if self.collect_metrics:
+        if self.collect_metrics and self._cur.weight:
             self._record(stats)
 
     def _record(self, stats) -> None:

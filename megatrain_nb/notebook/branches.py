@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from .placement import PLACEMENT, placement, sibling_engine
@@ -266,11 +267,14 @@ class Explorer:
         s, tr = self.session, self.trainer
         info = self.find(step)
         old_step, old_run = s.step, tr.run_id
+        self.verify(info)   # whole, before anything changes: a damaged snapshot leaves the run as it was
         self.activate(source=f"rewind of {s.name}")
-        self.abandon_after(info.step, old_run)
         from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart
 
-        tr.engine.load_checkpoint(info.path)   # at once: generate()/save_model() see that step's weights
+        # at once: generate()/save_model() see that step's weights (a load failing part way marks
+        # the engine failed: nothing trains, saves or reads on the mixture)
+        tr.engine.load_checkpoint(info.path, verify=False)
+        self.abandon_after(info.step, old_run)
         # back into an ancestor's run (before this fork's point): this fork's changes apply again
         other = info.run_id != old_run
         tr.branch_start = BranchStart(new_run=True,
@@ -279,6 +283,19 @@ class Explorer:
         self.restart_path, self.switched_out, self.pending_start = info.path, None, info.path
         s.run_log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
         return info
+
+    def verify(self, info) -> None:
+        """Check the snapshot ``info`` whole (manifest, the engine's linked files, state file)
+        before a rewind or fork changes anything; the error names the damaged file, and the
+        snapshot is listed as damaged from then on."""
+        from megatrain_nb.trainer.saving import verify_whole
+
+        try:
+            verify_whole(Path(info.path), self.trainer.engine)
+        except Exception as e:
+            self.session.run_log.add_event("snapshot_damaged", info.step, path=info.path,
+                                           error=f"{type(e).__name__}: {e}")
+            raise
 
     def abandon_after(self, step: int, old_run: Optional[str]) -> None:
         """A rewind to ``step``: the records after it leave the history and stay in the tree as
@@ -305,6 +322,7 @@ class Explorer:
         from .session import Session
 
         check_changes(changes)
+        self.verify(info)   # a damaged snapshot is refused here, not when the fork first trains
         changes = dict(changes)
         device = changes.pop(PLACEMENT, None)
         side = placement(self.trainer.engine.device, device) == "side_by_side"

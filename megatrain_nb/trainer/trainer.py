@@ -575,7 +575,7 @@ class Trainer:
                 "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
                 "total_steps": self.total_steps, "seed": self.args.seed}
         r = saving.load_state(path, self._engine, self.schedule, stream, mine,
-                              ignore_data_skip=self.args.ignore_data_skip, quiet=quiet)
+                              ignore_data_skip=self.args.ignore_data_skip, quiet=quiet, dist=self.dist)
         self.state, self._tokens_seen, self._log_accum = r.state, r.tokens_seen, r.log_accum
         self.run_id, self.parent_run_id, self.forked_at_step = r.run_id, r.parent_run_id, r.forked_at_step
 

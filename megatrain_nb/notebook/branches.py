@@ -76,7 +76,8 @@ class BranchGroup:
         self.protected: set = set()
 
     def names(self) -> list[str]:
-        return [m.session.name for m in self.members]
+        """Every branch's name (a dropped Session's too: its runs stay in the tree)."""
+        return [m.name for m in self.members]
 
     def node(self, run_id: str, name: str, parent: Optional[str] = None, at: Optional[int] = None) -> Node:
         with self.lock:
@@ -88,8 +89,8 @@ class BranchGroup:
     def records_by_run(self) -> dict[str, list]:
         """Every run's records, by step: what sessions hold now and what rewinds abandoned."""
         out: dict[str, list] = {}
-        for m in list(self.members):
-            for r in m.session.history:
+        for m in list(self.members):   # (the log, not the Session: a dropped fork's records stay)
+            for r in m.log.records():
                 if r.get("run_id"):
                     out.setdefault(r["run_id"], []).append(r)
         with self.lock:
@@ -103,6 +104,11 @@ class Explorer:
 
     def __init__(self, session, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None):
         self._session = weakref.ref(session)
+        # what the tree keeps of this branch if its Session is dropped (a notebook cell run again):
+        # its name, its records and the run id it trained last
+        self.name = session.name
+        self.log = session.run_log
+        self._last_run_id: Optional[str] = None
         self.snapshot_steps = _positive("snapshot_steps", snapshot_steps)
         self.keep_snapshots = _positive("keep_snapshots", keep_snapshots)
         self.group = BranchGroup()
@@ -132,7 +138,12 @@ class Explorer:
         """The id of the run going on (None before its first step)."""
         if self.ranks is not None:
             return self.ranks.run_id
-        return getattr(self.trainer, "run_id", None)
+        if self.session is None:   # dropped: the run it trained last
+            return self._last_run_id
+        rid = getattr(self.trainer, "run_id", None)
+        if rid is not None:
+            self._last_run_id = rid
+        return rid
 
     @property
     def trainer(self):
@@ -218,6 +229,7 @@ class Explorer:
         """After each step (training thread): automatic snapshots every ``snapshot_steps``,
         completed in the background (the step's updates and the next step go on meanwhile)."""
         self.pending_start = None
+        self._last_run_id = record.get("run_id") or self._last_run_id
         self._register(record.get("run_id"), record.get("parent_run_id"), record.get("forked_at_step"))
         self.settle(block=False)
         step = int(record.get("step", 0) or 0)

@@ -147,7 +147,7 @@ class Explorer:
 
     @property
     def trainer(self):
-        return self.session.trainer
+        return self.session._trainer   # (not Session.trainer, which switches the weights back)
 
     @property
     def store(self):
@@ -430,14 +430,11 @@ class Explorer:
             with g.lock:
                 g.active = self
             if self.switched_out is not None:   # it trained before: back to where it was
-                from megatrain_nb.trainer.snapshot import BranchStart
+                self._back_from(self.switched_out)
 
-                self.restart_path, self.switched_out = self.switched_out, None
-                if self.trainer.branch_start is None:   # (a rewind's new run, not started yet, stays one)
-                    self.trainer.branch_start = BranchStart(new_run=False)
-
-    def switch_out(self, by: str) -> None:
-        """Another branch takes the engine: pause this one (if running), keep its state."""
+    def switch_out(self, by: str, reading: bool = False) -> None:
+        """Another branch takes the engine: pause this one (if running), keep its state
+        (``reading``: to read the other's weights, said by its event, not printed)."""
         s = self.session
         if s.state == "running":
             s.pause(source=f"branch {by}")
@@ -448,10 +445,62 @@ class Explorer:
         self.engine_weight_decay()
         self.settle()
         self.switched_out = self.pending_start or self.store.take(self.trainer).path
-        msg = (f"megatrain_nb: branch {by!r} trains now; {s.name!r} is {s.state} at step {s.step} "
-               f"(one device trains one branch at a time; {s.name}.resume() switches back)")
-        print(msg)
+        if s.state == "paused":
+            back = f"{s.name}.resume() switches back"
+        elif s.state == "idle":
+            back = f"{s.name}.train() switches back"
+        else:   # finished: it trains no more, but its weights are its own
+            back = (f"reading {s.name}'s weights ({s.name}.generate(), .engine, .trainer.save_model(), a report) "
+                    "switches them back")
+        if not reading:
+            print(f"megatrain_nb: branch {by!r} trains now; {s.name!r} is {s.state} at step {s.step} "
+                  f"(one device trains one branch at a time; {back})")
         s.run_log.add_event("switched_out", s.step, by=by, path=self.switched_out)
+
+    def hold_weights(self, what: str, strict: bool = True) -> None:
+        """Before ``what`` reads this branch's weights: make the shared engine hold them again
+        when another branch that is not training holds it now (that one's state is kept in a
+        snapshot, as when it is paused for a branch that trains). While the other one trains,
+        ``strict`` raises saying what would be read and how to switch, else warns."""
+        s = self.session
+        if self.own_engine or s is None or s.released:
+            return
+        g = self.group
+        with g.switch:
+            with g.lock:
+                cur = g.active
+            if cur is None or cur is self or self.switched_out is None:
+                return
+            other = cur.session
+            if other is not None and other.state == "running":
+                msg = (f"{what} would read branch {cur.name!r}'s weights: it trains now on the engine "
+                       f"{s.name!r} shares (one device trains one branch at a time). Pause it "
+                       f"({cur.name}.pause()) or let it end, then ask again; {s.name}.resume() switches back "
+                       "and trains")
+                if strict:
+                    raise RuntimeError(msg)
+                import warnings
+
+                warnings.warn(msg, stacklevel=4)
+                return
+            if other is not None and not other.released:
+                cur.switch_out(by=s.name, reading=True)
+            path = self.switched_out
+            self.trainer.engine.load_checkpoint(path)
+            self.trainer.engine.adam.weight_decay = self.engine_weight_decay()
+            with g.lock:
+                g.active = self
+            self._back_from(path)
+            s.run_log.add_event("switched_in", s.step, path=path, source=what)
+
+    def _back_from(self, path: str) -> None:
+        """The engine holds (or will hold) this branch's state kept at ``path``: training again
+        restarts from it (the data position and RNG too), as the same run."""
+        from megatrain_nb.trainer.snapshot import BranchStart
+
+        self.restart_path, self.switched_out = path, None
+        if self.trainer.branch_start is None:   # (a rewind's new run, not started yet, stays one)
+            self.trainer.branch_start = BranchStart(new_run=False)
 
     # ---- the tree ------------------------------------------------------------------------------
     def tree(self) -> list[dict]:

@@ -22,9 +22,9 @@ ordered link in the disk tier's queue (``DiskStore.link``), which sees the versi
 this step's update and not the next one's; :meth:`LinkedWrite.result` then completes the
 folder while training goes on.
 
-Loading (after ``engine/linked_check.py`` checked every part) copies the state back through the stores' ordinary write paths (``overwrite``,
-``put_stored``), which keep the host cache and the read-ahead consistent; the snapshot's
-files are only read.
+Loading (after ``engine/linked_check.py`` checked every part) copies the state back through
+the stores' ordinary write paths (``overwrite``, ``put_stored``), which keep the host cache and
+the read-ahead consistent; the snapshot's files are only read.
 """
 from __future__ import annotations
 

@@ -102,8 +102,10 @@ class BranchGroup:
 class Explorer:
     """One Session's snapshots and branches (``session.explorer``)."""
 
-    def __init__(self, session, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None):
+    def __init__(self, session, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None,
+                 trainer: Any = None):
         self._session = weakref.ref(session)
+        self._trainer = _ref(trainer)   # (weak: a dropped fork's trainer goes with its Session)
         # what the tree keeps of this branch if its Session is dropped (a notebook cell run again):
         # its name, its records and the run id it trained last
         self.name = session.name
@@ -147,7 +149,8 @@ class Explorer:
 
     @property
     def trainer(self):
-        return self.session._trainer   # (not Session.trainer, which switches the weights back)
+        # (not Session.trainer, which switches the weights back)
+        return self._trainer() if self._trainer is not None else None
 
     @property
     def store(self):
@@ -321,6 +324,16 @@ class Explorer:
                 if gone:
                     n.name = f"{s.name} (abandoned after step {step})"
         self.note = f"rewound to step {step}"
+
+    def on_recovery(self, event: dict) -> None:
+        """(Training thread) the trainer recovered by itself (on_nonfinite="rewind",
+        ``trainer/recovery.py``): the steps after the snapshot it went back to become the
+        abandoned branch, as a rewind's do; a "recovery" event says why and what was skipped."""
+        self.abandon_after(int(event["to_step"]), event.get("abandoned_run_id"))
+        self.note = f"recovered at step {event['step']}"
+        fields = {k: event.get(k) for k in ("reason", "from_step", "to_step", "snapshot", "attempt", "max_recoveries",
+                                            "lr_factor", "lr", "skipped_window", "abandoned_run_id")}
+        self.session.run_log.add_event("recovery", int(event["step"]), **fields)
 
     def take_restart(self) -> Optional[str]:
         path, self.restart_path = self.restart_path, None
@@ -553,6 +566,15 @@ class Explorer:
         n = self.group.nodes.get(info.run_id)
         info.branch = n.name if n is not None else None
         return info
+
+
+def _ref(obj):
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:   # (an object without weak references: held)
+        return lambda: obj
 
 
 def check_changes(changes: dict) -> None:

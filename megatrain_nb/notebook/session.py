@@ -164,7 +164,7 @@ class Session:
         self._trainer = trainer
         self._tokenizer = tokenizer
         self._status = RunState(self.name)
-        self._explore = Explorer(self, *snapshots)   # snapshots, rewind, fork (branches.py)
+        self._explore = Explorer(self, *snapshots, trainer=trainer)   # snapshots, rewind, fork (branches.py)
         self._run = make_run(self._status, self._explore, self.id)
         self._view = SessionView(self)
         self._samples = Samples()

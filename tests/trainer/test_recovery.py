@@ -41,10 +41,15 @@ def _events(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_run_that_diverges_twice_recovers_and_ends_reproducibly(tmp_path):
+TIERS = {"ram": {}, "disk": {"offload_params": True, "optimizer_compression": "int8", "host_cache_gb": 0}}
+
+
+@pytest.mark.parametrize("tier", sorted(TIERS))
+def test_a_run_that_diverges_twice_recovers_and_ends_reproducibly(tmp_path, tier):
     finals = []
     for k in ("a", "b"):
-        tr = _trainer(tmp_path / k)
+        opts = dict(TIERS[tier], offload_dir=str(tmp_path / f"offload-{k}")) if TIERS[tier] else {}
+        tr = _trainer(tmp_path / k, **opts)
         tr.train()
         assert tr.state.global_step == 12
         w = {n: p.clone() for n, p in tr.engine.named_parameters()}
@@ -84,3 +89,26 @@ def test_robust_z_and_the_settings_are_checked():
         with pytest.raises(ValueError):
             EngineConfig(**bad)
     EngineConfig(on_nonfinite="rewind", loss_spike=6.0)
+
+
+def spike_on_marked_rows(logits, labels):
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+    return loss * 40.0 if bool((labels == MARK).any()) else loss
+
+
+def test_a_loss_spike_is_recovered_from_like_a_nan(tmp_path):
+    torch.set_num_threads(1)
+    a = args(tmp_path, max_steps=14, per_device_train_batch_size=1, max_grad_norm=1.0, lr_scheduler_type="constant",
+             train_sampling_strategy="sequential")
+    tr = Trainer(model=micro_model(), train_dataset=_dataset(marked=(11,)), args=a, device="cpu",
+                 loss_fn=spike_on_marked_rows, on_nonfinite="rewind", loss_spike=6.0, loss_spike_window=10)
+    tr.train()
+    rec = [e for e in _events(tmp_path) if e.get("event") == "recovery"]
+    assert len(rec) == 1 and rec[0]["step"] == 12 and "loss spike at step 12" in rec[0]["reason"]
+    assert rec[0]["skipped_window"]["batches"] == [11] and rec[0]["to_step"] == 11
+    assert tr.state.global_step == 14
+    losses = [e["loss"] for e in _events(tmp_path) if e.get("event") is None and "loss" in e
+              and e.get("run_id") == tr.run_id]
+    assert max(losses) < 10
+    tr.close()

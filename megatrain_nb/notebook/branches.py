@@ -273,7 +273,7 @@ class Explorer:
             raise LookupError(f"no snapshot at step {step} of session {self.session.name!r}; the steps that "
                               f"have one: {', '.join(map(str, have)) or 'none'} (take them with "
                               "session.snapshot() or snapshot_steps=N)")
-        return max(found, key=lambda i: i.time)
+        return max(found, key=lambda i: (not i.damaged, i.time))   # (one known damaged: the rewind says why)
 
     # ---- rewind ------------------------------------------------------------------------------
     def rewind(self, step: int, source: str = "notebook") :

@@ -170,6 +170,7 @@ class Recovery:
 
             t.engine.zero_grad()
             t.schedule = apply_branch_start(t, BranchStart(new_run=True), stream, total)
+            _one_run_id(t)
             to_step, path = old_step, None
         else:
             path, stream = target
@@ -207,6 +208,7 @@ class Recovery:
             stream = t.fresh_stream()
             t.load_state(Path(path), stream, quiet=True)
             t.schedule = apply_branch_start(t, BranchStart(new_run=True), stream, total)
+            _one_run_id(t)
             self.protected.add(str(path))
             return str(path), stream
         return None
@@ -247,6 +249,12 @@ class Recovery:
         return (f"{reason}: the run diverged again after {len(self.attempts)} recoveries (max_recoveries="
                 f"{self.limit}), so it stops here. {self._listing()}. Lower the learning rate, set max_grad_norm, "
                 "or look at the data windows named in metrics.jsonl's recovery events")
+
+
+def _one_run_id(trainer) -> None:
+    """Every rank takes rank 0's new run id (one run, as at a run's start)."""
+    if trainer.dist.world > 1:
+        trainer.run_id = trainer.dist.all_gather_json(trainer.run_id)[0]
 
 
 def _window_text(step: int, pos, trainer) -> Optional[dict]:

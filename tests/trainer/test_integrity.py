@@ -320,7 +320,7 @@ def test_a_load_that_fails_part_way_leaves_nothing_to_train_or_save_on(saved, tm
     monkeypatch.setattr(e.weights, "overwrite", overwrite)
     with pytest.raises(OSError):
         e.load_checkpoint(str(saved / "checkpoint-4"))
-    for use in (lambda: e.save_pretrained(str(tmp_path / "m")), lambda: e.state_dict()):
+    for use in (lambda: e.save_pretrained(str(tmp_path / "m")), lambda: e.state_dict(), lambda: tr.train()):
         with pytest.raises(RuntimeError, match="failed part way"):
             use()
     monkeypatch.setattr(e.weights, "overwrite", real)

@@ -106,6 +106,8 @@ class Explorer:
                  trainer: Any = None):
         self._session = weakref.ref(session)
         self._trainer = _ref(trainer)   # (weak: a dropped fork's trainer goes with its Session)
+        if trainer is not None and hasattr(trainer, "weights_hook"):   # its saves: this branch's weights
+            trainer.weights_hook = self.hold_weights
         # what the tree keeps of this branch if its Session is dropped (a notebook cell run again):
         # its name, its records and the run id it trained last
         self.name = session.name
@@ -476,9 +478,9 @@ class Explorer:
         snapshot, as when it is paused for a branch that trains). While the other one trains,
         ``strict`` raises saying what would be read and how to switch, else warns."""
         s = self.session
-        if self.own_engine or s is None or s.released:
-            return
         g = self.group
+        if self.own_engine or s is None or s.released or g.active is self or g.active is None:
+            return   # (checked before the lock: a switch in progress saves the branch it switches out)
         with g.switch:
             with g.lock:
                 cur = g.active

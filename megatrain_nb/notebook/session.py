@@ -198,9 +198,8 @@ class Session:
     @property
     def trainer(self) -> Any:
         """The trainer the session drives (an ``mt.Trainer`` unless built ``from_trainer``; None when
-        the ranks train in worker processes). Read from the notebook, a branch whose shared engine
-        holds another branch's state (that one not training) gets its own weights back first."""
-        self._own_weights("session.trainer")
+        the ranks train in worker processes). Its ``save_model()``/``save_checkpoint()`` save this
+        branch's weights: a shared engine holding another branch's is switched back first."""
         return self._trainer
     tokenizer = _forward("_tokenizer", settable=True)
     publisher = _forward("_view.live", settable=True)

@@ -173,6 +173,9 @@ class Trainer:
         self.recovery = Recovery(self, self._engine.config) if self._engine.config.on_nonfinite == "rewind" else None
         self.recovery_hooks: list = []
         self.snapshot_steps_elsewhere: Optional[int] = None
+        #: set by a Session whose branches share this engine: called before the weights are saved
+        #: (it makes the engine hold this trainer's branch again, or refuses saying why)
+        self.weights_hook = None
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict):
@@ -528,6 +531,8 @@ class Trainer:
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads (and the tokenizer, if any)."""
+        if self.weights_hook is not None:   # a branch sharing its engine: its own weights first
+            self.weights_hook("save_model()")
         return saving.save_model_folder(self._engine, self.tokenizer, self.dist,
                                         Path(output_dir or self.args.output_dir))
 
@@ -540,6 +545,8 @@ class Trainer:
         """Write a complete checkpoint (default ``output_dir/checkpoint-<step>``); returns its path."""
         if self.schedule is None or self._stream is None:
             raise RuntimeError("save_checkpoint() needs a training run (call train() or iter_steps() first)")
+        if self.weights_hook is not None:
+            self.weights_hook("save_checkpoint()")
         default = path is None
         final = (Path(path) if path is not None
                  else Path(self.args.output_dir) / f"{ckpt.PREFIX}-{self.state.global_step}")

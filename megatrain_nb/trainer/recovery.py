@@ -218,6 +218,7 @@ class Recovery:
         from .snapshot import SnapshotStore
 
         t = self.trainer
+        t.wait_snapshot()   # (one completing in the background is listed, whatever its timing)
         found = None
         if t.dist.is_main:
             reach = self._lineage()

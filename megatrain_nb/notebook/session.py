@@ -559,5 +559,6 @@ class Session:
 
 def _is_divergence(error) -> bool:
     from ..engine.finite import NonFiniteError
+    from ..trainer.recovery import RecoveryError
 
-    return isinstance(error, NonFiniteError)
+    return isinstance(error, (NonFiniteError, RecoveryError))

@@ -42,7 +42,12 @@ MIN_SPIKE_HISTORY = 8
 
 
 class RecoveryError(FloatingPointError):
-    """A run with on_nonfinite='rewind' could not recover (the message lists every attempt)."""
+    """A run with on_nonfinite='rewind' could not recover (the message lists every attempt);
+    ``step``: the step that diverged last (the weights are those of the step before)."""
+
+    def __init__(self, message: str, step: Optional[int] = None):
+        super().__init__(message)
+        self.step = step
 
 
 class Diverged(Exception):
@@ -158,12 +163,12 @@ class Recovery:
         t = self.trainer
         old_run, old_step = t.run_id, int(t.state.global_step)
         if len(self.attempts) >= self.limit:
-            raise RecoveryError(self._exhausted(step, reason))
+            raise RecoveryError(self._exhausted(step, reason), step)
         pos = self.positions.get(step)
         target = self._load_newest(step, total)
         if target is None and applied:
             raise RecoveryError(f"{reason}: no snapshot before step {step} to go back to (with on_nonfinite="
-                                "'rewind' the Trainer takes them; set snapshot_steps lower). " + self._listing())
+                                "'rewind' the Trainer takes them; set snapshot_steps lower). " + self._listing(), step)
         stream = t.data_stream
         if target is None:   # nothing of the step was applied: go on from here as a branch
             from .snapshot import BranchStart, apply_branch_start

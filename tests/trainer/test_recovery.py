@@ -72,8 +72,10 @@ def test_a_run_that_diverges_twice_recovers_and_ends_reproducibly(tmp_path, tier
 
 def test_after_max_recoveries_the_run_stops_listing_every_attempt(tmp_path):
     tr = _trainer(tmp_path, marked=(2, 5, 8), max_recoveries=2)
-    with pytest.raises(RecoveryError, match=r"after 2 recoveries.*1\. non-finite.*2\. non-finite"):
+    with pytest.raises(RecoveryError, match=r"after 2 recoveries.*1\. non-finite.*2\. non-finite") as err:
         tr.train()
+    assert err.value.step is not None and isinstance(err.value, FloatingPointError)
+    assert all(bool(torch.isfinite(p).all()) for _, p in tr.engine.named_parameters())
     tr.close()
 
 

@@ -98,6 +98,10 @@ def test_a_damaged_snapshot_is_refused_whole_and_the_run_is_unchanged(trained, k
         listed = [i for i in s.snapshots if i.path == snap.path]
         assert listed and listed[0].damaged, "a damaged snapshot is listed, with why"
         assert any(e["kind"] == "snapshot_damaged" for e in s.events)
+        with pytest.raises(ValueError, match=os.path.basename(victim)):   # a fork from it: refused at fork()
+            s.fork(step=2, name=f"from-damaged-{kind}")
+        assert f"from-damaged-{kind}" not in s.explorer.taken_names()
+        _same(_everything(s), before)
     finally:
         with open(victim, "wb") as f:
             f.write(original)

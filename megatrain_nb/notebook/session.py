@@ -358,7 +358,8 @@ class Session:
         if st.state == "idle":
             if st.started_at is None:
                 raise RuntimeError(f"session {self.name!r} has not started: nothing to resume; train() starts it")
-            self.train()
+            # (from the sidebar's thread: no display there; the notebook's dashboard follows the run)
+            self.train(dashboard=None if threading.current_thread() is threading.main_thread() else False)
             return
         if st.state == "finished" and not st.released:
             raise RuntimeError(f"session {self.name!r} has finished: nothing to resume. rewind(<step>) then "

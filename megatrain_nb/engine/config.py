@@ -107,7 +107,18 @@ class EngineConfig:
     """Leave the disk-tier files in place on close() (they are removed by default)."""
     on_nonfinite: str = "stop"
     """A step with a NaN/inf loss or gradient norm: 'stop' raises before it is applied; 'skip'
-    drops it (counted in ``telemetry()["skipped_steps"]``) and goes on."""
+    drops it (counted in ``telemetry()["skipped_steps"]``) and goes on; 'rewind' (a Trainer's
+    run: ``trainer/recovery.py``) goes back to the newest snapshot that checks, lowers the
+    learning rate, steps over the data window that diverged and goes on."""
+    loss_spike: Optional[float] = None
+    """With on_nonfinite='rewind': also recover from a loss more than this many robust standard
+    deviations above the median of the last ``loss_spike_window`` steps (None: only NaN/inf)."""
+    loss_spike_window: int = 50
+    """The logged steps whose losses the loss_spike test compares against."""
+    recover_lr_factor: float = 0.5
+    """With on_nonfinite='rewind': the learning rate is multiplied by this at each recovery."""
+    max_recoveries: int = 3
+    """With on_nonfinite='rewind': recoveries before the run stops (listing every attempt)."""
     window_tier: str = "auto"
     """Where a layer-major window keeps its layer-boundary activations: "auto" (the device when
     they fit its budget, else host RAM, else the disk tier), "device", "host" or "disk" (needs
@@ -145,8 +156,9 @@ class EngineConfig:
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):
                 raise ValueError(f"{name}={v!r} must be a positive number of GiB (or None for no cap).")
         self.optimizer_compression = normalize_compression(self.optimizer_compression)
-        from .finite import check_policy
+        from .finite import check_policy, check_recovery
         check_policy(self.on_nonfinite)
+        check_recovery(self)
         if self.precision not in _PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not supported; use one of {_PRECISIONS}.")
         if self.checkpoint_interval is not None and (

@@ -128,6 +128,9 @@ def status_line(session) -> str:
 
         e = view.events[-1]
         line += f"; {len(view.events)} events (last: {event_label(e)} at step {e['step']})"
+    for e in (e for e in view.events if e.get("kind") == "recovery"):   # (on_nonfinite="rewind")
+        line += (f"\nrecovery {e.get('attempt')}/{e.get('max_recoveries')}: {e.get('reason')} -> back to step "
+                 f"{e.get('to_step')}, lr x{fmt_num(e.get('lr_factor'), '.3g')}")
     if session.error is not None:
         line += f"\nerror: {type(session.error).__name__}: {session.error} (session.wait() re-raises it)"
     return line

@@ -289,3 +289,41 @@ def test_a_checkpoint_with_a_parameter_of_another_shape_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"differ in shape.*mlp"):
         tr.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     tr.close()
+
+
+def test_the_engine_checks_a_trainer_checkpoint_before_loading_it(saved, tmp_path):
+    """StreamingEngine.load_checkpoint on a Trainer checkpoint reads its manifest first."""
+    out = _copy(saved, tmp_path)
+    victim = [p for p in _big_files(out / "checkpoint-4") if "model" in p.name][0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    tr = _trainer(tmp_path / "other")
+    before = {k: v.clone() for k, v in tr.engine.state_dict().items()}
+    with pytest.raises(IntegrityError, match=victim.name):
+        tr.engine.load_checkpoint(str(out / "checkpoint-4"))
+    after = tr.engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    tr.close()
+
+
+def test_a_load_that_fails_part_way_leaves_nothing_to_train_or_save_on(saved, tmp_path, monkeypatch):
+    tr = _trainer(tmp_path / "other")
+    e = tr.engine
+    real, calls = e.weights.overwrite, []
+
+    def overwrite(unit, flat):
+        calls.append(unit.name)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return real(unit, flat)
+    monkeypatch.setattr(e.weights, "overwrite", overwrite)
+    with pytest.raises(OSError):
+        e.load_checkpoint(str(saved / "checkpoint-4"))
+    for use in (lambda: e.save_pretrained(str(tmp_path / "m")), lambda: e.state_dict(), lambda: tr.train()):
+        with pytest.raises(RuntimeError, match="failed part way"):
+            use()
+    monkeypatch.setattr(e.weights, "overwrite", real)
+    e.load_checkpoint(str(saved / "checkpoint-4"))   # a load that succeeds repairs it
+    assert e.state_dict()
+    tr.close()

@@ -73,7 +73,26 @@ def load_run_config(path) -> dict:
     for key in ("model", "preset", "tokenizer", "revision"):
         if key in cfg and not isinstance(cfg[key], str):
             raise UsageError(f"--config {path}: '{key}' must be a string, got {cfg[key]!r}")
+    check_values(cfg, path)
     return cfg
+
+
+def check_values(cfg: dict, path) -> None:
+    """Every value of run.yaml the table of values holds (:mod:`megatrain_nb.values`), checked as
+    it enters, before any model or data is read; the checked numbers replace the text."""
+    from megatrain_nb.values import ValueRefused, check, check_fields
+
+    try:
+        for key in ("training", "sft", "engine"):
+            if cfg.get(key):
+                cfg[key].update(check_fields(cfg[key], key))
+        data = cfg.get("data") or {}
+        if "seq_len" in data:
+            data["seq_len"] = check("seq_len", data["seq_len"], "data.seq_len")
+        if "seed" in cfg:
+            cfg["seed"] = check("seed", cfg["seed"], "seed")
+    except ValueRefused as e:
+        raise UsageError(f"--config {path}: {e}") from None
 
 
 def model_source(cfg: dict, base: Path) -> tuple[str, str]:
@@ -103,10 +122,12 @@ def training_fields(ns, cfg: dict, base: Path) -> dict:
     return training
 
 
-def check_max_steps(v, where: str, error=None) -> None:
-    """max_steps: >= 1, or -1 (transformers' "no step limit": num_train_epochs decides). 0 and
-    other negatives would silently fall back to epochs in transformers: refused."""
-    error = error or UsageError
-    if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
-        raise error(f"{where + ' ' if where else ''}{v!r}: give a whole number of optimizer steps >= 1, or -1 "
-                    "for no step limit (the run then lasts training.num_train_epochs epochs)")
+def check_max_steps(v, where: str, error=None) -> int:
+    """max_steps by the table's rule (>= 1, or -1: transformers' "no step limit"; 0 and other
+    negatives would silently fall back to epochs in transformers): refused with ``error``."""
+    from megatrain_nb.values import ValueRefused, check
+
+    try:
+        return check("max_steps", v, where or "max_steps")
+    except ValueRefused as e:
+        raise (error or UsageError)(str(e)) from None

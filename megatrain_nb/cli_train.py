@@ -54,10 +54,7 @@ def cmd_train(ns) -> int:
     training.setdefault("report_to", "none")
     if not os.path.isabs(training["output_dir"]):
         training["output_dir"] = str((base / training["output_dir"]).resolve())
-    try:
-        seq_len = int(data.get("seq_len", 256))
-    except (TypeError, ValueError):
-        raise UsageError(f"data.seq_len: expected a whole number, got {data.get('seq_len')!r}") from None
+    seq_len = data.get("seq_len") or 256   # checked by load_run_config (the table of values)
     if "preset" in cfg and cfg["preset"] not in preset_names():
         raise UsageError(f"preset: {cfg['preset']!r} is not a preset; use one of {', '.join(preset_names())}")
     try:   # checked before any data is prepared; a misspelled field gets the closest name

@@ -86,12 +86,12 @@ def _error_line(capsys) -> str:
     ({"preset": "micro", "training": {"gradient_accumulation_steps": -1}}, "training.gradient_accumulation_steps=-1"),
     # named before any data is read (the train file does not even exist)
     ({"preset": "micro", "training": {"learning_rate": -1}, "data": {"train": "missing.jsonl"}},
-     "training.learning_rate must be a finite number > 0"),
+     "training.learning_rate=-1: must be a finite number > 0"),
     ({"preset": "nope"}, "'nope' is not a preset; use one of micro"),
     ({"preset": "micro", "colour": 1}, "unknown section(s) ['colour']"),
     ({"preset": "micro", "data": {"train": "missing.jsonl"}}, r"data.train: file\(s\) not found: .*missing.jsonl"),
     ({"preset": "micro", "data": {"trian": "x"}}, "unknown data field(s) ['trian']"),
-    ({"preset": "micro", "data": {"seq_len": "long"}}, "data.seq_len: expected a whole number, got 'long'"),
+    ({"preset": "micro", "data": {"seq_len": "long"}}, "data.seq_len='long': must be a whole number >= 2"),
     ({"preset": "micro", "engine": "cpu"}, "'engine' must be a mapping"),
     ({"model": "./no/such/folder"}, "not a local model folder"),
     ({"preset": "micro", "training": {"max_steps": 1}, "data": {"train": "t.jsonl"}},
@@ -233,8 +233,8 @@ def test_demo_again_into_the_same_folder_is_a_new_run(tmp_path, monkeypatch, sha
     (["demo", "--quick", "--steps", "0"], "argument --steps"),
     (["demo", "--seq-len", "0"], "argument --seq-len"),
     (["demo", "--batch-size", "-1"], "argument --batch-size"),
-    (["train", "--config", "run.yaml", "--max-steps", "0"], "argument --max-steps: 0: give a whole number"),
-    (["train", "--config", "run.yaml", "--max-steps", "-2"], "or -1 for no step limit"),
+    (["train", "--config", "run.yaml", "--max-steps", "0"], "--max-steps='0': must be a whole number >= 1"),
+    (["train", "--config", "run.yaml", "--max-steps", "-2"], "or -1 (optimizer steps to train; -1 = num_train_epochs decides)"),
 ])
 def test_zero_and_negative_counts_are_refused(argv, text, capsys):
     with pytest.raises(SystemExit) as e:
@@ -246,7 +246,7 @@ def test_zero_and_negative_counts_are_refused(argv, text, capsys):
 def test_max_steps_zero_in_the_config_is_refused(tmp_path, capsys):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"preset": "micro", "training": {"max_steps": 0}}))
     assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")]) == 2
-    assert "training.max_steps 0: give a whole number of optimizer steps >= 1, or -1" in _error_line(capsys)
+    assert "training.max_steps=0: must be a whole number >= 1 and <= 2**63-1, or -1" in _error_line(capsys)
 
 
 def test_max_steps_minus_one_says_it_trains_by_epochs(tmp_path, capsys):

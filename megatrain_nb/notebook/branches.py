@@ -34,6 +34,8 @@ from typing import Any, Optional
 
 from .placement import PLACEMENT, placement, sibling_engine
 
+from megatrain_nb.values import VALUES
+
 # (the trainer's modules import torch: loaded when first used, so importing a Session stays light)
 
 #: what a fork may change mid-run (TrainingArguments fields, the data, the loss)
@@ -304,8 +306,7 @@ class Explorer:
 
         from .session import Session
 
-        check_changes(changes)
-        changes = dict(changes)
+        changes = check_changes(changes)
         device = changes.pop(PLACEMENT, None)
         side = placement(self.trainer.engine.device, device) == "side_by_side"
         taken = set(self.group.names())
@@ -476,12 +477,22 @@ class Explorer:
         return info
 
 
-def check_changes(changes: dict) -> None:
+def check_changes(changes: dict) -> dict:
+    """A fork's ``changes``, each name allowed and each value checked by the table of values
+    (:mod:`megatrain_nb.values`, the Trainer's arguments' rules), at ``fork()``; the checked values."""
     bad = [k for k in changes if k not in ALLOWED and k != PLACEMENT]
     if bad:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
                          f"{', '.join(ALLOWED)}")
+    from megatrain_nb.values import check
+
+    out = {k: check(k, v, f"fork({k})") if k in VALUES else v for k, v in changes.items()}
+    loss_fn = out.get("loss_fn")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"fork(loss_fn)={loss_fn!r}: must be a function (logits chunk, labels chunk) -> summed "
+                         "loss, or None")
+    return out
 
 
 def _describe(v: Any) -> str:

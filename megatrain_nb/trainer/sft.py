@@ -64,6 +64,9 @@ def coerce_sft_args(args):
     if args is None:
         return SFTConfig(output_dir="megatrain_outputs")
     if isinstance(args, dict):
+        from .args import check_given
+
+        check_given(args, "args")
         return SFTConfig(**{"output_dir": "megatrain_outputs", **args})
     if isinstance(args, SFTConfig):
         return args

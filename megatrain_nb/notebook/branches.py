@@ -32,9 +32,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .placement import PLACEMENT, placement, sibling_engine
-
 from megatrain_nb.values import VALUES
+
+from .placement import PLACEMENT, placement, sibling_engine
 
 # (the trainer's modules import torch: loaded when first used, so importing a Session stays light)
 

@@ -175,6 +175,22 @@ def validate_training_args(args, *, where: str = "TrainingArguments") -> None:
         )
 
 
+def check_eval_plan(args, eval_dataset) -> None:
+    """An ``eval_strategy`` that evaluates during training needs an eval set (as transformers says)."""
+    strategy = _value(args.eval_strategy)
+    if strategy != "no" and eval_dataset is None:
+        raise UnsupportedArgumentError(
+            f"TrainingArguments.eval_strategy={strategy!r} evaluates during training, but no eval_dataset was "
+            "given: pass eval_dataset=..., or set eval_strategy='no'")
+
+
+def check_seq_len(seq_len, max_positions) -> None:
+    """A block length the model can take: at most its ``max_position_embeddings``."""
+    if seq_len is not None and max_positions and seq_len > max_positions:
+        raise ValueError(f"seq_len={seq_len}: must be at most the model's max_position_embeddings "
+                         f"({max_positions}); pass a smaller seq_len")
+
+
 def engine_options_from_args(args) -> dict:
     """The EngineConfig fields that TrainingArguments decide."""
     opts = {

@@ -32,11 +32,15 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatrain_nb.values import check
+
 from ..engine.dist import Dist
 from . import checkpoint as ckpt
 from . import saving
 from .args import (
+    check_eval_plan,
     check_learning_rate,
+    check_seq_len,
     default_values,
     engine_options_from_args,
     training_arguments,
@@ -94,6 +98,8 @@ class Trainer:
     ``seq_len``/``text_column``/``packing``: how a text dataset is tokenised and packed.
     """
 
+    _eval_set_later = False   # SFTTrainer prepares its eval set after this constructor (and checks it)
+
     def __init__(self, model=None, train_dataset=None, args=None, eval_dataset=None, tokenizer=None,
                  data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
                  text_column: str = "text", packing: bool = True, loss_fn=None, revision: Optional[str] = None,
@@ -124,12 +130,18 @@ class Trainer:
                            if not _is_engine(model) else None)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)
+        from megatrain_nb.engine.family import max_positions
+
+        seq_len = check("seq_len", seq_len, "seq_len")
+        check_seq_len(seq_len, max_positions(self._engine.model_config))
         self.seq_len = seq_len or _default_seq_len(self._engine)
         prep = dict(tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=text_column, packing=packing)
         self.train_dataset = (prepare_dataset(train_dataset, what="train_dataset", **prep)
                               if train_dataset is not None else None)
         self.eval_dataset = (prepare_dataset(eval_dataset, what="eval_dataset", **prep)
                              if eval_dataset is not None else None)
+        if not self._eval_set_later:
+            check_eval_plan(self.args, self.eval_dataset)
         self._prep = prep
         self.data_collator = (ColumnFilter(data_collator) if data_collator is not None
                               else default_collator(self.tokenizer))

@@ -123,7 +123,7 @@ def test_command_reaches_the_session_within_a_second(fetch, running, body, kind,
 @pytest.mark.parametrize(
     ("body", "message"),
     [({"command": "explode"}, "unknown command 'explode'"),
-     ({"command": "lr"}, "positive number"),
+     ({"command": "lr"}, "must be a finite number > 0"),
      ({"command": "lr", "value": -1}, "> 0"),
      ({"command": "pause", "value": 1}, "takes no value"),
      ("not json", "must be JSON"),

@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatrain_nb.values import VALUES
+from megatrain_nb.values import VALUES, check
 
 from .placement import PLACEMENT, placement, sibling_engine
 
@@ -104,8 +104,8 @@ class Explorer:
 
     def __init__(self, session, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None):
         self._session = weakref.ref(session)
-        self.snapshot_steps = _positive("snapshot_steps", snapshot_steps)
-        self.keep_snapshots = _positive("keep_snapshots", keep_snapshots)
+        self.snapshot_steps = check("snapshot_steps", snapshot_steps)
+        self.keep_snapshots = check("keep_snapshots", keep_snapshots)
         self.group = BranchGroup()
         self.group.members.append(self)
         self.origin: Optional[tuple] = None      # a fork: (parent run id, step) before its first step
@@ -485,8 +485,6 @@ def check_changes(changes: dict) -> dict:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
                          f"{', '.join(ALLOWED)}")
-    from megatrain_nb.values import check
-
     out = {k: check(k, v, f"fork({k})") if k in VALUES else v for k, v in changes.items()}
     loss_fn = out.get("loss_fn")
     if loss_fn is not None and not callable(loss_fn):
@@ -509,11 +507,4 @@ def free_name(base: str, taken: set) -> str:
         k += 1
     return f"{base}-{k}"
 
-
-def _positive(name: str, v):
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name} must be a whole number >= 1 (or None), got {v!r}")
-    return v
 

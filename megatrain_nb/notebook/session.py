@@ -94,8 +94,11 @@ class Session:
                  eval_dataset: Any = None, name: Optional[str] = None, *, seq_len: Optional[int] = None,
                  loss_fn: Any = None, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None,
                  nproc_per_node: Optional[int] = None, **engine_options: Any):
+        from megatrain_nb.values import check
+
         given = dict(train_dataset=train_dataset, args=args, tokenizer=tokenizer, eval_dataset=eval_dataset,
-                     seq_len=seq_len)
+                     seq_len=check("seq_len", seq_len))
+        snapshot_steps, keep_snapshots = check("snapshot_steps", snapshot_steps), check("keep_snapshots", keep_snapshots)
         if nproc_per_node is not None:   # the ranks train in worker processes; this object steers them
             from .remote import ProcessRun
 

@@ -111,6 +111,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.args = _coerce_args(args)
         validate_training_args(self.args)
+        seq_len = check("seq_len", seq_len)
         if self.args.full_determinism:
             enable_full_determinism(self.args.seed)
         else:
@@ -132,7 +133,6 @@ class Trainer:
             self.tokenizer = _local_tokenizer(model)
         from megatrain_nb.engine.family import max_positions
 
-        seq_len = check("seq_len", seq_len, "seq_len")
         check_seq_len(seq_len, max_positions(self._engine.model_config))
         self.seq_len = seq_len or _default_seq_len(self._engine)
         prep = dict(tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=text_column, packing=packing)

@@ -36,7 +36,43 @@ def load_files(spec, *, base: Path, what: str):
     kinds = {_DATA_KINDS.get(Path(f).suffix.lower()) for f in files}
     if None in kinds or len(kinds) != 1:
         raise UsageError(f"data.{what}: {files}: use files of one kind, .jsonl/.json/.txt/.csv/.parquet")
-    return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+    kind = kinds.pop()
+    from datasets.utils import logging as ds_logging
+
+    level, bars = ds_logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)   # a file that cannot be read is said once, in our line
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(kind, data_files=files, split="train")
+    except Exception as e:  # noqa: BLE001 - datasets wraps the parser's error (DatasetGenerationError)
+        raise UsageError(f"data.{what}: {_unreadable(files, kind, e)}") from None
+    finally:
+        ds_logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _unreadable(files: list, kind: str, error: Exception) -> str:
+    """Which file (and, for JSON lines, which line) could not be read, in one line."""
+    import json
+
+    if kind == "json":
+        for f in files:
+            if not f.lower().endswith(".jsonl"):
+                continue
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        return f"{f} line {n} is not JSON ({e}); each line must be one JSON object"
+                    if not isinstance(row, dict):
+                        return f"{f} line {n} is a {type(row).__name__}, not a JSON object like {{\"text\": ...}}"
+    cause = error.__cause__ or error.__context__ or error
+    text = " ".join(str(cause).split())[:300]
+    return f"{', '.join(files)} cannot be read as {kind} ({type(cause).__name__}: {text})"
 
 
 def load_run_config(path) -> dict:

@@ -75,6 +75,10 @@ def cmd_train(ns) -> int:
     if train_ds is not None and is_conversational_dataset(train_ds, data.get("text_column", "text")):
         return cmd_train_sft(ns, cfg, base)   # instruction / chat rows: the format is detected
     eval_ds = load_files(data.get("eval"), base=base, what="eval") if data.get("eval") else None
+    if train_ds is not None and tokenizer is None and model is None and "input_ids" not in train_ds.column_names:
+        from megatrain_nb.trainer.default import load_default_tokens
+
+        tokenizer = load_default_tokens()[0]   # a preset has no tokenizer of its own: the built-in one
     if train_ds is None:  # built-in corpus
         tok, train_ds, builtin_eval = load_default(seq_len=seq_len)
         tokenizer = tokenizer or tok

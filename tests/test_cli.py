@@ -290,3 +290,29 @@ def test_the_summary_says_plainly_what_the_host_cache_held_and_what_reached_the_
     none = {"disk_cache_stats": {"capacity_bytes": 0, "ram_bytes": 0, "disk_read_bytes": 1, "disk_write_bytes": 1}}
     assert cache_text(none) == "no host cache of the disk tier: every access went to the disk"
     assert cache_text({"weights": 1}) == ""
+
+
+@pytest.mark.parametrize("text,said", [
+    ('{"text": "a"}\n{"text": "b"\n', r"bad.jsonl line 2 is not JSON .*each line must be one JSON object"),
+    ('{"text": "a"}\n[1, 2]\n', r"bad.jsonl line 2 is a list, not a JSON object"),
+])
+def test_an_invalid_jsonl_file_is_one_line_and_exit_2(tmp_path, capsys, text, said):
+    """Issue 33 item 6: a DatasetGenerationError traceback with exit 1."""
+    import re
+
+    (tmp_path / "bad.jsonl").write_text(text)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"preset": "micro", "data": {"train": "bad.jsonl"},
+                                                      "training": {"max_steps": 1}}))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")]) == 2
+    assert re.search(said, _error_line(capsys))
+
+
+def test_a_preset_trains_on_a_text_jsonl_with_the_built_in_tokenizer(tmp_path, capsys):
+    """Issue 33 item 6: refused with "no tokenizer was given" though the README promises the built-in one."""
+    rows = [{"text": f"def f{i}(x):\n    return x + {i}\n" * 8} for i in range(24)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "preset": "micro", "data": {"train": "t.jsonl", "seq_len": 32},
+        "training": {"max_steps": 1, "per_device_train_batch_size": 2, "save_strategy": "no"}}))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")]) == 0
+    assert "train loss" in capsys.readouterr().out

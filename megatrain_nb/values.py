@@ -127,6 +127,8 @@ VALUES: dict[str, Value] = {v.name: v for v in (
     _row("seed", "int", "the random seed of the model's initialisation and the data order", low=0, high=MAX_SEED),
     _row("data_seed", "int", "the random seed of the data order; None = seed", low=0, high=MAX_SEED, none_ok=True),
     # ---- the engine (EngineConfig and its overrides) ----
+    _row("budget_gb", "float", "GiB of a budget the estimator plans with (--vram, --ram, --disk)", low=0,
+         low_open=True),
     _row("max_vram_gb", "float", "GiB of device memory the engine may use; None = no cap", low=0, low_open=True,
          none_ok=True),
     _row("max_host_gb", "float", "GiB of host RAM the engine may use; None = derived from free RAM", low=0,

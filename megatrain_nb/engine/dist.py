@@ -181,7 +181,7 @@ class Dist:
         self._lock = threading.Lock()
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         self.owns_group = False
-        self.store = None   # a rendezvous store this rank hosts on loopback (see _loopback_rendezvous)
+        self.store = None   # a rendezvous store this rank hosts on loopback (see loopback_rendezvous)
         if _single:
             self.group, self.rank, self.world, self.backend = None, 0, 1, None
         else:
@@ -234,7 +234,7 @@ class Dist:
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = device  # eager NCCL init: a missing peer fails within the timeout
-        store = _loopback_rendezvous(timeout_s)
+        store = loopback_rendezvous(timeout_s)
         tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         quiet_transformers_ddp_hint()
         d = cls(None, device=device, local_rank=local_rank, timeout_s=timeout_s)
@@ -478,7 +478,7 @@ class Dist:
             raise ValueError(f"layout cut for world size {layout.world}, this group has {self.world} ranks")
 
 
-def _loopback_rendezvous(timeout_s: float):
+def loopback_rendezvous(timeout_s: float):
     """A run whose rendezvous is on this machine (MASTER_ADDR a loopback address) keeps every
     socket on loopback: the collectives' (gloo, NCCL's bootstrap) on the ``lo`` interface, and,
     when rank 0 hosts the store itself (torchrun's c10d rendezvous with its store not shared),

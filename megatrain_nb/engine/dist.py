@@ -22,6 +22,7 @@ says what that costs.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -240,6 +241,7 @@ class Dist:
         d = cls(None, device=device, local_rank=local_rank, timeout_s=timeout_s)
         d.owns_group = True
         d.store = store
+        atexit.register(d.teardown)   # a script that never calls close(): its threads end before the exit
         return d
 
     def _default_device(self) -> torch.device:
@@ -269,12 +271,41 @@ class Dist:
             return chans[name]
 
     def close(self) -> None:
-        """Tear down the group if this object made it."""
+        """Tear down the group if this object made it, in order: every collective of every
+        channel finished on every rank (a barrier on each: every rank calls close at the end
+        of a run), then :meth:`teardown`."""
         import torch.distributed as tdist
 
         if self.owns_group and tdist.is_initialized():
-            tdist.destroy_process_group()
+            for c in list(self.__dict__.get("_channels", {}).values()):
+                c.barrier()
+            self.barrier()
+        self.teardown()
+
+    def teardown(self) -> None:
+        """Destroy the groups this object made and drop its references to them now, so their
+        worker threads end here. A gloo group's worker threads live as long as its Python
+        object (``destroy_process_group`` does not stop them): left to the interpreter's exit,
+        a worker releasing a finished collective's tensors asks for the GIL of an interpreter
+        being torn down, and the rank aborts ("terminate called without an active exception",
+        seen in tests/distributed/test_zero3_flow.py). Also run at exit for a group
+        :meth:`from_env` made (no barrier there: a peer may be gone)."""
+        import gc
+        import time
+
+        import torch.distributed as tdist
+
+        if not self.owns_group:
+            return
         self.owns_group = False
+        time.sleep(0.05)   # the GIL released: workers finish releasing their last works
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        chans = self.__dict__.get("_channels", {})
+        for c in chans.values():
+            c.group = None
+        chans.clear()
+        gc.collect()   # the groups' objects (and their threads) go now, not at the interpreter's exit
 
     # -- facts --------------------------------------------------------------------------------
     @property

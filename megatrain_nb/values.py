@@ -9,10 +9,11 @@ where it came from, so a value is refused with the same words wherever it enters
 
     >>> check("learning_rate", "3e-4")
     0.0003
-    >>> check("weight_decay", float("nan"), "run.yaml engine.weight_decay")
-    Traceback (most recent call last):
-    ...
-    megatrain_nb.values.ValueRefused: run.yaml engine.weight_decay=nan: must be a finite number >= 0 (decoupled weight decay of every weight matrix)
+    >>> try:
+    ...     check("weight_decay", float("nan"), "run.yaml engine.weight_decay")
+    ... except ValueRefused as e:
+    ...     print(e)
+    run.yaml engine.weight_decay=nan: must be a finite number >= 0 (decoupled weight decay of every weight matrix)
 
 Numbers written as text ("3e-4", "10") count, as typed in a magic or a YAML file; a bool is never
 a number; NaN, inf and integers too large for the run (10**400) are refused. Standard library

@@ -156,6 +156,13 @@ VALUES: dict[str, Value] = {v.name: v for v in (
          none_ok=True),
     _row("keep_snapshots", "int", "snapshots kept; None = all", low=1, high=MAX_INT, none_ok=True),
     _row("step", "int", "an optimizer step", low=0, high=MAX_INT),
+    # ---- sampling (Session.generate, the dashboard's samples) ----
+    _row("max_new_tokens", "int", "tokens to sample", low=0, high=MAX_INT),
+    _row("temperature", "float", "the sampling temperature; 0 = greedy", low=0),
+    _row("top_k", "int", "sample among the k likeliest tokens; None or 0 = all", low=0, high=MAX_INT,
+         none_ok=True),
+    _row("sample_seed", "int", "the sampling generator's seed; None = unseeded", low=0, high=MAX_INT,
+         none_ok=True),
 )}
 
 

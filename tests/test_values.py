@@ -320,3 +320,15 @@ def one_yaml_refusal(tmp_path, capsys, section, name, value):
     assert f"{section}.{name}=" in err
     refused_with_the_rule(name, err)
     assert not (tmp_path / "o").exists()   # refused before anything was made
+
+
+# ---- sampling (Session.generate) ----------------------------------------------------------------------
+@pytest.mark.parametrize("name,keyword", [("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"),
+                                          ("top_k", "top_k"), ("sample_seed", "seed")])
+def test_sampling_values_are_checked_before_any_token(name, keyword):
+    from megatrain_nb.notebook.sampling import sample_text
+
+    for label, value in bad_values(name):
+        with pytest.raises(ValueRefused) as e:
+            sample_text(None, object(), "hi", **{keyword: value})   # the engine is never reached
+        refused_with_the_rule(name, str(e.value))

@@ -110,7 +110,7 @@ class Trainer:
         # loss_fn(logits_chunk, shifted_labels_chunk) -> summed loss of the chunk (see the engine).
         self.loss_fn = loss_fn
         self.args = _coerce_args(args)
-        validate_training_args(self.args)
+        validate_training_args(self.args, where=type(self.args).__name__)   # SFTConfig names itself
         seq_len = check("seq_len", seq_len)
         if self.args.full_determinism:
             enable_full_determinism(self.args.seed)

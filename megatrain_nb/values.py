@@ -95,7 +95,8 @@ VALUES: dict[str, Value] = {v.name: v for v in (
     _row("learning_rate", "float", "the optimizer's step size; above 10 is implausibly large: a typo for a "
          "negative exponent?", low=0, low_open=True, high=10.0),
     _row("weight_decay", "float", "decoupled weight decay of every weight matrix", low=0),
-    _row("step_lr", "float", "the rate of one optimizer step, a schedule's value; 0 = no update", low=0),
+    _row("step_lr", "float", "the learning rate of one optimizer step, a schedule's value; 0 = no update",
+         low=0),
     _row("adam_beta1", "float", "AdamW's first-moment decay", low=0, high=1, high_open=True),
     _row("adam_beta2", "float", "AdamW's second-moment decay", low=0, high=1, high_open=True),
     _row("adam_epsilon", "float", "AdamW's denominator term", low=0, low_open=True),

@@ -14,7 +14,7 @@ from outside, so this wrapper takes the arguments torchrun takes and, for a sing
   each worker starts through :mod:`megatrain_nb.torchrun_boot`, which binds rank 0's store to
   loopback the same way before the script runs (so a script that builds ``TrainingArguments``
   first, which initialises the group through accelerate, cannot open one on every interface;
-  ``--no-python`` runs a program as given, without that guard);
+  ``--no-python`` and ``--run-path`` run the program as given, without that guard);
 - the workers' gloo (and NCCL bootstrap) sockets go on the loopback interface
   (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME=lo`` unless set).
 
@@ -122,7 +122,7 @@ def loopback_argv(argv: list[str]) -> tuple[list[str], Optional[object], dict]:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         extra = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{store.port}",
                  f"--local-addr={LOOPBACK}"]
-        if not ns.no_python:   # rank 0's store bound to loopback before the script runs
+        if not (ns.no_python or ns.run_path):   # rank 0's store bound to loopback before the script runs
             head = [a for a in head if a not in ("-m", "--module")]
             boot = ["-m", "megatrain_nb.torchrun_boot"] + (["--module"] if ns.module else [])
             return head + extra + boot + argv[at:], store, env

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -218,7 +219,7 @@ class Dist:
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         if tdist.is_available() and tdist.is_initialized():
             quiet_transformers_ddp_hint()
-            return cls(None, device=device, timeout_s=timeout_s)
+            return _ended_at_exit(cls(None, device=device, timeout_s=timeout_s))
         world = _env_int("WORLD_SIZE", 1)
         if world <= 1:
             return cls.single(device=device)
@@ -241,8 +242,7 @@ class Dist:
         d = cls(None, device=device, local_rank=local_rank, timeout_s=timeout_s)
         d.owns_group = True
         d.store = store
-        atexit.register(d.teardown)   # a script that never calls close(): its threads end before the exit
-        return d
+        return _ended_at_exit(d)
 
     def _default_device(self) -> torch.device:
         if self.backend == "nccl":
@@ -282,20 +282,22 @@ class Dist:
             self.barrier()
         self.teardown()
 
-    def teardown(self) -> None:
+    def teardown(self, *, at_exit: bool = False) -> None:
         """Destroy the groups this object made and drop its references to them now, so their
         worker threads end here. A gloo group's worker threads live as long as its Python
         object (``destroy_process_group`` does not stop them): left to the interpreter's exit,
         a worker releasing a finished collective's tensors asks for the GIL of an interpreter
         being torn down, and the rank aborts ("terminate called without an active exception",
-        seen in tests/distributed/test_zero3_flow.py). Also run at exit for a group
-        :meth:`from_env` made (no barrier there: a peer may be gone)."""
+        seen in tests/distributed/test_zero3_flow.py). ``at_exit``: run by the exit hook for
+        every Dist :meth:`from_env` returned, whoever made the group (a script that never calls
+        close(), a group transformers' TrainingArguments made); no barrier there: a peer may
+        be gone."""
         import gc
         import time
 
         import torch.distributed as tdist
 
-        if not self.owns_group:
+        if not (self.owns_group or at_exit):
             return
         self.owns_group = False
         time.sleep(0.05)   # the GIL released: workers finish releasing their last works
@@ -507,6 +509,30 @@ class Dist:
     def _check_layout(self, layout: ShardLayout) -> None:
         if layout.world != self.world:
             raise ValueError(f"layout cut for world size {layout.world}, this group has {self.world} ranks")
+
+
+_MADE: "weakref.WeakSet[Dist]" = weakref.WeakSet()   # the Dists from_env returned (their channels)
+_EXIT_HOOK: list = []
+
+
+def _ended_at_exit(d: "Dist") -> "Dist":
+    """``d``, torn down by the exit hook (registered once) if still up when the interpreter exits."""
+    _MADE.add(d)
+    if not _EXIT_HOOK:
+        atexit.register(_teardown_at_exit)
+        _EXIT_HOOK.append(True)
+    return d
+
+
+def _teardown_at_exit() -> None:
+    """At exit, while the interpreter is whole: every group's worker threads end (see
+    :meth:`Dist.teardown`), the default group's too when no Dist is left to do it."""
+    import torch.distributed as tdist
+
+    for d in list(_MADE):
+        d.teardown(at_exit=True)
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def loopback_rendezvous(timeout_s: float):

@@ -22,6 +22,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from megatrain_nb.values import check
+
 from . import io as engine_io
 from . import finite
 from .config import EngineConfig
@@ -159,8 +161,7 @@ class StreamingEngine:
         if max_grad_norm is not None and step_lr is None:
             raise ValueError("max_grad_norm is applied with the step's update: pass step_lr too (or call "
                              "clip_grad_norm_() before optimizer_step()).")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}; pass None for no clipping.")
+        max_grad_norm = check("max_grad_norm", max_grad_norm) or None   # the table's rule; 0 = no clipping
         window = window_batches(input_ids)
         if window is not None:
             if attention_mask is not None or labels is not None or position_ids is not None:

@@ -101,12 +101,8 @@ def apply_step(loss: Optional[float], grad_norm: Optional[float], step: int, pol
 
 
 def check_lr(lr) -> float:
-    """A learning rate for an update: a finite number >= 0 (a negative one would climb the loss)."""
-    try:
-        value = float(lr)
-    except (TypeError, ValueError):
-        raise ValueError(f"learning rate {lr!r} is not a number; pass a float >= 0") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"learning rate {lr!r} must be a finite number >= 0 (a negative rate moves the "
-                         "weights uphill); pass e.g. 1e-4")
-    return value
+    """A learning rate for an update: the table's ``step_lr`` rule (a finite number >= 0; a
+    negative one would climb the loss)."""
+    from megatrain_nb.values import check
+
+    return check("step_lr", lr)

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.values import VALUES, check
+
 from .placement import PLACEMENT, placement, sibling_engine
 
 # (the trainer's modules import torch: loaded when first used, so importing a Session stays light)
@@ -113,8 +115,8 @@ class Explorer:
         self.name = session.name
         self.log = session.run_log
         self._last_run_id: Optional[str] = None
-        self.snapshot_steps = _positive("snapshot_steps", snapshot_steps)
-        self.keep_snapshots = _positive("keep_snapshots", keep_snapshots)
+        self.snapshot_steps = check("snapshot_steps", snapshot_steps)
+        self.keep_snapshots = check("keep_snapshots", keep_snapshots)
         self.group = BranchGroup()
         self.group.members.append(self)
         self.origin: Optional[tuple] = None      # a fork: (parent run id, step) before its first step
@@ -348,9 +350,8 @@ class Explorer:
 
         from .session import Session
 
-        check_changes(changes)
+        changes = check_changes(changes)
         self.verify(info)   # a damaged snapshot is refused here, not when the fork first trains
-        changes = dict(changes)
         device = changes.pop(PLACEMENT, None)
         side = placement(self.trainer.engine.device, device) == "side_by_side"
         taken = set(self.group.names())
@@ -579,12 +580,20 @@ def _ref(obj):
         return lambda: obj
 
 
-def check_changes(changes: dict) -> None:
+def check_changes(changes: dict) -> dict:
+    """A fork's ``changes``, each name allowed and each value checked by the table of values
+    (:mod:`megatrain_nb.values`, the Trainer's arguments' rules), at ``fork()``; the checked values."""
     bad = [k for k in changes if k not in ALLOWED and k != PLACEMENT]
     if bad:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
                          f"{', '.join(ALLOWED)}")
+    out = {k: check(k, v, f"fork({k})") if k in VALUES else v for k, v in changes.items()}
+    loss_fn = out.get("loss_fn")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"fork(loss_fn)={loss_fn!r}: must be a function (logits chunk, labels chunk) -> summed "
+                         "loss, or None")
+    return out
 
 
 def _describe(v: Any) -> str:
@@ -601,11 +610,4 @@ def free_name(base: str, taken: set) -> str:
         k += 1
     return f"{base}-{k}"
 
-
-def _positive(name: str, v):
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name} must be a whole number >= 1 (or None), got {v!r}")
-    return v
 

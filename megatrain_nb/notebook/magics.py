@@ -175,14 +175,10 @@ def _stop(session, rest):
 def _lr(session, rest):
     if len(rest) != 1:
         raise MagicError("megatrain: lr needs one value, e.g. %megatrain lr 5e-4")
-    from megatrain_nb.learning_rate import check_learning_rate
+    from megatrain_nb.commands import check_command
 
     try:
-        float(rest[0])
-    except ValueError:
-        raise MagicError(f"megatrain: {rest[0]!r} is not a learning rate (e.g. 5e-4)") from None
-    try:
-        value = check_learning_rate(rest[0])
+        value = check_command("lr", rest[0], where="%megatrain lr")[1]
     except ValueError as e:
         raise MagicError(f"megatrain: {e}") from None
     session.set_lr(value, source="magic")
@@ -216,9 +212,15 @@ def _snapshot(session, rest):
 
 
 def _rewind(session, rest):
-    if len(rest) != 1 or not rest[0].lstrip("-").isdigit():
+    from megatrain_nb.commands import check_command
+
+    if len(rest) != 1:
         raise MagicError("megatrain: rewind needs one step, e.g. %megatrain rewind 200")
-    info = session.rewind(int(rest[0]))
+    try:
+        step = check_command("rewind", rest[0], where="%megatrain rewind")[1]
+    except ValueError as e:
+        raise MagicError(f"megatrain: {e}") from None
+    info = session.rewind(step)
     print(f"{session.name}: back at step {info.step} ({session.state}); "
           f"{'resume' if session.state == 'paused' else 'train'} to continue from there.")
 

@@ -92,8 +92,11 @@ class Session:
                  eval_dataset: Any = None, name: Optional[str] = None, *, seq_len: Optional[int] = None,
                  loss_fn: Any = None, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None,
                  nproc_per_node: Optional[int] = None, **engine_options: Any):
+        from megatrain_nb.values import check
+
         given = dict(train_dataset=train_dataset, args=args, tokenizer=tokenizer, eval_dataset=eval_dataset,
-                     seq_len=seq_len)
+                     seq_len=check("seq_len", seq_len))
+        snapshot_steps, keep_snapshots = check("snapshot_steps", snapshot_steps), check("keep_snapshots", keep_snapshots)
         if nproc_per_node is not None:   # the ranks train in worker processes; this object steers them
             from .remote import ProcessRun
 
@@ -371,9 +374,9 @@ class Session:
     def set_lr(self, lr: float, *, source: str = "notebook") -> None:
         """From the next optimizer step the learning rate is ``lr``; a schedule carries on
         relative to it (a constant schedule stays at ``lr``). Recorded as an event."""
-        from megatrain_nb.learning_rate import check_learning_rate
+        from megatrain_nb.commands import check_command
 
-        value = check_learning_rate(lr)
+        value = check_command("lr", lr, where="set_lr(lr)")[1]
         st = self._status
         st.refuse_if_ended("change the learning rate of")
         st.requested_lr = st.pending_lr = value  # before the command: it may apply at once
@@ -395,6 +398,9 @@ class Session:
     def rewind(self, step: int):
         """Go back to the snapshot at ``step``; ``train()``/``resume()`` continues from there. While
         running: at the next step boundary, then paused. The abandoned steps stay a branch."""
+        from megatrain_nb.commands import as_step
+
+        step = as_step(step, "rewind(step)")
         st = self._status
         self._run.check("rewind")
         if st.released:
@@ -417,10 +423,13 @@ class Session:
         session's engine: starting it pauses this one (one branch trains at a time). ``device=``
         another device than this session's: an engine of its own there, trained side by side. Ranks
         in worker processes (``nproc_per_node``): the fork launches ranks of its own from the snapshot."""
+        from megatrain_nb.commands import as_step
+
         from .branches import check_changes
 
         self._run.check("fork")
-        check_changes(changes)
+        changes = check_changes(changes)
+        step = None if step is None else as_step(step, "fork(step)")
         if self._status.released:
             raise RuntimeError(f"session {self.name!r} released its model: nothing to fork")
         if step is not None:

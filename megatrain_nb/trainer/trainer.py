@@ -32,12 +32,16 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatrain_nb.values import check
+
 from ..engine.dist import Dist
 from ..engine.finite import NonFiniteError
 from . import checkpoint as ckpt
 from . import saving
 from .args import (
+    check_eval_plan,
     check_learning_rate,
+    check_seq_len,
     default_values,
     engine_options_from_args,
     training_arguments,
@@ -96,6 +100,8 @@ class Trainer:
     ``seq_len``/``text_column``/``packing``: how a text dataset is tokenised and packed.
     """
 
+    _eval_set_later = False   # SFTTrainer prepares its eval set after this constructor (and checks it)
+
     def __init__(self, model=None, train_dataset=None, args=None, eval_dataset=None, tokenizer=None,
                  data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
                  text_column: str = "text", packing: bool = True, loss_fn=None, revision: Optional[str] = None,
@@ -106,7 +112,8 @@ class Trainer:
         # loss_fn(logits_chunk, shifted_labels_chunk) -> summed loss of the chunk (see the engine).
         self.loss_fn = loss_fn
         self.args = _coerce_args(args)
-        validate_training_args(self.args)
+        validate_training_args(self.args, where=type(self.args).__name__)   # SFTConfig names itself
+        seq_len = check("seq_len", seq_len)
         if self.args.full_determinism:
             enable_full_determinism(self.args.seed)
         else:
@@ -126,12 +133,17 @@ class Trainer:
                            if not _is_engine(model) else None)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)
+        from megatrain_nb.engine.family import max_positions
+
+        check_seq_len(seq_len, max_positions(self._engine.model_config))
         self.seq_len = seq_len or _default_seq_len(self._engine)
         prep = dict(tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=text_column, packing=packing)
         self.train_dataset = (prepare_dataset(train_dataset, what="train_dataset", **prep)
                               if train_dataset is not None else None)
         self.eval_dataset = (prepare_dataset(eval_dataset, what="eval_dataset", **prep)
                              if eval_dataset is not None else None)
+        if not self._eval_set_later:
+            check_eval_plan(self.args, self.eval_dataset)
         self._prep = prep
         self.data_collator = (ColumnFilter(data_collator) if data_collator is not None
                               else default_collator(self.tokenizer))

@@ -160,7 +160,7 @@ def test_rewind_takes_a_step(value, want):
 
 @pytest.mark.parametrize("value", [-1, "x", 1.5, True, None])
 def test_rewind_refuses_what_is_not_a_step(value):
-    with pytest.raises(CommandError, match="step number"):
+    with pytest.raises(CommandError, match="must be a whole number >= 0"):
         check_command("rewind", value)
 
 

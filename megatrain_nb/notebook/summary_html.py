@@ -190,8 +190,8 @@ def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
     for step, label, c in grouped_events(view.events):
         xe = px(float(step))
         w = 6.0 * len(label)  # generous for 10 px sans-serif
-        x0 = xe + 2 if xe + 2 + w <= width else max(0.0, xe - 2 - w)
-        row = next((i for i, end in enumerate(rows_end) if x0 >= end + 6), None)
+        lx = xe + 2 if xe + 2 + w <= width else max(0.0, xe - 2 - w)
+        row = next((i for i, end in enumerate(rows_end) if lx >= end + 6), None)
         if row is None and len(rows_end) < 3:
             rows_end.append(-1e9)
             row = len(rows_end) - 1
@@ -199,8 +199,8 @@ def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
                      f"stroke-dasharray='3,3'><title>step {step}: {html.escape(label)}</title></line>")
         if row is None:
             continue  # no room: the line and its tooltip remain
-        rows_end[row] = x0 + w
-        parts.append(f"<text x='{x0:.1f}' y='{11 + 12 * row}' font-size='10' fill='{c}'>{html.escape(label)}</text>")
+        rows_end[row] = lx + w
+        parts.append(f"<text x='{lx:.1f}' y='{11 + 12 * row}' font-size='10' fill='{c}'>{html.escape(label)}</text>")
     parts.append(f"<text x='{width - pad}' y='{height - 4}' font-size='10' fill='currentColor' text-anchor='end'>"
                  f"loss {y0:.3g}–{y1:.3g}, steps {x0:.0f}–{x1:.0f}</text>")
     return f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{''.join(parts)}</svg>"

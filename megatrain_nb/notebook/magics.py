@@ -127,7 +127,8 @@ def status_line(session) -> str:
         from .figures import event_label
 
         e = view.events[-1]
-        line += f"; {len(view.events)} events (last: {event_label(e)} at step {e['step']})"
+        n = len(view.events)
+        line += f"; {n} event{'s' if n != 1 else ''} (last: {event_label(e)} at step {e['step']})"
     if session.error is not None:
         line += f"\nerror: {type(session.error).__name__}: {session.error} (session.wait() re-raises it)"
     return line

@@ -36,6 +36,7 @@ from .run_state import QueuedCommand, RunState, TrainerLike  # noqa: F401 - re-e
 from .samples import Samples
 from .sample_watch import SampleWatch
 from .session_view import SessionView
+from .snapshot_table import SnapshotTable
 from .thread_run import ThreadRun
 
 
@@ -200,7 +201,7 @@ class Session:
     tokenizer = _forward("_tokenizer", settable=True)
     publisher = _forward("_view.live", settable=True)
     explorer = _forward("_explore")
-    snapshots = _forward("_explore.snapshots", call=True)
+    snapshots = _forward("_explore.snapshots", call=True, wrap=SnapshotTable)
 
     @property
     def total_steps(self) -> Optional[int]:

@@ -47,3 +47,29 @@ def test_a_preset_session_gives_the_same_first_loss_in_two_fresh_processes(tmp_p
         assert out.returncode == 0, out.stderr[-2000:]
         losses.append(next(l for l in out.stdout.splitlines() if l.startswith("LOSS")))
     assert losses[0] == losses[1], losses
+
+
+def test_status_counts_one_event_in_the_singular(fake_session):
+    from megatrain_nb.notebook.magics import status_line
+
+    s = fake_session(total_steps=4)
+    s.train(block=True)
+    s.run_log.add_event("pause", 4, source="test")
+    assert "; 1 event (last: pause at step 4)" in status_line(s)
+
+
+def test_snapshots_print_as_a_table_with_readable_times():
+    import time
+
+    from megatrain_nb.notebook import Session
+    from megatrain_nb.notebook.snapshot_table import SnapshotTable
+    from megatrain_nb.trainer.snapshot import SnapshotInfo
+
+    assert Session.snapshots.wrap is SnapshotTable and "no snapshots yet" in repr(SnapshotTable())
+    t = time.mktime((2026, 5, 4, 13, 7, 9, 0, 0, -1))
+    table = SnapshotTable([SnapshotInfo(step=20, time=t, run_id="abcdef123456", path="/x/snap-20",
+                                        bytes_unique=3 * 2**20, branch="main")])
+    text = repr(table)
+    assert text.splitlines()[0].split()[:4] == ["step", "branch", "kind", "taken"]
+    assert "2026-05-04 13:07" in text and "3.0 MiB" in text and str(t) not in text
+    assert table[0].step == 20 and "<td>main</td>" in table._repr_html_()

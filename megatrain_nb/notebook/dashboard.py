@@ -80,6 +80,14 @@ def _control(act: Callable[..., str]) -> Callable[..., None]:
     return handler
 
 
+def _shown_lr(session: Any) -> float | None:
+    """What the LR field shows: a rate asked for and not applied yet, else the latest step's
+    (scheduled) rate, to the 3 digits the header shows, so a decaying schedule does not rewrite
+    the field every step."""
+    lr = session.requested_lr if session.requested_lr is not None else session.lr
+    return float(f"{lr:.3g}") if lr is not None else None
+
+
 _LINKS = (("host_to_device", "host→device"), ("device_to_host", "device→host"),
           ("disk_to_host", "disk→host"), ("host_to_disk", "host→disk"))
 
@@ -265,7 +273,7 @@ class Dashboard(W.VBox):
     def _refresh_header(self, view: RunView) -> None:
         self.header.value = header_html(self.session, view)
 
-    @panel("controls", 0.25, key=lambda d: (d.session.state, d.session.requested_lr))
+    @panel("controls", 0.25, key=lambda d: (d.session.state, _shown_lr(d.session)))
     def _refresh_controls(self, view: RunView) -> None:
         state = self.session.state
         ended = state in ENDED
@@ -273,8 +281,8 @@ class Dashboard(W.VBox):
             self.pause_button.description = "Resume" if state == "paused" else "Pause"
             self.pause_button.icon = "play" if state == "paused" else "pause"
             self.pause_button.disabled = ended
-        lr = self.session.requested_lr
-        if lr is not None and lr != self.lr_field.value:  # set elsewhere (magic, code, sidebar)
+        lr = _shown_lr(self.session)   # the scheduled rate, as the header shows it, or one set elsewhere
+        if lr is not None and lr != self.lr_field.value:
             self._showing_lr = True
             try:
                 self.lr_field.value = lr

@@ -73,3 +73,14 @@ def test_snapshots_print_as_a_table_with_readable_times():
     assert text.splitlines()[0].split()[:4] == ["step", "branch", "kind", "taken"]
     assert "2026-05-04 13:07" in text and "3.0 MiB" in text and str(t) not in text
     assert table[0].step == 20 and "<td>main</td>" in table._repr_html_()
+
+
+def test_the_lr_field_shows_the_scheduled_rate_the_header_shows(fake_session):
+    s = fake_session(total_steps=3, lr=1e-3)
+    s.trainer.args.learning_rate = 3e-3   # the base rate; the schedule gives 1e-3 at every step
+    d = s.dashboard()
+    assert d.lr_field.value == 3e-3
+    s.train(block=True)
+    d.refresh(force=True)
+    assert "mtnb-dash-lr'>0.001<" in d.header.value and d.lr_field.value == 1e-3
+    assert not any(e["kind"] == "lr" for e in s.events)   # showing a rate is not setting one

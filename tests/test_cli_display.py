@@ -35,3 +35,46 @@ def test_models_prints_whole_reasons_wrapped_at_words():
     assert all(len(line) <= REASON_WIDTH for line in lines)
     joined = " ".join(" ".join(line.split()) for line in lines[1:])
     assert " ".join(reason.split()) in joined   # nothing cut, no word split
+
+
+def test_sft_without_trl_is_one_line_and_exit_2(tmp_path):
+    code = ("import sys\nsys.modules['trl'] = None   # as if TRL were not installed\n"
+            "from megatrain_nb.cli import main\nsys.exit(main(['train', '--config', sys.argv[1], '--output-dir', "
+            "sys.argv[2]]))")
+    import os
+
+    config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "sft.yaml")
+    out = subprocess.run([sys.executable, "-c", code, config, str(tmp_path / "o")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megatrain-nb train: error: fine-tuning on conversations needs TRL")
+    assert 'pip install "megatrain-nb[sft]"' in lines[0]
+
+
+SFT_QUIET = """
+import sys, warnings
+warnings.simplefilter("default")
+import megatrain_nb as mt
+from transformers import AutoModelForCausalLM
+from trl import SFTConfig
+from megatrain_nb.assets import chat_dataset, chat_tokenizer
+from megatrain_nb.trainer.presets import preset_config
+import datasets
+tok = chat_tokenizer()
+model = AutoModelForCausalLM.from_config(preset_config("micro", vocab_size=len(tok)))
+args = SFTConfig(output_dir=sys.argv[1], max_length=64, packing=True, bf16=False, max_steps=1, report_to="none",
+                 assistant_only_loss=True, save_strategy="no")
+t = mt.SFTTrainer(model=model, processing_class=tok, train_dataset=chat_dataset(n=40), eval_dataset=chat_dataset(n=8),
+                  args=args)
+t.close()
+print("BARS", not datasets.are_progress_bars_disabled())
+"""
+
+
+def test_preparing_sft_data_shows_no_map_bars_and_no_gradient_checkpointing_warning(tmp_path):
+    out = subprocess.run([sys.executable, "-c", SFT_QUIET, str(tmp_path / "o")], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Map" not in out.stderr and "gradient_checkpointing" not in out.stderr, out.stderr[-2000:]
+    assert "BARS True" in out.stdout   # switched off while preparing only

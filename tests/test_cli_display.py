@@ -78,3 +78,27 @@ def test_preparing_sft_data_shows_no_map_bars_and_no_gradient_checkpointing_warn
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Map" not in out.stderr and "gradient_checkpointing" not in out.stderr, out.stderr[-2000:]
     assert "BARS True" in out.stdout   # switched off while preparing only
+
+
+README_SFT = """
+import re, sys
+text = open(sys.argv[1]).read().split("## Fine-tuning on conversations", 1)[1]
+code = re.search(r"```python\\n(.*?)```", text, re.S).group(1).replace("session.train()", "session.train(block=True)")
+import os; os.chdir(sys.argv[2])
+import megatrain_nb as mt
+exec(code)
+h = [r["loss"] for r in session.history if r.get("loss") is not None]
+print("LOSSES", h[0], h[-1], session.step)
+session.close()
+"""
+
+
+def test_the_readme_sft_snippet_visibly_learns(tmp_path):
+    import os
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+    out = subprocess.run([sys.executable, "-c", README_SFT, readme, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, last, step = next(l for l in out.stdout.splitlines() if l.startswith("LOSSES")).split()[1:]
+    assert float(last) < 0.5 * float(first), (first, last, step)

@@ -39,12 +39,13 @@ function label(parent, x, y, text, { anchor = "start", color = FG2, size = TICK,
 }
 
 // "nice" ticks: 1, 2, 2.5, 5 x 10^k, from one at or below lo to one at or above hi (the
-// first and last tick are the axis' ends, so nothing drawn falls outside them)
-function ticks(lo, hi, count) {
+// first and last tick are the axis' ends, so nothing drawn falls outside them); ``minStep``:
+// the smallest spacing (1 for optimizer steps: no "1 1 1 1 2" at the start of a run)
+function ticks(lo, hi, count, minStep = 0) {
   if (!(hi > lo)) return [lo, lo + 1];
-  const raw = (hi - lo) / Math.max(1, count);
+  const raw = Math.max((hi - lo) / Math.max(1, count), minStep);
   const mag = Math.pow(10, Math.floor(Math.log10(raw)));
-  const step = [1, 2, 2.5, 5, 10].map(m => m * mag).find(s => s >= raw) || 10 * mag;
+  const step = [1, 2, 2.5, 5, 10].map(m => m * mag).find(s => s >= raw && s >= minStep && (!minStep || Number.isInteger(s))) || 10 * mag;
   const out = [];
   const first = Math.floor(lo / step + 1e-9) * step, last = Math.ceil(hi / step - 1e-9) * step;
   for (let k = 0; first + k * step <= last + step * 1e-9; k++) out.push(+(first + k * step).toPrecision(12));
@@ -85,9 +86,11 @@ function path(xs, ys, sx, sy, step = false) {
 
 // x tick labels that fit: centred, clamped into [left, right], dropped when they would touch
 function xTicks(g, values, sx, y, left, right) {
-  let end = -Infinity;
+  let end = -Infinity, last = null;
   for (const v of values) {
     const text = fmtStep(v), w = textWidth(text);
+    if (text === last) continue;   // two ticks that read the same say nothing
+    last = text;
     let x = sx(v) - w / 2;
     x = Math.max(left, Math.min(right - w, x));
     if (x < end + 8) continue;
@@ -204,7 +207,7 @@ function drawTraining(root, spec, width) {
   }
   node("path", { d: path(lr.x, lr.y, sx, sy2, true), fill: "none", "stroke-width": 1.8 }, g2).style.stroke = "var(--mtnb-c3)";
   node("line", { x1: left, x2: right, y1: b2, y2: b2 }, svg2).style.stroke = AXIS;
-  xTicks(g2, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90))).filter(v => v >= x0 && v <= x1), sx, b2 + 15, 0, width);
+  xTicks(g2, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90)), 1).filter(v => v >= x0 && v <= x1), sx, b2 + 15, 0, width);
   node("title", {}, svg2).textContent = "learning rate by optimizer step";
 }
 

@@ -84,3 +84,16 @@ def test_the_lr_field_shows_the_scheduled_rate_the_header_shows(fake_session):
     d.refresh(force=True)
     assert "mtnb-dash-lr'>0.001<" in d.header.value and d.lr_field.value == 1e-3
     assert not any(e["kind"] == "lr" for e in s.events)   # showing a rate is not setting one
+
+
+def test_the_step_axis_at_step_one_has_whole_distinct_ticks():
+    from chart_node import draw, find, text
+
+    spec = {"kind": "training", "step": 1, "loss": {"x": [1], "y": [8.3]}, "eval": {"x": [], "y": []},
+            "lr": {"x": [1], "y": [1e-3]}, "events": []}
+    labels = [text(t) for t in find(draw(spec), "mtnb-chart-xtick")]
+    assert labels and len(labels) == len(set(labels)), labels
+    assert all(float(v) == int(float(v)) for v in labels), labels
+    spec["loss"] = {"x": list(range(1, 1001)), "y": [5.0] * 1000}
+    spec["lr"] = {"x": list(range(1, 1001)), "y": [1e-3] * 1000}
+    assert len(find(draw(spec), "mtnb-chart-xtick")) >= 4   # a long run still gets several

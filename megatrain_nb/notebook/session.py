@@ -521,6 +521,7 @@ class Session:
     # ---- the end of a run (the background thread, or stop() before it started) -------------------
     def _end(self, outcome: str) -> None:
         self._sample_watch.run_ended(weights_kept=outcome == "finished")
+        self._sample_watch.finish()   # the final snapshot shows the answer from the final weights
         if outcome != "finished":
             self._release()  # a finished run keeps its weights for generate()/inspect()
         self._status.ended_at = time.time()

@@ -59,6 +59,12 @@ def run_tree_figure(runs: list[dict], *, height: int = 520, max_points: int = 60
                                                      line=dict(width=1, color="black")),
                                          hovertext=f"{run.get('name')} forks here", hoverinfo="text"),
                               row=1, col=1)
+    for k, (key, text) in enumerate(PANELS):   # a panel no run has data for says why it is empty
+        if not any(_has(run.get("records") or [], key) for run in runs):
+            ref = "" if k == 0 else str(k + 1)
+            fig.add_annotation(text=f"no {text} logged" + (" (no eval set)" if key == "eval_loss" else ""),
+                               xref=f"x{ref} domain", yref=f"y{ref} domain", x=0.5, y=0.5, showarrow=False,
+                               font=dict(color="#888"))
     fig.update_layout(height=height, margin=dict(l=50, r=20, t=60 if title else 30, b=40),
                       legend=dict(orientation="h", y=-0.12), template="plotly_white", title=title)
     fig.update_xaxes(title_text="step", row=2)

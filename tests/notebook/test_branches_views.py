@@ -108,3 +108,16 @@ def test_the_sidebar_rows_nest_forks_and_rewinds_under_their_run(tree, tmp_path,
     finally:
         beacon.stop()
     idle.close()
+
+
+def test_compare_names_every_parent_and_says_why_a_panel_is_empty(tree):
+    """Issue 36: forked_from mixed raw run ids with branch names; the eval panel was blank."""
+    import megatrain_nb as mt
+
+    s, b = tree
+    s.rewind(4)
+    s.train(block=True)   # main goes on as a new run; the one "low" forked from is now abandoned
+    rows = {r["branch"]: r for r in mt.compare(s, b).rows}
+    assert rows["low"]["forked_from"] == "main (abandoned after step 4)"
+    notes = [a.text for a in mt.compare(s, b).figure.layout.annotations]
+    assert "no eval loss logged (no eval set)" in notes

@@ -228,7 +228,7 @@ class Dashboard(W.VBox):
         publisher is done): a notebook runner saves the widget state it sees in the executing
         cell's messages, so the saved notebook keeps the final dashboard, not its first frame."""
         for w in (self.header, self.training_fig, self.memory, self.links, self.ranks, self.samples, self.layer_stats,
-                  self.layers_fig, *(e.widget for e in self._extra)):
+                  self.layers_fig, self.branches.chart, *(e.widget for e in self._extra)):
             w.send_state()
 
     # ---- refresh (publisher thread only) -------------------------------------------------------
@@ -331,7 +331,7 @@ class Dashboard(W.VBox):
     def _refresh_samples(self, view: RunView) -> None:
         self.samples.value = answers_html(self.session.sample_watch)
 
-    @panel("branches", 2.0, key=lambda d: d.branches.key())
+    @panel("branches", DATA_INTERVAL, key=lambda d: d.branches.key(), data=True)
     def _refresh_branches(self, view: RunView) -> None:
         self.branches.update()
 

@@ -93,17 +93,56 @@ def _value_at(recs: Any, step: int) -> Optional[float]:
     return best
 
 
+def runs_spec(runs: list[dict], *, height: int = 190, max_points: int = 600,
+              title: Optional[str] = None) -> dict:
+    """The run tree as a spec for the dashboard's own chart (``chart.js``, kind ``panels``):
+    one panel per metric on a shared step axis, each branch in its colour, each fork point a
+    diamond on its parent's loss curve. The dashboard's Branches panel and the report draw it."""
+    from .chart import _nums
+
+    by_id = {r.get("run_id"): r for r in runs}
+    panels = [{"title": text, "series": [], "points": [],
+               "note": f"no {text} logged" + (" (no eval set)" if key == "eval_loss" else "")}
+              for key, text in PANELS]
+    legend = []
+    for i, run in enumerate(runs):
+        color = COLORS[i % len(COLORS)]
+        recs = run.get("records") or []
+        name = label(run)
+        legend.append({"name": name, "color": color})
+        for k, (key, _) in enumerate(PANELS):
+            x, y = _series(recs, key)
+            if key != "eval_loss":
+                x, y = downsample(x, y, max_points)
+            if len(x):
+                panels[k]["series"].append({"name": str(run.get("name") or run.get("run_id")), "color": color,
+                                            "x": _nums(x, 7), "y": _nums(y),
+                                            "mode": "lines+points" if key == "eval_loss" else "lines",
+                                            "step": key == "lr"})
+        at = run.get("forked_at_step")
+        if at is not None:
+            parent = by_id.get(run.get("parent_run_id"))
+            y = _value_at(parent.get("records") if parent else recs, int(at))
+            if y is not None:
+                panels[0]["points"].append({"x": int(at), "y": y, "color": color,
+                                            "title": f"{run.get('name')} forks here (step {at})"})
+    return {"kind": "panels", "title": title, "height": height, "columns": 2, "legend": legend, "panels": panels}
+
+
 class BranchesPanel:
-    """The dashboard's run tree: a FigureWidget in a box, made and shown once the run has branches."""
+    """The dashboard's run tree: the dashboard's own chart (kind ``panels``) in a box, shown
+    once the run has branches and refreshed with the other data panels (its key: every branch's
+    log version and the tree's size)."""
 
     def __init__(self, session: Any):
         import ipywidgets as W
 
+        from .chart import Chart
+
         self.session = session
-        # The FigureWidget (and plotly.js with it, ~5 MB of widget state) is made only once the
-        # run has branches: a dashboard without any stays light when the notebook is saved.
-        self.fig = None
-        self.box = W.VBox([], layout=W.Layout(display="none", width="100%"))
+        self.chart = Chart(layout=W.Layout(width="100%"))
+        self.box = W.VBox([W.HTML("<b style='font-family:sans-serif'>Branches</b>"), self.chart],
+                          layout=W.Layout(display="none", width="100%"))
 
     def key(self) -> tuple:
         ex = getattr(self.session, "explorer", None)
@@ -117,14 +156,6 @@ class BranchesPanel:
         runs = ex.tree() if ex is not None else []
         if len(runs) < 2:
             return
-        new = run_tree_figure(runs, height=460, title="Branches")
-        if self.fig is None:
-            self.fig = go.FigureWidget(new)
-            self.box.children = (self.fig,)
+        self.chart.spec = runs_spec(runs)
+        if self.box.layout.display != "":
             self.box.layout.display = ""
-            return
-        with self.fig.batch_update():
-            self.fig.data = ()
-            self.fig.add_traces(list(new.data))
-            self.fig.update_layout(new.layout.to_plotly_json())
-        self.box.layout.display = ""

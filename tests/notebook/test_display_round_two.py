@@ -97,3 +97,25 @@ def test_the_step_axis_at_step_one_has_whole_distinct_ticks():
     spec["loss"] = {"x": list(range(1, 1001)), "y": [5.0] * 1000}
     spec["lr"] = {"x": list(range(1, 1001)), "y": [1e-3] * 1000}
     assert len(find(draw(spec), "mtnb-chart-xtick")) >= 4   # a long run still gets several
+
+
+def test_the_run_tree_chart_draws_every_branch_and_says_why_a_panel_is_empty():
+    from chart_node import draw, find, text
+
+    from megatrain_nb.notebook.run_tree import runs_spec
+
+    recs = [{"step": i, "loss": 5.0 - 0.01 * i, "lr": 1e-3, "grad_norm": 1.0} for i in range(1, 161)]
+    fork = [{"step": i, "loss": 4.0, "lr": 1e-4, "grad_norm": 0.5} for i in range(26, 80)]
+    runs = [{"run_id": "a", "name": "main", "parent_run_id": None, "forked_at_step": None, "changes": "",
+             "records": recs},
+            {"run_id": "b", "name": "low-lr", "parent_run_id": "a", "forked_at_step": 25,
+             "changes": "learning_rate=0.0001", "records": fork}]
+    tree = draw(runs_spec(runs), 1200)
+    assert len(find(tree, "mtnb-panel")) == 4
+    assert len(find(tree, "mtnb-series")) == 6   # loss, lr, grad norm of both; no eval
+    assert [text(n) for n in find(tree, "mtnb-chart-note")] == ["no eval loss logged (no eval set)"]
+    assert len(find(tree, "mtnb-fork")) == 1
+    legend = [text(n) for n in find(tree, "mtnb-chart-legend-item")]
+    assert legend == ["main", "low-lr (from step 25): learning_rate=0.0001"]
+    ticks = [text(n) for n in find(find(tree, "mtnb-panel")[0], "mtnb-chart-xtick")]
+    assert ticks[-1] == "160" or int(ticks[-1]) >= 150, ticks

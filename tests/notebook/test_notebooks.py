@@ -37,6 +37,10 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
         assert "Static snapshot" in text
     if path.stem.startswith("01-"):
         _check_saved_quickstart(nb, tmp_path)
+        for report in ("report.html", "report.ipynb"):   # the dashboard's light charts: no plotly.js inlined
+            size = (work / "megatrain_outputs" / "quickstart" / report).stat().st_size
+            print(f"quickstart {report}: {size / 1e6:.3f} MB")
+            assert size <= 1_000_000, (report, size)
     if path.stem.startswith("03-"):
         _check_bigger_than_memory(nb)
     shutil.rmtree(work, ignore_errors=True)

@@ -168,8 +168,16 @@ class Dashboard(W.VBox):
         self.layer_select.observe(lambda _ch: self.poke(), names="value")
         self.metric.observe(lambda _ch: self.poke(), names="value")
 
-    def __repr__(self) -> str:  # the text/plain fallback where widgets do not render
+    def __repr__(self) -> str:
         return f"<megatrain_nb dashboard of session {self.session.name!r} (needs a widget frontend)>"
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        """No text fallback: where widgets do not render (an untrusted notebook, a page without
+        the widget manager) the run's static snapshot, displayed beside the dashboard, shows
+        it; a "needs a widget frontend" line next to that only confused."""
+        data = super()._repr_mimebundle_(**kwargs)
+        data["text/plain"] = ""
+        return data
 
     # ---- controls (main thread): enqueue, leave a note, wake the publisher ----------------------
     def _note(self, text: str) -> None:

@@ -22,6 +22,7 @@ from .figures import TIERS, event_label, grouped_events
 from .lifecycle import LIVE
 from .run_log import RunView, disk_cache_line, tier_summary
 from .sample_watch import answers_html
+from .static_chart import img
 
 STATE_COLORS = {"idle": "#888", "running": "#2e7d32", "paused": "#ef6c00", "stopped": "#6d4c41",
                 "finished": "#1565c0", "failed": "#b00020"}
@@ -159,7 +160,8 @@ def memory_tiers_html(view: RunView) -> str:
 
 
 def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
-    """The loss curve (with eval points and event markers) as inline SVG."""
+    """The loss curve (with eval points and event markers) as an SVG document; shown as an
+    image (``static_chart.img``): a notebook's sanitizer keeps that, inline SVG it takes apart."""
     x, y = view.curves.get("loss", (np.zeros(0), np.zeros(0)))
     if len(x) < 2:
         return ""
@@ -201,7 +203,7 @@ def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
             continue  # no room: the line and its tooltip remain
         rows_end[row] = lx + w
         parts.append(f"<text x='{lx:.1f}' y='{11 + 12 * row}' font-size='10' fill='{c}'>{html.escape(label)}</text>")
-    parts.append(f"<text x='{width - pad}' y='{height - 4}' font-size='10' fill='currentColor' text-anchor='end'>"
+    parts.append(f"<text x='{width - pad}' y='{height - 4}' font-size='10' fill='#757575' text-anchor='end'>"
                  f"loss {y0:.3g}–{y1:.3g}, steps {x0:.0f}–{x1:.0f}</text>")
     return f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{''.join(parts)}</svg>"
 
@@ -254,7 +256,7 @@ def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
     return (f"<div class='megatrain-summary' style='border:1px solid {BORDER};padding:8px;border-radius:4px;color:{FG}'>"
             f"{header_html(session, view)}{note}"
             f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
-            f"<div>{loss_svg(view)}</div><div>{memory_table(view)}{rank_memory_table(view)}"
+            f"<div>{img(loss_svg(view), 'loss curve')}</div><div>{memory_table(view)}{rank_memory_table(view)}"
             f"{events_table(view.events)}</div></div>{answers_html(getattr(session, 'sample_watch', None))}</div>")
 
 

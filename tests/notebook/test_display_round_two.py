@@ -119,3 +119,21 @@ def test_the_run_tree_chart_draws_every_branch_and_says_why_a_panel_is_empty():
     assert legend == ["main", "low-lr (from step 25): learning_rate=0.0001"]
     ticks = [text(n) for n in find(find(tree, "mtnb-panel")[0], "mtnb-chart-xtick")]
     assert ticks[-1] == "160" or int(ticks[-1]) >= 150, ticks
+
+
+def test_static_outputs_use_markup_a_notebook_sanitizer_keeps(fake_session):
+    """Issue 36: untrusted, inline SVG was taken apart (labels run together) and the
+    dashboard's "needs a widget frontend" line showed beside the snapshot."""
+    import base64
+    import re
+
+    from megatrain_nb.notebook.summary_html import summary_html
+
+    s = fake_session(total_steps=30, step_time=0.001)
+    s.train(block=True)
+    page = summary_html(s, s.run_log.view(), final=True)
+    assert "<svg" not in page
+    [data] = re.findall(r"src='data:image/svg\+xml;base64,([^']+)'", page)
+    assert "steps 1–30" in base64.b64decode(data).decode()
+    assert "<svg" not in s.inspect(0)._repr_html_()
+    assert s.dashboard()._repr_mimebundle_()["text/plain"] == ""

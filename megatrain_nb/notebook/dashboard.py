@@ -106,8 +106,8 @@ class Dashboard(W.VBox):
 
     def __init__(self, session: Any):
         self.session = session
-        self.header = W.HTML(layout=W.Layout(width="100%"))
-        self.training_fig = Chart(layout=W.Layout(width="100%", min_width="280px"))
+        self.header = W.HTML(layout=W.Layout(width="auto"))
+        self.training_fig = Chart(layout=W.Layout(width="auto", min_width="280px"))
         self.memory = W.HTML(layout=W.Layout(flex="1 1 340px", min_width="260px"))
         self.links = W.HTML(layout=W.Layout(flex="0 1 auto"))
         self.ranks = W.HTML()   # several ranks: each rank's memory tiers
@@ -132,7 +132,7 @@ class Dashboard(W.VBox):
         self._extra: list[ExtraFigure] = []
         self.probe = RenderProbe()
         self.branches = BranchesPanel(session)   # the run tree, shown once the run has branches
-        wrap = W.Layout(display="flex", flex_flow="row wrap", align_items="flex-start", width="100%",
+        wrap = W.Layout(display="flex", flex_flow="row wrap", align_items="flex-start", width="auto",
                         grid_gap="8px 24px")
         controls = W.VBox([W.HBox([self.pause_button, self.stop_button, self.checkpoint_button],
                                   layout=W.Layout(flex_flow="row wrap")),

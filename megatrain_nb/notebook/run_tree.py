@@ -140,9 +140,9 @@ class BranchesPanel:
         from .chart import Chart
 
         self.session = session
-        self.chart = Chart(layout=W.Layout(width="100%"))
+        self.chart = Chart(layout=W.Layout(width="auto"))
         self.box = W.VBox([W.HTML("<b style='font-family:sans-serif'>Branches</b>"), self.chart],
-                          layout=W.Layout(display="none", width="100%"))
+                          layout=W.Layout(display="none", width="auto"))
 
     def key(self) -> tuple:
         ex = getattr(self.session, "explorer", None)
@@ -151,7 +151,10 @@ class BranchesPanel:
         return tuple((m.session.name, m.session.run_log.version) for m in ex.group.members if m.session) + \
             (len(ex.group.nodes),)
 
-    def update(self) -> None:
+    def update(self, spread: bool = True) -> None:
+        """Draw the tree now; ``spread``: also in the dashboards of the tree's other sessions that
+        nothing refreshes (a run that finished before its fork trains: its dashboard showed the
+        tree without the fork)."""
         ex = getattr(self.session, "explorer", None)
         runs = ex.tree() if ex is not None else []
         if len(runs) < 2:
@@ -159,3 +162,17 @@ class BranchesPanel:
         self.chart.spec = runs_spec(runs)
         if self.box.layout.display != "":
             self.box.layout.display = ""
+        if spread:
+            for other in self._idle_others(ex):
+                other.branches.update(spread=False)
+
+    def _idle_others(self, ex) -> list:
+        out = []
+        for m in list(ex.group.members):
+            s = getattr(m, "session", None)
+            view = getattr(s, "_view", None)
+            if s is None or s is self.session or view is None or view.widget is None:
+                continue
+            if view.live is None or not view.live.running:   # (a live one refreshes itself)
+                out.append(view.widget)
+        return out

@@ -148,3 +148,17 @@ def test_compare_names_every_parent_and_says_why_a_panel_is_empty(tree):
     assert rows["low"]["forked_from"] == "main (abandoned after step 4)"
     notes = [a.text for a in mt.compare(s, b).figure.layout.annotations]
     assert "no eval loss logged (no eval set)" in notes
+
+
+def test_a_finished_runs_dashboard_shows_a_fork_trained_later(tree):
+    """Issue 36: the Branches figure of a run that had finished never showed its later forks."""
+    import ipywidgets  # noqa: F401
+
+    s, b = tree
+    d = s.dashboard()   # finished: refreshed once, nothing keeps it live
+    later = s.fork(step=4, name="later", learning_rate=2e-4)
+    later.dashboard()   # the fork's own dashboard, refreshed as it trains
+    later.train(dashboard=False, block=True)
+    later.dashboard()   # (refreshes it once more: the run ended)
+    assert any(item["name"].startswith("later (from step 4)") for item in d.branches.chart.spec["legend"])
+    later.close()

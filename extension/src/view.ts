@@ -125,7 +125,12 @@ export class SessionListView {
       ev.preventDefault(); // (a click in the summary would also fold the group)
       this._dismissAll();
     });
-    summary.addEventListener('click', () => (this._userToggled = true));
+    summary.addEventListener('click', ev => {
+      // folded or unfolded by the user from now on (the poll no longer decides)
+      ev.preventDefault();
+      this._userToggled = true;
+      this._finished.open = !this._finished.open;
+    });
     summary.append(this._finishedCount, all);
     this._finishedList = el(_doc, 'ul', 'mtnb-sessions mtnb-sessions-finished');
     this._finished.append(summary, this._finishedList);

@@ -103,3 +103,18 @@ describe('the sidebar at scale', () => {
     document.body.innerHTML = '';
   });
 });
+
+describe('the finished group', () => {
+  it('unfolds on a click and stays as the user left it across polls', () => {
+    const view = new SessionListView({ send: async () => ({ id: 'c' }), dismiss: async () => undefined });
+    document.body.appendChild(view.node);
+    view.update({ sessions: many() });
+    const group = view.node.querySelector('.mtnb-finished') as HTMLDetailsElement;
+    expect(group.open).toBe(false);
+    (group.querySelector('.mtnb-finished-summary') as HTMLElement).click();
+    expect(group.open).toBe(true);
+    view.update({ sessions: many() });
+    expect(group.open).toBe(true);
+    document.body.innerHTML = '';
+  });
+});

@@ -453,6 +453,7 @@ function draw(model, el) {
   const width = Math.max(280, Math.floor(el.clientWidth || spec.width || 800));
   const root = document.createElement("div");
   root.className = "mtnb-chart-root";
+  if (!spec.kind) { el.replaceChildren(root); return; }   // nothing to draw yet (a chart not filled)
   if (spec.kind === "layers") drawLayers(root, spec, width);
   else if (spec.kind === "panels") drawPanels(root, spec, width);
   else if (spec.kind === "heat") drawHeat(root, spec, width);

@@ -25,7 +25,7 @@ from megatrain_nb.atomic import atomic_file
 from megatrain_nb.formatting import fmt_bytes, fmt_num, fmt_seconds
 
 from . import environment
-from .chart import _nums, layers_spec, training_spec
+from .chart import json_nums, layers_spec, training_spec
 from .figures import event_label
 from .inspector import fmt_stat
 from .static_chart import chart_html, img, panels_svg
@@ -242,8 +242,8 @@ def _tier_history_spec(records: list[dict]) -> dict:
                if isinstance((r.get("memory") or {}).get(tier), dict)]
         pts = [(x, y) for x, y in pts if isinstance(y, (int, float)) and x is not None]
         if pts:
-            series.append({"name": tier, "color": color, "x": _nums([x for x, _ in pts], 7),
-                           "y": _nums([y for _, y in pts], 6), "mode": "lines+points"})
+            series.append({"name": tier, "color": color, "x": json_nums([x for x, _ in pts], 7),
+                           "y": json_nums([y for _, y in pts], 6), "mode": "lines+points"})
     return {"kind": "panels", "columns": 1, "height": 220,
             "panels": [{"title": "memory used per tier", "bytes": True, "series": series,
                         "note": "no memory reports were logged"}],
@@ -254,7 +254,7 @@ def _throughput_spec(view) -> dict:
     x, y = view.curves.get("tokens_per_s", (np.zeros(0), np.zeros(0)))
     return {"kind": "panels", "columns": 1, "height": 200,
             "panels": [{"title": "tokens per second", "note": "no throughput was logged",
-                        "series": [{"name": "tokens/s", "color": "#3b7dd8", "x": _nums(x, 7), "y": _nums(y)}]}]}
+                        "series": [{"name": "tokens/s", "color": "#3b7dd8", "x": json_nums(x, 7), "y": json_nums(y)}]}]}
 
 
 def _links_md(view) -> str:

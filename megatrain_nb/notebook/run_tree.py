@@ -98,7 +98,7 @@ def runs_spec(runs: list[dict], *, height: int = 190, max_points: int = 600,
     """The run tree as a spec for the dashboard's own chart (``chart.js``, kind ``panels``):
     one panel per metric on a shared step axis, each branch in its colour, each fork point a
     diamond on its parent's loss curve. The dashboard's Branches panel and the report draw it."""
-    from .chart import _nums
+    from .chart import json_nums
 
     by_id = {r.get("run_id"): r for r in runs}
     panels = [{"title": text, "series": [], "points": [],
@@ -116,7 +116,7 @@ def runs_spec(runs: list[dict], *, height: int = 190, max_points: int = 600,
                 x, y = downsample(x, y, max_points)
             if len(x):
                 panels[k]["series"].append({"name": str(run.get("name") or run.get("run_id")), "color": color,
-                                            "x": _nums(x, 7), "y": _nums(y),
+                                            "x": json_nums(x, 7), "y": json_nums(y),
                                             "mode": "lines+points" if key == "eval_loss" else "lines",
                                             "step": key == "lr"})
         at = run.get("forked_at_step")

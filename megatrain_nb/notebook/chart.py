@@ -3,7 +3,7 @@ drawing, no chart library) fed a JSON spec built here from a :class:`RunView`.
 
 Why not plotly's FigureWidget: each one puts plotly.js (~5 MB) into the notebook's widget
 state, so a saved notebook with a dashboard weighed ~10 MB. A ``Chart`` carries its small
-module and its data only. The exported report keeps plotly (static, plotly.js inlined once).
+module and its data only. The exported report draws with the same module (``static_chart.py``).
 
 Example::
 

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .planner import WindowPlan, engine_window_plan
+from .transport import all_of
 
 
 class BoundaryStore:
@@ -63,8 +64,8 @@ class BoundaryStore:
         """A host buffer and the handle of its last use (None: new)."""
         with self._lock:
             free = self._free.get((tuple(shape), dtype))
-            if free:
-                return free.pop()
+            if free:   # the oldest: its last transfer is the likeliest to be done (a disk read waits for it)
+                return free.pop(0)
         numel = 1
         for d in shape:
             numel *= d
@@ -86,9 +87,14 @@ class BoundaryStore:
         return self.transport.copy_out(None, t, h, after=self.transport.record())
 
     def _in(self, h: torch.Tensor, after=None) -> torch.Tensor:
-        """``h`` copied back to the device, waited for; ``h`` is released and recycled."""
-        out = torch.empty(h.shape, dtype=h.dtype, device=self.device)
-        ready = self.transport.copy_in(None, h, out, after=after)
+        """``h`` copied back to the device, waited for; ``h`` is released and recycled.
+
+        ``out`` is allocated on the compute stream: the caching allocator may hand back a block
+        that tensors freed a moment ago still have kernels queued on. The copy runs on the
+        host->device stream, so it is ordered after the compute so far (``record()`` taken once
+        ``out`` exists), not only after ``after``; the compute waits for the copy at once anyway."""
+        out = self.transport.device_empty(h.shape, h.dtype)
+        ready = self.transport.copy_in(None, h, out, after=all_of(after, self.transport.record()))
         ready.wait()
         self._recycle(h, self.transport.release(h))
         return out
@@ -118,7 +124,9 @@ class BoundaryStore:
 
     def _read(self, k, urgent: bool = False) -> None:
         shape, dtype, _ = self._t[k]
-        buf, _ = self._buffer(shape, dtype)
+        buf, last = self._buffer(shape, dtype)
+        if last is not None:   # the disk read writes it from the host: its last transfer is done first
+            last.result()
         self._reads[k] = (self.disk.read(self._key(k), {"h": buf}, urgent=urgent), buf)
         self.disk_ops["reads"] += 1
 

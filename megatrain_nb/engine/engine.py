@@ -36,6 +36,7 @@ from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
 from .telemetry import Telemetry
 from .units import Unit, check_supported
 from .window import plan_for
+from .. import threads as thread_registry
 
 
 @dataclass
@@ -73,7 +74,9 @@ class StreamingEngine:
         self.lock = threading.RLock()
         self.counters = Telemetry()
         self._closed = False
-        parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters, source=_source)
+        with thread_registry.thread_device(self.device):   # every engine pool's threads start on it (threads.py)
+            parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters,
+                                source=_source)
         for f in dataclasses.fields(parts):
             setattr(self, f.name, getattr(parts, f.name))
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
@@ -396,6 +399,7 @@ class StreamingEngine:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this StreamingEngine is closed; create a new one.")
+        thread_registry.set_thread_device(self.device)   # the calling (compute) thread: a session's, a rank's (threads.py)
         self.updates.check()
 
     def __enter__(self):

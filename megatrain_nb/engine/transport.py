@@ -193,7 +193,7 @@ class CudaTransport:
         handle's ``result()`` returned."""
         with self._lock:
             free = self._free.pop(_key(dst), None)
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):   # (no context on another GPU)
             if free is not None:
                 self.h2d.wait_event(free)
             if after is not None:
@@ -219,7 +219,7 @@ class CudaTransport:
         """``dst <- src`` (``reduce(src)`` first: a reduce-scatter, on this stream) on the
         device->host stream, after ``after``. ``src`` stays alive until the copy is done (the
         caching allocator is told the stream uses it)."""
-        with torch.cuda.stream(self.d2h):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
             after.wait()
             if reduce is not None:
                 src = reduce(src)

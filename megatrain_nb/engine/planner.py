@@ -225,7 +225,9 @@ class _PlanInputs:
         """Device bytes of ``slots`` layer slots at checkpoint interval ``k``."""
         by_kind, dev_max_unit = self.by_kind, max(u.numel for u in self.units)
         w = (by_kind["embed"] + by_kind["head"] + slots * by_kind["layer"]) * self.cb
-        grads = (2 * dev_max_unit * 4) if self.cuda else dev_max_unit * 4
+        # CUDA: two fp32 staging buffers, and a unit's autograd.grad outputs in the compute
+        # dtype until they are copied into one; a CPU "device" sums into a lent pool buffer
+        grads = (2 * dev_max_unit * 4 + dev_max_unit * self.cb) if self.cuda else dev_max_unit * 4
         act = activation_bytes(hidden_size=self.shape.hidden_size, intermediate_size=self.inter,
                                num_layers=self.shape.num_layers, vocab_size=self.shape.vocab_size,
                                batch=self.workload.batch, seq=self.workload.seq, checkpoint_interval=k,

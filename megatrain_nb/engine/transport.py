@@ -170,6 +170,9 @@ class CudaTransport:
         self.pinned = PinnedPool(pin=True)
         self._free: Dict[int, object] = {}   # buffer -> event recorded on the compute stream at its release
         self._lock = threading.Lock()
+        # dtype -> [pinned buffer, event after its last copy]: fp32 weights cast for a bf16 slot
+        self._cast: Dict[torch.dtype, list] = {}
+        self._cast_lock = threading.Lock()
 
     def slot_numel(self, unit: Unit) -> int:
         return unit.numel
@@ -200,10 +203,33 @@ class CudaTransport:
                 after.wait()
             if fill is not None:
                 fill(dst)
+            elif src.dtype != dst.dtype and not src.is_cuda:
+                return self._cast_in(src, dst)
             else:
                 _prefix(dst, src).copy_(src, non_blocking=True)
             ev = _event()
             ev.record(self.h2d)
+        return EventHandle(ev, self.device, dst)
+
+    def _cast_in(self, src: torch.Tensor, dst: torch.Tensor) -> Handle:
+        """fp32 host weights into a bf16 slot: cast on the host into a pinned buffer, then copied.
+        (``copy_(fp32 host, non_blocking=True)`` into bf16 makes an fp32 unit-sized temporary on
+        the device and sends 4 bytes a parameter over the link.) Called on the h2d stream; the
+        buffer is rewritten only once its last copy is done (one per dtype: the pager's copy
+        thread waits for each copy before the next)."""
+        n = src.numel()
+        with self._cast_lock:
+            entry = self._cast.get(dst.dtype)
+            if entry is not None and entry[1] is not None:
+                entry[1].synchronize()   # the host writes it: its last copy must be done
+            if entry is None or entry[0].numel() < n:
+                entry = self._cast[dst.dtype] = [self.pinned.empty(n, dst.dtype), None]
+            stage = entry[0][:n]
+            stage.copy_(src.reshape(-1))
+            _prefix(dst, src).copy_(stage.view(src.shape), non_blocking=True)
+            ev = _event()
+            ev.record(self.h2d)
+            entry[1] = ev
         return EventHandle(ev, self.device, dst)
 
     def release(self, dst: torch.Tensor) -> Handle:

@@ -194,8 +194,10 @@ def plan_for(batches, *, plan, model_config, config, num_layers: int, device: to
     """The layout a window of prepared ``(ids, am, labels)`` micro-batches gets: layer-major
     when their boundary activations fit the device budget, else host RAM, else split."""
     cap = None
-    if device.type == "cuda" and not config.max_vram_gb:
-        cap = torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cuda" and not config.max_vram_gb:   # what is free (mem_get_info), less a headroom
+        from .memory import device_capacity
+
+        cap = device_capacity(device)
     return engine_window_plan(plan, model_config, config, num_layers,
                               tokens=max(int(b[0].numel()) for b in batches), micro_batches=len(batches),
                               device_capacity=cap)

@@ -152,6 +152,12 @@ def throughput(a):
     print(f"throughput: {n / 1e9:.2f}B params, batch {a.batch}x{a.seq}, {a.precision}: step {step:.2f}s "
           f"{[round(t, 2) for t in times]}, {tflops:.1f} TFLOPS")
     print("device (GiB): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in mem.items()))
+    try:   # what the caching host allocator holds pinned (its power-of-two blocks), against the plan's host
+        pinned = torch.cuda.host_memory_stats().get("reserved_bytes.current", -1)
+    except Exception:  # noqa: BLE001 - an older torch
+        pinned = -1
+    print(f"host: pinned held by the caching host allocator {pinned / 2**30:.2f} GiB; plan host total "
+          f"{engine.plan.host['total'] / 2**30:.2f} GiB (buffers {engine.plan.host['buffers'] / 2**30:.2f})")
     print("engine threads, CPU s per s of step: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_thread.items())))
     # one profiled step: the compute stream's idle time and the copies' rate
     from torch.profiler import ProfilerActivity, profile
@@ -160,15 +166,16 @@ def throughput(a):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.forward_backward(ids, step_lr=1e-5)
         torch.cuda.synchronize()
-    moved = engine.telemetry()["bytes"]["host_to_device"] - h2d0
+    # (telemetry counts the fp32 master bytes read; a bf16 slot is filled with 2 bytes a parameter)
+    moved = (engine.telemetry()["bytes"]["host_to_device"] - h2d0) * (2 if a.precision == "bf16" else 4) // 4
     try:
         idle, h2d_us, pageable = sec.compute_idle_fraction(prof)
     except Exception as e:  # noqa: BLE001 - a profiler API that moved: reported, not fatal
         print(f"profiler: {type(e).__name__}: {e}")
         idle, h2d_us, pageable = float("nan"), 0.0, -1
     h2d_gbps = moved / (h2d_us / 1e6) / 1e9 if h2d_us else float("nan")
-    print(f"compute stream idle {idle:.3f}; engine H2D {h2d_gbps:.1f} GB/s over {moved / 2**30:.2f} GiB "
-          f"(counted fp32; bf16 slots move half), pageable HtoD copies {pageable}; prefetch {tel['prefetch']['device']}")
+    print(f"compute stream idle {idle:.3f}; engine H2D {h2d_gbps:.1f} GB/s over {moved / 2**30:.2f} GiB, "
+          f"pageable HtoD copies {pageable}; prefetch {tel['prefetch']['device']}")
     engine.close()
     return {"tflops": tflops, "step": step, "mem": mem, "idle": idle, "h2d_gbps": h2d_gbps, "pageable": pageable,
             "threads": per_thread}
@@ -334,7 +341,7 @@ def two_gpu_child() -> int:
     dist = Dist.from_env()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(llama(4, 256, vocab=2048, heads=4))
-    engine = StreamingEngine(model, EngineConfig(device=str(dist.device), precision="bf16", dist=dist))
+    engine = StreamingEngine(model, EngineConfig(device=str(dist.device), precision="bf16"), dist=dist)
     steps = 0
     for _ in range(2):
         engine.forward_backward(torch.randint(0, 2048, (2, 128)), step_lr=1e-4, max_grad_norm=1.0)

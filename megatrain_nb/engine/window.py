@@ -34,6 +34,7 @@ class BoundaryStore:
 
     READ_AHEAD = 4       # disk reads started ahead of the backward
     WRITES_IN_FLIGHT = 4  # disk writes behind the forward before it waits
+    KEEP_PASSES = 2       # a shape's recycled buffers are kept while one of the last passes used it
 
     def __init__(self, device: torch.device, transport, disk=None):
         self.device = device
@@ -44,6 +45,8 @@ class BoundaryStore:
         # Host buffers recycled across steps (pinning is slow), each with the handle of its
         # last use (None: never used).
         self._free: Dict[tuple, List[tuple]] = {}
+        self._passes = 0                       # start() calls so far
+        self._used: Dict[tuple, int] = {}      # (shape, dtype) -> the pass that last took a buffer of it
         self._lock = threading.Lock()
         self.bytes = {"device": 0, "host": 0, "disk": 0}
         self.peak = {"device": 0, "host": 0, "disk": 0}
@@ -56,13 +59,25 @@ class BoundaryStore:
         if tier == "disk" and self.disk is None:
             raise ValueError("boundary activations on the disk tier need an offload_dir (the engine's disk tier)")
         self.clear()
+        self._drop_stale()
         self.tier = tier
         self.peak = {"device": 0, "host": 0, "disk": 0}
         self.disk_ops = {"writes": 0, "reads": 0}
 
+    def _drop_stale(self) -> None:
+        """A new pass: recycled buffers of shapes none of the last KEEP_PASSES passes used are
+        freed (variable sequence lengths would otherwise keep a pinned set per length for good).
+        Their last transfers are done: clear() waited for the disk's, and a pinned block freed
+        while a copy still reads it is held back by the caching host allocator."""
+        with self._lock:
+            self._passes += 1
+            for key in [k for k in self._free if self._passes - self._used.get(k, 0) > self.KEEP_PASSES]:
+                del self._free[key]
+
     def _buffer(self, shape, dtype) -> Tuple[torch.Tensor, object]:
         """A host buffer and the handle of its last use (None: new)."""
         with self._lock:
+            self._used[(tuple(shape), dtype)] = self._passes
             free = self._free.get((tuple(shape), dtype))
             if free:   # the oldest: its last transfer is the likeliest to be done (a disk read waits for it)
                 return free.pop(0)

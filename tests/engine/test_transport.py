@@ -199,3 +199,21 @@ def test_window_tiers_interval_2_under_adversarial_transport(adversarial, tmp_pa
     finally:
         ref.close()
         eng.close()
+
+
+def test_recycled_boundary_buffers_of_shapes_no_longer_used_are_freed():
+    """Variable sequence lengths: the host tier's recycled (pinned, on CUDA) buffers of a length
+    that the last passes did not use are freed, not kept per exact shape for good."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2)).eval()
+    eng = StreamingEngine(model, EngineConfig(device="cpu", checkpoint_interval=1, window_tier="host"))
+    try:
+        shapes = set()
+        for seq in (8, 9, 10, 11, 12):
+            eng.forward_backward([torch.randint(1, VOCAB, (2, seq)) for _ in range(2)])
+            shapes = {k[0] for k, v in eng.boundary._free.items() if v}
+        # the window just run and the KEEP_PASSES before it: the first lengths are gone
+        assert {s[1] for s in shapes} == {10, 11, 12}, shapes
+        row = 2 * 12 * 32 * 4   # one micro-batch's hidden state at the longest length
+        assert eng.boundary.free_bytes() <= 3 * 2 * 2 * row   # 3 lengths x 2 micro-batches x 2 layers
+    finally:
+        eng.close()

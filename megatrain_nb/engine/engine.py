@@ -363,6 +363,7 @@ class StreamingEngine:
             finally:
                 self.updates.close()
                 self.states.close()
+                self.boundary.close()
                 self.pager.close()
                 self.weights.reset()
                 if self.disk is not None:

@@ -271,8 +271,8 @@ class Pager:
         self.reset()
         self._h2d.shutdown(wait=True)
         self._d2h.shutdown(wait=True)
-        self.transport.close()
         self.pools.clear()
         if self.transport.stages:
             self._grad_dev.clear()
             self._grad_host.clear()
+        self.transport.close()   # last: its pinned pool hands back the blocks dropped above

@@ -176,6 +176,13 @@ class BoundaryStore:
         self.bytes[self.tier] -= t.numel() * t.element_size()
         return t
 
+    def close(self) -> None:
+        """The engine closes: the window's activations and every recycled host buffer dropped
+        (before the transport hands its pinned blocks back)."""
+        self.clear()
+        with self._lock:
+            self._free.clear()
+
     def free_bytes(self) -> int:
         """Recycled host buffers kept for the next window."""
         with self._lock:

@@ -41,3 +41,27 @@ def test_device_capacity_is_free_plus_held_less_headroom(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 8 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     assert memory.device_capacity(torch.device("cuda", 0)) == 0
+
+
+def test_close_drops_the_host_buffers_before_the_transport_hands_pinned_blocks_back(monkeypatch):
+    """engine.close(): the recycled boundary buffers and the gradient staging are dropped first,
+    then the transport's pool releases the cached pinned blocks (which it cannot while they are
+    referenced)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatrain_nb.engine import StreamingEngine
+    from megatrain_nb.engine.transport import CpuTransport
+
+    seen = []
+    real = CpuTransport.close
+
+    def close(self):
+        seen.append(eng.boundary.free_bytes())
+        real(self)
+    monkeypatch.setattr(CpuTransport, "close", close)
+    eng = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")).eval(),
+                          EngineConfig(device="cpu", checkpoint_interval=1, window_tier="host"))
+    eng.forward_backward([torch.randint(1, 64, (2, 8)) for _ in range(2)])
+    assert eng.boundary.free_bytes() > 0
+    eng.close()
+    assert seen == [0]

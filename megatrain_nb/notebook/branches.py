@@ -39,6 +39,9 @@ from .placement import PLACEMENT, placement, sibling_engine
 #: what a fork may change mid-run (TrainingArguments fields, the data, the loss)
 ALLOWED = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "max_steps",
            "gradient_accumulation_steps", "data_seed", "train_dataset", "loss_fn")
+#: what a fork of a preference run (an mt.DPOTrainer) may change besides: the loss's DPOConfig fields
+#: (the reference log-probs do not depend on them, so the fork reads the parent's cache)
+DPO_ALLOWED = ("beta", "loss_type")
 #: what cannot change mid-run, and why (anything else not in ALLOWED is refused too)
 FIXED = {
     "optimizer_compression": "the optimizer states are stored in that codec",
@@ -304,7 +307,7 @@ class Explorer:
 
         from .session import Session
 
-        check_changes(changes)
+        check_changes(changes, self.trainer)
         changes = dict(changes)
         device = changes.pop(PLACEMENT, None)
         side = placement(self.trainer.engine.device, device) == "side_by_side"
@@ -476,12 +479,16 @@ class Explorer:
         return info
 
 
-def check_changes(changes: dict) -> None:
-    bad = [k for k in changes if k not in ALLOWED and k != PLACEMENT]
+def check_changes(changes: dict, trainer: Any = None) -> None:
+    """Refuse what a fork cannot change (and, given the ``trainer``, DPO fields on another run)."""
+    bad = [k for k in changes if k not in ALLOWED + DPO_ALLOWED and k != PLACEMENT]
     if bad:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
-                         f"{', '.join(ALLOWED)}")
+                         f"{', '.join(ALLOWED)} (and {', '.join(DPO_ALLOWED)} in a DPO run)")
+    from .branch_dpo import check_dpo_changes
+
+    check_dpo_changes(changes, trainer)
 
 
 def _describe(v: Any) -> str:

@@ -396,7 +396,7 @@ class Session:
         from .branches import check_changes
 
         self._run.check("fork")
-        check_changes(changes)
+        check_changes(changes, self.trainer)
         if self._status.released:
             raise RuntimeError(f"session {self.name!r} released its model: nothing to fork")
         if step is not None:

@@ -7,6 +7,7 @@ pytest.importorskip("trl")
 import time  # noqa: E402
 
 import megatrain_nb as mt  # noqa: E402
+from megatrain_nb.notebook.branches import check_changes  # noqa: E402
 from megatrain_nb.trainer.dpo import DPOTrainer  # noqa: E402
 
 from tests.trainer.dpo_helpers import dpo_config, pairs, tiny_llama, tokenizer  # noqa: E402
@@ -40,19 +41,32 @@ def test_a_session_on_preference_rows_trains_a_dpo_trainer(tmp_path):
 
 def test_a_fork_shares_the_reference(tmp_path):
     """A fork of a DPO session is a DPOTrainer on the parent's prepared pairs with their reference
-    log-probs: no second reference pass (the engine then holds trained weights, not the reference)."""
+    log-probs: no second reference pass (the engine then holds trained weights, not the reference).
+    It may change beta and loss_type (the step it repeats then has another loss); bad values and
+    DPO fields on a run that is not DPO are refused before anything is built."""
     tok = tokenizer()
     s = mt.Session(tiny_llama(len(tok)), train_dataset=pairs(8), tokenizer=tok, snapshot_steps=1,
                    args=dpo_config(tmp_path, max_steps=2), name="dpo-parent", device="cpu")
     try:
         s.train()
         assert s.wait(timeout=120) == "finished"
-        child = s.fork(step=1, learning_rate=5e-4)
+        with pytest.raises(ValueError, match="Unknown loss type"):
+            s.fork(step=1, loss_type="nope")
+        with pytest.raises(ValueError, match="beta must be a number > 0"):
+            s.fork(step=1, beta=0)
+        with pytest.raises(ValueError, match="only in a preference"):
+            check_changes({"beta": 0.5}, object())
+        child = s.fork(step=1, learning_rate=5e-4, beta=0.5, loss_type="ipo")
         assert isinstance(child.trainer, DPOTrainer)
+        assert (child.trainer.settings.beta, child.trainer.settings.loss_type) == (0.5, ["ipo"])
+        assert (s.trainer.settings.beta, s.trainer.settings.loss_type) == (0.1, ["sigmoid"])
         child.train()
         assert child.wait(timeout=120) == "finished"
         assert child.trainer.reference_seconds["train"] == 0.0
-        assert [h for h in child.trainer.state.log_history if "rewards/margins" in h]
+        logs = [h for h in child.trainer.state.log_history if "rewards/margins" in h]
+        parent = [h for h in s.trainer.state.log_history if "rewards/margins" in h]
+        assert logs and abs(logs[-1]["loss"] - parent[-1]["loss"]) > 1e-3   # ipo's loss, not sigmoid's
+        assert child.explorer.changes["loss_type"] == "['ipo']"
         child.close()
     finally:
         s.close()

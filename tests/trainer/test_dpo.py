@@ -130,7 +130,15 @@ def test_example_dpo_yaml_runs_as_written(tmp_path, capsys):
     assert main(["train", "--config", str(example), "--max-steps", "2", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "built-in preference set" in out and "reference log-probs" in out and "reward margin" in out
-    assert list((tmp_path / "reference_logps").glob("train-*.pt"))
+    cache = list((tmp_path / "reference_logps").glob("train-*.pt"))
+    assert cache
+    # megatrain-nb estimate --pairs N counts the reference pass and the bytes of that cache (200 pairs)
+    assert main(["estimate", "micro", "--ram", "8", "--disk", "8", "--pairs", "200", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["reference_cache_bytes"] - 128 <= cache[0].stat().st_size <= est["reference_cache_bytes"]
+    assert main(["estimate", "micro", "--ram", "8", "--disk", "8", "--pairs", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "DPO reference pass: one forward-only streamed pass over 200 pairs" in out and "reference cache" in out
 
 
 def test_a_bad_row_of_an_iterable_dataset_is_named_as_it_is_read(tmp_path):

@@ -82,6 +82,15 @@ class ThreadRun:
             if self.engine is not None:   # the dashboard reads layer statistics after every step:
                 self.engine.layer_stats()  # the engine gathers them once asked, so from step 1
             self.explorer.activate()   # branches sharing the engine: this one's state in it
+            stopped_early = []
+
+            def between_batches() -> bool:   # a DPO reference pass (before step 1): pause / stop reach it too
+                if self._apply_commands():
+                    stopped_early.append(True)
+                return bool(stopped_early)
+
+            if hasattr(self.trainer, "between_batches"):
+                self.trainer.between_batches = between_batches
             it = iter(self.trainer.iter_steps(resume_from_checkpoint=self.resume_from))
             while True:
                 if self._apply_commands():
@@ -94,12 +103,15 @@ class ThreadRun:
                 try:
                     record = next(it)
                 except StopIteration:
+                    outcome = "stopped" if stopped_early else outcome
                     break
                 self._on_record(record)
         except BaseException as e:  # noqa: BLE001 - surfaces in wait() and the dashboard
             outcome = "failed"
             self.status.fail(e)
         finally:
+            if getattr(self.trainer, "between_batches", None) is not None:
+                self.trainer.between_batches = None   # (an evaluate() later runs on the notebook's thread)
             if it is not None and hasattr(it, "close"):
                 try:
                     it.close()

@@ -70,3 +70,45 @@ def test_a_fork_shares_the_reference(tmp_path):
         child.close()
     finally:
         s.close()
+
+
+def _on_first_reference_batch(s, act):
+    """``act(s)`` from the training thread as the reference pass's first batch runs (so the
+    command is queued while the pass is under way, deterministically)."""
+    engine, calls = s.trainer.engine, []
+    real = engine.evaluate
+
+    def evaluate(*a, **kw):
+        if not calls:
+            act(s)
+        calls.append(1)
+        return real(*a, **kw)
+
+    engine.evaluate = evaluate
+    return calls
+
+
+def test_the_reference_pass_pauses_resumes_and_stops_from_the_session(tmp_path):
+    tok = tokenizer()
+    s = mt.Session(tiny_llama(len(tok)), train_dataset=pairs(8), tokenizer=tok,
+                   args=dpo_config(tmp_path / "a", max_steps=2), name="dpo-pause", device="cpu")
+    try:
+        calls = _on_first_reference_batch(s, lambda s: s.pause())
+        s.train()
+        assert wait_until(lambda: s.state == "paused")
+        time.sleep(0.3)
+        assert len(calls) == 1 and s.step == 0 and "train" not in s.trainer.reference_seconds   # held mid-pass
+        s.resume()
+        assert s.wait(timeout=120) == "finished" and s.step == 2
+        assert len(calls) >= 4 and s.trainer.reference_seconds["train"] > 0
+    finally:
+        s.close()
+    s = mt.Session(tiny_llama(len(tok)), train_dataset=pairs(8), tokenizer=tok,
+                   args=dpo_config(tmp_path / "b", max_steps=2), name="dpo-stop", device="cpu")
+    try:
+        calls = _on_first_reference_batch(s, lambda s: s.stop(wait=False))
+        s.train()
+        assert s.wait(timeout=120) == "stopped" and s.step == 0 and len(calls) == 1
+        assert not list((tmp_path / "b" / "reference_logps").glob("*.pt"))   # nothing half-computed is cached
+    finally:
+        s.close()

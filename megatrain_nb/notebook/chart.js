@@ -151,10 +151,12 @@ function drawTraining(root, spec, width) {
 
   // legend (HTML: it wraps by itself)
   const legend = node("div", { class: "mtnb-chart-legend" }, root, null);
-  const items = [["train loss", "var(--mtnb-c1)", loss.y.length],
-                 ["eval loss", "var(--mtnb-c2)", ev.y.length], ["learning rate", "var(--mtnb-c3)", lr.y.length]];
+  const names = spec.names || {};   // another chart of this shape renames its curves (a DPO run's rewards)
+  const items = [[names.loss || "train loss", "var(--mtnb-c1)", loss.y.length],
+                 [names.eval || "eval loss", "var(--mtnb-c2)", ev.y.length],
+                 [names.lr || "learning rate", "var(--mtnb-c3)", lr.y.length]];
   for (const [name, color, n] of items) {
-    if (!n && name === "eval loss") continue;
+    if (!n && name === items[1][0]) continue;
     const item = node("span", { class: "mtnb-chart-legend-item" }, legend, null);
     node("span", { class: "mtnb-chart-swatch" }, item, null).style.background = color;
     item.appendChild(document.createTextNode(name));
@@ -162,7 +164,7 @@ function drawTraining(root, spec, width) {
   const lastLoss = [...loss.y].reverse().find(v => v !== null && isFinite(v));
   if (lastLoss !== undefined) {
     node("span", { class: "mtnb-chart-legend-item mtnb-chart-range" }, legend, null).textContent =
-      `loss ${fmt(yr[0])} – ${fmt(yr[1])} · steps ${fmtStep(x0)} – ${fmtStep(xr[1])}`;
+      `${names.range || "loss"} ${fmt(yr[0])} – ${fmt(yr[1])} · steps ${fmtStep(x0)} – ${fmtStep(xr[1])}`;
   }
 
   const marks = placeMarkers(events, sx, left, right, 3);
@@ -205,7 +207,7 @@ function drawTraining(root, spec, width) {
   node("path", { d: path(lr.x, lr.y, sx, sy2, true), fill: "none", "stroke-width": 1.8 }, g2).style.stroke = "var(--mtnb-c3)";
   node("line", { x1: left, x2: right, y1: b2, y2: b2 }, svg2).style.stroke = AXIS;
   xTicks(g2, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90))).filter(v => v >= x0 && v <= x1), sx, b2 + 15, 0, width);
-  node("title", {}, svg2).textContent = "learning rate by optimizer step";
+  node("title", {}, svg2).textContent = `${names.lr || "learning rate"} by optimizer step`;
 }
 
 const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];

@@ -143,6 +143,11 @@ def build_notebook(session: Any):
     fill_loss(fig, view)
     cells.append(_md("## Loss and learning rate\n\nDotted lines mark the interventions (see the events below)."))
     cells.append(_figure_cell(figs, fig, "loss and learning rate"))
+    from .preference_view import reward_section
+
+    rewards = reward_section(records)   # a DPO run: reward margin and accuracy
+    if rewards is not None:
+        cells += [_md(rewards[0]), _figure_cell(figs, rewards[1], "reward margin and accuracy")]
 
     cells.append(_md("## Interventions\n\n" + (_table(
         [(e["step"], e["kind"], event_label(e), e.get("source", ""), _event_detail(e)) for e in view.events],

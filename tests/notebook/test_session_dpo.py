@@ -35,8 +35,44 @@ def test_a_session_on_preference_rows_trains_a_dpo_trainer(tmp_path):
         logs = [h for h in s.trainer.state.log_history if "rewards/margins" in h]
         assert len(logs) == 2 and all("logps/chosen" in h for h in logs)
         assert s.trainer.reference_seconds["train"] > 0
+        _shows_the_rewards(s, tmp_path)
     finally:
         s.close()
+
+
+def _shows_the_rewards(s, tmp_path):
+    """%megatrain status, the dashboard, the report and the sidebar's card show a DPO run's reward
+    margin and accuracy (the last step's, as the run's records hold them)."""
+    from megatrain_nb.lab.beacon import SessionBeacon
+    from megatrain_nb.notebook.dashboard import Dashboard
+    from megatrain_nb.notebook.magics import status_line
+
+    last = s.run_log.last_record()
+    margin, accuracy = last["rewards/margins"], last["rewards/accuracies"]
+    assert f"reward margin {margin:.4g}, accuracy {accuracy:.3g}" in status_line(s)
+    d = Dashboard(s)
+    d.refresh(force=True)
+    spec = d.reward_chart.spec
+    assert spec["loss"] == {"x": [1, 2], "y": [h["rewards/margins"] for h in s.run_log.records()]}
+    assert spec["lr"]["y"][-1] == accuracy and spec["names"]["loss"] == "reward margin"
+    page = open(s.export_report(str(tmp_path / "dpo.html")), encoding="utf-8").read()
+    assert "Preference training" in page and f"<td>{margin:.4g}</td>" in page and "reward margin and accuracy" in page
+    card = SessionBeacon(s, root=tmp_path / "beacons").snapshot()
+    assert (card["reward_margin"], card["reward_accuracy"]) == (margin, accuracy)
+    assert "reward margin" not in status_line(_NotDPO())   # another run shows nothing new
+
+
+class _NotDPO:
+    name, state, total_steps, error = "plain", "finished", 1, None
+
+    class run_log:   # noqa: N801 - a stand-in for the run log
+        @staticmethod
+        def view(max_points=2):
+            from megatrain_nb.notebook.run_log import RunLog
+
+            log = RunLog()
+            log.add_record({"step": 1, "loss": 2.0, "lr": 1e-3})
+            return log.view(max_points=max_points)
 
 
 def test_a_fork_shares_the_reference(tmp_path):

@@ -44,12 +44,7 @@ _tier_text = tier_text   # (its name before the split)
 
 # ---------------------------------------------------------------------------------------- parser
 def _max_steps_arg(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a whole number >= 1 (or -1 for epochs), not {s!r}") from None
-    check_max_steps(v, "", error=argparse.ArgumentTypeError)
-    return v
+    return check_max_steps(s, "--max-steps", error=argparse.ArgumentTypeError)
 
 
 def _positive_int(s: str) -> int:

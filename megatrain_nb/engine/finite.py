@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-POLICIES = ("stop", "skip")
+POLICIES = ("stop", "skip", "rewind")   # (the engine treats "rewind" as "stop"; the Trainer recovers)
 
 
 class NonFiniteError(FloatingPointError):
@@ -66,9 +66,29 @@ class StepGuard:
 
 def check_policy(value: str) -> str:
     if value not in POLICIES:
-        raise ValueError(f"on_nonfinite={value!r}: use 'stop' (raise before the step is applied) or "
-                         "'skip' (drop the step and go on)")
+        raise ValueError(f"on_nonfinite={value!r}: use 'stop' (raise before the step is applied), "
+                         "'skip' (drop the step and go on) or 'rewind' (go back to the newest snapshot, lower "
+                         "the learning rate, step over the data that diverged and go on)")
     return value
+
+
+def check_recovery(config) -> None:
+    """The settings of on_nonfinite='rewind' (``trainer/recovery.py``), checked with the policy."""
+    def number(name, v, ok, want):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            raise ValueError(f"{name}={v!r} must be {want}")
+    if config.loss_spike is not None:
+        number("loss_spike", config.loss_spike, lambda v: v > 0,
+               "a number of robust standard deviations > 0 (e.g. 6), or None for no spike test")
+    number("loss_spike_window", config.loss_spike_window, lambda v: v >= 5 and v == int(v),
+           "a whole number of steps >= 5")
+    number("recover_lr_factor", config.recover_lr_factor, lambda v: 0 < v <= 1,
+           "a number in (0, 1]: the learning rate is multiplied by it at each recovery")
+    number("max_recoveries", config.max_recoveries, lambda v: v >= 0 and v == int(v),
+           "a whole number >= 0")
+    if config.on_nonfinite != "rewind" and config.loss_spike is not None:
+        raise ValueError(f"loss_spike={config.loss_spike!r} acts only with on_nonfinite='rewind' (now "
+                         f"{config.on_nonfinite!r}): set both, or leave loss_spike unset")
 
 
 def apply_step(loss: Optional[float], grad_norm: Optional[float], step: int, policy: str) -> bool:
@@ -81,12 +101,8 @@ def apply_step(loss: Optional[float], grad_norm: Optional[float], step: int, pol
 
 
 def check_lr(lr) -> float:
-    """A learning rate for an update: a finite number >= 0 (a negative one would climb the loss)."""
-    try:
-        value = float(lr)
-    except (TypeError, ValueError):
-        raise ValueError(f"learning rate {lr!r} is not a number; pass a float >= 0") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"learning rate {lr!r} must be a finite number >= 0 (a negative rate moves the "
-                         "weights uphill); pass e.g. 1e-4")
-    return value
+    """A learning rate for an update: the table's ``step_lr`` rule (a finite number >= 0; a
+    negative one would climb the loss)."""
+    from megatrain_nb.values import check
+
+    return check("step_lr", lr)

@@ -41,6 +41,8 @@ def event_label(e: dict) -> str:
         return f"lr {_g(prev)}→{_g(e.get('value'))}" if prev is not None else f"lr {_g(e.get('value'))}"
     if kind == "checkpoint":
         return "ckpt"
+    if kind == "recovery":   # (on_nonfinite="rewind": back to a snapshot, lower LR)
+        return f"recovered → step {e.get('to_step')}, lr ×{_g(e.get('lr_factor'))}"
     return kind.replace("_", " ")
 
 

@@ -82,15 +82,11 @@ class ThreadRun:
             if self.engine is not None:   # the dashboard reads layer statistics after every step:
                 self.engine.layer_stats()  # the engine gathers them once asked, so from step 1
             self.explorer.activate()   # branches sharing the engine: this one's state in it
-            stopped_early = []
-
-            def between_batches() -> bool:   # a DPO reference pass (before step 1): pause / stop reach it too
-                if self._apply_commands():
-                    stopped_early.append(True)
-                return bool(stopped_early)
-
-            if hasattr(self.trainer, "between_batches"):
-                self.trainer.between_batches = between_batches
+            stopped_early = self._hook_reference_pass()   # a DPO reference pass: pause / stop reach it too
+            if hasattr(self.trainer, "recovery_hooks"):   # on_nonfinite="rewind": the tree hears of each
+                if self.explorer.on_recovery not in self.trainer.recovery_hooks:
+                    self.trainer.recovery_hooks.append(self.explorer.on_recovery)
+                self.trainer.snapshot_steps_elsewhere = self.explorer.snapshot_steps
             it = iter(self.trainer.iter_steps(resume_from_checkpoint=self.resume_from))
             while True:
                 if self._apply_commands():
@@ -120,6 +116,21 @@ class ThreadRun:
             self.explorer.settle()   # an automatic snapshot completing in the background: logged
             self.status.drain(outcome)
             on_end(outcome)
+
+    def _hook_reference_pass(self) -> list:
+        """A DPO trainer's reference pass (before step 1) asks ``between_batches()`` before each
+        batch: the queued commands are applied there too (a pause holds the pass, a stop ends it).
+        Returns the list that holds True once a stop came that way."""
+        stopped_early: list = []
+
+        def between_batches() -> bool:
+            if self._apply_commands():
+                stopped_early.append(True)
+            return bool(stopped_early)
+
+        if hasattr(self.trainer, "between_batches"):
+            self.trainer.between_batches = between_batches
+        return stopped_early
 
     def _on_record(self, record: dict) -> None:
         engine = self.engine

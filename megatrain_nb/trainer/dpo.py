@@ -29,6 +29,7 @@ import warnings
 
 import torch
 
+from .args import check_eval_plan
 from .data import DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
@@ -128,6 +129,8 @@ class DPOTrainer(Trainer):
     folder; either way its log-probs are computed once, streamed, and cached.
     """
 
+    _eval_set_later = True   # the pairs are prepared after Trainer.__init__; the eval plan is checked before it
+
     def __init__(self, model=None, ref_model=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, *, tokenizer=None,
@@ -152,6 +155,7 @@ class DPOTrainer(Trainer):
                              "`ref_model`: the reference is then the policy as it starts.")
         args = coerce_dpo_args(args)
         validate_dpo_args(args)
+        check_eval_plan(args, eval_dataset)
         self.settings = DPOSettings.from_args(args)
         self.objective = DPOObjective(self.settings)
         if isinstance(model, torch.nn.Module) and args.disable_dropout:

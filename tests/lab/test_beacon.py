@@ -280,8 +280,8 @@ def test_validate_command_accepts(command, value, expected):
 @pytest.mark.parametrize(
     ("command", "value", "message"),
     [("Pause", None, "unknown command"), (None, None, "unknown command"),
-     ("stop", 1, "takes no value"), ("lr", None, "positive number"),
-     ("lr", True, "positive number"), ("lr", "abc", "positive number"),
+     ("stop", 1, "takes no value"), ("lr", None, "must be a finite number > 0"),
+     ("lr", True, "must be a finite number > 0"), ("lr", "abc", "must be a finite number > 0"),
      ("lr", 0, "> 0"), ("lr", float("inf"), "finite"), ("lr", 100, "implausibly large")],
 )
 def test_validate_command_refuses(command, value, message):

@@ -60,6 +60,8 @@ def _check_saved_quickstart(nb, tmp_path) -> None:
     training = [sp for sp in specs if sp.get("kind") == "training"]
     assert training and training[-1]["step"] == 200 and len(training[-1]["loss"]["x"]) > 10
     assert "plotly.js" not in text and "widgetbundle" not in text
+    # section 6: the run with on_nonfinite="rewind" recovered from its NaN step by itself
+    assert "recovers: finished, step 30/30" in _stream_text(nb) and "recovery 1/3" in _stream_text(nb)
 
 
 def _stream_text(nb) -> str:

@@ -193,3 +193,18 @@ def test_evaluate_on_an_iterable_eval_set_matches_the_map_style_one(tmp_path):
     for k in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
         assert again[k] == pytest.approx(mapped[k], rel=1e-6) and streamed[k] == pytest.approx(mapped[k], rel=1e-5)
     m.close()
+
+
+def test_an_eval_strategy_without_an_eval_set_is_refused_before_anything_is_built(tmp_path):
+    """As mt.Trainer and transformers refuse it; with an eval set it is fine (the pairs are
+    prepared after Trainer.__init__, so the check is DPOTrainer's own)."""
+    from megatrain_nb.trainer.args import UnsupportedArgumentError
+
+    tok = tokenizer()
+    with pytest.raises(UnsupportedArgumentError, match="no eval_dataset was given"):
+        mt.DPOTrainer(model=tiny_llama(len(tok)), args=dpo_config(tmp_path, eval_strategy="steps", eval_steps=1),
+                      train_dataset=pairs(4), processing_class=tok, device="cpu")
+    t = mt.DPOTrainer(model=tiny_llama(len(tok)), args=dpo_config(tmp_path, eval_strategy="steps", eval_steps=1),
+                      train_dataset=pairs(4), eval_dataset=pairs(2), processing_class=tok, device="cpu")
+    assert len(t.eval_dataset) == 2
+    t.close()

@@ -422,7 +422,8 @@ class Session:
         max_steps, gradient_accumulation_steps, data_seed, train_dataset, loss_fn; in a DPO run
         also beta, loss_type). It shares this session's engine: starting it pauses this one (one
         branch trains at a time). ``device=`` another device than this session's: an engine of its
-        own there, trained side by side. Ranks in worker processes (``nproc_per_node``): the fork launches ranks of its own from the snapshot."""
+        own there, trained side by side. Ranks in worker processes (``nproc_per_node``): the fork
+        launches ranks of its own from the snapshot."""
         from megatrain_nb.commands import as_step
 
         from .branches import check_changes

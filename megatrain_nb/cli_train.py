@@ -119,7 +119,10 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     from megatrain_nb.trainer.presets import preset_config, preset_names
     from megatrain_nb.trainer.sft_data import FORMATS, detect_format, require_trl
 
-    require_trl()
+    try:
+        require_trl()
+    except ImportError as e:   # an optional extra, not a crash: one line, exit 2
+        raise UsageError(f"fine-tuning on conversations needs TRL: {e}") from None
     from trl import SFTConfig
 
     from megatrain_nb import assets

@@ -152,6 +152,17 @@ VALUES: dict[str, Value] = {v.name: v for v in (
     _row("inflight_depth", "int", "units in flight per pipeline stage", low=1, high=MAX_INT),
     _row("held_weight_units", "int", "units whose backward read waits for a clipped update; None = what the "
          "host budget allows", low=0, high=MAX_INT, none_ok=True),
+    # ---- divergence: what a non-finite or spiking step does (engine/finite.py, trainer/recovery.py) ----
+    _row("on_nonfinite", "choice", "a non-finite loss or gradient: 'stop' raises before the step is applied, "
+         "'skip' drops the step and goes on, 'rewind' goes back to the newest snapshot, lowers the learning "
+         "rate, steps over the data that diverged and goes on", choices=("stop", "skip", "rewind")),
+    _row("loss_spike", "float", "with on_nonfinite='rewind': also recover from a loss this many robust standard "
+         "deviations above its recent median; None = no spike test", low=0, low_open=True, none_ok=True),
+    _row("loss_spike_window", "int", "logged steps the spike test's median looks back over", low=5,
+         high=MAX_INT),
+    _row("recover_lr_factor", "float", "the learning rate is multiplied by it at each recovery", low=0,
+         low_open=True, high=1),
+    _row("max_recoveries", "int", "recoveries before the run stops, listing every attempt", low=0, high=MAX_INT),
     # ---- a Session's exploration ----
     _row("snapshot_steps", "int", "optimizer steps between snapshots; None = none", low=1, high=MAX_INT,
          none_ok=True),

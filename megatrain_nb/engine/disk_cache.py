@@ -332,6 +332,7 @@ class HostCache:
             result.stall_kind = "host_cache"   # a wait on it is a wait for RAM, not for the disk
             return result
         raw = self.store.read(key, out=out, urgent=urgent)
+        self._busy("disk_to_host", raw)
         mine = Future()
         mine.stall_kind = "disk"
         if keep:
@@ -394,6 +395,9 @@ class HostCache:
             self._lost.pop(key, None)
             self._pop(key)
         rw = self.store.ranged(key, specs, read_old=read_old)
+        self._busy("host_to_disk", rw.outer)
+        if read_old:
+            self._busy("disk_to_host", rw.outer)
         nb = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in specs.values())
         if read_old:
             self._count("disk_to_host", nb, "disk_read_bytes")
@@ -555,8 +559,13 @@ class HostCache:
 
     def _raw_write(self, key: str, tensors: dict) -> Future:
         fut = self.store.write(key, tensors)
+        self._busy("host_to_disk", fut)
         self._count("host_to_disk", _nbytes(tensors), "disk_write_bytes")
         return fut
+
+    def _busy(self, link: str, fut) -> None:
+        if hasattr(self.counters, "busy_while"):   # (a plain counter in tests has only add_bytes)
+            self.counters.busy_while(link, fut)
 
     def _count(self, link: str, nb: int, stat: str) -> None:
         with self._lock:

@@ -416,13 +416,30 @@ class Dist:
         n, b = self.world, t.numel() * t.element_size()
         self.traffic.add("all_reduce", 2 * (n - 1) * b / n, 2 * (n - 1) * b / n)
         dev = self.device if (self.backend == "nccl") else torch.device("cpu")
-        if t.device != dev:  # NCCL reduces device tensors only; gloo works on the CPU
+        if t.device != dev and dev.type == "cuda":
+            # A host value (a finiteness vote, a token count) goes over on a stream of this
+            # group's own: on the calling thread's default stream it would queue behind the whole
+            # compute backlog, and the copy back would block the thread (the d2h thread's vote)
+            # until the GPU caught up. Nothing on the device is read, so nothing is waited for.
+            with torch.cuda.device(dev), torch.cuda.stream(self._side_stream(dev)):
+                tmp = t.to(dev)
+                tdist.all_reduce(tmp, group=self.group)
+                t.copy_(tmp)
+        elif t.device != dev:  # NCCL reduces device tensors only; gloo works on the CPU
             tmp = t.to(dev)
             tdist.all_reduce(tmp, group=self.group)
             t.copy_(tmp)
         else:
             tdist.all_reduce(t, group=self.group)
         return t
+
+    def _side_stream(self, dev: torch.device):
+        """This group's stream for host values' collectives (made once)."""
+        with self._lock:
+            stream = self.__dict__.get("_side")
+            if stream is None:
+                stream = self.__dict__["_side"] = torch.cuda.Stream(dev)
+            return stream
 
     def sum(self, value: float | int) -> float | int:
         """A number summed over ranks (token counts, loss sums); exact for integers below 2**53."""

@@ -38,6 +38,7 @@ from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
 from .telemetry import Telemetry
 from .units import Unit, check_supported
 from .window import plan_for
+from .. import threads as thread_registry
 
 
 @dataclass
@@ -76,7 +77,9 @@ class StreamingEngine:
         self.counters = Telemetry()
         self._closed = False
         self._verified: dict = {}   # the folder verify_checkpoint last found whole, by its files' stamp
-        parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters, source=_source)
+        with thread_registry.thread_device(self.device):   # every engine pool's threads start on it (threads.py)
+            parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters,
+                                source=_source)
         for f in dataclasses.fields(parts):
             setattr(self, f.name, getattr(parts, f.name))
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
@@ -407,6 +410,7 @@ class StreamingEngine:
             finally:
                 self.updates.close()
                 self.states.close()
+                self.boundary.close()
                 self.pager.close()
                 self.weights.reset()
                 if self.disk is not None:
@@ -443,6 +447,7 @@ class StreamingEngine:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this StreamingEngine is closed; create a new one.")
+        thread_registry.set_thread_device(self.device)   # the calling (compute) thread: a session's, a rank's (threads.py)
         self.updates.check()
 
     def __enter__(self):

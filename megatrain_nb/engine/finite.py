@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-POLICIES = ("stop", "skip", "rewind")   # (the engine treats "rewind" as "stop"; the Trainer recovers)
+from megatrain_nb.values import check
 
 
 class NonFiniteError(FloatingPointError):
@@ -65,27 +65,15 @@ class StepGuard:
 
 
 def check_policy(value: str) -> str:
-    if value not in POLICIES:
-        raise ValueError(f"on_nonfinite={value!r}: use 'stop' (raise before the step is applied), "
-                         "'skip' (drop the step and go on) or 'rewind' (go back to the newest snapshot, lower "
-                         "the learning rate, step over the data that diverged and go on)")
-    return value
+    """on_nonfinite: the table's rule (megatrain_nb/values.py)."""
+    return check("on_nonfinite", value)
 
 
 def check_recovery(config) -> None:
-    """The settings of on_nonfinite='rewind' (``trainer/recovery.py``), checked with the policy."""
-    def number(name, v, ok, want):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-            raise ValueError(f"{name}={v!r} must be {want}")
-    if config.loss_spike is not None:
-        number("loss_spike", config.loss_spike, lambda v: v > 0,
-               "a number of robust standard deviations > 0 (e.g. 6), or None for no spike test")
-    number("loss_spike_window", config.loss_spike_window, lambda v: v >= 5 and v == int(v),
-           "a whole number of steps >= 5")
-    number("recover_lr_factor", config.recover_lr_factor, lambda v: 0 < v <= 1,
-           "a number in (0, 1]: the learning rate is multiplied by it at each recovery")
-    number("max_recoveries", config.max_recoveries, lambda v: v >= 0 and v == int(v),
-           "a whole number >= 0")
+    """The settings of on_nonfinite='rewind' (``trainer/recovery.py``): each by the table's rule,
+    then the one rule between them."""
+    for name in ("loss_spike", "loss_spike_window", "recover_lr_factor", "max_recoveries"):
+        setattr(config, name, check(name, getattr(config, name), f"EngineConfig.{name}"))
     if config.on_nonfinite != "rewind" and config.loss_spike is not None:
         raise ValueError(f"loss_spike={config.loss_spike!r} acts only with on_nonfinite='rewind' (now "
                          f"{config.on_nonfinite!r}): set both, or leave loss_spike unset")

@@ -130,7 +130,8 @@ def status_line(session) -> str:
         from .figures import event_label
 
         e = view.events[-1]
-        line += f"; {len(view.events)} events (last: {event_label(e)} at step {e['step']})"
+        n = len(view.events)
+        line += f"; {n} event{'s' if n != 1 else ''} (last: {event_label(e)} at step {e['step']})"
     for e in (e for e in view.events if e.get("kind") == "recovery"):   # (on_nonfinite="rewind")
         line += (f"\nrecovery {e.get('attempt')}/{e.get('max_recoveries')}: {e.get('reason')} -> back to step "
                  f"{e.get('to_step')}, lr x{fmt_num(e.get('lr_factor'), '.3g')}")

@@ -143,7 +143,16 @@ def _builtin(name, tokenizer, train_dataset, eval_dataset, args, seq_len):
     if args is None:
         args = default_args(os.path.join("megatrain_outputs", name),
                             eval_strategy="steps" if eval_dataset is not None else "no")
+    _seed(getattr(args, "seed", 42))   # as the CLI does: same seed, same initial weights, in any kernel
     return _model_from_config(config), tokenizer, train_dataset, eval_dataset, args
+
+
+def _seed(seed: int) -> None:
+    """Seed every generator before a preset's weights are drawn: the Trainer seeds only later,
+    so without this the initial weights depended on what the process had drawn before."""
+    from transformers.trainer_utils import set_seed
+
+    set_seed(int(seed))
 
 
 def _model_from_config(config):

@@ -43,14 +43,16 @@ def reward_series(records: list, max_points: int = 400) -> dict:
             "accuracy": [float(r[ACCURACY]) if _finite(r.get(ACCURACY)) else None for r in rows]}
 
 
-def reward_spec(records: list, height: int = 150) -> dict:
-    """The dashboard chart's spec: the training chart's kind, its curves renamed (the margin on
-    the main axis, the accuracy below, where the learning rate goes)."""
-    s = reward_series(records)
-    return {"kind": "training", "step": s["x"][-1] if s["x"] else 0, "total": None, "height": height,
-            "loss": {"x": s["x"], "y": s["margin"]}, "eval": {"x": [], "y": []},
-            "lr": {"x": s["x"], "y": s["accuracy"]}, "events": [],
-            "names": {"loss": "reward margin", "lr": "reward accuracy", "range": "margin"}}
+def reward_spec(records: list, height: int = 150, max_points: int = 400) -> dict:
+    """The chart's spec (the dashboard's and the report's ``panels`` kind): the margin and the
+    accuracy side by side on one step axis."""
+    s = reward_series(records, max_points)
+    return {"kind": "panels", "columns": 2, "height": height,
+            "panels": [{"title": "reward margin", "zero": False, "note": "no DPO step logged yet",
+                        "series": [{"name": "reward margin", "color": "#3b7dd8", "x": s["x"], "y": s["margin"]}]},
+                       {"title": "reward accuracy", "note": "no DPO step logged yet",
+                        "series": [{"name": "reward accuracy", "color": "#2a9d5c", "x": s["x"],
+                                    "y": s["accuracy"]}]}]}
 
 
 def is_preference_run(session: Any) -> bool:
@@ -79,23 +81,14 @@ def attach_reward_panel(dashboard: Any) -> None:
 
 
 def reward_section(records: list):
-    """(markdown, plotly Figure) of the report's preference section; None when the run is not DPO."""
+    """(markdown, chart spec) of the report's preference section; None when the run is not DPO."""
     s = reward_series(records, max_points=2000)
     if not s["x"]:
         return None
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35], vertical_spacing=0.06)
-    fig.add_trace(go.Scatter(x=s["x"], y=s["margin"], name="reward margin", mode="lines"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=s["x"], y=s["accuracy"], name="reward accuracy", mode="lines"), row=2, col=1)
-    fig.update_yaxes(title_text="margin", row=1, col=1)
-    fig.update_yaxes(title_text="accuracy", range=[0, 1.02], row=2, col=1)
-    fig.update_layout(title="reward margin and accuracy", height=380, template="plotly_white")
     pick = sorted({0, len(s["x"]) // 2, len(s["x"]) - 1})
     rows = "".join(f"| {s['x'][i]} | {s['margin'][i]:.4g} | "
                    f"{'–' if s['accuracy'][i] is None else format(s['accuracy'][i], '.3g')} |\n" for i in pick)
     md = ("## Preference training\n\nTRL's reward margin (the chosen answer's log-prob gain over the reference "
           "minus the rejected one's, times `beta`) and reward accuracy (the share of pairs whose margin is "
           "positive), per step.\n\n| step | reward margin | reward accuracy |\n|---|---|---|\n" + rows)
-    return md, fig
+    return md, reward_spec(records, height=200, max_points=2000)

@@ -36,6 +36,7 @@ from .run_state import QueuedCommand, RunState, TrainerLike  # noqa: F401 - re-e
 from .samples import Samples
 from .sample_watch import SampleWatch
 from .session_view import SessionView
+from .snapshot_table import SnapshotTable
 from .thread_run import ThreadRun
 
 
@@ -207,7 +208,7 @@ class Session:
     tokenizer = _forward("_tokenizer", settable=True)
     publisher = _forward("_view.live", settable=True)
     explorer = _forward("_explore")
-    snapshots = _forward("_explore.snapshots", call=True)
+    snapshots = _forward("_explore.snapshots", call=True, wrap=SnapshotTable)
 
     @property
     def total_steps(self) -> Optional[int]:
@@ -555,6 +556,7 @@ class Session:
     # ---- the end of a run (the background thread, or stop() before it started) -------------------
     def _end(self, outcome: str) -> None:
         self._sample_watch.run_ended(weights_kept=outcome == "finished")
+        self._sample_watch.finish()   # the final snapshot shows the answer from the final weights
         if outcome != "finished":
             self._release()  # a finished run keeps its weights for generate()/inspect()
         self._status.ended_at = time.time()

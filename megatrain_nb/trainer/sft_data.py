@@ -20,6 +20,7 @@ The steps themselves are in ``sft_prepare.py``; an iterable dataset is checked t
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -275,7 +276,27 @@ def prepare_sft_dataset(ds, tokenizer, opts: SFTDataOptions, *, formatting_func:
     loss), truncated or packed (``seq_lengths`` per packed row), as ``trl.SFTTrainer`` prepares it.
 
     A map-style dataset is checked row by row here; an iterable one as its rows are read (the
-    error names the row), its truncations counted as they happen and reported at the first."""
+    error names the row), its truncations counted as they happen and reported at the first.
+    The ``datasets`` "Map" progress bars stay off meanwhile (a few maps per dataset, each over
+    in a blink: six bars in a notebook said nothing the report does not)."""
+    with _no_progress_bars():
+        return _prepare(ds, tokenizer, opts, formatting_func, what)
+
+
+@contextmanager
+def _no_progress_bars():
+    import datasets
+
+    was = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def _prepare(ds, tokenizer, opts: SFTDataOptions, formatting_func, what: str) -> tuple:
     import datasets
 
     from .sft_prepare import Preparation

@@ -52,9 +52,9 @@ def _shows_the_rewards(s, tmp_path):
     assert f"reward margin {margin:.4g}, accuracy {accuracy:.3g}" in status_line(s)
     d = Dashboard(s)
     d.refresh(force=True)
-    spec = d.reward_chart.spec
-    assert spec["loss"] == {"x": [1, 2], "y": [h["rewards/margins"] for h in s.run_log.records()]}
-    assert spec["lr"]["y"][-1] == accuracy and spec["names"]["loss"] == "reward margin"
+    margins, accuracies = (p["series"][0] for p in d.reward_chart.spec["panels"])
+    assert margins["x"] == [1, 2] and margins["y"] == [h["rewards/margins"] for h in s.run_log.records()]
+    assert accuracies["y"][-1] == accuracy and margins["name"] == "reward margin"
     page = open(s.export_report(str(tmp_path / "dpo.html")), encoding="utf-8").read()
     assert "Preference training" in page and f"<td>{margin:.4g}</td>" in page and "reward margin and accuracy" in page
     card = SessionBeacon(s, root=tmp_path / "beacons").snapshot()

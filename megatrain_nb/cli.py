@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpus-per-node", type=_positive_int, default=1,
                    help="GPUs (ranks) per node (default 1); the training state is sharded over all of them")
     e.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    e.add_argument("--pairs", type=_positive_int, default=None, help="DPO: preference pairs (the reference pass)")
     e.set_defaults(func=cmd_estimate)
 
     m = sub.add_parser("models", help="which causal LMs of the installed transformers the engine supports "

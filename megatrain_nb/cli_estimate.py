@@ -29,6 +29,8 @@ def run_estimate(ns):
               offload_dir=False if ns.no_disk else (ns.offload_dir or True), names=CLI_NAMES)
     if ns.accumulation != 1:
         kw["accumulation"] = ns.accumulation
+    if getattr(ns, "pairs", None):   # DPO: the reference pass and its cache
+        kw["pairs"] = ns.pairs
     if ns.nodes == 1 and ns.gpus_per_node == 1:
         return estimate(ns.model, **kw)
     from megatrain_nb.estimator_dist import estimate_scale_out  # the state sharded over every GPU

@@ -155,6 +155,7 @@ class Estimate:
     by_codec: dict = field(default_factory=dict)   # codec -> the plan with that optimizer-state codec
     names: dict = field(default_factory=dict)      # python argument -> how the caller spells it (CLI flags)
     host_min: Optional[int] = None                 # the least host RAM any plan needs (see estimate())
+    reference_cache_bytes: Optional[int] = None    # a DPO run's reference cache (estimate(pairs=...))
 
     @property
     def feasible(self) -> bool:
@@ -183,7 +184,8 @@ class Estimate:
                 "limiting_tier": self.limiting_tier, "reason": self.plan.reason,
                 "layer_slots": self.plan.layer_slots, "checkpoint_interval": self.plan.checkpoint_interval,
                 "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident(),
-                "window": self.plan.window, "host_min": self.host_min}
+                "window": self.plan.window, "host_min": self.host_min,
+                "reference_cache_bytes": self.reference_cache_bytes}
 
     def _rows(self):
         kinds = [("weights", "weights"), ("grads", "gradients"), ("optimizer_states", "optimizer states"),
@@ -265,7 +267,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
              offload_dir: Union[bool, str, None] = True, device: str = "cuda",
              world: int = 1,
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
-             layer_major: bool = True, clip_hold: str = "auto") -> Estimate:
+             layer_major: bool = True, clip_hold: str = "auto", pairs: Optional[int] = None) -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
@@ -287,6 +289,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     then one rank's (its shard of every unit), the device working set is unchanged and the
     budgets are one rank's; :func:`megatrain_nb.estimator_dist.estimate_scale_out` adds the
     per-node and on-the-wire figures.
+    ``pairs``: a DPO run's preference pairs: the reference pass (forward only) and the bytes of
+    its cache as lines (:mod:`megatrain_nb.estimator_dpo`).
     """
     from megatrain_nb.engine import family
     from megatrain_nb.engine.codecs import codec_names, normalize_compression
@@ -323,10 +327,17 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     notes = _estimate_notes(plan, host_min, budgets, accumulation=accumulation, batch=batch, seq=seq,
                             clipping=clipping, accumulator=accumulator, ram_auto=ram_gb == "auto",
                             disk_auto=disk_gb == "auto" and bool(offload_dir), disk_path=disk_path)
+    cache = None
+    if pairs is not None:
+        from megatrain_nb.estimator_dpo import reference_cache_bytes, reference_lines
+
+        notes += reference_lines(pairs)
+        cache = reference_cache_bytes(pairs)
     return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
                                                                                 batch=batch, seq=seq),
-                    notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min)
+                    notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min,
+                    reference_cache_bytes=cache)
 
 
 def _estimate_notes(plan, host_min: int, budgets: dict, *, accumulation: int, batch: int, seq: int,

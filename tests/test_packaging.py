@@ -65,7 +65,8 @@ def test_without_node_the_wheel_builds_without_the_extension_and_says_so(tmp_pat
     assert not [n for n in whl.namelist() if LABEXT in n]
     assert any(n.endswith("megatrain_nb/cli.py") for n in whl.namelist())
     for shipped in ("assets/chat/conversations.jsonl", "assets/chat/tokenizer/tokenizer.json",
-                    "assets/chat/tokenizer/chat_template.jinja"):   # the offline SFT material
+                    "assets/chat/tokenizer/chat_template.jinja",   # the offline SFT material
+                    "assets/chat/preferences.jsonl"):   # and DPO's
         assert any(n.endswith("megatrain_nb/" + shipped) for n in whl.namelist()), shipped
     assert "MEGATRAIN_NB_BUILD_LABEXTENSION=1 builds it" in log and "WITHOUT the JupyterLab extension" in log
     shutil.rmtree(tmp_path / "dist")

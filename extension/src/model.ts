@@ -60,6 +60,9 @@ export interface ISessionInfo {
   /** A learning rate asked for and not applied yet (it applies at the next step). */
   requested_lr?: number | null;
   tokens_per_s?: number | null;
+  /** A DPO run's reward margin and accuracy (TRL's rewards/margins, rewards/accuracies); absent otherwise. */
+  reward_margin?: number | null;
+  reward_accuracy?: number | null;
   loss_tail: Array<number | null>;
   memory: IMemory | null;
   last_command?: ILastCommand | null;

@@ -261,7 +261,8 @@ class SessionCard {
     n.loss = el(d, 'span', 'mtnb-loss');
     n.lr = el(d, 'span', 'mtnb-lr');
     n.speed = el(d, 'span', 'mtnb-speed');
-    metrics.append(n.loss, n.lr, n.speed);
+    n.reward = el(d, 'span', 'mtnb-reward');   // a DPO run: its reward margin
+    metrics.append(n.loss, n.lr, n.speed, n.reward);
 
     this._sparkSvg = d.createElementNS(SVG_NS, 'svg') as SVGSVGElement;
     this._sparkSvg.setAttribute('class', 'mtnb-sparkline');
@@ -347,6 +348,10 @@ class SessionCard {
       n.speed,
       typeof s.tokens_per_s === 'number' ? `${Math.round(s.tokens_per_s)} tok/s` : ''
     );
+
+    setText(n.reward, typeof s.reward_margin === 'number' ? `margin ${formatLoss(s.reward_margin)}` : '');
+    n.reward.title =
+      typeof s.reward_accuracy === 'number' ? `reward accuracy ${Math.round(s.reward_accuracy * 100)}%` : '';
 
     const spark = sparkline(s.loss_tail ?? [], SPARK_W, SPARK_H, 2);
     if (this._spark.getAttribute('d') !== spark.d) {

@@ -7,6 +7,7 @@ word-level tokenizer whose chat template marks the assistant's turns with
     ds = chat_dataset()                 # datasets.Dataset of {"messages": [...]}
     ds = chat_dataset("alpaca")         # the same examples as instruction/input/output
     tok = chat_tokenizer()              # PreTrainedTokenizerFast with the chat template
+    pairs = preference_dataset()        # prompt/chosen/rejected pairs made from it (assets/preferences.py)
 
 ``python -m megatrain_nb.assets`` regenerates the shipped files (deterministic).
 """
@@ -156,4 +157,10 @@ def write_assets() -> None:
     with atomic_file(EXAMPLES_FILE) as f:
         f.write("".join(json.dumps(c) + "\n" for c in convs))
     build_word_tokenizer(_vocabulary(convs)).save_pretrained(str(TOKENIZER_DIR))
+    from .preferences import write_preferences
+
+    write_preferences(convs)
+
+
+from .preferences import preference_dataset, preference_rows  # noqa: E402,F401  (the shipped pairs)
 

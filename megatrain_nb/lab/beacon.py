@@ -202,6 +202,7 @@ class SessionBeacon:
             "requested_lr": finite_or_none(_attr(s, "requested_lr", None)),
             "tokens_per_s": finite_or_none(last.get("tokens_per_s")),
             "loss_tail": losses,
+            **_reward_fields(last),   # a DPO run: the card's reward margin
             "memory": clean_json(_memory_summary(self._memory)),
             "last_command": self.last_command,
             "refused_commands": list(self.refused),
@@ -438,3 +439,12 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except OSError:
         pass
+
+
+def _reward_fields(last: dict[str, Any]) -> dict[str, Any]:
+    """A DPO run's reward margin and accuracy for the sidebar's card (absent otherwise: the
+    same names as ``notebook/preference_view.beacon_fields``)."""
+    margin = finite_or_none(last.get("rewards/margins"))
+    if margin is None:
+        return {}
+    return {"reward_margin": margin, "reward_accuracy": finite_or_none(last.get("rewards/accuracies"))}

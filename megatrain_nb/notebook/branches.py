@@ -42,6 +42,9 @@ from .placement import PLACEMENT, placement, sibling_engine
 #: what a fork may change mid-run (TrainingArguments fields, the data, the loss)
 ALLOWED = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "max_steps",
            "gradient_accumulation_steps", "data_seed", "train_dataset", "loss_fn")
+#: what a fork of a preference run (an mt.DPOTrainer) may change besides: the loss's DPOConfig fields
+#: (the reference log-probs do not depend on them, so the fork reads the parent's cache)
+DPO_ALLOWED = ("beta", "loss_type")
 #: what cannot change mid-run, and why (anything else not in ALLOWED is refused too)
 FIXED = {
     "optimizer_compression": "the optimizer states are stored in that codec",
@@ -350,7 +353,7 @@ class Explorer:
 
         from .session import Session
 
-        changes = check_changes(changes)
+        changes = check_changes(changes, self.trainer)
         self.verify(info)   # a damaged snapshot is refused here, not when the fork first trains
         device = changes.pop(PLACEMENT, None)
         side = placement(self.trainer.engine.device, device) == "side_by_side"
@@ -580,19 +583,23 @@ def _ref(obj):
         return lambda: obj
 
 
-def check_changes(changes: dict) -> dict:
+def check_changes(changes: dict, trainer: Any = None) -> dict:
     """A fork's ``changes``, each name allowed and each value checked by the table of values
-    (:mod:`megatrain_nb.values`, the Trainer's arguments' rules), at ``fork()``; the checked values."""
-    bad = [k for k in changes if k not in ALLOWED and k != PLACEMENT]
+    (:mod:`megatrain_nb.values`, the Trainer's arguments' rules), at ``fork()``; the checked values.
+    ``beta``/``loss_type`` (``DPO_ALLOWED``) only in a DPO run, checked by ``branch_dpo``."""
+    bad = [k for k in changes if k not in ALLOWED + DPO_ALLOWED and k != PLACEMENT]
     if bad:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
-                         f"{', '.join(ALLOWED)}")
+                         f"{', '.join(ALLOWED)} (and {', '.join(DPO_ALLOWED)} in a DPO run)")
     out = {k: check(k, v, f"fork({k})") if k in VALUES else v for k, v in changes.items()}
     loss_fn = out.get("loss_fn")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"fork(loss_fn)={loss_fn!r}: must be a function (logits chunk, labels chunk) -> summed "
                          "loss, or None")
+    from .branch_dpo import check_dpo_changes
+
+    check_dpo_changes(out, trainer)
     return out
 
 

@@ -160,6 +160,9 @@ class Dashboard(W.VBox):
         self._sent: dict[str, Any] = {p.name: None for p in PANELS}
         self._shown_version: int | None = None  # the run log version the data panels show
         self.poke: Callable[[], None] = lambda: None  # set by the publisher: refresh soon
+        from .preference_view import attach_reward_panel
+
+        attach_reward_panel(self)   # a DPO run: reward margin and accuracy over steps
         self.pause_button.on_click(self._on_pause)
         self.stop_button.on_click(self._on_stop)
         self.lr_apply.on_click(lambda _b: self._apply_lr(self.lr_field.value))

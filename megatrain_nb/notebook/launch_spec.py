@@ -7,7 +7,8 @@ private folder as plain files, so that nothing crosses the process boundary as a
 - datasets: ``datasets.Dataset.save_to_disk`` (Arrow) into ``<run>/train`` / ``<run>/eval``; a
   list or a torch map-style dataset is first turned into a ``datasets.Dataset``;
 - the tokenizer: ``save_pretrained`` into ``<run>/tokenizer``;
-- ``TrainingArguments`` (or a ``trl.SFTConfig``, then the workers build an ``mt.SFTTrainer``):
+- ``TrainingArguments`` (or a ``trl.SFTConfig`` / ``trl.DPOConfig``, then the workers build an
+  ``mt.SFTTrainer`` / ``mt.DPOTrainer``):
   the fields that differ from their defaults, as JSON, and which class they are;
 - engine options, ``seq_len``: JSON; ``loss_fn`` and callbacks: import paths
   (``"package.module:name"``), since a function defined in a notebook cell cannot be imported
@@ -110,7 +111,7 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
         else:
             args = {"output_dir": "megatrain_outputs"}
     fields = _args_fields(args)
-    args_class = _check_args(fields, sft=_is_sft_config(args))   # refused here, before any worker starts
+    args_class = _check_args(fields, trl_class=_trl_config(args))   # refused here, before any worker starts
     spec: dict = {"format": 1, "model": _model_ref(run_dir, model, engine_options), "seq_len": seq_len,
                   "args": fields, "args_class": args_class, "engine_options": _json_only(engine_options, "engine option"),
                   "loss_fn": import_ref(loss_fn, "loss_fn") if loss_fn is not None else None,
@@ -203,15 +204,28 @@ def _dataset(path: Path, ds: Any, what: str) -> Optional[str]:
     return str(path)
 
 
-def _is_sft_config(args: Any) -> bool:
-    """A ``trl.SFTConfig`` (told by its type, without importing trl otherwise)."""
-    return any(c.__name__ == "SFTConfig" and c.__module__.startswith("trl") for c in type(args).__mro__)
+TRL_CONFIGS = ("SFTConfig", "DPOConfig")
 
 
-def _check_args(fields: dict, *, sft: bool) -> str:
+def _trl_config(args: Any) -> Optional[str]:
+    """``"SFTConfig"`` / ``"DPOConfig"`` for TRL's configs (told by type, without importing trl), else None."""
+    return next((c.__name__ for c in type(args).__mro__
+                 if c.__name__ in TRL_CONFIGS and c.__module__.startswith("trl")), None)
+
+
+def _check_args(fields: dict, *, trl_class: Optional[str] = None) -> str:
     """Check the arguments the workers will build (so that they are refused before any starts);
-    returns the class they build: ``"TrainingArguments"`` or ``"SFTConfig"`` (an SFTTrainer)."""
-    if not sft:
+    returns the class they build: ``"TrainingArguments"``, ``"SFTConfig"`` (an SFTTrainer) or
+    ``"DPOConfig"`` (a DPOTrainer)."""
+    if trl_class == "DPOConfig":
+        from megatrain_nb.trainer.args import validate_training_args
+        from megatrain_nb.trainer.dpo import validate_dpo_args
+
+        config = _trl_args(fields, trl_class)
+        validate_training_args(config, where="args")
+        validate_dpo_args(config)
+        return trl_class
+    if trl_class is None:
         from megatrain_nb.trainer.args import training_arguments
 
         training_arguments(fields, where="args")
@@ -219,24 +233,24 @@ def _check_args(fields: dict, *, sft: bool) -> str:
     from megatrain_nb.trainer.args import validate_training_args
     from megatrain_nb.trainer.sft import validate_sft_args
 
-    config = _sft_config(fields)
+    config = _trl_args(fields, "SFTConfig")
     validate_training_args(config, where="args")
     validate_sft_args(config)
     return "SFTConfig"
 
 
-def _sft_config(fields: dict):
-    from trl import SFTConfig
+def _trl_args(fields: dict, trl_class: str):
+    import trl
 
-    return SFTConfig(**fields)
+    return getattr(trl, trl_class)(**fields)
 
 
 def _sft_defaults(args) -> dict:
-    """An SFTConfig's default values (its own differ from TrainingArguments': learning_rate,
-    bf16...). Built with ``args``' precision and device fields, since a default SFTConfig (bf16)
-    cannot be built on a machine without bf16; those fields are then never "defaults"."""
+    """An SFTConfig's (or DPOConfig's) default values (their own differ from TrainingArguments':
+    learning_rate, bf16...). Built with ``args``' precision and device fields, since a default one
+    (bf16) cannot be built on a machine without bf16; those fields are then never "defaults"."""
     own = {k: getattr(args, k) for k in _SFT_ALWAYS}
-    ref = _sft_config({"output_dir": os.path.join(os.getcwd(), "megatrain_outputs"), **own})
+    ref = _trl_args({"output_dir": os.path.join(os.getcwd(), "megatrain_outputs"), **own}, _trl_config(args))
     return {f.name: (object() if f.name in _SFT_ALWAYS else getattr(ref, f.name)) for f in dataclasses.fields(ref)}
 
 
@@ -252,7 +266,7 @@ def _args_fields(args: Any) -> dict:
     else:
         from megatrain_nb.trainer.args import default_values
 
-        defaults = _sft_defaults(args) if _is_sft_config(args) else default_values()
+        defaults = _sft_defaults(args) if _trl_config(args) else default_values()
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
                   if f.init and not f.name.startswith("_") and getattr(args, f.name) != defaults.get(f.name)}
         fields["output_dir"] = args.output_dir
@@ -324,8 +338,8 @@ def build_from_spec(run_dir: Path):
     if spec["callbacks"]:
         options["callbacks"] = [load_ref(c, "callback") for c in spec["callbacks"]]
     args = None
-    if spec.get("args_class") == "SFTConfig":   # the workers build an SFTTrainer (model_source.build_trainer)
-        args = _sft_config(spec["args"])
+    if spec.get("args_class") in TRL_CONFIGS:   # the workers build an SFT/DPOTrainer (model_source.build_trainer)
+        args = _trl_args(spec["args"], spec["args_class"])
     elif spec["args"]:
         from transformers import TrainingArguments
 

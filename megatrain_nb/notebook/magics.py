@@ -122,6 +122,9 @@ def status_line(session) -> str:
     parts = [f"{session.name}: {session.state}", f"step {view.step}{'/' + str(total) if total else ''}",
              f"loss {fmt_num(last.get('loss'))}", f"lr {fmt_num(last.get('lr'), '.3g')}",
              f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s", *([f"ETA {fmt_seconds(eta)}"] if eta is not None else [])]
+    from .preference_view import reward_parts
+
+    parts += reward_parts(last)   # a DPO run: reward margin and accuracy
     line = ", ".join(parts)
     if view.events:
         from .figures import event_label

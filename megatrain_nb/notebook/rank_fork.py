@@ -36,7 +36,7 @@ def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: 
     from .remote import ProcessRun
     from .session import Session
 
-    check_changes(changes)
+    changes = check_changes(changes, session.trainer)
     if PLACEMENT in changes:
         raise ValueError(f"{PLACEMENT}={changes[PLACEMENT]!r}: a fork of {session.name!r} trains on ranks of its own, "
                          "on the devices its parent's ranks use (nproc_per_node); leave device= out")

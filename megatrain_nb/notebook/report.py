@@ -128,6 +128,13 @@ def build_notebook(session: Any):
                      "point at a curve for its values."))
     cells.append(_chart_cell(training_spec(view, total=session.total_steps, height=320),
                              img(loss_svg(view, width=760, height=220), "loss"), "loss and learning rate"))
+    from .preference_view import reward_section
+
+    rewards = reward_section(records)   # a DPO run: reward margin and accuracy
+    if rewards is not None:
+        md, spec = rewards
+        cells += [_md(md), _chart_cell(spec, img(panels_svg(spec), "reward margin and accuracy"),
+                                       "reward margin and accuracy")]
 
     cells.append(_md("## Interventions\n\n" + (_table(
         [(e["step"], e["kind"], event_label(e), e.get("source", ""), _event_detail(e)) for e in view.events],

@@ -420,16 +420,17 @@ class Session:
     def fork(self, step: Optional[int] = None, name: Optional[str] = None, **changes: Any) -> "Session":
         """A new Session (a branch) from the snapshot at ``step`` (default: a snapshot now) with
         ``changes`` (learning_rate, lr_scheduler_type, warmup_steps, weight_decay, max_grad_norm,
-        max_steps, gradient_accumulation_steps, data_seed, train_dataset, loss_fn). It shares this
-        session's engine: starting it pauses this one (one branch trains at a time). ``device=``
-        another device than this session's: an engine of its own there, trained side by side. Ranks
-        in worker processes (``nproc_per_node``): the fork launches ranks of its own from the snapshot."""
+        max_steps, gradient_accumulation_steps, data_seed, train_dataset, loss_fn; in a DPO run
+        also beta, loss_type). It shares this session's engine: starting it pauses this one (one
+        branch trains at a time). ``device=`` another device than this session's: an engine of its
+        own there, trained side by side. Ranks in worker processes (``nproc_per_node``): the fork
+        launches ranks of its own from the snapshot."""
         from megatrain_nb.commands import as_step
 
         from .branches import check_changes
 
         self._run.check("fork")
-        changes = check_changes(changes)
+        changes = check_changes(changes, self.trainer)
         step = None if step is None else as_step(step, "fork(step)")
         if self._status.released:
             raise RuntimeError(f"session {self.name!r} released its model: nothing to fork")

@@ -82,6 +82,7 @@ class ThreadRun:
             if self.engine is not None:   # the dashboard reads layer statistics after every step:
                 self.engine.layer_stats()  # the engine gathers them once asked, so from step 1
             self.explorer.activate()   # branches sharing the engine: this one's state in it
+            stopped_early = self._hook_reference_pass()   # a DPO reference pass: pause / stop reach it too
             if hasattr(self.trainer, "recovery_hooks"):   # on_nonfinite="rewind": the tree hears of each
                 if self.explorer.on_recovery not in self.trainer.recovery_hooks:
                     self.trainer.recovery_hooks.append(self.explorer.on_recovery)
@@ -98,12 +99,15 @@ class ThreadRun:
                 try:
                     record = next(it)
                 except StopIteration:
+                    outcome = "stopped" if stopped_early else outcome
                     break
                 self._on_record(record)
         except BaseException as e:  # noqa: BLE001 - surfaces in wait() and the dashboard
             outcome = "failed"
             self.status.fail(e)
         finally:
+            if getattr(self.trainer, "between_batches", None) is not None:
+                self.trainer.between_batches = None   # (an evaluate() later runs on the notebook's thread)
             if it is not None and hasattr(it, "close"):
                 try:
                     it.close()
@@ -112,6 +116,21 @@ class ThreadRun:
             self.explorer.settle()   # an automatic snapshot completing in the background: logged
             self.status.drain(outcome)
             on_end(outcome)
+
+    def _hook_reference_pass(self) -> list:
+        """A DPO trainer's reference pass (before step 1) asks ``between_batches()`` before each
+        batch: the queued commands are applied there too (a pause holds the pass, a stop ends it).
+        Returns the list that holds True once a stop came that way."""
+        stopped_early: list = []
+
+        def between_batches() -> bool:
+            if self._apply_commands():
+                stopped_early.append(True)
+            return bool(stopped_early)
+
+        if hasattr(self.trainer, "between_batches"):
+            self.trainer.between_batches = between_batches
+        return stopped_early
 
     def _on_record(self, record: dict) -> None:
         engine = self.engine

@@ -34,7 +34,8 @@ from .data import DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
 from .dpo_loss import DPOObjective, DPOSettings, PairBatch
-from .dpo_reference import ReferenceCache, cache_key, reference_pass, weights_fingerprint, with_reference
+from .dpo_reference import (ReferenceCache, ReferenceStopped, cache_key, reference_pass, weights_fingerprint,
+                            with_reference)
 from .sft_data import require_trl
 from .trainer import Trainer
 
@@ -128,7 +129,7 @@ class DPOTrainer(Trainer):
     folder; either way its log-probs are computed once, streamed, and cached.
     """
 
-    _eval_set_later = True   # prepared after Trainer.__init__; checked before it, as SFTTrainer does
+    _eval_set_later = True   # the pairs are prepared after Trainer.__init__; the eval plan is checked before it
 
     def __init__(self, model=None, ref_model=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
@@ -185,6 +186,9 @@ class DPOTrainer(Trainer):
         self.reference_seconds: dict = {}   # per split: seconds of the reference pass (0.0: read from the cache)
         self._total_train_tokens = 0
         self._eval_prefix, self._eval_extra = None, {}
+        # asked between the reference pass's batches by whoever drives this trainer (a Session
+        # applies its queued pause / resume / stop there: the pass is minutes on a big model); True: stop
+        self.between_batches = None
 
     # ------------------------------------------------------------------ construction helpers
     def _tokens(self, args):
@@ -249,7 +253,7 @@ class DPOTrainer(Trainer):
             try:
                 got = reference_pass(engine, ds, self.data_collator, batch_size, self.settings,
                                      progress=(lambda done, n: bar.update(done - bar.n)) if bar is not None else None,
-                                     stop=lambda: self._stop)
+                                     stop=self._reference_stop)
             finally:
                 if bar is not None:
                     bar.close()
@@ -264,6 +268,11 @@ class DPOTrainer(Trainer):
         self.metrics_log.write({"event": "reference", "split": what, "pairs": len(ds), "seconds": seconds,
                                 "cached": seconds == 0.0, "key": key, "time": time.time()})
         return with_reference(ds, *got)
+
+    def _reference_stop(self) -> bool:
+        if self.between_batches is not None and self.between_batches():
+            self.request_stop()
+        return self._stop
 
     def _reference_engine(self):
         """The engine the reference streams through: the policy's own (before its first step), or
@@ -296,7 +305,10 @@ class DPOTrainer(Trainer):
     # ------------------------------------------------------------------ the loop
     def iter_steps(self, resume_from_checkpoint=None):
         """As :meth:`Trainer.iter_steps`; the reference log-probs first (streamed once, or read from the cache)."""
-        self._ensure_reference()
+        try:
+            self._ensure_reference()
+        except ReferenceStopped:   # stopped before the first step: nothing trained, nothing cached
+            return
         yield from super().iter_steps(resume_from_checkpoint=resume_from_checkpoint)
 
     def _train_window(self, window: list, total: int) -> dict:

@@ -218,18 +218,8 @@ class PreferenceCollator:
 
 
 def builtin_preference_pairs(n: Optional[int] = None) -> list:
-    """A preference set generated from the shipped (generated, license-clean) chat set: the
-    prompt a conversation up to its last reply, chosen that reply, rejected the last reply of
-    another conversation (a fluent but wrong answer). Deterministic."""
-    from megatrain_nb.assets import chat_dataset
+    """The shipped preference set (``megatrain_nb/assets/preferences.py``: generated from the
+    shipped chat set, the rejected reply a near miss of the chosen one), as a list of rows."""
+    from megatrain_nb.assets import preference_rows
 
-    convs = list(chat_dataset())
-    rows = []
-    for i, c in enumerate(convs[:n] if n else convs):
-        msgs = c["messages"]
-        own = msgs[-1]["content"]
-        other = next(o["messages"][-1]["content"] for k in range(1, len(convs))
-                     for o in [convs[(i + 7 * k) % len(convs)]] if o["messages"][-1]["content"] != own)
-        rows.append({"prompt": msgs[:-1], "chosen": [msgs[-1]],
-                     "rejected": [{"role": "assistant", "content": other}]})
-    return rows
+    return preference_rows(n)

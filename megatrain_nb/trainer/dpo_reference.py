@@ -64,10 +64,16 @@ def cache_key(ds, tok, weights: str, args) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+class ReferenceStopped(Exception):
+    """The reference pass was stopped (``request_stop()``, or a Session's stop) before it ended."""
+
+
 def reference_pass(engine, ds, collate: Callable, batch_size: int, settings: DPOSettings,
                    progress: Optional[Callable[[int, int], None]] = None, stop: Optional[Callable[[], bool]] = None):
     """The reference log-probs ``(chosen [N], rejected [N])`` of ``ds`` in order: forward only,
-    through ``engine.evaluate`` with a log-prob-only objective."""
+    through ``engine.evaluate`` with a log-prob-only objective. ``stop`` is asked before each
+    batch (a Session applies its queued pause, resume and stop there); True ends the pass with
+    :class:`ReferenceStopped`."""
     from .data import eval_batches
 
     obj = DPOObjective(settings)
@@ -75,7 +81,7 @@ def reference_pass(engine, ds, collate: Callable, batch_size: int, settings: DPO
     chosen, rejected, done = [], [], 0
     for b in eval_batches(ds, batch_size=batch_size, collate=collate):
         if stop is not None and stop():
-            raise KeyboardInterrupt("the reference pass was stopped")
+            raise ReferenceStopped("the reference pass was stopped")
         engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
         c, r = obj.ref_logps.pop().chunk(2, dim=0)
         chosen.append(c)

@@ -319,3 +319,37 @@ def test_a_branch_needs_a_snapshot_and_known_fields(tmp_path):
     assert start.new_run and start.rebuild_schedule and not start.restart_data
     _, plain = _write(tmp_path)
     assert plain["branch"] is None and branch_start(plain) is None
+
+
+def test_a_dpo_config_reaches_the_workers_as_a_dpo_trainer(tmp_path):
+    """mt.Session(..., args=DPOConfig(...), nproc_per_node=N): the workers build mt.DPOTrainer with
+    the same DPOConfig (issue 30); a field that cannot apply is refused before any worker starts."""
+    pytest.importorskip("trl")
+    import sys
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    from megatrain_nb.notebook.launch_spec import build_from_spec
+    from megatrain_nb.trainer.dpo import DPOTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from trainer.dpo_helpers import dpo_config, pairs, tiny_llama, tokenizer
+
+    tok = tokenizer()
+    args = dpo_config(tmp_path / "out", beta=0.3, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], max_steps=3)
+    run, spec = _write(tmp_path, model=tiny_llama(len(tok)), args=args, tokenizer=tok,
+                       train_dataset=Dataset.from_list(pairs(6)), engine_options={"device": "cpu"})
+    assert spec["args_class"] == "DPOConfig" and spec["args"]["beta"] == 0.3
+    assert "label_smoothing" not in spec["args"]   # only what differs from DPOConfig's defaults
+    (trainer, _tok), _ = build_from_spec(run)
+    try:
+        assert isinstance(trainer, DPOTrainer) and type(trainer.args).__name__ == "DPOConfig"
+        for name in ("beta", "loss_type", "loss_weights", "max_length", "max_steps", "learning_rate", "bf16",
+                     "per_device_train_batch_size", "output_dir"):
+            assert getattr(trainer.args, name) == getattr(args, name), name
+        assert trainer.settings.beta == 0.3 and len(trainer.train_dataset) == 6
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match="sync_ref_model"):
+        _write(tmp_path, args=dpo_config(tmp_path / "out", sync_ref_model=True))

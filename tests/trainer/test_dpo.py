@@ -130,7 +130,15 @@ def test_example_dpo_yaml_runs_as_written(tmp_path, capsys):
     assert main(["train", "--config", str(example), "--max-steps", "2", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "built-in preference set" in out and "reference log-probs" in out and "reward margin" in out
-    assert list((tmp_path / "reference_logps").glob("train-*.pt"))
+    cache = list((tmp_path / "reference_logps").glob("train-*.pt"))
+    assert cache
+    # megatrain-nb estimate --pairs N counts the reference pass and the bytes of that cache (200 pairs)
+    assert main(["estimate", "micro", "--ram", "8", "--disk", "8", "--pairs", "200", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["reference_cache_bytes"] - 128 <= cache[0].stat().st_size <= est["reference_cache_bytes"]
+    assert main(["estimate", "micro", "--ram", "8", "--disk", "8", "--pairs", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "DPO reference pass: one forward-only streamed pass over 200 pairs" in out and "reference cache" in out
 
 
 def test_a_bad_row_of_an_iterable_dataset_is_named_as_it_is_read(tmp_path):
@@ -185,3 +193,18 @@ def test_evaluate_on_an_iterable_eval_set_matches_the_map_style_one(tmp_path):
     for k in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
         assert again[k] == pytest.approx(mapped[k], rel=1e-6) and streamed[k] == pytest.approx(mapped[k], rel=1e-5)
     m.close()
+
+
+def test_an_eval_strategy_without_an_eval_set_is_refused_before_anything_is_built(tmp_path):
+    """As mt.Trainer and transformers refuse it; with an eval set it is fine (the pairs are
+    prepared after Trainer.__init__, so the check is DPOTrainer's own)."""
+    from megatrain_nb.trainer.args import UnsupportedArgumentError
+
+    tok = tokenizer()
+    with pytest.raises(UnsupportedArgumentError, match="no eval_dataset was given"):
+        mt.DPOTrainer(model=tiny_llama(len(tok)), args=dpo_config(tmp_path, eval_strategy="steps", eval_steps=1),
+                      train_dataset=pairs(4), processing_class=tok, device="cpu")
+    t = mt.DPOTrainer(model=tiny_llama(len(tok)), args=dpo_config(tmp_path, eval_strategy="steps", eval_steps=1),
+                      train_dataset=pairs(4), eval_dataset=pairs(2), processing_class=tok, device="cpu")
+    assert len(t.eval_dataset) == 2
+    t.close()

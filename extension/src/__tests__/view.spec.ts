@@ -44,6 +44,15 @@ describe('SessionListView', () => {
     expect(q('.mtnb-count').textContent).toBe('2');
   });
 
+  it("shows a DPO run's reward margin, its accuracy on hover", () => {
+    const { view, q } = setup();
+    view.update({ sessions: [{ ...session(), reward_margin: 0.09712, reward_accuracy: 0.875 }] });
+    expect(q('.mtnb-reward').textContent).toBe('margin 0.09712');
+    expect(q('.mtnb-reward').title).toBe('reward accuracy 88%');
+    view.update({ sessions: [{ ...session(), reward_margin: -0.0004 }] });
+    expect(q('.mtnb-reward').textContent).toBe('margin -4.00e-4');
+  });
+
   it('renders name, notebook, state, progress, loss, lr, sparkline and memory', () => {
     const { view, q } = setup();
     view.update({ sessions: [session()], activeId: 'abc123' });
@@ -57,6 +66,7 @@ describe('SessionListView', () => {
     expect(q('.mtnb-progress-fill').style.width).toBe('12.0%');
     expect(q('.mtnb-loss').textContent).toBe('loss 2.346');
     expect(q('.mtnb-lr').textContent).toBe('lr 3e-4');
+    expect(q('.mtnb-reward').textContent).toBe('');   // not a DPO run
     expect(q('.mtnb-sparkline path').getAttribute('d')).toMatch(/^M[\d.]+ [\d.]+( L[\d.]+ [\d.]+){3}$/);
     expect(q('.mtnb-mem-device').textContent).toBe('2.00 GiB / 16.0 GiB (13%)');
     expect(q('.mtnb-mem-host').textContent).toBe('5.00 GiB');

@@ -1,0 +1,38 @@
+"""A fork of a preference run may change its loss: ``beta`` and ``loss_type`` (``branches.DPO_ALLOWED``).
+
+The reference log-probs do not depend on either (the cache key is the data, the tokenizer, the
+reference weights and the truncation), so the fork reads the parent's cache and only the loss
+the engine's head computes changes. Checked here, before anything is built: on a run that is not
+a DPO run they are refused by name (a TrainingArguments run would ignore them silently), and the
+new values must pass TRL's own checks with the run's other DPOConfig fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+DPO_FIELDS = ("beta", "loss_type")
+
+
+def check_dpo_changes(changes: dict, trainer: Any) -> None:
+    """Refuse ``beta``/``loss_type`` on a non-DPO run; normalise ``loss_type`` (a name -> a list of
+    names, as DPOConfig holds it) in ``changes`` and check the values."""
+    given = [k for k in DPO_FIELDS if k in changes]
+    if not given:
+        return
+    if "loss_type" in changes and isinstance(changes["loss_type"], str):
+        changes["loss_type"] = [changes["loss_type"]]
+    if trainer is None:   # ranks in worker processes: their DPOTrainer checks the values as it is built
+        return
+    settings = getattr(trainer, "settings", None)
+    if settings is None or not hasattr(settings, "loss_type"):
+        raise ValueError(f"a fork can change {', '.join(given)} only in a preference (DPO) run; "
+                         f"{type(trainer).__name__} has no DPO loss")
+    beta = changes.get("beta", settings.beta)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
+        raise ValueError(f"beta must be a number > 0, got {beta!r}")
+    if "loss_type" in changes and (not isinstance(changes["loss_type"], (list, tuple)) or not changes["loss_type"]):
+        raise ValueError(f"loss_type must be a loss name or a list of them, got {changes['loss_type']!r}")
+    new = dataclasses.replace(settings, **{k: (list(v) if k == "loss_type" else float(v))
+                                           for k, v in changes.items() if k in DPO_FIELDS})
+    new.check()   # TRL's refusals: an unknown loss, loss_weights of another length, ...

@@ -38,7 +38,15 @@ class EngineOverrides:
     backward read is held for their update (which waits for the norm) beyond the compute
     stream's own buffers; None = as many as the host budget leaves room for."""
 
+    tile_tokens: Optional[int] = None
+    """Tokens per tile of a layer's per-token modules (its MLP) over a long sequence
+    (engine/tiling.py); None = from the device budget (64 MiB of MLP intermediates per tile
+    without one); 0 = never tile. Sequences no longer than a tile run untiled."""
+
     def __post_init__(self):
+        v = self.tile_tokens
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"tile_tokens={v!r} must be None (from the budget), 0 (no tiling) or a number of tokens >= 1.")
         if self.device_slots is not None and (not isinstance(self.device_slots, int) or self.device_slots < 2):
             raise ValueError(f"device_slots={self.device_slots!r} must be an integer >= 2 (double buffering).")
         for name in ("update_chunk_numel", "inflight_depth"):

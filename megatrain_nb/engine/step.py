@@ -55,6 +55,7 @@ from .layer_state import SharedState
 from .loss_head import LossHead
 from .proxies import bind, output_template, template_of, unbind
 from .recompute import ActivationMeter, restored_rng, rng_state
+from .tiling import LayerTiling
 from .units import Unit, forward_order
 from .planner import WindowPlan
 from .updates import StepContext
@@ -91,7 +92,8 @@ class StepRunner:
     def __init__(self, model, units: List[Unit], pager, placeholders, boundary: BoundaryStore, *,
                  device: torch.device, checkpoint_interval: int, loss_chunk_tokens: int,
                  plan_reads: Callable[[List[Unit], Optional[StepContext]], None],
-                 grad_buffer: Optional[Callable[[int], torch.Tensor]] = None):
+                 grad_buffer: Optional[Callable[[int], torch.Tensor]] = None,
+                 tile_tokens: Optional[int] = None, device_budget: Optional[int] = None):
         self.model = model
         self.units = units
         self.embed, self.head, self.layers = units[0], units[-1], units[1:-1]
@@ -113,6 +115,9 @@ class StepRunner:
         self._arg_grads: Optional[bool] = None   # whether layer arguments need gradients (None: not known yet)
         self._streams = SideStreams([])   # this group's layer outputs that later layers take
         self._state = SharedState()       # ... and state its layers store in shared arguments
+        elem = torch.empty((), dtype=getattr(pager, "dtype", torch.float32)).element_size()
+        self.tiling = LayerTiling(model, [u.module for u in self.layers], tile_tokens=tile_tokens,
+                                  elem_bytes=elem, budget_bytes=device_budget)   # the MLP over the sequence in tiles
 
     @property
     def activation_peak(self) -> int:
@@ -263,7 +268,8 @@ class StepRunner:
             a, kw, made = call.with_leaves(hidden, taken)
             rec.leaves.extend(made)
         state = self._state.before(call, rec) if side is not None else None
-        out = unit.module(*a, **kw)
+        with self.tiling.active(unit.module, hidden):
+            out = unit.module(*a, **kw)
         if state is not None:
             self._state.after(call, rec, state)
         if side is not None:
@@ -276,7 +282,7 @@ class StepRunner:
         bind(unit, w, requires_grad=False)
         try:
             a, kw = call.with_hidden(hidden)
-            with torch.no_grad():
+            with torch.no_grad(), self.tiling.active(unit.module, hidden):
                 out = unit.module(*a, **kw)
         finally:
             unbind(unit, self.placeholders)

@@ -1,0 +1,263 @@
+"""Sequence tiling inside a layer: the per-token parts of a layer (its MLP, dense or
+mixture-of-experts) run over the sequence a tile of tokens at a time.
+
+Why: a layer's working set is otherwise sized by the whole sequence at the MLP's width (four or
+more intermediate-sized tensors per token, and their gradients); tiled, the MLP's intermediates
+exist for one tile at a time and the sequence only costs hidden-sized vectors per token.
+
+How (in the spirit of ALST's TiledMLP, arXiv 2506.13996): without gradients the module simply
+runs tile by tile. With gradients, :class:`_Tiled` (a custom autograd Function) keeps only the
+module's input and its parameters; its backward recomputes each tile from its slice of the input
+with gradients and sums the parameter gradients over the tiles. The layer's call is the model's
+own (the engine runs the real layer); only the tileable module's ``forward`` is swapped, for the
+duration of one layer call (:meth:`LayerTiling.active`).
+
+Which modules: a layer's direct children that the model names as its feed-forward part
+(``mlp``, ``feed_forward``, ``block_sparse_moe``, ...; :func:`candidates`). Each is then checked
+before its first tiled call, with its real weights: called on a few tokens whole and in two
+halves, the outputs must agree (a module whose output for a token depends on other tokens —
+capacity-limited expert routing, a sequence-wide statistic — fails this and stays untiled, with
+the reason kept in :meth:`LayerTiling.report`). Modules that draw random numbers while training
+(dropout, router jitter), that carry forward hooks, or whose routers' logits the model collects for
+a sequence-wide auxiliary loss (``output_router_logits``) are not tiled either: a tile's draws,
+hook calls or logits would not be the whole sequence's.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["LayerTiling", "auto_tile_tokens", "candidates"]
+
+#: Attribute names models give their per-token feed-forward part.
+_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn", "mlp_block", "ff", "feedforward")
+_CLASS_HINTS = ("mlp", "moe", "feedforward", "expert")
+_TARGET_BYTES = 64 << 20   # a tile's MLP intermediates with no device budget given
+_MIN_TILE = 64
+
+
+def candidates(layer: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The layer's direct children that the model names as its per-token feed-forward part."""
+    out = []
+    for name, mod in layer.named_children():
+        cls = type(mod).__name__.lower()
+        if name in _NAMES or any(h in cls for h in _CLASS_HINTS):
+            if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and "attn" not in name and "attention" not in cls:
+                out.append((name, mod))
+    return out
+
+
+def _width(config) -> int:
+    """Per-token intermediate width of a layer's MLP, from the model's config."""
+    cfg = getattr(config, "get_text_config", lambda: config)()
+    hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0) or 1)
+    dense = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
+    moe = getattr(cfg, "moe_intermediate_size", None)
+    k = getattr(cfg, "num_experts_per_tok", None) or 1
+    shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
+    return max(int(dense), int(moe or 0) * int(k) + int(shared))
+
+
+def auto_tile_tokens(config, elem_bytes: int, budget_bytes: Optional[int] = None) -> int:
+    """Tokens per tile so that a tile's MLP intermediates (about four intermediate-sized vectors
+    per token: gate, up, their product, its gradient) take a fixed share of the device: 64 MiB,
+    or a 32nd of the device budget (between 8 and 256 MiB) when one is set. Whole multiples of 64."""
+    target = _TARGET_BYTES if budget_bytes is None else min(256 << 20, max(8 << 20, budget_bytes // 32))
+    tokens = target // max(1, 4 * _width(config) * elem_bytes)
+    return max(_MIN_TILE, tokens // _MIN_TILE * _MIN_TILE)
+
+
+class _Tiled(torch.autograd.Function):
+    """``run`` (the module's own forward) over the tokens of ``x`` in tiles; keeps only ``x``
+    and the parameters; the backward recomputes each tile with gradients."""
+
+    @staticmethod
+    def forward(ctx, run, rebind, tile, x, *params):
+        ctx.run, ctx.rebind, ctx.tile = run, rebind, tile
+        ctx.save_for_backward(x, *params)
+        with torch.no_grad():
+            return _loop(run, x, tile)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, *params = ctx.saved_tensors
+        want = [p for p in params if p.requires_grad]
+        gp = [None] * len(want)
+        gx = x.new_empty(x.shape) if ctx.needs_input_grad[3] else None
+        flat_x, flat_g = _tokens(x), _tokens(g)
+        with ctx.rebind(params), torch.enable_grad():
+            for s in range(0, flat_x.shape[0], ctx.tile):
+                xt = flat_x[s:s + ctx.tile].detach().requires_grad_(gx is not None)
+                yt = ctx.run(_shaped(xt, x))
+                ins = ([xt] if gx is not None else []) + want
+                got = torch.autograd.grad(yt, ins, _shaped(flat_g[s:s + ctx.tile], g), allow_unused=True)
+                if gx is not None:
+                    _tokens(gx)[s:s + ctx.tile] = got[0] if got[0] is not None else 0
+                    got = got[1:]
+                for i, t in enumerate(got):
+                    if t is not None:
+                        gp[i] = t if gp[i] is None else gp[i].add_(t)
+                del xt, yt, got
+        it = iter(gp)
+        grads = [next(it) if p.requires_grad else None for p in params]
+        return (None, None, None, gx, *grads)
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as [tokens, features] (a view)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _shaped(tile: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A [t, features] tile shaped as the module takes it: [1, t, features] for a batched input."""
+    return tile.unsqueeze(0) if like.dim() == 3 else tile
+
+
+def _loop(run, x: torch.Tensor, tile: int) -> torch.Tensor:
+    flat = _tokens(x)
+    outs = [_tokens(run(_shaped(flat[s:s + tile], x))) for s in range(0, flat.shape[0], tile)]
+    out = torch.cat(outs, 0)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _random_reason(mod: nn.Module) -> Optional[str]:
+    for m in mod.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return f"draws dropout masks while training (p={m.p}); a tile's draws would differ from the sequence's"
+        jitter = getattr(m, "jitter_noise", 0) or getattr(m, "router_jitter_noise", 0)
+        if isinstance(jitter, (int, float)) and jitter > 0:
+            return f"draws router jitter noise while training ({jitter}); a tile's draws would differ"
+    return None
+
+
+class LayerTiling:
+    """The tileable modules of each decoder layer and the tile size. ``tile_tokens``: pinned
+    tokens per tile (0: never tile; None: :func:`auto_tile_tokens`)."""
+
+    def __init__(self, model: nn.Module, layers: List[nn.Module], *, tile_tokens: Optional[int],
+                 elem_bytes: int = 4, budget_bytes: Optional[int] = None):
+        self.config = getattr(model, "config", None)
+        self.tile = tile_tokens if tile_tokens is not None else auto_tile_tokens(self.config, elem_bytes, budget_bytes)
+        self.pinned = tile_tokens is not None
+        self._mods: Dict[int, List[Tuple[str, nn.Module]]] = {id(layer): candidates(layer) for layer in layers}
+        self._verdict: Dict[int, Optional[str]] = {}   # id(module) -> None (tiles) or why not
+        self._skipped: Dict[int, str] = {}   # id(module) -> why its last call was not tiled (training, hooks)
+        self._names: Dict[int, str] = {}
+        for layer in layers:
+            for name, mod in self._mods[id(layer)]:
+                self._names[id(mod)] = f"{type(layer).__name__}.{name} ({type(mod).__name__})"
+        self.tiled_calls = 0
+
+    def report(self) -> dict:
+        """{"tile_tokens", "tiled": [module], "untiled": {module: reason}} over the modules seen."""
+        tiled = sorted({self._names[i] for i, r in self._verdict.items() if r is None})
+        untiled = {self._names[i]: r for i, r in {**self._skipped, **self._verdict}.items() if r is not None}
+        if not any(self._mods.values()):
+            untiled["(layers)"] = "no child module named as the layer's MLP (mlp, feed_forward, ...); nothing tiled"
+        return {"tile_tokens": self.tile, "tiled": tiled, "untiled": untiled}
+
+    @contextlib.contextmanager
+    def active(self, layer: nn.Module, hidden):
+        """While one call of ``layer`` runs on ``hidden``: its tileable modules run in tiles when
+        the call's tokens exceed a tile."""
+        mods = self._mods.get(id(layer))
+        if not mods or not self.tile or not torch.is_tensor(hidden) or hidden[..., 0].numel() <= self.tile:
+            yield
+            return
+        swapped = []
+        try:
+            for _, mod in mods:
+                reason = self._static_reason(mod)
+                if reason is None:
+                    own = mod.__dict__.get("forward")
+                    mod.forward = self._tiled_forward(mod, own or type(mod).forward.__get__(mod))
+                    swapped.append((mod, own))
+                else:
+                    self._skipped[id(mod)] = reason
+            yield
+        finally:
+            for mod, own in swapped:
+                if own is None:
+                    mod.__dict__.pop("forward", None)
+                else:
+                    mod.forward = own
+
+    def _static_reason(self, mod: nn.Module) -> Optional[str]:
+        if getattr(self.config, "output_router_logits", False):
+            return "the model collects router logits for a sequence-wide auxiliary loss (output_router_logits)"
+        if mod.training and _random_reason(mod):
+            return _random_reason(mod)
+        hooked = [n or "(itself)" for n, m in mod.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+        if hooked:
+            return f"has forward hooks on {hooked[:3]}, which would see tiles instead of the sequence"
+        return None
+
+    def _tiled_forward(self, mod: nn.Module, run):
+        def forward(*args, **kwargs):
+            x = _only_tensor(args, kwargs)
+            if x is None:
+                self._verdict.setdefault(id(mod), "called with more than a hidden-state tensor")
+                return run(*args, **kwargs)
+            if id(mod) not in self._verdict:
+                self._check(mod, run, x)
+            if self._verdict[id(mod)] is not None:
+                return run(x)
+            self.tiled_calls += 1
+            params = [p for m in mod.modules() for p in m._parameters.values() if p is not None]
+            if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+                return _Tiled.apply(run, _rebinder(mod), self.tile, x, *params)
+            return _loop(run, x, self.tile)
+        return forward
+
+    def _check(self, mod: nn.Module, run, x: torch.Tensor) -> None:
+        """Whether ``mod`` acts on each token on its own, measured with its real weights: a few
+        tokens run whole and in two halves give the same outputs."""
+        flat = _tokens(x.detach())
+        n = min(8, flat.shape[0]) // 2 * 2
+        with torch.no_grad():
+            try:
+                whole = _tokens(run(_shaped(flat[:n], x)))
+                halves = torch.cat([_tokens(run(_shaped(flat[s:s + n // 2], x))) for s in (0, n // 2)])
+            except Exception as e:   # noqa: BLE001 - a module that cannot take a tile is not tiled
+                self._verdict[id(mod)] = f"cannot run on a tile of tokens ({type(e).__name__}: {e})"
+                return
+        if whole.shape != halves.shape:
+            self._verdict[id(mod)] = f"its output's shape depends on the tokens it gets ({tuple(whole.shape)})"
+            return
+        tol = 2e-2 if x.dtype in (torch.bfloat16, torch.float16) else 1e-4
+        scale = float(whole.abs().max()) + 1e-12
+        if float((whole - halves).abs().max()) > tol * scale:
+            self._verdict[id(mod)] = "the output for a token depends on other tokens (measured: whole vs halves differ)"
+        else:
+            self._verdict[id(mod)] = None
+
+
+def _only_tensor(args, kwargs) -> Optional[torch.Tensor]:
+    """The call's one argument when it is a float [tokens, features] or [batch, seq, features]
+    tensor (positional or ``hidden_states=``); None for any other call."""
+    if len(args) + len(kwargs) != 1:
+        return None
+    x = args[0] if args else kwargs.get("hidden_states")
+    return x if torch.is_tensor(x) and x.dim() in (2, 3) and x.is_floating_point() else None
+
+
+def _rebinder(mod: nn.Module):
+    """A context manager factory: the module's parameters bound to ``params`` (the tensors the
+    forward ran with) while a backward recomputes; the bindings of the time put back after
+    (a layer whose graph is kept, checkpoint_interval=0, is unbound before its backward)."""
+    slots = [(m, k) for m in mod.modules() for k, p in m._parameters.items() if p is not None]
+
+    @contextlib.contextmanager
+    def rebind(params):
+        old = [m._parameters[k] for m, k in slots]
+        for (m, k), p in zip(slots, params):
+            m._parameters[k] = p
+        try:
+            yield
+        finally:
+            for (m, k), p in zip(slots, old):
+                m._parameters[k] = p
+    return rebind

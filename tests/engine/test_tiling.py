@@ -1,0 +1,171 @@
+"""Sequence tiling of a layer's MLP (engine/tiling.py): exact against Hugging Face autograd and
+against the untiled engine; modules that cannot be tiled are said, not guessed."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine import tiling
+from megatrain_nb.engine.tiling import LayerTiling, auto_tile_tokens
+
+from .families import VOCAB, family_config
+
+
+def _model(family: str, seq: int, **extra):
+    if family == "qwen2_moe":
+        cfg = AutoConfig.for_model("qwen2_moe", vocab_size=VOCAB, num_hidden_layers=2, hidden_size=32,
+                                   intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                   num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                                   pad_token_id=0, tie_word_embeddings=False)
+    else:
+        cfg = family_config(family, layers=2)
+    cfg.max_position_embeddings = seq
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _ids(seq: int, batch: int = 1):
+    return torch.randint(1, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(3))
+
+
+def _hf(model, ids):
+    ref = copy.deepcopy(model)
+    out = ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return float(out.loss), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _engine_grads(model, ids, **cfg):
+    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", **cfg))
+    out = engine.forward_backward(ids)
+    grads = {n: g.clone() for n, g in engine.named_gradients()}
+    report = engine.runner.tiling.report()
+    calls = engine.runner.tiling.tiled_calls
+    engine.close()
+    return out.loss, grads, calls, report
+
+
+def _worst(grads, ref):
+    assert set(grads) == set(ref), set(grads) ^ set(ref)
+    return max(float((grads[n] - ref[n]).norm() / (ref[n].norm() + 1e-12)) for n in ref)
+
+
+@pytest.mark.parametrize("family,seq,k", [pytest.param("llama", 2048, 1, marks=pytest.mark.slow),
+                                          ("llama", 512, 1), ("mixtral", 512, 2), ("qwen2_moe", 384, 1),
+                                          ("mistral", 512, 1), ("gemma2", 384, 0)])
+def test_tiled_layers_match_hf(family, seq, k):
+    """Dense, mixture-of-experts and sliding-window families, tiles forced small (not dividing
+    the sequence): the loss and every gradient are Hugging Face's, and the MLP did run tiled."""
+    model = _model(family, seq)
+    ids = _ids(seq)
+    ref_loss, ref_grads = _hf(model, ids)
+    loss, grads, calls, _ = _engine_grads(model, ids, checkpoint_interval=k, overrides={"tile_tokens": 100})
+    assert calls > 0
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert _worst(grads, ref_grads) <= 1e-4
+
+
+def test_tiled_gradients_equal_untiled_and_the_check_fails_on_a_wrong_tile(monkeypatch):
+    """Per tensor, the tiled engine's gradients are the untiled engine's; a tiling that got one
+    tile's weight gradient wrong is caught by the same comparison."""
+    model = _model("llama", 300)
+    ids = _ids(150, batch=2)   # two rows: tiles run over the flattened tokens
+    _, untiled, calls0, _ = _engine_grads(model, ids, overrides={"tile_tokens": 0})
+    _, tiled, calls, _ = _engine_grads(model, ids, overrides={"tile_tokens": 64})
+    assert calls0 == 0 and calls > 0
+    assert _worst(tiled, untiled) <= 1e-4
+
+    real = tiling._Tiled.backward
+
+    def dropping_last_tile(ctx, g):
+        g = g.clone()
+        g.reshape(-1, g.shape[-1])[64:65] = 0   # the second tile's first token's gradient lost
+        return real(ctx, g)
+    monkeypatch.setattr(tiling._Tiled, "backward", staticmethod(dropping_last_tile))
+    _, broken, _, _ = _engine_grads(model, ids, overrides={"tile_tokens": 64})
+    assert _worst(broken, untiled) > 1e-4
+
+
+def test_tiled_function_against_autograd_directly():
+    """The autograd Function alone: a [batch, seq, hidden] MLP input, weights as leaves."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16))
+    x = torch.randn(2, 37, 16, requires_grad=True)
+    g = torch.randn(2, 37, 16)
+    ref = torch.autograd.grad(mlp(x), [x, *mlp.parameters()], g)
+    params = list(mlp.parameters())
+    out = tiling._Tiled.apply(mlp.forward, tiling._rebinder(mlp), 10, x, *params)
+    assert torch.allclose(out, mlp(x), atol=1e-6)
+    got = torch.autograd.grad(out, [x, *params], g)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _SequenceCentred(nn.Module):
+    """An MLP whose output for a token depends on the others (the sequence mean taken out)."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.inner = mlp
+
+    def forward(self, x):
+        return self.inner(x - x.mean(dim=-2, keepdim=True))
+
+
+def test_a_module_that_mixes_tokens_is_said_untiled_and_stays_exact():
+    model = _model("llama", 256)
+    for layer in model.model.layers:
+        layer.mlp = _SequenceCentred(layer.mlp)
+    ids = _ids(256)
+    ref_loss, ref_grads = _hf(model, ids)
+    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", overrides={"tile_tokens": 50}))
+    out = engine.forward_backward(ids)
+    report = engine.runner.tiling.report()
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert _worst(dict(engine.named_gradients()), ref_grads) <= 1e-4
+    assert report["tiled"] == []
+    assert any("depends on other tokens" in r for r in report["untiled"].values()), report
+    engine.close()
+
+
+def test_dropout_while_training_and_router_logits_are_not_tiled():
+    cfg = family_config("gpt2", layers=1)
+    cfg.resid_pdrop = 0.1
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    t = LayerTiling(model, list(model.transformer.h), tile_tokens=4)
+    layer = model.transformer.h[0]
+    with t.active(layer, torch.zeros(1, 16, cfg.n_embd)):
+        assert "forward" not in layer.mlp.__dict__
+    assert "dropout" in next(iter(t.report()["untiled"].values()))
+    moe = _model("mixtral", 64, output_router_logits=True)
+    t = LayerTiling(moe, list(moe.model.layers), tile_tokens=4)
+    with t.active(moe.model.layers[0], torch.zeros(1, 16, 32)):
+        pass
+    assert "router logits" in next(iter(t.report()["untiled"].values()))
+
+
+def test_short_sequences_run_untiled_and_the_tile_follows_the_budget():
+    cfg = family_config("llama")
+    cfg.intermediate_size = 4096
+    assert auto_tile_tokens(cfg, 4) == 1024                       # 64 MiB of fp32 intermediates
+    assert auto_tile_tokens(cfg, 2) == 2048
+    assert auto_tile_tokens(cfg, 4, budget_bytes=1 << 30) == 512   # a 32nd of 1 GiB
+    model = _model("llama", 64)
+    t = LayerTiling(model, list(model.model.layers), tile_tokens=64)
+    layer = model.model.layers[0]
+    with t.active(layer, torch.zeros(1, 64, 32)):
+        assert "forward" not in layer.mlp.__dict__
+    with t.active(layer, torch.zeros(1, 65, 32)):
+        assert "forward" in layer.mlp.__dict__
+    assert "forward" not in layer.mlp.__dict__
+
+
+def test_tile_tokens_override_is_validated():
+    with pytest.raises(ValueError, match="tile_tokens"):
+        EngineConfig(device="cpu", overrides={"tile_tokens": -1})
+    assert EngineConfig.from_options(device="cpu", tile_tokens=0).overrides.tile_tokens == 0

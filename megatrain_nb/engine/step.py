@@ -117,7 +117,7 @@ class StepRunner:
         self._state = SharedState()       # ... and state its layers store in shared arguments
         elem = torch.empty((), dtype=getattr(pager, "dtype", torch.float32)).element_size()
         self.tiling = LayerTiling(model, [u.module for u in self.layers], tile_tokens=tile_tokens,
-                                  elem_bytes=elem, budget_bytes=device_budget)   # the MLP over the sequence in tiles
+                                  elem_bytes=elem, budget_bytes=device_budget, host_device=device.type == "cpu")   # the MLP over the sequence in tiles
 
     @property
     def activation_peak(self) -> int:

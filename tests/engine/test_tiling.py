@@ -37,7 +37,7 @@ def _hf(model, ids):
     ref = copy.deepcopy(model)
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
-    return float(out.loss), {n: p.grad for n, p in ref.named_parameters()}
+    return float(out.loss.detach()), {n: p.grad for n, p in ref.named_parameters()}
 
 
 def _engine_grads(model, ids, **cfg):
@@ -169,3 +169,33 @@ def test_tile_tokens_override_is_validated():
     with pytest.raises(ValueError, match="tile_tokens"):
         EngineConfig(device="cpu", overrides={"tile_tokens": -1})
     assert EngineConfig.from_options(device="cpu", tile_tokens=0).overrides.tile_tokens == 0
+
+
+def test_eager_attention_at_a_long_length_is_switched_to_sdpa_with_a_note(monkeypatch):
+    from megatrain_nb.engine import long_attention
+    monkeypatch.setattr(long_attention, "EAGER_TOKENS", 64)
+    cfg = family_config("llama", layers=2)
+    cfg.max_position_embeddings = 96
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = _ids(96)
+    ref_loss, ref_grads = _hf(model, ids)   # eager, as configured
+    engine = StreamingEngine(model, EngineConfig(device="cpu"))
+    with pytest.warns(UserWarning, match="switched the model to attn_implementation='sdpa'"):
+        out = engine.forward_backward(ids)
+    assert model.config._attn_implementation == "sdpa"
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert _worst(dict(engine.named_gradients()), ref_grads) <= 1e-4
+    engine.close()
+
+
+def test_soft_capped_eager_attention_is_left_eager_with_the_bytes_said(monkeypatch):
+    from megatrain_nb.engine import long_attention
+    monkeypatch.setattr(long_attention, "EAGER_TOKENS", 64)
+    model = _model("gemma2", 96)
+    model.config._attn_implementation = "eager"
+    with pytest.warns(UserWarning, match=r"left eager because its attention logits are soft-capped"):
+        note = long_attention.long_attention(model, 1, 96)
+    assert "GiB of attention scores per layer" in note
+    assert model.config._attn_implementation == "eager"
+    assert long_attention.long_attention(model, 1, 96) is None   # said once

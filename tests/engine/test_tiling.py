@@ -199,3 +199,17 @@ def test_soft_capped_eager_attention_is_left_eager_with_the_bytes_said(monkeypat
     assert "GiB of attention scores per layer" in note
     assert model.config._attn_implementation == "eager"
     assert long_attention.long_attention(model, 1, 96) is None   # said once
+
+
+def test_run_header_names_the_tile():
+    import io
+    from types import SimpleNamespace
+
+    from megatrain_nb.cli_report import print_header
+    engine = StreamingEngine(_model("llama", 64), EngineConfig(device="cpu", overrides={"tile_tokens": 512}))
+    trainer = SimpleNamespace(engine=engine, args=SimpleNamespace(output_dir="out", max_steps=3, num_train_epochs=1),
+                              total_steps=3, metrics_log=SimpleNamespace(path="m.jsonl"))
+    buf = io.StringIO()
+    print_header(trainer, model="tiny", data="ids", out=buf)
+    engine.close()
+    assert "tiles:  a layer's MLP runs rows over 512 tokens in tiles of 512 tokens" in buf.getvalue()

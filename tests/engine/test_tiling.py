@@ -11,7 +11,7 @@ from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine import tiling
 from megatrain_nb.engine.tiling import LayerTiling, auto_tile_tokens
 
-from .families import VOCAB, family_config
+from .families import FAMILIES, VOCAB, family_config
 
 
 def _model(family: str, seq: int, **extra):
@@ -213,3 +213,23 @@ def test_run_header_names_the_tile():
     print_header(trainer, model="tiny", data="ids", out=buf)
     engine.close()
     assert "tiles:  a layer's MLP runs rows over 512 tokens in tiles of 512 tokens" in buf.getvalue()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_tested_family_tiles_exactly_with_tiny_tiles(family):
+    """The engine's test families, two padded rows of 40 tokens, tiles of 7 tokens: Hugging
+    Face's loss and gradients; every family's MLP is tiled (none said untileable)."""
+    model = _model(family, 64)
+    ids = _ids(40, batch=2)
+    am = torch.ones_like(ids)
+    am[1, 30:] = 0
+    ref = copy.deepcopy(model)
+    out = ref(input_ids=ids, attention_mask=am, labels=ids.masked_fill(am == 0, -100))
+    out.loss.backward()
+    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", overrides={"tile_tokens": 7}))
+    got = engine.forward_backward(ids, attention_mask=am)
+    report = engine.runner.tiling.report()
+    assert got.loss == pytest.approx(float(out.loss.detach()), rel=1e-5)
+    assert _worst(dict(engine.named_gradients()), {n: p.grad for n, p in ref.named_parameters()}) <= 1e-4
+    assert report["tiled"] and not report["untiled"], report
+    engine.close()

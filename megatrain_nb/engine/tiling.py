@@ -37,7 +37,8 @@ __all__ = ["LayerTiling", "auto_tile_tokens", "candidates"]
 
 #: Attribute names models give their per-token feed-forward part.
 _NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn", "mlp_block", "ff", "feedforward")
-_CLASS_HINTS = ("mlp", "moe", "feedforward", "expert")
+#: How the class names of such parts end (lower case; a family prefix such as "Afmoe" is no hint).
+_CLASS_ENDS = ("mlp", "moe", "moeblock", "sparsemoeblock", "moelayer", "feedforward", "ffn", "experts")
 _TARGET_BYTES = 64 << 20   # a tile's MLP intermediates with no device budget given
 _MIN_TILE = 64
 _MMAP_THRESHOLD = 1 << 20   # host allocations from 1 MiB up get their own mapping (returned when freed)
@@ -69,8 +70,8 @@ def candidates(layer: nn.Module) -> List[Tuple[str, nn.Module]]:
     out = []
     for name, mod in layer.named_children():
         cls = type(mod).__name__.lower()
-        if name in _NAMES or any(h in cls for h in _CLASS_HINTS):
-            if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and "attn" not in name and "attention" not in cls:
+        if name in _NAMES or cls.endswith(_CLASS_ENDS):
+            if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and "attn" not in name and "norm" not in cls:
                 out.append((name, mod))
     return out
 
@@ -109,6 +110,9 @@ class _Tiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, *params = ctx.saved_tensors
+        # fresh leaves (views): the tiles' gradients reach the real parameters through this
+        # Function's outputs, where their own hooks (a frozen weight's zero gradient) apply
+        params = [p.detach().requires_grad_(p.requires_grad) for p in params]
         want = [p for p in params if p.requires_grad]
         gp = [None] * len(want)
         gx = x.new_empty(x.shape) if ctx.needs_input_grad[3] else None
@@ -126,8 +130,9 @@ class _Tiled(torch.autograd.Function):
                     if t is not None:
                         gp[i] = t if gp[i] is None else gp[i].add_(t)
                 del xt, yt, got
-        it = iter(gp)
+        it = iter(gp)   # (a parameter no tile used gets zeros: hooks on it do not take None)
         grads = [next(it) if p.requires_grad else None for p in params]
+        grads = [torch.zeros_like(p) if g is None and p.requires_grad else g for g, p in zip(grads, params)]
         return (None, None, None, gx, *grads)
 
 

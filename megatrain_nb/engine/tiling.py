@@ -147,10 +147,16 @@ def _shaped(tile: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _loop(run, x: torch.Tensor, tile: int) -> torch.Tensor:
-    flat = _tokens(x)
-    outs = [_tokens(run(_shaped(flat[s:s + tile], x))) for s in range(0, flat.shape[0], tile)]
-    out = torch.cat(outs, 0)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    """The output filled tile by tile (a tensor of its own, not a view: a model may add into
+    it in place, as Falcon's layer does)."""
+    flat, out = _tokens(x), None
+    for s in range(0, flat.shape[0], tile):
+        y = _tokens(run(_shaped(flat[s:s + tile], x)))
+        if out is None:
+            out = y.new_empty(*x.shape[:-1], y.shape[-1])
+        _tokens(out)[s:s + tile] = y
+        del y
+    return out
 
 
 def _random_reason(mod: nn.Module) -> Optional[str]:
@@ -255,7 +261,11 @@ class LayerTiling:
         n = min(8, flat.shape[0]) // 2 * 2
         with torch.no_grad():
             try:
-                whole = _tokens(run(_shaped(flat[:n], x)))
+                probe = run(_shaped(flat[:n], x))
+                if not torch.is_tensor(probe):
+                    self._verdict[id(mod)] = f"returns a {type(probe).__name__} (not one tensor); runs untiled"
+                    return
+                whole = _tokens(probe)
                 halves = torch.cat([_tokens(run(_shaped(flat[s:s + n // 2], x))) for s in (0, n // 2)])
             except Exception as e:   # noqa: BLE001 - a module that cannot take a tile is not tiled
                 self._verdict[id(mod)] = f"cannot run on a tile of tokens ({type(e).__name__}: {e})"

@@ -126,10 +126,11 @@ class _Tiled(torch.autograd.Function):
                 if gx is not None:
                     _tokens(gx)[s:s + ctx.tile] = got[0] if got[0] is not None else 0
                     got = got[1:]
-                for i, t in enumerate(got):
+                for i, t in enumerate(got):   # summed in fp32 (bf16 partial sums would lose bits)
                     if t is not None:
-                        gp[i] = t if gp[i] is None else gp[i].add_(t)
+                        gp[i] = t.float() if gp[i] is None else gp[i].add_(t)
                 del xt, yt, got
+        gp = [g if g is None else g.to(p.dtype) for g, p in zip(gp, want)]
         it = iter(gp)   # (a parameter no tile used gets zeros: hooks on it do not take None)
         grads = [next(it) if p.requires_grad else None for p in params]
         grads = [torch.zeros_like(p) if g is None and p.requires_grad else g for g, p in zip(grads, params)]

@@ -91,8 +91,16 @@ def auto_tile_tokens(config, elem_bytes: int, budget_bytes: Optional[int] = None
     """Tokens per tile so that a tile's MLP intermediates (about four intermediate-sized vectors
     per token: gate, up, their product, its gradient) take a fixed share of the device: 64 MiB,
     or a 32nd of the device budget (between 8 and 256 MiB) when one is set. Whole multiples of 64."""
+    return tile_for(_width(config), elem_bytes, budget_bytes)
+
+
+def tile_for(width: int, elem_bytes: int, budget_bytes: Optional[int] = None, pinned: Optional[int] = None) -> int:
+    """:func:`auto_tile_tokens` from the MLP's per-token ``width`` (the planner's view); ``pinned``
+    (``EngineOverrides.tile_tokens``) when given, 0 meaning no tiling."""
+    if pinned is not None:
+        return pinned
     target = _TARGET_BYTES if budget_bytes is None else min(256 << 20, max(8 << 20, budget_bytes // 32))
-    tokens = target // max(1, 4 * _width(config) * elem_bytes)
+    tokens = target // max(1, 4 * int(width) * elem_bytes)
     return max(_MIN_TILE, tokens // _MIN_TILE * _MIN_TILE)
 
 

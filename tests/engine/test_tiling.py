@@ -233,3 +233,14 @@ def test_every_tested_family_tiles_exactly_with_tiny_tiles(family):
     assert _worst(dict(engine.named_gradients()), {n: p.grad for n, p in ref.named_parameters()}) <= 1e-4
     assert report["tiled"] and not report["untiled"], report
     engine.close()
+
+
+def test_planner_counts_one_tile_of_the_mlp():
+    from megatrain_nb.engine.planner import activation_bytes
+    from megatrain_nb.engine.tiling import tile_for
+    kw = dict(hidden_size=64, intermediate_size=4096, num_layers=2, vocab_size=256, batch=1, seq=16384,
+              checkpoint_interval=1, compute_bytes=4)
+    whole, tiled = activation_bytes(**kw), activation_bytes(**kw, tile_tokens=1024)
+    assert whole - tiled == (16384 - 1024) * 4 * 4096 * 4
+    assert activation_bytes(**kw, tile_tokens=0) == whole
+    assert tile_for(4096, 4) == 1024 and tile_for(4096, 4, pinned=0) == 0

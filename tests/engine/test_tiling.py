@@ -244,3 +244,14 @@ def test_planner_counts_one_tile_of_the_mlp():
     assert whole - tiled == (16384 - 1024) * 4 * 4096 * 4
     assert activation_bytes(**kw, tile_tokens=0) == whole
     assert tile_for(4096, 4) == 1024 and tile_for(4096, 4, pinned=0) == 0
+
+
+def test_estimate_llama3_8b_shape_at_131072_tokens_fits_an_80_gb_device():
+    """On paper (issue 35): bf16 compute, the MLP counted for one tile."""
+    import megatrain_nb as mt
+    cfg = AutoConfig.for_model("llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               max_position_embeddings=131072)
+    est = mt.estimate(cfg, seq=131072, vram_gb=80, ram_gb=1024, precision="bf16").to_dict()
+    assert est["feasible"]
+    assert est["tiers"]["device"]["total"] < 80 * 2**30

@@ -8,8 +8,13 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 
 __version__ = "0.1.0"
+
+# TRL's SFTConfig sets transformers' deprecated `gradient_checkpointing` itself (transformers >= 5.2x
+# warns): a FutureWarning, in red in a notebook, that no user code of ours can act on.
+warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
 
 # Heavy modules load on first use, so `import megatrain_nb` stays fast.
 _LAZY = {
@@ -18,6 +23,7 @@ _LAZY = {
     "init": "megatrain_nb.trainer",
     "Trainer": "megatrain_nb.trainer",
     "SFTTrainer": "megatrain_nb.trainer.sft",
+    "DPOTrainer": "megatrain_nb.trainer.dpo",
     "get_defaults": "megatrain_nb.trainer",
     "load_default": "megatrain_nb.trainer",
     "preset_config": "megatrain_nb.trainer",

@@ -44,12 +44,7 @@ _tier_text = tier_text   # (its name before the split)
 
 # ---------------------------------------------------------------------------------------- parser
 def _max_steps_arg(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a whole number >= 1 (or -1 for epochs), not {s!r}") from None
-    check_max_steps(v, "", error=argparse.ArgumentTypeError)
-    return v
+    return check_max_steps(s, "--max-steps", error=argparse.ArgumentTypeError)
 
 
 def _positive_int(s: str) -> int:
@@ -62,11 +57,41 @@ def _positive_int(s: str) -> int:
     return v
 
 
+class _Lazy:
+    """Names read from a registry only when argparse needs them (a choice checked, a help
+    printed): the registries live in packages that import torch and transformers, which
+    `megatrain-nb --help` has no use for (seconds, cold)."""
+
+    def __init__(self, names) -> None:
+        self.names = names
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __contains__(self, x) -> bool:
+        return x in self.names()
+
+    def __str__(self) -> str:
+        return ", ".join(self.names())
+
+
+def _codec_names() -> tuple:
+    from megatrain_nb.engine.codecs import codec_names  # the codec registry: a new codec is one file
+
+    return codec_names()
+
+
+def _preset_names() -> list:
+    from megatrain_nb.trainer.presets import preset_names  # the preset registry
+
+    return preset_names()
+
+
 # ---------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from megatrain_nb import __version__
-    from megatrain_nb.engine.codecs import codec_names  # the codec registry: a new codec is one file
-    from megatrain_nb.trainer.presets import preset_names  # the preset registry
+
+    codec_names = _Lazy(_codec_names)
 
     ap = argparse.ArgumentParser(prog="megatrain-nb", description="Full-precision training of models larger "
                                  "than accelerator memory.")
@@ -84,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=_positive_int, default=8)
     d.add_argument("--lr", type=float, default=3e-3)
     d.add_argument("--vocab-size", type=_positive_int, default=4096)
-    d.add_argument("--compression", default="int8", choices=codec_names(),
-                   help="optimizer-state codec (default int8)")
+    d.add_argument("--compression", default="int8", choices=codec_names, metavar="CODEC",
+                   help="optimizer-state codec: %(choices)s (default int8)")
     d.add_argument("--no-disk", action="store_true", help="keep everything in RAM (no disk tier)")
     d.add_argument("--host-cache", type=float, default=None, metavar="GB",
                    help="GiB of RAM caching the disk tier (default: half the tier, so that both carry the "
@@ -110,13 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("estimate", help="the memory table for a model on given hardware")
-    e.add_argument("model", help=f"a preset ({', '.join(preset_names())}), a local model folder or a config.json")
+    e.add_argument("model", help="a preset (%(presets)s), a local model folder or a config.json").presets = \
+        _Lazy(_preset_names)
     e.add_argument("--vram", type=budget_arg, default=80.0, help="device budget in GiB (default 80)")
     e.add_argument("--ram", type=budget_arg, default="auto", help="host RAM in GiB, 'auto' (this machine) or 'none'")
     e.add_argument("--disk", type=budget_arg, default="auto", help="disk tier in GiB, 'auto' (free space) or 'none'")
     e.add_argument("--batch", type=int, default=1)
     e.add_argument("--seq", type=int, default=2048)
-    e.add_argument("--compression", default="int8", choices=codec_names())
+    e.add_argument("--compression", default="int8", choices=codec_names, metavar="CODEC",
+                   help="optimizer-state codec: %(choices)s (default int8)")
     e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     e.add_argument("--offload-dir", default=None, help="where the disk tier would live (for 'auto' free space)")
     e.add_argument("--no-disk", action="store_true", help="no disk tier")

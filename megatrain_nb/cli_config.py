@@ -13,7 +13,7 @@ class UsageError(ValueError):
     """Bad input on the command line or in run.yaml: one line, exit status 2."""
 
 
-_SECTIONS = {"model", "revision", "preset", "tokenizer", "data", "training", "engine", "seed", "sft"}
+_SECTIONS = {"model", "revision", "preset", "tokenizer", "data", "training", "engine", "seed", "sft", "dpo"}
 _DATA_KEYS = {"train", "eval", "seq_len", "text_column", "format"}
 _DATA_KINDS = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
 
@@ -36,7 +36,43 @@ def load_files(spec, *, base: Path, what: str):
     kinds = {_DATA_KINDS.get(Path(f).suffix.lower()) for f in files}
     if None in kinds or len(kinds) != 1:
         raise UsageError(f"data.{what}: {files}: use files of one kind, .jsonl/.json/.txt/.csv/.parquet")
-    return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+    kind = kinds.pop()
+    from datasets.utils import logging as ds_logging
+
+    level, bars = ds_logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)   # a file that cannot be read is said once, in our line
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(kind, data_files=files, split="train")
+    except Exception as e:  # noqa: BLE001 - datasets wraps the parser's error (DatasetGenerationError)
+        raise UsageError(f"data.{what}: {_unreadable(files, kind, e)}") from None
+    finally:
+        ds_logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _unreadable(files: list, kind: str, error: Exception) -> str:
+    """Which file (and, for JSON lines, which line) could not be read, in one line."""
+    import json
+
+    if kind == "json":
+        for f in files:
+            if not f.lower().endswith(".jsonl"):
+                continue
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        return f"{f} line {n} is not JSON ({e}); each line must be one JSON object"
+                    if not isinstance(row, dict):
+                        return f"{f} line {n} is a {type(row).__name__}, not a JSON object like {{\"text\": ...}}"
+    cause = error.__cause__ or error.__context__ or error
+    text = " ".join(str(cause).split())[:300]
+    return f"{', '.join(files)} cannot be read as {kind} ({type(cause).__name__}: {text})"
 
 
 def load_run_config(path) -> dict:
@@ -64,7 +100,7 @@ def load_run_config(path) -> dict:
     if ("model" in cfg) == ("preset" in cfg):
         raise UsageError(f"--config {path}: give exactly one of 'model' (a local folder or a Hugging Face Hub "
                          "id) or 'preset'")
-    for key in ("data", "training", "engine", "sft"):
+    for key in ("data", "training", "engine", "sft", "dpo"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             raise UsageError(f"--config {path}: '{key}' must be a mapping, got {cfg[key]!r}")
     bad = set(cfg.get("data") or {}) - _DATA_KEYS
@@ -73,7 +109,26 @@ def load_run_config(path) -> dict:
     for key in ("model", "preset", "tokenizer", "revision"):
         if key in cfg and not isinstance(cfg[key], str):
             raise UsageError(f"--config {path}: '{key}' must be a string, got {cfg[key]!r}")
+    check_values(cfg, path)
     return cfg
+
+
+def check_values(cfg: dict, path) -> None:
+    """Every value of run.yaml the table of values holds (:mod:`megatrain_nb.values`), checked as
+    it enters, before any model or data is read; the checked numbers replace the text."""
+    from megatrain_nb.values import ValueRefused, check, check_fields
+
+    try:
+        for key in ("training", "sft", "engine"):
+            if cfg.get(key):
+                cfg[key].update(check_fields(cfg[key], key))
+        data = cfg.get("data") or {}
+        if "seq_len" in data:
+            data["seq_len"] = check("seq_len", data["seq_len"], "data.seq_len")
+        if "seed" in cfg:
+            cfg["seed"] = check("seed", cfg["seed"], "seed")
+    except ValueRefused as e:
+        raise UsageError(f"--config {path}: {e}") from None
 
 
 def model_source(cfg: dict, base: Path) -> tuple[str, str]:
@@ -103,10 +158,12 @@ def training_fields(ns, cfg: dict, base: Path) -> dict:
     return training
 
 
-def check_max_steps(v, where: str, error=None) -> None:
-    """max_steps: >= 1, or -1 (transformers' "no step limit": num_train_epochs decides). 0 and
-    other negatives would silently fall back to epochs in transformers: refused."""
-    error = error or UsageError
-    if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
-        raise error(f"{where + ' ' if where else ''}{v!r}: give a whole number of optimizer steps >= 1, or -1 "
-                    "for no step limit (the run then lasts training.num_train_epochs epochs)")
+def check_max_steps(v, where: str, error=None) -> int:
+    """max_steps by the table's rule (>= 1, or -1: transformers' "no step limit"; 0 and other
+    negatives would silently fall back to epochs in transformers): refused with ``error``."""
+    from megatrain_nb.values import ValueRefused, check
+
+    try:
+        return check("max_steps", v, where or "max_steps")
+    except ValueRefused as e:
+        raise (error or UsageError)(str(e)) from None

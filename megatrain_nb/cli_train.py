@@ -40,6 +40,10 @@ def cmd_train(ns) -> int:
     cfg = load_run_config(ns.config)
     base = Path(ns.config).resolve().parent
     data = cfg.get("data") or {}
+    from megatrain_nb.cli_train_dpo import cmd_train_dpo, wants_dpo
+
+    if wants_dpo(cfg):   # preference training: a dpo: section or data.format: preference
+        return cmd_train_dpo(ns, cfg, base)
     if "sft" in cfg or "format" in data:   # fine-tuning on instructions / conversations
         return cmd_train_sft(ns, cfg, base)
     training = dict(cfg.get("training") or {})
@@ -54,10 +58,7 @@ def cmd_train(ns) -> int:
     training.setdefault("report_to", "none")
     if not os.path.isabs(training["output_dir"]):
         training["output_dir"] = str((base / training["output_dir"]).resolve())
-    try:
-        seq_len = int(data.get("seq_len", 256))
-    except (TypeError, ValueError):
-        raise UsageError(f"data.seq_len: expected a whole number, got {data.get('seq_len')!r}") from None
+    seq_len = data.get("seq_len") or 256   # checked by load_run_config (the table of values)
     if "preset" in cfg and cfg["preset"] not in preset_names():
         raise UsageError(f"preset: {cfg['preset']!r} is not a preset; use one of {', '.join(preset_names())}")
     try:   # checked before any data is prepared; a misspelled field gets the closest name
@@ -78,6 +79,10 @@ def cmd_train(ns) -> int:
     if train_ds is not None and is_conversational_dataset(train_ds, data.get("text_column", "text")):
         return cmd_train_sft(ns, cfg, base)   # instruction / chat rows: the format is detected
     eval_ds = load_files(data.get("eval"), base=base, what="eval") if data.get("eval") else None
+    if train_ds is not None and tokenizer is None and model is None and "input_ids" not in train_ds.column_names:
+        from megatrain_nb.trainer.default import load_default_tokens
+
+        tokenizer = load_default_tokens()[0]   # a preset has no tokenizer of its own: the built-in one
     if train_ds is None:  # built-in corpus
         tok, train_ds, builtin_eval = load_default(seq_len=seq_len)
         tokenizer = tokenizer or tok
@@ -114,7 +119,10 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     from megatrain_nb.trainer.presets import preset_config, preset_names
     from megatrain_nb.trainer.sft_data import FORMATS, detect_format, require_trl
 
-    require_trl()
+    try:
+        require_trl()
+    except ImportError as e:   # an optional extra, not a crash: one line, exit 2
+        raise UsageError(f"fine-tuning on conversations needs TRL: {e}") from None
     from trl import SFTConfig
 
     from megatrain_nb import assets

@@ -8,11 +8,11 @@ Read by every place that takes a command: the Session's controls and its run con
 (``extension/src/commands.ts``) a test checks against :data:`COMMANDS`. Standard library
 only: the server side imports it cheaply.
 
-Values: ``none`` (no value); ``learning_rate`` (:func:`~megatrain_nb.learning_rate.check_learning_rate`);
-``path`` (a checkpoint folder, or None for the default one); ``stop`` (nothing, or a
-checkpoint to write first: True for the default folder, or a path); ``step`` (an optimizer
-step, an int >= 0); ``fork`` (``(step or None, name or None, changes)``, what ``Session.fork``
-queues).
+Values: ``none`` (no value); ``learning_rate`` and ``step``: the rows of that name in the table of
+values (:mod:`megatrain_nb.values`, whose check every door shares); ``path`` (a checkpoint
+folder, or None for the default one); ``stop`` (nothing, or a checkpoint to write first: True
+for the default folder, or a path); ``fork`` (``(step or None, name or None, changes)``, what
+``Session.fork`` queues; the changes checked by the table).
 
 Who applies a command: every Session (its run controller: in-kernel thread or worker
 processes); ``ranks`` marks those the ranks' run control applies too, so a Session whose ranks
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from megatrain_nb.values import ValueRefused, check
 
 _MAX_PATH = 4096
 
@@ -69,10 +71,12 @@ class CommandError(ValueError):
     """A command that is not in :data:`COMMANDS`, or a bad value for it."""
 
 
-def check_command(name: Any, value: Any = None, *, sidebar: bool = False, ranks: bool = False) -> tuple[str, Any]:
+def check_command(name: Any, value: Any = None, *, sidebar: bool = False, ranks: bool = False,
+                  where: str = "") -> tuple[str, Any]:
     """``(name, value)`` checked against the table (``sidebar``: only what the sidebar may
     send, and ``stop`` without a checkpoint; ``ranks``: only what the ranks apply);
-    :class:`CommandError` saying what is wrong.
+    :class:`CommandError` saying what is wrong (``where``: how to name the value; default
+    ``command 'lr'``). A value's rule is the table of values' (:func:`megatrain_nb.values.check`).
 
     >>> check_command("lr", "3e-4")
     ('lr', 0.0003)
@@ -85,17 +89,10 @@ def check_command(name: Any, value: Any = None, *, sidebar: bool = False, ranks:
         if value is not None:
             raise CommandError(f"command {name!r} takes no value (got {value!r})")
         return name, None
-    if kind == "learning_rate":
-        from megatrain_nb.learning_rate import check_learning_rate
-
+    if kind in ("learning_rate", "step"):
         try:
-            return name, check_learning_rate(value)
-        except ValueError as e:
-            raise CommandError(f"command 'lr': {e}") from None
-    if kind == "step":
-        try:
-            return name, as_step(value, f"command {name!r}")
-        except ValueError as e:
+            return name, check(kind, value, where or f"command {name!r}")
+        except ValueRefused as e:
             raise CommandError(str(e)) from None
     if kind == "fork":
         if not (isinstance(value, tuple) and len(value) == 3 and isinstance(value[2], dict)):
@@ -120,16 +117,9 @@ def state_after(kind: str, state: str) -> Any:
 
 
 def as_step(value: Any, what: str) -> int:
-    """``value`` (an int, or its text) as an optimizer step >= 0; ValueError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"{what} takes a step number, got {value!r}")
-    try:
-        step = int(value)
-    except ValueError:
-        raise ValueError(f"{what} takes a step number, got {value!r}") from None
-    if step < 0:
-        raise ValueError(f"{what} takes a step number >= 0, got {step}")
-    return step
+    """``value`` (an int, or its text) as an optimizer step >= 0 (the table's ``step`` rule);
+    ValueError naming ``what``."""
+    return check("step", value, what)
 
 
 def usage_lines(names=None) -> list[str]:

@@ -112,9 +112,9 @@ def resolve_budget(value: Budget, auto) -> Optional[int]:
         if value != "auto":
             raise ValueError(f"budget {value!r}: give a number of GiB, 'auto' or None")
         return auto()
-    if value <= 0:
-        raise ValueError(f"budget {value!r} must be a positive number of GiB")
-    return int(value * GiB)
+    from megatrain_nb.values import check
+
+    return int(check("budget_gb", value, "budget") * GiB)
 
 
 def gpu_resident_bytes(config, *, num_parameters: int, batch: int, seq: int) -> dict:

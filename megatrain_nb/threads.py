@@ -8,6 +8,8 @@ against this registry and against the threads a training step really starts
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
@@ -85,6 +87,54 @@ def thread_name(spec: ThreadSpec, suffix: str = "") -> str:
     return f"{spec.name}-{suffix}" if suffix else spec.name
 
 
-def executor(spec: ThreadSpec, workers: int = 1) -> ThreadPoolExecutor:
-    """A pool whose threads carry ``spec``'s name and settings."""
-    return ThreadPoolExecutor(workers, thread_name_prefix=spec.name, initializer=spec.initializer)
+_local = threading.local()
+
+
+def set_thread_device(device) -> None:
+    """Make ``device`` this thread's current CUDA device (nothing for another device type).
+
+    A fresh thread's current device is cuda:0: the first ``torch.cuda.stream(...)`` or
+    ``current_stream()`` without a device in it creates a context on GPU 0, so every rank with
+    ``local_rank > 0`` (and ``device="cuda:1"``) would hold a second context there. Every engine
+    thread and pool sets its device here when it starts."""
+    import torch
+
+    if device is None:
+        return
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+@contextlib.contextmanager
+def thread_device(device):
+    """Pools created in this thread inside the block start their threads on ``device`` (the
+    engine builds its parts inside one); the calling thread runs on it inside the block
+    (``torch.cuda.device``: switching back makes no context on the device it leaves)."""
+    import torch
+
+    prev = getattr(_local, "device", None)
+    _local.device = device
+    cuda = device is not None and torch.device(device).type == "cuda"
+    try:
+        with torch.cuda.device(torch.device(device)) if cuda else contextlib.nullcontext():
+            yield
+    finally:
+        _local.device = prev
+
+
+def current_thread_device():
+    """The device pools created now start on (None: none set)."""
+    return getattr(_local, "device", None)
+
+
+def executor(spec: ThreadSpec, workers: int = 1, device=None) -> ThreadPoolExecutor:
+    """A pool whose threads carry ``spec``'s name and settings, each set to ``device`` (default:
+    :func:`thread_device`'s, where one is in force) when it starts."""
+    device = current_thread_device() if device is None else device
+
+    def start():
+        set_thread_device(device)   # (looked up at call time: tests may replace it)
+        if spec.initializer is not None:
+            spec.initializer()
+    return ThreadPoolExecutor(workers, thread_name_prefix=spec.name, initializer=start)

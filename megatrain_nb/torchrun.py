@@ -11,7 +11,10 @@ from outside, so this wrapper takes the arguments torchrun takes and, for a sing
   per process) instead of a new one on ``::``;
 - with the c10d rendezvous (what restarts need, see the README), the workers host their own
   store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, set here) at ``--local-addr 127.0.0.1``:
-  rank 0 binds it to loopback the same way (:func:`megatrain_nb.engine.dist.Dist.from_env`);
+  each worker starts through :mod:`megatrain_nb.torchrun_boot`, which binds rank 0's store to
+  loopback the same way before the script runs (so a script that builds ``TrainingArguments``
+  first, which initialises the group through accelerate, cannot open one on every interface;
+  ``--no-python`` and ``--run-path`` run the program as given, without that guard);
 - the workers' gloo (and NCCL bootstrap) sockets go on the loopback interface
   (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME=lo`` unless set).
 
@@ -119,14 +122,41 @@ def loopback_argv(argv: list[str]) -> tuple[list[str], Optional[object], dict]:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         extra = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{store.port}",
                  f"--local-addr={LOOPBACK}"]
+        if not (ns.no_python or ns.run_path):   # rank 0's store bound to loopback before the script runs
+            head = [a for a in head if a not in ("-m", "--module")]
+            boot = ["-m", "megatrain_nb.torchrun_boot"] + (["--module"] if ns.module else [])
+            return head + extra + boot + argv[at:], store, env
     else:
         raise SystemExit(f"megatrain_nb.torchrun: --rdzv-backend {backend}: use static (the default) or c10d")
     return head + extra + argv[at:], store, env
 
 
+def log_dir_argv(argv: list[str]) -> tuple[list[str], Optional[str]]:
+    """torchrun makes a ``torchelastic_*`` folder in the temporary folder for every launch and
+    leaves it there. Without a ``--log-dir`` (or ``PET_LOG_DIR``) given, its logs go into a
+    launch folder of this process instead (removed at the end; one a killed launch leaves is
+    reclaimed as the notebook's launch folders are, ``engine/reclaim.py``). Returns (arguments,
+    the folder made or None)."""
+    if os.environ.get("PET_LOG_DIR") or any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv):
+        return argv, None
+    import tempfile
+
+    from megatrain_nb.engine.reclaim import folder_prefix
+
+    path = tempfile.mkdtemp(prefix=folder_prefix(LAUNCH_LABEL))
+    return [f"--log-dir={path}"] + argv, path
+
+
+#: the label of launch folders (notebook/launch_spec.py's RUN_DIR_LABEL; reclaimed alike)
+LAUNCH_LABEL = "launch-"
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    import shutil
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args, store, env = loopback_argv(argv)
+    args, log_dir = log_dir_argv(args)
     os.environ.update(env)
     from torch.distributed.run import main as torchrun_main
 
@@ -134,6 +164,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         torchrun_main(args)
     finally:
         del store
+        if log_dir is not None:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 #
 #   bash scripts/setup.sh            # the package
 #   bash scripts/setup.sh test       # the package and its test dependencies (any extras, comma-separated)
-#   bash scripts/setup.sh lab        # with JupyterLab and the megatrain-nb sidebar (builds it: Node.js >= 20)
+#   bash scripts/setup.sh lab        # with JupyterLab, the megatrain-nb sidebar (builds it: Node.js >= 20)
+#                                    # and what the four notebooks need (TRL for notebook 04)
 #
 # PyTorch: a torch already in .venv (a CUDA build you installed, say) is kept. Otherwise, on a
 # Linux/Windows machine without an NVIDIA GPU, torch comes from PyTorch's CPU wheel index, so no

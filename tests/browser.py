@@ -62,6 +62,10 @@ def running_lab(base: Path, root: Path) -> Iterator[dict]:
            f"--ServerApp.root_dir={root}", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
     if os.geteuid() == 0:
         cmd.append("--allow-root")
+    # a sidebar build to test without installing it (a folder holding megatrain-nb-lab/): found
+    # there first, it is the one JupyterLab loads
+    if os.environ.get("MEGATRAIN_NB_LABEXTENSIONS"):
+        cmd.append(f"--LabApp.extra_labextensions_path={os.environ['MEGATRAIN_NB_LABEXTENSIONS']}")
     log = base / "jupyterlab.log"
     proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -86,12 +86,12 @@ def _error_line(capsys) -> str:
     ({"preset": "micro", "training": {"gradient_accumulation_steps": -1}}, "training.gradient_accumulation_steps=-1"),
     # named before any data is read (the train file does not even exist)
     ({"preset": "micro", "training": {"learning_rate": -1}, "data": {"train": "missing.jsonl"}},
-     "training.learning_rate must be a finite number > 0"),
+     "training.learning_rate=-1: must be a finite number > 0"),
     ({"preset": "nope"}, "'nope' is not a preset; use one of micro"),
     ({"preset": "micro", "colour": 1}, "unknown section(s) ['colour']"),
     ({"preset": "micro", "data": {"train": "missing.jsonl"}}, r"data.train: file\(s\) not found: .*missing.jsonl"),
     ({"preset": "micro", "data": {"trian": "x"}}, "unknown data field(s) ['trian']"),
-    ({"preset": "micro", "data": {"seq_len": "long"}}, "data.seq_len: expected a whole number, got 'long'"),
+    ({"preset": "micro", "data": {"seq_len": "long"}}, "data.seq_len='long': must be a whole number >= 2"),
     ({"preset": "micro", "engine": "cpu"}, "'engine' must be a mapping"),
     ({"model": "./no/such/folder"}, "not a local model folder"),
     ({"preset": "micro", "training": {"max_steps": 1}, "data": {"train": "t.jsonl"}},
@@ -233,8 +233,8 @@ def test_demo_again_into_the_same_folder_is_a_new_run(tmp_path, monkeypatch, sha
     (["demo", "--quick", "--steps", "0"], "argument --steps"),
     (["demo", "--seq-len", "0"], "argument --seq-len"),
     (["demo", "--batch-size", "-1"], "argument --batch-size"),
-    (["train", "--config", "run.yaml", "--max-steps", "0"], "argument --max-steps: 0: give a whole number"),
-    (["train", "--config", "run.yaml", "--max-steps", "-2"], "or -1 for no step limit"),
+    (["train", "--config", "run.yaml", "--max-steps", "0"], "--max-steps='0': must be a whole number >= 1"),
+    (["train", "--config", "run.yaml", "--max-steps", "-2"], "or -1 (optimizer steps to train; -1 = num_train_epochs decides)"),
 ])
 def test_zero_and_negative_counts_are_refused(argv, text, capsys):
     with pytest.raises(SystemExit) as e:
@@ -246,7 +246,7 @@ def test_zero_and_negative_counts_are_refused(argv, text, capsys):
 def test_max_steps_zero_in_the_config_is_refused(tmp_path, capsys):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"preset": "micro", "training": {"max_steps": 0}}))
     assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")]) == 2
-    assert "training.max_steps 0: give a whole number of optimizer steps >= 1, or -1" in _error_line(capsys)
+    assert "training.max_steps=0: must be a whole number >= 1 and <= 2**63-1, or -1" in _error_line(capsys)
 
 
 def test_max_steps_minus_one_says_it_trains_by_epochs(tmp_path, capsys):
@@ -290,3 +290,29 @@ def test_the_summary_says_plainly_what_the_host_cache_held_and_what_reached_the_
     none = {"disk_cache_stats": {"capacity_bytes": 0, "ram_bytes": 0, "disk_read_bytes": 1, "disk_write_bytes": 1}}
     assert cache_text(none) == "no host cache of the disk tier: every access went to the disk"
     assert cache_text({"weights": 1}) == ""
+
+
+@pytest.mark.parametrize("text,said", [
+    ('{"text": "a"}\n{"text": "b"\n', r"bad.jsonl line 2 is not JSON .*each line must be one JSON object"),
+    ('{"text": "a"}\n[1, 2]\n', r"bad.jsonl line 2 is a list, not a JSON object"),
+])
+def test_an_invalid_jsonl_file_is_one_line_and_exit_2(tmp_path, capsys, text, said):
+    """Issue 33 item 6: a DatasetGenerationError traceback with exit 1."""
+    import re
+
+    (tmp_path / "bad.jsonl").write_text(text)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"preset": "micro", "data": {"train": "bad.jsonl"},
+                                                      "training": {"max_steps": 1}}))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")]) == 2
+    assert re.search(said, _error_line(capsys))
+
+
+def test_a_preset_trains_on_a_text_jsonl_with_the_built_in_tokenizer(tmp_path, capsys):
+    """Issue 33 item 6: refused with "no tokenizer was given" though the README promises the built-in one."""
+    rows = [{"text": f"def f{i}(x):\n    return x + {i}\n" * 8} for i in range(24)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "preset": "micro", "data": {"train": "t.jsonl", "seq_len": 32},
+        "training": {"max_steps": 1, "per_device_train_batch_size": 2, "save_strategy": "no"}}))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")]) == 0
+    assert "train loss" in capsys.readouterr().out

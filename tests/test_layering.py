@@ -20,6 +20,7 @@ FOREIGN = {
     "_init_weights",                          # transformers: the model's own per-module init
     "_fused_adamw_",                          # torch: the fused CPU AdamW kernel on flat buffers
     "_repr_html_",                            # IPython's display protocol
+    "_C",                                     # torch: the caching host allocator's emptyCache (no public call)
 }
 
 

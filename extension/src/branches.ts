@@ -76,7 +76,15 @@ export function renderBranches(doc: Document, ul: HTMLElement, rows: readonly IB
         span(doc, 'mtnb-branch-loss', b.loss === null || b.loss === undefined ? '' : `loss ${formatLoss(b.loss)}`),
         span(doc, 'mtnb-branch-changes', b.changes ?? '')
       );
-      li.title = `run ${b.run_id ?? '(not started)'}${b.step === null || b.step === undefined ? '' : ` \u00b7 step ${b.step}`}`;
+      // the whole row on hover: at the sidebar's width a long name or change list is cut short
+      li.title = [
+        b.name,
+        b.state,
+        b.forked_at_step === null || b.forked_at_step === undefined ? '' : `from step ${b.forked_at_step}`,
+        b.loss === null || b.loss === undefined ? '' : `loss ${formatLoss(b.loss)}`,
+        b.changes ?? '',
+        `run ${b.run_id ?? '(not started)'}${b.step === null || b.step === undefined ? '' : ` \u00b7 step ${b.step}`}`
+      ].filter(Boolean).join(' \u00b7 ');
       return li;
     })
   );

@@ -9,13 +9,18 @@
  * .mtnb-resume, .mtnb-stop, .mtnb-lr-input, .mtnb-lr-set, .mtnb-feedback, .mtnb-dismiss, and the
  * run's branches nested under it (.mtnb-branches, see branches.ts).
  *
- * A run that ended stays as a card (state "finished"/"stopped"/"failed", final loss, class
- * .mtnb-ended) until its Dismiss button removes it. A learning rate that was asked for and
+ * Order (layout.ts): running cards first, then the newest; a fork's card nested in the card
+ * of the run it came from (.mtnb-forks); runs that are all over in one group
+ * (details.mtnb-finished, "N finished", .mtnb-dismiss-all), collapsed once there is a live run
+ * or more than three of them. A run that ended stays as a card (state
+ * "finished"/"stopped"/"failed", final loss, class .mtnb-ended) until its Dismiss button removes
+ * it (or the server forgets it: its process gone for a while). A learning rate that was asked for and
  * not applied yet shows next to the current one ("lr 2e-3 → 5e-4 next step"), and a Set LR
  * the session took is confirmed in the card's feedback line.
  */
 
 import { renderBranches } from './branches';
+import { layoutSessions } from './layout';
 import {
   controlsFor,
   ICommandRequest,
@@ -32,7 +37,7 @@ import {
   formatTier,
   progressFraction
 } from './format';
-import { diffSessions, isEnded, ISessionInfo } from './model';
+import { diffSessions, IBranch, isEnded, ISessionInfo } from './model';
 import { sparkline } from './sparkline';
 
 export interface IViewActions {
@@ -84,6 +89,11 @@ export class SessionListView {
   private _error: HTMLElement;
   private _count: HTMLElement;
   private _sessions: ISessionInfo[] = [];
+  private _finished: HTMLDetailsElement;
+  private _finishedList: HTMLElement;
+  private _finishedCount: HTMLElement;
+  private _finishedIds: string[] = [];
+  private _userToggled = false;
 
   constructor(
     private _actions: IViewActions,
@@ -104,7 +114,27 @@ export class SessionListView {
       'No megatrain_nb session is training on this server. Start one with session.train().'
     );
     this._list = el(_doc, 'ul', 'mtnb-sessions');
-    this.node.append(header, this._error, this._empty, this._list);
+    this._finished = el(_doc, 'details', 'mtnb-finished');
+    this._finished.hidden = true;
+    const summary = el(_doc, 'summary', 'mtnb-finished-summary');
+    this._finishedCount = el(_doc, 'span', 'mtnb-finished-count');
+    const all = el(_doc, 'button', 'mtnb-button mtnb-dismiss-all', 'Dismiss all');
+    all.type = 'button';
+    all.title = 'Remove every run that ended from the list';
+    all.addEventListener('click', ev => {
+      ev.preventDefault(); // (a click in the summary would also fold the group)
+      this._dismissAll();
+    });
+    summary.addEventListener('click', ev => {
+      // folded or unfolded by the user from now on (the poll no longer decides)
+      ev.preventDefault();
+      this._userToggled = true;
+      this._finished.open = !this._finished.open;
+    });
+    summary.append(this._finishedCount, all);
+    this._finishedList = el(_doc, 'ul', 'mtnb-sessions mtnb-sessions-finished');
+    this._finished.append(summary, this._finishedList);
+    this.node.append(header, this._error, this._empty, this._list, this._finished);
   }
 
   get cardCount(): number {
@@ -121,11 +151,27 @@ export class SessionListView {
     for (const s of diff.added) {
       this._cards.set(s.id, new SessionCard(s, this._actions, this._doc));
     }
+    const layout = layoutSessions(state.sessions);
+    const nested = new Set([...layout.children.values()].flat());
     for (const s of state.sessions) {
       const card = this._cards.get(s.id)!;
-      card.update(s, now, s.id === state.activeId);
+      // a nested fork shows no tree of its own: its parent's card lists it
+      card.update(s, now, s.id === state.activeId, nested.has(s.id) ? [] : layout.rows.get(s.id));
     }
-    this._order(state.sessions.map(s => s.id));
+    this._order(this._list, layout.live);
+    this._order(this._finishedList, layout.finished);
+    for (const [parent, kids] of layout.children) {
+      this._order(this._cards.get(parent)!.forks, kids);
+    }
+    this._finishedIds = [...layout.finished, ...layout.finished.flatMap(id => layout.children.get(id) ?? [])];
+    if (!layout.finished.length) {
+      this._userToggled = false;
+    }
+    if (!this._userToggled) {
+      this._finished.open = layout.live.length === 0 && layout.finished.length <= 3;
+    }
+    this._finished.hidden = layout.finished.length === 0;
+    setText(this._finishedCount, `${layout.finished.length} finished`);
     this._sessions = state.sessions;
 
     setText(this._count, String(state.sessions.length));
@@ -134,16 +180,24 @@ export class SessionListView {
     setText(this._error, state.error ?? '');
   }
 
-  /** Append cards in the server's order, touching the DOM only if the order changed. */
-  private _order(ids: string[]): void {
-    const current = Array.from(this._list.children).map(
-      n => (n as HTMLElement).dataset.sessionId
-    );
+  /** Put these cards in `list`, in this order, touching the DOM only if something changed. */
+  private _order(list: HTMLElement, ids: string[]): void {
+    const current = Array.from(list.children).map(n => (n as HTMLElement).dataset.sessionId);
     if (current.length === ids.length && current.every((id, i) => id === ids[i])) {
       return;
     }
     for (const id of ids) {
-      this._list.appendChild(this._cards.get(id)!.node);
+      list.appendChild(this._cards.get(id)!.node);
+    }
+  }
+
+  private _dismissAll(): void {
+    const dismiss = this._actions.dismiss;
+    if (!dismiss) {
+      return;
+    }
+    for (const id of this._finishedIds) {
+      void dismiss(id).catch(() => undefined); // (a run gone already: nothing to do)
     }
   }
 
@@ -162,6 +216,8 @@ class SessionCard {
   private _pending: IPending | null = null;
   private _stopArmed: number | null = null;
   private _branchKey = '';
+  /** The cards of forks of this run, nested in it. */
+  readonly forks: HTMLElement;
   private _n: Record<string, HTMLElement> = {};
   private _spark: SVGPathElement;
   private _sparkSvg: SVGSVGElement;
@@ -248,7 +304,9 @@ class SessionCard {
     n.branches.hidden = true;
     n.meta = el(d, 'div', 'mtnb-meta');
 
-    li.append(title, n.notebook, progress, metrics, this._sparkSvg, mem, controls, n.feedback, n.branches, n.meta);
+    this.forks = el(d, 'ul', 'mtnb-forks');
+    li.append(title, n.notebook, progress, metrics, this._sparkSvg, mem, controls, n.feedback, n.branches, n.meta,
+      this.forks);
   }
 
   private _button(cls: string, label: string, onClick: () => void): HTMLButtonElement {
@@ -259,7 +317,7 @@ class SessionCard {
     return b;
   }
 
-  update(s: ISessionInfo, now: number, active: boolean): void {
+  update(s: ISessionInfo, now: number, active: boolean, rows?: IBranch[]): void {
     this._session = s;
     const n = this._n;
     this.node.dataset.state = s.state;
@@ -302,10 +360,11 @@ class SessionCard {
     for (const tier of ['device', 'host', 'disk'] as const) {
       setText(n[`mem_${tier}`], formatTier(s.memory?.[tier]));
     }
-    const branches = JSON.stringify(s.branches ?? []);
+    const tree = rows ?? s.branches;
+    const branches = JSON.stringify(tree ?? []);
     if (this._branchKey !== branches) {
       this._branchKey = branches;
-      renderBranches(this._doc, n.branches, s.branches);
+      renderBranches(this._doc, n.branches, tree);
     }
     setText(n.meta, `pid ${s.pid}${s.host ? ` @ ${s.host}` : ''} \u00b7 id ${s.id}`);
 

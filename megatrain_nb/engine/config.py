@@ -13,9 +13,22 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from megatrain_nb.values import ValueRefused, check
+
 from .codecs import normalize_compression
 
-_PRECISIONS = ("fp32", "bf16")
+#: the fields the table of values (megatrain_nb/values.py) checks
+_CHECKED = ("max_vram_gb", "max_host_gb", "host_cache_gb", "checkpoint_interval", "precision", "adam_eps",
+            "weight_decay", "window_tier", "clip_hold", "max_window_micro_batches")
+
+
+def _betas(value) -> tuple:
+    """adam_betas: a pair, each checked by the table's adam_beta1 / adam_beta2 rule."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
+        raise ValueRefused(f"EngineConfig.adam_betas={value!r}: must be a pair (beta1, beta2), each "
+                           "a finite number >= 0 and < 1 (AdamW's moment decays)")
+    return (check("adam_beta1", value[0], "EngineConfig.adam_betas[0]"),
+            check("adam_beta2", value[1], "EngineConfig.adam_betas[1]"))
 
 
 @dataclass(frozen=True)
@@ -44,18 +57,8 @@ class EngineOverrides:
     without one); 0 = never tile. Sequences no longer than a tile run untiled."""
 
     def __post_init__(self):
-        v = self.tile_tokens
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ValueError(f"tile_tokens={v!r} must be None (from the budget), 0 (no tiling) or a number of tokens >= 1.")
-        if self.device_slots is not None and (not isinstance(self.device_slots, int) or self.device_slots < 2):
-            raise ValueError(f"device_slots={self.device_slots!r} must be an integer >= 2 (double buffering).")
-        for name in ("update_chunk_numel", "inflight_depth"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an integer >= 1.")
-        v = self.held_weight_units
-        if v is not None and (not isinstance(v, int) or v < 0):
-            raise ValueError(f"held_weight_units={v!r} must be None or an integer >= 0.")
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, check(f.name, getattr(self, f.name), f"EngineOverrides.{f.name}"))
 
     @classmethod
     def of(cls, value) -> "EngineOverrides":
@@ -115,7 +118,18 @@ class EngineConfig:
     """Leave the disk-tier files in place on close() (they are removed by default)."""
     on_nonfinite: str = "stop"
     """A step with a NaN/inf loss or gradient norm: 'stop' raises before it is applied; 'skip'
-    drops it (counted in ``telemetry()["skipped_steps"]``) and goes on."""
+    drops it (counted in ``telemetry()["skipped_steps"]``) and goes on; 'rewind' (a Trainer's
+    run: ``trainer/recovery.py``) goes back to the newest snapshot that checks, lowers the
+    learning rate, steps over the data window that diverged and goes on."""
+    loss_spike: Optional[float] = None
+    """With on_nonfinite='rewind': also recover from a loss more than this many robust standard
+    deviations above the median of the last ``loss_spike_window`` steps (None: only NaN/inf)."""
+    loss_spike_window: int = 50
+    """The logged steps whose losses the loss_spike test compares against."""
+    recover_lr_factor: float = 0.5
+    """With on_nonfinite='rewind': the learning rate is multiplied by this at each recovery."""
+    max_recoveries: int = 3
+    """With on_nonfinite='rewind': recoveries before the run stops (listing every attempt)."""
     window_tier: str = "auto"
     """Where a layer-major window keeps its layer-boundary activations: "auto" (the device when
     they fit its budget, else host RAM, else the disk tier), "device", "host" or "disk" (needs
@@ -144,46 +158,20 @@ class EngineConfig:
             if dev.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device={self.device!r} was asked for but CUDA is not available here; "
                                  "use device='cpu' or None.")
-        if self.host_cache_gb is not None and (not isinstance(self.host_cache_gb, (int, float))
-                                               or isinstance(self.host_cache_gb, bool) or self.host_cache_gb < 0):
-            raise ValueError(f"host_cache_gb={self.host_cache_gb!r} must be a number of GiB >= 0 (0 = no cache of "
-                             "the disk tier) or None (derived from max_host_gb / free RAM).")
-        for name in ("max_vram_gb", "max_host_gb"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or v <= 0):
-                raise ValueError(f"{name}={v!r} must be a positive number of GiB (or None for no cap).")
+        for name in _CHECKED:
+            setattr(self, name, check(name, getattr(self, name), f"EngineConfig.{name}"))
+        self.adam_betas = _betas(self.adam_betas)
         self.optimizer_compression = normalize_compression(self.optimizer_compression)
-        from .finite import check_policy
+        from .finite import check_policy, check_recovery
         check_policy(self.on_nonfinite)
-        if self.precision not in _PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not supported; use one of {_PRECISIONS}.")
-        if self.checkpoint_interval is not None and (
-            not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 0
-        ):
-            raise ValueError(f"checkpoint_interval={self.checkpoint_interval!r} must be an integer >= 1 "
-                             "(1 saves every layer's input), 0 (keep all activations, no recompute) or None "
-                             "to let the planner choose.")
+        check_recovery(self)
         self.overrides = EngineOverrides.of(self.overrides)
-        b1, b2 = self.adam_betas
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"adam_betas={self.adam_betas!r} must both be in [0, 1).")
-        if self.adam_eps <= 0:
-            raise ValueError(f"adam_eps={self.adam_eps!r} must be > 0.")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0.")
         if self.offload_dir is not None:
             self.offload_dir = os.fspath(self.offload_dir)
-        if self.clip_hold not in ("auto", "host", "disk"):
-            raise ValueError(f"clip_hold={self.clip_hold!r} must be 'auto', 'host' or 'disk'.")
         if self.clip_hold == "disk" and not self.offload_dir:
             raise ValueError("clip_hold='disk' needs an offload_dir for the disk tier.")
-        if self.window_tier not in ("auto", "device", "host", "disk"):
-            raise ValueError(f"window_tier={self.window_tier!r} must be 'auto', 'device', 'host' or 'disk'.")
         if self.window_tier == "disk" and not self.offload_dir:
             raise ValueError("window_tier='disk' needs an offload_dir for the disk tier.")
-        m = self.max_window_micro_batches
-        if m is not None and (not isinstance(m, int) or m < 1):
-            raise ValueError(f"max_window_micro_batches={m!r} must be an integer >= 1 (or None for no cap).")
 
     @property
     def torch_device(self) -> torch.device:

@@ -332,6 +332,7 @@ class HostCache:
             result.stall_kind = "host_cache"   # a wait on it is a wait for RAM, not for the disk
             return result
         raw = self.store.read(key, out=out, urgent=urgent)
+        self._busy("disk_to_host", raw)
         mine = Future()
         mine.stall_kind = "disk"
         if keep:
@@ -394,6 +395,9 @@ class HostCache:
             self._lost.pop(key, None)
             self._pop(key)
         rw = self.store.ranged(key, specs, read_old=read_old)
+        self._busy("host_to_disk", rw.outer)
+        if read_old:
+            self._busy("disk_to_host", rw.outer)
         nb = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in specs.values())
         if read_old:
             self._count("disk_to_host", nb, "disk_read_bytes")
@@ -435,12 +439,27 @@ class HostCache:
         return bool(plan is not None and plan.keep.get((key, WRITE, 0), False))
 
     def write_back_all(self) -> None:
-        """Every dirty key to disk (before files are kept, or the cache is dropped)."""
+        """Every dirty key to disk, and the cache dropped (before files are kept or linked).
+
+        Each key's write is issued while the key is still resident, and only then does it leave
+        RAM: a read meanwhile (the next step's, while a snapshot taken in the AdamW worker links
+        the files) is served from RAM or follows the write in the disk tier's queue, never the
+        older file. Its tensors are lent until written, so a newer version of the key written
+        meanwhile gets tensors of its own (and stays resident: it is not this call's to drop)."""
         with self._lock:
-            entries = [(k, self._pop(k)) for k in list(self._entries)]
-        for k, e in entries:
+            keys = list(self._entries)
+        for k in keys:
+            with self._lock:
+                e = self._entries.get(k)
+                if e is None:
+                    continue
+                if e["dirty"]:
+                    e["lent"] = e.get("lent", 0) + 1
             if e["dirty"]:
-                self._write_back(k, e)
+                self._write_back(k, e, release=True)
+            with self._lock:
+                if self._entries.get(k) is e:
+                    self._pop(k)
 
     def delete(self, key: str) -> None:
         """As ``DiskStore.delete``; a resident copy goes too."""
@@ -521,24 +540,32 @@ class HostCache:
         return got
 
     # ------------------------------------------------------------------ disk traffic
-    def _write_back(self, key: str, entry: dict) -> None:
+    def _write_back(self, key: str, entry: dict, release: bool = False) -> None:
         """A dirty key leaves RAM. If its write fails (a full disk), the file still holds the
-        old version: the key's next read raises that error instead of returning stale data."""
+        old version: the key's next read raises that error instead of returning stale data.
+        ``release``: the entry was lent for the write (``write_back_all``); given back once written."""
         with self._lock:
             self.counts["write_backs"] += 1
         fut = self._raw_write(key, entry["t"])
 
         def written(f):
             err = f.exception()
-            if err is not None:
-                with self._lock:
+            with self._lock:
+                if err is not None:
                     self._lost[key] = err
+                if release:
+                    entry["lent"] -= 1
         fut.add_done_callback(written)
 
     def _raw_write(self, key: str, tensors: dict) -> Future:
         fut = self.store.write(key, tensors)
+        self._busy("host_to_disk", fut)
         self._count("host_to_disk", _nbytes(tensors), "disk_write_bytes")
         return fut
+
+    def _busy(self, link: str, fut) -> None:
+        if hasattr(self.counters, "busy_while"):   # (a plain counter in tests has only add_bytes)
+            self.counters.busy_while(link, fut)
 
     def _count(self, link: str, nb: int, stat: str) -> None:
         with self._lock:

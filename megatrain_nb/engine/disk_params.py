@@ -108,7 +108,7 @@ class DiskReadStream:
 
     def _new_buffer(self) -> torch.Tensor:
         # Page-aligned (pinned memory is too), so direct I/O needs no bounce copy.
-        return torch.empty(self._numel, dtype=torch.float32).pin_memory() if self._pin else aligned_empty(self._numel)
+        return torch.empty(self._numel, dtype=torch.float32, pin_memory=True) if self._pin else aligned_empty(self._numel)
 
     def grow(self, n: int) -> None:
         """At least ``n`` staging buffers from now on (more units' reads may be kept)."""

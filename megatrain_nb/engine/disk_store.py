@@ -84,6 +84,9 @@ class _PriorityPool:
         self._seq = 0
         self._shutdown = False
         self.stopping = False   # set without the lock (finalizers): idle workers exit within a second
+        from .. import threads as registry
+
+        self._device = registry.current_thread_device()   # (each worker starts on it: threads.py)
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
                          for i in range(threads)]
         self._threads.append(threading.Thread(target=self._work, args=(True,), name=f"{name}_urgent", daemon=True))
@@ -112,6 +115,10 @@ class _PriorityPool:
         self._cv.notify_all()  # the urgent-only worker must hear of urgent jobs
 
     def _work(self, urgent_only: bool = False) -> None:
+        from .. import threads as registry
+
+        registry.set_thread_device(self._device)
+
         def ready():
             while self._heap and not self._heap[0][2]:
                 heapq.heappop(self._heap)   # an entry of a job already taken (hurried)

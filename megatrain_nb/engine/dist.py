@@ -22,11 +22,13 @@ says what that costs.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -181,7 +183,7 @@ class Dist:
         self._lock = threading.Lock()
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         self.owns_group = False
-        self.store = None   # a rendezvous store this rank hosts on loopback (see _loopback_rendezvous)
+        self.store = None   # a rendezvous store this rank hosts on loopback (see loopback_rendezvous)
         if _single:
             self.group, self.rank, self.world, self.backend = None, 0, 1, None
         else:
@@ -217,7 +219,7 @@ class Dist:
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         if tdist.is_available() and tdist.is_initialized():
             quiet_transformers_ddp_hint()
-            return cls(None, device=device, timeout_s=timeout_s)
+            return _ended_at_exit(cls(None, device=device, timeout_s=timeout_s))
         world = _env_int("WORLD_SIZE", 1)
         if world <= 1:
             return cls.single(device=device)
@@ -234,13 +236,13 @@ class Dist:
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = device  # eager NCCL init: a missing peer fails within the timeout
-        store = _loopback_rendezvous(timeout_s)
+        store = loopback_rendezvous(timeout_s)
         tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         quiet_transformers_ddp_hint()
         d = cls(None, device=device, local_rank=local_rank, timeout_s=timeout_s)
         d.owns_group = True
         d.store = store
-        return d
+        return _ended_at_exit(d)
 
     def _default_device(self) -> torch.device:
         if self.backend == "nccl":
@@ -269,12 +271,43 @@ class Dist:
             return chans[name]
 
     def close(self) -> None:
-        """Tear down the group if this object made it."""
+        """Tear down the group if this object made it, in order: every collective of every
+        channel finished on every rank (a barrier on each: every rank calls close at the end
+        of a run), then :meth:`teardown`."""
         import torch.distributed as tdist
 
         if self.owns_group and tdist.is_initialized():
-            tdist.destroy_process_group()
+            for c in list(self.__dict__.get("_channels", {}).values()):
+                c.barrier()
+            self.barrier()
+        self.teardown()
+
+    def teardown(self, *, at_exit: bool = False) -> None:
+        """Destroy the groups this object made and drop its references to them now, so their
+        worker threads end here. A gloo group's worker threads live as long as its Python
+        object (``destroy_process_group`` does not stop them): left to the interpreter's exit,
+        a worker releasing a finished collective's tensors asks for the GIL of an interpreter
+        being torn down, and the rank aborts ("terminate called without an active exception",
+        seen in tests/distributed/test_zero3_flow.py). ``at_exit``: run by the exit hook for
+        every Dist :meth:`from_env` returned, whoever made the group (a script that never calls
+        close(), a group transformers' TrainingArguments made); no barrier there: a peer may
+        be gone."""
+        import gc
+        import time
+
+        import torch.distributed as tdist
+
+        if not (self.owns_group or at_exit):
+            return
         self.owns_group = False
+        time.sleep(0.05)   # the GIL released: workers finish releasing their last works
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        chans = self.__dict__.get("_channels", {})
+        for c in chans.values():
+            c.group = None
+        chans.clear()
+        gc.collect()   # the groups' objects (and their threads) go now, not at the interpreter's exit
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -383,13 +416,30 @@ class Dist:
         n, b = self.world, t.numel() * t.element_size()
         self.traffic.add("all_reduce", 2 * (n - 1) * b / n, 2 * (n - 1) * b / n)
         dev = self.device if (self.backend == "nccl") else torch.device("cpu")
-        if t.device != dev:  # NCCL reduces device tensors only; gloo works on the CPU
+        if t.device != dev and dev.type == "cuda":
+            # A host value (a finiteness vote, a token count) goes over on a stream of this
+            # group's own: on the calling thread's default stream it would queue behind the whole
+            # compute backlog, and the copy back would block the thread (the d2h thread's vote)
+            # until the GPU caught up. Nothing on the device is read, so nothing is waited for.
+            with torch.cuda.device(dev), torch.cuda.stream(self._side_stream(dev)):
+                tmp = t.to(dev)
+                tdist.all_reduce(tmp, group=self.group)
+                t.copy_(tmp)
+        elif t.device != dev:  # NCCL reduces device tensors only; gloo works on the CPU
             tmp = t.to(dev)
             tdist.all_reduce(tmp, group=self.group)
             t.copy_(tmp)
         else:
             tdist.all_reduce(t, group=self.group)
         return t
+
+    def _side_stream(self, dev: torch.device):
+        """This group's stream for host values' collectives (made once)."""
+        with self._lock:
+            stream = self.__dict__.get("_side")
+            if stream is None:
+                stream = self.__dict__["_side"] = torch.cuda.Stream(dev)
+            return stream
 
     def sum(self, value: float | int) -> float | int:
         """A number summed over ranks (token counts, loss sums); exact for integers below 2**53."""
@@ -478,7 +528,31 @@ class Dist:
             raise ValueError(f"layout cut for world size {layout.world}, this group has {self.world} ranks")
 
 
-def _loopback_rendezvous(timeout_s: float):
+_MADE: "weakref.WeakSet[Dist]" = weakref.WeakSet()   # the Dists from_env returned (their channels)
+_EXIT_HOOK: list = []
+
+
+def _ended_at_exit(d: "Dist") -> "Dist":
+    """``d``, torn down by the exit hook (registered once) if still up when the interpreter exits."""
+    _MADE.add(d)
+    if not _EXIT_HOOK:
+        atexit.register(_teardown_at_exit)
+        _EXIT_HOOK.append(True)
+    return d
+
+
+def _teardown_at_exit() -> None:
+    """At exit, while the interpreter is whole: every group's worker threads end (see
+    :meth:`Dist.teardown`), the default group's too when no Dist is left to do it."""
+    import torch.distributed as tdist
+
+    for d in list(_MADE):
+        d.teardown(at_exit=True)
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def loopback_rendezvous(timeout_s: float):
     """A run whose rendezvous is on this machine (MASTER_ADDR a loopback address) keeps every
     socket on loopback: the collectives' (gloo, NCCL's bootstrap) on the ``lo`` interface, and,
     when rank 0 hosts the store itself (torchrun's c10d rendezvous with its store not shared),

@@ -22,6 +22,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from megatrain_nb.values import check
+
 from . import io as engine_io
 from . import finite
 from .config import EngineConfig
@@ -36,6 +38,7 @@ from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
 from .telemetry import Telemetry
 from .units import Unit, check_supported
 from .window import plan_for
+from .. import threads as thread_registry
 
 
 @dataclass
@@ -73,7 +76,10 @@ class StreamingEngine:
         self.lock = threading.RLock()
         self.counters = Telemetry()
         self._closed = False
-        parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters, source=_source)
+        self._verified: dict = {}   # the folder verify_checkpoint last found whole, by its files' stamp
+        with thread_registry.thread_device(self.device):   # every engine pool's threads start on it (threads.py)
+            parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters,
+                                source=_source)
         for f in dataclasses.fields(parts):
             setattr(self, f.name, getattr(parts, f.name))
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
@@ -158,8 +164,7 @@ class StreamingEngine:
         if max_grad_norm is not None and step_lr is None:
             raise ValueError("max_grad_norm is applied with the step's update: pass step_lr too (or call "
                              "clip_grad_norm_() before optimizer_step()).")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}; pass None for no clipping.")
+        max_grad_norm = check("max_grad_norm", max_grad_norm) or None   # the table's rule; 0 = no clipping
         window = window_batches(input_ids)
         if window is not None:
             if attention_mask is not None or labels is not None or position_ids is not None:
@@ -326,27 +331,72 @@ class StreamingEngine:
 
             return begin_linked(self, path)
 
-    def load_checkpoint(self, path) -> None:
-        with self.lock:
-            from .linked import is_linked, load_linked
-            from .linked_ranks import is_rank_linked, load_linked_rank
+    def verify_checkpoint(self, path, *, manifest: bool = True) -> None:
+        """Check a checkpoint or snapshot folder whole before any of it is loaded: its manifest
+        (``manifest.json``: every file but a snapshot's hard links; a folder a Trainer wrote must
+        have one) and, for a snapshot, every part of the engine's (``engine/linked_check.py``:
+        ``linked.json``, ``ram_state.safetensors``, each disk-tier file's checksums). Raises
+        ``IntegrityError`` (a ``ValueError``) naming the file; reads, never writes. A folder
+        that checked once is not read again while its files keep their sizes and times."""
+        from .linked import is_linked
+        from .linked_check import verify_linked
+        from .linked_ranks import is_rank_linked, rank_folder
 
-            if is_linked(path):
-                if self.sharded is not None:
-                    raise ValueError(f"snapshot {os.fspath(path)!r} was written by one process and this run has "
-                                     f"{self.dist.world} ranks: a snapshot loads back into the run that wrote it; "
-                                     "to move between world sizes, resume from a checkpoint (checkpoint-<step>)")
-                return load_linked(self, path)
-            if is_rank_linked(path):
-                return load_linked_rank(self, path)
-            if any(f.startswith("shards-") for f in os.listdir(path)):
-                return self.load_sharded_checkpoint(path)
-            refuse_sharded("load_checkpoint", self.dist.world)
-            self.pager.wait_grads()
-            self.updates.settle()
-            engine_io.load_weights(self, path)
-            self.states.load_saved(path, self.adam)
-            self.updates.clear_failure()
+        path = os.fspath(path)
+        stamp = _folder_stamp(path)
+        if stamp is not None and self._verified.get(path) == (stamp, manifest):
+            return
+        if manifest and (os.path.isfile(os.path.join(path, "manifest.json"))
+                         or os.path.isfile(os.path.join(path, "megatrain_state.json"))):
+            from megatrain_nb.trainer.manifest import verify_manifest
+
+            verify_manifest(path)
+        if is_linked(path):
+            verify_linked(self, path)
+        elif is_rank_linked(path):
+            mine = rank_folder(path, self.dist.rank, self.dist.world)
+            if is_linked(mine):   # (another world size: load_linked_rank says so)
+                verify_linked(self, mine)
+        if stamp is not None:
+            self._verified = {path: (stamp, manifest)}
+
+    def load_checkpoint(self, path, *, verify: bool = True) -> None:
+        """Replace the weights, optimizer states and step counts by those saved in ``path``.
+        The folder is checked whole first (:meth:`verify_checkpoint`; ``verify=False`` when the
+        caller just did): a damaged one is refused by name and nothing changes. A load that
+        still fails part way (an I/O error) leaves a mixture of two states: the engine then
+        refuses to train, save or hand out weights until a load succeeds."""
+        with self.lock:
+            if verify:
+                self.verify_checkpoint(path)
+            try:
+                self._load_checkpoint(path)
+            except BaseException as e:
+                from .outcome import TornLoad
+
+                self.updates.outcome.record_failure(TornLoad(os.fspath(path), e))
+                raise
+
+    def _load_checkpoint(self, path) -> None:
+        from .linked import is_linked, load_linked
+        from .linked_ranks import is_rank_linked, load_linked_rank
+
+        if is_linked(path):
+            if self.sharded is not None:
+                raise ValueError(f"snapshot {os.fspath(path)!r} was written by one process and this run has "
+                                 f"{self.dist.world} ranks: a snapshot loads back into the run that wrote it; "
+                                 "to move between world sizes, resume from a checkpoint (checkpoint-<step>)")
+            return load_linked(self, path)
+        if is_rank_linked(path):
+            return load_linked_rank(self, path)
+        if any(f.startswith("shards-") for f in os.listdir(path)):
+            return self.load_sharded_checkpoint(path)
+        refuse_sharded("load_checkpoint", self.dist.world)
+        self.pager.wait_grads()
+        self.updates.settle()
+        engine_io.load_weights(self, path)
+        self.states.load_saved(path, self.adam)
+        self.updates.clear_failure()
 
     def close(self) -> None:
         """Release device memory, worker threads and the disk files the engine created."""
@@ -360,6 +410,7 @@ class StreamingEngine:
             finally:
                 self.updates.close()
                 self.states.close()
+                self.boundary.close()
                 self.pager.close()
                 self.weights.reset()
                 if self.disk is not None:
@@ -396,6 +447,7 @@ class StreamingEngine:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this StreamingEngine is closed; create a new one.")
+        thread_registry.set_thread_device(self.device)   # the calling (compute) thread: a session's, a rank's (threads.py)
         self.updates.check()
 
     def __enter__(self):
@@ -416,4 +468,18 @@ class StreamingEngine:
         disk = getattr(self, "disk", None)
         if disk is not None:
             disk.abandon()
+
+
+def _folder_stamp(path: str) -> Optional[tuple]:
+    """(name, size, mtime, inode) of every file under ``path``: a folder whose stamp is unchanged
+    since it was checked is not read again (None: it cannot be listed)."""
+    out = []
+    try:
+        for root, _, files in os.walk(path):
+            for f in files:
+                st = os.stat(os.path.join(root, f))
+                out.append((os.path.relpath(os.path.join(root, f), path), st.st_size, st.st_mtime_ns, st.st_ino))
+    except OSError:
+        return None
+    return tuple(sorted(out))
 

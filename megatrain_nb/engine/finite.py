@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-POLICIES = ("stop", "skip")
+from megatrain_nb.values import check
 
 
 class NonFiniteError(FloatingPointError):
@@ -65,10 +65,18 @@ class StepGuard:
 
 
 def check_policy(value: str) -> str:
-    if value not in POLICIES:
-        raise ValueError(f"on_nonfinite={value!r}: use 'stop' (raise before the step is applied) or "
-                         "'skip' (drop the step and go on)")
-    return value
+    """on_nonfinite: the table's rule (megatrain_nb/values.py)."""
+    return check("on_nonfinite", value)
+
+
+def check_recovery(config) -> None:
+    """The settings of on_nonfinite='rewind' (``trainer/recovery.py``): each by the table's rule,
+    then the one rule between them."""
+    for name in ("loss_spike", "loss_spike_window", "recover_lr_factor", "max_recoveries"):
+        setattr(config, name, check(name, getattr(config, name), f"EngineConfig.{name}"))
+    if config.on_nonfinite != "rewind" and config.loss_spike is not None:
+        raise ValueError(f"loss_spike={config.loss_spike!r} acts only with on_nonfinite='rewind' (now "
+                         f"{config.on_nonfinite!r}): set both, or leave loss_spike unset")
 
 
 def apply_step(loss: Optional[float], grad_norm: Optional[float], step: int, policy: str) -> bool:
@@ -81,12 +89,8 @@ def apply_step(loss: Optional[float], grad_norm: Optional[float], step: int, pol
 
 
 def check_lr(lr) -> float:
-    """A learning rate for an update: a finite number >= 0 (a negative one would climb the loss)."""
-    try:
-        value = float(lr)
-    except (TypeError, ValueError):
-        raise ValueError(f"learning rate {lr!r} is not a number; pass a float >= 0") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"learning rate {lr!r} must be a finite number >= 0 (a negative rate moves the "
-                         "weights uphill); pass e.g. 1e-4")
-    return value
+    """A learning rate for an update: the table's ``step_lr`` rule (a finite number >= 0; a
+    negative one would climb the loss)."""
+    from megatrain_nb.values import check
+
+    return check("step_lr", lr)

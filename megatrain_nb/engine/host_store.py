@@ -148,10 +148,8 @@ class HostStore:
         self._has_grad = set()  # units whose accumulator holds a gradient since the last zero
 
     def alloc(self, numel: int) -> torch.Tensor:
-        t = torch.empty(numel, dtype=torch.float32)
-        if self.pin:
-            t = t.pin_memory()
-        return t
+        # pinned in place (``.pin_memory()`` would make a pageable tensor first and copy it)
+        return torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
 
     def set_params(self, unit: Unit, flat: Optional[torch.Tensor]) -> None:
         self.params[unit.index] = flat

@@ -22,9 +22,9 @@ ordered link in the disk tier's queue (``DiskStore.link``), which sees the versi
 this step's update and not the next one's; :meth:`LinkedWrite.result` then completes the
 folder while training goes on.
 
-Loading copies the state back through the stores' ordinary write paths (``overwrite``,
-``put_stored``), which keep the host cache and the read-ahead consistent; the snapshot's
-files are only read.
+Loading (after ``engine/linked_check.py`` checked every part) copies the state back through
+the stores' ordinary write paths (``overwrite``, ``put_stored``), which keep the host cache and
+the read-ahead consistent; the snapshot's files are only read.
 """
 from __future__ import annotations
 
@@ -172,9 +172,10 @@ def load_linked(engine, folder) -> None:
     """Replace ``engine``'s weights, optimizer states and step counts by a linked checkpoint's."""
     from safetensors import safe_open
 
+    from .linked_check import read_meta
+
     folder = os.fspath(folder)
-    with open(os.path.join(folder, LINKED_FILE)) as f:
-        meta = json.load(f)
+    meta = read_meta(folder)   # (engine.verify_checkpoint checked the whole folder before)
     codec = meta.get("codec")
     if codec != engine.config.optimizer_compression:
         raise ValueError(f"snapshot {folder!r} holds optimizer states in codec {codec!r} but this engine uses "

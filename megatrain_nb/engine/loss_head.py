@@ -10,6 +10,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .objective import is_sequence_objective
 from .proxies import HiddenStatesStub, swapped_submodule
 from .recompute import ActivationMeter
 
@@ -50,12 +51,18 @@ class LossHead:
         out = [self.logits(hidden[:, s:s + chunk]).float().cpu() for s in range(0, hidden.shape[1], chunk)]
         return torch.cat(out, dim=1)
 
+    def _chunk(self, B: int, S: int) -> int:
+        return max(1, min(S, self.loss_chunk_tokens // max(B, 1) or 1))
+
     def loss(self, hidden, shift, loss_fn, denom, backward: bool = False):
         """The head and the loss over ``hidden`` in chunks of ``loss_chunk_tokens``; with
         ``backward`` each chunk's ``loss / denom`` is back-propagated to its hidden states.
-        Returns the loss sum (and with ``backward`` the gradient at ``hidden``)."""
+        Returns the loss sum (and with ``backward`` the gradient at ``hidden``). ``loss_fn`` may
+        be a sequence-level objective (:mod:`.objective`): then ``denom`` is the objective's."""
+        if is_sequence_objective(loss_fn):
+            return self.sequence_loss(hidden, shift, loss_fn, backward)
         B, S = shift.shape
-        chunk = max(1, min(S, self.loss_chunk_tokens // max(B, 1) or 1))
+        chunk = self._chunk(B, S)
         total = 0.0
         grads = []
         for s in range(0, S, chunk):
@@ -80,3 +87,61 @@ class LossHead:
         if backward:
             return total, torch.cat(grads, dim=1)
         return total
+
+    def sequence_loss(self, hidden, shift, objective, backward: bool = False):
+        """A sequence-level objective over ``hidden`` (see :mod:`.objective`): its statistics
+        summed chunk by chunk without gradients, its loss, and with ``backward`` the chunks again,
+        each token weighted by d(loss)/d(its sequence's statistic). A micro-batch that is one
+        chunk keeps that chunk's graph from the statistics to the backward instead (one pass).
+        Returns the loss (and with ``backward`` the gradient at ``hidden``)."""
+        B, S = shift.shape
+        chunk = self._chunk(B, S)
+        objective.begin(shift)
+        one = backward and chunk >= S
+        hc = hidden.detach().requires_grad_(True) if one else None
+        sums: dict = {}
+        with torch.enable_grad() if one else torch.no_grad():
+            for s in range(0, S, chunk):
+                logits = self.logits(hc if one else hidden[:, s:s + chunk]).float()
+                self.meter.at(self.meter.saved + (3 if one else 2) * logits.numel() * 4)
+                for k, v in objective.token_stats(logits, shift[:, s:s + chunk], s, grad=False).items():
+                    sums[k] = sums[k] + v if k in sums else v
+                del logits
+        stats = {k: v.detach() for k, v in sums.items()}
+        if not backward:
+            loss = float(objective.loss(stats))
+            objective.done(stats, loss)
+            return loss
+        weights, loss = self._weights(objective, stats)
+        objective.done(stats, loss)
+        if one:
+            surrogate = sum((w * sums[k]).sum() for k, w in weights.items())
+            if weights and surrogate.requires_grad:
+                surrogate.backward()
+            return loss, hc.grad if hc.grad is not None else torch.zeros_like(hc)
+        del sums
+        grads = []
+        for s in range(0, S, chunk):
+            hc = hidden[:, s:s + chunk].detach().requires_grad_(True)
+            if weights:
+                with torch.enable_grad():
+                    logits = self.logits(hc).float()
+                    self.meter.at(self.meter.saved + 3 * logits.numel() * 4)
+                    part = objective.token_stats(logits, shift[:, s:s + chunk], s, grad=True)
+                    surrogate = sum((w * part[k]).sum() for k, w in weights.items())
+                    if surrogate.requires_grad:
+                        surrogate.backward()
+                    del logits, part, surrogate
+            grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
+        return loss, torch.cat(grads, dim=1)
+
+    @staticmethod
+    def _weights(objective, stats):
+        """d(loss)/d(each differentiable statistic), per sequence, and the loss."""
+        names = [k for k in objective.differentiable if k in stats]
+        leaves = {k: stats[k].clone().requires_grad_(True) for k in names}
+        with torch.enable_grad():
+            loss_t = objective.loss({**stats, **leaves})
+            ws = (torch.autograd.grad(loss_t, [leaves[k] for k in names], allow_unused=True)
+                  if loss_t.requires_grad and names else [None] * len(names))
+        return {k: w.detach() for k, w in zip(names, ws) if w is not None}, float(loss_t.detach())

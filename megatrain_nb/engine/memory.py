@@ -9,6 +9,21 @@ from .diskspace import filesystem_of
 from .planner import GiB
 
 
+#: Device memory no plan may count on: the CUDA context, cuBLAS workspaces, the caching
+#: allocator's per-stream pools and fragmentation (the larger of the two).
+DEVICE_HEADROOM_BYTES = 1 << 30
+DEVICE_HEADROOM_SHARE = 0.05
+
+
+def device_capacity(device: torch.device) -> int:
+    """Bytes this process may plan on for ``device``: what the driver says is free now
+    (``mem_get_info``: other processes and contexts taken out) plus what this process's caching
+    allocator already holds (the engine's own slots and buffers are in it), less a headroom."""
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    return max(0, free + held - max(DEVICE_HEADROOM_BYTES, int(DEVICE_HEADROOM_SHARE * total)))
+
+
 def ram_total() -> int:
     import psutil
 

@@ -13,6 +13,17 @@ from typing import Optional
 from . import finite
 
 
+class TornLoad(RuntimeError):
+    """A load that failed part way: some units hold the folder's state, the others the state
+    they held before. Recorded as a failure, so nothing trains, saves or reads on the mixture."""
+
+    def __init__(self, path: str, cause: BaseException):
+        self.path, self.cause = path, cause
+        super().__init__(f"loading {path!r} failed part way ({type(cause).__name__}: {cause}), so the engine "
+                         "holds a mixture of that state and the one before. Load a checkpoint or snapshot that "
+                         "checks (load_checkpoint(), Session.rewind()) before training, saving or reading weights")
+
+
 class StepOutcome:
     """The last step's norm (before clipping; None without clipping), whether it was skipped,
     a failed update (delivered once, then recorded until a checkpoint is loaded) and a stopped
@@ -46,19 +57,23 @@ class StepOutcome:
         """Raise if an update failed earlier (weights and states may be out of step), or a
         stopped non-finite step is not reported yet."""
         self._raise_failed("an optimizer update failed earlier", "; weights and optimizer states may be out of "
-                           "step. Fix the cause, then load_checkpoint() a saved checkpoint or build a new engine.")
+                           "step. Fix the cause, then load_checkpoint() a saved checkpoint or build a new engine.",
+                           what="the step")
 
     def refuse_if_failed(self, what: str) -> None:
         """After a failed update some units hold the new step and others the old one: reading
         or saving the weights would hand out a mixture, so ``what`` is refused until a load."""
         self._raise_failed(f"{what} refused: an optimizer update failed", ", so the weights hold a half-applied "
-                           "step. load_checkpoint() a saved checkpoint (or build a new engine) first.")
+                           "step. load_checkpoint() a saved checkpoint (or build a new engine) first.",
+                           what=what)
 
-    def _raise_failed(self, head: str, tail: str) -> None:
+    def _raise_failed(self, head: str, tail: str, what: str) -> None:
         """A stopped non-finite step not reported yet; else, if an update failed,
         ``RuntimeError("<head> (<the failure>)<tail>")`` from that failure."""
         self.raise_nonfinite()
         failed = self._failed
+        if isinstance(failed, TornLoad):
+            raise RuntimeError(f"{what} refused: {failed}") from failed
         if failed is not None:
             raise RuntimeError(f"{head} ({type(failed).__name__}: {failed}){tail}") from failed
 

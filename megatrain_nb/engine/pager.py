@@ -211,7 +211,10 @@ class Pager:
             n_slot = self.transport.slot_numel(unit)
             if n_slot > unit.numel:   # padded to whole shards; the tail must be zero
                 dev[unit.numel:n_slot].zero_()
-            torch.cat([g.reshape(-1).float() for g in grads], out=dev[:unit.numel])
+            off = 0
+            for g in grads:   # cast in the copy (no fp32 temporary per parameter, as .float() made)
+                dev[off:off + g.numel()].copy_(g.reshape(-1))
+                off += g.numel()
             src = dev[:n_slot]
         else:   # the gradient already is host memory: it leaves as it is
             # (a lent buffer must arrive as the same object: the update adopts it by identity)
@@ -268,8 +271,8 @@ class Pager:
         self.reset()
         self._h2d.shutdown(wait=True)
         self._d2h.shutdown(wait=True)
-        self.transport.close()
         self.pools.clear()
         if self.transport.stages:
             self._grad_dev.clear()
             self._grad_host.clear()
+        self.transport.close()   # last: its pinned pool hands back the blocks dropped above

@@ -21,7 +21,7 @@ from .pager import Pager
 from .planner import Plan, engine_plan
 from .proxies import LayerProxy
 from .sharded import ShardedUnits
-from .states import OptimizerStates, open_disk_tier, stored_state_bytes, update_chunk
+from .states import OptimizerStates, open_disk_tier, read_ahead_allowance, stored_state_bytes, update_chunk
 from .step import StepRunner, Steps
 from .transport import make_transport
 from .units import Unit, build_units, find_layer_list
@@ -74,7 +74,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     params_on_disk = plan.placement["master_weights"] == "disk"
     pin = device.type == "cuda"
     store = HostStore(state_units, pin=pin)
-    disk = _disk_tier(units, config, plan, params_on_disk, counters)
+    disk = _disk_tier(units, config, plan, params_on_disk, counters, state_units)
     depth = config.overrides.inflight_depth
     small = max(u.numel for u in units) * 4 <= SMALL_UNIT_BYTES
     chunked = update_chunk(config.optimizer_compression, config.overrides.update_chunk_numel,
@@ -83,6 +83,8 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
                                 compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1,
                                 ranged=chunked, held_units=held_weight_units(state_units, config, plan, disk))
     states = OptimizerStates(state_units, config, counters, disk=disk, chunk_numel=config.overrides.update_chunk_numel)
+    if config.max_host_gb:   # a budget is a promise: reads ahead no deeper than the plan (and the cache) counted
+        states.read_ahead_bytes = read_ahead_allowance(state_units, config.optimizer_compression)
     alloc, put = store.alloc, weights.put_initial
     if sharded is not None:   # each rank keeps its slice of every unit as it is built
         alloc = lambda n: torch.empty(n, dtype=torch.float32)  # noqa: E731 - one unit at a time
@@ -131,8 +133,10 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
                        boundary=boundary, steps=steps)
 
 
-def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, counters):
-    """The disk tier (with host RAM as a schedule-driven cache of it), or None."""
+def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, counters, state_units=None):
+    """The disk tier (with host RAM as a schedule-driven cache of it), or None. Under a host
+    budget the cache gets what the plan leaves, less the compressed states' reads ahead that a
+    cache brings (the plan counts them read range by range: states.read_ahead_allowance)."""
     store = open_disk_tier(units, config, params_on_disk)
     if store is None:
         return None
@@ -140,7 +144,10 @@ def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, co
 
     need = stored_state_bytes(units, config.optimizer_compression)
     need += sum(u.numel for u in units) * 4 if params_on_disk else 0
-    budget = cache_budget(config.host_cache_gb, config.max_host_gb, plan.host["total"], need)
+    extra = 0
+    if config.max_host_gb and config.optimizer_compression != "none":
+        extra = read_ahead_allowance(state_units or units, config.optimizer_compression)
+    budget = cache_budget(config.host_cache_gb, config.max_host_gb, plan.host["total"] + extra, need)
     return HostCache(store, budget, counters=counters)
 
 

@@ -82,7 +82,7 @@ class Plan:
 
 
 def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: bool, states_on_disk: bool,
-                   cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20) -> int:
+                   cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20, compute_bytes: int = 4) -> int:
     """Host RAM the engine's code holds in flight besides the stored state, as it allocates
     it (``u``: the largest unit; "large": over 256 MiB, ``parts.SMALL_UNIT_BYTES``):
 
@@ -108,6 +108,8 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       set of the unit's codes;
       fp32 states on the disk tier are read into and written from whole-unit buffers (the unit
       being updated, reads ahead, writes behind); fp32 states in RAM are updated in place.
+    * on CUDA with a compute dtype narrower than fp32 (``compute_bytes`` 2): the pinned buffer
+      a slot fill is cast into on the host (``transport.CudaTransport._cast_in``), ``u`` of them.
     (Without a host cache of the disk tier: the estimate's least host RAM.)
     """
     from .chunk_ring import RING
@@ -130,6 +132,8 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     else:
         grads = depth + 1 + int(tied) + (HOLD_WRITES if clipped else 0)
     out += grads * u * 4
+    if cuda and compute_bytes < 4:   # the host-side cast of the weights into the slot's dtype
+        out += u * compute_bytes
     if compression == "none":
         if states_on_disk:
             out += (1 + min_reads_ahead(8 * u) + writes_pending(8 * u, False)) * 8 * u
@@ -228,7 +232,9 @@ class _PlanInputs:
         from .tiling import tile_for
         by_kind, dev_max_unit = self.by_kind, max(u.numel for u in self.units)
         w = (by_kind["embed"] + by_kind["head"] + slots * by_kind["layer"]) * self.cb
-        grads = (2 * dev_max_unit * 4) if self.cuda else dev_max_unit * 4
+        # CUDA: two fp32 staging buffers, and a unit's autograd.grad outputs in the compute
+        # dtype until they are copied into one; a CPU "device" sums into a lent pool buffer
+        grads = (2 * dev_max_unit * 4 + dev_max_unit * self.cb) if self.cuda else dev_max_unit * 4
         act = activation_bytes(hidden_size=self.shape.hidden_size, intermediate_size=self.inter,
                                num_layers=self.shape.num_layers, vocab_size=self.shape.vocab_size,
                                batch=self.workload.batch, seq=self.workload.seq, checkpoint_interval=k,
@@ -242,7 +248,7 @@ class _PlanInputs:
                               states_on_disk=bool(self.cfg.offload_dir), cuda=self.cuda,
                               clipped=w.clipped and w.gradients != "accumulator",
                               depth=self.cfg.overrides.inflight_depth,
-                              chunk_numel=self.cfg.overrides.update_chunk_numel)
+                              chunk_numel=self.cfg.overrides.update_chunk_numel, compute_bytes=self.cb)
 
 
 def _device_schedule(p: _PlanInputs):

@@ -39,6 +39,18 @@ def min_reads_ahead(stored_nbytes: int, read_ahead_bytes: int = READ_AHEAD_BYTES
     return 2 if stored_nbytes <= read_ahead_bytes // 2 else 1
 
 
+def read_ahead_allowance(units, compression: str) -> int:
+    """Stored state bytes read ahead of their updates under a host budget (``max_host_gb``):
+    the least :meth:`OptimizerStates._read_ahead` reads, ``min_reads_ahead`` of the largest
+    unit's stored states. The planner counts that many for fp32 states on the disk tier; for
+    compressed states it counts none (read range by range), so a host cache of the disk tier
+    (whole units' codes read ahead) takes these bytes out of its own budget (parts.py)."""
+    if not units:
+        return 0
+    stored = stored_state_bytes([max(units, key=lambda u: u.numel)], compression)
+    return min_reads_ahead(stored) * stored
+
+
 def writes_pending(stored_nbytes: int, chunked: bool) -> int:
     """State writes pending at most when an update starts (their codes or moments are RAM)."""
     return WRITES_BEHIND if not chunked or stored_nbytes <= ENCODE_BEHIND_BYTES else 1

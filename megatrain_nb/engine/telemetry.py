@@ -20,6 +20,8 @@ class Telemetry:
         with self._lock:
             self.bytes = {k: 0 for k in self.LINKS}
             self.link_seconds = {k: 0.0 for k in self.LINKS}
+            self._in_flight = {k: 0 for k in self.LINKS}     # asynchronous transfers under way
+            self._busy_since = {k: 0.0 for k in self.LINKS}
             self.loads_per_unit: Dict[str, int] = defaultdict(int)
             self.prefetch = {"device": {"ahead": 0, "late": 0}, "disk": {"ahead": 0, "late": 0}}
             # what the waiting thread waited for: a tier ("device", "disk", "host_cache": a copy out
@@ -43,6 +45,25 @@ class Telemetry:
         with self._lock:
             self.bytes[link] += int(n)
             self.link_seconds[link] += seconds
+
+    def busy_while(self, link: str, fut) -> None:
+        """An asynchronous transfer on ``link`` (a disk read or write in the I/O threads) runs
+        until ``fut`` is done: the time at least one is under way counts as the link's seconds,
+        so ``bytes_per_second`` says how fast the disk moved while it was busy (overlapping
+        transfers are not counted twice)."""
+        with self._lock:
+            if self._in_flight[link] == 0:
+                self._busy_since[link] = time.perf_counter()
+            self._in_flight[link] += 1
+
+        def ended(_f) -> None:
+            with self._lock:
+                if self._in_flight[link] == 0:
+                    return   # (the counters were reset while it ran)
+                self._in_flight[link] -= 1
+                if self._in_flight[link] == 0:
+                    self.link_seconds[link] += time.perf_counter() - self._busy_since[link]
+        fut.add_done_callback(ended)
 
     def load(self, unit_name: str) -> None:
         with self._lock:

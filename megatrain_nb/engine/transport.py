@@ -7,7 +7,12 @@
   for this point); the handle is *free*;
 * ``copy_out(unit, src, dst, after) -> Handle``: device ``src`` into host ``dst`` (a unit's
   gradient, a boundary activation), once the work ``after`` stands for is done; the handle is
-  *done* when ``result()`` may read the host tensor.
+  *done* when ``result()`` may read the host tensor;
+* ``device_empty(shape, dtype)``: a fresh device buffer from the caching allocator, allocated
+  on the compute stream. Its memory may be a block just freed by tensors whose kernels are
+  still queued there: a copy into it must be ordered after ``record()`` taken once it exists
+  (``after=all_of(..., transport.record())``), or the copy can land before those kernels run
+  and be overwritten by them.
 
 A :class:`Handle` is consumed in one of two ways: ``wait()`` orders the calling thread's
 compute after it (a stream wait on CUDA: the host does not block), ``result()`` blocks the
@@ -19,6 +24,12 @@ thread; with ``adversarial=True`` (tests: ``EngineConfig.adversarial_transport``
 environment variable ``MEGATRAIN_ADVERSARIAL_TRANSPORT=1``) it follows the same discipline
 with teeth: each copy runs late, in a thread of its own, after a random delay; a buffer is
 filled with NaN the moment it is released; and a copy into a buffer not yet released raises.
+It also plays the GPU's two other actors at their worst: the compute stream runs late (a
+``device_empty`` buffer comes with the previous owner's kernels still queued: they write NaN
+into it when the compute is next waited for through ``record()``, or, if nothing ordered the
+copy after them, just after the copy lands); and a transfer from a host buffer stays in flight
+until the handle its ``release`` returned is waited for (a host buffer written before that:
+the next transfer from it raises, since on a GPU the copy engine could have read the new bytes).
 A missing ``wait`` / ``result`` / ``release`` then shows on CPU as a wrong (NaN) gradient or
 an error, as it would on a GPU as a race.
 
@@ -82,6 +93,31 @@ class FutureHandle(Handle):
         return self.future.done()
 
 
+class AllOf(Handle):
+    """Several transfers: ``wait()`` orders after each, ``result()`` waits for each (the value:
+    the first's)."""
+
+    def __init__(self, *handles: Optional[Handle]):
+        super().__init__()
+        self.handles = [h for h in handles if h is not None]
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+    def result(self):
+        out = [h.result() for h in self.handles]
+        return out[0] if out else None
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+
+def all_of(*handles: Optional[Handle]) -> Handle:
+    """One handle for ``handles`` (None ones left out)."""
+    return AllOf(*handles)
+
+
 class EventHandle(Handle):
     """A transfer enqueued on a CUDA stream, marked by an event recorded after it."""
 
@@ -110,29 +146,46 @@ def _prefix(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return buf.view(-1)[:like.numel()].view(like.shape)
 
 
+def _event():
+    """An event the host may wait on: blocking, so ``synchronize()`` sleeps instead of spinning a
+    core that the CPU AdamW wants (``wait_event`` on a stream is the same either way)."""
+    return torch.cuda.Event(blocking=True)
+
+
 class CudaTransport:
     """Streams, events and pinned buffers. ``copy_in`` is issued from the pager's copy thread
     or the compute thread, ``copy_out`` from the gradient thread or the compute thread; each
-    enqueues on its own stream and records an event after the copy."""
+    enqueues on its own stream and records an event after the copy. Host buffers come from a
+    :class:`~.pinned.PinnedPool` (counted as the caching host allocator holds them, released on
+    :meth:`close`)."""
 
     stages = True   # a unit's gradient is staged in a device buffer of the pager's before it leaves
 
     def __init__(self, device: torch.device):
+        from .pinned import PinnedPool
+
         self.device = device
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
+        self.pinned = PinnedPool(pin=True)
         self._free: Dict[int, object] = {}   # buffer -> event recorded on the compute stream at its release
         self._lock = threading.Lock()
+        # dtype -> [pinned buffer, event after its last copy]: fp32 weights cast for a bf16 slot
+        self._cast: Dict[torch.dtype, list] = {}
+        self._cast_lock = threading.Lock()
 
     def slot_numel(self, unit: Unit) -> int:
         return unit.numel
 
     def host_buffer(self, numel: int, dtype=torch.float32) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype).pin_memory()
+        return self.pinned.empty(numel, dtype)
+
+    def device_empty(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
     def record(self) -> Handle:
         """The compute stream's work so far (what a copy out must come after)."""
-        ev = torch.cuda.Event()
+        ev = _event()
         ev.record(torch.cuda.current_stream(self.device))
         return EventHandle(ev, self.device)
 
@@ -143,21 +196,44 @@ class CudaTransport:
         handle's ``result()`` returned."""
         with self._lock:
             free = self._free.pop(_key(dst), None)
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):   # (no context on another GPU)
             if free is not None:
                 self.h2d.wait_event(free)
             if after is not None:
                 after.wait()
             if fill is not None:
                 fill(dst)
+            elif src.dtype != dst.dtype and not src.is_cuda:
+                return self._cast_in(src, dst)
             else:
                 _prefix(dst, src).copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = _event()
             ev.record(self.h2d)
         return EventHandle(ev, self.device, dst)
 
+    def _cast_in(self, src: torch.Tensor, dst: torch.Tensor) -> Handle:
+        """fp32 host weights into a bf16 slot: cast on the host into a pinned buffer, then copied.
+        (``copy_(fp32 host, non_blocking=True)`` into bf16 makes an fp32 unit-sized temporary on
+        the device and sends 4 bytes a parameter over the link.) Called on the h2d stream; the
+        buffer is rewritten only once its last copy is done (one per dtype: the pager's copy
+        thread waits for each copy before the next)."""
+        n = src.numel()
+        with self._cast_lock:
+            entry = self._cast.get(dst.dtype)
+            if entry is not None and entry[1] is not None:
+                entry[1].synchronize()   # the host writes it: its last copy must be done
+            if entry is None or entry[0].numel() < n:
+                entry = self._cast[dst.dtype] = [self.pinned.empty(n, dst.dtype), None]
+            stage = entry[0][:n]
+            stage.copy_(src.reshape(-1))
+            _prefix(dst, src).copy_(stage.view(src.shape), non_blocking=True)
+            ev = _event()
+            ev.record(self.h2d)
+            entry[1] = ev
+        return EventHandle(ev, self.device, dst)
+
     def release(self, dst: torch.Tensor) -> Handle:
-        ev = torch.cuda.Event()
+        ev = _event()
         ev.record(torch.cuda.current_stream(self.device))
         if dst.is_cuda:   # (a host buffer's next copy out is ordered by the caller, with this handle)
             with self._lock:
@@ -169,7 +245,7 @@ class CudaTransport:
         """``dst <- src`` (``reduce(src)`` first: a reduce-scatter, on this stream) on the
         device->host stream, after ``after``. ``src`` stays alive until the copy is done (the
         caching allocator is told the stream uses it)."""
-        with torch.cuda.stream(self.d2h):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
             after.wait()
             if reduce is not None:
                 src = reduce(src)
@@ -177,18 +253,53 @@ class CudaTransport:
                 src.record_stream(self.d2h)
             out = _prefix(dst, src)
             out.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = _event()
             ev.record(self.d2h)
         return EventHandle(ev, self.device, out)
 
     def close(self) -> None:
         with self._lock:
             self._free.clear()
+        self.pinned.close()
 
 
 #: The adversarial mode's latest landing of a copy (seconds, uniform from 0): small, so the
 #: parity suites under it stay quick; a test that must see a missing wait sets it larger.
 ADVERSARIAL_MAX_DELAY_S = 0.003
+
+
+class _LateCompute(Handle):
+    """The adversarial transport's compute stream at a ``record()``: the previous owners' kernels
+    still queued on the ``device_empty`` buffers handed out so far run (write NaN) when this is
+    waited for."""
+
+    def __init__(self, transport: "CpuTransport", keys):
+        super().__init__()
+        self.transport, self.keys = transport, keys
+
+    def wait(self) -> None:
+        self.transport._run_late(self.keys)
+
+    def result(self):
+        self.wait()
+
+
+class _InFlight(Handle):
+    """A host buffer's release: the transfer that read it is in flight until this is waited for."""
+
+    def __init__(self, transport: "CpuTransport", key: int):
+        super().__init__()
+        self.transport, self.key = transport, key
+
+    def wait(self) -> None:
+        with self.transport._lock:
+            self.transport._in_flight.pop(self.key, None)
+
+    def result(self):
+        self.wait()
+
+    def done(self) -> bool:
+        return self.key not in self.transport._in_flight
 
 
 class CpuTransport:
@@ -199,31 +310,66 @@ class CpuTransport:
     stages = False   # a unit's gradient sum already is host memory: it leaves as it is
 
     def __init__(self, *, adversarial: bool = False, seed: int = 0, max_delay_s: Optional[float] = None):
+        from .pinned import PinnedPool
+
         self.device = torch.device("cpu")
         self.adversarial = adversarial
         self.max_delay_s = ADVERSARIAL_MAX_DELAY_S if max_delay_s is None else max_delay_s
+        self.pinned = PinnedPool(pin=False)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._state: Dict[int, str] = {}   # buffer -> "filling" | "filled" (absent: free)
+        self._late: Dict[int, torch.Tensor] = {}   # device_empty buffer -> its previous owner's kernels pending
+        self._sources: Dict[int, torch.Tensor] = {}   # host buffers copied in from (activations), held
+        self._in_flight: Dict[int, torch.Tensor] = {}   # released host buffer -> itself, while a transfer reads it
         self._in = self._out = None
         if adversarial:   # one thread per direction: each keeps its order (collectives in order)
             self._in = executor(TRANSPORT_IN)
             self._out = executor(TRANSPORT_OUT)
         self.poisoned = 0   # buffers poisoned at their release (adversarial)
+        self.late_writes = 0   # previous owners' kernels run into device_empty buffers (adversarial)
 
     def slot_numel(self, unit: Unit) -> int:
         return unit.numel
 
     def host_buffer(self, numel: int, dtype=torch.float32) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
+        return self.pinned.empty(numel, dtype)
+
+    def device_empty(self, shape, dtype) -> torch.Tensor:
+        t = torch.empty(tuple(shape), dtype=dtype)
+        if self.adversarial and t.is_floating_point():   # a block whose last owner's kernels are still queued
+            with self._lock:
+                self._late[_key(t)] = t
+        return t
 
     def record(self) -> Handle:
-        return Handle()
+        if not self.adversarial:
+            return Handle()
+        with self._lock:
+            return _LateCompute(self, list(self._late))
+
+    def _run_late(self, keys) -> None:
+        """The compute stream reaches the kernels queued on these buffers: they write NaN."""
+        for k in keys:
+            with self._lock:
+                t = self._late.pop(k, None)
+            if t is not None:
+                t.fill_(float("nan"))
+                self.late_writes += 1
 
     def _delay(self) -> None:
         with self._lock:
             d = self._rng.uniform(0.0, self.max_delay_s)
         time.sleep(d)
+
+    def _check_source(self, src: torch.Tensor) -> None:
+        """A host buffer released after a copy from it, written since, before its free handle was
+        waited for: on a GPU that copy could have read the new bytes."""
+        with self._lock:
+            held = self._in_flight.get(_key(src))
+        if held is not None and not torch.isnan(held).all():
+            raise TransportError("a host buffer was written while the transfer that read it may still be in "
+                                 "flight: wait for the handle its release() returned (result()) before reusing it")
 
     def copy_in(self, unit: Optional[Unit], src: torch.Tensor, dst: torch.Tensor, *, after: Optional[Handle] = None,
                 fill: Optional[Callable[[torch.Tensor], None]] = None) -> Handle:
@@ -241,6 +387,8 @@ class CpuTransport:
                     fill(dst)
                 else:
                     _prefix(dst, src).copy_(src)
+                if self.adversarial:   # kernels the copy was not ordered after run now, over it
+                    self._run_late([_key(dst)])
             finally:
                 if tracked:
                     with self._lock:
@@ -249,6 +397,10 @@ class CpuTransport:
 
         if not self.adversarial:
             return Handle(run())
+        if unit is None and fill is None:
+            self._check_source(src)
+            with self._lock:
+                self._sources[_key(src)] = src
         with self._lock:
             if tracked and self._state.get(_key(dst)) is not None:
                 raise TransportError(f"copy into a buffer not released yet ({self._state[_key(dst)]}, "
@@ -262,11 +414,16 @@ class CpuTransport:
         if self.adversarial:
             with self._lock:
                 state = self._state.pop(_key(dst), None)
+                source = _key(dst) in self._sources
             if state == "filling":
                 raise TransportError("release of a buffer whose copy in is still running: a missing wait()")
             if dst.is_floating_point():
                 dst.fill_(float("nan"))   # whatever reads it after its release reads NaN
                 self.poisoned += 1
+            if source:   # a host buffer copied from: in flight until the handle is waited for
+                with self._lock:
+                    self._in_flight[_key(dst)] = dst
+                return _InFlight(self, _key(dst))
         return Handle()
 
     def copy_out(self, unit: Optional[Unit], src: torch.Tensor, dst: Optional[torch.Tensor], *, after: Handle,
@@ -285,12 +442,22 @@ class CpuTransport:
 
         if not self.adversarial:
             return Handle(run())
+        if dst is not None:
+            with self._lock:
+                reading = _key(dst) in self._in_flight
+            if reading:
+                raise TransportError("a copy out into a host buffer that a transfer may still be reading: wait "
+                                     "for the handle its release() returned before the copy out")
         return FutureHandle(self._out.submit(run))
 
     def close(self) -> None:
         for ex in (self._in, self._out):
             if ex is not None:
                 ex.shutdown(wait=True)
+        with self._lock:
+            self._late.clear()
+            self._in_flight.clear()
+            self._sources.clear()
 
 
 class ShardedTransport:
@@ -313,6 +480,13 @@ class ShardedTransport:
 
     def record(self) -> Handle:
         return self.inner.record()
+
+    def device_empty(self, shape, dtype) -> torch.Tensor:
+        return self.inner.device_empty(shape, dtype)
+
+    @property
+    def pinned(self):
+        return self.inner.pinned
 
     def release(self, dst: torch.Tensor) -> Handle:
         return self.inner.release(dst)

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .planner import WindowPlan, engine_window_plan
+from .transport import all_of
 
 
 class BoundaryStore:
@@ -33,6 +34,7 @@ class BoundaryStore:
 
     READ_AHEAD = 4       # disk reads started ahead of the backward
     WRITES_IN_FLIGHT = 4  # disk writes behind the forward before it waits
+    KEEP_PASSES = 2       # a shape's recycled buffers are kept while one of the last passes used it
 
     def __init__(self, device: torch.device, transport, disk=None):
         self.device = device
@@ -43,6 +45,8 @@ class BoundaryStore:
         # Host buffers recycled across steps (pinning is slow), each with the handle of its
         # last use (None: never used).
         self._free: Dict[tuple, List[tuple]] = {}
+        self._passes = 0                       # start() calls so far
+        self._used: Dict[tuple, int] = {}      # (shape, dtype) -> the pass that last took a buffer of it
         self._lock = threading.Lock()
         self.bytes = {"device": 0, "host": 0, "disk": 0}
         self.peak = {"device": 0, "host": 0, "disk": 0}
@@ -55,16 +59,28 @@ class BoundaryStore:
         if tier == "disk" and self.disk is None:
             raise ValueError("boundary activations on the disk tier need an offload_dir (the engine's disk tier)")
         self.clear()
+        self._drop_stale()
         self.tier = tier
         self.peak = {"device": 0, "host": 0, "disk": 0}
         self.disk_ops = {"writes": 0, "reads": 0}
 
+    def _drop_stale(self) -> None:
+        """A new pass: recycled buffers of shapes none of the last KEEP_PASSES passes used are
+        freed (variable sequence lengths would otherwise keep a pinned set per length for good).
+        Their last transfers are done: clear() waited for the disk's, and a pinned block freed
+        while a copy still reads it is held back by the caching host allocator."""
+        with self._lock:
+            self._passes += 1
+            for key in [k for k in self._free if self._passes - self._used.get(k, 0) > self.KEEP_PASSES]:
+                del self._free[key]
+
     def _buffer(self, shape, dtype) -> Tuple[torch.Tensor, object]:
         """A host buffer and the handle of its last use (None: new)."""
         with self._lock:
+            self._used[(tuple(shape), dtype)] = self._passes
             free = self._free.get((tuple(shape), dtype))
-            if free:
-                return free.pop()
+            if free:   # the oldest: its last transfer is the likeliest to be done (a disk read waits for it)
+                return free.pop(0)
         numel = 1
         for d in shape:
             numel *= d
@@ -86,9 +102,14 @@ class BoundaryStore:
         return self.transport.copy_out(None, t, h, after=self.transport.record())
 
     def _in(self, h: torch.Tensor, after=None) -> torch.Tensor:
-        """``h`` copied back to the device, waited for; ``h`` is released and recycled."""
-        out = torch.empty(h.shape, dtype=h.dtype, device=self.device)
-        ready = self.transport.copy_in(None, h, out, after=after)
+        """``h`` copied back to the device, waited for; ``h`` is released and recycled.
+
+        ``out`` is allocated on the compute stream: the caching allocator may hand back a block
+        that tensors freed a moment ago still have kernels queued on. The copy runs on the
+        host->device stream, so it is ordered after the compute so far (``record()`` taken once
+        ``out`` exists), not only after ``after``; the compute waits for the copy at once anyway."""
+        out = self.transport.device_empty(h.shape, h.dtype)
+        ready = self.transport.copy_in(None, h, out, after=all_of(after, self.transport.record()))
         ready.wait()
         self._recycle(h, self.transport.release(h))
         return out
@@ -118,7 +139,9 @@ class BoundaryStore:
 
     def _read(self, k, urgent: bool = False) -> None:
         shape, dtype, _ = self._t[k]
-        buf, _ = self._buffer(shape, dtype)
+        buf, last = self._buffer(shape, dtype)
+        if last is not None:   # the disk read writes it from the host: its last transfer is done first
+            last.result()
         self._reads[k] = (self.disk.read(self._key(k), {"h": buf}, urgent=urgent), buf)
         self.disk_ops["reads"] += 1
 
@@ -153,6 +176,13 @@ class BoundaryStore:
         self.bytes[self.tier] -= t.numel() * t.element_size()
         return t
 
+    def close(self) -> None:
+        """The engine closes: the window's activations and every recycled host buffer dropped
+        (before the transport hands its pinned blocks back)."""
+        self.clear()
+        with self._lock:
+            self._free.clear()
+
     def free_bytes(self) -> int:
         """Recycled host buffers kept for the next window."""
         with self._lock:
@@ -186,8 +216,10 @@ def plan_for(batches, *, plan, model_config, config, num_layers: int, device: to
     """The layout a window of prepared ``(ids, am, labels)`` micro-batches gets: layer-major
     when their boundary activations fit the device budget, else host RAM, else split."""
     cap = None
-    if device.type == "cuda" and not config.max_vram_gb:
-        cap = torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cuda" and not config.max_vram_gb:   # what is free (mem_get_info), less a headroom
+        from .memory import device_capacity
+
+        cap = device_capacity(device)
     return engine_window_plan(plan, model_config, config, num_layers,
                               tokens=max(int(b[0].numel()) for b in batches), micro_batches=len(batches),
                               device_capacity=cap)

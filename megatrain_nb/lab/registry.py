@@ -9,7 +9,8 @@ Used by the Jupyter server extension (``handlers.py``); plain functions, no Jupy
 A heartbeat older than ``stale_after`` seconds (5) or whose process is gone is not listed.
 Files of dead processes, and of anything silent for ``ABANDONED_AFTER`` seconds, are removed.
 A run that ended leaves a last heartbeat with ``ended`` set: it is listed (its process may be
-gone) until :func:`dismiss_session` removes it, or for ``ENDED_KEPT`` seconds at most.
+gone) until :func:`dismiss_session` removes it, for ``ENDED_KEPT`` seconds at most, and for
+``DEAD_ENDED_KEPT`` seconds once its process has exited.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 STALE_AFTER = 5.0
 ABANDONED_AFTER = 60.0
 ENDED_KEPT = 24 * 3600.0
+DEAD_ENDED_KEPT = 600.0   # a run that ended in a process that has exited since: listed this long after its end
 
 
 class StillRunning(ValueError):
@@ -88,7 +90,8 @@ def list_sessions(
         updated = data.get("updated")
         age = now - updated if isinstance(updated, (int, float)) else float("inf")
         if isinstance(data.get("ended"), (int, float)):  # over: kept until dismissed
-            if now - data["ended"] > ENDED_KEPT:
+            gone = now - data["ended"] > DEAD_ENDED_KEPT and pid_alive(data.get("pid"), data.get("host")) is False
+            if now - data["ended"] > ENDED_KEPT or gone:   # (an afternoon left 44 cards of exited kernels)
                 if clean:
                     remove_session_files(sid, root)
                 continue

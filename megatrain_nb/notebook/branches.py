@@ -30,7 +30,10 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
+
+from megatrain_nb.values import VALUES, check
 
 from .placement import PLACEMENT, placement, sibling_engine
 
@@ -75,7 +78,8 @@ class BranchGroup:
         self.protected: set = set()
 
     def names(self) -> list[str]:
-        return [m.session.name for m in self.members]
+        """Every branch's name (a dropped Session's too: its runs stay in the tree)."""
+        return [m.name for m in self.members]
 
     def node(self, run_id: str, name: str, parent: Optional[str] = None, at: Optional[int] = None) -> Node:
         with self.lock:
@@ -87,8 +91,8 @@ class BranchGroup:
     def records_by_run(self) -> dict[str, list]:
         """Every run's records, by step: what sessions hold now and what rewinds abandoned."""
         out: dict[str, list] = {}
-        for m in list(self.members):
-            for r in m.session.history:
+        for m in list(self.members):   # (the log, not the Session: a dropped fork's records stay)
+            for r in m.log.records():
                 if r.get("run_id"):
                     out.setdefault(r["run_id"], []).append(r)
         with self.lock:
@@ -100,10 +104,19 @@ class BranchGroup:
 class Explorer:
     """One Session's snapshots and branches (``session.explorer``)."""
 
-    def __init__(self, session, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None):
+    def __init__(self, session, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None,
+                 trainer: Any = None):
         self._session = weakref.ref(session)
-        self.snapshot_steps = _positive("snapshot_steps", snapshot_steps)
-        self.keep_snapshots = _positive("keep_snapshots", keep_snapshots)
+        self._trainer = _ref(trainer)   # (weak: a dropped fork's trainer goes with its Session)
+        if trainer is not None and hasattr(trainer, "weights_hook"):   # its saves: this branch's weights
+            trainer.weights_hook = self.hold_weights
+        # what the tree keeps of this branch if its Session is dropped (a notebook cell run again):
+        # its name, its records and the run id it trained last
+        self.name = session.name
+        self.log = session.run_log
+        self._last_run_id: Optional[str] = None
+        self.snapshot_steps = check("snapshot_steps", snapshot_steps)
+        self.keep_snapshots = check("keep_snapshots", keep_snapshots)
         self.group = BranchGroup()
         self.group.members.append(self)
         self.origin: Optional[tuple] = None      # a fork: (parent run id, step) before its first step
@@ -131,11 +144,17 @@ class Explorer:
         """The id of the run going on (None before its first step)."""
         if self.ranks is not None:
             return self.ranks.run_id
-        return getattr(self.trainer, "run_id", None)
+        if self.session is None:   # dropped: the run it trained last
+            return self._last_run_id
+        rid = getattr(self.trainer, "run_id", None)
+        if rid is not None:
+            self._last_run_id = rid
+        return rid
 
     @property
     def trainer(self):
-        return self.session.trainer
+        # (not Session.trainer, which switches the weights back)
+        return self._trainer() if self._trainer is not None else None
 
     @property
     def store(self):
@@ -217,6 +236,7 @@ class Explorer:
         """After each step (training thread): automatic snapshots every ``snapshot_steps``,
         completed in the background (the step's updates and the next step go on meanwhile)."""
         self.pending_start = None
+        self._last_run_id = record.get("run_id") or self._last_run_id
         self._register(record.get("run_id"), record.get("parent_run_id"), record.get("forked_at_step"))
         self.settle(block=False)
         step = int(record.get("step", 0) or 0)
@@ -257,7 +277,7 @@ class Explorer:
             raise LookupError(f"no snapshot at step {step} of session {self.session.name!r}; the steps that "
                               f"have one: {', '.join(map(str, have)) or 'none'} (take them with "
                               "session.snapshot() or snapshot_steps=N)")
-        return max(found, key=lambda i: i.time)
+        return max(found, key=lambda i: (not i.damaged, i.time))   # (one known damaged: the rewind says why)
 
     # ---- rewind ------------------------------------------------------------------------------
     def rewind(self, step: int, source: str = "notebook") :
@@ -266,11 +286,14 @@ class Explorer:
         s, tr = self.session, self.trainer
         info = self.find(step)
         old_step, old_run = s.step, tr.run_id
+        self.verify(info)   # whole, before anything changes: a damaged snapshot leaves the run as it was
         self.activate(source=f"rewind of {s.name}")
-        self.abandon_after(info.step, old_run)
         from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart
 
-        tr.engine.load_checkpoint(info.path)   # at once: generate()/save_model() see that step's weights
+        # at once: generate()/save_model() see that step's weights (a load failing part way marks
+        # the engine failed: nothing trains, saves or reads on the mixture)
+        tr.engine.load_checkpoint(info.path, verify=False)
+        self.abandon_after(info.step, old_run)
         # back into an ancestor's run (before this fork's point): this fork's changes apply again
         other = info.run_id != old_run
         tr.branch_start = BranchStart(new_run=True,
@@ -279,6 +302,19 @@ class Explorer:
         self.restart_path, self.switched_out, self.pending_start = info.path, None, info.path
         s.run_log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
         return info
+
+    def verify(self, info) -> None:
+        """Check the snapshot ``info`` whole (manifest, the engine's linked files, state file)
+        before a rewind or fork changes anything; the error names the damaged file, and the
+        snapshot is listed as damaged from then on."""
+        from megatrain_nb.trainer.saving import verify_whole
+
+        try:
+            verify_whole(Path(info.path), self.trainer.engine)
+        except Exception as e:
+            self.session.run_log.add_event("snapshot_damaged", info.step, path=info.path,
+                                           error=f"{type(e).__name__}: {e}")
+            raise
 
     def abandon_after(self, step: int, old_run: Optional[str]) -> None:
         """A rewind to ``step``: the records after it leave the history and stay in the tree as
@@ -293,6 +329,16 @@ class Explorer:
                     n.name = f"{s.name} (abandoned after step {step})"
         self.note = f"rewound to step {step}"
 
+    def on_recovery(self, event: dict) -> None:
+        """(Training thread) the trainer recovered by itself (on_nonfinite="rewind",
+        ``trainer/recovery.py``): the steps after the snapshot it went back to become the
+        abandoned branch, as a rewind's do; a "recovery" event says why and what was skipped."""
+        self.abandon_after(int(event["to_step"]), event.get("abandoned_run_id"))
+        self.note = f"recovered at step {event['step']}"
+        fields = {k: event.get(k) for k in ("reason", "from_step", "to_step", "snapshot", "attempt", "max_recoveries",
+                                            "lr_factor", "lr", "skipped_window", "abandoned_run_id")}
+        self.session.run_log.add_event("recovery", int(event["step"]), **fields)
+
     def take_restart(self) -> Optional[str]:
         path, self.restart_path = self.restart_path, None
         return path
@@ -304,8 +350,8 @@ class Explorer:
 
         from .session import Session
 
-        check_changes(changes)
-        changes = dict(changes)
+        changes = check_changes(changes)
+        self.verify(info)   # a damaged snapshot is refused here, not when the fork first trains
         device = changes.pop(PLACEMENT, None)
         side = placement(self.trainer.engine.device, device) == "side_by_side"
         taken = set(self.group.names())
@@ -400,14 +446,11 @@ class Explorer:
             with g.lock:
                 g.active = self
             if self.switched_out is not None:   # it trained before: back to where it was
-                from megatrain_nb.trainer.snapshot import BranchStart
+                self._back_from(self.switched_out)
 
-                self.restart_path, self.switched_out = self.switched_out, None
-                if self.trainer.branch_start is None:   # (a rewind's new run, not started yet, stays one)
-                    self.trainer.branch_start = BranchStart(new_run=False)
-
-    def switch_out(self, by: str) -> None:
-        """Another branch takes the engine: pause this one (if running), keep its state."""
+    def switch_out(self, by: str, reading: bool = False) -> None:
+        """Another branch takes the engine: pause this one (if running), keep its state
+        (``reading``: to read the other's weights, said by its event, not printed)."""
         s = self.session
         if s.state == "running":
             s.pause(source=f"branch {by}")
@@ -418,10 +461,62 @@ class Explorer:
         self.engine_weight_decay()
         self.settle()
         self.switched_out = self.pending_start or self.store.take(self.trainer).path
-        msg = (f"megatrain_nb: branch {by!r} trains now; {s.name!r} is {s.state} at step {s.step} "
-               f"(one device trains one branch at a time; {s.name}.resume() switches back)")
-        print(msg)
+        if s.state == "paused":
+            back = f"{s.name}.resume() switches back"
+        elif s.state == "idle":
+            back = f"{s.name}.train() switches back"
+        else:   # finished: it trains no more, but its weights are its own
+            back = (f"reading {s.name}'s weights ({s.name}.generate(), .engine, .trainer.save_model(), a report) "
+                    "switches them back")
+        if not reading:
+            print(f"megatrain_nb: branch {by!r} trains now; {s.name!r} is {s.state} at step {s.step} "
+                  f"(one device trains one branch at a time; {back})")
         s.run_log.add_event("switched_out", s.step, by=by, path=self.switched_out)
+
+    def hold_weights(self, what: str, strict: bool = True) -> None:
+        """Before ``what`` reads this branch's weights: make the shared engine hold them again
+        when another branch that is not training holds it now (that one's state is kept in a
+        snapshot, as when it is paused for a branch that trains). While the other one trains,
+        ``strict`` raises saying what would be read and how to switch, else warns."""
+        s = self.session
+        g = self.group
+        if self.own_engine or s is None or s.released or g.active is self or g.active is None:
+            return   # (checked before the lock: a switch in progress saves the branch it switches out)
+        with g.switch:
+            with g.lock:
+                cur = g.active
+            if cur is None or cur is self or self.switched_out is None:
+                return
+            other = cur.session
+            if other is not None and other.state == "running":
+                msg = (f"{what} would read branch {cur.name!r}'s weights: it trains now on the engine "
+                       f"{s.name!r} shares (one device trains one branch at a time). Pause it "
+                       f"({cur.name}.pause()) or let it end, then ask again; {s.name}.resume() switches back "
+                       "and trains")
+                if strict:
+                    raise RuntimeError(msg)
+                import warnings
+
+                warnings.warn(msg, stacklevel=4)
+                return
+            if other is not None and not other.released:
+                cur.switch_out(by=s.name, reading=True)
+            path = self.switched_out
+            self.trainer.engine.load_checkpoint(path)
+            self.trainer.engine.adam.weight_decay = self.engine_weight_decay()
+            with g.lock:
+                g.active = self
+            self._back_from(path)
+            s.run_log.add_event("switched_in", s.step, path=path, source=what)
+
+    def _back_from(self, path: str) -> None:
+        """The engine holds (or will hold) this branch's state kept at ``path``: training again
+        restarts from it (the data position and RNG too), as the same run."""
+        from megatrain_nb.trainer.snapshot import BranchStart
+
+        self.restart_path, self.switched_out = path, None
+        if self.trainer.branch_start is None:   # (a rewind's new run, not started yet, stays one)
+            self.trainer.branch_start = BranchStart(new_run=False)
 
     # ---- the tree ------------------------------------------------------------------------------
     def tree(self) -> list[dict]:
@@ -476,12 +571,29 @@ class Explorer:
         return info
 
 
-def check_changes(changes: dict) -> None:
+def _ref(obj):
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:   # (an object without weak references: held)
+        return lambda: obj
+
+
+def check_changes(changes: dict) -> dict:
+    """A fork's ``changes``, each name allowed and each value checked by the table of values
+    (:mod:`megatrain_nb.values`, the Trainer's arguments' rules), at ``fork()``; the checked values."""
     bad = [k for k in changes if k not in ALLOWED and k != PLACEMENT]
     if bad:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
                          f"{', '.join(ALLOWED)}")
+    out = {k: check(k, v, f"fork({k})") if k in VALUES else v for k, v in changes.items()}
+    loss_fn = out.get("loss_fn")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"fork(loss_fn)={loss_fn!r}: must be a function (logits chunk, labels chunk) -> summed "
+                         "loss, or None")
+    return out
 
 
 def _describe(v: Any) -> str:
@@ -498,11 +610,4 @@ def free_name(base: str, taken: set) -> str:
         k += 1
     return f"{base}-{k}"
 
-
-def _positive(name: str, v):
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name} must be a whole number >= 1 (or None), got {v!r}")
-    return v
 

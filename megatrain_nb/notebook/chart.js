@@ -39,12 +39,13 @@ function label(parent, x, y, text, { anchor = "start", color = FG2, size = TICK,
 }
 
 // "nice" ticks: 1, 2, 2.5, 5 x 10^k, from one at or below lo to one at or above hi (the
-// first and last tick are the axis' ends, so nothing drawn falls outside them)
-function ticks(lo, hi, count) {
+// first and last tick are the axis' ends, so nothing drawn falls outside them); ``minStep``:
+// the smallest spacing (1 for optimizer steps: no "1 1 1 1 2" at the start of a run)
+function ticks(lo, hi, count, minStep = 0) {
   if (!(hi > lo)) return [lo, lo + 1];
-  const raw = (hi - lo) / Math.max(1, count);
+  const raw = Math.max((hi - lo) / Math.max(1, count), minStep);
   const mag = Math.pow(10, Math.floor(Math.log10(raw)));
-  const step = [1, 2, 2.5, 5, 10].map(m => m * mag).find(s => s >= raw) || 10 * mag;
+  const step = [1, 2, 2.5, 5, 10].map(m => m * mag).find(s => s >= raw && s >= minStep && (!minStep || Number.isInteger(s))) || 10 * mag;
   const out = [];
   const first = Math.floor(lo / step + 1e-9) * step, last = Math.ceil(hi / step - 1e-9) * step;
   for (let k = 0; first + k * step <= last + step * 1e-9; k++) out.push(+(first + k * step).toPrecision(12));
@@ -85,9 +86,11 @@ function path(xs, ys, sx, sy, step = false) {
 
 // x tick labels that fit: centred, clamped into [left, right], dropped when they would touch
 function xTicks(g, values, sx, y, left, right) {
-  let end = -Infinity;
+  let end = -Infinity, last = null;
   for (const v of values) {
     const text = fmtStep(v), w = textWidth(text);
+    if (text === last) continue;   // two ticks that read the same say nothing
+    last = text;
     let x = sx(v) - w / 2;
     x = Math.max(left, Math.min(right - w, x));
     if (x < end + 8) continue;
@@ -192,6 +195,10 @@ function drawTraining(root, spec, width) {
     });
   }
   node("line", { x1: left, x2: left, y1: top, y2: bottom }, svg).style.stroke = AXIS;
+  const invert = px => x0 + (px - left) / (right - left) * (x1 - x0);
+  hover(root, svg, [{ name: "train loss", color: "var(--mtnb-c1)", x: loss.x, y: loss.y },
+                    { name: "eval loss", color: "var(--mtnb-c2)", x: ev.x, y: ev.y },
+                    { name: "learning rate", color: "var(--mtnb-c3)", x: lr.x, y: lr.y }], sx, invert, top, bottom);
 
   // learning rate, same x
   const svg2 = node("svg", { width, height: heightLr, class: "mtnb-chart mtnb-chart-lr", "font-family": FONT }, root);
@@ -204,8 +211,129 @@ function drawTraining(root, spec, width) {
   }
   node("path", { d: path(lr.x, lr.y, sx, sy2, true), fill: "none", "stroke-width": 1.8 }, g2).style.stroke = "var(--mtnb-c3)";
   node("line", { x1: left, x2: right, y1: b2, y2: b2 }, svg2).style.stroke = AXIS;
-  xTicks(g2, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90))).filter(v => v >= x0 && v <= x1), sx, b2 + 15, 0, width);
+  xTicks(g2, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90)), 1).filter(v => v >= x0 && v <= x1), sx, b2 + 15, 0, width);
   node("title", {}, svg2).textContent = "learning rate by optimizer step";
+}
+
+// Hover: a guide line at the step nearest the pointer and a box with every series' value
+// there (the static report has no other way to read a value off a curve).
+function nearest(xs, ys, x) {
+  let best = -1, bd = Infinity;
+  for (let i = 0; i < xs.length; i++) {
+    if (ys[i] === null || !isFinite(ys[i])) continue;
+    const d = Math.abs(xs[i] - x);
+    if (d < bd) { bd = d; best = i; }
+  }
+  return best;
+}
+
+function hover(root, svg, series, sx, invert, top, bottom, format = fmt) {
+  const guide = node("line", { y1: top, y2: bottom, "stroke-width": 1, visibility: "hidden", class: "mtnb-hover-line" }, svg);
+  guide.style.stroke = AXIS;
+  const box = node("div", { class: "mtnb-hover" }, root, null);
+  box.style.display = "none";
+  svg.addEventListener("mousemove", ev => {
+    const r = svg.getBoundingClientRect();
+    const x = invert(ev.clientX - r.left);
+    let at = null;
+    for (const s of series) {
+      const i = nearest(s.x, s.y, x);
+      if (i >= 0 && (at === null || Math.abs(s.x[i] - x) < Math.abs(at - x))) at = s.x[i];
+    }
+    if (at === null) return;
+    const rows = [];
+    for (const s of series) {
+      const i = nearest(s.x, s.y, at);
+      if (i >= 0 && Math.abs(s.x[i] - at) <= Math.max(1, 0.02 * Math.abs(at))) rows.push([s.name, s.color, s.y[i]]);
+    }
+    guide.setAttribute("x1", sx(at)); guide.setAttribute("x2", sx(at)); guide.setAttribute("visibility", "visible");
+    box.replaceChildren();
+    node("div", { class: "mtnb-hover-step" }, box, null).textContent = `step ${fmtStep(at)}`;
+    for (const [name, color, v] of rows) {
+      const line = node("div", {}, box, null);
+      node("span", { class: "mtnb-chart-swatch" }, line, null).style.background = color;
+      line.appendChild(document.createTextNode(` ${name}: ${format(v)}`));
+    }
+    const rr = root.getBoundingClientRect();
+    box.style.display = "block";
+    box.style.left = `${Math.min(ev.clientX - rr.left + 12, rr.width - 220)}px`;
+    box.style.top = `${ev.clientY - rr.top + 12}px`;
+  });
+  svg.addEventListener("mouseleave", () => { guide.setAttribute("visibility", "hidden"); box.style.display = "none"; });
+}
+
+function fmtBytes(v) {
+  if (v === null || v === undefined || !isFinite(v)) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let k = 0, a = Math.abs(v);
+  while (a >= 1024 && k < units.length - 1) { a /= 1024; k++; }
+  return `${k ? (v / Math.pow(1024, k)).toFixed(1) : Math.round(v)} ${units[k]}`;
+}
+
+// Small multiples on one step axis: the run tree (loss, eval loss, learning rate, grad norm of
+// every branch, fork points marked), the report's memory and throughput curves. A panel with
+// no data says why (``note``) instead of showing empty axes.
+function drawPanels(root, spec, width) {
+  const panels = spec.panels || [];
+  const all = panels.flatMap(p => (p.series || []).map(s => s.x));
+  const xr = extent(all) || [0, 1];
+  const x0 = xr[0], x1 = Math.max(xr[1], x0 + 1);
+  if (spec.title) node("div", { class: "mtnb-chart-title" }, root, null).textContent = spec.title;
+  if ((spec.legend || []).length) {
+    const legend = node("div", { class: "mtnb-chart-legend" }, root, null);
+    for (const l of spec.legend) {
+      const item = node("span", { class: "mtnb-chart-legend-item", title: l.name }, legend, null);
+      node("span", { class: "mtnb-chart-swatch" }, item, null).style.background = l.color;
+      item.appendChild(document.createTextNode(l.name));
+    }
+  }
+  const cols = width >= 640 ? Math.max(1, spec.columns || 2) : 1;
+  const gap = 16, pw = Math.floor((width - gap * (cols - 1)) / cols), ph = spec.height || 200;
+  const grid = node("div", { class: "mtnb-panels" }, root, null);
+  grid.style.gridTemplateColumns = `repeat(${cols}, ${pw}px)`;
+  for (const p of panels) {
+    const cell = node("div", { class: "mtnb-panel" }, grid, null);
+    node("div", { class: "mtnb-chart-title" }, cell, null).textContent = p.title || "";
+    const series = (p.series || []).filter(s => (s.y || []).some(v => v !== null && isFinite(v)));
+    const svg = node("svg", { width: pw, height: ph, class: "mtnb-chart mtnb-chart-panel", "font-family": FONT }, cell);
+    if (!series.length) {
+      label(svg, pw / 2, ph / 2, p.note || "nothing logged", { anchor: "middle", cls: "mtnb-chart-label mtnb-chart-note" });
+      continue;
+    }
+    const format = p.bytes ? fmtBytes : fmt;
+    const yr = extent(series.map(s => s.y).concat([(p.points || []).map(q => q.y)]));
+    const padY = (yr[1] - yr[0]) * 0.05 || Math.abs(yr[1]) * 0.05 || 0.5;
+    const yt = ticks(yr[0] >= 0 && p.zero !== false ? Math.max(0, yr[0] - padY) : yr[0] - padY, yr[1] + padY, 4);
+    const left = 10 + Math.max(...yt.map(v => textWidth(format(v))), 24), right = pw - 8, top = 6, bottom = ph - 22;
+    const sx = v => left + (v - x0) / (x1 - x0) * (right - left);
+    const sy = v => bottom - (v - yt[0]) / ((yt[yt.length - 1] - yt[0]) || 1) * (bottom - top);
+    const g = node("g", {}, svg);
+    yAxis(g, yt, sy, left, right, format);
+    node("line", { x1: left, x2: right, y1: bottom, y2: bottom }, g).style.stroke = AXIS;
+    xTicks(g, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90)), 1).filter(v => v >= x0 && v <= x1), sx, bottom + 15, 0, pw);
+    for (const s of series) {
+      if (s.mode !== "points") {
+        node("path", { d: path(s.x, s.y, sx, sy, !!s.step), fill: "none", "stroke-width": 1.6, class: "mtnb-series" }, g).style.stroke = s.color;
+      }
+      if (s.mode === "points" || s.mode === "lines+points") {
+        s.x.forEach((x, i) => {
+          if (s.y[i] !== null && isFinite(s.y[i])) node("circle", { cx: sx(x), cy: sy(s.y[i]), r: 2.5 }, g).style.fill = s.color;
+        });
+      }
+    }
+    for (const q of p.points || []) {   // fork points: a diamond on the parent's curve
+      const cx = sx(q.x), cy = sy(q.y);
+      const d = node("path", { d: `M${cx},${cy - 6}L${cx + 6},${cy}L${cx},${cy + 6}L${cx - 6},${cy}Z`, "stroke-width": 1, class: "mtnb-fork" }, g);
+      d.style.fill = q.color; d.style.stroke = FG;
+      if (q.title) node("title", {}, d).textContent = q.title;
+    }
+    hover(cell, svg, series, sx, px => x0 + (px - left) / (right - left) * (x1 - x0), top, bottom, format);
+  }
+}
+
+function drawHeat(root, spec, width) {
+  node("div", { class: "mtnb-chart-title" }, root, null).textContent = spec.title || "";
+  drawHeatmap(root, spec.heat || {}, width, spec.height || 240);
 }
 
 const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
@@ -310,6 +438,14 @@ body[data-jp-theme-light="false"] .mtnb-chart-root { --mtnb-c1: #6aa7ff; --mtnb-
 .mtnb-layers { display: flex; flex-wrap: wrap; gap: 16px; }
 .mtnb-heat-scale { display: flex; align-items: center; gap: 6px; color: var(--jp-ui-font-color2, #616161); font-size: 11px; margin-top: 2px; }
 .mtnb-heat-bar { display: inline-block; width: 120px; height: 8px; border-radius: 2px; }
+.mtnb-chart-root, .mtnb-panel { position: relative; }
+.mtnb-panels { display: grid; gap: 8px 16px; }
+.mtnb-panel { min-width: 0; }
+.mtnb-chart-legend-item { max-width: 100%; overflow: hidden; text-overflow: ellipsis; }
+.mtnb-hover { position: absolute; z-index: 5; pointer-events: none; background: var(--jp-layout-color0, #fff);
+  border: 1px solid var(--jp-border-color2, #d0d0d0); border-radius: 3px; padding: 3px 6px; font-size: 11px;
+  white-space: nowrap; box-shadow: 0 1px 4px rgba(0,0,0,.15); }
+.mtnb-hover-step { font-weight: 600; }
 `;
 
 function draw(model, el) {
@@ -317,7 +453,10 @@ function draw(model, el) {
   const width = Math.max(280, Math.floor(el.clientWidth || spec.width || 800));
   const root = document.createElement("div");
   root.className = "mtnb-chart-root";
+  if (!spec.kind) { el.replaceChildren(root); return; }   // nothing to draw yet (a chart not filled)
   if (spec.kind === "layers") drawLayers(root, spec, width);
+  else if (spec.kind === "panels") drawPanels(root, spec, width);
+  else if (spec.kind === "heat") drawHeat(root, spec, width);
   else drawTraining(root, spec, width);
   el.replaceChildren(root);
 }

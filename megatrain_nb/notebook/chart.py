@@ -3,7 +3,7 @@ drawing, no chart library) fed a JSON spec built here from a :class:`RunView`.
 
 Why not plotly's FigureWidget: each one puts plotly.js (~5 MB) into the notebook's widget
 state, so a saved notebook with a dashboard weighed ~10 MB. A ``Chart`` carries its small
-module and its data only. The exported report keeps plotly (static, plotly.js inlined once).
+module and its data only. The exported report draws with the same module (``static_chart.py``).
 
 Example::
 
@@ -33,7 +33,7 @@ class Chart(anywidget.AnyWidget):
     spec = traitlets.Dict().tag(sync=True)
 
 
-def _nums(a: Any, digits: int = 5) -> list:
+def json_nums(a: Any, digits: int = 5) -> list:
     """JSON numbers (NaN/inf -> null), rounded to ``digits`` significant digits: the spec
     goes over the comm and into the saved widget state."""
     out = []
@@ -48,8 +48,8 @@ def training_spec(view: RunView, total: int | None = None, height: int = 300) ->
     ex, ey = view.eval
     events = [{"step": s, "label": label, "color": color} for s, label, color in grouped_events(view.events)]
     return {"kind": "training", "version": view.version, "step": view.step, "total": total, "height": height,
-            "loss": {"x": _nums(x, 7), "y": _nums(y)}, "eval": {"x": _nums(ex, 7), "y": _nums(ey)},
-            "lr": {"x": _nums(lx, 7), "y": _nums(ly)}, "events": events}
+            "loss": {"x": json_nums(x, 7), "y": json_nums(y)}, "eval": {"x": json_nums(ex, 7), "y": json_nums(ey)},
+            "lr": {"x": json_nums(lx, 7), "y": json_nums(ly)}, "events": events}
 
 
 def layers_spec(view: RunView, unit: str | None, metric: str, heat: tuple, height: int = 240) -> dict:
@@ -65,7 +65,7 @@ def layers_spec(view: RunView, unit: str | None, metric: str, heat: tuple, heigh
     return {"kind": "layers", "version": view.version, "height": height,
             "hist_title": f"weights of {unit}" + (f" (step {step})" if step is not None else "") if unit
             else "weight values",
-            "hist": {"counts": _nums(counts), "edges": _nums(edges)},
+            "hist": {"counts": json_nums(counts), "edges": json_nums(edges)},
             "heat_title": f"layers × steps: {HEAT_LABELS.get(metric, metric)}",
             "heat": {"units": list(units), "steps": [int(s) for s in steps],
-                     "z": [_nums(row, 4) for row in lz] if lz.size else [], "label": HEAT_LABELS.get(metric, metric)}}
+                     "z": [json_nums(row, 4) for row in lz] if lz.size else [], "label": HEAT_LABELS.get(metric, metric)}}

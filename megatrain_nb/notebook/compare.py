@@ -59,8 +59,7 @@ def compare(*sessions: Any, height: int = 520) -> Comparison:
         if not hasattr(s, "history") or not hasattr(s, "trainer"):
             raise TypeError(f"compare() takes Sessions; got {type(s).__name__}")
     rows, runs = [], []
-    names = {s.explorer.run_id if hasattr(s, "explorer") else getattr(s.trainer, "run_id", None): s.name
-             for s in sessions}
+    names = _run_names(sessions)
     for s in sessions:
         hist = s.history
         losses = [r["loss"] for r in hist if isinstance(r.get("loss"), (int, float))]
@@ -68,7 +67,7 @@ def compare(*sessions: Any, height: int = 520) -> Comparison:
         last = hist[-1] if hist else {}
         changes = s.explorer.changes if hasattr(s, "explorer") else {}
         row = {"branch": s.name, "state": s.state, "steps": s.step,
-               "forked_from": names.get(last.get("parent_run_id"), last.get("parent_run_id")),
+               "forked_from": _name_of(last.get("parent_run_id"), names),
                "forked_at_step": last.get("forked_at_step"),
                "final_loss": losses[-1] if losses else None, "best_loss": min(losses) if losses else None,
                "final_eval_loss": evals[-1] if evals else None, "best_eval_loss": min(evals) if evals else None,
@@ -89,6 +88,29 @@ def compare(*sessions: Any, height: int = 520) -> Comparison:
         if x["parent_run_id"] not in ids:
             x["parent_run_id"] = None
     return Comparison(rows, run_tree_figure(runs, height=height, title="Compare"))
+
+
+def _run_names(sessions) -> dict:
+    """Run id -> the branch name a reader knows it by: every run of each session's tree (a
+    rewound path's old run included), then the sessions' own current runs."""
+    names = {}
+    for s in sessions:
+        ex = getattr(s, "explorer", None)
+        group = getattr(ex, "group", None)
+        for run_id, node in (getattr(group, "nodes", None) or {}).items():
+            names.setdefault(run_id, node.name)
+    for s in sessions:
+        run_id = s.explorer.run_id if hasattr(s, "explorer") else getattr(s.trainer, "run_id", None)
+        names[run_id] = s.name
+    return names
+
+
+def _name_of(run_id, names: dict):
+    """A parent's branch name; one no session here knows, as ``run <id>`` (never a bare id
+    beside names)."""
+    if run_id is None:
+        return None
+    return names.get(run_id) or f"run {str(run_id)[:8]}"
 
 
 def _settings(s) -> dict:

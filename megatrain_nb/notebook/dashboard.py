@@ -80,6 +80,14 @@ def _control(act: Callable[..., str]) -> Callable[..., None]:
     return handler
 
 
+def _shown_lr(session: Any) -> float | None:
+    """What the LR field shows: a rate asked for and not applied yet, else the latest step's
+    (scheduled) rate, to the 3 digits the header shows, so a decaying schedule does not rewrite
+    the field every step."""
+    lr = session.requested_lr if session.requested_lr is not None else session.lr
+    return float(f"{lr:.3g}") if lr is not None else None
+
+
 _LINKS = (("host_to_device", "host→device"), ("device_to_host", "device→host"),
           ("disk_to_host", "disk→host"), ("host_to_disk", "host→disk"))
 
@@ -98,8 +106,8 @@ class Dashboard(W.VBox):
 
     def __init__(self, session: Any):
         self.session = session
-        self.header = W.HTML(layout=W.Layout(width="100%"))
-        self.training_fig = Chart(layout=W.Layout(width="100%", min_width="280px"))
+        self.header = W.HTML(layout=W.Layout(width="auto"))
+        self.training_fig = Chart(layout=W.Layout(width="auto", min_width="280px"))
         self.memory = W.HTML(layout=W.Layout(flex="1 1 340px", min_width="260px"))
         self.links = W.HTML(layout=W.Layout(flex="0 1 auto"))
         self.ranks = W.HTML()   # several ranks: each rank's memory tiers
@@ -124,7 +132,7 @@ class Dashboard(W.VBox):
         self._extra: list[ExtraFigure] = []
         self.probe = RenderProbe()
         self.branches = BranchesPanel(session)   # the run tree, shown once the run has branches
-        wrap = W.Layout(display="flex", flex_flow="row wrap", align_items="flex-start", width="100%",
+        wrap = W.Layout(display="flex", flex_flow="row wrap", align_items="flex-start", width="auto",
                         grid_gap="8px 24px")
         controls = W.VBox([W.HBox([self.pause_button, self.stop_button, self.checkpoint_button],
                                   layout=W.Layout(flex_flow="row wrap")),
@@ -160,8 +168,16 @@ class Dashboard(W.VBox):
         self.layer_select.observe(lambda _ch: self.poke(), names="value")
         self.metric.observe(lambda _ch: self.poke(), names="value")
 
-    def __repr__(self) -> str:  # the text/plain fallback where widgets do not render
+    def __repr__(self) -> str:
         return f"<megatrain_nb dashboard of session {self.session.name!r} (needs a widget frontend)>"
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        """No text fallback: where widgets do not render (an untrusted notebook, a page without
+        the widget manager) the run's static snapshot, displayed beside the dashboard, shows
+        it; a "needs a widget frontend" line next to that only confused."""
+        data = super()._repr_mimebundle_(**kwargs)
+        data["text/plain"] = ""
+        return data
 
     # ---- controls (main thread): enqueue, leave a note, wake the publisher ----------------------
     def _note(self, text: str) -> None:
@@ -220,7 +236,7 @@ class Dashboard(W.VBox):
         publisher is done): a notebook runner saves the widget state it sees in the executing
         cell's messages, so the saved notebook keeps the final dashboard, not its first frame."""
         for w in (self.header, self.training_fig, self.memory, self.links, self.ranks, self.samples, self.layer_stats,
-                  self.layers_fig, *(e.widget for e in self._extra)):
+                  self.layers_fig, self.branches.chart, *(e.widget for e in self._extra)):
             w.send_state()
 
     # ---- refresh (publisher thread only) -------------------------------------------------------
@@ -265,7 +281,7 @@ class Dashboard(W.VBox):
     def _refresh_header(self, view: RunView) -> None:
         self.header.value = header_html(self.session, view)
 
-    @panel("controls", 0.25, key=lambda d: (d.session.state, d.session.requested_lr))
+    @panel("controls", 0.25, key=lambda d: (d.session.state, _shown_lr(d.session)))
     def _refresh_controls(self, view: RunView) -> None:
         state = self.session.state
         ended = state in ENDED
@@ -273,8 +289,8 @@ class Dashboard(W.VBox):
             self.pause_button.description = "Resume" if state == "paused" else "Pause"
             self.pause_button.icon = "play" if state == "paused" else "pause"
             self.pause_button.disabled = ended
-        lr = self.session.requested_lr
-        if lr is not None and lr != self.lr_field.value:  # set elsewhere (magic, code, sidebar)
+        lr = _shown_lr(self.session)   # the scheduled rate, as the header shows it, or one set elsewhere
+        if lr is not None and lr != self.lr_field.value:
             self._showing_lr = True
             try:
                 self.lr_field.value = lr
@@ -323,7 +339,7 @@ class Dashboard(W.VBox):
     def _refresh_samples(self, view: RunView) -> None:
         self.samples.value = answers_html(self.session.sample_watch)
 
-    @panel("branches", 2.0, key=lambda d: d.branches.key())
+    @panel("branches", DATA_INTERVAL, key=lambda d: d.branches.key(), data=True)
     def _refresh_branches(self, view: RunView) -> None:
         self.branches.update()
 

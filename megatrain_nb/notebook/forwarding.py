@@ -9,10 +9,12 @@ from typing import Any, Optional
 class Forward:
     """``path`` (dotted, from the owner: ``"_status.state"``) read on access; ``call``: call what
     it names; ``settable``: setting it sets the part's attribute; ``docs``: the help of each
-    attribute, by name."""
+    attribute, by name; ``wrap``: what the value is handed to before it is returned (a type
+    that prints it for a reader)."""
 
-    def __init__(self, path: str, *, call: bool = False, settable: bool = False, docs: Optional[dict] = None):
-        self.path, self.call, self.settable, self.docs = path, call, settable, docs or {}
+    def __init__(self, path: str, *, call: bool = False, settable: bool = False, docs: Optional[dict] = None,
+                 wrap: Any = None):
+        self.path, self.call, self.settable, self.docs, self.wrap = path, call, settable, docs or {}, wrap
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name, self.owner, self.__doc__ = name, owner.__name__, self.docs.get(name)
@@ -21,7 +23,8 @@ class Forward:
         if obj is None:
             return self
         value = attrgetter(self.path)(obj)
-        return value() if self.call else value
+        value = value() if self.call else value
+        return self.wrap(value) if self.wrap is not None else value
 
     def __set__(self, obj: Any, value: Any) -> None:
         if not self.settable:

@@ -62,11 +62,19 @@ class LayerReport(dict):
         rows = stats_rows_html(self)
         return (f"<div><b>{html.escape(str(self['unit']))}</b> at step {self.get('step', '?')}"
                 f"<div style='display:flex;gap:16px;align-items:flex-end'>"
-                f"<table>{rows}</table>{histogram_svg(self.get('hist_counts'), self.get('hist_edges'))}</div></div>")
+                f"<table>{rows}</table>{_histogram_img(self)}</div></div>")
+
+
+def _histogram_img(stats: dict) -> str:
+    """The histogram as an image: an untrusted notebook's sanitizer takes inline SVG apart (its
+    two labels ran together as "-0.096291.037"), an ``<img>`` of it stays whole."""
+    from .static_chart import img
+
+    return img(histogram_svg(stats.get("hist_counts"), stats.get("hist_edges")), "weight histogram")
 
 
 def histogram_svg(counts: Any, edges: Any, width: int = 260, height: int = 90) -> str:
-    """A dependency-free inline SVG bar chart (renders in saved notebooks and reports)."""
+    """A dependency-free SVG bar chart (shown as an image in notebooks and reports)."""
     if not counts or not edges or len(edges) != len(counts) + 1:
         return ""
     top = max(counts) or 1
@@ -76,8 +84,8 @@ def histogram_svg(counts: Any, edges: Any, width: int = 260, height: int = 90) -
         f"height='{(c / top) * (height - 18):.1f}' fill='#4c78a8'/>" for i, c in enumerate(counts))
     lo, hi = fmt_stat(edges[0]), fmt_stat(edges[-1])
     return (f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{bars}"
-            f"<text x='0' y='{height - 2}' font-size='10'>{lo}</text>"
-            f"<text x='{width}' y='{height - 2}' font-size='10' text-anchor='end'>{hi}</text></svg>")
+            f"<text x='0' y='{height - 2}' font-size='10' fill='#757575'>{lo}</text>"
+            f"<text x='{width}' y='{height - 2}' font-size='10' fill='#757575' text-anchor='end'>{hi}</text></svg>")
 
 
 def stats_rows_html(stats: dict) -> str:

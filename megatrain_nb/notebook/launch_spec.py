@@ -37,8 +37,10 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.torchrun import LAUNCH_LABEL
+
 SPEC_FILE = "spec.json"
-RUN_DIR_LABEL = "launch-"
+RUN_DIR_LABEL = LAUNCH_LABEL   # the wrapper's torchelastic log folders share it (reclaimed alike)
 _made: set = set()          # this process's launch folders (removed at exit if still there)
 _made_lock = threading.Lock()
 

@@ -127,7 +127,11 @@ def status_line(session) -> str:
         from .figures import event_label
 
         e = view.events[-1]
-        line += f"; {len(view.events)} events (last: {event_label(e)} at step {e['step']})"
+        n = len(view.events)
+        line += f"; {n} event{'s' if n != 1 else ''} (last: {event_label(e)} at step {e['step']})"
+    for e in (e for e in view.events if e.get("kind") == "recovery"):   # (on_nonfinite="rewind")
+        line += (f"\nrecovery {e.get('attempt')}/{e.get('max_recoveries')}: {e.get('reason')} -> back to step "
+                 f"{e.get('to_step')}, lr x{fmt_num(e.get('lr_factor'), '.3g')}")
     if session.error is not None:
         line += f"\nerror: {type(session.error).__name__}: {session.error} (session.wait() re-raises it)"
     return line
@@ -172,14 +176,10 @@ def _stop(session, rest):
 def _lr(session, rest):
     if len(rest) != 1:
         raise MagicError("megatrain: lr needs one value, e.g. %megatrain lr 5e-4")
-    from megatrain_nb.learning_rate import check_learning_rate
+    from megatrain_nb.commands import check_command
 
     try:
-        float(rest[0])
-    except ValueError:
-        raise MagicError(f"megatrain: {rest[0]!r} is not a learning rate (e.g. 5e-4)") from None
-    try:
-        value = check_learning_rate(rest[0])
+        value = check_command("lr", rest[0], where="%megatrain lr")[1]
     except ValueError as e:
         raise MagicError(f"megatrain: {e}") from None
     session.set_lr(value, source="magic")
@@ -213,9 +213,15 @@ def _snapshot(session, rest):
 
 
 def _rewind(session, rest):
-    if len(rest) != 1 or not rest[0].lstrip("-").isdigit():
+    from megatrain_nb.commands import check_command
+
+    if len(rest) != 1:
         raise MagicError("megatrain: rewind needs one step, e.g. %megatrain rewind 200")
-    info = session.rewind(int(rest[0]))
+    try:
+        step = check_command("rewind", rest[0], where="%megatrain rewind")[1]
+    except ValueError as e:
+        raise MagicError(f"megatrain: {e}") from None
+    info = session.rewind(step)
     print(f"{session.name}: back at step {info.step} ({session.state}); "
           f"{'resume' if session.state == 'paused' else 'train'} to continue from there.")
 

@@ -57,6 +57,15 @@ def build_trainer(
         raise ValueError("train_dataset is required (a datasets.Dataset, IterableDataset or torch "
                          "Dataset of token ids); or pass a preset name such as 'tiny' as the model "
                          "to train on the built-in corpus")
+    if _wants_dpo(args, train_dataset):   # preference rows, or a DPOConfig: mt.DPOTrainer
+        from megatrain_nb.trainer.dpo import DPOTrainer
+
+        if seq_len is not None or "loss_fn" in trainer_options:
+            raise ValueError("seq_len / loss_fn do not apply to preference training: use DPOConfig(max_length=...) "
+                             "and DPOConfig(loss_type=...)")
+        trainer = DPOTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             processing_class=tokenizer, **trainer_options)
+        return trainer, trainer.tokenizer
     if _wants_sft(args, train_dataset):   # instruction / chat data, or an SFTConfig: mt.SFTTrainer
         from megatrain_nb.trainer.sft import SFTTrainer
 
@@ -71,6 +80,17 @@ def build_trainer(
     trainer = Trainer(model=model, train_dataset=train_dataset, args=args,
                       eval_dataset=eval_dataset, tokenizer=tokenizer, **trainer_options)
     return trainer, trainer.tokenizer
+
+
+def _wants_dpo(args, train_dataset) -> bool:
+    """A DPOConfig, or rows with 'chosen' and 'rejected' (without importing trl otherwise)."""
+    if type(args).__name__ == "DPOConfig" and type(args).__module__.startswith("trl"):
+        return True
+    try:
+        first = train_dataset[0] if isinstance(train_dataset, (list, tuple)) else next(iter(train_dataset))
+        return isinstance(first, dict) and "chosen" in first and "rejected" in first
+    except Exception:   # a torch dataset of tensors, an empty one: not preference data
+        return False
 
 
 def _wants_sft(args, train_dataset) -> bool:
@@ -123,7 +143,16 @@ def _builtin(name, tokenizer, train_dataset, eval_dataset, args, seq_len):
     if args is None:
         args = default_args(os.path.join("megatrain_outputs", name),
                             eval_strategy="steps" if eval_dataset is not None else "no")
+    _seed(getattr(args, "seed", 42))   # as the CLI does: same seed, same initial weights, in any kernel
     return _model_from_config(config), tokenizer, train_dataset, eval_dataset, args
+
+
+def _seed(seed: int) -> None:
+    """Seed every generator before a preset's weights are drawn: the Trainer seeds only later,
+    so without this the initial weights depended on what the process had drawn before."""
+    from transformers.trainer_utils import set_seed
+
+    set_seed(int(seed))
 
 
 def _model_from_config(config):

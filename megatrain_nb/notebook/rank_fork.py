@@ -54,6 +54,9 @@ def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: 
     for k in ("train_dataset", "loss_fn"):
         if k in changes:
             inputs[k] = changes[k]
+    from megatrain_nb.trainer.saving import verify_whole
+
+    verify_whole(Path(info.path), None)   # its files, before anything starts (each rank checks its own links)
     start = link_snapshot(info, out)
     branch = {"new_run": True, "rebuild_schedule": any(k in changes for k in SCHEDULE_FIELDS),
               "restart_data": "train_dataset" in changes}

@@ -314,7 +314,8 @@ class ProcessRun:
         # loopback only (torchrun's own store listens on every interface, unauthenticated)
         cmd = [sys.executable, "-m", "megatrain_nb.torchrun", f"--nproc-per-node={self.nproc_per_node}",
                "--master-addr=127.0.0.1", "--master-port=0", "--max-restarts=0",
-               "--monitor-interval=0.1", "-m", "megatrain_nb.notebook.launch_worker", str(self.run_dir)]
+               "--monitor-interval=0.1", f"--log-dir={self.run_dir / 'elastic'}",   # torchelastic's logs: here
+               "-m", "megatrain_nb.notebook.launch_worker", str(self.run_dir)]
         log = open(self.run_dir / "workers.log", "wb")
         try:
             self._proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

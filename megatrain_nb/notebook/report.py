@@ -1,7 +1,9 @@
 """Reports of a run: a notebook built with nbformat (``.ipynb``) or rendered by nbconvert
-(``.html``). Both are static and open offline: figures are plotly HTML with plotly.js embedded
-once (no CDN), plus the plotly JSON mimetype so JupyterLab renders them natively; the HTML
-template drops the CDN scripts (require.js, MathJax, mermaid) nbconvert would add.
+(``.html``). Both are static and open offline: the charts are the dashboard's own
+(``chart.js``, inlined: hover values, a few tens of kilobytes, not plotly.js's 5 MB), each with
+a static SVG image under it for where scripts do not run (an untrusted notebook); see
+``static_chart.py``. The HTML template drops the CDN scripts (require.js, MathJax, mermaid)
+nbconvert would add.
 
 Example::
 
@@ -10,7 +12,6 @@ Example::
 from __future__ import annotations
 
 import html
-import json
 import os
 import re
 from pathlib import Path
@@ -18,18 +19,19 @@ from typing import Any
 
 import nbformat
 import numpy as np
-import plotly.graph_objects as go
 from nbformat import v4
 
 from megatrain_nb.atomic import atomic_file
-from megatrain_nb.formatting import byte_scale, fmt_bytes, fmt_num, fmt_seconds
+from megatrain_nb.formatting import fmt_bytes, fmt_num, fmt_seconds
 
 from . import environment
-from .figures import (event_label, fill_heatmap, fill_loss, fill_memory, heatmap_figure, loss_figure,
-                      memory_figure)
+from .chart import json_nums, layers_spec, training_spec
+from .figures import event_label
 from .inspector import fmt_stat
+from .static_chart import chart_html, img, panels_svg
+from .summary_html import loss_svg, memory_tiers_html
 
-_MAX_POINTS = 2000
+_MAX_POINTS = 600   # per curve: what a reader can tell apart on a page, and a report stays small
 # The lab template without anything fetched from the network.
 _OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
 {%- block html_head_js -%}{%- endblock html_head_js -%}
@@ -65,31 +67,15 @@ def render_html(nb) -> str:
     return body
 
 
-class _Figures:
-    """Figure outputs; plotly.js goes into the first one only."""
-
-    def __init__(self):
-        self.first = True
-
-    def output(self, fig: go.Figure):
-        div = fig.to_html(full_html=False, include_plotlyjs=self.first, config={"displaylogo": False})
-        self.first = False
-        return v4.new_output("display_data", data={"application/vnd.plotly.v1+json": json.loads(fig.to_json()),
-                                                   "text/html": div, "text/plain": f"<plotly figure: {_title(fig)}>"})
-
-
-def _title(fig) -> str:
-    t = fig.layout.title.text
-    return t or "figure"
-
-
 def _md(text: str):
     return v4.new_markdown_cell(text)
 
 
-def _figure_cell(figs: _Figures, fig: go.Figure, caption: str):
-    cell = v4.new_code_cell(f"# {caption} (static figure written by megatrain_nb)")
-    cell.outputs = [figs.output(fig)]
+def _chart_cell(spec: dict, fallback: str, caption: str):
+    """A chart: drawn by chart.js where scripts run, ``fallback`` (a static image) elsewhere."""
+    cell = v4.new_code_cell(f"# {caption} (chart written by megatrain_nb)")
+    cell.outputs = [v4.new_output("display_data", data={"text/html": chart_html(spec, fallback, caption),
+                                                        "text/plain": f"<chart: {caption}>"})]
     cell.metadata["jupyter"] = {"source_hidden": True}
     return cell
 
@@ -130,7 +116,6 @@ def build_notebook(session: Any):
     log = session.run_log
     view = log.view(max_points=_MAX_POINTS)
     records = log.records()
-    figs = _Figures()
     nb = v4.new_notebook()
     nb.metadata["title"] = f"megatrain_nb report: {session.name}"
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -139,10 +124,10 @@ def build_notebook(session: Any):
     cells.append(_md("## Configuration\n\n" + _table(environment.configuration(session), ("setting", "value"))))
     cells.append(_md("## Environment\n\n" + _table(environment.environment(session), ("item", "value"))))
 
-    fig = loss_figure(height=460)
-    fill_loss(fig, view)
-    cells.append(_md("## Loss and learning rate\n\nDotted lines mark the interventions (see the events below)."))
-    cells.append(_figure_cell(figs, fig, "loss and learning rate"))
+    cells.append(_md("## Loss and learning rate\n\nDotted lines mark the interventions (see the events below); "
+                     "point at a curve for its values."))
+    cells.append(_chart_cell(training_spec(view, total=session.total_steps, height=320),
+                             img(loss_svg(view, width=760, height=220), "loss"), "loss and learning rate"))
 
     cells.append(_md("## Interventions\n\n" + (_table(
         [(e["step"], e["kind"], event_label(e), e.get("source", ""), _event_detail(e)) for e in view.events],
@@ -150,10 +135,9 @@ def build_notebook(session: Any):
 
     cells.append(_md("## Memory tiers\n\nUsed bytes per tier over the run and, at the last report, by kind "
                      "against capacity."))
-    cells.append(_figure_cell(figs, _tier_history_figure(records), "memory tiers over time"))
-    mem = memory_figure()
-    fill_memory(mem, view)
-    cells.append(_figure_cell(figs, mem, "memory tiers by kind"))
+    tiers = _tier_history_spec(records)
+    cells.append(_chart_cell(tiers, img(panels_svg(tiers), "memory tiers over time"), "memory tiers over time"))
+    cells.append(_html_cell(memory_tiers_html(view), "memory tiers by kind"))
     cells.append(_md(_links_md(view)))
 
     cells.append(_md("## Per-layer statistics\n\nFrom the engine's last optimizer step; the heatmaps show "
@@ -162,12 +146,15 @@ def build_notebook(session: Any):
     for metric in ("grad_norm", "update_ratio"):
         units, steps, z = log.heat(metric)
         if z.size:
-            hm = heatmap_figure(metric, height=max(260, 22 * len(units) + 120))
-            fill_heatmap(hm, units, steps, z, metric)
-            cells.append(_figure_cell(figs, hm, f"layers x steps: {metric}"))
+            heat = layers_spec(view, None, metric, (units, steps, z))
+            spec = {"kind": "heat", "title": heat["heat_title"], "heat": heat["heat"],
+                    "height": max(160, min(520, 14 * len(units) + 40))}
+            cells.append(_chart_cell(spec, "<p><i>(the heatmap is drawn where scripts run: the HTML report, or "
+                                           "this notebook once trusted)</i></p>", f"layers x steps: {metric}"))
 
     cells.append(_md("## Throughput\n\n" + _throughput_md(view, records)))
-    cells.append(_figure_cell(figs, _throughput_figure(view), "throughput"))
+    tput = _throughput_spec(view)
+    cells.append(_chart_cell(tput, img(panels_svg(tput, width=560), "throughput"), "throughput"))
 
     _html_section(cells, _trained_on_html(session), "trained on",
                   "## What the model is trained on\n\nThe first training example; the highlighted "
@@ -175,13 +162,14 @@ def build_notebook(session: Any):
 
     runs = session.explorer.tree() if hasattr(session, "explorer") else []
     if len(runs) > 1:   # rewinds and forks: the run tree (issue 21)
-        from .run_tree import label, run_tree_figure
+        from .run_tree import label, runs_spec
 
         cells.append(_md("## Branches\n\nEvery run of the tree on shared step axes; diamonds mark fork points.\n\n"
                          + _table([(label(r), r["run_id"], r["parent_run_id"] or "", r["forked_at_step"] or "",
                                     len(r["records"])) for r in runs],
                                   ("branch", "run id", "parent run", "forked at step", "steps logged"))))
-        cells.append(_figure_cell(figs, run_tree_figure(runs), "run tree"))
+        tree = runs_spec(runs, max_points=_MAX_POINTS)
+        cells.append(_chart_cell(tree, img(panels_svg(tree), "run tree"), "run tree"))
 
     _html_section(cells, _sample_answers_html(session), "sample answers",
                   "## Answers to the sample prompt\n\nThe conversation set with `session.set_sample_prompt`, "
@@ -246,28 +234,27 @@ def _event_detail(e: dict) -> str:
     return ""
 
 
-def _tier_history_figure(records: list[dict]) -> go.Figure:
-    series = {}
-    for tier in ("device", "host", "disk"):
+def _tier_history_spec(records: list[dict]) -> dict:
+    """Bytes used per tier over the run (a ``panels`` chart of one panel)."""
+    series = []
+    for tier, color in (("device", "#3b7dd8"), ("host", "#e8871e"), ("disk", "#2ea05a")):
         pts = [(r.get("step"), (r.get("memory") or {}).get(tier, {}).get("used_bytes")) for r in records
                if isinstance((r.get("memory") or {}).get(tier), dict)]
-        series[tier] = [(x, y) for x, y in pts if isinstance(y, (int, float))]
-    div, unit = byte_scale(max([y for pts in series.values() for _, y in pts] + [0.0]))
-    fig = go.Figure([go.Scatter(x=[x for x, _ in pts], y=[y / div for _, y in pts], name=tier, mode="lines+markers")
-                     for tier, pts in series.items()])
-    fig.update_layout(title=dict(text=f"Memory used per tier ({unit})", x=0.01), template="plotly_white", height=300,
-                      margin=dict(l=60, r=20, t=50, b=40), xaxis_title="optimizer step", yaxis_title=unit,
-                      yaxis_rangemode="tozero")
-    return fig
+        pts = [(x, y) for x, y in pts if isinstance(y, (int, float)) and x is not None]
+        if pts:
+            series.append({"name": tier, "color": color, "x": json_nums([x for x, _ in pts], 7),
+                           "y": json_nums([y for _, y in pts], 6), "mode": "lines+points"})
+    return {"kind": "panels", "columns": 1, "height": 220,
+            "panels": [{"title": "memory used per tier", "bytes": True, "series": series,
+                        "note": "no memory reports were logged"}],
+            "legend": [{"name": s["name"], "color": s["color"]} for s in series]}
 
 
-def _throughput_figure(view) -> go.Figure:
+def _throughput_spec(view) -> dict:
     x, y = view.curves.get("tokens_per_s", (np.zeros(0), np.zeros(0)))
-    fig = go.Figure(go.Scatter(x=x, y=y, mode="lines", name="tokens/s"))
-    fig.update_layout(title=dict(text="Tokens per second", x=0.01), template="plotly_white", height=280,
-                      margin=dict(l=60, r=20, t=50, b=40), xaxis_title="optimizer step", yaxis_title="tokens/s",
-                      yaxis_rangemode="tozero")
-    return fig
+    return {"kind": "panels", "columns": 1, "height": 200,
+            "panels": [{"title": "tokens per second", "note": "no throughput was logged",
+                        "series": [{"name": "tokens/s", "color": "#3b7dd8", "x": json_nums(x, 7), "y": json_nums(y)}]}]}
 
 
 def _links_md(view) -> str:

@@ -59,6 +59,12 @@ def run_tree_figure(runs: list[dict], *, height: int = 520, max_points: int = 60
                                                      line=dict(width=1, color="black")),
                                          hovertext=f"{run.get('name')} forks here", hoverinfo="text"),
                               row=1, col=1)
+    for k, (key, text) in enumerate(PANELS):   # a panel no run has data for says why it is empty
+        if not any(_has(run.get("records") or [], key) for run in runs):
+            ref = "" if k == 0 else str(k + 1)
+            fig.add_annotation(text=f"no {text} logged" + (" (no eval set)" if key == "eval_loss" else ""),
+                               xref=f"x{ref} domain", yref=f"y{ref} domain", x=0.5, y=0.5, showarrow=False,
+                               font=dict(color="#888"))
     fig.update_layout(height=height, margin=dict(l=50, r=20, t=60 if title else 30, b=40),
                       legend=dict(orientation="h", y=-0.12), template="plotly_white", title=title)
     fig.update_xaxes(title_text="step", row=2)
@@ -87,17 +93,56 @@ def _value_at(recs: Any, step: int) -> Optional[float]:
     return best
 
 
+def runs_spec(runs: list[dict], *, height: int = 190, max_points: int = 600,
+              title: Optional[str] = None) -> dict:
+    """The run tree as a spec for the dashboard's own chart (``chart.js``, kind ``panels``):
+    one panel per metric on a shared step axis, each branch in its colour, each fork point a
+    diamond on its parent's loss curve. The dashboard's Branches panel and the report draw it."""
+    from .chart import json_nums
+
+    by_id = {r.get("run_id"): r for r in runs}
+    panels = [{"title": text, "series": [], "points": [],
+               "note": f"no {text} logged" + (" (no eval set)" if key == "eval_loss" else "")}
+              for key, text in PANELS]
+    legend = []
+    for i, run in enumerate(runs):
+        color = COLORS[i % len(COLORS)]
+        recs = run.get("records") or []
+        name = label(run)
+        legend.append({"name": name, "color": color})
+        for k, (key, _) in enumerate(PANELS):
+            x, y = _series(recs, key)
+            if key != "eval_loss":
+                x, y = downsample(x, y, max_points)
+            if len(x):
+                panels[k]["series"].append({"name": str(run.get("name") or run.get("run_id")), "color": color,
+                                            "x": json_nums(x, 7), "y": json_nums(y),
+                                            "mode": "lines+points" if key == "eval_loss" else "lines",
+                                            "step": key == "lr"})
+        at = run.get("forked_at_step")
+        if at is not None:
+            parent = by_id.get(run.get("parent_run_id"))
+            y = _value_at(parent.get("records") if parent else recs, int(at))
+            if y is not None:
+                panels[0]["points"].append({"x": int(at), "y": y, "color": color,
+                                            "title": f"{run.get('name')} forks here (step {at})"})
+    return {"kind": "panels", "title": title, "height": height, "columns": 2, "legend": legend, "panels": panels}
+
+
 class BranchesPanel:
-    """The dashboard's run tree: a FigureWidget in a box, made and shown once the run has branches."""
+    """The dashboard's run tree: the dashboard's own chart (kind ``panels``) in a box, shown
+    once the run has branches and refreshed with the other data panels (its key: every branch's
+    log version and the tree's size)."""
 
     def __init__(self, session: Any):
         import ipywidgets as W
 
+        from .chart import Chart
+
         self.session = session
-        # The FigureWidget (and plotly.js with it, ~5 MB of widget state) is made only once the
-        # run has branches: a dashboard without any stays light when the notebook is saved.
-        self.fig = None
-        self.box = W.VBox([], layout=W.Layout(display="none", width="100%"))
+        self.chart = Chart(layout=W.Layout(width="auto"))
+        self.box = W.VBox([W.HTML("<b style='font-family:sans-serif'>Branches</b>"), self.chart],
+                          layout=W.Layout(display="none", width="auto"))
 
     def key(self) -> tuple:
         ex = getattr(self.session, "explorer", None)
@@ -106,19 +151,28 @@ class BranchesPanel:
         return tuple((m.session.name, m.session.run_log.version) for m in ex.group.members if m.session) + \
             (len(ex.group.nodes),)
 
-    def update(self) -> None:
+    def update(self, spread: bool = True) -> None:
+        """Draw the tree now; ``spread``: also in the dashboards of the tree's other sessions that
+        nothing refreshes (a run that finished before its fork trains: its dashboard showed the
+        tree without the fork)."""
         ex = getattr(self.session, "explorer", None)
         runs = ex.tree() if ex is not None else []
         if len(runs) < 2:
             return
-        new = run_tree_figure(runs, height=460, title="Branches")
-        if self.fig is None:
-            self.fig = go.FigureWidget(new)
-            self.box.children = (self.fig,)
+        self.chart.spec = runs_spec(runs)
+        if self.box.layout.display != "":
             self.box.layout.display = ""
-            return
-        with self.fig.batch_update():
-            self.fig.data = ()
-            self.fig.add_traces(list(new.data))
-            self.fig.update_layout(new.layout.to_plotly_json())
-        self.box.layout.display = ""
+        if spread:
+            for other in self._idle_others(ex):
+                other.branches.update(spread=False)
+
+    def _idle_others(self, ex) -> list:
+        out = []
+        for m in list(ex.group.members):
+            s = getattr(m, "session", None)
+            view = getattr(s, "_view", None)
+            if s is None or s is self.session or view is None or view.widget is None:
+                continue
+            if view.live is None or not view.live.running:   # (a live one refreshes itself)
+                out.append(view.widget)
+        return out

@@ -30,6 +30,7 @@ DEFAULT_EVERY = 50        # steps between two answers when the run's length is u
 DEFAULT_TOKENS = 48
 SHARE = 0.1               # at most this share of the run's time goes to drawing answers (a slow sample: fewer)
 HOLD_S = 1.0              # at most this long the training thread waits for the sampler to take the lock
+FINAL_WAIT_S = 120.0      # at most this long the run's end waits for the answer from its final weights
 
 
 class SampleWatch:
@@ -51,6 +52,7 @@ class SampleWatch:
         self._thread: Optional[threading.Thread] = None
         self._closed = False
         self._next_ok = 0.0                   # monotonic time before which no interval step is due
+        self.skipped = 0                      # interval steps left unanswered to keep under SHARE of the time
     # ---- the notebook's side ---------------------------------------------------------------------
     def set_prompt(self, messages: Any, *, every: Optional[int] = None, max_new_tokens: int = DEFAULT_TOKENS,
                    temperature: float = 0.0, seed: Optional[int] = 0) -> None:
@@ -75,6 +77,7 @@ class SampleWatch:
             self.every = every or (max(1, total // 10) if total else DEFAULT_EVERY)
             self.options = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "seed": seed}
             self._answers = deque(maxlen=self.keep)   # a new prompt, a new history
+            self.skipped = 0
             self._due = self.session.step
             self._changed()
             self._cv.notify_all()
@@ -99,9 +102,16 @@ class SampleWatch:
         """A step ended: its answer is due if it falls on the interval. When the sampler is idle,
         wait (at most :data:`HOLD_S`, a thread wake-up in practice) until it holds ``engine.lock``,
         so the answer is drawn from this step's weights, not the next one's."""
-        if self.prompt is None or step % (self.every or DEFAULT_EVERY) or time.monotonic() < self._next_ok:
+        if self.prompt is None or step % (self.every or DEFAULT_EVERY):
+            return
+        if time.monotonic() < self._next_ok:
+            with self._cv:
+                self.skipped += 1
+                self._changed()
             return
         with self._cv:
+            if self._due is not None:
+                self.skipped += 1   # the step due before this one was not reached: merged into this one
             idle = self._due is None and self.drawing is None and self._thread is not None \
                 and self._thread.is_alive()
             self._grabbed.clear()
@@ -121,6 +131,16 @@ class SampleWatch:
                     any(a["step"] == step for a in self._answers):
                 return
         self._want(step)
+
+    def finish(self, timeout: float = FINAL_WAIT_S) -> bool:
+        """Wait (at most ``timeout`` s) until no answer is due or being drawn: the run's end waits
+        for the answer from its final weights, so the final snapshot shows it, not "drawing…"."""
+        t = self._thread
+        if t is None or t is threading.current_thread():
+            return True
+        with self._cv:
+            return self._cv.wait_for(lambda: self._closed or not t.is_alive()
+                                     or (self._due is None and self.drawing is None), timeout)
 
     # ---- the watch's thread ----------------------------------------------------------------------
     def _want(self, step: int) -> None:
@@ -154,6 +174,7 @@ class SampleWatch:
                     self._answers.append(answer)
                 self.drawing = None
                 self._changed()
+                self._cv.notify_all()   # (finish() waits on it)
 
     def _draw(self, prompt: str, options: dict) -> Optional[dict]:
         from .sampling import sample_text
@@ -197,6 +218,10 @@ def answers_html(watch: Optional[SampleWatch], last: int = 5) -> str:
     how = f"every {watch.every} steps, " + ("greedy: a new answer is a change of weights"
                                               if not watch.options.get("temperature") else
                                               f"temperature {watch.options['temperature']:g}")
+    if watch.skipped:
+        how += (f"; {watch.skipped} answer{'s' if watch.skipped != 1 else ''} skipped: drawing answers may take at "
+                f"most {SHARE:.0%} of the run's time, so a slow sample spaces them out (the last one is drawn at "
+                "the end)")
     return (f"<div class='mtnb-samples' style='font-size:12px;font-family:sans-serif'>"
             f"<b>Answers to the sample prompt</b> <span style='color:#888'>({how})</span>"
             f"<div>prompt: <code>{asked}</code></div>"

@@ -34,10 +34,10 @@ def sample_text(
     if tokenizer is None:
         raise ValueError("generate() needs a tokenizer: pass tokenizer= to the Session "
                          "(or use a model folder that contains one)")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    from megatrain_nb.values import check
+
+    max_new_tokens, temperature = check("max_new_tokens", max_new_tokens), check("temperature", temperature)
+    top_k, seed = check("top_k", top_k), check("sample_seed", seed, "seed")
     ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else []
     if not ids:
         bos = getattr(tokenizer, "bos_token_id", None)

@@ -36,6 +36,7 @@ from .run_state import QueuedCommand, RunState, TrainerLike  # noqa: F401 - re-e
 from .samples import Samples
 from .sample_watch import SampleWatch
 from .session_view import SessionView
+from .snapshot_table import SnapshotTable
 from .thread_run import ThreadRun
 
 
@@ -51,8 +52,6 @@ error_traceback: The training thread's formatted traceback when the run failed, 
 released: True once the engine is released (device memory, threads, disk files): nothing left to checkpoint, \
 sample or inspect.
 requested_lr: The last value given to ``set_lr`` (by code, magic, widget or sidebar), or None.
-trainer: The trainer the session drives (an ``mt.Trainer`` unless built ``from_trainer``; None when the ranks \
-train in worker processes).
 tokenizer: The tokenizer ``generate`` and text datasets use (None if there is none).
 publisher: The publisher pushing this run to the notebook display, while one is shown (else None).
 explorer: This run's snapshots and branches (``branches.Explorer``).
@@ -94,8 +93,11 @@ class Session:
                  eval_dataset: Any = None, name: Optional[str] = None, *, seq_len: Optional[int] = None,
                  loss_fn: Any = None, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None,
                  nproc_per_node: Optional[int] = None, **engine_options: Any):
+        from megatrain_nb.values import check
+
         given = dict(train_dataset=train_dataset, args=args, tokenizer=tokenizer, eval_dataset=eval_dataset,
-                     seq_len=seq_len)
+                     seq_len=check("seq_len", seq_len))
+        snapshot_steps, keep_snapshots = check("snapshot_steps", snapshot_steps), check("keep_snapshots", keep_snapshots)
         if nproc_per_node is not None:   # the ranks train in worker processes; this object steers them
             from .remote import ProcessRun
 
@@ -166,7 +168,7 @@ class Session:
         self._trainer = trainer
         self._tokenizer = tokenizer
         self._status = RunState(self.name)
-        self._explore = Explorer(self, *snapshots)   # snapshots, rewind, fork (branches.py)
+        self._explore = Explorer(self, *snapshots, trainer=trainer)   # snapshots, rewind, fork (branches.py)
         self._run = make_run(self._status, self._explore, self.id)
         self._view = SessionView(self)
         self._samples = Samples()
@@ -196,11 +198,17 @@ class Session:
     error_traceback = _forward("_status.error_traceback")
     released = _forward("_status.released")
     requested_lr = _forward("_status.requested_lr")
-    trainer = _forward("_trainer")
+
+    @property
+    def trainer(self) -> Any:
+        """The trainer the session drives (an ``mt.Trainer`` unless built ``from_trainer``; None when
+        the ranks train in worker processes). Its ``save_model()``/``save_checkpoint()`` save this
+        branch's weights: a shared engine holding another branch's is switched back first."""
+        return self._trainer
     tokenizer = _forward("_tokenizer", settable=True)
     publisher = _forward("_view.live", settable=True)
     explorer = _forward("_explore")
-    snapshots = _forward("_explore.snapshots", call=True)
+    snapshots = _forward("_explore.snapshots", call=True, wrap=SnapshotTable)
 
     @property
     def total_steps(self) -> Optional[int]:
@@ -224,8 +232,16 @@ class Session:
 
     @property
     def engine(self) -> Any:
-        """The trainer's StreamingEngine (None for a trainer without one)."""
+        """The trainer's StreamingEngine (None for a trainer without one). Read from the notebook,
+        it holds this branch's weights (see ``trainer``)."""
+        self._own_weights("session.engine")
         return getattr(self._trainer, "engine", None)
+
+    def _own_weights(self, what: str, strict: bool = False) -> None:
+        """(Notebook thread) this branch's weights in the engine before ``what`` reads them
+        (``Explorer.hold_weights``); other threads (dashboard, training) never switch."""
+        if threading.current_thread() is threading.main_thread() and "_explore" in self.__dict__:
+            self._explore.hold_weights(what, strict=strict)
 
     @property
     def lr(self) -> Optional[float]:
@@ -340,16 +356,28 @@ class Session:
         self._run.deliver(QueuedCommand("pause", source=source))
 
     def resume(self, *, source: str = "notebook") -> None:
-        """Continue a paused run from the step it paused at."""
-        self._status.refuse_if_ended("resume")
+        """Continue a paused run from the step it paused at; after ``rewind`` on a finished run
+        (state "idle"), continue from the snapshot (as ``train()``)."""
+        st = self._status
+        if st.state == "idle":
+            if st.started_at is None:
+                raise RuntimeError(f"session {self.name!r} has not started: nothing to resume; train() starts it")
+            # (from the sidebar's thread: no display there; the notebook's dashboard follows the run)
+            self.train(dashboard=None if threading.current_thread() is threading.main_thread() else False)
+            return
+        if st.state == "finished" and not st.released:
+            raise RuntimeError(f"session {self.name!r} has finished: nothing to resume. rewind(<step>) then "
+                               f"resume() goes on from a snapshot; reading its weights (generate(), engine, "
+                               f"trainer.save_model()) is always of this branch")
+        st.refuse_if_ended("resume")
         self._run.deliver(QueuedCommand("resume", source=source))
 
     def set_lr(self, lr: float, *, source: str = "notebook") -> None:
         """From the next optimizer step the learning rate is ``lr``; a schedule carries on
         relative to it (a constant schedule stays at ``lr``). Recorded as an event."""
-        from megatrain_nb.learning_rate import check_learning_rate
+        from megatrain_nb.commands import check_command
 
-        value = check_learning_rate(lr)
+        value = check_command("lr", lr, where="set_lr(lr)")[1]
         st = self._status
         st.refuse_if_ended("change the learning rate of")
         st.requested_lr = st.pending_lr = value  # before the command: it may apply at once
@@ -371,6 +399,9 @@ class Session:
     def rewind(self, step: int):
         """Go back to the snapshot at ``step``; ``train()``/``resume()`` continues from there. While
         running: at the next step boundary, then paused. The abandoned steps stay a branch."""
+        from megatrain_nb.commands import as_step
+
+        step = as_step(step, "rewind(step)")
         st = self._status
         self._run.check("rewind")
         if st.released:
@@ -393,10 +424,13 @@ class Session:
         session's engine: starting it pauses this one (one branch trains at a time). ``device=``
         another device than this session's: an engine of its own there, trained side by side. Ranks
         in worker processes (``nproc_per_node``): the fork launches ranks of its own from the snapshot."""
+        from megatrain_nb.commands import as_step
+
         from .branches import check_changes
 
         self._run.check("fork")
-        check_changes(changes)
+        changes = check_changes(changes)
+        step = None if step is None else as_step(step, "fork(step)")
         if self._status.released:
             raise RuntimeError(f"session {self.name!r} released its model: nothing to fork")
         if step is not None:
@@ -482,9 +516,10 @@ class Session:
         self._run.check("generate")
         if not prompt and self._sample_watch.prompt:
             prompt = self._sample_watch.prompt
-        if st.released or self.engine is None:
+        if st.released or self._trainer is None or getattr(self._trainer, "engine", None) is None:
             raise RuntimeError(f"session {self.name!r} released its model when it {st.state}; "
                                "load the last checkpoint (mt.Session.from_checkpoint) to sample")
+        self._own_weights("generate()", strict=True)
         text = self._samples.draw(self.engine, self._tokenizer, prompt, st.step, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_k=top_k, seed=seed)
         st.log.touch()
@@ -520,6 +555,7 @@ class Session:
     # ---- the end of a run (the background thread, or stop() before it started) -------------------
     def _end(self, outcome: str) -> None:
         self._sample_watch.run_ended(weights_kept=outcome == "finished")
+        self._sample_watch.finish()   # the final snapshot shows the answer from the final weights
         if outcome != "finished":
             self._release()  # a finished run keeps its weights for generate()/inspect()
         self._status.ended_at = time.time()
@@ -535,5 +571,6 @@ class Session:
 
 def _is_divergence(error) -> bool:
     from ..engine.finite import NonFiniteError
+    from ..trainer.recovery import RecoveryError
 
-    return isinstance(error, NonFiniteError)
+    return isinstance(error, (NonFiniteError, RecoveryError))

@@ -22,6 +22,7 @@ from .figures import TIERS, event_label, grouped_events
 from .lifecycle import LIVE
 from .run_log import RunView, disk_cache_line, tier_summary
 from .sample_watch import answers_html
+from .static_chart import img
 
 STATE_COLORS = {"idle": "#888", "running": "#2e7d32", "paused": "#ef6c00", "stopped": "#6d4c41",
                 "finished": "#1565c0", "failed": "#b00020"}
@@ -159,7 +160,8 @@ def memory_tiers_html(view: RunView) -> str:
 
 
 def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
-    """The loss curve (with eval points and event markers) as inline SVG."""
+    """The loss curve (with eval points and event markers) as an SVG document; shown as an
+    image (``static_chart.img``): a notebook's sanitizer keeps that, inline SVG it takes apart."""
     x, y = view.curves.get("loss", (np.zeros(0), np.zeros(0)))
     if len(x) < 2:
         return ""
@@ -190,8 +192,8 @@ def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
     for step, label, c in grouped_events(view.events):
         xe = px(float(step))
         w = 6.0 * len(label)  # generous for 10 px sans-serif
-        x0 = xe + 2 if xe + 2 + w <= width else max(0.0, xe - 2 - w)
-        row = next((i for i, end in enumerate(rows_end) if x0 >= end + 6), None)
+        lx = xe + 2 if xe + 2 + w <= width else max(0.0, xe - 2 - w)
+        row = next((i for i, end in enumerate(rows_end) if lx >= end + 6), None)
         if row is None and len(rows_end) < 3:
             rows_end.append(-1e9)
             row = len(rows_end) - 1
@@ -199,9 +201,9 @@ def loss_svg(view: RunView, width: int = 520, height: int = 140) -> str:
                      f"stroke-dasharray='3,3'><title>step {step}: {html.escape(label)}</title></line>")
         if row is None:
             continue  # no room: the line and its tooltip remain
-        rows_end[row] = x0 + w
-        parts.append(f"<text x='{x0:.1f}' y='{11 + 12 * row}' font-size='10' fill='{c}'>{html.escape(label)}</text>")
-    parts.append(f"<text x='{width - pad}' y='{height - 4}' font-size='10' fill='currentColor' text-anchor='end'>"
+        rows_end[row] = lx + w
+        parts.append(f"<text x='{lx:.1f}' y='{11 + 12 * row}' font-size='10' fill='{c}'>{html.escape(label)}</text>")
+    parts.append(f"<text x='{width - pad}' y='{height - 4}' font-size='10' fill='#757575' text-anchor='end'>"
                  f"loss {y0:.3g}–{y1:.3g}, steps {x0:.0f}–{x1:.0f}</text>")
     return f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{''.join(parts)}</svg>"
 
@@ -254,7 +256,7 @@ def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
     return (f"<div class='megatrain-summary' style='border:1px solid {BORDER};padding:8px;border-radius:4px;color:{FG}'>"
             f"{header_html(session, view)}{note}"
             f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
-            f"<div>{loss_svg(view)}</div><div>{memory_table(view)}{rank_memory_table(view)}"
+            f"<div>{img(loss_svg(view), 'loss curve')}</div><div>{memory_table(view)}{rank_memory_table(view)}"
             f"{events_table(view.events)}</div></div>{answers_html(getattr(session, 'sample_watch', None))}</div>")
 
 

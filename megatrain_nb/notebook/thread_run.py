@@ -82,6 +82,10 @@ class ThreadRun:
             if self.engine is not None:   # the dashboard reads layer statistics after every step:
                 self.engine.layer_stats()  # the engine gathers them once asked, so from step 1
             self.explorer.activate()   # branches sharing the engine: this one's state in it
+            if hasattr(self.trainer, "recovery_hooks"):   # on_nonfinite="rewind": the tree hears of each
+                if self.explorer.on_recovery not in self.trainer.recovery_hooks:
+                    self.trainer.recovery_hooks.append(self.explorer.on_recovery)
+                self.trainer.snapshot_steps_elsewhere = self.explorer.snapshot_steps
             it = iter(self.trainer.iter_steps(resume_from_checkpoint=self.resume_from))
             while True:
                 if self._apply_commands():

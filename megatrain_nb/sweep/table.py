@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from collections import Counter
 from typing import Dict, List, Optional
 
@@ -17,6 +18,7 @@ from .check import FAILING, NOT_BUILT, NOT_DECODER, REFUSED, SUPPORTED, registry
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "models.json")
 NOT_CHECKED = "not checked"
+REASON_WIDTH = 120   # a line of `megatrain-nb models`, reasons wrapped to it
 ORDER = [SUPPORTED, REFUSED, FAILING, NOT_DECODER, NOT_BUILT, NOT_CHECKED]
 
 
@@ -106,9 +108,16 @@ def markdown(results: List[dict], version: str) -> str:
 def text(results: List[dict], version: Optional[str]) -> str:
     w = max(len(r["model_type"]) for r in results) if results else 10
     lines = [f"causal LMs of transformers {version}:"]
+    indent = " " * (w + 24)
     for r in sorted(results, key=lambda r: r["model_type"]):
-        reason = f"  {r['reason'][:140]}" if r["status"] != SUPPORTED and r.get("reason") else ""
-        lines.append(f"{r['model_type']:<{w}}  {r['status']:<20}{reason}")
+        head = f"{r['model_type']:<{w}}  {r['status']:<20}"
+        if r["status"] == SUPPORTED or not r.get("reason"):
+            lines.append(head.rstrip())
+            continue
+        # the whole reason, wrapped at word boundaries under its column (a cut one hid its point)
+        wrapped = textwrap.wrap(" ".join(str(r["reason"]).split()), width=max(40, REASON_WIDTH - len(indent)))
+        lines.append(f"{head}  {wrapped[0]}")
+        lines.extend(indent + part for part in wrapped[1:])
     lines.append("")
     lines.append(summary(results))
     return "\n".join(lines)

@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 from megatrain_nb.learning_rate import MAX_LEARNING_RATE, check_learning_rate  # noqa: F401 - re-exported
+from megatrain_nb.values import VALUES, ValueRefused, check
 
 HONOURED = frozenset({
     "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
@@ -53,7 +54,6 @@ NO_EFFECT = frozenset({
 })
 
 _OPTIMS = ("adamw_torch", "adamw_torch_fused")
-_SCHEDULERS_REJECTED = ("reduce_lr_on_plateau", "greedy")
 _SAVE_STRATEGIES = ("no", "steps", "epoch")
 _SAMPLING = ("random", "sequential")
 
@@ -90,6 +90,7 @@ def training_arguments(fields: dict, *, where: str = "TrainingArguments"):
             hints.append(f"{where}.{name}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise UnsupportedArgumentError(f"unknown TrainingArguments field(s): {', '.join(hints)}. The fields are those "
                                        "of transformers.TrainingArguments")
+    check_given(fields, where)   # before transformers sees them: the table's words, not its
     try:
         args = TrainingArguments(**fields)
     except (TypeError, ValueError) as e:
@@ -98,24 +99,48 @@ def training_arguments(fields: dict, *, where: str = "TrainingArguments"):
     return args
 
 
-def _check_values(args, where: str) -> list[str]:
-    """Values no run can use, named now rather than deep in the first step."""
+#: the honoured fields whose values the table (megatrain_nb/values.py) checks; SFTConfig adds max_length
+CHECKED = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+           "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs", "per_device_train_batch_size",
+           "per_device_eval_batch_size", "gradient_accumulation_steps", "logging_steps", "eval_steps",
+           "save_steps", "save_total_limit", "eval_strategy", "seed", "data_seed", "max_length")
+
+
+def check_given(fields: dict, where: str) -> None:
+    """The table's check of a dict of fields before it becomes a TrainingArguments / SFTConfig."""
     problems = []
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        v = getattr(args, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            problems.append(f"{where}.{name}={v!r} (a whole number >= 1)")
-    try:
-        check_learning_rate(args.learning_rate, f"{where}.learning_rate")
-    except ValueError as e:
-        problems.append(str(e))
+    for name in CHECKED:
+        if name in fields:
+            try:
+                check(name, fields[name], f"{where}.{name}")
+            except ValueRefused as e:
+                problems.append(str(e))
+    if problems:
+        raise UnsupportedArgumentError("unusable training arguments: " + "; ".join(problems))
+
+
+def _check_values(args, where: str) -> list[str]:
+    """Values no run can use (the table's rules), named now rather than deep in the first step;
+    a number given as text is stored as that number."""
+    problems = []
+    for name in CHECKED:
+        if not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        try:
+            checked = check(name, value, f"{where}.{name}")
+        except ValueRefused as e:
+            problems.append(str(e))
+            continue
+        if VALUES[name].kind != "choice" and checked is not value:
+            setattr(args, name, checked)
     return problems
 
 
 def validate_training_args(args, *, where: str = "TrainingArguments") -> None:
     """Raise :class:`UnsupportedArgumentError` naming every field set to something unsupported
-    or unusable (a batch size of 0, a negative accumulation, a learning rate outside
-    :func:`~megatrain_nb.learning_rate.check_learning_rate`'s rule).
+    or unusable (a value outside its rule in :mod:`megatrain_nb.values`: a batch size of 0, a NaN
+    weight decay, a learning rate of 1e10).
 
     Example::
 
@@ -136,9 +161,6 @@ def validate_training_args(args, *, where: str = "TrainingArguments") -> None:
             problems.append(f"{name}={_value(value)!r} (default {_value(default)!r})")
     if _value(args.optim) not in _OPTIMS:
         problems.append(f"optim={_value(args.optim)!r} (the engine runs AdamW: use one of {_OPTIMS})")
-    if _value(args.lr_scheduler_type) in _SCHEDULERS_REJECTED:
-        problems.append(f"lr_scheduler_type={_value(args.lr_scheduler_type)!r} (metric-driven schedules "
-                        "are not supported; use e.g. 'linear', 'cosine', 'constant_with_warmup')")
     if _value(args.save_strategy) not in _SAVE_STRATEGIES:
         problems.append(f"save_strategy={_value(args.save_strategy)!r} (use one of {_SAVE_STRATEGIES})")
     if args.train_sampling_strategy not in _SAMPLING:
@@ -151,6 +173,22 @@ def validate_training_args(args, *, where: str = "TrainingArguments") -> None:
             + ". Remove them (or set them back to their defaults); megatrain_nb never ignores a "
             "setting silently (the supported fields are listed in megatrain_nb.trainer.args)."
         )
+
+
+def check_eval_plan(args, eval_dataset) -> None:
+    """An ``eval_strategy`` that evaluates during training needs an eval set (as transformers says)."""
+    strategy = _value(args.eval_strategy)
+    if strategy != "no" and eval_dataset is None:
+        raise UnsupportedArgumentError(
+            f"TrainingArguments.eval_strategy={strategy!r} evaluates during training, but no eval_dataset was "
+            "given: pass eval_dataset=..., or set eval_strategy='no'")
+
+
+def check_seq_len(seq_len, max_positions) -> None:
+    """A block length the model can take: at most its ``max_position_embeddings``."""
+    if seq_len is not None and max_positions and seq_len > max_positions:
+        raise ValueError(f"seq_len={seq_len}: must be at most the model's max_position_embeddings "
+                         f"({max_positions}); pass a smaller seq_len")
 
 
 def engine_options_from_args(args) -> dict:

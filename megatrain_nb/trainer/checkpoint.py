@@ -136,15 +136,38 @@ def verify(path) -> bool:
     return verify_manifest(path, others[-1] if others else None)
 
 
-def seal(path) -> dict:
+def seal(path, *, reseal: bool = False) -> dict:
     """Vouch for a checkpoint assembled by hand (not written by megatrain_nb): write its
     ``manifest.json`` over the files it holds now, so that a resume accepts it. This is the one
     explicit opt-out from "a checkpoint without a manifest is damaged"; run it only on a folder
-    whose every file you trust. Returns the manifest."""
+    whose every file you trust. Returns the manifest.
+
+    A folder whose manifest exists and verifies is left as it is. One whose manifest exists and
+    does not verify (a file damaged, added or changed since it was written) is refused: sealing
+    it would launder the damage. ``reseal=True`` overwrites that manifest, vouching for the files
+    as they are now: only for changes you made yourself. ``scheduler.json`` must hold a schedule
+    (a resume reads it)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"seal({str(path)!r}): not a folder")
+    _check_scheduler_file(path)
+    if (path / MANIFEST).is_file() and not reseal:
+        try:
+            verify_manifest(path)
+        except IntegrityError as e:
+            raise CheckpointError(
+                f"seal({str(path)!r}) refused: it has a {MANIFEST} and it does not verify, so the folder changed "
+                f"after it was written ({e}). Sealing would vouch for that change. If you made it yourself and "
+                f"trust every file, seal({str(path)!r}, reseal=True) overwrites the manifest") from None
+        return json.loads((path / MANIFEST).read_text())
     return write_manifest(path)
+
+
+def _check_scheduler_file(path: Path) -> None:
+    """A ``scheduler.json`` that is not a schedule's state, named now rather than at the resume."""
+    f = path / SCHEDULER_FILE
+    if f.is_file():
+        read_scheduler_state(path)
 
 
 # -- the model a checkpoint belongs to ---------------------------------------------------------
@@ -383,10 +406,23 @@ def read_rng_state(folder: Path) -> dict:
 
 
 def read_scheduler_state(folder: Path) -> dict:
+    """The learning-rate schedule's saved state; :class:`CheckpointError` naming the file when it
+    is not one (``{"scheduler": {...}, "override": null or [lr, anchor]}``)."""
     folder = Path(folder)
-    if (folder / SCHEDULER_FILE).is_file():
-        return read_json(folder / SCHEDULER_FILE)
-    return _load_old(folder / _OLD_SCHEDULER)
+    if not (folder / SCHEDULER_FILE).is_file():
+        return _load_old(folder / _OLD_SCHEDULER)
+    f = folder / SCHEDULER_FILE
+    try:
+        state = read_json(f)
+    except ValueError as e:
+        raise CheckpointError(f"{str(f)!r} is not valid JSON ({e}); the checkpoint's schedule cannot be read") from None
+    override = state.get("override") if isinstance(state, dict) else None
+    if not (isinstance(state, dict) and isinstance(state.get("scheduler"), dict)
+            and (override is None or (isinstance(override, list) and len(override) == 2))):
+        raise CheckpointError(f"{str(f)!r} does not hold a learning-rate schedule's state (expected "
+                              '{"scheduler": {...}, "override": null or [lr, anchor]}); it was damaged or '
+                              "replaced. Resume from another checkpoint, or restore the file")
+    return state
 
 
 def _load_old(path: Path):

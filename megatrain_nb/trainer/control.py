@@ -181,8 +181,12 @@ class RunControl:
                 event["path"], event["bytes_unique"] = info.path, info.bytes_unique
                 if self.keep_snapshots and self.dist.is_main:   # (one filesystem: rank 0 prunes)
                     event["pruned"] = store.prune(self.keep_snapshots, protect=self._protect)
-            elif kind == "rewind":
-                event["path"] = self.rewind_to = snapshot_at(t, int(value))
+            elif kind == "rewind":   # (checked whole first: a damaged snapshot leaves the run going on)
+                from .saving import verify_whole
+
+                path = snapshot_at(t, int(value))
+                verify_whole(Path(path), t.engine, t.dist)
+                event["path"] = self.rewind_to = path
                 self._protect.add(self.rewind_to)   # a branch starts from it
                 event["value"] = int(value)
                 t.request_stop()   # this pass ends after the step; train() starts again from it

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from megatrain_nb.values import check
+
 from .sharding import ZERO_WEIGHT, deal
 
 IGNORE_INDEX = -100
@@ -87,8 +89,8 @@ def _tokenize_texts(ds, tokenizer, seq_len, text_column, packing, what):
     if tokenizer is None:
         raise DataError(f"{what} has a '{text_column}' column but no input_ids, and no tokenizer was "
                         "given; pass tokenizer=... (or a dataset of token ids)")
-    if seq_len is None or seq_len < 2:
-        raise DataError(f"seq_len={seq_len!r}: packing text needs a sequence length of at least 2")
+    if check("seq_len", seq_len) is None:
+        raise DataError("seq_len=None: packing text needs a sequence length (at least 2)")
     if _is_iterable_style(ds):
         if not packing:
             raise DataError("packing=False is only supported for map-style datasets")
@@ -184,6 +186,9 @@ class PaddingCollator:
         return out
 
 
+SIDE_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+
+
 def finish_batch(batch: dict) -> dict:
     """Make a collator's output usable: tensors, labels present (input_ids, -100 on padding);
     ``position_ids`` (packed rows) kept."""
@@ -202,6 +207,9 @@ def finish_batch(batch: dict) -> dict:
         if "attention_mask" in out:
             labels[out["attention_mask"] == 0] = IGNORE_INDEX
     out["labels"] = _to_long(labels, "labels")
+    for k in SIDE_KEYS:   # what a sequence-level objective reads per micro-batch (DPO's reference)
+        if batch.get(k) is not None:
+            out[k] = torch.as_tensor(batch[k])
     if out["input_ids"].shape[1] < 2:
         raise DataError("a batch has sequences of 1 token; a causal LM needs at least 2 (input and target)")
     return out

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from megatrain_nb.atomic import staging_dir
+from megatrain_nb.values import check
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 _FORMAT = 1
@@ -142,8 +143,7 @@ def load_default(seq_len: int = 128, vocab_size: int = 4096, max_bytes: int = 4_
     Each dataset is a ``datasets.Dataset`` with one ``input_ids`` column of ``seq_len``-token blocks
     (documents joined with ``<|endoftext|>`` and packed). ``max_eval_blocks`` keeps evaluation quick.
     """
-    if seq_len < 2:
-        raise ValueError(f"seq_len={seq_len} is too short to train on; use at least 2 tokens")
+    seq_len = check("seq_len", seq_len)   # the table's rule (at least 2 tokens)
     tokenizer, train_ids, eval_ids = load_default_tokens(vocab_size, max_bytes, eval_every)
     train_ds = blocks_dataset(train_ids, seq_len)
     eval_ds = blocks_dataset(eval_ids, seq_len)

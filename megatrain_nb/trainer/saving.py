@@ -114,16 +114,45 @@ def write_sharded(engine, dist, final: Path, write_shared, snapshot: bool = Fals
     return final
 
 
+def verify_whole(path: Path, engine, dist=None) -> None:
+    """Check the checkpoint or snapshot at ``path`` whole before anything is loaded: the manifest
+    (every file it lists; the error names the checkpoint to fall back to), the engine's part
+    (a snapshot's linked files, ``engine.verify_checkpoint``) and the state file. With several
+    ranks every rank checks its part and all raise the first rank's error, so none loads alone."""
+    error = None
+    try:
+        ckpt.verify(path)
+        check = getattr(engine, "verify_checkpoint", None)
+        if callable(check):
+            check(path, manifest=False)
+        meta = ckpt.read_json(path / ckpt.STATE_FILE)
+        if not isinstance(meta, dict) or not isinstance(meta.get("data"), dict):
+            raise ckpt.IntegrityError(f"{str(path / ckpt.STATE_FILE)!r} is damaged: it holds no data position")
+    except Exception as e:  # noqa: BLE001 - every rank must reach the gather below, whatever failed
+        error = e
+    if dist is not None and dist.world > 1:
+        told = dist.all_gather_json([type(error).__name__, str(error)] if error is not None else None)
+        first = next((t for t in told if t is not None), None)
+        if error is None and first is not None:
+            raise ckpt.IntegrityError(f"another rank: {first[1]}")
+    if error is not None:
+        from .snapshot import mark_damaged
+
+        mark_damaged(path, str(error))
+        raise error
+
+
 def load_state(path: Path, engine, schedule, stream, mine: dict, ignore_data_skip: bool,
-               quiet: bool = False) -> Restored:
-    """Resume from the checkpoint at ``path``: verify it, warn when ``mine`` (this run's
-    settings) differs from the run that wrote it (unless ``quiet``), load the engine, the
-    schedule, the data stream and the RNG state; returns the rest for the Trainer."""
+               quiet: bool = False, dist=None) -> Restored:
+    """Resume from the checkpoint at ``path``: verify it whole, warn when ``mine`` (this run's
+    settings) differs from the run that wrote it (unless ``quiet``), read the trainer's files,
+    then load the engine, the schedule, the data stream and the RNG state; returns the rest for
+    the Trainer. Nothing is changed before every file was checked and read."""
     import warnings
 
     from transformers.trainer_callback import TrainerState
 
-    ckpt.verify(path)  # before reading anything from it
+    verify_whole(path, engine, dist)  # before reading anything from it
     ckpt.check_model(path, engine)
     meta = ckpt.read_json(path / ckpt.STATE_FILE)
     mine = dict(mine)
@@ -136,18 +165,24 @@ def load_state(path: Path, engine, schedule, stream, mine: dict, ignore_data_ski
     if changed and not quiet:   # (a branch changes settings on purpose)
         warnings.warn(f"resuming from {path} with settings that differ from the run that wrote it "
                       f"{changed}: the continuation will not match an uninterrupted run", stacklevel=4)
-    engine.load_checkpoint(str(path))
-    schedule.load_state_dict(ckpt.read_scheduler_state(path))
+    scheduler = ckpt.read_scheduler_state(path)
     state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+    rng = ckpt.read_rng_state(path)
     data = dict(meta["data"])
     if ignore_data_skip:
         data["consumed"] = 0
+    load = getattr(engine, "verify_checkpoint", None)
+    if callable(load):
+        engine.load_checkpoint(str(path), verify=False)   # (checked whole above)
+    else:
+        engine.load_checkpoint(str(path))
+    schedule.load_state_dict(scheduler)
     stream.load_state_dict(data)
     restored = Restored(state=state, tokens_seen=int(meta.get("tokens_seen", 0)),
                         log_accum=tuple(meta.get("log_accum", (0.0, 0))),
                         run_id=meta.get("run_id"),  # a resumed run goes on as the same run
                         parent_run_id=meta.get("parent_run_id"), forked_at_step=meta.get("forked_at_step"))
-    ckpt.set_rng_state(ckpt.read_rng_state(path))
+    ckpt.set_rng_state(rng)
     engine.zero_grad()
     return restored
 

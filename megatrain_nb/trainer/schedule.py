@@ -38,8 +38,7 @@ class LRSchedule:
         return lr if s == anchor else lr * (s / anchor)
 
     def set_lr(self, lr: float) -> None:
-        if not (lr >= 0):
-            raise ValueError(f"learning rate must be a number >= 0, got {lr!r}")
+        """``lr`` from the next step (checked by the caller's door: the table of values)."""
         anchor = self.scheduled()
         if anchor == 0.0:  # at a zero of the schedule (warm-up start): anchor on the peak instead
             anchor = self.base_lr or 1.0

@@ -35,6 +35,7 @@ from transformers import TrainerCallback
 from .data import DataError
 from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, head_rows, prepare_sft_dataset,
                        require_trl, to_trl_rows)
+from .args import check_eval_plan
 from .trainer import Trainer
 
 # SFTConfig fields that the trainer honours (beyond TrainingArguments'), and those that cannot
@@ -64,6 +65,9 @@ def coerce_sft_args(args):
     if args is None:
         return SFTConfig(output_dir="megatrain_outputs")
     if isinstance(args, dict):
+        from .args import check_given
+
+        check_given(args, "args")
         return SFTConfig(**{"output_dir": "megatrain_outputs", **args})
     if isinstance(args, SFTConfig):
         return args
@@ -178,6 +182,8 @@ class SFTTrainer(Trainer):
     ``prep_reports`` holds what preparation decided (truncated, dropped examples).
     """
 
+    _eval_set_later = True   # prepared below, after Trainer.__init__; checked before it
+
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_loss_func=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
@@ -196,6 +202,7 @@ class SFTTrainer(Trainer):
             raise ValueError("`train_dataset` is required")
         args = coerce_sft_args(args)
         validate_sft_args(args)
+        check_eval_plan(args, eval_dataset)
         self.metrics = TokenMetrics(args.loss_type)
         self._eval_prefix, self._eval_extra = None, {}
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,

@@ -20,6 +20,7 @@ The steps themselves are in ``sft_prepare.py``; an iterable dataset is checked t
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -50,6 +51,7 @@ class PrepReport:
     truncated: int = 0            # longer than max_length: cut to it
     no_target_dropped: int = 0    # left with no token counted in the loss (after truncation): dropped
     tokens_dropped: int = 0       # tokens cut by truncation
+    no_assistant_dropped: int = 0  # conversations with no assistant turn under assistant_only_loss: dropped
     notes: list = field(default_factory=list)
 
     def message(self) -> str:
@@ -60,6 +62,9 @@ class PrepReport:
         if self.no_target_dropped:
             parts.append(f"{self.no_target_dropped} examples had no token left to learn from (an empty completion "
                          "or assistant turn after truncation) and were dropped")
+        if self.no_assistant_dropped:
+            parts.append(f"{self.no_assistant_dropped} conversations had no assistant turn (nothing to learn with "
+                         "assistant_only_loss=True) and were dropped")
         return f"{self.what}: " + "; ".join(parts) if parts else ""
 
 
@@ -82,6 +87,59 @@ def row_format(ex: dict, text_field: str = "text") -> Optional[str]:
     return None
 
 
+def _a(v) -> str:
+    name = type(v).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _messages_problem(msgs, key: str, role_key: str = "role", content_key: str = "content") -> Optional[str]:
+    if not isinstance(msgs, (list, tuple)):
+        return f"'{key}' is {_a(msgs)}, not a list of {{{role_key!r}: ..., {content_key!r}: ...}} dicts"
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return f"'{key}'[{j}] is {_a(m)}, not a {{{role_key!r}: ..., {content_key!r}: ...}} dict"
+        if not isinstance(m.get(role_key), str):
+            return f"'{key}'[{j}] has {role_key}={m.get(role_key)!r}; a role is text (e.g. 'user')"
+        content = m.get(content_key)
+        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
+            return f"'{key}'[{j}] has {content_key}={content!r:.40} ({_a(content)}); a message's content is text"
+    return None
+
+
+def row_problem(ex: dict, fmt: str, text_field: str = "text") -> Optional[str]:
+    """What is wrong with the types of one row of format ``fmt`` (None: nothing), said before
+    Arrow (an ``ArrowInvalid`` naming no row) or the tokenizer meets it."""
+    if fmt == "text":
+        v = ex[text_field]
+        if not isinstance(v, str):
+            return f"'{text_field}' is {_a(v)} ({v!r:.40}), not text"
+        return None if v.strip() else f"'{text_field}' is empty: nothing to learn from; remove the row"
+    if fmt == "messages":
+        return _messages_problem(ex["messages"], "messages")
+    if fmt == "sharegpt":
+        return _messages_problem(ex["conversations"], "conversations", "from", "value")
+    if fmt == "alpaca":
+        for k in ("instruction", "output", "input", "system"):
+            if ex.get(k) is not None and not isinstance(ex[k], str):
+                return f"'{k}' is {_a(ex[k])} ({ex[k]!r:.40}), not text"
+        return None
+    if fmt == "prompt_completion":
+        p, c = ex["prompt"], ex["completion"]
+        if isinstance(p, str) and isinstance(c, str):
+            return None
+        if isinstance(p, str) or isinstance(c, str):
+            return ("'prompt' and 'completion' must both be text, or both lists of messages; got "
+                    f"{type(p).__name__} and {type(c).__name__}")
+        return _messages_problem(p, "prompt") or _messages_problem(c, "completion")
+    return None
+
+
+def has_assistant_turn(ex: dict) -> bool:
+    """A conversation row holds an assistant turn (a prompt-completion's completion counts)."""
+    msgs = ex.get("messages") if ex.get("messages") is not None else ex.get("completion")
+    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in (msgs or []))
+
+
 def detect_format(rows: list, text_field: str = "text", what: str = "train_dataset") -> str:
     """The one format of ``rows``; mixed or unrecognised rows are refused with their index."""
     seen: dict[str, int] = {}
@@ -91,6 +149,9 @@ def detect_format(rows: list, text_field: str = "text", what: str = "train_datas
             raise DataError(f"{what}[{i}] has keys {sorted(k for k, v in ex.items() if v is not None)}: not a "
                             f"format SFTTrainer reads ({', '.join(FORMATS)}; text is read from "
                             f"'{text_field}' = SFTConfig.dataset_text_field)")
+        bad = row_problem(ex, f, text_field)
+        if bad:
+            raise DataError(f"{what}[{i}] ({f}): {bad}")
         seen.setdefault(f, i)
     if len(seen) > 1:
         where = ", ".join(f"{f} (first at row {i})" for f, i in seen.items())
@@ -215,7 +276,27 @@ def prepare_sft_dataset(ds, tokenizer, opts: SFTDataOptions, *, formatting_func:
     loss), truncated or packed (``seq_lengths`` per packed row), as ``trl.SFTTrainer`` prepares it.
 
     A map-style dataset is checked row by row here; an iterable one as its rows are read (the
-    error names the row), its truncations counted as they happen and reported at the first."""
+    error names the row), its truncations counted as they happen and reported at the first.
+    The ``datasets`` "Map" progress bars stay off meanwhile (a few maps per dataset, each over
+    in a blink: six bars in a notebook said nothing the report does not)."""
+    with _no_progress_bars():
+        return _prepare(ds, tokenizer, opts, formatting_func, what)
+
+
+@contextmanager
+def _no_progress_bars():
+    import datasets
+
+    was = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def _prepare(ds, tokenizer, opts: SFTDataOptions, formatting_func, what: str) -> tuple:
     import datasets
 
     from .sft_prepare import Preparation

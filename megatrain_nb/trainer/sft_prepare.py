@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 from .data import DataError
 from .sft_data import (FORMATS, PrepReport, SFTDataOptions, alpaca_to_prompt_completion, check_conversation,
-                       column_names, detect_format, row_format, sharegpt_to_messages, to_trl_rows)
+                       column_names, detect_format, has_assistant_turn, row_format, row_problem,
+                       sharegpt_to_messages, to_trl_rows)
 
 
 class Preparation:
@@ -53,7 +54,21 @@ class Preparation:
         if self._is_conversational(ds):
             for i in range(len(ds)):
                 self.check_conversation(ds[i], i)
+            if self.opts.assistant_only_loss:
+                keep = [i for i in range(len(ds)) if has_assistant_turn(ds[i])]
+                if len(keep) < len(ds):
+                    self.report.no_assistant_dropped = len(ds) - len(keep)
+                    if not keep:
+                        raise DataError(f"{self.what}: no conversation has an assistant turn, so nothing is left to "
+                                        "learn with assistant_only_loss=True")
+                    ds = ds.select(keep)
         return ds
+
+    def _keep_assistant_counted(self, ex) -> bool:   # an iterable dataset's: counted as they are read
+        keep = has_assistant_turn(ex)
+        if not keep:
+            self.report.no_assistant_dropped += 1
+        return keep
 
     def _checked_lazily(self, ds, fmt: str, text_field: str):
         convert = {"alpaca": lambda ex, i: alpaca_to_prompt_completion(ex),
@@ -63,11 +78,16 @@ class Preparation:
             f = row_format(ex, text_field)
             if f != fmt:
                 raise DataError(mixed_row_message(ex, i, f, fmt, text_field, self.what))
+            bad = row_problem(ex, f, text_field)
+            if bad:
+                raise DataError(f"{self.what}[{i}] ({f}): {bad}")
             return convert(ex, i) if convert is not None else {}
 
         ds = ds.map(one_format, with_indices=True, remove_columns=column_names(ds) if convert else None)
         if self._is_conversational(ds):
             ds = ds.map(lambda ex, i: self.check_conversation(ex, i) or {}, with_indices=True)
+            if self.opts.assistant_only_loss:
+                ds = ds.filter(self._keep_assistant_counted)
         return ds
 
     def _is_conversational(self, ds) -> bool:
@@ -162,7 +182,12 @@ class Preparation:
         token counted in the loss: they add nothing but a zero-loss step."""
         opts, what = self.opts, self.what
         before = len(ds) if self.is_map else None
-        if opts.max_length is not None and not opts.packing:
+        cut = opts.max_length is not None and (not opts.packing or opts.packing_strategy == "bfd")
+        if cut and opts.packing:   # bfd packing truncates a long document: what it keeps must hold a target
+            limit = opts.max_length
+            ds = ds.filter((lambda ex: has_target(ex, limit)) if self.is_map else
+                           (lambda ex: self._keep_counted(ex, limit)), **self.map_kwargs)
+        elif cut:
             ds = ds.filter(has_target if self.is_map else self._keep_counted, **self.map_kwargs)
         elif self.is_map:
             empty = [i for i, lab in enumerate(ds["labels"]) if all(t == -100 for t in lab)]
@@ -178,8 +203,8 @@ class Preparation:
                                 f"max_length={opts.max_length}; raise max_length")
         return ds
 
-    def _keep_counted(self, ex) -> bool:   # an iterable dataset's: counted as they are read
-        keep = has_target(ex)
+    def _keep_counted(self, ex, limit=None) -> bool:   # an iterable dataset's: counted as they are read
+        keep = has_target(ex, limit)
         if not keep:
             self.report.no_target_dropped += 1
         return keep
@@ -209,8 +234,9 @@ class Preparation:
         return pack_dataset(ds, opts.max_length, opts.packing_strategy, self.map_kwargs)
 
 
-def has_target(ex: dict) -> bool:
-    return any(t != -100 for t in ex["labels"])
+def has_target(ex: dict, limit: Optional[int] = None) -> bool:
+    """A token counted in the loss (among the first ``limit``: what a truncation keeps)."""
+    return any(t != -100 for t in ex["labels"][:limit])
 
 
 def mixed_row_message(ex: dict, i: int, f: Optional[str], fmt: str, text_field: str, what: str) -> str:

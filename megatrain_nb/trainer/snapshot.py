@@ -14,10 +14,17 @@ checkpoints (``<output_dir>/checkpoint-<step>``) count as snapshots too.
     info = store.take(trainer)              # at a step boundary
     store.list()                            # [SnapshotInfo(step, time, run_id, path, ...)]
     store.prune(keep=5, protect={path})     # never a snapshot a branch starts from
+
+A snapshot is checked whole before anything of it is loaded (``saving.verify_whole``); one found
+damaged, there or because its state file cannot be read, stays listed with ``damaged`` saying
+why. Pruning renames a snapshot out of the listed names before deleting it, so a kill half way
+leaves a ``.pruning-*`` folder, reclaimed by the next snapshot or prune, never a partial one
+under a valid name.
 """
 from __future__ import annotations
 
 import errno
+import os
 import re
 import shutil
 from concurrent.futures import Future
@@ -31,6 +38,18 @@ from . import checkpoint as ckpt
 FOLDER = "snapshots"
 _NAME = re.compile(r"^step-(\d+)-([0-9A-Za-z_-]+)$")
 _CHECKPOINT = re.compile(rf"^{ckpt.PREFIX}-(\d+)$")
+_PRUNING = ".pruning-"
+#: snapshots found damaged by a load in this process: path -> why (listed with it, not hidden)
+_DAMAGED: dict = {}
+
+
+def mark_damaged(path, why: str) -> None:
+    """Record that the snapshot or checkpoint at ``path`` failed its check (listings show why)."""
+    _DAMAGED[str(Path(path).resolve())] = str(why)
+
+
+def damage_of(path) -> Optional[str]:
+    return _DAMAGED.get(str(Path(path).resolve()))
 #: fork changes that rebuild the LR schedule from the fork's arguments at the fork's step
 SCHEDULE_FIELDS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps")
 
@@ -49,6 +68,7 @@ class SnapshotInfo:
     parent_run_id: Optional[str] = None
     forked_at_step: Optional[int] = None
     branch: Optional[str] = None    # the branch's name, where a Session knows it
+    damaged: Optional[str] = None   # why it cannot be loaded (found at a listing or a load); None: not known bad
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -188,6 +208,8 @@ class SnapshotStore:
         """Start a snapshot of ``trainer`` (at a step boundary); training may go on while it
         completes (one process: a :class:`PendingSnapshot`). :meth:`finish` waits for it."""
         path = self.path_for(trainer.state.global_step, trainer.run_id)
+        if getattr(getattr(trainer, "dist", None), "is_main", True):
+            self.reclaim()
         try:
             pending = trainer.save_snapshot(path, wait=False)
         except OSError as e:
@@ -212,8 +234,9 @@ class SnapshotStore:
                                 f"keep_snapshots, or delete old snapshots ({e.strerror or e})")
 
     def info(self, path) -> SnapshotInfo:
+        """What the snapshot at ``path`` holds; one whose state file cannot be read is described
+        from its folder's name, with ``damaged`` saying why."""
         path = Path(path)
-        meta = ckpt.read_json(path / ckpt.STATE_FILE)
         unique = shared = 0
         for f in path.rglob("*"):
             if f.is_file():
@@ -222,14 +245,35 @@ class SnapshotStore:
                     shared += st.st_size
                 else:
                     unique += st.st_size
-        return SnapshotInfo(step=int(meta.get("global_step", 0)), time=float(meta.get("saved_at") or 0.0),
-                            run_id=meta.get("run_id"), path=str(path),
-                            kind="snapshot" if meta.get("snapshot") else "checkpoint",
-                            bytes_unique=unique, bytes_shared=shared, parent_run_id=meta.get("parent_run_id"),
-                            forked_at_step=meta.get("forked_at_step"))
+        try:
+            meta = ckpt.read_json(path / ckpt.STATE_FILE)
+            if not isinstance(meta, dict):
+                raise ValueError("it holds no JSON object")
+            info = SnapshotInfo(step=int(meta.get("global_step", 0)), time=float(meta.get("saved_at") or 0.0),
+                                run_id=meta.get("run_id"), path=str(path),
+                                kind="snapshot" if meta.get("snapshot") else "checkpoint",
+                                bytes_unique=unique, bytes_shared=shared, parent_run_id=meta.get("parent_run_id"),
+                                forked_at_step=meta.get("forked_at_step"))
+        except (ValueError, TypeError, UnicodeDecodeError) as e:
+            info = self._unreadable(path, f"{str(path / ckpt.STATE_FILE)!r} cannot be read ({e})", unique, shared)
+        info.damaged = info.damaged or damage_of(path)
+        return info
+
+    @staticmethod
+    def _unreadable(path: Path, why: str, unique: int, shared: int) -> SnapshotInfo:
+        m, c = _NAME.match(path.name), _CHECKPOINT.match(path.name)
+        step = int(m.group(1)) if m else int(c.group(1)) if c else 0
+        try:
+            when = (path / ckpt.STATE_FILE).stat().st_mtime
+        except OSError:
+            when = 0.0
+        return SnapshotInfo(step=step, time=when, run_id=m.group(2) if m else None, path=str(path),
+                            kind="snapshot" if m else "checkpoint", bytes_unique=unique, bytes_shared=shared,
+                            damaged=why)
 
     def list(self, include_checkpoints: bool = True) -> List[SnapshotInfo]:
-        """Complete snapshots (and checkpoints), by step then time. Partial ones are never listed."""
+        """Complete snapshots (and checkpoints), by step then time. Partial ones are never listed;
+        damaged ones are, with ``damaged`` saying why."""
         # (no clean-up of temporaries here: a listing from the notebook must not remove the
         # folder a snapshot is being written into by the training thread; take() cleans up)
         found = []
@@ -241,23 +285,45 @@ class SnapshotStore:
         for p in found:
             try:
                 infos.append(self.info(p))
-            except (OSError, ValueError):
-                continue   # removed meanwhile, or not readable: not a snapshot to offer
+            except OSError:
+                continue   # removed meanwhile
         return sorted(infos, key=lambda i: (i.step, i.time))
+
+    def reclaim(self) -> List[str]:
+        """Remove what a kill during pruning left: ``.pruning-*`` folders, and folders under a
+        snapshot's name that lack its state files (cut short by an older, in-place prune)."""
+        gone = []
+        if not self.root.is_dir():
+            return gone
+        for p in self.root.iterdir():
+            left = p.name.startswith(_PRUNING) or (_NAME.match(p.name) and p.is_dir() and not ckpt.is_checkpoint(p))
+            if left:
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(str(p))
+        return gone
 
     def prune(self, keep: Optional[int], protect: Iterable = (), run_ids: Optional[Iterable[str]] = None) -> List[str]:
         """Delete the oldest snapshots (not checkpoints: ``save_total_limit`` rules those) of runs
         ``run_ids`` (all when None) until the newest ``keep`` remain, besides those in ``protect``
-        (the snapshots branches start from), which are never deleted. Returns the paths removed."""
+        (the snapshots branches start from), which are never deleted. Each is renamed out of the
+        listed names first, then deleted (a kill meanwhile leaves nothing listed half gone).
+        Returns the paths removed."""
         if not keep or keep <= 0:
             return []
+        self.reclaim()
         keep_paths = {str(Path(p).resolve()) for p in protect}
         ids = None if run_ids is None else set(run_ids)
         mine = [i for i in self.list(include_checkpoints=False) if (ids is None or i.run_id in ids)
                 and str(Path(i.path).resolve()) not in keep_paths]
         removed = []
         for info in sorted(mine, key=lambda i: i.time)[:max(0, len(mine) - keep)]:
-            shutil.rmtree(info.path, ignore_errors=True)
+            src = Path(info.path)
+            aside = src.with_name(f"{_PRUNING}{src.name}-{os.getpid()}")
+            try:
+                os.rename(src, aside)
+            except OSError:
+                continue   # gone meanwhile (another process pruned it)
+            shutil.rmtree(aside, ignore_errors=True)
             removed.append(info.path)
         return removed
 
@@ -267,5 +333,5 @@ def steps_text(infos: List[SnapshotInfo]) -> str:
 
 
 __all__ = ["BranchStart", "PendingSnapshot", "SnapshotError", "SnapshotInfo", "SnapshotStore", "apply_branch_start",
-           "begin_snapshot",
+           "begin_snapshot", "damage_of", "mark_damaged",
            "SCHEDULE_FIELDS", "FOLDER"]

@@ -32,11 +32,16 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatrain_nb.values import check
+
 from ..engine.dist import Dist
+from ..engine.finite import NonFiniteError
 from . import checkpoint as ckpt
 from . import saving
 from .args import (
+    check_eval_plan,
     check_learning_rate,
+    check_seq_len,
     default_values,
     engine_options_from_args,
     training_arguments,
@@ -54,6 +59,7 @@ from .data import (
 )
 from .defaults import merge_engine_options
 from .metrics_log import MetricsLog
+from .recovery import Diverged, reason_of
 from .schedule import LRSchedule
 
 
@@ -94,6 +100,8 @@ class Trainer:
     ``seq_len``/``text_column``/``packing``: how a text dataset is tokenised and packed.
     """
 
+    _eval_set_later = False   # SFTTrainer prepares its eval set after this constructor (and checks it)
+
     def __init__(self, model=None, train_dataset=None, args=None, eval_dataset=None, tokenizer=None,
                  data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
                  text_column: str = "text", packing: bool = True, loss_fn=None, revision: Optional[str] = None,
@@ -104,7 +112,8 @@ class Trainer:
         # loss_fn(logits_chunk, shifted_labels_chunk) -> summed loss of the chunk (see the engine).
         self.loss_fn = loss_fn
         self.args = _coerce_args(args)
-        validate_training_args(self.args)
+        validate_training_args(self.args, where=type(self.args).__name__)   # SFTConfig names itself
+        seq_len = check("seq_len", seq_len)
         if self.args.full_determinism:
             enable_full_determinism(self.args.seed)
         else:
@@ -124,12 +133,17 @@ class Trainer:
                            if not _is_engine(model) else None)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)
+        from megatrain_nb.engine.family import max_positions
+
+        check_seq_len(seq_len, max_positions(self._engine.model_config))
         self.seq_len = seq_len or _default_seq_len(self._engine)
         prep = dict(tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=text_column, packing=packing)
         self.train_dataset = (prepare_dataset(train_dataset, what="train_dataset", **prep)
                               if train_dataset is not None else None)
         self.eval_dataset = (prepare_dataset(eval_dataset, what="eval_dataset", **prep)
                              if eval_dataset is not None else None)
+        if not self._eval_set_later:
+            check_eval_plan(self.args, self.eval_dataset)
         self._prep = prep
         self.data_collator = (ColumnFilter(data_collator) if data_collator is not None
                               else default_collator(self.tokenizer))
@@ -164,6 +178,16 @@ class Trainer:
         # train() under torchrun: rank 0 announces the run and takes commands that every rank
         # applies at the same step boundary (trainer/control.py); None when a Session drives us
         self.run_control = None
+        # on_nonfinite="rewind": the run recovers by itself (trainer/recovery.py); hooks hear of
+        # each recovery (a Session's tree); snapshot_steps_elsewhere: someone else snapshots
+        from .recovery import Recovery
+
+        self.recovery = Recovery(self, self._engine.config) if self._engine.config.on_nonfinite == "rewind" else None
+        self.recovery_hooks: list = []
+        self.snapshot_steps_elsewhere: Optional[int] = None
+        #: set by a Session whose branches share this engine: called before the weights are saved
+        #: (it makes the engine hold this trainer's branch again, or refuses saying why)
+        self.weights_hook = None
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict):
@@ -242,7 +266,17 @@ class Trainer:
             stream = self._begin_run(resume, total)
             epoch_open = False
             while self.state.global_step < total and not self._stop:
-                record, epoch_open = self._run_step(stream, total, epoch_open)
+                try:
+                    record, epoch_open = self._run_step(stream, total, epoch_open)
+                except (NonFiniteError, Diverged) as e:
+                    if self.recovery is None:
+                        raise
+                    step = e.step if isinstance(e, Diverged) else int(self.state.global_step) + 1
+                    applied = e.applied if isinstance(e, Diverged) else e.partial
+                    stream, epoch_open = self.recovery.recover(step, reason_of(e), applied, total), False
+                    continue
+                if record is not None and self.recovery is not None:
+                    self.recovery.after_step(int(record["step"]))
                 if record is not None:
                     if self.run_control is not None:   # paused: the ranks wait here, together
                         self.run_control.hold()
@@ -259,12 +293,7 @@ class Trainer:
         from transformers.trainer_callback import TrainerControl, TrainerState
 
         args, ga = self.args, self.args.gradient_accumulation_steps
-        stream = BatchStream(self.train_dataset, batch_size=args.per_device_train_batch_size,
-                             collate=self.data_collator,
-                             seed=args.data_seed if args.data_seed is not None else args.seed,
-                             shuffle=args.train_sampling_strategy == "random", drop_last=args.dataloader_drop_last,
-                             rank=self.dist.rank, world=self.dist.world)
-        self._stream = stream
+        stream = self.fresh_stream()
         self.schedule = LRSchedule(learning_rate=args.learning_rate, scheduler_type=args.lr_scheduler_type,
                                    num_training_steps=total, num_warmup_steps=args.get_warmup_steps(total),
                                    scheduler_kwargs=args.lr_scheduler_kwargs)
@@ -272,7 +301,7 @@ class Trainer:
         self._tokens_seen, self._log_accum, self.run_id = 0, (0.0, 0), None
         start, self.branch_start = self.branch_start, None
         if resume is not None:
-            self._load_checkpoint(resume, stream, quiet=start is not None)
+            self.load_state(resume, stream, quiet=start is not None)
         else:
             self._engine.zero_grad()
         if start is not None:
@@ -300,9 +329,22 @@ class Trainer:
         self.control = self.callback_handler.on_train_begin(args, st, TrainerControl())
         if args.eval_on_start and self.eval_dataset is not None and resume is None:
             self.evaluate()
+        if self.recovery is not None:
+            elsewhere = self.snapshot_steps_elsewhere or getattr(self.run_control, "snapshot_steps", None)
+            self.recovery.start(total, elsewhere)
         if self.run_control is not None:   # a run rewound while paused stays paused at its new step
             self.run_control.hold()
         return stream
+
+    def fresh_stream(self) -> BatchStream:
+        """The training data stream at its start (a run's start, a recovery's load)."""
+        args = self.args
+        self._stream = BatchStream(self.train_dataset, batch_size=args.per_device_train_batch_size,
+                                   collate=self.data_collator,
+                                   seed=args.data_seed if args.data_seed is not None else args.seed,
+                                   shuffle=args.train_sampling_strategy == "random",
+                                   drop_last=args.dataloader_drop_last, rank=self.dist.rank, world=self.dist.world)
+        return self._stream
 
     def _run_step(self, stream: BatchStream, total: int, epoch_open: bool):
         """One optimizer step with its callbacks, logging, commands and checkpoint:
@@ -312,10 +354,14 @@ class Trainer:
             self.control = cb.on_epoch_begin(args, st, self.control)
             epoch_open = True
         self.control = cb.on_step_begin(args, st, self.control)
+        if self.recovery is not None:   # (where this step's window starts; one a recovery marked is stepped over)
+            self.recovery.window_at(st.global_step + 1, stream)
         window, ended = stream.next_window(args.gradient_accumulation_steps)
         record = None
         if window:
             record = self._train_window(window, total)
+            if self.recovery is not None:   # a spike: recovered before it is logged or saved
+                self.recovery.check(record)
             st.global_step += 1
             steps_in_epoch = stream.batches_per_epoch or total * args.gradient_accumulation_steps
             st.epoch = stream.epoch + stream.consumed / steps_in_epoch
@@ -379,7 +425,7 @@ class Trainer:
         tokens = self.dist.sum(sum(count_tokens(b) for b in window))
         self._tokens_seen += tokens
         st.num_input_tokens_seen = self._tokens_seen
-        loss = loss_sum / n_items
+        loss = self._window_loss(loss_sum, n_items)
         s, k = self._log_accum
         self._log_accum = (s + loss, k + 1)
         counters = getattr(engine, "counters", None)
@@ -388,6 +434,10 @@ class Trainer:
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
                 "tokens_seen": self._tokens_seen, "tokens_per_s": tokens / dt if dt > 0 else 0.0,
                 "step_time_s": dt, "time": time.time(), "total_steps": total, **self.lineage}
+
+    def _window_loss(self, loss_sum: float, n_items: int) -> float:
+        """The step's loss as logged: the mean token loss (a sequence-level objective: its own)."""
+        return loss_sum / n_items
 
     def _after_step(self, record: Optional[dict]) -> None:
         """Logging and evaluation as the callbacks' control asks (the checkpoint: _save_if_due)."""
@@ -405,7 +455,7 @@ class Trainer:
         if c.should_evaluate and self.eval_dataset is not None:
             metrics = self.evaluate()
             if record is not None:
-                record["eval_loss"], record["eval_ppl"] = metrics["eval_loss"], metrics["eval_ppl"]
+                record["eval_loss"], record["eval_ppl"] = metrics["eval_loss"], metrics.get("eval_ppl")
 
     def _save_if_due(self, record: Optional[dict]) -> None:
         """The checkpoint the callbacks' control asks for at this step."""
@@ -497,6 +547,8 @@ class Trainer:
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads (and the tokenizer, if any)."""
+        if self.weights_hook is not None:   # a branch sharing its engine: its own weights first
+            self.weights_hook("save_model()")
         return saving.save_model_folder(self._engine, self.tokenizer, self.dist,
                                         Path(output_dir or self.args.output_dir))
 
@@ -509,6 +561,8 @@ class Trainer:
         """Write a complete checkpoint (default ``output_dir/checkpoint-<step>``); returns its path."""
         if self.schedule is None or self._stream is None:
             raise RuntimeError("save_checkpoint() needs a training run (call train() or iter_steps() first)")
+        if self.weights_hook is not None:
+            self.weights_hook("save_checkpoint()")
         default = path is None
         final = (Path(path) if path is not None
                  else Path(self.args.output_dir) / f"{ckpt.PREFIX}-{self.state.global_step}")
@@ -567,7 +621,14 @@ class Trainer:
         _, write_shared = self.snapshot_files(snapshot)
         return saving.write_state(self._engine, self.dist, final, write_shared, snapshot=snapshot)
 
-    def _load_checkpoint(self, path: Path, stream: BatchStream, quiet: bool = False) -> None:
+    @property
+    def data_stream(self) -> Optional[BatchStream]:
+        """The training data stream of the run going on (None before one starts)."""
+        return self._stream
+
+    def load_state(self, path: Path, stream: BatchStream, quiet: bool = False) -> None:
+        """Take the run's state from the checkpoint or snapshot at ``path`` (checked whole
+        first): the engine's, the schedule's, ``stream``'s position, step, lineage."""
         self.wait_snapshot()   # (a snapshot completing in the background reads the engine's files)
         mine = {"batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
@@ -575,7 +636,7 @@ class Trainer:
                 "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
                 "total_steps": self.total_steps, "seed": self.args.seed}
         r = saving.load_state(path, self._engine, self.schedule, stream, mine,
-                              ignore_data_skip=self.args.ignore_data_skip, quiet=quiet)
+                              ignore_data_skip=self.args.ignore_data_skip, quiet=quiet, dist=self.dist)
         self.state, self._tokens_seen, self._log_accum = r.state, r.tokens_seen, r.log_accum
         self.run_id, self.parent_run_id, self.forked_at_step = r.run_id, r.parent_run_id, r.forked_at_step
 

@@ -46,10 +46,13 @@ def _env():
     return e
 
 
-def _run_and_list(tmp_path, launcher_args):
+def _run_and_list(tmp_path, launcher_args, mode=""):
     cmd = [sys.executable, "-m", "megatrain_nb.torchrun", "--nproc-per-node=2", *launcher_args,
-           "--monitor-interval=0.2", str(HERE / "w_listen.py"), str(tmp_path)]
-    p = subprocess.Popen(cmd, cwd=str(REPO), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           "--monitor-interval=0.2", str(HERE / "w_listen.py"), str(tmp_path), mode]
+    env = _env()
+    env["TMPDIR"] = str(tmp_path / "tmp")   # where torchelastic would leave its torchelastic_* folders
+    (tmp_path / "tmp").mkdir()
+    p = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + BOUND
         while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
@@ -68,18 +71,25 @@ def _run_and_list(tmp_path, launcher_args):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["", "args-first"])
 @pytest.mark.parametrize("how", [
     [],                                                                      # the static rendezvous
     ["--master-port", "0"],
     ["--rdzv-backend", "c10d", "--rdzv-endpoint", "PORT", "--max-restarts", "1"],   # the README's restart recipe
     ["--standalone"],
-])
-def test_a_single_node_launch_listens_on_loopback_only(tmp_path, how):
+], ids=["static", "static-port-0", "c10d", "standalone"])
+def test_a_single_node_launch_listens_on_loopback_only(tmp_path, how, mode):
+    """``args-first``: the script builds TrainingArguments before anything (issue 33 item 1: rank
+    0's store then listened on every interface with c10d / --standalone)."""
+    if mode and how == ["--master-port", "0"]:
+        pytest.skip("the same rendezvous as the static case")
     how = [f"127.0.0.1:{free_port()}" if a == "PORT" else a for a in how]
-    found = _run_and_list(tmp_path, how)
+    found = _run_and_list(tmp_path, how, mode)
     assert any(name == "pt_elastic" or "python" in name for name, _, _ in found), found   # the store is there
     assert len(found) >= 3, found                      # the store, and each rank's gloo socket
     assert all(_loopback(ip) for _, ip, _ in found), found
+    left = [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith(("torchelastic_", "megatrain-"))]
+    assert not left, f"the launch left {left} in the temporary folder"   # issue 33 item 8
 
 
 @pytest.mark.slow
@@ -129,6 +139,11 @@ def test_the_wrapper_rewrites_single_node_arguments_and_passes_multi_node_throug
     args, store, env = loopback_argv(["--nproc-per-node=2", "--standalone", "-m", "pkg.mod", "RUN"])
     assert "--standalone" not in args and f"--rdzv-endpoint=127.0.0.1:{store.port}" in args
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and args[-2:] == ["pkg.mod", "RUN"]
+    # each worker starts through torchrun_boot: rank 0's store on loopback before the module runs
+    assert args[-5:-2] == ["-m", "megatrain_nb.torchrun_boot", "--module"] and args.count("-m") == 1
+    del store
+    args, store, env = loopback_argv(["--nproc-per-node=2", "--rdzv-backend", "c10d", "train.py", "--x"])
+    assert args[-4:] == ["-m", "megatrain_nb.torchrun_boot", "train.py", "--x"]
     del store
     multi = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "t.py"]
     assert loopback_argv(multi) == (multi, None, {})

@@ -75,3 +75,21 @@ def test_bytes_sent_per_step_near_the_floor(two_ranks):
     sent, floor = sum(res["sent"].get(k, 0) for k in ("gather", "reduce_scatter")), \
         sum(res["minimum"].get(k, 0) for k in ("gather", "reduce_scatter"))
     assert floor > 0 and sent / floor <= 1.1
+
+
+@pytest.mark.slow
+def test_two_rank_launches_exit_cleanly_in_a_loop(tmp_path):
+    """Issue 33: one launch in ~12 aborted at exit ("terminate called without an active exception",
+    SIGABRT): a gloo worker thread released a finished all-gather's tensors while the interpreter
+    was being torn down (the groups' threads lived as long as their Python objects). Dist.close
+    now ends them in order. A few launches here; ``MEGATRAIN_NB_LAUNCH_LOOPS=30`` for more
+    (scripts/loop_two_ranks.sh)."""
+    import os
+
+    for i in range(int(os.environ.get("MEGATRAIN_NB_LAUNCH_LOOPS", "3"))):
+        out = tmp_path / str(i)
+        out.mkdir()
+        proc = torchrun(Path(flow.__file__), str(out), "adamw", nproc=2, timeout=300,
+                        env={"PYTHONFAULTHANDLER": "1"})
+        check(proc)
+        assert "terminate called" not in proc.stderr + proc.stdout, (i, proc.stderr[-3000:])

@@ -1,5 +1,7 @@
-"""Worker (run by megatrain_nb.torchrun): join the group through Dist.from_env, one collective,
-say "ready" with its pid, then hold the group open until the test has listed the sockets."""
+"""Worker (run by megatrain_nb.torchrun): join the group, one collective, say "ready" with its
+pid, then hold the group open until the test has listed the sockets. ``args-first``: build
+``TrainingArguments`` first, as every README train.py does (it initialises the process group
+through accelerate before Dist.from_env can bind anything); else only Dist.from_env."""
 import os
 import sys
 import time
@@ -10,7 +12,11 @@ import torch
 from megatrain_nb.engine.dist import Dist
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, mode: str = "") -> None:
+    if mode == "args-first":
+        from transformers import TrainingArguments
+
+        TrainingArguments(output_dir=os.path.join(out_dir, "o"), use_cpu=True, report_to="none")
     d = Dist.from_env()
     t = torch.ones(1)
     d.all_reduce_(t)
@@ -24,4 +30,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -328,3 +328,34 @@ def test_cache_futures_say_which_tier_a_wait_is_for(tmp_path):
         stalls = counters.snapshot()["stall_seconds"]
         assert stalls["host_cache"] > 0 and stalls["disk"] > 0
         cache.close()
+
+
+def test_a_read_during_write_back_all_never_sees_the_older_file(tmp_path, monkeypatch):
+    """write_back_all (a snapshot taken in the AdamW worker while the next step reads) issues each
+    dirty key's write before the key leaves RAM: a read in between gets the newest version, not
+    the file the key had before (the race made a disk-tier run with snapshots not repeatable)."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2))
+    e = StreamingEngine(model, EngineConfig(device="cpu", offload_dir=str(tmp_path), offload_params=True,
+                                            host_cache_gb=1))
+    for ids in _data(2):
+        e.forward_backward(ids, step_lr=1e-2)
+    e.zero_grad()
+    cache = e.disk
+    dirty = {k: {n: t.clone() for n, t in v["t"].items()} for k, v in cache._entries.items() if v["dirty"]}
+    assert dirty, "the plan keeps some updated keys resident"
+    seen = {}
+    write = cache.store.write
+
+    def slow_write(key, tensors):   # a read of every dirty key lands while the first write is issued
+        if not seen:
+            for k in dirty:
+                seen[k] = cache.read(k, outside_plan=True).result()
+        return write(key, tensors)
+    monkeypatch.setattr(cache.store, "write", slow_write)
+    cache.write_back_all()
+    cache.flush()
+    for k, want in dirty.items():
+        assert all(torch.equal(seen[k][n], want[n]) for n in want), k
+        got = cache.store.read(k).result()
+        assert all(torch.equal(got[n], want[n]) for n in want), k
+    e.close()

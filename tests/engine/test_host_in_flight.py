@@ -80,6 +80,10 @@ def test_planner_counts_the_staging_buffers_as_the_gradients_in_flight():
         assert cuda == staging_buffers(depth) * 4 * u          # no pool buffer besides them
         held = host_in_flight(units, "none", cuda=True, clipped=True, depth=depth, **kw)
         assert held == cuda + 3 * 4 * u                        # a copy out of staging + 2 writes
+        # bf16 slots: the pinned buffer the weights are cast into on the host (issue 37)
+        assert host_in_flight(units, "none", cuda=True, clipped=False, depth=depth, compute_bytes=2, **kw) == cuda + 2 * u
+        assert host_in_flight(units, "none", cuda=False, clipped=False, depth=depth, compute_bytes=2, **kw) == \
+            host_in_flight(units, "none", cuda=False, clipped=False, depth=depth, **kw)
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])

@@ -429,8 +429,8 @@ def test_max_grad_norm_needs_step_lr():
     ids = _data(1)[0]
     with pytest.raises(ValueError, match="step_lr"):
         e.forward_backward(ids, max_grad_norm=1.0)
-    with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
-        e.forward_backward(ids, step_lr=1e-3, max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="max_grad_norm=-1.0: must be a finite number >= 0"):
+        e.forward_backward(ids, step_lr=1e-3, max_grad_norm=-1.0)
     e.close()
 
 

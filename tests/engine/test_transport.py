@@ -137,3 +137,83 @@ def test_layer_major_interval_0_under_adversarial_transport(adversarial):
 
 def test_layer_major_groups_under_adversarial_transport(adversarial):
     test_layer_major.test_split_into_groups_loads_twice_per_group()
+
+
+# ---------------------------------------------------------------- the compute side late, host buffers in flight
+def test_a_fresh_buffer_copy_not_ordered_after_the_compute_is_overwritten():
+    """The caching allocator hands back a block whose last owner's kernels are still queued on
+    the compute stream: a copy into it not ordered after ``record()`` lands first and is then
+    overwritten (NaN); ordered after it, it holds the data."""
+    from megatrain_nb.engine.transport import all_of
+
+    t = CpuTransport(adversarial=True)
+    src = torch.arange(16, dtype=torch.float32)
+    bad = t.device_empty((16,), torch.float32)
+    t.copy_in(None, src, bad).wait()
+    assert torch.isnan(bad).all() and t.late_writes == 1
+    good = t.device_empty((16,), torch.float32)
+    t.copy_in(None, src, good, after=all_of(None, t.record())).wait()
+    assert torch.equal(good, src) and t.late_writes == 2
+    t.close()
+
+
+def test_a_host_buffer_written_before_its_transfer_is_waited_for_raises():
+    """A host buffer released after a copy from it stays in flight (on a GPU the copy engine may
+    still read it) until its release handle is waited for: written before that, the next copy
+    from it raises; a copy out into it raises at once."""
+    t = CpuTransport(adversarial=True)
+    h = torch.arange(8, dtype=torch.float32)
+    t.copy_in(None, h, t.device_empty((8,), torch.float32)).wait()
+    last = t.release(h)
+    assert torch.isnan(h).all() and not last.done()
+    with pytest.raises(TransportError, match="may still be reading"):
+        t.copy_out(None, torch.ones(8), h, after=t.record())
+    h.copy_(torch.ones(8))   # a disk read into the recycled buffer, not waiting
+    with pytest.raises(TransportError, match="written while the transfer"):
+        t.copy_in(None, h, t.device_empty((8,), torch.float32))
+    last.result()            # waited for: the buffer is the host's again
+    t.copy_in(None, h, t.device_empty((8,), torch.float32)).wait()
+    t.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_window_tiers_interval_2_under_adversarial_transport(adversarial, tmp_path, tier):
+    """Boundary activations restored from host RAM or the disk tier into fresh device buffers
+    (checkpoint_interval=2): gradients equal the device tier's under the adversarial transport
+    (the restore's copy ordered after the compute; a recycled host buffer reused for a disk read
+    only once its last transfer is done)."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=4)).eval()
+    w = [torch.randint(1, VOCAB, (2, 12)) for _ in range(3)]
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=2))
+    eng = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=2, window_tier=tier,
+                                                             offload_dir=str(tmp_path)))
+    try:
+        for step in range(2):   # the second window reuses the first's recycled host buffers
+            a = ref.forward_backward(w, step_lr=1e-3 if step == 0 else None)
+            b = eng.forward_backward(w, step_lr=1e-3 if step == 0 else None)
+            assert eng.telemetry()["last_step"]["boundary_tier"] == tier
+            assert a.loss == b.loss
+        ga = dict(ref.named_gradients())
+        for name, g in eng.named_gradients():
+            assert torch.equal(g, ga[name]), name
+    finally:
+        ref.close()
+        eng.close()
+
+
+def test_recycled_boundary_buffers_of_shapes_no_longer_used_are_freed():
+    """Variable sequence lengths: the host tier's recycled (pinned, on CUDA) buffers of a length
+    that the last passes did not use are freed, not kept per exact shape for good."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2)).eval()
+    eng = StreamingEngine(model, EngineConfig(device="cpu", checkpoint_interval=1, window_tier="host"))
+    try:
+        shapes = set()
+        for seq in (8, 9, 10, 11, 12):
+            eng.forward_backward([torch.randint(1, VOCAB, (2, seq)) for _ in range(2)])
+            shapes = {k[0] for k, v in eng.boundary._free.items() if v}
+        # the window just run and the KEEP_PASSES before it: the first lengths are gone
+        assert {s[1] for s in shapes} == {10, 11, 12}, shapes
+        row = 2 * 12 * 32 * 4   # one micro-batch's hidden state at the longest length
+        assert eng.boundary.free_bytes() <= 3 * 2 * 2 * row   # 3 lengths x 2 micro-batches x 2 layers
+    finally:
+        eng.close()

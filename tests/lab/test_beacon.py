@@ -280,8 +280,8 @@ def test_validate_command_accepts(command, value, expected):
 @pytest.mark.parametrize(
     ("command", "value", "message"),
     [("Pause", None, "unknown command"), (None, None, "unknown command"),
-     ("stop", 1, "takes no value"), ("lr", None, "positive number"),
-     ("lr", True, "positive number"), ("lr", "abc", "positive number"),
+     ("stop", 1, "takes no value"), ("lr", None, "must be a finite number > 0"),
+     ("lr", True, "must be a finite number > 0"), ("lr", "abc", "must be a finite number > 0"),
      ("lr", 0, "> 0"), ("lr", float("inf"), "finite"), ("lr", 100, "implausibly large")],
 )
 def test_validate_command_refuses(command, value, message):
@@ -475,3 +475,18 @@ def test_the_heartbeat_lists_the_runs_branches_cleaned(runtime_root):
         assert list_sessions()[0]["branches"] == []
     finally:
         b.stop()
+
+
+def test_a_finished_run_whose_process_exited_goes_after_a_while(runtime_root):
+    """Issue 36: cards of exited kernels' runs stayed "finished" for a day (44 in an afternoon)."""
+    from megatrain_nb.lab.registry import DEAD_ENDED_KEPT
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    t = time.time()
+    _write_heartbeat(runtime_root, "exited", pid=p.pid, state="finished", ended=t, updated=t)
+    _write_heartbeat(runtime_root, "alive", state="finished", ended=t, updated=t)   # this process
+    assert {s["id"] for s in list_sessions(now=t + 60)} == {"exited", "alive"}   # its final loss, a while
+    later = list_sessions(now=t + DEAD_ENDED_KEPT + 1)
+    assert [s["id"] for s in later] == ["alive"]   # a kernel that still holds its run keeps the card
+    assert not (runtime_root / "sessions" / "exited.json").exists()

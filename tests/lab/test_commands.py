@@ -108,7 +108,7 @@ def test_checks_accept(name, value, sidebar, want):
     ("checkpoint", None, True, "unknown command"), ("stop", True, True, "takes no value"),
     ("lr", 11, False, "implausibly large"), ("pause", 1, False, "takes no value"),
     ("checkpoint", 3, False, "path string"), ("checkpoint", "a\0b", False, "path string"), ("x", None, False, "unknown"),
-    ("rewind", -1, False, "a step number >= 0"), ("rewind", True, False, "takes a step number"),
+    ("rewind", -1, False, "must be a whole number >= 0"), ("rewind", True, False, "must be a whole number >= 0"),
     ("rewind", 3, True, "unknown command"), ("fork", {"lr": 1}, False, "takes \\(step"),
     ("snapshot", 1, False, "takes no value"),
 ])

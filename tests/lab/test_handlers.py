@@ -123,7 +123,7 @@ def test_command_reaches_the_session_within_a_second(fetch, running, body, kind,
 @pytest.mark.parametrize(
     ("body", "message"),
     [({"command": "explode"}, "unknown command 'explode'"),
-     ({"command": "lr"}, "positive number"),
+     ({"command": "lr"}, "must be a finite number > 0"),
      ({"command": "lr", "value": -1}, "> 0"),
      ({"command": "pause", "value": 1}, "takes no value"),
      ("not json", "must be JSON"),
@@ -210,3 +210,15 @@ def test_dismiss_removes_an_ended_run_and_refuses_a_running_one(fetch, runtime_r
     assert listed["sessions"] == []
     code, _, _ = fetch("megatrain-nb", "sessions", b.id, method="DELETE")
     assert code == 404
+
+
+@pytest.mark.parametrize("raw", ["1" + "0" * 400, "-1", "0", "11", '"x"', "[1]", "true", "NaN", "Infinity", "1e400"])
+def test_a_bad_value_from_the_table_is_400_never_500(fetch, running, raw):
+    """Issue 33: a 400-digit integer was a 500 (OverflowError); every refusal has the table's words."""
+    from megatrain_nb.values import rule
+
+    body = '{"command": "lr", "value": ' + raw + "}"
+    code, data, _ = fetch("megatrain-nb", "sessions", running.id, "command", method="POST", body=body)
+    assert code == 400, (raw, code, data)
+    assert rule("learning_rate") in data["message"] or "JSON" in data["message"], data
+    assert running.events == []

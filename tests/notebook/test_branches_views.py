@@ -63,8 +63,35 @@ def test_dashboard_shows_the_tree_once_there_are_branches(tree):
     d = Dashboard(s)
     d.refresh(force=True)
     assert d.branches.box.layout.display == ""
-    names = {t.name for t in d.branches.fig.data if t.name}
+    spec = d.branches.chart.spec
+    names = {item["name"] for item in spec["legend"]}
     assert {"main", "low (from step 2): learning_rate=0.0001"} <= names
+    assert spec["kind"] == "panels" and [q["x"] for q in spec["panels"][0]["points"]] == [2]
+
+
+def test_the_dashboards_tree_follows_the_run_with_the_other_panels(tree):
+    """Issue 36: rewound and trained on, then forked, the Branches figure kept its old x range
+    and missed the fork. The chart's spec is rebuilt with the data panels' refresh."""
+    from megatrain_nb.notebook.dashboard import Dashboard
+
+    s, b = tree
+    d = Dashboard(s)
+    d.refresh(force=True)
+    s.rewind(4)
+    s.train(block=True)
+    late = s.fork(step=4, name="late", learning_rate=5e-4)
+    late.train(block=True)
+    d.refresh(force=True)
+    spec = d.branches.chart.spec
+    loss = spec["panels"][0]
+    assert max(x for series in loss["series"] for x in series["x"]) == 6
+    assert any(item["name"].startswith("late (from step 4)") for item in spec["legend"]), spec["legend"]
+    # the fork from the abandoned path is drawn on the abandoned curve, not on the continuation
+    abandoned = next(r for r in s.explorer.tree() if "abandoned" in r["name"])
+    at4 = next(r["loss"] for r in abandoned["records"] if r["step"] == 2)
+    low = next(q for q in loss["points"] if q["x"] == 2)
+    assert abs(low["y"] - at4) < 1e-6
+    late.close()
 
 
 def test_report_exports_the_tree(tree, tmp_path):
@@ -108,3 +135,30 @@ def test_the_sidebar_rows_nest_forks_and_rewinds_under_their_run(tree, tmp_path,
     finally:
         beacon.stop()
     idle.close()
+
+
+def test_compare_names_every_parent_and_says_why_a_panel_is_empty(tree):
+    """Issue 36: forked_from mixed raw run ids with branch names; the eval panel was blank."""
+    import megatrain_nb as mt
+
+    s, b = tree
+    s.rewind(4)
+    s.train(block=True)   # main goes on as a new run; the one "low" forked from is now abandoned
+    rows = {r["branch"]: r for r in mt.compare(s, b).rows}
+    assert rows["low"]["forked_from"] == "main (abandoned after step 4)"
+    notes = [a.text for a in mt.compare(s, b).figure.layout.annotations]
+    assert "no eval loss logged (no eval set)" in notes
+
+
+def test_a_finished_runs_dashboard_shows_a_fork_trained_later(tree):
+    """Issue 36: the Branches figure of a run that had finished never showed its later forks."""
+    import ipywidgets  # noqa: F401
+
+    s, b = tree
+    d = s.dashboard()   # finished: refreshed once, nothing keeps it live
+    later = s.fork(step=4, name="later", learning_rate=2e-4)
+    later.dashboard()   # the fork's own dashboard, refreshed as it trains
+    later.train(dashboard=False, block=True)
+    later.dashboard()   # (refreshes it once more: the run ended)
+    assert any(item["name"].startswith("later (from step 4)") for item in d.branches.chart.spec["legend"])
+    later.close()

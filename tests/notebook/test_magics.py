@@ -43,9 +43,9 @@ def test_controls_act_on_the_current_session(ip, fake_session, capsys):
     ip.run_line_magic("megatrain", "lr 5e-4")
     assert "learning rate 0.0005" in capsys.readouterr().out
     ip.run_line_magic("megatrain", "lr fast")
-    assert "not a learning rate" in capsys.readouterr().out
+    assert "%megatrain lr='fast': must be a finite number > 0 and <= 10" in capsys.readouterr().out
     ip.run_line_magic("megatrain", "lr 1e10")   # the Trainer's, the Session's and the sidebar's rule
-    assert "implausibly large (the limit is 10" in capsys.readouterr().out
+    assert "<= 10 (the optimizer's step size; above 10 is implausibly large" in capsys.readouterr().out
     ip.run_line_magic("megatrain", "lr 0")
     assert "must be a finite number > 0" in capsys.readouterr().out
     ip.run_line_magic("megatrain", "status")

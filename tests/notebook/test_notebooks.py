@@ -37,8 +37,14 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
         assert "Static snapshot" in text
     if path.stem.startswith("01-"):
         _check_saved_quickstart(nb, tmp_path)
+        for report in ("report.html", "report.ipynb"):   # the dashboard's light charts: no plotly.js inlined
+            size = (work / "megatrain_outputs" / "quickstart" / report).stat().st_size
+            print(f"quickstart {report}: {size / 1e6:.3f} MB")
+            assert size <= 1_000_000, (report, size)
     if path.stem.startswith("03-"):
         _check_bigger_than_memory(nb)
+    if path.stem.startswith("04-"):
+        _check_fine_tune(nb, text)
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -60,6 +66,18 @@ def _check_saved_quickstart(nb, tmp_path) -> None:
     training = [sp for sp in specs if sp.get("kind") == "training"]
     assert training and training[-1]["step"] == 200 and len(training[-1]["loss"]["x"]) > 10
     assert "plotly.js" not in text and "widgetbundle" not in text
+    # section 6: the run with on_nonfinite="rewind" recovered from its NaN step by itself
+    assert "recovers: finished, step 30/30" in _stream_text(nb) and "recovery 1/3" in _stream_text(nb)
+
+
+def _check_fine_tune(nb, text: str) -> None:
+    """Issue 36: no datasets "Map" bars or transformers FutureWarning in red, the truncation
+    notice once, and the saved snapshot holds the answer from the final weights."""
+    stderr = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                     if o.output_type == "stream" and o.get("name") == "stderr")
+    assert "Map" not in stderr and "FutureWarning" not in stderr, stderr[-2000:]
+    assert _stream_text(nb).count("longer than max_length") == 1   # the warning; the print says the numbers
+    assert "drawing the answer at step" not in text
 
 
 def _stream_text(nb) -> str:

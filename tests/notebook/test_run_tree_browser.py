@@ -1,6 +1,7 @@
 """The run tree in a browser (Debian's chromium, Playwright): the dashboard's branches panel in
-a real JupyterLab (a plotly FigureWidget: it must render there, with every branch, its line
-saying what changed, and the fork point), and the exported HTML report's tree, opened offline.
+a real JupyterLab (the dashboard's own chart, kind "panels": it must render there, with every
+branch, its line saying what changed, and the fork point), and the exported HTML report's tree
+(the same chart module, inlined), opened offline.
 
     pytest -m browser tests/notebook/test_run_tree_browser.py
 
@@ -39,25 +40,19 @@ low = s.fork(step=2, name="low", learning_rate=1e-4)
 low.train(block=True)"""
 FORK_LABEL = "low (from step 2): learning_rate=0.0001"
 
-# every plotly figure on the page: its title and its traces' names, marker symbols and x values
-FIGURES = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(g => ({
-  title: (g.layout && g.layout.title && (g.layout.title.text || g.layout.title)) || '',
-  traces: (g.data || []).map(t => ({name: t.name || '', symbol: (t.marker && t.marker.symbol) || '',
-                                    x: Array.from(t.x || []).slice(0, 3)})),
-  drawn: g.querySelectorAll('.scatterlayer .trace').length}))"""
+# every run-tree chart on the page: its legend, fork diamonds (their x in the tooltip) and lines drawn
+FIGURES = """() => Array.from(document.querySelectorAll('.mtnb-chart-root')).filter(r => r.querySelector('.mtnb-panels'))
+  .map(r => ({legend: Array.from(r.querySelectorAll('.mtnb-chart-legend-item')).map(n => n.textContent),
+              forks: Array.from(r.querySelectorAll('.mtnb-fork title')).map(n => n.textContent),
+              drawn: r.querySelectorAll('.mtnb-series').length}))"""
 
 
-def _tree_figure(figures, title):
-    found = [f for f in figures if title in str(f["title"])]
-    assert found, f"no plotly figure titled {title!r} on the page: {[f['title'] for f in figures]}"
-    return found[0]
-
-
-def _check_tree(fig):
-    names = {t["name"] for t in fig["traces"]}
-    assert "main" in names and FORK_LABEL in names, names
-    assert any(t["symbol"] == "diamond" and t["x"] == [2] for t in fig["traces"]), fig["traces"]  # the fork point
-    assert fig["drawn"] >= 4   # plotly drew the branches' lines (loss and lr of both, at least)
+def _check_tree(figures):
+    assert figures, "no run-tree chart on the page"
+    fig = figures[-1]
+    assert "main" in fig["legend"] and FORK_LABEL in fig["legend"], fig["legend"]
+    assert any("(step 2)" in t for t in fig["forks"]), fig["forks"]   # the fork point
+    assert fig["drawn"] >= 4   # the branches' lines (loss and lr of both, at least)
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +99,14 @@ def test_the_dashboards_branches_panel_draws_the_tree_in_jupyterlab(lab):
             # may leave output it does not show undrawn)
             deadline, figures = time.monotonic() + 240, []
             while time.monotonic() < deadline:
-                plots = out.locator(".js-plotly-plot")
-                if plots.count():
-                    plots.last.scroll_into_view_if_needed(timeout=10_000)
+                charts = out.locator(".mtnb-panels")
+                if charts.count():
+                    charts.last.scroll_into_view_if_needed(timeout=10_000)
                 figures = page.evaluate(FIGURES)
-                if any("Branches" in str(f["title"]) and f["drawn"] >= 4 for f in figures):
+                if any(f["drawn"] >= 4 and FORK_LABEL in f["legend"] for f in figures):
                     break
                 page.wait_for_timeout(2_000)
-            _check_tree(_tree_figure(figures, "Branches"))
-            assert out.locator(".js-plotly-plot .legendtext", has_text=FORK_LABEL).count() >= 1
+            _check_tree(figures)
             page.screenshot(path=str(ARTIFACTS / "run-tree-dashboard.png"), full_page=True)
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "run-tree-dashboard-failure.png"), full_page=True)
@@ -145,10 +139,9 @@ def test_the_exported_reports_tree_renders_offline(tmp_path):
         page.on("request", lambda r: requests.append(r.url))
         try:
             page.goto(f"file://{page_path}", wait_until="load", timeout=60_000)
-            page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length >= 4",
+            page.wait_for_function("() => document.querySelectorAll('.mtnb-panels .mtnb-series').length >= 4",
                                    timeout=60_000)
-            _check_tree(_tree_figure(page.evaluate(FIGURES), "Run tree"))
-            assert page.locator(".legendtext", has_text=FORK_LABEL).count() >= 1
+            _check_tree(page.evaluate(FIGURES))
             page.screenshot(path=str(ARTIFACTS / "run-tree-report.png"), full_page=True)
         finally:
             browser.close()

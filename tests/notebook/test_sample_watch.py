@@ -167,3 +167,21 @@ def test_a_stopped_run_stops_the_watch(chat_session):
     s.wait(timeout=30)
     t = s.sample_watch._thread
     assert wait_until(lambda: not t.is_alive(), timeout=5)
+
+
+def test_the_run_ends_with_the_last_answer_drawn_and_the_cap_explained(chat_session):
+    """Issue 36: a saved snapshot said "drawing the answer at step 40…", with two answers for
+    every=4 and no word why."""
+    from megatrain_nb.notebook.summary_html import summary_html
+
+    s = chat_session(total_steps=40, step_time=0.002)
+    _stepping(s, delay=0.03)
+    s.set_sample_prompt(ASK, every=4, max_new_tokens=3)
+    s.train()
+    assert s.wait(timeout=60) == "finished"
+    w = s.sample_watch
+    assert w.drawing is None and w.answers()[-1]["step"] == 40   # at once: the end waited for it
+    final = summary_html(s, s.run_log.view(), final=True)
+    assert "drawing the answer" not in final and "step 40</td>" in final
+    assert w.skipped > 0 and len(w.answers()) < 11
+    assert f"{w.skipped} answers skipped" in final and "at most 10% of the run's time" in final

@@ -157,7 +157,7 @@ def test_inspect_returns_the_engine_layer_stats(fake_session):
     assert s.inspect("head")["unit"] == "head"
     assert s.inspect("layers.0")["unit"] == "model.layers.0"
     assert len(r["history"]["grad_norm"]["step"]) == 8
-    assert "<svg" in r._repr_html_()
+    assert "<img alt='weight histogram' src='data:image/svg+xml;base64," in r._repr_html_()   # sanitizer-safe
     with pytest.raises(IndexError, match="3 decoder layers"):
         s.inspect(7)
     with pytest.raises(LookupError, match="no unit"):

@@ -39,7 +39,7 @@ def test_a_label_outside_the_vocabulary_is_named(engine):
 
 def test_a_negative_learning_rate_is_refused(engine):
     engine.forward_backward(torch.randint(0, VOCAB, (1, 8)))
-    with pytest.raises(ValueError, match="learning rate -0.001 must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="step_lr=-0.001: must be a finite number >= 0"):
         engine.optimizer_step(-1e-3)
     engine.zero_grad()
 

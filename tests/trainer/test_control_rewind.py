@@ -160,5 +160,34 @@ def test_rewind_takes_a_step(value, want):
 
 @pytest.mark.parametrize("value", [-1, "x", 1.5, True, None])
 def test_rewind_refuses_what_is_not_a_step(value):
-    with pytest.raises(CommandError, match="step number"):
+    with pytest.raises(CommandError, match="must be a whole number >= 0"):
         check_command("rewind", value)
+
+
+def test_a_rewind_command_to_a_damaged_snapshot_is_refused_and_the_run_goes_on(tmp_path):
+    want = _uninterrupted(tmp_path)
+    t = _trainer(tmp_path / "run")
+    asked = set()
+
+    def steer(step):
+        rc = t.run_control
+        if step == 2 and "snap" not in asked:
+            rc.request("snapshot", source="test")
+            asked.add("snap")
+        if step == 3 and "rewind" not in asked:
+            snap = next((tmp_path / "run" / "snapshots").iterdir())
+            victim = snap / "ram_state.safetensors"
+            data = bytearray(victim.read_bytes())
+            data[-2] ^= 0x10
+            victim.write_bytes(bytes(data))
+            rc.request("rewind", 2, source="test")
+            asked.add("rewind")
+
+    t.add_callback(At(steer))
+    t.train()
+    events = t.run_control.applied
+    assert [(e["kind"], e["step"]) for e in events] == [("snapshot", 2), ("rewind_failed", 3)]
+    assert "ram_state.safetensors" in events[1]["error"]
+    got = t.engine.state_dict()
+    assert all(torch.equal(got[n], want[n]) for n in want) and t.state.global_step == 5
+    t.close()

@@ -228,7 +228,7 @@ def test_a_file_whose_manifest_entry_was_removed_is_refused(saved, tmp_path):
         tr.train(resume_from_checkpoint=True)
     tr.close()
     (c4 / "extra.bin").write_bytes(b"x")   # a file added later is refused the same way
-    ckpt.seal(c4)
+    ckpt.seal(c4, reseal=True)   # (its manifest does not verify: only an explicit reseal overwrites it)
     (c4 / "added.txt").write_text("later")
     with pytest.raises(IntegrityError, match="added.txt.*not listed"):
         ckpt.verify(c4)
@@ -261,7 +261,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_model_that_wrote_it
     if not record:   # a checkpoint without the record (made by hand): its weights file is checked
         del meta["model"]
         (c2 / "megatrain_state.json").write_text(json.dumps(meta))
-        ckpt.seal(c2)
+        ckpt.seal(c2, reseal=True)
     a = args(out, max_steps=4, save_strategy="no")
     tr = Trainer(model=micro_model(layers=2), train_dataset=token_dataset(12), args=a, device="cpu")
     with pytest.raises(ckpt.CheckpointError) as e:
@@ -289,3 +289,69 @@ def test_a_checkpoint_with_a_parameter_of_another_shape_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"differ in shape.*mlp"):
         tr.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     tr.close()
+
+
+def test_the_engine_checks_a_trainer_checkpoint_before_loading_it(saved, tmp_path):
+    """StreamingEngine.load_checkpoint on a Trainer checkpoint reads its manifest first."""
+    out = _copy(saved, tmp_path)
+    victim = [p for p in _big_files(out / "checkpoint-4") if "model" in p.name][0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    tr = _trainer(tmp_path / "other")
+    before = {k: v.clone() for k, v in tr.engine.state_dict().items()}
+    with pytest.raises(IntegrityError, match=victim.name):
+        tr.engine.load_checkpoint(str(out / "checkpoint-4"))
+    after = tr.engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    tr.close()
+
+
+def test_a_load_that_fails_part_way_leaves_nothing_to_train_or_save_on(saved, tmp_path, monkeypatch):
+    tr = _trainer(tmp_path / "other")
+    e = tr.engine
+    real, calls = e.weights.overwrite, []
+
+    def overwrite(unit, flat):
+        calls.append(unit.name)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return real(unit, flat)
+    monkeypatch.setattr(e.weights, "overwrite", overwrite)
+    with pytest.raises(OSError):
+        e.load_checkpoint(str(saved / "checkpoint-4"))
+    for use in (lambda: e.save_pretrained(str(tmp_path / "m")), lambda: e.state_dict(), lambda: tr.train()):
+        with pytest.raises(RuntimeError, match="failed part way"):
+            use()
+    monkeypatch.setattr(e.weights, "overwrite", real)
+    e.load_checkpoint(str(saved / "checkpoint-4"))   # a load that succeeds repairs it
+    assert e.state_dict()
+    tr.close()
+
+
+def test_seal_refuses_a_folder_whose_manifest_does_not_verify(saved, tmp_path):
+    """Issue 33 item 7: seal() overwrote the manifest of a damaged checkpoint megatrain wrote."""
+    out = _copy(saved, tmp_path)
+    c4 = out / "checkpoint-4"
+    before = (c4 / "manifest.json").read_text()
+    assert ckpt.seal(c4) == json.loads(before)   # a manifest that verifies: left as it is
+    w = _flip_weights(c4)
+    with pytest.raises(ckpt.CheckpointError, match=rf"seal\(.*\) refused: it has a manifest.json and it does not "
+                                                   rf"verify.*{w.name}.*reseal=True"):
+        ckpt.seal(c4)
+    assert (c4 / "manifest.json").read_text() == before
+    with pytest.raises(IntegrityError):
+        ckpt.verify(c4)
+    ckpt.seal(c4, reseal=True)   # said explicitly: the files as they are now
+    assert ckpt.verify(c4)
+
+
+@pytest.mark.parametrize("text", ["{}", "[1, 2]", "not json", '{"scheduler": 3}', '{"scheduler": {}, "override": 5}'])
+def test_a_garbage_scheduler_file_is_named_by_seal_and_by_the_resume(saved, tmp_path, text):
+    out = _copy(saved, tmp_path)
+    c4 = out / "checkpoint-4"
+    (c4 / "scheduler.json").write_text(text)
+    with pytest.raises(ckpt.CheckpointError, match="scheduler.json"):
+        ckpt.seal(c4, reseal=True)
+    with pytest.raises(ckpt.CheckpointError, match="scheduler.json"):
+        ckpt.read_scheduler_state(c4)

@@ -231,3 +231,67 @@ def test_resume_continues_exactly(tmp_path):
     for n, p in second.engine.named_parameters():
         assert torch.equal(p, want[n]), n
     second.close()
+
+
+def _chat(answer):
+    return {"messages": [{"role": "user", "content": "what is the weather"}, {"role": "assistant", "content": answer}]}
+
+
+@pytest.mark.parametrize("bad,said", [
+    ({"messages": [{"role": "user", "content": 5}]}, r"\[3\] \(messages\): 'messages'\[0\] has content=5 \(an int\)"),
+    ({"messages": [{"role": "user", "content": ["a"]}]}, r"\[3\] \(messages\): 'messages'\[0\] has content=\['a'\]"),
+    ({"messages": [{"role": "user", "content": {"a": 1}}]}, r"\[3\] \(messages\).*content=\{'a': 1\} \(a dict\)"),
+    ({"messages": "hello"}, r"\[3\] \(messages\): 'messages' is a str, not a list"),
+])
+def test_malformed_conversation_rows_are_named_by_index(tmp_path, bad, said):
+    """Issue 33 item 5: ArrowInvalid / ArrowTypeError naming no row."""
+    rows = [_chat("sunny"), _chat("rain"), _chat("snow"), bad]
+    with pytest.raises(DataError, match=r"train_dataset" + said):
+        _trainer(tmp_path, rows)
+
+
+@pytest.mark.parametrize("rows,said", [
+    ([{"instruction": "a", "output": "b"}, {"instruction": "a", "output": 3}],
+     r"train_dataset\[1\] \(alpaca\): 'output' is an int \(3\), not text"),
+    ([{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": 3}],
+     r"train_dataset\[1\] \(prompt_completion\): 'prompt' and 'completion' must both be text"),
+    ([{"text": "the weather"}, {"text": 3}], r"train_dataset\[1\] \(text\): 'text' is an int"),
+    ([{"text": "the weather"}, {"text": ""}], r"train_dataset\[1\] \(text\): 'text' is empty"),
+])
+def test_malformed_plain_rows_are_named_by_index(tmp_path, rows, said):
+    with pytest.raises(DataError, match=said):
+        _trainer(tmp_path, rows)
+
+
+def test_an_empty_text_row_of_a_dataset_is_named_at_once(tmp_path):
+    """It failed at the first step: "a batch has sequences of 1 token", naming no row."""
+    rows = Dataset.from_list([{"text": "the weather is sunny"}] * 3 + [{"text": ""}])
+    with pytest.raises(DataError, match=r"train_dataset\[3\] \(text\): 'text' is empty"):
+        _trainer(tmp_path, rows)
+
+
+def test_packing_drops_a_document_cut_to_its_prompt_with_assistant_only_loss(tmp_path):
+    """bfd packing truncates a long document; one left with only its prompt holds no target: dropped,
+    counted and said (it failed late), and with no document left the error says so at once."""
+    from megatrain_nb.assets import chat_tokenizer
+
+    long_prompt = {"messages": [{"role": "user", "content": "what is the weather " * 20},
+                                {"role": "assistant", "content": "rain"}]}
+    kw = dict(tok=chat_tokenizer(), assistant_only_loss=True, packing=True, max_length=24)
+    t = _trainer(tmp_path, [_chat("sunny"), long_prompt, _chat("snow")], **kw)
+    assert t.prep_reports[0].no_target_dropped == 1
+    t.train()
+    t.close()
+    with pytest.raises(DataError, match="no example is left with a token to learn from"):
+        _trainer(tmp_path, [long_prompt], **kw)
+
+
+def test_a_conversation_with_no_assistant_turn_is_counted_dropped_and_said(tmp_path):
+    """Issue 33 item 5: kept and trained on without a word; with assistant_only_loss it holds no target."""
+    from megatrain_nb.assets import chat_tokenizer
+
+    rows = [_chat("sunny"), {"messages": [{"role": "user", "content": "what is the weather"}]}, _chat("rain")]
+    with pytest.warns(UserWarning, match="1 conversations had no assistant turn"):
+        t = _trainer(tmp_path, rows, tok=chat_tokenizer(), assistant_only_loss=True)
+    assert t.prep_reports[0].no_assistant_dropped == 1 and len(t.train_dataset) == 2
+    t.close()

@@ -1,0 +1,278 @@
+"""The first-contact sections of ``gpu_check.py`` (issue 37): each returns its figures and
+prints what it saw; gpu_check.py turns them into RESULT lines.
+
+Two of them also run on CPU (``gpu_check.py --cpu-rehearsal``): delayed-stream parity and
+host-buffer poisoning, on the adversarial CPU transport (engine/transport.py), which lands every
+copy late, runs the compute side late into freshly allocated buffers and keeps a host buffer in
+flight until its release is waited for. On CUDA the same sections put sleep kernels on each
+stream and NaN into every fresh buffer (late, on the compute stream) and every recycled host buffer.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import tempfile
+import threading
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine import transport as transport_mod
+
+SLEEP_CYCLES = 2_000_000   # ~1 ms at ~2 GHz: longer than any copy of the parity model
+
+
+def small_llama(layers=4, hidden=64, vocab=512, heads=4, **kw):
+    return AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                max_position_embeddings=512, tie_word_embeddings=False, **kw)
+
+
+def _rel(engine, ref: dict) -> float:
+    worst = 0.0
+    for name, g in engine.named_gradients():
+        r = ref[name].float().cpu()
+        err = float((g.float().cpu() - r).norm() / (r.norm() + 1e-12))
+        worst = max(worst, err if err == err else float("inf"))
+    return worst
+
+
+@contextlib.contextmanager
+def delayed_cuda_streams(cycles: int = SLEEP_CYCLES):
+    """Every CudaTransport copy starts behind a sleep kernel on its stream; every fresh device
+    buffer (``device_empty``) is filled with NaN on the compute stream behind a sleep (its last
+    owner's kernels, late); every released host buffer is filled with NaN once the compute has
+    passed its release point. A missing stream wait then shows as NaN or a wrong gradient."""
+    T = transport_mod.CudaTransport
+    saved = {k: getattr(T, k) for k in ("copy_in", "copy_out", "device_empty", "release")}
+
+    def copy_in(self, unit, src, dst, **kw):
+        with torch.cuda.stream(self.h2d):
+            torch.cuda._sleep(cycles)
+        return saved["copy_in"](self, unit, src, dst, **kw)
+
+    def copy_out(self, unit, src, dst, **kw):
+        with torch.cuda.stream(self.d2h):
+            torch.cuda._sleep(cycles)
+        return saved["copy_out"](self, unit, src, dst, **kw)
+
+    def device_empty(self, shape, dtype):
+        t = saved["device_empty"](self, shape, dtype)
+        torch.cuda._sleep(cycles)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    def release(self, dst):
+        h = saved["release"](self, dst)
+        if not dst.is_cuda and dst.is_floating_point():
+            h.result()
+            dst.fill_(float("nan"))
+        return h
+
+    for k, f in (("copy_in", copy_in), ("copy_out", copy_out), ("device_empty", device_empty), ("release", release)):
+        setattr(T, k, f)
+    try:
+        yield
+    finally:
+        for k, f in saved.items():
+            setattr(T, k, f)
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def tier_parity(device: str = "cpu", *, hidden=64, seq=16, tiers=("device", "host", "disk")) -> dict:
+    """Gradients of a 3-micro-batch window (checkpoint_interval=2) with the boundary
+    activations on each tier, under delayed streams (CPU: the adversarial transport; CUDA:
+    sleep kernels and NaN), against the plain run (device tier, no delays) and HF autograd.
+    Two windows per engine (the second reuses the first's recycled buffers). Returns
+    {tier: worst relative error vs the plain run, "hf": the plain run vs HF autograd,
+    "poisoned": buffers the adversary poisoned, "late": late compute writes}."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_llama(hidden=hidden)).eval()
+    w = [torch.randint(1, 512, (2, seq)) for _ in range(3)]
+    ref = copy.deepcopy(model).to(device)
+    ids = torch.cat(w).to(device)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    hf = {n: p.grad for n, p in ref.named_parameters()}
+    cfg = dict(device=device, precision="fp32", checkpoint_interval=2)
+    out = {"poisoned": 0, "late": 0}
+    with _env(transport_mod.ADVERSARIAL_ENV, "0"):
+        plain = StreamingEngine(copy.deepcopy(model), EngineConfig(**cfg))
+        plain.forward_backward(w)
+        base = {n: g.clone() for n, g in plain.named_gradients()}
+        out["hf"] = _rel(plain, hf)
+        plain.close()
+    delays = delayed_cuda_streams() if device != "cpu" else _env(transport_mod.ADVERSARIAL_ENV, "1")
+    with delays, tempfile.TemporaryDirectory() as d:
+        for tier in tiers:
+            e = StreamingEngine(copy.deepcopy(model), EngineConfig(window_tier=tier, offload_dir=os.path.join(d, tier),
+                                                                   **cfg))
+            try:
+                worst = 0.0
+                for _ in range(2):
+                    e.zero_grad()
+                    e.forward_backward(w)
+                    got = e.last_window_plan.tier
+                    assert got == tier, f"the window ran on the {got} tier, not {tier}"
+                    worst = max(worst, _rel(e, base))
+                out[tier] = worst
+                t = e.pager.transport
+                t = getattr(t, "inner", t)
+                out["poisoned"] += getattr(t, "poisoned", 0)
+                out["late"] += getattr(t, "late_writes", 0)
+            except Exception as err:  # noqa: BLE001 - a race the delays exposed is a failed section
+                print(f"tier {tier}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                out[tier] = float("inf")
+            finally:
+                e.close()
+    print("delayed-stream parity (" + device + "): " + ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
+                                                              for k, v in out.items()))
+    return out
+
+
+def host_poisoning() -> dict:
+    """The adversary at work on CPU: a host buffer written before the transfer that read it is
+    waited for is caught; a fresh buffer copied into without ordering after the compute is
+    overwritten. Returns {"caught": 2 when both were, "clean": 1 when the ordered uses pass}."""
+    from megatrain_nb.engine.transport import CpuTransport, TransportError, all_of
+
+    t = CpuTransport(adversarial=True)
+    caught = clean = 0
+    h = torch.arange(64, dtype=torch.float32)
+    t.copy_in(None, h, t.device_empty((64,), torch.float32), after=t.record()).wait()
+    last = t.release(h)
+    h.copy_(torch.ones(64))   # reused before the release handle was waited for
+    try:
+        t.copy_in(None, h, t.device_empty((64,), torch.float32))
+    except TransportError:
+        caught += 1
+    out = t.device_empty((64,), torch.float32)
+    t.copy_in(None, torch.ones(64), out).wait()   # not ordered after the compute
+    caught += int(torch.isnan(out).all())
+    last.result()
+    ok = t.device_empty((64,), torch.float32)
+    t.copy_in(None, h, ok, after=all_of(last, t.record())).wait()
+    clean = int(torch.equal(ok, torch.ones(64)))
+    t.close()
+    print(f"host-buffer poisoning (cpu): caught {caught}/2, ordered uses clean {clean}/1")
+    return {"caught": caught, "clean": clean}
+
+
+# ---------------------------------------------------------------------------------- CUDA only
+def thread_cpu_seconds() -> dict:
+    """CPU seconds of each live thread of this process, by its name (Linux /proc)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for t in threading.enumerate():
+        tid = getattr(t, "native_id", None)
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[t.name] = out.get(t.name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def compute_idle_fraction(prof) -> tuple:
+    """(idle fraction of the busiest stream = the compute stream, between its first and last
+    kernel; H2D bytes/s over the HtoD copies' busy time, pageable HtoD copies) from a
+    ``torch.profiler`` run with CUDA activity."""
+    by_stream, h2d_us, pageable = {}, 0.0, 0
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        start, dur, name = ev.start_ns() / 1e3, ev.duration_ns() / 1e3, ev.name()
+        if "Memcpy HtoD" in name:
+            h2d_us += dur
+            pageable += "Pageable" in name
+            continue
+        if "Memcpy" in name or "Memset" in name:
+            continue
+        by_stream.setdefault(ev.device_resource_id(), []).append((start, start + dur))
+    if not by_stream:
+        return float("nan"), h2d_us, pageable
+    spans = max(by_stream.values(), key=lambda s: sum(b - a for a, b in s))
+    spans.sort()
+    busy, end = 0.0, spans[0][0]
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    total = spans[-1][1] - spans[0][0]
+    return 1.0 - busy / total if total > 0 else float("nan"), h2d_us, pageable
+
+
+def raw_pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
+    """A plain pinned host->device copy's rate (the link, as this process sees it)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    b.record()
+    b.synchronize()
+    return 3 * nbytes / (a.elapsed_time(b) / 1e3) / 1e9
+
+
+def resident_step_seconds(cfg, batch: int, seq: int, steps: int = 3) -> float:
+    """The same model fully resident on the GPU (fp32 master, bf16 autocast, fused AdamW)."""
+    model = AutoModelForCausalLM.from_config(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
+    times = []
+    for i in range(steps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    del model, opt
+    torch.cuda.empty_cache()
+    return sorted(times)[len(times) // 2]
+
+
+def dropout_parity() -> float:
+    """Train mode, attention and hidden dropout, checkpoint_interval=2 (recompute replays the
+    RNG) on CUDA: the engine's gradients against HF's from the same seed."""
+    cfg = AutoConfig.for_model("gpt2", vocab_size=512, n_embd=128, n_layer=4, n_head=4, n_positions=256,
+                               resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    ids = torch.randint(0, 512, (2, 64))
+    ref = copy.deepcopy(model).cuda()
+    torch.manual_seed(123)
+    torch.cuda.manual_seed_all(123)
+    ref(input_ids=ids.cuda(), labels=ids.cuda()).loss.backward()
+    hf = {n: p.grad for n, p in ref.named_parameters()}
+    engine = StreamingEngine(model, EngineConfig(device="cuda", precision="fp32", checkpoint_interval=2))
+    torch.manual_seed(123)
+    torch.cuda.manual_seed_all(123)
+    engine.forward_backward(ids)
+    err = _rel(engine, hf)
+    engine.close()
+    print(f"dropout/RNG parity (train mode, interval 2): worst relative grad error {err:.2e}")
+    return err

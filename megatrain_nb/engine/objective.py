@@ -1,0 +1,61 @@
+"""Sequence-level objectives: losses that are functions of per-sequence statistics, not sums
+over tokens (DPO and its variants; KTO, ORPO, SimPO and policy-gradient losses fit the same way).
+
+The chunked loss head (:meth:`.LossHead.loss`) takes such an objective in place of a token loss
+function and runs it in two passes over the chunks of ``loss_chunk_tokens``:
+
+1. without gradients, each chunk's logits give per-sequence statistics
+   (:meth:`SequenceObjective.token_stats`: e.g. the sum of the label log-probs over the loss tokens,
+   a token count, what the metrics need); they are summed over the chunks;
+2. the objective turns the sums into the micro-batch's loss (:meth:`SequenceObjective.loss`), and
+   autograd gives d(loss)/d(each sequence's statistic), a number per sequence and statistic;
+3. with gradients, each chunk's logits again, back-propagated with every token weighted by its
+   sequence's number (``sum_k w_k[b] * stat_k(chunk)[b]``), which is the chain rule exactly.
+   (A micro-batch that fits one chunk is one pass: step 1 runs with gradients and keeps its graph.)
+
+The logits of a whole sequence never exist, the step around the head is unchanged, and a
+micro-batch is never split, so statistics that pair rows (chosen and rejected side by side) see
+both. The engine knows nothing of any particular loss: a new objective is a new class with these
+four methods (KTO: a per-sequence log-prob sum and a KL estimate from mismatched pairs; ORPO: the
+sum and the token count of the chosen rows plus the NLL; SimPO: the same with the count for length
+normalisation; a policy gradient: the log-prob sum weighted by an advantage fed per micro-batch).
+"""
+from __future__ import annotations
+
+from typing import Dict, Protocol, Tuple, runtime_checkable
+
+import torch
+
+__all__ = ["SequenceObjective", "is_sequence_objective"]
+
+
+@runtime_checkable
+class SequenceObjective(Protocol):
+    """What the chunked loss head asks of a sequence-level objective (see the module)."""
+
+    #: names of the statistics the loss is differentiated through (the others are metrics)
+    differentiable: Tuple[str, ...]
+
+    def begin(self, labels: torch.Tensor) -> None:
+        """A micro-batch starts: ``labels`` [batch, seq] are its shifted labels (-100: not a loss
+        token). Called once per micro-batch, in the window's order, before any chunk."""
+
+    def token_stats(self, logits: torch.Tensor, labels: torch.Tensor, start: int,
+                    grad: bool) -> Dict[str, torch.Tensor]:
+        """Per-sequence statistics [batch] of one chunk: ``logits`` [batch, chunk, vocab] (fp32,
+        the model's own head), ``labels`` its shifted labels, ``start`` its first position. With
+        ``grad`` only the differentiable statistics are needed. With grad mode on (``grad``, or a
+        micro-batch of one chunk, whose graph the head keeps for its backward) the differentiable
+        statistics must carry the graph; compute the others under ``torch.no_grad()``."""
+
+    def loss(self, stats: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's loss (a scalar, as the step back-propagates it: any averaging over
+        micro-batches is the objective's) from the statistics summed over all chunks."""
+
+    def done(self, stats: Dict[str, torch.Tensor], loss: float) -> None:
+        """The micro-batch ended: its statistics (detached) and loss, for the metrics."""
+
+
+def is_sequence_objective(fn) -> bool:
+    """Whether ``fn`` (a head's ``loss_fn``) is a sequence-level objective, not a token loss."""
+    return fn is not None and all(hasattr(fn, m) for m in ("token_stats", "begin", "done", "differentiable"))

@@ -1,0 +1,46 @@
+"""What ``megatrain_nb.torchrun`` runs in each worker before the user's script (or module):
+on rank 0 of a single-node launch whose workers host their own store (the c10d rendezvous and
+``--standalone``, store not shared), that store is created here, bound to 127.0.0.1, before the
+script runs. Whatever the script builds first (``TrainingArguments`` initialises the process
+group through accelerate; ``Dist.from_env``; a plain ``init_process_group``), torch's env://
+rendezvous then finds this process's multi-tenant server on the port and uses it, where it would
+otherwise start one listening on every interface.
+
+    python -m megatrain_nb.torchrun_boot [--module] SCRIPT_OR_MODULE [ARGS...]
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+_STORE = None   # kept alive for the process's life: the group's rendezvous store
+
+
+def host_loopback_store() -> None:
+    """Rank 0, MASTER_ADDR on loopback, not a client of the agent's store: bind the store now."""
+    global _STORE
+    from megatrain_nb.engine.dist import DEFAULT_TIMEOUT_S, loopback_rendezvous
+
+    if _STORE is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _STORE = loopback_rendezvous(DEFAULT_TIMEOUT_S)
+
+
+def main(argv: list[str]) -> None:
+    module = bool(argv) and argv[0] == "--module"
+    if module:
+        argv = argv[1:]
+    if not argv:
+        raise SystemExit("usage: python -m megatrain_nb.torchrun_boot [--module] SCRIPT_OR_MODULE [ARGS...]")
+    host_loopback_store()
+    target = argv[0]
+    sys.argv = list(argv)
+    if module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:   # as `python script.py`: the script's folder first on the path
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

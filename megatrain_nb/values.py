@@ -1,0 +1,258 @@
+"""The one table of user-settable values: each one's type, range and meaning, and the one check
+every door applies when the value enters.
+
+The doors: :class:`~megatrain_nb.engine.EngineConfig` (and ``mt.init``), the Trainer's and
+SFTTrainer's arguments (``trainer/args.py``), ``Session.fork`` changes (``notebook/branches.py``),
+the command table (``commands.py``: the sidebar, the Jupyter server, the inbox, ``%megatrain``,
+``set_lr``) and run.yaml (``cli_config.py``). Each calls :func:`check` with the value's name and
+where it came from, so a value is refused with the same words wherever it enters, when it enters:
+
+    >>> check("learning_rate", "3e-4")
+    0.0003
+    >>> try:
+    ...     check("weight_decay", float("nan"), "run.yaml engine.weight_decay")
+    ... except ValueRefused as e:
+    ...     print(e)
+    run.yaml engine.weight_decay=nan: must be a finite number >= 0 (decoupled weight decay of every weight matrix)
+
+Numbers written as text ("3e-4", "10") count, as typed in a magic or a YAML file; a bool is never
+a number; NaN, inf and integers too large for the run (10**400) are refused. Standard library
+only: the Jupyter server side imports it cheaply.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+#: The largest whole number a count may be (a C int64: torch and numpy hold it).
+MAX_INT = 2 ** 63 - 1
+#: Random seeds: numpy's generators take 0 .. 2**32 - 1.
+MAX_SEED = 2 ** 32 - 1
+
+
+class ValueRefused(ValueError):
+    """A user-set value outside its rule in :data:`VALUES` (the message names where it came from)."""
+
+
+@dataclass(frozen=True)
+class Value:
+    """One row of the table: ``kind`` "int", "float" or "choice"; ``low``/``high`` the bounds
+    (None: none), ``low_open``/``high_open`` whether the bound itself is excluded; ``none_ok``:
+    None is allowed (and means what ``meaning`` says); ``also``: other whole numbers allowed
+    outside the range (max_steps' -1)."""
+
+    name: str
+    kind: str
+    meaning: str
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    none_ok: bool = False
+    choices: tuple = ()
+    also: tuple = ()
+
+    def rule(self) -> str:
+        """What is allowed, in words: the same wherever the value enters."""
+        if self.kind == "choice":
+            text = "one of " + ", ".join(repr(c) for c in self.choices)
+        else:
+            text = "a whole number" if self.kind == "int" else "a finite number"
+            parts = []
+            if self.low is not None:
+                parts.append(f"{'>' if self.low_open else '>='} {_num(self.low)}")
+            if self.high is not None:
+                parts.append(f"{'<' if self.high_open else '<='} {_num(self.high)}")
+            text += " " + " and ".join(parts) if parts else ""
+            if self.also:
+                text += ", or " + ", ".join(str(a) for a in self.also)
+        if self.none_ok:
+            text += ", or None"
+        return f"must be {text} ({self.meaning})"
+
+
+def _num(x: float) -> str:
+    if x == MAX_INT:
+        return "2**63-1"
+    if x == MAX_SEED:
+        return "2**32-1"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _row(name, kind, meaning, **kw) -> Value:
+    return Value(name, kind, meaning, **kw)
+
+
+_BATCH = dict(low=1, high=MAX_INT)
+_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+
+#: Every value a user sets, by name (TrainingArguments / SFTConfig fields, EngineConfig fields,
+#: the Trainer's and Session's own options, command values).
+VALUES: dict[str, Value] = {v.name: v for v in (
+    # ---- the optimizer and its schedule (TrainingArguments; the engine's AdamW) ----
+    _row("learning_rate", "float", "the optimizer's step size; above 10 is implausibly large: a typo for a "
+         "negative exponent?", low=0, low_open=True, high=10.0),
+    _row("weight_decay", "float", "decoupled weight decay of every weight matrix", low=0),
+    _row("step_lr", "float", "the learning rate of one optimizer step, a schedule's value; 0 = no update",
+         low=0),
+    _row("adam_beta1", "float", "AdamW's first-moment decay", low=0, high=1, high_open=True),
+    _row("adam_beta2", "float", "AdamW's second-moment decay", low=0, high=1, high_open=True),
+    _row("adam_epsilon", "float", "AdamW's denominator term", low=0, low_open=True),
+    _row("adam_eps", "float", "AdamW's denominator term", low=0, low_open=True),
+    _row("max_grad_norm", "float", "clip the gradients' global norm to it; 0 or None = no clipping", low=0,
+         none_ok=True),
+    _row("lr_scheduler_type", "choice", "the learning-rate schedule; the metric-driven reduce_lr_on_plateau and "
+         "greedy are not supported", choices=_SCHEDULERS),
+    _row("warmup_steps", "float", "optimizer steps of linear warm-up (below 1: a fraction of the run)", low=0),
+    # ---- how long, how much per step ----
+    _row("max_steps", "int", "optimizer steps to train; -1 = num_train_epochs decides", low=1, high=MAX_INT,
+         also=(-1,)),
+    _row("num_train_epochs", "float", "passes over the training data when max_steps is -1", low=0,
+         low_open=True),
+    _row("per_device_train_batch_size", "int", "sequences per micro-batch", **_BATCH),
+    _row("per_device_eval_batch_size", "int", "sequences per evaluation batch", **_BATCH),
+    _row("gradient_accumulation_steps", "int", "micro-batches per optimizer step", **_BATCH),
+    _row("seq_len", "int", "tokens per training block; None = the model's context up to 1024", low=2, high=MAX_INT,
+         none_ok=True),
+    _row("max_length", "int", "tokens per fine-tuning row; None = no limit", low=1, high=MAX_INT, none_ok=True),
+    # ---- logging, evaluation, saving ----
+    _row("logging_steps", "float", "optimizer steps between logged records (below 1: a fraction of the run)",
+         low=0, low_open=True),
+    _row("eval_steps", "float", "optimizer steps between evaluations (below 1: a fraction of the run); "
+         "None = logging_steps", low=0, low_open=True, none_ok=True),
+    _row("save_steps", "float", "optimizer steps between checkpoints (below 1: a fraction of the run)", low=0,
+         low_open=True),
+    _row("save_total_limit", "int", "checkpoints kept; None = all", low=1, high=MAX_INT, none_ok=True),
+    _row("eval_strategy", "choice", "when to evaluate", choices=("no", "steps", "epoch")),
+    _row("seed", "int", "the random seed of the model's initialisation and the data order", low=0, high=MAX_SEED),
+    _row("data_seed", "int", "the random seed of the data order; None = seed", low=0, high=MAX_SEED, none_ok=True),
+    # ---- the engine (EngineConfig and its overrides) ----
+    _row("budget_gb", "float", "GiB of a budget the estimator plans with (--vram, --ram, --disk)", low=0,
+         low_open=True),
+    _row("max_vram_gb", "float", "GiB of device memory the engine may use; None = no cap", low=0, low_open=True,
+         none_ok=True),
+    _row("max_host_gb", "float", "GiB of host RAM the engine may use; None = derived from free RAM", low=0,
+         low_open=True, none_ok=True),
+    _row("host_cache_gb", "float", "GiB of host RAM caching the disk tier, 0 = no cache; None = derived from "
+         "max_host_gb / free RAM", low=0, none_ok=True),
+    _row("checkpoint_interval", "int", "save every k-th layer's input; 0 = no recompute; None = the planner picks",
+         low=0, high=MAX_INT, none_ok=True),
+    _row("precision", "choice", "the compute precision (master weights stay fp32)", choices=("fp32", "bf16")),
+    _row("window_tier", "choice", "where a layer-major window keeps its activations",
+         choices=("auto", "device", "host", "disk")),
+    _row("clip_hold", "choice", "where gradients wait for the clipping norm", choices=("auto", "host", "disk")),
+    _row("max_window_micro_batches", "int", "micro-batches one layer-major pass runs; None = as many as fit",
+         low=1, high=MAX_INT, none_ok=True),
+    _row("device_slots", "int", "layer slots on the device (double buffering); None = the planner picks",
+         low=2, high=MAX_INT, none_ok=True),
+    _row("loss_chunk_tokens", "int", "tokens per chunk of the head and loss", low=1, high=MAX_INT),
+    _row("update_chunk_numel", "int", "optimizer-state elements decoded at a time", low=1, high=MAX_INT),
+    _row("inflight_depth", "int", "units in flight per pipeline stage", low=1, high=MAX_INT),
+    _row("held_weight_units", "int", "units whose backward read waits for a clipped update; None = what the "
+         "host budget allows", low=0, high=MAX_INT, none_ok=True),
+    _row("tile_tokens", "int", "tokens per tile of a layer's MLP over a long row (engine/tiling.py); 0 = no "
+         "tiling; None = from the device budget", low=0, high=MAX_INT, none_ok=True),
+    # ---- divergence: what a non-finite or spiking step does (engine/finite.py, trainer/recovery.py) ----
+    _row("on_nonfinite", "choice", "a non-finite loss or gradient: 'stop' raises before the step is applied, "
+         "'skip' drops the step and goes on, 'rewind' goes back to the newest snapshot, lowers the learning "
+         "rate, steps over the data that diverged and goes on", choices=("stop", "skip", "rewind")),
+    _row("loss_spike", "float", "with on_nonfinite='rewind': also recover from a loss this many robust standard "
+         "deviations above its recent median; None = no spike test", low=0, low_open=True, none_ok=True),
+    _row("loss_spike_window", "int", "logged steps the spike test's median looks back over", low=5,
+         high=MAX_INT),
+    _row("recover_lr_factor", "float", "the learning rate is multiplied by it at each recovery", low=0,
+         low_open=True, high=1),
+    _row("max_recoveries", "int", "recoveries before the run stops, listing every attempt", low=0, high=MAX_INT),
+    # ---- a Session's exploration ----
+    _row("snapshot_steps", "int", "optimizer steps between snapshots; None = none", low=1, high=MAX_INT,
+         none_ok=True),
+    _row("keep_snapshots", "int", "snapshots kept; None = all", low=1, high=MAX_INT, none_ok=True),
+    _row("step", "int", "an optimizer step", low=0, high=MAX_INT),
+    # ---- sampling (Session.generate, the dashboard's samples) ----
+    _row("max_new_tokens", "int", "tokens to sample", low=0, high=MAX_INT),
+    _row("temperature", "float", "the sampling temperature; 0 = greedy", low=0),
+    _row("top_k", "int", "sample among the k likeliest tokens; None or 0 = all", low=0, high=MAX_INT,
+         none_ok=True),
+    _row("sample_seed", "int", "the sampling generator's seed; None = unseeded", low=0, high=MAX_INT,
+         none_ok=True),
+)}
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut short (a 400-digit integer is named by its length)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10 ** 30:
+        return f"<an integer of {len(str(abs(value)))} digits>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def rule(name: str) -> str:
+    """The words of ``name``'s rule ("must be ..."), as every refusal of it says them."""
+    return VALUES[name].rule()
+
+
+def check(name: str, value: Any, where: Optional[str] = None) -> Any:
+    """``value`` as the table's type (a number given as text as that number) when it keeps
+    ``name``'s rule; else :class:`ValueRefused` saying ``where`` (default: the name), the value
+    and the rule."""
+    row = VALUES[name]
+    out = _convert(row, value)
+    if out is _BAD:
+        raise ValueRefused(f"{where or name}={_short(value)}: {row.rule()}")
+    return out
+
+
+_BAD = object()
+
+
+def _convert(row: Value, value: Any) -> Any:
+    if value is None:
+        return None if row.none_ok else _BAD
+    if row.kind == "choice":
+        v = getattr(value, "value", value)   # an enum (transformers' SchedulerType) -> its text
+        return v if isinstance(v, str) and v in row.choices else _BAD
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) and not hasattr(value, "__float__"):
+        return _BAD
+    if row.kind == "int":
+        n = _as_int(value)
+        if n is _BAD or not (n in row.also or _inside(row, n)):
+            return _BAD
+        return n
+    try:
+        x = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError, OverflowError):
+        return _BAD
+    return x if math.isfinite(x) and _inside(row, x) else _BAD
+
+
+def _as_int(value: Any) -> Any:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if len(text) > 40:
+            return _BAD
+        try:
+            return int(text)
+        except ValueError:
+            return _BAD
+    if hasattr(value, "__index__"):   # numpy / torch integers
+        return int(value.__index__())
+    return _BAD
+
+
+def _inside(row: Value, x) -> bool:
+    if row.low is not None and (x < row.low or (row.low_open and x == row.low)):
+        return False
+    if row.high is not None and (x > row.high or (row.high_open and x == row.high)):
+        return False
+    return True
+
+
+def check_fields(fields: dict, where: str, names=None) -> dict:
+    """The table's check of every ``fields`` entry it holds (``names``: only those), each named
+    ``where.name``; the checked values by name."""
+    return {k: check(k, v, f"{where}.{k}") for k, v in fields.items()
+            if k in VALUES and (names is None or k in names)}

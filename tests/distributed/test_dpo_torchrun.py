@@ -1,0 +1,38 @@
+"""mt.DPOTrainer under torchrun: 2 gloo ranks x accumulation 2 end where 1 process x
+accumulation 4 ends (weights, logged losses, eval loss, the reward metrics as the mean over ranks)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .launch import REPO, check, torchrun
+from .test_trainer_torchrun import _agree, _weights
+
+pytest.importorskip("trl")
+
+HERE = Path(__file__).parent
+
+
+def _alone(*argv):
+    p = subprocess.run([sys.executable, str(HERE / "w_dpo.py"), *argv], cwd=str(REPO),
+                       env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                            "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                            "PYTHONWARNINGS": "ignore"},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def _logs(folder, key):
+    return [r[key] for r in json.loads((Path(folder) / "log_history.json").read_text()) if key in r]
+
+
+@pytest.mark.slow
+def test_dpo_two_ranks_equal_one_process(tmp_path):
+    check(torchrun(HERE / "w_dpo.py", str(tmp_path / "two"), "2", nproc=2, timeout=300))
+    _alone(str(tmp_path / "one"), "4")
+    _agree(_weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final"))
+    for key in ("loss", "eval_loss", "rewards/margins", "logps/chosen"):
+        a, b = _logs(tmp_path / "two", key), _logs(tmp_path / "one", key)
+        assert len(a) == len(b) >= 1 and a == pytest.approx(b, rel=1e-5, abs=1e-6), key

@@ -77,14 +77,20 @@ def candidates(layer: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 
 def _width(config) -> int:
-    """Per-token intermediate width of a layer's MLP, from the model's config."""
+    """Per-token intermediate width of a layer's MLP, from the model's config (the widest layer's
+    where it is a list per layer, as Gemma 3n's; 4 x hidden where the config does not say)."""
     cfg = getattr(config, "get_text_config", lambda: config)()
-    hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0) or 1)
-    dense = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-    moe = getattr(cfg, "moe_intermediate_size", None)
-    k = getattr(cfg, "num_experts_per_tok", None) or 1
-    shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
-    return max(int(dense), int(moe or 0) * int(k) + int(shared))
+    hidden = _int(getattr(cfg, "hidden_size", 0)) or _int(getattr(cfg, "n_embd", 0)) or 1
+    dense = _int(getattr(cfg, "intermediate_size", 0)) or _int(getattr(cfg, "n_inner", 0)) or 4 * hidden
+    moe = _int(getattr(cfg, "moe_intermediate_size", 0)) * (_int(getattr(cfg, "num_experts_per_tok", 1)) or 1)
+    return max(dense, moe + _int(getattr(cfg, "shared_expert_intermediate_size", 0)))
+
+
+def _int(v) -> int:
+    """A config number as an int: the largest of a per-layer list; 0 for anything else."""
+    if isinstance(v, (list, tuple)):
+        return max((_int(x) for x in v), default=0)
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
 
 
 def auto_tile_tokens(config, elem_bytes: int, budget_bytes: Optional[int] = None) -> int:

@@ -255,3 +255,11 @@ def test_estimate_llama3_8b_shape_at_131072_tokens_fits_an_80_gb_device():
     est = mt.estimate(cfg, seq=131072, vram_gb=80, ram_gb=1024, precision="bf16").to_dict()
     assert est["feasible"]
     assert est["tiers"]["device"]["total"] < 80 * 2**30
+
+
+def test_tile_width_from_per_layer_or_missing_sizes():
+    from types import SimpleNamespace
+    assert tiling._width(SimpleNamespace(hidden_size=64, intermediate_size=[128, 4096])) == 4096
+    assert tiling._width(SimpleNamespace(hidden_size=64)) == 256
+    assert tiling._width(SimpleNamespace(hidden_size=64, intermediate_size=128, moe_intermediate_size=96,
+                                         num_experts_per_tok=2, shared_expert_intermediate_size=64)) == 256

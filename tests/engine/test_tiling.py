@@ -263,3 +263,22 @@ def test_tile_width_from_per_layer_or_missing_sizes():
     assert tiling._width(SimpleNamespace(hidden_size=64)) == 256
     assert tiling._width(SimpleNamespace(hidden_size=64, intermediate_size=128, moe_intermediate_size=96,
                                          num_experts_per_tok=2, shared_expert_intermediate_size=64)) == 256
+
+
+def test_packed_rows_with_per_document_positions_tile_exactly():
+    """SFT packing: three documents in one row, positions restarting per document, no mask."""
+    model = _model("llama", 256)
+    lengths = (90, 70, 96)
+    ids = _ids(sum(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    ref = copy.deepcopy(model)
+    out = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    out.loss.backward()
+    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", overrides={"tile_tokens": 40}))
+    got = engine.forward_backward(ids, labels=labels, position_ids=pos)
+    assert engine.runner.tiling.tiled_calls > 0
+    assert got.loss == pytest.approx(float(out.loss.detach()), rel=1e-5)
+    assert _worst(dict(engine.named_gradients()), {n: p.grad for n, p in ref.named_parameters()}) <= 1e-4
+    engine.close()

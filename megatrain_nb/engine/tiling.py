@@ -178,6 +178,9 @@ def _random_reason(mod: nn.Module) -> Optional[str]:
     for m in mod.modules():
         if isinstance(m, nn.Dropout) and m.p > 0:
             return f"draws dropout masks while training (p={m.p}); a tile's draws would differ from the sequence's"
+        rates = [(k, v) for k, v in vars(m).items() if "drop" in k and isinstance(v, float) and v > 0]
+        if rates:   # a rate kept as a number, for F.dropout in the forward
+            return f"draws dropout masks while training ({rates[0][0]}={rates[0][1]}); a tile's draws would differ"
         jitter = getattr(m, "jitter_noise", 0) or getattr(m, "router_jitter_noise", 0)
         if isinstance(jitter, (int, float)) and jitter > 0:
             return f"draws router jitter noise while training ({jitter}); a tile's draws would differ"

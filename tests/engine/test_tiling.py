@@ -282,3 +282,13 @@ def test_packed_rows_with_per_document_positions_tile_exactly():
     assert got.loss == pytest.approx(float(out.loss.detach()), rel=1e-5)
     assert _worst(dict(engine.named_gradients()), {n: p.grad for n, p in ref.named_parameters()}) <= 1e-4
     engine.close()
+
+
+def test_a_functional_dropout_rate_while_training_is_not_tiled():
+    model = _model("llama", 64).train()
+    layer = model.model.layers[0]
+    layer.mlp.hidden_dropout = 0.1   # as MLPs that call F.dropout(x, p=self.hidden_dropout) keep it
+    t = LayerTiling(model, list(model.model.layers), tile_tokens=4)
+    with t.active(layer, torch.zeros(1, 16, 32)):
+        assert "forward" not in layer.mlp.__dict__
+    assert "hidden_dropout=0.1" in t.report()["untiled"]["LlamaDecoderLayer.mlp (LlamaMLP)"]

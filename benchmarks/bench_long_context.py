@@ -4,8 +4,9 @@ Llama with hidden 64, 2 layers, one sequence, ``StreamingEngine.forward_backward
 each (intermediate size, sequence length, tile) runs in a fresh child process, whose peak RSS
 (ru_maxrss) is the figure. Growth per token = (peak at 16,384 - peak at 8,192) / 8,192.
 Step time per token at 16,384 vs 2,048 after removing attention's quadratic part (the
-process's CPU time in the RESULT, wall time printed beside it): the attention kernel's own time (SDPA causal forward without and with gradients and its backward,
-per layer, timed in the child on the step's shapes) is subtracted from the step's.
+process's CPU time in the RESULT, wall time printed beside it): the attention kernel's own
+time (SDPA causal forward without and with gradients and its backward, per layer, timed in
+the child on the step's shapes) is subtracted from the step's.
 
 Ends with:
   RESULT long_ctx_rss_growth_per_token <KiB/token> (target <= 6)

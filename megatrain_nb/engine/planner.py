@@ -239,7 +239,8 @@ class _PlanInputs:
                                num_layers=self.shape.num_layers, vocab_size=self.shape.vocab_size,
                                batch=self.workload.batch, seq=self.workload.seq, checkpoint_interval=k,
                                compute_bytes=self.cb, loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens,
-                               tile_tokens=tile_for(self.inter, self.cb, self.vram_bytes, self.cfg.overrides.tile_tokens))
+                               tile_tokens=tile_for(self.inter, self.cb, self.vram_bytes,
+                                                    self.cfg.overrides.tile_tokens))
         return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
 
     def in_flight(self, weights_on_disk: bool) -> int:

@@ -117,8 +117,9 @@ class StepRunner:
         self._streams = SideStreams([])   # this group's layer outputs that later layers take
         self._state = SharedState()       # ... and state its layers store in shared arguments
         elem = torch.empty((), dtype=getattr(pager, "dtype", torch.float32)).element_size()
+        # each layer's MLP over a long sequence in tiles (engine/tiling.py)
         self.tiling = LayerTiling(model, [u.module for u in self.layers], tile_tokens=tile_tokens,
-                                  elem_bytes=elem, budget_bytes=device_budget, host_device=device.type == "cpu")   # the MLP over the sequence in tiles
+                                  elem_bytes=elem, budget_bytes=device_budget, host_device=device.type == "cpu")
 
     @property
     def activation_peak(self) -> int:

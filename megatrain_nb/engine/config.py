@@ -51,6 +51,11 @@ class EngineOverrides:
     backward read is held for their update (which waits for the norm) beyond the compute
     stream's own buffers; None = as many as the host budget leaves room for."""
 
+    tile_tokens: Optional[int] = None
+    """Tokens per tile of a layer's per-token modules (its MLP) over a long sequence
+    (engine/tiling.py); None = from the device budget (64 MiB of MLP intermediates per tile
+    without one); 0 = never tile. Sequences no longer than a tile run untiled."""
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, check(f.name, getattr(self, f.name), f"EngineOverrides.{f.name}"))

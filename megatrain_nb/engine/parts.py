@@ -120,7 +120,9 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     lend = updates.lend_buffer if device.type == "cpu" and sharded is None else None
     runner = StepRunner(model, units, pager, placeholders, boundary, device=device,
                         checkpoint_interval=plan.checkpoint_interval,
-                        loss_chunk_tokens=config.overrides.loss_chunk_tokens, plan_reads=plan_reads, grad_buffer=lend)
+                        loss_chunk_tokens=config.overrides.loss_chunk_tokens, plan_reads=plan_reads, grad_buffer=lend,
+                        tile_tokens=config.overrides.tile_tokens,
+                        device_budget=int(config.max_vram_gb * 2**30) if config.max_vram_gb else None)
     for u in units[1:-1]:
         layers[u.layer_index] = LayerProxy(runner.layer_call, u)
     steps = Steps(runner, boundary, updates=updates, pager=pager, counters=counters, config=config,

@@ -148,11 +148,13 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
 
 def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: int, vocab_size: int,
                      batch: int, seq: int, checkpoint_interval: int, compute_bytes: int,
-                     loss_chunk_tokens: int = 1024, num_heads: int = 0, eager_attention: bool = False) -> int:
-    """Device bytes for activations of one micro-batch (an estimate; the engine also measures)."""
+                     loss_chunk_tokens: int = 1024, num_heads: int = 0, eager_attention: bool = False,
+                     tile_tokens: Optional[int] = None) -> int:
+    """Device bytes for activations of one micro-batch (an estimate; the engine also measures).
+    ``tile_tokens``: the MLP runs in tiles of that many tokens (engine/tiling.py; None or 0: whole)."""
     tok = batch * seq
-    # One layer re-run under autograd: its saved activations and their gradients.
-    layer_work = tok * (12 * hidden_size + 4 * intermediate_size) * compute_bytes
+    # One layer re-run under autograd: its saved activations and their gradients (the MLP's for one tile).
+    layer_work = (tok * 12 * hidden_size + min(tok, tile_tokens or tok) * 4 * intermediate_size) * compute_bytes
     if eager_attention and num_heads:
         layer_work += 2 * batch * num_heads * seq * seq * compute_bytes
     if checkpoint_interval == 0:  # every layer's autograd graph kept for the step
@@ -227,6 +229,7 @@ class _PlanInputs:
 
     def device_need(self, slots: int, k: int) -> Dict[str, int]:
         """Device bytes of ``slots`` layer slots at checkpoint interval ``k``."""
+        from .tiling import tile_for
         by_kind, dev_max_unit = self.by_kind, max(u.numel for u in self.units)
         w = (by_kind["embed"] + by_kind["head"] + slots * by_kind["layer"]) * self.cb
         # CUDA: two fp32 staging buffers, and a unit's autograd.grad outputs in the compute
@@ -235,7 +238,9 @@ class _PlanInputs:
         act = activation_bytes(hidden_size=self.shape.hidden_size, intermediate_size=self.inter,
                                num_layers=self.shape.num_layers, vocab_size=self.shape.vocab_size,
                                batch=self.workload.batch, seq=self.workload.seq, checkpoint_interval=k,
-                               compute_bytes=self.cb, loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens)
+                               compute_bytes=self.cb, loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens,
+                               tile_tokens=tile_for(self.inter, self.cb, self.vram_bytes,
+                                                    self.cfg.overrides.tile_tokens))
         return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
 
     def in_flight(self, weights_on_disk: bool) -> int:

@@ -52,9 +52,11 @@ from .grad_sums import GradSums
 from .inputs import model_inputs
 from .layer_calls import GradKeys, GradRecord, LayerCall, NotRun, SideStreams, add_grads, graph_roots
 from .layer_state import SharedState
+from .long_attention import long_attention
 from .loss_head import LossHead
 from .proxies import bind, output_template, template_of, unbind
 from .recompute import ActivationMeter, restored_rng, rng_state
+from .tiling import LayerTiling
 from .units import Unit, forward_order
 from .planner import WindowPlan
 from .updates import StepContext
@@ -91,7 +93,8 @@ class StepRunner:
     def __init__(self, model, units: List[Unit], pager, placeholders, boundary: BoundaryStore, *,
                  device: torch.device, checkpoint_interval: int, loss_chunk_tokens: int,
                  plan_reads: Callable[[List[Unit], Optional[StepContext]], None],
-                 grad_buffer: Optional[Callable[[int], torch.Tensor]] = None):
+                 grad_buffer: Optional[Callable[[int], torch.Tensor]] = None,
+                 tile_tokens: Optional[int] = None, device_budget: Optional[int] = None):
         self.model = model
         self.units = units
         self.embed, self.head, self.layers = units[0], units[-1], units[1:-1]
@@ -113,6 +116,10 @@ class StepRunner:
         self._arg_grads: Optional[bool] = None   # whether layer arguments need gradients (None: not known yet)
         self._streams = SideStreams([])   # this group's layer outputs that later layers take
         self._state = SharedState()       # ... and state its layers store in shared arguments
+        elem = torch.empty((), dtype=getattr(pager, "dtype", torch.float32)).element_size()
+        # each layer's MLP over a long sequence in tiles (engine/tiling.py)
+        self.tiling = LayerTiling(model, [u.module for u in self.layers], tile_tokens=tile_tokens,
+                                  elem_bytes=elem, budget_bytes=device_budget, host_device=device.type == "cpu")
 
     @property
     def activation_peak(self) -> int:
@@ -263,7 +270,8 @@ class StepRunner:
             a, kw, made = call.with_leaves(hidden, taken)
             rec.leaves.extend(made)
         state = self._state.before(call, rec) if side is not None else None
-        out = unit.module(*a, **kw)
+        with self.tiling.active(unit.module, hidden):
+            out = unit.module(*a, **kw)
         if state is not None:
             self._state.after(call, rec, state)
         if side is not None:
@@ -276,7 +284,7 @@ class StepRunner:
         bind(unit, w, requires_grad=False)
         try:
             a, kw = call.with_hidden(hidden)
-            with torch.no_grad():
+            with torch.no_grad(), self.tiling.active(unit.module, hidden):
                 out = unit.module(*a, **kw)
         finally:
             unbind(unit, self.placeholders)
@@ -305,6 +313,7 @@ class StepRunner:
         losses / denom``. Returns (loss sum, target tokens, tokens)."""
         k = self.checkpoint_interval if k is None else k
         A = len(batches)
+        long_attention(self.model, *batches[0][0].shape)   # eager attention at a long length: SDPA or a warning
         shifts = [F.pad(lab[:, 1:], (0, 1), value=-100) for _, _, lab in batches]
         n_tokens = sum(int((s != -100).sum()) for s in shifts)
         self.meter.now = 0

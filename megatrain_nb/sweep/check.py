@@ -36,6 +36,7 @@ BATCH = 2
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 MODES = ("interval 1", "interval 2", "window of 2")
+TILED = "tiles of 3"   # not a default mode: check(mt, modes=(TILED,)) sweeps engine/tiling.py
 
 
 @dataclass
@@ -129,7 +130,8 @@ def _run_mode(model, mode: str, batches, ref) -> str:
     from megatrain_nb.engine import EngineConfig, StreamingEngine
 
     k = 2 if mode == "interval 2" else 1
-    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=k))
+    tiles = {"tile_tokens": 3} if mode == TILED else {}   # a layer's MLP over the sequence in tiles of 3 tokens
+    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=k, overrides=tiles))
     try:
         if mode == "window of 2":
             out = engine.forward_backward([{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in batches])

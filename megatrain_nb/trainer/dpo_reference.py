@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -93,28 +94,43 @@ def reference_pass(engine, ds, collate: Callable, batch_size: int, settings: DPO
 
 
 class ReferenceCache:
-    """Reference log-probs in ``<output_dir>/reference_logps/<what>-<key>.pt``."""
+    """Reference log-probs in ``<output_dir>/reference_logps/<what>-<key>.safetensors``.
+
+    safetensors, not a pickle: nothing a cache file holds can run code when it is read (only
+    ``trainer/checkpoint.py`` reads torch's pickles, a test keeps it so). A file that cannot be read
+    is computed again, with a warning naming it."""
 
     def __init__(self, output_dir):
         self.folder = Path(output_dir) / CACHE_DIR
 
     def path(self, what: str, key: str) -> Path:
-        return self.folder / f"{what}-{key}.pt"
+        return self.folder / f"{what}-{key}.safetensors"
 
     def load(self, what: str, key: str, n: int):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
         p = self.path(what, key)
         if not p.is_file():
             return None
-        d = torch.load(p, weights_only=True)
-        if d["chosen"].shape[0] != n:
+        try:
+            d = load_file(str(p))
+            chosen, rejected = d["chosen"].clone(), d["rejected"].clone()   # (not views of a mapped file)
+        except (SafetensorError, KeyError, OSError) as e:
+            warnings.warn(f"the reference cache {p} cannot be read ({e}): computing the reference log-probs again")
             return None
-        return d["chosen"], d["rejected"]
+        if chosen.shape[0] != n or rejected.shape[0] != n:
+            return None
+        return chosen, rejected
 
     def save(self, what: str, key: str, chosen, rejected, seconds: float) -> Path:
+        from safetensors.torch import save
+
         p = self.path(what, key)
+        data = save({"chosen": chosen.float().contiguous(), "rejected": rejected.float().contiguous()},
+                    metadata={"seconds": repr(float(seconds)), "time": repr(time.time())})
         with atomic_file(p, "wb") as f:
-            torch.save({"chosen": chosen.float(), "rejected": rejected.float(), "seconds": seconds,
-                        "time": time.time()}, f)
+            f.write(data)
         return p
 
 
@@ -129,7 +145,7 @@ def with_reference(ds, chosen, rejected):
 
 def cache_bytes(folder) -> int:
     f = Path(folder) / CACHE_DIR
-    return sum(p.stat().st_size for p in f.glob("*.pt")) if f.is_dir() else 0
+    return sum(p.stat().st_size for p in f.glob("*.safetensors")) if f.is_dir() else 0
 
 
 __all__ = ["ReferenceCache", "cache_key", "reference_pass", "weights_fingerprint", "with_reference"]

@@ -145,6 +145,6 @@ def test_the_reference_pass_pauses_resumes_and_stops_from_the_session(tmp_path):
         calls = _on_first_reference_batch(s, lambda s: s.stop(wait=False))
         s.train()
         assert s.wait(timeout=120) == "stopped" and s.step == 0 and len(calls) == 1
-        assert not list((tmp_path / "b" / "reference_logps").glob("*.pt"))   # nothing half-computed is cached
+        assert not list((tmp_path / "b" / "reference_logps").glob("*.safetensors"))   # nothing half-computed is cached
     finally:
         s.close()

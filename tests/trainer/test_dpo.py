@@ -72,9 +72,11 @@ def test_reference_is_cached_and_reused_and_metrics_logged(tmp_path):
                           processing_class=copy.deepcopy(tok), device="cpu")
     first.train()
     assert first.reference_seconds["train"] > 0
-    cached = list((tmp_path / "reference_logps").glob("train-*.pt"))
+    cached = list((tmp_path / "reference_logps").glob("train-*.safetensors"))
     assert len(cached) == 1
-    ref = torch.load(cached[0], weights_only=True)
+    from safetensors.torch import load_file
+
+    ref = {k: v.clone() for k, v in load_file(str(cached[0])).items()}   # (safetensors: never a pickle)
     assert ref["chosen"].shape == (len(first.train_dataset),)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "rewards/margins" in x]
@@ -97,8 +99,17 @@ def test_reference_is_cached_and_reused_and_metrics_logged(tmp_path):
                           train_dataset=rows, processing_class=copy.deepcopy(tok), device="cpu")
     other._ensure_reference()
     assert other.reference_seconds["train"] > 0
-    assert len(list((tmp_path / "reference_logps").glob("train-*.pt"))) == 2
+    assert len(list((tmp_path / "reference_logps").glob("train-*.safetensors"))) == 2
     other.close()
+
+    cached[0].write_bytes(b"not a safetensors file")   # a damaged cache is named and computed again
+    redo = mt.DPOTrainer(model=copy.deepcopy(model), args=dpo_config(tmp_path, max_steps=1), train_dataset=rows,
+                         processing_class=copy.deepcopy(tok), device="cpu")
+    with pytest.warns(UserWarning, match=f"reference cache {cached[0]}.*cannot be read"):
+        redo._ensure_reference()
+    assert redo.reference_seconds["train"] > 0
+    assert torch.equal(torch.tensor(redo.train_dataset["ref_chosen_logps"]), ref["chosen"])
+    redo.close()
 
 
 def test_evaluate_matches_trl(tmp_path):
@@ -130,7 +141,7 @@ def test_example_dpo_yaml_runs_as_written(tmp_path, capsys):
     assert main(["train", "--config", str(example), "--max-steps", "2", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "built-in preference set" in out and "reference log-probs" in out and "reward margin" in out
-    cache = list((tmp_path / "reference_logps").glob("train-*.pt"))
+    cache = list((tmp_path / "reference_logps").glob("train-*.safetensors"))
     assert cache
     # megatrain-nb estimate --pairs N counts the reference pass and the bytes of that cache (200 pairs)
     assert main(["estimate", "micro", "--ram", "8", "--disk", "8", "--pairs", "200", "--json"]) == 0

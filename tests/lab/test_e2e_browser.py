@@ -245,8 +245,12 @@ def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: st
         plot = page.locator(".jp-Notebook :is(.js-plotly-plot, .mtnb-chart-loss)").first
         expect(plot).to_be_visible(timeout=START_TIMEOUT_MS)
         # ... and the sidebar lists the session, running, with this notebook
-        card = panel.locator(".mtnb-session").first
-        expect(card).to_be_visible(timeout=START_TIMEOUT_MS)
+        first = panel.locator(".mtnb-session").first
+        expect(first).to_be_visible(timeout=START_TIMEOUT_MS)
+        # this run's card, by its session id: a later cell may start another run (notebook 01's
+        # section 6), whose card the sidebar puts first while it runs
+        session_id = first.get_attribute("data-session-id")
+        card = panel.locator(f'.mtnb-session[data-session-id="{session_id}"]')
         expect(card.locator(".mtnb-notebook")).to_have_text(notebook)
         expect(card.locator(".mtnb-state")).to_have_text("running", timeout=30_000)
         expect(card.locator(".mtnb-sparkline path")).to_have_attribute("d", re.compile(r"^M"),
@@ -304,11 +308,12 @@ def drive_notebook(lab: LabServer, browser, notebook: str, shot: str, finish: st
             expect(card).to_have_class(re.compile(r"\bmtnb-ended\b"), timeout=10_000)
             expect(card.locator(".mtnb-loss")).to_have_text(re.compile(r"^final loss \d"))
             page.wait_for_timeout(3_000)
-            expect(panel.locator(".mtnb-session")).to_have_count(1)
+            expect(card).to_have_count(1)
             page.screenshot(path=str(ARTIFACTS / f"{shot}-ended.png"), full_page=True)
             card.locator(".mtnb-dismiss").click()
-            expect(panel.locator(".mtnb-session")).to_have_count(0, timeout=10_000)
-            assert json.loads(lab.get("megatrain-nb/sessions"))["sessions"] == []
+            expect(card).to_have_count(0, timeout=10_000)
+            listed = json.loads(lab.get("megatrain-nb/sessions"))["sessions"]
+            assert session_id not in [x.get("id") for x in listed], listed
         else:
             # the kernel dies without any clean-up: the card goes within a few seconds
             [info] = json.loads(lab.get("megatrain-nb/sessions"))["sessions"]

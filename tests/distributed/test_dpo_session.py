@@ -36,4 +36,4 @@ def test_session_with_a_dpo_config_trains_a_dpo_trainer_on_two_ranks(tmp_path):
     _alone(str(tmp_path / "one"), "4")
     # the workers saved the model into output_dir; a plain Trainer could not have read the pairs
     _agree(_weights(tmp_path / "two"), _weights(tmp_path / "one" / "final"))
-    assert list((tmp_path / "two" / "reference_logps").glob("train-*.pt"))
+    assert list((tmp_path / "two" / "reference_logps").glob("train-*.safetensors"))

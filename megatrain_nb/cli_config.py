@@ -144,6 +144,36 @@ def model_source(cfg: dict, base: Path) -> tuple[str, str]:
     return folder, f"{cfg['model']} (Hugging Face Hub{', revision ' + cfg['revision'] if cfg.get('revision') else ''}; {folder})"
 
 
+def fine_tune_parts(cfg: dict, base: Path, fields: dict, max_length) -> tuple:
+    """``(model, model_text, tokenizer, engine options)`` of a fine-tuning run.yaml (SFT or DPO):
+    ``model:`` a folder or Hub id (its own tokenizer unless ``tokenizer:`` names one), else the
+    preset built from its config with the shipped chat tokenizer, seeded first (as the Session
+    does); the engine's ``offload_dir`` relative to the file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatrain_nb import assets
+    from megatrain_nb.trainer.presets import preset_config
+
+    model, model_text = (None, f"preset {cfg.get('preset')}")
+    if "model" in cfg:
+        model, model_text = model_source(cfg, base)
+    tokenizer = None
+    if cfg.get("tokenizer"):
+        local = (base / cfg["tokenizer"]).resolve()
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else cfg["tokenizer"])
+    elif model is None:
+        tokenizer = assets.chat_tokenizer()
+    if model is None:
+        torch.manual_seed(int(cfg.get("seed", fields.get("seed", 42))))
+        model = AutoModelForCausalLM.from_config(preset_config(
+            cfg["preset"], vocab_size=len(tokenizer), max_position_embeddings=max(max_length or 0, 128)))
+    engine_options = dict(cfg.get("engine") or {})
+    if engine_options.get("offload_dir") and not os.path.isabs(os.path.expanduser(str(engine_options["offload_dir"]))):
+        engine_options["offload_dir"] = str((base / engine_options["offload_dir"]).resolve())
+    return model, model_text, tokenizer, engine_options
+
+
 def training_fields(ns, cfg: dict, base: Path) -> dict:
     training = dict(cfg.get("training") or {})
     if ns.output_dir:

@@ -8,6 +8,7 @@ from pathlib import Path
 from megatrain_nb.cli_config import (
     UsageError,
     check_max_steps,
+    fine_tune_parts,
     load_files,
     load_run_config,
     model_source,
@@ -113,10 +114,7 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     """run.yaml with an ``sft:`` section or an instruction/chat ``data.format``: mt.SFTTrainer.
     ``data.train: builtin`` is the shipped chat set (in ``data.format``); the tokenizer defaults to
     the model's own, else the shipped chat tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatrain_nb.trainer.presets import preset_config, preset_names
+    from megatrain_nb.trainer.presets import preset_names
     from megatrain_nb.trainer.sft_data import FORMATS, detect_format, require_trl
 
     try:
@@ -155,22 +153,7 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     found = detect_format([train_ds[i] for i in range(min(len(train_ds), 1000))], args.dataset_text_field)
     if fmt is not None and found != fmt:
         raise UsageError(f"data.format is {fmt!r} but data.train holds {found!r} rows; fix data.format or the data")
-    model, model_text = (None, f"preset {cfg.get('preset')}")
-    if "model" in cfg:
-        model, model_text = model_source(cfg, base)
-    tokenizer = None
-    if cfg.get("tokenizer"):
-        local = (base / cfg["tokenizer"]).resolve()
-        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else cfg["tokenizer"])
-    elif model is None:
-        tokenizer = assets.chat_tokenizer()
-    if model is None:
-        torch.manual_seed(int(cfg.get("seed", fields.get("seed", 42))))
-        model = AutoModelForCausalLM.from_config(preset_config(
-            cfg["preset"], vocab_size=len(tokenizer), max_position_embeddings=max(args.max_length or 0, 128)))
-    engine_options = dict(cfg.get("engine") or {})
-    if engine_options.get("offload_dir") and not os.path.isabs(os.path.expanduser(str(engine_options["offload_dir"]))):
-        engine_options["offload_dir"] = str((base / engine_options["offload_dir"]).resolve())
+    model, model_text, tokenizer, engine_options = fine_tune_parts(cfg, base, fields, args.max_length)
     os.makedirs(args.output_dir, exist_ok=True)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer, **engine_options)

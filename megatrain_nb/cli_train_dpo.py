@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatrain_nb.cli_config import UsageError, load_files, model_source, training_fields
+from megatrain_nb.cli_config import UsageError, fine_tune_parts, load_files, training_fields
 from megatrain_nb.cli_report import print_header, print_summary, run_with_progress
 
 
@@ -16,12 +16,8 @@ def wants_dpo(cfg: dict) -> bool:
 def cmd_train_dpo(ns, cfg: dict, base: Path) -> int:
     """``data.train: builtin`` is a preference set generated from the shipped chat set; the
     tokenizer defaults to the model's own, else the shipped chat tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatrain_nb import assets
     from megatrain_nb.trainer.dpo_data import builtin_preference_pairs
-    from megatrain_nb.trainer.presets import preset_config, preset_names
+    from megatrain_nb.trainer.presets import preset_names
     from megatrain_nb.trainer.sft_data import require_trl
 
     require_trl()
@@ -48,22 +44,7 @@ def cmd_train_dpo(ns, cfg: dict, base: Path) -> int:
     train_ds = pairs[:200] if builtin else load_files(data["train"], base=base, what="train")
     eval_ds = (pairs[200:] if builtin and data.get("eval", "builtin") == "builtin"
                else load_files(data["eval"], base=base, what="eval") if data.get("eval") else None)
-    model, model_text = (None, f"preset {cfg.get('preset')}")
-    if "model" in cfg:
-        model, model_text = model_source(cfg, base)
-    tokenizer = None
-    if cfg.get("tokenizer"):
-        local = (base / cfg["tokenizer"]).resolve()
-        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else cfg["tokenizer"])
-    elif model is None:
-        tokenizer = assets.chat_tokenizer()
-    if model is None:
-        torch.manual_seed(int(cfg.get("seed", fields.get("seed", 42))))
-        model = AutoModelForCausalLM.from_config(preset_config(
-            cfg["preset"], vocab_size=len(tokenizer), max_position_embeddings=max(args.max_length or 0, 128)))
-    engine_options = dict(cfg.get("engine") or {})
-    if engine_options.get("offload_dir") and not os.path.isabs(os.path.expanduser(str(engine_options["offload_dir"]))):
-        engine_options["offload_dir"] = str((base / engine_options["offload_dir"]).resolve())
+    model, model_text, tokenizer, engine_options = fine_tune_parts(cfg, base, fields, args.max_length)
     os.makedirs(args.output_dir, exist_ok=True)
     trainer = DPOTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer, **engine_options)

@@ -21,6 +21,32 @@ REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("MEGATRAIN_NB_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
 
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+
+def launch_chromium(playwright):
+    """Debian's headless chromium for a ``sync_playwright()`` session (never the test tool's own
+    browser download)."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+
+
+def open_and_run_all(page, lab: dict, notebook: str) -> None:
+    """Open ``notebook`` (a path under the lab's root) in JupyterLab, accept the "Select Kernel"
+    dialog if it shows, and run all of its cells from the Run menu."""
+    import re
+
+    from playwright.sync_api import expect
+
+    page.goto(f"{lab['url']}/lab/tree/{notebook}?token={lab['token']}&reset")
+    expect(page.locator(".jp-Notebook").first).to_be_visible(timeout=60_000)
+    try:
+        page.locator(".jp-Dialog .jp-mod-accept").click(timeout=3_000)
+    except Exception:  # noqa: BLE001 - no dialog: the kernel starts by itself
+        pass
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+
+
 def missing() -> Optional[str]:
     """Why the browser tests cannot run here (None when they can)."""
     if not Path(CHROMIUM).exists():

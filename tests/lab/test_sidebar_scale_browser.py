@@ -45,7 +45,7 @@ def test_the_sidebar_orders_groups_and_nests_at_scale(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     from megatrain_nb.lab.protocol import atomic_write_json, make_private_dir
-    from tests.browser import CHROMIUM, require_browser, running_lab
+    from tests.browser import launch_chromium, require_browser, running_lab
 
     require_browser()
     root = tmp_path / "work"
@@ -65,8 +65,7 @@ def test_the_sidebar_orders_groups_and_nests_at_scale(tmp_path):
     t.start()
     try:
         with running_lab(tmp_path, root) as lab, sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            browser = launch_chromium(p)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             try:
                 page.goto(f"{lab['url']}/lab?token={lab['token']}&reset")

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ARTIFACTS = REPO / "test-artifacts"
-from tests.browser import CHROMIUM, running_lab  # noqa: E402
+from tests.browser import CHROMIUM, launch_chromium, open_and_run_all, running_lab  # noqa: E402
 
 CELLS = [
     f"""import sys
@@ -84,18 +84,10 @@ def test_dashboard_renders_and_steers_the_run(lab):
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1500, "height": 1400})
         try:
-            page.goto(f"{lab['url']}/lab/tree/dashboard.ipynb?token={lab['token']}&reset")
-            expect(page.locator(".jp-Notebook").first).to_be_visible(timeout=60_000)
-            try:
-                page.locator(".jp-Dialog .jp-mod-accept").click(timeout=3_000)  # "Select Kernel", if asked
-            except Exception:  # noqa: BLE001
-                pass
-            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            open_and_run_all(page, lab, "dashboard.ipynb")
 
             out = page.locator(".jp-Notebook .jp-OutputArea-output")
             # the dashboard's two charts (our own light widget; no plotly bundle in the notebook)
@@ -217,18 +209,10 @@ def test_dashboard_layout_has_no_overlapping_or_clipped_text(lab):
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1600, "height": 1200})
         try:
-            page.goto(f"{lab['url']}/lab/tree/layout.ipynb?token={lab['token']}&reset")
-            expect(page.locator(".jp-Notebook").first).to_be_visible(timeout=60_000)
-            try:
-                page.locator(".jp-Dialog .jp-mod-accept").click(timeout=3_000)
-            except Exception:  # noqa: BLE001
-                pass
-            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            open_and_run_all(page, lab, "layout.ipynb")
             dash = page.locator(".jp-Notebook .mtnb-dashboard").first
             expect(dash.locator(".mtnb-chart-loss")).to_have_count(1, timeout=120_000)
             expect(dash.locator(".mtnb-chart-marker", has_text="pause · lr 0.002→0.0005 · resume")).to_have_count(

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.browser
 def test_the_html_report_draws_its_charts_and_reads_values_on_hover(fake_session, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.browser import CHROMIUM, require_browser
+    from tests.browser import launch_chromium, require_browser
 
     require_browser()
     s = fake_session(total_steps=400, step_time=0.002, eval_every=50)
@@ -28,8 +28,7 @@ def test_the_html_report_draws_its_charts_and_reads_values_on_hover(fake_session
     path = s.export_report(tmp_path / "run.html")
     assert (tmp_path / "run.html").stat().st_size < 1_000_000
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
             errors = []

@@ -11,7 +11,6 @@ with another learning rate and trains the fork. Screenshots go to ``test-artifac
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 import urllib.request
@@ -19,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from test_dashboard_browser import ARTIFACTS, CHROMIUM
-from tests.browser import running_lab
+from test_dashboard_browser import ARTIFACTS
+from tests.browser import launch_chromium, open_and_run_all, running_lab
 
 pytestmark = pytest.mark.browser
 
@@ -73,27 +72,15 @@ def lab(tmp_path_factory):
         yield lab_server
 
 
-def _browser(p):
-    return p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                             args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-
-
 def test_the_dashboards_branches_panel_draws_the_tree_in_jupyterlab(lab):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = _browser(p)
+        browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1500, "height": 1600})
         try:
-            page.goto(f"{lab['url']}/lab/tree/tree.ipynb?token={lab['token']}&reset")
-            expect(page.locator(".jp-Notebook").first).to_be_visible(timeout=60_000)
-            try:
-                page.locator(".jp-Dialog .jp-mod-accept").click(timeout=3_000)  # "Select Kernel", if asked
-            except Exception:  # noqa: BLE001
-                pass
-            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            open_and_run_all(page, lab, "tree.ipynb")
             out = page.locator(".jp-Notebook .jp-OutputArea-output")
             # the branches panel, below the dashboard's other figures (scrolled to: JupyterLab
             # may leave output it does not show undrawn)
@@ -132,7 +119,7 @@ def test_the_exported_reports_tree_renders_offline(tmp_path):
         low.close()
         s.close()
     with sync_playwright() as p:
-        browser = _browser(p)
+        browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1400})
         errors, requests = [], []
         page.on("pageerror", lambda e: errors.append(str(e)))

@@ -6,7 +6,6 @@ x 0-71 and missed the fork).
     pytest -m browser tests/notebook/test_run_tree_live_browser.py
 """
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -38,7 +37,7 @@ s.train()""",
 def test_the_branches_chart_follows_rewinds_and_forks(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.browser import CHROMIUM, require_browser, running_lab
+    from tests.browser import launch_chromium, open_and_run_all, require_browser, running_lab
 
     require_browser()
     root = tmp_path / "work"
@@ -50,18 +49,10 @@ def test_the_branches_chart_follows_rewinds_and_forks(tmp_path):
     (root / "tree.ipynb").write_text(json.dumps(nb))
     ARTIFACTS.mkdir(exist_ok=True)
     with running_lab(tmp_path, root) as lab, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1600, "height": 1400})
         try:
-            page.goto(f"{lab['url']}/lab/tree/tree.ipynb?token={lab['token']}&reset")
-            expect(page.locator(".jp-Notebook").first).to_be_visible(timeout=60_000)
-            try:
-                page.locator(".jp-Dialog .jp-mod-accept").click(timeout=3_000)
-            except Exception:  # noqa: BLE001
-                pass
-            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            open_and_run_all(page, lab, "tree.ipynb")
             out = page.locator(".jp-Notebook .jp-OutputArea-output")
             expect(out.filter(has_text="forked")).to_have_count(1, timeout=240_000)
             # main's dashboard (the first output; every display of it shows one widget): the fork

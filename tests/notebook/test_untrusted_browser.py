@@ -29,7 +29,7 @@ def _outputs(s):
 def test_an_untrusted_notebook_shows_the_snapshot_and_the_histogram_whole(fake_session, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.browser import CHROMIUM, require_browser, running_lab
+    from tests.browser import launch_chromium, require_browser, running_lab
 
     require_browser()
     s = fake_session(total_steps=120, step_time=0.001)
@@ -46,8 +46,7 @@ def test_an_untrusted_notebook_shows_the_snapshot_and_the_histogram_whole(fake_s
           "nbformat": 4, "nbformat_minor": 5}
     (root / "untrusted.ipynb").write_text(json.dumps(nb))   # no signature: JupyterLab opens it untrusted
     with running_lab(tmp_path, root) as lab, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
             page.goto(f"{lab['url']}/lab/tree/untrusted.ipynb?token={lab['token']}&reset")

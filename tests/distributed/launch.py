@@ -69,6 +69,16 @@ def two_agents(script: Path, *args: str, timeout: float = 240, dist_timeout_s: f
     return out
 
 
+def alone(script: Path, *argv: str, timeout: float = 300) -> None:
+    """Run a worker ``script`` as one plain process (no torchrun), offline, one thread; it must succeed."""
+    p = subprocess.run([sys.executable, str(script), *argv], cwd=str(REPO),
+                       env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                            "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                            "PYTHONWARNINGS": "ignore"},
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
 def check(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"torchrun failed (rc {proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 

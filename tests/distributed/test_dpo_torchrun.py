@@ -1,13 +1,11 @@
 """mt.DPOTrainer under torchrun: 2 gloo ranks x accumulation 2 end where 1 process x
 accumulation 4 ends (weights, logged losses, eval loss, the reward metrics as the mean over ranks)."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .launch import REPO, check, torchrun
+from .launch import alone, check, torchrun
 from .test_trainer_torchrun import _agree, _weights
 
 pytest.importorskip("trl")
@@ -16,12 +14,7 @@ HERE = Path(__file__).parent
 
 
 def _alone(*argv):
-    p = subprocess.run([sys.executable, str(HERE / "w_dpo.py"), *argv], cwd=str(REPO),
-                       env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                            "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-                            "PYTHONWARNINGS": "ignore"},
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    alone(HERE / "w_dpo.py", *argv)
 
 
 def _logs(folder, key):

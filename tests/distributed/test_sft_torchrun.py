@@ -5,13 +5,11 @@ token metrics (mean_token_accuracy, entropy) are counted over every rank; a chec
 2 ranks resumes in one process and ends there too; on_nonfinite="skip" skips a step on every
 rank when one rank's gradient shard holds a NaN."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .launch import REPO, check, torchrun
+from .launch import alone, check, torchrun
 from .test_trainer_torchrun import _agree, _weights
 
 pytest.importorskip("trl")
@@ -20,12 +18,7 @@ HERE = Path(__file__).parent
 
 
 def _alone(*argv):
-    p = subprocess.run([sys.executable, str(HERE / "w_sft.py"), *argv], cwd=str(REPO),
-                       env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                            "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-                            "PYTHONWARNINGS": "ignore"},
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    alone(HERE / "w_sft.py", *argv)
 
 
 def _logs(folder, key):

@@ -57,29 +57,34 @@ def build_trainer(
         raise ValueError("train_dataset is required (a datasets.Dataset, IterableDataset or torch "
                          "Dataset of token ids); or pass a preset name such as 'tiny' as the model "
                          "to train on the built-in corpus")
-    if _wants_dpo(args, train_dataset):   # preference rows, or a DPOConfig: mt.DPOTrainer
-        from megatrain_nb.trainer.dpo import DPOTrainer
-
+    fine_tuner = _fine_tuner(args, train_dataset)   # mt.DPOTrainer / mt.SFTTrainer, or None
+    if fine_tuner is not None:
+        cls, config = fine_tuner
         if seq_len is not None or "loss_fn" in trainer_options:
-            raise ValueError("seq_len / loss_fn do not apply to preference training: use DPOConfig(max_length=...) "
-                             "and DPOConfig(loss_type=...)")
-        trainer = DPOTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             processing_class=tokenizer, **trainer_options)
-        return trainer, trainer.tokenizer
-    if _wants_sft(args, train_dataset):   # instruction / chat data, or an SFTConfig: mt.SFTTrainer
-        from megatrain_nb.trainer.sft import SFTTrainer
-
-        if seq_len is not None or "loss_fn" in trainer_options:
-            raise ValueError("seq_len / loss_fn do not apply to fine-tuning on conversations: use "
-                             "SFTConfig(max_length=...) and SFTConfig(loss_type=...)")
-        trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             processing_class=tokenizer, **trainer_options)
+            raise ValueError(f"seq_len / loss_fn do not apply to {cls.__name__}: use {config}(max_length=...) "
+                             f"and {config}(loss_type=...)")
+        trainer = cls(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                      processing_class=tokenizer, **trainer_options)
         return trainer, trainer.tokenizer
     if seq_len is not None:
         trainer_options = dict(trainer_options, seq_len=seq_len)
     trainer = Trainer(model=model, train_dataset=train_dataset, args=args,
                       eval_dataset=eval_dataset, tokenizer=tokenizer, **trainer_options)
     return trainer, trainer.tokenizer
+
+
+def _fine_tuner(args, train_dataset):
+    """(trainer class, its config's name) for preference rows or a DPOConfig, instruction / chat
+    rows or an SFTConfig; None for plain token data."""
+    if _wants_dpo(args, train_dataset):
+        from megatrain_nb.trainer.dpo import DPOTrainer
+
+        return DPOTrainer, "DPOConfig"
+    if _wants_sft(args, train_dataset):
+        from megatrain_nb.trainer.sft import SFTTrainer
+
+        return SFTTrainer, "SFTConfig"
+    return None
 
 
 def _wants_dpo(args, train_dataset) -> bool:

@@ -4,7 +4,7 @@ every door applies when the value enters.
 The doors: :class:`~megatrain_nb.engine.EngineConfig` (and ``mt.init``), the Trainer's and
 SFTTrainer's arguments (``trainer/args.py``), ``Session.fork`` changes (``notebook/branches.py``),
 the command table (``commands.py``: the sidebar, the Jupyter server, the inbox, ``%megatrain``,
-``set_lr``) and run.yaml (``cli_config.py``). Each calls :func:`check` with the value's name and
+``set_lr``) and run.yaml (``cli/config.py``). Each calls :func:`check` with the value's name and
 where it came from, so a value is refused with the same words wherever it enters, when it enters:
 
     >>> check("learning_rate", "3e-4")

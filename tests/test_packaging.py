@@ -63,7 +63,7 @@ def test_wheel_carries_the_built_labextension_without_node(tmp_path):
 def test_without_node_the_wheel_builds_without_the_extension_and_says_so(tmp_path):
     whl, log = _build(_tree(tmp_path, built=False), tmp_path)
     assert not [n for n in whl.namelist() if LABEXT in n]
-    assert any(n.endswith("megatrain_nb/cli.py") for n in whl.namelist())
+    assert any(n.endswith("megatrain_nb/cli/__init__.py") for n in whl.namelist())
     for shipped in ("assets/chat/conversations.jsonl", "assets/chat/tokenizer/tokenizer.json",
                     "assets/chat/tokenizer/chat_template.jinja",   # the offline SFT material
                     "assets/chat/preferences.jsonl"):   # and DPO's

@@ -205,7 +205,7 @@ def test_run_header_names_the_tile():
     import io
     from types import SimpleNamespace
 
-    from megatrain_nb.cli_report import print_header
+    from megatrain_nb.cli.report import print_header
     engine = StreamingEngine(_model("llama", 64), EngineConfig(device="cpu", overrides={"tile_tokens": 512}))
     trainer = SimpleNamespace(engine=engine, args=SimpleNamespace(output_dir="out", max_steps=3, num_train_epochs=1),
                               total_steps=3, metrics_log=SimpleNamespace(path="m.jsonl"))

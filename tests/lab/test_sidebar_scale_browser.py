@@ -53,12 +53,15 @@ def test_the_sidebar_orders_groups_and_nests_at_scale(tmp_path):
     sessions = make_private_dir(make_private_dir(tmp_path / "mtnb") / "sessions")
     stop = threading.Event()
 
-    def beat():   # the live ones' heartbeats, fresh as a beacon keeps them
+    written = set()
+
+    def beat():   # the live ones' heartbeats, fresh as a beacon keeps them; an ended one's last, once
         while not stop.is_set():
             now = time.time()
             for b in _heartbeats(now):
-                if b.get("ended") is None or not (sessions / f"{b['id']}.json").exists():
+                if b.get("ended") is None or b["id"] not in written:   # (a dismissed run stays dismissed)
                     atomic_write_json(sessions / f"{b['id']}.json", b)
+                    written.add(b["id"])
             stop.wait(1.0)
 
     t = threading.Thread(target=beat, daemon=True)
@@ -94,7 +97,8 @@ def test_the_sidebar_orders_groups_and_nests_at_scale(tmp_path):
                     r => r.getBoundingClientRect().right <= r.closest('.mtnb-session').getBoundingClientRect().right + 1)""")
                 assert inside
                 assert "low-lr-with-a-rather-long-branch-name" in rows.nth(2).get_attribute("title")
-                group.locator(".mtnb-finished-summary").click()
+                # the summary's words fold and unfold it (a click in its middle could land on "Dismiss all")
+                group.locator(".mtnb-finished-count").click()
                 expect(group.locator(".mtnb-session").first).to_be_visible()
                 group.locator(".mtnb-dismiss-all").click()
                 expect(group).to_be_hidden(timeout=20_000)

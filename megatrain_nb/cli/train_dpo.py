@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatrain_nb.cli_config import UsageError, fine_tune_parts, load_files, training_fields
-from megatrain_nb.cli_report import print_header, print_summary, run_with_progress
+from megatrain_nb.cli.config import UsageError, fine_tune_parts, load_files, training_fields
+from megatrain_nb.cli.report import print_header, print_summary, run_with_progress
 
 
 def wants_dpo(cfg: dict) -> bool:

@@ -1,5 +1,5 @@
 """``megatrain-nb train``'s input: run.yaml read and checked, its files and model located.
-Bad input raises :class:`UsageError` (one line, exit status 2; see megatrain_nb/cli.py)."""
+Bad input raises :class:`UsageError` (one line, exit status 2; see megatrain_nb/cli/__init__.py)."""
 from __future__ import annotations
 
 import os

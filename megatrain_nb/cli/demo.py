@@ -5,7 +5,7 @@ import os
 import time
 from pathlib import Path
 
-from megatrain_nb.cli_report import disk_text, print_summary, run_with_progress
+from megatrain_nb.cli.report import disk_text, print_summary, run_with_progress
 
 
 #: The demo's host cache holds this share of its disk tier (the rest is read and written each step).

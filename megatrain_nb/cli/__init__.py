@@ -20,15 +20,15 @@ import argparse
 import os
 import sys
 
-from megatrain_nb.cli_config import (  # noqa: F401 - the names megatrain_nb.cli has always had
+from megatrain_nb.cli.config import (  # noqa: F401 - the names megatrain_nb.cli has always had
     EXAMPLE_CONFIG,
     UsageError,
     check_max_steps,
     load_run_config,
 )
-from megatrain_nb.cli_demo import DEMO_CACHE_SHARE, cmd_demo, demo_cache_gb  # noqa: F401
-from megatrain_nb.cli_estimate import budget_arg, cmd_estimate, estimate_from_words, run_estimate  # noqa: F401
-from megatrain_nb.cli_report import (  # noqa: F401
+from megatrain_nb.cli.demo import DEMO_CACHE_SHARE, cmd_demo, demo_cache_gb  # noqa: F401
+from megatrain_nb.cli.estimate import budget_arg, cmd_estimate, estimate_from_words, run_estimate  # noqa: F401
+from megatrain_nb.cli.report import (  # noqa: F401
     cache_text,
     disk_text,
     print_header,
@@ -37,7 +37,7 @@ from megatrain_nb.cli_report import (  # noqa: F401
     streaming_text,
     tier_text,
 )
-from megatrain_nb.cli_train import cmd_train, cmd_train_sft  # noqa: F401
+from megatrain_nb.cli.train import cmd_train, cmd_train_sft  # noqa: F401
 
 _tier_text = tier_text   # (its name before the split)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatrain_nb.cli_config import (
+from megatrain_nb.cli.config import (
     UsageError,
     check_max_steps,
     fine_tune_parts,
@@ -14,7 +14,7 @@ from megatrain_nb.cli_config import (
     model_source,
     training_fields,
 )
-from megatrain_nb.cli_report import print_header, print_summary, run_with_progress
+from megatrain_nb.cli.report import print_header, print_summary, run_with_progress
 
 
 def _data_text(data: dict, train_ds, eval_ds, seq_len: int) -> str:
@@ -41,7 +41,7 @@ def cmd_train(ns) -> int:
     cfg = load_run_config(ns.config)
     base = Path(ns.config).resolve().parent
     data = cfg.get("data") or {}
-    from megatrain_nb.cli_train_dpo import cmd_train_dpo, wants_dpo
+    from megatrain_nb.cli.train_dpo import cmd_train_dpo, wants_dpo
 
     if wants_dpo(cfg):   # preference training: a dpo: section or data.format: preference
         return cmd_train_dpo(ns, cfg, base)

@@ -185,6 +185,7 @@ class Estimate:
                 "layer_slots": self.plan.layer_slots, "checkpoint_interval": self.plan.checkpoint_interval,
                 "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident(),
                 "window": self.plan.window, "host_min": self.host_min,
+                "tile_tokens": self.plan.tile_tokens, "longest_seq": self.plan.longest_seq,
                 "reference_cache_bytes": self.reference_cache_bytes}
 
     def _rows(self):
@@ -344,7 +345,7 @@ def _estimate_notes(plan, host_min: int, budgets: dict, *, accumulation: int, ba
                     clipping: bool, accumulator: bool, ram_auto: bool, disk_auto: bool,
                     disk_path: Optional[str]) -> list:
     """The lines printed under an estimate's table: the window, clipping, the least host RAM, budgets read here."""
-    notes = []
+    notes = _long_row_notes(plan, batch, seq)
     if plan.window:
         w = plan.window
         notes.append(f"accumulation {accumulation}: {w['reason']} ({format_bytes(w['boundary_bytes'])} of boundary "
@@ -365,6 +366,24 @@ def _estimate_notes(plan, host_min: int, budgets: dict, *, accumulation: int, ba
     if disk_auto:
         notes.append(f"disk budget: the free space at {_free_disk_path(disk_path)} ({format_bytes(budgets['disk'])}); "
                      "pass disk_gb=... to plan for other hardware")
+    return notes
+
+
+def _long_row_notes(plan, batch: int, seq: int) -> list:
+    """The tile a layer's MLP runs long rows in, where a long row's boundary activations wait,
+    and the longest sequence the device budget takes (the planner's figures)."""
+    notes = []
+    if plan.tile_tokens and batch * seq > plan.tile_tokens:
+        notes.append(f"long rows: a layer's MLP runs in tiles of {plan.tile_tokens:,} tokens (its intermediates "
+                     f"exist for one tile at a time; EngineOverrides.tile_tokens pins the tile)")
+    where = plan.placement.get("activations")
+    if where:
+        nbytes = plan.host.get("activations") or plan.disk.get("activations", 0)
+        notes.append(f"boundary activations ({format_bytes(nbytes)}: every checkpointed layer's input for the "
+                     f"backward) wait {'in host RAM' if where == 'host' else 'on the disk tier'}: they do not fit "
+                     "beside the device's working set")
+    if plan.longest_seq and plan.feasible:
+        notes.append(f"longest sequence that fits the device budget at batch {batch}: {plan.longest_seq:,} tokens")
     return notes
 
 

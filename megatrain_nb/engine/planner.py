@@ -76,6 +76,11 @@ class Plan:
     #: Device bytes a layer-major window's gradient sums take (``window_sum_bytes``; in
     #: ``device["grad_sums"]`` when ``window`` is planned here, else taken by engine_window_plan).
     window_sum_bytes: int = 0
+    #: Tokens per tile of a layer's MLP over a long row (engine/tiling.py; 0: untiled).
+    tile_tokens: int = 0
+    #: Tokens per row of the workload planned, and the longest that fits the device budget.
+    seq: int = 0
+    longest_seq: Optional[int] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -227,9 +232,30 @@ class _PlanInputs:
                    by_kind={k: max([u.numel for u in units if u.kind == k] or [0]) for k in ("embed", "layer", "head")},
                    total=sum(u.numel for u in held))
 
+    @property
+    def tile(self) -> int:
+        """Tokens per tile of a layer's MLP (``tiling.tile_for``: from the MLP width and the device
+        budget, or ``EngineOverrides.tile_tokens``; 0: untiled)."""
+        from .tiling import tile_for
+        return tile_for(self.inter, self.cb, self.vram_bytes, self.cfg.overrides.tile_tokens)
+
+    def boundary(self, k: int) -> int:
+        """Device bytes of one micro-batch's layer-boundary activations at interval ``k`` (the input
+        of every k-th layer, kept from the forward for the backward; what may leave the device)."""
+        if k == 0:
+            return 0
+        tok = self.workload.batch * self.workload.seq
+        return math.ceil(self.shape.num_layers / k) * tok * self.shape.hidden_size * self.cb
+
+    def fits(self, need: Dict[str, int], k: int) -> bool:
+        """Whether ``need`` fits the device budget, with a single micro-batch's boundary
+        activations moved to host RAM or the disk tier where they alone do not (long rows)."""
+        if self.vram_bytes is None or need["total"] <= self.vram_bytes:
+            return True
+        return self.workload.accumulation == 1 and need["total"] - self.boundary(k) <= self.vram_bytes
+
     def device_need(self, slots: int, k: int) -> Dict[str, int]:
         """Device bytes of ``slots`` layer slots at checkpoint interval ``k``."""
-        from .tiling import tile_for
         by_kind, dev_max_unit = self.by_kind, max(u.numel for u in self.units)
         w = (by_kind["embed"] + by_kind["head"] + slots * by_kind["layer"]) * self.cb
         # CUDA: two fp32 staging buffers, and a unit's autograd.grad outputs in the compute
@@ -239,8 +265,7 @@ class _PlanInputs:
                                num_layers=self.shape.num_layers, vocab_size=self.shape.vocab_size,
                                batch=self.workload.batch, seq=self.workload.seq, checkpoint_interval=k,
                                compute_bytes=self.cb, loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens,
-                               tile_tokens=tile_for(self.inter, self.cb, self.vram_bytes,
-                                                    self.cfg.overrides.tile_tokens))
+                               tile_tokens=self.tile)
         return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
 
     def in_flight(self, weights_on_disk: bool) -> int:
@@ -263,26 +288,72 @@ def _device_schedule(p: _PlanInputs):
     chosen_k, dev = None, None
     for k in candidates:
         need = p.device_need(layer_slots or 2, k)
-        if vram_bytes is None or need["total"] <= vram_bytes:
+        if p.fits(need, k):
             chosen_k, dev = k, need
             break
     feasible, limiting, reason = True, None, "fits"
     if chosen_k is None:
         chosen_k = candidates[0]
         dev = p.device_need(layer_slots or 2, chosen_k)
-        minimal = p.device_need(2, max(candidates))
         feasible, limiting = False, "device"
-        reason = (f"the device working set needs {dev['total'] / GiB:.2f} GiB (weights slots "
-                  f"{dev['weights'] / GiB:.2f} GiB, gradient buffers {dev['grads'] / GiB:.2f} GiB, activations "
-                  f"{dev['activations'] / GiB:.2f} GiB) but max_vram_gb allows {vram_bytes / GiB:.2f} GiB; the "
-                  f"smallest plan (2 layer slots, checkpoint interval {max(candidates)}) needs "
-                  f"{minimal['total'] / GiB:.2f} GiB: raise max_vram_gb or shorten the batch/sequence")
+        reason = _device_refusal(p, dev, chosen_k, p.device_need(2, max(candidates)), max(candidates))
     slots = layer_slots or 2
     if layer_slots is None and vram_bytes is not None and feasible:
-        while slots < 4 and dev["total"] + p.by_kind["layer"] * p.cb <= vram_bytes:
+        off = p.boundary(chosen_k) if dev["total"] > vram_bytes else 0   # boundaries already off the device
+        while slots < 4 and dev["total"] - off + p.by_kind["layer"] * p.cb <= vram_bytes:
             slots += 1
             dev = p.device_need(slots, chosen_k)
     return chosen_k, dev, slots, feasible, limiting, reason
+
+
+def _device_refusal(p: _PlanInputs, dev: dict, k: int, minimal: dict, k_min: int) -> str:
+    """Why the device cannot run the workload, with the numbers: the working set (without the
+    boundary activations a single micro-batch may keep off the device), the MLP's tile, the
+    budget, and the longest sequence that fits (:func:`longest_seq`, computed)."""
+    w, vram = p.workload, p.vram_bytes
+    single = w.accumulation == 1
+    off = p.boundary(k) if single else 0
+    need = dev["total"] - off
+    rows = f"{w.batch} rows of " if w.batch > 1 else ""
+    tile = f"its MLP in tiles of {p.tile:,} tokens" if p.tile and p.tile < w.batch * w.seq else "its MLP untiled"
+    text = (f"{rows}{w.seq:,} tokens need {need / GiB:.2f} GiB of device working set (weights slots "
+            f"{dev['weights'] / GiB:.2f} GiB, gradient buffers {dev['grads'] / GiB:.2f} GiB, one layer's "
+            f"activations with {tile} and the checkpoint inputs {(dev['activations'] - off) / GiB:.2f} GiB"
+            + (f"; the boundary activations, {off / GiB:.2f} GiB, may wait in host RAM or on disk" if off else "")
+            + f") but max_vram_gb allows {vram / GiB:.2f} GiB")
+    if k_min != k:
+        text += f"; the smallest plan (2 layer slots, checkpoint interval {k_min}) needs " \
+                f"{(minimal['total'] - (p.boundary(k_min) if single else 0)) / GiB:.2f} GiB"
+    most = longest_seq(p)
+    if most:
+        return text + f"; the longest sequence that fits is {most:,} tokens: raise max_vram_gb or shorten the " \
+                      f"batch/sequence to {most:,} tokens"
+    return text + "; no sequence fits (the weights slots and gradient buffers alone): raise max_vram_gb"
+
+
+def longest_seq(p: _PlanInputs, upper: int = 1 << 24) -> int:
+    """The longest sequence (tokens per row, at ``p``'s batch) whose device working set fits the
+    budget under the same rules as ``p``'s workload (bisection over the planner's own
+    arithmetic; 0: not even one token; ``upper``: no budget or every length up to it fits)."""
+    import dataclasses
+
+    if p.vram_bytes is None:
+        return upper
+    ks = [p.cfg.checkpoint_interval] if p.cfg.checkpoint_interval is not None else sorted(
+        {1, 2, 3, 4, max(1, int(math.sqrt(p.shape.num_layers))), max(1, p.shape.num_layers)})
+    slots = max(p.shape.num_layers, 1) if p.cfg.checkpoint_interval == 0 else p.cfg.overrides.device_slots or 2
+
+    def ok(seq: int) -> bool:
+        q = dataclasses.replace(p, workload=dataclasses.replace(p.workload, seq=seq))
+        return any(q.fits(q.device_need(slots, k), k) for k in ks)
+
+    lo, hi = 0, upper
+    if ok(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
 def _host_placement(p: _PlanInputs):
@@ -390,12 +461,16 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
     if workload.accumulation > 1:
         window, dev, grads_on_disk = _plan_window(p, chosen_k, dev, host, placement, grads_on_disk, weights,
                                                   states, sums)
+    elif feasible and p.vram_bytes is not None and dev["total"] > p.vram_bytes:   # a long row's boundaries
+        dev = _place_boundaries(p, chosen_k, dev, host, placement, weights, states, grads_on_disk)
     host["total"] = sum(host.values())
     disk = {"weights": weights if placement["master_weights"] == "disk" else 0,
             "grads": p.total * 4 if grads_on_disk else 0,
             "optimizer_states": states if placement["optimizer_states"] == "disk" else 0}
     if window is not None and window["tier"] == "disk":
         disk["activations"] = window["boundary_bytes"]
+    if placement.get("activations") == "disk":
+        disk["activations"] = p.boundary(chosen_k)
     disk["total"] = sum(disk.values())
     if feasible and p.host_bytes is not None and host["total"] > p.host_bytes:
         feasible, limiting, reason = False, "host", _host_refusal(p, host, placement)
@@ -406,7 +481,40 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
     return Plan(device=dev, host=host, disk=disk, placement=placement, layer_slots=slots,
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
                 capacity={"device": p.vram_bytes, "host": p.host_bytes, "disk": disk_bytes}, window=window,
-                window_sum_bytes=sums)
+                window_sum_bytes=sums, tile_tokens=p.tile, seq=workload.seq,
+                longest_seq=longest_seq(p) if p.vram_bytes is not None and workload.seq > 1 else None)
+
+
+def boundary_tier(nbytes: int, device_free: Optional[int], host_free: Optional[int],
+                  disk_free: Optional[int]) -> Optional[str]:
+    """Where one micro-batch's ``nbytes`` of layer-boundary activations wait between its forward
+    and its backward: the device when they fit beside its working set, else host RAM, else the
+    disk tier (free bytes per tier: None no limit; ``disk_free`` 0 no disk tier); None: nowhere."""
+    for tier, free in (("device", device_free), ("host", host_free), ("disk", disk_free)):
+        if free is None or nbytes <= free:
+            if tier != "disk" or disk_free != 0:
+                return tier
+    return None
+
+
+def _place_boundaries(p: _PlanInputs, k: int, dev: dict, host: dict, placement: dict, weights: int,
+                      states: int, grads_on_disk: bool) -> dict:
+    """A single micro-batch whose boundary activations do not fit beside the device's working
+    set: they wait in host RAM (within ``1 - HOST_HEADROOM`` of its budget), else on the disk
+    tier (``placement["activations"]``; the host check refuses where neither holds them).
+    Returns the device figures without them."""
+    nbytes = p.boundary(k)
+    free_host = None if p.host_bytes is None else max(int((1 - HOST_HEADROOM) * p.host_bytes) - sum(host.values()), 0)
+    used = ((weights if placement["master_weights"] == "disk" else 0) + (p.total * 4 if grads_on_disk else 0)
+            + (states if placement["optimizer_states"] == "disk" else 0))
+    free_disk = 0 if not p.cfg.offload_dir else None if p.disk_bytes is None else max(p.disk_bytes - used, 0)
+    tier = boundary_tier(nbytes, 0, free_host, free_disk) or "host"
+    placement["activations"] = tier
+    if tier == "host":
+        host["activations"] = nbytes
+    dev = dict(dev, activations=dev["activations"] - nbytes)
+    dev["total"] = dev["weights"] + dev["grads"] + dev["activations"]
+    return dev
 
 
 def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None) -> Plan:

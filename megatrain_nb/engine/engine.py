@@ -174,7 +174,9 @@ class StreamingEngine:
         with self.lock:
             self._check_open()
             batches = [self._prepare(input_ids, attention_mask, labels, position_ids)]
-            return self._train(batches, None, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
+            wp = self.plan_window(batches)   # a long row's boundary activations may leave the device
+            return self._train(batches, wp if wp.tier != "device" else None, loss_fn, num_items_in_batch, step_lr,
+                               max_grad_norm)
 
     def plan_window(self, batches) -> WindowPlan:
         """The :class:`WindowPlan` of prepared ``(ids, am, labels)`` micro-batches (``window.plan_for``)."""

@@ -701,10 +701,11 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
     cap = int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else device_capacity
     hid, inter = hidden_size(model_config), intermediate_size(model_config) or 0
     layer_work = (12 * hid + 4 * inter) * esize          # one layer re-run, per token (as activation_bytes)
+    tile = plan.tile_tokens or tokens                    # the MLP's intermediates for one tile
     dev_free = None
     if cap is not None:   # (the engine's plan is made without a window: its sums are taken here)
         dev_free = max(cap - plan.device["weights"] - plan.device["grads"] - plan.window_sum_bytes
-                       - tokens * layer_work, 0)
+                       - tokens * 12 * hid * esize - min(tokens, tile) * 4 * inter * esize, 0)
     # (a split window's accumulator is in RAM even where held final gradients go to disk)
     accumulator = plan.host["grads"] or plan.disk["grads"]
     if cfg.max_host_gb:  # a one-group layer-major step keeps no host gradient accumulator
@@ -718,6 +719,13 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
         import shutil
 
         disk_free = int(0.9 * shutil.disk_usage(cfg.offload_dir).free)
+    if micro_batches == 1:   # one (long) row: its boundaries on the first tier that holds them
+        k = plan.checkpoint_interval
+        saved = math.ceil(num_layers / k) * tokens * hid * esize if k else 0
+        tier = boundary_tier(saved, dev_free, host_free, disk_free) or "host"
+        return WindowPlan(micro_batches=1, groups=1, group_size=1, tier=tier, boundary_bytes=saved,
+                          device_work_bytes=0, loads_per_layer=loads_per_layer(num_layers, k),
+                          reason=f"one micro-batch, boundary activations on the {tier}", checkpoint_interval=k)
     return window_plan(micro_batches, tokens=tokens, hidden_size=hid, num_layers=num_layers,
                        checkpoint_interval=plan.checkpoint_interval, compute_bytes=esize, device_free=dev_free,
                        host_free=host_free, layer_work_bytes_per_token=layer_work, tier=cfg.window_tier,

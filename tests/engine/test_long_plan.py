@@ -1,0 +1,120 @@
+"""The planner and the estimator know the sequence (issue 35 item 3): the device working set as a
+function of the row's length and the MLP's tile, a long row's boundary activations placed on the
+device, in host RAM or on the disk tier by the plan, impossible lengths refused with the numbers."""
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine.planner import GiB, ModelShape, UnitSpec, Workload, make_plan
+
+from .families import VOCAB, family_config
+
+H, I, N = 256, 1024, 8   # hidden, intermediate, layers of the paper model below
+UNITS = ([UnitSpec("embed", 1000 * H, "embed")] + [UnitSpec(f"layers.{i}", 12 * H * H, "layer") for i in range(N)]
+         + [UnitSpec("head", 1000 * H, "head")])
+SHAPE = ModelShape(hidden_size=H, num_layers=N, intermediate_size=I, vocab_size=1000)
+
+
+def _plan(seq, vram_gb=1.0, host_gb=None, disk=False, **overrides):
+    cfg = EngineConfig(max_vram_gb=vram_gb, max_host_gb=host_gb, checkpoint_interval=1,
+                       offload_dir="/nonexistent" if disk else None, overrides=overrides)
+    return make_plan(UNITS, SHAPE, cfg, cuda=False, workload=Workload(seq=seq))
+
+
+def test_a_long_rows_boundary_activations_go_to_host_then_disk_by_the_plan():
+    short, long_ = _plan(1024), _plan(65536)
+    assert short.feasible and "activations" not in short.placement
+    boundary = N * 65536 * H * 4   # every layer's input (checkpoint interval 1), fp32
+    assert long_.feasible and long_.placement["activations"] == "host"
+    assert long_.host["activations"] == boundary and long_.device["total"] <= 1.0 * GiB
+    # the device figures are the same plan's less the boundaries
+    on_device, off = _plan(65536, vram_gb=None, tile_tokens=512), _plan(65536, tile_tokens=512)
+    assert on_device.device["activations"] - off.device["activations"] == boundary
+    # a host budget that cannot hold them: the disk tier
+    tight = _plan(65536, host_gb=0.5, disk=True)
+    assert tight.placement["activations"] == "disk" and tight.disk["activations"] == boundary
+    assert "activations" not in tight.host
+    # nowhere: the host check refuses with the host's numbers
+    none = _plan(65536, host_gb=0.5)
+    assert not none.feasible and none.limiting_tier == "host"
+
+
+def test_an_impossible_length_is_refused_with_the_numbers_and_the_longest_that_fits():
+    plan = _plan(1 << 20)
+    assert not plan.feasible and plan.limiting_tier == "device"
+    z = plan.longest_seq
+    assert 0 < z < 1 << 20
+    assert _plan(z).feasible and not _plan(z + 1).feasible          # computed, not guessed
+    assert f"{1 << 20:,} tokens need" in plan.reason and f"tiles of {plan.tile_tokens:,} tokens" in plan.reason
+    assert "max_vram_gb allows 1.00 GiB" in plan.reason and f"the longest sequence that fits is {z:,}" in plan.reason
+    # the figure in the message is the device working set without the boundaries that may leave it
+    need = float(plan.reason.split(" tokens need ")[1].split(" GiB")[0])
+    assert need == pytest.approx((plan.device["total"] - N * (1 << 20) * H * 4) / GiB, abs=0.01)
+
+
+def test_the_tile_follows_the_budget_and_the_override_pins_it():
+    roomy, tight = _plan(65536, vram_gb=64), _plan(65536)
+    assert roomy.tile_tokens > tight.tile_tokens > 0
+    assert _plan(65536, tile_tokens=128).tile_tokens == 128
+    untiled = _plan(65536, tile_tokens=0)
+    assert untiled.tile_tokens == 0
+    assert untiled.longest_seq < tight.longest_seq   # the MLP's intermediates for the whole row
+    grows = [_plan(s, vram_gb=None).device["activations"] for s in (8192, 16384, 32768)]
+    assert grows[2] - grows[1] == 2 * (grows[1] - grows[0])   # linear in the row once it is tiled
+
+
+def test_estimate_gives_per_tier_bytes_and_the_tile_at_131072_tokens():
+    import megatrain_nb as mt
+    cfg = AutoConfig.for_model("llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    est = mt.estimate(cfg, seq=131072, vram_gb=80, ram_gb=1024, disk_gb=4096, precision="fp32")
+    d = est.to_dict()
+    assert d["feasible"] and d["placement"]["activations"] == "host"
+    assert d["tiers"]["host"]["activations"] == 32 * 131072 * 4096 * 4
+    assert d["tiers"]["device"]["total"] <= 80 * GiB and d["tile_tokens"] > 0
+    assert d["longest_seq"] > 131072
+    text = str(est)
+    assert f"tiles of {d['tile_tokens']:,} tokens" in text and "wait in host RAM" in text
+    small = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                                 num_attention_heads=8, vocab_size=32000)
+    too_long = mt.estimate(small, seq=4 << 20, vram_gb=8, ram_gb=None, disk_gb=None, precision="bf16")
+    assert not too_long.feasible and f"the longest sequence that fits is {too_long.plan.longest_seq:,}" in str(too_long)
+
+
+def test_engine_puts_a_long_packed_rows_boundaries_in_host_ram_and_matches_hf():
+    """SFT packing at a moderate length with small tiles, under a device budget that holds the
+    layer's work but not the boundary activations: they wait in host RAM (the planner's
+    boundary_tier), and the loss and every gradient equal Hugging Face autograd's."""
+    cfg = family_config("llama", layers=4, hidden=64)
+    cfg.max_position_embeddings = 1024
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    lengths = (300, 212, 400, 112)
+    seq = sum(lengths)
+    ids = torch.randint(1, VOCAB, (1, seq), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    ref = copy.deepcopy(model)
+    out = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    out.loss.backward()
+    probe = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", overrides={"tile_tokens": 64}))
+    plan = probe.plan
+    probe.close()
+    inter = cfg.intermediate_size
+    work = seq * 12 * 64 * 4 + 64 * 4 * inter * 4
+    boundary = math.ceil(4 / plan.checkpoint_interval) * seq * 64 * 4
+    vram = plan.device["weights"] + plan.device["grads"] + work + boundary // 2
+    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", max_vram_gb=vram / GiB,
+                                                                 overrides={"tile_tokens": 64}))
+    got = engine.forward_backward(ids, labels=labels, position_ids=pos)
+    assert engine.last_window_plan.tier == "host" and engine.steps.boundary_peak["host"] > 0
+    assert engine.runner.tiling.tiled_calls > 0
+    assert got.loss == pytest.approx(float(out.loss.detach()), rel=1e-5)
+    grads, want = dict(engine.named_gradients()), {n: p.grad for n, p in ref.named_parameters()}
+    assert max(float((grads[n] - want[n]).norm() / (want[n].norm() + 1e-12)) for n in want) <= 1e-4
+    engine.close()

@@ -316,7 +316,8 @@ def _device_refusal(p: _PlanInputs, dev: dict, k: int, minimal: dict, k_min: int
     need = dev["total"] - off
     rows = f"{w.batch} rows of " if w.batch > 1 else ""
     tile = f"its MLP in tiles of {p.tile:,} tokens" if p.tile and p.tile < w.batch * w.seq else "its MLP untiled"
-    text = (f"{rows}{w.seq:,} tokens need {need / GiB:.2f} GiB of device working set (weights slots "
+    tokens = f"{w.seq:,} tokens need" if w.batch > 1 or w.seq != 1 else "one token needs"
+    text = (f"{rows}{tokens} {need / GiB:.2f} GiB of device working set (weights slots "
             f"{dev['weights'] / GiB:.2f} GiB, gradient buffers {dev['grads'] / GiB:.2f} GiB, one layer's "
             f"activations with {tile} and the checkpoint inputs {(dev['activations'] - off) / GiB:.2f} GiB"
             + (f"; the boundary activations, {off / GiB:.2f} GiB, may wait in host RAM or on disk" if off else "")

@@ -173,7 +173,8 @@ def print_header(trainer, *, model: str, data: str, out=None) -> None:
       "moments" + (", lossy vs fp32 AdamW)" if codec != "none" else ", exact)"))
     tiling = getattr(getattr(engine, "runner", None), "tiling", None)
     if tiling is not None:
-        p("tiles:  " + (f"a layer's MLP runs rows over {tiling.tile:,} tokens in tiles of {tiling.tile:,} tokens"
+        p("tiles:  " + (f"a layer's MLP runs rows longer than {tiling.tile:,} tokens in tiles of {tiling.tile:,} "
+                        "tokens (EngineOverrides.tile_tokens pins it)"
                         if tiling.tile else "off (tile_tokens=0): a layer's MLP runs a whole row at once"))
     p(f"output: {trainer.args.output_dir} ({trainer.total_steps} steps; metrics in {trainer.metrics_log.path})")
     if trainer.args.max_steps < 1:   # transformers: no step limit, the epochs decide

@@ -44,7 +44,8 @@ BORDER = "var(--jp-border-color2, #d0d0d0)"
 
 def header_html(session: Any, view: RunView) -> str:
     """The run at a glance, loss first and large: loss, state, step/total with a bar, ETA
-    (while running), tokens/s, lr, elapsed. Everything from one ``view``."""
+    (while running), tokens/s, the MLP's tile (when the last step's rows ran in tiles), lr,
+    elapsed. Everything from one ``view``."""
     state = session.state
     total = session.total_steps
     frac = min(1.0, view.step / total) if total else 0.0
@@ -56,6 +57,7 @@ def header_html(session: Any, view: RunView) -> str:
         f"step <b class='mtnb-dash-step'>{view.step}</b>{'/' + str(total) if total else ''}",
         *([f"ETA {fmt_seconds(eta)}"] if eta is not None else []),
         f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s",
+        *([f"MLP tiles of {int(last['tile_tokens']):,} tokens"] if last.get("tile_tokens") else []),
         f"lr <b class='mtnb-dash-lr'>{fmt_num(last.get('lr'), '.3g')}</b>",
         f"elapsed {fmt_seconds(view.elapsed_s)}",
     ]

@@ -433,7 +433,16 @@ class Trainer:
                 "skipped_steps": int(getattr(counters, "skipped_steps", 0) or 0),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
                 "tokens_seen": self._tokens_seen, "tokens_per_s": tokens / dt if dt > 0 else 0.0,
-                "step_time_s": dt, "time": time.time(), "total_steps": total, **self.lineage}
+                "step_time_s": dt, "time": time.time(), "total_steps": total,
+                "tile_tokens": self._tiled_this_step(engine), **self.lineage}
+
+    def _tiled_this_step(self, engine) -> int:
+        """The tile a layer's MLP ran this step's rows in (engine/tiling.py), 0 where no row was
+        longer than a tile (or the engine does not tile)."""
+        tiling = getattr(getattr(engine, "runner", None), "tiling", None)
+        calls = int(getattr(tiling, "tiled_calls", 0) or 0)
+        before, self._tiled_calls = getattr(self, "_tiled_calls", 0), calls
+        return int(tiling.tile) if calls > before else 0
 
     def _window_loss(self, loss_sum: float, n_items: int) -> float:
         """The step's loss as logged: the mean token loss (a sequence-level objective: its own)."""

@@ -118,3 +118,30 @@ def test_engine_puts_a_long_packed_rows_boundaries_in_host_ram_and_matches_hf():
     grads, want = dict(engine.named_gradients()), {n: p.grad for n, p in ref.named_parameters()}
     assert max(float((grads[n] - want[n]).norm() / (want[n].norm() + 1e-12)) for n in want) <= 1e-4
     engine.close()
+
+
+def test_the_step_record_and_the_dashboard_header_name_the_tile():
+    """A step whose rows ran in tiles records the tile; the dashboard's header shows it beside tok/s."""
+    from types import SimpleNamespace
+
+    from megatrain_nb.notebook.run_log import RunLog
+    from megatrain_nb.notebook.summary_html import header_html
+    from megatrain_nb.trainer.trainer import Trainer
+
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2))
+    engine = StreamingEngine(model, EngineConfig(device="cpu", overrides={"tile_tokens": 32}))
+    trainer = SimpleNamespace(_tiled_calls=0)
+    engine.forward_backward(torch.randint(1, VOCAB, (1, 16)))       # shorter than a tile: untiled
+    assert Trainer._tiled_this_step(trainer, engine) == 0
+    engine.forward_backward(torch.randint(1, VOCAB, (1, 96)))
+    assert Trainer._tiled_this_step(trainer, engine) == 32
+    engine.close()
+    log = RunLog()
+    session = SimpleNamespace(state="running", total_steps=4, name="long", requested_lr=None, error_traceback=None,
+                              run_log=log)
+    log.add_record({"step": 1, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 1234.0, "step_time_s": 1.0,
+                    "tile_tokens": 0})
+    assert "tiles" not in header_html(session, log.view()) and "1,234 tok/s" in header_html(session, log.view())
+    log.add_record({"step": 2, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 1234.0, "step_time_s": 1.0,
+                    "tile_tokens": 32})
+    assert "MLP tiles of 32 tokens" in header_html(session, log.view())

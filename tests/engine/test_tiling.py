@@ -212,7 +212,7 @@ def test_run_header_names_the_tile():
     buf = io.StringIO()
     print_header(trainer, model="tiny", data="ids", out=buf)
     engine.close()
-    assert "tiles:  a layer's MLP runs rows over 512 tokens in tiles of 512 tokens" in buf.getvalue()
+    assert "tiles:  a layer's MLP runs rows longer than 512 tokens in tiles of 512 tokens" in buf.getvalue()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -53,6 +53,7 @@ from .inputs import model_inputs
 from .layer_calls import GradKeys, GradRecord, LayerCall, NotRun, SideStreams, add_grads, graph_roots
 from .layer_state import SharedState
 from .long_attention import long_attention
+from .packed_attention import packed_attention
 from .loss_head import LossHead
 from .proxies import bind, output_template, template_of, unbind
 from .recompute import ActivationMeter, restored_rng, rng_state
@@ -314,6 +315,7 @@ class StepRunner:
         k = self.checkpoint_interval if k is None else k
         A = len(batches)
         long_attention(self.model, *batches[0][0].shape)   # eager attention at a long length: SDPA or a warning
+        packed_attention(self.model, batches)              # long packed rows: attention per document
         shifts = [F.pad(lab[:, 1:], (0, 1), value=-100) for _, _, lab in batches]
         n_tokens = sum(int((s != -100).sum()) for s in shifts)
         self.meter.now = 0

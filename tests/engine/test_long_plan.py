@@ -128,8 +128,10 @@ def test_the_step_record_and_the_dashboard_header_name_the_tile():
     from megatrain_nb.notebook.summary_html import header_html
     from megatrain_nb.trainer.trainer import Trainer
 
-    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2))
-    engine = StreamingEngine(model, EngineConfig(device="cpu", overrides={"tile_tokens": 32}))
+    cfg = family_config("llama", layers=2)
+    cfg.max_position_embeddings = 128
+    engine = StreamingEngine(AutoModelForCausalLM.from_config(cfg), EngineConfig(device="cpu",
+                                                                                 overrides={"tile_tokens": 32}))
     trainer = SimpleNamespace(_tiled_calls=0)
     engine.forward_backward(torch.randint(1, VOCAB, (1, 16)))       # shorter than a tile: untiled
     assert Trainer._tiled_this_step(trainer, engine) == 0
@@ -145,3 +147,65 @@ def test_the_step_record_and_the_dashboard_header_name_the_tile():
     log.add_record({"step": 2, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 1234.0, "step_time_s": 1.0,
                     "tile_tokens": 32})
     assert "MLP tiles of 32 tokens" in header_html(session, log.view())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_long_packed_rows_attend_per_document_without_a_mask_and_match_hf(family, monkeypatch):
+    """Packed rows above PACKED_TOKENS: SDPA per document (no [seq, seq] mask), in small tiles,
+    two rows of different document layouts; the loss and every gradient equal HF's masked SDPA."""
+    from transformers import masking_utils
+
+    from megatrain_nb.engine import packed_attention
+
+    monkeypatch.setattr(packed_attention, "PACKED_TOKENS", 128)
+    if family == "qwen2_moe":
+        cfg = AutoConfig.for_model("qwen2_moe", vocab_size=VOCAB, num_hidden_layers=2, hidden_size=32,
+                                   intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                   num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                                   pad_token_id=0, tie_word_embeddings=False)
+    else:
+        cfg = family_config(family, layers=2)
+    cfg.max_position_embeddings = 512
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    rows = [(90, 70, 96), (200, 56)]
+    ids = torch.randint(1, VOCAB, (2, 256), generator=torch.Generator().manual_seed(3))
+    pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    ref = copy.deepcopy(model)
+    out = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    out.loss.backward()
+    built, split = [], []
+    real, find = masking_utils.sdpa_mask, packed_attention._documents
+    monkeypatch.setattr(masking_utils, "sdpa_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    monkeypatch.setattr(packed_attention, "_documents", lambda p: split.append(find(p)) or split[-1])
+    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", overrides={"tile_tokens": 32}))
+    got = engine.forward_backward(ids, labels=labels, position_ids=pos)
+    assert engine.model.config._attn_implementation == packed_attention.NAME and not built
+    assert split and split[0] == [[(0, 90), (90, 160), (160, 256)], [(0, 200), (200, 256)]]
+    assert engine.runner.tiling.tiled_calls > 0
+    assert got.loss == pytest.approx(float(out.loss.detach()), rel=1e-5)
+    grads, want = dict(engine.named_gradients()), {n: p.grad for n, p in ref.named_parameters()}
+    assert max(float((grads[n] - want[n]).norm() / (want[n].norm() + 1e-12)) for n in want) <= 1e-4
+    engine.close()
+
+
+def test_sliding_window_models_keep_their_masks_with_packed_rows(monkeypatch):
+    from megatrain_nb.engine import packed_attention
+    from megatrain_nb.engine.inputs import PackedRows
+
+    monkeypatch.setattr(packed_attention, "PACKED_TOKENS", 8)
+    cfg = family_config("mistral", layers=2)
+    cfg.sliding_window = 16
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    ids = torch.ones(1, 32, dtype=torch.long)
+    assert packed_attention.packed_attention(model, [(ids, PackedRows(torch.arange(32)[None]), ids)]) is None
+    assert model.config._attn_implementation == "sdpa"
+    llama = AutoModelForCausalLM.from_config(family_config("llama", layers=2), attn_implementation="sdpa")
+    assert packed_attention.packed_attention(llama, [(ids, None, ids)]) is None    # not packed: as it is
+    assert packed_attention.packed_attention(llama, [(ids, PackedRows(torch.arange(32)[None]), ids)])
+    assert llama.config._attn_implementation == packed_attention.NAME
+    q = torch.zeros(1, 4, 32, 8)
+    with pytest.raises(RuntimeError, match="does not hand position_ids"):   # documents unknown: said, not guessed
+        packed_attention.docs_attention_forward(llama.model.layers[0].self_attn, q, q, q, None)

@@ -483,7 +483,7 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
                 capacity={"device": p.vram_bytes, "host": p.host_bytes, "disk": disk_bytes}, window=window,
                 window_sum_bytes=sums, tile_tokens=p.tile, seq=workload.seq,
-                longest_seq=longest_seq(p) if p.vram_bytes is not None and workload.seq > 1 else None)
+                longest_seq=longest_seq(p) if p.vram_bytes is not None else None)
 
 
 def boundary_tier(nbytes: int, device_free: Optional[int], host_free: Optional[int],

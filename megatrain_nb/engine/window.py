@@ -215,11 +215,29 @@ class BoundaryStore:
 def plan_for(batches, *, plan, model_config, config, num_layers: int, device: torch.device) -> WindowPlan:
     """The layout a window of prepared ``(ids, am, labels)`` micro-batches gets: layer-major
     when their boundary activations fit the device budget, else host RAM, else split."""
+    tokens = max(int(b[0].numel()) for b in batches)
+    if plan.longest_seq is not None and config.max_vram_gb and tokens > plan.longest_seq:
+        raise ValueError(_length_refusal(plan, config, model_config, tokens))
     cap = None
     if device.type == "cuda" and not config.max_vram_gb:   # what is free (mem_get_info), less a headroom
         from .memory import device_capacity
 
         cap = device_capacity(device)
     return engine_window_plan(plan, model_config, config, num_layers,
-                              tokens=max(int(b[0].numel()) for b in batches), micro_batches=len(batches),
+                              tokens=tokens, micro_batches=len(batches),
                               device_capacity=cap)
+
+
+def _length_refusal(plan, config, model_config, tokens: int) -> str:
+    """A micro-batch longer than the device budget holds (``plan.longest_seq``), with the numbers."""
+    from .family import hidden_size
+    from .planner import GiB
+
+    per_token = 12 * hidden_size(model_config) * (2 if config.precision == "bf16" else 4)
+    tile = f"in tiles of {plan.tile_tokens:,} tokens" if plan.tile_tokens else "untiled"
+    return (f"a micro-batch of {tokens:,} tokens does not fit max_vram_gb={config.max_vram_gb}: the device "
+            f"holds weights slots {plan.device['weights'] / GiB:.2f} GiB and gradient buffers "
+            f"{plan.device['grads'] / GiB:.2f} GiB, and one layer's working set takes about {per_token / 1024:.1f} "
+            f"KiB per token (its MLP {tile}; boundary activations may wait in host RAM or on disk), so the "
+            f"longest that fits is {plan.longest_seq:,} tokens: shorten the rows (or the batch) or raise "
+            "max_vram_gb")

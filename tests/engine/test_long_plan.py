@@ -209,3 +209,21 @@ def test_sliding_window_models_keep_their_masks_with_packed_rows(monkeypatch):
     q = torch.zeros(1, 4, 32, 8)
     with pytest.raises(RuntimeError, match="does not hand position_ids"):   # documents unknown: said, not guessed
         packed_attention.docs_attention_forward(llama.model.layers[0].self_attn, q, q, q, None)
+
+
+def test_the_engine_refuses_a_row_longer_than_its_device_budget_holds():
+    cfg = family_config("llama", layers=2)
+    cfg.max_position_embeddings = 1024
+    model = AutoModelForCausalLM.from_config(cfg)
+    probe = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu"))
+    fixed = probe.plan.device["weights"] + probe.plan.device["grads"]
+    probe.close()
+    engine = StreamingEngine(model, EngineConfig(device="cpu", max_vram_gb=(fixed + (1 << 20)) / GiB,
+                                                 overrides={"tile_tokens": 32}))
+    z = engine.plan.longest_seq
+    assert 32 < z < 1024
+    with pytest.raises(ValueError, match=f"a micro-batch of {z + 1:,} tokens does not fit .* longest that fits is "
+                                         f"{z:,} tokens"):
+        engine.forward_backward(torch.randint(1, VOCAB, (1, z + 1)))
+    assert engine.forward_backward(torch.randint(1, VOCAB, (1, z))).num_tokens == z - 1
+    engine.close()

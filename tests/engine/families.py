@@ -32,3 +32,48 @@ def family_config(family: str, *, layers: int = 3, tie: bool = False, hidden: in
 
 
 FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "gemma2", "phi3", "mixtral"]
+
+
+def packed_rows(model, rows, seq: int, seed: int = 3):
+    """Packed rows for ``model``: documents of the given lengths per row (``rows``: one tuple of
+    lengths per row, each summing to ``seq``), position ids restarting per document, labels with
+    each document's first token ignored; and Hugging Face's loss and gradients on them.
+    Returns (ids, position ids, labels, HF loss, {name: HF gradient})."""
+    import copy
+
+    import torch
+
+    ids = torch.randint(1, VOCAB, (len(rows), seq), generator=torch.Generator().manual_seed(seed))
+    pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    ref = copy.deepcopy(model)
+    out = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    out.loss.backward()
+    return ids, pos, labels, float(out.loss.detach()), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def worst_rel(grads, ref) -> float:
+    """The largest relative difference of a gradient in ``grads`` from ``ref``'s (same names)."""
+    assert set(grads) == set(ref), set(grads) ^ set(ref)
+    return max(float((grads[n] - ref[n]).norm() / (ref[n].norm() + 1e-12)) for n in ref)
+
+
+def tiny_model(family: str, seq: int, **extra):
+    """A two-layer model of ``family`` (or a small Qwen2-MoE with a shared expert) for rows of up to
+    ``seq`` tokens, seeded, in eval mode; ``extra``: config fields to set."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family == "qwen2_moe":
+        cfg = AutoConfig.for_model("qwen2_moe", vocab_size=VOCAB, num_hidden_layers=2, hidden_size=32,
+                                   intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                   num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                                   pad_token_id=0, tie_word_embeddings=False)
+    else:
+        cfg = family_config(family, layers=2)
+    cfg.max_position_embeddings = seq
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()

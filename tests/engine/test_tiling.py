@@ -11,22 +11,10 @@ from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine import tiling
 from megatrain_nb.engine.tiling import LayerTiling, auto_tile_tokens
 
-from .families import FAMILIES, VOCAB, family_config
+from .families import FAMILIES, VOCAB, family_config, packed_rows, tiny_model, worst_rel
 
 
-def _model(family: str, seq: int, **extra):
-    if family == "qwen2_moe":
-        cfg = AutoConfig.for_model("qwen2_moe", vocab_size=VOCAB, num_hidden_layers=2, hidden_size=32,
-                                   intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                                   num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-                                   pad_token_id=0, tie_word_embeddings=False)
-    else:
-        cfg = family_config(family, layers=2)
-    cfg.max_position_embeddings = seq
-    for k, v in extra.items():
-        setattr(cfg, k, v)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+_model = tiny_model
 
 
 def _ids(seq: int, batch: int = 1):
@@ -50,9 +38,7 @@ def _engine_grads(model, ids, **cfg):
     return out.loss, grads, calls, report
 
 
-def _worst(grads, ref):
-    assert set(grads) == set(ref), set(grads) ^ set(ref)
-    return max(float((grads[n] - ref[n]).norm() / (ref[n].norm() + 1e-12)) for n in ref)
+_worst = worst_rel
 
 
 @pytest.mark.parametrize("family,seq,k", [pytest.param("llama", 2048, 1, marks=pytest.mark.slow),
@@ -268,19 +254,12 @@ def test_tile_width_from_per_layer_or_missing_sizes():
 def test_packed_rows_with_per_document_positions_tile_exactly():
     """SFT packing: three documents in one row, positions restarting per document, no mask."""
     model = _model("llama", 256)
-    lengths = (90, 70, 96)
-    ids = _ids(sum(lengths))
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    labels = ids.clone()
-    labels[pos == 0] = -100
-    ref = copy.deepcopy(model)
-    out = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
-    out.loss.backward()
+    ids, pos, labels, loss, ref = packed_rows(model, [(90, 70, 96)], 256)
     engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", overrides={"tile_tokens": 40}))
     got = engine.forward_backward(ids, labels=labels, position_ids=pos)
     assert engine.runner.tiling.tiled_calls > 0
-    assert got.loss == pytest.approx(float(out.loss.detach()), rel=1e-5)
-    assert _worst(dict(engine.named_gradients()), {n: p.grad for n, p in ref.named_parameters()}) <= 1e-4
+    assert got.loss == pytest.approx(loss, rel=1e-5)
+    assert worst_rel(dict(engine.named_gradients()), ref) <= 1e-4
     engine.close()
 
 

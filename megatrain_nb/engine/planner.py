@@ -447,7 +447,11 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
     ``workload.accumulation`` > 1: the window is planned too (``plan.window``: boundary
     activations on the device, else host RAM within ``1 - HOST_HEADROOM`` of the budget, else
     the disk tier (``disk["activations"]``), else a larger checkpoint interval for the window,
-    else split). Final gradients held for a clipping norm live in host RAM when the host
+    else split). One micro-batch (a long row) whose boundary activations alone do not fit
+    beside the device's working set: they go to host RAM, else the disk tier
+    (``placement["activations"]``, :func:`boundary_tier`). ``plan.tile_tokens``: the MLP's tile;
+    ``plan.longest_seq``: the longest row the device budget holds (:func:`longest_seq`); a
+    device refusal names the tokens, the working set, the tile, the budget and that length. Final gradients held for a clipping norm live in host RAM when the host
     budget holds them beside the master weights, else on the disk tier ("auto";
     ``placement["gradients"]`` says which). ``host["buffers"]``: what the engine's code holds
     in flight (:func:`host_in_flight`).

@@ -4,8 +4,8 @@
     megatrain-nb train --config run.yaml   # a training run from a config file
     megatrain-nb estimate llama-100b --vram 80 --ram 1024 --disk 4096
 
-``run.yaml``: see ``examples/run.yaml`` (every field, commented) and the README's "run.yaml"
-section. Sections: ``model`` (a local folder or a Hugging Face Hub id; ``revision`` optional) or
+``run.yaml``: see ``examples/run.yaml`` (every field, commented) and the "run.yaml"
+section of docs/TRAINING.md. Sections: ``model`` (a local folder or a Hugging Face Hub id; ``revision`` optional) or
 ``preset``; ``tokenizer``; ``data`` (``train``, ``eval``, ``seq_len``, ``text_column``);
 ``training`` (``transformers.TrainingArguments`` fields); ``engine`` (``EngineConfig`` fields);
 ``seed``.
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, metavar="RUN_YAML",
                    help=f"the run config: model or preset, data, training (TrainingArguments fields), engine "
                         f"(EngineConfig fields); every field is shown in {EXAMPLE_CONFIG} in the repository and "
-                        "the README's 'run.yaml' section")
+                        "the 'run.yaml' section of docs/TRAINING.md")
     t.add_argument("--output-dir", default=None, help="override training.output_dir")
     t.add_argument("--max-steps", type=_max_steps_arg, default=None,
                    help="override training.max_steps: a whole number >= 1, or -1 for no step limit (the run "

@@ -19,8 +19,8 @@ What is measured (each a median over repeated runs after a warm-up, within a tim
 * the CPU cores this process may use.
 
 The whole takes 10-20 s on a 2-core CPU machine (``seconds_taken``), less on a GPU machine's
-CPU. The result is cached as JSON in ``$XDG_CACHE_HOME/megatrain_nb`` (``~/.cache/megatrain_nb``)
-under a name made of the host, the device and ``offload_dir``'s filesystem, written atomically;
+CPU. The result is cached as JSON in the package's cache folder (:func:`cache_dir`:
+``$MEGATRAIN_NB_CACHE``, ``$XDG_CACHE_HOME/megatrain_nb`` or ``~/.cache/megatrain_nb``) under a name made of the host, the device and ``offload_dir``'s filesystem, written atomically;
 the next call reads it (``refresh=True`` measures again; a damaged file is measured again with
 a warning). A model's shapes missing from the cached file are measured and added to it.
 """
@@ -247,6 +247,10 @@ def model_shapes(model, tokens: int) -> ModelShapes:
 
 # ---------------------------------------------------------------------------------------- the cache
 def cache_dir() -> str:
+    """``$MEGATRAIN_NB_CACHE`` (as the built-in default's corpus), else ``$XDG_CACHE_HOME/megatrain_nb``,
+    else ``~/.cache/megatrain_nb``."""
+    if os.environ.get("MEGATRAIN_NB_CACHE"):
+        return os.environ["MEGATRAIN_NB_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "megatrain_nb")
 
@@ -293,7 +297,10 @@ def save_cached(path: str, rates: MachineRates) -> None:
 
 # ---------------------------------------------------------------------------------------- measure_machine
 def _device(device) -> Tuple[torch.device, str]:
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"measure_machine: device {device!r} is neither cpu nor cuda[:N]") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"measure_machine: device {device!r} asked for, but CUDA is not available here; "

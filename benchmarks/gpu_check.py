@@ -415,8 +415,8 @@ def cpu_rehearsal() -> int:
     lines.append(result("rehearsal_poisoning_caught", poi["caught"], "of 2", "==", 2))
     lines.append(result("rehearsal_poisoning_clean", poi["clean"], "of 1", "==", 1))
     lines.append(result("rehearsal_machine_rates_not_positive", len(bad_rates), "rates", "==", 0))
-    ok = (not bad_rates and all(par[t] <= 1e-6 for t in ("device", "host", "disk")) and par["hf"] <= 1e-4 and par["late"] > 0
-          and par["poisoned"] > 0 and poi["caught"] == 2 and poi["clean"] == 1)
+    ok = (not bad_rates and all(par[t] <= 1e-6 for t in ("device", "host", "disk")) and par["hf"] <= 1e-4
+          and par["late"] > 0 and par["poisoned"] > 0 and poi["caught"] == 2 and poi["clean"] == 1)
     print(f"cpu rehearsal: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f}s")
     return 0 if ok else 1
 
@@ -478,7 +478,8 @@ def run_all(a) -> int:
     p5 = plan_plus_5(a, thr["mem"]["plan"])
     raw = sec.raw_pinned_h2d_gbps()
     resident = sec.resident_step_seconds(llama(a.layers, a.hidden), a.batch, a.seq)
-    print(f"raw pinned H2D {raw:.1f} GB/s (measure_machine: {rates.h2d_pinned / 1e9:.1f}); fully resident step {resident:.2f}s vs streamed {thr['step']:.2f}s")
+    print(f"raw pinned H2D {raw:.1f} GB/s (measure_machine: {rates.h2d_pinned / 1e9:.1f}); "
+          f"fully resident step {resident:.2f}s vs streamed {thr['step']:.2f}s")
     acc = accumulation(a)
     steps, races, _ = sanitizer()
     two = two_gpus() if torch.cuda.device_count() >= 2 else None

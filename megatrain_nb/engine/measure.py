@@ -20,9 +20,10 @@ What is measured (each a median over repeated runs after a warm-up, within a tim
 
 The whole takes 10-20 s on a 2-core CPU machine (``seconds_taken``), less on a GPU machine's
 CPU. The result is cached as JSON in the package's cache folder (:func:`cache_dir`:
-``$MEGATRAIN_NB_CACHE``, ``$XDG_CACHE_HOME/megatrain_nb`` or ``~/.cache/megatrain_nb``) under a name made of the host, the device and ``offload_dir``'s filesystem, written atomically;
-the next call reads it (``refresh=True`` measures again; a damaged file is measured again with
-a warning). A model's shapes missing from the cached file are measured and added to it.
+``$MEGATRAIN_NB_CACHE``, ``$XDG_CACHE_HOME/megatrain_nb`` or ``~/.cache/megatrain_nb``) under a
+name made of the host, the device and ``offload_dir``'s filesystem, written atomically; the next
+call reads it (``refresh=True`` measures again; a damaged file is measured again with a warning).
+A model's shapes missing from the cached file are measured and added to it.
 """
 from __future__ import annotations
 
@@ -112,13 +113,19 @@ def measure_copies(device: torch.device, nbytes: int, sizes: Sizes) -> dict:
         out = torch.empty_like(host)
         r = _rate(lambda: out.copy_(host), 4 * n, sizes)
         return dict(h2d_pageable=r, h2d_pinned=r, d2h_pageable=r, d2h_pinned=r)
+    from .pinned import release_cached_pinned
+
     sync = _sync_for(device)
     dev = torch.empty(n, device=device)
     pinned = torch.empty(n, pin_memory=True).fill_(1.5)
-    return dict(h2d_pageable=_rate(lambda: dev.copy_(host), 4 * n, sizes, sync),
-                h2d_pinned=_rate(lambda: dev.copy_(pinned, non_blocking=True), 4 * n, sizes, sync),
-                d2h_pageable=_rate(lambda: host.copy_(dev), 4 * n, sizes, sync),
-                d2h_pinned=_rate(lambda: pinned.copy_(dev, non_blocking=True), 4 * n, sizes, sync))
+    out = dict(h2d_pageable=_rate(lambda: dev.copy_(host), 4 * n, sizes, sync),
+               h2d_pinned=_rate(lambda: dev.copy_(pinned, non_blocking=True), 4 * n, sizes, sync),
+               d2h_pageable=_rate(lambda: host.copy_(dev), 4 * n, sizes, sync),
+               d2h_pinned=_rate(lambda: pinned.copy_(dev, non_blocking=True), 4 * n, sizes, sync))
+    del dev, pinned
+    torch.cuda.empty_cache()          # (the measurement leaves no device or pinned memory behind)
+    release_cached_pinned()
+    return out
 
 
 def measure_matmul(device: torch.device, m: int, k: int, n: int, sizes: Sizes, dtype=torch.float32) -> float:
@@ -374,6 +381,8 @@ def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=
         rates = _measure_all(dev, name, root, filesystem_text(fs), sizes, shapes)
     elif not _add_model(rates, dev, sizes, shapes):
         return rates
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     save_cached(path, rates)
     return rates
 

@@ -136,7 +136,8 @@ def _rows(r: MachineRates) -> list:
             ("matmul fp32", _flops(r.matmul_flops), "matmul_flops")]
     rows += [(f"  at {key}", _flops(v), None) for key, v in sorted(r.matmul_by_shape.items())]
     rows.append(("attention fp32 (SDPA)", _flops(r.attention_flops), "attention_flops"))
-    rows += [(f"  head size {h}", _flops(v), None) for h, v in sorted(r.attention_by_head.items(), key=lambda x: int(x[0]))]
+    heads = sorted(r.attention_by_head.items(), key=lambda x: int(x[0]))
+    rows += [(f"  head size {h}", _flops(v), None) for h, v in heads]
     rows += [("matmul bf16", _flops(r.bf16_matmul_flops), "bf16_matmul_flops"),
              ("attention bf16 (SDPA)", _flops(r.bf16_attention_flops), "bf16_attention_flops"),
              ("disk read", _bps(r.disk_read), "disk_read"),
@@ -144,7 +145,8 @@ def _rows(r: MachineRates) -> list:
              ("AdamW per thread", f"{r.adamw_per_thread / 1e6:.0f} M params/s" if r.adamw_per_thread else
               "-", "adamw_per_thread")]
     codecs = r.codec_per_thread or {}
-    rows += [(f"codec {name} per thread", _bps(v) + " of fp32", "codec_per_thread") for name, v in sorted(codecs.items())]
+    rows += [(f"codec {name} per thread", _bps(v) + " of fp32", "codec_per_thread")
+             for name, v in sorted(codecs.items())]
     if not codecs:
         rows.append(("codecs per thread", "-", "codec_per_thread"))
     return rows

@@ -25,8 +25,9 @@ class MachineRates:
     matmul_flops: device fp32 matmul FLOP/s at the model's shapes (``matmul_by_shape`` per
         "MxKxN" when measured for a model; ``matmul_flops`` is the one used when a shape is missing).
         M: tokens of a micro-batch, K: input features, N: output features (see :meth:`matmul_rate`).
-    attention_flops: device FLOP/s of the attention kernel (SDPA) at the model's head size
-        (``attention_by_head`` per head size when measured for a model; :meth:`attention_rate`).
+    attention_flops: device FLOP/s of the attention kernel (SDPA, a causal forward counted as
+        2·B·H·S²·D FLOPs: the half of the square it needs) at head size 64 (``attention_by_head``
+        per head size, the model's too when measured for one; :meth:`attention_rate`).
     bf16_matmul_flops / bf16_attention_flops: the same in bf16 (``EngineConfig(precision="bf16")``).
     disk_read / disk_write: bytes/s through the engine's own I/O path (O_DIRECT where the
         filesystem has it, its block sizes and queue depth) on ``disk_path``'s filesystem.
@@ -207,33 +208,29 @@ def _profile(name: str, device: str, cores: int, pinned: float, fp32: float, bf1
     return r
 
 
+def _datasheet(sheet: str, fp32: int, bf16_sparse: int) -> dict:
+    return {"fp32": f"{sheet}: FP32 {fp32} TFLOPS",
+            "bf16": f"{sheet}: BF16 Tensor Core {bf16_sparse:,} TFLOPS with sparsity = {bf16_sparse // 2} dense"}
+
+
+_GEN4 = {"read": _GEN4_READ, "write": _GEN4_WRITE, "filesystem": "PCIe Gen4 NVMe (Micron 7450 PRO class)"}
+_GEN5 = {"read": _GEN5_READ, "write": _GEN5_WRITE, "filesystem": "PCIe Gen5 NVMe (Micron 9550 PRO class)"}
+_GH200 = "NVIDIA GH200 Grace Hopper Superchip datasheet"
+
 PROFILES = {
     "h100-pcie5-gen4nvme": _profile(
-        "h100-pcie5-gen4nvme", "NVIDIA H100 PCIe 80GB", 14, 52e9, 51e12, 756e12, 6.8e9, 5.3e9, {
-            "pinned": _PINNED_PCIE5,
-            "fp32": "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe: FP32 51 TFLOPS",
-            "bf16": "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe: BF16 Tensor Core 1,513 TFLOPS with "
-                    "sparsity = 756 dense",
-            "read": _GEN4_READ, "write": _GEN4_WRITE, "cores": _DGX_CORES.format("H100"),
-            "filesystem": "PCIe Gen4 NVMe (Micron 7450 PRO class)"}),
+        "h100-pcie5-gen4nvme", "NVIDIA H100 PCIe 80GB", 14, 52e9, 51e12, 756e12, 6.8e9, 5.3e9,
+        {"pinned": _PINNED_PCIE5, "cores": _DGX_CORES.format("H100"), **_GEN4,
+         **_datasheet("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe", 51, 1513)}),
     "h200-pcie5-gen5nvme": _profile(
-        "h200-pcie5-gen5nvme", "NVIDIA H200 SXM 141GB", 14, 52e9, 67e12, 989e12, 14.0e9, 10.0e9, {
-            "pinned": _PINNED_PCIE5 + "; the H200's host link is PCIe Gen5 x16",
-            "fp32": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: FP32 67 TFLOPS",
-            "bf16": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16 Tensor Core 1,979 TFLOPS with "
-                    "sparsity = 989 dense",
-            "read": _GEN5_READ, "write": _GEN5_WRITE, "cores": _DGX_CORES.format("H200"),
-            "filesystem": "PCIe Gen5 NVMe (Micron 9550 PRO class)"}),
+        "h200-pcie5-gen5nvme", "NVIDIA H200 SXM 141GB", 14, 52e9, 67e12, 989e12, 14.0e9, 10.0e9,
+        {"pinned": _PINNED_PCIE5 + "; the H200's host link is PCIe Gen5 x16", "cores": _DGX_CORES.format("H200"),
+         **_GEN5, **_datasheet("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM", 67, 1979)}),
     "gh200": _profile(
-        "gh200", "NVIDIA GH200 Grace Hopper (H100 96GB, NVLink-C2C)", 72, 360e9, 67e12, 989e12, 14.0e9, 10.0e9, {
-            "pinned": "assumption: 360 GB/s = 80% of NVLink-C2C's 450 GB/s per direction (NVIDIA GH200 "
-                      "Grace Hopper Superchip datasheet: NVLink-C2C 900 GB/s bidirectional)",
-            "fp32": "NVIDIA GH200 Grace Hopper Superchip datasheet: FP32 67 TFLOPS",
-            "bf16": "NVIDIA GH200 Grace Hopper Superchip datasheet: BF16 Tensor Core 1,979 TFLOPS with "
-                    "sparsity = 989 dense",
-            "read": _GEN5_READ, "write": _GEN5_WRITE,
-            "cores": "NVIDIA GH200 Grace Hopper Superchip datasheet: 72 Arm Neoverse V2 cores",
-            "filesystem": "PCIe Gen5 NVMe (Micron 9550 PRO class)"}),
+        "gh200", "NVIDIA GH200 Grace Hopper (H100 96GB, NVLink-C2C)", 72, 360e9, 67e12, 989e12, 14.0e9, 10.0e9,
+        {"pinned": f"assumption: 360 GB/s = 80% of NVLink-C2C's 450 GB/s per direction ({_GH200}: NVLink-C2C "
+                   "900 GB/s bidirectional)",
+         "cores": f"{_GH200}: 72 Arm Neoverse V2 cores", **_GEN5, **_datasheet(_GH200, 67, 1979)}),
 }
 
 

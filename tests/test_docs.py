@@ -8,10 +8,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Pages the README links that were being written on another branch when the README was cut down;
-# a name here is only excused while its file is missing, so it can go once the page is merged.
-ARRIVING = {"docs/PREDICTION.md"}
-
 _TEST_REF = re.compile(r"(tests/[\w/*.-]+\.py)?::(\w+)|(tests/[\w/*.-]+\.py)")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -82,8 +78,7 @@ def test_every_link_lands_on_a_file_and_heading_that_exist(page):
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
         if not dest.exists():
-            if dest.relative_to(ROOT).as_posix() not in ARRIVING:
-                broken.append(target)
+            broken.append(target)
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(target)
     assert not broken, f"{_rel(page)} links to what does not exist: {broken}"

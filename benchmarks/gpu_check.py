@@ -31,6 +31,9 @@ The sections (``--list``; gpu_sections.py holds the newer ones) end in RESULT li
 * dropout/RNG: train mode with dropout, recompute at interval 2, against HF from the same seed;
 * sanitizer: PyTorch's CUDA stream sanitizer (``TORCH_CUDA_SANITIZER=1``, subprocess, bounded)
   over single-batch, clipped, windowed (device, host), evaluation and disk-tier steps;
+* machine rates: ``mt.measure_machine`` on the GPU (copies, matmul at the throughput model's
+  shapes, attention, disk, AdamW, codecs), measured now, <= 60 s, every rate positive; its pinned
+  host->device rate against the raw pinned copy's (rehearsal: quick sizes on the CPU);
 * two GPUs (when there are): two ranks under torchrun, a sharded step each under a hang
   timeout, and no rank holding a context on a GPU other than its own.
 """
@@ -67,6 +70,7 @@ SECTIONS = [
     ("accumulation", True, "layer-major 8-micro-batch window vs micro-batch-major"),
     ("dropout-rng", True, "train-mode dropout with recompute against HF"),
     ("sanitizer", True, "the CUDA stream sanitizer over a few steps of every kind"),
+    ("machine-rates", False, "mt.measure_machine on the device (<= 60 s, every rate > 0; pinned H2D vs raw)"),
     ("two-gpus", True, "two ranks: one context each, a sharded step under a hang timeout (needs 2 GPUs)"),
 ]
 
@@ -403,14 +407,16 @@ def cpu_rehearsal() -> int:
     t0 = time.perf_counter()
     par = sec.tier_parity("cpu")
     poi = sec.host_poisoning()
+    _, _, bad_rates = sec.machine_rates("cpu", model=sec.small_llama(), quick=True)
     lines = [result(f"rehearsal_grad_rel_err_{t}", par[t], "", "<=", 1e-6) for t in ("device", "host", "disk")]
     lines.append(result("rehearsal_grad_rel_err_vs_hf", par["hf"], "", "<=", 1e-4))
     lines.append(result("rehearsal_adversary_late_writes", par["late"], "writes", ">", 0))
     lines.append(result("rehearsal_adversary_poisoned", par["poisoned"], "buffers", ">", 0))
     lines.append(result("rehearsal_poisoning_caught", poi["caught"], "of 2", "==", 2))
     lines.append(result("rehearsal_poisoning_clean", poi["clean"], "of 1", "==", 1))
-    ok = (all(par[t] <= 1e-6 for t in ("device", "host", "disk")) and par["hf"] <= 1e-4 and par["late"] > 0
-          and par["poisoned"] > 0 and poi["caught"] == 2 and poi["clean"] == 1)
+    lines.append(result("rehearsal_machine_rates_not_positive", len(bad_rates), "rates", "==", 0))
+    ok = (not bad_rates and all(par[t] <= 1e-6 for t in ("device", "host", "disk")) and par["hf"] <= 1e-4
+          and par["late"] > 0 and par["poisoned"] > 0 and poi["caught"] == 2 and poi["clean"] == 1)
     print(f"cpu rehearsal: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.1f}s")
     return 0 if ok else 1
 
@@ -466,12 +472,14 @@ def run_all(a) -> int:
     e32 = parity("fp32")
     e16 = parity("bf16")
     par = sec.tier_parity("cuda", hidden=256, seq=64)
+    rates, rates_s, bad_rates = sec.machine_rates("cuda", model=llama(a.layers, a.hidden))
     drop = sec.dropout_parity()
     thr = throughput(a)
     p5 = plan_plus_5(a, thr["mem"]["plan"])
     raw = sec.raw_pinned_h2d_gbps()
     resident = sec.resident_step_seconds(llama(a.layers, a.hidden), a.batch, a.seq)
-    print(f"raw pinned H2D {raw:.1f} GB/s; fully resident step {resident:.2f}s vs streamed {thr['step']:.2f}s")
+    print(f"raw pinned H2D {raw:.1f} GB/s (measure_machine: {rates.h2d_pinned / 1e9:.1f}); "
+          f"fully resident step {resident:.2f}s vs streamed {thr['step']:.2f}s")
     acc = accumulation(a)
     steps, races, _ = sanitizer()
     two = two_gpus() if torch.cuda.device_count() >= 2 else None
@@ -481,6 +489,9 @@ def run_all(a) -> int:
     for t in ("device", "host", "disk"):
         result(f"gpu_delayed_streams_rel_err_{t}", par[t], "", "<=", 1e-6)
     result("gpu_dropout_rng_rel_err", drop, "", "<=", 1e-4)
+    result("gpu_machine_rates_seconds", rates_s, "s", "<=", 60)
+    result("gpu_machine_rates_not_positive", len(bad_rates), "rates", "==", 0)
+    result("gpu_machine_rates_h2d_pinned_vs_raw", rates.h2d_pinned / 1e9 / raw, "x", ">=", 0.8)
     result("gpu_tflops", thr["tflops"], "TFLOPS", ">", 0)
     result("gpu_compute_idle_fraction", thr["idle"], "", "<=", 0.1)
     result("gpu_h2d_vs_raw_pinned", thr["h2d_gbps"] / raw, "x", ">=", 0.7)

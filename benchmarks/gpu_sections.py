@@ -276,3 +276,17 @@ def dropout_parity() -> float:
     engine.close()
     print(f"dropout/RNG parity (train mode, interval 2): worst relative grad error {err:.2e}")
     return err
+
+
+def machine_rates(device: str, model=None, quick: bool = False) -> tuple:
+    """mt.measure_machine on ``device``, measured now (refresh), into a private cache folder:
+    (rates, wall seconds, the names of rates that are not positive finite numbers)."""
+    import megatrain_nb as mt
+    from megatrain_nb.engine.measure import check_finite
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-rates-") as cache, _env("MEGATRAIN_NB_CACHE", cache):
+        rates = mt.measure_machine(device=device, refresh=True, model=model, quick=quick)
+    took = time.perf_counter() - t0
+    print(rates)
+    return rates, took, check_finite(rates)

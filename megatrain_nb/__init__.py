@@ -30,6 +30,8 @@ _LAZY = {
     "estimate": "megatrain_nb.estimator",
     "Estimate": "megatrain_nb.estimator",
     "estimate_scale_out": "megatrain_nb.estimator_dist",
+    "measure_machine": "megatrain_nb.engine.measure",
+    "MachineRates": "megatrain_nb.engine.rates",
     "Session": "megatrain_nb.notebook",
     "compare": "megatrain_nb.notebook.compare",
 }

@@ -9,7 +9,7 @@ from outside, so this wrapper takes the arguments torchrun takes and, for a sing
   (``master_listen_fd``) created as ``multi_tenant`` before torchrun starts: the agent's own
   store on that port, in the same process, is then this server (torch keeps one server per port
   per process) instead of a new one on ``::``;
-- with the c10d rendezvous (what restarts need, see the README), the workers host their own
+- with the c10d rendezvous (what restarts need, see docs/DISTRIBUTED.md), the workers host their own
   store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, set here) at ``--local-addr 127.0.0.1``:
   each worker starts through :mod:`megatrain_nb.torchrun_boot`, which binds rank 0's store to
   loopback the same way before the script runs (so a script that builds ``TrainingArguments``
@@ -20,7 +20,7 @@ from outside, so this wrapper takes the arguments torchrun takes and, for a sing
 
 Then it runs torch's own ``torch.distributed.run.main``. A multi-node launch (``--nnodes`` > 1)
 is passed through unchanged: its ports must be reachable by the other nodes, so they belong on a
-private network (README, "Several machines").
+private network (docs/DISTRIBUTED.md, "Several machines").
 
     python -m megatrain_nb.torchrun --nproc-per-node 2 train.py
 """

@@ -31,7 +31,7 @@ def _seed():
     torch.manual_seed(0)
 
 
-# The fast subset is `python -m pytest -m "not slow"` (README, "Development"). Besides the tests
+# The fast subset is `python -m pytest -m "not slow"` (docs/DEVELOPMENT.md). Besides the tests
 # marked `slow` in their own files, whole kinds of test are slow by nature and marked here, in
 # one place: everything that starts ranks under torchrun or gloo (tests/distributed/) and every
 # browser test.

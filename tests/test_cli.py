@@ -134,7 +134,9 @@ def test_config_help_points_at_the_example_that_exists(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "examples/run.yaml" in out and "README" in out
+    assert "examples/run.yaml" in out and "docs/TRAINING.md" in out
+    page = Path(__file__).resolve().parent.parent / "docs" / "TRAINING.md"
+    assert "\n## run.yaml\n" in page.read_text()
     example = Path(__file__).resolve().parent.parent / "examples" / "run.yaml"
     assert example.is_file()
 

@@ -3,9 +3,10 @@
     megatrain-nb demo                      # the main job on the built-in default, no network needed
     megatrain-nb train --config run.yaml   # a training run from a config file
     megatrain-nb estimate llama-100b --vram 80 --ram 1024 --disk 4096
+    megatrain-nb machine [--refresh]       # this machine's measured rates (or --profile NAME)
 
-``run.yaml``: see ``examples/run.yaml`` (every field, commented) and the README's "run.yaml"
-section. Sections: ``model`` (a local folder or a Hugging Face Hub id; ``revision`` optional) or
+``run.yaml``: see ``examples/run.yaml`` (every field, commented) and the "run.yaml"
+section of docs/TRAINING.md. Sections: ``model`` (a local folder or a Hugging Face Hub id; ``revision`` optional) or
 ``preset``; ``tokenizer``; ``data`` (``train``, ``eval``, ``seq_len``, ``text_column``);
 ``training`` (``transformers.TrainingArguments`` fields); ``engine`` (``EngineConfig`` fields);
 ``seed``.
@@ -28,6 +29,8 @@ from megatrain_nb.cli.config import (  # noqa: F401 - the names megatrain_nb.cli
 )
 from megatrain_nb.cli.demo import DEMO_CACHE_SHARE, cmd_demo, demo_cache_gb  # noqa: F401
 from megatrain_nb.cli.estimate import budget_arg, cmd_estimate, estimate_from_words, run_estimate  # noqa: F401
+from megatrain_nb.cli.machine import add_parser as add_machine_parser
+from megatrain_nb.cli.machine import cmd_machine  # noqa: F401
 from megatrain_nb.cli.report import (  # noqa: F401
     cache_text,
     disk_text,
@@ -123,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, metavar="RUN_YAML",
                    help=f"the run config: model or preset, data, training (TrainingArguments fields), engine "
                         f"(EngineConfig fields); every field is shown in {EXAMPLE_CONFIG} in the repository and "
-                        "the README's 'run.yaml' section")
+                        "the 'run.yaml' section of docs/TRAINING.md")
     t.add_argument("--output-dir", default=None, help="override training.output_dir")
     t.add_argument("--max-steps", type=_max_steps_arg, default=None,
                    help="override training.max_steps: a whole number >= 1, or -1 for no step limit (the run "
@@ -163,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the check here (tiny models, CPU; the whole registry takes minutes) instead of "
                         "showing the shipped results; with model types, only those")
     m.set_defaults(func=cmd_models)
+
+    add_machine_parser(sub)
     return ap
 
 

@@ -24,7 +24,11 @@ class MachineRates:
         engine's transfer sizes (one layer's weights); on a CPU device, the memcpy rate.
     matmul_flops: device fp32 matmul FLOP/s at the model's shapes (``matmul_by_shape`` per
         "MxKxN" when measured for a model; ``matmul_flops`` is the one used when a shape is missing).
-    attention_flops: device FLOP/s of the attention kernel (SDPA) at the model's head size.
+        M: tokens of a micro-batch, K: input features, N: output features (see :meth:`matmul_rate`).
+    attention_flops: device FLOP/s of the attention kernel (SDPA, a causal forward counted as
+        2·B·H·S²·D FLOPs: the half of the square it needs) at head size 64 (``attention_by_head``
+        per head size, the model's too when measured for one; :meth:`attention_rate`).
+    bf16_matmul_flops / bf16_attention_flops: the same in bf16 (``EngineConfig(precision="bf16")``).
     disk_read / disk_write: bytes/s through the engine's own I/O path (O_DIRECT where the
         filesystem has it, its block sizes and queue depth) on ``disk_path``'s filesystem.
     adamw_per_thread: parameters/s of the fused CPU AdamW on one thread (fp32 states).
@@ -41,6 +45,9 @@ class MachineRates:
     matmul_flops: float = 0.0
     matmul_by_shape: dict = field(default_factory=dict)
     attention_flops: float = 0.0
+    attention_by_head: dict = field(default_factory=dict)
+    bf16_matmul_flops: float = 0.0
+    bf16_attention_flops: float = 0.0
     disk_read: float = 0.0
     disk_write: float = 0.0
     disk_path: Optional[str] = None
@@ -62,3 +69,187 @@ class MachineRates:
         if unknown:
             raise ValueError(f"MachineRates: unknown fields {unknown}; known: {sorted(names)}")
         return cls(**d)
+
+    # ------------------------------------------------------------------------------ look-ups
+    def matmul_rate(self, m: int, k: int, n: int, *, bf16: bool = False) -> float:
+        """FLOP/s of an (m x k) @ (k x n) matmul: the measured shape "MxKxN" if there is one, else
+        the measured shape with the same K and N (the rate hardly depends on the token count once
+        it is in the hundreds), else :attr:`matmul_flops` (:attr:`bf16_matmul_flops` for bf16,
+        which is measured at one shape only)."""
+        if bf16:
+            return self.bf16_matmul_flops
+        exact = self.matmul_by_shape.get(shape_key(m, k, n))
+        if exact:
+            return exact
+        same = [v for key, v in self.matmul_by_shape.items() if key.split("x")[1:] == [str(k), str(n)]]
+        return max(same) if same else self.matmul_flops
+
+    def attention_rate(self, head_dim: int, *, bf16: bool = False) -> float:
+        """FLOP/s of the attention kernel at ``head_dim`` (measured per head size for a model),
+        else :attr:`attention_flops` (:attr:`bf16_attention_flops` for bf16)."""
+        if bf16:
+            return self.bf16_attention_flops
+        return self.attention_by_head.get(str(int(head_dim))) or self.attention_flops
+
+    def with_cpu_from(self, other: "MachineRates") -> "MachineRates":
+        """These rates with the CPU-side rates a profile leaves at 0 (not published: AdamW and
+        codec rates per thread) taken from ``other`` (this machine's measurement, say)."""
+        d = self.to_dict()
+        if not d["adamw_per_thread"]:
+            d["adamw_per_thread"] = other.adamw_per_thread
+            d["sources"] = {**d["sources"], "adamw_per_thread": f"measured on {other.device} ({other.source})"}
+        if not d["codec_per_thread"]:
+            d["codec_per_thread"] = dict(other.codec_per_thread)
+            d["sources"] = {**d["sources"], "codec_per_thread": f"measured on {other.device} ({other.source})"}
+        return MachineRates.from_dict(d)
+
+    def table(self) -> str:
+        """The rates as a readable table (``megatrain-nb machine``); :func:`format_rates`."""
+        return format_rates(self)
+
+    def __str__(self) -> str:
+        return format_rates(self)
+
+
+def shape_key(m: int, k: int, n: int) -> str:
+    """``matmul_by_shape``'s key: "MxKxN" (tokens x input features x output features)."""
+    return f"{int(m)}x{int(k)}x{int(n)}"
+
+
+# ---------------------------------------------------------------------------------------- the table
+def _bps(v: float) -> str:
+    return f"{v / 1e9:.2f} GB/s" if v else "-"
+
+
+def _flops(v: float) -> str:
+    if not v:
+        return "-"
+    return f"{v / 1e12:.1f} TFLOP/s" if v >= 1e12 else f"{v / 1e9:.1f} GFLOP/s"
+
+
+def _rows(r: MachineRates) -> list:
+    """(what, rate, the field whose source or detail goes beside it)."""
+    rows = [("cores", str(r.cores), "cores"),
+            ("h2d pageable", _bps(r.h2d_pageable), "h2d_pageable"),
+            ("h2d pinned", _bps(r.h2d_pinned), "h2d_pinned"),
+            ("d2h pageable", _bps(r.d2h_pageable), "d2h_pageable"),
+            ("d2h pinned", _bps(r.d2h_pinned), "d2h_pinned"),
+            ("matmul fp32", _flops(r.matmul_flops), "matmul_flops")]
+    rows += [(f"  at {key}", _flops(v), None) for key, v in sorted(r.matmul_by_shape.items())]
+    rows.append(("attention fp32 (SDPA)", _flops(r.attention_flops), "attention_flops"))
+    heads = sorted(r.attention_by_head.items(), key=lambda x: int(x[0]))
+    rows += [(f"  head size {h}", _flops(v), None) for h, v in heads]
+    rows += [("matmul bf16", _flops(r.bf16_matmul_flops), "bf16_matmul_flops"),
+             ("attention bf16 (SDPA)", _flops(r.bf16_attention_flops), "bf16_attention_flops"),
+             ("disk read", _bps(r.disk_read), "disk_read"),
+             ("disk write", _bps(r.disk_write), "disk_write"),
+             ("AdamW per thread", f"{r.adamw_per_thread / 1e6:.0f} M params/s" if r.adamw_per_thread else
+              "-", "adamw_per_thread")]
+    codecs = r.codec_per_thread or {}
+    rows += [(f"codec {name} per thread", _bps(v) + " of fp32", "codec_per_thread")
+             for name, v in sorted(codecs.items())]
+    if not codecs:
+        rows.append(("codecs per thread", "-", "codec_per_thread"))
+    return rows
+
+
+def format_rates(r: MachineRates) -> str:
+    """``MachineRates`` as a table: one rate a line, with its published source for a profile."""
+    import time
+
+    if r.source == "measured":
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.measured_at)) if r.measured_at else "?"
+        took = f", took {r.seconds_taken:.1f} s" if r.seconds_taken is not None else ""
+        head = f"Machine rates of {r.device}: measured {when}{took}"
+    else:
+        head = f"Machine rates of profile {r.source!r} ({r.device}): PUBLISHED FIGURES, not measured"
+    lines = [head]
+    if r.device == "cpu":
+        lines.append("  h2d/d2h: a CPU device's copies are memcpy (of one layer-sized tensor)")
+    if r.disk_path or r.filesystem:
+        lines.append(f"  disk: {r.filesystem or '?'}" + (f" ({r.disk_path})" if r.disk_path else ""))
+    width = max(len(w) for w, _, _ in _rows(r))
+    for what, rate, key in _rows(r):
+        note = (r.sources.get(key, "not published") if rate.startswith("-") else r.sources.get(key, "")) \
+            if key and r.source != "measured" else ""
+        lines.append(f"  {what:<{width}}  {rate:>18}" + (f"   {note}" if note else ""))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- profiles
+# Machines we cannot measure, for planning on paper. Every number is a PUBLISHED figure (a vendor
+# datasheet or a standard; peaks, not sustained rates) or a stated assumption; ``sources`` names
+# it. Rates nobody publishes (AdamW and codecs per CPU thread) stay 0: ``rates_for(name,
+# cpu=measured)`` takes them from a measured machine.
+_PCIE5 = "PCI-SIG PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b = 63 GB/s per direction (theoretical)"
+_PINNED_PCIE5 = ("assumption: 52 GB/s = ~80% of the PCIe 5.0 x16 theoretical 63 GB/s per direction "
+                 "(" + _PCIE5 + "; pinned cudaMemcpy typically reaches 50-55 GB/s)")
+_PAGEABLE = "assumption: half the pinned rate (the driver stages a pageable copy through a pinned buffer)"
+_DGX_CORES = "NVIDIA DGX {0} datasheet: 2x Intel Xeon Platinum 8480C, 112 cores for 8 GPUs = 14 cores per GPU"
+_GEN4_READ = "Micron 7450 PRO (PCIe Gen4 NVMe, U.3 3.84 TB+) product brief: sequential read 6.8 GB/s"
+_GEN4_WRITE = "Micron 7450 PRO (PCIe Gen4 NVMe, U.3 3.84 TB+) product brief: sequential write 5.3 GB/s"
+_GEN5_READ = "Micron 9550 PRO (PCIe Gen5 NVMe) product brief: sequential read 14.0 GB/s"
+_GEN5_WRITE = "Micron 9550 PRO (PCIe Gen5 NVMe) product brief: sequential write 10.0 GB/s"
+_ATTN_FP32 = "assumption: the FP32 peak (no published attention figure)"
+_ATTN_BF16 = ("assumption: half the dense BF16 peak (the FlashAttention-2 paper reports 50-73% of the "
+              "theoretical peak on A100)")
+
+
+def _profile(name: str, device: str, cores: int, pinned: float, fp32: float, bf16_dense: float,
+             read: float, write: float, src: dict) -> MachineRates:
+    r = MachineRates(device=device, cores=cores, h2d_pinned=pinned, d2h_pinned=pinned,
+                     h2d_pageable=pinned / 2, d2h_pageable=pinned / 2, matmul_flops=fp32,
+                     attention_flops=fp32, bf16_matmul_flops=bf16_dense, bf16_attention_flops=bf16_dense / 2,
+                     disk_read=read, disk_write=write, filesystem=src["filesystem"], source=name)
+    r.sources = {"h2d_pinned": src["pinned"], "d2h_pinned": src["pinned"], "h2d_pageable": _PAGEABLE,
+                 "d2h_pageable": _PAGEABLE, "matmul_flops": src["fp32"], "attention_flops": _ATTN_FP32,
+                 "bf16_matmul_flops": src["bf16"], "bf16_attention_flops": _ATTN_BF16,
+                 "disk_read": src["read"], "disk_write": src["write"], "cores": src["cores"]}
+    return r
+
+
+def _datasheet(sheet: str, fp32: int, bf16_sparse: int) -> dict:
+    return {"fp32": f"{sheet}: FP32 {fp32} TFLOPS",
+            "bf16": f"{sheet}: BF16 Tensor Core {bf16_sparse:,} TFLOPS with sparsity = {bf16_sparse // 2} dense"}
+
+
+_GEN4 = {"read": _GEN4_READ, "write": _GEN4_WRITE, "filesystem": "PCIe Gen4 NVMe (Micron 7450 PRO class)"}
+_GEN5 = {"read": _GEN5_READ, "write": _GEN5_WRITE, "filesystem": "PCIe Gen5 NVMe (Micron 9550 PRO class)"}
+_GH200 = "NVIDIA GH200 Grace Hopper Superchip datasheet"
+
+PROFILES = {
+    "h100-pcie5-gen4nvme": _profile(
+        "h100-pcie5-gen4nvme", "NVIDIA H100 PCIe 80GB", 14, 52e9, 51e12, 756e12, 6.8e9, 5.3e9,
+        {"pinned": _PINNED_PCIE5, "cores": _DGX_CORES.format("H100"), **_GEN4,
+         **_datasheet("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe", 51, 1513)}),
+    "h200-pcie5-gen5nvme": _profile(
+        "h200-pcie5-gen5nvme", "NVIDIA H200 SXM 141GB", 14, 52e9, 67e12, 989e12, 14.0e9, 10.0e9,
+        {"pinned": _PINNED_PCIE5 + "; the H200's host link is PCIe Gen5 x16", "cores": _DGX_CORES.format("H200"),
+         **_GEN5, **_datasheet("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM", 67, 1979)}),
+    "gh200": _profile(
+        "gh200", "NVIDIA GH200 Grace Hopper (H100 96GB, NVLink-C2C)", 72, 360e9, 67e12, 989e12, 14.0e9, 10.0e9,
+        {"pinned": f"assumption: 360 GB/s = 80% of NVLink-C2C's 450 GB/s per direction ({_GH200}: NVLink-C2C "
+                   "900 GB/s bidirectional)",
+         "cores": f"{_GH200}: 72 Arm Neoverse V2 cores", **_GEN5, **_datasheet(_GH200, 67, 1979)}),
+}
+
+
+def profile_names() -> list:
+    return sorted(PROFILES)
+
+
+def rates_for(profile=None, *, cpu: Optional[MachineRates] = None) -> Optional[MachineRates]:
+    """The rates a prediction uses: ``profile`` a ``MachineRates`` (as is), a profile's name (a
+    copy of :data:`PROFILES`' entry; with ``cpu``, the CPU rates a profile leaves at 0 taken from
+    it) or None (None: the caller measures, ``mt.measure_machine()``). An unknown name raises
+    ValueError listing the known ones."""
+    if profile is None or isinstance(profile, MachineRates):
+        return profile
+    if not isinstance(profile, str):
+        raise TypeError(f"rates: a MachineRates, a profile name ({', '.join(profile_names())}) or None, "
+                        f"not {type(profile).__name__}")
+    if profile not in PROFILES:
+        raise ValueError(f"unknown machine profile {profile!r}; known profiles: {', '.join(profile_names())} "
+                         "(or measure this machine: megatrain-nb machine)")
+    r = MachineRates.from_dict(PROFILES[profile].to_dict())
+    return r.with_cpu_from(cpu) if cpu is not None else r

@@ -28,12 +28,12 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180, env
     e.update(env or {})
     # Restarts: the c10d rendezvous, and a fresh TCPStore per attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE):
     # in the agent's shared store the restarted ranks read the first attempt's keys, so a new
-    # rank connects to a dead peer's address (README, "When a rank fails").
+    # rank connects to a dead peer's address (docs/DISTRIBUTED.md, "When a rank fails").
     where = ([f"--master-addr=127.0.0.1", f"--master-port={free_port()}"] if max_restarts == 0 else
              ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1"])
     if max_restarts:
         e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    # megatrain_nb.torchrun, as the README's single-node recipes: every socket on loopback
+    # megatrain_nb.torchrun, as docs/DISTRIBUTED.md's single-node recipes: every socket on loopback
     cmd = [sys.executable, "-m", "megatrain_nb.torchrun", f"--nproc-per-node={nproc}", *where,
            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", str(script), *args]
     try:

@@ -75,7 +75,7 @@ def _run_and_list(tmp_path, launcher_args, mode=""):
 @pytest.mark.parametrize("how", [
     [],                                                                      # the static rendezvous
     ["--master-port", "0"],
-    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "PORT", "--max-restarts", "1"],   # the README's restart recipe
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "PORT", "--max-restarts", "1"],   # docs/DISTRIBUTED.md's restart recipe
     ["--standalone"],
 ], ids=["static", "static-port-0", "c10d", "standalone"])
 def test_a_single_node_launch_listens_on_loopback_only(tmp_path, how, mode):

@@ -1,6 +1,6 @@
 """Worker (run by megatrain_nb.torchrun): join the group, one collective, say "ready" with its
 pid, then hold the group open until the test has listed the sockets. ``args-first``: build
-``TrainingArguments`` first, as every README train.py does (it initialises the process group
+``TrainingArguments`` first, as every train.py of docs/TRAINING.md does (it initialises the process group
 through accelerate before Dist.from_env can bind anything); else only Dist.from_env."""
 import os
 import sys

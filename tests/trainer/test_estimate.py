@@ -87,15 +87,17 @@ def test_cli_messages_name_flags(capsys):
 
 
 def test_the_readme_estimate_examples_say_what_they_mean(capsys):
-    """Each `megatrain-nb estimate ...` line in the README runs without depending on this machine."""
+    """Each `megatrain-nb estimate ...` line in the README and the docs/ pages runs without depending on
+    this machine."""
     import re
     import shlex
     from pathlib import Path
 
     from megatrain_nb.cli import main
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    lines = re.findall(r"^megatrain-nb (estimate [^#\n]*)", readme, flags=re.M)
+    root = Path(__file__).resolve().parents[2]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    lines = [l for p in pages for l in re.findall(r"^megatrain-nb (estimate [^#\n]*)", p.read_text(), flags=re.M)]
     assert lines
     for line in lines:
         argv = shlex.split(line)

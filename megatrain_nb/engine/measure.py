@@ -1,0 +1,400 @@
+"""``mt.measure_machine``: this machine's rates (:class:`~.rates.MachineRates`), measured at the
+engine's own sizes and through its own code paths, cached per machine, device and filesystem.
+
+What is measured (each a median over repeated runs after a warm-up, within a time budget):
+
+* host<->device copies of one layer-sized tensor (256 MiB on CUDA: a 1-2B model's layer; 64 MiB
+  on a CPU device), pageable and pinned; on a CPU device the memcpy rate (all four copy fields);
+* fp32 matmul FLOP/s at a default shape and, for a model, at its own shapes (hidden x hidden,
+  hidden x intermediate, intermediate x hidden, hidden x vocab at ``tokens`` tokens); a dimension
+  larger than the measurement's memory cap is measured on a slice of it (the rate of a large
+  matmul is that of its slices); bf16 at the default shape;
+* attention FLOP/s through ``scaled_dot_product_attention`` (causal forward, counted as
+  2·B·H·S²·D FLOPs) at the model's head size (64 without a model), fp32 and bf16;
+* disk read and write through :class:`~.disk_store.DiskStore` itself (O_DIRECT where the
+  filesystem takes it, its 32 MiB syscalls, its worker threads, several layer-sized files in
+  flight, checksums, fdatasync and rename) in a private folder under ``offload_dir``;
+* the fused CPU AdamW (``torch._fused_adamw_``, what :mod:`.optimizer` calls) in parameters/s
+  and each codec's encode+decode of both moments in fp32 bytes/s, on one thread;
+* the CPU cores this process may use.
+
+The whole takes 10-20 s on a 2-core CPU machine (``seconds_taken``), less on a GPU machine's
+CPU. The result is cached as JSON in the package's cache folder (:func:`cache_dir`:
+``$MEGATRAIN_NB_CACHE``, ``$XDG_CACHE_HOME/megatrain_nb`` or ``~/.cache/megatrain_nb``) under a
+name made of the host, the device and ``offload_dir``'s filesystem, written atomically; the next
+call reads it (``refresh=True`` measures again; a damaged file is measured again with a warning).
+A model's shapes missing from the cached file are measured and added to it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from .rates import MachineRates, shape_key
+
+CACHE_VERSION = 1
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each measurement is, and how long it repeats (``budget_s`` per rate)."""
+
+    copy_bytes: int            # a layer-sized host<->device copy (a 1-2B model's layer)
+    flop_cap: float            # FLOPs of one timed matmul at most (M shrinks to fit)
+    dim_cap: int               # K and N measured at most this large (a slice of a larger one)
+    default_shape: Tuple[int, int, int]
+    attention: Tuple[int, int]  # heads, sequence length
+    disk_file_bytes: int
+    disk_files: int
+    adamw_numel: int
+    codec_numel: int
+    budget_s: float
+    min_runs: int
+
+
+def sizes_for(cuda: bool, quick: bool) -> Sizes:
+    """The sizes for a CUDA device or a CPU one; ``quick``: tiny ones (tests)."""
+    if quick:
+        return Sizes(256 * 1024, 2e6, 128, (32, 64, 64), (2, 32), 1 * MIB, 2, 4096, 4096, 0.0, 1)
+    if cuda:
+        return Sizes(256 * MIB, 2e12, 16384, (4096, 4096, 4096), (16, 2048), 64 * MIB, 4, 1 << 24, 1 << 20, 0.4, 3)
+    return Sizes(64 * MIB, 1.5e9, 2048, (512, 1024, 1024), (8, 512), 32 * MIB, 4, 1 << 24, 1 << 20, 0.4, 3)
+
+
+# ---------------------------------------------------------------------------------------- timing
+def _rate(fn: Callable[[], None], work: float, sizes: Sizes, sync: Callable[[], None] = lambda: None) -> float:
+    """``work`` per second of ``fn``: one warm-up call, then the median of at least
+    ``min_runs`` timed calls, more while the budget lasts (at most 20)."""
+    fn()
+    sync()
+    times: List[float] = []
+    end = time.perf_counter() + sizes.budget_s
+    while len(times) < sizes.min_runs or (time.perf_counter() < end and len(times) < 20):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return work / max(statistics.median(times), 1e-9)
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+class _OneThread:
+    """torch runs single-threaded inside (the per-thread rates), as before outside."""
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.n)
+
+
+# ---------------------------------------------------------------------------------------- rates
+def measure_copies(device: torch.device, nbytes: int, sizes: Sizes) -> dict:
+    """h2d/d2h pageable and pinned bytes/s of an ``nbytes`` tensor (memcpy on a CPU device)."""
+    n = max(1, nbytes // 4)
+    host = torch.full((n,), 1.5)
+    if device.type != "cuda":
+        out = torch.empty_like(host)
+        r = _rate(lambda: out.copy_(host), 4 * n, sizes)
+        return dict(h2d_pageable=r, h2d_pinned=r, d2h_pageable=r, d2h_pinned=r)
+    from .pinned import release_cached_pinned
+
+    sync = _sync_for(device)
+    dev = torch.empty(n, device=device)
+    pinned = torch.empty(n, pin_memory=True).fill_(1.5)
+    out = dict(h2d_pageable=_rate(lambda: dev.copy_(host), 4 * n, sizes, sync),
+               h2d_pinned=_rate(lambda: dev.copy_(pinned, non_blocking=True), 4 * n, sizes, sync),
+               d2h_pageable=_rate(lambda: host.copy_(dev), 4 * n, sizes, sync),
+               d2h_pinned=_rate(lambda: pinned.copy_(dev, non_blocking=True), 4 * n, sizes, sync))
+    del dev, pinned
+    torch.cuda.empty_cache()          # (the measurement leaves no device or pinned memory behind)
+    release_cached_pinned()
+    return out
+
+
+def measure_matmul(device: torch.device, m: int, k: int, n: int, sizes: Sizes, dtype=torch.float32) -> float:
+    """FLOP/s of (m x k) @ (k x n); K and N above ``dim_cap`` measured on a slice, M shrunk so
+    one product stays under ``flop_cap``."""
+    k, n = min(k, sizes.dim_cap), min(n, sizes.dim_cap)
+    m = max(1, min(m, int(sizes.flop_cap // (2 * k * n)) or 1))
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    return _rate(lambda: torch.mm(a, b, out=out), 2.0 * m * k * n, sizes, _sync_for(device))
+
+
+def measure_attention(device: torch.device, head_dim: int, sizes: Sizes, dtype=torch.float32) -> float:
+    """FLOP/s of a causal SDPA forward, counted as 2·B·H·S²·D (the half of the square it needs)."""
+    import torch.nn.functional as F
+
+    heads, seq = sizes.attention
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device).to(dtype) for _ in range(3))
+    return _rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 2.0 * heads * seq * seq * head_dim,
+                 sizes, _sync_for(device))
+
+
+def measure_disk(root: str, sizes: Sizes) -> dict:
+    """Read and write bytes/s through the engine's DiskStore under ``root``: ``disk_files``
+    layer-sized files written behind (timed to ``flush()``), then read ahead into aligned buffers."""
+    from .disk_format import aligned_empty
+    from .disk_store import DiskStore
+
+    numel = sizes.disk_file_bytes // 4
+    data = [aligned_empty(numel).fill_(1.0 + i) for i in range(sizes.disk_files)]
+    outs = [aligned_empty(numel) for _ in data]
+    total = 4 * numel * len(data)
+    with DiskStore(root) as store:
+        def write():
+            for i, t in enumerate(data):
+                store.write(f"rate.{i}", {"data": t})
+            store.flush()
+
+        def read():
+            for f in [store.read(f"rate.{i}", {"data": t}) for i, t in enumerate(outs)]:
+                f.result()
+
+        w = _rate(write, total, sizes)
+        r = _rate(read, total, sizes)
+        direct = store.direct_io
+    if not all(torch.equal(a, b) for a, b in zip(data, outs)):
+        raise RuntimeError(f"measure_machine: the disk under {root} read back different data")
+    return dict(disk_read=r, disk_write=w, direct_io=direct)
+
+
+def measure_adamw(numel: int, sizes: Sizes) -> float:
+    """Parameters/s of torch's fused CPU AdamW (the engine's UnitAdamW.fused) on one thread;
+    torch.optim.AdamW(foreach=True) where the fused kernel is missing."""
+    p, g = torch.randn(numel), torch.randn(numel) * 1e-3
+    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+
+    def fused():
+        step.add_(1)
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                            eps=1e-8, amsgrad=False, maximize=False)
+
+    with _OneThread():
+        try:
+            return _rate(fused, numel, sizes)
+        except (RuntimeError, AttributeError, NotImplementedError):
+            param = torch.nn.Parameter(p)
+            param.grad = g
+            opt = torch.optim.AdamW([param], lr=1e-4, foreach=True)
+            return _rate(opt.step, numel, sizes)
+
+
+def measure_codecs(numel: int, sizes: Sizes) -> dict:
+    """Per codec (not "none"): fp32 bytes/s of encoding and decoding both moments, one thread."""
+    from .codecs import codec_names, get_codec
+
+    out = {}
+    x = {"exp_avg": torch.randn(numel) * 1e-3, "exp_avg_sq": torch.rand(numel) * 1e-6}
+    with _OneThread():
+        for name in codec_names():
+            if name == "none":
+                continue
+            seconds = 0.0
+            for role, t in x.items():
+                codec = get_codec(name, role)
+                enc = codec.encode(t)
+                back = torch.empty_like(t)
+                seconds += 4 * numel / _rate(lambda: codec.encode(t), 4 * numel, sizes)
+                seconds += 4 * numel / _rate(lambda: codec.decode(enc, back), 4 * numel, sizes)
+            out[name] = 2 * 4 * numel / seconds
+    return out
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------------------- a model's shapes
+@dataclass(frozen=True)
+class ModelShapes:
+    matmuls: Tuple[Tuple[int, int, int], ...]   # (M, K, N)
+    head_dim: int
+
+
+def model_shapes(model, tokens: int) -> ModelShapes:
+    """The matmul shapes (at ``tokens`` tokens) and head size of a model (a preset
+    name, a model folder, a config.json, a config or a model: as ``mt.estimate`` takes)."""
+    from megatrain_nb.estimator import resolve_config
+
+    from . import family
+
+    cfg = family.text_config(resolve_config(model)[0])
+    h = family.hidden_size(cfg)
+    if not h:
+        raise ValueError(f"measure_machine: cannot read the hidden size of {model!r}'s config")
+    inter = family.intermediate_size(cfg) or 4 * h
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or max(1, h // 64)
+    head_dim = getattr(cfg, "head_dim", None) or h // heads
+    shapes = {(tokens, h, heads * head_dim), (tokens, h, inter), (tokens, inter, h),
+              (tokens, h, family.vocab_size(cfg))}
+    return ModelShapes(tuple(sorted(shapes)), int(head_dim))
+
+
+# ---------------------------------------------------------------------------------------- the cache
+def cache_dir() -> str:
+    """``$MEGATRAIN_NB_CACHE`` (as the built-in default's corpus), else ``$XDG_CACHE_HOME/megatrain_nb``,
+    else ``~/.cache/megatrain_nb``."""
+    if os.environ.get("MEGATRAIN_NB_CACHE"):
+        return os.environ["MEGATRAIN_NB_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "megatrain_nb")
+
+
+def cache_key(device_name: str, fs: dict, quick: bool = False) -> str:
+    """The cache file's name: the host, the device and the filesystem (mount, type, device)."""
+    host = socket.gethostname()
+    text = json.dumps([CACHE_VERSION, host, device_name, fs.get("mount"), fs.get("type"), fs.get("device")])
+    clean = "".join(c if c.isalnum() or c in "-_" else "_" for c in host)[:40]
+    return f"machine-{clean}-{hashlib.sha256(text.encode()).hexdigest()[:12]}" + ("-quick" if quick else "")
+
+
+def load_cached(path: str) -> Optional[MachineRates]:
+    """The cached rates, or None (no file; a damaged or foreign one: with a warning)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("version") != CACHE_VERSION:
+            raise ValueError(f"version {d.get('version')!r}, not {CACHE_VERSION}")
+        return MachineRates.from_dict(d["rates"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        warnings.warn(f"measure_machine: the cached rates {path} cannot be read ({e}); measuring again",
+                      stacklevel=3)
+        return None
+
+
+def save_cached(path: str, rates: MachineRates) -> None:
+    """Write the cache file atomically (a temporary file in the same folder, then a rename)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".machine-", suffix=".tmp", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": CACHE_VERSION, "rates": rates.to_dict()}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------------------- measure_machine
+def _device(device) -> Tuple[torch.device, str]:
+    try:
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"measure_machine: device {device!r} is neither cpu nor cuda[:N]") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"measure_machine: device {device!r} asked for, but CUDA is not available here; "
+                             "pass device='cpu' or leave it out")
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        return dev, f"{dev} {torch.cuda.get_device_name(dev)}"
+    if dev.type != "cpu":
+        raise ValueError(f"measure_machine: device {device!r} is neither cpu nor cuda")
+    return dev, "cpu"
+
+
+def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: Sizes,
+                 shapes: Optional[ModelShapes]) -> MachineRates:
+    """Every rate, measured now (the cache's miss; tests count its calls)."""
+    t0 = time.perf_counter()
+    r = MachineRates(device=name, cores=cores(), **measure_copies(dev, sizes.copy_bytes, sizes))
+    r.matmul_flops = measure_matmul(dev, *sizes.default_shape, sizes)
+    r.bf16_matmul_flops = measure_matmul(dev, *sizes.default_shape, sizes, torch.bfloat16)
+    r.attention_flops = measure_attention(dev, 64, sizes)
+    r.bf16_attention_flops = measure_attention(dev, 64, sizes, torch.bfloat16)
+    r.attention_by_head = {"64": r.attention_flops}
+    disk = measure_disk(root, sizes)
+    r.disk_read, r.disk_write = disk["disk_read"], disk["disk_write"]
+    r.disk_path = root
+    r.filesystem = fs_text + (", direct I/O" if disk["direct_io"] else ", buffered I/O (no O_DIRECT)")
+    r.adamw_per_thread = measure_adamw(sizes.adamw_numel, sizes)
+    r.codec_per_thread = measure_codecs(sizes.codec_numel, sizes)
+    _add_model(r, dev, sizes, shapes)
+    r.measured_at = time.time()
+    r.seconds_taken = time.perf_counter() - t0
+    return r
+
+
+def _add_model(r: MachineRates, dev: torch.device, sizes: Sizes, shapes: Optional[ModelShapes]) -> bool:
+    """Measure a model's shapes and head size the rates lack; True if any were."""
+    if shapes is None:
+        return False
+    missing = [s for s in shapes.matmuls if shape_key(*s) not in r.matmul_by_shape]
+    for m, k, n in missing:
+        r.matmul_by_shape[shape_key(m, k, n)] = measure_matmul(dev, m, k, n, sizes)
+    head = str(shapes.head_dim)
+    if head not in r.attention_by_head:
+        r.attention_by_head[head] = measure_attention(dev, shapes.head_dim, sizes)
+        return True
+    return bool(missing)
+
+
+def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=None, *, tokens: int = 2048,
+                    quick: bool = False) -> MachineRates:
+    """This machine's rates (:class:`~megatrain_nb.engine.rates.MachineRates`), cached.
+
+    device: "cpu", "cuda", "cuda:1" or None (CUDA if there is one). offload_dir: the folder whose
+    filesystem the disk tier would use (default: the temporary folder). refresh: measure again
+    even if cached. model: a preset name, model folder, config.json, config or model whose
+    matmul shapes (at ``tokens`` tokens), head size and layer size are measured too. quick: tiny
+    sizes, cached apart (tests). Takes 10-20 s the first time; ``print(rates)`` shows the table.
+    """
+    from .diskspace import filesystem_of, filesystem_text
+
+    dev, name = _device(device)
+    root = os.fspath(offload_dir) if offload_dir is not None else tempfile.gettempdir()
+    if not os.path.isdir(root):
+        raise ValueError(f"measure_machine: offload_dir {root!r} is not an existing folder; create it or pass "
+                         "the folder the disk tier will use")
+    fs = filesystem_of(root)
+    sizes = sizes_for(dev.type == "cuda", quick)
+    shapes = model_shapes(model, tokens) if model is not None else None
+    path = os.path.join(cache_dir(), cache_key(name, fs, quick) + ".json")
+    rates = None if refresh else load_cached(path)
+    if rates is None:
+        rates = _measure_all(dev, name, root, filesystem_text(fs), sizes, shapes)
+    elif not _add_model(rates, dev, sizes, shapes):
+        return rates
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    save_cached(path, rates)
+    return rates
+
+
+def check_finite(rates: MachineRates) -> List[str]:
+    """The names of rates that are not positive finite numbers (a measurement gone wrong)."""
+    bad = []
+    for key in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned", "matmul_flops", "attention_flops",
+                "bf16_matmul_flops", "bf16_attention_flops", "disk_read", "disk_write", "adamw_per_thread"):
+        v = getattr(rates, key)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            bad.append(key)
+    for group in ("matmul_by_shape", "attention_by_head", "codec_per_thread"):
+        bad += [f"{group}[{k}]" for k, v in getattr(rates, group).items() if not (math.isfinite(v) and v > 0)]
+    return bad

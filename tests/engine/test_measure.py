@@ -1,0 +1,180 @@
+"""mt.measure_machine (engine/measure.py) and the rates it returns (engine/rates.py): every rate
+measured positive and finite at tiny sizes, the cache (atomic, reused, refreshed, per filesystem,
+re-measured when damaged), a model's shapes added to it, the published profiles' sources, and
+``megatrain-nb machine``. No assertion on a speed beyond > 0."""
+import json
+import math
+import os
+
+import pytest
+
+import megatrain_nb as mt
+from megatrain_nb.cli import main
+from megatrain_nb.engine import measure
+from megatrain_nb.engine.diskspace import filesystem_of
+from megatrain_nb.engine.rates import PROFILES, MachineRates, profile_names, rates_for, shape_key
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A private cache folder, and a count of the full measurements (measure._measure_all)."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(folder))
+    calls = []
+    real = measure._measure_all
+
+    def counted(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(measure, "_measure_all", counted)
+    return folder, calls
+
+
+def _quick(offload_dir, **kw):
+    return mt.measure_machine(device="cpu", offload_dir=offload_dir, quick=True, **kw)
+
+
+def test_every_rate_is_measured_positive_and_finite_on_cpu(cache, tmp_path):
+    r = _quick(tmp_path, model="micro")
+    assert measure.check_finite(r) == []
+    assert r.device == "cpu" and r.source == "measured" and r.cores >= 1
+    assert set(r.codec_per_thread) == {"int8", "int4"}
+    # micro: hidden 64, intermediate 192, vocab 512, 4 heads of 16; at 2048 tokens
+    assert set(r.matmul_by_shape) == {"2048x64x64", "2048x64x192", "2048x192x64", "2048x64x512"}
+    assert set(r.attention_by_head) == {"64", "16"}
+    assert r.disk_path == str(tmp_path) and "I/O" in r.filesystem
+    assert r.seconds_taken > 0 and r.measured_at > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("megatrain-")]   # the store's folder went away
+
+
+def test_cache_is_written_atomically_and_reused(cache, tmp_path, monkeypatch):
+    folder, calls = cache
+    renames = []
+    real_replace = os.replace
+    def replace(a, b):
+        if os.path.dirname(b) == str(folder):          # (the disk measurement renames its files too)
+            renames.append((a, b))
+        real_replace(a, b)
+
+    monkeypatch.setattr(measure.os, "replace", replace)
+    first = _quick(tmp_path)
+    files = sorted(os.listdir(folder))
+    assert len(files) == 1 and files[0].startswith("machine-") and files[0].endswith("-quick.json")
+    assert len(renames) == 1 and renames[0][1] == str(folder / files[0])
+    assert os.path.dirname(renames[0][0]) == str(folder) and renames[0][0].endswith(".tmp")
+    assert json.loads((folder / files[0]).read_text())["version"] == measure.CACHE_VERSION
+    second = _quick(tmp_path)
+    assert len(calls) == 1 and len(renames) == 1      # read back, not measured or written again
+    assert second == first
+
+
+def test_refresh_measures_again(cache, tmp_path):
+    _, calls = cache
+    first = _quick(tmp_path)
+    again = _quick(tmp_path, refresh=True)
+    assert len(calls) == 2 and again.measured_at >= first.measured_at
+
+
+def test_a_model_s_missing_shapes_are_added_to_the_cache(cache, tmp_path, monkeypatch):
+    _, calls = cache
+    plain = _quick(tmp_path)
+    assert plain.matmul_by_shape == {}
+    shaped = _quick(tmp_path, model="micro", tokens=128)
+    assert len(calls) == 1 and shape_key(128, 64, 512) in shaped.matmul_by_shape
+    matmuls = []
+    monkeypatch.setattr(measure, "measure_matmul", lambda *a, **k: matmuls.append(a) or 1.0)
+    again = _quick(tmp_path, model="micro", tokens=128)
+    assert matmuls == [] and again.matmul_by_shape == shaped.matmul_by_shape
+
+
+def test_cache_key_differs_per_offload_filesystem(cache, tmp_path):
+    ext4 = {"mount": "/", "type": "ext4", "device": "/dev/vda"}
+    tmpfs = {"mount": "/dev/shm", "type": "tmpfs", "device": "tmpfs"}
+    assert measure.cache_key("cpu", ext4) != measure.cache_key("cpu", tmpfs)
+    assert measure.cache_key("cpu", ext4) != measure.cache_key("cuda:0 NVIDIA H200", ext4)
+    assert measure.cache_key("cpu", ext4) == measure.cache_key("cpu", dict(ext4))
+    if not os.path.isdir("/dev/shm") or filesystem_of("/dev/shm")["mount"] == filesystem_of(tmp_path)["mount"]:
+        pytest.skip("no second filesystem here")
+    folder, calls = cache
+    _quick(tmp_path)
+    _quick("/dev/shm")
+    assert len(calls) == 2 and len(os.listdir(folder)) == 2
+
+
+@pytest.mark.parametrize("damage", ["not json {", json.dumps({"version": 1, "rates": {"warp_speed": 9}}),
+                                    json.dumps({"version": 999, "rates": {}})])
+def test_a_damaged_cache_file_is_measured_again_with_a_warning(cache, tmp_path, damage):
+    folder, calls = cache
+    _quick(tmp_path)
+    (path,) = folder.iterdir()
+    path.write_text(damage)
+    with pytest.warns(UserWarning, match="cannot be read"):
+        r = _quick(tmp_path)
+    assert len(calls) == 2 and measure.check_finite(r) == []
+    assert measure.load_cached(str(path)) == r         # and the file is good again
+
+
+def test_bad_device_and_offload_dir_are_refused_by_name(cache, tmp_path):
+    with pytest.raises(ValueError, match="no-such-folder"):
+        _quick(tmp_path / "no-such-folder")
+    with pytest.raises(ValueError, match="'tpu'"):
+        mt.measure_machine(device="tpu", offload_dir=tmp_path, quick=True)
+
+
+def test_every_nonzero_profile_number_has_a_source():
+    assert {"h100-pcie5-gen4nvme", "h200-pcie5-gen5nvme", "gh200"} <= set(PROFILES)
+    numeric = ("cores", "h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned", "matmul_flops", "attention_flops",
+               "bf16_matmul_flops", "bf16_attention_flops", "disk_read", "disk_write", "adamw_per_thread")
+    for name, r in PROFILES.items():
+        assert r.source == name and r.measured_at is None
+        for key in numeric:
+            v = getattr(r, key)
+            assert math.isfinite(v) and v >= 0
+            if v:
+                assert len(r.sources.get(key, "")) > 20, (name, key)
+        assert not r.matmul_by_shape and not r.codec_per_thread   # nothing unpublished filled in
+        assert "PUBLISHED FIGURES, not measured" in r.table()
+
+
+def test_rates_for_profiles_and_the_cpu_rates_they_lack():
+    r = rates_for("h200-pcie5-gen5nvme")
+    assert r == PROFILES["h200-pcie5-gen5nvme"] and r is not PROFILES["h200-pcie5-gen5nvme"]
+    assert rates_for(None) is None and rates_for(r) is r
+    here = MachineRates(adamw_per_thread=5e8, codec_per_thread={"int8": 1e9})
+    filled = rates_for("gh200", cpu=here)
+    assert filled.adamw_per_thread == 5e8 and filled.codec_per_thread == {"int8": 1e9}
+    assert "measured" in filled.sources["adamw_per_thread"] and PROFILES["gh200"].adamw_per_thread == 0
+    with pytest.raises(ValueError, match="unknown machine profile 'h300'.*gh200, h100-pcie5-gen4nvme"):
+        rates_for("h300")
+    with pytest.raises(TypeError):
+        rates_for(3)
+
+
+def test_matmul_and_attention_look_ups():
+    r = MachineRates(matmul_flops=10.0, matmul_by_shape={"2048x64x512": 30.0, "512x64x192": 20.0},
+                     attention_flops=5.0, attention_by_head={"128": 7.0}, bf16_matmul_flops=99.0)
+    assert r.matmul_rate(2048, 64, 512) == 30.0
+    assert r.matmul_rate(100, 64, 192) == 20.0          # same K x N, other tokens
+    assert r.matmul_rate(2048, 4096, 4096) == 10.0      # not measured: the default
+    assert r.matmul_rate(2048, 64, 512, bf16=True) == 99.0
+    assert r.attention_rate(128) == 7.0 and r.attention_rate(64) == 5.0
+    assert MachineRates.from_dict(r.to_dict()) == r
+
+
+def test_cli_prints_the_table_and_refuses_an_unknown_profile(cache, tmp_path, monkeypatch, capsys):
+    real = measure.measure_machine
+    monkeypatch.setattr(measure, "measure_machine", lambda **kw: real(quick=True, **kw))
+    assert main(["machine", "--device", "cpu", "--offload-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Machine rates of cpu: measured" in out and "disk write" in out and "AdamW per thread" in out
+    assert "measured now" in out
+    assert main(["machine", "--device", "cpu", "--offload-dir", str(tmp_path)]) == 0
+    assert "cached" in capsys.readouterr().out and len(cache[1]) == 1
+    assert main(["machine", "--profile", "gh200"]) == 0
+    assert "NVLink-C2C" in capsys.readouterr().out
+    assert main(["machine", "--profiles"]) == 0
+    assert set(profile_names()) <= set(capsys.readouterr().out.split())
+    assert main(["machine", "--profile", "h300"]) == 2
+    err = capsys.readouterr().err
+    assert "h300" in err and "h100-pcie5-gen4nvme" in err and "Traceback" not in err

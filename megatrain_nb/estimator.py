@@ -345,7 +345,7 @@ def _estimate_notes(plan, host_min: int, budgets: dict, *, accumulation: int, ba
                     clipping: bool, accumulator: bool, ram_auto: bool, disk_auto: bool,
                     disk_path: Optional[str]) -> list:
     """The lines printed under an estimate's table: the window, clipping, the least host RAM, budgets read here."""
-    notes = _long_row_notes(plan, batch, seq)
+    notes = []
     if plan.window:
         w = plan.window
         notes.append(f"accumulation {accumulation}: {w['reason']} ({format_bytes(w['boundary_bytes'])} of boundary "
@@ -354,6 +354,7 @@ def _estimate_notes(plan, host_min: int, budgets: dict, *, accumulation: int, ba
     elif accumulation > 1:
         notes.append(f"accumulation {accumulation}, micro-batch-major: each layer loaded {2 * accumulation}x per step; "
                      f"{batch * seq / 2:,.0f} tokens per weight fetch")
+    notes += _long_row_notes(plan, batch, seq)
     if clipping and not accumulator and not (plan.window and plan.window["groups"] > 1):
         notes.append(f"clipping: the final gradients wait for the global norm {_held_where(plan)}")
     if host_min < plan.host["total"]:

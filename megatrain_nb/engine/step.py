@@ -568,6 +568,7 @@ class StepRunner:
         shift = F.pad(labels[:, 1:], (0, 1), value=-100)
         n_tokens = int((shift != -100).sum())
         self.meter.saved = 0
+        packed_attention(self.model, [(ids, am, labels)])   # long packed rows: attention per document
         with self._outer_only():
             hidden = self._base_forward(ids, am)
             return self.loss_head.loss(hidden, shift, loss_fn, None), n_tokens

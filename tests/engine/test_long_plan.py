@@ -165,6 +165,10 @@ def test_long_packed_rows_attend_per_document_without_a_mask_and_match_hf(family
     assert got.loss == pytest.approx(loss, rel=1e-5)
     assert worst_rel(dict(engine.named_gradients()), ref) <= 1e-4
     engine.close()
+    fresh = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu"))   # evaluation switches too
+    assert fresh.evaluate(ids, labels=labels, position_ids=pos).loss == pytest.approx(loss, rel=1e-5)
+    assert fresh.model.config._attn_implementation == packed_attention.NAME
+    fresh.close()
 
 
 def test_sliding_window_models_keep_their_masks_with_packed_rows(monkeypatch):

@@ -11,7 +11,10 @@ by ``release`` (the next fill waits for that point), and a unit's gradient leave
 copies are issued from two worker threads (``mtnb-h2d``, ``mtnb-d2h``), so transfers overlap
 compute on a CPU "device" exactly as on a GPU. Data parallel, the transport gathers a unit's
 shards into its slot and reduce-scatters its gradient (``transport.ShardedTransport``): the
-pager sees whole units.
+pager sees whole units. Those collectives run in the two worker threads, but the pager
+announces each one from the program's thread when it decides on it (a fetch scheduled, a
+gradient handed over: ``announce_in`` / ``announce_out``), and they are issued in that order
+on every rank (engine/issuer.py); a ticket whose copy never ran is cancelled.
 """
 from __future__ import annotations
 
@@ -57,12 +60,17 @@ class Pager:
     def __init__(self, units: List[Unit], *, device: torch.device, dtype: torch.dtype,
                  layer_slots: int, source: Callable[[Unit], torch.Tensor],
                  source_done: Callable[[Unit, torch.Tensor], None], telemetry: Telemetry,
-                 grad_sink: Callable[[Unit, torch.Tensor], None], transport, max_grads_in_flight: int = 1):
+                 grad_sink: Callable[[Unit, torch.Tensor], None], transport, max_grads_in_flight: int = 1,
+                 votes: Optional[Callable[[], bool]] = None):
         self.device = device
         self.dtype = dtype
         self.source = source          # unit -> fp32 host flat params (may wait on the disk tier)
         self.source_done = source_done  # (unit, that tensor): the copy no longer needs it
         self.grad_sink = grad_sink    # (unit, fp32 host flat grad) -> accumulate
+        self.votes = votes            # () -> whether a gradient's arrival now votes on its finiteness (sharded)
+        # data parallel: the transport's collectives, announced in the program's order
+        self._announce_in = getattr(transport, "announce_in", None)
+        self._announce_out = getattr(transport, "announce_out", None)
         self.telemetry = telemetry
         self.transport = transport
         self._lock = threading.Condition()
@@ -140,25 +148,31 @@ class Pager:
         slot.unit = unit
         self._resident[unit.index] = slot
         slot.ready = Future()
-        self._h2d.submit(self._copy_in, unit, slot, slot.ready)
+        tickets = self._announce_in(unit) if self._announce_in is not None else ()
+        self._h2d.submit(self._copy_in, unit, slot, slot.ready, tickets)
 
-    def _copy_in(self, unit: Unit, slot: Slot, issued: Future) -> None:
+    def _copy_in(self, unit: Unit, slot: Slot, issued: Future, tickets=()) -> None:
         """In the copy thread: the unit's host weights into its slot. ``issued`` gets the
         transport's ready handle as soon as the copy is issued (the compute waits on that
         handle, not on this thread); this thread then waits for the copy itself before the
-        host buffer is handed back (``source_done``)."""
+        host buffer is handed back (``source_done``). ``tickets``: the copy's announced
+        collectives, cancelled if it never issued them."""
         try:
-            src = self.source(unit)
-            t0 = time.perf_counter()
-            ready = self.transport.copy_in(unit, src, slot.buf)
-        except BaseException as e:  # noqa: BLE001 - delivered to the compute's acquire
-            issued.set_exception(e)
-            return
-        issued.set_result(ready)
-        try:
-            ready.result()
+            try:
+                src = self.source(unit)
+                t0 = time.perf_counter()
+                ready = self.transport.copy_in(unit, src, slot.buf)
+            except BaseException as e:  # noqa: BLE001 - delivered to the compute's acquire
+                issued.set_exception(e)
+                return
+            issued.set_result(ready)
+            try:
+                ready.result()
+            finally:
+                self.source_done(unit, src)
         finally:
-            self.source_done(unit, src)
+            for t in tickets:
+                t.cancel()
         self.telemetry.add_bytes("host_to_device", src.numel() * 4, time.perf_counter() - t0)
         self.telemetry.load(unit.name)
 
@@ -222,12 +236,18 @@ class Pager:
                 torch.cat([g.reshape(-1).float() for g in grads])
             host = None
         after = self.transport.record()   # the compute that made the gradient
+        tickets = () if self._announce_out is None else \
+            self._announce_out(unit, vote=self.votes is not None and self.votes())
 
         def finish():
-            t0 = time.perf_counter()
-            out = self.transport.copy_out(unit, src, host, after=after).result()
-            self.telemetry.add_bytes("device_to_host", out.numel() * 4, time.perf_counter() - t0)
-            return self.grad_sink(unit, out)   # a Future: the sink keeps the host buffer until it is done
+            try:
+                t0 = time.perf_counter()
+                out = self.transport.copy_out(unit, src, host, after=after).result()
+                self.telemetry.add_bytes("device_to_host", out.numel() * 4, time.perf_counter() - t0)
+                return self.grad_sink(unit, out)   # a Future: the sink keeps the host buffer until it is done
+            finally:
+                for t in tickets:
+                    t.cancel()
         fut = self._d2h.submit(finish)
         if self.transport.stages:
             self._dev_free[turn] = self._grad_free[hturn] = fut

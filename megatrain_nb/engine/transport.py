@@ -471,6 +471,21 @@ class ShardedTransport:
         self.device = inner.device
         self.stages = inner.stages
         self._pad: Optional[torch.Tensor] = None   # the reduce-scatter's padded input (an unstaged gradient)
+        d2h = getattr(inner, "d2h", None)
+        if d2h is not None and sharded.reduce_dist is not sharded.dist:
+            # the finiteness vote follows its gradient's reduce-scatter on the d2h stream (not the
+            # legacy default stream, behind the compute backlog)
+            sharded.reduce_dist.host_stream = d2h
+
+    def announce_in(self, unit: Unit) -> list:
+        """The program thread: ``unit``'s copy in (a gather) is coming; its tickets
+        (engine/issuer.py: the workers' collectives are issued in the program's order)."""
+        return self.sharded.announce_gather(unit)
+
+    def announce_out(self, unit: Unit, vote: bool = False) -> list:
+        """The program thread: ``unit``'s gradient copy out (a reduce-scatter, and with ``vote``
+        the finiteness vote its arrival makes) is coming; its tickets."""
+        return self.sharded.announce_grad(unit, vote)
 
     def slot_numel(self, unit: Unit) -> int:
         return self.sharded.padded_numel(unit)
@@ -496,7 +511,7 @@ class ShardedTransport:
         if unit is None:   # not a unit's weights (an activation): rank-local
             return self.inner.copy_in(unit, src, dst, after=after, fill=fill)
         return self.inner.copy_in(unit, src, dst, after=after,
-                                  fill=lambda d: self.sharded.gather(unit, src, out=d))
+                                  fill=lambda d: self.sharded.gather(unit, src, out=d, announced=True))
 
     def copy_out(self, unit: Optional[Unit], src: torch.Tensor, dst: Optional[torch.Tensor], *, after: Handle,
                  reduce=None) -> Handle:
@@ -516,7 +531,7 @@ class ShardedTransport:
             buf[:unit.numel].copy_(flat[:unit.numel])
             buf[unit.numel:].zero_()
             flat = buf
-        return self.sharded.reduce_grad(unit, flat)
+        return self.sharded.reduce_grad(unit, flat, announced=True)
 
     def close(self) -> None:
         self.inner.close()

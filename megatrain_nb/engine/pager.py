@@ -192,10 +192,25 @@ class Pager:
             if in_order:
                 self._consumed += 1
         t0 = time.perf_counter()
-        slot.ready.result().wait()
-        self.telemetry.stall("device", time.perf_counter() - t0)
+        probe = self.transport.probe()   # CUDA: the compute stream's position before the wait
+        ready = slot.ready.result()      # (the copy issued: on CUDA the host waits no longer than that)
+        ready.wait()
+        if probe is None:   # a CPU "device": the compute is this thread, its wait the stall
+            self.telemetry.stall("device", time.perf_counter() - t0)
+        else:               # CUDA: the compute stream's idle time, read from events once they are done
+            self.transport.watch(probe, ready)
+            self.count_idle()
         self.telemetry.prefetch_result("device", ahead)
         return slot.buf[:unit.numel]
+
+    def count_idle(self) -> None:
+        """CUDA: the compute stream's idle time for copies in, as far as their events are done,
+        into the "device" stall (nothing elsewhere: there the waits are timed as they happen)."""
+        if self.device.type != "cuda":
+            return
+        idle = self.transport.compute_idle_seconds()
+        if idle:
+            self.telemetry.stall("device", idle)
 
     def release(self, unit: Unit) -> None:
         with self._lock:
@@ -266,6 +281,7 @@ class Pager:
         for f in futs:
             f.result()
         self.telemetry.stall("grad_return", time.perf_counter() - t0)
+        self.count_idle()
 
     def reset(self) -> None:
         """Drop every residency (after an error mid-step)."""

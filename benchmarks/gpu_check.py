@@ -489,8 +489,8 @@ def run_all(a) -> int:
     result("gpu_tflops", thr["tflops"], "TFLOPS", ">", 0)
     result("gpu_compute_idle_fraction", thr["idle"], "", "<=", 0.1)
     # the telemetry's events measure the idle time spent waiting for weights: never more than the
-    # profiler's idle time (both fractions of a step; a figure above it is mis-measured)
-    result("gpu_telemetry_idle_minus_profiler", thr["events_idle"] - thr["idle"], "", "<=", 0.02)
+    # profiler's idle time, but for the wait before the first kernel (both fractions of a step)
+    result("gpu_telemetry_idle_minus_profiler", thr["events_idle"] - thr["idle"], "", "<=", 0.05)
     result("gpu_h2d_vs_raw_pinned", thr["h2d_gbps"] / raw, "x", ">=", 0.7)
     result("gpu_pageable_h2d_copies", thr["pageable"], "copies", "==", 0)
     result("gpu_step_vs_resident", thr["step"] / resident, "x", "<=", 1.5)

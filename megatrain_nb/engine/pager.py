@@ -47,6 +47,17 @@ def _wait_kept(fut: Optional[Future]) -> None:
         futures_wait([kept])
 
 
+def _submit(pool, tickets, fn, *args) -> Future:
+    """``pool.submit(fn, *args)``; ``tickets`` (announced for ``fn``'s collectives) cancelled if it
+    cannot be submitted (a closed pool), so the collectives after them go on."""
+    try:
+        return pool.submit(fn, *args)
+    except BaseException:
+        for t in tickets:
+            t.cancel()
+        raise
+
+
 class Slot:
     def __init__(self, pool: str, buf: torch.Tensor):
         self.pool = pool
@@ -149,7 +160,7 @@ class Pager:
         self._resident[unit.index] = slot
         slot.ready = Future()
         tickets = self._announce_in(unit) if self._announce_in is not None else ()
-        self._h2d.submit(self._copy_in, unit, slot, slot.ready, tickets)
+        _submit(self._h2d, tickets, self._copy_in, unit, slot, slot.ready, tickets)
 
     def _copy_in(self, unit: Unit, slot: Slot, issued: Future, tickets=()) -> None:
         """In the copy thread: the unit's host weights into its slot. ``issued`` gets the
@@ -263,7 +274,7 @@ class Pager:
             finally:
                 for t in tickets:
                     t.cancel()
-        fut = self._d2h.submit(finish)
+        fut = _submit(self._d2h, tickets, finish)
         if self.transport.stages:
             self._dev_free[turn] = self._grad_free[hturn] = fut
         self._grad_futures.append(fut)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .codecs import INT4_BLOCK, INT8_BLOCK
+from .issuer import Issuer
 
 #: Shard sizes are multiples of this: every codec block size divides it.
 SHARD_ALIGN = max(INT8_BLOCK, INT4_BLOCK)
@@ -184,6 +185,9 @@ class Dist:
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         self.owns_group = False
         self.store = None   # a rendezvous store this rank hosts on loopback (see loopback_rendezvous)
+        # every collective of this group and of its channels, one at a time in the program's order
+        self.issuer = Issuer(self.timeout_s, DistError)
+        self.host_stream = None   # CUDA: the stream a host value's all-reduce runs on (None: a side stream)
         if _single:
             self.group, self.rank, self.world, self.backend = None, 0, 1, None
         else:
@@ -251,10 +255,10 @@ class Dist:
 
     def channel(self, name: str) -> "Dist":
         """A Dist over a process group of its own, for collectives issued from one worker thread
-        (the pager's gathers, the gradients' reduce-scatters): collectives on one group must be
-        issued in the same order on every rank, which two threads sharing a group cannot promise.
-        Every rank must ask for its channels in the same order (the engine does, at construction).
-        The channel counts its bytes into this object's :attr:`traffic`."""
+        (the pager's gathers, the gradients' reduce-scatters). The channels share this object's
+        :attr:`issuer`: every collective of every channel is issued in one order, the program's
+        (engine/issuer.py). Every rank must ask for its channels in the same order (the engine
+        does, at construction). The channel counts its bytes into this object's :attr:`traffic`."""
         if self.world == 1:
             return self
         with self._lock:
@@ -267,6 +271,7 @@ class Dist:
                                     timeout=datetime.timedelta(seconds=self.timeout_s))
                 c = Dist(g, device=self.device, local_rank=self.local_rank, timeout_s=self.timeout_s)
                 c.traffic = self.traffic
+                c.issuer = self.issuer   # one order over every channel (engine/issuer.py)
                 chans[name] = c
             return chans[name]
 
@@ -327,12 +332,13 @@ class Dist:
 
     # -- collectives ---------------------------------------------------------------------------
     def gather(self, shard: torch.Tensor, layout: ShardLayout, out: Optional[torch.Tensor] = None,
-               async_op: bool = False):
+               async_op: bool = False, key=None):
         """Every rank's shard -> the whole flat buffer on this rank's device.
 
         ``shard``: this rank's real elements (``layout.numel_of(rank)``, any device);
         ``out``: an optional device buffer of ``layout.padded`` elements to fill. Returns the
-        ``[numel]`` tensor, or a :class:`Pending` with ``async_op=True`` (a prefetch)."""
+        ``[numel]`` tensor, or a :class:`Pending` with ``async_op=True`` (a prefetch).
+        ``key``: the announcement this gather answers (a worker's; see engine/issuer.py)."""
         self._check_layout(layout)
         n_own = layout.numel_of(self.rank)
         if shard.numel() != n_own:
@@ -347,6 +353,9 @@ class Dist:
         if self.world == 1:
             out[:n_own].copy_(shard.view(-1), non_blocking=True)
             return _done(out[:layout.numel]) if async_op else out[:layout.numel]
+        return self.issuer.issue("gather", key, lambda: self._gather(shard, layout, out, n_own, async_op))
+
+    def _gather(self, shard, layout: ShardLayout, out: torch.Tensor, n_own: int, async_op: bool):
         import torch.distributed as tdist
 
         mine = out[self.rank * layout.shard:(self.rank + 1) * layout.shard]
@@ -364,12 +373,13 @@ class Dist:
         full = out[:layout.numel]
         return Pending(work, lambda: full) if async_op else full
 
-    def reduce_scatter(self, full: torch.Tensor, layout: ShardLayout, async_op: bool = False):
+    def reduce_scatter(self, full: torch.Tensor, layout: ShardLayout, async_op: bool = False, key=None):
         """Sum a full flat buffer (a gradient) over ranks and return this rank's shard of the sum
         (``layout.numel_of(rank)`` elements, on ``full``'s device).
 
         ``full`` holds ``numel`` or ``padded`` elements; with ``padded`` (tail zero) no copy is
-        made. The result is a fresh tensor (or a :class:`Pending` with ``async_op=True``)."""
+        made. The result is a fresh tensor (or a :class:`Pending` with ``async_op=True``).
+        ``key``: the announcement this reduce-scatter answers (engine/issuer.py)."""
         self._check_layout(layout)
         flat = full.view(-1)
         n_own = layout.numel_of(self.rank)
@@ -378,6 +388,9 @@ class Dist:
                 raise ValueError(f"reduce_scatter: got {flat.numel()} elements, the unit has {layout.numel}")
             res = flat[:layout.numel].clone()
             return _done(res) if async_op else res
+        return self.issuer.issue("reduce_scatter", key, lambda: self._reduce_scatter(flat, layout, n_own, async_op))
+
+    def _reduce_scatter(self, flat: torch.Tensor, layout: ShardLayout, n_own: int, async_op: bool):
         import torch.distributed as tdist
 
         if flat.numel() == layout.padded:
@@ -407,31 +420,51 @@ class Dist:
 
         return Pending(work, finish) if async_op else finish()
 
-    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over ranks in place (e.g. per-shard squared gradient norms). Returns ``t``."""
+    def all_reduce_(self, t: torch.Tensor, *, kind: str = "all_reduce", key=None) -> torch.Tensor:
+        """Sum ``t`` over ranks in place (e.g. per-shard squared gradient norms). Returns ``t``.
+        ``kind``/``key``: the announcement this answers (a worker's vote; engine/issuer.py)."""
         if self.world == 1:
             return t
-        import torch.distributed as tdist
-
         n, b = self.world, t.numel() * t.element_size()
         self.traffic.add("all_reduce", 2 * (n - 1) * b / n, 2 * (n - 1) * b / n)
         dev = self.device if (self.backend == "nccl") else torch.device("cpu")
         if t.device != dev and dev.type == "cuda":
-            # A host value (a finiteness vote, a token count) goes over on a stream of this
-            # group's own: on the calling thread's default stream it would queue behind the whole
-            # compute backlog, and the copy back would block the thread (the d2h thread's vote)
-            # until the GPU caught up. Nothing on the device is read, so nothing is waited for.
-            with torch.cuda.device(dev), torch.cuda.stream(self._side_stream(dev)):
-                tmp = t.to(dev)
-                tdist.all_reduce(tmp, group=self.group)
-                t.copy_(tmp)
-        elif t.device != dev:  # NCCL reduces device tensors only; gloo works on the CPU
+            host, ev, _tmp = self.issuer.issue(kind, key, lambda: self._host_all_reduce(t, dev))
+            ev.synchronize()   # outside the turn: the next collective is issued meanwhile
+            t.copy_(host)
+            return t
+        return self.issuer.issue(kind, key, lambda: self._all_reduce(t, dev))
+
+    def _all_reduce(self, t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        import torch.distributed as tdist
+
+        if t.device != dev:  # gloo works on the CPU
             tmp = t.to(dev)
             tdist.all_reduce(tmp, group=self.group)
             t.copy_(tmp)
         else:
             tdist.all_reduce(t, group=self.group)
         return t
+
+    def _host_all_reduce(self, t: torch.Tensor, dev: torch.device):
+        """A host value (a finiteness vote, a token count) over NCCL, enqueued without waiting:
+        on :attr:`host_stream` (the reduce channel's: the d2h stream, whose gradient copies the
+        vote follows) or a side stream of this group's own -- never the calling thread's
+        default stream, where it would queue behind the whole compute backlog. Through a pinned
+        buffer both ways, so neither copy blocks the host. Returns (pinned result, event after
+        it, device temporary: kept alive until the event)."""
+        import torch.distributed as tdist
+
+        stream = self.host_stream if self.host_stream is not None else self._side_stream(dev)
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t)
+            tmp = host.to(dev, non_blocking=True)
+            tdist.all_reduce(tmp, group=self.group)
+            host.copy_(tmp, non_blocking=True)   # (after the H2D above: one stream)
+            ev = torch.cuda.Event(blocking=True)   # the host waits on it: sleep, not spin
+            ev.record(stream)
+        return host, ev, tmp
 
     def _side_stream(self, dev: torch.device):
         """This group's stream for host values' collectives (made once)."""
@@ -458,8 +491,9 @@ class Dist:
         text = json.dumps(obj, separators=(",", ":"))
         if self.world == 1:
             return [json.loads(text)]
-        import torch.distributed as tdist
+        return self.issuer.issue("json", None, lambda: self._exchange_json(text))
 
+    def _exchange_json(self, text: str) -> list:
         dev = self.device if self.backend == "nccl" else torch.device("cpu")
         data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if text else \
             torch.empty(0, dtype=torch.uint8)
@@ -495,12 +529,15 @@ class Dist:
 
     def barrier(self) -> None:
         if self.world > 1:
-            import torch.distributed as tdist
+            self.issuer.issue("barrier", None, self._barrier)
 
-            if self.backend == "nccl":
-                tdist.barrier(group=self.group, device_ids=[self.device.index or 0])
-            else:
-                tdist.barrier(group=self.group)
+    def _barrier(self) -> None:
+        import torch.distributed as tdist
+
+        if self.backend == "nccl":
+            tdist.barrier(group=self.group, device_ids=[self.device.index or 0])
+        else:
+            tdist.barrier(group=self.group)
 
     def _probe_collectives(self) -> dict:
         """Which single-tensor collectives the backend has. NCCL has both; gloo gained them in

@@ -290,6 +290,7 @@ class StreamingEngine:
 
     def telemetry(self) -> dict:
         """Counters: bytes per link, prefetch hits/misses, stall seconds, loads per unit."""
+        self.pager.count_idle()   # (CUDA: the compute stream's idle time read from finished events)
         out = self.counters.snapshot()
         if self.disk is not None:
             out["disk_cache"] = self.disk.report()

@@ -340,9 +340,8 @@ class GradientIntake:
 
     def _vote(self, unit: Unit, grad) -> None:
         """Data parallel, straight: is this unit's final gradient finite on every rank? One
-        all-reduce of a flag on the reduce-scatter's channel, in the same thread and order as
-        the reduce-scatters (so every rank issues it alike); the unit's update reads the answer."""
-        bad = 0.0 if unit.numel == 0 or bool(torch.isfinite(grad).all()) else 1.0
-        t = torch.tensor([bad], dtype=torch.float64)
-        self.sharded.reduce_dist.all_reduce_(t)
-        self._votes[unit.index] = float(t.item()) == 0.0
+        all-reduce of a flag on the reduce-scatter's channel, announced with the reduce-scatter
+        by the program thread (engine/issuer.py: every rank issues it at the same place); the
+        unit's update reads the answer."""
+        bad = not (unit.numel == 0 or bool(torch.isfinite(grad).all()))
+        self._votes[unit.index] = self.sharded.vote(unit, bad)

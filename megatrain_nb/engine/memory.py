@@ -50,6 +50,9 @@ def memory_report(*, pager, runner, store, states, weights, updates, boundary, b
     if device.type == "cuda":
         dev["allocator_used_bytes"] = torch.cuda.memory_allocated(device)
         dev["allocator_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        # what the caching allocator holds (blocks cached, fragmentation): what the device runs out of
+        dev["allocator_reserved_bytes"] = torch.cuda.memory_reserved(device)
+        dev["allocator_reserved_peak_bytes"] = torch.cuda.max_memory_reserved(device)
         if dev["capacity_bytes"] is None:
             dev["capacity_bytes"] = torch.cuda.get_device_properties(device).total_memory
     hb = store.nbytes()

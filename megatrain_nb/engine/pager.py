@@ -11,7 +11,10 @@ by ``release`` (the next fill waits for that point), and a unit's gradient leave
 copies are issued from two worker threads (``mtnb-h2d``, ``mtnb-d2h``), so transfers overlap
 compute on a CPU "device" exactly as on a GPU. Data parallel, the transport gathers a unit's
 shards into its slot and reduce-scatters its gradient (``transport.ShardedTransport``): the
-pager sees whole units.
+pager sees whole units. Those collectives run in the two worker threads, but the pager
+announces each one from the program's thread when it decides on it (a fetch scheduled, a
+gradient handed over: ``announce_in`` / ``announce_out``), and they are issued in that order
+on every rank (engine/issuer.py); a ticket whose copy never ran is cancelled.
 """
 from __future__ import annotations
 
@@ -44,6 +47,17 @@ def _wait_kept(fut: Optional[Future]) -> None:
         futures_wait([kept])
 
 
+def _submit(pool, tickets, fn, *args) -> Future:
+    """``pool.submit(fn, *args)``; ``tickets`` (announced for ``fn``'s collectives) cancelled if it
+    cannot be submitted (a closed pool), so the collectives after them go on."""
+    try:
+        return pool.submit(fn, *args)
+    except BaseException:
+        for t in tickets:
+            t.cancel()
+        raise
+
+
 class Slot:
     def __init__(self, pool: str, buf: torch.Tensor):
         self.pool = pool
@@ -57,12 +71,17 @@ class Pager:
     def __init__(self, units: List[Unit], *, device: torch.device, dtype: torch.dtype,
                  layer_slots: int, source: Callable[[Unit], torch.Tensor],
                  source_done: Callable[[Unit, torch.Tensor], None], telemetry: Telemetry,
-                 grad_sink: Callable[[Unit, torch.Tensor], None], transport, max_grads_in_flight: int = 1):
+                 grad_sink: Callable[[Unit, torch.Tensor], None], transport, max_grads_in_flight: int = 1,
+                 votes: Optional[Callable[[], bool]] = None):
         self.device = device
         self.dtype = dtype
         self.source = source          # unit -> fp32 host flat params (may wait on the disk tier)
         self.source_done = source_done  # (unit, that tensor): the copy no longer needs it
         self.grad_sink = grad_sink    # (unit, fp32 host flat grad) -> accumulate
+        self.votes = votes            # () -> whether a gradient's arrival now votes on its finiteness (sharded)
+        # data parallel: the transport's collectives, announced in the program's order
+        self._announce_in = getattr(transport, "announce_in", None)
+        self._announce_out = getattr(transport, "announce_out", None)
         self.telemetry = telemetry
         self.transport = transport
         self._lock = threading.Condition()
@@ -140,25 +159,31 @@ class Pager:
         slot.unit = unit
         self._resident[unit.index] = slot
         slot.ready = Future()
-        self._h2d.submit(self._copy_in, unit, slot, slot.ready)
+        tickets = self._announce_in(unit) if self._announce_in is not None else ()
+        _submit(self._h2d, tickets, self._copy_in, unit, slot, slot.ready, tickets)
 
-    def _copy_in(self, unit: Unit, slot: Slot, issued: Future) -> None:
+    def _copy_in(self, unit: Unit, slot: Slot, issued: Future, tickets=()) -> None:
         """In the copy thread: the unit's host weights into its slot. ``issued`` gets the
         transport's ready handle as soon as the copy is issued (the compute waits on that
         handle, not on this thread); this thread then waits for the copy itself before the
-        host buffer is handed back (``source_done``)."""
+        host buffer is handed back (``source_done``). ``tickets``: the copy's announced
+        collectives, cancelled if it never issued them."""
         try:
-            src = self.source(unit)
-            t0 = time.perf_counter()
-            ready = self.transport.copy_in(unit, src, slot.buf)
-        except BaseException as e:  # noqa: BLE001 - delivered to the compute's acquire
-            issued.set_exception(e)
-            return
-        issued.set_result(ready)
-        try:
-            ready.result()
+            try:
+                src = self.source(unit)
+                t0 = time.perf_counter()
+                ready = self.transport.copy_in(unit, src, slot.buf)
+            except BaseException as e:  # noqa: BLE001 - delivered to the compute's acquire
+                issued.set_exception(e)
+                return
+            issued.set_result(ready)
+            try:
+                ready.result()
+            finally:
+                self.source_done(unit, src)
         finally:
-            self.source_done(unit, src)
+            for t in tickets:
+                t.cancel()
         self.telemetry.add_bytes("host_to_device", src.numel() * 4, time.perf_counter() - t0)
         self.telemetry.load(unit.name)
 
@@ -178,10 +203,25 @@ class Pager:
             if in_order:
                 self._consumed += 1
         t0 = time.perf_counter()
-        slot.ready.result().wait()
-        self.telemetry.stall("device", time.perf_counter() - t0)
+        probe = self.transport.probe()   # CUDA: the compute stream's position before the wait
+        ready = slot.ready.result()      # (the copy issued: on CUDA the host waits no longer than that)
+        ready.wait()
+        if probe is None:   # a CPU "device": the compute is this thread, its wait the stall
+            self.telemetry.stall("device", time.perf_counter() - t0)
+        else:               # CUDA: the compute stream's idle time, read from events once they are done
+            self.transport.watch(probe, ready)
+            self.count_idle()
         self.telemetry.prefetch_result("device", ahead)
         return slot.buf[:unit.numel]
+
+    def count_idle(self) -> None:
+        """CUDA: the compute stream's idle time for copies in, as far as their events are done,
+        into the "device" stall (nothing elsewhere: there the waits are timed as they happen)."""
+        if self.device.type != "cuda":
+            return
+        idle = self.transport.compute_idle_seconds()
+        if idle:
+            self.telemetry.stall("device", idle)
 
     def release(self, unit: Unit) -> None:
         with self._lock:
@@ -222,13 +262,19 @@ class Pager:
                 torch.cat([g.reshape(-1).float() for g in grads])
             host = None
         after = self.transport.record()   # the compute that made the gradient
+        tickets = () if self._announce_out is None else \
+            self._announce_out(unit, vote=self.votes is not None and self.votes())
 
         def finish():
-            t0 = time.perf_counter()
-            out = self.transport.copy_out(unit, src, host, after=after).result()
-            self.telemetry.add_bytes("device_to_host", out.numel() * 4, time.perf_counter() - t0)
-            return self.grad_sink(unit, out)   # a Future: the sink keeps the host buffer until it is done
-        fut = self._d2h.submit(finish)
+            try:
+                t0 = time.perf_counter()
+                out = self.transport.copy_out(unit, src, host, after=after).result()
+                self.telemetry.add_bytes("device_to_host", out.numel() * 4, time.perf_counter() - t0)
+                return self.grad_sink(unit, out)   # a Future: the sink keeps the host buffer until it is done
+            finally:
+                for t in tickets:
+                    t.cancel()
+        fut = _submit(self._d2h, tickets, finish)
         if self.transport.stages:
             self._dev_free[turn] = self._grad_free[hturn] = fut
         self._grad_futures.append(fut)
@@ -246,6 +292,7 @@ class Pager:
         for f in futs:
             f.result()
         self.telemetry.stall("grad_return", time.perf_counter() - t0)
+        self.count_idle()
 
     def reset(self) -> None:
         """Drop every residency (after an error mid-step)."""

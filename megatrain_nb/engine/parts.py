@@ -114,7 +114,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
         grad_sink = lambda u, g: updates.gradient_arrived(shard(u), g)                 # noqa: E731
     pager = Pager(units, device=device, dtype=config.compute_dtype, layer_slots=plan.layer_slots, source=source_fn,
                   source_done=source_done, transport=transport, telemetry=counters, grad_sink=grad_sink,
-                  max_grads_in_flight=depth)
+                  max_grads_in_flight=depth, votes=updates.votes if sharded is not None else None)
     boundary = BoundaryStore(device, transport, disk=disk)
     # (a CPU "device" sums each unit's gradient in a pool buffer the update adopts)
     lend = updates.lend_buffer if device.type == "cpu" and sharded is None else None

@@ -52,7 +52,8 @@ class ShardedUnits:
 
     def __init__(self, units: Iterable[Unit], dist: Dist, *, gather_dist: Optional[Dist] = None,
                  reduce_dist: Optional[Dist] = None):
-        # gathers and reduce-scatters may run in two worker threads: each on its own channel
+        # gathers and reduce-scatters may run in two worker threads: each on its own channel,
+        # all issued in the program's order by the one issuer the channels share (dist.issuer)
         self.dist = dist
         self.gather_dist = gather_dist or dist
         self.reduce_dist = reduce_dist or dist
@@ -73,14 +74,38 @@ class ShardedUnits:
         return self.layout(unit).shard_of(full, self.dist.rank).clone()
 
     def gather(self, unit: Unit, shard: torch.Tensor, out: Optional[torch.Tensor] = None,
-               async_op: bool = False):
+               async_op: bool = False, announced: bool = False):
         """The whole unit's flat weights on this rank's device, built from every rank's shard.
-        ``out``: a device buffer of at least ``padded_numel(unit)`` elements to fill."""
-        return self.gather_dist.gather(shard, self.layout(unit), out=out, async_op=async_op)
+        ``out``: a device buffer of at least ``padded_numel(unit)`` elements to fill.
+        ``announced``: a worker's gather, announced by the program (:meth:`announce_gather`)."""
+        return self.gather_dist.gather(shard, self.layout(unit), out=out, async_op=async_op,
+                                       key=unit.index if announced else None)
 
-    def reduce_grad(self, unit: Unit, full_grad: torch.Tensor, async_op: bool = False):
-        """This rank's shard of the gradient summed over ranks (on ``full_grad``'s device)."""
-        return self.reduce_dist.reduce_scatter(full_grad, self.layout(unit), async_op=async_op)
+    def reduce_grad(self, unit: Unit, full_grad: torch.Tensor, async_op: bool = False, announced: bool = False):
+        """This rank's shard of the gradient summed over ranks (on ``full_grad``'s device).
+        ``announced``: a worker's reduce-scatter, announced by the program (:meth:`announce_grad`)."""
+        return self.reduce_dist.reduce_scatter(full_grad, self.layout(unit), async_op=async_op,
+                                               key=unit.index if announced else None)
+
+    def vote(self, unit: Unit, bad: bool) -> bool:
+        """Whether no rank found this unit's final gradient non-finite (announced by
+        :meth:`announce_grad` with ``vote=True``; on the reduce channel: on CUDA the d2h stream)."""
+        t = torch.tensor([1.0 if bad else 0.0], dtype=torch.float64)
+        self.reduce_dist.all_reduce_(t, kind="vote", key=unit.index)
+        return float(t.item()) == 0.0
+
+    # -- the program's order of the workers' collectives (engine/issuer.py) ---------------------
+    def announce_gather(self, unit: Unit) -> list:
+        """The program thread: ``unit`` will be gathered by a worker (the pager's fetch)."""
+        return [self.dist.issuer.announce("gather", unit.index)]
+
+    def announce_grad(self, unit: Unit, vote: bool) -> list:
+        """The program thread: ``unit``'s gradient will be reduce-scattered by a worker and,
+        with ``vote``, its finiteness voted on right after."""
+        tickets = [self.dist.issuer.announce("reduce_scatter", unit.index)]
+        if vote:
+            tickets.append(self.dist.issuer.announce("vote", unit.index))
+        return tickets
 
     def padded_numel(self, unit: Unit) -> int:
         """Elements a device buffer needs to receive a gathered unit (shards are padded)."""
@@ -89,7 +114,7 @@ class ShardedUnits:
     def global_norm_sq(self, local_sq: float) -> float:
         """Squared global gradient norm from this rank's shards' share (one all-reduce)."""
         t = torch.tensor([float(local_sq)], dtype=torch.float64)
-        return float(self.dist.all_reduce_(t).item())
+        return float(self.dist.all_reduce_(t, kind="norm").item())
 
     def assemble(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
         """The whole unit on the CPU (``save_pretrained``, one unit at a time: never the whole

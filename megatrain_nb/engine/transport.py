@@ -146,10 +146,11 @@ def _prefix(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return buf.view(-1)[:like.numel()].view(like.shape)
 
 
-def _event():
+def _event(timing: bool = False):
     """An event the host may wait on: blocking, so ``synchronize()`` sleeps instead of spinning a
-    core that the CPU AdamW wants (``wait_event`` on a stream is the same either way)."""
-    return torch.cuda.Event(blocking=True)
+    core that the CPU AdamW wants (``wait_event`` on a stream is the same either way).
+    ``timing``: it also takes a timestamp (a copy in's: the compute stream's idle time)."""
+    return torch.cuda.Event(blocking=True, enable_timing=timing)
 
 
 class CudaTransport:
@@ -173,6 +174,40 @@ class CudaTransport:
         # dtype -> [pinned buffer, event after its last copy]: fp32 weights cast for a bf16 slot
         self._cast: Dict[torch.dtype, list] = {}
         self._cast_lock = threading.Lock()
+        self._probes: list = []   # (compute stream at a wait for a copy in, the copy's event), not yet read
+
+    # -- the compute stream's idle time (telemetry's "device" stall) ------------------------------
+    def probe(self):
+        """The compute stream's position now (a timed event), taken before the compute waits for a
+        copy in: the stream sits idle from the later of this point and its backlog's end until
+        the copy is done (``watch``). The host's own wait for the copy to be issued is in it."""
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def watch(self, probe, handle: Handle) -> None:
+        """The compute waited at ``probe`` for ``handle``'s copy (read by :meth:`compute_idle_seconds`)."""
+        if isinstance(handle, EventHandle):
+            with self._lock:
+                self._probes.append((probe, handle.event))
+
+    def compute_idle_seconds(self) -> float:
+        """Seconds the compute stream sat idle waiting for copies in, over the watched waits whose
+        events are done (those are forgotten; the rest are read by a later call). The host does
+        not wait for the GPU here."""
+        with self._lock:
+            probes, self._probes = self._probes, []
+        idle, left = 0.0, []
+        with torch.cuda.device(self.device):   # (a reader's thread may be on another device: no context there)
+            for reached, done in probes:
+                if reached.query() and done.query():
+                    idle += max(0.0, reached.elapsed_time(done)) / 1000.0   # ms from the wait to the copy's end
+                else:
+                    left.append((reached, done))
+        if left:
+            with self._lock:
+                self._probes[:0] = left
+        return idle
 
     def slot_numel(self, unit: Unit) -> int:
         return unit.numel
@@ -207,7 +242,7 @@ class CudaTransport:
                 return self._cast_in(src, dst)
             else:
                 _prefix(dst, src).copy_(src, non_blocking=True)
-            ev = _event()
+            ev = _event(timing=True)
             ev.record(self.h2d)
         return EventHandle(ev, self.device, dst)
 
@@ -227,7 +262,7 @@ class CudaTransport:
             stage = entry[0][:n]
             stage.copy_(src.reshape(-1))
             _prefix(dst, src).copy_(stage.view(src.shape), non_blocking=True)
-            ev = _event()
+            ev = _event(timing=True)
             ev.record(self.h2d)
             entry[1] = ev
         return EventHandle(ev, self.device, dst)
@@ -341,6 +376,10 @@ class CpuTransport:
             with self._lock:
                 self._late[_key(t)] = t
         return t
+
+    def probe(self):
+        """No stream: the compute is the waiting thread (its host wait is the stall)."""
+        return None
 
     def record(self) -> Handle:
         if not self.adversarial:
@@ -471,6 +510,21 @@ class ShardedTransport:
         self.device = inner.device
         self.stages = inner.stages
         self._pad: Optional[torch.Tensor] = None   # the reduce-scatter's padded input (an unstaged gradient)
+        d2h = getattr(inner, "d2h", None)
+        if d2h is not None and sharded.reduce_dist is not sharded.dist:
+            # the finiteness vote follows its gradient's reduce-scatter on the d2h stream (not the
+            # legacy default stream, behind the compute backlog)
+            sharded.reduce_dist.host_stream = d2h
+
+    def announce_in(self, unit: Unit) -> list:
+        """The program thread: ``unit``'s copy in (a gather) is coming; its tickets
+        (engine/issuer.py: the workers' collectives are issued in the program's order)."""
+        return self.sharded.announce_gather(unit)
+
+    def announce_out(self, unit: Unit, vote: bool = False) -> list:
+        """The program thread: ``unit``'s gradient copy out (a reduce-scatter, and with ``vote``
+        the finiteness vote its arrival makes) is coming; its tickets."""
+        return self.sharded.announce_grad(unit, vote)
 
     def slot_numel(self, unit: Unit) -> int:
         return self.sharded.padded_numel(unit)
@@ -480,6 +534,15 @@ class ShardedTransport:
 
     def record(self) -> Handle:
         return self.inner.record()
+
+    def probe(self):
+        return self.inner.probe()
+
+    def watch(self, probe, handle: Handle) -> None:
+        self.inner.watch(probe, handle)
+
+    def compute_idle_seconds(self) -> float:
+        return self.inner.compute_idle_seconds()
 
     def device_empty(self, shape, dtype) -> torch.Tensor:
         return self.inner.device_empty(shape, dtype)
@@ -496,7 +559,7 @@ class ShardedTransport:
         if unit is None:   # not a unit's weights (an activation): rank-local
             return self.inner.copy_in(unit, src, dst, after=after, fill=fill)
         return self.inner.copy_in(unit, src, dst, after=after,
-                                  fill=lambda d: self.sharded.gather(unit, src, out=d))
+                                  fill=lambda d: self.sharded.gather(unit, src, out=d, announced=True))
 
     def copy_out(self, unit: Optional[Unit], src: torch.Tensor, dst: Optional[torch.Tensor], *, after: Handle,
                  reduce=None) -> Handle:
@@ -516,7 +579,7 @@ class ShardedTransport:
             buf[:unit.numel].copy_(flat[:unit.numel])
             buf[unit.numel:].zero_()
             flat = buf
-        return self.sharded.reduce_grad(unit, flat)
+        return self.sharded.reduce_grad(unit, flat, announced=True)
 
     def close(self) -> None:
         self.inner.close()

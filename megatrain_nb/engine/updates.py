@@ -98,6 +98,11 @@ class UpdateScheduler:
         self.intake.begin(step)
         self.runner.begin(step.straight)
 
+    def votes(self) -> bool:
+        """Whether a gradient arriving now is voted on by the ranks (its collective is
+        announced when the gradient is handed to the gradient thread: engine/issuer.py)."""
+        return self.intake.policy.votes(self.intake.step)
+
     def straight(self) -> bool:
         """Whether this micro-batch's final gradients go straight to their updates."""
         return self.intake.step.straight

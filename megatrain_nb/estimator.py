@@ -192,7 +192,8 @@ class Estimate:
 
         p = self.prediction
         lines = [f"time: {fmt_seconds(p.step_seconds)} per step, {fmt_seconds(p.seconds_per_billion_tokens())} "
-                 f"per 1B tokens ({p.tokens_per_second:,.0f} tokens/s); bottleneck: {p.bottleneck}"]
+                 f"per 1B tokens ({p.tokens_per_second:,.0f} tokens/s); bottleneck: {p.bottleneck} "
+                 f"[rates: {p.source or 'given'}]"]
         lines += ["  " + x for x in p.lines()[1:]]
         if self.best:
             lines.append("fastest plans within the budgets (predicted step, host RAM, disk):")

@@ -21,12 +21,14 @@ those amounts on the engine's streams:
 * **optimizer**: AdamW (one worker thread, ``adamw_per_thread``) pipelined with the codec's
   decode and encode threads (``codec_per_thread``) for compressed states.
 
-How they overlap is the engine's: without clipping each update starts as its gradient becomes
-final, so every stream overlaps every other and the step is bound by the slowest (plus the
-embedding's update, which the next forward needs first). With clipping (``max_grad_norm`` > 0,
-the default) the updates wait for the global norm at the end of the backward and run while the
-next forward waits for each unit in turn: the optimizer overlaps only the forward, so the step
-is ``max(forward streams, optimizer) + max(backward streams)``.
+How they overlap is the engine's: a step is two windows, the forward and the backward (with
+its recompute), each as long as its slowest stream. Without clipping each update starts as its
+gradient becomes final: the optimizer runs in the backward's window, and the next forward
+waits for the embedding's update, the last one (exposed). With clipping (``max_grad_norm`` >
+0, the default) the updates wait for the global norm at the end of the backward and run in the
+next forward's order while that forward waits for each unit in turn: the optimizer runs in the
+forward's window. Disk and link bytes are split between the windows by the forward's share of
+the units' loads.
 
 Cores: on a CPU "device" the compute, AdamW, the codec threads and the copies share
 ``rates.cores``; a phase then takes at least its CPU work (core-seconds) over the cores, so
@@ -253,61 +255,54 @@ def default_cache_bytes(cfg, plan) -> int:
 
 
 def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool, units) -> StepPrediction:
-    """Lay the phases on the streams (see the module's docstring): the step's windows and their bounds."""
+    """Lay the phases on the streams (see the module's docstring): the step's two windows, the
+    forward and the backward, each bound by its slowest stream; the updates in the backward's
+    window (unclipped) or the next forward's (clipped)."""
     cores = max(int(rates.cores or 1), 1)
-    compute = ph["forward"] + ph["backward"] + ph["recompute"]
     opt = max(ph["optimizer"], ph["codec"] / min(2, cores))        # AdamW beside the decode/encode threads
     opt_cpu = ph["optimizer"] + ph["codec"]                         # core-seconds of the update
     copy_cpu = 0.0 if cuda else ph["h2d"] + ph["d2h"]               # a CPU "device" copies with a core
     disk = ph["disk_read"] + ph["disk_write"]
-    f_share = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0
-    comp_core = 0.0 if cuda else compute * cores                    # the compute takes every core
+    f = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0          # the forward's share of the loads
+    first = opt * units[0].numel / max(a["params"], 1)              # the embedding's update: the forward's first need
 
-    def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s, comp_core_s):
+    def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s):
         streams = {"compute": compute_s, "h2d": h2d_s if cuda else 0.0, "d2h": d2h_s if cuda else 0.0,
                    "disk": disk_s, "optimizer": opt_s,
-                   "cpu": (comp_core_s + opt_core_s + copy_s) / cores}
-        return max(streams.values()), streams
-
-    def binds(streams) -> str:
-        """The stream bounding a window; CPU sharing is named by its largest user."""
+                   "cpu": ((0.0 if cuda else compute_s * cores) + opt_core_s + copy_s) / cores}
         key = max(streams, key=streams.get)
-        if key == "cpu":
-            users = {"compute": streams["compute"], "optimizer": opt_cpu / cores}
+        if key == "cpu":   # CPU sharing is named by its largest user
+            users = {"compute": 0.0 if cuda else compute_s, "optimizer": opt_core_s / cores}
             key = max(users, key=users.get) + "+cpu"
-        return key
+        return max(streams.values()), streams, key
 
+    fc, bc = ph["forward"], ph["backward"] + ph["recompute"]
+    on_f = 1.0 if clipped else 0.0
+    tf, sf, kf = window(fc, ph["h2d"] * f, 0.0, disk * f, opt * on_f, opt_cpu * on_f, copy_cpu * f)
+    tb, sb, kb = window(bc, ph["h2d"] * (1 - f), ph["d2h"], disk * (1 - f), opt * (1 - on_f), opt_cpu * (1 - on_f),
+                        copy_cpu * (1 - f))
     overlaps = ["host->device prefetch overlaps the compute (the next units load while one computes)",
                 "disk reads run ahead and writes behind in the I/O threads (reads and writes share the disk)"]
     if not cuda:
         overlaps.append(f"CPU device: compute, AdamW, the codec threads and the copies share {cores} core(s): "
-                        "a phase takes at least its core-seconds / cores")
-    if not clipped:
-        embed_share = units[0].numel / max(a["params"], 1)
-        t, streams = window(compute, ph["h2d"], ph["d2h"], disk, opt, opt_cpu, copy_cpu, comp_core)
-        exposed = opt * embed_share     # the embedding's update: its gradient is the last, the next forward's first
-        windows = {"step": t, "exposed update": exposed}
-        overlaps.append("updates start as each gradient becomes final, overlapping the backward and the next forward")
-        binding = {binds(streams): t}
-    else:
-        fc, bc = ph["forward"], ph["backward"] + ph["recompute"]
-        tf, sf = window(fc, ph["h2d"] * f_share, 0.0, disk * f_share, opt, opt_cpu, copy_cpu * f_share,
-                        fc * cores if not cuda else 0.0)
-        tb, sb = window(bc, ph["h2d"] * (1 - f_share), ph["d2h"], disk * (1 - f_share), 0.0, 0.0,
-                        copy_cpu * (1 - f_share), bc * cores if not cuda else 0.0)
+                        "a window takes at least its core-seconds / cores")
+    if clipped:   # the forward waits for the embedding's update, then for each unit's in turn
+        tf = max(tf, first + sf["compute"])
         windows = {"forward + updates": tf, "backward": tb}
-        streams = {k: sf[k] + sb[k] for k in sf}
         overlaps.append("clipping: updates wait for the global norm after the backward, then overlap only "
-                        "the next forward (each layer's forward waits for its update)")
-        binding: Dict[str, float] = {}
-        for t, s in ((tf, sf), (tb, sb)):
-            key = binds(s)
-            binding[key] = binding.get(key, 0.0) + t
-    step = sum(windows.values())
+                        "the next forward (each unit's forward waits for its update)")
+    else:   # the embedding's gradient is the backward's last and the next forward's first need
+        windows = {"forward": tf, "backward + updates": tb, "exposed update": first}
+        overlaps.append("updates start as each gradient becomes final and overlap the backward; the next "
+                        "forward waits for the embedding's, the last")
+    binding: Dict[str, float] = {}
+    for t, key in ((tf, kf), (tb, kb)):
+        binding[key] = binding.get(key, 0.0) + t
     top = max(binding, key=binding.get)
     bottleneck = STREAMS[top.split("+")[0]] + (" (sharing the CPU cores)" if top.endswith("+cpu") else "")
-    return StepPrediction(step_seconds=step, phases=dict(ph), streams=streams, windows=windows,
-                          bottleneck=bottleneck, overlaps=overlaps, tokens_per_step=a["tokens"])
+    return StepPrediction(step_seconds=sum(windows.values()), phases=dict(ph),
+                          streams={k: sf[k] + sb[k] for k in sf}, windows=windows, bottleneck=bottleneck,
+                          overlaps=overlaps, tokens_per_step=a["tokens"])
 
 
 def resolve_rates(rates):

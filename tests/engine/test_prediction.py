@@ -189,3 +189,60 @@ def test_cli_estimate_profile(capsys, monkeypatch):
     assert main(["estimate", "micro", "--ram", "16", "--disk", "100", "--profile", "no-such-box"]) != 0
     err = capsys.readouterr().err
     assert "no-such-box" in err and "test-box" in err
+
+
+def _tiny_trainer(tmp_path, **engine):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+    import megatrain_nb as mt
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    data = [{"input_ids": list(range(i, i + 32))} for i in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=2, disable_tqdm=True, report_to=[],
+                             save_strategy="no")
+    return mt.Trainer(model=AutoModelForCausalLM.from_config(cfg), train_dataset=data, args=args, seq_len=32,
+                      device="cpu", **engine)
+
+
+def test_a_trainers_prediction_is_its_plans_and_the_header_shows_it(tmp_path, monkeypatch):
+    import io
+
+    from megatrain_nb.cli.report import print_header
+    from megatrain_nb.engine import prediction_check
+
+    monkeypatch.setattr(prediction_check, "cached_rates", lambda device, offload_dir: None)
+
+    tr = _tiny_trainer(tmp_path, offload_dir=str(tmp_path / "disk"), optimizer_compression="int8")
+    try:
+        assert tr.prediction is None   # no rates given, none cached: nothing is measured
+        assert tr.engine.prediction is None
+        tr.engine.rates = rates()
+        p = tr.prediction
+        assert p.tokens_per_step == 2 * 32 * 2
+        assert "forward + updates" in p.windows   # TrainingArguments clips by default
+        # the plan the engine built: its states on the disk tier (int8 codes), its window of 2
+        e = tr.engine
+        assert e.plan.placement["optimizer_states"] == "disk"
+        w = Workload(batch=2, seq=32, accumulation=2, clipped=True)
+        assert prediction_check.engine_prediction(e, w).step_seconds == p.step_seconds
+        out = io.StringIO()
+        print_header(tr, model="tiny", data="16 rows", out=out)
+        assert "time:   predicted" in out.getvalue() and f"bottleneck: {p.bottleneck}" in out.getvalue()
+    finally:
+        tr.close()
+
+
+def test_a_step_off_by_more_than_a_quarter_is_reported_with_its_phase():
+    from megatrain_nb.engine.prediction_check import difference_line
+
+    p, *_ = predict(rates(disk_read=1e7, disk_write=1e7), offload_dir="/nowhere", offload_params=True)
+    close = {"step": p.step_seconds * 1.2, "disk_read": p.phases["disk_read"], "waits": {}}
+    assert difference_line(p, close) is None
+    slow = {"step": p.step_seconds * 2, "disk_read": p.phases["disk_read"] * 3, "disk_write": p.phases["disk_write"],
+            "optimizer": 0.0, "waits": {"disk": 1.0}}
+    line = difference_line(p, slow)
+    assert "+100%" in line and "disk read" in line and "+200%" in line and "slower than its measured rate" in line

@@ -5,7 +5,9 @@ Rates: ``mt.measure_machine`` (``megatrain_nb.engine.measure``) when this build 
 small local measurement here (:func:`local_rates`: a matmul and an attention at the model's
 shapes, a memcpy of one layer, ``dd`` with direct I/O on the offload folder's disk, the fused
 AdamW and the codec on one layer's elements), taken once, before the configurations, in the
-same run. The model is never fitted to this run: the prediction is the engine's schedule priced
+same run; before each configuration the compute rates (matmul, attention) are measured again
+(a shared machine's load changes within minutes) and both predictions are printed, the
+RESULT lines using the fresh one. The model is never fitted to this run: the prediction is the engine's schedule priced
 at those rates (engine/prediction.py).
 
 Configurations (the same model, batch 1 x seq ``--seq``):
@@ -25,6 +27,7 @@ predicted bottleneck is what the telemetry shows waiting, or compute when nothin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -107,16 +110,49 @@ def layer_matmul_rate(tokens: int, h: int, i: int) -> float:
     return flops / timed(layer, 7)
 
 
+def attention_rate(seq: int, h: int, heads: int) -> float:
+    """FLOP/s of the causal SDPA at the model's shape (``2·s²·h`` FLOPs forward)."""
+    q = torch.randn(1, heads, seq, h // heads)
+    return 2.0 * seq * seq * h / timed(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), 10)
+
+
+def compute_now(rates: MachineRates, seq: int) -> MachineRates:
+    """``rates`` with the compute rates measured again now: on a shared machine the cores' load
+    changes within minutes, and a configuration runs against the rates of its own minutes."""
+    h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
+    return dataclasses.replace(rates, matmul_flops=layer_matmul_rate(seq, h, i),
+                               attention_flops=attention_rate(seq, h, heads), source=rates.source + " (compute now)")
+
+
+def codec_rate(name: str, chunk: int = 1 << 20) -> float:
+    """Bytes of fp32 moments per second one thread decodes and encodes, as the engine's codec
+    threads run it: one torch thread (``threads.one_torch_thread``), one update chunk at a time
+    (``EngineOverrides.update_chunk_numel``), each role's codes decoded then re-encoded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatrain_nb.engine.codecs import ROLES, get_codec
+    from megatrain_nb.threads import one_torch_thread
+
+    cs = [get_codec(name, role) for role in ROLES]
+    x = [torch.randn(chunk), torch.rand(chunk)]
+    codes = [c.encode(t) for c, t in zip(cs, x)]
+    out = [torch.empty(chunk) for _ in cs]
+
+    def both():
+        for c, e, o in zip(cs, codes, out):
+            c.encode(c.decode(e, o))
+    with ThreadPoolExecutor(1, initializer=one_torch_thread) as pool:
+        return 8 * chunk / pool.submit(timed, both).result()
+
+
 def local_rates(folder: str, seq: int) -> MachineRates:
     """The rates the prediction needs, measured here at the model's shapes (see the module docstring)."""
-    from megatrain_nb.engine.codecs import ROLES, get_codec
     from megatrain_nb.engine.optimizer import UnitAdamW
 
     h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
     layer = 4 * h * h + 3 * h * i
     mm = layer_matmul_rate(seq, h, i)
-    q = torch.randn(1, heads, seq, h // heads)
-    at = 2.0 * seq * seq * h / timed(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), 10)
+    at = attention_rate(seq, h, heads)
     src, dst = torch.randn(layer), torch.empty(layer)
     copy = 4 * layer / timed(lambda: dst.copy_(src))
     read, write = dd_rates(folder, 16 * 4 * layer, 4 * layer)
@@ -125,11 +161,7 @@ def local_rates(folder: str, seq: int) -> MachineRates:
     v.abs_()
     step = torch.tensor(1.0)
     adamw = layer / timed(lambda: adam.fused(p, g, m, v, step, 1e-4, 0.0))
-    codec = {}
-    for name in ("int8",):
-        cs = [get_codec(name, role) for role in ROLES]
-        x = [m.clone(), v.clone()]
-        codec[name] = 8 * layer / timed(lambda: [c.decode(c.encode(t), t) for c, t in zip(cs, x)])
+    codec = {name: codec_rate(name) for name in ("int8",)}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return MachineRates(device="cpu", cores=cores, h2d_pageable=copy, d2h_pageable=copy, matmul_flops=mm,
                         attention_flops=at, disk_read=read, disk_write=write, disk_path=folder, adamw_per_thread=adamw,
@@ -146,6 +178,8 @@ def rates_for(folder: str, seq: int) -> MachineRates:
 
 
 def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: int, seq: int) -> dict:
+    """Median measured step of one configuration and ``trainer.prediction`` at ``rates`` (with
+    the compute rates measured again just before its steps: ``pred``; as given: ``pred_start``)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
     g = torch.Generator().manual_seed(1)
@@ -161,6 +195,8 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
         engine["offload_dir"] = tempfile.mkdtemp(dir=folder)
     trainer = mt.Trainer(model=model, train_dataset=data, args=args, seq_len=seq, **engine)
     trainer.engine.rates = rates
+    pred_start = trainer.prediction
+    trainer.engine.rates = compute_now(rates, seq)
     pred = trainer.prediction
     times, tel0, last = [], None, None
     for rec in trainer.iter_steps():
@@ -177,7 +213,8 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     disk = (tel1["bytes"]["disk_to_host"] - tel0["bytes"]["disk_to_host"]) / n, \
         (tel1["bytes"]["host_to_disk"] - tel0["bytes"]["host_to_disk"]) / n
     trainer.close()
-    return {"pred": pred, "measured": median(times), "times": times, "waits": waits, "disk": disk}
+    return {"pred": pred, "pred_start": pred_start, "matmul_now": trainer.engine.rates.matmul_flops,
+            "measured": median(times), "times": times, "waits": waits, "disk": disk}
 
 
 def waiting_on(r: dict) -> str:
@@ -217,6 +254,9 @@ def main() -> int:
               f"{({k: round(v, 3) for k, v in p.phases.items() if v})}; disk per step measured read "
               f"{r['disk'][0] / 1e6:.1f} MB write {r['disk'][1] / 1e6:.1f} MB, predicted read "
               f"{p.bytes['disk_read'] / 1e6:.1f} MB write {p.bytes['disk_write'] / 1e6:.1f} MB")
+        print(f"  compute rate now {r['matmul_now'] / 1e9:.1f} GFLOP/s; with the rates measured at the start: "
+              f"predicted {r['pred_start'].step_seconds:.3f} s, measured / predicted "
+              f"{r['measured'] / r['pred_start'].step_seconds:.3g}")
         print(f"  bottleneck predicted: {p.bottleneck}; telemetry waits per step "
               f"{({k: round(v, 3) for k, v in r['waits'].items() if v})} -> {seen}")
         print(f"RESULT prediction_error_{name} {ratio:.3g} x (target within 0.8-1.2)", flush=True)

@@ -168,7 +168,7 @@ def _specs(units) -> list:
     return [SimpleNamespace(index=i, numel=u.numel, kind=u.kind) for i, u in enumerate(units)]
 
 
-def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: int, num_heads: int = 0) -> dict:
+def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: int) -> dict:
     """What one optimizer step computes and moves: FLOPs per kind, bytes per link, parameters updated."""
     units = _specs(units)
     window = plan.window or {}
@@ -201,8 +201,8 @@ def _matmul_rate(rates, shape, workload) -> float:
     return float(rates.matmul_by_shape.get(key) or rates.matmul_flops)
 
 
-def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool, cache_bytes: Optional[int] = None,
-                 num_heads: int = 0) -> StepPrediction:
+def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
+                 cache_bytes: Optional[int] = None) -> StepPrediction:
     """The predicted :class:`StepPrediction` of one optimizer step (see the module's docstring).
 
     ``units``: the plan's units (``planner.UnitSpec`` or the engine's, embedding first, head
@@ -212,7 +212,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool, cache_
     the host budget left beside the plan, else unlimited)."""
     if cache_bytes is None:
         cache_bytes = default_cache_bytes(cfg, plan)
-    a = step_amounts(units, shape, cfg, plan, workload, cuda=cuda, cache_bytes=cache_bytes, num_heads=num_heads)
+    a = step_amounts(units, shape, cfg, plan, workload, cuda=cuda, cache_bytes=cache_bytes)
     missing: List[str] = []
     mm, at = _matmul_rate(rates, shape, workload), rates.attention_flops or _matmul_rate(rates, shape, workload)
     ph = {"forward": _per(a["forward_flops"], mm, "matmul_flops", missing)

@@ -311,7 +311,9 @@ class Estimate:
         return (f"<div><p><b>{e(self.name)}</b>: {_fmt_params(self.num_parameters)} parameters, batch {self.batch} x "
                 f"seq {self.seq}, optimizer states {e(self.compression)}</p><table><tr>{th}</tr>{trs}</table>"
                 f"<p>placement: {e(', '.join(f'{k} → {v}' for k, v in p.placement.items()))}</p><p>{verdict}</p>"
-                f"<p>{e(self._gpu_line())}</p></div>")
+                f"<p>{e(self._gpu_line())}</p>"
+                + (f"<pre>{e(chr(10).join(self._time_lines()))}</pre>" if self.prediction is not None else "")
+                + "</div>")
 
 
 def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,

@@ -174,6 +174,7 @@ def test_estimate_prints_the_time_and_the_fastest_plans():
     assert 1 <= len(est.best) <= 3 and "fastest plans within the budgets" in text
     times = [pc.prediction.step_seconds for pc in est.best]
     assert times == sorted(times) and all(pc.plan.feasible for pc in est.best)
+    assert "per 1B tokens" in est._repr_html_() and est.to_dict()["prediction"]["step_seconds"] == est.step_seconds
     with pytest.raises(ValueError, match="no rates were given"):
         mt.estimate("micro", vram_gb=8, ram_gb=16, disk_gb=100).step_seconds
 

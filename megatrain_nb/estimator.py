@@ -156,6 +156,53 @@ class Estimate:
     names: dict = field(default_factory=dict)      # python argument -> how the caller spells it (CLI flags)
     host_min: Optional[int] = None                 # the least host RAM any plan needs (see estimate())
     reference_cache_bytes: Optional[int] = None    # a DPO run's reference cache (estimate(pairs=...))
+    prediction: object = None                      # StepPrediction when estimate(rates=...) was given
+    best: list = field(default_factory=list)       # the fastest plans (best_plans.PlanChoice), with rates
+
+    # ------------------------------------------------------------------ time (estimate(rates=...))
+    def _pred(self, what: str):
+        if self.prediction is None:
+            raise ValueError(f"Estimate.{what}: no rates were given; pass rates=mt.measure_machine() or a "
+                             "profile name to mt.estimate")
+        return self.prediction
+
+    @property
+    def step_seconds(self) -> float:
+        return self._pred("step_seconds").step_seconds
+
+    @property
+    def phases(self) -> dict:
+        return dict(self._pred("phases").phases)
+
+    @property
+    def bottleneck(self) -> str:
+        return self._pred("bottleneck").bottleneck
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self._pred("tokens_per_second").tokens_per_second
+
+    def run_seconds(self, max_steps: int) -> float:
+        return self._pred("run_seconds").run_seconds(max_steps)
+
+    def _time_lines(self) -> list:
+        if self.prediction is None:
+            return []
+        from megatrain_nb.engine.prediction import fmt_seconds
+
+        p = self.prediction
+        lines = [f"time: {fmt_seconds(p.step_seconds)} per step, {fmt_seconds(p.seconds_per_billion_tokens())} "
+                 f"per 1B tokens ({p.tokens_per_second:,.0f} tokens/s); bottleneck: {p.bottleneck} "
+                 f"[rates: {p.source or 'given'}]"]
+        lines += ["  " + x for x in p.lines()[1:]]
+        if self.best:
+            lines.append("fastest plans within the budgets (predicted step, host RAM, disk):")
+            for i, pc in enumerate(self.best, 1):
+                lines.append(f"  {i}. {fmt_seconds(pc.prediction.step_seconds)} per step, host "
+                             f"{format_bytes(pc.plan.host['total'])}, disk {format_bytes(pc.plan.disk['total'])}, "
+                             f"device {format_bytes(pc.plan.device['total'])}; bottleneck {pc.prediction.bottleneck}: "
+                             f"{pc.describe()}")
+        return lines
 
     @property
     def feasible(self) -> bool:
@@ -186,7 +233,11 @@ class Estimate:
                 "gpu_resident": self.gpu_resident, "gpus_needed_resident": self.gpus_needed_resident(),
                 "window": self.plan.window, "host_min": self.host_min,
                 "tile_tokens": self.plan.tile_tokens, "longest_seq": self.plan.longest_seq,
-                "reference_cache_bytes": self.reference_cache_bytes}
+                "reference_cache_bytes": self.reference_cache_bytes,
+                "prediction": self.prediction.to_dict() if self.prediction is not None else None,
+                "best_plans": [{"choice": pc.choice, "step_seconds": pc.prediction.step_seconds,
+                                "host_bytes": pc.plan.host["total"], "disk_bytes": pc.plan.disk["total"],
+                                "device_bytes": pc.plan.device["total"]} for pc in self.best]}
 
     def _rows(self):
         kinds = [("weights", "weights"), ("grads", "gradients"), ("optimizer_states", "optimizer states"),
@@ -225,6 +276,7 @@ class Estimate:
                      f"feasible: NO (limiting tier: {p.limiting_tier}): {self._spell(p.reason)}")
         lines += self._codec_lines()
         lines.append(self._gpu_line())
+        lines += self._time_lines()
         lines += [self._spell(n) for n in self.notes]
         return "\n".join(lines)
 
@@ -260,7 +312,9 @@ class Estimate:
         return (f"<div><p><b>{e(self.name)}</b>: {_fmt_params(self.num_parameters)} parameters, batch {self.batch} x "
                 f"seq {self.seq}, optimizer states {e(self.compression)}</p><table><tr>{th}</tr>{trs}</table>"
                 f"<p>placement: {e(', '.join(f'{k} → {v}' for k, v in p.placement.items()))}</p><p>{verdict}</p>"
-                f"<p>{e(self._gpu_line())}</p></div>")
+                f"<p>{e(self._gpu_line())}</p>"
+                + (f"<pre>{e(chr(10).join(self._time_lines()))}</pre>" if self.prediction is not None else "")
+                + "</div>")
 
 
 def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,
@@ -268,7 +322,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
              offload_dir: Union[bool, str, None] = True, device: str = "cuda",
              world: int = 1,
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
-             layer_major: bool = True, clip_hold: str = "auto", pairs: Optional[int] = None) -> Estimate:
+             layer_major: bool = True, clip_hold: str = "auto", pairs: Optional[int] = None,
+             rates=None) -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
@@ -292,11 +347,16 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     per-node and on-the-wire figures.
     ``pairs``: a DPO run's preference pairs: the reference pass (forward only) and the bytes of
     its cache as lines (:mod:`megatrain_nb.estimator_dpo`).
+    ``rates``: a ``MachineRates`` (``mt.measure_machine()``) or a profile's name: the estimate
+    then predicts the step's time (``step_seconds``, ``phases``, ``bottleneck``,
+    ``tokens_per_second``, ``run_seconds(max_steps)``; :mod:`megatrain_nb.engine.prediction`)
+    and lists the three fastest plans within the budgets (``best``).
     """
     from megatrain_nb.engine import family
     from megatrain_nb.engine.codecs import codec_names, normalize_compression
     from megatrain_nb.engine.config import EngineConfig
     from megatrain_nb.engine.planner import ModelShape, Workload, make_plan, unit_specs_from_config
+    from megatrain_nb.engine.prediction import resolve_rates
 
     if batch < 1 or seq < 1:
         raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
@@ -309,15 +369,18 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                "disk": resolve_budget(disk_gb, lambda: free_disk(disk_path)) if offload_dir else None}
     accumulator = accumulation > 1 and not layer_major   # micro-batch-major: the host accumulator
 
+    work = Workload(batch=batch, seq=seq, accumulation=accumulation if layer_major else 1, clipped=clipping,
+                    gradients="accumulator" if accumulator else "held" if clipping else "none")
+
+    def cfg_for(codec, host_bytes):
+        return EngineConfig(max_vram_gb=_gib(budgets["device"]), max_host_gb=_gib(host_bytes),
+                            offload_dir=(disk_path or "disk-tier") if offload_dir else None,
+                            optimizer_compression=codec, precision=precision, checkpoint_interval=checkpoint_interval,
+                            clip_hold=clip_hold)
+
     def plan_for(codec, host_bytes):
-        cfg = EngineConfig(max_vram_gb=_gib(budgets["device"]), max_host_gb=_gib(host_bytes),
-                           offload_dir=(disk_path or "disk-tier") if offload_dir else None,
-                           optimizer_compression=codec, precision=precision, checkpoint_interval=checkpoint_interval,
-                           clip_hold=clip_hold)
-        work = Workload(batch=batch, seq=seq, accumulation=accumulation if layer_major else 1, clipped=clipping,
-                        gradients="accumulator" if accumulator else "held" if clipping else "none")
-        return make_plan(units, ModelShape.of(config), cfg, cuda=device != "cpu", workload=work,
-                         disk_bytes=budgets["disk"], state_units=held)
+        return make_plan(units, ModelShape.of(config), cfg_for(codec, host_bytes), cuda=device != "cpu",
+                         workload=work, disk_bytes=budgets["disk"], state_units=held)
 
     by_codec = {codec: plan_for(codec, budgets["host"]) for codec in codec_names()}  # the registry: a new codec shows too
     plan = by_codec[comp]
@@ -334,11 +397,28 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
 
         notes += reference_lines(pairs)
         cache = reference_cache_bytes(pairs)
-    return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
+    est = Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
                                                                                 batch=batch, seq=seq),
                     notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min,
                     reference_cache_bytes=cache)
+    if rates is not None:
+        _add_time(est, config, units, cfg_for(comp, budgets["host"]), work, resolve_rates(rates), device=device,
+                  pinned={"checkpoint_interval": checkpoint_interval} if checkpoint_interval is not None else {})
+    return est
+
+
+def _add_time(est: Estimate, config, units, cfg, work, rates, *, device: str, pinned: dict) -> None:
+    """The predicted step of the estimate's plan, and the fastest plans within its budgets."""
+    from megatrain_nb.engine.best_plans import best_plans
+    from megatrain_nb.engine.planner import ModelShape
+    from megatrain_nb.engine.prediction import predict_step
+
+    plan = est.plan
+    shape = ModelShape.of(config)
+    est.prediction = predict_step(units, shape, cfg, plan, work, rates, cuda=device != "cpu")
+    est.best = best_plans(units, shape, cfg, work, rates, cuda=device != "cpu", disk_bytes=est.budgets["disk"],
+                          pinned=pinned)
 
 
 def _estimate_notes(plan, host_min: int, budgets: dict, *, accumulation: int, batch: int, seq: int,

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="machines in the run (default 1); --ram and --disk are per node")
     e.add_argument("--gpus-per-node", type=_positive_int, default=1,
                    help="GPUs (ranks) per node (default 1); the training state is sharded over all of them")
+    e.add_argument("--profile", default=None, metavar="NAME",
+                   help="also predict the time per step and per 1B tokens on this machine profile "
+                        "(megatrain_nb.engine.rates.PROFILES), or 'here' for this machine's measured rates")
     e.add_argument("--json", action="store_true", help="print JSON instead of the table")
     e.add_argument("--pairs", type=_positive_int, default=None, help="DPO: preference pairs (the reference pass)")
     e.set_defaults(func=cmd_estimate)

@@ -31,11 +31,28 @@ def run_estimate(ns):
         kw["accumulation"] = ns.accumulation
     if getattr(ns, "pairs", None):   # DPO: the reference pass and its cache
         kw["pairs"] = ns.pairs
+    if getattr(ns, "profile", None):
+        kw["rates"] = profile_rates(ns.profile)
     if ns.nodes == 1 and ns.gpus_per_node == 1:
         return estimate(ns.model, **kw)
     from megatrain_nb.estimator_dist import estimate_scale_out  # the state sharded over every GPU
 
     return estimate_scale_out(ns.model, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, **kw)
+
+
+def profile_rates(name: str):
+    """``--profile``: a named profile's MachineRates (``engine.rates.PROFILES``, looked up now), or
+    ``here``: this machine's rates (``mt.measure_machine``: cached, else measured, up to a minute)."""
+    from megatrain_nb.engine.prediction import resolve_rates
+
+    if name != "here":
+        return resolve_rates(name)
+    try:
+        from megatrain_nb.engine.measure import measure_machine
+    except ImportError:
+        raise ValueError("--profile here: this build cannot measure the machine (no megatrain_nb.engine.measure); "
+                         "give a profile name") from None
+    return measure_machine()
 
 
 def estimate_from_words(words):

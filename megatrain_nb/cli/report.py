@@ -24,8 +24,12 @@ def run_with_progress(trainer, *, resume=None, out=None) -> dict:
     total = trainer.total_steps
     bar = tqdm(total=total, file=out, dynamic_ncols=True, desc="train", mininterval=0.5)
     t0, first, last, memory, tokens, evals = time.time(), None, None, None, 0, []
+    check = PredictionCheck(trainer)
     try:
         for rec in trainer.iter_steps(resume_from_checkpoint=resume):
+            off = check.line(rec["step"])
+            if off:
+                bar.write(f"prediction: {off}", file=out)
             first = rec["loss"] if first is None else first
             last = rec
             tokens += rec["tokens"]
@@ -43,6 +47,38 @@ def run_with_progress(trainer, *, resume=None, out=None) -> dict:
     return {"steps": trainer.state.global_step, "seconds": elapsed, "tokens": tokens, "first_loss": first,
             "last_loss": last["loss"] if last else None, "evals": evals,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
+
+
+def prediction_text(pred, steps: int) -> str:
+    """The header's line: the predicted step, the run and the bottleneck."""
+    from megatrain_nb.engine.prediction import fmt_seconds
+
+    return (f"predicted {fmt_seconds(pred.step_seconds)} per step ({pred.tokens_per_second:,.0f} tokens/s), "
+            f"{fmt_seconds(pred.run_seconds(steps))} for {steps:,} steps; bottleneck: {pred.bottleneck} "
+            f"[rates: {pred.source or 'given'}]")
+
+
+class PredictionCheck:
+    """After ``after`` optimizer steps (the first is a warm-up), one line when the measured
+    step differs from the prediction by more than 25% (``prediction_check.difference_line``)."""
+
+    def __init__(self, trainer, after: int = 3):
+        self.trainer, self.after, self.base, self.done = trainer, after, None, False
+        self.pred = getattr(trainer, "prediction", None)
+
+    def line(self, step: int) -> Optional[str]:
+        if self.pred is None or self.done:
+            return None
+        from megatrain_nb.engine.prediction_check import difference_line, measured_phases
+
+        tel = self.trainer.engine.telemetry()
+        if self.base is None:
+            self.base = tel   # after the first step: the warm-up is left out
+            return None
+        if tel["steps"] - self.base["steps"] < self.after - 1:
+            return None
+        self.done = True
+        return difference_line(self.pred, measured_phases(self.base, tel))
 
 
 def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metrics: Optional[dict], out=None):
@@ -176,6 +212,9 @@ def print_header(trainer, *, model: str, data: str, out=None) -> None:
         p("tiles:  " + (f"a layer's MLP runs rows longer than {tiling.tile:,} tokens in tiles of {tiling.tile:,} "
                         "tokens (EngineOverrides.tile_tokens pins it)"
                         if tiling.tile else "off (tile_tokens=0): a layer's MLP runs a whole row at once"))
+    pred = getattr(trainer, "prediction", None)
+    if pred is not None:
+        p(f"time:   {prediction_text(pred, trainer.total_steps)}")
     p(f"output: {trainer.args.output_dir} ({trainer.total_steps} steps; metrics in {trainer.metrics_log.path})")
     if trainer.args.max_steps < 1:   # transformers: no step limit, the epochs decide
         p(f"steps:  max_steps {trainer.args.max_steps} means no step limit: num_train_epochs "

@@ -86,6 +86,7 @@ class StreamingEngine:
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"
         self.checkpoint_interval = self.plan.checkpoint_interval
         self.memory_peaks = {"host": 0, "disk": 0}   # memory_report's peaks across calls
+        self.rates = None   # MachineRates for .prediction (None: the machine's cached ones, if any)
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
@@ -182,6 +183,13 @@ class StreamingEngine:
         """The :class:`WindowPlan` of prepared ``(ids, am, labels)`` micro-batches (``window.plan_for``)."""
         return plan_for(batches, plan=self.plan, model_config=self.model_config, config=self.config,
                         num_layers=len(self.layer_units), device=self.device)
+
+    @property
+    def prediction(self):
+        """The predicted step (``engine/prediction.py``) of this plan at its last step's shape
+        and ``self.rates`` (else the machine's cached rates); None before a step or without rates."""
+        from .prediction_check import engine_prediction
+        return engine_prediction(self)
 
     @property
     def last_window_plan(self) -> Optional[WindowPlan]:

@@ -130,6 +130,7 @@ class Telemetry:
             return {
                 "bytes": dict(self.bytes),
                 "bytes_per_second": rate,
+                "link_seconds": dict(self.link_seconds),
                 "loads_per_unit": dict(self.loads_per_unit),
                 "prefetch": pf,
                 "stall_seconds": dict(self.stall_seconds),

@@ -57,6 +57,8 @@ publisher: The publisher pushing this run to the notebook display, while one is 
 explorer: This run's snapshots and branches (``branches.Explorer``).
 snapshots: The snapshots this run can rewind to (checkpoints count): step, time, branch, path, bytes unique / \
 shared.
+prediction: The predicted step of the trainer's plan (``mt.Trainer.prediction``: a StepPrediction, or None \
+without measured rates).
 """.strip().splitlines())
 
 
@@ -209,6 +211,7 @@ class Session:
     publisher = _forward("_view.live", settable=True)
     explorer = _forward("_explore")
     snapshots = _forward("_explore.snapshots", call=True, wrap=SnapshotTable)
+    prediction = _forward("_trainer.prediction")
 
     @property
     def total_steps(self) -> Optional[int]:

@@ -218,6 +218,22 @@ class Trainer:
         return self._engine
 
     @property
+    def prediction(self):
+        """The predicted optimizer step of this run (``engine/prediction.py``: a StepPrediction
+        with ``step_seconds``, ``phases``, ``bottleneck``, ``tokens_per_second``) for the plan the
+        engine built and this run's batch, sequence length, accumulation and clipping, at
+        ``engine.rates`` or the machine's cached rates; None when there are none (building a
+        Trainer never measures the machine: ``trainer.engine.rates = mt.measure_machine()``)."""
+        from megatrain_nb.engine.planner import Workload
+        from megatrain_nb.engine.prediction_check import engine_prediction
+
+        a = self.args
+        work = Workload(batch=a.per_device_train_batch_size, seq=self.seq_len,
+                        accumulation=a.gradient_accumulation_steps,
+                        clipped=bool(a.max_grad_norm and a.max_grad_norm > 0))
+        return engine_prediction(self.engine, work)
+
+    @property
     def total_steps(self) -> int:
         """Optimizer steps this run plans (``max_steps`` or epochs x steps per epoch)."""
         a = self.args
@@ -312,8 +328,11 @@ class Trainer:
         if self.dist.world > 1:   # one run: every rank takes rank 0's id
             self.run_id = self.dist.all_gather_json(self.run_id)[0]
         self.metrics_log.run_id, self.metrics_log.lineage = self.run_id, self.lineage
+        pred = self.prediction   # (with rates only: the predicted step and what bounds it)
         self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
-                                "resumed_from": str(resume) if resume is not None else None, "time": time.time()})
+                                "resumed_from": str(resume) if resume is not None else None, "time": time.time(),
+                                **({"predicted_step_seconds": pred.step_seconds, "predicted_bottleneck":
+                                    pred.bottleneck} if pred is not None else {})})
         if self._pending_lr is not None:
             self.schedule.set_lr(self._pending_lr)
             self._pending_lr = None

@@ -1,0 +1,271 @@
+"""The predicted step time against the measured one: ``trainer.prediction.step_seconds`` vs the
+median measured step, for five configurations of one ~30M-parameter llama on this machine.
+
+Rates: ``mt.measure_machine`` (``megatrain_nb.engine.measure``) when this build has it, else a
+small local measurement here (:func:`local_rates`: a matmul and an attention at the model's
+shapes, a memcpy of one layer, ``dd`` with direct I/O on the offload folder's disk, the fused
+AdamW and the codec on one layer's elements), taken once, before the configurations, in the
+same run; before each configuration the compute rates (matmul, attention) are measured again
+(a shared machine's load changes within minutes) and both predictions are printed, the
+RESULT lines using the fresh one. The model is never fitted to this run: the prediction is the engine's schedule priced
+at those rates (engine/prediction.py).
+
+Configurations (the same model, batch 1 x seq ``--seq``):
+
+* ``host_fp32``: everything in host RAM, fp32 states, clipping (TrainingArguments' default);
+* ``accum4``: the same with gradient accumulation 4 (a layer-major window);
+* ``int8_clip``: int8 optimizer states, clipping;
+* ``disk_nocache``: master weights and states on the disk tier, the host cache off, no clipping;
+* ``disk_int8_clip``: disk tier, int8 states, clipping, the default host cache.
+
+    python benchmarks/bench_prediction.py [--dir PATH] [--steps N] [--seq S]
+
+RESULT lines: ``prediction_error_<name>`` (measured / predicted, target within 0.8-1.2) per
+configuration and ``prediction_error_worst``; ``bottleneck_agrees`` (configurations whose
+predicted bottleneck is what the telemetry shows waiting, or compute when nothing waits).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, median, result  # noqa: E402
+
+import megatrain_nb as mt  # noqa: E402
+from megatrain_nb.engine.rates import MachineRates  # noqa: E402
+
+CONFIG = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+              num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024, tie_word_embeddings=False)
+CONFIGS = {
+    "host_fp32": dict(engine={}, accumulation=1, clip=1.0),
+    "accum4": dict(engine={}, accumulation=4, clip=1.0),
+    "int8_clip": dict(engine=dict(optimizer_compression="int8"), accumulation=1, clip=1.0),
+    "disk_nocache": dict(engine=dict(offload_params=True, host_cache_gb=0), accumulation=1, clip=0.0, disk=True),
+    "disk_int8_clip": dict(engine=dict(optimizer_compression="int8"), accumulation=1, clip=1.0, disk=True),
+}
+#: the telemetry's wait (stall_seconds) that shows each predicted bottleneck
+#: (on a CPU "device" a unit's copy into its slot is a memcpy in a thread of its own: a wait for
+#: it is a wait for a core, what "compute (sharing the CPU cores)" predicts)
+WAITS = {"disk": ("disk", "host_cache"), "optimizer": ("optimizer", "decode"),
+         "compute (sharing the CPU cores)": ("device", "grad_return")}
+
+
+def timed(fn, reps: int = 5, least_s: float = 1.0) -> float:
+    """Median seconds of ``fn()`` over at least ``reps`` calls and ``least_s`` seconds (a shared
+    machine's load comes and goes: a longer window sees it as the training will)."""
+    fn()
+    ts, t_end = [], time.perf_counter() + least_s
+    while len(ts) < reps or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return median(ts)
+
+
+def dd_rates(folder: str, nbytes: int, block: int) -> tuple:
+    """Bytes/s of dd with direct I/O writing then reading ``nbytes`` on ``folder``'s disk."""
+    import subprocess
+    import re
+
+    path = os.path.join(folder, "dd-probe.bin")
+    count = max(1, nbytes // block)
+
+    def secs(args):
+        err = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
+        return float(re.search(r"copied, ([0-9.eE+-]+) s", err).group(1))
+    try:
+        w = secs(["if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", "oflag=direct", "conv=fdatasync"])
+        r = secs([f"if={path}", "of=/dev/null", f"bs={block}", f"count={count}", "iflag=direct"])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return count * block / r, count * block / w
+
+
+def layer_matmul_rate(tokens: int, h: int, i: int) -> float:
+    """FLOP/s of one layer's matmuls at the model's shapes: the forward's (q, k, v, o: h x h; gate,
+    up: h x i; down: i x h) and the backward's two per weight (the input's gradient, the weight's)."""
+    shapes = [(h, h)] * 4 + [(h, i)] * 2 + [(i, h)]
+    ws = [torch.randn(o, k) for k, o in shapes]
+    xs = {k: torch.randn(tokens, k) for k, _ in shapes}
+    gs = {o: torch.randn(tokens, o) for _, o in shapes}
+
+    def layer():
+        for w in ws:
+            o, k = w.shape
+            F.linear(xs[k], w)          # forward
+            gs[o] @ w                   # the input's gradient
+            gs[o].t() @ xs[k]           # the weight's gradient
+    flops = sum(6 * tokens * k * o for k, o in shapes)
+    return flops / timed(layer, 7)
+
+
+def attention_rate(seq: int, h: int, heads: int) -> float:
+    """FLOP/s of the causal SDPA at the model's shape (``2·s²·h`` FLOPs forward)."""
+    q = torch.randn(1, heads, seq, h // heads)
+    return 2.0 * seq * seq * h / timed(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), 10)
+
+
+def compute_now(rates: MachineRates, seq: int) -> MachineRates:
+    """``rates`` with the compute rates measured again now: on a shared machine the cores' load
+    changes within minutes, and a configuration runs against the rates of its own minutes."""
+    h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
+    return dataclasses.replace(rates, matmul_flops=layer_matmul_rate(seq, h, i),
+                               attention_flops=attention_rate(seq, h, heads), source=rates.source + " (compute now)")
+
+
+def codec_rate(name: str, chunk: int = 1 << 20) -> float:
+    """Bytes of fp32 moments per second one thread decodes and encodes, as the engine's codec
+    threads run it: one torch thread (``threads.one_torch_thread``), one update chunk at a time
+    (``EngineOverrides.update_chunk_numel``), each role's codes decoded then re-encoded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatrain_nb.engine.codecs import ROLES, get_codec
+    from megatrain_nb.threads import one_torch_thread
+
+    cs = [get_codec(name, role) for role in ROLES]
+    x = [torch.randn(chunk), torch.rand(chunk)]
+    codes = [c.encode(t) for c, t in zip(cs, x)]
+    out = [torch.empty(chunk) for _ in cs]
+
+    def both():
+        for c, e, o in zip(cs, codes, out):
+            c.encode(c.decode(e, o))
+    with ThreadPoolExecutor(1, initializer=one_torch_thread) as pool:
+        return 8 * chunk / pool.submit(timed, both).result()
+
+
+def local_rates(folder: str, seq: int) -> MachineRates:
+    """The rates the prediction needs, measured here at the model's shapes (see the module docstring)."""
+    from megatrain_nb.engine.optimizer import UnitAdamW
+
+    h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
+    layer = 4 * h * h + 3 * h * i
+    mm = layer_matmul_rate(seq, h, i)
+    at = attention_rate(seq, h, heads)
+    src, dst = torch.randn(layer), torch.empty(layer)
+    copy = 4 * layer / timed(lambda: dst.copy_(src))
+    read, write = dd_rates(folder, 16 * 4 * layer, 4 * layer)
+    adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    p, g, m, v = (torch.randn(layer) for _ in range(4))
+    v.abs_()
+    step = torch.tensor(1.0)
+    adamw = layer / timed(lambda: adam.fused(p, g, m, v, step, 1e-4, 0.0))
+    codec = {name: codec_rate(name) for name in ("int8",)}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return MachineRates(device="cpu", cores=cores, h2d_pageable=copy, d2h_pageable=copy, matmul_flops=mm,
+                        attention_flops=at, disk_read=read, disk_write=write, disk_path=folder, adamw_per_thread=adamw,
+                        codec_per_thread=codec, source="bench_prediction.local_rates")
+
+
+def rates_for(folder: str, seq: int) -> MachineRates:
+    try:
+        from megatrain_nb.engine.measure import measure_machine
+    except ImportError:
+        print("(megatrain_nb.engine.measure is not in this build: measuring the few rates here)")
+        return local_rates(folder, seq)
+    return measure_machine(device="cpu", offload_dir=folder)
+
+
+def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: int, seq: int) -> dict:
+    """Median measured step of one configuration and ``trainer.prediction`` at ``rates`` (with
+    the compute rates measured again just before its steps: ``pred``; as given: ``pred_start``)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+    g = torch.Generator().manual_seed(1)
+    rows = steps * spec["accumulation"] + 4
+    data = [{"input_ids": torch.randint(0, CONFIG["vocab_size"], (seq,), generator=g).tolist()} for _ in range(rows)]
+    out = tempfile.mkdtemp(dir=folder)
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=1, max_steps=steps,
+                             gradient_accumulation_steps=spec["accumulation"], max_grad_norm=spec["clip"],
+                             learning_rate=1e-4, disable_tqdm=True, report_to=[], save_strategy="no",
+                             logging_steps=1)
+    engine = dict(device="cpu", **spec["engine"])
+    if spec.get("disk"):
+        engine["offload_dir"] = tempfile.mkdtemp(dir=folder)
+    trainer = mt.Trainer(model=model, train_dataset=data, args=args, seq_len=seq, **engine)
+    trainer.engine.rates = rates
+    pred_start = trainer.prediction
+    trainer.engine.rates = compute_now(rates, seq)
+    pred = trainer.prediction
+    times, tel0, last = [], None, None
+    for rec in trainer.iter_steps():
+        now = time.perf_counter()
+        if last is not None and rec["step"] >= 2:
+            times.append(now - last)
+        if rec["step"] == 1:
+            tel0 = trainer.engine.telemetry()
+        last = now
+    tel1 = trainer.engine.telemetry()
+    n = max(tel1["steps"] - tel0["steps"], 1)
+    waits = {k: (tel1["stall_seconds"].get(k, 0.0) - tel0["stall_seconds"].get(k, 0.0)) / n
+             for k in tel1["stall_seconds"]}
+    disk = (tel1["bytes"]["disk_to_host"] - tel0["bytes"]["disk_to_host"]) / n, \
+        (tel1["bytes"]["host_to_disk"] - tel0["bytes"]["host_to_disk"]) / n
+    trainer.close()
+    return {"pred": pred, "pred_start": pred_start, "matmul_now": trainer.engine.rates.matmul_flops,
+            "measured": median(times), "times": times, "waits": waits, "disk": disk}
+
+
+def waiting_on(r: dict) -> str:
+    """The predicted-bottleneck name the telemetry's waits point to (compute when nothing waits 10%)."""
+    step = r["measured"]
+    best, secs = "compute", 0.10 * step
+    for name, keys in WAITS.items():
+        s = sum(r["waits"].get(k, 0.0) for k in keys)
+        if s > secs:
+            best, secs = name, s
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=None, help="folder for the disk tier (default: a temporary folder)")
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--only", nargs="*", default=None, help="configurations to run (default: all)")
+    a = ap.parse_args()
+    print(f"machine: {machine()}; load average {os.getloadavg()}")
+    folder = tempfile.mkdtemp(dir=a.dir)
+    t0 = time.perf_counter()
+    rates = rates_for(folder, a.seq)
+    print(f"rates ({time.perf_counter() - t0:.1f} s): cores {rates.cores}, matmul {rates.matmul_flops / 1e9:.1f} "
+          f"GFLOP/s, attention {rates.attention_flops / 1e9:.1f} GFLOP/s, memcpy {rates.h2d_pageable / 1e9:.2f} GB/s, "
+          f"disk read {rates.disk_read / 1e9:.2f} GB/s write {rates.disk_write / 1e9:.2f} GB/s, AdamW "
+          f"{rates.adamw_per_thread / 1e6:.0f} M params/s, codec {rates.codec_per_thread}")
+    worst, agree, names = 1.0, 0, [n for n in CONFIGS if not a.only or n in a.only]
+    for name in names:
+        r = run_config(name, CONFIGS[name], rates, folder, a.steps, a.seq)
+        p, ratio = r["pred"], r["measured"] / r["pred"].step_seconds
+        seen = waiting_on(r)
+        agree += seen == p.bottleneck or (seen == "compute" and p.bottleneck.startswith("compute"))
+        print(f"{name}: measured median {r['measured']:.3f} s {[round(t, 3) for t in r['times']]}, predicted "
+              f"{p.step_seconds:.3f} s; windows {({k: round(v, 3) for k, v in p.windows.items()})}; phases "
+              f"{({k: round(v, 3) for k, v in p.phases.items() if v})}; disk per step measured read "
+              f"{r['disk'][0] / 1e6:.1f} MB write {r['disk'][1] / 1e6:.1f} MB, predicted read "
+              f"{p.bytes['disk_read'] / 1e6:.1f} MB write {p.bytes['disk_write'] / 1e6:.1f} MB")
+        print(f"  compute rate now {r['matmul_now'] / 1e9:.1f} GFLOP/s; with the rates measured at the start: "
+              f"predicted {r['pred_start'].step_seconds:.3f} s, measured / predicted "
+              f"{r['measured'] / r['pred_start'].step_seconds:.3g}")
+        print(f"  bottleneck predicted: {p.bottleneck}; telemetry waits per step "
+              f"{({k: round(v, 3) for k, v in r['waits'].items() if v})} -> {seen}")
+        print(f"RESULT prediction_error_{name} {ratio:.3g} x (target within 0.8-1.2)", flush=True)
+        worst = ratio if abs(ratio - 1) > abs(worst - 1) else worst
+    print(f"RESULT prediction_error_worst {worst:.3g} x (target within 0.8-1.2)", flush=True)
+    result("bottleneck_agrees", agree, f"of {len(names)}", ">=", len(names))
+    print(f"load average at the end {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

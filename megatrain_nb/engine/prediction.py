@@ -1,0 +1,326 @@
+"""The predicted step time: the engine's own schedule priced at a machine's rates.
+
+:func:`predict_step` takes what the planner decided (``planner.Plan``: tiers, checkpoint
+interval, the window's groups), the workload (``planner.Workload``) and a
+:class:`~.rates.MachineRates`, counts what one optimizer step moves and computes, and lays
+those amounts on the engine's streams:
+
+* **compute** (the device, or on a CPU "device" every core): the forward ``2·N·T`` FLOPs
+  (``N``: the parameters of the matmuls, layers and head; ``T``: tokens per step), the
+  backward ``4·N·T``, the recompute (every layer's forward again under autograd at checkpoint
+  interval k >= 1, plus the inner layers of a block once more at k > 1), and causal attention
+  (``2·b·s²·h`` per layer forward) at ``attention_flops``;
+* **host->device / device->host** (``h2d``/``d2h``): each load of a unit in the compute order
+  (``StepRunner.schedule``: embedding, head, layers; then per block the recompute and the
+  backward), in the compute dtype; each unit's fp32 gradient leaving once per group;
+  boundary activations kept in host RAM both ways; prefetched, so they overlap the compute;
+* **disk** (one device: its reads and writes add): the step's disk accesses as the host cache
+  sees them (``disk_cache.step_accesses`` through ``disk_cache.plan_cache`` at the cache's
+  capacity: what the cache cannot keep), gradients held on the disk tier for the clipping
+  norm (written and read once), boundary activations on the disk tier;
+* **optimizer**: AdamW (one worker thread, ``adamw_per_thread``) pipelined with the codec's
+  decode and encode threads (``codec_per_thread``) for compressed states.
+
+How they overlap is the engine's: a step is two windows, the forward and the backward (with
+its recompute), each as long as its slowest stream. Without clipping each update starts as its
+gradient becomes final: the optimizer runs in the backward's window, and the next forward
+waits for the embedding's update, the last one (exposed). With clipping (``max_grad_norm`` >
+0, the default) the updates wait for the global norm at the end of the backward and run in the
+next forward's order while that forward waits for each unit in turn: the optimizer runs in the
+forward's window. Disk and link bytes are split between the windows by the forward's share of
+the units' loads.
+
+Cores: on a CPU "device" the compute, AdamW, the codec threads and the copies share
+``rates.cores``; a phase then takes at least its CPU work (core-seconds) over the cores, so
+with few cores the CPU-bound phases add rather than overlap (on CUDA only AdamW, the codec and
+pageable copies take cores). Disk I/O (O_DIRECT) is counted as taking no core.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Dict, List, Optional
+
+PHASES = ("forward", "backward", "recompute", "h2d", "d2h", "disk_read", "disk_write", "optimizer", "codec")
+STREAMS = {"compute": "compute", "h2d": "host->device", "d2h": "device->host", "disk": "disk",
+           "optimizer": "optimizer", "cpu": "CPU cores"}
+
+
+@dataclass
+class StepPrediction:
+    """One optimizer step's predicted time. ``phases``: seconds of each kind of work (as if it
+    ran alone); ``streams``: seconds each resource is busy; ``windows``: the parts of the step
+    that follow one another ("step" unclipped; "forward + updates" and "backward" clipped);
+    ``bottleneck``: the stream that bounds most of the step; ``overlaps``: what runs beside what."""
+    step_seconds: float
+    phases: Dict[str, float]
+    streams: Dict[str, float]
+    windows: Dict[str, float]
+    bottleneck: str
+    overlaps: List[str]
+    tokens_per_step: int
+    bytes: Dict[str, int] = field(default_factory=dict)
+    flops: float = 0.0
+    notes: List[str] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    def run_seconds(self, max_steps: int) -> float:
+        """Seconds for ``max_steps`` optimizer steps."""
+        return max(int(max_steps), 0) * self.step_seconds
+
+    def seconds_per_billion_tokens(self) -> float:
+        return 1e9 / self.tokens_per_second if self.tokens_per_second else math.inf
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens_per_second"] = self.tokens_per_second
+        return d
+
+    def lines(self) -> List[str]:
+        head = (f"predicted step {fmt_seconds(self.step_seconds)} ({self.tokens_per_second:,.0f} tokens/s, "
+                f"1B tokens in {fmt_seconds(self.seconds_per_billion_tokens())}); bottleneck: {self.bottleneck}"
+                + (f" [rates: {self.source}]" if self.source else ""))
+        rows = [f"  {p:<10} {fmt_seconds(s):>9}" + (f"  {fmt_gb(self.bytes[p])}" if self.bytes.get(p) else "")
+                for p, s in self.phases.items() if s > 0 or self.bytes.get(p)]
+        return [head, "  phase      seconds (alone)"] + rows + [f"  overlap: {o}" for o in self.overlaps] + \
+            [f"  note: {n}" for n in self.notes]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def fmt_seconds(s: float) -> str:
+    if s == math.inf:
+        return "inf"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    if s < 120:
+        return f"{s:.2f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} days"
+
+
+def fmt_gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _per(amount: float, rate: float, what: str, missing: List[str]) -> float:
+    """``amount / rate``; a rate of 0 (not measured) counts 0 s and is named in the notes."""
+    if amount <= 0:
+        return 0.0
+    if not rate or rate <= 0:
+        missing.append(what)
+        return 0.0
+    return amount / rate
+
+
+def compute_order(units, k: int, groups: int = 1) -> list:
+    """The units' loads of one step (``StepRunner.schedule``), once per group."""
+    embed, head, layers = units[0], units[-1], list(units[1:-1])
+    order = [embed, head] + layers
+    if k > 0:
+        for b in reversed(range(0, len(layers), k)):
+            end = min(b + k, len(layers))
+            order += layers[b:end - 1] + list(reversed(layers[b:end]))
+    return [u for u in order if u.numel > 0] * max(groups, 1)
+
+
+def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dict[str, int]:
+    """Disk bytes read and written per step: the schedule's accesses through the host cache."""
+    from .disk_cache import plan_cache, step_accesses
+    from .planner import codec_bytes_per_param
+
+    if not cfg.offload_dir:
+        return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0}
+    on_disk = plan.placement.get("master_weights") == "disk"
+    per = codec_bytes_per_param(cfg.optimizer_compression)
+    states = plan.placement.get("optimizer_states") == "disk"
+    seq = step_accesses(order, [units[0], units[-1]] + list(units[1:-1]), clipped=clipped, params_on_disk=on_disk,
+                        state_key=lambda u: f"state-{u.index}", state_nbytes=lambda u: int(per * u.numel))
+    if not states:
+        seq = [a for a in seq if not a[0].startswith("state-")]
+    raw_r = sum(b for _, op, b in seq if op == "R")
+    raw_w = sum(b for _, op, b in seq if op == "W")
+    cp = plan_cache(seq, max(int(cache_bytes), 0)) if seq else None
+    read, write = (cp.read_bytes, cp.write_bytes) if cp else (0, 0)
+    if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
+        n = 4 * sum(u.numel for u in units)
+        read, write = read + n, write + n
+    window = plan.window or {}
+    if window.get("tier") == "disk":
+        b = boundary_total(window)
+        read, write = read + b, write + b
+    return {"read": read, "write": write, "raw_read": raw_r, "raw_write": raw_w}
+
+
+def boundary_total(window: dict) -> int:
+    """Boundary activations of every micro-batch of a window (``boundary_bytes`` is its largest group's)."""
+    return int(window["boundary_bytes"] / max(window["group_size"], 1) * window["micro_batches"])
+
+
+def _specs(units) -> list:
+    return [SimpleNamespace(index=i, numel=u.numel, kind=u.kind) for i, u in enumerate(units)]
+
+
+def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: int) -> dict:
+    """What one optimizer step computes and moves: FLOPs per kind, bytes per link, parameters updated."""
+    units = _specs(units)
+    window = plan.window or {}
+    k = window.get("checkpoint_interval", plan.checkpoint_interval)
+    groups = window.get("groups", 1)
+    tokens = workload.batch * workload.seq * workload.accumulation
+    n_layers = max(len(units) - 2, 1)
+    layer_n = sum(u.numel for u in units[1:-1])
+    head_n = units[-1].numel or units[0].numel   # a tied head multiplies by the embedding's weights
+    cb = 2 if cfg.precision == "bf16" else 4
+    rec = 0.0 if k == 0 else 1 + (n_layers - math.ceil(n_layers / max(k, 1))) / n_layers
+    attn = 2.0 * workload.batch * workload.seq ** 2 * shape.hidden_size * n_layers * workload.accumulation
+    order = compute_order(units, k, groups)
+    boundary = boundary_total(window) if window.get("tier") == "host" else 0
+    total = sum(u.numel for u in units)
+    return {
+        "tokens": tokens, "k": k, "groups": groups,
+        "forward_flops": 2.0 * (layer_n + head_n) * tokens, "backward_flops": 4.0 * (layer_n + head_n) * tokens,
+        "recompute_flops": 2.0 * layer_n * tokens * rec,
+        "attention_flops": {"forward": attn, "backward": 2 * attn, "recompute": attn * rec},
+        "h2d": sum(u.numel for u in order) * cb + boundary, "d2h": 4 * total * groups + boundary,
+        "forward_loads": sum(u.numel for u in order[:len(units)]) * cb,
+        "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes),
+        "params": total, "state_bytes_fp32": 8 * total,
+    }
+
+
+def _matmul_rate(rates, shape, workload) -> float:
+    key = f"{workload.batch * workload.seq}x{shape.hidden_size}x{shape.intermediate_size or 4 * shape.hidden_size}"
+    return float(rates.matmul_by_shape.get(key) or rates.matmul_flops)
+
+
+def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
+                 cache_bytes: Optional[int] = None) -> StepPrediction:
+    """The predicted :class:`StepPrediction` of one optimizer step (see the module's docstring).
+
+    ``units``: the plan's units (``planner.UnitSpec`` or the engine's, embedding first, head
+    last); ``shape``: ``planner.ModelShape``; ``cfg``: the EngineConfig; ``plan``: its
+    ``planner.Plan``; ``workload``: ``planner.Workload``; ``rates``: ``MachineRates``;
+    ``cache_bytes``: the disk tier's host cache (None: 0 when ``cfg.host_cache_gb`` is 0, else
+    the host budget left beside the plan, else unlimited)."""
+    if cache_bytes is None:
+        cache_bytes = default_cache_bytes(cfg, plan)
+    a = step_amounts(units, shape, cfg, plan, workload, cuda=cuda, cache_bytes=cache_bytes)
+    missing: List[str] = []
+    mm, at = _matmul_rate(rates, shape, workload), rates.attention_flops or _matmul_rate(rates, shape, workload)
+    ph = {"forward": _per(a["forward_flops"], mm, "matmul_flops", missing)
+          + _per(a["attention_flops"]["forward"], at, "attention_flops", missing),
+          "backward": _per(a["backward_flops"], mm, "matmul_flops", missing)
+          + _per(a["attention_flops"]["backward"], at, "attention_flops", missing),
+          "recompute": _per(a["recompute_flops"], mm, "matmul_flops", missing)
+          + _per(a["attention_flops"]["recompute"], at, "attention_flops", missing)}
+    h2d_rate = (rates.h2d_pinned or rates.h2d_pageable) if cuda else rates.h2d_pageable
+    d2h_rate = (rates.d2h_pinned or rates.d2h_pageable) if cuda else rates.d2h_pageable
+    ph["h2d"] = _per(a["h2d"], h2d_rate, "h2d", missing)
+    ph["d2h"] = _per(a["d2h"], d2h_rate, "d2h", missing)
+    ph["disk_read"] = _per(a["disk"]["read"], rates.disk_read, "disk_read", missing)
+    ph["disk_write"] = _per(a["disk"]["write"], rates.disk_write, "disk_write", missing)
+    ph["optimizer"] = _per(a["params"], rates.adamw_per_thread, "adamw_per_thread", missing)
+    codec = cfg.optimizer_compression
+    ph["codec"] = 0.0 if codec == "none" else _per(a["state_bytes_fp32"], (rates.codec_per_thread or {}).get(codec, 0),
+                                                   f"codec_per_thread[{codec}]", missing)
+    pred = _schedule(ph, a, rates, cuda=cuda, clipped=workload.clipped, units=units)
+    pred.bytes = {"h2d": a["h2d"], "d2h": a["d2h"], "disk_read": a["disk"]["read"], "disk_write": a["disk"]["write"]}
+    pred.flops = a["forward_flops"] + a["backward_flops"] + a["recompute_flops"] + sum(a["attention_flops"].values())
+    pred.source = rates.source
+    if missing:
+        pred.notes.append("rates not measured, counted as 0 s: " + ", ".join(sorted(set(missing))))
+    if a["disk"]["raw_read"] + a["disk"]["raw_write"] > a["disk"]["read"] + a["disk"]["write"]:
+        saved = a["disk"]["raw_read"] + a["disk"]["raw_write"] - a["disk"]["read"] - a["disk"]["write"]
+        pred.notes.append(f"the host cache ({fmt_gb(cache_bytes)}) saves {fmt_gb(saved)} of disk traffic per step")
+    return pred
+
+
+def default_cache_bytes(cfg, plan) -> int:
+    """The disk tier's host cache as ``disk_cache.cache_budget`` sizes it, from the plan alone."""
+    if not cfg.offload_dir or cfg.host_cache_gb == 0:
+        return 0
+    if cfg.host_cache_gb is not None:
+        return int(cfg.host_cache_gb * (1 << 30))
+    if cfg.max_host_gb is not None:
+        return max(int(cfg.max_host_gb * (1 << 30)) - plan.host["total"], 0)
+    return plan.disk.get("total", 0)   # no budget: free RAM decides; assume the disk tier fits
+
+
+def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool, units) -> StepPrediction:
+    """Lay the phases on the streams (see the module's docstring): the step's two windows, the
+    forward and the backward, each bound by its slowest stream; the updates in the backward's
+    window (unclipped) or the next forward's (clipped)."""
+    cores = max(int(rates.cores or 1), 1)
+    opt = max(ph["optimizer"], ph["codec"] / min(2, cores))        # AdamW beside the decode/encode threads
+    opt_cpu = ph["optimizer"] + ph["codec"]                         # core-seconds of the update
+    copy_cpu = 0.0 if cuda else ph["h2d"] + ph["d2h"]               # a CPU "device" copies with a core
+    disk = ph["disk_read"] + ph["disk_write"]
+    f = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0          # the forward's share of the loads
+    first = opt * units[0].numel / max(a["params"], 1)              # the embedding's update: the forward's first need
+
+    def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s):
+        streams = {"compute": compute_s, "h2d": h2d_s if cuda else 0.0, "d2h": d2h_s if cuda else 0.0,
+                   "disk": disk_s, "optimizer": opt_s,
+                   "cpu": ((0.0 if cuda else compute_s * cores) + opt_core_s + copy_s) / cores}
+        key = max(streams, key=streams.get)
+        if key == "cpu":   # CPU sharing is named by its largest user
+            users = {"compute": 0.0 if cuda else compute_s, "optimizer": opt_core_s / cores}
+            key = max(users, key=users.get) + "+cpu"
+        return max(streams.values()), streams, key
+
+    fc, bc = ph["forward"], ph["backward"] + ph["recompute"]
+    on_f = 1.0 if clipped else 0.0
+    tf, sf, kf = window(fc, ph["h2d"] * f, 0.0, disk * f, opt * on_f, opt_cpu * on_f, copy_cpu * f)
+    tb, sb, kb = window(bc, ph["h2d"] * (1 - f), ph["d2h"], disk * (1 - f), opt * (1 - on_f), opt_cpu * (1 - on_f),
+                        copy_cpu * (1 - f))
+    overlaps = ["host->device prefetch overlaps the compute (the next units load while one computes)",
+                "disk reads run ahead and writes behind in the I/O threads (reads and writes share the disk)"]
+    if not cuda:
+        overlaps.append(f"CPU device: compute, AdamW, the codec threads and the copies share {cores} core(s): "
+                        "a window takes at least its core-seconds / cores")
+    if clipped:   # the forward waits for the embedding's update, then for each unit's in turn
+        tf = max(tf, first + sf["compute"])
+        windows = {"forward + updates": tf, "backward": tb}
+        overlaps.append("clipping: updates wait for the global norm after the backward, then overlap only "
+                        "the next forward (each unit's forward waits for its update)")
+    else:   # the embedding's gradient is the backward's last and the next forward's first need
+        windows = {"forward": tf, "backward + updates": tb, "exposed update": first}
+        overlaps.append("updates start as each gradient becomes final and overlap the backward; the next "
+                        "forward waits for the embedding's, the last")
+    binding: Dict[str, float] = {}
+    for t, key in ((tf, kf), (tb, kb)):
+        binding[key] = binding.get(key, 0.0) + t
+    top = max(binding, key=binding.get)
+    bottleneck = STREAMS[top.split("+")[0]] + (" (sharing the CPU cores)" if top.endswith("+cpu") else "")
+    return StepPrediction(step_seconds=sum(windows.values()), phases=dict(ph),
+                          streams={k: sf[k] + sb[k] for k in sf}, windows=windows, bottleneck=bottleneck,
+                          overlaps=overlaps, tokens_per_step=a["tokens"])
+
+
+def resolve_rates(rates):
+    """A MachineRates from itself, a dict of its fields, or a profile's name
+    (``megatrain_nb.engine.rates.PROFILES``, looked up when called)."""
+    from . import rates as rates_mod
+
+    if rates is None or isinstance(rates, rates_mod.MachineRates):
+        return rates
+    if isinstance(rates, dict):
+        return rates_mod.MachineRates.from_dict(rates)
+    if isinstance(rates, str):
+        profiles = getattr(rates_mod, "PROFILES", None)
+        if not profiles:
+            raise ValueError(f"rates={rates!r}: no named machine profiles are installed here "
+                             "(megatrain_nb.engine.rates.PROFILES); pass a MachineRates, e.g. mt.measure_machine()")
+        if rates not in profiles:
+            raise ValueError(f"rates={rates!r} is not a known machine profile; known: {', '.join(sorted(profiles))}")
+        found = profiles[rates]
+        return found if isinstance(found, rates_mod.MachineRates) else rates_mod.MachineRates.from_dict(dict(found))
+    raise TypeError(f"rates={rates!r}: pass a MachineRates, a dict of its fields, a profile name or None")

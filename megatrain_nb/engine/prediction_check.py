@@ -1,0 +1,100 @@
+"""A built engine's prediction and the check of it against the run: ``engine.prediction``,
+``Trainer.prediction``, and the line a run prints when a measured phase is off by more than 25%.
+
+Rates come from, in order: the ones given (``engine.rates = mt.measure_machine()``), else the
+machine's cached measurement (``engine.measure.cached_rates``; it
+measures nothing), else none and the prediction is ``None``. Nothing is measured when an engine
+is built: a measurement takes up to a minute and loads the machine, so it runs only when the
+user asks (``mt.measure_machine()``, ``megatrain-nb machine``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .planner import ModelShape, Workload, engine_window_plan
+from . import measure
+from .prediction import StepPrediction, fmt_seconds, predict_step
+
+#: A measured phase this much off its prediction (either way) is reported.
+OFF_BY = 0.25
+
+
+def cached_rates(device, offload_dir) -> Optional[object]:
+    """This machine's cached MachineRates (``engine.measure.cached_rates``), or None: never measures."""
+    try:
+        return measure.cached_rates(device=device, offload_dir=offload_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def engine_prediction(engine, workload: Optional[Workload] = None, rates=None) -> Optional[StepPrediction]:
+    """The step of ``engine``'s plan for ``workload`` (default: its last step's tokens and
+    micro-batches, clipped; None before its first step), at ``rates`` (default as the module says)."""
+    import torch
+
+    rates = rates or getattr(engine, "rates", None) or cached_rates(str(engine.device), engine.config.offload_dir)
+    if rates is None:
+        return None
+    if workload is None:
+        last = engine.counters.last_step or {}
+        if not last.get("tokens"):
+            return None
+        mb = max(int(last.get("micro_batches") or 1), 1)
+        workload = Workload(batch=1, seq=max(int(last["tokens"]) // mb, 1), accumulation=mb)
+    plan = engine.plan
+    if workload.accumulation > 1:
+        cap = None
+        if engine.device.type == "cuda":
+            cap = torch.cuda.get_device_properties(engine.device).total_memory
+        wp = engine_window_plan(plan, engine.model_config, engine.config, len(engine.layer_units),
+                                tokens=workload.batch * workload.seq, micro_batches=workload.accumulation,
+                                device_capacity=cap)
+        window = dict(wp.to_dict(), tokens_per_weight_fetch=0)
+        plan = type(plan)(**{**plan.to_dict(), "window": window})
+    shape = ModelShape.of(engine.model_config)
+    cache = getattr(engine.disk, "capacity", 0) if engine.disk is not None else 0
+    return predict_step(engine.units, shape, engine.config, plan, workload, rates,
+                        cuda=engine.device.type == "cuda", cache_bytes=cache)
+
+
+def measured_phases(before: dict, after: dict) -> dict:
+    """Seconds per optimizer step between two ``engine.telemetry()`` snapshots: the step, the
+    optimizer's work, the disk's busy time each way, the host->device link's, and the waits."""
+    steps = max(after["steps"] - before["steps"], 1)
+    d = lambda get: (get(after) - get(before)) / steps  # noqa: E731
+    link = lambda name: d(lambda t: t.get("link_seconds", {}).get(name, 0.0))  # noqa: E731
+    out = {"step": d(lambda t: t["step_seconds"]), "optimizer": d(lambda t: t["optimizer_seconds"]),
+           "disk_read": link("disk_to_host"), "disk_write": link("host_to_disk")}
+    out["waits"] = {k: (after["stall_seconds"].get(k, 0.0) - before["stall_seconds"].get(k, 0.0)) / steps
+                    for k in after["stall_seconds"]}
+    return out
+
+
+def difference_line(pred: StepPrediction, measured: dict) -> Optional[str]:
+    """A line when the measured step is more than ``OFF_BY`` off the prediction: by how much, and
+    the phase furthest off (a disk slower than measured, an optimizer slowed by a busy CPU), or None."""
+    step = measured["step"]
+    if pred.step_seconds <= 0 or abs(step / pred.step_seconds - 1) <= OFF_BY:
+        return None
+    expect = {"optimizer": pred.phases["optimizer"] + pred.phases["codec"],
+              "disk_read": pred.phases["disk_read"], "disk_write": pred.phases["disk_write"]}
+    worst, ratio = None, 1.0
+    for name, p in expect.items():
+        m = measured.get(name, 0.0)
+        if p > 0 and m > 0 and abs(m / p - 1) > abs(ratio - 1):
+            worst, ratio = name, m / p
+    line = (f"measured step {fmt_seconds(step)} vs predicted {fmt_seconds(pred.step_seconds)} "
+            f"({step / pred.step_seconds - 1:+.0%})")
+    if worst is not None and abs(ratio - 1) > OFF_BY:
+        why = {"disk_read": "the disk reads slower than its measured rate",
+               "disk_write": "the disk writes slower than its measured rate",
+               "optimizer": "AdamW slower than measured (a busy CPU?)"}[worst]
+        if ratio < 1:
+            why = "faster than its measured rate"
+        line += (f": {worst.replace('_', ' ')} {fmt_seconds(measured[worst])} vs predicted "
+                 f"{fmt_seconds(expect[worst])} ({ratio - 1:+.0%}, {why})")
+    else:
+        waits = {k: v for k, v in measured.get("waits", {}).items() if v > 0.05 * step}
+        line += ("; waits per step: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in waits.items())
+                 if waits else "; no phase stands out: compute slower than its measured rate (a busy CPU?)")
+    return line

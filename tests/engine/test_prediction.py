@@ -1,0 +1,249 @@
+"""The step-time prediction's arithmetic (engine/prediction.py) on made-up rates: nothing is timed.
+
+Each test builds a plan with the engine's own planner for a small made-up model and checks how
+predict_step lays the amounts on the streams: the bound is the slowest overlapped stream, a
+disk twice as fast halves the disk phases, clipping exposes the updates beside the backward,
+few cores add the CPU-bound phases, the bottleneck is named, and estimate / the CLI print it.
+"""
+import math
+
+import pytest
+
+from megatrain_nb.engine.config import EngineConfig
+from megatrain_nb.engine.disk_cache import step_accesses
+from megatrain_nb.engine.planner import ModelShape, UnitSpec, Workload, make_plan
+from megatrain_nb.engine.prediction import StepPrediction, compute_order, predict_step, step_amounts
+from megatrain_nb.engine.rates import MachineRates
+
+H, LAYERS, VOCAB = 256, 4, 1000
+LAYER = 12 * H * H
+UNITS = [UnitSpec("embed", VOCAB * H, "embed")] + [UnitSpec(f"layer{i}", LAYER, "layer") for i in range(LAYERS)] \
+    + [UnitSpec("head", VOCAB * H, "head")]
+SHAPE = ModelShape(H, LAYERS, 4 * H, VOCAB)
+N = sum(u.numel for u in UNITS)
+
+
+def rates(**changes) -> MachineRates:
+    base = dict(device="test", cores=64, h2d_pinned=10e9, d2h_pinned=10e9, h2d_pageable=10e9, d2h_pageable=10e9,
+                matmul_flops=1e12, attention_flops=1e12, disk_read=1e9, disk_write=1e9, adamw_per_thread=1e9,
+                codec_per_thread={"int8": 1e9, "int4": 1e9}, source="made-up")
+    base.update(changes)
+    return MachineRates(**base)
+
+
+def predict(r, *, clipped=False, cuda=True, batch=2, seq=64, accumulation=1, cache=0, **cfg):
+    c = EngineConfig(device="cpu", **cfg)
+    w = Workload(batch=batch, seq=seq, accumulation=accumulation, clipped=clipped,
+                 gradients="held" if clipped else "none")
+    plan = make_plan(UNITS, SHAPE, c, cuda=cuda, workload=w)
+    return predict_step(UNITS, SHAPE, c, plan, w, r, cuda=cuda, cache_bytes=cache), c, plan, w
+
+
+def test_each_window_is_bound_by_its_slowest_stream_plus_the_embeddings_update():
+    p, *_ = predict(rates(disk_read=1e7, disk_write=1e7), offload_dir="/nowhere", offload_params=True)
+    assert p.bottleneck == "disk"
+    ph, f = p.phases, _f_share()
+    disk = ph["disk_read"] + ph["disk_write"]
+    opt = max(ph["optimizer"], ph["codec"] / 2)
+    assert disk * f > max(ph["forward"], ph["h2d"] * f)
+    assert disk * (1 - f) > max(ph["backward"] + ph["recompute"], ph["h2d"] * (1 - f), ph["d2h"], opt)
+    first = opt * UNITS[0].numel / N
+    assert p.windows == pytest.approx({"forward": disk * f, "backward + updates": disk * (1 - f),
+                                       "exposed update": first})
+    assert p.step_seconds == pytest.approx(disk + first)
+
+
+def _f_share():
+    """The forward's share of the step's loads (embedding, head, layers; then the layers again)."""
+    forward = 2 * VOCAB * H + LAYERS * LAYER
+    return forward / (forward + LAYERS * LAYER)
+
+
+def test_flops_and_link_bytes_follow_the_schedule():
+    p, c, plan, w = predict(rates(), batch=2, seq=64)
+    tokens = 2 * 64
+    mm = LAYERS * LAYER + VOCAB * H
+    assert p.tokens_per_step == tokens
+    attn = 2.0 * 2 * 64 ** 2 * H * LAYERS
+    assert p.phases["forward"] == pytest.approx((2 * mm * tokens + attn) / 1e12)
+    assert p.phases["backward"] == pytest.approx((4 * mm * tokens + 2 * attn) / 1e12)
+    # checkpoint interval 1: every layer's forward runs again in the backward
+    assert p.phases["recompute"] == pytest.approx((2 * LAYERS * LAYER * tokens + attn) / 1e12)
+    # each load in the compute order (embedding, head, layers, then the layers again) in fp32
+    assert p.bytes["h2d"] == 4 * (2 * VOCAB * H + 2 * LAYERS * LAYER)
+    assert p.bytes["d2h"] == 4 * N
+
+
+def test_a_disk_twice_as_fast_halves_the_disk_phases():
+    slow, *_ = predict(rates(), offload_dir="/nowhere", offload_params=True)
+    fast, *_ = predict(rates(disk_read=2e9, disk_write=2e9), offload_dir="/nowhere", offload_params=True)
+    assert slow.phases["disk_read"] > 0 and slow.phases["disk_write"] > 0
+    assert fast.phases["disk_read"] == pytest.approx(slow.phases["disk_read"] / 2)
+    assert fast.phases["disk_write"] == pytest.approx(slow.phases["disk_write"] / 2)
+
+
+def test_disk_bytes_without_a_cache_are_the_schedules_accesses_and_a_cache_saves_them():
+    p, c, plan, w = predict(rates(), offload_dir="/nowhere", offload_params=True, optimizer_compression="int8")
+    a = step_amounts(UNITS, SHAPE, c, plan, w, cuda=True, cache_bytes=0)
+    assert a["disk"]["read"] == a["disk"]["raw_read"] and a["disk"]["write"] == a["disk"]["raw_write"]
+    from megatrain_nb.engine.planner import codec_bytes_per_param
+    from megatrain_nb.engine.prediction import _specs
+    specs, per = _specs(UNITS), codec_bytes_per_param("int8")
+    seq = step_accesses(compute_order(specs, 1), [specs[0], specs[-1]] + specs[1:-1], clipped=False,
+                        params_on_disk=True, state_key=lambda u: f"s{u.index}", state_nbytes=lambda u: int(per * u.numel))
+    assert p.bytes["disk_read"] == sum(b for _, op, b in seq if op == "R")
+    cached, *_ = predict(rates(), offload_dir="/nowhere", offload_params=True, optimizer_compression="int8",
+                         cache=10 * 4 * N)
+    assert cached.bytes["disk_read"] == 0 and cached.bytes["disk_write"] == 0
+
+
+def test_with_clipping_the_updates_overlap_only_the_forward():
+    r = rates(adamw_per_thread=2e6)   # a slow optimizer: ~1.3 s per step
+    free, *_ = predict(r, clipped=False)
+    clip, *_ = predict(r, clipped=True)
+    ph, f = clip.phases, _f_share()
+    opt = ph["optimizer"]
+    forward = max(ph["forward"], ph["h2d"] * f)
+    backward = max(ph["backward"] + ph["recompute"], ph["d2h"], ph["h2d"] * (1 - f))
+    assert opt > 10 * (forward + backward)
+    # clipped: the updates wait for the norm and fill the next forward's window; the backward runs alone
+    assert clip.windows == pytest.approx({"forward + updates": opt, "backward": backward})
+    assert clip.step_seconds == pytest.approx(opt + backward)
+    # unclipped: they run beside the backward; the forward alone, then the embedding's update exposed
+    first = opt * UNITS[0].numel / N
+    assert free.windows == pytest.approx({"forward": forward, "backward + updates": opt, "exposed update": first})
+    assert clip.bottleneck == free.bottleneck == "optimizer"
+
+
+def test_few_cores_add_the_cpu_phases_many_overlap_them():
+    slow_opt = dict(adamw_per_thread=2e7)
+    one, *_ = predict(rates(cores=1, **slow_opt), cuda=False)
+    many, *_ = predict(rates(cores=1000, **slow_opt), cuda=False)
+    ph, f = one.phases, _f_share()
+    compute = ph["forward"] + ph["backward"] + ph["recompute"]
+    copies, opt = ph["h2d"] + ph["d2h"], ph["optimizer"]
+    first = opt * UNITS[0].numel / N
+    # one core: the compute, AdamW and the copies take turns
+    assert one.step_seconds == pytest.approx(compute + opt + copies + first)
+    assert "sharing the CPU cores" in one.bottleneck
+    # plenty of cores: AdamW runs beside the backward, the slower bounds the window
+    bwd = ph["backward"] + ph["recompute"]
+    assert many.windows["backward + updates"] == pytest.approx(max(bwd + (opt + copies * (1 - f)) / 1000, opt))
+    assert many.step_seconds < one.step_seconds
+
+
+@pytest.mark.parametrize("changes, expect", [
+    (dict(adamw_per_thread=1e5), "optimizer"),
+    (dict(h2d_pinned=1e6), "host->device"),
+    (dict(d2h_pinned=1e6), "device->host"),
+    (dict(matmul_flops=1e9, attention_flops=1e9), "compute"),
+])
+def test_the_bottleneck_is_named(changes, expect):
+    p, *_ = predict(rates(**changes))
+    assert p.bottleneck == expect
+
+
+def test_tokens_per_second_and_the_run():
+    p, *_ = predict(rates(), batch=2, seq=64, accumulation=3)
+    assert p.tokens_per_step == 2 * 64 * 3
+    assert p.tokens_per_second == pytest.approx(p.tokens_per_step / p.step_seconds)
+    assert p.run_seconds(100) == pytest.approx(100 * p.step_seconds)
+    assert p.seconds_per_billion_tokens() == pytest.approx(1e9 / p.tokens_per_second)
+    assert isinstance(p, StepPrediction) and "predicted step" in str(p)
+
+
+def test_a_rate_not_measured_is_named_not_guessed():
+    p, *_ = predict(rates(adamw_per_thread=0.0))
+    assert p.phases["optimizer"] == 0.0
+    assert any("adamw_per_thread" in n for n in p.notes)
+    assert math.isfinite(p.step_seconds)
+
+
+def test_estimate_prints_the_time_and_the_fastest_plans():
+    import megatrain_nb as mt
+
+    est = mt.estimate("micro", vram_gb=8, ram_gb=16, disk_gb=100, seq=256, accumulation=4, rates=rates(),
+                      checkpoint_interval=None)
+    text = str(est)
+    assert est.step_seconds == est.prediction.step_seconds > 0
+    assert est.tokens_per_second == pytest.approx(256 * 4 / est.step_seconds)
+    assert est.run_seconds(10) == pytest.approx(10 * est.step_seconds)
+    assert set(est.phases) >= {"forward", "backward", "recompute", "h2d", "d2h", "disk_read", "disk_write",
+                               "optimizer", "codec"}
+    assert "per step" in text and "per 1B tokens" in text and f"bottleneck: {est.bottleneck}" in text
+    assert 1 <= len(est.best) <= 3 and "fastest plans within the budgets" in text
+    times = [pc.prediction.step_seconds for pc in est.best]
+    assert times == sorted(times) and all(pc.plan.feasible for pc in est.best)
+    assert "per 1B tokens" in est._repr_html_() and est.to_dict()["prediction"]["step_seconds"] == est.step_seconds
+    with pytest.raises(ValueError, match="no rates were given"):
+        mt.estimate("micro", vram_gb=8, ram_gb=16, disk_gb=100).step_seconds
+
+
+def test_cli_estimate_profile(capsys, monkeypatch):
+    from megatrain_nb.cli import main
+    from megatrain_nb.engine import rates as rates_mod
+
+    monkeypatch.setattr(rates_mod, "PROFILES", {"test-box": rates()}, raising=False)
+    assert main(["estimate", "micro", "--vram", "8", "--ram", "16", "--disk", "100", "--profile", "test-box"]) == 0
+    out = capsys.readouterr().out
+    assert "per step" in out and "per 1B tokens" in out and "[rates: made-up]" in out
+    assert main(["estimate", "micro", "--ram", "16", "--disk", "100", "--profile", "no-such-box"]) != 0
+    err = capsys.readouterr().err
+    assert "no-such-box" in err and "test-box" in err
+
+
+def _tiny_trainer(tmp_path, **engine):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+    import megatrain_nb as mt
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    data = [{"input_ids": list(range(i, i + 32))} for i in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=2, disable_tqdm=True, report_to=[],
+                             save_strategy="no")
+    return mt.Trainer(model=AutoModelForCausalLM.from_config(cfg), train_dataset=data, args=args, seq_len=32,
+                      device="cpu", **engine)
+
+
+def test_a_trainers_prediction_is_its_plans_and_the_header_shows_it(tmp_path, monkeypatch):
+    import io
+
+    from megatrain_nb.cli.report import print_header
+    from megatrain_nb.engine import prediction_check
+
+    monkeypatch.setattr(prediction_check, "cached_rates", lambda device, offload_dir: None)
+
+    tr = _tiny_trainer(tmp_path, offload_dir=str(tmp_path / "disk"), optimizer_compression="int8")
+    try:
+        assert tr.prediction is None   # no rates given, none cached: nothing is measured
+        assert tr.engine.prediction is None
+        tr.engine.rates = rates()
+        p = tr.prediction
+        assert p.tokens_per_step == 2 * 32 * 2
+        assert "forward + updates" in p.windows   # TrainingArguments clips by default
+        # the plan the engine built: its states on the disk tier (int8 codes), its window of 2
+        e = tr.engine
+        assert e.plan.placement["optimizer_states"] == "disk"
+        w = Workload(batch=2, seq=32, accumulation=2, clipped=True)
+        assert prediction_check.engine_prediction(e, w).step_seconds == p.step_seconds
+        out = io.StringIO()
+        print_header(tr, model="tiny", data="16 rows", out=out)
+        assert "time:   predicted" in out.getvalue() and f"bottleneck: {p.bottleneck}" in out.getvalue()
+    finally:
+        tr.close()
+
+
+def test_a_step_off_by_more_than_a_quarter_is_reported_with_its_phase():
+    from megatrain_nb.engine.prediction_check import difference_line
+
+    p, *_ = predict(rates(disk_read=1e7, disk_write=1e7), offload_dir="/nowhere", offload_params=True)
+    close = {"step": p.step_seconds * 1.2, "disk_read": p.phases["disk_read"], "waits": {}}
+    assert difference_line(p, close) is None
+    slow = {"step": p.step_seconds * 2, "disk_read": p.phases["disk_read"] * 3, "disk_write": p.phases["disk_write"],
+            "optimizer": 0.0, "waits": {"disk": 1.0}}
+    line = difference_line(p, slow)
+    assert "+100%" in line and "disk read" in line and "+200%" in line and "slower than its measured rate" in line

@@ -247,3 +247,26 @@ def test_a_step_off_by_more_than_a_quarter_is_reported_with_its_phase():
             "optimizer": 0.0, "waits": {"disk": 1.0}}
     line = difference_line(p, slow)
     assert "+100%" in line and "disk read" in line and "+200%" in line and "slower than its measured rate" in line
+
+
+def test_a_built_trainer_reads_the_rates_measure_machine_cached(tmp_path, monkeypatch):
+    """measure_machine's cache for this device and the disk tier's filesystem is what a built run's
+    .prediction reads (engine.measure.cached_rates): nothing measured when the trainer is built."""
+    from megatrain_nb.engine import measure
+
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(tmp_path / "cache"))
+    made = rates()
+    calls = []
+    monkeypatch.setattr(measure, "_measure_all", lambda *a, **k: calls.append(a) or made)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert measure.cached_rates("cpu", str(disk)) is None
+    measure.measure_machine(device="cpu", offload_dir=str(disk))
+    assert len(calls) == 1 and measure.cached_rates("cpu", str(disk)) == made
+    assert measure.cached_rates("cpu", str(disk / "not-made-yet")) == made   # its parent's filesystem
+    tr = _tiny_trainer(tmp_path, offload_dir=str(disk))
+    try:
+        p = tr.prediction
+        assert p is not None and p.step_seconds > 0 and len(calls) == 1
+    finally:
+        tr.close()

@@ -75,8 +75,8 @@ class ThreadRun:
         it = None
         outcome = "finished"
         try:
-            if self.engine is not None:   # the dashboard reads layer statistics after every step:
-                self.engine.layer_stats()  # the engine gathers them once asked, so from step 1
+            if hasattr(self.trainer, "gather_layer_stats"):   # the dashboard's layer statistics: each
+                self.trainer.gather_layer_stats()               # step's record carries them, from step 1
             self.explorer.activate()   # branches sharing the engine: this one's state in it
             stopped_early = self._hook_reference_pass()   # a DPO reference pass: pause / stop reach it too
             if hasattr(self.trainer, "recovery_hooks"):   # on_nonfinite="rewind": the tree hears of each
@@ -129,8 +129,7 @@ class ThreadRun:
         return stopped_early
 
     def _on_record(self, record: dict) -> None:
-        engine = self.engine
-        stats = engine.layer_stats() if engine is not None else None
+        stats = record.pop("layer_stats", None)   # (the dashboard's; not a field of the step's record)
         if stats:
             self.status.log.add_layer_stats(int(record.get("step", 0) or 0), list(stats))
         self.status.log.add_record(record)

@@ -269,6 +269,15 @@ class StreamingEngine:
         is on: they cost the optimizer two passes per unit). A step's come with its EngineOutput."""
         return [self.adam.stats[u.index] for u in self.units if u.index in self.adam.stats]
 
+    @property
+    def weight_decay(self) -> float:
+        """The decoupled weight decay of every weight matrix (:meth:`set_weight_decay` changes it)."""
+        return float(self.adam.weight_decay)
+
+    def set_weight_decay(self, value: float) -> None:
+        """The weight decay from the next update (a branch's own, set when it trains again)."""
+        self.adam.weight_decay = check("weight_decay", value, "set_weight_decay(value)")
+
     def gather_layer_stats(self, on: bool = True) -> None:
         """Switch ``EngineConfig.layer_stats`` on (or off) from the next optimizer step."""
         with self.lock:

@@ -424,7 +424,7 @@ class Explorer:
 
     def engine_weight_decay(self) -> float:
         if self.weight_decay is None:
-            self.weight_decay = float(self.trainer.engine.adam.weight_decay)
+            self.weight_decay = float(self.trainer.weight_decay)
         return self.weight_decay
 
     # ---- one branch trains at a time -------------------------------------------------------------
@@ -433,7 +433,7 @@ class Explorer:
         branch that holds it now is paused at its step boundary and snapshotted first. A
         side-by-side branch holds an engine of its own: nothing to switch."""
         if self.own_engine:
-            self.trainer.engine.adam.weight_decay = self.engine_weight_decay()
+            self.trainer.set_weight_decay(self.engine_weight_decay())
             return
         g = self.group
         with g.switch:
@@ -445,7 +445,7 @@ class Explorer:
             if cur is not None and cur.session is not None and not cur.session.released:
                 cur.switch_out(by=self.session.name)
             self.engine_weight_decay()
-            self.trainer.engine.adam.weight_decay = self.weight_decay
+            self.trainer.set_weight_decay(self.weight_decay)
             with g.lock:
                 g.active = self
             if self.switched_out is not None:   # it trained before: back to where it was
@@ -506,7 +506,7 @@ class Explorer:
                 cur.switch_out(by=s.name, reading=True)
             path = self.switched_out
             self.trainer.engine.load_checkpoint(path)
-            self.trainer.engine.adam.weight_decay = self.engine_weight_decay()
+            self.trainer.set_weight_decay(self.engine_weight_decay())
             with g.lock:
                 g.active = self
             self._back_from(path)

@@ -250,6 +250,15 @@ class Trainer:
         """Make :meth:`iter_steps` return after the current optimizer step."""
         self._stop = True
 
+    @property
+    def weight_decay(self) -> float:
+        """The engine's decoupled weight decay (:meth:`set_weight_decay` changes it)."""
+        return self._engine.weight_decay
+
+    def set_weight_decay(self, value: float) -> None:
+        """The weight decay from the next optimizer step (a branch's own: ``notebook/branches.py``)."""
+        self._engine.set_weight_decay(value)
+
     def gather_layer_stats(self, on: bool = True) -> None:
         """Each step's record carries the engine's per-unit statistics (``record["layer_stats"]``,
         never written to metrics.jsonl) from the next step: ``EngineConfig.layer_stats``."""

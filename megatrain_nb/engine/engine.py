@@ -266,23 +266,20 @@ class StreamingEngine:
 
     def layer_stats(self) -> List[dict]:
         """Per-unit statistics of each unit's latest update ([] unless ``EngineConfig.layer_stats``
-        is on: they cost the optimizer two passes per unit). A step's come with its EngineOutput."""
+        is on, or :meth:`configure` switched it on: they cost the optimizer two passes per unit).
+        A step's come with its EngineOutput."""
         return [self.adam.stats[u.index] for u in self.units if u.index in self.adam.stats]
 
-    @property
-    def weight_decay(self) -> float:
-        """The decoupled weight decay of every weight matrix (:meth:`set_weight_decay` changes it)."""
-        return float(self.adam.weight_decay)
-
-    def set_weight_decay(self, value: float) -> None:
-        """The weight decay from the next update (a branch's own, set when it trains again)."""
-        self.adam.weight_decay = check("weight_decay", value, "set_weight_decay(value)")
-
-    def gather_layer_stats(self, on: bool = True) -> None:
-        """Switch ``EngineConfig.layer_stats`` on (or off) from the next optimizer step."""
+    def configure(self, **changes) -> None:
+        """Change what may change between two optimizer steps, from the next one: ``layer_stats``
+        (switch the statistics on or off) and ``weight_decay`` (a branch's own). Checked as
+        :class:`EngineConfig` checks them; ``self.config`` says what holds."""
+        if set(changes) - _LIVE:
+            raise ValueError(f"configure() changes only {', '.join(sorted(_LIVE))} between steps, not "
+                             f"{', '.join(sorted(set(changes) - _LIVE))}; build a new engine for the others")
         with self.lock:
-            self.config = self.config.replace(layer_stats=bool(on))
-            self.adam.collect_stats = bool(on)
+            self.config = self.config.replace(**changes)
+            self.adam.collect_stats, self.adam.weight_decay = self.config.layer_stats, self.config.weight_decay
 
     def unit_names(self) -> List[str]:
         return [u.name for u in self.units]
@@ -478,6 +475,10 @@ class StreamingEngine:
         disk = getattr(self, "disk", None)
         if disk is not None:
             disk.abandon()
+
+
+#: the settings configure() changes between steps
+_LIVE = frozenset({"layer_stats", "weight_decay"})
 
 
 def _folder_stamp(path: str) -> Optional[tuple]:

@@ -253,16 +253,16 @@ class Trainer:
     @property
     def weight_decay(self) -> float:
         """The engine's decoupled weight decay (:meth:`set_weight_decay` changes it)."""
-        return self._engine.weight_decay
+        return float(self._engine.config.weight_decay)
 
     def set_weight_decay(self, value: float) -> None:
         """The weight decay from the next optimizer step (a branch's own: ``notebook/branches.py``)."""
-        self._engine.set_weight_decay(value)
+        self._engine.configure(weight_decay=value)   # (checked by EngineConfig, as at the start)
 
     def gather_layer_stats(self, on: bool = True) -> None:
         """Each step's record carries the engine's per-unit statistics (``record["layer_stats"]``,
         never written to metrics.jsonl) from the next step: ``EngineConfig.layer_stats``."""
-        self._engine.gather_layer_stats(on)
+        self._engine.configure(layer_stats=bool(on))
 
     # ------------------------------------------------------------------ the loop
     def iter_steps(self, resume_from_checkpoint=None) -> Iterator[dict]:

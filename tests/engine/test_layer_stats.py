@@ -26,7 +26,7 @@ def test_layer_stats_gathered_when_switched_on_and_training_unchanged(clip):
     assert out.layer_stats is None and out.memory["device"] and "bytes" in out.telemetry   # the whole step
     assert a.forward_backward(ids).memory is None   # a call that does not end a step: nothing to report
     a.zero_grad()
-    a.gather_layer_stats()   # the config's switch, from the next step
+    a.configure(layer_stats=True)   # the config's switch, from the next step
     assert a.config.layer_stats is True
     out = a.forward_backward(ids, step_lr=1e-3, max_grad_norm=clip)
     b.forward_backward(ids, step_lr=1e-3, max_grad_norm=clip)
@@ -54,6 +54,13 @@ def test_the_config_switches_layer_stats_on_from_the_first_step():
     assert [s["unit"] for s in e.layer_stats()] == e.unit_names() and out.layer_stats is not None
     with pytest.raises(ValueError, match="layer_stats"):
         EngineConfig(device="cpu", layer_stats="yes")
+    e.configure(weight_decay=0.25)   # a branch's own weight decay, from the next step
+    assert e.adam.weight_decay == 0.25 == e.config.weight_decay
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        e.configure(weight_decay=-1)
+    with pytest.raises(ValueError, match="configure\\(\\) changes only layer_stats, weight_decay"):
+        e.configure(precision="bf16")
+    assert e.adam.weight_decay == 0.25 and e.config.precision == "fp32"
     e.close()
 
 

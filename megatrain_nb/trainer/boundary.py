@@ -88,11 +88,11 @@ class BoundaryControl:
             "rewind": self._explore, "fork": self._explore}
 
     # ---- in: checked once, queued -------------------------------------------------------------
-    def request(self, kind: Any, value: Any = None, *, source: str = "lab", command_id: Optional[str] = None,
-                ranks: bool = True) -> Order:
-        """Queue ``kind`` (``value`` checked by the table; ``ranks``: only what the ranks apply)
-        for the next step boundary; :class:`~megatrain_nb.commands.CommandError` if refused."""
-        kind, value = check_command(kind, value, ranks=ranks)
+    def request(self, kind: Any, value: Any = None, *, source: str = "lab",
+                command_id: Optional[str] = None) -> Order:
+        """Queue ``kind`` (one of what the ranks apply; ``value`` checked by the table) for the
+        next step boundary; :class:`~megatrain_nb.commands.CommandError` if refused."""
+        kind, value = check_command(kind, value, ranks=True)
         order = Order(kind, value, source, id=command_id)
         self.orders.put(order)
         return order

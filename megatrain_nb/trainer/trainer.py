@@ -259,6 +259,16 @@ class Trainer:
         """The weight decay from the next optimizer step (a branch's own: ``notebook/branches.py``)."""
         self._engine.configure(weight_decay=value)   # (checked by EngineConfig, as at the start)
 
+    def load_engine_state(self, path, *, verify: bool = True) -> None:
+        """The weights and optimizer states of the checkpoint or snapshot at ``path`` (a branch's
+        rewind or switch, between steps; its data position and schedule are the caller's)."""
+        self._engine.load_checkpoint(path, verify=verify)
+
+    def verify_whole(self, path) -> None:
+        """Check the checkpoint or snapshot at ``path`` whole before anything changes
+        (``saving.verify_whole``: manifest, the engine's linked files, the state file)."""
+        saving.verify_whole(Path(path), self._engine, self.dist)
+
     def gather_layer_stats(self, on: bool = True) -> None:
         """Each step's record carries the engine's per-unit statistics (``record["layer_stats"]``,
         never written to metrics.jsonl) from the next step: ``EngineConfig.layer_stats``."""

@@ -236,21 +236,25 @@ LR_TEXT = ["x", "nan", "inf", "-inf", "1" + "0" * 400, "-1", "0", "11", "[1]"]
 def test_commands_refuse_bad_values(command, name):
     """The Python call, the sidebar's check (server and beacon) and the ranks' inbox."""
     from megatrain_nb.commands import CommandError, check_command
-    from megatrain_nb.lab.beacon import validate_run_command
-    from megatrain_nb.lab.protocol import validate_command
 
-    doors = [check_command, validate_run_command] + ([validate_command] if command == "lr" else [])
+    doors = [{}, {"ranks": True}] + ([{"sidebar": True}] if command == "lr" else [])
     for label, value in bad_values(name):
         for door in doors:
             with pytest.raises(CommandError) as e:
-                door(command, value)
+                check_command(command, value, **door)
             refused_with_the_rule(name, str(e.value))
 
 
 class _Untouchable:
-    """A session the magics must not reach: a refused value applies nothing."""
+    """A session whose controls the magics must not reach: a refused value applies nothing
+    (its one door, Session.command, checks the value by the table before anything else)."""
     name = "s"
     step = 0
+
+    def command(self, *args, **kw):
+        from megatrain_nb.notebook.session import Session
+
+        return Session.command(self, *args, **kw)
 
     def __getattr__(self, item):
         raise AssertionError(f"the magic reached session.{item} with a refused value")

@@ -1,6 +1,6 @@
 /**
  * Commands the sidebar can send (those megatrain_nb/commands.py marks `sidebar`): validation
- * that mirrors the server's (megatrain_nb/lab/protocol.py validate_command), which controls a
+ * that mirrors the server's (megatrain_nb/commands.py check_command(sidebar=True)), which controls a
  * state allows, and tracking of a command between the click and the heartbeat that shows its
  * outcome.
  */

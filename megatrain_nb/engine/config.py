@@ -144,6 +144,10 @@ class EngineConfig:
     max_window_micro_batches: Optional[int] = None
     """Cap on the micro-batches one layer-major pass runs (None: as many as fit); a larger window
     is split into groups, each layer then crossing to the device 2 x groups times per step."""
+    layer_stats: bool = False
+    """Gather per-unit statistics at every optimizer step (weight, gradient and update norms, a
+    histogram: two more passes per unit in the optimizer), returned with the step's
+    ``EngineOutput.layer_stats``; a Session switches them on for its dashboard."""
     overrides: Union[EngineOverrides, dict, None] = None
     """Planner and test settings (:class:`EngineOverrides`); None = the defaults."""
 
@@ -166,6 +170,8 @@ class EngineConfig:
         check_policy(self.on_nonfinite)
         check_recovery(self)
         self.overrides = EngineOverrides.of(self.overrides)
+        if not isinstance(self.layer_stats, bool):
+            raise ValueError(f"EngineConfig.layer_stats={self.layer_stats!r}: must be True or False")
         if self.offload_dir is not None:
             self.offload_dir = os.fspath(self.offload_dir)
         if self.clip_hold == "disk" and not self.offload_dir:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -31,6 +30,7 @@ from .dist import resolve_dist
 from .family import max_positions, vocab_size
 from .inputs import prepare_batch, window_batches
 from .materialize import SafetensorsSource
+from .outcome import EngineOutput
 from .memory import memory_report
 from .parts import build_parts
 from .planner import WindowPlan
@@ -39,14 +39,6 @@ from .telemetry import Telemetry
 from .units import Unit, check_supported
 from .window import plan_for
 from .. import threads as thread_registry
-
-
-@dataclass
-class EngineOutput:
-    loss: float
-    num_tokens: int
-    grad_norm: Optional[float] = None   # with step_lr and max_grad_norm: the norm before clipping
-    skipped: bool = False               # the step was not applied (non-finite, on_nonfinite='skip')
 
 
 class StreamingEngine:
@@ -87,6 +79,7 @@ class StreamingEngine:
         self.checkpoint_interval = self.plan.checkpoint_interval
         self.memory_peaks = {"host": 0, "disk": 0}   # memory_report's peaks across calls
         self.rates = None   # MachineRates for .prediction (None: the machine's cached ones, if any)
+        self.adam.collect_stats = bool(config.layer_stats)
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":
@@ -205,7 +198,11 @@ class StreamingEngine:
 
     def _train(self, batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
         loss, n, norm, skipped = self.steps.run(batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
-        return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
+        if step_lr is None:   # the step goes on (or is the caller's): nothing of a whole step to report yet
+            return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
+        return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped, memory=self.memory_report(),
+                            telemetry=self.telemetry(),
+                            layer_stats=self.layer_stats() if self.config.layer_stats else None)
 
     def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None, position_ids=None) -> EngineOutput:
         """Loss of a batch without gradients."""
@@ -278,11 +275,21 @@ class StreamingEngine:
             self.store.zero_grad()
 
     def layer_stats(self) -> List[dict]:
-        """Per-unit statistics gathered during the last optimizer step. They cost the optimizer
-        two passes per unit, so they are gathered only once asked for: the first call turns
-        gathering on (from the next step; the dashboard asks after every step)."""
-        self.adam.collect_stats = True
+        """Per-unit statistics of each unit's latest update ([] unless ``EngineConfig.layer_stats``
+        is on, or :meth:`configure` switched it on: they cost the optimizer two passes per unit).
+        A step's come with its EngineOutput."""
         return [self.adam.stats[u.index] for u in self.units if u.index in self.adam.stats]
+
+    def configure(self, **changes) -> None:
+        """Change what may change between two optimizer steps, from the next one: ``layer_stats``
+        (switch the statistics on or off) and ``weight_decay`` (a branch's own). Checked as
+        :class:`EngineConfig` checks them; ``self.config`` says what holds."""
+        if set(changes) - _LIVE:
+            raise ValueError(f"configure() changes only {', '.join(sorted(_LIVE))} between steps, not "
+                             f"{', '.join(sorted(set(changes) - _LIVE))}; build a new engine for the others")
+        with self.lock:
+            self.config = self.config.replace(**changes)
+            self.adam.collect_stats, self.adam.weight_decay = self.config.layer_stats, self.config.weight_decay
 
     def unit_names(self) -> List[str]:
         return [u.name for u in self.units]
@@ -479,6 +486,10 @@ class StreamingEngine:
         disk = getattr(self, "disk", None)
         if disk is not None:
             disk.abandon()
+
+
+#: the settings configure() changes between steps
+_LIVE = frozenset({"layer_stats", "weight_decay"})
 
 
 def _folder_stamp(path: str) -> Optional[tuple]:

@@ -1,5 +1,7 @@
-"""StepOutcome: what the last optimizer step came to -- its global norm, whether it was
-skipped, and a failure not yet reported.
+"""EngineOutput: what one call of ``forward_backward`` returns -- for a call that ends an
+optimizer step, the whole step (loss, tokens, norm, skipped, memory, telemetry, layer
+statistics); StepOutcome: what the last optimizer step came to -- its global norm, whether it
+was skipped, and a failure not yet reported.
 
 Written only by the update modules (:mod:`.intake` records the norm and the skip decision,
 :mod:`.update_runner` a failed update); the engine reads it (``engine.updates.outcome``) and
@@ -8,6 +10,7 @@ reports a failure through :meth:`check` / :meth:`check_intact`.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Optional
 
 from . import finite
@@ -22,6 +25,23 @@ class TornLoad(RuntimeError):
         super().__init__(f"loading {path!r} failed part way ({type(cause).__name__}: {cause}), so the engine "
                          "holds a mixture of that state and the one before. Load a checkpoint or snapshot that "
                          "checks (load_checkpoint(), Session.rewind()) before training, saving or reading weights")
+
+
+@dataclass
+class EngineOutput:
+    """One ``forward_backward`` call. With ``step_lr`` (the call ends the optimizer step) it
+    carries all a step's record needs, so nobody goes back into the engine for it: ``memory``
+    (``memory_report()``), ``telemetry`` (``telemetry()``) and, when ``EngineConfig.layer_stats``
+    is on, ``layer_stats`` (each unit's latest update; with clipping a unit whose update still
+    runs in the worker has the step before's). None on a call that does not end a step."""
+
+    loss: float
+    num_tokens: int
+    grad_norm: Optional[float] = None   # with step_lr and max_grad_norm: the norm before clipping
+    skipped: bool = False               # the step was not applied (non-finite, on_nonfinite='skip')
+    memory: Optional[dict] = None
+    telemetry: Optional[dict] = None
+    layer_stats: Optional[list] = None
 
 
 class StepOutcome:

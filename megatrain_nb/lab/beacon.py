@@ -9,13 +9,15 @@
 
 A daemon thread rewrites ``sessions/<id>.json`` every ``interval`` seconds from the
 session's public attributes (``name, id, state, step, total_steps, history``) and polls
-``sessions/<id>.inbox/`` every ``poll`` seconds. A command found there is applied through
-the session's public methods (``pause``, ``resume``, ``stop``, ``set_lr``) so that it is
-recorded as an event exactly like a notebook control; the heartbeat is rewritten right
-after, so the sidebar sees the result on its next poll.
+``sessions/<id>.inbox/`` every ``poll`` seconds. A command found there goes to the session's
+one door, ``session.command(name, value, source=..., command_id=...)`` (a notebook Session,
+or the ranks' run control, ``trainer/control.py``), which checks it by the command table and
+queues it for the step-boundary controller (``trainer/boundary.py``), so that it is recorded
+as an event exactly like a notebook control; the heartbeat is rewritten right after, so the
+sidebar sees the result on its next poll.
 
-The session's methods must only *request* the change (the trainer applies it at the next
-step boundary); they are called from this thread and must not block on the training thread.
+``command`` must only *request* the change (it applies at the next step boundary); it is
+called from this thread and must not block on the training thread.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import atexit
 import collections
 import hashlib
-import inspect
 import logging
 import os
 import re
@@ -36,7 +37,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from megatrain_nb.commands import COMMANDS, check_command
 from megatrain_nb.threads import BEACON, thread_name
 from megatrain_nb.lab.protocol import (
     SCHEMA_VERSION,
@@ -50,7 +50,6 @@ from megatrain_nb.lab.protocol import (
     make_private_dir,
     read_command_file,
     runtime_root,
-    validate_command,
 )
 
 log = logging.getLogger(__name__)
@@ -79,6 +78,7 @@ class SessionBeacon:
         interval: float = 0.25,
         poll: float = 0.2,
         root: str | Path | None = None,
+        kernel_id: str | None = None,
     ) -> None:
         if interval <= 0 or poll <= 0:
             raise ValueError("interval and poll must be > 0 seconds")
@@ -87,7 +87,7 @@ class SessionBeacon:
         self.poll = float(poll)
         self.root = Path(root) if root is not None else runtime_root()
         self.id = _session_id(session)
-        self.kernel_id = current_kernel_id()
+        self.kernel_id = kernel_id or current_kernel_id()   # (ranks: the kernel that launched them)
         self.started = time.time()
         self.last_command: dict[str, Any] | None = None
         #: the latest refused commands (each also in the log), shown in the heartbeat
@@ -305,43 +305,8 @@ class SessionBeacon:
         self.last_command = clean_json(record)
 
     def _call(self, command_id: str, command: Any, value: Any, record: dict) -> None:
-        command, value = validate_command(command, value)
         record.update(command=command, value=value)
-        fn = getattr(self.session, COMMANDS[command].method)
-        args = () if COMMANDS[command].value == "none" or (command == "stop" and not value) else (value,)
-        if _accepts_kwarg(fn, "source"):
-            fn(*args, source=record["source"])
-        else:
-            fn(*args)
-
-
-class ControlBeacon(SessionBeacon):
-    """The beacon of a run trained by several ranks (``trainer/control.py``), on rank 0.
-
-    Besides the sidebar's four commands it takes ``{"command": "checkpoint", "value": path or
-    null}`` and ``stop`` with a checkpoint value, which only a controller Session sends, and
-    passes each command's id along, so the event that records it can be matched.
-    ``kernel_id``: the notebook kernel that launched the ranks (the sidebar links the run to it).
-    """
-
-    def __init__(self, session: Any, *, kernel_id: str | None = None, **kw: Any) -> None:
-        super().__init__(session, **kw)
-        if kernel_id is not None:
-            self.kernel_id = kernel_id
-
-    def _call(self, command_id: str, command: Any, value: Any, record: dict) -> None:
-        command, value = validate_run_command(command, value)
-        record.update(command=command, value=value)
-        fn = getattr(self.session, COMMANDS[command].method)
-        args = () if COMMANDS[command].value == "none" or (command == "stop" and not value) else (value,)
-        fn(*args, source=record["source"], command_id=command_id)
-
-
-def validate_run_command(command: Any, value: Any = None) -> tuple[str, Any]:
-    """:func:`validate_command` plus ``checkpoint`` (value: a path string or None) and ``stop``
-    with a checkpoint value (True or a path): every command :mod:`megatrain_nb.commands` marks
-    ``ranks`` (what the ranks' run control applies)."""
-    return check_command(command, value, ranks=True)
+        self.session.command(command, value, source=record["source"], command_id=command_id)
 
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -424,14 +389,6 @@ def _memory_summary(memory: Any) -> dict[str, Any] | None:
             if isinstance(v, (int, float, str, dict)) or v is None
         }
     return out or None
-
-
-def _accepts_kwarg(fn: Any, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _unlink(path: Path) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from megatrain_nb.atomic import atomic_file
 from megatrain_nb.commands import COMMANDS as _TABLE
-from megatrain_nb.commands import SIDEBAR, CommandError, check_command  # noqa: F401 - CommandError re-exported
+from megatrain_nb.commands import SIDEBAR, CommandError  # noqa: F401 - CommandError re-exported
 
 ENV_RUNTIME_DIR = "MEGATRAIN_NB_RUNTIME_DIR"
 SCHEMA_VERSION = 1
@@ -221,6 +221,19 @@ def new_command_name() -> str:
     return f"{time.time_ns()}-{os.getpid()}-{next(_counter)}"
 
 
+def write_command(session_id: str, command: str, value: Any = None, *, source: str = "lab",
+                  root: Path | str | None = None) -> dict[str, Any]:
+    """The one writer of the inbox: ``command`` (checked already by the caller's door: the
+    server by the table's sidebar rows, a Session's controls by the whole table) as one file
+    in ``session_id``'s inbox, written whole (temp name + rename). Returns what it wrote."""
+    ensure_sessions_dir(root)
+    inbox = make_private_dir(inbox_path(session_id, root))
+    name = new_command_name()
+    msg = {"id": name, "command": command, "value": value, "source": source, "time": time.time()}
+    atomic_write_json(inbox / f"{name}.json", msg)
+    return msg
+
+
 def finite_or_none(x: Any) -> float | None:
     """A plain float, or None for None/NaN/inf/non-numbers (JSON has no NaN)."""
     if x is None or isinstance(x, bool):
@@ -253,14 +266,3 @@ def clean_json(x: Any, depth: int = 0) -> Any:
         except Exception:  # noqa: BLE001 - e.g. a multi-element tensor
             return None
     return str(x)
-
-
-def validate_command(command: Any, value: Any = None) -> tuple[str, float | None]:
-    """Check a command the sidebar sent, the way both the server and the beacon do (the
-    table and its checks: :mod:`megatrain_nb.commands`).
-
-    >>> validate_command("lr", "3e-4")
-    ('lr', 0.0003)
-    """
-    return check_command(command, value, sidebar=True)
-

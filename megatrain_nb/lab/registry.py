@@ -26,17 +26,14 @@ from typing import Any
 from megatrain_nb.lab.protocol import (
     SESSION_ID_RE,
     UnsafeFolderError,
-    atomic_write_json,
     check_private_dir,
-    ensure_sessions_dir,
     heartbeat_path,
     inbox_path,
-    make_private_dir,
-    new_command_name,
     read_json,
     sessions_dir,
-    validate_command,
+    write_command,
 )
+from megatrain_nb.commands import check_command
 from megatrain_nb.processes import pid_alive
 
 log = logging.getLogger(__name__)
@@ -133,17 +130,13 @@ def enqueue_command(
     source: str = "lab",
     root: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Validate and drop one command into the session's inbox; the beacon applies it within
-    its poll interval. Raises CommandError (bad command/value) or UnknownSession."""
-    command, value = validate_command(command, value)
+    """Check one command the sidebar sent (by the command table) and drop it into the live
+    session's inbox (:func:`~megatrain_nb.lab.protocol.write_command`); the beacon hands it on
+    within its poll interval. Raises CommandError (bad command/value) or UnknownSession."""
+    command, value = check_command(command, value, sidebar=True)   # the server's check: the sidebar's rows
     if isinstance(get_session(session_id, root).get("ended"), (int, float)):
         raise UnknownSession(session_id)  # over: nothing reads its inbox any more
-    ensure_sessions_dir(root)
-    inbox = make_private_dir(inbox_path(session_id, root))
-    name = new_command_name()
-    msg = {"id": name, "command": command, "value": value, "source": source, "time": time.time()}
-    atomic_write_json(inbox / f"{name}.json", msg)
-    return {"session_id": session_id, **msg}
+    return {"session_id": session_id, **write_command(session_id, command, value, source=source, root=root)}
 
 
 def dismiss_session(session_id: str, root: str | Path | None = None) -> None:

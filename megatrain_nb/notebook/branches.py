@@ -30,7 +30,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from megatrain_nb.values import VALUES, check
@@ -295,7 +294,7 @@ class Explorer:
 
         # at once: generate()/save_model() see that step's weights (a load failing part way marks
         # the engine failed: nothing trains, saves or reads on the mixture)
-        tr.engine.load_checkpoint(info.path, verify=False)
+        tr.load_engine_state(info.path, verify=False)
         self.abandon_after(info.step, old_run)
         # back into an ancestor's run (before this fork's point): this fork's changes apply again
         other = info.run_id != old_run
@@ -310,10 +309,8 @@ class Explorer:
         """Check the snapshot ``info`` whole (manifest, the engine's linked files, state file)
         before a rewind or fork changes anything; the error names the damaged file, and the
         snapshot is listed as damaged from then on."""
-        from megatrain_nb.trainer.saving import verify_whole
-
         try:
-            verify_whole(Path(info.path), self.trainer.engine)
+            self.trainer.verify_whole(info.path)
         except Exception as e:
             self.session.run_log.add_event("snapshot_damaged", info.step, path=info.path,
                                            error=f"{type(e).__name__}: {e}")
@@ -424,7 +421,7 @@ class Explorer:
 
     def engine_weight_decay(self) -> float:
         if self.weight_decay is None:
-            self.weight_decay = float(self.trainer.engine.adam.weight_decay)
+            self.weight_decay = float(self.trainer.weight_decay)
         return self.weight_decay
 
     # ---- one branch trains at a time -------------------------------------------------------------
@@ -433,7 +430,7 @@ class Explorer:
         branch that holds it now is paused at its step boundary and snapshotted first. A
         side-by-side branch holds an engine of its own: nothing to switch."""
         if self.own_engine:
-            self.trainer.engine.adam.weight_decay = self.engine_weight_decay()
+            self.trainer.set_weight_decay(self.engine_weight_decay())
             return
         g = self.group
         with g.switch:
@@ -445,7 +442,7 @@ class Explorer:
             if cur is not None and cur.session is not None and not cur.session.released:
                 cur.switch_out(by=self.session.name)
             self.engine_weight_decay()
-            self.trainer.engine.adam.weight_decay = self.weight_decay
+            self.trainer.set_weight_decay(self.weight_decay)
             with g.lock:
                 g.active = self
             if self.switched_out is not None:   # it trained before: back to where it was
@@ -505,8 +502,8 @@ class Explorer:
             if other is not None and not other.released:
                 cur.switch_out(by=s.name, reading=True)
             path = self.switched_out
-            self.trainer.engine.load_checkpoint(path)
-            self.trainer.engine.adam.weight_decay = self.engine_weight_decay()
+            self.trainer.load_engine_state(path)
+            self.trainer.set_weight_decay(self.engine_weight_decay())
             with g.lock:
                 g.active = self
             self._back_from(path)

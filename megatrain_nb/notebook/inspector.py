@@ -1,8 +1,9 @@
 """Per-layer statistics as the user sees them: which unit a name or index means, and a
 dict that renders as a small table with a histogram in a notebook.
 
-The numbers come from ``engine.layer_stats()``, which the engine fills during its
-optimizer step while each unit is in hand (no extra pass over the weights).
+The numbers come with each step's record (``EngineOutput.layer_stats``, switched on for a
+Session by ``EngineConfig.layer_stats``), which the engine fills during its optimizer step while
+each unit is in hand (no extra pass over the weights); the run log keeps them.
 """
 from __future__ import annotations
 

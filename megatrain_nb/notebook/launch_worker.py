@@ -70,7 +70,7 @@ def _watch_controller(trainer) -> None:
             time.sleep(2.0)
         control = trainer.run_control
         if control is not None and not control.stopped:
-            control.request("stop", source="controller-exit")
+            control.command("stop", source="controller-exit")
 
     threading.Thread(target=watch, name=thread_name(CONTROLLER_WATCH), daemon=True).start()
 

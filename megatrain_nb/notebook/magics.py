@@ -4,6 +4,7 @@ most recently created or trained) or a named one (``-s NAME`` / ``--session NAME
     %megatrain status
     %megatrain pause | resume | stop
     %megatrain lr 5e-4
+    %megatrain checkpoint [folder]
     %megatrain dashboard
     %megatrain report run.html
     %megatrain estimate llama-100b --vram 80 --ram 512 --disk 4096
@@ -29,7 +30,7 @@ USAGE = "\n".join(["Usage: %megatrain <command> [-s SESSION]",
   trained-on [index]  one training example, the tokens that count toward the loss highlighted
   estimate <model dir | config.json | preset> [--vram GB] [--ram GB] [--disk GB] [--nodes M] [--gpus-per-node N]
   sessions            list the sessions of this kernel""",
-                   *usage_lines(["snapshot", "rewind"]),
+                   *usage_lines(["checkpoint", "snapshot", "rewind"]),
                    """  fork key=value ...  a branch from now (step=N: from that snapshot; name=...), e.g. learning_rate=1e-4
   branches            the run tree: branches, fork points, what changed, snapshots"""])
 
@@ -69,7 +70,7 @@ def _dispatch(line: str) -> Any:
     if cmd == "sessions":
         return _sessions()
     handler = {"status": _status, "pause": _pause, "resume": _resume, "stop": _stop, "lr": _lr,
-               "dashboard": _dashboard, "report": _report, "trained-on": _trained_on, "snapshot": _snapshot,
+               "dashboard": _dashboard, "report": _report, "trained-on": _trained_on, "checkpoint": _checkpoint, "snapshot": _snapshot,
                "rewind": _rewind, "fork": _fork, "branches": _branches}.get(cmd)
     if handler is None:
         raise MagicError(f"megatrain: unknown command {cmd!r}\n{USAGE}")
@@ -179,14 +180,11 @@ def _stop(session, rest):
 def _lr(session, rest):
     if len(rest) != 1:
         raise MagicError("megatrain: lr needs one value, e.g. %megatrain lr 5e-4")
-    from megatrain_nb.commands import check_command
-
     try:
-        value = check_command("lr", rest[0], where="%megatrain lr")[1]
+        session.command("lr", rest[0], source="magic", where="%megatrain lr")
     except ValueError as e:
         raise MagicError(f"megatrain: {e}") from None
-    session.set_lr(value, source="magic")
-    print(f"{session.name}: learning rate {value:g} from the next step (after step {session.step}).")
+    print(f"{session.name}: learning rate {float(rest[0]):g} from the next step (after step {session.step}).")
 
 
 def _dashboard(session, rest):
@@ -210,21 +208,28 @@ def _report(session, rest):
 def _snapshot(session, rest):
     from megatrain_nb.formatting import fmt_bytes
 
-    info = session.snapshot()
+    info = session.snapshot(source="magic")
     print(f"{session.name}: snapshot at step {info.step} ({fmt_bytes(info.bytes_unique)} written, "
           f"{fmt_bytes(info.bytes_shared)} shared by hard links): {info.path}")
 
 
+def _checkpoint(session, rest):
+    if len(rest) > 1:
+        raise MagicError("megatrain: checkpoint takes one folder or none, e.g. %megatrain checkpoint ckpt-a")
+    path = session.command("checkpoint", rest[0] if rest else None, source="magic", where="%megatrain checkpoint",
+                           wait=True)
+    print(f"{session.name}: checkpoint at step {session.step}: {path}")
+
+
 def _rewind(session, rest):
-    from megatrain_nb.commands import check_command
+    from megatrain_nb.commands import CommandError
 
     if len(rest) != 1:
         raise MagicError("megatrain: rewind needs one step, e.g. %megatrain rewind 200")
     try:
-        step = check_command("rewind", rest[0], where="%megatrain rewind")[1]
-    except ValueError as e:
+        info = session.command("rewind", rest[0], source="magic", where="%megatrain rewind", wait=True)
+    except CommandError as e:
         raise MagicError(f"megatrain: {e}") from None
-    info = session.rewind(step)
     print(f"{session.name}: back at step {info.step} ({session.state}); "
           f"{'resume' if session.state == 'paused' else 'train'} to continue from there.")
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatrain_nb.commands import COMMANDS
-from .run_state import QueuedCommand, RunState
+from .run_state import Order, RunState
 # WorkerError and the agent's report are re-exported (where they were)
 from .worker_outcome import (WorkerError, agent_failures, attached_outcome, launched_outcome,  # noqa: F401
                              rank_errors, rank_reports, root_cause)
@@ -197,10 +197,10 @@ class ProcessRun:
         raise RuntimeError(f"session {self.status.name!r} trains in {self.nproc_per_node} worker processes, so its "
                            f"weights are not in this kernel: {hint}")
 
-    def deliver(self, cmd: QueuedCommand) -> None:
+    def deliver(self, cmd: Order) -> None:
         self.check(cmd.kind)
         if cmd.kind == "rewind" and self.status.state == "running":   # as in this kernel: paused after it
-            self.status.commands.put(QueuedCommand("pause", source="rewind"))
+            self.status.commands.put(Order("pause", source="rewind"))
         self.status.commands.put(cmd)
 
     def apply_now(self, kind: str, value: Any, source: str) -> Any:
@@ -330,18 +330,16 @@ class ProcessRun:
             except queue.Empty:
                 return
 
-    def _forward(self, cmd: QueuedCommand) -> None:
-        """One control -> a file in rank 0's inbox; its id comes back on the event that records it."""
-        from megatrain_nb.lab.protocol import atomic_write_json, inbox_path, make_private_dir, new_command_name
+    def _forward(self, cmd: Order) -> None:
+        """One control (checked by the Session's door) -> a file in rank 0's inbox, by the inbox's one
+        writer; its id comes back on the event that records it."""
+        from megatrain_nb.lab.protocol import write_command
 
         takes = COMMANDS[cmd.kind].value != "none" and (cmd.kind != "stop" or cmd.value)
-        name = new_command_name()
+        msg = write_command(self.session_id, cmd.kind, cmd.value if takes else None, source=cmd.source,
+                            root=self._root)
         if cmd.future is not None:
-            self._futures[name] = cmd.future
-        inbox = make_private_dir(inbox_path(self.session_id, self._root))
-        atomic_write_json(inbox / f"{name}.json", {"id": name, "command": cmd.kind,
-                                                    "value": cmd.value if takes else None,
-                                                    "source": cmd.source, "time": time.time()})
+            self._futures[msg["id"]] = cmd.future
 
     def _read_metrics(self) -> None:
         if not self._metrics.is_file() or (self._attached is not None and self._run_id is None):

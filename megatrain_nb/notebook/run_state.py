@@ -1,4 +1,5 @@
-"""What a Session and its run controller share: the state, the log, the command queue.
+"""What a Session and its run controller share: the state, the log, the command queue (of
+:class:`~megatrain_nb.trainer.boundary.Order`, applied by the one step-boundary controller).
 
 The Session (the notebook's thread) reads it and queues commands; its run controller
 (``thread_run.ThreadRun`` or ``remote.ProcessRun``, on the background thread) applies the
@@ -11,11 +12,9 @@ import queue
 import threading
 import time
 import traceback
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
-from megatrain_nb.commands import COMMANDS
+from megatrain_nb.trainer.boundary import Order
 from .lifecycle import ENDED
 from .run_log import RunLog
 
@@ -31,18 +30,6 @@ class TrainerLike(Protocol):
     def set_lr(self, lr: float) -> None: ...
     def save_checkpoint(self, path: Optional[str] = None) -> str: ...
     def request_stop(self) -> None: ...
-
-
-@dataclass
-class QueuedCommand:
-    kind: str  # a name in the one table, megatrain_nb.commands.COMMANDS
-    value: Any = None
-    source: str = "notebook"
-    future: Optional[Future] = None
-
-    def __post_init__(self):
-        if self.kind not in COMMANDS:
-            raise ValueError(f"unknown command {self.kind!r}: expected one of {', '.join(COMMANDS)}")
 
 
 class RunController(Protocol):
@@ -62,7 +49,7 @@ class RunController(Protocol):
         """The background thread: train (or follow the ranks), apply the queued commands at
         each step boundary; ``on_end(outcome)`` last."""
 
-    def deliver(self, cmd: QueuedCommand) -> None:
+    def deliver(self, cmd: Order) -> None:
         """Queue ``cmd`` for the next step boundary (refused if this run cannot apply it)."""
 
     def apply_now(self, kind: str, value: Any, source: str) -> Any:
@@ -85,7 +72,7 @@ class RunState:
     def __init__(self, name: str):
         self.name = name
         self.log = RunLog()
-        self.commands: "queue.Queue[QueuedCommand]" = queue.Queue()
+        self.commands: "queue.Queue[Order]" = queue.Queue()
         self.cv = threading.Condition()
         self.state = "idle"
         self.thread: Optional[threading.Thread] = None
@@ -136,7 +123,7 @@ class RunState:
         self.error_traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         self.log.add_event("error", self.step, error=f"{type(e).__name__}: {e}", traceback=self.error_traceback)
 
-    def next_command(self, block: bool) -> Optional[QueuedCommand]:
+    def next_command(self, block: bool) -> Optional[Order]:
         """The next queued command (None if there is none); ``block`` waits for one, the wait
         counted as paused time."""
         t0 = time.monotonic()

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, Optional
 
+from megatrain_nb.commands import check_command
 from megatrain_nb.threads import SESSION, thread_name
 from . import registry
 from .branches import Explorer
+from .controls import SessionControls
 from .display_mode import in_kernel, resolve_mode
 from .forwarding import Forward
 from .lifecycle import ENDED, LIVE
-from .run_state import QueuedCommand, RunState, TrainerLike  # noqa: F401 - re-exported
+from .run_state import Order, RunState, TrainerLike  # noqa: F401 - re-exported
 from .samples import Samples
 from .sample_watch import SampleWatch
 from .session_view import SessionView
@@ -172,6 +172,8 @@ class Session:
         self._status = RunState(self.name)
         self._explore = Explorer(self, *snapshots, trainer=trainer)   # snapshots, rewind, fork (branches.py)
         self._run = make_run(self._status, self._explore, self.id)
+        self._controls = SessionControls(self, self._status, self._run, self._explore, end=self._end,
+                                         release=self._release)
         self._view = SessionView(self)
         self._samples = Samples()
         self._sample_watch = SampleWatch(self)   # answers to the sample prompt (sample_watch.py)
@@ -327,98 +329,58 @@ class Session:
         self._release()
         registry.forget(self)
 
+    # ---- controls: every one through command(), the one check of its value ----------------------
+    def command(self, name: Any, value: Any = None, *, source: str = "lab", command_id: Optional[str] = None,
+                where: str = "", **options: Any) -> Any:
+        """A command of the table (``megatrain_nb/commands.py``) by its name: the door of the
+        inbox (the sidebar, a controller), ``%megatrain`` and the methods below. Its value is
+        checked once, by the table (``where``: how a refusal names it), then the command is
+        queued for the run's step-boundary controller (``trainer/boundary.py``), or applied now
+        when nothing trains. ``options``: the method's own (``wait``, ``timeout``); from the
+        inbox nothing waits. Returns what the command gives back (a checkpoint's path, a
+        snapshot's ``SnapshotInfo``, a fork's Session)."""
+        name, value = check_command(name, value, where=where)
+        return self._controls.by_name[name](value, source, **options)
+
     def stop(self, checkpoint: Any = False, *, wait: Optional[bool] = None, timeout: Optional[float] = None,
              source: str = "notebook") -> None:
         """End the run after the current step and release device memory, threads and disk
         files. ``checkpoint=True`` (or a path) writes a checkpoint first. ``wait`` defaults to
         True on the main thread (returns once released) and False elsewhere (e.g. the beacon)."""
-        st = self._status
-        if wait is None:
-            wait = threading.current_thread() is threading.main_thread()
-        if st.state == "idle":  # never started: nothing runs, end it here
-            try:
-                if checkpoint:
-                    self._run.apply_now("checkpoint", None if checkpoint is True else str(checkpoint), source)
-                st.log.add_event("stop", st.step, source=source)
-            finally:
-                self._end("stopped")
-            return
-        if st.state in ENDED:
-            self._release()
-            return
-        self._run.deliver(QueuedCommand("stop", checkpoint, source))
-        if wait and not st.on_background():
-            st.thread.join(timeout)
-            if st.state == "finished":  # it finished before reaching the stop: release anyway
-                self._release()
+        self.command("stop", _path_text(checkpoint), source=source, where="stop(checkpoint)", wait=wait,
+                     timeout=timeout)
 
-    # ---- controls: queued; the run controller applies them at a step boundary ----------------
     def pause(self, *, source: str = "notebook") -> None:
         """Pause after the current step (the step count then holds still)."""
-        self._status.refuse_if_ended("pause")
-        self._run.deliver(QueuedCommand("pause", source=source))
+        self.command("pause", source=source)
 
     def resume(self, *, source: str = "notebook") -> None:
         """Continue a paused run from the step it paused at; after ``rewind`` on a finished run
         (state "idle"), continue from the snapshot (as ``train()``)."""
-        st = self._status
-        if st.state == "idle":
-            if st.started_at is None:
-                raise RuntimeError(f"session {self.name!r} has not started: nothing to resume; train() starts it")
-            # (from the sidebar's thread: no display there; the notebook's dashboard follows the run)
-            self.train(dashboard=None if threading.current_thread() is threading.main_thread() else False)
-            return
-        if st.state == "finished" and not st.released:
-            raise RuntimeError(f"session {self.name!r} has finished: nothing to resume. rewind(<step>) then "
-                               f"resume() goes on from a snapshot; reading its weights (generate(), engine, "
-                               f"trainer.save_model()) is always of this branch")
-        st.refuse_if_ended("resume")
-        self._run.deliver(QueuedCommand("resume", source=source))
+        self.command("resume", source=source)
 
     def set_lr(self, lr: float, *, source: str = "notebook") -> None:
         """From the next optimizer step the learning rate is ``lr``; a schedule carries on
         relative to it (a constant schedule stays at ``lr``). Recorded as an event."""
-        from megatrain_nb.commands import check_command
-
-        value = check_command("lr", lr, where="set_lr(lr)")[1]
-        st = self._status
-        st.refuse_if_ended("change the learning rate of")
-        st.requested_lr = st.pending_lr = value  # before the command: it may apply at once
-        self._run.deliver(QueuedCommand("lr", value, source=source))
+        self.command("lr", lr, source=source, where="set_lr(lr)")
 
     def save_checkpoint(self, path: Optional[str] = None, *, wait: bool = True,
                         source: str = "notebook") -> Optional[str]:
         """Write a checkpoint (weights + optimizer states + data position) at the next step
         boundary; with ``wait`` returns its path, else returns None (the event has the path)."""
-        self._status.refuse_if_released("checkpoint")
-        return self._at_boundary("checkpoint", path, source, wait=wait)
+        return self.command("checkpoint", _path_text(path), source=source, where="save_checkpoint(path)",
+                            wait=wait)
 
     # ---- explore: snapshots, rewind, fork (the logic is in branches.py) ------------------------------
-    def snapshot(self):
+    def snapshot(self, *, source: str = "notebook"):
         """Take a snapshot at the next step boundary (now, if nothing is training) and return its
         ``SnapshotInfo``. On the disk tier it hard-links the files and writes only RAM state."""
-        return self._at_boundary("snapshot", None)
+        return self.command("snapshot", source=source, wait=True)
 
-    def rewind(self, step: int):
+    def rewind(self, step: int, *, source: str = "notebook"):
         """Go back to the snapshot at ``step``; ``train()``/``resume()`` continues from there. While
         running: at the next step boundary, then paused. The abandoned steps stay a branch."""
-        from megatrain_nb.commands import as_step
-
-        step = as_step(step, "rewind(step)")
-        st = self._status
-        self._run.check("rewind")
-        if st.released:
-            raise RuntimeError(f"session {self.name!r} {st.state} and released its model: nothing to rewind. "
-                               "mt.Session.from_checkpoint(<a snapshot folder>) starts from one")
-        self._explore.find(step)   # a step without a snapshot fails here, listing those that have one
-        info = self._at_boundary("rewind", step)
-        if st.state in ENDED + ("idle",):   # finished (it kept its model) or not started: train() goes on from it
-            restart = self._explore.take_restart()   # (ranks in worker processes: their controller has it)
-            if restart is not None:
-                self._run.resume_from = restart
-            st.ended_at = None
-            st.set_state("idle")
-        return info
+        return self.command("rewind", step, source=source, where="rewind(step)", wait=True)
 
     def fork(self, step: Optional[int] = None, name: Optional[str] = None, **changes: Any) -> "Session":
         """A new Session (a branch) from the snapshot at ``step`` (default: a snapshot now) with
@@ -428,39 +390,7 @@ class Session:
         branch trains at a time). ``device=`` another device than this session's: an engine of its
         own there, trained side by side. Ranks in worker processes (``nproc_per_node``): the fork
         launches ranks of its own from the snapshot."""
-        from megatrain_nb.commands import as_step
-
-        from .branches import check_changes
-
-        self._run.check("fork")
-        changes = check_changes(changes, self.trainer)
-        step = None if step is None else as_step(step, "fork(step)")
-        if self._status.released:
-            raise RuntimeError(f"session {self.name!r} released its model: nothing to fork")
-        if step is not None:
-            self._explore.find(step)   # no snapshot there: the error lists the steps that have one
-        if hasattr(self._run, "fork"):   # ranks in worker processes: new ranks from the snapshot
-            return self._run.fork(self, step, name, changes)
-        return self._at_boundary("fork", (step, name, changes))
-
-    def _at_boundary(self, kind: str, value: Any, source: str = "notebook", *, wait: bool = True):
-        """Apply a command at the next step boundary (now, if nothing trains); its result."""
-        st = self._status
-        if not st.in_background():   # nothing else is training: here
-            return self._run.apply_now(kind, value, source)
-        fut: Future = Future()
-        self._run.deliver(QueuedCommand(kind, value, source, fut))
-        if not wait:
-            return None
-        while True:
-            try:
-                return fut.result(timeout=0.25)
-            except FuturesTimeout:
-                if not st.thread.is_alive() and not fut.done():   # the run ended before reaching it
-                    if st.released:
-                        raise RuntimeError(f"session {self.name!r} {st.state} before the {kind} was applied, "
-                                           "and released its model") from None
-                    return self._run.apply_now(kind, value, source)
+        return self.command("fork", (step, name, changes), source="notebook")
 
     # ---- looking inside ------------------------------------------------------------------------
     def unit_names(self) -> list[str]:
@@ -578,3 +508,8 @@ def _is_divergence(error) -> bool:
     from ..trainer.recovery import RecoveryError
 
     return isinstance(error, (NonFiniteError, RecoveryError))
+
+
+def _path_text(path: Any) -> Any:
+    """A checkpoint folder given as a path object, as the text the command table takes."""
+    return str(path) if hasattr(path, "__fspath__") else path

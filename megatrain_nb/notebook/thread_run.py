@@ -1,17 +1,20 @@
 """A Session's run in one background thread of this kernel (the default run controller).
 
-The thread drives ``trainer.iter_steps()`` and, between two steps, applies the commands the
-controls queued (each recorded as an event at that step). It never touches widgets; it appends
-to the :class:`RunLog` that a publisher (``publisher.py``) reads.
+The thread drives ``trainer.iter_steps()`` and, between two steps, has the one step-boundary
+controller (``trainer/boundary.py``) apply the commands the controls queued; as its host it
+records each as an event of the :class:`RunLog` at that step and carries out snapshots, rewinds
+and forks through the Session's branches. It never touches widgets; a publisher
+(``publisher.py``) reads the log.
 """
 from __future__ import annotations
 
 import sys
+from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
-from megatrain_nb.commands import state_after
+from megatrain_nb.trainer.boundary import BoundaryControl, Order
 
-from .run_state import QueuedCommand, RunState
+from .run_state import RunState
 
 
 class ThreadRun:
@@ -27,19 +30,23 @@ class ThreadRun:
         self.explorer = explorer
         self.resume_from = resume_from
         self.after_record: list[Callable[[dict], None]] = []   # the Session's watchers of each step
+        self.control = BoundaryControl(trainer, self, orders=status.commands)
 
     @property
     def engine(self) -> Any:
         return getattr(self.trainer, "engine", None)
 
     # ---- what the Session asks ---------------------------------------------------------------
-    def deliver(self, cmd: QueuedCommand) -> None:
+    def deliver(self, cmd: Order) -> None:
         self.status.commands.put(cmd)
 
     def apply_now(self, kind: str, value: Any, source: str) -> Any:
-        if kind == "checkpoint":
-            return self.checkpoint(value, source)
-        return self.explorer.apply(kind, value, source)
+        """Nothing trains: the controller applies ``kind`` here, on the caller's thread."""
+        if kind != "checkpoint":   # (the branches record a failed snapshot, rewind or fork themselves)
+            return self.explorer.apply(kind, value, source)
+        order = Order(kind, value, source, Future())
+        self.control.apply(order)
+        return order.future.result()
 
     def check(self, what: str) -> None:
         pass   # the weights are here: everything can be done
@@ -50,17 +57,6 @@ class ThreadRun:
 
     def configured_lr(self) -> Optional[float]:
         return getattr(getattr(self.trainer, "args", None), "learning_rate", None)
-
-    def checkpoint(self, path: Optional[str], source: str) -> str:
-        st = self.status
-        try:
-            written = str(self.trainer.save_checkpoint(path))
-        except Exception as e:
-            if not st.on_background():   # (on it, the failed command records the event)
-                st.log.add_event("checkpoint_failed", st.step, error=f"{type(e).__name__}: {e}", source=source)
-            raise
-        st.log.add_event("checkpoint", st.step, path=written, source=source)
-        return written
 
     def release(self) -> None:
         if self.explorer.engine_shared():   # branches still use the engine: the last one closes it
@@ -79,8 +75,8 @@ class ThreadRun:
         it = None
         outcome = "finished"
         try:
-            if self.engine is not None:   # the dashboard reads layer statistics after every step:
-                self.engine.layer_stats()  # the engine gathers them once asked, so from step 1
+            if hasattr(self.trainer, "gather_layer_stats"):   # the dashboard's layer statistics: each
+                self.trainer.gather_layer_stats()               # step's record carries them, from step 1
             self.explorer.activate()   # branches sharing the engine: this one's state in it
             stopped_early = self._hook_reference_pass()   # a DPO reference pass: pause / stop reach it too
             if hasattr(self.trainer, "recovery_hooks"):   # on_nonfinite="rewind": the tree hears of each
@@ -133,8 +129,7 @@ class ThreadRun:
         return stopped_early
 
     def _on_record(self, record: dict) -> None:
-        engine = self.engine
-        stats = engine.layer_stats() if engine is not None else None
+        stats = record.pop("layer_stats", None)   # (the dashboard's; not a field of the step's record)
         if stats:
             self.status.log.add_layer_stats(int(record.get("step", 0) or 0), list(stats))
         self.status.log.add_record(record)
@@ -145,48 +140,33 @@ class ThreadRun:
 
     def _apply_commands(self) -> bool:
         """Apply what is queued; while paused, wait here for more. True means stop."""
-        while True:
-            cmd = self.status.next_command(block=self.status.state == "paused")
-            if cmd is None:
-                return False
-            if self._apply(cmd):
-                return True
+        return self.control.run_queued(self.status.next_command)
 
-    def _apply(self, cmd: QueuedCommand) -> bool:
-        st, log = self.status, self.status.log
-        step = st.step
-        try:
-            if cmd.kind in ("pause", "resume"):
-                state = state_after(cmd.kind, st.state)
-                if state is None:   # already paused / not paused: nothing to do
-                    return False
-                if cmd.kind == "resume":
-                    self.explorer.activate()   # another branch trained meanwhile: switch back
-                st.set_state(state)
-                log.add_event(cmd.kind, step, source=cmd.source)
-            elif cmd.kind == "lr":
-                previous = log.last_record().get("lr")
-                self.trainer.set_lr(cmd.value)
-                log.add_event("lr", step, value=cmd.value, previous=previous, source=cmd.source)
-                if st.pending_lr == cmd.value:
-                    st.pending_lr = None
-            elif cmd.kind == "stop":
-                if cmd.value:
-                    self.checkpoint(None if cmd.value is True else str(cmd.value), cmd.source)
-                self.trainer.request_stop()
-                log.add_event("stop", step, source=cmd.source)
-                return True
-            else:   # checkpoint, snapshot, rewind, fork: a result someone waits for
-                result = self.apply_now(cmd.kind, cmd.value, cmd.source)
-                if cmd.kind == "rewind" and st.state == "running":
-                    st.set_state("paused")
-                    log.add_event("pause", result.step, source="rewind")
-                if cmd.future is not None:
-                    cmd.future.set_result(result)
-        except Exception as e:  # noqa: BLE001 - a failed control must not kill the run
-            if cmd.future is not None and not cmd.future.done():
-                cmd.future.set_exception(e)
-            log.add_event(f"{cmd.kind}_failed", step, error=f"{type(e).__name__}: {e}", source=cmd.source)
-            if cmd.kind == "stop":
-                return True
-        return False
+    # ---- the boundary controller's host (trainer/boundary.py) ------------------------------------
+    @property
+    def state(self) -> str:
+        return self.status.state
+
+    def set_state(self, state: str) -> None:
+        if state == "running":
+            self.explorer.activate()   # another branch trained meanwhile: switch back
+        self.status.set_state(state)
+
+    def current_step(self) -> int:
+        return self.status.step
+
+    def lr_before(self) -> Optional[float]:
+        return self.status.log.last_record().get("lr")
+
+    def record(self, kind: str, step: int, fields: dict) -> None:
+        self.status.log.add_event(kind, step, **fields)
+        if kind == "lr" and self.status.pending_lr == fields.get("value"):
+            self.status.pending_lr = None
+
+    def explore(self, order: Order) -> tuple:
+        st = self.status
+        result = self.explorer.apply(order.kind, order.value, order.source)
+        if order.kind == "rewind" and st.state == "running":   # rewound while running: paused there
+            st.set_state("paused")
+            st.log.add_event("pause", result.step, source="rewind")
+        return result, None   # (the branches record it)

@@ -6,7 +6,8 @@ runs a :class:`RunControl`:
 - rank 0 announces the run once (a heartbeat file, the same one a notebook Session writes, so
   the JupyterLab sidebar and ``mt.Session.attach(name)`` see one run, not N) and takes commands
   through its inbox (``lab/beacon.py``: private folder, ``O_NOFOLLOW`` reads);
-- at every optimizer-step boundary rank 0 hands the commands received since the last boundary
+- at every optimizer-step boundary the one step-boundary controller (``trainer/boundary.py``,
+  this run control its host) hands rank 0's commands received since the last boundary
   to every rank in one small collective (``Dist.all_gather_json``: a few dicts as JSON bytes, never
   pickled, on the main group,
   bounded by the group's timeout), and every rank applies them in the same order at the same
@@ -33,14 +34,15 @@ from __future__ import annotations
 import collections
 import json
 import os
-import queue
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from megatrain_nb.commands import RANKS, as_step, state_after
+from megatrain_nb.commands import RANKS, as_step
+
+from .boundary import BoundaryControl, Order
 
 ENV_ENABLE = "MEGATRAIN_NB_CONTROL"
 ENV_NAME = "MEGATRAIN_NB_RUN_NAME"
@@ -75,7 +77,9 @@ def run_name(args) -> str:
 
 
 class RunControl:
-    """The step-boundary channel of one ``Trainer.train()`` (every rank builds one)."""
+    """The step-boundary channel of one ``Trainer.train()`` (every rank builds one): the host of
+    the run's :class:`~megatrain_nb.trainer.boundary.BoundaryControl`, and on rank 0 what the
+    beacon announces (its heartbeat fields) and hands the inbox's commands to (:meth:`command`)."""
 
     def __init__(self, trainer, *, name: Optional[str] = None, session_id: Optional[str] = None,
                  root: Any = None):
@@ -85,23 +89,26 @@ class RunControl:
         self.id = session_id or os.environ.get(ENV_ID) or uuid.uuid4().hex[:12]
         self.state = "running"
         self.applied: list[dict] = []       # every command this rank applied, with its step
-        self.stopped = False
         self.rewind_to: Optional[str] = None   # set by a rewind: train() starts again from it
         self.snapshot_steps = _env_int(ENV_SNAPSHOT_STEPS)
         self.keep_snapshots = _env_int(ENV_KEEP_SNAPSHOTS)
+        self.control = BoundaryControl(trainer, self, dist=self.dist)
         self._protect: set = set()   # the snapshots a rewind went back to: never pruned
-        self._inbox: "queue.Queue[dict]" = queue.Queue()   # rank 0: filled by the beacon thread
         self._recent: collections.deque = collections.deque(maxlen=100)
         self._root = root
         self._beacon = None
 
+    @property
+    def stopped(self) -> bool:
+        return self.control.stopped
+
     # ---- lifetime ----------------------------------------------------------------------------
     def start(self) -> "RunControl":
         if self.dist.is_main:
-            from megatrain_nb.lab.beacon import ControlBeacon
+            from megatrain_nb.lab.beacon import SessionBeacon
 
             try:
-                self._beacon = ControlBeacon(_Announced(self), root=self._root,
+                self._beacon = SessionBeacon(self, root=self._root,
                                              kernel_id=os.environ.get(ENV_KERNEL) or None).start()
             except Exception as e:  # noqa: BLE001 - the channel is optional; training is not
                 print(f"megatrain_nb: run {self.name!r} is not announced to JupyterLab ({e})", file=sys.stderr)
@@ -114,19 +121,30 @@ class RunControl:
             self._beacon = None
 
     # ---- rank 0's inbox (beacon thread) ---------------------------------------------------------
-    def request(self, kind: str, value: Any = None, *, source: str = "lab", command_id: Optional[str] = None) -> None:
-        if kind not in KINDS:
-            raise ValueError(f"unknown command {kind!r}: expected one of {', '.join(KINDS)}")
-        self._inbox.put({"kind": kind, "value": value, "source": source, "id": command_id})
+    def command(self, name: Any, value: Any = None, *, source: str = "lab", command_id: Optional[str] = None) -> None:
+        """Queue a command of the table the ranks apply (value checked by the table) for the
+        next step boundary; the inbox's one door."""
+        self.control.request(name, value, source=source, command_id=command_id)
 
-    def _drain(self, wait: float = 0.0) -> list[dict]:
-        out = []
-        try:
-            out.append(self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait())
-            while True:
-                out.append(self._inbox.get_nowait())
-        except queue.Empty:
-            return out
+    # ---- what the heartbeat shows (rank 0) -------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return int(self.trainer.state.global_step)
+
+    @property
+    def total_steps(self) -> int:
+        return self.trainer.total_steps
+
+    @property
+    def history(self) -> list:
+        return self.recent_records()
+
+    def heartbeat_extra(self) -> dict:
+        t = self.trainer
+        return {"kind": "run", "world_size": t.dist.world, "run_id": t.run_id,
+                "output_dir": str(Path(t.args.output_dir).resolve()),
+                "metrics_log": str(Path(t.metrics_log.path).resolve()),
+                "launcher": os.environ.get(ENV_LAUNCHER) or "torchrun"}
 
     # ---- the step boundary (every rank, main thread) --------------------------------------------
     def boundary(self, record: dict) -> None:
@@ -136,7 +154,7 @@ class RunControl:
         step = self.trainer.state.global_step
         if self.snapshot_steps and step % self.snapshot_steps == 0 and self.rewind_to is None and not any(
                 e["kind"] == "snapshot" and e["step"] == step for e in self.applied[-4:]):
-            self._apply({"kind": "snapshot", "source": "snapshot_steps"})   # every rank, this same step
+            self.control.apply(Order("snapshot", source="snapshot_steps"))   # every rank, this same step
 
     def hold(self) -> None:
         """While paused, meet the other ranks every PAUSE_POLL_S for the next commands (after the
@@ -145,65 +163,50 @@ class RunControl:
             self._exchange(None, wait=PAUSE_POLL_S)
 
     def _exchange(self, record: Optional[dict], wait: float) -> None:
-        mine = {"commands": self._drain(wait) if self.dist.is_main else [],
-                "memory": _plain(record.get("memory")) if record is not None else None}
-        if self.dist.world > 1:
-            gathered = self.dist.all_gather_json(mine)
-        else:
-            gathered = [mine]
+        mine = {"memory": _plain(record.get("memory")) if record is not None else None}
+        gathered = self.control.exchange(mine, wait=wait)
         if record is not None and any(g["memory"] is not None for g in gathered):
             record["rank_memory"] = [g["memory"] for g in gathered]
-        for cmd in gathered[0]["commands"]:
-            self._apply(cmd)
 
-    def _apply(self, cmd: dict) -> None:
-        t = self.trainer
-        step = t.state.global_step
-        kind, value = cmd["kind"], cmd.get("value")
-        event = {"kind": kind, "step": step, "source": cmd.get("source"), "id": cmd.get("id")}
-        try:
-            if kind in ("pause", "resume"):
-                state = state_after(kind, self.state)
-                if state is None:   # already paused / not paused: nothing to do
-                    return
-                self.state = state
-            elif kind == "lr":
-                event["previous"] = t.schedule.current() if t.schedule is not None else None
-                t.set_lr(float(value))
-                event["value"] = float(value)
-            elif kind == "checkpoint":
-                event["path"] = t.save_checkpoint(value or None)
-            elif kind == "snapshot":   # collective: each rank its shard, rank 0 the shared files
-                from .snapshot import SnapshotStore
+    # ---- the boundary controller's host (trainer/boundary.py) ------------------------------------
+    def set_state(self, state: str) -> None:
+        self.state = state
 
-                store = SnapshotStore(t.args.output_dir)
-                info = store.take(t)
-                event["path"], event["bytes_unique"] = info.path, info.bytes_unique
-                if self.keep_snapshots and self.dist.is_main:   # (one filesystem: rank 0 prunes)
-                    event["pruned"] = store.prune(self.keep_snapshots, protect=self._protect)
-            elif kind == "rewind":   # (checked whole first: a damaged snapshot leaves the run going on)
-                from .saving import verify_whole
+    def current_step(self) -> int:
+        return self.step
 
-                path = snapshot_at(t, int(value))
-                verify_whole(Path(path), t.engine, t.dist)
-                event["path"] = self.rewind_to = path
-                self._protect.add(self.rewind_to)   # a branch starts from it
-                event["value"] = int(value)
-                t.request_stop()   # this pass ends after the step; train() starts again from it
-            elif kind == "stop":
-                if value:
-                    event["path"] = t.save_checkpoint(None if value is True else str(value))
-                t.request_stop()
-                self.stopped = True
-                self.state = "running"   # leaves a pause; the run ends after this step
-        except Exception as e:  # noqa: BLE001 - a failed control must not end the run
-            event["kind"] = f"{kind}_failed"
-            event["error"] = f"{type(e).__name__}: {e}"
-            if kind == "stop":
-                t.request_stop()
-                self.stopped = True
+    def lr_before(self) -> Optional[float]:
+        schedule = self.trainer.schedule
+        return schedule.current() if schedule is not None else None
+
+    def record(self, kind: str, step: int, fields: dict) -> None:
+        event = {"kind": kind, "step": step, "id": None, **fields}
+        if kind == "stop":
+            self.state = "running"   # leaves a pause; the run ends after this step
         self.applied.append(dict(event, time=time.time()))
-        t.metrics_log.write({"event": "control", **event, "time": time.time()})
+        self.trainer.metrics_log.write({"event": "control", **event, "time": time.time()})
+
+    def explore(self, order: Order) -> tuple:
+        t = self.trainer
+        if order.kind == "snapshot":   # collective: each rank its shard, rank 0 the shared files
+            from .snapshot import SnapshotStore
+
+            store = SnapshotStore(t.args.output_dir)
+            info = store.take(t)
+            fields = {"path": info.path, "bytes_unique": info.bytes_unique}
+            if self.keep_snapshots and self.dist.is_main:   # (one filesystem: rank 0 prunes)
+                fields["pruned"] = store.prune(self.keep_snapshots, protect=self._protect)
+            return info.path, fields
+        if order.kind == "rewind":   # (checked whole first: a damaged snapshot leaves the run going on)
+            from .saving import verify_whole
+
+            path = snapshot_at(t, int(order.value))
+            verify_whole(Path(path), t.engine, t.dist)
+            self.rewind_to = path
+            self._protect.add(path)   # a branch starts from it
+            t.request_stop()   # this pass ends after the step; train() starts again from it
+            return path, {"path": path, "value": int(order.value)}
+        raise RuntimeError(f"the ranks do not apply {order.kind!r} (megatrain_nb/commands.py)")
 
     def take_rewind(self) -> Optional[str]:
         """The snapshot a rewind asked for since the last call (None: none), cleared."""
@@ -213,59 +216,6 @@ class RunControl:
     def recent_records(self) -> list:
         """The last records this rank logged (at most 100), oldest first."""
         return list(self._recent)
-
-
-class _Announced:
-    """What the heartbeat shows of a run (rank 0 only); its controls enqueue for the boundary."""
-
-    def __init__(self, control: RunControl):
-        self._c = control
-        self.id, self.name = control.id, control.name
-
-    @property
-    def state(self) -> str:
-        return self._c.state
-
-    @property
-    def step(self) -> int:
-        return int(self._c.trainer.state.global_step)
-
-    @property
-    def total_steps(self) -> int:
-        return self._c.trainer.total_steps
-
-    @property
-    def history(self) -> list:
-        return self._c.recent_records()
-
-    def heartbeat_extra(self) -> dict:
-        t = self._c.trainer
-        return {"kind": "run", "world_size": t.dist.world, "run_id": t.run_id,
-                "output_dir": str(Path(t.args.output_dir).resolve()),
-                "metrics_log": str(Path(t.metrics_log.path).resolve()),
-                "launcher": os.environ.get(ENV_LAUNCHER) or "torchrun"}
-
-    def pause(self, *, source: str = "lab", command_id: Optional[str] = None) -> None:
-        self._c.request("pause", source=source, command_id=command_id)
-
-    def resume(self, *, source: str = "lab", command_id: Optional[str] = None) -> None:
-        self._c.request("resume", source=source, command_id=command_id)
-
-    def set_lr(self, lr: float, *, source: str = "lab", command_id: Optional[str] = None) -> None:
-        self._c.request("lr", float(lr), source=source, command_id=command_id)
-
-    def stop(self, checkpoint: Any = False, *, source: str = "lab", command_id: Optional[str] = None) -> None:
-        self._c.request("stop", checkpoint, source=source, command_id=command_id)
-
-    def save_checkpoint(self, path: Optional[str] = None, *, source: str = "lab",
-                        command_id: Optional[str] = None) -> None:
-        self._c.request("checkpoint", path, source=source, command_id=command_id)
-
-    def snapshot(self, *, source: str = "lab", command_id: Optional[str] = None) -> None:
-        self._c.request("snapshot", source=source, command_id=command_id)
-
-    def rewind(self, step: int, *, source: str = "lab", command_id: Optional[str] = None) -> None:
-        self._c.request("rewind", int(step), source=source, command_id=command_id)
 
 
 def snapshot_at(trainer, step: int) -> str:

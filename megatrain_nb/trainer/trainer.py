@@ -266,6 +266,30 @@ class Trainer:
         """Make :meth:`iter_steps` return after the current optimizer step."""
         self._stop = True
 
+    @property
+    def weight_decay(self) -> float:
+        """The engine's decoupled weight decay (:meth:`set_weight_decay` changes it)."""
+        return float(self._engine.config.weight_decay)
+
+    def set_weight_decay(self, value: float) -> None:
+        """The weight decay from the next optimizer step (a branch's own: ``notebook/branches.py``)."""
+        self._engine.configure(weight_decay=value)   # (checked by EngineConfig, as at the start)
+
+    def load_engine_state(self, path, *, verify: bool = True) -> None:
+        """The weights and optimizer states of the checkpoint or snapshot at ``path`` (a branch's
+        rewind or switch, between steps; its data position and schedule are the caller's)."""
+        self._engine.load_checkpoint(path, verify=verify)
+
+    def verify_whole(self, path) -> None:
+        """Check the checkpoint or snapshot at ``path`` whole before anything changes
+        (``saving.verify_whole``: manifest, the engine's linked files, the state file)."""
+        saving.verify_whole(Path(path), self._engine, self.dist)
+
+    def gather_layer_stats(self, on: bool = True) -> None:
+        """Each step's record carries the engine's per-unit statistics (``record["layer_stats"]``,
+        never written to metrics.jsonl) from the next step: ``EngineConfig.layer_stats``."""
+        self._engine.configure(layer_stats=bool(on))
+
     # ------------------------------------------------------------------ the loop
     def iter_steps(self, resume_from_checkpoint=None) -> Iterator[dict]:
         """Train, yielding one plain-dict record per optimizer step (see docs/INTERNALS.md)."""
@@ -314,7 +338,7 @@ class Trainer:
                                    num_training_steps=total, num_warmup_steps=args.get_warmup_steps(total),
                                    scheduler_kwargs=args.lr_scheduler_kwargs)
         self.state = TrainerState()
-        self._tokens_seen, self._log_accum, self.run_id = 0, (0.0, 0), None
+        self._tokens_seen, self._log_accum, self.run_id, self._step_out = 0, (0.0, 0), None, None
         start, self.branch_start = self.branch_start, None
         if resume is not None:
             self.load_state(resume, stream, quiet=start is not None)
@@ -398,7 +422,7 @@ class Trainer:
                 self.run_control.boundary(record)
             # logged before the checkpoint that holds its step: a kill after the save
             # must not leave a step in a checkpoint without its line in metrics.jsonl
-            self.metrics_log.write(record)
+            self.metrics_log.write({k: v for k, v in record.items() if k != "layer_stats"})
         self._save_if_due(record)
         return record, epoch_open
 
@@ -448,6 +472,7 @@ class Trainer:
         s, k = self._log_accum
         self._log_accum = (s + loss, k + 1)
         counters = getattr(engine, "counters", None)
+        self._step_out = out   # the step's memory, telemetry and layer statistics: _after_step
         return {"step": st.global_step + 1, "epoch": st.epoch, "loss": loss, "lr": lr,
                 "skipped_steps": int(getattr(counters, "skipped_steps", 0) or 0),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
@@ -468,8 +493,13 @@ class Trainer:
         return loss_sum / n_items
 
     def _after_step(self, record: Optional[dict]) -> None:
-        """Logging and evaluation as the callbacks' control asks (the checkpoint: _save_if_due)."""
-        c = self.control
+        """The step's record completed from the engine's output (its memory and telemetry on
+        logging steps; its layer statistics, when the engine gathers them: the dashboard's, never
+        written to metrics.jsonl), logging and evaluation as the callbacks' control asks (the
+        checkpoint: _save_if_due)."""
+        c, out = self.control, self._step_out
+        if record is not None and out is not None and out.layer_stats is not None:
+            record["layer_stats"] = out.layer_stats
         if c.should_log and self._log_accum[1] > 0:
             s, k = self._log_accum
             self._log_accum = (0.0, 0)
@@ -477,8 +507,7 @@ class Trainer:
             if record is not None:
                 if record["grad_norm"] is not None:
                     logs["grad_norm"] = record["grad_norm"]
-                record["memory"] = self._engine.memory_report()
-                record["telemetry"] = self._engine.telemetry()
+                record["memory"], record["telemetry"] = out.memory, out.telemetry
             self.log(logs)
         if c.should_evaluate and self.eval_dataset is not None:
             metrics = self.evaluate()

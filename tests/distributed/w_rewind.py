@@ -35,9 +35,9 @@ class Steer(TrainerCallback):
         if not self.t.dist.is_main or rc is None:
             return
         if state.global_step == 2 and not self.rewound:
-            rc.request("snapshot", source="test")
+            rc.command("snapshot", source="test")
         if state.global_step == 4 and not self.rewound:
-            rc.request("rewind", 2, source="test")
+            rc.command("rewind", 2, source="test")
             self.rewound = True
 
 

@@ -96,9 +96,9 @@ def test_chunked_updates_on_the_disk_tier_equal_ram(tmp_path, codec, clip):
     for u in disk.units:
         got, want = disk.states.stored(u), ram.states.stored(u)
         assert all(torch.equal(got[k], want[k]) for k in want), u.name
-    disk.layer_stats()   # layer statistics need whole units: the next updates read them whole
+    disk.configure(layer_stats=True)   # layer statistics need whole units: the next updates read them whole
+    ram.configure(layer_stats=True)
     for ids in _ids(2, seed=8):
-        ram.layer_stats()
         assert ram.forward_backward(ids, step_lr=3e-3).loss == disk.forward_backward(ids, step_lr=3e-3).loss
     pr = dict(ram.named_parameters())
     for n, p in disk.named_parameters():

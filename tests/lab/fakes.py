@@ -6,6 +6,8 @@ import threading
 import time
 import uuid
 
+from megatrain_nb.commands import COMMANDS, check_command
+
 
 class FakeSession:
     """Records every control call as an event, like the real Session does."""
@@ -19,6 +21,7 @@ class FakeSession:
         self.history: list[dict] = []
         self.events: list[dict] = []
         self.lr = 1e-3
+        self.command_ids: list = []
         self._lock = threading.Lock()
 
     def advance(self, n: int = 1, loss: float = 2.0) -> None:
@@ -39,6 +42,13 @@ class FakeSession:
         with self._lock:
             self.events.append({"kind": kind, "step": self.step, "time": time.time(), **kw})
 
+    def command(self, name, value=None, *, source: str = "lab", command_id=None) -> None:
+        """The beacon's one door, as Session.command: checked by the table, then the method."""
+        name, value = check_command(name, value)
+        self.command_ids.append(command_id)
+        args = () if value is None else (value,)
+        getattr(self, COMMANDS[name].method)(*args, source=source)
+
     def pause(self, source: str = "notebook") -> None:
         self.state = "paused"
         self._event("pause", source=source)
@@ -58,7 +68,7 @@ class FakeSession:
 
 
 class MinimalSession:
-    """Only the documented attributes: no id, no total_steps, no ``source`` keyword."""
+    """Only the documented attributes: no id, no total_steps; ``command`` the one door."""
 
     def __init__(self) -> None:
         self.name = "minimal"
@@ -67,15 +77,8 @@ class MinimalSession:
         self.history = [{"step": 3, "loss": float("nan"), "lr": 1e-4}]
         self.calls: list[tuple] = []
 
-    def pause(self) -> None:
-        self.calls.append(("pause",))
-        self.state = "paused"
-
-    def resume(self) -> None:
-        self.calls.append(("resume",))
-
-    def stop(self) -> None:
-        self.calls.append(("stop",))
-
-    def set_lr(self, lr: float) -> None:
-        self.calls.append(("lr", lr))
+    def command(self, name, value=None, **kw) -> None:
+        name, value = check_command(name, value)
+        self.calls.append((name,) if value is None else (name, value))
+        if name == "pause":
+            self.state = "paused"

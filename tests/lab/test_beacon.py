@@ -14,7 +14,8 @@ import time
 import pytest
 
 from megatrain_nb.lab.beacon import SessionBeacon
-from megatrain_nb.lab.protocol import CommandError, validate_command
+from megatrain_nb.commands import check_command
+from megatrain_nb.lab.protocol import CommandError
 from megatrain_nb.lab.registry import (
     UnknownSession,
     enqueue_command,
@@ -273,8 +274,8 @@ def test_killed_kernel_disappears_within_seconds(runtime_root):
     [("pause", None, ("pause", None)), ("resume", None, ("resume", None)),
      ("stop", None, ("stop", None)), ("lr", 1e-4, ("lr", 1e-4)), ("lr", "3e-4", ("lr", 3e-4))],
 )
-def test_validate_command_accepts(command, value, expected):
-    assert validate_command(command, value) == expected
+def test_the_sidebars_check_accepts(command, value, expected):
+    assert check_command(command, value, sidebar=True) == expected
 
 
 @pytest.mark.parametrize(
@@ -284,9 +285,9 @@ def test_validate_command_accepts(command, value, expected):
      ("lr", True, "must be a finite number > 0"), ("lr", "abc", "must be a finite number > 0"),
      ("lr", 0, "> 0"), ("lr", float("inf"), "finite"), ("lr", 100, "implausibly large")],
 )
-def test_validate_command_refuses(command, value, message):
+def test_the_sidebars_check_refuses(command, value, message):
     with pytest.raises(CommandError, match=message):
-        validate_command(command, value)
+        check_command(command, value, sidebar=True)
 
 
 def test_enum_state_deque_history_and_sparse_memory(runtime_root, beacon_for):

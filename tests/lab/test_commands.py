@@ -13,7 +13,7 @@ TS = Path(__file__).resolve().parents[2] / "extension" / "src" / "commands.ts"
 def test_every_place_reads_the_one_table():
     from megatrain_nb.lab.protocol import COMMANDS as server
     from megatrain_nb.notebook.magics import USAGE
-    from megatrain_nb.notebook.session import QueuedCommand
+    from megatrain_nb.notebook.session import Order
     from megatrain_nb.trainer.control import KINDS
 
     assert set(KINDS) == set(RANKS) == {n for n, c in COMMANDS.items() if c.ranks}
@@ -22,9 +22,9 @@ def test_every_place_reads_the_one_table():
     for name in SIDEBAR:
         assert COMMANDS[name].help in USAGE
     for name in COMMANDS:
-        QueuedCommand(name)
+        Order(name)
     with pytest.raises(ValueError, match="unknown command 'reboot'"):
-        QueuedCommand("reboot")
+        Order("reboot")
 
 
 def test_the_session_has_a_method_for_every_command_and_no_second_list():
@@ -38,41 +38,41 @@ def test_the_session_has_a_method_for_every_command_and_no_second_list():
         assert callable(getattr(Session, c.method)), name
     assert not hasattr(session_module, "SESSION_COMMANDS")
     assert {n for n, c in COMMANDS.items() if not c.ranks} >= {"fork"}
-    # what a run of ranks announces takes every command the ranks apply, by the table's method name
-    from megatrain_nb.trainer import control
+    # the beacon hands every command to one door, on a Session and on the ranks' run control
+    assert callable(Session.command) and callable(RunControl.command)
+    # and one controller applies every command of the table, one method each
+    from megatrain_nb.trainer.boundary import BoundaryControl
 
-    announced = control._Announced   # (the beacon-facing side of RunControl)
-    for name in RANKS:
-        assert callable(getattr(announced, COMMANDS[name].method)), name
-    assert callable(RunControl.request)
+    assert set(BoundaryControl(None, None).appliers) == set(COMMANDS)
 
 
 def test_a_run_of_ranks_refuses_what_the_ranks_do_not_apply(tmp_path):
     """A ProcessRun forwards only the table's ``ranks`` commands; the others are refused with a
     reason (no file ever reaches rank 0's inbox)."""
     from megatrain_nb.notebook.remote import ProcessRun
-    from megatrain_nb.notebook.run_state import QueuedCommand, RunState
+    from megatrain_nb.notebook.run_state import Order, RunState
 
     run = ProcessRun(RunState("r"), "abc", nproc=2, root=tmp_path)
     for name, c in COMMANDS.items():
         if c.ranks:
-            run.deliver(QueuedCommand(name, None if c.value != "learning_rate" else 1e-4))
+            run.deliver(Order(name, None if c.value != "learning_rate" else 1e-4))
         else:
             with pytest.raises(RuntimeError, match=f"the ranks do not apply '{name}'"):
-                run.deliver(QueuedCommand(name))
+                run.deliver(Order(name))
     assert run.status.commands.qsize() == len(RANKS)
     with pytest.raises(RuntimeError, match="weights are not in this kernel"):
         run.check("inspect")
 
 
-def test_the_ranks_beacon_takes_only_what_the_ranks_apply():
-    from megatrain_nb.lab.beacon import validate_run_command
+def test_the_ranks_run_control_takes_only_what_the_ranks_apply():
+    from megatrain_nb.trainer.boundary import BoundaryControl
 
-    assert validate_run_command("checkpoint", "/x") == ("checkpoint", "/x")
+    control = BoundaryControl(None, None)
+    assert control.request("checkpoint", "/x").value == "/x"
     for name, c in COMMANDS.items():
         if not c.ranks:
             with pytest.raises(CommandError, match="unknown command"):
-                validate_run_command(name, None)
+                control.request(name, None)
 
 
 def test_the_sidebar_typescript_matches_the_table():

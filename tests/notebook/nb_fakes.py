@@ -89,6 +89,10 @@ class FakeTrainer:
         self.step = 0
         self.closed_generator = False
         self.threads_seen: set[str] = set()
+        self.layer_stats = False
+
+    def gather_layer_stats(self, on: bool = True):
+        self.layer_stats = on
 
     def iter_steps(self, resume_from_checkpoint=None):
         start = 0
@@ -115,6 +119,8 @@ class FakeTrainer:
                     rec["telemetry"] = self.engine.telemetry()
                 if self.eval_every and step % self.eval_every == 0:
                     rec["eval_loss"] = loss + 0.1
+                if self.layer_stats:
+                    rec["layer_stats"] = self.engine.layer_stats()
                 yield rec
         finally:
             self.closed_generator = True

@@ -95,8 +95,11 @@ def test_attach_names_the_runs_there_are(tmp_path):
 
 
 def test_run_commands_are_checked():
-    from megatrain_nb.lab.beacon import validate_run_command
-    from megatrain_nb.lab.protocol import CommandError
+    from functools import partial
+
+    from megatrain_nb.commands import CommandError, check_command
+
+    validate_run_command = partial(check_command, ranks=True)   # what a run's inbox takes
 
     assert validate_run_command("checkpoint", None) == ("checkpoint", None)
     assert validate_run_command("checkpoint", "/tmp/x") == ("checkpoint", "/tmp/x")

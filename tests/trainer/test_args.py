@@ -119,7 +119,7 @@ def test_one_learning_rate_rule_for_trainer_session_commands_and_the_sidebar(tmp
     import re
     from pathlib import Path
 
-    from megatrain_nb.lab.protocol import CommandError, validate_command
+    from megatrain_nb.commands import CommandError, check_command
     from megatrain_nb.learning_rate import MAX_LEARNING_RATE
     from megatrain_nb.notebook import Session
 
@@ -132,11 +132,11 @@ def test_one_learning_rate_rule_for_trainer_session_commands_and_the_sidebar(tmp
                 with pytest.raises(ValueError):
                     set_lr(lr)
             with pytest.raises(CommandError):
-                validate_command("lr", lr)
+                check_command("lr", lr, sidebar=True)
         for lr in GOOD_LRS:
             tr.set_lr(lr)
             session.set_lr(lr)
-            assert validate_command("lr", lr) == ("lr", float(lr))
+            assert check_command("lr", lr, sidebar=True) == ("lr", float(lr))
     finally:
         session.close()
         tr.close()

@@ -55,13 +55,13 @@ def test_snapshot_and_rewind_commands_retrain_bit_exactly(tmp_path):
         seen.append(step)
         rc = t.run_control
         if step == 2 and "snap" not in asked:
-            rc.request("snapshot", source="test")
+            rc.command("snapshot", source="test")
             asked.add("snap")
         if step == 3 and "bad" not in asked:
-            rc.request("rewind", 1, source="test")    # no snapshot there: refused, the run goes on
+            rc.command("rewind", 1, source="test")    # no snapshot there: refused, the run goes on
             asked.add("bad")
         if step == 4 and "rewind" not in asked:
-            rc.request("rewind", 2, source="test")
+            rc.command("rewind", 2, source="test")
             asked.add("rewind")
 
     t.add_callback(At(steer))
@@ -84,9 +84,9 @@ def test_a_run_rewound_while_paused_stays_paused_at_the_snapshot(tmp_path):
 
     def steer(step):
         if step == 2 and not at_pause:
-            t.run_control.request("snapshot", source="test")
+            t.run_control.command("snapshot", source="test")
         if step == 4 and not at_pause:
-            t.run_control.request("pause", source="test")
+            t.run_control.command("pause", source="test")
             at_pause["step"] = step
 
     def send(rc, command, value=None):   # as the notebook's controller does: a file in rank 0's inbox
@@ -138,7 +138,7 @@ def test_snapshot_steps_and_keep_on_the_ranks_never_prune_a_rewind_target(tmp_pa
 
     def steer(step):
         if step == 3 and not done:
-            t.run_control.request("rewind", 2, source="test")
+            t.run_control.command("rewind", 2, source="test")
             done.append(step)
 
     t.add_callback(At(steer))
@@ -172,7 +172,7 @@ def test_a_rewind_command_to_a_damaged_snapshot_is_refused_and_the_run_goes_on(t
     def steer(step):
         rc = t.run_control
         if step == 2 and "snap" not in asked:
-            rc.request("snapshot", source="test")
+            rc.command("snapshot", source="test")
             asked.add("snap")
         if step == 3 and "rewind" not in asked:
             snap = next((tmp_path / "run" / "snapshots").iterdir())
@@ -180,7 +180,7 @@ def test_a_rewind_command_to_a_damaged_snapshot_is_refused_and_the_run_goes_on(t
             data = bytearray(victim.read_bytes())
             data[-2] ^= 0x10
             victim.write_bytes(bytes(data))
-            rc.request("rewind", 2, source="test")
+            rc.command("rewind", 2, source="test")
             asked.add("rewind")
 
     t.add_callback(At(steer))

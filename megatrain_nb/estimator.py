@@ -15,7 +15,6 @@ no limit (the table then shows what is needed). The numbers come from the engine
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 import shutil
@@ -45,36 +44,13 @@ def _fmt_params(n: int) -> str:
 
 def resolve_config(model):
     """A transformers config from a preset name, a model folder, a config.json, a config, a model
-    or an engine. Returns (config, display name)."""
-    from transformers import AutoConfig, PretrainedConfig
+    or an engine (never a Hub id: the estimator downloads nothing). Returns (config, display name)."""
+    from megatrain_nb.model_source import resolve
 
-    from megatrain_nb.trainer.presets import PRESETS, preset_config
-
-    if isinstance(model, PretrainedConfig):
-        return model, getattr(model, "name_or_path", "") or model.model_type
-    if isinstance(model, (str, os.PathLike)):
-        s = os.fspath(model)
-        if s in PRESETS:
-            return preset_config(s), s
-        if os.path.isdir(s):
-            if not os.path.isfile(os.path.join(s, "config.json")):
-                raise ValueError(f"{s!r} is a folder without config.json; give a model folder, a config.json or a "
-                                 f"preset ({', '.join(PRESETS)})")
-            return AutoConfig.from_pretrained(s), s
-        if os.path.isfile(s):
-            with open(s) as f:
-                d = json.load(f)
-            model_type = d.pop("model_type", None)
-            if model_type is None:
-                raise ValueError(f"{s!r} has no model_type; is it a transformers config.json?")
-            return AutoConfig.for_model(model_type, **d), s
-        raise ValueError(f"{s!r} is neither a preset ({', '.join(PRESETS)}) nor an existing model folder or "
-                         "config file")
-    cfg = getattr(model, "model_config", None) or getattr(model, "config", None)
-    if cfg is not None:
-        return cfg, type(model).__name__
-    raise TypeError(f"cannot estimate {type(model).__name__}: pass a preset name, a model folder, a config.json, "
-                    "a transformers config, a model or a StreamingEngine")
+    source = resolve(model, hub=False)
+    if source.kind in ("config", "object", "engine"):
+        return source.config(), source.name
+    return source.config(), os.fspath(model)
 
 
 def machine_ram() -> Optional[int]:

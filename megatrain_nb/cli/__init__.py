@@ -82,7 +82,7 @@ def _codec_names() -> tuple:
 
 
 def _preset_names() -> list:
-    from megatrain_nb.trainer.presets import preset_names  # the preset registry
+    from megatrain_nb.model_configs import preset_names  # the preset registry
 
     return preset_names()
 

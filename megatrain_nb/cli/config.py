@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from megatrain_nb.model_configs import check_preset, preset_config
+from megatrain_nb.model_source import resolve
 
 EXAMPLE_CONFIG = "examples/run.yaml"
 
@@ -134,14 +136,19 @@ def check_values(cfg: dict, path) -> None:
 def model_source(cfg: dict, base: Path) -> tuple[str, str]:
     """(folder, how to name it) for run.yaml's ``model``: a folder relative to the config file,
     else a Hub id fetched through huggingface_hub (config, tokenizer and safetensors only)."""
-    from megatrain_nb.hub import resolve_model
+    source = resolve(os.path.expanduser(cfg["model"]), revision=cfg.get("revision"), base=base)
+    if source.kind == "preset":
+        raise UsageError(f"model: {cfg['model']!r} is a preset; write preset: {cfg['model']} instead")
+    return source.need_folder("model:"), source.describe()
 
-    local = (base / os.path.expanduser(cfg["model"])).resolve()
-    name = str(local) if local.exists() else cfg["model"]
-    folder = resolve_model(name, revision=cfg.get("revision"))
-    if folder == name:
-        return folder, f"folder {folder}"
-    return folder, f"{cfg['model']} (Hugging Face Hub{', revision ' + cfg['revision'] if cfg.get('revision') else ''}; {folder})"
+
+def check_preset_field(cfg: dict) -> None:
+    """run.yaml's ``preset:``, if any, names a preset (UsageError listing them otherwise)."""
+    if "preset" in cfg:
+        try:
+            check_preset(cfg["preset"])
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
 
 def fine_tune_parts(cfg: dict, base: Path, fields: dict, max_length) -> tuple:
@@ -153,8 +160,6 @@ def fine_tune_parts(cfg: dict, base: Path, fields: dict, max_length) -> tuple:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatrain_nb import assets
-    from megatrain_nb.trainer.presets import preset_config
-
     model, model_text = (None, f"preset {cfg.get('preset')}")
     if "model" in cfg:
         model, model_text = model_source(cfg, base)

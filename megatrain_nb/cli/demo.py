@@ -26,9 +26,9 @@ def cmd_demo(ns) -> int:
     import torch
     from transformers import AutoModelForCausalLM, TrainingArguments
 
+    from megatrain_nb.model_configs import preset_config
     from megatrain_nb.trainer import Trainer
     from megatrain_nb.trainer.default import cache_dir, load_default
-    from megatrain_nb.trainer.presets import preset_config
 
     if ns.quick:
         ns.steps = ns.steps or 20

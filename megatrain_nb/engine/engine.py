@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from megatrain_nb.model_source import resolve
 from megatrain_nb.values import check
 
 from . import io as engine_io
@@ -97,11 +98,8 @@ class StreamingEngine:
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from megatrain_nb.hub import resolve_model  # a Hub id ("org/name") -> its cached snapshot folder
-        folder = resolve_model(folder, revision=options.pop("revision", None), token=options.pop("token", None))
-        if not os.path.isdir(folder) or not os.path.exists(os.path.join(folder, "config.json")):
-            raise FileNotFoundError(f"{folder!r} is not a local model folder (no config.json); save one with "
-                                    "save_pretrained() or pass a model object.")
+        source = resolve(folder, revision=options.pop("revision", None), token=options.pop("token", None))
+        folder = source.need_folder("StreamingEngine.from_pretrained")   # a Hub id -> its cached snapshot folder
         hf_config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)

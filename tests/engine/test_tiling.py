@@ -11,17 +11,11 @@ from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine import tiling
 from megatrain_nb.engine.tiling import LayerTiling, auto_tile_tokens
 
-from .families import FAMILIES, VOCAB, family_config
+from megatrain_nb.model_configs import FAMILIES, FAMILY_VOCAB as VOCAB, family_config
 
 
 def _model(family: str, seq: int, **extra):
-    if family == "qwen2_moe":
-        cfg = AutoConfig.for_model("qwen2_moe", vocab_size=VOCAB, num_hidden_layers=2, hidden_size=32,
-                                   intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                                   num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-                                   pad_token_id=0, tie_word_embeddings=False)
-    else:
-        cfg = family_config(family, layers=2)
+    cfg = family_config(family, layers=2)
     cfg.max_position_embeddings = seq
     for k, v in extra.items():
         setattr(cfg, k, v)

@@ -274,7 +274,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_model_that_wrote_it
 
 
 def test_a_checkpoint_with_a_parameter_of_another_shape_is_refused(tmp_path):
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)

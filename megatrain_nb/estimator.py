@@ -21,7 +21,10 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from megatrain_nb.estimator_dpo import reference_cache_bytes, reference_lines
 from megatrain_nb.formatting import fmt_bytes
+from megatrain_nb.model_source import resolve
+from megatrain_nb.values import check
 
 GiB = 1024 ** 3
 Budget = Union[float, int, str, None]
@@ -45,8 +48,6 @@ def _fmt_params(n: int) -> str:
 def resolve_config(model):
     """A transformers config from a preset name, a model folder, a config.json, a config, a model
     or an engine (never a Hub id: the estimator downloads nothing). Returns (config, display name)."""
-    from megatrain_nb.model_source import resolve
-
     source = resolve(model, hub=False)
     if source.kind in ("config", "object", "engine"):
         return source.config(), source.name
@@ -88,7 +89,6 @@ def resolve_budget(value: Budget, auto) -> Optional[int]:
         if value != "auto":
             raise ValueError(f"budget {value!r}: give a number of GiB, 'auto' or None")
         return auto()
-    from megatrain_nb.values import check
 
     return int(check("budget_gb", value, "budget") * GiB)
 
@@ -305,8 +305,6 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                             disk_auto=disk_gb == "auto" and bool(offload_dir), disk_path=disk_path)
     cache = None
     if pairs is not None:
-        from megatrain_nb.estimator_dpo import reference_cache_bytes, reference_lines
-
         notes += reference_lines(pairs)
         cache = reference_cache_bytes(pairs)
     return Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,

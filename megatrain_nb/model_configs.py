@@ -14,6 +14,8 @@ Example::
 """
 from __future__ import annotations
 
+from megatrain_nb.tiny_configs import tiny_config
+
 
 def _llama(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, positions: int,
            **extra) -> dict:
@@ -119,6 +121,5 @@ def tiny(name: str):
         return preset_config(name)
     if name in _FAMILY_FIELDS or name == "gpt2":
         return family_config(name)
-    from megatrain_nb.tiny_configs import tiny_config  # the shrinking rules: a large table, read on demand
 
     return tiny_config(name)

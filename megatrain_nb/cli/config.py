@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from megatrain_nb import assets
 from megatrain_nb.model_configs import check_preset, preset_config
 from megatrain_nb.model_source import resolve
+from megatrain_nb.values import ValueRefused, check, check_fields
 
 EXAMPLE_CONFIG = "examples/run.yaml"
 
@@ -118,8 +120,6 @@ def load_run_config(path) -> dict:
 def check_values(cfg: dict, path) -> None:
     """Every value of run.yaml the table of values holds (:mod:`megatrain_nb.values`), checked as
     it enters, before any model or data is read; the checked numbers replace the text."""
-    from megatrain_nb.values import ValueRefused, check, check_fields
-
     try:
         for key in ("training", "sft", "engine"):
             if cfg.get(key):
@@ -159,7 +159,6 @@ def fine_tune_parts(cfg: dict, base: Path, fields: dict, max_length) -> tuple:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatrain_nb import assets
     model, model_text = (None, f"preset {cfg.get('preset')}")
     if "model" in cfg:
         model, model_text = model_source(cfg, base)
@@ -196,8 +195,6 @@ def training_fields(ns, cfg: dict, base: Path) -> dict:
 def check_max_steps(v, where: str, error=None) -> int:
     """max_steps by the table's rule (>= 1, or -1: transformers' "no step limit"; 0 and other
     negatives would silently fall back to epochs in transformers): refused with ``error``."""
-    from megatrain_nb.values import ValueRefused, check
-
     try:
         return check("max_steps", v, where or "max_steps")
     except ValueRefused as e:

@@ -16,6 +16,7 @@ from megatrain_nb.cli.config import (
     training_fields,
 )
 from megatrain_nb.cli.report import print_header, print_summary, run_with_progress
+from megatrain_nb.cli.train_dpo import cmd_train_dpo, wants_dpo
 from megatrain_nb.model_configs import preset_config
 
 
@@ -42,7 +43,6 @@ def cmd_train(ns) -> int:
     cfg = load_run_config(ns.config)
     base = Path(ns.config).resolve().parent
     data = cfg.get("data") or {}
-    from megatrain_nb.cli.train_dpo import cmd_train_dpo, wants_dpo
 
     if wants_dpo(cfg):   # preference training: a dpo: section or data.format: preference
         return cmd_train_dpo(ns, cfg, base)
@@ -122,7 +122,6 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
         raise UsageError(f"fine-tuning on conversations needs TRL: {e}") from None
     from trl import SFTConfig
 
-    from megatrain_nb import assets
     from megatrain_nb.trainer.sft import SFTTrainer
 
     data = cfg.get("data") or {}

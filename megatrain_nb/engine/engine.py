@@ -346,7 +346,7 @@ class StreamingEngine:
             return
         if manifest and (os.path.isfile(os.path.join(path, "manifest.json"))
                          or os.path.isfile(os.path.join(path, "megatrain_state.json"))):
-            from megatrain_nb.trainer.manifest import verify_manifest
+            from megatrain_nb.manifest import verify_manifest
 
             verify_manifest(path)
         if is_linked(path):

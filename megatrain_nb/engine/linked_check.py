@@ -25,6 +25,8 @@ from typing import Optional
 
 import xxhash
 
+from megatrain_nb.manifest import IntegrityError
+
 from .disk_format import CHECKSUM, IO_CHUNK, OffloadError, pread_all, read_header
 
 _READ = 8 << 20
@@ -32,8 +34,6 @@ _READ = 8 << 20
 
 def damaged(path: str, why: str) -> Exception:
     """The error a damaged part raises: ``IntegrityError`` (a ``ValueError``) naming the file."""
-    from megatrain_nb.trainer.manifest import IntegrityError
-
     return IntegrityError(f"{path!r} is damaged: {why}. Nothing was loaded from it")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megatrain_nb.threads import CONTROLLER_WATCH, thread_name
 from megatrain_nb.lab.protocol import atomic_write_json
+from megatrain_nb.processes import pid_alive
 
 ENV_CONTROLLER_PID = "MEGATRAIN_NB_CONTROLLER_PID"
 
@@ -58,8 +59,6 @@ def main(run_dir: str) -> None:
 def _watch_controller(trainer) -> None:
     """Rank 0: if the notebook kernel that launched us dies, stop the run at the next step
     rather than train on, unseen and unsteerable."""
-    from megatrain_nb.processes import pid_alive
-
     try:
         pid = int(os.environ.get(ENV_CONTROLLER_PID, ""))
     except ValueError:

@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.lab.protocol import read_json
+
 
 class WorkerError(RuntimeError):
     """A worker process failed; ``rank`` names it, ``remote_traceback`` is its traceback."""
@@ -18,16 +20,12 @@ class WorkerError(RuntimeError):
 
 def rank_errors(run_dir: Path) -> list[dict]:
     """The ``error-<rank>.json`` reports in the launch folder, oldest first."""
-    from megatrain_nb.lab.protocol import read_json
-
     errs = [read_json(p) for p in sorted(run_dir.glob("error-*.json"))]
     return sorted((e for e in errs if isinstance(e, dict)), key=lambda e: e.get("time", 0))
 
 
 def rank_reports(run_dir: Path) -> list[dict]:
     """Each rank's ``rank-<rank>.json`` report (outcome, steps, commands applied), by rank."""
-    from megatrain_nb.lab.protocol import read_json
-
     ranks = [r for r in (read_json(p) for p in sorted(run_dir.glob("rank-*.json"))) if isinstance(r, dict)]
     return sorted(ranks, key=lambda r: r.get("rank", 0))
 

@@ -20,6 +20,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
+from megatrain_nb.tiny_configs import tiny_config
+
 SUPPORTED, REFUSED, FAILING, NOT_DECODER, NOT_BUILT = (
     "supported", "refused", "failing", "not a decoder stack", "not built")
 
@@ -146,8 +148,6 @@ def check(model_type: str, modes=MODES) -> Result:
     """Build ``model_type``'s tiny model and compare the engine with Hugging Face autograd."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from megatrain_nb.tiny_configs import tiny_config
 
     architecture = registry().get(model_type, "?")
     kind = kind_of(model_type, architecture)

@@ -32,8 +32,7 @@ import numpy as np
 import torch
 
 from megatrain_nb.atomic import atomic_dir, commit_dir, recover_interrupted, temp_name
-
-from .manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
+from megatrain_nb.manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
 
 PREFIX = "checkpoint"
 STATE_FILE = "megatrain_state.json"

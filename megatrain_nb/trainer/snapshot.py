@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, List, Optional
 
+from ..threads import SNAPSHOT, thread_name
 from . import checkpoint as ckpt
 
 FOLDER = "snapshots"
@@ -129,8 +130,6 @@ class PendingSnapshot:
 
     def __init__(self, final: Path, tmp: Path, linked, write_shared, step: int):
         import threading
-
-        from ..threads import SNAPSHOT, thread_name
 
         self.path = final
         self.step = step

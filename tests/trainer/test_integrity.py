@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatrain_nb.trainer import Trainer, checkpoint as ckpt
-from megatrain_nb.trainer.manifest import IntegrityError
+from megatrain_nb.manifest import IntegrityError
 
 from .helpers import args, micro_model, token_dataset
 

@@ -13,7 +13,6 @@ Example::
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from .family import max_positions, vocab_size
 from .inputs import prepare_batch, window_batches
 from .materialize import SafetensorsSource
 from .memory import memory_report
-from .parts import build_parts
+from .parts import HoldsParts, build_parts
 from .planner import WindowPlan
 from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
 from .telemetry import Telemetry
@@ -50,7 +49,7 @@ class EngineOutput:
     skipped: bool = False               # the step was not applied (non-finite, on_nonfinite='skip')
 
 
-class StreamingEngine:
+class StreamingEngine(HoldsParts):
     """Streams a Hugging Face decoder-only model through the device, unit by unit.
 
     The engine takes ownership of ``model``: its parameters move into the engine's host store
@@ -81,8 +80,7 @@ class StreamingEngine:
         with thread_registry.thread_device(self.device):   # every engine pool's threads start on it (threads.py)
             parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters,
                                 source=_source)
-        for f in dataclasses.fields(parts):
-            setattr(self, f.name, getattr(parts, f.name))
+        self.parts = parts   # engine.pager, engine.updates...: read through it (parts.HoldsParts)
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"
         self.checkpoint_interval = self.plan.checkpoint_interval

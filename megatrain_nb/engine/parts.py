@@ -6,6 +6,8 @@ states -> parameters taken from the model -> AdamW, update scheduler -> transpor
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -55,6 +57,22 @@ class EngineParts:
     runner: StepRunner
     boundary: BoundaryStore
     steps: Steps
+
+
+class HoldsParts:
+    """The engine's parts, held in one :class:`EngineParts` (``self.parts``) and read as its
+    attributes (``engine.pager``, ``engine.updates``...): each a read-only property made from
+    the dataclass's fields below, so they are declared, and typed, in one place."""
+
+    parts: EngineParts
+
+
+def _part(name: str) -> property:
+    return property(operator.attrgetter(f"parts.{name}"), doc=f"``self.parts.{name}`` (EngineParts)")
+
+
+for _field in dataclasses.fields(EngineParts):
+    setattr(HoldsParts, _field.name, _part(_field.name))
 
 
 def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.device, counters,

@@ -42,6 +42,8 @@ from megatrain_nb.model_configs import is_preset
 from megatrain_nb.model_source import resolve
 from megatrain_nb.torchrun import LAUNCH_LABEL
 
+from .model_source import build_trainer, default_args
+
 SPEC_FILE = "spec.json"
 RUN_DIR_LABEL = LAUNCH_LABEL   # the wrapper's torchelastic log folders share it (reclaimed alike)
 _made: set = set()          # this process's launch folders (removed at exit if still there)
@@ -104,8 +106,6 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
     fork of a multi-process run: the same step on every rank)."""
     if args is None:   # spell out the defaults, so that the controller knows the output folder too
         if isinstance(model, str) and is_preset(model) and not Path(model).exists():
-            from .model_source import default_args
-
             on_corpus = train_dataset is None or eval_dataset is not None   # as model_source._builtin
             args = default_args(os.path.join("megatrain_outputs", model), eval_strategy="steps" if on_corpus else "no")
         else:
@@ -315,8 +315,6 @@ def load_ref(ref: str, what: str) -> Any:
 def build_from_spec(run_dir: Path):
     """(trainer, tokenizer) in a worker process, from ``run_dir/spec.json``."""
     import datasets
-
-    from .model_source import build_trainer
 
     spec = json.loads((run_dir / SPEC_FILE).read_text(encoding="utf-8"))
     model = spec["model"].get("folder") or spec["model"]["preset"]

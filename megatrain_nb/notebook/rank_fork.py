@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from .branches import check_changes, free_name
 from .placement import PLACEMENT
+from .remote import ProcessRun
 
 #: where a fork's output folder goes, inside the parent's
 BRANCHES = "branches"
@@ -32,8 +33,6 @@ def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: 
     """The new Session: ``session`` (whose run controller is ``run``, a ``ProcessRun``) forked from
     snapshot ``info`` (a ``SnapshotInfo``) with ``changes`` (``branches.ALLOWED``)."""
     from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS
-
-    from .remote import ProcessRun
 
     changes = check_changes(changes, session.trainer)
     if PLACEMENT in changes:

@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 from megatrain_nb.lab.protocol import read_json
 
+from .rank_watch import first_failure
+
 
 class WorkerError(RuntimeError):
     """A worker process failed; ``rank`` names it, ``remote_traceback`` is its traceback."""
@@ -40,7 +42,6 @@ def launched_outcome(rc: int, run_dir: Path, ranks: list[dict], watch: Any, tail
     # peer's death) its consequences. A rank that died without a word left no file: the
     # watch saw it go, torchrun's agent reports its exit code (the agent's own SIGTERM to
     # the rest, -15, is not a failure).
-    from .rank_watch import first_failure
 
     reported = {e.get("rank") for e in errors} | {r.get("rank") for r in ranks}
     codes = agent_failures(tail)

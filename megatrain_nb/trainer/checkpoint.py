@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from megatrain_nb.atomic import atomic_dir, commit_dir, recover_interrupted, temp_name
+from megatrain_nb.engine.io import shard_files
 from megatrain_nb.manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
 
 PREFIX = "checkpoint"
@@ -239,8 +240,6 @@ def check_model(path, engine) -> None:
 def _weights_in(path: Path) -> Optional[dict]:
     """name -> shape of the tensors in a checkpoint's Hugging Face weights files (None: there are none)."""
     from safetensors import safe_open
-
-    from megatrain_nb.engine.io import shard_files
 
     try:
         files = shard_files(path)

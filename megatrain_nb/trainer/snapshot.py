@@ -35,6 +35,7 @@ from typing import Iterable, List, Optional
 
 from ..threads import SNAPSHOT, thread_name
 from . import checkpoint as ckpt
+from .schedule import LRSchedule
 
 FOLDER = "snapshots"
 _NAME = re.compile(r"^step-(\d+)-([0-9A-Za-z_-]+)$")
@@ -97,8 +98,6 @@ def apply_branch_start(trainer, start: BranchStart, stream, total: int):
     """After a trainer loaded a snapshot: give it the branch's lineage, schedule and data
     position. Returns the schedule the run goes on with."""
     import uuid
-
-    from .schedule import LRSchedule
 
     step = int(trainer.state.global_step)
     if start.new_run:

@@ -5,6 +5,8 @@ its words with :func:`estimate_from_words`), so the notebook does not import the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 
 from megatrain_nb.estimator import CLI_NAMES, estimate
 from megatrain_nb.estimator_dist import estimate_scale_out
@@ -112,9 +114,6 @@ def run_estimate(ns):
 def estimate_from_words(words):
     """``%megatrain estimate <words>``: the CLI's own parser; a usage error raises ValueError
     with argparse's message instead of exiting."""
-    import contextlib
-    import io
-
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

@@ -63,7 +63,7 @@ def preset_config(name: str, vocab_size: int | None = None, **overrides):
 
     ``vocab_size`` (e.g. the built-in tokenizer's) and any other config field may be overridden.
     """
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig   # transformers: heavy, read only when a config is built
 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
@@ -99,7 +99,7 @@ def family_config(family: str, *, layers: int = 3, tie: bool = False, hidden: in
                   vocab: int = FAMILY_VOCAB, **overrides):
     """The tiny config of ``family`` (one of :data:`FAMILIES`, or ``qwen2_moe``): ``layers``
     decoder layers of width ``hidden``; ``overrides`` replace any field."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig   # transformers: heavy, read only when a config is built
 
     if family == "gpt2":
         fields = dict(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=64,

@@ -14,6 +14,7 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,7 @@ class ModelSource:
 
     def config(self):
         """The transformers config (nothing is downloaded beyond what :func:`resolve` fetched)."""
-        from transformers import AutoConfig
+        from transformers import AutoConfig   # transformers: imported only when a config is read
 
         if self.kind == "preset":
             return preset_config(self.name)
@@ -130,9 +131,7 @@ def _by_name(name: str, revision, token, base, hub: bool) -> ModelSource:
 
 
 def _config_file(path: str):
-    import json
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig   # transformers: imported only when a config is read
 
     with open(path) as f:
         d = json.load(f)

@@ -57,3 +57,26 @@ def test_one_registry_of_configs():
     assert tiny("qwen3").num_hidden_layers <= 4   # any registered model type, shrunk
     with pytest.raises(KeyError, match="no tiny config"):
         family_config("bert")
+
+
+def test_the_entry_points_refuse_in_the_same_words(tmp_path, monkeypatch):
+    from transformers import TrainingArguments
+
+    import megatrain_nb as mt
+    from megatrain_nb.cli.config import UsageError, model_source
+    from megatrain_nb.engine import StreamingEngine
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none")
+    with pytest.raises(ValueError, match=r"model='micro' is a preset: mt.Trainer takes a model folder"):
+        mt.Trainer(model="micro", args=args, device="cpu")
+    with pytest.raises(ValueError, match=r"model='micro' is a preset: StreamingEngine.from_pretrained takes"):
+        StreamingEngine.from_pretrained("micro")
+    with pytest.raises(FileNotFoundError, match="not a local model folder .no config.json."):
+        StreamingEngine.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="neither a preset .* nor an existing model folder"):
+        mt.estimate("org/absent")
+    with pytest.raises(UsageError, match="'micro' is a preset; write preset: micro"):
+        model_source({"model": "micro"}, tmp_path)
+    with pytest.raises(ModelNotFoundError, match="or a preset: micro"):
+        model_source({"model": "org/absent"}, tmp_path)

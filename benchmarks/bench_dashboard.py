@@ -73,7 +73,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     from megatrain_nb.notebook import Session
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     if ns.threads:
         torch.set_num_threads(ns.threads)

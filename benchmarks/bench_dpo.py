@@ -51,7 +51,7 @@ def _model_and_tok(a):
     from transformers import AutoModelForCausalLM
 
     from megatrain_nb.assets import chat_tokenizer
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     tok = chat_tokenizer()
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatrain_nb.trainer import manifest as mf  # noqa: E402
+from megatrain_nb import manifest as mf  # noqa: E402
 
 
 def hash_speeds(mib: int = 256) -> dict[str, float]:

@@ -32,7 +32,7 @@ def _model(vocab: int, preset: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(preset_config(preset, vocab_size=vocab))

@@ -33,7 +33,7 @@ def run_one(kind: str, ns) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     if ns.threads:
         torch.set_num_threads(ns.threads)

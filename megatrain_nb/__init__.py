@@ -26,7 +26,7 @@ _LAZY = {
     "DPOTrainer": "megatrain_nb.trainer.dpo",
     "get_defaults": "megatrain_nb.trainer",
     "load_default": "megatrain_nb.trainer",
-    "preset_config": "megatrain_nb.trainer",
+    "preset_config": "megatrain_nb.model_configs",
     "estimate": "megatrain_nb.estimator",
     "Estimate": "megatrain_nb.estimator",
     "estimate_scale_out": "megatrain_nb.estimator_dist",

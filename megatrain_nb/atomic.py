@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Union
 
+from megatrain_nb.processes import pid_alive
+
 PathLike = Union[str, os.PathLike]
 
 
@@ -103,8 +105,6 @@ def recover_interrupted(folder: PathLike) -> list[str]:
     process): a moved-aside old folder whose replacement never arrived is renamed back, one
     whose replacement is in place is deleted, and partial new folders are deleted. Returns
     what was done, one line each."""
-    from megatrain_nb.processes import pid_alive
-
     root = Path(folder)
     if not root.is_dir():
         return []

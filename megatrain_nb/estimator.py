@@ -15,14 +15,16 @@ no limit (the table then shows what is needed). The numbers come from the engine
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 import shutil
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from megatrain_nb.estimator_dpo import reference_cache_bytes, reference_lines
 from megatrain_nb.formatting import fmt_bytes
+from megatrain_nb.model_source import resolve
+from megatrain_nb.values import check
 
 GiB = 1024 ** 3
 Budget = Union[float, int, str, None]
@@ -45,36 +47,11 @@ def _fmt_params(n: int) -> str:
 
 def resolve_config(model):
     """A transformers config from a preset name, a model folder, a config.json, a config, a model
-    or an engine. Returns (config, display name)."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    from megatrain_nb.trainer.presets import PRESETS, preset_config
-
-    if isinstance(model, PretrainedConfig):
-        return model, getattr(model, "name_or_path", "") or model.model_type
-    if isinstance(model, (str, os.PathLike)):
-        s = os.fspath(model)
-        if s in PRESETS:
-            return preset_config(s), s
-        if os.path.isdir(s):
-            if not os.path.isfile(os.path.join(s, "config.json")):
-                raise ValueError(f"{s!r} is a folder without config.json; give a model folder, a config.json or a "
-                                 f"preset ({', '.join(PRESETS)})")
-            return AutoConfig.from_pretrained(s), s
-        if os.path.isfile(s):
-            with open(s) as f:
-                d = json.load(f)
-            model_type = d.pop("model_type", None)
-            if model_type is None:
-                raise ValueError(f"{s!r} has no model_type; is it a transformers config.json?")
-            return AutoConfig.for_model(model_type, **d), s
-        raise ValueError(f"{s!r} is neither a preset ({', '.join(PRESETS)}) nor an existing model folder or "
-                         "config file")
-    cfg = getattr(model, "model_config", None) or getattr(model, "config", None)
-    if cfg is not None:
-        return cfg, type(model).__name__
-    raise TypeError(f"cannot estimate {type(model).__name__}: pass a preset name, a model folder, a config.json, "
-                    "a transformers config, a model or a StreamingEngine")
+    or an engine (never a Hub id: the estimator downloads nothing). Returns (config, display name)."""
+    source = resolve(model, hub=False)
+    if source.kind in ("config", "object", "engine"):
+        return source.config(), source.name
+    return source.config(), os.fspath(model)
 
 
 def machine_ram() -> Optional[int]:
@@ -112,7 +89,6 @@ def resolve_budget(value: Budget, auto) -> Optional[int]:
         if value != "auto":
             raise ValueError(f"budget {value!r}: give a number of GiB, 'auto' or None")
         return auto()
-    from megatrain_nb.values import check
 
     return int(check("budget_gb", value, "budget") * GiB)
 
@@ -393,8 +369,6 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                             disk_auto=disk_gb == "auto" and bool(offload_dir), disk_path=disk_path)
     cache = None
     if pairs is not None:
-        from megatrain_nb.estimator_dpo import reference_cache_bytes, reference_lines
-
         notes += reference_lines(pairs)
         cache = reference_cache_bytes(pairs)
     est = Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,

@@ -20,7 +20,8 @@ import html
 from dataclasses import dataclass
 from typing import Optional
 
-from megatrain_nb.estimator import GiB, Budget, resolve_budget, format_bytes, free_disk, machine_ram, estimate
+from megatrain_nb.estimator import (GiB, Budget, resolve_budget, format_bytes, free_disk, machine_ram, estimate,
+                                    resolve_config)
 
 
 def wire_bytes_per_rank(units, world: int, plan, *, accumulation: int = 1, layer_major: bool = True,
@@ -131,7 +132,6 @@ def estimate_scale_out(model, *, nodes: int = 1, gpus_per_node: int = 1, vram_gb
     limit); ``vram_gb``: per GPU; ``accumulation``: micro-batches per rank per optimizer step.
     Other keywords as :func:`~megatrain_nb.estimator.estimate`."""
     from megatrain_nb.engine.planner import unit_specs_from_config
-    from megatrain_nb.estimator import resolve_config
 
     for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -50,7 +50,7 @@ mtnb-disk | DiskStore | 2 (mtnb-disk_0, mtnb-disk_1) + mtnb-disk_urgent | - | st
 mtnb-cache | HostCache | 1 | - | step | copies resident keys into readers' buffers
 mtnb-transport-in | CpuTransport | 1, adversarial mode (tests) | - | - | delayed copies in; sharded gathers on CPU
 mtnb-transport-out | CpuTransport | 1, adversarial mode (tests) | - | - | delayed copies out; sharded reduce-scatters on CPU
-mtnb-manifest | trainer.manifest | up to 8 (a pool per call) | - | - | hashes checkpoint files
+mtnb-manifest | manifest | up to 8 (a pool per call) | - | - | hashes checkpoint files
 mtnb-snapshot | PendingSnapshot | 1 while a snapshot completes | - | - | links, manifest and rename of a snapshot taken without waiting for the step
 mtnb-session | Session | 1 per session (mtnb-session-<name>) | - | - | drives trainer.iter_steps()
 mtnb-publisher | Publisher | 1 per session (mtnb-publisher-<name>) | - | - | the only writer of widgets and displays

@@ -269,7 +269,7 @@ def test_max_steps_minus_one_says_it_trains_by_epochs(tmp_path, capsys):
 
 def test_version_and_every_preset_in_estimate_help(capsys):
     from megatrain_nb import __version__
-    from megatrain_nb.trainer.presets import preset_names
+    from megatrain_nb.model_configs import preset_names
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])

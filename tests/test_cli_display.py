@@ -59,7 +59,7 @@ import megatrain_nb as mt
 from transformers import AutoModelForCausalLM
 from trl import SFTConfig
 from megatrain_nb.assets import chat_dataset, chat_tokenizer
-from megatrain_nb.trainer.presets import preset_config
+from megatrain_nb.model_configs import preset_config
 import datasets
 tok = chat_tokenizer()
 model = AutoModelForCausalLM.from_config(preset_config("micro", vocab_size=len(tok)))

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatrain_nb"
@@ -78,3 +79,185 @@ def test_the_checker_catches_a_reach(tmp_path, monkeypatch):
     got = violations()
     assert any("imports private megatrain_nb.b._hidden" in g for g in got)
     assert any("reads x._state" in g for g in got)
+
+
+# ---------------------------------------------------------------------------------- import directions
+"""Layers, lowest first: a module imports only from its own layer or the layers below it.
+
+shared utilities -> engine -> trainer -> processes and the run-control channel -> the fronts
+(notebook, CLI, the Jupyter server's handlers). The fronts do not import each other.
+"""
+LAYERS = {
+    "shared": ("values", "formatting", "atomic", "threads", "processes", "commands", "env_vars", "hub",
+               "loopback", "manifest", "model_configs", "tiny_configs", "model_source", "learning_rate",
+               "assets"),
+    "engine": ("engine",),
+    "trainer": ("trainer", "estimator", "estimator_dist", "estimator_dpo", "estimate_words", "sweep"),
+    # the launcher and the files a kernel and the Jupyter server talk through (heartbeats, inboxes)
+    "channel": ("torchrun", "torchrun_boot", "lab.protocol", "lab.beacon", "lab.registry"),
+    "front": ("notebook", "cli", "lab"),
+}
+ORDER = list(LAYERS)
+#: imports against the direction, each with its reason (to be removed, not added to)
+UPWARD_ALLOWED = {
+    ("megatrain_nb.trainer.control", "megatrain_nb.lab.beacon"):
+        "the ranks' heartbeat and inbox; issue 34 item 1 (one step-boundary controller) replaces it",
+}
+
+
+def _module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _place(module: str) -> tuple[str, str]:
+    """(layer, unit) of a package module: the unit is the entry of LAYERS it falls under."""
+    rest = module.split(".", 1)[1] if "." in module else ""
+    best = None
+    for layer, units in LAYERS.items():
+        for unit in units:
+            if (rest == unit or rest.startswith(unit + ".")) and (best is None or len(unit) > len(best[1])):
+                best = (layer, unit)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layering.py")
+    return best
+
+
+def import_edges(package: Path = None) -> list[tuple[str, str, tuple, bool, int]]:
+    """(module, imported package module, names, inside a function, line) for every import of
+    the package's own modules, read by ast."""
+    return _edges(package or PACKAGE)
+
+
+@functools.lru_cache(maxsize=4)
+def _edges(package: Path) -> list[tuple[str, str, tuple, bool, int]]:
+    files = {_module_name(p, package): p for p in package.rglob("*.py")}
+    out = []
+    for module, path in sorted(files.items()):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for n in ast.walk(f)}
+        typing_only = {id(n) for f in ast.walk(tree) if isinstance(f, ast.If) and "TYPE_CHECKING" in ast.unparse(f.test)
+                       for n in ast.walk(f)}   # annotations only: never imported at run time
+        for n in ast.walk(tree):
+            if id(n) in typing_only:
+                continue
+            if isinstance(n, ast.Import):
+                targets = [(a.name, ()) for a in n.names]
+            elif isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    up = module.split(".")[: len(module.split(".")) - n.level + (path.name == "__init__.py")]
+                    base = ".".join(up + ([n.module] if n.module else []))
+                subs = [f"{base}.{a.name}" for a in n.names if f"{base}.{a.name}" in files]
+                names = tuple(a.name for a in n.names)
+                targets = [(s, ()) for s in subs] if len(subs) == len(n.names) else [(base, names)]
+            else:
+                continue
+            out += [(module, t, names, id(n) in nested, n.lineno) for t, names in targets
+                    if t == PACKAGE.name or t.startswith(PACKAGE.name + ".")]
+    return out
+
+
+def direction_violations(edges) -> list[str]:
+    found = []
+    for module, target, names, _, line in edges:
+        if target == PACKAGE.name:   # the package's facade: only its version may be imported from below
+            if set(names) - {"__version__"}:
+                found.append(f"{module}:{line}: imports {names} from the package facade")
+            continue
+        if module == PACKAGE.name or (module, target) in UPWARD_ALLOWED:
+            continue
+        (layer, unit), (t_layer, t_unit) = _place(module), _place(target)
+        if ORDER.index(t_layer) > ORDER.index(layer):
+            found.append(f"{module}:{line}: {layer} imports {target} ({t_layer}, above it)")
+        elif layer == t_layer == "front" and unit != t_unit:
+            found.append(f"{module}:{line}: {unit} imports {target} (another front)")
+    return found
+
+
+def import_cycles(edges) -> list[list[str]]:
+    """Cycles of the module-level import graph (imports inside functions left out)."""
+    graph: dict[str, set[str]] = {}
+    for module, target, _, nested, _ in edges:
+        if not nested and target != module:
+            graph.setdefault(module, set()).add(target)
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+#: imports of the package's own modules inside functions: 241 before issue 34, 169 after its layer
+#: work, 183 with the step-time prediction and long rows merged beside it (their CLI, estimator
+#: and header lines keep `megatrain-nb --help` and `mt.estimate` free of torch). A ratchet: lower
+#: it when one goes; each one left keeps an import light — torch, transformers, IPython behind it
+#: — or breaks what would otherwise be a circle.
+MAX_NESTED_OWN_IMPORTS = 183
+
+
+def test_imports_point_down_the_layers():
+    assert direction_violations(import_edges()) == []
+
+
+def test_no_import_cycles():
+    assert import_cycles(import_edges()) == []
+
+
+def test_nested_imports_of_own_modules_do_not_grow():
+    nested = {(m, line) for m, _, _, inside, line in import_edges() if inside}
+    assert len(nested) <= MAX_NESTED_OWN_IMPORTS, len(nested)
+
+
+def test_the_direction_checker_catches_an_upward_import_and_a_cycle(tmp_path, monkeypatch):
+    pkg = tmp_path / "megatrain_nb"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "notebook").mkdir()
+    for f in ("__init__.py", "engine/__init__.py", "notebook/__init__.py", "values.py"):
+        (pkg / f).write_text("")
+    (pkg / "engine" / "a.py").write_text("def f():\n    from megatrain_nb.notebook import b\n")
+    (pkg / "notebook" / "b.py").write_text("from . import c\n")
+    (pkg / "notebook" / "c.py").write_text("from megatrain_nb.notebook.b import x\n")
+    monkeypatch.setitem(globals(), "PACKAGE", pkg)
+    edges = import_edges(pkg)
+    assert any("engine imports megatrain_nb.notebook.b (front, above it)" in v for v in direction_violations(edges))
+    assert import_cycles(edges) == [["megatrain_nb.notebook.b", "megatrain_nb.notebook.c", "megatrain_nb.notebook.b"]]
+
+
+# ---------------------------------------------------------------------------------- environment variables
+def _env_names_in_code() -> dict[str, list[str]]:
+    import re
+
+    pattern = re.compile(r"^(MEGATRAIN|MTNB)[A-Z0-9_]*$")
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "env_vars.py" and path.parent == PACKAGE:
+            continue
+        for n in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and pattern.match(n.value):
+                found.setdefault(n.value, []).append(f"{path.relative_to(PACKAGE)}:{n.lineno}")
+    return found
+
+
+def test_every_environment_variable_is_in_the_table():
+    from megatrain_nb.env_vars import ENV_VARS
+
+    in_code = _env_names_in_code()
+    assert sorted(set(in_code) - set(ENV_VARS)) == [], "add them to megatrain_nb/env_vars.py"
+    assert sorted(set(ENV_VARS) - set(in_code)) == [], "no code reads them: remove the rows"
+    for name, var in ENV_VARS.items():
+        assert var.meaning and var.default, name
+        assert any(where.startswith(var.reader + ":") for where in in_code[name]), (name, in_code[name])

@@ -330,7 +330,7 @@ def one_yaml_refusal(tmp_path, capsys, section, name, value):
 @pytest.mark.parametrize("name,keyword", [("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"),
                                           ("top_k", "top_k"), ("sample_seed", "seed")])
 def test_sampling_values_are_checked_before_any_token(name, keyword):
-    from megatrain_nb.notebook.sampling import sample_text
+    from megatrain_nb.engine.sampling import sample_text
 
     for label, value in bad_values(name):
         with pytest.raises(ValueRefused) as e:

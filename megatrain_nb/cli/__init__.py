@@ -41,60 +41,22 @@ from megatrain_nb.cli.report import (  # noqa: F401
     tier_text,
 )
 from megatrain_nb.cli.train import cmd_train, cmd_train_sft  # noqa: F401
+from megatrain_nb.estimate_words import Lazy, add_estimate_arguments, codec_names_lazy, positive_int
+from megatrain_nb.sweep import table
+from megatrain_nb.sweep.check import sweep
 
 _tier_text = tier_text   # (its name before the split)
 
 
-# ---------------------------------------------------------------------------------------- parser
 def _max_steps_arg(s: str) -> int:
     return check_max_steps(s, "--max-steps", error=argparse.ArgumentTypeError)
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, not {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, not {s!r}")
-    return v
-
-
-class _Lazy:
-    """Names read from a registry only when argparse needs them (a choice checked, a help
-    printed): the registries live in packages that import torch and transformers, which
-    `megatrain-nb --help` has no use for (seconds, cold)."""
-
-    def __init__(self, names) -> None:
-        self.names = names
-
-    def __iter__(self):
-        return iter(self.names())
-
-    def __contains__(self, x) -> bool:
-        return x in self.names()
-
-    def __str__(self) -> str:
-        return ", ".join(self.names())
-
-
-def _codec_names() -> tuple:
-    from megatrain_nb.engine.codecs import codec_names  # the codec registry: a new codec is one file
-
-    return codec_names()
-
-
-def _preset_names() -> list:
-    from megatrain_nb.trainer.presets import preset_names  # the preset registry
-
-    return preset_names()
 
 
 # ---------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from megatrain_nb import __version__
 
-    codec_names = _Lazy(_codec_names)
+    codec_names = Lazy(codec_names_lazy)
 
     ap = argparse.ArgumentParser(prog="megatrain-nb", description="Full-precision training of models larger "
                                  "than accelerator memory.")
@@ -103,15 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="train the built-in default (no download) with the disk tier and "
                                     "compressed optimizer states")
-    d.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default 250; 20 with --quick)")
+    d.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 250; 20 with --quick)")
     d.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     d.add_argument("--output-dir", default="megatrain_demo", help="where checkpoints, the model and metrics go")
     d.add_argument("--quick", action="store_true", help="a very short run (smoke test)")
-    d.add_argument("--seq-len", type=_positive_int, default=None,
+    d.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sequence (default 128; 64 with --quick)")
-    d.add_argument("--batch-size", type=_positive_int, default=8)
+    d.add_argument("--batch-size", type=positive_int, default=8)
     d.add_argument("--lr", type=float, default=3e-3)
-    d.add_argument("--vocab-size", type=_positive_int, default=4096)
+    d.add_argument("--vocab-size", type=positive_int, default=4096)
     d.add_argument("--compression", default="int8", choices=codec_names, metavar="CODEC",
                    help="optimizer-state codec: %(choices)s (default int8)")
     d.add_argument("--no-disk", action="store_true", help="keep everything in RAM (no disk tier)")
@@ -138,29 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("estimate", help="the memory table for a model on given hardware")
-    e.add_argument("model", help="a preset (%(presets)s), a local model folder or a config.json").presets = \
-        _Lazy(_preset_names)
-    e.add_argument("--vram", type=budget_arg, default=80.0, help="device budget in GiB (default 80)")
-    e.add_argument("--ram", type=budget_arg, default="auto", help="host RAM in GiB, 'auto' (this machine) or 'none'")
-    e.add_argument("--disk", type=budget_arg, default="auto", help="disk tier in GiB, 'auto' (free space) or 'none'")
-    e.add_argument("--batch", type=int, default=1)
-    e.add_argument("--seq", type=int, default=2048)
-    e.add_argument("--compression", default="int8", choices=codec_names, metavar="CODEC",
-                   help="optimizer-state codec: %(choices)s (default int8)")
-    e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    e.add_argument("--offload-dir", default=None, help="where the disk tier would live (for 'auto' free space)")
-    e.add_argument("--no-disk", action="store_true", help="no disk tier")
-    e.add_argument("--accumulation", type=_positive_int, default=1,
-                   help="micro-batches per optimizer step on each GPU (default 1)")
-    e.add_argument("--nodes", type=_positive_int, default=1,
-                   help="machines in the run (default 1); --ram and --disk are per node")
-    e.add_argument("--gpus-per-node", type=_positive_int, default=1,
-                   help="GPUs (ranks) per node (default 1); the training state is sharded over all of them")
-    e.add_argument("--profile", default=None, metavar="NAME",
-                   help="also predict the time per step and per 1B tokens on this machine profile "
-                        "(megatrain_nb.engine.rates.PROFILES), or 'here' for this machine's measured rates")
-    e.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    e.add_argument("--pairs", type=_positive_int, default=None, help="DPO: preference pairs (the reference pass)")
+    add_estimate_arguments(e)
     e.set_defaults(func=cmd_estimate)
 
     m = sub.add_parser("models", help="which causal LMs of the installed transformers the engine supports "
@@ -178,11 +118,7 @@ def cmd_models(ns) -> int:
     """The models table for the installed transformers (shipped results, or checked here)."""
     import transformers
 
-    from megatrain_nb.sweep import table
-
     if ns.check is not None:
-        from megatrain_nb.sweep.check import sweep
-
         results = [r.to_dict() for r in sweep(ns.check or None)]
     else:
         stored = table.load()

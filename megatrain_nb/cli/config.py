@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from megatrain_nb import assets
+from megatrain_nb.model_configs import check_preset, preset_config
+from megatrain_nb.model_source import resolve
+from megatrain_nb.values import ValueRefused, check, check_fields
 
 EXAMPLE_CONFIG = "examples/run.yaml"
 
@@ -116,8 +120,6 @@ def load_run_config(path) -> dict:
 def check_values(cfg: dict, path) -> None:
     """Every value of run.yaml the table of values holds (:mod:`megatrain_nb.values`), checked as
     it enters, before any model or data is read; the checked numbers replace the text."""
-    from megatrain_nb.values import ValueRefused, check, check_fields
-
     try:
         for key in ("training", "sft", "engine"):
             if cfg.get(key):
@@ -134,14 +136,19 @@ def check_values(cfg: dict, path) -> None:
 def model_source(cfg: dict, base: Path) -> tuple[str, str]:
     """(folder, how to name it) for run.yaml's ``model``: a folder relative to the config file,
     else a Hub id fetched through huggingface_hub (config, tokenizer and safetensors only)."""
-    from megatrain_nb.hub import resolve_model
+    source = resolve(os.path.expanduser(cfg["model"]), revision=cfg.get("revision"), base=base)
+    if source.kind == "preset":
+        raise UsageError(f"model: {cfg['model']!r} is a preset; write preset: {cfg['model']} instead")
+    return source.need_folder("model:"), source.describe()
 
-    local = (base / os.path.expanduser(cfg["model"])).resolve()
-    name = str(local) if local.exists() else cfg["model"]
-    folder = resolve_model(name, revision=cfg.get("revision"))
-    if folder == name:
-        return folder, f"folder {folder}"
-    return folder, f"{cfg['model']} (Hugging Face Hub{', revision ' + cfg['revision'] if cfg.get('revision') else ''}; {folder})"
+
+def check_preset_field(cfg: dict) -> None:
+    """run.yaml's ``preset:``, if any, names a preset (UsageError listing them otherwise)."""
+    if "preset" in cfg:
+        try:
+            check_preset(cfg["preset"])
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
 
 def fine_tune_parts(cfg: dict, base: Path, fields: dict, max_length) -> tuple:
@@ -151,9 +158,6 @@ def fine_tune_parts(cfg: dict, base: Path, fields: dict, max_length) -> tuple:
     does); the engine's ``offload_dir`` relative to the file."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatrain_nb import assets
-    from megatrain_nb.trainer.presets import preset_config
 
     model, model_text = (None, f"preset {cfg.get('preset')}")
     if "model" in cfg:
@@ -191,8 +195,6 @@ def training_fields(ns, cfg: dict, base: Path) -> dict:
 def check_max_steps(v, where: str, error=None) -> int:
     """max_steps by the table's rule (>= 1, or -1: transformers' "no step limit"; 0 and other
     negatives would silently fall back to epochs in transformers): refused with ``error``."""
-    from megatrain_nb.values import ValueRefused, check
-
     try:
         return check("max_steps", v, where or "max_steps")
     except ValueRefused as e:

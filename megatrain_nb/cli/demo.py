@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from megatrain_nb.cli.report import disk_text, print_summary, run_with_progress
+from megatrain_nb.model_configs import preset_config
 
 
 #: The demo's host cache holds this share of its disk tier (the rest is read and written each step).
@@ -28,7 +29,6 @@ def cmd_demo(ns) -> int:
 
     from megatrain_nb.trainer import Trainer
     from megatrain_nb.trainer.default import cache_dir, load_default
-    from megatrain_nb.trainer.presets import preset_config
 
     if ns.quick:
         ns.steps = ns.steps or 20
@@ -74,7 +74,7 @@ def cmd_demo(ns) -> int:
         metrics = trainer.evaluate()
         model_dir = trainer.save_model(str(out_dir / "model"))
         if not ns.quick:
-            from megatrain_nb.notebook.sampling import sample_text
+            from megatrain_nb.engine.sampling import sample_text
 
             n_params = sum(p.numel() for _, p in trainer.engine.named_parameters())
             print(f"sample from this {n_params / 1e6:.1f}M-parameter model after {summary['steps']} steps "

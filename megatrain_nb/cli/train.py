@@ -8,6 +8,7 @@ from pathlib import Path
 from megatrain_nb.cli.config import (
     UsageError,
     check_max_steps,
+    check_preset_field,
     fine_tune_parts,
     load_files,
     load_run_config,
@@ -15,6 +16,8 @@ from megatrain_nb.cli.config import (
     training_fields,
 )
 from megatrain_nb.cli.report import print_header, print_summary, run_with_progress
+from megatrain_nb.cli.train_dpo import cmd_train_dpo, wants_dpo
+from megatrain_nb.model_configs import preset_config
 
 
 def _data_text(data: dict, train_ds, eval_ds, seq_len: int) -> str:
@@ -36,12 +39,10 @@ def cmd_train(ns) -> int:
     from megatrain_nb.trainer import Trainer
     from megatrain_nb.trainer.args import training_arguments
     from megatrain_nb.trainer.default import load_default
-    from megatrain_nb.trainer.presets import preset_config, preset_names
 
     cfg = load_run_config(ns.config)
     base = Path(ns.config).resolve().parent
     data = cfg.get("data") or {}
-    from megatrain_nb.cli.train_dpo import cmd_train_dpo, wants_dpo
 
     if wants_dpo(cfg):   # preference training: a dpo: section or data.format: preference
         return cmd_train_dpo(ns, cfg, base)
@@ -60,8 +61,7 @@ def cmd_train(ns) -> int:
     if not os.path.isabs(training["output_dir"]):
         training["output_dir"] = str((base / training["output_dir"]).resolve())
     seq_len = data.get("seq_len") or 256   # checked by load_run_config (the table of values)
-    if "preset" in cfg and cfg["preset"] not in preset_names():
-        raise UsageError(f"preset: {cfg['preset']!r} is not a preset; use one of {', '.join(preset_names())}")
+    check_preset_field(cfg)
     try:   # checked before any data is prepared; a misspelled field gets the closest name
         args = training_arguments(training, where="training")
     except ValueError as e:
@@ -114,7 +114,6 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     """run.yaml with an ``sft:`` section or an instruction/chat ``data.format``: mt.SFTTrainer.
     ``data.train: builtin`` is the shipped chat set (in ``data.format``); the tokenizer defaults to
     the model's own, else the shipped chat tokenizer."""
-    from megatrain_nb.trainer.presets import preset_names
     from megatrain_nb.trainer.sft_data import FORMATS, detect_format, require_trl
 
     try:
@@ -123,7 +122,6 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
         raise UsageError(f"fine-tuning on conversations needs TRL: {e}") from None
     from trl import SFTConfig
 
-    from megatrain_nb import assets
     from megatrain_nb.trainer.sft import SFTTrainer
 
     data = cfg.get("data") or {}
@@ -137,8 +135,7 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     fields = {**training_fields(ns, cfg, base), **(cfg.get("sft") or {})}
     if fields.get("chat_template_path") and not os.path.isabs(fields["chat_template_path"]):
         fields["chat_template_path"] = str((base / fields["chat_template_path"]).resolve())
-    if "preset" in cfg and cfg["preset"] not in preset_names():
-        raise UsageError(f"preset: {cfg['preset']!r} is not a preset; use one of {', '.join(preset_names())}")
+    check_preset_field(cfg)
     try:
         args = SFTConfig(**fields)
     except TypeError as e:

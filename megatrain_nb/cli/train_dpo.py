@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatrain_nb.cli.config import UsageError, fine_tune_parts, load_files, training_fields
+from megatrain_nb.cli.config import UsageError, check_preset_field, fine_tune_parts, load_files, training_fields
 from megatrain_nb.cli.report import print_header, print_summary, run_with_progress
 
 
@@ -17,7 +17,6 @@ def cmd_train_dpo(ns, cfg: dict, base: Path) -> int:
     """``data.train: builtin`` is a preference set generated from the shipped chat set; the
     tokenizer defaults to the model's own, else the shipped chat tokenizer."""
     from megatrain_nb.trainer.dpo_data import builtin_preference_pairs
-    from megatrain_nb.trainer.presets import preset_names
     from megatrain_nb.trainer.sft_data import require_trl
 
     require_trl()
@@ -33,8 +32,7 @@ def cmd_train_dpo(ns, cfg: dict, base: Path) -> int:
     if bad:
         raise UsageError(f"data: {sorted(bad)} do not apply to preference training; use dpo.max_length")
     fields = {**training_fields(ns, cfg, base), **(cfg.get("dpo") or {})}
-    if "preset" in cfg and cfg["preset"] not in preset_names():
-        raise UsageError(f"preset: {cfg['preset']!r} is not a preset; use one of {', '.join(preset_names())}")
+    check_preset_field(cfg)
     try:
         args = DPOConfig(**fields)
     except TypeError as e:

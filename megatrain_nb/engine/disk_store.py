@@ -67,6 +67,7 @@ from .disk_format import (ALIGN, SUFFIX, OffloadError, Staging, aligned_empty, a
 from .disk_ranged import RangedRewrite
 from .diskspace import filesystem_of, filesystem_text
 from .reclaim import folder_prefix, reclaim
+from .. import threads as registry
 from ..threads import DISK
 
 __all__ = ["ALIGN", "DiskStore", "OffloadError", "RangedRewrite", "WriteWindow", "aligned_empty",
@@ -84,7 +85,6 @@ class _PriorityPool:
         self._seq = 0
         self._shutdown = False
         self.stopping = False   # set without the lock (finalizers): idle workers exit within a second
-        from .. import threads as registry
 
         self._device = registry.current_thread_device()   # (each worker starts on it: threads.py)
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
@@ -115,8 +115,6 @@ class _PriorityPool:
         self._cv.notify_all()  # the urgent-only worker must hear of urgent jobs
 
     def _work(self, urgent_only: bool = False) -> None:
-        from .. import threads as registry
-
         registry.set_thread_device(self._device)
 
         def ready():

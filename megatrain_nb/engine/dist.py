@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatrain_nb.loopback import is_loopback, loopback_env, loopback_store
+
 from .codecs import INT4_BLOCK, INT8_BLOCK
 from .issuer import Issuer
 
@@ -595,8 +597,6 @@ def loopback_rendezvous(timeout_s: float):
     when rank 0 hosts the store itself (torchrun's c10d rendezvous with its store not shared),
     that store bound to 127.0.0.1, where torch's own would listen on every interface. Returns
     that store (kept alive with the group) or None."""
-    from megatrain_nb.torchrun import is_loopback, loopback_env, loopback_store
-
     if not is_loopback(os.environ.get("MASTER_ADDR")):
         return None
     os.environ.update(loopback_env())

@@ -13,7 +13,6 @@ Example::
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -21,6 +20,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from megatrain_nb.model_source import resolve
 from megatrain_nb.values import check
 
 from . import io as engine_io
@@ -32,8 +32,9 @@ from .inputs import prepare_batch, window_batches
 from .materialize import SafetensorsSource
 from .outcome import EngineOutput
 from .memory import memory_report
-from .parts import build_parts
+from .parts import HoldsParts, build_parts
 from .planner import WindowPlan
+from .prediction_check import engine_prediction
 from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
 from .telemetry import Telemetry
 from .units import Unit, check_supported
@@ -41,7 +42,7 @@ from .window import plan_for
 from .. import threads as thread_registry
 
 
-class StreamingEngine:
+class StreamingEngine(HoldsParts):
     """Streams a Hugging Face decoder-only model through the device, unit by unit.
 
     The engine takes ownership of ``model``: its parameters move into the engine's host store
@@ -72,8 +73,7 @@ class StreamingEngine:
         with thread_registry.thread_device(self.device):   # every engine pool's threads start on it (threads.py)
             parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters,
                                 source=_source)
-        for f in dataclasses.fields(parts):
-            setattr(self, f.name, getattr(parts, f.name))
+        self.parts = parts   # engine.pager, engine.updates...: read through it (parts.HoldsParts)
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"
         self.checkpoint_interval = self.plan.checkpoint_interval
@@ -91,11 +91,8 @@ class StreamingEngine:
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from megatrain_nb.hub import resolve_model  # a Hub id ("org/name") -> its cached snapshot folder
-        folder = resolve_model(folder, revision=options.pop("revision", None), token=options.pop("token", None))
-        if not os.path.isdir(folder) or not os.path.exists(os.path.join(folder, "config.json")):
-            raise FileNotFoundError(f"{folder!r} is not a local model folder (no config.json); save one with "
-                                    "save_pretrained() or pass a model object.")
+        source = resolve(folder, revision=options.pop("revision", None), token=options.pop("token", None))
+        folder = source.need_folder("StreamingEngine.from_pretrained")   # a Hub id -> its cached snapshot folder
         hf_config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
@@ -181,7 +178,6 @@ class StreamingEngine:
     def prediction(self):
         """The predicted step (``engine/prediction.py``) of this plan at its last step's shape
         and ``self.rates`` (else the machine's cached rates); None before a step or without rates."""
-        from .prediction_check import engine_prediction
         return engine_prediction(self)
 
     @property
@@ -366,7 +362,7 @@ class StreamingEngine:
             return
         if manifest and (os.path.isfile(os.path.join(path, "manifest.json"))
                          or os.path.isfile(os.path.join(path, "megatrain_state.json"))):
-            from megatrain_nb.trainer.manifest import verify_manifest
+            from megatrain_nb.manifest import verify_manifest
 
             verify_manifest(path)
         if is_linked(path):

@@ -91,6 +91,4 @@ def apply_step(loss: Optional[float], grad_norm: Optional[float], step: int, pol
 def check_lr(lr) -> float:
     """A learning rate for an update: the table's ``step_lr`` rule (a finite number >= 0; a
     negative one would climb the loss)."""
-    from megatrain_nb.values import check
-
     return check("step_lr", lr)

@@ -36,6 +36,7 @@ from typing import Dict
 import torch
 
 from .disk_params import weights_key
+from .linked_check import read_meta
 
 LINKED_FILE = "linked.json"
 RAM_FILE = "ram_state.safetensors"
@@ -171,8 +172,6 @@ def _link(disk, key: str, dest_dir: str):
 def load_linked(engine, folder) -> None:
     """Replace ``engine``'s weights, optimizer states and step counts by a linked checkpoint's."""
     from safetensors import safe_open
-
-    from .linked_check import read_meta
 
     folder = os.fspath(folder)
     meta = read_meta(folder)   # (engine.verify_checkpoint checked the whole folder before)

@@ -25,15 +25,16 @@ from typing import Optional
 
 import xxhash
 
+from megatrain_nb.manifest import IntegrityError
+
 from .disk_format import CHECKSUM, IO_CHUNK, OffloadError, pread_all, read_header
+from .disk_params import weights_key
 
 _READ = 8 << 20
 
 
 def damaged(path: str, why: str) -> Exception:
     """The error a damaged part raises: ``IntegrityError`` (a ``ValueError``) naming the file."""
-    from megatrain_nb.trainer.manifest import IntegrityError
-
     return IntegrityError(f"{path!r} is damaged: {why}. Nothing was loaded from it")
 
 
@@ -67,8 +68,6 @@ def read_meta(folder: str) -> dict:
 def verify_linked(engine, folder) -> None:
     """Check the linked checkpoint in ``folder`` against ``engine`` (see the module docstring);
     raise naming the first damaged or mismatched file. Reads, never writes."""
-    from .disk_params import weights_key
-
     folder = os.fspath(folder)
     meta = read_meta(folder)
     codec = meta.get("codec")

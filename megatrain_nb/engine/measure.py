@@ -41,6 +41,14 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from megatrain_nb.model_source import resolve
+
+from . import family
+from .codecs import codec_names, get_codec
+from .disk_format import aligned_empty
+from .disk_store import DiskStore
+from .diskspace import filesystem_of, filesystem_text
+from .pinned import release_cached_pinned
 from .rates import MachineRates, shape_key
 
 CACHE_VERSION = 1
@@ -113,7 +121,6 @@ def measure_copies(device: torch.device, nbytes: int, sizes: Sizes) -> dict:
         out = torch.empty_like(host)
         r = _rate(lambda: out.copy_(host), 4 * n, sizes)
         return dict(h2d_pageable=r, h2d_pinned=r, d2h_pageable=r, d2h_pinned=r)
-    from .pinned import release_cached_pinned
 
     sync = _sync_for(device)
     dev = torch.empty(n, device=device)
@@ -152,8 +159,6 @@ def measure_attention(device: torch.device, head_dim: int, sizes: Sizes, dtype=t
 def measure_disk(root: str, sizes: Sizes) -> dict:
     """Read and write bytes/s through the engine's DiskStore under ``root``: ``disk_files``
     layer-sized files written behind (timed to ``flush()``), then read ahead into aligned buffers."""
-    from .disk_format import aligned_empty
-    from .disk_store import DiskStore
 
     numel = sizes.disk_file_bytes // 4
     data = [aligned_empty(numel).fill_(1.0 + i) for i in range(sizes.disk_files)]
@@ -200,7 +205,6 @@ def measure_adamw(numel: int, sizes: Sizes) -> float:
 
 def measure_codecs(numel: int, sizes: Sizes) -> dict:
     """Per codec (not "none"): fp32 bytes/s of encoding and decoding both moments, one thread."""
-    from .codecs import codec_names, get_codec
 
     out = {}
     x = {"exp_avg": torch.randn(numel) * 1e-3, "exp_avg_sq": torch.rand(numel) * 1e-6}
@@ -236,11 +240,7 @@ class ModelShapes:
 def model_shapes(model, tokens: int) -> ModelShapes:
     """The matmul shapes (at ``tokens`` tokens) and head size of a model (a preset
     name, a model folder, a config.json, a config or a model: as ``mt.estimate`` takes)."""
-    from megatrain_nb.estimator import resolve_config
-
-    from . import family
-
-    cfg = family.text_config(resolve_config(model)[0])
+    cfg = family.text_config(resolve(model, hub=False).config())
     h = family.hidden_size(cfg)
     if not h:
         raise ValueError(f"measure_machine: cannot read the hidden size of {model!r}'s config")
@@ -365,7 +365,6 @@ def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=
     matmul shapes (at ``tokens`` tokens), head size and layer size are measured too. quick: tiny
     sizes, cached apart (tests). Takes 10-20 s the first time; ``print(rates)`` shows the table.
     """
-    from .diskspace import filesystem_of, filesystem_text
 
     dev, name = _device(device)
     root = os.fspath(offload_dir) if offload_dir is not None else tempfile.gettempdir()
@@ -390,7 +389,6 @@ def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=
 def cached_rates(device=None, offload_dir=None) -> Optional[MachineRates]:
     """The rates :func:`measure_machine` cached for this device and ``offload_dir``'s filesystem, or
     None: never measures (a built engine's ``.prediction`` reads this; a damaged file warns)."""
-    from .diskspace import filesystem_of
 
     dev, name = _device(device)
     root = os.fspath(offload_dir) if offload_dir is not None else tempfile.gettempdir()

@@ -23,6 +23,8 @@ from typing import List, Optional
 
 import torch
 
+from .inputs import PackedRows
+
 log = logging.getLogger(__name__)
 
 NAME = "megatrain_docs"
@@ -102,7 +104,6 @@ def packed_attention(model, batches) -> Optional[str]:
     """Switch ``model`` from SDPA to per-document attention when a micro-batch of ``batches``
     (prepared ``(ids, am, labels)``) is made of packed rows longer than :data:`PACKED_TOKENS`;
     returns the note logged (None: nothing done)."""
-    from .inputs import PackedRows
 
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa" or not _causal_everywhere(config):

@@ -6,6 +6,8 @@ states -> parameters taken from the model -> AdamW, update scheduler -> transpor
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -20,13 +22,14 @@ from .optimizer import UnitAdamW
 from .pager import Pager
 from .planner import Plan, engine_plan
 from .proxies import LayerProxy
+from .seams import DiskTier, Transport
 from .sharded import ShardedUnits
 from .states import OptimizerStates, open_disk_tier, read_ahead_allowance, stored_state_bytes, update_chunk
 from .step import StepRunner, Steps
 from .transport import make_transport
 from .units import Unit, build_units, find_layer_list
 from .updates import UpdateScheduler
-from .weight_store import make_weight_store
+from .weight_store import WeightStore, make_weight_store
 from .window import BoundaryStore
 
 #: Units up to this size get spare staging buffers (a spare or two per stream costs little RAM);
@@ -44,16 +47,32 @@ class EngineParts:
     persistent_buffers: dict
     plan: Plan
     store: HostStore
-    disk: object                     # HostCache around the DiskStore, or None
-    weights: object                  # WeightStore
+    disk: Optional[DiskTier]         # HostCache around the DiskStore, or None
+    weights: WeightStore             # RamWeights or DiskWeights
     states: OptimizerStates
     adam: UnitAdamW
-    updates: UpdateScheduler
-    transport: object                # engine.transport: Cuda | Cpu | Sharded
+    updates: UpdateScheduler         # (its step protocol: seams.StepUpdates)
+    transport: Transport             # Cuda | Cpu | Sharded
     pager: Pager
     runner: StepRunner
     boundary: BoundaryStore
     steps: Steps
+
+
+class HoldsParts:
+    """The engine's parts, held in one :class:`EngineParts` (``self.parts``) and read as its
+    attributes (``engine.pager``, ``engine.updates``...): each a read-only property made from
+    the dataclass's fields below, so they are declared, and typed, in one place."""
+
+    parts: EngineParts
+
+
+def _part(name: str) -> property:
+    return property(operator.attrgetter(f"parts.{name}"), doc=f"``self.parts.{name}`` (EngineParts)")
+
+
+for _field in dataclasses.fields(EngineParts):
+    setattr(HoldsParts, _field.name, _part(_field.name))
 
 
 def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.device, counters,

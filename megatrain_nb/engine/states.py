@@ -16,6 +16,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..threads import DECODE, ENCODE, executor
 from .codecs import ROLES as _ROLES, get_codec
 from .chunk_ring import ChunkRing
 from .disk_store import WriteWindow
@@ -114,8 +115,6 @@ class OptimizerStates:
         # encoded. (In line, a 4096-hidden layer's int8 update took 9 s, in threads ~4 s.)
         self._codec = self._decoder = None
         if self.codecs is not None:
-            from ..threads import DECODE, ENCODE, executor
-
             self._codec = executor(ENCODE)
             self.encode_behind_bytes = ENCODE_BEHIND_BYTES
             self._decoder = executor(DECODE)

@@ -103,10 +103,6 @@ class UpdateScheduler:
         announced when the gradient is handed to the gradient thread: engine/issuer.py)."""
         return self.intake.policy.votes(self.intake.step)
 
-    def straight(self) -> bool:
-        """Whether this micro-batch's final gradients go straight to their updates."""
-        return self.intake.step.straight
-
     def plan_reads(self, compute_order: Sequence[Unit], step: Optional[StepContext]) -> None:
         """Disk read-ahead for the coming micro-batch (``step`` None: evaluation). The weights
         follow ``compute_order``; the optimizer's reads go in the order its updates will run."""
@@ -179,9 +175,6 @@ class UpdateScheduler:
     def ready_weights(self, unit: Unit) -> torch.Tensor:
         return self.runner.ready_weights(unit)
 
-    def wait(self, unit: Unit) -> None:
-        self.runner.wait(unit)
-
     def wait_all(self) -> None:
         self.runner.wait_all()
 
@@ -192,29 +185,9 @@ class UpdateScheduler:
     def update_all(self, lr: float, grad_norm: Optional[float] = None) -> bool:
         return self.runner.update_all(lr, grad_norm)
 
-    def next_step(self) -> int:
-        return self.runner.next_step()
-
     # ------------------------------------------------------------------ the outcome's
-    @property
-    def failed(self) -> Optional[BaseException]:
-        return self.outcome.failed
-
-    @property
-    def nonfinite(self) -> Optional[BaseException]:
-        return self.outcome.nonfinite
-
-    @nonfinite.setter
-    def nonfinite(self, value) -> None:   # (kept for callers not yet on reported(); only None is accepted)
-        if value is not None:
-            raise ValueError("only the update modules record a non-finite step")
-        self.outcome.reported(None)
-
     def check(self) -> None:
         self.outcome.check()
-
-    def raise_nonfinite(self) -> None:
-        self.outcome.raise_nonfinite()
 
     def check_intact(self, what: str) -> None:
         """Wait for every update; refuse ``what`` after a failed one (StepOutcome.refuse_if_failed)."""
@@ -253,9 +226,6 @@ class UpdateScheduler:
     # ------------------------------------------------------------------ the intake's
     def lend_buffer(self, numel: int) -> torch.Tensor:
         return self.intake.lend_buffer(numel)
-
-    def reduce(self, unit: Unit, flat: torch.Tensor) -> None:
-        self.intake.reduce(unit, flat)
 
     def buffer_bytes(self) -> int:
         return self.intake.buffer_bytes()

@@ -348,8 +348,6 @@ class Explorer:
         """A new Session from snapshot ``info``, sharing this engine, with ``changes``."""
         from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart
 
-        from .session import Session
-
         changes = check_changes(changes, self.trainer)
         self.verify(info)   # a damaged snapshot is refused here, not when the fork first trains
         device = changes.pop(PLACEMENT, None)
@@ -377,7 +375,7 @@ class Explorer:
                                            restart_data="train_dataset" in changes)
         if name is None:
             name = free_name(f"{self.session.name}-fork", taken)
-        child = Session.from_trainer(trainer, tokenizer=self.session.tokenizer, name=str(name),
+        child = type(self.session).from_trainer(trainer, tokenizer=self.session.tokenizer, name=str(name),
                                      resume_from_checkpoint=info.path)
         self.adopt(child, info, changes, weight_decay=float(changes.get("weight_decay", self.engine_weight_decay())),
                    device=device if side else None)

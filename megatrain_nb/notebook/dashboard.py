@@ -32,9 +32,11 @@ import ipywidgets as W
 
 from megatrain_nb.formatting import fmt_bytes, fmt_num
 
+from . import chart, publisher
 from .chart import Chart, layers_spec, training_spec
 from .inspector import stats_rows_html
 from .lifecycle import ENDED
+from .preference_view import attach_reward_panel
 from .probe import RenderProbe
 from .run_log import RunView
 from .run_tree import BranchesPanel
@@ -160,7 +162,6 @@ class Dashboard(W.VBox):
         self._sent: dict[str, Any] = {p.name: None for p in PANELS}
         self._shown_version: int | None = None  # the run log version the data panels show
         self.poke: Callable[[], None] = lambda: None  # set by the publisher: refresh soon
-        from .preference_view import attach_reward_panel
 
         attach_reward_panel(self)   # a DPO run: reward margin and accuracy over steps
         self.pause_button.on_click(self._on_pause)
@@ -376,8 +377,6 @@ class Dashboard(W.VBox):
 
 def warm_up() -> None:
     """Import the display stack now rather than in ``train()`` (ipywidgets, anywidget)."""
-    from . import chart, publisher  # noqa: F401
-
 
 def _default_unit(units: list[str]) -> str | None:
     layers = [u for u in units if u not in ("embed", "head")]

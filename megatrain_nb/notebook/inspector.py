@@ -11,6 +11,8 @@ import html
 import math
 from typing import Any
 
+from .static_chart import img
+
 #: the per-unit statistics shown as numbers (the histogram is drawn)
 SCALARS = ("weight_norm", "grad_norm", "update_norm", "update_ratio")
 
@@ -69,8 +71,6 @@ class LayerReport(dict):
 def _histogram_img(stats: dict) -> str:
     """The histogram as an image: an untrusted notebook's sanitizer takes inline SVG apart (its
     two labels ran together as "-0.096291.037"), an ``<img>`` of it stays whole."""
-    from .static_chart import img
-
     return img(histogram_svg(stats.get("hist_counts"), stats.get("hist_edges")), "weight histogram")
 
 

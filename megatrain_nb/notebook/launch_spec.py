@@ -38,7 +38,11 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.model_configs import is_preset
+from megatrain_nb.model_source import resolve
 from megatrain_nb.torchrun import LAUNCH_LABEL
+
+from .model_source import build_trainer, default_args
 
 SPEC_FILE = "spec.json"
 RUN_DIR_LABEL = LAUNCH_LABEL   # the wrapper's torchelastic log folders share it (reclaimed alike)
@@ -101,11 +105,7 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
     ``trainer.snapshot.BranchStart``; every rank then starts from the snapshot as that branch (a
     fork of a multi-process run: the same step on every rank)."""
     if args is None:   # spell out the defaults, so that the controller knows the output folder too
-        from megatrain_nb.trainer.presets import preset_names
-
-        if isinstance(model, str) and model in preset_names() and not Path(model).exists():
-            from .model_source import default_args
-
+        if isinstance(model, str) and is_preset(model) and not Path(model).exists():
             on_corpus = train_dataset is None or eval_dataset is not None   # as model_source._builtin
             args = default_args(os.path.join("megatrain_outputs", model), eval_strategy="steps" if on_corpus else "no")
         else:
@@ -157,21 +157,14 @@ def branch_start(spec: dict):
 
 def _model_ref(run_dir: Path, model: Any, options: dict) -> dict:
     if isinstance(model, (str, os.PathLike)):
-        path = Path(model).expanduser()
-        if path.exists():
-            if not (path / "config.json").is_file():
-                raise LaunchError(f"{str(path)!r} has no config.json: pass a Hugging Face model folder, a model "
-                                  "object, a Hub id or a preset name")
-            return {"folder": str(path.resolve())}
-        from megatrain_nb.trainer.presets import preset_names
-
-        if str(model) in preset_names():
-            return {"preset": str(model)}
-        from megatrain_nb.hub import resolve_model
-
-        # once here, so that N workers do not each go to the Hub
-        return {"folder": str(resolve_model(str(model), revision=options.pop("revision", None),
-                                            token=options.pop("token", None)))}
+        # resolved once here, so that N workers do not each go to the Hub
+        source = resolve(model, revision=options.pop("revision", None), token=options.pop("token", None))
+        if source.kind == "preset":
+            return {"preset": source.name}
+        try:
+            return {"folder": str(Path(source.need_folder("a launched run")).resolve())}
+        except FileNotFoundError as e:   # a path without config.json
+            raise LaunchError(str(e)) from None
     import torch
 
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "save_pretrained"):
@@ -322,8 +315,6 @@ def load_ref(ref: str, what: str) -> Any:
 def build_from_spec(run_dir: Path):
     """(trainer, tokenizer) in a worker process, from ``run_dir/spec.json``."""
     import datasets
-
-    from .model_source import build_trainer
 
     spec = json.loads((run_dir / SPEC_FILE).read_text(encoding="utf-8"))
     model = spec["model"].get("folder") or spec["model"]["preset"]

@@ -18,17 +18,17 @@ import time
 import traceback
 from pathlib import Path
 
-from megatrain_nb.threads import CONTROLLER_WATCH, thread_name
 from megatrain_nb.lab.protocol import atomic_write_json
+from megatrain_nb.processes import pid_alive
+from megatrain_nb.threads import CONTROLLER_WATCH, thread_name
+
+from .launch_spec import branch_start, build_from_spec
+from .rank_watch import pid_file
 
 ENV_CONTROLLER_PID = "MEGATRAIN_NB_CONTROLLER_PID"
 
 
 def main(run_dir: str) -> None:
-    from .launch_spec import branch_start, build_from_spec
-
-    from .rank_watch import pid_file
-
     run = Path(run_dir)
     rank = int(os.environ.get("RANK", "0"))
     # the controller watches this pid: a rank that dies without a word is then named
@@ -58,8 +58,6 @@ def main(run_dir: str) -> None:
 def _watch_controller(trainer) -> None:
     """Rank 0: if the notebook kernel that launched us dies, stop the run at the next step
     rather than train on, unseen and unsteerable."""
-    from megatrain_nb.processes import pid_alive
-
     try:
         pid = int(os.environ.get(ENV_CONTROLLER_PID, ""))
     except ValueError:

@@ -270,10 +270,9 @@ def _branches(session, rest):
 
 
 def _estimate(rest):
-    # the CLI's own parser: the same flags (--vram/--ram/--disk/--nodes/--gpus-per-node/...)
-    from megatrain_nb.cli import estimate_from_words
+    from IPython.display import display   # IPython: present in a kernel, not needed to import this module
 
-    from IPython.display import display
+    from megatrain_nb.estimate_words import estimate_from_words   # the CLI's flags (--vram/--ram/...)
 
     if not rest:
         raise MagicError("megatrain: estimate needs one model: a folder, a config.json or a preset, e.g.\n"

@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Optional
+
+from megatrain_nb.model_configs import preset_config
+from megatrain_nb.model_source import resolve
 
 
 def build_trainer(
@@ -33,26 +35,14 @@ def build_trainer(
     from megatrain_nb.trainer import Trainer
 
     if isinstance(model, (str, os.PathLike)):
-        path = Path(model).expanduser()
-        if not path.exists() and not _is_preset(str(model)):
-            from megatrain_nb.hub import ModelNotFoundError, resolve_model
-            from megatrain_nb.trainer.presets import preset_names
-
-            try:  # a Hub id -> its cached snapshot folder (config, tokenizer, safetensors only)
-                path = Path(resolve_model(model, revision=trainer_options.get("revision"),
-                                          token=trainer_options.get("token")))
-            except ModelNotFoundError as e:
-                raise ModelNotFoundError(f"{e}; or a preset: {', '.join(preset_names())}") from e
+        source = resolve(model, revision=trainer_options.get("revision"), token=trainer_options.get("token"))
+        if source.kind == "hub":   # fetched once here: the Trainer gets the cached snapshot folder
             trainer_options = {k: v for k, v in trainer_options.items() if k not in ("revision", "token")}
-        if path.exists():
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(
-                    f"{str(path)!r} has no config.json: pass a Hugging Face model folder "
-                    "(config.json + *.safetensors), a model object, or a preset name")
-            model = str(path)  # the Trainer picks up the folder's tokenizer when none is given
-        else:
+        if source.kind == "preset":
             model, tokenizer, train_dataset, eval_dataset, args = _builtin(
-                str(model), tokenizer, train_dataset, eval_dataset, args, seq_len)
+                source.name, tokenizer, train_dataset, eval_dataset, args, seq_len)
+        else:   # the Trainer picks up the folder's tokenizer when none is given
+            model = source.need_folder("mt.Session")
     if train_dataset is None:
         raise ValueError("train_dataset is required (a datasets.Dataset, IterableDataset or torch "
                          "Dataset of token ids); or pass a preset name such as 'tiny' as the model "
@@ -123,19 +113,7 @@ def default_args(output_dir: str, **overrides: Any):
     return TrainingArguments(**fields)
 
 
-def _is_preset(name: str) -> bool:
-    from megatrain_nb.trainer.presets import preset_names
-
-    return name in preset_names()
-
-
 def _builtin(name, tokenizer, train_dataset, eval_dataset, args, seq_len):
-    from megatrain_nb.trainer.presets import preset_config, preset_names
-
-    if name not in preset_names():
-        raise FileNotFoundError(
-            f"model={name!r} is neither an existing folder nor a preset; presets: "
-            f"{', '.join(preset_names())} (a folder needs config.json + safetensors)")
     if train_dataset is None:
         from megatrain_nb.trainer.default import load_default
 

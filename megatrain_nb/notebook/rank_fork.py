@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from .branches import check_changes, free_name
 from .placement import PLACEMENT
+from .remote import ProcessRun
 
 #: where a fork's output folder goes, inside the parent's
 BRANCHES = "branches"
@@ -32,9 +33,6 @@ def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: 
     """The new Session: ``session`` (whose run controller is ``run``, a ``ProcessRun``) forked from
     snapshot ``info`` (a ``SnapshotInfo``) with ``changes`` (``branches.ALLOWED``)."""
     from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS
-
-    from .remote import ProcessRun
-    from .session import Session
 
     changes = check_changes(changes, session.trainer)
     if PLACEMENT in changes:
@@ -64,7 +62,7 @@ def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: 
     options.update(callbacks=inputs.pop("callbacks"), save_model=inputs.pop("save_model"))
     make = ProcessRun.factory(run.nproc_per_node, model, snapshots=(run.snapshot_every, run.keep_snapshots),
                               engine_options=options, start=(start, branch), **inputs)
-    child = Session.from_run_controller(make, tokenizer=session.tokenizer, name=name)
+    child = type(session).from_run_controller(make, tokenizer=session.tokenizer, name=name)
     child.explorer.ranks.before_launch.append(_pause_parent(session, name))
     ex.adopt(child, info, changes)
     return child

@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from megatrain_nb.lab.protocol import read_json
+from megatrain_nb.processes import pid_alive
+
 #: memory in use over this fraction of its limit at a rank's last sample: an OOM kill is likely
 NEAR_LIMIT = 0.9
 #: a silent death first seen up to this long after another rank's error still counts as first:
@@ -65,8 +68,6 @@ class RankWatch:
         self._memory: Optional[float] = None
 
     def poll(self) -> None:
-        from megatrain_nb.lab.protocol import read_json
-        from megatrain_nb.processes import pid_alive
 
         for p in self.run_dir.glob("pid-*.json"):
             rec = read_json(p)

@@ -28,6 +28,8 @@ from . import environment
 from .chart import json_nums, layers_spec, training_spec
 from .figures import event_label
 from .inspector import fmt_stat
+from .preference_view import reward_section
+from .sample_watch import answers_html
 from .static_chart import chart_html, img, panels_svg
 from .summary_html import loss_svg, memory_tiers_html
 
@@ -128,7 +130,6 @@ def build_notebook(session: Any):
                      "point at a curve for its values."))
     cells.append(_chart_cell(training_spec(view, total=session.total_steps, height=320),
                              img(loss_svg(view, width=760, height=220), "loss"), "loss and learning rate"))
-    from .preference_view import reward_section
 
     rewards = reward_section(records)   # a DPO run: reward margin and accuracy
     if rewards is not None:
@@ -199,8 +200,6 @@ def _html_section(cells: list, body: str, name: str, heading: str) -> None:
 
 
 def _sample_answers_html(session) -> str:
-    from .sample_watch import answers_html
-
     watch = getattr(session, "sample_watch", None)
     return answers_html(watch, last=watch.keep) if watch is not None and watch.answers() else ""
 

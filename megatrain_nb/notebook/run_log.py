@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from megatrain_nb.formatting import fmt_bytes
+
 #: record keys copied into the curves (others stay in ``history`` only)
 _CURVES = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
 #: layer-statistic metrics kept as a layers x steps matrix
@@ -318,8 +320,6 @@ def tier_summary(memory: dict | None) -> dict[str, dict]:
 def disk_cache_line(tier: dict | None) -> str:
     """"disk cache 1.2 GiB / 4 GiB, 310 hits, 9.8 GiB saved" from a host tier's
     ``disk_cache_stats`` (engine.memory_report()), or "" without a cache."""
-    from megatrain_nb.formatting import fmt_bytes
-
     st = (tier or {}).get("disk_cache_stats") if isinstance(tier, dict) else None
     if not isinstance(st, dict) or not st.get("capacity_bytes"):
         return ""

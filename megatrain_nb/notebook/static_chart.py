@@ -21,6 +21,8 @@ import json
 import math
 from pathlib import Path
 
+from megatrain_nb.formatting import fmt_bytes
+
 _CHART_JS = Path(__file__).with_name("chart.js")
 FG2 = "#757575"      # readable on light and dark backgrounds (an <img> sees no theme variables)
 GRID = "#d9d9d9"
@@ -64,8 +66,6 @@ def _fmt(v: float) -> str:
 
 
 def _bytes(v: float) -> str:
-    from megatrain_nb.formatting import fmt_bytes
-
     return fmt_bytes(v)
 
 

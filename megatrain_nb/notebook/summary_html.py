@@ -18,7 +18,7 @@ import numpy as np
 
 from megatrain_nb.formatting import fmt_bytes, fmt_num, fmt_seconds
 
-from .figures import TIERS, event_label, grouped_events
+from .figures import TIERS, event_label, grouped_events, kind_group
 from .lifecycle import LIVE
 from .run_log import RunView, disk_cache_line, tier_summary
 from .sample_watch import answers_html
@@ -115,8 +115,6 @@ def memory_tiers_html(view: RunView) -> str:
     """Each memory tier as a labelled bar: used against the tier's capacity, split by what it
     holds (weights, grads, optimizer states, activations, other); a tier without a known
     capacity is drawn against its own peak and says so (no percentage)."""
-    from .figures import kind_group
-
     tiers = tier_summary(view.memory)
     if not tiers:
         return (f"<div class='mtnb-dash-memory' style='font-family:sans-serif;font-size:12px;color:{FG2}'>"

@@ -6,6 +6,10 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.lab.protocol import read_json
+
+from .rank_watch import first_failure
+
 
 class WorkerError(RuntimeError):
     """A worker process failed; ``rank`` names it, ``remote_traceback`` is its traceback."""
@@ -18,16 +22,12 @@ class WorkerError(RuntimeError):
 
 def rank_errors(run_dir: Path) -> list[dict]:
     """The ``error-<rank>.json`` reports in the launch folder, oldest first."""
-    from megatrain_nb.lab.protocol import read_json
-
     errs = [read_json(p) for p in sorted(run_dir.glob("error-*.json"))]
     return sorted((e for e in errs if isinstance(e, dict)), key=lambda e: e.get("time", 0))
 
 
 def rank_reports(run_dir: Path) -> list[dict]:
     """Each rank's ``rank-<rank>.json`` report (outcome, steps, commands applied), by rank."""
-    from megatrain_nb.lab.protocol import read_json
-
     ranks = [r for r in (read_json(p) for p in sorted(run_dir.glob("rank-*.json"))) if isinstance(r, dict)]
     return sorted(ranks, key=lambda r: r.get("rank", 0))
 
@@ -42,7 +42,6 @@ def launched_outcome(rc: int, run_dir: Path, ranks: list[dict], watch: Any, tail
     # peer's death) its consequences. A rank that died without a word left no file: the
     # watch saw it go, torchrun's agent reports its exit code (the agent's own SIGTERM to
     # the rest, -15, is not a failure).
-    from .rank_watch import first_failure
 
     reported = {e.get("rank") for e in errors} | {r.get("rank") for r in ranks}
     codes = agent_failures(tail)

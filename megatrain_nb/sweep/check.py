@@ -1,6 +1,6 @@
 """Check one registered causal-LM architecture against Hugging Face autograd.
 
-:func:`check` builds the architecture's tiny config (:mod:`.tiny_configs`), runs the model's own
+:func:`check` builds the architecture's tiny config (:mod:`megatrain_nb.tiny_configs`), runs the model's own
 forward and backward (the reference: cross-entropy of its logits against the next token), then
 the streaming engine at checkpoint intervals 1 and 2 and as a layer-major window of two
 micro-batches, and compares the loss and every parameter's gradient. The result says one of:
@@ -19,6 +19,8 @@ import copy
 import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
+
+from megatrain_nb.tiny_configs import tiny_config
 
 SUPPORTED, REFUSED, FAILING, NOT_DECODER, NOT_BUILT = (
     "supported", "refused", "failing", "not a decoder stack", "not built")
@@ -146,8 +148,6 @@ def check(model_type: str, modes=MODES) -> Result:
     """Build ``model_type``'s tiny model and compare the engine with Hugging Face autograd."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from .tiny_configs import tiny_config
 
     architecture = registry().get(model_type, "?")
     kind = kind_of(model_type, architecture)

@@ -5,12 +5,13 @@
     trainer = mt.Trainer(model=model, train_dataset=ds, args=TrainingArguments(...))
     trainer.train()
 """
+from megatrain_nb.model_configs import PRESETS, preset_config  # mt.trainer.PRESETS, as before
+
 from .args import UnsupportedArgumentError, validate_training_args
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
 from .data import DataError, PaddingCollator
 from .default import load_default
 from .defaults import get_defaults, init
-from .presets import PRESETS, preset_config
 from .trainer import Trainer
 
 __all__ = [

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from megatrain_nb.atomic import atomic_dir, commit_dir, recover_interrupted, temp_name
-
-from .manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
+from megatrain_nb.engine.io import shard_files
+from megatrain_nb.manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
 
 PREFIX = "checkpoint"
 STATE_FILE = "megatrain_state.json"
@@ -240,8 +240,6 @@ def check_model(path, engine) -> None:
 def _weights_in(path: Path) -> Optional[dict]:
     """name -> shape of the tensors in a checkpoint's Hugging Face weights files (None: there are none)."""
     from safetensors import safe_open
-
-    from megatrain_nb.engine.io import shard_files
 
     try:
         files = shard_files(path)

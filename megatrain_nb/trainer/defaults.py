@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 
+from megatrain_nb.engine import EngineConfig
+
 _LOCK = threading.Lock()
 _DEFAULTS: dict = {}
 
@@ -24,8 +26,6 @@ def init(**engine_options) -> dict:
     The options are validated now (an unknown name or a bad value raises at once). Returns the
     defaults in force.
     """
-    from megatrain_nb.engine import EngineConfig
-
     EngineConfig.from_options(**engine_options)  # validates names and values
     with _LOCK:
         _DEFAULTS.clear()

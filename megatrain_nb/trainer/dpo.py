@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+from megatrain_nb.engine import StreamingEngine
+
 from .args import check_eval_plan
 from .data import DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
@@ -284,7 +286,6 @@ class DPOTrainer(Trainer):
                                  "is the policy as it started (no ref_model): pass the dataset as eval_dataset at "
                                  "construction, or give a ref_model.")
             return self._engine, False
-        from megatrain_nb.engine import StreamingEngine
 
         config = self._engine.config
         if isinstance(self.ref_model, torch.nn.Module):

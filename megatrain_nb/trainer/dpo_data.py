@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+from megatrain_nb.assets import preference_rows
+
 from .data import DataError
 
 PREF_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -220,6 +222,4 @@ class PreferenceCollator:
 def builtin_preference_pairs(n: Optional[int] = None) -> list:
     """The shipped preference set (``megatrain_nb/assets/preferences.py``: generated from the
     shipped chat set, the rejected reply a near miss of the chosen one), as a list of rows."""
-    from megatrain_nb.assets import preference_rows
-
     return preference_rows(n)

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from ..atomic import atomic_file
+from .data import eval_batches
 from .dpo_data import token_fingerprint
 from .dpo_loss import DPOObjective, DPOSettings
 
@@ -75,8 +76,6 @@ def reference_pass(engine, ds, collate: Callable, batch_size: int, settings: DPO
     through ``engine.evaluate`` with a log-prob-only objective. ``stop`` is asked before each
     batch (a Session applies its queued pause, resume and stop there); True ends the pass with
     :class:`ReferenceStopped`."""
-    from .data import eval_batches
-
     obj = DPOObjective(settings)
     obj.reference_only = True
     chosen, rejected, done = [], [], 0

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from .data import DataError
+from .args import check_eval_plan, check_given
+from .data import DataError, prepare_dataset
 from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, head_rows, prepare_sft_dataset,
                        require_trl, to_trl_rows)
-from .args import check_eval_plan
 from .trainer import Trainer
 
 # SFTConfig fields that the trainer honours (beyond TrainingArguments'), and those that cannot
@@ -65,8 +65,6 @@ def coerce_sft_args(args):
     if args is None:
         return SFTConfig(output_dir="megatrain_outputs")
     if isinstance(args, dict):
-        from .args import check_given
-
         check_given(args, "args")
         return SFTConfig(**{"output_dir": "megatrain_outputs", **args})
     if isinstance(args, SFTConfig):
@@ -301,8 +299,6 @@ class SFTTrainer(Trainer):
                             f"assistant_only_loss=False. ({e})") from e
 
     def _prepare(self, ds, packing: bool, what: str):
-        from .data import prepare_dataset
-
         if self._skip_prepare:
             cols = getattr(ds, "column_names", None) or (list(ds[0]) if isinstance(ds, (list, tuple)) and ds else [])
             if "labels" not in cols and ("completion_mask" in cols or "assistant_masks" in cols):

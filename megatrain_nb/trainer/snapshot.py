@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, List, Optional
 
+from ..threads import SNAPSHOT, thread_name
 from . import checkpoint as ckpt
+from .schedule import LRSchedule
 
 FOLDER = "snapshots"
 _NAME = re.compile(r"^step-(\d+)-([0-9A-Za-z_-]+)$")
@@ -97,8 +99,6 @@ def apply_branch_start(trainer, start: BranchStart, stream, total: int):
     position. Returns the schedule the run goes on with."""
     import uuid
 
-    from .schedule import LRSchedule
-
     step = int(trainer.state.global_step)
     if start.new_run:
         parent = trainer.run_id
@@ -129,8 +129,6 @@ class PendingSnapshot:
 
     def __init__(self, final: Path, tmp: Path, linked, write_shared, step: int):
         import threading
-
-        from ..threads import SNAPSHOT, thread_name
 
         self.path = final
         self.step = step

@@ -32,6 +32,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatrain_nb.model_source import is_engine as _is_engine, resolve
 from megatrain_nb.values import check
 
 from ..engine.dist import Dist
@@ -86,10 +87,6 @@ def _derived_engine_options(args) -> dict:
             if any(getattr(args, f) != defaults[f] for f in fields_of[k])}
 
 
-def _is_engine(obj) -> bool:
-    return hasattr(obj, "forward_backward") and hasattr(obj, "optimizer_step")
-
-
 class Trainer:
     """Train a causal LM with the StreamingEngine, driven like ``transformers.Trainer``.
 
@@ -119,13 +116,9 @@ class Trainer:
         else:
             set_seed(self.args.seed)
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
+        source = resolve(model, revision=revision, token=token)   # a Hub id -> its cached folder
         if isinstance(model, (str, os.PathLike)):
-            from megatrain_nb.hub import resolve_model
-
-            model = resolve_model(model, revision=revision, token=token)  # a Hub id -> its cached folder
-        elif revision is not None:
-            raise ValueError(f"revision={revision!r} applies to a model given by name (a Hub id); "
-                             f"model is a {type(model).__name__}")
+            model = source.need_folder("mt.Trainer")
         self.model, self._engine = self._build_engine(model, engine_options)
         # The engine this Trainer built is its own: released with it (close(), the with block,
         # or when the Trainer is collected, e.g. after a failed train() and `del trainer`).

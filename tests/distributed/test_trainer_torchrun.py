@@ -51,7 +51,7 @@ def test_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path):
                                                            "shards-00001-of-00002.safetensors"]
     assert (ck / "trainer_state.json").is_file() and not list((tmp_path / "two").glob("*.tmp-*"))
     # rank 0's manifest covers every rank's shards; scheduler and RNG state are JSON, no pickles
-    from megatrain_nb.trainer.manifest import verify_manifest
+    from megatrain_nb.manifest import verify_manifest
 
     assert verify_manifest(ck)
     listed = set(json.loads((ck / "manifest.json").read_text())["files"])

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine.dist import Dist
 from megatrain_nb.engine.optimizer import UnitAdamW
@@ -21,6 +21,7 @@ from megatrain_nb.engine.sharded import ShardedUnits
 from megatrain_nb.engine.states import OptimizerStates
 from megatrain_nb.engine.telemetry import Telemetry
 from megatrain_nb.engine.units import build_units, decay_parameter_names, find_layer_list
+from megatrain_nb.model_configs import family_config
 from megatrain_nb.trainer.sharding import deal
 
 VOCAB = 96
@@ -38,13 +39,7 @@ STEPS, ACC, LR = int(os.environ.get("ZERO3_STEPS", 3)), 2, 3e-3
 
 def tiny_model(tied: bool, moe: bool = False):
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, num_hidden_layers=2, tie_word_embeddings=tied, pad_token_id=0, hidden_size=32,
-                  intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    if moe:
-        cfg = AutoConfig.for_model("mixtral", **common, num_local_experts=4, num_experts_per_tok=2,
-                                   sliding_window=None)
-    else:
-        cfg = AutoConfig.for_model("llama", **common)
+    cfg = family_config("mixtral" if moe else "llama", layers=2, tie=tied, vocab=VOCAB)
     return AutoModelForCausalLM.from_config(cfg).float()
 
 

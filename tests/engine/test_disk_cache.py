@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.disk_cache import _LIVE, READ, WRITE, cache_budget, plan_cache
 
-from .families import VOCAB, family_config
+from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 
 # ---------------------------------------------------------------------------- the simulator

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.telemetry import Telemetry
 
-from .families import VOCAB, family_config
+from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 
 def test_disk_links_report_a_rate_when_bytes_moved(tmp_path):

@@ -8,7 +8,7 @@ from megatrain_nb.engine import memory
 from megatrain_nb.engine.pinned import PinnedPool, pinned_bytes
 from megatrain_nb.engine.planner import ModelShape, Workload, make_plan, unit_specs_from_config
 
-from .families import family_config
+from megatrain_nb.model_configs import family_config
 
 
 def test_device_plan_counts_staging_and_autograd_outputs_on_cuda():

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.finite import NonFiniteError
 
-from .families import VOCAB, family_config
+from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 
 def _engine(tmp_path=None, **kw):

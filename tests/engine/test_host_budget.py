@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.states import read_ahead_allowance
 
-from megatrain_nb.trainer.presets import preset_config
+from megatrain_nb.model_configs import preset_config
 
 MiB = 1 << 20
 

@@ -13,7 +13,7 @@ from megatrain_nb.engine.pager import staging_buffers
 from megatrain_nb.engine.planner import UnitSpec, host_in_flight
 from megatrain_nb.engine.transport import CpuTransport
 
-from .families import VOCAB, family_config
+from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 
 class StagingCpuTransport(CpuTransport):

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.planner import TOKENS_PER_PASS, GiB, loads_per_layer, window_plan
 
-from .families import VOCAB, family_config
+from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 
 def _windows(steps, A, batch=2, seq=12, seed=3, pad=True):

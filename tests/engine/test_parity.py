@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 
-from .families import FAMILIES, VOCAB, family_config
+from megatrain_nb.model_configs import FAMILIES, FAMILY_VOCAB as VOCAB, family_config
 
 
 def _batch(padding: str):

@@ -1,5 +1,5 @@
 """Every causal LM transformers registers (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES of the installed
-version), built tiny from its own defaults (megatrain_nb/sweep/tiny_configs.py), against Hugging
+version), built tiny from its own defaults (megatrain_nb/tiny_configs.py), against Hugging
 Face autograd: loss and every parameter's gradient at checkpoint intervals 1 and 2 and as a
 layer-major window of two micro-batches (megatrain_nb/sweep/check.py).
 
@@ -88,7 +88,7 @@ def test_check_detects_a_wrong_gradient(monkeypatch):
 
 
 def test_tiny_config_keeps_one_layer_of_each_kind():
-    from megatrain_nb.sweep.tiny_configs import tiny_config
+    from megatrain_nb.tiny_configs import tiny_config
 
     cfg = tiny_config("qwen3_next")   # 3 linear-attention layers, then a full one, repeated
     assert cfg.num_hidden_layers == 2 and sorted(set(cfg.layer_types)) == ["full_attention", "linear_attention"]
@@ -139,7 +139,7 @@ def test_frozen_parameter_is_left_as_it_is():
 
     from megatrain_nb.engine import EngineConfig, StreamingEngine
 
-    from .families import VOCAB, family_config
+    from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
     model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
     model.model.embed_tokens.weight.requires_grad_(False)

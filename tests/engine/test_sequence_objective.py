@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.trainer.dpo_loss import DPOObjective, DPOSettings, PairBatch
 
-from .families import VOCAB, family_config
+from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 BETA = 0.1
 

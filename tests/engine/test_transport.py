@@ -13,7 +13,7 @@ from megatrain_nb.engine import transport
 from megatrain_nb.engine.transport import ADVERSARIAL_ENV, CpuTransport, FutureHandle, TransportError
 
 from . import test_layer_major, test_parity
-from .families import VOCAB, family_config
+from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 
 def _slot(n=64):

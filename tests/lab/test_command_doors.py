@@ -52,7 +52,7 @@ def session(tmp_path, runtime_root):
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     from megatrain_nb.notebook import Session
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     torch.manual_seed(0)
     rows = np.random.default_rng(0).integers(0, 512, size=(64, 16)).tolist()

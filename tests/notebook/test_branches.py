@@ -32,7 +32,7 @@ def make(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from megatrain_nb.notebook import Session
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     made = []
 

@@ -13,7 +13,7 @@ import json, time, torch
 import numpy as np, datasets
 from transformers import AutoModelForCausalLM, TrainingArguments
 import megatrain_nb as mt
-from megatrain_nb.trainer.presets import preset_config
+from megatrain_nb.model_configs import preset_config
 %load_ext megatrain_nb
 rng = np.random.default_rng(0)
 ds = datasets.Dataset.from_dict({"input_ids": rng.integers(0, 512, size=(256, 32)).tolist()})

@@ -9,7 +9,7 @@ import torch
 def _micro():
     from transformers import AutoModelForCausalLM
 
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(preset_config("micro"))
@@ -58,7 +58,7 @@ def test_what_cannot_reach_the_workers_is_refused_with_a_reason(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from megatrain_nb.notebook.launch_spec import LaunchError
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(preset_config("micro"))

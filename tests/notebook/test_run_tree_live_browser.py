@@ -20,7 +20,7 @@ CELLS = [
     """import numpy as np, datasets, torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 from megatrain_nb.notebook import Session
-from megatrain_nb.trainer.presets import preset_config
+from megatrain_nb.model_configs import preset_config
 torch.manual_seed(0)
 ds = datasets.Dataset.from_dict({"input_ids": np.random.default_rng(0).integers(0, 512, size=(64, 16)).tolist()})
 args = TrainingArguments(output_dir="out", max_steps=60, per_device_train_batch_size=2, learning_rate=3e-3,

@@ -13,7 +13,7 @@ def real_session(tmp_path):
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     from megatrain_nb.notebook import Session
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     made = []
 

@@ -35,7 +35,7 @@ def trained(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from megatrain_nb.notebook import Session
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     tmp = tmp_path_factory.mktemp(f"damage-{request.param}")
     opts = dict(TIERS[request.param])

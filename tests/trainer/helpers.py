@@ -2,7 +2,7 @@
 import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 
-from megatrain_nb.trainer.presets import preset_config
+from megatrain_nb.model_configs import preset_config
 
 VOCAB = 512
 

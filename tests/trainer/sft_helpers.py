@@ -4,9 +4,10 @@ model inputs are recorded."""
 import copy
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from megatrain_nb.assets import build_word_tokenizer, generate_conversations
+from megatrain_nb.model_configs import family_config
 
 CONVS = generate_conversations(48, seed=7)
 
@@ -23,9 +24,7 @@ def tokenizer(**kw):
 
 
 def tiny_llama(vocab: int, seed: int = 0):
-    cfg = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                               tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=2)
+    cfg = family_config("llama", layers=2, vocab=vocab, max_position_embeddings=256, bos_token_id=None, eos_token_id=2)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg).eval()
 

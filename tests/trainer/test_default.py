@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatrain_nb.trainer import default as builtin
-from megatrain_nb.trainer.presets import PRESETS, preset_config
+from megatrain_nb.model_configs import PRESETS, preset_config
 
 
 def test_corpus_is_deterministic_and_from_the_stdlib():

@@ -31,7 +31,7 @@ def test_limiting_tier_is_reported():
 
 
 def test_model_folder_config_file_and_objects(tmp_path):
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     cfg = preset_config("micro")
     cfg.save_pretrained(tmp_path)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatrain_nb.trainer import Trainer, checkpoint as ckpt
-from megatrain_nb.trainer.manifest import IntegrityError
+from megatrain_nb.manifest import IntegrityError
 
 from .helpers import args, micro_model, token_dataset
 
@@ -122,7 +122,7 @@ def _folder(tmp_path, sizes=(300_000, 70_000, 0)):
 
 @pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "blake2b"])
 def test_every_piece_of_a_chunked_manifest_is_checked(tmp_path, algorithm):
-    from megatrain_nb.trainer import manifest as mf
+    from megatrain_nb import manifest as mf
 
     d = _folder(tmp_path)
     m = mf.write_manifest(d, algorithm=algorithm, chunk=64 << 10)  # f0 in 5 pieces
@@ -148,7 +148,7 @@ def test_every_piece_of_a_chunked_manifest_is_checked(tmp_path, algorithm):
 def test_format_1_manifests_written_before_stay_verifiable(tmp_path):
     import hashlib
 
-    from megatrain_nb.trainer import manifest as mf
+    from megatrain_nb import manifest as mf
 
     d = _folder(tmp_path)
     files = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
@@ -164,7 +164,7 @@ def test_format_1_manifests_written_before_stay_verifiable(tmp_path):
 
 @pytest.mark.parametrize("edit", [{"algorithm": "md5"}, {"format": 9}, {"chunk_bytes": 0}])
 def test_a_manifest_naming_an_unknown_algorithm_or_format_is_refused(tmp_path, edit):
-    from megatrain_nb.trainer import manifest as mf
+    from megatrain_nb import manifest as mf
 
     d = _folder(tmp_path)
     m = mf.write_manifest(d)
@@ -176,7 +176,7 @@ def test_a_manifest_naming_an_unknown_algorithm_or_format_is_refused(tmp_path, e
 def test_a_folder_excluded_from_the_manifest_is_recorded_and_only_it_is_let_through(tmp_path):
     """A snapshot leaves its hard links to the disk tier's files (which carry their own
     checksums) out of its manifest: those pass verification, an unlisted file elsewhere does not."""
-    from megatrain_nb.trainer import manifest as mf
+    from megatrain_nb import manifest as mf
 
     d = _folder(tmp_path)
     (d / "disk").mkdir()
@@ -274,7 +274,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_model_that_wrote_it
 
 
 def test_a_checkpoint_with_a_parameter_of_another_shape_is_refused(tmp_path):
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)

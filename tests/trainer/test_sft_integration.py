@@ -100,6 +100,6 @@ def test_trained_on_view_marks_packed_documents(tmp_path):
 def _micro(vocab):
     from transformers import AutoModelForCausalLM
 
-    from megatrain_nb.trainer.presets import preset_config
+    from megatrain_nb.model_configs import preset_config
 
     return AutoModelForCausalLM.from_config(preset_config("micro", vocab_size=vocab))

@@ -11,7 +11,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatrain_nb.engine.family import max_positions
+from megatrain_nb.values import check
+
+from .family import max_positions
 
 
 def sample_text(
@@ -34,7 +36,6 @@ def sample_text(
     if tokenizer is None:
         raise ValueError("generate() needs a tokenizer: pass tokenizer= to the Session "
                          "(or use a model folder that contains one)")
-    from megatrain_nb.values import check
 
     max_new_tokens, temperature = check("max_new_tokens", max_new_tokens), check("temperature", temperature)
     top_k, seed = check("top_k", top_k), check("sample_seed", seed, "seed")

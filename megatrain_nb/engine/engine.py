@@ -174,11 +174,9 @@ class StreamingEngine(HoldsParts):
         return plan_for(batches, plan=self.plan, model_config=self.model_config, config=self.config,
                         num_layers=len(self.layer_units), device=self.device)
 
-    @property
-    def prediction(self):
-        """The predicted step (``engine/prediction.py``) of this plan at its last step's shape
-        and ``self.rates`` (else the machine's cached rates); None before a step or without rates."""
-        return engine_prediction(self)
+    #: The predicted step (engine/prediction.py) of this plan at its last step's shape and ``self.rates``
+    #: (else the machine's cached rates); None before a step or without rates.
+    prediction = property(engine_prediction)
 
     @property
     def last_window_plan(self) -> Optional[WindowPlan]:
@@ -453,10 +451,7 @@ class StreamingEngine(HoldsParts):
             self.updates.clear_failure()
             self.dist.barrier()
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` has run (a closed engine refuses every call)."""
-        return self._closed
+    closed = property(lambda self: self._closed, doc="Whether close() has run (a closed engine refuses calls).")
 
     def _check_open(self):
         if self._closed:

@@ -295,8 +295,7 @@ class Estimate:
 
 def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,
              seq: int = 2048, compression=True, precision: str = "fp32", checkpoint_interval: Optional[int] = 1,
-             offload_dir: Union[bool, str, None] = True, device: str = "cuda",
-             world: int = 1,
+             offload_dir: Union[bool, str, None] = True, device: str = "cuda", world: int = 1,
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
              layer_major: bool = True, clip_hold: str = "auto", pairs: Optional[int] = None,
              rates=None) -> Estimate:
@@ -306,8 +305,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     ``config.json`` path, a transformers config, a model or a StreamingEngine.
     ``compression``: the optimizer-state codec (``"none"``, ``"int8"``, ``"int4"``; ``True`` = the
     recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
-    ``names``: how messages spell the arguments (the CLI passes ``CLI_NAMES``: ``--ram`` for
-    ``ram_gb``...); by default the Python names.
+    ``names``: how messages spell the arguments (the CLI's ``CLI_NAMES``: ``--ram`` for ``ram_gb``).
     ``accumulation``: micro-batches per optimizer step; layer-major (the engine's default for a
     window) keeps no host gradient accumulator, unless ``clipping`` (global-norm clipping, on by
     default as in TrainingArguments) holds the final gradients for the norm;
@@ -317,12 +315,9 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     (micro-batch-major, or a split window) stays in RAM whatever it says.
     ``Estimate.host_min``: the least host RAM any plan needs (what a short budget gets: master
     weights, held gradients and boundary activations on the disk tier).
-    ``world``: ranks the training state is sharded over (ZeRO-3): the host and disk figures are
-    then one rank's (its shard of every unit), the device working set is unchanged and the
-    budgets are one rank's; :func:`megatrain_nb.estimator_dist.estimate_scale_out` adds the
-    per-node and on-the-wire figures.
-    ``pairs``: a DPO run's preference pairs: the reference pass (forward only) and the bytes of
-    its cache as lines (:mod:`megatrain_nb.estimator_dpo`).
+    ``world``: ranks the state is sharded over (ZeRO-3): host, disk and budgets are one rank's,
+    the device working set unchanged; ``estimator_dist.estimate_scale_out`` adds per-node figures.
+    ``pairs``: a DPO run's pairs: its reference pass and cache as lines (``estimator_dpo``).
     ``rates``: a ``MachineRates`` (``mt.measure_machine()``) or a profile's name: the estimate
     then predicts the step's time (``step_seconds``, ``phases``, ``bottleneck``,
     ``tokens_per_second``, ``run_seconds(max_steps)``; :mod:`megatrain_nb.engine.prediction`)
@@ -341,8 +336,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     units = unit_specs_from_config(config)
     held = shard_specs(units, world) if world > 1 else None   # this rank's part of the state
     disk_path = offload_dir if isinstance(offload_dir, str) else None
-    budgets = {"device": resolve_budget(vram_gb, lambda: None), "host": resolve_budget(ram_gb, machine_ram),
-               "disk": resolve_budget(disk_gb, lambda: free_disk(disk_path)) if offload_dir else None}
+    budgets = _budgets(vram_gb, ram_gb, disk_gb, offload_dir)
     accumulator = accumulation > 1 and not layer_major   # micro-batch-major: the host accumulator
 
     work = Workload(batch=batch, seq=seq, accumulation=accumulation if layer_major else 1, clipped=clipping,
@@ -367,10 +361,8 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     notes = _estimate_notes(plan, host_min, budgets, accumulation=accumulation, batch=batch, seq=seq,
                             clipping=clipping, accumulator=accumulator, ram_auto=ram_gb == "auto",
                             disk_auto=disk_gb == "auto" and bool(offload_dir), disk_path=disk_path)
-    cache = None
-    if pairs is not None:
-        notes += reference_lines(pairs)
-        cache = reference_cache_bytes(pairs)
+    notes += reference_lines(pairs) if pairs is not None else []   # a DPO run's reference pass
+    cache = reference_cache_bytes(pairs) if pairs is not None else None
     est = Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
                                                                                 batch=batch, seq=seq),
@@ -380,6 +372,13 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
         _add_time(est, config, units, cfg_for(comp, budgets["host"]), work, resolve_rates(rates), device=device,
                   pinned={"checkpoint_interval": checkpoint_interval} if checkpoint_interval is not None else {})
     return est
+
+
+def _budgets(vram_gb: Budget, ram_gb: Budget, disk_gb: Budget, offload_dir) -> dict:
+    """The budgets in bytes per tier ("auto": this machine's RAM, the free space where the disk tier lives)."""
+    disk_path = offload_dir if isinstance(offload_dir, str) else None
+    return {"device": resolve_budget(vram_gb, lambda: None), "host": resolve_budget(ram_gb, machine_ram),
+            "disk": resolve_budget(disk_gb, lambda: free_disk(disk_path)) if offload_dir else None}
 
 
 def _add_time(est: Estimate, config, units, cfg, work, rates, *, device: str, pinned: dict) -> None:

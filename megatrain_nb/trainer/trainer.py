@@ -103,7 +103,7 @@ class Trainer:
                  data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
                  text_column: str = "text", packing: bool = True, loss_fn=None, revision: Optional[str] = None,
                  token=None, **engine_options):
-        from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
+        from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
         from transformers.trainer_utils import enable_full_determinism, set_seed
 
         # loss_fn(logits_chunk, shifted_labels_chunk) -> summed loss of the chunk (see the engine).
@@ -145,6 +145,13 @@ class Trainer:
 
         cbs = [DefaultFlowCallback] + get_reporting_integration_callbacks(self.args.report_to) + list(callbacks or [])
         self.callback_handler = CallbackHandler(cbs, self.model, self.tokenizer, None, None)
+        self._init_run_fields()
+
+    def _init_run_fields(self) -> None:
+        """What a run holds besides its data and engine: HF's state and control, the schedule,
+        the run's identity (run id, branch), its controls and recovery."""
+        from transformers.trainer_callback import TrainerControl, TrainerState
+
         self.state = TrainerState()
         self.control = TrainerControl()
         self.schedule: Optional[LRSchedule] = None

@@ -1,5 +1,5 @@
 """A key's new version written range by range beside its old one (``DiskStore.ranged``):
-neither version is ever whole in RAM. The file format is :mod:`.disk_format`'s; the ordering
+neither version is ever whole in RAM; or a key read range by range (``DiskStore.read_ranged``). The file format is :mod:`.disk_format`'s; the ordering
 against the key's other operations, the counters and the write-behind worker are the store's
 (through its public methods)."""
 
@@ -22,7 +22,7 @@ from .disk_format import (BUFFERED_SYNC_EVERY, CHECKSUM, WIDEST_CHECKSUM, Offloa
 if TYPE_CHECKING:
     from .disk_store import DiskStore
 
-__all__ = ["RangedRewrite"]
+__all__ = ["RangedRead", "RangedRewrite"]
 
 
 class RangedRewrite:
@@ -38,16 +38,7 @@ class RangedRewrite:
         self.store, self.key, self.outer = store, key, outer
         self.t0 = time.perf_counter()
         self.final = store.key_path(key)
-        self.old_fd, self.old = None, {}
-        if read_old:
-            try:
-                self.old_fd = os.open(self.final, os.O_RDONLY)
-            except OSError as e:
-                raise OffloadError(f"cannot open {self.final} for {key!r}: {e.strerror or e}") from e
-            meta = store.read_header(self.old_fd, key, self.final)
-            self.old = {e["name"]: e for e in meta["tensors"]}
-            self.read_pos = {n: [0, RunningChecksum(CHECKSUM if CHECKSUM in e else "crc32")]   # name ->
-                             for n, e in self.old.items()}                              # [bytes read, checksum]
+        self.reader = RangedRead(store, key) if read_old else None
         items = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, (dtype, shape) in specs.items()]
         self.items = items
         _, offsets, self.file_size = layout(key, items, crcs=[WIDEST_CHECKSUM] * len(items))   # the widest header
@@ -64,33 +55,12 @@ class RangedRewrite:
         except OSError as e:
             self._close_old()
             raise self._failed(e) from e
-        self.since_sync = self.read_bytes = 0
+        self.since_sync = 0
         self.lock = threading.Lock()
 
     def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
         """Elements ``[start, start + out.numel())`` of the old version's ``name`` into ``out``."""
-        e = self.old[name]
-        pos = self.read_pos[name]
-        esize = out.element_size()
-        a, n = start * esize, out.numel() * esize
-        if a != pos[0] or a + n > e["nbytes"]:
-            raise ValueError(f"RangedRewrite.read({self.key!r}, {name!r}): bytes [{a}, {a + n}) out of order "
-                             f"(next {pos[0]} of {e['nbytes']})")
-        arr = as_numpy(bytes_view(out))
-        try:
-            pread_all(self.old_fd, arr, e["offset"] + a)
-        except OSError as err:
-            raise OffloadError(f"reading {self.key!r} from {self.final} failed: {err.strerror or err}") from err
-        drop_cache(self.old_fd, e["offset"] + a, n)
-        pos[0] = a + n
-        pos[1].update(arr)
-        self.read_bytes += n
-        field = pos[1].field
-        if pos[0] == e["nbytes"] and field in e and pos[1].value() != e[field]:
-            raise OffloadError(f"{self.final} (key {self.key!r}): the payload of {name!r} does not match its "
-                               f"checksum (the file was corrupted on disk). The run cannot continue from this "
-                               f"state: resume from the last checkpoint")
-        return out
+        return self.reader.read(name, start, out)
 
     def write(self, name: str, start: int, src: torch.Tensor) -> None:
         """Elements ``[start, start + src.numel())`` of the new version's ``name``."""
@@ -161,8 +131,8 @@ class RangedRewrite:
             raise self.outer.exception() from e
         self._close_old()
         self.store.committed(self.key, self.file_size)
-        if self.read_bytes:
-            self.store.count("read", self.read_bytes, 0.0)
+        if self.reader is not None and self.reader.read_bytes:
+            self.store.count("read", self.reader.read_bytes, 0.0)
         self.store.count("write", self.file_size, time.perf_counter() - self.t0)
         self.store.op_done(self.key, self.outer)
         self.outer.set_result(self.file_size)
@@ -193,9 +163,69 @@ class RangedRewrite:
                             f"disk behind the offload directory {self.store.root}")
 
     def _close_old(self) -> None:
-        if self.old_fd is not None:
-            os.close(self.old_fd)
-            self.old_fd = None
+        if self.reader is not None:
+            self.reader.close()
+
+
+class RangedRead:
+    """A key's file read range by range, each tensor in order from its start (its checksum
+    taken as the ranges pass and checked at its last one), in the caller's threads: the file is
+    never whole in RAM. Buffered reads, each range's pages dropped as it goes. The caller orders
+    it against the key's writes (``DiskStore.read_ranged``; a rewrite's old version is read
+    while the rewrite holds the key)."""
+
+    def __init__(self, store: DiskStore, key: str, outer: Optional[Future] = None):
+        self.store, self.outer, self.fd = store, outer, None
+        self.key, self.path, self.read_bytes = key, store.key_path(key), 0
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            self.close()
+            raise OffloadError(f"cannot open {self.path} for {key!r}: {e.strerror or e}") from e
+        try:
+            meta = store.read_header(self.fd, key, self.path)
+        except BaseException:
+            self.close()
+            raise
+        self.entries = {e["name"]: e for e in meta["tensors"]}
+        self.pos = {n: [0, RunningChecksum(CHECKSUM if CHECKSUM in e else "crc32")]   # name ->
+                    for n, e in self.entries.items()}                                # [bytes read, checksum]
+
+    def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, start + out.numel())`` of ``name`` into ``out`` (in order)."""
+        e = self.entries[name]
+        pos = self.pos[name]
+        esize = out.element_size()
+        a, n = start * esize, out.numel() * esize
+        if a != pos[0] or a + n > e["nbytes"]:
+            raise ValueError(f"ranged read of {self.key!r}, {name!r}: bytes [{a}, {a + n}) out of order "
+                             f"(next {pos[0]} of {e['nbytes']})")
+        arr = as_numpy(bytes_view(out))
+        try:
+            pread_all(self.fd, arr, e["offset"] + a)
+        except OSError as err:
+            raise OffloadError(f"reading {self.key!r} from {self.path} failed: {err.strerror or err}") from err
+        drop_cache(self.fd, e["offset"] + a, n)
+        pos[0] = a + n
+        pos[1].update(arr)
+        self.read_bytes += n
+        field = pos[1].field
+        if pos[0] == e["nbytes"] and field in e and pos[1].value() != e[field]:
+            raise OffloadError(f"{self.path} (key {self.key!r}): the payload of {name!r} does not match its "
+                               f"checksum (the file was corrupted on disk). The run cannot continue from this "
+                               f"state: resume from the last checkpoint")
+        return out
+
+    def close(self) -> None:
+        """Done reading (whole or not): the key's later writes may go ahead."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.outer is not None and not self.outer.done():
+            self.store.op_done(self.key, self.outer)
+            if self.read_bytes:
+                self.store.count("read", self.read_bytes, 0.0)
+            self.outer.set_result(self.read_bytes)
 
 
 def header_at(key: str, items, new: dict, write_pos: dict, file_size: int) -> bytes:

@@ -287,7 +287,7 @@ class GradientIntake:
         if held is None:
             return None, None
         held.result()            # hold="disk": the final gradient comes back
-        if ranged and hasattr(self.disk, "read_ranged"):
+        if ranged and getattr(self.disk, "capacity", 0) <= 0:   # (a host cache's copies are whole units)
             got = HeldGradient(self.disk.read_ranged(self._hold_key(unit)), unit.numel)
             return got, got.close
         grad = self.pool.take(unit.numel)

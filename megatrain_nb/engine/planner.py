@@ -82,7 +82,8 @@ class Plan:
 
 
 def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: bool, states_on_disk: bool,
-                   cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20, compute_bytes: int = 4) -> int:
+                   cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20, compute_bytes: int = 4,
+                   hold_disk: bool = False) -> int:
     """Host RAM the engine's code holds in flight besides the stored state, as it allocates
     it (``u``: the largest unit; "large": over 256 MiB, ``parts.SMALL_UNIT_BYTES``):
 
@@ -99,7 +100,11 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       ``intake.GradientIntake.arrived``); on a CPU "device" ``depth`` pool buffers and one more
       (the window's sum being formed, a lent pool buffer) and a tied embedding's sum; + 2 when
       a clipping norm is waited for (the hold's disk writes; on CUDA one more: a held gradient
-      is copied out of its staging buffer into a pool buffer);
+      is copied out of its staging buffer into a pool buffer) -- except, on CUDA, where the
+      held gradients wait on the disk tier (``hold_disk``): each is written straight from its
+      staging buffer (``intake.GradientIntake._hold_staged``) and an update in chunks reads it
+      back a chunk at a time into ``RING`` chunk buffers (``intake.HeldGradient``); states
+      updated whole read it into one unit-sized buffer;
     * compressed optimizer states, updated in chunks (``states.OptimizerStates.update``): the
       fp32 moments of ``RING`` chunks (at most the largest unit's size, ``states.update_chunk``);
       on the disk tier the codes of those chunks only, read from the unit's file and written to
@@ -127,11 +132,15 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
         out += (2 if large else 2 + depth) * u * 4
         out += RING * chunk * 4 if chunk else (1 if large else 2) * u * 4
     tied = any(x.tied_output for x in units if x.kind == "embed")
-    if cuda:   # clipped: a held gradient is copied out of its staging buffer (+ the hold's writes)
+    if cuda and clipped and hold_disk:   # written from the staging buffers, read back in chunks
+        grads = staging_buffers(depth) + (0 if chunk else 1)
+    elif cuda:   # clipped: a held gradient is copied out of its staging buffer (+ the hold's writes)
         grads = staging_buffers(depth) + (HOLD_WRITES + 1 if clipped else 0)
     else:
         grads = depth + 1 + int(tied) + (HOLD_WRITES if clipped else 0)
     out += grads * u * 4
+    if clipped and hold_disk and chunk:   # the ring's chunks of a held gradient read back
+        out += RING * chunk * 4
     if cuda and compute_bytes < 4:   # the host-side cast of the weights into the slot's dtype
         out += u * compute_bytes
     if compression == "none":
@@ -243,13 +252,14 @@ class _PlanInputs:
                                                     self.cfg.overrides.tile_tokens))
         return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
 
-    def in_flight(self, weights_on_disk: bool) -> int:
+    def in_flight(self, weights_on_disk: bool, hold_disk: bool = False) -> int:
         w = self.workload
         return host_in_flight(self.held, self.cfg.optimizer_compression, weights_on_disk=weights_on_disk,
                               states_on_disk=bool(self.cfg.offload_dir), cuda=self.cuda,
                               clipped=w.clipped and w.gradients != "accumulator",
                               depth=self.cfg.overrides.inflight_depth,
-                              chunk_numel=self.cfg.overrides.update_chunk_numel, compute_bytes=self.cb)
+                              chunk_numel=self.cfg.overrides.update_chunk_numel, compute_bytes=self.cb,
+                              hold_disk=hold_disk)
 
 
 def _device_schedule(p: _PlanInputs):
@@ -313,7 +323,7 @@ def _host_placement(p: _PlanInputs):
     host = {"weights": weights if placement["master_weights"] == "host" else 0,
             "grads": grads,
             "optimizer_states": states if placement["optimizer_states"] == "host" else 0,
-            "buffers": p.in_flight(placement["master_weights"] == "disk")}
+            "buffers": p.in_flight(placement["master_weights"] == "disk", hold_disk=grads_on_disk)}
     return placement, host, grads_on_disk, weights, states
 
 

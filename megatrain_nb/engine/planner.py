@@ -238,19 +238,24 @@ class _PlanInputs:
 
     def device_need(self, slots: int, k: int) -> Dict[str, int]:
         """Device bytes of ``slots`` layer slots at checkpoint interval ``k``."""
-        from .tiling import tile_for
         by_kind, dev_max_unit = self.by_kind, max(u.numel for u in self.units)
         w = (by_kind["embed"] + by_kind["head"] + slots * by_kind["layer"]) * self.cb
         # CUDA: two fp32 staging buffers, and a unit's autograd.grad outputs in the compute
         # dtype until they are copied into one; a CPU "device" sums into a lent pool buffer
         grads = (2 * dev_max_unit * 4 + dev_max_unit * self.cb) if self.cuda else dev_max_unit * 4
-        act = activation_bytes(hidden_size=self.shape.hidden_size, intermediate_size=self.inter,
-                               num_layers=self.shape.num_layers, vocab_size=self.shape.vocab_size,
-                               batch=self.workload.batch, seq=self.workload.seq, checkpoint_interval=k,
-                               compute_bytes=self.cb, loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens,
-                               tile_tokens=tile_for(self.inter, self.cb, self.vram_bytes,
-                                                    self.cfg.overrides.tile_tokens))
+        act = self.activations(k)
         return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
+
+    def activations(self, k: int, num_layers: Optional[int] = None) -> int:
+        """One micro-batch's activation bytes at checkpoint interval ``k`` (``num_layers`` 0:
+        only the working set of one layer's re-run or the head's chunk, no saved inputs)."""
+        from .tiling import tile_for
+        return activation_bytes(hidden_size=self.shape.hidden_size, intermediate_size=self.inter,
+                                num_layers=self.shape.num_layers if num_layers is None else num_layers,
+                                vocab_size=self.shape.vocab_size, batch=self.workload.batch, seq=self.workload.seq,
+                                checkpoint_interval=k, compute_bytes=self.cb,
+                                loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens,
+                                tile_tokens=tile_for(self.inter, self.cb, self.vram_bytes, self.cfg.overrides.tile_tokens))
 
     def in_flight(self, weights_on_disk: bool, hold_disk: bool = False) -> int:
         w = self.workload
@@ -332,6 +337,11 @@ def _plan_window(p: _PlanInputs, chosen_k: int, dev: dict, host: dict, placement
     """``accumulation`` > 1: the window's layout; updates ``dev``, ``host``, ``placement`` in
     place. Returns (the window's dict, the device figures, grads on disk)."""
     w, cfg, total = p.workload, p.cfg, p.total
+    # The window's boundary activations and per-micro-batch work (below) take the place of one
+    # micro-batch's saved layer inputs and block inputs: beside them the device holds only one
+    # layer's re-run or the head's chunk (as engine_window_plan counts the engine's room).
+    dev = dict(dev, activations=p.activations(chosen_k, num_layers=0))
+    dev["total"] = dev["weights"] + dev["grads"] + dev["activations"]
     free_dev = None if p.vram_bytes is None else max(p.vram_bytes - dev["total"] - sums, 0)
     # Boundary activations leave HOST_HEADROOM of the host budget free (the OS, page cache,
     # allocator slack: a pinned RAM tier filled to the last GiB is what gets a process killed).

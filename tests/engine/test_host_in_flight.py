@@ -169,7 +169,8 @@ def test_llama100b_least_host_ram_buffers_with_clipping_are_those_without():
     """The seed's configuration (llama-100b, 80 GiB device, batch 1 x 2048 x accumulation 128),
     everything that may leave RAM on the disk tier: with clipping, the held gradients pass
     through the staging buffers and come back a chunk at a time, so the buffers in flight are
-    those of the unclipped plan plus the ring's gradient chunks (<= 24 GiB; 40.6 GiB before)."""
+    those of the unclipped plan plus the ring's gradient chunks (<= 24 GiB; 40.6 GiB before), and
+    they are the least host RAM."""
     from megatrain_nb import estimate
     from megatrain_nb.engine.chunk_ring import RING
 
@@ -177,3 +178,6 @@ def test_llama100b_least_host_ram_buffers_with_clipping_are_those_without():
     clipped, plain = estimate("llama-100b", **kw), estimate("llama-100b", clipping=False, **kw)
     assert clipped.plan.host["buffers"] == plain.plan.host["buffers"] + RING * (1 << 20) * 4
     assert clipped.plan.host["buffers"] <= 24 * 2 ** 30
+    # one window group (no host accumulator), the held gradients on the disk tier: the buffers are all
+    assert clipped.plan.window["groups"] == 1 and clipped.plan.placement["gradients"] == "disk"
+    assert clipped.host_min == clipped.plan.host["total"] == clipped.plan.host["buffers"]

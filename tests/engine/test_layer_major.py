@@ -367,7 +367,7 @@ def test_estimate_counts_gradients_held_on_disk():
     the table shows them there. An accumulator (micro-batch-major) stays in RAM."""
     from megatrain_nb import estimate
 
-    kw = dict(vram_gb=80, ram_gb=512, disk_gb=4096)
+    kw = dict(vram_gb=80, ram_gb=640, disk_gb=4096)   # (pinned per unit on CUDA, the master weights hold 516 GiB)
     host = estimate("llama-100b", clip_hold="host", **kw)
     auto = estimate("llama-100b", **kw)
     assert host.feasible and host.plan.placement["gradients"] == "host" and host.plan.host["grads"] > 0
@@ -379,7 +379,8 @@ def test_estimate_counts_gradients_held_on_disk():
     big = estimate("llama-100b", **dict(kw, ram_gb=1024))   # the budget holds them: RAM
     assert big.plan.placement["gradients"] == "host" and big.plan.host["grads"] == host.plan.host["grads"]
     mbm = estimate("llama-100b", accumulation=4, layer_major=False, **kw)   # an accumulator: never on disk
-    assert mbm.plan.placement["gradients"] == "host" and mbm.plan.host["grads"] == host.plan.host["grads"]
+    # (an accumulator is pinned, per unit at its power of two; held gradients are not)
+    assert mbm.plan.placement["gradients"] == "host" and mbm.plan.host["grads"] > host.plan.host["grads"]
     # the least host RAM: weights, held gradients, boundaries all on the disk tier
     assert auto.host_min == estimate("llama-100b", **dict(kw, ram_gb=1)).plan.host["total"]
     assert auto.host_min < auto.plan.host["total"] and "at least" in str(auto)
@@ -513,7 +514,7 @@ def test_estimate_puts_llama100b_boundaries_on_disk_and_says_so():
     assert (w["tier"], w["groups"], w["checkpoint_interval"], w["loads_per_layer"]) == ("disk", 1, 1, 2)
     assert after.plan.disk["activations"] == w["boundary_bytes"] == 128 * 96 * 2048 * 8192 * 4   # 96 x 8192 = 64 x 12288
     assert "activations" not in after.plan.host and after.plan.host["grads"] == 0
-    assert after.plan.host["total"] < before.plan.host["total"] - before.plan.host["grads"] // 2
+    assert after.host_min < before.host_min - before.plan.host["grads"] // 2   # no accumulator
     assert after.feasible and w["tokens_per_weight_fetch"] == 2048 * 128 / 2
     assert after.plan.device["total"] <= 80 * 2 ** 30   # (the sums included)
     assert "on the disk" in after.notes[0] and "131,072 tokens per weight fetch" in after.notes[0]

@@ -1,7 +1,7 @@
 """A key's new version written range by range beside its old one (``DiskStore.ranged``):
-neither version is ever whole in RAM; or a key read range by range (``DiskStore.read_ranged``). The file format is :mod:`.disk_format`'s; the ordering
-against the key's other operations, the counters and the write-behind worker are the store's
-(through its public methods)."""
+neither version is ever whole in RAM; or a key read range by range (``DiskStore.read_ranged``).
+The file format is :mod:`.disk_format`'s; the ordering against the key's other operations, the
+counters and the write-behind worker are the store's (through its public methods)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .disk_format import (BUFFERED_SYNC_EVERY, CHECKSUM, WIDEST_CHECKSUM, OffloadError, RunningChecksum, as_numpy,
-                          bytes_view, drop_cache, header_bytes, layout, pread_all, pwrite_all)
+from .disk_format import (ALIGN, BUFFERED_SYNC_EVERY, CHECKSUM, WIDEST_CHECKSUM, OffloadError, RunningChecksum,
+                          as_numpy, bytes_view, drop_cache, header_bytes, layout, pread_all, pwrite_all)
 
 if TYPE_CHECKING:
     from .disk_store import DiskStore
@@ -31,8 +31,9 @@ class RangedRewrite:
     start (its crc32 is taken as they pass: a read of the old version's last range checks its
     checksum; the new header carries the new ones). The new file has a temporary name until
     :meth:`commit` (fdatasync, then ``os.replace``): an :meth:`abort` or a crash leaves the old
-    version as it was. Buffered I/O, each range's pages dropped as it goes (ranges need not be
-    aligned to direct I/O's blocks); writes are synced every ``BUFFERED_SYNC_EVERY`` bytes."""
+    version as it was. A range of whole aligned blocks from aligned memory is written with direct
+    I/O where the store uses it (the chunks of a large tensor); others buffered, each range's
+    pages dropped as it goes, synced every ``BUFFERED_SYNC_EVERY`` bytes; reads buffered."""
 
     def __init__(self, store: DiskStore, key: str, specs: dict, read_old: bool, outer: Future):
         self.store, self.key, self.outer = store, key, outer
@@ -50,9 +51,13 @@ class RangedRewrite:
         if free < self.file_size:
             self._close_old()
             raise store.no_space(key, self.final, self.file_size, free)
+        self.dfd = None   # the same file opened for direct I/O (aligned ranges), where the store uses it
         try:
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            if store.direct_io:
+                self.dfd = os.open(self.tmp, os.O_WRONLY | os.O_DIRECT)
         except OSError as e:
+            self._close_new()
             self._close_old()
             raise self._failed(e) from e
         self.since_sync = 0
@@ -74,17 +79,25 @@ class RangedRewrite:
         arr = as_numpy(bytes_view(src))
         with self.lock:
             try:
-                pwrite_all(self.fd, arr, off + a)
-                drop_cache(self.fd, off + a, n)   # starts its writeback (the pages stay until clean)
-                self.since_sync += n
-                if self.since_sync >= BUFFERED_SYNC_EVERY:
-                    os.fdatasync(self.fd)
-                    drop_cache(self.fd)
-                    self.since_sync = 0
+                if self.dfd is not None and (off + a) % ALIGN == 0 and n % ALIGN == 0 and src.data_ptr() % ALIGN == 0:
+                    pwrite_all(self.dfd, arr, off + a)   # whole aligned blocks: straight to the disk
+                else:
+                    self._buffered(arr, off + a, n)
             except OSError as err:
                 raise self._failed(err) from err
         pos[0] = a + n
         pos[1].update(arr)
+
+    def _buffered(self, arr, offset: int, n: int) -> None:
+        """A range through the page cache (not aligned to direct I/O's blocks), its pages dropped
+        as they are written back; synced every ``BUFFERED_SYNC_EVERY`` bytes."""
+        pwrite_all(self.fd, arr, offset)
+        drop_cache(self.fd, offset, n)   # starts its writeback (the pages stay until clean)
+        self.since_sync += n
+        if self.since_sync >= BUFFERED_SYNC_EVERY:
+            os.fdatasync(self.fd)
+            drop_cache(self.fd)
+            self.since_sync = 0
 
     def commit(self, behind: bool = False):
         """The new version replaces the old one (every tensor must be written whole). Returns
@@ -121,10 +134,9 @@ class RangedRewrite:
         """Sync, rename, count; the key's next operations may start."""
         try:
             os.ftruncate(self.fd, self.file_size)
-            os.fdatasync(self.fd)
+            os.fdatasync(self.fd)   # (the inode's: the direct writes' allocations too)
             drop_cache(self.fd)
-            os.close(self.fd)
-            self.fd = None
+            self._close_new()
             os.replace(self.tmp, self.final)
         except OSError as e:
             self.abort(self._failed(e))
@@ -140,9 +152,7 @@ class RangedRewrite:
     def abort(self, error: Optional[BaseException]) -> None:
         """Drop the new version (the old one stays); operations waiting on this one go ahead
         (``error`` None: nothing went wrong, the key is left as it was)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self._close_new()
         try:
             os.unlink(self.tmp)
         except OSError:
@@ -161,6 +171,13 @@ class RangedRewrite:
             return self.store.no_space(self.key, self.final, self.file_size, None, err)
         return OffloadError(f"writing {self.key!r} to {self.final} failed: {err.strerror or err}. Check the "
                             f"disk behind the offload directory {self.store.root}")
+
+    def _close_new(self) -> None:
+        for name in ("fd", "dfd"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
 
     def _close_old(self) -> None:
         if self.reader is not None:

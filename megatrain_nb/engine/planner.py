@@ -261,7 +261,8 @@ class _PlanInputs:
                                 vocab_size=self.shape.vocab_size, batch=self.workload.batch, seq=self.workload.seq,
                                 checkpoint_interval=k, compute_bytes=self.cb,
                                 loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens,
-                                tile_tokens=tile_for(self.inter, self.cb, self.vram_bytes, self.cfg.overrides.tile_tokens))
+                                tile_tokens=tile_for(self.inter, self.cb, self.vram_bytes,
+                                                     self.cfg.overrides.tile_tokens))
 
     def pinned_units(self) -> int:
         """Bytes of one fp32 host buffer per held unit as the process holds them: on CUDA pinned,

@@ -160,7 +160,7 @@ def test_clipped_gradients_held_on_disk_leave_the_staging_buffers_and_come_back_
     allocated = held.weights.nbytes()["host"] + held.states.nbytes()["host_buffers"] + StagingCpuTransport.made * 4 * u
     assert allocated == counted, (allocated, counted)
     assert counted == host_in_flight(specs, "int8", weights_on_disk=True, states_on_disk=True, cuda=True,
-                                     clipped=False, depth=1, chunk_numel=768, pinned=False) + 3 * 768 * 4   # + the ring's chunks
+                                     clipped=False, depth=1, chunk_numel=768, pinned=False) + 3 * 768 * 4   # ring
     for e in (ref, held):
         e.close()
 

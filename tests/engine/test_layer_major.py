@@ -512,7 +512,8 @@ def test_estimate_puts_llama100b_boundaries_on_disk_and_says_so():
     after = estimate("llama-100b", **kw)
     w = after.plan.window
     assert (w["tier"], w["groups"], w["checkpoint_interval"], w["loads_per_layer"]) == ("disk", 1, 1, 2)
-    assert after.plan.disk["activations"] == w["boundary_bytes"] == 128 * 96 * 2048 * 8192 * 4   # 96 x 8192 = 64 x 12288
+    # (96 x 8192 = 64 x 12288: 64 layers of hidden 12288, fp32)
+    assert after.plan.disk["activations"] == w["boundary_bytes"] == 128 * 96 * 2048 * 8192 * 4
     assert "activations" not in after.plan.host and after.plan.host["grads"] == 0
     assert after.host_min < before.host_min - before.plan.host["grads"] // 2   # no accumulator
     assert after.feasible and w["tokens_per_weight_fetch"] == 2048 * 128 / 2

@@ -173,11 +173,7 @@ class RangedRewrite:
                             f"disk behind the offload directory {self.store.root}")
 
     def _close_new(self) -> None:
-        for name in ("fd", "dfd"):
-            fd = getattr(self, name, None)
-            if fd is not None:
-                os.close(fd)
-                setattr(self, name, None)
+        _close_fds(self)
 
     def _close_old(self) -> None:
         if self.reader is not None:
@@ -187,15 +183,18 @@ class RangedRewrite:
 class RangedRead:
     """A key's file read range by range, each tensor in order from its start (its checksum
     taken as the ranges pass and checked at its last one), in the caller's threads: the file is
-    never whole in RAM. Buffered reads, each range's pages dropped as it goes. The caller orders
+    never whole in RAM. A range of whole aligned blocks into aligned memory is read with direct
+    I/O where the store uses it; others buffered, each range's pages dropped. The caller orders
     it against the key's writes (``DiskStore.read_ranged``; a rewrite's old version is read
     while the rewrite holds the key)."""
 
     def __init__(self, store: DiskStore, key: str, outer: Optional[Future] = None):
-        self.store, self.outer, self.fd = store, outer, None
+        self.store, self.outer, self.fd, self.dfd = store, outer, None, None
         self.key, self.path, self.read_bytes = key, store.key_path(key), 0
         try:
             self.fd = os.open(self.path, os.O_RDONLY)
+            if store.direct_io:
+                self.dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
         except OSError as e:
             self.close()
             raise OffloadError(f"cannot open {self.path} for {key!r}: {e.strerror or e}") from e
@@ -218,11 +217,14 @@ class RangedRead:
             raise ValueError(f"ranged read of {self.key!r}, {name!r}: bytes [{a}, {a + n}) out of order "
                              f"(next {pos[0]} of {e['nbytes']})")
         arr = as_numpy(bytes_view(out))
+        direct = self.dfd is not None and (e["offset"] + a) % ALIGN == 0 and n % ALIGN == 0 \
+            and out.data_ptr() % ALIGN == 0
         try:
-            pread_all(self.fd, arr, e["offset"] + a)
+            pread_all(self.dfd if direct else self.fd, arr, e["offset"] + a)
         except OSError as err:
             raise OffloadError(f"reading {self.key!r} from {self.path} failed: {err.strerror or err}") from err
-        drop_cache(self.fd, e["offset"] + a, n)
+        if not direct:
+            drop_cache(self.fd, e["offset"] + a, n)
         pos[0] = a + n
         pos[1].update(arr)
         self.read_bytes += n
@@ -235,14 +237,21 @@ class RangedRead:
 
     def close(self) -> None:
         """Done reading (whole or not): the key's later writes may go ahead."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        _close_fds(self)
         if self.outer is not None and not self.outer.done():
             self.store.op_done(self.key, self.outer)
             if self.read_bytes:
                 self.store.count("read", self.read_bytes, 0.0)
             self.outer.set_result(self.read_bytes)
+
+
+def _close_fds(obj) -> None:
+    """Close ``obj.fd`` and ``obj.dfd`` (its direct-I/O descriptor) where open."""
+    for name in ("fd", "dfd"):
+        fd = getattr(obj, name, None)
+        if fd is not None:
+            os.close(fd)
+            setattr(obj, name, None)
 
 
 def header_at(key: str, items, new: dict, write_pos: dict, file_size: int) -> bytes:

@@ -21,8 +21,10 @@ ends with
 
     RESULT disk_write_vs_dd <ratio> x (target >= 0.8)
     RESULT disk_read_vs_dd <ratio> x (target >= 0.8)
+    RESULT disk_ranged_write_vs_dd <ratio> x (target >= 0.9)
+    RESULT disk_ranged_read_vs_dd <ratio> x (target >= 0.95)
 
-computed with the ordinary tensors.
+the first two computed with the ordinary tensors, the last two with the ranged pattern.
 """
 
 from __future__ import annotations
@@ -183,12 +185,13 @@ def main() -> None:
               f"GB/s/thread")
     print(f"aligned tensors: write {bw['store write aligned'] / bw['dd write']:.2f} x dd, "
           f"read {bw['store read aligned'] / bw['dd read']:.2f} x dd")
-    print(f"ranged ({chunk * 4 >> 20} MiB chunks): write {bw['store write ranged'] / bw['dd write']:.2f} x dd, "
-          f"read {bw['store read ranged'] / bw['dd read']:.2f} x dd")
     print(f"RESULT disk_write_vs_dd {bw['store write plain'] / bw['dd write']:.2f} x "
           f"(target >= 0.8)")
     print(f"RESULT disk_read_vs_dd {bw['store read plain'] / bw['dd read']:.2f} x "
           f"(target >= 0.8)")
+    # the tier's own pattern without a host cache (issue 31 item 4: >= 0.9 writes, >= 0.95 reads)
+    print(f"RESULT disk_ranged_write_vs_dd {bw['store write ranged'] / bw['dd write']:.2f} x (target >= 0.9)")
+    print(f"RESULT disk_ranged_read_vs_dd {bw['store read ranged'] / bw['dd read']:.2f} x (target >= 0.95)")
 
 
 if __name__ == "__main__":

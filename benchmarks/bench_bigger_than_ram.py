@@ -15,9 +15,10 @@ The bound, measured in the same run: the larger of
   * optimizer + codec: the RAM runs' AdamW worker seconds (its waits for the moments decoded
     ahead included; encodes run behind in their own thread), extrapolated the same way.
 
-Prints RESULT lines: bigger_than_ram_llama100b_host_min (the estimator's least host RAM for
-llama-100b in the seed's configuration, batch 1 x 2048 x accumulation 128 on one 80 GiB GPU:
-target <= 24 GiB), bigger_than_ram_params, bigger_than_ram_state_vs_ram (16 B/param of fp32
+Prints RESULT lines: bigger_than_ram_llama100b_host_min_clipped and
+bigger_than_ram_llama100b_host_min (the estimator's least host RAM for llama-100b in the seed's
+configuration, batch 1 x 2048 x accumulation 128 on one 80 GiB GPU, with global-norm clipping and
+without: target <= 24 GiB), bigger_than_ram_params, bigger_than_ram_state_vs_ram (16 B/param of fp32
 training state over RAM), bigger_than_ram_peak_rss_share (target <= 0.4; it was 0.56 before
 the update runner worked in chunks),
 bigger_than_ram_loss_falls (1 = finite and falling), bigger_than_ram_step_seconds,
@@ -145,17 +146,20 @@ def ram_reference(a, layers: int) -> dict:
 
 def estimate_figure() -> None:
     """The estimator's least host RAM (``Estimate.host_min``) for llama-100b in the seed's
-    configuration: what the engine's code holds with the master weights, the optimizer states
-    and the boundary activations on the disk tier (``planner.host_in_flight``)."""
+    configuration: what the engine's code holds with the master weights, the optimizer states,
+    the gradients held for a clipping norm and the boundary activations on the disk tier
+    (``planner.host_in_flight``); with global-norm clipping (TrainingArguments' default,
+    ``max_grad_norm=1.0``) first, then without."""
     from megatrain_nb import estimate
 
-    e = estimate("llama-100b", vram_gb=80, ram_gb=1024, disk_gb=4096, batch=1, seq=2048, accumulation=128,
-                 clipping=False)
-    lo = estimate("llama-100b", vram_gb=80, ram_gb=1 / GiB, disk_gb=4096, batch=1, seq=2048, accumulation=128,
-                  clipping=False)
-    print("llama-100b, seed configuration, least host RAM:",
-          {k: f"{v / GiB:.1f} GiB" for k, v in lo.plan.host.items() if v})
-    result("bigger_than_ram_llama100b_host_min", e.host_min / GiB, "GiB", "<=", 24)
+    kw = dict(vram_gb=80, disk_gb=4096, batch=1, seq=2048, accumulation=128)
+    for clipping, suffix in ((True, "_clipped"), (False, "")):
+        e = estimate("llama-100b", ram_gb=1024, clipping=clipping, **kw)
+        lo = estimate("llama-100b", ram_gb=1 / GiB, clipping=clipping, **kw)
+        print(f"llama-100b, seed configuration, {'clipped' if clipping else 'no clipping'}, least host RAM:",
+              {k: f"{v / GiB:.2f} GiB" for k, v in lo.plan.host.items() if v}, f"(window: {lo.plan.window['groups']} "
+              f"group(s), gradients -> {lo.plan.placement['gradients']})")
+        result(f"bigger_than_ram_llama100b_host_min{suffix}", e.host_min / GiB, "GiB", "<=", 24)
 
 
 def main(argv=None):

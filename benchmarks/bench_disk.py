@@ -8,7 +8,10 @@ Each repetition runs, alternating which goes first:
   iflag=direct`` (dd's own reported time);
 * ``DiskStore.write`` of ``--gib`` GiB as ``--unit-mib`` MiB tensors (one key each, all issued
   write-behind, timed until ``flush()`` returns) and ``DiskStore.read`` of the same keys into
-  preallocated tensors (all issued read-ahead, timed until the last one is done).
+  preallocated tensors (all issued read-ahead, timed until the last one is done);
+* the ranged pattern of the tier without a host cache: ``DiskStore.ranged`` rewrites of the same
+  tensors a chunk (``states.UPDATE_CHUNK`` elements) at a time, committed behind, and
+  ``DiskStore.read_ranged`` reads of them a chunk at a time (printed beside the others).
 
 The store is measured with ordinary ``torch.empty`` tensors (their memory is not 4096-aligned,
 so the data goes through the store's aligned staging buffers: the general case) and with
@@ -18,8 +21,10 @@ ends with
 
     RESULT disk_write_vs_dd <ratio> x (target >= 0.8)
     RESULT disk_read_vs_dd <ratio> x (target >= 0.8)
+    RESULT disk_ranged_write_vs_dd <ratio> x (target >= 0.9)
+    RESULT disk_ranged_read_vs_dd <ratio> x (target >= 0.95)
 
-computed with the ordinary tensors.
+the first two computed with the ordinary tensors, the last two with the ranged pattern.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pathlib import Path
 import torch
 
 from megatrain_nb.engine.disk_store import DiskStore, aligned_empty
+from megatrain_nb.engine.states import UPDATE_CHUNK
 
 MIB = 1 << 20
 
@@ -77,6 +83,35 @@ def _store_read(store: DiskStore, outs: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
+def _ranged_write(store: DiskStore, units: list[torch.Tensor], chunk: int) -> float:
+    """The tier's ranged rewrites (``DiskStore.ranged``, as a chunked update writes weights and
+    codes with no host cache): each unit's new version written ``chunk`` elements at a time from
+    one aligned chunk buffer, committed behind; timed until ``flush()`` returns."""
+    t0 = time.perf_counter()
+    for i, t in enumerate(units):
+        rw = store.ranged(f"ranged.{i}", {"data": (t.dtype, tuple(t.shape))}, read_old=False)
+        for a in range(0, t.numel(), chunk):
+            rw.write("data", a, t[a:a + chunk])
+        rw.commit(behind=True)
+    store.flush()
+    return time.perf_counter() - t0
+
+
+def _ranged_read(store: DiskStore, outs: list[torch.Tensor], chunk: int) -> float:
+    """The tier's ranged reads (``DiskStore.read_ranged``, as an update reads a held gradient):
+    ``chunk`` elements at a time into the caller's tensor."""
+    _drop_pages(store.path)
+    t0 = time.perf_counter()
+    for i, t in enumerate(outs):
+        rr = store.read_ranged(f"ranged.{i}")
+        try:
+            for a in range(0, t.numel(), chunk):
+                rr.read("data", a, t[a:a + chunk])
+        finally:
+            rr.close()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=str(Path(__file__).resolve().parents[1]),
@@ -98,6 +133,7 @@ def main() -> None:
           f"{nunits} x {args.unit_mib} MiB = {total / 2**30:.2f} GiB per measurement, "
           f"dd {dd_count} x 64 MiB, {args.reps} repetitions")
     kinds = {"plain": torch.empty, "aligned": aligned_empty}
+    chunk = UPDATE_CHUNK
     units = {k: [alloc(unit_numel).fill_(1.25 + i) for i in range(nunits)]
              for k, alloc in kinds.items()}
     outs = {k: [alloc(unit_numel) for _ in range(nunits)] for k, alloc in kinds.items()}
@@ -119,11 +155,14 @@ def main() -> None:
                 steps.append((f"store read {k}", lambda k=k: _store_read(stores[k], outs[k])))
             if rep % 2:                          # alternate the order within each pair
                 steps = [steps[1], steps[2], steps[0], steps[4], steps[5], steps[3]]
+            # the ranged pattern of the tier without a host cache (chunks of UPDATE_CHUNK elements)
+            steps.insert(3, ("store write ranged", lambda: _ranged_write(stores["aligned"], units["aligned"], chunk)))
+            steps.append(("store read ranged", lambda: _ranged_read(stores["aligned"], outs["aligned"], chunk)))
             for name, fn in steps:
                 sec = fn()
                 if rep:
                     times.setdefault(name, []).append(sec)
-        for k in kinds:
+        for k in kinds:   # (the aligned outs hold the ranged reads' data, the last read)
             for a, b in zip(units[k], outs[k]):
                 assert torch.equal(a, b), "read back different data"
         stats = {k: s.stats() for k, s in stores.items()}
@@ -150,6 +189,9 @@ def main() -> None:
           f"(target >= 0.8)")
     print(f"RESULT disk_read_vs_dd {bw['store read plain'] / bw['dd read']:.2f} x "
           f"(target >= 0.8)")
+    # the tier's own pattern without a host cache (issue 31 item 4: >= 0.9 writes, >= 0.95 reads)
+    print(f"RESULT disk_ranged_write_vs_dd {bw['store write ranged'] / bw['dd write']:.2f} x (target >= 0.9)")
+    print(f"RESULT disk_ranged_read_vs_dd {bw['store read ranged'] / bw['dd read']:.2f} x (target >= 0.95)")
 
 
 if __name__ == "__main__":

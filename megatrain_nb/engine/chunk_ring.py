@@ -9,7 +9,8 @@ in RAM (a dict of tensors: views of them) or a ranged rewrite of its file on the
 buffers), so no unit-sized fp32 moments -- nor, ranged, codes -- ever exist. An update whose
 master weights are rewritten range by range too (``WeightStore.ranged_update``) has each chunk's
 weights read with its codes (a chunk ahead) and written with them (a chunk behind), through the
-ring's own fp32 weight buffers.
+ring's own fp32 weight buffers; a final gradient held on the disk tier for a clipping norm
+(``intake.HeldGradient``) is read with them, a chunk ahead, into the ring's fp32 gradient buffers.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class ChunkRing:
         self._moments = None   # RING x (m, v) chunk buffers, made on the first update
         self._codes = None     # RING chunks' codes, read from a ranged rewrite
         self._weights = None   # RING chunks' fp32 master weights, read from a ranged rewrite
+        self._grads = None     # RING chunks' fp32 final gradients, read from the disk tier
 
     def code_specs(self, numel: int) -> Dict[str, tuple]:
         """name -> (dtype, shape) of the stored codes and scales of ``numel`` elements."""
@@ -66,21 +68,23 @@ class ChunkRing:
         out = RING * 8 * self.chunk_numel if self._moments is not None else 0
         if self._codes is not None:
             out += sum(t.numel() * t.element_size() for r in self._codes for d in r.values() for t in d.values())
-        if self._weights is not None:
-            out += RING * 4 * self.chunk_numel
+        out += sum(RING * 4 * self.chunk_numel for b in (self._weights, self._grads) if b is not None)
         return out
 
-    def run(self, numel: int, stored, out, apply, decoder=None, encoder=None, weights=None) -> None:
+    def run(self, numel: int, stored, out, apply, decoder=None, encoder=None, weights=None, grads=None) -> None:
         """Update ``numel`` elements: ``stored`` (codes dict, a ranged rewrite, or None: zeros)
         decoded chunk by chunk (in ``decoder``, a single-thread executor, or in line), ``apply(a,
         b, m, v)`` on each (here), encoded into ``out`` (codes dict or ranged rewrite; in
         ``encoder``). ``weights``: a ranged rewrite of the unit's fp32 weights (``"w"``), each
         chunk's slice read with its codes and written with them; ``apply(a, b, m, v, p)`` then
-        gets it. A failed encode (diverged states) raises here."""
+        gets it. ``grads``: the unit's final gradient read chunk by chunk (``read(a, out)``),
+        each chunk's slice passed to ``apply`` last (``apply(a, b, m, v[, p], g)``). A failed
+        encode (diverged states) raises here."""
         chunks = chunk_bounds(numel, self.chunk_numel)
         ring = self._ring()
         codes = None if isinstance(stored, dict) or stored is None else self._ring_codes()
         wbufs = None if weights is None else self._ring_weights()
+        gbufs = None if grads is None else self._ring_grads()
 
         def decode(i):
             a, b = chunks[i]
@@ -90,16 +94,19 @@ class ChunkRing:
                     t.zero_()
                 else:
                     self.codecs[role].decode(self._slice(role, stored, a, b, codes and codes[i % RING]), t)
-            if wbufs is None:
-                return m, v
-            return m, v, weights.read("w", a, wbufs[i % RING][:b - a])
+            got = (m, v)
+            if wbufs is not None:
+                got += (weights.read("w", a, wbufs[i % RING][:b - a]),)
+            if gbufs is not None:
+                got += (grads.read(a, gbufs[i % RING][:b - a]),)
+            return got
 
-        def encode(i, m, v, *p):
+        def encode(i, m, v, *rest):
             a, b = chunks[i]
             for role, t in zip(ROLES, (m, v)):
                 self._put(role, out, a, b, self.codecs[role].encode(t))
-            if p:
-                weights.write("w", a, p[0])
+            if wbufs is not None:
+                weights.write("w", a, rest[0])
 
         decoded = {0: run_on(decoder, decode, 0)}
         encoded: List[Future] = []
@@ -131,10 +138,18 @@ class ChunkRing:
 
     def _ring_weights(self):
         if self._weights is None:
-            from .disk_store import aligned_empty
-
-            self._weights = [aligned_empty(self.chunk_numel) for _ in range(RING)]
+            self._weights = self._fp32_chunks()
         return self._weights
+
+    def _ring_grads(self):
+        if self._grads is None:
+            self._grads = self._fp32_chunks()
+        return self._grads
+
+    def _fp32_chunks(self):
+        from .disk_store import aligned_empty
+
+        return [aligned_empty(self.chunk_numel) for _ in range(RING)]
 
     def _ring_codes(self):
         if self._codes is None:

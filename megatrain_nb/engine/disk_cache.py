@@ -404,6 +404,16 @@ class HostCache:
         self._count("host_to_disk", nb, "disk_write_bytes")
         return rw
 
+    def read_ranged(self, key: str):
+        """As ``DiskStore.read_ranged`` (used where nothing is kept: ``capacity`` 0): the key's
+        phase advances as a read and the bytes it moves are counted as it is issued."""
+        with self._lock:
+            self._keep(key, READ)
+        rr = self.store.read_ranged(key)
+        self._busy("disk_to_host", rr.outer)
+        self._count("disk_to_host", sum(e["nbytes"] for e in rr.entries.values()), "disk_read_bytes")
+        return rr
+
     def write_adopt(self, key: str, tensors: dict) -> Tuple[Future, Optional[dict]]:
         """As :meth:`write`, without the copy into RAM: when the plan keeps the key resident the
         cache takes ``tensors`` themselves (the caller must not touch them again) and returns,

@@ -97,7 +97,7 @@ class DiskReadStream:
         self.fresh_source = None
         self.reclaim = None                    # reclaim(stream): drop fresh copies holding its buffers
         self._foreign: Dict[int, object] = {}  # data_ptr of a fresh buffer -> its release callback
-        self.staging_bytes = len(self._free) * self._numel * 4
+        self.staging_bytes = len(self._free) * self._buffer_bytes()
         self._cv = threading.Condition()
         self._order: List[Unit] = []
         self._issued = 0
@@ -110,6 +110,11 @@ class DiskReadStream:
         # Page-aligned (pinned memory is too), so direct I/O needs no bounce copy.
         return torch.empty(self._numel, dtype=torch.float32, pin_memory=True) if self._pin else aligned_empty(self._numel)
 
+    def _buffer_bytes(self) -> int:
+        """What one staging buffer holds (pinned: its power of two, ``pinned.held_bytes``)."""
+        from .pinned import held_bytes
+        return held_bytes(self._numel * 4, self._pin)
+
     def grow(self, n: int) -> None:
         """At least ``n`` staging buffers from now on (more units' reads may be kept)."""
         with self._cv:
@@ -117,7 +122,7 @@ class DiskReadStream:
                 t = self._new_buffer()
                 self._by_ptr[t.data_ptr()] = t
                 self._free.append(t)
-                self.staging_bytes += self._numel * 4
+                self.staging_bytes += self._buffer_bytes()
             self._cv.notify_all()
         self._top_up()
 

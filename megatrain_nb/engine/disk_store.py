@@ -64,7 +64,7 @@ from megatrain_nb.formatting import fmt_bytes
 from .disk_format import (ALIGN, SUFFIX, OffloadError, Staging, aligned_empty, as_numpy, buffered_read,
                           buffered_write, bytes_view, drop_cache, large_unaligned, layout, payload_ok, pread_all,
                           probe_direct_io, read_header, transfer)
-from .disk_ranged import RangedRewrite
+from .disk_ranged import RangedRead, RangedRewrite
 from .diskspace import filesystem_of, filesystem_text
 from .reclaim import folder_prefix, reclaim
 from .. import threads as registry
@@ -311,6 +311,26 @@ class DiskStore:
         futures_wait(deps)   # (their errors are their callers')
         try:
             return RangedRewrite(self, key, specs, read_old, outer)
+        except BaseException as e:
+            self.op_done(key, outer)
+            outer.set_exception(e)
+            raise
+
+    def read_ranged(self, key: str) -> RangedRead:
+        """``key`` read range by range in the caller's threads (:class:`RangedRead`): never whole
+        in RAM. Ordered as a read: it starts after the key's last write (its error raised here);
+        writes issued later wait for its ``close``."""
+        self._checked_key(key)
+        outer: Future = Future()
+        with self._lock:
+            ops = self._key_ops(key)
+            dep = ops["write"]
+            ops["reads"].add(outer)
+            self._pending.add(outer)
+        try:
+            if dep is not None:
+                dep.result()
+            return RangedRead(self, key, outer)
         except BaseException as e:
             self.op_done(key, outer)
             outer.set_exception(e)

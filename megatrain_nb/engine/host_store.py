@@ -194,6 +194,8 @@ class HostStore:
             self.zero_unit(u)
 
     def nbytes(self) -> Dict[str, int]:
-        w = sum(t.numel() * 4 for t in self.params.values() if t is not None)
-        g = sum(t.numel() * 4 for t in self.grads.values() if t is not None)
+        """Bytes held, pinned buffers at the caching host allocator's power of two (as planned)."""
+        from .pinned import held_bytes
+        w = sum(held_bytes(t.numel() * 4, self.pin) for t in self.params.values() if t is not None)
+        g = sum(held_bytes(t.numel() * 4, self.pin) for t in self.grads.values() if t is not None)
         return {"weights": w, "grads": g}

@@ -23,6 +23,11 @@ device->host copy; ``staged``) goes straight to its update there: :meth:`Gradien
 returns a Future that is done once the update is done with it, and the pager reuses that
 buffer only then (no unit-sized copy beside the staging buffers).
 
+A gradient held on the disk tier for the norm (``hold="disk"``) is written straight from its
+staging buffer (the pager reuses it once the write is done: no copy beside the staging buffers),
+and an update that works in chunks reads it back a chunk at a time (:class:`HeldGradient`,
+``DiskStore.read_ranged``): no unit-sized buffer holds it on either side of the wait.
+
 Final-gradient buffers come from one :class:`~.host_store.BufferPool`; a layer-major window
 on a CPU "device" borrows one per unit (:meth:`GradientIntake.lend_buffer`), sums into it and
 hands it back whole: the pool knows what it lent (``BufferPool.lend`` / ``take_back``), so it
@@ -81,6 +86,25 @@ class StepContext:
 
 
 ACCUMULATE_ONLY = StepContext()
+
+
+class HeldGradient:
+    """A final gradient held on the disk tier, read back range by range in order
+    (``read(start, out)``: ``out.numel()`` elements from element ``start``), scaled by ``coef``
+    (the clip coefficient, set before the first read) as each range arrives: the same products
+    as the whole gradient scaled at once. ``close()`` ends the read (the key may be written again)."""
+
+    def __init__(self, reader, numel: int):
+        self.reader, self.numel, self.coef = reader, numel, None
+
+    def read(self, start: int, out: torch.Tensor) -> torch.Tensor:
+        self.reader.read("g", start, out)
+        if self.coef is not None:
+            out.mul_(self.coef)
+        return out
+
+    def close(self, _grad=None) -> None:
+        self.reader.close()
 
 
 class Route:
@@ -180,6 +204,9 @@ class GradientIntake:
         elif route == Route.STRAIGHT:
             return self._straight(unit, grad, step)
         elif route == Route.HOLD:
+            if self.policy.hold_on_disk(step) and self.staged and torch.is_tensor(grad) \
+                    and grad.numel() == unit.numel:
+                return self._hold_staged(unit, grad)
             flat = self._final_buffer(unit, grad)
             self.reduce(unit, flat)
             self._add_norm_share(unit, flat)
@@ -247,9 +274,11 @@ class GradientIntake:
         return sq ** 0.5, loss
 
     # ------------------------------------------------------------------ what the updates claim
-    def claim(self, unit: Unit) -> Tuple[Optional[torch.Tensor], Optional[Callable]]:
+    def claim(self, unit: Unit, ranged: bool = False) -> Tuple[Optional[object], Optional[Callable]]:
         """For a unit's update that waited for the norm: (its held final gradient, how to hand
-        the buffer back), or (None, None) when it is in the accumulator."""
+        the buffer back), or (None, None) when it is in the accumulator. ``ranged``: the update
+        works in chunks, so a gradient held on the disk tier comes as a :class:`HeldGradient`
+        (read a chunk at a time) where the disk tier reads ranges (``read_ranged``)."""
         with self._held_lock:
             held = self._held.pop(unit.index, None)
             in_ram = self._held_ram.pop(unit.index, None)
@@ -258,6 +287,9 @@ class GradientIntake:
         if held is None:
             return None, None
         held.result()            # hold="disk": the final gradient comes back
+        if ranged and getattr(self.disk, "capacity", 0) <= 0:   # (a host cache's copies are whole units)
+            got = HeldGradient(self.disk.read_ranged(self._hold_key(unit)), unit.numel)
+            return got, got.close
         grad = self.pool.take(unit.numel)
         try:
             self.disk.read(self._hold_key(unit), {"g": grad}, urgent=True).result()
@@ -325,15 +357,28 @@ class GradientIntake:
     def _hold_key(self, unit: Unit) -> str:
         return f"final-grad-{unit.index:05d}"
 
-    def _hold_on_disk(self, unit: Unit, flat: torch.Tensor) -> None:
-        """hold="disk": the final gradient is written to the disk tier (its update reads it
-        back once the norm is known); RAM holds only the writes in flight (a few units)."""
+    def _hold_staged(self, unit: Unit, grad: torch.Tensor) -> Future:
+        """hold="disk", a gradient in its transfer's staging buffer: its norm share taken and
+        the buffer written to the disk tier as it is; the returned write keeps the buffer from
+        the pager until it is done (the staging buffers bound the writes in flight)."""
+        self.reduce(unit, grad)
+        self._add_norm_share(unit, grad)
+        return self._write_held(unit, grad)
+
+    def _write_held(self, unit: Unit, flat: torch.Tensor) -> Future:
         key = self._hold_key(unit)
         fut = self.disk.write(key, {"g": flat})
-        fut.add_done_callback(lambda _f, flat=flat: self.pool.give(flat))
         with self._held_lock:
             self._held[unit.index] = fut
             self._held_keys.add(key)
+        return fut
+
+    def _hold_on_disk(self, unit: Unit, flat: torch.Tensor) -> None:
+        """hold="disk": the final gradient is written to the disk tier (its update reads it
+        back once the norm is known); RAM holds only the writes in flight (a few units)."""
+        fut = self._write_held(unit, flat)
+        fut.add_done_callback(lambda _f, flat=flat: self.pool.give(flat))
+        with self._held_lock:
             inflight = [f for f in self._held.values() if not f.done()]
         if len(inflight) > HOLD_WRITES:   # back-pressure on the gradient thread (errors surface in the update)
             futures_wait(inflight[:-HOLD_WRITES])

@@ -71,17 +71,19 @@ class UnitRun:
         self.adam, self.unit, self.params, self.step_t, self.old = adam, unit, params, step, old
 
     def step(self, a: int, b: int, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-             lr: float, params: Optional[torch.Tensor] = None) -> None:
+             lr: float, params: Optional[torch.Tensor] = None, grads_at: int = 0) -> None:
         """AdamW on elements ``[a, b)`` of the unit; ``exp_avg``/``exp_avg_sq`` hold just that
         slice (``b - a`` elements), and ``params`` too when given (else the unit's weights given
-        to :meth:`UnitAdamW.start_unit`). The slice is split where weight decay stops (the
-        decayed parameters come first), as :meth:`UnitAdamW.step_unit` splits the whole unit."""
+        to :meth:`UnitAdamW.start_unit`); ``grads`` starts at the unit's element ``grads_at``
+        (0: the whole unit's; ``a``: the slice's own, read chunk by chunk). The slice is split
+        where weight decay stops (the decayed parameters come first), as
+        :meth:`UnitAdamW.step_unit` splits the whole unit."""
         d = self.unit.decay_numel
         for lo, hi, wd in ((a, min(b, d), self.adam.weight_decay), (max(a, d), b, 0.0)):
             if hi > lo:
                 w = self.params[lo:hi] if params is None else params[lo - a:hi - a]
-                self.adam.fused(w, grads[lo:hi], exp_avg[lo - a:hi - a], exp_avg_sq[lo - a:hi - a], self.step_t,
-                                lr, wd)
+                g = grads[lo - grads_at:hi - grads_at]
+                self.adam.fused(w, g, exp_avg[lo - a:hi - a], exp_avg_sq[lo - a:hi - a], self.step_t, lr, wd)
 
     def finish(self, grads: torch.Tensor, grad_norm: Optional[float] = None) -> None:
         if self.old is not None:

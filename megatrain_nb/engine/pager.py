@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .pinned import held_bytes
 from .telemetry import Telemetry
 from ..threads import D2H, H2D, executor
 from .units import Unit
@@ -116,7 +117,9 @@ class Pager:
             self._grad_free: List[Optional[Future]] = [None] * len(self._grad_host)
             self._grad_turn = self._host_turn = 0
             self.grad_buf_bytes = 2 * max_unit * 4                      # device
-            self.grad_host_bytes = len(self._grad_host) * max_unit * 4   # pinned host
+            # pinned host, as the transport's pool counts each (its power of two on CUDA)
+            pinned = getattr(getattr(transport, "pinned", None), "pin", False)
+            self.grad_host_bytes = len(self._grad_host) * held_bytes(max_unit * 4, pinned)
         self._order: List[Unit] = []
         self._issued = 0              # order[:_issued] have been fetched (or consumed)
         self._consumed = 0

@@ -3,10 +3,13 @@
 ``t.pin_memory()`` copies a pageable tensor into a block of PyTorch's caching host allocator:
 a pageable allocation and a copy first, then a pinned block whose size is rounded up to a
 power of two (an 810 MB layer holds 1 GiB, a 2.1 GB embedding 4 GiB), kept cached after the
-tensor dies. :class:`PinnedPool` allocates with ``torch.empty(..., pin_memory=True)`` (no
+tensor dies (``torch.empty(..., pin_memory=True)`` goes through the same allocator and is
+rounded the same way). :class:`PinnedPool` allocates with ``torch.empty(..., pin_memory=True)`` (no
 pageable copy), counts each block at the size the allocator gives it (:func:`pinned_bytes`),
 and on :meth:`close` hands the cached blocks back to the driver. The planner counts pinned
-buffers with the same rounding (planner.py), so the plan is what the process holds.
+buffers with the same rounding (:func:`held_bytes`: ``planner.host_in_flight`` and the master
+weights and accumulators of ``host_store.HostStore``), and the engine's memory report counts
+them so too, so the plan is what the process holds.
 """
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ def pinned_bytes(nbytes: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def held_bytes(nbytes: int, pinned: bool) -> int:
+    """What a host buffer of ``nbytes`` holds: its power of two when pinned, else itself."""
+    return pinned_bytes(nbytes) if pinned else int(nbytes)
+
+
 class PinnedPool:
     """Host buffers for one engine: pinned (``pin=True``: CUDA) or plain; ``held`` bytes so far."""
 
@@ -33,7 +41,7 @@ class PinnedPool:
         t = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
         n = numel * t.element_size()
         with self._lock:
-            self.held += pinned_bytes(n) if self.pin else n
+            self.held += held_bytes(n, self.pin)
         return t
 
     def close(self) -> None:

@@ -87,7 +87,8 @@ class Plan:
 
 
 def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: bool, states_on_disk: bool,
-                   cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20, compute_bytes: int = 4) -> int:
+                   cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20, compute_bytes: int = 4,
+                   hold_disk: bool = False, pinned: Optional[bool] = None) -> int:
     """Host RAM the engine's code holds in flight besides the stored state, as it allocates
     it (``u``: the largest unit; "large": over 256 MiB, ``parts.SMALL_UNIT_BYTES``):
 
@@ -104,7 +105,11 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       ``intake.GradientIntake.arrived``); on a CPU "device" ``depth`` pool buffers and one more
       (the window's sum being formed, a lent pool buffer) and a tied embedding's sum; + 2 when
       a clipping norm is waited for (the hold's disk writes; on CUDA one more: a held gradient
-      is copied out of its staging buffer into a pool buffer);
+      is copied out of its staging buffer into a pool buffer) -- except, on CUDA, where the
+      held gradients wait on the disk tier (``hold_disk``): each is written straight from its
+      staging buffer (``intake.GradientIntake._hold_staged``) and an update in chunks reads it
+      back a chunk at a time into ``RING`` chunk buffers (``intake.HeldGradient``); states
+      updated whole read it into one unit-sized buffer;
     * compressed optimizer states, updated in chunks (``states.OptimizerStates.update``): the
       fp32 moments of ``RING`` chunks (at most the largest unit's size, ``states.update_chunk``);
       on the disk tier the codes of those chunks only, read from the unit's file and written to
@@ -115,6 +120,9 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       being updated, reads ahead, writes behind); fp32 states in RAM are updated in place.
     * on CUDA with a compute dtype narrower than fp32 (``compute_bytes`` 2): the pinned buffer
       a slot fill is cast into on the host (``transport.CudaTransport._cast_in``), ``u`` of them.
+    Pinned buffers (``pinned``, default ``cuda``: the weight staging of the disk tier, the
+    gradient staging and the cast buffer) count at the caching host allocator's power of two
+    (``pinned.pinned_bytes``: a 5.8 GiB unit holds 8 GiB); the rest as allocated.
     (Without a host cache of the disk tier: the estimate's least host RAM.)
     """
     from .chunk_ring import RING
@@ -122,23 +130,30 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     from .intake import HOLD_WRITES
     from .pager import staging_buffers
 
+    from .pinned import held_bytes
+
     if not units:
         return 0
     u = max(x.numel for x in units)
     large = u * 4 > (256 << 20)
+    pin = cuda if pinned is None else pinned
+    pu = held_bytes(u * 4, pin)   # a pinned unit-sized fp32 buffer
     out = 0
     chunk = update_chunk(compression, chunk_numel, u)
     if weights_on_disk:   # compute staging; the optimizer's, or (chunked updates) one chunk's
-        out += (2 if large else 2 + depth) * u * 4
-        out += RING * chunk * 4 if chunk else (1 if large else 2) * u * 4
+        out += (2 if large else 2 + depth) * pu
+        out += RING * chunk * 4 if chunk else (1 if large else 2) * pu
     tied = any(x.tied_output for x in units if x.kind == "embed")
-    if cuda:   # clipped: a held gradient is copied out of its staging buffer (+ the hold's writes)
-        grads = staging_buffers(depth) + (HOLD_WRITES + 1 if clipped else 0)
+    if cuda and clipped and hold_disk:   # written from the staging buffers, read back in chunks
+        out += staging_buffers(depth) * pu + (0 if chunk else 1) * u * 4
+    elif cuda:   # clipped: a held gradient is copied out of its staging buffer (+ the hold's writes)
+        out += staging_buffers(depth) * pu + (HOLD_WRITES + 1 if clipped else 0) * u * 4
     else:
-        grads = depth + 1 + int(tied) + (HOLD_WRITES if clipped else 0)
-    out += grads * u * 4
+        out += (depth + 1 + int(tied) + (HOLD_WRITES if clipped else 0)) * u * 4
+    if clipped and hold_disk and chunk:   # the ring's chunks of a held gradient read back
+        out += RING * chunk * 4
     if cuda and compute_bytes < 4:   # the host-side cast of the weights into the slot's dtype
-        out += u * compute_bytes
+        out += held_bytes(u * compute_bytes, pin)
     if compression == "none":
         if states_on_disk:
             out += (1 + min_reads_ahead(8 * u) + writes_pending(8 * u, False)) * 8 * u
@@ -261,20 +276,32 @@ class _PlanInputs:
         # CUDA: two fp32 staging buffers, and a unit's autograd.grad outputs in the compute
         # dtype until they are copied into one; a CPU "device" sums into a lent pool buffer
         grads = (2 * dev_max_unit * 4 + dev_max_unit * self.cb) if self.cuda else dev_max_unit * 4
-        act = activation_bytes(hidden_size=self.shape.hidden_size, intermediate_size=self.inter,
-                               num_layers=self.shape.num_layers, vocab_size=self.shape.vocab_size,
-                               batch=self.workload.batch, seq=self.workload.seq, checkpoint_interval=k,
-                               compute_bytes=self.cb, loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens,
-                               tile_tokens=self.tile)
+        act = self.activations(k)
         return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
 
-    def in_flight(self, weights_on_disk: bool) -> int:
+    def activations(self, k: int, num_layers: Optional[int] = None) -> int:
+        """One micro-batch's activation bytes at checkpoint interval ``k`` (``num_layers`` 0:
+        only the working set of one layer's re-run or the head's chunk, no saved inputs)."""
+        return activation_bytes(hidden_size=self.shape.hidden_size, intermediate_size=self.inter,
+                                num_layers=self.shape.num_layers if num_layers is None else num_layers,
+                                vocab_size=self.shape.vocab_size, batch=self.workload.batch, seq=self.workload.seq,
+                                checkpoint_interval=k, compute_bytes=self.cb,
+                                loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens, tile_tokens=self.tile)
+
+    def pinned_units(self) -> int:
+        """Bytes of one fp32 host buffer per held unit as the process holds them: on CUDA pinned,
+        each block at the caching host allocator's power of two (``pinned.pinned_bytes``)."""
+        from .pinned import held_bytes
+        return sum(held_bytes(u.numel * 4, self.cuda) for u in self.held)
+
+    def in_flight(self, weights_on_disk: bool, hold_disk: bool = False) -> int:
         w = self.workload
         return host_in_flight(self.held, self.cfg.optimizer_compression, weights_on_disk=weights_on_disk,
                               states_on_disk=bool(self.cfg.offload_dir), cuda=self.cuda,
                               clipped=w.clipped and w.gradients != "accumulator",
                               depth=self.cfg.overrides.inflight_depth,
-                              chunk_numel=self.cfg.overrides.update_chunk_numel, compute_bytes=self.cb)
+                              chunk_numel=self.cfg.overrides.update_chunk_numel, compute_bytes=self.cb,
+                              hold_disk=hold_disk)
 
 
 def _device_schedule(p: _PlanInputs):
@@ -364,6 +391,8 @@ def _host_placement(p: _PlanInputs):
     cfg, offload_dir, offload_params = p.cfg, bool(p.cfg.offload_dir), p.cfg.offload_params
     states = int(p.total * codec_bytes_per_param(cfg.optimizer_compression))
     weights, grads = p.total * 4, (p.total * 4 if p.workload.gradients != "none" else 0)
+    if p.workload.gradients == "accumulator":   # HostStore's buffers (pinned on CUDA); a hold's are not
+        grads = p.pinned_units()
     clip_hold = cfg.clip_hold if p.workload.gradients == "held" else None
     placement = {"gradients": "host", "master_weights": "host",
                  "optimizer_states": "disk" if offload_dir else "host"}
@@ -372,7 +401,8 @@ def _host_placement(p: _PlanInputs):
     # not). "auto": there only when the host budget cannot hold them beside the master
     # weights; they move before the master weights do (one write and one read per step,
     # where weights on disk are also read by every forward).
-    host_rest = ((0 if offload_params else weights) + (0 if offload_dir else states)
+    host_weights = p.pinned_units()   # HostStore's buffers, one per unit (pinned on CUDA)
+    host_rest = ((0 if offload_params else host_weights) + (0 if offload_dir else states)
                  + p.in_flight(bool(offload_params)))   # the host's other needs, as counted below
     grads_on_disk = bool(offload_dir and grads) and (clip_hold == "disk" or (
         clip_hold == "auto" and p.host_bytes is not None and host_rest + grads > p.host_bytes))
@@ -380,12 +410,12 @@ def _host_placement(p: _PlanInputs):
         placement["gradients"] = "disk"
         grads = 0
     if offload_params or (offload_params is None and offload_dir and p.host_bytes is not None
-                          and weights + grads + host_states + p.in_flight(False) > p.host_bytes):
+                          and host_weights + grads + host_states + p.in_flight(False) > p.host_bytes):
         placement["master_weights"] = "disk" if offload_dir else "host"
-    host = {"weights": weights if placement["master_weights"] == "host" else 0,
+    host = {"weights": host_weights if placement["master_weights"] == "host" else 0,
             "grads": grads,
             "optimizer_states": states if placement["optimizer_states"] == "host" else 0,
-            "buffers": p.in_flight(placement["master_weights"] == "disk")}
+            "buffers": p.in_flight(placement["master_weights"] == "disk", hold_disk=grads_on_disk)}
     return placement, host, grads_on_disk, weights, states
 
 
@@ -394,6 +424,11 @@ def _plan_window(p: _PlanInputs, chosen_k: int, dev: dict, host: dict, placement
     """``accumulation`` > 1: the window's layout; updates ``dev``, ``host``, ``placement`` in
     place. Returns (the window's dict, the device figures, grads on disk)."""
     w, cfg, total = p.workload, p.cfg, p.total
+    # The window's boundary activations and per-micro-batch work (below) take the place of one
+    # micro-batch's saved layer inputs and block inputs: beside them the device holds only one
+    # layer's re-run or the head's chunk (as engine_window_plan counts the engine's room).
+    dev = dict(dev, activations=p.activations(chosen_k, num_layers=0))
+    dev["total"] = dev["weights"] + dev["grads"] + dev["activations"]
     free_dev = None if p.vram_bytes is None else max(p.vram_bytes - dev["total"] - sums, 0)
     # Boundary activations leave HOST_HEADROOM of the host budget free (the OS, page cache,
     # allocator slack: a pinned RAM tier filled to the last GiB is what gets a process killed).
@@ -408,7 +443,7 @@ def _plan_window(p: _PlanInputs, chosen_k: int, dev: dict, host: dict, placement
                      accumulator_bytes=0 if host["grads"] else total * 4, disk_free=free_disk,
                      raise_interval=cfg.checkpoint_interval is not None and cfg.checkpoint_interval >= 1)
     if wp.groups > 1:   # a later group adds into the host accumulator
-        host["grads"] = total * 4
+        host["grads"] = p.pinned_units()
         grads_on_disk = False
         placement["gradients"] = "host"
     window = wp.to_dict()

@@ -296,7 +296,7 @@ class OptimizerStates:
             self._decoded[nxt.index] = dec
 
     # ------------------------------------------------------------------ the chunked update
-    def update(self, unit: Unit, apply, weights=None) -> None:
+    def update(self, unit: Unit, apply, weights=None, grads=None) -> None:
         """One unit's update in chunks: for each ``[a, b)`` the moments' slice is decoded (in
         ``mtnb-decode``, a chunk ahead), ``apply(a, b, m, v)`` runs AdamW on it (this thread),
         and it is encoded into the unit's new codes (in ``mtnb-encode``, a chunk behind); then
@@ -304,13 +304,14 @@ class OptimizerStates:
         blocks, so the codes equal those of the whole unit decoded, updated and encoded at once.
         ``apply`` None: a skipped step -- the states are stored again as they are. ``weights``: a
         ranged rewrite of the unit's master weights, read and written with the codes, chunk by
-        chunk (``ChunkRing.run``); ``apply(a, b, m, v, p)`` then gets each chunk's weights."""
+        chunk (``ChunkRing.run``); ``apply(a, b, m, v, p)`` then gets each chunk's weights.
+        ``grads``: a final gradient held on the disk tier, read with them (``apply(..., g)``)."""
         self._bound_writes(unit)
         with self._lock:
             self._updating.add(unit.index)   # until stored: no read of it ahead of the write
         self._advance(unit)
         if self.ranged_io():
-            self._update_ranged(unit, apply, weights)
+            self._update_ranged(unit, apply, weights, grads)
             return
         stored = self._stored_for_update(unit)
         if apply is None:
@@ -321,7 +322,7 @@ class OptimizerStates:
             # done; a host cache's resident codes are shared.)
             own = stored is not None and self.disk is not None and not self._cached()
             out = stored if own else self.ring.new_codes(unit.numel)
-            self.ring.run(unit.numel, stored, out, apply, self._decoder, self._codec, weights)
+            self.ring.run(unit.numel, stored, out, apply, self._decoder, self._codec, weights, grads)
         if out is None:
             self.update_failed(unit)
             return
@@ -336,7 +337,7 @@ class OptimizerStates:
         (whose resident copies are whole units). No codes are then read ahead or written behind."""
         return self.chunked and self.disk is not None and not self._cached() and hasattr(self.disk, "ranged")
 
-    def _update_ranged(self, unit: Unit, apply, weights=None) -> None:
+    def _update_ranged(self, unit: Unit, apply, weights=None, grads=None) -> None:
         """A chunked update from the unit's file to its new version, chunk by chunk: each
         chunk's codes are read (``mtnb-decode``), decoded, updated, encoded and written
         (``mtnb-encode``); only the ring's chunks are in RAM. A skipped step leaves the file."""
@@ -344,7 +345,7 @@ class OptimizerStates:
             old = unit.index in self._on_disk
             rw = self.disk.ranged(self._key(unit), self.ring.code_specs(unit.numel), read_old=old)
             try:
-                self.ring.run(unit.numel, rw if old else None, rw, apply, self._decoder, self._codec, weights)
+                self.ring.run(unit.numel, rw if old else None, rw, apply, self._decoder, self._codec, weights, grads)
                 fut = rw.commit(behind=True)   # synced and renamed behind (bounded: _bound_writes)
             except BaseException as e:
                 rw.abort(e)

@@ -133,8 +133,8 @@ class UpdateRunner:
         hands ``grad``'s buffer back when the update is done with it."""
         t0 = time.perf_counter()
         self.weights.mark_updating(unit)
-        if grad is None:
-            grad, release = self.claim(unit)
+        if grad is None:   # (an update in chunks reads a gradient held on the disk tier chunk by chunk)
+            grad, release = self.claim(unit, self.states.chunked and not self.adam.collect_stats)
         error = None
         try:
             grad = grad if grad is not None else self.grads.grad(unit)
@@ -145,7 +145,10 @@ class UpdateRunner:
                     error = None
             norm = self.unit_norm(unit)   # set by a clipped step only
             if not skip and grad_coef is not None:
-                grad.mul_(grad_coef)
+                if torch.is_tensor(grad):
+                    grad.mul_(grad_coef)
+                else:   # a HeldGradient: each chunk scaled as it is read
+                    grad.coef = grad_coef
                 norm = None if norm is None else norm * grad_coef   # (equal up to rounding)
             self._step(unit, lr, grad, skip, norm)
         except BaseException:
@@ -161,8 +164,11 @@ class UpdateRunner:
             raise error
 
     def _step(self, unit: Unit, lr: float, grad: torch.Tensor, skip: bool, norm: Optional[float]) -> None:
-        """AdamW on one unit: weights taken and written; the states whole or in chunks."""
-        rw = self.weights.ranged_update(unit) if self.states.chunked and not self.adam.collect_stats else None
+        """AdamW on one unit: weights taken and written; the states whole or in chunks. ``grad``
+        a tensor, or a HeldGradient (chunked states only) read with each chunk's moments."""
+        held = not torch.is_tensor(grad)
+        stats = self.adam.collect_stats and not held
+        rw = self.weights.ranged_update(unit) if self.states.chunked and not stats else None
         if rw is not None:
             self._step_ranged(unit, lr, grad, skip, norm, rw)
             return
@@ -171,8 +177,8 @@ class UpdateRunner:
             if skip:
                 self.states.update(unit, None)
             else:
-                run = self.adam.start_unit(unit, params)
-                self.states.update(unit, lambda a, b, m, v: run.step(a, b, grad, m, v, lr))
+                run = self.adam.start_unit(unit, params, collect_stats=stats)
+                self.states.update(unit, _chunk_step(run, grad, lr), grads=grad if held else None)
                 run.finish(grad, grad_norm=norm)
         else:
             m, v = self.states.load(unit)
@@ -194,8 +200,8 @@ class UpdateRunner:
                 self.states.update(unit, None)
             else:
                 run = self.adam.start_unit(unit, None, collect_stats=False)
-                self.states.update(unit, lambda a, b, m, v, p: run.step(a, b, grad, m, v, lr, params=p),
-                                   weights=rw)
+                held = not torch.is_tensor(grad)
+                self.states.update(unit, _chunk_step(run, grad, lr), weights=rw, grads=grad if held else None)
                 run.finish(grad, grad_norm=norm)
                 rw.commit(behind=True)   # synced and renamed behind: the next read of it waits
         except BaseException as e:
@@ -276,3 +282,13 @@ class UpdateRunner:
     def close(self) -> None:
         """Stop the worker (after the updates queued on it)."""
         self._worker.shutdown(wait=True)
+
+
+def _chunk_step(run, grad, lr: float) -> Callable:
+    """``apply(a, b, m, v[, p][, g])`` for ``ChunkRing.run``: AdamW on elements ``[a, b)`` with
+    the chunk's weights ``p`` when they are read with it (a ranged rewrite), and its gradient
+    ``g`` when ``grad`` is read chunk by chunk (a HeldGradient), else ``grad``'s slice."""
+    if torch.is_tensor(grad):
+        return lambda a, b, m, v, p=None: run.step(a, b, grad, m, v, lr, params=p)
+    return lambda a, b, m, v, *pg: run.step(a, b, pg[-1], m, v, lr, params=pg[0] if len(pg) == 2 else None,
+                                            grads_at=a)

@@ -106,3 +106,41 @@ def test_a_commit_behind_orders_the_next_read_and_reports_its_failure_at_flush(t
     assert isinstance(fut.exception(), OffloadError)
     assert torch.equal(s.read("k").result()["a"], a * 2)   # the version before stays
     s.close()
+
+
+def test_aligned_ranges_go_by_direct_io_and_read_back_in_ranges(tmp_path, monkeypatch):
+    """Where the store uses direct I/O, a range of whole aligned blocks from aligned memory (a
+    large tensor's chunks) is written through the file's O_DIRECT descriptor, the rest (its
+    unaligned tail, a small packed tensor) buffered; the committed file reads back equal, whole
+    and through ``read_ranged`` a range at a time (its checksum checked at the last one)."""
+    from megatrain_nb.engine import disk_ranged
+
+    s = DiskStore(tmp_path)
+    big = torch.randn((3 << 18) + 100)   # 3 MiB + 400 B: starts on an aligned offset
+    small = torch.randint(0, 255, (3000,), dtype=torch.uint8)
+    src = disk_store.aligned_empty(big.numel())
+    src.copy_(big)
+    fds = []
+    real = disk_ranged.pwrite_all
+    monkeypatch.setattr(disk_ranged, "pwrite_all", lambda fd, mv, off: fds.append(fd) or real(fd, mv, off))
+    rw = s.ranged("k", {"big": (torch.float32, tuple(big.shape)), "small": (torch.uint8, (3000,))}, read_old=False)
+    direct = rw.dfd
+    assert (direct is not None) == s.direct_io
+    step = 1 << 18   # 1 MiB of fp32
+    for a in range(0, big.numel(), step):
+        rw.write("big", a, src[a:a + step])
+    rw.write("small", 0, small)
+    rw.commit()
+    if s.direct_io:
+        assert fds[:3] == [direct] * 3 and direct not in fds[3:]   # the tail, the small one, the header: buffered
+    got = s.read("k").result()
+    assert torch.equal(got["big"], big) and torch.equal(got["small"], small)
+    for step in (100_000, 1 << 18):   # unaligned ranges (buffered), then aligned ones (direct where used)
+        rr = s.read_ranged("k")
+        out = disk_store.aligned_empty(big.numel())
+        for a in range(0, big.numel(), step):
+            rr.read("big", a, out[a:a + step])
+        rr.close()
+        assert torch.equal(out, big) and rr.fd is None and rr.dfd is None
+    s.write("k", {"big": big}).result()   # a write after the ranged read goes ahead (it was closed)
+    s.close()

@@ -1,6 +1,8 @@
 """What the GPU path holds, counted as it holds it (issue 37 items 4, 5), checked on CPU: the
 plan's device gradients include autograd's outputs; pinned blocks count at the caching host
 allocator's power of two; the window's device room is what mem_get_info leaves, less a headroom."""
+from types import SimpleNamespace
+
 import torch
 
 from megatrain_nb.engine import EngineConfig
@@ -65,3 +67,38 @@ def test_close_drops_the_host_buffers_before_the_transport_hands_pinned_blocks_b
     assert eng.boundary.free_bytes() > 0
     eng.close()
     assert seen == [0]
+
+
+def test_planned_host_bytes_count_pinned_blocks_at_their_power_of_two():
+    """On CUDA the master weights in RAM (one pinned buffer per unit, HostStore), an accumulator
+    and the pinned buffers in flight (gradient staging, the disk tier's weight staging, the bf16
+    cast buffer) are planned at the caching host allocator's power of two, as the process holds
+    them; the engine's own count (HostStore.nbytes) rounds the same; a CPU plan counts bytes."""
+    from megatrain_nb.engine.host_store import HostStore
+    from megatrain_nb.engine.pager import staging_buffers
+    from megatrain_nb.engine.planner import UnitSpec, host_in_flight
+
+    specs = unit_specs_from_config(family_config("llama", layers=2, hidden=64))
+    shape = ModelShape(hidden_size=64, num_layers=2, intermediate_size=128, vocab_size=0)
+    assert any(s.numel * 4 != pinned_bytes(s.numel * 4) for s in specs)   # sizes that round up
+    for gradients in ("held", "accumulator"):
+        w = Workload(batch=1, seq=8, gradients=gradients)
+        cuda = make_plan(specs, shape, EngineConfig(), cuda=True, workload=w)
+        cpu = make_plan(specs, shape, EngineConfig(), cuda=False, workload=w)
+        assert cuda.host["weights"] == sum(pinned_bytes(4 * s.numel) for s in specs)
+        assert cpu.host["weights"] == 4 * sum(s.numel for s in specs)
+        # an accumulator is HostStore's (pinned); gradients held for the norm are pool buffers (not)
+        assert cuda.host["grads"] == (cuda.host["weights"] if gradients == "accumulator" else cpu.host["grads"])
+    u = 3000   # 12,000 bytes: a 16 KiB block
+    units = [UnitSpec("e", 10, "embed"), UnitSpec("l", u, "layer"), UnitSpec("h", 10, "head")]
+    kw = dict(states_on_disk=False, clipped=False, depth=1)
+    for disk in (False, True):
+        exact = host_in_flight(units, "none", weights_on_disk=disk, cuda=True, pinned=False, **kw)
+        pinned = host_in_flight(units, "none", weights_on_disk=disk, cuda=True, **kw)
+        n = staging_buffers(1) + (3 + 2 if disk else 0)   # gradient staging; compute and optimizer staging
+        assert pinned - exact == n * (16384 - 4 * u)
+    bf16 = host_in_flight(units, "none", weights_on_disk=False, cuda=True, compute_bytes=2, **kw)
+    assert bf16 - host_in_flight(units, "none", weights_on_disk=False, cuda=True, **kw) == pinned_bytes(2 * u)
+    store = HostStore([], pin=True)   # (the count only: a CPU build cannot pin)
+    store.set_params(SimpleNamespace(index=0), torch.zeros(u))
+    assert store.nbytes()["weights"] == 16384 and HostStore([], pin=False).nbytes()["weights"] == 0

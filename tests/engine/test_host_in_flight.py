@@ -80,6 +80,13 @@ def test_planner_counts_the_staging_buffers_as_the_gradients_in_flight():
         assert cuda == staging_buffers(depth) * 4 * u          # no pool buffer besides them
         held = host_in_flight(units, "none", cuda=True, clipped=True, depth=depth, **kw)
         assert held == cuda + 3 * 4 * u                        # a copy out of staging + 2 writes
+        # held on the disk tier: written from the staging buffers; read back whole (fp32 states)
+        # or a chunk at a time (compressed states, ``RING`` chunks of the update)
+        assert host_in_flight(units, "none", cuda=True, clipped=True, depth=depth, hold_disk=True, **kw) == \
+            cuda + 4 * u
+        chunked = host_in_flight(units, "int8", cuda=True, clipped=False, depth=depth, chunk_numel=4096, **kw)
+        assert host_in_flight(units, "int8", cuda=True, clipped=True, depth=depth, chunk_numel=4096, hold_disk=True,
+                              **kw) == chunked + 3 * 4096 * 4
         # bf16 slots: the pinned buffer the weights are cast into on the host (issue 37)
         assert host_in_flight(units, "none", cuda=True, clipped=False, depth=depth, compute_bytes=2, **kw) == cuda + 2 * u
         assert host_in_flight(units, "none", cuda=False, clipped=False, depth=depth, compute_bytes=2, **kw) == \
@@ -109,3 +116,75 @@ def test_the_disk_tiers_buffers_in_flight_are_what_the_planner_counts(tmp_path, 
     assert eng.plan.host["buffers"] == host_in_flight(specs, codec, weights_on_disk=True, states_on_disk=True,
                                                       cuda=False, clipped=True, depth=1, chunk_numel=768)
     eng.close()
+
+
+def test_clipped_gradients_held_on_disk_leave_the_staging_buffers_and_come_back_in_chunks(monkeypatch, tmp_path):
+    """clip_hold='disk' with weights and int8 states on the disk tier (no host cache), CUDA's
+    staging discipline: each held gradient is written straight from its staging buffer and each
+    update reads it back a chunk at a time, so no unit-sized gradient buffer exists besides the
+    staging pair; the host buffers the engine allocates are ``host_in_flight``'s CUDA figure
+    with ``hold_disk``, and the weights are bitwise those of holding the gradients in RAM."""
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=3, hidden=64))
+    cfg = dict(device="cpu", optimizer_compression="int8", weight_decay=0.01, offload_params=True, host_cache_gb=0,
+               overrides={"update_chunk_numel": 768, "held_weight_units": 0})   # (no spare room used)
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "held").mkdir()
+    ref = StreamingEngine(copy.deepcopy(model), EngineConfig(offload_dir=str(tmp_path / "ref"), clip_hold="host",
+                                                             **cfg))
+    StagingCpuTransport.made = 0
+    monkeypatch.setattr(parts, "make_transport", lambda device, sharded=None: StagingCpuTransport())
+    held = StreamingEngine(model, EngineConfig(offload_dir=str(tmp_path / "held"), clip_hold="disk", **cfg))
+    pool = held.updates.intake.pool
+    takes, lends, reads = [], [], []
+    real_take, real_lend, real_read = pool.take, pool.lend, held.updates.intake.disk.read_ranged
+    monkeypatch.setattr(pool, "take", lambda n: takes.append(n) or real_take(n))
+    # (a CPU "device" forms each unit's sum in a lent pool buffer: device memory here)
+    monkeypatch.setattr(pool, "lend", lambda n, slot=False: lends.append(n) or real_lend(n, slot))
+    monkeypatch.setattr(held.updates.intake.disk, "read_ranged", lambda key: reads.append(key) or real_read(key))
+    for ids in _ids(3):
+        a = ref.forward_backward(ids, step_lr=3e-3, max_grad_norm=0.05)
+        b = held.forward_backward(ids, step_lr=3e-3, max_grad_norm=0.05)
+        assert a.loss == b.loss and a.grad_norm == b.grad_norm and a.grad_norm > 0.05   # clipped
+    for e in (ref, held):
+        e.updates.wait_all()
+    pr = dict(ref.named_parameters())
+    for n, p in held.named_parameters():
+        assert torch.equal(p, pr[n]), n
+    # no pool buffer but the sums' (device memory here); every update read its gradient in chunks
+    assert lends and takes == lends and len(reads) == 3 * len(held.units), (takes, lends, reads)
+    assert held.updates.intake.held_disk_bytes() >= 4 * held.num_parameters()
+    specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in held.units]
+    u = max(s.numel for s in specs)
+    counted = host_in_flight(specs, "int8", weights_on_disk=True, states_on_disk=True, cuda=True, clipped=True,
+                             depth=1, chunk_numel=768, hold_disk=True, pinned=False)   # (these buffers are not pinned)
+    allocated = held.weights.nbytes()["host"] + held.states.nbytes()["host_buffers"] + StagingCpuTransport.made * 4 * u
+    assert allocated == counted, (allocated, counted)
+    assert counted == host_in_flight(specs, "int8", weights_on_disk=True, states_on_disk=True, cuda=True,
+                                     clipped=False, depth=1, chunk_numel=768, pinned=False) + 3 * 768 * 4   # ring
+    for e in (ref, held):
+        e.close()
+
+
+def test_llama100b_least_host_ram_buffers_with_clipping_are_those_without():
+    """The seed's configuration (llama-100b, 80 GiB device, batch 1 x 2048 x accumulation 128),
+    everything that may leave RAM on the disk tier: with clipping, the held gradients pass
+    through the staging buffers and come back a chunk at a time, so the buffers in flight are
+    those of the unclipped plan plus the ring's gradient chunks (40.6 GiB before), and they are
+    the least host RAM: the four pinned unit-sized buffers (the compute stream's two weight
+    staging buffers, the two gradient staging buffers), each 5.8 GiB held as 8 GiB by the
+    caching host allocator (issue 37 item 4), and chunks."""
+    from megatrain_nb import estimate
+    from megatrain_nb.engine.chunk_ring import RING
+    from megatrain_nb.engine.pinned import pinned_bytes
+    from megatrain_nb.engine.planner import unit_specs_from_config
+    from megatrain_nb.estimator import resolve_config
+
+    kw = dict(vram_gb=80, ram_gb=1 / 2 ** 30, disk_gb=4096, seq=2048, accumulation=128)
+    clipped, plain = estimate("llama-100b", **kw), estimate("llama-100b", clipping=False, **kw)
+    assert clipped.plan.host["buffers"] == plain.plan.host["buffers"] + RING * (1 << 20) * 4
+    # one window group (no host accumulator), the held gradients on the disk tier: the buffers are all
+    assert clipped.plan.window["groups"] == 1 and clipped.plan.placement["gradients"] == "disk"
+    assert clipped.host_min == clipped.plan.host["total"] == clipped.plan.host["buffers"]
+    u = max(s.numel for s in unit_specs_from_config(resolve_config("llama-100b")[0]))
+    pinned = 4 * pinned_bytes(4 * u)
+    assert pinned == 32 * 2 ** 30 and 0 < clipped.host_min - pinned < 64 << 20   # 23.2 GiB at exact sizes

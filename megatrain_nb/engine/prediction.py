@@ -236,7 +236,8 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     pred.flops = a["forward_flops"] + a["backward_flops"] + a["recompute_flops"] + sum(a["attention_flops"].values())
     pred.source = rates.source
     if missing:
-        pred.notes.append("rates not measured, counted as 0 s: " + ", ".join(sorted(set(missing))))
+        pred.notes.append("rates not measured, counted as 0 s: " + ", ".join(sorted(set(missing)))
+                          + " (a profile takes them from this machine once `megatrain-nb machine` has measured it)")
     if a["disk"]["raw_read"] + a["disk"]["raw_write"] > a["disk"]["read"] + a["disk"]["write"]:
         saved = a["disk"]["raw_read"] + a["disk"]["raw_write"] - a["disk"]["read"] - a["disk"]["write"]
         pred.notes.append(f"the host cache ({fmt_gb(cache_bytes)}) saves {fmt_gb(saved)} of disk traffic per step")
@@ -305,6 +306,17 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
                           overlaps=overlaps, tokens_per_step=a["tokens"])
 
 
+def _cached_cpu_rates():
+    """This machine's cached rates (``megatrain-nb machine``), whose per-thread AdamW and codec
+    rates stand in for a profile's (nobody publishes them); None when it was never measured."""
+    from .measure import cached_rates   # (torch's kernels behind it: only for a profile's name)
+
+    try:
+        return cached_rates("cpu")
+    except (OSError, ValueError):
+        return None
+
+
 def resolve_rates(rates):
     """A MachineRates from itself, a dict of its fields, or a profile's name
     (``megatrain_nb.engine.rates.PROFILES``, looked up when called)."""
@@ -322,5 +334,6 @@ def resolve_rates(rates):
         if rates not in profiles:
             raise ValueError(f"rates={rates!r} is not a known machine profile; known: {', '.join(sorted(profiles))}")
         found = profiles[rates]
-        return found if isinstance(found, rates_mod.MachineRates) else rates_mod.MachineRates.from_dict(dict(found))
+        found = found if isinstance(found, rates_mod.MachineRates) else rates_mod.MachineRates.from_dict(dict(found))
+        return found.with_cpu_from(here) if (here := _cached_cpu_rates()) is not None else found
     raise TypeError(f"rates={rates!r}: pass a MachineRates, a dict of its fields, a profile name or None")

@@ -270,3 +270,23 @@ def test_a_built_trainer_reads_the_rates_measure_machine_cached(tmp_path, monkey
         assert p is not None and p.step_seconds > 0 and len(calls) == 1
     finally:
         tr.close()
+
+
+def test_a_profile_takes_its_cpu_rates_from_this_machines_measurement(tmp_path, monkeypatch):
+    """Nobody publishes per-thread AdamW or codec rates: a profile's name takes them from this
+    machine's cached measurement when there is one (and says where they came from), else they are
+    counted as 0 s and the prediction's notes say so."""
+    from megatrain_nb.engine import measure
+    from megatrain_nb.engine.prediction import resolve_rates
+
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(tmp_path / "cache"))
+    bare = resolve_rates("h200-pcie5-gen5nvme")
+    assert bare.adamw_per_thread == 0 and not bare.codec_per_thread
+    here = rates()
+    here.adamw_per_thread, here.codec_per_thread = 123e6, {"int8": 4.5e8}
+    monkeypatch.setattr(measure, "_measure_all", lambda *a, **k: here)
+    measure.measure_machine(device="cpu")
+    r = resolve_rates("h200-pcie5-gen5nvme")
+    assert r.adamw_per_thread == 123e6 and r.codec_per_thread == {"int8": 4.5e8}
+    assert "measured on" in r.sources["adamw_per_thread"]
+    assert r.cores == bare.cores and r.disk_read == bare.disk_read   # the profile's own figures stay

@@ -237,7 +237,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     pred.source = rates.source
     if missing:
         pred.notes.append("rates not measured, counted as 0 s: " + ", ".join(sorted(set(missing)))
-                          + " (a profile takes them from this machine once `megatrain-nb machine` has measured it)")
+                          + " (none published: once `megatrain-nb machine` has measured the CPU here, a profile uses its rates)")
     if a["disk"]["raw_read"] + a["disk"]["raw_write"] > a["disk"]["read"] + a["disk"]["write"]:
         saved = a["disk"]["raw_read"] + a["disk"]["raw_write"] - a["disk"]["read"] - a["disk"]["write"]
         pred.notes.append(f"the host cache ({fmt_gb(cache_bytes)}) saves {fmt_gb(saved)} of disk traffic per step")

@@ -17,6 +17,7 @@ from megatrain_nb.cli.config import (
 )
 from megatrain_nb.cli.report import print_header, print_summary, run_with_progress
 from megatrain_nb.cli.train_dpo import cmd_train_dpo, wants_dpo
+from megatrain_nb import assets
 from megatrain_nb.model_configs import preset_config
 
 

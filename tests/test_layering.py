@@ -202,11 +202,11 @@ def import_cycles(edges) -> list[list[str]]:
 
 
 #: imports of the package's own modules inside functions: 241 before issue 34, 169 after its layer
-#: work, 183 with the step-time prediction and long rows merged beside it (their CLI, estimator
+#: work, 188 with the step-time prediction, long rows and the disk-held gradients merged beside it (their CLI, estimator
 #: and header lines keep `megatrain-nb --help` and `mt.estimate` free of torch). A ratchet: lower
 #: it when one goes; each one left keeps an import light — torch, transformers, IPython behind it
 #: — or breaks what would otherwise be a circle.
-MAX_NESTED_OWN_IMPORTS = 183
+MAX_NESTED_OWN_IMPORTS = 188
 
 
 def test_imports_point_down_the_layers():

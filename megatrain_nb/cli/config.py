@@ -151,6 +151,25 @@ def check_preset_field(cfg: dict) -> None:
             raise UsageError(str(e)) from None
 
 
+def trl_config(cls, fields: dict, cfg: dict, section: str):
+    """A fine-tuning run.yaml's TRL config (``cls``: SFTConfig, DPOConfig) from ``fields``, its
+    ``preset:`` checked first; an unknown field is one line naming the section."""
+    check_preset_field(cfg)
+    try:
+        return cls(**fields)
+    except TypeError as e:
+        raise UsageError(f"training/{section}: {e} (fields of trl.{cls.__name__})") from None
+
+
+def fine_tuner(cls, cfg: dict, base: Path, fields: dict, args, train_ds, eval_ds) -> tuple:
+    """``(trainer, model_text)``: the fine-tuner ``cls`` (mt.SFTTrainer, mt.DPOTrainer) of a run.yaml,
+    built from :func:`fine_tune_parts`, its output folder made."""
+    model, model_text, tokenizer, engine_options = fine_tune_parts(cfg, base, fields, args.max_length)
+    os.makedirs(args.output_dir, exist_ok=True)
+    return cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+               **engine_options), model_text
+
+
 def fine_tune_parts(cfg: dict, base: Path, fields: dict, max_length) -> tuple:
     """``(model, model_text, tokenizer, engine options)`` of a fine-tuning run.yaml (SFT or DPO):
     ``model:`` a folder or Hub id (its own tokenizer unless ``tokenizer:`` names one), else the

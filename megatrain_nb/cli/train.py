@@ -9,7 +9,8 @@ from megatrain_nb.cli.config import (
     UsageError,
     check_max_steps,
     check_preset_field,
-    fine_tune_parts,
+    trl_config,
+    fine_tuner,
     load_files,
     load_run_config,
     model_source,
@@ -136,11 +137,7 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     fields = {**training_fields(ns, cfg, base), **(cfg.get("sft") or {})}
     if fields.get("chat_template_path") and not os.path.isabs(fields["chat_template_path"]):
         fields["chat_template_path"] = str((base / fields["chat_template_path"]).resolve())
-    check_preset_field(cfg)
-    try:
-        args = SFTConfig(**fields)
-    except TypeError as e:
-        raise UsageError(f"training/sft: {e} (fields of trl.SFTConfig)") from None
+    args = trl_config(SFTConfig, fields, cfg, "sft")
     builtin = data.get("train", "builtin") in (None, "builtin")
     train_ds = (assets.chat_dataset(fmt or "messages") if builtin
                 else load_files(data["train"], base=base, what="train"))
@@ -151,10 +148,7 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     found = detect_format([train_ds[i] for i in range(min(len(train_ds), 1000))], args.dataset_text_field)
     if fmt is not None and found != fmt:
         raise UsageError(f"data.format is {fmt!r} but data.train holds {found!r} rows; fix data.format or the data")
-    model, model_text, tokenizer, engine_options = fine_tune_parts(cfg, base, fields, args.max_length)
-    os.makedirs(args.output_dir, exist_ok=True)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                         processing_class=tokenizer, **engine_options)
+    trainer, model_text = fine_tuner(SFTTrainer, cfg, base, fields, args, train_ds, eval_ds)
     try:
         where = "built-in chat set" if builtin else data["train"]
         text = (f"{where}, format {found}, {len(trainer.train_dataset):,} rows"

@@ -2,10 +2,9 @@
 run.yaml has a ``dpo:`` section (trl.DPOConfig fields) or ``data.format: preference``."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from megatrain_nb.cli.config import UsageError, check_preset_field, fine_tune_parts, load_files, training_fields
+from megatrain_nb.cli.config import UsageError, fine_tuner, load_files, training_fields, trl_config
 from megatrain_nb.cli.report import print_header, print_summary, run_with_progress
 
 
@@ -32,20 +31,13 @@ def cmd_train_dpo(ns, cfg: dict, base: Path) -> int:
     if bad:
         raise UsageError(f"data: {sorted(bad)} do not apply to preference training; use dpo.max_length")
     fields = {**training_fields(ns, cfg, base), **(cfg.get("dpo") or {})}
-    check_preset_field(cfg)
-    try:
-        args = DPOConfig(**fields)
-    except TypeError as e:
-        raise UsageError(f"training/dpo: {e} (fields of trl.DPOConfig)") from None
+    args = trl_config(DPOConfig, fields, cfg, "dpo")
     builtin = data.get("train", "builtin") in (None, "builtin")
     pairs = builtin_preference_pairs() if builtin else None
     train_ds = pairs[:200] if builtin else load_files(data["train"], base=base, what="train")
     eval_ds = (pairs[200:] if builtin and data.get("eval", "builtin") == "builtin"
                else load_files(data["eval"], base=base, what="eval") if data.get("eval") else None)
-    model, model_text, tokenizer, engine_options = fine_tune_parts(cfg, base, fields, args.max_length)
-    os.makedirs(args.output_dir, exist_ok=True)
-    trainer = DPOTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                         processing_class=tokenizer, **engine_options)
+    trainer, model_text = fine_tuner(DPOTrainer, cfg, base, fields, args, train_ds, eval_ds)
     try:
         where = "built-in preference set" if builtin else data["train"]
         print_header(trainer, model=model_text, data=f"{where}, {len(trainer.train_dataset):,} pairs, loss "

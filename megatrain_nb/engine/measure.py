@@ -20,7 +20,7 @@ What is measured (each a median over repeated runs after a warm-up, within a tim
 
 The whole takes 10-20 s on a 2-core CPU machine (``seconds_taken``), less on a GPU machine's
 CPU. The result is cached as JSON in the package's cache folder (:func:`cache_dir`:
-``$MEGATRAIN_NB_CACHE``, ``$XDG_CACHE_HOME/megatrain_nb`` or ``~/.cache/megatrain_nb``) under a
+``$MEGATRAIN_NB_CACHE``, else ``~/.cache/megatrain_nb``, as the built-in corpus) under a
 name made of the host, the device and ``offload_dir``'s filesystem, written atomically; the next
 call reads it (``refresh=True`` measures again; a damaged file is measured again with a warning).
 A model's shapes missing from the cached file are measured and added to it.
@@ -254,12 +254,8 @@ def model_shapes(model, tokens: int) -> ModelShapes:
 
 # ---------------------------------------------------------------------------------------- the cache
 def cache_dir() -> str:
-    """``$MEGATRAIN_NB_CACHE`` (as the built-in default's corpus), else ``$XDG_CACHE_HOME/megatrain_nb``,
-    else ``~/.cache/megatrain_nb``."""
-    if os.environ.get("MEGATRAIN_NB_CACHE"):
-        return os.environ["MEGATRAIN_NB_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megatrain_nb")
+    """``$MEGATRAIN_NB_CACHE``, else ``~/.cache/megatrain_nb``: the built-in corpus's folder too."""
+    return os.environ.get("MEGATRAIN_NB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatrain_nb")
 
 
 def cache_key(device_name: str, fs: dict, quick: bool = False) -> str:

@@ -57,7 +57,7 @@ def _job(out: Path, steps: int, save_every: int, seed: int) -> None:
     from transformers import TrainerCallback
 
     sys.path.insert(0, str(REPO))
-    from megatrain_nb.lab import registry
+    from megatrain_nb.channel import registry
     from megatrain_nb.notebook import Session
     from megatrain_nb.notebook.lifecycle import ENDED
     from megatrain_nb.trainer import Trainer, checkpoint as ckpt

@@ -3,7 +3,7 @@ heartbeats are written to a temporary sibling, fsynced, then renamed into place,
 (or a crash) sees the old version or the new one, never half of one.
 
 Standard library only: the engine, the trainer, the notebook and the Jupyter server side
-(``lab/``) all use it without importing each other (or torch).
+(``channel/``) all use it without importing each other (or torch).
 
 Example::
 

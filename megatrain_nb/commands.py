@@ -3,8 +3,8 @@ which states the sidebar offers them, and their help line.
 
 Read by every place that takes a command: the Session's controls and its run controllers
 (``notebook/session.py``, ``thread_run.py``, ``remote.py``), the ranks' run control
-(``trainer/control.py``), the beacon and the Jupyter server (``lab/protocol.py``,
-``lab/beacon.py``), ``%megatrain``'s help, and the JupyterLab sidebar, whose TypeScript
+(``trainer/control.py``), the beacon and the Jupyter server (``channel/protocol.py``,
+``channel/beacon.py``), ``%megatrain``'s help, and the JupyterLab sidebar, whose TypeScript
 (``extension/src/commands.ts``) a test checks against :data:`COMMANDS`. Standard library
 only: the server side imports it cheaply.
 

@@ -23,7 +23,7 @@ class EnvVar:
 #: name | reader | default | meaning
 _TABLE = """
 MEGATRAIN_NB_CACHE | trainer/default.py | ~/.cache/megatrain_nb | where the built-in corpus's tokenizer and token ids are cached, and mt.measure_machine's rates (engine/measure.py reads it too)
-MEGATRAIN_NB_RUNTIME_DIR | lab/protocol.py | jupyter_runtime_dir()/megatrain_nb | the folder of heartbeats, inboxes and launch folders shared by the kernels and the Jupyter server
+MEGATRAIN_NB_RUNTIME_DIR | channel/protocol.py | jupyter_runtime_dir()/megatrain_nb | the folder of heartbeats, inboxes and launch folders shared by the kernels and the Jupyter server
 MEGATRAIN_NB_DASHBOARD | notebook/display_mode.py | auto | the Session's default display: auto, widgets, html or none
 MEGATRAIN_NB_DEBUG | cli/__init__.py | unset | set: the CLI raises the error with its traceback instead of one line and exit status 2
 MEGATRAIN_NB_CONTROL | trainer/control.py | on with several ranks or under torchrun | 0 turns a run's control channel (heartbeat, inbox, commands at step boundaries) off, 1 on

@@ -1,10 +1,11 @@
-"""JupyterLab integration: the session beacon (kernel side) and the Jupyter server extension.
+"""JupyterLab integration: the Jupyter server extension (``handlers.py``), which reads the
+run-control channel (``megatrain_nb.channel``: heartbeats and inboxes) for the sidebar.
 
 The frontend (status bar item and sidebar) is the ``megatrain-nb-lab`` labextension, built
 from ``extension/`` and shipped prebuilt inside the megatrain-nb wheel (see ``setup.py``), with
 the config file that enables this server extension; ``extension/`` also builds it alone as the
-``megatrain_nb_lab`` wheel. Importing this package stays cheap: the
-kernel imports only ``beacon``; the server imports ``handlers`` when it loads the extension.
+``megatrain_nb_lab`` wheel. Importing this package stays cheap: the server imports ``handlers``
+when it loads the extension.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from megatrain_nb.lab.protocol import CommandError, parse_command_json
-from megatrain_nb.lab.registry import (
+from megatrain_nb.channel.protocol import CommandError, parse_command_json
+from megatrain_nb.channel.registry import (
     StillRunning,
     UnknownSession,
     dismiss_session,

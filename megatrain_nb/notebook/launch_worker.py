@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from megatrain_nb.lab.protocol import atomic_write_json
+from megatrain_nb.channel.protocol import atomic_write_json
 from megatrain_nb.processes import pid_alive
 from megatrain_nb.threads import CONTROLLER_WATCH, thread_name
 

@@ -8,7 +8,7 @@ run that is not DPO shows nothing new:
 - ``%megatrain status``: a ``reward margin M, accuracy A`` part (:func:`reward_parts`);
 - the dashboard: a small chart of both over steps, in its extra figures (:func:`attach_reward_panel`);
 - the report: a section with that figure and a table (:func:`reward_section`);
-- the sidebar's card: the beacon's ``reward_margin`` and ``reward_accuracy`` (``lab/beacon.py``).
+- the sidebar's card: the beacon's ``reward_margin`` and ``reward_accuracy`` (``channel/beacon.py``).
 """
 from __future__ import annotations
 

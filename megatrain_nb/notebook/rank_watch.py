@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from megatrain_nb.lab.protocol import read_json
+from megatrain_nb.channel.protocol import read_json
 from megatrain_nb.processes import pid_alive
 
 #: memory in use over this fraction of its limit at a rank's last sample: an OOM kill is likely

@@ -284,8 +284,8 @@ class ProcessRun:
                 pass
 
     def _launch(self) -> None:
-        from megatrain_nb.lab.beacon import current_kernel_id
-        from megatrain_nb.lab.protocol import ensure_sessions_dir, make_private_dir
+        from megatrain_nb.channel.beacon import current_kernel_id
+        from megatrain_nb.channel.protocol import ensure_sessions_dir, make_private_dir
         from megatrain_nb.trainer import control
 
         from .rank_watch import RankWatch
@@ -333,7 +333,7 @@ class ProcessRun:
     def _forward(self, cmd: Order) -> None:
         """One control (checked by the Session's door) -> a file in rank 0's inbox, by the inbox's one
         writer; its id comes back on the event that records it."""
-        from megatrain_nb.lab.protocol import write_command
+        from megatrain_nb.channel.protocol import write_command
 
         takes = COMMANDS[cmd.kind].value != "none" and (cmd.kind != "stop" or cmd.value)
         msg = write_command(self.session_id, cmd.kind, cmd.value if takes else None, source=cmd.source,
@@ -415,7 +415,7 @@ class ProcessRun:
 
     # ---- the processes ---------------------------------------------------------------------------
     def _rank0_alive(self) -> bool:
-        from megatrain_nb.lab.protocol import heartbeat_path, read_json
+        from megatrain_nb.channel.protocol import heartbeat_path, read_json
         from megatrain_nb.processes import pid_alive
 
         beat = read_json(heartbeat_path(self.session_id, self._root))
@@ -453,7 +453,7 @@ class ProcessRun:
 def find_run(name: str, root: Any = None) -> dict:
     """The heartbeat of the run called ``name`` (or with that heartbeat id) on this machine;
     LookupError listing the runs there are."""
-    from megatrain_nb.lab.registry import list_sessions
+    from megatrain_nb.channel.registry import list_sessions
 
     beats = list_sessions(root)
     runs = [b for b in beats if b.get("kind") == "run"]

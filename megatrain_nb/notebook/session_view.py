@@ -1,5 +1,5 @@
 """How a Session shows itself: its dashboard widget, the publisher that keeps the display live,
-and the JupyterLab beacon that announces it (``lab/beacon.py``). One per Session."""
+and the JupyterLab beacon that announces it (``channel/beacon.py``). One per Session."""
 from __future__ import annotations
 
 import sys
@@ -43,7 +43,7 @@ class SessionView:
         return self.widget
 
     def announce(self) -> None:
-        from megatrain_nb.lab.beacon import SessionBeacon
+        from megatrain_nb.channel.beacon import SessionBeacon
 
         try:
             self.beacon = SessionBeacon(self.session).start()

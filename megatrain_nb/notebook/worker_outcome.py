@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from megatrain_nb.lab.protocol import read_json
+from megatrain_nb.channel.protocol import read_json
 
 from .rank_watch import first_failure
 

@@ -5,7 +5,7 @@ runs a :class:`RunControl`:
 
 - rank 0 announces the run once (a heartbeat file, the same one a notebook Session writes, so
   the JupyterLab sidebar and ``mt.Session.attach(name)`` see one run, not N) and takes commands
-  through its inbox (``lab/beacon.py``: private folder, ``O_NOFOLLOW`` reads);
+  through its inbox (``channel/beacon.py``: private folder, ``O_NOFOLLOW`` reads);
 - at every optimizer-step boundary the one step-boundary controller (``trainer/boundary.py``,
   this run control its host) hands rank 0's commands received since the last boundary
   to every rank in one small collective (``Dist.all_gather_json``: a few dicts as JSON bytes, never
@@ -105,7 +105,7 @@ class RunControl:
     # ---- lifetime ----------------------------------------------------------------------------
     def start(self) -> "RunControl":
         if self.dist.is_main:
-            from megatrain_nb.lab.beacon import SessionBeacon
+            from megatrain_nb.channel.beacon import SessionBeacon
 
             try:
                 self._beacon = SessionBeacon(self, root=self._root,

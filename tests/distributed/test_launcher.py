@@ -33,7 +33,7 @@ def _data():
 
 def test_launcher_pause_lr_checkpoint_stop_land_on_every_rank_at_one_step(tmp_path):
     import megatrain_nb as mt
-    from megatrain_nb.lab.registry import list_sessions
+    from megatrain_nb.channel.registry import list_sessions
     from megatrain_nb.trainer import Trainer
 
     args, micro_model, token_dataset = _data()
@@ -166,7 +166,7 @@ def test_a_rank_killed_with_signal_9_is_named_first_not_the_rank_its_death_broke
 
 def test_attach_follows_and_steers_a_torchrun_job(tmp_path):
     import megatrain_nb as mt
-    from megatrain_nb.lab.registry import enqueue_command, list_sessions
+    from megatrain_nb.channel.registry import enqueue_command, list_sessions
 
     env = dict(os.environ, MEGATRAIN_NB_RUN_NAME="attach-test")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from megatrain_nb.lab.beacon import SessionBeacon
+from megatrain_nb.channel.beacon import SessionBeacon
 from megatrain_nb.commands import check_command
-from megatrain_nb.lab.protocol import CommandError
-from megatrain_nb.lab.registry import (
+from megatrain_nb.channel.protocol import CommandError
+from megatrain_nb.channel.registry import (
     UnknownSession,
     enqueue_command,
     get_session,
@@ -93,7 +93,7 @@ def test_loose_existing_folders_are_tightened(runtime_root, beacon_for):
 
 
 def test_a_folder_writable_by_others_is_refused(runtime_root, beacon_for):
-    from megatrain_nb.lab.protocol import UnsafeFolderError
+    from megatrain_nb.channel.protocol import UnsafeFolderError
 
     (runtime_root / "sessions").mkdir(parents=True, mode=0o700)
     os.chmod(runtime_root / "sessions", 0o777)  # others could have planted files in it
@@ -242,7 +242,7 @@ BEACON_CHILD = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {tests!r})
     from lab.fakes import FakeSession
-    from megatrain_nb.lab.beacon import SessionBeacon
+    from megatrain_nb.channel.beacon import SessionBeacon
     s = FakeSession("child", sid="childsession")
     SessionBeacon(s, interval=0.2).start()
     print("ready", flush=True)
@@ -343,7 +343,7 @@ def test_an_oversized_command_file_is_refused_unread(runtime_root, beacon_for):
 def test_a_command_file_that_grows_while_it_is_opened_is_refused_alike(tmp_path, monkeypatch):
     """A writer that grows the file after the size check (no rename): one read of at most the
     limit + 1 bytes, refused with the same words as a file refused from its size."""
-    from megatrain_nb.lab import protocol
+    from megatrain_nb.channel import protocol
 
     path = tmp_path / "1-grows.json"
     path.write_bytes(b" " * (protocol.MAX_COMMAND_BYTES + 10))
@@ -362,7 +362,7 @@ def test_a_folder_named_like_a_command_is_moved_aside_and_reported_once(runtime_
     import logging
 
     s = FakeSession()
-    caplog.set_level(logging.WARNING, logger="megatrain_nb.lab.beacon")
+    caplog.set_level(logging.WARNING, logger="megatrain_nb.channel.beacon")
     b = beacon_for(s, poll=0.02)
     (b.inbox / "1-dir.json").mkdir()
     os.mkfifo(b.inbox / "2-fifo.json")
@@ -391,7 +391,7 @@ def test_bad_or_deeply_nested_json_is_refused_and_recorded(runtime_root, beacon_
 
 
 def test_command_json_limits():
-    from megatrain_nb.lab.protocol import MAX_COMMAND_BYTES, parse_command_json
+    from megatrain_nb.channel.protocol import MAX_COMMAND_BYTES, parse_command_json
 
     assert parse_command_json(b'{"command": "lr", "value": "[[[[[["}') == {"command": "lr", "value": "[[[[[["}
     assert parse_command_json('{"command": "x", "value": "\\\\\\"[[[[[["}')["value"] == '\\"[[[[[['
@@ -400,7 +400,7 @@ def test_command_json_limits():
             parse_command_json(bad)
 
 def test_a_finished_run_stays_listed_with_its_final_loss_until_dismissed(runtime_root):
-    from megatrain_nb.lab.registry import StillRunning, dismiss_session
+    from megatrain_nb.channel.registry import StillRunning, dismiss_session
 
     s = FakeSession("done-run", total_steps=5)
     s.advance(5, loss=1.25)
@@ -480,7 +480,7 @@ def test_the_heartbeat_lists_the_runs_branches_cleaned(runtime_root):
 
 def test_a_finished_run_whose_process_exited_goes_after_a_while(runtime_root):
     """Issue 36: cards of exited kernels' runs stayed "finished" for a day (44 in an afternoon)."""
-    from megatrain_nb.lab.registry import DEAD_ENDED_KEPT
+    from megatrain_nb.channel.registry import DEAD_ENDED_KEPT
 
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()

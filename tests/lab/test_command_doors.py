@@ -89,7 +89,7 @@ def _send(door, s, post, name, value=None):
         text = out.getvalue()
         return got, (text if text.startswith("megatrain:") else None)
     if door == "inbox":   # the inbox's one writer, as a controller Session or the server writes it
-        from megatrain_nb.lab.protocol import write_command
+        from megatrain_nb.channel.protocol import write_command
 
         msg = write_command(s.id, name, value)
         beat = wait_for(lambda: _last_command(s.id, msg["id"]), timeout=10)[0]
@@ -102,7 +102,7 @@ def _send(door, s, post, name, value=None):
 
 
 def _last_command(session_id, command_id):
-    from megatrain_nb.lab.registry import get_session
+    from megatrain_nb.channel.registry import get_session
 
     last = get_session(session_id).get("last_command") or {}
     return last if last.get("id") == command_id else None

@@ -11,7 +11,7 @@ TS = Path(__file__).resolve().parents[2] / "extension" / "src" / "commands.ts"
 
 
 def test_every_place_reads_the_one_table():
-    from megatrain_nb.lab.protocol import COMMANDS as server
+    from megatrain_nb.channel.protocol import COMMANDS as server
     from megatrain_nb.notebook.magics import USAGE
     from megatrain_nb.notebook.session import Order
     from megatrain_nb.trainer.control import KINDS

@@ -69,7 +69,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from IPython.display import display
 from lab.fakes import FakeSession
-from megatrain_nb.lab.beacon import SessionBeacon""",
+from megatrain_nb.channel.beacon import SessionBeacon""",
     """session = FakeSession("e2e-fake-run", total_steps=100_000)
 state = widgets.HTML()
 def show_state():

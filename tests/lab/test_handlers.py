@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("pytest_jupyter")
 from pytest_jupyter.jupyter_server import *  # noqa: E402,F403 - fixtures for this module
 
-from megatrain_nb.lab.beacon import SessionBeacon  # noqa: E402
+from megatrain_nb.channel.beacon import SessionBeacon  # noqa: E402
 
 from .conftest import wait_for  # noqa: E402
 from .fakes import FakeSession  # noqa: E402

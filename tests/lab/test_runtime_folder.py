@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_nb.lab import protocol, registry
-from megatrain_nb.lab.beacon import SessionBeacon
+from megatrain_nb.channel import protocol, registry
+from megatrain_nb.channel.beacon import SessionBeacon
 
 from ..privileges import as_user, needs_root, shared_dir
 from .fakes import FakeSession

@@ -44,7 +44,7 @@ def _heartbeats(now):
 def test_the_sidebar_orders_groups_and_nests_at_scale(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    from megatrain_nb.lab.protocol import atomic_write_json, make_private_dir
+    from megatrain_nb.channel.protocol import atomic_write_json, make_private_dir
     from tests.browser import launch_chromium, require_browser, running_lab
 
     require_browser()

@@ -103,8 +103,8 @@ def test_report_exports_the_tree(tree, tmp_path):
 
 
 def test_the_sidebar_rows_nest_forks_and_rewinds_under_their_run(tree, tmp_path, monkeypatch):
-    from megatrain_nb.lab.beacon import SessionBeacon
-    from megatrain_nb.lab.registry import list_sessions
+    from megatrain_nb.channel.beacon import SessionBeacon
+    from megatrain_nb.channel.registry import list_sessions
 
     s, b = tree
     idle = s.fork(step=4, name="later", max_grad_norm=0.1)   # not started: no run id yet

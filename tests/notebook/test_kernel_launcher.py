@@ -38,7 +38,7 @@ def kernel(tmp_path, monkeypatch):
 
 
 def test_launcher_in_a_real_kernel(kernel, tmp_path):
-    from megatrain_nb.lab.registry import enqueue_command, list_sessions
+    from megatrain_nb.channel.registry import enqueue_command, list_sessions
 
     k = kernel
     k.ok(f"OUT = {str(tmp_path / 'out')!r}\n" + SETUP)

@@ -43,7 +43,7 @@ def test_a_session_on_preference_rows_trains_a_dpo_trainer(tmp_path):
 def _shows_the_rewards(s, tmp_path):
     """%megatrain status, the dashboard, the report and the sidebar's card show a DPO run's reward
     margin and accuracy (the last step's, as the run's records hold them)."""
-    from megatrain_nb.lab.beacon import SessionBeacon
+    from megatrain_nb.channel.beacon import SessionBeacon
     from megatrain_nb.notebook.dashboard import Dashboard
     from megatrain_nb.notebook.magics import status_line
 

@@ -129,7 +129,7 @@ def test_a_custom_loss_function_that_raises(real_session):
 
 
 def test_commands_from_jupyterlab_reach_the_run(real_session):
-    from megatrain_nb.lab.registry import enqueue_command, get_session
+    from megatrain_nb.channel.registry import enqueue_command, get_session
 
     s = real_session(max_steps=100_000, name="from-lab")
     s.train()

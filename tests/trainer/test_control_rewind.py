@@ -90,7 +90,7 @@ def test_a_run_rewound_while_paused_stays_paused_at_the_snapshot(tmp_path):
             at_pause["step"] = step
 
     def send(rc, command, value=None):   # as the notebook's controller does: a file in rank 0's inbox
-        from megatrain_nb.lab.protocol import atomic_write_json, inbox_path, make_private_dir, new_command_name
+        from megatrain_nb.channel.protocol import atomic_write_json, inbox_path, make_private_dir, new_command_name
 
         name = new_command_name()
         inbox = make_private_dir(inbox_path(rc.id))

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_nb.threads import BEACON, thread_name
-from megatrain_nb.lab.protocol import (
+from megatrain_nb.channel.protocol import (
     SCHEMA_VERSION,
     SESSION_ID_RE,
     CommandError,

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatrain_nb.lab.protocol import (
+from megatrain_nb.channel.protocol import (
     SESSION_ID_RE,
     UnsafeFolderError,
     check_private_dir,
@@ -131,7 +131,7 @@ def enqueue_command(
     root: str | Path | None = None,
 ) -> dict[str, Any]:
     """Check one command the sidebar sent (by the command table) and drop it into the live
-    session's inbox (:func:`~megatrain_nb.lab.protocol.write_command`); the beacon hands it on
+    session's inbox (:func:`~megatrain_nb.channel.protocol.write_command`); the beacon hands it on
     within its poll interval. Raises CommandError (bad command/value) or UnknownSession."""
     command, value = check_command(command, value, sidebar=True)   # the server's check: the sidebar's rows
     if isinstance(get_session(session_id, root).get("ended"), (int, float)):

@@ -32,7 +32,7 @@ import torch
 
 PAGE = 4096
 _state = {"exact": None, "warned": False}   # exact: None undecided, True registering, False fell back
-_lock = threading.Lock()
+_lock = threading.RLock()   # (a finalizer may run in a collection while it is held)
 registered = {"buffers": 0, "bytes": 0}     # live registrations (what tests and reports read)
 
 
@@ -42,6 +42,11 @@ def _cudart():
 
 def _cuda_present() -> bool:
     return torch.cuda.is_available()
+
+
+def _cached_pinned(shape, dtype) -> torch.Tensor:
+    """A block of the caching host allocator (the fallback), pinned in place."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def pinned_bytes(nbytes: int) -> int:
@@ -107,7 +112,7 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     caching host allocator's block (see the module doc). Page-aligned either way (direct I/O)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if not exact_pinned():
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return _cached_pinned(shape, dtype)
     numel = 1
     for s in shape:
         numel *= int(s)
@@ -119,7 +124,7 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if rc != 0:
         with _lock:
             _fail(rc)
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return _cached_pinned(shape, dtype)
     with _lock:
         registered["buffers"] += 1
         registered["bytes"] += span

@@ -8,8 +8,9 @@ size (whole pages) and page-locks it with ``cudaHostRegister(ptr, nbytes, 0)``
 (``torch.cuda.cudart()``). Registered memory is pinned to CUDA: ``t.is_pinned()`` is True and
 ``copy_(..., non_blocking=True)`` is a true asynchronous DMA, as with the allocator's blocks; it
 is unregistered (``cudaHostUnregister``) just before the memory is freed, when the last tensor
-on it dies (a finalizer on the array that owns it), so a buffer stays registered exactly while
-something holds it.
+on it dies (a finalizer on the array that owns it, which first waits for the device it was
+registered on: a copy may still use the memory, as the caching allocator holds a freed block back
+until its copies are done), so a buffer stays registered exactly while something holds it.
 
 Whether registration is used is decided once per process (:func:`exact_pinned`): on a CUDA
 machine by registering one page at the first use; on a machine without CUDA (plans on paper for a
@@ -99,7 +100,15 @@ def _aligned(nbytes: int):
     return raw[off:off + nbytes]
 
 
-def _unregister(ptr: int, nbytes: int) -> None:
+def _device() -> Optional[int]:
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def _unregister(ptr: int, nbytes: int, device: Optional[int]) -> None:
+    # A copy may still read or write the memory (the caching host allocator holds a freed block
+    # back until its copies are done): wait for the device it was registered on first.
+    if device is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
     _cudart().cudaHostUnregister(ptr)
     with _lock:
         registered["buffers"] -= 1
@@ -128,7 +137,7 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     with _lock:
         registered["buffers"] += 1
         registered["bytes"] += span
-    fin = weakref.finalize(buf.base, _unregister, ptr, span)   # just before the memory is freed
+    fin = weakref.finalize(buf.base, _unregister, ptr, span, _device())   # just before the memory is freed
     fin.atexit = False   # (at exit the driver releases it with the process)
     return torch.from_numpy(buf[:nbytes]).view(dtype).view(shape)
 

@@ -111,3 +111,19 @@ def test_llama100b_least_host_ram_with_registration_on_a_cuda_machine(fake):
 
     e = estimate("llama-100b", vram_gb=80, ram_gb=1024, disk_gb=4096, seq=2048, accumulation=128)
     assert e.host_min <= 24 * 2 ** 30 and fake.calls == 1 and pinned.exact_pinned()
+
+
+def test_the_device_is_waited_for_before_the_memory_is_unregistered(fake, monkeypatch):
+    """A copy may still use a dropped buffer (the caching allocator would hold its block back):
+    the finalizer synchronizes the device the buffer was registered on, then unregisters."""
+    order = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append(("sync", device)))
+    real = fake.cudaHostUnregister
+    fake.cudaHostUnregister = lambda ptr: order.append(("unregister", real(ptr)))
+    t = pinned.pinned_empty(3000)
+    order.clear()   # (the probe's page was never handed out: no wait)
+    del t
+    gc.collect()
+    assert order == [("sync", 1), ("unregister", 0)]

@@ -174,7 +174,9 @@ def throughput(a):
         pinned = torch.cuda.host_memory_stats().get("reserved_bytes.current", -1)
     except Exception:  # noqa: BLE001 - an older torch
         pinned = -1
-    print(f"host: pinned held by the caching host allocator {pinned / 2**30:.2f} GiB; plan host total "
+    from megatrain_nb.engine.pinned import registered
+    print(f"host: pinned held by the caching host allocator {pinned / 2**30:.2f} GiB, registered "
+          f"{registered['bytes'] / 2**30:.2f} GiB; plan host total "
           f"{engine.plan.host['total'] / 2**30:.2f} GiB (buffers {engine.plan.host['buffers'] / 2**30:.2f})")
     print("engine threads, CPU s per s of step: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_thread.items())))
     # one profiled step: the compute stream's idle time and the copies' rate

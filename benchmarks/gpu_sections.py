@@ -220,17 +220,7 @@ def compute_idle_fraction(prof) -> tuple:
 
 def raw_pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
     """A plain pinned host->device copy's rate (the link, as this process sees it)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
-    dst = torch.empty_like(src, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    b.record()
-    b.synchronize()
-    return 3 * nbytes / (a.elapsed_time(b) / 1e3) / 1e9
+    return _h2d_gbps(torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True))
 
 
 def resident_step_seconds(cfg, batch: int, seq: int, steps: int = 3) -> float:
@@ -293,6 +283,7 @@ def machine_rates(device: str, model=None, quick: bool = False) -> tuple:
 
 
 def _h2d_gbps(src) -> float:
+    """GB/s of three non-blocking copies of host ``src`` to the device (after one to warm up)."""
     dst = torch.empty_like(src, device="cuda")
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
@@ -330,8 +321,7 @@ def registered_pinned(nbytes: int = 600 << 20) -> dict:
     back.copy_(dev, non_blocking=True)
     torch.cuda.synchronize()
     out = dict(exact=exact, is_pinned=t.is_pinned(), registered=regs, host_alloc_grew=grew,
-               roundtrip=bool(torch.equal(back, t)), gbps=_h2d_gbps(t), raw_gbps=_h2d_gbps(
-                   torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)))
+               roundtrip=bool(torch.equal(back, t)), gbps=_h2d_gbps(t), raw_gbps=raw_pinned_h2d_gbps(nbytes))
     del t, dev, back
     gc.collect()
     out["left_registered"] = pinned.registered["buffers"] - live["buffers"]

@@ -1,6 +1,7 @@
 """What the GPU path holds, counted as it holds it (issue 37 items 4, 5), checked on CPU: the
 plan's device gradients include autograd's outputs; pinned blocks count at their whole pages
-where CUDA registers them, else at the caching host allocator's power of two; the window's device room is what mem_get_info leaves, less a headroom."""
+where CUDA registers them, else at the caching host allocator's power of two; the window's
+device room is what mem_get_info leaves, less a headroom."""
 from types import SimpleNamespace
 
 import pytest

@@ -150,8 +150,8 @@ def estimate_figure() -> None:
     the gradients held for a clipping norm and the boundary activations on the disk tier
     (``planner.host_in_flight``); with global-norm clipping (TrainingArguments' default,
     ``max_grad_norm=1.0``) first, then without. The figure is a CUDA machine's: its pinned
-    buffers registered at their exact size (``pinned.exact_pinned``: assumed where this machine
-    has no CUDA, probed once where it has; the caching host allocator's powers of two if not)."""
+    buffers registered at their exact size (``pinned.exact_pinned``: assumed until a registration
+    in this process fails; the caching host allocator's powers of two after that)."""
     from megatrain_nb import estimate
     from megatrain_nb.engine.pinned import exact_pinned
 

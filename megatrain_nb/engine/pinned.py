@@ -12,10 +12,10 @@ on it dies (a finalizer on the array that owns it, which first waits for the dev
 registered on: a copy may still use the memory, as the caching allocator holds a freed block back
 until its copies are done), so a buffer stays registered exactly while something holds it.
 
-Whether registration is used is decided once per process (:func:`exact_pinned`): on a CUDA
-machine by registering one page at the first use; on a machine without CUDA (plans on paper for a
-CUDA machine) it is assumed to work. If a registration fails, a one-time warning says so and
-every later pinned buffer comes from the caching host allocator, counted at its power of two.
+Registration is assumed to work (:func:`exact_pinned`; plans made on a machine without CUDA are
+on paper for a CUDA machine with it) until one fails: then a one-time warning says so, and every
+later pinned buffer of the process comes from the caching host allocator, counted at its power
+of two (buffers already registered stay so).
 :func:`held_bytes` counts pinned buffers accordingly: exact while registration works, the power
 of two otherwise. The planner (``planner.host_in_flight``, ``_PlanInputs.pinned_units``),
 ``host_store.HostStore``, ``disk_params.DiskReadStream``, the pager's gradient staging and
@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 PAGE = 4096
-_state = {"exact": None, "warned": False}   # exact: None undecided, True registering, False fell back
+_state = {"exact": None, "warned": False}   # exact: None none yet, True registered, False fell back
 _lock = threading.RLock()   # (a finalizer may run in a collection while it is held)
 registered = {"buffers": 0, "bytes": 0}     # live registrations (what tests and reports read)
 
@@ -57,11 +57,11 @@ def pinned_bytes(nbytes: int) -> int:
 
 
 def exact_pinned() -> bool:
-    """Whether pinned buffers are registered at their exact size (decided once: see the module doc)."""
+    """Whether pinned buffers are registered at their exact size: until a registration fails
+    (see the module doc). Asking touches no device (a plan made before the engine picks its GPU
+    creates no context)."""
     with _lock:
-        if _state["exact"] is None:
-            _state["exact"] = _probe() if _cuda_present() else True
-        return _state["exact"]
+        return _state["exact"] is not False
 
 
 def held_bytes(nbytes: int, pinned: bool) -> int:
@@ -80,16 +80,6 @@ def _fail(rc) -> bool:
                       "caching host allocator instead, each held at its power of two (more host RAM; "
                       "the plan counts it so)", RuntimeWarning, stacklevel=3)
     return False
-
-
-def _probe() -> bool:
-    """Register and unregister one page (called under ``_lock`` once, on a CUDA machine)."""
-    buf = _aligned(PAGE)
-    rc = int(_cudart().cudaHostRegister(buf.ctypes.data, PAGE, 0))
-    if rc != 0:
-        return _fail(rc)
-    _cudart().cudaHostUnregister(buf.ctypes.data)
-    return True
 
 
 def _aligned(nbytes: int):
@@ -120,7 +110,7 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     page-aligned memory of its exact size (whole pages) where registration works, else the
     caching host allocator's block (see the module doc). Page-aligned either way (direct I/O)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if not exact_pinned():
+    if not exact_pinned() or not _cuda_present():
         return _cached_pinned(shape, dtype)
     numel = 1
     for s in shape:
@@ -135,6 +125,7 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             _fail(rc)
         return _cached_pinned(shape, dtype)
     with _lock:
+        _state["exact"] = True
         registered["buffers"] += 1
         registered["bytes"] += span
     fin = weakref.finalize(buf.base, _unregister, ptr, span, _device())   # just before the memory is freed

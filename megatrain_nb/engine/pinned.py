@@ -91,7 +91,8 @@ def _aligned(nbytes: int):
 
 
 def _device() -> Optional[int]:
-    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    """The allocating thread's device (the one a registration belongs to); None without CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def _unregister(ptr: int, nbytes: int, device: Optional[int]) -> None:

@@ -119,6 +119,7 @@ def test_the_device_is_waited_for_before_the_memory_is_unregistered(fake, monkey
     """A copy may still use a dropped buffer (the caching allocator would hold its block back):
     the finalizer synchronizes the device the buffer was registered on, then unregisters."""
     order = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append(("sync", device)))

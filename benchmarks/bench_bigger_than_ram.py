@@ -149,10 +149,15 @@ def estimate_figure() -> None:
     configuration: what the engine's code holds with the master weights, the optimizer states,
     the gradients held for a clipping norm and the boundary activations on the disk tier
     (``planner.host_in_flight``); with global-norm clipping (TrainingArguments' default,
-    ``max_grad_norm=1.0``) first, then without."""
+    ``max_grad_norm=1.0``) first, then without. The figure is a CUDA machine's: its pinned
+    buffers registered at their exact size (``pinned.exact_pinned``: assumed until a registration
+    in this process fails; the caching host allocator's powers of two after that)."""
     from megatrain_nb import estimate
+    from megatrain_nb.engine.pinned import exact_pinned
 
     kw = dict(vram_gb=80, disk_gb=4096, batch=1, seq=2048, accumulation=128)
+    print("pinned host buffers:", "registered at their exact size" if exact_pinned() else
+          "the caching host allocator's powers of two (cudaHostRegister failed here)")
     for clipping, suffix in ((True, "_clipped"), (False, "")):
         e = estimate("llama-100b", ram_gb=1024, clipping=clipping, **kw)
         lo = estimate("llama-100b", ram_gb=1 / GiB, clipping=clipping, **kw)

@@ -34,6 +34,9 @@ The sections (``--list``; gpu_sections.py holds the newer ones) end in RESULT li
 * machine rates: ``mt.measure_machine`` on the GPU (copies, matmul at the throughput model's
   shapes, attention, disk, AdamW, codecs), measured now, <= 60 s, every rate positive; its pinned
   host->device rate against the raw pinned copy's (rehearsal: quick sizes on the CPU);
+* registered pinned memory: a buffer of ``pinned.pinned_empty`` (cudaHostRegister at its exact
+  size) is pinned, leaves the caching host allocator's reserved bytes as they were (no power of
+  two), copies exactly both ways non-blocking at a pinned block's rate, unregistered once dropped;
 * two GPUs (when there are): two ranks under torchrun, a sharded step each under a hang
   timeout, and no rank holding a context on a GPU other than its own.
 """
@@ -71,6 +74,7 @@ SECTIONS = [
     ("dropout-rng", True, "train-mode dropout with recompute against HF"),
     ("sanitizer", True, "the CUDA stream sanitizer over a few steps of every kind"),
     ("machine-rates", False, "mt.measure_machine on the device (<= 60 s, every rate > 0; pinned H2D vs raw)"),
+    ("registered-pinned", True, "cudaHostRegister'd buffer: is_pinned, exact size, host allocator stats flat, rate"),
     ("two-gpus", True, "two ranks: one context each, a sharded step under a hang timeout (needs 2 GPUs)"),
 ]
 
@@ -170,7 +174,9 @@ def throughput(a):
         pinned = torch.cuda.host_memory_stats().get("reserved_bytes.current", -1)
     except Exception:  # noqa: BLE001 - an older torch
         pinned = -1
-    print(f"host: pinned held by the caching host allocator {pinned / 2**30:.2f} GiB; plan host total "
+    from megatrain_nb.engine.pinned import registered
+    print(f"host: pinned held by the caching host allocator {pinned / 2**30:.2f} GiB, registered "
+          f"{registered['bytes'] / 2**30:.2f} GiB; plan host total "
           f"{engine.plan.host['total'] / 2**30:.2f} GiB (buffers {engine.plan.host['buffers'] / 2**30:.2f})")
     print("engine threads, CPU s per s of step: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_thread.items())))
     # one profiled step: the compute stream's idle time and the copies' rate
@@ -488,6 +494,7 @@ def run_all(a) -> int:
     acc = accumulation(a)
     steps, races, _ = sanitizer()
     two = two_gpus() if torch.cuda.device_count() >= 2 else None
+    reg = sec.registered_pinned()
     mem = thr["mem"]
     result("gpu_grad_rel_err_fp32", e32, "", "<=", 1e-4)
     result("gpu_grad_rel_err_bf16", e16, "", "<=", 5e-2)
@@ -516,6 +523,12 @@ def run_all(a) -> int:
     result("gpu_accum8_loads_per_layer", acc[True][1], "loads", "==", 2)
     result("gpu_sanitizer_steps", steps, "steps", "==", SANITIZER_STEPS)
     result("gpu_sanitizer_races", races, "reports", "==", 0)
+    result("gpu_registered_pinned_exact", int(reg["exact"] and reg["registered"] == 600 << 20), "", "==", 1)
+    result("gpu_registered_is_pinned", int(reg["is_pinned"]), "", "==", 1)
+    result("gpu_registered_host_allocator_growth", reg["host_alloc_grew"], "bytes", "==", 0)
+    result("gpu_registered_roundtrip_exact", int(reg["roundtrip"]), "", "==", 1)
+    result("gpu_registered_h2d_vs_caching_block", reg["gbps"] / reg["raw_gbps"], "x", ">=", 0.9)
+    result("gpu_registered_left_after_free", reg["left_registered"], "buffers", "==", 0)
     if two is not None:
         result("gpu_two_ranks_stepped", two[0], "ranks", "==", 2)
         result("gpu_two_ranks_foreign_contexts", two[1], "contexts", "==", 0)

@@ -108,10 +108,11 @@ class DiskReadStream:
 
     def _new_buffer(self) -> torch.Tensor:
         # Page-aligned (pinned memory is too), so direct I/O needs no bounce copy.
-        return torch.empty(self._numel, dtype=torch.float32, pin_memory=True) if self._pin else aligned_empty(self._numel)
+        from .pinned import pinned_empty
+        return pinned_empty(self._numel) if self._pin else aligned_empty(self._numel)
 
     def _buffer_bytes(self) -> int:
-        """What one staging buffer holds (pinned: its power of two, ``pinned.held_bytes``)."""
+        """What one staging buffer holds (pinned: as ``pinned.held_bytes`` counts it)."""
         from .pinned import held_bytes
         return held_bytes(self._numel * 4, self._pin)
 

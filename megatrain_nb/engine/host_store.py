@@ -148,8 +148,10 @@ class HostStore:
         self._has_grad = set()  # units whose accumulator holds a gradient since the last zero
 
     def alloc(self, numel: int) -> torch.Tensor:
-        # pinned in place (``.pin_memory()`` would make a pageable tensor first and copy it)
-        return torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
+        # pinned in place (``.pin_memory()`` would make a pageable tensor first and copy it),
+        # registered at its exact size where CUDA allows (``pinned.pinned_empty``)
+        from .pinned import pinned_empty
+        return pinned_empty(numel) if self.pin else torch.empty(numel, dtype=torch.float32)
 
     def set_params(self, unit: Unit, flat: Optional[torch.Tensor]) -> None:
         self.params[unit.index] = flat
@@ -194,7 +196,7 @@ class HostStore:
             self.zero_unit(u)
 
     def nbytes(self) -> Dict[str, int]:
-        """Bytes held, pinned buffers at the caching host allocator's power of two (as planned)."""
+        """Bytes held, pinned buffers as ``pinned.held_bytes`` counts them (as planned)."""
         from .pinned import held_bytes
         w = sum(held_bytes(t.numel() * 4, self.pin) for t in self.params.values() if t is not None)
         g = sum(held_bytes(t.numel() * 4, self.pin) for t in self.grads.values() if t is not None)

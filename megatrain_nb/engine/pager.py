@@ -117,7 +117,7 @@ class Pager:
             self._grad_free: List[Optional[Future]] = [None] * len(self._grad_host)
             self._grad_turn = self._host_turn = 0
             self.grad_buf_bytes = 2 * max_unit * 4                      # device
-            # pinned host, as the transport's pool counts each (its power of two on CUDA)
+            # pinned host, as the transport's pool counts each (``pinned.held_bytes``)
             pinned = getattr(getattr(transport, "pinned", None), "pin", False)
             self.grad_host_bytes = len(self._grad_host) * held_bytes(max_unit * 4, pinned)
         self._order: List[Unit] = []

@@ -1,21 +1,53 @@
 """Pinned host buffers, counted as the process really holds them.
 
-``t.pin_memory()`` copies a pageable tensor into a block of PyTorch's caching host allocator:
-a pageable allocation and a copy first, then a pinned block whose size is rounded up to a
-power of two (an 810 MB layer holds 1 GiB, a 2.1 GB embedding 4 GiB), kept cached after the
-tensor dies (``torch.empty(..., pin_memory=True)`` goes through the same allocator and is
-rounded the same way). :class:`PinnedPool` allocates with ``torch.empty(..., pin_memory=True)`` (no
-pageable copy), counts each block at the size the allocator gives it (:func:`pinned_bytes`),
-and on :meth:`close` hands the cached blocks back to the driver. The planner counts pinned
-buffers with the same rounding (:func:`held_bytes`: ``planner.host_in_flight`` and the master
-weights and accumulators of ``host_store.HostStore``), and the engine's memory report counts
-them so too, so the plan is what the process holds.
+Two ways to pin on CUDA. PyTorch's caching host allocator (``t.pin_memory()``,
+``torch.empty(..., pin_memory=True)``) rounds each block up to a power of two (an 810 MB layer
+holds 1 GiB, a 5.8 GiB unit 8 GiB) and keeps it cached after the tensor dies. Registration
+(:func:`pinned_empty`, the engine's way) allocates ordinary page-aligned host memory of the exact
+size (whole pages) and page-locks it with ``cudaHostRegister(ptr, nbytes, 0)``
+(``torch.cuda.cudart()``). Registered memory is pinned to CUDA: ``t.is_pinned()`` is True and
+``copy_(..., non_blocking=True)`` is a true asynchronous DMA, as with the allocator's blocks; it
+is unregistered (``cudaHostUnregister``) just before the memory is freed, when the last tensor
+on it dies (a finalizer on the array that owns it, which first waits for the device it was
+registered on: a copy may still use the memory, as the caching allocator holds a freed block back
+until its copies are done), so a buffer stays registered exactly while something holds it.
+
+Registration is assumed to work (:func:`exact_pinned`; plans made on a machine without CUDA are
+on paper for a CUDA machine with it) until one fails: then a one-time warning says so, and every
+later pinned buffer of the process comes from the caching host allocator, counted at its power
+of two (buffers already registered stay so).
+:func:`held_bytes` counts pinned buffers accordingly: exact while registration works, the power
+of two otherwise. The planner (``planner.host_in_flight``, ``_PlanInputs.pinned_units``),
+``host_store.HostStore``, ``disk_params.DiskReadStream``, the pager's gradient staging and
+:class:`PinnedPool` (the transport's host buffers) all count through it, so the plan is what the
+process holds.
 """
 from __future__ import annotations
 
 import threading
+import warnings
+import weakref
+from typing import Optional
 
 import torch
+
+PAGE = 4096
+_state = {"exact": None, "warned": False}   # exact: None none yet, True registered, False fell back
+_lock = threading.RLock()   # (a finalizer may run in a collection while it is held)
+registered = {"buffers": 0, "bytes": 0}     # live registrations (what tests and reports read)
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
+def _cuda_present() -> bool:
+    return torch.cuda.is_available()
+
+
+def _cached_pinned(shape, dtype) -> torch.Tensor:
+    """A block of the caching host allocator (the fallback), pinned in place."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def pinned_bytes(nbytes: int) -> int:
@@ -24,9 +56,82 @@ def pinned_bytes(nbytes: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def exact_pinned() -> bool:
+    """Whether pinned buffers are registered at their exact size: until a registration fails
+    (see the module doc). Asking touches no device (a plan made before the engine picks its GPU
+    creates no context)."""
+    with _lock:
+        return _state["exact"] is not False
+
+
 def held_bytes(nbytes: int, pinned: bool) -> int:
-    """What a host buffer of ``nbytes`` holds: its power of two when pinned, else itself."""
-    return pinned_bytes(nbytes) if pinned else int(nbytes)
+    """What a host buffer of ``nbytes`` holds: itself; pinned, its whole pages where registration
+    works (:func:`pinned_empty`), else its power of two (the caching host allocator)."""
+    if not pinned:
+        return int(nbytes)
+    return -(-int(nbytes) // PAGE) * PAGE if exact_pinned() else pinned_bytes(nbytes)
+
+
+def _fail(rc) -> bool:
+    _state["exact"] = False
+    if not _state["warned"]:
+        _state["warned"] = True
+        warnings.warn(f"cudaHostRegister failed (error {int(rc)}): pinned host buffers come from PyTorch's "
+                      "caching host allocator instead, each held at its power of two (more host RAM; "
+                      "the plan counts it so)", RuntimeWarning, stacklevel=3)
+    return False
+
+
+def _aligned(nbytes: int):
+    """A numpy byte array of ``nbytes`` (whole pages) starting on a page boundary."""
+    import numpy as np
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    off = (-raw.ctypes.data) % PAGE
+    return raw[off:off + nbytes]
+
+
+def _device() -> Optional[int]:
+    """The allocating thread's device (the one a registration belongs to); None without CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def _unregister(ptr: int, nbytes: int, device: Optional[int]) -> None:
+    # A copy may still read or write the memory (the caching host allocator holds a freed block
+    # back until its copies are done): wait for the device it was registered on first.
+    if device is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+    _cudart().cudaHostUnregister(ptr)
+    with _lock:
+        registered["buffers"] -= 1
+        registered["bytes"] -= nbytes
+
+
+def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised pinned CPU tensor of ``shape`` (an int: 1-D) and ``dtype``: registered
+    page-aligned memory of its exact size (whole pages) where registration works, else the
+    caching host allocator's block (see the module doc). Page-aligned either way (direct I/O)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not exact_pinned() or not _cuda_present():
+        return _cached_pinned(shape, dtype)
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    span = max(PAGE, -(-nbytes // PAGE) * PAGE)   # whole pages: no page shared with other memory
+    buf = _aligned(span)
+    ptr = buf.ctypes.data
+    rc = int(_cudart().cudaHostRegister(ptr, span, 0))
+    if rc != 0:
+        with _lock:
+            _fail(rc)
+        return _cached_pinned(shape, dtype)
+    with _lock:
+        _state["exact"] = True
+        registered["buffers"] += 1
+        registered["bytes"] += span
+    fin = weakref.finalize(buf.base, _unregister, ptr, span, _device())   # just before the memory is freed
+    fin.atexit = False   # (at exit the driver releases it with the process)
+    return torch.from_numpy(buf[:nbytes]).view(dtype).view(shape)
 
 
 class PinnedPool:
@@ -38,7 +143,7 @@ class PinnedPool:
         self._lock = threading.Lock()
 
     def empty(self, numel: int, dtype=torch.float32) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+        t = pinned_empty(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype)
         n = numel * t.element_size()
         with self._lock:
             self.held += held_bytes(n, self.pin)
@@ -46,7 +151,8 @@ class PinnedPool:
 
     def close(self) -> None:
         """Forget the count and release the cached pinned blocks no tensor uses any more (the
-        caching host allocator keeps them otherwise for the life of the process)."""
+        caching host allocator keeps them otherwise for the life of the process; registered
+        buffers are unregistered as their last tensor dies)."""
         with self._lock:
             self.held = 0
         if self.pin:
@@ -59,3 +165,10 @@ def release_cached_pinned() -> None:
     empty = getattr(torch._C, "_host_emptyCache", None)
     if empty is not None:
         empty()
+
+
+def reset_for_tests(exact: Optional[bool] = None) -> None:
+    """Forget the decision (tests: a fake cudart, or a forced fallback)."""
+    with _lock:
+        _state["exact"] = exact
+        _state["warned"] = False

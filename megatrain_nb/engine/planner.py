@@ -121,8 +121,9 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     * on CUDA with a compute dtype narrower than fp32 (``compute_bytes`` 2): the pinned buffer
       a slot fill is cast into on the host (``transport.CudaTransport._cast_in``), ``u`` of them.
     Pinned buffers (``pinned``, default ``cuda``: the weight staging of the disk tier, the
-    gradient staging and the cast buffer) count at the caching host allocator's power of two
-    (``pinned.pinned_bytes``: a 5.8 GiB unit holds 8 GiB); the rest as allocated.
+    gradient staging and the cast buffer) count as ``pinned.held_bytes`` says: registered at their
+    exact size (whole pages) where CUDA allows, else at the caching host allocator's power of two
+    (a 5.8 GiB unit would hold 8 GiB); the rest as allocated.
     (Without a host cache of the disk tier: the estimate's least host RAM.)
     """
     from .chunk_ring import RING
@@ -290,7 +291,7 @@ class _PlanInputs:
 
     def pinned_units(self) -> int:
         """Bytes of one fp32 host buffer per held unit as the process holds them: on CUDA pinned,
-        each block at the caching host allocator's power of two (``pinned.pinned_bytes``)."""
+        each as ``pinned.held_bytes`` counts it (exact where registration works, else its power of two)."""
         from .pinned import held_bytes
         return sum(held_bytes(u.numel * 4, self.cuda) for u in self.held)
 

@@ -68,7 +68,8 @@ class BoundaryStore:
         """A new pass: recycled buffers of shapes none of the last KEEP_PASSES passes used are
         freed (variable sequence lengths would otherwise keep a pinned set per length for good).
         Their last transfers are done: clear() waited for the disk's, and a pinned block freed
-        while a copy still reads it is held back by the caching host allocator."""
+        while a copy still reads it is held back by the caching host allocator (a registered
+        one, ``pinned.pinned_empty``, waits for its device before it is unregistered and freed)."""
         with self._lock:
             self._passes += 1
             for key in [k for k in self._free if self._passes - self._used.get(k, 0) > self.KEEP_PASSES]:

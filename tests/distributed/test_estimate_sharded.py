@@ -85,7 +85,7 @@ def test_cli_and_magic_share_the_parser(capsys):
     rank = est.per_rank.tiers()
     # a node holds 8 ranks' shards: 1/2 of the model's master weights (2 nodes), in its RAM
     assert est.per_rank.placement["master_weights"] == "host"
-    # (pinned on CUDA: each shard's buffer held at the caching host allocator's power of two)
+    # (pinned on CUDA: each shard's buffer in whole pages; at its power of two if registration fails)
     assert 4 * est.per_rank.num_parameters * (1 - 1e-3) <= rank["host"]["weights"] * 16 \
         < 8 * est.per_rank.num_parameters
     assert est.per_node()["host"] == 8 * rank["host"]["total"]

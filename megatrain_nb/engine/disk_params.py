@@ -20,6 +20,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from .disk_store import aligned_empty
+from .pinned import held_bytes, pinned_empty
 from .units import Unit
 
 
@@ -108,12 +109,10 @@ class DiskReadStream:
 
     def _new_buffer(self) -> torch.Tensor:
         # Page-aligned (pinned memory is too), so direct I/O needs no bounce copy.
-        from .pinned import pinned_empty
         return pinned_empty(self._numel) if self._pin else aligned_empty(self._numel)
 
     def _buffer_bytes(self) -> int:
         """What one staging buffer holds (pinned: as ``pinned.held_bytes`` counts it)."""
-        from .pinned import held_bytes
         return held_bytes(self._numel * 4, self._pin)
 
     def grow(self, n: int) -> None:

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .pinned import held_bytes, pinned_empty
 from .units import Unit
 
 
@@ -150,7 +151,6 @@ class HostStore:
     def alloc(self, numel: int) -> torch.Tensor:
         # pinned in place (``.pin_memory()`` would make a pageable tensor first and copy it),
         # registered at its exact size where CUDA allows (``pinned.pinned_empty``)
-        from .pinned import pinned_empty
         return pinned_empty(numel) if self.pin else torch.empty(numel, dtype=torch.float32)
 
     def set_params(self, unit: Unit, flat: Optional[torch.Tensor]) -> None:
@@ -197,7 +197,6 @@ class HostStore:
 
     def nbytes(self) -> Dict[str, int]:
         """Bytes held, pinned buffers as ``pinned.held_bytes`` counts them (as planned)."""
-        from .pinned import held_bytes
         w = sum(held_bytes(t.numel() * 4, self.pin) for t in self.params.values() if t is not None)
         g = sum(held_bytes(t.numel() * 4, self.pin) for t in self.grads.values() if t is not None)
         return {"weights": w, "grads": g}

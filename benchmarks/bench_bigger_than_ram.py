@@ -184,11 +184,14 @@ def main(argv=None):
     ap.add_argument("--no-bound", action="store_true", help="skip the bound's measurements")
     ap.add_argument("--reference-repeats", type=int, default=2, help="1-/2-layer RAM runs for the bound (fastest kept)")
     ap.add_argument("--reference", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--on-paper", action="store_true", help="only the estimator's llama-100b figures (seconds)")
     a = ap.parse_args(argv)
     if a.reference:
         return reference(a)
     print(machine())
     estimate_figure()
+    if a.on_paper:
+        return 0
     ram = psutil.virtual_memory().total
     layers = choose_layers(a) if a.layers == "auto" else int(a.layers)
     model = meta_model(a, layers)

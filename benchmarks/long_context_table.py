@@ -12,7 +12,7 @@ The devices' budgets are their reported memory: H100 80 GB 81,559 MiB, H200 141 
 (the CUDA context and allocator slack are not planned; the engine measures them at run time).
 
 Prints a markdown table and ends with:
-  RESULT longest_seq_llama8b_80gb <N> tokens        (and _141gb, llama70b_..., bf16 compute)
+  RESULT longest_seq_llama8b_80gb <N> tokens (on paper...)   (and _141gb, llama70b_..., bf16 compute)
   RESULT longest_seq_llama8b_80gb_fp32 <N> tokens   (the same at fp32 compute)
   RESULT llama8b_131072_fits_80gb <0|1> (device working set <X> GiB of 80)
 """
@@ -64,7 +64,7 @@ def main() -> int:
                             f"{r['device'] / GiB:.1f} GiB | {r['boundary'] / GiB:,.0f} GiB in {r['boundary_where']} "
                             f"| {r['host'] / GiB:,.0f} GiB |")
                 suffix = "" if precision == "bf16" else "_fp32"
-                results.append(f"RESULT longest_seq_{name}_{dev}{suffix} {r['seq']} tokens")
+                results.append(f"RESULT longest_seq_{name}_{dev}{suffix} {r['seq']} tokens (on paper: the planner's arithmetic)")
     print("| model | GPU | compute | longest row (tokens) | MLP tile | device working set | boundary "
           "activations | host RAM needed |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
@@ -72,7 +72,7 @@ def main() -> int:
     paper = estimate(config("llama8b"), 131072, 80, "bf16")
     for line in results:
         print(line)
-    print(f"RESULT llama8b_131072_fits_80gb {int(paper.feasible)} (device working set "
+    print(f"RESULT llama8b_131072_fits_80gb {int(paper.feasible)} (target == 1; device working set "
           f"{paper.tiers()['device']['total'] / GiB:.1f} GiB of 80, bf16 compute, MLP tiles of "
           f"{paper.plan.tile_tokens:,} tokens)")
     return 0 if paper.feasible else 1

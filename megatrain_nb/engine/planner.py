@@ -151,7 +151,8 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
         out += staging_buffers(depth) * pu + (HOLD_WRITES + 1 if clipped else 0) * u * 4
     else:
         out += (depth + 1 + int(tied) + (HOLD_WRITES if clipped else 0)) * u * 4
-    if clipped and hold_disk and chunk:   # the ring's chunks of a held gradient read back
+    if cuda and clipped and hold_disk and chunk:   # the ring's chunks of a held gradient read back (a CPU
+        # "device" counts a whole unit for the read-back above, which covers them)
         out += RING * chunk * 4
     if cuda and compute_bytes < 4:   # the host-side cast of the weights into the slot's dtype
         out += held_bytes(u * compute_bytes, pin)

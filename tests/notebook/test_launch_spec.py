@@ -1,6 +1,7 @@
 """What mt.Session(..., nproc_per_node=N) hands its workers: plain files, no pickles, and clear
 refusals for what cannot cross a process boundary. No worker processes here."""
 import json
+import time
 
 import pytest
 import torch
@@ -218,7 +219,10 @@ def test_a_killed_kernels_launch_folder_is_reclaimed_at_the_next_start(tmp_path)
             from megatrain_nb.engine.reclaim import reclaim
             from megatrain_nb.notebook.launch_spec import folder_in_use
 
-            assert folder_in_use(orphan)
+            deadline = time.monotonic() + 20   # (a loaded machine: the child's command line shows once it runs)
+            while not folder_in_use(orphan) and time.monotonic() < deadline and user.poll() is None:
+                time.sleep(0.1)
+            assert folder_in_use(orphan), user.poll()
             assert reclaim(str(tmp_path), label="launch-", in_use=folder_in_use) == []
             assert orphan.is_dir()
         finally:

@@ -196,7 +196,11 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
     }
 
 
-def _matmul_rate(rates, shape, workload) -> float:
+def _matmul_rate(rates, shape, workload, bf16: bool = False) -> float:
+    """FLOP/s of the step's matmuls: bf16 compute at the bf16 rate (measured at the default shape
+    only), fp32 at the model's shape where it was measured, else the default shape's."""
+    if bf16 and getattr(rates, "bf16_matmul_flops", 0):
+        return float(rates.bf16_matmul_flops)
     key = f"{workload.batch * workload.seq}x{shape.hidden_size}x{shape.intermediate_size or 4 * shape.hidden_size}"
     return float(rates.matmul_by_shape.get(key) or rates.matmul_flops)
 
@@ -214,7 +218,9 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
         cache_bytes = default_cache_bytes(cfg, plan)
     a = step_amounts(units, shape, cfg, plan, workload, cuda=cuda, cache_bytes=cache_bytes)
     missing: List[str] = []
-    mm, at = _matmul_rate(rates, shape, workload), rates.attention_flops or _matmul_rate(rates, shape, workload)
+    bf16 = cfg.precision == "bf16"
+    mm = _matmul_rate(rates, shape, workload, bf16)
+    at = (getattr(rates, "bf16_attention_flops", 0) if bf16 else 0) or rates.attention_flops or mm
     ph = {"forward": _per(a["forward_flops"], mm, "matmul_flops", missing)
           + _per(a["attention_flops"]["forward"], at, "attention_flops", missing),
           "backward": _per(a["backward_flops"], mm, "matmul_flops", missing)

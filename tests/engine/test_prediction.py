@@ -290,3 +290,11 @@ def test_a_profile_takes_its_cpu_rates_from_this_machines_measurement(tmp_path, 
     assert r.adamw_per_thread == 123e6 and r.codec_per_thread == {"int8": 4.5e8}
     assert "measured on" in r.sources["adamw_per_thread"]
     assert r.cores == bare.cores and r.disk_read == bare.disk_read   # the profile's own figures stay
+
+
+def test_bf16_compute_is_priced_at_the_bf16_rates():
+    r = rates(bf16_matmul_flops=4e12, bf16_attention_flops=4e12)
+    fp32, bf16 = predict(r)[0], predict(r, precision="bf16")[0]
+    for phase in ("forward", "backward", "recompute"):
+        assert bf16.phases[phase] == pytest.approx(fp32.phases[phase] / 4, rel=1e-9), phase
+    assert predict(rates(), precision="bf16")[0].phases["forward"] == pytest.approx(fp32.phases["forward"])  # none measured

@@ -384,16 +384,18 @@ def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=
 
 def cached_rates(device=None, offload_dir=None) -> Optional[MachineRates]:
     """The rates :func:`measure_machine` cached for this device and ``offload_dir``'s filesystem, or
-    None: never measures (a built engine's ``.prediction`` reads this; a damaged file warns)."""
-
-    dev, name = _device(device)
-    root = os.fspath(offload_dir) if offload_dir is not None else tempfile.gettempdir()
-    if not os.path.isdir(root):   # (the disk tier's folder not made yet: its parent's filesystem)
-        root = os.path.dirname(os.path.abspath(root)) or "."
-        if not os.path.isdir(root):
-            return None
-    path = os.path.join(cache_dir(), cache_key(name, filesystem_of(root)) + ".json")
-    return load_cached(path)
+    None: never measures, never raises (a built engine's ``.prediction`` and a profile's CPU rates
+    read this; a damaged file warns)."""
+    try:
+        dev, name = _device(device)
+        root = os.fspath(offload_dir) if offload_dir is not None else tempfile.gettempdir()
+        if not os.path.isdir(root):   # (the disk tier's folder not made yet: its parent's filesystem)
+            root = os.path.dirname(os.path.abspath(root)) or "."
+            if not os.path.isdir(root):
+                return None
+        return load_cached(os.path.join(cache_dir(), cache_key(name, filesystem_of(root)) + ".json"))
+    except (OSError, ValueError):
+        return None
 
 
 def check_finite(rates: MachineRates) -> List[str]:

@@ -312,34 +312,14 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
                           overlaps=overlaps, tokens_per_step=a["tokens"])
 
 
-def _cached_cpu_rates():
-    """This machine's cached rates (``megatrain-nb machine``), whose per-thread AdamW and codec
-    rates stand in for a profile's (nobody publishes them); None when it was never measured."""
+def resolve_rates(rates):
+    """A MachineRates from itself, a dict of its fields, or a profile's name (``rates.rates_for``,
+    its per-thread CPU rates, which nobody publishes, from this machine's cached measurement)."""
+    from . import rates as rates_mod
     from .measure import cached_rates   # (torch's kernels behind it: only for a profile's name)
 
-    try:
-        return cached_rates("cpu")
-    except (OSError, ValueError):
-        return None
-
-
-def resolve_rates(rates):
-    """A MachineRates from itself, a dict of its fields, or a profile's name
-    (``megatrain_nb.engine.rates.PROFILES``, looked up when called)."""
-    from . import rates as rates_mod
-
-    if rates is None or isinstance(rates, rates_mod.MachineRates):
-        return rates
     if isinstance(rates, dict):
         return rates_mod.MachineRates.from_dict(rates)
     if isinstance(rates, str):
-        profiles = getattr(rates_mod, "PROFILES", None)
-        if not profiles:
-            raise ValueError(f"rates={rates!r}: no named machine profiles are installed here "
-                             "(megatrain_nb.engine.rates.PROFILES); pass a MachineRates, e.g. mt.measure_machine()")
-        if rates not in profiles:
-            raise ValueError(f"rates={rates!r} is not a known machine profile; known: {', '.join(sorted(profiles))}")
-        found = profiles[rates]
-        found = found if isinstance(found, rates_mod.MachineRates) else rates_mod.MachineRates.from_dict(dict(found))
-        return found.with_cpu_from(here) if (here := _cached_cpu_rates()) is not None else found
-    raise TypeError(f"rates={rates!r}: pass a MachineRates, a dict of its fields, a profile name or None")
+        return rates_mod.rates_for(rates, cpu=cached_rates("cpu"))
+    return rates_mod.rates_for(rates)

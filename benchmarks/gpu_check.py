@@ -33,7 +33,9 @@ The sections (``--list``; gpu_sections.py holds the newer ones) end in RESULT li
   over single-batch, clipped, windowed (device, host), evaluation and disk-tier steps;
 * machine rates: ``mt.measure_machine`` on the GPU (copies, matmul at the throughput model's
   shapes, attention, disk, AdamW, codecs), measured now, <= 60 s, every rate positive; its pinned
-  host->device rate against the raw pinned copy's (rehearsal: quick sizes on the CPU);
+  host->device rate against the raw pinned copy's (rehearsal: quick sizes on the CPU); and the
+  throughput section's step predicted at those rates (``engine.prediction``) against the
+  measured one (``gpu_prediction_error``, measured / predicted);
 * registered pinned memory: a buffer of ``pinned.pinned_empty`` (cudaHostRegister at its exact
   size) is pinned, leaves the caching host allocator's reserved bytes as they were (no power of
   two), copies exactly both ways non-blocking at a pinned block's rate, unregistered once dropped;
@@ -139,9 +141,22 @@ def _engine_threads(cpu: dict) -> dict:
     return {k: v for k, v in cpu.items() if k.startswith("mtnb-")}
 
 
-def throughput(a):
+def predicted_step(engine, a, rates):
+    """``engine.prediction`` for the timed workload (batch x seq, one micro-batch, no clipping:
+    ``forward_backward(step_lr=...)``) at the rates measured in this run, or None without rates."""
+    from megatrain_nb.engine.planner import Workload
+    from megatrain_nb.engine.prediction_check import engine_prediction
+
+    if rates is None:
+        return None
+    return engine_prediction(engine, Workload(batch=a.batch, seq=a.seq, accumulation=1, gradients="none",
+                                              clipped=False), rates)
+
+
+def throughput(a, rates=None):
     """TFLOPS; memory against the plan for the real batch; compute-stream idle fraction and the
-    H2D rate from a profiled step; CPU seconds per engine thread per step."""
+    H2D rate from a profiled step; CPU seconds per engine thread per step; the predicted step at
+    ``rates`` (``mt.measure_machine``'s, this run) against the measured one."""
     cfg, engine = _meta_engine(a)
     n = engine.num_parameters()
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq))
@@ -169,6 +184,9 @@ def throughput(a):
            "used": total - min(free0, free1), "plan": plan, "engine_plan": engine.plan.device["total"]}
     print(f"throughput: {n / 1e9:.2f}B params, batch {a.batch}x{a.seq}, {a.precision}: step {step:.2f}s "
           f"{[round(t, 2) for t in times]}, {tflops:.1f} TFLOPS")
+    pred = predicted_step(engine, a, rates)
+    if pred is not None:
+        print(f"prediction at the measured rates: {pred}")
     print("device (GiB): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in mem.items()))
     try:   # what the caching host allocator holds pinned (its power-of-two blocks), against the plan's host
         pinned = torch.cuda.host_memory_stats().get("reserved_bytes.current", -1)
@@ -202,8 +220,9 @@ def throughput(a):
     print(f"telemetry: compute stream idle waiting for copies in {events_idle:.3f} of the step (events)")
     engine.close()
     return {"tflops": tflops, "step": step, "mem": mem, "idle": idle, "events_idle": events_idle, "h2d_gbps": h2d_gbps,
-            "pageable": pageable,
-            "threads": per_thread}
+            "pageable": pageable, "threads": per_thread,
+            "predicted": pred.step_seconds if pred is not None else float("nan"),
+            "bottleneck": pred.bottleneck if pred is not None else ""}
 
 
 def plan_plus_5(a, plan_bytes: int) -> tuple:
@@ -485,7 +504,7 @@ def run_all(a) -> int:
     par = sec.tier_parity("cuda", hidden=256, seq=64)
     rates, rates_s, bad_rates = sec.machine_rates("cuda", model=llama(a.layers, a.hidden))
     drop = sec.dropout_parity()
-    thr = throughput(a)
+    thr = throughput(a, rates)
     p5 = plan_plus_5(a, thr["mem"]["plan"])
     raw = sec.raw_pinned_h2d_gbps()
     resident = sec.resident_step_seconds(llama(a.layers, a.hidden), a.batch, a.seq)
@@ -505,6 +524,8 @@ def run_all(a) -> int:
     result("gpu_machine_rates_not_positive", len(bad_rates), "rates", "==", 0)
     result("gpu_machine_rates_h2d_pinned_vs_raw", rates.h2d_pinned / 1e9 / raw, "x", ">=", 0.8)
     result("gpu_tflops", thr["tflops"], "TFLOPS", ">", 0)
+    print(f"predicted bottleneck: {thr['bottleneck']}")
+    print(f"RESULT gpu_prediction_error {thr['step'] / thr['predicted']:.4g} x (target within 0.8-1.2)", flush=True)
     result("gpu_compute_idle_fraction", thr["idle"], "", "<=", 0.1)
     # the telemetry's events measure the idle time spent waiting for weights: never more than the
     # profiler's idle time, but for the wait before the first kernel (both fractions of a step)

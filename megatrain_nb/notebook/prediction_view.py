@@ -51,10 +51,11 @@ def prediction_html(report: Optional[dict], fg2: str) -> str:
     if report is None:
         return ""
     pred, measured = report["prediction"], report["measured"]
-    text = f"predicted step {fmt_seconds(pred.step_seconds)} ({html.escape(pred.bottleneck)})"
+    text = f"predicted step {fmt_seconds(pred.step_seconds)}"
     if measured is not None:
         off = off_text(pred.step_seconds, measured["step"])
         text += f" · measured {fmt_seconds(measured['step'])}" + (f" ({off})" if off else "")
+    text += f" · bottleneck: {html.escape(pred.bottleneck)}"
     out = (f"<div class='mtnb-dash-prediction' style='font-size:12px;font-family:sans-serif;color:{fg2}'>"
            f"{text}</div>")
     if report.get("difference"):

@@ -60,25 +60,40 @@ def prediction_text(pred, steps: int) -> str:
 
 class PredictionCheck:
     """After ``after`` optimizer steps (the first is a warm-up), one line when the measured
-    step differs from the prediction by more than 25% (``prediction_check.difference_line``)."""
+    step differs from the prediction by more than 25% (``prediction_check.difference_line``),
+    from what the trainer's steps carried up (``Trainer.measured_vs_predicted``): nothing here
+    calls into the engine while it trains."""
 
     def __init__(self, trainer, after: int = 3):
-        self.trainer, self.after, self.base, self.done = trainer, after, None, False
-        self.pred = getattr(trainer, "prediction", None)
+        self.trainer, self.after, self.done = trainer, after, False
 
     def line(self, step: int) -> Optional[str]:
-        if self.pred is None or self.done:
+        if self.done:
             return None
-        from megatrain_nb.engine.prediction_check import difference_line, measured_phases
-
-        tel = self.trainer.engine.telemetry()
-        if self.base is None:
-            self.base = tel   # after the first step: the warm-up is left out
+        report = measured_vs_predicted(self.trainer)
+        if report is None:
+            self.done = True   # no rates: no prediction
             return None
-        if tel["steps"] - self.base["steps"] < self.after - 1:
+        if report["steps"] < self.after - 1:
             return None
         self.done = True
-        return difference_line(self.pred, measured_phases(self.base, tel))
+        return report["difference"]
+
+
+def measured_vs_predicted(trainer) -> Optional[dict]:
+    """``trainer.measured_vs_predicted()``, None for a trainer without one."""
+    get = getattr(trainer, "measured_vs_predicted", None)
+    return get() if callable(get) else None
+
+
+def comparison_text(trainer) -> list:
+    """The summary's per-phase table, predicted vs measured, once two steps ran ([] otherwise)."""
+    report = measured_vs_predicted(trainer)
+    if report is None or report["measured"] is None:
+        return []
+    from megatrain_nb.engine.prediction_check import comparison_lines   # (torch behind it: not for --help)
+
+    return comparison_lines(report["prediction"], report["measured"], report["steps"])
 
 
 def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metrics: Optional[dict], out=None):
@@ -111,6 +126,8 @@ def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metr
     line = streaming_text(tel)
     if line:
         p("streaming: " + line)
+    for line in comparison_text(trainer):
+        p(line)
     p("outputs:")
     if model_dir:
         p(f"  model (transformers.AutoModelForCausalLM.from_pretrained): {model_dir}")

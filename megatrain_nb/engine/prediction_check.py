@@ -90,3 +90,53 @@ def difference_line(pred: StepPrediction, measured: dict) -> Optional[str]:
         line += ("; waits per step: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in waits.items())
                  if waits else "; no phase stands out: compute slower than its measured rate (a busy CPU?)")
     return line
+
+
+def comparison_rows(pred: StepPrediction, measured: Optional[dict]) -> list:
+    """The per-phase table of a run, predicted beside measured (seconds per optimizer step):
+    ``[(phase, predicted, measured)]``, a number None where there is none (nothing measured
+    yet; a window, which the engine does not time). Rows: the step; the compute (predicted: the
+    forward, backward and recompute; measured: the step less its waits) and the windows the
+    prediction lays it in; the optimizer (AdamW with the codec); the disk's busy time each way;
+    the waits (predicted: the step beyond its compute; measured: ``stall_seconds`` summed).
+    ``measured``: :func:`measured_phases`' dict."""
+    ph = pred.phases
+    compute = ph["forward"] + ph["backward"] + ph["recompute"]
+    m = measured or {}
+    waits = sum(m.get("waits", {}).values()) if measured else None
+    rows = [("step", pred.step_seconds, m.get("step")),
+            ("compute", compute, max(m["step"] - waits, 0.0) if measured else None)]
+    rows += [(f"  window: {name}", s, None) for name, s in pred.windows.items()]
+    rows += [("optimizer", ph["optimizer"] + ph["codec"], m.get("optimizer")),
+             ("disk read", ph["disk_read"], m.get("disk_read")),
+             ("disk write", ph["disk_write"], m.get("disk_write")),
+             ("waits", max(pred.step_seconds - compute, 0.0), waits)]
+    return rows
+
+
+def off_text(predicted: Optional[float], measured: Optional[float]) -> str:
+    """How far ``measured`` is from ``predicted`` ("+40%"), "" when either is missing or 0."""
+    if not predicted or measured is None or predicted <= 0:
+        return ""
+    return f"{measured / predicted - 1:+.0%}"
+
+
+def comparison_lines(pred: StepPrediction, measured: Optional[dict], steps: int = 0) -> list:
+    """:func:`comparison_rows` as text (the CLI's summary, ``%megatrain status``): a title, one
+    line a phase, and :func:`difference_line`'s line when the step is more than ``OFF_BY`` off."""
+    title = (f"predicted vs measured per step (over {steps} step{'s' if steps != 1 else ''}, the first left out)"
+             if measured else f"predicted step {fmt_seconds(pred.step_seconds)}; measured once 2 steps ran")
+    lines = [title, f"  {'phase':<28} {'predicted':>10} {'measured':>10}"]
+    for name, p, m in comparison_rows(pred, measured):
+        lines.append(f"  {name:<28} {_cell(p):>10} {_cell(m):>10}  {off_text(p, m)}".rstrip())
+    causes = {k: v for k, v in (measured or {}).get("waits", {}).items() if v > 0}
+    if causes:
+        lines.append("  waits by cause: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in causes.items()))
+    off = difference_line(pred, measured) if measured else None
+    if off:
+        lines.append(f"prediction: {off}")
+    return lines
+
+
+def _cell(s: Optional[float]) -> str:
+    return "-" if s is None else fmt_seconds(s)

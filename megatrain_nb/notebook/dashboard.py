@@ -36,6 +36,7 @@ from . import chart, publisher
 from .chart import Chart, layers_spec, training_spec
 from .inspector import stats_rows_html
 from .lifecycle import ENDED
+from .prediction_view import prediction_html, session_report
 from .preference_view import attach_reward_panel
 from .probe import RenderProbe
 from .run_log import RunView
@@ -324,7 +325,8 @@ class Dashboard(W.VBox):
         share = view.stall_share
         rows.append(f"<td>step time spent waiting</td><td>{fmt_num(100 * share, '.1f') + '%' if share is not None else '–'}</td>")
         self.links.value = (f"<table style='font-size:12px;font-family:sans-serif;color:{FG2}'>"
-                            + "".join(f"<tr>{r}</tr>" for r in rows) + "</table>")
+                            + "".join(f"<tr>{r}</tr>" for r in rows) + "</table>"
+                            + prediction_html(session_report(self.session), FG2))
 
     @panel("memory", DATA_INTERVAL, key=lambda d: (d.session.run_log.version,), data=True)
     def _refresh_memory(self, view: RunView) -> None:

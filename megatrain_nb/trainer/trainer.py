@@ -60,6 +60,7 @@ from .data import (
 )
 from .defaults import merge_engine_options
 from .metrics_log import MetricsLog
+from .prediction_watch import PredictionWatch
 from .recovery import Diverged, reason_of
 from .schedule import LRSchedule
 
@@ -159,6 +160,8 @@ class Trainer:
         self._pending_lr: Optional[float] = None
         self._stop = False
         self._running = False
+        #: this run's prediction and the telemetry its steps measured (None before a first run)
+        self.prediction_watch: Optional[PredictionWatch] = None
         self._tokens_seen = 0
         self._log_accum = (0.0, 0)  # (sum of step losses, steps) since the last log
         # Data-parallel ranks: the engine's process group (one process: Dist.single()).
@@ -232,6 +235,17 @@ class Trainer:
                         accumulation=a.gradient_accumulation_steps,
                         clipped=bool(a.max_grad_norm and a.max_grad_norm > 0))
         return engine_prediction(self.engine, work)
+
+    def measured_vs_predicted(self) -> Optional[dict]:
+        """The run's prediction against what it measured (``prediction_watch.PredictionWatch.report``:
+        ``prediction``, ``measured`` per step, ``steps``, ``rows`` (phase, predicted, measured),
+        ``difference``: the >25% line), from what each step's engine output carried: safe from
+        any thread while the run trains. Before a run, the plan's prediction with nothing
+        measured; None without rates."""
+        watch = self.prediction_watch
+        if watch is None:   # no run yet: nothing trains, the engine is asked for its plan's
+            watch = PredictionWatch(self.prediction)
+        return watch.report()
 
     @property
     def total_steps(self) -> int:
@@ -353,6 +367,7 @@ class Trainer:
             self.run_id = self.dist.all_gather_json(self.run_id)[0]
         self.metrics_log.run_id, self.metrics_log.lineage = self.run_id, self.lineage
         pred = self.prediction   # (with rates only: the predicted step and what bounds it)
+        self.prediction_watch = PredictionWatch(pred)
         self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
                                 "resumed_from": str(resume) if resume is not None else None, "time": time.time(),
                                 **({"predicted_step_seconds": pred.step_seconds, "predicted_bottleneck":
@@ -498,6 +513,8 @@ class Trainer:
         written to metrics.jsonl), logging and evaluation as the callbacks' control asks (the
         checkpoint: _save_if_due)."""
         c, out = self.control, self._step_out
+        if record is not None and out is not None and self.prediction_watch is not None:
+            self.prediction_watch.on_step(out.telemetry)
         if record is not None and out is not None and out.layer_stats is not None:
             record["layer_stats"] = out.layer_stats
         if c.should_log and self._log_accum[1] > 0:

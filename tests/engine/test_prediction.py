@@ -192,7 +192,7 @@ def test_cli_estimate_profile(capsys, monkeypatch):
     assert "no-such-box" in err and "test-box" in err
 
 
-def _tiny_trainer(tmp_path, **engine):
+def _tiny_trainer(tmp_path, steps=2, **engine):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
@@ -203,7 +203,7 @@ def _tiny_trainer(tmp_path, **engine):
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
     data = [{"input_ids": list(range(i, i + 32))} for i in range(16)]
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_steps=2, disable_tqdm=True, report_to=[],
+                             gradient_accumulation_steps=2, max_steps=steps, disable_tqdm=True, report_to=[],
                              save_strategy="no")
     return mt.Trainer(model=AutoModelForCausalLM.from_config(cfg), train_dataset=data, args=args, seq_len=32,
                       device="cpu", **engine)
@@ -298,3 +298,87 @@ def test_bf16_compute_is_priced_at_the_bf16_rates():
     for phase in ("forward", "backward", "recompute"):
         assert bf16.phases[phase] == pytest.approx(fp32.phases[phase] / 4, rel=1e-9), phase
     assert predict(rates(), precision="bf16")[0].phases["forward"] == pytest.approx(fp32.phases["forward"])  # none measured
+
+
+def test_the_comparison_table_puts_the_prediction_beside_the_measured_phases():
+    from megatrain_nb.engine.prediction_check import comparison_lines, comparison_rows
+
+    p, *_ = predict(rates(disk_read=1e7, disk_write=1e7), clipped=True, offload_dir="/nowhere", offload_params=True)
+    ph = p.phases
+    measured = {"step": 3.0, "optimizer": 0.5, "disk_read": 1.25, "disk_write": 0.75,
+                "waits": {"disk": 1.0, "device": 0.5, "decode": 0.0}}
+    rows = {name.strip(): (pred, got) for name, pred, got in comparison_rows(p, measured)}
+    compute = ph["forward"] + ph["backward"] + ph["recompute"]
+    assert rows["step"] == (p.step_seconds, 3.0)
+    assert rows["compute"] == (pytest.approx(compute), 1.5)            # the step less its 1.5 s of waits
+    assert rows["optimizer"] == (ph["optimizer"] + ph["codec"], 0.5)
+    assert rows["disk read"] == (ph["disk_read"], 1.25) and rows["disk write"] == (ph["disk_write"], 0.75)
+    assert rows["waits"] == (pytest.approx(p.step_seconds - compute), 1.5)
+    assert {f"window: {w}" for w in p.windows} <= set(rows) and rows["window: backward"][1] is None
+    assert [r[2] for r in comparison_rows(p, None)] == [None] * len(rows)   # nothing measured yet
+    text = "\n".join(comparison_lines(p, measured, steps=2))
+    assert "over 2 steps" in text and "waits by cause: disk 1.00 s, device 500.0 ms" in text
+    assert "prediction: measured step 3.00 s" in text   # the >25% line, the step being far off
+
+
+def test_the_difference_line_names_the_optimizer_when_it_is_the_phase_furthest_off():
+    from megatrain_nb.engine.prediction_check import difference_line
+
+    p, *_ = predict(rates(adamw_per_thread=1e8), clipped=True)
+    opt = p.phases["optimizer"] + p.phases["codec"]
+    slow = {"step": p.step_seconds * 1.5, "optimizer": opt * 2, "disk_read": 0.0, "disk_write": 0.0, "waits": {}}
+    line = difference_line(p, slow)
+    assert "+50%" in line and "optimizer" in line and "+100%" in line and "busy CPU" in line
+    fast = dict(slow, step=p.step_seconds * 0.5, optimizer=opt * 0.3)
+    assert "-50%" in difference_line(p, fast) and "faster than its measured rate" in difference_line(p, fast)
+
+
+def test_a_runs_measured_phases_come_from_the_telemetry_its_steps_carried(tmp_path, monkeypatch):
+    """Three steps on made-up rates: the table's predicted numbers are the run's prediction, its
+    measured ones measured_phases between the telemetry the first and the third step's engine
+    output carried; reading it after the run does not ask the engine."""
+    import io
+
+    from megatrain_nb.cli.report import PredictionCheck, print_summary
+    from megatrain_nb.engine.prediction_check import comparison_rows, measured_phases
+
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(tmp_path / "cache"))   # never this machine's cache
+    tr = _tiny_trainer(tmp_path, steps=3, offload_dir=str(tmp_path / "disk"))
+    try:
+        tr.engine.rates = rates(source="made-up")
+        before = tr.measured_vs_predicted()   # no run yet: the plan's prediction, nothing measured
+        assert before["measured"] is None and before["steps"] == 0
+        assert before["prediction"].step_seconds == tr.prediction.step_seconds
+        carried, fb = [], tr.engine.forward_backward
+
+        def keep(*a, **k):
+            out = fb(*a, **k)
+            carried.append(out.telemetry)
+            return out
+        monkeypatch.setattr(tr.engine, "forward_backward", keep)
+        check, lines, seen = PredictionCheck(tr, after=2), [], []
+        for rec in tr.iter_steps():
+            seen.append(tr.measured_vs_predicted())
+            assert seen[-1]["steps"] == rec["step"] - 1   # the first step is the baseline
+            lines.append(check.line(rec["step"]))
+        assert len(carried) == 3
+        monkeypatch.setattr(tr.engine, "telemetry", lambda: pytest.fail("asked the engine"))
+        report = tr.measured_vs_predicted()
+        pred, measured = report["prediction"], report["measured"]
+        assert report["steps"] == 2 and measured == measured_phases(carried[0], carried[2])
+        assert pred.source == "made-up" and pred.tokens_per_step == 2 * 32 * 2
+        assert report["rows"] == comparison_rows(pred, measured)
+        rows = {name: (p, m) for name, p, m in report["rows"]}
+        assert rows["step"] == (pred.step_seconds, measured["step"])
+        assert rows["disk read"] == (pred.phases["disk_read"], measured["disk_read"])
+        assert rows["optimizer"] == (pred.phases["optimizer"] + pred.phases["codec"], measured["optimizer"])
+        # the CLI's >25% line: the report's, once, at step 2 (None there when the step is close)
+        assert lines[0] is None and lines[1] == seen[1]["difference"] and lines[2] is None
+        monkeypatch.undo()   # (print_summary reads the engine's counters once the run is over)
+        out = io.StringIO()
+        print_summary(tr, {"steps": 3, "seconds": 1.0, "tokens": 384, "tokens_per_s": 384.0, "first_loss": None,
+                           "last_loss": None, "evals": []}, model_dir=None, eval_metrics=None, out=out)
+        assert "predicted vs measured per step (over 2 steps" in out.getvalue()
+        assert "  disk read" in out.getvalue() and "  waits" in out.getvalue()
+    finally:
+        tr.close()

@@ -58,6 +58,7 @@ class EngineParts:
     runner: StepRunner
     boundary: BoundaryStore
     steps: Steps
+    workload: Optional[Workload] = None   # what the plan's pick priced (None: the planner's default)
 
 
 class HoldsParts:
@@ -152,7 +153,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     return EngineParts(units=units, layer_units=units[1:-1], sharded=sharded, state_units=state_units,
                        persistent_buffers=persistent, plan=plan, store=store, disk=disk, weights=weights,
                        states=states, adam=adam, updates=updates, transport=transport, pager=pager, runner=runner,
-                       boundary=boundary, steps=steps)
+                       boundary=boundary, steps=steps, workload=workload)
 
 
 def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, counters, state_units=None):

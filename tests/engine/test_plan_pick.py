@@ -172,6 +172,7 @@ def test_a_trainer_prices_its_own_workload_and_the_header_says_how_the_plan_was_
                     device="cpu", rates=SLOW_COMPUTE)
     try:
         assert "the run's workload, 2 x 32 tokens x 3 micro-batch(es), unclipped" in tr.engine.plan.chosen_by
+        assert tr.engine.workload == Workload(batch=2, seq=32, accumulation=3, gradients="none", clipped=False)
         assert tr.engine.rates is not None and tr.prediction is not None   # the given rates predict too
         out = io.StringIO()
         print_header(tr, model="tiny", data="12 rows", out=out)

@@ -35,6 +35,7 @@ MEGATRAIN_NB_SNAPSHOT_STEPS | trainer/control.py | off | a snapshot every N opti
 MEGATRAIN_NB_KEEP_SNAPSHOTS | trainer/control.py | all | how many of those snapshots to keep (the newest; never one a rewind went back to)
 MEGATRAIN_NB_CONTROLLER_PID | notebook/launch_worker.py | unset | the launching kernel's pid: a worker whose controller is gone stops (set by the Session)
 MEGATRAIN_DIST_TIMEOUT_S | engine/dist.py | 600 | seconds a collective waits for the other ranks before the run fails
+MEGATRAIN_NB_PLAN_BY | engine/plan_pick.py | auto | rules: every engine plans by the planner's rules even when the machine's rates are known, as EngineOverrides(plan_by='rules') (the test suite sets it: its plans must not follow a cached measurement)
 MEGATRAIN_ADVERSARIAL_TRANSPORT | engine/transport.py | 0 | 1: the CPU transport copies late, poisons released buffers and refuses early reuse (tests)
 """
 

@@ -134,6 +134,7 @@ class Estimate:
     reference_cache_bytes: Optional[int] = None    # a DPO run's reference cache (estimate(pairs=...))
     prediction: object = None                      # StepPrediction when estimate(rates=...) was given
     best: list = field(default_factory=list)       # the fastest plans (best_plans.PlanChoice), with rates
+    pick: object = None                            # the one an engine given the rates builds (PlanChoice)
 
     # ------------------------------------------------------------------ time (estimate(rates=...))
     def _pred(self, what: str):
@@ -178,7 +179,22 @@ class Estimate:
                              f"{format_bytes(pc.plan.host['total'])}, disk {format_bytes(pc.plan.disk['total'])}, "
                              f"device {format_bytes(pc.plan.device['total'])}; bottleneck {pc.prediction.bottleneck}: "
                              f"{pc.describe()}")
+            lines.append("  " + self._pick_line())
         return lines
+
+    def _pick_line(self) -> str:
+        """Which plan an engine given these rates builds for this workload (engine/plan_pick.py)."""
+        from megatrain_nb.engine.best_plans import MARGIN, plan_key
+
+        rules = plan_key(self.plan)
+        if self.pick is None or plan_key(self.pick.plan) == rules:
+            which = (f"the rules' plan above (plan {self.best.index(self.pick) + 1})" if self.pick in self.best
+                     else f"the rules' plan above (predicted within {MARGIN:.0%} of the fastest)")
+        else:
+            which = (f"plan {self.best.index(self.pick) + 1}; the table above is the rules' plan, which "
+                     "EngineOverrides(plan_by='rules') keeps")
+        return (f"an engine given these rates for this workload builds {which}; choices left at their "
+                "defaults are free, a field set is pinned")
 
     @property
     def feasible(self) -> bool:
@@ -211,7 +227,9 @@ class Estimate:
                 "tile_tokens": self.plan.tile_tokens, "longest_seq": self.plan.longest_seq,
                 "reference_cache_bytes": self.reference_cache_bytes,
                 "prediction": self.prediction.to_dict() if self.prediction is not None else None,
+                "engine_pick": self.pick.choice if self.pick is not None else None,
                 "best_plans": [{"choice": pc.choice, "step_seconds": pc.prediction.step_seconds,
+                                "bottleneck": pc.prediction.bottleneck,
                                 "host_bytes": pc.plan.host["total"], "disk_bytes": pc.plan.disk["total"],
                                 "device_bytes": pc.plan.device["total"]} for pc in self.best]}
 
@@ -321,7 +339,9 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     ``rates``: a ``MachineRates`` (``mt.measure_machine()``) or a profile's name: the estimate
     then predicts the step's time (``step_seconds``, ``phases``, ``bottleneck``,
     ``tokens_per_second``, ``run_seconds(max_steps)``; :mod:`megatrain_nb.engine.prediction`)
-    and lists the three fastest plans within the budgets (``best``).
+    and lists the three fastest plans within the budgets (``best``): the choices left at their
+    defaults (``checkpoint_interval`` 1, ``clip_hold`` "auto") varied, as an engine given these
+    rates varies them (engine/plan_pick.py); a value set is pinned.
     """
     from megatrain_nb.engine import family
     from megatrain_nb.engine.codecs import codec_names, normalize_compression
@@ -370,7 +390,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
                     reference_cache_bytes=cache)
     if rates is not None:
         _add_time(est, config, units, cfg_for(comp, budgets["host"]), work, resolve_rates(rates), device=device,
-                  pinned={"checkpoint_interval": checkpoint_interval} if checkpoint_interval is not None else {})
+                  state_units=held)
     return est
 
 
@@ -381,17 +401,19 @@ def _budgets(vram_gb: Budget, ram_gb: Budget, disk_gb: Budget, offload_dir) -> d
             "disk": resolve_budget(disk_gb, lambda: free_disk(disk_path)) if offload_dir else None}
 
 
-def _add_time(est: Estimate, config, units, cfg, work, rates, *, device: str, pinned: dict) -> None:
-    """The predicted step of the estimate's plan, and the fastest plans within its budgets."""
-    from megatrain_nb.engine.best_plans import best_plans
+def _add_time(est: Estimate, config, units, cfg, work, rates, *, device: str, state_units=None) -> None:
+    """The predicted step of the estimate's plan, and the fastest plans within its budgets (the
+    choices the caller left at their defaults varied, as the engine does: ``best_plans.pinned_of``)."""
+    from megatrain_nb.engine.best_plans import best_plans, engine_pick
     from megatrain_nb.engine.planner import ModelShape
     from megatrain_nb.engine.prediction import predict_step
 
     plan = est.plan
     shape = ModelShape.of(config)
     est.prediction = predict_step(units, shape, cfg, plan, work, rates, cuda=device != "cpu")
-    est.best = best_plans(units, shape, cfg, work, rates, cuda=device != "cpu", disk_bytes=est.budgets["disk"],
-                          pinned=pinned)
+    found = best_plans(units, shape, cfg, work, rates, cuda=device != "cpu", disk_bytes=est.budgets["disk"],
+                       state_units=state_units, k=None)
+    est.best, est.pick = found[:3], engine_pick(found, plan)
 
 
 def _estimate_notes(plan, host_min: int, budgets: dict, *, accumulation: int, batch: int, seq: int,

@@ -152,6 +152,8 @@ VALUES: dict[str, Value] = {v.name: v for v in (
     _row("inflight_depth", "int", "units in flight per pipeline stage", low=1, high=MAX_INT),
     _row("held_weight_units", "int", "units whose backward read waits for a clipped update; None = what the "
          "host budget allows", low=0, high=MAX_INT, none_ok=True),
+    _row("plan_by", "choice", "how the planner's choices are made: 'auto' = the fastest predicted plan when the "
+         "machine's rates are known, else the rules; 'rules' = always the rules", choices=("auto", "rules")),
     _row("tile_tokens", "int", "tokens per tile of a layer's MLP over a long row (engine/tiling.py); 0 = no "
          "tiling; None = from the device budget", low=0, high=MAX_INT, none_ok=True),
     # ---- divergence: what a non-finite or spiking step does (engine/finite.py, trainer/recovery.py) ----

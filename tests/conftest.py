@@ -10,6 +10,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # runs announce themselves (heartbeat files, trainer/control.py): into a folder of the test
 # session's own, never the user's Jupyter runtime folder
 os.environ.setdefault("MEGATRAIN_NB_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtnb-test-runtime-"))
+# the engine's plans follow the planner's rules, never a measurement `megatrain-nb machine` cached
+# on the machine running the tests (engine/plan_pick.py); the tests of the predicted pick unset it
+os.environ["MEGATRAIN_NB_PLAN_BY"] = "rules"
+# and no test reads (or leaves) this machine's measured rates: predictions, the dashboard's
+# predicted step and the planner's pick see only the rates a test gives them
+os.environ["MEGATRAIN_NB_CACHE"] = tempfile.mkdtemp(prefix="mtnb-test-cache-")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

@@ -205,6 +205,12 @@ def device_text(engine) -> str:
     return f"{dev} ({torch.get_num_threads()} threads)" if dev.type == "cpu" else str(dev)
 
 
+def plan_text(plan) -> str:
+    """The plan's schedule and how its choices were made (``plan.chosen_by``: predicted or the rules')."""
+    return (f"checkpoint every {plan.checkpoint_interval} layer(s)" if plan.checkpoint_interval else
+            "no recompute (every layer's activations kept)") + f", {plan.layer_slots} layer slots; {plan.chosen_by}"
+
+
 def print_header(trainer, *, model: str, data: str, out=None) -> None:
     """What a run is about to do, before its first step: model, data, device, tiers, codec."""
     from megatrain_nb.engine.planner import codec_bytes_per_param
@@ -219,6 +225,9 @@ def print_header(trainer, *, model: str, data: str, out=None) -> None:
     p(f"device: {device_text(engine)}")
     if placement:
         p("tiers:  " + ", ".join(f"{k.replace('_', ' ')} in {where(v, v)}" for k, v in placement.items()))
+    plan = getattr(engine, "plan", None)
+    if getattr(plan, "chosen_by", ""):
+        p(f"plan:   {plan_text(plan)}")
     disk = disk_text(engine)
     if disk:
         p(f"disk:   {disk}")

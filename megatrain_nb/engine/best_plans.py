@@ -5,9 +5,16 @@ vs activation memory), where final gradients wait for a clipping norm (host RAM 
 tier), whether the master weights live on the disk tier -- :func:`best_plans` makes the plan of
 each candidate (``planner.make_plan``, so each is held to the same budgets), predicts its step
 (``prediction.predict_step``) and returns the fastest ``k`` that fit. A choice the caller pinned
-in the EngineConfig (a ``checkpoint_interval``, ``clip_hold`` other than "auto", an
-``offload_params``) is not varied. The engine's planner itself still decides by its rules;
-``mt.estimate`` lists these so a user can pin the fastest.
+(:func:`pinned_of`: a field set away from its EngineConfig default) is not varied. The engine
+takes the fastest when it knows the machine's rates (``plan_pick.pick_plan``); ``mt.estimate``
+lists the three fastest.
+
+Not candidates, because the prediction cannot tell them apart: the prefetch depth
+(``EngineOverrides.inflight_depth``), the update chunk and the host cache's size only change host
+RAM (a deeper or larger one never predicts faster, so the model would always take the smallest or
+the largest, which the rules already do); held weight buffers are not priced; a window's layout is
+made per step by the rules (device, then host RAM, then disk; fewest groups), which the prediction
+orders the same way.
 """
 from __future__ import annotations
 
@@ -18,6 +25,19 @@ from typing import List, Optional
 
 from .planner import Plan, Workload, make_plan
 from .prediction import StepPrediction, predict_step
+
+#: A plan must be predicted this much faster than the rules' own to be taken instead of it (the
+#: prediction does not price everything: held buffers, per-chunk costs; a tie keeps the rules').
+MARGIN = 0.02
+
+#: The EngineConfig fields best_plans varies, and the value that leaves each free (its default;
+#: checkpoint_interval None also means "the planner picks").
+CHOICES = {"checkpoint_interval": (1, None), "clip_hold": ("auto",), "offload_params": (None,)}
+
+
+def pinned_of(cfg) -> dict:
+    """The choices ``cfg`` pins: each of :data:`CHOICES` set to something other than its free values."""
+    return {name: getattr(cfg, name) for name, free in CHOICES.items() if getattr(cfg, name) not in free}
 
 
 @dataclass
@@ -48,8 +68,10 @@ def candidate_choices(cfg, shape, workload: Workload, *, pinned: Optional[dict] 
 
 
 def best_plans(units, shape, cfg, workload: Workload, rates, *, cuda: bool, disk_bytes: Optional[int] = None,
-               state_units=None, k: int = 3, pinned: Optional[dict] = None) -> List[PlanChoice]:
-    """The ``k`` fastest feasible plans (fastest first; a tie goes to less host RAM)."""
+               state_units=None, k: Optional[int] = 3, pinned: Optional[dict] = None) -> List[PlanChoice]:
+    """The ``k`` fastest feasible plans (fastest first; a tie goes to less host RAM; ``k`` None:
+    every one). ``pinned``: as :func:`pinned_of` says (None: ``pinned_of(cfg)``)."""
+    pinned = pinned_of(cfg) if pinned is None else pinned
     out, seen = [], set()
     for choice in candidate_choices(cfg, shape, workload, pinned=pinned):
         c = cfg.replace(**choice)
@@ -57,12 +79,29 @@ def best_plans(units, shape, cfg, workload: Workload, rates, *, cuda: bool, disk
                          state_units=state_units)
         if not plan.feasible:
             continue
-        key = (plan.checkpoint_interval, tuple(sorted(plan.placement.items())),
-               (plan.window or {}).get("checkpoint_interval"), (plan.window or {}).get("groups"))
+        key = plan_key(plan)
         if key in seen:   # another choice that came to the same plan
             continue
         seen.add(key)
         pred = predict_step(units, shape, c, plan, workload, rates, cuda=cuda)   # (one rank: sharding not priced)
         out.append(PlanChoice(choice=choice, plan=plan, prediction=pred))
     out.sort(key=lambda pc: (pc.prediction.step_seconds, pc.plan.host["total"]))
-    return out[:k]
+    return out if k is None else out[:k]
+
+
+def plan_key(plan: Plan) -> tuple:
+    """What tells two plans apart for a step's time: the interval, the placement, the window's layout."""
+    return (plan.checkpoint_interval, tuple(sorted(plan.placement.items())),
+            (plan.window or {}).get("checkpoint_interval"), (plan.window or {}).get("groups"))
+
+
+def engine_pick(found: List[PlanChoice], rules: Plan) -> Optional[PlanChoice]:
+    """The plan an engine takes of ``found`` (fastest first): the fastest, unless the rules' own
+    plan (``rules``, made under the same budgets and workload) is predicted within :data:`MARGIN`
+    of it; None when nothing was found."""
+    if not found:
+        return None
+    own = next((pc for pc in found if plan_key(pc.plan) == plan_key(rules)), None)
+    if own is not None and own.prediction.step_seconds <= found[0].prediction.step_seconds * (1 + MARGIN):
+        return own
+    return found[0]

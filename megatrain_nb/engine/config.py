@@ -51,6 +51,12 @@ class EngineOverrides:
     backward read is held for their update (which waits for the norm) beyond the compute
     stream's own buffers; None = as many as the host budget leaves room for."""
 
+    plan_by: str = "auto"
+    """How the planner's choices (checkpoint interval, clip hold, master weights on disk) are made:
+    "auto" = the fastest predicted plan when the machine's rates are known (``EngineConfig.rates``
+    or this machine's cached measurement; engine/plan_pick.py), else the rules; "rules" = always
+    the rules (a field at its default is then exactly what the rules make of it)."""
+
     tile_tokens: Optional[int] = None
     """Tokens per tile of a layer's per-token modules (its MLP) over a long sequence
     (engine/tiling.py); None = from the device budget (64 MiB of MLP intermediates per tile
@@ -150,6 +156,12 @@ class EngineConfig:
     ``EngineOutput.layer_stats``; a Session switches them on for its dashboard."""
     overrides: Union[EngineOverrides, dict, None] = None
     """Planner and test settings (:class:`EngineOverrides`); None = the defaults."""
+    rates: object = dataclasses.field(default=None, repr=False, compare=False)
+    """The machine's rates the planner prices its free choices at (``mt.measure_machine()``, a
+    profile's name, a dict of MachineRates fields): the engine then takes the fastest plan that
+    fits (engine/plan_pick.py) and ``engine.prediction`` uses them. None = this machine's cached
+    measurement for the device, if ``megatrain-nb machine`` made one (nothing is measured), else
+    the planner's rules."""
 
     def __post_init__(self):
         if self.device is not None:
@@ -170,6 +182,9 @@ class EngineConfig:
         check_policy(self.on_nonfinite)
         check_recovery(self)
         self.overrides = EngineOverrides.of(self.overrides)
+        if self.rates is not None:
+            from .prediction import resolve_rates   # (measure's cache behind a profile's name: only when given)
+            self.rates = resolve_rates(self.rates)
         if not isinstance(self.layer_stats, bool):
             raise ValueError(f"EngineConfig.layer_stats={self.layer_stats!r}: must be True or False")
         if self.offload_dir is not None:

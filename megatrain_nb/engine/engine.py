@@ -47,11 +47,12 @@ class StreamingEngine(HoldsParts):
 
     The engine takes ownership of ``model``: its parameters move into the engine's host store
     (the module keeps meta-device placeholders), and its decoder layers are replaced by proxies.
-    Read weights back with :meth:`named_parameters` or :meth:`save_pretrained`.
+    Read weights back with :meth:`named_parameters` or :meth:`save_pretrained`. ``workload``
+    (``planner.Workload``): what steps will train on, for the planner's predicted pick (plan_pick.py).
     """
 
     def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, *, _source=None, dist=None,
-                 **options):
+                 workload=None, **options):
         if config is None:
             config = EngineConfig.from_options(**options)
         elif options:
@@ -72,13 +73,13 @@ class StreamingEngine(HoldsParts):
         self._verified: dict = {}   # the folder verify_checkpoint last found whole, by its files' stamp
         with thread_registry.thread_device(self.device):   # every engine pool's threads start on it (threads.py)
             parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters,
-                                source=_source)
+                                source=_source, workload=workload)
         self.parts = parts   # engine.pager, engine.updates...: read through it (parts.HoldsParts)
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"
         self.checkpoint_interval = self.plan.checkpoint_interval
         self.memory_peaks = {"host": 0, "disk": 0}   # memory_report's peaks across calls
-        self.rates = None   # MachineRates for .prediction (None: the machine's cached ones, if any)
+        self.rates = config.rates   # MachineRates for .prediction (None: the machine's cached ones, if any)
         self.adam.collect_stats = bool(config.layer_stats)
 
     @classmethod

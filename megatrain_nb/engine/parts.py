@@ -1,7 +1,7 @@
 """build_parts: the one factory of a StreamingEngine's parts, each built complete (nothing is
 set on a part after its construction), in dependency order:
 
-units -> (sharded) -> plan -> host store, disk tier (+ host cache) -> weights, optimizer
+units -> (sharded) -> plan (plan_pick: predicted or the rules') -> host store, disk tier (+ host cache) -> weights, optimizer
 states -> parameters taken from the model -> AdamW, update scheduler -> transport -> pager -> boundary store -> step runner (+ the layer proxies) -> steps.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from .host_store import HostStore
 from .materialize import take_parameters
 from .optimizer import UnitAdamW
 from .pager import Pager
-from .planner import Plan, engine_plan
+from .plan_pick import pick_plan
+from .planner import Plan, Workload
 from .proxies import LayerProxy
 from .seams import DiskTier, Transport
 from .sharded import ShardedUnits
@@ -57,6 +58,7 @@ class EngineParts:
     runner: StepRunner
     boundary: BoundaryStore
     steps: Steps
+    workload: Optional[Workload] = None   # what the plan's pick priced (None: the planner's default)
 
 
 class HoldsParts:
@@ -76,9 +78,10 @@ for _field in dataclasses.fields(EngineParts):
 
 
 def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.device, counters,
-                source=None) -> EngineParts:
+                source=None, workload: Optional[Workload] = None) -> EngineParts:
     """Every part of the engine for ``model`` (whose parameters move into the stores and whose
-    decoder layers are replaced by proxies)."""
+    decoder layers are replaced by proxies). ``workload``: what the steps will train on, for the
+    planner's predicted pick (None: the planner's default)."""
     _, _, layers = find_layer_list(model)
     units = build_units(model, layers)
     sharded = None
@@ -89,7 +92,8 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
         sharded = ShardedUnits(units, dist, gather_dist=dist.channel("gather"), reduce_dist=dist.channel("reduce"))
     state_units = sharded.shards if sharded is not None else units
     persistent = engine_io.persistent_buffers(model)
-    plan = engine_plan(units, model.config, config, cuda=device.type == "cuda", state_units=state_units)
+    plan = pick_plan(units, model.config, config, device=device, dist=dist, state_units=state_units,
+                     workload=workload)
     params_on_disk = plan.placement["master_weights"] == "disk"
     pin = device.type == "cuda"
     store = HostStore(state_units, pin=pin)
@@ -149,7 +153,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     return EngineParts(units=units, layer_units=units[1:-1], sharded=sharded, state_units=state_units,
                        persistent_buffers=persistent, plan=plan, store=store, disk=disk, weights=weights,
                        states=states, adam=adam, updates=updates, transport=transport, pager=pager, runner=runner,
-                       boundary=boundary, steps=steps)
+                       boundary=boundary, steps=steps, workload=workload)
 
 
 def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, counters, state_units=None):

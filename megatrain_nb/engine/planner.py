@@ -81,6 +81,11 @@ class Plan:
     #: Tokens per row of the workload planned, and the longest that fits the device budget.
     seq: int = 0
     longest_seq: Optional[int] = None
+    #: How the planner's choices were made: "predicted step ..., fastest of N feasible ..." or
+    #: "rules: ..." and why (``plan_pick.pick_plan``; "" for a plan made by make_plan alone).
+    chosen_by: str = ""
+    #: The EngineConfig fields the predicted pick set (``best_plans.CHOICES``); None: the rules'.
+    choice: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -38,4 +38,4 @@ def sibling_engine(engine, device: str):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(engine.model_config)
-    return type(engine)(model, engine.config.replace(device=device))
+    return type(engine)(model, engine.config.replace(device=device), workload=engine.workload)   # (the same pick)

@@ -37,6 +37,7 @@ from megatrain_nb.values import check
 
 from ..engine.dist import Dist
 from ..engine.finite import NonFiniteError
+from ..engine.planner import Workload
 from . import checkpoint as ckpt
 from . import saving
 from .args import (
@@ -120,7 +121,7 @@ class Trainer:
         source = resolve(model, revision=revision, token=token)   # a Hub id -> its cached folder
         if isinstance(model, (str, os.PathLike)):
             model = source.need_folder("mt.Trainer")
-        self.model, self._engine = self._build_engine(model, engine_options)
+        self.model, self._engine = self._build_engine(model, engine_options, seq_len)
         # The engine this Trainer built is its own: released with it (close(), the with block,
         # or when the Trainer is collected, e.g. after a failed train() and `del trainer`).
         self._finalizer = (weakref.finalize(self, _release_engine, self._engine)
@@ -193,7 +194,7 @@ class Trainer:
         self.weights_hook = None
 
     # ------------------------------------------------------------------ construction helpers
-    def _build_engine(self, model, explicit: dict):
+    def _build_engine(self, model, explicit: dict, seq_len: Optional[int] = None):
         from megatrain_nb.engine import EngineConfig, StreamingEngine
 
         if model is None:
@@ -209,11 +210,20 @@ class Trainer:
             if not (folder / "config.json").is_file():
                 raise ValueError(f"model={str(model)!r} is not a local model folder (no config.json in it); "
                                  "pass a folder written by save_pretrained, or a model object")
-            return None, StreamingEngine.from_pretrained(str(folder), config)
+            return None, StreamingEngine.from_pretrained(str(folder), config, workload=self._workload(seq_len))
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a *ForCausalLM module, a local folder or a StreamingEngine; "
                             f"got {type(model).__name__}")
-        return model, StreamingEngine(model, config)
+        return model, StreamingEngine(model, config, workload=self._workload(seq_len))
+
+    def _workload(self, seq_len: Optional[int]):
+        """What this run's steps train on, for the planner's predicted pick (a row of ``seq_len``,
+        else 1024 tokens, which the engine cuts to the model's positions as _default_seq_len does)."""
+        a = self.args
+        clipped = bool(a.max_grad_norm and a.max_grad_norm > 0)
+        return Workload(batch=a.per_device_train_batch_size, seq=seq_len or 1024,
+                        accumulation=a.gradient_accumulation_steps, gradients="held" if clipped else "none",
+                        clipped=clipped)
 
     @property
     def engine(self):

@@ -1,0 +1,208 @@
+"""The engine's plan by predicted step time (engine/plan_pick.py), on made-up rates: nothing is timed.
+
+A tiny llama whose accumulation window of 8 micro-batches does not fit the device, under a host
+budget whose RAM holds that window's boundary activations only at a checkpoint interval above 1:
+at interval 1 they go to the disk tier. A very slow disk then makes the larger interval (more
+recompute, no disk traffic) the fastest; very slow compute makes interval 1 (less recompute,
+the disk's traffic free) the fastest. The test suite plans by the rules (tests/conftest.py sets
+MEGATRAIN_NB_PLAN_BY=rules); these tests unset it.
+"""
+import io
+import tempfile
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine import plan_pick
+from megatrain_nb.engine.best_plans import best_plans, candidate_choices
+from megatrain_nb.engine.planner import ModelShape, UnitSpec, Workload, engine_plan, unit_specs_from_config
+from megatrain_nb.engine.rates import MachineRates
+
+CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+BUDGETS = dict(device="cpu", max_vram_gb=0.0016, max_host_gb=0.0042)
+WORK = Workload(batch=1, seq=64, accumulation=8)
+
+
+def rates(**changes) -> MachineRates:
+    base = dict(device="test", cores=64, h2d_pinned=10e9, d2h_pinned=10e9, h2d_pageable=10e9, d2h_pageable=10e9,
+                matmul_flops=1e12, attention_flops=1e12, disk_read=1e9, disk_write=1e9, adamw_per_thread=1e9,
+                codec_per_thread={"int8": 1e9, "int4": 1e9}, source="made-up")
+    base.update(changes)
+    return MachineRates(**base)
+
+
+SLOW_DISK = rates(disk_read=1e5, disk_write=1e5)
+SLOW_COMPUTE = rates(matmul_flops=1e7, attention_flops=1e7, disk_read=1e12, disk_write=1e12)
+
+
+@pytest.fixture(autouse=True)
+def _pick_by_prediction(monkeypatch):
+    """Plan by prediction (the suite's conftest says rules), with no cached measurement."""
+    monkeypatch.delenv(plan_pick.PLAN_BY_ENV, raising=False)
+    monkeypatch.setattr(plan_pick, "cached_rates", lambda device, offload_dir: None)
+
+
+def _engine(tmp_path, workload=WORK, **cfg):
+    options = dict(BUDGETS, offload_dir=str(tmp_path / "disk"))
+    options.update(cfg)
+    return StreamingEngine(AutoModelForCausalLM.from_config(CONFIG), EngineConfig(**options), workload=workload)
+
+
+def _plan_of(tmp_path, **cfg):
+    e = _engine(tmp_path, **cfg)
+    try:
+        return e.plan
+    finally:
+        e.close()
+
+
+def test_a_slow_disk_and_slow_compute_pick_different_checkpoint_intervals(tmp_path):
+    disk_bound = _plan_of(tmp_path, rates=SLOW_DISK)
+    compute_bound = _plan_of(tmp_path, rates=SLOW_COMPUTE)
+    # a slow disk: more recompute, the window's boundary activations in RAM
+    assert disk_bound.checkpoint_interval > 1 and disk_bound.choice["checkpoint_interval"] > 1
+    # slow compute: no more recompute than interval 1, the boundaries' disk traffic is free
+    assert compute_bound.checkpoint_interval == 1
+    for plan in (disk_bound, compute_bound):
+        assert plan.chosen_by.startswith("predicted step") and "the run's workload, 1 x 64 tokens x 8" in plan.chosen_by
+        assert "fastest of 10 feasible" in plan.chosen_by and "rates: made-up" in plan.chosen_by
+
+
+def test_the_pick_is_the_fastest_of_the_candidates_the_prediction_priced(tmp_path):
+    units, shape = unit_specs_from_config(CONFIG), ModelShape.of(CONFIG)
+    cfg = EngineConfig(offload_dir=str(tmp_path / "disk"), **BUDGETS)
+    for r in (SLOW_DISK, SLOW_COMPUTE):
+        found = best_plans(units, shape, cfg, WORK, r, cuda=False, k=None)
+        times = [pc.prediction.step_seconds for pc in found]
+        assert times == sorted(times) and len(found) == 10
+        assert _plan_of(tmp_path, rates=r).checkpoint_interval == found[0].plan.checkpoint_interval
+    # the two rates order the same candidates differently
+    assert best_plans(units, shape, cfg, WORK, SLOW_DISK, cuda=False)[0].choice != \
+        best_plans(units, shape, cfg, WORK, SLOW_COMPUTE, cuda=False)[0].choice
+
+
+def test_a_field_the_user_set_is_never_varied(tmp_path):
+    for r in (SLOW_DISK, SLOW_COMPUTE):
+        plan = _plan_of(tmp_path, rates=r, checkpoint_interval=3, clip_hold="disk")
+        assert plan.checkpoint_interval == 3 and plan.placement["gradients"] == "disk"
+        assert set(plan.choice or {}) <= {"offload_params"}   # the only free one
+    cfg = EngineConfig(offload_dir=str(tmp_path / "disk"), checkpoint_interval=3, clip_hold="disk", **BUDGETS)
+    choices = candidate_choices(cfg, ModelShape.of(CONFIG), WORK, pinned={"checkpoint_interval": 3, "clip_hold": "disk"})
+    assert {c["checkpoint_interval"] for c in choices} == {3} and {c["clip_hold"] for c in choices} == {"disk"}
+    everything = _plan_of(tmp_path, rates=SLOW_DISK, checkpoint_interval=2, clip_hold="host", offload_params=False)
+    assert everything.chosen_by.startswith("rules: every choice is pinned") and everything.choice is None
+
+
+def test_without_rates_or_with_plan_by_rules_the_plan_is_the_rules(tmp_path, monkeypatch):
+    units = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in unit_specs_from_config(CONFIG)]
+    cfg = EngineConfig(offload_dir=str(tmp_path / "disk"), **BUDGETS)
+    rules = engine_plan(units, CONFIG, cfg, cuda=False).to_dict()
+    no_rates = _plan_of(tmp_path)
+    assert no_rates.chosen_by.startswith("rules: no measured rates") and no_rates.choice is None
+    pinned = _plan_of(tmp_path, rates=SLOW_DISK, overrides={"plan_by": "rules"})
+    assert pinned.chosen_by == "rules: EngineOverrides(plan_by='rules')"
+    monkeypatch.setenv(plan_pick.PLAN_BY_ENV, "rules")
+    by_env = _plan_of(tmp_path, rates=SLOW_DISK)
+    assert by_env.chosen_by == "rules: MEGATRAIN_NB_PLAN_BY=rules"
+    for plan in (no_rates, pinned, by_env):
+        assert {k: v for k, v in plan.to_dict().items() if k not in ("chosen_by", "choice")} == \
+            {k: v for k, v in rules.items() if k not in ("chosen_by", "choice")}
+
+
+def test_the_machines_cached_measurement_decides_when_no_rates_are_given(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(plan_pick, "cached_rates", lambda device, offload_dir: asked.append(device) or SLOW_DISK)
+    e = _engine(tmp_path)
+    try:
+        assert e.plan.checkpoint_interval > 1 and asked == ["cpu"]
+        assert e.rates is None   # (engine.prediction reads the cache itself, as before)
+    finally:
+        e.close()
+
+
+def test_without_a_workload_the_planners_default_is_priced_and_said(tmp_path):
+    plan = _plan_of(tmp_path, workload=None, rates=SLOW_COMPUTE)
+    # Workload()'s 2048 tokens, cut to the model's 64 positions
+    assert "the planner's default workload, 1 x 64 tokens x 1 micro-batch(es), clipped" in plan.chosen_by
+    assert "not known when the engine is built" in plan.chosen_by
+
+
+class _Ranks:
+    """Two ranks' all_gather_json, called by rank 0 then rank 1: each sees rank 0's value first."""
+
+    world = 2
+
+    def __init__(self):
+        self.sent = []
+
+    def all_gather_json(self, obj):
+        self.sent.append(obj)
+        return [self.sent[0], obj]
+
+
+def test_every_rank_takes_rank_zeros_choice():
+    units = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in unit_specs_from_config(CONFIG)]
+    ranks, dev = _Ranks(), torch.device("cpu")
+    with tempfile.TemporaryDirectory() as d:
+        zero = plan_pick.pick_plan(units, CONFIG, EngineConfig(offload_dir=d, rates=SLOW_DISK, **BUDGETS),
+                                   device=dev, dist=ranks, workload=WORK)
+        one = plan_pick.pick_plan(units, CONFIG, EngineConfig(offload_dir=d, rates=SLOW_COMPUTE, **BUDGETS),
+                                  device=dev, dist=ranks, workload=WORK)
+        alone = plan_pick.pick_plan(units, CONFIG, EngineConfig(offload_dir=d, rates=SLOW_COMPUTE, **BUDGETS),
+                                    device=dev, workload=WORK)
+    assert alone.checkpoint_interval == 1 != zero.checkpoint_interval   # rank 1's rates alone would differ
+    assert one.checkpoint_interval == zero.checkpoint_interval and one.choice == zero.choice
+    assert one.chosen_by == zero.chosen_by and len(ranks.sent) == 2
+
+
+def test_a_trainer_prices_its_own_workload_and_the_header_says_how_the_plan_was_chosen(tmp_path):
+    from transformers import TrainingArguments
+
+    import megatrain_nb as mt
+    from megatrain_nb.cli.report import print_header
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=3, max_steps=1, report_to=[], save_strategy="no",
+                             max_grad_norm=0.0)
+    data = [{"input_ids": list(range(i, i + 32))} for i in range(12)]
+    tr = mt.Trainer(model=AutoModelForCausalLM.from_config(CONFIG), train_dataset=data, args=args, seq_len=32,
+                    device="cpu", rates=SLOW_COMPUTE)
+    try:
+        assert "the run's workload, 2 x 32 tokens x 3 micro-batch(es), unclipped" in tr.engine.plan.chosen_by
+        assert tr.engine.workload == Workload(batch=2, seq=32, accumulation=3, gradients="none", clipped=False)
+        assert tr.engine.rates is not None and tr.prediction is not None   # the given rates predict too
+        out = io.StringIO()
+        print_header(tr, model="tiny", data="12 rows", out=out)
+        line = next(x for x in out.getvalue().splitlines() if x.startswith("plan:"))
+        assert tr.engine.plan.chosen_by in line
+    finally:
+        tr.close()
+
+
+def test_rates_are_checked_when_the_config_is_made():
+    assert EngineConfig(rates=SLOW_DISK.to_dict()).rates == SLOW_DISK
+    with pytest.raises(ValueError, match="unknown machine profile 'no-such-box'"):
+        EngineConfig(rates="no-such-box")
+    with pytest.raises(ValueError, match="plan_by"):
+        EngineConfig(overrides={"plan_by": "fastest"})
+
+
+def test_estimate_lists_the_fastest_plans_and_names_the_one_an_engine_builds(capsys):
+    import megatrain_nb as mt
+
+    kw = dict(vram_gb=0.0016, ram_gb=0.0042, disk_gb=1, seq=64, accumulation=8, compression="none", device="cpu")
+    slow_disk = mt.estimate(CONFIG, rates=SLOW_DISK, **kw)
+    assert slow_disk.pick is slow_disk.best[0] and slow_disk.pick.plan.checkpoint_interval > 1
+    assert slow_disk.plan.checkpoint_interval == 1   # the table: the rules' plan (the default interval)
+    text = str(slow_disk)
+    assert "fastest plans within the budgets" in text and "builds plan 1; the table above is the rules' plan" in text
+    d = slow_disk.to_dict()
+    assert d["engine_pick"] == slow_disk.pick.choice and len(d["best_plans"]) == 3
+    assert {"step_seconds", "host_bytes", "disk_bytes", "device_bytes", "bottleneck"} <= set(d["best_plans"][0])
+    slow_compute = mt.estimate(CONFIG, rates=SLOW_COMPUTE, **kw)
+    assert "builds the rules' plan above (plan 1)" in str(slow_compute)
+    pinned = mt.estimate(CONFIG, rates=SLOW_DISK, checkpoint_interval=2, **kw)
+    assert {pc.plan.checkpoint_interval for pc in pinned.best} == {2}

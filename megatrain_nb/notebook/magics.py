@@ -21,6 +21,7 @@ from megatrain_nb.commands import usage_lines
 
 from . import registry
 from .lifecycle import ENDED
+from .prediction_view import session_report, status_lines
 
 USAGE = "\n".join(["Usage: %megatrain <command> [-s SESSION]",
                    "  status              the run at a glance",
@@ -138,7 +139,6 @@ def status_line(session) -> str:
                  f"{e.get('to_step')}, lr x{fmt_num(e.get('lr_factor'), '.3g')}")
     if session.error is not None:
         line += f"\nerror: {type(session.error).__name__}: {session.error} (session.wait() re-raises it)"
-    from .prediction_view import session_report, status_lines
 
     for text in status_lines(session_report(session)):   # with rates: predicted vs measured per phase
         line += "\n" + text

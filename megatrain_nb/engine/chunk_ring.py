@@ -10,7 +10,7 @@ buffers), so no unit-sized fp32 moments -- nor, ranged, codes -- ever exist. An 
 master weights are rewritten range by range too (``WeightStore.ranged_update``) has each chunk's
 weights read with its codes (a chunk ahead) and written with them (a chunk behind), through the
 ring's own fp32 weight buffers; a final gradient held on the disk tier for a clipping norm
-(``intake.HeldGradient``) is read with them, a chunk ahead, into the ring's fp32 gradient buffers.
+(``final_grads.HeldGradient``) is read with them, a chunk ahead, into the ring's fp32 gradient buffers.
 """
 from __future__ import annotations
 

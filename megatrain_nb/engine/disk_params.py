@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -81,7 +81,8 @@ class DirtyUnits:
 
 class DiskReadStream:
     def __init__(self, disk, units: List[Unit], dirty: DirtyUnits, *, buffers: int, pin: bool, counters,
-                 after_updates: bool, urgent: bool = False):
+                 after_updates: bool, urgent: bool = False, fresh_source: Optional[Callable] = None,
+                 reclaim: Optional[Callable] = None):
         self.disk = disk
         self.dirty = dirty
         # The compute stream reads a unit only after its pending update is written; the
@@ -95,8 +96,8 @@ class DiskReadStream:
         self._by_ptr = {t.data_ptr(): t for t in self._free}  # a view handed out -> its buffer
         # Fresh copies: a just-updated unit's weights, still in the optimizer's buffer, served
         # without a disk read. ``fresh_source(unit)`` -> (buffer, release callback) or None.
-        self.fresh_source = None
-        self.reclaim = None                    # reclaim(stream): drop fresh copies holding its buffers
+        self.fresh_source = fresh_source
+        self.reclaim = reclaim                 # reclaim(stream): drop fresh copies holding its buffers
         self._foreign: Dict[int, object] = {}  # data_ptr of a fresh buffer -> its release callback
         self.staging_bytes = len(self._free) * self._buffer_bytes()
         self._cv = threading.Condition()

@@ -80,7 +80,6 @@ class StreamingEngine(HoldsParts):
         self.checkpoint_interval = self.plan.checkpoint_interval
         self.memory_peaks = {"host": 0, "disk": 0}   # memory_report's peaks across calls
         self.rates = config.rates   # MachineRates for .prediction (None: the machine's cached ones, if any)
-        self.adam.collect_stats = bool(config.layer_stats)
 
     @classmethod
     def from_pretrained(cls, folder, config: Optional[EngineConfig] = None, **options) -> "StreamingEngine":

@@ -25,8 +25,11 @@ buffer only then (no unit-sized copy beside the staging buffers).
 
 A gradient held on the disk tier for the norm (``hold="disk"``) is written straight from its
 staging buffer (the pager reuses it once the write is done: no copy beside the staging buffers),
-and an update that works in chunks reads it back a chunk at a time (:class:`HeldGradient`,
+and an update that works in chunks reads it back a chunk at a time (``final_grads.HeldGradient``,
 ``DiskStore.read_ranged``): no unit-sized buffer holds it on either side of the wait.
+
+What is held, and each final gradient's norm and vote, is written into the
+:class:`~.final_grads.FinalGradients` ledger, which the update runner reads (both take it).
 
 Final-gradient buffers come from one :class:`~.host_store.BufferPool`; a layer-major window
 on a CPU "device" borrows one per unit (:meth:`GradientIntake.lend_buffer`), sums into it and
@@ -36,19 +39,17 @@ is adopted as the final gradient without a copy.
 from __future__ import annotations
 
 import math
-import threading
 from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from . import finite
+from .final_grads import FinalGradients
 from .host_store import BufferPool
 from .units import Unit
-
-HOLD_WRITES = 2   # disk writes of held final gradients in flight at once (hold="disk")
+from .update_runner import UpdateRunner
 
 
 @dataclass(frozen=True)
@@ -86,25 +87,6 @@ class StepContext:
 
 
 ACCUMULATE_ONLY = StepContext()
-
-
-class HeldGradient:
-    """A final gradient held on the disk tier, read back range by range in order
-    (``read(start, out)``: ``out.numel()`` elements from element ``start``), scaled by ``coef``
-    (the clip coefficient, set before the first read) as each range arrives: the same products
-    as the whole gradient scaled at once. ``close()`` ends the read (the key may be written again)."""
-
-    def __init__(self, reader, numel: int):
-        self.reader, self.numel, self.coef = reader, numel, None
-
-    def read(self, start: int, out: torch.Tensor) -> torch.Tensor:
-        self.reader.read("g", start, out)
-        if self.coef is not None:
-            out.mul_(self.coef)
-        return out
-
-    def close(self, _grad=None) -> None:
-        self.reader.close()
 
 
 class Route:
@@ -148,38 +130,28 @@ class IntakePolicy:
 
 class GradientIntake:
     """Runs in the pager's gradient-return thread. Collaborators: ``grads`` (HostStore: the
-    accumulators), ``submit(unit, lr, grad, zero, release, reserved)`` and ``reserve(unit)`` (the
-    update runner: queue an update, wait for a free update slot), ``pool`` (the
-    final-gradient buffers), ``disk`` (hold="disk"), ``sharded`` (data parallel), ``staged``
-    (gradients arrive in the transport's staging buffers, kept by straight updates)."""
+    accumulators), ``final`` (FinalGradients: where final gradients are held for the norm, their
+    norms and votes recorded), ``runner`` (UpdateRunner: :meth:`~.UpdateRunner.reserve` an update
+    slot, :meth:`~.UpdateRunner.submit` an update), ``pool`` (the final-gradient buffers),
+    ``sharded`` (data parallel), ``staged`` (gradients arrive in the transport's staging
+    buffers, kept by straight updates)."""
 
-    def __init__(self, units: List[Unit], *, grads, policy: IntakePolicy, pool: BufferPool,
-                 submit: Callable, reserve: Callable, counters, disk=None, sharded=None, staged: bool = False):
+    def __init__(self, units: List[Unit], *, grads, policy: IntakePolicy, pool: BufferPool, final: FinalGradients,
+                 runner: UpdateRunner, sharded=None, staged: bool = False):
         self.units = units
         self.grads = grads
         self.policy = policy
         self.pool = pool
-        self.submit = submit
-        self.reserve = reserve
-        self.counters = counters
-        self.disk = disk
+        self.final = final
+        self.runner = runner
         self.sharded = sharded
         self.staged = staged
         self.step = ACCUMULATE_ONLY
-        self._norm_sq = 0.0                           # sum of the final gradients' squared norms
-        self._norm_lock = threading.Lock()
-        self._unit_norm: Dict[int, float] = {}        # unit index -> its final gradient's norm (clipping)
-        self._votes: Dict[int, bool] = {}             # unit index -> finite on every rank (data parallel)
-        self._held_ram: Dict[int, torch.Tensor] = {}  # unit index -> final gradient held for the norm (hold="host")
-        self._held: Dict[int, Future] = {}            # unit index -> write of its final gradient (hold="disk")
-        self._held_keys: set = set()
-        self._held_lock = threading.Lock()
 
     # ------------------------------------------------------------------ a micro-batch
     def begin(self, step: StepContext) -> None:
         self.step = step
-        with self._norm_lock:
-            self._norm_sq = 0.0
+        self.final.reset_norm()
 
     def end(self) -> None:
         self.step = ACCUMULATE_ONLY
@@ -197,8 +169,7 @@ class GradientIntake:
         # (updates of the last step may still be running: they claim their own held gradients;
         # an entry left by a failed step is dropped when this unit's gradient goes elsewhere)
         if route != Route.HOLD:
-            with self._held_lock:
-                self._held_ram.pop(unit.index, None)
+            self.final.drop_in_ram(unit)
         if route == Route.ACCUMULATE:
             self.grads.accumulate(unit, grad)
         elif route == Route.STRAIGHT:
@@ -209,22 +180,20 @@ class GradientIntake:
                 return self._hold_staged(unit, grad)
             flat = self._final_buffer(unit, grad)
             self.reduce(unit, flat)
-            self._add_norm_share(unit, flat)
+            self.final.add_norm(unit, flat)
             if self.policy.hold_on_disk(step):
-                self._hold_on_disk(unit, flat)
+                self.final.hold_on_disk(unit, flat)
             else:
-                with self._held_lock:
-                    self._held_ram[unit.index] = flat
+                self.final.hold_in_ram(unit, flat)
         else:   # Route.LAST: final in the accumulator
             self.grads.accumulate(unit, grad)
             acc = self.grads.grad(unit)
             self.reduce(unit, acc)
             if step.clipped:
-                self._add_norm_share(unit, acc)   # taken now, while the backward goes on
+                self.final.add_norm(unit, acc)   # taken now, while the backward goes on
             else:
-                with self._norm_lock:
-                    self._unit_norm.pop(unit.index, None)
-                self.submit(unit, step.lr, None, zero=True, release=None)
+                self.final.drop_norm(unit)
+                self.runner.submit(unit, step.lr, None, zero=True, release=None)
         return None
 
     def _straight(self, unit: Unit, grad, step: StepContext) -> Optional[Future]:
@@ -233,9 +202,8 @@ class GradientIntake:
         "device" autograd's own), not in a copy. A staging buffer is updated in place (the
         returned Future: done when the update hands it back); else the gradient is copied into
         (or adopted as) a pool buffer."""
-        with self._norm_lock:
-            self._unit_norm.pop(unit.index, None)   # left by a failed clipped step
-        cancel = self.reserve(unit)
+        self.final.drop_norm(unit)   # left by a failed clipped step
+        cancel = self.runner.reserve(unit)
         kept = None
         try:
             if self.staged and torch.is_tensor(grad) and grad.numel() == unit.numel:
@@ -249,7 +217,7 @@ class GradientIntake:
             if kept is not None:
                 kept.set_result(None)
             raise
-        self.submit(unit, step.lr, flat, zero=False, release=release, reserved=True)
+        self.runner.submit(unit, step.lr, flat, zero=False, release=release, reserved=True)
         return kept
 
     def reduce(self, unit: Unit, flat: torch.Tensor) -> None:
@@ -264,48 +232,13 @@ class GradientIntake:
         parallel: one all-reduce of the shards' squares; a rank whose own loss is NaN/inf adds a
         NaN, so every rank sees a non-finite norm and takes the same decision -- ranks must never
         disagree on applying a step (the loss is then this rank's share only: not checked)."""
-        with self._norm_lock:
-            sq, self._norm_sq = self._norm_sq, 0.0
+        sq = self.final.take_norm_sq()
         if self.sharded is not None:
             if loss is not None and not math.isfinite(loss):
                 sq = float("nan")
             sq = self.sharded.global_norm_sq(sq)
             loss = None
         return sq ** 0.5, loss
-
-    # ------------------------------------------------------------------ what the updates claim
-    def claim(self, unit: Unit, ranged: bool = False) -> Tuple[Optional[object], Optional[Callable]]:
-        """For a unit's update that waited for the norm: (its held final gradient, how to hand
-        the buffer back), or (None, None) when it is in the accumulator. ``ranged``: the update
-        works in chunks, so a gradient held on the disk tier comes as a :class:`HeldGradient`
-        (read a chunk at a time) where the disk tier reads ranges (``read_ranged``)."""
-        with self._held_lock:
-            held = self._held.pop(unit.index, None)
-            in_ram = self._held_ram.pop(unit.index, None)
-        if in_ram is not None:   # hold="host": kept since it arrived
-            return in_ram, self.pool.give
-        if held is None:
-            return None, None
-        held.result()            # hold="disk": the final gradient comes back
-        if ranged and getattr(self.disk, "capacity", 0) <= 0:   # (a host cache's copies are whole units)
-            got = HeldGradient(self.disk.read_ranged(self._hold_key(unit)), unit.numel)
-            return got, got.close
-        grad = self.pool.take(unit.numel)
-        try:
-            self.disk.read(self._hold_key(unit), {"g": grad}, urgent=True).result()
-        except BaseException:
-            self.pool.give(grad)
-            raise
-        return grad, self.pool.give
-
-    def unit_norm(self, unit: Unit) -> Optional[float]:
-        """The norm of a unit's final gradient, taken for the global norm (clipped steps only)."""
-        with self._norm_lock:
-            return self._unit_norm.pop(unit.index, None)
-
-    def vote(self, unit: Unit) -> Optional[bool]:
-        """Whether every rank found this unit's final gradient finite (None: no vote taken)."""
-        return self._votes.pop(unit.index, None)
 
     # ------------------------------------------------------------------ buffers
     def lend_buffer(self, numel: int) -> torch.Tensor:
@@ -332,56 +265,14 @@ class GradientIntake:
         """Recycled final-gradient buffers held in RAM."""
         return self.pool.nbytes()
 
-    def held_ram_bytes(self) -> int:
-        """Bytes of final gradients held in RAM for a clipping norm (freed by their updates)."""
-        with self._held_lock:
-            return sum(t.numel() * 4 for t in self._held_ram.values())
-
-    def held_disk_bytes(self) -> int:
-        """Bytes of final gradients kept on the disk tier for clipping (hold="disk")."""
-        return sum(self.disk.nbytes_of(k) for k in self._held_keys) if self.disk is not None else 0
-
-    def held_cached_bytes(self) -> int:
-        """Bytes of those final gradients the disk tier's host cache holds in RAM."""
-        if self.disk is None or not hasattr(self.disk, "resident_bytes"):
-            return 0
-        return self.disk.resident_bytes(list(self._held_keys))
-
     # ------------------------------------------------------------------ internals
-    def _add_norm_share(self, unit: Unit, flat: torch.Tensor) -> None:
-        norm = float(torch.linalg.vector_norm(flat))
-        with self._norm_lock:
-            self._norm_sq += norm ** 2
-            self._unit_norm[unit.index] = norm   # the layer statistics' grad norm (no second pass)
-
-    def _hold_key(self, unit: Unit) -> str:
-        return f"final-grad-{unit.index:05d}"
-
     def _hold_staged(self, unit: Unit, grad: torch.Tensor) -> Future:
         """hold="disk", a gradient in its transfer's staging buffer: its norm share taken and
         the buffer written to the disk tier as it is; the returned write keeps the buffer from
         the pager until it is done (the staging buffers bound the writes in flight)."""
         self.reduce(unit, grad)
-        self._add_norm_share(unit, grad)
-        return self._write_held(unit, grad)
-
-    def _write_held(self, unit: Unit, flat: torch.Tensor) -> Future:
-        key = self._hold_key(unit)
-        fut = self.disk.write(key, {"g": flat})
-        with self._held_lock:
-            self._held[unit.index] = fut
-            self._held_keys.add(key)
-        return fut
-
-    def _hold_on_disk(self, unit: Unit, flat: torch.Tensor) -> None:
-        """hold="disk": the final gradient is written to the disk tier (its update reads it
-        back once the norm is known); RAM holds only the writes in flight (a few units)."""
-        fut = self._write_held(unit, flat)
-        fut.add_done_callback(lambda _f, flat=flat: self.pool.give(flat))
-        with self._held_lock:
-            inflight = [f for f in self._held.values() if not f.done()]
-        if len(inflight) > HOLD_WRITES:   # back-pressure on the gradient thread (errors surface in the update)
-            futures_wait(inflight[:-HOLD_WRITES])
+        self.final.add_norm(unit, grad)
+        return self.final.write_held(unit, grad)
 
     def _vote(self, unit: Unit, grad) -> None:
         """Data parallel, straight: is this unit's final gradient finite on every rank? One
@@ -389,4 +280,4 @@ class GradientIntake:
         by the program thread (engine/issuer.py: every rank issues it at the same place); the
         unit's update reads the answer."""
         bad = not (unit.numel == 0 or bool(torch.isfinite(grad).all()))
-        self._votes[unit.index] = self.sharded.vote(unit, bad)
+        self.final.record_vote(unit, self.sharded.vote(unit, bad))

@@ -15,7 +15,7 @@ from .units import Unit
 
 
 class UnitAdamW:
-    def __init__(self, *, betas, eps: float, weight_decay: float):
+    def __init__(self, *, betas, eps: float, weight_decay: float, collect_stats: bool = False):
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.weight_decay = weight_decay
@@ -24,7 +24,7 @@ class UnitAdamW:
         #: Per-unit statistics (unit_stats) cost two passes over a unit, as much as a third of
         #: the update itself, on the optimizer's critical path: gathered only once someone reads
         #: them (StreamingEngine.layer_stats turns this on).
-        self.collect_stats = False
+        self.collect_stats = collect_stats
 
     def step_unit(self, unit: Unit, params: torch.Tensor, grads: torch.Tensor,
                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, lr: float,

@@ -1,8 +1,9 @@
 """build_parts: the one factory of a StreamingEngine's parts, each built complete (nothing is
 set on a part after its construction), in dependency order:
 
-units -> (sharded) -> plan (plan_pick: predicted or the rules') -> host store, disk tier (+ host cache) -> weights, optimizer
-states -> parameters taken from the model -> AdamW, update scheduler -> transport -> pager -> boundary store -> step runner (+ the layer proxies) -> steps.
+units -> (sharded) -> plan (plan_pick: predicted or the rules') -> host store, disk tier (+ host cache) -> weights,
+optimizer states -> parameters taken from the model -> AdamW -> transport -> update scheduler (its own
+parts likewise: updates.py) -> pager -> boundary store -> step runner (+ the layer proxies) -> steps.
 """
 from __future__ import annotations
 
@@ -105,9 +106,10 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     weights = make_weight_store(state_units, store, disk=disk if params_on_disk else None, pin=pin, counters=counters,
                                 compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1,
                                 ranged=chunked, held_units=held_weight_units(state_units, config, plan, disk))
-    states = OptimizerStates(state_units, config, counters, disk=disk, chunk_numel=config.overrides.update_chunk_numel)
-    if config.max_host_gb:   # a budget is a promise: reads ahead no deeper than the plan (and the cache) counted
-        states.read_ahead_bytes = read_ahead_allowance(state_units, config.optimizer_compression)
+    # (under a budget -- a promise -- the states read ahead no deeper than the plan (and the cache) counted)
+    read_ahead = read_ahead_allowance(state_units, config.optimizer_compression) if config.max_host_gb else None
+    states = OptimizerStates(state_units, config, counters, disk=disk, chunk_numel=config.overrides.update_chunk_numel,
+                             read_ahead_bytes=read_ahead)
     alloc, put = store.alloc, weights.put_initial
     if sharded is not None:   # each rank keeps its slice of every unit as it is built
         alloc = lambda n: torch.empty(n, dtype=torch.float32)  # noqa: E731 - one unit at a time
@@ -121,7 +123,8 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     weights.finish_initial()
     _move_buffers(model, units[1:-1], device)
     model.config.use_cache = False
-    adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay)
+    adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay,
+                     collect_stats=bool(config.layer_stats))
     # (on CPU, MEGATRAIN_ADVERSARIAL_TRANSPORT=1 makes it the tests' adversarial one)
     transport = make_transport(device, sharded=sharded)
     updates = UpdateScheduler(state_units, grads=store, weights=weights, states=states, adam=adam, counters=counters,

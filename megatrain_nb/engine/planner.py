@@ -113,7 +113,7 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       is copied out of its staging buffer into a pool buffer) -- except, on CUDA, where the
       held gradients wait on the disk tier (``hold_disk``): each is written straight from its
       staging buffer (``intake.GradientIntake._hold_staged``) and an update in chunks reads it
-      back a chunk at a time into ``RING`` chunk buffers (``intake.HeldGradient``); states
+      back a chunk at a time into ``RING`` chunk buffers (``final_grads.HeldGradient``); states
       updated whole read it into one unit-sized buffer;
     * compressed optimizer states, updated in chunks (``states.OptimizerStates.update``): the
       fp32 moments of ``RING`` chunks (at most the largest unit's size, ``states.update_chunk``);
@@ -133,7 +133,7 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     """
     from .chunk_ring import RING
     from .states import min_reads_ahead, update_chunk, writes_pending
-    from .intake import HOLD_WRITES
+    from .final_grads import HOLD_WRITES
     from .pager import staging_buffers
 
     from .pinned import held_bytes

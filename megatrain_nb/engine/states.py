@@ -78,7 +78,8 @@ def sliceable(codec) -> bool:
 
 
 class OptimizerStates:
-    def __init__(self, units, config, counters, disk=None, chunk_numel: int = UPDATE_CHUNK):
+    def __init__(self, units, config, counters, disk=None, chunk_numel: int = UPDATE_CHUNK,
+                 read_ahead_bytes: Optional[int] = None):
         self.units = units
         self.codec_name = config.optimizer_compression
         self.counters = counters
@@ -102,7 +103,8 @@ class OptimizerStates:
         #: the next forward instead of holding up the updates the forward waits for.
         self.encode_behind_bytes = 0
         self._sched = []    # the coming updates, in order: (unit, last of its step)
-        self.read_ahead_bytes = READ_AHEAD_BYTES  # stored states read ahead of their updates (RAM)
+        #: stored states read ahead of their updates (RAM; None: the default)
+        self.read_ahead_bytes = READ_AHEAD_BYTES if read_ahead_bytes is None else read_ahead_bytes
         from .host_store import BufferPool
 
         # moments' buffers, recycled from step to step (disk tier); a unit larger than the cap is

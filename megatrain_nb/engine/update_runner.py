@@ -1,9 +1,9 @@
 """UpdateRunner: the AdamW worker (``mtnb-adamw``) and every pending update.
 
 One unit's update (:meth:`UpdateRunner.apply`): its final gradient (handed over, claimed from
-the intake's hold, or the accumulator), its weights (``weights.for_update``), AdamW, the
-weights written (``weights.update_done``: on the disk tier written behind, a fresh copy kept
-for the next forward) and the optimizer states. Compressed states are updated in chunks
+where it was held for the norm: ``final_grads.FinalGradients.claim``, or the accumulator), its
+weights (``weights.for_update``), AdamW, the weights written (``weights.update_done``: on the
+disk tier written behind, a fresh copy kept for the next forward) and the optimizer states. Compressed states are updated in chunks
 (``OptimizerStates.update``: decode a slice of the moments, AdamW on that slice, encode it),
 so only chunk-sized fp32 moments exist; fp32 states are updated where they lie.
 
@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import finite
+from .final_grads import FinalGradients
 from .outcome import StepOutcome
 from ..threads import ADAMW, executor
 from .units import Unit
@@ -28,11 +29,12 @@ from .units import Unit
 class UpdateRunner:
     """Collaborators: ``grads`` (HostStore: accumulators, zeroed after their update),
     ``weights`` (WeightStore), ``states`` (OptimizerStates), ``adam`` (UnitAdamW),
-    ``outcome`` (StepOutcome), ``claim(unit)`` (the intake's held final gradient), ``disk``
-    (settled after a failure). ``depth``: units queued for an update at once (back-pressure)."""
+    ``outcome`` (StepOutcome), ``final`` (FinalGradients: a unit's held final gradient, its
+    norm, the ranks' vote on it), ``disk`` (settled after a failure). ``depth``: units queued
+    for an update at once (back-pressure)."""
 
     def __init__(self, units: List[Unit], *, grads, weights, states, adam, counters, outcome: StepOutcome,
-                 claim: Callable, unit_norm: Callable, vote: Callable, policy: str, disk=None, depth: int = 1):
+                 final: FinalGradients, policy: str, disk=None, depth: int = 1):
         self.units = units
         self.grads = grads
         self.weights = weights
@@ -40,9 +42,7 @@ class UpdateRunner:
         self.adam = adam
         self.counters = counters
         self.outcome = outcome
-        self.claim = claim
-        self.unit_norm = unit_norm
-        self.vote = vote
+        self.final = final
         self.policy = policy
         self.disk = disk
         self.guard: Optional[finite.StepGuard] = None   # the straight step's per-unit NaN/inf check
@@ -134,16 +134,16 @@ class UpdateRunner:
         t0 = time.perf_counter()
         self.weights.mark_updating(unit)
         if grad is None:   # (an update in chunks reads a gradient held on the disk tier chunk by chunk)
-            grad, release = self.claim(unit, self.states.chunked and not self.adam.collect_stats)
+            grad, release = self.final.claim(unit, self.states.chunked and not self.adam.collect_stats)
         error = None
         try:
             grad = grad if grad is not None else self.grads.grad(unit)
             if guard is not None:
-                skip, error = guard.check(unit.name, grad, finite=self.vote(unit))
+                skip, error = guard.check(unit.name, grad, finite=self.final.vote(unit))
                 if error is not None and not error.partial and guard.policy == "skip":
                     self.counters.add("skipped_steps", 1)
                     error = None
-            norm = self.unit_norm(unit)   # set by a clipped step only
+            norm = self.final.unit_norm(unit)   # set by a clipped step only
             if not skip and grad_coef is not None:
                 if torch.is_tensor(grad):
                     grad.mul_(grad_coef)

@@ -1,12 +1,15 @@
 """UpdateScheduler: everything from "a unit's gradient is final" to "its update is written",
-as three parts and the step's calls on them.
+as four parts and the step's calls on them, each built after what it takes:
 
-* :class:`~.intake.GradientIntake` (``intake.py``): reduce, shard, hold for the norm -- each
-  arriving gradient routed by the :class:`~.intake.IntakePolicy` given at construction.
+* :class:`~.outcome.StepOutcome` (``outcome.py``): the step's norm, whether it was skipped,
+  a failure -- written by the scheduler and the runner, read by the engine.
+* :class:`~.final_grads.FinalGradients` (``final_grads.py``): the final gradients held for
+  the norm, their norms and the ranks' votes -- written by the intake, read by the runner.
 * :class:`~.update_runner.UpdateRunner` (``update_runner.py``): the AdamW worker, the updates
   in chunks, fresh copies, the weights ready for the next forward.
-* :class:`~.outcome.StepOutcome` (``outcome.py``): the step's norm, whether it was skipped,
-  a failure -- written by the two above, read by the engine.
+* :class:`~.intake.GradientIntake` (``intake.py``): reduce, shard, hold for the norm -- each
+  arriving gradient routed by the :class:`~.intake.IntakePolicy` given at construction, and
+  handed to the runner.
 
 A step, top to bottom:
 
@@ -28,8 +31,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import finite
+from .final_grads import HOLD_WRITES, FinalGradients
 from .host_store import BufferPool
-from .intake import HOLD_WRITES, GradientIntake, IntakePolicy, StepContext
+from .intake import GradientIntake, IntakePolicy, StepContext
 from .outcome import StepOutcome
 from .update_runner import UpdateRunner
 from .units import Unit, forward_order
@@ -53,7 +57,7 @@ def final_gradient_pool_bytes(units: Sequence[Unit], depth: int, clipped: Option
 
 
 class UpdateScheduler:
-    """The engine's update parts, wired: ``intake``, ``runner``, ``outcome``. Collaborators:
+    """The engine's update parts, wired: ``outcome``, ``final``, ``runner``, ``intake``. Collaborators:
     ``grads`` (HostStore), ``weights`` (WeightStore), ``states`` (OptimizerStates), ``adam``
     (UnitAdamW), ``disk`` (the disk tier or None), ``sharded`` (data parallel), ``policy``
     (on_nonfinite), ``depth`` (units queued for an update at once), ``staged`` (gradients
@@ -74,15 +78,13 @@ class UpdateScheduler:
         self.outcome = StepOutcome()
         pool = BufferPool(max_bytes=final_gradient_pool_bytes(units, depth, None),
                           slot_numel=max((u.numel for u in units), default=0))
-        self.intake = GradientIntake(units, grads=grads, pool=pool, counters=counters, disk=disk, sharded=sharded,
-                                     staged=staged,
-                                     policy=IntakePolicy(sharded=sharded is not None, on_nonfinite=policy,
-                                                         hold_disk_ok=disk is not None),
-                                     submit=lambda *a, **k: self.runner.submit(*a, **k),
-                                     reserve=lambda unit: self.runner.reserve(unit))
+        self.final = FinalGradients(pool, disk=disk)
         self.runner = UpdateRunner(units, grads=grads, weights=weights, states=states, adam=adam, counters=counters,
-                                   outcome=self.outcome, claim=self.intake.claim, unit_norm=self.intake.unit_norm,
-                                   vote=self.intake.vote, policy=policy, disk=disk, depth=depth)
+                                   outcome=self.outcome, final=self.final, policy=policy, disk=disk, depth=depth)
+        self.intake = GradientIntake(units, grads=grads, pool=pool, final=self.final, runner=self.runner,
+                                     sharded=sharded, staged=staged,
+                                     policy=IntakePolicy(sharded=sharded is not None, on_nonfinite=policy,
+                                                         hold_disk_ok=disk is not None))
         self.counters = counters
 
     # ------------------------------------------------------------------ a step
@@ -223,7 +225,7 @@ class UpdateScheduler:
     def close(self) -> None:
         self.runner.close()
 
-    # ------------------------------------------------------------------ the intake's
+    # ------------------------------------------------------------------ the intake's and the ledger's
     def lend_buffer(self, numel: int) -> torch.Tensor:
         return self.intake.lend_buffer(numel)
 
@@ -231,10 +233,10 @@ class UpdateScheduler:
         return self.intake.buffer_bytes()
 
     def held_ram_bytes(self) -> int:
-        return self.intake.held_ram_bytes()
+        return self.final.held_ram_bytes()
 
     def held_disk_bytes(self) -> int:
-        return self.intake.held_disk_bytes()
+        return self.final.held_disk_bytes()
 
     def held_cached_bytes(self) -> int:
-        return self.intake.held_cached_bytes()
+        return self.final.held_cached_bytes()

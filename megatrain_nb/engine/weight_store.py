@@ -142,7 +142,8 @@ class DiskWeights:
         self._fresh_wanted: set = set()
         self._last_compute: List[Unit] = []           # the recorded compute order of a training step
         self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters,
-                                     after_updates=True, urgent=True)
+                                     after_updates=True, urgent=True, fresh_source=self._take_fresh,
+                                     reclaim=self._reclaim)
         #: A host cache of the disk tier decides what stays in RAM (disk_cache.HostCache): the
         #: fresh copies, whose survival depends on timing, are then not kept.
         self.cached = getattr(disk, "capacity", 0) > 0
@@ -154,14 +155,10 @@ class DiskWeights:
         self.ranged = ranged and not self.cached and hasattr(disk, "ranged")
         self._opt_args = dict(buffers=optimizer_buffers, pin=pin, counters=counters, after_updates=False)
         self._opt = None if self.ranged else self._opt_stream()
-        self._fetch.fresh_source = self._take_fresh
-        self._fetch.reclaim = self._reclaim
 
     def _opt_stream(self) -> DiskReadStream:
         """The optimizer stream (made on first need when updates are ranged: layer statistics)."""
-        stream = DiskReadStream(self.disk, self.units, self.dirty, **self._opt_args)
-        stream.reclaim = self._reclaim
-        return stream
+        return DiskReadStream(self.disk, self.units, self.dirty, reclaim=self._reclaim, **self._opt_args)
 
     # ------------------------------------------------------------------ construction
     def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:

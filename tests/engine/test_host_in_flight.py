@@ -136,11 +136,11 @@ def test_clipped_gradients_held_on_disk_leave_the_staging_buffers_and_come_back_
     held = StreamingEngine(model, EngineConfig(offload_dir=str(tmp_path / "held"), clip_hold="disk", **cfg))
     pool = held.updates.intake.pool
     takes, lends, reads = [], [], []
-    real_take, real_lend, real_read = pool.take, pool.lend, held.updates.intake.disk.read_ranged
+    real_take, real_lend, real_read = pool.take, pool.lend, held.updates.final.disk.read_ranged
     monkeypatch.setattr(pool, "take", lambda n: takes.append(n) or real_take(n))
     # (a CPU "device" forms each unit's sum in a lent pool buffer: device memory here)
     monkeypatch.setattr(pool, "lend", lambda n, slot=False: lends.append(n) or real_lend(n, slot))
-    monkeypatch.setattr(held.updates.intake.disk, "read_ranged", lambda key: reads.append(key) or real_read(key))
+    monkeypatch.setattr(held.updates.final.disk, "read_ranged", lambda key: reads.append(key) or real_read(key))
     for ids in _ids(3):
         a = ref.forward_backward(ids, step_lr=3e-3, max_grad_norm=0.05)
         b = held.forward_backward(ids, step_lr=3e-3, max_grad_norm=0.05)
@@ -152,7 +152,7 @@ def test_clipped_gradients_held_on_disk_leave_the_staging_buffers_and_come_back_
         assert torch.equal(p, pr[n]), n
     # no pool buffer but the sums' (device memory here); every update read its gradient in chunks
     assert lends and takes == lends and len(reads) == 3 * len(held.units), (takes, lends, reads)
-    assert held.updates.intake.held_disk_bytes() >= 4 * held.num_parameters()
+    assert held.updates.held_disk_bytes() >= 4 * held.num_parameters()
     specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in held.units]
     u = max(s.numel for s in specs)
     counted = host_in_flight(specs, "int8", weights_on_disk=True, states_on_disk=True, cuda=True, clipped=True,

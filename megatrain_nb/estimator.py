@@ -336,12 +336,10 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     ``world``: ranks the state is sharded over (ZeRO-3): host, disk and budgets are one rank's,
     the device working set unchanged; ``estimator_dist.estimate_scale_out`` adds per-node figures.
     ``pairs``: a DPO run's pairs: its reference pass and cache as lines (``estimator_dpo``).
-    ``rates``: a ``MachineRates`` (``mt.measure_machine()``) or a profile's name: the estimate
-    then predicts the step's time (``step_seconds``, ``phases``, ``bottleneck``,
-    ``tokens_per_second``, ``run_seconds(max_steps)``; :mod:`megatrain_nb.engine.prediction`)
-    and lists the three fastest plans within the budgets (``best``): the choices left at their
-    defaults (``checkpoint_interval`` 1, ``clip_hold`` "auto") varied, as an engine given these
-    rates varies them (engine/plan_pick.py); a value set is pinned.
+    ``rates``: a ``MachineRates`` or a profile's name: the predicted step (``step_seconds``,
+    ``phases``, ``bottleneck``, ``tokens_per_second``, ``run_seconds(n)``) and the three fastest
+    plans within the budgets (``best``), the choices left at their defaults varied as an engine
+    given these rates varies them (engine/plan_pick.py); a value set is pinned.
     """
     from megatrain_nb.engine import family
     from megatrain_nb.engine.codecs import codec_names, normalize_compression

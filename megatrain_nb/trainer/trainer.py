@@ -89,6 +89,24 @@ def _derived_engine_options(args) -> dict:
             if any(getattr(args, f) != defaults[f] for f in fields_of[k])}
 
 
+def run_workload(args, seq_len: Optional[int]) -> Workload:
+    """What a run's steps train on, for the planner's predicted pick (a row of ``seq_len``, else
+    1024 tokens, which the engine cuts to the model's positions as _default_seq_len does)."""
+    clipped = bool(args.max_grad_norm and args.max_grad_norm > 0)
+    return Workload(batch=args.per_device_train_batch_size, seq=seq_len or 1024,
+                    accumulation=args.gradient_accumulation_steps, gradients="held" if clipped else "none",
+                    clipped=clipped)
+
+
+def tiled_this_step(engine, calls_before: int) -> tuple:
+    """``(tile, calls)``: the tile a layer's MLP ran this step's rows in (engine/tiling.py), 0
+    where no row was longer than a tile (or the engine does not tile), and the engine's count of
+    tiled calls so far (the next step's ``calls_before``)."""
+    tiling = getattr(getattr(engine, "runner", None), "tiling", None)
+    calls = int(getattr(tiling, "tiled_calls", 0) or 0)
+    return (int(tiling.tile) if calls > calls_before else 0), calls
+
+
 class Trainer:
     """Train a causal LM with the StreamingEngine, driven like ``transformers.Trainer``.
 
@@ -210,20 +228,11 @@ class Trainer:
             if not (folder / "config.json").is_file():
                 raise ValueError(f"model={str(model)!r} is not a local model folder (no config.json in it); "
                                  "pass a folder written by save_pretrained, or a model object")
-            return None, StreamingEngine.from_pretrained(str(folder), config, workload=self._workload(seq_len))
+            return None, StreamingEngine.from_pretrained(str(folder), config, workload=run_workload(self.args, seq_len))
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a *ForCausalLM module, a local folder or a StreamingEngine; "
                             f"got {type(model).__name__}")
-        return model, StreamingEngine(model, config, workload=self._workload(seq_len))
-
-    def _workload(self, seq_len: Optional[int]):
-        """What this run's steps train on, for the planner's predicted pick (a row of ``seq_len``,
-        else 1024 tokens, which the engine cuts to the model's positions as _default_seq_len does)."""
-        a = self.args
-        clipped = bool(a.max_grad_norm and a.max_grad_norm > 0)
-        return Workload(batch=a.per_device_train_batch_size, seq=seq_len or 1024,
-                        accumulation=a.gradient_accumulation_steps, gradients="held" if clipped else "none",
-                        clipped=clipped)
+        return model, StreamingEngine(model, config, workload=run_workload(self.args, seq_len))
 
     @property
     def engine(self):
@@ -498,20 +507,13 @@ class Trainer:
         self._log_accum = (s + loss, k + 1)
         counters = getattr(engine, "counters", None)
         self._step_out = out   # the step's memory, telemetry and layer statistics: _after_step
+        tile, self._tiled_calls = tiled_this_step(engine, getattr(self, "_tiled_calls", 0))
         return {"step": st.global_step + 1, "epoch": st.epoch, "loss": loss, "lr": lr,
                 "skipped_steps": int(getattr(counters, "skipped_steps", 0) or 0),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
                 "tokens_seen": self._tokens_seen, "tokens_per_s": tokens / dt if dt > 0 else 0.0,
                 "step_time_s": dt, "time": time.time(), "total_steps": total,
-                "tile_tokens": self._tiled_this_step(engine), **self.lineage}
-
-    def _tiled_this_step(self, engine) -> int:
-        """The tile a layer's MLP ran this step's rows in (engine/tiling.py), 0 where no row was
-        longer than a tile (or the engine does not tile)."""
-        tiling = getattr(getattr(engine, "runner", None), "tiling", None)
-        calls = int(getattr(tiling, "tiled_calls", 0) or 0)
-        before, self._tiled_calls = getattr(self, "_tiled_calls", 0), calls
-        return int(tiling.tile) if calls > before else 0
+                "tile_tokens": tile, **self.lineage}
 
     def _window_loss(self, loss_sum: float, n_items: int) -> float:
         """The step's loss as logged: the mean token loss (a sequence-level objective: its own)."""

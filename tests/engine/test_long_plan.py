@@ -118,17 +118,17 @@ def test_the_step_record_and_the_dashboard_header_name_the_tile():
 
     from megatrain_nb.notebook.run_log import RunLog
     from megatrain_nb.notebook.summary_html import header_html
-    from megatrain_nb.trainer.trainer import Trainer
+    from megatrain_nb.trainer.trainer import tiled_this_step
 
     cfg = family_config("llama", layers=2)
     cfg.max_position_embeddings = 128
     engine = StreamingEngine(AutoModelForCausalLM.from_config(cfg), EngineConfig(device="cpu",
                                                                                  overrides={"tile_tokens": 32}))
-    trainer = SimpleNamespace(_tiled_calls=0)
     engine.forward_backward(torch.randint(1, VOCAB, (1, 16)))       # shorter than a tile: untiled
-    assert Trainer._tiled_this_step(trainer, engine) == 0
+    tile, calls = tiled_this_step(engine, 0)
+    assert tile == 0
     engine.forward_backward(torch.randint(1, VOCAB, (1, 96)))
-    assert Trainer._tiled_this_step(trainer, engine) == 32
+    assert tiled_this_step(engine, calls)[0] == 32
     engine.close()
     log = RunLog()
     session = SimpleNamespace(state="running", total_steps=4, name="long", requested_lr=None, error_traceback=None,

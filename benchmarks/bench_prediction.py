@@ -120,8 +120,14 @@ def compute_now(rates: MachineRates, seq: int) -> MachineRates:
     """``rates`` with the compute rates measured again now: on a shared machine the cores' load
     changes within minutes, and a configuration runs against the rates of its own minutes."""
     h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
-    return dataclasses.replace(rates, matmul_flops=layer_matmul_rate(seq, h, i),
-                               attention_flops=attention_rate(seq, h, heads), source=rates.source + " (compute now)")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)   # one thread's rates, as measure_machine takes a CPU device's (compute_threads=1)
+    try:
+        mm, at = layer_matmul_rate(seq, h, i), attention_rate(seq, h, heads)
+    finally:
+        torch.set_num_threads(n)
+    return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
+                               source=rates.source + " (compute now)")
 
 
 def codec_rate(name: str, chunk: int = 1 << 20) -> float:
@@ -254,7 +260,7 @@ def main() -> int:
               f"{({k: round(v, 3) for k, v in p.phases.items() if v})}; disk per step measured read "
               f"{r['disk'][0] / 1e6:.1f} MB write {r['disk'][1] / 1e6:.1f} MB, predicted read "
               f"{p.bytes['disk_read'] / 1e6:.1f} MB write {p.bytes['disk_write'] / 1e6:.1f} MB")
-        print(f"  compute rate now {r['matmul_now'] / 1e9:.1f} GFLOP/s; with the rates measured at the start: "
+        print(f"  compute rate now {r['matmul_now'] / 1e9:.1f} GFLOP/s per thread; with the rates measured at the start: "
               f"predicted {r['pred_start'].step_seconds:.3f} s, measured / predicted "
               f"{r['measured'] / r['pred_start'].step_seconds:.3g}")
         print(f"  bottleneck predicted: {p.bottleneck}; telemetry waits per step "

@@ -27,6 +27,8 @@ A model's shapes missing from the cached file are measured and added to it.
 """
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 import math
@@ -320,10 +322,11 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
     """Every rate, measured now (the cache's miss; tests count its calls)."""
     t0 = time.perf_counter()
     r = MachineRates(device=name, cores=cores(), **measure_copies(dev, sizes.copy_bytes, sizes))
-    r.matmul_flops = measure_matmul(dev, *sizes.default_shape, sizes)
-    r.bf16_matmul_flops = measure_matmul(dev, *sizes.default_shape, sizes, torch.bfloat16)
-    r.attention_flops = measure_attention(dev, 64, sizes)
-    r.bf16_attention_flops = measure_attention(dev, 64, sizes, torch.bfloat16)
+    with _compute_threads(dev, r):
+        r.matmul_flops = measure_matmul(dev, *sizes.default_shape, sizes)
+        r.bf16_matmul_flops = measure_matmul(dev, *sizes.default_shape, sizes, torch.bfloat16)
+        r.attention_flops = measure_attention(dev, 64, sizes)
+        r.bf16_attention_flops = measure_attention(dev, 64, sizes, torch.bfloat16)
     r.attention_by_head = {"64": r.attention_flops}
     disk = measure_disk(root, sizes)
     r.disk_read, r.disk_write = disk["disk_read"], disk["disk_write"]
@@ -342,13 +345,25 @@ def _add_model(r: MachineRates, dev: torch.device, sizes: Sizes, shapes: Optiona
     if shapes is None:
         return False
     missing = [s for s in shapes.matmuls if shape_key(*s) not in r.matmul_by_shape]
-    for m, k, n in missing:
-        r.matmul_by_shape[shape_key(m, k, n)] = measure_matmul(dev, m, k, n, sizes)
     head = str(shapes.head_dim)
-    if head not in r.attention_by_head:
-        r.attention_by_head[head] = measure_attention(dev, shapes.head_dim, sizes)
-        return True
+    with _compute_threads(dev, r):
+        for m, k, n in missing:
+            r.matmul_by_shape[shape_key(m, k, n)] = measure_matmul(dev, m, k, n, sizes)
+        if head not in r.attention_by_head:
+            r.attention_by_head[head] = measure_attention(dev, shapes.head_dim, sizes)
+            return True
     return bool(missing)
+
+
+def _compute_threads(dev: torch.device, r: MachineRates):
+    """A CPU device's compute rates are one thread's (``MachineRates.compute_threads`` = 1; the
+    prediction scales them to the threads a step's compute gets, ``compute_team``): measured
+    with one torch thread, they are steady where a whole team's collapse as soon as another
+    thread takes a core. A GPU's: as they are."""
+    if dev.type == "cuda":
+        return contextlib.nullcontext()
+    r.compute_threads = 1
+    return _OneThread()
 
 
 def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=None, *, tokens: int = 2048,

@@ -33,7 +33,11 @@ the units' loads.
 Cores: on a CPU "device" the compute, AdamW, the codec threads and the copies share
 ``rates.cores``; a phase then takes at least its CPU work (core-seconds) over the cores, so
 with few cores the CPU-bound phases add rather than overlap (on CUDA only AdamW, the codec and
-pageable copies take cores). Disk I/O (O_DIRECT) is counted as taking no core.
+pageable copies take cores). A CPU device's compute rates are one thread's (measured so:
+``MachineRates.compute_threads``) and its compute runs on ``compute_team()`` threads, every core
+but one: the engine's own threads run beside it, and an intra-op team with a pre-empted thread
+waits at its barrier (on the 2-core machine a step takes as long with one compute thread as with
+two). Disk I/O (O_DIRECT) is counted as taking no core.
 """
 from __future__ import annotations
 
@@ -205,6 +209,15 @@ def _matmul_rate(rates, shape, workload, bf16: bool = False) -> float:
     return float(rates.matmul_by_shape.get(key) or rates.matmul_flops)
 
 
+def _compute_rates(rates, shape, workload, *, bf16: bool, cuda: bool) -> tuple:
+    """(matmul, attention) FLOP/s of the step's compute: the measured rates, a CPU device's
+    (one thread's: ``MachineRates.compute_threads``) times the threads its compute gets."""
+    mm = _matmul_rate(rates, shape, workload, bf16)
+    at = (getattr(rates, "bf16_attention_flops", 0) if bf16 else 0) or rates.attention_flops or mm
+    scale = rates.compute_scale(cuda)
+    return mm * scale, at * scale
+
+
 def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
                  cache_bytes: Optional[int] = None) -> StepPrediction:
     """The predicted :class:`StepPrediction` of one optimizer step (see the module's docstring).
@@ -219,8 +232,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     a = step_amounts(units, shape, cfg, plan, workload, cuda=cuda, cache_bytes=cache_bytes)
     missing: List[str] = []
     bf16 = cfg.precision == "bf16"
-    mm = _matmul_rate(rates, shape, workload, bf16)
-    at = (getattr(rates, "bf16_attention_flops", 0) if bf16 else 0) or rates.attention_flops or mm
+    mm, at = _compute_rates(rates, shape, workload, bf16=bf16, cuda=cuda)
     ph = {"forward": _per(a["forward_flops"], mm, "matmul_flops", missing)
           + _per(a["attention_flops"]["forward"], at, "attention_flops", missing),
           "backward": _per(a["backward_flops"], mm, "matmul_flops", missing)
@@ -274,9 +286,10 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     first = opt * units[0].numel / max(a["params"], 1)              # the embedding's update: the forward's first need
 
     def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s):
+        team = 0 if cuda else rates.compute_team() if rates.compute_threads == 1 else cores
         streams = {"compute": compute_s, "h2d": h2d_s if cuda else 0.0, "d2h": d2h_s if cuda else 0.0,
                    "disk": disk_s, "optimizer": opt_s,
-                   "cpu": ((0.0 if cuda else compute_s * cores) + opt_core_s + copy_s) / cores}
+                   "cpu": (compute_s * team + opt_core_s + copy_s) / cores}
         key = max(streams, key=streams.get)
         if key == "cpu":   # CPU sharing is named by its largest user
             users = {"compute": 0.0 if cuda else compute_s, "optimizer": opt_core_s / cores}

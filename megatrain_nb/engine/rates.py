@@ -29,6 +29,9 @@ class MachineRates:
         2·B·H·S²·D FLOPs: the half of the square it needs) at head size 64 (``attention_by_head``
         per head size, the model's too when measured for one; :meth:`attention_rate`).
     bf16_matmul_flops / bf16_attention_flops: the same in bf16 (``EngineConfig(precision="bf16")``).
+    compute_threads: how many threads the matmul and attention rates were measured on: 1 for a
+        CPU device (one thread's rates: the prediction runs a CPU step's compute on
+        :meth:`compute_team` threads), 0 for a GPU (the device's own rate).
     disk_read / disk_write: bytes/s through the engine's own I/O path (O_DIRECT where the
         filesystem has it, its block sizes and queue depth) on ``disk_path``'s filesystem.
     adamw_per_thread: parameters/s of the fused CPU AdamW on one thread (fp32 states).
@@ -48,6 +51,7 @@ class MachineRates:
     attention_by_head: dict = field(default_factory=dict)
     bf16_matmul_flops: float = 0.0
     bf16_attention_flops: float = 0.0
+    compute_threads: int = 0
     disk_read: float = 0.0
     disk_write: float = 0.0
     disk_path: Optional[str] = None
@@ -71,6 +75,19 @@ class MachineRates:
         return cls(**d)
 
     # ------------------------------------------------------------------------------ look-ups
+    def compute_team(self) -> int:
+        """Threads a CPU device's compute runs at full speed on: every core but one. The engine's
+        own threads (the copies into the slots, the gradient intake, AdamW, the codecs) run beside
+        the compute, and an intra-op team one of whose threads is pre-empted waits at its barrier:
+        measured on a 2-core machine, a step took the same time with one compute thread as with
+        two (bench_prediction.py), so one core's worth of the team goes to those threads."""
+        return max(int(self.cores or 1) - 1, 1)
+
+    def compute_scale(self, cuda: bool) -> float:
+        """What the matmul/attention rates are multiplied by for a step's compute: the CPU
+        team's threads when the rates are one thread's (``compute_threads`` 1), else 1."""
+        return float(self.compute_team()) if not cuda and self.compute_threads == 1 else 1.0
+
     def matmul_rate(self, m: int, k: int, n: int, *, bf16: bool = False) -> float:
         """FLOP/s of an (m x k) @ (k x n) matmul: the measured shape "MxKxN" if there is one, else
         the measured shape with the same K and N (the rate hardly depends on the token count once
@@ -129,18 +146,19 @@ def _flops(v: float) -> str:
 
 def _rows(r: MachineRates) -> list:
     """(what, rate, the field whose source or detail goes beside it)."""
+    one = " per thread" if r.compute_threads == 1 else ""
     rows = [("cores", str(r.cores), "cores"),
             ("h2d pageable", _bps(r.h2d_pageable), "h2d_pageable"),
             ("h2d pinned", _bps(r.h2d_pinned), "h2d_pinned"),
             ("d2h pageable", _bps(r.d2h_pageable), "d2h_pageable"),
             ("d2h pinned", _bps(r.d2h_pinned), "d2h_pinned"),
-            ("matmul fp32", _flops(r.matmul_flops), "matmul_flops")]
+            (f"matmul fp32{one}", _flops(r.matmul_flops), "matmul_flops")]
     rows += [(f"  at {key}", _flops(v), None) for key, v in sorted(r.matmul_by_shape.items())]
-    rows.append(("attention fp32 (SDPA)", _flops(r.attention_flops), "attention_flops"))
+    rows.append((f"attention fp32 (SDPA){one}", _flops(r.attention_flops), "attention_flops"))
     heads = sorted(r.attention_by_head.items(), key=lambda x: int(x[0]))
     rows += [(f"  head size {h}", _flops(v), None) for h, v in heads]
-    rows += [("matmul bf16", _flops(r.bf16_matmul_flops), "bf16_matmul_flops"),
-             ("attention bf16 (SDPA)", _flops(r.bf16_attention_flops), "bf16_attention_flops"),
+    rows += [(f"matmul bf16{one}", _flops(r.bf16_matmul_flops), "bf16_matmul_flops"),
+             (f"attention bf16 (SDPA){one}", _flops(r.bf16_attention_flops), "bf16_attention_flops"),
              ("disk read", _bps(r.disk_read), "disk_read"),
              ("disk write", _bps(r.disk_write), "disk_write"),
              ("AdamW per thread", f"{r.adamw_per_thread / 1e6:.0f} M params/s" if r.adamw_per_thread else

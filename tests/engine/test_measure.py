@@ -7,6 +7,7 @@ import math
 import os
 
 import pytest
+import torch
 
 import megatrain_nb as mt
 from megatrain_nb.cli import main
@@ -36,6 +37,7 @@ def _quick(offload_dir, **kw):
 
 
 def test_every_rate_is_measured_positive_and_finite_on_cpu(cache, tmp_path):
+    threads_before = torch.get_num_threads()
     r = _quick(tmp_path, model="micro")
     assert measure.check_finite(r) == []
     assert r.device == "cpu" and r.source == "measured" and r.cores >= 1
@@ -45,6 +47,8 @@ def test_every_rate_is_measured_positive_and_finite_on_cpu(cache, tmp_path):
     assert set(r.attention_by_head) == {"64", "16"}
     assert r.disk_path == str(tmp_path) and "I/O" in r.filesystem
     assert r.seconds_taken > 0 and r.measured_at > 0
+    assert r.compute_threads == 1 and "matmul fp32 per thread" in r.table()   # a CPU's: one thread's
+    assert torch.get_num_threads() == threads_before                        # and the threads as they were
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("megatrain-")]   # the store's folder went away
 
 

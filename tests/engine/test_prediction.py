@@ -132,6 +132,25 @@ def test_few_cores_add_the_cpu_phases_many_overlap_them():
     assert many.step_seconds < one.step_seconds
 
 
+def test_a_cpu_devices_one_thread_rates_run_on_every_core_but_one():
+    """A CPU device's compute rates are one thread's (compute_threads=1): its compute runs on
+    cores - 1 threads (at least one), the engine's own threads on the rest; a GPU's rates as they are."""
+    base, *_ = predict(rates(cores=2), cuda=False)
+    one2, *_ = predict(rates(cores=2, compute_threads=1), cuda=False)
+    one5, *_ = predict(rates(cores=5, compute_threads=1), cuda=False)
+    one1, *_ = predict(rates(cores=1, compute_threads=1), cuda=False)
+    gpu, *_ = predict(rates(cores=5, compute_threads=1), cuda=True)
+    gpu0, *_ = predict(rates(cores=5), cuda=True)
+    for phase in ("forward", "backward", "recompute"):
+        assert one2.phases[phase] == pytest.approx(base.phases[phase])          # 2 cores: one thread computes
+        assert one1.phases[phase] == pytest.approx(base.phases[phase])
+        assert one5.phases[phase] == pytest.approx(base.phases[phase] / 4)      # 5 cores: four
+        assert gpu.phases[phase] == pytest.approx(gpu0.phases[phase])
+    # the compute's core-seconds are its team's: on 2 cores the other core runs AdamW and the copies
+    assert one2.streams["cpu"] < base.streams["cpu"]
+    assert rates(cores=8).compute_team() == 7 and rates(cores=1).compute_team() == 1
+
+
 @pytest.mark.parametrize("changes, expect", [
     (dict(adamw_per_thread=1e5), "optimizer"),
     (dict(h2d_pinned=1e6), "host->device"),

@@ -10,7 +10,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # runs announce themselves (heartbeat files, trainer/control.py): into a folder of the test
 # session's own, never the user's Jupyter runtime folder
 os.environ.setdefault("MEGATRAIN_NB_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtnb-test-runtime-"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the test models are tiny (hidden 32-64), so a second torch thread buys
+# nothing, while the engine's own threads (prefetch, AdamW worker, codecs, disk) want the other
+# core, and on a busy 2-core machine torch's spinning OpenMP workers burned several times the CPU.
+# Measured: the slow engine tests 15-20% shorter with one thread than with two.
+torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):
@@ -79,6 +83,14 @@ SLOW_TESTS = {
     "tests/engine/test_disk_store.py::test_a_read_that_takes_seconds_still_returns_the_right_data",
     "tests/trainer/test_release.py::test_five_failing_trainers_leave_the_thread_count_flat",
     "tests/trainer/test_sft.py::test_engine_does_not_import_trl",
+    # fresh interpreters that import the whole stack (transformers, TRL, datasets), each several
+    # seconds: the preset's first loss in two processes, the TRAINING.md SFT snippet trained until
+    # it learns, SFT data preparation's stderr, the CLI without TRL, gpu_check's CPU rehearsal
+    "tests/notebook/test_display_round_two.py::test_a_preset_session_gives_the_same_first_loss_in_two_fresh_processes",
+    "tests/test_cli_display.py::test_the_readme_sft_snippet_visibly_learns",
+    "tests/test_cli_display.py::test_preparing_sft_data_shows_no_map_bars_and_no_gradient_checkpointing_warning",
+    "tests/test_cli_display.py::test_sft_without_trl_is_one_line_and_exit_2",
+    "tests/engine/test_gpu_check_rehearsal.py::test_cpu_rehearsal_passes_and_prints_result_lines",
 }
 
 

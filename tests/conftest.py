@@ -91,21 +91,38 @@ SLOW_TESTS = {
     "tests/test_cli_display.py::test_preparing_sft_data_shows_no_map_bars_and_no_gradient_checkpointing_warning",
     "tests/test_cli_display.py::test_sft_without_trl_is_one_line_and_exit_2",
     "tests/engine/test_gpu_check_rehearsal.py::test_cpu_rehearsal_passes_and_prints_result_lines",
+    # over ~1.5 s each in the fast set with one thread (a 24-layer model; the disk tier's variant
+    # of a case whose RAM variant stays; one door of four): a parametrized case by its own id
+    "tests/engine/test_host_budget.py::test_host_peak_within_a_tight_budget_with_the_disk_tier",
+    "tests/engine/test_host_in_flight.py::"
+    "test_clipped_gradients_held_on_disk_leave_the_staging_buffers_and_come_back_in_chunks",
+    "tests/trainer/test_recovery.py::test_a_run_that_diverges_twice_recovers_and_ends_reproducibly[disk]",
+    "tests/trainer/test_save_protocol.py::test_exception_at_every_step_of_a_save_keeps_a_complete_checkpoint"
+    "[existing-name]",
+    "tests/trainer/test_snapshot.py::test_resuming_a_snapshot_lands_on_the_uninterrupted_weights[disk-int8]",
+    "tests/lab/test_command_doors.py::test_every_command_through_every_door[inbox]",
 }
 
 
-def _mark_slow_kinds(items):
+def _mark_slow_kinds(items, args=()):
     modules = {}
     for item in items:
         name = item.nodeid.split("[", 1)[0]
         if getattr(item, "module", None) is not None:
             modules[name.split("::", 1)[0]] = item.module
         folder = item.path.parent.name
-        if folder in SLOW_FOLDERS or item.get_closest_marker("browser") or name in SLOW_TESTS:
+        if (folder in SLOW_FOLDERS or item.get_closest_marker("browser") or name in SLOW_TESTS
+                or item.nodeid in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
     # a renamed or removed test would silently stop being marked: refuse its stale entry
     stale = sorted(n for n in SLOW_TESTS if n.split("::", 1)[0] in modules
-                   and not hasattr(modules[n.split("::", 1)[0]], n.split("::", 1)[1]))
+                   and not hasattr(modules[n.split("::", 1)[0]], n.split("::", 1)[1].split("[", 1)[0]))
+    # a case named by its id: refused when its test's cases were all collected, without that id
+    # (not when the command line picked single tests or cases out of its file)
+    picked = {a.split("::", 1)[0] for a in args if "::" in a}
+    ids, cased = {item.nodeid for item in items}, {item.nodeid.split("[", 1)[0] for item in items}
+    stale += sorted(n for n in SLOW_TESTS if "[" in n and n.split("[", 1)[0] in cased and n not in ids
+                    and not any(n.startswith(p) or p.endswith(n.split("::", 1)[0]) for p in picked))
     if stale:
         raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}")
 
@@ -113,7 +130,7 @@ def _mark_slow_kinds(items):
 def pytest_collection_modifyitems(config, items):
     """Marks the slow kinds; without chromium (or playwright) the browser tests are left out,
     with one line saying why."""
-    _mark_slow_kinds(items)
+    _mark_slow_kinds(items, config.args)
     from tests.browser import missing
 
     browser = [item for item in items if item.get_closest_marker("browser")]

@@ -13,10 +13,27 @@ os.environ.setdefault("MEGATRAIN_NB_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtnb-
 # the engine's plans follow the planner's rules, never a measurement `megatrain-nb machine` cached
 # on the machine running the tests (engine/plan_pick.py); the tests of the predicted pick unset it
 os.environ["MEGATRAIN_NB_PLAN_BY"] = "rules"
-# and no test reads (or leaves) this machine's measured rates: predictions, the dashboard's
-# predicted step and the planner's pick see only the rates a test gives them
-os.environ["MEGATRAIN_NB_CACHE"] = tempfile.mkdtemp(prefix="mtnb-test-cache-")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def _test_cache() -> str:
+    """A cache folder of the session's own: no test reads (or leaves) this machine's measured rates
+    (predictions, the dashboard's predicted step and the planner's pick see only the rates a test
+    gives them); the built-in corpus's cached tokenizers are linked in, not built again."""
+    user = os.environ.get("MEGATRAIN_NB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatrain_nb")
+    own = tempfile.mkdtemp(prefix="mtnb-test-cache-")
+    if os.path.isdir(user):
+        for name in os.listdir(user):
+            if not name.startswith("machine-"):
+                os.symlink(os.path.join(user, name), os.path.join(own, name))
+    return own
+
+
+os.environ["MEGATRAIN_NB_CACHE"] = _test_cache()
+# One intra-op thread: the test models are tiny (hidden 32-64), so a second torch thread buys
+# nothing, while the engine's own threads (prefetch, AdamW worker, codecs, disk) want the other
+# core, and on a busy 2-core machine torch's spinning OpenMP workers burned several times the CPU.
+# Measured: the slow engine tests 15-20% shorter with one thread than with two.
+torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):
@@ -85,21 +102,46 @@ SLOW_TESTS = {
     "tests/engine/test_disk_store.py::test_a_read_that_takes_seconds_still_returns_the_right_data",
     "tests/trainer/test_release.py::test_five_failing_trainers_leave_the_thread_count_flat",
     "tests/trainer/test_sft.py::test_engine_does_not_import_trl",
+    # fresh interpreters that import the whole stack (transformers, TRL, datasets), each several
+    # seconds: the preset's first loss in two processes, the TRAINING.md SFT snippet trained until
+    # it learns, SFT data preparation's stderr, the CLI without TRL, gpu_check's CPU rehearsal
+    "tests/notebook/test_display_round_two.py::test_a_preset_session_gives_the_same_first_loss_in_two_fresh_processes",
+    "tests/test_cli_display.py::test_the_readme_sft_snippet_visibly_learns",
+    "tests/test_cli_display.py::test_preparing_sft_data_shows_no_map_bars_and_no_gradient_checkpointing_warning",
+    "tests/test_cli_display.py::test_sft_without_trl_is_one_line_and_exit_2",
+    "tests/engine/test_gpu_check_rehearsal.py::test_cpu_rehearsal_passes_and_prints_result_lines",
+    # over ~1.5 s each in the fast set with one thread (a 24-layer model; the disk tier's variant
+    # of a case whose RAM variant stays; one door of four): a parametrized case by its own id
+    "tests/engine/test_host_budget.py::test_host_peak_within_a_tight_budget_with_the_disk_tier",
+    "tests/engine/test_host_in_flight.py::"
+    "test_clipped_gradients_held_on_disk_leave_the_staging_buffers_and_come_back_in_chunks",
+    "tests/trainer/test_recovery.py::test_a_run_that_diverges_twice_recovers_and_ends_reproducibly[disk]",
+    "tests/trainer/test_save_protocol.py::test_exception_at_every_step_of_a_save_keeps_a_complete_checkpoint"
+    "[existing-name]",
+    "tests/trainer/test_snapshot.py::test_resuming_a_snapshot_lands_on_the_uninterrupted_weights[disk-int8]",
+    "tests/lab/test_command_doors.py::test_every_command_through_every_door[inbox]",
 }
 
 
-def _mark_slow_kinds(items):
+def _mark_slow_kinds(items, args=()):
     modules = {}
     for item in items:
         name = item.nodeid.split("[", 1)[0]
         if getattr(item, "module", None) is not None:
             modules[name.split("::", 1)[0]] = item.module
         folder = item.path.parent.name
-        if folder in SLOW_FOLDERS or item.get_closest_marker("browser") or name in SLOW_TESTS:
+        if (folder in SLOW_FOLDERS or item.get_closest_marker("browser") or name in SLOW_TESTS
+                or item.nodeid in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
     # a renamed or removed test would silently stop being marked: refuse its stale entry
     stale = sorted(n for n in SLOW_TESTS if n.split("::", 1)[0] in modules
-                   and not hasattr(modules[n.split("::", 1)[0]], n.split("::", 1)[1]))
+                   and not hasattr(modules[n.split("::", 1)[0]], n.split("::", 1)[1].split("[", 1)[0]))
+    # a case named by its id: refused when its test's cases were all collected, without that id
+    # (not when the command line picked single tests or cases out of its file)
+    picked = {a.split("::", 1)[0] for a in args if "::" in a}
+    ids, cased = {item.nodeid for item in items}, {item.nodeid.split("[", 1)[0] for item in items}
+    stale += sorted(n for n in SLOW_TESTS if "[" in n and n.split("[", 1)[0] in cased and n not in ids
+                    and not any(n.startswith(p) or p.endswith(n.split("::", 1)[0]) for p in picked))
     if stale:
         raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}")
 
@@ -107,7 +149,7 @@ def _mark_slow_kinds(items):
 def pytest_collection_modifyitems(config, items):
     """Marks the slow kinds; without chromium (or playwright) the browser tests are left out,
     with one line saying why."""
-    _mark_slow_kinds(items)
+    _mark_slow_kinds(items, config.args)
     from tests.browser import missing
 
     browser = [item for item in items if item.get_closest_marker("browser")]

@@ -141,7 +141,7 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
     from .planner import codec_bytes_per_param
 
     if not cfg.offload_dir:
-        return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0}
+        return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0, "state_read": 0, "state_write": 0}
     on_disk = plan.placement.get("master_weights") == "disk"
     per = codec_bytes_per_param(cfg.optimizer_compression)
     states = plan.placement.get("optimizer_states") == "disk"
@@ -153,6 +153,10 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
     raw_w = sum(b for _, op, b in seq if op == "W")
     cp = plan_cache(seq, max(int(cache_bytes), 0)) if seq else None
     read, write = (cp.read_bytes, cp.write_bytes) if cp else (0, 0)
+    # the optimizer states' share of what reaches the disk (the cache keeps each kind alike)
+    st_r = sum(b for k, op, b in seq if op == "R" and k.startswith("state-"))
+    st_w = sum(b for k, op, b in seq if op == "W" and k.startswith("state-"))
+    state_read, state_write = int(read * st_r / raw_r) if raw_r else 0, int(write * st_w / raw_w) if raw_w else 0
     if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
         n = 4 * sum(u.numel for u in units)
         read, write = read + n, write + n
@@ -160,7 +164,8 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
     if window.get("tier") == "disk":
         b = boundary_total(window)
         read, write = read + b, write + b
-    return {"read": read, "write": write, "raw_read": raw_r, "raw_write": raw_w}
+    return {"read": read, "write": write, "raw_read": raw_r, "raw_write": raw_w, "state_read": state_read,
+            "state_write": state_write}
 
 
 def boundary_total(window: dict) -> int:
@@ -250,7 +255,8 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     ph["codec"] = 0.0 if codec == "none" else _per(a["state_bytes_fp32"], (rates.codec_per_thread or {}).get(codec, 0),
                                                    f"codec_per_thread[{codec}]", missing)
     pred = _schedule(ph, a, rates, cuda=cuda, clipped=workload.clipped, units=units)
-    pred.bytes = {"h2d": a["h2d"], "d2h": a["d2h"], "disk_read": a["disk"]["read"], "disk_write": a["disk"]["write"]}
+    pred.bytes = {"h2d": a["h2d"], "d2h": a["d2h"], "disk_read": a["disk"]["read"], "disk_write": a["disk"]["write"],
+                  "disk_state_read": a["disk"]["state_read"], "disk_state_write": a["disk"]["state_write"]}
     pred.flops = a["forward_flops"] + a["backward_flops"] + a["recompute_flops"] + sum(a["attention_flops"].values())
     pred.source = rates.source
     if missing:
@@ -285,12 +291,20 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     f = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0          # the forward's share of the loads
     first = opt * units[0].numel / max(a["params"], 1)              # the embedding's update: the forward's first need
 
+    team = 0 if cuda else rates.compute_team() if rates.compute_threads == 1 else cores
+    # the update chain: a unit's update reads its states, decodes, steps, encodes and writes them
+    # back; its disk traffic and its CPU work (on the cores the compute leaves) add up
+    state_disk = _per(a["disk"]["state_read"], rates.disk_read, "", []) + \
+        _per(a["disk"]["state_write"], rates.disk_write, "", [])
+    chain = state_disk + (opt if cuda else max(opt, opt_cpu / max(cores - team, 1)))
+
     def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s):
-        team = 0 if cuda else rates.compute_team() if rates.compute_threads == 1 else cores
         streams = {"compute": compute_s, "h2d": h2d_s if cuda else 0.0, "d2h": d2h_s if cuda else 0.0,
                    "disk": disk_s, "optimizer": opt_s,
                    "cpu": (compute_s * team + opt_core_s + copy_s) / cores}
         key = max(streams, key=streams.get)
+        if key == "optimizer" and state_disk > chain / 2:   # an update chain mostly waiting on the disk
+            key = "disk"
         if key == "cpu":   # CPU sharing is named by its largest user
             users = {"compute": 0.0 if cuda else compute_s, "optimizer": opt_core_s / cores}
             key = max(users, key=users.get) + "+cpu"
@@ -298,9 +312,11 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
 
     fc, bc = ph["forward"], ph["backward"] + ph["recompute"]
     on_f = 1.0 if clipped else 0.0
-    tf, sf, kf = window(fc, ph["h2d"] * f, 0.0, disk * f, opt * on_f, opt_cpu * on_f, copy_cpu * f)
-    tb, sb, kb = window(bc, ph["h2d"] * (1 - f), ph["d2h"], disk * (1 - f), opt * (1 - on_f), opt_cpu * (1 - on_f),
-                        copy_cpu * (1 - f))
+    other = disk - state_disk   # the weights' (and held gradients', boundaries') traffic follows the loads
+    tf, sf, kf = window(fc, ph["h2d"] * f, 0.0, other * f + state_disk * on_f, chain * on_f, opt_cpu * on_f,
+                        copy_cpu * f)
+    tb, sb, kb = window(bc, ph["h2d"] * (1 - f), ph["d2h"], other * (1 - f) + state_disk * (1 - on_f),
+                        chain * (1 - on_f), opt_cpu * (1 - on_f), copy_cpu * (1 - f))
     overlaps = ["host->device prefetch overlaps the compute (the next units load while one computes)",
                 "disk reads run ahead and writes behind in the I/O threads (reads and writes share the disk)"]
     if not cuda:

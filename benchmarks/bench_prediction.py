@@ -56,7 +56,9 @@ CONFIGS = {
 #: the telemetry's wait (stall_seconds) that shows each predicted bottleneck
 #: (on a CPU "device" a unit's copy into its slot is a memcpy in a thread of its own: a wait for
 #: it is a wait for a core, what "compute (sharing the CPU cores)" predicts)
-WAITS = {"disk": ("disk", "host_cache"), "optimizer": ("optimizer", "decode"),
+#: (a forward waiting for a unit's pending update -- the weights' copy waits, ``optimizer_exposed`` --
+#: waits for the optimizer, not for the copy: that part of the "device" wait is the optimizer's)
+WAITS = {"disk": ("disk", "host_cache"), "optimizer": ("optimizer", "decode", "optimizer_exposed"),
          "compute (sharing the CPU cores)": ("device", "grad_return")}
 
 
@@ -117,8 +119,9 @@ def attention_rate(seq: int, h: int, heads: int) -> float:
 
 
 def compute_now(rates: MachineRates, seq: int) -> MachineRates:
-    """``rates`` with the compute rates measured again now: on a shared machine the cores' load
-    changes within minutes, and a configuration runs against the rates of its own minutes."""
+    """``rates`` with the compute rates (and the per-thread AdamW and codec rates) measured again
+    now: on a shared machine the cores' load changes within minutes, and a configuration runs
+    against the rates of its own minutes."""
     h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
     n = torch.get_num_threads()
     torch.set_num_threads(1)   # one thread's rates, as measure_machine takes a CPU device's (compute_threads=1)
@@ -126,7 +129,12 @@ def compute_now(rates: MachineRates, seq: int) -> MachineRates:
         mm, at = layer_matmul_rate(seq, h, i), attention_rate(seq, h, heads)
     finally:
         torch.set_num_threads(n)
+    from megatrain_nb.engine.measure import sizes_for, update_rates
+
+    # the CPU's per-thread update rates too, as measure_machine takes them (beside a compute thread)
+    adamw, codecs = update_rates(torch.device("cpu"), sizes_for(False, False))
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
+                               adamw_per_thread=adamw, codec_per_thread=codecs,
                                source=rates.source + " (compute now)")
 
 
@@ -216,6 +224,9 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     n = max(tel1["steps"] - tel0["steps"], 1)
     waits = {k: (tel1["stall_seconds"].get(k, 0.0) - tel0["stall_seconds"].get(k, 0.0)) / n
              for k in tel1["stall_seconds"]}
+    exposed = (tel1["optimizer_exposed_seconds"] - tel0["optimizer_exposed_seconds"]) / n
+    waits["optimizer_exposed"] = exposed
+    waits["device"] = max(waits.get("device", 0.0) - exposed, 0.0)
     disk = (tel1["bytes"]["disk_to_host"] - tel0["bytes"]["disk_to_host"]) / n, \
         (tel1["bytes"]["host_to_disk"] - tel0["bytes"]["host_to_disk"]) / n
     trainer.close()

@@ -57,6 +57,7 @@ mtnb-publisher | Publisher | 1 per session (mtnb-publisher-<name>) | - | - | the
 mtnb-beacon | SessionBeacon | 1 per session (mtnb-beacon-<id>) | - | - | heartbeat file, command inbox
 mtnb-samples | SampleWatch | 1 per session with a sample prompt (mtnb-samples-<name>) | - | - | draws the answers to the sample prompt (a caller of the engine, as generate())
 mtnb-controller-watch | launch_worker | 1 on rank 0 | - | - | stops the run if the launching kernel dies
+mtnb-measure | measure_machine | 1 while it measures a CPU device's update rates | - | - | one-thread matmuls beside the AdamW and codec measurements
 """
 _SETTINGS = {"-": None, "one torch thread": one_torch_thread}
 
@@ -80,6 +81,7 @@ MANIFEST, SNAPSHOT, SESSION = THREADS["mtnb-manifest"], THREADS["mtnb-snapshot"]
 PUBLISHER, BEACON = THREADS["mtnb-publisher"], THREADS["mtnb-beacon"]
 SAMPLES = THREADS["mtnb-samples"]
 CONTROLLER_WATCH = THREADS["mtnb-controller-watch"]
+MEASURE = THREADS["mtnb-measure"]
 
 
 def thread_name(spec: ThreadSpec, suffix: str = "") -> str:

@@ -36,6 +36,7 @@ import os
 import socket
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megatrain_nb.model_source import resolve
+from megatrain_nb.threads import MEASURE, thread_name
 
 from . import family
 from .codecs import codec_names, get_codec
@@ -72,12 +74,13 @@ class Sizes:
     codec_numel: int
     budget_s: float
     min_runs: int
+    codec_span: int = 16        # chunks the codec cycles over (a working set beyond the caches)
 
 
 def sizes_for(cuda: bool, quick: bool) -> Sizes:
     """The sizes for a CUDA device or a CPU one; ``quick``: tiny ones (tests)."""
     if quick:
-        return Sizes(256 * 1024, 2e6, 128, (32, 64, 64), (2, 32), 1 * MIB, 2, 4096, 4096, 0.0, 1)
+        return Sizes(256 * 1024, 2e6, 128, (32, 64, 64), (2, 32), 1 * MIB, 2, 4096, 4096, 0.0, 1, 1)
     if cuda:
         return Sizes(256 * MIB, 2e12, 16384, (4096, 4096, 4096), (16, 2048), 64 * MIB, 4, 1 << 24, 1 << 20, 0.4, 3)
     return Sizes(64 * MIB, 1.5e9, 2048, (512, 1024, 1024), (8, 512), 32 * MIB, 4, 1 << 24, 1 << 20, 0.4, 3)
@@ -205,11 +208,13 @@ def measure_adamw(numel: int, sizes: Sizes) -> float:
             return _rate(opt.step, numel, sizes)
 
 
-def measure_codecs(numel: int, sizes: Sizes) -> dict:
-    """Per codec (not "none"): fp32 bytes/s of encoding and decoding both moments, one thread."""
+def measure_codecs(numel: int, sizes: Sizes, span: int = 1) -> dict:
+    """Per codec (not "none"): fp32 bytes/s of encoding and decoding both moments, one thread,
+    one ``numel`` chunk at a time over ``span`` chunks (a model's states are far larger than the
+    caches: ``span`` 16 makes the working set so too)."""
 
     out = {}
-    x = {"exp_avg": torch.randn(numel) * 1e-3, "exp_avg_sq": torch.rand(numel) * 1e-6}
+    x = {"exp_avg": torch.randn(numel * span) * 1e-3, "exp_avg_sq": torch.rand(numel * span) * 1e-6}
     with _OneThread():
         for name in codec_names():
             if name == "none":
@@ -217,12 +222,48 @@ def measure_codecs(numel: int, sizes: Sizes) -> dict:
             seconds = 0.0
             for role, t in x.items():
                 codec = get_codec(name, role)
-                enc = codec.encode(t)
-                back = torch.empty_like(t)
-                seconds += 4 * numel / _rate(lambda: codec.encode(t), 4 * numel, sizes)
-                seconds += 4 * numel / _rate(lambda: codec.decode(enc, back), 4 * numel, sizes)
+                chunks = list(t.split(numel))
+                encs = [codec.encode(c) for c in chunks]
+                back = torch.empty(numel)
+                turn = iter(range(1 << 30))
+                seconds += 4 * numel / _rate(lambda: codec.encode(chunks[next(turn) % span]), 4 * numel, sizes)
+                seconds += 4 * numel / _rate(lambda: codec.decode(encs[next(turn) % span], back), 4 * numel, sizes)
             out[name] = 2 * 4 * numel / seconds
     return out
+
+
+class _BesideCompute:
+    """On a CPU device, a thread running one-thread matmuls while the block measures: the engine
+    runs AdamW and the codecs beside its compute (memory bandwidth and caches shared), and their
+    rates measured alone were about twice what a training step saw (bench_prediction.py)."""
+
+    def __init__(self, dev: torch.device):
+        self.on = dev.type != "cuda"
+        self.stop = threading.Event()
+
+    def _spin(self) -> None:
+        torch.set_num_threads(1)
+        a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+        while not self.stop.is_set():
+            a @ b
+
+    def __enter__(self):
+        if self.on:
+            self.thread = threading.Thread(target=self._spin, name=thread_name(MEASURE), daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.stop.set()
+            self.thread.join(timeout=10)
+
+
+def update_rates(dev: torch.device, sizes: Sizes) -> tuple:
+    """(AdamW parameters/s, codec bytes/s per codec), per thread, as the engine runs them: beside
+    the compute on a CPU device, over a working set larger than the caches."""
+    with _BesideCompute(dev):
+        return measure_adamw(sizes.adamw_numel, sizes), measure_codecs(sizes.codec_numel, sizes, sizes.codec_span)
 
 
 def cores() -> int:
@@ -332,8 +373,7 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
     r.disk_read, r.disk_write = disk["disk_read"], disk["disk_write"]
     r.disk_path = root
     r.filesystem = fs_text + (", direct I/O" if disk["direct_io"] else ", buffered I/O (no O_DIRECT)")
-    r.adamw_per_thread = measure_adamw(sizes.adamw_numel, sizes)
-    r.codec_per_thread = measure_codecs(sizes.codec_numel, sizes)
+    r.adamw_per_thread, r.codec_per_thread = update_rates(dev, sizes)
     _add_model(r, dev, sizes, shapes)
     r.measured_at = time.time()
     r.seconds_taken = time.perf_counter() - t0

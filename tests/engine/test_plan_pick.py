@@ -18,7 +18,8 @@ from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine import plan_pick
 from megatrain_nb.engine.best_plans import best_plans, candidate_choices
 from megatrain_nb.engine.planner import ModelShape, UnitSpec, Workload, engine_plan, unit_specs_from_config
-from megatrain_nb.engine.rates import MachineRates
+
+from .test_prediction import rates   # the same made-up rates
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
@@ -26,12 +27,6 @@ BUDGETS = dict(device="cpu", max_vram_gb=0.0016, max_host_gb=0.0042)
 WORK = Workload(batch=1, seq=64, accumulation=8)
 
 
-def rates(**changes) -> MachineRates:
-    base = dict(device="test", cores=64, h2d_pinned=10e9, d2h_pinned=10e9, h2d_pageable=10e9, d2h_pageable=10e9,
-                matmul_flops=1e12, attention_flops=1e12, disk_read=1e9, disk_write=1e9, adamw_per_thread=1e9,
-                codec_per_thread={"int8": 1e9, "int4": 1e9}, source="made-up")
-    base.update(changes)
-    return MachineRates(**base)
 
 
 SLOW_DISK = rates(disk_read=1e5, disk_write=1e5)

@@ -30,3 +30,14 @@ def fake_session(tmp_path):
 
     yield make
     close_sessions(made, timeout=10)
+
+
+@pytest.fixture
+def ip():
+    """An IPython shell with ``%load_ext megatrain_nb`` (the magics' tests)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "megatrain_nb")
+    yield shell
+    shell.run_line_magic("unload_ext", "megatrain_nb")

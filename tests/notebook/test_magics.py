@@ -6,16 +6,6 @@ from nb_fakes import wait_until
 
 
 @pytest.fixture
-def ip():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "megatrain_nb")
-    yield shell
-    shell.run_line_magic("unload_ext", "megatrain_nb")
-
-
-@pytest.fixture
 def no_sessions(monkeypatch):
     monkeypatch.setattr(registry, "_current", None)
     monkeypatch.setattr(registry, "_by_name", registry.weakref.WeakValueDictionary())

@@ -16,16 +16,6 @@ def made_up_rates():
 
 
 @pytest.fixture
-def ip():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "megatrain_nb")
-    yield shell
-    shell.run_line_magic("unload_ext", "megatrain_nb")
-
-
-@pytest.fixture
 def session(tmp_path, monkeypatch):
     import datasets
     from transformers import AutoModelForCausalLM, TrainingArguments

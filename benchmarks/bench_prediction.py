@@ -132,9 +132,9 @@ def compute_now(rates: MachineRates, seq: int) -> MachineRates:
     from megatrain_nb.engine.measure import sizes_for, update_rates
 
     # the CPU's per-thread update rates too, as measure_machine takes them (beside a compute thread)
-    adamw, codecs = update_rates(torch.device("cpu"), sizes_for(False, False))
+    adamw, codecs, chain = update_rates(torch.device("cpu"), sizes_for(False, False))
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
-                               adamw_per_thread=adamw, codec_per_thread=codecs,
+                               adamw_per_thread=adamw, codec_per_thread=codecs, update_chain=chain,
                                source=rates.source + " (compute now)")
 
 
@@ -259,7 +259,8 @@ def main() -> int:
     print(f"rates ({time.perf_counter() - t0:.1f} s): cores {rates.cores}, matmul {rates.matmul_flops / 1e9:.1f} "
           f"GFLOP/s, attention {rates.attention_flops / 1e9:.1f} GFLOP/s, memcpy {rates.h2d_pageable / 1e9:.2f} GB/s, "
           f"disk read {rates.disk_read / 1e9:.2f} GB/s write {rates.disk_write / 1e9:.2f} GB/s, AdamW "
-          f"{rates.adamw_per_thread / 1e6:.0f} M params/s, codec {rates.codec_per_thread}")
+          f"{rates.adamw_per_thread / 1e6:.0f} M params/s, codec {rates.codec_per_thread}, update chain "
+          f"{rates.update_chain}")
     worst, agree, names = 1.0, 0, [n for n in CONFIGS if not a.only or n in a.only]
     for name in names:
         r = run_config(name, CONFIGS[name], rates, folder, a.steps, a.seq)

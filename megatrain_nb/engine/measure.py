@@ -75,12 +75,13 @@ class Sizes:
     budget_s: float
     min_runs: int
     codec_span: int = 16        # chunks the codec cycles over (a working set beyond the caches)
+    chain_numel: int = 1 << 22  # one unit's update, measured whole (a layer of a ~1B model)
 
 
 def sizes_for(cuda: bool, quick: bool) -> Sizes:
     """The sizes for a CUDA device or a CPU one; ``quick``: tiny ones (tests)."""
     if quick:
-        return Sizes(256 * 1024, 2e6, 128, (32, 64, 64), (2, 32), 1 * MIB, 2, 4096, 4096, 0.0, 1, 1)
+        return Sizes(256 * 1024, 2e6, 128, (32, 64, 64), (2, 32), 1 * MIB, 2, 4096, 4096, 0.0, 1, 1, 1 << 14)
     if cuda:
         return Sizes(256 * MIB, 2e12, 16384, (4096, 4096, 4096), (16, 2048), 64 * MIB, 4, 1 << 24, 1 << 20, 0.4, 3)
     return Sizes(64 * MIB, 1.5e9, 2048, (512, 1024, 1024), (8, 512), 32 * MIB, 4, 1 << 24, 1 << 20, 0.4, 3)
@@ -259,11 +260,41 @@ class _BesideCompute:
             self.thread.join(timeout=10)
 
 
+def measure_update_chain(codec: str, numel: int, sizes: Sizes) -> float:
+    """Parameters/s of one unit's whole update with compressed states, as the engine runs it:
+    ``OptimizerStates.update`` -- each chunk of the moments decoded in ``mtnb-decode`` a chunk
+    ahead, AdamW on it in this thread, encoded in ``mtnb-encode`` a chunk behind, the codes
+    stored. (Its stages' rates alone missed the hand-offs and the sharing: the chain ran about
+    twice as long in a training step as their sum said.)"""
+    from types import SimpleNamespace
+
+    from .optimizer import UnitAdamW
+    from .states import OptimizerStates
+    from .telemetry import Telemetry
+
+    unit = SimpleNamespace(index=0, numel=numel, name="measure", decay_numel=numel)   # (all decayed)
+    states = OptimizerStates([unit], SimpleNamespace(optimizer_compression=codec), Telemetry())
+    adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    p, g = torch.randn(numel), torch.randn(numel) * 1e-3
+
+    def one():
+        run = adam.start_unit(unit, p, collect_stats=False)
+        states.update(unit, lambda a, b, m, v, q=None: run.step(a, b, g, m, v, 1e-4, params=q))
+        run.finish(g, grad_norm=None)
+    try:
+        with _OneThread():
+            return _rate(one, numel, sizes)
+    finally:
+        states.close()
+
+
 def update_rates(dev: torch.device, sizes: Sizes) -> tuple:
-    """(AdamW parameters/s, codec bytes/s per codec), per thread, as the engine runs them: beside
-    the compute on a CPU device, over a working set larger than the caches."""
+    """(AdamW parameters/s, codec bytes/s per codec, the update chain's parameters/s per codec),
+    per thread, as the engine runs them: beside the compute on a CPU device, over a working set
+    larger than the caches."""
     with _BesideCompute(dev):
-        return measure_adamw(sizes.adamw_numel, sizes), measure_codecs(sizes.codec_numel, sizes, sizes.codec_span)
+        chain = {name: measure_update_chain(name, sizes.chain_numel, sizes) for name in codec_names() if name != "none"}
+        return measure_adamw(sizes.adamw_numel, sizes), measure_codecs(sizes.codec_numel, sizes, sizes.codec_span), chain
 
 
 def cores() -> int:
@@ -373,7 +404,7 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
     r.disk_read, r.disk_write = disk["disk_read"], disk["disk_write"]
     r.disk_path = root
     r.filesystem = fs_text + (", direct I/O" if disk["direct_io"] else ", buffered I/O (no O_DIRECT)")
-    r.adamw_per_thread, r.codec_per_thread = update_rates(dev, sizes)
+    r.adamw_per_thread, r.codec_per_thread, r.update_chain = update_rates(dev, sizes)
     _add_model(r, dev, sizes, shapes)
     r.measured_at = time.time()
     r.seconds_taken = time.perf_counter() - t0

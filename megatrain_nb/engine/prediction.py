@@ -201,7 +201,7 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
         "h2d": sum(u.numel for u in order) * cb + boundary, "d2h": 4 * total * groups + boundary,
         "forward_loads": sum(u.numel for u in order[:len(units)]) * cb,
         "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes),
-        "params": total, "state_bytes_fp32": 8 * total,
+        "params": total, "state_bytes_fp32": 8 * total, "codec": cfg.optimizer_compression,
     }
 
 
@@ -293,10 +293,15 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
 
     team = 0 if cuda else rates.compute_team() if rates.compute_threads == 1 else cores
     # the update chain: a unit's update reads its states, decodes, steps, encodes and writes them
-    # back; its disk traffic and its CPU work (on the cores the compute leaves) add up
+    # back; its disk traffic and its CPU work (on the cores the compute leaves; with compressed
+    # states, at the chain's own measured rate where there is one) add up
     state_disk = _per(a["disk"]["state_read"], rates.disk_read, "", []) + \
         _per(a["disk"]["state_write"], rates.disk_write, "", [])
-    chain = state_disk + (opt if cuda else max(opt, opt_cpu / max(cores - team, 1)))
+    measured = (getattr(rates, "update_chain", None) or {}).get(a["codec"])
+    if measured:   # the whole chain measured as the engine runs it (measure.measure_update_chain)
+        chain = state_disk + a["params"] / measured
+    else:
+        chain = state_disk + (opt if cuda else max(opt, opt_cpu / max(cores - team, 1)))
 
     def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s):
         streams = {"compute": compute_s, "h2d": h2d_s if cuda else 0.0, "d2h": d2h_s if cuda else 0.0,

@@ -36,6 +36,9 @@ class MachineRates:
         filesystem has it, its block sizes and queue depth) on ``disk_path``'s filesystem.
     adamw_per_thread: parameters/s of the fused CPU AdamW on one thread (fp32 states).
     codec_per_thread: bytes of fp32 states/s encoded+decoded on one thread, per codec ("int8", "int4").
+    update_chain: parameters/s of one unit's whole update with compressed states, per codec, as
+        the engine runs it (decode thread, AdamW, encode thread, the codes stored; beside a
+        compute thread on a CPU device); the prediction prices a step's updates at it when measured.
     source: "measured" or a profile's name; ``sources`` maps a field to its published source.
     """
 
@@ -58,6 +61,7 @@ class MachineRates:
     filesystem: Optional[str] = None
     adamw_per_thread: float = 0.0
     codec_per_thread: dict = field(default_factory=dict)
+    update_chain: dict = field(default_factory=dict)
     source: str = "measured"
     sources: dict = field(default_factory=dict)
     measured_at: Optional[float] = None
@@ -168,6 +172,8 @@ def _rows(r: MachineRates) -> list:
              for name, v in sorted(codecs.items())]
     if not codecs:
         rows.append(("codecs per thread", "-", "codec_per_thread"))
+    rows += [(f"update chain {name}", f"{v / 1e6:.0f} M params/s", "update_chain")
+             for name, v in sorted((r.update_chain or {}).items())]
     return rows
 
 

@@ -156,6 +156,17 @@ def test_a_cpu_devices_one_thread_rates_run_on_every_core_but_one():
     assert rates(cores=8).compute_team() == 7 and rates(cores=1).compute_team() == 1
 
 
+def test_a_measured_update_chain_prices_the_compressed_updates():
+    """With the update chain measured (decode, AdamW, encode as the engine runs them), a step's
+    compressed updates take params / its rate (plus the states' disk traffic) in their window."""
+    slow = dict(update_chain={"int8": 1e5}, cores=2, compute_threads=1)
+    p, *_ = predict(rates(**slow), clipped=True, cuda=False, optimizer_compression="int8")
+    free, *_ = predict(rates(**slow), clipped=True, cuda=False)   # fp32 states: no chain rate applies
+    assert p.windows["forward + updates"] == pytest.approx(N / 1e5)
+    assert p.bottleneck == "optimizer"
+    assert free.windows["forward + updates"] < N / 1e5 / 10
+
+
 @pytest.mark.parametrize("changes, expect", [
     (dict(adamw_per_thread=1e5), "optimizer"),
     (dict(h2d_pinned=1e6), "host->device"),

@@ -40,6 +40,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -52,8 +53,11 @@ from .codecs import codec_names, get_codec
 from .disk_format import aligned_empty
 from .disk_store import DiskStore
 from .diskspace import filesystem_of, filesystem_text
+from .optimizer import UnitAdamW
 from .pinned import release_cached_pinned
 from .rates import MachineRates, shape_key
+from .states import OptimizerStates
+from .telemetry import Telemetry
 
 CACHE_VERSION = 1
 MIB = 1 << 20
@@ -266,12 +270,6 @@ def measure_update_chain(codec: str, numel: int, sizes: Sizes) -> float:
     ahead, AdamW on it in this thread, encoded in ``mtnb-encode`` a chunk behind, the codes
     stored. (Its stages' rates alone missed the hand-offs and the sharing: the chain ran about
     twice as long in a training step as their sum said.)"""
-    from types import SimpleNamespace
-
-    from .optimizer import UnitAdamW
-    from .states import OptimizerStates
-    from .telemetry import Telemetry
-
     unit = SimpleNamespace(index=0, numel=numel, name="measure", decay_numel=numel)   # (all decayed)
     states = OptimizerStates([unit], SimpleNamespace(optimizer_compression=codec), Telemetry())
     adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

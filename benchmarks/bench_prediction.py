@@ -5,9 +5,11 @@ Rates: ``mt.measure_machine`` (``megatrain_nb.engine.measure``) when this build 
 small local measurement here (:func:`local_rates`: a matmul and an attention at the model's
 shapes, a memcpy of one layer, ``dd`` with direct I/O on the offload folder's disk, the fused
 AdamW and the codec on one layer's elements), taken once, before the configurations, in the
-same run; before each configuration the compute rates (matmul, attention) are measured again
-(a shared machine's load changes within minutes) and both predictions are printed, the
-RESULT lines using the fresh one. The model is never fitted to this run: the prediction is the engine's schedule priced
+same run; just before and just after each configuration's steps the compute rates (matmul,
+attention) and the per-thread update rates (AdamW, codecs, the update chain) are measured again
+(a shared machine's load changes within minutes, and one measurement on this VM moves by up to
+1.4x between back-to-back calls): the RESULT lines use the prediction at the mean of the two,
+the lines before them also print it at the rates measured before only and at the start. The model is never fitted to this run: the prediction is the engine's schedule priced
 at those rates (engine/prediction.py).
 
 Configurations (the same model, batch 1 x seq ``--seq``):
@@ -118,7 +120,7 @@ def attention_rate(seq: int, h: int, heads: int) -> float:
     return 2.0 * seq * seq * h / timed(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), 10)
 
 
-def compute_now(rates: MachineRates, seq: int) -> MachineRates:
+def compute_now(rates: MachineRates, seq: int, folder: str) -> MachineRates:
     """``rates`` with the compute rates (and the per-thread AdamW and codec rates) measured again
     now: on a shared machine the cores' load changes within minutes, and a configuration runs
     against the rates of its own minutes."""
@@ -129,13 +131,31 @@ def compute_now(rates: MachineRates, seq: int) -> MachineRates:
         mm, at = layer_matmul_rate(seq, h, i), attention_rate(seq, h, heads)
     finally:
         torch.set_num_threads(n)
-    from megatrain_nb.engine.measure import sizes_for, update_rates
+    from megatrain_nb.engine.measure import measure_compute_beside_disk, sizes_for, update_rates
 
-    # the CPU's per-thread update rates too, as measure_machine takes them (beside a compute thread)
-    adamw, codecs, chain = update_rates(torch.device("cpu"), sizes_for(False, False))
+    # the CPU's per-thread update rates too, as measure_machine takes them (beside a compute
+    # thread), and the compute's rate beside the disk tier's I/O over its rate alone
+    sizes = sizes_for(False, False)
+    adamw, codecs, chain = update_rates(torch.device("cpu"), sizes)
+    beside = measure_compute_beside_disk(folder, sizes)
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
                                adamw_per_thread=adamw, codec_per_thread=codecs, update_chain=chain,
+                               compute_beside_disk=beside,
                                source=rates.source + " (compute now)")
+
+
+def mean_rates(a: MachineRates, b: MachineRates) -> MachineRates:
+    """``a`` with the compute and per-thread update rates the mean of ``a``'s and ``b``'s: the rates
+    measured just before a configuration's steps and just after them (on this VM one measurement
+    of the update chain moved by 1.4x between back-to-back calls; the pair brackets the steps)."""
+    def avg(x, y):
+        return {k: (x[k] + y[k]) / 2 for k in x if k in y}
+    return dataclasses.replace(a, matmul_flops=(a.matmul_flops + b.matmul_flops) / 2,
+                               attention_flops=(a.attention_flops + b.attention_flops) / 2,
+                               adamw_per_thread=(a.adamw_per_thread + b.adamw_per_thread) / 2,
+                               codec_per_thread=avg(a.codec_per_thread, b.codec_per_thread),
+                               update_chain=avg(a.update_chain, b.update_chain),
+                               compute_beside_disk=(a.compute_beside_disk + b.compute_beside_disk) / 2, source=a.source + " (before/after mean)")
 
 
 def codec_rate(name: str, chunk: int = 1 << 20) -> float:
@@ -192,8 +212,9 @@ def rates_for(folder: str, seq: int) -> MachineRates:
 
 
 def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: int, seq: int) -> dict:
-    """Median measured step of one configuration and ``trainer.prediction`` at ``rates`` (with
-    the compute rates measured again just before its steps: ``pred``; as given: ``pred_start``)."""
+    """Median measured step of one configuration and ``trainer.prediction`` at ``rates``: with the
+    compute and per-thread update rates measured again just before its steps and just after them,
+    at their mean (``pred``); at those measured before only (``pred_before``); as given (``pred_start``)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
     g = torch.Generator().manual_seed(1)
@@ -210,8 +231,9 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     trainer = mt.Trainer(model=model, train_dataset=data, args=args, seq_len=seq, **engine)
     trainer.engine.rates = rates
     pred_start = trainer.prediction
-    trainer.engine.rates = compute_now(rates, seq)
-    pred = trainer.prediction
+    before = compute_now(rates, seq, folder)
+    trainer.engine.rates = before
+    pred_before = trainer.prediction
     times, tel0, last = [], None, None
     for rec in trainer.iter_steps():
         now = time.perf_counter()
@@ -221,6 +243,8 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
             tel0 = trainer.engine.telemetry()
         last = now
     tel1 = trainer.engine.telemetry()
+    trainer.engine.rates = mean_rates(before, compute_now(rates, seq, folder))
+    pred = trainer.prediction
     n = max(tel1["steps"] - tel0["steps"], 1)
     waits = {k: (tel1["stall_seconds"].get(k, 0.0) - tel0["stall_seconds"].get(k, 0.0)) / n
              for k in tel1["stall_seconds"]}
@@ -230,7 +254,8 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     disk = (tel1["bytes"]["disk_to_host"] - tel0["bytes"]["disk_to_host"]) / n, \
         (tel1["bytes"]["host_to_disk"] - tel0["bytes"]["host_to_disk"]) / n
     trainer.close()
-    return {"pred": pred, "pred_start": pred_start, "matmul_now": trainer.engine.rates.matmul_flops,
+    return {"pred": pred, "pred_start": pred_start, "pred_before": pred_before, "matmul_now": trainer.engine.rates.matmul_flops,
+            "beside": trainer.engine.rates.compute_beside_disk,
             "measured": median(times), "times": times, "waits": waits, "disk": disk}
 
 
@@ -248,7 +273,7 @@ def waiting_on(r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=None, help="folder for the disk tier (default: a temporary folder)")
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--only", nargs="*", default=None, help="configurations to run (default: all)")
     a = ap.parse_args()
@@ -260,7 +285,7 @@ def main() -> int:
           f"GFLOP/s, attention {rates.attention_flops / 1e9:.1f} GFLOP/s, memcpy {rates.h2d_pageable / 1e9:.2f} GB/s, "
           f"disk read {rates.disk_read / 1e9:.2f} GB/s write {rates.disk_write / 1e9:.2f} GB/s, AdamW "
           f"{rates.adamw_per_thread / 1e6:.0f} M params/s, codec {rates.codec_per_thread}, update chain "
-          f"{rates.update_chain}")
+          f"{rates.update_chain}, compute beside the disk {rates.compute_beside_disk:.2f} x")
     worst, agree, names = 1.0, 0, [n for n in CONFIGS if not a.only or n in a.only]
     for name in names:
         r = run_config(name, CONFIGS[name], rates, folder, a.steps, a.seq)
@@ -272,7 +297,10 @@ def main() -> int:
               f"{({k: round(v, 3) for k, v in p.phases.items() if v})}; disk per step measured read "
               f"{r['disk'][0] / 1e6:.1f} MB write {r['disk'][1] / 1e6:.1f} MB, predicted read "
               f"{p.bytes['disk_read'] / 1e6:.1f} MB write {p.bytes['disk_write'] / 1e6:.1f} MB")
-        print(f"  compute rate now {r['matmul_now'] / 1e9:.1f} GFLOP/s per thread; with the rates measured at the start: "
+        print(f"  compute beside the disk (before/after mean) {r['beside']:.2f} x alone")
+        print(f"  with the rates measured just before the steps only: predicted {r['pred_before'].step_seconds:.3f} s, "
+              f"measured / predicted {r['measured'] / r['pred_before'].step_seconds:.3g}")
+        print(f"  compute rate before/after mean {r['matmul_now'] / 1e9:.1f} GFLOP/s per thread; with the rates measured at the start: "
               f"predicted {r['pred_start'].step_seconds:.3f} s, measured / predicted "
               f"{r['measured'] / r['pred_start'].step_seconds:.3g}")
         print(f"  bottleneck predicted: {p.bottleneck}; telemetry waits per step "

@@ -16,6 +16,8 @@ What is measured (each a median over repeated runs after a warm-up, within a tim
   flight, checksums, fdatasync and rename) in a private folder under ``offload_dir``;
 * the fused CPU AdamW (``torch._fused_adamw_``, what :mod:`.optimizer` calls) in parameters/s
   and each codec's encode+decode of both moments in fp32 bytes/s, on one thread;
+* on a CPU device, its one-thread matmul rate while the DiskStore writes and reads beside it,
+  over its rate alone (``compute_beside_disk``: the disk tier's I/O slows a CPU step's compute);
 * the CPU cores this process may use.
 
 The whole takes 10-20 s on a 2-core CPU machine (``seconds_taken``), less on a GPU machine's
@@ -59,7 +61,7 @@ from .rates import MachineRates, shape_key
 from .states import OptimizerStates
 from .telemetry import Telemetry
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2   # 2: compute_beside_disk
 MIB = 1 << 20
 
 
@@ -190,6 +192,51 @@ def measure_disk(root: str, sizes: Sizes) -> dict:
     if not all(torch.equal(a, b) for a, b in zip(data, outs)):
         raise RuntimeError(f"measure_machine: the disk under {root} read back different data")
     return dict(disk_read=r, disk_write=w, direct_io=direct)
+
+
+def measure_compute_beside_disk(root: str, sizes: Sizes) -> float:
+    """A CPU device's one-thread matmul rate while the DiskStore writes and reads under ``root``,
+    over its rate alone (<= 1): the disk tier's I/O threads (their syscalls, checksums, the
+    transfers into memory) slow a CPU step's compute beside them. Measured on a 2-core VM:
+    0.84-0.93, and the disk-tier configurations' steps ran about that much slower than their
+    compute alone said (bench_prediction.py)."""
+    m, k, n = sizes.default_shape
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    out = torch.empty(m, n)
+    numel = sizes.disk_file_bytes // 4
+    data = [aligned_empty(numel).fill_(1.0 + i) for i in range(sizes.disk_files)]
+    stop, failed = threading.Event(), []
+
+    def io() -> None:
+        try:
+            with DiskStore(root) as store:
+                while not stop.is_set():
+                    for i, t in enumerate(data):
+                        store.write(f"beside.{i}", {"data": t})
+                    store.flush()
+                    for f in [store.read(f"beside.{i}", {"data": t}) for i, t in enumerate(data)]:
+                        f.result()
+        except BaseException as e:   # (said after the measurement, not lost in a thread)
+            failed.append(e)
+
+    def matmul() -> float:
+        return _rate(lambda: torch.mm(a, b, out=out), 1.0, sizes)
+
+    alone, beside = [], []
+    with _OneThread():
+        for _ in range(2):   # alone and beside in turn, twice (a shared machine's load moves)
+            alone.append(matmul())
+            stop.clear()
+            thread = threading.Thread(target=io, name=thread_name(MEASURE), daemon=True)
+            thread.start()
+            try:
+                beside.append(matmul())
+            finally:
+                stop.set()
+                thread.join(timeout=30)
+            if failed:
+                raise RuntimeError(f"measure_machine: the disk under {root} failed beside the compute: {failed[0]}")
+    return min(sum(beside) / sum(alone), 1.0)
 
 
 def measure_adamw(numel: int, sizes: Sizes) -> float:
@@ -402,6 +449,8 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
     r.disk_read, r.disk_write = disk["disk_read"], disk["disk_write"]
     r.disk_path = root
     r.filesystem = fs_text + (", direct I/O" if disk["direct_io"] else ", buffered I/O (no O_DIRECT)")
+    if dev.type != "cuda":
+        r.compute_beside_disk = measure_compute_beside_disk(root, sizes)
     r.adamw_per_thread, r.codec_per_thread, r.update_chain = update_rates(dev, sizes)
     _add_model(r, dev, sizes, shapes)
     r.measured_at = time.time()

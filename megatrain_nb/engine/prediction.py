@@ -303,7 +303,12 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     else:
         chain = state_disk + (opt if cuda else max(opt, opt_cpu / max(cores - team, 1)))
 
+    beside = 0.0 if cuda else float(getattr(rates, "compute_beside_disk", 0.0) or 0.0)
+
     def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s):
+        if 0.0 < beside < 1.0 and compute_s > 0:   # a CPU device's compute slows while the disk is busy
+            busy = min(disk_s, compute_s) / compute_s
+            compute_s *= (1.0 - busy) + busy / beside
         streams = {"compute": compute_s, "h2d": h2d_s if cuda else 0.0, "d2h": d2h_s if cuda else 0.0,
                    "disk": disk_s, "optimizer": opt_s,
                    "cpu": (compute_s * team + opt_core_s + copy_s) / cores}
@@ -327,6 +332,9 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     if not cuda:
         overlaps.append(f"CPU device: compute, AdamW, the codec threads and the copies share {cores} core(s): "
                         "a window takes at least its core-seconds / cores")
+        if 0.0 < beside < 1.0 and disk > 0:
+            overlaps.append(f"CPU device: its compute runs at {beside:.2f}x its rate alone while the disk tier "
+                            "reads and writes beside it (measured: MachineRates.compute_beside_disk)")
     if clipped:   # the forward waits for the embedding's update, then for each unit's in turn
         tf = max(tf, first + sf["compute"])
         windows = {"forward + updates": tf, "backward": tb}

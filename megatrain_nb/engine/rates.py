@@ -39,6 +39,10 @@ class MachineRates:
     update_chain: parameters/s of one unit's whole update with compressed states, per codec, as
         the engine runs it (decode thread, AdamW, encode thread, the codes stored; beside a
         compute thread on a CPU device); the prediction prices a step's updates at it when measured.
+    compute_beside_disk: a CPU device's compute rate while the disk tier reads and writes beside
+        it, over its rate alone (0: not measured, or a GPU, whose compute the host's I/O leaves
+        alone); the prediction slows a CPU step's compute by it for the part of each window the
+        disk is busy.
     source: "measured" or a profile's name; ``sources`` maps a field to its published source.
     """
 
@@ -62,6 +66,7 @@ class MachineRates:
     adamw_per_thread: float = 0.0
     codec_per_thread: dict = field(default_factory=dict)
     update_chain: dict = field(default_factory=dict)
+    compute_beside_disk: float = 0.0
     source: str = "measured"
     sources: dict = field(default_factory=dict)
     measured_at: Optional[float] = None
@@ -174,6 +179,8 @@ def _rows(r: MachineRates) -> list:
         rows.append(("codecs per thread", "-", "codec_per_thread"))
     rows += [(f"update chain {name}", f"{v / 1e6:.0f} M params/s", "update_chain")
              for name, v in sorted((r.update_chain or {}).items())]
+    if r.compute_beside_disk:
+        rows.append(("compute beside the disk", f"{r.compute_beside_disk:.2f} x alone", "compute_beside_disk"))
     return rows
 
 

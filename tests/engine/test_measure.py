@@ -49,6 +49,7 @@ def test_every_rate_is_measured_positive_and_finite_on_cpu(cache, tmp_path):
     assert r.seconds_taken > 0 and r.measured_at > 0
     assert r.compute_threads == 1 and "matmul fp32 per thread" in r.table()   # a CPU's: one thread's
     assert set(r.update_chain) == {"int8", "int4"} and all(v > 0 for v in r.update_chain.values())
+    assert 0 < r.compute_beside_disk <= 1 and "compute beside the disk" in r.table()   # a CPU device's
     assert torch.get_num_threads() == threads_before                        # and the threads as they were
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("megatrain-")]   # the store's folder went away
 

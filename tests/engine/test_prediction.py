@@ -167,6 +167,33 @@ def test_a_measured_update_chain_prices_the_compressed_updates():
     assert free.windows["forward + updates"] < N / 1e5 / 10
 
 
+def test_a_cpu_devices_compute_slows_while_the_disk_is_busy_beside_it():
+    """compute_beside_disk (measured: a CPU device's compute rate while the disk tier reads and
+    writes beside it, over its rate alone) slows each window's compute for the part of it the
+    disk is busy; a GPU's compute, a window without disk traffic and a rate not measured: unchanged."""
+    disk = dict(offload_dir="/nowhere", offload_params=True)
+    cpu = dict(cores=2, compute_threads=1, matmul_flops=3e9, attention_flops=3e9)   # compute-bound
+    alone, *_ = predict(rates(**cpu), cuda=False, **disk)
+    beside, *_ = predict(rates(compute_beside_disk=0.8, **cpu), cuda=False, **disk)
+    ph, f = alone.phases, _f_share()
+    state = (alone.bytes["disk_state_read"] + alone.bytes["disk_state_write"]) / 1e9
+    other = ph["disk_read"] + ph["disk_write"] - state
+    fwd, bwd = ph["forward"], ph["backward"] + ph["recompute"]
+    for compute, busy, name in ((fwd, other * f, "forward"), (bwd, other * (1 - f) + state, "backward + updates")):
+        assert 0 < busy < compute          # the disk busy for part of the window: that part slows
+        assert alone.windows[name] == pytest.approx(compute)
+        assert beside.windows[name] == pytest.approx(compute - busy + busy / 0.8)
+    assert any("0.80x" in o for o in beside.overlaps)
+    # the disk busy the whole window: the whole compute at 0.8x
+    slow, *_ = predict(rates(compute_beside_disk=0.8, **dict(cpu, disk_read=1e7, disk_write=1e7)), cuda=False, **disk)
+    assert slow.streams["compute"] == pytest.approx((fwd + bwd) / 0.8)
+    gpu, *_ = predict(rates(compute_beside_disk=0.8, **cpu), cuda=True, **disk)
+    gpu0, *_ = predict(rates(**cpu), cuda=True, **disk)
+    host, *_ = predict(rates(compute_beside_disk=0.8, **cpu), cuda=False)
+    host0, *_ = predict(rates(**cpu), cuda=False)
+    assert gpu.step_seconds == pytest.approx(gpu0.step_seconds) and host.step_seconds == pytest.approx(host0.step_seconds)
+
+
 @pytest.mark.parametrize("changes, expect", [
     (dict(adamw_per_thread=1e5), "optimizer"),
     (dict(h2d_pinned=1e6), "host->device"),

@@ -62,6 +62,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
@@ -87,10 +88,15 @@ ROLES = ("exp_avg", "exp_avg_sq")
 INT8_BLOCK = 256
 INT4_BLOCK = 32
 
-# Elements per vectorised step: a multiple of both block sizes, small enough that the
-# temporaries stay in the L2 cache (several times faster than streaming whole tensors).
-_CHUNK = 1 << 16
+# Elements per vectorised step: a multiple of both block sizes. Each step is some fifteen torch
+# calls, and each call takes the GIL back when its kernel ends: in a training step the compute
+# thread's Python holds the GIL often, and at 64K elements a step the encode thread ran at half
+# its rate alone waiting for it (measured: benchmarks/bench_codec_speed.py). 256K elements (1 MiB
+# of fp32: the temporaries stay in a server core's L2 and L3) are 1.3-2x faster alone and about
+# 2.5x faster beside a thread running small torch ops; larger steps lose the caches.
+_CHUNK = 1 << 18
 _F32_MIN_SUBNORMAL = 2.0**-149
+_F32_MIN_NORMAL = 2.0**-126
 # Dither u in [_DELTA, 1 - _DELTA]: a decoded value re-encodes to its own code even with a few
 # ulps of rounding error, which makes encode(decode(encode(x))) reproduce the codes exactly.
 _DELTA = 2.0**-10
@@ -163,11 +169,18 @@ def register_codec(name: str, make: Callable[[str], StateCodec]) -> None:
     CODECS[name] = make
 
 
+_LOCAL = threading.local()
+
+
 def _scratch(rows: int, block: int) -> list[torch.Tensor]:
-    """Per-call work buffers (two fp32, one int32): codecs hold no state, so threads can share
-    them."""
-    return [torch.empty(rows, block), torch.empty(rows, block),
-            torch.empty(rows, block, dtype=torch.int32)]
+    """Work buffers (two fp32, one int32) of ``rows x block``, kept per thread (codecs hold no
+    state, so threads can share them; a fresh megabyte per call cost page faults): views of the
+    thread's buffers, which grow to the largest call."""
+    have = getattr(_LOCAL, "scratch", None)
+    n = rows * block
+    if have is None or have[0].numel() < n:
+        have = _LOCAL.scratch = [torch.empty(n), torch.empty(n), torch.empty(n, dtype=torch.int32)]
+    return [t[:n].view(rows, block) for t in have]
 
 
 def _check_input(x: torch.Tensor) -> torch.Tensor:
@@ -194,7 +207,7 @@ def _add_dither(r: torch.Tensor, xb: torch.Tensor, scratch: list[torch.Tensor]) 
     where the value falls between two code levels, so floor(r + u) is stochastic rounding that
     is a pure function of the input."""
     low = torch.bitwise_and(xb.view(torch.int32), 0xFFFF, out=scratch[2]).add_(65)
-    r.add_(low, alpha=_DITHER_ALPHA)
+    r.add_(scratch[1].copy_(low), alpha=_DITHER_ALPHA)   # (an int32 operand: a temporary per call)
 
 
 class NoneCodec:
@@ -277,7 +290,7 @@ class _BlockCodec:
         _check_out(out, n)
         full = n - n % b
         step = min(_CHUNK, max(b, full))
-        tmp = torch.empty(step // b, b)
+        tmp = _scratch(step // b, b)[0]
         for i in range(0, full, step):
             j = min(i + step, full)
             outb = out[i:j].view(-1, b)
@@ -321,8 +334,9 @@ class Int8VarianceCodec(_BlockCodec):
     name, role, block, code_dtype = "int8", "exp_avg_sq", INT8_BLOCK, torch.uint8
 
     def _encode_blocks(self, xb, codes, scales, scratch):
-        c = _fourth_root_codes(xb, scales, scratch, 255.0)
-        codes.view(c.shape).copy_(c)
+        r = _fourth_root_levels(xb, scales, scratch, 255.0)
+        # via int32 (truncation == floor for r >= 1): torch's float -> uint8 copy is ~3x slower
+        codes.view(r.shape).copy_(scratch[2].copy_(r))
 
     def _decode_blocks(self, codes, scales, outb, tmp):
         t = torch.mul(codes.view(outb.shape), 1.0 / 255.0, out=outb)
@@ -366,7 +380,8 @@ class Int4VarianceCodec(_BlockCodec):
     _LEVELS = torch.tensor([((i + 1) / 16.0) ** 4 for i in range(16)], dtype=torch.float64).float()
 
     def _encode_blocks(self, xb, codes, scales, scratch):
-        c = _fourth_root_codes(xb, scales, scratch, 16.0)    # 1..16
+        r = _fourth_root_levels(xb, scales, scratch, 16.0)
+        c = scratch[2].copy_(r)                              # 1..16 (truncation == floor)
         _pack_nibbles(c.sub_(1), codes)
 
     def _decode_blocks(self, codes, scales, outb, tmp):
@@ -374,27 +389,57 @@ class Int4VarianceCodec(_BlockCodec):
         outb.mul_(scales.unsqueeze(1))
 
 
-def _sqrt_of_abs_scaled(xb, scales, scratch, levels: float) -> torch.Tensor:
-    """scales <- per-block absmax; returns ``levels * sqrt(|x| / absmax)`` in scratch[0].
+def _normal_blocks(x, scales):
+    """(x, scales) with every block whose max is below 2**-60 multiplied by 2**64 (exact: its
+    subnormals become normal numbers; roots are 2**(64 / 2**n) times theirs), or as given."""
+    tiny = scales < 2.0**-60
+    if not bool(tiny.any()):
+        return x, scales
+    f = torch.where(tiny, 2.0**64, 1.0)
+    return x.mul(f.unsqueeze(1)), scales * f
 
-    Works from sqrt(|x|) and sqrt(absmax) so that even subnormal blocks do not overflow."""
+
+def _root_levels(x, mx, levels: float, under: float, out, roots: int) -> torch.Tensor:
+    """``levels * (x / mx) ** (1 / 2**roots)`` per block (``mx``: the blocks' max, ``x >= 0``)
+    into ``out``, computed as ``root(x) * (levels / root(mx))``; the inputs whose value comes out
+    below ``under`` are taken as one at ``under`` (their code is the lowest either way).
+
+    Why: MKL's sqrt takes a slow path for zero and subnormal inputs, and a chunk of Adam moments
+    is full of them (an embedding's rows a batch did not use are zeros; moments decayed over
+    hundreds of steps are subnormal): such a chunk encoded 3-7x (zeros) and 35x (subnormals)
+    slower. Blocks below 2**-60 are scaled into the normal range first (exact), then every input
+    is raised to at least its block's ``mx * (under / levels) ** 2**roots`` (a normal number),
+    so the roots see no zero and no subnormal. All-zero blocks get the factor 0."""
+    x, mx = _normal_blocks(x, mx)
+    k = mx.clamp_min(_F32_MIN_SUBNORMAL)
+    for _ in range(roots - 1):
+        k = k.sqrt()
+    k = torch.rsqrt(k).mul_(levels).masked_fill_(mx == 0, 0.0)
+    floor = mx.mul((under / levels) ** (2**roots)).clamp_min_(_F32_MIN_NORMAL)
+    r = torch.maximum(x, floor.unsqueeze(1), out=out)
+    for _ in range(roots):
+        r.sqrt_()
+    return r.mul_(k.unsqueeze(1))
+
+
+def _sqrt_of_abs_scaled(xb, scales, scratch, levels: float) -> torch.Tensor:
+    """scales <- per-block absmax; returns ``levels * sqrt(|x| / absmax)`` in scratch[0] (the
+    values below 0.25 as 0.25: they round to 0 either way)."""
     a = torch.abs(xb, out=scratch[0])
     torch.amax(a, dim=1, out=scales)
-    k = torch.rsqrt(scales.clamp_min(_F32_MIN_SUBNORMAL)).mul_(levels).unsqueeze(1)
-    return a.sqrt_().mul_(k)
+    return _root_levels(a, scales, levels, 0.25, a, 1)
 
 
-def _fourth_root_codes(xb, scales, scratch, levels: float) -> torch.Tensor:
-    """scales <- per-block max; returns int32 codes ``floor(levels * (v/max)**(1/4) + u)``
-    clamped to [1, levels] (u: the dither of ``_add_dither``), in scratch[2]."""
-    torch.amax(xb, dim=1, out=scales)
+def _fourth_root_levels(xb, scales, scratch, levels: float) -> torch.Tensor:
+    """scales <- per-block max; returns ``levels * (v/max)**(1/4) + u`` clamped to
+    [1, levels + 0.5] (u: the dither of ``_add_dither``) in scratch[0]: its floor is the code
+    (the values below 0.5 before the dither as 0.5: their code is 1 either way)."""
+    torch.amax(xb, dim=1, out=scales)                # (torch.aminmax is ~15x slower than both)
     if bool((torch.amin(xb, dim=1) < 0).any()):
         raise ValueError("exp_avg_sq must be non-negative")
-    k = torch.rsqrt(scales.clamp_min(_F32_MIN_SUBNORMAL).sqrt()).mul_(levels).unsqueeze(1)
-    r = torch.sqrt(xb, out=scratch[0]).sqrt_().mul_(k)
+    r = _root_levels(xb, scales, levels, 0.5, scratch[0], 2)
     _add_dither(r, xb, scratch)
-    torch.clamp(r, 1.0, levels + 0.5, out=r)
-    return scratch[2].copy_(r)                       # truncation == floor for r >= 1
+    return torch.clamp(r, 1.0, levels + 0.5, out=r)
 
 
 def _floor_positive_blocks(out: torch.Tensor, scales: torch.Tensor, block: int) -> None:

@@ -58,6 +58,7 @@ class FinalGradients:
         self._held_ram: Dict[int, torch.Tensor] = {}  # unit index -> final gradient held for the norm (hold="host")
         self._held: Dict[int, Future] = {}            # unit index -> write of its final gradient (hold="disk")
         self._held_keys: set = set()
+        self._ahead: Dict[int, Tuple[torch.Tensor, Future]] = {}   # unit index -> its held gradient being read back
         self._held_lock = threading.Lock()
 
     # ------------------------------------------------------------------ norms
@@ -111,6 +112,7 @@ class FinalGradients:
     def write_held(self, unit: Unit, flat: torch.Tensor) -> Future:
         """hold="disk": ``flat`` written to the disk tier; the write (done: ``flat`` may be reused)."""
         key = self._hold_key(unit)
+        self._drop_ahead(unit)   # (a read back that a failed step left: done before the key is written again)
         fut = self.disk.write(key, {"g": flat})
         with self._held_lock:
             self._held[unit.index] = fut
@@ -128,6 +130,28 @@ class FinalGradients:
         if len(inflight) > HOLD_WRITES:   # back-pressure on the gradient thread (errors surface in the update)
             futures_wait(inflight[:-HOLD_WRITES])
 
+    def read_ahead(self, unit: Unit, ranged: bool = False) -> None:
+        """Start reading ``unit``'s final gradient back from the disk tier now, while the update
+        before it runs (its :meth:`claim` then waits only for what is left of the read): a read
+        the update waited for whole took a fifth of a disk-tier step's updates. Only the whole
+        reads (a host cache in front of the disk tier): a ranged one is read a chunk ahead of
+        AdamW already. One buffer: the norm's hold has no writes in flight while the updates run."""
+        if self.disk is None or (ranged and getattr(self.disk, "capacity", 0) <= 0):
+            return
+        with self._held_lock:
+            held = self._held.get(unit.index)
+            if held is None or not held.done() or held.exception() is not None or unit.index in self._ahead:
+                return
+            grad = self.pool.take(unit.numel)
+            self._ahead[unit.index] = (grad, self.disk.read(self._hold_key(unit), {"g": grad}, urgent=True))
+
+    def _drop_ahead(self, unit: Unit) -> None:
+        with self._held_lock:
+            ahead = self._ahead.pop(unit.index, None)
+        if ahead is not None:
+            futures_wait([ahead[1]])
+            self.pool.give(ahead[0])
+
     def claim(self, unit: Unit, ranged: bool = False) -> Tuple[Optional[object], Optional[Callable]]:
         """For a unit's update that waited for the norm: (its held final gradient, how to hand
         the buffer back), or (None, None) when it is in the accumulator. ``ranged``: the update
@@ -136,11 +160,19 @@ class FinalGradients:
         with self._held_lock:
             held = self._held.pop(unit.index, None)
             in_ram = self._held_ram.pop(unit.index, None)
+            ahead = self._ahead.pop(unit.index, None)
         if in_ram is not None:   # hold="host": kept since it arrived
             return in_ram, self.pool.give
         if held is None:
             return None, None
         held.result()            # hold="disk": the final gradient comes back
+        if ahead is not None:    # (read_ahead started it)
+            try:
+                ahead[1].result()
+            except BaseException:
+                self.pool.give(ahead[0])
+                raise
+            return ahead[0], self.pool.give
         if ranged and getattr(self.disk, "capacity", 0) <= 0:   # (a host cache's copies are whole units)
             got = HeldGradient(self.disk.read_ranged(self._hold_key(unit)), unit.numel)
             return got, got.close

@@ -98,9 +98,13 @@ class UpdateRunner:
             self.weights.mark_updating(u)
             futures[u.index] = self._pending[u.index] = Future()
 
+        ranged = self.states.chunked and not self.adam.collect_stats
+
         def run():
             for i, u in enumerate(order):
                 try:
+                    if i + 1 < len(order):   # the next unit's held gradient read back meanwhile
+                        self.final.read_ahead(order[i + 1], ranged)
                     self.apply(u, lr, None, zero=True, grad_coef=coef, skip=skip)
                 except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on the units
                     for v in order[i:]:

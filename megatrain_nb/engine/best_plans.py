@@ -29,6 +29,9 @@ from .prediction import StepPrediction, predict_step
 #: A plan must be predicted this much faster than the rules' own to be taken instead of it (the
 #: prediction does not price everything: held buffers, per-chunk costs; a tie keeps the rules').
 MARGIN = 0.02
+#: Predicted times closer than this (relative) are one time: plans that differ in where a few bytes
+#: wait, not in their schedule's bounds.
+TIE = 1e-6
 
 #: The EngineConfig fields best_plans varies, and the value that leaves each free (its default;
 #: checkpoint_interval None also means "the planner picks").

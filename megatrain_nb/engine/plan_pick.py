@@ -28,7 +28,7 @@ from typing import Optional
 import psutil
 import torch
 
-from .best_plans import CHOICES, MARGIN, best_plans, engine_pick, pinned_of
+from .best_plans import CHOICES, MARGIN, TIE, best_plans, engine_pick, pinned_of
 from .family import max_positions
 from .measure import cached_rates   # (a name of this module: tests replace it)
 from .planner import GiB, ModelShape, Plan, UnitSpec, Workload, engine_plan, make_plan
@@ -80,7 +80,8 @@ def _choose(units, model_config, cfg, *, device, state_units, workload):
         return None, f"rules: no free choice fits the budgets at {said}"
     step = fmt_seconds(pick.prediction.step_seconds)
     source = rates.source or "given"
-    if pick is not found[0]:   # the rules' own plan, within MARGIN of the fastest
+    if pick is not found[0] and pick.prediction.step_seconds > found[0].prediction.step_seconds * (1 + TIE):
+        # the rules' own plan, within MARGIN of the fastest (a difference below TIE is a tie)
         return None, (f"rules' plan kept: predicted step {step}, within {MARGIN:.0%} of the fastest of "
                       f"{len(found)} feasible plan(s) ({fmt_seconds(found[0].prediction.step_seconds)}: "
                       f"{found[0].describe()}) at {said}; rates: {source}")

@@ -196,6 +196,7 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
     return {
         "tokens": tokens, "k": k, "groups": groups,
         "forward_flops": 2.0 * (layer_n + head_n) * tokens, "backward_flops": 4.0 * (layer_n + head_n) * tokens,
+        "head_flops": 2.0 * head_n * tokens,
         "recompute_flops": 2.0 * layer_n * tokens * rec,
         "attention_flops": {"forward": attn, "backward": 2 * attn, "recompute": attn * rec},
         "h2d": sum(u.numel for u in order) * cb + boundary, "d2h": 4 * total * groups + boundary,
@@ -254,6 +255,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     codec = cfg.optimizer_compression
     ph["codec"] = 0.0 if codec == "none" else _per(a["state_bytes_fp32"], (rates.codec_per_thread or {}).get(codec, 0),
                                                    f"codec_per_thread[{codec}]", missing)
+    a["head_share"] = min(_per(a["head_flops"], mm, "", []) / ph["forward"], 1.0) if ph["forward"] > 0 else 0.0
     pred = _schedule(ph, a, rates, cuda=cuda, clipped=workload.clipped, units=units)
     pred.bytes = {"h2d": a["h2d"], "d2h": a["d2h"], "disk_read": a["disk"]["read"], "disk_write": a["disk"]["write"],
                   "disk_state_read": a["disk"]["state_read"], "disk_state_write": a["disk"]["state_write"]}
@@ -335,8 +337,8 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         if 0.0 < beside < 1.0 and disk > 0:
             overlaps.append(f"CPU device: its compute runs at {beside:.2f}x its rate alone while the disk tier "
                             "reads and writes beside it (measured: MachineRates.compute_beside_disk)")
-    if clipped:   # the forward waits for the embedding's update, then for each unit's in turn
-        tf = max(tf, first + sf["compute"])
+    if clipped:   # the forward waits for the embedding's and the head's updates, then for each layer's in turn
+        tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a.get("head_share", 0.0)))
         windows = {"forward + updates": tf, "backward": tb}
         overlaps.append("clipping: updates wait for the global norm after the backward, then overlap only "
                         "the next forward (each unit's forward waits for its update)")
@@ -344,14 +346,52 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         windows = {"forward": tf, "backward + updates": tb, "exposed update": first}
         overlaps.append("updates start as each gradient becomes final and overlap the backward; the next "
                         "forward waits for the embedding's, the last")
-    binding: Dict[str, float] = {}
-    for t, key in ((tf, kf), (tb, kb)):
-        binding[key] = binding.get(key, 0.0) + t
-    top = max(binding, key=binding.get)
+    top = _bottleneck(windows, ((tf, sf, kf), (tb, sb, kb)), clipped, first,
+                      "disk" if state_disk > chain / 2 else "optimizer")
     bottleneck = STREAMS[top.split("+")[0]] + (" (sharing the CPU cores)" if top.endswith("+cpu") else "")
     return StepPrediction(step_seconds=sum(windows.values()), phases=dict(ph),
                           streams={k: sf[k] + sb[k] for k in sf}, windows=windows, bottleneck=bottleneck,
                           overlaps=overlaps, tokens_per_step=a["tokens"])
+
+
+def forward_behind_updates(units, chain_s: float, compute_s: float, head_share: float) -> float:
+    """A clipped step's forward window: the updates wait for the global norm, then run one unit
+    after another in the forward's order (``chain_s`` in all, each unit its share by size), and
+    the forward waits for each unit's: the embedding's and the head's before the first layer (a
+    step binds both first), each layer's before that layer computes, the head's compute
+    (``head_share`` of ``compute_s``) after the last layer."""
+    total = sum(u.numel for u in units) or 1
+    per = [chain_s * u.numel / total for u in units]
+    layers = per[1:-1]
+    c_layer = compute_s * (1.0 - head_share) / max(len(layers), 1)
+    done = t = per[0] + per[-1]
+    for u in layers:
+        done += u
+        t = max(t, done) + c_layer
+    return t + compute_s * head_share
+
+
+def _bottleneck(windows: Dict[str, float], parts, clipped: bool, first: float, update_key: str) -> str:
+    """The stream a step waits for most, as a training step's telemetry shows it: each window's
+    time beyond its compute belongs to the stream that bounds it (a clipped forward's to the
+    updates it waits for; an unclipped step's exposed update to them too). When the waits are
+    under a tenth of the step, the stream that bounds the most of it (the compute, typically)."""
+    step = sum(windows.values())
+    waits: Dict[str, float] = {}
+    for i, (t, streams, key) in enumerate(parts):
+        wait = t - streams["compute"]
+        if clipped and i == 0 and t > max(v for k, v in streams.items() if k != "cpu"):
+            key = update_key   # (longer than any stream: waiting for the updates in turn)
+        if wait > 0 and key != "compute":
+            waits[key] = waits.get(key, 0.0) + wait
+    if not clipped and first > 0:
+        waits[update_key] = waits.get(update_key, 0.0) + first
+    if waits and sum(waits.values()) > 0.1 * step:
+        return max(waits, key=waits.get)
+    binding: Dict[str, float] = {}
+    for t, _, key in parts:
+        binding[key] = binding.get(key, 0.0) + t
+    return max(binding, key=binding.get)
 
 
 def resolve_rates(rates):

@@ -198,6 +198,8 @@ def test_estimate_lists_the_fastest_plans_and_names_the_one_an_engine_builds(cap
     assert d["engine_pick"] == slow_disk.pick.choice and len(d["best_plans"]) == 3
     assert {"step_seconds", "host_bytes", "disk_bytes", "device_bytes", "bottleneck"} <= set(d["best_plans"][0])
     slow_compute = mt.estimate(CONFIG, rates=SLOW_COMPUTE, **kw)
-    assert "builds the rules' plan above (plan 1)" in str(slow_compute)
+    # (the rules' plan ties with the fastest: plans that differ only in where a few bytes wait)
+    assert "builds the rules' plan above (plan " in str(slow_compute)
+    assert slow_compute.pick.prediction.step_seconds <= slow_compute.best[0].prediction.step_seconds * (1 + 1e-6)
     pinned = mt.estimate(CONFIG, rates=SLOW_DISK, checkpoint_interval=2, **kw)
     assert {pc.plan.checkpoint_interval for pc in pinned.best} == {2}

@@ -111,13 +111,35 @@ def test_with_clipping_the_updates_overlap_only_the_forward():
     forward = max(ph["forward"], ph["h2d"] * f)
     backward = max(ph["backward"] + ph["recompute"], ph["d2h"], ph["h2d"] * (1 - f))
     assert opt > 10 * (forward + backward)
-    # clipped: the updates wait for the norm and fill the next forward's window; the backward runs alone
-    assert clip.windows == pytest.approx({"forward + updates": opt, "backward": backward})
-    assert clip.step_seconds == pytest.approx(opt + backward)
+    # clipped: the updates wait for the norm and fill the next forward's window, which computes
+    # each layer after its update (the last layer's and the head's compute after all of them);
+    # the backward runs alone
+    after = _last_layer_and_head(ph["forward"], tokens=2 * 64)
+    assert clip.windows == pytest.approx({"forward + updates": opt + after, "backward": backward})
+    assert clip.step_seconds == pytest.approx(opt + after + backward)
     # unclipped: they run beside the backward; the forward alone, then the embedding's update exposed
     first = opt * UNITS[0].numel / N
     assert free.windows == pytest.approx({"forward": forward, "backward + updates": opt, "exposed update": first})
     assert clip.bottleneck == free.bottleneck == "optimizer"
+
+
+def _last_layer_and_head(forward: float, tokens: int, mm: float = 1e12) -> float:
+    """The forward's compute after the updates it waits for: its last layer's and the head's."""
+    head = 2 * VOCAB * H * tokens / mm
+    return (forward - head) / LAYERS + head
+
+
+def test_a_clipped_forward_computes_each_layer_after_its_update():
+    """The updates run one unit after another in the forward's order; the forward waits for the
+    embedding's and the head's before its first layer and for each layer's before that layer."""
+    from megatrain_nb.engine.prediction import forward_behind_updates
+    from types import SimpleNamespace as U
+
+    units = [U(numel=2)] + [U(numel=1)] * 3 + [U(numel=2)]   # embed, 3 layers, head: chain 1 s per numel
+    # slow updates: the embedding's and head's 4 s, then each layer's 1 s, its compute (0.5 s) after it
+    assert forward_behind_updates(units, 7.0, 1.5 + 1.0, 0.4) == pytest.approx(4 + 3 + 0.5 + 1.0)
+    # fast updates: the compute back to back once the first layer's is done
+    assert forward_behind_updates(units, 0.7, 1.5 + 1.0, 0.4) == pytest.approx(0.5 + 1.5 + 1.0)
 
 
 def test_few_cores_add_the_cpu_phases_many_overlap_them():
@@ -162,7 +184,7 @@ def test_a_measured_update_chain_prices_the_compressed_updates():
     slow = dict(update_chain={"int8": 1e5}, cores=2, compute_threads=1)
     p, *_ = predict(rates(**slow), clipped=True, cuda=False, optimizer_compression="int8")
     free, *_ = predict(rates(**slow), clipped=True, cuda=False)   # fp32 states: no chain rate applies
-    assert p.windows["forward + updates"] == pytest.approx(N / 1e5)
+    assert p.windows["forward + updates"] == pytest.approx(N / 1e5 + _last_layer_and_head(p.phases["forward"], 128))
     assert p.bottleneck == "optimizer"
     assert free.windows["forward + updates"] < N / 1e5 / 10
 

@@ -449,13 +449,14 @@ def _floor_positive_blocks(out: torch.Tensor, scales: torch.Tensor, block: int) 
     tiny = (scales > 0) & (scales < 1e-30)
     if not bool(tiny.any()):
         return
-    n = out.numel()
-    padded = torch.zeros(scales.numel() * block)
-    padded[:n].copy_(out)
     rows = tiny.nonzero().squeeze(1)
-    blocks = padded.view(-1, block)
-    blocks[rows] = blocks[rows].clamp_min(_F32_MIN_SUBNORMAL)
-    out.copy_(padded[:n])
+    full = out.numel() // block
+    inner = rows[rows < full]                        # (only those blocks: not a copy of ``out``)
+    if inner.numel():
+        blocks = out[:full * block].view(-1, block)
+        blocks[inner] = blocks[inner].clamp_min(_F32_MIN_SUBNORMAL)
+    if rows.numel() > inner.numel():                 # the ragged last block
+        out[full * block:].clamp_min_(_F32_MIN_SUBNORMAL)
 
 
 def _pack_nibbles(nib: torch.Tensor, codes: torch.Tensor) -> None:

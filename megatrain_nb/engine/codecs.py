@@ -362,7 +362,7 @@ class Int4MomentCodec(_BlockCodec):
         y = a.mul_(k).mul_(k)                                # |x| / absmax, no overflow
         q = torch.copysign(y, xb, out=scratch[1])
         q.mul_(-7.5).add_(y, alpha=56.5)                     # L**2 * y: 64 y (x < 0), 49 y
-        q.sub_(0.25).clamp_min_(0.0).sqrt_().round_()
+        q.sub_(0.25).clamp_min_(0.01).sqrt_().round_()     # (below 0.25 rounds to 0 either way: no sqrt of 0)
         torch.copysign(q, xb, out=q).add_(8.0)               # nibble 0..15
         _pack_nibbles(scratch[2].copy_(q), codes)
 
@@ -392,7 +392,7 @@ class Int4VarianceCodec(_BlockCodec):
 def _normal_blocks(x, scales):
     """(x, scales) with every block whose max is below 2**-60 multiplied by 2**64 (exact: its
     subnormals become normal numbers; roots are 2**(64 / 2**n) times theirs), or as given."""
-    tiny = scales < 2.0**-60
+    tiny = (scales < 2.0**-60) & (scales > 0)   # (all-zero blocks: their factor is 0 anyway)
     if not bool(tiny.any()):
         return x, scales
     f = torch.where(tiny, 2.0**64, 1.0)

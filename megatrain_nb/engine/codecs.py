@@ -91,9 +91,10 @@ INT4_BLOCK = 32
 # Elements per vectorised step: a multiple of both block sizes. Each step is some fifteen torch
 # calls, and each call takes the GIL back when its kernel ends: in a training step the compute
 # thread's Python holds the GIL often, and at 64K elements a step the encode thread ran at half
-# its rate alone waiting for it (measured: benchmarks/bench_codec_speed.py). 256K elements (1 MiB
-# of fp32: the temporaries stay in a server core's L2 and L3) are 1.3-2x faster alone and about
-# 2.5x faster beside a thread running small torch ops; larger steps lose the caches.
+# its rate alone waiting for it (measured on the 2-core machine, beside a thread running small
+# torch ops). 256K elements (1 MiB of fp32: the temporaries stay in a server core's L2 and L3)
+# are 1.3-2x faster alone (benchmarks/bench_codec_speed.py) and about 2.5x faster beside such a
+# thread; 512K and more lose the caches.
 _CHUNK = 1 << 18
 _F32_MIN_SUBNORMAL = 2.0**-149
 _F32_MIN_NORMAL = 2.0**-126

@@ -133,6 +133,19 @@ def tracking(steps: int) -> None:
         print(f"  {label:32s} delta loss {d:+.4f}")
 
 
+def _time_codec(codec, x: torch.Tensor, out: torch.Tensor, times) -> dict:
+    """Encode ``x`` and decode it into ``out``; each one's seconds appended to ``times["encode"]``
+    and ``times["decode"]`` (None: a warm-up, not counted). Returns the encoding."""
+    t0 = time.perf_counter()
+    enc = codec.encode(x)
+    t1 = time.perf_counter()
+    codec.decode(enc, out)
+    if times is not None:
+        times["encode"].append(t1 - t0)
+        times["decode"].append(time.perf_counter() - t1)
+    return enc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64, help="fp32 MiB per tensor")
@@ -154,16 +167,8 @@ def main() -> None:
     encs = {}
     for rep in range(args.reps + 1):             # rep 0 is the warm-up
         for name, role, x in cases:
-            codec = get_codec(name, role)
-            t0 = time.perf_counter()
-            enc = codec.encode(x)
-            t1 = time.perf_counter()
-            codec.decode(enc, out)
-            t2 = time.perf_counter()
-            encs[(name, role)] = enc
-            if rep:
-                times.setdefault((name, role, "encode"), []).append(t1 - t0)
-                times.setdefault((name, role, "decode"), []).append(t2 - t1)
+            ts = {d: times.setdefault((name, role, d), []) for d in ("encode", "decode")}
+            encs[(name, role)] = _time_codec(get_codec(name, role), x, out, ts if rep else None)
     print(f"codec throughput, {args.mib} MiB fp32 per tensor, {args.threads} thread(s), "
           f"median of {args.reps}")
     print(f"{'codec':6s} {'role':11s} {'bytes/param':>11s} {'encode GB/s':>12s} "
@@ -188,16 +193,9 @@ def main() -> None:
         t[blocks % 8 == 4] = t[blocks % 8 == 0][:int((blocks % 8 == 4).sum())] * 1e-33
     rates = []
     for role, x in (("exp_avg", zm), ("exp_avg_sq", zv)):
-        codec = get_codec("int8", role)
         ts = {"encode": [], "decode": []}
-        for rep in range(args.reps + 1):
-            t0 = time.perf_counter()
-            enc = codec.encode(x)
-            t1 = time.perf_counter()
-            codec.decode(enc, out)
-            if rep:
-                ts["encode"].append(t1 - t0)
-                ts["decode"].append(time.perf_counter() - t1)
+        for rep in range(args.reps + 1):             # rep 0 is the warm-up
+            _time_codec(get_codec("int8", role), x, out, ts if rep else None)
         row = [numel * 4 / statistics.median(ts[d]) / 1e9 for d in ("encode", "decode")]
         rates += row
         print(f"int8   {role:11s} embedding-like (zero and subnormal rows): encode {row[0]:.2f} GB/s, decode {row[1]:.2f} GB/s")

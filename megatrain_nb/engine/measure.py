@@ -168,6 +168,19 @@ def measure_attention(device: torch.device, head_dim: int, sizes: Sizes, dtype=t
                  sizes, _sync_for(device))
 
 
+def _write_files(store: DiskStore, prefix: str, data: List[torch.Tensor]) -> None:
+    """``data`` written as files ``<prefix>.<i>``, behind, then flushed (synced and renamed)."""
+    for i, t in enumerate(data):
+        store.write(f"{prefix}.{i}", {"data": t})
+    store.flush()
+
+
+def _read_files(store: DiskStore, prefix: str, outs: List[torch.Tensor]) -> None:
+    """Those files read back into ``outs``, all issued at once (read ahead)."""
+    for f in [store.read(f"{prefix}.{i}", {"data": t}) for i, t in enumerate(outs)]:
+        f.result()
+
+
 def measure_disk(root: str, sizes: Sizes) -> dict:
     """Read and write bytes/s through the engine's DiskStore under ``root``: ``disk_files``
     layer-sized files written behind (timed to ``flush()``), then read ahead into aligned buffers."""
@@ -177,17 +190,8 @@ def measure_disk(root: str, sizes: Sizes) -> dict:
     outs = [aligned_empty(numel) for _ in data]
     total = 4 * numel * len(data)
     with DiskStore(root) as store:
-        def write():
-            for i, t in enumerate(data):
-                store.write(f"rate.{i}", {"data": t})
-            store.flush()
-
-        def read():
-            for f in [store.read(f"rate.{i}", {"data": t}) for i, t in enumerate(outs)]:
-                f.result()
-
-        w = _rate(write, total, sizes)
-        r = _rate(read, total, sizes)
+        w = _rate(lambda: _write_files(store, "rate", data), total, sizes)
+        r = _rate(lambda: _read_files(store, "rate", outs), total, sizes)
         direct = store.direct_io
     if not all(torch.equal(a, b) for a, b in zip(data, outs)):
         raise RuntimeError(f"measure_machine: the disk under {root} read back different data")
@@ -211,11 +215,8 @@ def measure_compute_beside_disk(root: str, sizes: Sizes) -> float:
         try:
             with DiskStore(root) as store:
                 while not stop.is_set():
-                    for i, t in enumerate(data):
-                        store.write(f"beside.{i}", {"data": t})
-                    store.flush()
-                    for f in [store.read(f"beside.{i}", {"data": t}) for i, t in enumerate(data)]:
-                        f.result()
+                    _write_files(store, "beside", data)
+                    _read_files(store, "beside", data)
         except BaseException as e:   # (said after the measurement, not lost in a thread)
             failed.append(e)
 

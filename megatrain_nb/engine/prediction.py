@@ -255,7 +255,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     codec = cfg.optimizer_compression
     ph["codec"] = 0.0 if codec == "none" else _per(a["state_bytes_fp32"], (rates.codec_per_thread or {}).get(codec, 0),
                                                    f"codec_per_thread[{codec}]", missing)
-    a["head_share"] = min(_per(a["head_flops"], mm, "", []) / ph["forward"], 1.0) if ph["forward"] > 0 else 0.0
+    a["head_share"] = min(a["head_flops"] / mm / ph["forward"], 1.0) if ph["forward"] > 0 and mm > 0 else 0.0
     pred = _schedule(ph, a, rates, cuda=cuda, clipped=workload.clipped, units=units)
     pred.bytes = {"h2d": a["h2d"], "d2h": a["d2h"], "disk_read": a["disk"]["read"], "disk_write": a["disk"]["write"],
                   "disk_state_read": a["disk"]["state_read"], "disk_state_write": a["disk"]["state_write"]}
@@ -307,6 +307,8 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
 
     beside = 0.0 if cuda else float(getattr(rates, "compute_beside_disk", 0.0) or 0.0)
 
+    update_key = "disk" if state_disk > chain / 2 else "optimizer"   # an update chain mostly waiting on the disk
+
     def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s):
         if 0.0 < beside < 1.0 and compute_s > 0:   # a CPU device's compute slows while the disk is busy
             busy = min(disk_s, compute_s) / compute_s
@@ -315,8 +317,8 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
                    "disk": disk_s, "optimizer": opt_s,
                    "cpu": (compute_s * team + opt_core_s + copy_s) / cores}
         key = max(streams, key=streams.get)
-        if key == "optimizer" and state_disk > chain / 2:   # an update chain mostly waiting on the disk
-            key = "disk"
+        if key == "optimizer":
+            key = update_key
         if key == "cpu":   # CPU sharing is named by its largest user
             users = {"compute": 0.0 if cuda else compute_s, "optimizer": opt_core_s / cores}
             key = max(users, key=users.get) + "+cpu"
@@ -338,7 +340,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
             overlaps.append(f"CPU device: its compute runs at {beside:.2f}x its rate alone while the disk tier "
                             "reads and writes beside it (measured: MachineRates.compute_beside_disk)")
     if clipped:   # the forward waits for the embedding's and the head's updates, then for each layer's in turn
-        tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a.get("head_share", 0.0)))
+        tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a["head_share"]))
         windows = {"forward + updates": tf, "backward": tb}
         overlaps.append("clipping: updates wait for the global norm after the backward, then overlap only "
                         "the next forward (each unit's forward waits for its update)")
@@ -346,8 +348,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         windows = {"forward": tf, "backward + updates": tb, "exposed update": first}
         overlaps.append("updates start as each gradient becomes final and overlap the backward; the next "
                         "forward waits for the embedding's, the last")
-    top = _bottleneck(windows, ((tf, sf, kf), (tb, sb, kb)), clipped, first,
-                      "disk" if state_disk > chain / 2 else "optimizer")
+    top = _bottleneck(windows, ((tf, sf, kf), (tb, sb, kb)), clipped, first, update_key)
     bottleneck = STREAMS[top.split("+")[0]] + (" (sharing the CPU cores)" if top.endswith("+cpu") else "")
     return StepPrediction(step_seconds=sum(windows.values()), phases=dict(ph),
                           streams={k: sf[k] + sb[k] for k in sf}, windows=windows, bottleneck=bottleneck,

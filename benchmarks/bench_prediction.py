@@ -5,12 +5,14 @@ Rates: ``mt.measure_machine`` (``megatrain_nb.engine.measure``) when this build 
 small local measurement here (:func:`local_rates`: a matmul and an attention at the model's
 shapes, a memcpy of one layer, ``dd`` with direct I/O on the offload folder's disk, the fused
 AdamW and the codec on one layer's elements), taken once, before the configurations, in the
-same run; just before and just after each configuration's steps the compute rates (matmul,
-attention) and the per-thread update rates (AdamW, codecs, the update chain) are measured again
-(a shared machine's load changes within minutes, and one measurement on this VM moves by up to
-1.4x between back-to-back calls): the RESULT lines use the prediction at the mean of the two,
-the lines before them also print it at the rates measured before only and at the start. The model is never fitted to this run: the prediction is the engine's schedule priced
-at those rates (engine/prediction.py).
+same run. The configurations alternate, pass by pass (``--passes``, 2 by default: this VM's
+speed drifts by up to 1.7x within minutes, and a configuration measured in one stretch only
+takes whatever stretch it got); just before and just after each pass of a configuration's steps
+the compute rates (matmul, attention), the per-thread update rates (AdamW, codecs, the update
+chain) and the disk's read and write rates are measured again, and the RESULT lines use the prediction at the mean of all of them
+against the median of all the configuration's steps (the lines before them also print it at the
+rates measured before its first pass only and at the start). The model is never fitted to this
+run: the prediction is the engine's schedule priced at those rates (engine/prediction.py).
 
 Configurations (the same model, batch 1 x seq ``--seq``):
 
@@ -20,7 +22,7 @@ Configurations (the same model, batch 1 x seq ``--seq``):
 * ``disk_nocache``: master weights and states on the disk tier, the host cache off, no clipping;
 * ``disk_int8_clip``: disk tier, int8 states, clipping, the default host cache.
 
-    python benchmarks/bench_prediction.py [--dir PATH] [--steps N] [--seq S]
+    python benchmarks/bench_prediction.py [--dir PATH] [--steps N] [--passes P] [--seq S] [--dump FILE]
 
 RESULT lines: ``prediction_error_<name>`` (measured / predicted, target within 0.8-1.2) per
 configuration and ``prediction_error_worst``; ``bottleneck_agrees`` (configurations whose
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -121,8 +124,8 @@ def attention_rate(seq: int, h: int, heads: int) -> float:
 
 
 def compute_now(rates: MachineRates, seq: int, folder: str) -> MachineRates:
-    """``rates`` with the compute rates (and the per-thread AdamW and codec rates) measured again
-    now: on a shared machine the cores' load changes within minutes, and a configuration runs
+    """``rates`` with the compute rates (and the per-thread AdamW and codec rates, and the disk's)
+    measured again now: on a shared machine the cores' load changes within minutes, and a configuration runs
     against the rates of its own minutes."""
     h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
     n = torch.get_num_threads()
@@ -131,31 +134,40 @@ def compute_now(rates: MachineRates, seq: int, folder: str) -> MachineRates:
         mm, at = layer_matmul_rate(seq, h, i), attention_rate(seq, h, heads)
     finally:
         torch.set_num_threads(n)
-    from megatrain_nb.engine.measure import measure_compute_beside_disk, sizes_for, update_rates
+    from megatrain_nb.engine.measure import measure_compute_beside_disk, measure_disk, sizes_for, update_rates
 
     # the CPU's per-thread update rates too, as measure_machine takes them (beside a compute
-    # thread), and the compute's rate beside the disk tier's I/O over its rate alone
+    # thread), the compute's rate beside the disk tier's I/O over its rate alone, and the disk's
+    # own rates (this VM's disk moved from 1.85 / 1.49 GB/s read / write to 1.2 / 1.1 within the hour)
     sizes = sizes_for(False, False)
     adamw, codecs, chain = update_rates(torch.device("cpu"), sizes)
     beside = measure_compute_beside_disk(folder, sizes)
+    disk = measure_disk(folder, sizes)
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
                                adamw_per_thread=adamw, codec_per_thread=codecs, update_chain=chain,
-                               compute_beside_disk=beside,
+                               compute_beside_disk=beside, disk_read=disk["disk_read"], disk_write=disk["disk_write"],
                                source=rates.source + " (compute now)")
 
 
-def mean_rates(a: MachineRates, b: MachineRates) -> MachineRates:
-    """``a`` with the compute and per-thread update rates the mean of ``a``'s and ``b``'s: the rates
-    measured just before a configuration's steps and just after them (on this VM one measurement
-    of the update chain moved by 1.4x between back-to-back calls; the pair brackets the steps)."""
-    def avg(x, y):
-        return {k: (x[k] + y[k]) / 2 for k in x if k in y}
-    return dataclasses.replace(a, matmul_flops=(a.matmul_flops + b.matmul_flops) / 2,
-                               attention_flops=(a.attention_flops + b.attention_flops) / 2,
-                               adamw_per_thread=(a.adamw_per_thread + b.adamw_per_thread) / 2,
-                               codec_per_thread=avg(a.codec_per_thread, b.codec_per_thread),
-                               update_chain=avg(a.update_chain, b.update_chain),
-                               compute_beside_disk=(a.compute_beside_disk + b.compute_beside_disk) / 2, source=a.source + " (before/after mean)")
+def mean_rates(measured: list) -> MachineRates:
+    """The first of ``measured`` with the compute and per-thread update rates the mean of them all:
+    the rates measured just before each pass of a configuration's steps and just after it (on this
+    VM one measurement of the update chain moved by 1.4x between back-to-back calls; the pairs
+    bracket the steps)."""
+    n = len(measured)
+
+    def avg(field):
+        return sum(getattr(r, field) for r in measured) / n
+
+    def avg_dict(field):
+        keys = set.intersection(*(set(getattr(r, field)) for r in measured))
+        return {k: sum(getattr(r, field)[k] for r in measured) / n for k in keys}
+    a = measured[0]
+    return dataclasses.replace(a, matmul_flops=avg("matmul_flops"), attention_flops=avg("attention_flops"),
+                               disk_read=avg("disk_read"), disk_write=avg("disk_write"),
+                               adamw_per_thread=avg("adamw_per_thread"), codec_per_thread=avg_dict("codec_per_thread"),
+                               update_chain=avg_dict("update_chain"), compute_beside_disk=avg("compute_beside_disk"),
+                               source=a.source + f" (mean of {n} measured around the steps)")
 
 
 def codec_rate(name: str, chunk: int = 1 << 20) -> float:
@@ -208,13 +220,14 @@ def rates_for(folder: str, seq: int) -> MachineRates:
     except ImportError:
         print("(megatrain_nb.engine.measure is not in this build: measuring the few rates here)")
         return local_rates(folder, seq)
-    return measure_machine(device="cpu", offload_dir=folder)
+    return measure_machine(device="cpu", offload_dir=folder, refresh=True)   # (this run's own, timed)
 
 
 def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: int, seq: int) -> dict:
-    """Median measured step of one configuration and ``trainer.prediction`` at ``rates``: with the
-    compute and per-thread update rates measured again just before its steps and just after them,
-    at their mean (``pred``); at those measured before only (``pred_before``); as given (``pred_start``)."""
+    """One pass of a configuration: its measured steps (the first, a warm-up, left out), the
+    telemetry's waits per step, and the compute and per-thread update rates measured again just
+    before its steps and just after them; ``pred_start``: ``trainer.prediction`` at ``rates``
+    (the run's start); the trainer (closed) to price the plan it built again (:func:`combine`)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
     g = torch.Generator().manual_seed(1)
@@ -232,8 +245,6 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     trainer.engine.rates = rates
     pred_start = trainer.prediction
     before = compute_now(rates, seq, folder)
-    trainer.engine.rates = before
-    pred_before = trainer.prediction
     times, tel0, last = [], None, None
     for rec in trainer.iter_steps():
         now = time.perf_counter()
@@ -243,8 +254,7 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
             tel0 = trainer.engine.telemetry()
         last = now
     tel1 = trainer.engine.telemetry()
-    trainer.engine.rates = mean_rates(before, compute_now(rates, seq, folder))
-    pred = trainer.prediction
+    after = compute_now(rates, seq, folder)
     n = max(tel1["steps"] - tel0["steps"], 1)
     waits = {k: (tel1["stall_seconds"].get(k, 0.0) - tel0["stall_seconds"].get(k, 0.0)) / n
              for k in tel1["stall_seconds"]}
@@ -254,9 +264,27 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     disk = (tel1["bytes"]["disk_to_host"] - tel0["bytes"]["disk_to_host"]) / n, \
         (tel1["bytes"]["host_to_disk"] - tel0["bytes"]["host_to_disk"]) / n
     trainer.close()
-    return {"pred": pred, "pred_start": pred_start, "pred_before": pred_before, "matmul_now": trainer.engine.rates.matmul_flops,
-            "beside": trainer.engine.rates.compute_beside_disk,
-            "measured": median(times), "times": times, "waits": waits, "disk": disk}
+    return {"trainer": trainer, "pred_start": pred_start, "before": before, "after": after,
+            "times": times, "waits": waits, "disk": disk}
+
+
+def combine(passes: list) -> dict:
+    """A configuration's passes as one: the median of all their steps; the waits and disk bytes
+    per step averaged; ``pred``: its plan priced at the mean of every rate measured around the
+    passes; ``pred_before``: at those measured before the first pass only."""
+    trainer = passes[-1]["trainer"]
+    trainer.engine.rates = passes[0]["before"]
+    pred_before = trainer.prediction
+    around = [r for p in passes for r in (p["before"], p["after"])]
+    trainer.engine.rates = mean_rates(around)
+    times = [t for p in passes for t in p["times"]]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    waits = {k: mean([p["waits"].get(k, 0.0) for p in passes]) for k in passes[0]["waits"]}
+    return {"pred": trainer.prediction, "pred_start": passes[0]["pred_start"], "pred_before": pred_before,
+            "matmul_now": trainer.engine.rates.matmul_flops, "beside": trainer.engine.rates.compute_beside_disk,
+            "measured": median(times), "times": times, "waits": waits,
+            "disk": tuple(mean([p["disk"][i] for p in passes]) for i in range(2)),
+            "rates_around": [r.to_dict() for r in around]}
 
 
 def waiting_on(r: dict) -> str:
@@ -273,9 +301,12 @@ def waiting_on(r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=None, help="folder for the disk tier (default: a temporary folder)")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="steps per pass (the first of each left out)")
+    ap.add_argument("--passes", type=int, default=2, help="passes over the configurations, alternating")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--only", nargs="*", default=None, help="configurations to run (default: all)")
+    ap.add_argument("--dump", default=None, help="write each configuration's rates (measured around its "
+                    "passes) and measured steps to this JSON file (to price the same run again offline)")
     a = ap.parse_args()
     print(f"machine: {machine()}; load average {os.getloadavg()}")
     folder = tempfile.mkdtemp(dir=a.dir)
@@ -287,8 +318,19 @@ def main() -> int:
           f"{rates.adamw_per_thread / 1e6:.0f} M params/s, codec {rates.codec_per_thread}, update chain "
           f"{rates.update_chain}, compute beside the disk {rates.compute_beside_disk:.2f} x")
     worst, agree, names = 1.0, 0, [n for n in CONFIGS if not a.only or n in a.only]
+    passes = {name: [] for name in names}
+    for i in range(a.passes):   # the configurations alternate, pass by pass (a VM's speed drifts)
+        for name in names:
+            passes[name].append(run_config(name, CONFIGS[name], rates, folder, a.steps, a.seq))
+            print(f"(pass {i + 1} of {a.passes}: {name} measured median "
+                  f"{median(passes[name][-1]['times']):.3f} s)", flush=True)
+    dump = {}
     for name in names:
-        r = run_config(name, CONFIGS[name], rates, folder, a.steps, a.seq)
+        r = combine(passes[name])
+        if a.dump:
+            dump[name] = {k: r[k] for k in ("measured", "times", "waits", "disk", "rates_around")}
+            with open(a.dump, "w") as f:
+                json.dump({"seq": a.seq, "steps": a.steps, "configs": dump}, f, indent=1)
         p, ratio = r["pred"], r["measured"] / r["pred"].step_seconds
         seen = waiting_on(r)
         agree += seen == p.bottleneck or (seen == "compute" and p.bottleneck.startswith("compute"))
@@ -297,10 +339,10 @@ def main() -> int:
               f"{({k: round(v, 3) for k, v in p.phases.items() if v})}; disk per step measured read "
               f"{r['disk'][0] / 1e6:.1f} MB write {r['disk'][1] / 1e6:.1f} MB, predicted read "
               f"{p.bytes['disk_read'] / 1e6:.1f} MB write {p.bytes['disk_write'] / 1e6:.1f} MB")
-        print(f"  compute beside the disk (before/after mean) {r['beside']:.2f} x alone")
-        print(f"  with the rates measured just before the steps only: predicted {r['pred_before'].step_seconds:.3f} s, "
+        print(f"  compute beside the disk (mean around the passes) {r['beside']:.2f} x alone")
+        print(f"  with the rates measured just before the first pass only: predicted {r['pred_before'].step_seconds:.3f} s, "
               f"measured / predicted {r['measured'] / r['pred_before'].step_seconds:.3g}")
-        print(f"  compute rate before/after mean {r['matmul_now'] / 1e9:.1f} GFLOP/s per thread; with the rates measured at the start: "
+        print(f"  compute rate (mean around the passes) {r['matmul_now'] / 1e9:.1f} GFLOP/s per thread; with the rates measured at the start: "
               f"predicted {r['pred_start'].step_seconds:.3f} s, measured / predicted "
               f"{r['measured'] / r['pred_start'].step_seconds:.3g}")
         print(f"  bottleneck predicted: {p.bottleneck}; telemetry waits per step "

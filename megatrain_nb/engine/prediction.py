@@ -141,7 +141,8 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
     from .planner import codec_bytes_per_param
 
     if not cfg.offload_dir:
-        return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0, "state_read": 0, "state_write": 0}
+        return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0, "state_read": 0, "state_write": 0,
+                "start_read": 0, "start_write": 0}
     on_disk = plan.placement.get("master_weights") == "disk"
     per = codec_bytes_per_param(cfg.optimizer_compression)
     states = plan.placement.get("optimizer_states") == "disk"
@@ -157,6 +158,13 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
     st_r = sum(b for k, op, b in seq if op == "R" and k.startswith("state-"))
     st_w = sum(b for k, op, b in seq if op == "W" and k.startswith("state-"))
     state_read, state_write = int(read * st_r / raw_r) if raw_r else 0, int(write * st_w / raw_w) if raw_w else 0
+    # unclipped, weights on the disk tier: the next forward's first need, the embedding's updated
+    # weights, is written, then read back with the head's (a step binds both first) -- as much of
+    # it as reaches the disk past the cache
+    start_read = start_write = 0
+    if on_disk and not clipped:
+        start_read = int(4 * (units[0].numel + units[-1].numel) * read / raw_r) if raw_r else 0
+        start_write = int(4 * units[0].numel * write / raw_w) if raw_w else 0
     if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
         n = 4 * sum(u.numel for u in units)
         read, write = read + n, write + n
@@ -165,7 +173,7 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
         b = boundary_total(window)
         read, write = read + b, write + b
     return {"read": read, "write": write, "raw_read": raw_r, "raw_write": raw_w, "state_read": state_read,
-            "state_write": state_write}
+            "state_write": state_write, "start_read": start_read, "start_write": start_write}
 
 
 def boundary_total(window: dict) -> int:
@@ -291,7 +299,6 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     copy_cpu = 0.0 if cuda else ph["h2d"] + ph["d2h"]               # a CPU "device" copies with a core
     disk = ph["disk_read"] + ph["disk_write"]
     f = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0          # the forward's share of the loads
-    first = opt * units[0].numel / max(a["params"], 1)              # the embedding's update: the forward's first need
 
     team = 0 if cuda else rates.compute_team() if rates.compute_threads == 1 else cores
     # the update chain: a unit's update reads its states, decodes, steps, encodes and writes them
@@ -304,6 +311,13 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         chain = state_disk + a["params"] / measured
     else:
         chain = state_disk + (opt if cuda else max(opt, opt_cpu / max(cores - team, 1)))
+
+    # unclipped, the next forward's first need: the embedding's whole update (its states read and
+    # written too), then its weights and the head's loaded (from the disk where they are there)
+    share = units[0].numel / max(a["params"], 1)
+    first_disk = state_disk * share + _per(a["disk"]["start_read"], rates.disk_read, "", []) + \
+        _per(a["disk"]["start_write"], rates.disk_write, "", [])
+    first = (chain - state_disk) * share + first_disk
 
     beside = 0.0 if cuda else float(getattr(rates, "compute_beside_disk", 0.0) or 0.0)
 
@@ -348,7 +362,8 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         windows = {"forward": tf, "backward + updates": tb, "exposed update": first}
         overlaps.append("updates start as each gradient becomes final and overlap the backward; the next "
                         "forward waits for the embedding's, the last")
-    top = _bottleneck(windows, ((tf, sf, kf), (tb, sb, kb)), clipped, first, update_key)
+    exposed = {} if clipped else {"disk": first_disk, "optimizer": first - first_disk}
+    top = _bottleneck(windows, ((tf, sf, kf), (tb, sb, kb)), clipped, exposed, update_key)
     bottleneck = STREAMS[top.split("+")[0]] + (" (sharing the CPU cores)" if top.endswith("+cpu") else "")
     return StepPrediction(step_seconds=sum(windows.values()), phases=dict(ph),
                           streams={k: sf[k] + sb[k] for k in sf}, windows=windows, bottleneck=bottleneck,
@@ -372,11 +387,13 @@ def forward_behind_updates(units, chain_s: float, compute_s: float, head_share: 
     return t + compute_s * head_share
 
 
-def _bottleneck(windows: Dict[str, float], parts, clipped: bool, first: float, update_key: str) -> str:
+def _bottleneck(windows: Dict[str, float], parts, clipped: bool, exposed: Dict[str, float], update_key: str) -> str:
     """The stream a step waits for most, as a training step's telemetry shows it: each window's
     time beyond its compute belongs to the stream that bounds it (a clipped forward's to the
-    updates it waits for; an unclipped step's exposed update to them too). When the waits are
-    under a tenth of the step, the stream that bounds the most of it (the compute, typically)."""
+    updates it waits for); an unclipped step's exposed update to the streams it is made of
+    (``exposed``: its disk reads and writes to the disk, the rest to the optimizer). When the
+    waits are under a tenth of the step, the stream that bounds the most of it (the compute,
+    typically)."""
     step = sum(windows.values())
     waits: Dict[str, float] = {}
     for i, (t, streams, key) in enumerate(parts):
@@ -385,8 +402,9 @@ def _bottleneck(windows: Dict[str, float], parts, clipped: bool, first: float, u
             key = update_key   # (longer than any stream: waiting for the updates in turn)
         if wait > 0 and key != "compute":
             waits[key] = waits.get(key, 0.0) + wait
-    if not clipped and first > 0:
-        waits[update_key] = waits.get(update_key, 0.0) + first
+    for key, wait in exposed.items():
+        if wait > 0:
+            waits[key] = waits.get(key, 0.0) + wait
     if waits and sum(waits.values()) > 0.1 * step:
         return max(waits, key=waits.get)
     binding: Dict[str, float] = {}

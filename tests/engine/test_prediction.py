@@ -52,10 +52,17 @@ def test_each_window_is_bound_by_its_slowest_stream_plus_the_embeddings_update()
     opt = max(ph["optimizer"], ph["codec"] / 2)
     assert other * f > max(ph["forward"], ph["h2d"] * f)
     assert other * (1 - f) + state > max(ph["backward"] + ph["recompute"], ph["h2d"] * (1 - f), ph["d2h"], state + opt)
-    first = opt * UNITS[0].numel / N
+    # the next forward's first need: the embedding's whole update (its states read, stepped and
+    # written), its weights written, then read back with the head's (both bound first)
+    E, HEAD = UNITS[0].numel, UNITS[-1].numel
+    first = (state + opt) * E / N + 4 * E / 1e7 + 4 * (E + HEAD) / 1e7
     assert p.windows == pytest.approx({"forward": other * f, "backward + updates": other * (1 - f) + state,
                                        "exposed update": first})
     assert p.step_seconds == pytest.approx(disk + first)
+    # a cache that keeps everything serves those reads and writes: only the update's compute is left
+    cached, *_ = predict(rates(disk_read=1e7, disk_write=1e7), offload_dir="/nowhere", offload_params=True,
+                         cache=10 * 4 * N)
+    assert cached.windows["exposed update"] == pytest.approx(opt * E / N)
 
 
 def _f_share():

@@ -39,10 +39,10 @@ class MachineRates:
     update_chain: parameters/s of one unit's whole update with compressed states, per codec, as
         the engine runs it (decode thread, AdamW, encode thread, the codes stored; beside a
         compute thread on a CPU device); the prediction prices a step's updates at it when measured.
-    compute_beside_disk: a CPU device's compute rate while the disk tier reads and writes beside
-        it, over its rate alone (0: not measured, or a GPU, whose compute the host's I/O leaves
-        alone); the prediction slows a CPU step's compute by it for the part of each window the
-        disk is busy.
+    compute_beside_disk: a CPU device's compute rate (on torch's threads, as a step computes)
+        while the disk tier reads and writes beside it, over its rate alone (0: not measured, or
+        a GPU, whose compute the host's I/O leaves alone); the prediction slows a CPU step's
+        compute by it for the part of each window the disk is busy.
     source: "measured" or a profile's name; ``sources`` maps a field to its published source.
     """
 

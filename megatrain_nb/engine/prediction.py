@@ -211,6 +211,7 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
         "forward_loads": sum(u.numel for u in order[:len(units)]) * cb,
         "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes),
         "params": total, "state_bytes_fp32": 8 * total, "codec": cfg.optimizer_compression,
+        "compute_bytes": cb, "weights_on_disk": bool(cfg.offload_dir) and plan.placement.get("master_weights") == "disk",
     }
 
 
@@ -354,7 +355,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
             overlaps.append(f"CPU device: its compute runs at {beside:.2f}x its rate alone while the disk tier "
                             "reads and writes beside it (measured: MachineRates.compute_beside_disk)")
     if clipped:   # the forward waits for the embedding's and the head's updates, then for each layer's in turn
-        tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a["head_share"]))
+        tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a["head_share"], _load_per_param(a, rates, cuda)))
         windows = {"forward + updates": tf, "backward": tb}
         overlaps.append("clipping: updates wait for the global norm after the backward, then overlap only "
                         "the next forward (each unit's forward waits for its update)")
@@ -370,21 +371,40 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
                           overlaps=overlaps, tokens_per_step=a["tokens"])
 
 
-def forward_behind_updates(units, chain_s: float, compute_s: float, head_share: float) -> float:
+def forward_behind_updates(units, chain_s: float, compute_s: float, head_share: float,
+                           load_per_param: float = 0.0) -> float:
     """A clipped step's forward window: the updates wait for the global norm, then run one unit
     after another in the forward's order (``chain_s`` in all, each unit its share by size), and
     the forward waits for each unit's: the embedding's and the head's before the first layer (a
     step binds both first), each layer's before that layer computes, the head's compute
-    (``head_share`` of ``compute_s``) after the last layer."""
+    (``head_share`` of ``compute_s``) after the last layer. A unit's load starts only once its
+    update has written its weights: ``load_per_param`` seconds a parameter (the copy into its
+    slot; on the disk tier first the copy out of the host cache, or the read) after each update."""
     total = sum(u.numel for u in units) or 1
     per = [chain_s * u.numel / total for u in units]
-    layers = per[1:-1]
-    c_layer = compute_s * (1.0 - head_share) / max(len(layers), 1)
-    done = t = per[0] + per[-1]
-    for u in layers:
+    load = [load_per_param * u.numel for u in units]
+    c_layer = compute_s * (1.0 - head_share) / max(len(units) - 2, 1)
+    done = per[0] + per[-1]
+    t = max(per[0] + load[0], done) + load[-1]
+    for u, lu in zip(per[1:-1], load[1:-1]):
         done += u
-        t = max(t, done) + c_layer
+        t = max(t, done + lu) + c_layer
     return t + compute_s * head_share
+
+
+def _load_per_param(a: dict, rates, cuda: bool) -> float:
+    """Seconds a parameter of a unit's load takes once its update is done: the copy into its slot
+    (compute dtype, at the host->device rate), and with the master weights on the disk tier
+    before it the fp32 weights out of the host cache (a host memcpy; a CPU device's copy rate, a
+    GPU machine's pageable one) where the cache keeps them, else read from the disk."""
+    h2d = (rates.h2d_pinned or rates.h2d_pageable) if cuda else rates.h2d_pageable
+    t = a["compute_bytes"] / h2d if h2d else 0.0
+    if a["weights_on_disk"]:
+        d = a["disk"]
+        miss = d["read"] / d["raw_read"] if d["raw_read"] else 1.0
+        copy, read = rates.h2d_pageable, rates.disk_read
+        t += 4.0 * ((1.0 - miss) / copy if copy else 0.0) + 4.0 * (miss / read if read else 0.0)
+    return t
 
 
 def _bottleneck(windows: Dict[str, float], parts, clipped: bool, exposed: Dict[str, float], update_key: str) -> str:

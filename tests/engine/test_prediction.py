@@ -131,9 +131,10 @@ def test_with_clipping_the_updates_overlap_only_the_forward():
 
 
 def _last_layer_and_head(forward: float, tokens: int, mm: float = 1e12) -> float:
-    """The forward's compute after the updates it waits for: its last layer's and the head's."""
+    """The forward after the updates it waits for: its last layer's load (fp32 at the made-up
+    10 GB/s) and compute, and the head's compute."""
     head = 2 * VOCAB * H * tokens / mm
-    return (forward - head) / LAYERS + head
+    return LAYER * 4 / 10e9 + (forward - head) / LAYERS + head
 
 
 def test_a_clipped_forward_computes_each_layer_after_its_update():
@@ -147,6 +148,30 @@ def test_a_clipped_forward_computes_each_layer_after_its_update():
     assert forward_behind_updates(units, 7.0, 1.5 + 1.0, 0.4) == pytest.approx(4 + 3 + 0.5 + 1.0)
     # fast updates: the compute back to back once the first layer's is done
     assert forward_behind_updates(units, 0.7, 1.5 + 1.0, 0.4) == pytest.approx(0.5 + 1.5 + 1.0)
+    # each unit's load (0.25 s a parameter) starts once its update is done: slow updates, the
+    # last layer's load (0.25 s) between its update and its compute (the others' hidden behind
+    # the next updates)
+    assert forward_behind_updates(units, 7.0, 1.5 + 1.0, 0.4, 0.25) == pytest.approx(4 + 3 + 0.25 + 0.5 + 1.0)
+    # fast updates: the embedding's load after its update, the head's after that (both bound
+    # first), then the layers' loads prefetched behind the compute
+    assert forward_behind_updates(units, 0.7, 1.5 + 1.0, 0.4, 0.25) == pytest.approx(0.2 + 0.5 + 0.5 + 1.5 + 1.0)
+
+
+def test_a_clipped_units_load_after_its_update_costs_the_copies_and_on_the_disk_tier_the_cache_or_the_disk():
+    """The load that follows each update: the copy into its slot; with the weights on the disk
+    tier, before it the copy out of the host cache (where it keeps them) or the disk's read."""
+    from megatrain_nb.engine.prediction import _load_per_param
+
+    r = rates(h2d_pageable=2e9, h2d_pinned=8e9, disk_read=1e9)
+    ram = {"compute_bytes": 4, "weights_on_disk": False}
+    assert _load_per_param(ram, r, cuda=True) == pytest.approx(4 / 8e9)
+    assert _load_per_param(ram, r, cuda=False) == pytest.approx(4 / 2e9)   # a CPU device: a memcpy
+    cached = dict(ram, weights_on_disk=True, disk={"read": 0, "raw_read": 100})
+    assert _load_per_param(cached, r, cuda=False) == pytest.approx(4 / 2e9 + 4 / 2e9)
+    uncached = dict(ram, weights_on_disk=True, disk={"read": 100, "raw_read": 100})
+    assert _load_per_param(uncached, r, cuda=True) == pytest.approx(4 / 8e9 + 4 / 1e9)
+    half = dict(ram, compute_bytes=2, weights_on_disk=True, disk={"read": 50, "raw_read": 100})
+    assert _load_per_param(half, r, cuda=True) == pytest.approx(2 / 8e9 + 2 / 2e9 + 2 / 1e9)
 
 
 def test_few_cores_add_the_cpu_phases_many_overlap_them():

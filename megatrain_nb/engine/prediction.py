@@ -142,7 +142,7 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
 
     if not cfg.offload_dir:
         return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0, "state_read": 0, "state_write": 0,
-                "start_read": 0, "start_write": 0}
+                "start_read": 0, "start_write": 0, "read_miss": 0.0}
     on_disk = plan.placement.get("master_weights") == "disk"
     per = codec_bytes_per_param(cfg.optimizer_compression)
     states = plan.placement.get("optimizer_states") == "disk"
@@ -161,9 +161,10 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
     # unclipped, weights on the disk tier: the next forward's first need, the embedding's updated
     # weights, is written, then read back with the head's (a step binds both first) -- as much of
     # it as reaches the disk past the cache
+    miss = read / raw_r if raw_r else 1.0   # the share of the schedule's reads the cache cannot serve
     start_read = start_write = 0
     if on_disk and not clipped:
-        start_read = int(4 * (units[0].numel + units[-1].numel) * read / raw_r) if raw_r else 0
+        start_read = int(4 * (units[0].numel + units[-1].numel) * miss)
         start_write = int(4 * units[0].numel * write / raw_w) if raw_w else 0
     if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
         n = 4 * sum(u.numel for u in units)
@@ -173,7 +174,7 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
         b = boundary_total(window)
         read, write = read + b, write + b
     return {"read": read, "write": write, "raw_read": raw_r, "raw_write": raw_w, "state_read": state_read,
-            "state_write": state_write, "start_read": start_read, "start_write": start_write}
+            "state_write": state_write, "start_read": start_read, "start_write": start_write, "read_miss": miss}
 
 
 def boundary_total(window: dict) -> int:
@@ -400,8 +401,7 @@ def _load_per_param(a: dict, rates, cuda: bool) -> float:
     h2d = (rates.h2d_pinned or rates.h2d_pageable) if cuda else rates.h2d_pageable
     t = a["compute_bytes"] / h2d if h2d else 0.0
     if a["weights_on_disk"]:
-        d = a["disk"]
-        miss = d["read"] / d["raw_read"] if d["raw_read"] else 1.0
+        miss = a["disk"]["read_miss"]
         copy, read = rates.h2d_pageable, rates.disk_read
         t += 4.0 * ((1.0 - miss) / copy if copy else 0.0) + 4.0 * (miss / read if read else 0.0)
     return t

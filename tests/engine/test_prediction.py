@@ -166,12 +166,18 @@ def test_a_clipped_units_load_after_its_update_costs_the_copies_and_on_the_disk_
     ram = {"compute_bytes": 4, "weights_on_disk": False}
     assert _load_per_param(ram, r, cuda=True) == pytest.approx(4 / 8e9)
     assert _load_per_param(ram, r, cuda=False) == pytest.approx(4 / 2e9)   # a CPU device: a memcpy
-    cached = dict(ram, weights_on_disk=True, disk={"read": 0, "raw_read": 100})
+    cached = dict(ram, weights_on_disk=True, disk={"read_miss": 0.0})
     assert _load_per_param(cached, r, cuda=False) == pytest.approx(4 / 2e9 + 4 / 2e9)
-    uncached = dict(ram, weights_on_disk=True, disk={"read": 100, "raw_read": 100})
+    uncached = dict(ram, weights_on_disk=True, disk={"read_miss": 1.0})
     assert _load_per_param(uncached, r, cuda=True) == pytest.approx(4 / 8e9 + 4 / 1e9)
-    half = dict(ram, compute_bytes=2, weights_on_disk=True, disk={"read": 50, "raw_read": 100})
+    half = dict(ram, compute_bytes=2, weights_on_disk=True, disk={"read_miss": 0.5})
     assert _load_per_param(half, r, cuda=True) == pytest.approx(2 / 8e9 + 2 / 2e9 + 2 / 1e9)
+    # the share the cache misses is the schedule's, not the gradients held on the disk for the norm
+    p, c, plan, w = predict(rates(), clipped=True, offload_dir="/nowhere", offload_params=True, clip_hold="disk")
+    a = step_amounts(UNITS, SHAPE, c, plan, w, cuda=True, cache_bytes=10 * 4 * N)
+    assert a["disk"]["read"] == 4 * N and a["disk"]["read_miss"] == 0.0
+    a = step_amounts(UNITS, SHAPE, c, plan, w, cuda=True, cache_bytes=0)
+    assert a["disk"]["read_miss"] == 1.0
 
 
 def test_few_cores_add_the_cpu_phases_many_overlap_them():

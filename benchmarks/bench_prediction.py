@@ -150,7 +150,7 @@ def compute_now(rates: MachineRates, seq: int, folder: str) -> MachineRates:
 
 
 def mean_rates(measured: list) -> MachineRates:
-    """The first of ``measured`` with the compute and per-thread update rates the mean of them all:
+    """The first of ``measured`` with the compute, per-thread update and disk rates the mean of them all:
     the rates measured just before each pass of a configuration's steps and just after it (on this
     VM one measurement of the update chain moved by 1.4x between back-to-back calls; the pairs
     bracket the steps)."""
@@ -327,10 +327,7 @@ def main() -> int:
     dump = {}
     for name in names:
         r = combine(passes[name])
-        if a.dump:
-            dump[name] = {k: r[k] for k in ("measured", "times", "waits", "disk", "rates_around")}
-            with open(a.dump, "w") as f:
-                json.dump({"seq": a.seq, "steps": a.steps, "configs": dump}, f, indent=1)
+        dump[name] = {k: r[k] for k in ("measured", "times", "waits", "disk", "rates_around")}
         p, ratio = r["pred"], r["measured"] / r["pred"].step_seconds
         seen = waiting_on(r)
         agree += seen == p.bottleneck or (seen == "compute" and p.bottleneck.startswith("compute"))
@@ -349,6 +346,9 @@ def main() -> int:
               f"{({k: round(v, 3) for k, v in r['waits'].items() if v})} -> {seen}")
         print(f"RESULT prediction_error_{name} {ratio:.3g} x (target within 0.8-1.2)", flush=True)
         worst = ratio if abs(ratio - 1) > abs(worst - 1) else worst
+    if a.dump:
+        with open(a.dump, "w") as f:
+            json.dump({"seq": a.seq, "steps": a.steps, "configs": dump}, f, indent=1)
     print(f"RESULT prediction_error_worst {worst:.3g} x (target within 0.8-1.2)", flush=True)
     result("bottleneck_agrees", agree, f"of {len(names)}", ">=", len(names))
     print(f"load average at the end {os.getloadavg()}")

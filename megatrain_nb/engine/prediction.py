@@ -142,7 +142,7 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
 
     if not cfg.offload_dir:
         return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0, "state_read": 0, "state_write": 0,
-                "start_read": 0, "start_write": 0, "read_miss": 0.0}
+                "start_read": 0, "start_write": 0, "read_miss": 0.0, "weights_on_disk": False}
     on_disk = plan.placement.get("master_weights") == "disk"
     per = codec_bytes_per_param(cfg.optimizer_compression)
     states = plan.placement.get("optimizer_states") == "disk"
@@ -174,7 +174,8 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
         b = boundary_total(window)
         read, write = read + b, write + b
     return {"read": read, "write": write, "raw_read": raw_r, "raw_write": raw_w, "state_read": state_read,
-            "state_write": state_write, "start_read": start_read, "start_write": start_write, "read_miss": miss}
+            "state_write": state_write, "start_read": start_read, "start_write": start_write, "read_miss": miss,
+            "weights_on_disk": on_disk}
 
 
 def boundary_total(window: dict) -> int:
@@ -212,7 +213,7 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
         "forward_loads": sum(u.numel for u in order[:len(units)]) * cb,
         "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes),
         "params": total, "state_bytes_fp32": 8 * total, "codec": cfg.optimizer_compression,
-        "compute_bytes": cb, "weights_on_disk": bool(cfg.offload_dir) and plan.placement.get("master_weights") == "disk",
+        "compute_bytes": cb,
     }
 
 
@@ -255,7 +256,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
           + _per(a["attention_flops"]["backward"], at, "attention_flops", missing),
           "recompute": _per(a["recompute_flops"], mm, "matmul_flops", missing)
           + _per(a["attention_flops"]["recompute"], at, "attention_flops", missing)}
-    h2d_rate = (rates.h2d_pinned or rates.h2d_pageable) if cuda else rates.h2d_pageable
+    h2d_rate = _h2d_rate(rates, cuda)
     d2h_rate = (rates.d2h_pinned or rates.d2h_pageable) if cuda else rates.d2h_pageable
     ph["h2d"] = _per(a["h2d"], h2d_rate, "h2d", missing)
     ph["d2h"] = _per(a["d2h"], d2h_rate, "d2h", missing)
@@ -393,14 +394,19 @@ def forward_behind_updates(units, chain_s: float, compute_s: float, head_share: 
     return t + compute_s * head_share
 
 
+def _h2d_rate(rates, cuda: bool) -> float:
+    """Bytes/s of a unit's load into its slot: pinned on CUDA where measured, a CPU device's memcpy."""
+    return (rates.h2d_pinned or rates.h2d_pageable) if cuda else rates.h2d_pageable
+
+
 def _load_per_param(a: dict, rates, cuda: bool) -> float:
     """Seconds a parameter of a unit's load takes once its update is done: the copy into its slot
     (compute dtype, at the host->device rate), and with the master weights on the disk tier
     before it the fp32 weights out of the host cache (a host memcpy; a CPU device's copy rate, a
     GPU machine's pageable one) where the cache keeps them, else read from the disk."""
-    h2d = (rates.h2d_pinned or rates.h2d_pageable) if cuda else rates.h2d_pageable
+    h2d = _h2d_rate(rates, cuda)
     t = a["compute_bytes"] / h2d if h2d else 0.0
-    if a["weights_on_disk"]:
+    if a["disk"]["weights_on_disk"]:
         miss = a["disk"]["read_miss"]
         copy, read = rates.h2d_pageable, rates.disk_read
         t += 4.0 * ((1.0 - miss) / copy if copy else 0.0) + 4.0 * (miss / read if read else 0.0)

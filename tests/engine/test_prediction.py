@@ -163,14 +163,14 @@ def test_a_clipped_units_load_after_its_update_costs_the_copies_and_on_the_disk_
     from megatrain_nb.engine.prediction import _load_per_param
 
     r = rates(h2d_pageable=2e9, h2d_pinned=8e9, disk_read=1e9)
-    ram = {"compute_bytes": 4, "weights_on_disk": False}
+    ram = {"compute_bytes": 4, "disk": {"weights_on_disk": False}}
     assert _load_per_param(ram, r, cuda=True) == pytest.approx(4 / 8e9)
     assert _load_per_param(ram, r, cuda=False) == pytest.approx(4 / 2e9)   # a CPU device: a memcpy
-    cached = dict(ram, weights_on_disk=True, disk={"read_miss": 0.0})
+    cached = dict(ram, disk={"weights_on_disk": True, "read_miss": 0.0})
     assert _load_per_param(cached, r, cuda=False) == pytest.approx(4 / 2e9 + 4 / 2e9)
-    uncached = dict(ram, weights_on_disk=True, disk={"read_miss": 1.0})
+    uncached = dict(ram, disk={"weights_on_disk": True, "read_miss": 1.0})
     assert _load_per_param(uncached, r, cuda=True) == pytest.approx(4 / 8e9 + 4 / 1e9)
-    half = dict(ram, compute_bytes=2, weights_on_disk=True, disk={"read_miss": 0.5})
+    half = dict(ram, compute_bytes=2, disk={"weights_on_disk": True, "read_miss": 0.5})
     assert _load_per_param(half, r, cuda=True) == pytest.approx(2 / 8e9 + 2 / 2e9 + 2 / 1e9)
     # the share the cache misses is the schedule's, not the gradients held on the disk for the norm
     p, c, plan, w = predict(rates(), clipped=True, offload_dir="/nowhere", offload_params=True, clip_hold="disk")

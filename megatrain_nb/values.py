@@ -22,6 +22,7 @@ only: the Jupyter server side imports it cheaply.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -52,10 +53,17 @@ class Value:
     none_ok: bool = False
     choices: tuple = ()
     also: tuple = ()
+    many: bool = False   # a non-empty list of such values (one value alone counts as a list of one)
 
     def rule(self) -> str:
         """What is allowed, in words: the same wherever the value enters."""
-        if self.kind == "choice":
+        if self.kind == "bool":
+            text = "True or False (as text: 'true' or 'false')"
+        elif self.kind == "path":
+            text = "a folder's path (text or os.PathLike, not empty)"
+        elif self.many and self.kind == "choice":
+            text = "one or a non-empty list of " + ", ".join(repr(c) for c in self.choices)
+        elif self.kind == "choice":
             text = "one of " + ", ".join(repr(c) for c in self.choices)
         else:
             text = "a whole number" if self.kind == "int" else "a finite number"
@@ -67,6 +75,8 @@ class Value:
             text += " " + " and ".join(parts) if parts else ""
             if self.also:
                 text += ", or " + ", ".join(str(a) for a in self.also)
+            if self.many:
+                text = "a non-empty list, each " + text
         if self.none_ok:
             text += ", or None"
         return f"must be {text} ({self.meaning})"
@@ -87,6 +97,65 @@ def _row(name, kind, meaning, **kw) -> Value:
 _BATCH = dict(low=1, high=MAX_INT)
 _SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+
+# ---- fine-tuning (trl.DPOConfig / trl.SFTConfig fields the DPOTrainer and SFTTrainer honour), the
+# engine's switches and its disk folder, the sample prompt: issue 44's block ----
+#: trl.DPOTrainer's loss types (trainer/dpo_loss.py computes each; a test checks TRL's list)
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+_FINE_TUNING_ROWS = (
+    _row("beta", "float", "DPO's temperature: how strongly the policy is held to the reference; above 1000 "
+         "every pair's loss saturates: a typo?", low=0, low_open=True, high=1000.0),
+    _row("label_smoothing", "float", "the assumed share of wrong preference labels (cDPO, robust, EXO, AOT)",
+         low=0, high=0.5, high_open=True),
+    _row("dpo_loss_type", "choice", "the DPO losses, summed", choices=DPO_LOSS_TYPES, many=True),
+    _row("loss_weights", "float", "each DPO loss type's weight; None = 1 each", low=0, many=True, none_ok=True),
+    _row("ld_alpha", "float", "LD-DPO's weight of the tokens beyond the shorter answer; None = no length "
+         "desensitisation", low=0, high=1, none_ok=True),
+    _row("f_divergence_type", "choice", "the divergence DPO's log-ratios go through", choices=F_DIVERGENCES),
+    _row("f_alpha_divergence_coef", "float", "the alpha of f_divergence_type='alpha_divergence'", low=0,
+         low_open=True),
+    _row("discopop_tau", "float", "DiscoPOP's temperature", low=0, low_open=True),
+    _row("use_weighting", "bool", "WPO's weighting of each pair by its likelihood"),
+    _row("truncation_mode", "choice", "which end of a too-long row is kept", choices=("keep_start", "keep_end")),
+    _row("precompute_ref_batch_size", "int", "pairs per batch of the reference pass; None = the train / eval "
+         "batch size", low=1, high=MAX_INT, none_ok=True),
+    _row("disable_dropout", "bool", "dropout off in the policy and the reference"),
+    _row("sft_loss_type", "choice", "SFT's token loss", choices=("nll", "dft")),
+    _row("packing", "bool", "several rows packed into each sequence"),
+    _row("eval_packing", "bool", "the eval rows packed too; None = as packing", none_ok=True),
+    _row("packing_strategy", "choice", "how rows are packed", choices=("bfd", "bfd_split", "wrapped")),
+    _row("completion_only_loss", "bool", "only the completion's tokens count in the loss; None = when the rows "
+         "have a completion", none_ok=True),
+    _row("assistant_only_loss", "bool", "only the assistant's tokens count in the loss"),
+    _row("shuffle_dataset", "bool", "the training rows shuffled before preparation"),
+    _row("padding_free", "bool", "rows concatenated without padding"),
+    _row("offload_params", "bool", "master weights on the disk tier too; None = the planner decides from the "
+         "host budget", none_ok=True),
+    _row("keep_offload_files", "bool", "the disk tier's files left in place when the engine closes"),
+    _row("offload_dir", "path", "the folder of the disk tier, made when missing; None = no disk tier",
+         none_ok=True),
+    _row("sample_every", "int", "optimizer steps between two answers to the sample prompt; None = a tenth of the "
+         "run", low=1, high=MAX_INT, none_ok=True),
+)
+
+#: A field whose name means another row in one config family: (family, field) -> row name
+#: (DPOConfig's and SFTConfig's ``loss_type`` differ).
+ALIASES = {("dpo", "loss_type"): "dpo_loss_type", ("sft", "loss_type"): "sft_loss_type"}
+#: The rows of each TRL config's own fields (beyond TrainingArguments'), by field name.
+DPO_FIELDS = ("beta", "label_smoothing", "loss_type", "loss_weights", "ld_alpha", "f_divergence_type",
+              "f_alpha_divergence_coef", "discopop_tau", "use_weighting", "truncation_mode",
+              "precompute_ref_batch_size", "disable_dropout", "max_length", "padding_free")
+SFT_FIELDS = ("loss_type", "packing", "eval_packing", "packing_strategy", "completion_only_loss",
+              "assistant_only_loss", "shuffle_dataset", "padding_free", "max_length", "truncation_mode")
+
+
+def row_name(field: str, family: Optional[str] = None) -> Optional[str]:
+    """The table's row of ``field`` in ``family`` ("dpo", "sft" or None), None when it has none."""
+    name = ALIASES.get((family, field), field)
+    return name if name in VALUES else None
+
 
 #: Every value a user sets, by name (TrainingArguments / SFTConfig fields, EngineConfig fields,
 #: the Trainer's and Session's own options, command values).
@@ -179,6 +248,7 @@ VALUES: dict[str, Value] = {v.name: v for v in (
          none_ok=True),
     _row("sample_seed", "int", "the sampling generator's seed; None = unseeded", low=0, high=MAX_INT,
          none_ok=True),
+    *_FINE_TUNING_ROWS,
 )}
 
 
@@ -212,6 +282,28 @@ _BAD = object()
 def _convert(row: Value, value: Any) -> Any:
     if value is None:
         return None if row.none_ok else _BAD
+    if row.many:
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        out = [_convert_one(row, v) for v in items]
+        return out if out and all(v is not _BAD and v is not None for v in out) else _BAD
+    return _convert_one(row, value)
+
+
+_TRUTH = {"true": True, "false": False}
+
+
+def _convert_one(row: Value, value: Any) -> Any:
+    if value is None:
+        return _BAD
+    if row.kind == "bool":
+        if isinstance(value, bool) or type(value).__name__ == "bool_":   # (numpy's bool)
+            return bool(value)
+        return _TRUTH.get(value.strip().lower(), _BAD) if isinstance(value, str) else _BAD
+    if row.kind == "path":
+        if isinstance(value, str) or hasattr(value, "__fspath__"):
+            text = os.fspath(value)
+            return text if isinstance(text, str) and text.strip() and "\0" not in text else _BAD
+        return _BAD
     if row.kind == "choice":
         v = getattr(value, "value", value)   # an enum (transformers' SchedulerType) -> its text
         return v if isinstance(v, str) and v in row.choices else _BAD
@@ -253,8 +345,9 @@ def _inside(row: Value, x) -> bool:
     return True
 
 
-def check_fields(fields: dict, where: str, names=None) -> dict:
+def check_fields(fields: dict, where: str, names=None, family: Optional[str] = None) -> dict:
     """The table's check of every ``fields`` entry it holds (``names``: only those), each named
-    ``where.name``; the checked values by name."""
-    return {k: check(k, v, f"{where}.{k}") for k, v in fields.items()
-            if k in VALUES and (names is None or k in names)}
+    ``where.name``; the checked values by name. ``family`` ("dpo", "sft"): the config the fields
+    belong to, for the names whose row depends on it (``ALIASES``: ``loss_type``)."""
+    return {k: check(row_name(k, family), v, f"{where}.{k}") for k, v in fields.items()
+            if row_name(k, family) is not None and (names is None or k in names)}

@@ -401,8 +401,8 @@ def _budgets(vram_gb: Budget, ram_gb: Budget, disk_gb: Budget, offload_dir) -> d
 
 def _add_time(est: Estimate, config, units, cfg, work, rates, *, device: str, state_units=None) -> None:
     """The predicted step of the estimate's plan, and the fastest plans within its budgets (the
-    choices the caller left at their defaults varied, as the engine does: ``best_plans.pinned_of``)."""
-    from megatrain_nb.engine.best_plans import best_plans, engine_pick
+    choices the caller left at their defaults varied: ``best_plans.pinned_by_value``)."""
+    from megatrain_nb.engine.best_plans import best_plans, engine_pick, pinned_by_value
     from megatrain_nb.engine.planner import ModelShape
     from megatrain_nb.engine.prediction import predict_step
 
@@ -410,7 +410,7 @@ def _add_time(est: Estimate, config, units, cfg, work, rates, *, device: str, st
     shape = ModelShape.of(config)
     est.prediction = predict_step(units, shape, cfg, plan, work, rates, cuda=device != "cpu")
     found = best_plans(units, shape, cfg, work, rates, cuda=device != "cpu", disk_bytes=est.budgets["disk"],
-                       state_units=state_units, k=None)
+                       state_units=state_units, k=None, pinned=pinned_by_value(cfg))
     est.best, est.pick = found[:3], engine_pick(found, plan)
 
 

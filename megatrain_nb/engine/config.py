@@ -7,6 +7,7 @@ optimizer, the placement policies). Settings the planner decides and tests pin d
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
@@ -19,7 +20,8 @@ from .codecs import normalize_compression
 
 #: the fields the table of values (megatrain_nb/values.py) checks
 _CHECKED = ("max_vram_gb", "max_host_gb", "host_cache_gb", "checkpoint_interval", "precision", "adam_eps",
-            "weight_decay", "window_tier", "clip_hold", "max_window_micro_batches")
+            "weight_decay", "window_tier", "clip_hold", "max_window_micro_batches", "offload_dir", "offload_params",
+            "keep_offload_files")
 
 
 def _betas(value) -> tuple:
@@ -204,14 +206,23 @@ class EngineConfig:
     def compute_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
+    @property
+    def given(self) -> frozenset:
+        """The fields the caller passed (whatever their values): the planner never varies them
+        (``best_plans.pinned_of``); a field left out keeps its default and may be chosen."""
+        return getattr(self, "_given", frozenset(f.name for f in dataclasses.fields(self)))
+
     def replace(self, **changes) -> "EngineConfig":
-        """A copy with ``changes`` (an :class:`EngineOverrides` field goes into ``overrides``)."""
+        """A copy with ``changes`` (an :class:`EngineOverrides` field goes into ``overrides``);
+        the copy's :attr:`given` is this one's and the fields changed."""
         names = {f.name for f in dataclasses.fields(EngineOverrides)}
         moved = {k: changes.pop(k) for k in list(changes) if k in names}
         if moved:
             changes["overrides"] = dataclasses.replace(EngineOverrides.of(changes.get("overrides", self.overrides)),
                                                        **moved)
-        return dataclasses.replace(self, **changes)
+        out = dataclasses.replace(self, **changes)
+        out._given = self.given | frozenset(changes)
+        return out
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
@@ -225,3 +236,17 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
         return cls(**options)
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig))
+_dataclass_init = EngineConfig.__init__
+
+
+def _init_recording_given(self, *args, **kwargs):
+    _dataclass_init(self, *args, **kwargs)
+    self._given = frozenset(_FIELD_NAMES[:len(args)]) | frozenset(kwargs)
+
+
+_init_recording_given.__doc__ = _dataclass_init.__doc__
+_init_recording_given.__signature__ = inspect.signature(_dataclass_init)
+EngineConfig.__init__ = _init_recording_given   # (EngineConfig.given: which fields the caller passed)

@@ -14,8 +14,13 @@ suite sets it, so its plans never follow a measurement cached on the machine tha
 The workload: what the caller says the steps will train on (``mt.Trainer`` passes its batch,
 sequence length, accumulation and clipping), else the planner's default (``planner.Workload()``:
 one row of 2048 tokens, one micro-batch, clipped) -- said so in ``chosen_by``. Candidates are
-held to the device's memory: ``max_vram_gb``, else the CUDA device's total memory, else (a CPU
-"device") the available RAM.
+held to the device budget the user gave (``max_vram_gb``); without one, to the rules' own plan's
+device working set at the workload: a pick never grows the device's memory past what the rules
+would use (a CPU "device" without a budget is not unlimited), so the working set stays flat in
+depth whatever the rates say. A field the caller passed (``EngineConfig.given``) is never varied,
+whatever its value. A pick must be predicted ``MARGIN`` faster than the rules' plan (the prediction
+is judged within -20%/+25%); a run whose step is well off its prediction says so and names the way
+back to the rules' plan (``prediction_check.difference_line``).
 
 Ranks: every rank must run the same schedule, so rank 0's choice is taken by all
 (``Dist.all_gather_json``; its rates decide); each rank then plans its own shards with it.
@@ -25,10 +30,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import psutil
-import torch
-
-from .best_plans import CHOICES, MARGIN, TIE, best_plans, engine_pick, pinned_of
+from .best_plans import CHOICES, MARGIN, TIE, best_plans, engine_pick, pinned_of, plan_key
 from .family import max_positions
 from .measure import cached_rates   # (a name of this module: tests replace it)
 from .planner import GiB, ModelShape, Plan, UnitSpec, Workload, engine_plan, make_plan
@@ -72,10 +74,16 @@ def _choose(units, model_config, cfg, *, device, state_units, workload):
     shape = ModelShape(shape.hidden_size, len(units) - 2, shape.intermediate_size, shape.vocab_size)
     specs = [_spec(u) for u in units]
     held = None if state_units is None else [_spec(u) for u in state_units]
-    within = cfg if cfg.max_vram_gb else cfg.replace(max_vram_gb=_device_memory(device) / GiB)
     cuda = device.type == "cuda"
-    found = best_plans(specs, shape, within, work, rates, cuda=cuda, state_units=held, k=None)
-    pick = engine_pick(found, make_plan(specs, shape, within, cuda=cuda, workload=work, state_units=held))
+    rules = make_plan(specs, shape, cfg, cuda=cuda, workload=work, state_units=held)
+    # no device budget given: no pick grows the device working set past the rules' own plan's
+    cap = None if cfg.max_vram_gb else int(rules.device["total"] * (1 + TIE))
+    found = best_plans(specs, shape, cfg, work, rates, cuda=cuda, state_units=held, k=None, device_cap=cap)
+    pick = engine_pick(found, rules)
+    held_to = (f"max_vram_gb={cfg.max_vram_gb:g}" if cfg.max_vram_gb else
+               f"the rules' device working set, {rules.device['total'] / GiB * 1024:.1f} MiB (no max_vram_gb given)")
+    pinned = pinned_of(cfg)
+    kept = f"; kept as given: {', '.join(f'{k}={v!r}' for k, v in pinned.items())}" if pinned else ""
     if pick is None:
         return None, f"rules: no free choice fits the budgets at {said}"
     step = fmt_seconds(pick.prediction.step_seconds)
@@ -84,10 +92,20 @@ def _choose(units, model_config, cfg, *, device, state_units, workload):
         # the rules' own plan, within MARGIN of the fastest (a difference below TIE is a tie)
         return None, (f"rules' plan kept: predicted step {step}, within {MARGIN:.0%} of the fastest of "
                       f"{len(found)} feasible plan(s) ({fmt_seconds(found[0].prediction.step_seconds)}: "
-                      f"{found[0].describe()}) at {said}; rates: {source}")
+                      f"{found[0].describe()}) at {said}; device held to {held_to}{kept}; rates: {source}")
+    if plan_key(pick.plan) == plan_key(rules):
+        return None, (f"rules' plan, the fastest predicted ({step}) of {len(found)} feasible plan(s) at {said}; "
+                      f"device held to {held_to}{kept}; rates: {source}")
     choice = {k: v for k, v in pick.choice.items() if k in free}
     return choice, (f"predicted step {step}, fastest of {len(found)} feasible plan(s) at {said} "
-                    f"({pick.describe()}; rates: {source})")
+                    f"({pick.describe()}; the rules' plan predicted {_rules_step(found, rules)}; device held to "
+                    f"{held_to}{kept}; rates: {source}; {PLAN_BY_ENV}=rules or "
+                    "EngineOverrides(plan_by='rules') builds the rules' plan)")
+
+
+def _rules_step(found, rules) -> str:
+    own = next((pc for pc in found if plan_key(pc.plan) == plan_key(rules)), None)
+    return fmt_seconds(own.prediction.step_seconds) if own is not None else "- (it does not fit)"
 
 
 def _spec(u) -> UnitSpec:
@@ -105,10 +123,3 @@ def _workload(workload: Optional[Workload], model_config):
             f"{'clipped' if w.clipped else 'unclipped'}")
     return w, (f"the run's workload, {what}" if given else f"the planner's default workload, {what} (the run's "
                                                                   "is not known when the engine is built)")
-
-
-def _device_memory(device) -> int:
-    """What the device holds: a CUDA device's total memory, a CPU "device"'s available RAM."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return int(psutil.virtual_memory().available)

@@ -68,6 +68,9 @@ class StepPrediction:
     flops: float = 0.0
     notes: List[str] = field(default_factory=list)
     source: str = ""
+    #: The EngineConfig fields the engine's plan took from this prediction (``Plan.choice``; None:
+    #: the rules' plan): a step well off the prediction then names the way back to the rules.
+    plan_choice: Optional[dict] = None
 
     @property
     def tokens_per_second(self) -> float:

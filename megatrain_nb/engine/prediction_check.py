@@ -45,8 +45,10 @@ def engine_prediction(engine, workload: Optional[Workload] = None, rates=None) -
         plan = type(plan)(**{**plan.to_dict(), "window": window})
     shape = ModelShape.of(engine.model_config)
     cache = getattr(engine.disk, "capacity", 0) if engine.disk is not None else 0
-    return predict_step(engine.units, shape, engine.config, plan, workload, rates,
+    pred = predict_step(engine.units, shape, engine.config, plan, workload, rates,
                         cuda=engine.device.type == "cuda", cache_bytes=cache)
+    pred.plan_choice = getattr(engine.plan, "choice", None)
+    return pred
 
 
 def measured_phases(before: dict, after: dict) -> dict:
@@ -62,33 +64,43 @@ def measured_phases(before: dict, after: dict) -> dict:
     return out
 
 
+#: What a phase's miss says, when it is the largest (slower than predicted; faster: "faster than ...").
+_WHY = {"compute": "compute slower than its measured rate (a busy CPU, or rates measured at other shapes: "
+                   "mt.measure_machine(model=...))",
+        "disk_read": "the disk reads slower than its measured rate",
+        "disk_write": "the disk writes slower than its measured rate",
+        "optimizer": "AdamW slower than measured (a busy CPU?)"}
+
+
 def difference_line(pred: StepPrediction, measured: dict) -> Optional[str]:
     """A line when the measured step is more than ``OFF_BY`` off the prediction: by how much, and
-    the phase furthest off (a disk slower than measured, an optimizer slowed by a busy CPU), or None."""
+    the phase with the largest absolute miss in seconds (the compute, the optimizer, the disk
+    each way), or None. A plan the engine took from this prediction (``pred.plan_choice``) is
+    named with the way back to the rules' plan."""
     step = measured["step"]
     if pred.step_seconds <= 0 or abs(step / pred.step_seconds - 1) <= OFF_BY:
         return None
-    expect = {"optimizer": pred.phases["optimizer"] + pred.phases["codec"],
-              "disk_read": pred.phases["disk_read"], "disk_write": pred.phases["disk_write"]}
-    worst, ratio = None, 1.0
-    for name, p in expect.items():
-        m = measured.get(name, 0.0)
-        if p > 0 and m > 0 and abs(m / p - 1) > abs(ratio - 1):
-            worst, ratio = name, m / p
+    ph = pred.phases
+    expect = {"compute": ph["forward"] + ph["backward"] + ph["recompute"],
+              "optimizer": ph["optimizer"] + ph["codec"],
+              "disk_read": ph["disk_read"], "disk_write": ph["disk_write"]}
+    got = dict(measured, compute=max(step - sum(measured.get("waits", {}).values()), 0.0))
+    misses = {name: got.get(name, 0.0) - p for name, p in expect.items() if p > 0 and got.get(name, 0.0) > 0}
+    worst = max(misses, key=lambda n: abs(misses[n]), default=None)
     line = (f"measured step {fmt_seconds(step)} vs predicted {fmt_seconds(pred.step_seconds)} "
             f"({step / pred.step_seconds - 1:+.0%})")
-    if worst is not None and abs(ratio - 1) > OFF_BY:
-        why = {"disk_read": "the disk reads slower than its measured rate",
-               "disk_write": "the disk writes slower than its measured rate",
-               "optimizer": "AdamW slower than measured (a busy CPU?)"}[worst]
-        if ratio < 1:
-            why = "faster than its measured rate"
-        line += (f": {worst.replace('_', ' ')} {fmt_seconds(measured[worst])} vs predicted "
+    if worst is not None and abs(got[worst] / expect[worst] - 1) > OFF_BY:
+        ratio = got[worst] / expect[worst]
+        why = _WHY[worst] if ratio > 1 else "faster than its measured rate"
+        line += (f": the largest miss is {worst.replace('_', ' ')}, {fmt_seconds(got[worst])} vs predicted "
                  f"{fmt_seconds(expect[worst])} ({ratio - 1:+.0%}, {why})")
     else:
         waits = {k: v for k, v in measured.get("waits", {}).items() if v > 0.05 * step}
         line += ("; waits per step: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in waits.items())
                  if waits else "; no phase stands out: compute slower than its measured rate (a busy CPU?)")
+    if pred.plan_choice:
+        line += (f". The plan was picked by this prediction ({', '.join(f'{k}={v!r}' for k, v in pred.plan_choice.items())}): "
+                 f"MEGATRAIN_NB_PLAN_BY=rules or EngineOverrides(plan_by='rules') builds the rules' plan")
     return line
 
 

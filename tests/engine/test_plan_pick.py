@@ -61,9 +61,11 @@ def test_a_slow_disk_and_slow_compute_pick_different_checkpoint_intervals(tmp_pa
     assert disk_bound.checkpoint_interval > 1 and disk_bound.choice["checkpoint_interval"] > 1
     # slow compute: no more recompute than interval 1, the boundaries' disk traffic is free
     assert compute_bound.checkpoint_interval == 1
+    assert disk_bound.chosen_by.startswith("predicted step")
+    assert compute_bound.chosen_by.startswith("rules' plan, the fastest predicted") and compute_bound.choice is None
     for plan in (disk_bound, compute_bound):
-        assert plan.chosen_by.startswith("predicted step") and "the run's workload, 1 x 64 tokens x 8" in plan.chosen_by
-        assert "fastest of 10 feasible" in plan.chosen_by and "rates: made-up" in plan.chosen_by
+        assert "the run's workload, 1 x 64 tokens x 8" in plan.chosen_by
+        assert "of 10 feasible" in plan.chosen_by and "rates: made-up" in plan.chosen_by
 
 
 def test_the_pick_is_the_fastest_of_the_candidates_the_prediction_priced(tmp_path):
@@ -203,3 +205,70 @@ def test_estimate_lists_the_fastest_plans_and_names_the_one_an_engine_builds(cap
     assert slow_compute.pick.prediction.step_seconds <= slow_compute.best[0].prediction.step_seconds * (1 + 1e-6)
     pinned = mt.estimate(CONFIG, rates=SLOW_DISK, checkpoint_interval=2, **kw)
     assert {pc.plan.checkpoint_interval for pc in pinned.best} == {2}
+
+
+# ---------------------------------------------------------------------------------------- the promises
+def _llama(layers):
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.fixture
+def cached(tmp_path, monkeypatch):
+    """Rates cached for this machine's CPU in a temporary MEGATRAIN_NB_CACHE, read as a user's are
+    (measure.cached_rates): compute so slow that no recompute (checkpoint_interval 0, every layer
+    resident) is predicted fastest."""
+    from megatrain_nb.engine import measure
+    from megatrain_nb.engine.diskspace import filesystem_of
+
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(plan_pick, "cached_rates", measure.cached_rates)
+    path = tmp_path / "cache" / (measure.cache_key("cpu", filesystem_of(tempfile.gettempdir())) + ".json")
+    measure.save_cached(str(path), SLOW_COMPUTE)
+    assert measure.cached_rates("cpu") == SLOW_COMPUTE
+    return SLOW_COMPUTE
+
+
+def _built(model, cfg):
+    e = StreamingEngine(model, cfg)
+    try:
+        return e.plan
+    finally:
+        e.close()
+
+
+def test_a_value_the_user_passes_is_never_varied_whatever_it_equals(cached):
+    given = _built(_llama(16), EngineConfig(device="cpu", checkpoint_interval=1))
+    assert given.checkpoint_interval == 1 and given.layer_slots == 2 and given.choice is None
+    assert "kept as given: checkpoint_interval=1" in given.chosen_by
+    assert EngineConfig(device="cpu", checkpoint_interval=1).given == {"device", "checkpoint_interval"}
+    assert EngineConfig(device="cpu").given == {"device"}
+    assert EngineConfig(device="cpu").replace(clip_hold="host").given == {"device", "clip_hold"}
+    # a device budget given: the pick may use it (no recompute, every layer resident)
+    budget = _built(_llama(16), EngineConfig(device="cpu", max_vram_gb=4))
+    assert budget.checkpoint_interval == 0 and budget.choice["checkpoint_interval"] == 0
+    # the planner asked to decide (None) is free
+    free = _built(_llama(16), EngineConfig(device="cpu", checkpoint_interval=None, max_vram_gb=4))
+    assert free.checkpoint_interval == 0
+
+
+@pytest.mark.slow   # (3.5 s: four engines step)
+def test_without_a_device_budget_a_pick_never_grows_the_device_working_set(cached, monkeypatch):
+    def peak(layers):
+        e = StreamingEngine(_llama(layers), EngineConfig(device="cpu"))
+        try:
+            e.forward_backward(torch.randint(0, 256, (1, 32)))
+            return e.memory_report()["device"]["peak_bytes"], e.plan
+        finally:
+            e.close()
+
+    (p4, plan4), (p16, plan16) = peak(4), peak(16)
+    for plan in (plan4, plan16):
+        assert plan.checkpoint_interval == 1 and plan.layer_slots == 2
+        assert "device held to the rules' device working set" in plan.chosen_by
+    assert p16 <= 1.1 * p4, (p4, p16)
+    monkeypatch.setenv(plan_pick.PLAN_BY_ENV, "rules")
+    (r4, _), (r16, _) = peak(4), peak(16)
+    assert p4 <= r4 * 1.01 and p16 <= r16 * 1.01, (p4, r4, p16, r16)

@@ -365,10 +365,30 @@ def test_a_step_off_by_more_than_a_quarter_is_reported_with_its_phase():
     p, *_ = predict(rates(disk_read=1e7, disk_write=1e7), offload_dir="/nowhere", offload_params=True)
     close = {"step": p.step_seconds * 1.2, "disk_read": p.phases["disk_read"], "waits": {}}
     assert difference_line(p, close) is None
+    compute = p.phases["forward"] + p.phases["backward"] + p.phases["recompute"]
     slow = {"step": p.step_seconds * 2, "disk_read": p.phases["disk_read"] * 3, "disk_write": p.phases["disk_write"],
-            "optimizer": 0.0, "waits": {"disk": 1.0}}
+            "optimizer": 0.0, "waits": {"disk": p.step_seconds * 2 - compute}}   # (the compute as predicted)
     line = difference_line(p, slow)
     assert "+100%" in line and "disk read" in line and "+200%" in line and "slower than its measured rate" in line
+    assert "plan_by" not in line   # (the rules' plan: nothing to go back to)
+    p.plan_choice = {"checkpoint_interval": 2}
+    assert "(checkpoint_interval=2): MEGATRAIN_NB_PLAN_BY=rules or EngineOverrides(plan_by='rules') builds the " \
+        "rules' plan" in difference_line(p, slow)
+
+
+def test_the_difference_line_names_the_phase_with_the_largest_absolute_miss():
+    """The issue's run: compute predicted 4.10 s and measured 1.42, the optimizer 36.6 ms and 154
+    measured: the optimizer is +320% off, the compute -65%, but the compute's miss is the seconds."""
+    from megatrain_nb.engine.prediction_check import difference_line
+
+    p, *_ = predict(rates(adamw_per_thread=1e8, matmul_flops=1e10, attention_flops=1e10), clipped=True)
+    compute = p.phases["forward"] + p.phases["backward"] + p.phases["recompute"]
+    opt = p.phases["optimizer"] + p.phases["codec"]
+    measured = {"step": compute * 0.35 + opt * 4, "optimizer": opt * 4.2, "disk_read": 0.0, "disk_write": 0.0,
+                "waits": {"optimizer": opt * 4}}
+    assert compute * 0.65 > opt * 3.2   # (the premise: the compute's miss is the larger in seconds)
+    line = difference_line(p, measured)
+    assert "the largest miss is compute" in line and "faster than its measured rate" in line, line
 
 
 def test_a_built_trainer_reads_the_rates_measure_machine_cached(tmp_path, monkeypatch):
@@ -448,10 +468,12 @@ def test_the_difference_line_names_the_optimizer_when_it_is_the_phase_furthest_o
 
     p, *_ = predict(rates(adamw_per_thread=1e8), clipped=True)
     opt = p.phases["optimizer"] + p.phases["codec"]
-    slow = {"step": p.step_seconds * 1.5, "optimizer": opt * 2, "disk_read": 0.0, "disk_write": 0.0, "waits": {}}
+    compute = p.phases["forward"] + p.phases["backward"] + p.phases["recompute"]
+    slow = {"step": p.step_seconds * 1.5, "optimizer": opt * 2, "disk_read": 0.0, "disk_write": 0.0,
+            "waits": {"optimizer": p.step_seconds * 1.5 - compute}}   # (the compute as predicted)
     line = difference_line(p, slow)
     assert "+50%" in line and "optimizer" in line and "+100%" in line and "busy CPU" in line
-    fast = dict(slow, step=p.step_seconds * 0.5, optimizer=opt * 0.3)
+    fast = dict(slow, step=p.step_seconds * 0.5, optimizer=opt * 0.3, waits={"optimizer": p.step_seconds * 0.5 - compute})
     assert "-50%" in difference_line(p, fast) and "faster than its measured rate" in difference_line(p, fast)
 
 

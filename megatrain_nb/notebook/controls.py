@@ -72,7 +72,7 @@ class SessionControls:
     def set_lr(self, value: float, source: str) -> None:
         st = self.status
         st.refuse_if_ended("change the learning rate of")
-        st.requested_lr = st.pending_lr = value  # before the command: it may apply at once
+        st.lr_request.ask(value)  # before the command: it may apply at once
         self.run.deliver(Order("lr", value, source=source))
 
     def save_checkpoint(self, path: Optional[str], source: str, wait: bool = False) -> Optional[str]:

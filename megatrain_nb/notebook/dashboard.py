@@ -87,7 +87,7 @@ def _shown_lr(session: Any) -> float | None:
     """What the LR field shows: a rate asked for and not applied yet, else the latest step's
     (scheduled) rate, to the 3 digits the header shows, so a decaying schedule does not rewrite
     the field every step."""
-    lr = session.requested_lr if session.requested_lr is not None else session.lr
+    lr = session.lr   # learning_rate.shown: a pending request, else the latest step's
     return float(f"{lr:.3g}") if lr is not None else None
 
 
@@ -213,7 +213,7 @@ class Dashboard(W.VBox):
     def _apply_lr(self, value: Any) -> str:
         s = self.session
         v = float(value)
-        current = s.requested_lr if s.requested_lr is not None else s.lr
+        current = s.lr
         if current is not None and v == current:
             return f"The learning rate is already {v:.3g}."
         s.set_lr(v, source="widget")

@@ -404,8 +404,8 @@ class ProcessRun:
             st.set_state("running")
         elif kind == "stop":
             self._stop_seen = True
-        elif kind == "lr" and st.pending_lr == rec.get("value"):
-            st.pending_lr = None
+        elif kind == "lr":
+            st.lr_request.taken(rec.get("value"), step)
         fut = self._futures.pop(str(rec.get("id")), None)
         if fut is not None and not fut.done():
             if kind.endswith("_failed"):

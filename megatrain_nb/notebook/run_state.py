@@ -14,6 +14,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
+from megatrain_nb.learning_rate import LearningRate, LearningRateRequest
 from megatrain_nb.trainer.boundary import Order
 from .lifecycle import ENDED
 from .run_log import RunLog
@@ -81,9 +82,22 @@ class RunState:
         self.error_tb: Any = None
         self.started_at: Optional[float] = None
         self.ended_at: Optional[float] = None
-        self.requested_lr: Optional[float] = None
-        self.pending_lr: Optional[float] = None   # set_lr not applied yet
+        #: a set_lr no step has used yet (learning_rate.LearningRateRequest); read it through
+        #: :meth:`learning_rate`
+        self.lr_request = LearningRateRequest()
         self.released = False
+
+    def learning_rate(self, configured: Optional[float] = None) -> LearningRate:
+        """The run's learning rate as every view shows it: the latest step's (``configured``
+        before the first step) and a request no step has used yet."""
+        last = self.log.last_record()
+        lr = last.get("lr", configured)
+        return self.lr_request.view(lr, int(last.get("step", 0) or 0))
+
+    @property
+    def requested_lr(self) -> Optional[float]:
+        """A set_lr no step has used yet (None once one has)."""
+        return self.learning_rate().requested
 
     @property
     def step(self) -> int:

@@ -25,6 +25,7 @@ import time
 from typing import Any, Optional
 
 from megatrain_nb.commands import check_command
+from megatrain_nb.learning_rate import LearningRate
 from megatrain_nb.threads import SESSION, thread_name
 from . import registry
 from .branches import Explorer
@@ -51,7 +52,9 @@ error: The exception that ended a failed run (None otherwise); ``wait()`` re-rai
 error_traceback: The training thread's formatted traceback when the run failed, else None.
 released: True once the engine is released (device memory, threads, disk files): nothing left to checkpoint, \
 sample or inspect.
-requested_lr: The last value given to ``set_lr`` (by code, magic, widget or sidebar), or None.
+requested_lr: A value given to ``set_lr`` (by code, magic, widget, inbox or sidebar) that no step has used yet, or None \
+(``learning_rate.requested``).
+lr: The learning rate the dashboard's field shows: a pending ``set_lr``, else the latest step's (``learning_rate.shown``).
 tokenizer: The tokenizer ``generate`` and text datasets use (None if there is none).
 publisher: The publisher pushing this run to the notebook display, while one is shown (else None).
 explorer: This run's snapshots and branches (``branches.Explorer``).
@@ -201,7 +204,8 @@ class Session:
     error = _forward("_status.error")
     error_traceback = _forward("_status.error_traceback")
     released = _forward("_status.released")
-    requested_lr = _forward("_status.requested_lr")
+    requested_lr = _forward("learning_rate.requested")
+    lr = _forward("learning_rate.shown")
 
     @property
     def trainer(self) -> Any:
@@ -249,14 +253,12 @@ class Session:
             self._explore.hold_weights(what, strict=strict)
 
     @property
-    def lr(self) -> Optional[float]:
-        """The learning rate of the latest step (a set_lr not applied yet counts)."""
-        if self._status.pending_lr is not None:
-            return self._status.pending_lr
-        v = self._status.log.last_record().get("lr")
-        if v is None:
-            v = self._run.configured_lr()
-        return float(v) if v is not None else None
+    def learning_rate(self) -> LearningRate:
+        """The run's learning rate, the one value every view reads: ``.last`` (the latest step's;
+        the configured rate before the first step), ``.requested`` (a set_lr no step has used
+        yet, or None), ``.applies_at`` (the step it applies to); ``.shown`` is the first of
+        ``requested`` and ``last`` (what ``session.lr`` returns)."""
+        return self._status.learning_rate(self._run.configured_lr())
 
     @property
     def diverged(self) -> bool:

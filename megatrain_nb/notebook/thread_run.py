@@ -160,8 +160,8 @@ class ThreadRun:
 
     def record(self, kind: str, step: int, fields: dict) -> None:
         self.status.log.add_event(kind, step, **fields)
-        if kind == "lr" and self.status.pending_lr == fields.get("value"):
-            self.status.pending_lr = None
+        if kind == "lr":
+            self.status.lr_request.taken(fields.get("value"), step)
 
     def explore(self, order: Order) -> tuple:
         st = self.status

@@ -19,8 +19,23 @@ HUGE = 10 ** 400
 def bad_values(name: str) -> list:
     """(label, value) pairs no door may take for ``name``."""
     row = VALUES[name]
+    if row.many:   # a list: empty, of a wrong type, or holding one bad value
+        one = dataclasses.replace(row, many=False, none_ok=False)
+        out = [("empty list", []), ("wrong type", {"a": 1})] + [(f"a list holding {label}", [value])
+                                                                   for label, value in _bad_of(one)]
+        return out + ([] if row.none_ok else [("None", None)])
+    return _bad_of(row)
+
+
+def _bad_of(row) -> list:
+    if row.kind == "bool":
+        out = [("wrong type", "no"), ("wrong type", "abc"), ("wrong type", 1), ("nan", math.nan), ("wrong type", [True])]
+        return out + ([] if row.none_ok else [("None", None)])
+    if row.kind == "path":
+        return [("wrong type", 5), ("wrong type", True), ("wrong type", ["a"]), ("empty", "")]
     if row.kind == "choice":
-        return [("wrong type", 5), ("wrong type", ["linear"]), ("not a choice", "bogus")]
+        return [("wrong type", 5), ("wrong type", ["linear"] if not row.many else [5]), ("not a choice", "bogus")] + (
+            [] if row.none_ok else [("None", None)])
     out = [("wrong type", [1]), ("wrong type", "x"), ("wrong type", True), ("nan", math.nan), ("inf", math.inf),
            ("-inf", -math.inf), ("huge", HUGE), ("huge", -HUGE)]
     if row.kind == "int":
@@ -312,7 +327,7 @@ def test_run_yaml_refuses_with_one_line_and_exit_2(tmp_path, capsys, section, na
         one_yaml_refusal(tmp_path, capsys, section, name, value)
 
 
-def one_yaml_refusal(tmp_path, capsys, section, name, value):
+def one_yaml_refusal(tmp_path, capsys, section, name, value, row=None):
     from megatrain_nb.cli import main
 
     cfg = {"preset": "micro", "training": {"max_steps": 1}}
@@ -322,7 +337,7 @@ def one_yaml_refusal(tmp_path, capsys, section, name, value):
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert f"{section}.{name}=" in err
-    refused_with_the_rule(name, err)
+    refused_with_the_rule(row or name, err)
     assert not (tmp_path / "o").exists()   # refused before anything was made
 
 
@@ -336,3 +351,89 @@ def test_sampling_values_are_checked_before_any_token(name, keyword):
         with pytest.raises(ValueRefused) as e:
             sample_text(None, object(), "hi", **{keyword: value})   # the engine is never reached
         refused_with_the_rule(name, str(e.value))
+
+
+# ---- preference and SFT fine-tuning (issue 44): DPOConfig's / SFTConfig's own values -----------------
+DPO = list(values.DPO_FIELDS)
+SFT = list(values.SFT_FIELDS)
+
+
+def _fine_tuning_bad(family: str, field: str) -> list:
+    return bad_values(values.row_name(field, family))
+
+
+@pytest.fixture(scope="module")
+def chat():
+    pytest.importorskip("trl")
+    from tests.trainer.dpo_helpers import pairs, tiny_llama, tokenizer
+
+    tok = tokenizer()
+    return tiny_llama(len(tok)), tok, pairs(4)
+
+
+@pytest.mark.parametrize("name", cases(DPO))
+def test_dpo_trainer_refuses_at_construction(chat, tmp_path, name):
+    """The Python call (a dict and a DPOConfig): refused when the trainer is built, before any
+    reference pass, with the table's words (beta=-0.5 and 0, label_smoothing NaN/-1/2/'abc', loss_type=[])."""
+    from megatrain_nb.trainer.dpo import DPOTrainer
+    from tests.trainer.dpo_helpers import dpo_config
+
+    model, tok, rows = chat
+    row = values.row_name(name, "dpo")
+    for label, value in _fine_tuning_bad("dpo", name):
+        fields = {"output_dir": str(tmp_path), "bf16": False, "report_to": "none", name: value}
+        with pytest.raises(ValueError) as e:
+            DPOTrainer(model=model, args=fields, train_dataset=rows, processing_class=tok, device="cpu")
+        assert f"args.{name}=" in str(e.value)
+        refused_with_the_rule(row, str(e.value))
+        config = dpo_config(tmp_path)
+        setattr(config, name, value)   # (a DPOConfig holds whatever it is given)
+        with pytest.raises(ValueError) as e:
+            DPOTrainer(model=model, args=config, train_dataset=rows, processing_class=tok, device="cpu")
+        assert f"DPOConfig.{name}=" in str(e.value)
+        refused_with_the_rule(row, str(e.value))
+    assert not (tmp_path / "reference_logps").exists()
+
+
+def test_dpo_numbers_as_text_count_as_the_table_counts_them(chat, tmp_path):
+    from megatrain_nb.trainer.dpo import check_dpo_values
+    from tests.trainer.dpo_helpers import dpo_config
+
+    config = dpo_config(tmp_path, beta="1e-1", label_smoothing="0.25", loss_type="robust")
+    check_dpo_values(config)
+    assert (config.beta, config.label_smoothing, config.loss_type) == (0.1, 0.25, ["robust"])
+
+
+@pytest.mark.parametrize("name", cases(SFT))
+def test_sft_config_values_are_refused(model, tmp_path, name):
+    pytest.importorskip("trl")
+    from megatrain_nb.trainer.sft import SFTTrainer
+
+    for label, value in _fine_tuning_bad("sft", name):
+        with pytest.raises(ValueError) as e:
+            SFTTrainer(model=model, args={"output_dir": str(tmp_path), "bf16": False, name: value},
+                       train_dataset=[{"text": "a b"}], device="cpu")
+        assert f"args.{name}=" in str(e.value)
+        refused_with_the_rule(values.row_name(name, "sft"), str(e.value))
+
+
+@pytest.mark.parametrize("name", cases(["beta", "loss_type"]))
+def test_fork_dpo_changes_use_the_table(name):
+    """fork(beta=...) and fork(loss_type=...) by the table's rules (they had their own: inf and 1e300 passed)."""
+    from megatrain_nb.notebook.branches import check_changes
+
+    row = values.row_name(name, "dpo")
+    for label, value in bad_values(row) + [("too large", 1e300)] * (name == "beta"):
+        with pytest.raises(ValueRefused) as e:
+            check_changes({name: value})
+        assert f"fork({name})=" in str(e.value)
+        refused_with_the_rule(row, str(e.value))
+    assert check_changes({"beta": "0.5", "loss_type": "ipo"}) == {"beta": 0.5, "loss_type": ["ipo"]}
+
+
+@pytest.mark.parametrize("section,name", [pytest.param("dpo", n, id=f"dpo.{n}") for n in DPO]
+                         + [pytest.param("sft", n, id=f"sft.{n}") for n in SFT])
+def test_run_yaml_refuses_fine_tuning_values(tmp_path, capsys, section, name):
+    row = values.row_name(name, section)
+    for label, value in bad_values(row):
+        one_yaml_refusal(tmp_path, capsys, section, name, value, row=row)

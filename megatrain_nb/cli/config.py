@@ -121,9 +121,9 @@ def check_values(cfg: dict, path) -> None:
     """Every value of run.yaml the table of values holds (:mod:`megatrain_nb.values`), checked as
     it enters, before any model or data is read; the checked numbers replace the text."""
     try:
-        for key in ("training", "sft", "engine"):
+        for key in ("training", "sft", "dpo", "engine"):
             if cfg.get(key):
-                cfg[key].update(check_fields(cfg[key], key))
+                cfg[key].update(check_fields(cfg[key], key, family=key))
         data = cfg.get("data") or {}
         if "seq_len" in data:
             data["seq_len"] = check("seq_len", data["seq_len"], "data.seq_len")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from megatrain_nb.values import check, row_name
+
 DPO_FIELDS = ("beta", "loss_type")
 
 
@@ -20,19 +22,14 @@ def check_dpo_changes(changes: dict, trainer: Any) -> None:
     given = [k for k in DPO_FIELDS if k in changes]
     if not given:
         return
-    if "loss_type" in changes and isinstance(changes["loss_type"], str):
-        changes["loss_type"] = [changes["loss_type"]]
+    for k in given:   # the table's rules (megatrain_nb/values.py), as DPOTrainer and run.yaml apply them
+        changes[k] = check(row_name(k, "dpo"), changes[k], f"fork({k})")
     if trainer is None:   # ranks in worker processes: their DPOTrainer checks the values as it is built
         return
     settings = getattr(trainer, "settings", None)
     if settings is None or not hasattr(settings, "loss_type"):
         raise ValueError(f"a fork can change {', '.join(given)} only in a preference (DPO) run; "
                          f"{type(trainer).__name__} has no DPO loss")
-    beta = changes.get("beta", settings.beta)
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
-        raise ValueError(f"beta must be a number > 0, got {beta!r}")
-    if "loss_type" in changes and (not isinstance(changes["loss_type"], (list, tuple)) or not changes["loss_type"]):
-        raise ValueError(f"loss_type must be a loss name or a list of them, got {changes['loss_type']!r}")
     new = dataclasses.replace(settings, **{k: (list(v) if k == "loss_type" else float(v))
                                            for k, v in changes.items() if k in DPO_FIELDS})
     new.check()   # TRL's refusals: an unknown loss, loss_weights of another length, ...

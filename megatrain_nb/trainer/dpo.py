@@ -31,7 +31,9 @@ import torch
 
 from megatrain_nb.engine import StreamingEngine
 
-from .args import check_eval_plan
+from megatrain_nb.values import DPO_FIELDS, ValueRefused, check, check_fields, row_name
+
+from .args import check_eval_plan, check_given
 from .data import DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
@@ -66,6 +68,8 @@ def coerce_dpo_args(args):
     if args is None:
         return DPOConfig(output_dir="megatrain_outputs")
     if isinstance(args, dict):
+        check_given(args, "args")   # the table's words before TRL's dataclass sees them
+        check_fields(args, "args", names=DPO_FIELDS, family="dpo")
         return DPOConfig(**{"output_dir": "megatrain_outputs", **args})
     if isinstance(args, DPOConfig):
         return args
@@ -76,11 +80,29 @@ def coerce_dpo_args(args):
     raise TypeError(f"args must be a trl.DPOConfig or transformers.TrainingArguments, got {type(args).__name__}")
 
 
+def check_dpo_values(args, where: str = "DPOConfig") -> None:
+    """Every DPOConfig field the table of values holds (``values.DPO_FIELDS``: beta, label_smoothing,
+    loss_type, ...) checked by its rule, each refusal naming ``where.field``; a number given as text
+    (run.yaml's "1e-1") is stored as that number, a single loss type as a list of one."""
+    problems = []
+    for name in DPO_FIELDS:
+        if not hasattr(args, name):
+            continue
+        try:
+            setattr(args, name, check(row_name(name, "dpo"), getattr(args, name), f"{where}.{name}"))
+        except ValueRefused as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueRefused("unusable DPO settings: " + "; ".join(problems))
+
+
 def validate_dpo_args(args) -> None:
-    """Refuse, by name, the DPOConfig-only fields set to something that cannot apply here."""
+    """Refuse, by name, the DPOConfig-only fields set to something that cannot apply here, and
+    the values outside the table's rules (:func:`check_dpo_values`)."""
     from transformers import TrainingArguments
     from trl import DPOConfig
 
+    check_dpo_values(args, type(args).__name__)
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     problems = []
     for f in dataclasses.fields(DPOConfig):

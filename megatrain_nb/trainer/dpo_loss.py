@@ -16,8 +16,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+from megatrain_nb.values import DPO_LOSS_TYPES
+
+LOSS_TYPES = DPO_LOSS_TYPES   # (the table of values holds them: megatrain_nb/values.py)
 F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
 
 

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
+from megatrain_nb.values import SFT_FIELDS, check, check_fields, row_name
+
 from .args import check_eval_plan, check_given
 from .data import DataError, prepare_dataset
 from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, head_rows, prepare_sft_dataset,
@@ -66,6 +68,7 @@ def coerce_sft_args(args):
         return SFTConfig(output_dir="megatrain_outputs")
     if isinstance(args, dict):
         check_given(args, "args")
+        check_fields(args, "args", names=SFT_FIELDS, family="sft")
         return SFTConfig(**{"output_dir": "megatrain_outputs", **args})
     if isinstance(args, SFTConfig):
         return args
@@ -81,6 +84,10 @@ def validate_sft_args(args) -> None:
     from transformers import TrainingArguments
     from trl import SFTConfig
 
+    where = type(args).__name__
+    for name in SFT_FIELDS:   # the table's rules (megatrain_nb/values.py), before anything else
+        if hasattr(args, name):
+            setattr(args, name, check(row_name(name, "sft"), getattr(args, name), f"{where}.{name}"))
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     problems = []
     for f in dataclasses.fields(SFTConfig):
@@ -97,10 +104,6 @@ def validate_sft_args(args) -> None:
     extra = set(args.model_init_kwargs or {}) - {"dtype", "torch_dtype", "revision", "attn_implementation"}
     if extra:
         problems.append(f"model_init_kwargs keys {sorted(extra)} (only dtype, revision, attn_implementation apply)")
-    if args.loss_type not in ("nll", "dft"):
-        problems.append(f"loss_type={args.loss_type!r} (use 'nll' or 'dft')")
-    if args.packing_strategy not in ("bfd", "bfd_split", "wrapped"):
-        problems.append(f"packing_strategy={args.packing_strategy!r} (use 'bfd', 'bfd_split' or 'wrapped')")
     if args.pad_to_multiple_of not in (None, "auto") and not isinstance(args.pad_to_multiple_of, int):
         problems.append(f"pad_to_multiple_of={args.pad_to_multiple_of!r} (an int or None)")
     extra = set(args.dataset_kwargs or {}) - {"skip_prepare_dataset"}

@@ -86,9 +86,9 @@ def test_a_fork_shares_the_reference(tmp_path):
     try:
         s.train()
         assert s.wait(timeout=120) == "finished"
-        with pytest.raises(ValueError, match="Unknown loss type"):
+        with pytest.raises(ValueError, match=r"fork\(loss_type\)='nope': must be one or a non-empty list of"):
             s.fork(step=1, loss_type="nope")
-        with pytest.raises(ValueError, match="beta must be a number > 0"):
+        with pytest.raises(ValueError, match=r"fork\(beta\)=0: must be a finite number > 0"):
             s.fork(step=1, beta=0)
         with pytest.raises(ValueError, match="only in a preference"):
             check_changes({"beta": 0.5}, object())

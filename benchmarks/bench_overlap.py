@@ -22,7 +22,7 @@ that it measured the cache.
 
     python benchmarks/bench_overlap.py [--dir PATH] [--reps N] [--disk-cache-gb G]
 
-RESULT lines: ``overlap_step_vs_bound`` (disk-tier step / bound, target <= 1.25) and
+RESULT lines: ``overlap_step_vs_bound`` (disk-tier step / bound, target <= 1.10) and
 ``clipped_step_vs_unclipped`` (target <= 1), each the median over the reps of the ratio within a
 rep; ``optimizer_exposed_share`` (target <= 0.10), ``clipped_optimizer_exposed_share`` (target
 <= 0.3), ``cache_step_vs_bound`` (the cache figure against max(compute, optimizer), target
@@ -171,6 +171,9 @@ def main(argv=None):
             if e.disk is not None:
                 e.disk.flush()
         state_bytes = disk.disk.nbytes()
+        for name, e in eng.items():   # (with the machine's rates cached the engine may pick its plan)
+            print(f"{name}: plan checkpoint_interval {e.plan.checkpoint_interval}, gradients held on the "
+                  f"{e.plan.placement.get('gradients')}: {e.plan.chosen_by}")
         for name in ("disk-tier", "disk-tier clipped", "cache"):
             rep = eng[name].disk.report()
             print(f"{name}: host cache budget {rep['capacity_bytes'] / MiB:.0f} MiB for a disk tier of "
@@ -234,7 +237,7 @@ def report(a, eng, runs, t_io, k):
           f"simulator's minimum {plan['read_bytes_per_step'] / MiB:.1f} / {plan['write_bytes_per_step'] / MiB:.1f} "
           f"MiB per step" + ("; 0 disk bytes: it measured the host cache (RAM), not the disk" if got == 0 else ""))
     dbytes = rd + wr
-    result("overlap_step_vs_bound", median(per_rep), "x", "<=", 1.25)
+    result("overlap_step_vs_bound", median(per_rep), "x", "<=", 1.10)   # (issue 45: 1.10)
     print(f"  (disk-tier: {dbytes / MiB:.0f} MiB of disk per step"
           + (", NONE: measured the cache" if dbytes == 0 else "") + ")")
     result("clipped_step_vs_unclipped", median(clip_rep), "x", "<=", 1.0)

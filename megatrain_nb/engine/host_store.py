@@ -1,4 +1,12 @@
-"""HostStore: the authoritative fp32 master weights and gradient accumulators, one flat buffer per unit."""
+"""HostStore: the authoritative fp32 master weights and gradient accumulators, one flat buffer per
+unit, and -- in a narrower compute dtype -- each unit's compute-dtype *shadow*: the copy a load
+sends to the device, written once by the unit's update (as DeepSpeed's CPU Adam writes its fp16
+copy), so a load is one pinned copy with no cast on the host.
+
+What is pinned (on CUDA) is what crosses the link (:func:`pinned_layout`): the shadows (or, in
+fp32 compute, the masters themselves: they are the copy's source); never the gradient
+accumulators (a gradient lands in the pager's pinned staging buffers and is added into its
+accumulator on the host) nor, with shadows, the fp32 masters (only the AdamW worker reads them)."""
 from __future__ import annotations
 
 import threading
@@ -9,6 +17,47 @@ import torch
 
 from .pinned import held_bytes, pinned_empty
 from .units import Unit
+
+#: Shadows on a CPU "device" too (tests: the same code path as CUDA's; off by default, where the
+#: CPU transport's memcpy casts as it copies and the planner counts no shadow RAM).
+SHADOWS_ON_CPU = False
+
+
+def wants_shadows(pin: bool, compute_dtype: torch.dtype) -> bool:
+    """Whether units get a compute-dtype shadow: a compute dtype narrower than fp32, on CUDA
+    (``pin``) or where :data:`SHADOWS_ON_CPU` asks for it."""
+    return compute_dtype != torch.float32 and (pin or SHADOWS_ON_CPU)
+
+
+def _staging_buffers(depth: int) -> int:
+    """As ``pager.staging_buffers``: the gradient landing buffers of a staging transport."""
+    return max(2, depth + 1)
+
+
+def pinned_layout(unit_numels, *, compute_bytes: int = 4, grads_in_flight: int = 1, params_on_disk: bool = False,
+                  disk_buffers: int = 3, window_host_bytes: int = 0) -> Dict[str, int]:
+    """Bytes the engine pins on CUDA for units of ``unit_numels`` (whole pages each, as
+    ``pinned.held_bytes`` counts registered buffers): what crosses the link, and nothing else.
+
+    * ``weights``: each unit's copy source -- in fp32 compute the master itself (4 B/param),
+      narrower the shadow (``compute_bytes`` B/param); with the masters on the disk tier its
+      ``disk_buffers`` unit-sized staging buffers (fp32 compute) or one cast buffer (narrower);
+    * ``grad_landing``: the gradients' landing buffers (``pager.staging_buffers``, fp32, the
+      largest unit each);
+    * ``activations``: a layer-major window's host activations (``window_host_bytes``);
+    * ``grad_accumulators`` and ``masters_fp32`` (narrower compute): 0, never copied."""
+    numels = [int(n) for n in unit_numels]
+    big = max(numels, default=0)
+    page = lambda n: held_bytes(n, True)   # noqa: E731
+    if params_on_disk:
+        weights = disk_buffers * page(big * 4) if compute_bytes == 4 else page(big * compute_bytes)
+    else:
+        weights = sum(page(n * compute_bytes) for n in numels)
+    out = {"weights": weights, "grad_landing": _staging_buffers(grads_in_flight) * page(big * 4),
+           "activations": int(window_host_bytes), "grad_accumulators": 0,
+           "masters_fp32": 0 if compute_bytes != 4 or params_on_disk else weights}
+    out["total"] = out["weights"] + out["grad_landing"] + out["activations"]
+    return out
 
 
 _MALLOC_TUNED = False
@@ -134,33 +183,59 @@ class BufferPool:
 
 
 class HostStore:
-    """Flat fp32 buffers per unit in host RAM (pinned when the device is CUDA).
+    """Flat fp32 buffers per unit in host RAM, pinned on CUDA (``pin``) where they cross the link.
 
     Parameters may be ``None`` for units whose master weights live on the disk tier; the
-    engine then pages them through a host staging buffer.
+    engine then pages them through a host staging buffer. ``shadows`` (None: :func:`wants_shadows`):
+    each unit whose masters are here gets a ``compute_dtype`` copy, the load's source, rewritten
+    by :meth:`refresh_shadow` after each update.
     """
 
-    def __init__(self, units: List[Unit], *, pin: bool):
+    def __init__(self, units: List[Unit], *, pin: bool, compute_dtype: torch.dtype = torch.float32,
+                 shadows: Optional[bool] = None):
         self.units = units
         self.pin = pin
+        self.compute_dtype = compute_dtype
+        self.shadowed = wants_shadows(pin, compute_dtype) if shadows is None else bool(shadows)
+        self.pin_params = pin and not self.shadowed   # the masters are the copy's source
         self.params: Dict[int, Optional[torch.Tensor]] = {}
+        self.shadows: Dict[int, torch.Tensor] = {}
         self.grads: Dict[int, Optional[torch.Tensor]] = {}
         self._grad_locks = {u.index: threading.Lock() for u in units}
         self._has_grad = set()  # units whose accumulator holds a gradient since the last zero
 
     def alloc(self, numel: int) -> torch.Tensor:
-        # pinned in place (``.pin_memory()`` would make a pageable tensor first and copy it),
-        # registered at its exact size where CUDA allows (``pinned.pinned_empty``)
-        return pinned_empty(numel) if self.pin else torch.empty(numel, dtype=torch.float32)
+        """A master-weights buffer: pinned in place where it is the copy's source (``.pin_memory()``
+        would make a pageable tensor first and copy it), registered at its exact size where CUDA
+        allows (``pinned.pinned_empty``)."""
+        return pinned_empty(numel) if self.pin_params else torch.empty(numel, dtype=torch.float32)
 
     def set_params(self, unit: Unit, flat: Optional[torch.Tensor]) -> None:
         self.params[unit.index] = flat
+        if flat is not None and self.shadowed:
+            if unit.index not in self.shadows:
+                n = flat.numel()
+                self.shadows[unit.index] = pinned_empty(n, self.compute_dtype) if self.pin \
+                    else torch.empty(n, dtype=self.compute_dtype)
+            self.refresh_shadow(unit)
+
+    def refresh_shadow(self, unit: Unit) -> None:
+        """The unit's compute-dtype copy from its masters (after an update, a load of new
+        weights): the one cast a step makes per unit. The caller orders it after the copies that
+        read the old shadow (an update runs after the unit's last load of its step)."""
+        sh = self.shadows.get(unit.index)
+        if sh is not None:
+            sh.copy_(self.params[unit.index])
+
+    def source(self, unit: Unit) -> Optional[torch.Tensor]:
+        """What a load of ``unit`` copies: its shadow, else its fp32 masters."""
+        sh = self.shadows.get(unit.index)
+        return sh if sh is not None else self.params.get(unit.index)
 
     def grad(self, unit: Unit) -> torch.Tensor:
         g = self.grads.get(unit.index)
-        if g is None:
-            g = self.alloc(unit.numel)
-            g.zero_()
+        if g is None:   # pageable: never a copy's source or target
+            g = torch.zeros(unit.numel, dtype=torch.float32)
             self.grads[unit.index] = g
         return g
 
@@ -196,7 +271,19 @@ class HostStore:
             self.zero_unit(u)
 
     def nbytes(self) -> Dict[str, int]:
-        """Bytes held, pinned buffers as ``pinned.held_bytes`` counts them (as planned)."""
-        w = sum(held_bytes(t.numel() * 4, self.pin) for t in self.params.values() if t is not None)
-        g = sum(held_bytes(t.numel() * 4, self.pin) for t in self.grads.values() if t is not None)
+        """Bytes held, pinned buffers as ``pinned.held_bytes`` counts them (as planned); the
+        shadows are weights."""
+        w = sum(held_bytes(t.numel() * 4, self.pin_params) for t in self.params.values() if t is not None)
+        w += sum(held_bytes(t.numel() * t.element_size(), self.pin) for t in self.shadows.values())
+        g = sum(t.numel() * 4 for t in self.grads.values() if t is not None)
         return {"weights": w, "grads": g}
+
+    def pinned_bytes(self) -> Dict[str, int]:
+        """What of it is pinned (on CUDA): the load's sources only."""
+        if not self.pin:
+            return {"weights": 0, "grads": 0}
+        if self.shadowed:
+            w = sum(held_bytes(t.numel() * t.element_size(), True) for t in self.shadows.values())
+        else:
+            w = sum(held_bytes(t.numel() * 4, True) for t in self.params.values() if t is not None)
+        return {"weights": w, "grads": 0}

@@ -6,16 +6,28 @@ holds 1 GiB, a 5.8 GiB unit 8 GiB) and keeps it cached after the tensor dies. Re
 (:func:`pinned_empty`, the engine's way) allocates ordinary page-aligned host memory of the exact
 size (whole pages) and page-locks it with ``cudaHostRegister(ptr, nbytes, 0)``
 (``torch.cuda.cudart()``). Registered memory is pinned to CUDA: ``t.is_pinned()`` is True and
-``copy_(..., non_blocking=True)`` is a true asynchronous DMA, as with the allocator's blocks; it
-is unregistered (``cudaHostUnregister``) just before the memory is freed, when the last tensor
-on it dies (a finalizer on the array that owns it, which first waits for the device it was
-registered on: a copy may still use the memory, as the caching allocator holds a freed block back
-until its copies are done), so a buffer stays registered exactly while something holds it.
+``copy_(..., non_blocking=True)`` is a true asynchronous DMA, as with the allocator's blocks.
 
+Only what crosses the link is pinned (issue 45): the copies' sources and targets -- a slot's
+source (the fp32 master weights in fp32 compute, the compute-dtype shadow in bf16:
+``host_store.HostStore``), the disk tier's staging buffers, the gradients' landing buffers and a
+window's host activations (the transport's :class:`PinnedPool`). The fp32 gradient
+accumulators and, in bf16 compute, the fp32 master weights are never copied to or from the
+device and stay pageable. :func:`pinned_layout` is that accounting for a model on paper.
+
+Each registered buffer is kept out of processes forked later (``madvise(MADV_DONTFORK)``: a
+``datasets.map(num_proc=...)`` worker neither inherits the locked pages nor copies them), and
+given back to them (``MADV_DOFORK``) before its memory returns to the allocator. It is
+unregistered (``cudaHostUnregister``) just before the memory is freed, when the last tensor on
+it dies (a finalizer on the array that owns it). A copy may still read or write it then: the
+transport notes the event recorded after every copy that used a registered buffer
+(:func:`note_use`), and the finalizer waits for those events only -- never for the whole device.
 Registration is assumed to work (:func:`exact_pinned`; plans made on a machine without CUDA are
 on paper for a CUDA machine with it) until one fails: then a one-time warning says so, and every
 later pinned buffer of the process comes from the caching host allocator, counted at its power
-of two (buffers already registered stay so).
+of two (buffers already registered stay so). A failed registration also sets CUDA's sticky
+"last error", which the next kernel launch on that thread would raise: it is read (and so
+cleared) at once with ``cudaGetLastError``.
 :func:`held_bytes` counts pinned buffers accordingly: exact while registration works, the power
 of two otherwise. The planner (``planner.host_in_flight``, ``_PlanInputs.pinned_units``),
 ``host_store.HostStore``, ``disk_params.DiskReadStream``, the pager's gradient staging and
@@ -24,10 +36,12 @@ process holds.
 """
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 import warnings
 import weakref
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -35,6 +49,9 @@ PAGE = 4096
 _state = {"exact": None, "warned": False}   # exact: None none yet, True registered, False fell back
 _lock = threading.RLock()   # (a finalizer may run in a collection while it is held)
 registered = {"buffers": 0, "bytes": 0}     # live registrations (what tests and reports read)
+_uses: Dict[int, dict] = {}   # registered pointer -> {stream key: event after the last copy that used it}
+MADV_DOFORK, MADV_DONTFORK = 11, 10   # Linux <sys/mman.h>
+_libc = {"lib": None, "tried": False}
 
 
 def _cudart():
@@ -72,7 +89,19 @@ def held_bytes(nbytes: int, pinned: bool) -> int:
     return -(-int(nbytes) // PAGE) * PAGE if exact_pinned() else pinned_bytes(nbytes)
 
 
+def _clear_error() -> None:
+    """Read CUDA's last error (a failed cudaHostRegister leaves it set; reading clears it), so the
+    next kernel on this thread does not raise it."""
+    get = getattr(_cudart(), "cudaGetLastError", None)
+    if get is not None:
+        try:
+            get()
+        except Exception:  # noqa: BLE001 - nothing more to clear
+            pass
+
+
 def _fail(rc) -> bool:
+    _clear_error()
     _state["exact"] = False
     if not _state["warned"]:
         _state["warned"] = True
@@ -90,16 +119,43 @@ def _aligned(nbytes: int):
     return raw[off:off + nbytes]
 
 
-def _device() -> Optional[int]:
-    """The allocating thread's device (the one a registration belongs to); None without CUDA."""
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
+def _madvise(ptr: int, nbytes: int, advice: int) -> bool:
+    """``madvise(ptr, nbytes, advice)`` through libc (Linux); False where unavailable or refused."""
+    if not sys.platform.startswith("linux"):
+        return False
+    with _lock:
+        if not _libc["tried"]:
+            _libc["tried"] = True
+            try:
+                lib = ctypes.CDLL("libc.so.6", use_errno=True)
+                lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                lib.madvise.restype = ctypes.c_int
+                _libc["lib"] = lib
+            except (OSError, AttributeError):
+                _libc["lib"] = None
+    lib = _libc["lib"]
+    return lib is not None and lib.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), advice) == 0
 
 
-def _unregister(ptr: int, nbytes: int, device: Optional[int]) -> None:
-    # A copy may still read or write the memory (the caching host allocator holds a freed block
-    # back until its copies are done): wait for the device it was registered on first.
-    if device is not None and torch.cuda.is_initialized():
-        torch.cuda.synchronize(device)
+def note_use(t: torch.Tensor, event, stream_key=0) -> None:
+    """A copy on stream ``stream_key`` that reads or writes host tensor ``t`` is done once
+    ``event`` is: what the finalizer of ``t``'s registered buffer waits for (the last per stream;
+    copies on one stream complete in order). A no-op for memory that is not registered here."""
+    key = t.untyped_storage().data_ptr()
+    with _lock:
+        uses = _uses.get(key)
+        if uses is not None:
+            uses[stream_key] = event
+
+
+def _unregister(ptr: int, nbytes: int) -> None:
+    # A copy may still read or write the memory: wait for the copies that used it (their
+    # events, noted by the transport), not the device; then give the pages back to forks.
+    with _lock:
+        events = list(_uses.pop(ptr, {}).values())
+    for ev in events:
+        ev.synchronize()
+    _madvise(ptr, nbytes, MADV_DOFORK)
     _cudart().cudaHostUnregister(ptr)
     with _lock:
         registered["buffers"] -= 1
@@ -120,8 +176,11 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     span = max(PAGE, -(-nbytes // PAGE) * PAGE)   # whole pages: no page shared with other memory
     buf = _aligned(span)
     ptr = buf.ctypes.data
+    forked = _madvise(ptr, span, MADV_DONTFORK)   # not inherited by processes forked later
     rc = int(_cudart().cudaHostRegister(ptr, span, 0))
     if rc != 0:
+        if forked:
+            _madvise(ptr, span, MADV_DOFORK)
         with _lock:
             _fail(rc)
         return _cached_pinned(shape, dtype)
@@ -129,7 +188,8 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         _state["exact"] = True
         registered["buffers"] += 1
         registered["bytes"] += span
-    fin = weakref.finalize(buf.base, _unregister, ptr, span, _device())   # just before the memory is freed
+        _uses[ptr] = {}
+    fin = weakref.finalize(buf.base, _unregister, ptr, span)   # just before the memory is freed
     fin.atexit = False   # (at exit the driver releases it with the process)
     return torch.from_numpy(buf[:nbytes]).view(dtype).view(shape)
 

@@ -49,6 +49,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ..threads import TRANSPORT_IN, TRANSPORT_OUT, executor
+from .pinned import PinnedPool, note_use
 from .units import Unit
 
 ADVERSARIAL_ENV = "MEGATRAIN_ADVERSARIAL_TRANSPORT"
@@ -163,8 +164,6 @@ class CudaTransport:
     stages = True   # a unit's gradient is staged in a device buffer of the pager's before it leaves
 
     def __init__(self, device: torch.device):
-        from .pinned import PinnedPool
-
         self.device = device
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
@@ -244,11 +243,14 @@ class CudaTransport:
                 _prefix(dst, src).copy_(src, non_blocking=True)
             ev = _event(timing=True)
             ev.record(self.h2d)
+        if not src.is_cuda:   # a registered source is unregistered only after this copy
+            note_use(src, ev, "h2d")
         return EventHandle(ev, self.device, dst)
 
     def _cast_in(self, src: torch.Tensor, dst: torch.Tensor) -> Handle:
         """fp32 host weights into a bf16 slot: cast on the host into a pinned buffer, then copied.
-        (``copy_(fp32 host, non_blocking=True)`` into bf16 makes an fp32 unit-sized temporary on
+        Only the disk tier's loads come here (its staging buffers hold fp32): on the RAM tier a
+        load copies the unit's bf16 shadow, written by its update (``host_store.HostStore``). (``copy_(fp32 host, non_blocking=True)`` into bf16 makes an fp32 unit-sized temporary on
         the device and sends 4 bytes a parameter over the link.) Called on the h2d stream; the
         buffer is rewritten only once its last copy is done (one per dtype: the pager's copy
         thread waits for each copy before the next)."""
@@ -265,6 +267,7 @@ class CudaTransport:
             ev = _event(timing=True)
             ev.record(self.h2d)
             entry[1] = ev
+            note_use(entry[0], ev, "h2d")
         return EventHandle(ev, self.device, dst)
 
     def release(self, dst: torch.Tensor) -> Handle:
@@ -290,6 +293,7 @@ class CudaTransport:
             out.copy_(src, non_blocking=True)
             ev = _event()
             ev.record(self.d2h)
+        note_use(dst, ev, "d2h")   # a registered target is unregistered only after this copy
         return EventHandle(ev, self.device, out)
 
     def close(self) -> None:
@@ -345,8 +349,6 @@ class CpuTransport:
     stages = False   # a unit's gradient sum already is host memory: it leaves as it is
 
     def __init__(self, *, adversarial: bool = False, seed: int = 0, max_delay_s: Optional[float] = None):
-        from .pinned import PinnedPool
-
         self.device = torch.device("cpu")
         self.adversarial = adversarial
         self.max_delay_s = ADVERSARIAL_MAX_DELAY_S if max_delay_s is None else max_delay_s

@@ -75,13 +75,18 @@ def make_weight_store(units: List[Unit], host: HostStore, *, disk=None, pin: boo
     may read and write them range by range; ``held_units``: see :class:`DiskWeights`)."""
     if disk is None:
         return RamWeights(units, host)
+    # the staging buffers are a load's source in fp32 compute only (narrower: the transport's
+    # pinned cast buffer is, and the staging buffers stay pageable)
+    pin = pin and getattr(host, "compute_dtype", torch.float32) == torch.float32
     return DiskWeights(units, disk, pin=pin, counters=counters, compute_buffers=compute_buffers,
                        optimizer_buffers=optimizer_buffers, ranged=ranged, held_units=held_units)
 
 
 class RamWeights:
     """Weights in the HostStore's flat buffers, used in place: every hand-out is the buffer
-    itself, updated where it lies, so there is nothing to schedule, release or write."""
+    itself, updated where it lies, so there is nothing to schedule, release or read. A load
+    copies the unit's compute-dtype shadow where the store keeps one (``HostStore.source``),
+    which its update rewrites (:meth:`update_done`), once."""
 
     def __init__(self, units: List[Unit], host: HostStore):
         self.units = units
@@ -91,12 +96,16 @@ class RamWeights:
         self.host.set_params(unit, flat)
 
     def for_transfer(self, unit: Unit) -> torch.Tensor:
+        return self.host.source(unit)
+
+    def for_update(self, unit: Unit) -> torch.Tensor:
         return self.host.params[unit.index]
 
-    for_update = read_now = for_transfer
+    read_now = for_update
 
     def overwrite(self, unit: Unit, flat: torch.Tensor) -> None:
         self.host.params[unit.index].copy_(flat)
+        self.host.refresh_shadow(unit)
 
     def ranged_update(self, unit: Unit):
         return None   # (in place: never ranged)
@@ -114,7 +123,8 @@ class RamWeights:
         pass
 
     def update_done(self, unit: Unit, t: torch.Tensor) -> None:
-        pass
+        """The update wrote the masters: the load's shadow follows (before the unit is ready)."""
+        self.host.refresh_shadow(unit)
 
     def mark_updating(self, unit: Unit) -> None:
         pass

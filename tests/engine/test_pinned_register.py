@@ -63,8 +63,9 @@ def test_registered_buffers_are_exact_and_unregistered_when_freed(fake):
 
 
 def test_engine_buffers_register_pair_on_close(fake):
-    """HostStore's master weights and accumulators, the transport's pool (gradient staging, the
-    cast buffer): each registered at whole pages, counted so, unregistered once dropped."""
+    """HostStore's master weights (fp32 compute: the load's source), the transport's pool
+    (gradient staging, the cast buffer): each registered at whole pages, counted so,
+    unregistered once dropped. The gradient accumulator is never pinned (issue 45)."""
     from megatrain_nb.engine.host_store import HostStore
 
     unit = SimpleNamespace(index=0, numel=3000, params=[])
@@ -74,12 +75,55 @@ def test_engine_buffers_register_pair_on_close(fake):
     pool = pinned.PinnedPool(pin=True)
     bufs = [pool.empty(3000), pool.empty(5000, torch.bfloat16)]
     assert bufs[1].dtype == torch.bfloat16 and bufs[1].numel() == 5000
-    assert store.nbytes() == {"weights": 12288, "grads": 12288} and pool.held == 12288 + 12288
-    assert sorted(fake.live.values()) == [12288] * 4 and pinned.registered["bytes"] == 4 * 12288
+    assert store.nbytes() == {"weights": 12288, "grads": 12000} and pool.held == 12288 + 12288
+    assert store.pinned_bytes() == {"weights": 12288, "grads": 0} and not store.grads[0].is_pinned()
+    assert sorted(fake.live.values()) == [12288] * 3 and pinned.registered["bytes"] == 3 * 12288
     pool.close()
     del store, bufs
     gc.collect()
-    assert fake.live == {} and fake.unregistered == [12288] * 4 and pool.held == 0
+    assert fake.live == {} and fake.unregistered == [12288] * 3 and pool.held == 0
+
+
+def test_bf16_pins_the_shadow_only_and_the_update_writes_it(fake):
+    """bf16 compute on CUDA: the fp32 masters and the accumulator are pageable, the bf16 shadow
+    (the load's source) is the one registered buffer; an update (update_done) rewrites it."""
+    from megatrain_nb.engine.host_store import HostStore
+    from megatrain_nb.engine.weight_store import RamWeights
+
+    unit = SimpleNamespace(index=0, numel=3000, params=[])
+    store = HostStore([unit], pin=True, compute_dtype=torch.bfloat16)
+    weights = RamWeights([unit], store)
+    flat = store.alloc(3000)
+    flat.copy_(torch.linspace(-1, 1, 3000))
+    weights.put_initial(unit, flat)
+    store.grad(unit)
+    assert list(fake.live.values()) == [8192]   # 6,000 bytes of bf16: two pages
+    src = weights.for_transfer(unit)
+    assert src.dtype == torch.bfloat16 and torch.equal(src, flat.to(torch.bfloat16))
+    assert weights.for_update(unit) is flat and weights.read_now(unit) is flat
+    flat.add_(1e-2)   # AdamW, in place
+    weights.update_done(unit, flat)
+    assert torch.equal(weights.for_transfer(unit), flat.to(torch.bfloat16))
+    weights.overwrite(unit, torch.zeros(3000))
+    assert not weights.for_transfer(unit).any()
+    assert store.pinned_bytes() == {"weights": 8192, "grads": 0}
+
+
+def test_pinned_layout_of_a_7b_in_bf16_is_the_shadow_and_the_landing_buffers():
+    """The accounting (host_store.pinned_layout) for Llama-2-7B's units: 2 B/param of shadows,
+    the gradients' landing buffers, nothing for the accumulators or the fp32 masters."""
+    from megatrain_nb.engine.host_store import pinned_layout
+
+    layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
+    numels = [32000 * 4096] + [layer] * 32 + [32000 * 4096 + 4096]
+    n = sum(numels)
+    bf16 = pinned_layout(numels, compute_bytes=2)
+    fp32 = pinned_layout(numels, compute_bytes=4)
+    assert bf16["grad_accumulators"] == bf16["masters_fp32"] == 0
+    assert bf16["grad_landing"] == 2 * pinned.held_bytes(layer * 4, True)
+    assert 2.0 <= bf16["total"] / n <= 2.3 and 4.0 <= fp32["total"] / n <= 4.3
+    disk = pinned_layout(numels, compute_bytes=2, params_on_disk=True)
+    assert disk["weights"] == pinned.held_bytes(layer * 2, True)   # one cast buffer
 
 
 def test_failed_registration_falls_back_to_powers_of_two_with_one_warning(fake):
@@ -115,17 +159,67 @@ def test_llama100b_least_host_ram_with_registration_on_a_cuda_machine(fake):
     assert e.host_min <= 24 * 2 ** 30 and fake.calls == 0 and pinned.exact_pinned()   # (planning touches no device)
 
 
-def test_the_device_is_waited_for_before_the_memory_is_unregistered(fake, monkeypatch):
-    """A copy may still use a dropped buffer (the caching allocator would hold its block back):
-    the finalizer synchronizes the device the buffer was registered on, then unregisters."""
+class FakeEvent:
+    def __init__(self, name, order):
+        self.name, self.order = name, order
+
+    def synchronize(self):
+        self.order.append(("wait", self.name))
+
+
+def test_the_copies_that_used_a_buffer_are_waited_for_before_it_is_unregistered(fake, monkeypatch):
+    """A copy may still use a dropped buffer: the finalizer waits for the last event noted per
+    stream for that buffer (the transport notes one after each copy), never for the device."""
     order = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append(("sync", device)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append(("device sync", device)))
     real = fake.cudaHostUnregister
     fake.cudaHostUnregister = lambda ptr: order.append(("unregister", real(ptr)))
     t = pinned.pinned_empty(3000)
+    other = pinned.pinned_empty(3000)
+    pinned.note_use(t[10:], FakeEvent("h2d 1", order), "h2d")   # a view: the same registration
+    pinned.note_use(t, FakeEvent("h2d 2", order), "h2d")        # later on the same stream: replaces it
+    pinned.note_use(t, FakeEvent("d2h 1", order), "d2h")
+    pinned.note_use(other, FakeEvent("other", order), "h2d")
+    pinned.note_use(torch.empty(10), FakeEvent("not registered", order))   # ignored
     del t
     gc.collect()
-    assert order == [("sync", 1), ("unregister", 0)]
+    assert order == [("wait", "h2d 2"), ("wait", "d2h 1"), ("unregister", 0)]
+
+
+def test_a_failed_registration_clears_cudas_sticky_error(fake):
+    """cudaHostRegister's failure is CUDA's last error until read: it is read at once, so the
+    next kernel on the thread does not raise it."""
+    fake.fail_at = {1}
+    reads = []
+    fake.cudaGetLastError = lambda: reads.append(1) or 0
+    with pytest.warns(RuntimeWarning, match="cudaHostRegister failed"):
+        pinned.pinned_empty(3000)
+    assert reads == [1]
+
+
+def _vm_flags(ptr: int) -> str:
+    """The VmFlags of the mapping that holds ``ptr`` (/proc/self/smaps)."""
+    found = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                found = lo <= ptr < hi
+            elif found and line.startswith("VmFlags:"):
+                return line
+    return ""
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise(MADV_DONTFORK): Linux")
+def test_registered_memory_is_not_inherited_by_forks_and_given_back_when_freed(fake, monkeypatch):
+    """MADV_DONTFORK on the registered pages (a forked child neither inherits nor copies them:
+    VmFlags "dc"); MADV_DOFORK again before the memory is freed (the allocator may reuse it)."""
+    t = pinned.pinned_empty(1 << 20)
+    ptr = t.data_ptr()
+    assert " dc" in _vm_flags(ptr)
+    calls, real = [], pinned._madvise
+    monkeypatch.setattr(pinned, "_madvise", lambda p, n, a: calls.append((p, n, a)) or real(p, n, a))
+    del t
+    gc.collect()
+    assert calls == [(ptr, 4 << 20, pinned.MADV_DOFORK)] and fake.live == {}

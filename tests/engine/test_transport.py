@@ -217,3 +217,39 @@ def test_recycled_boundary_buffers_of_shapes_no_longer_used_are_freed():
         assert eng.boundary.free_bytes() <= 3 * 2 * 2 * row   # 3 lengths x 2 micro-batches x 2 layers
     finally:
         eng.close()
+
+
+def _bf16_run(monkeypatch, shadows: bool, adversarial: bool):
+    """Three bf16 steps on the CPU device (a single batch, a clipped one, a window), with or
+    without compute-dtype shadows (host_store.SHADOWS_ON_CPU: CUDA's path on the CPU transport)."""
+    from megatrain_nb.engine import host_store
+
+    monkeypatch.setattr(host_store, "SHADOWS_ON_CPU", shadows)
+    monkeypatch.setenv(ADVERSARIAL_ENV, "1" if adversarial else "0")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    engine = StreamingEngine(model, EngineConfig(device="cpu", precision="bf16"))
+    assert bool(engine.store.shadows) == shadows
+    ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    losses = [engine.forward_backward(ids, step_lr=1e-3).loss,
+              engine.forward_backward(ids.flip(1), step_lr=1e-3, max_grad_norm=0.5).loss,
+              engine.forward_backward([ids, ids.flip(1)], step_lr=1e-3).loss]
+    engine.forward_backward(ids)   # gradients of the updated weights, not applied
+    grads = {n: g.clone() for n, g in engine.named_gradients()}
+    weights = {n: p.clone() for n, p in engine.named_parameters()}
+    if shadows:   # each shadow is its unit's masters cast once, after the last update
+        for u in engine.state_units:
+            assert torch.equal(engine.store.shadows[u.index], engine.store.params[u.index].to(torch.bfloat16))
+    engine.close()
+    return losses, grads, weights
+
+
+@pytest.mark.parametrize("adversarial", [False, True])
+def test_bf16_loads_from_shadows_written_by_the_updates_are_bit_identical(monkeypatch, adversarial):
+    """Issue 45 item 2: a load copies the unit's bf16 shadow, written once by its update, instead
+    of casting the fp32 masters at every load: losses, gradients and weights bit for bit the same."""
+    base = _bf16_run(monkeypatch, False, adversarial)
+    got = _bf16_run(monkeypatch, True, adversarial)
+    assert got[0] == base[0]
+    for a, b in ((got[1], base[1]), (got[2], base[2])):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.gguf_in import gguf_source, is_gguf
 from megatrain_nb.hub import ModelNotFoundError, resolve_model
 from megatrain_nb.model_configs import is_preset, preset_config, preset_names
 
 #: the kinds of model source, in the order :func:`resolve` tells them apart
-KINDS = ("folder", "file", "preset", "hub", "config", "engine", "object")
+KINDS = ("folder", "file", "gguf", "preset", "hub", "config", "engine", "object")
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ def _by_name(name: str, revision, token, base, hub: bool) -> ModelSource:
     if base is not None and not path.is_absolute() and (Path(base) / path).exists():
         path = (Path(base) / path).resolve()
     if path.exists():
+        if is_gguf(path) and revision is None:   # a GGUF: converted to a folder on need (gguf_in.py)
+            return gguf_source(name, str(path))
         if revision is not None:
             raise ValueError(f"revision={revision!r} was given with the local folder {str(path)!r}; a revision "
                              "only applies to a Hub id")

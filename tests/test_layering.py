@@ -90,12 +90,12 @@ handlers in megatrain_nb/lab/). The fronts do not import each other.
 """
 LAYERS = {
     "shared": ("values", "formatting", "atomic", "threads", "processes", "commands", "env_vars", "hub",
-               "loopback", "manifest", "model_configs", "tiny_configs", "model_source", "learning_rate",
+               "loopback", "manifest", "model_configs", "tiny_configs", "model_source", "gguf_in", "learning_rate",
                "assets"),
     # the files a kernel or a rank and the Jupyter server talk through (heartbeats, inboxes)
     "channel": ("channel",),
     "engine": ("engine",),
-    "trainer": ("trainer", "estimator", "estimator_dist", "estimator_dpo", "estimate_words", "sweep"),
+    "trainer": ("trainer", "estimator", "estimator_dist", "estimator_dpo", "estimate_words", "sweep", "export"),
     "launcher": ("torchrun", "torchrun_boot"),
     "front": ("notebook", "cli", "lab"),
 }

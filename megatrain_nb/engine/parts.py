@@ -97,8 +97,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
                      workload=workload)
     params_on_disk = plan.placement["master_weights"] == "disk"
     pin = device.type == "cuda"
-    # (a load's compute-dtype shadow per unit on CUDA: not with shards, whose gather takes fp32)
-    store = HostStore(state_units, pin=pin, compute_dtype=config.compute_dtype,
+    store = HostStore(state_units, pin=pin, compute_dtype=config.compute_dtype,   # (shards' gathers take fp32)
                       shadows=False if sharded is not None else None)
     disk = _disk_tier(units, config, plan, params_on_disk, counters, state_units)
     depth = config.overrides.inflight_depth

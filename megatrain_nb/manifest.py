@@ -5,7 +5,13 @@ instead of resuming silently with wrong numbers.
 ``manifest.json`` (format 2)::
 
     {"format": 2, "algorithm": "xxh3_128", "chunk_bytes": 67108864,
-     "files": {relpath: {"size": n, "chunks": [hexdigest of each chunk_bytes piece, ...]}}}
+     "files": {relpath: {"size": n, "chunks": [hexdigest of each chunk_bytes piece, ...]}},
+     "self_xxh3_128": hexdigest of the rest of the manifest}
+
+The manifest's checksum of itself (``self_xxh3_128``, over its other fields as canonical JSON)
+tells a damaged manifest from a damaged file: a flipped byte in a file's digest inside the
+manifest is refused as the manifest's damage, not blamed on that file. Manifests written
+before it have none and are read as they were.
 
 Each file is hashed in independent pieces of ``chunk_bytes`` so that all pieces of all files
 are hashed in parallel (the hashers release the GIL): a checkpoint is mostly one or two big files.
@@ -38,6 +44,7 @@ MANIFEST = "manifest.json"
 ALGORITHM = "xxh3_128"
 ALGORITHMS = ("xxh3_128", "sha256", "sha512", "blake2b", "sha3_256")  # what a manifest may name (verified)
 CHUNK_BYTES = 64 << 20  # the independently hashed piece of a file
+SELF = "self_xxh3_128"  # the manifest's checksum of its other fields
 _READ = 8 << 20         # one read into a thread's buffer
 _buffers = threading.local()
 
@@ -126,6 +133,7 @@ def write_manifest(folder, *, algorithm: str = ALGORITHM, chunk: int = CHUNK_BYT
                 "files": file_checksums(folder, names, algorithm=algorithm, chunk=chunk)}
     if exclude:   # recorded, so verify_manifest knows those files are left out on purpose
         manifest["excluded"] = exclude
+    manifest[SELF] = _self_digest(manifest)
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(tmp, folder / MANIFEST)
@@ -152,6 +160,8 @@ def verify_manifest(folder, previous: Optional[Path] = None) -> bool:
             "which writes the manifest")
     try:
         manifest = json.loads(path.read_text())
+        if SELF in manifest and manifest[SELF] != _self_digest(manifest):
+            raise ValueError("it does not match its own checksum: a byte of it changed after it was written")
         files, algorithm, fmt = manifest["files"], manifest.get("algorithm"), manifest.get("format", 1)
         excluded = [str(x) for x in manifest.get("excluded", [])]
         if algorithm not in ALGORITHMS:
@@ -167,7 +177,8 @@ def verify_manifest(folder, previous: Optional[Path] = None) -> bool:
         else:
             raise KeyError(f"format {fmt!r}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise IntegrityError(f"checkpoint {str(folder)!r}: its {MANIFEST} is damaged ({e!s}). {hint}") from None
+        raise IntegrityError(f"checkpoint {str(folder)!r}: its {MANIFEST} is damaged ({e!s}), so no file of it "
+                             f"can be checked: {str(path)!r} is the damaged file. {hint}") from None
 
     problems: dict[str, str] = {}
     # (files under a folder the manifest names as excluded carry checksums of their own)
@@ -202,6 +213,14 @@ def verify_manifest(folder, previous: Optional[Path] = None) -> bool:
         raise IntegrityError(f"checkpoint {str(folder)!r} is damaged: {first}"
                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "") + f". {hint}")
     return True
+
+
+def _self_digest(manifest: dict) -> str:
+    """xxh3-128 of the manifest's fields but its own checksum, as canonical JSON."""
+    import xxhash
+
+    rest = {k: v for k, v in manifest.items() if k != SELF}
+    return xxhash.xxh3_128_hexdigest(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())
 
 
 def _whole_files(folder: Path, names, algorithm: str) -> list[tuple[int, str]]:

@@ -70,7 +70,6 @@ class StreamingEngine(HoldsParts):
         self.lock = threading.RLock()
         self.counters = Telemetry()
         self._closed = False
-        self._verified: dict = {}   # the folder verify_checkpoint last found whole, by its files' stamp
         with thread_registry.thread_device(self.device):   # every engine pool's threads start on it (threads.py)
             parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters,
                                 source=_source, workload=workload)
@@ -344,50 +343,26 @@ class StreamingEngine(HoldsParts):
             return begin_linked(self, path)
 
     def verify_checkpoint(self, path, *, manifest: bool = True) -> None:
-        """Check a checkpoint or snapshot folder whole before any of it is loaded: its manifest
-        (``manifest.json``: every file but a snapshot's hard links; a folder a Trainer wrote must
-        have one) and, for a snapshot, every part of the engine's (``engine/linked_check.py``:
-        ``linked.json``, ``ram_state.safetensors``, each disk-tier file's checksums). Raises
-        ``IntegrityError`` (a ``ValueError``) naming the file; reads, never writes. A folder
-        that checked once is not read again while its files keep their sizes and times."""
-        from .linked import is_linked
-        from .linked_check import verify_linked
-        from .linked_ranks import is_rank_linked, rank_folder
+        """Check a checkpoint or snapshot folder whole, by content, every time before any of it is
+        loaded (``engine/linked_check.verify_folder``: its manifest and, for a snapshot, every part
+        of the engine's). Raises ``IntegrityError`` (a ``ValueError``) naming the file."""
+        from .linked_check import verify_folder
 
-        path = os.fspath(path)
-        stamp = _folder_stamp(path)
-        if stamp is not None and self._verified.get(path) == (stamp, manifest):
-            return
-        if manifest and (os.path.isfile(os.path.join(path, "manifest.json"))
-                         or os.path.isfile(os.path.join(path, "megatrain_state.json"))):
-            from megatrain_nb.manifest import verify_manifest
-
-            verify_manifest(path)
-        if is_linked(path):
-            verify_linked(self, path)
-        elif is_rank_linked(path):
-            mine = rank_folder(path, self.dist.rank, self.dist.world)
-            if is_linked(mine):   # (another world size: load_linked_rank says so)
-                verify_linked(self, mine)
-        if stamp is not None:
-            self._verified = {path: (stamp, manifest)}
+        verify_folder(self, path, manifest=manifest)
 
     def load_checkpoint(self, path, *, verify: bool = True) -> None:
         """Replace the weights, optimizer states and step counts by those saved in ``path``.
         The folder is checked whole first (:meth:`verify_checkpoint`; ``verify=False`` when the
         caller just did): a damaged one is refused by name and nothing changes. A load that
-        still fails part way (an I/O error) leaves a mixture of two states: the engine then
-        refuses to train, save or hand out weights until a load succeeds."""
+        still fails part way (an I/O error) puts the state from before back
+        (``linked.load_keeping``) and raises ``LoadUndone``; where it cannot, the engine refuses
+        to train, save or hand out weights until a load succeeds."""
         with self.lock:
             if verify:
                 self.verify_checkpoint(path)
-            try:
-                self._load_checkpoint(path)
-            except BaseException as e:
-                from .outcome import TornLoad
+            from .linked import load_keeping
 
-                self.updates.outcome.record_failure(TornLoad(os.fspath(path), e))
-                raise
+            load_keeping(self, path, self._load_checkpoint)
 
     def _load_checkpoint(self, path) -> None:
         from .linked import is_linked, load_linked
@@ -481,18 +456,4 @@ class StreamingEngine(HoldsParts):
 
 #: the settings configure() changes between steps
 _LIVE = frozenset({"layer_stats", "weight_decay"})
-
-
-def _folder_stamp(path: str) -> Optional[tuple]:
-    """(name, size, mtime, inode) of every file under ``path``: a folder whose stamp is unchanged
-    since it was checked is not read again (None: it cannot be listed)."""
-    out = []
-    try:
-        for root, _, files in os.walk(path):
-            for f in files:
-                st = os.stat(os.path.join(root, f))
-                out.append((os.path.relpath(os.path.join(root, f), path), st.st_size, st.st_mtime_ns, st.st_ino))
-    except OSError:
-        return None
-    return tuple(sorted(out))
 

@@ -10,8 +10,10 @@ lives in RAM, in its stored form:
                                      kept), and AdamW's per-unit step counts
     <folder>/disk/<file>.mtd         hard links to the disk tier's files (copies only when the
                                      folder sits on another filesystem than offload_dir)
-    <folder>/linked.json             which unit's weights / states are which file; bytes linked,
-                                     copied and written
+    <folder>/linked.json             which unit's weights / states are which file, and each
+                                     file's digest (its header's: ``linked_check.header_digest``),
+                                     which binds it to this snapshot; bytes linked, copied and
+                                     written
 
 The ``.mtd`` files carry their own checksums (header and per tensor), checked when they are
 read back; a checkpoint manifest need not hash them again (that would read the whole disk tier).
@@ -25,20 +27,32 @@ folder while training goes on.
 Loading (after ``engine/linked_check.py`` checked every part) copies the state back through
 the stores' ordinary write paths (``overwrite``, ``put_stored``), which keep the host cache and
 the read-ahead consistent; the snapshot's files are only read.
+
+A load never tears the live state (:func:`load_keeping`): the state is first set aside as a
+linked checkpoint of its own (the disk tier's files hard-linked, what lives in RAM written
+beside them, in the disk tier's folder), and a load that fails part way (an I/O error, a file
+changed after it was checked) puts it back before the error is raised, so training goes on
+from where it was. An engine that never took a step, or already failed, has nothing to keep.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from concurrent.futures import Future
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
 from .disk_params import weights_key
-from .linked_check import read_meta
+from .linked_check import file_digest, read_meta
+from .outcome import TornLoad
 
 LINKED_FILE = "linked.json"
+#: the folder a load sets the live state aside in (``.kept-<pid>-<random>``): removed after the
+#: load; one a killed process left beside a snapshot is reclaimed (``SnapshotStore.reclaim``)
+KEPT_PREFIX = ".kept-"
 RAM_FILE = "ram_state.safetensors"
 DISK_FOLDER = "disk"
 
@@ -145,12 +159,20 @@ class LinkedWrite:
             _write_ram(self.engine, self.folder, steps)
         written = os.path.getsize(os.path.join(self.folder, RAM_FILE))
         codec = self.engine.config.optimizer_compression
-        meta = {"format": 1, "codec": codec, "units": [u.name for u in self.engine.state_units],
-                "weights": names["weights"], "states": names["states"], "linked_bytes": linked,
-                "copied_bytes": copied, "written_bytes": written}
+        meta = {"format": 2, "codec": codec, "units": [u.name for u in self.engine.state_units],
+                "weights": names["weights"], "states": names["states"], "digests": self._digests(names),
+                "linked_bytes": linked, "copied_bytes": copied, "written_bytes": written}
         with open(os.path.join(self.folder, LINKED_FILE), "w") as f:
             json.dump(meta, f, indent=1)
         return {"linked_bytes": linked, "copied_bytes": copied, "written_bytes": written}
+
+    def _digests(self, names: Dict[str, Dict[str, str]]) -> Dict[str, Dict[str, str]]:
+        """Each linked file's digest (its header, read once): what binds it to this snapshot."""
+        e = self.engine
+        units = {u.name: u for u in e.state_units}
+        key_of = {"weights": weights_key, "states": e.states.key}
+        return {role: {unit: file_digest(os.path.join(self.folder, DISK_FOLDER, name), key_of[role](units[unit]))
+                       for unit, name in files.items()} for role, files in names.items()}
 
 
 def _write_ram(engine, folder: str, tensors: Dict[str, torch.Tensor]) -> None:
@@ -205,3 +227,65 @@ def load_linked(engine, folder) -> None:
                 engine.states.put_stored(u, stored)
     engine.states.flush()
     engine.updates.clear_failure()
+
+
+class LoadUndone(RuntimeError):
+    """A load failed part way and the state from before it was put back: the run goes on from
+    where it was (the message says what failed)."""
+
+
+def load_keeping(engine, path, load: Callable[[str], None]) -> None:
+    """``load(path)`` (under ``engine.lock``, the folder checked whole before) so that a failure
+    part way never leaves a mixture: the live state is set aside first (:func:`_set_aside`) and
+    put back when the load fails, which then raises :class:`LoadUndone` naming the cause. Where
+    nothing can be kept (several ranks, an engine that already failed or never stepped) or
+    putting back fails too, the failure is recorded as a torn load, as before: nothing trains,
+    saves or reads weights on the mixture until a load succeeds."""
+    path = os.fspath(path)
+    kept = _set_aside(engine, path)
+    try:
+        load(path)
+    except BaseException as e:
+        if kept is None or not _put_back(engine, kept):
+            engine.updates.outcome.record_failure(TornLoad(path, e))
+            raise
+        if not isinstance(e, Exception):
+            raise   # (an interrupt: the state was put back; it goes on as it is)
+        raise LoadUndone(f"loading {path!r} failed part way ({type(e).__name__}: {e}); the state from before "
+                         "the load was put back, so the run goes on from where it was") from e
+    finally:
+        if kept is not None:
+            shutil.rmtree(kept, ignore_errors=True)
+
+
+def _set_aside(engine, path: str) -> Optional[str]:
+    """The live state as a linked checkpoint in a temporary folder (the disk tier's folder when
+    there is one: its files are hard-linked there; else beside ``path``); None when there is
+    nothing to keep. Raises, loading nothing, when it cannot be written (a full disk)."""
+    if engine.sharded is not None:
+        return None   # (a collective load: every rank would have to put back together)
+    engine.pager.wait_grads()
+    engine.updates.settle()
+    outcome = engine.updates.outcome
+    if outcome.failed is not None or outcome.nonfinite is not None:
+        return None   # the live state is already a mixture or diverged: the load repairs it
+    if all(int(t.reshape(-1)[0]) == 0 for t in engine.adam.state_dict().values()):
+        return None   # no update was ever applied: the live state is the model it was built from
+    where = engine.disk.path if engine.disk is not None else os.path.dirname(os.path.abspath(path))
+    kept = tempfile.mkdtemp(prefix=f"{KEPT_PREFIX}{os.getpid()}-", dir=where)
+    try:
+        save_linked(engine, kept)
+    except BaseException as e:
+        shutil.rmtree(kept, ignore_errors=True)
+        raise RuntimeError(f"nothing was loaded from {path!r}: the live state could not be set aside first "
+                           f"({type(e).__name__}: {e}), and a load that failed part way would lose it") from e
+    return kept
+
+
+def _put_back(engine, kept: str) -> bool:
+    """Load the state :func:`_set_aside` kept; False when that fails too."""
+    try:
+        load_linked(engine, kept)
+    except BaseException:  # noqa: BLE001 - the caller records the torn load
+        return False
+    return True

@@ -11,7 +11,14 @@ every part is checked first, and the error names the file:
   place on disk;
 - every ``disk/*.mtd``: its header (magic, crc, key: the file belongs to the unit it is named
   for) and the xxh3 of every tensor's bytes (the disk tier's own checksums, which the
-  checkpoint manifest leaves out).
+  checkpoint manifest leaves out); and the file is the one this snapshot linked: the digest of
+  its header (which holds every tensor's checksum), recorded in ``linked.json`` when the
+  snapshot was taken, must match. ``linked.json`` is in the snapshot's manifest beside
+  ``megatrain_state.json`` (the step and the run), so a disk-tier file of another step or run
+  put in place of this one (same unit, same name, a valid file of its own) is refused by name.
+
+:func:`verify_folder` is what ``Engine.verify_checkpoint`` runs: by content, every time a
+folder is loaded (no shortcut on unchanged sizes and times: bit rot keeps both).
 
 Files above a few MiB are hashed through the page cache in 8 MiB reads; reading the disk tier's
 files is the price of a load that never tears.
@@ -25,7 +32,7 @@ from typing import Optional
 
 import xxhash
 
-from megatrain_nb.manifest import IntegrityError
+from megatrain_nb.manifest import IntegrityError, verify_manifest
 
 from .disk_format import CHECKSUM, IO_CHUNK, OffloadError, pread_all, read_header
 from .disk_params import weights_key
@@ -62,7 +69,52 @@ def read_meta(folder: str) -> dict:
                 raise damaged(path, f"it names a file outside its disk folder ({name!r})")
     if "codec" not in meta:
         raise damaged(path, "it does not name the optimizer states' codec")
+    digests = meta.get("digests")
+    if digests is not None or meta.get("format") not in (None, 1):
+        if not (isinstance(digests, dict) and all(
+                isinstance(digests.get(role), dict) and set(digests[role]) == set(meta[role])
+                and all(isinstance(d, str) for d in digests[role].values()) for role in ("weights", "states"))):
+            raise damaged(path, "its table of the disk-tier files' digests is missing or does not match its file "
+                                "tables")
     return meta
+
+
+def verify_folder(engine, path, *, manifest: bool = True) -> None:
+    """Check a checkpoint or snapshot folder whole, by content, before any of it is loaded: its
+    manifest (every file but a snapshot's hard links; a folder a Trainer wrote must have one)
+    and, for a snapshot, every part of the engine's (:func:`verify_linked`). Raises
+    ``IntegrityError`` (a ``ValueError``) naming the file; reads, never writes."""
+    path = os.fspath(path)
+    if manifest and (os.path.isfile(os.path.join(path, "manifest.json"))
+                     or os.path.isfile(os.path.join(path, "megatrain_state.json"))):
+        verify_manifest(path)
+    if os.path.isfile(os.path.join(path, "linked.json")):
+        verify_linked(engine, path)
+    else:   # a rank-linked snapshot: this rank's folder (another world size: load_linked_rank says so)
+        mine = rank_folder(path, engine.dist.rank, engine.dist.world)
+        if os.path.isfile(os.path.join(mine, "linked.json")):
+            verify_linked(engine, mine)
+
+
+def rank_folder(folder, rank: int, world: int) -> str:
+    """A rank's linked folder in a rank-linked snapshot (``engine/linked_ranks.py``)."""
+    return os.path.join(os.fspath(folder), f"rank-{rank:05d}-of-{world:05d}")
+
+
+def header_digest(meta: dict) -> str:
+    """The digest that binds a disk-tier file to a snapshot: xxh3-128 of its checked header
+    (key, size, every tensor's offset and checksum), so with the payload checks it covers every byte."""
+    return xxhash.xxh3_128_hexdigest(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+
+
+def file_digest(path: str, key: str) -> str:
+    """:func:`header_digest` of the disk-tier file at ``path`` (of ``key``): one header read."""
+    buf = bytearray(IO_CHUNK)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return header_digest(read_header(fd, key, path, memoryview(buf)))
+    finally:
+        os.close(fd)
 
 
 def verify_linked(engine, folder) -> None:
@@ -94,7 +146,13 @@ def verify_linked(engine, folder) -> None:
             if disk is not None and os.path.basename(disk.key_path(key)) != name:
                 raise damaged(os.path.join(folder, "linked.json"),
                               f"it names {name!r} for the {role} of {u.name}, not that unit's file")
-            verify_mtd(path, key)
+            header = verify_mtd(path, key)
+            want = (meta.get("digests") or {}).get(role, {}).get(u.name)
+            if want is not None and header_digest(header) != want:
+                raise damaged(path, f"it is not the file this snapshot linked for the {role} of {u.name}: its "
+                                    f"contents (digest {header_digest(header)[:16]}...) differ from those "
+                                    f"recorded in {os.path.join(folder, 'linked.json')!r} ({want[:16]}...), so it "
+                                    "was replaced, e.g. by the file of another step or run")
 
 
 def _check_ram(path: str, want: set) -> None:
@@ -112,8 +170,9 @@ def _check_ram(path: str, want: set) -> None:
         raise damaged(path, f"it lacks {len(missing)} tensor(s) the snapshot needs, e.g. {missing[0]!r}")
 
 
-def verify_mtd(path: str, key: str, buffer: Optional[bytearray] = None) -> None:
-    """Check a disk-tier file in full: header (magic, crc, key, size) and every tensor's checksum."""
+def verify_mtd(path: str, key: str, buffer: Optional[bytearray] = None) -> dict:
+    """Check a disk-tier file in full: header (magic, crc, key, size) and every tensor's
+    checksum; returns its header."""
     if not os.path.isfile(path):
         raise damaged(path, f"it is missing (the file of {key!r})")
     buf = buffer if buffer is not None else bytearray(IO_CHUNK)
@@ -129,6 +188,7 @@ def verify_mtd(path: str, key: str, buffer: Optional[bytearray] = None) -> None:
                 raise damaged(path, f"the bytes of {e.get('name')!r} (key {key!r}) do not match their checksum")
     finally:
         os.close(fd)
+    return meta
 
 
 def _payload_ok(fd: int, mv: memoryview, entry: dict) -> bool:

@@ -18,12 +18,9 @@ import re
 from typing import Dict, List
 
 from .linked import DISK_FOLDER, is_linked, load_linked, save_linked
+from .linked_check import rank_folder
 
 _RANK = re.compile(r"^rank-(\d{5})-of-(\d{5})$")
-
-
-def rank_folder(folder, rank: int, world: int) -> str:
-    return os.path.join(os.fspath(folder), f"rank-{rank:05d}-of-{world:05d}")
 
 
 def rank_folders(folder) -> List[str]:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, List, Optional
 
+from ..engine.linked import KEPT_PREFIX
+from ..processes import pid_alive
 from ..threads import SNAPSHOT, thread_name
 from . import checkpoint as ckpt
 from .schedule import LRSchedule
@@ -41,6 +43,7 @@ FOLDER = "snapshots"
 _NAME = re.compile(r"^step-(\d+)-([0-9A-Za-z_-]+)$")
 _CHECKPOINT = re.compile(rf"^{ckpt.PREFIX}-(\d+)$")
 _PRUNING = ".pruning-"
+_KEPT = re.compile(rf"^{re.escape(KEPT_PREFIX)}(\d+)-")
 #: snapshots found damaged by a load in this process: path -> why (listed with it, not hidden)
 _DAMAGED: dict = {}
 
@@ -254,6 +257,12 @@ class SnapshotStore:
                                 forked_at_step=meta.get("forked_at_step"))
         except (ValueError, TypeError, UnicodeDecodeError) as e:
             info = self._unreadable(path, f"{str(path / ckpt.STATE_FILE)!r} cannot be read ({e})", unique, shared)
+        except FileNotFoundError:
+            if not path.is_dir():
+                raise   # (removed meanwhile: not listed)
+            info = self._unreadable(path, f"{str(path / ckpt.STATE_FILE)!r} is missing (deleted or lost), so the "
+                                          "snapshot's step, run and data position cannot be read; it cannot be "
+                                          "loaded", unique, shared)
         info.damaged = info.damaged or damage_of(path)
         return info
 
@@ -264,7 +273,10 @@ class SnapshotStore:
         try:
             when = (path / ckpt.STATE_FILE).stat().st_mtime
         except OSError:
-            when = 0.0
+            try:
+                when = path.stat().st_mtime
+            except OSError:
+                when = 0.0
         return SnapshotInfo(step=step, time=when, run_id=m.group(2) if m else None, path=str(path),
                             kind="snapshot" if m else "checkpoint", bytes_unique=unique, bytes_shared=shared,
                             damaged=why)
@@ -274,28 +286,35 @@ class SnapshotStore:
         damaged ones are, with ``damaged`` saying why."""
         # (no clean-up of temporaries here: a listing from the notebook must not remove the
         # folder a snapshot is being written into by the training thread; take() cleans up)
+        # (a folder under a snapshot's name was renamed there whole, so one lacking its state files
+        # is damaged and listed so; a checkpoint's name likewise once it holds any of its files)
         found = []
         if self.root.is_dir():
-            found += [p for p in self.root.iterdir() if _NAME.match(p.name) and ckpt.is_checkpoint(p)]
+            found += [p for p in self.root.iterdir() if _NAME.match(p.name) and p.is_dir()]
         if include_checkpoints and self.output_dir.is_dir():
-            found += [p for p in self.output_dir.iterdir() if _CHECKPOINT.match(p.name) and ckpt.is_checkpoint(p)]
+            found += [p for p in self.output_dir.iterdir() if _CHECKPOINT.match(p.name) and _looks_saved(p)]
         infos = []
         for p in found:
             try:
-                infos.append(self.info(p))
+                info = self.info(p)
             except OSError:
                 continue   # removed meanwhile
+            if info.damaged is None and not ckpt.is_checkpoint(p):
+                info.damaged = f"{str(p / 'trainer_state.json')!r} is missing (deleted or lost); it cannot be loaded"
+            infos.append(info)
         return sorted(infos, key=lambda i: (i.step, i.time))
 
     def reclaim(self) -> List[str]:
-        """Remove what a kill during pruning left: ``.pruning-*`` folders, and folders under a
-        snapshot's name that lack its state files (cut short by an older, in-place prune)."""
+        """Remove what a kill left: ``.pruning-*`` folders (a prune), and ``.kept-<pid>-*`` ones
+        of a process that is gone (a load's live state set aside, ``engine/linked.py``). A folder
+        under a snapshot's name that lacks its state files is damaged, not a leftover: it stays
+        listed as such until pruned or deleted."""
         gone = []
         if not self.root.is_dir():
             return gone
         for p in self.root.iterdir():
-            left = p.name.startswith(_PRUNING) or (_NAME.match(p.name) and p.is_dir() and not ckpt.is_checkpoint(p))
-            if left:
+            kept = _KEPT.match(p.name)
+            if p.name.startswith(_PRUNING) or (kept and pid_alive(int(kept.group(1))) is False):
                 shutil.rmtree(p, ignore_errors=True)
                 gone.append(str(p))
         return gone
@@ -303,8 +322,9 @@ class SnapshotStore:
     def prune(self, keep: Optional[int], protect: Iterable = (), run_ids: Optional[Iterable[str]] = None) -> List[str]:
         """Delete the oldest snapshots (not checkpoints: ``save_total_limit`` rules those) of runs
         ``run_ids`` (all when None) until the newest ``keep`` remain, besides those in ``protect``
-        (the snapshots branches start from), which are never deleted. Each is renamed out of the
-        listed names first, then deleted (a kill meanwhile leaves nothing listed half gone).
+        (the snapshots branches start from), which are never deleted; damaged ones go first. Each
+        is renamed out of the listed names first, then deleted (a kill meanwhile leaves nothing
+        listed half gone).
         Returns the paths removed."""
         if not keep or keep <= 0:
             return []
@@ -314,7 +334,7 @@ class SnapshotStore:
         mine = [i for i in self.list(include_checkpoints=False) if (ids is None or i.run_id in ids)
                 and str(Path(i.path).resolve()) not in keep_paths]
         removed = []
-        for info in sorted(mine, key=lambda i: i.time)[:max(0, len(mine) - keep)]:
+        for info in sorted(mine, key=lambda i: (i.damaged is None, i.time))[:max(0, len(mine) - keep)]:
             src = Path(info.path)
             aside = src.with_name(f"{_PRUNING}{src.name}-{os.getpid()}")
             try:
@@ -324,6 +344,11 @@ class SnapshotStore:
             shutil.rmtree(aside, ignore_errors=True)
             removed.append(info.path)
         return removed
+
+
+def _looks_saved(path: Path) -> bool:
+    """A folder under a checkpoint's name holding any of a checkpoint's files."""
+    return path.is_dir() and any((path / f).is_file() for f in (ckpt.STATE_FILE, "trainer_state.json", ckpt.MANIFEST))
 
 
 def steps_text(infos: List[SnapshotInfo]) -> str:

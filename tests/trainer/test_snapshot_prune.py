@@ -1,6 +1,7 @@
 """Pruning snapshots never leaves a half-deleted folder under a snapshot's name: each is renamed
 out of the listed names first, and what a kill left is reclaimed at the next prune or snapshot."""
 import json
+import os
 import shutil
 
 import pytest
@@ -43,11 +44,23 @@ def test_a_kill_during_pruning_leaves_nothing_half_gone_under_a_snapshot_name(tm
     assert [p.name for p in store.root.iterdir()] == [store.path_for(6, "r1").name]
 
 
-def test_a_partial_folder_under_a_snapshot_name_is_reclaimed(tmp_path):
+def test_a_snapshot_whose_state_file_was_deleted_is_listed_as_damaged_not_reclaimed(tmp_path):
+    """Issue 44 item 9: a deleted megatrain_state.json made the snapshot vanish from the listing
+    (and the next snapshot's reclaim deleted it). It stays listed, ``damaged`` naming the file and
+    why; a prune removes it as the oldest; ``.kept-<pid>-`` folders of a dead process go."""
     store = SnapshotStore(tmp_path)
     _fake(store, 2)
     left = _fake(store, 4)
-    (left / "megatrain_state.json").unlink()             # an older in-place prune cut short
+    (left / "megatrain_state.json").unlink()
+    listed = store.list()
+    assert [i.step for i in listed] == [2, 4] and listed[0].damaged is None
+    assert listed[1].run_id == "r1" and "megatrain_state.json" in listed[1].damaged
+    assert "missing" in listed[1].damaged
+    dead = store.root / ".kept-999999999-abc"      # a pid no process has
+    dead.mkdir()
+    live = store.root / f".kept-{os.getpid()}-abc"
+    live.mkdir()
+    assert store.reclaim() == [str(dead)]
+    assert left.exists() and live.exists()
+    store.prune(keep=1)                               # a damaged one is pruned first
     assert [i.step for i in store.list()] == [2]
-    assert store.reclaim() == [str(left)]
-    assert not left.exists() and [i.step for i in store.list()] == [2]

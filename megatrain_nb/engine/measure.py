@@ -34,9 +34,9 @@ import contextlib
 
 import hashlib
 import json
-import math
 import os
 import socket
+import stat
 import statistics
 import tempfile
 import threading
@@ -58,7 +58,7 @@ from .disk_store import DiskStore
 from .diskspace import filesystem_of, filesystem_text
 from .optimizer import UnitAdamW
 from .pinned import release_cached_pinned
-from .rates import MachineRates, shape_key
+from .rates import MachineRates, check_rates, shape_key
 from .states import OptimizerStates
 from .telemetry import Telemetry
 
@@ -387,19 +387,59 @@ def cache_key(device_name: str, fs: dict, quick: bool = False) -> str:
     return f"machine-{clean}-{hashlib.sha256(text.encode()).hexdigest()[:12]}" + ("-quick" if quick else "")
 
 
-def load_cached(path: str) -> Optional[MachineRates]:
-    """The cached rates, or None (no file; a damaged or foreign one: with a warning)."""
-    if not os.path.exists(path):
+#: A cache file is a few KiB; one larger than this is not ours.
+CACHE_MAX_BYTES = 1 << 20
+
+
+class CacheRefused(ValueError):
+    """The cached rates file is not one this user may trust, or its values are not rates."""
+
+
+def _read_private(path: str) -> str:
+    """The text of ``path`` if it is a regular file owned by this user that nobody else can write;
+    opened without following a link and without blocking (a FIFO at the path returns at once), then
+    checked on the open descriptor (nothing can be swapped in between). Raises CacheRefused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        if os.path.islink(path):
+            raise CacheRefused("it is a symbolic link (a cache file is never followed)") from None
+        raise CacheRefused(f"it cannot be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheRefused("it is not a regular file")
+        if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+            raise CacheRefused(f"it is owned by user id {st.st_uid}, not by this user ({os.geteuid()})")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise CacheRefused(f"others can write it (mode {stat.S_IMODE(st.st_mode):04o})")
+        if st.st_size > CACHE_MAX_BYTES:
+            raise CacheRefused(f"it holds {st.st_size} bytes, more than a cache file's {CACHE_MAX_BYTES}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(CACHE_MAX_BYTES + 1).decode("utf-8")
+    finally:
+        os.close(fd)
+
+
+def load_cached(path: str, then: str = "measuring again") -> Optional[MachineRates]:
+    """The cached rates, or None: no file, or one refused with a warning naming it, why, and
+    ``then`` (what happens instead). Refused: a file that is not a regular file owned by this user
+    and writable by nobody else (:func:`_read_private`: a link, a FIFO, another user's file), not
+    JSON of this cache's version, or with a value that is not a plausible rate (``rates.check_rates``)."""
+    if not os.path.lexists(path):
         return None
     try:
-        with open(path) as f:
-            d = json.load(f)
-        if d.get("version") != CACHE_VERSION:
-            raise ValueError(f"version {d.get('version')!r}, not {CACHE_VERSION}")
+        d = json.loads(_read_private(path), parse_constant=lambda c: float(c))
+        if not isinstance(d, dict) or d.get("version") != CACHE_VERSION:
+            v = d.get("version") if isinstance(d, dict) else None
+            raise CacheRefused(f"version {v!r}, not {CACHE_VERSION}")
+        bad = check_rates(d.get("rates"))
+        if bad:
+            raise CacheRefused("values that are not plausible rates: " + "; ".join(bad[:6])
+                               + (f" (and {len(bad) - 6} more)" if len(bad) > 6 else ""))
         return MachineRates.from_dict(d["rates"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        warnings.warn(f"measure_machine: the cached rates {path} cannot be read ({e}); measuring again",
-                      stacklevel=3)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
+        warnings.warn(f"measure_machine: the cached rates {path} cannot be read ({e}); {then}", stacklevel=3)
         return None
 
 
@@ -513,7 +553,15 @@ def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=
         return rates
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    save_cached(path, rates)
+    bad = check_finite(rates)
+    if bad:   # (a measurement gone wrong is used once, never cached for every later run)
+        warnings.warn(f"measure_machine: rates measured out of range, not cached: {'; '.join(bad)}", stacklevel=2)
+        return rates
+    try:
+        save_cached(path, rates)
+    except OSError as e:
+        warnings.warn(f"measure_machine: the rates could not be cached at {path} ({e}); they are used for this "
+                      "call only", stacklevel=2)
     return rates
 
 
@@ -528,19 +576,14 @@ def cached_rates(device=None, offload_dir=None) -> Optional[MachineRates]:
             root = os.path.dirname(os.path.abspath(root)) or "."
             if not os.path.isdir(root):
                 return None
-        return load_cached(os.path.join(cache_dir(), cache_key(name, filesystem_of(root)) + ".json"))
+        return load_cached(os.path.join(cache_dir(), cache_key(name, filesystem_of(root)) + ".json"),
+                           then="the planner's rules decide the plan and no step is predicted (measure again: "
+                                "megatrain-nb machine --refresh, or mt.measure_machine(refresh=True))")
     except (OSError, ValueError):
         return None
 
 
 def check_finite(rates: MachineRates) -> List[str]:
-    """The names of rates that are not positive finite numbers (a measurement gone wrong)."""
-    bad = []
-    for key in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned", "matmul_flops", "attention_flops",
-                "bf16_matmul_flops", "bf16_attention_flops", "disk_read", "disk_write", "adamw_per_thread"):
-        v = getattr(rates, key)
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            bad.append(key)
-    for group in ("matmul_by_shape", "attention_by_head", "codec_per_thread"):
-        bad += [f"{group}[{k}]" for k, v in getattr(rates, group).items() if not (math.isfinite(v) and v > 0)]
-    return bad
+    """What is wrong with measured ``rates`` (``rates.check_rates``: each "field=value (what it must
+    be)"): a measurement gone wrong; [] when every rate is a positive, finite, plausible number."""
+    return check_rates(rates.to_dict())

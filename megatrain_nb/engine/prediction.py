@@ -449,6 +449,9 @@ def resolve_rates(rates):
     from .measure import cached_rates   # (torch's kernels behind it: only for a profile's name)
 
     if isinstance(rates, dict):
+        bad = rates_mod.check_rates(rates)
+        if bad:
+            raise ValueError("rates: values that are not plausible rates: " + "; ".join(bad))
         return rates_mod.MachineRates.from_dict(rates)
     if isinstance(rates, str):
         return rates_mod.rates_for(rates, cpu=cached_rates("cpu"))

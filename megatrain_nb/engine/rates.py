@@ -10,8 +10,9 @@ prediction multiplies it by the bytes or FLOPs of a step and adds nothing else.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass
@@ -140,6 +141,74 @@ class MachineRates:
 def shape_key(m: int, k: int, n: int) -> str:
     """``matmul_by_shape``'s key: "MxKxN" (tokens x input features x output features)."""
     return f"{int(m)}x{int(k)}x{int(n)}"
+
+
+# ---------------------------------------------------------------------------------------- plausible values
+#: (low, high) of each rate a measurement can give, per second: beyond them the number is a
+#: measurement gone wrong or a file someone edited (a PCIe 7 link is 0.25 TB/s, an NVMe 30 GB/s,
+#: a GPU 10 PFLOP/s dense; a CPU core's AdamW ~2 G params/s).
+PLAUSIBLE = {"copy": (1e6, 1e13), "flops": (1e6, 1e17), "disk": (1e4, 1e12), "params": (1e3, 1e12),
+             "bytes": (1e3, 1e13)}
+_KIND = {"h2d_pageable": "copy", "h2d_pinned": "copy", "d2h_pageable": "copy", "d2h_pinned": "copy",
+         "matmul_flops": "flops", "attention_flops": "flops", "bf16_matmul_flops": "flops",
+         "bf16_attention_flops": "flops", "disk_read": "disk", "disk_write": "disk", "adamw_per_thread": "params"}
+_TABLES = {"matmul_by_shape": "flops", "attention_by_head": "flops", "codec_per_thread": "bytes",
+           "update_chain": "params"}
+_TEXT = ("device", "source")
+_OPTIONAL_TEXT = ("disk_path", "filesystem")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: Rates a file may leave at 0, "not measured" (the prediction names them in its notes).
+_MAY_BE_ZERO = ("bf16_matmul_flops", "bf16_attention_flops")
+
+
+def _in_range(name: str, v, kind: str) -> Optional[str]:
+    low, high = PLAUSIBLE[kind]
+    if name in _MAY_BE_ZERO and _number(v) and v == 0:
+        return None
+    if not _number(v) or not math.isfinite(v) or not low <= v <= high:
+        return f"{name}={v!r} (a number from {low:g} to {high:g} per second)"
+    return None
+
+
+def check_rates(d: dict) -> List[str]:
+    """What is wrong with a MachineRates' fields ``d`` (a measurement's or a cached file's), each
+    as "field=value (what it must be)": the types, every rate finite and within :data:`PLAUSIBLE`,
+    ``cores`` a whole number from 1 to 65536, ``compute_beside_disk`` from 0 to 1 (the bf16 rates
+    may be 0: not measured). [] when all is well."""
+    if not isinstance(d, dict):
+        return [f"rates={type(d).__name__} (a JSON object of MachineRates' fields)"]
+    names = {f.name for f in fields(MachineRates)}
+    bad = [f"{k}: not a MachineRates field" for k in sorted(set(d) - names, key=str)]
+    cores = d.get("cores", 1)
+    if not (_number(cores) and float(cores).is_integer() and 1 <= cores <= 65536):
+        bad.append(f"cores={cores!r} (a whole number from 1 to 65536)")
+    threads = d.get("compute_threads", 0)
+    if not (_number(threads) and float(threads).is_integer() and 0 <= threads <= 65536):
+        bad.append(f"compute_threads={threads!r} (a whole number from 0 to 65536)")
+    bad += [p for k, kind in _KIND.items() if (p := _in_range(k, d.get(k, 0.0), kind))]
+    for table, kind in _TABLES.items():
+        t = d.get(table, {})
+        if not isinstance(t, dict):
+            bad.append(f"{table}={t!r} (a table of rates)")
+            continue
+        bad += [p for k, v in t.items() if (p := _in_range(f"{table}[{k!r}]", v, kind))]
+    beside = d.get("compute_beside_disk", 0.0)
+    if not (_number(beside) and math.isfinite(beside) and 0 <= beside <= 1):
+        bad.append(f"compute_beside_disk={beside!r} (a number from 0 to 1)")
+    bad += [f"{k}={d[k]!r} (text)" for k in _TEXT if k in d and not isinstance(d[k], str)]
+    bad += [f"{k}={d[k]!r} (text or null)" for k in _OPTIONAL_TEXT if d.get(k) is not None and not isinstance(d[k], str)]
+    if not isinstance(d.get("sources", {}), dict):
+        bad.append(f"sources={d['sources']!r} (a table)")
+    for k in ("measured_at", "seconds_taken"):
+        v = d.get(k)
+        if v is not None and not (_number(v) and math.isfinite(v) and v >= 0):
+            bad.append(f"{k}={v!r} (a number >= 0 or null)")
+    return bad
 
 
 # ---------------------------------------------------------------------------------------- the table

@@ -184,3 +184,122 @@ def test_cli_prints_the_table_and_refuses_an_unknown_profile(cache, tmp_path, mo
     assert main(["machine", "--profile", "h300"]) == 2
     err = capsys.readouterr().err
     assert "h300" in err and "h100-pcie5-gen4nvme" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------- a cache to trust
+def _good_file(path, **changes):
+    """A cache file of made-up, plausible rates at ``path`` (``changes``: fields written over)."""
+    from tests.engine.test_prediction import rates
+
+    measure.save_cached(str(path), rates())
+    d = json.loads(path.read_text())
+    d["rates"].update(changes)
+    path.write_text(json.dumps(d))
+    os.chmod(path, 0o600)
+    return path
+
+
+@pytest.mark.parametrize("field,value", [("disk_read", -1e9), ("matmul_flops", 0), ("disk_write", float("nan")),
+                                         ("h2d_pinned", 1e300), ("attention_flops", 1e-300), ("cores", "abc"),
+                                         ("cores", -4), ("adamw_per_thread", True),
+                                         ("update_chain", {"int8": -5}), ("compute_beside_disk", 2.0),
+                                         ("codec_per_thread", "fast")])
+def test_absurd_values_in_the_cache_are_refused_naming_the_file_and_the_field(tmp_path, field, value):
+    path = _good_file(tmp_path / "machine-x.json", **{field: value})
+    with pytest.warns(UserWarning, match="cannot be read") as seen:
+        assert measure.load_cached(str(path)) is None
+    text = str(seen[0].message)
+    assert str(path) in text and field in text and "measuring again" in text, text
+
+
+def test_a_good_file_is_read(tmp_path):
+    from tests.engine.test_prediction import rates
+
+    assert measure.load_cached(str(_good_file(tmp_path / "machine-x.json"))) == rates()
+
+
+def test_a_cache_file_others_can_write_a_link_or_a_fifo_is_refused(tmp_path):
+    good = _good_file(tmp_path / "good.json")
+    shared = _good_file(tmp_path / "shared.json")
+    os.chmod(shared, 0o666)
+    link = tmp_path / "link.json"
+    link.symlink_to(good)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path, why in ((shared, "others can write it (mode 0666)"), (link, "symbolic link"),
+                      (fifo, "not a regular file")):
+        with pytest.warns(UserWarning, match="cannot be read") as seen:
+            assert measure.load_cached(str(path)) is None
+        assert why in str(seen[0].message) and str(path) in str(seen[0].message)
+
+
+def test_a_fifo_at_the_cache_path_returns_at_once(tmp_path, monkeypatch):
+    """A FIFO where the engine's cached rates would be: building a plan does not hang (a reader of a
+    FIFO without a writer waits forever), it says why and plans by the rules."""
+    import threading
+    import warnings as w
+
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(tmp_path))
+    import tempfile
+    path = tmp_path / (measure.cache_key("cpu", filesystem_of(tempfile.gettempdir())) + ".json")
+    os.mkfifo(path)
+    out = {}
+
+    def read():
+        with w.catch_warnings(record=True) as seen:
+            w.simplefilter("always")
+            out["rates"] = measure.cached_rates("cpu")
+            out["said"] = [str(x.message) for x in seen]
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "reading a FIFO at the cache path hung"
+    assert out["rates"] is None and "not a regular file" in out["said"][0] and "planner's rules" in out["said"][0]
+
+
+def test_another_users_world_writable_cache_file_is_refused(tmp_path_factory):
+    from tests.privileges import NOBODY, as_user, shared_dir
+
+    folder = shared_dir(tmp_path_factory, "rates")
+    path = os.path.join(folder, "machine-foreign.json")
+    from tests.engine.test_prediction import rates
+
+    text = json.dumps({"version": measure.CACHE_VERSION, "rates": rates(cores=64, disk_read=1e11).to_dict()})
+
+    def plant():
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o666)
+        return os.stat(path).st_uid
+
+    ok, uid = as_user(plant)
+    assert ok and uid == NOBODY
+    with pytest.warns(UserWarning, match="cannot be read") as seen:
+        assert measure.load_cached(path) is None
+    assert f"owned by user id {NOBODY}" in str(seen[0].message)
+    os.chmod(path, 0o644)   # (not writable by others now: still another user's)
+    with pytest.warns(UserWarning, match=f"owned by user id {NOBODY}"):
+        assert measure.load_cached(path) is None
+
+
+def test_a_refused_cache_is_measured_again_and_replaced(cache, tmp_path):
+    folder, calls = cache
+    first = _quick(tmp_path)
+    (path,) = folder.iterdir()
+    d = json.loads(path.read_text())
+    d["rates"]["disk_read"] = float("nan")
+    path.write_text(json.dumps(d))
+    with pytest.warns(UserWarning, match="disk_read=nan"):
+        again = _quick(tmp_path)
+    assert len(calls) == 2 and measure.check_finite(again) == [] and again.measured_at >= first.measured_at
+    assert measure.load_cached(str(path)) == again
+
+
+def test_check_finite_names_what_a_measurement_got_wrong():
+    from tests.engine.test_prediction import rates
+
+    assert measure.check_finite(rates()) == []
+    bad = measure.check_finite(rates(disk_read=float("inf"), cores=0, matmul_by_shape={"1x2x3": -1.0}))
+    assert any(b.startswith("disk_read=inf") for b in bad) and any(b.startswith("cores=0") for b in bad)
+    assert any("matmul_by_shape['1x2x3']" in b for b in bad)

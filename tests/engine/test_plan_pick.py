@@ -181,6 +181,8 @@ def test_a_trainer_prices_its_own_workload_and_the_header_says_how_the_plan_was_
 
 def test_rates_are_checked_when_the_config_is_made():
     assert EngineConfig(rates=SLOW_DISK.to_dict()).rates == SLOW_DISK
+    with pytest.raises(ValueError, match=r"disk_read=nan .*cores='abc'|cores='abc'.*disk_read=nan"):
+        EngineConfig(rates=dict(SLOW_DISK.to_dict(), disk_read=float("nan"), cores="abc"))
     with pytest.raises(ValueError, match="unknown machine profile 'no-such-box'"):
         EngineConfig(rates="no-such-box")
     with pytest.raises(ValueError, match="plan_by"):

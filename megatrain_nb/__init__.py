@@ -34,6 +34,7 @@ _LAZY = {
     "MachineRates": "megatrain_nb.engine.rates",
     "Session": "megatrain_nb.notebook",
     "compare": "megatrain_nb.notebook.compare",
+    "export": "megatrain_nb.export",
 }
 
 __all__ = list(_LAZY) + ["load_ipython_extension", "unload_ipython_extension", "__version__"]

@@ -28,6 +28,7 @@ from megatrain_nb.cli.config import (  # noqa: F401 - the names megatrain_nb.cli
     load_run_config,
 )
 from megatrain_nb.cli.demo import DEMO_CACHE_SHARE, cmd_demo, demo_cache_gb  # noqa: F401
+from megatrain_nb.cli.export_cmd import add_parser as add_export_parser
 from megatrain_nb.cli.estimate import budget_arg, cmd_estimate, estimate_from_words, run_estimate  # noqa: F401
 from megatrain_nb.cli.machine import add_parser as add_machine_parser
 from megatrain_nb.cli.machine import cmd_machine  # noqa: F401
@@ -111,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     add_machine_parser(sub)
+    add_export_parser(sub)
     return ap
 
 

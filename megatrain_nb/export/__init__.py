@@ -16,6 +16,8 @@ run's ``output_dir``, a ``.gguf`` file). The weights are read unit by unit where
 from __future__ import annotations
 
 import os
+import sys
+import types
 from typing import Any, Optional
 
 from megatrain_nb.gguf_in import convert as convert_gguf
@@ -94,3 +96,14 @@ def _write(src: WeightSource, path, format: str, dtype, tokenizer: bool) -> str:
     if format == "dcp":
         return write_dcp(src, path)
     return write_gguf(src, path, dtype=dtype or "f16", tokenizer=tokenizer)
+
+
+class _CallableModule(types.ModuleType):
+    """``mt.export(...)``: once this package is imported, ``megatrain_nb.export`` is the package
+    itself (Python sets the submodule on its parent), so the package calls :func:`export`."""
+
+    def __call__(self, *args, **kwargs):
+        return export(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -38,8 +38,8 @@ from .data import DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
 from .dpo_loss import DPOObjective, DPOSettings, PairBatch
-from .dpo_reference import (ReferenceCache, ReferenceStopped, cache_key, reference_pass, weights_fingerprint,
-                            with_reference)
+from .dpo_reference import (ReferenceCache, ReferenceStopped, cache_parts, check_reference_values, key_of,
+                            reference_pass, weights_fingerprint, with_reference)
 from .sft_data import require_trl
 from .trainer import Trainer
 
@@ -262,10 +262,15 @@ class DPOTrainer(Trainer):
         if _is_iterable(ds):   # read lazily: each batch gets its reference as it is read (_live_reference)
             return ds
         if "ref_chosen_logps" in ds.column_names:   # given in the data, or added before
+            if what not in self.reference_seconds:
+                check_reference_values(ds["ref_chosen_logps"], ds["ref_rejected_logps"], f"{what}_dataset",
+                                       "given in the data")
             self.reference_seconds.setdefault(what, 0.0)
             return ds
-        key = cache_key(ds, self.tokenizer, self._ref_weights, self.args)
-        got = self.reference_cache.load(what, key, len(ds))
+        parts = cache_parts(ds, self.tokenizer, self._ref_weights, self.args, self._engine.config.precision)
+        key = key_of(parts)
+        got = self.reference_cache.load(what, key, len(ds), parts)
+        why = self.reference_cache.reason
         t0 = time.perf_counter()
         if got is None:
             engine, own = self._reference_engine()
@@ -284,13 +289,16 @@ class DPOTrainer(Trainer):
                 if own:
                     engine.close()
             seconds = time.perf_counter() - t0
+            check_reference_values(*got, f"{what}_dataset", "the reference model's own pass gave it: the reference "
+                                   "overflows on that pair")
             if self.dist.is_main:
-                self.reference_cache.save(what, key, got[0], got[1], seconds)
+                self.reference_cache.save(what, key, got[0], got[1], seconds, parts)
         else:
             seconds = 0.0
         self.reference_seconds[what] = seconds
         self.metrics_log.write({"event": "reference", "split": what, "pairs": len(ds), "seconds": seconds,
-                                "cached": seconds == 0.0, "key": key, "time": time.time()})
+                                "cached": seconds == 0.0, "key": key, "time": time.time(),
+                                **({"recomputed": why} if why else {})})
         return with_reference(ds, *got)
 
     def _reference_stop(self) -> bool:

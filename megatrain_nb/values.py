@@ -140,6 +140,18 @@ _FINE_TUNING_ROWS = (
          "run", low=1, high=MAX_INT, none_ok=True),
 )
 
+# ---- the estimator's command line (megatrain-nb estimate, %megatrain estimate; issue 44 item 7): each
+# number a flag takes, within what a plan can be made for (a larger one is a typo, and overflowed) ----
+_ESTIMATE_ROWS = (
+    _row("estimate_batch", "int", "sequences per micro-batch the estimate plans for (--batch)", low=1, high=2 ** 24),
+    _row("estimate_seq", "int", "tokens per row the estimate plans for (--seq)", low=1, high=2 ** 28),
+    _row("estimate_accumulation", "int", "micro-batches per optimizer step on each GPU (--accumulation)", low=1,
+         high=2 ** 40),
+    _row("estimate_nodes", "int", "machines in the run (--nodes)", low=1, high=2 ** 20),
+    _row("estimate_gpus_per_node", "int", "GPUs (ranks) per node (--gpus-per-node)", low=1, high=2 ** 16),
+    _row("estimate_pairs", "int", "DPO preference pairs of the reference pass (--pairs)", low=1, high=2 ** 48),
+)
+
 #: A field whose name means another row in one config family: (family, field) -> row name
 #: (DPOConfig's and SFTConfig's ``loss_type`` differ).
 ALIASES = {("dpo", "loss_type"): "dpo_loss_type", ("sft", "loss_type"): "sft_loss_type"}
@@ -198,8 +210,8 @@ VALUES: dict[str, Value] = {v.name: v for v in (
     _row("seed", "int", "the random seed of the model's initialisation and the data order", low=0, high=MAX_SEED),
     _row("data_seed", "int", "the random seed of the data order; None = seed", low=0, high=MAX_SEED, none_ok=True),
     # ---- the engine (EngineConfig and its overrides) ----
-    _row("budget_gb", "float", "GiB of a budget the estimator plans with (--vram, --ram, --disk)", low=0,
-         low_open=True),
+    _row("budget_gb", "float", "GiB of a budget the estimator plans with (--vram, --ram, --disk); above a billion "
+         "GiB is a typo", low=0, low_open=True, high=1e9),
     _row("max_vram_gb", "float", "GiB of device memory the engine may use; None = no cap", low=0, low_open=True,
          none_ok=True),
     _row("max_host_gb", "float", "GiB of host RAM the engine may use; None = derived from free RAM", low=0,
@@ -249,6 +261,7 @@ VALUES: dict[str, Value] = {v.name: v for v in (
     _row("sample_seed", "int", "the sampling generator's seed; None = unseeded", low=0, high=MAX_INT,
          none_ok=True),
     *_FINE_TUNING_ROWS,
+    *_ESTIMATE_ROWS,
 )}
 
 

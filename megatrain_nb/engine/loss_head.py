@@ -63,7 +63,9 @@ class LossHead:
             return self.sequence_loss(hidden, shift, loss_fn, backward)
         B, S = shift.shape
         chunk = self._chunk(B, S)
-        total = 0.0
+        # the chunks' sums added on the device in float64 (a Python float's additions, in the same
+        # order: the same bits), read once at the end -- no host sync per chunk
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
         grads = []
         for s in range(0, S, chunk):
             lab = shift[:, s:s + chunk]
@@ -78,12 +80,13 @@ class LossHead:
                     part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
                                            ignore_index=-100, reduction="sum")
                 self.meter.at(self.meter.saved + 3 * logits.numel() * 4)
-            total += float(part.detach())
+            total += part.detach().double()
             if backward:
                 if part.requires_grad:
                     (part / denom).backward()
                 grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
             del logits, part
+        total = float(total)
         if backward:
             return total, torch.cat(grads, dim=1)
         return total

@@ -19,7 +19,9 @@ layers: those keep their masks) are switched, only from "sdpa".
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+import threading
+import weakref
+from typing import Dict, List, Optional
 
 import torch
 
@@ -31,10 +33,15 @@ NAME = "megatrain_docs"
 #: Tokens per packed row above which the model's SDPA is switched to per-document attention.
 PACKED_TOKENS = 4096
 _registered = False
+#: id(position ids tensor) -> (a weak reference to it, its documents): found once per batch on
+#: the host (:func:`remember_documents`, from the prepared batch), read by every layer's call.
+_known: Dict[int, tuple] = {}
+_known_lock = threading.Lock()
 
 
 def _documents(position_ids: torch.Tensor) -> List[List[tuple]]:
-    """Per row, the (start, end) of each document: a new one where the positions do not step by one."""
+    """Per row, the (start, end) of each document: a new one where the positions do not step by
+    one. (Reads the positions on the host: a sync where they live on the device.)"""
     step = position_ids[:, 1:] - position_ids[:, :-1]
     out = []
     for row in (step != 1).tolist():
@@ -42,6 +49,33 @@ def _documents(position_ids: torch.Tensor) -> List[List[tuple]]:
         ends = starts[1:] + [position_ids.shape[1]]
         out.append(list(zip(starts, ends)))
     return out
+
+
+def remember_documents(position_ids: torch.Tensor) -> List[List[tuple]]:
+    """The documents of ``position_ids`` (this very tensor: the model hands it to every layer),
+    found now and kept while the tensor lives, so the layers' calls do not read the positions
+    back (a host sync per layer call on a GPU)."""
+    key = id(position_ids)
+    with _known_lock:
+        hit = _known.get(key)
+        if hit is not None and hit[0]() is position_ids:
+            return hit[1]
+    docs = _documents(position_ids)
+    with _known_lock:
+        for k in [k for k, (ref, _) in _known.items() if ref() is None]:
+            del _known[k]
+        _known[key] = (weakref.ref(position_ids), docs)
+    return docs
+
+
+def _documents_of(pos: torch.Tensor, rows: int) -> List[List[tuple]]:
+    """The documents of ``pos`` for ``rows`` rows (a [1, seq] row shared by the batch repeated)."""
+    docs = remember_documents(pos if pos.dim() == 2 else pos.view(1, -1))
+    if len(docs) == rows:
+        return docs
+    if len(docs) == 1:
+        return docs * rows
+    return _documents(pos.expand(rows, -1))
 
 
 def docs_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -57,7 +91,7 @@ def docs_attention_forward(module, query, key, value, attention_mask, dropout: f
                            "megatrain_nb.engine.packed_attention.PACKED_TOKENS (now "
                            f"{PACKED_TOKENS:,}) above the row length to keep the model's own [seq, seq] mask")
     docs = None if pos is None or attention_mask is not None or query.shape[2] != pos.shape[-1] \
-        else _documents(pos.expand(query.shape[0], -1))
+        else _documents_of(pos, query.shape[0])
     if docs is None or all(len(d) == 1 for d in docs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       position_ids=pos, **kwargs)
@@ -110,6 +144,9 @@ def packed_attention(model, batches) -> Optional[str]:
         return None
     if not any(isinstance(am, PackedRows) and ids.shape[1] > PACKED_TOKENS for ids, am, _ in batches):
         return None
+    for ids, am, _ in batches:   # once per batch, before any layer runs
+        if isinstance(am, PackedRows):
+            remember_documents(am.position_ids)
     register()
     try:
         model.set_attn_implementation(NAME)

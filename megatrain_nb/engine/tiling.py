@@ -12,6 +12,18 @@ with gradients and sums the parameter gradients over the tiles. The layer's call
 own (the engine runs the real layer); only the tileable module's ``forward`` is swapped, for the
 duration of one layer call (:meth:`LayerTiling.active`).
 
+When: only where a layer does not fit (issue 45). Tiles cost a recompute of the MLP per tile and
+a full-size weight gradient per tile, so an automatic tile (no ``tile_tokens`` given) is used only
+when the call's untiled MLP intermediates would take more than a quarter of the device budget
+(``max_vram_gb``; on CUDA without one, the device's memory: :func:`needs_tiles`). On a CPU device
+without a budget the device is the host's RAM, shared with everything else: there a call longer
+than a tile is tiled as before. ``EngineOverrides.tile_tokens`` pins the tile (0: never).
+
+Where the tiles' weight gradients go: straight into the unit's fp32 gradient sum where the bound
+parameters' ``.grad`` already is that sum's view (fp32 compute: ``GradSums.grads_into``), a tile at a
+time; otherwise (bf16 compute) summed in fp32 over the tiles and rounded to the compute dtype
+once, as the untiled matmul's own gradient is.
+
 Which modules: a layer's direct children that the model names as its feed-forward part
 (``mlp``, ``feed_forward``, ``block_sparse_moe``, ...; :func:`candidates`). Each is then checked
 before its first tiled call, with its real weights: called on a few tokens whole and in two
@@ -33,13 +45,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["LayerTiling", "auto_tile_tokens", "candidates"]
+__all__ = ["LayerTiling", "auto_tile_tokens", "candidates", "needs_tiles", "tile_tokens_for"]
 
 #: Attribute names models give their per-token feed-forward part.
 _NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn", "mlp_block", "ff", "feedforward")
 #: How the class names of such parts end (lower case; a family prefix such as "Afmoe" is no hint).
 _CLASS_ENDS = ("mlp", "moe", "moeblock", "sparsemoeblock", "moelayer", "feedforward", "ffn", "experts")
 _TARGET_BYTES = 64 << 20   # a tile's MLP intermediates with no device budget given
+#: An automatic tile is used when a call's untiled MLP intermediates exceed this share of the budget.
+FIT_SHARE = 0.25
 _MIN_TILE = 64
 _MMAP_THRESHOLD = 1 << 20   # host allocations from 1 MiB up get their own mapping (returned when freed)
 _allocator_note: Optional[str] = None
@@ -110,6 +124,43 @@ def tile_for(width: int, elem_bytes: int, budget_bytes: Optional[int] = None, pi
     return max(_MIN_TILE, tokens // _MIN_TILE * _MIN_TILE)
 
 
+def needs_tiles(width: int, tokens: int, elem_bytes: int, budget_bytes: Optional[int]) -> bool:
+    """Whether a layer call over ``tokens`` must run its MLP in tiles: its untiled intermediates
+    (about four ``width``-sized vectors per token) exceed :data:`FIT_SHARE` of ``budget_bytes``
+    (None: no budget known, the CPU's rule -- tile past one tile's tokens)."""
+    if budget_bytes is None:
+        return True
+    return 4 * int(width) * int(tokens) * int(elem_bytes) > FIT_SHARE * budget_bytes
+
+
+def tile_tokens_for(width: int, tokens: int, elem_bytes: int, budget_bytes: Optional[int] = None,
+                    pinned: Optional[int] = None) -> int:
+    """Tokens per tile of a call over ``tokens`` (the planner's view of :class:`LayerTiling`):
+    ``pinned`` when given; else 0 (untiled) where the layer fits (:func:`needs_tiles`), else
+    :func:`tile_for`."""
+    if pinned is not None:
+        return pinned
+    if not needs_tiles(width, tokens, elem_bytes, budget_bytes):
+        return 0
+    return tile_for(width, elem_bytes, budget_bytes)
+
+
+def _cuda_memory() -> Optional[int]:
+    """The current CUDA device's memory in bytes (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def _sink(orig: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fp32 gradient sum a bound parameter's ``.grad`` already is (``GradSums.grads_into``),
+    where a tile's gradient may be added straight in; None otherwise (or with hooks to run)."""
+    g = getattr(orig, "grad", None)
+    if g is None or g.dtype != torch.float32 or g.shape != orig.shape or orig._backward_hooks:
+        return None
+    return g
+
+
 class _Tiled(torch.autograd.Function):
     """``run`` (the module's own forward) over the tokens of ``x`` in tiles; keeps only ``x``
     and the parameters; the backward recomputes each tile with gradients."""
@@ -117,6 +168,7 @@ class _Tiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, rebind, tile, x, *params):
         ctx.run, ctx.rebind, ctx.tile = run, rebind, tile
+        ctx.originals = params   # (their .grad, when it is the unit's fp32 sum: tiles added straight in)
         ctx.save_for_backward(x, *params)
         with torch.no_grad():
             return _loop(run, x, tile)
@@ -128,6 +180,7 @@ class _Tiled(torch.autograd.Function):
         # Function's outputs, where their own hooks (a frozen weight's zero gradient) apply
         params = [p.detach().requires_grad_(p.requires_grad) for p in params]
         want = [p for p in params if p.requires_grad]
+        sinks = [_sink(o) for o, p in zip(ctx.originals, params) if p.requires_grad]
         gp = [None] * len(want)
         gx = x.new_empty(x.shape) if ctx.needs_input_grad[3] else None
         flat_x, flat_g = _tokens(x), _tokens(g)
@@ -141,13 +194,18 @@ class _Tiled(torch.autograd.Function):
                     _tokens(gx)[s:s + ctx.tile] = got[0] if got[0] is not None else 0
                     got = got[1:]
                 for i, t in enumerate(got):   # summed in fp32 (bf16 partial sums would lose bits)
-                    if t is not None:
+                    if t is None:
+                        continue
+                    if sinks[i] is not None:   # straight into the unit's fp32 gradient sum
+                        sinks[i].add_(t)
+                    else:
                         gp[i] = t.float() if gp[i] is None else gp[i].add_(t)
                 del xt, yt, got
         gp = [g if g is None else g.to(p.dtype) for g, p in zip(gp, want)]
-        it = iter(gp)   # (a parameter no tile used gets zeros: hooks on it do not take None)
-        grads = [next(it) if p.requires_grad else None for p in params]
-        grads = [torch.zeros_like(p) if g is None and p.requires_grad else g for g, p in zip(grads, params)]
+        it = iter(zip(gp, sinks))   # (a parameter no tile used gets zeros: hooks on it do not take None)
+        grads = [next(it) if p.requires_grad else (None, None) for p in params]
+        grads = [None if sink is not None else torch.zeros_like(p) if g is None and p.requires_grad else g
+                 for (g, sink), p in zip(grads, params)]
         return (None, None, None, gx, *grads)
 
 
@@ -195,6 +253,11 @@ class LayerTiling:
                  elem_bytes: int = 4, budget_bytes: Optional[int] = None, host_device: bool = False):
         self.host_device = host_device   # the device is the CPU: its working set is the process's RSS
         self.config = getattr(model, "config", None)
+        if budget_bytes is None and not host_device:
+            budget_bytes = _cuda_memory()   # a GPU without a budget: its memory
+        #: what an automatic tile must fit (None: a CPU device without a budget, see the module doc)
+        self.budget = budget_bytes
+        self.elem_bytes = elem_bytes
         self.tile = tile_tokens if tile_tokens is not None else auto_tile_tokens(self.config, elem_bytes, budget_bytes)
         self.pinned = tile_tokens is not None
         self._mods: Dict[int, List[Tuple[str, nn.Module]]] = {id(layer): candidates(layer) for layer in layers}
@@ -222,7 +285,8 @@ class LayerTiling:
         """While one call of ``layer`` runs on ``hidden``: its tileable modules run in tiles when
         the call's tokens exceed a tile."""
         mods = self._mods.get(id(layer))
-        if not mods or not self.tile or not torch.is_tensor(hidden) or hidden[..., 0].numel() <= self.tile:
+        if not mods or not self.tile or not torch.is_tensor(hidden) or hidden[..., 0].numel() <= self.tile \
+                or not (self.pinned or self.fits_not(hidden[..., 0].numel())):
             yield
             return
         if self.host_device:
@@ -244,6 +308,10 @@ class LayerTiling:
                     mod.__dict__.pop("forward", None)
                 else:
                     mod.forward = own
+
+    def fits_not(self, tokens: int) -> bool:
+        """Whether a call over ``tokens`` does not fit untiled (:func:`needs_tiles`)."""
+        return needs_tiles(_width(self.config), tokens, self.elem_bytes, self.budget)
 
     def _static_reason(self, mod: nn.Module) -> Optional[str]:
         if getattr(self.config, "output_router_logits", False):

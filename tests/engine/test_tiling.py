@@ -271,3 +271,80 @@ def test_a_functional_dropout_rate_while_training_is_not_tiled():
     with t.active(layer, torch.zeros(1, 16, 32)):
         assert "forward" not in layer.mlp.__dict__
     assert "hidden_dropout=0.1" in t.report()["untiled"]["LlamaDecoderLayer.mlp (LlamaMLP)"]
+
+
+def test_packed_attention_finds_the_documents_once_per_batch_not_per_layer_call(monkeypatch):
+    """Issue 45 item 5: per-document attention reads the position ids on the host once per batch
+    (a host sync on a GPU), not in every layer's call: counted with a mock, over a model of four
+    layers, checkpoint interval 1 (every layer called again in the backward); gradients as HF's."""
+    from megatrain_nb.engine import packed_attention as pa
+
+    monkeypatch.setattr(pa, "PACKED_TOKENS", 64)
+    model = _model("llama", 256)
+    model.config._attn_implementation = "sdpa"
+    ids, pos, labels, loss, ref = packed_rows(model, [(90, 70, 96)], 256)
+    calls, real = [], pa._documents
+    monkeypatch.setattr(pa, "_documents", lambda p: calls.append(tuple(p.shape)) or real(p))
+    layer_calls, real_fwd = [], pa.docs_attention_forward
+
+    def counting(*a, **kw):
+        layer_calls.append(1)
+        return real_fwd(*a, **kw)
+    monkeypatch.setattr(pa, "docs_attention_forward", counting)
+    monkeypatch.setattr(pa, "_registered", False)
+    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=1,
+                                                                overrides={"tile_tokens": 0}))
+    got = engine.forward_backward(ids, labels=labels, position_ids=pos)
+    assert engine.model_config._attn_implementation == pa.NAME
+    assert len(layer_calls) >= 2 * model.config.num_hidden_layers and calls == [(1, 256)]
+    assert got.loss == pytest.approx(loss, rel=1e-5)
+    assert worst_rel(dict(engine.named_gradients()), ref) <= 1e-4
+    engine.close()
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(pa.NAME, real_fwd)   # the real function back for later tests
+
+
+def test_tiles_only_where_the_layer_does_not_fit_the_device(monkeypatch):
+    """Issue 45 item 3: an automatic tile only where the call's untiled MLP intermediates exceed a
+    quarter of the device budget; on CUDA without a budget, of the device's memory (a 32B's MLP
+    at 64K tokens fits an 80 GiB GPU untiled, at 128K it does not); a pinned tile always tiles."""
+    from types import SimpleNamespace
+
+    qwen32 = SimpleNamespace(hidden_size=5120, intermediate_size=27648)
+    gib = 2 ** 30
+    assert not tiling.needs_tiles(27648, 65536, 2, 80 * gib) and tiling.needs_tiles(27648, 131072, 2, 80 * gib)
+    assert tiling.tile_tokens_for(27648, 65536, 2, 80 * gib) == 0
+    assert tiling.tile_tokens_for(27648, 131072, 2, 80 * gib) == auto_tile_tokens(qwen32, 2, 80 * gib)
+    assert tiling.tile_tokens_for(27648, 4096, 2, 80 * gib, pinned=256) == 256
+    assert tiling.needs_tiles(64, 10, 4, None)   # a CPU device without a budget: as before
+    model = _model("llama", 64)
+    layer = model.model.layers[0]
+    width = tiling._width(model.config)
+    monkeypatch.setattr(tiling, "_cuda_memory", lambda: 4 * (4 * width * 4 * 300))   # a quarter: 300 tokens
+    monkeypatch.setattr(tiling, "auto_tile_tokens", lambda *a: 64)
+    t = LayerTiling(model, list(model.model.layers), tile_tokens=None, elem_bytes=4)
+    assert t.budget == 16 * width * 4 * 300 and t.tile == 64
+    with t.active(layer, torch.zeros(1, 300, 32)):
+        assert "forward" not in layer.mlp.__dict__   # fits: untiled, though longer than a tile
+    with t.active(layer, torch.zeros(1, 301, 32)):
+        assert "forward" in layer.mlp.__dict__
+    pinned = LayerTiling(model, list(model.model.layers), tile_tokens=64)
+    with pinned.active(layer, torch.zeros(1, 65, 32)):
+        assert "forward" in layer.mlp.__dict__
+
+
+@pytest.mark.parametrize("precision,straight", [("fp32", True), ("bf16", False)])
+def test_tiles_add_straight_into_the_fp32_gradient_sum(monkeypatch, precision, straight):
+    """fp32 compute: each tile's weight gradients go straight into the unit's fp32 sum (the bound
+    parameters' .grad views); bf16: summed in fp32, rounded once. Either way the untiled engine's
+    gradients (fp32: <= 1e-4; bf16: its own round-off)."""
+    used = []
+    real = tiling._sink
+    monkeypatch.setattr(tiling, "_sink", lambda o: used.append(real(o) is not None) or real(o))
+    model = _model("llama", 300)
+    ids = _ids(150, batch=2)
+    _, untiled, _, _ = _engine_grads(model, ids, precision=precision, overrides={"tile_tokens": 0})
+    _, tiled, calls, _ = _engine_grads(model, ids, precision=precision, overrides={"tile_tokens": 64})
+    assert calls > 0 and used and all(u == straight for u in used)
+    assert _worst(tiled, untiled) <= (1e-4 if precision == "fp32" else 2e-2)

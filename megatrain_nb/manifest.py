@@ -45,6 +45,7 @@ ALGORITHM = "xxh3_128"
 ALGORITHMS = ("xxh3_128", "sha256", "sha512", "blake2b", "sha3_256")  # what a manifest may name (verified)
 CHUNK_BYTES = 64 << 20  # the independently hashed piece of a file
 SELF = "self_xxh3_128"  # the manifest's checksum of its other fields
+_FIELDS = frozenset({"format", "algorithm", "chunk_bytes", "files", "excluded", SELF})
 _READ = 8 << 20         # one read into a thread's buffer
 _buffers = threading.local()
 
@@ -162,6 +163,9 @@ def verify_manifest(folder, previous: Optional[Path] = None) -> bool:
         manifest = json.loads(path.read_text())
         if SELF in manifest and manifest[SELF] != _self_digest(manifest):
             raise ValueError("it does not match its own checksum: a byte of it changed after it was written")
+        unknown = sorted(set(manifest) - _FIELDS)
+        if unknown:   # (its own checksum's name damaged, say)
+            raise ValueError(f"it holds a field no manifest has ({unknown[0]!r})")
         files, algorithm, fmt = manifest["files"], manifest.get("algorithm"), manifest.get("format", 1)
         excluded = [str(x) for x in manifest.get("excluded", [])]
         if algorithm not in ALGORITHMS:

@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatrain_nb"
 FOREIGN = {
     "_parameters", "_buffers", "_modules",   # torch.nn.Module: rebinding weights to device slots
     "_forward_hooks", "_forward_pre_hooks",   # torch.nn.Module: a hooked module is not run in tiles (tiling.py)
+    "_backward_hooks",                        # torch.Tensor: a hooked (frozen) weight's tiles are not added straight in
     "_init_weights",                          # transformers: the model's own per-module init
     "_fused_adamw_",                          # torch: the fused CPU AdamW kernel on flat buffers
     "_repr_html_",                            # IPython's display protocol

@@ -28,13 +28,21 @@ class PreferenceReport:
     conversational: bool = False
     implicit_prompt: bool = False
     dropped_prompt_too_long: int = 0
+    same_after_truncation: tuple = ()   # rows whose chosen and rejected sequences are equal once cut to max_length
 
     def message(self) -> str:
-        if not self.dropped_prompt_too_long:
-            return ""
-        return (f"{self.what}: {self.dropped_prompt_too_long} of {self.examples} pairs were dropped because their "
-                "prompt alone fills max_length (no completion token would be left to learn from, as TRL drops "
-                "them); raise DPOConfig.max_length to keep them")
+        lines = []
+        if self.dropped_prompt_too_long:
+            lines.append(f"{self.what}: {self.dropped_prompt_too_long} of {self.examples} pairs were dropped because "
+                         "their prompt alone fills max_length (no completion token would be left to learn from, as "
+                         "TRL drops them); raise DPOConfig.max_length to keep them")
+        rows = self.same_after_truncation
+        if rows:
+            shown = ", ".join(str(i) for i in rows[:10]) + (f" and {len(rows) - 10} more" if len(rows) > 10 else "")
+            lines.append(f"{self.what}: {len(rows)} of {self.examples} pairs (row {shown}) have the same chosen and "
+                         "rejected tokens once cut to max_length: they carry no preference (their loss has no "
+                         "gradient); raise DPOConfig.max_length or drop them")
+        return "\n".join(lines)
 
 
 def _is_conv(value) -> bool:
@@ -53,29 +61,88 @@ def check_preference_rows(ds, what: str, cols=None) -> None:
                         "DPOTrainer (text-only models)")
     first = None
     for i, ex in enumerate(ds):
-        kinds = {}
-        for c in ("prompt", "chosen", "rejected"):
-            if c not in ex:
-                continue
-            v = ex[c]
-            if v is None:
-                raise DataError(f"{what} row {i}: '{c}' is missing (None); every pair needs a chosen and a "
-                                "rejected completion")
-            if not isinstance(v, str) and not _is_conv(v):
-                raise DataError(f"{what} row {i}: '{c}' is a {type(v).__name__}; give text or a list of "
-                                "messages")
-            kinds[c] = "messages" if _is_conv(v) else "text"
-        if len(set(kinds.values())) > 1:
-            raise DataError(f"{what} row {i} mixes formats: {kinds}; prompt, chosen and rejected are all text or "
-                            "all lists of messages")
-        kind = next(iter(kinds.values()))
+        kind = _row_kind(ex, i, what)
         if first is None:
             first = kind
         elif kind != first:
             raise DataError(f"{what} row {i} is {kind} but row 0 is {first}: a dataset holds one format")
-        if ex["chosen"] == ex["rejected"]:
-            raise DataError(f"{what} row {i}: chosen and rejected are the same; the pair carries no preference. "
-                            "Remove it or fix the data")
+        _check_answers(ex, i, what, kind, implicit="prompt" not in cols)
+
+
+def _row_kind(ex: dict, i: int, what: str) -> str:
+    """"text" or "messages": the row's one format (refused naming the row: a missing or None
+    chosen/rejected, another type, mixed formats)."""
+    kinds = {}
+    for c in ("prompt", "chosen", "rejected"):
+        if c not in ex:
+            if c == "prompt":
+                continue
+            raise DataError(f"{what} row {i} has no '{c}' (its keys are {sorted(ex)}); every pair needs a chosen and "
+                            "a rejected completion")
+        v = ex[c]
+        if v is None:
+            raise DataError(f"{what} row {i}: '{c}' is missing (None); every pair needs a chosen and a "
+                            "rejected completion")
+        if not isinstance(v, str) and not _is_conv(v):
+            raise DataError(f"{what} row {i}: '{c}' is a {type(v).__name__}; give text or a list of "
+                            "messages")
+        kinds[c] = "messages" if _is_conv(v) else "text"
+    if len(set(kinds.values())) > 1:
+        raise DataError(f"{what} row {i} mixes formats: {kinds}; prompt, chosen and rejected are all text or "
+                        "all lists of messages")
+    return next(iter(kinds.values()))
+
+
+def _empty(text) -> bool:
+    return not isinstance(text, str) or not text.strip()
+
+
+def _check_answers(ex: dict, i: int, what: str, kind: str, implicit: bool) -> None:
+    """Refused naming the row: chosen equal to rejected, an empty or whitespace answer, an empty
+    list of messages or an empty assistant message, and (implicit prompt) a chosen and a rejected
+    from two different conversations."""
+    if ex["chosen"] == ex["rejected"]:
+        raise DataError(f"{what} row {i}: chosen and rejected are the same; the pair carries no preference. "
+                        "Remove it or fix the data")
+    for c in ("chosen", "rejected"):
+        v = ex[c]
+        if kind == "text" and not implicit and _empty(v):
+            raise DataError(f"{what} row {i}: the {c} answer is empty (or only whitespace); every pair needs an "
+                            "answer on each side. Remove the row or fix the data")
+        if kind == "messages":
+            if not v:
+                raise DataError(f"{what} row {i}: '{c}' is an empty list of messages; every pair needs an answer "
+                                "on each side")
+            for j, m in enumerate(v):
+                if not isinstance(m, dict) or "role" not in m:
+                    raise DataError(f"{what} row {i}: '{c}' message {j} is not a {{'role', 'content'}} message")
+                if m["role"] == "assistant" and _empty(m.get("content")):
+                    raise DataError(f"{what} row {i}: '{c}' message {j} (assistant) is empty; an answer needs text. "
+                                    "Remove the row or fix the data")
+    if implicit:
+        _check_implicit(ex, i, what, kind)
+
+
+def _check_implicit(ex: dict, i: int, what: str, kind: str) -> None:
+    """Chosen and rejected without a prompt: the prompt is their shared start (TRL's
+    ``extract_prompt``); none, or a user turn after it, means two different conversations."""
+    c, r = ex["chosen"], ex["rejected"]
+    n = 0
+    while n < min(len(c), len(r)) and c[n] == r[n]:
+        n += 1
+    if kind == "text":
+        if n == 0 or _empty(c[n:]) or _empty(r[n:]):
+            raise DataError(f"{what} row {i}: chosen and rejected (no 'prompt' column) "
+                            + ("share no start, so the implicit prompt is empty: two different texts?"
+                               if n == 0 else "differ only in whitespace after their shared start")
+                            + " Give a 'prompt' column, or fix the row")
+        return
+    turns = [m.get("role") for m in c[n:] + r[n:]]
+    if n == 0 or any(t != "assistant" for t in turns):
+        raise DataError(f"{what} row {i}: chosen and rejected (no 'prompt' column) are two different conversations: "
+                        + ("they share no first message" if n == 0 else "they differ at a "
+                           f"{next(t for t in turns if t != 'assistant')!r} turn, not only in the assistant's answer")
+                        + ". The implicit prompt is what they share; give a 'prompt' column, or fix the row")
 
 
 def _tokenize(tok, value, **kw) -> list:
@@ -131,7 +198,9 @@ def prepare_preference_dataset(ds, tok, *, max_length: Optional[int], truncation
     if len(ds) == 0:
         raise DataError(f"{what} is empty (0 examples)")
     if all(k in ds.column_names for k in PREF_KEYS):   # already tokenised (TRL skips it too)
-        return ds, PreferenceReport(what, len(ds))
+        report = PreferenceReport(what, len(ds))
+        report.same_after_truncation = check_token_rows(ds, what, max_length, truncation_mode)
+        return ds, report
     check_preference_rows(ds, what)
     report = PreferenceReport(what, len(ds))
     kw = {"num_proc": num_proc}
@@ -142,11 +211,7 @@ def prepare_preference_dataset(ds, tok, *, max_length: Optional[int], truncation
     if not report.conversational:
         ds = ds.map(_add_eos, fn_kwargs={"eos_token": tok.eos_token}, desc=f"Adding EOS to {what}", **kw)
     ds = ds.map(_tokenize_pair, fn_kwargs={"tok": tok}, desc=f"Tokenizing {what}", **kw)
-    for i, ex in enumerate(ds.select_columns(["chosen_ids", "rejected_ids"])):
-        empty = [c for c in ("chosen_ids", "rejected_ids") if not ex[c]]
-        if empty:
-            raise DataError(f"{what} row {i}: the {empty[0][:-4]} completion is empty once tokenised; every pair "
-                            "needs at least one completion token on each side")
+    report.same_after_truncation = check_token_rows(ds, what, max_length, truncation_mode)
     if max_length is not None and truncation_mode == "keep_start":
         n = len(ds)
         ds = ds.filter(lambda ex: len(ex["prompt_ids"]) < max_length, desc=f"Dropping fully truncated {what}", **kw)
@@ -157,18 +222,44 @@ def prepare_preference_dataset(ds, tok, *, max_length: Optional[int], truncation
     return ds, report
 
 
+def check_token_ids(ex: dict, i: int, what: str) -> None:
+    """One tokenised pair: refused naming the row when a completion is empty or both are the same
+    tokens (chosen = rejected + EOS among them: plain-text answers get an EOS when they lack one)."""
+    for c in ("chosen_ids", "rejected_ids"):
+        if not ex[c]:
+            raise DataError(f"{what} row {i}: the {c[:-4]} completion is empty once tokenised; every pair needs at "
+                            "least one completion token on each side")
+    if list(ex["chosen_ids"]) == list(ex["rejected_ids"]):
+        raise DataError(f"{what} row {i}: chosen and rejected are the same tokens once tokenised (e.g. one is the "
+                        "other with the EOS token added); the pair carries no preference. Remove it or fix the data")
+
+
+def _same_after_cut(ex: dict, max_length: int, mode: str) -> bool:
+    cut = slice(None, max_length) if mode == "keep_start" else slice(-max_length, None)
+    prompt = list(ex["prompt_ids"])
+    if mode == "keep_start" and len(prompt) >= max_length:
+        return False   # dropped (its prompt alone fills max_length), counted apart
+    return (prompt + list(ex["chosen_ids"]))[cut] == (prompt + list(ex["rejected_ids"]))[cut]
+
+
+def check_token_rows(ds, what: str, max_length: Optional[int], truncation_mode: str) -> tuple:
+    """Every tokenised pair checked (:func:`check_token_ids`); the rows whose chosen and
+    rejected sequences are the same once cut to ``max_length`` as the collator cuts them (kept,
+    and warned: :class:`PreferenceReport`)."""
+    same = []
+    for i, ex in enumerate(ds.select_columns(list(PREF_KEYS))):
+        check_token_ids(ex, i, what)
+        if max_length is not None and _same_after_cut(ex, max_length, truncation_mode):
+            same.append(i)
+    return tuple(same)
+
+
 def check_row(ex: dict, i: int, what: str, first_kind: str) -> None:
     """One row's checks (:func:`check_preference_rows`), for rows read lazily."""
-    for c in ("chosen", "rejected"):
-        if ex.get(c) is None:
-            raise DataError(f"{what} row {i}: '{c}' is missing (None); every pair needs a chosen and a rejected "
-                            "completion")
-    kinds = {c: "messages" if _is_conv(ex[c]) else "text" for c in ("prompt", "chosen", "rejected") if c in ex}
-    if set(kinds.values()) != {first_kind}:
-        raise DataError(f"{what} row {i} mixes formats: {kinds}; row 0 is {first_kind}: a dataset holds one format")
-    if ex["chosen"] == ex["rejected"]:
-        raise DataError(f"{what} row {i}: chosen and rejected are the same; the pair carries no preference. "
-                        "Remove it or fix the data")
+    kind = _row_kind(ex, i, what)
+    if kind != first_kind:
+        raise DataError(f"{what} row {i} is {kind} but row 0 is {first_kind}: a dataset holds one format")
+    _check_answers(ex, i, what, kind, implicit=ex.get("prompt") is None)
 
 
 def prepare_iterable(ds, tok, *, max_length: Optional[int], truncation_mode: str, what: str):
@@ -192,6 +283,7 @@ def prepare_iterable(ds, tok, *, max_length: Optional[int], truncation_mode: str
     if not is_conversational(first):
         ds = ds.map(_add_eos, fn_kwargs={"eos_token": tok.eos_token})
     ds = ds.map(_tokenize_pair, fn_kwargs={"tok": tok})
+    ds = ds.map(lambda ex, i: check_token_ids(ex, i, what) or ex, with_indices=True)
     if max_length is not None and truncation_mode == "keep_start":
         ds = ds.filter(lambda ex: len(ex["prompt_ids"]) < max_length)
     return ds, report

@@ -25,6 +25,7 @@ from collections import deque
 from typing import Any, Optional
 
 from megatrain_nb.threads import SAMPLES, thread_name
+from megatrain_nb.values import check
 
 DEFAULT_EVERY = 50        # steps between two answers when the run's length is unknown
 DEFAULT_TOKENS = 48
@@ -61,10 +62,11 @@ class SampleWatch:
         from megatrain_nb.trainer.sft_view import chat_prompt
 
         prompt = chat_prompt(self.session.tokenizer, messages)   # refused now if it cannot render
-        if every is not None and (not isinstance(every, int) or every < 1):
-            raise ValueError(f"every={every!r}: the number of steps between two answers, an int >= 1")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        # the table's rules (megatrain_nb/values.py), as generate() applies them: refused here, not on the watch thread
+        every = check("sample_every", every, "set_sample_prompt: every")
+        max_new_tokens = check("max_new_tokens", max_new_tokens, "set_sample_prompt: max_new_tokens")
+        temperature = check("temperature", temperature, "set_sample_prompt: temperature")
+        seed = check("sample_seed", seed, "set_sample_prompt: seed")
         if self.session.engine is None or self.session.released:
             raise RuntimeError(f"session {self.session.name!r} has no model in this process to answer with (it was "
                                "released, or the run trains in worker processes); sample from its saved model")

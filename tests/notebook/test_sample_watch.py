@@ -185,3 +185,27 @@ def test_the_run_ends_with_the_last_answer_drawn_and_the_cap_explained(chat_sess
     assert "drawing the answer" not in final and "step 40</td>" in final
     assert w.skipped > 0 and len(w.answers()) < 11
     assert f"{w.skipped} answers skipped" in final and "at most 10% of the run's time" in final
+
+
+@pytest.mark.parametrize("keyword,row", [("every", "sample_every"), ("max_new_tokens", "max_new_tokens"),
+                                         ("temperature", "temperature"), ("seed", "sample_seed")])
+def test_the_sample_prompts_values_go_through_the_table(chat_session, keyword, row):
+    """Issue 44: NaN, text, 2.5 (truncated to 2) and temperature=-1 (accepted, then failing on the
+    watch thread) are refused when set, with the table's words."""
+    from megatrain_nb.values import ValueRefused, rule
+
+    from tests.test_values import bad_values
+
+    c = chat_session(total_steps=3)
+    door = c.sample_watch.set_prompt if keyword == "seed" else c.set_sample_prompt   # (the Session's has no seed)
+    try:
+        for label, value in bad_values(row) + [("fraction", 2.5)] * (row != "temperature"):
+            with pytest.raises(ValueRefused) as e:
+                door(ASK, **{keyword: value})
+            assert f"set_sample_prompt: {keyword}=" in str(e.value) and rule(row) in str(e.value)
+        assert c.sample_watch.prompt is None
+        door(ASK, **{keyword: {"every": "2", "max_new_tokens": "3", "temperature": "0.5",
+                                              "seed": "7"}[keyword]})   # numbers as text count, as at every door
+        assert c.sample_watch.prompt is not None
+    finally:
+        c.close()

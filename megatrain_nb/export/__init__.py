@@ -50,9 +50,9 @@ def _session_source(session) -> WeightSource:
 
 
 def _trainer_source(trainer) -> WeightSource:
-    hook = getattr(trainer, "weights_hook", None)
-    if hook is not None:   # a branch sharing its engine: its own weights first
-        hook("export()")
+    hooks = getattr(trainer, "hooks", None)   # (trainer/run.py's RunHooks)
+    if hooks is not None:   # a branch sharing its engine: its own weights first
+        hooks.hold_weights("export()")
     return engine_source(trainer.engine, tokenizer=trainer.tokenizer, describe="the trainer's model")
 
 

@@ -17,6 +17,7 @@ import torch
 from megatrain_nb.atomic import atomic_dir
 
 from .source import WeightSource, numel
+from .stream import DirectFile, read_ahead
 
 #: the largest shard (as transformers' save_pretrained shards, one file per <= this many bytes)
 SHARD_BYTES = 2 * 1024 ** 3
@@ -79,26 +80,25 @@ def _write_weights(src: WeightSource, target: str, shard_bytes: int) -> int:
     shards = plan_shards(src.entries, shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    it = src.tensors()
+    it = read_ahead(src.tensors())   # the next unit is read while this one is written
     total = 0
     for fname, shard in zip(names, shards):
-        fd = os.open(os.path.join(target, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        out = DirectFile(os.path.join(target, fname))
         try:
-            os.write(fd, _header(shard))
+            out.write(_header(shard))
             for want, shape, dtype in shard:
                 name, t = next(it)
                 if name != want or tuple(t.shape) != tuple(shape):
                     raise RuntimeError(f"export: the source yielded {name} {tuple(t.shape)} where {want} {shape} "
                                        "was laid out; nothing was kept")
                 data = t.detach().to(dtype).contiguous().view(-1).view(torch.uint8).numpy()
-                mv = memoryview(data)
-                while mv:
-                    mv = mv[os.write(fd, mv):]
+                out.write(data)
                 total += data.nbytes
                 del t, data
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        except BaseException:
+            out.close(abort=True)
+            raise
+        out.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: f for f, shard in zip(names, shards) for n, _, _ in shard}}

@@ -1,0 +1,179 @@
+"""Exports streamed from the tiers (issue 47): the safetensors export of a model whose weights are
+on the disk tier against ``dd`` with direct I/O on the same disk, the export's extra resident
+memory, and the GGUF files' logits against the trained model's.
+
+    python benchmarks/bench_export.py [--hidden 2048 --layers 18 --dir /tmp] [--reps 2]
+
+1. A llama of ``--layers`` x ``--hidden`` (vocab 32000; the default is 1.1B parameters, 4.4 GB of
+   fp32) is built on the meta device and initialised unit by unit onto the disk tier
+   (``offload_params=True``, no host cache): its weights exist only in the offload folder.
+2. ``dd if=/dev/zero of=F bs=64M oflag=direct`` measures the disk's write rate, before and after
+   the exports (the median); each export (``mt.export(engine, folder)``: every unit read from the
+   disk tier and its tensors written into the shards, fsynced) is timed ``--reps`` times; the
+   rate is the weights' bytes over the export's seconds.
+3. The export's extra RSS: the process's peak (VmHWM, reset through /proc/self/clear_refs before
+   each export) less its RSS before it, as the OS saw them.
+4. A small llama trained 3 steps (mt.Trainer) is exported as GGUF f32 and f16 and reloaded by
+   transformers' GGUF loader; max |logits - trained| / max |trained| on a batch.
+
+    RESULT export_safetensors_vs_disk_write <ratio> x (target >= 0.8)
+    RESULT export_extra_rss_gib <GiB> GiB (target <= 1)
+    RESULT export_gguf_f32_logits_max_rel_err <err> (target <= 0.0001)
+    RESULT export_gguf_f16_logits_max_rel_err <err> (target <= 0.02)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from common import current_rss_bytes, machine, median, result  # noqa: E402
+
+import megatrain_nb as mt  # noqa: E402
+from megatrain_nb.engine import EngineConfig, StreamingEngine  # noqa: E402
+
+GiB = 1024 ** 3
+
+
+def dd_write_rate(folder: str, count: int = 32) -> float:
+    """Bytes per second dd writes with direct I/O into ``folder`` (``count`` x 64 MiB)."""
+    path = os.path.join(folder, "dd.bin")
+    try:
+        proc = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "oflag=direct"],
+                              capture_output=True, text=True, check=True)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    m = re.search(r"copied, ([0-9.]+) s", proc.stderr)
+    return count * 64 * 1024 ** 2 / float(m.group(1))
+
+
+def reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def disk_engine(a, folder: str) -> StreamingEngine:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.75),
+                      num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
+                      num_key_value_heads=max(1, a.hidden // 256), max_position_embeddings=2048,
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return StreamingEngine(model, EngineConfig(device="cpu", offload_dir=folder, offload_params=True,
+                                               host_cache_gb=0))
+
+
+def bench_disk_export(a) -> None:
+    with tempfile.TemporaryDirectory(dir=a.dir) as d:
+        t0 = time.perf_counter()
+        engine = disk_engine(a, os.path.join(d, "offload"))
+        n = engine.num_parameters()
+        weights = n * 4
+        print(f"model: llama {a.layers} x {a.hidden}, {n / 1e9:.2f}B params, {weights / GiB:.2f} GiB fp32 on the "
+              f"disk tier (params_on_disk={engine.params_on_disk}); initialised in {time.perf_counter() - t0:.0f}s",
+              flush=True)
+        rates = [dd_write_rate(d)]
+        times, extra = [], []
+        for rep in range(a.reps):
+            out = os.path.join(d, f"export-{rep}")
+            engine.disk.flush()
+            before = current_rss_bytes()
+            can_reset = reset_peak()
+            read0 = engine.disk.stats()["bytes_read"]
+            t0 = time.perf_counter()
+            mt.export(engine, out)
+            times.append(time.perf_counter() - t0)
+            read = engine.disk.stats()["bytes_read"] - read0
+            extra.append((peak_rss() - before) / GiB if can_reset else float("nan"))
+            size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+            print(f"export {rep + 1}: {times[-1]:.1f}s, {size / GiB:.2f} GiB written, {read / GiB:.2f} GiB read "
+                  f"from the disk tier, extra peak RSS {extra[-1]:.2f} GiB", flush=True)
+            shutil.rmtree(out)
+        rates.append(dd_write_rate(d))
+        engine.close()
+    rate, dd = weights / median(times), median(rates)
+    print(f"export {rate / 1e9:.2f} GB/s (median of {a.reps}); dd direct write {dd / 1e9:.2f} GB/s "
+          f"(before {rates[0] / 1e9:.2f}, after {rates[-1] / 1e9:.2f})")
+    result("export_safetensors_vs_disk_write", rate / dd, "x", ">=", 0.8)
+    print(f"(the model is {weights / GiB:.1f} GiB: {weights / GiB:.1f}x the 1 GiB budget)")
+    result("export_extra_rss_gib", max(extra), "GiB", "<=", 1.0)
+
+
+def bench_gguf(a) -> None:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(0, 2048, (64,), generator=g).tolist()} for _ in range(16)]
+    with tempfile.TemporaryDirectory(dir=a.dir) as d:
+        args = TrainingArguments(output_dir=os.path.join(d, "run"), per_device_train_batch_size=4, max_steps=3,
+                                 learning_rate=1e-3, report_to="none", disable_tqdm=True, save_strategy="no")
+        trainer = mt.Trainer(model=AutoModelForCausalLM.from_config(cfg), train_dataset=Dataset.from_list(rows),
+                             args=args)
+        trainer.train()
+        ids = torch.randint(0, 2048, (2, 64), generator=g)
+        ref = trainer.engine.forward_logits(ids)
+        errs = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for dtype in ("f32", "f16"):
+                mt.export(trainer, os.path.join(d, f"m-{dtype}.gguf"), format="gguf", dtype=dtype, tokenizer=False)
+                m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f"m-{dtype}.gguf", dtype=torch.float32)
+                with torch.no_grad():
+                    errs[dtype] = float((m(ids).logits - ref).abs().max() / ref.abs().max())
+        trainer.close()
+    print(f"GGUF: llama 4 x 256 trained 3 steps, logits of 2 x 64 tokens reloaded by transformers' GGUF loader")
+    result("export_gguf_f32_logits_max_rel_err", errs["f32"], "", "<=", 1e-4)
+    result("export_gguf_f16_logits_max_rel_err", errs["f16"], "", "<=", 2e-2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=18, help="18 x 2048: 1.1B parameters")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="the disk to measure (offload folder, exports)")
+    ap.add_argument("--skip-disk", action="store_true", help="only the GGUF figures")
+    a = ap.parse_args()
+    with open("/proc/loadavg") as f:
+        print(f"machine: {machine()}; load {f.read().split()[:3]}")
+    if not a.skip_disk:
+        bench_disk_export(a)
+    bench_gguf(a)
+    with open("/proc/loadavg") as f:
+        print(f"load at the end: {f.read().split()[:3]}")
+
+
+if __name__ == "__main__":
+    main()

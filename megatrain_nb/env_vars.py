@@ -8,6 +8,8 @@ Variables of other tools the package honours (``HF_HUB_OFFLINE``, ``HF_HOME``, t
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from typing import Dict
 
@@ -50,3 +52,21 @@ def _parse(table: str) -> Dict[str, EnvVar]:
 
 #: every environment variable the package reads, by name
 ENV_VARS: Dict[str, EnvVar] = _parse(_TABLE)
+
+
+def env_seconds(name: str, default: float, high: float = 7 * 24 * 3600.0) -> float:
+    """The variable ``name`` (a row of the table) as seconds, ``default`` when unset or empty;
+    text that is not a number, NaN, inf, 0, a negative number or more than ``high`` (a week) is
+    refused naming the variable and the range."""
+    text = os.environ.get(name, "")
+    if not text.strip():
+        return float(default)
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and 0 < x <= high):
+        row = ENV_VARS[name]
+        raise ValueError(f"the environment variable {name}={text[:40]!r}: must be a number of seconds > 0 and <= "
+                         f"{high:g} ({row.meaning}); unset it for the default, {row.default}")
+    return x

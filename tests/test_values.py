@@ -309,7 +309,7 @@ def test_session_and_trainer_set_lr_refuse(tmp_path):
                     door(value)
                 refused_with_the_rule("learning_rate", str(e.value))
         assert (s.trainer.schedule.current() if s.trainer.schedule is not None else None) == before
-        assert s.trainer._pending_lr is None
+        assert s.trainer.pending_lr is None
     finally:
         s.close()
 
@@ -437,3 +437,20 @@ def test_run_yaml_refuses_fine_tuning_values(tmp_path, capsys, section, name):
     row = values.row_name(name, section)
     for label, value in bad_values(row):
         one_yaml_refusal(tmp_path, capsys, section, name, value, row=row)
+
+
+# ---- environment variables read as numbers (issue 44) ---------------------------------------------------
+@pytest.mark.parametrize("text", ["abc", "nan", "-5", "1e999", "0", "inf", "1e9"])
+def test_the_dist_timeout_variable_is_named_with_its_range(monkeypatch, text):
+    """It was a raw ValueError (abc), and NaN, -5 and 1e999 were taken."""
+    from megatrain_nb.engine.dist import Dist, default_timeout_s
+
+    monkeypatch.setenv("MEGATRAIN_DIST_TIMEOUT_S", text)
+    for read in (default_timeout_s, lambda: Dist(None, device="cpu", _single=True)):
+        with pytest.raises(ValueError, match=r"MEGATRAIN_DIST_TIMEOUT_S='.*': must be a number of seconds > 0 and "
+                                             r"<= 604800 \(seconds a collective waits"):
+            read()
+    monkeypatch.setenv("MEGATRAIN_DIST_TIMEOUT_S", "30")
+    assert default_timeout_s() == 30.0 and Dist(None, device="cpu", _single=True).timeout_s == 30.0
+    monkeypatch.delenv("MEGATRAIN_DIST_TIMEOUT_S")
+    assert default_timeout_s() == 600.0

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatrain_nb.env_vars import env_seconds
 from megatrain_nb.loopback import is_loopback, loopback_env, loopback_store
 
 from .codecs import INT4_BLOCK, INT8_BLOCK
@@ -44,7 +45,10 @@ SHARD_ALIGN = max(INT8_BLOCK, INT4_BLOCK)
 assert SHARD_ALIGN % INT8_BLOCK == 0 and SHARD_ALIGN % INT4_BLOCK == 0
 
 #: Bound on every wait of a collective (init included), unless the caller passes another.
-DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRAIN_DIST_TIMEOUT_S", 600))
+def default_timeout_s() -> float:
+    """MEGATRAIN_DIST_TIMEOUT_S (default 600), read when a group is made: a bad value is refused
+    naming the variable and its range (env_vars.env_seconds)."""
+    return env_seconds("MEGATRAIN_DIST_TIMEOUT_S", 600.0)
 
 
 
@@ -184,7 +188,7 @@ class Dist:
 
         self.traffic = Traffic()
         self._lock = threading.Lock()
-        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
         self.owns_group = False
         self.store = None   # a rendezvous store this rank hosts on loopback (see loopback_rendezvous)
         # every collective of this group and of its channels, one at a time in the program's order
@@ -222,7 +226,7 @@ class Dist:
         ``timeout_s``."""
         import torch.distributed as tdist
 
-        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
         if tdist.is_available() and tdist.is_initialized():
             quiet_transformers_ddp_hint()
             return _ended_at_exit(cls(None, device=device, timeout_s=timeout_s))

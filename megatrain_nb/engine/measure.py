@@ -50,6 +50,7 @@ import torch
 
 from megatrain_nb.model_source import resolve
 from megatrain_nb.threads import MEASURE, thread_name
+from megatrain_nb.values import check
 
 from . import family
 from .codecs import codec_names, get_codec
@@ -538,10 +539,12 @@ def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=
     """
 
     dev, name = _device(device)
-    root = os.fspath(offload_dir) if offload_dir is not None else tempfile.gettempdir()
-    if not os.path.isdir(root):
-        raise ValueError(f"measure_machine: offload_dir {root!r} is not an existing folder; create it or pass "
-                         "the folder the disk tier will use")
+    root = check("offload_dir", offload_dir, "measure_machine: offload_dir") or tempfile.gettempdir()
+    try:   # made when missing, as the engine's disk tier makes it
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"measure_machine: offload_dir {root!r} cannot be made ({e}); pass the folder the disk "
+                         "tier will use") from None
     fs = filesystem_of(root)
     sizes = sizes_for(dev.type == "cuda", quick)
     shapes = model_shapes(model, tokens) if model is not None else None

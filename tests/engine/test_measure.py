@@ -122,8 +122,11 @@ def test_a_damaged_cache_file_is_measured_again_with_a_warning(cache, tmp_path, 
 
 
 def test_bad_device_and_offload_dir_are_refused_by_name(cache, tmp_path):
-    with pytest.raises(ValueError, match="no-such-folder"):
-        _quick(tmp_path / "no-such-folder")
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match="a-file/sub' cannot be made"):
+        _quick(tmp_path / "a-file" / "sub")
+    with pytest.raises(ValueError, match=r"offload_dir=5: must be a folder's path"):
+        _quick(5)
     with pytest.raises(ValueError, match="'tpu'"):
         mt.measure_machine(device="tpu", offload_dir=tmp_path, quick=True)
 
@@ -303,3 +306,17 @@ def test_check_finite_names_what_a_measurement_got_wrong():
     bad = measure.check_finite(rates(disk_read=float("inf"), cores=0, matmul_by_shape={"1x2x3": -1.0}))
     assert any(b.startswith("disk_read=inf") for b in bad) and any(b.startswith("cores=0") for b in bad)
     assert any("matmul_by_shape['1x2x3']" in b for b in bad)
+
+
+def test_a_missing_offload_dir_is_made_as_the_engine_makes_it(cache, tmp_path, monkeypatch):
+    """Issue 44: measure_machine refused a folder that EngineConfig(offload_dir=...) creates."""
+    seen = []
+
+    def stop(dev, name, root, *a, **kw):
+        seen.append(root)
+        raise KeyboardInterrupt   # (the folder is what is checked, not a measurement)
+
+    monkeypatch.setattr(measure, "_measure_all", stop)
+    with pytest.raises(KeyboardInterrupt):
+        _quick(tmp_path / "new" / "tier", refresh=True)
+    assert seen == [str(tmp_path / "new" / "tier")] and (tmp_path / "new" / "tier").is_dir()

@@ -1,5 +1,9 @@
-"""The first-contact sections of ``gpu_check.py`` (issue 37): each returns its figures and
-prints what it saw; gpu_check.py turns them into RESULT lines.
+"""The first-contact sections of ``gpu_check.py`` (issues 37, 45): each returns its figures and
+prints what it saw; gpu_check.py turns them into RESULT lines, section by section.
+
+Every section also runs on the CPU device (``gpu_check.py --cpu-rehearsal``), where what it
+measures has a CPU meaning (the device's memcpy for the link, the engine's own accounting for
+memory); what has none (the profiler's stream idle time, CUDA's allocator) is said, not faked.
 
 Two of them also run on CPU (``gpu_check.py --cpu-rehearsal``): delayed-stream parity and
 host-buffer poisoning, on the adversarial CPU transport (engine/transport.py), which lands every
@@ -191,22 +195,25 @@ def thread_cpu_seconds() -> dict:
 
 def compute_idle_fraction(prof) -> tuple:
     """(idle fraction of the busiest stream = the compute stream, between its first and last
-    kernel; H2D bytes/s over the HtoD copies' busy time, pageable HtoD copies) from a
-    ``torch.profiler`` run with CUDA activity."""
-    by_stream, h2d_us, pageable = {}, 0.0, 0
+    kernel; the HtoD copies' busy microseconds, pageable HtoD copies, their microseconds) from a
+    ``torch.profiler`` run with CUDA activity. (Pageable copies are expected: the step's input
+    ids and labels come from pageable memory; what matters is their share of the copy time.)"""
+    by_stream, h2d_us, pageable, pageable_us = {}, 0.0, 0, 0.0
     for ev in prof.profiler.kineto_results.events():
         if ev.device_type() != torch.autograd.DeviceType.CUDA:
             continue
         start, dur, name = ev.start_ns() / 1e3, ev.duration_ns() / 1e3, ev.name()
         if "Memcpy HtoD" in name:
             h2d_us += dur
-            pageable += "Pageable" in name
+            if "Pageable" in name:
+                pageable += 1
+                pageable_us += dur
             continue
         if "Memcpy" in name or "Memset" in name:
             continue
         by_stream.setdefault(ev.device_resource_id(), []).append((start, start + dur))
     if not by_stream:
-        return float("nan"), h2d_us, pageable
+        return float("nan"), h2d_us, pageable, pageable_us
     spans = max(by_stream.values(), key=lambda s: sum(b - a for a, b in s))
     spans.sort()
     busy, end = 0.0, spans[0][0]
@@ -215,7 +222,7 @@ def compute_idle_fraction(prof) -> tuple:
             busy += b - max(a, end)
             end = b
     total = spans[-1][1] - spans[0][0]
-    return 1.0 - busy / total if total > 0 else float("nan"), h2d_us, pageable
+    return 1.0 - busy / total if total > 0 else float("nan"), h2d_us, pageable, pageable_us
 
 
 def raw_pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
@@ -245,20 +252,20 @@ def resident_step_seconds(cfg, batch: int, seq: int, steps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def dropout_parity() -> float:
+def dropout_parity(device: str = "cuda") -> float:
     """Train mode, attention and hidden dropout, checkpoint_interval=2 (recompute replays the
-    RNG) on CUDA: the engine's gradients against HF's from the same seed."""
+    RNG) on ``device``: the engine's gradients against HF's from the same seed."""
     cfg = AutoConfig.for_model("gpt2", vocab_size=512, n_embd=128, n_layer=4, n_head=4, n_positions=256,
                                resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).train()
     ids = torch.randint(0, 512, (2, 64))
-    ref = copy.deepcopy(model).cuda()
+    ref = copy.deepcopy(model).to(device)
     torch.manual_seed(123)
     torch.cuda.manual_seed_all(123)
-    ref(input_ids=ids.cuda(), labels=ids.cuda()).loss.backward()
+    ref(input_ids=ids.to(device), labels=ids.to(device)).loss.backward()
     hf = {n: p.grad for n, p in ref.named_parameters()}
-    engine = StreamingEngine(model, EngineConfig(device="cuda", precision="fp32", checkpoint_interval=2))
+    engine = StreamingEngine(model, EngineConfig(device=device, precision="fp32", checkpoint_interval=2))
     torch.manual_seed(123)
     torch.cuda.manual_seed_all(123)
     engine.forward_backward(ids)
@@ -326,4 +333,170 @@ def registered_pinned(nbytes: int = 600 << 20) -> dict:
     gc.collect()
     out["left_registered"] = pinned.registered["buffers"] - live["buffers"]
     print("registered pinned buffer:", out)
+    return out
+
+
+# ---------------------------------------------------------------------------------- the CPU side
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def adamw_params_per_s(numel: int = 1 << 24, steps: int = 3) -> float:
+    """Parameters/s of PyTorch's fused CPU AdamW (the engine's update kernel) on one ``numel``
+    tensor, on this process's torch threads, after one step to warm up."""
+    p = torch.nn.Parameter(torch.randn(numel))
+    p.grad = torch.randn(numel)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    return steps * numel / (time.perf_counter() - t0)
+
+
+def link_gbps(device: str, nbytes: int) -> dict:
+    """Host->device and device->host GB/s at ``nbytes``: from a registered pinned buffer
+    (``pinned.pinned_empty``) and a pageable one on CUDA; on a CPU device the memcpy (its link)."""
+    from megatrain_nb.engine import pinned
+
+    n = nbytes // 4
+    out = {}
+    kinds = (("pinned", pinned.pinned_empty(n)), ("pageable", torch.empty(n))) if device.startswith("cuda") \
+        else (("memcpy", torch.empty(n)),)
+    dev = torch.empty(n, device=device)
+    for kind, host in kinds:
+        host.fill_(1.0)
+        for name, fn in (("h2d", lambda: dev.copy_(host, non_blocking=True)),
+                         ("d2h", lambda: host.copy_(dev, non_blocking=True))):
+            fn()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                fn()
+            _sync(device)
+            out[f"{name}_{kind}"] = 3 * nbytes / (time.perf_counter() - t0) / 1e9
+    return out
+
+
+def llama_units(cfg) -> list:
+    """The engine's units of a model of ``cfg``, built on the meta device (nothing allocated)."""
+    from megatrain_nb.engine.units import build_units, find_layer_list
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return build_units(model, find_layer_list(model)[2])
+
+
+def pinned_per_param_7b_bf16() -> tuple:
+    """(pinned bytes per parameter, the layout) of Llama-2-7B's units in bf16 compute on the RAM
+    tier, by the engine's accounting (host_store.pinned_layout: shadows + gradient landing)."""
+    from megatrain_nb.engine.config import EngineConfig as Cfg
+    from megatrain_nb.engine.host_store import pinned_layout
+
+    cfg = AutoConfig.for_model("llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                               tie_word_embeddings=False)
+    units = llama_units(cfg)
+    n = sum(u.numel for u in units)
+    layout = pinned_layout([u.numel for u in units], compute_bytes=2,
+                           grads_in_flight=Cfg(device="cpu").overrides.inflight_depth)
+    return layout["total"] / n, layout, n
+
+
+def engine_pinned(engine) -> dict:
+    """What ``engine`` pins now, by its parts' own counts: the host store's load sources, the
+    transport's pool (gradient landing, window activations, the cast buffer), the disk tier's
+    staging buffers when pinned; and its layout on paper (host_store.pinned_layout)."""
+    from megatrain_nb.engine.host_store import pinned_layout
+
+    store = engine.store.pinned_bytes()
+    pool = engine.transport.pinned.held if getattr(engine.transport.pinned, "pin", False) else 0
+    on_disk = engine.plan.placement["master_weights"] == "disk"
+    # (the disk tier's staging buffers are pinned in fp32 compute only: weight_store.make_weight_store)
+    pinned_staging = on_disk and engine.store.pin and engine.config.compute_dtype == torch.float32
+    staging = engine.weights.nbytes()["host"] if pinned_staging else 0
+    on_disk = engine.plan.placement["master_weights"] == "disk"
+    plan = pinned_layout([u.numel for u in engine.state_units],
+                         compute_bytes=torch.empty((), dtype=engine.config.compute_dtype).element_size(),
+                         grads_in_flight=engine.config.overrides.inflight_depth, params_on_disk=on_disk)
+    return {"store": store["weights"] + store["grads"], "pool": pool, "staging": staging,
+            "total": store["weights"] + store["grads"] + pool + staging, "plan": plan}
+
+
+def cpu_side(device: str, quick: bool) -> dict:
+    """The CPU side of a step: the fused AdamW's parameters/s, the link's GB/s both ways, pinned
+    bytes per parameter of a 7B in bf16 by the engine's accounting."""
+    numel = 1 << (20 if quick else 24)
+    out = {"adamw_params_per_s": adamw_params_per_s(numel), "threads": torch.get_num_threads()}
+    out.update(link_gbps(device, (16 << 20) if quick else (512 << 20)))
+    out["pinned_per_param_7b_bf16"], layout, n = pinned_per_param_7b_bf16()
+    print(f"cpu side ({device}): fused AdamW {out['adamw_params_per_s'] / 1e6:.0f} M params/s on "
+          f"{out['threads']} threads; link " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in out.items() if "_" in k
+                                                       and k.startswith(("h2d", "d2h"))))
+    print(f"pinned for a 7B ({n / 1e9:.2f}B params) in bf16: " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
+                                                                           for k, v in layout.items()))
+    return out
+
+
+@contextlib.contextmanager
+def fake_registration():
+    """pinned.py's CUDA branch on a machine without CUDA (the rehearsal): a cudart whose
+    register/unregister only count, so registration, MADV_DONTFORK and the finalizers run."""
+    from megatrain_nb.engine import pinned
+
+    class Rt:
+        def __init__(self):
+            self.live = {}
+
+        def cudaHostRegister(self, ptr, size, flags):
+            self.live[ptr] = size
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            self.live.pop(ptr)
+            return 0
+
+        def cudaGetLastError(self):
+            return 0
+
+    rt, saved = Rt(), (pinned._cudart, pinned._cuda_present, dict(pinned._state))
+    pinned._cudart, pinned._cuda_present = (lambda: rt), (lambda: True)
+    pinned.reset_for_tests(None)
+    try:
+        yield rt
+    finally:
+        pinned._cudart, pinned._cuda_present = saved[0], saved[1]
+        pinned._state.update(saved[2])
+
+
+def registered_rehearsal() -> dict:
+    """registered_pinned's bookkeeping on the CPU (fake cudart): exact pages, not inherited by
+    forks (VmFlags "dc"), every registration paired with its unregistration once dropped."""
+    import gc
+
+    from megatrain_nb.engine import pinned
+
+    with fake_registration() as rt:
+        t = pinned.pinned_empty(3000)
+        exact = list(rt.live.values()) == [12288]
+        dontfork = False
+        try:
+            with open("/proc/self/smaps") as f:
+                text = f.read()
+            ptr, inside = t.data_ptr(), False
+            for line in text.splitlines():
+                head = line.split()[0] if line.split() else ""
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= ptr < hi
+                elif inside and line.startswith("VmFlags:"):
+                    dontfork = " dc" in line
+                    break
+        except OSError:
+            pass
+        del t
+        gc.collect()
+        out = {"exact": exact, "dontfork": dontfork, "left_registered": len(rt.live)}
+    print("registered pinned buffer (cpu, fake cudart):", out)
     return out

@@ -109,7 +109,9 @@ SLOW_TESTS = {
     "tests/test_cli_display.py::test_the_readme_sft_snippet_visibly_learns",
     "tests/test_cli_display.py::test_preparing_sft_data_shows_no_map_bars_and_no_gradient_checkpointing_warning",
     "tests/test_cli_display.py::test_sft_without_trl_is_one_line_and_exit_2",
-    "tests/engine/test_gpu_check_rehearsal.py::test_cpu_rehearsal_passes_and_prints_result_lines",
+    "tests/engine/test_gpu_check_rehearsal.py::test_cpu_rehearsal_runs_every_section_and_prints_result_lines",
+    "tests/engine/test_gpu_check_rehearsal.py::test_list_runs_from_a_bare_copy_of_the_checkout",
+    "tests/engine/test_gpu_check_rehearsal.py::test_an_injected_section_failure_leaves_the_other_sections_lines",
     # over ~1.5 s each in the fast set with one thread (a 24-layer model; the disk tier's variant
     # of a case whose RAM variant stays; one door of four): a parametrized case by its own id
     "tests/engine/test_host_budget.py::test_host_peak_within_a_tight_budget_with_the_disk_tier",

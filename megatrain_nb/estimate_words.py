@@ -11,16 +11,29 @@ import io
 from megatrain_nb.estimator import CLI_NAMES, estimate
 from megatrain_nb.estimator_dist import estimate_scale_out
 from megatrain_nb.model_configs import preset_names
+from megatrain_nb.values import MAX_INT, ValueRefused, check
 
 
 def positive_int(s: str) -> int:
     try:
         v = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, not {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, not {s!r}")
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, not {s[:40]!r}") from None
+    if not 1 <= v <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1 and <= 2**63-1, not {s[:40]!r}")
     return v
+
+
+def table_number(row: str, flag: str):
+    """An argparse ``type``: the words of the values table's ``row`` (megatrain_nb/values.py) for a
+    number that breaks its rule, as a usage error (exit status 2), never a traceback."""
+    def convert(s: str):
+        try:
+            return check(row, s, flag)
+        except ValueRefused as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = row
+    return convert
 
 
 class Lazy:
@@ -59,24 +72,24 @@ def add_estimate_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--vram", type=budget_arg, default=80.0, help="device budget in GiB (default 80)")
     e.add_argument("--ram", type=budget_arg, default="auto", help="host RAM in GiB, 'auto' (this machine) or 'none'")
     e.add_argument("--disk", type=budget_arg, default="auto", help="disk tier in GiB, 'auto' (free space) or 'none'")
-    e.add_argument("--batch", type=int, default=1)
-    e.add_argument("--seq", type=int, default=2048)
+    e.add_argument("--batch", type=table_number("estimate_batch", "--batch"), default=1)
+    e.add_argument("--seq", type=table_number("estimate_seq", "--seq"), default=2048)
     e.add_argument("--compression", default="int8", choices=codec_names, metavar="CODEC",
                    help="optimizer-state codec: %(choices)s (default int8)")
     e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     e.add_argument("--offload-dir", default=None, help="where the disk tier would live (for 'auto' free space)")
     e.add_argument("--no-disk", action="store_true", help="no disk tier")
-    e.add_argument("--accumulation", type=positive_int, default=1,
+    e.add_argument("--accumulation", type=table_number("estimate_accumulation", "--accumulation"), default=1,
                    help="micro-batches per optimizer step on each GPU (default 1)")
-    e.add_argument("--nodes", type=positive_int, default=1,
+    e.add_argument("--nodes", type=table_number("estimate_nodes", "--nodes"), default=1,
                    help="machines in the run (default 1); --ram and --disk are per node")
-    e.add_argument("--gpus-per-node", type=positive_int, default=1,
+    e.add_argument("--gpus-per-node", type=table_number("estimate_gpus_per_node", "--gpus-per-node"), default=1,
                    help="GPUs (ranks) per node (default 1); the training state is sharded over all of them")
     e.add_argument("--profile", default=None, metavar="NAME",
                    help="also predict the time per step and per 1B tokens on this machine profile "
                         "(megatrain_nb.engine.rates.PROFILES), or 'here' for this machine's measured rates")
     e.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    e.add_argument("--pairs", type=positive_int, default=None, help="DPO: preference pairs (the reference pass)")
+    e.add_argument("--pairs", type=table_number("estimate_pairs", "--pairs"), default=None, help="DPO: preference pairs (the reference pass)")
 
 
 def estimate_parser() -> argparse.ArgumentParser:
@@ -86,17 +99,15 @@ def estimate_parser() -> argparse.ArgumentParser:
 
 
 def budget_arg(s: str):
+    """``--vram/--ram/--disk``: 'auto', 'none' or GiB within the values table's ``budget_gb`` rule."""
     if s.lower() in ("auto",):
         return "auto"
     if s.lower() in ("none", "unlimited", "inf"):
         return None
     try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'none', not {s!r}")
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{s!r}: must be > 0")
-    return v
+        return check("budget_gb", s, "the budget")
+    except ValueRefused as e:
+        raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'none': {e}") from None
 
 
 def run_estimate(ns):

@@ -347,8 +347,7 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
     from megatrain_nb.engine.planner import ModelShape, Workload, make_plan, unit_specs_from_config
     from megatrain_nb.engine.prediction import resolve_rates
 
-    if batch < 1 or seq < 1:
-        raise ValueError(f"batch={batch} and seq={seq} must be >= 1")
+    batch, seq, accumulation, pairs = _checked(batch=batch, seq=seq, accumulation=accumulation, pairs=pairs)
     config, name = resolve_config(model)
     comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
@@ -390,6 +389,11 @@ def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: B
         _add_time(est, config, units, cfg_for(comp, budgets["host"]), work, resolve_rates(rates), device=device,
                   state_units=held)
     return est
+
+
+def _checked(**values) -> list:
+    """The estimate's numbers through the values table (rows ``estimate_<name>``; None passes)."""
+    return [None if v is None else check(f"estimate_{k}", v, k) for k, v in values.items()]
 
 
 def _budgets(vram_gb: Budget, ram_gb: Budget, disk_gb: Budget, offload_dir) -> dict:

@@ -20,6 +20,7 @@ import html
 from dataclasses import dataclass
 from typing import Optional
 
+from megatrain_nb.values import check
 from megatrain_nb.estimator import (GiB, Budget, resolve_budget, format_bytes, free_disk, machine_ram, estimate,
                                     resolve_config)
 
@@ -134,8 +135,9 @@ def estimate_scale_out(model, *, nodes: int = 1, gpus_per_node: int = 1, vram_gb
     from megatrain_nb.engine.planner import unit_specs_from_config
 
     for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not isinstance(v, int) or isinstance(v, bool):
             raise ValueError(f"{name}={v!r} must be a whole number >= 1")
+        check(f"estimate_{name}", v, name)
     world = nodes * gpus_per_node
     disk_path = offload_dir if isinstance(offload_dir, str) else None
     node = {"host": resolve_budget(ram_gb, machine_ram),

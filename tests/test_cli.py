@@ -29,6 +29,34 @@ def test_estimate_bad_model_is_one_clear_line(capsys):
     assert "no-such-model" in err and "preset" in err and "Traceback" not in err
 
 
+BIG = "1" + "0" * 400
+
+
+@pytest.mark.parametrize("flag,value", [("--batch", BIG), ("--seq", BIG), ("--nodes", BIG), ("--pairs", BIG),
+                                        ("--gpus-per-node", BIG), ("--accumulation", str(10 ** 18)),
+                                        ("--vram", "1e300"), ("--ram", "nan"), ("--disk", "-1"), ("--batch", "abc")])
+def test_every_estimate_number_goes_through_the_values_table(capsys, flag, value):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "tiny", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and "must be" in err and "Traceback" not in err and "Overflow" not in err, err
+
+
+def test_a_huge_accumulation_within_the_table_returns_at_once(capsys):
+    """The window's group search bisects (a linear one never returned for 10**18); a window of
+    2**40 micro-batches is priced from a few groups, not listed load by load."""
+    import megatrain_nb as mt
+    from megatrain_nb.engine.planner import window_plan
+
+    wp = window_plan(10 ** 18, tokens=2048, hidden_size=4096, num_layers=32, checkpoint_interval=1,
+                     compute_bytes=4, device_free=80 << 30, host_free=1 << 40, disk_free=0)
+    assert wp.groups * wp.group_size >= 10 ** 18 and 1 < wp.group_size < 10 ** 18
+    est = mt.estimate("tiny", accumulation=2 ** 40, ram_gb=64, disk_gb=1000, rates="h100-pcie5-gen4nvme")
+    assert est.plan.window["groups"] > 10 ** 6 and est.prediction.step_seconds > 0
+    assert main(["estimate", "tiny", "--accumulation", str(2 ** 40), "--nodes", "2", "--ram", "64"]) == 0
+
+
 def test_demo_quick_runs_the_main_job(tmp_path, monkeypatch, shared_cache, capsys):
     monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(shared_cache))
     out_dir = tmp_path / "demo"

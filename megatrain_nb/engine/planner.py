@@ -657,14 +657,28 @@ class _WindowRoom:
             room -= self.accumulator_bytes
         return (self.device_free is None or g * work <= self.device_free) and (room is None or g * saved <= room)
 
+    def largest(self, cap: int, where: str, k: int) -> int:
+        """The largest group of at most ``cap`` that fits on ``where`` at ``k`` (1 when none does):
+        ``cap`` itself, else a bisection below it, where fitting shrinks as the group grows (a group
+        below the whole window also leaves room for the accumulator). O(log cap): an estimate of
+        10**18 micro-batches returns at once."""
+        if cap <= 1 or self.fits(cap, where, k):
+            return max(cap, 1)
+        lo, hi = 1, cap - 1   # fits(lo) assumed; the answer in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.fits(mid, where, k):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def best(self, tiers, intervals, cap: int, k0: int):
         """The largest group (then the first tier, interval) that fits; a split keeps ``k0``."""
         best = None
         for k in intervals:
             for where in tiers:
-                g = cap
-                while g > 1 and not self.fits(g, where, k):
-                    g -= 1
+                g = self.largest(cap, where, k)
                 if best is None or g > best[0]:
                     best = (g, where, k)
                 if g == cap:
@@ -674,7 +688,7 @@ class _WindowRoom:
         g, where, k = best
         if g < cap:   # split: keep the given interval (more groups cost more loads than a larger k saves)
             k = k0
-            g = max([gg for gg in range(1, cap + 1) for w in tiers if self.fits(gg, w, k)] or [1])
+            g = max(self.largest(cap, w, k) for w in tiers)
             where = next((w for w in tiers if self.fits(g, w, k)), tiers[0])
         return g, where, k
 

@@ -138,8 +138,15 @@ def compute_order(units, k: int, groups: int = 1) -> list:
     return [u for u in order if u.numel > 0] * max(groups, 1)
 
 
-def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dict[str, int]:
-    """Disk bytes read and written per step: the schedule's accesses through the host cache."""
+#: A window split into more groups than this is priced from this many (each group's loads and disk
+#: accesses repeat the one before's; the rest scaled): an estimate of 10**12 micro-batches in groups
+#: would otherwise list every load of the step.
+GROUPS_LISTED = 16
+
+
+def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale: float = 1.0) -> Dict[str, int]:
+    """Disk bytes read and written per step: the schedule's accesses through the host cache
+    (``order``: the step's loads, or ``1 / scale`` of them: the schedule's figures times ``scale``)."""
     from .disk_cache import plan_cache, step_accesses
     from .planner import codec_bytes_per_param
 
@@ -157,6 +164,8 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int) -> Dic
     raw_w = sum(b for _, op, b in seq if op == "W")
     cp = plan_cache(seq, max(int(cache_bytes), 0)) if seq else None
     read, write = (cp.read_bytes, cp.write_bytes) if cp else (0, 0)
+    if scale != 1.0:
+        raw_r, raw_w, read, write = (int(x * scale) for x in (raw_r, raw_w, read, write))
     # the optimizer states' share of what reaches the disk (the cache keeps each kind alike)
     st_r = sum(b for k, op, b in seq if op == "R" and k.startswith("state-"))
     st_w = sum(b for k, op, b in seq if op == "W" and k.startswith("state-"))
@@ -203,7 +212,9 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
     cb = 2 if cfg.precision == "bf16" else 4
     rec = 0.0 if k == 0 else 1 + (n_layers - math.ceil(n_layers / max(k, 1))) / n_layers
     attn = 2.0 * workload.batch * workload.seq ** 2 * shape.hidden_size * n_layers * workload.accumulation
-    order = compute_order(units, k, groups)
+    listed = min(max(groups, 1), GROUPS_LISTED)
+    order = compute_order(units, k, listed)
+    scale = max(groups, 1) / listed
     boundary = boundary_total(window) if window.get("tier") == "host" else 0
     total = sum(u.numel for u in units)
     return {
@@ -212,9 +223,9 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
         "head_flops": 2.0 * head_n * tokens,
         "recompute_flops": 2.0 * layer_n * tokens * rec,
         "attention_flops": {"forward": attn, "backward": 2 * attn, "recompute": attn * rec},
-        "h2d": sum(u.numel for u in order) * cb + boundary, "d2h": 4 * total * groups + boundary,
+        "h2d": int(sum(u.numel for u in order) * scale) * cb + boundary, "d2h": 4 * total * groups + boundary,
         "forward_loads": sum(u.numel for u in order[:len(units)]) * cb,
-        "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes),
+        "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes, scale),
         "params": total, "state_bytes_fp32": 8 * total, "codec": cfg.optimizer_compression,
         "compute_bytes": cb,
     }

@@ -112,6 +112,7 @@ SLOW_TESTS = {
     "tests/engine/test_gpu_check_rehearsal.py::test_cpu_rehearsal_runs_every_section_and_prints_result_lines",
     "tests/engine/test_gpu_check_rehearsal.py::test_list_runs_from_a_bare_copy_of_the_checkout",
     "tests/engine/test_gpu_check_rehearsal.py::test_an_injected_section_failure_leaves_the_other_sections_lines",
+    "tests/engine/test_gpu_accounting.py::test_the_loss_is_read_once_per_micro_batch_not_once_per_chunk",
     # over ~1.5 s each in the fast set with one thread (a 24-layer model; the disk tier's variant
     # of a case whose RAM variant stays; one door of four): a parametrized case by its own id
     "tests/engine/test_host_budget.py::test_host_peak_within_a_tight_budget_with_the_disk_tier",

@@ -1,121 +1,67 @@
-"""What the GPU path holds, counted as it holds it (issue 37 items 4, 5), checked on CPU: the
-plan's device gradients include autograd's outputs; pinned blocks count at their whole pages
-where CUDA registers them, else at the caching host allocator's power of two; the window's
-device room is what mem_get_info leaves, less a headroom."""
-from types import SimpleNamespace
+"""What the GPU path costs the host, counted on CPU where the same code runs (issue 45): no host
+sync per loss chunk; what the engine pins is only what crosses the link (the accounting)."""
+import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from megatrain_nb.engine import EngineConfig
-from megatrain_nb.engine import memory
-from megatrain_nb.engine import pinned as pinned_mod
-from megatrain_nb.engine.pinned import PinnedPool, pinned_bytes
-from megatrain_nb.engine.planner import ModelShape, Workload, make_plan, unit_specs_from_config
-
-from megatrain_nb.model_configs import family_config
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine.host_store import HostStore, pinned_layout
+from megatrain_nb.engine.loss_head import LossHead
+from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 
-def test_device_plan_counts_staging_and_autograd_outputs_on_cuda():
-    specs = unit_specs_from_config(family_config("llama", layers=2, hidden=64))
-    u = max(s.numel for s in specs)
-    shape = ModelShape(hidden_size=64, num_layers=2, intermediate_size=128, vocab_size=0)
-    for precision, cb in (("bf16", 2), ("fp32", 4)):
-        cfg = EngineConfig(precision=precision)
-        cuda = make_plan(specs, shape, cfg, cuda=True, workload=Workload(batch=1, seq=8))
-        cpu = make_plan(specs, shape, cfg, cuda=False, workload=Workload(batch=1, seq=8))
-        assert cuda.device["grads"] == 2 * 4 * u + cb * u   # two fp32 staging buffers + autograd.grad outputs
-        assert cpu.device["grads"] == 4 * u
+def test_the_loss_is_read_once_per_micro_batch_not_once_per_chunk(monkeypatch):
+    """The chunked loss head sums its chunks on the device and reads the sum once (float() of a
+    CUDA tensor waits for the device): counted, one read per loss call over 8 chunks; the loss
+    equals Hugging Face's."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    ids = torch.randint(1, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model)(input_ids=ids, labels=ids).loss
+    reads, inside, real_float, real_loss = [], [], torch.Tensor.__float__, LossHead.loss
+
+    def counting_float(self):
+        if inside:
+            reads.append(1)
+        return real_float(self)
+
+    def loss(self, *a, **kw):
+        inside.append(1)
+        try:
+            return real_loss(self, *a, **kw)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(torch.Tensor, "__float__", counting_float)
+    monkeypatch.setattr(LossHead, "loss", loss)
+    engine = StreamingEngine(model, EngineConfig(device="cpu", overrides={"loss_chunk_tokens": 8}))
+    out = engine.forward_backward(ids)
+    engine.close()
+    assert reads == [1]   # 2 x 32 tokens in chunks of 4 positions: 8 chunks, one read
+    assert out.loss == pytest.approx(float(ref.detach()), rel=1e-6)
 
 
-def test_pinned_blocks_count_at_their_power_of_two():
-    assert [pinned_bytes(n) for n in (1, 4096, 4097, 810 << 20)] == [1, 4096, 8192, 1 << 30]
-    pool = PinnedPool(pin=False)   # (a CPU build cannot pin: plain buffers count as they are)
-    t = pool.empty(1000, torch.bfloat16)
-    assert t.dtype == torch.bfloat16 and t.numel() == 1000 and pool.held == 2000
-    pool.close()
-    assert pool.held == 0
+def test_a_cuda_engines_host_store_pins_the_load_sources_only(monkeypatch):
+    """HostStore on CUDA (``pin``): fp32 compute pins the masters (the load's source) and never
+    the accumulators; bf16 pins the shadows only; the counts agree with pinned_layout."""
+    from megatrain_nb.engine import pinned
 
+    monkeypatch.setattr(pinned, "pinned_empty", lambda shape, dtype=torch.float32: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr("megatrain_nb.engine.host_store.pinned_empty",
+                        lambda shape, dtype=torch.float32: torch.empty(shape, dtype=dtype))
+    pinned.reset_for_tests(True)
+    from types import SimpleNamespace
 
-def test_device_capacity_is_free_plus_held_less_headroom(monkeypatch):
-    GiB = 1 << 30
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GiB, 141 * GiB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * GiB)
-    # headroom: 5% of 141 GiB (7.05 GiB) > 1 GiB
-    assert memory.device_capacity(torch.device("cuda", 0)) == 70 * GiB - int(0.05 * 141 * GiB)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 8 * GiB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    assert memory.device_capacity(torch.device("cuda", 0)) == 0
-
-
-def test_close_drops_the_host_buffers_before_the_transport_hands_pinned_blocks_back(monkeypatch):
-    """engine.close(): the recycled boundary buffers and the gradient staging are dropped first,
-    then the transport's pool releases the cached pinned blocks (which it cannot while they are
-    referenced)."""
-    from transformers import AutoModelForCausalLM
-
-    from megatrain_nb.engine import StreamingEngine
-    from megatrain_nb.engine.transport import CpuTransport
-
-    seen = []
-    real = CpuTransport.close
-
-    def close(self):
-        seen.append(eng.boundary.free_bytes())
-        real(self)
-    monkeypatch.setattr(CpuTransport, "close", close)
-    eng = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")).eval(),
-                          EngineConfig(device="cpu", checkpoint_interval=1, window_tier="host"))
-    eng.forward_backward([torch.randint(1, 64, (2, 8)) for _ in range(2)])
-    assert eng.boundary.free_bytes() > 0
-    eng.close()
-    assert seen == [0]
-
-
-@pytest.fixture(params=[True, False], ids=["registered", "caching-allocator"])
-def exact(request):
-    """Pinned buffers registered at their exact size, or (registration failed) the caching host
-    allocator's power-of-two blocks; the process-wide decision restored afterwards."""
-    saved = dict(pinned_mod._state)
-    pinned_mod.reset_for_tests(request.param)
-    yield request.param
-    pinned_mod._state.update(saved)
-
-
-def test_planned_host_bytes_count_pinned_blocks_as_held(exact):
-    """On CUDA the master weights in RAM (one pinned buffer per unit, HostStore), an accumulator
-    and the pinned buffers in flight (gradient staging, the disk tier's weight staging, the bf16
-    cast buffer) are planned as the process holds them: whole pages where they are registered,
-    the caching host allocator's power of two where not; the engine's own count
-    (HostStore.nbytes) the same; a CPU plan counts bytes."""
-    from megatrain_nb.engine.host_store import HostStore
-    from megatrain_nb.engine.pager import staging_buffers
-    from megatrain_nb.engine.planner import UnitSpec, host_in_flight
-
-    def held(n):
-        return -(-n // 4096) * 4096 if exact else pinned_bytes(n)
-
-    specs = unit_specs_from_config(family_config("llama", layers=2, hidden=64))
-    shape = ModelShape(hidden_size=64, num_layers=2, intermediate_size=128, vocab_size=0)
-    assert any(held(s.numel * 4) != pinned_bytes(s.numel * 4) for s in specs) == exact
-    for gradients in ("held", "accumulator"):
-        w = Workload(batch=1, seq=8, gradients=gradients)
-        cuda = make_plan(specs, shape, EngineConfig(), cuda=True, workload=w)
-        cpu = make_plan(specs, shape, EngineConfig(), cuda=False, workload=w)
-        assert cuda.host["weights"] == sum(held(4 * s.numel) for s in specs)
-        assert cpu.host["weights"] == 4 * sum(s.numel for s in specs)
-        # an accumulator is HostStore's (pinned); gradients held for the norm are pool buffers (not)
-        assert cuda.host["grads"] == (cuda.host["weights"] if gradients == "accumulator" else cpu.host["grads"])
-    u = 3000   # 12,000 bytes: three pages (12,288), or a 16 KiB block
-    units = [UnitSpec("e", 10, "embed"), UnitSpec("l", u, "layer"), UnitSpec("h", 10, "head")]
-    kw = dict(states_on_disk=False, clipped=False, depth=1)
-    for disk in (False, True):
-        plain = host_in_flight(units, "none", weights_on_disk=disk, cuda=True, pinned=False, **kw)
-        pinned = host_in_flight(units, "none", weights_on_disk=disk, cuda=True, **kw)
-        n = staging_buffers(1) + (3 + 2 if disk else 0)   # gradient staging; compute and optimizer staging
-        assert pinned - plain == n * ((12288 if exact else 16384) - 4 * u)
-    bf16 = host_in_flight(units, "none", weights_on_disk=False, cuda=True, compute_bytes=2, **kw)
-    assert bf16 - host_in_flight(units, "none", weights_on_disk=False, cuda=True, **kw) == held(2 * u)
-    store = HostStore([], pin=True)   # (the count only)
-    store.set_params(SimpleNamespace(index=0), torch.zeros(u))
-    assert store.nbytes()["weights"] == held(4 * u) and HostStore([], pin=False).nbytes()["weights"] == 0
+    units = [SimpleNamespace(index=i, numel=n, params=[]) for i, n in enumerate((5000, 3000, 3000, 4000))]
+    for dtype, per in ((torch.float32, 4), (torch.bfloat16, 2)):
+        store = HostStore(units, pin=True, compute_dtype=dtype)
+        for u in units:
+            store.set_params(u, store.alloc(u.numel).fill_(0.5))
+            store.grad(u)
+        got = store.pinned_bytes()
+        layout = pinned_layout([u.numel for u in units], compute_bytes=per)
+        assert got["grads"] == 0 and got["weights"] == layout["weights"]
+        assert bool(store.shadows) == (dtype == torch.bfloat16)
+        assert layout["grad_landing"] == 2 * pinned.held_bytes(5000 * 4, True)
+    pinned.reset_for_tests(None)

@@ -1,10 +1,13 @@
-"""What ``megatrain_nb.torchrun`` runs in each worker before the user's script (or module):
-on rank 0 of a single-node launch whose workers host their own store (the c10d rendezvous and
-``--standalone``, store not shared), that store is created here, bound to 127.0.0.1, before the
-script runs. Whatever the script builds first (``TrainingArguments`` initialises the process
-group through accelerate; ``Dist.from_env``; a plain ``init_process_group``), torch's env://
-rendezvous then finds this process's multi-tenant server on the port and uses it, where it would
-otherwise start one listening on every interface.
+"""Rank 0's store bound to 127.0.0.1 before a script runs, for a torchrun launch whose workers
+host their own store (torch's c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as
+plain ``torchrun`` may be run). Whatever the script builds first (``TrainingArguments``
+initialises the process group through accelerate; ``Dist.from_env``; a plain
+``init_process_group``), torch's env:// rendezvous then finds this process's multi-tenant server
+on the port and uses it, where it would otherwise start one listening on every interface.
+
+``megatrain_nb.torchrun`` no longer starts workers through it: its single-node launches never
+run the c10d rendezvous (it unpickles its state from the store), and in the static and the
+``megatrain-loopback`` rendezvous the agent hosts the store, on loopback, and the workers join it.
 
     python -m megatrain_nb.torchrun_boot [--module] SCRIPT_OR_MODULE [ARGS...]
 """

@@ -203,3 +203,99 @@ def test_attach_follows_and_steers_a_torchrun_job(tmp_path):
     # rank 0's last heartbeat says the run ended; the sidebar keeps it, marked, until dismissed
     [ended] = [x for x in list_sessions() if x["name"] == "attach-test"]
     assert ended["state"] == "stopped" and ended.get("ended"), ended
+
+
+def _rendezvous_run(torchrun_args):
+    """The rendezvous torchrun runs for ``torchrun_args`` once ``megatrain_nb.torchrun`` rewrote
+    them (torch.distributed.run.run() turns --standalone, and a one-node static launch without a
+    master port, into c10d): (backend, the rewritten arguments)."""
+    from torch.distributed.run import get_args_parser
+
+    from megatrain_nb.torchrun import loopback_argv
+
+    args, store, _ = loopback_argv(list(torchrun_args))
+    del store
+    ns = get_args_parser().parse_args(args)
+    backend = "c10d" if ns.standalone else ns.rdzv_backend
+    if backend == "static" and not ns.rdzv_endpoint and ns.master_port is None:
+        backend = "c10d"
+    return backend, args
+
+
+def _documented_recipes():
+    """Every ``python -m megatrain_nb.torchrun ...`` command line (a line of its own) in
+    docs/DISTRIBUTED.md and README.md."""
+    import re
+    import shlex
+
+    found = []
+    for doc in (REPO / "docs" / "DISTRIBUTED.md", REPO / "README.md"):
+        text = doc.read_text().replace("\\\n", " ")
+        for m in re.finditer(r"^python -m megatrain_nb\.torchrun (.+?)(?:#.*)?$", text, re.M):
+            found.append(shlex.split(m.group(1)))
+    return found
+
+
+def _notebook_command(tmp_path, monkeypatch):
+    """The command line Session(nproc_per_node=2) starts its ranks with (Popen captured, nothing started)."""
+    import megatrain_nb as mt
+    from megatrain_nb.notebook import remote
+
+    args, micro_model, token_dataset = _data()
+    seen = []
+
+    def popen(cmd, **kw):
+        seen.append(list(cmd))
+        raise OSError("captured by the test: nothing is started")
+
+    monkeypatch.setattr(remote.subprocess, "Popen", popen)
+    s = mt.Session(micro_model(), train_dataset=token_dataset(16), nproc_per_node=2, device="cpu",
+                   args=args(tmp_path / "nb", max_steps=2), name="rdzv-probe")
+    try:
+        s.train()
+        _until(lambda: seen and s.state not in ("running",), "the launch attempt")
+    finally:
+        s.close()
+    [cmd] = seen
+    at = cmd.index("megatrain_nb.torchrun")
+    return cmd[at + 1:]
+
+
+def test_a_single_node_launch_names_no_rendezvous_that_unpickles(tmp_path, monkeypatch):
+    """Issue 44 item 5: --standalone and c10d go through torch's dynamic rendezvous, which
+    pickle.loads its state from a TCP store any local user can reach on 127.0.0.1. Every
+    single-node command line the project builds or documents runs the static rendezvous or this
+    package's one-node one; the latter gives each attempt a fresh store bound to 127.0.0.1."""
+    import psutil
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    from megatrain_nb.torchrun import LOOPBACK_BACKEND, LoopbackRendezvous, register_loopback_rendezvous
+
+    recipes = _documented_recipes()
+    assert len(recipes) >= 2, recipes   # DISTRIBUTED.md's launch and restart recipes
+    cases = recipes + [_notebook_command(tmp_path, monkeypatch),
+                       ["--standalone", "--nproc-per-node=2", "train.py"],
+                       ["--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", "train.py"],
+                       ["--nproc-per-node=2", "--rdzv-backend", "c10d", "--max-restarts", "3", "-m", "pkg.mod"],
+                       ["--nproc-per-node=2", "--max-restarts=1", "train.py"]]
+    for case in cases:
+        backend, args = _rendezvous_run(case)
+        assert backend in ("static", LOOPBACK_BACKEND), (case, args)
+    assert _rendezvous_run(["--nnodes=2", "--node-rank=0", "--master-addr=10.0.0.1", "--master-port=29500",
+                            "train.py"])[1][0] == "--nnodes=2"   # several machines: torchrun's own, unchanged
+
+    register_loopback_rendezvous()
+    handler = registry.create_handler(RendezvousParameters(LOOPBACK_BACKEND, "127.0.0.1:0", "run-x", 1, 1))
+    assert isinstance(handler, LoopbackRendezvous) and handler.use_agent_store
+    first = handler.next_rendezvous()
+    first.store.set("default_pg/addr", b"dead peer")
+    port1 = first.bootstrap_store_info.master_port
+    again = handler.next_rendezvous()            # a restart: a fresh store, none of the last attempt's keys
+    port2 = again.bootstrap_store_info.master_port
+    assert port2 != port1 and not again.store.check(["default_pg/addr"])
+    assert (again.rank, again.world_size, again.bootstrap_store_info.master_addr) == (0, 1, "127.0.0.1")
+    listening = [c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port2]
+    assert listening == ["127.0.0.1"], listening
+    assert handler.shutdown()

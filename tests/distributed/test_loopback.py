@@ -136,15 +136,12 @@ def test_the_wrapper_rewrites_single_node_arguments_and_passes_multi_node_throug
              and c.laddr.port == store.port]
     assert [c.laddr.ip for c in probe] == ["127.0.0.1"], probe   # the store listens here, on loopback only
     del store
+    # --standalone / c10d: the one-node rendezvous (no pickles; its loopback store made per attempt)
     args, store, env = loopback_argv(["--nproc-per-node=2", "--standalone", "-m", "pkg.mod", "RUN"])
-    assert "--standalone" not in args and f"--rdzv-endpoint=127.0.0.1:{store.port}" in args
-    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and args[-2:] == ["pkg.mod", "RUN"]
-    # each worker starts through torchrun_boot: rank 0's store on loopback before the module runs
-    assert args[-5:-2] == ["-m", "megatrain_nb.torchrun_boot", "--module"] and args.count("-m") == 1
-    del store
+    assert "--standalone" not in args and "--rdzv-backend=megatrain-loopback" in args and store is None
+    assert args[-2:] == ["pkg.mod", "RUN"] and args.count("-m") == 1
     args, store, env = loopback_argv(["--nproc-per-node=2", "--rdzv-backend", "c10d", "train.py", "--x"])
-    assert args[-4:] == ["-m", "megatrain_nb.torchrun_boot", "train.py", "--x"]
-    del store
+    assert args[-3:] == ["--rdzv-endpoint=127.0.0.1:0", "train.py", "--x"]
     multi = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "t.py"]
     assert loopback_argv(multi) == (multi, None, {})
     with pytest.raises(SystemExit, match="not a loopback address"):

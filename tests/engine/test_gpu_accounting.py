@@ -65,3 +65,20 @@ def test_a_cuda_engines_host_store_pins_the_load_sources_only(monkeypatch):
         assert bool(store.shadows) == (dtype == torch.bfloat16)
         assert layout["grad_landing"] == 2 * pinned.held_bytes(5000 * 4, True)
     pinned.reset_for_tests(None)
+
+
+def test_fp32_compute_on_cuda_with_tf32_off_is_said_and_kept():
+    """Issue 45 item 6: the note says the GPU mostly idles in fp32 without TF32 and what bf16 or
+    TF32 would give (measured rates where there are, an H100's otherwise); nothing for bf16, TF32
+    on, or a CPU device."""
+    from types import SimpleNamespace
+
+    from megatrain_nb.engine.memory import precision_note
+
+    note = precision_note("cuda", "fp32", tf32=False)
+    assert "TF32 off" in note and "15x" in note and "kept as set" in note and "H100" in note
+    rates = SimpleNamespace(matmul_flops=50e12, bf16_matmul_flops=800e12)
+    assert "16x" in precision_note("cuda:0", "fp32", rates, tf32=False)
+    assert "measured here" in precision_note("cuda:0", "fp32", rates, tf32=False)
+    assert precision_note("cuda", "bf16", tf32=False) is None and precision_note("cuda", "fp32", tf32=True) is None
+    assert precision_note("cpu", "fp32", tf32=False) is None

@@ -165,11 +165,11 @@ class Estimate:
     def _time_lines(self) -> list:
         if self.prediction is None:
             return []
-        from megatrain_nb.engine.prediction import fmt_seconds
+        from megatrain_nb.engine.prediction import fmt_rate, fmt_seconds
 
         p = self.prediction
         lines = [f"time: {fmt_seconds(p.step_seconds)} per step, {fmt_seconds(p.seconds_per_billion_tokens())} "
-                 f"per 1B tokens ({p.tokens_per_second:,.0f} tokens/s); bottleneck: {p.bottleneck} "
+                 f"per 1B tokens ({fmt_rate(p.tokens_per_second)}); bottleneck: {p.bottleneck} "
                  f"[rates: {p.source or 'given'}]"]
         lines += ["  " + x for x in p.lines()[1:]]
         if self.best:

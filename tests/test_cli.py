@@ -57,6 +57,18 @@ def test_a_huge_accumulation_within_the_table_returns_at_once(capsys):
     assert main(["estimate", "tiny", "--accumulation", str(2 ** 40), "--nodes", "2", "--ram", "64"]) == 0
 
 
+def test_a_slow_machines_estimate_never_says_zero_tokens_per_second(monkeypatch, capsys):
+    """``--profile here`` on a CPU for a 100B model: a fraction of a token a second, said as one."""
+    from megatrain_nb import estimate_words
+    from tests.engine.test_prediction import rates
+
+    monkeypatch.setattr(estimate_words, "profile_rates", lambda name: rates(matmul_flops=4e10, attention_flops=2e10))
+    assert main(["estimate", "llama-100b", "--ram", "1024", "--disk", "4096", "--profile", "here"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("time:"))
+    assert "(0 tokens/s)" not in line and "tokens/s" in line, line
+    assert float(line.split("(")[1].split(" tokens/s")[0]) > 0, line
+
+
 def test_demo_quick_runs_the_main_job(tmp_path, monkeypatch, shared_cache, capsys):
     monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(shared_cache))
     out_dir = tmp_path / "demo"

@@ -89,7 +89,7 @@ class StepPrediction:
         return d
 
     def lines(self) -> List[str]:
-        head = (f"predicted step {fmt_seconds(self.step_seconds)} ({self.tokens_per_second:,.0f} tokens/s, "
+        head = (f"predicted step {fmt_seconds(self.step_seconds)} ({fmt_rate(self.tokens_per_second)}, "
                 f"1B tokens in {fmt_seconds(self.seconds_per_billion_tokens())}); bottleneck: {self.bottleneck}"
                 + (f" [rates: {self.source}]" if self.source else ""))
         rows = [f"  {p:<10} {fmt_seconds(s):>9}" + (f"  {fmt_gb(self.bytes[p])}" if self.bytes.get(p) else "")
@@ -111,6 +111,15 @@ def fmt_seconds(s: float) -> str:
     if s < 7200:
         return f"{s / 60:.1f} min"
     return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} days"
+
+
+def fmt_rate(tokens_per_second: float) -> str:
+    """Tokens/s as text: whole numbers from 100 up, three significant digits below (a 100B model on
+    a CPU's rates runs 0.0123 tokens/s, not "0")."""
+    v = tokens_per_second
+    if not v or not math.isfinite(v):
+        return "0 tokens/s" if not v else "inf tokens/s"
+    return f"{v:,.0f} tokens/s" if v >= 100 else f"{v:.3g} tokens/s"
 
 
 def fmt_gb(n: float) -> str:

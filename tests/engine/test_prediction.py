@@ -526,3 +526,14 @@ def test_a_runs_measured_phases_come_from_the_telemetry_its_steps_carried(tmp_pa
         assert "  disk read" in out.getvalue() and "  waits" in out.getvalue()
     finally:
         tr.close()
+
+
+def test_every_profile_the_prediction_docs_name_exists():
+    import re
+    from pathlib import Path
+
+    from megatrain_nb.engine.rates import PROFILES
+
+    text = (Path(__file__).parents[2] / "docs" / "PREDICTION.md").read_text()
+    named = set(re.findall(r'rates="([^"]+)"', text)) | set(re.findall(r"--profile ([a-z0-9][\w-]+)", text))
+    assert named and named - {"here", "NAME"} <= set(PROFILES), named - set(PROFILES)

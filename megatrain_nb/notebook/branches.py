@@ -110,8 +110,6 @@ class Explorer:
                  trainer: Any = None):
         self._session = weakref.ref(session)
         self._trainer = _ref(trainer)   # (weak: a dropped fork's trainer goes with its Session)
-        if trainer is not None and hasattr(trainer, "weights_hook"):   # its saves: this branch's weights
-            trainer.weights_hook = self.hold_weights
         # what the tree keeps of this branch if its Session is dropped (a notebook cell run again):
         # its name, its records and the run id it trained last
         self.name = session.name
@@ -298,9 +296,9 @@ class Explorer:
         self.abandon_after(info.step, old_run)
         # back into an ancestor's run (before this fork's point): this fork's changes apply again
         other = info.run_id != old_run
-        tr.branch_start = BranchStart(new_run=True,
-                                      rebuild_schedule=other and any(k in self.changes for k in SCHEDULE_FIELDS),
-                                      restart_data=other and "train_dataset" in self.changes)
+        tr.start_branch(BranchStart(new_run=True,
+                                    rebuild_schedule=other and any(k in self.changes for k in SCHEDULE_FIELDS),
+                                    restart_data=other and "train_dataset" in self.changes))
         self.restart_path, self.switched_out, self.pending_start = info.path, None, info.path
         s.run_log.add_event("rewind", info.step, from_step=old_step, path=info.path, source=source)
         return info
@@ -371,8 +369,8 @@ class Explorer:
                            eval_dataset=tr.eval_dataset, tokenizer=tr.tokenizer, data_collator=tr.data_collator,
                            loss_fn=changes.get("loss_fn", tr.loss_fn), seq_len=tr.seq_len)
         set_rng_state(rng)
-        trainer.branch_start = BranchStart(new_run=True, rebuild_schedule=any(k in changes for k in SCHEDULE_FIELDS),
-                                           restart_data="train_dataset" in changes)
+        trainer.start_branch(BranchStart(new_run=True, rebuild_schedule=any(k in changes for k in SCHEDULE_FIELDS),
+                                         restart_data="train_dataset" in changes))
         if name is None:
             name = free_name(f"{self.session.name}-fork", taken)
         child = type(self.session).from_trainer(trainer, tokenizer=self.session.tokenizer, name=str(name),
@@ -513,8 +511,8 @@ class Explorer:
         from megatrain_nb.trainer.snapshot import BranchStart
 
         self.restart_path, self.switched_out = path, None
-        if self.trainer.branch_start is None:   # (a rewind's new run, not started yet, stays one)
-            self.trainer.branch_start = BranchStart(new_run=False)
+        # (a rewind's new run, not started yet, stays one)
+        self.trainer.start_branch(BranchStart(new_run=False), replace=False)
 
     # ---- the tree ------------------------------------------------------------------------------
     def tree(self) -> list[dict]:

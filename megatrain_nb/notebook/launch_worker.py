@@ -37,7 +37,7 @@ def main(run_dir: str) -> None:
         (trainer, _tokenizer), spec = build_from_spec(run)
         if rank == 0:
             _watch_controller(trainer)
-        trainer.branch_start = branch_start(spec)   # a fork: every rank from the snapshot, as that branch
+        trainer.start_branch(branch_start(spec))   # a fork: every rank from the snapshot, as that branch
         trainer.train(resume_from_checkpoint=spec["resume"])
         control = trainer.run_control
         outcome = "stopped" if control is not None and control.stopped else "finished"

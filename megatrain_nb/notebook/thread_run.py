@@ -9,12 +9,41 @@ and forks through the Session's branches. It never touches widgets; a publisher
 from __future__ import annotations
 
 import sys
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from megatrain_nb.trainer.boundary import BoundaryControl, Order
 
 from .run_state import RunState
+
+
+class SessionHooks:
+    """The RunHooks (trainer/run.py) a Session gives its trainer: its training thread's commands
+    between the batches of a pass before step 1, and its branches (recoveries join the tree,
+    automatic snapshots are theirs, a save holds this branch's weights in a shared engine). Held
+    weakly: the trainer must not keep its Session's parts alive (a dropped fork goes whole)."""
+
+    def __init__(self, explorer: Any, run: "ThreadRun"):
+        self._explorer, self._run = weakref.ref(explorer), weakref.ref(run)
+
+    def between_batches(self) -> bool:
+        run = self._run()
+        return run.between_batches() if run is not None else False
+
+    def on_recovery(self, event: dict) -> None:
+        explorer = self._explorer()
+        if explorer is not None:
+            explorer.on_recovery(event)
+
+    def snapshot_steps(self) -> Optional[int]:
+        explorer = self._explorer()
+        return explorer.snapshot_steps if explorer is not None else None
+
+    def hold_weights(self, what: str) -> None:
+        explorer = self._explorer()
+        if explorer is not None:
+            explorer.hold_weights(what)
 
 
 class ThreadRun:
@@ -31,6 +60,9 @@ class ThreadRun:
         self.resume_from = resume_from
         self.after_record: list[Callable[[dict], None]] = []   # the Session's watchers of each step
         self.control = BoundaryControl(trainer, self, orders=status.commands)
+        self._stopped_early = False   # a stop reached the run before its first step (between_batches)
+        if hasattr(trainer, "use_hooks"):   # (a duck-typed trainer of from_trainer may have none)
+            trainer.use_hooks(SessionHooks(explorer, self))
 
     @property
     def engine(self) -> Any:
@@ -78,11 +110,7 @@ class ThreadRun:
             if hasattr(self.trainer, "gather_layer_stats"):   # the dashboard's layer statistics: each
                 self.trainer.gather_layer_stats()               # step's record carries them, from step 1
             self.explorer.activate()   # branches sharing the engine: this one's state in it
-            stopped_early = self._hook_reference_pass()   # a DPO reference pass: pause / stop reach it too
-            if hasattr(self.trainer, "recovery_hooks"):   # on_nonfinite="rewind": the tree hears of each
-                if self.explorer.on_recovery not in self.trainer.recovery_hooks:
-                    self.trainer.recovery_hooks.append(self.explorer.on_recovery)
-                self.trainer.snapshot_steps_elsewhere = self.explorer.snapshot_steps
+            self._stopped_early = False
             it = iter(self.trainer.iter_steps(resume_from_checkpoint=self.resume_from))
             while True:
                 if self._apply_commands():
@@ -95,15 +123,13 @@ class ThreadRun:
                 try:
                     record = next(it)
                 except StopIteration:
-                    outcome = "stopped" if stopped_early else outcome
+                    outcome = "stopped" if self._stopped_early else outcome
                     break
                 self._on_record(record)
         except BaseException as e:  # noqa: BLE001 - surfaces in wait() and the dashboard
             outcome = "failed"
             self.status.fail(e)
         finally:
-            if getattr(self.trainer, "between_batches", None) is not None:
-                self.trainer.between_batches = None   # (an evaluate() later runs on the notebook's thread)
             if it is not None and hasattr(it, "close"):
                 try:
                     it.close()
@@ -113,20 +139,15 @@ class ThreadRun:
             self.status.drain(outcome)
             on_end(outcome)
 
-    def _hook_reference_pass(self) -> list:
-        """A DPO trainer's reference pass (before step 1) asks ``between_batches()`` before each
-        batch: the queued commands are applied there too (a pause holds the pass, a stop ends it).
-        Returns the list that holds True once a stop came that way."""
-        stopped_early: list = []
-
-        def between_batches() -> bool:
-            if self._apply_commands():
-                stopped_early.append(True)
-            return bool(stopped_early)
-
-        if hasattr(self.trainer, "between_batches"):
-            self.trainer.between_batches = between_batches
-        return stopped_early
+    def between_batches(self) -> bool:
+        """(RunHooks) Between the batches of a DPO reference pass on the training thread: the
+        queued commands apply there too (a pause holds the pass, a stop ends it); True once a stop
+        came. Elsewhere (an evaluate() on the notebook's thread) nothing is applied."""
+        if not self.status.on_background():
+            return False
+        if self._apply_commands():
+            self._stopped_early = True
+        return self._stopped_early
 
     def _on_record(self, record: dict) -> None:
         stats = record.pop("layer_stats", None)   # (the dashboard's; not a field of the step's record)

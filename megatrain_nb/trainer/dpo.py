@@ -38,6 +38,7 @@ from .data import DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
 from .dpo_loss import DPOObjective, DPOSettings, PairBatch
+from .kinds import register_kind
 from .dpo_reference import (ReferenceCache, ReferenceStopped, cache_parts, check_reference_values, key_of,
                             reference_pass, weights_fingerprint, with_reference)
 from .sft_data import require_trl
@@ -144,6 +145,46 @@ def pair_batch(b: dict) -> PairBatch:
                      count_tokens(b), 0.0 if b.get(ZERO_WEIGHT) else 1.0)
 
 
+class DPOKind:
+    """DPO as a training kind (trainer/kinds.py): the reference log-probs before the run, each
+    step's objective fed its window's pairs, the objective's own loss and metrics in the record."""
+
+    name = "dpo"
+
+    def before_run(self, trainer: "DPOTrainer") -> bool:
+        """The reference log-probs (streamed once, or read from the cache), on the policy as it starts."""
+        try:
+            trainer._ensure_reference()
+        except ReferenceStopped:   # stopped before the first step: nothing trained, nothing cached
+            return False
+        return True
+
+    def before_window(self, trainer: "DPOTrainer", window: list) -> dict:
+        obj = trainer.objective
+        # transformers divides by the accumulation steps (and DDP averages over ranks): 1 / the
+        # step's real micro-batches over every rank (a rank's filler micro-batch weighs nothing)
+        obj.scale = 1.0 / max(trainer.dist.sum(sum(not b.get(ZERO_WEIGHT) for b in window)), 1)
+        obj.losses = []
+        t_ref = trainer._live_reference(window)
+        obj.feed([pair_batch(b) for b in window])
+        self._before = {k: len(v) for k, v in obj.metrics.items()}
+        trainer._total_train_tokens += trainer.dist.sum(sum(count_tokens(b) for b in window))
+        return {"reference_s": t_ref} if t_ref is not None else {}   # this step's forward-only reference pass
+
+    def step_loss(self, trainer: "DPOTrainer", loss_sum: float, n_items: int) -> float:
+        return float(trainer.dist.sum(sum(trainer.objective.losses)))
+
+    def after_window(self, trainer: "DPOTrainer", window: list, record: dict) -> None:
+        for k, v in trainer.objective.metrics.items():
+            new = v[self._before.get(k, 0):]
+            if new:
+                record[k] = sum(new) / len(new)
+        record["num_tokens"] = trainer._total_train_tokens
+
+
+register_kind("dpo", DPOKind)
+
+
 class DPOTrainer(Trainer):
     """Preference training driven like ``trl.DPOTrainer``, trained by the StreamingEngine.
 
@@ -210,9 +251,7 @@ class DPOTrainer(Trainer):
         self.reference_seconds: dict = {}   # per split: seconds of the reference pass (0.0: read from the cache)
         self._total_train_tokens = 0
         self._eval_prefix, self._eval_extra = None, {}
-        # asked between the reference pass's batches by whoever drives this trainer (a Session
-        # applies its queued pause / resume / stop there: the pass is minutes on a big model); True: stop
-        self.between_batches = None
+        self.kind = DPOKind()
 
     # ------------------------------------------------------------------ construction helpers
     def _tokens(self, args):
@@ -302,9 +341,11 @@ class DPOTrainer(Trainer):
         return with_reference(ds, *got)
 
     def _reference_stop(self) -> bool:
-        if self.between_batches is not None and self.between_batches():
+        # whoever drives this trainer applies its queued pause / resume / stop between the pass's
+        # batches (the pass is minutes on a big model): True stops
+        if self.hooks.between_batches():
             self.request_stop()
-        return self._stop
+        return self.stop_requested
 
     def _reference_engine(self):
         """The engine the reference streams through: the policy's own (before its first step), or
@@ -334,34 +375,6 @@ class DPOTrainer(Trainer):
                                                      a.precompute_ref_batch_size or a.per_device_eval_batch_size)
 
     # ------------------------------------------------------------------ the loop
-    def iter_steps(self, resume_from_checkpoint=None):
-        """As :meth:`Trainer.iter_steps`; the reference log-probs first (streamed once, or read from the cache)."""
-        try:
-            self._ensure_reference()
-        except ReferenceStopped:   # stopped before the first step: nothing trained, nothing cached
-            return
-        yield from super().iter_steps(resume_from_checkpoint=resume_from_checkpoint)
-
-    def _train_window(self, window: list, total: int) -> dict:
-        obj = self.objective
-        # transformers divides by the accumulation steps (and DDP averages over ranks): 1 / the
-        # step's real micro-batches over every rank (a rank's filler micro-batch weighs nothing)
-        obj.scale = 1.0 / max(self.dist.sum(sum(not b.get(ZERO_WEIGHT) for b in window)), 1)
-        obj.losses = []
-        t_ref = self._live_reference(window)
-        obj.feed([pair_batch(b) for b in window])
-        before = {k: len(v) for k, v in obj.metrics.items()}
-        self._total_train_tokens += self.dist.sum(sum(count_tokens(b) for b in window))
-        record = super()._train_window(window, total)
-        for k, v in obj.metrics.items():
-            new = v[before.get(k, 0):]
-            if new:
-                record[k] = sum(new) / len(new)
-        record["num_tokens"] = self._total_train_tokens
-        if t_ref is not None:
-            record["reference_s"] = t_ref   # this step's forward-only pass of the reference
-        return record
-
     def _live_reference(self, window: list):
         """A streamed dataset's batches get their reference log-probs here, one forward-only pass
         of the reference's own engine per micro-batch; returns its seconds (None: precomputed)."""
@@ -387,9 +400,6 @@ class DPOTrainer(Trainer):
             self._live_ref.close()
             self._live_ref = None
         super().close()
-
-    def _window_loss(self, loss_sum: float, n_items: int) -> float:
-        return float(self.dist.sum(sum(self.objective.losses)))
 
     # ------------------------------------------------------------------ metrics
     def log(self, logs: dict) -> None:

@@ -194,8 +194,7 @@ class Recovery:
         self.attempts[-1].update(to_step=to_step, snapshot=path)
         t.metrics_log.run_id, t.metrics_log.lineage = t.run_id, t.lineage
         t.metrics_log.write(event)
-        for hook in list(t.recovery_hooks):
-            hook(dict(event))
+        t.hooks.on_recovery(dict(event))
         return stream
 
     def _load_newest(self, step: int, total: int):

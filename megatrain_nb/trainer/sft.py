@@ -36,6 +36,7 @@ from megatrain_nb.values import SFT_FIELDS, check, check_fields, row_name
 
 from .args import check_eval_plan, check_given
 from .data import DataError, prepare_dataset
+from .kinds import kind
 from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, head_rows, prepare_sft_dataset,
                        require_trl, to_trl_rows)
 from .trainer import Trainer
@@ -257,6 +258,7 @@ class SFTTrainer(Trainer):
                                                             padding_free=self.padding_free,
                                                             pad_to_multiple_of=pad_multiple)
         self.data_collator = SFTCollator(data_collator)
+        self.kind = kind("sft")
         self.formatting_func = formatting_func
         self._skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
         self.prep_reports: list[PrepReport] = []

@@ -25,7 +25,6 @@ import math
 import os
 import threading
 import time
-import uuid
 import weakref
 from pathlib import Path
 from typing import Iterator, Optional
@@ -36,7 +35,6 @@ from megatrain_nb.model_source import is_engine as _is_engine, resolve
 from megatrain_nb.values import check
 
 from ..engine.dist import Dist
-from ..engine.finite import NonFiniteError
 from ..engine.planner import Workload
 from . import checkpoint as ckpt
 from . import saving
@@ -53,8 +51,6 @@ from .data import (
     BatchStream,
     ColumnFilter,
     DataError,
-    count_targets,
-    count_tokens,
     default_collator,
     eval_batches,
     prepare_dataset,
@@ -62,7 +58,8 @@ from .data import (
 from .defaults import merge_engine_options
 from .metrics_log import MetricsLog
 from .prediction_watch import PredictionWatch
-from .recovery import Diverged, reason_of
+from .kinds import PlainKind, TrainingKind
+from .run import NoHooks, Run, RunHooks
 from .schedule import LRSchedule
 
 
@@ -96,15 +93,6 @@ def run_workload(args, seq_len: Optional[int]) -> Workload:
     return Workload(batch=args.per_device_train_batch_size, seq=seq_len or 1024,
                     accumulation=args.gradient_accumulation_steps, gradients="held" if clipped else "none",
                     clipped=clipped)
-
-
-def tiled_this_step(engine, calls_before: int) -> tuple:
-    """``(tile, calls)``: the tile a layer's MLP ran this step's rows in (engine/tiling.py), 0
-    where no row was longer than a tile (or the engine does not tile), and the engine's count of
-    tiled calls so far (the next step's ``calls_before``)."""
-    tiling = getattr(getattr(engine, "runner", None), "tiling", None)
-    calls = int(getattr(tiling, "tiled_calls", 0) or 0)
-    return (int(tiling.tile) if calls > calls_before else 0), calls
 
 
 class Trainer:
@@ -176,13 +164,16 @@ class Trainer:
         self.control = TrainerControl()
         self.schedule: Optional[LRSchedule] = None
         self._stream: Optional[BatchStream] = None
-        self._pending_lr: Optional[float] = None
-        self._stop = False
+        #: a set_lr between runs: applied on top of the next run's schedule from its first step
+        self.pending_lr: Optional[float] = None
+        #: request_stop() was called: iter_steps returns after the current optimizer step
+        self.stop_requested = False
         self._running = False
         #: this run's prediction and the telemetry its steps measured (None before a first run)
         self.prediction_watch: Optional[PredictionWatch] = None
-        self._tokens_seen = 0
-        self._log_accum = (0.0, 0)  # (sum of step losses, steps) since the last log
+        #: the run's tokens so far and (sum of step losses, steps) since the last log: a checkpoint keeps them
+        self.tokens_seen = 0
+        self.log_accum = (0.0, 0)
         # Data-parallel ranks: the engine's process group (one process: Dist.single()).
         # Rank 0 alone logs and writes shared files.
         self.dist = getattr(self._engine, "dist", None) or Dist.single()
@@ -194,22 +185,21 @@ class Trainer:
         # (None for a root run); every metrics line carries them.
         self.parent_run_id: Optional[str] = None
         self.forked_at_step: Optional[int] = None
-        #: set by a Session before iter_steps() resumes from a snapshot as a branch (snapshot.BranchStart)
+        #: how the next iter_steps() resumes from a snapshot as a branch (snapshot.BranchStart): start_branch
         self.branch_start = None
         self._pending_snapshot = None   # a snapshot completing in the background (wait_snapshot)
         # train() under torchrun: rank 0 announces the run and takes commands that every rank
         # applies at the same step boundary (trainer/control.py); None when a Session drives us
         self.run_control = None
-        # on_nonfinite="rewind": the run recovers by itself (trainer/recovery.py); hooks hear of
-        # each recovery (a Session's tree); snapshot_steps_elsewhere: someone else snapshots
+        # on_nonfinite="rewind": the run recovers by itself (trainer/recovery.py); the hooks hear of
+        # each recovery (a Session's tree) and say who else takes snapshots
         from .recovery import Recovery
 
         self.recovery = Recovery(self, self._engine.config) if self._engine.config.on_nonfinite == "rewind" else None
-        self.recovery_hooks: list = []
-        self.snapshot_steps_elsewhere: Optional[int] = None
-        #: set by a Session whose branches share this engine: called before the weights are saved
-        #: (it makes the engine hold this trainer's branch again, or refuses saying why)
-        self.weights_hook = None
+        #: what this run's driver gave it (use_hooks): a Session's thread and branches; else nobody
+        self.hooks: RunHooks = NoHooks()
+        #: what kind of training this is (trainer/kinds.py): a subclass sets its own after this
+        self.kind: TrainingKind = PlainKind()
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict, seq_len: Optional[int] = None):
@@ -291,13 +281,27 @@ class Trainer:
         else:
             # Between runs: the next iter_steps() builds a new schedule (and a resume loads the
             # checkpoint's); the change applies on top of that, from its first step.
-            self._pending_lr = float(lr)
+            self.pending_lr = float(lr)
             if self.schedule is not None:
                 self.schedule.set_lr(lr)  # schedule.current() shows it meanwhile
 
     def request_stop(self) -> None:
         """Make :meth:`iter_steps` return after the current optimizer step."""
-        self._stop = True
+        self.stop_requested = True
+
+    def use_hooks(self, hooks: RunHooks) -> None:
+        """Let ``hooks`` (trainer/run.py's RunHooks: a Session's thread and branches) observe and
+        steer this trainer's runs; None: nobody does."""
+        if hooks is not None and not isinstance(hooks, RunHooks):
+            raise TypeError(f"use_hooks takes a RunHooks (between_batches, on_recovery, snapshot_steps, "
+                            f"hold_weights), got {type(hooks).__name__}")
+        self.hooks = hooks if hooks is not None else NoHooks()
+
+    def start_branch(self, start, *, replace: bool = True) -> None:
+        """The next :meth:`iter_steps` resumes from a snapshot as a branch (``snapshot.BranchStart``);
+        ``replace=False`` keeps one already set (a rewind's new run, not started yet, stays one)."""
+        if replace or self.branch_start is None:
+            self.branch_start = start
 
     @property
     def weight_decay(self) -> float:
@@ -325,93 +329,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def iter_steps(self, resume_from_checkpoint=None) -> Iterator[dict]:
-        """Train, yielding one plain-dict record per optimizer step (see docs/INTERNALS.md)."""
+        """Train, yielding one plain-dict record per optimizer step (the loop: trainer/run.py)."""
         if self.train_dataset is None:
             raise ValueError("train_dataset is required to train")
         if self._running:
             raise RuntimeError("this Trainer is already training")
+        if not self.kind.before_run(self):   # stopped before the run (DPO: in its reference pass)
+            return
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         resume = saving.resolve_resume(resume_from_checkpoint, self.args.output_dir, self.dist)
         total = self.total_steps
-        self._running, self._stop = True, False
+        self._running, self.stop_requested = True, False
         try:
-            stream = self._begin_run(resume, total)
-            epoch_open = False
-            while self.state.global_step < total and not self._stop:
-                try:
-                    record, epoch_open = self._run_step(stream, total, epoch_open)
-                except (NonFiniteError, Diverged) as e:
-                    if self.recovery is None:
-                        raise
-                    step = e.step if isinstance(e, Diverged) else int(self.state.global_step) + 1
-                    applied = e.applied if isinstance(e, Diverged) else e.partial
-                    stream, epoch_open = self.recovery.recover(step, reason_of(e), applied, total), False
-                    continue
-                if record is not None and self.recovery is not None:
-                    self.recovery.after_step(int(record["step"]))
-                if record is not None:
-                    if self.run_control is not None:   # paused: the ranks wait here, together
-                        self.run_control.hold()
-                    yield record
-                if self.control.should_training_stop:
-                    break
-            self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+            yield from Run(self).steps(resume, total)
         finally:
             self._running = False
-
-    def _begin_run(self, resume: Optional[Path], total: int) -> BatchStream:
-        """A run's start: the data stream, the LR schedule, the state (a checkpoint's, when
-        resuming; a branch's lineage), the run_start line and ``on_train_begin``."""
-        from transformers.trainer_callback import TrainerControl, TrainerState
-
-        args, ga = self.args, self.args.gradient_accumulation_steps
-        stream = self.fresh_stream()
-        self.schedule = LRSchedule(learning_rate=args.learning_rate, scheduler_type=args.lr_scheduler_type,
-                                   num_training_steps=total, num_warmup_steps=args.get_warmup_steps(total),
-                                   scheduler_kwargs=args.lr_scheduler_kwargs)
-        self.state = TrainerState()
-        self._tokens_seen, self._log_accum, self.run_id, self._step_out = 0, (0.0, 0), None, None
-        start, self.branch_start = self.branch_start, None
-        if resume is not None:
-            self.load_state(resume, stream, quiet=start is not None)
-        else:
-            self._engine.zero_grad()
-        if start is not None:
-            from .snapshot import apply_branch_start
-
-            self.schedule = apply_branch_start(self, start, stream, total)
-        self.run_id = self.run_id or uuid.uuid4().hex[:12]
-        if self.dist.world > 1:   # one run: every rank takes rank 0's id
-            self.run_id = self.dist.all_gather_json(self.run_id)[0]
-        self.metrics_log.run_id, self.metrics_log.lineage = self.run_id, self.lineage
-        pred = self.prediction   # (with rates only: the predicted step and what bounds it)
-        self.prediction_watch = PredictionWatch(pred)
-        self.metrics_log.write({"event": "run_start", "step": self.state.global_step, "total_steps": total,
-                                "resumed_from": str(resume) if resume is not None else None, "time": time.time(),
-                                **({"predicted_step_seconds": pred.step_seconds, "predicted_bottleneck":
-                                    pred.bottleneck} if pred is not None else {})})
-        if self._pending_lr is not None:
-            self.schedule.set_lr(self._pending_lr)
-            self._pending_lr = None
-        st = self.state
-        # callbacks (report_to, progress bars) act on the main process only, as under transformers
-        st.is_world_process_zero = self.dist.is_main
-        st.is_local_process_zero = self.dist.local_rank == 0
-        st.max_steps, st.train_batch_size = total, args.per_device_train_batch_size
-        st.num_train_epochs = (math.ceil(total / max(-(-stream.batches_per_epoch // (ga * self.dist.world)), 1))
-                               if stream.batches_per_epoch else 1)
-        st.compute_steps(args, total)
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        self.control = self.callback_handler.on_train_begin(args, st, TrainerControl())
-        if args.eval_on_start and self.eval_dataset is not None and resume is None:
-            self.evaluate()
-        if self.recovery is not None:
-            elsewhere = self.snapshot_steps_elsewhere or getattr(self.run_control, "snapshot_steps", None)
-            self.recovery.start(total, elsewhere)
-        if self.run_control is not None:   # a run rewound while paused stays paused at its new step
-            self.run_control.hold()
-        return stream
 
     def fresh_stream(self) -> BatchStream:
         """The training data stream at its start (a run's start, a recovery's load)."""
@@ -422,134 +355,6 @@ class Trainer:
                                    shuffle=args.train_sampling_strategy == "random",
                                    drop_last=args.dataloader_drop_last, rank=self.dist.rank, world=self.dist.world)
         return self._stream
-
-    def _run_step(self, stream: BatchStream, total: int, epoch_open: bool):
-        """One optimizer step with its callbacks, logging, commands and checkpoint:
-        ``(record or None when the epoch ended first, whether an epoch is open)``."""
-        args, st, cb = self.args, self.state, self.callback_handler
-        if not epoch_open:
-            self.control = cb.on_epoch_begin(args, st, self.control)
-            epoch_open = True
-        self.control = cb.on_step_begin(args, st, self.control)
-        if self.recovery is not None:   # (where this step's window starts; one a recovery marked is stepped over)
-            self.recovery.window_at(st.global_step + 1, stream)
-        window, ended = stream.next_window(args.gradient_accumulation_steps)
-        record = None
-        if window:
-            record = self._train_window(window, total)
-            if self.recovery is not None:   # a spike: recovered before it is logged or saved
-                self.recovery.check(record)
-            st.global_step += 1
-            steps_in_epoch = stream.batches_per_epoch or total * args.gradient_accumulation_steps
-            st.epoch = stream.epoch + stream.consumed / steps_in_epoch
-            record["epoch"] = st.epoch
-            self.control = cb.on_step_end(args, st, self.control)
-        elif stream.consumed == 0:
-            raise DataError(f"train_dataset yielded no examples in epoch {stream.epoch}; it is empty or exhausted")
-        if ended or self.control.should_epoch_stop:  # a callback may end the epoch early
-            self.control = cb.on_epoch_end(args, st, self.control)
-            stream.start_next_epoch()
-            epoch_open = False
-        self._after_step(record)
-        if record is not None:
-            if self.run_control is not None:   # commands reach every rank at this step
-                self.run_control.boundary(record)
-            # logged before the checkpoint that holds its step: a kill after the save
-            # must not leave a step in a checkpoint without its line in metrics.jsonl
-            self.metrics_log.write({k: v for k, v in record.items() if k != "layer_stats"})
-        self._save_if_due(record)
-        return record, epoch_open
-
-    def _train_window(self, window: list, total: int) -> dict:
-        args, engine, cb, st = self.args, self._engine, self.callback_handler, self.state
-        t0 = time.perf_counter()
-        # The loss is normalised by the target tokens of the whole step, over all ranks.
-        n_items = self.dist.sum(sum(count_targets(b) for b in window))
-        if n_items == 0:
-            raise DataError(f"optimizer step {st.global_step + 1}: its batches hold no target tokens "
-                            "(every label is -100 or every sequence is padding)")
-        loss_sum = 0.0
-        max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        # The engine runs each unit's AdamW update in a worker (step_lr on the last micro-batch):
-        # without clipping, overlapped with the backward; with clipping, once the global norm is
-        # known at the end of the backward, overlapped with the next forward.
-        with engine.lock:
-            lr = self.schedule.current()
-            if len(window) > 1:
-                # Layer-major: the whole window in one call, each layer on the device twice per
-                # step (the engine's planner may split it into groups and says so).
-                micro = [{k: b[k] for k in ("input_ids", "attention_mask", "labels", "position_ids")
-                          if b.get(k) is not None} for b in window]
-                for _ in window[:-1]:
-                    self.control = cb.on_substep_end(args, st, self.control)
-                self.control = cb.on_pre_optimizer_step(args, st, self.control)
-                out = engine.forward_backward(micro, num_items_in_batch=n_items, loss_fn=self.loss_fn,
-                                              step_lr=lr, max_grad_norm=max_norm)
-                loss_sum = float(out.loss) * int(out.num_tokens)
-            else:  # one micro-batch: the step's update rides on its backward
-                b = window[0]
-                self.control = cb.on_pre_optimizer_step(args, st, self.control)
-                out = engine.forward_backward(b["input_ids"], attention_mask=b.get("attention_mask"),
-                                              labels=b["labels"], num_items_in_batch=n_items,
-                                              loss_fn=self.loss_fn, step_lr=lr, max_grad_norm=max_norm,
-                                              position_ids=b.get("position_ids"))
-                loss_sum = float(out.loss) * int(out.num_tokens)
-            grad_norm = out.grad_norm
-            self.control = cb.on_optimizer_step(args, st, self.control)
-            self.schedule.step()
-        loss_sum = self.dist.sum(loss_sum)
-        dt = time.perf_counter() - t0
-        tokens = self.dist.sum(sum(count_tokens(b) for b in window))
-        self._tokens_seen += tokens
-        st.num_input_tokens_seen = self._tokens_seen
-        loss = self._window_loss(loss_sum, n_items)
-        s, k = self._log_accum
-        self._log_accum = (s + loss, k + 1)
-        counters = getattr(engine, "counters", None)
-        self._step_out = out   # the step's memory, telemetry and layer statistics: _after_step
-        tile, self._tiled_calls = tiled_this_step(engine, getattr(self, "_tiled_calls", 0))
-        return {"step": st.global_step + 1, "epoch": st.epoch, "loss": loss, "lr": lr,
-                "skipped_steps": int(getattr(counters, "skipped_steps", 0) or 0),
-                "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": tokens,
-                "tokens_seen": self._tokens_seen, "tokens_per_s": tokens / dt if dt > 0 else 0.0,
-                "step_time_s": dt, "time": time.time(), "total_steps": total,
-                "tile_tokens": tile, **self.lineage}
-
-    def _window_loss(self, loss_sum: float, n_items: int) -> float:
-        """The step's loss as logged: the mean token loss (a sequence-level objective: its own)."""
-        return loss_sum / n_items
-
-    def _after_step(self, record: Optional[dict]) -> None:
-        """The step's record completed from the engine's output (its memory and telemetry on
-        logging steps; its layer statistics, when the engine gathers them: the dashboard's, never
-        written to metrics.jsonl), logging and evaluation as the callbacks' control asks (the
-        checkpoint: _save_if_due)."""
-        c, out = self.control, self._step_out
-        if record is not None and out is not None and self.prediction_watch is not None:
-            self.prediction_watch.on_step(out.telemetry)
-        if record is not None and out is not None and out.layer_stats is not None:
-            record["layer_stats"] = out.layer_stats
-        if c.should_log and self._log_accum[1] > 0:
-            s, k = self._log_accum
-            self._log_accum = (0.0, 0)
-            logs = {"loss": s / k, "learning_rate": record["lr"] if record else self.schedule.current()}
-            if record is not None:
-                if record["grad_norm"] is not None:
-                    logs["grad_norm"] = record["grad_norm"]
-                record["memory"], record["telemetry"] = out.memory, out.telemetry
-            self.log(logs)
-        if c.should_evaluate and self.eval_dataset is not None:
-            metrics = self.evaluate()
-            if record is not None:
-                record["eval_loss"], record["eval_ppl"] = metrics["eval_loss"], metrics.get("eval_ppl")
-
-    def _save_if_due(self, record: Optional[dict]) -> None:
-        """The checkpoint the callbacks' control asks for at this step."""
-        if self.control.should_save:
-            path = self.save_checkpoint()
-            if record is not None:
-                record["checkpoint"] = path   # the yielded record (the log has a "checkpoint" event line)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def log(self, logs: dict) -> None:
         """Record ``logs`` in the state's history and hand them to the callbacks (report_to, ...)."""
@@ -588,7 +393,7 @@ class Trainer:
                     break
                 from .snapshot import BranchStart
 
-                self.branch_start = BranchStart(new_run=True)
+                self.start_branch(BranchStart(new_run=True))
             outcome = "stopped" if self.run_control is not None and self.run_control.stopped else "finished"
         finally:
             if progress is not None:
@@ -633,8 +438,7 @@ class Trainer:
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads (and the tokenizer, if any)."""
-        if self.weights_hook is not None:   # a branch sharing its engine: its own weights first
-            self.weights_hook("save_model()")
+        self.hooks.hold_weights("save_model()")   # a branch sharing its engine: its own weights first
         return saving.save_model_folder(self._engine, self.tokenizer, self.dist,
                                         Path(output_dir or self.args.output_dir))
 
@@ -647,8 +451,7 @@ class Trainer:
         """Write a complete checkpoint (default ``output_dir/checkpoint-<step>``); returns its path."""
         if self.schedule is None or self._stream is None:
             raise RuntimeError("save_checkpoint() needs a training run (call train() or iter_steps() first)")
-        if self.weights_hook is not None:
-            self.weights_hook("save_checkpoint()")
+        self.hooks.hold_weights("save_checkpoint()")
         default = path is None
         final = (Path(path) if path is not None
                  else Path(self.args.output_dir) / f"{ckpt.PREFIX}-{self.state.global_step}")
@@ -687,8 +490,8 @@ class Trainer:
         """(the state file's dict, ``write_shared(tmp)``: the trainer's files of a checkpoint,
         the state file last) as of now -- what a snapshot completed later writes."""
         meta = {"format": 1, "global_step": self.state.global_step, "data": self._stream.state_dict(),
-                "tokens_seen": self._tokens_seen, "total_steps": self.state.max_steps,
-                "log_accum": list(self._log_accum),
+                "tokens_seen": self.tokens_seen, "total_steps": self.state.max_steps,
+                "log_accum": list(self.log_accum),
                 "dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
                 "batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
@@ -723,7 +526,7 @@ class Trainer:
                 "total_steps": self.total_steps, "seed": self.args.seed}
         r = saving.load_state(path, self._engine, self.schedule, stream, mine,
                               ignore_data_skip=self.args.ignore_data_skip, quiet=quiet, dist=self.dist)
-        self.state, self._tokens_seen, self._log_accum = r.state, r.tokens_seen, r.log_accum
+        self.state, self.tokens_seen, self.log_accum = r.state, r.tokens_seen, r.log_accum
         self.run_id, self.parent_run_id, self.forked_at_step = r.run_id, r.parent_run_id, r.forked_at_step
 
     # ------------------------------------------------------------------ callbacks, lifetime

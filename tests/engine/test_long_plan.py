@@ -118,7 +118,7 @@ def test_the_step_record_and_the_dashboard_header_name_the_tile():
 
     from megatrain_nb.notebook.run_log import RunLog
     from megatrain_nb.notebook.summary_html import header_html
-    from megatrain_nb.trainer.trainer import tiled_this_step
+    from megatrain_nb.trainer.run import tiled_this_step
 
     cfg = family_config("llama", layers=2)
     cfg.max_position_embeddings = 128

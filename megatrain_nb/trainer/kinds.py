@@ -1,0 +1,89 @@
+"""Training kinds: what differs between plain, SFT, DPO and the next ones (GRPO, vision) plugs
+into one step loop (:class:`~megatrain_nb.trainer.run.Run`) through four public hooks, never by
+overriding the loop's private methods.
+
+A kind is asked, at each point of a run:
+
+- ``before_run(trainer)``: before the first step (DPO: its reference log-probs); False ends the
+  run there, nothing trained (a stop that reached a reference pass);
+- ``before_window(trainer, window)``: before a step's micro-batches go through the engine (DPO:
+  the reference log-probs of a streamed window, its objective's per-step scale and data); returns
+  fields for the step's record;
+- ``step_loss(trainer, loss_sum, n_items)``: the step's loss as logged (the mean token loss, or
+  the objective's own);
+- ``after_window(trainer, window, record)``: the step's record is built; add the kind's metrics.
+
+The loss itself is the trainer's ``loss_fn`` (a token loss, or a sequence-level objective:
+engine/compute/objective.py), as TRL's trainers extend ``compute_loss``. Kinds register by name
+(:func:`register_kind`), so a run's kind is data: ``Trainer.kind.name`` is in every run header.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class TrainingKind(Protocol):
+    """The hooks a training kind gives the step loop (see the module)."""
+
+    name: str
+
+    def before_run(self, trainer: Any) -> bool: ...
+
+    def before_window(self, trainer: Any, window: list) -> dict: ...
+
+    def step_loss(self, trainer: Any, loss_sum: float, n_items: int) -> float: ...
+
+    def after_window(self, trainer: Any, window: list, record: dict) -> None: ...
+
+
+class PlainKind:
+    """Causal-LM training on token losses: ``mt.Trainer`` and ``mt.SFTTrainer`` (whose difference is
+    its data and its token metrics, not the step)."""
+
+    def __init__(self, name: str = "plain"):
+        self.name = name
+
+    def before_run(self, trainer: Any) -> bool:
+        return True
+
+    def before_window(self, trainer: Any, window: list) -> dict:
+        return {}
+
+    def step_loss(self, trainer: Any, loss_sum: float, n_items: int) -> float:
+        """The mean token loss over the step's target tokens (all ranks)."""
+        return loss_sum / n_items
+
+    def after_window(self, trainer: Any, window: list, record: dict) -> None:
+        return None
+
+
+_KINDS: dict[str, Callable[..., TrainingKind]] = {"plain": PlainKind, "sft": lambda: PlainKind("sft")}
+
+
+def register_kind(name: str, make: Callable[..., TrainingKind]) -> None:
+    """Make ``kind(name, ...)`` build a kind with ``make(...)`` (a trainer module registers its own
+    at import: trainer/dpo.py registers "dpo")."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a training kind's name is an identifier, got {name!r}")
+    _KINDS[name] = make
+
+
+def kind(name: str, *args: Any, **kwargs: Any) -> TrainingKind:
+    """The training kind registered as ``name``, built with ``args``/``kwargs``."""
+    try:
+        make = _KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown training kind {name!r}; registered: {', '.join(sorted(_KINDS))}") from None
+    made = make(*args, **kwargs)
+    if not isinstance(made, TrainingKind):
+        raise TypeError(f"training kind {name!r} lacks the TrainingKind hooks (before_run, before_window, "
+                        "step_loss, after_window)")
+    return made
+
+
+def kind_names() -> tuple[str, ...]:
+    return tuple(sorted(_KINDS))
+
+
+__all__ = ["PlainKind", "TrainingKind", "kind", "kind_names", "register_kind"]

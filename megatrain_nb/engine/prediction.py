@@ -240,6 +240,21 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
     }
 
 
+def _shapes_missing(rates, shape, workload, bf16: bool) -> str:
+    """A note when measured rates lack this model's matmul shape at the workload's tokens (they were
+    measured at a default shape: the compute's time is rough), else ""."""
+    if rates.source != "measured" or bf16:
+        return ""
+    tokens, h = workload.batch * workload.seq, shape.hidden_size
+    inter = shape.intermediate_size or 4 * h
+    if f"{tokens}x{h}x{inter}" in rates.matmul_by_shape or any(
+            k.split("x")[1:] == [str(h), str(inter)] for k in rates.matmul_by_shape):
+        return ""
+    return (f"the compute rates were measured at a default shape, not this model's ({tokens} tokens x {h} x {inter}): "
+            f"the compute's time is rough; mt.measure_machine(model=..., tokens={tokens}) measures its shapes "
+            "(seconds) and keeps them in the cache")
+
+
 def _matmul_rate(rates, shape, workload, bf16: bool = False) -> float:
     """FLOP/s of the step's matmuls: bf16 compute at the bf16 rate (measured at the default shape
     only), fp32 at the model's shape where it was measured, else the default shape's."""
@@ -295,6 +310,9 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
                   "disk_state_read": a["disk"]["state_read"], "disk_state_write": a["disk"]["state_write"]}
     pred.flops = a["forward_flops"] + a["backward_flops"] + a["recompute_flops"] + sum(a["attention_flops"].values())
     pred.source = rates.source
+    rough = _shapes_missing(rates, shape, workload, bf16)
+    if rough:
+        pred.notes.append(rough)
     if missing:
         pred.notes.append("rates not measured, counted as 0 s: " + ", ".join(sorted(set(missing)))
                           + " (none published: once `megatrain-nb machine` has measured the CPU here, a profile uses its rates)")

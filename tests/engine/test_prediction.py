@@ -537,3 +537,13 @@ def test_every_profile_the_prediction_docs_name_exists():
     text = (Path(__file__).parents[2] / "docs" / "PREDICTION.md").read_text()
     named = set(re.findall(r'rates="([^"]+)"', text)) | set(re.findall(r"--profile ([a-z0-9][\w-]+)", text))
     assert named and named - {"here", "NAME"} <= set(PROFILES), named - set(PROFILES)
+
+
+def test_measured_rates_without_the_models_shapes_say_the_prediction_is_rough():
+    p, c, plan, w = predict(rates(source="measured"), batch=2, seq=64)
+    note = next(n for n in p.notes if "measured at a default shape" in n)
+    assert f"tokens={2 * 64}" in note and "rough" in note
+    key = f"{2 * 64}x{SHAPE.hidden_size}x{SHAPE.intermediate_size}"
+    shaped, *_ = predict(rates(source="measured", matmul_by_shape={key: 1e12}), batch=2, seq=64)
+    assert not [n for n in shaped.notes if "default shape" in n]
+    assert not [n for n in predict(rates(), batch=2, seq=64)[0].notes if "default shape" in n]   # (made-up: as given)

@@ -3,7 +3,9 @@ notebook Session with a checkpoint every few steps, pauses, resumes and learning
 at seeded step boundaries, and kill -9 at random points, resuming each time; then compare the
 final weights (bit-exact) and the learning rate of every step with an uninterrupted run that
 takes the same controls at the same steps, and report RSS, open file descriptors, threads and
-bytes under offload_dir over the run.
+bytes under offload_dir over the run, and the heartbeat files left in the runtime folders once every
+job has ended (none: an ended session's file goes when its process exits, and a killed process's
+when the next one's beacon starts).
 
     python benchmarks/soak.py --steps 2000 --kills 8          # the long soak
     python benchmarks/soak.py --steps 100 --kills 2 --save-every 5 --seed 1   # what tests/trainer/test_soak.py runs
@@ -246,8 +248,16 @@ def run(out: Path, steps: int, kills: int, save_every: int, seed: int, timeout: 
            "pauses": sum(c["pause"] for c in plan.values()),
            "lr_changes": sum(c["lr"] is not None for c in plan.values()),
            "lr_changed_steps": sum(1 for s, lr in enumerate(_scheduled(steps), 1) if lr_ref.get(s, lr) != lr),
-           "series": _series(ref_rows), "series_last_resume": _series(final_run)}
+           "series": _series(ref_rows), "series_last_resume": _series(final_run),
+           "heartbeats_left": _heartbeats(ref) + _heartbeats(soak)}
     return res
+
+
+def _heartbeats(out: Path) -> list[str]:
+    """Heartbeat files left in a job folder's runtime folder once its last process has exited (its
+    session ended: none; the killed processes' ones are tidied by the next process's beacon)."""
+    folder = out / "runtime" / "sessions"
+    return sorted(p.name for p in folder.glob("*.json")) if folder.is_dir() else []
 
 
 def _series(rows: list[dict]) -> dict:
@@ -301,6 +311,8 @@ def main(argv=None) -> dict:
             unit = "bytes" if "bytes" in key or key == "rss" else "count"
             name = f"soak_{key}_first_last_max" + ("" if which == "series" else "_after_resume")
             print(f"RESULT {name} {first}/{last}/{peak} {unit} (target flat: last <= first * 1.1 + slack; {label})")
+    print(f"RESULT soak_heartbeat_files_left {len(res['heartbeats_left'])} count (target == 0; the runtime folders "
+          f"after every job ended, {res['kills']} of them killed)")
     print(f"RESULT soak_wall {res['seconds']:.1f} s ({o.steps} steps)")
     return res
 

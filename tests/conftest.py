@@ -123,6 +123,8 @@ SLOW_TESTS = {
     "[existing-name]",
     "tests/trainer/test_snapshot.py::test_resuming_a_snapshot_lands_on_the_uninterrupted_weights[disk-int8]",
     "tests/lab/test_command_doors.py::test_every_command_through_every_door[inbox]",
+    # issue 44: two Sessions built and closed (several seconds on a loaded machine)
+    "tests/notebook/test_magics_status.py::test_status_names_the_open_sessions_when_the_current_one_was_closed",
     # issue 44: a disk-tier session trained twice over, rewound and resumed (items 1 and 3)
     "tests/notebook/test_snapshot_trust.py::test_a_rewind_to_a_rotted_snapshot_keeps_the_live_state_and_trains_on",
     "tests/notebook/test_snapshot_trust.py::test_a_disk_tier_file_of_another_step_is_refused_at_rewind_fork_and_resume",

@@ -5,7 +5,8 @@
     beacon = SessionBeacon(session).start()
     ...
     beacon.stop()          # a run that ended: one last heartbeat, kept (marked "ended") until
-                           # dismissed in the sidebar; otherwise the heartbeat file goes
+                           # dismissed in the sidebar or this process exits; otherwise the
+                           # heartbeat file goes
 
 A daemon thread rewrites ``sessions/<id>.json`` every ``interval`` seconds from the
 session's public attributes (``name, id, state, step, total_steps, history``) and polls
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import hashlib
 import logging
 import os
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_nb.threads import BEACON, thread_name
+from megatrain_nb.channel.registry import list_sessions
 from megatrain_nb.channel.protocol import (
     SCHEMA_VERSION,
     SESSION_ID_RE,
@@ -96,6 +99,7 @@ class SessionBeacon:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one writer of the heartbeat at a time
+        self._at_exit: Any = None   # the removal of this session's files at exit, while registered
 
     # ---- paths ---------------------------------------------------------------------------
     @property
@@ -112,6 +116,10 @@ class SessionBeacon:
         if self._thread is not None and self._thread.is_alive():
             return self
         ensure_sessions_dir(self.root)
+        try:   # the files of sessions whose process is gone go now, not only when a Jupyter server lists them
+            list_sessions(self.root)
+        except Exception:  # noqa: BLE001 - a tidy-up: never in the way of the beacon
+            log.debug("megatrain_nb: the sessions folder was not tidied", exc_info=True)
         make_private_dir(self.inbox)
         self._stop.clear()
         self.write_heartbeat()
@@ -119,14 +127,17 @@ class SessionBeacon:
             target=self._run, name=thread_name(BEACON, self.id), daemon=True
         )
         self._thread.start()
-        atexit.register(self._remove_files)
+        if self._at_exit is None:   # (paths only: an ended run's registration must not hold the session)
+            self._at_exit = functools.partial(_remove_paths, self.heartbeat_file, self.inbox)
+            atexit.register(self._at_exit)
         return self
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the thread and remove the inbox. A run that ended (finished, stopped, failed)
         leaves its last heartbeat, with ``ended`` set, so the sidebar keeps showing it with its
-        final loss until the user dismisses it (``registry.dismiss_session``); anything else
-        removes the heartbeat too. Safe to call twice, and from the beacon thread itself (a
+        final loss until the user dismisses it (``registry.dismiss_session``) or this process
+        exits (the session is over then: the file is removed at exit, so ended sessions' files
+        never pile up in the runtime folder); anything else removes the heartbeat too. Safe to call twice, and from the beacon thread itself (a
         ``stop`` command ending the run)."""
         self._stop.set()
         t = self._thread
@@ -142,9 +153,11 @@ class SessionBeacon:
                     atomic_write_json(self.heartbeat_file, final)
                 except OSError:
                     log.debug("megatrain_nb: final heartbeat not written", exc_info=True)
-        else:
-            self._remove_files()
-        atexit.unregister(self._remove_files)
+            return   # (still registered: removed when this process exits)
+        self._remove_files()
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
 
     @property
     def running(self) -> bool:
@@ -389,6 +402,12 @@ def _memory_summary(memory: Any) -> dict[str, Any] | None:
             if isinstance(v, (int, float, str, dict)) or v is None
         }
     return out or None
+
+
+def _remove_paths(heartbeat: Path, inbox: Path) -> None:
+    """At exit: the heartbeat and inbox of a session of this process (running, or ended and not dismissed)."""
+    _unlink(heartbeat)
+    shutil.rmtree(inbox, ignore_errors=True)
 
 
 def _unlink(path: Path) -> None:

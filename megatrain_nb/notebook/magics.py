@@ -98,6 +98,11 @@ def _session(name: Optional[str]):
     if s is not None:
         return s
     if name is None:
+        others = [x.name for x in registry.all_sessions()]
+        if others:   # the current one was closed; others are open: name one, never "no session here"
+            raise MagicError(f"megatrain: no current session (the last one started here was closed); open here: "
+                             f"{', '.join(others)}. Name one: %megatrain status -s {others[-1]} (or start one: "
+                             "session.train() makes it the current one)")
         raise MagicError(_NO_SESSION)
     known = ", ".join(x.name for x in registry.all_sessions()) or "none"
     raise MagicError(f"megatrain: no session named {name!r} (sessions: {known})")

@@ -39,6 +39,7 @@ def test_short_soak_with_pauses_lr_changes_and_kill9_resumes(tmp_path):
     assert done == planned and planned >= 4, res["controls"]
     assert res["lr_match"], "a step trained with another learning rate than the uninterrupted run"
     assert res["exact"], "the final weights differ from the uninterrupted run's"
+    assert res["heartbeats_left"] == [], res["heartbeats_left"]   # issue 44: ended sessions' files went with them
     s = res["series"]   # one process over all 100 steps (the uninterrupted run)
     first, last, peak = s["threads"]
     assert peak <= first + 2 and last <= first + 2

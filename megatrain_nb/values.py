@@ -16,8 +16,12 @@ where it came from, so a value is refused with the same words wherever it enters
     run.yaml engine.weight_decay=nan: must be a finite number >= 0 (decoupled weight decay of every weight matrix)
 
 Numbers written as text ("3e-4", "10") count, as typed in a magic or a YAML file; a bool is never
-a number; NaN, inf and integers too large for the run (10**400) are refused. Standard library
-only: the Jupyter server side imports it cheaply.
+a number; NaN, inf and integers too large for the run (10**400) are refused. A switch ("bool") is
+True or False, or the text 'true'/'false' (never "no", "abc", 1 or NaN read as truthy); a folder
+("path") is text or os.PathLike; a list row (``many``: DPO's loss_type, loss_weights) takes one value
+or a non-empty list. A config field whose meaning depends on the config (``loss_type`` in DPOConfig
+and SFTConfig) has one row per family (``ALIASES``, :func:`row_name`). Standard library only: the
+Jupyter server side imports it cheaply.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ _LAZY = {
     "Trainer": "megatrain_nb.trainer",
     "SFTTrainer": "megatrain_nb.trainer.sft",
     "DPOTrainer": "megatrain_nb.trainer.dpo",
+    "GRPOTrainer": "megatrain_nb.trainer.grpo",
     "get_defaults": "megatrain_nb.trainer",
     "load_default": "megatrain_nb.trainer",
     "preset_config": "megatrain_nb.model_configs",

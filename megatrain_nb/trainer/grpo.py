@@ -1,0 +1,397 @@
+"""``mt.GRPOTrainer``: a drop-in for ``trl.GRPOTrainer`` (trl 1.x) on the streaming engine.
+
+Example::
+
+    import megatrain_nb as mt
+    from trl import GRPOConfig
+
+    def reward_len(completions, **kw):
+        return [-abs(20 - len(c)) for c in completions]
+
+    trainer = mt.GRPOTrainer(model="path/to/model", reward_funcs=reward_len, train_dataset=prompts,
+                             args=GRPOConfig(output_dir="out", bf16=False), max_vram_gb=40)
+    trainer.train()
+
+Rollouts (:mod:`.grpo_data`, :mod:`.grpo_rollout`): the prompts in TRL's order and TRL's order of
+random draws, completions sampled by transformers' ``generate`` on a resident copy of the current
+weights (the model fits), rewards and advantages by TRL's formulas; old log-probs (when a
+generation serves several optimizer steps) and the reference's (``beta > 0``: a frozen engine of
+the starting weights) by forward-only streamed passes. The loss is a sequence-level objective of
+the engine's chunked head (:mod:`.grpo_loss`). The loop is :class:`~.trainer.Trainer`'s: the
+rollouts come in through its public ``fresh_stream`` (a stream of rollout micro-batches).
+GRPOConfig fields that cannot apply here are refused by name.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from collections import defaultdict
+
+import torch
+
+from megatrain_nb.engine import StreamingEngine
+
+from .grpo_data import RolloutStream, pad_rollouts, tokenize_prompts
+from .grpo_loss import GRPOObjective, GRPOSettings
+from .grpo_rollout import (ResidentPolicy, advantages, completion_logps, eos_token_ids, generation_config,
+                           length_metrics, reward_metrics, score)
+from .sft_data import require_trl
+from .trainer import Trainer
+
+# GRPOConfig fields (beyond TrainingArguments') honoured here; every other one must keep its default
+GRPO_HONOURED = frozenset({
+    "model_init_kwargs", "trust_remote_code", "disable_dropout", "num_generations", "max_completion_length",
+    "shuffle_dataset", "generation_batch_size", "steps_per_generation", "temperature", "top_p", "top_k", "min_p",
+    "generation_kwargs", "chat_template_kwargs", "repetition_penalty", "cache_implementation", "beta",
+    "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos",
+    "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level",
+    "reward_weights", "multi_objective_aggregation", "scale_rewards", "loss_type", "mask_truncated_completions",
+    "off_policy_mask_threshold", "use_bias_correction_kl",
+})
+GRPO_NO_EFFECT = frozenset({
+    "cast_lm_head_to_fp32",   # the head's logits are fp32 here already
+    "ds3_gather_for_generation", "log_completions", "log_multimodal", "num_completions_to_print",
+    "log_unique_prompts", "log_completions_hub_repo", "num_generations_eval",
+    # vLLM's settings are read only with use_vllm=True (refused)
+    "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+    "ref_model_mixup_alpha", "ref_model_sync_steps",   # only with sync_ref_model (refused)
+    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",   # only with entropy bonus
+    "max_tool_calling_iterations",   # only with tools (refused)
+})
+WHY = {
+    "use_vllm": "vLLM (server or colocate mode) is not used: generation runs on a resident copy of the weights with "
+                "transformers' generate; set use_vllm=False (for vLLM use trl.GRPOTrainer)",
+    "pad_to_multiple_of": "rollouts are padded to their longest row",
+    "top_entropy_quantile": "the entropy mask needs the whole batch's entropies at once",
+    "entropy_coef": "the entropy bonus is not supported yet", "use_adaptive_entropy": "the entropy bonus is not "
+    "supported yet", "sync_ref_model": "the reference is the starting policy (TR-DPO's moving reference is not "
+    "supported)", "router_aux_loss_coef": "Mixture-of-Experts auxiliary losses are not supported",
+    "use_transformers_continuous_batching": "generation uses plain generate",
+}
+
+
+def coerce_grpo_args(args):
+    """``args`` as a ``trl.GRPOConfig`` (None: TRL's defaults; a dict of its fields)."""
+    require_trl()
+    from trl import GRPOConfig
+
+    if args is None:
+        return GRPOConfig(output_dir="megatrain_outputs", bf16=False)
+    if isinstance(args, dict):
+        return GRPOConfig(**{"output_dir": "megatrain_outputs", "bf16": False, **args})
+    if isinstance(args, GRPOConfig):
+        return args
+    raise TypeError(f"args must be a trl.GRPOConfig (or a dict of its fields), got {type(args).__name__}")
+
+
+def validate_grpo_args(args) -> None:
+    """Refuse, by name, the GRPOConfig-only fields set to something that cannot apply here."""
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    problems = []
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name in base or f.name in GRPO_HONOURED or f.name in GRPO_NO_EFFECT:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if getattr(args, f.name) != default and not (f.name == "pad_to_multiple_of" and args.pad_to_multiple_of is None):
+            why = WHY.get(f.name, "")
+            problems.append(f"{f.name}={getattr(args, f.name)!r} (default {default!r}{'; ' + why if why else ''})")
+    if problems:
+        raise ValueError("GRPOConfig field(s) not supported by megatrain_nb: " + "; ".join(problems)
+                         + ". Remove them (or set them back to their defaults); megatrain_nb never ignores a "
+                         "setting silently (the supported fields are listed in megatrain_nb.trainer.grpo).")
+
+
+def _refuse(peft_config, quantization_config, optimizers, tools, rollout_func, environment_factory, processing_class):
+    from transformers import ProcessorMixin
+
+    given = {"peft_config": "PEFT adapters: megatrain_nb trains every weight in full precision (drop peft_config; "
+                            "for adapters use trl.GRPOTrainer)",
+             "quantization_config": "quantized models cannot be trained in full precision",
+             "tools": "tool calling during rollouts is not supported yet",
+             "rollout_func": "custom rollout functions are not supported yet",
+             "environment_factory": "environments are not supported yet"}
+    values = {"peft_config": peft_config, "quantization_config": quantization_config, "tools": tools,
+              "rollout_func": rollout_func, "environment_factory": environment_factory}
+    bad = [f"{k} ({given[k]})" for k, v in values.items() if v]
+    if any(optimizers):
+        bad.append("optimizers (the engine runs its own AdamW)")
+    if isinstance(processing_class, ProcessorMixin):
+        bad.append("a ProcessorMixin processing_class (vision-language models are not supported: train the text "
+                   "model with a tokenizer, or use trl.GRPOTrainer)")
+    if bad:
+        raise ValueError("GRPOTrainer arguments not supported by megatrain_nb: " + "; ".join(bad))
+
+
+def _reward_name(fn) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return str(getattr(fn.config, "name_or_path", "") or type(fn).__name__).split("/")[-1]
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _reward_funcs(reward_funcs, reward_processing_classes, trust_remote_code):
+    """(functions, names, processing classes) as TRL takes them; a string is a local reward model."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if reward_funcs is None:
+        raise ValueError("reward_funcs is required: a callable, a reward model, or a list of them")
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    for i, f in enumerate(funcs):
+        if isinstance(f, (str, os.PathLike)):
+            if not os.path.isdir(f):
+                raise ValueError(f"reward_funcs[{i}]={str(f)!r}: a reward model is a local folder here (nothing "
+                                 "downloads at run time); pass a folder or a loaded model")
+            funcs[i] = AutoModelForSequenceClassification.from_pretrained(str(f), num_labels=1,
+                                                                          trust_remote_code=trust_remote_code)
+        elif not (callable(f) or isinstance(f, torch.nn.Module)):
+            raise TypeError(f"reward_funcs[{i}] is a {type(f).__name__}: give a callable or a reward model")
+    procs = reward_processing_classes
+    procs = [None] * len(funcs) if procs is None else (list(procs) if isinstance(procs, (list, tuple)) else [procs])
+    if len(procs) != len(funcs):
+        raise ValueError("The number of reward processing classes must match the number of reward functions.")
+    for i, (f, p) in enumerate(zip(funcs, procs)):
+        if isinstance(f, torch.nn.Module):
+            if p is None:
+                p = AutoTokenizer.from_pretrained(getattr(f.config, "name_or_path", None) or _reward_name(f))
+            if p.pad_token_id is None:
+                p.pad_token = p.eos_token
+            f.config.pad_token_id = p.pad_token_id
+            procs[i] = p
+    return funcs, [_reward_name(f) for f in funcs], procs
+
+
+class GRPOKind:
+    """The GRPO kind of training (trainer/kinds.py's hooks): the step's loss is the objective's
+    (its micro-batch losses summed, as TRL logs them); the step's record gets the latest
+    rollouts' reward, reward std and mean completion length (the rollouts and the objective's
+    data come in through the trainer's stream, :class:`.grpo_data.RolloutStream`)."""
+
+    name = "grpo"
+
+    def before_run(self, trainer) -> bool:
+        return True
+
+    def before_window(self, trainer, window: list) -> dict:
+        return {}
+
+    def step_loss(self, trainer, loss_sum: float, n_items: int) -> float:
+        return float(trainer.dist.sum(sum(trainer.objective.losses)))
+
+    def after_window(self, trainer, window: list, record: dict) -> None:
+        record.update(trainer.last_rollout)
+
+
+try:   # the trainer's kinds seam (trainer/kinds.py), where it exists
+    from .kinds import register_kind
+except ImportError:   # pragma: no cover
+    register_kind = None
+if register_kind is not None:
+    register_kind("grpo", GRPOKind)
+
+
+class GRPOTrainer(Trainer):
+    """Online RL from rewards driven like ``trl.GRPOTrainer``, trained by the StreamingEngine.
+
+    Same constructor as ``trl.GRPOTrainer`` (``model``, ``reward_funcs``, ``args``,
+    ``train_dataset``, ``eval_dataset``, ``processing_class``, ``reward_processing_classes``,
+    ``callbacks``) plus any EngineConfig field as a keyword.
+    """
+
+    def __init__(self, model=None, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None, *, tokenizer=None, loss_fn=None, seq_len=None, **engine_options):
+        require_trl()
+        processing_class = processing_class if processing_class is not None else tokenizer
+        _refuse(peft_config, quantization_config, optimizers, tools, rollout_func, environment_factory,
+                processing_class)
+        if loss_fn is not None and not isinstance(loss_fn, GRPOObjective):
+            raise ValueError("loss_fn does not apply to GRPOTrainer: GRPOConfig.loss_type picks the loss")
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required")
+        if eval_dataset is not None:
+            raise NotImplementedError("eval_dataset is not supported by megatrain_nb's GRPOTrainer yet (evaluation "
+                                      "generates rollouts); drop it")
+        if "prompt" not in (getattr(train_dataset, "column_names", None) or train_dataset[0]):
+            raise ValueError("train_dataset needs a 'prompt' column (text, or a conversation: a list of messages)")
+        args = coerce_grpo_args(args)
+        validate_grpo_args(args)
+        self.settings = GRPOSettings.from_args(args)
+        self.objective = GRPOObjective(self.settings)
+        self.num_iterations = args.num_iterations
+        self.reward_funcs, self.reward_func_names, self.reward_processing_classes = _reward_funcs(
+            reward_funcs, reward_processing_classes, args.trust_remote_code)
+        weights = args.reward_weights
+        if weights is not None and len(weights) != len(self.reward_funcs):
+            raise ValueError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
+                             f"({len(self.reward_funcs)})")
+        self.reward_weights = torch.tensor(weights if weights is not None else [1.0] * len(self.reward_funcs),
+                                           dtype=torch.float32)
+        if isinstance(model, torch.nn.Module) and args.disable_dropout:
+            for m in model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.0
+        # the reference (beta > 0): the policy as it starts, streamed through a frozen engine of its own
+        self._ref_source = None
+        if args.beta != 0.0:
+            self._ref_source = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
+        model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
+                         callbacks=callbacks, loss_fn=self.objective, **engine_options)
+        self.kind = GRPOKind()
+        self.last_rollout: dict = {}   # the latest generation's reward, reward_std, completion length
+        self._setup_generation(model_eos)
+        self.train_dataset = train_dataset
+        self._ref_engine = None
+        self._policy = None
+        self._metrics = defaultdict(list)
+        self._rollout_tokens = 0
+        from transformers.trainer_utils import set_seed
+
+        set_seed(args.seed)   # as transformers' Trainer seeds once the models are built (TRL's order of draws)
+
+    def _setup_generation(self, model_eos) -> None:
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("GRPOTrainer needs a tokenizer: pass processing_class=... (or a model folder that holds one)")
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        if model_eos is None:
+            model_eos = getattr(self._engine.model_config, "eos_token_id", None)
+        self.eos_token_ids = eos_token_ids(model_eos, tok)
+        self.generation_config = generation_config(self.args, tok, self.eos_token_ids)
+
+    # ------------------------------------------------------------------ the loop's seams
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps this run plans (``max_steps``, or epochs of TRL's repeated prompts)."""
+        a = self.args
+        if a.max_steps is not None and a.max_steps > 0:
+            return int(a.max_steps)
+        G, per_gen = a.num_generations, a.generation_batch_size // a.num_generations
+        n = len(self.train_dataset) // per_gen * per_gen * G * self.num_iterations * a.steps_per_generation
+        micro = n // (a.per_device_train_batch_size * a.steps_per_generation)
+        return int(math.ceil(a.num_train_epochs * max(-(-micro // a.gradient_accumulation_steps), 1)))
+
+    def fresh_stream(self):
+        """The rollouts' stream at a run's start (TRL's prompt order and draws)."""
+        self._stream = RolloutStream(self, self.train_dataset)
+        return self._stream
+
+    def _window_loss(self, loss_sum: float, n_items: int) -> float:
+        # (the loop before trainer/kinds.py's seam asks this; GRPOKind.step_loss answers the same)
+        return self.kind.step_loss(self, loss_sum, n_items)
+
+    # ------------------------------------------------------------------ rollouts
+    def _reference_engine(self):
+        if self._ref_engine is None:
+            src = self._ref_source
+            self._ref_engine = (StreamingEngine(src, self._engine.config) if isinstance(src, torch.nn.Module)
+                                else StreamingEngine.from_pretrained(str(src), self._engine.config))
+        return self._ref_engine
+
+    def _completions(self, prompts, prompt_ids):
+        """Sampled completions (ids, text or messages) on the current weights."""
+        if self._policy is None:
+            self._policy = ResidentPolicy(self._engine.model_config)
+        self._policy.refresh(self._engine, self.state.global_step)
+        ids = self._policy.generate(prompt_ids, self.generation_config, self.tokenizer.pad_token_id,
+                                    self.eos_token_ids)
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        from trl.data_utils import is_conversational
+
+        if is_conversational({"prompt": prompts[0]}):
+            return ids, [[{"role": "assistant", "content": t}] for t in texts]
+        return ids, texts
+
+    def make_rollouts(self, examples: list) -> dict:
+        """A generation batch's rollouts, TRL's keys: tokens and masks, advantages, the token count,
+        old log-probs (when a generation serves several steps) and the reference's (beta > 0)."""
+        a, tok = self.args, self.tokenizer
+        prompts = [x["prompt"] for x in examples]
+        prompt_ids = tokenize_prompts(tok, copy.deepcopy(prompts), a.chat_template_kwargs)
+        completion_ids, completions = self._completions(prompts, prompt_ids)
+        self._rollout_tokens += int(self.dist.sum(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
+        self._metrics["num_tokens"] = [float(self._rollout_tokens)]
+        stops = [*self.eos_token_ids, tok.pad_token_id]
+        for k, v in length_metrics(completion_ids, stops).items():
+            self._metrics[k].append(v)
+        r = pad_rollouts(prompt_ids, completion_ids, tok.pad_token_id)
+        if a.mask_truncated_completions:
+            truncated = torch.tensor([ids[-1] not in stops for ids in completion_ids])
+            r["completion_mask"] = r["completion_mask"] * (~truncated)[:, None].int()
+        rows = self._logp_batch(r)
+        P = r["prompt_ids"].shape[1]
+        old = ref = None
+        if a.gradient_accumulation_steps % (a.steps_per_generation * self.num_iterations) != 0:
+            old = completion_logps(self._engine, rows, P, a.temperature, a.per_device_train_batch_size)
+        if a.beta != 0.0:
+            ref = completion_logps(self._reference_engine(), rows, P, a.temperature, a.per_device_train_batch_size)
+        extra = {"trainer_state": self.state, "log_extra": lambda *x, **k: None, "log_metric": self._log_metric}
+        per_func = score(self.reward_funcs, self.reward_func_names, self.reward_processing_classes, examples,
+                         prompts, completions, completion_ids, extra, a.chat_template_kwargs)
+        adv, zero_std = advantages(per_func, self.reward_weights, a.num_generations, a.scale_rewards,
+                                   a.multi_objective_aggregation)
+        rm = reward_metrics(per_func, self.reward_weights, self.reward_func_names, zero_std)
+        for k, v in rm.items():
+            self._metrics[k].append(v)
+        self.last_rollout = {"reward": rm["reward"], "reward_std": rm["reward_std"],
+                             "completion_length": self._metrics["completions/mean_length"][-1]}
+        out = {**r, "advantages": adv, "num_items_in_batch": torch.tensor(float(self.dist.sum(
+            int(r["completion_mask"].sum()))))}
+        if old is not None:
+            out["old_per_token_logps"] = old
+        if ref is not None:
+            out["ref_per_token_logps"] = ref
+        return out
+
+    @staticmethod
+    def _logp_batch(r: dict) -> dict:
+        P = r["prompt_ids"].shape[1]
+        ids = torch.cat([r["prompt_ids"], r["completion_ids"]], 1)
+        am = torch.cat([r["prompt_mask"], r["completion_mask"]], 1)
+        labels = ids.masked_fill(am == 0, -100)
+        labels[:, :P] = -100
+        return {"input_ids": ids, "attention_mask": am, "labels": labels}
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self._metrics[name].append(float(value))
+
+    # ------------------------------------------------------------------ metrics
+    def log(self, logs: dict) -> None:
+        """As ``Trainer.log``, with TRL's GRPO metrics (their means since the last log)."""
+        if "loss" in logs:
+            metrics = {}
+            for k, v in list(self._metrics.items()) + [(k, v) for k, v in self.objective.metrics.items()]:
+                valid = [x for x in v if not math.isnan(x)]
+                metrics[k] = sum(valid) / len(valid) if valid else None
+            self._metrics = defaultdict(list)
+            self.objective.metrics = {}
+            logs = {**logs, **metrics}
+        super().log(logs)
+
+    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
+        raise NotImplementedError("evaluate() is not supported by megatrain_nb's GRPOTrainer yet")
+
+    def close(self) -> None:
+        """As :meth:`Trainer.close`, and the reference's engine when one was built."""
+        if self._ref_engine is not None:
+            self._ref_engine.close()
+            self._ref_engine = None
+        super().close()
+
+
+try:   # GRPOConfig re-exported when trl is installed
+    from trl import GRPOConfig  # noqa: F401
+except ImportError:   # pragma: no cover
+    GRPOConfig = None
+
+__all__ = ["GRPOTrainer", "GRPOConfig", "coerce_grpo_args", "validate_grpo_args"]

@@ -1,0 +1,130 @@
+"""The data stream of a GRPO run: prompts in trl.GRPOTrainer's order, rollouts generated and
+scored once per ``steps_per_generation x num_iterations`` micro-batches, shuffled, split, and
+handed to the loop as the engine's micro-batches with their side data (advantages, old and
+reference log-probs) fed to the objective.
+
+The order of random draws is TRL's (transformers' loop and DataLoader on one process): TRL's own
+``RepeatSampler`` (its generator seeded with ``args.seed``) orders the prompts; the global stream
+gives one int64 draw when each epoch's iteration starts (the DataLoader's base seed), then each generation's sampling, then ``shuffle_sequence_dict``'s
+permutation. So the same seed samples TRL's completions.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .grpo_loss import RolloutBatch, to_shift
+from .grpo_rollout import left_pad, right_pad
+
+
+def tokenize_prompts(tok, prompts: list, chat_template_kwargs: Optional[dict] = None) -> List[List[int]]:
+    """The prompts' token ids as TRL takes them (a chat template with the generation prompt for
+    conversations; plain text tokenised as is)."""
+    from trl.data_utils import is_conversational
+
+    if is_conversational({"prompt": prompts[0]}):
+        out = tok.apply_chat_template(conversation=prompts, add_generation_prompt=True, tokenize=True,
+                                      return_dict=True, **(chat_template_kwargs or {}))
+        return [list(x) for x in out["input_ids"]]
+    return [list(x) for x in tok(text=prompts)["input_ids"]]
+
+
+def _draw() -> None:
+    torch.empty((), dtype=torch.int64).random_()
+
+
+class RolloutStream:
+    """``BatchStream``'s interface (``next_window``, ``epoch``, ``consumed``,
+    ``batches_per_epoch``, ``start_next_epoch``, ``state_dict``) over rollouts: one micro-batch
+    per ``per_device_train_batch_size`` completions; ``trainer.make_rollouts(examples)`` makes a
+    generation batch's rollouts (a dict of TRL's keys)."""
+
+    def __init__(self, trainer, dataset):
+        from trl.trainer.utils import RepeatSampler
+
+        a = trainer.args
+        self.trainer, self.dataset, self.args = trainer, dataset, a
+        self.spg, self.iterations = a.steps_per_generation, trainer.num_iterations
+        self.micro = a.per_device_train_batch_size * self.spg   # TRL's dataloader batch
+        self.sampler = RepeatSampler(data_source=dataset, mini_repeat_count=a.num_generations,
+                                     batch_size=a.generation_batch_size // a.num_generations,
+                                     repeat_count=self.iterations * self.spg, shuffle=a.shuffle_dataset, seed=a.seed)
+        self.batches_per_epoch = len(self.sampler) // self.micro if a.dataloader_drop_last else -(-len(self.sampler)
+                                                                                                  // self.micro)
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"train_dataset is too small for one generation batch ({a.generation_batch_size // a.num_generations} "
+                             f"prompts x {a.num_generations} generations)")
+        self.epoch, self.consumed = 0, 0
+        self._order: Optional[list] = None
+        self._step = 0          # micro-batches trained (TRL's self._step)
+        self._buffer: Optional[list] = None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError("resuming a GRPO run from a checkpoint is not supported yet: the rollout buffer and "
+                                  "the sampler's order are not saved; start the run again")
+
+    def start_next_epoch(self) -> None:
+        self.epoch += 1
+        self.consumed = 0
+        self._order = None
+
+    def _next_examples(self):
+        if self._order is None:
+            _draw()   # the DataLoader's base seed, once per epoch's iteration
+            idx = list(iter(self.sampler))
+            self._order = [idx[i:i + self.micro] for i in range(0, len(idx), self.micro)]
+        if self.consumed >= len(self._order):
+            return None
+        chunk = self._order[self.consumed]
+        self.consumed += 1
+        return [self.dataset[i] for i in chunk]
+
+    def next_window(self, accumulation: int):
+        """This step's micro-batches (rollouts, generated when due) and whether the epoch ended."""
+        from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+        parts = []
+        ended = False
+        while len(parts) < accumulation:
+            ex = self._next_examples()
+            if ex is None:
+                ended = True
+                break
+            if self._step % (self.spg * self.iterations) == 0 or self._buffer is None:
+                rollouts = self.trainer.make_rollouts(ex)
+                self._buffer = split_tensor_dict(shuffle_sequence_dict(rollouts), self.spg)
+            parts.append(self._buffer[self._step % self.spg])
+            self._step += 1
+        if not ended and self.consumed >= self.batches_per_epoch:
+            ended = True
+        window = [micro_batch(p, len(parts), self.trainer.dist.world) for p in parts]
+        self.trainer.objective.losses = []
+        self.trainer.objective.feed([b["rollout"] for b in window])
+        return window, ended
+
+
+def micro_batch(r: dict, accumulation: int, world: int) -> dict:
+    """The engine's micro-batch of one slice of rollouts, its side data in ``rollout``."""
+    P = r["prompt_ids"].shape[1]
+    ids = torch.cat([r["prompt_ids"], r["completion_ids"]], 1)
+    am = torch.cat([r["prompt_mask"], r["completion_mask"]], 1)
+    labels = ids.masked_fill(am == 0, -100)
+    labels[:, :P] = -100
+    side = RolloutBatch(advantages=r["advantages"], old_logps=to_shift(r.get("old_per_token_logps"), P),
+                        ref_logps=to_shift(r.get("ref_per_token_logps"), P),
+                        num_items=float(r["num_items_in_batch"]), accumulation=accumulation, world=world)
+    return {"input_ids": ids, "attention_mask": am, "labels": labels, "rollout": side}
+
+
+def pad_rollouts(prompt_ids, completion_ids, pad_id: int) -> dict:
+    """TRL's tensors of a generation batch: prompts left-padded, completions right-padded."""
+    p, pm = left_pad(prompt_ids, pad_id)
+    c, cm = right_pad(completion_ids, pad_id)
+    return {"prompt_ids": p, "prompt_mask": pm, "completion_ids": c, "completion_mask": cm}
+
+
+__all__ = ["RolloutStream", "micro_batch", "pad_rollouts", "tokenize_prompts"]

@@ -1,0 +1,272 @@
+"""Rollouts of a GRPO run: generation on a resident copy of the current weights, per-token
+log-probs by a forward-only pass of an engine, rewards and advantages (TRL's formulas).
+
+- :class:`ResidentPolicy`: a plain Hugging Face module holding the engine's current weights
+  (copied after each optimizer step, only when they changed), on which transformers' ``generate``
+  samples the completions exactly as ``trl.GRPOTrainer`` does (its GenerationConfig, its end of
+  sequence ids, the completion cut after the first of them). Building it draws no random number.
+- :func:`completion_logps`: the per-token log-probs of the completions (temperature applied, as
+  TRL's fused head) through an engine's chunked head, forward only (:class:`TokenLogps`).
+- :func:`score`: every reward function on every completion; a function that raises, returns a
+  NaN / infinite value or the wrong number of rewards is an error naming it and the prompt.
+- :func:`advantages`: group (or batch) normalised rewards, TRL's ``multi_objective_aggregation``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from .data import DataError
+
+
+class RewardError(DataError):
+    """A reward function failed on a batch of completions: nothing was trained on that batch."""
+
+
+# ---------------------------------------------------------------------------------- generation
+def eos_token_ids(model_config_eos, tokenizer) -> List[int]:
+    """TRL's end-of-sequence ids: the model's generation config's, the tokenizer's first."""
+    ids = model_config_eos
+    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    if tokenizer.eos_token_id not in ids:
+        ids = [tokenizer.eos_token_id, *ids]
+    return ids
+
+
+def generation_config(args, tokenizer, eos_ids):
+    """``transformers.GenerationConfig`` as trl.GRPOTrainer builds it (``generation_kwargs`` last)."""
+    from transformers import GenerationConfig
+
+    kw = {"max_new_tokens": args.max_completion_length, "do_sample": True, "pad_token_id": tokenizer.pad_token_id,
+          "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos_ids, "temperature": args.temperature,
+          "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+          "repetition_penalty": args.repetition_penalty, "cache_implementation": args.cache_implementation}
+    if args.generation_kwargs is not None:
+        kw.update(args.generation_kwargs)
+    return GenerationConfig(**kw, disable_compile=True)
+
+
+def left_pad(rows: List[List[int]], value: int) -> tuple:
+    """(ids, mask) [B, max len], left-padded as TRL pads prompts."""
+    n = max(len(r) for r in rows)
+    ids = torch.full((len(rows), n), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, n - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, n - len(r):] = 1
+    return ids, mask
+
+
+def right_pad(rows: List[List[int]], value: int) -> tuple:
+    n = max(max((len(r) for r in rows), default=0), 1)
+    ids = torch.full((len(rows), n), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[i, :len(r)] = 1
+    return ids, mask
+
+
+class ResidentPolicy:
+    """A plain HF module with the engine's current weights, for ``generate`` (the model fits)."""
+
+    def __init__(self, model_config):
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):   # no draw from the run's random stream
+            self.model = AutoModelForCausalLM.from_config(model_config).eval()
+        self.version = None
+
+    def refresh(self, engine, version) -> None:
+        """The engine's weights copied in (once per ``version``: the optimizer step they are from)."""
+        if version == self.version:
+            return
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, w in engine.named_parameters():
+                params[name].copy_(w)
+        self.model.tie_weights()
+        self.version = version
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: List[List[int]], config, pad_id: int, eos_ids: List[int]) -> List[List[int]]:
+        """Each prompt's completion ids, cut after the first end-of-sequence id (TRL's rule)."""
+        ids, mask = left_pad(prompt_ids, pad_id)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        comp = out[:, ids.shape[1]:]
+        is_eos = torch.isin(comp, torch.tensor(eos_ids))
+        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
+        any_eos = is_eos.any(dim=1)
+        eos_idx[any_eos] = is_eos.int().argmax(dim=1)[any_eos]
+        keep = torch.arange(is_eos.size(1)).expand(is_eos.size(0), -1) <= eos_idx[:, None]
+        return [c[m].tolist() for c, m in zip(comp, keep)]
+
+
+# ---------------------------------------------------------------------------------- log-probs
+class TokenLogps:
+    """A forward-only objective of the chunked head that records each loss token's log-prob
+    (temperature applied) in [batch, seq] (shifted-label coordinates)."""
+
+    differentiable = ()
+
+    def __init__(self, temperature: float = 1.0):
+        self.temperature = temperature
+        self.out: List[torch.Tensor] = []
+        self._shape = None
+
+    def begin(self, labels):
+        self._shape = labels.shape
+
+    def token_stats(self, logits, labels, start, grad):
+        lp = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        full = torch.zeros(self._shape, dtype=lp.dtype, device=lp.device)
+        full[:, start:start + labels.shape[1]] = lp * (labels != -100)
+        return {"logps": full}
+
+    def loss(self, stats):
+        return stats["logps"].sum() * 0.0
+
+    def done(self, stats, loss):
+        self.out.append(stats["logps"].detach().cpu())
+
+
+def completion_logps(engine, batch: dict, prompt_len: int, temperature: float, rows: int) -> torch.Tensor:
+    """[B, C] per-token log-probs of the completions of ``batch`` (its input_ids, attention_mask,
+    labels), forward only, ``rows`` sequences at a time (TRL's per-device batch)."""
+    obj = TokenLogps(temperature)
+    B = batch["input_ids"].shape[0]
+    for s in range(0, B, rows):
+        engine.evaluate(batch["input_ids"][s:s + rows], attention_mask=batch["attention_mask"][s:s + rows],
+                        labels=batch["labels"][s:s + rows], loss_fn=obj)
+    full = torch.cat(obj.out, dim=0)
+    C = batch["input_ids"].shape[1] - prompt_len
+    return full[:, prompt_len - 1:prompt_len - 1 + C]
+
+
+# ---------------------------------------------------------------------------------- rewards
+def _call_reward(fn, name, prompts, completions, completion_ids, kwargs) -> List[float]:
+    try:
+        out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+    except Exception as e:
+        raise RewardError(f"the reward function {name!r} raised {type(e).__name__}: {e} (on the batch whose first "
+                          f"prompt is {prompts[0]!r}); nothing was trained on this batch") from e
+    out = list(out) if out is not None else []
+    if len(out) != len(prompts):
+        raise RewardError(f"The reward function {name!r} returned {len(out)} rewards, but {len(prompts)} were expected "
+                          f"(one per prompt-completion pair; first prompt {prompts[0]!r}). Make sure the reward "
+                          "function returns exactly one reward per completion; nothing was trained on this batch.")
+    vals = []
+    for i, r in enumerate(out):
+        if r is None:   # TRL's "this function does not score this row"
+            vals.append(float("nan"))
+            continue
+        v = float(r)
+        if not math.isfinite(v):
+            raise RewardError(f"the reward function {name!r} returned {v} for the prompt {prompts[i]!r} and the "
+                              f"completion {completions[i]!r}; return a finite number (or None: not scored); "
+                              "nothing was trained on this batch")
+        vals.append(v)
+    return vals
+
+
+def _model_reward(model, proc, prompts, completions, chat_kwargs) -> torch.Tensor:
+    from trl.data_utils import apply_chat_template, is_conversational
+
+    if is_conversational({"prompt": prompts[0]}):
+        texts = [apply_chat_template({"messages": p + c}, proc, **chat_kwargs)["text"]
+                 for p, c in zip(prompts, completions)]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions)]
+    enc = proc(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    with torch.inference_mode():
+        return model(**enc).logits[:, 0].float()
+
+
+def score(funcs, names, procs, inputs: List[dict], prompts, completions, completion_ids, extra: dict,
+          chat_kwargs: Optional[dict] = None) -> torch.Tensor:
+    """[B, functions] rewards, as trl.GRPOTrainer._calculate_rewards (callables get the prompts,
+    completions, completion ids, every other dataset column and ``extra``)."""
+    out = torch.zeros(len(prompts), len(funcs))
+    keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
+    kwargs = {k: [x[k] for x in inputs] for k in keys}
+    kwargs.update(extra)
+    for i, (fn, name, proc) in enumerate(zip(funcs, names, procs)):
+        if isinstance(fn, torch.nn.Module):
+            out[:, i] = _model_reward(fn, proc, prompts, completions, chat_kwargs or {})
+        else:
+            out[:, i] = torch.tensor(_call_reward(fn, name, prompts, completions, completion_ids, kwargs),
+                                     dtype=torch.float32)
+    return out
+
+
+def advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, G: int, scale_rewards: str,
+               aggregation: str = "sum_then_normalize") -> tuple:
+    """(advantages, is_std_zero) of TRL's formulas for groups of ``G`` completions."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights[None]).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean = torch.nanmean(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
+        if scale_rewards in ("group", "none"):
+            std = (nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0) if G > 1
+                   else torch.zeros_like(rewards))
+        elif scale_rewards == "batch":
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        else:
+            raise ValueError(f"Invalid value for scale_rewards: {scale_rewards}. Must be one of 'batch', 'group', or "
+                             "'none'.")
+        adv = rewards - mean
+        if scale_rewards != "none":
+            adv = adv / (std + 1e-4)
+    elif aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, G, rewards_per_func.shape[1])
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if G > 1 else torch.zeros_like(mean_k)
+        rk = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+        rewards = (rk * weights[None]).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        adv = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    else:
+        raise ValueError(f"Invalid multi_objective_aggregation: {aggregation}. Must be 'sum_then_normalize' or "
+                         "'normalize_then_sum'.")
+    return torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def reward_metrics(rewards_per_func, weights, names, is_std_zero) -> Dict[str, float]:
+    """TRL's reward metrics of one generation batch."""
+    from trl.trainer.utils import nanstd
+
+    m = {}
+    for i, name in enumerate(names):
+        m[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+        m[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+    rewards = (rewards_per_func * weights[None]).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    m["reward"] = torch.nanmean(rewards).item()
+    m["reward_std"] = nanstd(rewards).item()
+    m["frac_reward_zero_std"] = is_std_zero.float().mean().item()
+    return m
+
+
+def length_metrics(completion_ids: List[List[int]], stops: List[int]) -> Dict[str, float]:
+    """TRL's completions/* metrics (``stops``: the end-of-sequence ids and the pad id)."""
+    lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
+    truncated = torch.tensor([not c or c[-1] not in stops for c in completion_ids])
+    term = lengths[~truncated]
+    term = term if len(term) else torch.zeros(1)
+    return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": term.mean().item(),
+            "completions/min_terminated_length": term.min().item(),
+            "completions/max_terminated_length": term.max().item()}
+
+
+__all__ = ["ResidentPolicy", "RewardError", "TokenLogps", "advantages", "completion_logps", "eos_token_ids",
+           "generation_config", "length_metrics", "reward_metrics", "score"]

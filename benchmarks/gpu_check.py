@@ -1,7 +1,7 @@
 """One prepared script for a CUDA machine's first contact: does the engine's GPU path tell the truth?
 
     python benchmarks/gpu_check.py                    # < 8 minutes on one H100/H200-class GPU
-    python benchmarks/gpu_check.py --quick            # < 4 minutes: smaller model, fewer steps
+    python benchmarks/gpu_check.py --quick            # < 4 minutes: smaller model, fewer steps, no sanitizer
     python benchmarks/gpu_check.py --list             # the sections
     python benchmarks/gpu_check.py --sections a,b     # only those
     python benchmarks/gpu_check.py --cpu-rehearsal    # every section on the CPU device (CI runs it)
@@ -252,7 +252,11 @@ def _profiled_step(engine, ids, a) -> dict:
         torch.cuda.synchronize()
     # (telemetry counts 4 bytes a parameter; a bf16 load moves 2)
     moved = (engine.telemetry()["bytes"]["host_to_device"] - h2d0) * (2 if a.precision == "bf16" else 4) // 4
-    idle, h2d_us, pageable, pageable_us = sec.compute_idle_fraction(prof)
+    try:
+        idle, h2d_us, pageable, pageable_us = sec.compute_idle_fraction(prof)
+    except Exception as e:  # noqa: BLE001 - a profiler API that moved: said, the section goes on
+        print(f"profiler: {type(e).__name__}: {e}")
+        idle, h2d_us, pageable, pageable_us = float("nan"), 0.0, -1, 0.0
     out = {"idle": idle, "h2d_gbps": moved / (h2d_us / 1e6) / 1e9 if h2d_us else float("nan"),
            "pageable": pageable, "pageable_share": pageable_us / h2d_us if h2d_us else float("nan")}
     print(f"compute stream idle {idle:.3f}; engine H2D {out['h2d_gbps']:.1f} GB/s over {moved / 2**30:.2f} GiB; "
@@ -380,6 +384,13 @@ def s_throughput(c: Check) -> None:
           f"staging {p['staging'] / 2**20:.1f}); accounting {p['plan']['total'] / 2**20:.1f} MiB")
 
 
+def _raw_h2d(c: Check) -> float:
+    """A raw pinned host->device copy's GB/s, measured once per run."""
+    if "raw_h2d" not in c.shared:
+        c.shared["raw_h2d"] = sec.raw_pinned_h2d_gbps()
+    return c.shared["raw_h2d"]
+
+
 def _thr(c: Check) -> dict:
     if "thr" not in c.shared:
         raise RuntimeError("the throughput section did not run (or failed): nothing to read")
@@ -411,7 +422,7 @@ def s_idle_and_link(c: Check) -> None:
     c.emit("compute_wait_for_cpu_fraction", on_cpu, "", "<=", 0.1, check=False)
     if not c.cuda:
         return
-    raw = c.shared.setdefault("raw_h2d", sec.raw_pinned_h2d_gbps())
+    raw = _raw_h2d(c)
     name = "compute_idle_fraction_cpu_bound" if cpu_bound else "compute_idle_fraction"
     c.emit(name, thr["idle"], "", "<=", 0.1, check=not cpu_bound)
     c.emit("h2d_vs_raw_pinned", thr["h2d_gbps"] / raw, "x", ">=", 0.7)
@@ -443,7 +454,7 @@ def s_dropout_rng(c: Check) -> None:
 
 
 def s_sanitizer(c: Check) -> None:
-    steps, races, _ = sanitizer("cuda" if c.cuda else "cpu", 60 if c.a.quick else SANITIZER_TIMEOUT_S)
+    steps, races, _ = sanitizer("cuda" if c.cuda else "cpu")
     c.emit("sanitizer_steps", steps, "steps", "==", SANITIZER_STEPS)
     c.emit("sanitizer_races", races, "reports", "==", 0)
 
@@ -455,7 +466,7 @@ def s_machine_rates(c: Check) -> None:
     c.emit("machine_rates_seconds", took, "s", "<=", 60, check=c.cuda)
     c.emit("machine_rates_not_positive", len(bad), "rates", "==", 0)
     if c.cuda:
-        raw = c.shared.setdefault("raw_h2d", sec.raw_pinned_h2d_gbps())
+        raw = _raw_h2d(c)
         c.emit("machine_rates_h2d_pinned_vs_raw", rates.h2d_pinned / 1e9 / raw, "x", ">=", 0.8)
 
 
@@ -751,6 +762,9 @@ def main(argv=None) -> int:
     if unknown:
         print(f"unknown section(s) {sorted(unknown)}; --list names them")
         return 2
+    if a.quick and a.sections is None and not a.cpu_rehearsal:
+        names.discard("sanitizer")
+        print("--quick: the sanitizer section is left out (--sanitizer-only runs it: 1-3 minutes)")
     fail = {s for s in (a.fail_section, os.environ.get(FAIL_ENV)) if s}
     print(machine(), "torch", torch.__version__, flush=True)
     if a.cpu_rehearsal:

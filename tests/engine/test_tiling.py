@@ -348,3 +348,18 @@ def test_tiles_add_straight_into_the_fp32_gradient_sum(monkeypatch, precision, s
     _, tiled, calls, _ = _engine_grads(model, ids, precision=precision, overrides={"tile_tokens": 64})
     assert calls > 0 and used and all(u == straight for u in used)
     assert _worst(tiled, untiled) <= (1e-4 if precision == "fp32" else 2e-2)
+
+
+def test_a_frozen_weights_tiles_are_not_added_straight_in():
+    """A frozen weight (requires_grad=False in the model: its bound tensor's hook makes its
+    gradient zero) keeps a zero gradient when its MLP runs in tiles, though the other weights'
+    tiles go straight into the fp32 sum."""
+    model = _model("llama", 300)
+    frozen = "model.layers.0.mlp.up_proj.weight"
+    model.get_parameter(frozen).requires_grad_(False)
+    ids = _ids(150, batch=2)
+    _, untiled, _, _ = _engine_grads(model, ids, overrides={"tile_tokens": 0})
+    _, tiled, calls, _ = _engine_grads(model, ids, overrides={"tile_tokens": 64})
+    assert calls > 0 and _worst(tiled, untiled) <= 1e-4
+    assert not tiled[frozen].any() and not untiled[frozen].any()
+    assert tiled["model.layers.0.mlp.down_proj.weight"].abs().sum() > 0

@@ -119,8 +119,9 @@ class MachineRates:
         return self.attention_by_head.get(str(int(head_dim))) or self.attention_flops
 
     def with_cpu_from(self, other: "MachineRates") -> "MachineRates":
-        """These rates with the CPU-side rates a profile leaves at 0 (not published: AdamW and
-        codec rates per thread) taken from ``other`` (this machine's measurement, say)."""
+        """These rates with the CPU-side rates a profile leaves at 0 (not published: AdamW, the codec
+        rates per thread and the compressed update chain) taken from ``other`` (this machine's
+        measurement, say): a profile's update speed is always this machine's measured one."""
         d = self.to_dict()
         if not d["adamw_per_thread"]:
             d["adamw_per_thread"] = other.adamw_per_thread
@@ -128,6 +129,9 @@ class MachineRates:
         if not d["codec_per_thread"]:
             d["codec_per_thread"] = dict(other.codec_per_thread)
             d["sources"] = {**d["sources"], "codec_per_thread": f"measured on {other.device} ({other.source})"}
+        if not d["update_chain"] and other.update_chain:   # (a compressed update as the engine runs it)
+            d["update_chain"] = dict(other.update_chain)
+            d["sources"] = {**d["sources"], "update_chain": f"measured on {other.device} ({other.source})"}
         return MachineRates.from_dict(d)
 
     def table(self) -> str:

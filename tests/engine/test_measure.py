@@ -150,9 +150,10 @@ def test_rates_for_profiles_and_the_cpu_rates_they_lack():
     r = rates_for("h200-pcie5-gen5nvme")
     assert r == PROFILES["h200-pcie5-gen5nvme"] and r is not PROFILES["h200-pcie5-gen5nvme"]
     assert rates_for(None) is None and rates_for(r) is r
-    here = MachineRates(adamw_per_thread=5e8, codec_per_thread={"int8": 1e9})
+    here = MachineRates(adamw_per_thread=5e8, codec_per_thread={"int8": 1e9}, update_chain={"int8": 3e8})
     filled = rates_for("gh200", cpu=here)
     assert filled.adamw_per_thread == 5e8 and filled.codec_per_thread == {"int8": 1e9}
+    assert filled.update_chain == {"int8": 3e8} and "measured" in filled.sources["update_chain"]
     assert "measured" in filled.sources["adamw_per_thread"] and PROFILES["gh200"].adamw_per_thread == 0
     with pytest.raises(ValueError, match="unknown machine profile 'h300'.*gh200, h100-pcie5-gen4nvme"):
         rates_for("h300")

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.step import StepRunner
+from megatrain_nb.engine.updates import final_gradient_pool_bytes
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
@@ -46,6 +47,19 @@ def _window(A, seq=8, seed=0):
     return [torch.randint(1, VOCAB, (1, seq), generator=g) for _ in range(A)]
 
 
+def _fill_pool(eng) -> None:
+    """Put the steady state's final-gradient buffers in the pool (the unit being updated and the
+    sum being formed: ``final_gradient_pool_bytes``). How many one warm-up step leaves there
+    depends on its timing: where the head's update was done before the first layer's sum was
+    taken, one buffer served every unit, and a slower measured step (a loaded machine: the
+    whole fast subset) then took its second one fresh inside the measurement."""
+    pool = eng.updates.intake.pool
+    n = final_gradient_pool_bytes(eng.units, eng.updates.depth, False) // (4 * pool.slot_numel)
+    bufs = [pool.take(pool.slot_numel) for _ in range(n)]
+    pool.give(*bufs)
+    assert pool.nbytes() >= n * 4 * pool.slot_numel
+
+
 @pytest.mark.parametrize("k", [1, 0])
 def test_layer_backward_adds_gradients_straight_into_the_sum(monkeypatch, k):
     """Each micro-batch's backward of a layer adds every parameter's gradient into the unit's
@@ -55,6 +69,7 @@ def test_layer_backward_adds_gradients_straight_into_the_sum(monkeypatch, k):
     eng = StreamingEngine(model, EngineConfig(device="cpu", checkpoint_interval=k))
     eng.forward_backward(_window(2), step_lr=1e-3)   # warm-up: the sums come from the pool after this
     eng.updates.wait_all()
+    _fill_pool(eng)
     unit_bytes = 4 * max(u.numel for u in eng.layer_units)
     largest_param = 4 * max(p.numel for u in eng.layer_units for p in u.params)
     peaks = []

@@ -25,7 +25,9 @@ The whole takes 10-20 s on a 2-core CPU machine (``seconds_taken``), less on a G
 CPU. The result is cached as JSON in the package's cache folder (:func:`cache_dir`:
 ``$MEGATRAIN_NB_CACHE``, else ``~/.cache/megatrain_nb``, as the built-in corpus) under a
 name made of the host, the device and ``offload_dir``'s filesystem, written atomically; the next
-call reads it (``refresh=True`` measures again; a damaged file is measured again with a warning).
+call reads it (``refresh=True`` measures again; a damaged file, one that is not this user's
+regular file writable by nobody else, or one whose values are not plausible rates is measured
+again with a warning naming it and why: :func:`load_cached`).
 A model's shapes missing from the cached file are measured and added to it.
 """
 from __future__ import annotations
@@ -63,7 +65,7 @@ from .rates import MachineRates, check_rates, shape_key
 from .states import OptimizerStates
 from .telemetry import Telemetry
 
-CACHE_VERSION = 3   # 2: compute_beside_disk; 3: measured on the compute's own threads
+CACHE_VERSION = 4   # 2: compute_beside_disk; 3: measured on the compute's own threads; 4: the fused update
 MIB = 1 << 20
 
 
@@ -316,10 +318,12 @@ class _BesideCompute:
 
 def measure_update_chain(codec: str, numel: int, sizes: Sizes) -> float:
     """Parameters/s of one unit's whole update with compressed states, as the engine runs it:
-    ``OptimizerStates.update`` -- each chunk of the moments decoded in ``mtnb-decode`` a chunk
-    ahead, AdamW on it in this thread, encoded in ``mtnb-encode`` a chunk behind, the codes
-    stored. (Its stages' rates alone missed the hand-offs and the sharing: the chain ran about
-    twice as long in a training step as their sum said.)"""
+    ``OptimizerStates.update`` -- where the fused kernels are built (``fused_update.kernels()``),
+    each chunk's codes decoded, stepped and encoded in one pass in this thread; else each chunk
+    of the moments decoded in ``mtnb-decode`` a chunk ahead, AdamW on it in this thread, encoded
+    in ``mtnb-encode`` a chunk behind -- the codes stored. (Its stages' rates alone missed the
+    hand-offs and the sharing: the chain ran about twice as long in a training step as their sum
+    said.)"""
     unit = SimpleNamespace(index=0, numel=numel, name="measure", decay_numel=numel)   # (all decayed)
     states = OptimizerStates([unit], SimpleNamespace(optimizer_compression=codec), Telemetry())
     adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -122,7 +122,9 @@ def assert_parity(trl_run, mt_run, start):
 
 CASES = {"default_dapo_beta0": dict(),
          "grpo_beta004": dict(beta=0.04, loss_type="grpo"),
-         "two_iterations": dict(num_iterations=2)}
+         "two_iterations": dict(num_iterations=2),
+         "accumulation_2_steps_per_generation_2": dict(gradient_accumulation_steps=2, steps_per_generation=2,
+                                                       per_device_train_batch_size=2, loss_type="bnpo")}
 
 
 @pytest.mark.parametrize("case", list(CASES))

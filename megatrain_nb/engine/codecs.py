@@ -2,8 +2,13 @@
 
 Full precision in this project means fp32 master weights and fp32 gradients. Only the two Adam
 moments (``exp_avg`` = m, ``exp_avg_sq`` = v) may be stored compressed. The optimizer always
-runs in fp32: the engine decodes a unit's moments into fp32 buffers, runs PyTorch's fused AdamW,
-and encodes them again.
+runs in fp32: the engine decodes a unit's moments into fp32, runs PyTorch's fused AdamW's
+arithmetic, and encodes them again -- where the fused kernels are built
+(:mod:`.fused_update`), all three in one pass per block, and ``encode``/``decode`` here run
+them too; else on the torch ops below (``encode_torch``/``decode_torch``). The two compute
+the same codes except where MKL's ``sqrt`` (torch's) rounds a root one ulp below the IEEE one
+the kernels use and that ulp crosses a code boundary: none in 10**8 moments measured, one
+level apart where it happens.
 
 Codecs (``get_codec(name, role)``)::
 
@@ -67,6 +72,8 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from .fused_update import encode_error, kernels
+
 __all__ = [
     "CODECS",
     "CODEC_NAMES",
@@ -102,6 +109,11 @@ _F32_MIN_NORMAL = 2.0**-126
 # ulps of rounding error, which makes encode(decode(encode(x))) reproduce the codes exactly.
 _DELTA = 2.0**-10
 _DITHER_ALPHA = (1.0 - 2.0 * _DELTA) / 65536.0
+
+
+def dither_alpha() -> float:
+    """The dither's step (``u = alpha * (low 16 bits + 65)``), for the fused kernels."""
+    return _DITHER_ALPHA
 
 
 @runtime_checkable
@@ -254,11 +266,29 @@ class _BlockCodec:
         return nblocks * self.block // self.codes_per_byte + 4 * nblocks
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The codes and scales of ``x``: by the fused kernels where they are built
+        (``fused_update.kernels()``; IEEE square roots), else on torch ops (:meth:`encode_torch`)."""
+        k = kernels()
+        if k is None:
+            return self.encode_torch(x)
+        x = _check_input(x)
+        codes, scales = self._empty_codes(x.numel())
+        err = encode_error(k.encode(self.name, self.role, x, codes, scales), self.name, self.role)
+        if err is not None:
+            raise err
+        return {"codes": codes, "scales": scales}
+
+    def _empty_codes(self, n: int):
+        nblocks = -(-n // self.block)
+        return (torch.empty(nblocks * self.block // self.codes_per_byte, dtype=self.code_dtype),
+                torch.empty(nblocks, dtype=torch.float32))
+
+    def encode_torch(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:meth:`encode` on torch ops (the path without the fused kernels; its ``sqrt`` is
+        MKL's, which rounds ~0.5% of inputs one ulp low: a code can differ by one level)."""
         x = _check_input(x)
         n, b = x.numel(), self.block
-        nblocks = -(-n // b)
-        codes = torch.empty(nblocks * b // self.codes_per_byte, dtype=self.code_dtype)
-        scales = torch.empty(nblocks, dtype=torch.float32)
+        codes, scales = self._empty_codes(n)
         step = min(_CHUNK, max(b, n - n % b))
         scratch = _scratch(step // b, b)
         full = n - n % b
@@ -279,6 +309,15 @@ class _BlockCodec:
         return {"codes": codes, "scales": scales}
 
     def decode(self, enc: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """The values of ``enc`` into ``out``: the fused kernels' or torch's (equal bit for bit)."""
+        k = kernels()
+        if k is None:
+            return self.decode_torch(enc, out)
+        codes, scales = self._check_codes(enc, out)
+        k.decode(self.name, self.role, codes.contiguous(), scales.contiguous(), out)
+        return out
+
+    def _check_codes(self, enc: dict[str, torch.Tensor], out: torch.Tensor):
         codes, scales = enc["codes"], enc["scales"]
         n, b = out.numel(), self.block
         nblocks = -(-n // b)
@@ -289,6 +328,12 @@ class _BlockCodec:
                 f"{self.name} {self.role} codes ({codes.dtype}, {codes.numel()}) and scales "
                 f"({scales.dtype}, {scales.numel()}) do not match an output of {n} elements")
         _check_out(out, n)
+        return codes, scales
+
+    def decode_torch(self, enc: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` on torch ops."""
+        codes, scales = self._check_codes(enc, out)
+        n, b = out.numel(), self.block
         full = n - n % b
         step = min(_CHUNK, max(b, full))
         tmp = _scratch(step // b, b)[0]
@@ -350,7 +395,7 @@ class Int4MomentCodec(_BlockCodec):
     codes used), round to the nearest level. Decoded value = level * absmax."""
 
     name, role, block, codes_per_byte = "int4", "exp_avg", INT4_BLOCK, 2
-    _LEVELS = torch.tensor([-((8 - i) / 8.0) ** 2 for i in range(8)]
+    LEVELS = torch.tensor([-((8 - i) / 8.0) ** 2 for i in range(8)]
                            + [(i / 7.0) ** 2 for i in range(8)], dtype=torch.float64).float()
 
     def _encode_blocks(self, xb, codes, scales, scratch):
@@ -378,7 +423,7 @@ class Int4VarianceCodec(_BlockCodec):
     decoded value ``max / 65536``). Decoded value ``((k+1)/16)**4 * max``."""
 
     name, role, block, codes_per_byte = "int4", "exp_avg_sq", INT4_BLOCK, 2
-    _LEVELS = torch.tensor([((i + 1) / 16.0) ** 4 for i in range(16)], dtype=torch.float64).float()
+    LEVELS = torch.tensor([((i + 1) / 16.0) ** 4 for i in range(16)], dtype=torch.float64).float()
 
     def _encode_blocks(self, xb, codes, scales, scratch):
         r = _fourth_root_levels(xb, scales, scratch, 16.0)
@@ -472,7 +517,7 @@ def _pair_lut(levels: torch.Tensor) -> torch.Tensor:
     return torch.stack([levels[byte & 15], levels[byte >> 4]], dim=1).contiguous()
 
 
-_PAIR_LUTS = {cls: _pair_lut(cls._LEVELS) for cls in (Int4MomentCodec, Int4VarianceCodec)}
+_PAIR_LUTS = {cls: _pair_lut(cls.LEVELS) for cls in (Int4MomentCodec, Int4VarianceCodec)}
 
 
 def _unpack_lut(lut: torch.Tensor, codes: torch.Tensor, outb: torch.Tensor) -> None:

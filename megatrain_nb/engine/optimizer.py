@@ -11,6 +11,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .fused_update import CodedChunk, adam_args
 from .units import Unit
 
 
@@ -77,13 +78,27 @@ class UnitRun:
         to :meth:`UnitAdamW.start_unit`); ``grads`` starts at the unit's element ``grads_at``
         (0: the whole unit's; ``a``: the slice's own, read chunk by chunk). The slice is split
         where weight decay stops (the decayed parameters come first), as
-        :meth:`UnitAdamW.step_unit` splits the whole unit."""
+        :meth:`UnitAdamW.step_unit` splits the whole unit. ``exp_avg`` a ``CodedChunk`` (a
+        fused chunked update): the kernel decodes, steps and encodes the chunk in one pass, with
+        the same arithmetic as those fused calls (:meth:`_step_coded`)."""
         d = self.unit.decay_numel
+        if isinstance(exp_avg, CodedChunk):
+            self._step_coded(a, b, grads, exp_avg, lr, params, grads_at)
+            return
         for lo, hi, wd in ((a, min(b, d), self.adam.weight_decay), (max(a, d), b, 0.0)):
             if hi > lo:
                 w = self.params[lo:hi] if params is None else params[lo - a:hi - a]
                 g = grads[lo - grads_at:hi - grads_at]
                 self.adam.fused(w, g, exp_avg[lo - a:hi - a], exp_avg_sq[lo - a:hi - a], self.step_t, lr, wd)
+
+    def _step_coded(self, a: int, b: int, grads: torch.Tensor, chunk: CodedChunk, lr: float,
+                    params: Optional[torch.Tensor], grads_at: int) -> None:
+        d, adam = self.unit.decay_numel, self.adam
+        args = adam_args(lr=float(lr), beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps,
+                         weight_decay=adam.weight_decay, step=float(self.step_t), decay_end=d,
+                         regions=[(a, min(b, d)), (max(a, d), b)], width=chunk.kernels.width)
+        w = self.params[a:b] if params is None else params
+        chunk.step(w, grads[a - grads_at:b - grads_at], args)
 
     def finish(self, grads: torch.Tensor, grad_norm: Optional[float] = None) -> None:
         if self.old is not None:

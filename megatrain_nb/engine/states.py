@@ -17,8 +17,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..threads import DECODE, ENCODE, executor
+from . import fused_update
 from .codecs import ROLES as _ROLES, get_codec
-from .chunk_ring import ChunkRing
+from .chunk_ring import ChunkRing, chunk_bounds
 from .disk_store import WriteWindow
 from .units import Unit
 
@@ -122,6 +123,11 @@ class OptimizerStates:
             self._decoder = executor(DECODE)
         #: Chunked updates' ring (only ``RING`` chunks of fp32 moments at a time, never a unit's).
         self.ring = ChunkRing(self.codecs, self.chunk_numel) if self.chunked else None
+        #: Chunked updates in RAM or the host cache run the fused kernel (``fused_update``) where
+        #: it is built; False: the ring's decode / AdamW / encode (tests compare the two).
+        self.fused = self.chunked
+        if self.chunked:   # built (or loaded from the cache) now, not during the first update
+            fused_update.kernels()
         self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
         self._decoded: Dict[int, Future] = {}    # unit -> its moments decoded ahead (codec thread)
 
@@ -324,7 +330,11 @@ class OptimizerStates:
             # done; a host cache's resident codes are shared.)
             own = stored is not None and self.disk is not None and not self._cached()
             out = stored if own else self.ring.new_codes(unit.numel)
-            self.ring.run(unit.numel, stored, out, apply, self._decoder, self._codec, weights, grads)
+            kern = fused_update.kernels() if self.fused and weights is None and grads is None else None
+            if kern is not None and (stored is None or isinstance(stored, dict)):
+                self._update_fused(kern, unit.numel, stored, out, apply)
+            else:
+                self.ring.run(unit.numel, stored, out, apply, self._decoder, self._codec, weights, grads)
         if out is None:
             self.update_failed(unit)
             return
@@ -332,6 +342,19 @@ class OptimizerStates:
             fut, _ = self._write(unit, out, adopt=True)   # the written codes are the cache's, if kept
             self._writes.append(fut)
         self._stored(unit, out)
+
+    def _update_fused(self, kern, numel: int, stored, out, apply) -> None:
+        """The chunked update in one pass per chunk (``fused_update``): ``apply`` gets each
+        chunk's codes (a ``CodedChunk``) in place of its decoded moments, and AdamW
+        (``UnitRun.step``) runs the kernel on it -- decode, step and encode, block by block, in
+        this thread; no fp32 moments exist. The same chunks, so the same weights and codes, as
+        the ring's decode / AdamW / encode."""
+        for a, b in chunk_bounds(numel, self.chunk_numel):
+            chunk = fused_update.CodedChunk(kern, self.codec_name, fused_update.chunk_views(self.codecs, stored, a, b),
+                                            fused_update.chunk_views(self.codecs, out, a, b), a, b)
+            apply(a, b, chunk, chunk)
+            if not chunk.done:
+                raise RuntimeError("a fused update's apply did not step its chunk (UnitRun.step runs it)")
 
     def ranged_io(self) -> bool:
         """Whether chunked updates read and write the codes straight from and to their file on

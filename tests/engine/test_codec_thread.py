@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine import EngineConfig, StreamingEngine, fused_update
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
@@ -57,7 +57,8 @@ def test_ram_codec_threads_train_like_the_codec_in_line(codec, clip):
     cfg = dict(device="cpu", optimizer_compression=codec, weight_decay=0.01)
     ref = _in_line(StreamingEngine(copy.deepcopy(model), EngineConfig(**cfg)))
     e = StreamingEngine(model, EngineConfig(**cfg))
-    threads = set()
+    ref.states.fused = e.states.fused = False   # the ring's decode / AdamW / encode (the fused
+    threads = set()                              # kernel runs in the AdamW worker: test_fused_*)
     codec = e.states.codecs["exp_avg"]
     for name in ("encode", "decode"):
         def spy(*a, _f=getattr(codec, name), **k):
@@ -88,9 +89,10 @@ def test_a_failed_encode_behind_is_delivered_and_refuses_training(tmp_path, monk
     e.zero_grad()
     codec = e.states.codecs["exp_avg"]
 
-    def broken(x):
+    def broken(*a, **k):
         raise ValueError("cannot encode exp_avg with the int8 codec: it contains NaN or Inf")
     monkeypatch.setattr(codec, "encode", broken)
+    monkeypatch.setattr(fused_update.Kernels, "update", broken)   # (RAM: the fused kernel encodes)
     with pytest.raises(ValueError, match="NaN or Inf"):
         e.forward_backward(data[1], step_lr=1e-3, max_grad_norm=1.0)
         e.zero_grad()
@@ -98,3 +100,37 @@ def test_a_failed_encode_behind_is_delivered_and_refuses_training(tmp_path, monk
     with pytest.raises(RuntimeError, match="failed earlier"):
         e.forward_backward(data[2], step_lr=1e-3, max_grad_norm=1.0)
     e.close()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_fused_update_trains_like_the_ring(codec, clip):
+    """RAM states: the fused kernel's one pass per chunk (in the AdamW worker) against the ring's
+    decode (mtnb-decode) / torch's fused AdamW / encode (mtnb-encode): the same losses, weights
+    and stored codes, bit for bit."""
+    if fused_update.kernels() is None:
+        pytest.skip(f"no fused kernels here: {fused_update.disabled_reason()}")
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=3, hidden=64))
+    cfg = dict(device="cpu", optimizer_compression=codec, weight_decay=0.01)
+    ring = StreamingEngine(copy.deepcopy(model), EngineConfig(**cfg))
+    ring.states.fused = False
+    e = StreamingEngine(model, EngineConfig(**cfg))
+    stepped = []
+    real = fused_update.Kernels.update
+    data = _ids(5)
+    la = [ring.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip).loss for ids in data]
+    fused_update.Kernels.update = lambda self, *a, **k: stepped.append(a[1].numel()) or real(self, *a, **k)
+    try:
+        lb = [e.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip).loss for ids in data]
+        e.updates.wait_all()
+    finally:
+        fused_update.Kernels.update = real
+    assert lb == la
+    assert stepped and sum(stepped) == 5 * sum(u.numel for u in e.units if u.numel)
+    pr = dict(ring.named_parameters())
+    for n, p in e.named_parameters():
+        assert torch.equal(p, pr[n]), n
+    for u in e.units:
+        got, want = e.states.stored(u), ring.states.stored(u)
+        assert all(torch.equal(got[k], want[k]) for k in want), u.name
+    ring.close(); e.close()

@@ -231,3 +231,159 @@ def test_moments_full_of_zeros_and_tiny_blocks_encode_as_the_plain_formula(role)
     enc = codec.encode(x)
     assert torch.equal(enc["codes"], _plain_int8_codes(role, x))
     assert torch.equal(enc["scales"], x.view(-1, 256).abs().amax(dim=1))
+
+
+# ------------------------------------------------------------------ the fused kernels
+from megatrain_nb.engine import fused_update  # noqa: E402
+
+needs_kernels = pytest.mark.skipif(fused_update.kernels() is None,
+                                   reason=f"no fused kernels: {fused_update.disabled_reason()}")
+
+
+class _IeeeSqrt:
+    """torch's Tensor.sqrt / sqrt_ with the IEEE square root (numpy's) in place of MKL's."""
+
+    def __enter__(self):
+        import numpy as np
+
+        self.saved = torch.Tensor.sqrt, torch.Tensor.sqrt_
+        torch.Tensor.sqrt = lambda t: torch.from_numpy(np.sqrt(t.contiguous().numpy()))
+        torch.Tensor.sqrt_ = lambda t: t.copy_(torch.from_numpy(np.sqrt(t.contiguous().numpy())))
+
+    def __exit__(self, *exc):
+        torch.Tensor.sqrt, torch.Tensor.sqrt_ = self.saved
+
+
+def _hard_moments(numel, seed):
+    m, v = adam_moments(numel, seed=seed)
+    m[::13], v[::17] = 0.0, 0.0                     # scattered zeros
+    v[5::97] *= 1e-33                               # subnormals
+    if numel > 4096:
+        m[1024:2048], v[1024:2048] = 0.0, 0.0       # all-zero blocks
+        v[2048:2304] *= 1e-20                       # a block below 2**-60
+        m[2304:2560] *= 1e-25
+    return m, v
+
+
+@needs_kernels
+@pytest.mark.parametrize("name,role", QUANTISED)
+@pytest.mark.parametrize("numel", [1, 31, 257, 70_001, 1 << 20])
+def test_kernel_codes_are_the_torch_formula_with_ieee_roots_bit_for_bit(name, role, numel):
+    """The fused kernels compute the torch path's codes and scales op for op, with one
+    difference: the square root is the IEEE one (MKL's rounds ~0.5% of inputs one ulp low).
+    With that root in the torch path, codes and scales are equal bit for bit; decoding (no
+    root) is equal bit for bit as it is."""
+    codec = get_codec(name, role)
+    m, v = _hard_moments(numel, seed=numel)
+    x = m if role == "exp_avg" else v
+    got = codec.encode(x)
+    with _IeeeSqrt():
+        want = codec.encode_torch(x)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    today = codec.encode_torch(x)                   # MKL's roots: one level apart at most, rarely
+    d = (got["codes"].view(torch.uint8).to(torch.int32) - today["codes"].view(torch.uint8).to(torch.int32))
+    if codec.codes_per_byte == 2:
+        d = torch.stack([(got["codes"] & 15).int() - (today["codes"] & 15).int(),
+                         (got["codes"] >> 4).int() - (today["codes"] >> 4).int()])
+    assert int(d.abs().max()) <= 1 and int((d != 0).sum()) <= max(1, numel // 100_000)
+    assert torch.equal(got["scales"], today["scales"])
+    a, b = torch.empty(numel), torch.empty(numel)
+    assert torch.equal(codec.decode(today, a), codec.decode_torch(today, b))
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("decay_end", [0, 1000, 4096 + 5, 10_000])
+def test_fused_update_equals_decode_torch_adamw_encode(name, decay_end):
+    """One pass (decode, AdamW, encode) against the codecs around torch._fused_adamw_, called
+    as the engine calls it (split where weight decay stops): weights and codes bit for bit,
+    torch's scalar tail (numel % its vector width) included."""
+    n = 10_000 + 3
+    m, v = _hard_moments(n, seed=5)
+    g = torch.Generator().manual_seed(6)
+    p, grads = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3
+    codecs = {r: get_codec(name, r) for r in ROLES}
+    stored = {f"{r}.{k}": t for r, x in zip(ROLES, (m, v)) for k, t in codecs[r].encode(x).items()}
+    step, lr, wd = torch.tensor(7.0), 3e-3, 0.1
+    want_p, mm, vv = p.clone(), torch.empty(n), torch.empty(n)
+    for r, t in zip(ROLES, (mm, vv)):
+        codecs[r].decode({k: stored[f"{r}.{k}"] for k in ("codes", "scales")}, t)
+    for lo, hi, w in ((0, decay_end, wd), (decay_end, n, 0.0)):
+        if hi > lo:
+            torch._fused_adamw_([want_p[lo:hi]], [grads[lo:hi]], [mm[lo:hi]], [vv[lo:hi]], [], [step], lr=lr,
+                                beta1=0.9, beta2=0.95, weight_decay=w, eps=1e-8, amsgrad=False, maximize=False)
+    want = {f"{r}.{k}": t for r, x in zip(ROLES, (mm, vv)) for k, t in codecs[r].encode(x).items()}
+    k = fused_update.kernels()
+    got_p, out = p.clone(), {key: torch.empty_like(t) for key, t in stored.items()}
+    args = fused_update.adam_args(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=wd, step=7.0,
+                                  decay_end=decay_end, regions=[(0, decay_end), (decay_end, n)], width=k.width)
+    k.update(name, got_p, grads, stored, out, 0, args)
+    assert torch.equal(got_p, want_p)
+    for key in want:
+        assert torch.equal(out[key], want[key]), key
+    k.update(name, p.clone(), grads, stored, stored, 0, args)     # in place: the same codes
+    assert all(torch.equal(stored[key], want[key]) for key in want)
+
+
+@needs_kernels
+def test_kernel_adamw_equals_torch_fused_adamw_and_optim_adamw():
+    k = fused_update.kernels()
+    for n in (1, 7, 1000, 4099):
+        g = torch.Generator().manual_seed(n)
+        p, grads = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
+        m, v = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-4
+        ref = [t.clone() for t in (p, m, v)]
+        torch._fused_adamw_([ref[0]], [grads], [ref[1]], [ref[2]], [], [torch.tensor(4.0)], lr=1e-3, beta1=0.9,
+                            beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        got = [t.clone() for t in (p, m, v)]
+        k.adamw(got[0], grads, got[1], got[2], 0, fused_update.adam_args(
+            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=4.0, decay_end=n,
+            regions=[(0, n)], width=k.width))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), n
+        param = torch.nn.Parameter(p.clone())        # torch.optim.AdamW: within fp32 rounding
+        opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01)
+        for _ in range(4):
+            param.grad = grads.clone()
+            opt.step()
+        got = p.clone()
+        mm, vv = torch.zeros(n), torch.zeros(n)
+        for s in range(1, 5):
+            k.adamw(got, grads, mm, vv, 0, fused_update.adam_args(
+                lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=float(s), decay_end=n,
+                regions=[(0, n)], width=k.width))
+        assert torch.allclose(got, param.detach(), rtol=0, atol=1e-6)
+
+
+def test_torch_path_is_the_fallback_and_says_why():
+    with fused_update.torch_path():
+        assert fused_update.kernels() is None and "torch_path" in fused_update.disabled_reason()
+        codec = get_codec("int8", "exp_avg_sq")
+        _, v = adam_moments(1000)
+        assert torch.equal(codec.encode(v)["codes"], codec.encode_torch(v)["codes"])
+
+
+@needs_kernels
+def test_the_portable_build_computes_what_the_simd_build_does(tmp_path):
+    """The kernels' AVX-512 paths (int4 levels by lane permute, nibble packing) against their
+    plain C fallbacks (-DMT_NO_SIMD, what a CPU without AVX-512 runs)."""
+    import ctypes
+    import subprocess
+
+    src = tmp_path / "k.c"
+    src.write_text(fused_update.SOURCE)
+    so = tmp_path / "k.so"
+    cc = fused_update.kernels().compiler
+    subprocess.run([cc, *fused_update.FLAGS, "-DMT_NO_SIMD", "-o", str(so), str(src), "-lm"], check=True)
+    plain = fused_update.Kernels(ctypes.CDLL(str(so)), str(so))
+    m, v = _hard_moments(70_001, seed=9)
+    for name, role in QUANTISED:
+        x = m if role == "exp_avg" else v
+        codec = get_codec(name, role)
+        want = codec.encode(x)
+        got = {k: torch.empty_like(t) for k, t in want.items()}
+        assert plain.encode(name, role, x, got["codes"], got["scales"]) == 0
+        assert all(torch.equal(got[k], want[k]) for k in want), (name, role)
+        a = torch.empty(x.numel())
+        plain.decode(name, role, want["codes"], want["scales"], a)
+        assert torch.equal(a, codec.decode(want, torch.empty(x.numel())))

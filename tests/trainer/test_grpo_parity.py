@@ -32,12 +32,19 @@ def tiny_model(tok):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def prompts():
-    return datasets.Dataset.from_list([{"prompt": f"{a} plus {b} is"} for a, b in zip(WORDS[:8], WORDS[2:10])])
+def prompts(conversational: bool = False):
+    rows = [f"{a} plus {b} is" for a, b in zip(WORDS[:8], WORDS[2:10])]
+    if conversational:   # the tokenizer's chat template, the completions as assistant messages
+        return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r}]} for r in rows])
+    return datasets.Dataset.from_list([{"prompt": r} for r in rows])
+
+
+def _text(c):
+    return c[0]["content"] if isinstance(c, list) else c
 
 
 def reward_yes(completions, **kw):
-    return [float(c.split().count("yes")) for c in completions]
+    return [float(_text(c).split().count("yes")) for c in completions]
 
 
 def reward_short(completion_ids, **kw):
@@ -64,7 +71,7 @@ def _recording(model, sink: list):
     model.generate = generate
 
 
-def run_trl(tmp_path, model, tok, funcs, **kw):
+def run_trl(tmp_path, model, tok, funcs, conversational=False, **kw):
     args = config(tmp_path / "trl", **kw)
     if args.beta:   # TRL builds its reference from the policy's folder
         folder = tmp_path / "policy"
@@ -77,12 +84,13 @@ def run_trl(tmp_path, model, tok, funcs, **kw):
     _recording(policy, gens)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        t = trl.GRPOTrainer(model=policy, reward_funcs=funcs, args=args, train_dataset=prompts(), processing_class=tok)
+        t = trl.GRPOTrainer(model=policy, reward_funcs=funcs, args=args, train_dataset=prompts(conversational),
+                            processing_class=tok)
         t.train()
     return gens, [r for r in t.state.log_history if "loss" in r], dict(t.model.named_parameters())
 
 
-def run_mt(tmp_path, model, tok, funcs, **kw):
+def run_mt(tmp_path, model, tok, funcs, conversational=False, **kw):
     gens: list = []
     import megatrain_nb.trainer.grpo_rollout as rollout
 
@@ -97,7 +105,7 @@ def run_mt(tmp_path, model, tok, funcs, **kw):
     rollout.ResidentPolicy.generate = generate
     try:
         t = mt.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=funcs, args=config(tmp_path / "mt", **kw),
-                           train_dataset=prompts(), processing_class=tok, device="cpu")
+                           train_dataset=prompts(conversational), processing_class=tok, device="cpu")
         t.train()
         weights = {n: w.clone() for n, w in t.engine.named_parameters()}
         t.close()
@@ -124,7 +132,8 @@ CASES = {"default_dapo_beta0": dict(),
          "grpo_beta004": dict(beta=0.04, loss_type="grpo"),
          "two_iterations": dict(num_iterations=2),
          "accumulation_2_steps_per_generation_2": dict(gradient_accumulation_steps=2, steps_per_generation=2,
-                                                       per_device_train_batch_size=2, loss_type="bnpo")}
+                                                       per_device_train_batch_size=2, loss_type="bnpo"),
+         "conversational": dict(conversational=True)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

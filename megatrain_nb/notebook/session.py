@@ -25,51 +25,21 @@ import time
 from typing import Any, Optional
 
 from megatrain_nb.commands import check_command
-from megatrain_nb.learning_rate import LearningRate
 from megatrain_nb.threads import SESSION, thread_name
 from . import registry
 from .branches import Explorer
 from .controls import SessionControls
 from .display_mode import in_kernel, resolve_mode
-from .forwarding import Forward
 from .lifecycle import ENDED, LIVE
 from .run_state import Order, RunState, TrainerLike  # noqa: F401 - re-exported
 from .samples import Samples
 from .sample_watch import SampleWatch
+from .session_readout import SessionReadout
 from .session_view import SessionView
-from .snapshot_table import SnapshotTable
 from .thread_run import ThreadRun
 
 
-#: What the Session's attributes that are its parts' mean (``help(Session.state)``).
-_FORWARDED = dict(line.split(": ", 1) for line in """
-state: "idle" | "running" | "paused" | "stopped" | "finished" | "failed".
-step: Optimizer steps done.
-history: One record per optimizer step (step, loss, lr, tokens_per_s, memory, ...).
-events: Interventions in order: pause, resume, lr, checkpoint, stop, error (each with its step).
-run_log: The thread-safe log of records and events the dashboard and reports read.
-error: The exception that ended a failed run (None otherwise); ``wait()`` re-raises it.
-error_traceback: The training thread's formatted traceback when the run failed, else None.
-released: True once the engine is released (device memory, threads, disk files): nothing left to checkpoint, \
-sample or inspect.
-requested_lr: A value given to ``set_lr`` (by code, magic, widget, inbox or sidebar) that no step has used yet, or None \
-(``learning_rate.requested``).
-lr: The learning rate the dashboard's field shows: a pending ``set_lr``, else the latest step's (``learning_rate.shown``).
-tokenizer: The tokenizer ``generate`` and text datasets use (None if there is none).
-publisher: The publisher pushing this run to the notebook display, while one is shown (else None).
-explorer: This run's snapshots and branches (``branches.Explorer``).
-snapshots: The snapshots this run can rewind to (checkpoints count): step, time, branch, path, bytes unique / \
-shared.
-prediction: The predicted step of the trainer's plan (``mt.Trainer.prediction``: a StepPrediction, or None \
-without measured rates).
-""".strip().splitlines())
-
-
-def _forward(path: str, **kw: Any) -> Forward:
-    return Forward(path, docs=_FORWARDED, **kw)
-
-
-class Session:
+class Session(SessionReadout):
     """A training run driven from a notebook (see the module docstring).
 
     ``model``: a transformers ``*ForCausalLM`` (possibly on the meta device), a local model
@@ -194,76 +164,6 @@ class Session:
         if run is not None and name in run.public:
             return getattr(run, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    # ---- what the run looks like (its parts' attributes: forwarding.Forward; their help: _FORWARDED) ----
-    state = _forward("_status.state")
-    step = _forward("_status.step")
-    history = _forward("_status.log.records", call=True)
-    events = _forward("_status.log.events", call=True)
-    run_log = _forward("_status.log")
-    error = _forward("_status.error")
-    error_traceback = _forward("_status.error_traceback")
-    released = _forward("_status.released")
-    requested_lr = _forward("learning_rate.requested")
-    lr = _forward("learning_rate.shown")
-
-    @property
-    def trainer(self) -> Any:
-        """The trainer the session drives (an ``mt.Trainer`` unless built ``from_trainer``; None when
-        the ranks train in worker processes). Its ``save_model()``/``save_checkpoint()`` save this
-        branch's weights: a shared engine holding another branch's is switched back first."""
-        return self._trainer
-    tokenizer = _forward("_tokenizer", settable=True)
-    publisher = _forward("_view.live", settable=True)
-    explorer = _forward("_explore")
-    snapshots = _forward("_explore.snapshots", call=True, wrap=SnapshotTable)
-    prediction = _forward("_trainer.prediction")
-
-    @property
-    def total_steps(self) -> Optional[int]:
-        """Optimizer steps the run plans (None when the trainer cannot tell)."""
-        return self._run.total_steps()
-
-    @property
-    def samples(self) -> list[dict]:
-        """What ``generate`` produced: {"step", "prompt", "text"}."""
-        return list(self._samples.drawn)
-
-    @property
-    def wall_time_s(self) -> Optional[float]:
-        """Seconds from ``train()`` to the end of the run (to its latest step while it runs);
-        None before ``train()``."""
-        st = self._status
-        if st.started_at is None:
-            return None
-        end = st.ended_at or st.log.last_record().get("time", st.started_at)
-        return end - st.started_at
-
-    @property
-    def engine(self) -> Any:
-        """The trainer's StreamingEngine (None for a trainer without one). Read from the notebook,
-        it holds this branch's weights (see ``trainer``)."""
-        self._own_weights("session.engine")
-        return getattr(self._trainer, "engine", None)
-
-    def _own_weights(self, what: str, strict: bool = False) -> None:
-        """(Notebook thread) this branch's weights in the engine before ``what`` reads them
-        (``Explorer.hold_weights``); other threads (dashboard, training) never switch."""
-        if threading.current_thread() is threading.main_thread() and "_explore" in self.__dict__:
-            self._explore.hold_weights(what, strict=strict)
-
-    @property
-    def learning_rate(self) -> LearningRate:
-        """The run's learning rate, the one value every view reads: ``.last`` (the latest step's;
-        the configured rate before the first step), ``.requested`` (a set_lr no step has used
-        yet, or None), ``.applies_at`` (the step it applies to); ``.shown`` is the first of
-        ``requested`` and ``last`` (what ``session.lr`` returns)."""
-        return self._status.learning_rate(self._run.configured_lr())
-
-    @property
-    def diverged(self) -> bool:
-        """True when the run stopped on a NaN/inf loss or gradient (see ``on_nonfinite``)."""
-        return _is_divergence(self._status.error)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def train(self, block: bool = False, dashboard: Any = None) -> None:
@@ -503,13 +403,6 @@ class Session:
             return
         self._status.released = True
         self._run.release()
-
-
-def _is_divergence(error) -> bool:
-    from ..engine.finite import NonFiniteError
-    from ..trainer.recovery import RecoveryError
-
-    return isinstance(error, (NonFiniteError, RecoveryError))
 
 
 def _path_text(path: Any) -> Any:

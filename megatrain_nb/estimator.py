@@ -14,7 +14,10 @@ no limit (the table then shows what is needed). The numbers come from the engine
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import html
+import inspect
 import math
 import os
 import shutil
@@ -311,7 +314,44 @@ class Estimate:
                 + "</div>")
 
 
-def estimate(model, *, vram_gb: Budget = 80, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,
+#: keywords people reach for, by the name ``estimate`` has for them (the engine's and the CLI's words)
+_KEYWORD_NAMES = {"vram": "vram_gb", "max_vram_gb": "vram_gb", "gpu_gb": "vram_gb", "ram": "ram_gb",
+                  "max_host_gb": "ram_gb", "host_gb": "ram_gb", "disk": "disk_gb", "seq_len": "seq",
+                  "seq_length": "seq", "max_seq_length": "seq", "batch_size": "batch",
+                  "gradient_accumulation_steps": "accumulation", "optimizer_compression": "compression"}
+ASSUMED_DEVICE_GB = 80   # estimate's vram_gb when none is given
+
+
+def _words_first(fn):
+    """``estimate``'s entry: an unknown keyword is refused with the name it has here
+    (``vram=80`` -> ``vram_gb``), before anything is resolved; without ``vram_gb`` on a machine
+    without a GPU, the estimate says which device budget it assumed."""
+    params = inspect.signature(fn).parameters
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        for k in kwargs:
+            if k not in params:
+                near = _KEYWORD_NAMES.get(k) or next(iter(difflib.get_close_matches(k, list(params), n=1)), None)
+                hint = f"did you mean {near}={kwargs[k]!r}? " if near else ""
+                raise TypeError(f"mt.estimate() got an unknown keyword {k}={kwargs[k]!r}: {hint}It takes "
+                                f"{', '.join(p for p in params if p != 'model')}")
+        est = fn(*args, **kwargs)
+        if "vram_gb" not in kwargs and not _has_gpu():
+            est.notes.insert(0, f"device budget: {ASSUMED_DEVICE_GB} GiB assumed (vram_gb's default): this machine "
+                                "has no GPU; pass vram_gb= the memory of the GPU you will train on")
+        return est
+    return entry
+
+
+def _has_gpu() -> bool:
+    import torch   # (the engine's planner has imported it by now)
+
+    return torch.cuda.is_available()
+
+
+@_words_first
+def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "auto", disk_gb: Budget = "auto", batch: int = 1,
              seq: int = 2048, compression=True, precision: str = "fp32", checkpoint_interval: Optional[int] = 1,
              offload_dir: Union[bool, str, None] = True, device: str = "cuda", world: int = 1,
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,

@@ -14,6 +14,7 @@ Example::
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -123,6 +124,7 @@ def _by_name(name: str, revision, token, base, hub: bool) -> ModelSource:
         return ModelSource("folder" if path.is_dir() else "file", name, folder=str(path))
     if is_preset(name):
         return ModelSource("preset", name)
+    _refuse_near_preset(name)
     if not hub:
         raise ValueError(f"{name!r} is neither a preset ({', '.join(preset_names())}) nor an existing model folder "
                          "or config file")
@@ -131,6 +133,20 @@ def _by_name(name: str, revision, token, base, hub: bool) -> ModelSource:
     except ModelNotFoundError as e:
         raise ModelNotFoundError(f"{e}; or a preset: {', '.join(preset_names())}") from e
     return ModelSource("hub", name, folder=folder, revision=revision)
+
+
+def _refuse_near_preset(name: str) -> None:
+    """A name one slip away from a preset ("tinyy", "Tiny", "llama7b") is refused here, before
+    any Hub request: a typo gets "did you mean" and the presets, not a network error. Names with
+    an organisation ("org/name") are Hub ids and go on."""
+    if "/" in name or os.sep in name:
+        return
+    presets = preset_names()
+    near = [p for p in presets if p.lower() == name.lower() or p.replace("-", "") == name.lower().replace("-", "")]
+    near = near or difflib.get_close_matches(name.lower(), presets, n=1, cutoff=0.75)
+    if near:
+        raise ModelNotFoundError(f"model={name!r} is not a preset: did you mean {near[0]!r}? The presets: "
+                                 f"{', '.join(presets)}; or pass a local model folder or a Hub id ('org/name')")
 
 
 def _config_file(path: str):

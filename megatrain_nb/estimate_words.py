@@ -19,8 +19,10 @@ def positive_int(s: str) -> int:
         v = int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"takes a whole number >= 1, not {s[:40]!r}") from None
-    if not 1 <= v <= MAX_INT:
-        raise argparse.ArgumentTypeError(f"takes a whole number >= 1 and <= 2**63-1, not {s[:40]!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, not {s[:40]!r}")
+    if v > MAX_INT:
+        raise argparse.ArgumentTypeError(f"takes a whole number <= 2**63-1, not one of {len(s)} digits")
     return v
 
 

@@ -454,3 +454,21 @@ def test_the_dist_timeout_variable_is_named_with_its_range(monkeypatch, text):
     assert default_timeout_s() == 30.0 and Dist(None, device="cpu", _single=True).timeout_s == 30.0
     monkeypatch.delenv("MEGATRAIN_DIST_TIMEOUT_S")
     assert default_timeout_s() == 600.0
+
+
+@pytest.mark.parametrize("field,value", [("beta", -0.5), ("beta", 0), ("beta", None), ("beta", "abc"), ("beta", HUGE),
+                                         ("beta", math.inf), ("label_smoothing", math.nan), ("label_smoothing", -1),
+                                         ("label_smoothing", 2), ("label_smoothing", "abc"), ("label_smoothing", 0.5),
+                                         ("loss_type", [])])
+def test_issue_44s_dpo_values_are_refused_when_the_trainer_is_built(chat, tmp_path, field, value):
+    """beta=-0.5 trained toward the rejected answers, beta=0 trained nothing, label_smoothing=0.5 with
+    'robust' gave NaN at step 1, loss_type=[] failed at step 1; the rest failed after the reference pass."""
+    from megatrain_nb.trainer.dpo import DPOTrainer
+    from tests.trainer.dpo_helpers import dpo_config
+
+    model, tok, rows = chat
+    config = dpo_config(tmp_path, loss_type=["robust"] if field == "label_smoothing" else ["sigmoid"])
+    setattr(config, field, value)
+    with pytest.raises(ValueRefused, match=rf"DPOConfig\.{field}=.*: {rule(values.row_name(field, 'dpo'))[:20]}"):
+        DPOTrainer(model=model, args=config, train_dataset=rows, processing_class=tok, device="cpu")
+    assert not (tmp_path / "reference_logps").exists()

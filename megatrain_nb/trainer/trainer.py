@@ -86,6 +86,17 @@ def _derived_engine_options(args) -> dict:
             if any(getattr(args, f) != defaults[f] for f in fields_of[k])}
 
 
+def data_row_tokens(dataset, sample: int = 64) -> Optional[int]:
+    """The longest ``input_ids`` of a tokenized dataset's first ``sample`` rows (they train as they
+    are: the plan and the prediction are made for them, not for a default length); None for text
+    rows (packed to ``seq_len``), an iterable dataset or anything else."""
+    try:
+        lengths = [len(dataset[i]["input_ids"]) for i in range(min(len(dataset), sample))]
+    except (TypeError, KeyError, IndexError, AttributeError, ValueError):
+        return None
+    return max(lengths) if lengths else None
+
+
 def run_workload(args, seq_len: Optional[int]) -> Workload:
     """What a run's steps train on, for the planner's predicted pick (a row of ``seq_len``, else
     1024 tokens, which the engine cuts to the model's positions as _default_seq_len does)."""
@@ -127,7 +138,8 @@ class Trainer:
         source = resolve(model, revision=revision, token=token)   # a Hub id -> its cached folder
         if isinstance(model, (str, os.PathLike)):
             model = source.need_folder("mt.Trainer")
-        self.model, self._engine = self._build_engine(model, engine_options, seq_len)
+        self._rows_seq = seq_len or data_row_tokens(train_dataset)   # what the plan and prediction price
+        self.model, self._engine = self._build_engine(model, engine_options, self._rows_seq)
         # The engine this Trainer built is its own: released with it (close(), the with block,
         # or when the Trainer is collected, e.g. after a failed train() and `del trainer`).
         self._finalizer = (weakref.finalize(self, _release_engine, self._engine)
@@ -240,7 +252,7 @@ class Trainer:
         from megatrain_nb.engine.prediction_check import engine_prediction
 
         a = self.args
-        work = Workload(batch=a.per_device_train_batch_size, seq=self.seq_len,
+        work = Workload(batch=a.per_device_train_batch_size, seq=self._rows_seq or self.seq_len,
                         accumulation=a.gradient_accumulation_steps,
                         clipped=bool(a.max_grad_norm and a.max_grad_norm > 0))
         return engine_prediction(self.engine, work)

@@ -274,3 +274,24 @@ def test_without_a_device_budget_a_pick_never_grows_the_device_working_set(cache
     monkeypatch.setenv(plan_pick.PLAN_BY_ENV, "rules")
     (r4, _), (r16, _) = peak(4), peak(16)
     assert p4 <= r4 * 1.01 and p16 <= r16 * 1.01, (p4, r4, p16, r16)
+
+
+def test_a_trainer_on_tokenized_rows_plans_and_predicts_for_the_rows_the_data_has():
+    """No seq_len, rows of 24 tokens: the plan's workload and the prediction are for 24-token rows
+    (the issue's run planned and predicted 1024-token rows, 10x the step it measured)."""
+    from transformers import TrainingArguments
+
+    import megatrain_nb as mt
+    from megatrain_nb.trainer.trainer import data_row_tokens
+
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=1,
+                             report_to=[], save_strategy="no")
+    data = [{"input_ids": list(range(i, i + 20 + i % 5))} for i in range(12)]
+    assert data_row_tokens(data) == 24 and data_row_tokens([{"text": "a b"}]) is None
+    tr = mt.Trainer(model=AutoModelForCausalLM.from_config(CONFIG), train_dataset=data, args=args, device="cpu",
+                    rates=SLOW_COMPUTE)
+    try:
+        assert tr.engine.workload.seq == 24 and "2 x 24 tokens" in tr.engine.plan.chosen_by
+        assert tr.prediction.tokens_per_step == 2 * 24
+    finally:
+        tr.close()

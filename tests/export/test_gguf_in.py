@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import megatrain_nb as mt  # noqa: E402
 from megatrain_nb.cli import main as cli_main  # noqa: E402
+from megatrain_nb.cli.config import model_source  # noqa: E402
 from megatrain_nb.export.gguf_out import check_arch  # noqa: E402
 from megatrain_nb.gguf_in import ORIGIN_FILE, load_plain  # noqa: E402
 from megatrain_nb.model_source import resolve  # noqa: E402
@@ -60,6 +62,8 @@ def test_a_gguf_resolves_without_loading_and_says_its_quantization(gguf_file, tm
     assert not (tmp_path / "cache").exists()   # nothing converted for a config or an estimate
     folder = src.need_folder()
     assert os.path.isfile(os.path.join(folder, ORIGIN_FILE)) and src.need_folder() == folder   # once
+    got, text = model_source({"model": os.path.basename(path)}, Path(path).parent)   # run.yaml's model:
+    assert got == folder and "dequantized from Q8_0" in text
 
 
 @pytest.mark.slow

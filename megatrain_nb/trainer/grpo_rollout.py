@@ -85,10 +85,12 @@ class ResidentPolicy:
         """The engine's weights copied in (once per ``version``: the optimizer step they are from)."""
         if version == self.version:
             return
+        if self.version is None:   # generation runs where the engine computes
+            self.model.to(getattr(engine, "device", "cpu"))
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, w in engine.named_parameters():
-                params[name].copy_(w)
+                params[name].copy_(w, non_blocking=False)
         self.model.tie_weights()
         self.version = version
 
@@ -96,8 +98,9 @@ class ResidentPolicy:
     def generate(self, prompt_ids: List[List[int]], config, pad_id: int, eos_ids: List[int]) -> List[List[int]]:
         """Each prompt's completion ids, cut after the first end-of-sequence id (TRL's rule)."""
         ids, mask = left_pad(prompt_ids, pad_id)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        comp = out[:, ids.shape[1]:]
+        dev = next(self.model.parameters()).device
+        out = self.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=config)
+        comp = out[:, ids.shape[1]:].cpu()
         is_eos = torch.isin(comp, torch.tensor(eos_ids))
         eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
         any_eos = is_eos.any(dim=1)

@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from concurrent.futures import Future
 from typing import Callable, Dict, Optional
 
@@ -237,25 +238,49 @@ class LoadUndone(RuntimeError):
 def load_keeping(engine, path, load: Callable[[str], None]) -> None:
     """``load(path)`` (under ``engine.lock``, the folder checked whole before) so that a failure
     part way never leaves a mixture: the live state is set aside first (:func:`_set_aside`) and
-    put back when the load fails, which then raises :class:`LoadUndone` naming the cause. Where
-    nothing can be kept (several ranks, an engine that already failed or never stepped) or
+    put back when the load fails, which then raises :class:`LoadUndone` naming the cause. An
+    engine that holds ``path``'s state already, unchanged since it loaded it (a rewind's restart
+    loads its snapshot again), needs nothing set aside: a part of it loaded again is the same.
+    Where nothing can be kept (several ranks, an engine that already failed or never stepped) or
     putting back fails too, the failure is recorded as a torn load, as before: nothing trains,
     saves or reads weights on the mixture until a load succeeds."""
     path = os.fspath(path)
-    kept = _set_aside(engine, path)
+    same = _holds(engine, path)
+    kept = None if same else _set_aside(engine, path)
     try:
         load(path)
     except BaseException as e:
-        if kept is None or not _put_back(engine, kept):
+        _LOADED.pop(engine, None)
+        if not same and (kept is None or not _put_back(engine, kept)):
             engine.updates.outcome.record_failure(TornLoad(path, e))
             raise
         if not isinstance(e, Exception):
-            raise   # (an interrupt: the state was put back; it goes on as it is)
+            raise   # (an interrupt: the state is the one before; it goes on as it is)
+        if same:
+            _LOADED[engine] = (os.path.realpath(path), _steps(engine))
         raise LoadUndone(f"loading {path!r} failed part way ({type(e).__name__}: {e}); the state from before "
                          "the load was put back, so the run goes on from where it was") from e
+    else:
+        _LOADED[engine] = (os.path.realpath(path), _steps(engine))
     finally:
         if kept is not None:
             shutil.rmtree(kept, ignore_errors=True)
+
+
+#: engine -> (the folder it loaded last, its AdamW step counts then): while they are unchanged
+#: (no update since), the engine holds that folder's state
+_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _steps(engine) -> dict:
+    return {k: float(t.reshape(-1)[0]) for k, t in engine.adam.state_dict().items()}
+
+
+def _holds(engine, path: str) -> bool:
+    """Whether ``engine`` holds ``path``'s state, unchanged since it loaded it."""
+    last = _LOADED.get(engine)
+    return last is not None and last[0] == os.path.realpath(path) and last[1] == _steps(engine) \
+        and engine.updates.outcome.failed is None
 
 
 def _set_aside(engine, path: str) -> Optional[str]:
@@ -269,7 +294,7 @@ def _set_aside(engine, path: str) -> Optional[str]:
     outcome = engine.updates.outcome
     if outcome.failed is not None or outcome.nonfinite is not None:
         return None   # the live state is already a mixture or diverged: the load repairs it
-    if all(int(t.reshape(-1)[0]) == 0 for t in engine.adam.state_dict().values()):
+    if not any(_steps(engine).values()):
         return None   # no update was ever applied: the live state is the model it was built from
     where = engine.disk.path if engine.disk is not None else os.path.dirname(os.path.abspath(path))
     kept = tempfile.mkdtemp(prefix=f"{KEPT_PREFIX}{os.getpid()}-", dir=where)

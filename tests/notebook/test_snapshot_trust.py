@@ -97,9 +97,10 @@ def test_a_rewind_to_a_rotted_snapshot_keeps_the_live_state_and_trains_on(tmp_pa
         pause.armed = True
         s.train()
         end = time.monotonic() + BOUND
-        while not (s.state == "paused" and s.step == 6):
+        while not (s.state == "paused" and s.step == 6 and s.history and s.history[-1]["step"] == 6):
             assert time.monotonic() < end and s.state in ("running", "paused"), (s.state, s.step)
             time.sleep(0.05)
+        s.trainer.wait_snapshot()                     # (step 6's, completing in the background)
         before = _everything(s)
         snap = [i for i in s.snapshots if i.step == 2 and not i.damaged][0]
         for pattern in ("disk/adam-00001*", "disk/weights-00002*"):

@@ -84,19 +84,31 @@ function path(xs, ys, sx, sy, step = false) {
   return d;
 }
 
-// x tick labels that fit: centred, clamped into [left, right], dropped when they would touch
+// x tick labels that fit: centred under their tick; one that would cross an edge of
+// [left, right] is anchored at that edge ("end" at the right: its last digit is inside the box
+// whatever width the browser's font gives it); dropped when it would touch the one before
 function xTicks(g, values, sx, y, left, right) {
   let end = -Infinity, last = null;
   for (const v of values) {
     const text = fmtStep(v), w = textWidth(text);
     if (text === last) continue;   // two ticks that read the same say nothing
     last = text;
-    let x = sx(v) - w / 2;
-    x = Math.max(left, Math.min(right - w, x));
-    if (x < end + 8) continue;
-    label(g, x, y, text, { cls: "mtnb-chart-label mtnb-chart-xtick" });
-    end = x + w;
+    const c = sx(v);
+    const at = c + w / 2 > right ? "end" : c - w / 2 < left ? "start" : "middle";
+    const x0 = at === "end" ? right - w : at === "start" ? left : c - w / 2;
+    if (x0 < end + 8) continue;
+    label(g, at === "end" ? right : at === "start" ? left : c, y, text,
+          { anchor: at, cls: "mtnb-chart-label mtnb-chart-xtick" });
+    end = x0 + w;
   }
+}
+
+// A panel's y ticks: its fixed ``range`` where it has one (a share: 0 to 1), else the data's
+// extent padded, from zero when the values never go below it (``zero: false`` leaves it out)
+function panelTicks(p, yr) {
+  if (Array.isArray(p.range) && p.range.length === 2) return ticks(p.range[0], p.range[1], 4);
+  const padY = (yr[1] - yr[0]) * 0.05 || Math.abs(yr[1]) * 0.05 || 0.5;
+  return ticks(yr[0] >= 0 && p.zero !== false ? Math.max(0, yr[0] - padY) : yr[0] - padY, yr[1] + padY, 4);
 }
 
 // Marker labels in rows above the plot: each goes in the first row where it does not touch
@@ -211,7 +223,7 @@ function drawTraining(root, spec, width) {
   }
   node("path", { d: path(lr.x, lr.y, sx, sy2, true), fill: "none", "stroke-width": 1.8 }, g2).style.stroke = "var(--mtnb-c3)";
   node("line", { x1: left, x2: right, y1: b2, y2: b2 }, svg2).style.stroke = AXIS;
-  xTicks(g2, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90)), 1).filter(v => v >= x0 && v <= x1), sx, b2 + 15, 0, width);
+  xTicks(g2, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90)), 1).filter(v => v >= x0 && v <= x1), sx, b2 + 15, 2, width - 2);
   node("title", {}, svg2).textContent = "learning rate by optimizer step";
 }
 
@@ -302,15 +314,14 @@ function drawPanels(root, spec, width) {
     }
     const format = p.bytes ? fmtBytes : fmt;
     const yr = extent(series.map(s => s.y).concat([(p.points || []).map(q => q.y)]));
-    const padY = (yr[1] - yr[0]) * 0.05 || Math.abs(yr[1]) * 0.05 || 0.5;
-    const yt = ticks(yr[0] >= 0 && p.zero !== false ? Math.max(0, yr[0] - padY) : yr[0] - padY, yr[1] + padY, 4);
+    const yt = panelTicks(p, yr);
     const left = 10 + Math.max(...yt.map(v => textWidth(format(v))), 24), right = pw - 8, top = 6, bottom = ph - 22;
     const sx = v => left + (v - x0) / (x1 - x0) * (right - left);
     const sy = v => bottom - (v - yt[0]) / ((yt[yt.length - 1] - yt[0]) || 1) * (bottom - top);
     const g = node("g", {}, svg);
     yAxis(g, yt, sy, left, right, format);
     node("line", { x1: left, x2: right, y1: bottom, y2: bottom }, g).style.stroke = AXIS;
-    xTicks(g, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90)), 1).filter(v => v >= x0 && v <= x1), sx, bottom + 15, 0, pw);
+    xTicks(g, ticks(x0, x1, Math.max(2, Math.floor((right - left) / 90)), 1).filter(v => v >= x0 && v <= x1), sx, bottom + 15, 2, pw - 2);
     for (const s of series) {
       if (s.mode !== "points") {
         node("path", { d: path(s.x, s.y, sx, sy, !!s.step), fill: "none", "stroke-width": 1.6, class: "mtnb-series" }, g).style.stroke = s.color;

@@ -50,7 +50,7 @@ def reward_spec(records: list, height: int = 150, max_points: int = 400) -> dict
     return {"kind": "panels", "columns": 2, "height": height,
             "panels": [{"title": "reward margin", "zero": False, "note": "no DPO step logged yet",
                         "series": [{"name": "reward margin", "color": "#3b7dd8", "x": s["x"], "y": s["margin"]}]},
-                       {"title": "reward accuracy", "note": "no DPO step logged yet",
+                       {"title": "reward accuracy", "note": "no DPO step logged yet", "range": [0, 1],
                         "series": [{"name": "reward accuracy", "color": "#2a9d5c", "x": s["x"],
                                     "y": s["accuracy"]}]}]}
 

@@ -19,15 +19,27 @@ PANELS = (("loss", "loss"), ("eval_loss", "eval loss"), ("lr", "learning rate"),
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
 
 
-def label(run: dict) -> str:
-    """The branch's legend line: its name, where it came from, what changed."""
+def label(run: dict, drawn_from_fork: bool = True) -> str:
+    """The branch's legend line: its name, where it came from, what changed. "from step N" where
+    its line starts at its fork (its parent drawn beside it); "forked at step N" where the
+    steps it shares with its parent are drawn too (the parent is not in the figure)."""
     text = str(run.get("name") or run.get("run_id"))
     at = run.get("forked_at_step")
     if at is not None:
-        text += f" (from step {at})"
+        text += f" (from step {at})" if drawn_from_fork else f" (forked at step {at})"
     if run.get("changes"):
         text += f": {run['changes']}"
     return text
+
+
+def own_records(run: dict, by_id: dict) -> tuple:
+    """(the records to draw for ``run``, whether they start at its fork): a branch whose parent is
+    drawn too starts at its fork step (the steps before are its parent's, on the parent's line)."""
+    recs = run.get("records") or []
+    at = run.get("forked_at_step")
+    if at is None or run.get("parent_run_id") not in by_id:
+        return recs, at is None
+    return [r for r in recs if r.get("step") is not None and r["step"] >= at], True
 
 
 def run_tree_figure(runs: list[dict], *, height: int = 520, max_points: int = 600,
@@ -37,8 +49,8 @@ def run_tree_figure(runs: list[dict], *, height: int = 520, max_points: int = 60
     by_id = {r.get("run_id"): r for r in runs}
     for i, run in enumerate(runs):
         color = COLORS[i % len(COLORS)]
-        recs = run.get("records") or []
-        name = label(run)
+        recs, from_fork = own_records(run, by_id)
+        name = label(run, from_fork)
         for k, (key, _) in enumerate(PANELS):
             x, y = _series(recs, key)
             if key != "eval_loss":
@@ -59,16 +71,35 @@ def run_tree_figure(runs: list[dict], *, height: int = 520, max_points: int = 60
                                                      line=dict(width=1, color="black")),
                                          hovertext=f"{run.get('name')} forks here", hoverinfo="text"),
                               row=1, col=1)
-    for k, (key, text) in enumerate(PANELS):   # a panel no run has data for says why it is empty
-        if not any(_has(run.get("records") or [], key) for run in runs):
-            ref = "" if k == 0 else str(k + 1)
-            fig.add_annotation(text=f"no {text} logged" + (" (no eval set)" if key == "eval_loss" else ""),
-                               xref=f"x{ref} domain", yref=f"y{ref} domain", x=0.5, y=0.5, showarrow=False,
-                               font=dict(color="#888"))
+    _fix_ranges(fig, runs)
     fig.update_layout(height=height, margin=dict(l=50, r=20, t=60 if title else 30, b=40),
                       legend=dict(orientation="h", y=-0.12), template="plotly_white", title=title)
     fig.update_xaxes(title_text="step", row=2)
     return fig
+
+
+def _fix_ranges(fig: go.Figure, runs: list[dict]) -> None:
+    """Axes in range and notes in their panels, as layout values (nothing left to autorange):
+    the step axes span the steps drawn; the learning rate and the grad norm start at 0; a panel
+    no run has data for says why in its middle, placed in paper coordinates from its axes'
+    domains (a reference to an axis without traces is not kept by every renderer)."""
+    by_id = {r.get("run_id"): r for r in runs}
+    drawn = [own_records(run, by_id)[0] for run in runs]
+    steps = [float(r["step"]) for recs in drawn for r in recs if r.get("step") is not None]
+    if steps:
+        lo, hi = min(steps), max(steps)
+        pad = max(0.5, 0.02 * (hi - lo))
+        fig.update_xaxes(range=[max(0.0, lo - pad) if lo >= 0 else lo - pad, hi + pad], autorange=False)
+    for k, (key, text) in enumerate(PANELS):
+        ref = "" if k == 0 else str(k + 1)
+        ys = [float(r[key]) for recs in drawn for r in recs if isinstance(r.get(key), (int, float))]
+        if key in ("lr", "grad_norm") and ys and min(ys) >= 0:
+            fig.layout[f"yaxis{ref}"].update(range=[0, 1.1 * max(ys) or 1.0], autorange=False)
+        if not ys:   # a panel no run has data for says why it is empty
+            xd, yd = fig.layout[f"xaxis{ref}"].domain, fig.layout[f"yaxis{ref}"].domain
+            fig.add_annotation(text=f"no {text} logged" + (" (no eval set)" if key == "eval_loss" else ""),
+                               xref="paper", yref="paper", x=(xd[0] + xd[1]) / 2, y=(yd[0] + yd[1]) / 2,
+                               xanchor="center", yanchor="middle", showarrow=False, font=dict(color="#888"))
 
 
 def _series(recs: list[dict], key: str):
@@ -107,8 +138,8 @@ def runs_spec(runs: list[dict], *, height: int = 190, max_points: int = 600,
     legend = []
     for i, run in enumerate(runs):
         color = COLORS[i % len(COLORS)]
-        recs = run.get("records") or []
-        name = label(run)
+        recs, from_fork = own_records(run, by_id)
+        name = label(run, from_fork)
         legend.append({"name": name, "color": color})
         for k, (key, _) in enumerate(PANELS):
             x, y = _series(recs, key)

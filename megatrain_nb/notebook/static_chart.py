@@ -100,7 +100,7 @@ def _panel(p: dict, ox: float, oy: float, pw: int, ph: int, x0: float, x1: float
         return (f"<text x='{ox + pw / 2}' y='{oy + ph / 2}' font-size='11' fill='{FG2}' text-anchor='middle'>"
                 f"{html.escape(p.get('note') or 'nothing logged')}</text>")
     ys = [v for s in series for v in s["y"] if v is not None] + [q["y"] for q in p.get("points", [])]
-    y0, y1 = min(ys), max(ys)
+    y0, y1 = p["range"] if len(p.get("range") or ()) == 2 else (min(ys), max(ys))   # a share: 0 to 1
     if y1 <= y0:
         y1 = y0 + (abs(y0) * 0.1 or 1.0)
     fmt = _bytes if p.get("bytes") else _fmt

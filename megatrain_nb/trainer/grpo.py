@@ -246,6 +246,9 @@ class GRPOTrainer(Trainer):
         model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
+        if self.dist.world > 1:
+            raise NotImplementedError("GRPOTrainer runs in one process for now (rollouts are not split across "
+                                      "ranks yet): launch it without torchrun")
         self.kind = GRPOKind()
         self.last_rollout: dict = {}   # the latest generation's reward, reward_std, completion length
         self._setup_generation(model_eos)

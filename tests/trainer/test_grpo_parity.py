@@ -133,7 +133,10 @@ CASES = {"default_dapo_beta0": dict(),
          "two_iterations": dict(num_iterations=2),
          "accumulation_2_steps_per_generation_2": dict(gradient_accumulation_steps=2, steps_per_generation=2,
                                                        per_device_train_batch_size=2, loss_type="bnpo"),
-         "conversational": dict(conversational=True)}
+         "conversational": dict(conversational=True),
+         # no max_steps: TRL's count of steps, and a second epoch's draw of the DataLoader's seed
+         "two_epochs_logged_every_3": dict(max_steps=-1, num_train_epochs=2, per_device_train_batch_size=8,
+                                           gradient_accumulation_steps=2, logging_steps=3)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

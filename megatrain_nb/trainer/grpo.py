@@ -33,6 +33,7 @@ import torch
 
 from megatrain_nb.engine import StreamingEngine
 
+from .kinds import register_kind
 from .grpo_data import RolloutStream, pad_rollouts, tokenize_prompts
 from .grpo_loss import GRPOObjective, GRPOSettings
 from .grpo_rollout import (ResidentPolicy, advantages, completion_logps, eos_token_ids, generation_config,
@@ -189,12 +190,7 @@ class GRPOKind:
         record.update(trainer.last_rollout)
 
 
-try:   # the trainer's kinds seam (trainer/kinds.py), where it exists
-    from .kinds import register_kind
-except ImportError:   # pragma: no cover
-    register_kind = None
-if register_kind is not None:
-    register_kind("grpo", GRPOKind)
+register_kind("grpo", GRPOKind)
 
 
 class GRPOTrainer(Trainer):
@@ -288,10 +284,6 @@ class GRPOTrainer(Trainer):
         """The rollouts' stream at a run's start (TRL's prompt order and draws)."""
         self._stream = RolloutStream(self, self.train_dataset)
         return self._stream
-
-    def _window_loss(self, loss_sum: float, n_items: int) -> float:
-        # (the loop before trainer/kinds.py's seam asks this; GRPOKind.step_loss answers the same)
-        return self.kind.step_loss(self, loss_sum, n_items)
 
     # ------------------------------------------------------------------ rollouts
     def _reference_engine(self):

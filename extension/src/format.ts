@@ -81,7 +81,11 @@ export function progressFraction(
   return Math.min(1, Math.max(0, step / total));
 }
 
-/** The status bar text: the count, then the active notebook's run if it has one. */
+/**
+ * The status bar text: the count, then the active notebook's run by its name, with its step
+ * ("MegaTrain: 1 running · sft-1 step 52/200 · loss 2.3"); a run not running says
+ * its state once ("sft-1 finished at step 30/30", "sft-1 paused at step 12/100").
+ */
 export function statusText(
   sessions: readonly ISessionInfo[],
   active: ISessionInfo | null
@@ -91,7 +95,9 @@ export function statusText(
   if (!active) {
     return count;
   }
-  const parts = [count, `${active.state} ${formatProgress(active.step, active.total_steps)}`];
+  const step = `step ${formatProgress(active.step, active.total_steps)}`;
+  const where = active.state === 'running' ? step : `${active.state} at ${step}`;
+  const parts = [count, `${active.name || active.id} ${where}`];
   if (isNum(active.loss)) {
     parts.push(`loss ${formatLoss(active.loss)}`);
   }

@@ -42,7 +42,7 @@ from .probe import RenderProbe
 from .run_log import RunView
 from .run_tree import BranchesPanel
 from .sample_watch import answers_html
-from .summary_html import FG2, header_html, memory_tiers_html, rank_memory_table
+from .summary_html import FG2, final_key, header_html, memory_tiers_html, rank_memory_table
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class Dashboard(W.VBox):
         self.layers_fig = Chart(layout=W.Layout(flex="1 1 420px", min_width="280px"))
         self.extras = W.VBox([])   # add_figure() puts figures from elsewhere here
         self._extra: list[ExtraFigure] = []
-        self.probe = RenderProbe()
+        self.probe = RenderProbe(key=final_key(session))
         self.branches = BranchesPanel(session)   # the run tree, shown once the run has branches
         wrap = W.Layout(display="flex", flex_flow="row wrap", align_items="flex-start", width="auto",
                         grid_gap="8px 24px")

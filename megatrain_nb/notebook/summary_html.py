@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 import time
 from typing import Any
 
@@ -109,6 +110,19 @@ def _differs(a: Any, b: Any) -> bool:
 
 KIND_COLORS = {"weights": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b", "activations": "#b279a2",
                "other": "#9e9e9e"}
+#: a capped tier's room left: its own colour (light, striped), never the track's grey "other" shares
+FREE_COLOR = "repeating-linear-gradient(45deg, #d7ead9 0 4px, #eef6ef 4px 8px)"
+
+
+def _tier_text(used: float, peak: float, cap: float | None) -> str:
+    """The words beside a tier's bar: "1.2 GiB used of 16 GiB (8%) · 14.8 GiB free"; without a
+    limit, "1.2 GiB in use, at most 3 GiB so far (no limit set)", or "nothing stored here"."""
+    if cap:
+        return (f"{fmt_bytes(used)} used of {fmt_bytes(cap)} ({fmt_num(100 * used / cap, '.1f')}%) · "
+                f"{fmt_bytes(max(0.0, cap - used))} free")
+    if used <= 0 and peak <= 0:
+        return "nothing stored here (no limit set)"
+    return f"{fmt_bytes(used)} in use, at most {fmt_bytes(max(used, peak))} so far (no limit set)"
 
 
 def memory_tiers_html(view: RunView) -> str:
@@ -134,14 +148,15 @@ def memory_tiers_html(view: RunView) -> str:
         capped = cap is not None and math.isfinite(cap) and cap > 0
         peak = t["peak"] if math.isfinite(t["peak"]) else 0.0
         denom = cap if capped else max(used, peak, sum(kinds.values())) or 1.0
-        if capped:
-            text = f"{fmt_bytes(used)} of {fmt_bytes(cap)} · {fmt_num(100 * used / cap, '.1f')}%"
-        else:
-            text = f"{fmt_bytes(used)} · no limit set (bar: share of its peak {fmt_bytes(peak)})"
+        text = _tier_text(used, peak, cap if capped else None)
         segs = "".join(
             f"<div title='{k}: {fmt_bytes(b)}' class='mtnb-tier-seg' data-kind='{k}' style='width:"
             f"{min(100.0, 100 * b / denom):.2f}%;min-width:{2 if b > 0 else 0}px;background:{KIND_COLORS[k]}'></div>"
             for k, b in kinds.items() if b > 0)
+        if capped and cap > sum(kinds.values()):   # the room left: its own colour, at the bar's end
+            free = cap - sum(kinds.values())
+            segs += (f"<div title='free: {fmt_bytes(free)}' class='mtnb-tier-seg' data-kind='free' style='flex:1;"
+                     f"background:{FREE_COLOR}'></div>")
         cache = disk_cache_line((view.memory or {}).get(name))
         track = (f"border:1px dashed {BORDER};background:transparent" if not capped else f"background:{TRACK}")
         rows.append(
@@ -153,7 +168,8 @@ def memory_tiers_html(view: RunView) -> str:
             + "</div>")
     legend = "".join(
         f"<span style='white-space:nowrap'><span style='display:inline-block;width:10px;height:10px;border-radius:2px;"
-        f"background:{c};margin-right:4px;vertical-align:-1px'></span>{k}</span>" for k, c in KIND_COLORS.items())
+        f"background:{c};margin-right:4px;vertical-align:-1px'></span>{k}</span>"
+        for k, c in list(KIND_COLORS.items()) + [("free", FREE_COLOR)])
     return (f"<div class='mtnb-dash-memory' style='font-family:sans-serif;font-size:12px;color:{FG}'>"
             f"<div style='font-weight:600;margin-bottom:2px'>Memory tiers</div>{''.join(rows)}"
             f"<div style='display:flex;flex-wrap:wrap;gap:2px 12px;color:{FG2}'>{legend}</div></div>")
@@ -249,11 +265,19 @@ def events_table(events: list[dict], limit: int = 12) -> str:
             f"{rows}</table>{more}")
 
 
+def final_key(session: Any) -> str:
+    """The class suffix of a run's static snapshot (``probe.RenderProbe.key``): letters and digits."""
+    return re.sub(r"[^A-Za-z0-9_-]", "", str(getattr(session, "id", "") or ""))
+
+
 def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
-    """The whole static summary: header, loss curve, memory tiers, events."""
+    """The whole static summary: header, loss curve, memory tiers, events. ``final``: the
+    snapshot a run leaves (class ``mtnb-final-<key>``: hidden on a page where the run's live
+    dashboard renders, shown where it does not -- a saved notebook, an export)."""
     note = (f"<div style='font-size:11px;color:{FG2}'>Static snapshot of the run (saved with the notebook).</div>"
             if final else "")
-    return (f"<div class='megatrain-summary' style='border:1px solid {BORDER};padding:8px;border-radius:4px;color:{FG}'>"
+    cls = f"megatrain-summary mtnb-final-snapshot mtnb-final-{final_key(session)}" if final else "megatrain-summary"
+    return (f"<div class='{cls}' style='border:1px solid {BORDER};padding:8px;border-radius:4px;color:{FG}'>"
             f"{header_html(session, view)}{note}"
             f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
             f"<div>{img(loss_svg(view), 'loss curve')}</div><div>{memory_table(view)}{rank_memory_table(view)}"

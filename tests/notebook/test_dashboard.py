@@ -279,4 +279,7 @@ def test_memory_tiers_say_when_a_tier_has_no_cap(fake_session):
     disk = d.memory.value.split("data-tier='disk'")[1]
     assert "no limit set" in disk.split("</span>")[0] and "%" not in disk.split("</span>")[0]
     host = d.memory.value.split("data-tier='host'")[1]
-    assert "15.6 KiB of 62.5 KiB · 25.0%" in host
+    assert "15.6 KiB used of 62.5 KiB (25.0%) · 46.9 KiB free" in host
+    # the room left is its own segment, in its own colour (not the grey "other") -- issue 46 item 4
+    assert "data-kind='free'" in host.split("data-tier=")[0] and "title='free: 46.9 KiB'" in host
+    assert "share of its peak" not in d.memory.value

@@ -73,10 +73,15 @@ describe('statusText', () => {
       'MegaTrain: 1 running / 2'
     );
   });
-  it("adds the active notebook's state, progress and loss", () => {
+  it("adds the active notebook's run by name, its step and loss; its state once, when not running", () => {
     const s = session({ state: 'paused' });
-    expect(statusText([s], s)).toBe('MegaTrain: 0 running / 1 \u00b7 paused 12/100 \u00b7 loss 2.346');
+    expect(statusText([s], s)).toBe('MegaTrain: 0 running / 1 \u00b7 tiny-gpt paused at step 12/100 \u00b7 loss 2.346');
     const t = session({ loss: null, total_steps: null });
-    expect(statusText([t], t)).toBe('MegaTrain: 1 running \u00b7 running 12');
+    expect(statusText([t], t)).toBe('MegaTrain: 1 running \u00b7 tiny-gpt step 12');
+    expect(statusText([t], t).match(/running/g)).toHaveLength(1);
+    const done = session({ state: 'finished', step: 30, total_steps: 30, ended: 3000, loss: 1.5 });
+    expect(statusText([done], done)).toBe('MegaTrain: 0 running \u00b7 tiny-gpt finished at step 30/30 \u00b7 loss 1.5');
+    const unnamed = session({ name: '', state: 'finished', ended: 3000, loss: null });
+    expect(statusText([unnamed], unnamed)).toBe('MegaTrain: 0 running \u00b7 abc123 finished at step 12/100');
   });
 });

@@ -81,14 +81,34 @@ fi
 step "installing megatrain-nb${EXTRAS:+[$EXTRAS]} (editable) and its dependencies: transformers, datasets, jupyter, ..."
 pip_install -e ".${EXTRAS:+[$EXTRAS]}"
 
+# `jlpm install` with what needs reading only: yarn's informational lines (YN0000 steps and
+# summary, YN0013 "can't be found in the cache and will be fetched" once per package, YN0007/8
+# "must be built", YN0019, YN0085) are left out, every other code (a peer dependency that does
+# not match, a lockfile that would change, an error) is printed; its whole output on failure.
+jlpm_install() {
+  local log rc
+  log=$(mktemp)
+  set +e
+  (cd extension && jlpm install --immutable) >"$log" 2>&1
+  rc=$?
+  set -e
+  { grep -E 'YN[0-9]{4}' "$log" | grep -vE 'YN00(00|07|08|13|19|85):' | sed 's/^/    /'; } || true
+  if [ "$rc" -ne 0 ]; then
+    echo "    jlpm install failed (exit $rc); its output:" >&2
+    tail -n 40 "$log" >&2
+  fi
+  rm -f "$log"
+  return "$rc"
+}
+
 # `setup.sh lab`: the JupyterLab sidebar. Its frontend is built once from extension/ with
 # Node.js >= 20 (installing a released wheel never needs Node.js: it carries the build).
 if [[ ",$EXTRAS," == *,lab,* ]] && [ ! -f extension/megatrain_nb_lab/labextension/package.json ]; then
   node_major=$(node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/' || true)
   if [ -n "$node_major" ] && [ "$node_major" -ge 20 ]; then
     step "building the JupyterLab extension with Node.js $(node --version) (jlpm install, jlpm build:prod; a few minutes)"
-    (cd extension && jlpm install --immutable | grep --line-buffered -E '┌|└|YN0001|rror' | sed -u 's/^/    /' \
-       && jlpm build:prod 2>&1 | tail -n 5 | sed 's/^/    /')
+    jlpm_install && (cd extension && jlpm build:prod 2>&1 | { grep -v '^[[:space:]]*$' || true; } | tail -n 2 |
+                     sed 's/^/    /')
     step "reinstalling so that the installed package carries the built extension"
     pip_install --no-deps -e .
   else

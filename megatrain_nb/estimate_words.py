@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import io
 
+from megatrain_nb.engine.prediction import resolve_rates
 from megatrain_nb.estimator import CLI_NAMES, estimate
 from megatrain_nb.estimator_dist import estimate_scale_out
 from megatrain_nb.model_configs import preset_names
@@ -133,7 +134,6 @@ def profile_rates(name: str):
     """``--profile``: a named profile's MachineRates (``engine.rates.PROFILES``), or ``here``: this
     machine's rates (``mt.measure_machine``: cached, else measured, up to a minute)."""
     from megatrain_nb.engine.measure import measure_machine   # (torch's kernels: only when asked)
-    from megatrain_nb.engine.prediction import resolve_rates
 
     return measure_machine() if name == "here" else resolve_rates(name)
 

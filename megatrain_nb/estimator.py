@@ -24,18 +24,16 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from megatrain_nb.estimator_dpo import reference_cache_bytes, reference_lines
-from megatrain_nb.formatting import fmt_bytes
+from megatrain_nb.engine import family
+from megatrain_nb.engine.best_plans import MARGIN, best_plans, engine_pick, pinned_by_value, plan_key
+from megatrain_nb.engine.planner import ModelShape, UnitSpec, Workload, make_plan, unit_specs_from_config
+from megatrain_nb.engine.prediction import fmt_rate, fmt_seconds, predict_step, resolve_rates
+from megatrain_nb.estimator_dpo import format_bytes, reference_cache_bytes, reference_lines
 from megatrain_nb.model_source import resolve
 from megatrain_nb.values import check
 
 GiB = 1024 ** 3
 Budget = Union[float, int, str, None]
-
-
-def format_bytes(n: Optional[float]) -> str:
-    # TiB to two decimals: a 100B model's tiers differ in the second digit
-    return fmt_bytes(n, none="unlimited", digits=2 if n is not None and n >= 1024 * GiB else 1)
 
 
 def _fmt_dec(n: float) -> str:
@@ -103,7 +101,6 @@ def gpu_resident_bytes(config, *, num_parameters: int, batch: int, seq: int) -> 
     autograd keeps: per layer about ``tokens x (12 h + 4 i) x 4`` bytes (fused attention, no
     seq^2 term) and the logits with their softmax and gradient.
     """
-    from megatrain_nb.engine import family
 
     h = family.hidden_size(config)
     i = int(family.intermediate_size(config) or 4 * h)
@@ -168,7 +165,6 @@ class Estimate:
     def _time_lines(self) -> list:
         if self.prediction is None:
             return []
-        from megatrain_nb.engine.prediction import fmt_rate, fmt_seconds
 
         p = self.prediction
         lines = [f"time: {fmt_seconds(p.step_seconds)} per step, {fmt_seconds(p.seconds_per_billion_tokens())} "
@@ -187,7 +183,6 @@ class Estimate:
 
     def _pick_line(self) -> str:
         """Which plan an engine given these rates builds for this workload (engine/plan_pick.py)."""
-        from megatrain_nb.engine.best_plans import MARGIN, plan_key
 
         rules = plan_key(self.plan)
         if self.pick is None or plan_key(self.pick.plan) == rules:
@@ -381,11 +376,8 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
     plans within the budgets (``best``), the choices left at their defaults varied as an engine
     given these rates varies them (engine/plan_pick.py); a value set is pinned.
     """
-    from megatrain_nb.engine import family
-    from megatrain_nb.engine.codecs import codec_names, normalize_compression
-    from megatrain_nb.engine.config import EngineConfig
-    from megatrain_nb.engine.planner import ModelShape, Workload, make_plan, unit_specs_from_config
-    from megatrain_nb.engine.prediction import resolve_rates
+    from megatrain_nb.engine.codecs import codec_names, normalize_compression   # (torch: the codecs' kernels)
+    from megatrain_nb.engine.config import EngineConfig   # (torch: dtypes and devices)
 
     batch, seq, accumulation, pairs = _checked(batch=batch, seq=seq, accumulation=accumulation, pairs=pairs)
     config, name = resolve_config(model)
@@ -446,9 +438,6 @@ def _budgets(vram_gb: Budget, ram_gb: Budget, disk_gb: Budget, offload_dir) -> d
 def _add_time(est: Estimate, config, units, cfg, work, rates, *, device: str, state_units=None) -> None:
     """The predicted step of the estimate's plan, and the fastest plans within its budgets (the
     choices the caller left at their defaults varied: ``best_plans.pinned_by_value``)."""
-    from megatrain_nb.engine.best_plans import best_plans, engine_pick, pinned_by_value
-    from megatrain_nb.engine.planner import ModelShape
-    from megatrain_nb.engine.prediction import predict_step
 
     plan = est.plan
     shape = ModelShape.of(config)
@@ -514,8 +503,7 @@ def _held_where(plan) -> str:
 def shard_specs(units, world: int, rank: int = 0) -> list:
     """Rank ``rank``'s shard of every unit, as the sharded engine cuts them (``engine/dist.py``;
     rank 0 holds the largest shards)."""
-    from megatrain_nb.engine.dist import ShardLayout
-    from megatrain_nb.engine.planner import UnitSpec
+    from megatrain_nb.engine.dist import ShardLayout   # (torch: the process group's module)
 
     if world < 1:
         raise ValueError(f"world={world}: the number of ranks must be >= 1")

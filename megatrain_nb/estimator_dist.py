@@ -20,6 +20,7 @@ import html
 from dataclasses import dataclass
 from typing import Optional
 
+from megatrain_nb.engine.planner import loads_per_layer, unit_specs_from_config
 from megatrain_nb.values import check
 from megatrain_nb.estimator import (GiB, Budget, resolve_budget, format_bytes, free_disk, machine_ram, estimate,
                                     resolve_config)
@@ -33,7 +34,6 @@ def wire_bytes_per_rank(units, world: int, plan, *, accumulation: int = 1, layer
     reduce-scatter. Micro-batch-major: per micro-batch; a layer-major window: per group (each
     unit crosses once per pass, its gradient summed on the device first). ``units``: the whole
     model's UnitSpecs; ``plan``: the estimate's (per-rank) plan; ``accumulation``: per rank."""
-    from megatrain_nb.engine.planner import loads_per_layer
 
     if world <= 1:
         return {"gather": 0, "reduce_scatter": 0, "total": 0}
@@ -132,7 +132,6 @@ def estimate_scale_out(model, *, nodes: int = 1, gpus_per_node: int = 1, vram_gb
     of them. ``ram_gb`` / ``disk_gb``: per node (GiB, ``"auto"`` = this machine's, ``None`` = no
     limit); ``vram_gb``: per GPU; ``accumulation``: micro-batches per rank per optimizer step.
     Other keywords as :func:`~megatrain_nb.estimator.estimate`."""
-    from megatrain_nb.engine.planner import unit_specs_from_config
 
     for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
         if not isinstance(v, int) or isinstance(v, bool):

@@ -11,10 +11,20 @@ in ``<output_dir>/reference_logps``, read back by a resume, a rewind, a fork and
 """
 from __future__ import annotations
 
+from typing import Optional
+
+from megatrain_nb.formatting import fmt_bytes
+
 #: the safetensors header naming the two tensors and the pass's seconds (measured: 208-232 bytes
 #: from 1 to 100,000 pairs)
 CACHE_HEADER_BYTES = 256
 BYTES_PER_PAIR = 8   # the chosen and the rejected log-prob, float32
+
+
+def format_bytes(n: Optional[float]) -> str:
+    """Bytes as the estimate prints them: TiB to two decimals (a 100B model's tiers differ in the
+    second digit), "unlimited" for no limit."""
+    return fmt_bytes(n, none="unlimited", digits=2 if n is not None and n >= 1 << 40 else 1)
 
 
 def reference_cache_bytes(pairs: int) -> int:
@@ -24,8 +34,6 @@ def reference_cache_bytes(pairs: int) -> int:
 
 def reference_lines(pairs: int) -> list:
     """The lines an estimate prints for a DPO run over ``pairs`` pairs."""
-    from megatrain_nb.estimator import format_bytes
-
     if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 1:
         raise ValueError(f"pairs={pairs!r} must be a whole number >= 1 (the preference pairs of the training set)")
     return [f"DPO reference pass: one forward-only streamed pass over {pairs:,} pairs ({2 * pairs:,} sequences) "

@@ -36,12 +36,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
 )
 
-NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
-           "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen"]
-OPPOSITES = [("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("day", "night"),
-             ("old", "new"), ("open", "closed"), ("light", "dark"), ("full", "empty"), ("early", "late")]
-COLOURS = [("sky", "blue"), ("grass", "green"), ("snow", "white"), ("coal", "black"), ("sun", "yellow"),
-           ("blood", "red"), ("orange", "orange"), ("sea", "blue"), ("leaf", "green"), ("milk", "white")]
+from .words import COLOURS, NUMBERS, OPPOSITES  # noqa: E402 - the answer words (preferences.py uses them too)
 SYSTEMS = ["You are a helpful assistant .", "Answer in one short sentence .", "You are a careful tutor ."]
 
 
@@ -157,10 +152,8 @@ def write_assets() -> None:
     with atomic_file(EXAMPLES_FILE) as f:
         f.write("".join(json.dumps(c) + "\n" for c in convs))
     build_word_tokenizer(_vocabulary(convs)).save_pretrained(str(TOKENIZER_DIR))
-    from .preferences import write_preferences
-
     write_preferences(convs)
 
 
-from .preferences import preference_dataset, preference_rows  # noqa: E402,F401  (the shipped pairs)
+from .preferences import preference_dataset, preference_rows, write_preferences  # noqa: E402,F401  (the shipped pairs)
 

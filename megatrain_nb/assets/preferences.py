@@ -15,14 +15,14 @@ import json
 import random
 from pathlib import Path
 
+from .words import COLOURS, NUMBERS, OPPOSITES
+
 PREFERENCES_FILE = Path(__file__).parent / "chat" / "preferences.jsonl"
 
 
 def _pools() -> list:
     """The kinds of answer word, each a list of words that can stand in for one another (the
     numbers the chat set uses: up to nine plus eight, so every word is in the shipped tokenizer)."""
-    from . import COLOURS, NUMBERS, OPPOSITES
-
     return [NUMBERS[:18], sorted({c for _, c in COLOURS}), sorted({w for pair in OPPOSITES for w in pair})]
 
 

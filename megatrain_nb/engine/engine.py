@@ -29,7 +29,7 @@ from .config import EngineConfig
 from .dist import resolve_dist
 from .family import max_positions, vocab_size
 from .inputs import prepare_batch, window_batches
-from .materialize import SafetensorsSource
+from .materialize import SafetensorsSource, load_weights
 from .outcome import EngineOutput
 from .memory import memory_report
 from .parts import HoldsParts, build_parts
@@ -381,7 +381,7 @@ class StreamingEngine(HoldsParts):
         refuse_sharded("load_checkpoint", self.dist.world)
         self.pager.wait_grads()
         self.updates.settle()
-        engine_io.load_weights(self, path)
+        load_weights(self, path)
         self.states.load_saved(path, self.adam)
         self.updates.clear_failure()
 

@@ -104,14 +104,3 @@ def shard_files(folder) -> Dict[str, str]:
         return {k: single for k in fh.keys()}
 
 
-def load_weights(engine, folder) -> None:
-    """Read safetensors weights into the engine's master store, unit by unit (RAM or disk)."""
-    from .materialize import SafetensorsSource
-
-    source = SafetensorsSource(folder)
-    for u in engine.units:
-        values = source.unit_values(u)
-        flat = torch.empty(u.numel, dtype=torch.float32)
-        for p in u.params:
-            flat[p.offset:p.offset + p.numel].copy_(values[p.name].reshape(-1))
-        engine.weights.overwrite(u, flat)

@@ -8,6 +8,7 @@ from typing import Callable, Dict, Tuple
 import torch
 from torch import nn
 
+from .io import shard_files
 from .units import Unit
 
 
@@ -109,7 +110,6 @@ class SafetensorsSource:
     """Reads one unit's tensors at a time from a (sharded) safetensors folder."""
 
     def __init__(self, folder):
-        from .io import shard_files
 
         self.folder = folder
         self.files = shard_files(folder)
@@ -134,3 +134,14 @@ class SafetensorsSource:
                         raise ValueError(f"{p.name}: shape {tuple(t.shape)} in {self.folder}, {p.shape} in the config.")
                     out[p.name] = t.to(torch.float32, copy=True)
         return out
+
+
+def load_weights(engine, folder) -> None:
+    """Read safetensors weights into the engine's master store, unit by unit (RAM or disk)."""
+    source = SafetensorsSource(folder)
+    for u in engine.units:
+        values = source.unit_values(u)
+        flat = torch.empty(u.numel, dtype=torch.float32)
+        for p in u.params:
+            flat[p.offset:p.offset + p.numel].copy_(values[p.name].reshape(-1))
+        engine.weights.overwrite(u, flat)

@@ -32,7 +32,7 @@ from typing import Optional
 
 from .best_plans import CHOICES, MARGIN, TIE, best_plans, engine_pick, pinned_of, plan_key
 from .family import max_positions
-from .measure import cached_rates   # (a name of this module: tests replace it)
+from .rates_cache import cached_rates   # (a name of this module: tests replace it)
 from .planner import GiB, ModelShape, Plan, UnitSpec, Workload, engine_plan, make_plan
 from .prediction import fmt_seconds
 

@@ -46,6 +46,9 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Dict, List, Optional
 
+from . import rates as rates_mod
+from .rates_cache import cached_rates
+
 PHASES = ("forward", "backward", "recompute", "h2d", "d2h", "disk_read", "disk_write", "optimizer", "codec")
 STREAMS = {"compute": "compute", "h2d": "host->device", "d2h": "device->host", "disk": "disk",
            "optimizer": "optimizer", "cpu": "CPU cores"}
@@ -483,9 +486,6 @@ def _bottleneck(windows: Dict[str, float], parts, clipped: bool, exposed: Dict[s
 def resolve_rates(rates):
     """A MachineRates from itself, a dict of its fields, or a profile's name (``rates.rates_for``,
     its per-thread CPU rates, which nobody publishes, from this machine's cached measurement)."""
-    from . import rates as rates_mod
-    from .measure import cached_rates   # (torch's kernels behind it: only for a profile's name)
-
     if isinstance(rates, dict):
         bad = rates_mod.check_rates(rates)
         if bad:

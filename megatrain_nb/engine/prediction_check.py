@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .planner import ModelShape, Workload, engine_window_plan
-from .measure import cached_rates   # (a name of this module: tests replace it)
+from .rates_cache import cached_rates   # (a name of this module: tests replace it)
 from .prediction import StepPrediction, fmt_seconds, predict_step
 
 #: A measured phase this much off its prediction (either way) is reported.

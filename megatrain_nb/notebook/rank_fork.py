@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 from .branches import check_changes, free_name
 from .placement import PLACEMENT
-from .remote import ProcessRun
 
 #: where a fork's output folder goes, inside the parent's
 BRANCHES = "branches"
@@ -60,8 +59,8 @@ def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: 
               "restart_data": "train_dataset" in changes}
     model, options = inputs.pop("model"), dict(inputs.pop("engine_options"))
     options.update(callbacks=inputs.pop("callbacks"), save_model=inputs.pop("save_model"))
-    make = ProcessRun.factory(run.nproc_per_node, model, snapshots=(run.snapshot_every, run.keep_snapshots),
-                              engine_options=options, start=(start, branch), **inputs)
+    make = type(run).factory(run.nproc_per_node, model, snapshots=(run.snapshot_every, run.keep_snapshots),
+                               engine_options=options, start=(start, branch), **inputs)
     child = type(session).from_run_controller(make, tokenizer=session.tokenizer, name=name)
     child.explorer.ranks.before_launch.append(_pause_parent(session, name))
     ex.adopt(child, info, changes)

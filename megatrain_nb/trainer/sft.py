@@ -37,8 +37,9 @@ from megatrain_nb.values import SFT_FIELDS, check, check_fields, row_name
 from .args import check_eval_plan, check_given
 from .data import DataError, prepare_dataset
 from .kinds import kind
-from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, head_rows, prepare_sft_dataset,
+from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, head_rows,
                        require_trl, to_trl_rows)
+from .sft_prepare import prepare_sft_dataset
 from .trainer import Trainer
 
 # SFTConfig fields that the trainer honours (beyond TrainingArguments'), and those that cannot

@@ -20,9 +20,8 @@ The steps themselves are in ``sft_prepare.py``; an iterable dataset is checked t
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from .data import DataError
 
@@ -270,55 +269,3 @@ def column_names(ds) -> list:
     return list(ds.column_names) if ds.column_names is not None else list(next(iter(ds)).keys())
 
 
-def prepare_sft_dataset(ds, tokenizer, opts: SFTDataOptions, *, formatting_func: Optional[Callable] = None,
-                        what: str = "train_dataset") -> tuple:
-    """``(dataset, report)``: ``ds`` tokenised with ``input_ids`` and ``labels`` (-100: not in the
-    loss), truncated or packed (``seq_lengths`` per packed row), as ``trl.SFTTrainer`` prepares it.
-
-    A map-style dataset is checked row by row here; an iterable one as its rows are read (the
-    error names the row), its truncations counted as they happen and reported at the first.
-    The ``datasets`` "Map" progress bars stay off meanwhile (a few maps per dataset, each over
-    in a blink: six bars in a notebook said nothing the report does not)."""
-    with _no_progress_bars():
-        return _prepare(ds, tokenizer, opts, formatting_func, what)
-
-
-@contextmanager
-def _no_progress_bars():
-    import datasets
-
-    was = not datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was:
-            datasets.enable_progress_bars()
-
-
-def _prepare(ds, tokenizer, opts: SFTDataOptions, formatting_func, what: str) -> tuple:
-    import datasets
-
-    from .sft_prepare import Preparation
-
-    ds = as_dataset(ds, what, None if formatting_func is not None else opts.dataset_text_field)
-    prep = Preparation(tokenizer, opts, what, isinstance(ds, datasets.Dataset))
-    if prep.is_map and len(ds) == 0:
-        raise DataError(f"{what} is empty (0 examples)")
-    text_field = "text" if formatting_func is not None else opts.dataset_text_field
-    if formatting_func is not None and "input_ids" not in column_names(ds):
-        # the formatter's text is the example (language modelling): the source columns go
-        ds = prep.map(ds, lambda ex: {"text": formatting_func(ex)}, batched=False,
-                      remove_columns=[c for c in column_names(ds) if c != "text"])
-    head = head_rows(ds)
-    if not head:
-        raise DataError(f"{what} is empty (it yielded no examples)")
-    prep.report.format = fmt = detect_format(head, text_field, what)
-    if fmt != "tokens":
-        ds = prep.tokenized(prep.checked_rows(ds, fmt, text_field, len(head)))
-    ds = prep.with_target(prep.truncated(prep.with_labels(ds)))
-    if opts.packing:
-        ds = prep.packed(ds)
-    if opts.shuffle_dataset:
-        ds = ds.shuffle(seed=opts.seed)
-    return ds, prep.report

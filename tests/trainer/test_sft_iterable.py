@@ -12,7 +12,8 @@ from datasets import Dataset, IterableDataset  # noqa: E402
 
 from megatrain_nb.assets import as_format  # noqa: E402
 from megatrain_nb.trainer.data import DataError  # noqa: E402
-from megatrain_nb.trainer.sft_data import SFTDataOptions, prepare_sft_dataset  # noqa: E402
+from megatrain_nb.trainer.sft_data import SFTDataOptions  # noqa: E402
+from megatrain_nb.trainer.sft_prepare import prepare_sft_dataset  # noqa: E402
 
 from .sft_helpers import CONVS, tokenizer  # noqa: E402
 

@@ -169,6 +169,19 @@ def _reward_funcs(reward_funcs, reward_processing_classes, trust_remote_code):
     return funcs, [_reward_name(f) for f in funcs], procs
 
 
+def _model_eos(model):
+    """The end-of-sequence id(s) of the model's generation config (a module's, or a folder's
+    generation_config.json); None: the engine's model config says."""
+    if isinstance(model, (str, os.PathLike)):
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(str(model)).eos_token_id
+        except OSError:   # no generation_config.json
+            return None
+    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+
+
 class GRPOKind:
     """The GRPO kind of training (trainer/kinds.py's hooks): the step's loss is the objective's
     (its micro-batch losses summed, as TRL logs them); the step's record gets the latest
@@ -239,7 +252,7 @@ class GRPOTrainer(Trainer):
         self._ref_source = None
         if args.beta != 0.0:
             self._ref_source = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
-        model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        model_eos = _model_eos(model)
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
         if self.dist.world > 1:

@@ -127,3 +127,25 @@ def test_a_reward_model_scores_like_trl(tmp_path):
         for k in ("reward", "reward_std", "rewards/tiny-rm/mean", "loss"):
             assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), k
     m.close()
+
+
+def test_a_model_folder_trains_as_the_module(tmp_path):
+    """model= a local folder (the reference streamed from the same folder, beta > 0) ends where the
+    module ends."""
+    tok = tokenizer()
+    model = tiny_model(tok)
+    folder = tmp_path / "policy"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    ends = []
+    for src in (copy.deepcopy(model), str(folder)):
+        t = mt.GRPOTrainer(model=src, reward_funcs=reward_yes, args=config(tmp_path / "o", max_steps=2, beta=0.04),
+                           train_dataset=prompts(), processing_class=tok, device="cpu")
+        t.train()
+        ends.append(({n: w.clone() for n, w in t.engine.named_parameters()},
+                     [r["loss"] for r in t.state.log_history if "loss" in r], t.eos_token_ids))
+        t.close()
+    (w1, l1, e1), (w2, l2, e2) = ends
+    assert e1 == e2 == [tok.eos_token_id]
+    assert l1 == pytest.approx(l2, rel=1e-6, abs=1e-9)
+    assert all(torch.allclose(w1[n], w2[n], atol=1e-6) for n in w1)

@@ -134,6 +134,8 @@ CASES = {"default_dapo_beta0": dict(),
          "accumulation_2_steps_per_generation_2": dict(gradient_accumulation_steps=2, steps_per_generation=2,
                                                        per_device_train_batch_size=2, loss_type="bnpo"),
          "conversational": dict(conversational=True),
+         "temperature_top_k_sapo_sequence_level": dict(temperature=0.7, top_k=8, beta=0.04, loss_type="sapo",
+                                                       importance_sampling_level="sequence", num_iterations=2),
          # no max_steps: TRL's count of steps, and a second epoch's draw of the DataLoader's seed
          "two_epochs_logged_every_3": dict(max_steps=-1, num_train_epochs=2, per_device_train_batch_size=8,
                                            gradient_accumulation_steps=2, logging_steps=3)}

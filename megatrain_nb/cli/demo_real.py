@@ -22,16 +22,16 @@ def _ask(engine, tok) -> str:
 
 
 def cmd_demo_real(ns) -> int:
+    try:
+        path = smollm2_gguf()
+    except ImportError as e:
+        raise RuntimeError(str(e)) from None
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainingArguments
 
     from megatrain_nb.export import export
     from megatrain_nb.trainer import Trainer
 
-    try:
-        path = smollm2_gguf()
-    except ImportError as e:
-        raise RuntimeError(str(e)) from None
     steps = ns.steps or (2 if ns.quick else 6)
     out_dir = Path(ns.output_dir).resolve()
     print(f"the real model: {path}")

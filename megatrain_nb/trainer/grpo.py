@@ -184,8 +184,9 @@ def _model_eos(model):
 
 class GRPOKind:
     """The GRPO kind of training (trainer/kinds.py's hooks): the step's loss is the objective's
-    (its micro-batch losses summed, as TRL logs them); the step's record gets the latest
-    rollouts' reward, reward std and mean completion length (the rollouts and the objective's
+    (its micro-batch losses summed, as TRL logs them); the step's record gets the seconds its
+    rollouts took (``generation_s``) and the latest rollouts' reward, reward std and mean
+    completion length (the rollouts and the objective's
     data come in through the trainer's stream, :class:`.grpo_data.RolloutStream`)."""
 
     name = "grpo"
@@ -194,7 +195,9 @@ class GRPOKind:
         return True
 
     def before_window(self, trainer, window: list) -> dict:
-        return {}
+        # the step's time split: making its rollouts (0.0 when a stored generation serves it) vs
+        # training (the record's step_time_s)
+        return {"generation_s": getattr(trainer.data_stream, "generation_s", 0.0)}
 
     def step_loss(self, trainer, loss_sum: float, n_items: int) -> float:
         return float(trainer.dist.sum(sum(trainer.objective.losses)))

@@ -10,6 +10,7 @@ permutation. So the same seed samples TRL's completions.
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 import torch
@@ -59,6 +60,7 @@ class RolloutStream:
         self._order: Optional[list] = None
         self._step = 0          # micro-batches trained (TRL's self._step)
         self._buffer: Optional[list] = None
+        self.generation_s = 0.0   # this window's seconds making rollouts (generation, log-probs, rewards)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed}
@@ -89,13 +91,16 @@ class RolloutStream:
 
         parts = []
         ended = False
+        self.generation_s = 0.0
         while len(parts) < accumulation:
             ex = self._next_examples()
             if ex is None:
                 ended = True
                 break
             if self._step % (self.spg * self.iterations) == 0 or self._buffer is None:
+                t0 = time.perf_counter()
                 rollouts = self.trainer.make_rollouts(ex)
+                self.generation_s += time.perf_counter() - t0
                 self._buffer = split_tensor_dict(shuffle_sequence_dict(rollouts), self.spg)
             parts.append(self._buffer[self._step % self.spg])
             self._step += 1

@@ -149,3 +149,14 @@ def test_a_model_folder_trains_as_the_module(tmp_path):
     assert e1 == e2 == [tok.eos_token_id]
     assert l1 == pytest.approx(l2, rel=1e-6, abs=1e-9)
     assert all(torch.allclose(w1[n], w2[n], atol=1e-6) for n in w1)
+
+
+def test_each_step_record_splits_generation_from_training(tmp_path):
+    """num_iterations=2: a step that generates records its seconds, the next (the stored rollouts)
+    records 0.0; both carry the latest rollouts' reward and completion length; kind 'grpo'."""
+    t = _trainer(tmp_path, reward_yes, max_steps=2, num_iterations=2)
+    recs = list(t.iter_steps())
+    assert t.kind.name == "grpo"
+    assert recs[0]["generation_s"] > 0 and recs[1]["generation_s"] == 0.0
+    assert recs[0]["reward"] == recs[1]["reward"] and recs[0]["completion_length"] > 0
+    t.close()

@@ -7,13 +7,16 @@
  *   that finished stopped writing before its later forks existed).
  * - Top-level cards whose runs are all over go to the `finished` group, newest end first; the
  *   others (`live`) list running ones first, then the newest started.
+ * - Cards whose runs all come from elsewhere (not this server's kernels: scripts, torchrun,
+ *   pytest, another server) go to the `elsewhere` group, running first, then the newest.
  */
 
-import { IBranch, isEnded, ISessionInfo } from './model';
+import { IBranch, isElsewhere, isEnded, ISessionInfo } from './model';
 
 export interface ILayout {
   live: string[];
   finished: string[];
+  elsewhere: string[];
   children: Map<string, string[]>;
   rows: Map<string, IBranch[] | undefined>;
 }
@@ -55,13 +58,20 @@ export function layoutSessions(sessions: readonly ISessionInfo[]): ILayout {
   const running = (g: ISessionInfo[]) => g.some(s => s.state === 'running' && !isEnded(s));
   const newest = (g: ISessionInfo[]) => Math.max(...g.map(s => s.started ?? 0));
   const lastEnd = (g: ISessionInfo[]) => Math.max(...g.map(s => s.ended ?? 0));
+  const away = (g: ISessionInfo[]) => g.every(isElsewhere);
+  const liveFirst = (a: ISessionInfo[], b: ISessionInfo[]) =>
+    Number(running(b)) - Number(running(a)) || newest(b) - newest(a);
   const live = tops
-    .filter(g => !over(g))
-    .sort((a, b) => Number(running(b)) - Number(running(a)) || newest(b) - newest(a))
+    .filter(g => !away(g) && !over(g))
+    .sort(liveFirst)
     .map(g => g[0].id);
   const finished = tops
-    .filter(over)
+    .filter(g => !away(g) && over(g))
     .sort((a, b) => lastEnd(b) - lastEnd(a))
     .map(g => g[0].id);
-  return { live, finished, children, rows };
+  const elsewhere = tops
+    .filter(away)
+    .sort(liveFirst)
+    .map(g => g[0].id);
+  return { live, finished, elsewhere, children, rows };
 }

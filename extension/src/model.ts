@@ -72,6 +72,10 @@ export interface ISessionInfo {
   ended?: number | null;
   age?: number;
   kernel_known?: boolean;
+  /** Set by the server: the run's kernel is (or was, while this server ran) one of this server's. */
+  here?: boolean;
+  /** Set by the server for a run from elsewhere: where it comes from ("python train.py (pid 42)"). */
+  origin_text?: string;
   /** The run's tree once it has branches (forks, rewinds); empty or absent otherwise. */
   branches?: IBranch[];
 }
@@ -163,7 +167,14 @@ export interface ISummary {
   paused: number;
 }
 
-export function summarize(sessions: readonly ISessionInfo[]): ISummary {
+/** A run this server's kernels did not start (a script, torchrun, pytest, another server's kernel). */
+export function isElsewhere(s: ISessionInfo): boolean {
+  return s.here === false;
+}
+
+/** The count covers this server's runs (the ones from elsewhere are in their own group). */
+export function summarize(all: readonly ISessionInfo[]): ISummary {
+  const sessions = all.filter(s => !isElsewhere(s));
   return {
     total: sessions.filter(s => !isEnded(s)).length,
     running: sessions.filter(s => s.state === 'running').length,

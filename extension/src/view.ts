@@ -12,7 +12,9 @@
  * Order (layout.ts): running cards first, then the newest; a fork's card nested in the card
  * of the run it came from (.mtnb-forks); runs that are all over in one group
  * (details.mtnb-finished, "N finished", .mtnb-dismiss-all), collapsed once there is a live run
- * or more than three of them. A run that ended stays as a card (state
+ * or more than three of them; runs from elsewhere (not this server's kernels: scripts, torchrun,
+ * pytest, another server) in their own folded group (details.mtnb-elsewhere, "N from elsewhere"),
+ * each card saying where it comes from (.mtnb-notebook: "from python train.py (pid 42)"). A run that ended stays as a card (state
  * "finished"/"stopped"/"failed", final loss, class .mtnb-ended) until its Dismiss button removes
  * it (or the server forgets it: its process gone for a while). A learning rate that was asked for and
  * not applied yet shows next to the current one ("lr 2e-3 → 5e-4 next step"), and a Set LR
@@ -37,7 +39,7 @@ import {
   formatTier,
   progressFraction
 } from './format';
-import { diffSessions, IBranch, isEnded, ISessionInfo } from './model';
+import { diffSessions, IBranch, isElsewhere, isEnded, ISessionInfo } from './model';
 import { sparkline } from './sparkline';
 
 export interface IViewActions {
@@ -94,6 +96,10 @@ export class SessionListView {
   private _finishedCount: HTMLElement;
   private _finishedIds: string[] = [];
   private _userToggled = false;
+  /** Runs from elsewhere (scripts, torchrun, pytest, another server): folded, below. */
+  private _elsewhere: HTMLDetailsElement;
+  private _elsewhereList: HTMLElement;
+  private _elsewhereCount: HTMLElement;
 
   constructor(
     private _actions: IViewActions,
@@ -134,7 +140,15 @@ export class SessionListView {
     summary.append(this._finishedCount, all);
     this._finishedList = el(_doc, 'ul', 'mtnb-sessions mtnb-sessions-finished');
     this._finished.append(summary, this._finishedList);
-    this.node.append(header, this._error, this._empty, this._list, this._finished);
+    this._elsewhere = el(_doc, 'details', 'mtnb-elsewhere');
+    this._elsewhere.hidden = true;
+    const away = el(_doc, 'summary', 'mtnb-elsewhere-summary');
+    this._elsewhereCount = el(_doc, 'span', 'mtnb-elsewhere-count');
+    away.title = 'Runs not started by this server\'s kernels: scripts, torchrun, pytest, another server';
+    away.appendChild(this._elsewhereCount);
+    this._elsewhereList = el(_doc, 'ul', 'mtnb-sessions mtnb-sessions-elsewhere');
+    this._elsewhere.append(away, this._elsewhereList);
+    this.node.append(header, this._error, this._empty, this._list, this._finished, this._elsewhere);
   }
 
   get cardCount(): number {
@@ -160,6 +174,9 @@ export class SessionListView {
     }
     this._order(this._list, layout.live);
     this._order(this._finishedList, layout.finished);
+    this._order(this._elsewhereList, layout.elsewhere);
+    this._elsewhere.hidden = layout.elsewhere.length === 0;
+    setText(this._elsewhereCount, `${layout.elsewhere.length} from elsewhere`);
     for (const [parent, kids] of layout.children) {
       this._order(this._cards.get(parent)!.forks, kids);
     }
@@ -174,8 +191,9 @@ export class SessionListView {
     setText(this._finishedCount, `${layout.finished.length} finished`);
     this._sessions = state.sessions;
 
-    setText(this._count, String(state.sessions.length));
-    this._empty.hidden = state.sessions.length > 0 || !!state.error;
+    const here = state.sessions.filter(s => !isElsewhere(s)).length;
+    setText(this._count, String(here));
+    this._empty.hidden = here > 0 || !!state.error;
     this._error.hidden = !state.error;
     setText(this._error, state.error ?? '');
   }
@@ -328,7 +346,9 @@ class SessionCard {
     setText(n.state, s.state);
     n.state.className = `mtnb-state mtnb-state-${s.state}`;
 
-    const where = s.notebook ?? (s.kernel_id ? `kernel ${s.kernel_id.slice(0, 8)}` : `pid ${s.pid}`);
+    const where = s.origin_text
+      ? `from ${s.origin_text}`
+      : (s.notebook ?? (s.kernel_id ? `kernel ${s.kernel_id.slice(0, 8)}` : `pid ${s.pid}`));
     setText(n.notebook, where);
     n.notebook.title = s.notebook ?? '';
     n.notebook.classList.toggle('mtnb-link', !!(s.notebook && this._actions.openNotebook));

@@ -203,6 +203,7 @@ class SessionBeacon:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "kernel_id": self.kernel_id,
+            "origin": process_origin(),   # where the run comes from (a kernel, a script, torchrun, pytest)
             # jupyter_server sets JPY_SESSION_NAME to the notebook path for its kernels;
             # the server extension overrides it from its session manager when it can.
             "notebook": os.environ.get("JPY_SESSION_NAME") or None,
@@ -323,6 +324,29 @@ class SessionBeacon:
 
 
 # ---- helpers ---------------------------------------------------------------------------
+def process_origin() -> dict[str, Any]:
+    """Where this process comes from, for the sidebar's "from elsewhere" group: ``kind``
+    ("kernel": a Jupyter kernel; "process": anything else), its ``pid`` and ``parent_pid``, the
+    kernel's ``connection_file`` (a kernel of which server: its runtime folder), and ``command``:
+    how it was started, in a few words ("python train.py", "torchrun --nproc_per_node 2 ...",
+    "pytest tests/x.py")."""
+    conn = None
+    if current_kernel_id() is not None:
+        try:
+            from ipykernel import get_connection_file
+
+            conn = get_connection_file()
+        except Exception:  # noqa: BLE001 - not in a kernel after all
+            conn = None
+    argv = [os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv or [])]
+    launcher = os.environ.get("TORCHELASTIC_RUN_ID") and "torchrun"
+    head = "pytest" if "pytest" in sys.modules and any("pytest" in a for a in argv[:3]) else launcher
+    words = [head] + argv[1:4] if head else [os.path.basename(sys.executable or "python")] + argv[:3]
+    command = " ".join(w for w in words if w)[:120]
+    return {"kind": "kernel" if conn else "process", "pid": os.getpid(), "parent_pid": os.getppid(),
+            "connection_file": conn, "command": command}
+
+
 def current_kernel_id() -> str | None:
     """The Jupyter kernel id of this process (from its connection file), or None."""
     if "ipykernel" not in sys.modules:

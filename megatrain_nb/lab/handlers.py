@@ -16,6 +16,7 @@ command. Nothing listens on a port of its own.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from megatrain_nb.channel.registry import (
 
 ROUTE = "megatrain-nb"
 ROOT_SETTING = "megatrain_nb_runtime_root"
+_HOST = socket.gethostname()
 
 
 class _BaseHandler(APIHandler):
@@ -56,18 +58,53 @@ class _BaseHandler(APIHandler):
         self.finish(json.dumps({"message": message, "reason": self._reason}))
 
 
+ELSEWHERE_ENDED_KEPT = 120.0   # s: a run from elsewhere that ended is listed this long after its end
+SEEN_SETTING = "megatrain_nb_seen_kernels"
+
+
+def origin_text(s: dict) -> str:
+    """Where a run not of this server's kernels comes from, in words: "python train.py (pid 4242)",
+    "a kernel of another Jupyter server (pid 4242)"."""
+    o = s.get("origin") if isinstance(s.get("origin"), dict) else {}
+    pid = o.get("pid", s.get("pid"))
+    where = f"pid {pid}" + (f" on {s['host']}" if s.get("host") and s.get("host") != _HOST else "")
+    if o.get("kind") == "kernel" or (not o and s.get("kernel_id")):
+        return f"a kernel of another Jupyter server ({where})"
+    return f"{o.get('command') or 'a process'} ({where})"
+
+
+def place_sessions(sessions: list[dict], kernel_ids: set, seen: set, now: float) -> list[dict]:
+    """Each heartbeat marked ``here`` (its kernel is, or was while this server ran, one of this
+    server's) or given its ``origin_text``; runs from elsewhere that ended more than
+    ``ELSEWHERE_ENDED_KEPT`` seconds ago are left out (a fresh server listed a day of finished
+    scripts and test runs)."""
+    seen |= kernel_ids
+    out = []
+    for s in sessions:
+        kid = s.get("kernel_id")
+        s["kernel_known"] = kid in kernel_ids
+        s["here"] = kid is not None and kid in seen
+        if not s["here"]:
+            ended = s.get("ended")
+            if isinstance(ended, (int, float)) and now - ended > ELSEWHERE_ENDED_KEPT:
+                continue
+            s["origin_text"] = origin_text(s)
+        out.append(s)
+    return out
+
+
 class SessionsHandler(_BaseHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
         sessions = list_sessions(self.runtime_root)
         paths, kernel_ids = await self._kernel_info()
+        now = time.time()
+        sessions = place_sessions(sessions, kernel_ids, self.settings.setdefault(SEEN_SETTING, set()), now)
         for s in sessions:
-            kid = s.get("kernel_id")
-            s["kernel_known"] = kid in kernel_ids
-            if kid in paths:
-                s["notebook"] = paths[kid]
-        self.finish(json.dumps({"sessions": sessions, "time": time.time()}))
+            if s.get("kernel_id") in paths:
+                s["notebook"] = paths[s["kernel_id"]]
+        self.finish(json.dumps({"sessions": sessions, "time": now}))
 
     async def _kernel_info(self) -> tuple[dict[str, str], set[str]]:
         """kernel id -> notebook path (from the session manager), and this server's kernel ids."""

@@ -222,3 +222,31 @@ def test_a_bad_value_from_the_table_is_400_never_500(fetch, running, raw):
     assert code == 400, (raw, code, data)
     assert rule("learning_rate") in data["message"] or "JSON" in data["message"], data
     assert running.events == []
+
+
+def test_runs_from_elsewhere_say_where_they_come_from_and_age_out(fetch, running, jp_serverapp, monkeypatch):
+    """Issue 46 item 1: a run not in this server's kernels is marked so, with its origin in words
+    (the beacon writes pid, parent pid, connection file and command); once ended, it is listed for
+    ELSEWHERE_ENDED_KEPT seconds only. A kernel this server had stays "here" after it is gone."""
+    from megatrain_nb.lab.handlers import ELSEWHERE_ENDED_KEPT, origin_text, place_sessions
+
+    [s] = fetch("megatrain-nb", "sessions")[1]["sessions"]
+    assert s["here"] is False and s["origin"]["kind"] == "process" and s["origin"]["pid"] == s["pid"]
+    assert s["origin_text"] == f"{s['origin']['command']} ({'pid'} {s['pid']})" and s["origin"]["command"]
+    now = 1000.0
+    script = {"id": "a", "pid": 42, "kernel_id": None,
+              "origin": {"kind": "process", "pid": 42, "command": "python train.py --steps 200"}}
+    other_kernel = {"id": "b", "pid": 43, "kernel_id": "k-other", "origin": {"kind": "kernel", "pid": 43}}
+    old_test = {"id": "c", "pid": 44, "kernel_id": None, "ended": now - ELSEWHERE_ENDED_KEPT - 1,
+                "origin": {"kind": "process", "pid": 44, "command": "pytest tests/x.py"}}
+    recent_test = dict(old_test, id="d", ended=now - 10)
+    mine = {"id": "e", "pid": 45, "kernel_id": "k-1", "ended": now - 5000}   # this server's: kept until dismissed
+    gone = {"id": "f", "pid": 46, "kernel_id": "k-0"}   # a kernel this server had, shut down since
+    seen = {"k-0"}
+    out = place_sessions([script, other_kernel, old_test, recent_test, mine, gone], {"k-1"}, seen, now)
+    assert [x["id"] for x in out] == ["a", "b", "d", "e", "f"]
+    assert [x["here"] for x in out] == [False, False, False, True, True]
+    assert [x.get("origin_text") for x in out[:3]] == [
+        "python train.py --steps 200 (pid 42)", "a kernel of another Jupyter server (pid 43)", "pytest tests/x.py (pid 44)"]
+    assert seen == {"k-0", "k-1"}   # remembered for the polls to come
+    assert origin_text({"pid": 7, "kernel_id": None}) == "a process (pid 7)"   # an older heartbeat

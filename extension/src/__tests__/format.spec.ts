@@ -73,6 +73,10 @@ describe('statusText', () => {
       'MegaTrain: 1 running / 2'
     );
   });
+  it("counts this server's runs only (runs from elsewhere have their own group)", () => {
+    const away = session({ id: 'e', here: false, state: 'running' });
+    expect(statusText([session(), away], null)).toBe('MegaTrain: 1 running');
+  });
   it("adds the active notebook's run by name, its step and loss; its state once, when not running", () => {
     const s = session({ state: 'paused' });
     expect(statusText([s], s)).toBe('MegaTrain: 0 running / 1 \u00b7 tiny-gpt paused at step 12/100 \u00b7 loss 2.346');

@@ -118,3 +118,38 @@ describe('the finished group', () => {
     document.body.innerHTML = '';
   });
 });
+
+describe('runs from elsewhere (issue 46 item 1)', () => {
+  const away = (over: Partial<ISessionInfo>) =>
+    session({ here: false, origin_text: 'python train.py (pid 42)', kernel_id: null, ...over });
+
+  it("lists this server's runs first and the others in their own group, running first", () => {
+    const here = session({ id: 'h1', here: true, state: 'running', started: 10 });
+    const done = session({ id: 'h2', here: true, state: 'finished', started: 5, ended: 8 });
+    const script = away({ id: 'e1', state: 'running', started: 1 });
+    const test = away({ id: 'e2', state: 'finished', started: 50, ended: 60, origin_text: 'pytest (pid 7)' });
+    const l = layoutSessions([test, script, done, here]);
+    expect(l.live).toEqual(['h1']);
+    expect(l.finished).toEqual(['h2']);
+    expect(l.elsewhere).toEqual(['e1', 'e2']);
+  });
+
+  it('folds them, says where each comes from, and leaves them out of the count', () => {
+    const view = new SessionListView({ send: async () => ({ id: 'c' }) });
+    document.body.appendChild(view.node);
+    view.update({ sessions: [away({ id: 'e1', state: 'running' }), session({ id: 'h1', here: true })] });
+    const group = view.node.querySelector('.mtnb-elsewhere') as HTMLDetailsElement;
+    expect(group.hidden).toBe(false);
+    expect(group.open).toBe(false);
+    expect(group.querySelector('.mtnb-elsewhere-count')!.textContent).toBe('1 from elsewhere');
+    const card = group.querySelector('.mtnb-session') as HTMLElement;
+    expect(card.dataset.sessionId).toBe('e1');
+    expect(card.querySelector('.mtnb-notebook')!.textContent).toBe('from python train.py (pid 42)');
+    expect(view.node.querySelector('.mtnb-count')!.textContent).toBe('1');
+    const top = view.node.querySelectorAll('.mtnb-sessions:not(.mtnb-sessions-finished):not(.mtnb-sessions-elsewhere) > .mtnb-session');
+    expect(Array.from(top).map(n => (n as HTMLElement).dataset.sessionId)).toEqual(['h1']);
+    view.update({ sessions: [session({ id: 'h1', here: true })] });
+    expect(group.hidden).toBe(true);
+    document.body.innerHTML = '';
+  });
+});

@@ -232,6 +232,9 @@ class GRPOTrainer(Trainer):
         if eval_dataset is not None:
             raise NotImplementedError("eval_dataset is not supported by megatrain_nb's GRPOTrainer yet (evaluation "
                                       "generates rollouts); drop it")
+        if not hasattr(train_dataset, "__len__") or isinstance(train_dataset, torch.utils.data.IterableDataset):
+            raise NotImplementedError("an iterable train_dataset is not supported by megatrain_nb's GRPOTrainer yet "
+                                      "(TRL's RepeatSampler needs the prompts' count): give a datasets.Dataset or a list")
         if "prompt" not in (getattr(train_dataset, "column_names", None) or train_dataset[0]):
             raise ValueError("train_dataset needs a 'prompt' column (text, or a conversation: a list of messages)")
         args = coerce_grpo_args(args)
@@ -253,6 +256,9 @@ class GRPOTrainer(Trainer):
                     m.p = 0.0
         # the reference (beta > 0): the policy as it starts, streamed through a frozen engine of its own
         self._ref_source = None
+        if args.beta != 0.0 and not isinstance(model, (str, os.PathLike, torch.nn.Module)):
+            raise ValueError("beta > 0 needs the reference (the policy as it starts): give model= a module or a local "
+                             "folder, not an engine (its starting weights cannot be read back)")
         if args.beta != 0.0:
             self._ref_source = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
         model_eos = _model_eos(model)

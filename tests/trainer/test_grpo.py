@@ -160,3 +160,15 @@ def test_each_step_record_splits_generation_from_training(tmp_path):
     assert recs[0]["generation_s"] > 0 and recs[1]["generation_s"] == 0.0
     assert recs[0]["reward"] == recs[1]["reward"] and recs[0]["completion_length"] > 0
     t.close()
+
+
+def test_an_iterable_dataset_and_an_engine_with_beta_are_refused(tmp_path):
+    tok = tokenizer()
+    with pytest.raises(NotImplementedError, match="iterable train_dataset"):
+        mt.GRPOTrainer(model=tiny_model(tok), reward_funcs=reward_yes, args=config(tmp_path),
+                       train_dataset=prompts().to_iterable_dataset(), processing_class=tok, device="cpu")
+    engine = mt.StreamingEngine(tiny_model(tok), mt.EngineConfig(device="cpu"))
+    with pytest.raises(ValueError, match="beta > 0 needs the reference"):
+        mt.GRPOTrainer(model=engine, reward_funcs=reward_yes, args=config(tmp_path, beta=0.04),
+                       train_dataset=prompts(), processing_class=tok)
+    engine.close()

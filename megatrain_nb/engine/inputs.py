@@ -9,6 +9,7 @@ document boundaries where the position ids restart).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,11 +23,35 @@ class PackedRows:
     position_ids: torch.Tensor
 
 
+@dataclass(frozen=True)
+class WithExtras:
+    """The attention-mask slot of a batch with a processor's extra inputs (``pixel_values``,
+    ``image_grid_thw``, ...: engine/vision.py): the mask (or None) and the extras by keyword."""
+
+    mask: Optional[torch.Tensor]
+    extras: dict
+
+
 def model_inputs(am) -> dict:
     """The keyword arguments the model's forward takes for the attention-mask slot ``am``."""
     if isinstance(am, PackedRows):
         return {"position_ids": am.position_ids}
+    if isinstance(am, WithExtras):
+        return {"attention_mask": am.mask, **am.extras}
     return {"attention_mask": am}
+
+
+def _prepare_extras(extras: WithExtras, position_ids, device: torch.device) -> dict:
+    if position_ids is not None:
+        raise ValueError(f"packed rows (position_ids) with extra inputs {sorted(extras.extras)} are not supported; "
+                         "pass padded rows with an attention_mask.")
+    out = {}
+    for k, v in extras.extras.items():
+        if not torch.is_tensor(v):
+            raise ValueError(f"extra input {k!r} must be a tensor (as the processor returns it with "
+                             f"return_tensors='pt'); got {type(v).__name__}.")
+        out[k] = v.to(device)
+    return out
 
 
 def _prepare_positions(position_ids, input_ids: torch.Tensor, attention_mask, max_pos: Optional[int]) -> PackedRows:
@@ -50,6 +75,15 @@ def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Opt
     """``(input_ids, attention_mask, labels)`` as [batch, seq] tensors on ``device``; labels
     default to the input ids (masked positions -100). With ``position_ids`` (packed rows) the
     second item is a :class:`PackedRows`. Bad input raises ValueError naming it."""
+    if isinstance(input_ids, Mapping):   # one batch as a dict (evaluate(batch), forward_logits(batch))
+        if attention_mask is not None or labels is not None or position_ids is not None:
+            raise ValueError("a batch given as a dict carries its attention_mask/labels/position_ids inside it.")
+        (input_ids, attention_mask, labels, position_ids), = window_batches([input_ids])
+    if isinstance(attention_mask, WithExtras):   # a processor's extra inputs (a window's dict)
+        extras = _prepare_extras(attention_mask, position_ids, device)
+        ids, am, labels = prepare_batch(input_ids, attention_mask.mask, labels, vocab=vocab, max_pos=max_pos,
+                                        device=device)
+        return ids, WithExtras(am, extras), labels
     if not torch.is_tensor(input_ids):
         input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
@@ -104,9 +138,11 @@ def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Opt
 def window_batches(x) -> Optional[list]:
     """``x`` as a window of ``(input_ids, attention_mask, labels, position_ids)`` micro-batches, or
     None when it is one batch. A window is a list or tuple whose items are all tensors (input ids)
-    or dicts with ``input_ids`` (and optionally ``attention_mask``, ``labels``, ``position_ids``)."""
-    from collections.abc import Mapping
-
+    or dicts with ``input_ids`` (and optionally ``attention_mask``, ``labels``, ``position_ids``),
+    or one such dict. A dict's other keys are a processor's extra inputs (``pixel_values``, ...):
+    they ride with the mask as :class:`WithExtras`; the model's forward must take them (vision.py)."""
+    if isinstance(x, Mapping):
+        x = [x]
     if not isinstance(x, (list, tuple)) or not x or not all(torch.is_tensor(b) or isinstance(b, Mapping) for b in x):
         return None
     out = []
@@ -114,10 +150,14 @@ def window_batches(x) -> Optional[list]:
         if torch.is_tensor(b):
             out.append((b, None, None, None))
             continue
-        extra = set(b) - {"input_ids", "attention_mask", "labels", "position_ids"}
-        if "input_ids" not in b or extra:
+        if "input_ids" not in b:
             raise ValueError(f"micro-batch {i} of the window must be a tensor of input ids or a dict with "
-                             f"'input_ids' (and optionally 'attention_mask', 'labels', 'position_ids'); "
-                             f"got keys {sorted(b)}.")
-        out.append((b["input_ids"], b.get("attention_mask"), b.get("labels"), b.get("position_ids")))
+                             f"'input_ids' (and optionally 'attention_mask', 'labels', 'position_ids' and the "
+                             f"processor's extra inputs); got keys {sorted(b)}.")
+        am = b.get("attention_mask")
+        extras = {k: v for k, v in b.items() if k not in _BATCH_KEYS and v is not None}
+        out.append((b["input_ids"], WithExtras(am, extras) if extras else am, b.get("labels"), b.get("position_ids")))
     return out
+
+
+_BATCH_KEYS = frozenset({"input_ids", "attention_mask", "labels", "position_ids"})

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .discovery import modules_after_layers
+from .vision import check_vision_model, guard_inputs, is_image_text_model
 
 
 SUPPORTED_HINT = ("decoder-only *ForCausalLM models from transformers (Llama, Qwen2, Mistral, GPT-2, "
@@ -64,11 +65,14 @@ def check_supported(model: nn.Module) -> None:
         raise TypeError(f"{type(model).__name__} is not a transformers model; the engine supports {SUPPORTED_HINT}.")
     if getattr(config, "is_encoder_decoder", False):
         raise TypeError(f"{type(model).__name__} is an encoder-decoder model; the engine supports {SUPPORTED_HINT}.")
-    if model.get_output_embeddings() is None or not (type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    if is_image_text_model(model) and not _registered_causal_lm(model):   # a vision-language model (vision.py)
+        check_vision_model(model)
+    elif model.get_output_embeddings() is None or not (type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
                                                      or _registered_causal_lm(model)):
         raise TypeError(f"{type(model).__name__} is not a causal language model (encoder-only or a bare base "
                         f"model?); the engine supports {SUPPORTED_HINT}. Load it with "
                         "AutoModelForCausalLM.")
+    guard_inputs(model)   # a processor's extra inputs reach only a forward that takes them
 
 
 def _registered_causal_lm(model: nn.Module) -> bool:

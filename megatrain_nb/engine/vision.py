@@ -1,0 +1,92 @@
+"""Vision-language models (``*ForConditionalGeneration`` of the image-text-to-text families) in the
+streaming engine, by the model's own code.
+
+The language model's decoder layers stream as units as for a causal LM; the vision tower and the
+projector are parameters outside the layer list used before the first layer, so they live in the
+``embed`` unit (with the token embedding) and are trained there: the model's own forward (its
+image-feature function, its embedding merge, its position computation: M-RoPE for Qwen-VL) runs
+in the embedding's pass, and the embedding's backward carries the gradient into the vision tower
+and the projector. A parameter the user froze (``requires_grad=False``) gets a zero gradient and no
+weight decay, so its weights stay as they are.
+
+The processor's extra inputs (``pixel_values``, ``image_grid_thw``, ``image_sizes``,
+``mm_token_type_ids``, ...) ride in a batch's attention-mask slot (:class:`.inputs.WithExtras`) and
+reach the base model's forward as keywords. :func:`guard_inputs` refuses, when the forward runs,
+an extra input the model's forward does not name and image tokens without their images (nothing
+trains silently without its images).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from .discovery import locate
+
+#: The image-text-to-text families whose gradients are checked against the model's own (tests/engine/test_vlm.py).
+VISION_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
+#: What the engine passes the base model's forward itself (everything else is a processor's extra input).
+_OWN = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache"})
+_IMAGE_TOKEN = ("image_token_id", "image_token_index")
+
+
+def _image_text_classes() -> set:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    except ImportError:   # an older transformers: no such families
+        return set()
+    return set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
+
+
+def is_image_text_model(model: nn.Module) -> bool:
+    """Whether transformers registers ``model``'s class as an image-text-to-text model."""
+    return type(model).__name__ in _image_text_classes()
+
+
+def family(model: nn.Module) -> str:
+    return str(getattr(getattr(model, "config", None), "model_type", "") or "")
+
+
+def check_vision_model(model: nn.Module) -> None:
+    """Refuse an image-text-to-text model of a family the engine is not checked on, by name."""
+    name, fam = type(model).__name__, family(model)
+    if fam not in VISION_FAMILIES:
+        raise TypeError(f"{name} (model_type {fam!r}) is a vision-language family the streaming engine does not "
+                        f"support yet: its gradients are not checked against the model's own. Supported "
+                        f"vision-language families: {', '.join(VISION_FAMILIES)} (docs/VISION.md).")
+    if model.get_output_embeddings() is None:
+        raise TypeError(f"{name} has no language-model head (a bare base model?); load the family's "
+                        "*ForConditionalGeneration class (AutoModelForImageTextToText).")
+
+
+def guard_inputs(model: nn.Module) -> None:
+    """A check on ``model``'s base model's forward: a processor's extra input is taken only by a
+    supported vision-language family whose forward names it; image tokens need their images."""
+    _, base, _ = locate(model)
+    if getattr(base, "_mt_guarded", False):
+        return
+    named = {n for n, p in inspect.signature(base.forward).parameters.items() if p.kind != p.VAR_KEYWORD}
+    cfg = model.config
+    image_token = next((getattr(cfg, a) for a in _IMAGE_TOKEN if isinstance(getattr(cfg, a, None), int)), None)
+    vision = is_image_text_model(model) and family(model) in VISION_FAMILIES
+    label = f"{type(model).__name__} (model_type {family(model)!r})"
+
+    def check(module, args, kwargs):
+        extra = sorted(set(kwargs) - _OWN)
+        if extra and not vision:
+            raise ValueError(f"{label} takes no extra inputs {extra} in the streaming engine (only input_ids, "
+                             f"attention_mask, labels, position_ids); vision-language families supported: "
+                             f"{', '.join(VISION_FAMILIES)}.")
+        unknown = [k for k in extra if k not in named]
+        if unknown:
+            raise ValueError(f"{label}'s forward takes no {unknown}; it takes {sorted(named - _OWN)}.")
+        ids = kwargs.get("input_ids")
+        if vision and image_token is not None and torch.is_tensor(ids) and kwargs.get("pixel_values") is None \
+                and bool((ids == image_token).any()):
+            raise ValueError(f"{label}: the batch has image tokens (id {image_token}) but no pixel_values; pass the "
+                             "processor's pixel_values (and its other image inputs) with the batch.")
+        return None
+
+    base.register_forward_pre_hook(check, with_kwargs=True)
+    object.__setattr__(base, "_mt_guarded", True)

@@ -1,0 +1,194 @@
+"""Vision-language models through the streaming engine (engine/vision.py): the loss and every
+parameter's gradient (vision tower and projector included) against the model's own forward and
+backward, AdamW steps against torch.optim.AdamW, a frozen vision tower, and the refusals."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.model_configs import family_config
+
+_TEXT = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+IMAGE = 150   # the image token id of the tiny configs
+
+
+def _llava(feature_layer=-2, family="llava"):
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=16, patch_size=4, projection_dim=32)
+    cfg = AutoConfig.for_model(family, vision_config=vision, text_config=dict(model_type="llama", **_TEXT),
+                               image_token_index=IMAGE, vision_feature_layer=feature_layer,
+                               vision_feature_select_strategy="default")
+    return AutoModelForImageTextToText.from_config(cfg).eval()
+
+
+def _qwen_vl(family):
+    text = dict(_TEXT, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
+                bos_token_id=1, eos_token_id=2)
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3, out_hidden_size=32, intermediate_size=64)
+    cfg = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=IMAGE,
+                               video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
+    return AutoModelForImageTextToText.from_config(cfg).eval()
+
+
+def _batch(family, seed=1):
+    """Two rows (the second right-padded) with one image each, as the family's processor gives them."""
+    g = torch.Generator().manual_seed(seed)
+    if family == "llava":   # 16x16 pixels, 4x4 patches: 16 image tokens (CLS dropped)
+        ids = torch.randint(3, 140, (2, 24), generator=g)
+        ids[:, 2:18] = IMAGE
+        extras = {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+    else:                   # a 4x4 patch grid merged 2x2: 4 image tokens between vision start and end
+        ids = torch.randint(3, 140, (2, 20), generator=g)
+        ids[:, 3], ids[:, 4:8], ids[:, 8] = 152, IMAGE, 153
+        extras = {"pixel_values": torch.randn(32, 24, generator=g),
+                  "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]]),
+                  "mm_token_type_ids": (ids == IMAGE).int()}
+    am = torch.ones_like(ids)
+    am[1, -4:] = 0
+    return {"input_ids": ids, "attention_mask": am, "labels": ids.masked_fill(am == 0, -100), **extras}
+
+
+def _model(family):
+    return _llava() if family == "llava" else _qwen_vl(family)
+
+
+def _reference(model, batch):
+    ref = copy.deepcopy(model)
+    out = ref(**batch)
+    out.loss.backward()
+    return float(out.loss), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _max_rel_err(engine, grads):
+    worst, seen = 0.0, set()
+    for name, g in engine.named_gradients():
+        seen.add(name)
+        r = grads[name] if grads[name] is not None else torch.zeros_like(g)   # a part the forward does not use
+        worst = max(worst, float((g - r).norm() / (r.norm() + 1e-12)))
+    assert seen == set(grads), f"names differ: {seen ^ set(grads)}"
+    return worst
+
+
+def _vision_names(model):
+    return [n for n, _ in model.named_parameters() if ".visual." in n or "vision_tower" in n or "projector" in n
+            or ".merger." in n]
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_gradients_match_the_models_own(family, k):
+    model = _model(family)
+    batch = _batch(family)
+    ref_loss, ref_grads = _reference(model, batch)
+    vision = _vision_names(model)
+    assert vision and all(ref_grads[n] is not None for n in vision if "layers.1." not in n and "post_layernorm" not in n)
+    engine = StreamingEngine(model, EngineConfig(device="cpu", checkpoint_interval=k))
+    out = engine.forward_backward(batch)
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert _max_rel_err(engine, ref_grads) <= 1e-4
+    grads = dict(engine.named_gradients())
+    assert sum(float(grads[n].norm()) for n in vision) > 0   # the images reached the loss
+    engine.close()
+
+
+def test_images_change_the_gradients():
+    """The comparison can fail: other pixels give other vision-tower gradients."""
+    model = _model("qwen2_vl")
+    batch = _batch("qwen2_vl")
+    _, ref_grads = _reference(model, dict(batch, pixel_values=batch["pixel_values"].flip(0)))
+    engine = StreamingEngine(model, EngineConfig(device="cpu"))
+    engine.forward_backward(batch)
+    assert _max_rel_err(engine, ref_grads) > 1e-2
+    engine.close()
+
+
+def _adamw(model, wd):
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for n, p in params if n in decay], "weight_decay": wd},
+                              {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}],
+                             lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
+@pytest.mark.parametrize("family,frozen", [("llava", False), ("qwen2_vl", False), ("qwen2_vl", True)])
+def test_adamw_steps_match_torch_adamw(family, frozen):
+    """Three steps on two batches; with ``frozen`` the vision tower is frozen by the user: its
+    weights stay bit-identical and the rest trains as torch's AdamW trains it."""
+    model = _llava(feature_layer=-1) if family == "llava" else _model(family)   # every parameter used
+    vision = _vision_names(model)
+    if frozen:
+        for n, p in model.named_parameters():
+            if n in vision:
+                p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    opt = _adamw(ref, 0.1)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = StreamingEngine(model, EngineConfig(device="cpu", adam_betas=(0.9, 0.95), weight_decay=0.1))
+    for step in range(3):
+        batch = _batch(family, seed=step % 2)
+        out = ref(**batch)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert engine.forward_backward(batch).loss == pytest.approx(float(out.loss), rel=1e-5)
+        engine.optimizer_step(3e-3)
+        engine.zero_grad()
+    mine, refp = dict(engine.named_parameters()), dict(ref.named_parameters())
+    for n, p in refp.items():
+        if n.endswith("self_attn.k_proj.bias"):   # CLIP's key bias: its gradient is 0 (softmax takes no shift),
+            # so AdamW normalises round-off on either side; each step moves it by at most the learning rate
+            assert float((mine[n] - start[n]).abs().max()) <= 3 * 3e-3 * 1.01, n
+            continue
+        assert float((mine[n] - p).abs().max()) <= 1e-5 * max(1.0, float(p.abs().max())), n
+    moved = [n for n in vision if not torch.equal(mine[n], start[n])]   # (CLIP's post_layernorm is never used)
+    assert moved == [] if frozen else len(moved) >= len(vision) - 2, moved
+    engine.close()
+
+
+def test_unsupported_family_refused_by_name():
+    cfg = AutoConfig.for_model("paligemma", text_config=dict(model_type="gemma", **_TEXT),
+                               vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                                                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                                  image_size=16, patch_size=4))
+    model = AutoModelForImageTextToText.from_config(cfg)
+    with pytest.raises(TypeError, match=r"PaliGemmaForConditionalGeneration \(model_type 'paligemma'\).*llava"):
+        StreamingEngine(model, EngineConfig(device="cpu"))
+
+
+def test_inputs_the_model_does_not_take_are_refused():
+    text = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")), EngineConfig(device="cpu"))
+    ids = torch.randint(1, 100, (1, 8))
+    with pytest.raises(ValueError, match=r"takes no extra inputs \['pixel_values'\]"):
+        text.forward_backward({"input_ids": ids, "pixel_values": torch.randn(1, 3, 16, 16)})
+    text.close()
+    engine = StreamingEngine(_model("llava"), EngineConfig(device="cpu"))
+    batch = _batch("llava")
+    with pytest.raises(ValueError, match=r"forward takes no \['image_grid_thw'\]"):
+        engine.forward_backward(dict(batch, image_grid_thw=torch.tensor([[1, 4, 4]])))
+    with pytest.raises(ValueError, match="image tokens .* but no pixel_values"):
+        engine.forward_backward({k: v for k, v in batch.items() if k != "pixel_values"})
+    engine.close()
+
+
+def test_evaluate_and_logits_take_the_images_and_training_goes_on_after_a_refusal():
+    model = _model("qwen2_vl")
+    batch = _batch("qwen2_vl")
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        out = ref(**batch)
+    engine = StreamingEngine(model, EngineConfig(device="cpu"))
+    with pytest.raises(ValueError, match=r"forward takes no \['image_sizes'\]"):
+        engine.forward_backward(dict(batch, image_sizes=torch.tensor([[16, 16]])))
+    assert engine.evaluate(batch).loss == pytest.approx(float(out.loss), rel=1e-5)
+    logits = engine.forward_logits({k: v for k, v in batch.items() if k != "labels"})
+    torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
+    _, ref_grads = _reference(ref, batch)
+    assert engine.forward_backward([batch]).loss == pytest.approx(float(out.loss), rel=1e-5)
+    assert _max_rel_err(engine, ref_grads) <= 1e-4
+    engine.close()

@@ -222,7 +222,7 @@ class GRPOObjective:
         log_w = torch.clamp(seq_log_ratio, lower, 20.0)
         nonneg = adv >= 0
         k = torch.where(nonneg, s.vespo_k_pos, s.vespo_k_neg)
-        lam = torch.where(nonneg, torch.tensor(s.vespo_lambda_pos), torch.tensor(s.vespo_lambda_neg)).clamp(min=1e-4)
+        lam = torch.where(nonneg, s.vespo_lambda_pos, s.vespo_lambda_neg).clamp(min=1e-4)
         return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
     def _off_policy(self, stats, adv):

@@ -25,7 +25,7 @@ from torch import nn
 from .discovery import locate
 
 #: The image-text-to-text families whose gradients are checked against the model's own (tests/engine/test_vlm.py).
-VISION_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
+VISION_FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm")
 #: What the engine passes the base model's forward itself (everything else is a processor's extra input).
 _OWN = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache"})
 _IMAGE_TOKEN = ("image_token_id", "image_token_index")

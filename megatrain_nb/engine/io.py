@@ -79,6 +79,8 @@ def _write_pretrained(engine, target: str) -> None:
         fname = WEIGHTS_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(target, fname),
                   metadata={"format": "pt"})
+        # safetensors writes its file 0600: the folder's other files' mode (umask applied), as save_pretrained's
+        os.chmod(os.path.join(target, fname), os.stat(os.path.join(target, "config.json")).st_mode & 0o777)
         weight_map.update({k: fname for k in shard})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())

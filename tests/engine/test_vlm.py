@@ -232,3 +232,38 @@ def test_evaluate_and_logits_take_the_images_and_training_goes_on_after_a_refusa
     assert engine.forward_backward([batch]).loss == pytest.approx(float(out.loss), rel=1e-5)
     assert _max_rel_err(engine, ref_grads) <= 1e-4
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+def test_a_window_of_image_batches_matches_accumulated_hf_gradients(family):
+    """Two micro-batches with their images, layer-major (checkpoint interval 0 for gemma3, so
+    every layer's graph is kept): the gradient of the window's summed token loss over its target
+    tokens, as transformers.Trainer accumulates it."""
+    model = _model(family)
+    window = [_batch(family, seed=1), _batch(family, seed=2)]
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in window]
+    ref = copy.deepcopy(model)
+    total = 0.0
+    for b, n in zip(window, counts):
+        out = ref(**b)
+        (out.loss * n / sum(counts)).backward()
+        total += float(out.loss) * n
+    engine = StreamingEngine(model, EngineConfig(device="cpu", checkpoint_interval=0 if family == "gemma3" else 1))
+    out = engine.forward_backward(window)
+    assert out.num_tokens == sum(counts)
+    assert out.loss == pytest.approx(total / sum(counts), rel=1e-5)
+    assert _max_rel_err(engine, {n: p.grad for n, p in ref.named_parameters()}) <= 1e-4
+    engine.close()
+
+
+def test_save_pretrained_loads_back_as_the_vision_language_model(tmp_path):
+    engine = StreamingEngine(_model("llava"), EngineConfig(device="cpu"))
+    engine.forward_backward(_batch("llava"), step_lr=1e-2)
+    engine.save_pretrained(tmp_path / "out")
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
+    assert type(loaded).__name__ == "LlavaForConditionalGeneration"
+    mine = dict(engine.named_parameters())
+    theirs = dict(loaded.named_parameters())
+    assert set(mine) == set(theirs)
+    assert all(torch.equal(mine[n], theirs[n]) for n in mine)
+    engine.close()

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import math
 import os
+import time
 from collections import defaultdict
 
 import torch
@@ -34,10 +35,12 @@ import torch
 from megatrain_nb.engine import StreamingEngine
 
 from .kinds import register_kind
+from .grpo_eval import run_evaluation
 from .grpo_data import RolloutStream, pad_rollouts, tokenize_prompts
 from .grpo_loss import GRPOObjective, GRPOSettings
 from .grpo_rollout import (ResidentPolicy, advantages, completion_logps, eos_token_ids, generation_config,
                            length_metrics, reward_metrics, score)
+from .args import check_eval_plan
 from .sft_data import require_trl
 from .trainer import Trainer
 
@@ -217,6 +220,8 @@ class GRPOTrainer(Trainer):
     ``callbacks``) plus any EngineConfig field as a keyword.
     """
 
+    _eval_set_later = True   # the eval prompts are kept after Trainer.__init__; the eval plan is checked before it
+
     def __init__(self, model=None, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
@@ -229,9 +234,6 @@ class GRPOTrainer(Trainer):
             raise ValueError("loss_fn does not apply to GRPOTrainer: GRPOConfig.loss_type picks the loss")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
-        if eval_dataset is not None:
-            raise NotImplementedError("eval_dataset is not supported by megatrain_nb's GRPOTrainer yet (evaluation "
-                                      "generates rollouts); drop it")
         if not hasattr(train_dataset, "__len__") or isinstance(train_dataset, torch.utils.data.IterableDataset):
             raise NotImplementedError("an iterable train_dataset is not supported by megatrain_nb's GRPOTrainer yet "
                                       "(TRL's RepeatSampler needs the prompts' count): give a datasets.Dataset or a list")
@@ -239,6 +241,7 @@ class GRPOTrainer(Trainer):
             raise ValueError("train_dataset needs a 'prompt' column (text, or a conversation: a list of messages)")
         args = coerce_grpo_args(args)
         validate_grpo_args(args)
+        check_eval_plan(args, eval_dataset)
         self.settings = GRPOSettings.from_args(args)
         self.objective = GRPOObjective(self.settings)
         self.num_iterations = args.num_iterations
@@ -271,9 +274,11 @@ class GRPOTrainer(Trainer):
         self.last_rollout: dict = {}   # the latest generation's reward, reward_std, completion length
         self._setup_generation(model_eos)
         self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
         self._ref_engine = None
         self._policy = None
         self._metrics = defaultdict(list)
+        self.eval_metrics = defaultdict(list)   # an evaluation's rollout metrics (grpo_eval.py)
         self._rollout_tokens = 0
         from transformers.trainer_utils import set_seed
 
@@ -329,18 +334,24 @@ class GRPOTrainer(Trainer):
             return ids, [[{"role": "assistant", "content": t}] for t in texts]
         return ids, texts
 
-    def make_rollouts(self, examples: list) -> dict:
+    def make_rollouts(self, examples: list, mode: str = "train") -> dict:
         """A generation batch's rollouts, TRL's keys: tokens and masks, advantages, the token count,
-        old log-probs (when a generation serves several steps) and the reference's (beta > 0)."""
+        old log-probs (when a generation serves several steps) and the reference's (beta > 0).
+        ``mode="eval"``: TRL's evaluation (``num_generations_eval``, its own metrics, no tokens counted)."""
         a, tok = self.args, self.tokenizer
+        train = mode == "train"
+        m = self._metrics if train else self.eval_metrics
+        G = a.num_generations if train else (a.num_generations_eval or a.num_generations)
+        rows_at_once = a.per_device_train_batch_size if train else a.per_device_eval_batch_size
         prompts = [x["prompt"] for x in examples]
         prompt_ids = tokenize_prompts(tok, copy.deepcopy(prompts), a.chat_template_kwargs)
         completion_ids, completions = self._completions(prompts, prompt_ids)
-        self._rollout_tokens += int(self.dist.sum(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
-        self._metrics["num_tokens"] = [float(self._rollout_tokens)]
+        if train:
+            self._rollout_tokens += int(self.dist.sum(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
+        m["num_tokens"] = [float(self._rollout_tokens)]
         stops = [*self.eos_token_ids, tok.pad_token_id]
         for k, v in length_metrics(completion_ids, stops).items():
-            self._metrics[k].append(v)
+            m[k].append(v)
         r = pad_rollouts(prompt_ids, completion_ids, tok.pad_token_id)
         if a.mask_truncated_completions:
             truncated = torch.tensor([ids[-1] not in stops for ids in completion_ids])
@@ -349,19 +360,19 @@ class GRPOTrainer(Trainer):
         P = r["prompt_ids"].shape[1]
         old = ref = None
         if a.gradient_accumulation_steps % (a.steps_per_generation * self.num_iterations) != 0:
-            old = completion_logps(self._engine, rows, P, a.temperature, a.per_device_train_batch_size)
+            old = completion_logps(self._engine, rows, P, a.temperature, rows_at_once)
         if a.beta != 0.0:
-            ref = completion_logps(self._reference_engine(), rows, P, a.temperature, a.per_device_train_batch_size)
+            ref = completion_logps(self._reference_engine(), rows, P, a.temperature, rows_at_once)
         extra = {"trainer_state": self.state, "log_extra": lambda *x, **k: None, "log_metric": self._log_metric}
         per_func = score(self.reward_funcs, self.reward_func_names, self.reward_processing_classes, examples,
                          prompts, completions, completion_ids, extra, a.chat_template_kwargs)
-        adv, zero_std = advantages(per_func, self.reward_weights, a.num_generations, a.scale_rewards,
-                                   a.multi_objective_aggregation)
+        adv, zero_std = advantages(per_func, self.reward_weights, G, a.scale_rewards, a.multi_objective_aggregation)
         rm = reward_metrics(per_func, self.reward_weights, self.reward_func_names, zero_std)
         for k, v in rm.items():
-            self._metrics[k].append(v)
-        self.last_rollout = {"reward": rm["reward"], "reward_std": rm["reward_std"],
-                             "completion_length": self._metrics["completions/mean_length"][-1]}
+            m[k].append(v)
+        if train:
+            self.last_rollout = {"reward": rm["reward"], "reward_std": rm["reward_std"],
+                                 "completion_length": m["completions/mean_length"][-1]}
         out = {**r, "advantages": adv, "num_items_in_batch": torch.tensor(float(self.dist.sum(
             int(r["completion_mask"].sum()))))}
         if old is not None:
@@ -396,7 +407,15 @@ class GRPOTrainer(Trainer):
         super().log(logs)
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
-        raise NotImplementedError("evaluate() is not supported by megatrain_nb's GRPOTrainer yet")
+        """TRL's evaluation: rollouts of the eval prompts, the loss forward only (:mod:`.grpo_eval`)."""
+        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if ds is None:
+            raise ValueError("evaluate() needs an eval_dataset (give one to the GRPOTrainer or to evaluate())")
+        metrics = run_evaluation(self, ds, metric_key_prefix)
+        super().log(dict(metrics))
+        self.metrics_log.write({"event": "evaluate", **metrics, "step": self.state.global_step, "time": time.time()})
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
 
     def close(self) -> None:
         """As :meth:`Trainer.close`, and the reference's engine when one was built."""

@@ -91,6 +91,7 @@ class RolloutBatch:
     accumulation: int = 1
     world: int = 1
     weight: float = 1.0   # 0.0: a data-parallel rank's filler micro-batch
+    per_generation: int = 0   # the steps a generation serves (0: steps_per_generation; evaluation: 1)
 
 
 def _part(t: Optional[torch.Tensor], start: int, width: int, like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -257,7 +258,8 @@ class GRPOObjective:
         elif s.loss_type == "luspo":
             loss = per_seq.mean() / cur.accumulation
         else:   # BY_ITEMS
-            normalizer = max(float(cur.num_items), 1.0) / cur.world * cur.accumulation / s.steps_per_generation
+            spg = cur.per_generation or s.steps_per_generation
+            normalizer = max(float(cur.num_items), 1.0) / cur.world * cur.accumulation / spg
             loss = per_seq.sum() / normalizer
         return loss * cur.weight
 

@@ -164,3 +164,28 @@ def test_the_comparison_catches_another_seed(tmp_path):
     g1, _, _ = run_trl(tmp_path, model, tok, reward_yes, max_steps=1)
     g2, _, _ = run_mt(tmp_path, model, tok, reward_yes, max_steps=1, seed=1)
     assert g1 != g2
+
+
+def test_evaluate_matches_trl_before_and_after_training(tmp_path):
+    """evaluate() before and after two steps: the same eval metrics as TRL's (eval_loss weighted as
+    transformers and accelerate weigh the batches: 6 prompts in batches of 4, the last kept twice)."""
+    tok = tokenizer()
+    model = tiny_model(tok)
+    ev = datasets.Dataset.from_list([{"prompt": f"{a} plus {b} is"} for a, b in zip(WORDS[3:9], WORDS[1:7])])
+    kw = dict(per_device_eval_batch_size=4, num_generations_eval=2, max_steps=2)
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = trl.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward_yes, args=config(tmp_path / "trl", **kw),
+                            train_dataset=prompts(), eval_dataset=ev, processing_class=tok)
+        out.append((t.evaluate(), t.train() and t.evaluate()))
+    m = mt.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward_yes, args=config(tmp_path / "mt", **kw),
+                       train_dataset=prompts(), eval_dataset=ev, processing_class=tok, device="cpu")
+    out.append((m.evaluate(), m.train() and m.evaluate()))
+    m.close()
+    for a, b in zip(out[0], out[1]):
+        keys = [k for k in a if not k.endswith(("runtime", "per_second", "preparation_time")) and k != "epoch"]
+        assert len(keys) > 15 and set(keys) <= set(b)
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+    assert out[1][1]["eval_loss"] != pytest.approx(0.0, abs=1e-6)

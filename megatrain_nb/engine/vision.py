@@ -63,7 +63,10 @@ def check_vision_model(model: nn.Module) -> None:
 def guard_inputs(model: nn.Module) -> None:
     """A check on ``model``'s base model's forward: a processor's extra input is taken only by a
     supported vision-language family whose forward names it; image tokens need their images."""
-    _, base, _ = locate(model)
+    try:
+        _, base, _ = locate(model)
+    except TypeError:   # no base model with a layer list: the engine refuses the model later, in its own words
+        return
     if getattr(base, "_mt_guarded", False):
         return
     named = {n for n, p in inspect.signature(base.forward).parameters.items() if p.kind != p.VAR_KEYWORD}

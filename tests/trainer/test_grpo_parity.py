@@ -166,26 +166,34 @@ def test_the_comparison_catches_another_seed(tmp_path):
     assert g1 != g2
 
 
-def test_evaluate_matches_trl_before_and_after_training(tmp_path):
-    """evaluate() before and after two steps: the same eval metrics as TRL's (eval_loss weighted as
-    transformers and accelerate weigh the batches: 6 prompts in batches of 4, the last kept twice)."""
+@pytest.mark.parametrize("during", [False, True])
+def test_evaluate_matches_trl_before_and_after_training(tmp_path, during):
+    """evaluate() before and after two steps (and, ``during``, after each step by eval_strategy):
+    the same eval metrics as TRL's (eval_loss weighted as transformers and accelerate weigh the
+    batches: 6 prompts in batches of 4, the last kept twice), and training goes on as TRL's."""
     tok = tokenizer()
     model = tiny_model(tok)
     ev = datasets.Dataset.from_list([{"prompt": f"{a} plus {b} is"} for a, b in zip(WORDS[3:9], WORDS[1:7])])
     kw = dict(per_device_eval_batch_size=4, num_generations_eval=2, max_steps=2)
+    if during:
+        kw.update(eval_strategy="steps", eval_steps=1, loss_type="grpo")
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t = trl.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward_yes, args=config(tmp_path / "trl", **kw),
                             train_dataset=prompts(), eval_dataset=ev, processing_class=tok)
-        out.append((t.evaluate(), t.train() and t.evaluate()))
+        out.append((t.evaluate(), t.train() and t.evaluate(), t.state.log_history))
     m = mt.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward_yes, args=config(tmp_path / "mt", **kw),
                        train_dataset=prompts(), eval_dataset=ev, processing_class=tok, device="cpu")
-    out.append((m.evaluate(), m.train() and m.evaluate()))
+    out.append((m.evaluate(), m.train() and m.evaluate(), m.state.log_history))
     m.close()
-    for a, b in zip(out[0], out[1]):
-        keys = [k for k in a if not k.endswith(("runtime", "per_second", "preparation_time")) and k != "epoch"]
+    logged = [[r for r in o[2] if "eval_loss" in r or "loss" in r] for o in out]
+    assert len(logged[0]) == len(logged[1]) == (5 if during else 3)   # (train() starts a new history)
+    for a, b in list(zip(out[0][:2], out[1][:2])) + list(zip(*logged)):
+        keys = [k for k in a if not k.endswith(("runtime", "per_second", "preparation_time", "step_time"))
+                and k not in ("epoch", "step")]
         assert len(keys) > 15 and set(keys) <= set(b)
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
-    assert out[1][1]["eval_loss"] != pytest.approx(0.0, abs=1e-6)
+    if not during:   # (dapo weighs completions by their tokens: a loss off zero; grpo's is ~0 at ratio 1)
+        assert out[1][1]["eval_loss"] != pytest.approx(0.0, abs=1e-6)

@@ -26,26 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, median, result  # noqa: E402
-
-
-def _reset_peak_rss() -> bool:
-    """Start the peak-RSS mark (VmHWM) afresh (Linux: /proc/self/clear_refs), so the peak is
-    the training steps' own, not the model's construction."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from common import hwm_bytes, machine, median, reset_peak_rss, result  # noqa: E402
 
 
 def _engine_and_step(a, path: str):
@@ -104,7 +85,7 @@ def child(a) -> dict:
     import gc
 
     gc.collect()
-    steps_peak = _reset_peak_rss()   # from here: the steps' own peak (warm-up included)
+    steps_peak = reset_peak_rss()   # from here: the steps' own peak (warm-up included)
     step()  # warm-up: optimizer states, buffers
     times = []
     for _ in range(a.steps):
@@ -118,7 +99,7 @@ def child(a) -> dict:
     out = {"step_s": median(times), "times": times, "loads_per_layer": last["loads_per_layer"],
            "tokens_per_weight_fetch": last["tokens_per_weight_fetch"],
            "h2d_bytes": last["host_to_device_bytes"], "peak_rss": peak_rss_bytes(),
-           "steps_peak_rss": _hwm_bytes() if steps_peak else None,
+           "steps_peak_rss": hwm_bytes() if steps_peak else None,
            "host_grads": mem["host"]["grads"], "host_buffers": mem["host"]["buffers"],
            "device_peak": dev["peak_bytes"], "grad_sums": dev["grad_sums"], "params": engine.num_parameters()}
     engine.close()

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from common import current_rss_bytes, machine, median, result  # noqa: E402
+from common import current_rss_bytes, hwm_bytes, machine, median, reset_peak_rss, result  # noqa: E402
 
 import megatrain_nb as mt  # noqa: E402
 from megatrain_nb.engine import EngineConfig, StreamingEngine  # noqa: E402
@@ -58,23 +58,6 @@ def dd_write_rate(folder: str, count: int = 32) -> float:
             os.unlink(path)
     m = re.search(r"copied, ([0-9.]+) s", proc.stderr)
     return count * 64 * 1024 ** 2 / float(m.group(1))
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def disk_engine(a, folder: str, host_cache_gb=0) -> StreamingEngine:
@@ -118,13 +101,13 @@ def disk_export(a, host_cache_gb):
             out = os.path.join(d, f"export-{rep}")
             engine.disk.flush()
             before = current_rss_bytes()
-            can_reset = reset_peak()
+            can_reset = reset_peak_rss()
             read0 = engine.disk.stats()["bytes_read"]
             t0 = time.perf_counter()
             mt.export(engine, out)
             times.append(time.perf_counter() - t0)
             read = engine.disk.stats()["bytes_read"] - read0
-            extra.append((peak_rss() - before) / GiB if can_reset else float("nan"))
+            extra.append((hwm_bytes() - before) / GiB if can_reset else float("nan"))
             size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
             print(f"export {rep + 1}: {times[-1]:.1f}s, {size / GiB:.2f} GiB written, {read / GiB:.2f} GiB read "
                   f"from the disk tier, extra peak RSS {extra[-1]:.2f} GiB", flush=True)

@@ -25,6 +25,26 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Start the peak-RSS mark (VmHWM) afresh (Linux: /proc/self/clear_refs), so a peak read after
+    it is the work's own, not what came before (the model's construction); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def hwm_bytes() -> int:
+    """The peak RSS since the last reset_peak_rss() (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def current_rss_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:

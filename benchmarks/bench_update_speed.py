@@ -11,13 +11,16 @@ is the median of the rounds' ratios. What runs:
 * ``update_<codec>_vs_fp32_adamw``: one unit of ``--numel`` parameters updated as the engine
   updates it with compressed states -- ``OptimizerStates.update`` (read the codes, decode, AdamW,
   encode, write the codes; the fused kernel of ``engine/fused_update.py`` where it is built)
-  -- in parameters/s, over torch's fused CPU AdamW (``torch._fused_adamw_``, fp32 states, what
-  the engine runs for them) on a unit of the same size, both on ``--threads`` threads. The same
-  chain on torch ops (``fused_update.torch_path()``, the path before the kernel) is printed
+  -- in parameters/s, over torch's fused CPU AdamW (``torch._fused_adamw_``, fp32 states) on a
+  unit of the same size, both on ``--threads`` threads (torch's intra-op threads; a fused chunk
+  split over that many threads: ``OptimizerStates.fused_split``). The same chain on torch ops
+  (``fused_update.torch_path()``, the path before the kernel: decode and encode threads beside
+  AdamW) and the engine's own split (the AdamW worker and the two codec threads) are printed
   beside it.
 * ``codes_differing_from_torch_path``: of ``--agree`` Adam-like moments per codec and moment,
   how many codes the kernel (IEEE square roots) and the torch path (MKL's) give differently.
-* ``adamw_vs_deepspeed_cpu_adam``: the engine's plain AdamW (torch's fused kernel) against
+* ``adamw_vs_deepspeed_cpu_adam``: the engine's plain AdamW (``UnitAdamW.fused``: the fused
+  kernels' AdamW, torch's arithmetic bit for bit with one division fewer) against
   ``DeepSpeedCPUAdam`` (adamw_mode, fp32) on the same ``--ds-numel`` tensors, ``--ds-threads``
   threads each, in parameters/s. DeepSpeed is not a dependency: when it is not importable it is
   installed for this benchmark only (``pip install --no-deps --target .venv/bench-deps
@@ -71,10 +74,26 @@ def _fp32_adamw(numel: int):
     return run
 
 
-def _chain(codec: str, numel: int):
-    """One unit's compressed update as the engine runs it (measure.measure_update_chain's)."""
+def _our_adamw(numel: int):
+    """The engine's plain AdamW for fp32 states (``UnitAdamW.fused``: the fused kernels' where
+    they are built, torch's fused kernel else), on this thread's torch thread count."""
+    p, g = torch.randn(numel), torch.randn(numel) * 1e-3
+    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+    adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+    def run():
+        step.add_(1)
+        adam.fused(p, g, m, v, step, 1e-4, 0.01)
+    return run
+
+
+def _chain(codec: str, numel: int, split=None):
+    """One unit's compressed update as the engine runs it (measure.measure_update_chain's);
+    ``split``: the threads a fused chunk is split over (None: the engine's, 3)."""
     unit = SimpleNamespace(index=0, numel=numel, name="bench", decay_numel=numel)
     states = OptimizerStates([unit], SimpleNamespace(optimizer_compression=codec), Telemetry())
+    if split is not None:
+        states.fused_split = split
     adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     p, g = torch.randn(numel), torch.randn(numel) * 1e-3
 
@@ -90,13 +109,16 @@ def update_ratios(numel: int, rounds: int, threads: int) -> None:
     fused = fused_update.kernels()
     print(f"fused kernels: {fused.path if fused else 'unavailable: ' + str(fused_update.disabled_reason())}"
           f"{f' (torch AdamW vector width {fused.width})' if fused else ''}")
-    plain = _fp32_adamw(numel)
-    chains = {c: _chain(c, numel) for c in ("int8", "int4")}
-    times = {k: [] for k in ("fp32", "int8", "int4", "int8_torch", "int4_torch")}
+    plain, ours = _fp32_adamw(numel), _our_adamw(numel)
+    chains = {c: _chain(c, numel, threads) for c in ("int8", "int4")}
+    engine_run, engine_states = _chain("int8", numel)
+    times_engine = []
+    times = {k: [] for k in ("fp32", "ours", "int8", "int4", "int8_torch", "int4_torch")}
     ratios = {c: [] for c in ("int8", "int4")}
     for r in range(rounds):
         t_plain = _median_time(plain, 3)
         times["fp32"].append(t_plain)
+        times["ours"].append(_median_time(ours, 3))
         for c, (run, _) in chains.items():
             t = _median_time(run, 3)
             times[c].append(t)
@@ -104,12 +126,15 @@ def update_ratios(numel: int, rounds: int, threads: int) -> None:
             if r < 2:   # the path before the kernel, twice (it is slow)
                 with fused_update.torch_path():
                     times[c + "_torch"].append(_median_time(run, 1))
-    for _, states in chains.values():
+        times_engine.append(_median_time(engine_run, 3))
+    for _, states in list(chains.values()) + [(None, engine_states)]:
         states.close()
     rate = {k: numel / statistics.median(v) / 1e6 for k, v in times.items() if v}
     print(f"unit of {numel} parameters, {threads} thread(s), {rounds} rounds alternating: fp32 fused AdamW "
-          f"{rate['fp32']:.0f} M params/s; int8 chain {rate['int8']:.0f} (torch path {rate['int8_torch']:.0f}); "
+          f"{rate['fp32']:.0f} M params/s (the engine's, fused kernels: {rate['ours']:.0f}); int8 chain {rate['int8']:.0f} (torch path {rate['int8_torch']:.0f}); "
           f"int4 chain {rate['int4']:.0f} (torch path {rate['int4_torch']:.0f})")
+    print(f"the engine's int8 chain (a chunk split over the AdamW worker and the two codec threads, as "
+          f"mt.measure_machine times it): {numel / statistics.median(times_engine) / 1e6:.0f} M params/s")
     for c, target in (("int8", 0.5), ("int4", 0.4)):
         before = rate[c + "_torch"] / rate["fp32"]
         print(f"RESULT update_{c}_vs_fp32_adamw {statistics.median(ratios[c]):.3g} x (target >= {target}; "
@@ -174,19 +199,21 @@ def adamw_vs_deepspeed(numel: int, threads: int, rounds: int) -> None:
         return
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    ours = _fp32_adamw(numel)
+    ours, torch_fused = _our_adamw(numel), _fp32_adamw(numel)
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel) * 1e-3
     ds = got([param], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, adamw_mode=True)
-    t_ours, t_ds, ratios = [], [], []
+    t_ours, t_ds, t_torch, ratios = [], [], [], []
     for _ in range(rounds):
-        a, b = _median_time(ours, 3), _median_time(ds.step, 3)
+        a, b, c = _median_time(ours, 3), _median_time(ds.step, 3), _median_time(torch_fused, 3)
         t_ours.append(a)
         t_ds.append(b)
+        t_torch.append(c)
         ratios.append(b / a)
-    print(f"{numel} parameters, {threads} threads, {rounds} rounds alternating: torch fused AdamW "
-          f"{numel / statistics.median(t_ours) / 1e9:.2f} G params/s, DeepSpeedCPUAdam "
-          f"{numel / statistics.median(t_ds) / 1e9:.2f} G params/s")
+    rate = lambda t: numel / statistics.median(t) / 1e9  # noqa: E731
+    print(f"{numel} parameters, {threads} threads, {rounds} rounds alternating: ours (UnitAdamW.fused) "
+          f"{rate(t_ours):.2f} G params/s, DeepSpeedCPUAdam {rate(t_ds):.2f}, torch._fused_adamw_ {rate(t_torch):.2f} "
+          f"(torch over DeepSpeed {statistics.median(t_ds) / statistics.median(t_torch):.3g} x)")
     print(f"RESULT adamw_vs_deepspeed_cpu_adam {statistics.median(ratios):.3g} x (target >= 1.0)")
 
 

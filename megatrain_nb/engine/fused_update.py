@@ -9,7 +9,15 @@ C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes
   ``exp_avg`` and ``exp_avg_sq``), one pass, each block in registers and L1;
 * ``mt_update``: a chunk of a unit's update -- each block's moments decoded into two L1 buffers,
   AdamW on its weights and gradient, the new moments encoded -- with no fp32 moments in memory;
-* ``mt_adamw``: torch's fused AdamW over flat fp32 buffers, bit for bit.
+* ``mt_adamw``: torch's fused AdamW over flat fp32 buffers, bit for bit, with one division
+  fewer (the one by the constant ``sqrt(1 - beta2**t)`` is a multiply and an exact residual
+  step, which rounds the same: Markstein's theorem; checked over 2·10**8 operands).
+
+Each entry point splits its range over the threads it is given, in whole blocks (no result
+depends on the split): the engine's plain AdamW passes its thread's ``torch.get_num_threads()``,
+as torch's fused kernel would use; a chunk of the compressed update is split between the AdamW
+worker and the two codec threads (``mtnb-decode``, ``mtnb-encode``: the threads the update ran
+on before), one part each.
 
 What it computes. The arithmetic is the torch path's op for op (the same roundings, every fused
 multiply-add where torch's kernels fuse one, none elsewhere), with one difference: ``sqrt`` is
@@ -17,9 +25,9 @@ the IEEE, correctly rounded square root. torch's ``sqrt`` on a CPU tensor is MKL
 which returns the float below the correctly rounded result for ~0.5% of inputs (measured over
 all 2**31 positive floats); with it substituted by the IEEE one, the torch path's codes and
 scales equal this kernel's bit for bit (tests/engine/test_codecs.py). A 1-ulp difference in a
-root moves a code only where the value sits within an ulp of a code boundary: over 10**8
-moments no code differed (benchmarks/bench_update_speed.py counts them), and a differing code
-is one level apart, within the codec's documented error. Decoding has no root: its values are
+root moves a code only where the value sits within an ulp of a code boundary: 2 of 1.3·10**8
+codes differed (benchmarks/bench_update_speed.py counts them), each one level apart, within
+the codec's documented error. Decoding has no root: its values are
 the torch path's bit for bit. AdamW is ``torch._fused_adamw_``'s, bit for bit, including its
 scalar tail (the last ``numel % Vec::size()`` elements of each call, whose second moment torch
 rounds differently); the engine's chunked update therefore gives the weights and codes of the
@@ -70,6 +78,8 @@ SOURCE = r"""/* megatrain_nb's fused optimizer-state kernels (see megatrain_nb/e
 #else
 #define MT_AVX512 0
 #endif
+
+#include <pthread.h>
 
 #define I8B 256
 #define I4B 32
@@ -251,9 +261,36 @@ static inline void dec_i4(const uint8_t *restrict codes, float s, float *restric
 /* torch._fused_adamw_'s arithmetic (ATen FusedAdamKernel.cpp): its vectorised lanes, and its
    scalar tail (the last numel % Vec::size() elements of each call) whose second moment is
    rounded differently: fma(v, beta2, (c2 * g) * g) instead of fma(c2 * g, g, v * beta2). */
+/* a / b, correctly rounded, without a division: q = a * y with y = RN(1/b), then one Newton step
+   on the exact residual (Markstein: RN(q + (a - q b) y) = RN(a / b) for y = RN(1/b) and a/b in the
+   normal range). Here a = sqrt(v): 0, or in [2**-75, 2**64], so it holds; an infinite a (a
+   diverged v) is passed through as the division would. The divider is the kernels' bottleneck:
+   this leaves AdamW one division and one root per element, as DeepSpeed's, with torch's result. */
+static inline float div_bc2s(float a, float b, float y) {
+    float q = a * y;
+    float r = fmaf(-q, b, a);
+    q = fmaf(r, y, q);
+    return a == INFINITY ? a : q;
+}
+
 static inline int32_t clamp_rel(int64_t x, int64_t base, int64_t n) {
     x -= base;
     return (int32_t)(x < 0 ? 0 : x > n ? n : x);
+}
+
+/* torch's vector lanes on n elements, all decayed (p * pmul) or none: a loop without selects. */
+static inline void adam_lanes(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                              int32_t n, const int decayed, float pmul, float coef, float b2, float c2, float bc2s,
+                              float rb, float eps, float negss) {
+    for (int32_t i = 0; i < n; i++) {
+        float gi = g[i];
+        float pi = decayed ? p[i] * pmul : p[i];
+        float mi = fmaf(coef, gi - m[i], m[i]);
+        float cg = c2 * gi;
+        float vi = fmaf(cg, gi, v[i] * b2);
+        float den = div_bc2s(sqrtf(vi), bc2s, rb) + eps;
+        p[i] = pi + (negss * mi) / den; m[i] = mi; v[i] = vi;
+    }
 }
 
 /* n elements (n < 2**31) starting at absolute index base; the elements in A->tail take torch's
@@ -261,20 +298,18 @@ static inline int32_t clamp_rel(int64_t x, int64_t base, int64_t n) {
 static inline void adam_span(float *restrict p, const float *restrict g, float *restrict m,
                              float *restrict v, int64_t n, int64_t base, const adam_t *A) {
     const float coef = A->coef, pmul = A->pmul, b2 = A->b2, c2 = A->c2, bc2s = A->bc2s, eps = A->eps,
-                negss = A->negss;
+                negss = A->negss, rb = 1.0f / bc2s;
     const int32_t dend = clamp_rel(A->decay_end, base, n), nn = (int32_t)n;
     const int32_t t0 = clamp_rel(A->tail[0], base, n), t1 = clamp_rel(A->tail[1], base, n);
     const int32_t t2 = clamp_rel(A->tail[2], base, n), t3 = clamp_rel(A->tail[3], base, n);
     const int from_grad = A->lerp_from_grad, tails = t1 > t0 || t3 > t2;
     if (!tails && !from_grad) {   /* the common case, on torch's vector lanes throughout */
-        for (int32_t i = 0; i < nn; i++) {
-            float gi = g[i];
-            float pi = p[i] * (i < dend ? pmul : 1.0f);
-            float mi = fmaf(coef, gi - m[i], m[i]);
-            float cg = c2 * gi;
-            float vi = fmaf(cg, gi, v[i] * b2);
-            float den = sqrtf(vi) / bc2s + eps;
-            p[i] = pi + (negss * mi) / den; m[i] = mi; v[i] = vi;
+        if (dend >= nn) adam_lanes(p, g, m, v, nn, 1, pmul, coef, b2, c2, bc2s, rb, eps, negss);
+        else if (dend <= 0) adam_lanes(p, g, m, v, nn, 0, pmul, coef, b2, c2, bc2s, rb, eps, negss);
+        else {
+            adam_lanes(p, g, m, v, dend, 1, pmul, coef, b2, c2, bc2s, rb, eps, negss);
+            adam_lanes(p + dend, g + dend, m + dend, v + dend, nn - dend, 0, pmul, coef, b2, c2, bc2s, rb, eps,
+                       negss);
         }
         return;
     }
@@ -285,13 +320,12 @@ static inline void adam_span(float *restrict p, const float *restrict g, float *
         float cg = c2 * gi;
         int scalar = (i >= t0 && i < t1) || (i >= t2 && i < t3);
         float vi = scalar ? fmaf(v[i], b2, cg * gi) : fmaf(cg, gi, v[i] * b2);
-        float den = sqrtf(vi) / bc2s + eps;
+        float den = div_bc2s(sqrtf(vi), bc2s, rb) + eps;
         p[i] = pi + (negss * mi) / den; m[i] = mi; v[i] = vi;
     }
 }
-
 /* Plain AdamW over flat fp32 buffers (fp32 states): torch._fused_adamw_ bit for bit. */
-void mt_adamw(float *p, const float *g, float *m, float *v, int64_t n, int64_t base, const adam_t *A) {
+static void adamw_range(float *p, const float *g, float *m, float *v, int64_t n, int64_t base, const adam_t *A) {
     const int64_t step = 4096;
     for (int64_t i = 0; i < n; i += step) {
         int64_t k = n - i < step ? n - i : step;
@@ -347,7 +381,7 @@ void mt_decode(int kind, const uint8_t *codes, const float *scales, int64_t n, f
    moments decoded from (cm, sm, cv, sv) -- zeros when cm is NULL --, AdamW on p with g, and the
    new moments encoded into (om, osm, ov, osv). in and out may be the same codes. Returns the
    first moment's encode flags | the second moment's << 2. */
-int mt_update(int codec, float *p, const float *g,
+static int update_range(int codec, float *p, const float *g,
               const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
               uint8_t *om, float *osm, uint8_t *ov, float *osv,
               int64_t n, int64_t base, const adam_t *A, const consts_t *C) {
@@ -379,11 +413,81 @@ int mt_update(int codec, float *p, const float *g,
     }
     return bad;
 }
+
+/* ------------------------------------------------------------------ threads */
+/* The entry points split their range over `threads` threads (the caller's and threads - 1
+   pthreads started for the call), in whole blocks; a range under MIN_SPLIT elements is not
+   split. No element's result depends on the split. */
+#define MIN_SPLIT (1 << 18)
+#define MAX_THREADS 256
+
+typedef struct {
+    int codec; float *p; const float *g; float *m, *v;
+    const uint8_t *cm; const float *sm; const uint8_t *cv; const float *sv;
+    uint8_t *om; float *osm; uint8_t *ov; float *osv;
+    int64_t n, base; const adam_t *A; const consts_t *C; int bad;
+} job_t;
+
+static void *run_job(void *arg) {
+    job_t *j = (job_t *)arg;
+    if (j->codec == 0) adamw_range(j->p, j->g, j->m, j->v, j->n, j->base, j->A);
+    else j->bad = update_range(j->codec, j->p, j->g, j->cm, j->sm, j->cv, j->sv, j->om, j->osm, j->ov, j->osv,
+                               j->n, j->base, j->A, j->C);
+    return NULL;
+}
+
+static int run_split(job_t *whole, int threads, int64_t block, int per_byte) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads <= 1 || whole->n < MIN_SPLIT) { run_job(whole); return whole->bad; }
+    job_t jobs[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    int64_t per = (whole->n / threads + block - 1) / block * block, off = 0;
+    int t = 0;
+    for (; t < threads && off < whole->n; t++, off += per) {
+        job_t *j = &jobs[t];
+        int64_t cb = off / per_byte, sb = off / block;   /* its codes' and scales' offsets */
+        *j = *whole;
+        j->p = whole->p + off; j->g = whole->g + off; j->base = whole->base + off; j->bad = 0;
+        j->n = whole->n - off < per ? whole->n - off : per;
+        if (whole->codec == 0) { j->m = whole->m + off; j->v = whole->v + off; continue; }
+        if (whole->cm) { j->cm = whole->cm + cb; j->sm = whole->sm + sb; j->cv = whole->cv + cb; j->sv = whole->sv + sb; }
+        j->om = whole->om + cb; j->osm = whole->osm + sb; j->ov = whole->ov + cb; j->osv = whole->osv + sb;
+    }
+    for (int i = 1; i < t; i++) started[i] = pthread_create(&tid[i], NULL, run_job, &jobs[i]) == 0;
+    run_job(&jobs[0]);
+    int bad = jobs[0].bad;
+    for (int i = 1; i < t; i++) {
+        if (started[i]) pthread_join(tid[i], NULL);
+        else run_job(&jobs[i]);   /* (no thread could be started: run it here) */
+        bad |= jobs[i].bad;
+    }
+    return bad;
+}
+
+void mt_adamw(float *p, const float *g, float *m, float *v, int64_t n, int64_t base, const adam_t *A, int threads) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.p = p; j.g = g; j.m = m; j.v = v; j.n = n; j.base = base; j.A = A;
+    run_split(&j, threads, 64, 1);
+}
+
+/* The fused update of n elements (absolute index base, a multiple of the block): update_range. */
+int mt_update(int codec, float *p, const float *g,
+              const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
+              uint8_t *om, float *osm, uint8_t *ov, float *osv,
+              int64_t n, int64_t base, const adam_t *A, const consts_t *C, int threads) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.codec = codec; j.p = p; j.g = g; j.cm = cm; j.sm = sm; j.cv = cv; j.sv = sv;
+    j.om = om; j.osm = osm; j.ov = ov; j.osv = osv; j.n = n; j.base = base; j.A = A; j.C = C;
+    return run_split(&j, threads, codec == 8 ? I8B : I4B, codec == 8 ? 1 : 2);
+}
 """
 
 #: Flags of every build; ``-march=native`` is added when the compiler takes it (the cache key
 #: holds the CPU's flags). No -ffast-math: it would flush subnormals to zero and reassociate.
-FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno")
 NATIVE = ("-march=native",)
 ENV = "MEGATRAIN_NB_FUSED_UPDATE"
 
@@ -456,8 +560,8 @@ class Kernels:
         lib.mt_encode.argtypes = [ctypes.c_int, vp, i64, vp, vp, vp]
         lib.mt_decode.argtypes = [ctypes.c_int, vp, vp, i64, vp, vp]
         lib.mt_decode.restype = None
-        lib.mt_update.argtypes = [ctypes.c_int] + [vp] * 10 + [i64, i64, vp, vp]
-        lib.mt_adamw.argtypes = [vp] * 4 + [i64, i64, vp]
+        lib.mt_update.argtypes = [ctypes.c_int] + [vp] * 10 + [i64, i64, vp, vp, ctypes.c_int]
+        lib.mt_adamw.argtypes = [vp] * 4 + [i64, i64, vp, ctypes.c_int]
         lib.mt_adamw.restype = None
         self._c = ctypes.byref(self.consts)
 
@@ -470,27 +574,29 @@ class Kernels:
         self.lib.mt_decode(_KIND[codec, role], _ptr(codes), _ptr(scales), out.numel(), _ptr(out), self._c)
 
     def update(self, codec: str, params: torch.Tensor, grads: torch.Tensor, src: Optional[Dict[str, torch.Tensor]],
-               dst: Dict[str, torch.Tensor], base: int, args: AdamArgs) -> None:
+               dst: Dict[str, torch.Tensor], base: int, args: AdamArgs, threads: int = 1) -> None:
         """One chunk's update (``base``: its first element's index in the unit, a block
         boundary): ``src`` (codes and scales of both moments, or None: zeros) decoded, AdamW on
-        ``params`` in place, encoded into ``dst`` (may be ``src``). Raises the torch path's
-        error for a moment that cannot be encoded."""
+        ``params`` in place, encoded into ``dst`` (may be ``src``), on ``threads`` threads (the
+        result does not depend on it). Raises the torch path's error for a moment that cannot
+        be encoded."""
         s = src or {}
         flags = self.lib.mt_update(_CODEC[codec], _ptr(params), _ptr(grads),
                                    _ptr(s.get("exp_avg.codes")), _ptr(s.get("exp_avg.scales")),
                                    _ptr(s.get("exp_avg_sq.codes")), _ptr(s.get("exp_avg_sq.scales")),
                                    _ptr(dst["exp_avg.codes"]), _ptr(dst["exp_avg.scales"]),
                                    _ptr(dst["exp_avg_sq.codes"]), _ptr(dst["exp_avg_sq.scales"]),
-                                   params.numel(), int(base), ctypes.byref(args), self._c)
+                                   params.numel(), int(base), ctypes.byref(args), self._c, int(threads))
         for role, bits in (("exp_avg", flags & 3), ("exp_avg_sq", flags >> 2)):
             err = encode_error(bits, codec, role)
             if err is not None:
                 raise err
 
-    def adamw(self, params, grads, exp_avg, exp_avg_sq, base: int, args: AdamArgs) -> None:
-        """AdamW over flat fp32 buffers in place: ``torch._fused_adamw_`` bit for bit."""
+    def adamw(self, params, grads, exp_avg, exp_avg_sq, base: int, args: AdamArgs, threads: int = 1) -> None:
+        """AdamW over flat fp32 buffers in place, on ``threads`` threads: ``torch._fused_adamw_``
+        bit for bit."""
         self.lib.mt_adamw(_ptr(params), _ptr(grads), _ptr(exp_avg), _ptr(exp_avg_sq), params.numel(), int(base),
-                          ctypes.byref(args))
+                          ctypes.byref(args), int(threads))
 
     # ------------------------------------------------------------------ the self-check
     def check(self) -> None:
@@ -682,12 +788,20 @@ class CodedChunk:
     """Elements ``[a, b)`` of a unit's two moments as codes: what a fused chunked update
     (``OptimizerStates.update``) hands its ``apply`` in place of decoded fp32 moments. AdamW
     (``optimizer.UnitRun.step``) then runs the kernel on it (:meth:`step`): the codes in
-    ``src`` (None: zeros, the first update) are decoded, stepped and encoded into ``dst``."""
+    ``src`` (None: zeros, the first update) are decoded, stepped and encoded into ``dst``.
+    ``pools``: single-thread executors (the codec threads) that each take a part of the chunk
+    while the calling thread does the first; no result depends on the split."""
 
-    __slots__ = ("kernels", "codec", "src", "dst", "a", "b", "done")
+    __slots__ = ("kernels", "codecs", "src", "dst", "a", "b", "pools", "done")
 
-    def __init__(self, kern: Kernels, codec: str, src, dst, a: int, b: int):
-        self.kernels, self.codec, self.src, self.dst, self.a, self.b = kern, codec, src, dst, a, b
+    #: A chunk shorter than this is not split; a longer one is cut in pieces of at most PIECE
+    #: elements that the threads take in turn (as many threads as cores or not, none waits for
+    #: a slower one's fixed share).
+    MIN_SPLIT, PIECE = 1 << 12, 1 << 18
+
+    def __init__(self, kern: Kernels, codecs: Dict[str, object], src, dst, a: int, b: int, pools=()):
+        self.kernels, self.codecs, self.src, self.dst, self.a, self.b = kern, codecs, src, dst, a, b
+        self.pools = tuple(p for p in pools if p is not None)
         self.done = False
 
     def step(self, params: torch.Tensor, grads: torch.Tensor, args: AdamArgs) -> None:
@@ -695,7 +809,34 @@ class CodedChunk:
         if self.done:
             raise RuntimeError("a fused chunk is stepped once")
         self.done = True
-        self.kernels.update(self.codec, params, grads.contiguous(), self.src, self.dst, self.a, args)
+        grads = grads.contiguous()
+        n = params.numel()
+        block = max(c.block for c in self.codecs.values())
+        pools = self.pools if n >= self.MIN_SPLIT else ()
+        per = -(-min(self.PIECE, -(-n // (1 + len(pools)))) // block) * block
+        pieces = iter([(s, min(s + per, n)) for s in range(0, n, per)])
+        lock = threading.Lock()
+
+        def take() -> None:
+            while True:
+                with lock:
+                    span = next(pieces, None)
+                if span is None:
+                    return
+                self._part(params, grads, args, *span)
+        futures = [pool.submit(take) for pool in pools]
+        try:
+            take()
+        finally:
+            errors = [f.exception() for f in futures]   # (every piece done before this returns)
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def _part(self, params, grads, args, s: int, e: int) -> None:
+        codec = next(iter(self.codecs.values())).name
+        self.kernels.update(codec, params[s:e], grads[s:e], chunk_views(self.codecs, self.src, s, e),
+                            chunk_views(self.codecs, self.dst, s, e), self.a + s, args)
 
 
 def chunk_views(codecs: Dict[str, object], codes: Optional[Dict[str, torch.Tensor]], a: int, b: int):

@@ -1,4 +1,5 @@
-"""Per-unit AdamW on the host with PyTorch's fused CPU kernel.
+"""Per-unit AdamW on the host: PyTorch's fused CPU kernel's arithmetic (``fused_update``'s C
+kernel where it is built, bit for bit the same; else ``torch._fused_adamw_``).
 
 Each unit's flat buffer keeps its decayed parameters first, so one unit is two fused calls
 (weight decay on, off). The Adam moments come from an :class:`OptimizerStates` store, which
@@ -11,7 +12,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .fused_update import CodedChunk, adam_args
+from .fused_update import CodedChunk, adam_args, kernels
 from .units import Unit
 
 
@@ -54,6 +55,17 @@ class UnitAdamW:
         return UnitRun(self, unit, params, step, old)
 
     def fused(self, params, grads, exp_avg, exp_avg_sq, step, lr: float, wd: float) -> None:
+        """AdamW on flat fp32 buffers: the fused kernels' (``fused_update``: torch's arithmetic
+        with one division fewer, the same result bit for bit) on this thread's torch thread
+        count, else ``torch._fused_adamw_``."""
+        k = kernels()
+        if k is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                                 for t in (params, grads, exp_avg, exp_avg_sq)):
+            n = params.numel()
+            k.adamw(params, grads, exp_avg, exp_avg_sq, 0, adam_args(
+                lr=float(lr), beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd, step=float(step),
+                decay_end=n, regions=[(0, n)], width=k.width), threads=torch.get_num_threads())
+            return
         torch._fused_adamw_([params], [grads], [exp_avg], [exp_avg_sq], [], [step],
                             lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
                             eps=self.eps, amsgrad=False, maximize=False)

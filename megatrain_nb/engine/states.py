@@ -126,6 +126,8 @@ class OptimizerStates:
         #: Chunked updates in RAM or the host cache run the fused kernel (``fused_update``) where
         #: it is built; False: the ring's decode / AdamW / encode (tests compare the two).
         self.fused = self.chunked
+        #: Threads a fused chunk is split over: this one and the two codec threads (1: this one).
+        self.fused_split = 3
         if self.chunked:   # built (or loaded from the cache) now, not during the first update
             fused_update.kernels()
         self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
@@ -346,12 +348,14 @@ class OptimizerStates:
     def _update_fused(self, kern, numel: int, stored, out, apply) -> None:
         """The chunked update in one pass per chunk (``fused_update``): ``apply`` gets each
         chunk's codes (a ``CodedChunk``) in place of its decoded moments, and AdamW
-        (``UnitRun.step``) runs the kernel on it -- decode, step and encode, block by block, in
-        this thread; no fp32 moments exist. The same chunks, so the same weights and codes, as
-        the ring's decode / AdamW / encode."""
+        (``UnitRun.step``) runs the kernel on it -- decode, step and encode, block by block --
+        split between this thread and the codec threads (``fused_split`` parts); no fp32
+        moments exist. The same chunks, so the same weights and codes, as the ring's decode /
+        AdamW / encode."""
+        pools = (self._decoder, self._codec)[:max(self.fused_split - 1, 0)]
         for a, b in chunk_bounds(numel, self.chunk_numel):
-            chunk = fused_update.CodedChunk(kern, self.codec_name, fused_update.chunk_views(self.codecs, stored, a, b),
-                                            fused_update.chunk_views(self.codecs, out, a, b), a, b)
+            chunk = fused_update.CodedChunk(kern, self.codecs, fused_update.chunk_views(self.codecs, stored, a, b),
+                                            fused_update.chunk_views(self.codecs, out, a, b), a, b, pools)
             apply(a, b, chunk, chunk)
             if not chunk.done:
                 raise RuntimeError("a fused update's apply did not step its chunk (UnitRun.step runs it)")

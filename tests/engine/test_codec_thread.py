@@ -134,3 +134,41 @@ def test_fused_update_trains_like_the_ring(codec, clip):
         got, want = e.states.stored(u), ring.states.stored(u)
         assert all(torch.equal(got[k], want[k]) for k in want), u.name
     ring.close(); e.close()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_fused_update_trains_as_the_torch_path_within_the_codec_error(codec):
+    """The fused kernels against today's torch path (``fused_update.torch_path()``: the codecs
+    on torch ops, MKL's square roots) over five steps: codes equal or one level apart (a root
+    rounded one ulp apart at a code boundary), scales, losses and weights equal up to what such
+    a code moves -- well inside the codec's documented error."""
+    if fused_update.kernels() is None:
+        pytest.skip(f"no fused kernels here: {fused_update.disabled_reason()}")
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
+    cfg = dict(device="cpu", optimizer_compression=codec, weight_decay=0.01)
+    e = StreamingEngine(copy.deepcopy(model), EngineConfig(**cfg))
+    data = _ids(5)
+    la = [e.forward_backward(ids, step_lr=3e-3, max_grad_norm=1.0).loss for ids in data]
+    e.updates.wait_all()                  # (torch_path() is process-wide)
+    with fused_update.torch_path():
+        ref = StreamingEngine(model, EngineConfig(**cfg))
+        lb = [ref.forward_backward(ids, step_lr=3e-3, max_grad_norm=1.0).loss for ids in data]
+        ref.updates.wait_all()
+        stored_ref = {u.index: ref.states.stored(u) for u in ref.units}
+    assert la == pytest.approx(lb, rel=1e-4)
+    pr = dict(ref.named_parameters())
+    for n, p in e.named_parameters():
+        assert torch.allclose(p, pr[n], rtol=0, atol=1e-4), n
+    differ = total = 0
+    for u in e.units:
+        got, want = e.states.stored(u), stored_ref[u.index]
+        for k in want:
+            if k.endswith("codes"):
+                a, b = got[k].view(torch.uint8).int(), want[k].view(torch.uint8).int()
+                if codec == "int4":
+                    a, b = torch.stack([a & 15, a >> 4]), torch.stack([b & 15, b >> 4])
+                d = (a - b).abs()
+                assert int(d.max()) <= 1, (u.name, k)
+                differ, total = differ + int((d > 0).sum()), total + d.numel()
+    assert differ <= max(2, total // 10_000), (differ, total)
+    ref.close(); e.close()

@@ -387,3 +387,49 @@ def test_the_portable_build_computes_what_the_simd_build_does(tmp_path):
         a = torch.empty(x.numel())
         plain.decode(name, role, want["codes"], want["scales"], a)
         assert torch.equal(a, codec.decode(want, torch.empty(x.numel())))
+
+
+@needs_kernels
+def test_kernel_adamw_is_torch_fused_adamw_bit_for_bit_over_many_steps_and_betas():
+    """One division fewer than torch (the constant one by a reciprocal and one exact residual
+    step): the same floats, over wide moments, steps and betas."""
+    k = fused_update.kernels()
+    g = torch.Generator().manual_seed(11)
+    n = 1 << 18
+    for beta2, step, wd in ((0.999, 1.0, 0.01), (0.95, 37.0, 0.0), (0.9999, 5000.0, 0.1), (0.98, 123457.0, 0.01)):
+        scale = torch.pow(10.0, -12 + 10 * torch.rand(n, generator=g))
+        p, grads = torch.randn(n, generator=g), torch.randn(n, generator=g) * scale
+        m, v = torch.randn(n, generator=g) * scale, torch.rand(n, generator=g) * scale.square()
+        v[::7] = 0.0
+        ref = [t.clone() for t in (p, m, v)]
+        torch._fused_adamw_([ref[0]], [grads], [ref[1]], [ref[2]], [], [torch.tensor(step)], lr=2e-3, beta1=0.9,
+                            beta2=beta2, weight_decay=wd, eps=1e-8, amsgrad=False, maximize=False)
+        got = [t.clone() for t in (p, m, v)]
+        k.adamw(got[0], grads, got[1], got[2], 0, fused_update.adam_args(
+            lr=2e-3, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=wd, step=step, decay_end=n, regions=[(0, n)],
+            width=k.width), threads=2)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), (beta2, step)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_kernel_results_do_not_depend_on_its_threads(name):
+    k = fused_update.kernels()
+    n = (1 << 19) + 4099                                   # above the kernels' split size
+    m, v = _hard_moments(n, seed=12)
+    g = torch.Generator().manual_seed(13)
+    p, grads = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3
+    stored = {f"{r}.{key}": t for r, x in zip(ROLES, (m, v)) for key, t in get_codec(name, r).encode(x).items()}
+    args = fused_update.adam_args(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3.0,
+                                  decay_end=n // 3, regions=[(0, n // 3), (n // 3, n)], width=k.width)
+    outs = []
+    for threads in (1, 3):
+        w, out = p.clone(), {key: torch.empty_like(t) for key, t in stored.items()}
+        k.update(name, w, grads, stored, out, 0, args, threads=threads)
+        outs.append((w, out))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(outs[0][1][key], outs[1][1][key]) for key in stored)
+    plain = [[t.clone() for t in (p, m, v)] for _ in range(2)]
+    for threads, (w, mm, vv) in zip((1, 3), plain):
+        k.adamw(w, grads, mm, vv, 0, args, threads=threads)
+    assert all(torch.equal(a, b) for a, b in zip(*plain))

@@ -35,6 +35,7 @@ from typing import Optional
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 from megatrain_nb.loopback import LOOPBACK, is_loopback, loopback_env, loopback_store
+from megatrain_nb.engine.reclaim import folder_prefix
 
 
 def _single_node(nnodes: Optional[str]) -> bool:
@@ -148,7 +149,6 @@ def log_dir_argv(argv: list[str]) -> tuple[list[str], Optional[str]]:
         return argv, None
     import tempfile
 
-    from megatrain_nb.engine.reclaim import folder_prefix
 
     path = tempfile.mkdtemp(prefix=folder_prefix(LAUNCH_LABEL))
     return [f"--log-dir={path}"] + argv, path

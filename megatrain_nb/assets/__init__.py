@@ -145,7 +145,6 @@ def chat_dataset(fmt: str = "messages", n=None):
 
 def write_assets() -> None:
     """Regenerate the shipped conversations and tokenizer."""
-    from megatrain_nb.atomic import atomic_file
 
     convs = generate_conversations()
     CHAT_DIR.mkdir(parents=True, exist_ok=True)
@@ -156,4 +155,5 @@ def write_assets() -> None:
 
 
 from .preferences import preference_dataset, preference_rows, write_preferences  # noqa: E402,F401  (the shipped pairs)
+from megatrain_nb.atomic import atomic_file
 

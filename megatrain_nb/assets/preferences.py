@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 
 from .words import COLOURS, NUMBERS, OPPOSITES
+from megatrain_nb.atomic import atomic_file
 
 PREFERENCES_FILE = Path(__file__).parent / "chat" / "preferences.jsonl"
 
@@ -63,7 +64,6 @@ def preference_dataset(n=None):
 
 
 def write_preferences(conversations: list) -> None:
-    from megatrain_nb.atomic import atomic_file
 
     with atomic_file(PREFERENCES_FILE) as f:
         f.write("".join(json.dumps(r) + "\n" for r in generate_preferences(conversations)))

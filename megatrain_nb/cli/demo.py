@@ -5,7 +5,6 @@ import os
 import time
 from pathlib import Path
 
-from megatrain_nb.cli.demo_real import cmd_demo_real
 from megatrain_nb.cli.report import disk_text, print_summary, run_with_progress
 from megatrain_nb.model_configs import preset_config
 
@@ -26,6 +25,8 @@ def demo_cache_gb(model, compression: str) -> float:
 
 def cmd_demo(ns) -> int:
     if getattr(ns, "real", False):   # a real pretrained model: cli/demo_real.py
+        from megatrain_nb.cli.demo_real import cmd_demo_real   # (torch behind it: `megatrain-nb --help` stays light)
+
         return cmd_demo_real(ns)
     import torch
     from transformers import AutoModelForCausalLM, TrainingArguments

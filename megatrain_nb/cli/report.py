@@ -6,7 +6,6 @@ import sys
 import time
 from typing import Optional
 
-from megatrain_nb.engine.memory import precision_note
 from megatrain_nb.formatting import fmt_bytes
 
 
@@ -225,6 +224,8 @@ def print_header(trainer, *, model: str, data: str, out=None) -> None:
     p(f"model:  {model}, {engine.num_parameters() / 1e6:,.2f}M parameters, fp32 master weights")
     p(f"data:   {data}")
     p(f"device: {device_text(engine)}")
+    from megatrain_nb.engine.memory import precision_note   # (torch behind it: `--help` stays light)
+
     note = precision_note(engine.device, cfg.precision, getattr(trainer, "rates", None))
     if note:   # (the user's choice is kept: said, never changed)
         p(f"speed:  {note}")

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .codecs import ROLES
+from .disk_store import aligned_empty
 
 #: Chunks in flight: decoded ahead, in AdamW, encoded behind.
 RING = 3
@@ -131,7 +132,6 @@ class ChunkRing:
     # ------------------------------------------------------------------ internals
     def _ring(self):
         if self._moments is None:
-            from .disk_store import aligned_empty
 
             self._moments = [(aligned_empty(self.chunk_numel), aligned_empty(self.chunk_numel)) for _ in range(RING)]
         return self._moments
@@ -147,7 +147,6 @@ class ChunkRing:
         return self._grads
 
     def _fp32_chunks(self):
-        from .disk_store import aligned_empty
 
         return [aligned_empty(self.chunk_numel) for _ in range(RING)]
 

@@ -17,6 +17,8 @@ import torch
 from megatrain_nb.values import ValueRefused, check
 
 from .codecs import normalize_compression
+from .finite import check_policy, check_recovery
+from .prediction import resolve_rates  # (measure's cache behind a profile's name: only when given)
 
 #: the fields the table of values (megatrain_nb/values.py) checks
 _CHECKED = ("max_vram_gb", "max_host_gb", "host_cache_gb", "checkpoint_interval", "precision", "adam_eps",
@@ -180,12 +182,10 @@ class EngineConfig:
             setattr(self, name, check(name, getattr(self, name), f"EngineConfig.{name}"))
         self.adam_betas = _betas(self.adam_betas)
         self.optimizer_compression = normalize_compression(self.optimizer_compression)
-        from .finite import check_policy, check_recovery
         check_policy(self.on_nonfinite)
         check_recovery(self)
         self.overrides = EngineOverrides.of(self.overrides)
         if self.rates is not None:
-            from .prediction import resolve_rates   # (measure's cache behind a profile's name: only when given)
             self.rates = resolve_rates(self.rates)
         if not isinstance(self.layer_stats, bool):
             raise ValueError(f"EngineConfig.layer_stats={self.layer_stats!r}: must be True or False")

@@ -40,6 +40,13 @@ from .telemetry import Telemetry
 from .units import Unit, check_supported
 from .window import plan_for
 from .. import threads as thread_registry
+from .linked_check import verify_folder
+from .linked import is_linked, load_linked
+from .linked_ranks import is_rank_linked, load_linked_rank
+from .linked import begin_linked
+from .linked import load_keeping
+from .linked import save_linked
+from .linked_ranks import save_linked_rank
 
 
 class StreamingEngine(HoldsParts):
@@ -322,8 +329,6 @@ class StreamingEngine(HoldsParts):
         RAM (see ``engine/linked.py``); returns the bytes linked, copied and written."""
         with self.lock:
             if link_disk:   # a snapshot; with several ranks each writes its own linked folder
-                from .linked import save_linked
-                from .linked_ranks import save_linked_rank
 
                 return save_linked(self, path) if self.sharded is None else save_linked_rank(self, path)
             if self.sharded is not None:
@@ -338,7 +343,6 @@ class StreamingEngine(HoldsParts):
         updates where the disk tier holds the state (``engine/linked.py``); the returned
         ``LinkedWrite.result()`` completes it (any thread) and returns the bytes."""
         with self.lock:
-            from .linked import begin_linked
 
             return begin_linked(self, path)
 
@@ -346,7 +350,6 @@ class StreamingEngine(HoldsParts):
         """Check a checkpoint or snapshot folder whole, by content, every time before any of it is
         loaded (``engine/linked_check.verify_folder``: its manifest and, for a snapshot, every part
         of the engine's). Raises ``IntegrityError`` (a ``ValueError``) naming the file."""
-        from .linked_check import verify_folder
 
         verify_folder(self, path, manifest=manifest)
 
@@ -360,13 +363,10 @@ class StreamingEngine(HoldsParts):
         with self.lock:
             if verify:
                 self.verify_checkpoint(path)
-            from .linked import load_keeping
 
             load_keeping(self, path, self._load_checkpoint)
 
     def _load_checkpoint(self, path) -> None:
-        from .linked import is_linked, load_linked
-        from .linked_ranks import is_rank_linked, load_linked_rank
 
         if is_linked(path):
             if self.sharded is not None:

@@ -17,6 +17,8 @@ import torch
 
 from .pinned import held_bytes, pinned_empty
 from .units import Unit
+from .disk_store import aligned_empty
+from .disk_store import ALIGN
 
 #: Shadows on a CPU "device" too (tests: the same code path as CUDA's; off by default, where the
 #: CPU transport's memcpy casts as it copies and the planner counts no shadow RAM).
@@ -113,7 +115,6 @@ class BufferPool:
             if bufs:
                 self._free_bytes -= numel * 4
                 return bufs.pop()
-        from .disk_store import aligned_empty
 
         return aligned_empty(numel)
 
@@ -126,7 +127,6 @@ class BufferPool:
 
     def _whole(self, t: torch.Tensor) -> torch.Tensor:
         """A slot's prefix -> the whole slot buffer (its storage is a slot's: aligned_empty's)."""
-        from .disk_store import ALIGN
 
         n = self.slot_numel
         if n and t.numel() < n and t.untyped_storage().nbytes() == n * 4 + ALIGN:

@@ -31,6 +31,7 @@ from .units import Unit, build_units, find_layer_list
 from .updates import UpdateScheduler
 from .weight_store import WeightStore, make_weight_store
 from .window import BoundaryStore
+from .disk_cache import HostCache, cache_budget
 
 #: Units up to this size get spare staging buffers (a spare or two per stream costs little RAM);
 #: larger ones the minimum (RAM stays flat for models far larger than RAM; their steps are
@@ -185,7 +186,6 @@ def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, co
     store = open_disk_tier(units, config, params_on_disk)
     if store is None:
         return None
-    from .disk_cache import HostCache, cache_budget
 
     need = stored_state_bytes(units, config.optimizer_compression)
     need += sum(u.numel for u in units) * 4 if params_on_disk else 0

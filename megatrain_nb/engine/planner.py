@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
+from .family import hidden_size, intermediate_size
 
 GiB = 1024 ** 3
 #: Share of the host budget that layer-boundary activations leave free (see make_plan).
@@ -756,7 +757,6 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
     """The engine's window layout under an EngineConfig ``cfg`` and its ``plan``. ``tokens``: of
     the largest micro-batch; ``device_capacity``: the device's memory when ``max_vram_gb`` is
     unset (None on a CPU "device": no cap)."""
-    from .family import hidden_size, intermediate_size
 
     esize = 2 if cfg.precision == "bf16" else 4
     cap = int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else device_capacity

@@ -48,6 +48,7 @@ from typing import Dict, List, Optional
 
 from . import rates as rates_mod
 from .rates_cache import cached_rates
+from .planner import codec_bytes_per_param
 
 PHASES = ("forward", "backward", "recompute", "h2d", "d2h", "disk_read", "disk_write", "optimizer", "codec")
 STREAMS = {"compute": "compute", "h2d": "host->device", "d2h": "device->host", "disk": "disk",
@@ -160,7 +161,6 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     """Disk bytes read and written per step: the schedule's accesses through the host cache
     (``order``: the step's loads, or ``1 / scale`` of them: the schedule's figures times ``scale``)."""
     from .disk_cache import plan_cache, step_accesses
-    from .planner import codec_bytes_per_param
 
     if not cfg.offload_dir:
         return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0, "state_read": 0, "state_write": 0,

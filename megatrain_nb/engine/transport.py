@@ -51,6 +51,7 @@ import torch
 from ..threads import TRANSPORT_IN, TRANSPORT_OUT, executor
 from .pinned import PinnedPool, note_use
 from .units import Unit
+from .disk_store import aligned_empty
 
 ADVERSARIAL_ENV = "MEGATRAIN_ADVERSARIAL_TRANSPORT"
 
@@ -574,7 +575,6 @@ class ShardedTransport:
         flat = grad.view(-1)
         if flat.numel() != padded:   # not staged: padded here, in one reused buffer (one thread issues these)
             if self._pad is None:
-                from .disk_store import aligned_empty
 
                 self._pad = aligned_empty(max(self.sharded.padded_numel(u) for u in self.sharded.units))
             buf = self._pad[:padded]

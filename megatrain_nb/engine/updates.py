@@ -37,6 +37,7 @@ from .intake import GradientIntake, IntakePolicy, StepContext
 from .outcome import StepOutcome
 from .update_runner import UpdateRunner
 from .units import Unit, forward_order
+from .disk_cache import step_accesses
 
 __all__ = ["StepContext", "UpdateScheduler", "final_gradient_pool_bytes"]
 
@@ -127,7 +128,6 @@ class UpdateScheduler:
         set_schedule = getattr(self.disk, "set_schedule", None)
         if set_schedule is None:
             return
-        from .disk_cache import step_accesses
 
         order = self.update_order if step.clipped else self.gradient_order
         set_schedule(step_accesses(compute_order, order, clipped=step.clipped,

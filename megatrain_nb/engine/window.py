@@ -13,6 +13,10 @@ import torch
 
 from .planner import WindowPlan, engine_window_plan
 from .transport import all_of
+from .family import hidden_size
+from .planner import GiB
+from .memory import device_capacity
+from .disk_store import aligned_empty  # page-aligned: direct I/O
 
 
 class BoundaryStore:
@@ -86,7 +90,6 @@ class BoundaryStore:
         for d in shape:
             numel *= d
         if self.tier == "disk":
-            from .disk_store import aligned_empty   # page-aligned: direct I/O
 
             return aligned_empty(tuple(shape), dtype), None
         return self.transport.host_buffer(numel, dtype).view(tuple(shape)), None
@@ -221,7 +224,6 @@ def plan_for(batches, *, plan, model_config, config, num_layers: int, device: to
         raise ValueError(_length_refusal(plan, config, model_config, tokens))
     cap = None
     if device.type == "cuda" and not config.max_vram_gb:   # what is free (mem_get_info), less a headroom
-        from .memory import device_capacity
 
         cap = device_capacity(device)
     return engine_window_plan(plan, model_config, config, num_layers,
@@ -231,8 +233,6 @@ def plan_for(batches, *, plan, model_config, config, num_layers: int, device: to
 
 def _length_refusal(plan, config, model_config, tokens: int) -> str:
     """A micro-batch longer than the device budget holds (``plan.longest_seq``), with the numbers."""
-    from .family import hidden_size
-    from .planner import GiB
 
     per_token = 12 * hidden_size(model_config) * (2 if config.precision == "bf16" else 4)
     tile = f"in tiles of {plan.tile_tokens:,} tokens" if plan.tile_tokens else "untiled"

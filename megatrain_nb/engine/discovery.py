@@ -13,6 +13,9 @@ from typing import List, Tuple
 
 from torch import nn
 
+SUPPORTED_HINT = ("decoder-only *ForCausalLM models from transformers (Llama, Qwen2, Mistral, GPT-2, "
+                  "Gemma 2, Phi-3, Mixtral and other families with a decoder layer list)")
+
 
 def find_base_model(model: nn.Module, layers: nn.ModuleList) -> Tuple[str, nn.Module]:
     """The causal LM's direct child holding ``layers``: (attribute name, module)."""
@@ -47,8 +50,6 @@ def _holds(module: nn.Module, target: nn.Module) -> bool:
 def locate(model: nn.Module) -> Tuple[str, nn.Module, List[nn.Module]]:
     """(base model's attribute name, the base model, its stack path) of a causal LM whose layer
     list has not yet been replaced by proxies."""
-    from .units import find_layer_list
-
     _, _, layers = find_layer_list(model)
     name, base = find_base_model(model, layers)
     return name, base, stack_path(base, layers)
@@ -70,3 +71,33 @@ def modules_after_layers(model: nn.Module, layers: nn.ModuleList) -> List[nn.Mod
             elif seen and "embed" not in name:
                 out.append(mod)
     return out
+
+
+def find_layer_list(model: nn.Module) -> Tuple[nn.Module, str, nn.ModuleList]:
+    """The decoder layer list: of the ModuleLists holding parameters, the one nearest the top
+    of the module tree, and of those the one holding the most parameters (a vision or audio
+    tower's layers, deeper inside the embedding, are not the decoder's).
+
+    Returns (parent module, attribute name, the list).
+    """
+    best = None
+    for parent_name, parent in model.named_modules():
+        depth = parent_name.count(".") + 1 if parent_name else 0
+        for attr, child in parent.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) > 0:
+                numel = sum(p.numel() for p in child.parameters())
+                if numel == 0:
+                    continue
+                key = (-depth, numel)
+                if best is None or key > best[0]:
+                    best = (key, parent, attr, child)
+    if best is None:
+        raise TypeError(f"{type(model).__name__} has no decoder layer list; the engine supports {SUPPORTED_HINT}.")
+    (_, numel), parent, attr, layers = best
+    for other_attr, other in parent.named_children():   # XLM: attentions, ffns, norms in lists side by side
+        if other is not layers and isinstance(other, nn.ModuleList) and len(other) == len(layers) \
+                and sum(p.numel() for p in other.parameters()) >= numel // 10:
+            raise TypeError(f"{type(model).__name__} keeps each layer's parts in parallel lists ({attr}, "
+                            f"{other_attr}, ...) rather than one list of layers; the engine supports "
+                            f"{SUPPORTED_HINT}.")
+    return parent, attr, layers

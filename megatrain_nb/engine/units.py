@@ -14,12 +14,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .discovery import modules_after_layers
+from .discovery import SUPPORTED_HINT, find_layer_list, modules_after_layers  # noqa: F401 - find_layer_list re-exported
 from .vision import check_vision_model, guard_inputs, is_image_text_model
 
 
-SUPPORTED_HINT = ("decoder-only *ForCausalLM models from transformers (Llama, Qwen2, Mistral, GPT-2, "
-                  "Gemma 2, Phi-3, Mixtral and other families with a decoder layer list)")
 
 
 @dataclass
@@ -82,36 +80,6 @@ def _registered_causal_lm(model: nn.Module) -> bool:
     except ImportError:
         return False
     return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-
-def find_layer_list(model: nn.Module) -> Tuple[nn.Module, str, nn.ModuleList]:
-    """The decoder layer list: of the ModuleLists holding parameters, the one nearest the top
-    of the module tree, and of those the one holding the most parameters (a vision or audio
-    tower's layers, deeper inside the embedding, are not the decoder's).
-
-    Returns (parent module, attribute name, the list).
-    """
-    best = None
-    for parent_name, parent in model.named_modules():
-        depth = parent_name.count(".") + 1 if parent_name else 0
-        for attr, child in parent.named_children():
-            if isinstance(child, nn.ModuleList) and len(child) > 0:
-                numel = sum(p.numel() for p in child.parameters())
-                if numel == 0:
-                    continue
-                key = (-depth, numel)
-                if best is None or key > best[0]:
-                    best = (key, parent, attr, child)
-    if best is None:
-        raise TypeError(f"{type(model).__name__} has no decoder layer list; the engine supports {SUPPORTED_HINT}.")
-    (_, numel), parent, attr, layers = best
-    for other_attr, other in parent.named_children():   # XLM: attentions, ffns, norms in lists side by side
-        if other is not layers and isinstance(other, nn.ModuleList) and len(other) == len(layers) \
-                and sum(p.numel() for p in other.parameters()) >= numel // 10:
-            raise TypeError(f"{type(model).__name__} keeps each layer's parts in parallel lists ({attr}, "
-                            f"{other_attr}, ...) rather than one list of layers; the engine supports "
-                            f"{SUPPORTED_HINT}.")
-    return parent, attr, layers
 
 
 def decay_parameter_names(model: nn.Module) -> set:

@@ -749,6 +749,16 @@ def _cpu_signature() -> str:
     return "\n".join(sig)
 
 
+def _trusted(path: str) -> None:
+    """A cached library is loaded into the process: only one this user owns and nobody else
+    can write (its folder included)."""
+    for p in (path, os.path.dirname(path)):
+        st = os.stat(p)
+        if (hasattr(os, "geteuid") and st.st_uid != os.geteuid()) or st.st_mode & 0o022:
+            raise RuntimeError(f"{p} is not this user's alone (owner {st.st_uid}, mode {st.st_mode & 0o777:o}): "
+                               f"not loaded")
+
+
 def _build():
     """(path of the shared library, whether it was built now, the compiler): from the cache, or compiled
     into it (a temporary file renamed into place: concurrent builds are harmless)."""
@@ -760,12 +770,13 @@ def _build():
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cc} --version failed: {e}") from e
     folder = cache_dir()
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
     errors = []
     for flags in (FLAGS + NATIVE, FLAGS):
         key = hashlib.sha256("\0".join([SOURCE, " ".join(flags), version, _cpu_signature()]).encode()).hexdigest()[:20]
         path = os.path.join(folder, f"mt_update-{key}.so")
         if os.path.exists(path):
+            _trusted(path)
             return path, False, cc
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             src, out = os.path.join(tmp, "mt_update.c"), os.path.join(tmp, "mt_update.so")

@@ -27,6 +27,7 @@ class UnitAdamW:
         #: the update itself, on the optimizer's critical path: gathered only once someone reads
         #: them (StreamingEngine.layer_stats turns this on).
         self.collect_stats = collect_stats
+        kernels()   # the fused kernels built (or loaded from the cache) now, not in the first update
 
     def step_unit(self, unit: Unit, params: torch.Tensor, grads: torch.Tensor,
                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, lr: float,

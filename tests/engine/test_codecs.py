@@ -433,3 +433,16 @@ def test_kernel_results_do_not_depend_on_its_threads(name):
     for threads, (w, mm, vv) in zip((1, 3), plain):
         k.adamw(w, grads, mm, vv, 0, args, threads=threads)
     assert all(torch.equal(a, b) for a, b in zip(*plain))
+
+
+def test_without_a_compiler_the_torch_path_runs_and_says_why_once(monkeypatch, caplog):
+    monkeypatch.setattr(fused_update, "_compiler", lambda: None)
+    for key, value in (("tried", False), ("kernels", None), ("why", None)):
+        monkeypatch.setitem(fused_update._STATE, key, value)
+    with caplog.at_level("WARNING", logger="megatrain_nb.engine.fused_update"):
+        assert fused_update.kernels() is None and fused_update.kernels() is None
+    assert "no C compiler" in fused_update.disabled_reason()
+    assert caplog.text.count("fused update kernels unavailable (no C compiler") == 1
+    codec = get_codec("int8", "exp_avg_sq")
+    _, v = adam_moments(1000)
+    assert torch.equal(codec.encode(v)["codes"], codec.encode_torch(v)["codes"])

@@ -103,6 +103,12 @@ LAYERS = {
 ORDER = list(LAYERS)
 #: imports against the direction, each with its reason (to be removed, not added to)
 UPWARD_ALLOWED: dict = {}
+#: circles (nested imports counted), each with its reason (to be removed, not added to)
+CYCLES_ALLOWED = {
+    frozenset({"megatrain_nb.engine.codecs", "megatrain_nb.engine.fused_update"}):
+        "the codecs encode through the fused kernels, and the kernels take the codecs' levels and check "
+        "themselves against the codecs' torch path when they are built",
+}
 
 
 def _module_name(path: Path, package: Path) -> str:
@@ -176,11 +182,12 @@ def direction_violations(edges) -> list[str]:
     return found
 
 
-def import_cycles(edges) -> list[list[str]]:
-    """Cycles of the module-level import graph (imports inside functions left out)."""
+def import_cycles(edges, with_nested: bool = True) -> list[list[str]]:
+    """Cycles of the import graph, imports inside functions counted (issue 43: a nested import
+    must not hide a circle); ``with_nested=False``: the module-level graph alone."""
     graph: dict[str, set[str]] = {}
     for module, target, _, nested, _ in edges:
-        if not nested and target != module:
+        if (with_nested or not nested) and target != module:
             graph.setdefault(module, set()).add(target)
     cycles, state = [], {}
 
@@ -205,10 +212,11 @@ def import_cycles(edges) -> list[list[str]]:
 #: work, 188 with the step-time prediction, long rows and the disk-held gradients merged beside it (their CLI, estimator
 #: and header lines keep `megatrain-nb --help` and `mt.estimate` free of torch), 166 once the engine's
 #: package loads lazily and the planning modules import no torch (issue 43: the estimator imports
-#: them at its top) and five two-file circles were cut. A ratchet: lower it when one goes; each one
+#: them at its top) and five two-file circles were cut, 143 after the imports that bring nothing
+#: heavier than their module already imports went to its top. A ratchet: lower it when one goes; each one
 #: left keeps an import light — torch, transformers, IPython behind it — or breaks what would
 #: otherwise be a circle.
-MAX_NESTED_OWN_IMPORTS = 166
+MAX_NESTED_OWN_IMPORTS = 143
 
 
 def test_imports_point_down_the_layers():
@@ -216,7 +224,8 @@ def test_imports_point_down_the_layers():
 
 
 def test_no_import_cycles():
-    assert import_cycles(import_edges()) == []
+    found = [c for c in import_cycles(import_edges()) if frozenset(c) not in CYCLES_ALLOWED]
+    assert found == []
 
 
 def test_nested_imports_of_own_modules_do_not_grow():

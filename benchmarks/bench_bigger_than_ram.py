@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import current_rss_bytes, machine, median, peak_rss_bytes, result  # noqa: E402
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine  # noqa: E402
-from megatrain_nb.engine.states import stored_state_bytes  # noqa: E402
+from megatrain_nb.engine.updates.states import stored_state_bytes  # noqa: E402
 
 GiB = 1024 ** 3
 
@@ -153,7 +153,7 @@ def estimate_figure() -> None:
     buffers registered at their exact size (``pinned.exact_pinned``: assumed until a registration
     in this process fails; the caching host allocator's powers of two after that)."""
     from megatrain_nb import estimate
-    from megatrain_nb.engine.pinned import exact_pinned
+    from megatrain_nb.engine.transport.pinned import exact_pinned
 
     kw = dict(vram_gb=80, disk_gb=4096, batch=1, seq=2048, accumulation=128)
     print("pinned host buffers:", "registered at their exact size" if exact_pinned() else

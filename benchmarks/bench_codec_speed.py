@@ -1,4 +1,4 @@
-"""Encode/decode throughput of the optimizer-state codecs (megatrain_nb.engine.codecs).
+"""Encode/decode throughput of the optimizer-state codecs (megatrain_nb.engine.updates.codecs).
 
 Throughput is counted in fp32 bytes processed per second (4 bytes per element), per direction,
 on one thread by default. Inputs are Adam-moment-like: m ~ heavy-tailed around 0, v = smoothed
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from megatrain_nb.engine.codecs import get_codec
+from megatrain_nb.engine.updates.codecs import get_codec
 
 
 def _moments(numel: int) -> tuple[torch.Tensor, torch.Tensor]:

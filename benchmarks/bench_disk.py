@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from megatrain_nb.engine.disk_store import DiskStore, aligned_empty
-from megatrain_nb.engine.states import UPDATE_CHUNK
+from megatrain_nb.engine.tiers.disk_store import DiskStore, aligned_empty
+from megatrain_nb.engine.updates.states import UPDATE_CHUNK
 
 MIB = 1 << 20
 

@@ -44,7 +44,7 @@ def worker(ns) -> None:
 
     from common import current_rss_bytes, peak_rss_bytes
     from megatrain_nb.engine import StreamingEngine
-    from megatrain_nb.engine.dist import Dist
+    from megatrain_nb.engine.ranks.dist import Dist
     from megatrain_nb.model_configs import preset_config
     from megatrain_nb.trainer.sharding import deal
 

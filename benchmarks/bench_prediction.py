@@ -12,7 +12,7 @@ the compute rates (matmul, attention), the per-thread update rates (AdamW, codec
 chain) and the disk's read and write rates are measured again, and the RESULT lines use the prediction at the mean of all of them
 against the median of all the configuration's steps (the lines before them also print it at the
 rates measured before its first pass only and at the start). The model is never fitted to this
-run: the prediction is the engine's schedule priced at those rates (engine/prediction.py).
+run: the prediction is the engine's schedule priced at those rates (engine/planning/prediction.py).
 
 Configurations (the same model, batch 1 x seq ``--seq``):
 
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, median, result  # noqa: E402
 
 import megatrain_nb as mt  # noqa: E402
-from megatrain_nb.engine.rates import MachineRates  # noqa: E402
+from megatrain_nb.engine.planning.rates import MachineRates  # noqa: E402
 
 CONFIG = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -204,7 +204,7 @@ def codec_rate(name: str, chunk: int = 1 << 20) -> float:
     (``EngineOverrides.update_chunk_numel``), each role's codes decoded then re-encoded."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatrain_nb.engine.codecs import ROLES, get_codec
+    from megatrain_nb.engine.updates.codecs import ROLES, get_codec
     from megatrain_nb.threads import one_torch_thread
 
     cs = [get_codec(name, role) for role in ROLES]
@@ -221,7 +221,7 @@ def codec_rate(name: str, chunk: int = 1 << 20) -> float:
 
 def local_rates(folder: str, seq: int) -> MachineRates:
     """The rates the prediction needs, measured here at the model's shapes (see the module docstring)."""
-    from megatrain_nb.engine.optimizer import UnitAdamW
+    from megatrain_nb.engine.updates.optimizer import UnitAdamW
 
     h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
     layer = 4 * h * h + 3 * h * i

@@ -10,7 +10,7 @@ is the median of the rounds' ratios. What runs:
 
 * ``update_<codec>_vs_fp32_adamw``: one unit of ``--numel`` parameters updated as the engine
   updates it with compressed states -- ``OptimizerStates.update`` (read the codes, decode, AdamW,
-  encode, write the codes; the fused kernel of ``engine/fused_update.py`` where it is built)
+  encode, write the codes; the fused kernel of ``engine/updates/fused_update.py`` where it is built)
   -- in parameters/s, over torch's fused CPU AdamW (``torch._fused_adamw_``, fp32 states) on a
   unit of the same size, both on ``--threads`` threads (torch's intra-op threads; a fused chunk
   split over that many threads: ``OptimizerStates.fused_split``). The same chain on torch ops
@@ -42,10 +42,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatrain_nb.engine import fused_update  # noqa: E402
-from megatrain_nb.engine.codecs import get_codec  # noqa: E402
-from megatrain_nb.engine.optimizer import UnitAdamW  # noqa: E402
-from megatrain_nb.engine.states import OptimizerStates  # noqa: E402
+from megatrain_nb.engine.updates import fused_update  # noqa: E402
+from megatrain_nb.engine.updates.codecs import get_codec  # noqa: E402
+from megatrain_nb.engine.updates.optimizer import UnitAdamW  # noqa: E402
+from megatrain_nb.engine.updates.states import OptimizerStates  # noqa: E402
 from megatrain_nb.engine.telemetry import Telemetry  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

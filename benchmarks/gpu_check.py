@@ -169,7 +169,7 @@ def real_plan(engine, cfg, a):
     """The planner's device figure for the workload this script runs: ``batch`` x ``seq``
     tokens, one micro-batch, gradients leaving unit by unit (not the engine's own plan, which
     is made for batch 1 x seq 1 before any batch is known)."""
-    from megatrain_nb.engine.planner import ModelShape, UnitSpec, Workload, make_plan
+    from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan
 
     specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in engine.units]
     return make_plan(specs, ModelShape.of(cfg), engine.config, cuda=engine.device.type == "cuda",
@@ -179,8 +179,8 @@ def real_plan(engine, cfg, a):
 def predicted_step(engine, a, rates):
     """``engine.prediction`` for the timed workload (batch x seq, one micro-batch, no clipping:
     ``forward_backward(step_lr=...)``) at the rates measured in this run, or None without rates."""
-    from megatrain_nb.engine.planner import Workload
-    from megatrain_nb.engine.prediction_check import engine_prediction
+    from megatrain_nb.engine.planning.planner import Workload
+    from megatrain_nb.engine.planning.prediction_check import engine_prediction
 
     if rates is None:
         return None
@@ -621,7 +621,7 @@ TWO_GPU_TIMEOUT_S = 150   # the whole two-rank run; the collectives' own timeout
 def two_gpu_child() -> int:
     """One rank of :func:`two_gpus` (under torchrun): a sharded step, then which GPUs hold a
     context of this process (pynvml, when installed). Prints ``TWOGPU rank=R steps=N foreign=F``."""
-    from megatrain_nb.engine.dist import Dist
+    from megatrain_nb.engine.ranks.dist import Dist
 
     dist = Dist.from_env()
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ measures has a CPU meaning (the device's memcpy for the link, the engine's own a
 memory); what has none (the profiler's stream idle time, CUDA's allocator) is said, not faked.
 
 Two of them also run on CPU (``gpu_check.py --cpu-rehearsal``): delayed-stream parity and
-host-buffer poisoning, on the adversarial CPU transport (engine/transport.py), which lands every
+host-buffer poisoning, on the adversarial CPU transport (engine/transport/transport.py), which lands every
 copy late, runs the compute side late into freshly allocated buffers and keeps a host buffer in
 flight until its release is waited for. On CUDA the same sections put sleep kernels on each
 stream and NaN into every fresh buffer (late, on the compute stream) and every recycled host buffer.
@@ -24,7 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine import transport as transport_mod
+from megatrain_nb.engine.transport import transport as transport_mod
 
 SLEEP_CYCLES = 2_000_000   # ~1 ms at ~2 GHz: longer than any copy of the parity model
 
@@ -153,7 +153,7 @@ def host_poisoning() -> dict:
     """The adversary at work on CPU: a host buffer written before the transfer that read it is
     waited for is caught; a fresh buffer copied into without ordering after the compute is
     overwritten. Returns {"caught": 2 when both were, "clean": 1 when the ordered uses pass}."""
-    from megatrain_nb.engine.transport import CpuTransport, TransportError, all_of
+    from megatrain_nb.engine.transport.transport import CpuTransport, TransportError, all_of
 
     t = CpuTransport(adversarial=True)
     caught = clean = 0
@@ -310,7 +310,7 @@ def registered_pinned(nbytes: int = 600 << 20) -> dict:
     host->device rate against a caching-allocator block's, unregistered once dropped."""
     import gc
 
-    from megatrain_nb.engine import pinned
+    from megatrain_nb.engine.transport import pinned
 
     def reserved():
         try:
@@ -358,7 +358,7 @@ def adamw_params_per_s(numel: int = 1 << 24, steps: int = 3) -> float:
 def link_gbps(device: str, nbytes: int) -> dict:
     """Host->device and device->host GB/s at ``nbytes``: from a registered pinned buffer
     (``pinned.pinned_empty``) and a pageable one on CUDA; on a CPU device the memcpy (its link)."""
-    from megatrain_nb.engine import pinned
+    from megatrain_nb.engine.transport import pinned
 
     n = nbytes // 4
     out = {}
@@ -392,7 +392,7 @@ def pinned_per_param_7b_bf16() -> tuple:
     """(pinned bytes per parameter, the layout) of Llama-2-7B's units in bf16 compute on the RAM
     tier, by the engine's accounting (host_store.pinned_layout: shadows + gradient landing)."""
     from megatrain_nb.engine.config import EngineConfig as Cfg
-    from megatrain_nb.engine.host_store import pinned_layout
+    from megatrain_nb.engine.tiers.host_store import pinned_layout
 
     cfg = AutoConfig.for_model("llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -408,7 +408,7 @@ def engine_pinned(engine) -> dict:
     """What ``engine`` pins now, by its parts' own counts: the host store's load sources, the
     transport's pool (gradient landing, window activations, the cast buffer), the disk tier's
     staging buffers when pinned; and its layout on paper (host_store.pinned_layout)."""
-    from megatrain_nb.engine.host_store import pinned_layout
+    from megatrain_nb.engine.tiers.host_store import pinned_layout
 
     store = engine.store.pinned_bytes()
     pool = engine.transport.pinned.held if getattr(engine.transport.pinned, "pin", False) else 0
@@ -443,7 +443,7 @@ def cpu_side(device: str, quick: bool) -> dict:
 def fake_registration():
     """pinned.py's CUDA branch on a machine without CUDA (the rehearsal): a cudart whose
     register/unregister only count, so registration, MADV_DONTFORK and the finalizers run."""
-    from megatrain_nb.engine import pinned
+    from megatrain_nb.engine.transport import pinned
 
     class Rt:
         def __init__(self):
@@ -475,7 +475,7 @@ def registered_rehearsal() -> dict:
     forks (VmFlags "dc"), every registration paired with its unregistration once dropped."""
     import gc
 
-    from megatrain_nb.engine import pinned
+    from megatrain_nb.engine.transport import pinned
 
     with fake_registration() as rt:
         t = pinned.pinned_empty(3000)

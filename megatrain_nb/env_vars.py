@@ -24,7 +24,7 @@ class EnvVar:
 
 #: name | reader | default | meaning
 _TABLE = """
-MEGATRAIN_NB_CACHE | trainer/default.py | ~/.cache/megatrain_nb | where the built-in corpus's tokenizer and token ids are cached, and mt.measure_machine's rates (engine/measure.py reads it too) and the fused update kernels (engine/fused_update.py)
+MEGATRAIN_NB_CACHE | trainer/default.py | ~/.cache/megatrain_nb | where the built-in corpus's tokenizer and token ids are cached, and mt.measure_machine's rates (engine/measure.py reads it too) and the fused update kernels (engine/updates/fused_update.py)
 MEGATRAIN_NB_RUNTIME_DIR | channel/protocol.py | jupyter_runtime_dir()/megatrain_nb | the folder of heartbeats, inboxes and launch folders shared by the kernels and the Jupyter server
 MEGATRAIN_NB_DASHBOARD | notebook/display_mode.py | auto | the Session's default display: auto, widgets, html or none
 MEGATRAIN_NB_DEBUG | cli/__init__.py | unset | set: the CLI raises the error with its traceback instead of one line and exit status 2
@@ -36,10 +36,10 @@ MEGATRAIN_NB_LAUNCHER | trainer/control.py | torchrun | who started the ranks: n
 MEGATRAIN_NB_SNAPSHOT_STEPS | trainer/control.py | off | a snapshot every N optimizer steps on every rank
 MEGATRAIN_NB_KEEP_SNAPSHOTS | trainer/control.py | all | how many of those snapshots to keep (the newest; never one a rewind went back to)
 MEGATRAIN_NB_CONTROLLER_PID | notebook/launch_worker.py | unset | the launching kernel's pid: a worker whose controller is gone stops (set by the Session)
-MEGATRAIN_DIST_TIMEOUT_S | engine/dist.py | 600 | seconds a collective waits for the other ranks before the run fails
-MEGATRAIN_NB_PLAN_BY | engine/plan_pick.py | auto | rules: every engine plans by the planner's rules even when the machine's rates are known, as EngineOverrides(plan_by='rules') (the test suite sets it: its plans must not follow a cached measurement)
-MEGATRAIN_NB_FUSED_UPDATE | engine/fused_update.py | 1 | 0: the optimizer-state codecs and the compressed update run on torch ops, never the fused C kernels (built once per machine under MEGATRAIN_NB_CACHE/kernels)
-MEGATRAIN_ADVERSARIAL_TRANSPORT | engine/transport.py | 0 | 1: the CPU transport copies late, poisons released buffers and refuses early reuse (tests)
+MEGATRAIN_DIST_TIMEOUT_S | engine/ranks/dist.py | 600 | seconds a collective waits for the other ranks before the run fails
+MEGATRAIN_NB_PLAN_BY | engine/planning/plan_pick.py | auto | rules: every engine plans by the planner's rules even when the machine's rates are known, as EngineOverrides(plan_by='rules') (the test suite sets it: its plans must not follow a cached measurement)
+MEGATRAIN_NB_FUSED_UPDATE | engine/updates/fused_update.py | 1 | 0: the optimizer-state codecs and the compressed update run on torch ops, never the fused C kernels (built once per machine under MEGATRAIN_NB_CACHE/kernels)
+MEGATRAIN_ADVERSARIAL_TRANSPORT | engine/transport/transport.py | 0 | 1: the CPU transport copies late, poisons released buffers and refuses early reuse (tests)
 """
 
 

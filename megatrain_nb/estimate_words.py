@@ -8,9 +8,9 @@ import argparse
 import contextlib
 import io
 
-from megatrain_nb.engine.prediction import resolve_rates
-from megatrain_nb.estimator import CLI_NAMES, estimate
-from megatrain_nb.estimator_dist import estimate_scale_out
+from megatrain_nb.engine.planning.prediction import resolve_rates
+from megatrain_nb.engine.planning.estimator import CLI_NAMES, estimate
+from megatrain_nb.engine.planning.estimator_dist import estimate_scale_out
 from megatrain_nb.model_configs import preset_names
 from megatrain_nb.values import MAX_INT, ValueRefused, check
 
@@ -58,7 +58,7 @@ class Lazy:
 
 
 def codec_names_lazy() -> tuple:
-    from megatrain_nb.engine.codecs import codec_names  # the codec registry: a new codec is one file
+    from megatrain_nb.engine.updates.codecs import codec_names  # the codec registry: a new codec is one file
 
     return codec_names()
 
@@ -90,7 +90,7 @@ def add_estimate_arguments(e: argparse.ArgumentParser) -> None:
                    help="GPUs (ranks) per node (default 1); the training state is sharded over all of them")
     e.add_argument("--profile", default=None, metavar="NAME",
                    help="also predict the time per step and per 1B tokens on this machine profile "
-                        "(megatrain_nb.engine.rates.PROFILES), or 'here' for this machine's measured rates")
+                        "(megatrain_nb.engine.planning.rates.PROFILES), or 'here' for this machine's measured rates")
     e.add_argument("--json", action="store_true", help="print JSON instead of the table")
     e.add_argument("--pairs", type=table_number("estimate_pairs", "--pairs"), default=None, help="DPO: preference pairs (the reference pass)")
 

@@ -1,6 +1,6 @@
 """Sockets on the loopback interface: whether a host is loopback, a ``TCPStore`` server bound to
 127.0.0.1 only, and the environment that puts gloo's and NCCL's sockets on ``lo``. Shared by the
-launcher (:mod:`megatrain_nb.torchrun`) and the engine's process group (``engine/dist.py``), so
+launcher (:mod:`megatrain_nb.torchrun`) and the engine's process group (``engine/ranks/dist.py``), so
 that the engine does not import the launcher above it.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Optional
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 from megatrain_nb.loopback import LOOPBACK, is_loopback, loopback_env, loopback_store
-from megatrain_nb.engine.reclaim import folder_prefix
+from megatrain_nb.engine.tiers.reclaim import folder_prefix
 
 
 def _single_node(nnodes: Optional[str]) -> bool:
@@ -143,7 +143,7 @@ def log_dir_argv(argv: list[str]) -> tuple[list[str], Optional[str]]:
     """torchrun makes a ``torchelastic_*`` folder in the temporary folder for every launch and
     leaves it there. Without a ``--log-dir`` (or ``PET_LOG_DIR``) given, its logs go into a
     launch folder of this process instead (removed at the end; one a killed launch leaves is
-    reclaimed as the notebook's launch folders are, ``engine/reclaim.py``). Returns (arguments,
+    reclaimed as the notebook's launch folders are, ``engine/tiers/reclaim.py``). Returns (arguments,
     the folder made or None)."""
     if os.environ.get("PET_LOG_DIR") or any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv):
         return argv, None

@@ -239,9 +239,9 @@ VALUES: dict[str, Value] = {v.name: v for v in (
          "host budget allows", low=0, high=MAX_INT, none_ok=True),
     _row("plan_by", "choice", "how the planner's choices are made: 'auto' = the fastest predicted plan when the "
          "machine's rates are known, else the rules; 'rules' = always the rules", choices=("auto", "rules")),
-    _row("tile_tokens", "int", "tokens per tile of a layer's MLP over a long row (engine/tiling.py); 0 = no "
+    _row("tile_tokens", "int", "tokens per tile of a layer's MLP over a long row (engine/compute/tiling.py); 0 = no "
          "tiling; None = from the device budget", low=0, high=MAX_INT, none_ok=True),
-    # ---- divergence: what a non-finite or spiking step does (engine/finite.py, trainer/recovery.py) ----
+    # ---- divergence: what a non-finite or spiking step does (engine/updates/finite.py, trainer/recovery.py) ----
     _row("on_nonfinite", "choice", "a non-finite loss or gradient: 'stop' raises before the step is applied, "
          "'skip' drops the step and goes on, 'rewind' goes back to the newest snapshot, lowers the learning "
          "rate, steps over the data that diverged and goes on", choices=("stop", "skip", "rewind")),

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # session's own, never the user's Jupyter runtime folder
 os.environ.setdefault("MEGATRAIN_NB_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtnb-test-runtime-"))
 # the engine's plans follow the planner's rules, never a measurement `megatrain-nb machine` cached
-# on the machine running the tests (engine/plan_pick.py); the tests of the predicted pick unset it
+# on the machine running the tests (engine/planning/plan_pick.py); the tests of the predicted pick unset it
 os.environ["MEGATRAIN_NB_PLAN_BY"] = "rules"
 
 
@@ -44,7 +44,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if config.getoption("--adversarial-transport", default=False):
-        from megatrain_nb.engine.transport import ADVERSARIAL_ENV
+        from megatrain_nb.engine.transport.transport import ADVERSARIAL_ENV
 
         os.environ[ADVERSARIAL_ENV] = "1"
 

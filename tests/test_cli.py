@@ -47,7 +47,7 @@ def test_a_huge_accumulation_within_the_table_returns_at_once(capsys):
     """The window's group search bisects (a linear one never returned for 10**18); a window of
     2**40 micro-batches is priced from a few groups, not listed load by load."""
     import megatrain_nb as mt
-    from megatrain_nb.engine.planner import window_plan
+    from megatrain_nb.engine.planning.planner import window_plan
 
     wp = window_plan(10 ** 18, tokens=2048, hidden_size=4096, num_layers=32, checkpoint_interval=1,
                      compute_bytes=4, device_free=80 << 30, host_free=1 << 40, disk_free=0)

@@ -2,7 +2,7 @@
 
 - no function over 80 lines and no class over 40 methods in megatrain_nb/;
 - engine/engine.py under 500 lines;
-- the update scheduler (engine/updates.py) is its step protocol: every method that only forwards
+- the update scheduler (engine/updates/updates.py) is its step protocol: every method that only forwards
   to one of its parts has a caller outside the scheduler;
 - parts are built after what they need: no constructor hands out a closure over an attribute
   of ``self`` that it assigns only later (a late-bound callback hiding a mutual dependency).
@@ -56,7 +56,7 @@ def _forwarded(fn: ast.FunctionDef) -> bool:
     return isinstance(owner, ast.Name) and owner.id == "self"
 
 
-def uncalled_forwarders(package: Path = PACKAGE, module: str = "engine/updates.py",
+def uncalled_forwarders(package: Path = PACKAGE, module: str = "engine/updates/updates.py",
                         cls: str = "UpdateScheduler") -> list[str]:
     """Methods of ``cls`` that only forward and whose name no other file (tests aside) calls."""
     used, methods = set(), []
@@ -116,11 +116,11 @@ def test_no_part_is_handed_a_callback_to_something_built_later():
 
 def test_the_checkers_catch_each_breach(tmp_path):
     pkg = tmp_path / "megatrain_nb"
-    (pkg / "engine").mkdir(parents=True)
+    (pkg / "engine" / "updates").mkdir(parents=True)
     long_body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     methods = "".join(f"    def m{i}(self):\n        pass\n" for i in range(MAX_CLASS_METHODS + 1))
     (pkg / "a.py").write_text(f"def long():\n{long_body}\n\nclass Big:\n{methods}")
-    (pkg / "engine" / "updates.py").write_text(
+    (pkg / "engine" / "updates" / "updates.py").write_text(
         "class UpdateScheduler:\n"
         "    def __init__(self, make):\n"
         "        self.intake = make(submit=lambda u: self.runner.submit(u))\n"
@@ -132,4 +132,4 @@ def test_the_checkers_catch_each_breach(tmp_path):
     assert [x.split(" ")[1] for x in long_functions(pkg)] == ["long:"]
     assert [x.split(" ")[1] for x in big_classes(pkg)] == ["Big:"]
     assert uncalled_forwarders(pkg) == ["unused"]
-    assert late_bound_callbacks(pkg) == ["megatrain_nb/engine/updates.py:3: reads self.runner, assigned at line 4"]
+    assert late_bound_callbacks(pkg) == ["megatrain_nb/engine/updates/updates.py:3: reads self.runner, assigned at line 4"]

@@ -7,10 +7,10 @@ import json
 import subprocess
 import sys
 
-PLANNING = ("megatrain_nb.engine.planner", "megatrain_nb.engine.prediction", "megatrain_nb.engine.rates",
-            "megatrain_nb.engine.best_plans", "megatrain_nb.engine.plan_pick", "megatrain_nb.engine.prediction_check",
-            "megatrain_nb.engine.rates_cache", "megatrain_nb.engine.family",
-            "megatrain_nb.estimator", "megatrain_nb.estimator_dist", "megatrain_nb.estimator_dpo",
+PLANNING = ("megatrain_nb.engine.planning.planner", "megatrain_nb.engine.planning.prediction", "megatrain_nb.engine.planning.rates",
+            "megatrain_nb.engine.planning.best_plans", "megatrain_nb.engine.planning.plan_pick", "megatrain_nb.engine.planning.prediction_check",
+            "megatrain_nb.engine.planning.rates_cache", "megatrain_nb.engine.family",
+            "megatrain_nb.engine.planning.estimator", "megatrain_nb.engine.planning.estimator_dist", "megatrain_nb.engine.planning.estimator_dpo",
             "megatrain_nb.estimate_words")
 
 

@@ -345,7 +345,7 @@ def one_yaml_refusal(tmp_path, capsys, section, name, value, row=None):
 @pytest.mark.parametrize("name,keyword", [("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"),
                                           ("top_k", "top_k"), ("sample_seed", "seed")])
 def test_sampling_values_are_checked_before_any_token(name, keyword):
-    from megatrain_nb.engine.sampling import sample_text
+    from megatrain_nb.engine.compute.sampling import sample_text
 
     for label, value in bad_values(name):
         with pytest.raises(ValueRefused) as e:
@@ -443,7 +443,7 @@ def test_run_yaml_refuses_fine_tuning_values(tmp_path, capsys, section, name):
 @pytest.mark.parametrize("text", ["abc", "nan", "-5", "1e999", "0", "inf", "1e9"])
 def test_the_dist_timeout_variable_is_named_with_its_range(monkeypatch, text):
     """It was a raw ValueError (abc), and NaN, -5 and 1e999 were taken."""
-    from megatrain_nb.engine.dist import Dist, default_timeout_s
+    from megatrain_nb.engine.ranks.dist import Dist, default_timeout_s
 
     monkeypatch.setenv("MEGATRAIN_DIST_TIMEOUT_S", text)
     for read in (default_timeout_s, lambda: Dist(None, device="cpu", _single=True)):

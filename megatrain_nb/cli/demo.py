@@ -17,7 +17,7 @@ def demo_cache_gb(model, compression: str) -> float:
     """GiB of host cache for the demo: DEMO_CACHE_SHARE of its disk tier (the optimizer states
     in their stored form), so that both RAM and the disk carry the states. By default the cache
     takes what RAM allows, which at the demo's size is the whole tier: the disk would stay empty."""
-    from megatrain_nb.engine.planner import codec_bytes_per_param
+    from megatrain_nb.engine.planning.planner import codec_bytes_per_param
 
     states = sum(p.numel() for p in model.parameters()) * codec_bytes_per_param(compression)
     return DEMO_CACHE_SHARE * states / (1 << 30)
@@ -78,7 +78,7 @@ def cmd_demo(ns) -> int:
         metrics = trainer.evaluate()
         model_dir = trainer.save_model(str(out_dir / "model"))
         if not ns.quick:
-            from megatrain_nb.engine.sampling import sample_text
+            from megatrain_nb.engine.compute.sampling import sample_text
 
             n_params = sum(p.numel() for _, p in trainer.engine.named_parameters())
             print(f"sample from this {n_params / 1e6:.1f}M-parameter model after {summary['steps']} steps "

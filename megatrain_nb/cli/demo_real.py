@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from megatrain_nb.assets import chat_dataset
-from megatrain_nb.engine.sampling import sample_text   # (torch: the CLI's report module imports it already)
+from megatrain_nb.engine.compute.sampling import sample_text   # (torch: the CLI's report module imports it already)
 from megatrain_nb.gguf_in import convert, smollm2_gguf
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

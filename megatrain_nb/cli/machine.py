@@ -6,7 +6,7 @@ import time
 
 
 def cmd_machine(ns) -> int:
-    from megatrain_nb.engine.rates import PROFILES, profile_names, rates_for
+    from megatrain_nb.engine.planning.rates import PROFILES, profile_names, rates_for
 
     if ns.profiles:
         for name in profile_names():

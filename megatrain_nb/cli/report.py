@@ -51,7 +51,7 @@ def run_with_progress(trainer, *, resume=None, out=None) -> dict:
 
 def prediction_text(pred, steps: int) -> str:
     """The header's line: the predicted step, the run and the bottleneck."""
-    from megatrain_nb.engine.prediction import fmt_rate, fmt_seconds
+    from megatrain_nb.engine.planning.prediction import fmt_rate, fmt_seconds
 
     rough = next((n for n in pred.notes if "measured at a default shape" in n), None)
     return (f"predicted {fmt_seconds(pred.step_seconds)} per step ({fmt_rate(pred.tokens_per_second)}), "
@@ -92,7 +92,7 @@ def comparison_text(trainer) -> list:
     report = measured_vs_predicted(trainer)
     if report is None or report["measured"] is None:
         return []
-    from megatrain_nb.engine.prediction_check import comparison_lines   # (torch behind it: not for --help)
+    from megatrain_nb.engine.planning.prediction_check import comparison_lines   # (torch behind it: not for --help)
 
     return comparison_lines(report["prediction"], report["measured"], report["steps"])
 
@@ -157,7 +157,7 @@ def cache_text(host: dict) -> str:
 
 def disk_text(engine) -> str:
     """Where the disk tier is (filesystem, free space) and how much RAM caches it; "" without one."""
-    from megatrain_nb.engine.diskspace import filesystem_text
+    from megatrain_nb.engine.tiers.diskspace import filesystem_text
 
     fs = (engine.memory_report().get("disk") or {}).get("filesystem")
     if not fs:
@@ -214,7 +214,7 @@ def plan_text(plan) -> str:
 
 def print_header(trainer, *, model: str, data: str, out=None) -> None:
     """What a run is about to do, before its first step: model, data, device, tiers, codec."""
-    from megatrain_nb.engine.planner import codec_bytes_per_param
+    from megatrain_nb.engine.planning.planner import codec_bytes_per_param
 
     p = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
     engine, cfg = trainer.engine, trainer.engine.config

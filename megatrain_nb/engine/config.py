@@ -16,9 +16,9 @@ import torch
 
 from megatrain_nb.values import ValueRefused, check
 
-from .codecs import normalize_compression
-from .finite import check_policy, check_recovery
-from .prediction import resolve_rates  # (measure's cache behind a profile's name: only when given)
+from .updates.codecs import normalize_compression
+from .updates.finite import check_policy, check_recovery
+from .planning.prediction import resolve_rates  # (measure's cache behind a profile's name: only when given)
 
 #: the fields the table of values (megatrain_nb/values.py) checks
 _CHECKED = ("max_vram_gb", "max_host_gb", "host_cache_gb", "checkpoint_interval", "precision", "adam_eps",
@@ -58,12 +58,12 @@ class EngineOverrides:
     plan_by: str = "auto"
     """How the planner's choices (checkpoint interval, clip hold, master weights on disk) are made:
     "auto" = the fastest predicted plan when the machine's rates are known (``EngineConfig.rates``
-    or this machine's cached measurement; engine/plan_pick.py), else the rules; "rules" = always
+    or this machine's cached measurement; engine/planning/plan_pick.py), else the rules; "rules" = always
     the rules (a field at its default is then exactly what the rules make of it)."""
 
     tile_tokens: Optional[int] = None
     """Tokens per tile of a layer's per-token modules (its MLP) over a long sequence
-    (engine/tiling.py); None = from the device budget (64 MiB of MLP intermediates per tile
+    (engine/compute/tiling.py); None = from the device budget (64 MiB of MLP intermediates per tile
     without one); 0 = never tile. Sequences no longer than a tile run untiled."""
 
     def __post_init__(self):
@@ -163,7 +163,7 @@ class EngineConfig:
     rates: object = dataclasses.field(default=None, repr=False, compare=False)
     """The machine's rates the planner prices its free choices at (``mt.measure_machine()``, a
     profile's name, a dict of MachineRates fields): the engine then takes the fastest plan that
-    fits (engine/plan_pick.py) and ``engine.prediction`` uses them. None = this machine's cached
+    fits (engine/planning/plan_pick.py) and ``engine.prediction`` uses them. None = this machine's cached
     measurement for the device, if ``megatrain-nb machine`` made one (nothing is measured), else
     the planner's rules."""
 

@@ -23,30 +23,30 @@ from torch import nn
 from megatrain_nb.model_source import resolve
 from megatrain_nb.values import check
 
-from . import io as engine_io
-from . import finite
+from .tiers import io as engine_io
+from .updates import finite
 from .config import EngineConfig
-from .dist import resolve_dist
+from .ranks.dist import resolve_dist
 from .family import max_positions, vocab_size
 from .inputs import prepare_batch, window_batches
-from .materialize import SafetensorsSource, load_weights
+from .tiers.materialize import SafetensorsSource, load_weights
 from .outcome import EngineOutput
 from .memory import memory_report
 from .parts import HoldsParts, build_parts
-from .planner import WindowPlan
-from .prediction_check import engine_prediction
-from .reshard import load_engine_shards, refuse_sharded, save_engine_shards
+from .planning.planner import WindowPlan
+from .planning.prediction_check import engine_prediction
+from .ranks.reshard import load_engine_shards, refuse_sharded, save_engine_shards
 from .telemetry import Telemetry
 from .units import Unit, check_supported
 from .window import plan_for
 from .. import threads as thread_registry
-from .linked_check import verify_folder
-from .linked import is_linked, load_linked
-from .linked_ranks import is_rank_linked, load_linked_rank
-from .linked import begin_linked
-from .linked import load_keeping
-from .linked import save_linked
-from .linked_ranks import save_linked_rank
+from .tiers.linked_check import verify_folder
+from .tiers.linked import is_linked, load_linked
+from .ranks.linked_ranks import is_rank_linked, load_linked_rank
+from .tiers.linked import begin_linked
+from .tiers.linked import load_keeping
+from .tiers.linked import save_linked
+from .ranks.linked_ranks import save_linked_rank
 
 
 class StreamingEngine(HoldsParts):
@@ -70,7 +70,7 @@ class StreamingEngine(HoldsParts):
         self.model_config = model.config
         # Data parallel: ``dist`` (a Dist or a torch ProcessGroup), else the default group if
         # one is initialised (torchrun), else one process. With world > 1 every unit's training
-        # state is sharded over the ranks (see engine/sharded.py).
+        # state is sharded over the ranks (see engine/ranks/sharded.py).
         self.dist = resolve_dist(dist, config)
         self.device = self.dist.device if self.dist.world > 1 else config.torch_device
         self.dtype = config.compute_dtype
@@ -180,7 +180,7 @@ class StreamingEngine(HoldsParts):
         return plan_for(batches, plan=self.plan, model_config=self.model_config, config=self.config,
                         num_layers=len(self.layer_units), device=self.device)
 
-    #: The predicted step (engine/prediction.py) of this plan at its last step's shape and ``self.rates``
+    #: The predicted step (engine/planning/prediction.py) of this plan at its last step's shape and ``self.rates``
     #: (else the machine's cached rates); None before a step or without rates.
     prediction = property(engine_prediction)
 
@@ -326,7 +326,7 @@ class StreamingEngine(HoldsParts):
         """Weights (Hugging Face layout) plus optimizer states in their stored form.
 
         ``link_disk`` (a snapshot): hard-link the disk tier's files and write only what lives in
-        RAM (see ``engine/linked.py``); returns the bytes linked, copied and written."""
+        RAM (see ``engine/tiers/linked.py``); returns the bytes linked, copied and written."""
         with self.lock:
             if link_disk:   # a snapshot; with several ranks each writes its own linked folder
 
@@ -340,7 +340,7 @@ class StreamingEngine(HoldsParts):
 
     def begin_linked_checkpoint(self, path):
         """A snapshot's engine part, begun at this step boundary without waiting for the step's
-        updates where the disk tier holds the state (``engine/linked.py``); the returned
+        updates where the disk tier holds the state (``engine/tiers/linked.py``); the returned
         ``LinkedWrite.result()`` completes it (any thread) and returns the bytes."""
         with self.lock:
 

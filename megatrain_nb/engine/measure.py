@@ -51,16 +51,16 @@ from megatrain_nb.threads import MEASURE, thread_name
 from megatrain_nb.values import check
 
 from . import family
-from .codecs import codec_names, get_codec
-from .disk_format import aligned_empty
-from .disk_store import DiskStore
-from .diskspace import filesystem_of, filesystem_text
-from .optimizer import UnitAdamW
-from .pinned import release_cached_pinned
-from .rates import MachineRates, check_rates, shape_key
-from .rates_cache import (CACHE_VERSION, CacheRefused, cache_dir, cache_key, cached_rates,  # noqa: F401 - re-exported
+from .updates.codecs import codec_names, get_codec
+from .tiers.disk_format import aligned_empty
+from .tiers.disk_store import DiskStore
+from .tiers.diskspace import filesystem_of, filesystem_text
+from .updates.optimizer import UnitAdamW
+from .transport.pinned import release_cached_pinned
+from .planning.rates import MachineRates, check_rates, shape_key
+from .planning.rates_cache import (CACHE_VERSION, CacheRefused, cache_dir, cache_key, cached_rates,  # noqa: F401 - re-exported
                           device_name, load_cached, save_cached)
-from .states import OptimizerStates
+from .updates.states import OptimizerStates
 from .telemetry import Telemetry
 
 MIB = 1 << 20
@@ -435,7 +435,7 @@ def _compute_threads(dev: torch.device, r: MachineRates):
 
 def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=None, *, tokens: int = 2048,
                     quick: bool = False) -> MachineRates:
-    """This machine's rates (:class:`~megatrain_nb.engine.rates.MachineRates`), cached.
+    """This machine's rates (:class:`~megatrain_nb.engine.planning.rates.MachineRates`), cached.
 
     device: "cpu", "cuda", "cuda:1" or None (CUDA if there is one). offload_dir: the folder whose
     filesystem the disk tier would use (default: the temporary folder). refresh: measure again

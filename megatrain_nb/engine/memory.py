@@ -5,8 +5,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .diskspace import filesystem_of
-from .planner import GiB
+from .tiers.diskspace import filesystem_of
+from .planning.planner import GiB
 
 
 #: Device memory no plan may count on: the CUDA context, cuBLAS workspaces, the caching

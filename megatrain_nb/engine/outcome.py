@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from . import finite
+from .updates import finite
 
 
 class TornLoad(RuntimeError):

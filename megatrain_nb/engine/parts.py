@@ -13,25 +13,25 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from . import io as engine_io
+from .tiers import io as engine_io
 from .config import EngineConfig
-from .host_store import HostStore
-from .materialize import take_parameters
-from .optimizer import UnitAdamW
-from .pager import Pager
-from .plan_pick import pick_plan
-from .planner import Plan, Workload
+from .tiers.host_store import HostStore
+from .tiers.materialize import take_parameters
+from .updates.optimizer import UnitAdamW
+from .transport.pager import Pager
+from .planning.plan_pick import pick_plan
+from .planning.planner import Plan, Workload
 from .proxies import LayerProxy
 from .seams import DiskTier, Transport
-from .sharded import ShardedUnits
-from .states import OptimizerStates, open_disk_tier, read_ahead_allowance, stored_state_bytes, update_chunk
+from .ranks.sharded import ShardedUnits
+from .updates.states import OptimizerStates, open_disk_tier, read_ahead_allowance, stored_state_bytes, update_chunk
 from .step import StepRunner, Steps
-from .transport import make_transport
+from .transport.transport import make_transport
 from .units import Unit, build_units, find_layer_list
-from .updates import UpdateScheduler
-from .weight_store import WeightStore, make_weight_store
+from .updates.updates import UpdateScheduler
+from .tiers.weight_store import WeightStore, make_weight_store
 from .window import BoundaryStore
-from .disk_cache import HostCache, cache_budget
+from .tiers.disk_cache import HostCache, cache_budget
 
 #: Units up to this size get spare staging buffers (a spare or two per stream costs little RAM);
 #: larger ones the minimum (RAM stays flat for models far larger than RAM; their steps are
@@ -206,7 +206,7 @@ def held_weight_units(units, config: EngineConfig, plan: Plan, disk) -> int:
         return 0
     if config.overrides.held_weight_units is not None:
         return min(config.overrides.held_weight_units, len(units))
-    from .disk_cache import cache_budget
+    from .tiers.disk_cache import cache_budget
 
     unit_bytes = max(u.numel for u in units) * 4
     room = cache_budget(None, config.max_host_gb, plan.host["total"], len(units) * unit_bytes)

@@ -11,8 +11,8 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .intake import StepContext
-from .transport import Handle
+from .updates.intake import StepContext
+from .transport.transport import Handle
 from .units import Unit
 
 

@@ -46,21 +46,21 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import finite
+from .updates import finite
 from .discovery import locate
-from .grad_sums import GradSums
+from .updates.grad_sums import GradSums
 from .inputs import model_inputs
 from .layer_calls import GradKeys, GradRecord, LayerCall, NotRun, SideStreams, add_grads, graph_roots
 from .layer_state import SharedState
-from .long_attention import long_attention
-from .packed_attention import packed_attention
-from .loss_head import LossHead
+from .compute.long_attention import long_attention
+from .compute.packed_attention import packed_attention
+from .compute.loss_head import LossHead
 from .proxies import bind, output_template, template_of, unbind
 from .recompute import ActivationMeter, restored_rng, rng_state
-from .tiling import LayerTiling
+from .compute.tiling import LayerTiling
 from .units import Unit, forward_order
-from .planner import WindowPlan
-from .updates import StepContext
+from .planning.planner import WindowPlan
+from .updates.updates import StepContext
 from .window import BoundaryStore
 
 
@@ -118,7 +118,7 @@ class StepRunner:
         self._streams = SideStreams([])   # this group's layer outputs that later layers take
         self._state = SharedState()       # ... and state its layers store in shared arguments
         elem = torch.empty((), dtype=getattr(pager, "dtype", torch.float32)).element_size()
-        # each layer's MLP over a long sequence in tiles (engine/tiling.py)
+        # each layer's MLP over a long sequence in tiles (engine/compute/tiling.py)
         self.tiling = LayerTiling(model, [u.module for u in self.layers], tile_tokens=tile_tokens,
                                   elem_bytes=elem, budget_bytes=device_budget, host_device=device.type == "cpu")
 

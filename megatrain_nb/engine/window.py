@@ -11,12 +11,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .planner import WindowPlan, engine_window_plan
-from .transport import all_of
+from .planning.planner import WindowPlan, engine_window_plan
+from .transport.transport import all_of
 from .family import hidden_size
-from .planner import GiB
+from .planning.planner import GiB
 from .memory import device_capacity
-from .disk_store import aligned_empty  # page-aligned: direct I/O
+from .tiers.disk_store import aligned_empty  # page-aligned: direct I/O
 
 
 class BoundaryStore:
@@ -24,7 +24,7 @@ class BoundaryStore:
 
     * "device": kept as they are;
     * "host": copied out to a recycled host buffer (pinned on CUDA) by the transport
-      (engine/transport.py) after the compute that made them, and copied back in by the
+      (engine/transport/transport.py) after the compute that made them, and copied back in by the
       backward, which waits for the copy before it reads the activation;
     * "disk": copied out to a recycled host buffer and written behind through the engine's
       :class:`DiskStore`; the backward pops them in its order (layers descending, micro-batches

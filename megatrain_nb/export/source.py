@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatrain_nb.engine.disk_params import weights_key
-from megatrain_nb.engine.io import shard_files
-from megatrain_nb.engine.linked import DISK_FOLDER, LINKED_FILE, RAM_FILE
+from megatrain_nb.engine.tiers.disk_params import weights_key
+from megatrain_nb.engine.tiers.io import shard_files
+from megatrain_nb.engine.tiers.linked import DISK_FOLDER, LINKED_FILE, RAM_FILE
 from megatrain_nb.trainer import checkpoint as ckpt
 
 Shape = Tuple[int, ...]

@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from megatrain_nb.engine.disk_format import ALIGN, align_up, probe_direct_io
+from megatrain_nb.engine.tiers.disk_format import ALIGN, align_up, probe_direct_io
 
 #: bytes of each of the two staging buffers (a multiple of ALIGN)
 CHUNK = 32 << 20

@@ -21,7 +21,7 @@ The folder (:func:`make_run_dir`): ``megatrain-launch-<pid>-<host>-<start>-<rand
 temporary folder, mode 0700. ``close()`` removes it; so does the kernel's exit without
 ``close()`` (atexit) once no worker process names it; one left behind (a killed kernel, workers
 still finishing) is reclaimed when the next multi-process Session starts, as offload folders
-are (``engine/reclaim.py``).
+are (``engine/tiers/reclaim.py``).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def folder_in_use(path) -> bool:
 def make_run_dir(root=None) -> Path:
     """A private launch folder under ``root`` (default: the temporary folder), after reclaiming
     the ones processes that no longer run left there."""
-    from megatrain_nb.engine.reclaim import folder_prefix, reclaim
+    from megatrain_nb.engine.tiers.reclaim import folder_prefix, reclaim
 
     root = str(root or tempfile.gettempdir())
     reclaim(root, label=RUN_DIR_LABEL, in_use=folder_in_use, what="launch folder")

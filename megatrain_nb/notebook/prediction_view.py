@@ -16,8 +16,8 @@ from __future__ import annotations
 import html
 from typing import Any, Optional
 
-from megatrain_nb.engine.prediction import fmt_seconds
-from megatrain_nb.engine.prediction_check import comparison_lines, off_text
+from megatrain_nb.engine.planning.prediction import fmt_seconds
+from megatrain_nb.engine.planning.prediction_check import comparison_lines, off_text
 
 
 def session_report(session: Any) -> Optional[dict]:

@@ -179,7 +179,7 @@ class SampleWatch:
                 self._cv.notify_all()   # (finish() waits on it)
 
     def _draw(self, prompt: str, options: dict) -> Optional[dict]:
-        from megatrain_nb.engine.sampling import sample_text
+        from megatrain_nb.engine.compute.sampling import sample_text
 
         s = self.session
         engine = s.engine

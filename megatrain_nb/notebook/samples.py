@@ -14,7 +14,7 @@ class Samples:
 
     def draw(self, engine: Any, tokenizer: Any, prompt: str, step: int, **options: Any) -> str:
         """Sample from ``engine`` (see ``sampling.sample_text``) and keep the sample."""
-        from megatrain_nb.engine.sampling import sample_text
+        from megatrain_nb.engine.compute.sampling import sample_text
 
         text = sample_text(engine, tokenizer, prompt, **options)
         self.drawn.append({"step": step, "prompt": prompt, "text": text, "time": time.time()})

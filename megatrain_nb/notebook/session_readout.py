@@ -61,7 +61,7 @@ class SessionReadout:
     @property
     def diverged(self) -> bool:
         """True when the run stopped on a NaN/inf loss or gradient (see ``on_nonfinite``)."""
-        from ..engine.finite import NonFiniteError   # (the engine's and the trainer's errors: only when asked)
+        from ..engine.updates.finite import NonFiniteError   # (the engine's and the trainer's errors: only when asked)
         from ..trainer.recovery import RecoveryError
 
         return isinstance(self._status.error, (NonFiniteError, RecoveryError))

@@ -38,7 +38,7 @@ BATCH = 2
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 MODES = ("interval 1", "interval 2", "window of 2")
-TILED = "tiles of 3"   # not a default mode: check(mt, modes=(TILED,)) sweeps engine/tiling.py
+TILED = "tiles of 3"   # not a default mode: check(mt, modes=(TILED,)) sweeps engine/compute/tiling.py
 
 
 @dataclass

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from megatrain_nb.atomic import atomic_dir, commit_dir, recover_interrupted, temp_name
-from megatrain_nb.engine.io import shard_files
+from megatrain_nb.engine.tiers.io import shard_files
 from megatrain_nb.manifest import MANIFEST, IntegrityError, verify_manifest, write_manifest  # noqa: F401
 
 PREFIX = "checkpoint"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-from megatrain_nb.engine.prediction_check import comparison_rows, difference_line, measured_phases
+from megatrain_nb.engine.planning.prediction_check import comparison_rows, difference_line, measured_phases
 
 
 class PredictionWatch:

@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Protocol, runtime_checkable
 
-from ..engine.finite import NonFiniteError
+from ..engine.updates.finite import NonFiniteError
 from . import saving
 from .data import BatchStream, DataError, count_targets, count_tokens
 from .prediction_watch import PredictionWatch
@@ -302,7 +302,7 @@ class Run:
 
 
 def tiled_this_step(engine, calls_before: int) -> tuple:
-    """``(tile, calls)``: the tile a layer's MLP ran this step's rows in (engine/tiling.py), 0
+    """``(tile, calls)``: the tile a layer's MLP ran this step's rows in (engine/compute/tiling.py), 0
     where no row was longer than a tile (or the engine does not tile), and the engine's count of
     tiled calls so far (the next step's ``calls_before``)."""
     tiling = getattr(getattr(engine, "runner", None), "tiling", None)

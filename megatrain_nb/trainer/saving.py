@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from megatrain_nb.atomic import commit_dir, staging_dir, temp_name
-from megatrain_nb.engine.linked_ranks import disk_folders
+from megatrain_nb.engine.ranks.linked_ranks import disk_folders
 
 from . import checkpoint as ckpt
 
@@ -84,7 +84,7 @@ def write_sharded(engine, dist, final: Path, write_shared, snapshot: bool = Fals
     in parallel; rank 0 then writes the shared files, the state file last, and renames the
     folder into place. The others wait for the rename, so a checkpoint is whole when seen.
     A snapshot: each rank links its own disk-tier files and writes its RAM-held shards
-    (``engine/linked_ranks.py``); the manifest leaves the links out."""
+    (``engine/ranks/linked_ranks.py``); the manifest leaves the links out."""
     d = dist
     tmp = None
     if not snapshot:   # (the NaN check would read the whole disk tier; on_nonfinite guards steps)

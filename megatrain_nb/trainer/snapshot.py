@@ -4,7 +4,7 @@ A snapshot is written by the checkpoints' own save protocol (``saving.write_stat
 engine's files, the scheduler, RNG, data position and trainer state, the state file last, in a
 temporary folder renamed into place by ``checkpoint.write_checkpoint``). The difference is the
 engine's part: the disk tier never rewrites a file in place, so its current files are
-hard-linked, and only what lives in RAM is written (``engine/linked.py``). The manifest hashes
+hard-linked, and only what lives in RAM is written (``engine/tiers/linked.py``). The manifest hashes
 the written files; the linked ones carry checksums of their own.
 
 Layout: ``<output_dir>/snapshots/step-<step>-<run_id>/`` (one per run and step). The run's
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-from ..engine.linked import KEPT_PREFIX
+from ..engine.tiers.linked import KEPT_PREFIX
 from ..processes import pid_alive
 from ..threads import SNAPSHOT, thread_name
 from . import checkpoint as ckpt
@@ -126,7 +126,7 @@ _IN_FLIGHT: set = set()
 
 class PendingSnapshot:
     """A snapshot begun at a step boundary and completed in a thread of its own
-    (``mtnb-snapshot``) while training goes on: the engine's links (``engine/linked.py``: they
+    (``mtnb-snapshot``) while training goes on: the engine's links (``engine/tiers/linked.py``: they
     follow the step's updates in the disk tier's queue), then the manifest and the rename into
     place. Until then the folder has a temporary name and is never listed."""
 
@@ -306,7 +306,7 @@ class SnapshotStore:
 
     def reclaim(self) -> List[str]:
         """Remove what a kill left: ``.pruning-*`` folders (a prune), and ``.kept-<pid>-*`` ones
-        of a process that is gone (a load's live state set aside, ``engine/linked.py``). A folder
+        of a process that is gone (a load's live state set aside, ``engine/tiers/linked.py``). A folder
         under a snapshot's name that lacks its state files is damaged, not a leftover: it stays
         listed as such until pruned or deleted."""
         gone = []

@@ -34,8 +34,8 @@ import torch
 from megatrain_nb.model_source import is_engine as _is_engine, resolve
 from megatrain_nb.values import check
 
-from ..engine.dist import Dist
-from ..engine.planner import Workload
+from ..engine.ranks.dist import Dist
+from ..engine.planning.planner import Workload
 from . import checkpoint as ckpt
 from . import saving
 from .args import (
@@ -243,13 +243,13 @@ class Trainer:
 
     @property
     def prediction(self):
-        """The predicted optimizer step of this run (``engine/prediction.py``: a StepPrediction
+        """The predicted optimizer step of this run (``engine/planning/prediction.py``: a StepPrediction
         with ``step_seconds``, ``phases``, ``bottleneck``, ``tokens_per_second``) for the plan the
         engine built and this run's batch, sequence length, accumulation and clipping, at
         ``engine.rates`` or the machine's cached rates; None when there are none (building a
         Trainer never measures the machine: ``trainer.engine.rates = mt.measure_machine()``)."""
-        from megatrain_nb.engine.planner import Workload
-        from megatrain_nb.engine.prediction_check import engine_prediction
+        from megatrain_nb.engine.planning.planner import Workload
+        from megatrain_nb.engine.planning.prediction_check import engine_prediction
 
         a = self.args
         work = Workload(batch=a.per_device_train_batch_size, seq=self._rows_seq or self.seq_len,

@@ -3,7 +3,7 @@ every rank at the same boundary, in the same order, with the same effect as in o
 import json
 from pathlib import Path
 
-from megatrain_nb.engine.dist import Dist
+from megatrain_nb.engine.ranks.dist import Dist
 from megatrain_nb.trainer.boundary import BoundaryControl
 
 from .boundary_parts import Host, Trainer, drive

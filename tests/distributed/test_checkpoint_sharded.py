@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from megatrain_nb.engine.dist import Dist
-from megatrain_nb.engine.reshard import read_meta
+from megatrain_nb.engine.ranks.dist import Dist
+from megatrain_nb.engine.ranks.reshard import read_meta
 
 from . import zero3_flow as flow
 from .launch import check, torchrun

@@ -1,7 +1,7 @@
 """Data parallel: every collective -- the pager's gathers (copy thread), the gradients'
 reduce-scatters and finiteness votes (gradient thread), the norms and token counts (the
 program's thread) -- is issued in one order, the same on every rank, whatever the threads'
-timing (engine/issuer.py; NCCL can deadlock when ranks launch collectives of different
+timing (engine/transport/issuer.py; NCCL can deadlock when ranks launch collectives of different
 communicators in different orders). Two gloo ranks on the adversarial CPU transport, each with
 delays of its own: the ranks' logs of issued collectives are identical, and the run trains
 as it does without the issuer's ordering mattering (the same weights on both ranks)."""

@@ -1,11 +1,11 @@
-"""megatrain_nb.engine.dist: shard layouts (in process) and the collectives on 2 gloo ranks."""
+"""megatrain_nb.engine.ranks.dist: shard layouts (in process) and the collectives on 2 gloo ranks."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatrain_nb.engine.codecs import get_codec
-from megatrain_nb.engine.dist import SHARD_ALIGN, Dist, ShardLayout
+from megatrain_nb.engine.updates.codecs import get_codec
+from megatrain_nb.engine.ranks.dist import SHARD_ALIGN, Dist, ShardLayout
 
 from .launch import check, torchrun
 
@@ -135,7 +135,7 @@ import torch.distributed as tdist
 from transformers import TrainingArguments
 tdist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 if sys.argv[2] == "megatrain":
-    from megatrain_nb.engine.dist import Dist
+    from megatrain_nb.engine.ranks.dist import Dist
     Dist.from_env()
 TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none").device
 tdist.destroy_process_group()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_nb.engine.dist import Dist
+from megatrain_nb.engine.ranks.dist import Dist
 
 from . import zero3_flow as flow
 from .launch import check, torchrun, two_agents

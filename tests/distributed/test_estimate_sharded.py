@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatrain_nb.cli import build_parser, estimate_from_words, main
-from megatrain_nb.estimator import estimate
-from megatrain_nb.estimator_dist import estimate_scale_out
+from megatrain_nb.engine.planning.estimator import estimate
+from megatrain_nb.engine.planning.estimator_dist import estimate_scale_out
 
 from . import zero3_flow as flow
 from .launch import check, torchrun

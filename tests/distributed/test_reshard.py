@@ -3,9 +3,9 @@ files and ranges are what each rank of a real run writes and reads)."""
 import pytest
 import torch
 
-from megatrain_nb.engine.codecs import get_codec
-from megatrain_nb.engine.dist import ShardLayout
-from megatrain_nb.engine.reshard import read_meta, read_rank_shards, write_rank_shards
+from megatrain_nb.engine.updates.codecs import get_codec
+from megatrain_nb.engine.ranks.dist import ShardLayout
+from megatrain_nb.engine.ranks.reshard import read_meta, read_rank_shards, write_rank_shards
 
 UNITS = {"embed": 3000, "layers.0": 257, "layers.1": 4096 + 77, "head": 5}
 

@@ -6,7 +6,7 @@ recorded, for the test to compare across ranks and with one process."""
 import json
 import sys
 
-from megatrain_nb.engine.dist import Dist
+from megatrain_nb.engine.ranks.dist import Dist
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])   # tests/
 from distributed.boundary_parts import Host, Trainer, drive  # noqa: E402

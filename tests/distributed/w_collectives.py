@@ -1,10 +1,10 @@
-"""Worker (run by torchrun): the collectives of megatrain_nb.engine.dist on every rank, results saved
+"""Worker (run by torchrun): the collectives of megatrain_nb.engine.ranks.dist on every rank, results saved
 to <out>/rank<r>.pt for the test to compare with what one process computes."""
 import sys
 
 import torch
 
-from megatrain_nb.engine.dist import Dist, DistError
+from megatrain_nb.engine.ranks.dist import Dist, DistError
 
 
 def main(out_dir: str) -> None:

@@ -5,8 +5,8 @@ import sys
 
 import torch
 
-from megatrain_nb.engine.dist import Dist
-from megatrain_nb.engine.sharded import ShardedUnits
+from megatrain_nb.engine.ranks.dist import Dist
+from megatrain_nb.engine.ranks.sharded import ShardedUnits
 from megatrain_nb.engine.units import Unit
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain_nb.engine.dist import Dist
+from megatrain_nb.engine.ranks.dist import Dist
 
 
 def main(out_dir: str, mode: str = "") -> None:

@@ -7,8 +7,8 @@ import sys
 import torch
 
 from megatrain_nb.engine import StreamingEngine
-from megatrain_nb.engine.dist import Dist
-from megatrain_nb.engine.finite import NonFiniteError
+from megatrain_nb.engine.ranks.dist import Dist
+from megatrain_nb.engine.updates.finite import NonFiniteError
 from megatrain_nb.trainer.sharding import deal
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

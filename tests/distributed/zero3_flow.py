@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from megatrain_nb.engine.dist import Dist
-from megatrain_nb.engine.optimizer import UnitAdamW
-from megatrain_nb.engine.sharded import ShardedUnits
-from megatrain_nb.engine.states import OptimizerStates
+from megatrain_nb.engine.ranks.dist import Dist
+from megatrain_nb.engine.updates.optimizer import UnitAdamW
+from megatrain_nb.engine.ranks.sharded import ShardedUnits
+from megatrain_nb.engine.updates.states import OptimizerStates
 from megatrain_nb.engine.telemetry import Telemetry
 from megatrain_nb.engine.units import build_units, decay_parameter_names, find_layer_list
 from megatrain_nb.model_configs import family_config

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatrain_nb.engine import EngineConfig, StreamingEngine, fused_update
+from megatrain_nb.engine import EngineConfig, StreamingEngine
 
+from megatrain_nb.engine.updates import fused_update
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 
@@ -146,7 +147,7 @@ def test_codes_on_the_disk_tier_are_read_and_written_range_by_range_bitwise(tmp_
 
 
 def test_a_corrupted_state_file_is_refused_by_the_ranged_update(tmp_path):
-    from megatrain_nb.engine.disk_store import OffloadError
+    from megatrain_nb.engine.tiers.disk_store import OffloadError
 
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=1, hidden=64))
     e = _engine(model, "int8", 768, offload_dir=str(tmp_path), host_cache_gb=0)

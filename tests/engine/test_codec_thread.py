@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatrain_nb.engine import EngineConfig, StreamingEngine, fused_update
+from megatrain_nb.engine import EngineConfig, StreamingEngine
 
+from megatrain_nb.engine.updates import fused_update
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 

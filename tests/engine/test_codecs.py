@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatrain_nb.engine.codecs import (
+from megatrain_nb.engine.updates.codecs import (
     CODEC_NAMES,
     RECOMMENDED_CODEC,
     ROLES,
@@ -191,7 +191,7 @@ def test_normalize_compression():
 
 
 def test_no_codec_calls_itself_lossless():
-    from megatrain_nb.engine import codecs
+    from megatrain_nb.engine.updates import codecs
 
     for obj in [codecs] + [get_codec(n, r) for n, r in QUANTISED]:
         doc = (obj.__doc__ or "") + (type(obj).__doc__ or "")
@@ -234,7 +234,7 @@ def test_moments_full_of_zeros_and_tiny_blocks_encode_as_the_plain_formula(role)
 
 
 # ------------------------------------------------------------------ the fused kernels
-from megatrain_nb.engine import fused_update  # noqa: E402
+from megatrain_nb.engine.updates import fused_update  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(fused_update.kernels() is None,
                                    reason=f"no fused kernels: {fused_update.disabled_reason()}")
@@ -439,7 +439,7 @@ def test_without_a_compiler_the_torch_path_runs_and_says_why_once(monkeypatch, c
     monkeypatch.setattr(fused_update, "_compiler", lambda: None)
     for key, value in (("tried", False), ("kernels", None), ("why", None)):
         monkeypatch.setitem(fused_update._STATE, key, value)
-    with caplog.at_level("WARNING", logger="megatrain_nb.engine.fused_update"):
+    with caplog.at_level("WARNING", logger="megatrain_nb.engine.updates.fused_update"):
         assert fused_update.kernels() is None and fused_update.kernels() is None
     assert "no C compiler" in fused_update.disabled_reason()
     assert caplog.text.count("fused update kernels unavailable (no C compiler") == 1

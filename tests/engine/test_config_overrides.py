@@ -3,7 +3,7 @@ takes the config."""
 import pytest
 
 from megatrain_nb.engine import EngineConfig, EngineOverrides
-from megatrain_nb.engine.planner import ModelShape, UnitSpec, Workload, make_plan
+from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan
 
 
 def test_overrides_are_nested_and_validated():

@@ -1,4 +1,4 @@
-"""Host RAM as a schedule-driven cache of the disk tier (engine/disk_cache.py)."""
+"""Host RAM as a schedule-driven cache of the disk tier (engine/tiers/disk_cache.py)."""
 import copy
 import functools
 import itertools
@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.disk_cache import _LIVE, READ, WRITE, cache_budget, plan_cache
+from megatrain_nb.engine.tiers.disk_cache import _LIVE, READ, WRITE, cache_budget, plan_cache
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
@@ -76,7 +76,7 @@ def test_default_budget_leaves_room_for_other_open_caches(monkeypatch):
     """From free RAM: an open cache that has not filled yet still owns its budget."""
     import psutil
 
-    from megatrain_nb.engine.disk_cache import HostCache
+    from megatrain_nb.engine.tiers.disk_cache import HostCache
 
     G = 1 << 30
 
@@ -214,8 +214,8 @@ def test_failed_write_back_is_never_read_as_stale_data(tmp_path, monkeypatch):
     import errno
     import os
 
-    from megatrain_nb.engine import disk_store
-    from megatrain_nb.engine.disk_store import OffloadError
+    from megatrain_nb.engine.tiers import disk_store
+    from megatrain_nb.engine.tiers.disk_store import OffloadError
 
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=4, hidden=64))
     total = sum(p.numel() for p in model.parameters()) * 12
@@ -308,8 +308,8 @@ def test_memory_report_counts_cached_states_as_optimizer_states(tmp_path):
 
 
 def test_cache_futures_say_which_tier_a_wait_is_for(tmp_path):
-    from megatrain_nb.engine.disk_cache import HostCache
-    from megatrain_nb.engine.disk_store import DiskStore
+    from megatrain_nb.engine.tiers.disk_cache import HostCache
+    from megatrain_nb.engine.tiers.disk_store import DiskStore
     from megatrain_nb.engine.telemetry import Telemetry
 
     seq = [("k", WRITE, 4096), ("k", READ, 4096)]

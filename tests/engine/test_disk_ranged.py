@@ -5,8 +5,8 @@ import errno
 import pytest
 import torch
 
-from megatrain_nb.engine import disk_store
-from megatrain_nb.engine.disk_store import DiskStore, OffloadError
+from megatrain_nb.engine.tiers import disk_store
+from megatrain_nb.engine.tiers.disk_store import DiskStore, OffloadError
 
 SPECS = {"a": (torch.float32, (5000,)), "c": (torch.uint8, (3000,))}
 
@@ -113,7 +113,7 @@ def test_aligned_ranges_go_by_direct_io_and_read_back_in_ranges(tmp_path, monkey
     large tensor's chunks) is written through the file's O_DIRECT descriptor, the rest (its
     unaligned tail, a small packed tensor) buffered; the committed file reads back equal, whole
     and through ``read_ranged`` a range at a time (its checksum checked at the last one)."""
-    from megatrain_nb.engine import disk_ranged
+    from megatrain_nb.engine.tiers import disk_ranged
 
     s = DiskStore(tmp_path)
     big = torch.randn((3 << 18) + 100)   # 3 MiB + 400 B: starts on an aligned offset

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from megatrain_nb.engine import disk_format, disk_store
-from megatrain_nb.engine.disk_store import ALIGN, DiskStore, OffloadError, aligned_empty
+from megatrain_nb.engine.tiers import disk_format, disk_store
+from megatrain_nb.engine.tiers.disk_store import ALIGN, DiskStore, OffloadError, aligned_empty
 
 
 def sample(seed: int = 0) -> dict:
@@ -419,7 +419,7 @@ def test_a_short_file_on_disk_is_refused_not_read_as_zeros(store):
 def test_prepare_offload_dir_creates_it_with_its_parents_user_only(tmp_path):
     """Issue 25: offload_dir=os.path.join(output_dir, "offload") before output_dir exists is
     created (as output_dir is); each folder created is user-only, an existing one is untouched."""
-    from megatrain_nb.engine.disk_store import OffloadError, prepare_offload_dir
+    from megatrain_nb.engine.tiers.disk_store import OffloadError, prepare_offload_dir
 
     assert prepare_offload_dir(tmp_path) == str(tmp_path)  # an existing folder is kept as it is
     mode = tmp_path.stat().st_mode & 0o777
@@ -441,7 +441,7 @@ def test_prepare_offload_dir_creates_it_with_its_parents_user_only(tmp_path):
 def test_a_disk_tier_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
     import shutil
 
-    from megatrain_nb.engine.disk_store import DiskStore, OffloadError
+    from megatrain_nb.engine.tiers.disk_store import DiskStore, OffloadError
 
     free = shutil.disk_usage(tmp_path).free
     with pytest.raises(OffloadError) as e:
@@ -456,7 +456,7 @@ def test_payload_checksums_xxh3_and_the_older_crc32_are_both_checked():
     carry crc32 and still verify; a range-by-range checksum equals the one-shot one."""
     import zlib
 
-    from megatrain_nb.engine.disk_format import CHECKSUM, RunningChecksum, as_numpy, bytes_view, crc, payload_ok
+    from megatrain_nb.engine.tiers.disk_format import CHECKSUM, RunningChecksum, as_numpy, bytes_view, crc, payload_ok
 
     t = torch.randn(1000)
     raw = as_numpy(bytes_view(t))

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from megatrain_nb.engine.disk_store import DiskStore, OffloadError
+from megatrain_nb.engine.tiers.disk_store import DiskStore, OffloadError
 
 
 def test_a_link_holds_the_version_issued_before_it_whatever_is_written_after(tmp_path):

@@ -1,12 +1,12 @@
-"""FinalGradients (engine/final_grads.py): a clipped step's final gradients held on the disk tier
+"""FinalGradients (engine/updates/final_grads.py): a clipped step's final gradients held on the disk tier
 are read back one unit ahead of the update that claims them."""
 from types import SimpleNamespace
 
 import torch
 
-from megatrain_nb.engine.disk_store import DiskStore
-from megatrain_nb.engine.final_grads import FinalGradients
-from megatrain_nb.engine.host_store import BufferPool
+from megatrain_nb.engine.tiers.disk_store import DiskStore
+from megatrain_nb.engine.updates.final_grads import FinalGradients
+from megatrain_nb.engine.tiers.host_store import BufferPool
 
 
 class CountedReads(DiskStore):

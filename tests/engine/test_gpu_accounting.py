@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.host_store import HostStore, pinned_layout
-from megatrain_nb.engine.loss_head import LossHead
+from megatrain_nb.engine.tiers.host_store import HostStore, pinned_layout
+from megatrain_nb.engine.compute.loss_head import LossHead
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
 
@@ -45,10 +45,10 @@ def test_the_loss_is_read_once_per_micro_batch_not_once_per_chunk(monkeypatch):
 def test_a_cuda_engines_host_store_pins_the_load_sources_only(monkeypatch):
     """HostStore on CUDA (``pin``): fp32 compute pins the masters (the load's source) and never
     the accumulators; bf16 pins the shadows only; the counts agree with pinned_layout."""
-    from megatrain_nb.engine import pinned
+    from megatrain_nb.engine.transport import pinned
 
     monkeypatch.setattr(pinned, "pinned_empty", lambda shape, dtype=torch.float32: torch.empty(shape, dtype=dtype))
-    monkeypatch.setattr("megatrain_nb.engine.host_store.pinned_empty",
+    monkeypatch.setattr("megatrain_nb.engine.tiers.host_store.pinned_empty",
                         lambda shape, dtype=torch.float32: torch.empty(shape, dtype=dtype))
     pinned.reset_for_tests(True)
     from types import SimpleNamespace

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.finite import NonFiniteError
+from megatrain_nb.engine.updates.finite import NonFiniteError
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
@@ -99,8 +99,8 @@ def test_on_nonfinite_must_be_stop_or_skip():
 
 
 def test_after_a_failed_disk_write_weights_are_refused_until_a_checkpoint_is_loaded(tmp_path, monkeypatch):
-    from megatrain_nb.engine import disk_store
-    from megatrain_nb.engine.disk_store import OffloadError
+    from megatrain_nb.engine.tiers import disk_store
+    from megatrain_nb.engine.tiers.disk_store import OffloadError
 
     (tmp_path / "off").mkdir()
     # no host cache: every update's write goes to the disk (a failing write-back with the cache

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.states import read_ahead_allowance
+from megatrain_nb.engine.updates.states import read_ahead_allowance
 
 from megatrain_nb.model_configs import preset_config
 

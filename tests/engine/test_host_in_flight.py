@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine, parts
-from megatrain_nb.engine.pager import staging_buffers
-from megatrain_nb.engine.planner import UnitSpec, host_in_flight
-from megatrain_nb.engine.transport import CpuTransport
+from megatrain_nb.engine.transport.pager import staging_buffers
+from megatrain_nb.engine.planning.planner import UnitSpec, host_in_flight
+from megatrain_nb.engine.transport.transport import CpuTransport
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
@@ -174,11 +174,11 @@ def test_llama100b_least_host_ram_buffers_with_clipping_are_those_without():
     staging buffers, the two gradient staging buffers), each 5.8 GiB held as 8 GiB by the
     caching host allocator (issue 37 item 4), and chunks."""
     from megatrain_nb import estimate
-    from megatrain_nb.engine.chunk_ring import RING
-    from megatrain_nb.engine import pinned as pinned_mod
-    from megatrain_nb.engine.pinned import pinned_bytes
-    from megatrain_nb.engine.planner import unit_specs_from_config
-    from megatrain_nb.estimator import resolve_config
+    from megatrain_nb.engine.updates.chunk_ring import RING
+    from megatrain_nb.engine.transport import pinned as pinned_mod
+    from megatrain_nb.engine.transport.pinned import pinned_bytes
+    from megatrain_nb.engine.planning.planner import unit_specs_from_config
+    from megatrain_nb.engine.planning.estimator import resolve_config
 
     kw = dict(vram_gb=80, ram_gb=1 / 2 ** 30, disk_gb=4096, seq=2048, accumulation=128)
     clipped, plain = estimate("llama-100b", **kw), estimate("llama-100b", clipping=False, **kw)

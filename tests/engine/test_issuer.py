@@ -1,4 +1,4 @@
-"""engine/issuer.py: collectives announced in the program's order are issued in that order,
+"""engine/transport/issuer.py: collectives announced in the program's order are issued in that order,
 whatever the order the worker threads reach them; a cancelled ticket lets the next ones go;
 an unannounced worker collective and a ticket that never comes are errors, not hangs."""
 import random
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from megatrain_nb.engine.dist import DistError
-from megatrain_nb.engine.issuer import Issuer
+from megatrain_nb.engine.ranks.dist import DistError
+from megatrain_nb.engine.transport.issuer import Issuer
 
 
 def _worker(issuer, jobs, seed, order):

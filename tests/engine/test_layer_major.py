@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.planner import TOKENS_PER_PASS, GiB, loads_per_layer, window_plan
+from megatrain_nb.engine.planning.planner import TOKENS_PER_PASS, GiB, loads_per_layer, window_plan
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
@@ -528,7 +528,7 @@ def test_cpu_window_sums_are_pool_buffers_adopted_whole(monkeypatch):
     """On a CPU "device" each unit's sum over the window is a buffer lent by the update pool
     and adopted as the final gradient: after a warm-up step a window takes its sums from the
     pool, and the device tier accounts them (one unit at a time when untied)."""
-    from megatrain_nb.engine import disk_store
+    from megatrain_nb.engine.tiers import disk_store
 
     model = AutoModelForCausalLM.from_config(family_config("llama", tie=False)).eval()
     eng = StreamingEngine(model, EngineConfig(device="cpu"))

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.optimizer import unit_stats
+from megatrain_nb.engine.updates.optimizer import unit_stats
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.planner import GiB, ModelShape, UnitSpec, Workload, make_plan
+from megatrain_nb.engine.planning.planner import GiB, ModelShape, UnitSpec, Workload, make_plan
 
 from .families import VOCAB, family_config, packed_rows, tiny_model, worst_rel
 
@@ -147,7 +147,7 @@ def test_long_packed_rows_attend_per_document_without_a_mask_and_match_hf(family
     two rows of different document layouts; the loss and every gradient equal HF's masked SDPA."""
     from transformers import masking_utils
 
-    from megatrain_nb.engine import packed_attention
+    from megatrain_nb.engine.compute import packed_attention
 
     monkeypatch.setattr(packed_attention, "PACKED_TOKENS", 128)
     model = tiny_model(family, 512)
@@ -172,7 +172,7 @@ def test_long_packed_rows_attend_per_document_without_a_mask_and_match_hf(family
 
 
 def test_sliding_window_models_keep_their_masks_with_packed_rows(monkeypatch):
-    from megatrain_nb.engine import packed_attention
+    from megatrain_nb.engine.compute import packed_attention
     from megatrain_nb.engine.inputs import PackedRows
 
     monkeypatch.setattr(packed_attention, "PACKED_TOKENS", 8)

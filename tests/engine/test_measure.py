@@ -1,4 +1,4 @@
-"""mt.measure_machine (engine/measure.py) and the rates it returns (engine/rates.py): every rate
+"""mt.measure_machine (engine/measure.py) and the rates it returns (engine/planning/rates.py): every rate
 measured positive and finite at tiny sizes, the cache (atomic, reused, refreshed, per filesystem,
 re-measured when damaged), a model's shapes added to it, the published profiles' sources, and
 ``megatrain-nb machine``. No assertion on a speed beyond > 0."""
@@ -12,8 +12,8 @@ import torch
 import megatrain_nb as mt
 from megatrain_nb.cli import main
 from megatrain_nb.engine import measure
-from megatrain_nb.engine.diskspace import filesystem_of
-from megatrain_nb.engine.rates import PROFILES, MachineRates, profile_names, rates_for, shape_key
+from megatrain_nb.engine.tiers.diskspace import filesystem_of
+from megatrain_nb.engine.planning.rates import PROFILES, MachineRates, profile_names, rates_for, shape_key
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatrain_nb.engine import pinned
+from megatrain_nb.engine.transport import pinned
 
 
 class FakeCudart:
@@ -66,7 +66,7 @@ def test_engine_buffers_register_pair_on_close(fake):
     """HostStore's master weights (fp32 compute: the load's source), the transport's pool
     (gradient staging, the cast buffer): each registered at whole pages, counted so,
     unregistered once dropped. The gradient accumulator is never pinned (issue 45)."""
-    from megatrain_nb.engine.host_store import HostStore
+    from megatrain_nb.engine.tiers.host_store import HostStore
 
     unit = SimpleNamespace(index=0, numel=3000, params=[])
     store = HostStore([unit], pin=True)
@@ -87,8 +87,8 @@ def test_engine_buffers_register_pair_on_close(fake):
 def test_bf16_pins_the_shadow_only_and_the_update_writes_it(fake):
     """bf16 compute on CUDA: the fp32 masters and the accumulator are pageable, the bf16 shadow
     (the load's source) is the one registered buffer; an update (update_done) rewrites it."""
-    from megatrain_nb.engine.host_store import HostStore
-    from megatrain_nb.engine.weight_store import RamWeights
+    from megatrain_nb.engine.tiers.host_store import HostStore
+    from megatrain_nb.engine.tiers.weight_store import RamWeights
 
     unit = SimpleNamespace(index=0, numel=3000, params=[])
     store = HostStore([unit], pin=True, compute_dtype=torch.bfloat16)
@@ -112,7 +112,7 @@ def test_bf16_pins_the_shadow_only_and_the_update_writes_it(fake):
 def test_pinned_layout_of_a_7b_in_bf16_is_the_shadow_and_the_landing_buffers():
     """The accounting (host_store.pinned_layout) for Llama-2-7B's units: 2 B/param of shadows,
     the gradients' landing buffers, nothing for the accumulators or the fp32 masters."""
-    from megatrain_nb.engine.host_store import pinned_layout
+    from megatrain_nb.engine.tiers.host_store import pinned_layout
 
     layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
     numels = [32000 * 4096] + [layer] * 32 + [32000 * 4096 + 4096]

@@ -1,4 +1,4 @@
-"""The engine's plan by predicted step time (engine/plan_pick.py), on made-up rates: nothing is timed.
+"""The engine's plan by predicted step time (engine/planning/plan_pick.py), on made-up rates: nothing is timed.
 
 A tiny llama whose accumulation window of 8 micro-batches does not fit the device, under a host
 budget whose RAM holds that window's boundary activations only at a checkpoint interval above 1:
@@ -15,9 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine import plan_pick
-from megatrain_nb.engine.best_plans import best_plans, candidate_choices
-from megatrain_nb.engine.planner import ModelShape, UnitSpec, Workload, engine_plan, unit_specs_from_config
+from megatrain_nb.engine.planning import plan_pick
+from megatrain_nb.engine.planning.best_plans import best_plans, candidate_choices
+from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, engine_plan, unit_specs_from_config
 
 from .test_prediction import rates   # the same made-up rates
 
@@ -223,7 +223,7 @@ def cached(tmp_path, monkeypatch):
     (measure.cached_rates): compute so slow that no recompute (checkpoint_interval 0, every layer
     resident) is predicted fastest."""
     from megatrain_nb.engine import measure
-    from megatrain_nb.engine.diskspace import filesystem_of
+    from megatrain_nb.engine.tiers.diskspace import filesystem_of
 
     monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(plan_pick, "cached_rates", measure.cached_rates)

@@ -1,4 +1,4 @@
-"""The step-time prediction's arithmetic (engine/prediction.py) on made-up rates: nothing is timed.
+"""The step-time prediction's arithmetic (engine/planning/prediction.py) on made-up rates: nothing is timed.
 
 Each test builds a plan with the engine's own planner for a small made-up model and checks how
 predict_step lays the amounts on the streams: the bound is the slowest overlapped stream, a
@@ -10,10 +10,10 @@ import math
 import pytest
 
 from megatrain_nb.engine.config import EngineConfig
-from megatrain_nb.engine.disk_cache import step_accesses
-from megatrain_nb.engine.planner import ModelShape, UnitSpec, Workload, make_plan
-from megatrain_nb.engine.prediction import StepPrediction, compute_order, predict_step, step_amounts
-from megatrain_nb.engine.rates import MachineRates
+from megatrain_nb.engine.tiers.disk_cache import step_accesses
+from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan
+from megatrain_nb.engine.planning.prediction import StepPrediction, compute_order, predict_step, step_amounts
+from megatrain_nb.engine.planning.rates import MachineRates
 
 H, LAYERS, VOCAB = 256, 4, 1000
 LAYER = 12 * H * H
@@ -98,8 +98,8 @@ def test_disk_bytes_without_a_cache_are_the_schedules_accesses_and_a_cache_saves
     p, c, plan, w = predict(rates(), offload_dir="/nowhere", offload_params=True, optimizer_compression="int8")
     a = step_amounts(UNITS, SHAPE, c, plan, w, cuda=True, cache_bytes=0)
     assert a["disk"]["read"] == a["disk"]["raw_read"] and a["disk"]["write"] == a["disk"]["raw_write"]
-    from megatrain_nb.engine.planner import codec_bytes_per_param
-    from megatrain_nb.engine.prediction import _specs
+    from megatrain_nb.engine.planning.planner import codec_bytes_per_param
+    from megatrain_nb.engine.planning.prediction import _specs
     specs, per = _specs(UNITS), codec_bytes_per_param("int8")
     seq = step_accesses(compute_order(specs, 1), [specs[0], specs[-1]] + specs[1:-1], clipped=False,
                         params_on_disk=True, state_key=lambda u: f"s{u.index}", state_nbytes=lambda u: int(per * u.numel))
@@ -140,7 +140,7 @@ def _last_layer_and_head(forward: float, tokens: int, mm: float = 1e12) -> float
 def test_a_clipped_forward_computes_each_layer_after_its_update():
     """The updates run one unit after another in the forward's order; the forward waits for the
     embedding's and the head's before its first layer and for each layer's before that layer."""
-    from megatrain_nb.engine.prediction import forward_behind_updates
+    from megatrain_nb.engine.planning.prediction import forward_behind_updates
     from types import SimpleNamespace as U
 
     units = [U(numel=2)] + [U(numel=1)] * 3 + [U(numel=2)]   # embed, 3 layers, head: chain 1 s per numel
@@ -160,7 +160,7 @@ def test_a_clipped_forward_computes_each_layer_after_its_update():
 def test_a_clipped_units_load_after_its_update_costs_the_copies_and_on_the_disk_tier_the_cache_or_the_disk():
     """The load that follows each update: the copy into its slot; with the weights on the disk
     tier, before it the copy out of the host cache (where it keeps them) or the disk's read."""
-    from megatrain_nb.engine.prediction import _load_per_param
+    from megatrain_nb.engine.planning.prediction import _load_per_param
 
     r = rates(h2d_pageable=2e9, h2d_pinned=8e9, disk_read=1e9)
     ram = {"compute_bytes": 4, "disk": {"weights_on_disk": False}}
@@ -303,7 +303,7 @@ def test_estimate_prints_the_time_and_the_fastest_plans():
 
 def test_cli_estimate_profile(capsys, monkeypatch):
     from megatrain_nb.cli import main
-    from megatrain_nb.engine import rates as rates_mod
+    from megatrain_nb.engine.planning import rates as rates_mod
 
     monkeypatch.setattr(rates_mod, "PROFILES", {"test-box": rates()}, raising=False)
     assert main(["estimate", "micro", "--vram", "8", "--ram", "16", "--disk", "100", "--profile", "test-box"]) == 0
@@ -335,7 +335,7 @@ def test_a_trainers_prediction_is_its_plans_and_the_header_shows_it(tmp_path, mo
     import io
 
     from megatrain_nb.cli.report import print_header
-    from megatrain_nb.engine import prediction_check
+    from megatrain_nb.engine.planning import prediction_check
 
     monkeypatch.setattr(prediction_check, "cached_rates", lambda device, offload_dir: None)
 
@@ -360,7 +360,7 @@ def test_a_trainers_prediction_is_its_plans_and_the_header_shows_it(tmp_path, mo
 
 
 def test_a_step_off_by_more_than_a_quarter_is_reported_with_its_phase():
-    from megatrain_nb.engine.prediction_check import difference_line
+    from megatrain_nb.engine.planning.prediction_check import difference_line
 
     p, *_ = predict(rates(disk_read=1e7, disk_write=1e7), offload_dir="/nowhere", offload_params=True)
     close = {"step": p.step_seconds * 1.2, "disk_read": p.phases["disk_read"], "waits": {}}
@@ -379,7 +379,7 @@ def test_a_step_off_by_more_than_a_quarter_is_reported_with_its_phase():
 def test_the_difference_line_names_the_phase_with_the_largest_absolute_miss():
     """The issue's run: compute predicted 4.10 s and measured 1.42, the optimizer 36.6 ms and 154
     measured: the optimizer is +320% off, the compute -65%, but the compute's miss is the seconds."""
-    from megatrain_nb.engine.prediction_check import difference_line
+    from megatrain_nb.engine.planning.prediction_check import difference_line
 
     p, *_ = predict(rates(adamw_per_thread=1e8, matmul_flops=1e10, attention_flops=1e10), clipped=True)
     compute = p.phases["forward"] + p.phases["backward"] + p.phases["recompute"]
@@ -419,7 +419,7 @@ def test_a_profile_takes_its_cpu_rates_from_this_machines_measurement(tmp_path, 
     machine's cached measurement when there is one (and says where they came from), else they are
     counted as 0 s and the prediction's notes say so."""
     from megatrain_nb.engine import measure
-    from megatrain_nb.engine.prediction import resolve_rates
+    from megatrain_nb.engine.planning.prediction import resolve_rates
 
     monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(tmp_path / "cache"))
     bare = resolve_rates("h200-pcie5-gen5nvme")
@@ -443,7 +443,7 @@ def test_bf16_compute_is_priced_at_the_bf16_rates():
 
 
 def test_the_comparison_table_puts_the_prediction_beside_the_measured_phases():
-    from megatrain_nb.engine.prediction_check import comparison_lines, comparison_rows
+    from megatrain_nb.engine.planning.prediction_check import comparison_lines, comparison_rows
 
     p, *_ = predict(rates(disk_read=1e7, disk_write=1e7), clipped=True, offload_dir="/nowhere", offload_params=True)
     ph = p.phases
@@ -464,7 +464,7 @@ def test_the_comparison_table_puts_the_prediction_beside_the_measured_phases():
 
 
 def test_the_difference_line_names_the_optimizer_when_it_is_the_phase_furthest_off():
-    from megatrain_nb.engine.prediction_check import difference_line
+    from megatrain_nb.engine.planning.prediction_check import difference_line
 
     p, *_ = predict(rates(adamw_per_thread=1e8), clipped=True)
     opt = p.phases["optimizer"] + p.phases["codec"]
@@ -484,7 +484,7 @@ def test_a_runs_measured_phases_come_from_the_telemetry_its_steps_carried(tmp_pa
     import io
 
     from megatrain_nb.cli.report import PredictionCheck, print_summary
-    from megatrain_nb.engine.prediction_check import comparison_rows, measured_phases
+    from megatrain_nb.engine.planning.prediction_check import comparison_rows, measured_phases
 
     monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(tmp_path / "cache"))   # never this machine's cache
     tr = _tiny_trainer(tmp_path, steps=3, offload_dir=str(tmp_path / "disk"))
@@ -532,7 +532,7 @@ def test_every_profile_the_prediction_docs_name_exists():
     import re
     from pathlib import Path
 
-    from megatrain_nb.engine.rates import PROFILES
+    from megatrain_nb.engine.planning.rates import PROFILES
 
     text = (Path(__file__).parents[2] / "docs" / "PREDICTION.md").read_text()
     named = set(re.findall(r'rates="([^"]+)"', text)) | set(re.findall(r"--profile ([a-z0-9][\w-]+)", text))

@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 
-from megatrain_nb.engine import reclaim as rc
-from megatrain_nb.engine.disk_store import DiskStore
+from megatrain_nb.engine.tiers import reclaim as rc
+from megatrain_nb.engine.tiers.disk_store import DiskStore
 
 _JOB = textwrap.dedent("""
     import os, signal, sys, time, torch
-    from megatrain_nb.engine.disk_store import DiskStore
+    from megatrain_nb.engine.tiers.disk_store import DiskStore
     s = DiskStore(sys.argv[1])
     s.write("k", {"x": torch.ones(1 << 20)}).result()
     print(s.path, flush=True)

@@ -147,7 +147,7 @@ def test_offload_dir_with_missing_parents_is_created_and_a_tier_too_big_refused(
     import collections
     import shutil
 
-    from megatrain_nb.engine.disk_store import OffloadError
+    from megatrain_nb.engine.tiers.disk_store import OffloadError
 
     missing = tmp_path / "run" / "outputs" / "offload"
     e = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama")),
@@ -183,7 +183,7 @@ def test_offload_dir_is_created_user_only_when_its_parent_exists(tmp_path):
 
 def test_unwritable_offload_dir(tmp_path):
     """As root (CI) the engine is built by an unprivileged user in a forked child."""
-    from megatrain_nb.engine.disk_store import OffloadError
+    from megatrain_nb.engine.tiers.disk_store import OffloadError
 
     from ..privileges import as_user, shared_dir
 
@@ -217,8 +217,8 @@ def test_unwritable_offload_dir(tmp_path):
 
 def test_unwritable_offload_dir_even_as_root(tmp_path, monkeypatch):
     """As root every folder is writable, so make the OS refuse the store's folder creation."""
-    from megatrain_nb.engine import disk_store
-    from megatrain_nb.engine.disk_store import OffloadError
+    from megatrain_nb.engine.tiers import disk_store
+    from megatrain_nb.engine.tiers.disk_store import OffloadError
 
     def refuse(*a, **k):
         raise PermissionError(errno.EACCES, "Permission denied")
@@ -231,8 +231,8 @@ def test_unwritable_offload_dir_even_as_root(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_full_disk_fails_clearly_and_leaves_no_half_written_state(tmp_path, monkeypatch, overlap):
-    from megatrain_nb.engine import disk_store
-    from megatrain_nb.engine.disk_store import OffloadError
+    from megatrain_nb.engine.tiers import disk_store
+    from megatrain_nb.engine.tiers.disk_store import OffloadError
 
     model = AutoModelForCausalLM.from_config(family_config("llama"))
     # host_cache_gb=0: every write reaches the disk at once (the cached case: test_disk_cache.py)
@@ -387,7 +387,7 @@ def _clipped_optimizer_reads(tmp_path, held, steps=3):
     for _ in range(steps):
         e.forward_backward(ids, step_lr=1e-3, max_grad_norm=1.0)
     e.zero_grad()   # the last step's updates done
-    from megatrain_nb.engine.disk_params import weights_key
+    from megatrain_nb.engine.tiers.disk_params import weights_key
 
     keys = {weights_key(u): u.name for u in e.units}
     return e, [keys[k] for k, urgent in reads if k in keys and not urgent]

@@ -1,4 +1,4 @@
-"""Sequence tiling of a layer's MLP (engine/tiling.py): exact against Hugging Face autograd and
+"""Sequence tiling of a layer's MLP (engine/compute/tiling.py): exact against Hugging Face autograd and
 against the untiled engine; modules that cannot be tiled are said, not guessed."""
 import copy
 
@@ -8,8 +8,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine import tiling
-from megatrain_nb.engine.tiling import LayerTiling, auto_tile_tokens
+from megatrain_nb.engine.compute import tiling
+from megatrain_nb.engine.compute.tiling import LayerTiling, auto_tile_tokens
 
 from .families import FAMILIES, VOCAB, family_config, packed_rows, tiny_model, worst_rel
 
@@ -158,7 +158,7 @@ def test_tile_tokens_override_is_validated():
 
 
 def test_eager_attention_at_a_long_length_is_switched_to_sdpa_with_a_note(monkeypatch):
-    from megatrain_nb.engine import long_attention
+    from megatrain_nb.engine.compute import long_attention
     monkeypatch.setattr(long_attention, "EAGER_TOKENS", 64)
     cfg = family_config("llama", layers=2)
     cfg.max_position_embeddings = 96
@@ -176,7 +176,7 @@ def test_eager_attention_at_a_long_length_is_switched_to_sdpa_with_a_note(monkey
 
 
 def test_soft_capped_eager_attention_is_left_eager_with_the_bytes_said(monkeypatch):
-    from megatrain_nb.engine import long_attention
+    from megatrain_nb.engine.compute import long_attention
     monkeypatch.setattr(long_attention, "EAGER_TOKENS", 64)
     model = _model("gemma2", 96)
     model.config._attn_implementation = "eager"
@@ -222,8 +222,8 @@ def test_every_tested_family_tiles_exactly_with_tiny_tiles(family):
 
 
 def test_planner_counts_one_tile_of_the_mlp():
-    from megatrain_nb.engine.planner import activation_bytes
-    from megatrain_nb.engine.tiling import tile_for
+    from megatrain_nb.engine.planning.planner import activation_bytes
+    from megatrain_nb.engine.compute.tiling import tile_for
     kw = dict(hidden_size=64, intermediate_size=4096, num_layers=2, vocab_size=256, batch=1, seq=16384,
               checkpoint_interval=1, compute_bytes=4)
     whole, tiled = activation_bytes(**kw), activation_bytes(**kw, tile_tokens=1024)
@@ -277,7 +277,7 @@ def test_packed_attention_finds_the_documents_once_per_batch_not_per_layer_call(
     """Issue 45 item 5: per-document attention reads the position ids on the host once per batch
     (a host sync on a GPU), not in every layer's call: counted with a mock, over a model of four
     layers, checkpoint interval 1 (every layer called again in the backward); gradients as HF's."""
-    from megatrain_nb.engine import packed_attention as pa
+    from megatrain_nb.engine.compute import packed_attention as pa
 
     monkeypatch.setattr(pa, "PACKED_TOKENS", 64)
     model = _model("llama", 256)

@@ -1,4 +1,4 @@
-"""The transport seam (engine/transport.py): the CPU transport's adversarial mode turns a missing
+"""The transport seam (engine/transport/transport.py): the CPU transport's adversarial mode turns a missing
 wait or release into an error or a wrong gradient, and the engine's own step keeps the
 discipline (parity and layer-major tests under it)."""
 import copy
@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine import transport
-from megatrain_nb.engine.transport import ADVERSARIAL_ENV, CpuTransport, FutureHandle, TransportError
+from megatrain_nb.engine.transport import transport
+from megatrain_nb.engine.transport.transport import ADVERSARIAL_ENV, CpuTransport, FutureHandle, TransportError
 
 from . import test_layer_major, test_parity
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
@@ -144,7 +144,7 @@ def test_a_fresh_buffer_copy_not_ordered_after_the_compute_is_overwritten():
     """The caching allocator hands back a block whose last owner's kernels are still queued on
     the compute stream: a copy into it not ordered after ``record()`` lands first and is then
     overwritten (NaN); ordered after it, it holds the data."""
-    from megatrain_nb.engine.transport import all_of
+    from megatrain_nb.engine.transport.transport import all_of
 
     t = CpuTransport(adversarial=True)
     src = torch.arange(16, dtype=torch.float32)
@@ -222,7 +222,7 @@ def test_recycled_boundary_buffers_of_shapes_no_longer_used_are_freed():
 def _bf16_run(monkeypatch, shadows: bool, adversarial: bool):
     """Three bf16 steps on the CPU device (a single batch, a clipped one, a window), with or
     without compute-dtype shadows (host_store.SHADOWS_ON_CPU: CUDA's path on the CPU transport)."""
-    from megatrain_nb.engine import host_store
+    from megatrain_nb.engine.tiers import host_store
 
     monkeypatch.setattr(host_store, "SHADOWS_ON_CPU", shadows)
     monkeypatch.setenv(ADVERSARIAL_ENV, "1" if adversarial else "0")

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.step import StepRunner
-from megatrain_nb.engine.updates import final_gradient_pool_bytes
+from megatrain_nb.engine.updates.updates import final_gradient_pool_bytes
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 
@@ -137,7 +137,7 @@ def test_plan_counts_the_window_gradient_sums_on_the_device(tie):
     """make_plan's device figure of a layer-major window includes its fp32 gradient sums (one
     unit's at a time; a tied embedding's from the head pass on, beside each layer's), so the
     estimator's device total and the room left for boundary activations account for them."""
-    from megatrain_nb.engine.planner import GiB, ModelShape, Workload, make_plan, unit_specs_from_config, window_sum_bytes
+    from megatrain_nb.engine.planning.planner import GiB, ModelShape, Workload, make_plan, unit_specs_from_config, window_sum_bytes
 
     specs = unit_specs_from_config(family_config("llama", layers=4, hidden=64, tie=tie))
     emb = next(u for u in specs if u.kind == "embed")
@@ -205,7 +205,7 @@ def test_window_with_unused_parameters_matches_micro_batch_major(k):
 def test_engine_window_plan_leaves_the_device_room_for_the_sums():
     """The engine's window layout (engine_window_plan) takes the window's gradient sums out of
     the device room before placing boundary activations there."""
-    from megatrain_nb.engine.planner import GiB, engine_window_plan
+    from megatrain_nb.engine.planning.planner import GiB, engine_window_plan
 
     eng = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama", layers=4, hidden=64)),
                           EngineConfig(device="cpu"))

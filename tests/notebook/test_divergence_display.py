@@ -1,7 +1,7 @@
 """A diverged run says so plainly in the Session and its header (the dashboard's too)."""
 import pytest
 
-from megatrain_nb.engine.finite import NonFiniteError
+from megatrain_nb.engine.updates.finite import NonFiniteError
 from megatrain_nb.notebook.run_log import RunView  # noqa: F401 - the header's input type
 from megatrain_nb.notebook.summary_html import header_html
 

@@ -216,7 +216,7 @@ def test_a_killed_kernels_launch_folder_is_reclaimed_at_the_next_start(tmp_path)
         import sys
         user = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(orphan)])
         try:
-            from megatrain_nb.engine.reclaim import reclaim
+            from megatrain_nb.engine.tiers.reclaim import reclaim
             from megatrain_nb.notebook.launch_spec import folder_in_use
 
             deadline = time.monotonic() + 20   # (a loaded machine: the child's command line shows once it runs)

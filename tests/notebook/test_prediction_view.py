@@ -8,7 +8,7 @@ from nb_fakes import close_sessions
 
 
 def made_up_rates():
-    from megatrain_nb.engine.rates import MachineRates
+    from megatrain_nb.engine.planning.rates import MachineRates
 
     return MachineRates(device="test", cores=4, h2d_pinned=1e10, d2h_pinned=1e10, h2d_pageable=1e10,
                         d2h_pageable=1e10, matmul_flops=1e11, attention_flops=1e11, disk_read=1e9, disk_write=1e9,
@@ -35,7 +35,7 @@ def session(tmp_path, monkeypatch):
 
 
 def test_status_and_dashboard_show_the_predicted_step_then_each_phase_measured(ip, session, capsys):
-    from megatrain_nb.engine.prediction import fmt_seconds
+    from megatrain_nb.engine.planning.prediction import fmt_seconds
     from megatrain_nb.notebook.dashboard import Dashboard
 
     s = session
@@ -69,7 +69,7 @@ def test_status_and_dashboard_show_the_predicted_step_then_each_phase_measured(i
 
 
 def test_the_dashboards_block_carries_the_difference_line():
-    from megatrain_nb.engine.prediction_check import comparison_rows, difference_line
+    from megatrain_nb.engine.planning.prediction_check import comparison_rows, difference_line
     from megatrain_nb.notebook.prediction_view import prediction_html, status_lines
     from tests.engine.test_prediction import predict, rates
 

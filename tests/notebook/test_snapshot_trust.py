@@ -44,7 +44,7 @@ class _PauseAt(TrainerCallback):
 
 def _flip_inside_payload(path):
     """Flip one byte in the middle of the file's first tensor, its mtime restored (as bit rot)."""
-    from megatrain_nb.engine.disk_format import IO_CHUNK, read_header
+    from megatrain_nb.engine.tiers.disk_format import IO_CHUNK, read_header
 
     st = os.stat(path)
     fd = os.open(path, os.O_RDONLY)
@@ -129,7 +129,7 @@ def test_a_rewind_to_a_rotted_snapshot_keeps_the_live_state_and_trains_on(tmp_pa
 
 
 def _a_load_failing_part_way_puts_the_state_back(s, before):
-    from megatrain_nb.engine.linked import LoadUndone
+    from megatrain_nb.engine.tiers.linked import LoadUndone
 
     disk = s.engine.disk
     real, calls = disk.read_file, []

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatrain_nb.engine.finite import NonFiniteError
+from megatrain_nb.engine.updates.finite import NonFiniteError
 from megatrain_nb.trainer import Trainer, checkpoint as ckpt, list_checkpoints
 
 from .helpers import args, micro_model, token_dataset

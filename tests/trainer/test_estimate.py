@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from megatrain_nb.estimator import estimate
+from megatrain_nb.engine.planning.estimator import estimate
 
 GiB = 1024 ** 3
 

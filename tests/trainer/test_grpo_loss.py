@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.loss_head import LossHead
+from megatrain_nb.engine.compute.loss_head import LossHead
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
 from megatrain_nb.trainer.grpo_loss import LOSS_TYPES, GRPOObjective, GRPOSettings, RolloutBatch, to_shift
 
@@ -84,7 +84,7 @@ def _side(inputs, s, shift=True, accumulation=1):
 
 
 def _emulate_head(obj, logits, labels, chunk):
-    """The chunked head's protocol (engine/loss_head.py) over [B, C, V] logits: statistics without
+    """The chunked head's protocol (engine/compute/loss_head.py) over [B, C, V] logits: statistics without
     gradients, the loss's weights, then each chunk again with gradients."""
     obj.begin(labels)
     sums = {}

@@ -1,4 +1,4 @@
-"""Snapshots (trainer/snapshot.py, engine/linked.py): hard links to the disk tier, RAM state
+"""Snapshots (trainer/snapshot.py, engine/tiers/linked.py): hard links to the disk tier, RAM state
 written, resumed bit for bit; pruning; a full disk leaves nothing listed."""
 import errno
 import os
@@ -137,7 +137,7 @@ def test_disk_full_during_a_snapshot_leaves_nothing_listed(tmp_path, monkeypatch
 
 
 def test_on_another_filesystem_the_disk_files_are_copied_and_still_resume(tmp_path, monkeypatch):
-    from megatrain_nb.engine import linked
+    from megatrain_nb.engine.tiers import linked
 
     tr = _trainer(tmp_path / "run", tmp_path / "offload", steps=3)
     store = SnapshotStore(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""Snapshots that do not wait for the step (engine/linked.py begin_linked, DiskStore.link,
+"""Snapshots that do not wait for the step (engine/tiers/linked.py begin_linked, DiskStore.link,
 trainer/snapshot.py PendingSnapshot): with the whole state on the disk tier a snapshot is begun
 at the step boundary while the step's updates and writes still run; the ordered links see this
 step's version of every file, never the next step's."""
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from megatrain_nb.engine.disk_store import DiskStore
+from megatrain_nb.engine.tiers.disk_store import DiskStore
 from megatrain_nb.trainer.snapshot import PendingSnapshot, SnapshotStore
 
 from .test_snapshot import _train_to, _trainer

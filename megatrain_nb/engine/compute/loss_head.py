@@ -1,0 +1,150 @@
+"""The model's head and the loss, run on the final hidden states in chunks of
+``loss_chunk_tokens`` (so the logits of a whole sequence are never on the device at once): the
+CausalLM's own head code runs with its base model swapped for a stub that returns the given
+hidden states (:class:`.HiddenStatesStub`)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .objective import is_sequence_objective
+from ..proxies import HiddenStatesStub, swapped_submodule
+from ..recompute import ActivationMeter
+
+__all__ = ["LossHead"]
+
+
+class LossHead:
+    """``model``'s head (its base model at ``base_name``, ``path`` inside it: see
+    :func:`.discovery.locate`) over chunks of ``loss_chunk_tokens`` tokens; ``meter`` counts the
+    logits' bytes."""
+
+    def __init__(self, model, base_name: str, base, path, loss_chunk_tokens: int, meter: ActivationMeter):
+        self.model = model
+        self.base_name = base_name
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.meter = meter
+        self._stub = HiddenStatesStub(base, path)
+
+    def logits(self, hidden_chunk: torch.Tensor) -> torch.Tensor:
+        """The CausalLM's own head code (lm_head + the family's logit transform) on one chunk."""
+        stub = self._stub
+        stub.hidden = hidden_chunk
+        dummy = torch.zeros(hidden_chunk.shape[:2], dtype=torch.long, device=hidden_chunk.device)
+        try:
+            with swapped_submodule(self.model, self.base_name, stub):
+                out = self.model(input_ids=dummy, use_cache=False)
+        except IndexError as e:   # the head indexes outputs of the base model the stub does not have
+            raise NotImplementedError(
+                f"{type(self.model).__name__}'s head reads more of its base model's output than the final hidden "
+                f"states ({e}); this family is not supported by the streaming engine yet.") from e
+        finally:
+            stub.hidden = None
+        return out.logits
+
+    def all_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] (fp32, CPU) of ``hidden``, chunk by chunk."""
+        chunk = max(1, self.loss_chunk_tokens // max(hidden.shape[0], 1))
+        out = [self.logits(hidden[:, s:s + chunk]).float().cpu() for s in range(0, hidden.shape[1], chunk)]
+        return torch.cat(out, dim=1)
+
+    def _chunk(self, B: int, S: int) -> int:
+        return max(1, min(S, self.loss_chunk_tokens // max(B, 1) or 1))
+
+    def loss(self, hidden, shift, loss_fn, denom, backward: bool = False):
+        """The head and the loss over ``hidden`` in chunks of ``loss_chunk_tokens``; with
+        ``backward`` each chunk's ``loss / denom`` is back-propagated to its hidden states.
+        Returns the loss sum (and with ``backward`` the gradient at ``hidden``). ``loss_fn`` may
+        be a sequence-level objective (:mod:`.objective`): then ``denom`` is the objective's."""
+        if is_sequence_objective(loss_fn):
+            return self.sequence_loss(hidden, shift, loss_fn, backward)
+        B, S = shift.shape
+        chunk = self._chunk(B, S)
+        # the chunks' sums added on the device in float64 (a Python float's additions, in the same
+        # order: the same bits), read once at the end -- no host sync per chunk
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        grads = []
+        for s in range(0, S, chunk):
+            lab = shift[:, s:s + chunk]
+            hc = hidden[:, s:s + chunk]
+            if backward:
+                hc = hc.detach().requires_grad_(True)
+            with torch.enable_grad() if backward else contextlib.nullcontext():
+                logits = self.logits(hc).float()
+                if loss_fn is not None:
+                    part = loss_fn(logits, lab)
+                else:
+                    part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
+                                           ignore_index=-100, reduction="sum")
+                self.meter.at(self.meter.saved + 3 * logits.numel() * 4)
+            total += part.detach().double()
+            if backward:
+                if part.requires_grad:
+                    (part / denom).backward()
+                grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
+            del logits, part
+        total = float(total)
+        if backward:
+            return total, torch.cat(grads, dim=1)
+        return total
+
+    def sequence_loss(self, hidden, shift, objective, backward: bool = False):
+        """A sequence-level objective over ``hidden`` (see :mod:`.objective`): its statistics
+        summed chunk by chunk without gradients, its loss, and with ``backward`` the chunks again,
+        each token weighted by d(loss)/d(its sequence's statistic). A micro-batch that is one
+        chunk keeps that chunk's graph from the statistics to the backward instead (one pass).
+        Returns the loss (and with ``backward`` the gradient at ``hidden``)."""
+        B, S = shift.shape
+        chunk = self._chunk(B, S)
+        objective.begin(shift)
+        one = backward and chunk >= S
+        hc = hidden.detach().requires_grad_(True) if one else None
+        sums: dict = {}
+        with torch.enable_grad() if one else torch.no_grad():
+            for s in range(0, S, chunk):
+                logits = self.logits(hc if one else hidden[:, s:s + chunk]).float()
+                self.meter.at(self.meter.saved + (3 if one else 2) * logits.numel() * 4)
+                for k, v in objective.token_stats(logits, shift[:, s:s + chunk], s, grad=False).items():
+                    sums[k] = sums[k] + v if k in sums else v
+                del logits
+        stats = {k: v.detach() for k, v in sums.items()}
+        if not backward:
+            loss = float(objective.loss(stats))
+            objective.done(stats, loss)
+            return loss
+        weights, loss = self._weights(objective, stats)
+        objective.done(stats, loss)
+        if one:
+            surrogate = sum((w * sums[k]).sum() for k, w in weights.items())
+            if weights and surrogate.requires_grad:
+                surrogate.backward()
+            return loss, hc.grad if hc.grad is not None else torch.zeros_like(hc)
+        del sums
+        grads = []
+        for s in range(0, S, chunk):
+            hc = hidden[:, s:s + chunk].detach().requires_grad_(True)
+            if weights:
+                with torch.enable_grad():
+                    logits = self.logits(hc).float()
+                    self.meter.at(self.meter.saved + 3 * logits.numel() * 4)
+                    part = objective.token_stats(logits, shift[:, s:s + chunk], s, grad=True)
+                    surrogate = sum((w * part[k]).sum() for k, w in weights.items())
+                    if surrogate.requires_grad:
+                        surrogate.backward()
+                    del logits, part, surrogate
+            grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
+        return loss, torch.cat(grads, dim=1)
+
+    @staticmethod
+    def _weights(objective, stats):
+        """d(loss)/d(each differentiable statistic), per sequence, and the loss."""
+        names = [k for k in objective.differentiable if k in stats]
+        leaves = {k: stats[k].clone().requires_grad_(True) for k in names}
+        with torch.enable_grad():
+            loss_t = objective.loss({**stats, **leaves})
+            ws = (torch.autograd.grad(loss_t, [leaves[k] for k in names], allow_unused=True)
+                  if loss_t.requires_grad and names else [None] * len(names))
+        return {k: w.detach() for k, w in zip(names, ws) if w is not None}, float(loss_t.detach())

@@ -1,0 +1,496 @@
+"""The predicted step time: the engine's own schedule priced at a machine's rates.
+
+:func:`predict_step` takes what the planner decided (``planner.Plan``: tiers, checkpoint
+interval, the window's groups), the workload (``planner.Workload``) and a
+:class:`~.rates.MachineRates`, counts what one optimizer step moves and computes, and lays
+those amounts on the engine's streams:
+
+* **compute** (the device, or on a CPU "device" every core): the forward ``2·N·T`` FLOPs
+  (``N``: the parameters of the matmuls, layers and head; ``T``: tokens per step), the
+  backward ``4·N·T``, the recompute (every layer's forward again under autograd at checkpoint
+  interval k >= 1, plus the inner layers of a block once more at k > 1), and causal attention
+  (``2·b·s²·h`` per layer forward) at ``attention_flops``;
+* **host->device / device->host** (``h2d``/``d2h``): each load of a unit in the compute order
+  (``StepRunner.schedule``: embedding, head, layers; then per block the recompute and the
+  backward), in the compute dtype; each unit's fp32 gradient leaving once per group;
+  boundary activations kept in host RAM both ways; prefetched, so they overlap the compute;
+* **disk** (one device: its reads and writes add): the step's disk accesses as the host cache
+  sees them (``disk_cache.step_accesses`` through ``disk_cache.plan_cache`` at the cache's
+  capacity: what the cache cannot keep), gradients held on the disk tier for the clipping
+  norm (written and read once), boundary activations on the disk tier;
+* **optimizer**: AdamW (one worker thread, ``adamw_per_thread``) pipelined with the codec's
+  decode and encode threads (``codec_per_thread``) for compressed states.
+
+How they overlap is the engine's: a step is two windows, the forward and the backward (with
+its recompute), each as long as its slowest stream. Without clipping each update starts as its
+gradient becomes final: the optimizer runs in the backward's window, and the next forward
+waits for the embedding's update, the last one (exposed). With clipping (``max_grad_norm`` >
+0, the default) the updates wait for the global norm at the end of the backward and run in the
+next forward's order while that forward waits for each unit in turn: the optimizer runs in the
+forward's window. Disk and link bytes are split between the windows by the forward's share of
+the units' loads.
+
+Cores: on a CPU "device" the compute, AdamW, the codec threads and the copies share
+``rates.cores``; a phase then takes at least its CPU work (core-seconds) over the cores, so
+with few cores the CPU-bound phases add rather than overlap (on CUDA only AdamW, the codec and
+pageable copies take cores). A CPU device's compute rates are one thread's (measured so:
+``MachineRates.compute_threads``) and its compute runs on ``compute_team()`` threads, every core
+but one: the engine's own threads run beside it, and an intra-op team with a pre-empted thread
+waits at its barrier (on the 2-core machine a step takes as long with one compute thread as with
+two). Disk I/O (O_DIRECT) is counted as taking no core.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Dict, List, Optional
+
+from . import rates as rates_mod
+from .rates_cache import cached_rates
+from .planner import codec_bytes_per_param
+
+PHASES = ("forward", "backward", "recompute", "h2d", "d2h", "disk_read", "disk_write", "optimizer", "codec")
+STREAMS = {"compute": "compute", "h2d": "host->device", "d2h": "device->host", "disk": "disk",
+           "optimizer": "optimizer", "cpu": "CPU cores"}
+
+
+@dataclass
+class StepPrediction:
+    """One optimizer step's predicted time. ``phases``: seconds of each kind of work (as if it
+    ran alone); ``streams``: seconds each resource is busy; ``windows``: the parts of the step
+    that follow one another ("step" unclipped; "forward + updates" and "backward" clipped);
+    ``bottleneck``: the stream that bounds most of the step; ``overlaps``: what runs beside what."""
+    step_seconds: float
+    phases: Dict[str, float]
+    streams: Dict[str, float]
+    windows: Dict[str, float]
+    bottleneck: str
+    overlaps: List[str]
+    tokens_per_step: int
+    bytes: Dict[str, int] = field(default_factory=dict)
+    flops: float = 0.0
+    notes: List[str] = field(default_factory=list)
+    source: str = ""
+    #: The EngineConfig fields the engine's plan took from this prediction (``Plan.choice``; None:
+    #: the rules' plan): a step well off the prediction then names the way back to the rules.
+    plan_choice: Optional[dict] = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    def run_seconds(self, max_steps: int) -> float:
+        """Seconds for ``max_steps`` optimizer steps."""
+        return max(int(max_steps), 0) * self.step_seconds
+
+    def seconds_per_billion_tokens(self) -> float:
+        return 1e9 / self.tokens_per_second if self.tokens_per_second else math.inf
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens_per_second"] = self.tokens_per_second
+        return d
+
+    def lines(self) -> List[str]:
+        head = (f"predicted step {fmt_seconds(self.step_seconds)} ({fmt_rate(self.tokens_per_second)}, "
+                f"1B tokens in {fmt_seconds(self.seconds_per_billion_tokens())}); bottleneck: {self.bottleneck}"
+                + (f" [rates: {self.source}]" if self.source else ""))
+        rows = [f"  {p:<10} {fmt_seconds(s):>9}" + (f"  {fmt_gb(self.bytes[p])}" if self.bytes.get(p) else "")
+                for p, s in self.phases.items() if s > 0 or self.bytes.get(p)]
+        return [head, "  phase      seconds (alone)"] + rows + [f"  overlap: {o}" for o in self.overlaps] + \
+            [f"  note: {n}" for n in self.notes]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def fmt_seconds(s: float) -> str:
+    if s == math.inf:
+        return "inf"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    if s < 120:
+        return f"{s:.2f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} days"
+
+
+def fmt_rate(tokens_per_second: float) -> str:
+    """Tokens/s as text: whole numbers from 100 up, three significant digits below (a 100B model on
+    a CPU's rates runs 0.0123 tokens/s, not "0")."""
+    v = tokens_per_second
+    if not v or not math.isfinite(v):
+        return "0 tokens/s" if not v else "inf tokens/s"
+    return f"{v:,.0f} tokens/s" if v >= 100 else f"{v:.3g} tokens/s"
+
+
+def fmt_gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _per(amount: float, rate: float, what: str, missing: List[str]) -> float:
+    """``amount / rate``; a rate of 0 (not measured) counts 0 s and is named in the notes."""
+    if amount <= 0:
+        return 0.0
+    if not rate or rate <= 0:
+        missing.append(what)
+        return 0.0
+    return amount / rate
+
+
+def compute_order(units, k: int, groups: int = 1) -> list:
+    """The units' loads of one step (``StepRunner.schedule``), once per group."""
+    embed, head, layers = units[0], units[-1], list(units[1:-1])
+    order = [embed, head] + layers
+    if k > 0:
+        for b in reversed(range(0, len(layers), k)):
+            end = min(b + k, len(layers))
+            order += layers[b:end - 1] + list(reversed(layers[b:end]))
+    return [u for u in order if u.numel > 0] * max(groups, 1)
+
+
+#: A window split into more groups than this is priced from this many (each group's loads and disk
+#: accesses repeat the one before's; the rest scaled): an estimate of 10**12 micro-batches in groups
+#: would otherwise list every load of the step.
+GROUPS_LISTED = 16
+
+
+def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale: float = 1.0) -> Dict[str, int]:
+    """Disk bytes read and written per step: the schedule's accesses through the host cache
+    (``order``: the step's loads, or ``1 / scale`` of them: the schedule's figures times ``scale``)."""
+    from ..tiers.disk_cache import plan_cache, step_accesses
+
+    if not cfg.offload_dir:
+        return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0, "state_read": 0, "state_write": 0,
+                "start_read": 0, "start_write": 0, "read_miss": 0.0, "weights_on_disk": False}
+    on_disk = plan.placement.get("master_weights") == "disk"
+    per = codec_bytes_per_param(cfg.optimizer_compression)
+    states = plan.placement.get("optimizer_states") == "disk"
+    seq = step_accesses(order, [units[0], units[-1]] + list(units[1:-1]), clipped=clipped, params_on_disk=on_disk,
+                        state_key=lambda u: f"state-{u.index}", state_nbytes=lambda u: int(per * u.numel))
+    if not states:
+        seq = [a for a in seq if not a[0].startswith("state-")]
+    raw_r = sum(b for _, op, b in seq if op == "R")
+    raw_w = sum(b for _, op, b in seq if op == "W")
+    cp = plan_cache(seq, max(int(cache_bytes), 0)) if seq else None
+    read, write = (cp.read_bytes, cp.write_bytes) if cp else (0, 0)
+    if scale != 1.0:
+        raw_r, raw_w, read, write = (int(x * scale) for x in (raw_r, raw_w, read, write))
+    # the optimizer states' share of what reaches the disk (the cache keeps each kind alike)
+    st_r = sum(b for k, op, b in seq if op == "R" and k.startswith("state-"))
+    st_w = sum(b for k, op, b in seq if op == "W" and k.startswith("state-"))
+    state_read, state_write = int(read * st_r / raw_r) if raw_r else 0, int(write * st_w / raw_w) if raw_w else 0
+    # unclipped, weights on the disk tier: the next forward's first need, the embedding's updated
+    # weights, is written, then read back with the head's (a step binds both first) -- as much of
+    # it as reaches the disk past the cache
+    miss = read / raw_r if raw_r else 1.0   # the share of the schedule's reads the cache cannot serve
+    start_read = start_write = 0
+    if on_disk and not clipped:
+        start_read = int(4 * (units[0].numel + units[-1].numel) * miss)
+        start_write = int(4 * units[0].numel * write / raw_w) if raw_w else 0
+    if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
+        n = 4 * sum(u.numel for u in units)
+        read, write = read + n, write + n
+    window = plan.window or {}
+    if window.get("tier") == "disk":
+        b = boundary_total(window)
+        read, write = read + b, write + b
+    return {"read": read, "write": write, "raw_read": raw_r, "raw_write": raw_w, "state_read": state_read,
+            "state_write": state_write, "start_read": start_read, "start_write": start_write, "read_miss": miss,
+            "weights_on_disk": on_disk}
+
+
+def boundary_total(window: dict) -> int:
+    """Boundary activations of every micro-batch of a window (``boundary_bytes`` is its largest group's)."""
+    return int(window["boundary_bytes"] / max(window["group_size"], 1) * window["micro_batches"])
+
+
+def _specs(units) -> list:
+    return [SimpleNamespace(index=i, numel=u.numel, kind=u.kind) for i, u in enumerate(units)]
+
+
+def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: int) -> dict:
+    """What one optimizer step computes and moves: FLOPs per kind, bytes per link, parameters updated."""
+    units = _specs(units)
+    window = plan.window or {}
+    k = window.get("checkpoint_interval", plan.checkpoint_interval)
+    groups = window.get("groups", 1)
+    tokens = workload.batch * workload.seq * workload.accumulation
+    n_layers = max(len(units) - 2, 1)
+    layer_n = sum(u.numel for u in units[1:-1])
+    head_n = units[-1].numel or units[0].numel   # a tied head multiplies by the embedding's weights
+    cb = 2 if cfg.precision == "bf16" else 4
+    rec = 0.0 if k == 0 else 1 + (n_layers - math.ceil(n_layers / max(k, 1))) / n_layers
+    attn = 2.0 * workload.batch * workload.seq ** 2 * shape.hidden_size * n_layers * workload.accumulation
+    listed = min(max(groups, 1), GROUPS_LISTED)
+    order = compute_order(units, k, listed)
+    scale = max(groups, 1) / listed
+    boundary = boundary_total(window) if window.get("tier") == "host" else 0
+    total = sum(u.numel for u in units)
+    return {
+        "tokens": tokens, "k": k, "groups": groups,
+        "forward_flops": 2.0 * (layer_n + head_n) * tokens, "backward_flops": 4.0 * (layer_n + head_n) * tokens,
+        "head_flops": 2.0 * head_n * tokens,
+        "recompute_flops": 2.0 * layer_n * tokens * rec,
+        "attention_flops": {"forward": attn, "backward": 2 * attn, "recompute": attn * rec},
+        "h2d": int(sum(u.numel for u in order) * scale) * cb + boundary, "d2h": 4 * total * groups + boundary,
+        "forward_loads": sum(u.numel for u in order[:len(units)]) * cb,
+        "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes, scale),
+        "params": total, "state_bytes_fp32": 8 * total, "codec": cfg.optimizer_compression,
+        "compute_bytes": cb,
+    }
+
+
+def _shapes_missing(rates, shape, workload, bf16: bool) -> str:
+    """A note when measured rates lack this model's matmul shape at the workload's tokens (they were
+    measured at a default shape: the compute's time is rough), else ""."""
+    if rates.source != "measured" or bf16:
+        return ""
+    tokens, h = workload.batch * workload.seq, shape.hidden_size
+    inter = shape.intermediate_size or 4 * h
+    if f"{tokens}x{h}x{inter}" in rates.matmul_by_shape or any(
+            k.split("x")[1:] == [str(h), str(inter)] for k in rates.matmul_by_shape):
+        return ""
+    return (f"the compute rates were measured at a default shape, not this model's ({tokens} tokens x {h} x {inter}): "
+            f"the compute's time is rough; mt.measure_machine(model=..., tokens={tokens}) measures its shapes "
+            "(seconds) and keeps them in the cache")
+
+
+def _matmul_rate(rates, shape, workload, bf16: bool = False) -> float:
+    """FLOP/s of the step's matmuls: bf16 compute at the bf16 rate (measured at the default shape
+    only), fp32 at the model's shape where it was measured, else the default shape's."""
+    if bf16 and getattr(rates, "bf16_matmul_flops", 0):
+        return float(rates.bf16_matmul_flops)
+    key = f"{workload.batch * workload.seq}x{shape.hidden_size}x{shape.intermediate_size or 4 * shape.hidden_size}"
+    return float(rates.matmul_by_shape.get(key) or rates.matmul_flops)
+
+
+def _compute_rates(rates, shape, workload, *, bf16: bool, cuda: bool) -> tuple:
+    """(matmul, attention) FLOP/s of the step's compute: the measured rates, a CPU device's
+    (one thread's: ``MachineRates.compute_threads``) times the threads its compute gets."""
+    mm = _matmul_rate(rates, shape, workload, bf16)
+    at = (getattr(rates, "bf16_attention_flops", 0) if bf16 else 0) or rates.attention_flops or mm
+    scale = rates.compute_scale(cuda)
+    return mm * scale, at * scale
+
+
+def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
+                 cache_bytes: Optional[int] = None) -> StepPrediction:
+    """The predicted :class:`StepPrediction` of one optimizer step (see the module's docstring).
+
+    ``units``: the plan's units (``planner.UnitSpec`` or the engine's, embedding first, head
+    last); ``shape``: ``planner.ModelShape``; ``cfg``: the EngineConfig; ``plan``: its
+    ``planner.Plan``; ``workload``: ``planner.Workload``; ``rates``: ``MachineRates``;
+    ``cache_bytes``: the disk tier's host cache (None: 0 when ``cfg.host_cache_gb`` is 0, else
+    the host budget left beside the plan, else unlimited)."""
+    if cache_bytes is None:
+        cache_bytes = default_cache_bytes(cfg, plan)
+    a = step_amounts(units, shape, cfg, plan, workload, cuda=cuda, cache_bytes=cache_bytes)
+    missing: List[str] = []
+    bf16 = cfg.precision == "bf16"
+    mm, at = _compute_rates(rates, shape, workload, bf16=bf16, cuda=cuda)
+    ph = {"forward": _per(a["forward_flops"], mm, "matmul_flops", missing)
+          + _per(a["attention_flops"]["forward"], at, "attention_flops", missing),
+          "backward": _per(a["backward_flops"], mm, "matmul_flops", missing)
+          + _per(a["attention_flops"]["backward"], at, "attention_flops", missing),
+          "recompute": _per(a["recompute_flops"], mm, "matmul_flops", missing)
+          + _per(a["attention_flops"]["recompute"], at, "attention_flops", missing)}
+    h2d_rate = _h2d_rate(rates, cuda)
+    d2h_rate = (rates.d2h_pinned or rates.d2h_pageable) if cuda else rates.d2h_pageable
+    ph["h2d"] = _per(a["h2d"], h2d_rate, "h2d", missing)
+    ph["d2h"] = _per(a["d2h"], d2h_rate, "d2h", missing)
+    ph["disk_read"] = _per(a["disk"]["read"], rates.disk_read, "disk_read", missing)
+    ph["disk_write"] = _per(a["disk"]["write"], rates.disk_write, "disk_write", missing)
+    ph["optimizer"] = _per(a["params"], rates.adamw_per_thread, "adamw_per_thread", missing)
+    codec = cfg.optimizer_compression
+    ph["codec"] = 0.0 if codec == "none" else _per(a["state_bytes_fp32"], (rates.codec_per_thread or {}).get(codec, 0),
+                                                   f"codec_per_thread[{codec}]", missing)
+    a["head_share"] = min(a["head_flops"] / mm / ph["forward"], 1.0) if ph["forward"] > 0 and mm > 0 else 0.0
+    pred = _schedule(ph, a, rates, cuda=cuda, clipped=workload.clipped, units=units)
+    pred.bytes = {"h2d": a["h2d"], "d2h": a["d2h"], "disk_read": a["disk"]["read"], "disk_write": a["disk"]["write"],
+                  "disk_state_read": a["disk"]["state_read"], "disk_state_write": a["disk"]["state_write"]}
+    pred.flops = a["forward_flops"] + a["backward_flops"] + a["recompute_flops"] + sum(a["attention_flops"].values())
+    pred.source = rates.source
+    rough = _shapes_missing(rates, shape, workload, bf16)
+    if rough:
+        pred.notes.append(rough)
+    if missing:
+        pred.notes.append("rates not measured, counted as 0 s: " + ", ".join(sorted(set(missing)))
+                          + " (none published: once `megatrain-nb machine` has measured the CPU here, a profile uses its rates)")
+    if a["disk"]["raw_read"] + a["disk"]["raw_write"] > a["disk"]["read"] + a["disk"]["write"]:
+        saved = a["disk"]["raw_read"] + a["disk"]["raw_write"] - a["disk"]["read"] - a["disk"]["write"]
+        pred.notes.append(f"the host cache ({fmt_gb(cache_bytes)}) saves {fmt_gb(saved)} of disk traffic per step")
+    return pred
+
+
+def default_cache_bytes(cfg, plan) -> int:
+    """The disk tier's host cache as ``disk_cache.cache_budget`` sizes it, from the plan alone."""
+    if not cfg.offload_dir or cfg.host_cache_gb == 0:
+        return 0
+    if cfg.host_cache_gb is not None:
+        return int(cfg.host_cache_gb * (1 << 30))
+    if cfg.max_host_gb is not None:
+        return max(int(cfg.max_host_gb * (1 << 30)) - plan.host["total"], 0)
+    return plan.disk.get("total", 0)   # no budget: free RAM decides; assume the disk tier fits
+
+
+def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool, units) -> StepPrediction:
+    """Lay the phases on the streams (see the module's docstring): the step's two windows, the
+    forward and the backward, each bound by its slowest stream; the updates in the backward's
+    window (unclipped) or the next forward's (clipped)."""
+    cores = max(int(rates.cores or 1), 1)
+    opt = max(ph["optimizer"], ph["codec"] / min(2, cores))        # AdamW beside the decode/encode threads
+    opt_cpu = ph["optimizer"] + ph["codec"]                         # core-seconds of the update
+    copy_cpu = 0.0 if cuda else ph["h2d"] + ph["d2h"]               # a CPU "device" copies with a core
+    disk = ph["disk_read"] + ph["disk_write"]
+    f = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0          # the forward's share of the loads
+
+    team = 0 if cuda else rates.compute_team() if rates.compute_threads == 1 else cores
+    # the update chain: a unit's update reads its states, decodes, steps, encodes and writes them
+    # back; its disk traffic and its CPU work (on the cores the compute leaves; with compressed
+    # states, at the chain's own measured rate where there is one) add up
+    state_disk = _per(a["disk"]["state_read"], rates.disk_read, "", []) + \
+        _per(a["disk"]["state_write"], rates.disk_write, "", [])
+    measured = (getattr(rates, "update_chain", None) or {}).get(a["codec"])
+    if measured:   # the whole chain measured as the engine runs it (measure.measure_update_chain)
+        chain = state_disk + a["params"] / measured
+    else:
+        chain = state_disk + (opt if cuda else max(opt, opt_cpu / max(cores - team, 1)))
+
+    # unclipped, the next forward's first need: the embedding's whole update (its states read and
+    # written too), then its weights and the head's loaded (from the disk where they are there)
+    share = units[0].numel / max(a["params"], 1)
+    first_disk = state_disk * share + _per(a["disk"]["start_read"], rates.disk_read, "", []) + \
+        _per(a["disk"]["start_write"], rates.disk_write, "", [])
+    first = (chain - state_disk) * share + first_disk
+
+    beside = 0.0 if cuda else float(getattr(rates, "compute_beside_disk", 0.0) or 0.0)
+
+    update_key = "disk" if state_disk > chain / 2 else "optimizer"   # an update chain mostly waiting on the disk
+
+    def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s):
+        if 0.0 < beside < 1.0 and compute_s > 0:   # a CPU device's compute slows while the disk is busy
+            busy = min(disk_s, compute_s) / compute_s
+            compute_s *= (1.0 - busy) + busy / beside
+        streams = {"compute": compute_s, "h2d": h2d_s if cuda else 0.0, "d2h": d2h_s if cuda else 0.0,
+                   "disk": disk_s, "optimizer": opt_s,
+                   "cpu": (compute_s * team + opt_core_s + copy_s) / cores}
+        key = max(streams, key=streams.get)
+        if key == "optimizer":
+            key = update_key
+        if key == "cpu":   # CPU sharing is named by its largest user
+            users = {"compute": 0.0 if cuda else compute_s, "optimizer": opt_core_s / cores}
+            key = max(users, key=users.get) + "+cpu"
+        return max(streams.values()), streams, key
+
+    fc, bc = ph["forward"], ph["backward"] + ph["recompute"]
+    on_f = 1.0 if clipped else 0.0
+    other = disk - state_disk   # the weights' (and held gradients', boundaries') traffic follows the loads
+    tf, sf, kf = window(fc, ph["h2d"] * f, 0.0, other * f + state_disk * on_f, chain * on_f, opt_cpu * on_f,
+                        copy_cpu * f)
+    tb, sb, kb = window(bc, ph["h2d"] * (1 - f), ph["d2h"], other * (1 - f) + state_disk * (1 - on_f),
+                        chain * (1 - on_f), opt_cpu * (1 - on_f), copy_cpu * (1 - f))
+    overlaps = ["host->device prefetch overlaps the compute (the next units load while one computes)",
+                "disk reads run ahead and writes behind in the I/O threads (reads and writes share the disk)"]
+    if not cuda:
+        overlaps.append(f"CPU device: compute, AdamW, the codec threads and the copies share {cores} core(s): "
+                        "a window takes at least its core-seconds / cores")
+        if 0.0 < beside < 1.0 and disk > 0:
+            overlaps.append(f"CPU device: its compute runs at {beside:.2f}x its rate alone while the disk tier "
+                            "reads and writes beside it (measured: MachineRates.compute_beside_disk)")
+    if clipped:   # the forward waits for the embedding's and the head's updates, then for each layer's in turn
+        tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a["head_share"], _load_per_param(a, rates, cuda)))
+        windows = {"forward + updates": tf, "backward": tb}
+        overlaps.append("clipping: updates wait for the global norm after the backward, then overlap only "
+                        "the next forward (each unit's forward waits for its update)")
+    else:   # the embedding's gradient is the backward's last and the next forward's first need
+        windows = {"forward": tf, "backward + updates": tb, "exposed update": first}
+        overlaps.append("updates start as each gradient becomes final and overlap the backward; the next "
+                        "forward waits for the embedding's, the last")
+    exposed = {} if clipped else {"disk": first_disk, "optimizer": first - first_disk}
+    top = _bottleneck(windows, ((tf, sf, kf), (tb, sb, kb)), clipped, exposed, update_key)
+    bottleneck = STREAMS[top.split("+")[0]] + (" (sharing the CPU cores)" if top.endswith("+cpu") else "")
+    return StepPrediction(step_seconds=sum(windows.values()), phases=dict(ph),
+                          streams={k: sf[k] + sb[k] for k in sf}, windows=windows, bottleneck=bottleneck,
+                          overlaps=overlaps, tokens_per_step=a["tokens"])
+
+
+def forward_behind_updates(units, chain_s: float, compute_s: float, head_share: float,
+                           load_per_param: float = 0.0) -> float:
+    """A clipped step's forward window: the updates wait for the global norm, then run one unit
+    after another in the forward's order (``chain_s`` in all, each unit its share by size), and
+    the forward waits for each unit's: the embedding's and the head's before the first layer (a
+    step binds both first), each layer's before that layer computes, the head's compute
+    (``head_share`` of ``compute_s``) after the last layer. A unit's load starts only once its
+    update has written its weights: ``load_per_param`` seconds a parameter (the copy into its
+    slot; on the disk tier first the copy out of the host cache, or the read) after each update."""
+    total = sum(u.numel for u in units) or 1
+    per = [chain_s * u.numel / total for u in units]
+    load = [load_per_param * u.numel for u in units]
+    c_layer = compute_s * (1.0 - head_share) / max(len(units) - 2, 1)
+    done = per[0] + per[-1]
+    t = max(per[0] + load[0], done) + load[-1]
+    for u, lu in zip(per[1:-1], load[1:-1]):
+        done += u
+        t = max(t, done + lu) + c_layer
+    return t + compute_s * head_share
+
+
+def _h2d_rate(rates, cuda: bool) -> float:
+    """Bytes/s of a unit's load into its slot: pinned on CUDA where measured, a CPU device's memcpy."""
+    return (rates.h2d_pinned or rates.h2d_pageable) if cuda else rates.h2d_pageable
+
+
+def _load_per_param(a: dict, rates, cuda: bool) -> float:
+    """Seconds a parameter of a unit's load takes once its update is done: the copy into its slot
+    (compute dtype, at the host->device rate), and with the master weights on the disk tier
+    before it the fp32 weights out of the host cache (a host memcpy; a CPU device's copy rate, a
+    GPU machine's pageable one) where the cache keeps them, else read from the disk."""
+    h2d = _h2d_rate(rates, cuda)
+    t = a["compute_bytes"] / h2d if h2d else 0.0
+    if a["disk"]["weights_on_disk"]:
+        miss = a["disk"]["read_miss"]
+        copy, read = rates.h2d_pageable, rates.disk_read
+        t += 4.0 * ((1.0 - miss) / copy if copy else 0.0) + 4.0 * (miss / read if read else 0.0)
+    return t
+
+
+def _bottleneck(windows: Dict[str, float], parts, clipped: bool, exposed: Dict[str, float], update_key: str) -> str:
+    """The stream a step waits for most, as a training step's telemetry shows it: each window's
+    time beyond its compute belongs to the stream that bounds it (a clipped forward's to the
+    updates it waits for); an unclipped step's exposed update to the streams it is made of
+    (``exposed``: its disk reads and writes to the disk, the rest to the optimizer). When the
+    waits are under a tenth of the step, the stream that bounds the most of it (the compute,
+    typically)."""
+    step = sum(windows.values())
+    waits: Dict[str, float] = {}
+    for i, (t, streams, key) in enumerate(parts):
+        wait = t - streams["compute"]
+        if clipped and i == 0 and t > max(v for k, v in streams.items() if k != "cpu"):
+            key = update_key   # (longer than any stream: waiting for the updates in turn)
+        if wait > 0 and key != "compute":
+            waits[key] = waits.get(key, 0.0) + wait
+    for key, wait in exposed.items():
+        if wait > 0:
+            waits[key] = waits.get(key, 0.0) + wait
+    if waits and sum(waits.values()) > 0.1 * step:
+        return max(waits, key=waits.get)
+    binding: Dict[str, float] = {}
+    for t, _, key in parts:
+        binding[key] = binding.get(key, 0.0) + t
+    return max(binding, key=binding.get)
+
+
+def resolve_rates(rates):
+    """A MachineRates from itself, a dict of its fields, or a profile's name (``rates.rates_for``,
+    its per-thread CPU rates, which nobody publishes, from this machine's cached measurement)."""
+    if isinstance(rates, dict):
+        bad = rates_mod.check_rates(rates)
+        if bad:
+            raise ValueError("rates: values that are not plausible rates: " + "; ".join(bad))
+        return rates_mod.MachineRates.from_dict(rates)
+    if isinstance(rates, str):
+        return rates_mod.rates_for(rates, cpu=cached_rates("cpu"))
+    return rates_mod.rates_for(rates)

@@ -1,0 +1,863 @@
+"""The compressed update in one pass: decode, AdamW, encode, fused in a small C kernel.
+
+Today's torch path (``codecs.py``) runs each moment chunk through some fifteen torch ops per
+direction, each a pass over memory, and AdamW between them: at ~0.1-0.2x the fused fp32 AdamW's
+parameters/s it made the compressed update the slowest part of a step. This module compiles one
+C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes``:
+
+* ``mt_encode`` / ``mt_decode``: the four block codecs of ``codecs.py`` (int8 and int4,
+  ``exp_avg`` and ``exp_avg_sq``), one pass, each block in registers and L1;
+* ``mt_update``: a chunk of a unit's update -- each block's moments decoded into two L1 buffers,
+  AdamW on its weights and gradient, the new moments encoded -- with no fp32 moments in memory;
+* ``mt_adamw``: torch's fused AdamW over flat fp32 buffers, bit for bit, with one division
+  fewer (the one by the constant ``sqrt(1 - beta2**t)`` is a multiply and an exact residual
+  step, which rounds the same: Markstein's theorem; checked over 2·10**8 operands).
+
+Each entry point splits its range over the threads it is given, in whole blocks (no result
+depends on the split): the engine's plain AdamW passes its thread's ``torch.get_num_threads()``,
+as torch's fused kernel would use; a chunk of the compressed update is split between the AdamW
+worker and the two codec threads (``mtnb-decode``, ``mtnb-encode``: the threads the update ran
+on before), one part each.
+
+What it computes. The arithmetic is the torch path's op for op (the same roundings, every fused
+multiply-add where torch's kernels fuse one, none elsewhere), with one difference: ``sqrt`` is
+the IEEE, correctly rounded square root. torch's ``sqrt`` on a CPU tensor is MKL's ``vsSqrt``,
+which returns the float below the correctly rounded result for ~0.5% of inputs (measured over
+all 2**31 positive floats); with it substituted by the IEEE one, the torch path's codes and
+scales equal this kernel's bit for bit (tests/engine/test_codecs.py). A 1-ulp difference in a
+root moves a code only where the value sits within an ulp of a code boundary: 2 of 1.3·10**8
+codes differed (benchmarks/bench_update_speed.py counts them), each one level apart, within
+the codec's documented error. Decoding has no root: its values are
+the torch path's bit for bit. AdamW is ``torch._fused_adamw_``'s, bit for bit, including its
+scalar tail (the last ``numel % Vec::size()`` elements of each call, whose second moment torch
+rounds differently); the engine's chunked update therefore gives the weights and codes of the
+torch path's chunked update, whatever the chunk size.
+
+When. :func:`kernels` compiles on first use (never at import), once per machine and source:
+the shared library is cached under ``$MEGATRAIN_NB_CACHE`` (else ``~/.cache/megatrain_nb``)
+``/kernels/``, keyed by the source, the flags, the compiler's version and the CPU's flags
+(``-march=native`` code never runs on another CPU), written atomically. Before it is used it
+checks itself against torch on a few thousand values (decode equal, codes equal or one level
+apart, AdamW equal and torch's vector width found); a machine without a C compiler, a failed
+build or a failed check leaves the torch path in place, said once in a log line (logger
+``megatrain_nb.engine.updates.fused_update``). ``MEGATRAIN_NB_FUSED_UPDATE=0`` turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Dict, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AdamArgs", "CodedChunk", "FLAGS", "Kernels", "SOURCE", "adam_args", "cache_dir", "chunk_views",
+           "disabled_reason", "encode_error", "kernels", "torch_path"]
+
+#: The C source of the kernels.
+SOURCE = r"""/* megatrain_nb's fused optimizer-state kernels (see megatrain_nb/engine/updates/fused_update.py).
+   Plain C: built with -ffp-contract=off (every fused multiply-add below is an explicit fmaf, so
+   the arithmetic is the torch path's, op for op) and without -ffast-math (no flush-to-zero: the
+   codecs' subnormal handling depends on it). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(MT_NO_SIMD)
+#include <immintrin.h>
+#define MT_AVX512 1
+#else
+#define MT_AVX512 0
+#endif
+
+#include <pthread.h>
+
+#define I8B 256
+#define I4B 32
+
+typedef struct {
+    /* codec constants, computed by Python exactly as the torch path rounds them */
+    float i8m_floor, i8v_floor, i4v_floor;  /* (under/levels)**(2**roots) as float */
+    float dither_alpha, inv127, inv255, tiny_scale;
+    float lut4m[16], lut4v[16];
+} consts_t;
+
+typedef struct {
+    float coef, pmul, b2, c2, bc2s, eps, negss;
+    int32_t lerp_from_grad;          /* torch's lerp: base = grad when |1 - beta1| >= 0.5 */
+    int64_t decay_end;               /* absolute index: elements below it are decayed (pmul) */
+    int64_t tail[4];                 /* two absolute ranges [lo, hi) on torch's scalar path */
+} adam_t;
+
+enum { BAD_NEGATIVE = 1, BAD_NONFINITE = 2 };
+
+static inline int32_t bits_of(float x) { int32_t b; memcpy(&b, &x, 4); return b; }
+
+/* max |x| of a block; NaN when one is NaN (torch.amax's). The bit patterns of non-negative
+   floats sort as integers (NaN above inf), so this is an integer max, which vectorises. */
+static inline float absmax(const float *restrict x, int n) {
+    int32_t mx = 0;
+    for (int i = 0; i < n; i++) { int32_t a = bits_of(x[i]) & 0x7fffffff; mx = a > mx ? a : mx; }
+    float s; memcpy(&s, &mx, 4);
+    return s;
+}
+
+/* ------------------------------------------------------------------ block encoders */
+/* _root_levels: levels * (x / mx) ** (1 / 2**roots) as root(max(x, floor)) * k. */
+static inline void scale_setup(float mx, float levels, float floor_coef, int roots,
+                               float *mx_out, float *mul_out, float *k_out, float *floor_out) {
+    float mul = 1.0f;
+    if (mx < 0x1p-60f && mx > 0.0f) { mul = 0x1p64f; mx = mx * mul; }   /* _normal_blocks (exact) */
+    float k = mx < 0x1p-149f ? 0x1p-149f : mx;
+    if (mx != mx) k = mx;
+    for (int r = 0; r < roots - 1; r++) k = sqrtf(k);
+    k = (1.0f / sqrtf(k)) * levels;
+    if (mx == 0.0f) k = 0.0f;
+    float fl = mx * floor_coef;
+    if (fl < 0x1p-126f) fl = 0x1p-126f;
+    *mx_out = mx; *mul_out = mul; *k_out = k; *floor_out = fl;
+}
+
+static inline int enc_i8m(const float *restrict x, int8_t *restrict codes, float *restrict scale,
+                          const consts_t *C) {
+    float s = absmax(x, I8B);
+    *scale = s;
+    float mx, mul, k, fl;
+    scale_setup(s, 127.0f, C->i8m_floor, 1, &mx, &mul, &k, &fl);
+    for (int i = 0; i < I8B; i++) {
+        float a = fabsf(x[i]) * mul;
+        float r = sqrtf(a > fl ? a : fl) * k;
+        r = copysignf(rintf(r), x[i]);
+        codes[i] = (int8_t)(int32_t)r;
+    }
+    return isfinite(s) ? 0 : BAD_NONFINITE;
+}
+
+static inline int enc_fourth(const float *restrict x, int n, float levels, float floor_coef,
+                             float *restrict scale, int32_t *restrict out, const consts_t *C) {
+    int neg = 0;
+    for (int i = 0; i < n; i++) neg |= x[i] < 0.0f;
+    float s = absmax(x, n);   /* (= the max: no negative value, or the encode fails) */
+    *scale = s;
+    float mx, mul, k, fl;
+    scale_setup(s, levels, floor_coef, 2, &mx, &mul, &k, &fl);
+    const float hi = levels + 0.5f, alpha = C->dither_alpha;
+    for (int i = 0; i < n; i++) {
+        float a = x[i] * mul;
+        float r = sqrtf(sqrtf(a > fl ? a : fl)) * k;
+        float u = (float)((bits_of(x[i]) & 0xFFFF) + 65);
+        r = fmaf(u, alpha, r);
+        r = r < 1.0f ? 1.0f : r;
+        r = r > hi ? hi : r;
+        out[i] = (int32_t)r;
+    }
+    return (neg ? BAD_NEGATIVE : 0) | (isfinite(s) ? 0 : BAD_NONFINITE);
+}
+
+static inline int enc_i8v(const float *restrict x, uint8_t *restrict codes, float *restrict scale,
+                          const consts_t *C) {
+    int32_t c[I8B];
+    int bad = enc_fourth(x, I8B, 255.0f, C->i8v_floor, scale, c, C);
+    for (int i = 0; i < I8B; i++) codes[i] = (uint8_t)c[i];
+    return bad;
+}
+
+/* 32 nibbles (int32, 0..15) into 16 bytes: even index in the low nibble. */
+static inline void pack_nibbles(const int32_t *restrict c, uint8_t *restrict codes) {
+#if MT_AVX512
+    for (int h = 0; h < 2; h++) {   /* 8 pairs as int64 lanes: lo + (hi << 32) */
+        __m512i v = _mm512_loadu_si512((const void *)(c + 16 * h));
+        __m512i r = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi64(15)),
+                                    _mm512_and_si512(_mm512_srli_epi64(v, 28), _mm512_set1_epi64(0xF0)));
+        _mm_storel_epi64((__m128i *)(codes + 8 * h), _mm512_cvtepi64_epi8(r));
+    }
+#else
+    for (int i = 0; i < I4B / 2; i++) codes[i] = (uint8_t)(c[2 * i] + 16 * c[2 * i + 1]);
+#endif
+}
+
+static inline int enc_i4v(const float *restrict x, uint8_t *restrict codes, float *restrict scale,
+                          const consts_t *C) {
+    int32_t c[I4B];
+    int bad = enc_fourth(x, I4B, 16.0f, C->i4v_floor, scale, c, C);
+    for (int i = 0; i < I4B; i++) c[i] -= 1;
+    pack_nibbles(c, codes);
+    return bad;
+}
+
+static inline int enc_i4m(const float *restrict x, uint8_t *restrict codes, float *restrict scale,
+                          const consts_t *C) {
+    float s = absmax(x, I4B);
+    *scale = s;
+    float k = s < 0x1p-149f ? 0x1p-149f : s;
+    if (s != s) k = s;
+    k = 1.0f / sqrtf(k);
+    int32_t c[I4B];
+    for (int i = 0; i < I4B; i++) {
+        float y = (fabsf(x[i]) * k) * k;
+        float q = copysignf(y, x[i]) * -7.5f;
+        q = fmaf(y, 56.5f, q);
+        q = q - 0.25f;
+        q = q < 0.01f ? 0.01f : q;
+        q = rintf(sqrtf(q));
+        q = copysignf(q, x[i]) + 8.0f;
+        c[i] = (int32_t)q;
+    }
+    pack_nibbles(c, codes);
+    return isfinite(s) ? 0 : BAD_NONFINITE;
+}
+
+/* ------------------------------------------------------------------ block decoders */
+static inline void dec_i8m(const int8_t *restrict codes, float s, float *restrict out, const consts_t *C) {
+    const float inv = C->inv127;
+    for (int i = 0; i < I8B; i++) {
+        float t = (float)codes[i] * inv;
+        out[i] = (t * fabsf(t)) * s;
+    }
+}
+
+static inline void floor_positive(float s, float *restrict out, int n, const consts_t *C) {
+    if (s > 0.0f && s < C->tiny_scale)
+        for (int i = 0; i < n; i++) out[i] = out[i] < 0x1p-149f ? 0x1p-149f : out[i];
+}
+
+static inline void dec_i8v(const uint8_t *restrict codes, float s, float *restrict out, const consts_t *C) {
+    const float inv = C->inv255;
+    for (int i = 0; i < I8B; i++) {
+        float t = (float)codes[i] * inv;
+        t = t * t;
+        out[i] = (t * t) * s;
+    }
+    floor_positive(s, out, I8B, C);
+}
+
+static inline void dec_i4(const uint8_t *restrict codes, float s, float *restrict out, const float *lut) {
+#if MT_AVX512   /* the 16 levels in one register: a lane permute per 16 values */
+    __m512 L = _mm512_loadu_ps(lut), S = _mm512_set1_ps(s);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(b, 4);
+    const __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, i0, hi), L), S));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, i1, hi), L), S));
+#else
+    for (int i = 0; i < I4B / 2; i++) {
+        out[2 * i] = lut[codes[i] & 15] * s;
+        out[2 * i + 1] = lut[codes[i] >> 4] * s;
+    }
+#endif
+}
+
+/* ------------------------------------------------------------------ AdamW */
+/* torch._fused_adamw_'s arithmetic (ATen FusedAdamKernel.cpp): its vectorised lanes, and its
+   scalar tail (the last numel % Vec::size() elements of each call) whose second moment is
+   rounded differently: fma(v, beta2, (c2 * g) * g) instead of fma(c2 * g, g, v * beta2). */
+/* a / b, correctly rounded, without a division: q = a * y with y = RN(1/b), then one Newton step
+   on the exact residual (Markstein: RN(q + (a - q b) y) = RN(a / b) for y = RN(1/b) and a/b in the
+   normal range). Here a = sqrt(v): 0, or in [2**-75, 2**64], so it holds; an infinite a (a
+   diverged v) is passed through as the division would. The divider is the kernels' bottleneck:
+   this leaves AdamW one division and one root per element, as DeepSpeed's, with torch's result. */
+static inline float div_bc2s(float a, float b, float y) {
+    float q = a * y;
+    float r = fmaf(-q, b, a);
+    q = fmaf(r, y, q);
+    return a == INFINITY ? a : q;
+}
+
+static inline int32_t clamp_rel(int64_t x, int64_t base, int64_t n) {
+    x -= base;
+    return (int32_t)(x < 0 ? 0 : x > n ? n : x);
+}
+
+/* torch's vector lanes on n elements, all decayed (p * pmul) or none: a loop without selects. */
+static inline void adam_lanes(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                              int32_t n, const int decayed, float pmul, float coef, float b2, float c2, float bc2s,
+                              float rb, float eps, float negss) {
+    for (int32_t i = 0; i < n; i++) {
+        float gi = g[i];
+        float pi = decayed ? p[i] * pmul : p[i];
+        float mi = fmaf(coef, gi - m[i], m[i]);
+        float cg = c2 * gi;
+        float vi = fmaf(cg, gi, v[i] * b2);
+        float den = div_bc2s(sqrtf(vi), bc2s, rb) + eps;
+        p[i] = pi + (negss * mi) / den; m[i] = mi; v[i] = vi;
+    }
+}
+
+/* n elements (n < 2**31) starting at absolute index base; the elements in A->tail take torch's
+   scalar-tail rounding of the second moment (a select: both are computed). */
+static inline void adam_span(float *restrict p, const float *restrict g, float *restrict m,
+                             float *restrict v, int64_t n, int64_t base, const adam_t *A) {
+    const float coef = A->coef, pmul = A->pmul, b2 = A->b2, c2 = A->c2, bc2s = A->bc2s, eps = A->eps,
+                negss = A->negss, rb = 1.0f / bc2s;
+    const int32_t dend = clamp_rel(A->decay_end, base, n), nn = (int32_t)n;
+    const int32_t t0 = clamp_rel(A->tail[0], base, n), t1 = clamp_rel(A->tail[1], base, n);
+    const int32_t t2 = clamp_rel(A->tail[2], base, n), t3 = clamp_rel(A->tail[3], base, n);
+    const int from_grad = A->lerp_from_grad, tails = t1 > t0 || t3 > t2;
+    if (!tails && !from_grad) {   /* the common case, on torch's vector lanes throughout */
+        if (dend >= nn) adam_lanes(p, g, m, v, nn, 1, pmul, coef, b2, c2, bc2s, rb, eps, negss);
+        else if (dend <= 0) adam_lanes(p, g, m, v, nn, 0, pmul, coef, b2, c2, bc2s, rb, eps, negss);
+        else {
+            adam_lanes(p, g, m, v, dend, 1, pmul, coef, b2, c2, bc2s, rb, eps, negss);
+            adam_lanes(p + dend, g + dend, m + dend, v + dend, nn - dend, 0, pmul, coef, b2, c2, bc2s, rb, eps,
+                       negss);
+        }
+        return;
+    }
+    for (int32_t i = 0; i < nn; i++) {
+        float gi = g[i];
+        float pi = p[i] * (i < dend ? pmul : 1.0f);
+        float mi = fmaf(coef, gi - m[i], from_grad ? gi : m[i]);
+        float cg = c2 * gi;
+        int scalar = (i >= t0 && i < t1) || (i >= t2 && i < t3);
+        float vi = scalar ? fmaf(v[i], b2, cg * gi) : fmaf(cg, gi, v[i] * b2);
+        float den = div_bc2s(sqrtf(vi), bc2s, rb) + eps;
+        p[i] = pi + (negss * mi) / den; m[i] = mi; v[i] = vi;
+    }
+}
+/* Plain AdamW over flat fp32 buffers (fp32 states): torch._fused_adamw_ bit for bit. */
+static void adamw_range(float *p, const float *g, float *m, float *v, int64_t n, int64_t base, const adam_t *A) {
+    const int64_t step = 4096;
+    for (int64_t i = 0; i < n; i += step) {
+        int64_t k = n - i < step ? n - i : step;
+        adam_span(p + i, g + i, m + i, v + i, k, base + i, A);
+    }
+}
+
+/* ------------------------------------------------------------------ whole tensors */
+/* kind: 0 int8 exp_avg, 1 int8 exp_avg_sq, 2 int4 exp_avg, 3 int4 exp_avg_sq.
+   n elements of x; codes and scales cover ceil(n / block) blocks (the last one zero-padded). */
+int mt_encode(int kind, const float *x, int64_t n, uint8_t *codes, float *scales, const consts_t *C) {
+    int B = kind < 2 ? I8B : I4B, cpb = kind < 2 ? 1 : 2, bad = 0;
+    int64_t nb = (n + B - 1) / B;
+    float pad[I8B];
+    for (int64_t j = 0; j < nb; j++) {
+        const float *xb = x + j * B;
+        if ((j + 1) * B > n) {
+            memset(pad, 0, sizeof pad);
+            memcpy(pad, xb, (size_t)(n - j * B) * 4);
+            xb = pad;
+        }
+        uint8_t *cb = codes + j * B / cpb;
+        switch (kind) {
+        case 0: bad |= enc_i8m(xb, (int8_t *)cb, scales + j, C); break;
+        case 1: bad |= enc_i8v(xb, cb, scales + j, C); break;
+        case 2: bad |= enc_i4m(xb, cb, scales + j, C); break;
+        default: bad |= enc_i4v(xb, cb, scales + j, C); break;
+        }
+    }
+    return bad;
+}
+
+void mt_decode(int kind, const uint8_t *codes, const float *scales, int64_t n, float *out, const consts_t *C) {
+    int B = kind < 2 ? I8B : I4B, cpb = kind < 2 ? 1 : 2;
+    int64_t nb = (n + B - 1) / B;
+    float pad[I8B];
+    for (int64_t j = 0; j < nb; j++) {
+        int full = (j + 1) * B <= n;
+        float *ob = full ? out + j * B : pad;
+        const uint8_t *cb = codes + j * B / cpb;
+        switch (kind) {
+        case 0: dec_i8m((const int8_t *)cb, scales[j], ob, C); break;
+        case 1: dec_i8v(cb, scales[j], ob, C); break;
+        case 2: dec_i4(cb, scales[j], ob, C->lut4m); break;
+        default: dec_i4(cb, scales[j], ob, C->lut4v); floor_positive(scales[j], ob, I4B, C); break;
+        }
+        if (!full) memcpy(out + j * B, pad, (size_t)(n - j * B) * 4);
+    }
+}
+
+/* ------------------------------------------------------------------ the fused update */
+/* One pass over n elements (absolute index base; base a multiple of the block): each block's
+   moments decoded from (cm, sm, cv, sv) -- zeros when cm is NULL --, AdamW on p with g, and the
+   new moments encoded into (om, osm, ov, osv). in and out may be the same codes. Returns the
+   first moment's encode flags | the second moment's << 2. */
+static int update_range(int codec, float *p, const float *g,
+              const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
+              uint8_t *om, float *osm, uint8_t *ov, float *osv,
+              int64_t n, int64_t base, const adam_t *A, const consts_t *C) {
+    int B = codec == 8 ? I8B : I4B, bad = 0;
+    int64_t nb = (n + B - 1) / B;
+    float m[I8B], v[I8B];
+    for (int64_t j = 0; j < nb; j++) {
+        int64_t off = j * B;
+        int k = n - off < B ? (int)(n - off) : B;
+        if (cm == NULL) {
+            memset(m, 0, sizeof m); memset(v, 0, sizeof v);
+        } else if (codec == 8) {
+            dec_i8m((const int8_t *)cm + off, sm[j], m, C);
+            dec_i8v(cv + off, sv[j], v, C);
+        } else {
+            dec_i4(cm + off / 2, sm[j], m, C->lut4m);
+            dec_i4(cv + off / 2, sv[j], v, C->lut4v);
+            floor_positive(sv[j], v, I4B, C);
+        }
+        adam_span(p + off, g + off, m, v, k, base + off, A);
+        if (k < B) { memset(m + k, 0, (size_t)(B - k) * 4); memset(v + k, 0, (size_t)(B - k) * 4); }
+        if (codec == 8) {
+            bad |= enc_i8m(m, (int8_t *)om + off, osm + j, C);
+            bad |= enc_i8v(v, ov + off, osv + j, C) << 2;
+        } else {
+            bad |= enc_i4m(m, om + off / 2, osm + j, C);
+            bad |= enc_i4v(v, ov + off / 2, osv + j, C) << 2;
+        }
+    }
+    return bad;
+}
+
+/* ------------------------------------------------------------------ threads */
+/* The entry points split their range over `threads` threads (the caller's and threads - 1
+   pthreads started for the call), in whole blocks; a range under MIN_SPLIT elements is not
+   split. No element's result depends on the split. */
+#define MIN_SPLIT (1 << 18)
+#define MAX_THREADS 256
+
+typedef struct {
+    int codec; float *p; const float *g; float *m, *v;
+    const uint8_t *cm; const float *sm; const uint8_t *cv; const float *sv;
+    uint8_t *om; float *osm; uint8_t *ov; float *osv;
+    int64_t n, base; const adam_t *A; const consts_t *C; int bad;
+} job_t;
+
+static void *run_job(void *arg) {
+    job_t *j = (job_t *)arg;
+    if (j->codec == 0) adamw_range(j->p, j->g, j->m, j->v, j->n, j->base, j->A);
+    else j->bad = update_range(j->codec, j->p, j->g, j->cm, j->sm, j->cv, j->sv, j->om, j->osm, j->ov, j->osv,
+                               j->n, j->base, j->A, j->C);
+    return NULL;
+}
+
+static int run_split(job_t *whole, int threads, int64_t block, int per_byte) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads <= 1 || whole->n < MIN_SPLIT) { run_job(whole); return whole->bad; }
+    job_t jobs[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    int64_t per = (whole->n / threads + block - 1) / block * block, off = 0;
+    int t = 0;
+    for (; t < threads && off < whole->n; t++, off += per) {
+        job_t *j = &jobs[t];
+        int64_t cb = off / per_byte, sb = off / block;   /* its codes' and scales' offsets */
+        *j = *whole;
+        j->p = whole->p + off; j->g = whole->g + off; j->base = whole->base + off; j->bad = 0;
+        j->n = whole->n - off < per ? whole->n - off : per;
+        if (whole->codec == 0) { j->m = whole->m + off; j->v = whole->v + off; continue; }
+        if (whole->cm) { j->cm = whole->cm + cb; j->sm = whole->sm + sb; j->cv = whole->cv + cb; j->sv = whole->sv + sb; }
+        j->om = whole->om + cb; j->osm = whole->osm + sb; j->ov = whole->ov + cb; j->osv = whole->osv + sb;
+    }
+    for (int i = 1; i < t; i++) started[i] = pthread_create(&tid[i], NULL, run_job, &jobs[i]) == 0;
+    run_job(&jobs[0]);
+    int bad = jobs[0].bad;
+    for (int i = 1; i < t; i++) {
+        if (started[i]) pthread_join(tid[i], NULL);
+        else run_job(&jobs[i]);   /* (no thread could be started: run it here) */
+        bad |= jobs[i].bad;
+    }
+    return bad;
+}
+
+void mt_adamw(float *p, const float *g, float *m, float *v, int64_t n, int64_t base, const adam_t *A, int threads) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.p = p; j.g = g; j.m = m; j.v = v; j.n = n; j.base = base; j.A = A;
+    run_split(&j, threads, 64, 1);
+}
+
+/* The fused update of n elements (absolute index base, a multiple of the block): update_range. */
+int mt_update(int codec, float *p, const float *g,
+              const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
+              uint8_t *om, float *osm, uint8_t *ov, float *osv,
+              int64_t n, int64_t base, const adam_t *A, const consts_t *C, int threads) {
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.codec = codec; j.p = p; j.g = g; j.cm = cm; j.sm = sm; j.cv = cv; j.sv = sv;
+    j.om = om; j.osm = osm; j.ov = ov; j.osv = osv; j.n = n; j.base = base; j.A = A; j.C = C;
+    return run_split(&j, threads, codec == 8 ? I8B : I4B, codec == 8 ? 1 : 2);
+}
+"""
+
+#: Flags of every build; ``-march=native`` is added when the compiler takes it (the cache key
+#: holds the CPU's flags). No -ffast-math: it would flush subnormals to zero and reassociate.
+FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno")
+NATIVE = ("-march=native",)
+ENV = "MEGATRAIN_NB_FUSED_UPDATE"
+
+_KIND = {("int8", "exp_avg"): 0, ("int8", "exp_avg_sq"): 1, ("int4", "exp_avg"): 2, ("int4", "exp_avg_sq"): 3}
+_CODEC = {"int8": 8, "int4": 4}
+_BAD_NEGATIVE, _BAD_NONFINITE = 1, 2
+
+
+class _Consts(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_float) for n in ("i8m_floor", "i8v_floor", "i4v_floor", "dither_alpha", "inv127",
+                                               "inv255", "tiny_scale")] \
+        + [("lut4m", ctypes.c_float * 16), ("lut4v", ctypes.c_float * 16)]
+
+
+class AdamArgs(ctypes.Structure):
+    """torch._fused_adamw_'s scalars as its kernel rounds them (:func:`adam_args`)."""
+    _fields_ = [(n, ctypes.c_float) for n in ("coef", "pmul", "b2", "c2", "bc2s", "eps", "negss")] \
+        + [("lerp_from_grad", ctypes.c_int32), ("decay_end", ctypes.c_int64), ("tail", ctypes.c_int64 * 4)]
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def adam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
+              decay_end: int, regions, width: int) -> AdamArgs:
+    """The AdamW scalars of one update as ``torch._fused_adamw_`` computes and rounds them (in
+    double, then to float), for the elements of ``regions``: the ``[lo, hi)`` spans (absolute
+    indices) on which the torch path calls the fused kernel once each -- their last ``(hi - lo) %
+    width`` elements take torch's scalar tail. Elements below ``decay_end`` are decayed."""
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    lerp = _f32(1 - beta1)
+    small = abs(lerp) < 0.5
+    tails = [(lo + (hi - lo) // width * width, hi) for lo, hi in regions if hi > lo][:2]
+    tails += [(0, 0)] * (2 - len(tails))
+    return AdamArgs(lerp if small else _f32(lerp - 1.0), _f32(1 - lr * weight_decay) if weight_decay != 0 else 1.0,
+                    _f32(beta2), _f32(1 - beta2), _f32(math.sqrt(bc2)), _f32(eps), _f32(-(lr / bc1)),
+                    0 if small else 1, int(decay_end), (ctypes.c_int64 * 4)(*[i for t in tails for i in t]))
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def encode_error(flags: int, codec: str, role: str) -> Optional[ValueError]:
+    """The torch path's error for a kernel's encode flags of one moment (None: encoded)."""
+    if flags & _BAD_NEGATIVE:
+        return ValueError("exp_avg_sq must be non-negative")
+    if flags & _BAD_NONFINITE:
+        return ValueError(f"cannot encode {role} with the {codec} codec: it contains NaN or Inf (the optimizer "
+                          f"state has diverged)")
+    return None
+
+
+class Kernels:
+    """The loaded kernels (:func:`kernels`). Tensors are 1-D, contiguous, on the CPU; codes
+    and scales are laid out as ``codecs.py`` stores them."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str, compiler: str = ""):
+        self.lib, self.path, self.compiler = lib, path, compiler
+        #: torch's fused AdamW vector width here (its scalar tail: numel % width), found by check()
+        self.width = 0
+        from .codecs import Int4MomentCodec, Int4VarianceCodec, dither_alpha
+
+        lut = lambda cls: (ctypes.c_float * 16)(*cls.LEVELS.tolist())  # noqa: E731
+        self.consts = _Consts(_f32((0.25 / 127.0) ** 2), _f32((0.5 / 255.0) ** 4), _f32((0.5 / 16.0) ** 4),
+                              _f32(dither_alpha()), _f32(1.0 / 127.0), _f32(1.0 / 255.0), _f32(1e-30),
+                              lut(Int4MomentCodec), lut(Int4VarianceCodec))
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.mt_encode.argtypes = [ctypes.c_int, vp, i64, vp, vp, vp]
+        lib.mt_decode.argtypes = [ctypes.c_int, vp, vp, i64, vp, vp]
+        lib.mt_decode.restype = None
+        lib.mt_update.argtypes = [ctypes.c_int] + [vp] * 10 + [i64, i64, vp, vp, ctypes.c_int]
+        lib.mt_adamw.argtypes = [vp] * 4 + [i64, i64, vp, ctypes.c_int]
+        lib.mt_adamw.restype = None
+        self._c = ctypes.byref(self.consts)
+
+    def encode(self, codec: str, role: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> int:
+        """Encode ``x`` into ``codes``/``scales`` (the last block zero-padded); returns flags
+        (:func:`encode_error`)."""
+        return self.lib.mt_encode(_KIND[codec, role], _ptr(x), x.numel(), _ptr(codes), _ptr(scales), self._c)
+
+    def decode(self, codec: str, role: str, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        self.lib.mt_decode(_KIND[codec, role], _ptr(codes), _ptr(scales), out.numel(), _ptr(out), self._c)
+
+    def update(self, codec: str, params: torch.Tensor, grads: torch.Tensor, src: Optional[Dict[str, torch.Tensor]],
+               dst: Dict[str, torch.Tensor], base: int, args: AdamArgs, threads: int = 1) -> None:
+        """One chunk's update (``base``: its first element's index in the unit, a block
+        boundary): ``src`` (codes and scales of both moments, or None: zeros) decoded, AdamW on
+        ``params`` in place, encoded into ``dst`` (may be ``src``), on ``threads`` threads (the
+        result does not depend on it). Raises the torch path's error for a moment that cannot
+        be encoded."""
+        s = src or {}
+        flags = self.lib.mt_update(_CODEC[codec], _ptr(params), _ptr(grads),
+                                   _ptr(s.get("exp_avg.codes")), _ptr(s.get("exp_avg.scales")),
+                                   _ptr(s.get("exp_avg_sq.codes")), _ptr(s.get("exp_avg_sq.scales")),
+                                   _ptr(dst["exp_avg.codes"]), _ptr(dst["exp_avg.scales"]),
+                                   _ptr(dst["exp_avg_sq.codes"]), _ptr(dst["exp_avg_sq.scales"]),
+                                   params.numel(), int(base), ctypes.byref(args), self._c, int(threads))
+        for role, bits in (("exp_avg", flags & 3), ("exp_avg_sq", flags >> 2)):
+            err = encode_error(bits, codec, role)
+            if err is not None:
+                raise err
+
+    def adamw(self, params, grads, exp_avg, exp_avg_sq, base: int, args: AdamArgs, threads: int = 1) -> None:
+        """AdamW over flat fp32 buffers in place, on ``threads`` threads: ``torch._fused_adamw_``
+        bit for bit."""
+        self.lib.mt_adamw(_ptr(params), _ptr(grads), _ptr(exp_avg), _ptr(exp_avg_sq), params.numel(), int(base),
+                          ctypes.byref(args), int(threads))
+
+    # ------------------------------------------------------------------ the self-check
+    def check(self) -> None:
+        """Raise RuntimeError unless this build computes what torch does here: AdamW equal
+        (and torch's vector width found), decode equal, codes equal or one level apart."""
+        self.width = self._probe_width()
+        from .codecs import get_codec
+
+        g = torch.Generator().manual_seed(0)
+        n = 8192 + 77
+        rows = torch.pow(10.0, -9 + 6 * torch.rand(n // 32 + 1, 1, generator=g)).expand(-1, 32).reshape(-1)[:n]
+        m = torch.randn(n, generator=g) * rows
+        v = torch.randn(n, generator=g).square() * rows.square()
+        m[::11], v[::13] = 0.0, 0.0
+        for codec in _CODEC:
+            for role, x in (("exp_avg", m), ("exp_avg_sq", v)):
+                c = get_codec(codec, role)
+                want = c.encode_torch(x)
+                got = {k: torch.empty_like(t) for k, t in want.items()}
+                if self.encode(codec, role, x, got["codes"], got["scales"]) or not torch.equal(got["scales"],
+                                                                                                 want["scales"]):
+                    raise RuntimeError(f"{codec} {role}: its scales differ from torch's")
+                if not _near_codes(c, got["codes"], want["codes"]):
+                    raise RuntimeError(f"{codec} {role}: its codes differ from torch's by more than one level")
+                a, b = torch.empty(n), torch.empty(n)
+                self.decode(codec, role, want["codes"], want["scales"], a)
+                if not torch.equal(a, c.decode_torch(want, b)):
+                    raise RuntimeError(f"{codec} {role}: its decoded values differ from torch's")
+
+    def _probe_width(self) -> int:
+        """torch's fused AdamW on 127 values whose second moment rounds differently on its
+        vector lanes and in its scalar tail: the trailing ones on the scalar path are
+        ``127 % width`` = width - 1. Also checks every value against this kernel's."""
+        g = torch.Generator().manual_seed(1)
+        n = 4096
+        p, gr = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3
+        m, v = torch.randn(n, generator=g) * 1e-4, torch.rand(n, generator=g) * 1e-6
+        kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3.0, decay_end=n)
+
+        def ours(tails, idx=None):
+            t = [x.clone() if idx is None else x[idx].clone() for x in (p, gr, m, v)]
+            k = t[0].numel()
+            self.adamw(t[0], t[1], t[2], t[3], 0, adam_args(**{**kw, "decay_end": k}, regions=tails(k), width=1 << 30))
+            return t
+        vec, sca = ours(lambda k: []), ours(lambda k: [(0, k)])
+        idx = (vec[3] != sca[3]).nonzero().squeeze(1)[:127]
+        if idx.numel() < 127:
+            raise RuntimeError("cannot find values to probe torch's AdamW with")
+        vec, sca = ours(lambda k: [], idx), ours(lambda k: [(0, k)], idx)
+        ref = [x[idx].clone() for x in (p, gr, m, v)]
+        torch._fused_adamw_([ref[0]], [ref[1]], [ref[2]], [ref[3]], [], [torch.tensor(3.0)], lr=1e-3, beta1=0.9,
+                            beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        on_vec = [all(bool(torch.equal(r[i], a[i])) for r, a in zip(ref, vec)) for i in range(127)]
+        on_sca = [all(bool(torch.equal(r[i], a[i])) for r, a in zip(ref, sca)) for i in range(127)]
+        tail = 127 - next((i for i in range(127) if not on_vec[i]), 127)
+        if tail + 1 not in (2, 4, 8, 16, 32, 64) or not all(on_vec[:127 - tail]) or not all(on_sca[127 - tail:]):
+            raise RuntimeError("its AdamW differs from torch._fused_adamw_")
+        return tail + 1
+
+
+def _near_codes(codec, got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Codes equal, or (a root rounded one ulp apart) one level apart, in at most 1 in 1000."""
+    if codec.codes_per_byte == 2:
+        got = torch.stack([got & 15, got >> 4], 1).view(-1)
+        want = torch.stack([want & 15, want >> 4], 1).view(-1)
+    d = (got.to(torch.int32) - want.to(torch.int32)).abs()
+    return int(d.max()) <= 1 and int((d > 0).sum()) * 1000 <= d.numel()
+
+
+# ---------------------------------------------------------------------------------- loading
+_LOCK = threading.Lock()
+_STATE: dict = {"tried": False, "kernels": None, "why": None, "off": 0}
+
+
+def kernels() -> Optional[Kernels]:
+    """The kernels, built or loaded on the first call (thread-safe); None where they are not
+    available (:func:`disabled_reason` says why, and the first call logged it)."""
+    if _STATE["off"]:
+        return None
+    if not _STATE["tried"]:
+        with _LOCK:
+            if not _STATE["tried"]:
+                _STATE["kernels"] = _load()
+                _STATE["tried"] = True
+    return _STATE["kernels"]
+
+
+def disabled_reason() -> Optional[str]:
+    """Why :func:`kernels` is None (None: it is not, or it was not called yet)."""
+    return "turned off (torch_path())" if _STATE["off"] else _STATE["why"]
+
+
+class torch_path:
+    """``with torch_path():`` the codecs and the update run on torch ops (tests, benchmarks)."""
+
+    def __enter__(self):
+        with _LOCK:
+            _STATE["off"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        with _LOCK:
+            _STATE["off"] -= 1
+
+
+def _load() -> Optional[Kernels]:
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        _STATE["why"] = f"{ENV}=0"
+        log.info("fused update kernels off (%s=0): the optimizer-state codecs run on torch ops", ENV)
+        return None
+    t0 = time.perf_counter()
+    try:
+        path, built, cc = _build()
+        k = Kernels(ctypes.CDLL(path), path, cc)
+        k.check()
+    except Exception as e:  # noqa: BLE001 - any failure leaves the torch path, said once
+        _STATE["why"] = str(e)
+        log.warning("fused update kernels unavailable (%s): the optimizer-state codecs and the compressed update "
+                    "run on torch ops, several times slower", e)
+        return None
+    log.info("fused update kernels %s in %.1f s: %s (torch AdamW vector width %d)",
+             "built" if built else "loaded", time.perf_counter() - t0, path, k.width)
+    return k
+
+
+def cache_dir() -> str:
+    """Where built kernels are kept: ``$MEGATRAIN_NB_CACHE/kernels`` (else ``~/.cache/megatrain_nb/kernels``)."""
+    root = os.environ.get("MEGATRAIN_NB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatrain_nb")
+    return os.path.join(root, "kernels")
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    sig = [platform.machine(), platform.system()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":")[0].strip() in ("flags", "Features", "model name", "CPU part"):
+                    sig.append(line.strip())
+                if len(sig) >= 4:
+                    break
+    except OSError:
+        sig.append(platform.processor())
+    return "\n".join(sig)
+
+
+def _trusted(path: str) -> None:
+    """A cached library is loaded into the process: only one this user owns and nobody else
+    can write (its folder included)."""
+    for p in (path, os.path.dirname(path)):
+        st = os.stat(p)
+        if (hasattr(os, "geteuid") and st.st_uid != os.geteuid()) or st.st_mode & 0o022:
+            raise RuntimeError(f"{p} is not this user's alone (owner {st.st_uid}, mode {st.st_mode & 0o777:o}): "
+                               f"not loaded")
+
+
+def _build():
+    """(path of the shared library, whether it was built now, the compiler): from the cache, or compiled
+    into it (a temporary file renamed into place: concurrent builds are harmless)."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cc} --version failed: {e}") from e
+    folder = cache_dir()
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    errors = []
+    for flags in (FLAGS + NATIVE, FLAGS):
+        key = hashlib.sha256("\0".join([SOURCE, " ".join(flags), version, _cpu_signature()]).encode()).hexdigest()[:20]
+        path = os.path.join(folder, f"mt_update-{key}.so")
+        if os.path.exists(path):
+            _trusted(path)
+            return path, False, cc
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            src, out = os.path.join(tmp, "mt_update.c"), os.path.join(tmp, "mt_update.so")
+            with open(src, "w") as f:
+                f.write(SOURCE)
+            try:
+                r = subprocess.run([cc, *flags, "-o", out, src, "-lm"], capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as e:
+                errors.append(str(e))
+                continue
+            if r.returncode == 0 and os.path.exists(out):
+                os.replace(out, path)
+                return path, True, cc
+            errors.append((r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit {r.returncode}"])
+    raise RuntimeError(f"{cc} could not build the kernels: {errors[-1]}")
+
+
+# ---------------------------------------------------------------------------------- chunks
+class CodedChunk:
+    """Elements ``[a, b)`` of a unit's two moments as codes: what a fused chunked update
+    (``OptimizerStates.update``) hands its ``apply`` in place of decoded fp32 moments. AdamW
+    (``optimizer.UnitRun.step``) then runs the kernel on it (:meth:`step`): the codes in
+    ``src`` (None: zeros, the first update) are decoded, stepped and encoded into ``dst``.
+    ``pools``: single-thread executors (the codec threads) that each take a part of the chunk
+    while the calling thread does the first; no result depends on the split."""
+
+    __slots__ = ("kernels", "codecs", "src", "dst", "a", "b", "pools", "done")
+
+    #: A chunk shorter than this is not split; a longer one is cut in pieces of at most PIECE
+    #: elements that the threads take in turn (as many threads as cores or not, none waits for
+    #: a slower one's fixed share).
+    MIN_SPLIT, PIECE = 1 << 12, 1 << 18
+
+    def __init__(self, kern: Kernels, codecs: Dict[str, object], src, dst, a: int, b: int, pools=()):
+        self.kernels, self.codecs, self.src, self.dst, self.a, self.b = kern, codecs, src, dst, a, b
+        self.pools = tuple(p for p in pools if p is not None)
+        self.done = False
+
+    def step(self, params: torch.Tensor, grads: torch.Tensor, args: AdamArgs) -> None:
+        """AdamW on the chunk: ``params`` and ``grads`` its ``b - a`` elements (contiguous)."""
+        if self.done:
+            raise RuntimeError("a fused chunk is stepped once")
+        self.done = True
+        grads = grads.contiguous()
+        n = params.numel()
+        block = max(c.block for c in self.codecs.values())
+        pools = self.pools if n >= self.MIN_SPLIT else ()
+        per = -(-min(self.PIECE, -(-n // (1 + len(pools)))) // block) * block
+        pieces = iter([(s, min(s + per, n)) for s in range(0, n, per)])
+        lock = threading.Lock()
+
+        def take() -> None:
+            while True:
+                with lock:
+                    span = next(pieces, None)
+                if span is None:
+                    return
+                self._part(params, grads, args, *span)
+        futures = [pool.submit(take) for pool in pools]
+        try:
+            take()
+        finally:
+            errors = [f.exception() for f in futures]   # (every piece done before this returns)
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def _part(self, params, grads, args, s: int, e: int) -> None:
+        codec = next(iter(self.codecs.values())).name
+        self.kernels.update(codec, params[s:e], grads[s:e], chunk_views(self.codecs, self.src, s, e),
+                            chunk_views(self.codecs, self.dst, s, e), self.a + s, args)
+
+
+def chunk_views(codecs: Dict[str, object], codes: Optional[Dict[str, torch.Tensor]], a: int, b: int):
+    """Views of the codes and scales of elements ``[a, b)`` (``a`` on a block boundary) of a
+    unit's stored codes (None: None)."""
+    if codes is None:
+        return None
+    out = {}
+    for role, c in codecs.items():
+        lo, hi = a // c.block, -(-b // c.block)
+        out[f"{role}.codes"] = codes[f"{role}.codes"][lo * c.block // c.codes_per_byte:hi * c.block // c.codes_per_byte]
+        out[f"{role}.scales"] = codes[f"{role}.scales"][lo:hi]
+    return out

@@ -1,0 +1,146 @@
+"""Per-unit AdamW on the host: PyTorch's fused CPU kernel's arithmetic (``fused_update``'s C
+kernel where it is built, bit for bit the same; else ``torch._fused_adamw_``).
+
+Each unit's flat buffer keeps its decayed parameters first, so one unit is two fused calls
+(weight decay on, off). The Adam moments come from an :class:`OptimizerStates` store, which
+keeps them as fp32 or in a compressed codec, in RAM or on the disk tier; they are decoded
+only for the update and encoded right after.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from .fused_update import CodedChunk, adam_args, kernels
+from ..units import Unit
+
+
+class UnitAdamW:
+    def __init__(self, *, betas, eps: float, weight_decay: float, collect_stats: bool = False):
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.steps: Dict[int, torch.Tensor] = {}
+        self.stats: Dict[int, dict] = {}
+        #: Per-unit statistics (unit_stats) cost two passes over a unit, as much as a third of
+        #: the update itself, on the optimizer's critical path: gathered only once someone reads
+        #: them (StreamingEngine.layer_stats turns this on).
+        self.collect_stats = collect_stats
+        kernels()   # the fused kernels built (or loaded from the cache) now, not in the first update
+
+    def step_unit(self, unit: Unit, params: torch.Tensor, grads: torch.Tensor,
+                  exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, lr: float,
+                  collect_stats: Optional[bool] = None, grad_norm: Optional[float] = None) -> None:
+        """One AdamW update of a unit's flat fp32 params in place (moments updated in place).
+        ``collect_stats`` None: :attr:`collect_stats`. ``grad_norm``: the gradient's norm when
+        the caller knows it (the clipped path took it during the backward), saving a pass."""
+        run = self.start_unit(unit, params, collect_stats)
+        run.step(0, unit.numel, grads, exp_avg, exp_avg_sq, lr)
+        run.finish(grads, grad_norm=grad_norm)
+
+    def start_unit(self, unit: Unit, params: torch.Tensor,
+                   collect_stats: Optional[bool] = None) -> "UnitRun":
+        """One unit's update applied slice by slice (:meth:`UnitRun.step` on ``[a, b)``, then
+        :meth:`UnitRun.finish`): the same arithmetic as :meth:`step_unit` (AdamW is elementwise;
+        the step count advances once), so the moments need exist only a slice at a time."""
+        if collect_stats is None:
+            collect_stats = self.collect_stats
+        step = self.steps.get(unit.index)
+        if step is None:
+            step = self.steps[unit.index] = torch.zeros((), dtype=torch.float32)
+        old = None
+        if collect_stats:   # the update norm is estimated from a strided sample
+            old = params[::max(1, unit.numel // 65536)].clone()
+        step.add_(1)
+        return UnitRun(self, unit, params, step, old)
+
+    def fused(self, params, grads, exp_avg, exp_avg_sq, step, lr: float, wd: float) -> None:
+        """AdamW on flat fp32 buffers: the fused kernels' (``fused_update``: torch's arithmetic
+        with one division fewer, the same result bit for bit) on this thread's torch thread
+        count, else ``torch._fused_adamw_``."""
+        k = kernels()
+        if k is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                                 for t in (params, grads, exp_avg, exp_avg_sq)):
+            n = params.numel()
+            k.adamw(params, grads, exp_avg, exp_avg_sq, 0, adam_args(
+                lr=float(lr), beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd, step=float(step),
+                decay_end=n, regions=[(0, n)], width=k.width), threads=torch.get_num_threads())
+            return
+        torch._fused_adamw_([params], [grads], [exp_avg], [exp_avg_sq], [], [step],
+                            lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
+                            eps=self.eps, amsgrad=False, maximize=False)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {str(i): s.clone() for i, s in self.steps.items()}
+
+    def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        self.steps = {int(k): v.clone().float() for k, v in sd.items()}
+
+
+class UnitRun:
+    """A unit's AdamW update in slices (:meth:`UnitAdamW.start_unit`)."""
+
+    def __init__(self, adam: UnitAdamW, unit: Unit, params: torch.Tensor, step: torch.Tensor, old):
+        self.adam, self.unit, self.params, self.step_t, self.old = adam, unit, params, step, old
+
+    def step(self, a: int, b: int, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+             lr: float, params: Optional[torch.Tensor] = None, grads_at: int = 0) -> None:
+        """AdamW on elements ``[a, b)`` of the unit; ``exp_avg``/``exp_avg_sq`` hold just that
+        slice (``b - a`` elements), and ``params`` too when given (else the unit's weights given
+        to :meth:`UnitAdamW.start_unit`); ``grads`` starts at the unit's element ``grads_at``
+        (0: the whole unit's; ``a``: the slice's own, read chunk by chunk). The slice is split
+        where weight decay stops (the decayed parameters come first), as
+        :meth:`UnitAdamW.step_unit` splits the whole unit. ``exp_avg`` a ``CodedChunk`` (a
+        fused chunked update): the kernel decodes, steps and encodes the chunk in one pass, with
+        the same arithmetic as those fused calls (:meth:`_step_coded`)."""
+        d = self.unit.decay_numel
+        if isinstance(exp_avg, CodedChunk):
+            self._step_coded(a, b, grads, exp_avg, lr, params, grads_at)
+            return
+        for lo, hi, wd in ((a, min(b, d), self.adam.weight_decay), (max(a, d), b, 0.0)):
+            if hi > lo:
+                w = self.params[lo:hi] if params is None else params[lo - a:hi - a]
+                g = grads[lo - grads_at:hi - grads_at]
+                self.adam.fused(w, g, exp_avg[lo - a:hi - a], exp_avg_sq[lo - a:hi - a], self.step_t, lr, wd)
+
+    def _step_coded(self, a: int, b: int, grads: torch.Tensor, chunk: CodedChunk, lr: float,
+                    params: Optional[torch.Tensor], grads_at: int) -> None:
+        d, adam = self.unit.decay_numel, self.adam
+        args = adam_args(lr=float(lr), beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps,
+                         weight_decay=adam.weight_decay, step=float(self.step_t), decay_end=d,
+                         regions=[(a, min(b, d)), (max(a, d), b)], width=chunk.kernels.width)
+        w = self.params[a:b] if params is None else params
+        chunk.step(w, grads[a - grads_at:b - grads_at], args)
+
+    def finish(self, grads: torch.Tensor, grad_norm: Optional[float] = None) -> None:
+        if self.old is not None:
+            st = unit_stats(self.unit, self.params, grads, self.old, grad_norm=grad_norm)
+            st["optimizer_step"] = int(self.step_t)
+            self.adam.stats[self.unit.index] = st
+
+
+def unit_stats(unit: Unit, params: torch.Tensor, grads: torch.Tensor, old_sample: torch.Tensor,
+               bins: int = 32, grad_norm: Optional[float] = None) -> dict:
+    """Exact weight and gradient norms; update norm and histogram from a strided sample.
+
+    Cheap enough to run every step (two passes over the unit besides the sample).
+    """
+    stride = max(1, unit.numel // 65536)
+    sample = params[::stride]
+    w_norm = float(torch.linalg.vector_norm(params))
+    g_norm = float(torch.linalg.vector_norm(grads)) if grad_norm is None else float(grad_norm)
+    scale = (params.numel() / max(1, sample.numel())) ** 0.5
+    upd = float(torch.linalg.vector_norm(sample - old_sample)) * scale
+    lo, hi = float(sample.min()), float(sample.max())
+    if lo == hi:
+        lo, hi = lo - 1e-6, hi + 1e-6
+    counts = torch.histc(sample, bins=bins, min=lo, max=hi)
+    step = (hi - lo) / bins
+    return {
+        "unit": unit.name, "index": unit.index, "kind": unit.kind, "numel": unit.numel,
+        "weight_norm": w_norm, "grad_norm": g_norm, "update_norm": upd,
+        "update_ratio": upd / w_norm if w_norm > 0 else 0.0,
+        "hist_counts": [int(c) for c in counts.tolist()],
+        "hist_edges": [lo + i * step for i in range(bins + 1)],
+    }

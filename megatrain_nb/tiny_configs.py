@@ -93,6 +93,12 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "nemotron_h": {"mamba_head_dim": 16, "use_mamba_kernels": False},
     "bamba": {"mamba_d_head": 16},
     "granitemoehybrid": {"mamba_d_head": 16},
+    # kolibri1_1 (transformers 5.25): the indexers are among the indexed-attention layers, each layer's
+    # key/value source its own (sliding) or an earlier indexed one, head_dim a multiple of 16 (NVFP4
+    # rounding of keys and values), index_num_heads at most the query heads per key head
+    "kolibri1_1": {"num_hidden_layers": 4, "head_dim": 16, "index_num_heads": 1, "index_layers": [1],
+                   "layer_types": ["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
+                   "kv_source_layers": [0, 1, 2, 1]},
     "zamba2": {"mamba_headdim": 16, "attention_hidden_size": 64, "attention_head_dim": 16,
                "hybrid_layer_ids": [1], "layers_block_type": ["mamba", "hybrid"], "num_hidden_layers": 2},
 }

@@ -63,8 +63,8 @@ def layers_spec(view: RunView, unit: str | None, metric: str, heat: tuple, heigh
         lz = np.where(z > 0, np.log10(np.where(z > 0, z, 1.0)), np.nan) if z.size else z
     step = (stats or {}).get("step")
     return {"kind": "layers", "version": view.version, "height": height,
-            "hist_title": f"weights of {unit}" + (f" (step {step})" if step is not None else "") if unit
-            else "weight values",
+            "hist_title": (f"{'matrices' if (stats or {}).get('hist_of') == 'matrices' else 'weights'} of {unit}"
+                           + (f" (step {step})" if step is not None else "")) if unit else "weight values",
             "hist": {"counts": json_nums(counts), "edges": json_nums(edges)},
             "heat_title": f"layers × steps: {HEAT_LABELS.get(metric, metric)}",
             "heat": {"units": list(units), "steps": [int(s) for s in steps],

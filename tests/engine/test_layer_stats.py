@@ -67,7 +67,7 @@ def test_the_config_switches_layer_stats_on_from_the_first_step():
 def test_unit_stats_takes_a_known_grad_norm():
 
     class U:   # what unit_stats reads of a unit
-        name, index, kind, numel = "layers.0", 1, "layer", 1000
+        name, index, kind, numel, params = "layers.0", 1, "layer", 1000, []
     p, g = torch.randn(1000), torch.randn(1000)
     old = p[::1].clone()
     assert unit_stats(U, p, g, old)["grad_norm"] == pytest.approx(float(g.norm()))

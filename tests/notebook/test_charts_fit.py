@@ -83,3 +83,24 @@ def test_a_branch_without_its_parent_is_drawn_whole_and_says_where_it_forked():
     spec = runs_spec(_tree(parent_drawn=False))
     assert spec["legend"][0]["name"] == "low (forked at step 40): learning_rate=0.0001"
     assert runs_spec(_tree())["panels"][0]["series"][1]["x"][0] == 40
+
+
+def test_the_weight_histogram_spreads_a_layers_matrices_not_its_norm_weights():
+    """A layer's RMSNorm weights near 1 beside matrices near 0 (issue 46 item 3): the histogram is
+    of the matrices, so their mass fills the range instead of its left 15%."""
+    import torch
+
+    from megatrain_nb.engine.updates.optimizer import unit_stats
+    from megatrain_nb.engine.units import ParamEntry, Unit
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 64) * 0.02
+    norm = torch.ones(64)
+    flat = torch.cat([w.reshape(-1), norm])
+    unit = Unit("layers.0", "layer", 1, [ParamEntry("mlp.weight", 0, (64, 64), True),
+                                         ParamEntry("norm.weight", 4096, (64,), False)], flat.numel(), 4096)
+    st = unit_stats(unit, flat, torch.zeros_like(flat), flat[::1].clone())
+    counts, edges = st["hist_counts"], st["hist_edges"]
+    assert st["hist_of"] == "matrices" and sum(counts) == 4096 and edges[-1] < 0.2
+    filled = [i for i, c in enumerate(counts) if c]
+    assert filled[-1] - filled[0] >= len(counts) // 2   # the matrix's mass spread over the range

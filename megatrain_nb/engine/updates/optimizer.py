@@ -8,6 +8,8 @@ only for the update and encoded right after.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Dict, Optional
 
 import torch
@@ -120,6 +122,19 @@ class UnitRun:
             self.adam.stats[self.unit.index] = st
 
 
+def _histogram_sample(unit: Unit, params: torch.Tensor, size: int = 65536) -> tuple:
+    """``(sample, what)``: the histogram's strided sample of the unit's matrices (weights of two
+    or more dimensions: "matrices"), so norm weights near 1 beside matrices near 0 do not squeeze
+    the matrices' mass into a corner of the range; of all its weights ("all") where the unit has
+    no matrix, only matrices, or ``params`` is a shard."""
+    mats = [p for p in unit.params if len(p.shape) >= 2]
+    if not mats or len(mats) == len(unit.params) or params.numel() != unit.numel:
+        return params[::max(1, params.numel() // size)], "all"
+    sizes = [math.prod(p.shape) for p in mats]
+    stride = max(1, sum(sizes) // size)
+    return torch.cat([params[p.offset:p.offset + n][::stride] for p, n in zip(mats, sizes)]), "matrices"
+
+
 def unit_stats(unit: Unit, params: torch.Tensor, grads: torch.Tensor, old_sample: torch.Tensor,
                bins: int = 32, grad_norm: Optional[float] = None) -> dict:
     """Exact weight and gradient norms; update norm and histogram from a strided sample.
@@ -132,15 +147,16 @@ def unit_stats(unit: Unit, params: torch.Tensor, grads: torch.Tensor, old_sample
     g_norm = float(torch.linalg.vector_norm(grads)) if grad_norm is None else float(grad_norm)
     scale = (params.numel() / max(1, sample.numel())) ** 0.5
     upd = float(torch.linalg.vector_norm(sample - old_sample)) * scale
-    lo, hi = float(sample.min()), float(sample.max())
+    shown, hist_of = _histogram_sample(unit, params)
+    lo, hi = float(shown.min()), float(shown.max())
     if lo == hi:
         lo, hi = lo - 1e-6, hi + 1e-6
-    counts = torch.histc(sample, bins=bins, min=lo, max=hi)
+    counts = torch.histc(shown, bins=bins, min=lo, max=hi)
     step = (hi - lo) / bins
     return {
         "unit": unit.name, "index": unit.index, "kind": unit.kind, "numel": unit.numel,
         "weight_norm": w_norm, "grad_norm": g_norm, "update_norm": upd,
         "update_ratio": upd / w_norm if w_norm > 0 else 0.0,
-        "hist_counts": [int(c) for c in counts.tolist()],
+        "hist_counts": [int(c) for c in counts.tolist()], "hist_of": hist_of,
         "hist_edges": [lo + i * step for i in range(bins + 1)],
     }

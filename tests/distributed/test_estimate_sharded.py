@@ -94,7 +94,7 @@ def test_cli_and_magic_share_the_parser(capsys):
     out = capsys.readouterr().out
     assert "2 node(s) x 8 GPU(s) = 16 ranks" in out and "per node (8 ranks): RAM" in out
     assert "on the wire per rank per step" in out and "device  80.0 GiB" in out
-    with pytest.raises(ValueError, match="--nodes: takes a whole number >= 1, not '0'"):
+    with pytest.raises(ValueError, match="--nodes='0': must be a whole number >= 1"):
         estimate_from_words(["llama-7b", "--nodes", "0"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["estimate", "llama-7b", "--gpus-per-node", "x"])

@@ -81,5 +81,6 @@ def test_launcher_in_a_real_kernel(kernel, tmp_path):
                              ["stop", final, "lab"]]
     per_rank = [["pause", held], ["lr", held], ["resume", held], ["stop", final]]
     assert got["ranks"] == [["stopped", final, per_rank], ["stopped", final, per_rank]]
-    # the run's last heartbeat says it ended; the sidebar keeps it, marked, until dismissed
-    assert [(s["name"], s["state"]) for s in list_sessions(tmp_path / "runtime")] == [("kernel-launch", "stopped")]
+    # the ranks have exited and their heartbeat with them (issue 44: ended runs' files do not pile
+    # up); the notebook's own Session still shows the run
+    assert [(s["name"], s["state"]) for s in list_sessions(tmp_path / "runtime")] == []

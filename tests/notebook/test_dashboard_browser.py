@@ -272,7 +272,7 @@ def test_the_layout_probe_sees_overlaps_and_clipped_labels():
     page_html = """<div class='mtnb-dashboard'>
       <svg width='200' height='40'><text x='10' y='20' font-size='12'>host 27.0 MiB / 23.6 GiB</text>
         <text x='30' y='22' font-size='12'>loss 2.31</text>
-        <text x='150' y='20' font-size='12'>pause · lr 0.002→0.0005 · resume</text>
+        <text x='178' y='20' font-size='12'>pause · lr 0.002→0.0005 · resume</text>
         <text x='20' y='2' font-size='12'>cut at the top</text></svg>
       <div style='width:60px;overflow:hidden;white-space:nowrap'>a label far too long for its box</div>
       <div>fine text</div><div>more fine text</div></div>"""

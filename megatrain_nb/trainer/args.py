@@ -175,6 +175,25 @@ def validate_training_args(args, *, where: str = "TrainingArguments") -> None:
         )
 
 
+def unusable_fields(args, config_cls, usable, why: dict, ignore=lambda name, value: False) -> list[str]:
+    """The fields ``config_cls`` (a TRL config) adds to TrainingArguments that ``args`` sets away
+    from their defaults and this trainer cannot apply (not in ``usable``; ``ignore(name, value)``:
+    a value that means the default), each as "name=value (default d; why)"."""
+    from transformers import TrainingArguments
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    problems = []
+    for f in dataclasses.fields(config_cls):
+        if f.name in base or f.name in usable:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = getattr(args, f.name)
+        if value != default and not ignore(f.name, value):
+            reason = why.get(f.name, "")
+            problems.append(f"{f.name}={value!r} (default {default!r}{'; ' + reason if reason else ''})")
+    return problems
+
+
 def check_eval_plan(args, eval_dataset) -> None:
     """An ``eval_strategy`` that evaluates during training needs an eval set (as transformers says)."""
     strategy = _value(args.eval_strategy)

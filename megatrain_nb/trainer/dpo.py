@@ -22,7 +22,6 @@ apply are refused by name.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import time
 import warnings
@@ -33,7 +32,7 @@ from megatrain_nb.engine import StreamingEngine
 
 from megatrain_nb.values import DPO_FIELDS, ValueRefused, check, check_fields, row_name
 
-from .args import check_eval_plan, check_given
+from .args import check_eval_plan, check_given, unusable_fields
 from .data import DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
@@ -100,21 +99,12 @@ def check_dpo_values(args, where: str = "DPOConfig") -> None:
 def validate_dpo_args(args) -> None:
     """Refuse, by name, the DPOConfig-only fields set to something that cannot apply here, and
     the values outside the table's rules (:func:`check_dpo_values`)."""
-    from transformers import TrainingArguments
     from trl import DPOConfig
 
     check_dpo_values(args, type(args).__name__)
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    problems = []
-    for f in dataclasses.fields(DPOConfig):
-        if f.name in base or f.name in DPO_HONOURED or f.name in DPO_NO_EFFECT:
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if getattr(args, f.name) != default:
-            why = {"sync_ref_model": "the reference is precomputed data (TR-DPO's moving reference is not "
-                                    "supported)",
-                   "router_aux_loss_coef": "Mixture-of-Experts auxiliary losses are not supported"}.get(f.name, "")
-            problems.append(f"{f.name}={getattr(args, f.name)!r} (default {default!r}{'; ' + why if why else ''})")
+    problems = unusable_fields(args, DPOConfig, DPO_HONOURED | DPO_NO_EFFECT, {
+        "sync_ref_model": "the reference is precomputed data (TR-DPO's moving reference is not supported)",
+        "router_aux_loss_coef": "Mixture-of-Experts auxiliary losses are not supported"})
     dtype = (args.model_init_kwargs or {}).get("dtype", (args.model_init_kwargs or {}).get("torch_dtype"))
     if dtype not in (None, "float32", torch.float32, "auto"):
         problems.append(f"model_init_kwargs dtype={dtype!r} (the engine keeps float32 master weights; use bf16=True)")

@@ -24,7 +24,6 @@ GRPOConfig fields that cannot apply here are refused by name.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import os
 import time
@@ -40,7 +39,7 @@ from .grpo_data import RolloutStream, pad_rollouts, tokenize_prompts
 from .grpo_loss import GRPOObjective, GRPOSettings
 from .grpo_rollout import (ResidentPolicy, advantages, completion_logps, eos_token_ids, generation_config,
                            length_metrics, reward_metrics, score)
-from .args import check_eval_plan
+from .args import check_eval_plan, unusable_fields
 from .sft_data import require_trl
 from .trainer import Trainer
 
@@ -96,18 +95,10 @@ def coerce_grpo_args(args):
 
 def validate_grpo_args(args) -> None:
     """Refuse, by name, the GRPOConfig-only fields set to something that cannot apply here."""
-    from transformers import TrainingArguments
     from trl import GRPOConfig
 
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    problems = []
-    for f in dataclasses.fields(GRPOConfig):
-        if f.name in base or f.name in GRPO_HONOURED or f.name in GRPO_NO_EFFECT:
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if getattr(args, f.name) != default and not (f.name == "pad_to_multiple_of" and args.pad_to_multiple_of is None):
-            why = WHY.get(f.name, "")
-            problems.append(f"{f.name}={getattr(args, f.name)!r} (default {default!r}{'; ' + why if why else ''})")
+    problems = unusable_fields(args, GRPOConfig, GRPO_HONOURED | GRPO_NO_EFFECT, WHY,
+                               ignore=lambda name, value: name == "pad_to_multiple_of" and value is None)
     if problems:
         raise ValueError("GRPOConfig field(s) not supported by megatrain_nb: " + "; ".join(problems)
                          + ". Remove them (or set them back to their defaults); megatrain_nb never ignores a "

@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatrain_nb.engine.measure import adamw_step  # noqa: E402
 from megatrain_nb.engine.updates import fused_update  # noqa: E402
 from megatrain_nb.engine.updates.codecs import get_codec  # noqa: E402
 from megatrain_nb.engine.updates.optimizer import UnitAdamW  # noqa: E402
@@ -75,16 +76,9 @@ def _fp32_adamw(numel: int):
 
 
 def _our_adamw(numel: int):
-    """The engine's plain AdamW for fp32 states (``UnitAdamW.fused``: the fused kernels' where
-    they are built, torch's fused kernel else), on this thread's torch thread count."""
-    p, g = torch.randn(numel), torch.randn(numel) * 1e-3
-    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
-    adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-
-    def run():
-        step.add_(1)
-        adam.fused(p, g, m, v, step, 1e-4, 0.01)
-    return run
+    """The engine's plain AdamW for fp32 states, as measure_machine times it (measure.adamw_step),
+    on this thread's torch thread count."""
+    return adamw_step(numel)[0]
 
 
 def _chain(codec: str, numel: int, split=None):

@@ -241,18 +241,24 @@ def measure_compute_beside_disk(root: str, sizes: Sizes) -> float:
     return min(sum(beside) / sum(alone), 1.0)
 
 
-def measure_adamw(numel: int, sizes: Sizes) -> float:
-    """Parameters/s of the engine's fused CPU AdamW (UnitAdamW.fused: the fused kernels' where
-    they are built, else torch's) on one thread; torch.optim.AdamW(foreach=True) where the fused
-    kernel is missing."""
+def adamw_step(numel: int) -> tuple:
+    """``(step, params, grads)``: one call of ``step`` is one update of ``numel`` fp32 parameters
+    by the engine's plain AdamW (``UnitAdamW.fused``: the fused kernels' where they are built,
+    else torch's), as the engine runs it (what this module and bench_update_speed.py time)."""
     p, g = torch.randn(numel), torch.randn(numel) * 1e-3
-    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+    m, v, t = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
     adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
-    def fused():
-        step.add_(1)
-        adam.fused(p, g, m, v, step, 1e-4, 0.01)
+    def step():
+        t.add_(1)
+        adam.fused(p, g, m, v, t, 1e-4, 0.01)
+    return step, p, g
 
+
+def measure_adamw(numel: int, sizes: Sizes) -> float:
+    """Parameters/s of the engine's fused CPU AdamW (:func:`adamw_step`) on one thread;
+    torch.optim.AdamW(foreach=True) where the fused kernel is missing."""
+    fused, p, g = adamw_step(numel)
     with _OneThread():
         try:
             return _rate(fused, numel, sizes)

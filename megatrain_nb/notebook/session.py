@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from megatrain_nb import export as export_model
 from megatrain_nb.commands import check_command
 from megatrain_nb.threads import SESSION, thread_name
 from . import registry
@@ -364,6 +365,13 @@ class Session(SessionReadout):
     def dashboard(self):
         """The dashboard widget (display it again anywhere); it stays live while the run does."""
         return self._view.dashboard()
+
+    def export(self, path, format: str = "safetensors", *, dtype: Optional[str] = None, tokenizer: bool = True) -> str:
+        """Write the model to ``path`` as ``format`` "safetensors", "gguf" (``dtype`` f32 | f16 |
+        bf16 | q8_0) or "dcp" (``mt.export``, docs/EXPORT.md). While the run trains or is paused
+        it waits only for a snapshot at the next step boundary, then reads the snapshot's files
+        while training goes on."""
+        return export_model.export(self, path, format, dtype=dtype, tokenizer=tokenizer)
 
     def export_report(self, path: str) -> str:
         """Write a report of the run: ``.ipynb`` (nbformat) or ``.html`` (nbconvert), with

@@ -36,6 +36,7 @@ from megatrain_nb.values import check
 
 from ..engine.ranks.dist import Dist
 from ..engine.planning.planner import Workload
+from .. import export as export_model
 from . import checkpoint as ckpt
 from . import saving
 from .args import (
@@ -453,6 +454,12 @@ class Trainer:
         self.hooks.hold_weights("save_model()")   # a branch sharing its engine: its own weights first
         return saving.save_model_folder(self._engine, self.tokenizer, self.dist,
                                         Path(output_dir or self.args.output_dir))
+
+    def export(self, path, format: str = "safetensors", *, dtype: Optional[str] = None, tokenizer: bool = True) -> str:
+        """Write the model to ``path`` as ``format`` "safetensors" (a Hugging Face folder), "gguf"
+        (``dtype`` f32 | f16 | bf16 | q8_0) or "dcp", streamed unit by unit from wherever the
+        weights live; returns the path written (``mt.export``, docs/EXPORT.md)."""
+        return export_model.export(self, path, format, dtype=dtype, tokenizer=tokenizer)
 
     @property
     def lineage(self) -> dict:

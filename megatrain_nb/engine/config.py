@@ -35,6 +35,18 @@ def _betas(value) -> tuple:
             check("adam_beta2", value[1], "EngineConfig.adam_betas[1]"))
 
 
+def _frozen(value) -> tuple:
+    """frozen: one name or a sequence of names (non-empty strings), as a tuple."""
+    if isinstance(value, str):
+        value = (value,)
+    if value is None:
+        return ()
+    if not isinstance(value, (tuple, list, set, frozenset)) or not all(isinstance(v, str) and v for v in value):
+        raise ValueRefused(f"EngineConfig.frozen={value!r}: must be a sequence of part names ('vision_tower', "
+                           "'projector', 'language_model') or parameter-name prefixes, e.g. ('model.visual',)")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class EngineOverrides:
     """Settings the planner decides, pinned for tests and experiments (not for users):
@@ -158,6 +170,12 @@ class EngineConfig:
     """Gather per-unit statistics at every optimizer step (weight, gradient and update norms, a
     histogram: two more passes per unit in the optimizer), returned with the step's
     ``EngineOutput.layer_stats``; a Session switches them on for its dashboard."""
+    frozen: Tuple[str, ...] = ()
+    """Parameters that do not train (engine/vision.py ``frozen_names``): part names of a
+    vision-language model ("vision_tower", "projector", "language_model") or parameter-name
+    prefixes ("model.visual.blocks.0", "lm_head"). A frozen parameter keeps its weights bit for
+    bit, takes no gradient back from the device and no AdamW state; an entry matching nothing
+    is refused by name."""
     overrides: Union[EngineOverrides, dict, None] = None
     """Planner and test settings (:class:`EngineOverrides`); None = the defaults."""
     rates: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -185,6 +203,7 @@ class EngineConfig:
         check_policy(self.on_nonfinite)
         check_recovery(self)
         self.overrides = EngineOverrides.of(self.overrides)
+        self.frozen = _frozen(self.frozen)
         if self.rates is not None:
             self.rates = resolve_rates(self.rates)
         if not isinstance(self.layer_stats, bool):

@@ -28,6 +28,7 @@ from .updates.states import OptimizerStates, open_disk_tier, read_ahead_allowanc
 from .step import StepRunner, Steps
 from .transport.transport import make_transport
 from .units import Unit, build_units, find_layer_list
+from .vision import freeze
 from .updates.updates import UpdateScheduler
 from .tiers.weight_store import WeightStore, make_weight_store
 from .window import BoundaryStore
@@ -99,9 +100,9 @@ class HoldsParts:
 
 def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.device, counters,
                 source=None, workload: Optional[Workload] = None) -> EngineParts:
-    """Every part of the engine for ``model`` (whose parameters move into the stores and whose
-    decoder layers are replaced by proxies). ``workload``: what the steps will train on, for the
-    planner's predicted pick (None: the planner's default)."""
+    """Every part of the engine for ``model`` (its parameters move into the stores, its layers are
+    replaced by proxies). ``workload``: what steps train on, for the plan's pick (None: the default)."""
+    freeze(model, config.frozen)   # EngineConfig.frozen: requires_grad off before the units are laid out
     _, _, layers = find_layer_list(model)
     units = build_units(model, layers)
     sharded = None

@@ -93,3 +93,60 @@ def guard_inputs(model: nn.Module) -> None:
 
     base.register_forward_pre_hook(check, with_kwargs=True)
     object.__setattr__(base, "_mt_guarded", True)
+
+
+#: The parts of a vision-language model ``EngineConfig.frozen`` names, as the base model's
+#: attributes that hold them in the supported families (Qwen-VL's merger is the projector, not
+#: part of its vision tower; LLaVA-NeXT's image_newline belongs to the projector).
+PARTS = {"vision_tower": ("visual", "vision_tower", "vision_model"),
+         "projector": ("multi_modal_projector", "connector", "visual.merger", "image_newline"),
+         "language_model": ("language_model", "text_model")}
+
+
+def _part_names(model: nn.Module, part: str) -> set:
+    """The parameter names of ``part`` of ``model`` (empty when the family has no such part).
+    The language model includes the output embedding (``lm_head``)."""
+    try:
+        base_name, _, _ = locate(model)
+    except TypeError:
+        return set()
+    names = [n for n, _ in model.named_parameters()]
+
+    def under(attrs):
+        heads = tuple(f"{base_name}.{a}" for a in attrs)
+        return {n for n in names if any(n == h or n.startswith(h + ".") for h in heads)}
+    out = under(PARTS[part])
+    if part == "vision_tower":
+        out -= under(PARTS["projector"])
+    if part == "language_model" and out:
+        out |= {f"{name}.{pn}" for name, mod in model.named_children()   # (tied: already in, by its own name)
+                if mod is model.get_output_embeddings() for pn, _ in mod.named_parameters()} & set(names)
+    return out
+
+
+def frozen_names(model: nn.Module, entries) -> set:
+    """The parameter names ``EngineConfig.frozen``'s ``entries`` name in ``model``: each a part
+    (:data:`PARTS`) or a parameter-name prefix (a whole name, or a dotted head of names). An
+    entry that names nothing is refused, with the parts and the top-level names there are."""
+    names = [n for n, _ in model.named_parameters()]
+    out = set()
+    for e in entries:
+        hit = _part_names(model, e) if e in PARTS else \
+            {n for n in names if n == e or n.startswith(e if e.endswith(".") else e + ".")}
+        if not hit:
+            heads = sorted({".".join(n.split(".")[:2]) for n in names})
+            parts = [p for p in PARTS if _part_names(model, p)]
+            raise ValueError(f"EngineConfig.frozen entry {e!r} names no parameter of {type(model).__name__}; "
+                             f"give a part ({', '.join(parts) or 'none in this model'}) or a parameter-name "
+                             f"prefix (such as {', '.join(heads[:8])}).")
+        out |= hit
+    return out
+
+
+def freeze(model: nn.Module, entries) -> set:
+    """``requires_grad_(False)`` on what ``entries`` name (:func:`frozen_names`); returns the names."""
+    names = frozen_names(model, entries) if entries else set()
+    for n, p in model.named_parameters():
+        if n in names:
+            p.requires_grad_(False)
+    return names

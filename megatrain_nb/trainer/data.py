@@ -187,6 +187,10 @@ class PaddingCollator:
 
 
 SIDE_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+#: A collator's dict of a processor's extra model inputs (``pixel_values``, ``image_grid_thw``, ...:
+#: trainer/sft_vision.py); kept by :func:`finish_batch`, handed to the engine by :func:`model_inputs`.
+EXTRA_INPUTS = "extra_inputs"
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
 def finish_batch(batch: dict) -> dict:
@@ -210,8 +214,18 @@ def finish_batch(batch: dict) -> dict:
     for k in SIDE_KEYS:   # what a sequence-level objective reads per micro-batch (DPO's reference)
         if batch.get(k) is not None:
             out[k] = torch.as_tensor(batch[k])
+    if batch.get(EXTRA_INPUTS):
+        out[EXTRA_INPUTS] = {k: torch.as_tensor(v) for k, v in batch[EXTRA_INPUTS].items()}
     if out["input_ids"].shape[1] < 2:
         raise DataError("a batch has sequences of 1 token; a causal LM needs at least 2 (input and target)")
+    return out
+
+
+def model_inputs(batch: dict) -> dict:
+    """What the engine takes of a finished batch, as one dict: the token keys and a processor's
+    extra inputs (the engine hands those to the model's forward)."""
+    out = {k: batch[k] for k in BATCH_KEYS if batch.get(k) is not None}
+    out.update(batch.get(EXTRA_INPUTS) or {})
     return out
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Protocol, runtime_checkabl
 
 from ..engine.updates.finite import NonFiniteError
 from . import saving
-from .data import BatchStream, DataError, count_targets, count_tokens
+from .data import EXTRA_INPUTS, BatchStream, DataError, count_targets, count_tokens, model_inputs
 from .prediction_watch import PredictionWatch
 from .recovery import Diverged, reason_of
 from .schedule import LRSchedule
@@ -221,13 +221,16 @@ class Run:
             if len(window) > 1:
                 # Layer-major: the whole window in one call, each layer on the device twice per
                 # step (the engine's planner may split it into groups and says so).
-                micro = [{k: b[k] for k in ("input_ids", "attention_mask", "labels", "position_ids")
-                          if b.get(k) is not None} for b in window]
+                micro = [model_inputs(b) for b in window]
                 for _ in window[:-1]:
                     t.control = cb.on_substep_end(args, st, t.control)
                 t.control = cb.on_pre_optimizer_step(args, st, t.control)
                 out = engine.forward_backward(micro, num_items_in_batch=n_items, loss_fn=t.loss_fn,
                                               step_lr=lr, max_grad_norm=max_norm)
+            elif window[0].get(EXTRA_INPUTS):   # one micro-batch with images: as a dict, its extras inside
+                t.control = cb.on_pre_optimizer_step(args, st, t.control)
+                out = engine.forward_backward(model_inputs(window[0]), num_items_in_batch=n_items,
+                                              loss_fn=t.loss_fn, step_lr=lr, max_grad_norm=max_norm)
             else:  # one micro-batch: the step's update rides on its backward
                 b = window[0]
                 t.control = cb.on_pre_optimizer_step(args, st, t.control)

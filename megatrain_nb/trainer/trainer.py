@@ -49,11 +49,13 @@ from .args import (
     validate_training_args,
 )
 from .data import (
+    EXTRA_INPUTS,
     BatchStream,
     ColumnFilter,
     DataError,
     default_collator,
     eval_batches,
+    model_inputs,
     prepare_dataset,
 )
 from .defaults import merge_engine_options
@@ -432,8 +434,9 @@ class Trainer:
         # Data parallel: each rank evaluates its share of the batches; loss and tokens are summed.
         for b in eval_batches(ds, batch_size=self.args.per_device_eval_batch_size, collate=self.data_collator,
                               rank=self.dist.rank, world=self.dist.world):
-            out = self._engine.evaluate(b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"],
-                                        loss_fn=self.loss_fn, position_ids=b.get("position_ids"))
+            out = (self._engine.evaluate(model_inputs(b), loss_fn=self.loss_fn) if b.get(EXTRA_INPUTS) else
+                   self._engine.evaluate(b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"],
+                                         loss_fn=self.loss_fn, position_ids=b.get("position_ids")))
             total += float(out.loss) * int(out.num_tokens)
             n += int(out.num_tokens)
         total, n = self.dist.sum(total), self.dist.sum(n)

@@ -184,6 +184,8 @@ class GRPOKind:
     data come in through the trainer's stream, :class:`.grpo_data.RolloutStream`)."""
 
     name = "grpo"
+    #: completions all masked (mask_truncated_completions, every one truncated): a zero-gradient step, as TRL's
+    steps_without_targets = True
 
     def before_run(self, trainer) -> bool:
         return True

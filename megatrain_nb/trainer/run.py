@@ -208,7 +208,8 @@ class Run:
         t0 = time.perf_counter()
         # The loss is normalised by the target tokens of the whole step, over all ranks.
         n_items = t.dist.sum(sum(count_targets(b) for b in window))
-        if n_items == 0:
+        # (a kind may step on zero targets: GRPO's all-truncated completions masked, a zero-gradient step as TRL's)
+        if n_items == 0 and not getattr(t.kind, "steps_without_targets", False):
             raise DataError(f"optimizer step {st.global_step + 1}: its batches hold no target tokens "
                             "(every label is -100 or every sequence is padding)")
         extra = t.kind.before_window(t, window)

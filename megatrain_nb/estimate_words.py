@@ -93,6 +93,11 @@ def add_estimate_arguments(e: argparse.ArgumentParser) -> None:
                         "(megatrain_nb.engine.planning.rates.PROFILES), or 'here' for this machine's measured rates")
     e.add_argument("--json", action="store_true", help="print JSON instead of the table")
     e.add_argument("--pairs", type=table_number("estimate_pairs", "--pairs"), default=None, help="DPO: preference pairs (the reference pass)")
+    e.add_argument("--rollouts", type=table_number("estimate_rollouts", "--rollouts"), default=None,
+                   help="GRPO: completions per optimizer step (prompts x num_generations); --seq is then prompt + "
+                        "completion")
+    e.add_argument("--completion-length", type=table_number("estimate_completion_length", "--completion-length"),
+                   default=None, help="GRPO: the most tokens of a completion (default 256, TRL's)")
 
 
 def estimate_parser() -> argparse.ArgumentParser:
@@ -122,6 +127,10 @@ def run_estimate(ns):
         kw["accumulation"] = ns.accumulation
     if getattr(ns, "pairs", None):   # DPO: the reference pass and its cache
         kw["pairs"] = ns.pairs
+    if getattr(ns, "rollouts", None):   # GRPO: generation before each step
+        kw.update(rollouts=ns.rollouts, completion_length=ns.completion_length)
+    elif getattr(ns, "completion_length", None):
+        kw["completion_length"] = ns.completion_length   # (refused by name: it needs --rollouts)
     if getattr(ns, "profile", None):
         kw["rates"] = profile_rates(ns.profile)
     if ns.nodes == 1 and ns.gpus_per_node == 1:

@@ -154,6 +154,9 @@ _ESTIMATE_ROWS = (
     _row("estimate_nodes", "int", "machines in the run (--nodes)", low=1, high=2 ** 20),
     _row("estimate_gpus_per_node", "int", "GPUs (ranks) per node (--gpus-per-node)", low=1, high=2 ** 16),
     _row("estimate_pairs", "int", "DPO preference pairs of the reference pass (--pairs)", low=1, high=2 ** 48),
+    _row("estimate_rollouts", "int", "GRPO completions per optimizer step (--rollouts)", low=1, high=2 ** 32),
+    _row("estimate_completion_length", "int", "GRPO: the most tokens of a completion (--completion-length)", low=1,
+         high=2 ** 28),
 )
 
 #: A field whose name means another row in one config family: (family, field) -> row name

@@ -11,6 +11,7 @@ PLANNING = ("megatrain_nb.engine.planning.planner", "megatrain_nb.engine.plannin
             "megatrain_nb.engine.planning.best_plans", "megatrain_nb.engine.planning.plan_pick", "megatrain_nb.engine.planning.prediction_check",
             "megatrain_nb.engine.planning.rates_cache", "megatrain_nb.engine.family",
             "megatrain_nb.engine.planning.estimator", "megatrain_nb.engine.planning.estimator_dist", "megatrain_nb.engine.planning.estimator_dpo",
+            "megatrain_nb.engine.planning.estimator_grpo",
             "megatrain_nb.estimate_words")
 
 

@@ -29,6 +29,7 @@ from megatrain_nb.engine.planning.best_plans import MARGIN, best_plans, engine_p
 from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan, unit_specs_from_config
 from megatrain_nb.engine.planning.prediction import fmt_rate, fmt_seconds, predict_step, resolve_rates
 from megatrain_nb.engine.planning.estimator_dpo import format_bytes, reference_cache_bytes, reference_lines
+from megatrain_nb.engine.planning.estimator_grpo import plan_generation, price, split_seq
 from megatrain_nb.model_source import resolve
 from megatrain_nb.values import check
 
@@ -135,6 +136,7 @@ class Estimate:
     prediction: object = None                      # StepPrediction when estimate(rates=...) was given
     best: list = field(default_factory=list)       # the fastest plans (best_plans.PlanChoice), with rates
     pick: object = None                            # the one an engine given the rates builds (PlanChoice)
+    grpo: object = None                            # a GRPO run's generation (estimator_grpo.GenerationPlan)
 
     # ------------------------------------------------------------------ time (estimate(rates=...))
     def _pred(self, what: str):
@@ -226,6 +228,7 @@ class Estimate:
                 "reference_cache_bytes": self.reference_cache_bytes,
                 "prediction": self.prediction.to_dict() if self.prediction is not None else None,
                 "engine_pick": self.pick.choice if self.pick is not None else None,
+                "grpo": self.grpo.to_dict() if self.grpo is not None else None,
                 "best_plans": [{"choice": pc.choice, "step_seconds": pc.prediction.step_seconds,
                                 "bottleneck": pc.prediction.bottleneck,
                                 "host_bytes": pc.plan.host["total"], "disk_bytes": pc.plan.disk["total"],
@@ -269,6 +272,7 @@ class Estimate:
         lines += self._codec_lines()
         lines.append(self._gpu_line())
         lines += self._time_lines()
+        lines += self.grpo.lines() if self.grpo is not None else []
         lines += [self._spell(n) for n in self.notes]
         return "\n".join(lines)
 
@@ -351,7 +355,7 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
              offload_dir: Union[bool, str, None] = True, device: str = "cuda", world: int = 1,
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
              layer_major: bool = True, clip_hold: str = "auto", pairs: Optional[int] = None,
-             rates=None) -> Estimate:
+             rollouts: Optional[int] = None, completion_length: Optional[int] = None, rates=None) -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
@@ -371,6 +375,8 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
     ``world``: ranks the state is sharded over (ZeRO-3): host, disk and budgets are one rank's,
     the device working set unchanged; ``estimator_dist.estimate_scale_out`` adds per-node figures.
     ``pairs``: a DPO run's pairs: its reference pass and cache as lines (``estimator_dpo``).
+    ``rollouts``/``completion_length``: a GRPO step's completions and their most tokens (``seq``: prompt +
+    completion): ``Estimate.grpo``, its generation and KV cache (``estimator_grpo``).
     ``rates``: a ``MachineRates`` or a profile's name: the predicted step (``step_seconds``,
     ``phases``, ``bottleneck``, ``tokens_per_second``, ``run_seconds(n)``) and the three fastest
     plans within the budgets (``best``), the choices left at their defaults varied as an engine
@@ -379,7 +385,9 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
     from megatrain_nb.engine.updates.codecs import codec_names, normalize_compression   # (torch: the codecs' kernels)
     from megatrain_nb.engine.config import EngineConfig   # (torch: dtypes and devices)
 
-    batch, seq, accumulation, pairs = _checked(batch=batch, seq=seq, accumulation=accumulation, pairs=pairs)
+    batch, seq, accumulation, pairs, rollouts, completion_length = _checked(
+        batch=batch, seq=seq, accumulation=accumulation, pairs=pairs, rollouts=rollouts, completion_length=completion_length)
+    grpo, accumulation = split_seq(seq, rollouts, completion_length, batch, accumulation)   # (rollouts, prompt, completion)
     config, name = resolve_config(model)
     comp = normalize_compression(compression)
     units = unit_specs_from_config(config)
@@ -387,7 +395,6 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
     disk_path = offload_dir if isinstance(offload_dir, str) else None
     budgets = _budgets(vram_gb, ram_gb, disk_gb, offload_dir)
     accumulator = accumulation > 1 and not layer_major   # micro-batch-major: the host accumulator
-
     work = Workload(batch=batch, seq=seq, accumulation=accumulation if layer_major else 1, clipped=clipping,
                     gradients="accumulator" if accumulator else "held" if clipping else "none")
 
@@ -417,6 +424,7 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
                                                                                 batch=batch, seq=seq),
                     notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min,
                     reference_cache_bytes=cache)
+    est.grpo = plan_generation(config, units, plan, budgets, *grpo, precision=precision) if grpo else None   # GRPO
     if rates is not None:
         _add_time(est, config, units, cfg_for(comp, budgets["host"]), work, resolve_rates(rates), device=device,
                   state_units=held)
@@ -445,6 +453,8 @@ def _add_time(est: Estimate, config, units, cfg, work, rates, *, device: str, st
     found = best_plans(units, shape, cfg, work, rates, cuda=device != "cpu", disk_bytes=est.budgets["disk"],
                        state_units=state_units, k=None, pinned=pinned_by_value(cfg))
     est.best, est.pick = found[:3], engine_pick(found, plan)
+    if est.grpo is not None:
+        price(est.grpo, config, units, shape, rates, training_s=est.prediction.step_seconds, cuda=device != "cpu")
 
 
 def _estimate_notes(plan, host_min: int, budgets: dict, *, accumulation: int, batch: int, seq: int,

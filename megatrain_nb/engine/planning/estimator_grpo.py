@@ -1,0 +1,215 @@
+"""What a GRPO run (``mt.GRPOTrainer``) adds to an estimate: generation before each step.
+
+``mt.estimate(model, rollouts=R, completion_length=C, seq=S, ...)``: an optimizer step is one
+generation batch of ``R`` rollouts (prompt + completion, ``S`` tokens at most: prompts of
+``S - C`` tokens, completions of ``C``), trained in ``ceil(R / batch)`` micro-batches (TRL's
+default ``steps_per_generation`` = the accumulation). Before it, all ``R`` rollouts are decoded
+together, one token at a time, ``C`` times (the decode runs to the longest completion; every
+completion is taken to reach ``C``: an upper bound of the time and of the tokens).
+
+Where the generation runs (``GenerationPlan.mode``):
+
+* ``"resident"``: the compute-dtype weights and the KV cache fit in the device budget beside
+  the training step's working set: a resident copy of the weights (refreshed once per step:
+  the weights' bytes over the link once) decodes with transformers' ``generate``. A decoded
+  token costs the compute of all rollouts, at least the weights' bytes and the cache read from
+  device memory (``DEVICE_MEMORY``: the profiles' GPUs; a measured machine has no such rate,
+  and the figure is then the compute alone, said in the lines).
+* ``"streamed"`` (it does not fit): the layer-major decoder streams every unit's weights to the
+  device once per decoded token for all rollouts at once: a token costs the weights' bytes over
+  the host link, overlapped with the compute of all rollouts (whichever is longer). The KV cache
+  stays on the device when it fits beside the working set, else in host RAM, whose cache then
+  crosses the link for every token too (the lines say which).
+
+The prefill is priced as every rollout's prompt (an upper bound: a group's shared prompt is
+prefilled once). No torch is imported here (``tests/test_planning_light.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from megatrain_nb.engine import family
+
+from .estimator_dpo import format_bytes
+from .prediction import fmt_rate, fmt_seconds
+
+#: Device memory bandwidth of the profiles' GPUs (a resident decode reads every weight once per token)
+DEVICE_MEMORY = {
+    "h100-pcie5-gen4nvme": (2.0e12, "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe: GPU memory bandwidth 2TB/s"),
+    "h200-pcie5-gen5nvme": (4.8e12, "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: GPU memory bandwidth 4.8TB/s"),
+    "gh200": (4.0e12, "NVIDIA GH200 Grace Hopper Superchip datasheet: HBM3 96GB, 4 TB/s"),
+}
+#: TRL's GRPOConfig.max_completion_length default (the estimate's when only ``rollouts`` is given)
+DEFAULT_COMPLETION_LENGTH = 256
+
+
+def attention_shape(config) -> tuple:
+    """(layers, attention heads, key/value heads, head size) of a transformers config."""
+    t = family.text_config(config)
+    h = family.hidden_size(config)
+    heads = int(getattr(t, "num_attention_heads", 0) or getattr(t, "n_head", 0) or 1)
+    kv = int(getattr(t, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(t, "head_dim", 0) or h // heads)
+    return int(getattr(t, "num_hidden_layers", 0) or 0), heads, kv, head_dim
+
+
+def kv_cache_bytes(config, rows: int, tokens: int, bytes_per_value: int) -> int:
+    """Bytes of the keys and values of ``rows`` sequences of ``tokens`` tokens (every layer)."""
+    layers, _, kv, head_dim = attention_shape(config)
+    return 2 * layers * kv * head_dim * bytes_per_value * int(rows) * int(tokens)
+
+
+def split_seq(seq: int, rollouts: Optional[int], completion_length: Optional[int], batch: int,
+              accumulation: int) -> tuple:
+    """((rollouts, prompt length, completion length) or None, accumulation) of a GRPO estimate;
+    refused by name when they do not add up."""
+    if rollouts is None:
+        if completion_length is not None:
+            raise ValueError("completion_length is a GRPO run's: give rollouts= too (completions per step)")
+        return None, accumulation
+    c = DEFAULT_COMPLETION_LENGTH if completion_length is None else completion_length
+    if c >= seq:
+        raise ValueError(f"completion_length={c} must be shorter than seq={seq} (seq is a rollout's whole row: "
+                         f"prompt + completion); pass seq= the prompt's length + {c}")
+    if accumulation == 1:
+        accumulation = -(-rollouts // batch)
+    elif batch * accumulation != rollouts:
+        raise ValueError(f"rollouts={rollouts} is one optimizer step: batch x accumulation = {batch} x {accumulation} "
+                         "must equal it (or leave accumulation out: rollouts / batch micro-batches)")
+    return (rollouts, seq - c, c), accumulation
+
+
+@dataclass
+class GenerationPlan:
+    """A GRPO step's generation as the estimate plans and prices it (see the module)."""
+
+    rollouts: int
+    prompt_length: int
+    completion_length: int
+    precision: str
+    weights_bytes: int                    # the compute-dtype weights (what decoding reads per token)
+    kv_bytes: int                         # the KV cache of all rollouts at full length
+    kv_tier: str                          # "device", "host" or "none" (fits nowhere)
+    mode: str                             # "resident" or "streamed"
+    room_bytes: Optional[int]             # the device budget left beside the training working set
+    generation_s: Optional[float] = None  # prefill + decode (+ the resident copy's refresh)
+    prefill_s: float = 0.0
+    token_s: float = 0.0                  # one decoded token of all rollouts
+    token_bound: str = ""                 # what bounds a decoded token: "link", "compute", "device memory"
+    link_bytes_per_token: int = 0
+    training_s: Optional[float] = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Tokens through the training pass per step (prompt + completion of every rollout)."""
+        return self.rollouts * (self.prompt_length + self.completion_length)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.rollouts * self.completion_length
+
+    @property
+    def step_s(self) -> Optional[float]:
+        if self.generation_s is None or self.training_s is None:
+            return None
+        return self.generation_s + self.training_s
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Trained tokens per second end to end (generation + training)."""
+        return self.trained_tokens / self.step_s if self.step_s else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(trained_tokens=self.trained_tokens, completion_tokens=self.completion_tokens, step_s=self.step_s,
+                 tokens_per_second=self.tokens_per_second)
+        return d
+
+    def lines(self) -> list:
+        where = ("a resident copy of the weights (transformers' generate)" if self.mode == "resident" else
+                 "layer-major streamed decoding: every unit's weights over the link once per decoded token, for "
+                 "all rollouts at once")
+        out = [f"GRPO: {self.rollouts:,} rollouts per step, prompts of {self.prompt_length:,} + completions of "
+               f"<= {self.completion_length:,} tokens; generation on {where}",
+               f"GRPO KV cache: {format_bytes(self.kv_bytes)} ({self.precision}) on the {self.kv_tier}"
+               + ("" if self.room_bytes is None else f" (device room beside training: {format_bytes(self.room_bytes)})"),
+               ]
+        if self.step_s is not None:
+            s = self.step_s
+            out.append(f"GRPO step: generation {fmt_seconds(self.generation_s)} ({self.generation_s / s:.0%}; prefill "
+                       f"{fmt_seconds(self.prefill_s)}, {fmt_seconds(self.token_s)} per decoded token, bound by "
+                       f"{self.token_bound}) + training {fmt_seconds(self.training_s)} = {fmt_seconds(s)}; "
+                       f"{fmt_rate(self.tokens_per_second)} trained end to end ({self.trained_tokens:,} tokens a step; "
+                       f"{fmt_rate(self.completion_tokens / s)} of completions)")
+        return out + [f"GRPO note: {n}" for n in self.notes]
+
+
+def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_length: int,
+                    completion_length: int, *, precision: str) -> GenerationPlan:
+    """Where a step's generation runs and where its KV cache lives (no time: :func:`price`)."""
+    cb = 2 if precision == "bf16" else 4
+    weights = cb * sum(u.numel for u in units)
+    kv = kv_cache_bytes(config, rollouts, prompt_length + completion_length, cb)
+    room = None if budgets.get("device") is None else max(budgets["device"] - plan.device["total"], 0)
+    fits = room is None or weights + kv <= room
+    mode = "resident" if fits else "streamed"
+    host_room = None if budgets.get("host") is None else max(budgets["host"] - plan.host["total"], 0)
+    if room is None or kv <= (room if mode == "streamed" else room - weights):
+        tier = "device"
+    elif host_room is None or kv <= host_room:
+        tier = "host"
+    else:
+        tier = "none"
+    gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, weights, kv, tier, mode, room)
+    if tier == "host":
+        gp.notes.append("the KV cache does not fit on the device beside the working set: it waits in host RAM and "
+                        "crosses the link for every decoded token")
+    elif tier == "none":
+        gp.notes.append("the KV cache fits neither the device nor the host budget: fewer rollouts per step, or "
+                        "shorter completions")
+    return gp
+
+
+def price(gp: GenerationPlan, config, units, shape, rates, *, training_s: float, cuda: bool) -> GenerationPlan:
+    """``gp`` with its time at ``rates``: the prefill, each decoded token, the training step's."""
+    R, P, C = gp.rollouts, gp.prompt_length, gp.completion_length
+    layers, heads, _, head_dim = attention_shape(config)
+    bf16, scale = gp.precision == "bf16", rates.compute_scale(cuda)   # (as the training step's prediction)
+    mm = rates.matmul_rate(R, shape.hidden_size, shape.intermediate_size or 4 * shape.hidden_size, bf16=bf16) * scale
+    at = (rates.attention_rate(head_dim, bf16=bf16) or mm) * scale
+    head = [u for u in units if u.kind == "head"] or [u for u in units if u.kind == "embed" and u.tied_output]
+    n_mm = sum(u.numel for u in units if u.kind == "layer") + sum(u.numel for u in head)
+    attn_width = layers * heads * head_dim
+
+    def compute(tokens: int, context: float) -> float:   # matmuls of ``tokens`` rows + their attention
+        flops, attn = 2 * n_mm * tokens, 4 * tokens * context * attn_width
+        return (flops / mm if mm else 0.0) + (attn / at if at else 0.0)
+
+    link = (rates.h2d_pinned or rates.h2d_pageable) if cuda else rates.h2d_pageable   # a unit's load
+    kv_avg = gp.kv_bytes * (P + C / 2) / (P + C)   # the cache read by an average decoded token
+    compute_tok = compute(R, P + C / 2)
+    if gp.mode == "streamed":
+        gp.link_bytes_per_token = gp.weights_bytes + (int(kv_avg) if gp.kv_tier == "host" else 0)
+        link_tok = gp.link_bytes_per_token / link if link else 0.0
+        gp.token_s, gp.token_bound = max((link_tok, "link"), (compute_tok, "compute"))
+        gp.prefill_s = max(compute(R * P, P / 2), gp.weights_bytes / link if link else 0.0)
+    else:
+        memory = DEVICE_MEMORY.get(rates.source)
+        mem_tok = (gp.weights_bytes + kv_avg) / memory[0] if memory else 0.0
+        gp.token_s, gp.token_bound = max((mem_tok, "device memory"), (compute_tok, "compute"))
+        gp.prefill_s = compute(R * P, P / 2) + (gp.weights_bytes / link if link else 0.0)   # + the refresh
+        gp.notes.append(f"device memory: {memory[1]}" if memory else
+                        "a decoded token priced at its compute alone (no device-memory rate for these rates)")
+    if not link:
+        gp.notes.append("no host->device rate in these rates: the link counted as 0 s")
+    gp.generation_s = gp.prefill_s + C * gp.token_s
+    gp.training_s = float(training_s)
+    gp.notes.append("every completion taken to reach completion_length (the decode runs to the longest one); "
+                    "the prefill of every rollout's prompt (a group's shared prompt is prefilled once: less)")
+    return gp
+
+
+__all__ = ["DEVICE_MEMORY", "GenerationPlan", "attention_shape", "kv_cache_bytes", "plan_generation", "price",
+           "split_seq"]

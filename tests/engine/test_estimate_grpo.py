@@ -1,0 +1,101 @@
+"""mt.estimate(..., rollouts=, completion_length=): a GRPO step's generation (issue 48 item 5): the
+KV cache's bytes against the cache a transformers model builds, where generation runs (resident
+when the weights and the cache fit beside the training working set, else streamed), the
+streamed decoder priced as the compute-dtype weights over the link per decoded token for all
+rollouts at once, and the refusals."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import megatrain_nb as mt
+from megatrain_nb.cli import main
+from megatrain_nb.engine.planning.estimator_grpo import kv_cache_bytes
+from megatrain_nb.engine.planning.rates import rates_for
+from megatrain_nb.model_configs import family_config
+
+PROFILE = "h100-pcie5-gen4nvme"
+
+
+def _config():
+    return family_config("llama", layers=2, vocab=64, max_position_embeddings=256)
+
+
+@pytest.mark.slow
+def test_the_kv_cache_is_the_bytes_of_the_cache_transformers_builds():
+    cfg = _config()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    rows, tokens = 3, 17
+    with torch.no_grad():
+        out = model(torch.randint(0, 64, (rows, tokens)), use_cache=True)
+    cache = out.past_key_values
+    built = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                for layer in cache.layers)
+    assert kv_cache_bytes(cfg, rows, tokens, 4) == built
+
+
+def _est(**kw):
+    base = dict(vram_gb=8, ram_gb=8, disk_gb=8, batch=4, seq=96, rollouts=16, completion_length=64)
+    base.update(kw)
+    return mt.estimate(_config(), **base)
+
+
+@pytest.mark.slow
+def test_generation_is_resident_when_it_fits_and_streamed_when_not():
+    est = _est()
+    gp = est.grpo
+    assert gp.mode == "resident" and gp.kv_tier == "device"
+    assert (gp.rollouts, gp.prompt_length, gp.completion_length) == (16, 32, 64)
+    assert est.to_dict()["grpo"]["kv_bytes"] == kv_cache_bytes(_config(), 16, 96, 4)
+    # the training step is the generation batch: 16 rollouts in micro-batches of 4
+    assert "accumulation 4" in str(est)
+    # a device budget that holds the training working set but not the weights + cache
+    need = est.plan.device["total"]
+    small = mt.estimate(_config(), vram_gb=(need + gp.weights_bytes // 2) / 2 ** 30, ram_gb=8, disk_gb=8, batch=4,
+                        seq=96, rollouts=16, completion_length=64)
+    assert small.grpo.mode == "streamed"
+
+
+def test_a_streamed_token_is_the_weights_over_the_link_for_all_rollouts():
+    """Streamed: each decoded token moves the compute-dtype weights once (bf16: 2 bytes a
+    parameter) whatever the number of rollouts; its time is the longer of that and the compute."""
+    r = rates_for(PROFILE)
+    for rollouts in (8, 32, 128):
+        fits = _est(rollouts=rollouts, batch=8, precision="bf16").grpo   # room for the cache, not the weights too
+        vram = (8 * 2 ** 30 - fits.room_bytes + fits.kv_bytes + fits.weights_bytes // 2) / 2 ** 30
+        est = _est(vram_gb=vram, rollouts=rollouts, batch=8, precision="bf16", rates=r)
+        gp = est.grpo
+        assert gp.mode == "streamed" and gp.kv_tier == "device"
+        assert gp.link_bytes_per_token == 2 * est.num_parameters
+        assert gp.token_s >= gp.link_bytes_per_token / r.h2d_pinned
+        assert gp.generation_s == pytest.approx(gp.prefill_s + 64 * gp.token_s)
+        assert gp.step_s == pytest.approx(gp.generation_s + est.prediction.step_seconds)
+        assert gp.tokens_per_second == pytest.approx(rollouts * 96 / gp.step_s)
+        assert "per decoded token, bound by link" in str(est)
+    # a cache that does not fit beside the working set waits in host RAM and crosses the link too
+    est = _est(vram_gb=0.0005, rollouts=32, batch=8, precision="bf16", rates=r)
+    assert est.grpo.kv_tier == "host" and "host RAM" in str(est)
+    assert est.grpo.link_bytes_per_token == 2 * est.num_parameters + int(est.grpo.kv_bytes * (32 + 32) / 96)
+
+
+def test_the_refusals_name_what_to_give():
+    with pytest.raises(ValueError, match="shorter than seq"):
+        _est(completion_length=96)
+    with pytest.raises(ValueError, match="give rollouts= too"):
+        mt.estimate(_config(), vram_gb=8, ram_gb=8, disk_gb=8, completion_length=32)
+    with pytest.raises(ValueError, match="must equal it"):
+        _est(accumulation=3)
+    with pytest.raises(ValueError, match="rollouts"):
+        _est(rollouts=0)
+
+
+def test_the_cli_takes_rollouts_and_completion_length(capsys):
+    args = ["estimate", "micro", "--ram", "8", "--disk", "8", "--seq", "96", "--batch", "4", "--rollouts", "16",
+            "--completion-length", "64"]
+    assert main(args + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["grpo"]
+    assert d["rollouts"] == 16 and d["completion_length"] == 64 and d["mode"] == "resident"
+    assert main(args + ["--profile", PROFILE]) == 0
+    out = capsys.readouterr().out
+    assert "GRPO KV cache" in out and "GRPO step: generation" in out and "training" in out

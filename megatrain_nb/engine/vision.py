@@ -26,8 +26,9 @@ from .discovery import locate
 
 #: The image-text-to-text families whose gradients are checked against the model's own (tests/engine/test_vlm.py).
 VISION_FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm")
-#: What the engine passes the base model's forward itself (everything else is a processor's extra input).
-_OWN = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache"})
+#: What the engine passes the base model's forward itself (everything else is a processor's extra input);
+#: the KV cache: the streamed decoder's (engine/compute/decode.py; ``past_key_values`` before transformers 5)
+_OWN = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "cache", "past_key_values"})
 _IMAGE_TOKEN = ("image_token_id", "image_token_index")
 
 

@@ -19,6 +19,11 @@ documents); the loop is :class:`~megatrain_nb.trainer.trainer.Trainer`'s (layer-
 sharding, checkpoints, resume, ``on_nonfinite``). ``mean_token_accuracy`` and ``entropy`` are
 logged for evaluation, and for training on the steps that log. SFTConfig fields that cannot
 apply are refused by name. ``trl`` is the optional extra ``pip install "megatrain-nb[sft]"``.
+
+Images (TRL's vision format: an ``images``/``image`` column, a processor as ``processing_class``,
+a vision-language model): the rows are not prepared ahead, TRL's
+``DataCollatorForVisionLanguageModeling`` makes each batch, image tokens are never truncated
+(:mod:`.sft_vision`); ``frozen=("vision_tower",)`` (an EngineConfig field) freezes a part by name.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import dataclasses
 import math
 import os
 import warnings
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -34,12 +40,16 @@ from transformers import TrainerCallback
 
 from megatrain_nb.values import SFT_FIELDS, check, check_fields, row_name
 
+from ..engine.vision import is_image_text_model
+from . import saving
 from .args import check_eval_plan, check_given
 from .data import DataError, prepare_dataset
 from .kinds import kind
-from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, head_rows,
+from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, first_row, head_rows,
                        require_trl, to_trl_rows)
 from .sft_prepare import prepare_sft_dataset
+from .sft_vision import (VISION_HEAD, UserVisionCollator, VisionCollator, check_vision_args, check_vision_rows,
+                         is_processor, is_vision_row, with_row_index)
 from .trainer import Trainer
 
 # SFTConfig fields that the trainer honours (beyond TrainingArguments'), and those that cannot
@@ -166,6 +176,10 @@ class TokenMetrics:
         return {f"{prefix}mean_token_accuracy": correct / tokens, f"{prefix}entropy": entropy / tokens}
 
 
+def _pad_multiple(args) -> Optional[int]:
+    return args.pad_to_multiple_of if args.pad_to_multiple_of != "auto" else None
+
+
 class SFTCollator:
     """TRL's collator on the columns TRL hands it (``input_ids``, ``labels``, ``seq_lengths``)."""
 
@@ -215,10 +229,26 @@ class SFTTrainer(Trainer):
         if tok is None:
             raise ValueError("SFTTrainer needs a tokenizer: pass processing_class=... (or a model folder that "
                              "holds one)")
-        self.processing_class = tok
+        # A processor (vision-language model): its tokenizer makes the text, it makes the batches of images.
+        self.processor = tok if is_processor(tok) else None
+        if self.processor is not None:
+            tok = self.tokenizer = self.processor.tokenizer
+        self.processing_class = self.processor or tok
         self._setup_tokens(tok, args)
-        from trl.data_utils import is_conversational
+        self.prep_reports: list[PrepReport] = []
+        self.vision = is_vision_row(first_row(train_dataset, "train_dataset"))
+        setup = self._setup_vision if self.vision else self._setup_text
+        self.data_collator = setup(train_dataset, args, data_collator, formatting_func)
+        self.kind = kind("sft")
+        self.formatting_func = formatting_func
+        self._skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
+        self.train_dataset = self._prepare(train_dataset, args.packing, "train_dataset")
+        if eval_dataset is not None:
+            self.eval_dataset = self._prepare(eval_dataset, self._eval_packing, "eval_dataset")
 
+    def _setup_text(self, train_dataset, args, data_collator, formatting_func):
+        """The collator of text rows (TRL's DataCollatorForLanguageModeling); the loss settings."""
+        tok = self.tokenizer
         self.padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
         if self.padding_free and data_collator is not None:
             raise ValueError("Passing a custom data collator is not supported when using padding-free.")
@@ -227,45 +257,74 @@ class SFTTrainer(Trainer):
                              "set max_length=None with inputs already truncated")
         text_field = args.dataset_text_field if formatting_func is None else None
         sample = head_rows(as_dataset(train_dataset, "train_dataset", text_field), 1)
-        if not sample:
-            raise DataError("train_dataset is empty")
         if formatting_func is not None:
             trl_sample = {"text": formatting_func(sample[0])}
         else:
             fmt = detect_format(sample, text_field)
             trl_sample = to_trl_rows(sample, fmt, "train_dataset")[0] if fmt in ("alpaca", "sharegpt") else sample[0]
-        if args.assistant_only_loss and not is_conversational(trl_sample):
-            raise ValueError("You set `assistant_only_loss=True`, but the dataset is not conversational. This option "
-                             "is only supported for conversational datasets (messages, or prompt/completion as lists "
-                             "of messages).")
-        self.chat_template = self._training_template(tok, args)
-        self.completion_only_loss = (("prompt" in trl_sample and "completion" in trl_sample)
-                                     if args.completion_only_loss is None else args.completion_only_loss)
+        self._loss_settings(trl_sample, args)
         if self.completion_only_loss and formatting_func is not None:
             raise ValueError("A formatting function was given while completion_only_loss=True: a formatter makes the "
                              "dataset plain text; apply it before, or set completion_only_loss=False")
         if data_collator is None:
             from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-            pad = args.pad_token or tok.pad_token or tok.eos_token
-            if pad is None or pad not in tok.get_vocab():
-                raise ValueError(f"pad_token {pad!r} is not in the tokenizer's vocabulary; set SFTConfig.pad_token "
-                                 "to a token it has")
-            tok.pad_token = pad
-            if self.model is not None:
-                self.model.config.pad_token_id = tok.pad_token_id
-            pad_multiple = args.pad_to_multiple_of if args.pad_to_multiple_of != "auto" else None
+            self._set_pad_token(tok, args)
             data_collator = DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id,
                                                             padding_free=self.padding_free,
-                                                            pad_to_multiple_of=pad_multiple)
-        self.data_collator = SFTCollator(data_collator)
-        self.kind = kind("sft")
-        self.formatting_func = formatting_func
-        self._skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
-        self.prep_reports: list[PrepReport] = []
-        self.train_dataset = self._prepare(train_dataset, args.packing, "train_dataset")
-        if eval_dataset is not None:
-            self.eval_dataset = self._prepare(eval_dataset, self._eval_packing, "eval_dataset")
+                                                            pad_to_multiple_of=_pad_multiple(args))
+        return SFTCollator(data_collator)
+
+    def _setup_vision(self, train_dataset, args, data_collator, formatting_func):
+        """TRL's vision contract (trainer/sft_vision.py): a processor, a vision-language model,
+        TRL's vision collator on the rows as they are."""
+        if self.processor is None:
+            raise ValueError("train_dataset has images (an 'image' or 'images' column), but processing_class is a "
+                             f"tokenizer ({type(self.tokenizer).__name__}): pass the model's processor "
+                             "(transformers.AutoProcessor, a ProcessorMixin) as processing_class")
+        if self.model is not None and not is_image_text_model(self.model):
+            raise ValueError(f"train_dataset has images (an 'image' or 'images' column), but the model "
+                             f"({type(self.model).__name__}) is not a vision-language model; load it with "
+                             "AutoModelForImageTextToText")
+        if formatting_func is not None:
+            raise ValueError("formatting_func cannot apply to a vision dataset (TRL does not prepare vision rows: "
+                             "its collator reads them as they are); put the text in 'messages' or "
+                             "'prompt'/'completion' instead")
+        check_vision_args(args)
+        self.padding_free = False
+        self._loss_settings(first_row(train_dataset, "train_dataset"), args)
+        if data_collator is not None:
+            return UserVisionCollator(data_collator)
+        self._set_pad_token(self.tokenizer, args)
+        collator = VisionCollator(self.processor, max_length=args.max_length,
+                                  completion_only_loss=self.completion_only_loss,
+                                  dataset_text_field=args.dataset_text_field,
+                                  assistant_only_loss=args.assistant_only_loss, chat_template=self.chat_template,
+                                  pad_to_multiple_of=_pad_multiple(args))
+        self.prep_reports.append(collator.report)   # (its rows truncated by their text, counted as batches are made)
+        return collator
+
+    def _loss_settings(self, trl_sample: dict, args) -> None:
+        """assistant_only_loss's template and completion_only_loss's default, as TRL decides them."""
+        from trl.data_utils import is_conversational
+
+        if args.assistant_only_loss and not is_conversational(trl_sample):
+            raise ValueError("You set `assistant_only_loss=True`, but the dataset is not conversational. This option "
+                             "is only supported for conversational datasets (messages, or prompt/completion as lists "
+                             "of messages).")
+        self.chat_template = self._training_template(self.processing_class, args)
+        self.completion_only_loss = (("prompt" in trl_sample and "completion" in trl_sample)
+                                     if args.completion_only_loss is None else args.completion_only_loss)
+
+    def _set_pad_token(self, tok, args) -> None:
+        pad = args.pad_token or tok.pad_token or tok.eos_token
+        if pad is None or pad not in tok.get_vocab():
+            raise ValueError(f"pad_token {pad!r} is not in the tokenizer's vocabulary; set SFTConfig.pad_token "
+                             "to a token it has")
+        tok.pad_token = pad
+        if self.model is not None:
+            self.model.config.pad_token_id = tok.pad_token_id
+            self.model.config.get_text_config().pad_token_id = tok.pad_token_id
 
     # ------------------------------------------------------------------ preparation
     @property
@@ -280,9 +339,9 @@ class SFTTrainer(Trainer):
             tok.eos_token = args.eos_token
             if self.model is not None:
                 self.model.config.eos_token_id = tok.eos_token_id
-        if args.chat_template_path is not None:
+        if args.chat_template_path is not None:   # (a processor's: the one its chat template renders with)
             with open(args.chat_template_path, encoding="utf-8") as f:
-                tok.chat_template = f.read()
+                (self.processor or tok).chat_template = f.read()
 
     def _training_template(self, tok, args) -> Optional[str]:
         """The template to tokenise with (None: the tokenizer's). For assistant_only_loss a template
@@ -305,6 +364,10 @@ class SFTTrainer(Trainer):
                             f"assistant_only_loss=False. ({e})") from e
 
     def _prepare(self, ds, packing: bool, what: str):
+        if self.vision:   # as TRL: not prepared ahead; checked at its head, its rows numbered to be named
+            ds = as_dataset(ds, what, None)
+            check_vision_rows(head_rows(ds, VISION_HEAD), what, self.args.dataset_text_field)
+            return with_row_index(ds, what)
         if self._skip_prepare:
             cols = getattr(ds, "column_names", None) or (list(ds[0]) if isinstance(ds, (list, tuple)) and ds else [])
             if "labels" not in cols and ("completion_mask" in cols or "assistant_masks" in cols):
@@ -324,6 +387,14 @@ class SFTTrainer(Trainer):
         if report.message():
             warnings.warn(report.message(), stacklevel=3)
         return out
+
+    def save_model(self, output_dir: Optional[str] = None) -> str:
+        """As ``Trainer.save_model``; with a processor, its files too (``AutoProcessor`` loads the folder)."""
+        if self.processor is None:
+            return super().save_model(output_dir)
+        self.hooks.hold_weights("save_model()")
+        return saving.save_model_folder(self._engine, self.processor, self.dist,
+                                        Path(output_dir or self.args.output_dir))
 
     # ------------------------------------------------------------------ metrics
     def log(self, logs: dict) -> None:

@@ -257,6 +257,18 @@ def head_rows(ds, n: int = 1000) -> list:
     return out
 
 
+def first_row(ds, what: str = "train_dataset") -> dict:
+    """The first row of ``ds`` (a list, a Dataset, an IterableDataset) as it is, unconverted."""
+    if isinstance(ds, (list, tuple)):
+        if not ds:
+            raise DataError(f"{what} is empty (0 examples)")
+        return dict(ds[0])
+    rows = head_rows(as_dataset(ds, what, None), 1)
+    if not rows:
+        raise DataError(f"{what} is empty")
+    return dict(rows[0])
+
+
 def is_conversational_dataset(ds, text_field: str = "text") -> bool:
     """Whether ``ds`` (a dataset or list) holds instruction or chat rows (vs text or token ids)."""
     rows = head_rows(ds, 1) if not isinstance(ds, (list, tuple)) else list(ds[:1])

@@ -2,8 +2,10 @@
 generation config, tokenizer with its chat template when known), exact (fp32 as trained).
 
 The shards are laid out from the source's entries before any weight is read (each file's
-header first), then the tensors are written in order as the source yields them, unit by unit:
-one unit's weights in memory at a time, never a whole shard.
+header first), then the bytes are written in order as the source yields them, as one stream cut
+into the shards' files: from the source's pieces where it has them (the disk tier's files read
+chunk by chunk, two units at once, :func:`.stream.stream_pieces`), else tensor by tensor; never a
+whole shard in memory.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from megatrain_nb.atomic import atomic_dir
 
 from .source import WeightSource, numel
-from .stream import DirectFile, read_ahead
+from .stream import DirectFile, read_ahead, stream_pieces
 
 #: the largest shard (as transformers' save_pretrained shards, one file per <= this many bytes)
 SHARD_BYTES = 2 * 1024 ** 3
@@ -76,35 +78,84 @@ def write_config_files(src: WeightSource, target: str, dtype: str = "float32") -
         src.tokenizer.save_pretrained(target)
 
 
+class _Shards:
+    """The shards' files written as one stream: ``write(bytes-like)`` fills each shard's file
+    (its header first) up to its size, then opens the next."""
+
+    def __init__(self, target: str, names: List[str], shards):
+        self.target, self.names, self.shards = target, names, shards
+        self.index, self.left, self.out = -1, 0, None
+        self.total = 0
+
+    def _next(self) -> None:
+        if self.out is not None:
+            self.out.close()
+            self.out = None
+        self.index += 1
+        shard = self.shards[self.index]
+        head = _header(shard)
+        self.left = sum(_size(s, d) for _, s, d in shard)
+        self.out = DirectFile(os.path.join(self.target, self.names[self.index]), size=len(head) + self.left)
+        self.out.write(head)
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            while self.left == 0:
+                if self.index + 1 == len(self.shards):
+                    raise RuntimeError(f"export: the source yielded more bytes than its entries lay out "
+                                       f"({len(mv)} past the end); nothing was kept")
+                self._next()
+            n = min(len(mv), self.left)
+            self.out.write(mv[:n])
+            self.left -= n
+            self.total += n
+            mv = mv[n:]
+
+    def close(self, abort: bool = False) -> None:
+        if not abort:
+            while self.index + 1 < len(self.shards):   # (shards with no bytes)
+                self._next()
+            if self.left:
+                raise RuntimeError(f"export: {self.left} bytes of {self.names[self.index]} were not written; "
+                                   "nothing was kept")
+        if self.out is not None:
+            self.out.close(abort=abort)
+            self.out = None
+
+
+def _write_tensors(src: WeightSource, out: _Shards) -> None:
+    it = read_ahead(src.tensors())   # the next unit is read while this one is written
+    for want, shape, dtype in src.entries:
+        name, t = next(it)
+        if name != want or tuple(t.shape) != tuple(shape):
+            raise RuntimeError(f"export: the source yielded {name} {tuple(t.shape)} where {want} {shape} "
+                               "was laid out; nothing was kept")
+        data = t.detach().to(dtype).contiguous().view(-1).view(torch.uint8).numpy()
+        out.write(data)
+        del t, data
+
+
 def _write_weights(src: WeightSource, target: str, shard_bytes: int) -> int:
     shards = plan_shards(src.entries, shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    it = read_ahead(src.tensors())   # the next unit is read while this one is written
-    total = 0
-    for fname, shard in zip(names, shards):
-        out = DirectFile(os.path.join(target, fname))
-        try:
-            out.write(_header(shard))
-            for want, shape, dtype in shard:
-                name, t = next(it)
-                if name != want or tuple(t.shape) != tuple(shape):
-                    raise RuntimeError(f"export: the source yielded {name} {tuple(t.shape)} where {want} {shape} "
-                                       "was laid out; nothing was kept")
-                data = t.detach().to(dtype).contiguous().view(-1).view(torch.uint8).numpy()
-                out.write(data)
-                total += data.nbytes
-                del t, data
-        except BaseException:
-            out.close(abort=True)
-            raise
-        out.close()
+    out = _Shards(target, names, shards)
+    try:
+        if src.pieces is not None:   # the stored bytes are the file's: streamed as they are read
+            stream_pieces(src.pieces(), out.write)
+        else:
+            _write_tensors(src, out)
+    except BaseException:
+        out.close(abort=True)
+        raise
+    out.close()
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total},
+        index = {"metadata": {"total_size": out.total},
                  "weight_map": {n: f for f, shard in zip(names, shards) for n, _, _ in shard}}
         with open(os.path.join(target, INDEX_NAME), "w") as f:
             json.dump(index, f, indent=2)
-    return total
+    return out.total
 
 
 def write_safetensors(src: WeightSource, path, *, shard_bytes: int = SHARD_BYTES) -> str:

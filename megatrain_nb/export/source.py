@@ -25,6 +25,8 @@ from megatrain_nb.engine.tiers.io import shard_files
 from megatrain_nb.engine.tiers.linked import DISK_FOLDER, LINKED_FILE, RAM_FILE
 from megatrain_nb.trainer import checkpoint as ckpt
 
+from .stream import Piece
+
 Shape = Tuple[int, ...]
 
 
@@ -42,6 +44,10 @@ class WeightSource:
     tokenizer: Any = None
     generation_config: Any = None
     extra: dict = field(default_factory=dict)
+    #: the same bytes as ``tensors()`` as :class:`~.stream.Piece` s, unit by unit (the disk tier's
+    #: files read range by range, several at once), where the stored bytes are the entries'
+    #: bytes; None: only ``tensors()``
+    pieces: Optional[Callable[[], Iterator[Piece]]] = None
 
     @property
     def tied(self) -> bool:
@@ -65,6 +71,42 @@ def _class_name(model) -> str:
     return type(model).__name__
 
 
+def _ordered(unit):
+    """A unit's parameters in the order they lie in its flat buffer."""
+    return sorted(unit.params, key=lambda p: p.offset)
+
+
+def _spans(unit, esize: int = 4):
+    return [(p.offset * esize, (p.offset + p.numel) * esize) for p in _ordered(unit)]
+
+
+def _buffer_pieces(buffers: dict) -> Iterator[Piece]:
+    for b in buffers.values():
+        t = b.detach().cpu().contiguous()
+        yield Piece([(0, t.numel() * t.element_size())], load=lambda t=t: t)
+
+
+def _engine_pieces(engine, buffers: dict) -> Iterator[Piece]:
+    """The engine's units as pieces: from the disk tier's files range by range (a unit its host
+    cache holds, from RAM), or as the weight store hands them out (RAM)."""
+    engine.pager.wait_grads()
+    engine.updates.check_intact("export()")
+    weights = engine.weights
+    disk = getattr(weights, "disk", None) if engine.params_on_disk else None
+    store = getattr(disk, "store", disk)
+    for u in engine.units:
+        if disk is None:
+            yield Piece(_spans(u), load=lambda u=u: weights.read_now(u))
+            continue
+        weights.dirty.wait_clean(u)   # its update's write has been issued
+        key = weights_key(u)
+        if getattr(disk, "resident_bytes", None) is not None and disk.resident_bytes([key]):
+            yield Piece(_spans(u), load=lambda key=key: disk.read(key, outside_plan=True, share=True).result()["w"])
+        else:   # ordered after the key's last write
+            yield Piece(_spans(u), open=lambda key=key: store.read_ranged(key))
+    yield from _buffer_pieces(buffers)
+
+
 def engine_source(engine, tokenizer=None, describe: str = "the engine") -> WeightSource:
     """The engine's fp32 master weights, unit by unit (call when nothing trains: between steps,
     or after ``train()``)."""
@@ -72,17 +114,23 @@ def engine_source(engine, tokenizer=None, describe: str = "the engine") -> Weigh
         raise ValueError("export from a data-parallel engine: save a checkpoint (trainer.save_model()) and export "
                          "that folder with `megatrain-nb export`")
     buffers = dict(getattr(engine, "persistent_buffers", {}) or {})
-    entries = [(p.name, tuple(p.shape), torch.float32) for u in engine.units for p in u.params]
+    entries = [(p.name, tuple(p.shape), torch.float32) for u in engine.units for p in _ordered(u)]
     entries += [(n, tuple(b.shape), b.dtype) for n, b in buffers.items()]
 
     def tensors():
-        yield from engine.named_parameters()
+        it = engine.named_parameters()   # unit by unit, in each unit's own order
+        for u in engine.units:
+            views = dict(next(it) for _ in u.params)
+            for p in _ordered(u):
+                yield p.name, views.pop(p.name)
+            del views
         for n, b in buffers.items():
             yield n, b.detach().cpu()
 
     model = engine.model
     return WeightSource(engine.model_config, entries, tensors, _class_name(model), describe, tokenizer=tokenizer,
-                        generation_config=getattr(model, "generation_config", None))
+                        generation_config=getattr(model, "generation_config", None),
+                        pieces=lambda: _engine_pieces(engine, buffers))
 
 
 def snapshot_source(engine, folder, tokenizer=None) -> WeightSource:
@@ -100,23 +148,29 @@ def snapshot_source(engine, folder, tokenizer=None) -> WeightSource:
     units = list(engine.units)
     if meta.get("units") != [u.name for u in units]:
         raise ValueError(f"snapshot {folder!r} holds units {meta.get('units')}, not this engine's")
-    entries = [(p.name, tuple(p.shape), torch.float32) for u in units for p in u.params]
+    entries = [(p.name, tuple(p.shape), torch.float32) for u in units for p in _ordered(u)]
+
+    def flat_of(u) -> torch.Tensor:
+        if u.name in meta["weights"]:
+            return engine.disk.read_file(os.path.join(folder, DISK_FOLDER, meta["weights"][u.name]), weights_key(u))["w"]
+        with safe_open(os.path.join(folder, RAM_FILE), "pt") as fh:
+            return fh.get_tensor(f"w/{u.name}")
 
     def tensors():
-        with safe_open(os.path.join(folder, RAM_FILE), "pt") as fh:
-            for u in units:
-                if u.name in meta["weights"]:
-                    path = os.path.join(folder, DISK_FOLDER, meta["weights"][u.name])
-                    flat = engine.disk.read_file(path, weights_key(u))["w"]
-                else:
-                    flat = fh.get_tensor(f"w/{u.name}")
-                for p in u.params:
-                    yield p.name, flat[p.offset:p.offset + p.numel].view(p.shape)
-                del flat
+        for u in units:
+            flat = flat_of(u)
+            for p in _ordered(u):
+                yield p.name, flat[p.offset:p.offset + p.numel].view(p.shape)
+            del flat
+
+    def pieces():
+        for u in units:
+            yield Piece(_spans(u), load=lambda u=u: flat_of(u))
 
     model = engine.model
     return WeightSource(engine.model_config, entries, tensors, _class_name(model), f"snapshot {folder}",
-                        tokenizer=tokenizer, generation_config=getattr(model, "generation_config", None))
+                        tokenizer=tokenizer, generation_config=getattr(model, "generation_config", None),
+                        pieces=pieces)
 
 
 def run_folder(path) -> str:

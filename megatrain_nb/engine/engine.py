@@ -28,9 +28,9 @@ from .updates import finite
 from .config import EngineConfig
 from .ranks.dist import resolve_dist
 from .family import max_positions, vocab_size
-from .inputs import prepare_batch, window_batches
+from .inputs import prepare_batch, window_batches, window_data
 from .tiers.materialize import SafetensorsSource, load_weights
-from .outcome import EngineOutput
+from .outcome import EngineOutput, objective_fields
 from .memory import memory_report
 from .parts import HoldsParts, build_parts
 from .planning.planner import WindowPlan
@@ -121,7 +121,7 @@ class StreamingEngine(HoldsParts):
     def forward_backward(self, input_ids, attention_mask=None, labels=None, loss_fn=None,
                          num_items_in_batch: Optional[int] = None,
                          step_lr: Optional[float] = None,
-                         max_grad_norm: Optional[float] = None, position_ids=None) -> EngineOutput:
+                         max_grad_norm: Optional[float] = None, position_ids=None, objective_data=None) -> EngineOutput:
         """Forward and backward of one micro-batch, or of a whole accumulation window.
 
         **One micro-batch** (``input_ids`` a tensor [batch, seq]): gradients accumulate on the host.
@@ -138,6 +138,11 @@ class StreamingEngine(HoldsParts):
         ``num_tokens`` its target tokens. The planner may split a window whose boundary
         activations fit nowhere into groups (``last_window_plan``). ``attention_mask`` and
         ``labels`` go inside the micro-batches then.
+
+        **A sequence-level objective** as ``loss_fn`` (DPO, GRPO: ``compute/objective.py``): each
+        micro-batch's side data is its own ``objective_data`` (a window dict's key, or the keyword
+        for one batch), handed to the objective with that micro-batch's statistics; ``loss`` stays
+        the mean token loss and the objective's value is ``out.objective_loss`` (``outcome.py``).
 
         **Packed rows** (several documents per row, no padding): ``position_ids`` [batch, seq]
         restarting at 0 for each document and no ``attention_mask``; the model's own mask code
@@ -164,16 +169,17 @@ class StreamingEngine(HoldsParts):
         max_grad_norm = check("max_grad_norm", max_grad_norm) or None   # the table's rule; 0 = no clipping
         window = window_batches(input_ids)
         if window is not None:
-            if attention_mask is not None or labels is not None or position_ids is not None:
+            if any(x is not None for x in (attention_mask, labels, position_ids, objective_data)):
                 raise ValueError("forward_backward got a list of micro-batches and a separate attention_mask/labels/"
-                                 "position_ids; put each micro-batch's in its dict instead.")
-            return self._forward_backward_window(window, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
+                                 "position_ids/objective_data; put each micro-batch's in its dict instead.")
+            return self._forward_backward_window(window, loss_fn, num_items_in_batch, step_lr, max_grad_norm,
+                                                 window_data(input_ids))
         with self.lock:
             self._check_open()
             batches = [self._prepare(input_ids, attention_mask, labels, position_ids)]
             wp = self.plan_window(batches)   # a long row's boundary activations may leave the device
             return self._train(batches, wp if wp.tier != "device" else None, loss_fn, num_items_in_batch, step_lr,
-                               max_grad_norm)
+                               max_grad_norm, [objective_data] if objective_data is not None else None)
 
     def plan_window(self, batches) -> WindowPlan:
         """The :class:`WindowPlan` of prepared ``(ids, am, labels)`` micro-batches (``window.plan_for``)."""
@@ -189,28 +195,35 @@ class StreamingEngine(HoldsParts):
         """The plan of the last window :meth:`forward_backward` ran (None before the first)."""
         return self.steps.last_plan
 
-    def _forward_backward_window(self, window, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
+    def _forward_backward_window(self, window, loss_fn, num_items_in_batch, step_lr, max_grad_norm,
+                                 data=None) -> EngineOutput:
         with self.lock:
             self._check_open()
             batches = [self._prepare(*b) for b in window]
             return self._train(batches, self.plan_window(batches), loss_fn, num_items_in_batch, step_lr,
-                               max_grad_norm)
+                               max_grad_norm, data)
 
-    def _train(self, batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm) -> EngineOutput:
-        loss, n, norm, skipped = self.steps.run(batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm)
+    def _train(self, batches, wp, loss_fn, num_items_in_batch, step_lr, max_grad_norm, data=None) -> EngineOutput:
+        loss, n, norm, skipped, heads = self.steps.run(batches, wp, loss_fn, num_items_in_batch, step_lr,
+                                                       max_grad_norm, data)
         if step_lr is None:   # the step goes on (or is the caller's): nothing of a whole step to report yet
-            return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped)
+            return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped, **objective_fields(heads))
         return EngineOutput(loss=loss, num_tokens=n, grad_norm=norm, skipped=skipped, memory=self.memory_report(),
                             telemetry=self.telemetry(),
-                            layer_stats=self.layer_stats() if self.config.layer_stats else None)
+                            layer_stats=self.layer_stats() if self.config.layer_stats else None,
+                            **objective_fields(heads))
 
-    def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None, position_ids=None) -> EngineOutput:
-        """Loss of a batch without gradients."""
+    def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None, position_ids=None,
+                 objective_data=None) -> EngineOutput:
+        """Loss of a batch without gradients (``objective_data``: a sequence objective's side data
+        of this batch, also a key of a dict batch; see :class:`.EngineOutput`)."""
         with self.lock:
             self._check_open()
+            if objective_data is None:   # a dict batch's own
+                objective_data = (window_data(input_ids) or [None])[0]
             ids, am, labels = self._prepare(input_ids, attention_mask, labels, position_ids)
-            loss_sum, n = self.runner.evaluate(ids, am, labels, loss_fn=loss_fn)
-            return EngineOutput(loss=loss_sum / max(n, 1), num_tokens=n)
+            head, n = self.runner.evaluate(ids, am, labels, loss_fn=loss_fn, data=objective_data)
+            return EngineOutput(loss=head.loss_sum / max(n, 1), num_tokens=n, **objective_fields([head]))
 
     def forward_logits(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Logits [batch, seq, vocab] (fp32, CPU) of the current weights, without gradients."""

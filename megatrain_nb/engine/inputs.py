@@ -160,4 +160,16 @@ def window_batches(x) -> Optional[list]:
     return out
 
 
-_BATCH_KEYS = frozenset({"input_ids", "attention_mask", "labels", "position_ids"})
+#: the key of a micro-batch's dict that holds its sequence objective's side data (compute/objective.py)
+OBJECTIVE_DATA = "objective_data"
+_BATCH_KEYS = frozenset({"input_ids", "attention_mask", "labels", "position_ids", OBJECTIVE_DATA})
+
+
+def window_data(x) -> Optional[list]:
+    """Each micro-batch's ``objective_data`` of a window (or of one dict batch) ``x``, in its
+    order (None where a micro-batch has none); None when none has any."""
+    items = [x] if isinstance(x, Mapping) else x
+    if not isinstance(items, (list, tuple)):
+        return None
+    data = [b.get(OBJECTIVE_DATA) if isinstance(b, Mapping) else None for b in items]
+    return data if any(d is not None for d in data) else None

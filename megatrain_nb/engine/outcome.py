@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from .updates import finite
 
@@ -29,11 +29,22 @@ class TornLoad(RuntimeError):
 
 @dataclass
 class EngineOutput:
-    """One ``forward_backward`` call. With ``step_lr`` (the call ends the optimizer step) it
-    carries all a step's record needs, so nobody goes back into the engine for it: ``memory``
-    (``memory_report()``), ``telemetry`` (``telemetry()``) and, when ``EngineConfig.layer_stats``
-    is on, ``layer_stats`` (each unit's latest update; with clipping a unit whose update still
-    runs in the worker has the step before's). None on a call that does not end a step."""
+    """One ``forward_backward`` (or ``evaluate``) call.
+
+    ``loss`` has one meaning whatever the ``loss_fn``: the mean token loss of the call's
+    micro-batches over their ``num_tokens`` target tokens, the Hugging Face definition (labels
+    shifted by one, ``-100`` ignored; the cross-entropy, or a token ``loss_fn``'s own per-token
+    loss). Under a sequence-level objective (engine/compute/objective.py: DPO, GRPO) it is still
+    that cross-entropy of the labels, and the objective's own value is ``objective_loss``: the sum
+    of its micro-batch losses as back-propagated (the call's gradient is that of
+    ``objective_loss``), with ``objective_metrics`` each micro-batch's metrics in the call's order
+    (the objective's ``metrics()``; both None under a token loss).
+
+    With ``step_lr`` (the call ends the optimizer step) it carries all a step's record needs, so
+    nobody goes back into the engine for it: ``memory`` (``memory_report()``), ``telemetry``
+    (``telemetry()``) and, when ``EngineConfig.layer_stats`` is on, ``layer_stats`` (each unit's
+    latest update; with clipping a unit whose update still runs in the worker has the step
+    before's). None on a call that does not end a step."""
 
     loss: float
     num_tokens: int
@@ -42,6 +53,16 @@ class EngineOutput:
     memory: Optional[dict] = None
     telemetry: Optional[dict] = None
     layer_stats: Optional[list] = None
+    objective_loss: Optional[float] = None         # a sequence objective's loss, summed over the micro-batches
+    objective_metrics: Optional[List[dict]] = None  # ... and its metrics, one dict per micro-batch
+
+
+def objective_fields(heads: list) -> dict:
+    """``EngineOutput``'s objective fields of the micro-batches' head outputs (``HeadOut``: the
+    step's order); empty under a token loss."""
+    if not heads or heads[0].objective_loss is None:
+        return {}
+    return {"objective_loss": sum(h.objective_loss for h in heads), "objective_metrics": [h.metrics for h in heads]}
 
 
 class StepOutcome:

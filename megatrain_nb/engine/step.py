@@ -54,7 +54,7 @@ from .layer_calls import GradKeys, GradRecord, LayerCall, NotRun, SideStreams, a
 from .layer_state import SharedState
 from .compute.long_attention import long_attention
 from .compute.packed_attention import packed_attention
-from .compute.loss_head import LossHead
+from .compute.loss_head import HeadOut, LossHead
 from .proxies import bind, output_template, template_of, unbind
 from .recompute import ActivationMeter, restored_rng, rng_state
 from .compute.tiling import LayerTiling
@@ -306,12 +306,14 @@ class StepRunner:
 
     # ------------------------------------------------------------------ one group of micro-batches
     def run(self, batches, *, loss_fn=None, step: StepContext, denom: float, tier: str = "device",
-            k: Optional[int] = None) -> Tuple[float, int, int]:
+            k: Optional[int] = None, data: Optional[list] = None) -> Tuple[float, int, int, List[HeadOut]]:
         """Forward and backward of ``batches`` (each ``(ids, am, labels)`` on the device),
         layer-major, with checkpoint interval ``k`` (default: the runner's; the planner may
         choose a larger one for a window, block recompute keeps the result the same), the
         boundary activations on ``tier``; the gradients go to the pager, that of ``sum of token
-        losses / denom``. Returns (loss sum, target tokens, tokens)."""
+        losses / denom`` (a sequence objective's: of the sum of its micro-batch losses). ``data``:
+        each micro-batch's ``objective_data`` (None: none), handed to the head with it. Returns
+        (token loss sum, target tokens, tokens, each micro-batch's :class:`.HeadOut`)."""
         k = self.checkpoint_interval if k is None else k
         A = len(batches)
         long_attention(self.model, *batches[0][0].shape)   # eager attention at a long length: SDPA or a warning
@@ -349,7 +351,8 @@ class StepRunner:
             kept = self._forward_layers(hs, calls, rng, k)
 
             # 3. head: per micro-batch the model's own post-layer code and the chunked loss
-            loss_sum, gs, embed_acc, head_acc = self._head(batches, shifts, hs, bound, loss_fn, denom)
+            heads, gs, embed_acc, head_acc = self._head(batches, shifts, hs, bound, loss_fn, denom,
+                                                        data or [None] * A)
             # (the head stays bound until the embedding's capture below: the model's post-layer
             # code runs in every pass of its forward; its slot is its own, so this costs nothing)
 
@@ -362,7 +365,7 @@ class StepRunner:
             self._release_outer(self.head)
             self._release_outer(self.embed)
             tokens = sum(int(ids.numel()) for ids, _, _ in batches)
-            return loss_sum, n_tokens, tokens
+            return sum(h.loss_sum for h in heads), n_tokens, tokens, heads
         except BaseException:
             self._abort()
             raise
@@ -372,23 +375,25 @@ class StepRunner:
             self.meter.now = 0
             self.meter.saved = self.meter.front = 0
 
-    def _head(self, batches, shifts, hs: List[torch.Tensor], bound, loss_fn, denom):
+    def _head(self, batches, shifts, hs: List[torch.Tensor], bound, loss_fn, denom, data: list):
         """Per micro-batch: the model's post-layer code replayed on the last layer's output, the
-        chunked loss and its backward. The head's gradient sum leaves; returns (loss sum, each
-        micro-batch's gradient at the last layer's output, a tied embedding's sum so far, the
-        head's sum when it waits for the embedding's backward, else None)."""
+        chunked loss (with the micro-batch's own ``data[a]``) and its backward. The head's
+        gradient sum leaves; returns (each micro-batch's :class:`.HeadOut`, its gradient at the
+        last layer's output, a tied embedding's sum so far, the head's sum when it waits for the
+        embedding's backward, else None)."""
         head, embed = self.head, self.embed
         head_acc = embed_acc = None
-        loss_sum, gs = 0.0, []
+        heads, gs = [], []
         for a, (ids, am, _) in enumerate(batches):
             h_last = hs[a].detach().requires_grad_(True)
             hs[a] = None
             hidden = self._replay(ids, am, h_last)
             leaf = hidden.detach()
-            part, grad_hidden = self.loss_head.loss(leaf, shifts[a], loss_fn, denom, backward=True)
-            torch.autograd.backward(hidden, grad_hidden)
-            loss_sum += part
-            del hidden, leaf, grad_hidden
+            out = self.loss_head.loss(leaf, shifts[a], loss_fn, denom, backward=True, data=data[a])
+            torch.autograd.backward(hidden, out.grad)
+            out.grad = None
+            heads.append(out)
+            del hidden, leaf
             gs.append(h_last.grad if h_last.grad is not None else torch.zeros_like(h_last))
             if head.numel:
                 head_acc = self.sums.fold_outer(head_acc, head, bound[head.index])
@@ -397,9 +402,9 @@ class StepRunner:
         self.meter.front = sum(_nbytes(g) for g in gs)
         if head.numel:
             if self._arg_grads:   # layer arguments may reach head weights (registered after the layers)
-                return loss_sum, gs, embed_acc, head_acc if head_acc is not None else self.sums.new(head.numel)
+                return heads, gs, embed_acc, head_acc if head_acc is not None else self.sums.new(head.numel)
             self.sums.send(head, head_acc if head_acc is not None else self.sums.new(head.numel))
-        return loss_sum, gs, embed_acc, None
+        return heads, gs, embed_acc, None
 
     def _embedding_backward(self, batches, bound, gs, arg_grads, rng_embed, embed_acc, head_acc) -> None:
         """Per micro-batch the model's forward up to the layers again (same RNG state, with its
@@ -563,15 +568,17 @@ class StepRunner:
         return gx if gx is not None else torch.zeros_like(x)
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, ids, am, labels, loss_fn=None) -> Tuple[float, int]:
-        """The loss sum and target tokens of one batch, without gradients."""
+    def evaluate(self, ids, am, labels, loss_fn=None, data=None) -> Tuple[HeadOut, int]:
+        """The head's :class:`.HeadOut` (the token loss sum; a sequence objective's loss and
+        metrics, with ``data`` its ``objective_data``) and the target tokens of one batch,
+        without gradients."""
         shift = F.pad(labels[:, 1:], (0, 1), value=-100)
         n_tokens = int((shift != -100).sum())
         self.meter.saved = 0
         packed_attention(self.model, [(ids, am, labels)])   # long packed rows: attention per document
         with self._outer_only():
             hidden = self._base_forward(ids, am)
-            return self.loss_head.loss(hidden, shift, loss_fn, None), n_tokens
+            return self.loss_head.loss(hidden, shift, loss_fn, None, data=data), n_tokens
 
     def logits(self, ids, am) -> torch.Tensor:
         """Logits [batch, seq, vocab] (fp32, CPU) of one batch, without gradients."""
@@ -617,10 +624,16 @@ class Steps:
             hold = "disk" if self.clip_hold_disk else "host"
         return hold
 
-    def run(self, batches, wp: Optional[WindowPlan], loss_fn, num_items_in_batch, step_lr, max_grad_norm):
-        """``(loss, target tokens, grad norm, skipped)`` of the prepared micro-batches ``batches``
-        laid out by ``wp`` (None: a single batch -- one micro-batch, as it always ran)."""
+    def run(self, batches, wp: Optional[WindowPlan], loss_fn, num_items_in_batch, step_lr, max_grad_norm,
+            data: Optional[list] = None):
+        """``(mean token loss, target tokens, grad norm, skipped, each micro-batch's HeadOut)`` of
+        the prepared micro-batches ``batches`` laid out by ``wp`` (None: a single batch -- one
+        micro-batch, as it always ran); ``data``: each micro-batch's ``objective_data``, in the
+        same order (None: none), which goes through the step with its micro-batch."""
         t0 = time.perf_counter()
+        if data is not None and len(data) != len(batches):
+            raise ValueError(f"{len(data)} objective_data for {len(batches)} micro-batches: each micro-batch "
+                             "carries its own (None where it has none).")
         window = wp is not None
         if not num_items_in_batch:
             num_items_in_batch = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in batches)
@@ -629,7 +642,7 @@ class Steps:
             self.last_plan = wp
         else:
             wp = _single_plan(self.runner.checkpoint_interval)
-        loss_sum, n, norm, skipped = 0.0, 0, None, False
+        loss_sum, n, norm, skipped, heads = 0.0, 0, None, False, []
         boundary_peak = {"device": 0, "host": 0, "disk": 0}
         disk_ops: dict = {}
         for g0 in range(0, len(batches), wp.group_size):
@@ -638,11 +651,16 @@ class Steps:
             step = self.updates.context(step_lr if last else None, max_grad_norm if last else None, self.hold())
             self.updates.begin(step)
             try:
-                part, cnt, tokens = self.runner.run(group, loss_fn=loss_fn, step=step, denom=denom,
-                                                    tier=wp.tier, k=wp.checkpoint_interval)
+                part, cnt, tokens, got = self.runner.run(
+                    group, loss_fn=loss_fn, step=step, denom=denom, tier=wp.tier, k=wp.checkpoint_interval,
+                    data=data[g0:g0 + wp.group_size] if data is not None else None)
+                heads += got
                 self.pager.wait_grads()
-                # The finiteness check sees the whole window's loss (every group's so far).
-                norm, skipped = self.updates.finish(step, (loss_sum + part) / max(n + cnt, 1))
+                # The finiteness check sees the whole window's loss (every group's so far): the
+                # mean token loss, or what a sequence objective back-propagates
+                objective = [h.objective_loss for h in heads if h.objective_loss is not None]
+                checked = sum(objective) if objective else (loss_sum + part) / max(n + cnt, 1)
+                norm, skipped = self.updates.finish(step, checked)
             except finite.NonFiniteError:
                 self.updates.reported()  # reported now, to this caller
                 raise
@@ -666,4 +684,4 @@ class Steps:
             self.counters.close_step(list(self.layer_names), **extra)
         self.counters.add("micro_batches", len(batches))
         self.counters.add("step_seconds", time.perf_counter() - t0)
-        return loss_sum / max(n, 1), n, norm, skipped
+        return loss_sum / max(n, 1), n, norm, skipped, heads

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from megatrain_nb.engine.inputs import OBJECTIVE_DATA
 from megatrain_nb.values import check
 
 from .sharding import ZERO_WEIGHT, deal
@@ -190,7 +191,9 @@ SIDE_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
 #: A collator's dict of a processor's extra model inputs (``pixel_values``, ``image_grid_thw``, ...:
 #: trainer/sft_vision.py); kept by :func:`finish_batch`, handed to the engine by :func:`model_inputs`.
 EXTRA_INPUTS = "extra_inputs"
-BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+#: What the engine takes of a finished batch besides the extras: its tokens, and a sequence objective's side
+#: data (DPO's pairs, GRPO's rollouts), which travels with its micro-batch (engine/compute/objective.py).
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", OBJECTIVE_DATA)
 
 
 def finish_batch(batch: dict) -> dict:

@@ -29,6 +29,7 @@ import warnings
 import torch
 
 from megatrain_nb.engine import StreamingEngine
+from megatrain_nb.engine.inputs import OBJECTIVE_DATA
 
 from megatrain_nb.values import DPO_FIELDS, ValueRefused, check, check_fields, row_name
 
@@ -36,8 +37,8 @@ from .args import check_eval_plan, check_given, unusable_fields
 from .data import DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
-from .dpo_loss import DPOObjective, DPOSettings, PairBatch
-from .kinds import register_kind
+from .dpo_loss import DPOObjective, DPOSettings, PairBatch, ReferenceLogps
+from .kinds import MetricLists, register_kind
 from .dpo_reference import (ReferenceCache, ReferenceStopped, cache_parts, check_reference_values, key_of,
                             reference_pass, weights_fingerprint, with_reference)
 from .sft_data import require_trl
@@ -128,16 +129,18 @@ def _is_iterable(ds) -> bool:
     return isinstance(ds, datasets.IterableDataset)
 
 
-def pair_batch(b: dict) -> PairBatch:
+def pair_batch(b: dict, scale: float = 1.0) -> PairBatch:
+    """The objective's side data of the preference batch ``b`` (its loss multiplied by ``scale``)."""
     if "ref_chosen_logps" not in b:
         raise DataError("a preference batch reached the engine without reference log-probs")
     return PairBatch(b["ref_chosen_logps"], b["ref_rejected_logps"], b["completion_mask"].sum(dim=1),
-                     count_tokens(b), 0.0 if b.get(ZERO_WEIGHT) else 1.0)
+                     count_tokens(b), 0.0 if b.get(ZERO_WEIGHT) else 1.0, scale)
 
 
 class DPOKind:
     """DPO as a training kind (trainer/kinds.py): the reference log-probs before the run, each
-    step's objective fed its window's pairs, the objective's own loss and metrics in the record."""
+    micro-batch's pairs as its ``objective_data``, the objective's own loss and metrics (from the
+    engine's output) in the record."""
 
     name = "dpo"
 
@@ -150,25 +153,21 @@ class DPOKind:
         return True
 
     def before_window(self, trainer: "DPOTrainer", window: list) -> dict:
-        obj = trainer.objective
         # transformers divides by the accumulation steps (and DDP averages over ranks): 1 / the
         # step's real micro-batches over every rank (a rank's filler micro-batch weighs nothing)
-        obj.scale = 1.0 / max(trainer.dist.sum(sum(not b.get(ZERO_WEIGHT) for b in window)), 1)
-        obj.losses = []
+        scale = 1.0 / max(trainer.dist.sum(sum(not b.get(ZERO_WEIGHT) for b in window)), 1)
         t_ref = trainer._live_reference(window)
-        obj.feed([pair_batch(b) for b in window])
-        self._before = {k: len(v) for k, v in obj.metrics.items()}
+        for b in window:
+            b[OBJECTIVE_DATA] = pair_batch(b, scale)
         trainer._total_train_tokens += trainer.dist.sum(sum(count_tokens(b) for b in window))
         return {"reference_s": t_ref} if t_ref is not None else {}   # this step's forward-only reference pass
 
-    def step_loss(self, trainer: "DPOTrainer", loss_sum: float, n_items: int) -> float:
-        return float(trainer.dist.sum(sum(trainer.objective.losses)))
+    def step_loss(self, trainer: "DPOTrainer", out, loss_sum: float, n_items: int) -> float:
+        """TRL's logged loss: the step's micro-batch losses (each already scaled) summed over the ranks."""
+        return float(trainer.dist.sum(out.objective_loss))
 
-    def after_window(self, trainer: "DPOTrainer", window: list, record: dict) -> None:
-        for k, v in trainer.objective.metrics.items():
-            new = v[self._before.get(k, 0):]
-            if new:
-                record[k] = sum(new) / len(new)
+    def after_window(self, trainer: "DPOTrainer", window: list, out, record: dict) -> None:
+        record.update(trainer.train_metrics.add(out.objective_metrics))
         record["num_tokens"] = trainer._total_train_tokens
 
 
@@ -240,6 +239,7 @@ class DPOTrainer(Trainer):
         self.reference_cache = ReferenceCache(args.output_dir)
         self.reference_seconds: dict = {}   # per split: seconds of the reference pass (0.0: read from the cache)
         self._total_train_tokens = 0
+        self.train_metrics = MetricLists()   # the objective's metrics since the last log
         self._eval_prefix, self._eval_extra = None, {}
         self.kind = DPOKind()
 
@@ -377,11 +377,10 @@ class DPOTrainer(Trainer):
             engine, own = self._reference_engine()
             if own:
                 self._live_ref = engine
-        obj = DPOObjective(self.settings)
-        obj.reference_only = True
+        obj = ReferenceLogps(self.settings)
         for b in todo:
-            engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
-            b["ref_chosen_logps"], b["ref_rejected_logps"] = obj.ref_logps.pop().chunk(2, dim=0)
+            out = engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
+            b["ref_chosen_logps"], b["ref_rejected_logps"] = out.objective_metrics[0]["logps"].chunk(2, dim=0)
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -398,7 +397,7 @@ class DPOTrainer(Trainer):
         if p is not None and f"{p}_loss" in logs:
             logs = {**logs, **self._eval_extra}
         elif "loss" in logs:
-            metrics = self.objective.take_metrics()
+            metrics = self.train_metrics.take()
             if self.dist.world > 1:   # every rank logs the same steps: the mean over ranks, as TRL gathers them
                 metrics = {k: float(self.dist.sum(v)) / self.dist.world for k, v in sorted(metrics.items())}
             logs = {**logs, **metrics, "num_tokens": float(self._total_train_tokens)}
@@ -416,20 +415,20 @@ class DPOTrainer(Trainer):
             ds = self.eval_dataset
         if ds is None:
             raise ValueError("evaluate() needs an eval_dataset (give one to the DPOTrainer or to evaluate())")
-        obj = DPOObjective(self.settings)
-        t0, total, rows = time.time(), 0.0, 0
+        t0, total, rows, seen = time.time(), 0.0, 0, MetricLists()
         for b in eval_batches(ds, batch_size=a.per_device_eval_batch_size, collate=self.data_collator,
                               rank=self.dist.rank, world=self.dist.world):
             self._live_reference([b])
-            obj.feed([pair_batch(b)])
-            self._engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
+            out = self._engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
+                                        loss_fn=self.objective, objective_data=pair_batch(b))
+            seen.add(out.objective_metrics)
             n = 0 if b.get(ZERO_WEIGHT) else int(b["input_ids"].shape[0])
-            total, rows = total + obj.losses[-1] * n, rows + n
+            total, rows = total + out.objective_loss * n, rows + n
         total, rows = self.dist.sum(total), self.dist.sum(rows)
         if rows == 0:
             raise DataError("the eval dataset holds no pairs")
         p = metric_key_prefix
-        self._eval_extra = {f"{p}_{k}": v for k, v in obj.take_metrics().items()}
+        self._eval_extra = {f"{p}_{k}": v for k, v in seen.take().items()}
         self._eval_extra[f"{p}_num_tokens"] = float(self._total_train_tokens)
         metrics = {f"{p}_loss": total / rows, f"{p}_runtime": time.time() - t0}
         self._eval_prefix = p

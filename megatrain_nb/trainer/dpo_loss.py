@@ -4,12 +4,12 @@ Every formula is ``trl.DPOTrainer._compute_loss``'s (trl 1.x), written on per-se
 the chunked head gathers: the (LD-weighted) sum of the label log-probs over the completion, and
 for the metrics the token count, entropy, mean logit, top-1 hits and WPO's aligned log-probs.
 A micro-batch is TRL's batch: the chosen rows first, then the rejected rows. The reference
-log-probs are data, fed per micro-batch (:meth:`DPOObjective.feed`). No trl import here.
+log-probs are data: each micro-batch carries its own (:class:`PairBatch`, its ``objective_data``).
+No trl import here.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -140,20 +140,53 @@ def pair_losses(loss_type: str, s: DPOSettings, c_lr, r_lr, c_lp, r_lp, ref_c, r
 
 @dataclass
 class PairBatch:
-    """What a micro-batch brings besides its tokens: the reference log-probs of its chosen and
-    rejected rows, its completion lengths (unshifted, as TRL counts them) and attention tokens."""
+    """What a micro-batch brings besides its tokens (its ``objective_data``): the reference
+    log-probs of its chosen and rejected rows, its completion lengths (unshifted, as TRL counts
+    them) and attention tokens, and what its loss is multiplied by."""
     ref_chosen: torch.Tensor
     ref_rejected: torch.Tensor
     completion_counts: torch.Tensor
     attention_tokens: int
     weight: float = 1.0   # 0.0: a data-parallel rank's filler micro-batch (no loss, no metrics)
+    # 1 / the step's real micro-batches over every rank (transformers divides by the accumulation
+    # steps, DDP averages over ranks); 1.0 in evaluation
+    scale: float = 1.0
+
+
+@dataclass
+class _Pairs:
+    """One micro-batch's context: its data and its tokens' LD weights [batch, seq]."""
+    data: Optional[PairBatch]
+    weights: torch.Tensor
+
+
+def _pairs_context(labels: torch.Tensor, data, alpha: Optional[float], need_data: bool, who: str) -> _Pairs:
+    if labels.shape[0] % 2:
+        raise ValueError(f"a preference micro-batch has chosen and rejected rows side by side; got "
+                         f"{labels.shape[0]} rows")
+    if need_data and not isinstance(data, PairBatch):
+        raise ValueError(f"{who}: a micro-batch came without its reference log-probs: pass its PairBatch as the "
+                         f"micro-batch's objective_data (got {type(data).__name__})")
+    return _Pairs(data, ld_weights(labels, alpha))
+
+
+def _label_logps(ctx: _Pairs, logits, labels, start, plain: bool):
+    """The (LD-weighted) label log-probs' sums of a chunk, the log-probs and the loss mask."""
+    keep = labels != -100
+    w = ctx.weights[:, start:start + labels.shape[1]].to(logits.device)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * keep
+    out = {"logps": (logp * w).sum(dim=1)}
+    if plain:
+        out["plain_logps"] = logp.sum(dim=1)
+    return out, logp_all, logp, keep
 
 
 class DPOObjective:
-    """The DPO family's loss on the engine's chunked head (:class:`..engine.objective.SequenceObjective`).
-    ``scale``: what a micro-batch's loss is multiplied by (1 / micro-batches per step, as
-    transformers divides by the accumulation steps). Metrics accumulate per micro-batch in
-    ``metrics`` (lists, TRL's names), averaged by the trainer at each log."""
+    """The DPO family's loss on the engine's chunked head (:class:`..engine.objective.SequenceObjective`):
+    each micro-batch's :class:`PairBatch` is its ``objective_data``; the objective keeps nothing
+    between calls. A micro-batch's metrics (TRL's names) come back from :meth:`metrics` through
+    ``EngineOutput.objective_metrics``; the trainer averages them at each log."""
 
     def __init__(self, settings: DPOSettings):
         settings.check()
@@ -161,41 +194,14 @@ class DPOObjective:
         self.weights = settings.loss_weights or [1.0] * len(settings.loss_type)
         self.plain = settings.ld_alpha is not None and "sft" in settings.loss_type
         self.differentiable = ("logps", "plain_logps") if self.plain else ("logps",)
-        self.scale = 1.0
-        self.collect_metrics = True
-        self.reference_only = False   # the reference pass: log-probs only, recorded in ref_logps
-        self.ref_logps: List[torch.Tensor] = []
-        self.losses: List[float] = []
-        self.metrics: Dict[str, list] = {}
-        self._queue: deque = deque()
-        self._cur: Optional[PairBatch] = None
-        self._w: Optional[torch.Tensor] = None
 
-    # ------------------------------------------------------------------ feeding
-    def feed(self, batches: List[Optional[PairBatch]]) -> None:
-        """The next micro-batches' side data, in the order the engine will run them."""
-        self._queue.clear()
-        self._queue.extend(batches)
-
-    def begin(self, labels: torch.Tensor) -> None:
-        if labels.shape[0] % 2:
-            raise ValueError(f"a preference micro-batch has chosen and rejected rows side by side; got "
-                             f"{labels.shape[0]} rows")
-        self._cur = self._queue.popleft() if self._queue else None
-        if self._cur is None and not self.reference_only:
-            raise RuntimeError("DPOObjective: no reference log-probs were fed for this micro-batch")
-        self._w = ld_weights(labels, self.s.ld_alpha)
+    def context(self, labels: torch.Tensor, data) -> _Pairs:
+        return _pairs_context(labels, data, self.s.ld_alpha, True, "DPOObjective")
 
     # ------------------------------------------------------------------ per chunk
-    def token_stats(self, logits, labels, start, grad):
-        keep = labels != -100
-        w = self._w[:, start:start + labels.shape[1]].to(logits.device)
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * keep
-        out = {"logps": (logp * w).sum(dim=1)}
-        if self.plain:
-            out["plain_logps"] = logp.sum(dim=1)
-        if grad or self.reference_only:
+    def token_stats(self, ctx: _Pairs, logits, labels, start, grad):
+        out, logp_all, logp, keep = _label_logps(ctx, logits, labels, start, self.plain)
+        if grad:
             return out
         with torch.no_grad():   # the metrics' statistics: never differentiated
             k = keep.float()
@@ -209,10 +215,8 @@ class DPOObjective:
         return out
 
     # ------------------------------------------------------------------ per micro-batch
-    def loss(self, stats):
-        if self.reference_only:
-            return stats["logps"].sum() * 0.0
-        cur, s = self._cur, self.s
+    def loss(self, ctx: _Pairs, stats):
+        cur, s = ctx.data, self.s
         c_lp, r_lp = stats["logps"].chunk(2, dim=0)
         ref_c, ref_r = (t.to(c_lp) for t in (cur.ref_chosen, cur.ref_rejected))
         c_lr, r_lr = c_lp - ref_c, r_lp - ref_r
@@ -229,39 +233,50 @@ class DPOObjective:
                 cw, rw = torch.exp(mean).chunk(2, dim=0)
                 per_pair = per_pair * (cw * rw)
             total = total + per_pair.mean() * lw
-        return total * (self.scale * cur.weight)
+        return total * (cur.scale * cur.weight)
 
-    def done(self, stats, loss):
-        if self.reference_only:
-            self.ref_logps.append(stats["logps"].detach().cpu())
-            return
-        self.losses.append(loss)
-        if self.collect_metrics and self._cur.weight:
-            self._record(stats)
-
-    def _record(self, stats) -> None:
-        m, b = self.metrics, self.s.beta
-        add = lambda k, v: m.setdefault(k, []).append(float(v))  # noqa: E731
+    def metrics(self, ctx: _Pairs, stats, loss: float) -> Dict[str, float]:
+        """TRL's DPO metrics of the micro-batch (none for a filler micro-batch)."""
+        if not ctx.data.weight:
+            return {}
+        m, b = {}, self.s.beta
         tokens = stats["tokens"]
         n = float(tokens.sum())
-        add("entropy", float(stats["entropy"].sum()) / n if n > 0 else 0.0)
+        m["entropy"] = float(stats["entropy"].sum()) / n if n > 0 else 0.0
         ct, rt = (float(t.sum()) for t in tokens.chunk(2, dim=0))
         cl, rl = (float(t.sum()) for t in stats["mean_logits"].chunk(2, dim=0))
-        add("logits/chosen", cl / ct if ct > 0 else 0.0)
-        add("logits/rejected", rl / rt if rt > 0 else 0.0)
-        add("mean_token_accuracy", float(stats["top1"].chunk(2, dim=0)[0].sum()) / ct if ct > 0 else 0.0)
+        m["logits/chosen"] = cl / ct if ct > 0 else 0.0
+        m["logits/rejected"] = rl / rt if rt > 0 else 0.0
+        m["mean_token_accuracy"] = float(stats["top1"].chunk(2, dim=0)[0].sum()) / ct if ct > 0 else 0.0
         c_lp, r_lp = stats["logps"].chunk(2, dim=0)
-        cr = b * (c_lp - self._cur.ref_chosen.to(c_lp))
-        rr = b * (r_lp - self._cur.ref_rejected.to(r_lp))
-        add("rewards/chosen", cr.mean())
-        add("rewards/rejected", rr.mean())
-        add("rewards/accuracies", (cr > rr).float().mean())
-        add("rewards/margins", (cr - rr).mean())
-        add("logps/chosen", c_lp.mean())
-        add("logps/rejected", r_lp.mean())
+        cr = b * (c_lp - ctx.data.ref_chosen.to(c_lp))
+        rr = b * (r_lp - ctx.data.ref_rejected.to(r_lp))
+        m["rewards/chosen"] = float(cr.mean())
+        m["rewards/rejected"] = float(rr.mean())
+        m["rewards/accuracies"] = float((cr > rr).float().mean())
+        m["rewards/margins"] = float((cr - rr).mean())
+        m["logps/chosen"] = float(c_lp.mean())
+        m["logps/rejected"] = float(r_lp.mean())
+        return m
 
-    def take_metrics(self) -> Dict[str, float]:
-        """The metrics' means since the last take, TRL's names (cleared)."""
-        out = {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
-        self.metrics = {}
-        return out
+
+class ReferenceLogps:
+    """The reference pass's objective (forward only): each row's (LD-weighted) label log-prob sum,
+    returned as the micro-batch's metric ``logps`` [batch] (on the CPU); needs no side data."""
+
+    differentiable = ()
+
+    def __init__(self, settings: DPOSettings):
+        self.s = settings
+
+    def context(self, labels: torch.Tensor, data) -> _Pairs:
+        return _pairs_context(labels, data, self.s.ld_alpha, False, "ReferenceLogps")
+
+    def token_stats(self, ctx: _Pairs, logits, labels, start, grad):
+        return _label_logps(ctx, logits, labels, start, False)[0]
+
+    def loss(self, ctx: _Pairs, stats):
+        return stats["logps"].sum() * 0.0
+
+    def metrics(self, ctx: _Pairs, stats, loss: float) -> Dict[str, torch.Tensor]:
+        return {"logps": stats["logps"].detach().cpu()}

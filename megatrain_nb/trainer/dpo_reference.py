@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from ..atomic import atomic_file
 from .data import DataError, eval_batches
 from .dpo_data import token_fingerprint
-from .dpo_loss import DPOObjective, DPOSettings
+from .dpo_loss import DPOSettings, ReferenceLogps
 
 CACHE_DIR = "reference_logps"
 
@@ -112,14 +112,13 @@ def reference_pass(engine, ds, collate: Callable, batch_size: int, settings: DPO
     through ``engine.evaluate`` with a log-prob-only objective. ``stop`` is asked before each
     batch (a Session applies its queued pause, resume and stop there); True ends the pass with
     :class:`ReferenceStopped`."""
-    obj = DPOObjective(settings)
-    obj.reference_only = True
+    obj = ReferenceLogps(settings)
     chosen, rejected, done = [], [], 0
     for b in eval_batches(ds, batch_size=batch_size, collate=collate):
         if stop is not None and stop():
             raise ReferenceStopped("the reference pass was stopped")
-        engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
-        c, r = obj.ref_logps.pop().chunk(2, dim=0)
+        out = engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
+        c, r = out.objective_metrics[0]["logps"].chunk(2, dim=0)
         chosen.append(c)
         rejected.append(r)
         done += c.shape[0]

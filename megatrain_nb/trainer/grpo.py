@@ -33,7 +33,7 @@ import torch
 
 from megatrain_nb.engine import StreamingEngine
 
-from .kinds import register_kind
+from .kinds import MetricLists, register_kind
 from .grpo_eval import run_evaluation
 from .grpo_data import RolloutStream, pad_rollouts, tokenize_prompts
 from .grpo_loss import GRPOObjective, GRPOSettings
@@ -195,10 +195,11 @@ class GRPOKind:
         # training (the record's step_time_s)
         return {"generation_s": getattr(trainer.data_stream, "generation_s", 0.0)}
 
-    def step_loss(self, trainer, loss_sum: float, n_items: int) -> float:
-        return float(trainer.dist.sum(sum(trainer.objective.losses)))
+    def step_loss(self, trainer, out, loss_sum: float, n_items: int) -> float:
+        return float(trainer.dist.sum(out.objective_loss))
 
-    def after_window(self, trainer, window: list, record: dict) -> None:
+    def after_window(self, trainer, window: list, out, record: dict) -> None:
+        trainer.train_metrics.add(out.objective_metrics)   # logged with the rollouts' (GRPOTrainer.log)
         record.update(trainer.last_rollout)
 
 
@@ -272,6 +273,7 @@ class GRPOTrainer(Trainer):
         self._policy = None
         self._metrics = defaultdict(list)
         self.eval_metrics = defaultdict(list)   # an evaluation's rollout metrics (grpo_eval.py)
+        self.train_metrics = MetricLists(skip_nan=True)   # the objective's, from the engine's outputs
         self._rollout_tokens = 0
         from transformers.trainer_utils import set_seed
 
@@ -391,11 +393,11 @@ class GRPOTrainer(Trainer):
         """As ``Trainer.log``, with TRL's GRPO metrics (their means since the last log)."""
         if "loss" in logs:
             metrics = {}
-            for k, v in list(self._metrics.items()) + [(k, v) for k, v in self.objective.metrics.items()]:
+            for k, v in self._metrics.items():
                 valid = [x for x in v if not math.isnan(x)]
                 metrics[k] = sum(valid) / len(valid) if valid else None
             self._metrics = defaultdict(list)
-            self.objective.metrics = {}
+            metrics.update(self.train_metrics.take())
             logs = {**logs, **metrics}
         super().log(logs)
 

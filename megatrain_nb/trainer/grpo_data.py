@@ -1,7 +1,7 @@
 """The data stream of a GRPO run: prompts in trl.GRPOTrainer's order, rollouts generated and
 scored once per ``steps_per_generation x num_iterations`` micro-batches, shuffled, split, and
-handed to the loop as the engine's micro-batches with their side data (advantages, old and
-reference log-probs) fed to the objective.
+handed to the loop as the engine's micro-batches, each carrying its own side data (advantages, old
+and reference log-probs: a ``RolloutBatch``, its ``objective_data``) to the objective.
 
 The order of random draws is TRL's (transformers' loop and DataLoader on one process): TRL's own
 ``RepeatSampler`` (its generator seeded with ``args.seed``) orders the prompts; the global stream
@@ -14,6 +14,8 @@ import time
 from typing import List, Optional
 
 import torch
+
+from megatrain_nb.engine.inputs import OBJECTIVE_DATA
 
 from .grpo_loss import RolloutBatch, to_shift
 from .grpo_rollout import left_pad, right_pad
@@ -106,14 +108,12 @@ class RolloutStream:
             self._step += 1
         if not ended and self.consumed >= self.batches_per_epoch:
             ended = True
-        window = [micro_batch(p, len(parts), self.trainer.dist.world) for p in parts]
-        self.trainer.objective.losses = []
-        self.trainer.objective.feed([b["rollout"] for b in window])
-        return window, ended
+        return [micro_batch(p, len(parts), self.trainer.dist.world) for p in parts], ended
 
 
 def micro_batch(r: dict, accumulation: int, world: int) -> dict:
-    """The engine's micro-batch of one slice of rollouts, its side data in ``rollout``."""
+    """The engine's micro-batch of one slice of rollouts, its side data (a :class:`RolloutBatch`)
+    its ``objective_data``."""
     P = r["prompt_ids"].shape[1]
     ids = torch.cat([r["prompt_ids"], r["completion_ids"]], 1)
     am = torch.cat([r["prompt_mask"], r["completion_mask"]], 1)
@@ -122,7 +122,7 @@ def micro_batch(r: dict, accumulation: int, world: int) -> dict:
     side = RolloutBatch(advantages=r["advantages"], old_logps=to_shift(r.get("old_per_token_logps"), P),
                         ref_logps=to_shift(r.get("ref_per_token_logps"), P),
                         num_items=float(r["num_items_in_batch"]), accumulation=accumulation, world=world)
-    return {"input_ids": ids, "attention_mask": am, "labels": labels, "rollout": side}
+    return {"input_ids": ids, "attention_mask": am, "labels": labels, OBJECTIVE_DATA: side}
 
 
 def pad_rollouts(prompt_ids, completion_ids, pad_id: int) -> dict:

@@ -12,8 +12,10 @@ import time
 
 import torch
 
+from megatrain_nb.engine.inputs import OBJECTIVE_DATA
+
 from .grpo_data import micro_batch
-from .grpo_loss import GRPOObjective
+from .kinds import MetricLists
 
 
 def run_evaluation(trainer, ds, prefix: str = "eval") -> dict:
@@ -26,8 +28,7 @@ def run_evaluation(trainer, ds, prefix: str = "eval") -> dict:
     torch.empty((), dtype=torch.int64).random_()   # the eval DataLoader's base seed
     order = list(iter(sampler))
     bs = a.per_device_eval_batch_size
-    obj = GRPOObjective(trainer.settings)
-    t0, total, rows = time.time(), 0.0, 0
+    t0, total, rows, seen = time.time(), 0.0, 0, MetricLists(skip_nan=True)
     trainer.eval_metrics.clear()
     # transformers weighs each batch's loss by the batch size, and accelerate's gather_for_metrics
     # keeps len(eval_dataset) % batch size of the last batch's copies (the prompts' count, not the
@@ -36,19 +37,20 @@ def run_evaluation(trainer, ds, prefix: str = "eval") -> dict:
     for s in range(0, len(order), bs):
         examples = [ds[i] for i in order[s:s + bs]]
         b = micro_batch(trainer.make_rollouts(examples, mode="eval"), 1, trainer.dist.world)
-        b["rollout"].per_generation = 1
-        obj.feed([b["rollout"]])
-        trainer.engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
+        b[OBJECTIVE_DATA].per_generation = 1
+        out = trainer.engine.evaluate(b, loss_fn=trainer.objective)
+        seen.add(out.objective_metrics)
         w = last if s + bs >= len(order) else bs
-        total, rows = total + obj.losses[-1] * w, rows + w
+        total, rows = total + out.objective_loss * w, rows + w
     metrics = {f"{prefix}_loss": total / max(rows, 1)}
     runtime = time.time() - t0
     batches = -(-len(order) // bs)
     metrics.update({f"{prefix}_runtime": runtime, f"{prefix}_samples_per_second": len(order) / runtime,
                     f"{prefix}_steps_per_second": batches / runtime})
-    for k, v in list(trainer.eval_metrics.items()) + list(obj.metrics.items()):
+    for k, v in list(trainer.eval_metrics.items()):
         valid = [x for x in v if not math.isnan(x)]
         metrics[f"{prefix}_{k}"] = sum(valid) / len(valid) if valid else None
+    metrics.update({f"{prefix}_{k}": v for k, v in seen.take().items()})
     trainer.eval_metrics.clear()
     return metrics
 

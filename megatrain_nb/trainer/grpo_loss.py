@@ -5,9 +5,10 @@ completion tokens of a nonlinear function of each token's log-prob, its old (sam
 log-prob, its reference log-prob and its sequence's advantage, divided by constants fixed by the
 masks (per loss type). So each chunk of the head applies the per-token function to its tokens and
 returns per-sequence sums (:meth:`GRPOObjective.token_stats`); the loss normalises them
-(:meth:`GRPOObjective.loss`). The per-token side data (old and reference log-probs) are fed per
-micro-batch in the head's shifted-label coordinates ``[batch, seq]`` (position ``p`` scores token
-``p + 1``) and sliced by each chunk's ``start``. No trl import here.
+(:meth:`GRPOObjective.loss`). The per-token side data (old and reference log-probs) travel with
+their micro-batch (its ``objective_data``, a :class:`RolloutBatch`) in the head's shifted-label
+coordinates ``[batch, seq]`` (position ``p`` scores token ``p + 1``) and are sliced by each chunk's
+``start``. The objective keeps nothing between calls. No trl import here.
 
 Statistics (per sequence, summed over its loss tokens):
 
@@ -22,9 +23,8 @@ Statistics (per sequence, summed over its loss tokens):
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -104,10 +104,10 @@ def _adv(adv: torch.Tensor, start: int, width: int, like: torch.Tensor) -> torch
 
 
 class GRPOObjective:
-    """GRPO's loss on the engine's chunked head (:class:`..engine.objective.SequenceObjective`).
-    Feed each micro-batch's :class:`RolloutBatch` (:meth:`feed`) in the engine's order. Metrics
-    accumulate per micro-batch in ``metrics`` (lists, TRL's names); ``losses`` the micro-batches'
-    losses as back-propagated (already divided by the accumulation, as TRL's)."""
+    """GRPO's loss on the engine's chunked head (:class:`..engine.objective.SequenceObjective`):
+    each micro-batch's :class:`RolloutBatch` is its ``objective_data``. Its loss as back-propagated
+    (already divided by the accumulation, as TRL's) and its metrics (TRL's names, :meth:`metrics`)
+    come back through ``EngineOutput``; nothing is kept here between calls."""
 
     def __init__(self, settings: GRPOSettings):
         settings.check()
@@ -121,25 +121,20 @@ class GRPOObjective:
         else:
             names = ("pg",)
         self.differentiable = names + (("kl",) if s.beta != 0.0 else ())
-        self.collect_metrics = True
-        self.losses: List[float] = []
-        self.metrics: Dict[str, list] = {}
-        self._queue: deque = deque()
-        self._cur: Optional[RolloutBatch] = None
 
-    # ------------------------------------------------------------------ feeding
-    def feed(self, batches: List[RolloutBatch]) -> None:
-        self._queue.clear()
-        self._queue.extend(batches)
-
-    def begin(self, labels: torch.Tensor) -> None:
-        self._cur = self._queue.popleft() if self._queue else None
-        if self._cur is None:
-            raise RuntimeError("GRPOObjective: no advantages were fed for this micro-batch")
+    def context(self, labels: torch.Tensor, data) -> RolloutBatch:
+        """The micro-batch's own :class:`RolloutBatch` (its ``objective_data``), checked."""
+        if not isinstance(data, RolloutBatch):
+            raise ValueError("GRPOObjective: a micro-batch came without its advantages: pass its RolloutBatch as the "
+                             f"micro-batch's objective_data (got {type(data).__name__})")
+        if data.advantages.shape[0] != labels.shape[0]:
+            raise ValueError(f"GRPOObjective: {data.advantages.shape[0]} advantages for a micro-batch of "
+                             f"{labels.shape[0]} rows")
+        return data
 
     # ------------------------------------------------------------------ per chunk
-    def token_stats(self, logits, labels, start, grad):
-        s, cur = self.s, self._cur
+    def token_stats(self, cur: RolloutBatch, logits, labels, start, grad):
+        s = self.s
         keep = labels != -100
         m = keep.to(logits.dtype)
         width = labels.shape[1]
@@ -233,8 +228,8 @@ class GRPOObjective:
         avg = stats["opm_kl"] / stats["n"].clamp(min=1.0)
         return ((adv >= 0) | (avg <= thr)).to(adv.dtype)
 
-    def loss(self, stats):
-        s, cur = self.s, self._cur
+    def loss(self, cur: RolloutBatch, stats):
+        s = self.s
         like = next(iter(stats.values()))
         adv = cur.advantages.to(like)
         if adv.dim() > 1:
@@ -263,18 +258,16 @@ class GRPOObjective:
             loss = per_seq.sum() / normalizer
         return loss * cur.weight
 
-    def done(self, stats, loss):
-        self.losses.append(loss)
-        if self.collect_metrics and self._cur.weight:
-            self._record(stats)
-
-    def _record(self, stats) -> None:
-        s = self.s
-        add = lambda k, v: self.metrics.setdefault(k, []).append(float(v))  # noqa: E731
+    def metrics(self, cur: RolloutBatch, stats, loss: float) -> Dict[str, float]:
+        """TRL's GRPO metrics of the micro-batch (none for a filler micro-batch)."""
+        if not cur.weight:
+            return {}
+        s, out = self.s, {}
+        add = lambda k, v: out.__setitem__(k, float(v))  # noqa: E731
         n = stats["n"]
         tokens = float(n.sum())
         mean = lambda x: float(x.sum()) / max(tokens, 1.0)  # noqa: E731   (TRL's global_masked_mean)
-        adv = self._cur.advantages.to(n)
+        adv = cur.advantages.to(n)
         coef = None
         if self.sequence_level and s.loss_type != "vespo":
             coef = torch.exp(stats["lr"] / n.clamp(min=1.0))
@@ -303,11 +296,6 @@ class GRPOObjective:
         elif s.loss_type == "vespo":
             phi = self._gamma(stats["lr_clamped"].to(adv), adv)
             add("vespo/phi_seq_mean", float(phi.sum()) / float(n.shape[0]))
-
-    def take_metrics(self) -> Dict[str, float]:
-        """The metrics' means since the last take, TRL's names (cleared)."""
-        out = {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
-        self.metrics = {}
         return out
 
 

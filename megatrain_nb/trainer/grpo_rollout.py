@@ -111,30 +111,29 @@ class ResidentPolicy:
 
 # ---------------------------------------------------------------------------------- log-probs
 class TokenLogps:
-    """A forward-only objective of the chunked head that records each loss token's log-prob
-    (temperature applied) in [batch, seq] (shifted-label coordinates)."""
+    """A forward-only objective of the chunked head (stateless, no side data): each loss token's
+    log-prob (temperature applied) in [batch, seq] (shifted-label coordinates), returned as the
+    micro-batch's metric ``logps`` (on the CPU: ``EngineOutput.objective_metrics``)."""
 
     differentiable = ()
 
     def __init__(self, temperature: float = 1.0):
         self.temperature = temperature
-        self.out: List[torch.Tensor] = []
-        self._shape = None
 
-    def begin(self, labels):
-        self._shape = labels.shape
+    def context(self, labels, data):
+        return labels.shape
 
-    def token_stats(self, logits, labels, start, grad):
+    def token_stats(self, shape, logits, labels, start, grad):
         lp = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-        full = torch.zeros(self._shape, dtype=lp.dtype, device=lp.device)
+        full = torch.zeros(shape, dtype=lp.dtype, device=lp.device)
         full[:, start:start + labels.shape[1]] = lp * (labels != -100)
         return {"logps": full}
 
-    def loss(self, stats):
+    def loss(self, shape, stats):
         return stats["logps"].sum() * 0.0
 
-    def done(self, stats, loss):
-        self.out.append(stats["logps"].detach().cpu())
+    def metrics(self, shape, stats, loss):
+        return {"logps": stats["logps"].detach().cpu()}
 
 
 def completion_logps(engine, batch: dict, prompt_len: int, temperature: float, rows: int) -> torch.Tensor:
@@ -142,10 +141,10 @@ def completion_logps(engine, batch: dict, prompt_len: int, temperature: float, r
     labels), forward only, ``rows`` sequences at a time (TRL's per-device batch)."""
     obj = TokenLogps(temperature)
     B = batch["input_ids"].shape[0]
-    for s in range(0, B, rows):
-        engine.evaluate(batch["input_ids"][s:s + rows], attention_mask=batch["attention_mask"][s:s + rows],
-                        labels=batch["labels"][s:s + rows], loss_fn=obj)
-    full = torch.cat(obj.out, dim=0)
+    parts = [engine.evaluate(batch["input_ids"][s:s + rows], attention_mask=batch["attention_mask"][s:s + rows],
+                             labels=batch["labels"][s:s + rows], loss_fn=obj).objective_metrics[0]["logps"]
+             for s in range(0, B, rows)]
+    full = torch.cat(parts, dim=0)
     C = batch["input_ids"].shape[1] - prompt_len
     return full[:, prompt_len - 1:prompt_len - 1 + C]
 

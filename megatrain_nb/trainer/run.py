@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Protocol, runtime_checkabl
 
 from ..engine.updates.finite import NonFiniteError
 from . import saving
-from .data import EXTRA_INPUTS, BatchStream, DataError, count_targets, count_tokens, model_inputs
+from .data import EXTRA_INPUTS, OBJECTIVE_DATA, BatchStream, DataError, count_targets, count_tokens, model_inputs
 from .prediction_watch import PredictionWatch
 from .recovery import Diverged, reason_of
 from .schedule import LRSchedule
@@ -238,17 +238,17 @@ class Run:
                 out = engine.forward_backward(b["input_ids"], attention_mask=b.get("attention_mask"),
                                               labels=b["labels"], num_items_in_batch=n_items,
                                               loss_fn=t.loss_fn, step_lr=lr, max_grad_norm=max_norm,
-                                              position_ids=b.get("position_ids"))
+                                              position_ids=b.get("position_ids"), objective_data=b.get(OBJECTIVE_DATA))
             loss_sum = float(out.loss) * int(out.num_tokens)
             t.control = cb.on_optimizer_step(args, st, t.control)
             t.schedule.step()
         loss_sum = t.dist.sum(loss_sum)
         dt = time.perf_counter() - t0
         tokens = t.dist.sum(sum(count_tokens(b) for b in window))
-        loss = t.kind.step_loss(t, loss_sum, n_items)
+        loss = t.kind.step_loss(t, out, loss_sum, n_items)
         record = self._record(out, loss=loss, lr=lr, tokens=tokens, seconds=dt, total=total)
         record.update(extra)
-        t.kind.after_window(t, window, record)
+        t.kind.after_window(t, window, out, record)
         return record
 
     def _record(self, out, *, loss: float, lr: float, tokens: int, seconds: float, total: int) -> dict:

@@ -71,9 +71,10 @@ def test_objective_gradients_match_hf_autograd(loss_type, k, chunk, tie):
     engine = StreamingEngine(model, EngineConfig(device="cpu", checkpoint_interval=k,
                                                   overrides={"loss_chunk_tokens": chunk}))
     obj, side = _objective(loss_type, ref, comp, am)
-    obj.feed([side])
-    engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=obj)
-    assert obj.losses[0] == pytest.approx(float(loss.detach()), rel=1e-5)
+    out = engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=obj, objective_data=side)
+    assert out.objective_loss == pytest.approx(float(loss.detach()), rel=1e-5)
+    # EngineOutput.loss keeps its one meaning: the mean token loss, as the HF model computes it
+    assert out.loss == pytest.approx(float(hf(input_ids=ids, attention_mask=am, labels=labels).loss.detach()), rel=1e-5)
     assert _rel(engine, grads) <= 1e-4
     engine.close()
 
@@ -88,12 +89,81 @@ def test_objective_window_sums_micro_batches():
     grads = {n: p.grad for n, p in hf.named_parameters()}
     engine = StreamingEngine(model, EngineConfig(device="cpu", overrides={"loss_chunk_tokens": 6}))
     obj = DPOObjective(DPOSettings(beta=BETA))
-    obj.scale = 0.5
-    obj.feed([_objective("sigmoid", ref, comp, am)[1] for _, am, _, comp, ref in batches])
-    engine.forward_backward([{"input_ids": ids, "attention_mask": am, "labels": lab}
-                             for ids, am, lab, _, _ in batches], loss_fn=obj)
-    assert sum(obj.losses) == pytest.approx(float(total.detach()), rel=1e-5)
+    out = engine.forward_backward(_window(batches, scale=0.5), loss_fn=obj)
+    assert out.objective_loss == pytest.approx(float(total.detach()), rel=1e-5)
+    assert len(out.objective_metrics) == 2
     assert _rel(engine, grads) <= 1e-4
+    engine.close()
+
+
+def _window(batches, scale=1.0):
+    """The engine's window of ``_pairs`` micro-batches, each carrying its own PairBatch."""
+    out = []
+    for ids, am, lab, comp, ref in batches:
+        side = _objective("sigmoid", ref, comp, am)[1]
+        side.scale = scale
+        out.append({"input_ids": ids, "attention_mask": am, "labels": lab, "objective_data": side})
+    return out
+
+
+def test_each_micro_batch_gets_its_own_side_data():
+    """Three micro-batches whose reference log-probs differ, in two orders: each micro-batch's loss
+    and metrics follow it (the permutation of one run's are the other's), the summed loss and the
+    gradients are the same; and each equals that micro-batch run alone."""
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    batches = [_pairs(seed=s) for s in (3, 4, 5)]
+    obj = DPOObjective(DPOSettings(beta=BETA))
+    runs = {}
+    for order in ((0, 1, 2), (2, 0, 1)):
+        engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", overrides={"loss_chunk_tokens": 6}))
+        out = engine.forward_backward(_window([batches[i] for i in order]), loss_fn=obj)
+        runs[order] = (out, {n: g.clone() for n, g in engine.named_gradients()})
+        engine.close()
+    (a, ga), (b, gb) = runs[(0, 1, 2)], runs[(2, 0, 1)]
+    assert b.objective_metrics == [a.objective_metrics[i] for i in (2, 0, 1)]
+    assert len({m["rewards/margins"] for m in a.objective_metrics}) == 3   # the side data differ
+    assert b.objective_loss == pytest.approx(a.objective_loss, rel=1e-6)
+    assert all(torch.allclose(ga[n], gb[n], rtol=1e-5, atol=1e-7) for n in ga)
+    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu"))
+    for i, (ids, am, lab, comp, ref) in enumerate(batches):
+        alone = engine.evaluate(ids, attention_mask=am, labels=lab, loss_fn=obj,
+                                objective_data=_objective("sigmoid", ref, comp, am)[1])
+        assert alone.objective_metrics[0]["rewards/margins"] == pytest.approx(
+            a.objective_metrics[i]["rewards/margins"], rel=1e-5)
+    engine.close()
+
+
+def test_an_objective_keeps_no_state_between_calls():
+    """The objective's attributes are the same before and after training and evaluation calls, and
+    the same micro-batch evaluated twice (with another one between) gives the same loss and metrics."""
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    batches = [_pairs(seed=s) for s in (3, 4)]
+    obj = DPOObjective(DPOSettings(beta=BETA, loss_type=["sigmoid", "sft"], ld_alpha=0.5))
+    before = copy.deepcopy(vars(obj))
+    engine = StreamingEngine(model, EngineConfig(device="cpu", overrides={"loss_chunk_tokens": 6}))
+    window = _window(batches)
+    first = engine.evaluate(window[0], loss_fn=obj)
+    engine.forward_backward(window, loss_fn=obj)
+    engine.evaluate(window[1], loss_fn=obj)
+    engine.zero_grad()
+    again = engine.evaluate(window[0], loss_fn=obj)
+    engine.close()
+    assert vars(obj) == before
+    assert again.objective_loss == first.objective_loss
+    assert again.objective_metrics == first.objective_metrics
+
+
+def test_side_data_is_required_and_only_with_an_objective():
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    ids, am, labels, comp, ref = _pairs()
+    engine = StreamingEngine(model, EngineConfig(device="cpu"))
+    obj, side = _objective("sigmoid", ref, comp, am)
+    with pytest.raises(ValueError, match="objective_data"):
+        engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=obj)
+    with pytest.raises(ValueError, match="objective_data"):
+        engine.evaluate(ids, attention_mask=am, labels=labels, objective_data=side)
+    with pytest.raises(ValueError, match="objective_data"):
+        engine.forward_backward([{"input_ids": ids, "attention_mask": am, "labels": labels}], objective_data=side)
     engine.close()
 
 
@@ -106,7 +176,7 @@ def test_objective_comparison_can_fail():
     grads = {n: p.grad for n, p in hf.named_parameters()}
     engine = StreamingEngine(model, EngineConfig(device="cpu"))
     obj = DPOObjective(DPOSettings(beta=1.0))
-    obj.feed([_objective("sigmoid", ref, comp, am)[1]])
-    engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=obj)
+    engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=obj,
+                            objective_data=_objective("sigmoid", ref, comp, am)[1])
     assert _rel(engine, grads) > 1e-2
     engine.close()

@@ -83,23 +83,25 @@ def _side(inputs, s, shift=True, accumulation=1):
                         num_items=float(inputs["num_items_in_batch"]), accumulation=accumulation)
 
 
-def _emulate_head(obj, logits, labels, chunk):
-    """The chunked head's protocol (engine/compute/loss_head.py) over [B, C, V] logits: statistics without
-    gradients, the loss's weights, then each chunk again with gradients."""
-    obj.begin(labels)
+def _emulate_head(obj, logits, labels, chunk, data):
+    """The chunked head's protocol (engine/compute/loss_head.py) over [B, C, V] logits with the
+    micro-batch's side data: statistics without gradients, the loss's weights, then each chunk again
+    with gradients. Returns the loss and the metrics."""
+    ctx = obj.context(labels, data)
     sums = {}
     with torch.no_grad():
         for s in range(0, labels.shape[1], chunk):
-            for k, v in obj.token_stats(logits[:, s:s + chunk].float(), labels[:, s:s + chunk], s, grad=False).items():
+            part = obj.token_stats(ctx, logits[:, s:s + chunk].float(), labels[:, s:s + chunk], s, grad=False)
+            for k, v in part.items():
                 sums[k] = sums[k] + v if k in sums else v
-    weights, loss = LossHead._weights(obj, sums)
-    obj.done(sums, loss)
+    weights, loss = LossHead._weights(obj, ctx, sums)
+    metrics = obj.metrics(ctx, sums, loss)
     for s in range(0, labels.shape[1], chunk):
-        part = obj.token_stats(logits[:, s:s + chunk].float(), labels[:, s:s + chunk], s, grad=True)
+        part = obj.token_stats(ctx, logits[:, s:s + chunk].float(), labels[:, s:s + chunk], s, grad=True)
         sur = sum((w * part[k]).sum() for k, w in weights.items())
         if sur.requires_grad:
             sur.backward()
-    return loss
+    return loss, metrics
 
 
 def _with_old_and_ref(inputs, g, lp, iterations, beta):
@@ -126,14 +128,12 @@ def test_loss_matches_trl_on_random_logits(loss_type, beta, iterations):
     ours = base.clone().requires_grad_(True)
     labels = inputs["completion_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
     obj = GRPOObjective(s)
-    obj.feed([_side(inputs, s, shift=False, accumulation=2)])
-    loss = _emulate_head(obj, ours, labels, chunk=CHUNK)
+    loss, metrics = _emulate_head(obj, ours, labels, chunk=CHUNK, data=_side(inputs, s, shift=False, accumulation=2))
     # vespo's weight exp(lambda + k log w - lambda w) of the sequence's summed log-ratio magnifies
     # the fp32 round-off of the log-softmax (TRL's selective_log_softmax vs log_softmax) ~10x
     rel = 2e-5 if (loss_type == "vespo" and iterations == 2) else 1e-6
     assert loss == pytest.approx(float(ref_loss.detach()), rel=rel, abs=1e-9)
     assert torch.allclose(ours.grad, ref_logits.grad, rtol=10 * rel, atol=1e-8)
-    metrics = obj.take_metrics()
     assert set(metrics) == set(ref_metrics)
     for k, v in ref_metrics.items():
         assert metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-7, nan_ok=True), k
@@ -158,8 +158,7 @@ def test_loss_variants_match_trl(level, extra):
         ours = base.clone().requires_grad_(True)
         labels = inputs["completion_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
         obj = GRPOObjective(s)
-        obj.feed([_side(inputs, s, shift=False)])
-        loss = _emulate_head(obj, ours, labels, chunk=4)
+        loss, _ = _emulate_head(obj, ours, labels, chunk=4, data=_side(inputs, s, shift=False))
         assert loss == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-9), loss_type
         assert torch.allclose(ours.grad, ref_logits.grad, rtol=1e-5, atol=1e-8), loss_type
 
@@ -172,12 +171,11 @@ def _engine_grads(model, inputs, s, chunk, k=1):
     P = inputs["prompt_ids"].shape[1]
     labels = ids.masked_fill(am == 0, -100)
     labels[:, :P] = -100
-    obj = GRPOObjective(s)
-    obj.feed([_side(inputs, s)])
-    engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=obj)
+    out = engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=GRPOObjective(s),
+                                  objective_data=_side(inputs, s))
     grads = {n: g.clone() for n, g in engine.named_gradients()}
     engine.close()
-    return obj, grads
+    return out, grads
 
 
 @pytest.mark.parametrize("loss_type,beta,iterations", [("dapo", 0.0, 1), ("grpo", 0.04, 1), ("grpo", 0.04, 2),
@@ -193,11 +191,11 @@ def test_engine_gradients_match_trl_on_a_model(loss_type, beta, iterations):
     hf = copy.deepcopy(model)
     ref_loss, ref_metrics = _trl_loss(s, inputs, model=hf)
     ref_loss.backward()
-    obj, grads = _engine_grads(model, inputs, s, chunk=7)
-    assert obj.losses[0] == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-8)
+    out, grads = _engine_grads(model, inputs, s, chunk=7)
+    assert out.objective_loss == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-8)
     worst = max(float((grads[n] - p.grad).norm() / (p.grad.norm() + 1e-12)) for n, p in hf.named_parameters())
     assert worst <= 1e-4
-    assert obj.take_metrics()["entropy"] == pytest.approx(ref_metrics["entropy"], rel=1e-5)
+    assert out.objective_metrics[0]["entropy"] == pytest.approx(ref_metrics["entropy"], rel=1e-5)
 
 
 def test_engine_gradients_catch_a_wrong_epsilon():

@@ -6,6 +6,8 @@ hidden states (:class:`.HiddenStatesStub`)."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,27 @@ from .objective import is_sequence_objective
 from ..proxies import HiddenStatesStub, swapped_submodule
 from ..recompute import ActivationMeter
 
-__all__ = ["LossHead"]
+__all__ = ["HeadOut", "LossHead"]
+
+
+@dataclass
+class HeadOut:
+    """One micro-batch through the head: ``loss_sum`` the sum of its token losses (the
+    cross-entropy of its shifted labels, or a token ``loss_fn``'s: what ``EngineOutput.loss``
+    averages, also under a sequence objective); ``grad`` (with backward) the gradient at its hidden
+    states; under a sequence objective its loss (``objective_loss``, as back-propagated) and
+    ``metrics`` (the objective's)."""
+
+    loss_sum: float
+    grad: Optional[torch.Tensor] = None
+    objective_loss: Optional[float] = None
+    metrics: Optional[Dict[str, Any]] = None
+
+
+def _token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of a chunk's labels (-100 ignored): the Hugging Face loss's terms."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                           reduction="sum")
 
 
 class LossHead:
@@ -54,13 +76,17 @@ class LossHead:
     def _chunk(self, B: int, S: int) -> int:
         return max(1, min(S, self.loss_chunk_tokens // max(B, 1) or 1))
 
-    def loss(self, hidden, shift, loss_fn, denom, backward: bool = False):
+    def loss(self, hidden, shift, loss_fn, denom, backward: bool = False, data=None) -> HeadOut:
         """The head and the loss over ``hidden`` in chunks of ``loss_chunk_tokens``; with
         ``backward`` each chunk's ``loss / denom`` is back-propagated to its hidden states.
-        Returns the loss sum (and with ``backward`` the gradient at ``hidden``). ``loss_fn`` may
-        be a sequence-level objective (:mod:`.objective`): then ``denom`` is the objective's."""
+        ``loss_fn`` may be a sequence-level objective (:mod:`.objective`): then ``denom`` is the
+        objective's and ``data`` is this micro-batch's ``objective_data``."""
         if is_sequence_objective(loss_fn):
-            return self.sequence_loss(hidden, shift, loss_fn, backward)
+            return self.sequence_loss(hidden, shift, loss_fn, backward, data)
+        if data is not None:
+            raise ValueError(f"a micro-batch came with objective_data ({type(data).__name__}), but loss_fn is a token "
+                             "loss, which takes none; pass the sequence-level objective that reads it as loss_fn, or "
+                             "leave objective_data out.")
         B, S = shift.shape
         chunk = self._chunk(B, S)
         # the chunks' sums added on the device in float64 (a Python float's additions, in the same
@@ -74,11 +100,7 @@ class LossHead:
                 hc = hc.detach().requires_grad_(True)
             with torch.enable_grad() if backward else contextlib.nullcontext():
                 logits = self.logits(hc).float()
-                if loss_fn is not None:
-                    part = loss_fn(logits, lab)
-                else:
-                    part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1),
-                                           ignore_index=-100, reduction="sum")
+                part = loss_fn(logits, lab) if loss_fn is not None else _token_ce(logits, lab)
                 self.meter.at(self.meter.saved + 3 * logits.numel() * 4)
             total += part.detach().double()
             if backward:
@@ -86,42 +108,42 @@ class LossHead:
                     (part / denom).backward()
                 grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
             del logits, part
-        total = float(total)
-        if backward:
-            return total, torch.cat(grads, dim=1)
-        return total
+        return HeadOut(float(total), torch.cat(grads, dim=1) if backward else None)
 
-    def sequence_loss(self, hidden, shift, objective, backward: bool = False):
-        """A sequence-level objective over ``hidden`` (see :mod:`.objective`): its statistics
-        summed chunk by chunk without gradients, its loss, and with ``backward`` the chunks again,
-        each token weighted by d(loss)/d(its sequence's statistic). A micro-batch that is one
-        chunk keeps that chunk's graph from the statistics to the backward instead (one pass).
-        Returns the loss (and with ``backward`` the gradient at ``hidden``)."""
+    def sequence_loss(self, hidden, shift, objective, backward: bool = False, data=None) -> HeadOut:
+        """A sequence-level objective over ``hidden`` (see :mod:`.objective`) with this
+        micro-batch's ``data``: its statistics summed chunk by chunk without gradients (and the
+        mean token loss's cross-entropy beside them), its loss, and with ``backward`` the chunks
+        again, each token weighted by d(loss)/d(its sequence's statistic). A micro-batch that is
+        one chunk keeps that chunk's graph from the statistics to the backward instead (one pass)."""
         B, S = shift.shape
         chunk = self._chunk(B, S)
-        objective.begin(shift)
+        ctx = objective.context(shift, data)
         one = backward and chunk >= S
         hc = hidden.detach().requires_grad_(True) if one else None
         sums: dict = {}
+        ce = torch.zeros((), dtype=torch.float64, device=hidden.device)
         with torch.enable_grad() if one else torch.no_grad():
             for s in range(0, S, chunk):
                 logits = self.logits(hc if one else hidden[:, s:s + chunk]).float()
                 self.meter.at(self.meter.saved + (3 if one else 2) * logits.numel() * 4)
-                for k, v in objective.token_stats(logits, shift[:, s:s + chunk], s, grad=False).items():
+                lab = shift[:, s:s + chunk]
+                for k, v in objective.token_stats(ctx, logits, lab, s, grad=False).items():
                     sums[k] = sums[k] + v if k in sums else v
+                with torch.no_grad():
+                    ce += _token_ce(logits.detach(), lab).double()
                 del logits
         stats = {k: v.detach() for k, v in sums.items()}
         if not backward:
-            loss = float(objective.loss(stats))
-            objective.done(stats, loss)
-            return loss
-        weights, loss = self._weights(objective, stats)
-        objective.done(stats, loss)
+            loss = float(objective.loss(ctx, stats))
+            return HeadOut(float(ce), None, loss, objective.metrics(ctx, stats, loss))
+        weights, loss = self._weights(objective, ctx, stats)
+        metrics = objective.metrics(ctx, stats, loss)
         if one:
             surrogate = sum((w * sums[k]).sum() for k, w in weights.items())
             if weights and surrogate.requires_grad:
                 surrogate.backward()
-            return loss, hc.grad if hc.grad is not None else torch.zeros_like(hc)
+            return HeadOut(float(ce), hc.grad if hc.grad is not None else torch.zeros_like(hc), loss, metrics)
         del sums
         grads = []
         for s in range(0, S, chunk):
@@ -130,21 +152,21 @@ class LossHead:
                 with torch.enable_grad():
                     logits = self.logits(hc).float()
                     self.meter.at(self.meter.saved + 3 * logits.numel() * 4)
-                    part = objective.token_stats(logits, shift[:, s:s + chunk], s, grad=True)
+                    part = objective.token_stats(ctx, logits, shift[:, s:s + chunk], s, grad=True)
                     surrogate = sum((w * part[k]).sum() for k, w in weights.items())
                     if surrogate.requires_grad:
                         surrogate.backward()
                     del logits, part, surrogate
             grads.append(hc.grad if hc.grad is not None else torch.zeros_like(hc))
-        return loss, torch.cat(grads, dim=1)
+        return HeadOut(float(ce), torch.cat(grads, dim=1), loss, metrics)
 
     @staticmethod
-    def _weights(objective, stats):
+    def _weights(objective, ctx, stats):
         """d(loss)/d(each differentiable statistic), per sequence, and the loss."""
         names = [k for k in objective.differentiable if k in stats]
         leaves = {k: stats[k].clone().requires_grad_(True) for k in names}
         with torch.enable_grad():
-            loss_t = objective.loss({**stats, **leaves})
+            loss_t = objective.loss(ctx, {**stats, **leaves})
             ws = (torch.autograd.grad(loss_t, [leaves[k] for k in names], allow_unused=True)
                   if loss_t.requires_grad and names else [None] * len(names))
         return {k: w.detach() for k, w in zip(names, ws) if w is not None}, float(loss_t.detach())

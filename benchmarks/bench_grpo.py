@@ -64,15 +64,14 @@ def main() -> None:
     stream = t.fresh_stream()
     window, _ = stream.next_window(1)   # generation, rewards, old and reference log-probs
     b = window[0]
-    side = b["rollout"]
+    side = b["objective_data"]   # the rollouts' advantages and log-probs, carried by the micro-batch
     engine, obj = t.engine, t.objective
     tokens = int((b["labels"] != -100).sum())
     print(f"micro-batch: {tuple(b['input_ids'].shape)} tokens, {tokens} completion tokens")
 
     def grpo():
-        obj.feed([side])
         engine.forward_backward(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
-                                loss_fn=obj, step_lr=1e-6)
+                                loss_fn=obj, objective_data=side, step_lr=1e-6)
 
     def sft():
         engine.forward_backward(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],

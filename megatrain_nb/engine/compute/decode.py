@@ -1,0 +1,276 @@
+"""Layer-major streamed decoding: every rollout of a step advances one token together, so each
+unit's weights cross to the device once per decoded token whatever the number of rollouts.
+
+Example::
+
+    from transformers import GenerationConfig
+    dec = StreamedDecoder(engine)
+    out = dec.generate([[5, 6, 7], [5, 6, 7], [9, 2]],
+                       GenerationConfig(max_new_tokens=32, do_sample=True, temperature=0.8, eos_token_id=2))
+    out.completions       # each row's new ids, cut after its first end-of-sequence id
+    out.logps             # each row's per-token log-probs of its tokens (the raw logits / logprob_temperature)
+    out.stats             # passes, rows computed, prefill rows, KV cache bytes
+
+**Design.** A decoding pass is the model's own forward on the engine, exactly as
+``engine.forward_logits`` runs one: the embedding and the head bound from their slots for the
+pass, each decoder layer run by its proxy as the model calls it, its weights taken from the pager
+(the compute-dtype copy the transport loads; no extra cast) and handed back at once, the pager's
+schedule prefetching the next layers meanwhile. The model's forward gets
+``use_cache=True`` and a transformers ``DynamicCache`` (built from the model's config, so sliding
+window layers keep only their window), so the model's own attention code fills and reads the KV
+cache, which stays on the device; every family transformers caches this way decodes correctly.
+One pass is one decoded token for every row: the prompt's pass (the prefill) gives each row's
+first token, the next pass its second, and so on, so the transport loads each unit exactly once
+per decoded token (``stats["passes"]``) whether 2 or 128 rows advance.
+
+- **Shared prompts prefilled once**: rows with the same prompt (a GRPO group's ``num_generations``
+  copies) are prefilled as one row, then the cache's rows are replicated
+  (``DynamicCache.batch_select_indices``); ``stats["prefill_rows"]`` counts the rows prefilled.
+- **Finished rows dropped**: a row that sampled an end-of-sequence id leaves the batch (its cache
+  rows with it) before the next pass; ``stats["rows"]`` counts the rows the decoding passes ran.
+- **Sampling** as ``generate`` samples: transformers' own logits processors in ``generate``'s
+  order (repetition penalty on the prompt's real tokens and those generated, then temperature,
+  top-k, top-p, min-p when ``do_sample``), ``torch.multinomial`` on the softmax (the global
+  random stream), the arg max when ``do_sample=False``. Positions and masks as ``generate``
+  makes them (left-padded prompts, positions counted over the real tokens). Greedy decoding gives
+  ``generate``'s tokens; sampled decoding draws from the same distributions, but once rows have
+  left the batch the draws are not ``generate``'s (it keeps sampling for finished rows).
+  GenerationConfig fields beyond these are refused by name (use ``generate`` on a resident model).
+- **The KV cache's size** is checked before anything runs: rows x (prompt + new tokens) x, per
+  layer, 2 x key/value heads x head dim x the compute dtype's bytes (a sliding layer: its window
+  at most), plus the last logits. Where it exceeds the device budget left beside the engine's
+  working set (``max_vram_gb`` minus the plan's device total) the call is refused with those
+  numbers and what to change (fewer rollouts at once, shorter completions, a larger budget): the
+  cache is not placed in host RAM (not built yet). No budget set (``max_vram_gb=None``): no check.
+
+The whole decoding runs under ``engine.lock`` (the weights do not change under it), without
+gradients, in the model's own train/eval mode.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from ... import threads
+from ..proxies import bind, unbind
+
+GIB = 1 << 30
+
+#: GenerationConfig fields the decoder applies; any other one set away from its default is refused
+APPLIED = frozenset({"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p",
+                     "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
+                     "cache_implementation", "disable_compile", "num_beams", "num_return_sequences",
+                     "transformers_version", "return_dict_in_generate", "output_scores", "output_logits"})
+
+
+@dataclass
+class Decoded:
+    """A decoding's result: each row's completion ids (cut after its first end-of-sequence id),
+    the per-token log-probs of those ids, and the counts (:mod:`.decode`'s ``stats``)."""
+    completions: List[List[int]]
+    logps: List[torch.Tensor]
+    stats: Dict[str, int] = field(default_factory=dict)
+
+
+def text_config(model_config):
+    get = getattr(model_config, "get_text_config", None)
+    return get(decoder=True) if get is not None else model_config
+
+
+def kv_cache_bytes(model_config, rows: int, length: int, elem_bytes: int) -> int:
+    """Bytes of the KV cache of ``rows`` sequences of ``length`` tokens: per layer 2 x key/value
+    heads x head dim x ``elem_bytes`` per token (a sliding-window layer holds its window at most)."""
+    c = text_config(model_config)
+    layers = c.num_hidden_layers
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    window = getattr(c, "sliding_window", None)
+    types = list(getattr(c, "layer_types", None) or ["full_attention"] * layers)
+    per_token = sum(2 * kv * head_dim * (min(length, window) if t == "sliding_attention" and window else length)
+                    for t in types[:layers])
+    return rows * per_token * elem_bytes
+
+
+def device_left(engine) -> Optional[int]:
+    """Device bytes the budget leaves beside the engine's planned working set (None: no budget)."""
+    cap = engine.plan.capacity.get("device")
+    return None if cap is None else cap - engine.plan.device["total"]
+
+
+def check_kv_budget(engine, rows: int, length: int) -> int:
+    """The KV cache (and last logits) bytes of ``rows`` x ``length``; refused where the device
+    budget left beside the engine's working set is smaller."""
+    elem = torch.empty((), dtype=engine.dtype).element_size()
+    need = kv_cache_bytes(engine.model_config, rows, length, elem)
+    need += 3 * rows * text_config(engine.model_config).vocab_size * 4   # logits, scores, probabilities
+    left = device_left(engine)
+    if left is not None and need > left:
+        raise ValueError(
+            f"streamed decoding of {rows} rollouts x {length} tokens (prompt + completion) needs {need / GIB:.3f} GiB "
+            f"on the device for its KV cache and logits, and the device budget (max_vram_gb="
+            f"{engine.config.max_vram_gb}) leaves {max(left, 0) / GIB:.3f} GiB beside the engine's working set "
+            f"({engine.plan.device['total'] / GIB:.3f} GiB); generate fewer rollouts at once (a smaller "
+            "generation_batch_size), shorten max_completion_length, or raise max_vram_gb (the KV cache is not "
+            "placed in host RAM)")
+    return need
+
+
+def check_generation_config(gc: GenerationConfig) -> None:
+    """Refuse, by name, the GenerationConfig fields the decoder does not apply."""
+    default = GenerationConfig().to_diff_dict()
+    mine = gc.to_diff_dict()
+    odd = sorted(k for k, v in mine.items() if k not in APPLIED and default.get(k) != v)
+    if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
+        odd.append("num_beams/num_return_sequences (one sequence per row)")
+    if odd:
+        raise ValueError(f"streamed decoding does not apply the GenerationConfig field(s) {', '.join(odd)}: it "
+                         "samples with temperature, top_k, top_p, min_p and repetition_penalty (or greedily); "
+                         "remove them, or generate on a resident model (generation='resident')")
+    if gc.max_new_tokens is None:
+        raise ValueError("streamed decoding needs GenerationConfig.max_new_tokens (the new tokens per row)")
+
+
+def processors(gc: GenerationConfig, pad_lengths: torch.Tensor) -> LogitsProcessorList:
+    """transformers' logits processors in ``generate``'s order, for rows whose prompts have
+    ``pad_lengths`` left pads (the repetition penalty skips them, as ``generate``)."""
+    out = LogitsProcessorList()
+    if gc.repetition_penalty is not None and gc.repetition_penalty != 1.0:
+        out.append(RepetitionPenaltyLogitsProcessor(float(gc.repetition_penalty), prompt_ignore_length=pad_lengths))
+    if gc.do_sample:
+        if gc.temperature is not None and gc.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(gc.temperature))
+        if gc.top_k is not None and gc.top_k != 0:
+            out.append(TopKLogitsWarper(top_k=gc.top_k, min_tokens_to_keep=1))
+        if gc.top_p is not None and gc.top_p < 1.0:
+            out.append(TopPLogitsWarper(top_p=gc.top_p, min_tokens_to_keep=1))
+        if gc.min_p is not None:
+            out.append(MinPLogitsWarper(min_p=gc.min_p, min_tokens_to_keep=1))
+    return out
+
+
+def eos_ids(gc: GenerationConfig) -> List[int]:
+    e = gc.eos_token_id
+    return [] if e is None else ([int(e)] if isinstance(e, int) else [int(x) for x in e])
+
+
+def left_padded(rows: Sequence[Sequence[int]], pad: int):
+    """(ids, mask, positions) [len(rows), longest], left-padded; positions as ``generate``'s."""
+    n = max(len(r) for r in rows)
+    ids = torch.full((len(rows), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, n - len(r):] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, n - len(r):] = 1
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return ids, mask, pos
+
+
+class StreamedDecoder:
+    """Decodes on ``engine``'s streamed weights, all rows one token per pass (see the module)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.runner = engine.runner
+        params = inspect.signature(self.runner.base.forward).parameters
+        self.cache_key = "cache" if "cache" in params else "past_key_values"   # transformers 5.x / 4.x
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], generation_config: GenerationConfig, *,
+                 logprob_temperature: float = 1.0) -> Decoded:
+        """Each prompt's completion (see the module); ``logprob_temperature``: the log-probs are
+        those of ``logits / logprob_temperature`` (GRPO's training temperature)."""
+        gc = generation_config
+        check_generation_config(gc)
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("streamed decoding needs at least one prompt, each of at least one token")
+        eng = self.engine
+        if eng.closed:
+            raise RuntimeError("this StreamingEngine is closed; create a new one.")
+        groups: Dict[tuple, int] = {}
+        row_prompt = [groups.setdefault(tuple(p), len(groups)) for p in prompt_ids]
+        unique = list(groups)
+        steps = int(gc.max_new_tokens)
+        kv = check_kv_budget(eng, len(prompt_ids), max(len(p) for p in unique) + steps)
+        stats = {"passes": 0, "rows": 0, "prefill_rows": len(unique), "rows_in": len(prompt_ids),
+                 "kv_bytes_planned": kv}
+        with eng.lock, torch.no_grad():
+            threads.set_thread_device(eng.device)
+            eng.updates.check()
+            return self._decode(unique, row_prompt, gc, steps, logprob_temperature, stats)
+
+    def _decode(self, unique, row_prompt, gc, steps, temperature, stats) -> Decoded:
+        dev = self.engine.device
+        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids(gc) or [0])[0]
+        stops = torch.tensor(eos_ids(gc) or [-1], device=dev)
+        ids_u, mask_u, pos_u = (t.to(dev) for t in left_padded(unique, pad))
+        cache = DynamicCache(config=self.engine.model_config)
+        logits = self._pass(ids_u, mask_u, pos_u, cache)          # the prefill: one row per distinct prompt
+        stats["passes"] += 1
+        rows = torch.tensor(row_prompt, device=dev)
+        cache.batch_select_indices(rows)                          # each group's cache replicated
+        logits, mask, seqs = logits[rows], mask_u[rows], ids_u[rows]
+        pos = pos_u[rows, -1:]
+        alive = torch.arange(len(row_prompt), device=dev)        # the rows still decoding
+        procs = processors(gc, (mask == 0).sum(1))
+        out: List[List[int]] = [[] for _ in row_prompt]
+        lps: List[List[torch.Tensor]] = [[] for _ in row_prompt]
+        for t in range(steps):
+            scores = procs(seqs, logits)
+            if gc.do_sample:
+                tok = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                tok = torch.argmax(scores, dim=-1)
+            lp = torch.log_softmax(logits / temperature, dim=-1).gather(1, tok[:, None])[:, 0]
+            for r, k, v in zip(alive.tolist(), tok.tolist(), lp.cpu()):
+                out[r].append(k)
+                lps[r].append(v)
+            keep = ~torch.isin(tok, stops)
+            if t + 1 == steps or not bool(keep.any()):
+                break
+            seqs = torch.cat([seqs, tok[:, None]], dim=1)
+            if not bool(keep.all()):                               # finished rows leave the batch
+                idx = keep.nonzero()[:, 0]
+                cache.batch_select_indices(idx)
+                alive, tok, mask, seqs, pos = alive[idx], tok[idx], mask[idx], seqs[idx], pos[idx]
+                procs = processors(gc, (mask == 0).sum(1))
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            pos = pos + 1
+            logits = self._pass(tok[:, None], mask, pos, cache)
+            stats["passes"] += 1
+            stats["rows"] += len(alive)
+        return Decoded(out, [torch.stack(v) if v else torch.zeros(0) for v in lps], stats)
+
+    def _pass(self, ids, mask, pos, cache) -> torch.Tensor:
+        """One forward of the model on the engine (every unit loaded once, in the pager's schedule)
+        with ``cache`` filled by the model's own attention: fp32 logits [rows, vocab] of the last position."""
+        r = self.runner
+        order = r.schedule(False)
+        r.plan_reads(order, None)   # (the disk tier's read-ahead, as a forward's)
+        r.pager.set_schedule(order)
+        outer = [u for u in (r.embed, r.head) if u.numel]
+        try:
+            for u in outer:
+                bind(u, r.pager.acquire(u), requires_grad=False)
+            out = r.base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         **{self.cache_key: cache})
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+            logits = r.loss_head.logits(hidden[:, -1:])[:, -1].float()
+        except BaseException:
+            for u in r.units:
+                unbind(u, r.placeholders)
+            r.pager.reset()
+            raise
+        for u in reversed(outer):
+            unbind(u, r.placeholders)
+            r.pager.release(u)
+        return logits
+
+
+__all__ = ["Decoded", "StreamedDecoder", "check_kv_budget", "kv_cache_bytes", "device_left"]

@@ -4,18 +4,34 @@
     mt.init(offload_dir="/nvme/cache", max_vram_gb=80, optimizer_compression=True)
     trainer = mt.Trainer(model=model, train_dataset=ds, args=TrainingArguments(...))
     trainer.train()
+
+The names load on first use (PEP 562), so importing one of the trainer's light modules
+(``megatrain_nb.trainer.snapshot``, ``.args``, ``.checkpoint``...) from the notebook or the
+command line does not import the Trainer and with it torch and transformers.
 """
-from megatrain_nb.model_configs import PRESETS, preset_config  # mt.trainer.PRESETS, as before
+from __future__ import annotations
 
-from .args import UnsupportedArgumentError, validate_training_args
-from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
-from .data import DataError, PaddingCollator
-from .default import load_default
-from .defaults import get_defaults, init
-from .trainer import Trainer
+import importlib
 
-__all__ = [
-    "CheckpointError", "DataError", "PRESETS", "PaddingCollator", "Trainer", "UnsupportedArgumentError",
-    "get_defaults", "init", "latest_checkpoint", "list_checkpoints", "load_default", "preset_config",
-    "validate_training_args",
-]
+_LAZY = {
+    "PRESETS": "megatrain_nb.model_configs",          # mt.trainer.PRESETS, as before
+    "preset_config": "megatrain_nb.model_configs",
+    "UnsupportedArgumentError": ".args", "validate_training_args": ".args",
+    "CheckpointError": ".checkpoint", "latest_checkpoint": ".checkpoint", "list_checkpoints": ".checkpoint",
+    "DataError": ".data", "PaddingCollator": ".data",
+    "load_default": ".default",
+    "get_defaults": ".defaults", "init": ".defaults",
+    "Trainer": ".trainer",
+}
+#: the submodules this package's namespace always had (``megatrain_nb.trainer.checkpoint``)
+_SUBMODULES = ("args", "checkpoint", "data", "default", "defaults", "trainer")
+
+__all__ = sorted(n for n in _LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,167 @@
+"""The layer-major streamed decoder (engine/compute/decode.py) against transformers' ``generate``
+on the same weights: the same greedy tokens and per-token log-probs within 1e-4 of the model's
+own forward (llama, qwen2, gemma2 with a sliding window, gemma3 with a sliding window and tied
+embeddings, a tied llama), the same sampled tokens while every row decodes; the transport loads
+each unit exactly once per decoded token for 2, 8 and 32 rows; finished rows leave the batch;
+a group's shared prompt is prefilled once."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from megatrain_nb.engine import StreamingEngine
+from megatrain_nb.engine.compute.decode import StreamedDecoder, kv_cache_bytes
+from megatrain_nb.model_configs import family_config, tiny
+
+EOS_FREE = 0   # the pad id: never an end of sequence unless a test says so
+
+
+def _config(name: str):
+    if name == "gemma3_text":
+        return tiny(name)   # two layers: sliding (window 4) and full attention; tied embeddings
+    tie = name.endswith("_tied")
+    return family_config(name.removesuffix("_tied"), layers=3, tie=tie, max_position_embeddings=128)
+
+
+def _pair(name: str, **engine_options):
+    """(the engine, a plain copy of the same weights for generate, the vocabulary size)."""
+    cfg = _config(name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ref = copy.deepcopy(model)
+    return StreamingEngine(model, device="cpu", **engine_options), ref, cfg.get_text_config().vocab_size
+
+
+def _prompts(vocab: int, lengths, copies: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    distinct = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    return [p for p in distinct for _ in range(copies)]
+
+
+def _generate(ref, rows, gc):
+    n = max(map(len, rows))
+    ids = torch.tensor([[0] * (n - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (n - len(r)) + [1] * len(r) for r in rows])
+    with torch.no_grad():
+        out = ref.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+    return out[:, n:].tolist()
+
+
+def _cut(c, eos):
+    return c[:c.index(eos) + 1] if eos in c else c
+
+
+def _base_rows(engine):
+    """The rows of every call of the model's base forward (a decoding pass each), recorded."""
+    seen = []
+    engine.runner.base.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"].shape[0]),
+                                                 with_kwargs=True)
+    return seen
+
+
+def _copies_in(engine):
+    """Per unit name, the transport's copies into a device slot, counted at the transport."""
+    counts: dict = {}
+    orig = engine.transport.copy_in
+
+    def copy_in(unit, src, dst):
+        if unit is not None:
+            counts[unit.name] = counts.get(unit.name, 0) + 1
+        return orig(unit, src, dst)
+
+    engine.transport.copy_in = copy_in
+    return counts
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gemma3_text", "llama_tied"])
+def test_greedy_tokens_and_logps_are_generates(name):
+    engine, ref, vocab = _pair(name)
+    rows = _prompts(vocab, (5, 3, 7), copies=2)
+    free = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    plain = _generate(ref, rows, free)
+    # an end-of-sequence id that rows reach at different steps (some never): rows finish apart
+    eos = plain[0][3]
+    gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    seen = _base_rows(engine)
+    out = StreamedDecoder(engine).generate(rows, gc)
+    assert out.completions == [_cut(c, eos) for c in _generate(ref, rows, gc)]
+    lengths = [len(c) for c in out.completions]
+    assert min(lengths) < max(lengths)   # (the test's premise: rows finished apart)
+    for r, c, lp in zip(rows, out.completions, out.logps):
+        with torch.no_grad():
+            logits = ref(torch.tensor([r + c])).logits[0].float()
+        want = logits.log_softmax(-1)[len(r) - 1:len(r) - 1 + len(c)].gather(1, torch.tensor(c)[:, None])[:, 0]
+        assert torch.allclose(lp, want, atol=1e-4, rtol=0), (lp - want).abs().max()
+    # three distinct prompts prefilled once; then each pass runs the rows still decoding
+    assert seen[0] == 3
+    assert seen[1:] == [sum(n > k for n in lengths) for k in range(1, max(lengths))]
+    assert out.stats["rows"] == sum(seen[1:]) == sum(n - 1 for n in lengths) < len(rows) * (max(lengths) - 1)
+    engine.close()
+
+
+def test_sampled_tokens_are_generates_while_every_row_decodes():
+    """Temperature, top-k, top-p, min-p and the repetition penalty through transformers' own
+    processors, in generate's order: with no row finishing, the same draws give the same tokens."""
+    engine, ref, vocab = _pair("llama")
+    rows = _prompts(vocab, (4, 6), copies=4)
+    gc = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02,
+                          repetition_penalty=1.3, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(11)
+    want = _generate(ref, rows, gc)
+    torch.manual_seed(11)
+    assert StreamedDecoder(engine).generate(rows, gc).completions == want
+    torch.manual_seed(12)
+    assert StreamedDecoder(engine).generate(rows, gc).completions != want   # (another seed: other tokens)
+    engine.close()
+
+
+@pytest.mark.parametrize("rollouts", [2, 8, 32])
+def test_each_unit_is_loaded_once_per_decoded_token_whatever_the_rows(rollouts):
+    engine, _, vocab = _pair("llama")
+    counts = _copies_in(engine)
+    rows = _prompts(vocab, (5,) * max(1, rollouts // 4), copies=min(4, rollouts))
+    gc = GenerationConfig(max_new_tokens=6, do_sample=True, eos_token_id=None, pad_token_id=0)
+    out = StreamedDecoder(engine).generate(rows, gc)
+    assert len(out.completions) == rollouts and {len(c) for c in out.completions} == {6}
+    engine.pager.reset()   # (no fetch left in flight)
+    assert counts == {u.name: 6 for u in engine.units} == dict(engine.counters.loads_per_unit)
+    assert out.stats["passes"] == 6
+    engine.close()
+
+
+def test_a_kv_cache_over_the_device_budget_is_refused_with_the_numbers():
+    engine, _, vocab = _pair("llama", max_vram_gb=0.001)
+    rows = _prompts(vocab, (8,), copies=64)
+    need = kv_cache_bytes(engine.model_config, 64, 8 + 64, 4)
+    assert need > engine.plan.capacity["device"] - engine.plan.device["total"]
+    with pytest.raises(ValueError, match=r"64 rollouts x 72 tokens .* GiB .*max_vram_gb=0.001.*generation_batch_size"):
+        StreamedDecoder(engine).generate(rows, GenerationConfig(max_new_tokens=64, eos_token_id=2, pad_token_id=0))
+    out = StreamedDecoder(engine).generate(rows[:2], GenerationConfig(max_new_tokens=4, do_sample=False,
+                                                                      eos_token_id=None, pad_token_id=0))
+    assert [len(c) for c in out.completions] == [4, 4]   # a cache that fits decodes
+    engine.close()
+
+
+def test_generation_fields_it_does_not_apply_are_refused_by_name():
+    engine, _, vocab = _pair("llama")
+    with pytest.raises(ValueError, match="no_repeat_ngram_size.*generation='resident'"):
+        StreamedDecoder(engine).generate(_prompts(vocab, (3,), 1),
+                                         GenerationConfig(max_new_tokens=4, no_repeat_ngram_size=2))
+    engine.close()
+
+
+def test_bf16_decodes_on_the_bf16_copy_the_engine_loads():
+    """precision="bf16": the layers run on the slots' bf16 weights, the KV cache is bf16; the
+    tokens are those of generate on the model cast to bf16."""
+    engine, ref, vocab = _pair("qwen2", precision="bf16")
+    assert engine.pager.dtype == torch.bfloat16
+    rows = _prompts(vocab, (5, 4), copies=2)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    dtypes = []
+    layer = engine.runner.layers[0].module
+    layer.register_forward_hook(lambda m, a, k, o: dtypes.append(k["cache"].layers[0].keys.dtype), with_kwargs=True)
+    out = StreamedDecoder(engine).generate(rows, gc)
+    assert set(dtypes) == {torch.bfloat16}
+    assert out.completions == _generate(ref.to(torch.bfloat16), rows, gc)
+    engine.close()

@@ -246,8 +246,9 @@ class StreamingEngine(HoldsParts):
         self.pager.wait_grads()
         for u in self.units:
             g = self._whole(u, self.store.grad(self._state_unit(u)))
-            for p in u.params:
-                yield p.name, g[p.offset:p.offset + p.numel].view(p.shape)
+            for p in u.params:   # (a frozen tail split off the gradient, Unit.train_numel: zero)
+                yield p.name, g[p.offset:p.offset + p.numel].view(p.shape) if p.offset < g.numel() \
+                    else torch.zeros(p.shape)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return dict(self.named_parameters())

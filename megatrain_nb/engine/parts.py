@@ -104,7 +104,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     replaced by proxies). ``workload``: what steps train on, for the plan's pick (None: the default)."""
     freeze(model, config.frozen)   # EngineConfig.frozen: requires_grad off before the units are laid out
     _, _, layers = find_layer_list(model)
-    units = build_units(model, layers)
+    units = build_units(model, layers, split_frozen=dist.world == 1)   # (shards: a frozen part's gradient is zero)
     sharded = None
     if dist.world > 1:
         dist.check_same("model", (type(model).__name__, [(u.name, u.numel) for u in units]))
@@ -123,7 +123,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     depth = config.overrides.inflight_depth
     small = max(u.numel for u in units) * 4 <= SMALL_UNIT_BYTES
     chunked = update_chunk(config.optimizer_compression, config.overrides.update_chunk_numel,
-                           max(u.numel for u in state_units)) > 0   # (as OptimizerStates decides)
+                           max(u.train_numel for u in state_units)) > 0   # (as OptimizerStates decides)
     weights = make_weight_store(state_units, store, disk=disk if params_on_disk else None, pin=pin, counters=counters,
                                 compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1,
                                 ranged=chunked, held_units=held_weight_units(state_units, config, plan, disk))
@@ -207,8 +207,6 @@ def held_weight_units(units, config: EngineConfig, plan: Plan, disk) -> int:
         return 0
     if config.overrides.held_weight_units is not None:
         return min(config.overrides.held_weight_units, len(units))
-    from .tiers.disk_cache import cache_budget
-
     unit_bytes = max(u.numel for u in units) * 4
     room = cache_budget(None, config.max_host_gb, plan.host["total"], len(units) * unit_bytes)
     return min(len(units), room // max(unit_bytes, 1))

@@ -402,8 +402,8 @@ class StepRunner:
         self.meter.front = sum(_nbytes(g) for g in gs)
         if head.numel:
             if self._arg_grads:   # layer arguments may reach head weights (registered after the layers)
-                return heads, gs, embed_acc, head_acc if head_acc is not None else self.sums.new(head.numel)
-            self.sums.send(head, head_acc if head_acc is not None else self.sums.new(head.numel))
+                return heads, gs, embed_acc, head_acc if head_acc is not None else self.sums.new(head.train_numel)
+            self.sums.send(head, head_acc if head_acc is not None else self.sums.new(head.train_numel))
         return heads, gs, embed_acc, None
 
     def _embedding_backward(self, batches, bound, gs, arg_grads, rng_embed, embed_acc, head_acc) -> None:
@@ -431,7 +431,7 @@ class StepRunner:
         if head_acc is not None:
             self.sums.send(head, head_acc)
         if embed.numel:
-            self.sums.send(embed, embed_acc if embed_acc is not None else self.sums.new(embed.numel))
+            self.sums.send(embed, embed_acc if embed_acc is not None else self.sums.new(embed.train_numel))
 
     def _forward_layers(self, hs: List[torch.Tensor], calls, rng, k: int):
         """Every layer once, all micro-batches; ``hs`` becomes the last layer's outputs.
@@ -481,7 +481,7 @@ class StepRunner:
             for unit in reversed(layers):
                 i = unit.layer_index
                 params = kept.pop(i)
-                acc = self.sums.new(unit.numel)
+                acc = self.sums.new(unit.train_numel)
                 direct = self.sums.grads_into(acc, unit, params)
                 for a in range(A):
                     x, rec, h = kept.pop((i, a))
@@ -514,7 +514,7 @@ class StepRunner:
                 unit = layers[i]
                 w = self.pager.acquire(unit)
                 params = bind(unit, w, requires_grad=True)
-                acc = self.sums.new(unit.numel)
+                acc = self.sums.new(unit.train_numel)
                 direct = self.sums.grads_into(acc, unit, params)
                 try:
                     for a in range(A):

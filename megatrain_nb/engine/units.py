@@ -52,9 +52,24 @@ class Unit:
     #: The embedding unit also holds the (tied) output embedding: its gradient gets a share from
     #: the head's loss too, so a layer-major window keeps its sum for the whole backward.
     tied_output: bool = False
+    #: Elements that train (the frozen parameters at the buffer's end excluded: build_units'
+    #: ``split_frozen``); None = all. Gradients, their transfer and the AdamW states cover
+    #: ``flat[:train_numel]`` only.
+    train: Optional[int] = None
+
+    @property
+    def train_numel(self) -> int:
+        """The prefix of the flat buffer that trains (gradients, AdamW states)."""
+        return self.numel if self.train is None else self.train
 
     def views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {p.name: flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.params}
+
+
+def train_numel(unit) -> int:
+    """The elements of ``unit``'s flat buffer that train (:attr:`Unit.train_numel`; a unit-like
+    object without one -- a shard, a measurement's stand-in -- trains whole)."""
+    return getattr(unit, "train_numel", unit.numel)
 
 
 def check_supported(model: nn.Module) -> None:
@@ -89,7 +104,10 @@ def decay_parameter_names(model: nn.Module) -> set:
     return set(Trainer.get_decay_parameter_names(None, model))
 
 
-def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
+def build_units(model: nn.Module, layers: nn.ModuleList, split_frozen: bool = False) -> List[Unit]:
+    """The units of ``model``; a unit's buffer holds its decayed parameters, then the other
+    trainable ones, then the frozen ones (``requires_grad=False``). ``split_frozen``: a unit's
+    gradient and AdamW states leave its frozen tail out (``Unit.train_numel``)."""
     decay = decay_parameter_names(model)
     # Group every (module, attr) by the parameter object they hold: tied weights share one entry.
     canonical: Dict[int, str] = {}
@@ -130,16 +148,18 @@ def build_units(model: nn.Module, layers: nn.ModuleList) -> List[Unit]:
     def make_unit(name, kind, index, ids, layer_index=None, module=None) -> Unit:
         ordered = [canonical[i] for i in canonical if i in ids]  # model order
         by_name = {canonical[i]: i for i in ids}
-        dec = [n for n in ordered if n in decay and params[by_name[n]].requires_grad]
-        nodec = [n for n in ordered if n not in dec]
+        frozen = [n for n in ordered if not params[by_name[n]].requires_grad]
+        dec = [n for n in ordered if n in decay and n not in frozen]
+        nodec = [n for n in ordered if n not in dec and n not in frozen]
         entries, off = [], 0
-        for n in dec + nodec:
+        for n in dec + nodec + frozen:
             p = params[by_name[n]]
             entries.append(ParamEntry(n, off, tuple(p.shape), n in dec, bindings[by_name[n]],
                                       frozen=not p.requires_grad))
             off += p.numel()
         dn = sum(params[by_name[n]].numel() for n in dec)
-        return Unit(name, kind, index, entries, off, dn, layer_index, module)
+        train = off - sum(params[by_name[n]].numel() for n in frozen) if split_frozen and frozen else None
+        return Unit(name, kind, index, entries, off, dn, layer_index, module, train=train)
 
     outer = [i for i in canonical if i not in in_layers]
     embed_ids = {i for i in outer if i not in head_ids}

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..transport.pinned import held_bytes, pinned_empty
-from ..units import Unit
+from ..units import Unit, train_numel
 from .disk_store import aligned_empty
 from .disk_store import ALIGN
 
@@ -235,7 +235,7 @@ class HostStore:
     def grad(self, unit: Unit) -> torch.Tensor:
         g = self.grads.get(unit.index)
         if g is None:   # pageable: never a copy's source or target
-            g = torch.zeros(unit.numel, dtype=torch.float32)
+            g = torch.zeros(train_numel(unit), dtype=torch.float32)
             self.grads[unit.index] = g
         return g
 
@@ -255,7 +255,8 @@ class HostStore:
                 acc.add_(grad)
                 return
             for p, g in zip(unit.params, grad):
-                acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
+                if not p.frozen:   # (no room for it where the frozen tail is split off: Unit.train_numel)
+                    acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
 
     def has_grad(self, unit: Unit) -> bool:
         return unit.index in self._has_grad

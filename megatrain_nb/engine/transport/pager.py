@@ -29,7 +29,7 @@ import torch
 from .pinned import held_bytes
 from ..telemetry import Telemetry
 from ...threads import D2H, H2D, executor
-from ..units import Unit
+from ..units import Unit, train_numel
 
 
 def staging_buffers(max_grads_in_flight: int) -> int:
@@ -251,7 +251,8 @@ class Pager:
             if self._dev_free[turn] is not None:
                 self._dev_free[turn].result()      # the device buffer's copy out is done
             _wait_kept(self._grad_free[hturn])     # the host buffer's last user (an update) is done
-            n_slot = self.transport.slot_numel(unit)
+            # (a frozen tail's gradient stays behind: Unit.train_numel; shards are never split so)
+            n_slot = self.transport.slot_numel(unit) if train_numel(unit) == unit.numel else train_numel(unit)
             if n_slot > unit.numel:   # padded to whole shards; the tail must be zero
                 dev[unit.numel:n_slot].zero_()
             off = 0

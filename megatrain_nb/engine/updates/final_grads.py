@@ -19,7 +19,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ..tiers.host_store import BufferPool
-from ..units import Unit
+from ..units import Unit, train_numel
 
 HOLD_WRITES = 2   # disk writes of held final gradients in flight at once (hold="disk")
 
@@ -142,7 +142,7 @@ class FinalGradients:
             held = self._held.get(unit.index)
             if held is None or not held.done() or held.exception() is not None or unit.index in self._ahead:
                 return
-            grad = self.pool.take(unit.numel)
+            grad = self.pool.take(train_numel(unit))
             self._ahead[unit.index] = (grad, self.disk.read(self._hold_key(unit), {"g": grad}, urgent=True))
 
     def _drop_ahead(self, unit: Unit) -> None:
@@ -174,9 +174,9 @@ class FinalGradients:
                 raise
             return ahead[0], self.pool.give
         if ranged and getattr(self.disk, "capacity", 0) <= 0:   # (a host cache's copies are whole units)
-            got = HeldGradient(self.disk.read_ranged(self._hold_key(unit)), unit.numel)
+            got = HeldGradient(self.disk.read_ranged(self._hold_key(unit)), train_numel(unit))
             return got, got.close
-        grad = self.pool.take(unit.numel)
+        grad = self.pool.take(train_numel(unit))
         try:
             self.disk.read(self._hold_key(unit), {"g": grad}, urgent=True).result()
         except BaseException:

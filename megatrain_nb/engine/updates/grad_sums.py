@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ..units import Unit
+from ..units import Unit, train_numel
 
 __all__ = ["GradSums"]
 
@@ -31,7 +31,7 @@ class GradSums:
     @staticmethod
     def add(acc: torch.Tensor, unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
         for p, g in zip(unit.params, grads):
-            if g is not None:
+            if g is not None and not p.frozen:   # (a frozen parameter's gradient is zero; split off: no room)
                 acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
 
     @staticmethod
@@ -47,15 +47,16 @@ class GradSums:
         if any(p.dtype != acc.dtype or p.device != acc.device for p in params):
             return False
         for spec, p in zip(unit.params, params):
-            p.grad = acc[spec.offset:spec.offset + spec.numel].view(spec.shape)
+            if not spec.frozen:   # (a frozen one's zero gradient goes nowhere)
+                p.grad = acc[spec.offset:spec.offset + spec.numel].view(spec.shape)
         return True
 
     def fold_outer(self, acc: Optional[torch.Tensor], unit: Unit, bound: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """Move the bound outer tensors' .grad (this micro-batch's share) into the fp32 sum,
         made on the first share (an untied embedding's sum exists only at the step's end)."""
         grads = [t.grad for t in bound]
-        if acc is None and any(g is not None for g in grads):
-            acc = self.new(unit.numel)
+        if acc is None and any(g is not None for g, p in zip(grads, unit.params) if not p.frozen):
+            acc = self.new(train_numel(unit))
         if acc is not None:
             self.add(acc, unit, grads)
         for t in bound:

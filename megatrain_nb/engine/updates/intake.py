@@ -48,7 +48,7 @@ import torch
 from . import finite
 from .final_grads import FinalGradients
 from ..tiers.host_store import BufferPool
-from ..units import Unit
+from ..units import Unit, train_numel
 from .update_runner import UpdateRunner
 
 
@@ -163,7 +163,7 @@ class GradientIntake:
         step = self.step
         if self.policy.votes(step):
             self._vote(unit, grad)   # every rank, empty shard or not: a collective
-        if unit.numel == 0:   # a small unit's shard of this rank is empty: nothing to update
+        if train_numel(unit) == 0:   # a frozen unit, or a small unit's shard of this rank is empty: nothing to update
             return None
         route = self.policy.route(step, self.grads.has_grad(unit))
         # (updates of the last step may still be running: they claim their own held gradients;
@@ -176,7 +176,7 @@ class GradientIntake:
             return self._straight(unit, grad, step)
         elif route == Route.HOLD:
             if self.policy.hold_on_disk(step) and self.staged and torch.is_tensor(grad) \
-                    and grad.numel() == unit.numel:
+                    and grad.numel() == train_numel(unit):
                 return self._hold_staged(unit, grad)
             flat = self._final_buffer(unit, grad)
             self.reduce(unit, flat)
@@ -206,7 +206,7 @@ class GradientIntake:
         cancel = self.runner.reserve(unit)
         kept = None
         try:
-            if self.staged and torch.is_tensor(grad) and grad.numel() == unit.numel:
+            if self.staged and torch.is_tensor(grad) and grad.numel() == train_numel(unit):
                 flat, kept = grad, Future()
                 release = lambda _g, kept=kept: kept.set_result(None)   # noqa: E731 - the pager may reuse it
             else:
@@ -252,9 +252,9 @@ class GradientIntake:
         else copied out of the transfer's staging buffer (reused by the next transfer) into a
         recycled one (``slot``: a slot-sized one, for a gradient going straight to its update)."""
         t = grad[0] if isinstance(grad, (list, tuple)) and len(grad) == 1 else grad
-        if torch.is_tensor(t) and t.numel() == unit.numel and self.pool.take_back(t):
+        if torch.is_tensor(t) and t.numel() == train_numel(unit) and self.pool.take_back(t):
             return t
-        flat = self.pool.take_slot(unit.numel) if slot else self.pool.take(unit.numel)
+        flat = self.pool.take_slot(train_numel(unit)) if slot else self.pool.take(train_numel(unit))
         if torch.is_tensor(grad):
             flat.copy_(grad)
         else:

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from .fused_update import CodedChunk, adam_args, kernels
-from ..units import Unit
+from ..units import Unit, train_numel
 
 
 class UnitAdamW:
@@ -38,7 +38,7 @@ class UnitAdamW:
         ``collect_stats`` None: :attr:`collect_stats`. ``grad_norm``: the gradient's norm when
         the caller knows it (the clipped path took it during the backward), saving a pass."""
         run = self.start_unit(unit, params, collect_stats)
-        run.step(0, unit.numel, grads, exp_avg, exp_avg_sq, lr)
+        run.step(0, train_numel(unit), grads, exp_avg, exp_avg_sq, lr)
         run.finish(grads, grad_norm=grad_norm)
 
     def start_unit(self, unit: Unit, params: torch.Tensor,

@@ -21,7 +21,7 @@ from . import fused_update
 from .codecs import ROLES as _ROLES, get_codec
 from .chunk_ring import ChunkRing, chunk_bounds
 from ..tiers.disk_store import WriteWindow
-from ..units import Unit
+from ..units import Unit, train_numel
 
 
 
@@ -49,7 +49,7 @@ def read_ahead_allowance(units, compression: str) -> int:
     (whole units' codes read ahead) takes these bytes out of its own budget (parts.py)."""
     if not units:
         return 0
-    stored = stored_state_bytes([max(units, key=lambda u: u.numel)], compression)
+    stored = stored_state_bytes([max(units, key=lambda u: train_numel(u))], compression)
     return min_reads_ahead(stored) * stored
 
 
@@ -89,7 +89,7 @@ class OptimizerStates:
             self.codecs = {r: get_codec(self.codec_name, r) for r in _ROLES}
         #: Compressed states in whole codec blocks are updated in chunks (:meth:`update`): only
         #: ``RING`` chunks of fp32 moments exist at a time, never a unit's.
-        self.chunk_numel = update_chunk(self.codec_name, chunk_numel, max((u.numel for u in units), default=0))
+        self.chunk_numel = update_chunk(self.codec_name, chunk_numel, max((train_numel(u) for u in units), default=0))
         self.chunked = self.chunk_numel > 0
         self.ram: Dict[int, Dict[str, object]] = {}
         self.disk = disk  # shared with the engine, which closes it
@@ -150,7 +150,8 @@ class OptimizerStates:
         res = []
         for role in _ROLES:
             enc = {k.split(".", 1)[1]: v for k, v in stored.items() if k.startswith(role + ".")}
-            out = self.pool.take(unit.numel) if self.disk is not None else torch.empty(unit.numel, dtype=torch.float32)
+            n = train_numel(unit)
+            out = self.pool.take(n) if self.disk is not None else torch.empty(n, dtype=torch.float32)
             res.append(self.codecs[role].decode(enc, out))
         return res[0], res[1]
 
@@ -179,8 +180,8 @@ class OptimizerStates:
 
     def _stored_nbytes(self, unit: Unit) -> int:
         if self.codecs is None:
-            return 8 * unit.numel
-        return sum(c.encoded_nbytes(unit.numel) for c in self.codecs.values())
+            return 8 * train_numel(unit)
+        return sum(c.encoded_nbytes(train_numel(unit)) for c in self.codecs.values())
 
     def _advance(self, unit: Unit) -> None:
         with self._lock:
@@ -205,7 +206,7 @@ class OptimizerStates:
 
     def _read_buffers(self, unit: Unit):
         """fp32 moments are read straight into recycled buffers; codes are allocated."""
-        return {r: self.pool.take(unit.numel) for r in _ROLES} if self.codecs is None else None
+        return {r: self.pool.take(train_numel(unit)) for r in _ROLES} if self.codecs is None else None
 
     def _read(self, unit: Unit) -> Future:
         """A unit's stored states from the disk tier. Codes are only decoded (read, never
@@ -232,7 +233,7 @@ class OptimizerStates:
         # A unit whose moments alone exceed encode_behind_bytes (a 4096-hidden layer: 1.6 GB)
         # keeps one encode pending, not two: the encoder still always has the next one queued,
         # and the step's peak RSS is a unit's moments lower (bench_bigger_than_ram).
-        limit = self.writes_behind if 8 * unit.numel <= self.encode_behind_bytes else 1
+        limit = self.writes_behind if 8 * train_numel(unit) <= self.encode_behind_bytes else 1
         while len(self._writes) >= limit and not last and self._behind_bytes() > self.encode_behind_bytes:
             _settle(self._writes.pop(0))   # a failed encode or write raises here, in the update
         for w in [w for w in self._writes if w.done()]:
@@ -265,8 +266,9 @@ class OptimizerStates:
         self._decode_next()   # (RAM) the next update's, beside this one
         if stored is None:
             if self.disk is not None:  # first step on the disk tier: recycled buffers
-                return self.pool.take(unit.numel).zero_(), self.pool.take(unit.numel).zero_()
-            return (torch.zeros(unit.numel, dtype=torch.float32), torch.zeros(unit.numel, dtype=torch.float32))
+                return self.pool.take(train_numel(unit)).zero_(), self.pool.take(train_numel(unit)).zero_()
+            n = train_numel(unit)
+            return torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
         return self._decode(unit, stored)
 
     def _behind_bytes(self) -> int:
@@ -331,12 +333,12 @@ class OptimizerStates:
             # where it was decoded from. (RAM codes are the state itself until the update is
             # done; a host cache's resident codes are shared.)
             own = stored is not None and self.disk is not None and not self._cached()
-            out = stored if own else self.ring.new_codes(unit.numel)
+            out = stored if own else self.ring.new_codes(train_numel(unit))
             kern = fused_update.kernels() if self.fused and weights is None and grads is None else None
             if kern is not None and (stored is None or isinstance(stored, dict)):
-                self._update_fused(kern, unit.numel, stored, out, apply)
+                self._update_fused(kern, train_numel(unit), stored, out, apply)
             else:
-                self.ring.run(unit.numel, stored, out, apply, self._decoder, self._codec, weights, grads)
+                self.ring.run(train_numel(unit), stored, out, apply, self._decoder, self._codec, weights, grads)
         if out is None:
             self.update_failed(unit)
             return
@@ -372,9 +374,10 @@ class OptimizerStates:
         (``mtnb-encode``); only the ring's chunks are in RAM. A skipped step leaves the file."""
         if apply is not None:
             old = unit.index in self._on_disk
-            rw = self.disk.ranged(self._key(unit), self.ring.code_specs(unit.numel), read_old=old)
+            rw = self.disk.ranged(self._key(unit), self.ring.code_specs(train_numel(unit)), read_old=old)
             try:
-                self.ring.run(unit.numel, rw if old else None, rw, apply, self._decoder, self._codec, weights, grads)
+                self.ring.run(train_numel(unit), rw if old else None, rw, apply, self._decoder, self._codec, weights,
+                              grads)
                 fut = rw.commit(behind=True)   # synced and renamed behind (bounded: _bound_writes)
             except BaseException as e:
                 rw.abort(e)
@@ -414,7 +417,7 @@ class OptimizerStates:
             # Encoded and written behind, in the codec thread; the unit stays "being updated"
             # (no read ahead of it) until its write is issued.
             enc = self._codec.submit(self._store_disk, unit, m, v)
-            enc.moment_bytes = 8 * unit.numel
+            enc.moment_bytes = 8 * train_numel(unit)
             self._encoding[unit.index] = enc
             self._writes.append(enc)
             enc.add_done_callback(lambda f, i=unit.index: f is self._encoding.get(i) and f.exception() is None
@@ -556,7 +559,7 @@ class OptimizerStates:
         buffers = sum(self._stored_nbytes(u) for u in ahead) + self.pool.nbytes()
         # moments decoded ahead of their update or waiting to be encoded (codec thread)
         codec = set(self._decoded) | set(self._encoding)
-        buffers += sum(8 * u.numel for u in self.units if u.index in codec)
+        buffers += sum(8 * train_numel(u) for u in self.units if u.index in codec)
         buffers += self.ring.nbytes() if self.ring is not None else 0   # chunked updates' moments (and codes)
         out = {"host": host, "disk": 0, "host_buffers": buffers, "cached": 0}
         if self.disk is not None:
@@ -646,8 +649,8 @@ def _settle(f: Future):
 def stored_state_bytes(units, codec_name: str) -> int:
     """Bytes of both Adam moments of all units in their stored form."""
     if codec_name == "none":
-        return sum(2 * u.numel * 4 for u in units)
-    return sum(get_codec(codec_name, r).encoded_nbytes(u.numel) for u in units for r in _ROLES)
+        return sum(2 * train_numel(u) * 4 for u in units)
+    return sum(get_codec(codec_name, r).encoded_nbytes(train_numel(u)) for u in units for r in _ROLES)
 
 
 def open_disk_tier(units, config, params_on_disk: bool):

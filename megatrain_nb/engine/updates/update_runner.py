@@ -23,7 +23,7 @@ from . import finite
 from .final_grads import FinalGradients
 from ..outcome import StepOutcome
 from ...threads import ADAMW, executor
-from ..units import Unit
+from ..units import Unit, train_numel
 
 
 class UpdateRunner:
@@ -172,7 +172,9 @@ class UpdateRunner:
         a tensor, or a HeldGradient (chunked states only) read with each chunk's moments."""
         held = not torch.is_tensor(grad)
         stats = self.adam.collect_stats and not held
-        rw = self.weights.ranged_update(unit) if self.states.chunked and not stats else None
+        # (a unit with a frozen tail is rewritten whole: a ranged rewrite covers the part that trains only)
+        whole = train_numel(unit) < unit.numel
+        rw = self.weights.ranged_update(unit) if self.states.chunked and not stats and not whole else None
         if rw is not None:
             self._step_ranged(unit, lr, grad, skip, norm, rw)
             return
@@ -225,7 +227,7 @@ class UpdateRunner:
         self.states.schedule(self.units)  # disk reads ahead of the updates
         try:
             for u in self.units:
-                if u.numel > 0:
+                if train_numel(u) > 0:
                     self.apply(u, lr)
             self.states.flush()
         except BaseException as e:

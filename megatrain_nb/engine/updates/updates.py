@@ -36,7 +36,7 @@ from ..tiers.host_store import BufferPool
 from .intake import GradientIntake, IntakePolicy, StepContext
 from ..outcome import StepOutcome
 from .update_runner import UpdateRunner
-from ..units import Unit, forward_order
+from ..units import Unit, forward_order, train_numel
 from ..tiers.disk_cache import step_accesses
 
 __all__ = ["StepContext", "UpdateScheduler", "final_gradient_pool_bytes"]
@@ -50,7 +50,7 @@ def final_gradient_pool_bytes(units: Sequence[Unit], depth: int, clipped: Option
     step's come back from the norm's hold one by one (and ``hold="disk"`` has a few writes in
     flight). A tied embedding's sum (CPU "device": a lent buffer) is formed through the whole
     backward beside them. The planner counts the same (``planner.host_in_flight``)."""
-    largest = max((u.numel for u in units), default=0)
+    largest = max((train_numel(u) for u in units), default=0)
     n = depth + 1 + sum(1 for u in list(units)[:1] if getattr(u, "tied_output", False))
     if clipped is None or clipped:
         n += HOLD_WRITES
@@ -78,7 +78,7 @@ class UpdateScheduler:
         self.gradient_order: List[Unit] = [units[-1]] + list(reversed(units[1:-1])) + [units[0]]
         self.outcome = StepOutcome()
         pool = BufferPool(max_bytes=final_gradient_pool_bytes(units, depth, None),
-                          slot_numel=max((u.numel for u in units), default=0))
+                          slot_numel=max((train_numel(u) for u in units), default=0))
         self.final = FinalGradients(pool, disk=disk)
         self.runner = UpdateRunner(units, grads=grads, weights=weights, states=states, adam=adam, counters=counters,
                                    outcome=self.outcome, final=self.final, policy=policy, disk=disk, depth=depth)
@@ -159,7 +159,7 @@ class UpdateScheduler:
         if step.clip is not None:
             coef = step.clip / (total + 1e-6)   # as torch.nn.utils.clip_grad_norm_
             coef = coef if coef < 1.0 else None   # (a NaN norm: no scaling)
-        self.runner.submit_after_norm([u for u in self.update_order if u.numel > 0], step.lr, coef, skip)
+        self.runner.submit_after_norm([u for u in self.update_order if train_numel(u) > 0], step.lr, coef, skip)
         self.outcome.record_step(total, skip)
         if stop is not None:
             raise stop

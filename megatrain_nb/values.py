@@ -146,6 +146,16 @@ _FINE_TUNING_ROWS = (
 
 # ---- the estimator's command line (megatrain-nb estimate, %megatrain estimate; issue 44 item 7): each
 # number a flag takes, within what a plan can be made for (a larger one is a typo, and overflowed) ----
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+# ---- GRPOConfig's fields a run.yaml grpo: section and a fork change (issue 48 item 5) ----
+_GRPO_ROWS = (
+    _row("grpo_beta", "float", "GRPO's KL coefficient to the reference (0: no reference, TRL's default); above "
+         "1000 the KL term swamps the advantages: a typo?", low=0, high=1000.0),
+    _row("grpo_temperature", "float", "GRPO's sampling temperature (also in the loss's log-probs); > 0",
+         low=0, low_open=True, high=100.0),
+    _row("grpo_loss_type", "choice", "the GRPO loss", choices=GRPO_LOSS_TYPES),
+)
+
 _ESTIMATE_ROWS = (
     _row("estimate_batch", "int", "sequences per micro-batch the estimate plans for (--batch)", low=1, high=2 ** 24),
     _row("estimate_seq", "int", "tokens per row the estimate plans for (--seq)", low=1, high=2 ** 28),
@@ -161,7 +171,9 @@ _ESTIMATE_ROWS = (
 
 #: A field whose name means another row in one config family: (family, field) -> row name
 #: (DPOConfig's and SFTConfig's ``loss_type`` differ).
-ALIASES = {("dpo", "loss_type"): "dpo_loss_type", ("sft", "loss_type"): "sft_loss_type"}
+ALIASES = {("dpo", "loss_type"): "dpo_loss_type", ("sft", "loss_type"): "sft_loss_type",
+           ("grpo", "loss_type"): "grpo_loss_type", ("grpo", "beta"): "grpo_beta",
+           ("grpo", "temperature"): "grpo_temperature"}
 #: The rows of each TRL config's own fields (beyond TrainingArguments'), by field name.
 DPO_FIELDS = ("beta", "label_smoothing", "loss_type", "loss_weights", "ld_alpha", "f_divergence_type",
               "f_alpha_divergence_coef", "discopop_tau", "use_weighting", "truncation_mode",
@@ -269,6 +281,7 @@ VALUES: dict[str, Value] = {v.name: v for v in (
          none_ok=True),
     *_FINE_TUNING_ROWS,
     *_ESTIMATE_ROWS,
+    *_GRPO_ROWS,
 )}
 
 

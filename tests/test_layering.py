@@ -92,7 +92,7 @@ handlers in megatrain_nb/lab/). The fronts do not import each other.
 LAYERS = {
     "shared": ("values", "formatting", "atomic", "threads", "processes", "commands", "env_vars", "hub",
                "loopback", "manifest", "model_configs", "tiny_configs", "model_source", "gguf_in", "learning_rate",
-               "assets"),
+               "assets", "rewards"),
     # the files a kernel or a rank and the Jupyter server talk through (heartbeats, inboxes)
     "channel": ("channel",),
     "engine": ("engine",),

@@ -8,6 +8,7 @@ word-level tokenizer whose chat template marks the assistant's turns with
     ds = chat_dataset("alpaca")         # the same examples as instruction/input/output
     tok = chat_tokenizer()              # PreTrainedTokenizerFast with the chat template
     pairs = preference_dataset()        # prompt/chosen/rejected pairs made from it (assets/preferences.py)
+    sums = arithmetic_dataset()         # prompt/answer: a verifiable task for GRPO (assets/arithmetic.py)
 
 ``python -m megatrain_nb.assets`` regenerates the shipped files (deterministic).
 """
@@ -152,8 +153,10 @@ def write_assets() -> None:
         f.write("".join(json.dumps(c) + "\n" for c in convs))
     build_word_tokenizer(_vocabulary(convs)).save_pretrained(str(TOKENIZER_DIR))
     write_preferences(convs)
+    write_arithmetic()
 
 
 from .preferences import preference_dataset, preference_rows, write_preferences  # noqa: E402,F401  (the shipped pairs)
+from .arithmetic import arithmetic_dataset, arithmetic_rows, write_arithmetic  # noqa: E402,F401  (the reward task)
 from megatrain_nb.atomic import atomic_file
 

@@ -17,7 +17,7 @@ class UsageError(ValueError):
     """Bad input on the command line or in run.yaml: one line, exit status 2."""
 
 
-_SECTIONS = {"model", "revision", "preset", "tokenizer", "data", "training", "engine", "seed", "sft", "dpo"}
+_SECTIONS = {"model", "revision", "preset", "tokenizer", "data", "training", "engine", "seed", "sft", "dpo", "grpo"}
 _DATA_KEYS = {"train", "eval", "seq_len", "text_column", "format"}
 _DATA_KINDS = {".jsonl": "json", ".json": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
 
@@ -100,11 +100,11 @@ def load_run_config(path) -> dict:
     unknown = set(cfg) - _SECTIONS
     if unknown:
         raise UsageError(f"--config {path}: unknown section(s) {sorted(unknown)}; use model (+ revision) or "
-                         "preset, tokenizer, data, training, engine, seed")
+                         "preset, tokenizer, data, training, engine, seed, sft, dpo, grpo")
     if ("model" in cfg) == ("preset" in cfg):
         raise UsageError(f"--config {path}: give exactly one of 'model' (a local folder or a Hugging Face Hub "
                          "id) or 'preset'")
-    for key in ("data", "training", "engine", "sft", "dpo"):
+    for key in ("data", "training", "engine", "sft", "dpo", "grpo"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             raise UsageError(f"--config {path}: '{key}' must be a mapping, got {cfg[key]!r}")
     bad = set(cfg.get("data") or {}) - _DATA_KEYS
@@ -121,7 +121,7 @@ def check_values(cfg: dict, path) -> None:
     """Every value of run.yaml the table of values holds (:mod:`megatrain_nb.values`), checked as
     it enters, before any model or data is read; the checked numbers replace the text."""
     try:
-        for key in ("training", "sft", "dpo", "engine"):
+        for key in ("training", "sft", "dpo", "grpo", "engine"):
             if cfg.get(key):
                 cfg[key].update(check_fields(cfg[key], key, family=key))
         data = cfg.get("data") or {}

@@ -1,5 +1,6 @@
 """``megatrain-nb train --config run.yaml``: a training run (pretraining, or fine-tuning with
-``mt.SFTTrainer`` when run.yaml has an ``sft:`` section or instruction/chat data)."""
+``mt.SFTTrainer`` when run.yaml has an ``sft:`` section or instruction/chat data, ``mt.DPOTrainer``
+for ``dpo:``, ``mt.GRPOTrainer`` for ``grpo:``)."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ from megatrain_nb.cli.config import (
 )
 from megatrain_nb.cli.report import print_header, print_summary, run_with_progress
 from megatrain_nb.cli.train_dpo import cmd_train_dpo, wants_dpo
+from megatrain_nb.cli.train_grpo import cmd_train_grpo
 from megatrain_nb import assets
 from megatrain_nb.model_configs import preset_config
 
@@ -40,12 +42,14 @@ def cmd_train(ns) -> int:
 
     from megatrain_nb.trainer import Trainer
     from megatrain_nb.trainer.args import training_arguments
-    from megatrain_nb.trainer.default import load_default
+    from megatrain_nb.trainer.default import load_default, load_default_tokens
 
     cfg = load_run_config(ns.config)
     base = Path(ns.config).resolve().parent
     data = cfg.get("data") or {}
 
+    if "grpo" in cfg:   # learning from rewards: a grpo: section (GRPOConfig fields and reward_funcs)
+        return cmd_train_grpo(ns, cfg, base)
     if wants_dpo(cfg):   # preference training: a dpo: section or data.format: preference
         return cmd_train_dpo(ns, cfg, base)
     if "sft" in cfg or "format" in data:   # fine-tuning on instructions / conversations
@@ -83,8 +87,6 @@ def cmd_train(ns) -> int:
         return cmd_train_sft(ns, cfg, base)   # instruction / chat rows: the format is detected
     eval_ds = load_files(data.get("eval"), base=base, what="eval") if data.get("eval") else None
     if train_ds is not None and tokenizer is None and model is None and "input_ids" not in train_ds.column_names:
-        from megatrain_nb.trainer.default import load_default_tokens
-
         tokenizer = load_default_tokens()[0]   # a preset has no tokenizer of its own: the built-in one
     if train_ds is None:  # built-in corpus
         tok, train_ds, builtin_eval = load_default(seq_len=seq_len)

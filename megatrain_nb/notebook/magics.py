@@ -17,11 +17,16 @@ import shlex
 import time
 from typing import Any, Optional
 
-from megatrain_nb.commands import usage_lines
+from megatrain_nb.commands import CommandError, usage_lines
+from megatrain_nb.estimate_words import estimate_from_words   # the CLI's flags (--vram/--ram/...)
+from megatrain_nb.formatting import fmt_bytes, fmt_num, fmt_seconds
 
 from . import registry
+from .figures import event_label
 from .lifecycle import ENDED
 from .prediction_view import session_report, status_lines
+from .preference_view import reward_parts
+from .summary_html import eta_seconds
 
 USAGE = "\n".join(["Usage: %megatrain <command> [-s SESSION]",
                    "  status              the run at a glance",
@@ -118,10 +123,6 @@ def _wait_state(session, states: tuple[str, ...], seconds: float) -> bool:
 
 
 def status_line(session) -> str:
-    from megatrain_nb.formatting import fmt_num, fmt_seconds
-
-    from .summary_html import eta_seconds
-
     view = session.run_log.view(max_points=2)
     total = session.total_steps
     last = view.last
@@ -129,13 +130,9 @@ def status_line(session) -> str:
     parts = [f"{session.name}: {session.state}", f"step {view.step}{'/' + str(total) if total else ''}",
              f"loss {fmt_num(last.get('loss'))}", f"lr {fmt_num(last.get('lr'), '.3g')}",
              f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s", *([f"ETA {fmt_seconds(eta)}"] if eta is not None else [])]
-    from .preference_view import reward_parts
-
     parts += reward_parts(last)   # a DPO run: reward margin and accuracy
     line = ", ".join(parts)
     if view.events:
-        from .figures import event_label
-
         e = view.events[-1]
         n = len(view.events)
         line += f"; {n} event{'s' if n != 1 else ''} (last: {event_label(e)} at step {e['step']})"
@@ -215,8 +212,6 @@ def _report(session, rest):
 
 
 def _snapshot(session, rest):
-    from megatrain_nb.formatting import fmt_bytes
-
     info = session.snapshot(source="magic")
     print(f"{session.name}: snapshot at step {info.step} ({fmt_bytes(info.bytes_unique)} written, "
           f"{fmt_bytes(info.bytes_shared)} shared by hard links): {info.path}")
@@ -231,8 +226,6 @@ def _checkpoint(session, rest):
 
 
 def _rewind(session, rest):
-    from megatrain_nb.commands import CommandError
-
     if len(rest) != 1:
         raise MagicError("megatrain: rewind needs one step, e.g. %megatrain rewind 200")
     try:
@@ -264,8 +257,6 @@ def _fork(session, rest):
 
 
 def _branches(session, rest):
-    from megatrain_nb.formatting import fmt_bytes
-
     ex = session.explorer
     for run in ex.tree():
         steps = [r.get("step") for r in run["records"]]
@@ -280,8 +271,6 @@ def _branches(session, rest):
 
 def _estimate(rest):
     from IPython.display import display   # IPython: present in a kernel, not needed to import this module
-
-    from megatrain_nb.estimate_words import estimate_from_words   # the CLI's flags (--vram/--ram/...)
 
     if not rest:
         raise MagicError("megatrain: estimate needs one model: a folder, a config.json or a preset, e.g.\n"

@@ -14,9 +14,10 @@ Example::
 
 Rollouts (:mod:`.grpo_data`, :mod:`.grpo_rollout`): the prompts in TRL's order and TRL's order of
 random draws, completions sampled by transformers' ``generate`` on a resident copy of the current
-weights (the model fits), rewards and advantages by TRL's formulas; old log-probs (when a
-generation serves several optimizer steps) and the reference's (``beta > 0``: a frozen engine of
-the starting weights) by forward-only streamed passes. The loss is a sequence-level objective of
+weights (the model fits) or by the engine's layer-major streamed decoder (it does not, or
+``generation="streamed"``: :func:`.grpo_rollout.make_policy`), rewards and advantages by TRL's
+formulas; old log-probs (when a generation serves several optimizer steps) and the reference's
+(``beta > 0``: a frozen engine of the starting weights) by forward-only streamed passes. The loss is a sequence-level objective of
 the engine's chunked head (:mod:`.grpo_loss`). The loop is :class:`~.trainer.Trainer`'s: the
 rollouts come in through its public ``fresh_stream`` (a stream of rollout micro-batches).
 GRPOConfig fields that cannot apply here are refused by name.
@@ -37,8 +38,8 @@ from .kinds import MetricLists, register_kind
 from .grpo_eval import run_evaluation
 from .grpo_data import RolloutStream, pad_rollouts, tokenize_prompts
 from .grpo_loss import GRPOObjective, GRPOSettings
-from .grpo_rollout import (ResidentPolicy, advantages, completion_logps, eos_token_ids, generation_config,
-                           length_metrics, reward_metrics, score)
+from .grpo_rollout import (advantages, check_generation, completion_logps, eos_token_ids, generation_config,
+                           length_metrics, make_policy, reward_metrics, score)
 from .args import check_eval_plan, unusable_fields
 from .sft_data import require_trl
 from .trainer import Trainer
@@ -235,6 +236,8 @@ class GRPOTrainer(Trainer):
             raise ValueError("train_dataset needs a 'prompt' column (text, or a conversation: a list of messages)")
         args = coerce_grpo_args(args)
         validate_grpo_args(args)
+        # where completions are sampled: "auto" (resident when it fits the device budget) | "resident" | "streamed"
+        self.generation = check_generation(engine_options.pop("generation", "auto"))
         check_eval_plan(args, eval_dataset)
         self.settings = GRPOSettings.from_args(args)
         self.objective = GRPOObjective(self.settings)
@@ -317,8 +320,9 @@ class GRPOTrainer(Trainer):
 
     def _completions(self, prompts, prompt_ids):
         """Sampled completions (ids, text or messages) on the current weights."""
-        if self._policy is None:
-            self._policy = ResidentPolicy(self._engine.model_config)
+        if self._policy is None:   # (the first generation batch's shape decides "auto")
+            length = max(map(len, prompt_ids)) + self.args.max_completion_length
+            self._policy = make_policy(self._engine, self.generation, len(prompt_ids), length)
         self._policy.refresh(self._engine, self.state.global_step)
         ids = self._policy.generate(prompt_ids, self.generation_config, self.tokenizer.pad_token_id,
                                     self.eos_token_ids)

@@ -1,10 +1,16 @@
-"""Rollouts of a GRPO run: generation on a resident copy of the current weights, per-token
-log-probs by a forward-only pass of an engine, rewards and advantages (TRL's formulas).
+"""Rollouts of a GRPO run: generation on a resident copy of the current weights or streamed on
+the engine, per-token log-probs by a forward-only pass of an engine, rewards and advantages
+(TRL's formulas).
 
 - :class:`ResidentPolicy`: a plain Hugging Face module holding the engine's current weights
   (copied after each optimizer step, only when they changed), on which transformers' ``generate``
   samples the completions exactly as ``trl.GRPOTrainer`` does (its GenerationConfig, its end of
   sequence ids, the completion cut after the first of them). Building it draws no random number.
+- :class:`StreamedPolicy`: the engine's layer-major streamed decoder
+  (:mod:`megatrain_nb.engine.compute.decode`) on the engine's own weights: every rollout advances
+  a token together, each unit crosses to the device once per decoded token.
+- :func:`make_policy`: which of the two (``generation="auto"``: the resident copy when it and its
+  KV cache fit the device budget beside the engine's working set, else streamed).
 - :func:`completion_logps`: the per-token log-probs of the completions (temperature applied, as
   TRL's fused head) through an engine's chunked head, forward only (:class:`TokenLogps`).
 - :func:`score`: every reward function on every completion; a function that raises, returns a
@@ -18,7 +24,12 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatrain_nb.engine.compute.decode import StreamedDecoder, device_left, kv_cache_bytes
+
 from .data import DataError
+
+#: GRPOTrainer's ``generation=`` (an engine option keyword): where the completions are sampled
+GENERATION_MODES = ("auto", "resident", "streamed")
 
 
 class RewardError(DataError):
@@ -74,6 +85,8 @@ def right_pad(rows: List[List[int]], value: int) -> tuple:
 class ResidentPolicy:
     """A plain HF module with the engine's current weights, for ``generate`` (the model fits)."""
 
+    kind = "resident"
+
     def __init__(self, model_config):
         from transformers import AutoModelForCausalLM
 
@@ -107,6 +120,50 @@ class ResidentPolicy:
         eos_idx[any_eos] = is_eos.int().argmax(dim=1)[any_eos]
         keep = torch.arange(is_eos.size(1)).expand(is_eos.size(0), -1) <= eos_idx[:, None]
         return [c[m].tolist() for c, m in zip(comp, keep)]
+
+
+class StreamedPolicy:
+    """Generation streamed on the engine (the model need not fit the device): its weights are the
+    engine's own, so there is nothing to refresh."""
+
+    kind = "streamed"
+
+    def __init__(self, engine):
+        self.decoder = StreamedDecoder(engine)
+        self.last_stats: dict = {}
+
+    def refresh(self, engine, version) -> None:
+        return None
+
+    def generate(self, prompt_ids: List[List[int]], config, pad_id: int, eos_ids: List[int]) -> List[List[int]]:
+        """Each prompt's completion ids, cut after the first end-of-sequence id (``config``'s)."""
+        out = self.decoder.generate(prompt_ids, config)
+        self.last_stats = out.stats
+        return out.completions
+
+
+def check_generation(mode) -> str:
+    if mode not in GENERATION_MODES:
+        raise ValueError(f"generation={mode!r}: one of {', '.join(map(repr, GENERATION_MODES))} (where completions are "
+                         "sampled: 'resident' = transformers' generate on a resident copy of the weights, 'streamed' = "
+                         "the engine's layer-major decoder, 'auto' = resident when the model fits the device budget)")
+    return mode
+
+
+def resident_fits(engine, rows: int, length: int) -> bool:
+    """Whether a resident fp32 copy of the model and its KV cache for ``rows`` x ``length``
+    tokens fit the device budget left beside the engine's working set (no budget: yes)."""
+    left = device_left(engine)
+    if left is None:
+        return True
+    return engine.num_parameters() * 4 + kv_cache_bytes(engine.model_config, rows, length, 4) <= left
+
+
+def make_policy(engine, mode: str, rows: int, length: int):
+    """The policy that samples the completions (``mode``: :data:`GENERATION_MODES`)."""
+    if mode == "streamed" or (mode == "auto" and not resident_fits(engine, rows, length)):
+        return StreamedPolicy(engine)
+    return ResidentPolicy(engine.model_config)
 
 
 # ---------------------------------------------------------------------------------- log-probs
@@ -270,5 +327,6 @@ def length_metrics(completion_ids: List[List[int]], stops: List[int]) -> Dict[st
             "completions/max_terminated_length": term.max().item()}
 
 
-__all__ = ["ResidentPolicy", "RewardError", "TokenLogps", "advantages", "completion_logps", "eos_token_ids",
-           "generation_config", "length_metrics", "reward_metrics", "score"]
+__all__ = ["GENERATION_MODES", "ResidentPolicy", "RewardError", "StreamedPolicy", "TokenLogps", "advantages",
+           "check_generation", "completion_logps", "eos_token_ids", "generation_config", "length_metrics",
+           "make_policy", "reward_metrics", "resident_fits", "score"]

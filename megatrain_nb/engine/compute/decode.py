@@ -29,8 +29,8 @@ per decoded token (``stats["passes"]``) whether 2 or 128 rows advance.
 - **Finished rows dropped**: a row that sampled an end-of-sequence id leaves the batch (its cache
   rows with it) before the next pass; ``stats["rows"]`` counts the rows the decoding passes ran.
 - **Sampling** as ``generate`` samples: transformers' own logits processors in ``generate``'s
-  order (repetition penalty on the prompt's real tokens and those generated, then temperature,
-  top-k, top-p, min-p when ``do_sample``), ``torch.multinomial`` on the softmax (the global
+  order (repetition penalty on the prompt's real tokens and those generated, suppressed tokens,
+  then temperature, top-k, top-p, min-p when ``do_sample``), ``torch.multinomial`` on the softmax (the global
   random stream), the arg max when ``do_sample=False``. Positions and masks as ``generate``
   makes them (left-padded prompts, positions counted over the real tokens). Greedy decoding gives
   ``generate``'s tokens; sampled decoding draws from the same distributions, but once rows have
@@ -55,8 +55,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+                                                    RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ... import threads
 from ..proxies import bind, unbind
@@ -65,7 +65,7 @@ GIB = 1 << 30
 
 #: GenerationConfig fields the decoder applies; any other one set away from its default is refused
 APPLIED = frozenset({"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p",
-                     "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
+                     "repetition_penalty", "suppress_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
                      "cache_implementation", "disable_compile", "num_beams", "num_return_sequences",
                      "transformers_version", "return_dict_in_generate", "output_scores", "output_logits"})
 
@@ -132,7 +132,8 @@ def check_generation_config(gc: GenerationConfig) -> None:
         odd.append("num_beams/num_return_sequences (one sequence per row)")
     if odd:
         raise ValueError(f"streamed decoding does not apply the GenerationConfig field(s) {', '.join(odd)}: it "
-                         "samples with temperature, top_k, top_p, min_p and repetition_penalty (or greedily); "
+                         "samples with temperature, top_k, top_p, min_p, repetition_penalty and suppress_tokens (or "
+                         "greedily); "
                          "remove them, or generate on a resident model (generation='resident')")
     if gc.max_new_tokens is None:
         raise ValueError("streamed decoding needs GenerationConfig.max_new_tokens (the new tokens per row)")
@@ -144,6 +145,8 @@ def processors(gc: GenerationConfig, pad_lengths: torch.Tensor) -> LogitsProcess
     out = LogitsProcessorList()
     if gc.repetition_penalty is not None and gc.repetition_penalty != 1.0:
         out.append(RepetitionPenaltyLogitsProcessor(float(gc.repetition_penalty), prompt_ignore_length=pad_lengths))
+    if gc.suppress_tokens is not None:
+        out.append(SuppressTokensLogitsProcessor(gc.suppress_tokens, device=pad_lengths.device))
     if gc.do_sample:
         if gc.temperature is not None and gc.temperature != 1.0:
             out.append(TemperatureLogitsWarper(gc.temperature))

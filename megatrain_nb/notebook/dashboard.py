@@ -37,6 +37,7 @@ from .chart import Chart, layers_spec, training_spec
 from .inspector import stats_rows_html
 from .lifecycle import ENDED
 from .prediction_view import prediction_html, session_report
+from .grpo_view import attach_grpo_panel
 from .preference_view import attach_reward_panel
 from .probe import RenderProbe
 from .run_log import RunView
@@ -165,6 +166,7 @@ class Dashboard(W.VBox):
         self.poke: Callable[[], None] = lambda: None  # set by the publisher: refresh soon
 
         attach_reward_panel(self)   # a DPO run: reward margin and accuracy over steps
+        attach_grpo_panel(self)     # a GRPO run: reward, KL, completion length, generation vs training
         self.pause_button.on_click(self._on_pause)
         self.stop_button.on_click(self._on_stop)
         self.lr_apply.on_click(lambda _b: self._apply_lr(self.lr_field.value))

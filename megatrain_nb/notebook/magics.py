@@ -25,6 +25,7 @@ from . import registry
 from .figures import event_label
 from .lifecycle import ENDED
 from .prediction_view import session_report, status_lines
+from .grpo_view import grpo_parts
 from .preference_view import reward_parts
 from .summary_html import eta_seconds
 
@@ -131,6 +132,7 @@ def status_line(session) -> str:
              f"loss {fmt_num(last.get('loss'))}", f"lr {fmt_num(last.get('lr'), '.3g')}",
              f"{fmt_num(view.tokens_per_s, ',.0f')} tok/s", *([f"ETA {fmt_seconds(eta)}"] if eta is not None else [])]
     parts += reward_parts(last)   # a DPO run: reward margin and accuracy
+    parts += grpo_parts(last)     # a GRPO run: reward, KL, completion length, generation's share
     line = ", ".join(parts)
     if view.events:
         e = view.events[-1]

@@ -28,6 +28,7 @@ from . import environment
 from .chart import json_nums, layers_spec, training_spec
 from .figures import event_label
 from .inspector import fmt_stat
+from .grpo_view import grpo_section
 from .preference_view import reward_section
 from .sample_watch import answers_html
 from .static_chart import chart_html, img, panels_svg
@@ -113,6 +114,18 @@ def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def _reward_cells(records: list) -> list:
+    """The sections of a run that learns from rewards: DPO's reward margin and accuracy, GRPO's
+    reward, KL, completion length and time split (none for other runs)."""
+    cells = []
+    for section, alt in ((reward_section(records), "reward margin and accuracy"),
+                         (grpo_section(records), "reward, KL, completion length, generation vs training")):
+        if section is not None:
+            md, spec = section
+            cells += [_md(md), _chart_cell(spec, img(panels_svg(spec), alt), alt)]
+    return cells
+
+
 def build_notebook(session: Any):
     """The report as an nbformat v4 notebook with every output already in place."""
     log = session.run_log
@@ -131,11 +144,7 @@ def build_notebook(session: Any):
     cells.append(_chart_cell(training_spec(view, total=session.total_steps, height=320),
                              img(loss_svg(view, width=760, height=220), "loss"), "loss and learning rate"))
 
-    rewards = reward_section(records)   # a DPO run: reward margin and accuracy
-    if rewards is not None:
-        md, spec = rewards
-        cells += [_md(md), _chart_cell(spec, img(panels_svg(spec), "reward margin and accuracy"),
-                                       "reward margin and accuracy")]
+    cells += _reward_cells(records)
 
     cells.append(_md("## Interventions\n\n" + (_table(
         [(e["step"], e["kind"], event_label(e), e.get("source", ""), _event_detail(e)) for e in view.events],

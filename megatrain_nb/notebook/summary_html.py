@@ -20,6 +20,7 @@ import numpy as np
 from megatrain_nb.formatting import fmt_bytes, fmt_num, fmt_seconds
 
 from .figures import TIERS, event_label, grouped_events, kind_group
+from .grpo_view import grpo_html
 from .lifecycle import LIVE
 from .run_log import RunView, disk_cache_line, tier_summary
 from .sample_watch import answers_html
@@ -281,7 +282,8 @@ def summary_html(session: Any, view: RunView, *, final: bool = False) -> str:
             f"{header_html(session, view)}{note}"
             f"<div style='display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start;margin-top:6px'>"
             f"<div>{img(loss_svg(view), 'loss curve')}</div><div>{memory_table(view)}{rank_memory_table(view)}"
-            f"{events_table(view.events)}</div></div>{answers_html(getattr(session, 'sample_watch', None))}</div>")
+            f"{events_table(view.events)}</div></div>{grpo_html(session.run_log.records())}"
+            f"{answers_html(getattr(session, 'sample_watch', None))}</div>")
 
 
 def session_summary(session: Any) -> dict:

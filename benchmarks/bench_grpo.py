@@ -1,6 +1,25 @@
-"""mt.GRPOTrainer's training step against a plain (SFT) step of the engine on the same tokens.
+"""mt.GRPOTrainer's figures: the streamed decoder's weight loads and speed, and the training step
+against a plain (SFT) step of the engine on the same tokens.
 
-    python benchmarks/bench_grpo.py            # ~1 minute on 2 cores (noisy when shared: medians of 30)
+    python benchmarks/bench_grpo.py            # ~2 minutes on 2 cores (noisy when shared: medians)
+    python benchmarks/bench_grpo.py --only decode   # the decoder's figures alone
+
+**Decoding** (engine/compute/decode.py), on a model of ``--decode-preset`` built from its config,
+prompts of 16 random tokens in groups of 4 (a GRPO group's shared prompt), ``--decode-tokens``
+new tokens per row, greedy, no end of sequence (every row decodes every token):
+
+- ``grpo_decode_weight_loads_per_token[N]``: the transport's copies into a device slot per unit
+  per decoded token, for N = 8, 32 and 128 rollouts (counted by wrapping the transport's
+  ``copy_in``; the largest over the units). Target: exactly 1 whatever N.
+- ``grpo_streamed_decode_vs_resident_generate``: the streamed decoder's tokens/s over
+  transformers' ``generate`` on a resident copy of the same weights, ``--rows`` rollouts (64),
+  alternating, medians of ``--decode-reps``. Target >= 0.8.
+- ``grpo_streamed_decode_tokens_per_s_8_to_64``: the streamed decoder's tokens/s at 64 rollouts
+  over 8 (each unit's weights cross once per token for all rows: the more rows, the more tokens
+  per crossing). Target >= 6. (On a CPU "device" the rows' matrix products grow with the rows:
+  the crossing is a memory copy, not a PCIe transfer, so the growth is the compute's.)
+
+**Training step**:
 
 Rollouts are made once by an mt.GRPOTrainer (prompts from the shipped chat set, completions
 sampled by ``generate`` on the resident copy, a rule-based reward); then the same micro-batches
@@ -50,16 +69,105 @@ def _trainer(a, out: Path):
                           processing_class=tok, device="cpu")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny", help="model shape")
-    p.add_argument("--batch", type=int, default=8, help="completions per micro-batch")
-    p.add_argument("--completion", type=int, default=48, help="max_completion_length")
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default="/tmp/bench_grpo")
-    a = p.parse_args()
-    print(machine())
+# ---------------------------------------------------------------------------------- decoding
+def _decode_setup(a):
+    """(engine, a resident copy of the same weights, the vocabulary size) of ``--decode-preset``."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatrain_nb.engine import StreamingEngine
+    from megatrain_nb.model_configs import preset_config
+
+    cfg = preset_config(a.decode_preset)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    resident = copy.deepcopy(model)
+    return StreamingEngine(model, device="cpu"), resident, cfg.vocab_size
+
+
+def _rows(vocab: int, n: int):
+    """``n`` rollouts: prompts of 16 tokens, each shared by a group of 4."""
+    import torch
+
+    g = torch.Generator().manual_seed(n)
+    prompts = [torch.randint(3, vocab, (16,), generator=g).tolist() for _ in range(max(1, n // 4))]
+    return [p for p in prompts for _ in range(min(4, n))]
+
+
+def _greedy(tokens: int):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def decode_loads(engine, vocab: int, tokens: int) -> None:
+    """The transport's loads per unit per decoded token for 8, 32 and 128 rollouts."""
+    from megatrain_nb.engine.compute.decode import StreamedDecoder
+
+    counts: dict = {}
+    orig = engine.transport.copy_in
+
+    def copy_in(unit, src, dst):
+        if unit is not None:
+            counts[unit.name] = counts.get(unit.name, 0) + 1
+        return orig(unit, src, dst)
+
+    engine.transport.copy_in = copy_in
+    try:
+        for n in (8, 32, 128):
+            counts.clear()
+            out = StreamedDecoder(engine).generate(_rows(vocab, n), _greedy(tokens))
+            engine.pager.reset()   # (nothing left in flight)
+            decoded = max(map(len, out.completions))
+            per = [counts.get(u.name, 0) / decoded for u in engine.units]
+            print(f"{n} rollouts x {decoded} tokens: loads per unit per token min {min(per):g} max {max(per):g} "
+                  f"({len(per)} units, {out.stats['prefill_rows']} prompts prefilled)")
+            result(f"grpo_decode_weight_loads_per_token[{n}]", max(per), "loads/unit/token", "==", 1)
+    finally:
+        engine.transport.copy_in = orig
+
+
+def decode_speed(engine, resident, vocab: int, a) -> None:
+    """Streamed vs resident tokens/s at ``--rows``; streamed tokens/s at 64 over 8 rollouts."""
+    import torch
+
+    from megatrain_nb.engine.compute.decode import StreamedDecoder
+    from megatrain_nb.trainer.grpo_rollout import left_pad
+
+    dec, gc = StreamedDecoder(engine), _greedy(a.decode_tokens)
+
+    def streamed(rows):
+        dec.generate(rows, gc)
+
+    def generate(rows):
+        ids, mask = left_pad(rows, 0)
+        with torch.no_grad():
+            resident.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+
+    def rate(fns, rows):
+        times = {k: [] for k in fns}
+        for i in range(1 + a.decode_reps):   # the first round warms up
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn(rows)
+                if i:
+                    times[k].append(time.perf_counter() - t0)
+        return {k: len(rows) * a.decode_tokens / median(v) for k, v in times.items()}
+
+    rows = _rows(vocab, a.rows)
+    r = rate({"streamed": streamed, "resident": generate}, rows)
+    print(f"{a.rows} rollouts x {a.decode_tokens} tokens: streamed {r['streamed']:.0f} tokens/s, resident generate "
+          f"{r['resident']:.0f} tokens/s (medians of {a.decode_reps})")
+    result("grpo_streamed_decode_vs_resident_generate", r["streamed"] / r["resident"], "x", ">=", 0.8)
+    few, many = rate({"s": streamed}, _rows(vocab, 8))["s"], rate({"s": streamed}, _rows(vocab, 64))["s"]
+    print(f"streamed: 8 rollouts {few:.0f} tokens/s, 64 rollouts {many:.0f} tokens/s")
+    result("grpo_streamed_decode_tokens_per_s_8_to_64", many / few, "x", ">=", 6)
+
+
+# ---------------------------------------------------------------------------------- training step
+def train_step(a) -> None:
     t = _trainer(a, Path(a.out))
     stream = t.fresh_stream()
     window, _ = stream.next_window(1)   # generation, rewards, old and reference log-probs
@@ -88,6 +196,30 @@ def main() -> None:
     print(f"GRPO step {g * 1e3:.1f} ms, SFT step {s * 1e3:.1f} ms (medians of {a.reps})")
     result("grpo_train_step_vs_sft_step", g / s, "x", "<=", 1.1)
     t.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", choices=("decode", "step"), help="one part of the figures")
+    p.add_argument("--preset", default="tiny", help="model shape of the training step")
+    p.add_argument("--batch", type=int, default=8, help="completions per micro-batch")
+    p.add_argument("--completion", type=int, default=48, help="max_completion_length")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--decode-preset", default="small", help="model shape of the decoding figures")
+    p.add_argument("--decode-tokens", type=int, default=16, help="new tokens per rollout")
+    p.add_argument("--rows", type=int, default=64, help="rollouts of the streamed-vs-resident figure")
+    p.add_argument("--decode-reps", type=int, default=3)
+    p.add_argument("--out", default="/tmp/bench_grpo")
+    a = p.parse_args()
+    print(machine())
+    if a.only != "step":
+        engine, resident, vocab = _decode_setup(a)
+        decode_loads(engine, vocab, a.decode_tokens)
+        decode_speed(engine, resident, vocab, a)
+        engine.close()
+    if a.only != "decode":
+        train_step(a)
 
 
 if __name__ == "__main__":

@@ -174,8 +174,10 @@ def _engine_grads(model, inputs, s, chunk, k=1):
     P = inputs["prompt_ids"].shape[1]
     labels = ids.masked_fill(am == 0, -100)
     labels[:, :P] = -100
-    out = engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=GRPOObjective(s),
-                                  objective_data=_side(inputs, s))
+    obj = GRPOObjective(s)
+    before = copy.deepcopy(vars(obj))
+    out = engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=obj, objective_data=_side(inputs, s))
+    assert vars(obj) == before   # the objective keeps nothing: its loss and metrics are in `out`
     grads = {n: g.clone() for n, g in engine.named_gradients()}
     engine.close()
     return out, grads

@@ -28,10 +28,13 @@ import torch
 
 from megatrain_nb.engine.tiers.disk_format import ALIGN, align_up, probe_direct_io
 
-#: bytes of each of the two staging buffers (a multiple of ALIGN)
+#: bytes of each staging buffer and each read chunk (a multiple of ALIGN)
 CHUNK = 32 << 20
 #: tensors read ahead of the one being written, at most this many bytes (one more tensor always)
 READ_AHEAD_BYTES = 256 << 20
+#: staging buffers of a :class:`DirectFile`, and its writes in flight at once
+WRITE_BUFFERS = 3
+WRITERS = 2
 #: units read at once by :func:`stream_pieces` (two reads in flight: the disk's rate, above)
 READERS = 2
 #: chunk buffers of each reader (one being read, one waiting for the writer)
@@ -260,13 +263,15 @@ class DirectFile:
                 pass
         self.size = 0        # bytes handed in
         self.written = 0     # file offset of the next staging buffer
-        self.bufs = [mmap.mmap(-1, CHUNK), mmap.mmap(-1, CHUNK)]   # anonymous: page aligned
+        self.bufs = [mmap.mmap(-1, CHUNK) for _ in range(WRITE_BUFFERS)]   # anonymous: page aligned
         self.fill, self.used, self.holding = 0, 0, False
-        self.jobs: "queue.Queue" = queue.Queue(maxsize=1)
-        self.free = [threading.Semaphore(1), threading.Semaphore(1)]
+        self.jobs: "queue.Queue" = queue.Queue()
+        self.free = [threading.Semaphore(1) for _ in self.bufs]
         self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._writer, name="mtnb-export-write", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._writer, name=f"mtnb-export-write-{i}", daemon=True)
+                        for i in range(WRITERS)]
+        for t in self.threads:
+            t.start()
 
     def _writer(self) -> None:
         while True:
@@ -295,7 +300,7 @@ class DirectFile:
     def _flush(self, nbytes: int) -> None:
         self.jobs.put((self.fill, nbytes, self.written))
         self.written += nbytes
-        self.fill, self.used, self.holding = 1 - self.fill, 0, False
+        self.fill, self.used, self.holding = (self.fill + 1) % len(self.bufs), 0, False
 
     def write(self, data) -> None:
         mv = memoryview(data).cast("B")
@@ -317,8 +322,10 @@ class DirectFile:
                 end = align_up(self.used) if self.direct else self.used
                 self.bufs[self.fill][self.used:end] = bytes(end - self.used)
                 self._flush(end)
-            self.jobs.put(None)
-            self.thread.join()
+            for t in self.threads:
+                self.jobs.put(None)
+            for t in self.threads:
+                t.join()
             if self.error is not None and not abort:
                 raise self.error
             if not abort:

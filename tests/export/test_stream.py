@@ -1,4 +1,4 @@
-"""The export's bounded overlaps: a file written through two staging buffers (direct I/O where the
+"""The export's bounded overlaps: a file written through its staging buffers (direct I/O where the
 filesystem takes it) holds exactly the bytes handed in; the read-ahead never holds more than its
 byte budget beyond the tensor being written, and passes a failure of the source on; the pieces
 (units) read by several threads at once are written in order, chunk by chunk, and a failed read

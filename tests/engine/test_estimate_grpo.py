@@ -1,8 +1,8 @@
 """mt.estimate(..., rollouts=, completion_length=): a GRPO step's generation (issue 48 item 5): the
-KV cache's bytes against the cache a transformers model builds, where generation runs (resident
-when the weights and the cache fit beside the training working set, else streamed), the
-streamed decoder priced as the compute-dtype weights over the link per decoded token for all
-rollouts at once, and the refusals."""
+KV cache's bytes against the cache a transformers model builds and the streamed decoder's count,
+where generation runs (the engine's rule: resident when an fp32 copy and its fp32 cache fit
+beside the training working set, else streamed), the streamed decoder priced as the
+compute-dtype weights over the link per decoded token for all rollouts at once, and the refusals."""
 import json
 
 import pytest
@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM
 
 import megatrain_nb as mt
 from megatrain_nb.cli import main
+from megatrain_nb.engine.compute import decode
 from megatrain_nb.engine.planning.estimator_grpo import kv_cache_bytes
 from megatrain_nb.engine.planning.rates import rates_for
-from megatrain_nb.model_configs import family_config
+from megatrain_nb.model_configs import family_config, tiny_config
 
 PROFILE = "h100-pcie5-gen4nvme"
 
@@ -32,7 +33,9 @@ def test_the_kv_cache_is_the_bytes_of_the_cache_transformers_builds():
     cache = out.past_key_values
     built = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
                 for layer in cache.layers)
-    assert kv_cache_bytes(cfg, rows, tokens, 4) == built
+    assert kv_cache_bytes(cfg, rows, tokens, 4) == built == decode.kv_cache_bytes(cfg, rows, tokens, 4)
+    gemma = tiny_config("gemma2")   # sliding-window layers hold their window at most
+    assert kv_cache_bytes(gemma, 2, 300, 2) == decode.kv_cache_bytes(gemma, 2, 300, 2)
 
 
 def _est(**kw):
@@ -50,11 +53,13 @@ def test_generation_is_resident_when_it_fits_and_streamed_when_not():
     assert est.to_dict()["grpo"]["kv_bytes"] == kv_cache_bytes(_config(), 16, 96, 4)
     # the training step is the generation batch: 16 rollouts in micro-batches of 4
     assert "accumulation 4" in str(est)
-    # a device budget that holds the training working set but not the weights + cache
+    assert gp.weights_bytes == 4 * est.num_parameters   # the resident copy is fp32 (grpo_rollout.resident_fits)
+    # a device budget that holds the training working set but not the fp32 copy + its cache
     need = est.plan.device["total"]
     small = mt.estimate(_config(), vram_gb=(need + gp.weights_bytes // 2) / 2 ** 30, ram_gb=8, disk_gb=8, batch=4,
                         seq=96, rollouts=16, completion_length=64)
-    assert small.grpo.mode == "streamed"
+    assert small.grpo.mode == "streamed" and small.grpo.kv_tier == "none"   # nor the decoder's cache and logits
+    assert "the decoder refuses" in str(small)
 
 
 def test_a_streamed_token_is_the_weights_over_the_link_for_all_rollouts():
@@ -63,7 +68,7 @@ def test_a_streamed_token_is_the_weights_over_the_link_for_all_rollouts():
     r = rates_for(PROFILE)
     for rollouts in (8, 32, 128):
         fits = _est(rollouts=rollouts, batch=8, precision="bf16").grpo   # room for the cache, not the weights too
-        vram = (8 * 2 ** 30 - fits.room_bytes + fits.kv_bytes + fits.weights_bytes // 2) / 2 ** 30
+        vram = (8 * 2 ** 30 - fits.room_bytes + fits.kv_bytes) / 2 ** 30
         est = _est(vram_gb=vram, rollouts=rollouts, batch=8, precision="bf16", rates=r)
         gp = est.grpo
         assert gp.mode == "streamed" and gp.kv_tier == "device"
@@ -73,10 +78,6 @@ def test_a_streamed_token_is_the_weights_over_the_link_for_all_rollouts():
         assert gp.step_s == pytest.approx(gp.generation_s + est.prediction.step_seconds)
         assert gp.tokens_per_second == pytest.approx(rollouts * 96 / gp.step_s)
         assert "per decoded token, bound by link" in str(est)
-    # a cache that does not fit beside the working set waits in host RAM and crosses the link too
-    est = _est(vram_gb=0.0005, rollouts=32, batch=8, precision="bf16", rates=r)
-    assert est.grpo.kv_tier == "host" and "host RAM" in str(est)
-    assert est.grpo.link_bytes_per_token == 2 * est.num_parameters + int(est.grpo.kv_bytes * (32 + 32) / 96)
 
 
 def test_the_refusals_name_what_to_give():

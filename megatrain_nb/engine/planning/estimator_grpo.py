@@ -9,17 +9,17 @@ completion is taken to reach ``C``: an upper bound of the time and of the tokens
 
 Where the generation runs (``GenerationPlan.mode``):
 
-* ``"resident"``: the compute-dtype weights and the KV cache fit in the device budget beside
-  the training step's working set: a resident copy of the weights (refreshed once per step:
-  the weights' bytes over the link once) decodes with transformers' ``generate``. A decoded
-  token costs the compute of all rollouts, at least the weights' bytes and the cache read from
-  device memory (``DEVICE_MEMORY``: the profiles' GPUs; a measured machine has no such rate,
-  and the figure is then the compute alone, said in the lines).
-* ``"streamed"`` (it does not fit): the layer-major decoder streams every unit's weights to the
-  device once per decoded token for all rollouts at once: a token costs the weights' bytes over
-  the host link, overlapped with the compute of all rollouts (whichever is longer). The KV cache
-  stays on the device when it fits beside the working set, else in host RAM, whose cache then
-  crosses the link for every token too (the lines say which).
+* ``"resident"``: a resident fp32 copy of the weights and its fp32 KV cache fit in the device
+  budget beside the training step's working set (``trainer/grpo_rollout.resident_fits``, the
+  engine's own rule): the copy (refreshed once per step: its bytes over the link once) decodes
+  with transformers' ``generate``. A decoded token costs the compute of all rollouts, at least
+  the copy's bytes and the cache read from device memory (``DEVICE_MEMORY``: the profiles'
+  GPUs; a measured machine has no such rate, and the figure is then the compute alone, said).
+* ``"streamed"`` (it does not fit): the layer-major decoder (``engine/compute/decode.py``)
+  streams every unit's compute-dtype weights to the device once per decoded token for all
+  rollouts at once: a token costs those bytes over the host link, overlapped with the compute of
+  all rollouts (whichever is longer). Its KV cache (compute dtype) and last logits must fit on
+  the device beside the working set (the decoder refuses otherwise: the lines say so).
 
 The prefill is priced as every rollout's prompt (an upper bound: a group's shared prompt is
 prefilled once). No torch is imported here (``tests/test_planning_light.py``).
@@ -55,9 +55,14 @@ def attention_shape(config) -> tuple:
 
 
 def kv_cache_bytes(config, rows: int, tokens: int, bytes_per_value: int) -> int:
-    """Bytes of the keys and values of ``rows`` sequences of ``tokens`` tokens (every layer)."""
+    """Bytes of the keys and values of ``rows`` sequences of ``tokens`` tokens (every layer; a
+    sliding-window layer holds its window at most), as the streamed decoder counts them."""
     layers, _, kv, head_dim = attention_shape(config)
-    return 2 * layers * kv * head_dim * bytes_per_value * int(rows) * int(tokens)
+    t = family.text_config(config)
+    window = getattr(t, "sliding_window", None)
+    types = list(getattr(t, "layer_types", None) or ["full_attention"] * layers)[:layers]
+    held = sum(min(tokens, window) if kind == "sliding_attention" and window else tokens for kind in types)
+    return 2 * kv * head_dim * bytes_per_value * int(rows) * int(held)
 
 
 def split_seq(seq: int, rollouts: Optional[int], completion_length: Optional[int], batch: int,
@@ -88,9 +93,9 @@ class GenerationPlan:
     prompt_length: int
     completion_length: int
     precision: str
-    weights_bytes: int                    # the compute-dtype weights (what decoding reads per token)
+    weights_bytes: int                    # the weights generation reads per token (fp32 resident, else compute dtype)
     kv_bytes: int                         # the KV cache of all rollouts at full length
-    kv_tier: str                          # "device", "host" or "none" (fits nowhere)
+    kv_tier: str                          # "device", or "none" (the streamed decoder refuses it)
     mode: str                             # "resident" or "streamed"
     room_bytes: Optional[int]             # the device budget left beside the training working set
     generation_s: Optional[float] = None  # prefill + decode (+ the resident copy's refresh)
@@ -133,7 +138,9 @@ class GenerationPlan:
                  "all rollouts at once")
         out = [f"GRPO: {self.rollouts:,} rollouts per step, prompts of {self.prompt_length:,} + completions of "
                f"<= {self.completion_length:,} tokens; generation on {where}",
-               f"GRPO KV cache: {format_bytes(self.kv_bytes)} ({self.precision}) on the {self.kv_tier}"
+               f"GRPO KV cache: {format_bytes(self.kv_bytes)} ("
+               + (f"fp32, the resident copy's) on the device" if self.mode == "resident" else
+                  f"{self.precision}) " + ("on the device" if self.kv_tier == "device" else "does NOT fit the device"))
                + ("" if self.room_bytes is None else f" (device room beside training: {format_bytes(self.room_bytes)})"),
                ]
         if self.step_s is not None:
@@ -148,27 +155,23 @@ class GenerationPlan:
 
 def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_length: int,
                     completion_length: int, *, precision: str) -> GenerationPlan:
-    """Where a step's generation runs and where its KV cache lives (no time: :func:`price`)."""
-    cb = 2 if precision == "bf16" else 4
-    weights = cb * sum(u.numel for u in units)
-    kv = kv_cache_bytes(config, rollouts, prompt_length + completion_length, cb)
+    """Where a step's generation runs and where its KV cache lives (no time: :func:`price`), by
+    the engine's rule (``grpo_rollout.resident_fits``, ``decode.check_kv_budget``)."""
+    numel, tokens = sum(u.numel for u in units), prompt_length + completion_length
     room = None if budgets.get("device") is None else max(budgets["device"] - plan.device["total"], 0)
-    fits = room is None or weights + kv <= room
-    mode = "resident" if fits else "streamed"
-    host_room = None if budgets.get("host") is None else max(budgets["host"] - plan.host["total"], 0)
-    if room is None or kv <= (room if mode == "streamed" else room - weights):
-        tier = "device"
-    elif host_room is None or kv <= host_room:
-        tier = "host"
-    else:
-        tier = "none"
-    gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, weights, kv, tier, mode, room)
-    if tier == "host":
-        gp.notes.append("the KV cache does not fit on the device beside the working set: it waits in host RAM and "
-                        "crosses the link for every decoded token")
-    elif tier == "none":
-        gp.notes.append("the KV cache fits neither the device nor the host budget: fewer rollouts per step, or "
-                        "shorter completions")
+    resident = 4 * numel + kv_cache_bytes(config, rollouts, tokens, 4)   # the fp32 copy and its fp32 cache
+    if room is None or resident <= room:
+        return GenerationPlan(rollouts, prompt_length, completion_length, precision, 4 * numel,
+                              kv_cache_bytes(config, rollouts, tokens, 4), "device", "resident", room)
+    cb = 2 if precision == "bf16" else 4
+    kv = kv_cache_bytes(config, rollouts, tokens, cb)
+    logits = 3 * rollouts * family.vocab_size(config) * 4   # the last logits, scores and probabilities
+    gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv,
+                        "device" if kv + logits <= room else "none", "streamed", room)
+    if gp.kv_tier == "none":
+        gp.notes.append(f"the streamed decoder's KV cache and logits ({format_bytes(kv + logits)}) do not fit the "
+                        f"device room beside the working set ({format_bytes(room)}): the decoder refuses; generate "
+                        "fewer rollouts at once, shorten the completions, or raise the device budget")
     return gp
 
 
@@ -191,7 +194,7 @@ def price(gp: GenerationPlan, config, units, shape, rates, *, training_s: float,
     kv_avg = gp.kv_bytes * (P + C / 2) / (P + C)   # the cache read by an average decoded token
     compute_tok = compute(R, P + C / 2)
     if gp.mode == "streamed":
-        gp.link_bytes_per_token = gp.weights_bytes + (int(kv_avg) if gp.kv_tier == "host" else 0)
+        gp.link_bytes_per_token = gp.weights_bytes
         link_tok = gp.link_bytes_per_token / link if link else 0.0
         gp.token_s, gp.token_bound = max((link_tok, "link"), (compute_tok, "compute"))
         gp.prefill_s = max(compute(R * P, P / 2), gp.weights_bytes / link if link else 0.0)

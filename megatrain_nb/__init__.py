@@ -36,9 +36,12 @@ _LAZY = {
     "Session": "megatrain_nb.notebook",
     "compare": "megatrain_nb.notebook.compare",
     "export": "megatrain_nb.export",
+    # IPython's %load_ext looks these up on the module: the magics (no torch) load then
+    "load_ipython_extension": "megatrain_nb.notebook.magics",
+    "unload_ipython_extension": "megatrain_nb.notebook.magics",
 }
 
-__all__ = list(_LAZY) + ["load_ipython_extension", "unload_ipython_extension", "__version__"]
+__all__ = list(_LAZY) + ["__version__"]
 
 
 def __getattr__(name):
@@ -46,14 +49,3 @@ def __getattr__(name):
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'megatrain_nb' has no attribute {name!r}")
 
-
-def load_ipython_extension(ipython):
-    from .notebook.magics import load_ipython_extension as _load
-
-    _load(ipython)
-
-
-def unload_ipython_extension(ipython):
-    from .notebook.magics import unload_ipython_extension as _unload
-
-    _unload(ipython)

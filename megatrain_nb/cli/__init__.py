@@ -18,35 +18,57 @@ the traceback).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
+from megatrain_nb import __version__
 from megatrain_nb.cli.config import (  # noqa: F401 - the names megatrain_nb.cli has always had
     EXAMPLE_CONFIG,
     UsageError,
     check_max_steps,
     load_run_config,
 )
-from megatrain_nb.cli.demo import DEMO_CACHE_SHARE, cmd_demo, demo_cache_gb  # noqa: F401
 from megatrain_nb.cli.export_cmd import add_parser as add_export_parser
 from megatrain_nb.cli.estimate import budget_arg, cmd_estimate, estimate_from_words, run_estimate  # noqa: F401
 from megatrain_nb.cli.machine import add_parser as add_machine_parser
 from megatrain_nb.cli.machine import cmd_machine  # noqa: F401
-from megatrain_nb.cli.report import (  # noqa: F401
-    cache_text,
-    disk_text,
-    print_header,
-    print_summary,
-    run_with_progress,
-    streaming_text,
-    tier_text,
-)
-from megatrain_nb.cli.train import cmd_train, cmd_train_sft  # noqa: F401
 from megatrain_nb.estimate_words import Lazy, add_estimate_arguments, codec_names_lazy, positive_int
 from megatrain_nb.sweep import table
 from megatrain_nb.sweep.check import sweep
 
-_tier_text = tier_text   # (its name before the split)
+# The commands that train, and what they print about a run, import the Trainer (torch,
+# transformers): their names load on first use (PEP 562), so `megatrain-nb --help` stays light.
+_LAZY = {
+    "DEMO_CACHE_SHARE": "megatrain_nb.cli.demo", "demo_cache_gb": "megatrain_nb.cli.demo",
+    "cmd_train_sft": "megatrain_nb.cli.train",
+    "cache_text": "megatrain_nb.cli.report", "disk_text": "megatrain_nb.cli.report",
+    "print_header": "megatrain_nb.cli.report", "print_summary": "megatrain_nb.cli.report",
+    "run_with_progress": "megatrain_nb.cli.report", "streaming_text": "megatrain_nb.cli.report",
+    "tier_text": "megatrain_nb.cli.report",
+}
+_RENAMED = {"_tier_text": "tier_text"}   # (its name before the split)
+
+
+def __getattr__(name: str):
+    name = _RENAMED.get(name, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def cmd_demo(ns) -> int:
+    """``megatrain-nb demo`` (cli/demo.py)."""
+    from megatrain_nb.cli.demo import cmd_demo as run   # light: the Trainer (torch, transformers) away from --help
+
+    return run(ns)
+
+
+def cmd_train(ns) -> int:
+    """``megatrain-nb train --config run.yaml`` (cli/train.py)."""
+    from megatrain_nb.cli.train import cmd_train as run   # light: the Trainer (torch, transformers) away from --help
+
+    return run(ns)
 
 
 def _max_steps_arg(s: str) -> int:
@@ -55,8 +77,6 @@ def _max_steps_arg(s: str) -> int:
 
 # ---------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    from megatrain_nb import __version__
-
     codec_names = Lazy(codec_names_lazy)
 
     ap = argparse.ArgumentParser(prog="megatrain-nb", description="Full-precision training of models larger "
@@ -106,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_estimate_arguments(e)
     e.set_defaults(func=cmd_estimate)
 
-    m = sub.add_parser("models", help="which causal LMs of the installed transformers the engine supports "
-                                      "(docs/MODELS.md)")
+    m = sub.add_parser("models", help="which causal LMs and image-text-to-text models of the installed "
+                                      "transformers the engine supports (docs/MODELS.md)")
     m.add_argument("--check", nargs="*", metavar="MODEL_TYPE", default=None,
                    help="run the check here (tiny models, CPU; the whole registry takes minutes) instead of "
                         "showing the shipped results; with model types, only those")
@@ -123,7 +143,7 @@ def cmd_models(ns) -> int:
     import transformers
 
     if ns.check is not None:
-        results = [r.to_dict() for r in sweep(ns.check or None)]
+        results = [r.to_dict() for r in sweep_all(ns.check or None)]
     else:
         stored = table.load()
         results = table.for_installed(stored)

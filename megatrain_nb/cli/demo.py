@@ -1,12 +1,23 @@
-"""``megatrain-nb demo``: the main job on the built-in default, no network needed."""
+"""``megatrain-nb demo``: the main job on the built-in default, no network needed.
+
+It imports the Trainer (torch, transformers) at its top: ``megatrain_nb.cli`` loads it only when
+the command runs, never for ``--help``."""
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, TrainingArguments
+
+from megatrain_nb.cli.demo_real import cmd_demo_real
 from megatrain_nb.cli.report import disk_text, print_summary, run_with_progress
+from megatrain_nb.engine.compute.sampling import sample_text
+from megatrain_nb.engine.planning.planner import codec_bytes_per_param
 from megatrain_nb.model_configs import preset_config
+from megatrain_nb.trainer.default import cache_dir, load_default
+from megatrain_nb.trainer.trainer import Trainer
 
 
 #: The demo's host cache holds this share of its disk tier (the rest is read and written each step).
@@ -17,23 +28,13 @@ def demo_cache_gb(model, compression: str) -> float:
     """GiB of host cache for the demo: DEMO_CACHE_SHARE of its disk tier (the optimizer states
     in their stored form), so that both RAM and the disk carry the states. By default the cache
     takes what RAM allows, which at the demo's size is the whole tier: the disk would stay empty."""
-    from megatrain_nb.engine.planning.planner import codec_bytes_per_param
-
     states = sum(p.numel() for p in model.parameters()) * codec_bytes_per_param(compression)
     return DEMO_CACHE_SHARE * states / (1 << 30)
 
 
 def cmd_demo(ns) -> int:
     if getattr(ns, "real", False):   # a real pretrained model: cli/demo_real.py
-        from megatrain_nb.cli.demo_real import cmd_demo_real   # (torch behind it: `megatrain-nb --help` stays light)
-
         return cmd_demo_real(ns)
-    import torch
-    from transformers import AutoModelForCausalLM, TrainingArguments
-
-    from megatrain_nb.trainer import Trainer
-    from megatrain_nb.trainer.default import cache_dir, load_default
-
     if ns.quick:
         ns.steps = ns.steps or 20
         ns.seq_len = ns.seq_len or 64
@@ -78,8 +79,6 @@ def cmd_demo(ns) -> int:
         metrics = trainer.evaluate()
         model_dir = trainer.save_model(str(out_dir / "model"))
         if not ns.quick:
-            from megatrain_nb.engine.compute.sampling import sample_text
-
             n_params = sum(p.numel() for _, p in trainer.engine.named_parameters())
             print(f"sample from this {n_params / 1e6:.1f}M-parameter model after {summary['steps']} steps "
                   f"({summary['seconds'] / 60:.1f} min of training); a model this small and this briefly trained "

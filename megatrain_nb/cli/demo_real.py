@@ -9,9 +9,14 @@ import os
 import time
 from pathlib import Path
 
+from datasets import Dataset
+from transformers import AutoTokenizer, TrainingArguments
+
 from megatrain_nb.assets import chat_dataset
-from megatrain_nb.engine.compute.sampling import sample_text   # (torch: the CLI's report module imports it already)
+from megatrain_nb.engine.compute.sampling import sample_text
+from megatrain_nb.export import export
 from megatrain_nb.gguf_in import convert, smollm2_gguf
+from megatrain_nb.trainer.trainer import Trainer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -26,12 +31,6 @@ def cmd_demo_real(ns) -> int:
         path = smollm2_gguf()
     except ImportError as e:
         raise RuntimeError(str(e)) from None
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainingArguments
-
-    from megatrain_nb.export import export
-    from megatrain_nb.trainer import Trainer
-
     steps = ns.steps or (2 if ns.quick else 6)
     out_dir = Path(ns.output_dir).resolve()
     print(f"the real model: {path}")

@@ -11,7 +11,7 @@ GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def cmd_export(ns) -> int:
-    from megatrain_nb.export import export   # torch and transformers: not for `megatrain-nb --help`
+    from megatrain_nb.export import export   # light: the exporters (torch, transformers) away from --help
 
     if not os.path.exists(ns.src):
         raise FileNotFoundError(f"{ns.src!r}: no such model folder, checkpoint, run folder or .gguf file")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
+from megatrain_nb.engine.planning.rates import PROFILES, profile_names, rates_for
+
 
 def cmd_machine(ns) -> int:
-    from megatrain_nb.engine.planning.rates import PROFILES, profile_names, rates_for
-
     if ns.profiles:
         for name in profile_names():
             print(f"{name:22s} {PROFILES[name].device} + {PROFILES[name].filesystem}")
@@ -16,7 +16,7 @@ def cmd_machine(ns) -> int:
     if ns.profile is not None:
         print(rates_for(ns.profile))   # an unknown name: ValueError listing the known ones (exit 2)
         return 0
-    from megatrain_nb.engine.measure import measure_machine
+    from megatrain_nb.engine.measure import measure_machine   # light: torch's kernels away from --help
 
     start = time.time()
     rates = measure_machine(device=ns.device, offload_dir=ns.offload_dir, refresh=ns.refresh)

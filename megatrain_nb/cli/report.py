@@ -1,12 +1,21 @@
 """What the command line prints about a run: the header before its first step, the progress
-bar, the summary at its end (memory tiers, the disk tier's host cache, streaming)."""
+bar, the summary at its end (memory tiers, the disk tier's host cache, streaming).
+
+Read only once a trainer exists (it imports torch: `megatrain-nb --help` never loads it;
+``megatrain_nb.cli`` names its functions lazily)."""
 from __future__ import annotations
 
 import sys
 import time
 from typing import Optional
 
+from megatrain_nb.engine.memory import precision_note
+from megatrain_nb.engine.planning.planner import codec_bytes_per_param
+from megatrain_nb.engine.planning.prediction import fmt_rate, fmt_seconds
+from megatrain_nb.engine.planning.prediction_check import comparison_lines
+from megatrain_nb.engine.tiers.diskspace import filesystem_text
 from megatrain_nb.formatting import fmt_bytes
+from megatrain_nb.trainer.checkpoint import list_checkpoints
 
 
 def tier_text(memory: Optional[dict]) -> str:
@@ -51,8 +60,6 @@ def run_with_progress(trainer, *, resume=None, out=None) -> dict:
 
 def prediction_text(pred, steps: int) -> str:
     """The header's line: the predicted step, the run and the bottleneck."""
-    from megatrain_nb.engine.planning.prediction import fmt_rate, fmt_seconds
-
     rough = next((n for n in pred.notes if "measured at a default shape" in n), None)
     return (f"predicted {fmt_seconds(pred.step_seconds)} per step ({fmt_rate(pred.tokens_per_second)}), "
             f"{fmt_seconds(pred.run_seconds(steps))} for {steps:,} steps; bottleneck: {pred.bottleneck} "
@@ -92,14 +99,10 @@ def comparison_text(trainer) -> list:
     report = measured_vs_predicted(trainer)
     if report is None or report["measured"] is None:
         return []
-    from megatrain_nb.engine.planning.prediction_check import comparison_lines   # (torch behind it: not for --help)
-
     return comparison_lines(report["prediction"], report["measured"], report["steps"])
 
 
 def print_summary(trainer, summary: dict, *, model_dir: Optional[str], eval_metrics: Optional[dict], out=None):
-    from megatrain_nb.trainer.checkpoint import list_checkpoints
-
     p = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
     p("")
     p("== summary ==")
@@ -157,8 +160,6 @@ def cache_text(host: dict) -> str:
 
 def disk_text(engine) -> str:
     """Where the disk tier is (filesystem, free space) and how much RAM caches it; "" without one."""
-    from megatrain_nb.engine.tiers.diskspace import filesystem_text
-
     fs = (engine.memory_report().get("disk") or {}).get("filesystem")
     if not fs:
         return ""
@@ -214,8 +215,6 @@ def plan_text(plan) -> str:
 
 def print_header(trainer, *, model: str, data: str, out=None) -> None:
     """What a run is about to do, before its first step: model, data, device, tiers, codec."""
-    from megatrain_nb.engine.planning.planner import codec_bytes_per_param
-
     p = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
     engine, cfg = trainer.engine, trainer.engine.config
     placement = dict(getattr(getattr(engine, "plan", None), "placement", {}) or {})
@@ -224,8 +223,6 @@ def print_header(trainer, *, model: str, data: str, out=None) -> None:
     p(f"model:  {model}, {engine.num_parameters() / 1e6:,.2f}M parameters, fp32 master weights")
     p(f"data:   {data}")
     p(f"device: {device_text(engine)}")
-    from megatrain_nb.engine.memory import precision_note   # (torch behind it: `--help` stays light)
-
     note = precision_note(engine.device, cfg.precision, getattr(trainer, "rates", None))
     if note:   # (the user's choice is kept: said, never changed)
         p(f"speed:  {note}")

@@ -1,10 +1,16 @@
 """``megatrain-nb train --config run.yaml``: a training run (pretraining, or fine-tuning with
 ``mt.SFTTrainer`` when run.yaml has an ``sft:`` section or instruction/chat data, ``mt.DPOTrainer``
-for ``dpo:``, ``mt.GRPOTrainer`` for ``grpo:``)."""
+for ``dpo:``, ``mt.GRPOTrainer`` for ``grpo:``).
+
+It imports the Trainer (torch, transformers) at its top: ``megatrain_nb.cli`` loads it only when
+the command runs, never for ``--help``."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatrain_nb.cli.config import (
     UsageError,
@@ -22,6 +28,11 @@ from megatrain_nb.cli.train_dpo import cmd_train_dpo, wants_dpo
 from megatrain_nb.cli.train_grpo import cmd_train_grpo
 from megatrain_nb import assets
 from megatrain_nb.model_configs import preset_config
+from megatrain_nb.trainer.args import training_arguments
+from megatrain_nb.trainer.default import load_default, load_default_tokens
+from megatrain_nb.trainer.sft import SFTTrainer
+from megatrain_nb.trainer.sft_data import FORMATS, detect_format, is_conversational_dataset, require_trl
+from megatrain_nb.trainer.trainer import Trainer
 
 
 def _data_text(data: dict, train_ds, eval_ds, seq_len: int) -> str:
@@ -37,13 +48,6 @@ def _data_text(data: dict, train_ds, eval_ds, seq_len: int) -> str:
 
 
 def cmd_train(ns) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatrain_nb.trainer import Trainer
-    from megatrain_nb.trainer.args import training_arguments
-    from megatrain_nb.trainer.default import load_default, load_default_tokens
-
     cfg = load_run_config(ns.config)
     base = Path(ns.config).resolve().parent
     data = cfg.get("data") or {}
@@ -81,8 +85,6 @@ def cmd_train(ns) -> int:
         local = (base / cfg["tokenizer"]).resolve()
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else cfg["tokenizer"])
     train_ds = load_files(data.get("train", "builtin"), base=base, what="train")
-    from megatrain_nb.trainer.sft_data import is_conversational_dataset
-
     if train_ds is not None and is_conversational_dataset(train_ds, data.get("text_column", "text")):
         return cmd_train_sft(ns, cfg, base)   # instruction / chat rows: the format is detected
     eval_ds = load_files(data.get("eval"), base=base, what="eval") if data.get("eval") else None
@@ -118,15 +120,11 @@ def cmd_train_sft(ns, cfg: dict, base: Path) -> int:
     """run.yaml with an ``sft:`` section or an instruction/chat ``data.format``: mt.SFTTrainer.
     ``data.train: builtin`` is the shipped chat set (in ``data.format``); the tokenizer defaults to
     the model's own, else the shipped chat tokenizer."""
-    from megatrain_nb.trainer.sft_data import FORMATS, detect_format, require_trl
-
     try:
         require_trl()
     except ImportError as e:   # an optional extra, not a crash: one line, exit 2
         raise UsageError(f"fine-tuning on conversations needs TRL: {e}") from None
     from trl import SFTConfig
-
-    from megatrain_nb.trainer.sft import SFTTrainer
 
     data = cfg.get("data") or {}
     fmt = data.get("format")

@@ -6,6 +6,9 @@ from pathlib import Path
 
 from megatrain_nb.cli.config import UsageError, fine_tuner, load_files, training_fields, trl_config
 from megatrain_nb.cli.report import print_header, print_summary, run_with_progress
+from megatrain_nb.trainer.dpo import DPOTrainer
+from megatrain_nb.trainer.dpo_data import builtin_preference_pairs
+from megatrain_nb.trainer.sft_data import require_trl
 
 
 def wants_dpo(cfg: dict) -> bool:
@@ -15,13 +18,8 @@ def wants_dpo(cfg: dict) -> bool:
 def cmd_train_dpo(ns, cfg: dict, base: Path) -> int:
     """``data.train: builtin`` is a preference set generated from the shipped chat set; the
     tokenizer defaults to the model's own, else the shipped chat tokenizer."""
-    from megatrain_nb.trainer.dpo_data import builtin_preference_pairs
-    from megatrain_nb.trainer.sft_data import require_trl
-
     require_trl()
     from trl import DPOConfig
-
-    from megatrain_nb.trainer.dpo import DPOTrainer
 
     data = cfg.get("data") or {}
     if data.get("format", "preference") != "preference":

@@ -67,7 +67,8 @@ def _datasets(data: dict, base: Path):
 
 
 def cmd_train_grpo(ns, cfg: dict, base: Path) -> int:
-    from megatrain_nb.trainer.grpo import GRPOTrainer, require_trl   # (torch: only for a run)
+    # light: the GRPO trainer's modules import trl, which a plain or SFT `megatrain-nb train` never needs
+    from megatrain_nb.trainer.grpo import GRPOTrainer, require_trl
 
     require_trl()
     from trl import GRPOConfig

@@ -209,7 +209,7 @@ def main() -> None:
     p.add_argument("--decode-preset", default="small", help="model shape of the decoding figures")
     p.add_argument("--decode-tokens", type=int, default=16, help="new tokens per rollout")
     p.add_argument("--rows", type=int, default=64, help="rollouts of the streamed-vs-resident figure")
-    p.add_argument("--decode-reps", type=int, default=3)
+    p.add_argument("--decode-reps", type=int, default=5)
     p.add_argument("--out", default="/tmp/bench_grpo")
     a = p.parse_args()
     print(machine())

@@ -35,7 +35,9 @@ def test_examples_grpo_yaml_trains_two_steps(tmp_path, capsys):
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "reward" in r and "event" not in r]
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["generation_s"] > 0 and 0.0 <= r["reward"] <= 2.0 for r in steps)
+    for r in steps:
+        assert r["generation_s"] > 0 and 0.0 <= r["rewards/arithmetic_correct/mean"] <= 1.0
+        assert r["reward"] == r["rewards/arithmetic_correct/mean"] + r["rewards/answers_with_a_number/mean"]
     assert (tmp_path / "config.json").is_file()
 
 

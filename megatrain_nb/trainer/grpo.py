@@ -180,9 +180,11 @@ def _model_eos(model):
 class GRPOKind:
     """The GRPO kind of training (trainer/kinds.py's hooks): the step's loss is the objective's
     (its micro-batch losses summed, as TRL logs them); the step's record gets the seconds its
-    rollouts took (``generation_s``) and the latest rollouts' reward, reward std and mean
-    completion length (the rollouts and the objective's
-    data come in through the trainer's stream, :class:`.grpo_data.RolloutStream`)."""
+    rollouts took (``generation_s``; its training: ``step_time_s``), the latest rollouts' reward,
+    reward std, each reward function's mean (``rewards/<name>/mean``) and mean completion length,
+    and the step's mean KL to the reference (``kl``, beta != 0): what the dashboard's GRPO panel
+    draws (notebook/grpo_view.py). The rollouts and the objective's data come in through the
+    trainer's stream, :class:`.grpo_data.RolloutStream`."""
 
     name = "grpo"
     #: completions all masked (mask_truncated_completions, every one truncated): a zero-gradient step, as TRL's
@@ -200,8 +202,10 @@ class GRPOKind:
         return float(trainer.dist.sum(out.objective_loss))
 
     def after_window(self, trainer, window: list, out, record: dict) -> None:
-        trainer.train_metrics.add(out.objective_metrics)   # logged with the rollouts' (GRPOTrainer.log)
+        step = trainer.train_metrics.add(out.objective_metrics)   # logged with the rollouts' (GRPOTrainer.log)
         record.update(trainer.last_rollout)
+        if step.get("kl") is not None:   # beta != 0: this step's mean KL to the reference
+            record["kl"] = step["kl"]
 
 
 register_kind("grpo", GRPOKind)
@@ -371,7 +375,8 @@ class GRPOTrainer(Trainer):
             m[k].append(v)
         if train:
             self.last_rollout = {"reward": rm["reward"], "reward_std": rm["reward_std"],
-                                 "completion_length": m["completions/mean_length"][-1]}
+                                 "completion_length": m["completions/mean_length"][-1],
+                                 **{k: v for k, v in rm.items() if k.startswith("rewards/") and k.endswith("/mean")}}
         out = {**r, "advantages": adv, "num_items_in_batch": torch.tensor(float(self.dist.sum(
             int(r["completion_mask"].sum()))))}
         if old is not None:

@@ -43,6 +43,8 @@ from typing import Any, Optional
 from megatrain_nb.commands import RANKS, as_step
 
 from .boundary import BoundaryControl, Order
+from .saving import verify_whole
+from .snapshot import SnapshotError, SnapshotStore, steps_text
 
 ENV_ENABLE = "MEGATRAIN_NB_CONTROL"
 ENV_NAME = "MEGATRAIN_NB_RUN_NAME"
@@ -189,8 +191,6 @@ class RunControl:
     def explore(self, order: Order) -> tuple:
         t = self.trainer
         if order.kind == "snapshot":   # collective: each rank its shard, rank 0 the shared files
-            from .snapshot import SnapshotStore
-
             store = SnapshotStore(t.args.output_dir)
             info = store.take(t)
             fields = {"path": info.path, "bytes_unique": info.bytes_unique}
@@ -198,8 +198,6 @@ class RunControl:
                 fields["pruned"] = store.prune(self.keep_snapshots, protect=self._protect)
             return info.path, fields
         if order.kind == "rewind":   # (checked whole first: a damaged snapshot leaves the run going on)
-            from .saving import verify_whole
-
             path = snapshot_at(t, int(order.value))
             verify_whole(Path(path), t.engine, t.dist)
             self.rewind_to = path
@@ -222,8 +220,6 @@ def snapshot_at(trainer, step: int) -> str:
     """The snapshot (or checkpoint) at ``step`` to rewind to: rank 0 looks (this run's own first,
     else the newest) and every rank takes its answer, or its error (:class:`SnapshotError`
     listing the steps that have one)."""
-    from .snapshot import SnapshotError, SnapshotStore, steps_text
-
     found = error = None
     if trainer.dist.is_main:
         infos = SnapshotStore(trainer.args.output_dir).list()

@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .saving import verify_whole
+from .snapshot import BranchStart, SnapshotStore, apply_branch_start
+
 #: snapshots the Trainer keeps for recovery (its own ones, besides those a recovery went back to)
 KEEP = 3
 MIN_SPIKE_HISTORY = 8
@@ -148,8 +151,6 @@ class Recovery:
         """Automatic snapshots (every rank, the same steps)."""
         if not self.every or step % self.every:
             return
-        from .snapshot import SnapshotStore
-
         t = self.trainer
         store = SnapshotStore(t.args.output_dir)
         store.take(t)
@@ -171,8 +172,6 @@ class Recovery:
                                 "'rewind' the Trainer takes them; set snapshot_steps lower). " + self._listing(), step)
         stream = t.data_stream
         if target is None:   # nothing of the step was applied: go on from here as a branch
-            from .snapshot import BranchStart, apply_branch_start
-
             t.engine.zero_grad()
             t.schedule = apply_branch_start(t, BranchStart(new_run=True), stream, total)
             _one_run_id(t)
@@ -199,9 +198,6 @@ class Recovery:
 
     def _load_newest(self, step: int, total: int):
         """Load the newest snapshot before ``step`` that checks: (its path, a fresh stream), or None."""
-        from .saving import verify_whole
-        from .snapshot import BranchStart, SnapshotStore, apply_branch_start
-
         t = self.trainer
         for path in self._candidates(step):
             try:
@@ -219,8 +215,6 @@ class Recovery:
 
     def _candidates(self, step: int) -> list:
         """This lineage's snapshots before ``step``, newest first (rank 0 looks, every rank takes its list)."""
-        from .snapshot import SnapshotStore
-
         t = self.trainer
         t.wait_snapshot()   # (one completing in the background is listed, whatever its timing)
         found = None

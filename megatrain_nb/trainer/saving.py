@@ -24,6 +24,7 @@ from megatrain_nb.atomic import commit_dir, staging_dir, temp_name
 from megatrain_nb.engine.ranks.linked_ranks import disk_folders
 
 from . import checkpoint as ckpt
+from .snapshot import mark_damaged
 
 
 @dataclasses.dataclass
@@ -135,8 +136,6 @@ def verify_whole(path: Path, engine, dist=None) -> None:
         if error is None and first is not None:
             raise ckpt.IntegrityError(f"another rank: {first[1]}")
     if error is not None:
-        from .snapshot import mark_damaged
-
         mark_damaged(path, str(error))
         raise error
 

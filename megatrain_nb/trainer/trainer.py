@@ -34,11 +34,16 @@ import torch
 from megatrain_nb.model_source import is_engine as _is_engine, resolve
 from megatrain_nb.values import check
 
+from ..engine.config import EngineConfig
+from ..engine.engine import StreamingEngine
+from ..engine.family import max_positions
 from ..engine.ranks.dist import Dist
 from ..engine.planning.planner import Workload
+from ..engine.planning.prediction_check import engine_prediction
 from .. import export as export_model
 from . import checkpoint as ckpt
 from . import saving
+from .control import RunControl, wanted
 from .args import (
     check_eval_plan,
     check_learning_rate,
@@ -63,7 +68,9 @@ from .metrics_log import MetricsLog
 from .prediction_watch import PredictionWatch
 from .kinds import PlainKind, TrainingKind
 from .run import NoHooks, Run, RunHooks
+from .recovery import Recovery
 from .schedule import LRSchedule
+from .snapshot import BranchStart, begin_snapshot
 
 
 def _coerce_args(args):
@@ -149,8 +156,6 @@ class Trainer:
                            if not _is_engine(model) else None)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
             self.tokenizer = _local_tokenizer(model)
-        from megatrain_nb.engine.family import max_positions
-
         check_seq_len(seq_len, max_positions(self._engine.model_config))
         self.seq_len = seq_len or _default_seq_len(self._engine)
         prep = dict(tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=text_column, packing=packing)
@@ -208,8 +213,6 @@ class Trainer:
         self.run_control = None
         # on_nonfinite="rewind": the run recovers by itself (trainer/recovery.py); the hooks hear of
         # each recovery (a Session's tree) and say who else takes snapshots
-        from .recovery import Recovery
-
         self.recovery = Recovery(self, self._engine.config) if self._engine.config.on_nonfinite == "rewind" else None
         #: what this run's driver gave it (use_hooks): a Session's thread and branches; else nobody
         self.hooks: RunHooks = NoHooks()
@@ -218,8 +221,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ construction helpers
     def _build_engine(self, model, explicit: dict, seq_len: Optional[int] = None):
-        from megatrain_nb.engine import EngineConfig, StreamingEngine
-
         if model is None:
             raise ValueError("model is required: a *ForCausalLM model, a local model folder, or a StreamingEngine")
         if _is_engine(model):
@@ -251,9 +252,6 @@ class Trainer:
         engine built and this run's batch, sequence length, accumulation and clipping, at
         ``engine.rates`` or the machine's cached rates; None when there are none (building a
         Trainer never measures the machine: ``trainer.engine.rates = mt.measure_machine()``)."""
-        from megatrain_nb.engine.planning.planner import Workload
-        from megatrain_nb.engine.planning.prediction_check import engine_prediction
-
         a = self.args
         work = Workload(batch=a.per_device_train_batch_size, seq=self._rows_seq or self.seq_len,
                         accumulation=a.gradient_accumulation_steps,
@@ -390,8 +388,6 @@ class Trainer:
                                                   for c in self.callback_handler.callbacks):
             progress = ProgressCallback()
             self.callback_handler.add_callback(progress)
-        from .control import RunControl, wanted
-
         t0, losses, tokens = time.time(), [], 0
         self.run_control = RunControl(self).start() if wanted(self.dist) else None
         outcome = "failed"
@@ -406,8 +402,6 @@ class Trainer:
                 resume = rc.take_rewind() if rc is not None else None
                 if resume is None or rc.stopped:   # (a stop at the same boundary wins)
                     break
-                from .snapshot import BranchStart
-
                 self.start_branch(BranchStart(new_run=True))
             outcome = "stopped" if self.run_control is not None and self.run_control.stopped else "finished"
         finally:
@@ -495,8 +489,6 @@ class Trainer:
         if self.dist.world > 1:
             _, sizes = self._write_state(Path(path), snapshot=True)
             return sizes
-        from .snapshot import begin_snapshot
-
         self.wait_snapshot()   # one at a time (a save clears this process's unfinished temporaries)
         self._pending_snapshot = begin_snapshot(self, Path(path))
         return self._pending_snapshot.result() if wait else self._pending_snapshot
@@ -598,8 +590,6 @@ def _release_engine(engine) -> None:
 
 
 def _default_seq_len(engine) -> int:
-    from megatrain_nb.engine.family import max_positions
-
     n = max_positions(engine.model_config)
     return min(n, 1024) if n else 1024
 

@@ -7,6 +7,7 @@ import torch
 
 from .tiers.diskspace import filesystem_of
 from .planning.planner import GiB
+from .planning.rates import H100_BF16, H100_FP32, H100_TF32, precision_words  # noqa: F401 - (re-exported)
 
 
 #: Device memory no plan may count on: the CUDA context, cuBLAS workspaces, the caching
@@ -24,35 +25,17 @@ def device_capacity(device: torch.device) -> int:
     return max(0, free + held - max(DEVICE_HEADROOM_BYTES, int(DEVICE_HEADROOM_SHARE * total)))
 
 
-#: Spec-sheet dense rates of an H100 SXM (FLOP/s), for the note when no rates were measured:
-#: fp32 without tensor cores, TF32 and bf16 tensor cores.
-H100_FP32, H100_TF32, H100_BF16 = 67e12, 495e12, 990e12
-
-
 def tf32_enabled() -> bool:
     """Whether fp32 matmuls may use TF32 tensor cores (either of PyTorch's two switches)."""
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
 def precision_note(device, precision: str, rates=None, tf32: Optional[bool] = None) -> Optional[str]:
-    """On CUDA with fp32 compute and TF32 off, one line saying that the matmuls run at the GPU's
-    fp32 rate (most of it idle) and what bf16 or TF32 would give, from ``rates``
-    (``mt.measure_machine``'s fp32 and bf16 matmul rates) where measured, else an H100's
-    published ones; the choice itself is left as the user made it. None otherwise."""
-    if torch.device(device).type != "cuda" or precision != "fp32":
+    """On CUDA with fp32 compute and TF32 off, the line of :func:`.planning.rates.precision_words`
+    (``mt.estimate`` prints the same); None otherwise."""
+    if torch.device(device).type != "cuda":
         return None
-    if tf32_enabled() if tf32 is None else tf32:
-        return None
-    fp32 = getattr(rates, "matmul_flops", 0.0) or 0.0
-    bf16 = getattr(rates, "bf16_matmul_flops", 0.0) or 0.0
-    src = "measured here"
-    if not (fp32 > 0 and bf16 > 0):
-        fp32, bf16, src = H100_FP32, H100_BF16, "an H100's published dense rates"
-    return (f"fp32 compute with TF32 off: the matmuls run at the GPU's fp32 rate, {fp32 / 1e12:,.0f} TFLOPS "
-            f"against {bf16 / 1e12:,.0f} in bf16 ({src}): most of the GPU idles. precision='bf16' (fp32 master "
-            f"weights and gradients still; TrainingArguments(bf16=True)) would run them up to {bf16 / fp32:,.0f}x "
-            f"faster, TF32 (TrainingArguments(tf32=True)) up to about {H100_TF32 / H100_FP32:,.0f}x on an H100; "
-            "kept as set")
+    return precision_words(precision, tf32_enabled() if tf32 is None else tf32, rates)
 
 
 def ram_total() -> int:

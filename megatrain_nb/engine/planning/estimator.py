@@ -28,6 +28,7 @@ from megatrain_nb.engine import family
 from megatrain_nb.engine.planning.best_plans import MARGIN, best_plans, engine_pick, pinned_by_value, plan_key
 from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan, unit_specs_from_config
 from megatrain_nb.engine.planning.prediction import fmt_rate, fmt_seconds, predict_step, resolve_rates
+from megatrain_nb.engine.planning.rates import precision_words
 from megatrain_nb.engine.planning.estimator_dpo import format_bytes, reference_cache_bytes, reference_lines
 from megatrain_nb.engine.planning.estimator_grpo import plan_generation, price, split_seq
 from megatrain_nb.model_source import resolve
@@ -137,6 +138,7 @@ class Estimate:
     best: list = field(default_factory=list)       # the fastest plans (best_plans.PlanChoice), with rates
     pick: object = None                            # the one an engine given the rates builds (PlanChoice)
     grpo: object = None                            # a GRPO run's generation (estimator_grpo.GenerationPlan)
+    precision_note: Optional[str] = None           # fp32 on a GPU: what bf16 or TF32 would give (the run header's line)
 
     # ------------------------------------------------------------------ time (estimate(rates=...))
     def _pred(self, what: str):
@@ -229,6 +231,7 @@ class Estimate:
                 "prediction": self.prediction.to_dict() if self.prediction is not None else None,
                 "engine_pick": self.pick.choice if self.pick is not None else None,
                 "grpo": self.grpo.to_dict() if self.grpo is not None else None,
+                "precision_note": self.precision_note,
                 "best_plans": [{"choice": pc.choice, "step_seconds": pc.prediction.step_seconds,
                                 "bottleneck": pc.prediction.bottleneck,
                                 "host_bytes": pc.plan.host["total"], "disk_bytes": pc.plan.disk["total"],
@@ -263,7 +266,7 @@ class Estimate:
         p = self.plan
         lines = [f"megatrain_nb estimate: {self.name}: {_fmt_params(self.num_parameters)} parameters, "
                  f"batch {self.batch} x seq {self.seq}, {self.precision} compute, fp32 master weights, "
-                 f"optimizer states {self.compression}",
+                 f"optimizer states {self.compression}"] + ([self.precision_note] if self.precision_note else []) + [
                  fmt.format(*header)] + [fmt.format(*r) for r in rows]
         lines.append("placement: " + ", ".join(f"{k.replace('_', ' ')} -> {v}" for k, v in p.placement.items())
                      + f"; device: {p.layer_slots} layer slots, checkpoint every {p.checkpoint_interval} layer(s)")
@@ -425,9 +428,11 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
                     notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min,
                     reference_cache_bytes=cache)
     est.grpo = plan_generation(config, units, plan, budgets, *grpo, precision=precision) if grpo else None   # GRPO
+    rates = resolve_rates(rates) if rates is not None else None
+    # (TF32 as torch starts: off; the engine's header says the same on CUDA with the run's switches)
+    est.precision_note = precision_words(precision, False, rates) if device != "cpu" else None
     if rates is not None:
-        _add_time(est, config, units, cfg_for(comp, budgets["host"]), work, resolve_rates(rates), device=device,
-                  state_units=held)
+        _add_time(est, config, units, cfg_for(comp, budgets["host"]), work, rates, device=device, state_units=held)
     return est
 
 

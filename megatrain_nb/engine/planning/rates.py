@@ -338,6 +338,32 @@ PROFILES = {
 }
 
 
+#: Spec-sheet dense rates of an H100 SXM (FLOP/s), for the precision note when no GPU's rates are
+#: known: fp32 without tensor cores, TF32 and bf16 tensor cores.
+H100_FP32, H100_TF32, H100_BF16 = 67e12, 495e12, 990e12
+
+
+def precision_words(precision: str, tf32: bool = False, rates=None) -> Optional[str]:
+    """For fp32 compute on a GPU with TF32 off, one line saying that the matmuls run at the GPU's
+    fp32 rate (most of it idle) and what bf16 or TF32 would give, from ``rates``' fp32 and bf16
+    matmul rates (measured, or a profile's) where they are a GPU's, else an H100's published
+    ones; the choice itself is left as the user made it. None for bf16 or TF32 on. The run
+    header's line on CUDA (``engine.memory.precision_note``) and ``mt.estimate``'s."""
+    if precision != "fp32" or tf32:
+        return None
+    fp32 = getattr(rates, "matmul_flops", 0.0) or 0.0
+    bf16 = getattr(rates, "bf16_matmul_flops", 0.0) or 0.0
+    source = getattr(rates, "source", "measured")
+    src = "measured here" if source == "measured" else f"the {source} profile"
+    if not (fp32 > 0 and bf16 > 0) or getattr(rates, "device", "cuda") == "cpu":
+        fp32, bf16, src = H100_FP32, H100_BF16, "an H100's published dense rates"
+    return (f"fp32 compute with TF32 off: the matmuls run at the GPU's fp32 rate, {fp32 / 1e12:,.0f} TFLOPS "
+            f"against {bf16 / 1e12:,.0f} in bf16 ({src}): most of the GPU idles. precision='bf16' (fp32 master "
+            f"weights and gradients still; TrainingArguments(bf16=True)) would run them up to {bf16 / fp32:,.0f}x "
+            f"faster, TF32 (TrainingArguments(tf32=True)) up to about {H100_TF32 / H100_FP32:,.0f}x on an H100; "
+            "kept as set")
+
+
 def profile_names() -> list:
     return sorted(PROFILES)
 

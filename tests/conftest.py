@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import os
 import tempfile
 
@@ -7,24 +9,38 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# The whole suite and the fast subset run in two processes (pytest-xdist, `pytest_cmdline_main`
+# below). A worker knows its id from PYTEST_XDIST_WORKER ("gw0", "gw1"), set before this file is
+# imported; what the test session keeps (runtime folder, cache, the turn lock) lives under one
+# folder that the controller makes and its workers inherit: one runtime folder and one cache each.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if not WORKER:
+    os.environ["MEGATRAIN_NB_TEST_ROOT"] = tempfile.mkdtemp(prefix="mtnb-test-")
+ROOT = os.environ.get("MEGATRAIN_NB_TEST_ROOT") or tempfile.mkdtemp(prefix="mtnb-test-")
 # runs announce themselves (heartbeat files, trainer/control.py): into a folder of the test
-# session's own, never the user's Jupyter runtime folder
-os.environ.setdefault("MEGATRAIN_NB_RUNTIME_DIR", tempfile.mkdtemp(prefix="mtnb-test-runtime-"))
+# session's own (of the worker's own: the sidebar's tests list every heartbeat in it), never the
+# user's Jupyter runtime folder
+if WORKER or "MEGATRAIN_NB_RUNTIME_DIR" not in os.environ:
+    os.environ["MEGATRAIN_NB_RUNTIME_DIR"] = tempfile.mkdtemp(prefix=f"runtime-{WORKER or 'main'}-", dir=ROOT)
 # the engine's plans follow the planner's rules, never a measurement `megatrain-nb machine` cached
 # on the machine running the tests (engine/planning/plan_pick.py); the tests of the predicted pick unset it
 os.environ["MEGATRAIN_NB_PLAN_BY"] = "rules"
 
 
 def _test_cache() -> str:
-    """A cache folder of the session's own: no test reads (or leaves) this machine's measured rates
-    (predictions, the dashboard's predicted step and the planner's pick see only the rates a test
-    gives them); the built-in corpus's cached tokenizers are linked in, not built again."""
+    """A cache folder of the session's own (of each worker's own): no test reads (or leaves) this
+    machine's measured rates (predictions, the dashboard's predicted step and the planner's pick see
+    only the rates a test gives them); the built-in corpus's cached tokenizers are linked in, not
+    built again, and so are the fused update's compiled kernels (one build for the session and its
+    workers: a worker links the controller's cache, whose entries are the user's or its own)."""
     user = os.environ.get("MEGATRAIN_NB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatrain_nb")
-    own = tempfile.mkdtemp(prefix="mtnb-test-cache-")
+    own = tempfile.mkdtemp(prefix=f"cache-{WORKER or 'main'}-", dir=ROOT)
     if os.path.isdir(user):
         for name in os.listdir(user):
             if not name.startswith("machine-"):
                 os.symlink(os.path.join(user, name), os.path.join(own, name))
+    if not os.path.exists(os.path.join(own, "kernels")):
+        os.mkdir(os.path.join(own, "kernels"), 0o700)
     return own
 
 
@@ -34,6 +50,26 @@ os.environ["MEGATRAIN_NB_CACHE"] = _test_cache()
 # core, and on a busy 2-core machine torch's spinning OpenMP workers burned several times the CPU.
 # Measured: the slow engine tests 15-20% shorter with one thread than with two.
 torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A run of the whole suite or a subset of it by marker or keyword (`python -m pytest`,
+    `python -m pytest -m "not slow"`: no path given) runs in MEGATRAIN_NB_TEST_WORKERS processes
+    (default: 2, or the machine's cores if fewer) with pytest-xdist; a run naming files or tests runs
+    in this one process, as does any run given `-n` itself (`-n 0`: one process), `--pdb`,
+    `--collect-only` or `-p no:xdist`."""
+    if WORKER or not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None:
+        return
+    if config.getoption("usepdb", False) or config.getoption("collectonly", False):
+        return
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return
+    workers = int(os.environ.get("MEGATRAIN_NB_TEST_WORKERS") or min(2, os.cpu_count() or 1))
+    if workers > 1:
+        config.option.numprocesses = workers
+        if config.option.dist == "no":
+            config.option.dist = "loadgroup"
 
 
 def pytest_addoption(parser):
@@ -136,6 +172,57 @@ SLOW_TESTS = {
     "tests/trainer/test_grpo.py::test_a_model_folder_trains_as_the_module",
 }
 
+# Tests that time how soon something answers (a command applied within a second, `train()`
+# returning within 0.3 s, a kernel's first answer within 2 s, a failed rank seen within a bound):
+# in a run of two workers each runs with no test of the other worker beside it
+# (`pytest_runtest_protocol` below), so that they measure the code and not the neighbour. A module
+# (or a test) by its node id.
+ALONE_TESTS = {
+    "tests/notebook/test_session.py::test_train_returns_at_once_and_runs_in_background",
+    "tests/notebook/test_session.py::test_stop_ends_within_one_step_and_releases_everything",
+    "tests/lab/test_handlers.py::test_command_reaches_the_session_within_a_second",
+    "tests/lab/test_beacon.py::test_command_takes_effect_within_one_second",
+    "tests/notebook/test_kernel_launcher.py",
+    "tests/distributed/test_launcher.py",
+    "tests/engine/test_disk_store.py::test_a_read_that_takes_seconds_still_returns_the_right_data",
+    "tests/engine/test_disk_store.py::test_eio_on_a_read_is_a_clear_error_in_bounded_time",
+}
+
+
+def _alone(item) -> bool:
+    name = item.nodeid.split("[", 1)[0].split("@", 1)[0]
+    return name in ALONE_TESTS or name.split("::", 1)[0] in ALONE_TESTS
+
+
+@contextlib.contextmanager
+def _turn(alone: bool):
+    """A test's turn in a run of several workers: shared by ordinary tests, the whole machine's for
+    one that must run alone (a readers-writer lock on a file in the session's folder; holding the
+    gate while it waits, an alone test goes before ordinary tests that come after it)."""
+    gate = os.open(os.path.join(ROOT, "turn.gate"), os.O_CREAT | os.O_RDWR, 0o600)
+    turn = os.open(os.path.join(ROOT, "turn.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        fcntl.flock(turn, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+    finally:
+        for fd in (turn, gate):   # let go explicitly: a child forked meanwhile shares the open files
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In a worker, a test (its fixtures' setup and teardown included) runs in its turn."""
+    if not WORKER:
+        return (yield)
+    with _turn(_alone(item)):
+        return (yield)
+
 
 def _mark_slow_kinds(items, args=()):
     modules = {}
@@ -148,7 +235,8 @@ def _mark_slow_kinds(items, args=()):
                 or item.nodeid in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
     # a renamed or removed test would silently stop being marked: refuse its stale entry
-    stale = sorted(n for n in SLOW_TESTS if n.split("::", 1)[0] in modules
+    named = SLOW_TESTS | {n for n in ALONE_TESTS if "::" in n}
+    stale = sorted(n for n in named if n.split("::", 1)[0] in modules
                    and not hasattr(modules[n.split("::", 1)[0]], n.split("::", 1)[1].split("[", 1)[0]))
     # a case named by its id: refused when its test's cases were all collected, without that id
     # (not when the command line picked single tests or cases out of its file)
@@ -157,13 +245,25 @@ def _mark_slow_kinds(items, args=()):
     stale += sorted(n for n in SLOW_TESTS if "[" in n and n.split("[", 1)[0] in cased and n not in ids
                     and not any(n.startswith(p) or p.endswith(n.split("::", 1)[0]) for p in picked))
     if stale:
-        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {stale}")
+        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS or ALONE_TESTS names tests that do not exist: {stale}")
 
 
+def _group_shared_fixtures(items):
+    """A module whose tests share a fixture of module scope (a torchrun job, a JupyterLab server, a
+    trained model) runs on one worker, so that the fixture is made once (xdist's `loadgroup`)."""
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d.scope in ("module", "class", "package", "session") and d.baseid
+               for ds in defs.values() for d in ds):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Marks the slow kinds; without chromium (or playwright) the browser tests are left out,
-    with one line saying why."""
+    """Marks the slow kinds and groups the tests that share a module's fixture; without chromium
+    (or playwright) the browser tests are left out, with one line saying why."""
     _mark_slow_kinds(items, config.args)
+    _group_shared_fixtures(items)
     from tests.browser import missing
 
     browser = [item for item in items if item.get_closest_marker("browser")]

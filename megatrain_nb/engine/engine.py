@@ -28,7 +28,7 @@ from .updates import finite
 from .config import EngineConfig
 from .ranks.dist import resolve_dist
 from .family import max_positions, vocab_size
-from .inputs import prepare_batch, window_batches, window_data
+from .inputs import prepare_batch, window_batches, window_data, with_extras
 from .tiers.materialize import SafetensorsSource, load_weights
 from .outcome import EngineOutput, objective_fields
 from .memory import memory_report
@@ -38,6 +38,7 @@ from .planning.prediction_check import engine_prediction
 from .ranks.reshard import load_engine_shards, refuse_sharded, save_engine_shards
 from .telemetry import Telemetry
 from .units import Unit, check_supported
+from .vision import auto_model_class, checkpoint_names
 from .window import plan_for
 from .. import threads as thread_registry
 from .tiers.linked_check import verify_folder
@@ -95,14 +96,15 @@ class StreamingEngine(HoldsParts):
         The model is built on the meta device; at no time is the whole model in RAM beyond
         the engine's own store (which is on disk for weights when the planner pages them).
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         source = resolve(folder, revision=options.pop("revision", None), token=options.pop("token", None))
         folder = source.need_folder("StreamingEngine.from_pretrained")   # a Hub id -> its cached snapshot folder
         hf_config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        return cls(model, config, _source=SafetensorsSource(folder), **options)
+            model = auto_model_class(hf_config).from_config(hf_config, dtype=torch.float32)   # (a VLM's: vision.py)
+        names = lambda keys: checkpoint_names(model, keys)   # noqa: E731 - (transformers' older layouts)
+        return cls(model, config, _source=SafetensorsSource(folder, names), **options)
 
     # ------------------------------------------------------------------ helpers
     def _state_unit(self, unit: Unit) -> Unit:
@@ -113,15 +115,16 @@ class StreamingEngine(HoldsParts):
         rank must ask for the same units in the same order)."""
         return self.sharded.assemble(unit, flat) if self.sharded is not None else flat
 
-    def _prepare(self, input_ids, attention_mask, labels, position_ids=None):
-        return prepare_batch(input_ids, attention_mask, labels, vocab=vocab_size(self.model_config),
-                             max_pos=max_positions(self.model_config), device=self.device, position_ids=position_ids)
+    def _prepare(self, input_ids, attention_mask, labels, position_ids=None, extras=None):
+        return prepare_batch(input_ids, with_extras(attention_mask, extras), labels,
+                             vocab=vocab_size(self.model_config), max_pos=max_positions(self.model_config), device=self.device, position_ids=position_ids)
 
     # ------------------------------------------------------------------ public API
     def forward_backward(self, input_ids, attention_mask=None, labels=None, loss_fn=None,
                          num_items_in_batch: Optional[int] = None,
                          step_lr: Optional[float] = None,
-                         max_grad_norm: Optional[float] = None, position_ids=None, objective_data=None) -> EngineOutput:
+                         max_grad_norm: Optional[float] = None, position_ids=None, objective_data=None,
+                         **extras) -> EngineOutput:
         """Forward and backward of one micro-batch, or of a whole accumulation window.
 
         **One micro-batch** (``input_ids`` a tensor [batch, seq]): gradients accumulate on the host.
@@ -148,6 +151,9 @@ class StreamingEngine(HoldsParts):
         restarting at 0 for each document and no ``attention_mask``; the model's own mask code
         keeps the documents apart (``inputs.PackedRows``).
 
+        **A processor's extra inputs** by keyword (``pixel_values=``, ``image_grid_thw=``, ...: any
+        input the model's forward takes; a window's go in its dicts): passed to it (vision.py).
+
         With ``step_lr`` this ends the optimizer step: each unit's AdamW update runs in a
         worker as soon as its gradient is final, overlapped with the backward of the units
         below it, and its gradient is zeroed after. Same result as ``forward_backward`` then
@@ -169,14 +175,15 @@ class StreamingEngine(HoldsParts):
         max_grad_norm = check("max_grad_norm", max_grad_norm) or None   # the table's rule; 0 = no clipping
         window = window_batches(input_ids)
         if window is not None:
-            if any(x is not None for x in (attention_mask, labels, position_ids, objective_data)):
+            if any(x is not None for x in (attention_mask, labels, position_ids, objective_data)) or extras:
                 raise ValueError("forward_backward got a list of micro-batches and a separate attention_mask/labels/"
-                                 "position_ids/objective_data; put each micro-batch's in its dict instead.")
+                                 f"position_ids/objective_data/{'/'.join(extras) or 'extra inputs'}; put each "
+                                 "micro-batch's in its dict instead.")
             return self._forward_backward_window(window, loss_fn, num_items_in_batch, step_lr, max_grad_norm,
                                                  window_data(input_ids))
         with self.lock:
             self._check_open()
-            batches = [self._prepare(input_ids, attention_mask, labels, position_ids)]
+            batches = [self._prepare(input_ids, attention_mask, labels, position_ids, extras)]
             wp = self.plan_window(batches)   # a long row's boundary activations may leave the device
             return self._train(batches, wp if wp.tier != "device" else None, loss_fn, num_items_in_batch, step_lr,
                                max_grad_norm, [objective_data] if objective_data is not None else None)
@@ -214,22 +221,22 @@ class StreamingEngine(HoldsParts):
                             **objective_fields(heads))
 
     def evaluate(self, input_ids, attention_mask=None, labels=None, loss_fn=None, position_ids=None,
-                 objective_data=None) -> EngineOutput:
+                 objective_data=None, **extras) -> EngineOutput:
         """Loss of a batch without gradients (``objective_data``: a sequence objective's side data
         of this batch, also a key of a dict batch; see :class:`.EngineOutput`)."""
         with self.lock:
             self._check_open()
             if objective_data is None:   # a dict batch's own
                 objective_data = (window_data(input_ids) or [None])[0]
-            ids, am, labels = self._prepare(input_ids, attention_mask, labels, position_ids)
+            ids, am, labels = self._prepare(input_ids, attention_mask, labels, position_ids, extras)
             head, n = self.runner.evaluate(ids, am, labels, loss_fn=loss_fn, data=objective_data)
             return EngineOutput(loss=head.loss_sum / max(n, 1), num_tokens=n, **objective_fields([head]))
 
-    def forward_logits(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    def forward_logits(self, input_ids, attention_mask=None, position_ids=None, **extras) -> torch.Tensor:
         """Logits [batch, seq, vocab] (fp32, CPU) of the current weights, without gradients."""
         with self.lock:
             self._check_open()
-            ids, am, _ = self._prepare(input_ids, attention_mask, None, position_ids)
+            ids, am, _ = self._prepare(input_ids, attention_mask, None, position_ids, extras)
             return self.runner.logits(ids, am)
 
     def named_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -41,6 +41,18 @@ def model_inputs(am) -> dict:
     return {"attention_mask": am}
 
 
+def with_extras(attention_mask, extras: Optional[dict]):
+    """The attention-mask slot of a batch given with a processor's extra inputs by keyword
+    (``forward_backward(ids, attention_mask=..., pixel_values=...)``): a :class:`WithExtras`
+    (inputs given as None left out), or the mask itself when there are none."""
+    extras = {k: v for k, v in (extras or {}).items() if v is not None}
+    if not extras:
+        return attention_mask
+    if isinstance(attention_mask, (WithExtras, PackedRows)):
+        raise ValueError(f"extra inputs {sorted(extras)} given twice (by keyword and in the batch).")
+    return WithExtras(attention_mask, extras)
+
+
 def _prepare_extras(extras: WithExtras, position_ids, device: torch.device) -> dict:
     if position_ids is not None:
         raise ValueError(f"packed rows (position_ids) with extra inputs {sorted(extras.extras)} are not supported; "
@@ -77,7 +89,8 @@ def prepare_batch(input_ids, attention_mask, labels, *, vocab: int, max_pos: Opt
     second item is a :class:`PackedRows`. Bad input raises ValueError naming it."""
     if isinstance(input_ids, Mapping):   # one batch as a dict (evaluate(batch), forward_logits(batch))
         if attention_mask is not None or labels is not None or position_ids is not None:
-            raise ValueError("a batch given as a dict carries its attention_mask/labels/position_ids inside it.")
+            raise ValueError("a batch given as a dict carries its attention_mask/labels/position_ids and extra inputs "
+                             "(pixel_values, ...) inside it.")
         (input_ids, attention_mask, labels, position_ids), = window_batches([input_ids])
     if isinstance(attention_mask, WithExtras):   # a processor's extra inputs (a window's dict)
         extras = _prepare_extras(attention_mask, position_ids, device)

@@ -168,7 +168,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     runner = StepRunner(model, units, pager, placeholders, boundary, device=device,
                         checkpoint_interval=plan.checkpoint_interval,
                         loss_chunk_tokens=config.overrides.loss_chunk_tokens, plan_reads=plan_reads, grad_buffer=lend,
-                        tile_tokens=config.overrides.tile_tokens,
+                        tile_tokens=config.overrides.tile_tokens, reached=None if sharded else store.mark_reached,
                         device_budget=int(config.max_vram_gb * 2**30) if config.max_vram_gb else None)
     for u in units[1:-1]:
         layers[u.layer_index] = LayerProxy(runner.layer_call, u)

@@ -50,6 +50,7 @@ from .updates import finite
 from .discovery import locate
 from .updates.grad_sums import GradSums
 from .inputs import model_inputs
+from .vision import ImageFeatures
 from .layer_calls import GradKeys, GradRecord, LayerCall, NotRun, SideStreams, add_grads, graph_roots
 from .layer_state import SharedState
 from .compute.long_attention import long_attention
@@ -95,7 +96,8 @@ class StepRunner:
                  device: torch.device, checkpoint_interval: int, loss_chunk_tokens: int,
                  plan_reads: Callable[[List[Unit], Optional[StepContext]], None],
                  grad_buffer: Optional[Callable[[int], torch.Tensor]] = None,
-                 tile_tokens: Optional[int] = None, device_budget: Optional[int] = None):
+                 tile_tokens: Optional[int] = None, device_budget: Optional[int] = None,
+                 reached: Optional[Callable] = None):
         self.model = model
         self.units = units
         self.embed, self.head, self.layers = units[0], units[-1], units[1:-1]
@@ -107,9 +109,11 @@ class StepRunner:
         self.loss_chunk_tokens = loss_chunk_tokens
         self.plan_reads = plan_reads
         base_name, self.base, path = locate(model)   # before the layer proxies go in
+        self.images = ImageFeatures(self.base)   # a VLM's image features: the vision tower twice per micro-batch
         self.meter = ActivationMeter(boundary, pager)   # device bytes of activations: now, peak
         self.loss_head = LossHead(model, base_name, self.base, path, loss_chunk_tokens, self.meter)
-        self.sums = GradSums(pager, device, grad_buffer)   # the units' fp32 gradient sums on the device
+        # the units' fp32 gradient sums on the device (``reached``: told what an outer unit's backward reached)
+        self.sums = GradSums(pager, device, grad_buffer, reached)
         self._mode: Optional[Callable] = None   # the proxies' mode: capture or replay (None: run the layer)
         self._tuple_out = False    # whether the layers return a tuple (learned from real calls)
         self._out_template: Dict[int, tuple] = {}   # per layer: proxies.template_of its output
@@ -159,6 +163,7 @@ class StepRunner:
         for u in self.units:
             unbind(u, self.placeholders)
         self.pager.reset()
+        self.images.clear()
 
     # ------------------------------------------------------------------ the model's own code
     def layer_call(self, unit: Unit, args, kwargs):
@@ -226,7 +231,8 @@ class StepRunner:
         self._mode = capture
         self._guessed = set()
         try:
-            self._base_forward(ids, am)
+            with self.images.mode(None if keep_graph else "record"):   # (the head's replay takes them: vision.py)
+                self._base_forward(ids, am)
         except (TypeError, ValueError, IndexError) as e:
             if not self._guessed:
                 raise
@@ -253,7 +259,7 @@ class StepRunner:
         self._mode = replay
         devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=devices), self.images.mode("replay"):
                 return self._base_forward(ids, am)
         finally:
             self._mode = None

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .discovery import SUPPORTED_HINT, find_layer_list, modules_after_layers  # noqa: F401 - find_layer_list re-exported
-from .vision import check_vision_model, guard_inputs, is_image_text_model
+from .vision import auto_model_class, check_vision_model, guard_inputs, is_image_text_model  # noqa: F401 - re-exported
 
 
 

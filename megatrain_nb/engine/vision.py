@@ -17,10 +17,14 @@ trains silently without its images).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections import deque
+from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .discovery import locate
 
@@ -43,6 +47,58 @@ def _image_text_classes() -> set:
 def is_image_text_model(model: nn.Module) -> bool:
     """Whether transformers registers ``model``'s class as an image-text-to-text model."""
     return type(model).__name__ in _image_text_classes()
+
+
+def auto_model_class(hf_config):
+    """The transformers auto class that builds ``hf_config``'s model for the engine: a config
+    transformers registers only as image-text-to-text (Qwen2-VL, LLaVA, Idefics3, ...) by
+    ``AutoModelForImageTextToText``; every other (Gemma 3 is a causal LM too) by
+    ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = getattr(hf_config, "model_type", "")
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind in _image_text_types():
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def checkpoint_names(model: nn.Module, keys) -> dict:
+    """``{parameter name: its name among keys}`` where they differ: a folder transformers wrote
+    in a family's older layout (Qwen2-VL's ``model.layers...``, ``visual...`` for
+    ``model.language_model.layers...``, ``model.visual...``), renamed as transformers' own
+    loading renames it (the model's conversion mapping). A key that needs more than a renaming
+    (a converter: tensors split or merged) is refused by name."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:   # an older transformers: the names are the model's
+        return {}
+    transforms = get_model_conversion_mapping(model)
+    if not transforms:
+        return {}
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    state = model.state_dict()
+    out = {}
+    for key in keys:
+        name, converted = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
+                                            state)
+        if converted is not None:
+            raise ValueError(f"{key!r} in the folder becomes {name!r} by a conversion of its values "
+                             f"({converted}), not a renaming; load the model with from_pretrained and hand it "
+                             "to StreamingEngine(model) instead.")
+        if name != key:
+            out[name] = key
+    return out
+
+
+def _image_text_types() -> set:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    except ImportError:
+        return set()
+    return set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
 def family(model: nn.Module) -> str:
@@ -151,3 +207,44 @@ def freeze(model: nn.Module, entries) -> set:
         if n in names:
             p.requires_grad_(False)
     return names
+
+
+class ImageFeatures:
+    """A step's image features, computed once per micro-batch where the engine's passes of the
+    model's forward would compute them three times: the capture (layer 0's input) records them
+    (detached), the head's replay -- which needs only the post-layer code, its embeddings are
+    thrown away -- is served the recording instead of running the vision tower again, and the
+    embedding's backward computes them again with their graph (the vision tower's gradient).
+    Two runs of the vision tower per micro-batch, counted in tests/engine/test_vision_passes.py.
+
+    ``base``'s ``get_image_features`` (every supported family's forward calls it once) is
+    wrapped on the instance; a model without one is left alone (every call a no-op)."""
+
+    def __init__(self, base: nn.Module):
+        self._fn = getattr(base, "get_image_features", None) if callable(getattr(base, "get_image_features", None)) \
+            else None
+        self._queue: deque = deque()
+        self._mode: Optional[str] = None
+        if self._fn is not None:
+            base.get_image_features = self._call   # (the instance's attribute; the class is left as it is)
+
+    def _call(self, *args, **kwargs):
+        if self._mode == "replay" and self._queue:
+            return self._queue.popleft()
+        out = self._fn(*args, **kwargs)
+        if self._mode == "record":
+            self._queue.append(tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out))
+        return out
+
+    @contextlib.contextmanager
+    def mode(self, mode: Optional[str]):
+        """``"record"`` (a capture without its graph), ``"replay"`` (the head's pass), or None."""
+        before, self._mode = self._mode, mode
+        try:
+            yield
+        finally:
+            self._mode = before
+
+    def clear(self) -> None:
+        """Drop what a step left (an error mid-step)."""
+        self._queue.clear()

@@ -112,3 +112,63 @@ def test_frozen_parts_through_every_tier_and_a_clipped_window(options, tmp_path)
             assert float((w - theirs[n]).abs().max()) <= 1e-6, n
     plain.close()
     engine.close()
+
+
+def _text_only(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 140, (2, 16), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+@pytest.mark.parametrize("family,wd", [("qwen2_vl", 0.0), ("qwen2_vl", 0.1), ("llava", 0.1)])
+def test_what_a_step_never_reached_stays_as_torch_adamw_leaves_it(family, wd):
+    """Image, text-only, text-only, image batches, a step each: torch.optim.AdamW over the
+    model skips a parameter whose gradient is None (the vision tower and projector in a
+    text-only step: no move, no weight decay, no step counted), and so does the engine; with
+    weight decay 0 a text-only step leaves the vision tower bit for bit. LLaVA's CLIP layer
+    after vision_feature_layer=-2 is never reached: it never moves, even with weight decay."""
+    from tests.engine.test_vlm import _adamw, _vision_names
+
+    model = _model(family)
+    ref = copy.deepcopy(model)
+    opt = _adamw(ref, wd)
+    vision = _vision_names(model)
+    engine = StreamingEngine(model, EngineConfig(device="cpu", adam_betas=(0.9, 0.95), weight_decay=wd))
+    batches = [_batch(family, seed=1), _text_only(2), _text_only(3), _batch(family, seed=4)]
+    for i, batch in enumerate(batches):
+        before = {n: w.clone() for n, w in engine.named_parameters()}
+        out = ref(**batch)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        engine.forward_backward(batch, step_lr=3e-3)
+        mine, theirs = dict(engine.named_parameters()), dict(ref.named_parameters())
+        for n, p in theirs.items():
+            if n.endswith("self_attn.k_proj.bias"):   # (a zero gradient: AdamW normalises round-off; test_vlm)
+                continue
+            assert float((mine[n] - p).abs().max()) <= 1e-5 * max(1.0, float(p.abs().max())), (i, n)
+        if "pixel_values" not in batch:
+            assert all(torch.equal(mine[n], before[n]) for n in vision), i
+    engine.close()
+
+
+def test_a_checkpoint_keeps_the_step_counts_of_what_a_step_left_alone(tmp_path):
+    """After an image step and a text-only step the vision tower has taken one step fewer than
+    the rest (its own bias correction): a checkpoint keeps that, so the run resumed steps the
+    same weights as the run that went on."""
+    model = _model("qwen2_vl")
+    twin = copy.deepcopy(model)
+    engine = StreamingEngine(model, EngineConfig(device="cpu"))
+    for batch in (_batch("qwen2_vl", seed=1), _text_only(2)):
+        engine.forward_backward(batch, step_lr=3e-3)
+    assert any(engine.adam.lags.values())
+    engine.save_checkpoint(tmp_path / "ck")
+    resumed = StreamingEngine(twin, EngineConfig(device="cpu"))
+    resumed.load_checkpoint(tmp_path / "ck")
+    assert resumed.adam.lags == {i: lags for i, lags in engine.adam.lags.items()}
+    for e in (engine, resumed):
+        e.forward_backward(_batch("qwen2_vl", seed=3), step_lr=3e-3)
+    theirs = dict(resumed.named_parameters())
+    assert all(torch.equal(w, theirs[n]) for n, w in engine.named_parameters())
+    engine.close()
+    resumed.close()

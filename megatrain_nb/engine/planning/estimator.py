@@ -31,6 +31,7 @@ from megatrain_nb.engine.planning.prediction import fmt_rate, fmt_seconds, predi
 from megatrain_nb.engine.planning.rates import precision_words
 from megatrain_nb.engine.planning.estimator_dpo import format_bytes, reference_cache_bytes, reference_lines
 from megatrain_nb.engine.planning.estimator_grpo import plan_generation, price, split_seq
+from megatrain_nb.engine.planning.vision_plan import image_tokens_of
 from megatrain_nb.model_source import resolve
 from megatrain_nb.values import check
 
@@ -358,28 +359,26 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
              offload_dir: Union[bool, str, None] = True, device: str = "cuda", world: int = 1,
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
              layer_major: bool = True, clip_hold: str = "auto", pairs: Optional[int] = None,
-             rollouts: Optional[int] = None, completion_length: Optional[int] = None, rates=None) -> Estimate:
+             rollouts: Optional[int] = None, completion_length: Optional[int] = None, rates=None,
+             image_tokens: Optional[int] = None, max_pixels: Optional[int] = None) -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
-    ``model``: a preset name (``"tiny"``, ..., ``"llama-100b"``), a local model folder, a
-    ``config.json`` path, a transformers config, a model or a StreamingEngine.
+    ``model``: a preset name, a local model folder, a ``config.json``, a config, a model or an engine.
     ``compression``: the optimizer-state codec (``"none"``, ``"int8"``, ``"int4"``; ``True`` = the
     recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
-    ``names``: how messages spell the arguments (the CLI's ``CLI_NAMES``: ``--ram`` for ``ram_gb``).
+    ``names``: how messages spell the arguments (the CLI's ``CLI_NAMES``).
     ``accumulation``: micro-batches per optimizer step; layer-major (the engine's default for a
     window) keeps no host gradient accumulator, unless ``clipping`` (global-norm clipping, on by
     default as in TrainingArguments) holds the final gradients for the norm;
-    ``layer_major=False`` shows the micro-batch-major path. ``clip_hold``: as
-    ``EngineConfig.clip_hold`` ("auto", the default: host RAM when the budget holds those final
-    gradients beside the master weights, else the disk tier; "host"; "disk"); an accumulator
-    (micro-batch-major, or a split window) stays in RAM whatever it says.
-    ``Estimate.host_min``: the least host RAM any plan needs (what a short budget gets: master
-    weights, held gradients and boundary activations on the disk tier).
-    ``world``: ranks the state is sharded over (ZeRO-3): host, disk and budgets are one rank's,
-    the device working set unchanged; ``estimator_dist.estimate_scale_out`` adds per-node figures.
+    ``layer_major=False`` shows the micro-batch-major path. ``clip_hold``: as ``EngineConfig.clip_hold``
+    (an accumulator -- micro-batch-major, or a split window -- stays in RAM whatever it says).
+    ``Estimate.host_min``: the least host RAM any plan needs (a short budget's: the disk tier holding all it can).
+    ``world``: ranks the state is sharded over (ZeRO-3, one rank's host, disk and budgets; the device
+    set unchanged); ``estimator_dist.estimate_scale_out`` adds per-node figures.
     ``pairs``: a DPO run's pairs: its reference pass and cache as lines (``estimator_dpo``).
     ``rollouts``/``completion_length``: a GRPO step's completions and their most tokens (``seq``: prompt +
-    completion): ``Estimate.grpo``, its generation and KV cache (``estimator_grpo``).
+    completion): ``Estimate.grpo``, its generation and KV cache (``estimator_grpo``). ``image_tokens``
+    per row (counted in ``seq``) or ``max_pixels`` per image: a vision-language model's (``vision_plan``).
     ``rates``: a ``MachineRates`` or a profile's name: the predicted step (``step_seconds``,
     ``phases``, ``bottleneck``, ``tokens_per_second``, ``run_seconds(n)``) and the three fastest
     plans within the budgets (``best``), the choices left at their defaults varied as an engine
@@ -399,7 +398,8 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
     budgets = _budgets(vram_gb, ram_gb, disk_gb, offload_dir)
     accumulator = accumulation > 1 and not layer_major   # micro-batch-major: the host accumulator
     work = Workload(batch=batch, seq=seq, accumulation=accumulation if layer_major else 1, clipped=clipping,
-                    gradients="accumulator" if accumulator else "held" if clipping else "none")
+                    gradients="accumulator" if accumulator else "held" if clipping else "none",
+                    image_tokens=image_tokens_of(config, image_tokens, max_pixels, seq))
 
     def cfg_for(codec, host_bytes):
         return EngineConfig(max_vram_gb=_gib(budgets["device"]), max_host_gb=_gib(host_bytes),

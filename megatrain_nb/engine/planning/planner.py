@@ -9,6 +9,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 from ..family import hidden_size, intermediate_size
+from .vision_plan import VisionShape
 
 GiB = 1024 ** 3
 #: Share of the host budget that layer-boundary activations leave free (see make_plan).
@@ -36,12 +37,11 @@ def window_sum_bytes(units: List[UnitSpec]) -> int:
 def unit_specs_from_config(config) -> List[UnitSpec]:
     """Unit sizes of a transformers config, built on the meta device (no memory, no download)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from ..units import build_units, find_layer_list
+    from ..units import auto_model_class, build_units, find_layer_list
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):   # (a vision-language model's own class: its vision tower in the embed unit)
+        model = auto_model_class(config).from_config(config)
     _, _, layers = find_layer_list(model)
     return [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in build_units(model, layers)]
 
@@ -177,9 +177,10 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
 def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: int, vocab_size: int,
                      batch: int, seq: int, checkpoint_interval: int, compute_bytes: int,
                      loss_chunk_tokens: int = 1024, num_heads: int = 0, eager_attention: bool = False,
-                     tile_tokens: Optional[int] = None) -> int:
+                     tile_tokens: Optional[int] = None, vision_bytes: int = 0) -> int:
     """Device bytes for activations of one micro-batch (an estimate; the engine also measures).
-    ``tile_tokens``: the MLP runs in tiles of that many tokens (engine/compute/tiling.py; None or 0: whole)."""
+    ``tile_tokens``: the MLP runs in tiles of that many tokens (engine/compute/tiling.py; None or 0: whole).
+    ``vision_bytes``: a vision tower's graph in the embedding's backward (``vision_plan``)."""
     tok = batch * seq
     # One layer re-run under autograd: its saved activations and their gradients (the MLP's for one tile).
     layer_work = (tok * 12 * hidden_size + min(tok, tile_tokens or tok) * 4 * intermediate_size) * compute_bytes
@@ -193,7 +194,7 @@ def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: in
         block_inputs = (k - 1) * tok * hidden_size * compute_bytes
     chunk = min(loss_chunk_tokens, seq)
     head_work = 3 * batch * chunk * vocab_size * 4 + 2 * tok * hidden_size * 4
-    return saved_inputs + block_inputs + max(layer_work, head_work)
+    return saved_inputs + block_inputs + max(layer_work, head_work, vision_bytes)
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ class ModelShape:
     num_layers: int
     intermediate_size: Optional[int] = None
     vocab_size: int = 0
+    vision: Optional[VisionShape] = None   # a vision-language model's vision tower (vision_plan.py)
 
     @classmethod
     def of(cls, model_config, *, logits: bool = True) -> "ModelShape":
@@ -211,7 +213,7 @@ class ModelShape:
 
         layers = int(getattr(text_config(model_config), "num_hidden_layers", 0) or 0)
         return cls(hidden_size(model_config), layers, intermediate_size(model_config),
-                   int(vocab_size(model_config) or 0) if logits else 0)
+                   int(vocab_size(model_config) or 0) if logits else 0, VisionShape.of(model_config))
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,7 @@ class Workload:
     accumulation: int = 1
     gradients: str = "held"
     clipped: bool = True
+    image_tokens: int = 0   # per row, counted in seq (a vision-language model's images: vision_plan.py)
 
 
 @dataclass
@@ -257,10 +260,12 @@ class _PlanInputs:
 
     @property
     def tile(self) -> int:
-        """Tokens per tile of a layer's MLP (``tiling.tile_for``: from the MLP width and the device
-        budget, or ``EngineOverrides.tile_tokens``; 0: untiled)."""
-        from ..compute.tiling import tile_for
-        return tile_for(self.inter, self.cb, self.vram_bytes, self.cfg.overrides.tile_tokens)
+        """Tokens per tile of a layer's MLP as the engine tiles (``tiling.tile_tokens_for``: 0 where a
+        micro-batch's MLP fits the device budget, else from the MLP width and the budget; or
+        ``EngineOverrides.tile_tokens``; 0: untiled)."""
+        from ..compute.tiling import tile_tokens_for
+        return tile_tokens_for(self.inter, self.workload.batch * self.workload.seq, self.cb, self.vram_bytes,
+                               self.cfg.overrides.tile_tokens)
 
     def boundary(self, k: int) -> int:
         """Device bytes of one micro-batch's layer-boundary activations at interval ``k`` (the input
@@ -294,13 +299,30 @@ class _PlanInputs:
                                 num_layers=self.shape.num_layers if num_layers is None else num_layers,
                                 vocab_size=self.shape.vocab_size, batch=self.workload.batch, seq=self.workload.seq,
                                 checkpoint_interval=k, compute_bytes=self.cb,
-                                loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens, tile_tokens=self.tile)
+                                loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens, tile_tokens=self.tile,
+                                vision_bytes=self.vision_bytes())
 
-    def pinned_units(self) -> int:
-        """Bytes of one fp32 host buffer per held unit as the process holds them: on CUDA pinned,
-        each as ``pinned.held_bytes`` counts it (exact where registration works, else its power of two)."""
+    def vision_bytes(self) -> int:
+        """One micro-batch's vision graph in the embedding's backward (0: no images planned)."""
+        v, w = self.shape.vision, self.workload
+        return v.work_bytes(batch=w.batch, image_tokens=w.image_tokens, compute_bytes=self.cb) if v else 0
+
+    def pinned_units(self, per_param: int = 4, pinned: Optional[bool] = None) -> int:
+        """Bytes of one host buffer of ``per_param`` B/param per held unit as the process holds
+        them: pinned (default: on CUDA), each as ``pinned.held_bytes`` counts it (exact where
+        registration works, else its power of two)."""
         from ..transport.pinned import held_bytes
-        return sum(held_bytes(u.numel * 4, self.cuda) for u in self.held)
+        pin = self.cuda if pinned is None else pinned
+        return sum(held_bytes(u.numel * per_param, pin) for u in self.held)
+
+    def host_weights(self) -> int:
+        """The master weights in RAM (``HostStore``, one buffer per unit): pinned on CUDA as the
+        loads' copy source; with a narrower compute dtype on CUDA each unit's compute-dtype shadow
+        beside them instead (pinned, what a load copies, written by the unit's update) and the
+        masters pageable (only the AdamW worker reads them): ``host_store.pinned_layout``."""
+        if not (self.cuda and self.cb < 4):
+            return self.pinned_units()
+        return self.pinned_units(4, pinned=False) + self.pinned_units(self.cb)
 
     def in_flight(self, weights_on_disk: bool, hold_disk: bool = False) -> int:
         w = self.workload
@@ -409,7 +431,7 @@ def _host_placement(p: _PlanInputs):
     # not). "auto": there only when the host budget cannot hold them beside the master
     # weights; they move before the master weights do (one write and one read per step,
     # where weights on disk are also read by every forward).
-    host_weights = p.pinned_units()   # HostStore's buffers, one per unit (pinned on CUDA)
+    host_weights = p.host_weights()   # HostStore's buffers, one per unit (and the shadows)
     host_rest = ((0 if offload_params else host_weights) + (0 if offload_dir else states)
                  + p.in_flight(bool(offload_params)))   # the host's other needs, as counted below
     grads_on_disk = bool(offload_dir and grads) and (clip_hold == "disk" or (

@@ -203,6 +203,10 @@ class HostStore:
         self.grads: Dict[int, Optional[torch.Tensor]] = {}
         self._grad_locks = {u.index: threading.Lock() for u in units}
         self._has_grad = set()  # units whose accumulator holds a gradient since the last zero
+        #: per unit whose gradients are told apart (the embedding's and the head's, outside the
+        #: layers: a vision tower a text-only batch never runs): the indices in ``unit.params``
+        #: of the parameters a backward reached since its last update or zero
+        self._reached: Dict[int, set] = {}
 
     def alloc(self, numel: int) -> torch.Tensor:
         """A master-weights buffer: pinned in place where it is the copy's source (``.pin_memory()``
@@ -258,6 +262,18 @@ class HostStore:
                 if not p.frozen:   # (no room for it where the frozen tail is split off: Unit.train_numel)
                     acc[p.offset:p.offset + p.numel].add_(g.reshape(-1))
 
+    def mark_reached(self, unit: Unit, indices) -> None:
+        """A backward reached these parameters of ``unit`` (indices in ``unit.params``)."""
+        with self._grad_locks[unit.index]:
+            self._reached.setdefault(unit.index, set()).update(indices)
+
+    def take_reached(self, unit: Unit) -> Optional[frozenset]:
+        """The parameters of ``unit`` a backward reached since the last take (None: not told
+        apart, all of them); an update takes them."""
+        with self._grad_locks[unit.index]:
+            got = self._reached.pop(unit.index, None)
+        return None if got is None else frozenset(got)
+
     def has_grad(self, unit: Unit) -> bool:
         return unit.index in self._has_grad
 
@@ -266,6 +282,7 @@ class HostStore:
         if g is not None:
             g.zero_()
         self._has_grad.discard(unit.index)
+        self._reached.pop(unit.index, None)
 
     def zero_grad(self) -> None:
         for u in self.units:

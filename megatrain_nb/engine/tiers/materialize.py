@@ -3,7 +3,7 @@ meta-device model, or from a safetensors folder — never the whole model in RAM
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -109,10 +109,12 @@ def take_parameters(model: nn.Module, units, alloc: Callable[[int], torch.Tensor
 class SafetensorsSource:
     """Reads one unit's tensors at a time from a (sharded) safetensors folder."""
 
-    def __init__(self, folder):
-
+    def __init__(self, folder, names: Optional[Callable[[list], Dict[str, str]]] = None):
         self.folder = folder
         self.files = shard_files(folder)
+        #: a parameter's name -> its name in the folder, where they differ (transformers saves some
+        #: families in an older layout: ``names(folder's keys)``, engine/vision.checkpoint_names)
+        self.names: Dict[str, str] = names(list(self.files)) if names is not None else {}
 
     def unit_values(self, unit: Unit) -> Dict[str, torch.Tensor]:
         """One unit's tensors as fp32. Each shard is opened per unit and dropped right after,
@@ -121,7 +123,7 @@ class SafetensorsSource:
 
         by_file: Dict[str, list] = {}
         for p in unit.params:
-            f = self.files.get(p.name)
+            f = self.files.get(self.names.get(p.name, p.name))
             if f is None:
                 raise KeyError(f"{self.folder} has no tensor {p.name!r}: the folder does not match its config.")
             by_file.setdefault(f, []).append(p)
@@ -129,7 +131,7 @@ class SafetensorsSource:
         for f, entries in by_file.items():
             with safe_open(f, "pt") as fh:
                 for p in entries:
-                    t = fh.get_tensor(p.name)
+                    t = fh.get_tensor(self.names.get(p.name, p.name))
                     if tuple(t.shape) != tuple(p.shape):
                         raise ValueError(f"{p.name}: shape {tuple(t.shape)} in {self.folder}, {p.shape} in the config.")
                     out[p.name] = t.to(torch.float32, copy=True)

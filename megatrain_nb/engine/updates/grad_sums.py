@@ -20,8 +20,12 @@ class GradSums:
     their updates (unclipped), so a new one waits until every sum returned so far is taken."""
 
     def __init__(self, pager, device: torch.device,
-                 grad_buffer: Optional[Callable[[int], torch.Tensor]] = None):
+                 grad_buffer: Optional[Callable[[int], torch.Tensor]] = None,
+                 reached: Optional[Callable[[Unit, List[int]], None]] = None):
         self.pager = pager
+        #: told which parameters of an outer unit a micro-batch's backward reached (the others'
+        #: gradient is None: AdamW leaves them alone, ``optimizer.UnitAdamW.step_unit``)
+        self.reached = reached
         self.device = device
         self.grad_buffer = grad_buffer
         self.bytes = 0          # fp32 gradient sums alive on the device now
@@ -55,6 +59,8 @@ class GradSums:
         """Move the bound outer tensors' .grad (this micro-batch's share) into the fp32 sum,
         made on the first share (an untied embedding's sum exists only at the step's end)."""
         grads = [t.grad for t in bound]
+        if self.reached is not None and bound:
+            self.reached(unit, [i for i, g in enumerate(grads) if g is not None])
         if acc is None and any(g is not None for g, p in zip(grads, unit.params) if not p.frozen):
             acc = self.new(train_numel(unit))
         if acc is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from typing import Dict, Optional
+from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,6 +24,10 @@ class UnitAdamW:
         self.eps = eps
         self.weight_decay = weight_decay
         self.steps: Dict[int, torch.Tensor] = {}
+        #: Per unit, per parameter: the unit's updates that left the parameter alone (its gradient
+        #: was None: :meth:`step_unit`'s ``reached``); its own step count is the unit's less this,
+        #: as torch.optim.AdamW counts a parameter's steps. Made at a unit's first such update.
+        self.lags: Dict[int, List[int]] = {}
         self.stats: Dict[int, dict] = {}
         #: Per-unit statistics (unit_stats) cost two passes over a unit, as much as a third of
         #: the update itself, on the optimizer's critical path: gathered only once someone reads
@@ -33,13 +37,40 @@ class UnitAdamW:
 
     def step_unit(self, unit: Unit, params: torch.Tensor, grads: torch.Tensor,
                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, lr: float,
-                  collect_stats: Optional[bool] = None, grad_norm: Optional[float] = None) -> None:
+                  collect_stats: Optional[bool] = None, grad_norm: Optional[float] = None,
+                  reached: Optional[Collection[int]] = None) -> None:
         """One AdamW update of a unit's flat fp32 params in place (moments updated in place).
         ``collect_stats`` None: :attr:`collect_stats`. ``grad_norm``: the gradient's norm when
-        the caller knows it (the clipped path took it during the backward), saving a pass."""
+        the caller knows it (the clipped path took it during the backward), saving a pass.
+        ``reached``: the indices (in ``unit.params``) of the parameters whose gradient exists
+        (None: all); the others are left as torch.optim.AdamW leaves a parameter whose gradient
+        is None -- weights, moments, weight decay and their own step count (:attr:`lags`)."""
         run = self.start_unit(unit, params, collect_stats)
-        run.step(0, train_numel(unit), grads, exp_avg, exp_avg_sq, lr)
+        for a, b, lag in self.runs(unit, reached):
+            run.step(a, b, grads, exp_avg[a:b], exp_avg_sq[a:b], lr, lag=lag)
         run.finish(grads, grad_norm=grad_norm)
+
+    def runs(self, unit: Unit, reached: Optional[Collection[int]]) -> List[Tuple[int, int, int]]:
+        """``(start, end, lag)``: the element ranges of ``unit`` an update steps, each of
+        parameters with one step count (the unit's less ``lag``); the parameters not ``reached``
+        fall behind by one (:attr:`lags`). All of it in one range while nothing was left out."""
+        n, lags = train_numel(unit), self.lags.get(unit.index)
+        if lags is None and (reached is None or len(reached) >= len(unit.params)):
+            return [(0, n, 0)]
+        if lags is None:
+            lags = self.lags[unit.index] = []
+        lags.extend([0] * (len(unit.params) - len(lags)))   # (a checkpoint keeps those not 0)
+        out: List[Tuple[int, int, int]] = []
+        for i, p in enumerate(unit.params):
+            if p.offset >= n or p.numel == 0:
+                continue
+            if reached is not None and i not in reached:
+                lags[i] += 1
+            elif out and out[-1][1] == p.offset and out[-1][2] == lags[i]:
+                out[-1] = (out[-1][0], p.offset + p.numel, lags[i])
+            else:
+                out.append((p.offset, p.offset + p.numel, lags[i]))
+        return out
 
     def start_unit(self, unit: Unit, params: torch.Tensor,
                    collect_stats: Optional[bool] = None) -> "UnitRun":
@@ -74,10 +105,22 @@ class UnitAdamW:
                             eps=self.eps, amsgrad=False, maximize=False)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {str(i): s.clone() for i, s in self.steps.items()}
+        """The units' step counts (``"<unit index>"``) and the parameters' lags (``"<unit
+        index>.lag.<parameter index>"``, those not 0), each a scalar."""
+        out = {str(i): s.clone() for i, s in self.steps.items()}
+        out.update({f"{i}.lag.{j}": torch.tensor(float(x)) for i, lags in self.lags.items()
+                    for j, x in enumerate(lags) if x})
+        return out
 
     def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
-        self.steps = {int(k): v.clone().float() for k, v in sd.items()}
+        self.steps = {int(k): v.clone().float() for k, v in sd.items() if "." not in k}
+        self.lags = {}
+        for k, v in sd.items():
+            if ".lag." in k:
+                i, j = (int(x) for x in k.split(".lag."))
+                need = j + 1 - len(self.lags.setdefault(i, []))
+                self.lags[i].extend([0] * max(need, 0))
+                self.lags[i][j] = int(v)
 
 
 class UnitRun:
@@ -87,7 +130,7 @@ class UnitRun:
         self.adam, self.unit, self.params, self.step_t, self.old = adam, unit, params, step, old
 
     def step(self, a: int, b: int, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-             lr: float, params: Optional[torch.Tensor] = None, grads_at: int = 0) -> None:
+             lr: float, params: Optional[torch.Tensor] = None, grads_at: int = 0, lag: int = 0) -> None:
         """AdamW on elements ``[a, b)`` of the unit; ``exp_avg``/``exp_avg_sq`` hold just that
         slice (``b - a`` elements), and ``params`` too when given (else the unit's weights given
         to :meth:`UnitAdamW.start_unit`); ``grads`` starts at the unit's element ``grads_at``
@@ -95,7 +138,8 @@ class UnitRun:
         where weight decay stops (the decayed parameters come first), as
         :meth:`UnitAdamW.step_unit` splits the whole unit. ``exp_avg`` a ``CodedChunk`` (a
         fused chunked update): the kernel decodes, steps and encodes the chunk in one pass, with
-        the same arithmetic as those fused calls (:meth:`_step_coded`)."""
+        the same arithmetic as those fused calls (:meth:`_step_coded`). ``lag``: the slice's
+        parameters have taken that many fewer steps than the unit (:attr:`UnitAdamW.lags`)."""
         d = self.unit.decay_numel
         if isinstance(exp_avg, CodedChunk):
             self._step_coded(a, b, grads, exp_avg, lr, params, grads_at)
@@ -104,7 +148,8 @@ class UnitRun:
             if hi > lo:
                 w = self.params[lo:hi] if params is None else params[lo - a:hi - a]
                 g = grads[lo - grads_at:hi - grads_at]
-                self.adam.fused(w, g, exp_avg[lo - a:hi - a], exp_avg_sq[lo - a:hi - a], self.step_t, lr, wd)
+                step = self.step_t if not lag else self.step_t - lag
+                self.adam.fused(w, g, exp_avg[lo - a:hi - a], exp_avg_sq[lo - a:hi - a], step, lr, wd)
 
     def _step_coded(self, a: int, b: int, grads: torch.Tensor, chunk: CodedChunk, lr: float,
                     params: Optional[torch.Tensor], grads_at: int) -> None:

@@ -172,6 +172,8 @@ class UpdateRunner:
         a tensor, or a HeldGradient (chunked states only) read with each chunk's moments."""
         held = not torch.is_tensor(grad)
         stats = self.adam.collect_stats and not held
+        # (compressed states step every element: a codec's chunk is encoded whole)
+        reached = self.grads.take_reached(unit)
         # (a unit with a frozen tail is rewritten whole: a ranged rewrite covers the part that trains only)
         whole = train_numel(unit) < unit.numel
         rw = self.weights.ranged_update(unit) if self.states.chunked and not stats and not whole else None
@@ -188,8 +190,8 @@ class UpdateRunner:
                 run.finish(grad, grad_norm=norm)
         else:
             m, v = self.states.load(unit)
-            if not skip:
-                self.adam.step_unit(unit, params, grad, m, v, lr, grad_norm=norm)
+            if not skip:   # (what no backward reached stays as it is, as torch's AdamW leaves a grad of None)
+                self.adam.step_unit(unit, params, grad, m, v, lr, grad_norm=norm, reached=reached)
             self.states.store(unit, m, v)
         self.weights.update_done(unit, params)
 

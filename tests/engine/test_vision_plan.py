@@ -1,0 +1,67 @@
+"""A vision-language model in the plan (engine/planning/vision_plan.py): image tokens per row or a
+pixel budget through the family's patch size and merge, the vision tower's graph in the
+embedding's backward counted on the device, image tokens counted as sequence."""
+import pytest
+from transformers import AutoConfig
+
+import megatrain_nb as mt
+from megatrain_nb.engine.planning.vision_plan import VisionShape, patches_per_token
+from tests.engine.test_vlm import _model
+
+
+def _qwen25_vl_7b():
+    """Qwen2.5-VL-7B-Instruct's config.json, its numbers (built here: nothing downloads)."""
+    text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
+                rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6})
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584, window_size=112,
+                  fullatt_block_indexes=[7, 15, 23, 31])
+    return AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+def _gemma3_27b():
+    """Gemma-3-27B-it's config.json, its numbers."""
+    text = dict(model_type="gemma3_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208,
+                sliding_window=1024, max_position_embeddings=131072)
+    vision = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                  num_attention_heads=16, image_size=896, patch_size=14)
+    return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=256)
+
+
+def test_the_families_patches_per_image_token():
+    assert patches_per_token(_qwen25_vl_7b()) == 4             # 2x2 merge: one token per 28x28 pixels
+    assert patches_per_token(_gemma3_27b()) == 16              # 64x64 patches pooled to 256 tokens
+    assert patches_per_token(_model("idefics3").config) == 4   # scale_factor 2
+    assert patches_per_token(_model("llava").config) == 1
+    assert VisionShape.of(_qwen25_vl_7b()).tokens_of_pixels(1280 * 28 * 28) == 1280
+    assert VisionShape.of(AutoConfig.for_model("llama")) is None
+
+
+def test_image_tokens_add_the_vision_graph_to_the_device_plan():
+    """Same seq, more of it image tokens: the device activations grow by the vision graph
+    (batch x tokens x patches per token x depth x (12 x width + 3 x MLP) x bytes), and
+    max_pixels gives the same plan as the image tokens it makes."""
+    cfg = _qwen25_vl_7b()
+    shape = VisionShape.of(cfg)
+    base = mt.estimate(cfg, vram_gb=80, ram_gb=None, disk_gb=None, seq=4096, precision="bf16")
+    img = mt.estimate(cfg, vram_gb=80, ram_gb=None, disk_gb=None, seq=4096, precision="bf16", image_tokens=1280)
+    graph = shape.work_bytes(batch=1, image_tokens=1280, compute_bytes=2)
+    assert graph == 1280 * 4 * 32 * (12 * 1280 + 3 * 3420) * 2
+    # (the graph and a decoder layer's re-run never live together: the larger one counts)
+    assert 0.5 * graph < img.plan.device["activations"] - base.plan.device["activations"] <= graph
+    pix = mt.estimate(cfg, vram_gb=80, ram_gb=None, disk_gb=None, seq=4096, precision="bf16",
+                      max_pixels=1280 * 28 * 28)
+    assert pix.plan.device == img.plan.device
+    assert base.num_parameters == img.num_parameters > 8.2e9   # the vision tower's weights are the model's
+
+
+def test_bad_image_inputs_are_refused_by_name():
+    cfg = _qwen25_vl_7b()
+    with pytest.raises(ValueError, match="image tokens per row do not fit seq=1024"):
+        mt.estimate(cfg, seq=1024, image_tokens=2000)
+    with pytest.raises(ValueError, match="image_tokens or max_pixels, not both"):
+        mt.estimate(cfg, image_tokens=10, max_pixels=10000)
+    with pytest.raises(ValueError, match="has no vision tower"):
+        mt.estimate("tiny", image_tokens=10)

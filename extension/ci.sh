@@ -12,7 +12,8 @@
 # 4. Installs the wheel into the current environment; checks the server extension.
 # 5. jest (panel logic), pytest tests/lab (beacon, handlers), then the browser test.
 #
-# Environment: PYTHON (default: python), SKIP_BROWSER=1 to leave out step 1 and the e2e test.
+# Environment: PYTHON (default: python), SKIP_BROWSER=1 to leave out step 1 and the e2e test,
+# LABEXTENSION_INTO=DIR to keep a copy of the labextension built in step 2 there.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -22,7 +23,8 @@ STAGE=$(mktemp -d /tmp/megatrain-nb-lab-ci.XXXXXX)
 trap 'rm -rf "$STAGE"' EXIT
 cd "$ROOT"
 
-step() { printf '\n=== %s\n' "$*"; }
+T0=$SECONDS
+step() { printf '\n=== [%ss] %s\n' "$((SECONDS - T0))" "$*"; }
 . "$ROOT/extension/wheel_checks.sh"   # check_wheel, check_no_node_install, strip_ansi
 
 if [ "${SKIP_BROWSER:-0}" != 1 ] && ! [ -x /usr/bin/chromium ]; then
@@ -31,8 +33,8 @@ if [ "${SKIP_BROWSER:-0}" != 1 ] && ! [ -x /usr/bin/chromium ]; then
 fi
 
 step "python test and build tools"
-"$PY" -m pip install -q playwright "pytest-jupyter[server]>=0.9" pytest-timeout build \
-  hatchling hatch-jupyter-builder
+"$PY" -m pip install -q --no-compile playwright "pytest-jupyter[server]>=0.9" pytest-timeout build \
+  "hatchling>=1.21" "jupyterlab>=4.2,<5" "hatch-nodejs-version>=0.3.2" "hatch-jupyter-builder>=0.9"
 
 step "wheel from a clean copy of extension/"
 mkdir -p "$STAGE/src" "$DIST"
@@ -41,9 +43,19 @@ git ls-files -z --cached --others --exclude-standard -- extension \
   | (cd "$ROOT" && xargs -0 cp --parents -t "$STAGE/src")
 test ! -e "$STAGE/src/extension/node_modules" && test ! -e "$STAGE/src/extension/megatrain_nb_lab/labextension"
 rm -f "$DIST"/megatrain_nb_lab-*.whl
-"$PY" -m build --wheel --outdir "$DIST" "$STAGE/src/extension"
+# built with this environment's build tools (the ones extension/pyproject.toml requires, installed
+# above; `build` checks that they satisfy it), not in a fresh isolated environment that would
+# download and install JupyterLab once more for the build alone
+"$PY" -m build --wheel --no-isolation --outdir "$DIST" "$STAGE/src/extension"
 WHEEL=$(ls "$DIST"/megatrain_nb_lab-*.whl)
 check_wheel "$WHEEL"
+# LABEXTENSION_INTO=DIR: that build, copied to DIR (scripts/test.sh: extension/megatrain_nb_lab/
+# labextension, which megatrain-nb's own install carries), so that it is not built a second time
+if [ -n "${LABEXTENSION_INTO:-}" ]; then
+  rm -rf "$LABEXTENSION_INTO.tmp" && cp -r "$STAGE/src/extension/megatrain_nb_lab/labextension" "$LABEXTENSION_INTO.tmp"
+  rm -rf "$LABEXTENSION_INTO" && mv "$LABEXTENSION_INTO.tmp" "$LABEXTENSION_INTO"
+  echo "the build copied to $LABEXTENSION_INTO"
+fi
 
 step "fresh venv without Node.js: jupyter labextension list"
 check_no_node_install "$STAGE" "$WHEEL"

@@ -21,12 +21,14 @@ T0=$SECONDS
 step() { echo "[setup $((SECONDS - T0))s] $*"; }
 
 # pip with one line per package it collects or installs (not ~95 s of silence); the full log
-# is printed when pip fails.
+# is printed when pip fails. --no-compile: pip does not byte-compile every module of torch,
+# transformers and JupyterLab at install time (minutes on 2 cores); Python compiles, and caches,
+# only the modules a program imports, when it first imports them.
 pip_install() {
   local log rc
   log=$(mktemp)
   set +e
-  python -m pip install --progress-bar off --disable-pip-version-check "$@" 2>&1 | tee "$log" |
+  python -m pip install --no-compile --progress-bar off --disable-pip-version-check "$@" 2>&1 | tee "$log" |
     { grep --line-buffered -E '^(Collecting|Processing|Installing collected|Successfully installed|Requirement already satisfied: megatrain)' |
       sed -u 's/^/    /' || true; }
   rc=${PIPESTATUS[0]}
@@ -103,7 +105,11 @@ jlpm_install() {
 
 # `setup.sh lab`: the JupyterLab sidebar. Its frontend is built once from extension/ with
 # Node.js >= 20 (installing a released wheel never needs Node.js: it carries the build).
-if [[ ",$EXTRAS," == *,lab,* ]] && [ ! -f extension/megatrain_nb_lab/labextension/package.json ]; then
+# SKIP_LAB_BUILD=1: the lab extra's packages without the build (scripts/test.sh: extension/ci.sh
+# builds the sidebar from a clean copy of extension/ and hands that build over, one build, not two).
+if [ "${SKIP_LAB_BUILD:-0}" = 1 ]; then
+  step "SKIP_LAB_BUILD=1: the megatrain-nb sidebar is not built here"
+elif [[ ",$EXTRAS," == *,lab,* ]] && [ ! -f extension/megatrain_nb_lab/labextension/package.json ]; then
   node_major=$(node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/' || true)
   if [ -n "$node_major" ] && [ "$node_major" -ge 20 ]; then
     step "building the JupyterLab extension with Node.js $(node --version) (jlpm install, jlpm build:prod; a few minutes)"

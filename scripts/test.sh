@@ -27,7 +27,9 @@ if [ "$lab" = 1 ]; then
          "Install it, or run SKIP_LAB=1 bash scripts/test.sh" >&2
     exit 2
   fi
-  bash scripts/setup.sh test,lab    # megatrain-nb carries the built sidebar: its one owner
+  # the lab extra's packages; the sidebar is built once, by extension/ci.sh below from a clean copy
+  # of extension/, which hands the build to megatrain-nb (its one owner)
+  SKIP_LAB_BUILD=1 bash scripts/setup.sh test,lab
 else
   bash scripts/setup.sh test
 fi
@@ -47,14 +49,21 @@ else
   say "building and checking the JupyterLab extension (extension/ci.sh; a few minutes): it installs" \
       "playwright, pytest-jupyter, build and hatchling into .venv, and the megatrain_nb_lab wheel it" \
       "checks (removed again below)"
-  bash extension/ci.sh
+  LABEXTENSION_INTO=extension/megatrain_nb_lab/labextension bash extension/ci.sh
   say "removing the megatrain_nb_lab wheel extension/ci.sh installed; megatrain-nb keeps the sidebar"
   python -m pip uninstall -y -q megatrain_nb_lab
-  python -m pip install -q --no-deps --force-reinstall --disable-pip-version-check -e .   # its labextension files again
+  # megatrain-nb again, now carrying the sidebar extension/ci.sh built (its labextension files);
+  # with this environment's setuptools when it is new enough (no isolated build environment made)
+  iso=()
+  if python -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2>/dev/null; then
+    iso=(--no-build-isolation)
+  fi
+  python -m pip install -q --no-deps --force-reinstall --no-compile --disable-pip-version-check ${iso[@]+"${iso[@]}"} -e .
   jupyter labextension list 2>&1 | sed -E 's/\x1b\[[0-9;]*m//g' | grep -E 'megatrain-nb-lab v[0-9.]+ enabled' | sed 's/^/    /' || {
     echo "[test] error: after removing megatrain_nb_lab, megatrain-nb's own sidebar is not listed" >&2
     exit 1
   }
 fi
+# no path given: tests/conftest.py runs the suite in two processes (pytest-xdist)
 say "running the test suite: python -m pytest -q --durations=25 $*"
 python -m pytest -q --durations=25 "$@"

@@ -1,0 +1,215 @@
+"""Vision-language training through the streaming engine (issue 49): the step's time per token
+with images against the same language model on text only, the vision graph's device bytes
+against the plan, and full SFT of Qwen2.5-VL-7B and Gemma-3-27B on paper (one H100 profile).
+
+    python benchmarks/bench_vlm.py                 # a few minutes on 2 loaded cores; nothing downloaded
+    python benchmarks/bench_vlm.py --paper-only    # the estimates only (seconds)
+
+The model: a Qwen2-VL shaped like Qwen2-VL-7B, its widths scaled down 14x so that it steps on a
+CPU (language model: 8 layers, hidden 256, MLP 1352, vocabulary 2048; vision tower: 9 blocks of
+width 96, MLP x4, 14-pixel patches merged 2x2, so the vision tower's work per image token
+against the language model's per token is Qwen2-VL-7B's, ~0.36). Rows of ``--seq`` tokens,
+``--image-tokens`` of them an image's (one image per row, the processor's layout: vision
+start, image pads, vision end). The text step: the same rows with the image tokens replaced by
+text tokens -- the same language model, the same tokens. Contenders side by side: the engine's
+ratio, and the model's own forward+backward's (Hugging Face, plain autograd): what the vision
+tower itself costs, which no placement removes.
+
+``vlm_device_peak_vs_plan``: on CUDA the allocator's peak over the planned device bytes
+(``engine.plan.device["total"]``, the plan made with the step's workload, image tokens
+included). On a CPU there is no device allocator to read: the figure printed instead is the
+vision graph's saved bytes in the embedding's backward (counted by saved-tensor hooks around
+the vision tower) over what ``planning/vision_plan.VisionShape.work_bytes`` plans for it.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import result  # noqa: E402
+
+PROFILE = "h100-pcie5-gen4nvme"
+IMAGE, VSTART, VEND = 2000, 2001, 2002
+
+
+def _qwen25_vl_7b():
+    """Qwen2.5-VL-7B-Instruct's published config.json (huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct)."""
+    from transformers import AutoConfig
+
+    text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6})
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584, window_size=112,
+                  fullatt_block_indexes=[7, 15, 23, 31])
+    return AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+def _gemma3_27b():
+    """Gemma-3-27B-it's published config.json (huggingface.co/google/gemma-3-27b-it)."""
+    from transformers import AutoConfig
+
+    text = dict(model_type="gemma3_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208,
+                sliding_window=1024, max_position_embeddings=131072)
+    vision = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                  num_attention_heads=16, image_size=896, patch_size=14)
+    return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=256)
+
+
+def paper() -> None:
+    """Full SFT (vision tower, projector and language model trained) on one H100 profile: bf16
+    compute over fp32 master weights, int8 AdamW states, 512 GiB of host RAM, a disk tier;
+    one 4,096-token row per micro-batch, 8 a step, an image's tokens in each."""
+    import megatrain_nb as mt
+
+    for name, cfg, image_tokens in (("qwen25_vl_7b", _qwen25_vl_7b(), 1280), ("gemma3_27b", _gemma3_27b(), 256)):
+        est = mt.estimate(cfg, vram_gb=80, ram_gb=512, disk_gb=4000, seq=4096, accumulation=8, precision="bf16",
+                          compression="int8", image_tokens=image_tokens, rates=PROFILE)
+        plan = est.plan
+        print(f"{name}: {est.num_parameters / 1e9:.2f}B parameters, {image_tokens} image tokens per 4096-token row, "
+              f"feasible={est.feasible}, weights on {plan.placement['master_weights']}, "
+              f"step {est.prediction.step_seconds:.1f} s ({est.prediction.bottleneck})")
+        result(f"{name}_full_sft_device_gib", plan.device["total"] / 2**30, "GiB", "<=", 80)
+        result(f"{name}_full_sft_host_gib", plan.host["total"] / 2**30, "GiB", "<=", 512)
+        result(f"{name}_full_sft_disk_gib", plan.disk["total"] / 2**30, "GiB", "<=", 4000)
+        result(f"{name}_full_sft_host_min_gib", est.host_min / 2**30, "GiB", "<=", 512)
+
+
+def _model():
+    """A Qwen2-VL of Qwen2-VL-7B's proportions, scaled down (see the module's docstring)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = dict(vocab_size=2048, hidden_size=256, intermediate_size=1352, num_hidden_layers=8, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [16, 8, 8], "rope_theta": 1e6})
+    vision = dict(depth=9, embed_dim=96, hidden_size=256, num_heads=4, mlp_ratio=4, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    cfg = AutoConfig.for_model("qwen2_vl", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                               video_token_id=2003, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    return AutoModelForImageTextToText.from_config(cfg).train()
+
+
+def _batches(batch: int, seq: int, image_tokens: int):
+    """(the image batch, the text batch of the same tokens): one square image per row."""
+    import torch
+
+    side = int(round((image_tokens * 4) ** 0.5))   # patches per side (2x2 patches a token)
+    assert side * side == 4 * image_tokens, "--image-tokens must be a square number of 2x2 tokens (256, 576, 1024)"
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 1990, (batch, seq), generator=g)
+    text = {"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    ids[:, 8], ids[:, 9:9 + image_tokens], ids[:, 9 + image_tokens] = VSTART, IMAGE, VEND
+    labels = ids.masked_fill(ids == IMAGE, -100)
+    image = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+             "pixel_values": torch.randn(batch * side * side, 3 * 2 * 14 * 14, generator=g),
+             "image_grid_thw": torch.tensor([[1, side, side]] * batch),
+             "mm_token_type_ids": (ids == IMAGE).int()}
+    return image, text
+
+
+def _timed(fn, steps: int) -> float:
+    fn()   # warm-up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) / steps
+
+
+def _hf_step(model, batch):
+    def step():
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def _vision_graph_bytes(engine, batch) -> int:
+    """The vision tower's saved-tensor bytes in one embedding backward (CPU: no allocator)."""
+    import torch
+
+    tower = engine.model.model.visual
+    live = {"now": 0, "peak": 0, "on": False}
+
+    class Held:
+        def __init__(self, t):
+            self.t, self.n = t, t.numel() * t.element_size()
+            live["now"] += self.n
+            live["peak"] = max(live["peak"], live["now"])
+
+        def __del__(self):
+            live["now"] -= self.n
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: Held(t) if live["on"] else t,
+                                                     lambda h: h.t if isinstance(h, Held) else h)
+
+    def pre(*_):
+        if torch.is_grad_enabled():
+            live["on"] = True
+
+    def post(*_):
+        live["on"] = False
+
+    handles = [tower.register_forward_pre_hook(pre), tower.register_forward_hook(post)]
+    with hooks:
+        engine.forward_backward(**batch)
+    for h in handles:
+        h.remove()
+    engine.zero_grad()
+    return live["peak"]
+
+
+def measured(batch: int, seq: int, image_tokens: int, steps: int) -> None:
+    import torch
+
+    from megatrain_nb.engine import EngineConfig, StreamingEngine
+    from megatrain_nb.engine.planning.planner import Workload
+    from megatrain_nb.engine.planning.vision_plan import VisionShape
+
+    torch.manual_seed(0)
+    image, text = _batches(batch, seq, image_tokens)
+    model = _model()
+    hf = copy.deepcopy(model)
+    hf_ratio = _timed(_hf_step(hf, image), steps) / _timed(_hf_step(hf, text), steps)
+    work = Workload(batch=batch, seq=seq, accumulation=1, image_tokens=image_tokens)
+    engine = StreamingEngine(model, EngineConfig(device="cuda" if torch.cuda.is_available() else "cpu"),
+                             workload=work)
+    vlm_s = _timed(lambda: engine.forward_backward(**image, step_lr=1e-4), steps)
+    text_s = _timed(lambda: engine.forward_backward(**text, step_lr=1e-4), steps)
+    print(f"per step: engine {vlm_s:.3f} s with images, {text_s:.3f} s text only ({batch}x{seq} tokens, "
+          f"{image_tokens} image tokens a row); Hugging Face forward+backward ratio {hf_ratio:.3f}")
+    result("vlm_step_vs_text_step", vlm_s / text_s, "x", "<=", 1.15)
+    result("hf_vlm_step_vs_text_step", hf_ratio, "x", "<=", 1.15)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        engine.forward_backward(**image, step_lr=1e-4)
+        peak = torch.cuda.max_memory_allocated()
+        result("vlm_device_peak_vs_plan", peak / engine.plan.device["total"], "x", "<=", 1.05)
+    else:
+        got = _vision_graph_bytes(engine, image)
+        planned = VisionShape.of(model.config).work_bytes(batch=batch, image_tokens=image_tokens, compute_bytes=4)
+        print(f"vision graph in the embedding's backward: {got / 2**20:.1f} MiB measured, {planned / 2**20:.1f} MiB "
+              "planned (no CUDA device here: vlm_device_peak_vs_plan needs one)")
+        result("vlm_vision_graph_vs_plan", got / planned, "x", "<=", 1.05)
+    engine.close()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--image-tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--paper-only", action="store_true")
+    a = p.parse_args(argv)
+    paper()
+    if not a.paper_only:
+        measured(a.batch, a.seq, a.image_tokens, a.steps)
+
+
+if __name__ == "__main__":
+    main()

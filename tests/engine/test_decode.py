@@ -165,3 +165,35 @@ def test_bf16_decodes_on_the_bf16_copy_the_engine_loads():
     assert set(dtypes) == {torch.bfloat16}
     assert out.completions == _generate(ref.to(torch.bfloat16), rows, gc)
     engine.close()
+
+
+class _WindowOnly:
+    """An engine that gives only ``forward_logits``: sample_text re-runs the window per token."""
+
+    def __init__(self, engine):
+        self.engine, self.model_config, self.lock = engine, engine.model_config, engine.lock
+
+    def forward_logits(self, *a, **k):
+        return self.engine.forward_logits(*a, **k)
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=0.8, top_k=20, seed=3),
+                                     dict(temperature=1.0, top_k=None, seed=5)])
+def test_sample_text_decodes_with_the_cache_as_the_window_path_did(options):
+    from megatrain_nb.assets import chat_tokenizer
+    from megatrain_nb.engine.compute.sampling import sample_text
+
+    tok = chat_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, vocab=len(tok),
+                                                           max_position_embeddings=64)).eval()
+    engine = StreamingEngine(model, device="cpu")
+    seen = []
+    engine.runner.base.register_forward_pre_hook(lambda m, a, k: seen.append(tuple(k["input_ids"].shape)),
+                                                 with_kwargs=True)
+    text = sample_text(engine, tok, "hello there", max_new_tokens=8, **options)
+    decoded = list(seen)
+    assert decoded[0][1] > 1 and set(decoded[1:]) <= {(1, 1)}   # a prefill, then one token a pass (the cache)
+    assert text == sample_text(_WindowOnly(engine), tok, "hello there", max_new_tokens=8, **options)
+    assert seen[len(decoded)][1] == decoded[0][1]   # (the window path: the whole window each token)
+    engine.close()

@@ -105,12 +105,23 @@ def device_left(engine) -> Optional[int]:
     return None if cap is None else cap - engine.plan.device["total"]
 
 
-def check_kv_budget(engine, rows: int, length: int) -> int:
-    """The KV cache (and last logits) bytes of ``rows`` x ``length``; refused where the device
-    budget left beside the engine's working set is smaller."""
+def decode_bytes(engine, rows: int, length: int) -> int:
+    """Device bytes a decoding of ``rows`` x ``length`` tokens holds: the KV cache in the compute
+    dtype and the last logits (fp32 logits, scores, probabilities)."""
     elem = torch.empty((), dtype=engine.dtype).element_size()
     need = kv_cache_bytes(engine.model_config, rows, length, elem)
-    need += 3 * rows * text_config(engine.model_config).vocab_size * 4   # logits, scores, probabilities
+    return need + 3 * rows * text_config(engine.model_config).vocab_size * 4
+
+
+def decode_fits(engine, rows: int, length: int) -> bool:
+    left = device_left(engine)
+    return left is None or decode_bytes(engine, rows, length) <= left
+
+
+def check_kv_budget(engine, rows: int, length: int) -> int:
+    """:func:`decode_bytes` of ``rows`` x ``length``; refused where the device budget left beside
+    the engine's working set is smaller."""
+    need = decode_bytes(engine, rows, length)
     left = device_left(engine)
     if left is not None and need > left:
         raise ValueError(
@@ -164,6 +175,13 @@ def eos_ids(gc: GenerationConfig) -> List[int]:
     return [] if e is None else ([int(e)] if isinstance(e, int) else [int(x) for x in e])
 
 
+def draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One token per row by ``torch.multinomial`` (on ``generator``'s device when one is given)."""
+    if generator is None:
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+    return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(probs.device)
+
+
 def left_padded(rows: Sequence[Sequence[int]], pad: int):
     """(ids, mask, positions) [len(rows), longest], left-padded; positions as ``generate``'s."""
     n = max(len(r) for r in rows)
@@ -186,9 +204,10 @@ class StreamedDecoder:
         self.cache_key = "cache" if "cache" in params else "past_key_values"   # transformers 5.x / 4.x
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], generation_config: GenerationConfig, *,
-                 logprob_temperature: float = 1.0) -> Decoded:
+                 logprob_temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> Decoded:
         """Each prompt's completion (see the module); ``logprob_temperature``: the log-probs are
-        those of ``logits / logprob_temperature`` (GRPO's training temperature)."""
+        those of ``logits / logprob_temperature`` (GRPO's training temperature); ``generator``:
+        the sampling's random stream (default: the global one, as ``generate``'s)."""
         gc = generation_config
         check_generation_config(gc)
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
@@ -206,9 +225,9 @@ class StreamedDecoder:
         with eng.lock, torch.no_grad():
             threads.set_thread_device(eng.device)
             eng.updates.check()
-            return self._decode(unique, row_prompt, gc, steps, logprob_temperature, stats)
+            return self._decode(unique, row_prompt, gc, steps, logprob_temperature, stats, generator)
 
-    def _decode(self, unique, row_prompt, gc, steps, temperature, stats) -> Decoded:
+    def _decode(self, unique, row_prompt, gc, steps, temperature, stats, generator) -> Decoded:
         dev = self.engine.device
         pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids(gc) or [0])[0]
         stops = torch.tensor(eos_ids(gc) or [-1], device=dev)
@@ -227,7 +246,7 @@ class StreamedDecoder:
         for t in range(steps):
             scores = procs(seqs, logits)
             if gc.do_sample:
-                tok = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                tok = draw(torch.softmax(scores, dim=-1), generator)
             else:
                 tok = torch.argmax(scores, dim=-1)
             lp = torch.log_softmax(logits / temperature, dim=-1).gather(1, tok[:, None])[:, 0]
@@ -276,4 +295,5 @@ class StreamedDecoder:
         return logits
 
 
-__all__ = ["Decoded", "StreamedDecoder", "check_kv_budget", "kv_cache_bytes", "device_left"]
+__all__ = ["Decoded", "StreamedDecoder", "check_kv_budget", "decode_bytes", "decode_fits", "device_left",
+           "kv_cache_bytes"]

@@ -1,5 +1,7 @@
-"""Sampling text from the engine's current weights (no KV cache: the engine streams layers,
-so each new token re-runs the window; fine for the short samples a notebook asks for).
+"""Sampling text from the engine's current weights: the engine's streamed decoder
+(:mod:`.decode`: a KV cache on the device, each unit loaded once per token) when the prompt and
+the new tokens fit the model's positions and the device budget; else (or an engine that only
+gives ``forward_logits``) each new token re-runs the window, the last ``max_positions`` tokens.
 
 Example::
 
@@ -10,10 +12,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from transformers import GenerationConfig
 
 from megatrain_nb.values import check
 
 from ..family import max_positions
+from .decode import StreamedDecoder, decode_fits
 
 
 def sample_text(
@@ -52,14 +56,28 @@ def sample_text(
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     new: list[int] = []
     with engine.lock:
-        for _ in range(max_new_tokens):
-            ctx = (ids + new)[-window:]
-            logits = engine.forward_logits(torch.tensor([ctx], dtype=torch.long))[0, -1].float()
-            tok = _pick(logits, temperature, top_k, gen)
-            new.append(tok)
-            if eos is not None and tok == eos:
-                break
+        if hasattr(engine, "runner") and len(ids) + max_new_tokens <= window \
+                and decode_fits(engine, 1, len(ids) + max_new_tokens):
+            new = _decoded(engine, ids, max_new_tokens, temperature, top_k, eos, gen)
+        else:
+            for _ in range(max_new_tokens):
+                ctx = (ids + new)[-window:]
+                logits = engine.forward_logits(torch.tensor([ctx], dtype=torch.long))[0, -1].float()
+                tok = _pick(logits, temperature, top_k, gen)
+                new.append(tok)
+                if eos is not None and tok == eos:
+                    break
     return tokenizer.decode(ids + new if prompt and not answer_only else new, skip_special_tokens=True)
+
+
+def _decoded(engine, ids, max_new_tokens, temperature, top_k, eos, gen) -> list:
+    """The new tokens by the streamed decoder (greedy at temperature 0, else temperature and top-k)."""
+    if temperature == 0:
+        gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    else:
+        gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                              top_k=top_k or 0, eos_token_id=eos, pad_token_id=0)
+    return StreamedDecoder(engine).generate([ids], gc, generator=gen).completions[0]
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: Optional[int], gen) -> int:

@@ -3,6 +3,7 @@
     python scripts/models_table.py                 # the whole registry, in chunks of 20
     python scripts/models_table.py --jobs 2        # two chunks at a time
     python scripts/models_table.py --only llama gpt2   # re-check some, keep the others' results
+    python scripts/models_table.py --vision            # the image-text-to-text registry only (or --vision qwen2_vl ...)
 
 Each chunk runs in its own process with a time limit per architecture (a hang or a crash of
 one architecture is its result, not the end of the sweep).
@@ -71,6 +72,7 @@ def main(argv=None):
 
     from megatrain_nb.sweep import table
     from megatrain_nb.sweep.check import registry
+    from megatrain_nb.sweep.vision import vision_registry, vision_sweep
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=None)
@@ -78,10 +80,20 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=20)
     ap.add_argument("--limit", type=int, default=300, help="seconds per architecture")
     ap.add_argument("--from-jsonl", nargs="*", default=None, help="results already run (JSON lines) to use")
+    ap.add_argument("--vision", nargs="*", default=None,
+                    help="check only the image-text-to-text registry (these model types; all when none given)")
     ns = ap.parse_args(argv)
 
-    stored = {r["model_type"]: r for r in table.load().get("results", [])}
-    if ns.from_jsonl is not None:
+    loaded = table.load().get("results", [])
+    stored = {r["model_type"]: r for r in loaded if not table.is_vision(r)}
+    vision = {r["model_type"]: r for r in loaded if table.is_vision(r)}
+    if ns.vision is not None or (ns.only is None and ns.from_jsonl is None):   # in this process: a few minutes
+        for r in vision_sweep(ns.vision or None):
+            vision[r.model_type] = r.to_dict()
+            print(f"{r.model_type:<28} {r.status:<20} {r.reason[:100]}", flush=True)
+    if ns.vision is not None:
+        todo = []
+    elif ns.from_jsonl is not None:
         for path in ns.from_jsonl:
             for line in open(path):
                 if line.startswith("{"):
@@ -100,7 +112,8 @@ def main(argv=None):
                 stored.update(out)
                 for r in out.values():
                     print(f"{r['model_type']:<28} {r['status']:<20} {r.get('reason', '')[:100]}", flush=True)
-    results = [stored[mt] for mt in registry() if mt in stored]
+    results = ([stored[mt] for mt in registry() if mt in stored]
+               + [vision[mt] for mt in vision_registry() if mt in vision])
     table.save(results, transformers.__version__)
     with open(os.path.join(ROOT, "docs", "MODELS.md"), "w") as f:
         f.write(table.markdown(results, transformers.__version__))

@@ -35,7 +35,7 @@ from megatrain_nb.cli.machine import add_parser as add_machine_parser
 from megatrain_nb.cli.machine import cmd_machine  # noqa: F401
 from megatrain_nb.estimate_words import Lazy, add_estimate_arguments, codec_names_lazy, positive_int
 from megatrain_nb.sweep import table
-from megatrain_nb.sweep.check import sweep
+from megatrain_nb.sweep.vision import sweep_all
 
 # The commands that train, and what they print about a run, import the Trainer (torch,
 # transformers): their names load on first use (PEP 562), so `megatrain-nb --help` stays light.

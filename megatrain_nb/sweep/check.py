@@ -74,7 +74,7 @@ def kind_of(model_type: str, architecture: str) -> str:
     return "decoder-only"
 
 
-def _short(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     msg = " ".join(line.strip() for line in str(e).strip().splitlines())
     return f"{type(e).__name__}: {msg[:300]}"
 
@@ -126,19 +126,35 @@ def compare(engine, loss: float, ref_loss: float, ref_grads) -> str:
     return "ok"
 
 
-def _run_mode(model, mode: str, batches, ref) -> str:
+def engine_parts():
+    """``(EngineConfig, StreamingEngine, units, vision)`` of the engine, imported here only: the
+    sweep's table and ``megatrain-nb models`` stay free of torch until a check runs."""
+    from megatrain_nb.engine import EngineConfig, StreamingEngine, units, vision
+
+    return EngineConfig, StreamingEngine, units, vision
+
+
+def _as_batch(b) -> dict:
+    """A batch of the sweep as the engine takes it: token ids (all attended), or a dict as it is
+    (an image-text batch: its labels and images inside)."""
     import torch
 
-    from megatrain_nb.engine import EngineConfig, StreamingEngine
+    return b if isinstance(b, dict) else {"input_ids": b, "attention_mask": torch.ones_like(b)}
 
+
+def run_mode(model, mode: str, batches, ref) -> str:
+    EngineConfig, StreamingEngine, _, _ = engine_parts()
     k = 2 if mode == "interval 2" else 1
     tiles = {"tile_tokens": 3} if mode == TILED else {}   # a layer's MLP over the sequence in tiles of 3 tokens
     engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", checkpoint_interval=k, overrides=tiles))
     try:
+        first = batches[0]
         if mode == "window of 2":
-            out = engine.forward_backward([{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in batches])
+            out = engine.forward_backward([_as_batch(b) for b in batches])
+        elif isinstance(first, dict):   # an image-text batch: its labels and images inside
+            out = engine.forward_backward(first)
         else:
-            out = engine.forward_backward(batches[0], attention_mask=torch.ones_like(batches[0]))
+            out = engine.forward_backward(first, attention_mask=_as_batch(first)["attention_mask"])
         return compare(engine, out.loss, *ref)
     finally:
         engine.close()
@@ -155,7 +171,8 @@ def check(model_type: str, modes=MODES) -> Result:
     if kind == "multimodal":
         res.status = NOT_DECODER
         res.reason = (f"{architecture} is a multimodal top-level class (vision/audio towers around a language "
-                      "model); train its text model (the …ForCausalLM of config.get_text_config()) instead")
+                      "model); train its text model (the …ForCausalLM of config.get_text_config()) instead, "
+                      "or the whole model where the image-text-to-text table lists it as supported")
         return res
     if kind == "assistant":
         res.status = NOT_DECODER
@@ -175,7 +192,7 @@ def check(model_type: str, modes=MODES) -> Result:
         if default is not None:
             res.reason = f"transformers cannot build it from its own default config: {default}"
         else:
-            res.status, res.reason = FAILING, f"the tiny-config rules do not fit it: {_short(e)}"
+            res.status, res.reason = FAILING, f"the tiny-config rules do not fit it: {short_error(e)}"
         return res
     try:
         vocab = model.get_input_embeddings().num_embeddings
@@ -183,7 +200,7 @@ def check(model_type: str, modes=MODES) -> Result:
         window = _batches(vocab, 2, seed=1)
         refs = {"single": reference(model, single), "window": reference(model, window)}
     except Exception as e:  # noqa: BLE001
-        res.status, res.reason = FAILING, f"the tiny model does not run in transformers (the rules?): {_short(e)}"
+        res.status, res.reason = FAILING, f"the tiny model does not run in transformers (the rules?): {short_error(e)}"
         refusal = _engine_refusal(model)
         if refusal:   # the engine declines it anyway: that is the result
             res.status, res.reason = REFUSED, refusal
@@ -191,15 +208,15 @@ def check(model_type: str, modes=MODES) -> Result:
     for mode in modes:
         batches, ref = (window, refs["window"]) if mode == "window of 2" else (single, refs["single"])
         try:
-            res.modes[mode] = _run_mode(model, mode, batches, ref)
+            res.modes[mode] = run_mode(model, mode, batches, ref)
         except (TypeError, NotImplementedError) as e:
-            if _is_refusal(e):
+            if is_refusal(e):
                 res.status, res.reason = REFUSED, str(e).strip().splitlines()[0]
                 res.modes[mode] = "refused"
                 return res
-            res.modes[mode] = _short(e) + " @ " + _where(e)
+            res.modes[mode] = short_error(e) + " @ " + where_raised(e)
         except Exception as e:  # noqa: BLE001
-            res.modes[mode] = _short(e) + " @ " + _where(e)
+            res.modes[mode] = short_error(e) + " @ " + where_raised(e)
     bad = {m: v for m, v in res.modes.items() if v != "ok"}
     if bad:
         res.status = FAILING
@@ -211,9 +228,9 @@ def _engine_refusal(model) -> Optional[str]:
     """The engine's stated refusal of ``model`` (one step on a batch), or None."""
     try:
         ids = _batches(model.get_input_embeddings().num_embeddings, 1)[0]
-        _run_mode(model, "interval 1", [ids], (0.0, {}))
+        run_mode(model, "interval 1", [ids], (0.0, {}))
     except (TypeError, NotImplementedError) as e:
-        if _is_refusal(e):
+        if is_refusal(e):
             return str(e).strip().splitlines()[0]
     except Exception:  # noqa: BLE001 - not a refusal
         pass
@@ -230,17 +247,17 @@ def _default_build_error(model_type: str) -> Optional[str]:
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
     except Exception as e:  # noqa: BLE001
-        return _short(e)
+        return short_error(e)
     return None
 
 
-def _is_refusal(e: BaseException) -> bool:
+def is_refusal(e: BaseException) -> bool:
     """A refusal the engine states on purpose (raised from megatrain_nb with a reason)."""
     tb = traceback.extract_tb(e.__traceback__)
     return bool(tb) and "megatrain_nb" in tb[-1].filename and "supports" in str(e) or "not supported" in str(e)
 
 
-def _where(e: BaseException) -> str:
+def where_raised(e: BaseException) -> str:
     tb = traceback.extract_tb(e.__traceback__)
     if not tb:
         return "?"
@@ -249,10 +266,9 @@ def _where(e: BaseException) -> str:
 
 
 def _num_layers(model) -> Optional[int]:
-    from megatrain_nb.engine.units import find_layer_list
-
+    units = engine_parts()[2]
     try:
-        return len(find_layer_list(model)[2])
+        return len(units.find_layer_list(model)[2])
     except Exception:  # noqa: BLE001
         return None
 

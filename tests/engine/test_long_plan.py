@@ -57,8 +57,10 @@ def test_an_impossible_length_is_refused_with_the_numbers_and_the_longest_that_f
 
 
 def test_the_tile_follows_the_budget_and_the_override_pins_it():
-    roomy, tight = _plan(65536, vram_gb=64), _plan(65536)
-    assert roomy.tile_tokens > tight.tile_tokens > 0
+    roomy, wider, tight = _plan(65536, vram_gb=64), _plan(65536, vram_gb=3), _plan(65536)
+    # tiles only where the row's MLP does not fit (tiling.tile_tokens_for, as the engine runs it):
+    # its untiled intermediates (1 GiB here) fit a quarter of 64 GiB, not of 3 GiB nor of 1 GiB
+    assert roomy.tile_tokens == 0 and wider.tile_tokens > tight.tile_tokens > 0
     assert _plan(65536, tile_tokens=128).tile_tokens == 128
     untiled = _plan(65536, tile_tokens=0)
     assert untiled.tile_tokens == 0

@@ -19,7 +19,15 @@ those amounts on the engine's streams:
   capacity: what the cache cannot keep), gradients held on the disk tier for the clipping
   norm (written and read once), boundary activations on the disk tier;
 * **optimizer**: AdamW (one worker thread, ``adamw_per_thread``) pipelined with the codec's
-  decode and encode threads (``codec_per_thread``) for compressed states.
+  decode and encode threads (``codec_per_thread``) for compressed states;
+* **cast** (CUDA, a compute dtype narrower than fp32): each update writes its unit's
+  compute-dtype shadow (``HostStore.refresh_shadow``: master weights in RAM) on the update's
+  thread, so a load is one copy with no cast; with the master weights on the disk tier the
+  transport casts each load on the CPU instead (its one pinned cast buffer). Priced at
+  :data:`CAST_VS_ADAMW` x AdamW's rate, in the update chain or before the load's copy;
+* **tiles**: where the plan runs a layer's MLP in tiles (``plan.tile_tokens``: only where the
+  layer does not fit, ``tiling.tile_tokens_for``), the tiled backward runs each tile's MLP forward
+  once more (counted in the recompute).
 
 How they overlap is the engine's: a step is two windows, the forward and the backward (with
 its recompute), each as long as its slowest stream. Without clipping each update starts as its
@@ -50,7 +58,11 @@ from . import rates as rates_mod
 from .rates_cache import cached_rates
 from .planner import codec_bytes_per_param
 
-PHASES = ("forward", "backward", "recompute", "h2d", "d2h", "disk_read", "disk_write", "optimizer", "codec")
+PHASES = ("forward", "backward", "recompute", "h2d", "d2h", "disk_read", "disk_write", "optimizer", "codec", "cast")
+#: A cast of fp32 weights to the compute dtype moves 6 bytes a parameter (4 read, 2 written) where
+#: the fused AdamW moves 28 (weight, gradient and two moments read; weight and moments written):
+#: both memory-bound on one thread, the cast is priced at AdamW's measured rate times 28 / 6.
+CAST_VS_ADAMW = 28 / 6
 STREAMS = {"compute": "compute", "h2d": "host->device", "d2h": "device->host", "disk": "disk",
            "optimizer": "optimizer", "cpu": "CPU cores"}
 
@@ -229,8 +241,14 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
     scale = max(groups, 1) / listed
     boundary = boundary_total(window) if window.get("tier") == "host" else 0
     total = sum(u.numel for u in units)
+    cast = cuda and cb < 4
+    on_disk = plan.placement.get("master_weights") == "disk"
     return {
         "tokens": tokens, "k": k, "groups": groups,
+        "tile_flops": _tile_flops(shape, plan, workload, n_layers),
+        # the compute-dtype copy: written by each update (RAM), or cast by the transport per load (disk)
+        "cast_update_params": total if cast and not on_disk else 0,
+        "cast_load_params": int(sum(u.numel for u in order) * scale) if cast and on_disk else 0,
         "forward_flops": 2.0 * (layer_n + head_n) * tokens, "backward_flops": 4.0 * (layer_n + head_n) * tokens,
         "head_flops": 2.0 * head_n * tokens,
         "recompute_flops": 2.0 * layer_n * tokens * rec,
@@ -241,6 +259,17 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
         "params": total, "state_bytes_fp32": 8 * total, "codec": cfg.optimizer_compression,
         "compute_bytes": cb,
     }
+
+
+def _tile_flops(shape, plan, workload, n_layers: int) -> float:
+    """The MLP forward a tiled layer's backward runs again (its tiles recomputed with gradients):
+    ``2 · 3 · hidden · intermediate`` FLOPs a token (a gated MLP's three matmuls) on every layer,
+    where a micro-batch's tokens exceed the plan's tile (0: untiled)."""
+    tile, tokens = int(getattr(plan, "tile_tokens", 0) or 0), workload.batch * workload.seq
+    if not tile or tokens <= tile:
+        return 0.0
+    inter = shape.intermediate_size or 4 * shape.hidden_size
+    return 2.0 * 3 * shape.hidden_size * inter * tokens * workload.accumulation * n_layers
 
 
 def _shapes_missing(rates, shape, workload, bf16: bool) -> str:
@@ -295,7 +324,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
           + _per(a["attention_flops"]["forward"], at, "attention_flops", missing),
           "backward": _per(a["backward_flops"], mm, "matmul_flops", missing)
           + _per(a["attention_flops"]["backward"], at, "attention_flops", missing),
-          "recompute": _per(a["recompute_flops"], mm, "matmul_flops", missing)
+          "recompute": _per(a["recompute_flops"] + a["tile_flops"], mm, "matmul_flops", missing)
           + _per(a["attention_flops"]["recompute"], at, "attention_flops", missing)}
     h2d_rate = _h2d_rate(rates, cuda)
     d2h_rate = (rates.d2h_pinned or rates.d2h_pageable) if cuda else rates.d2h_pageable
@@ -304,6 +333,10 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     ph["disk_read"] = _per(a["disk"]["read"], rates.disk_read, "disk_read", missing)
     ph["disk_write"] = _per(a["disk"]["write"], rates.disk_write, "disk_write", missing)
     ph["optimizer"] = _per(a["params"], rates.adamw_per_thread, "adamw_per_thread", missing)
+    cast_rate = (rates.adamw_per_thread or 0.0) * CAST_VS_ADAMW
+    a["cast_update_s"] = _per(a["cast_update_params"], cast_rate, "adamw_per_thread", missing)
+    a["cast_load_s"] = _per(a["cast_load_params"], cast_rate, "adamw_per_thread", missing)
+    ph["cast"] = a["cast_update_s"] + a["cast_load_s"]
     codec = cfg.optimizer_compression
     ph["codec"] = 0.0 if codec == "none" else _per(a["state_bytes_fp32"], (rates.codec_per_thread or {}).get(codec, 0),
                                                    f"codec_per_thread[{codec}]", missing)
@@ -311,7 +344,8 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     pred = _schedule(ph, a, rates, cuda=cuda, clipped=workload.clipped, units=units)
     pred.bytes = {"h2d": a["h2d"], "d2h": a["d2h"], "disk_read": a["disk"]["read"], "disk_write": a["disk"]["write"],
                   "disk_state_read": a["disk"]["state_read"], "disk_state_write": a["disk"]["state_write"]}
-    pred.flops = a["forward_flops"] + a["backward_flops"] + a["recompute_flops"] + sum(a["attention_flops"].values())
+    pred.flops = a["forward_flops"] + a["backward_flops"] + a["recompute_flops"] + a["tile_flops"] + \
+        sum(a["attention_flops"].values())
     pred.source = rates.source
     rough = _shapes_missing(rates, shape, workload, bf16)
     if rough:
@@ -341,9 +375,12 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     forward and the backward, each bound by its slowest stream; the updates in the backward's
     window (unclipped) or the next forward's (clipped)."""
     cores = max(int(rates.cores or 1), 1)
-    opt = max(ph["optimizer"], ph["codec"] / min(2, cores))        # AdamW beside the decode/encode threads
-    opt_cpu = ph["optimizer"] + ph["codec"]                         # core-seconds of the update
-    copy_cpu = 0.0 if cuda else ph["h2d"] + ph["d2h"]               # a CPU "device" copies with a core
+    cast_u, cast_l = a.get("cast_update_s", 0.0), a.get("cast_load_s", 0.0)
+    # AdamW (and the shadow's cast after it, on its thread) beside the decode/encode threads
+    opt = max(ph["optimizer"] + cast_u, ph["codec"] / min(2, cores))
+    opt_cpu = ph["optimizer"] + ph["codec"] + cast_u                # core-seconds of the update
+    copy_cpu = cast_l if cuda else ph["h2d"] + ph["d2h"]            # a CPU "device" copies with a core
+    h2d = ph["h2d"] + cast_l                                        # a disk-tier load: cast, then copied
     disk = ph["disk_read"] + ph["disk_write"]
     f = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0          # the forward's share of the loads
 
@@ -355,7 +392,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         _per(a["disk"]["state_write"], rates.disk_write, "", [])
     measured = (getattr(rates, "update_chain", None) or {}).get(a["codec"])
     if measured:   # the whole chain measured as the engine runs it (measure.measure_update_chain)
-        chain = state_disk + a["params"] / measured
+        chain = state_disk + a["params"] / measured + cast_u
     else:
         chain = state_disk + (opt if cuda else max(opt, opt_cpu / max(cores - team, 1)))
 
@@ -388,9 +425,9 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     fc, bc = ph["forward"], ph["backward"] + ph["recompute"]
     on_f = 1.0 if clipped else 0.0
     other = disk - state_disk   # the weights' (and held gradients', boundaries') traffic follows the loads
-    tf, sf, kf = window(fc, ph["h2d"] * f, 0.0, other * f + state_disk * on_f, chain * on_f, opt_cpu * on_f,
+    tf, sf, kf = window(fc, h2d * f, 0.0, other * f + state_disk * on_f, chain * on_f, opt_cpu * on_f,
                         copy_cpu * f)
-    tb, sb, kb = window(bc, ph["h2d"] * (1 - f), ph["d2h"], other * (1 - f) + state_disk * (1 - on_f),
+    tb, sb, kb = window(bc, h2d * (1 - f), ph["d2h"], other * (1 - f) + state_disk * (1 - on_f),
                         chain * (1 - on_f), opt_cpu * (1 - on_f), copy_cpu * (1 - f))
     overlaps = ["host->device prefetch overlaps the compute (the next units load while one computes)",
                 "disk reads run ahead and writes behind in the I/O threads (reads and writes share the disk)"]
@@ -450,6 +487,8 @@ def _load_per_param(a: dict, rates, cuda: bool) -> float:
     GPU machine's pageable one) where the cache keeps them, else read from the disk."""
     h2d = _h2d_rate(rates, cuda)
     t = a["compute_bytes"] / h2d if h2d else 0.0
+    if a.get("cast_load_params") and rates.adamw_per_thread:   # the transport's cast before the copy
+        t += 1.0 / (rates.adamw_per_thread * CAST_VS_ADAMW)
     if a["disk"]["weights_on_disk"]:
         miss = a["disk"]["read_miss"]
         copy, read = rates.h2d_pageable, rates.disk_read

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from megatrain_nb.engine.compute.objective import TOKEN_NLL
 from megatrain_nb.values import DPO_LOSS_TYPES
 
 LOSS_TYPES = DPO_LOSS_TYPES   # (the table of values holds them: megatrain_nb/values.py)
@@ -170,8 +171,9 @@ def _pairs_context(labels: torch.Tensor, data, alpha: Optional[float], need_data
     return _Pairs(data, ld_weights(labels, alpha))
 
 
-def _label_logps(ctx: _Pairs, logits, labels, start, plain: bool):
-    """The (LD-weighted) label log-probs' sums of a chunk, the log-probs and the loss mask."""
+def _label_logps(ctx: _Pairs, logits, labels, start, plain: bool, grad: bool):
+    """The (LD-weighted) label log-probs' sums of a chunk, the log-probs and the loss mask; without
+    ``grad`` also the labels' summed NLL (the head's cross-entropy: engine/compute/objective.py)."""
     keep = labels != -100
     w = ctx.weights[:, start:start + labels.shape[1]].to(logits.device)
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -179,6 +181,8 @@ def _label_logps(ctx: _Pairs, logits, labels, start, plain: bool):
     out = {"logps": (logp * w).sum(dim=1)}
     if plain:
         out["plain_logps"] = logp.sum(dim=1)
+    if not grad:
+        out[TOKEN_NLL] = -logp.detach().sum(dim=1)
     return out, logp_all, logp, keep
 
 
@@ -200,7 +204,7 @@ class DPOObjective:
 
     # ------------------------------------------------------------------ per chunk
     def token_stats(self, ctx: _Pairs, logits, labels, start, grad):
-        out, logp_all, logp, keep = _label_logps(ctx, logits, labels, start, self.plain)
+        out, logp_all, logp, keep = _label_logps(ctx, logits, labels, start, self.plain, grad)
         if grad:
             return out
         with torch.no_grad():   # the metrics' statistics: never differentiated
@@ -273,7 +277,7 @@ class ReferenceLogps:
         return _pairs_context(labels, data, self.s.ld_alpha, False, "ReferenceLogps")
 
     def token_stats(self, ctx: _Pairs, logits, labels, start, grad):
-        return _label_logps(ctx, logits, labels, start, False)[0]
+        return _label_logps(ctx, logits, labels, start, False, grad)[0]
 
     def loss(self, ctx: _Pairs, stats):
         return stats["logps"].sum() * 0.0

@@ -28,6 +28,8 @@ from typing import Dict, Optional
 
 import torch
 
+from megatrain_nb.engine.compute.objective import TOKEN_NLL
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")   # PPO's two-sided clipping (and the clip_ratio metrics)
 PER_SEQUENCE_MEAN = ("grpo", "sapo")                      # each sequence's mean, then the mean over sequences
@@ -165,6 +167,8 @@ class GRPOObjective:
             return out
         with torch.no_grad():
             self._metric_stats(out, logp_all.detach(), log_ratio.detach(), adv, m)
+            if s.temperature == 1.0:   # the labels' NLL EngineOutput.loss averages (else the head's own)
+                out[TOKEN_NLL] = -(logp.detach() * m).sum(1)
         return out
 
     def _token_policy(self, coef, adv, logp):

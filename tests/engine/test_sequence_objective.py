@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
+from megatrain_nb.engine.compute.objective import TOKEN_NLL
 from megatrain_nb.trainer.dpo_loss import DPOObjective, DPOSettings, PairBatch
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
@@ -118,14 +119,14 @@ def test_each_micro_batch_gets_its_own_side_data():
         engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", overrides={"loss_chunk_tokens": 6}))
         out = engine.forward_backward(_window([batches[i] for i in order]), loss_fn=obj)
         runs[order] = (out, {n: g.clone() for n, g in engine.named_gradients()})
-        engine.close()
+        if order[0] == 0:
+            engine.close()
     (a, ga), (b, gb) = runs[(0, 1, 2)], runs[(2, 0, 1)]
     assert b.objective_metrics == [a.objective_metrics[i] for i in (2, 0, 1)]
     assert len({m["rewards/margins"] for m in a.objective_metrics}) == 3   # the side data differ
     assert b.objective_loss == pytest.approx(a.objective_loss, rel=1e-6)
     assert all(torch.allclose(ga[n], gb[n], rtol=1e-5, atol=1e-7) for n in ga)
-    engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu"))
-    for i, (ids, am, lab, comp, ref) in enumerate(batches):
+    for i, (ids, am, lab, comp, ref) in enumerate(batches):   # (no step was taken: the same weights)
         alone = engine.evaluate(ids, attention_mask=am, labels=lab, loss_fn=obj,
                                 objective_data=_objective("sigmoid", ref, comp, am)[1])
         assert alone.objective_metrics[0]["rewards/margins"] == pytest.approx(
@@ -151,6 +152,32 @@ def test_an_objective_keeps_no_state_between_calls():
     assert vars(obj) == before
     assert again.objective_loss == first.objective_loss
     assert again.objective_metrics == first.objective_metrics
+
+
+class _OwnNLL(DPOObjective):
+    """DPO without the labels' NLL among its statistics: the head takes its own cross-entropy."""
+
+    def token_stats(self, ctx, logits, labels, start, grad):
+        out = super().token_stats(ctx, logits, labels, start, grad)
+        out.pop(TOKEN_NLL, None)
+        return out
+
+
+@pytest.mark.parametrize("cls", [DPOObjective, _OwnNLL])
+def test_loss_is_the_mean_token_loss_under_an_objective(cls):
+    """EngineOutput.loss under a sequence objective is the HF model's mean token loss of the labels,
+    whether the objective gives the NLL (TOKEN_NLL) or the head computes it; training and evaluation."""
+    model = AutoModelForCausalLM.from_config(family_config("llama")).eval()
+    ids, am, labels, comp, ref = _pairs()
+    want = float(copy.deepcopy(model)(input_ids=ids, attention_mask=am, labels=labels).loss.detach())
+    engine = StreamingEngine(model, EngineConfig(device="cpu", overrides={"loss_chunk_tokens": 12}))
+    obj, side = cls(DPOSettings(beta=BETA)), _objective("sigmoid", ref, comp, am)[1]
+    ev = engine.evaluate(ids, attention_mask=am, labels=labels, loss_fn=obj, objective_data=side)
+    tr = engine.forward_backward(ids, attention_mask=am, labels=labels, loss_fn=obj, objective_data=side)
+    engine.close()
+    assert ev.loss == pytest.approx(want, rel=1e-5) and tr.loss == pytest.approx(want, rel=1e-5)
+    assert tr.num_tokens == int((labels[:, 1:] != -100).sum())
+    assert abs(tr.objective_loss - tr.loss) > 1e-3   # two different numbers
 
 
 def test_side_data_is_required_and_only_with_an_objective():

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from .objective import is_sequence_objective
+from .objective import TOKEN_NLL, is_sequence_objective
 from ..proxies import HiddenStatesStub, swapped_submodule
 from ..recompute import ActivationMeter
 
@@ -128,11 +128,13 @@ class LossHead:
                 logits = self.logits(hc if one else hidden[:, s:s + chunk]).float()
                 self.meter.at(self.meter.saved + (3 if one else 2) * logits.numel() * 4)
                 lab = shift[:, s:s + chunk]
-                for k, v in objective.token_stats(ctx, logits, lab, s, grad=False).items():
+                part = objective.token_stats(ctx, logits, lab, s, grad=False)
+                for k, v in part.items():
                     sums[k] = sums[k] + v if k in sums else v
-                with torch.no_grad():
-                    ce += _token_ce(logits.detach(), lab).double()
-                del logits
+                with torch.no_grad():   # EngineOutput.loss's cross-entropy: the objective's, else the head's
+                    ce += (part[TOKEN_NLL].detach().sum() if TOKEN_NLL in part
+                           else _token_ce(logits.detach(), lab)).double()
+                del logits, part
         stats = {k: v.detach() for k, v in sums.items()}
         if not backward:
             loss = float(objective.loss(ctx, stats))

@@ -40,7 +40,13 @@ from typing import Any, Dict, Protocol, Tuple, runtime_checkable
 
 import torch
 
-__all__ = ["SequenceObjective", "is_sequence_objective"]
+__all__ = ["TOKEN_NLL", "SequenceObjective", "is_sequence_objective"]
+
+#: An optional statistic of :meth:`SequenceObjective.token_stats` without ``grad``: each sequence's
+#: summed negative log-prob of its labels at temperature 1 (the cross-entropy ``EngineOutput.loss``
+#: averages). An objective that has the label log-probs anyway returns it and spares the head its
+#: own cross-entropy over the chunk's logits (a log-softmax over the vocabulary).
+TOKEN_NLL = "token_nll"
 
 
 @runtime_checkable
@@ -62,7 +68,8 @@ class SequenceObjective(Protocol):
         the model's own head), ``labels`` its shifted labels, ``start`` its first position. With
         ``grad`` only the differentiable statistics are needed. With grad mode on (``grad``, or a
         micro-batch of one chunk, whose graph the head keeps for its backward) the differentiable
-        statistics must carry the graph; compute the others under ``torch.no_grad()``."""
+        statistics must carry the graph; compute the others under ``torch.no_grad()``. Without
+        ``grad`` it may add :data:`TOKEN_NLL`."""
 
     def loss(self, ctx: Any, stats: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The micro-batch's loss (a scalar, as the step back-propagates it: any averaging over

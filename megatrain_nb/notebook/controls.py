@@ -12,6 +12,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, Callable, Optional
 
+from megatrain_nb.commands import as_step
+
+from .branches import check_changes
 from .lifecycle import ENDED
 from .run_state import Order, RunState
 
@@ -99,10 +102,6 @@ class SessionControls:
         return info
 
     def fork(self, value: tuple, source: str) -> Any:
-        from megatrain_nb.commands import as_step
-
-        from .branches import check_changes
-
         step, name, changes = value
         self.run.check("fork")
         changes = check_changes(changes, self.session.trainer)

@@ -38,9 +38,13 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.engine.tiers.reclaim import folder_prefix, reclaim
 from megatrain_nb.model_configs import is_preset
 from megatrain_nb.model_source import resolve
 from megatrain_nb.torchrun import LAUNCH_LABEL
+from megatrain_nb.trainer.args import default_values, training_arguments, validate_training_args
+from megatrain_nb.trainer.data import as_example
+from megatrain_nb.trainer.snapshot import BranchStart
 
 from .model_source import build_trainer, default_args
 
@@ -68,8 +72,6 @@ def folder_in_use(path) -> bool:
 def make_run_dir(root=None) -> Path:
     """A private launch folder under ``root`` (default: the temporary folder), after reclaiming
     the ones processes that no longer run left there."""
-    from megatrain_nb.engine.tiers.reclaim import folder_prefix, reclaim
-
     root = str(root or tempfile.gettempdir())
     reclaim(root, label=RUN_DIR_LABEL, in_use=folder_in_use, what="launch folder")
     path = Path(tempfile.mkdtemp(prefix=folder_prefix(RUN_DIR_LABEL), dir=root))   # 0700
@@ -135,8 +137,6 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
 def _branch(branch: Optional[dict], resume: Any) -> Optional[dict]:
     if branch is None:
         return None
-    from megatrain_nb.trainer.snapshot import BranchStart
-
     if resume in (None, False, True):
         raise LaunchError("a branch starts from a snapshot: give resume=<the snapshot's or checkpoint's folder>")
     fields = {f.name for f in dataclasses.fields(BranchStart)} - {"extra"}
@@ -150,8 +150,6 @@ def branch_start(spec: dict):
     """The ``BranchStart`` a worker gives its trainer before ``train()`` (None: not a branch)."""
     if not spec.get("branch"):
         return None
-    from megatrain_nb.trainer.snapshot import BranchStart
-
     return BranchStart(**spec["branch"])
 
 
@@ -188,8 +186,6 @@ def _dataset(path: Path, ds: Any, what: str) -> Optional[str]:
         raise LaunchError(f"{what} of type {type(ds).__name__} is iterable-only: the worker processes need it "
                           "written to disk first; pass a datasets.Dataset (e.g. Dataset.from_generator(...))")
     if not isinstance(ds, datasets.Dataset):
-        from megatrain_nb.trainer.data import as_example
-
         rows = [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in as_example(ds[i]).items()}
                 for i in range(len(ds))]
         ds = datasets.Dataset.from_list(rows)
@@ -211,7 +207,7 @@ def _check_args(fields: dict, *, trl_class: Optional[str] = None) -> str:
     returns the class they build: ``"TrainingArguments"``, ``"SFTConfig"`` (an SFTTrainer) or
     ``"DPOConfig"`` (a DPOTrainer)."""
     if trl_class == "DPOConfig":
-        from megatrain_nb.trainer.args import validate_training_args
+        # light: the DPO and SFT trainers' modules (transformers) away from a kernel that launches plain ranks
         from megatrain_nb.trainer.dpo import validate_dpo_args
 
         config = _trl_args(fields, trl_class)
@@ -219,12 +215,9 @@ def _check_args(fields: dict, *, trl_class: Optional[str] = None) -> str:
         validate_dpo_args(config)
         return trl_class
     if trl_class is None:
-        from megatrain_nb.trainer.args import training_arguments
-
         training_arguments(fields, where="args")
         return "TrainingArguments"
-    from megatrain_nb.trainer.args import validate_training_args
-    from megatrain_nb.trainer.sft import validate_sft_args
+    from megatrain_nb.trainer.sft import validate_sft_args   # light: as validate_dpo_args above
 
     config = _trl_args(fields, "SFTConfig")
     validate_training_args(config, where="args")
@@ -257,8 +250,6 @@ def _args_fields(args: Any) -> dict:
     if isinstance(args, dict):
         fields = dict(args)
     else:
-        from megatrain_nb.trainer.args import default_values
-
         defaults = _sft_defaults(args) if _trl_config(args) else default_values()
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
                   if f.init and not f.name.startswith("_") and getattr(args, f.name) != defaults.get(f.name)}

@@ -67,7 +67,7 @@ def attach_reward_panel(dashboard: Any) -> None:
         return
     import ipywidgets as W
 
-    from .chart import Chart
+    from .chart import Chart   # light: ipywidgets away from %load_ext (the magics read reward_parts)
 
     chart = Chart(layout=W.Layout(width="100%", min_width="280px"))
     title = W.HTML("<b style='font-family:sans-serif'>Preference: reward margin and accuracy</b>")

@@ -21,6 +21,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.trainer.saving import verify_whole
+from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS
+
 from .branches import check_changes, free_name
 from .placement import PLACEMENT
 
@@ -31,8 +34,6 @@ BRANCHES = "branches"
 def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: dict) -> Any:
     """The new Session: ``session`` (whose run controller is ``run``, a ``ProcessRun``) forked from
     snapshot ``info`` (a ``SnapshotInfo``) with ``changes`` (``branches.ALLOWED``)."""
-    from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS
-
     changes = check_changes(changes, session.trainer)
     if PLACEMENT in changes:
         raise ValueError(f"{PLACEMENT}={changes[PLACEMENT]!r}: a fork of {session.name!r} trains on ranks of its own, "
@@ -51,8 +52,6 @@ def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: 
     for k in ("train_dataset", "loss_fn"):
         if k in changes:
             inputs[k] = changes[k]
-    from megatrain_nb.trainer.saving import verify_whole
-
     verify_whole(Path(info.path), None)   # its files, before anything starts (each rank checks its own links)
     start = link_snapshot(info, out)
     branch = {"new_run": True, "rebuild_schedule": any(k in changes for k in SCHEDULE_FIELDS),

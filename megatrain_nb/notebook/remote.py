@@ -44,7 +44,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from megatrain_nb.channel.beacon import current_kernel_id
+from megatrain_nb.channel.protocol import ensure_sessions_dir, heartbeat_path, make_private_dir, read_json, write_command
+from megatrain_nb.channel.registry import list_sessions
 from megatrain_nb.commands import COMMANDS
+from megatrain_nb.processes import pid_alive
+from megatrain_nb.trainer import control
+
+from .launch_spec import make_run_dir, write_spec
+from .rank_fork import fork_ranks
+from .rank_watch import RankWatch
 from .run_state import Order, RunState
 # WorkerError and the agent's report are re-exported (where they were)
 from .worker_outcome import (WorkerError, agent_failures, attached_outcome, launched_outcome,  # noqa: F401
@@ -97,8 +106,6 @@ class ProcessRun:
                   **spec: Any) -> "ProcessRun":
         """``nproc_per_node`` ranks to launch at ``train()``; ``spec``: what ``launch_spec.write_spec``
         takes (model, datasets, args, tokenizer, ...), written now into a private launch folder."""
-        from .launch_spec import make_run_dir, write_spec
-
         if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
             raise ValueError(f"nproc_per_node={nproc_per_node!r}: give the number of worker processes, an int >= 1")
         run_dir = make_run_dir()
@@ -213,8 +220,6 @@ class ProcessRun:
     def fork(self, session: Any, step: Optional[int], name: Optional[str], changes: dict) -> Any:
         """``session.fork``: a new Session whose own ranks start from the snapshot at ``step``
         (None: one taken now by the ranks) as a branch with ``changes`` (``rank_fork.py``)."""
-        from .rank_fork import fork_ranks
-
         if step is None and self.status.state not in ("running", "paused"):
             raise RuntimeError(f"session {self.status.name!r} has no running workers to snapshot now "
                                f"({self.status.state}): fork(step=...) from one of its snapshots "
@@ -284,12 +289,6 @@ class ProcessRun:
                 pass
 
     def _launch(self) -> None:
-        from megatrain_nb.channel.beacon import current_kernel_id
-        from megatrain_nb.channel.protocol import ensure_sessions_dir, make_private_dir
-        from megatrain_nb.trainer import control
-
-        from .rank_watch import RankWatch
-
         for hook in self.before_launch:
             hook()
         resume = self.resume_from
@@ -333,8 +332,6 @@ class ProcessRun:
     def _forward(self, cmd: Order) -> None:
         """One control (checked by the Session's door) -> a file in rank 0's inbox, by the inbox's one
         writer; its id comes back on the event that records it."""
-        from megatrain_nb.channel.protocol import write_command
-
         takes = COMMANDS[cmd.kind].value != "none" and (cmd.kind != "stop" or cmd.value)
         msg = write_command(self.session_id, cmd.kind, cmd.value if takes else None, source=cmd.source,
                             root=self._root)
@@ -415,9 +412,6 @@ class ProcessRun:
 
     # ---- the processes ---------------------------------------------------------------------------
     def _rank0_alive(self) -> bool:
-        from megatrain_nb.channel.protocol import heartbeat_path, read_json
-        from megatrain_nb.processes import pid_alive
-
         beat = read_json(heartbeat_path(self.session_id, self._root))
         if not isinstance(beat, dict):
             return False
@@ -453,8 +447,6 @@ class ProcessRun:
 def find_run(name: str, root: Any = None) -> dict:
     """The heartbeat of the run called ``name`` (or with that heartbeat id) on this machine;
     LookupError listing the runs there are."""
-    from megatrain_nb.channel.registry import list_sessions
-
     beats = list_sessions(root)
     runs = [b for b in beats if b.get("kind") == "run"]
     found = [b for b in runs if name in (b.get("name"), b.get("id"))]

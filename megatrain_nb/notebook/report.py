@@ -23,6 +23,7 @@ from nbformat import v4
 
 from megatrain_nb.atomic import atomic_file
 from megatrain_nb.formatting import fmt_bytes, fmt_num, fmt_seconds
+from megatrain_nb.trainer.sft_view import trained_on_view
 
 from . import environment
 from .chart import json_nums, layers_spec, training_spec
@@ -30,6 +31,7 @@ from .figures import event_label
 from .inspector import fmt_stat
 from .grpo_view import grpo_section
 from .preference_view import reward_section
+from .run_tree import label, runs_spec
 from .sample_watch import answers_html
 from .static_chart import chart_html, img, panels_svg
 from .summary_html import loss_svg, memory_tiers_html
@@ -179,8 +181,6 @@ def build_notebook(session: Any):
 
     runs = session.explorer.tree() if hasattr(session, "explorer") else []
     if len(runs) > 1:   # rewinds and forks: the run tree (issue 21)
-        from .run_tree import label, runs_spec
-
         cells.append(_md("## Branches\n\nEvery run of the tree on shared step axes; diamonds mark fork points.\n\n"
                          + _table([(label(r), r["run_id"], r["parent_run_id"] or "", r["forked_at_step"] or "",
                                     len(r["records"])) for r in runs],
@@ -215,8 +215,6 @@ def _sample_answers_html(session) -> str:
 
 def _trained_on_html(session) -> str:
     """The trained-on view of fine-tuning runs (SFTTrainer), else nothing."""
-    from megatrain_nb.trainer.sft_view import trained_on_view
-
     trainer = getattr(session, "trainer", None)
     if type(trainer).__name__ != "SFTTrainer":
         return ""

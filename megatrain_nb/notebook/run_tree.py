@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .run_log import downsample
+from .chart import Chart, json_nums
 
 PANELS = (("loss", "loss"), ("eval_loss", "eval loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"))
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
@@ -129,8 +130,6 @@ def runs_spec(runs: list[dict], *, height: int = 190, max_points: int = 600,
     """The run tree as a spec for the dashboard's own chart (``chart.js``, kind ``panels``):
     one panel per metric on a shared step axis, each branch in its colour, each fork point a
     diamond on its parent's loss curve. The dashboard's Branches panel and the report draw it."""
-    from .chart import json_nums
-
     by_id = {r.get("run_id"): r for r in runs}
     panels = [{"title": text, "series": [], "points": [],
                "note": f"no {text} logged" + (" (no eval set)" if key == "eval_loss" else "")}
@@ -167,8 +166,6 @@ class BranchesPanel:
 
     def __init__(self, session: Any):
         import ipywidgets as W
-
-        from .chart import Chart
 
         self.session = session
         self.chart = Chart(layout=W.Layout(width="auto"))

@@ -25,6 +25,7 @@ from collections import deque
 from typing import Any, Optional
 
 from megatrain_nb.threads import SAMPLES, thread_name
+from megatrain_nb.trainer.sft_view import chat_prompt
 from megatrain_nb.values import check
 
 DEFAULT_EVERY = 50        # steps between two answers when the run's length is unknown
@@ -59,8 +60,6 @@ class SampleWatch:
                    temperature: float = 0.0, seed: Optional[int] = 0) -> None:
         """Answer ``messages`` now (the weights as they are) and every ``every`` steps (default: a
         tenth of the run); ``temperature=0`` (greedy) so a change of answer is a change of weights."""
-        from megatrain_nb.trainer.sft_view import chat_prompt
-
         prompt = chat_prompt(self.session.tokenizer, messages)   # refused now if it cannot render
         # the table's rules (megatrain_nb/values.py), as generate() applies them: refused here, not on the watch thread
         every = check("sample_every", every, "set_sample_prompt: every")
@@ -179,6 +178,7 @@ class SampleWatch:
                 self._cv.notify_all()   # (finish() waits on it)
 
     def _draw(self, prompt: str, options: dict) -> Optional[dict]:
+        # light: torch away from %load_ext (the magics' summary reads answers_html from here)
         from megatrain_nb.engine.compute.sampling import sample_text
 
         s = self.session

@@ -7,6 +7,8 @@ import threading
 from typing import Any, Optional
 
 from megatrain_nb.learning_rate import LearningRate
+from megatrain_nb.engine.updates.finite import NonFiniteError
+from megatrain_nb.trainer.recovery import RecoveryError
 
 from .snapshot_table import SnapshotTable
 
@@ -61,9 +63,6 @@ class SessionReadout:
     @property
     def diverged(self) -> bool:
         """True when the run stopped on a NaN/inf loss or gradient (see ``on_nonfinite``)."""
-        from ..engine.updates.finite import NonFiniteError   # (the engine's and the trainer's errors: only when asked)
-        from ..trainer.recovery import RecoveryError
-
         return isinstance(self._status.error, (NonFiniteError, RecoveryError))
 
     @property

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
+from megatrain_nb.channel.beacon import SessionBeacon
+
 
 class SessionView:
     """The display side of ``session`` (see the module docstring)."""
@@ -15,12 +17,17 @@ class SessionView:
         self.widget: Any = None      # dashboard.Dashboard: one per session, every display shows it
         self.beacon: Any = None
 
+    @staticmethod
+    def _display():
+        """(dashboard, publisher): the display's modules, imported when something is shown."""
+        from . import dashboard, publisher   # light: IPython and ipywidgets away from a Session that shows nothing
+
+        return dashboard, publisher
+
     def dashboard(self):
         """The dashboard widget, made live while the run is."""
-        from .publisher import make_live
-
         d = self._widget()
-        self.live = make_live(self.session, d, self.live)
+        self.live = self._display()[1].make_live(self.session, d, self.live)
         return d
 
     def show(self, mode: Optional[str]) -> None:
@@ -28,23 +35,19 @@ class SessionView:
         if mode is None:
             return
         try:
-            from .publisher import WIDGET_MODES, show_live
-
-            self.live = show_live(self.session, mode, self._widget() if mode in WIDGET_MODES else None)
+            publisher = self._display()[1]
+            widget = self._widget() if mode in publisher.WIDGET_MODES else None
+            self.live = publisher.show_live(self.session, mode, widget)
         except Exception as e:  # noqa: BLE001 - the run matters more than its display
             print(f"megatrain_nb: the dashboard could not be shown ({type(e).__name__}: {e}); "
                   "training goes on (session.dashboard() tries again)", file=sys.stderr)
 
     def _widget(self):
         if self.widget is None:
-            from .dashboard import Dashboard
-
-            self.widget = Dashboard(self.session)
+            self.widget = self._display()[0].Dashboard(self.session)
         return self.widget
 
     def announce(self) -> None:
-        from megatrain_nb.channel.beacon import SessionBeacon
-
         try:
             self.beacon = SessionBeacon(self.session).start()
         except Exception as e:  # noqa: BLE001 - the sidebar is optional; training is not

@@ -40,6 +40,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from megatrain_nb.channel.beacon import SessionBeacon
 from megatrain_nb.commands import RANKS, as_step
 
 from .boundary import BoundaryControl, Order
@@ -107,8 +108,6 @@ class RunControl:
     # ---- lifetime ----------------------------------------------------------------------------
     def start(self) -> "RunControl":
         if self.dist.is_main:
-            from megatrain_nb.channel.beacon import SessionBeacon
-
             try:
                 self._beacon = SessionBeacon(self, root=self._root,
                                              kernel_id=os.environ.get(ENV_KERNEL) or None).start()

@@ -197,3 +197,17 @@ def test_sample_text_decodes_with_the_cache_as_the_window_path_did(options):
     assert text == sample_text(_WindowOnly(engine), tok, "hello there", max_new_tokens=8, **options)
     assert seen[len(decoded)][1] == decoded[0][1]   # (the window path: the whole window each token)
     engine.close()
+
+
+def test_weights_on_the_disk_tier_decode_as_in_ram(tmp_path):
+    """Master weights on the disk tier (no host cache): each pass reads every unit from its file
+    through the engine's read-ahead; the same tokens as generate, one load per unit per token."""
+    engine, ref, vocab = _pair("qwen2", offload_dir=str(tmp_path), offload_params=True, host_cache_gb=0)
+    assert engine.params_on_disk
+    rows = _prompts(vocab, (5, 3), copies=3)
+    gc = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = StreamedDecoder(engine).generate(rows, gc)
+    assert out.completions == _generate(ref, rows, gc)
+    engine.pager.reset()
+    assert dict(engine.counters.loads_per_unit) == {u.name: 5 for u in engine.units}
+    engine.close()

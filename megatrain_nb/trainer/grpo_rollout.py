@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatrain_nb.engine.compute.decode import StreamedDecoder, device_left, kv_cache_bytes
+from megatrain_nb.engine.compute.objective import TOKEN_NLL
 
 from .data import DataError
 
@@ -184,7 +185,9 @@ class TokenLogps:
         lp = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
         full = torch.zeros(shape, dtype=lp.dtype, device=lp.device)
         full[:, start:start + labels.shape[1]] = lp * (labels != -100)
-        return {"logps": full}
+        if self.temperature != 1.0:
+            return {"logps": full}
+        return {"logps": full, TOKEN_NLL: -full.sum(1)}   # the head's cross-entropy, already here
 
     def loss(self, shape, stats):
         return stats["logps"].sum() * 0.0

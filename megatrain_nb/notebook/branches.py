@@ -34,6 +34,8 @@ from typing import Any, Optional
 
 from megatrain_nb.values import VALUES, check
 
+from .branch_dpo import check_dpo_changes
+from .branch_grpo import check_grpo_changes, is_grpo_trainer
 from .placement import PLACEMENT, placement, sibling_engine
 
 # (the trainer's modules import torch: loaded when first used, so importing a Session stays light)
@@ -44,6 +46,8 @@ ALLOWED = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
 #: what a fork of a preference run (an mt.DPOTrainer) may change besides: the loss's DPOConfig fields
 #: (the reference log-probs do not depend on them, so the fork reads the parent's cache)
 DPO_ALLOWED = ("beta", "loss_type")
+#: and of a GRPO run (an mt.GRPOTrainer): its sampling temperature and KL coefficient (branch_grpo.py)
+GRPO_ALLOWED = ("temperature", "beta")
 #: what cannot change mid-run, and why (anything else not in ALLOWED is refused too)
 FIXED = {
     "optimizer_compression": "the optimizer states are stored in that codec",
@@ -365,9 +369,10 @@ class Explorer:
 
         rng = rng_state()   # a Trainer seeds the global generators: the parent's run must not notice
         engine = sibling_engine(tr.engine, device) if side else tr.engine
-        trainer = type(tr)(model=engine, train_dataset=changes.get("train_dataset", tr.train_dataset), args=args,
-                           eval_dataset=tr.eval_dataset, tokenizer=tr.tokenizer, data_collator=tr.data_collator,
-                           loss_fn=changes.get("loss_fn", tr.loss_fn), seq_len=tr.seq_len)
+        build = getattr(tr, "fork_trainer", None) or type(tr)   # a GRPO run builds its own (its reward functions)
+        trainer = build(model=engine, train_dataset=changes.get("train_dataset", tr.train_dataset), args=args,
+                        eval_dataset=tr.eval_dataset, tokenizer=tr.tokenizer, data_collator=tr.data_collator,
+                        loss_fn=changes.get("loss_fn", tr.loss_fn), seq_len=tr.seq_len)
         set_rng_state(rng)
         trainer.start_branch(BranchStart(new_run=True, rebuild_schedule=any(k in changes for k in SCHEDULE_FIELDS),
                                          restart_data="train_dataset" in changes))
@@ -580,19 +585,20 @@ def check_changes(changes: dict, trainer: Any = None) -> dict:
     """A fork's ``changes``, each name allowed and each value checked by the table of values
     (:mod:`megatrain_nb.values`, the Trainer's arguments' rules), at ``fork()``; the checked values.
     ``beta``/``loss_type`` (``DPO_ALLOWED``) only in a DPO run, checked by ``branch_dpo``."""
-    bad = [k for k in changes if k not in ALLOWED + DPO_ALLOWED and k != PLACEMENT]
+    bad = [k for k in changes if k not in ALLOWED + DPO_ALLOWED + GRPO_ALLOWED and k != PLACEMENT]
     if bad:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
-                         f"{', '.join(ALLOWED)} (and {', '.join(DPO_ALLOWED)} in a DPO run)")
+                         f"{', '.join(ALLOWED)} (and {', '.join(DPO_ALLOWED)} in a DPO run, "
+                         f"{', '.join(GRPO_ALLOWED)} in a GRPO run)")
     out = {k: check(k, v, f"fork({k})") if k in VALUES else v for k, v in changes.items()}
     loss_fn = out.get("loss_fn")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"fork(loss_fn)={loss_fn!r}: must be a function (logits chunk, labels chunk) -> summed "
                          "loss, or None")
-    from .branch_dpo import check_dpo_changes
-
-    check_dpo_changes(out, trainer)
+    check_grpo_changes(out, trainer)
+    if not is_grpo_trainer(trainer):
+        check_dpo_changes(out, trainer)
     return out
 
 

@@ -47,7 +47,7 @@ def build_trainer(
         raise ValueError("train_dataset is required (a datasets.Dataset, IterableDataset or torch "
                          "Dataset of token ids); or pass a preset name such as 'tiny' as the model "
                          "to train on the built-in corpus")
-    fine_tuner = _fine_tuner(args, train_dataset)   # mt.DPOTrainer / mt.SFTTrainer, or None
+    fine_tuner = _fine_tuner(args, train_dataset, trainer_options)   # mt.GRPO/DPO/SFTTrainer, or None
     if fine_tuner is not None:
         cls, config = fine_tuner
         if seq_len is not None or "loss_fn" in trainer_options:
@@ -63,17 +63,25 @@ def build_trainer(
     return trainer, trainer.tokenizer
 
 
-def _fine_tuner(args, train_dataset):
-    """(trainer class, its config's name) for preference rows or a DPOConfig, instruction / chat
-    rows or an SFTConfig; None for plain token data."""
+def _fine_tuner(args, train_dataset, options: dict):
+    """(trainer class, its config's name) for a GRPOConfig or ``reward_funcs`` (learning from
+    rewards), preference rows or a DPOConfig, instruction / chat rows or an SFTConfig; None for
+    plain token data."""
+    from megatrain_nb.trainer import dpo, grpo, sft   # (torch and the trainers: only with a Session)
+
+    grpo_config = type(args).__name__ == "GRPOConfig" and type(args).__module__.startswith("trl")
+    if grpo_config or "reward_funcs" in options:
+        if not (grpo_config or args is None):
+            raise ValueError(f"reward_funcs= trains with mt.GRPOTrainer: give args=trl.GRPOConfig(...), not a "
+                             f"{type(args).__name__}")
+        if "reward_funcs" not in options:
+            raise ValueError("a GRPOConfig trains from rewards: pass reward_funcs= (a callable, a reward model, or "
+                             "a list of them; megatrain_nb.rewards has some)")
+        return grpo.GRPOTrainer, "GRPOConfig"
     if _wants_dpo(args, train_dataset):
-        from megatrain_nb.trainer.dpo import DPOTrainer
-
-        return DPOTrainer, "DPOConfig"
+        return dpo.DPOTrainer, "DPOConfig"
     if _wants_sft(args, train_dataset):
-        from megatrain_nb.trainer.sft import SFTTrainer
-
-        return SFTTrainer, "SFTConfig"
+        return sft.SFTTrainer, "SFTConfig"
     return None
 
 

@@ -48,7 +48,9 @@ class Session(SessionReadout):
     a Hugging Face Hub id (``"Qwen/Qwen2.5-0.5B"``: config, tokenizer and safetensors fetched
     into the HF cache; ``revision=``/``token=`` go with the options), or a preset name of the built-in default (``"micro"``, ``"tiny"``, ``"small"``...; with
     no ``train_dataset`` it trains on the built-in corpus and tokenizer, nothing downloaded).
-    ``train_dataset``/``eval_dataset``/``args``/``tokenizer``: as for ``mt.Trainer``.
+    ``train_dataset``/``eval_dataset``/``args``/``tokenizer``: as for ``mt.Trainer`` (a
+    ``trl.SFTConfig`` / ``DPOConfig`` builds an ``mt.SFTTrainer`` / ``DPOTrainer``; a ``GRPOConfig``
+    with ``reward_funcs=`` an ``mt.GRPOTrainer``, the prompts as ``train_dataset``).
     ``name``: how ``%megatrain -s NAME`` and the JupyterLab sidebar call it (default
     "session-N"). ``seq_len``: block length for text datasets and the built-in corpus.
     ``loss_fn``: a custom loss, handed to the Trainer. ``snapshot_steps``/``keep_snapshots``:
@@ -289,7 +291,8 @@ class Session(SessionReadout):
         """A new Session (a branch) from the snapshot at ``step`` (default: a snapshot now) with
         ``changes`` (learning_rate, lr_scheduler_type, warmup_steps, weight_decay, max_grad_norm,
         max_steps, gradient_accumulation_steps, data_seed, train_dataset, loss_fn; in a DPO run
-        also beta, loss_type). It shares this session's engine: starting it pauses this one (one
+        also beta, loss_type; in a GRPO run temperature and beta, its rollouts made anew from the
+        fork's step with them). It shares this session's engine: starting it pauses this one (one
         branch trains at a time). ``device=`` another device than this session's: an engine of its
         own there, trained side by side. Ranks in worker processes (``nproc_per_node``): the fork
         launches ranks of its own from the snapshot."""

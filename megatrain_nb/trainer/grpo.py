@@ -177,6 +177,34 @@ def _model_eos(model):
     return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
 
 
+def _reference_source(model, beta: float, ref_model):
+    """The starting weights the reference is built from (a module's copy or a folder): kept when
+    ``beta`` > 0, and a folder always (it costs nothing: a fork may raise beta); ``ref_model``
+    (a module or folder of the starting weights) when ``model`` is an engine (a fork's)."""
+    if ref_model is not None:
+        return ref_model
+    if isinstance(model, (str, os.PathLike)):
+        return model
+    if beta != 0.0 and not isinstance(model, torch.nn.Module):
+        raise ValueError("beta > 0 needs the reference (the policy as it starts): give model= a module or a local "
+                         "folder, not an engine (its starting weights cannot be read back), or ref_model= them")
+    return copy.deepcopy(model) if beta != 0.0 else None
+
+
+class BranchStream(RolloutStream):
+    """A fork's rollouts (``Session.fork``): they go on from the snapshot's data position (the
+    sampler's order replayed to its epoch), the generation batch there made anew with the fork's
+    settings (the stored rollouts are not in a snapshot)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        RolloutStream.__init__(self, self.trainer, self.dataset)   # the sampler from its seed
+        epoch = int(state.get("epoch", 0))
+        for _ in range(epoch):   # each epoch's iteration advanced the sampler's own generator
+            list(iter(self.sampler))
+        self.epoch, self.consumed = epoch, int(state.get("consumed", 0))
+        self._step = self.consumed   # (a generation batch is repeated steps_per_generation x num_iterations times)
+
+
 class GRPOKind:
     """The GRPO kind of training (trainer/kinds.py's hooks): the step's loss is the objective's
     (its micro-batch losses summed, as TRL logs them); the step's record gets the seconds its
@@ -224,7 +252,8 @@ class GRPOTrainer(Trainer):
     def __init__(self, model=None, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
-                 environment_factory=None, *, tokenizer=None, loss_fn=None, seq_len=None, **engine_options):
+                 environment_factory=None, *, tokenizer=None, loss_fn=None, seq_len=None, ref_model=None,
+                 **engine_options):
         require_trl()
         processing_class = processing_class if processing_class is not None else tokenizer
         _refuse(peft_config, quantization_config, optimizers, tools, rollout_func, environment_factory,
@@ -259,12 +288,7 @@ class GRPOTrainer(Trainer):
                 if isinstance(m, torch.nn.Dropout):
                     m.p = 0.0
         # the reference (beta > 0): the policy as it starts, streamed through a frozen engine of its own
-        self._ref_source = None
-        if args.beta != 0.0 and not isinstance(model, (str, os.PathLike, torch.nn.Module)):
-            raise ValueError("beta > 0 needs the reference (the policy as it starts): give model= a module or a local "
-                             "folder, not an engine (its starting weights cannot be read back)")
-        if args.beta != 0.0:
-            self._ref_source = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
+        self._ref_source = _reference_source(model, args.beta, ref_model)
         model_eos = _model_eos(model)
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
@@ -311,7 +335,8 @@ class GRPOTrainer(Trainer):
 
     def fresh_stream(self):
         """The rollouts' stream at a run's start (TRL's prompt order and draws)."""
-        self._stream = RolloutStream(self, self.train_dataset)
+        branch = self.branch_start is not None   # a fork: the stream goes on from the snapshot's position
+        self._stream = (BranchStream if branch else RolloutStream)(self, self.train_dataset)
         return self._stream
 
     # ------------------------------------------------------------------ rollouts
@@ -420,6 +445,20 @@ class GRPOTrainer(Trainer):
         self.metrics_log.write({"event": "evaluate", **metrics, "step": self.state.global_step, "time": time.time()})
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
+
+    def fork_trainer(self, *, model, args, train_dataset, eval_dataset=None, loss_fn=None, **_same):
+        """The trainer of a fork (``Session.fork``, notebook/branches.py) on ``model`` (this run's
+        engine, or a sibling): the same reward functions and tokenizer, ``args`` with the fork's
+        changes (``temperature``, ``beta``, ``learning_rate``...), the reference from this run's
+        starting weights."""
+        if loss_fn is not None and loss_fn is not self.loss_fn:
+            raise ValueError("a GRPO fork cannot change loss_fn: GRPOConfig.loss_type picks the loss")
+        if args.beta != 0.0 and self._ref_source is None:
+            raise ValueError(f"fork(beta={args.beta}): this run kept no starting weights for a reference (it started "
+                             "from a module with beta=0); start the run with beta > 0, or from a model folder")
+        return GRPOTrainer(model=model, reward_funcs=self.reward_funcs, args=args, train_dataset=train_dataset,
+                           eval_dataset=eval_dataset, processing_class=self.tokenizer,
+                           reward_processing_classes=self.reward_processing_classes, ref_model=self._ref_source)
 
     def close(self) -> None:
         """As :meth:`Trainer.close`, and the reference's engine when one was built."""

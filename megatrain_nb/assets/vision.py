@@ -75,9 +75,11 @@ def tiny_qwen2_vl(processor, *, hidden: int = 32, layers: int = 2, vision_depth:
 
     tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    half = hidden // 4 // 2   # M-RoPE's sections (time, height, width) share half a head's dimensions
     text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
+                rope_parameters={"rope_type": "default", "mrope_section": [half - 2 * (half // 4), half // 4, half // 4],
+                                 "rope_theta": 10000.0},
                 bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     vision = dict(depth=vision_depth, embed_dim=hidden, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=2,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=hidden,
@@ -96,8 +98,8 @@ def draw(shape: str, colour: str, size: int = IMAGE_SIZE, rng: random.Random | N
     rng = rng or random.Random(0)
     img = Image.new("RGB", (size, size), "white")
     d = ImageDraw.Draw(img)
-    side = rng.randint(size * 5 // 8, size - 2)
-    x, y = rng.randint(0, size - side - 1), rng.randint(0, size - side - 1)
+    side = rng.randint(size * 3 // 4, size - 2)   # large, near the middle: a tiny model tells them apart
+    x, y = rng.randint(1, size - side - 1), rng.randint(1, size - side - 1)
     box = (x, y, x + side, y + side)
     if shape == "circle":
         d.ellipse(box, fill=colour)

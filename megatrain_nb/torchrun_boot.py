@@ -17,14 +17,14 @@ import os
 import runpy
 import sys
 
+from megatrain_nb.engine.ranks.dist import default_timeout_s, loopback_rendezvous
+
 _STORE = None   # kept alive for the process's life: the group's rendezvous store
 
 
 def host_loopback_store() -> None:
     """Rank 0, MASTER_ADDR on loopback, not a client of the agent's store: bind the store now."""
     global _STORE
-    from megatrain_nb.engine.ranks.dist import default_timeout_s, loopback_rendezvous
-
     if _STORE is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _STORE = loopback_rendezvous(default_timeout_s())
 

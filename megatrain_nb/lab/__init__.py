@@ -18,6 +18,7 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 
 
 def _load_jupyter_server_extension(server_app: Any) -> None:
+    # light: jupyter_server and tornado away from importing this package (done to find the extension)
     from megatrain_nb.lab.handlers import setup_handlers
 
     setup_handlers(server_app.web_app)

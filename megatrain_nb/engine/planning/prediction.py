@@ -172,6 +172,7 @@ GROUPS_LISTED = 16
 def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale: float = 1.0) -> Dict[str, int]:
     """Disk bytes read and written per step: the schedule's accesses through the host cache
     (``order``: the step's loads, or ``1 / scale`` of them: the schedule's figures times ``scale``)."""
+    # light: the host cache's module (torch) away from the planning modules' import (--help, mt.estimate)
     from ..tiers.disk_cache import plan_cache, step_accesses
 
     if not cfg.offload_dir:

@@ -550,7 +550,7 @@ class Kernels:
         self.lib, self.path, self.compiler = lib, path, compiler
         #: torch's fused AdamW vector width here (its scalar tail: numel % width), found by check()
         self.width = 0
-        from .codecs import Int4MomentCodec, Int4VarianceCodec, dither_alpha
+        from .codecs import Int4MomentCodec, Int4VarianceCodec, dither_alpha   # circle: codecs import these kernels at their top
 
         lut = lambda cls: (ctypes.c_float * 16)(*cls.LEVELS.tolist())  # noqa: E731
         self.consts = _Consts(_f32((0.25 / 127.0) ** 2), _f32((0.5 / 255.0) ** 4), _f32((0.5 / 16.0) ** 4),
@@ -603,7 +603,7 @@ class Kernels:
         """Raise RuntimeError unless this build computes what torch does here: AdamW equal
         (and torch's vector width found), decode equal, codes equal or one level apart."""
         self.width = self._probe_width()
-        from .codecs import get_codec
+        from .codecs import get_codec   # circle: codecs import these kernels at their top
 
         g = torch.Generator().manual_seed(0)
         n = 8192 + 77

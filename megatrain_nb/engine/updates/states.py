@@ -20,7 +20,8 @@ from ...threads import DECODE, ENCODE, executor
 from . import fused_update
 from .codecs import ROLES as _ROLES, get_codec
 from .chunk_ring import ChunkRing, chunk_bounds
-from ..tiers.disk_store import WriteWindow
+from ..tiers.disk_store import DiskStore, WriteWindow, prepare_offload_dir
+from ..tiers.host_store import BufferPool, return_freed_memory_to_os
 from ..units import Unit, train_numel
 
 
@@ -106,8 +107,6 @@ class OptimizerStates:
         self._sched = []    # the coming updates, in order: (unit, last of its step)
         #: stored states read ahead of their updates (RAM; None: the default)
         self.read_ahead_bytes = READ_AHEAD_BYTES if read_ahead_bytes is None else read_ahead_bytes
-        from ..tiers.host_store import BufferPool
-
         # moments' buffers, recycled from step to step (disk tier); a unit larger than the cap is
         # never kept, so RAM stays flat for very large units (whose page faults cost little)
         self.pool = BufferPool(max_bytes=512 << 20)
@@ -658,9 +657,6 @@ def open_disk_tier(units, config, params_on_disk: bool):
     ``params_on_disk``), or None without an offload_dir."""
     if not config.offload_dir:
         return None
-    from ..tiers.disk_store import DiskStore, prepare_offload_dir
-    from ..tiers.host_store import return_freed_memory_to_os
-
     need = stored_state_bytes(units, config.optimizer_compression)
     if params_on_disk:
         need += sum(u.numel for u in units) * 4

@@ -302,7 +302,8 @@ class StepRunner:
     def _bind_outer(self, requires_grad: bool) -> Dict[int, List[torch.Tensor]]:
         bound = {}
         for u in (self.embed, self.head):
-            bound[u.index] = bind(u, self.pager.acquire(u), requires_grad=requires_grad) if u.numel else []
+            bound[u.index] = bind(u, self.pager.acquire(u), requires_grad=requires_grad, frozen_grads=False) \
+                if u.numel else []
         return bound
 
     def _release_outer(self, u: Unit) -> None:

@@ -45,6 +45,8 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
         _check_bigger_than_memory(nb)
     if path.stem.startswith("04-"):
         _check_fine_tune(nb, text)
+    if path.stem.startswith("06-"):
+        _check_rewards_rose(nb)
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -68,6 +70,16 @@ def _check_saved_quickstart(nb, tmp_path) -> None:
     assert "plotly.js" not in text and "widgetbundle" not in text
     # section 6: the run with on_nonfinite="rewind" recovered from its NaN step by itself
     assert "recovers: finished, step 30/30" in _stream_text(nb) and "recovery 1/3" in _stream_text(nb)
+
+
+def _check_rewards_rose(nb) -> None:
+    """Issue 48: the GRPO notebook's format reward rose from its first steps to its last (the
+    notebook asserts it too; here the printed figures are read back)."""
+    import re
+
+    m = re.search(r"format reward: first 6 steps ([0-9.]+) -> last 6 steps ([0-9.]+)", _stream_text(nb))
+    assert m, _stream_text(nb)[-2000:]
+    assert float(m.group(2)) > float(m.group(1)) + 0.2, m.group(0)
 
 
 def _check_fine_tune(nb, text: str) -> None:

@@ -143,7 +143,7 @@ class GenerationPlan:
                   f"{self.precision}) " + ("on the device" if self.kv_tier == "device" else "does NOT fit the device"))
                + ("" if self.room_bytes is None else f" (device room beside training: {format_bytes(self.room_bytes)})"),
                ]
-        if self.step_s is not None:
+        if self.step_s is not None and self.kv_tier != "none":
             s = self.step_s
             out.append(f"GRPO step: generation {fmt_seconds(self.generation_s)} ({self.generation_s / s:.0%}; prefill "
                        f"{fmt_seconds(self.prefill_s)}, {fmt_seconds(self.token_s)} per decoded token, bound by "

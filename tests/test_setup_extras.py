@@ -2,13 +2,14 @@
 failed out of the box for want of TRL)."""
 import json
 import re
+import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STDLIB_AND_BASE = {"megatrain_nb", "transformers", "datasets", "torch", "numpy", "os", "json", "time", "math",
                    "pathlib", "IPython", "ipywidgets"}
-DIST = {"trl": "trl"}   # import name -> distribution name, for optional imports the notebooks use
+DIST = {"trl": "trl", "PIL": "pillow"}   # import name -> distribution name, for optional imports the notebooks use
 
 
 def _notebook_imports() -> set:
@@ -25,7 +26,7 @@ def test_the_lab_extra_holds_every_optional_package_a_notebook_imports():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lab = {re.split(r"[<>=\[ ]", r)[0].lower() for r in project["optional-dependencies"]["lab"]}
     base = {re.split(r"[<>=\[ ]", r)[0].lower() for r in project["dependencies"]}
-    optional = _notebook_imports() - STDLIB_AND_BASE
+    optional = _notebook_imports() - STDLIB_AND_BASE - set(sys.stdlib_module_names)
     assert "trl" in optional   # notebook 04
     missing = [n for n in optional if DIST.get(n, n).lower() not in lab | base]
     assert not missing, f"notebooks import {missing}, which `setup.sh lab` ([lab]) does not install"

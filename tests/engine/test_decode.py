@@ -18,8 +18,10 @@ EOS_FREE = 0   # the pad id: never an end of sequence unless a test says so
 
 
 def _config(name: str):
-    if name == "gemma3_text":
-        return tiny(name)   # two layers: sliding (window 4) and full attention; tied embeddings
+    if name in ("gemma3_text", "qwen3_next"):
+        # gemma3: sliding (window 4) and full attention, tied embeddings; qwen3_next: linear attention
+        # layers (convolution and recurrent states in the cache) beside full attention
+        return tiny(name)
     tie = name.endswith("_tied")
     return family_config(name.removesuffix("_tied"), layers=3, tie=tie, max_position_embeddings=128)
 
@@ -74,7 +76,7 @@ def _copies_in(engine):
     return counts
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gemma3_text", "llama_tied"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gemma3_text", "llama_tied", "qwen3_next"])
 def test_greedy_tokens_and_logps_are_generates(name):
     engine, ref, vocab = _pair(name)
     rows = _prompts(vocab, (5, 3, 7), copies=2)

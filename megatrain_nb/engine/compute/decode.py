@@ -25,7 +25,9 @@ per decoded token (``stats["passes"]``) whether 2 or 128 rows advance.
 
 - **Shared prompts prefilled once**: rows with the same prompt (a GRPO group's ``num_generations``
   copies) are prefilled as one row, then the cache's rows are replicated
-  (``DynamicCache.batch_select_indices``); ``stats["prefill_rows"]`` counts the rows prefilled.
+  (``Cache.reorder_cache``, which every cache layer has: attention, sliding window, and the
+  linear-attention / state-space layers of hybrid families such as qwen3_next, zamba2,
+  falcon_h1); ``stats["prefill_rows"]`` counts the rows prefilled.
 - **Finished rows dropped**: a row that sampled an end-of-sequence id leaves the batch (its cache
   rows with it) before the next pass; ``stats["rows"]`` counts the rows the decoding passes ran.
 - **Sampling** as ``generate`` samples: transformers' own logits processors in ``generate``'s
@@ -89,7 +91,9 @@ def kv_cache_bytes(model_config, rows: int, length: int, elem_bytes: int) -> int
     heads x head dim x ``elem_bytes`` per token (a sliding-window layer holds its window at most)."""
     c = text_config(model_config)
     layers = c.num_hidden_layers
-    heads = c.num_attention_heads
+    heads = getattr(c, "num_attention_heads", None)
+    if not heads:   # no attention (a state-space model): its states do not grow with the tokens
+        return 0
     kv = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     window = getattr(c, "sliding_window", None)
@@ -232,11 +236,11 @@ class StreamedDecoder:
         pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids(gc) or [0])[0]
         stops = torch.tensor(eos_ids(gc) or [-1], device=dev)
         ids_u, mask_u, pos_u = (t.to(dev) for t in left_padded(unique, pad))
-        cache = DynamicCache(config=self.engine.model_config)
+        cache = DynamicCache(config=self.engine.model_config)   # (per layer type: hybrid families too)
         logits = self._pass(ids_u, mask_u, pos_u, cache)          # the prefill: one row per distinct prompt
         stats["passes"] += 1
         rows = torch.tensor(row_prompt, device=dev)
-        cache.batch_select_indices(rows)                          # each group's cache replicated
+        cache.reorder_cache(rows)                          # each group's cache replicated
         logits, mask, seqs = logits[rows], mask_u[rows], ids_u[rows]
         pos = pos_u[rows, -1:]
         alive = torch.arange(len(row_prompt), device=dev)        # the rows still decoding
@@ -259,7 +263,7 @@ class StreamedDecoder:
             seqs = torch.cat([seqs, tok[:, None]], dim=1)
             if not bool(keep.all()):                               # finished rows leave the batch
                 idx = keep.nonzero()[:, 0]
-                cache.batch_select_indices(idx)
+                cache.reorder_cache(idx)
                 alive, tok, mask, seqs, pos = alive[idx], tok[idx], mask[idx], seqs[idx], pos[idx]
                 procs = processors(gc, (mask == 0).sum(1))
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

@@ -112,6 +112,9 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
             args = default_args(os.path.join("megatrain_outputs", model), eval_strategy="steps" if on_corpus else "no")
         else:
             args = {"output_dir": "megatrain_outputs"}
+    if type(args).__name__ == "GRPOConfig" or "reward_funcs" in engine_options:
+        raise LaunchError("GRPO trains in one process for now (rollouts are not split across ranks yet): drop "
+                          "nproc_per_node and give the Session the GRPOConfig and reward_funcs")
     fields = _args_fields(args)
     args_class = _check_args(fields, trl_class=_trl_config(args))   # refused here, before any worker starts
     spec: dict = {"format": 1, "model": _model_ref(run_dir, model, engine_options), "seq_len": seq_len,

@@ -9,8 +9,8 @@ prompts of 16 random tokens in groups of 4 (a GRPO group's shared prompt), ``--d
 new tokens per row, greedy, no end of sequence (every row decodes every token):
 
 - ``grpo_decode_weight_loads_per_token[N]``: the transport's copies into a device slot per unit
-  per decoded token, for N = 8, 32 and 128 rollouts (counted by wrapping the transport's
-  ``copy_in``; the largest over the units). Target: exactly 1 whatever N.
+  per decoded token, for N = 8, 32 and 128 rollouts (the engine's load counters, one per transport
+  copy; the largest over the units). Target: exactly 1 whatever N.
 - ``grpo_streamed_decode_vs_resident_generate``: the streamed decoder's tokens/s over
   transformers' ``generate`` on a resident copy of the same weights, ``--rows`` rollouts (64),
   alternating, medians of ``--decode-reps``. Target >= 0.8.
@@ -103,30 +103,19 @@ def _greedy(tokens: int):
 
 
 def decode_loads(engine, vocab: int, tokens: int) -> None:
-    """The transport's loads per unit per decoded token for 8, 32 and 128 rollouts."""
+    """The loads per unit per decoded token for 8, 32 and 128 rollouts (the engine's load counters:
+    one per transport copy of a unit into a device slot)."""
     from megatrain_nb.engine.compute.decode import StreamedDecoder
 
-    counts: dict = {}
-    orig = engine.transport.copy_in
-
-    def copy_in(unit, src, dst):
-        if unit is not None:
-            counts[unit.name] = counts.get(unit.name, 0) + 1
-        return orig(unit, src, dst)
-
-    engine.transport.copy_in = copy_in
-    try:
-        for n in (8, 32, 128):
-            counts.clear()
-            out = StreamedDecoder(engine).generate(_rows(vocab, n), _greedy(tokens))
-            engine.pager.reset()   # (nothing left in flight)
-            decoded = max(map(len, out.completions))
-            per = [counts.get(u.name, 0) / decoded for u in engine.units]
-            print(f"{n} rollouts x {decoded} tokens: loads per unit per token min {min(per):g} max {max(per):g} "
-                  f"({len(per)} units, {out.stats['prefill_rows']} prompts prefilled)")
-            result(f"grpo_decode_weight_loads_per_token[{n}]", max(per), "loads/unit/token", "==", 1)
-    finally:
-        engine.transport.copy_in = orig
+    for n in (8, 32, 128):
+        before = dict(engine.counters.loads_per_unit)
+        out = StreamedDecoder(engine).generate(_rows(vocab, n), _greedy(tokens))
+        engine.pager.reset()   # (nothing left in flight)
+        decoded = max(map(len, out.completions))
+        per = [(engine.counters.loads_per_unit.get(u.name, 0) - before.get(u.name, 0)) / decoded for u in engine.units]
+        print(f"{n} rollouts x {decoded} tokens: loads per unit per token min {min(per):g} max {max(per):g} "
+              f"({len(per)} units, {out.stats['prefill_rows']} prompts prefilled)")
+        result(f"grpo_decode_weight_loads_per_token[{n}]", max(per), "loads/unit/token", "==", 1)
 
 
 def decode_speed(engine, resident, vocab: int, a) -> None:

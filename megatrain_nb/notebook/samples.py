@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from megatrain_nb.engine.compute.sampling import sample_text
-
 
 class Samples:
     """The samples of one run (see the module docstring)."""
@@ -16,6 +14,9 @@ class Samples:
 
     def draw(self, engine: Any, tokenizer: Any, prompt: str, step: int, **options: Any) -> str:
         """Sample from ``engine`` (see ``sampling.sample_text``) and keep the sample."""
+        # light: the sampler's transformers away from a Session whose ranks train in other processes
+        from megatrain_nb.engine.compute.sampling import sample_text
+
         text = sample_text(engine, tokenizer, prompt, **options)
         self.drawn.append({"step": step, "prompt": prompt, "text": text, "time": time.time()})
         return text

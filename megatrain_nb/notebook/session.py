@@ -27,11 +27,16 @@ from typing import Any, Optional
 from megatrain_nb import export as export_model
 from megatrain_nb.commands import check_command
 from megatrain_nb.threads import SESSION, thread_name
+from megatrain_nb.trainer.sft_view import trained_on_view
+from megatrain_nb.values import check
 from . import registry
 from .branches import Explorer
 from .controls import SessionControls
 from .display_mode import in_kernel, resolve_mode
+from .inspector import LayerReport, resolve_unit
 from .lifecycle import ENDED, LIVE
+from .model_source import build_trainer
+from .remote import ProcessRun, find_run
 from .run_state import Order, RunState, TrainerLike  # noqa: F401 - re-exported
 from .samples import Samples
 from .sample_watch import SampleWatch
@@ -71,20 +76,14 @@ class Session(SessionReadout):
                  eval_dataset: Any = None, name: Optional[str] = None, *, seq_len: Optional[int] = None,
                  loss_fn: Any = None, snapshot_steps: Optional[int] = None, keep_snapshots: Optional[int] = None,
                  nproc_per_node: Optional[int] = None, **engine_options: Any):
-        from megatrain_nb.values import check
-
         given = dict(train_dataset=train_dataset, args=args, tokenizer=tokenizer, eval_dataset=eval_dataset,
                      seq_len=check("seq_len", seq_len))
         snapshot_steps, keep_snapshots = check("snapshot_steps", snapshot_steps), check("keep_snapshots", keep_snapshots)
         if nproc_per_node is not None:   # the ranks train in worker processes; this object steers them
-            from .remote import ProcessRun
-
             make = ProcessRun.factory(nproc_per_node, model, loss_fn=loss_fn, engine_options=engine_options,
                                       snapshots=(snapshot_steps, keep_snapshots), **given)
             self._setup(make, None, tokenizer, name)
             return
-        from .model_source import build_trainer
-
         options = dict(engine_options)
         if loss_fn is not None:
             options["loss_fn"] = loss_fn
@@ -97,8 +96,6 @@ class Session(SessionReadout):
         """Follow and steer a run started with torchrun on this machine (``mt.Trainer.train()``
         inside; rank 0 announces it under ``name``): history, events, dashboard, pause / resume
         / set_lr / save_checkpoint / stop. Raises LookupError listing the runs there are."""
-        from .remote import ProcessRun, find_run
-
         beat = find_run(name, root)
         self = cls.__new__(cls)
         self._setup(lambda status, explorer, ident: ProcessRun.attaching(status, beat, root, explorer), None, None,
@@ -157,7 +154,7 @@ class Session(SessionReadout):
             self._run.after_record.append(lambda r: self._sample_watch.on_step(int(r.get("step", 0) or 0)))
         registry.register(self)
         if in_kernel():  # import the display stack now (plotly's FigureWidget: ~1.5 s), not in train()
-            from .dashboard import warm_up
+            from .dashboard import warm_up   # light: ipywidgets and plotly only in a kernel that shows the run
 
             warm_up()
 
@@ -316,8 +313,6 @@ class Session(SessionReadout):
 
         ``layer``: a decoder layer index (negative counts from the end), or a unit name
         ("embed", "layers.3", "head")."""
-        from .inspector import LayerReport, resolve_unit
-
         self._run.check("inspect")
         unit = resolve_unit(layer, self.unit_names())
         stats = self._status.log.layer(unit)
@@ -343,8 +338,6 @@ class Session(SessionReadout):
 
     def trained_on(self, index: int = 0):
         """One training example with the tokens that count toward the loss highlighted (HTML)."""
-        from megatrain_nb.trainer.sft_view import trained_on_view
-
         return trained_on_view(self._trainer, index)
 
     def generate(self, prompt: str = "", max_new_tokens: int = 50, *, temperature: float = 0.8,
@@ -379,13 +372,13 @@ class Session(SessionReadout):
     def export_report(self, path: str) -> str:
         """Write a report of the run: ``.ipynb`` (nbformat) or ``.html`` (nbconvert), with
         static offline figures. Returns the path written."""
-        from .report import export_report
+        from .report import export_report   # light: nbformat, plotly and ipywidgets only for a report
 
         return export_report(self, path)
 
     def summary(self) -> dict:
         """A small JSON-able picture of the run (used by the magic and the HTML summary)."""
-        from .summary_html import session_summary
+        from .summary_html import session_summary   # light: ipywidgets (its GRPO panel's chart) only when asked
 
         return session_summary(self)
 
@@ -395,7 +388,7 @@ class Session(SessionReadout):
                 f"{'/' + str(total) if total else ''}>")
 
     def _repr_html_(self) -> str:
-        from .summary_html import summary_html
+        from .summary_html import summary_html   # light: as session_summary above
 
         return summary_html(self, self._status.log.view())
 

@@ -52,7 +52,8 @@ class TrainedOnView:
 
 
 def trained_on_view(trainer, index: int = 0) -> TrainedOnView:
-    """The view of ``trainer.train_dataset[index]`` (prepared rows: ``input_ids`` and ``labels``)."""
+    """The view of ``trainer.train_dataset[index]`` (prepared rows: ``input_ids`` and ``labels``; a
+    vision row as the trainer's collator makes it, its image tokens shown one by one)."""
     ds = getattr(trainer, "train_dataset", None)
     tok = getattr(trainer, "tokenizer", None)
     if ds is None or not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
@@ -60,6 +61,10 @@ def trained_on_view(trainer, index: int = 0) -> TrainedOnView:
     if not 0 <= index < len(ds):
         raise IndexError(f"index {index}: the prepared train_dataset has {len(ds)} rows")
     row = ds[index]
+    if row.get("input_ids") is None and getattr(trainer, "vision", False):   # a vision row: made into tokens per batch
+        batch = trainer.data_collator([row])
+        keep = batch["attention_mask"][0].bool() if batch.get("attention_mask") is not None else slice(None)
+        row = {"input_ids": batch["input_ids"][0][keep].tolist(), "labels": batch["labels"][0][keep].tolist()}
     ids = list(row["input_ids"])
     labels = list(row["labels"]) if row.get("labels") is not None else list(ids)
     # HF shift: a label at t is predicted from the tokens before it; t=0 never counts

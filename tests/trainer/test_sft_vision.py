@@ -256,3 +256,16 @@ def test_two_stage_recipe_projector_then_everything(setup, tmp_path):
     after = dict(two.engine.named_parameters())
     assert all(not torch.equal(after[n], start[n]) for n in start if "embed_tokens" not in n and "lm_head" not in n)
     two.close()
+
+
+def test_the_trained_on_view_of_a_vision_row(setup, tmp_path):
+    """The masking check on a vision row: its image tokens and the question are not in the loss,
+    the answer and its end are."""
+    from megatrain_nb.trainer.sft_view import trained_on_view
+
+    trainer = _trainer(setup, tmp_path, assistant_only_loss=True)
+    view = trained_on_view(trainer, 0)
+    assert view.tokens.count("<|image_pad|>") == 16
+    answer = trainer.train_dataset[0]["messages"][1]["content"][0]["text"].split() + ["<|end|>"]
+    assert [t for t, c in zip(view.tokens, view.counted) if c] == answer
+    trainer.close()

@@ -145,11 +145,12 @@ def test_a_kv_cache_over_the_device_budget_is_refused_with_the_numbers():
     engine.close()
 
 
-def test_generation_fields_it_does_not_apply_are_refused_by_name():
+@pytest.mark.parametrize("field,value", [("no_repeat_ngram_size", 2), ("cache_implementation", "static"),
+                                         ("num_beams", 2)])
+def test_generation_fields_it_does_not_apply_are_refused_by_name(field, value):
     engine, _, vocab = _pair("llama")
-    with pytest.raises(ValueError, match="no_repeat_ngram_size.*generation='resident'"):
-        StreamedDecoder(engine).generate(_prompts(vocab, (3,), 1),
-                                         GenerationConfig(max_new_tokens=4, no_repeat_ngram_size=2))
+    with pytest.raises(ValueError, match=f"{field}.*generation='resident'"):
+        StreamedDecoder(engine).generate(_prompts(vocab, (3,), 1), GenerationConfig(max_new_tokens=4, **{field: value}))
     engine.close()
 
 

@@ -68,7 +68,7 @@ GIB = 1 << 30
 #: GenerationConfig fields the decoder applies; any other one set away from its default is refused
 APPLIED = frozenset({"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p",
                      "repetition_penalty", "suppress_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
-                     "cache_implementation", "disable_compile", "num_beams", "num_return_sequences",
+                     "disable_compile", "num_beams", "num_return_sequences",
                      "transformers_version", "return_dict_in_generate", "output_scores", "output_logits"})
 
 
@@ -142,7 +142,8 @@ def check_generation_config(gc: GenerationConfig) -> None:
     """Refuse, by name, the GenerationConfig fields the decoder does not apply."""
     default = GenerationConfig().to_diff_dict()
     mine = gc.to_diff_dict()
-    odd = sorted(k for k, v in mine.items() if k not in APPLIED and default.get(k) != v)
+    odd = sorted(k for k, v in mine.items() if k not in APPLIED and default.get(k) != v
+                 and not (k == "cache_implementation" and v in (None, "dynamic")))   # (its cache is dynamic)
     if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
         odd.append("num_beams/num_return_sequences (one sequence per row)")
     if odd:

@@ -375,14 +375,11 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     """Lay the phases on the streams (see the module's docstring): the step's two windows, the
     forward and the backward, each bound by its slowest stream; the updates in the backward's
     window (unclipped) or the next forward's (clipped)."""
-    cores = max(int(rates.cores or 1), 1)
-    cast_u, cast_l = a.get("cast_update_s", 0.0), a.get("cast_load_s", 0.0)
-    # AdamW (and the shadow's cast after it, on its thread) beside the decode/encode threads
-    opt = max(ph["optimizer"] + cast_u, ph["codec"] / min(2, cores))
+    cores, cast_u, cast_l = max(int(rates.cores or 1), 1), a.get("cast_update_s", 0.0), a.get("cast_load_s", 0.0)
+    opt = max(ph["optimizer"] + cast_u, ph["codec"] / min(2, cores))  # AdamW (+ the shadow's cast) beside the codec
     opt_cpu = ph["optimizer"] + ph["codec"] + cast_u                # core-seconds of the update
     copy_cpu = cast_l if cuda else ph["h2d"] + ph["d2h"]            # a CPU "device" copies with a core
-    h2d = ph["h2d"] + cast_l                                        # a disk-tier load: cast, then copied
-    disk = ph["disk_read"] + ph["disk_write"]
+    h2d, disk = ph["h2d"] + cast_l, ph["disk_read"] + ph["disk_write"]   # a disk-tier load: cast, then copied
     f = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0          # the forward's share of the loads
 
     team = 0 if cuda else rates.compute_team() if rates.compute_threads == 1 else cores

@@ -29,6 +29,7 @@ from megatrain_nb.engine.planning.best_plans import MARGIN, best_plans, engine_p
 from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan, unit_specs_from_config
 from megatrain_nb.engine.planning.prediction import fmt_rate, fmt_seconds, predict_step, resolve_rates
 from megatrain_nb.engine.planning.rates import precision_words
+from megatrain_nb.engine.planning.codec_choice import RECOMMENDED, estimate_lines, estimate_pick
 from megatrain_nb.engine.planning.estimator_dpo import format_bytes, reference_cache_bytes, reference_lines
 from megatrain_nb.engine.planning.estimator_grpo import plan_generation, price, split_seq
 from megatrain_nb.engine.planning.vision_plan import image_tokens_of
@@ -364,8 +365,8 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name, a local model folder, a ``config.json``, a config, a model or an engine.
-    ``compression``: the optimizer-state codec (``"none"``, ``"int8"``, ``"int4"``; ``True`` = the
-    recommended one). ``offload_dir``: whether a disk tier exists (a path also locates free space).
+    ``compression``: the optimizer-state codec (``"none"``, ``"int8"``, ``"int4"``; ``True`` = int8; ``"auto"``:
+    the planner's, ``codec_choice``). ``offload_dir``: whether a disk tier exists (a path locates free space).
     ``names``: how messages spell the arguments (the CLI's ``CLI_NAMES``).
     ``accumulation``: micro-batches per optimizer step; layer-major (the engine's default for a
     window) keeps no host gradient accumulator, unless ``clipping`` (global-norm clipping, on by
@@ -379,10 +380,9 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
     ``rollouts``/``completion_length``: a GRPO step's completions and their most tokens (``seq``: prompt +
     completion): ``Estimate.grpo``, its generation and KV cache (``estimator_grpo``). ``image_tokens``
     per row (counted in ``seq``) or ``max_pixels`` per image: a vision-language model's (``vision_plan``).
-    ``rates``: a ``MachineRates`` or a profile's name: the predicted step (``step_seconds``,
-    ``phases``, ``bottleneck``, ``tokens_per_second``, ``run_seconds(n)``) and the three fastest
-    plans within the budgets (``best``), the choices left at their defaults varied as an engine
-    given these rates varies them (engine/planning/plan_pick.py); a value set is pinned.
+    ``rates``: a ``MachineRates`` or a profile's name: the predicted step (``step_seconds``, ``phases``,
+    ``bottleneck``, ``tokens_per_second``, ``run_seconds(n)``) and the three fastest plans within the budgets
+    (``best``), the choices left at their defaults varied as an engine given these rates varies them.
     """
     from megatrain_nb.engine.updates.codecs import codec_names, normalize_compression   # (torch: the codecs' kernels)
     from megatrain_nb.engine.config import EngineConfig   # (torch: dtypes and devices)
@@ -391,7 +391,7 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
         batch=batch, seq=seq, accumulation=accumulation, pairs=pairs, rollouts=rollouts, completion_length=completion_length)
     grpo, accumulation = split_seq(seq, rollouts, completion_length, batch, accumulation)   # (rollouts, prompt, completion)
     config, name = resolve_config(model)
-    comp = normalize_compression(compression)
+    comp, rates = None if compression == "auto" else normalize_compression(compression), resolve_rates(rates)
     units = unit_specs_from_config(config)
     held = shard_specs(units, world) if world > 1 else None   # this rank's part of the state
     disk_path = offload_dir if isinstance(offload_dir, str) else None
@@ -411,8 +411,10 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
         return make_plan(units, ModelShape.of(config), cfg_for(codec, host_bytes), cuda=device != "cpu",
                          workload=work, disk_bytes=budgets["disk"], state_units=held)
 
+    comp, choice = estimate_pick(comp or "auto", units, ModelShape.of(config), cfg_for(comp or RECOMMENDED, budgets["host"]),
+                                 work, cuda=device != "cpu", disk_bytes=budgets["disk"], state_units=held, rates=rates)
     by_codec = {codec: plan_for(codec, budgets["host"]) for codec in codec_names()}  # the registry: a new codec shows too
-    plan = by_codec[comp]
+    plan = choice.plan if compression == "auto" and choice and not choice.states_on_disk else by_codec[comp]
     # The least host RAM: the plan a one-byte host budget gets (everything that may leave RAM is
     # on the disk tier); the table shows what this budget's plan uses, which may be more.
     host_min = plan_for(comp, 1).host["total"]
@@ -420,17 +422,16 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
     notes = _estimate_notes(plan, host_min, budgets, accumulation=accumulation, batch=batch, seq=seq,
                             clipping=clipping, accumulator=accumulator, ram_auto=ram_gb == "auto",
                             disk_auto=disk_gb == "auto" and bool(offload_dir), disk_path=disk_path)
+    notes += estimate_lines(compression, choice, comp, plan)
     notes += reference_lines(pairs) if pairs is not None else []   # a DPO run's reference pass
     cache = reference_cache_bytes(pairs) if pairs is not None else None
     est = Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
                                                                                 batch=batch, seq=seq),
                     notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min,
-                    reference_cache_bytes=cache)
+                    reference_cache_bytes=cache,   # (TF32 off, as torch starts)
+                    precision_note=precision_words(precision, False, rates) if device != "cpu" else None)
     est.grpo = plan_generation(config, units, plan, budgets, *grpo, precision=precision) if grpo else None   # GRPO
-    rates = resolve_rates(rates) if rates is not None else None
-    # (TF32 as torch starts: off; the engine's header says the same on CUDA with the run's switches)
-    est.precision_note = precision_words(precision, False, rates) if device != "cpu" else None
     if rates is not None:
         _add_time(est, config, units, cfg_for(comp, budgets["host"]), work, rates, device=device, state_units=held)
     return est

@@ -81,6 +81,7 @@ def test_a_frozen_part_takes_no_gradient_and_no_adamw_state():
     engine.close()
 
 
+@pytest.mark.slow   # (two engines, two windows each, the disk tier: seconds)
 @pytest.mark.parametrize("options", [dict(optimizer_compression="int8"), dict(offload_dir=True),
                                      dict(offload_dir=True, offload_params=True, optimizer_compression="int8")])
 def test_frozen_parts_through_every_tier_and_a_clipped_window(options, tmp_path):
@@ -120,7 +121,11 @@ def _text_only(seed):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-@pytest.mark.parametrize("family,wd", [("qwen2_vl", 0.0), ("qwen2_vl", 0.1), ("llava", 0.1)])
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("family,wd", [("qwen2_vl", 0.0), pytest.param("qwen2_vl", 0.1, marks=_SLOW),
+                                       pytest.param("llava", 0.1, marks=_SLOW)])
 def test_what_a_step_never_reached_stays_as_torch_adamw_leaves_it(family, wd):
     """Image, text-only, text-only, image batches, a step each: torch.optim.AdamW over the
     model skips a parameter whose gradient is None (the vision tower and projector in a
@@ -152,6 +157,7 @@ def test_what_a_step_never_reached_stays_as_torch_adamw_leaves_it(family, wd):
     engine.close()
 
 
+@pytest.mark.slow   # (three steps of two engines and a checkpoint)
 def test_a_checkpoint_keeps_the_step_counts_of_what_a_step_left_alone(tmp_path):
     """After an image step and a text-only step the vision tower has taken one step fewer than
     the rest (its own bias correction): a checkpoint keeps that, so the run resumed steps the

@@ -9,7 +9,8 @@ from tests.engine.test_vlm import _batch, _max_rel_err, _model, _reference
 TOWER = {"qwen2_vl": "visual", "llava": "vision_tower", "gemma3": "vision_tower", "idefics3": "vision_model"}
 
 
-@pytest.mark.parametrize("family", sorted(TOWER))
+@pytest.mark.parametrize("family", [f if f == "qwen2_vl" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(TOWER)])
 def test_the_vision_tower_runs_twice_per_micro_batch(family):
     model = _model(family)
     window = [_batch(family, seed=1), _batch(family, seed=2)]

@@ -41,7 +41,8 @@ from .dpo_loss import DPOObjective, DPOSettings, PairBatch, ReferenceLogps
 from .kinds import MetricLists, register_kind
 from .dpo_reference import (ReferenceCache, ReferenceStopped, cache_parts, check_reference_values, key_of,
                             reference_pass, weights_fingerprint, with_reference)
-from .sft_data import require_trl
+from .sft_data import first_row, require_trl
+from .sft_vision import is_processor, is_vision_row
 from .trainer import Trainer
 
 # DPOConfig fields (beyond TrainingArguments') that the trainer honours, and those that cannot
@@ -204,6 +205,11 @@ class DPOTrainer(Trainer):
                              "weight in full precision with its own AdamW; PEFT adapters and quantization do not apply)")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
+        if is_processor(processing_class) or is_vision_row(first_row(train_dataset)):
+            raise ValueError("mt.DPOTrainer does not take images yet (a processor as processing_class, or rows with "
+                             "an 'image'/'images' column): its reference log-probs are computed ahead, which TRL "
+                             "refuses for vision data too. Train with mt.SFTTrainer (it takes TRL's vision format), "
+                             "or use trl.DPOTrainer for preference pairs with images")
         if ref_model is not None and ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object. In most cases you should omit "
                              "`ref_model`: the reference is then the policy as it starts.")

@@ -269,3 +269,18 @@ def test_the_trained_on_view_of_a_vision_row(setup, tmp_path):
     answer = trainer.train_dataset[0]["messages"][1]["content"][0]["text"].split() + ["<|end|>"]
     assert [t for t, c in zip(view.tokens, view.counted) if c] == answer
     trainer.close()
+
+
+def test_dpo_with_images_is_refused_by_name(setup, tmp_path):
+    import megatrain_nb as mt
+    from trl import DPOConfig
+
+    proc, model, _ = setup
+    pair = {"images": [draw("circle", "red")], "prompt": [{"role": "user", "content": "What do you see ?"}],
+            "chosen": [{"role": "assistant", "content": "a red circle ."}],
+            "rejected": [{"role": "assistant", "content": "a blue square ."}]}
+    args = DPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none")
+    for processing_class in (proc, proc.tokenizer):
+        with pytest.raises(ValueError, match=r"mt.DPOTrainer does not take images yet.*mt.SFTTrainer"):
+            mt.DPOTrainer(model=copy.deepcopy(model), args=args, train_dataset=Dataset.from_list([pair] * 2),
+                          processing_class=processing_class, device="cpu")

@@ -36,6 +36,7 @@ from megatrain_nb.values import VALUES, check
 
 from .branch_dpo import check_dpo_changes
 from .branch_grpo import check_grpo_changes, is_grpo_trainer
+from .branch_rows import sidebar_rows
 from .placement import PLACEMENT, placement, sibling_engine
 
 # (the trainer's modules import torch: loaded when first used, so importing a Session stays light)
@@ -162,7 +163,7 @@ class Explorer:
 
     @property
     def store(self):
-        from megatrain_nb.trainer.snapshot import SnapshotStore
+        from megatrain_nb.trainer.snapshot import SnapshotStore   # light: no torch for mt.compare
 
         if self.ranks is not None:
             return SnapshotStore(self.ranks.output_dir)
@@ -292,7 +293,7 @@ class Explorer:
         old_step, old_run = s.step, tr.run_id
         self.verify(info)   # whole, before anything changes: a damaged snapshot leaves the run as it was
         self.activate(source=f"rewind of {s.name}")
-        from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart
+        from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart   # light: no torch for mt.compare
 
         # at once: generate()/save_model() see that step's weights (a load failing part way marks
         # the engine failed: nothing trains, saves or reads on the mixture)
@@ -348,7 +349,7 @@ class Explorer:
     # ---- fork ----------------------------------------------------------------------------------
     def fork(self, info, name: Optional[str], changes: dict):
         """A new Session from snapshot ``info``, sharing this engine, with ``changes``."""
-        from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart
+        from megatrain_nb.trainer.snapshot import SCHEDULE_FIELDS, BranchStart   # light: no torch for mt.compare
 
         changes = check_changes(changes, self.trainer)
         self.verify(info)   # a damaged snapshot is refused here, not when the fork first trains
@@ -365,7 +366,7 @@ class Explorer:
                 setattr(args, k, v)
         if "max_steps" in changes and int(changes["max_steps"]) <= info.step:
             raise ValueError(f"max_steps={changes['max_steps']} is not after the fork's step {info.step}")
-        from megatrain_nb.trainer.checkpoint import rng_state, set_rng_state
+        from megatrain_nb.trainer.checkpoint import rng_state, set_rng_state   # light: no torch for mt.compare
 
         rng = rng_state()   # a Trainer seeds the global generators: the parent's run must not notice
         engine = sibling_engine(tr.engine, device) if side else tr.engine
@@ -513,7 +514,7 @@ class Explorer:
     def _back_from(self, path: str) -> None:
         """The engine holds (or will hold) this branch's state kept at ``path``: training again
         restarts from it (the data position and RNG too), as the same run."""
-        from megatrain_nb.trainer.snapshot import BranchStart
+        from megatrain_nb.trainer.snapshot import BranchStart   # light: no torch for mt.compare
 
         self.restart_path, self.switched_out = path, None
         # (a rewind's new run, not started yet, stays one)
@@ -531,8 +532,6 @@ class Explorer:
 
     def sidebar_rows(self) -> list[dict]:
         """The run tree in a few fields per run, for the JupyterLab sidebar (branch_rows.py)."""
-        from .branch_rows import sidebar_rows
-
         return sidebar_rows(self)
 
     def _register(self, run_id, parent=None, at=None) -> Optional[Node]:

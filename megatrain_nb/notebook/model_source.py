@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 from megatrain_nb.model_configs import preset_config
 from megatrain_nb.model_source import resolve
+from megatrain_nb.trainer.default import load_default
+from megatrain_nb.trainer.sft_data import is_conversational_dataset
 
 
 def build_trainer(
@@ -32,6 +34,7 @@ def build_trainer(
 ) -> tuple[Any, Any]:
     """(trainer, tokenizer) for a Session. ``trainer_options`` go to ``Trainer`` as keywords
     (engine options, ``loss_fn``...)."""
+    # light: the Trainer (transformers) away from a kernel whose ranks train elsewhere (launch_spec reads this module)
     from megatrain_nb.trainer import Trainer
 
     if isinstance(model, (str, os.PathLike)):
@@ -67,7 +70,8 @@ def _fine_tuner(args, train_dataset, options: dict):
     """(trainer class, its config's name) for a GRPOConfig or ``reward_funcs`` (learning from
     rewards), preference rows or a DPOConfig, instruction / chat rows or an SFTConfig; None for
     plain token data."""
-    from megatrain_nb.trainer import dpo, grpo, sft   # (torch and the trainers: only with a Session)
+    # light: the fine-tuners (transformers; trl for GRPO) only when a Session builds its trainer
+    from megatrain_nb.trainer import dpo, grpo, sft
 
     grpo_config = type(args).__name__ == "GRPOConfig" and type(args).__module__.startswith("trl")
     if grpo_config or "reward_funcs" in options:
@@ -102,8 +106,6 @@ def _wants_sft(args, train_dataset) -> bool:
         return True
     if train_dataset is None:
         return False
-    from megatrain_nb.trainer.sft_data import is_conversational_dataset
-
     try:
         return is_conversational_dataset(train_dataset)
     except Exception:   # a torch dataset of tensors, an iterable without rows: not chat data
@@ -123,8 +125,6 @@ def default_args(output_dir: str, **overrides: Any):
 
 def _builtin(name, tokenizer, train_dataset, eval_dataset, args, seq_len):
     if train_dataset is None:
-        from megatrain_nb.trainer.default import load_default
-
         tok, train_dataset, default_eval = load_default(seq_len=seq_len or 128)
         tokenizer = tokenizer or tok
         if eval_dataset is None:

@@ -14,7 +14,8 @@ trl = pytest.importorskip("trl")
 import megatrain_nb as mt  # noqa: E402
 import megatrain_nb.trainer.grpo_rollout as rollout  # noqa: E402
 
-from .test_grpo_parity import NOT_COMPARED, config, prompts, reward_short, reward_yes, tiny_model, tokenizer  # noqa: E402
+from .test_grpo_parity import (NOT_COMPARED, config, prompts, reward_short, reward_yes, tiny_model,  # noqa: E402
+                               tokenizer)
 
 
 def _run(tmp_path, model, tok, generation, **kw):

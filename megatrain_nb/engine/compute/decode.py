@@ -18,7 +18,7 @@ pass, each decoder layer run by its proxy as the model calls it, its weights tak
 schedule prefetching the next layers meanwhile. The model's forward gets
 ``use_cache=True`` and a transformers ``DynamicCache`` (built from the model's config, so sliding
 window layers keep only their window), so the model's own attention code fills and reads the KV
-cache, which stays on the device; every family transformers caches this way decodes correctly.
+cache, which stays on the device (checked against ``generate`` on some thirty families: docs/GRPO.md).
 One pass is one decoded token for every row: the prompt's pass (the prefill) gives each row's
 first token, the next pass its second, and so on, so the transport loads each unit exactly once
 per decoded token (``stats["passes"]``) whether 2 or 128 rows advance.
@@ -32,9 +32,10 @@ per decoded token (``stats["passes"]``) whether 2 or 128 rows advance.
   rows with it) before the next pass; ``stats["rows"]`` counts the rows the decoding passes ran.
 - **Sampling** as ``generate`` samples: transformers' own logits processors in ``generate``'s
   order (repetition penalty on the prompt's real tokens and those generated, suppressed tokens,
-  then temperature, top-k, top-p, min-p when ``do_sample``), ``torch.multinomial`` on the softmax (the global
-  random stream), the arg max when ``do_sample=False``. Positions and masks as ``generate``
-  makes them (left-padded prompts, positions counted over the real tokens). Greedy decoding gives
+  then temperature, top-k, top-p, min-p when ``do_sample``), ``torch.multinomial`` on the
+  softmax (the global random stream, or a given generator), the arg max when ``do_sample=False``.
+  Positions and masks as ``generate`` makes them (left-padded prompts, positions counted over the
+  real tokens). Greedy decoding gives
   ``generate``'s tokens; sampled decoding draws from the same distributions, but once rows have
   left the batch the draws are not ``generate``'s (it keeps sampling for finished rows).
   GenerationConfig fields beyond these are refused by name (use ``generate`` on a resident model).
@@ -67,7 +68,8 @@ GIB = 1 << 30
 
 #: GenerationConfig fields the decoder applies; any other one set away from its default is refused
 APPLIED = frozenset({"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p",
-                     "repetition_penalty", "suppress_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
+                     "repetition_penalty", "suppress_tokens", "eos_token_id", "pad_token_id", "bos_token_id",
+                     "use_cache",
                      "disable_compile", "num_beams", "num_return_sequences",
                      "transformers_version", "return_dict_in_generate", "output_scores", "output_logits"})
 

@@ -129,7 +129,7 @@ def compare(engine, loss: float, ref_loss: float, ref_grads) -> str:
 def engine_parts():
     """``(EngineConfig, StreamingEngine, units, vision)`` of the engine, imported here only: the
     sweep's table and ``megatrain-nb models`` stay free of torch until a check runs."""
-    from megatrain_nb.engine import EngineConfig, StreamingEngine, units, vision
+    from megatrain_nb.engine import EngineConfig, StreamingEngine, units, vision   # light: no torch for --help
 
     return EngineConfig, StreamingEngine, units, vision
 
@@ -205,8 +205,14 @@ def check(model_type: str, modes=MODES) -> Result:
         if refusal:   # the engine declines it anyway: that is the result
             res.status, res.reason = REFUSED, refusal
         return res
+    return run_modes(res, model, modes, {"single": (single, refs["single"]), "window": (window, refs["window"])})
+
+
+def run_modes(res: Result, model, modes, cases: dict) -> Result:
+    """``res`` with each mode's outcome: the engine against its reference (``cases``: "single" and
+    "window", each (batches, (loss, grads))); refused, failing or supported as the modes say."""
     for mode in modes:
-        batches, ref = (window, refs["window"]) if mode == "window of 2" else (single, refs["single"])
+        batches, ref = cases["window" if mode == "window of 2" else "single"]
         try:
             res.modes[mode] = run_mode(model, mode, batches, ref)
         except (TypeError, NotImplementedError) as e:

@@ -2,13 +2,18 @@
 
 One place knows the byte arithmetic of the tiers; the engine uses it to size device slots and
 refuse impossible budgets, and the estimator (``mt.estimate``) prints the same numbers.
+
+No torch at import (tests/test_planning_light.py: ``megatrain-nb --help`` reads the estimate's
+arguments): the engine's modules whose rules it applies (the codecs, the staging and pinned
+buffers, the update chunks, the MLP tiles) import torch, so it imports them where a plan is made.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
-from ..family import hidden_size, intermediate_size
+
+from ..family import hidden_size, intermediate_size, text_config, vocab_size
 from .vision_plan import VisionShape
 
 GiB = 1024 ** 3
@@ -38,7 +43,7 @@ def unit_specs_from_config(config) -> List[UnitSpec]:
     """Unit sizes of a transformers config, built on the meta device (no memory, no download)."""
     import torch
 
-    from ..units import auto_model_class, build_units, find_layer_list
+    from ..units import auto_model_class, build_units, find_layer_list   # light: torch at plan time only
 
     with torch.device("meta"):   # (a vision-language model's own class: its vision tower in the embed unit)
         model = auto_model_class(config).from_config(config)
@@ -54,7 +59,7 @@ def _smaller_codec_hint(compression: str) -> str:
 
 def codec_bytes_per_param(compression: str) -> float:
     """Stored bytes per parameter for both Adam moments together."""
-    from ..updates.codecs import ROLES, get_codec
+    from ..updates.codecs import ROLES, get_codec   # light: torch at plan time only
 
     n = 1 << 20
     return sum(get_codec(compression, role).encoded_nbytes(n) for role in ROLES) / n
@@ -132,12 +137,12 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     (a 5.8 GiB unit would hold 8 GiB); the rest as allocated.
     (Without a host cache of the disk tier: the estimate's least host RAM.)
     """
-    from ..updates.chunk_ring import RING
-    from ..updates.states import min_reads_ahead, update_chunk, writes_pending
-    from ..updates.final_grads import HOLD_WRITES
-    from ..transport.pager import staging_buffers
+    from ..updates.chunk_ring import RING   # light: torch at plan time only
+    from ..updates.states import min_reads_ahead, update_chunk, writes_pending   # light: torch at plan time only
+    from ..updates.final_grads import HOLD_WRITES   # light: torch at plan time only
+    from ..transport.pager import staging_buffers   # light: torch at plan time only
 
-    from ..transport.pinned import held_bytes
+    from ..transport.pinned import held_bytes   # light: torch at plan time only
 
     if not units:
         return 0
@@ -209,8 +214,6 @@ class ModelShape:
     @classmethod
     def of(cls, model_config, *, logits: bool = True) -> "ModelShape":
         """From a transformers config (``logits`` False: the head's logits are not planned)."""
-        from ..family import hidden_size, intermediate_size, text_config, vocab_size
-
         layers = int(getattr(text_config(model_config), "num_hidden_layers", 0) or 0)
         return cls(hidden_size(model_config), layers, intermediate_size(model_config),
                    int(vocab_size(model_config) or 0) if logits else 0, VisionShape.of(model_config))
@@ -263,7 +266,7 @@ class _PlanInputs:
         """Tokens per tile of a layer's MLP as the engine tiles (``tiling.tile_tokens_for``: 0 where a
         micro-batch's MLP fits the device budget, else from the MLP width and the budget; or
         ``EngineOverrides.tile_tokens``; 0: untiled)."""
-        from ..compute.tiling import tile_tokens_for
+        from ..compute.tiling import tile_tokens_for   # light: torch at plan time only
         return tile_tokens_for(self.inter, self.workload.batch * self.workload.seq, self.cb, self.vram_bytes,
                                self.cfg.overrides.tile_tokens)
 
@@ -311,7 +314,7 @@ class _PlanInputs:
         """Bytes of one host buffer of ``per_param`` B/param per held unit as the process holds
         them: pinned (default: on CUDA), each as ``pinned.held_bytes`` counts it (exact where
         registration works, else its power of two)."""
-        from ..transport.pinned import held_bytes
+        from ..transport.pinned import held_bytes   # light: torch at plan time only
         pin = self.cuda if pinned is None else pinned
         return sum(held_bytes(u.numel * per_param, pin) for u in self.held)
 

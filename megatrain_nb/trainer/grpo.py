@@ -194,7 +194,8 @@ def _reference_source(model, beta: float, ref_model):
 class BranchStream(RolloutStream):
     """A fork's rollouts (``Session.fork``): they go on from the snapshot's data position (the
     sampler's order replayed to its epoch), the generation batch there made anew with the fork's
-    settings (the stored rollouts are not in a snapshot)."""
+    settings (the stored rollouts are not in a snapshot). At a generation boundary with the
+    snapshot's random state, a fork that changes nothing of the sampling makes the parent's rollouts."""
 
     def load_state_dict(self, state: dict) -> None:
         RolloutStream.__init__(self, self.trainer, self.dataset)   # the sampler from its seed
@@ -203,6 +204,9 @@ class BranchStream(RolloutStream):
             list(iter(self.sampler))
         self.epoch, self.consumed = epoch, int(state.get("consumed", 0))
         self._step = self.consumed   # (a generation batch is repeated steps_per_generation x num_iterations times)
+        if self.consumed:   # mid-epoch: this epoch's order, without the draw its start made (the RNG is the snapshot's)
+            idx = list(iter(self.sampler))
+            self._order = [idx[i:i + self.micro] for i in range(0, len(idx), self.micro)]
 
 
 class GRPOKind:

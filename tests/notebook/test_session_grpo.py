@@ -72,6 +72,26 @@ def test_a_fork_changes_temperature_beta_and_learning_rate_from_its_step(tmp_pat
         s.close()
 
 
+def test_a_fork_that_changes_only_max_steps_repeats_the_parents_steps(tmp_path):
+    """From the snapshot's data position and random state: the same prompts, the same sampled
+    completions, the same losses as the parent's steps after it."""
+    s = mt.Session(_folder(tmp_path), train_dataset=prompts(), args=config(tmp_path / "run", max_steps=3),
+                   reward_funcs=reward_yes, name="grpo-same", snapshot_steps=1, device="cpu")
+    try:
+        s.train()
+        assert s.wait(timeout=300) == "finished"
+        child = s.fork(step=1, max_steps=3)
+        child.train()
+        assert child.wait(timeout=300) == "finished"
+        keys = ("reward", "completion_length", "loss")
+        mine = [r[k] for r in child.run_log.records() if "reward" in r for k in keys]
+        parent = [r[k] for r in s.run_log.records() if "reward" in r and r["step"] > 1 for k in keys]
+        assert len(mine) == 6 and mine == pytest.approx(parent, rel=1e-5, abs=1e-7)
+        child.close()
+    finally:
+        s.close()
+
+
 def test_beta_needs_the_starting_weights(tmp_path):
     tok = tokenizer()
     s = mt.Session(tiny_model(tok), train_dataset=prompts(), tokenizer=tok, args=config(tmp_path, max_steps=1),

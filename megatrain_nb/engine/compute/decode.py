@@ -153,8 +153,9 @@ def check_generation_config(gc: GenerationConfig) -> None:
                          "samples with temperature, top_k, top_p, min_p, repetition_penalty and suppress_tokens (or "
                          "greedily); "
                          "remove them, or generate on a resident model (generation='resident')")
-    if gc.max_new_tokens is None:
-        raise ValueError("streamed decoding needs GenerationConfig.max_new_tokens (the new tokens per row)")
+    if gc.max_new_tokens is None or gc.max_new_tokens < 1:
+        raise ValueError(f"streamed decoding needs GenerationConfig.max_new_tokens of at least 1 (the new tokens per "
+                         f"row), got {gc.max_new_tokens}")
 
 
 def processors(gc: GenerationConfig, pad_lengths: torch.Tensor) -> LogitsProcessorList:
@@ -199,6 +200,16 @@ def left_padded(rows: Sequence[Sequence[int]], pad: int):
         mask[i, n - len(r):] = 1
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     return ids, mask, pos
+
+
+def gathered(picked, rows: int, stats) -> Decoded:
+    """Each row's tokens and log-probs from the passes' ``(rows, tokens, log-probs)``."""
+    at = torch.cat([a for a, _, _ in picked]).cpu()
+    tok = torch.cat([t for _, t, _ in picked]).cpu()
+    lp = torch.cat([v for _, _, v in picked]).float().cpu()
+    order = torch.sort(at, stable=True).indices   # by row, each row's passes in order
+    counts = torch.bincount(at, minlength=rows).tolist()
+    return Decoded([t.tolist() for t in tok[order].split(counts)], list(lp[order].split(counts)), stats)
 
 
 class StreamedDecoder:
@@ -248,8 +259,7 @@ class StreamedDecoder:
         pos = pos_u[rows, -1:]
         alive = torch.arange(len(row_prompt), device=dev)        # the rows still decoding
         procs = processors(gc, (mask == 0).sum(1))
-        out: List[List[int]] = [[] for _ in row_prompt]
-        lps: List[List[torch.Tensor]] = [[] for _ in row_prompt]
+        picked = []   # per pass: (the rows decoding, their tokens, their log-probs)
         for t in range(steps):
             scores = procs(seqs, logits)
             if gc.do_sample:
@@ -257,9 +267,7 @@ class StreamedDecoder:
             else:
                 tok = torch.argmax(scores, dim=-1)
             lp = torch.log_softmax(logits / temperature, dim=-1).gather(1, tok[:, None])[:, 0]
-            for r, k, v in zip(alive.tolist(), tok.tolist(), lp.cpu()):
-                out[r].append(k)
-                lps[r].append(v)
+            picked.append((alive, tok, lp))
             keep = ~torch.isin(tok, stops)
             if t + 1 == steps or not bool(keep.any()):
                 break
@@ -274,7 +282,7 @@ class StreamedDecoder:
             logits = self._pass(tok[:, None], mask, pos, cache)
             stats["passes"] += 1
             stats["rows"] += len(alive)
-        return Decoded(out, [torch.stack(v) if v else torch.zeros(0) for v in lps], stats)
+        return gathered(picked, len(row_prompt), stats)
 
     def _pass(self, ids, mask, pos, cache) -> torch.Tensor:
         """One forward of the model on the engine (every unit loaded once, in the pager's schedule)

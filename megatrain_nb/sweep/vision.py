@@ -19,14 +19,15 @@ import copy
 from typing import Dict, Optional
 
 from .check import (FAILING, MODES, NOT_BUILT, NOT_DECODER, REFUSED, SUPPORTED, Result, check, engine_parts,
-                    is_refusal, registry, run_mode, short_error, where_raised)
+                    registry, run_modes, short_error)
 
 #: The kind of an image-text-to-text result (its own table in docs/MODELS.md).
 VISION_KIND = "image-text-to-text"
-_TEXT = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
-_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
-               patch_size=4)
+#: The tiny text and vision configs (the families' own model types added per family).
+TINY_TEXT = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                   patch_size=4)
 IMAGE = 150   # the image token id of the tiny configs
 #: Families whose top-level class is an encoder-decoder (or a vision encoder feeding a text decoder
 #: through cross-attention): not a decoder stack with images merged into its embeddings.
@@ -43,41 +44,43 @@ def vision_registry() -> Dict[str, str]:
     return dict(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
-def _config(family: str):
+def _config(family: str, **overrides):
+    """``family``'s tiny config; ``overrides``: top-level config fields (e.g. ``vision_feature_layer``)."""
     from transformers import AutoConfig
 
     if family in ("llava", "llava_next"):
-        vision = dict(model_type="clip_vision_model", projection_dim=32, **_VISION)
-        extra = (dict(vision_feature_layer=-2, vision_feature_select_strategy="default") if family == "llava"
-                 else dict(image_grid_pinpoints=[[16, 32], [32, 16]]))
-        return AutoConfig.for_model(family, vision_config=vision, text_config=dict(model_type="llama", **_TEXT),
-                                    image_token_index=IMAGE, **extra)
-    if family in ("qwen2_vl", "qwen2_5_vl"):
-        text = dict(_TEXT, bos_token_id=1, eos_token_id=2,
+        kw = dict(vision_config=dict(model_type="clip_vision_model", projection_dim=32, **TINY_VISION),
+                  text_config=dict(model_type="llama", **TINY_TEXT), image_token_index=IMAGE)
+        kw.update(dict(vision_feature_layer=-2, vision_feature_select_strategy="default") if family == "llava"
+                  else dict(image_grid_pinpoints=[[16, 32], [32, 16]]))
+    elif family in ("qwen2_vl", "qwen2_5_vl"):
+        text = dict(TINY_TEXT, bos_token_id=1, eos_token_id=2,
                     rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0})
         vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
                       spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32,
                       intermediate_size=64)
-        return AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=IMAGE,
-                                    video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
-    if family == "gemma3":
-        return AutoConfig.for_model("gemma3", text_config=dict(model_type="gemma3_text", head_dim=8, **_TEXT),
-                                    vision_config=dict(model_type="siglip_vision_model", **_VISION),
-                                    mm_tokens_per_image=4, image_token_id=IMAGE, boi_token_index=152,
-                                    eoi_token_index=153)
-    if family in ("idefics3", "smolvlm"):
-        return AutoConfig.for_model(family, text_config=dict(model_type="llama", **_TEXT), vision_config=_VISION,
-                                    scale_factor=2, image_token_id=IMAGE)
-    raise KeyError(f"no tiny config for the image-text-to-text family {family!r}")
+        kw = dict(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=151,
+                  vision_start_token_id=152, vision_end_token_id=153)
+    elif family == "gemma3":
+        kw = dict(text_config=dict(model_type="gemma3_text", head_dim=8, **TINY_TEXT),
+                  vision_config=dict(model_type="siglip_vision_model", **TINY_VISION), mm_tokens_per_image=4,
+                  image_token_id=IMAGE, boi_token_index=152, eoi_token_index=153)
+    elif family in ("idefics3", "smolvlm"):
+        kw = dict(text_config=dict(model_type="llama", **TINY_TEXT), vision_config=TINY_VISION, scale_factor=2,
+                  image_token_id=IMAGE)
+    else:
+        raise KeyError(f"no tiny config for the image-text-to-text family {family!r}")
+    return AutoConfig.for_model(family, **{**kw, **overrides})
 
 
-def tiny_vlm(family: str, seed: int = 0):
-    """``family``'s tiny model (``AutoModelForImageTextToText`` from a shrunk config), in eval mode."""
+def tiny_vlm(family: str, seed: int = 0, **overrides):
+    """``family``'s tiny model (``AutoModelForImageTextToText`` from a shrunk config, ``overrides``
+    on its top-level fields), in eval mode."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(_config(family)).eval()
+    return AutoModelForImageTextToText.from_config(_config(family, **overrides)).eval()
 
 
 def vlm_batch(family: str, seed: int = 1) -> dict:
@@ -181,20 +184,7 @@ def check_vision(model_type: str, modes=MODES) -> Result:
     except Exception as e:  # noqa: BLE001
         res.status, res.reason = FAILING, f"the tiny model does not run in transformers: {short_error(e)}"
         return res
-    for mode in modes:
-        batches, ref = (window, refs["window"]) if mode == "window of 2" else (single, refs["single"])
-        try:
-            res.modes[mode] = run_mode(model, mode, batches, ref)
-        except (TypeError, NotImplementedError) as e:
-            if is_refusal(e):
-                res.status, res.reason, res.modes[mode] = REFUSED, str(e).strip().splitlines()[0], "refused"
-                return res
-            res.modes[mode] = short_error(e) + " @ " + where_raised(e)
-        except Exception as e:  # noqa: BLE001
-            res.modes[mode] = short_error(e) + " @ " + where_raised(e)
-    bad = {m: v for m, v in res.modes.items() if v != "ok"}
-    if bad:
-        res.status, res.reason = FAILING, "; ".join(f"{m}: {v}" for m, v in bad.items())
+    res = run_modes(res, model, modes, {"single": (single, refs["single"]), "window": (window, refs["window"])})
     res.layers = model.config.get_text_config().num_hidden_layers
     return res
 

@@ -9,90 +9,23 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.model_configs import family_config
+from megatrain_nb.sweep.vision import TINY_TEXT, tiny_vlm, vlm_batch
 
-_TEXT = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
-IMAGE = 150   # the image token id of the tiny configs
-
-
-def _llava(feature_layer=-2, family="llava"):
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=16, patch_size=4, projection_dim=32)
-    cfg = AutoConfig.for_model(family, vision_config=vision, text_config=dict(model_type="llama", **_TEXT),
-                               image_token_index=IMAGE, vision_feature_layer=feature_layer,
-                               vision_feature_select_strategy="default")
-    return AutoModelForImageTextToText.from_config(cfg).eval()
+# The tiny configs and processor-shaped batches are the registry sweep's (megatrain_nb/sweep/vision.py).
+_TEXT = TINY_TEXT
 
 
-def _qwen_vl(family):
-    text = dict(_TEXT, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
-                bos_token_id=1, eos_token_id=2)
-    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2, spatial_merge_size=2,
-                  temporal_patch_size=2, in_channels=3, out_hidden_size=32, intermediate_size=64)
-    cfg = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=IMAGE,
-                               video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
-    return AutoModelForImageTextToText.from_config(cfg).eval()
-
-
-_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
-               patch_size=4)
-
-
-def _gemma3():
-    cfg = AutoConfig.for_model("gemma3", text_config=dict(model_type="gemma3_text", head_dim=8, **_TEXT),
-                               vision_config=dict(model_type="siglip_vision_model", **_VISION), mm_tokens_per_image=4,
-                               image_token_id=IMAGE, boi_token_index=152, eoi_token_index=153)
-    return AutoModelForImageTextToText.from_config(cfg).eval()
-
-
-def _idefics3(family):
-    cfg = AutoConfig.for_model(family, text_config=dict(model_type="llama", **_TEXT), vision_config=_VISION,
-                               scale_factor=2, image_token_id=IMAGE)
-    return AutoModelForImageTextToText.from_config(cfg).eval()
-
-
-def _llava_next():
-    cfg = AutoConfig.for_model("llava_next", text_config=dict(model_type="llama", **_TEXT),
-                               vision_config=dict(model_type="clip_vision_model", projection_dim=32, **_VISION),
-                               image_token_index=IMAGE, image_grid_pinpoints=[[16, 32], [32, 16]])
-    return AutoModelForImageTextToText.from_config(cfg).eval()
+def _llava(feature_layer=-2):
+    return tiny_vlm("llava", vision_feature_layer=feature_layer)
 
 
 def _batch(family, seed=1):
     """Two rows (the second right-padded) with one image each, as the family's processor gives them."""
-    g = torch.Generator().manual_seed(seed)
-    if family == "llava":   # 16x16 pixels, 4x4 patches: 16 image tokens (CLS dropped)
-        ids = torch.randint(3, 140, (2, 24), generator=g)
-        ids[:, 2:18] = IMAGE
-        extras = {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
-    elif family == "llava_next":   # a 16x32 image: the base view and two 16x16 crops, 52 image tokens
-        ids = torch.randint(3, 140, (2, 60), generator=g)
-        ids[:, 2:54] = IMAGE
-        extras = {"pixel_values": torch.randn(2, 3, 3, 16, 16, generator=g),
-                  "image_sizes": torch.tensor([[16, 32], [16, 32]])}
-    elif family == "gemma3":   # 16 patches pooled to 4 soft tokens, attended both ways (token_type_ids)
-        ids = torch.randint(3, 140, (2, 20), generator=g)
-        ids[:, 3], ids[:, 4:8], ids[:, 8] = 152, IMAGE, 153
-        extras = {"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "token_type_ids": (ids == IMAGE).long()}
-    elif family in ("idefics3", "smolvlm"):   # one image per row, 16 patches shuffled 2x2: 4 image tokens
-        ids = torch.randint(3, 140, (2, 20), generator=g)
-        ids[:, 4:8] = IMAGE
-        extras = {"pixel_values": torch.randn(2, 1, 3, 16, 16, generator=g)}
-    else:                   # a 4x4 patch grid merged 2x2: 4 image tokens between vision start and end
-        ids = torch.randint(3, 140, (2, 20), generator=g)
-        ids[:, 3], ids[:, 4:8], ids[:, 8] = 152, IMAGE, 153
-        extras = {"pixel_values": torch.randn(32, 24, generator=g),
-                  "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]]),
-                  "mm_token_type_ids": (ids == IMAGE).int()}
-    am = torch.ones_like(ids)
-    am[1, -4:] = 0
-    return {"input_ids": ids, "attention_mask": am, "labels": ids.masked_fill(am == 0, -100), **extras}
+    return vlm_batch(family, seed)
 
 
 def _model(family):
-    builders = {"llava": _llava, "llava_next": _llava_next, "gemma3": _gemma3,
-                "idefics3": lambda: _idefics3("idefics3"), "smolvlm": lambda: _idefics3("smolvlm")}
-    return builders.get(family, lambda: _qwen_vl(family))()
+    return tiny_vlm(family)
 
 
 def _reference(model, batch):

@@ -53,6 +53,7 @@ def test_generation_is_resident_when_it_fits_and_streamed_when_not():
     assert est.to_dict()["grpo"]["kv_bytes"] == kv_cache_bytes(_config(), 16, 96, 4)
     # the training step is the generation batch: 16 rollouts in micro-batches of 4
     assert "accumulation 4" in str(est)
+    assert "GRPO KV cache" in est._repr_html_()   # the notebook's view of it too
     assert gp.weights_bytes == 4 * est.num_parameters   # the resident copy is fp32 (grpo_rollout.resident_fits)
     # a device budget that holds the training working set but not the fp32 copy + its cache
     need = est.plan.device["total"]

@@ -315,6 +315,7 @@ class Estimate:
                 f"<p>placement: {e(', '.join(f'{k} → {v}' for k, v in p.placement.items()))}</p><p>{verdict}</p>"
                 f"<p>{e(self._gpu_line())}</p>"
                 + (f"<pre>{e(chr(10).join(self._time_lines()))}</pre>" if self.prediction is not None else "")
+                + (f"<pre>{e(chr(10).join(self.grpo.lines()))}</pre>" if self.grpo is not None else "")
                 + "</div>")
 
 

@@ -410,14 +410,17 @@ class SFTTrainer(Trainer):
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
         """Loss, perplexity, ``mean_token_accuracy`` and ``entropy`` over the eval set (prepared as the train set)."""
+        kept = self.eval_dataset
         if eval_dataset is not None:
             eval_dataset = self._prepare(eval_dataset, self._eval_packing, "eval_dataset")
+            if self.vision:   # rows the collator takes as they are: the base's evaluate would want tokens
+                self.eval_dataset, eval_dataset = eval_dataset, None
         self.metrics.reset()
         self.metrics.collect, self._eval_prefix, self._eval_extra = True, metric_key_prefix, {}
         try:
             metrics = super().evaluate(eval_dataset, metric_key_prefix)
         finally:
-            self.metrics.collect, self._eval_prefix = False, None
+            self.metrics.collect, self._eval_prefix, self.eval_dataset = False, None, kept
         return {**metrics, **self._eval_extra}
 
 

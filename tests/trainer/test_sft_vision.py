@@ -284,3 +284,25 @@ def test_dpo_with_images_is_refused_by_name(setup, tmp_path):
         with pytest.raises(ValueError, match=r"mt.DPOTrainer does not take images yet.*mt.SFTTrainer"):
             mt.DPOTrainer(model=copy.deepcopy(model), args=args, train_dataset=Dataset.from_list([pair] * 2),
                           processing_class=processing_class, device="cpu")
+
+
+def test_evaluation_takes_the_images(setup, tmp_path):
+    """eval_loss over a vision eval set is the model's own token-weighted loss with the pictures;
+    other pictures give another loss (the images reach the model)."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    proc, model, ds = setup
+    evalset = shapes_dataset(6, seed=5)
+    trainer = _trainer(setup, tmp_path, per_device_eval_batch_size=4)
+    collate = DataCollatorForVisionLanguageModeling(processor=proc)
+    total = tokens = 0.0
+    for rows in ([evalset[i] for i in range(4)], [evalset[i] for i in range(4, 6)]):
+        batch = collate(rows)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        with torch.no_grad():
+            total += float(copy.deepcopy(model)(**batch).loss) * n
+        tokens += n
+    assert trainer.evaluate(evalset)["eval_loss"] == pytest.approx(total / tokens, rel=1e-5)
+    flipped = evalset.map(lambda ex: {"images": [im.transpose(0) for im in ex["images"]]})
+    assert abs(trainer.evaluate(flipped)["eval_loss"] - total / tokens) > 1e-4
+    trainer.close()

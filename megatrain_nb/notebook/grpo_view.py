@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .chart import Chart
 from .static_chart import img, panels_svg
 
 PER_FUNCTION = ("rewards/", "/mean")
@@ -120,6 +119,8 @@ def attach_grpo_panel(dashboard: Any) -> None:
     if not is_grpo_run(session):
         return
     import ipywidgets as W
+
+    from .chart import Chart   # light: ipywidgets away from %load_ext (the magics read grpo_parts)
 
     chart = Chart(layout=W.Layout(width="100%", min_width="280px"))
     title = W.HTML("<b style='font-family:sans-serif'>Rewards: reward, KL, completion length, generation vs "

@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-#: Elements one vision layer keeps per patch for its backward (norms, q/k/v, attention output,
-#: the residuals: ~12 x width) and its MLP (~3 x its width), as ``planner.activation_bytes``
-#: counts a decoder layer's.
-_PER_WIDTH, _PER_MLP = 12, 3
+#: Elements one vision layer keeps per patch for its backward (norms, q/k/v and their rotary
+#: copies, attention output, the residuals: ~14 x width) and its MLP (~3 x its width); the
+#: projector keeps ~6 x width per patch. Measured with saved-tensor hooks on a Qwen2-VL vision
+#: tower (SDPA attention: benchmarks/bench_vlm.py ``vlm_vision_graph_vs_plan``).
+_PER_WIDTH, _PER_MLP, _PROJECTOR = 14, 3, 6
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class VisionShape:
     depth: int                 # vision layers
     patch_size: int            # pixels per patch side
     patches_per_token: int     # patches merged into one image token (Qwen-VL 4, Gemma 3 16, LLaVA 1)
+    patch_inputs: int = 0      # input values per patch (channels x frames x patch^2: the patch embedding keeps them)
 
     @classmethod
     def of(cls, config) -> Optional["VisionShape"]:
@@ -40,7 +42,9 @@ class VisionShape:
         inter = getattr(vc, "intermediate_size", None) or int(float(getattr(vc, "mlp_ratio", 4) or 4) * width)
         depth = int(getattr(vc, "depth", None) or getattr(vc, "num_hidden_layers", 0) or 0)
         patch = int(getattr(vc, "patch_size", 14) or 14)
-        return cls(width, int(inter), depth, patch, patches_per_token(config))
+        inputs = int(getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3) or 3) * patch * patch \
+            * int(getattr(vc, "temporal_patch_size", 1) or 1)
+        return cls(width, int(inter), depth, patch, patches_per_token(config), inputs)
 
     def tokens_of_pixels(self, max_pixels: int) -> int:
         """Image tokens of an image of at most ``max_pixels`` pixels (a processor's budget)."""
@@ -50,7 +54,9 @@ class VisionShape:
         """Device bytes of one micro-batch's vision graph in the embedding's backward (its saved
         activations and their gradients)."""
         patches = batch * image_tokens * self.patches_per_token
-        return patches * self.depth * (_PER_WIDTH * self.width + _PER_MLP * self.intermediate) * compute_bytes
+        per_patch = self.depth * (_PER_WIDTH * self.width + _PER_MLP * self.intermediate) \
+            + _PROJECTOR * self.width + self.patch_inputs
+        return patches * per_patch * compute_bytes
 
 
 def patches_per_token(config) -> int:

@@ -306,3 +306,27 @@ def test_evaluation_takes_the_images(setup, tmp_path):
     flipped = evalset.map(lambda ex: {"images": [im.transpose(0) for im in ex["images"]]})
     assert abs(trainer.evaluate(flipped)["eval_loss"] - total / tokens) > 1e-4
     trainer.close()
+
+
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_is_exact(setup, tmp_path):
+    """4 steps straight = 2 steps, a checkpoint, and 2 more resumed from it (weights bit for bit);
+    an iterable vision dataset trains too."""
+    import os
+
+    proc, model, ds = setup
+    straight = _trainer(setup, tmp_path / "a", max_steps=4)
+    straight.train()
+    want = dict(straight.engine.named_parameters())
+    straight.close()
+    first = _trainer(setup, tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2)
+    first.train()
+    first.close()
+    again = _trainer(setup, tmp_path / "b", max_steps=4)
+    again.train(resume_from_checkpoint=os.path.join(tmp_path / "b", "checkpoint-2"))
+    assert all(torch.equal(w, want[n]) for n, w in again.engine.named_parameters())
+    again.close()
+    streamed = _trainer(setup, tmp_path / "c", rows=ds.to_iterable_dataset(), max_steps=2)
+    streamed.train()
+    assert len([r for r in streamed.state.log_history if "loss" in r]) == 2
+    streamed.close()

@@ -22,14 +22,14 @@ def test_each_family_the_engine_takes_matches_hf(family):
 
 @pytest.mark.slow
 def test_the_check_can_fail(monkeypatch):
-    """A reference from other pictures differs: the sweep says failing, naming a gradient."""
+    """A reference from other pictures differs: the sweep says failing, naming the loss or a gradient."""
     import megatrain_nb.sweep.vision as v
 
     real = v.vlm_reference
     monkeypatch.setattr(v, "vlm_reference", lambda model, batches: real(
         model, [dict(b, pixel_values=b["pixel_values"].flip(0)) for b in batches]))
     r = check_vision("qwen2_vl", modes=("interval 1",))
-    assert r.status == FAILING and "gradient of model.visual" in r.reason
+    assert r.status == FAILING and ("loss" in r.reason or "gradient of model.visual" in r.reason), r.reason
 
 
 @pytest.mark.parametrize("family,status,words", [

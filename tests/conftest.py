@@ -158,6 +158,8 @@ SLOW_TESTS = {
     "tests/trainer/test_save_protocol.py::test_exception_at_every_step_of_a_save_keeps_a_complete_checkpoint"
     "[existing-name]",
     "tests/trainer/test_snapshot.py::test_resuming_a_snapshot_lands_on_the_uninterrupted_weights[disk-int8]",
+    "tests/trainer/test_snapshot.py::test_resuming_a_snapshot_lands_on_the_uninterrupted_weights[disk-none]",
+    "tests/engine/test_transport.py::test_window_tiers_interval_2_under_adversarial_transport[disk]",
     "tests/lab/test_command_doors.py::test_every_command_through_every_door[inbox]",
     # issue 44: two Sessions built and closed (several seconds on a loaded machine)
     "tests/notebook/test_magics_status.py::test_status_names_the_open_sessions_when_the_current_one_was_closed",

@@ -12,12 +12,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import megatrain_nb as mt
+from megatrain_nb.engine.tiers.disk_params import weights_key
 
 from . import helpers as h
 
 pytestmark = pytest.mark.slow
 
-DISK = dict(offload_params=True, host_cache_gb=0)
+DISK = dict(offload_params=True, host_cache_gb=0.0002)
 
 
 def _folder_state(folder):
@@ -88,3 +89,30 @@ def test_a_running_session_exports_its_snapshot_and_trains_on(tmp_path, tier):
         s.stop()
     finally:
         s.close()
+
+
+def test_units_the_host_cache_holds_are_exported_from_ram(tmp_path):
+    """The disk tier with its host cache after training: the units it holds (their newest weights
+    may not be on the disk yet) come from RAM, the others from their files; the export is the
+    engine's own state either way."""
+    t = h.trained("llama", tmp_path, steps=2, offload_dir=str(tmp_path / "offload"), offload_params=True,
+                  host_cache_gb=0.0002)
+    try:
+        engine = t.engine
+        keys = [weights_key(u) for u in engine.units]
+        held = [k for k in keys if engine.disk.resident_bytes([k])]
+        assert engine.params_on_disk and 0 < len(held) < len(keys)   # some units in the cache, some not
+        store, ranged = engine.disk.store, []
+        original = store.read_ranged
+
+        def counted(key):
+            ranged.append(key)
+            return original(key)
+
+        store.read_ranged = counted
+        out = t.export(tmp_path / "cached")
+        assert sorted(ranged) == sorted(k for k in keys if k not in held)   # the others read from their files
+        got = load_file(f"{out}/model.safetensors")
+        assert all(torch.equal(got[k], v) for k, v in engine.state_dict().items())
+    finally:
+        t.close()

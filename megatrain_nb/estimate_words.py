@@ -69,7 +69,7 @@ def preset_names_lazy() -> list:
 
 def add_estimate_arguments(e: argparse.ArgumentParser) -> None:
     """The arguments of ``estimate``: the model, the hardware budgets and the run's shape."""
-    codec_names = Lazy(codec_names_lazy)
+    codec_names = Lazy(lambda: (*codec_names_lazy(), "auto"))   # auto: the planner picks (planning/codec_choice)
     e.add_argument("model", help="a preset (%(presets)s), a local model folder or a config.json").presets = \
         Lazy(preset_names_lazy)
     e.add_argument("--vram", type=budget_arg, default=80.0, help="device budget in GiB (default 80)")
@@ -78,7 +78,8 @@ def add_estimate_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--batch", type=table_number("estimate_batch", "--batch"), default=1)
     e.add_argument("--seq", type=table_number("estimate_seq", "--seq"), default=2048)
     e.add_argument("--compression", default="int8", choices=codec_names, metavar="CODEC",
-                   help="optimizer-state codec: %(choices)s (default int8)")
+                   help="optimizer-state codec: %(choices)s (default int8; auto: the planner picks, exact "
+                        "states in RAM when they fit)")
     e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     e.add_argument("--offload-dir", default=None, help="where the disk tier would live (for 'auto' free space)")
     e.add_argument("--no-disk", action="store_true", help="no disk tier")

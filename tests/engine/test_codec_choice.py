@@ -71,3 +71,10 @@ def test_every_candidate_is_the_planners_own_plan(codec):
     c = _choose(None)   # no host budget: every candidate fits
     mine = next(x for x in c.candidates if (x.codec, x.states_on_disk) == (codec, True))
     assert mine.plan == make_plan(UNITS, SHAPE, _cfg(None, optimizer_compression=codec), cuda=True, workload=WORK)
+
+
+def test_the_command_line_takes_auto():
+    from megatrain_nb.estimate_words import estimate_from_words
+
+    est = estimate_from_words(["tiny", "--seq", "256", "--compression", "auto", "--ram", "64", "--disk", "100"])
+    assert est.compression == "none" and "codec (--compression='auto')" in str(est)

@@ -2,15 +2,17 @@
 the engine, per-token log-probs by a forward-only pass of an engine, rewards and advantages
 (TRL's formulas).
 
-- :class:`ResidentPolicy`: a plain Hugging Face module holding the engine's current weights
-  (copied after each optimizer step, only when they changed), on which transformers' ``generate``
+- :class:`ResidentPolicy`: a plain Hugging Face module holding the engine's current weights in
+  its compute dtype (bf16 under ``precision="bf16"``: the compute-dtype copies the update writes;
+  copied after each optimizer step, only when they changed), on which transformers' ``generate``
   samples the completions exactly as ``trl.GRPOTrainer`` does (its GenerationConfig, its end of
   sequence ids, the completion cut after the first of them). Building it draws no random number.
 - :class:`StreamedPolicy`: the engine's layer-major streamed decoder
   (:mod:`megatrain_nb.engine.compute.decode`) on the engine's own weights: every rollout advances
   a token together, each unit crosses to the device once per decoded token.
 - :func:`make_policy`: which of the two (``generation="auto"``: the resident copy when it and its
-  KV cache fit the device budget beside the engine's working set, else streamed).
+  KV cache, both in the engine's compute dtype (:func:`resident_bytes`), fit the device budget
+  beside the engine's working set, else streamed).
 - :func:`completion_logps`: the per-token log-probs of the completions (temperature applied, as
   TRL's fused head) through an engine's chunked head, forward only (:class:`TokenLogps`).
 - :func:`score`: every reward function on every completion; a function that raises, returns a
@@ -83,17 +85,44 @@ def right_pad(rows: List[List[int]], value: int) -> tuple:
     return ids, mask
 
 
+def shadow_views(engine) -> Dict[str, torch.Tensor]:
+    """name -> a view of the compute-dtype copy of that parameter the engine's update writes (the
+    host store's shadows, ARCHITECTURE §15: kept for a compute dtype narrower than fp32 on CUDA,
+    for the units whose masters are in host RAM, in one process); {} where it keeps none."""
+    store = getattr(engine, "store", None)
+    if store is None or getattr(engine, "sharded", None) is not None or engine.dtype == torch.float32:
+        return {}
+    out = {}
+    for u in engine.units:
+        sh = store.shadows.get(u.index)
+        if sh is not None and sh.dtype == engine.dtype:
+            out.update((p.name, sh[p.offset:p.offset + p.numel].view(p.shape)) for p in u.params)
+    return out
+
+
 class ResidentPolicy:
-    """A plain HF module with the engine's current weights, for ``generate`` (the model fits)."""
+    """A plain HF module with the engine's current weights, for ``generate`` (the model fits).
+
+    It is held in the engine's compute dtype (``dtype``: bf16 when ``precision="bf16"``, its KV
+    cache with it; fp32 otherwise, as before). A bf16 copy is refreshed from the compute-dtype
+    copies the engine's update writes (:func:`shadow_views`: no cast) where the engine keeps them
+    (CUDA, weights in host RAM, one process); elsewhere (the CPU, the disk tier, several ranks)
+    from the fp32 masters, cast once per refresh as they are copied in."""
 
     kind = "resident"
 
-    def __init__(self, model_config):
+    def __init__(self, model_config, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
         with torch.random.fork_rng(devices=[]):   # no draw from the run's random stream
-            self.model = AutoModelForCausalLM.from_config(model_config).eval()
+            # built in ``dtype`` as from_pretrained(dtype=) builds it (buffers such as rotary
+            # frequencies stay fp32); fp32: exactly as before
+            model = AutoModelForCausalLM.from_config(model_config) if dtype == torch.float32 else \
+                AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+        self.model = model.eval()
+        self.dtype = dtype
         self.version = None
+        self.cast_refreshes = 0   # refreshes that cast a parameter from the fp32 masters (compute dtype != fp32)
 
     def refresh(self, engine, version) -> None:
         """The engine's weights copied in (once per ``version``: the optimizer step they are from)."""
@@ -102,11 +131,21 @@ class ResidentPolicy:
         if self.version is None:   # generation runs where the engine computes
             self.model.to(getattr(engine, "device", "cpu"))
         params = dict(self.model.named_parameters())
+        shadows, cast = None, False
         with torch.no_grad():
-            for name, w in engine.named_parameters():
-                params[name].copy_(w, non_blocking=False)
+            for name, w in engine.named_parameters():   # (after every update: the shadows are current)
+                if shadows is None:
+                    shadows = shadow_views(engine)
+                src = shadows.get(name, w)
+                cast = cast or src.dtype != self.dtype
+                params[name].copy_(src, non_blocking=False)
         self.model.tie_weights()
+        self.cast_refreshes += int(cast and self.dtype != torch.float32)
         self.version = version
+
+    def nbytes(self) -> int:
+        """Bytes of the copy's parameters (a tied weight once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.no_grad()
     def generate(self, prompt_ids: List[List[int]], config, pad_id: int, eos_ids: List[int]) -> List[List[int]]:
@@ -151,20 +190,26 @@ def check_generation(mode) -> str:
     return mode
 
 
+def resident_bytes(engine, rows: int, length: int) -> int:
+    """Device bytes of a resident copy in the engine's compute dtype and its KV cache (the same
+    dtype) for ``rows`` x ``length`` tokens: 2 bytes a value in bf16, 4 in fp32."""
+    elem = torch.empty((), dtype=engine.dtype).element_size()
+    return engine.num_parameters() * elem + kv_cache_bytes(engine.model_config, rows, length, elem)
+
+
 def resident_fits(engine, rows: int, length: int) -> bool:
-    """Whether a resident fp32 copy of the model and its KV cache for ``rows`` x ``length``
-    tokens fit the device budget left beside the engine's working set (no budget: yes)."""
+    """Whether a resident copy of the model in the compute dtype and its KV cache for ``rows`` x
+    ``length`` tokens (:func:`resident_bytes`) fit the device budget left beside the engine's
+    working set (no budget: yes)."""
     left = device_left(engine)
-    if left is None:
-        return True
-    return engine.num_parameters() * 4 + kv_cache_bytes(engine.model_config, rows, length, 4) <= left
+    return left is None or resident_bytes(engine, rows, length) <= left
 
 
 def make_policy(engine, mode: str, rows: int, length: int):
     """The policy that samples the completions (``mode``: :data:`GENERATION_MODES`)."""
     if mode == "streamed" or (mode == "auto" and not resident_fits(engine, rows, length)):
         return StreamedPolicy(engine)
-    return ResidentPolicy(engine.model_config)
+    return ResidentPolicy(engine.model_config, engine.dtype)
 
 
 # ---------------------------------------------------------------------------------- log-probs
@@ -332,4 +377,4 @@ def length_metrics(completion_ids: List[List[int]], stops: List[int]) -> Dict[st
 
 __all__ = ["GENERATION_MODES", "ResidentPolicy", "RewardError", "StreamedPolicy", "TokenLogps", "advantages",
            "check_generation", "completion_logps", "eos_token_ids", "generation_config", "length_metrics",
-           "make_policy", "reward_metrics", "resident_fits", "score"]
+           "make_policy", "resident_bytes", "resident_fits", "reward_metrics", "score", "shadow_views"]

@@ -274,6 +274,16 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("browser")]
         config.hook.pytest_deselected(items=browser)
         config._megatrain_browser_note = f"browser tests skipped ({len(browser)}): {why}"
+        if hasattr(config, "workeroutput"):   # an xdist worker: the note goes to the controller's summary
+            config.workeroutput["megatrain_browser_note"] = config._megatrain_browser_note
+
+
+@pytest.hookimpl(optionalhook=True)   # a hook of xdist's: unknown without it (-p no:xdist)
+def pytest_testnodedown(node, error):
+    """(xdist's controller) A worker's note, said once in the summary."""
+    note = getattr(node, "workeroutput", {}).get("megatrain_browser_note")
+    if note:
+        node.config._megatrain_browser_note = note
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -9,9 +9,10 @@ completion is taken to reach ``C``: an upper bound of the time and of the tokens
 
 Where the generation runs (``GenerationPlan.mode``):
 
-* ``"resident"``: a resident fp32 copy of the weights and its fp32 KV cache fit in the device
-  budget beside the training step's working set (``trainer/grpo_rollout.resident_fits``, the
-  engine's own rule): the copy (refreshed once per step: its bytes over the link once) decodes
+* ``"resident"``: a resident copy of the weights in the compute dtype (bf16 under
+  ``precision="bf16"``, else fp32) and its KV cache in the same dtype fit in the device budget
+  beside the training step's working set (``trainer/grpo_rollout.resident_fits``, the engine's
+  own rule): the copy (refreshed once per step: its bytes over the link once) decodes
   with transformers' ``generate``. A decoded token costs the compute of all rollouts, at least
   the copy's bytes and the cache read from device memory (``DEVICE_MEMORY``: the profiles'
   GPUs; a measured machine has no such rate, and the figure is then the compute alone, said).
@@ -65,6 +66,12 @@ def kv_cache_bytes(config, rows: int, tokens: int, bytes_per_value: int) -> int:
     return 2 * kv * head_dim * bytes_per_value * int(rows) * int(held)
 
 
+def compute_bytes(precision: str) -> int:
+    """Bytes of a value in the compute dtype (the resident copy's, its KV cache's, the streamed
+    decoder's): 2 in bf16, 4 in fp32."""
+    return 2 if precision == "bf16" else 4
+
+
 def split_seq(seq: int, rollouts: Optional[int], completion_length: Optional[int], batch: int,
               accumulation: int) -> tuple:
     """((rollouts, prompt length, completion length) or None, accumulation) of a GRPO estimate;
@@ -93,7 +100,7 @@ class GenerationPlan:
     prompt_length: int
     completion_length: int
     precision: str
-    weights_bytes: int                    # the weights generation reads per token (fp32 resident, else compute dtype)
+    weights_bytes: int                    # the weights generation reads per token (the compute dtype's)
     kv_bytes: int                         # the KV cache of all rollouts at full length
     kv_tier: str                          # "device", or "none" (the streamed decoder refuses it)
     mode: str                             # "resident" or "streamed"
@@ -133,13 +140,14 @@ class GenerationPlan:
         return d
 
     def lines(self) -> list:
-        where = ("a resident copy of the weights (transformers' generate)" if self.mode == "resident" else
+        where = (f"a resident {self.precision} copy of the weights (transformers' generate)"
+                 if self.mode == "resident" else
                  "layer-major streamed decoding: every unit's weights over the link once per decoded token, for "
                  "all rollouts at once")
         out = [f"GRPO: {self.rollouts:,} rollouts per step, prompts of {self.prompt_length:,} + completions of "
                f"<= {self.completion_length:,} tokens; generation on {where}",
                f"GRPO KV cache: {format_bytes(self.kv_bytes)} ("
-               + (f"fp32, the resident copy's) on the device" if self.mode == "resident" else
+               + (f"{self.precision}, the resident copy's) on the device" if self.mode == "resident" else
                   f"{self.precision}) " + ("on the device" if self.kv_tier == "device" else "does NOT fit the device"))
                + ("" if self.room_bytes is None else f" (device room beside training: {format_bytes(self.room_bytes)})"),
                ]
@@ -159,12 +167,11 @@ def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_le
     the engine's rule (``grpo_rollout.resident_fits``, ``decode.check_kv_budget``)."""
     numel, tokens = sum(u.numel for u in units), prompt_length + completion_length
     room = None if budgets.get("device") is None else max(budgets["device"] - plan.device["total"], 0)
-    resident = 4 * numel + kv_cache_bytes(config, rollouts, tokens, 4)   # the fp32 copy and its fp32 cache
-    if room is None or resident <= room:
-        return GenerationPlan(rollouts, prompt_length, completion_length, precision, 4 * numel,
-                              kv_cache_bytes(config, rollouts, tokens, 4), "device", "resident", room)
-    cb = 2 if precision == "bf16" else 4
+    cb = compute_bytes(precision)
     kv = kv_cache_bytes(config, rollouts, tokens, cb)
+    if room is None or cb * numel + kv <= room:   # the compute-dtype copy and its cache (resident_bytes)
+        return GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, "device",
+                              "resident", room)
     logits = 3 * rollouts * family.vocab_size(config) * 4   # the last logits, scores and probabilities
     gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv,
                         "device" if kv + logits <= room else "none", "streamed", room)
@@ -214,5 +221,5 @@ def price(gp: GenerationPlan, config, units, shape, rates, *, training_s: float,
     return gp
 
 
-__all__ = ["DEVICE_MEMORY", "GenerationPlan", "attention_shape", "kv_cache_bytes", "plan_generation", "price",
-           "split_seq"]
+__all__ = ["DEVICE_MEMORY", "GenerationPlan", "attention_shape", "compute_bytes", "kv_cache_bytes", "plan_generation",
+           "price", "split_seq"]

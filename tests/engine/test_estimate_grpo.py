@@ -1,7 +1,7 @@
 """mt.estimate(..., rollouts=, completion_length=): a GRPO step's generation (issue 48 item 5): the
 KV cache's bytes against the cache a transformers model builds and the streamed decoder's count,
-where generation runs (the engine's rule: resident when an fp32 copy and its fp32 cache fit
-beside the training working set, else streamed), the streamed decoder priced as the
+where generation runs (the engine's rule: resident when a compute-dtype copy and its cache in
+the compute dtype fit beside the training working set, else streamed), the streamed decoder priced as the
 compute-dtype weights over the link per decoded token for all rollouts at once, and the refusals."""
 import json
 
@@ -54,7 +54,7 @@ def test_generation_is_resident_when_it_fits_and_streamed_when_not():
     # the training step is the generation batch: 16 rollouts in micro-batches of 4
     assert "accumulation 4" in str(est)
     assert "GRPO KV cache" in est._repr_html_()   # the notebook's view of it too
-    assert gp.weights_bytes == 4 * est.num_parameters   # the resident copy is fp32 (grpo_rollout.resident_fits)
+    assert gp.weights_bytes == 4 * est.num_parameters   # fp32 compute: the copy is fp32 (grpo_rollout.resident_fits)
     # a device budget that holds the training working set but not the fp32 copy + its cache
     need = est.plan.device["total"]
     small = mt.estimate(_config(), vram_gb=(need + gp.weights_bytes // 2) / 2 ** 30, ram_gb=8, disk_gb=8, batch=4,
@@ -67,10 +67,15 @@ def test_a_streamed_token_is_the_weights_over_the_link_for_all_rollouts():
     """Streamed: each decoded token moves the compute-dtype weights once (bf16: 2 bytes a
     parameter) whatever the number of rollouts; its time is the longer of that and the compute."""
     r = rates_for(PROFILE)
+    wide = family_config("llama", layers=2, vocab=64, max_position_embeddings=256, intermediate_size=1024)
+    base = dict(ram_gb=8, disk_gb=8, batch=8, seq=96, completion_length=64, precision="bf16")
     for rollouts in (8, 32, 128):
-        fits = _est(rollouts=rollouts, batch=8, precision="bf16").grpo   # room for the cache, not the weights too
-        vram = (8 * 2 ** 30 - fits.room_bytes + fits.kv_bytes) / 2 ** 30
-        est = _est(vram_gb=vram, rollouts=rollouts, batch=8, precision="bf16", rates=r)
+        fits = mt.estimate(wide, vram_gb=8, rollouts=rollouts, **base).grpo   # resident (bf16 copy)
+        logits = 3 * rollouts * 64 * 4
+        assert fits.weights_bytes > logits   # (the premise: the bf16 copy outweighs the decoder's logits)
+        # room for the decoder's cache and logits, not for the bf16 copy beside the cache
+        vram = (8 * 2 ** 30 - fits.room_bytes + fits.kv_bytes + logits) / 2 ** 30
+        est = mt.estimate(wide, vram_gb=vram, rollouts=rollouts, rates=r, **base)
         gp = est.grpo
         assert gp.mode == "streamed" and gp.kv_tier == "device"
         assert gp.link_bytes_per_token == 2 * est.num_parameters

@@ -23,7 +23,8 @@ and the figure for 2x and 4x the prompts (the bf16 copy's cache grows with the r
 the room it streams, whose cost per token does not grow with the rollouts). MegaTrain's VERL
 integration reports ~120 trained tokens/s for a 7B on an H100. The training step's time is the
 estimate's own prediction for the same workload (``mt.estimate`` prints its phases and bottleneck:
-at this writing the optimizer's updates on the host, 8.2 min a step, bound the end-to-end figure).
+the profile publishes no CPU rates, so its AdamW rate is the one measured on the machine running
+this: on a slow host the optimizer's updates bound the end-to-end figure).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Compressed optimizer states, in RAM or on the disk tier: decoded ahead and encoded behind in
 the codec threads (states.OptimizerStates, mtnb-decode / mtnb-encode) -- same training as the
 codec in line, failures delivered."""
+import contextlib
 import copy
 import threading
 import time
@@ -137,39 +138,56 @@ def test_fused_update_trains_like_the_ring(codec, clip):
     ring.close(); e.close()
 
 
+def _trained(model, cfg, data, torch_path=False):
+    """An engine trained on ``data`` (clipped, lr 3e-3): the fused kernels, or today's torch path
+    (``fused_update.torch_path()``: the codecs on torch ops, MKL's square roots)."""
+    with (fused_update.torch_path() if torch_path else contextlib.nullcontext()):
+        e = StreamingEngine(copy.deepcopy(model), EngineConfig(**cfg))
+        losses = [e.forward_backward(ids, step_lr=LR, max_grad_norm=1.0).loss for ids in data]
+        e.updates.wait_all()
+        stored = {u.index: e.states.stored(u) for u in e.units}
+    return e, losses, stored
+
+
+def _code_levels(got, want, codec):
+    """Per stored code array: the levels by which two engines' codes differ."""
+    for k in want:
+        if k.endswith("codes"):
+            a, b = got[k].view(torch.uint8).int(), want[k].view(torch.uint8).int()
+            if codec == "int4":
+                a, b = torch.stack([a & 15, a >> 4]), torch.stack([b & 15, b >> 4])
+            yield k, (a - b).abs()
+
+
+LR = 3e-3
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_fused_update_trains_as_the_torch_path_within_the_codec_error(codec):
-    """The fused kernels against today's torch path (``fused_update.torch_path()``: the codecs
-    on torch ops, MKL's square roots) over five steps: codes equal or one level apart (a root
-    rounded one ulp apart at a code boundary), scales, losses and weights equal up to what such
-    a code moves -- well inside the codec's documented error."""
+    """The fused kernels against today's torch path. After one step: codes equal or one level
+    apart (a root rounded one ulp apart at a code boundary: MKL's square root is one ulp low on
+    some inputs, the kernel's is correctly rounded), on at most 1 in 10,000 codes, and weights
+    equal up to what such a code moves. Over five steps the two runs drift apart as any two
+    roundings of one training do (a code one level apart moves its weight's next update, the
+    weights move every gradient; how fast depends on the CPU's vector width: on an AVX2 machine
+    2 codes of 175k differ after the first step, 167 after the fifth): the losses stay equal to
+    1e-4, no weight is more than one update's size (lr) apart and no code more than 2 levels."""
     if fused_update.kernels() is None:
         pytest.skip(f"no fused kernels here: {fused_update.disabled_reason()}")
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=2, hidden=64))
     cfg = dict(device="cpu", optimizer_compression=codec, weight_decay=0.01)
-    e = StreamingEngine(copy.deepcopy(model), EngineConfig(**cfg))
     data = _ids(5)
-    la = [e.forward_backward(ids, step_lr=3e-3, max_grad_norm=1.0).loss for ids in data]
-    e.updates.wait_all()                  # (torch_path() is process-wide)
-    with fused_update.torch_path():
-        ref = StreamingEngine(model, EngineConfig(**cfg))
-        lb = [ref.forward_backward(ids, step_lr=3e-3, max_grad_norm=1.0).loss for ids in data]
-        ref.updates.wait_all()
-        stored_ref = {u.index: ref.states.stored(u) for u in ref.units}
-    assert la == pytest.approx(lb, rel=1e-4)
-    pr = dict(ref.named_parameters())
-    for n, p in e.named_parameters():
-        assert torch.allclose(p, pr[n], rtol=0, atol=1e-4), n
-    differ = total = 0
-    for u in e.units:
-        got, want = e.states.stored(u), stored_ref[u.index]
-        for k in want:
-            if k.endswith("codes"):
-                a, b = got[k].view(torch.uint8).int(), want[k].view(torch.uint8).int()
-                if codec == "int4":
-                    a, b = torch.stack([a & 15, a >> 4]), torch.stack([b & 15, b >> 4])
-                d = (a - b).abs()
-                assert int(d.max()) <= 1, (u.name, k)
+    for steps, weight_tol, levels, share in ((1, 1e-4, 1, 10_000), (5, LR, 2, 200)):
+        e, la, got = _trained(model, cfg, data[:steps])
+        ref, lb, want = _trained(model, cfg, data[:steps], torch_path=True)
+        assert la == pytest.approx(lb, rel=1e-4)
+        pr = dict(ref.named_parameters())
+        for n, p in e.named_parameters():
+            assert torch.allclose(p, pr[n], rtol=0, atol=weight_tol), (steps, n)
+        differ = total = 0
+        for u in e.units:
+            for k, d in _code_levels(got[u.index], want[u.index], codec):
+                assert int(d.max()) <= levels, (steps, u.name, k)
                 differ, total = differ + int((d > 0).sum()), total + d.numel()
-    assert differ <= max(2, total // 10_000), (differ, total)
-    ref.close(); e.close()
+        assert differ <= max(2, total // share), (steps, differ, total)
+        ref.close(); e.close()

@@ -147,3 +147,18 @@ def test_resident_fits_counts_bytes_by_the_compute_dtype(tmp_path, monkeypatch):
             assert kind == ("resident" if fits[p] else "streamed"), (budget, p)
     for t in engines.values():
         t.close()
+
+
+def test_the_estimate_counts_the_engines_resident_bytes(tmp_path):
+    """engine/planning/estimator_grpo (torch-free) plans the resident copy and its cache with the
+    bytes ``resident_bytes`` counts on the engine, per compute dtype."""
+    tok = tokenizer()
+    model = tiny_model(tok)
+    for precision in ("bf16", "fp32"):
+        t = _trainer(tmp_path, model, tok, precision)
+        gp = mt.estimate(model.config, vram_gb=8, ram_gb=8, disk_gb=8, batch=4, seq=12, rollouts=4,
+                         completion_length=6, precision=precision).grpo
+        assert gp.mode == "resident"
+        assert gp.weights_bytes + gp.kv_bytes == rollout.resident_bytes(t.engine, 4, 12), precision
+        assert gp.weights_bytes == (2 if precision == "bf16" else 4) * t.engine.num_parameters()
+        t.close()

@@ -14,8 +14,9 @@ Example::
 
 Rollouts (:mod:`.grpo_data`, :mod:`.grpo_rollout`): the prompts in TRL's order and TRL's order of
 random draws, completions sampled by transformers' ``generate`` on a resident copy of the current
-weights in the compute dtype (bf16 under ``precision="bf16"``; the model fits) or by the engine's layer-major streamed decoder (it does not, or
-``generation="streamed"``: :func:`.grpo_rollout.make_policy`), rewards and advantages by TRL's
+weights in the compute dtype (bf16 under ``precision="bf16"``; the model fits) or by the engine's
+layer-major streamed decoder (it does not, or ``generation="streamed"``:
+:func:`.grpo_rollout.make_policy`), rewards and advantages by TRL's
 formulas; old log-probs (when a generation serves several optimizer steps) and the reference's
 (``beta > 0``: a frozen engine of the starting weights) by forward-only streamed passes. The loss is a sequence-level objective of
 the engine's chunked head (:mod:`.grpo_loss`). The loop is :class:`~.trainer.Trainer`'s: the

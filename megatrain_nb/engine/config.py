@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -45,6 +46,19 @@ def _frozen(value) -> tuple:
         raise ValueRefused(f"EngineConfig.frozen={value!r}: must be a sequence of part names ('vision_tower', "
                            "'projector', 'language_model') or parameter-name prefixes, e.g. ('model.visual',)")
     return tuple(value)
+
+
+def _lr_scale(value) -> dict:
+    """lr_scale: a mapping of non-empty names to finite scales > 0 (None: empty)."""
+    if value is None:
+        return {}
+    ok = isinstance(value, dict) and all(isinstance(k, str) and k for k in value) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in value.values())
+    if not ok:
+        raise ValueRefused(f"EngineConfig.lr_scale={value!r}: must be a dict of part names ('vision_tower', "
+                           "'projector', 'language_model') or parameter-name prefixes to learning-rate scales, "
+                           "each a finite number > 0, e.g. {'vision_tower': 0.1}")
+    return {k: float(v) for k, v in value.items()}
 
 
 @dataclass(frozen=True)
@@ -176,6 +190,13 @@ class EngineConfig:
     prefixes ("model.visual.blocks.0", "lm_head"). A frozen parameter keeps its weights bit for
     bit, takes no gradient back from the device and no AdamW state; an entry matching nothing
     is refused by name."""
+    lr_scale: Dict[str, float] = dataclasses.field(default_factory=dict)
+    """Learning rates per part: ``{entry: scale}``, entries as ``frozen`` takes them (part names
+    "vision_tower", "projector", "language_model", or parameter-name prefixes); AdamW steps those
+    parameters at the step's learning rate times the scale, as torch.optim.AdamW's parameter
+    groups do (e.g. ``{"vision_tower": 0.1}``; the longer entry wins where two overlap). Scales
+    are finite and > 0; an entry matching nothing is refused by name. Needs fp32 optimizer states
+    (``optimizer_compression="none"``) and one process."""
     overrides: Union[EngineOverrides, dict, None] = None
     """Planner and test settings (:class:`EngineOverrides`); None = the defaults."""
     rates: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -204,6 +225,7 @@ class EngineConfig:
         check_recovery(self)
         self.overrides = EngineOverrides.of(self.overrides)
         self.frozen = _frozen(self.frozen)
+        self.lr_scale = _lr_scale(self.lr_scale)
         if self.rates is not None:
             self.rates = resolve_rates(self.rates)
         if not isinstance(self.layer_stats, bool):

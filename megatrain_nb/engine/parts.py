@@ -27,7 +27,7 @@ from .ranks.sharded import ShardedUnits
 from .updates.states import OptimizerStates, open_disk_tier, read_ahead_allowance, stored_state_bytes, update_chunk
 from .step import StepRunner, Steps
 from .transport.transport import make_transport
-from .units import Unit, build_units, find_layer_list
+from .units import Unit, build_units, find_layer_list, lr_scales
 from .vision import freeze
 from .updates.updates import UpdateScheduler
 from .tiers.weight_store import WeightStore, make_weight_store
@@ -104,7 +104,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     replaced by proxies). ``workload``: what steps train on, for the plan's pick (None: the default)."""
     freeze(model, config.frozen)   # EngineConfig.frozen: requires_grad off before the units are laid out
     _, _, layers = find_layer_list(model)
-    units = build_units(model, layers, split_frozen=dist.world == 1)   # (shards: a frozen part's gradient is zero)
+    units = build_units(model, layers, split_frozen=dist.world == 1, lr_scale=lr_scales(model, config, dist.world))
     sharded = None
     if dist.world > 1:
         dist.check_same("model", (type(model).__name__, [(u.name, u.numel) for u in units]))

@@ -4,7 +4,9 @@ A unit is the granularity of streaming: every decoder layer is one unit, and the
 outside the layer list form two more: ``embed`` (everything the model uses before the first
 layer, plus tied output weights) and ``head`` (final norm and untied ``lm_head``). Each unit's
 parameters live in one flat buffer with a fixed layout: decayed parameters first, then the
-ones without weight decay, so the optimizer runs as two fused calls per unit.
+ones without weight decay, so the optimizer runs as two fused calls per unit. Under
+``EngineConfig.lr_scale`` each of the two is ordered further so that the parameters of one
+learning-rate scale are one contiguous run (``Unit.lr_segments``): one fused call per run.
 """
 from __future__ import annotations
 
@@ -15,7 +17,13 @@ import torch
 from torch import nn
 
 from .discovery import SUPPORTED_HINT, find_layer_list, modules_after_layers  # noqa: F401 - find_layer_list re-exported
-from .vision import auto_model_class, check_vision_model, guard_inputs, is_image_text_model  # noqa: F401 - re-exported
+from .vision import (auto_model_class, check_vision_model, guard_inputs,  # noqa: F401 - re-exported
+                     is_image_text_model, lr_scale_names)
+
+#: The refusal of EngineConfig.lr_scale beside compressed optimizer states (updates/optimizer.py
+#: says it too, where a compressed chunk meets a scaled unit).
+LR_SCALE_CODED = ("EngineConfig.lr_scale needs fp32 optimizer states: the compressed codecs' fused kernel "
+                  "steps a chunk at one learning rate; set optimizer_compression='none' (or drop lr_scale)")
 
 
 
@@ -30,6 +38,8 @@ class ParamEntry:
     #: requires_grad=False in the model (a sinusoidal table, a router's correction bias): its
     #: gradient is zero and it gets no weight decay, so the optimizer leaves it as it is
     frozen: bool = False
+    #: EngineConfig.lr_scale: AdamW steps it at the learning rate times this
+    lr_scale: float = 1.0
 
     @property
     def numel(self) -> int:
@@ -56,6 +66,9 @@ class Unit:
     #: ``split_frozen``); None = all. Gradients, their transfer and the AdamW states cover
     #: ``flat[:train_numel]`` only.
     train: Optional[int] = None
+    #: ``(start, end, scale)``: the element runs whose learning rate is scaled
+    #: (EngineConfig.lr_scale; scale != 1); the optimizer splits them where weight decay stops.
+    lr_segments: Tuple[Tuple[int, int, float], ...] = ()
 
     @property
     def train_numel(self) -> int:
@@ -104,10 +117,28 @@ def decay_parameter_names(model: nn.Module) -> set:
     return set(Trainer.get_decay_parameter_names(None, model))
 
 
-def build_units(model: nn.Module, layers: nn.ModuleList, split_frozen: bool = False) -> List[Unit]:
+def _scale_runs(entries: List[ParamEntry]) -> Tuple[Tuple[int, int, float], ...]:
+    """The ``(start, end, scale)`` runs of trainable ``entries`` (in buffer order) whose scale is not 1."""
+    runs: List[Tuple[int, int, float]] = []
+    for e in entries:
+        if e.frozen or e.lr_scale == 1.0 or e.numel == 0:
+            continue
+        if runs and runs[-1][1] == e.offset and runs[-1][2] == e.lr_scale:
+            runs[-1] = (runs[-1][0], e.offset + e.numel, e.lr_scale)
+        else:
+            runs.append((e.offset, e.offset + e.numel, e.lr_scale))
+    return tuple(runs)
+
+
+def build_units(model: nn.Module, layers: nn.ModuleList, split_frozen: bool = False,
+                lr_scale: Optional[Dict[str, float]] = None) -> List[Unit]:
     """The units of ``model``; a unit's buffer holds its decayed parameters, then the other
     trainable ones, then the frozen ones (``requires_grad=False``). ``split_frozen``: a unit's
-    gradient and AdamW states leave its frozen tail out (``Unit.train_numel``)."""
+    gradient and AdamW states leave its frozen tail out (``Unit.train_numel``). ``lr_scale``:
+    parameter name -> learning-rate scale (engine/vision.py ``lr_scale_names``); within the
+    decayed and the undecayed segment the unscaled parameters come first (model order), then
+    those of each scale, ascending (``Unit.lr_segments``); without it the layout is as before."""
+    scales = dict(lr_scale or {})
     decay = decay_parameter_names(model)
     # Group every (module, attr) by the parameter object they hold: tied weights share one entry.
     canonical: Dict[int, str] = {}
@@ -149,17 +180,19 @@ def build_units(model: nn.Module, layers: nn.ModuleList, split_frozen: bool = Fa
         ordered = [canonical[i] for i in canonical if i in ids]  # model order
         by_name = {canonical[i]: i for i in ids}
         frozen = [n for n in ordered if not params[by_name[n]].requires_grad]
-        dec = [n for n in ordered if n in decay and n not in frozen]
-        nodec = [n for n in ordered if n not in dec and n not in frozen]
+        by_scale = lambda n: (scales.get(n, 1.0) != 1.0, scales.get(n, 1.0))  # noqa: E731 - (a stable sort)
+        dec = sorted((n for n in ordered if n in decay and n not in frozen), key=by_scale)
+        nodec = sorted((n for n in ordered if n not in decay and n not in frozen), key=by_scale)
         entries, off = [], 0
         for n in dec + nodec + frozen:
             p = params[by_name[n]]
             entries.append(ParamEntry(n, off, tuple(p.shape), n in dec, bindings[by_name[n]],
-                                      frozen=not p.requires_grad))
+                                      frozen=not p.requires_grad, lr_scale=scales.get(n, 1.0)))
             off += p.numel()
         dn = sum(params[by_name[n]].numel() for n in dec)
         train = off - sum(params[by_name[n]].numel() for n in frozen) if split_frozen and frozen else None
-        return Unit(name, kind, index, entries, off, dn, layer_index, module, train=train)
+        return Unit(name, kind, index, entries, off, dn, layer_index, module, train=train,
+                    lr_segments=_scale_runs(entries))
 
     outer = [i for i in canonical if i not in in_layers]
     embed_ids = {i for i in outer if i not in head_ids}
@@ -184,3 +217,18 @@ def _layer_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
         if mod is layers:
             return name
     return "layers"
+
+
+def lr_scales(model: nn.Module, config, world: int = 1) -> Dict[str, float]:
+    """Parameter name -> learning-rate scale for ``config.lr_scale`` (engine/vision.py
+    ``lr_scale_names``; empty without one). Refused, saying what to change, beside compressed
+    optimizer states (their fused kernel steps a chunk at one learning rate) and with several
+    ranks (a shard's layout carries no scales)."""
+    if not config.lr_scale:
+        return {}
+    if config.optimizer_compression != "none":
+        raise ValueError(f"{LR_SCALE_CODED} (optimizer_compression={config.optimizer_compression!r}).")
+    if world > 1:
+        raise ValueError(f"EngineConfig.lr_scale is not supported with {world} ranks yet (a shard's layout "
+                         "carries no scales); train in one process or drop lr_scale.")
+    return lr_scale_names(model, config.lr_scale)

@@ -181,10 +181,11 @@ def _part_names(model: nn.Module, part: str) -> set:
     return out
 
 
-def frozen_names(model: nn.Module, entries) -> set:
+def frozen_names(model: nn.Module, entries, field: str = "frozen") -> set:
     """The parameter names ``EngineConfig.frozen``'s ``entries`` name in ``model``: each a part
     (:data:`PARTS`) or a parameter-name prefix (a whole name, or a dotted head of names). An
-    entry that names nothing is refused, with the parts and the top-level names there are."""
+    entry that names nothing is refused, with the parts and the top-level names there are
+    (``field``: the EngineConfig field the refusal names)."""
     names = [n for n, _ in model.named_parameters()]
     out = set()
     for e in entries:
@@ -193,10 +194,20 @@ def frozen_names(model: nn.Module, entries) -> set:
         if not hit:
             heads = sorted({".".join(n.split(".")[:2]) for n in names})
             parts = [p for p in PARTS if _part_names(model, p)]
-            raise ValueError(f"EngineConfig.frozen entry {e!r} names no parameter of {type(model).__name__}; "
+            raise ValueError(f"EngineConfig.{field} entry {e!r} names no parameter of {type(model).__name__}; "
                              f"give a part ({', '.join(parts) or 'none in this model'}) or a parameter-name "
                              f"prefix (such as {', '.join(heads[:8])}).")
         out |= hit
+    return out
+
+
+def lr_scale_names(model: nn.Module, scales) -> dict:
+    """Parameter name -> learning-rate scale for ``EngineConfig.lr_scale`` (entry -> scale, each
+    entry resolved as :func:`frozen_names` resolves one); where entries overlap, the longer
+    (the more specific) entry's scale wins."""
+    out: dict = {}
+    for e in sorted(scales or {}, key=len):
+        out.update(dict.fromkeys(frozen_names(model, [e], field="lr_scale"), float(scales[e])))
     return out
 
 

@@ -2,7 +2,9 @@
 kernel where it is built, bit for bit the same; else ``torch._fused_adamw_``).
 
 Each unit's flat buffer keeps its decayed parameters first, so one unit is two fused calls
-(weight decay on, off). The Adam moments come from an :class:`OptimizerStates` store, which
+(weight decay on, off); under ``EngineConfig.lr_scale`` the parameters of one learning-rate
+scale are one run of each (``Unit.lr_segments``), stepped by a fused call of its own at
+``lr * scale`` -- torch.optim.AdamW's parameter groups, exactly (fp32 states only). The Adam moments come from an :class:`OptimizerStates` store, which
 keeps them as fp32 or in a compressed codec, in RAM or on the disk tier; they are decoded
 only for the update and encoded right after.
 """
@@ -15,7 +17,20 @@ from typing import Collection, Dict, List, Optional, Tuple
 import torch
 
 from .fused_update import CodedChunk, adam_args, kernels
-from ..units import Unit, train_numel
+from ..units import LR_SCALE_CODED, Unit, train_numel
+
+
+def lr_pieces(unit, a: int, b: int, weight_decay: float) -> List[Tuple[int, int, float, float]]:
+    """``(lo, hi, weight_decay, lr scale)``: elements ``[a, b)`` of ``unit`` cut where weight
+    decay stops (``decay_numel``) and where a learning-rate scale's run begins or ends
+    (``lr_segments``, absent on a unit-like object: none); the empty pieces left out."""
+    d, runs = unit.decay_numel, getattr(unit, "lr_segments", ())
+    cuts = sorted({a, b, *(x for s, e, _ in runs for x in (s, e) if a < x < b), *((d,) if a < d < b else ())})
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        scale = next((c for s, e, c in runs if s <= lo and hi <= e), 1.0)
+        out.append((lo, hi, weight_decay if lo < d else 0.0, scale))
+    return out
 
 
 class UnitAdamW:
@@ -140,20 +155,21 @@ class UnitRun:
         fused chunked update): the kernel decodes, steps and encodes the chunk in one pass, with
         the same arithmetic as those fused calls (:meth:`_step_coded`). ``lag``: the slice's
         parameters have taken that many fewer steps than the unit (:attr:`UnitAdamW.lags`)."""
-        d = self.unit.decay_numel
         if isinstance(exp_avg, CodedChunk):
             self._step_coded(a, b, grads, exp_avg, lr, params, grads_at)
             return
-        for lo, hi, wd in ((a, min(b, d), self.adam.weight_decay), (max(a, d), b, 0.0)):
-            if hi > lo:
-                w = self.params[lo:hi] if params is None else params[lo - a:hi - a]
-                g = grads[lo - grads_at:hi - grads_at]
-                step = self.step_t if not lag else self.step_t - lag
-                self.adam.fused(w, g, exp_avg[lo - a:hi - a], exp_avg_sq[lo - a:hi - a], step, lr, wd)
+        for lo, hi, wd, scale in lr_pieces(self.unit, a, b, self.adam.weight_decay):
+            w = self.params[lo:hi] if params is None else params[lo - a:hi - a]
+            g = grads[lo - grads_at:hi - grads_at]
+            step = self.step_t if not lag else self.step_t - lag
+            self.adam.fused(w, g, exp_avg[lo - a:hi - a], exp_avg_sq[lo - a:hi - a], step,
+                            lr if scale == 1.0 else lr * scale, wd)
 
     def _step_coded(self, a: int, b: int, grads: torch.Tensor, chunk: CodedChunk, lr: float,
                     params: Optional[torch.Tensor], grads_at: int) -> None:
         d, adam = self.unit.decay_numel, self.adam
+        if getattr(self.unit, "lr_segments", ()):   # (parts.py refuses the pairing before a step)
+            raise ValueError(LR_SCALE_CODED)
         args = adam_args(lr=float(lr), beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps,
                          weight_decay=adam.weight_decay, step=float(self.step_t), decay_end=d,
                          regions=[(a, min(b, d)), (max(a, d), b)], width=chunk.kernels.width)

@@ -192,6 +192,11 @@ def _reference_source(model, beta: float, ref_model):
     return copy.deepcopy(model) if beta != 0.0 else None
 
 
+def _num(x):
+    """A metric's value as JSON keeps it (None stays None)."""
+    return None if x is None else float(x)
+
+
 class BranchStream(RolloutStream):
     """A fork's rollouts (``Session.fork``): they go on from the snapshot's data position (the
     sampler's order replayed to its epoch), the generation batch there made anew with the fork's
@@ -199,15 +204,8 @@ class BranchStream(RolloutStream):
     snapshot's random state, a fork that changes nothing of the sampling makes the parent's rollouts."""
 
     def load_state_dict(self, state: dict) -> None:
-        RolloutStream.__init__(self, self.trainer, self.dataset)   # the sampler from its seed
-        epoch = int(state.get("epoch", 0))
-        for _ in range(epoch):   # each epoch's iteration advanced the sampler's own generator
-            list(iter(self.sampler))
-        self.epoch, self.consumed = epoch, int(state.get("consumed", 0))
-        self._step = self.consumed   # (a generation batch is repeated steps_per_generation x num_iterations times)
-        if self.consumed:   # mid-epoch: this epoch's order, without the draw its start made (the RNG is the snapshot's)
-            idx = list(iter(self.sampler))
-            self._order = [idx[i:i + self.micro] for i in range(0, len(idx), self.micro)]
+        self.replay(state)   # the sampler's order to the snapshot's position (RolloutStream.replay)
+        self._step = int(state.get("step", self.consumed))   # (the buffer is not taken: made anew, a fork's settings)
 
 
 class GRPOKind:
@@ -423,6 +421,21 @@ class GRPOTrainer(Trainer):
         labels = ids.masked_fill(am == 0, -100)
         labels[:, :P] = -100
         return {"input_ids": ids, "attention_mask": am, "labels": labels}
+
+    def rollout_state(self) -> dict:
+        """What a checkpoint keeps of the rollouts' bookkeeping (JSON): TRL's metrics not yet
+        logged, the objective's, the tokens counted (``num_tokens``) and the latest rollout's record."""
+        return {"metrics": {k: [_num(x) for x in v] for k, v in self._metrics.items()},
+                "train_metrics": {k: [_num(x) for x in v] for k, v in self.train_metrics.lists.items()},
+                "rollout_tokens": int(self._rollout_tokens),
+                "last_rollout": {k: _num(v) for k, v in self.last_rollout.items()}}
+
+    def load_rollout_state(self, state: dict) -> None:
+        """:meth:`rollout_state` back (a resume)."""
+        self._metrics = defaultdict(list, {k: list(v) for k, v in (state.get("metrics") or {}).items()})
+        self.train_metrics.lists = {k: list(v) for k, v in (state.get("train_metrics") or {}).items()}
+        self._rollout_tokens = int(state.get("rollout_tokens", 0))
+        self.last_rollout = dict(state.get("last_rollout") or {})
 
     def _log_metric(self, name: str, value: float) -> None:
         self._metrics[name].append(float(value))

@@ -10,6 +10,7 @@ permutation. So the same seed samples TRL's completions.
 """
 from __future__ import annotations
 
+import base64
 import time
 from typing import List, Optional
 
@@ -65,11 +66,37 @@ class RolloutStream:
         self.generation_s = 0.0   # this window's seconds making rollouts (generation, log-probs, rewards)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed}
+        """The data position (JSON): epoch, micro-batches consumed in it, micro-batches trained
+        (``step``), the stored generation batch's rollouts when a step in its middle comes next
+        (exact tensors: :func:`encode_tensors`) and the trainer's rollout metrics not yet logged."""
+        mid = self._buffer is not None and self._step % (self.spg * self.iterations) != 0
+        return {"epoch": self.epoch, "consumed": self.consumed, "step": self._step,
+                "buffer": [encode_tensors(b) for b in self._buffer] if mid else None,
+                "rollout_state": self.trainer.rollout_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("resuming a GRPO run from a checkpoint is not supported yet: the rollout buffer and "
-                                  "the sampler's order are not saved; start the run again")
+        """A resume: the sampler's order replayed to the saved position, the stored generation
+        batch and the trainer's rollout metrics back, so the run goes on as if never stopped."""
+        if "step" not in state:
+            raise ValueError("this checkpoint's data position has no GRPO rollout state (it was not written by "
+                             "mt.GRPOTrainer, or by a version before GRPO resumes): start the run again")
+        self.replay(state)
+        self._step = int(state["step"])
+        buffer = state.get("buffer")
+        self._buffer = [decode_tensors(b) for b in buffer] if buffer else None
+        self.trainer.load_rollout_state(state.get("rollout_state") or {})
+
+    def replay(self, state: dict) -> None:
+        """The sampler from its seed, advanced to ``state``'s epoch; mid-epoch, that epoch's order
+        taken without the draw its start made (the random state restored is the one after it)."""
+        RolloutStream.__init__(self, self.trainer, self.dataset)
+        epoch = int(state.get("epoch", 0))
+        for _ in range(epoch):   # each epoch's iteration advanced the sampler's own generator
+            list(iter(self.sampler))
+        self.epoch, self.consumed = epoch, int(state.get("consumed", 0))
+        if self.consumed:
+            idx = list(iter(self.sampler))
+            self._order = [idx[i:i + self.micro] for i in range(0, len(idx), self.micro)]
 
     def start_next_epoch(self) -> None:
         self.epoch += 1
@@ -111,6 +138,37 @@ class RolloutStream:
         return [micro_batch(p, len(parts), self.trainer.dist.world) for p in parts], ended
 
 
+def encode_tensors(d: dict) -> dict:
+    """A dict of tensors (or None) as JSON: each tensor's dtype, shape and raw bytes (base64), so
+    it reads back bitwise (:func:`decode_tensors`)."""
+    out = {}
+    for k, t in d.items():
+        if t is None:
+            out[k] = None
+            continue
+        t = t.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        out[k] = {"dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape),
+                  "data": base64.b64encode(raw).decode("ascii")}
+    return out
+
+
+def decode_tensors(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        if v is None:
+            out[k] = None
+            continue
+        dtype = getattr(torch, v["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"a stored rollout tensor {k!r} has an unknown dtype {v['dtype']!r}: the checkpoint's "
+                             "data position is damaged")
+        raw = bytearray(base64.b64decode(v["data"]))
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        out[k] = flat.view(dtype).reshape(v["shape"]).clone()
+    return out
+
+
 def micro_batch(r: dict, accumulation: int, world: int) -> dict:
     """The engine's micro-batch of one slice of rollouts, its side data (a :class:`RolloutBatch`)
     its ``objective_data``."""
@@ -132,4 +190,4 @@ def pad_rollouts(prompt_ids, completion_ids, pad_id: int) -> dict:
     return {"prompt_ids": p, "prompt_mask": pm, "completion_ids": c, "completion_mask": cm}
 
 
-__all__ = ["RolloutStream", "micro_batch", "pad_rollouts", "tokenize_prompts"]
+__all__ = ["RolloutStream", "decode_tensors", "encode_tensors", "micro_batch", "pad_rollouts", "tokenize_prompts"]

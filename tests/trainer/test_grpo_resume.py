@@ -19,31 +19,35 @@ from megatrain_nb.trainer.grpo_data import decode_tensors, encode_tensors  # noq
 from .test_grpo_parity import config, prompts, reward_short, reward_yes, tiny_model, tokenizer  # noqa: E402
 
 # steps_per_generation x num_iterations optimizer steps per generation batch: 1, and 4 (step 2 is
-# in the middle of the first generation batch, step 4 at its end), logged every 3 steps (the
-# metrics of step 2 are not yet logged when its checkpoint is written: they come back from it)
+# in the middle of the first generation batch, step 4 at its end) with a reference (beta > 0: the
+# stored rollouts hold old and reference log-probs), logged every 3 steps (the metrics of step 2
+# are not yet logged when its checkpoint is written: they come back from it); and 2, the
+# completions sampled by the engine's streamed decoder
 CASES = {"one_step_per_generation": dict(),
          "four_steps_per_generation": dict(steps_per_generation=2, num_iterations=2, per_device_train_batch_size=2,
-                                           logging_steps=3)}
+                                           logging_steps=3, beta=0.04),
+         "two_steps_per_generation_streamed": dict(num_iterations=2, generation="streamed")}
 
 
-def _run(out, model, tok, resume=None, **kw):
+def _run(out, model, tok, resume=None, generation="resident", **kw):
     """(completions per generation with the step they were made at, logged entries, final weights)."""
     gens: list = []
-    orig = rollout.ResidentPolicy.generate
+    policy = rollout.StreamedPolicy if generation == "streamed" else rollout.ResidentPolicy
+    orig = policy.generate
     t = mt.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=[reward_yes, reward_short], processing_class=tok,
                        args=config(out, max_steps=6, save_strategy="steps", save_steps=2, **kw),
-                       train_dataset=prompts(), device="cpu")
+                       train_dataset=prompts(), device="cpu", generation=generation)
 
     def generate(self, *a, **k):
         ids = orig(self, *a, **k)
         gens.append((t.state.global_step, ids))
         return ids
 
-    rollout.ResidentPolicy.generate = generate
+    policy.generate = generate
     try:
         t.train(resume_from_checkpoint=resume)
     finally:
-        rollout.ResidentPolicy.generate = orig
+        policy.generate = orig
     weights = {n: w.clone() for n, w in t.engine.named_parameters()}
     logs = [r for r in t.state.log_history if "loss" in r]
     t.close()

@@ -33,6 +33,7 @@ from .tiers.materialize import SafetensorsSource, load_weights
 from .outcome import EngineOutput, objective_fields
 from .memory import memory_report
 from .parts import HoldsParts, build_parts
+from .planning.codec_choice import checkpoint_codec
 from .planning.planner import WindowPlan
 from .planning.prediction_check import engine_prediction
 from .ranks.reshard import load_engine_shards, refuse_sharded, save_engine_shards
@@ -57,10 +58,11 @@ class StreamingEngine(HoldsParts):
     (the module keeps meta-device placeholders), and its decoder layers are replaced by proxies.
     Read weights back with :meth:`named_parameters` or :meth:`save_pretrained`. ``workload``
     (``planner.Workload``): what steps will train on, for the planner's predicted pick (plan_pick.py).
+    ``codec_from``: a checkpoint whose codec ``optimizer_compression="auto"`` keeps (a resume never re-picks).
     """
 
     def __init__(self, model: nn.Module, config: Optional[EngineConfig] = None, *, _source=None, dist=None,
-                 workload=None, **options):
+                 workload=None, codec_from=None, **options):
         if config is None:
             config = EngineConfig.from_options(**options)
         elif options:
@@ -80,7 +82,8 @@ class StreamingEngine(HoldsParts):
         self._closed = False
         with thread_registry.thread_device(self.device):   # every engine pool's threads start on it (threads.py)
             parts = build_parts(model, config, dist=self.dist, device=self.device, counters=self.counters,
-                                source=_source, workload=workload)
+                                source=_source, workload=workload,
+                                saved_codec=checkpoint_codec(codec_from) if codec_from is not None else None)
         self.hold(parts)   # engine.parts, and engine.pager, engine.updates...: each part (parts.HoldsParts)
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.params_on_disk = self.plan.placement["master_weights"] == "disk"

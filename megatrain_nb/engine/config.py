@@ -36,6 +36,16 @@ def _betas(value) -> tuple:
             check("adam_beta2", value[1], "EngineConfig.adam_betas[1]"))
 
 
+def _compression(value) -> str:
+    """optimizer_compression: a codec's name (codecs.normalize_compression), or "auto"."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return normalize_compression(value)
+    except ValueError as e:
+        raise ValueError(f"EngineConfig.{e}, or 'auto' (the planner picks: docs/TIERS.md)") from None
+
+
 def _frozen(value) -> tuple:
     """frozen: one name or a sequence of names (non-empty strings), as a tuple."""
     if isinstance(value, str):
@@ -131,7 +141,9 @@ class EngineConfig:
     """Folder for the disk tier; None = no disk tier."""
     optimizer_compression: Union[str, bool, None] = "none"
     """A registered codec name (``codecs.codec_names()``: "none", "int8", "int4"); True = the
-    recommended compact codec, False = "none"."""
+    recommended compact codec, False = "none"; "auto" = the planner picks (exact fp32 states when
+    they fit host RAM, else int8; with rates, the fastest predicted: planning/codec_choice.py) --
+    the engine's ``config`` then names the codec picked and ``engine.codec`` says why."""
     checkpoint_interval: Optional[int] = 1
     """Save the input of every k-th layer; 1 = weights cross twice per step. None = planner picks.
     0 = no recompute: every layer's activations and weights stay on the device for the step (one
@@ -220,7 +232,7 @@ class EngineConfig:
         for name in _CHECKED:
             setattr(self, name, check(name, getattr(self, name), f"EngineConfig.{name}"))
         self.adam_betas = _betas(self.adam_betas)
-        self.optimizer_compression = normalize_compression(self.optimizer_compression)
+        self.optimizer_compression = _compression(self.optimizer_compression)
         check_policy(self.on_nonfinite)
         check_recovery(self)
         self.overrides = EngineOverrides.of(self.overrides)

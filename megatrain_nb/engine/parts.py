@@ -1,7 +1,7 @@
 """build_parts: the one factory of a StreamingEngine's parts, each built complete (nothing is
 set on a part after its construction), in dependency order:
 
-units -> (sharded) -> plan (plan_pick: predicted or the rules') -> host store, disk tier (+ host cache) -> weights,
+units -> (sharded) -> codec ("auto": codec_choice.engine_codec) -> plan (plan_pick: predicted or the rules') -> host store, disk tier (+ host cache) -> weights,
 optimizer states -> parameters taken from the model -> AdamW -> transport -> update scheduler (its own
 parts likewise: updates.py) -> pager -> boundary store -> step runner (+ the layer proxies) -> steps.
 """
@@ -19,6 +19,7 @@ from .tiers.host_store import HostStore
 from .tiers.materialize import take_parameters
 from .updates.optimizer import UnitAdamW
 from .transport.pager import Pager
+from .planning.codec_choice import CodecPick, engine_codec
 from .planning.plan_pick import pick_plan
 from .planning.planner import Plan, Workload
 from .proxies import LayerProxy
@@ -60,6 +61,8 @@ class EngineParts:
     boundary: BoundaryStore
     steps: Steps
     workload: Optional[Workload] = None   # what the plan's pick priced (None: the planner's default)
+    config: Optional[EngineConfig] = None   # what the parts were built from (a codec named, never "auto")
+    codec: Optional[CodecPick] = None       # the codec asked for, built with, and why
 
 
 class HoldsParts:
@@ -85,6 +88,8 @@ class HoldsParts:
     boundary: BoundaryStore
     steps: Steps
     workload: Optional[Workload]
+    config: EngineConfig
+    codec: Optional[CodecPick]
 
     def hold(self, parts: EngineParts) -> None:
         """Take ``parts`` (built once, by :func:`build_parts`)."""
@@ -95,13 +100,17 @@ class HoldsParts:
         self.adam, self.updates, self.transport, self.pager = parts.adam, parts.updates, parts.transport, parts.pager
         self.runner, self.boundary, self.steps = parts.runner, parts.boundary, parts.steps
         self.workload = parts.workload
+        # optimizer_compression="auto": the engine's config names the codec picked (what its states,
+        # checkpoints and a resume use); engine.codec says it was asked as "auto", and why this one
+        self.config, self.codec = parts.config or self.config, parts.codec
 
 
 
 def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.device, counters,
-                source=None, workload: Optional[Workload] = None) -> EngineParts:
+                source=None, workload: Optional[Workload] = None, saved_codec: Optional[str] = None) -> EngineParts:
     """Every part of the engine for ``model`` (its parameters move into the stores, its layers are
-    replaced by proxies). ``workload``: what steps train on, for the plan's pick (None: the default)."""
+    replaced by proxies). ``workload``: what steps train on, for the plan's pick (None: the default);
+    ``saved_codec``: a checkpoint's codec, which optimizer_compression="auto" keeps (a resume)."""
     freeze(model, config.frozen)   # EngineConfig.frozen: requires_grad off before the units are laid out
     _, _, layers = find_layer_list(model)
     units = build_units(model, layers, split_frozen=dist.world == 1, lr_scale=lr_scales(model, config, dist.world))
@@ -113,8 +122,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
         sharded = ShardedUnits(units, dist, gather_dist=dist.channel("gather"), reduce_dist=dist.channel("reduce"))
     state_units = sharded.shards if sharded is not None else units
     persistent = engine_io.persistent_buffers(model)
-    plan = pick_plan(units, model.config, config, device=device, dist=dist, state_units=state_units,
-                     workload=workload)
+    config, codec, plan = _codec_and_plan(units, model.config, config, device, dist, state_units, workload, saved_codec)
     params_on_disk = plan.placement["master_weights"] == "disk"
     pin = device.type == "cuda"
     store = HostStore(state_units, pin=pin, compute_dtype=config.compute_dtype,   # (shards' gathers take fp32)
@@ -177,7 +185,21 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     return EngineParts(units=units, layer_units=units[1:-1], sharded=sharded, state_units=state_units,
                        persistent_buffers=persistent, plan=plan, store=store, disk=disk, weights=weights,
                        states=states, adam=adam, updates=updates, transport=transport, pager=pager, runner=runner,
-                       boundary=boundary, steps=steps, workload=workload)
+                       boundary=boundary, steps=steps, workload=workload, config=config, codec=codec)
+
+
+def _codec_and_plan(units, model_config, config: EngineConfig, device, dist, state_units, workload, saved_codec):
+    """(the config the parts are built from, the codec's :class:`CodecPick`, the plan): the codec
+    first (optimizer_compression="auto": codec_choice.engine_codec), then the plan for it."""
+    config, codec = engine_codec(units, model_config, config, device=device, state_units=state_units,
+                                 workload=workload, saved=saved_codec)
+    plan = pick_plan(units, model_config, config, device=device, dist=dist, state_units=state_units,
+                     workload=workload)
+    if dist.world > 1:   # ("auto" picks on every rank: the same budgets pick the same codec)
+        dist.check_same("optimizer codec", config.optimizer_compression)
+    if codec.asked == "auto":   # (the run header prints chosen_by)
+        plan.chosen_by = f"{plan.chosen_by}; {codec.line()}"
+    return config, codec, plan
 
 
 def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, counters, state_units=None):

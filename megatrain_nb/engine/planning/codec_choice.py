@@ -15,17 +15,24 @@ planner, under the same budgets, and picks:
   unless the rules' pick is predicted within ``best_plans.MARGIN`` of it (the prediction is
   judged within -20%/+25%; a gain inside its error keeps the rules' choice).
 
+``EngineConfig(optimizer_compression="auto")`` builds the engine with its pick
+(:func:`engine_codec`: ``engine.codec`` says which and why; the engine's config then names the
+codec, so its checkpoints record it and a resume builds the same);
 ``mt.estimate(..., compression="auto")`` takes its pick; an estimate with a codec set prints
 :func:`codec_advice`, a line saying when another codec would make the disk tier unnecessary for
 the states or is predicted faster. Imports no torch beyond what the planner's codec sizes need.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .best_plans import MARGIN
-from .planner import Workload, make_plan
+from . import plan_pick
+from ..family import max_positions
+from .planner import ModelShape, UnitSpec, Workload, make_plan
 from .prediction import fmt_seconds, predict_step
 
 #: The codec ``optimizer_compression=True`` means (``updates.codecs.RECOMMENDED_CODEC``).
@@ -74,27 +81,30 @@ class CodecChoice:
 
 
 def candidates(units, shape, cfg, workload: Workload, *, cuda: bool, disk_bytes: Optional[int] = None,
-               state_units=None, codecs=None) -> List[CodecCandidate]:
+               state_units=None, codecs=None, on_disk: Optional[bool] = None) -> List[CodecCandidate]:
     """Every feasible (codec, states in RAM or on the disk tier), in the rules' order. The states
     go to the disk tier exactly when one exists (``cfg.offload_dir``), so "in RAM" is the plan
-    without it (the master weights then stay in RAM too)."""
+    without it (the master weights then stay in RAM too). ``on_disk``: only the candidates with
+    the states there (True) or in RAM (False); None = both."""
     out = []
-    for codec, on_disk in RULES_ORDER:
-        if (codecs is not None and codec not in codecs) or (on_disk and not cfg.offload_dir):
+    for codec, disk in RULES_ORDER:
+        if (codecs is not None and codec not in codecs) or (disk and not cfg.offload_dir) or \
+                (on_disk is not None and disk != on_disk):
             continue
-        c = cfg.replace(optimizer_compression=codec, **({} if on_disk else {"offload_dir": None}))
-        plan = make_plan(units, shape, c, cuda=cuda, workload=workload, disk_bytes=disk_bytes if on_disk else None,
-                         state_units=state_units)
+        on_disk_here = disk
+        c = cfg.replace(optimizer_compression=codec, **({} if on_disk_here else {"offload_dir": None}))
+        plan = make_plan(units, shape, c, cuda=cuda, workload=workload,
+                         disk_bytes=disk_bytes if on_disk_here else None, state_units=state_units)
         if plan.feasible:
-            out.append(CodecCandidate(codec, on_disk, plan))
+            out.append(CodecCandidate(codec, on_disk_here, plan))
     return out
 
 
 def choose_codec(units, shape, cfg, workload: Workload, *, cuda: bool, disk_bytes: Optional[int] = None,
-                 state_units=None, rates=None, codecs=None) -> Optional[CodecChoice]:
+                 state_units=None, rates=None, codecs=None, on_disk: Optional[bool] = None) -> Optional[CodecChoice]:
     """The codec and the states' tier the planner picks (see the module); None when nothing fits."""
     found = candidates(units, shape, cfg, workload, cuda=cuda, disk_bytes=disk_bytes, state_units=state_units,
-                       codecs=codecs)
+                       codecs=codecs, on_disk=on_disk)
     if not found:
         return None
     rules = found[0]
@@ -145,3 +155,73 @@ def estimate_lines(compression, choice: Optional[CodecChoice], codec: str, plan)
         return [f"codec (optimizer_compression='auto'): {choice.reason()}"] if choice is not None else []
     advice = codec_advice(choice, codec, plan.placement.get("optimizer_states") == "disk")
     return [advice] if advice else []
+
+
+#: What ``optimizer_compression`` accepts besides a codec's name: the planner picks.
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class CodecPick:
+    """What an engine asked for (``asked``: "auto" or a codec) and built with (``codec``), where
+    its states live (``states_on_disk``), ``by`` "rules" / "prediction" / "given" / "checkpoint",
+    and ``reason``, said in words (``engine.codec``; the run header shows it with the plan)."""
+    asked: str
+    codec: str
+    states_on_disk: bool
+    by: str
+    reason: str
+
+    def line(self) -> str:
+        return (f"codec {self.codec} (optimizer_compression='auto': {self.reason})" if self.asked == AUTO
+                else f"codec {self.codec} (as given)")
+
+
+def _spec(u) -> UnitSpec:
+    return UnitSpec(u.name, u.numel, u.kind, getattr(u, "tied_output", False))
+
+
+def engine_codec(units, model_config, cfg, *, device, state_units=None, workload: Optional[Workload] = None,
+                 saved: Optional[str] = None):
+    """(the config the engine's parts are built from, the :class:`CodecPick`). ``cfg`` asking
+    "auto": the codec :func:`choose_codec` picks with the states where the config puts them (on
+    the disk tier exactly when ``offload_dir`` is given: the engine never drops a tier the user
+    named), priced at the rates the plan's pick uses (none under ``plan_by="rules"`` or
+    ``MEGATRAIN_NB_PLAN_BY=rules``); ``saved`` (a checkpoint's codec) wins over a new pick, so
+    a resume builds what the run was built with. A codec named stays."""
+    on_disk = bool(cfg.offload_dir)
+    if cfg.optimizer_compression != AUTO:
+        return cfg, CodecPick(cfg.optimizer_compression, cfg.optimizer_compression, on_disk, "given", "as given")
+    if saved is not None:
+        return cfg.replace(optimizer_compression=saved), CodecPick(
+            AUTO, saved, on_disk, "checkpoint", f"the checkpoint's codec, {saved!r}, kept on resume")
+    work = workload or Workload()
+    if max_positions(model_config) and work.seq > max_positions(model_config):   # (as the plan's pick prices)
+        work = dataclasses.replace(work, seq=max_positions(model_config))
+    base = ModelShape.of(model_config)
+    shape = ModelShape(base.hidden_size, len(units) - 2, base.intermediate_size, base.vocab_size)
+    specs = [_spec(u) for u in units]
+    held = None if state_units is None else [_spec(u) for u in state_units]
+    rules_only = (cfg.overrides.plan_by == "rules" or
+                  os.environ.get(plan_pick.PLAN_BY_ENV, "auto") == "rules")
+    rates = None if rules_only else (cfg.rates or plan_pick.cached_rates(str(device), cfg.offload_dir))
+    choice = choose_codec(specs, shape, cfg.replace(optimizer_compression=RECOMMENDED), work,
+                          cuda=device.type == "cuda", state_units=held, rates=rates, on_disk=on_disk)
+    if choice is None:   # nothing fits: the recommended codec, whose plan refuses with the numbers
+        return cfg.replace(optimizer_compression=RECOMMENDED), CodecPick(
+            AUTO, RECOMMENDED, on_disk, "rules", "no codec fits the budgets; the recommended one is tried")
+    return cfg.replace(optimizer_compression=choice.codec), CodecPick(
+        AUTO, choice.codec, choice.states_on_disk, choice.by, choice.reason())
+
+
+def checkpoint_codec(folder) -> Optional[str]:
+    """The codec a checkpoint's optimizer states were written in (its
+    ``optimizer_states.safetensors`` records it), or None when ``folder`` holds none (a linked or
+    sharded checkpoint, which check their codec on load and name it in their refusal)."""
+    path = os.path.join(os.fspath(folder), "optimizer_states.safetensors")
+    if not os.path.isfile(path):
+        return None
+    from safetensors import safe_open   # (the planner stays light: only a resume reads one)
+
+    with safe_open(path, "pt") as fh:
+        return (fh.metadata() or {}).get("codec", "none")

@@ -22,11 +22,13 @@ from .test_grpo_parity import config, prompts, reward_short, reward_yes, tiny_mo
 # in the middle of the first generation batch, step 4 at its end) with a reference (beta > 0: the
 # stored rollouts hold old and reference log-probs), logged every 3 steps (the metrics of step 2
 # are not yet logged when its checkpoint is written: they come back from it); and 2, the
-# completions sampled by the engine's streamed decoder
+# completions sampled by the engine's streamed decoder; and 1 with 2 prompts per generation, so
+# an epoch of the 8 prompts is 4 steps (step 2 mid-epoch, step 4 at an epoch's end, the run into a second)
 CASES = {"one_step_per_generation": dict(),
          "four_steps_per_generation": dict(steps_per_generation=2, num_iterations=2, per_device_train_batch_size=2,
                                            logging_steps=3, beta=0.04),
-         "two_steps_per_generation_streamed": dict(num_iterations=2, generation="streamed")}
+         "two_steps_per_generation_streamed": dict(num_iterations=2, generation="streamed"),
+         "two_epochs": dict(per_device_train_batch_size=8)}
 
 
 def _run(out, model, tok, resume=None, generation="resident", **kw):
@@ -76,6 +78,7 @@ def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, start, case):
     whole = _run(tmp_path / "whole", model, tok, **kw)
     moved = sum(float((whole[2][n] - p.detach()).norm()) for n, p in model.named_parameters())
     assert moved > 0
+    assert (whole[1][-1]["epoch"] > 1) == (case == "two_epochs")
     for k in (2, 4):
         ck = tmp_path / "whole" / f"checkpoint-{k}"
         data = ckpt.read_json(ck / ckpt.STATE_FILE)["data"]

@@ -98,7 +98,8 @@ def test_a_plain_llm_scaled_by_prefix_matches_torch_param_groups():
 
 def test_a_checkpoint_resume_keeps_the_scale(tmp_path):
     """Two steps, a checkpoint, a fresh engine with the same lr_scale loads it and takes two
-    more: equal to torch's four steps with the groups."""
+    more: equal to torch's four steps with the groups. Loaded under another lr_scale (or none),
+    the moments (ordered by scale) are refused at the first update, by name."""
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=2))
     entries = {"model.embed_tokens": 0.1}
     scales = lr_scale_names(model, entries)
@@ -115,6 +116,14 @@ def test_a_checkpoint_resume_keeps_the_scale(tmp_path):
     _train_both(b, ref, opt, batches[2:])
     assert _max_err(b, ref) <= 1e-5
     b.close()
+    for other in ({"model.embed_tokens": 0.5}, None):   # moments laid out for other scales: refused
+        c = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama", layers=2)),
+                            EngineConfig(**{**config, "lr_scale": other}))
+        c.load_checkpoint(tmp_path / "ck")
+        c.forward_backward(batches[0]["input_ids"])
+        with pytest.raises(ValueError, match="another EngineConfig.lr_scale"):
+            c.optimizer_step(LR)
+        c.close()
 
 
 def test_bad_entries_and_compressed_states_are_refused():

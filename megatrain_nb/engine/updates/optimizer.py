@@ -11,6 +11,7 @@ only for the update and encoded right after.
 from __future__ import annotations
 
 import math
+import zlib
 
 from typing import Collection, Dict, List, Optional, Tuple
 
@@ -33,6 +34,13 @@ def lr_pieces(unit, a: int, b: int, weight_decay: float) -> List[Tuple[int, int,
     return out
 
 
+def lr_layout(unit) -> int:
+    """A fingerprint of ``unit``'s learning-rate runs (``Unit.lr_segments``; 0: none): what a
+    checkpoint's moments must have been laid out by to load into it."""
+    runs = getattr(unit, "lr_segments", ())
+    return zlib.crc32(repr(tuple(runs)).encode()) or 1 if runs else 0
+
+
 class UnitAdamW:
     def __init__(self, *, betas, eps: float, weight_decay: float, collect_stats: bool = False):
         self.beta1, self.beta2 = betas
@@ -44,6 +52,10 @@ class UnitAdamW:
         #: as torch.optim.AdamW counts a parameter's steps. Made at a unit's first such update.
         self.lags: Dict[int, List[int]] = {}
         self.stats: Dict[int, dict] = {}
+        #: Per unit: the learning-rate layout (:func:`lr_layout`) of a loaded checkpoint's units, checked
+        #: against each unit's own at its first update after the load (None: nothing loaded).
+        self.loaded_layouts: Optional[Dict[int, int]] = None
+        self.layouts: Dict[int, int] = {}
         #: Per-unit statistics (unit_stats) cost two passes over a unit, as much as a third of
         #: the update itself, on the optimizer's critical path: gathered only once someone reads
         #: them (StreamingEngine.layer_stats turns this on).
@@ -94,6 +106,7 @@ class UnitAdamW:
         the step count advances once), so the moments need exist only a slice at a time."""
         if collect_stats is None:
             collect_stats = self.collect_stats
+        self._check_layout(unit)
         step = self.steps.get(unit.index)
         if step is None:
             step = self.steps[unit.index] = torch.zeros((), dtype=torch.float32)
@@ -119,17 +132,32 @@ class UnitAdamW:
                             lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
                             eps=self.eps, amsgrad=False, maximize=False)
 
+    def _check_layout(self, unit) -> None:
+        """Refuse moments laid out for other learning-rate scales (a checkpoint saved under another
+        EngineConfig.lr_scale orders the unit's elements otherwise), else note the unit's layout."""
+        mine = lr_layout(unit)
+        if self.loaded_layouts is not None and unit.index in self.steps and unit.index not in self.layouts:
+            if self.loaded_layouts.get(unit.index, 0) != mine:
+                raise ValueError(f"the checkpoint's optimizer states of unit {unit.name!r} were saved under "
+                                 "another EngineConfig.lr_scale (its elements are ordered by scale); resume with "
+                                 "the lr_scale it was saved with")
+        self.layouts[unit.index] = mine
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        """The units' step counts (``"<unit index>"``) and the parameters' lags (``"<unit
-        index>.lag.<parameter index>"``, those not 0), each a scalar."""
+        """The units' step counts (``"<unit index>"``), the parameters' lags (``"<unit
+        index>.lag.<parameter index>"``, those not 0) and the scaled units' learning-rate layouts
+        (``"<unit index>.lr_layout"``: :func:`lr_layout`), each a scalar."""
         out = {str(i): s.clone() for i, s in self.steps.items()}
+        out.update({f"{i}.lr_layout": torch.tensor(float(x), dtype=torch.float64)
+                    for i, x in self.layouts.items() if x})
         out.update({f"{i}.lag.{j}": torch.tensor(float(x)) for i, lags in self.lags.items()
                     for j, x in enumerate(lags) if x})
         return out
 
     def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
         self.steps = {int(k): v.clone().float() for k, v in sd.items() if "." not in k}
-        self.lags = {}
+        self.lags, self.layouts = {}, {}
+        self.loaded_layouts = {int(k.split(".")[0]): int(v) for k, v in sd.items() if k.endswith(".lr_layout")}
         for k, v in sd.items():
             if ".lag." in k:
                 i, j = (int(x) for x in k.split(".lag."))

@@ -81,16 +81,22 @@ def test_a_vision_tower_at_a_tenth_of_the_rate_matches_torch_param_groups():
 
 
 def test_a_plain_llm_scaled_by_prefix_matches_torch_param_groups():
-    """Llama: the token embedding at lr x 0.1 and layer 1 at lr x 3 (its decayed matrices and
-    undecayed norms each a run of their own) against torch's groups, four steps."""
+    """Llama: the token embedding at lr x 0.1, layer 1 at lr x 3 (its decayed matrices and
+    undecayed norms one run, split by AdamW where decay stops), layer 0's attention at lr x 2
+    beside its MLP frozen (the frozen tail after the runs): against torch's groups, four steps."""
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=2))
-    entries = {"model.embed_tokens": 0.1, "model.layers.1": 3.0}
+    entries = {"model.embed_tokens": 0.1, "model.layers.1": 3.0, "model.layers.0.self_attn": 2.0}
     scales = lr_scale_names(model, entries)
     ref = copy.deepcopy(model)
+    for n, p in ref.named_parameters():
+        p.requires_grad_(".layers.0.mlp." not in n)
     opt = _groups(ref, scales)
-    engine = StreamingEngine(model, EngineConfig(device="cpu", adam_betas=BETAS, weight_decay=WD, lr_scale=entries))
-    layer1 = engine.units[2]
-    assert [(s, e) for s, e, _ in layer1.lr_segments] == [(0, layer1.numel)]   # (decay and not: split by AdamW)
+    engine = StreamingEngine(model, EngineConfig(device="cpu", adam_betas=BETAS, weight_decay=WD, lr_scale=entries,
+                                                 frozen=("model.layers.0.mlp",)))
+    layer0, layer1 = engine.units[1], engine.units[2]
+    assert [(s, e) for s, e, _ in layer1.lr_segments] == [(0, layer1.numel)]
+    attn = sum(p.numel for p in layer0.params if ".self_attn." in p.name)
+    assert [(e - s, c) for s, e, c in layer0.lr_segments] == [(attn, 2.0)] and layer0.train_numel < layer0.numel
     _train_both(engine, ref, opt, _llm_batches(4))
     assert _max_err(engine, ref) <= 1e-5
     engine.close()
@@ -133,6 +139,7 @@ def test_bad_entries_and_compressed_states_are_refused():
     for bad in ({"vision_tower": 0.0}, {"vision_tower": -1.0}, {"": 0.5}, ["vision_tower"]):
         with pytest.raises(ValueError, match="EngineConfig.lr_scale"):
             EngineConfig(lr_scale=bad)
-    with pytest.raises(ValueError, match="fp32 optimizer states.*optimizer_compression='none'"):
-        StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", optimizer_compression="int8",
-                                                           lr_scale={"vision_tower": 0.1}))
+    for codec in ("int8", "auto"):
+        with pytest.raises(ValueError, match="fp32 optimizer states.*optimizer_compression='none'"):
+            StreamingEngine(copy.deepcopy(model), EngineConfig(device="cpu", optimizer_compression=codec,
+                                                               lr_scale={"vision_tower": 0.1}))

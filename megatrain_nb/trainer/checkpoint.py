@@ -125,6 +125,16 @@ def resolve_resume(resume, output_dir) -> Optional[Path]:
                           f"(no {STATE_FILE} and trainer_state.json in it){hint}")
 
 
+def resume_point(resume, output_dir) -> Optional[Path]:
+    """The checkpoint a resume asked for before the run starts would load (an engine built for it
+    takes its codec: ``optimizer_compression="auto"`` never re-picks), or None; a resume that
+    cannot be resolved is left to the resume itself to refuse."""
+    try:
+        return resolve_resume(resume, output_dir)
+    except (CheckpointError, OSError):
+        return None
+
+
 def verify(path) -> bool:
     """Check ``path`` against its manifest; the error names the bad file and the checkpoint
     before it in the same folder (the one to resume from instead)."""

@@ -229,16 +229,20 @@ class Trainer:
             return getattr(model, "model", None), model
         options = merge_engine_options(_derived_engine_options(self.args), explicit)
         config = EngineConfig.from_options(**options)
+        # optimizer_compression="auto" resuming: the checkpoint's codec, not a new pick (docs/TIERS.md)
+        codec_from = (ckpt.resume_point(self.args.resume_from_checkpoint, self.args.output_dir)
+                      if config.optimizer_compression == "auto" else None)
         if isinstance(model, (str, os.PathLike)):
             folder = Path(model)
             if not (folder / "config.json").is_file():
                 raise ValueError(f"model={str(model)!r} is not a local model folder (no config.json in it); "
                                  "pass a folder written by save_pretrained, or a model object")
-            return None, StreamingEngine.from_pretrained(str(folder), config, workload=run_workload(self.args, seq_len))
+            return None, StreamingEngine.from_pretrained(str(folder), config, workload=run_workload(self.args, seq_len),
+                                                         codec_from=codec_from)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a *ForCausalLM module, a local folder or a StreamingEngine; "
                             f"got {type(model).__name__}")
-        return model, StreamingEngine(model, config, workload=run_workload(self.args, seq_len))
+        return model, StreamingEngine(model, config, workload=run_workload(self.args, seq_len), codec_from=codec_from)
 
     @property
     def engine(self):

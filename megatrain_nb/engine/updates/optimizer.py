@@ -4,9 +4,10 @@ kernel where it is built, bit for bit the same; else ``torch._fused_adamw_``).
 Each unit's flat buffer keeps its decayed parameters first, so one unit is two fused calls
 (weight decay on, off); under ``EngineConfig.lr_scale`` the parameters of one learning-rate
 scale are one run of each (``Unit.lr_segments``), stepped by a fused call of its own at
-``lr * scale`` -- torch.optim.AdamW's parameter groups, exactly (fp32 states only). The Adam moments come from an :class:`OptimizerStates` store, which
-keeps them as fp32 or in a compressed codec, in RAM or on the disk tier; they are decoded
-only for the update and encoded right after.
+``lr * scale`` -- torch.optim.AdamW's parameter groups, exactly (fp32 states only). The Adam
+moments come from an :class:`OptimizerStates` store, which keeps them as fp32 or in a
+compressed codec, in RAM or on the disk tier; they are decoded only for the update and encoded
+right after.
 """
 from __future__ import annotations
 

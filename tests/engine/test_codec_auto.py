@@ -128,3 +128,14 @@ def test_codec_from_leaves_a_named_codec_alone(tmp_path):
         e.save_checkpoint(str(ckpt))
     with _engine("none", ROOMY, codec_from=ckpt) as e:
         assert e.config.optimizer_compression == "none" and e.codec.by == "given"
+
+
+@pytest.mark.slow   # (builds engines and trains: seconds)
+def test_a_linked_checkpoint_records_the_codec_picked_too(tmp_path):
+    ckpt = tmp_path / "linked"
+    with StreamingEngine(_model(), EngineConfig(device="cpu", optimizer_compression="int8", offload_dir=tmp_path / "d",
+                                                keep_offload_files=True)) as e:
+        _train(e, 1)
+        e.save_checkpoint(str(ckpt), link_disk=True)
+    assert (ckpt / "linked.json").is_file() and checkpoint_codec(ckpt) == "int8"
+    assert checkpoint_codec(tmp_path) is None   # no checkpoint here: "auto" picks afresh

@@ -25,6 +25,7 @@ the states or is predicted faster. Imports no torch beyond what the planner's co
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -215,10 +216,16 @@ def engine_codec(units, model_config, cfg, *, device, state_units=None, workload
 
 
 def checkpoint_codec(folder) -> Optional[str]:
-    """The codec a checkpoint's optimizer states were written in (its
-    ``optimizer_states.safetensors`` records it), or None when ``folder`` holds none (a linked or
-    sharded checkpoint, which check their codec on load and name it in their refusal)."""
-    path = os.path.join(os.fspath(folder), "optimizer_states.safetensors")
+    """The codec a checkpoint's optimizer states were written in -- its
+    ``optimizer_states.safetensors`` records it, a linked one's ``linked.json`` too -- or None
+    when ``folder`` holds neither (a sharded checkpoint checks its codec on load and names it
+    in its refusal)."""
+    folder = os.fspath(folder)
+    linked = os.path.join(folder, "linked.json")   # (tiers/linked.py LINKED_FILE)
+    if os.path.isfile(linked):
+        with open(linked) as f:
+            return json.load(f).get("codec")
+    path = os.path.join(folder, "optimizer_states.safetensors")
     if not os.path.isfile(path):
         return None
     from safetensors import safe_open   # (the planner stays light: only a resume reads one)

@@ -7,6 +7,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.planning.codec_choice import checkpoint_codec
+from megatrain_nb.engine.planning.plan_pick import PLAN_BY_ENV
+
+from .test_prediction import rates
 
 #: 2.1M parameters; the host budgets (GB) under which the rules pick int8 / fp32 states in RAM
 #: (probed with codec_choice.engine_codec: fp32 needs ~0.035, int8 ~0.025 with small update chunks)
@@ -139,3 +142,23 @@ def test_a_linked_checkpoint_records_the_codec_picked_too(tmp_path):
         e.save_checkpoint(str(ckpt), link_disk=True)
     assert (ckpt / "linked.json").is_file() and checkpoint_codec(ckpt) == "int8"
     assert checkpoint_codec(tmp_path) is None   # no checkpoint here: "auto" picks afresh
+
+
+@pytest.mark.slow   # (builds engines: seconds)
+def test_with_rates_the_fastest_predicted_codec_unless_the_rules_are_within_the_margin(monkeypatch, tmp_path):
+    monkeypatch.delenv(PLAN_BY_ENV, raising=False)   # (the suite plans by the rules)
+    # a disk tier (the states go there): the rules take int8 on it; a codec far slower than a fast
+    # disk makes fp32 states there predicted faster (in RAM fp32 is never slower: no codec work)
+    slow_codec = rates(device="cpu", codec_per_thread={"int8": 1e5, "int4": 1e5}, disk_read=100e9, disk_write=100e9)
+    cfg = dict(device="cpu", optimizer_compression="auto", max_host_gb=ROOMY, offload_dir=tmp_path, overrides=CHUNK)
+    with StreamingEngine(_model(), EngineConfig(rates=slow_codec, **cfg)) as e:
+        assert (e.config.optimizer_compression, e.codec.by, e.codec.states_on_disk) == ("none", "prediction", True)
+        assert "the fastest predicted" in e.codec.reason and "codec none" in e.plan.chosen_by
+        assert e.plan.placement["optimizer_states"] == "disk"
+    # the same rates under plan_by="rules": the rules' int8 on the disk tier
+    rules = {**cfg, "overrides": {**CHUNK, "plan_by": "rules"}}
+    with StreamingEngine(_model(), EngineConfig(rates=slow_codec, **rules)) as e:
+        assert (e.config.optimizer_compression, e.codec.by) == ("int8", "rules")
+    # nothing much faster: the rules' pick stays
+    with StreamingEngine(_model(), EngineConfig(rates=rates(device="cpu"), **cfg)) as e:
+        assert (e.config.optimizer_compression, e.codec.by) == ("int8", "rules")

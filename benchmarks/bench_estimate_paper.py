@@ -27,9 +27,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import result  # noqa: E402
 
-QWEN25_32B = dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                  num_key_value_heads=8, vocab_size=152064, max_position_embeddings=131072, rope_theta=1000000.0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16")
 PROFILE = "h100-pcie5-gen4nvme"
 
 
@@ -41,9 +38,9 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     import megatrain_nb as mt
     from megatrain_nb.engine.planning.rates_cache import cached_rates
-    from transformers import Qwen2Config
+    from megatrain_nb.model_configs import published_config
 
-    config = Qwen2Config(**QWEN25_32B)
+    config = published_config("qwen2.5-32b")
     print(f"load average {os.getloadavg()[0]:.2f} (this machine's CPU rates feed the optimizer's phase)")
     est = mt.estimate(config, vram_gb=80, ram_gb=a.ram, disk_gb=4000, batch=1, seq=a.seq,
                       accumulation=a.accumulation, precision="bf16", compression="int8", rates=PROFILE)

@@ -37,9 +37,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import result  # noqa: E402
 
-QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                 num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, rope_theta=1000000.0,
-                 rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16")
 PROFILE = "h100-pcie5-gen4nvme"
 
 
@@ -56,9 +53,9 @@ def main(argv=None) -> None:
     from megatrain_nb.engine.planning.estimator_grpo import kv_cache_bytes, price
     from megatrain_nb.engine.planning.planner import ModelShape, unit_specs_from_config
     from megatrain_nb.engine.planning.rates import rates_for
-    from transformers import Qwen2Config
+    from megatrain_nb.model_configs import published_config
 
-    config = Qwen2Config(**QWEN25_7B)
+    config = published_config("qwen2.5-7b")
     rollouts = a.prompts * a.generations
     est = mt.estimate(config, vram_gb=80, ram_gb=512, disk_gb=4000, batch=a.batch, seq=a.prompt + a.completion,
                       rollouts=rollouts, completion_length=a.completion, precision="bf16", compression="int8",

@@ -39,27 +39,16 @@ IMAGE, VSTART, VEND = 2000, 2001, 2002
 
 def _qwen25_vl_7b():
     """Qwen2.5-VL-7B-Instruct's published config.json (huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct)."""
-    from transformers import AutoConfig
+    from megatrain_nb.model_configs import published_config
 
-    text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000, tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6})
-    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584, window_size=112,
-                  fullatt_block_indexes=[7, 15, 23, 31])
-    return AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return published_config("qwen2.5-vl-7b")
 
 
 def _gemma3_27b():
     """Gemma-3-27B-it's published config.json (huggingface.co/google/gemma-3-27b-it)."""
-    from transformers import AutoConfig
+    from megatrain_nb.model_configs import published_config
 
-    text = dict(model_type="gemma3_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
-                num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208,
-                sliding_window=1024, max_position_embeddings=131072)
-    vision = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                  num_attention_heads=16, image_size=896, patch_size=14)
-    return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=256)
+    return published_config("gemma-3-27b")
 
 
 def paper() -> None:

@@ -75,6 +75,54 @@ def preset_config(name: str, vocab_size: int | None = None, **overrides):
     return LlamaConfig(**fields)
 
 
+#: published models' config.json numbers, for the figures on paper (benchmarks, estimate tests):
+#: (model type, fields) -- or, for image-text-to-text models, (model type, text fields, vision
+#: fields, top-level fields). Built here from their published values: nothing downloads.
+PUBLISHED = {
+    # huggingface.co/Qwen/Qwen2.5-7B
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=False, torch_dtype="bfloat16")),
+    # huggingface.co/Qwen/Qwen2.5-32B
+    "qwen2.5-32b": ("qwen2", dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                                  num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                                  max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                  tie_word_embeddings=False, torch_dtype="bfloat16")),
+    # huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct
+    "qwen2.5-vl-7b": ("qwen2_5_vl",
+                      dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                           num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
+                           tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}),
+                      dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31]),
+                      dict(tie_word_embeddings=False)),
+    # huggingface.co/google/gemma-3-27b-it
+    "gemma-3-27b": ("gemma3",
+                    dict(model_type="gemma3_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                         num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208,
+                         sliding_window=1024, max_position_embeddings=131072),
+                    dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304,
+                         num_hidden_layers=27, num_attention_heads=16, image_size=896, patch_size=14),
+                    dict(mm_tokens_per_image=256)),
+}
+
+
+def published_config(name: str):
+    """A transformers config of the published model ``name`` (see :data:`PUBLISHED`)."""
+    from transformers import AutoConfig   # transformers: heavy, read only when a config is built
+
+    if name not in PUBLISHED:
+        raise ValueError(f"unknown published config {name!r}; choose one of {', '.join(PUBLISHED)}")
+    entry = PUBLISHED[name]
+    if len(entry) == 2:
+        return AutoConfig.for_model(entry[0], **entry[1])
+    model_type, text, vision, top = entry
+    return AutoConfig.for_model(model_type, text_config=dict(text), vision_config=dict(vision), **top)
+
+
 #: the vocabulary of the families' tiny configs (tests draw token ids below it)
 FAMILY_VOCAB = 96
 #: the families every engine test is run against (parity with HF autograd, tiers, threads...)

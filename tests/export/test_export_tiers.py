@@ -18,7 +18,7 @@ from . import helpers as h
 
 pytestmark = pytest.mark.slow
 
-DISK = dict(offload_params=True, host_cache_gb=0.0002)
+DISK = dict(offload_params=True, host_cache_gb=0)   # (no host cache: every unit read from its file; the cache's case is its own test below)
 
 
 def _folder_state(folder):

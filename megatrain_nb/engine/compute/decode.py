@@ -62,6 +62,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ... import threads
+from ..family import text_config
+from ..planning.estimator_grpo import kv_cache_bytes
 from ..proxies import bind, unbind
 
 GIB = 1 << 30
@@ -81,28 +83,6 @@ class Decoded:
     completions: List[List[int]]
     logps: List[torch.Tensor]
     stats: Dict[str, int] = field(default_factory=dict)
-
-
-def text_config(model_config):
-    get = getattr(model_config, "get_text_config", None)
-    return get(decoder=True) if get is not None else model_config
-
-
-def kv_cache_bytes(model_config, rows: int, length: int, elem_bytes: int) -> int:
-    """Bytes of the KV cache of ``rows`` sequences of ``length`` tokens: per layer 2 x key/value
-    heads x head dim x ``elem_bytes`` per token (a sliding-window layer holds its window at most)."""
-    c = text_config(model_config)
-    layers = c.num_hidden_layers
-    heads = getattr(c, "num_attention_heads", None)
-    if not heads:   # no attention (a state-space model): its states do not grow with the tokens
-        return 0
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    window = getattr(c, "sliding_window", None)
-    types = list(getattr(c, "layer_types", None) or ["full_attention"] * layers)
-    per_token = sum(2 * kv * head_dim * (min(length, window) if t == "sliding_attention" and window else length)
-                    for t in types[:layers])
-    return rows * per_token * elem_bytes
 
 
 def device_left(engine) -> Optional[int]:

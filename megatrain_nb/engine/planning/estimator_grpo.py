@@ -57,9 +57,12 @@ def attention_shape(config) -> tuple:
 
 def kv_cache_bytes(config, rows: int, tokens: int, bytes_per_value: int) -> int:
     """Bytes of the keys and values of ``rows`` sequences of ``tokens`` tokens (every layer; a
-    sliding-window layer holds its window at most), as the streamed decoder counts them."""
-    layers, _, kv, head_dim = attention_shape(config)
+    sliding-window layer holds its window at most): the one count, the streamed decoder's and the
+    estimate's. 0 for a model without attention (a state-space model's states do not grow)."""
     t = family.text_config(config)
+    if not (getattr(t, "num_attention_heads", 0) or getattr(t, "n_head", 0)):
+        return 0
+    layers, _, kv, head_dim = attention_shape(config)
     window = getattr(t, "sliding_window", None)
     types = list(getattr(t, "layer_types", None) or ["full_attention"] * layers)[:layers]
     held = sum(min(tokens, window) if kind == "sliding_attention" and window else tokens for kind in types)

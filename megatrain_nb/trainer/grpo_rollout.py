@@ -26,8 +26,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatrain_nb.engine.compute.decode import StreamedDecoder, device_left, kv_cache_bytes
+from megatrain_nb.engine.compute.decode import StreamedDecoder, device_left
 from megatrain_nb.engine.compute.objective import TOKEN_NLL
+from megatrain_nb.engine.planning.estimator_grpo import resident_need
 
 from .data import DataError
 
@@ -194,7 +195,7 @@ def resident_bytes(engine, rows: int, length: int) -> int:
     """Device bytes of a resident copy in the engine's compute dtype and its KV cache (the same
     dtype) for ``rows`` x ``length`` tokens: 2 bytes a value in bf16, 4 in fp32."""
     elem = torch.empty((), dtype=engine.dtype).element_size()
-    return engine.num_parameters() * elem + kv_cache_bytes(engine.model_config, rows, length, elem)
+    return resident_need(engine.model_config, engine.num_parameters(), rows, length, elem)
 
 
 def resident_fits(engine, rows: int, length: int) -> bool:

@@ -62,8 +62,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ... import threads
-from ..family import text_config
-from ..planning.estimator_grpo import kv_cache_bytes
+from ..planning.estimator_grpo import kv_cache_bytes, streamed_need  # noqa: F401 - kv_cache_bytes re-exported
 from ..proxies import bind, unbind
 
 GIB = 1 << 30
@@ -95,8 +94,7 @@ def decode_bytes(engine, rows: int, length: int) -> int:
     """Device bytes a decoding of ``rows`` x ``length`` tokens holds: the KV cache in the compute
     dtype and the last logits (fp32 logits, scores, probabilities)."""
     elem = torch.empty((), dtype=engine.dtype).element_size()
-    need = kv_cache_bytes(engine.model_config, rows, length, elem)
-    return need + 3 * rows * text_config(engine.model_config).vocab_size * 4
+    return streamed_need(engine.model_config, rows, length, elem)
 
 
 def decode_fits(engine, rows: int, length: int) -> bool:

@@ -69,6 +69,18 @@ def kv_cache_bytes(config, rows: int, tokens: int, bytes_per_value: int) -> int:
     return 2 * kv * head_dim * bytes_per_value * int(rows) * int(held)
 
 
+def resident_need(config, numel: int, rows: int, tokens: int, bytes_per_value: int) -> int:
+    """Device bytes of a resident copy of ``numel`` parameters and its KV cache, both in the compute
+    dtype: the rule of ``generation="auto"`` (``grpo_rollout.resident_fits``) and of the estimate."""
+    return numel * bytes_per_value + kv_cache_bytes(config, rows, tokens, bytes_per_value)
+
+
+def streamed_need(config, rows: int, tokens: int, bytes_per_value: int) -> int:
+    """Device bytes the streamed decoder holds beside the engine's working set: the KV cache in the
+    compute dtype and the last logits (fp32 logits, scores and probabilities)."""
+    return kv_cache_bytes(config, rows, tokens, bytes_per_value) + 3 * rows * family.vocab_size(config) * 4
+
+
 def compute_bytes(precision: str) -> int:
     """Bytes of a value in the compute dtype (the resident copy's, its KV cache's, the streamed
     decoder's): 2 in bf16, 4 in fp32."""
@@ -172,14 +184,14 @@ def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_le
     room = None if budgets.get("device") is None else max(budgets["device"] - plan.device["total"], 0)
     cb = compute_bytes(precision)
     kv = kv_cache_bytes(config, rollouts, tokens, cb)
-    if room is None or cb * numel + kv <= room:   # the compute-dtype copy and its cache (resident_bytes)
+    if room is None or resident_need(config, numel, rollouts, tokens, cb) <= room:
         return GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, "device",
                               "resident", room)
-    logits = 3 * rollouts * family.vocab_size(config) * 4   # the last logits, scores and probabilities
+    need = streamed_need(config, rollouts, tokens, cb)
     gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv,
-                        "device" if kv + logits <= room else "none", "streamed", room)
+                        "device" if need <= room else "none", "streamed", room)
     if gp.kv_tier == "none":
-        gp.notes.append(f"the streamed decoder's KV cache and logits ({format_bytes(kv + logits)}) do not fit the "
+        gp.notes.append(f"the streamed decoder's KV cache and logits ({format_bytes(need)}) do not fit the "
                         f"device room beside the working set ({format_bytes(room)}): the decoder refuses; generate "
                         "fewer rollouts at once, shorten the completions, or raise the device budget")
     return gp
@@ -224,5 +236,5 @@ def price(gp: GenerationPlan, config, units, shape, rates, *, training_s: float,
     return gp
 
 
-__all__ = ["DEVICE_MEMORY", "GenerationPlan", "attention_shape", "compute_bytes", "kv_cache_bytes", "plan_generation",
+__all__ = ["DEVICE_MEMORY", "GenerationPlan", "attention_shape", "compute_bytes", "kv_cache_bytes", "plan_generation", "resident_need", "streamed_need",
            "price", "split_seq"]

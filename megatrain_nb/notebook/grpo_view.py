@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .chart_panel import add_chart_panel
 from .static_chart import img, panels_svg
 
 PER_FUNCTION = ("rewards/", "/mean")
@@ -115,21 +116,8 @@ def is_grpo_run(session: Any) -> bool:
 
 def attach_grpo_panel(dashboard: Any) -> None:
     """Add the GRPO charts to ``dashboard``'s extra figures when its session trains GRPO."""
-    session = dashboard.session
-    if not is_grpo_run(session):
-        return
-    import ipywidgets as W
-
-    from .chart import Chart   # light: ipywidgets away from %load_ext (the magics read grpo_parts)
-
-    chart = Chart(layout=W.Layout(width="100%", min_width="280px"))
-    title = W.HTML("<b style='font-family:sans-serif'>Rewards: reward, KL, completion length, generation vs "
-                   "training</b>")
-
-    def fill(_view) -> None:
-        chart.spec = grpo_spec(session.run_log.records())
-
-    dashboard.add_figure(W.VBox([title, chart]), fill)
+    if is_grpo_run(dashboard.session):
+        add_chart_panel(dashboard, "Rewards: reward, KL, completion length, generation vs training", grpo_spec)
 
 
 def grpo_html(records: list) -> str:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .chart_panel import add_chart_panel
+
 MARGIN, ACCURACY = "rewards/margins", "rewards/accuracies"
 
 
@@ -62,22 +64,8 @@ def is_preference_run(session: Any) -> bool:
 
 def attach_reward_panel(dashboard: Any) -> None:
     """Add the reward chart to ``dashboard``'s extra figures when its session trains DPO."""
-    session = dashboard.session
-    if not is_preference_run(session):
-        return
-    import ipywidgets as W
-
-    from .chart import Chart   # light: ipywidgets away from %load_ext (the magics read reward_parts)
-
-    chart = Chart(layout=W.Layout(width="100%", min_width="280px"))
-    title = W.HTML("<b style='font-family:sans-serif'>Preference: reward margin and accuracy</b>")
-    box = W.VBox([title, chart])
-
-    def fill(_view) -> None:
-        chart.spec = reward_spec(session.run_log.records())
-
-    dashboard.add_figure(box, fill)
-    dashboard.reward_chart = chart
+    if is_preference_run(dashboard.session):
+        dashboard.reward_chart = add_chart_panel(dashboard, "Preference: reward margin and accuracy", reward_spec)
 
 
 def reward_section(records: list):

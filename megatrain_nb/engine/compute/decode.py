@@ -161,10 +161,14 @@ def eos_ids(gc: GenerationConfig) -> List[int]:
     return [] if e is None else ([int(e)] if isinstance(e, int) else [int(x) for x in e])
 
 
-def draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One token per row by ``torch.multinomial`` (on ``generator``'s device when one is given)."""
+def draw(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One token per row by ``torch.multinomial`` (on ``generator``'s device when one is given; a
+    list: one generator per row, each row's draw from its own)."""
     if generator is None:
         return torch.multinomial(probs, num_samples=1).squeeze(1)
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([torch.multinomial(p.to(g.device), 1, generator=g)[0].to(probs.device)
+                            for p, g in zip(probs, generator)])
     return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(probs.device)
 
 
@@ -200,10 +204,14 @@ class StreamedDecoder:
         self.cache_key = "cache" if "cache" in params else "past_key_values"   # transformers 5.x / 4.x
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], generation_config: GenerationConfig, *,
-                 logprob_temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> Decoded:
+                 logprob_temperature: float = 1.0, generator=None, more=None) -> Decoded:
         """Each prompt's completion (see the module); ``logprob_temperature``: the log-probs are
         those of ``logits / logprob_temperature`` (GRPO's training temperature); ``generator``:
-        the sampling's random stream (default: the global one, as ``generate``'s)."""
+        the sampling's random stream (default: the global one, as ``generate``'s; a list: one per
+        row, each row drawing from its own); ``more(going) -> bool``: for ranks decoding in
+        lockstep (each pass gathers every unit), whether any rank still has rows decoding given
+        whether this one has; a rank whose rows all ended runs filler passes (its first row, the
+        results unused: ``stats["filler_passes"]``) until none has."""
         gc = generation_config
         check_generation_config(gc)
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
@@ -221,9 +229,9 @@ class StreamedDecoder:
         with eng.lock, torch.no_grad():
             threads.set_thread_device(eng.device)
             eng.updates.check()
-            return self._decode(unique, row_prompt, gc, steps, logprob_temperature, stats, generator)
+            return self._decode(unique, row_prompt, gc, steps, logprob_temperature, stats, generator, more)
 
-    def _decode(self, unique, row_prompt, gc, steps, temperature, stats, generator) -> Decoded:
+    def _decode(self, unique, row_prompt, gc, steps, temperature, stats, generator, more) -> Decoded:
         dev = self.engine.device
         pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids(gc) or [0])[0]
         stops = torch.tensor(eos_ids(gc) or [-1], device=dev)
@@ -238,17 +246,25 @@ class StreamedDecoder:
         alive = torch.arange(len(row_prompt), device=dev)        # the rows still decoding
         procs = processors(gc, (mask == 0).sum(1))
         picked = []   # per pass: (the rows decoding, their tokens, their log-probs)
+        filler = False   # (lockstep ranks: this one's rows all ended, another's decode on)
         for t in range(steps):
-            scores = procs(seqs, logits)
-            if gc.do_sample:
-                tok = draw(torch.softmax(scores, dim=-1), generator)
-            else:
-                tok = torch.argmax(scores, dim=-1)
-            lp = torch.log_softmax(logits / temperature, dim=-1).gather(1, tok[:, None])[:, 0]
-            picked.append((alive, tok, lp))
-            keep = ~torch.isin(tok, stops)
-            if t + 1 == steps or not bool(keep.any()):
+            if not filler:
+                scores = procs(seqs, logits)
+                if gc.do_sample:
+                    rows_gen = [generator[i] for i in alive.tolist()] if isinstance(generator, (list, tuple)) \
+                        else generator
+                    tok = draw(torch.softmax(scores, dim=-1), rows_gen)
+                else:
+                    tok = torch.argmax(scores, dim=-1)
+                lp = torch.log_softmax(logits / temperature, dim=-1).gather(1, tok[:, None])[:, 0]
+                picked.append((alive, tok, lp))
+                keep = ~torch.isin(tok, stops)
+            going = not filler and bool(keep.any())
+            if t + 1 == steps or not (going if more is None else more(going)):
                 break
+            if not going and not filler:   # filler passes on the first row until no rank decodes
+                filler, keep = True, torch.arange(len(keep), device=dev) == 0
+                stats["filler_passes"] = 0
             seqs = torch.cat([seqs, tok[:, None]], dim=1)
             if not bool(keep.all()):                               # finished rows leave the batch
                 idx = keep.nonzero()[:, 0]
@@ -259,7 +275,10 @@ class StreamedDecoder:
             pos = pos + 1
             logits = self._pass(tok[:, None], mask, pos, cache)
             stats["passes"] += 1
-            stats["rows"] += len(alive)
+            if filler:
+                stats["filler_passes"] += 1
+            else:
+                stats["rows"] += len(alive)
         return gathered(picked, len(row_prompt), stats)
 
     def _pass(self, ids, mask, pos, cache) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..transport.landing import landing_pinned_bytes
 from ..transport.pinned import held_bytes, pinned_empty
 from ..units import Unit, train_numel
 from .disk_store import aligned_empty
@@ -31,11 +32,6 @@ def wants_shadows(pin: bool, compute_dtype: torch.dtype) -> bool:
     return compute_dtype != torch.float32 and (pin or SHADOWS_ON_CPU)
 
 
-def _staging_buffers(depth: int) -> int:
-    """As ``pager.staging_buffers``: the gradient landing buffers of a staging transport."""
-    return max(2, depth + 1)
-
-
 def pinned_layout(unit_numels, *, compute_bytes: int = 4, grads_in_flight: int = 1, params_on_disk: bool = False,
                   disk_buffers: int = 3, window_host_bytes: int = 0) -> Dict[str, int]:
     """Bytes the engine pins on CUDA for units of ``unit_numels`` (whole pages each, as
@@ -44,8 +40,9 @@ def pinned_layout(unit_numels, *, compute_bytes: int = 4, grads_in_flight: int =
     * ``weights``: each unit's copy source -- in fp32 compute the master itself (4 B/param),
       narrower the shadow (``compute_bytes`` B/param); with the masters on the disk tier its
       ``disk_buffers`` unit-sized staging buffers (fp32 compute) or one cast buffer (narrower);
-    * ``grad_landing``: the gradients' landing buffers (``pager.staging_buffers``, fp32, the
-      largest unit each);
+    * ``grad_landing``: what the gradients land through (``landing.landing_pinned_bytes``): a ring
+      of pinned fp32 chunks in front of pageable landing buffers, or where that pins no less
+      (small units) the landing buffers themselves (``pager.staging_buffers``, the largest unit each);
     * ``activations``: a layer-major window's host activations (``window_host_bytes``);
     * ``grad_accumulators`` and ``masters_fp32`` (narrower compute): 0, never copied."""
     numels = [int(n) for n in unit_numels]
@@ -55,7 +52,7 @@ def pinned_layout(unit_numels, *, compute_bytes: int = 4, grads_in_flight: int =
         weights = disk_buffers * page(big * 4) if compute_bytes == 4 else page(big * compute_bytes)
     else:
         weights = sum(page(n * compute_bytes) for n in numels)
-    out = {"weights": weights, "grad_landing": _staging_buffers(grads_in_flight) * page(big * 4),
+    out = {"weights": weights, "grad_landing": landing_pinned_bytes(big, grads_in_flight),
            "activations": int(window_host_bytes), "grad_accumulators": 0,
            "masters_fp32": 0 if compute_bytes != 4 or params_on_disk else weights}
     out["total"] = out["weights"] + out["grad_landing"] + out["activations"]

@@ -26,16 +26,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .pinned import held_bytes
+from .landing import landing_buffers as staging_buffers  # (the name planning and tests import)
+from .landing import landing_host_bytes
 from ..telemetry import Telemetry
 from ...threads import D2H, H2D, executor
 from ..units import Unit, train_numel
-
-
-def staging_buffers(max_grads_in_flight: int) -> int:
-    """Pinned host buffers a staging transport's gradients arrive in (and are updated in):
-    the ``max_grads_in_flight`` units being updated and the one next in line, at least two."""
-    return max(2, max_grads_in_flight + 1)
 
 
 def _wait_kept(fut: Optional[Future]) -> None:
@@ -104,22 +99,28 @@ class Pager:
             for s in pool:
                 transport.release(s.buf)
         # Gradient staging (a transport that stages: CUDA): two device flat fp32 buffers, used in
-        # turn, and ``max_grads_in_flight + 1`` (at least two) pinned host ones: a unit's gradient
+        # turn, and ``max_grads_in_flight + 1`` (at least two) host landing buffers: a unit's gradient
         # sum is copied into a device one and leaves into a host one, where its update may run
         # (the sink keeps the host buffer until the future it returns is done): the units being
-        # updated and the one next in line, with no unit-sized copy besides.
+        # updated and the one next in line, with no unit-sized copy besides. Pinned, or pageable
+        # and landed into through a small ring of pinned chunks where that pins less
+        # (engine/transport/landing.py: a 7B's two landing layers would lock 1.6 GB).
         max_unit = max(transport.slot_numel(u) for u in units)
         self.grad_buf_bytes = self.grad_host_bytes = 0
+        self.lands_in_chunks = False
         if transport.stages:
+            self.lands_in_chunks = transport.lands_in_chunks(max_unit, max_grads_in_flight)
             self._grad_dev = [torch.empty(max_unit, dtype=torch.float32, device=device) for _ in range(2)]
-            self._grad_host = [transport.host_buffer(max_unit) for _ in range(staging_buffers(max_grads_in_flight))]
+            self._grad_host = [transport.landing_buffer(max_unit, self.lands_in_chunks)
+                               for _ in range(staging_buffers(max_grads_in_flight))]
             self._dev_free: List[Optional[Future]] = [None, None]
             self._grad_free: List[Optional[Future]] = [None] * len(self._grad_host)
             self._grad_turn = self._host_turn = 0
             self.grad_buf_bytes = 2 * max_unit * 4                      # device
-            # pinned host, as the transport's pool counts each (``pinned.held_bytes``)
+            # host: the landing buffers and the ring, pinned ones as the transport's pool counts
+            # each (``pinned.held_bytes``)
             pinned = getattr(getattr(transport, "pinned", None), "pin", False)
-            self.grad_host_bytes = len(self._grad_host) * held_bytes(max_unit * 4, pinned)
+            self.grad_host_bytes = landing_host_bytes(max_unit, max_grads_in_flight, pinned)
         self._order: List[Unit] = []
         self._issued = 0              # order[:_issued] have been fetched (or consumed)
         self._consumed = 0
@@ -272,7 +273,7 @@ class Pager:
         def finish():
             try:
                 t0 = time.perf_counter()
-                out = self.transport.copy_out(unit, src, host, after=after).result()
+                out = self.transport.land(unit, src, host, after=after).result()
                 self.telemetry.add_bytes("device_to_host", out.numel() * 4, time.perf_counter() - t0)
                 return self.grad_sink(unit, out)   # a Future: the sink keeps the host buffer until it is done
             finally:

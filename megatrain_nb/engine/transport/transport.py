@@ -49,6 +49,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ...threads import TRANSPORT_IN, TRANSPORT_OUT, executor
+from . import landing
+from .landing import LandingRing, chunk_numel, lands_in_chunks
 from .pinned import PinnedPool, note_use
 from ..units import Unit
 from ..tiers.disk_store import aligned_empty
@@ -155,7 +157,38 @@ def _event(timing: bool = False):
     return torch.cuda.Event(blocking=True, enable_timing=timing)
 
 
-class CudaTransport:
+class _Landing:
+    """A unit's gradient landing on the host (the pager's landing buffers, engine/transport/landing.py):
+    straight into a pinned landing buffer, or -- where that pins less (:func:`.landing.lands_in_chunks`)
+    -- into a pageable one through a ring of pinned chunks. Needs ``pinned`` (a PinnedPool),
+    ``host_buffer`` and ``_land_chunked``."""
+
+    def lands_in_chunks(self, largest_numel: int, depth: int = 1) -> bool:
+        """Whether gradients of units of up to ``largest_numel`` land in chunks (pinned hosts only)."""
+        return bool(self.pinned.pin) and lands_in_chunks(largest_numel, depth)
+
+    def landing_buffer(self, numel: int, chunked: bool = False) -> torch.Tensor:
+        """A landing buffer of ``numel`` fp32 elements: pinned (``host_buffer``), or ``chunked``
+        pageable and page-aligned, landed into through the ring (made with the first such buffer)."""
+        if not chunked:
+            return self.host_buffer(numel)
+        if self._ring is None:
+            n = chunk_numel(numel)
+            self._ring = LandingRing([self.pinned.empty(n) for _ in range(landing.LANDING_RING)], self._issue_chunk)
+        buf = aligned_empty(numel)
+        self._chunked_keys.add(_key(buf))
+        return buf
+
+    def land(self, unit: Optional[Unit], src: torch.Tensor, dst: Optional[torch.Tensor], *, after: Handle,
+             reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Handle:
+        """A gradient's copy out into its landing buffer ``dst``: :meth:`copy_out` unless ``dst`` is
+        landed into in chunks; then done when this returns (the caller is the gradient thread)."""
+        if dst is None or _key(dst) not in self._chunked_keys:
+            return self.copy_out(unit, src, dst, after=after, reduce=reduce)
+        return Handle(self._land_chunked(src, dst, after, reduce))
+
+
+class CudaTransport(_Landing):
     """Streams, events and pinned buffers. ``copy_in`` is issued from the pager's copy thread
     or the compute thread, ``copy_out`` from the gradient thread or the compute thread; each
     enqueues on its own stream and records an event after the copy. Host buffers come from a
@@ -175,6 +208,8 @@ class CudaTransport:
         self._cast: Dict[torch.dtype, list] = {}
         self._cast_lock = threading.Lock()
         self._probes: list = []   # (compute stream at a wait for a copy in, the copy's event), not yet read
+        self._chunked_keys: set = set()   # landing buffers landed into through the ring (_Landing)
+        self._ring: Optional[LandingRing] = None
 
     # -- the compute stream's idle time (telemetry's "device" stall) ------------------------------
     def probe(self):
@@ -271,6 +306,25 @@ class CudaTransport:
             note_use(entry[0], ev, "h2d")
         return EventHandle(ev, self.device, dst)
 
+    def _issue_chunk(self, chunk: torch.Tensor, src: torch.Tensor):
+        """One chunk's device->host copy on the d2h stream (the caller is in its context): the event after it."""
+        chunk.copy_(src, non_blocking=True)
+        ev = _event()
+        ev.record(self.d2h)
+        note_use(chunk, ev, "d2h")   # (the ring's chunks are unregistered only after their copies)
+        return ev
+
+    def _land_chunked(self, src: torch.Tensor, dst: torch.Tensor, after: Handle, reduce) -> torch.Tensor:
+        """``src`` (after ``after``; ``reduce(src)`` first, on the d2h stream) into pageable ``dst``
+        through the ring: the chunks cross on the d2h stream, each copied out here once done."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
+            after.wait()
+            if reduce is not None:
+                src = reduce(src)
+            else:
+                src.record_stream(self.d2h)
+            return self._ring.land(src, dst)
+
     def release(self, dst: torch.Tensor) -> Handle:
         ev = _event()
         ev.record(torch.cuda.current_stream(self.device))
@@ -300,6 +354,8 @@ class CudaTransport:
     def close(self) -> None:
         with self._lock:
             self._free.clear()
+        self._ring = None
+        self._chunked_keys.clear()
         self.pinned.close()
 
 
@@ -342,10 +398,19 @@ class _InFlight(Handle):
         return self.key not in self.transport._in_flight
 
 
-class CpuTransport:
+class _DoneCopy:
+    """A CPU chunk copy: done when issued."""
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
+
+
+class CpuTransport(_Landing):
     """The CPU "device": slots are host tensors and a copy is a memcpy. Ordinary mode: each copy
     runs inline in the calling (worker) thread and its handle is complete. Adversarial mode:
-    see the module's docstring."""
+    see the module's docstring. (Its gradients land in chunks only where its pool pins: tests
+    with a fake registration, the CUDA path's logic on the CPU.)"""
 
     stages = False   # a unit's gradient sum already is host memory: it leaves as it is
 
@@ -364,6 +429,8 @@ class CpuTransport:
         if adversarial:   # one thread per direction: each keeps its order (collectives in order)
             self._in = executor(TRANSPORT_IN)
             self._out = executor(TRANSPORT_OUT)
+        self._chunked_keys: set = set()   # landing buffers landed into through the ring (_Landing)
+        self._ring: Optional[LandingRing] = None
         self.poisoned = 0   # buffers poisoned at their release (adversarial)
         self.late_writes = 0   # previous owners' kernels run into device_empty buffers (adversarial)
 
@@ -468,6 +535,15 @@ class CpuTransport:
                 return _InFlight(self, _key(dst))
         return Handle()
 
+    @staticmethod
+    def _issue_chunk(chunk: torch.Tensor, src: torch.Tensor) -> _DoneCopy:
+        chunk.copy_(src)
+        return _DoneCopy()
+
+    def _land_chunked(self, src: torch.Tensor, dst: torch.Tensor, after: Handle, reduce) -> torch.Tensor:
+        after.result()
+        return self._ring.land(reduce(src) if reduce is not None else src, dst)
+
     def copy_out(self, unit: Optional[Unit], src: torch.Tensor, dst: Optional[torch.Tensor], *, after: Handle,
                  reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Handle:
         """``dst`` None: ``src`` already is host memory and is handed over as it is."""
@@ -534,6 +610,18 @@ class ShardedTransport:
 
     def host_buffer(self, numel: int, dtype=torch.float32) -> torch.Tensor:
         return self.inner.host_buffer(numel, dtype)
+
+    def lands_in_chunks(self, largest_numel: int, depth: int = 1) -> bool:
+        return self.inner.lands_in_chunks(largest_numel, depth)
+
+    def landing_buffer(self, numel: int, chunked: bool = False) -> torch.Tensor:
+        return self.inner.landing_buffer(numel, chunked)
+
+    def land(self, unit: Optional[Unit], src: torch.Tensor, dst: Optional[torch.Tensor], *, after: Handle,
+             reduce=None) -> Handle:
+        if unit is None:
+            return self.inner.land(unit, src, dst, after=after, reduce=reduce)
+        return self.inner.land(unit, src, dst, after=after, reduce=lambda g: self._reduce(unit, g))
 
     def record(self) -> Handle:
         return self.inner.record()

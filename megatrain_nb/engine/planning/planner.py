@@ -110,11 +110,13 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       (``weight_store.DiskWeights.ranged_update``, ``chunk_ring.ChunkRing.run``;
       layer statistics, once turned on, read such a unit whole into the optimizer stream's
       buffers, not counted here) (``parts.build_parts``);
-    * final gradients: on CUDA the pinned staging buffers of the device->host copies
+    * final gradients: on CUDA the landing buffers of the device->host copies
       (``pager.staging_buffers``: the ``depth`` units being updated, in the very buffers their
       gradients arrived in, and the one next in line, waiting for its update slot:
-      ``intake.GradientIntake.arrived``); on a CPU "device" ``depth`` pool buffers and one more
-      (the window's sum being formed, a lent pool buffer) and a tied embedding's sum; + 2 when
+      ``intake.GradientIntake.arrived``), pinned, or pageable beside the ring of pinned chunks
+      they land through (``landing.landing_host_bytes``); on a CPU "device" ``depth`` pool
+      buffers and one more (the window's sum being formed, a lent pool buffer) and a tied
+      embedding's sum; + 2 when
       a clipping norm is waited for (the hold's disk writes; on CUDA one more: a held gradient
       is copied out of its staging buffer into a pool buffer) -- except, on CUDA, where the
       held gradients wait on the disk tier (``hold_disk``): each is written straight from its
@@ -140,7 +142,7 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     from ..updates.chunk_ring import RING   # light: torch at plan time only
     from ..updates.states import min_reads_ahead, update_chunk, writes_pending   # light: torch at plan time only
     from ..updates.final_grads import HOLD_WRITES   # light: torch at plan time only
-    from ..transport.pager import staging_buffers   # light: torch at plan time only
+    from ..transport.landing import landing_host_bytes   # light: torch at plan time only
 
     from ..transport.pinned import held_bytes   # light: torch at plan time only
 
@@ -157,9 +159,9 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
         out += RING * chunk * 4 if chunk else (1 if large else 2) * pu
     tied = any(x.tied_output for x in units if x.kind == "embed")
     if cuda and clipped and hold_disk:   # written from the staging buffers, read back in chunks
-        out += staging_buffers(depth) * pu + (0 if chunk else 1) * u * 4
+        out += landing_host_bytes(u, depth, pin) + (0 if chunk else 1) * u * 4
     elif cuda:   # clipped: a held gradient is copied out of its staging buffer (+ the hold's writes)
-        out += staging_buffers(depth) * pu + (HOLD_WRITES + 1 if clipped else 0) * u * 4
+        out += landing_host_bytes(u, depth, pin) + (HOLD_WRITES + 1 if clipped else 0) * u * 4
     else:
         out += (depth + 1 + int(tied) + (HOLD_WRITES if clipped else 0)) * u * 4
     if cuda and clipped and hold_disk and chunk:   # the ring's chunks of a held gradient read back (a CPU

@@ -39,6 +39,8 @@ from .kinds import MetricLists, register_kind
 from .grpo_eval import run_evaluation
 from .grpo_data import RolloutStream, pad_rollouts, tokenize_prompts
 from .grpo_loss import GRPOObjective, GRPOSettings
+from .grpo_ranks import (check_rollout_seeds, gather_lists, gather_rewards, gather_rows, lockstep, rank_rows,
+                         row_generators, sampling_base, seeded_shuffle)
 from .grpo_rollout import (advantages, check_generation, completion_logps, eos_token_ids, generation_config,
                            length_metrics, make_policy, reward_metrics, score)
 from .args import check_eval_plan, unusable_fields
@@ -233,7 +235,8 @@ class GRPOKind:
         return float(trainer.dist.sum(out.objective_loss))
 
     def after_window(self, trainer, window: list, out, record: dict) -> None:
-        step = trainer.train_metrics.add(out.objective_metrics)   # logged with the rollouts' (GRPOTrainer.log)
+        # every rank's micro-batches' metrics, in the step's order (logged with the rollouts': GRPOTrainer.log)
+        step = trainer.train_metrics.add(gather_lists(trainer.dist, out.objective_metrics or []))
         record.update(trainer.last_rollout)
         if step.get("kl") is not None:   # beta != 0: this step's mean KL to the reference
             record["kl"] = step["kl"]
@@ -274,6 +277,8 @@ class GRPOTrainer(Trainer):
         validate_grpo_args(args)
         # where completions are sampled: "auto" (resident when it fits the device budget) | "resident" | "streamed"
         self.generation = check_generation(engine_options.pop("generation", "auto"))
+        # how completions draw their random numbers: "global" (TRL's order, one process) | "per_rollout"
+        rollout_seeds = engine_options.pop("rollout_seeds", None)
         check_eval_plan(args, eval_dataset)
         self.settings = GRPOSettings.from_args(args)
         self.objective = GRPOObjective(self.settings)
@@ -295,9 +300,12 @@ class GRPOTrainer(Trainer):
         model_eos = _model_eos(model)
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
-        if self.dist.world > 1:
-            raise NotImplementedError("GRPOTrainer runs in one process for now (rollouts are not split across "
-                                      "ranks yet): launch it without torchrun")
+        # several ranks (grpo_ranks.py): rollouts split and gathered, per-rollout random streams, streamed decoding
+        self.rollout_seeds = check_rollout_seeds(rollout_seeds, self.dist.world, self.generation)
+        if self.rollout_seeds == "per_rollout" and self.generation == "auto":
+            self.generation = "streamed"
+        self._check_rank_batch(args)
+        self._sampling_base = None   # the latest generation's per-rollout base seed ("per_rollout")
         self.kind = GRPOKind()
         self.last_rollout: dict = {}   # the latest generation's reward, reward_std, completion length
         self._setup_generation(model_eos)
@@ -324,6 +332,17 @@ class GRPOTrainer(Trainer):
         self.eos_token_ids = eos_token_ids(model_eos, tok)
         self.generation_config = generation_config(self.args, tok, self.eos_token_ids)
 
+    def _check_rank_batch(self, args) -> None:
+        """TRL's batch rule over the ranks: a generation batch is ``per_device_train_batch_size x
+        steps_per_generation x ranks`` rollouts (GRPOConfig computes it with the world size it sees)."""
+        W = self.dist.world
+        want = args.per_device_train_batch_size * args.steps_per_generation * W
+        if W > 1 and args.generation_batch_size != want:
+            raise ValueError(f"GRPOConfig.generation_batch_size={args.generation_batch_size} on {W} ranks: it must be "
+                             f"per_device_train_batch_size ({args.per_device_train_batch_size}) x steps_per_generation "
+                             f"({args.steps_per_generation}) x ranks ({W}) = {want}; build the GRPOConfig in the "
+                             "worker processes (it reads the world size), or set generation_batch_size to match")
+
     # ------------------------------------------------------------------ the loop's seams
     @property
     def total_steps(self) -> int:
@@ -331,10 +350,12 @@ class GRPOTrainer(Trainer):
         a = self.args
         if a.max_steps is not None and a.max_steps > 0:
             return int(a.max_steps)
-        G, per_gen = a.num_generations, a.generation_batch_size // a.num_generations
-        n = len(self.train_dataset) // per_gen * per_gen * G * self.num_iterations * a.steps_per_generation
-        micro = n // (a.per_device_train_batch_size * a.steps_per_generation)
-        return int(math.ceil(a.num_train_epochs * max(-(-micro // a.gradient_accumulation_steps), 1)))
+        G, per_gen, spg = a.num_generations, a.generation_batch_size // a.num_generations, a.steps_per_generation
+        spg *= self.dist.world   # micro-batches of a generation batch, over all ranks
+        n = len(self.train_dataset) // per_gen * per_gen * G * self.num_iterations * spg
+        micro = n // (a.per_device_train_batch_size * spg)
+        return int(math.ceil(a.num_train_epochs * max(-(-micro // (a.gradient_accumulation_steps * self.dist.world)),
+                                                     1)))
 
     def fresh_stream(self):
         """The rollouts' stream at a run's start (TRL's prompt order and draws)."""
@@ -350,14 +371,20 @@ class GRPOTrainer(Trainer):
                                 else StreamingEngine.from_pretrained(str(src), self._engine.config))
         return self._ref_engine
 
-    def _completions(self, prompts, prompt_ids):
-        """Sampled completions (ids, text or messages) on the current weights."""
+    def _completions(self, prompts, prompt_ids, mine: range):
+        """Sampled completions (ids, text or messages) on the current weights: this rank makes the
+        rows ``mine``, the others theirs, gathered (each rollout with its own stream: grpo_ranks.py)."""
         if self._policy is None:   # (the first generation batch's shape decides "auto")
             length = max(map(len, prompt_ids)) + self.args.max_completion_length
-            self._policy = make_policy(self._engine, self.generation, len(prompt_ids), length)
+            self._policy = make_policy(self._engine, self.generation, len(mine), length)
         self._policy.refresh(self._engine, self.state.global_step)
-        ids = self._policy.generate(prompt_ids, self.generation_config, self.tokenizer.pad_token_id,
-                                    self.eos_token_ids)
+        kw = {}
+        if self.rollout_seeds == "per_rollout":
+            self._sampling_base = sampling_base(self.dist)
+            kw = {"generator": row_generators(self._sampling_base, mine), "more": lockstep(self.dist)}
+        ids = self._policy.generate([prompt_ids[i] for i in mine], self.generation_config,
+                                    self.tokenizer.pad_token_id, self.eos_token_ids, **kw)
+        ids = gather_lists(self.dist, ids)
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         from trl.data_utils import is_conversational
 
@@ -376,9 +403,10 @@ class GRPOTrainer(Trainer):
         rows_at_once = a.per_device_train_batch_size if train else a.per_device_eval_batch_size
         prompts = [x["prompt"] for x in examples]
         prompt_ids = tokenize_prompts(tok, copy.deepcopy(prompts), a.chat_template_kwargs)
-        completion_ids, completions = self._completions(prompts, prompt_ids)
-        if train:
-            self._rollout_tokens += int(self.dist.sum(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
+        mine = rank_rows(len(prompts), self.dist.rank, self.dist.world)   # this rank's rollouts (all: one process)
+        completion_ids, completions = self._completions(prompts, prompt_ids, mine)
+        if train:   # (every rank holds the generation batch's rollouts)
+            self._rollout_tokens += sum(map(len, prompt_ids)) + sum(map(len, completion_ids))
         m["num_tokens"] = [float(self._rollout_tokens)]
         stops = [*self.eos_token_ids, tok.pad_token_id]
         for k, v in length_metrics(completion_ids, stops).items():
@@ -390,13 +418,17 @@ class GRPOTrainer(Trainer):
         rows = self._logp_batch(r)
         P = r["prompt_ids"].shape[1]
         old = ref = None
+        part = {k: v[mine.start:mine.stop] for k, v in rows.items()}   # this rank's rows, gathered after
         if a.gradient_accumulation_steps % (a.steps_per_generation * self.num_iterations) != 0:
-            old = completion_logps(self._engine, rows, P, a.temperature, rows_at_once)
+            old = gather_rows(self.dist, completion_logps(self._engine, part, P, a.temperature, rows_at_once))
         if a.beta != 0.0:
-            ref = completion_logps(self._reference_engine(), rows, P, a.temperature, rows_at_once)
+            ref = gather_rows(self.dist, completion_logps(self._reference_engine(), part, P, a.temperature,
+                                                          rows_at_once))
         extra = {"trainer_state": self.state, "log_extra": lambda *x, **k: None, "log_metric": self._log_metric}
-        per_func = score(self.reward_funcs, self.reward_func_names, self.reward_processing_classes, examples,
-                         prompts, completions, completion_ids, extra, a.chat_template_kwargs)
+        per_func = gather_rewards(self.dist, lambda: score(
+            self.reward_funcs, self.reward_func_names, self.reward_processing_classes, examples[mine.start:mine.stop],
+            prompts[mine.start:mine.stop], completions[mine.start:mine.stop], completion_ids[mine.start:mine.stop],
+            extra, a.chat_template_kwargs))
         adv, zero_std = advantages(per_func, self.reward_weights, G, a.scale_rewards, a.multi_objective_aggregation)
         rm = reward_metrics(per_func, self.reward_weights, self.reward_func_names, zero_std)
         for k, v in rm.items():
@@ -405,13 +437,21 @@ class GRPOTrainer(Trainer):
             self.last_rollout = {"reward": rm["reward"], "reward_std": rm["reward_std"],
                                  "completion_length": m["completions/mean_length"][-1],
                                  **{k: v for k, v in rm.items() if k.startswith("rewards/") and k.endswith("/mean")}}
-        out = {**r, "advantages": adv, "num_items_in_batch": torch.tensor(float(self.dist.sum(
-            int(r["completion_mask"].sum()))))}
+        out = {**r, "advantages": adv, "num_items_in_batch": torch.tensor(float(int(r["completion_mask"].sum())))}
         if old is not None:
             out["old_per_token_logps"] = old
         if ref is not None:
             out["ref_per_token_logps"] = ref
         return out
+
+    def shuffle_rollouts(self, rollouts: dict) -> dict:
+        """The generation batch's rows shuffled as TRL shuffles them (``rollout_seeds="per_rollout"``:
+        the permutation from the generation's base seed, the same on every rank)."""
+        if self.rollout_seeds == "per_rollout":
+            return seeded_shuffle(rollouts, self._sampling_base)
+        from trl.trainer.utils import shuffle_sequence_dict
+
+        return shuffle_sequence_dict(rollouts)
 
     @staticmethod
     def _logp_batch(r: dict) -> dict:

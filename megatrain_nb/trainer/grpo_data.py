@@ -11,7 +11,9 @@ permutation. So the same seed samples TRL's completions.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import time
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -20,6 +22,7 @@ from megatrain_nb.engine.inputs import OBJECTIVE_DATA
 
 from .grpo_loss import RolloutBatch, to_shift
 from .grpo_rollout import left_pad, right_pad
+from .sharding import ZERO_WEIGHT, deal
 
 
 def tokenize_prompts(tok, prompts: list, chat_template_kwargs: Optional[dict] = None) -> List[List[int]]:
@@ -42,15 +45,22 @@ class RolloutStream:
     """``BatchStream``'s interface (``next_window``, ``epoch``, ``consumed``,
     ``batches_per_epoch``, ``start_next_epoch``, ``state_dict``) over rollouts: one micro-batch
     per ``per_device_train_batch_size`` completions; ``trainer.make_rollouts(examples)`` makes a
-    generation batch's rollouts (a dict of TRL's keys)."""
+    generation batch's rollouts (a dict of TRL's keys).
+
+    With several ranks it counts over all of them (one process with the accumulation and
+    ``steps_per_generation`` times the ranks: :mod:`.grpo_ranks`): a generation batch is
+    ``steps_per_generation x ranks`` micro-batches, a step takes ``accumulation x ranks`` of them
+    and this rank its share (:func:`.sharding.deal`)."""
 
     def __init__(self, trainer, dataset):
         from trl.trainer.utils import RepeatSampler
 
         a = trainer.args
         self.trainer, self.dataset, self.args = trainer, dataset, a
-        self.spg, self.iterations = a.steps_per_generation, trainer.num_iterations
-        self.micro = a.per_device_train_batch_size * self.spg   # TRL's dataloader batch
+        self.rank, self.world = trainer.dist.rank, trainer.dist.world
+        # micro-batches of a generation batch over all ranks; TRL's dataloader batch of one process
+        self.spg, self.iterations = a.steps_per_generation * self.world, trainer.num_iterations
+        self.micro = a.per_device_train_batch_size * self.spg
         self.sampler = RepeatSampler(data_source=dataset, mini_repeat_count=a.num_generations,
                                      batch_size=a.generation_batch_size // a.num_generations,
                                      repeat_count=self.iterations * self.spg, shuffle=a.shuffle_dataset, seed=a.seed)
@@ -116,12 +126,12 @@ class RolloutStream:
 
     def next_window(self, accumulation: int):
         """This step's micro-batches (rollouts, generated when due) and whether the epoch ended."""
-        from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+        from trl.trainer.utils import split_tensor_dict
 
         parts = []
         ended = False
         self.generation_s = 0.0
-        while len(parts) < accumulation:
+        while len(parts) < accumulation * self.world:
             ex = self._next_examples()
             if ex is None:
                 ended = True
@@ -130,12 +140,14 @@ class RolloutStream:
                 t0 = time.perf_counter()
                 rollouts = self.trainer.make_rollouts(ex)
                 self.generation_s += time.perf_counter() - t0
-                self._buffer = split_tensor_dict(shuffle_sequence_dict(rollouts), self.spg)
+                self._buffer = split_tensor_dict(self.trainer.shuffle_rollouts(rollouts), self.spg)
             parts.append(self._buffer[self._step % self.spg])
             self._step += 1
         if not ended and self.consumed >= self.batches_per_epoch:
             ended = True
-        return [micro_batch(p, len(parts), self.trainer.dist.world) for p in parts], ended
+        # the loss constants are the step's and the generation's over all ranks (gradients are summed over them)
+        raw = [partial(micro_batch, p, len(parts), self.spg) for p in parts]
+        return [_filler(b) for b in deal(raw, self.rank, self.world, lambda b: b)], ended
 
 
 def encode_tensors(d: dict) -> dict:
@@ -169,9 +181,18 @@ def decode_tensors(d: dict) -> dict:
     return out
 
 
-def micro_batch(r: dict, accumulation: int, world: int) -> dict:
+def _filler(b: dict) -> dict:
+    """A rank's zero-weight micro-batch (:func:`.sharding.zero_weight`) weighs nothing in the loss
+    and the metrics."""
+    if b.get(ZERO_WEIGHT):
+        b[OBJECTIVE_DATA] = dataclasses.replace(b[OBJECTIVE_DATA], weight=0.0)
+    return b
+
+
+def micro_batch(r: dict, accumulation: int, per_generation: int = 0) -> dict:
     """The engine's micro-batch of one slice of rollouts, its side data (a :class:`RolloutBatch`)
-    its ``objective_data``."""
+    its ``objective_data``: ``accumulation`` the step's micro-batches and ``per_generation`` the
+    generation batch's (0: ``steps_per_generation``), both over all ranks."""
     P = r["prompt_ids"].shape[1]
     ids = torch.cat([r["prompt_ids"], r["completion_ids"]], 1)
     am = torch.cat([r["prompt_mask"], r["completion_mask"]], 1)
@@ -179,7 +200,8 @@ def micro_batch(r: dict, accumulation: int, world: int) -> dict:
     labels[:, :P] = -100
     side = RolloutBatch(advantages=r["advantages"], old_logps=to_shift(r.get("old_per_token_logps"), P),
                         ref_logps=to_shift(r.get("ref_per_token_logps"), P),
-                        num_items=float(r["num_items_in_batch"]), accumulation=accumulation, world=world)
+                        num_items=float(r["num_items_in_batch"]), accumulation=accumulation,
+                        per_generation=per_generation)
     return {"input_ids": ids, "attention_mask": am, "labels": labels, OBJECTIVE_DATA: side}
 
 

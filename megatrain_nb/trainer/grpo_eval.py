@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from megatrain_nb.engine.inputs import OBJECTIVE_DATA
 
 from .grpo_data import micro_batch
 from .kinds import MetricLists
@@ -36,8 +35,8 @@ def run_evaluation(trainer, ds, prefix: str = "eval") -> dict:
     last = len(ds) % bs or bs
     for s in range(0, len(order), bs):
         examples = [ds[i] for i in order[s:s + bs]]
-        b = micro_batch(trainer.make_rollouts(examples, mode="eval"), 1, trainer.dist.world)
-        b[OBJECTIVE_DATA].per_generation = 1
+        # (every rank evaluates the whole batch: its generation split over the ranks, its loss the same on all)
+        b = micro_batch(trainer.make_rollouts(examples, mode="eval"), 1, per_generation=1)
         out = trainer.engine.evaluate(b, loss_fn=trainer.objective)
         seen.add(out.objective_metrics)
         w = last if s + bs >= len(order) else bs

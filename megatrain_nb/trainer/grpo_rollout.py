@@ -176,9 +176,11 @@ class StreamedPolicy:
     def refresh(self, engine, version) -> None:
         return None
 
-    def generate(self, prompt_ids: List[List[int]], config, pad_id: int, eos_ids: List[int]) -> List[List[int]]:
-        """Each prompt's completion ids, cut after the first end-of-sequence id (``config``'s)."""
-        out = self.decoder.generate(prompt_ids, config)
+    def generate(self, prompt_ids: List[List[int]], config, pad_id: int, eos_ids: List[int], *, generator=None,
+                 more=None) -> List[List[int]]:
+        """Each prompt's completion ids, cut after the first end-of-sequence id (``config``'s);
+        ``generator`` / ``more``: the decoder's (per-rollout streams, ranks decoding in lockstep)."""
+        out = self.decoder.generate(prompt_ids, config, generator=generator, more=more)
         self.last_stats = out.stats
         return out.completions
 

@@ -1,0 +1,136 @@
+"""mt.GRPOTrainer on several ranks (megatrain_nb/trainer/grpo_ranks.py): rollouts split across the
+ranks, gathered, the run the same for any number of ranks at the same global batch.
+
+One process: each rollout's draws come from its own stream (a batch split in two samples what the
+whole batch samples; a batch decoded with another's streams does not), a rank whose rows all ended
+keeps decoding in lockstep with filler passes (its completions unchanged), the sampling rule's
+checks. Two gloo ranks (slow): 2 ranks x accumulation 1 x steps_per_generation 2 against one
+process x accumulation 2 x steps_per_generation 4, per-rollout streams both: the same
+completions, every logged value within 1e-5 relative, the final weights equal to round-off."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+from transformers import GenerationConfig  # noqa: E402
+
+from megatrain_nb.engine import EngineConfig, StreamingEngine  # noqa: E402
+from megatrain_nb.engine.compute.decode import StreamedDecoder  # noqa: E402
+from megatrain_nb.trainer.grpo_ranks import (check_rollout_seeds, rank_rows, row_generators,  # noqa: E402
+                                             seeded_shuffle)
+
+from ..distributed.launch import alone, check, torchrun  # noqa: E402
+from .test_grpo_parity import NOT_COMPARED, tiny_model, tokenizer  # noqa: E402
+
+WORKER = Path(__file__).with_name("grpo_ranks_worker.py")
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    tok = tokenizer()
+    engine = StreamingEngine(tiny_model(tok), EngineConfig(device="cpu"))
+    yield tok, StreamedDecoder(engine)
+    engine.close()
+
+
+def _prompts(tok):
+    # two prompts of different lengths, 4 rollouts each: the halves pad differently
+    a, b = tok("one plus two is")["input_ids"], tok("nine is")["input_ids"]
+    return [a] * 4 + [b] * 4
+
+
+def test_each_rollout_draws_from_its_own_stream(decoder):
+    tok, dec = decoder
+    gc = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
+    rows = _prompts(tok)
+    whole = dec.generate(rows, gc, generator=row_generators(1234, range(8))).completions
+    # two "ranks": rows 0-4 and 5-7 (a split inside the first group), each with its rows' own streams
+    first = dec.generate(rows[:5], gc, generator=row_generators(1234, range(0, 5))).completions
+    second = dec.generate(rows[5:], gc, generator=row_generators(1234, range(5, 8))).completions
+    assert first + second == whole
+    assert len({tuple(c) for c in whole}) > 4   # (sampled: the rows differ)
+    # the control: the last rows with the first rows' streams sample something else
+    other = dec.generate(rows[5:], gc, generator=row_generators(1234, range(0, 3))).completions
+    assert other != whole[5:]
+
+
+def test_a_rank_whose_rows_ended_keeps_decoding_in_lockstep(decoder):
+    tok, dec = decoder
+    row = [tok("two plus two is")["input_ids"]]
+    gc = GenerationConfig(max_new_tokens=6, do_sample=True, pad_token_id=tok.pad_token_id, eos_token_id=10 ** 6)
+    gen = lambda: row_generators(3, range(1))  # noqa: E731   (the same draws each call)
+    free = dec.generate(row, gc, generator=gen()).completions[0]
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])   # the first new token after the first
+    assert k <= 3   # (the premise: it ends the row well before 6 tokens)
+    gc.eos_token_id = free[k]
+    alone_out = dec.generate(row, gc, generator=gen())
+    asked = []
+    lockstep = dec.generate(row, gc, generator=gen(), more=lambda going: asked.append(going) or True)   # another rank decodes on
+    assert alone_out.completions == lockstep.completions == [free[:k + 1]]
+    assert alone_out.stats["passes"] == k + 1 and "filler_passes" not in alone_out.stats
+    # one more pass per token the other rank decodes, each asked in turn, the last step not asked
+    assert lockstep.stats["passes"] == 6 and lockstep.stats["filler_passes"] == 5 - k
+    assert asked == [True] * k + [False] * (5 - k)
+    ended = dec.generate(row, gc, generator=gen(), more=lambda going: going)   # every rank done: no filler pass
+    assert ended.stats["passes"] == k + 1
+
+
+def test_sampling_rules_and_slices():
+    assert check_rollout_seeds(None, 1, "auto") == "global"
+    assert check_rollout_seeds(None, 2, "auto") == "per_rollout"
+    with pytest.raises(ValueError, match="needs one process.*per_rollout"):
+        check_rollout_seeds("global", 2, "auto")
+    with pytest.raises(ValueError, match="generation='resident'.*streamed"):
+        check_rollout_seeds(None, 2, "resident")
+    with pytest.raises(ValueError, match="rollout_seeds='each'"):
+        check_rollout_seeds("each", 1, "auto")
+    assert [list(rank_rows(8, r, 2)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
+        rank_rows(3, 0, 4)
+    d = {"x": torch.arange(6), "y": list("abcdef")}
+    before = torch.get_rng_state()
+    a, b = seeded_shuffle(d, 7), seeded_shuffle(d, 7)
+    assert torch.equal(torch.get_rng_state(), before)   # the global stream untouched
+    assert torch.equal(a["x"], b["x"]) and a["y"] == [d["y"][i] for i in a["x"]]
+    assert not torch.equal(a["x"], seeded_shuffle(d, 8)["x"])
+
+
+def _logs(folder):
+    return [r for r in json.loads((folder / "log_history.json").read_text()) if "loss" in r]
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "final" / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beta,loss_type", [("0.0", "dapo"), ("0.04", "grpo")])
+def test_two_ranks_equal_one_process(tmp_path, beta, loss_type):
+    two, one = tmp_path / "two", tmp_path / "one"
+    # a generation batch of 2 prompts x 4 = 8 rollouts serving 2 optimizer steps of 4 rollouts (old
+    # log-probs computed at generation); 4 steps. Two ranks: 2 per device x 1 accumulation x 2 ranks
+    check(torchrun(WORKER, str(two), "1", "2", beta, loss_type, nproc=2, timeout=400))
+    alone(WORKER, str(one), "2", "4", beta, loss_type, timeout=400)   # one process: 2 x 2 accumulation
+    gens_two = json.loads((two / "completions.json").read_text())
+    assert gens_two == json.loads((one / "completions.json").read_text()) and len(gens_two) == 2
+    # each rank decoded its half of every generation batch, both the same number of passes
+    r0, r1 = (json.loads((two / f"decode-{r}.json").read_text()) for r in range(2))
+    assert [s["rows_in"] for s in r0 + r1] == [4] * 4
+    assert [s["passes"] for s in r0] == [s["passes"] for s in r1]
+    logs_two, logs_one = _logs(two), _logs(one)
+    assert len(logs_two) == len(logs_one) == 4
+    for a, b in zip(logs_one, logs_two):
+        assert a.keys() == b.keys()
+        for k in (k for k in a if k not in NOT_COMPARED):
+            assert (b[k] is None) if a[k] is None else b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+    assert ("kl" in logs_one[0]) == (beta != "0.0")
+    w1, w2 = _weights(one), _weights(two)
+    start = tiny_model(tokenizer()).state_dict()
+    moved = sum(float((w1[k] - start[k]).norm()) ** 2 for k in w1) ** 0.5
+    diff = sum(float((w1[k] - w2[k]).norm()) ** 2 for k in w1) ** 0.5
+    assert moved > 0.1 and diff <= 1e-3 * moved

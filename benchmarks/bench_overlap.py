@@ -51,6 +51,7 @@ from megatrain_nb.engine import EngineConfig, StreamingEngine  # noqa: E402
 
 MiB = 2 ** 20
 TIERS = ("device", "disk", "host_cache", "decode", "optimizer", "grad_return")
+CLIP = 1.0   # max_grad_norm of the clipped figures (TrainingArguments' default)
 
 
 def dd_seconds(args: list) -> float:
@@ -130,8 +131,14 @@ def build(model, a, d: str):
         "compute": StreamingEngine(copy.deepcopy(model), cfg()),
         "disk-tier": StreamingEngine(copy.deepcopy(model), cfg(host_cache_gb=a.disk_cache_gb, **on_disk)),
         "disk-tier clipped": StreamingEngine(copy.deepcopy(model), cfg(host_cache_gb=a.disk_cache_gb, **on_disk)),
-        "cache": StreamingEngine(model, cfg(host_cache_gb=a.cache_gb, **on_disk)),
     }
+    # the picker against the rules, side by side: where the machine's cached rates made an engine
+    # take another plan than the rules', the same engine on the rules' plan runs beside it
+    for name in ("disk-tier", "disk-tier clipped"):
+        if engines[name].plan.choice:
+            engines[f"{name} (rules)"] = StreamingEngine(copy.deepcopy(model), cfg(
+                host_cache_gb=a.disk_cache_gb, overrides=dict(plan_by="rules"), **on_disk))
+    engines["cache"] = StreamingEngine(model, cfg(host_cache_gb=a.cache_gb, **on_disk))
     return engines
 
 
@@ -166,7 +173,7 @@ def main(argv=None):
         print(f"llama {a.layers}x{a.hidden}: {disk.num_parameters() / 1e6:.1f}M params; batch {a.batch}x{a.seq}; "
               f"weights and '{a.codec}' optimizer states on disk under {d}")
         for name, e in eng.items():   # warm-up: the first step creates the states
-            e.forward_backward(ids, step_lr=1e-4, max_grad_norm=1.0 if "clipped" in name else None)
+            e.forward_backward(ids, step_lr=1e-4, max_grad_norm=CLIP if "clipped" in name else None)
             e.zero_grad()
             if e.disk is not None:
                 e.disk.flush()
@@ -183,7 +190,7 @@ def main(argv=None):
         t_io = []
         for _ in range(a.reps):
             for name, e in eng.items():
-                runs[name].append(timed_steps(e, ids, k, clip=1.0 if "clipped" in name else None))
+                runs[name].append(timed_steps(e, ids, k, clip=CLIP if "clipped" in name else None))
             last = runs["disk-tier"][-1]
             t_io.append(pure_io(d, block, last["read"], last["written"]))
         report(a, eng, runs, t_io, k)
@@ -197,8 +204,15 @@ def report(a, eng, runs, t_io, k):
     mio = median(t_io)
     bound = max(m["compute"], mio, mo)
     print(f"load average at end: {os.getloadavg()}")
-    for name in ("compute", "disk-tier", "disk-tier clipped", "cache"):
+    for name in runs:
         print(describe(name, runs[name]))
+    picked = [n for n in ("disk-tier", "disk-tier clipped") if f"{n} (rules)" in runs]
+    for name in picked:   # a pick must never do worse than the rules' plan
+        ratio = median([p["s"] / r["s"] for p, r in zip(runs[name], runs[f"{name} (rules)"])])
+        result(f"{name.replace('-', '_').replace(' ', '_')}_pick_vs_rules", ratio, "x", "<=", 1.0)
+    if not picked:
+        print("every engine built the rules' plan (no cached rates, MEGATRAIN_NB_PLAN_BY=rules, or no plan "
+              "predicted 10% faster): no pick to compare with the rules")
     print(f"optimizer + codec ('{a.codec}') per step, in RAM: median {mo:.3f}s")
     rd = median([r["read"] for r in runs["disk-tier"]])
     wr = median([r["written"] for r in runs["disk-tier"]])
@@ -213,7 +227,7 @@ def report(a, eng, runs, t_io, k):
     print(f"per rep: disk-tier / bound {[round(x, 3) for x in per_rep]} (ratio of the medians "
           f"{m['disk-tier'] / bound:.3f}); clipped / unclipped {[round(x, 3) for x in clip_rep]} "
           f"(ratio of the medians {m['disk-tier clipped'] / m['disk-tier']:.3f})")
-    for name in ("disk-tier", "disk-tier clipped", "cache"):
+    for name in (n for n in runs if n != "compute"):
         print(f"stalls per step, {name}: {stalls(runs[name])}")
     tel = eng["disk-tier"].telemetry()
     pf = tel["prefetch"]["disk"]

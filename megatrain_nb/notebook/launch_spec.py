@@ -113,8 +113,10 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
         else:
             args = {"output_dir": "megatrain_outputs"}
     if type(args).__name__ == "GRPOConfig" or "reward_funcs" in engine_options:
-        raise LaunchError("GRPO trains in one process for now (rollouts are not split across ranks yet): drop "
-                          "nproc_per_node and give the Session the GRPOConfig and reward_funcs")
+        raise LaunchError("a multi-process Session of a GRPO run is not wired yet (its reward functions and "
+                          "GRPOConfig do not reach worker processes): run the script under `python -m "
+                          "megatrain_nb.torchrun --nproc-per-node N` (GRPO splits its rollouts across the ranks: "
+                          "docs/GRPO.md), or drop nproc_per_node to train in the kernel")
     fields = _args_fields(args)
     args_class = _check_args(fields, trl_class=_trl_config(args))   # refused here, before any worker starts
     spec: dict = {"format": 1, "model": _model_ref(run_dir, model, engine_options), "seq_len": seq_len,

@@ -43,21 +43,19 @@ class LayerProxy(nn.Module):
         return f"streams {type(self._mt_unit.module).__name__} {self._mt_unit.name}"
 
 
-def bind(unit: Unit, flat: torch.Tensor, *, requires_grad: bool, frozen_grads: bool = True) -> List[torch.Tensor]:
+def bind(unit: Unit, flat: torch.Tensor, *, requires_grad: bool) -> List[torch.Tensor]:
     """Point every module attribute of the unit's parameters at views of ``flat``.
 
-    Returns the bound tensors in ``unit.params`` order (leaves when ``requires_grad``).
-    ``frozen_grads`` False: a frozen parameter's tensor takes no gradient at all (a backward
-    that names no inputs, the embedding's and the head's: a frozen vision tower's backward is
-    not run); else it takes a zero one (a layer's backward names its parameters as inputs).
+    Returns the bound tensors in ``unit.params`` order (leaves when ``requires_grad``). A frozen
+    parameter's tensor (the model's requires_grad=False, ``EngineConfig.frozen``) never takes a
+    gradient: a backward computes no weight gradient for it (a frozen vision tower's backward is
+    not run; a decoder layer whose weights are all frozen computes only its input's gradient).
     """
     bound = []
     for p in unit.params:
         v = flat[p.offset:p.offset + p.numel].view(p.shape)
-        if requires_grad and (frozen_grads or not p.frozen):
+        if requires_grad and not p.frozen:
             v = v.detach().requires_grad_(True)
-            if p.frozen:   # the model's requires_grad=False: its gradient is zero
-                v.register_hook(torch.zeros_like)
         for mod, attr in p.bindings:
             mod._parameters[attr] = v
         bound.append(v)

@@ -302,7 +302,7 @@ class StepRunner:
     def _bind_outer(self, requires_grad: bool) -> Dict[int, List[torch.Tensor]]:
         bound = {}
         for u in (self.embed, self.head):
-            bound[u.index] = bind(u, self.pager.acquire(u), requires_grad=requires_grad, frozen_grads=False) \
+            bound[u.index] = bind(u, self.pager.acquire(u), requires_grad=requires_grad) \
                 if u.numel else []
         return bound
 
@@ -559,14 +559,16 @@ class StepRunner:
                 outs.append(t)
                 gouts.append(gt)
         ins = [x] + rec.leaves + [t for _, t in rec.side_in]
+        train = [p for p in params if p.requires_grad]   # a frozen weight is bound without: no weight gradient
         if direct:
-            torch.autograd.backward(outs, gouts, inputs=ins + params)
+            torch.autograd.backward(outs, gouts, inputs=ins + train)
             gin = [t.grad for t in ins]
         else:
-            grads = torch.autograd.grad(outs, ins + params, gouts, allow_unused=True)
-            self.sums.add(acc, unit, grads[len(ins):])
+            grads = torch.autograd.grad(outs, ins + train, gouts, allow_unused=True)
+            it = iter(grads[len(ins):])
+            self.sums.add(acc, unit, [next(it) if p.requires_grad else None for p in params])
             gin = list(grads[:len(ins)])
-            del grads
+            del grads, it
         n = 1 + len(rec.leaves)
         add_grads(arg_grads[a], call, gin[1:n])
         for (key, _), gt in zip(rec.side_in, gin[n:]):

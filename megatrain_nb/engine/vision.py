@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from collections import deque
 from typing import Optional
 
@@ -181,16 +182,24 @@ def _part_names(model: nn.Module, part: str) -> set:
     return out
 
 
+def _prefix_match(entry: str) -> "re.Pattern":
+    """A parameter-name prefix as a pattern: the whole name or a dotted head of names, a ``*``
+    standing for one dotted segment (``model.layers.*.mlp``: every layer's MLP)."""
+    head = entry[:-1] if entry.endswith(".") else entry
+    body = r"[^.]+".join(re.escape(piece) for piece in head.split("*"))
+    return re.compile(rf"{body}(\..*)?\Z")
+
+
 def frozen_names(model: nn.Module, entries, field: str = "frozen") -> set:
     """The parameter names ``EngineConfig.frozen``'s ``entries`` name in ``model``: each a part
-    (:data:`PARTS`) or a parameter-name prefix (a whole name, or a dotted head of names). An
+    (:data:`PARTS`) or a parameter-name prefix (a whole name, or a dotted head of names; ``*``
+    stands for one dotted segment: ``model.layers.*.mlp``). An
     entry that names nothing is refused, with the parts and the top-level names there are
     (``field``: the EngineConfig field the refusal names)."""
     names = [n for n, _ in model.named_parameters()]
     out = set()
     for e in entries:
-        hit = _part_names(model, e) if e in PARTS else \
-            {n for n in names if n == e or n.startswith(e if e.endswith(".") else e + ".")}
+        hit = _part_names(model, e) if e in PARTS else {n for n in names if _prefix_match(e).match(n)}
         if not hit:
             heads = sorted({".".join(n.split(".")[:2]) for n in names})
             parts = [p for p in PARTS if _part_names(model, p)]

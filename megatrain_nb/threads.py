@@ -44,6 +44,7 @@ _TABLE = """
 mtnb-h2d | Pager | 1 | - | step | host->device weight copies
 mtnb-d2h | Pager | 1 | - | step | device->host gradient copies; the gradient intake
 mtnb-adamw | UpdateRunner | 1 | - | step | every AdamW update
+mtnb-update | UpdateTeam | EngineConfig.optimizer_threads - 1 (none at 1, a CPU device's default) | one torch thread | - | pieces of each AdamW update beside mtnb-adamw
 mtnb-decode | OptimizerStates | 1 | one torch thread | step | decodes moment chunks ahead of AdamW
 mtnb-encode | OptimizerStates | 1 | one torch thread | step | encodes moment chunks after AdamW
 mtnb-disk | DiskStore | 2 (mtnb-disk_0, mtnb-disk_1) + mtnb-disk_urgent | - | step | reads and writes, by priority
@@ -73,7 +74,7 @@ def _parse(table: str) -> Dict[str, ThreadSpec]:
 THREADS: Dict[str, ThreadSpec] = _parse(_TABLE)
 # the engine's
 H2D, D2H, ADAMW = THREADS["mtnb-h2d"], THREADS["mtnb-d2h"], THREADS["mtnb-adamw"]
-DECODE, ENCODE = THREADS["mtnb-decode"], THREADS["mtnb-encode"]
+DECODE, ENCODE, UPDATE = THREADS["mtnb-decode"], THREADS["mtnb-encode"], THREADS["mtnb-update"]
 DISK, CACHE = THREADS["mtnb-disk"], THREADS["mtnb-cache"]
 TRANSPORT_IN, TRANSPORT_OUT = THREADS["mtnb-transport-in"], THREADS["mtnb-transport-out"]
 # outside the engine

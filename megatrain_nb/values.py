@@ -240,6 +240,9 @@ VALUES: dict[str, Value] = {v.name: v for v in (
     _row("checkpoint_interval", "int", "save every k-th layer's input; 0 = no recompute; None = the planner picks",
          low=0, high=MAX_INT, none_ok=True),
     _row("precision", "choice", "the compute precision (master weights stay fp32)", choices=("fp32", "bf16")),
+    _row("optimizer_threads", "int", "threads each AdamW update runs on; None = on CUDA the host's cores less the "
+         "engine's step and copy threads, on a CPU device 1 (the compute has the cores)", low=1, high=4096,
+         none_ok=True),
     _row("window_tier", "choice", "where a layer-major window keeps its activations",
          choices=("auto", "device", "host", "disk")),
     _row("clip_hold", "choice", "where gradients wait for the clipping norm", choices=("auto", "host", "disk")),

@@ -24,7 +24,7 @@ from .planning.prediction import resolve_rates  # (measure's cache behind a prof
 #: the fields the table of values (megatrain_nb/values.py) checks
 _CHECKED = ("max_vram_gb", "max_host_gb", "host_cache_gb", "checkpoint_interval", "precision", "adam_eps",
             "weight_decay", "window_tier", "clip_hold", "max_window_micro_batches", "offload_dir", "offload_params",
-            "keep_offload_files")
+            "keep_offload_files", "optimizer_threads")
 
 
 def _betas(value) -> tuple:
@@ -207,8 +207,13 @@ class EngineConfig:
     "vision_tower", "projector", "language_model", or parameter-name prefixes); AdamW steps those
     parameters at the step's learning rate times the scale, as torch.optim.AdamW's parameter
     groups do (e.g. ``{"vision_tower": 0.1}``; the longer entry wins where two overlap). Scales
-    are finite and > 0; an entry matching nothing is refused by name. Needs fp32 optimizer states
-    (``optimizer_compression="none"``) and one process."""
+    are finite and > 0; an entry matching nothing is refused by name. Any optimizer states (a
+    compressed codec's fused kernel steps each group's piece at its own rate); one process."""
+    optimizer_threads: Optional[int] = None
+    """Threads each AdamW update (plain or compressed) runs on, the results one thread's bit for
+    bit; None = on CUDA the host's cores less the engine's own step and copy threads
+    (``planning.prediction.update_threads``), on a CPU device 1 (the compute has the cores; a
+    compressed update's fused chunks also take the two codec threads)."""
     overrides: Union[EngineOverrides, dict, None] = None
     """Planner and test settings (:class:`EngineOverrides`); None = the defaults."""
     rates: object = dataclasses.field(default=None, repr=False, compare=False)

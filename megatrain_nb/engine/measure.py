@@ -407,6 +407,7 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
     if dev.type != "cuda":
         r.compute_beside_disk = measure_compute_beside_disk(root, sizes)
     r.adamw_per_thread, r.codec_per_thread, r.update_chain = update_rates(dev, sizes)
+    r.update_chain_threads = r.chain_threads()   # (the engine's split, as update_rates ran it)
     _add_model(r, dev, sizes, shapes)
     r.measured_at = time.time()
     r.seconds_taken = time.perf_counter() - t0

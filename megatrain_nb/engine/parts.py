@@ -152,8 +152,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     weights.finish_initial()
     _move_buffers(model, units[1:-1], device)
     model.config.use_cache = False
-    adam = UnitAdamW(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay,
-                     collect_stats=bool(config.layer_stats))
+    adam = UnitAdamW.for_config(config, cuda=device.type == "cuda")
     # (on CPU, MEGATRAIN_ADVERSARIAL_TRANSPORT=1 makes it the tests' adversarial one)
     transport = make_transport(device, sharded=sharded)
     updates = UpdateScheduler(state_units, grads=store, weights=weights, states=states, adam=adam, counters=counters,

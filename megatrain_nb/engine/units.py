@@ -20,10 +20,6 @@ from .discovery import SUPPORTED_HINT, find_layer_list, modules_after_layers  # 
 from .vision import (auto_model_class, check_vision_model, guard_inputs,  # noqa: F401 - re-exported
                      is_image_text_model, lr_scale_names)
 
-#: The refusal of EngineConfig.lr_scale beside compressed optimizer states (updates/optimizer.py
-#: says it too, where a compressed chunk meets a scaled unit).
-LR_SCALE_CODED = ("EngineConfig.lr_scale needs fp32 optimizer states: the compressed codecs' fused kernel "
-                  "steps a chunk at one learning rate; set optimizer_compression='none' (or drop lr_scale)")
 
 
 
@@ -221,13 +217,11 @@ def _layer_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
 
 def lr_scales(model: nn.Module, config, world: int = 1) -> Dict[str, float]:
     """Parameter name -> learning-rate scale for ``config.lr_scale`` (engine/vision.py
-    ``lr_scale_names``; empty without one). Refused, saying what to change, beside compressed
-    optimizer states (their fused kernel steps a chunk at one learning rate) and with several
-    ranks (a shard's layout carries no scales)."""
+    ``lr_scale_names``; empty without one). Refused, saying what to change, with several ranks
+    (a shard's layout carries no scales). Any optimizer states: a compressed codec's fused kernel
+    steps each group's piece of a chunk at its own rate (updates/optimizer.py)."""
     if not config.lr_scale:
         return {}
-    if config.optimizer_compression != "none":
-        raise ValueError(f"{LR_SCALE_CODED} (optimizer_compression={config.optimizer_compression!r}).")
     if world > 1:
         raise ValueError(f"EngineConfig.lr_scale is not supported with {world} ranks yet (a shard's layout "
                          "carries no scales); train in one process or drop lr_scale.")

@@ -50,6 +50,7 @@ two). Disk I/O (O_DIRECT) is counted as taking no core.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Dict, List, Optional
@@ -57,6 +58,25 @@ from typing import Dict, List, Optional
 from . import rates as rates_mod
 from .rates_cache import cached_rates
 from .planner import codec_bytes_per_param
+
+#: The engine's own threads beside the updates that each need a core on a CUDA machine: the step's
+#: (kernel launches, the loss), the host->device copies (``mtnb-h2d``) and the gradient intake
+#: (``mtnb-d2h``). Disk I/O (O_DIRECT) waits on the device and is counted as taking none.
+ENGINE_CORE_THREADS = 3
+
+
+def update_threads(cuda: bool, cores: Optional[int] = None, given: Optional[int] = None) -> int:
+    """Threads each AdamW update runs on (``EngineConfig.optimizer_threads``): ``given``; else on
+    CUDA the host's ``cores`` (None: this process's) less :data:`ENGINE_CORE_THREADS`, at least
+    1; on a CPU device 1 (its compute takes the cores)."""
+    if given:
+        return int(given)
+    if not cuda:
+        return 1
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(int(cores) - ENGINE_CORE_THREADS, 1)
+
 
 PHASES = ("forward", "backward", "recompute", "h2d", "d2h", "disk_read", "disk_write", "optimizer", "codec", "cast")
 #: A cast of fp32 weights to the compute dtype moves 6 bytes a parameter (4 read, 2 written) where
@@ -333,9 +353,11 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     ph["d2h"] = _per(a["d2h"], d2h_rate, "d2h", missing)
     ph["disk_read"] = _per(a["disk"]["read"], rates.disk_read, "disk_read", missing)
     ph["disk_write"] = _per(a["disk"]["write"], rates.disk_write, "disk_write", missing)
-    ph["optimizer"] = _per(a["params"], rates.adamw_per_thread, "adamw_per_thread", missing)
-    cast_rate = (rates.adamw_per_thread or 0.0) * CAST_VS_ADAMW
-    a["cast_update_s"] = _per(a["cast_update_params"], cast_rate, "adamw_per_thread", missing)
+    team = a["update_threads"] = min(update_threads(cuda, rates.cores, getattr(cfg, "optimizer_threads", None)),
+                                     max(int(rates.cores or 1), 1))
+    ph["optimizer"] = _per(a["params"], rates.adamw_per_thread * team, "adamw_per_thread", missing)
+    cast_rate = (rates.adamw_per_thread or 0.0) * CAST_VS_ADAMW   # (the shadow's cast: torch's threads in the worker, the team's count)
+    a["cast_update_s"] = _per(a["cast_update_params"], cast_rate * team, "adamw_per_thread", missing)
     a["cast_load_s"] = _per(a["cast_load_params"], cast_rate, "adamw_per_thread", missing)
     ph["cast"] = a["cast_update_s"] + a["cast_load_s"]
     codec = cfg.optimizer_compression
@@ -376,8 +398,9 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     forward and the backward, each bound by its slowest stream; the updates in the backward's
     window (unclipped) or the next forward's (clipped)."""
     cores, cast_u, cast_l = max(int(rates.cores or 1), 1), a.get("cast_update_s", 0.0), a.get("cast_load_s", 0.0)
+    threads = a.get("update_threads", 1)                            # each update's team (update_threads)
     opt = max(ph["optimizer"] + cast_u, ph["codec"] / min(2, cores))  # AdamW (+ the shadow's cast) beside the codec
-    opt_cpu = ph["optimizer"] + ph["codec"] + cast_u                # core-seconds of the update
+    opt_cpu = (ph["optimizer"] + cast_u) * threads + ph["codec"]    # core-seconds of the update
     copy_cpu = cast_l if cuda else ph["h2d"] + ph["d2h"]            # a CPU "device" copies with a core
     h2d, disk = ph["h2d"] + cast_l, ph["disk_read"] + ph["disk_write"]   # a disk-tier load: cast, then copied
     f = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0          # the forward's share of the loads
@@ -388,11 +411,10 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     # states, at the chain's own measured rate where there is one) add up
     state_disk = _per(a["disk"]["state_read"], rates.disk_read, "", []) + \
         _per(a["disk"]["state_write"], rates.disk_write, "", [])
-    measured = (getattr(rates, "update_chain", None) or {}).get(a["codec"])
-    if measured:   # the whole chain measured as the engine runs it (measure.measure_update_chain)
-        chain = state_disk + a["params"] / measured + cast_u
-    else:
-        chain = state_disk + (opt if cuda else max(opt, opt_cpu / max(cores - team, 1)))
+    measured = chain_rate(rates, a["codec"], threads, cuda)
+    cpu_chain = a["params"] / measured + cast_u if measured else \
+        opt if cuda else max(opt, opt_cpu / max(cores - team, 1))
+    chain = _chain(state_disk, cpu_chain, units, a["params"], cuda)
 
     # unclipped, the next forward's first need: the embedding's whole update (its states read and
     # written too), then its weights and the head's loaded (from the disk where they are there)
@@ -450,6 +472,29 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     return StepPrediction(step_seconds=sum(windows.values()), phases=dict(ph),
                           streams={k: sf[k] + sb[k] for k in sf}, windows=windows, bottleneck=bottleneck,
                           overlaps=overlaps, tokens_per_step=a["tokens"])
+
+
+def _chain(state_disk: float, cpu_s: float, units, params: int, cuda: bool) -> float:
+    """Seconds of a step's update chain: its states' disk time and its CPU time. On CUDA the states
+    are read a unit ahead and written behind by the I/O threads beside the update's cores: the
+    longer of the two, plus the largest unit's disk time (the first read, the last write). On a
+    CPU device the I/O threads' copies and checksums share the cores: they add (as measured)."""
+    if not cuda:
+        return state_disk + cpu_s
+    big = max((u.numel for u in units), default=0) / max(params, 1)
+    return max(state_disk, cpu_s) + state_disk * big
+
+
+def chain_rate(rates, codec: str, threads: int, cuda: bool) -> float:
+    """Parameters/s of a step's compressed updates at the measured ``update_chain`` (0: none
+    measured): per thread of its measurement (``MachineRates.chain_threads``) times the threads a
+    fused chunk runs on -- the update's team, the two codec threads joining it (at least 3) --
+    on the cores it gets (a CPU device's measurement left one to its compute thread, as a step does)."""
+    measured = (getattr(rates, "update_chain", None) or {}).get(codec)
+    if not measured:
+        return 0.0
+    free = max(int(rates.cores or 1) - (0 if cuda else 1), 1)
+    return measured / rates.chain_threads() * min(max(int(threads), 3), free)
 
 
 def forward_behind_updates(units, chain_s: float, compute_s: float, head_share: float,

@@ -40,6 +40,9 @@ class MachineRates:
     update_chain: parameters/s of one unit's whole update with compressed states, per codec, as
         the engine runs it (decode thread, AdamW, encode thread, the codes stored; beside a
         compute thread on a CPU device); the prediction prices a step's updates at it when measured.
+    update_chain_threads: the threads the ``update_chain`` measurement's fused chunks ran on (the
+        AdamW worker and the two codec threads, on the cores a CPU device's compute thread left:
+        :meth:`chain_threads`); 0 = not recorded (an older measurement: the same, from ``cores``).
     compute_beside_disk: a CPU device's compute rate (on torch's threads, as a step computes)
         while the disk tier reads and writes beside it, over its rate alone (0: not measured, or
         a GPU, whose compute the host's I/O leaves alone); the prediction slows a CPU step's
@@ -67,6 +70,7 @@ class MachineRates:
     adamw_per_thread: float = 0.0
     codec_per_thread: dict = field(default_factory=dict)
     update_chain: dict = field(default_factory=dict)
+    update_chain_threads: int = 0
     compute_beside_disk: float = 0.0
     source: str = "measured"
     sources: dict = field(default_factory=dict)
@@ -92,6 +96,15 @@ class MachineRates:
         measured on a 2-core machine, a step took the same time with one compute thread as with
         two (bench_prediction.py), so one core's worth of the team goes to those threads."""
         return max(int(self.cores or 1) - 1, 1)
+
+    def chain_threads(self) -> int:
+        """Threads the ``update_chain`` rate was measured on (the prediction prices a compressed
+        update at it over these, times the threads the update gets): the recorded count, else the
+        engine's split of the measurement (its AdamW worker and two codec threads) on the cores a
+        CPU device's measurement left beside its compute thread."""
+        if self.update_chain_threads:
+            return int(self.update_chain_threads)
+        return max(min(3, int(self.cores or 1) - (1 if self.device == "cpu" else 0)), 1)
 
     def compute_scale(self, cuda: bool) -> float:
         """What the matmul/attention rates are multiplied by for a step's compute: the CPU
@@ -131,7 +144,9 @@ class MachineRates:
             d["sources"] = {**d["sources"], "codec_per_thread": f"measured on {other.device} ({other.source})"}
         if not d["update_chain"] and other.update_chain:   # (a compressed update as the engine runs it)
             d["update_chain"] = dict(other.update_chain)
-            d["sources"] = {**d["sources"], "update_chain": f"measured on {other.device} ({other.source})"}
+            d["update_chain_threads"] = other.chain_threads()   # (the measuring machine's, not this one's cores)
+            d["sources"] = {**d["sources"], "update_chain": f"measured on {other.device} ({other.source}), "
+                                                            f"{other.chain_threads()} thread(s)"}
         return MachineRates.from_dict(d)
 
     def table(self) -> str:
@@ -191,9 +206,10 @@ def check_rates(d: dict) -> List[str]:
     cores = d.get("cores", 1)
     if not (_number(cores) and float(cores).is_integer() and 1 <= cores <= 65536):
         bad.append(f"cores={cores!r} (a whole number from 1 to 65536)")
-    threads = d.get("compute_threads", 0)
-    if not (_number(threads) and float(threads).is_integer() and 0 <= threads <= 65536):
-        bad.append(f"compute_threads={threads!r} (a whole number from 0 to 65536)")
+    for name in ("compute_threads", "update_chain_threads"):
+        threads = d.get(name, 0)
+        if not (_number(threads) and float(threads).is_integer() and 0 <= threads <= 65536):
+            bad.append(f"{name}={threads!r} (a whole number from 0 to 65536)")
     bad += [p for k, kind in _KIND.items() if (p := _in_range(k, d.get(k, 0.0), kind))]
     for table, kind in _TABLES.items():
         t = d.get(table, {})
@@ -250,7 +266,7 @@ def _rows(r: MachineRates) -> list:
              for name, v in sorted(codecs.items())]
     if not codecs:
         rows.append(("codecs per thread", "-", "codec_per_thread"))
-    rows += [(f"update chain {name}", f"{v / 1e6:.0f} M params/s", "update_chain")
+    rows += [(f"update chain {name} ({r.chain_threads()} threads)", f"{v / 1e6:.0f} M params/s", "update_chain")
              for name, v in sorted((r.update_chain or {}).items())]
     if r.compute_beside_disk:
         rows.append(("compute beside the disk", f"{r.compute_beside_disk:.2f} x alone", "compute_beside_disk"))

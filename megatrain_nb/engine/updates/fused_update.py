@@ -59,10 +59,12 @@ from typing import Dict, Optional
 
 import torch
 
+from ...threads import UPDATE, executor
+
 log = logging.getLogger(__name__)
 
-__all__ = ["AdamArgs", "CodedChunk", "FLAGS", "Kernels", "SOURCE", "adam_args", "cache_dir", "chunk_views",
-           "disabled_reason", "encode_error", "kernels", "torch_path"]
+__all__ = ["ALL", "AdamArgs", "CodedChunk", "FLAGS", "Kernels", "SOLO", "SOURCE", "UpdateTeam", "adam_args",
+           "cache_dir", "chunk_views", "disabled_reason", "encode_error", "group_args", "kernels", "torch_path"]
 
 #: The C source of the kernels.
 SOURCE = r"""/* megatrain_nb's fused optimizer-state kernels (see megatrain_nb/engine/updates/fused_update.py).
@@ -96,6 +98,7 @@ typedef struct {
     int32_t lerp_from_grad;          /* torch's lerp: base = grad when |1 - beta1| >= 0.5 */
     int64_t decay_end;               /* absolute index: elements below it are decayed (pmul) */
     int64_t tail[4];                 /* two absolute ranges [lo, hi) on torch's scalar path */
+    int64_t lo, hi;                  /* the absolute elements these scalars step (a learning-rate group) */
 } adam_t;
 
 enum { BAD_NEGATIVE = 1, BAD_NONFINITE = 2 };
@@ -324,12 +327,24 @@ static inline void adam_span(float *restrict p, const float *restrict g, float *
         p[i] = pi + (negss * mi) / den; m[i] = mi; v[i] = vi;
     }
 }
+/* n elements at absolute index base, each stepped by the one of the nA scalar sets (sorted by lo,
+   disjoint) whose [lo, hi) holds it: a group's learning rate (EngineConfig.lr_scale) may change
+   inside a codec block. (m, v may be a block's decoded moments: indexed from base too.) */
+static inline void adam_groups(float *p, const float *g, float *m, float *v, int64_t n, int64_t base,
+                               const adam_t *A, int nA) {
+    for (int s = 0; s < nA; s++) {
+        int64_t lo = A[s].lo > base ? A[s].lo : base, hi = A[s].hi < base + n ? A[s].hi : base + n;
+        if (hi > lo) adam_span(p + (lo - base), g + (lo - base), m + (lo - base), v + (lo - base), hi - lo, lo, &A[s]);
+    }
+}
+
 /* Plain AdamW over flat fp32 buffers (fp32 states): torch._fused_adamw_ bit for bit. */
-static void adamw_range(float *p, const float *g, float *m, float *v, int64_t n, int64_t base, const adam_t *A) {
+static void adamw_range(float *p, const float *g, float *m, float *v, int64_t n, int64_t base, const adam_t *A,
+                        int nA) {
     const int64_t step = 4096;
     for (int64_t i = 0; i < n; i += step) {
         int64_t k = n - i < step ? n - i : step;
-        adam_span(p + i, g + i, m + i, v + i, k, base + i, A);
+        adam_groups(p + i, g + i, m + i, v + i, k, base + i, A, nA);
     }
 }
 
@@ -384,7 +399,7 @@ void mt_decode(int kind, const uint8_t *codes, const float *scales, int64_t n, f
 static int update_range(int codec, float *p, const float *g,
               const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
               uint8_t *om, float *osm, uint8_t *ov, float *osv,
-              int64_t n, int64_t base, const adam_t *A, const consts_t *C) {
+              int64_t n, int64_t base, const adam_t *A, int nA, const consts_t *C) {
     int B = codec == 8 ? I8B : I4B, bad = 0;
     int64_t nb = (n + B - 1) / B;
     float m[I8B], v[I8B];
@@ -401,7 +416,7 @@ static int update_range(int codec, float *p, const float *g,
             dec_i4(cv + off / 2, sv[j], v, C->lut4v);
             floor_positive(sv[j], v, I4B, C);
         }
-        adam_span(p + off, g + off, m, v, k, base + off, A);
+        adam_groups(p + off, g + off, m, v, k, base + off, A, nA);
         if (k < B) { memset(m + k, 0, (size_t)(B - k) * 4); memset(v + k, 0, (size_t)(B - k) * 4); }
         if (codec == 8) {
             bad |= enc_i8m(m, (int8_t *)om + off, osm + j, C);
@@ -425,14 +440,14 @@ typedef struct {
     int codec; float *p; const float *g; float *m, *v;
     const uint8_t *cm; const float *sm; const uint8_t *cv; const float *sv;
     uint8_t *om; float *osm; uint8_t *ov; float *osv;
-    int64_t n, base; const adam_t *A; const consts_t *C; int bad;
+    int64_t n, base; const adam_t *A; int nA; const consts_t *C; int bad;
 } job_t;
 
 static void *run_job(void *arg) {
     job_t *j = (job_t *)arg;
-    if (j->codec == 0) adamw_range(j->p, j->g, j->m, j->v, j->n, j->base, j->A);
+    if (j->codec == 0) adamw_range(j->p, j->g, j->m, j->v, j->n, j->base, j->A, j->nA);
     else j->bad = update_range(j->codec, j->p, j->g, j->cm, j->sm, j->cv, j->sv, j->om, j->osm, j->ov, j->osv,
-                               j->n, j->base, j->A, j->C);
+                               j->n, j->base, j->A, j->nA, j->C);
     return NULL;
 }
 
@@ -465,10 +480,11 @@ static int run_split(job_t *whole, int threads, int64_t block, int per_byte) {
     return bad;
 }
 
-void mt_adamw(float *p, const float *g, float *m, float *v, int64_t n, int64_t base, const adam_t *A, int threads) {
+void mt_adamw(float *p, const float *g, float *m, float *v, int64_t n, int64_t base, const adam_t *A, int nA,
+              int threads) {
     job_t j;
     memset(&j, 0, sizeof j);
-    j.p = p; j.g = g; j.m = m; j.v = v; j.n = n; j.base = base; j.A = A;
+    j.p = p; j.g = g; j.m = m; j.v = v; j.n = n; j.base = base; j.A = A; j.nA = nA;
     run_split(&j, threads, 64, 1);
 }
 
@@ -476,11 +492,11 @@ void mt_adamw(float *p, const float *g, float *m, float *v, int64_t n, int64_t b
 int mt_update(int codec, float *p, const float *g,
               const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
               uint8_t *om, float *osm, uint8_t *ov, float *osv,
-              int64_t n, int64_t base, const adam_t *A, const consts_t *C, int threads) {
+              int64_t n, int64_t base, const adam_t *A, int nA, const consts_t *C, int threads) {
     job_t j;
     memset(&j, 0, sizeof j);
     j.codec = codec; j.p = p; j.g = g; j.cm = cm; j.sm = sm; j.cv = cv; j.sv = sv;
-    j.om = om; j.osm = osm; j.ov = ov; j.osv = osv; j.n = n; j.base = base; j.A = A; j.C = C;
+    j.om = om; j.osm = osm; j.ov = ov; j.osv = osv; j.n = n; j.base = base; j.A = A; j.nA = nA; j.C = C;
     return run_split(&j, threads, codec == 8 ? I8B : I4B, codec == 8 ? 1 : 2);
 }
 """
@@ -505,7 +521,12 @@ class _Consts(ctypes.Structure):
 class AdamArgs(ctypes.Structure):
     """torch._fused_adamw_'s scalars as its kernel rounds them (:func:`adam_args`)."""
     _fields_ = [(n, ctypes.c_float) for n in ("coef", "pmul", "b2", "c2", "bc2s", "eps", "negss")] \
-        + [("lerp_from_grad", ctypes.c_int32), ("decay_end", ctypes.c_int64), ("tail", ctypes.c_int64 * 4)]
+        + [("lerp_from_grad", ctypes.c_int32), ("decay_end", ctypes.c_int64), ("tail", ctypes.c_int64 * 4),
+           ("lo", ctypes.c_int64), ("hi", ctypes.c_int64)]
+
+
+#: ``AdamArgs.hi`` of scalars that step every element from ``lo`` on.
+ALL = 1 << 62
 
 
 def _f32(x: float) -> float:
@@ -513,11 +534,13 @@ def _f32(x: float) -> float:
 
 
 def adam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-              decay_end: int, regions, width: int) -> AdamArgs:
+              decay_end: int, regions, width: int, lo: int = 0, hi: int = ALL) -> AdamArgs:
     """The AdamW scalars of one update as ``torch._fused_adamw_`` computes and rounds them (in
     double, then to float), for the elements of ``regions``: the ``[lo, hi)`` spans (absolute
     indices) on which the torch path calls the fused kernel once each -- their last ``(hi - lo) %
-    width`` elements take torch's scalar tail. Elements below ``decay_end`` are decayed."""
+    width`` elements take torch's scalar tail. Elements below ``decay_end`` are decayed. ``lo``,
+    ``hi``: the absolute elements these scalars step (a learning-rate group; the kernels take one
+    set per group, :func:`group_args`)."""
     bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
     lerp = _f32(1 - beta1)
     small = abs(lerp) < 0.5
@@ -525,7 +548,16 @@ def adam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay
     tails += [(0, 0)] * (2 - len(tails))
     return AdamArgs(lerp if small else _f32(lerp - 1.0), _f32(1 - lr * weight_decay) if weight_decay != 0 else 1.0,
                     _f32(beta2), _f32(1 - beta2), _f32(math.sqrt(bc2)), _f32(eps), _f32(-(lr / bc1)),
-                    0 if small else 1, int(decay_end), (ctypes.c_int64 * 4)(*[i for t in tails for i in t]))
+                    0 if small else 1, int(decay_end), (ctypes.c_int64 * 4)(*[i for t in tails for i in t]),
+                    int(lo), int(hi))
+
+
+def group_args(args):
+    """``(array, count)`` for the kernels: one AdamArgs, or several (sorted by ``lo``, disjoint)."""
+    if isinstance(args, AdamArgs):
+        return ctypes.byref(args), 1
+    arr = (AdamArgs * len(args))(*args)
+    return arr, len(args)
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -560,8 +592,8 @@ class Kernels:
         lib.mt_encode.argtypes = [ctypes.c_int, vp, i64, vp, vp, vp]
         lib.mt_decode.argtypes = [ctypes.c_int, vp, vp, i64, vp, vp]
         lib.mt_decode.restype = None
-        lib.mt_update.argtypes = [ctypes.c_int] + [vp] * 10 + [i64, i64, vp, vp, ctypes.c_int]
-        lib.mt_adamw.argtypes = [vp] * 4 + [i64, i64, vp, ctypes.c_int]
+        lib.mt_update.argtypes = [ctypes.c_int] + [vp] * 10 + [i64, i64, vp, ctypes.c_int, vp, ctypes.c_int]
+        lib.mt_adamw.argtypes = [vp] * 4 + [i64, i64, vp, ctypes.c_int, ctypes.c_int]
         lib.mt_adamw.restype = None
         self._c = ctypes.byref(self.consts)
 
@@ -574,29 +606,32 @@ class Kernels:
         self.lib.mt_decode(_KIND[codec, role], _ptr(codes), _ptr(scales), out.numel(), _ptr(out), self._c)
 
     def update(self, codec: str, params: torch.Tensor, grads: torch.Tensor, src: Optional[Dict[str, torch.Tensor]],
-               dst: Dict[str, torch.Tensor], base: int, args: AdamArgs, threads: int = 1) -> None:
+               dst: Dict[str, torch.Tensor], base: int, args, threads: int = 1) -> None:
         """One chunk's update (``base``: its first element's index in the unit, a block
         boundary): ``src`` (codes and scales of both moments, or None: zeros) decoded, AdamW on
-        ``params`` in place, encoded into ``dst`` (may be ``src``), on ``threads`` threads (the
-        result does not depend on it). Raises the torch path's error for a moment that cannot
-        be encoded."""
+        ``params`` in place (``args``: one AdamArgs, or one per learning-rate group: :func:`group_args`),
+        encoded into ``dst`` (may be ``src``), on ``threads`` threads (the result does not depend
+        on it). Raises the torch path's error for a moment that cannot be encoded."""
         s = src or {}
+        arr, count = group_args(args)
         flags = self.lib.mt_update(_CODEC[codec], _ptr(params), _ptr(grads),
                                    _ptr(s.get("exp_avg.codes")), _ptr(s.get("exp_avg.scales")),
                                    _ptr(s.get("exp_avg_sq.codes")), _ptr(s.get("exp_avg_sq.scales")),
                                    _ptr(dst["exp_avg.codes"]), _ptr(dst["exp_avg.scales"]),
                                    _ptr(dst["exp_avg_sq.codes"]), _ptr(dst["exp_avg_sq.scales"]),
-                                   params.numel(), int(base), ctypes.byref(args), self._c, int(threads))
+                                   params.numel(), int(base), arr, count, self._c, int(threads))
         for role, bits in (("exp_avg", flags & 3), ("exp_avg_sq", flags >> 2)):
             err = encode_error(bits, codec, role)
             if err is not None:
                 raise err
 
-    def adamw(self, params, grads, exp_avg, exp_avg_sq, base: int, args: AdamArgs, threads: int = 1) -> None:
-        """AdamW over flat fp32 buffers in place, on ``threads`` threads: ``torch._fused_adamw_``
-        bit for bit."""
+    def adamw(self, params, grads, exp_avg, exp_avg_sq, base: int, args, threads: int = 1) -> None:
+        """AdamW over flat fp32 buffers in place (``base``: the absolute index of their first
+        element; ``args`` one AdamArgs or one per group), on ``threads`` threads:
+        ``torch._fused_adamw_`` bit for bit."""
+        arr, count = group_args(args)
         self.lib.mt_adamw(_ptr(params), _ptr(grads), _ptr(exp_avg), _ptr(exp_avg_sq), params.numel(), int(base),
-                          ctypes.byref(args), int(threads))
+                          arr, count, int(threads))
 
     # ------------------------------------------------------------------ the self-check
     def check(self) -> None:
@@ -794,37 +829,40 @@ def _build():
     raise RuntimeError(f"{cc} could not build the kernels: {errors[-1]}")
 
 
-# ---------------------------------------------------------------------------------- chunks
-class CodedChunk:
-    """Elements ``[a, b)`` of a unit's two moments as codes: what a fused chunked update
-    (``OptimizerStates.update``) hands its ``apply`` in place of decoded fp32 moments. AdamW
-    (``optimizer.UnitRun.step``) then runs the kernel on it (:meth:`step`): the codes in
-    ``src`` (None: zeros, the first update) are decoded, stepped and encoded into ``dst``.
-    ``pools``: single-thread executors (the codec threads) that each take a part of the chunk
-    while the calling thread does the first; no result depends on the split."""
+# ---------------------------------------------------------------------------------- threads
+class UpdateTeam:
+    """The threads one update runs on (``EngineConfig.optimizer_threads``): the calling thread
+    (``mtnb-adamw``) and ``threads - 1`` helpers (``mtnb-update``, started on first use). :meth:`run`
+    cuts a flat range into contiguous pieces on ``align`` boundaries (a codec's block, torch's
+    vector width) that the threads take in turn; every piece is stepped alone by elementwise
+    kernels with absolute indices, so no result depends on the split (tests compare 1 and N)."""
 
-    __slots__ = ("kernels", "codecs", "src", "dst", "a", "b", "pools", "done")
-
-    #: A chunk shorter than this is not split; a longer one is cut in pieces of at most PIECE
-    #: elements that the threads take in turn (as many threads as cores or not, none waits for
-    #: a slower one's fixed share).
+    #: A range shorter than this is not split; a longer one is cut in pieces of at most PIECE
+    #: elements (as many threads as free cores or not, none waits for a slower one's fixed share).
     MIN_SPLIT, PIECE = 1 << 12, 1 << 18
 
-    def __init__(self, kern: Kernels, codecs: Dict[str, object], src, dst, a: int, b: int, pools=()):
-        self.kernels, self.codecs, self.src, self.dst, self.a, self.b = kern, codecs, src, dst, a, b
-        self.pools = tuple(p for p in pools if p is not None)
-        self.done = False
+    def __init__(self, threads: int = 1):
+        self.threads = max(int(threads), 1)
+        self._pool = None
+        self._lock = threading.Lock()
 
-    def step(self, params: torch.Tensor, grads: torch.Tensor, args: AdamArgs) -> None:
-        """AdamW on the chunk: ``params`` and ``grads`` its ``b - a`` elements (contiguous)."""
-        if self.done:
-            raise RuntimeError("a fused chunk is stepped once")
-        self.done = True
-        grads = grads.contiguous()
-        n = params.numel()
-        block = max(c.block for c in self.codecs.values())
-        pools = self.pools if n >= self.MIN_SPLIT else ()
-        per = -(-min(self.PIECE, -(-n // (1 + len(pools)))) // block) * block
+    def _helpers(self):
+        with self._lock:
+            if self._pool is None and self.threads > 1:
+                self._pool = executor(UPDATE, self.threads - 1)
+            return self._pool
+
+    def run(self, n: int, align: int, fn, extra=()) -> None:
+        """``fn(s, e)`` over ``[0, n)`` in pieces (``s`` on an ``align`` boundary), on this thread,
+        the helpers and ``extra`` (single-thread executors that join the team: the codec threads,
+        idle while a fused chunk runs); raises the first piece's error once every piece is done."""
+        extra = tuple(p for p in extra if p is not None)
+        helpers = max(self.threads - 1 - len(extra), 0)
+        width = 1 + len(extra) + helpers
+        if n < self.MIN_SPLIT or width == 1:
+            fn(0, n)
+            return
+        per = -(-min(self.PIECE, -(-n // width)) // align) * align
         pieces = iter([(s, min(s + per, n)) for s in range(0, n, per)])
         lock = threading.Lock()
 
@@ -834,8 +872,9 @@ class CodedChunk:
                     span = next(pieces, None)
                 if span is None:
                     return
-                self._part(params, grads, args, *span)
-        futures = [pool.submit(take) for pool in pools]
+                fn(*span)
+        pool = self._helpers() if helpers else None
+        futures = [p.submit(take) for p in extra] + [pool.submit(take) for _ in range(helpers)]
         try:
             take()
         finally:
@@ -843,6 +882,44 @@ class CodedChunk:
         for e in errors:
             if e is not None:
                 raise e
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+#: One thread: what a caller without a team (measurements, tests) runs on.
+SOLO = UpdateTeam(1)
+
+
+# ---------------------------------------------------------------------------------- chunks
+class CodedChunk:
+    """Elements ``[a, b)`` of a unit's two moments as codes: what a fused chunked update
+    (``OptimizerStates.update``) hands its ``apply`` in place of decoded fp32 moments. AdamW
+    (``optimizer.UnitRun.step``) then runs the kernel on it (:meth:`step`): the codes in
+    ``src`` (None: zeros, the first update) are decoded, stepped and encoded into ``dst``.
+    ``pools``: single-thread executors (the codec threads) that join the update's team
+    (:class:`UpdateTeam`) for the chunk; no result depends on the split."""
+
+    __slots__ = ("kernels", "codecs", "src", "dst", "a", "b", "pools", "done")
+
+    def __init__(self, kern: Kernels, codecs: Dict[str, object], src, dst, a: int, b: int, pools=()):
+        self.kernels, self.codecs, self.src, self.dst, self.a, self.b = kern, codecs, src, dst, a, b
+        self.pools = tuple(p for p in pools if p is not None)
+        self.done = False
+
+    def step(self, params: torch.Tensor, grads: torch.Tensor, args, team: UpdateTeam = SOLO) -> None:
+        """AdamW on the chunk: ``params`` and ``grads`` its ``b - a`` elements (contiguous);
+        ``args`` one AdamArgs or one per learning-rate group (absolute indices); on ``team``'s
+        threads and the codec threads."""
+        if self.done:
+            raise RuntimeError("a fused chunk is stepped once")
+        self.done = True
+        grads = grads.contiguous()
+        block = max(c.block for c in self.codecs.values())
+        team.run(params.numel(), block, lambda s, e: self._part(params, grads, args, s, e), extra=self.pools)
 
     def _part(self, params, grads, args, s: int, e: int) -> None:
         codec = next(iter(self.codecs.values())).name

@@ -4,7 +4,8 @@ kernel where it is built, bit for bit the same; else ``torch._fused_adamw_``).
 Each unit's flat buffer keeps its decayed parameters first, so one unit is two fused calls
 (weight decay on, off); under ``EngineConfig.lr_scale`` the parameters of one learning-rate
 scale are one run of each (``Unit.lr_segments``), stepped by a fused call of its own at
-``lr * scale`` -- torch.optim.AdamW's parameter groups, exactly (fp32 states only). The Adam
+``lr * scale`` -- torch.optim.AdamW's parameter groups, exactly (compressed states: each piece's
+scalars in the fused kernel's one pass, within the codec's error). The Adam
 moments come from an :class:`OptimizerStates` store, which keeps them as fp32 or in a
 compressed codec, in RAM or on the disk tier; they are decoded only for the update and encoded
 right after.
@@ -18,8 +19,13 @@ from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
 
-from .fused_update import CodedChunk, adam_args, kernels
-from ..units import LR_SCALE_CODED, Unit, train_numel
+from .fused_update import CodedChunk, UpdateTeam, adam_args, kernels
+from ..planning.prediction import update_threads
+from ..units import Unit, train_numel
+
+#: Pieces of a plain AdamW call split over threads start on multiples of this many elements: a
+#: multiple of torch's vector width, so only the call's last piece has the scalar tail it has whole.
+ADAMW_ALIGN = 64
 
 
 def lr_pieces(unit, a: int, b: int, weight_decay: float) -> List[Tuple[int, int, float, float]]:
@@ -43,8 +49,10 @@ def lr_layout(unit) -> int:
 
 
 class UnitAdamW:
-    def __init__(self, *, betas, eps: float, weight_decay: float, collect_stats: bool = False):
+    def __init__(self, *, betas, eps: float, weight_decay: float, collect_stats: bool = False, threads: int = 1):
         self.beta1, self.beta2 = betas
+        #: The threads each update runs on (EngineConfig.optimizer_threads): the caller and helpers.
+        self.team = UpdateTeam(threads)
         self.eps = eps
         self.weight_decay = weight_decay
         self.steps: Dict[int, torch.Tensor] = {}
@@ -62,6 +70,13 @@ class UnitAdamW:
         #: them (StreamingEngine.layer_stats turns this on).
         self.collect_stats = collect_stats
         kernels()   # the fused kernels built (or loaded from the cache) now, not in the first update
+
+    @classmethod
+    def for_config(cls, config, cuda: bool) -> "UnitAdamW":
+        """The engine's: ``EngineConfig``'s betas, eps, weight decay, statistics and threads
+        (``optimizer_threads``, its default by ``planning.prediction.update_threads``)."""
+        return cls(betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay,
+                   collect_stats=bool(config.layer_stats), threads=update_threads(cuda, given=config.optimizer_threads))
 
     def step_unit(self, unit: Unit, params: torch.Tensor, grads: torch.Tensor,
                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, lr: float,
@@ -118,20 +133,32 @@ class UnitAdamW:
         return UnitRun(self, unit, params, step, old)
 
     def fused(self, params, grads, exp_avg, exp_avg_sq, step, lr: float, wd: float) -> None:
-        """AdamW on flat fp32 buffers: the fused kernels' (``fused_update``: torch's arithmetic
-        with one division fewer, the same result bit for bit) on this thread's torch thread
-        count, else ``torch._fused_adamw_``."""
-        k = kernels()
+        """AdamW on flat fp32 buffers (one call of torch's): the fused kernels' (``fused_update``:
+        torch's arithmetic with one division fewer, the same result bit for bit), else
+        ``torch._fused_adamw_``; in pieces on the update's threads (:attr:`team`), each piece
+        starting on an :data:`ADAMW_ALIGN` boundary, so the result is one call's bit for bit."""
+        k, n = kernels(), params.numel()
         if k is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
                                  for t in (params, grads, exp_avg, exp_avg_sq)):
-            n = params.numel()
-            k.adamw(params, grads, exp_avg, exp_avg_sq, 0, adam_args(
-                lr=float(lr), beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd, step=float(step),
-                decay_end=n, regions=[(0, n)], width=k.width), threads=torch.get_num_threads())
+            args = adam_args(lr=float(lr), beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd,
+                             step=float(step), decay_end=n, regions=[(0, n)], width=k.width)
+            self.team.run(n, ADAMW_ALIGN, lambda s, e: k.adamw(params[s:e], grads[s:e], exp_avg[s:e],
+                                                                exp_avg_sq[s:e], s, args))
             return
-        torch._fused_adamw_([params], [grads], [exp_avg], [exp_avg_sq], [], [step],
-                            lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
-                            eps=self.eps, amsgrad=False, maximize=False)
+
+        def piece(s: int, e: int) -> None:
+            torch._fused_adamw_([params[s:e]], [grads[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], [], [step],
+                                lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
+                                eps=self.eps, amsgrad=False, maximize=False)
+        if self.team.threads > 1 and all(t.is_contiguous() and t.device.type == "cpu"
+                                         for t in (params, grads, exp_avg, exp_avg_sq)):
+            self.team.run(n, ADAMW_ALIGN, piece)
+        else:
+            piece(0, n)
+
+    def close(self) -> None:
+        """Stop the update's helper threads."""
+        self.team.close()
 
     def _check_layout(self, unit) -> None:
         """Refuse moments laid out for other learning-rate scales (a checkpoint saved under another
@@ -196,14 +223,17 @@ class UnitRun:
 
     def _step_coded(self, a: int, b: int, grads: torch.Tensor, chunk: CodedChunk, lr: float,
                     params: Optional[torch.Tensor], grads_at: int) -> None:
-        d, adam = self.unit.decay_numel, self.adam
-        if getattr(self.unit, "lr_segments", ()):   # (parts.py refuses the pairing before a step)
-            raise ValueError(LR_SCALE_CODED)
-        args = adam_args(lr=float(lr), beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps,
-                         weight_decay=adam.weight_decay, step=float(self.step_t), decay_end=d,
-                         regions=[(a, min(b, d)), (max(a, d), b)], width=chunk.kernels.width)
+        """The chunk's pieces (:func:`lr_pieces`: cut where weight decay stops and where a
+        learning-rate group begins or ends) each get their own scalars, stepped in one pass by the
+        kernel (a group may end inside a codec block): the same arithmetic as one fused call per
+        piece, the fp32 path's."""
+        adam = self.adam
+        args = [adam_args(lr=float(lr) * scale, beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps,
+                          weight_decay=wd, step=float(self.step_t), decay_end=hi if wd else lo,
+                          regions=[(lo, hi)], width=chunk.kernels.width, lo=lo, hi=hi)
+                for lo, hi, wd, scale in lr_pieces(self.unit, a, b, adam.weight_decay)]
         w = self.params[a:b] if params is None else params
-        chunk.step(w, grads[a - grads_at:b - grads_at], args)
+        chunk.step(w, grads[a - grads_at:b - grads_at], args, team=adam.team)
 
     def finish(self, grads: torch.Tensor, grad_norm: Optional[float] = None) -> None:
         if self.old is not None:

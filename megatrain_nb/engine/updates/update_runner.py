@@ -1,5 +1,8 @@
 """UpdateRunner: the AdamW worker (``mtnb-adamw``) and every pending update.
 
+Each update runs on the AdamW worker and its team's helpers (``UnitAdamW.team``:
+``EngineConfig.optimizer_threads``), the results one thread's bit for bit.
+
 One unit's update (:meth:`UpdateRunner.apply`): its final gradient (handed over, claimed from
 where it was held for the norm: ``final_grads.FinalGradients.claim``, or the accumulator), its
 weights (``weights.for_update``), AdamW, the weights written (``weights.update_done``: on the
@@ -48,6 +51,8 @@ class UpdateRunner:
         self.guard: Optional[finite.StepGuard] = None   # the straight step's per-unit NaN/inf check
         self._pending: Dict[int, Future] = {}           # unit index -> its update of the last step
         self._worker = executor(ADAMW)
+        if adam.team.threads > 1:   # torch's ops in the worker (the compute-dtype shadow's cast) on the team's count
+            self._worker.submit(torch.set_num_threads, adam.team.threads)
         self._slots = threading.BoundedSemaphore(depth)
 
     def next_step(self) -> int:
@@ -288,8 +293,9 @@ class UpdateRunner:
                 pass
 
     def close(self) -> None:
-        """Stop the worker (after the updates queued on it)."""
+        """Stop the worker (after the updates queued on it) and the update's helper threads."""
         self._worker.shutdown(wait=True)
+        self.adam.close()
 
 
 def _chunk_step(run, grad, lr: float) -> Callable:

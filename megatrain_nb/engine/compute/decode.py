@@ -162,13 +162,17 @@ def eos_ids(gc: GenerationConfig) -> List[int]:
 
 
 def draw(probs: torch.Tensor, generator) -> torch.Tensor:
-    """One token per row by ``torch.multinomial`` (on ``generator``'s device when one is given; a
-    list: one generator per row, each row's draw from its own)."""
+    """One token per row by ``torch.multinomial`` (on ``generator``'s device when one is given).
+    A list: one generator per row; each row's token is the inverse of its cumulative
+    distribution (fp64) at one uniform draw of its own generator, so a row's draws depend on no
+    other row, and only those draws leave the device's logits where they are."""
     if generator is None:
         return torch.multinomial(probs, num_samples=1).squeeze(1)
     if isinstance(generator, (list, tuple)):
-        return torch.stack([torch.multinomial(p.to(g.device), 1, generator=g)[0].to(probs.device)
-                            for p, g in zip(probs, generator)])
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=g.device).cpu() for g in generator])
+        cdf = probs.double().cumsum(-1)
+        tok = torch.searchsorted(cdf, (u.to(probs.device) * cdf[:, -1])[:, None], right=True)[:, 0]
+        return tok.clamp(max=probs.shape[-1] - 1)   # (the first token whose cumulative mass passes the draw)
     return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(probs.device)
 
 

@@ -1,5 +1,6 @@
 """Worker: mt.GRPOTrainer under torchrun (or alone), ``grpo_ranks_worker.py OUT GA SPG [beta loss_type]``:
-a tiny llama from a config, two rule-based rewards, per-rollout random streams, streamed generation.
+a tiny llama from a config, two rule-based rewards, per-rollout random streams, streamed generation;
+4 steps, then an evaluation.
 Rank 0 writes ``OUT/final`` (the weights), ``OUT/log_history.json`` and ``OUT/completions.json``
 (each generation batch's completion ids, in TRL's order); every rank ``OUT/decode-RANK.json`` (its
 decoder's counts per generation)."""
@@ -17,9 +18,10 @@ def main(out_dir: str, ga: str, spg: str, beta: str = "0.0", loss_type: str = "d
     tok = tokenizer()
     args = config(out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=int(ga),
                   steps_per_generation=int(spg), max_steps=4, beta=float(beta), loss_type=loss_type,
-                  max_completion_length=6, temperature=1.0)
+                  max_completion_length=6, temperature=1.0, per_device_eval_batch_size=4)
     t = mt.GRPOTrainer(model=tiny_model(tok), reward_funcs=[reward_yes, reward_short], args=args,
-                       train_dataset=prompts(), processing_class=tok, device="cpu", rollout_seeds="per_rollout")
+                       train_dataset=prompts(), eval_dataset=prompts().select(range(2)), processing_class=tok,
+                       device="cpu", rollout_seeds="per_rollout")
     gens, stats = [], []
     orig = t.make_rollouts
 
@@ -31,6 +33,7 @@ def main(out_dir: str, ga: str, spg: str, beta: str = "0.0", loss_type: str = "d
 
     t.make_rollouts = make_rollouts
     t.train()
+    t.evaluate()   # 2 prompts x 4: each eval batch's generation split over the ranks
     t.save_model(out_dir + "/final")
     if t.dist.is_main:
         for name, value in (("log_history", t.state.log_history), ("completions", gens)):

@@ -6,7 +6,8 @@ whole batch samples; a batch decoded with another's streams does not), a rank wh
 keeps decoding in lockstep with filler passes (its completions unchanged), the sampling rule's
 checks. Two gloo ranks (slow): 2 ranks x accumulation 1 x steps_per_generation 2 against one
 process x accumulation 2 x steps_per_generation 4, per-rollout streams both: the same
-completions, every logged value within 1e-5 relative, the final weights equal to round-off."""
+completions, every logged value within 1e-5 relative, the final weights equal to round-off, and an
+evaluation afterwards the same."""
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ trl = pytest.importorskip("trl")
 from transformers import GenerationConfig  # noqa: E402
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine  # noqa: E402
-from megatrain_nb.engine.compute.decode import StreamedDecoder  # noqa: E402
+from megatrain_nb.engine.compute.decode import StreamedDecoder, draw  # noqa: E402
 from megatrain_nb.trainer.grpo_ranks import (check_rollout_seeds, rank_rows, row_generators,  # noqa: E402
                                              seeded_shuffle)
 
@@ -55,6 +56,16 @@ def test_each_rollout_draws_from_its_own_stream(decoder):
     # the control: the last rows with the first rows' streams sample something else
     other = dec.generate(rows[5:], gc, generator=row_generators(1234, range(0, 3))).completions
     assert other != whole[5:]
+
+
+def test_a_row_draws_its_token_from_its_distribution():
+    p = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    tok = draw(p.expand(4000, -1), row_generators(0, range(4000)))
+    freq = torch.bincount(tok, minlength=6) / 4000.0
+    assert freq[[0, 2, 5]].sum() == 0   # a token of no mass is never drawn (nor past the last)
+    assert torch.allclose(freq, p, atol=0.03)
+    again = draw(p.expand(3, -1), row_generators(0, range(3)))
+    assert torch.equal(again, tok[:3])   # each row's draw its own generator's, whatever the batch
 
 
 def test_a_rank_whose_rows_ended_keeps_decoding_in_lockstep(decoder):
@@ -98,8 +109,11 @@ def test_sampling_rules_and_slices():
     assert not torch.equal(a["x"], seeded_shuffle(d, 8)["x"])
 
 
-def _logs(folder):
-    return [r for r in json.loads((folder / "log_history.json").read_text()) if "loss" in r]
+EVAL_TIMES = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+
+
+def _logs(folder, key="loss"):
+    return [r for r in json.loads((folder / "log_history.json").read_text()) if key in r]
 
 
 def _weights(folder):
@@ -116,12 +130,16 @@ def test_two_ranks_equal_one_process(tmp_path, beta, loss_type):
     # log-probs computed at generation); 4 steps. Two ranks: 2 per device x 1 accumulation x 2 ranks
     check(torchrun(WORKER, str(two), "1", "2", beta, loss_type, nproc=2, timeout=400))
     alone(WORKER, str(one), "2", "4", beta, loss_type, timeout=400)   # one process: 2 x 2 accumulation
-    gens_two = json.loads((two / "completions.json").read_text())
-    assert gens_two == json.loads((one / "completions.json").read_text()) and len(gens_two) == 2
-    # each rank decoded its half of every generation batch, both the same number of passes
+    gens_two = json.loads((two / "completions.json").read_text())   # 2 generation batches, 2 eval batches
+    assert gens_two == json.loads((one / "completions.json").read_text()) and len(gens_two) == 4
+    # each rank decoded its half of every batch (8 rollouts, the eval's 4), both the same number of passes
     r0, r1 = (json.loads((two / f"decode-{r}.json").read_text()) for r in range(2))
-    assert [s["rows_in"] for s in r0 + r1] == [4] * 4
+    assert [s["rows_in"] for s in r0] == [s["rows_in"] for s in r1] == [4, 4, 2, 2]
     assert [s["passes"] for s in r0] == [s["passes"] for s in r1]
+    ev_one, ev_two = (_logs(f, "eval_loss") for f in (one, two))
+    assert len(ev_one) == len(ev_two) == 1 and ev_one[0].keys() == ev_two[0].keys()
+    for k in (k for k in ev_one[0] if k not in EVAL_TIMES):
+        assert ev_two[0][k] == pytest.approx(ev_one[0][k], rel=1e-5, abs=1e-7), k
     logs_two, logs_one = _logs(two), _logs(one)
     assert len(logs_two) == len(logs_one) == 4
     for a, b in zip(logs_one, logs_two):

@@ -21,7 +21,10 @@ formulas; old log-probs (when a generation serves several optimizer steps) and t
 (``beta > 0``: a frozen engine of the starting weights) by forward-only streamed passes. The loss is a sequence-level objective of
 the engine's chunked head (:mod:`.grpo_loss`). The loop is :class:`~.trainer.Trainer`'s: the
 rollouts come in through its public ``fresh_stream`` (a stream of rollout micro-batches).
-GRPOConfig fields that cannot apply here are refused by name.
+GRPOConfig fields that cannot apply here are refused by name. Under torchrun each rank generates,
+scores and takes the log-probs of its slice of the generation batch, gathered, each rollout
+sampling from its own random stream (``rollout_seeds="per_rollout"``): the run is the same for any
+number of ranks at the same global batch (:mod:`.grpo_ranks`).
 """
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ import copy
 import os
 import time
 import warnings
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -34,14 +36,17 @@ from megatrain_nb.engine.inputs import OBJECTIVE_DATA
 from megatrain_nb.values import DPO_FIELDS, ValueRefused, check, check_fields, row_name
 
 from .args import check_eval_plan, check_given, unusable_fields
-from .data import DataError, count_tokens, eval_batches
+from . import saving
+from .data import EXTRA_INPUTS, DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
+from .dpo_vision import VisionPreferenceCollator, check_vision_dpo_args, prepare_vision_pairs, vision_fingerprint
 from .dpo_loss import DPOObjective, DPOSettings, PairBatch, ReferenceLogps
 from .kinds import MetricLists, register_kind
 from .dpo_reference import (ReferenceCache, ReferenceStopped, cache_parts, check_reference_values, key_of,
                             reference_pass, weights_fingerprint, with_reference)
 from .sft_data import first_row, require_trl
+from ..engine.vision import is_image_text_model
 from .sft_vision import is_processor, is_vision_row
 from .trainer import Trainer
 
@@ -205,16 +210,15 @@ class DPOTrainer(Trainer):
                              "weight in full precision with its own AdamW; PEFT adapters and quantization do not apply)")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
-        if is_processor(processing_class) or is_vision_row(first_row(train_dataset)):
-            raise ValueError("mt.DPOTrainer does not take images yet (a processor as processing_class, or rows with "
-                             "an 'image'/'images' column): its reference log-probs are computed ahead, which TRL "
-                             "refuses for vision data too. Train with mt.SFTTrainer (it takes TRL's vision format), "
-                             "or use trl.DPOTrainer for preference pairs with images")
+        self.vision = is_vision_row(first_row(train_dataset))
+        self.processor = processing_class if is_processor(processing_class) else None
         if ref_model is not None and ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object. In most cases you should omit "
                              "`ref_model`: the reference is then the policy as it starts.")
         args = coerce_dpo_args(args)
         validate_dpo_args(args)
+        if self.vision:
+            self._check_vision(model, args)
         check_eval_plan(args, eval_dataset)
         self.settings = DPOSettings.from_args(args)
         self.objective = DPOObjective(self.settings)
@@ -237,7 +241,8 @@ class DPOTrainer(Trainer):
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
         if self._ref_weights is None:
             self._ref_weights = weights_fingerprint(ref_source if ref_model is not None else self._engine)
-        self.processing_class = self._tokens(args)
+        self._tokens(args)
+        self.processing_class = self.processor or self.tokenizer
         self.data_collator = self._collator(data_collator, args)
         self.prep_reports = []
         self.train_dataset = self._prepare(train_dataset, "train")
@@ -252,6 +257,8 @@ class DPOTrainer(Trainer):
     # ------------------------------------------------------------------ construction helpers
     def _tokens(self, args):
         """The tokenizer, its pad token set as TRL sets it (and mirrored onto the model's config)."""
+        if self.processor is not None:   # a processor: its tokenizer makes the text, it makes the batches of images
+            self.tokenizer = self.processor.tokenizer
         tok = self.tokenizer
         if tok is None:
             raise ValueError("DPOTrainer needs a tokenizer: pass processing_class=... (or a model folder that holds one)")
@@ -260,8 +267,8 @@ class DPOTrainer(Trainer):
             raise ValueError(f"The specified `pad_token` ({pad!r}) is not found in the vocabulary of the given "
                              "processing_class; set DPOConfig.pad_token to a token it has")
         tok.pad_token = pad
-        if self.model is not None:
-            self.model.config.pad_token_id = tok.pad_token_id
+        if self.model is not None:   # (TRL sets the text config's, which is the config itself for a text model)
+            self.model.config.get_text_config().pad_token_id = tok.pad_token_id
         if args.padding_free:
             warnings.warn("padding_free=True is temporarily unavailable in trl.DPOTrainer and falls back to padding; "
                           "so does megatrain_nb's DPOTrainer", stacklevel=3)
@@ -269,8 +276,13 @@ class DPOTrainer(Trainer):
 
     def _collator(self, data_collator, args):
         """TRL's preference collator (or the one given), with the labels the engine takes."""
-        if isinstance(data_collator, PreferenceCollator):   # a fork hands the parent's
+        if isinstance(data_collator, (PreferenceCollator, VisionPreferenceCollator)):   # a fork hands the parent's
             return data_collator
+        if self.vision:
+            if data_collator is not None:
+                raise ValueError("a data_collator for vision preference rows is not supported: megatrain_nb's "
+                                 "DPOTrainer batches them with TRL's DataCollatorForVisionPreference")
+            return VisionPreferenceCollator(self.processor, max_length=args.max_length)
         if data_collator is None:
             from trl.trainer.dpo_trainer import DataCollatorForPreference
 
@@ -282,8 +294,22 @@ class DPOTrainer(Trainer):
         return PreferenceCollator(data_collator)
 
     # ------------------------------------------------------------------ data and reference
+    def _check_vision(self, model, args) -> None:
+        """TRL's vision contract (trainer/dpo_vision.py): a processor, a vision-language model, its settings."""
+        if self.processor is None:
+            raise ValueError("train_dataset has images (an 'image' or 'images' column), but processing_class is not a "
+                             "processor: pass the model's processor (transformers.AutoProcessor, a ProcessorMixin) as "
+                             "processing_class")
+        if isinstance(model, torch.nn.Module) and not is_image_text_model(model):
+            raise ValueError("The dataset appears to be vision-related (contains 'image' or 'images' keys), but the "
+                             f"model ({type(model).__name__}) is not a vision-language model; load it with "
+                             "AutoModelForImageTextToText")
+        check_vision_dpo_args(args)
+
     def _prepare(self, ds, what: str):
         a = self.args
+        if self.vision:
+            return prepare_vision_pairs(ds, f"{what}_dataset")
         out, report = prepare_preference_dataset(ds, self.tokenizer, max_length=a.max_length,
                                                  truncation_mode=a.truncation_mode, what=f"{what}_dataset",
                                                  num_proc=a.dataset_num_proc)
@@ -302,7 +328,8 @@ class DPOTrainer(Trainer):
                                        "given in the data")
             self.reference_seconds.setdefault(what, 0.0)
             return ds
-        parts = cache_parts(ds, self.tokenizer, self._ref_weights, self.args, self._engine.config.precision)
+        data = vision_fingerprint(ds, self.processor) if self.vision else None
+        parts = cache_parts(ds, self.tokenizer, self._ref_weights, self.args, self._engine.config.precision, data=data)
         key = key_of(parts)
         got = self.reference_cache.load(what, key, len(ds), parts)
         why = self.reference_cache.reason
@@ -385,9 +412,18 @@ class DPOTrainer(Trainer):
                 self._live_ref = engine
         obj = ReferenceLogps(self.settings)
         for b in todo:
-            out = engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
+            out = engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj,
+                                  **(b.get(EXTRA_INPUTS) or {}))
             b["ref_chosen_logps"], b["ref_rejected_logps"] = out.objective_metrics[0]["logps"].chunk(2, dim=0)
         return time.perf_counter() - t0
+
+    def save_model(self, output_dir: Optional[str] = None) -> str:
+        """As ``Trainer.save_model``; with a processor, its files too (``AutoProcessor`` loads the folder)."""
+        if self.processor is None:
+            return super().save_model(output_dir)
+        self.hooks.hold_weights("save_model()")
+        return saving.save_model_folder(self._engine, self.processor, self.dist,
+                                        Path(output_dir or self.args.output_dir))
 
     def close(self) -> None:
         """As :meth:`Trainer.close`, and the reference's own engine when one was kept."""
@@ -426,7 +462,8 @@ class DPOTrainer(Trainer):
                               rank=self.dist.rank, world=self.dist.world):
             self._live_reference([b])
             out = self._engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
-                                        loss_fn=self.objective, objective_data=pair_batch(b))
+                                        loss_fn=self.objective, objective_data=pair_batch(b),
+                                        **(b.get(EXTRA_INPUTS) or {}))
             seen.add(out.objective_metrics)
             n = 0 if b.get(ZERO_WEIGHT) else int(b["input_ids"].shape[0])
             total, rows = total + out.objective_loss * n, rows + n

@@ -57,8 +57,9 @@ def check_preference_rows(ds, what: str, cols=None) -> None:
         raise DataError(f"{what} has no {missing} column: preference rows need 'chosen' and 'rejected' (and "
                         f"optionally 'prompt'); its columns are {sorted(cols)}")
     if "image" in cols or "images" in cols:
-        raise DataError(f"{what} holds images: vision preference data is not supported by megatrain_nb's "
-                        "DPOTrainer (text-only models)")
+        raise DataError(f"{what} holds images ('image'/'images' column) but was read as text pairs (its first row "
+                        "has none): give every row its images (an empty list for a text-only row) and the model's "
+                        "processor as processing_class")
     first = None
     for i, ex in enumerate(ds):
         kind = _row_kind(ex, i, what)

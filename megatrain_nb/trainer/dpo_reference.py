@@ -21,7 +21,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 
 from ..atomic import atomic_file
-from .data import DataError, eval_batches
+from .data import EXTRA_INPUTS, DataError, eval_batches
 from .dpo_data import token_fingerprint
 from .dpo_loss import DPOSettings, ReferenceLogps
 
@@ -67,11 +67,11 @@ def tokenizer_fingerprint(tok) -> str:
     return h.hexdigest()[:20]
 
 
-def cache_parts(ds, tok, weights: str, args, precision: str = "fp32") -> dict:
-    """What the reference log-probs depend on: the tokenised pairs' content, the tokenizer, the
-    reference's identity, how rows are cut and padded, LD-DPO's alpha (it weights the log-prob
-    sums) and the compute precision."""
-    return {"data": token_fingerprint(ds), "tokenizer": tokenizer_fingerprint(tok), "weights": weights,
+def cache_parts(ds, tok, weights: str, args, precision: str = "fp32", data: Optional[str] = None) -> dict:
+    """What the reference log-probs depend on: the tokenised pairs' content (``data``: another
+    digest of it, the vision pairs' text and pictures), the tokenizer, the reference's identity, how
+    rows are cut and padded, LD-DPO's alpha (it weights the log-prob sums) and the compute precision."""
+    return {"data": data or token_fingerprint(ds), "tokenizer": tokenizer_fingerprint(tok), "weights": weights,
             "max_length": args.max_length, "truncation_mode": args.truncation_mode, "ld_alpha": args.ld_alpha,
             "pad_to_multiple_of": args.pad_to_multiple_of, "precision": precision, "pairs": len(ds)}
 
@@ -117,7 +117,8 @@ def reference_pass(engine, ds, collate: Callable, batch_size: int, settings: DPO
     for b in eval_batches(ds, batch_size=batch_size, collate=collate):
         if stop is not None and stop():
             raise ReferenceStopped("the reference pass was stopped")
-        out = engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj)
+        out = engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj,
+                              **(b.get(EXTRA_INPUTS) or {}))   # (a processor's inputs: the pictures)
         c, r = out.objective_metrics[0]["logps"].chunk(2, dim=0)
         chosen.append(c)
         rejected.append(r)

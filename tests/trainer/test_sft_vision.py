@@ -271,21 +271,6 @@ def test_the_trained_on_view_of_a_vision_row(setup, tmp_path):
     trainer.close()
 
 
-def test_dpo_with_images_is_refused_by_name(setup, tmp_path):
-    import megatrain_nb as mt
-    from trl import DPOConfig
-
-    proc, model, _ = setup
-    pair = {"images": [draw("circle", "red")], "prompt": [{"role": "user", "content": "What do you see ?"}],
-            "chosen": [{"role": "assistant", "content": "a red circle ."}],
-            "rejected": [{"role": "assistant", "content": "a blue square ."}]}
-    args = DPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none")
-    for processing_class in (proc, proc.tokenizer):
-        with pytest.raises(ValueError, match=r"mt.DPOTrainer does not take images yet.*mt.SFTTrainer"):
-            mt.DPOTrainer(model=copy.deepcopy(model), args=args, train_dataset=Dataset.from_list([pair] * 2),
-                          processing_class=processing_class, device="cpu")
-
-
 def test_evaluation_takes_the_images(setup, tmp_path):
     """eval_loss over a vision eval set is the model's own token-weighted loss with the pictures;
     other pictures give another loss (the images reach the model)."""

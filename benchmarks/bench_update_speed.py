@@ -31,6 +31,7 @@ is the median of the rounds' ratios. What runs:
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import subprocess
@@ -75,10 +76,10 @@ def _fp32_adamw(numel: int):
     return run
 
 
-def _our_adamw(numel: int):
+def _our_adamw(numel: int, threads: int = 1):
     """The engine's plain AdamW for fp32 states, as measure_machine times it (measure.adamw_step),
-    on this thread's torch thread count."""
-    return adamw_step(numel)[0]
+    on ``threads`` threads (EngineConfig.optimizer_threads: the caller and its mtnb-update helpers)."""
+    return adamw_step(numel, threads)[0]
 
 
 def _chain(codec: str, numel: int, split=None):
@@ -103,7 +104,7 @@ def update_ratios(numel: int, rounds: int, threads: int) -> None:
     fused = fused_update.kernels()
     print(f"fused kernels: {fused.path if fused else 'unavailable: ' + str(fused_update.disabled_reason())}"
           f"{f' (torch AdamW vector width {fused.width})' if fused else ''}")
-    plain, ours = _fp32_adamw(numel), _our_adamw(numel)
+    plain, ours = _fp32_adamw(numel), _our_adamw(numel, threads)
     chains = {c: _chain(c, numel, threads) for c in ("int8", "int4")}
     engine_run, engine_states = _chain("int8", numel)
     times_engine = []
@@ -175,6 +176,8 @@ def _deepspeed():
                             *DS_PACKAGES], capture_output=True, text=True)
         if r.returncode != 0:
             return f"pip could not install deepspeed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
+        importlib.invalidate_caches()   # (the folder did not exist when it went on sys.path)
+        sys.path_importer_cache.pop(DEPS, None)
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -193,7 +196,7 @@ def adamw_vs_deepspeed(numel: int, threads: int, rounds: int) -> None:
         return
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    ours, torch_fused = _our_adamw(numel), _fp32_adamw(numel)
+    ours, torch_fused = _our_adamw(numel, threads), _fp32_adamw(numel)
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel) * 1e-3
     ds = got([param], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, adamw_mode=True)

@@ -241,13 +241,14 @@ def measure_compute_beside_disk(root: str, sizes: Sizes) -> float:
     return min(sum(beside) / sum(alone), 1.0)
 
 
-def adamw_step(numel: int) -> tuple:
+def adamw_step(numel: int, threads: int = 1) -> tuple:
     """``(step, params, grads)``: one call of ``step`` is one update of ``numel`` fp32 parameters
     by the engine's plain AdamW (``UnitAdamW.fused``: the fused kernels' where they are built,
-    else torch's), as the engine runs it (what this module and bench_update_speed.py time)."""
+    else torch's) on ``threads`` threads, as the engine runs it (what this module and
+    bench_update_speed.py time)."""
     p, g = torch.randn(numel), torch.randn(numel) * 1e-3
     m, v, t = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
-    adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, threads=threads)
 
     def step():
         t.add_(1)

@@ -173,9 +173,12 @@ def _per(amount: float, rate: float, what: str, missing: List[str]) -> float:
 
 
 def compute_order(units, k: int, groups: int = 1) -> list:
-    """The units' loads of one step (``StepRunner.schedule``), once per group."""
+    """The units' loads of one step (``StepRunner.schedule``), once per group: the embedding, the
+    layers, the head (the engine binds the head after the last layer once its first step has seen
+    the model use no head module before its layers: every family the engine supports but one
+    whose module registered after the layers runs before them)."""
     embed, head, layers = units[0], units[-1], list(units[1:-1])
-    order = [embed, head] + layers
+    order = [embed] + layers + [head]
     if k > 0:
         for b in reversed(range(0, len(layers), k)):
             end = min(b + k, len(layers))
@@ -201,7 +204,7 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     on_disk = plan.placement.get("master_weights") == "disk"
     per = codec_bytes_per_param(cfg.optimizer_compression)
     states = plan.placement.get("optimizer_states") == "disk"
-    seq = step_accesses(order, [units[0], units[-1]] + list(units[1:-1]), clipped=clipped, params_on_disk=on_disk,
+    seq = step_accesses(order, [units[0]] + list(units[1:-1]) + [units[-1]], clipped=clipped, params_on_disk=on_disk,
                         state_key=lambda u: f"state-{u.index}", state_nbytes=lambda u: int(per * u.numel))
     if not states:
         seq = [a for a in seq if not a[0].startswith("state-")]
@@ -216,12 +219,12 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     st_w = sum(b for k, op, b in seq if op == "W" and k.startswith("state-"))
     state_read, state_write = int(read * st_r / raw_r) if raw_r else 0, int(write * st_w / raw_w) if raw_w else 0
     # unclipped, weights on the disk tier: the next forward's first need, the embedding's updated
-    # weights, is written, then read back with the head's (a step binds both first) -- as much of
+    # weights, is written, then read back (the head's load comes after the layers) -- as much of
     # it as reaches the disk past the cache
     miss = read / raw_r if raw_r else 1.0   # the share of the schedule's reads the cache cannot serve
     start_read = start_write = 0
     if on_disk and not clipped:
-        start_read = int(4 * (units[0].numel + units[-1].numel) * miss)
+        start_read = int(4 * units[0].numel * miss)
         start_write = int(4 * units[0].numel * write / raw_w) if raw_w else 0
     if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
         n = 4 * sum(u.numel for u in units)
@@ -421,7 +424,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     share = units[0].numel / max(a["params"], 1)
     first_disk = state_disk * share + _per(a["disk"]["start_read"], rates.disk_read, "", []) + \
         _per(a["disk"]["start_write"], rates.disk_write, "", [])
-    first = (chain - state_disk) * share + first_disk
+    first = cpu_chain * share + first_disk
 
     beside = 0.0 if cuda else float(getattr(rates, "compute_beside_disk", 0.0) or 0.0)
 
@@ -457,7 +460,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         if 0.0 < beside < 1.0 and disk > 0:
             overlaps.append(f"CPU device: its compute runs at {beside:.2f}x its rate alone while the disk tier "
                             "reads and writes beside it (measured: MachineRates.compute_beside_disk)")
-    if clipped:   # the forward waits for the embedding's and the head's updates, then for each layer's in turn
+    if clipped:   # the forward waits for the embedding's update, then for each layer's and the head's in turn
         tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a["head_share"], _load_per_param(a, rates, cuda)))
         windows = {"forward + updates": tf, "backward": tb}
         overlaps.append("clipping: updates wait for the global norm after the backward, then overlap only "
@@ -501,21 +504,22 @@ def forward_behind_updates(units, chain_s: float, compute_s: float, head_share: 
                            load_per_param: float = 0.0) -> float:
     """A clipped step's forward window: the updates wait for the global norm, then run one unit
     after another in the forward's order (``chain_s`` in all, each unit its share by size), and
-    the forward waits for each unit's: the embedding's and the head's before the first layer (a
-    step binds both first), each layer's before that layer computes, the head's compute
-    (``head_share`` of ``compute_s``) after the last layer. A unit's load starts only once its
-    update has written its weights: ``load_per_param`` seconds a parameter (the copy into its
-    slot; on the disk tier first the copy out of the host cache, or the read) after each update."""
+    the forward waits for each unit's: the embedding's before the first layer, each layer's before
+    that layer computes, the head's before its compute (``head_share`` of ``compute_s``) after the
+    last layer (``StepRunner.head_late``: the head is bound after the layers). A unit's load starts
+    only once its update has written its weights: ``load_per_param`` seconds a parameter (the copy
+    into its slot; on the disk tier first the copy out of the host cache, or the read) after each
+    update."""
     total = sum(u.numel for u in units) or 1
     per = [chain_s * u.numel / total for u in units]
     load = [load_per_param * u.numel for u in units]
     c_layer = compute_s * (1.0 - head_share) / max(len(units) - 2, 1)
-    done = per[0] + per[-1]
-    t = max(per[0] + load[0], done) + load[-1]
+    done = per[0]
+    t = done + load[0]
     for u, lu in zip(per[1:-1], load[1:-1]):
         done += u
         t = max(t, done + lu) + c_layer
-    return t + compute_s * head_share
+    return max(t, done + per[-1] + load[-1]) + compute_s * head_share
 
 
 def _h2d_rate(rates, cuda: bool) -> float:

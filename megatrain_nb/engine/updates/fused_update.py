@@ -852,17 +852,18 @@ class UpdateTeam:
                 self._pool = executor(UPDATE, self.threads - 1)
             return self._pool
 
-    def run(self, n: int, align: int, fn, extra=()) -> None:
+    def run(self, n: int, align: int, fn, extra=(), piece: Optional[int] = None) -> None:
         """``fn(s, e)`` over ``[0, n)`` in pieces (``s`` on an ``align`` boundary), on this thread,
         the helpers and ``extra`` (single-thread executors that join the team: the codec threads,
-        idle while a fused chunk runs); raises the first piece's error once every piece is done."""
+        idle while a fused chunk runs); ``piece``: the most elements a piece has (None: PIECE);
+        raises the first piece's error once every piece is done."""
         extra = tuple(p for p in extra if p is not None)
         helpers = max(self.threads - 1 - len(extra), 0)
         width = 1 + len(extra) + helpers
         if n < self.MIN_SPLIT or width == 1:
             fn(0, n)
             return
-        per = -(-min(self.PIECE, -(-n // width)) // align) * align
+        per = -(-min(piece or self.PIECE, -(-n // width)) // align) * align
         pieces = iter([(s, min(s + per, n)) for s in range(0, n, per)])
         lock = threading.Lock()
 

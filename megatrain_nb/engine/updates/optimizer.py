@@ -26,6 +26,9 @@ from ..units import Unit, train_numel
 #: Pieces of a plain AdamW call split over threads start on multiples of this many elements: a
 #: multiple of torch's vector width, so only the call's last piece has the scalar tail it has whole.
 ADAMW_ALIGN = 64
+#: A plain AdamW call is cut in one piece per thread: smaller pieces taken in turn measured slower
+#: against DeepSpeedCPUAdam (benchmarks/bench_update_speed.py; the calls' overhead, no cache reuse).
+ADAMW_PIECE = 1 << 62
 
 
 def lr_pieces(unit, a: int, b: int, weight_decay: float) -> List[Tuple[int, int, float, float]]:
@@ -133,28 +136,25 @@ class UnitAdamW:
         return UnitRun(self, unit, params, step, old)
 
     def fused(self, params, grads, exp_avg, exp_avg_sq, step, lr: float, wd: float) -> None:
-        """AdamW on flat fp32 buffers (one call of torch's): the fused kernels' (``fused_update``:
-        torch's arithmetic with one division fewer, the same result bit for bit), else
-        ``torch._fused_adamw_``; in pieces on the update's threads (:attr:`team`), each piece
-        starting on an :data:`ADAMW_ALIGN` boundary, so the result is one call's bit for bit."""
-        k, n = kernels(), params.numel()
-        if k is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-                                 for t in (params, grads, exp_avg, exp_avg_sq)):
-            args = adam_args(lr=float(lr), beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd,
-                             step=float(step), decay_end=n, regions=[(0, n)], width=k.width)
-            self.team.run(n, ADAMW_ALIGN, lambda s, e: k.adamw(params[s:e], grads[s:e], exp_avg[s:e],
-                                                                exp_avg_sq[s:e], s, args))
-            return
-
-        def piece(s: int, e: int) -> None:
+        """AdamW on flat fp32 buffers: ``torch._fused_adamw_`` (one call's result), in pieces on the
+        update's threads (:attr:`team`, each thread one torch thread), each piece starting on an
+        :data:`ADAMW_ALIGN` boundary so only the last one has the scalar tail the whole call has:
+        bit for bit one call. (The fused kernels' AdamW, ``fused_update``, gives the same floats; on
+        an AVX2 host it measured several times slower than torch's, so torch's runs here.)"""
+        def one(s: int, e: int) -> None:
             torch._fused_adamw_([params[s:e]], [grads[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], [], [step],
                                 lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
                                 eps=self.eps, amsgrad=False, maximize=False)
-        if self.team.threads > 1 and all(t.is_contiguous() and t.device.type == "cpu"
-                                         for t in (params, grads, exp_avg, exp_avg_sq)):
-            self.team.run(n, ADAMW_ALIGN, piece)
-        else:
-            piece(0, n)
+        flat = all(t.is_contiguous() and t.device.type == "cpu" for t in (params, grads, exp_avg, exp_avg_sq))
+        if self.team.threads == 1 or not flat:
+            one(0, params.numel())
+            return
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)   # (this thread is one of the team)
+        try:
+            self.team.run(params.numel(), ADAMW_ALIGN, one, piece=ADAMW_PIECE)
+        finally:
+            torch.set_num_threads(prev)
 
     def close(self) -> None:
         """Stop the update's helper threads."""

@@ -46,45 +46,10 @@ from .grpo_ranks import (check_rollout_seeds, gather_lists, gather_rewards, gath
                          row_generators, sampling_base, seeded_shuffle)
 from .grpo_rollout import (advantages, check_generation, completion_logps, eos_token_ids, generation_config,
                            length_metrics, make_policy, reward_metrics, score)
-from .args import check_eval_plan, unusable_fields
+from .args import check_eval_plan
+from .grpo_fields import validate_grpo_args
 from .sft_data import require_trl
 from .trainer import Trainer
-
-# GRPOConfig fields (beyond TrainingArguments') honoured here; every other one must keep its default
-GRPO_HONOURED = frozenset({
-    "model_init_kwargs", "trust_remote_code", "disable_dropout", "num_generations", "max_completion_length",
-    "shuffle_dataset", "generation_batch_size", "steps_per_generation", "temperature", "top_p", "top_k", "min_p",
-    "generation_kwargs", "chat_template_kwargs", "repetition_penalty", "cache_implementation", "beta",
-    "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos",
-    "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level",
-    "reward_weights", "multi_objective_aggregation", "scale_rewards", "loss_type", "mask_truncated_completions",
-    "off_policy_mask_threshold", "use_bias_correction_kl",
-})
-GRPO_NO_EFFECT = frozenset({
-    "cast_lm_head_to_fp32",   # the head's logits are fp32 here already
-    "ds3_gather_for_generation", "log_completions", "log_multimodal", "num_completions_to_print",
-    "log_unique_prompts", "log_completions_hub_repo", "num_generations_eval",
-    # vLLM's settings are read only with use_vllm=True (refused)
-    "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
-    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
-    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
-    "ref_model_mixup_alpha", "ref_model_sync_steps",   # only with sync_ref_model (refused)
-    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",   # only with entropy bonus
-    "max_tool_calling_iterations",   # only with tools (refused)
-})
-WHY = {
-    "use_vllm": "vLLM (server or colocate mode) is not used: generation runs on a resident copy of the weights with "
-                "transformers' generate; set use_vllm=False (for vLLM use trl.GRPOTrainer)",
-    "pad_to_multiple_of": "rollouts are padded to their longest row",
-    "top_entropy_quantile": "the entropy mask needs the whole batch's entropies at once",
-    "entropy_coef": "the entropy bonus is not supported yet", "use_adaptive_entropy": "the entropy bonus is not "
-    "supported yet", "sync_ref_model": "the reference is the starting policy (TR-DPO's moving reference is not "
-    "supported)", "router_aux_loss_coef": "Mixture-of-Experts auxiliary losses are not supported",
-    "use_transformers_continuous_batching": "generation uses plain generate",
-}
-
 
 def coerce_grpo_args(args):
     """``args`` as a ``trl.GRPOConfig`` (None: TRL's defaults; a dict of its fields)."""
@@ -98,18 +63,6 @@ def coerce_grpo_args(args):
     if isinstance(args, GRPOConfig):
         return args
     raise TypeError(f"args must be a trl.GRPOConfig (or a dict of its fields), got {type(args).__name__}")
-
-
-def validate_grpo_args(args) -> None:
-    """Refuse, by name, the GRPOConfig-only fields set to something that cannot apply here."""
-    from trl import GRPOConfig
-
-    problems = unusable_fields(args, GRPOConfig, GRPO_HONOURED | GRPO_NO_EFFECT, WHY,
-                               ignore=lambda name, value: name == "pad_to_multiple_of" and value is None)
-    if problems:
-        raise ValueError("GRPOConfig field(s) not supported by megatrain_nb: " + "; ".join(problems)
-                         + ". Remove them (or set them back to their defaults); megatrain_nb never ignores a "
-                         "setting silently (the supported fields are listed in megatrain_nb.trainer.grpo).")
 
 
 def _refuse(peft_config, quantization_config, optimizers, tools, rollout_func, environment_factory, processing_class):

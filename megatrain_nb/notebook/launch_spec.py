@@ -7,9 +7,12 @@ private folder as plain files, so that nothing crosses the process boundary as a
 - datasets: ``datasets.Dataset.save_to_disk`` (Arrow) into ``<run>/train`` / ``<run>/eval``; a
   list or a torch map-style dataset is first turned into a ``datasets.Dataset``;
 - the tokenizer: ``save_pretrained`` into ``<run>/tokenizer``;
-- ``TrainingArguments`` (or a ``trl.SFTConfig`` / ``trl.DPOConfig``, then the workers build an
-  ``mt.SFTTrainer`` / ``mt.DPOTrainer``):
-  the fields that differ from their defaults, as JSON, and which class they are;
+- ``TrainingArguments`` (or a ``trl.SFTConfig`` / ``trl.DPOConfig`` / ``trl.GRPOConfig``, then the
+  workers build an ``mt.SFTTrainer`` / ``mt.DPOTrainer`` / ``mt.GRPOTrainer``):
+  the fields that differ from their defaults, as JSON, and which class they are (a GRPOConfig's
+  ``generation_batch_size`` is derived again in the workers, from the ranks: set
+  ``steps_per_generation`` for another one); a GRPO run's ``reward_funcs``: import paths, or a
+  reward model's local folder;
 - engine options, ``seq_len``: JSON; ``loss_fn`` and callbacks: import paths
   (``"package.module:name"``), since a function defined in a notebook cell cannot be imported
   by another process.
@@ -44,6 +47,7 @@ from megatrain_nb.model_source import resolve
 from megatrain_nb.torchrun import LAUNCH_LABEL
 from megatrain_nb.trainer.args import default_values, training_arguments, validate_training_args
 from megatrain_nb.trainer.data import as_example
+from megatrain_nb.trainer.grpo_fields import validate_grpo_args
 from megatrain_nb.trainer.snapshot import BranchStart
 
 from .model_source import build_trainer, default_args
@@ -112,12 +116,13 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
             args = default_args(os.path.join("megatrain_outputs", model), eval_strategy="steps" if on_corpus else "no")
         else:
             args = {"output_dir": "megatrain_outputs"}
-    if type(args).__name__ == "GRPOConfig" or "reward_funcs" in engine_options:
-        raise LaunchError("a multi-process Session of a GRPO run is not wired yet (its reward functions and "
-                          "GRPOConfig do not reach worker processes): run the script under `python -m "
-                          "megatrain_nb.torchrun --nproc-per-node N` (GRPO splits its rollouts across the ranks: "
-                          "docs/GRPO.md), or drop nproc_per_node to train in the kernel")
+    rewards = None
+    if _trl_config(args) == "GRPOConfig" or "reward_funcs" in engine_options:   # (GRPO: rollouts split over ranks)
+        engine_options = dict(engine_options)
+        rewards = _reward_refs(args, engine_options.pop("reward_funcs", None))
     fields = _args_fields(args)
+    if rewards is not None:
+        fields = _grpo_fields(fields, args)
     args_class = _check_args(fields, trl_class=_trl_config(args))   # refused here, before any worker starts
     spec: dict = {"format": 1, "model": _model_ref(run_dir, model, engine_options), "seq_len": seq_len,
                   "args": fields, "args_class": args_class, "engine_options": _json_only(engine_options, "engine option"),
@@ -127,7 +132,7 @@ def write_spec(run_dir: Path, *, model: Any, train_dataset: Any, args: Any, toke
                   "branch": _branch(branch, resume),
                   "train": _dataset(run_dir / "train", train_dataset, "train_dataset"),
                   "eval": _dataset(run_dir / "eval", eval_dataset, "eval_dataset"),
-                  "tokenizer": None}
+                  "tokenizer": None, "reward_funcs": rewards}
     if tokenizer is not None:
         if not hasattr(tokenizer, "save_pretrained"):
             raise LaunchError(f"tokenizer of type {type(tokenizer).__name__} has no save_pretrained(); the worker "
@@ -198,7 +203,37 @@ def _dataset(path: Path, ds: Any, what: str) -> Optional[str]:
     return str(path)
 
 
-TRL_CONFIGS = ("SFTConfig", "DPOConfig")
+TRL_CONFIGS = ("SFTConfig", "DPOConfig", "GRPOConfig")
+
+
+def _reward_refs(args: Any, funcs: Any) -> list:
+    """A GRPO run's reward functions as the workers load them: ``{"ref": "module:name"}`` or a
+    reward model's ``{"folder": path}``."""
+    if _trl_config(args) != "GRPOConfig":
+        raise LaunchError("reward_funcs= trains with mt.GRPOTrainer: give the Session args=trl.GRPOConfig(...)")
+    if funcs is None:
+        raise LaunchError("a GRPOConfig trains from rewards: pass reward_funcs= (importable functions, or reward "
+                          "models' local folders; megatrain_nb.rewards has some)")
+    out = []
+    for f in funcs if isinstance(funcs, (list, tuple)) else [funcs]:
+        if isinstance(f, (str, os.PathLike)) and os.path.isdir(f):
+            out.append({"folder": str(Path(f).resolve())})
+        elif hasattr(f, "save_pretrained"):
+            raise LaunchError(f"the reward model {type(f).__name__} reaches the worker processes as a local folder: "
+                              "save_pretrained it (with its tokenizer) and pass the folder in reward_funcs")
+        else:
+            out.append({"ref": import_ref(f, "reward function")})
+    return out
+
+
+def _grpo_fields(fields: dict, args: Any) -> dict:
+    """A GRPOConfig's fields for the workers: ``generation_batch_size`` left out (GRPOConfig derives
+    it from the ranks it sees: per device x ``steps_per_generation`` x ranks), and
+    ``steps_per_generation`` when it is the accumulation (its default, derived the same way)."""
+    out = {k: v for k, v in fields.items() if k != "generation_batch_size"}
+    if args.steps_per_generation == args.gradient_accumulation_steps:
+        out.pop("steps_per_generation", None)
+    return out
 
 
 def _trl_config(args: Any) -> Optional[str]:
@@ -211,6 +246,11 @@ def _check_args(fields: dict, *, trl_class: Optional[str] = None) -> str:
     """Check the arguments the workers will build (so that they are refused before any starts);
     returns the class they build: ``"TrainingArguments"``, ``"SFTConfig"`` (an SFTTrainer) or
     ``"DPOConfig"`` (a DPOTrainer)."""
+    if trl_class == "GRPOConfig":
+        config = _trl_args(fields, trl_class)
+        validate_training_args(config, where="args")
+        validate_grpo_args(config)
+        return trl_class
     if trl_class == "DPOConfig":
         # light: the DPO and SFT trainers' modules (transformers) away from a kernel that launches plain ranks
         from megatrain_nb.trainer.dpo import validate_dpo_args
@@ -324,6 +364,9 @@ def build_from_spec(run_dir: Path):
         options["loss_fn"] = load_ref(spec["loss_fn"], "loss_fn")
     if spec["callbacks"]:
         options["callbacks"] = [load_ref(c, "callback") for c in spec["callbacks"]]
+    if spec.get("reward_funcs"):   # a GRPO run's (write_spec's _reward_refs)
+        options["reward_funcs"] = [r["folder"] if "folder" in r else load_ref(r["ref"], "reward function")
+                                   for r in spec["reward_funcs"]]
     args = None
     if spec.get("args_class") in TRL_CONFIGS:   # the workers build an SFT/DPOTrainer (model_source.build_trainer)
         args = _trl_args(spec["args"], spec["args_class"])

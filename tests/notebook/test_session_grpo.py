@@ -103,12 +103,3 @@ def test_beta_needs_the_starting_weights(tmp_path):
             s.fork(step=1, beta=0.04)
     finally:
         s.close()
-
-
-def test_grpo_over_ranks_is_refused_before_any_worker_starts(tmp_path):
-    from megatrain_nb.notebook.launch_spec import LaunchError, write_spec
-
-    with pytest.raises(LaunchError, match="multi-process Session of a GRPO run is not wired yet.*torchrun"):
-        write_spec(tmp_path, model="micro", train_dataset=prompts(), args=config(tmp_path), tokenizer=None,
-                   eval_dataset=None, seq_len=None, loss_fn=None, callbacks=None,
-                   engine_options={"reward_funcs": [reward_yes]})

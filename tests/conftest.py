@@ -1,6 +1,7 @@
 import contextlib
 import fcntl
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -23,14 +24,22 @@ ROOT = os.environ.get("MEGATRAIN_NB_TEST_ROOT") or tempfile.mkdtemp(prefix="mtnb
 if WORKER or "MEGATRAIN_NB_RUNTIME_DIR" not in os.environ:
     os.environ["MEGATRAIN_NB_RUNTIME_DIR"] = tempfile.mkdtemp(prefix=f"runtime-{WORKER or 'main'}-", dir=ROOT)
 # the engine's plans follow the planner's rules, never a measurement `megatrain-nb machine` cached
-# on the machine running the tests (engine/planning/plan_pick.py); the tests of the predicted pick unset it
-os.environ["MEGATRAIN_NB_PLAN_BY"] = "rules"
+# on the machine running the tests (engine/planning/plan_pick.py); the tests of the predicted pick unset it.
+# MEGATRAIN_NB_TEST_RATES=<a cache folder holding `megatrain-nb machine`'s measurement> (scripts/test.sh's
+# second pass over the engine's memory and parity tests) is the other way round: the measured rates are
+# in the cache and every engine plans by them, as a user's does after `megatrain-nb machine` -- the same
+# tests must pass either way.
+MEASURED_RATES = os.environ.get("MEGATRAIN_NB_TEST_RATES") or ""
+if MEASURED_RATES:
+    os.environ.pop("MEGATRAIN_NB_PLAN_BY", None)
+else:
+    os.environ["MEGATRAIN_NB_PLAN_BY"] = "rules"
 
 
 def _test_cache() -> str:
     """A cache folder of the session's own (of each worker's own): no test reads (or leaves) this
     machine's measured rates (predictions, the dashboard's predicted step and the planner's pick see
-    only the rates a test gives them); the built-in corpus's cached tokenizers are linked in, not
+    only the rates a test gives them; MEGATRAIN_NB_TEST_RATES copies a measurement in); the built-in corpus's cached tokenizers are linked in, not
     built again, and so are the fused update's compiled kernels (one build for the session and its
     workers: a worker links the controller's cache, whose entries are the user's or its own)."""
     user = os.environ.get("MEGATRAIN_NB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatrain_nb")
@@ -39,6 +48,13 @@ def _test_cache() -> str:
         for name in os.listdir(user):
             if not name.startswith("machine-"):
                 os.symlink(os.path.join(user, name), os.path.join(own, name))
+    if MEASURED_RATES:   # copied: the engine never follows a link to a cache file
+        measured = [n for n in os.listdir(MEASURED_RATES) if n.startswith("machine-")]
+        if not measured:
+            raise RuntimeError(f"MEGATRAIN_NB_TEST_RATES={MEASURED_RATES}: no machine-*.json there "
+                               f"(measure into it: MEGATRAIN_NB_CACHE={MEASURED_RATES} megatrain-nb machine)")
+        for name in measured:
+            shutil.copy(os.path.join(MEASURED_RATES, name), os.path.join(own, name))
     if not os.path.exists(os.path.join(own, "kernels")):
         os.mkdir(os.path.join(own, "kernels"), 0o700)
     return own

@@ -136,23 +136,31 @@ class UnitAdamW:
         return UnitRun(self, unit, params, step, old)
 
     def fused(self, params, grads, exp_avg, exp_avg_sq, step, lr: float, wd: float) -> None:
-        """AdamW on flat fp32 buffers: ``torch._fused_adamw_`` (one call's result), in pieces on the
-        update's threads (:attr:`team`, each thread one torch thread), each piece starting on an
-        :data:`ADAMW_ALIGN` boundary so only the last one has the scalar tail the whole call has:
-        bit for bit one call. (The fused kernels' AdamW, ``fused_update``, gives the same floats; on
-        an AVX2 host it measured several times slower than torch's, so torch's runs here.)"""
+        """AdamW on flat fp32 buffers, one call of ``torch._fused_adamw_``'s result bit for bit: the
+        fused kernels' (``fused_update``: torch's arithmetic with one division fewer) where they are
+        built, else torch's own; in pieces on the update's threads (:attr:`team`; one piece per
+        thread, each starting on an :data:`ADAMW_ALIGN` boundary, so only the last one has the
+        scalar tail the whole call has)."""
+        k, n = kernels(), params.numel()
+        flat = all(t.is_contiguous() and t.device.type == "cpu" for t in (params, grads, exp_avg, exp_avg_sq))
+        if k is not None and flat and all(t.dtype == torch.float32 for t in (params, grads, exp_avg, exp_avg_sq)):
+            args = adam_args(lr=float(lr), beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd,
+                             step=float(step), decay_end=n, regions=[(0, n)], width=k.width)
+            self.team.run(n, ADAMW_ALIGN, lambda s, e: k.adamw(params[s:e], grads[s:e], exp_avg[s:e],
+                                                                exp_avg_sq[s:e], s, args), piece=ADAMW_PIECE)
+            return
+
         def one(s: int, e: int) -> None:
             torch._fused_adamw_([params[s:e]], [grads[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], [], [step],
                                 lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
                                 eps=self.eps, amsgrad=False, maximize=False)
-        flat = all(t.is_contiguous() and t.device.type == "cpu" for t in (params, grads, exp_avg, exp_avg_sq))
         if self.team.threads == 1 or not flat:
-            one(0, params.numel())
+            one(0, n)
             return
         prev = torch.get_num_threads()
         torch.set_num_threads(1)   # (this thread is one of the team)
         try:
-            self.team.run(params.numel(), ADAMW_ALIGN, one, piece=ADAMW_PIECE)
+            self.team.run(n, ADAMW_ALIGN, one, piece=ADAMW_PIECE)
         finally:
             torch.set_num_threads(prev)
 

@@ -19,8 +19,9 @@ from transformers import GenerationConfig  # noqa: E402
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine  # noqa: E402
 from megatrain_nb.engine.compute.decode import StreamedDecoder, draw  # noqa: E402
-from megatrain_nb.trainer.grpo_ranks import (check_rollout_seeds, rank_rows, row_generators,  # noqa: E402
-                                             seeded_shuffle)
+from megatrain_nb.trainer.grpo_ranks import (check_rollout_seeds, gather_rewards, gather_rows,  # noqa: E402
+                                             rank_rows, row_generators, seeded_shuffle)
+from megatrain_nb.trainer.grpo_rollout import RewardError  # noqa: E402
 
 from ..distributed.launch import alone, check, torchrun  # noqa: E402
 from .test_grpo_parity import NOT_COMPARED, tiny_model, tokenizer  # noqa: E402
@@ -110,6 +111,37 @@ def test_sampling_rules_and_slices():
 
 
 EVAL_TIMES = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+
+
+class _Rank1:
+    """Rank 1 of 2 for the gathers: ``all_gather_json`` answers rank 0's value, then its own (as JSON)."""
+    world, rank = 2, 1
+
+    def __init__(self, rank0):
+        self.rank0 = rank0
+
+    def all_gather_json(self, obj):
+        return json.loads(json.dumps([self.rank0, obj]))
+
+
+def test_gathers_keep_rank_order_and_values_and_a_failed_reward_stops_every_rank():
+    mine = torch.tensor([[0.1, -3.25e-7], [float("nan"), 7.0]])
+    got = gather_rewards(_Rank1({"error": None, "v": [[1.5, 2.0]]}), lambda: mine)
+    assert got.dtype == torch.float32 and got.shape == (3, 2) and got[0].tolist() == [1.5, 2.0]
+    assert torch.equal(got[1:].nan_to_num(-1), mine.nan_to_num(-1))   # exact, None-as-NaN kept
+    logps = torch.randn(2, 5)
+    out = gather_rows(_Rank1({"shape": [5], "v": torch.ones(1, 5).double().tolist()}), logps)
+    assert torch.equal(out[1:], logps) and torch.equal(out[0], torch.ones(5))   # float32 exact through JSON
+
+    def fails():
+        raise RewardError("the reward function 'f' raised ValueError")
+
+    # this rank's function failed: every rank raises (here rank 1, naming itself)...
+    with pytest.raises(RewardError, match="rank 1: the reward function 'f' raised"):
+        gather_rewards(_Rank1({"error": None, "v": [[1.5, 2.0]]}), fails)
+    # ...and so does a rank whose own functions succeeded, naming the one that failed
+    with pytest.raises(RewardError, match="rank 0: boom"):
+        gather_rewards(_Rank1({"error": "boom", "v": None}), lambda: mine)
 
 
 def _logs(folder, key="loss"):

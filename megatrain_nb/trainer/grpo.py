@@ -206,7 +206,10 @@ class GRPOTrainer(Trainer):
 
     Same constructor as ``trl.GRPOTrainer`` (``model``, ``reward_funcs``, ``args``,
     ``train_dataset``, ``eval_dataset``, ``processing_class``, ``reward_processing_classes``,
-    ``callbacks``) plus any EngineConfig field as a keyword.
+    ``callbacks``) plus any EngineConfig field as a keyword, and ``generation=`` (``"auto"`` |
+    ``"resident"`` | ``"streamed"``: where completions are sampled) and ``rollout_seeds=``
+    (``"global"``: TRL's order of draws, one process's default | ``"per_rollout"``: each rollout's
+    own stream, the rule under several ranks: :mod:`.grpo_ranks`).
     """
 
     _eval_set_later = True   # the eval prompts are kept after Trainer.__init__; the eval plan is checked before it
@@ -472,7 +475,8 @@ class GRPOTrainer(Trainer):
                              "from a module with beta=0); start the run with beta > 0, or from a model folder")
         return GRPOTrainer(model=model, reward_funcs=self.reward_funcs, args=args, train_dataset=train_dataset,
                            eval_dataset=eval_dataset, processing_class=self.tokenizer,
-                           reward_processing_classes=self.reward_processing_classes, ref_model=self._ref_source)
+                           reward_processing_classes=self.reward_processing_classes, ref_model=self._ref_source,
+                           rollout_seeds=self.rollout_seeds)
 
     def close(self) -> None:
         """As :meth:`Trainer.close`, and the reference's engine when one was built."""

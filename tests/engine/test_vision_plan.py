@@ -58,3 +58,59 @@ def test_bad_image_inputs_are_refused_by_name():
         mt.estimate(cfg, image_tokens=10, max_pixels=10000)
     with pytest.raises(ValueError, match="has no vision tower"):
         mt.estimate("tiny", image_tokens=10)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "gemma3", "idefics3", "smolvlm"])
+def test_the_towers_parameters_from_the_config(family):
+    """tower_params (torch-free, from the config) within 2% of the model's own count of its vision
+    tower and projector."""
+    from megatrain_nb.engine.planning.vision_plan import tower_params
+    from megatrain_nb.engine.vision import frozen_names
+
+    model = _model(family)
+    names = frozen_names(model, ["vision_tower", "projector"])
+    real = sum(p.numel() for n, p in model.named_parameters() if n in names)
+    assert abs(tower_params(model.config) - real) <= 0.02 * real
+
+
+def _placed(budget_gib, **kw):
+    from megatrain_nb.engine.planning.vision_plan import place_vision
+
+    args = dict(batch=1, image_tokens=1280, compute_bytes=2, embed_numel=545_000_000 + 676_515_200,
+                largest_other=233_000_000, device_total=int(25 * 2 ** 30), cuda=True)
+    args.update(kw)
+    return place_vision(_qwen25_vl_7b(), device_budget=None if budget_gib is None else int(budget_gib * 2 ** 30),
+                        **args)
+
+
+def test_the_planner_counts_both_placements_of_the_tower_and_says_which():
+    """Qwen2.5-VL-7B, 1,280 image tokens, bf16 on CUDA: resident costs the tower's weights, the
+    gradient staging the larger embed unit takes and its whole graph; streamed by blocks two block
+    slots, one block's gradient, the blocks' boundaries and one block's re-run, but one more load
+    of the tower and one more forward a micro-batch. Resident where the plan fits (it moves least),
+    streamed where only it fits (said not built), resident where neither fits."""
+    from megatrain_nb.engine.planning.vision_plan import VisionShape, tower_params
+
+    cfg = _qwen25_vl_7b()
+    p, shape = tower_params(cfg), VisionShape.of(cfg)
+    graph = shape.work_bytes(batch=1, image_tokens=1280, compute_bytes=2)
+    roomy = _placed(80)
+    assert roomy.params == p and roomy.choice == "resident" and roomy.built
+    assert roomy.resident_bytes == p * 2 + p * (2 * 4 + 2) + graph
+    assert roomy.streamed_bytes < roomy.resident_bytes / 10
+    assert roomy.extra_h2d_bytes == 2 * p and roomy.extra_flops == 2.0 * p * 1280 * 4
+    assert roomy.extra_seconds is None and "it fits the device budget" in roomy.words()
+    tight = _placed(24)
+    assert tight.choice == "streamed" and not tight.built
+    assert "over the 24.0 GiB budget" in tight.words() and "not built" in tight.words()
+    assert _placed(8).choice == "resident" and "neither fits" in _placed(8).reason
+    assert _placed(None).choice == "resident"
+    timed = _placed(80, h2d_bytes_per_s=25e9, flops_per_s=400e12)
+    assert timed.extra_seconds == pytest.approx(2 * p / 25e9 + 2.0 * p * 1280 * 4 / 400e12)
+
+
+def test_the_estimate_says_where_the_tower_goes():
+    cfg = _model("qwen2_vl").config
+    line = [n for n in mt.estimate(cfg, seq=64, image_tokens=16, vram_gb=8).notes if n.startswith("vision tower")]
+    assert len(line) == 1 and ": resident --" in line[0] and "streamed by blocks" in line[0]
+    assert not [n for n in mt.estimate(cfg, seq=64, vram_gb=8).notes if n.startswith("vision tower")]

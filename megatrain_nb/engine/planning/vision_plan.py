@@ -92,3 +92,135 @@ def image_tokens_of(config, image_tokens: Optional[int], max_pixels: Optional[in
         raise ValueError(f"{tokens} image tokens per row do not fit seq={seq}: seq counts every token of a row, "
                          "image tokens included (as TRL's max_length does); raise seq.")
     return tokens
+
+
+def tower_params(config) -> int:
+    """The vision tower's and projector's parameters, from the config (about: within a few percent;
+    biases and norms counted per layer, a gated MLP where the family's vision MLP is gated)."""
+    shape = VisionShape.of(config)
+    if shape is None:
+        return 0
+    vc = config.vision_config
+    w, inter = shape.width, shape.intermediate
+    gated = str(getattr(config, "model_type", "")).startswith("qwen2_5_vl")   # (SwiGLU: gate, up, down)
+    per_layer = 4 * w * w + (3 if gated else 2) * w * inter + 9 * w + inter
+    out = int(getattr(vc, "out_hidden_size", None) or getattr(text_config_of(config), "hidden_size", w) or w)
+    head = per_layer if getattr(vc, "vision_use_head", False) else 0   # (SigLIP's pooling head, where it is kept)
+    return (shape.depth * per_layer + head + shape.patch_inputs * w + _projector_params(config, shape, out)
+            + 2 * w)
+
+
+def _projector_params(config, shape: VisionShape, out: int) -> int:
+    """The projector's matrices and the tower's position table, by the family's merge."""
+    w, vc = shape.width, config.vision_config
+    merged = w * shape.patches_per_token
+    if getattr(vc, "spatial_merge_size", None):        # Qwen-VL's merger: an MLP over 2x2 merged patches
+        return merged * merged + merged * out
+    side = int(getattr(vc, "image_size", 0) or 0) // max(1, shape.patch_size)
+    table = side * side * w                            # a learned position per patch (CLIP, SigLIP)
+    if getattr(config, "scale_factor", None):           # Idefics3 / SmolVLM: pixel shuffle, one matrix
+        return table + merged * out
+    if getattr(config, "mm_tokens_per_image", None):    # Gemma 3: pooled, one matrix
+        return table + w * out
+    return table + w * out + out * out                 # LLaVA: a two-layer MLP
+
+
+def text_config_of(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else getattr(config, "text_config", config)
+
+
+@dataclass(frozen=True)
+class VisionPlacement:
+    """Where the vision tower's weights sit for a step, both options counted.
+
+    ``resident``: inside the ``embed`` unit (what the engine runs): its weights on the device for
+    the whole step, in once and their gradient out once per step, its whole graph held in the
+    embedding's backward, and the embed unit (the largest unit: the device's gradient staging is
+    sized by it) that much larger. ``streamed``: by vision blocks as the decoder layers stream (two
+    block slots, one block's gradient, the blocks' boundary activations and one block's re-run),
+    each block loaded twice per window (the capture and the backward) and its forward run once
+    more (the re-run). ``extra_*``: what the streamed option costs beyond the resident one per
+    step (bytes moved host->device, FLOPs recomputed, seconds at the given rates)."""
+    choice: str                 # "resident" | "streamed"
+    built: bool                 # whether the engine runs the choice (streaming the tower is not built)
+    params: int
+    resident_bytes: int         # device bytes the tower adds kept resident
+    streamed_bytes: int         # ... streamed by blocks
+    extra_h2d_bytes: int        # streamed: one more load of the tower's weights per step
+    extra_flops: float          # streamed: one more forward of the tower per micro-batch
+    extra_seconds: Optional[float]
+    reason: str
+
+    def words(self, fmt=lambda b: f"{b / 2 ** 30:.1f} GiB") -> str:
+        """The estimate's and the run header's line."""
+        cost = f"{fmt(self.extra_h2d_bytes)} more host->device and {self.extra_flops / 1e12:.2f} TFLOP recomputed a step"
+        if self.extra_seconds is not None:
+            cost += f" (~{self.extra_seconds:.2f} s)"
+        line = (f"vision tower ({self.params / 1e9:.2f}B parameters with its projector): {self.choice} -- resident "
+                f"{fmt(self.resident_bytes)} on the device, streamed by blocks {fmt(self.streamed_bytes)} but "
+                f"{cost}; {self.reason}")
+        if not self.built:
+            line += " (streaming the tower by blocks is not built: the engine keeps it resident, over the budget)"
+        return line
+
+
+def place_vision(config, *, batch: int, image_tokens: int, accumulation: int = 1, compute_bytes: int,
+                 embed_numel: int, largest_other: int, device_total: int, device_budget: Optional[int],
+                 cuda: bool = True, h2d_bytes_per_s: Optional[float] = None,
+                 flops_per_s: Optional[float] = None) -> Optional[VisionPlacement]:
+    """Both placements of the vision tower counted and one picked (None: no vision tower).
+
+    ``embed_numel``: the embed unit with the tower inside; ``largest_other``: the largest other
+    unit (a layer or the head); ``device_total``: the
+    plan's device bytes with the tower resident (the engine's placement). Resident costs no
+    extra transfer or recompute, so it is picked wherever the plan fits the device budget (or no
+    budget is given); streamed where only it fits."""
+    shape = VisionShape.of(config)
+    if shape is None:
+        return None
+    p = min(tower_params(config), embed_numel)
+    per_grad = (2 * 4 + compute_bytes) if cuda else 4          # the device's gradient staging per element
+    graph = shape.work_bytes(batch=batch, image_tokens=image_tokens, compute_bytes=compute_bytes)
+    # (the gradient staging is sized by the largest unit: the embed unit with the tower inside)
+    staging_gain = (max(embed_numel, largest_other) - max(embed_numel - p, largest_other)) * per_grad
+    resident = p * compute_bytes + staging_gain + graph
+    block = max(1, p // max(1, shape.depth))
+    patches = batch * image_tokens * shape.patches_per_token
+    boundary = shape.depth * patches * shape.width * compute_bytes
+    one_block = graph // max(1, shape.depth + 1)
+    streamed = 2 * block * compute_bytes + block * per_grad + boundary + one_block
+    extra_h2d = p * compute_bytes                           # each block in twice per window, not once
+    extra_flops = 2.0 * p * patches * max(1, accumulation)   # each micro-batch's tower forward once more
+    secs = None
+    if h2d_bytes_per_s and flops_per_s:
+        secs = extra_h2d / h2d_bytes_per_s + extra_flops / flops_per_s
+    other = device_total - resident
+    if device_budget is None or device_total <= device_budget:
+        choice, why = "resident", ("it fits the device budget" if device_budget is not None else "no device budget")
+        why += ", and it moves and recomputes least"
+    elif other + streamed <= device_budget:
+        choice, why = "streamed", (f"resident the plan needs {device_total / 2 ** 30:.1f} GiB, over the "
+                                   f"{device_budget / 2 ** 30:.1f} GiB budget; streamed it needs "
+                                   f"{(other + streamed) / 2 ** 30:.1f} GiB")
+    else:
+        choice, why = "resident", "neither fits the device budget; the plan says what to change"
+    return VisionPlacement(choice, choice == "resident", p, resident, streamed, extra_h2d, extra_flops, secs, why)
+
+
+def vision_lines(config, plan, units, workload, device_budget: Optional[int], precision: str, cuda: bool,
+                 rates=None) -> list:
+    """The estimate's line on the vision tower's placement (:func:`place_vision`; none for a
+    text-only model or a workload without image tokens). ``units``: the plan's unit specs."""
+    if VisionShape.of(config) is None or not workload.image_tokens:
+        return []
+    bf16 = precision == "bf16"
+    flops = getattr(rates, "bf16_matmul_flops" if bf16 else "matmul_flops", 0.0) if rates is not None else 0.0
+    got = place_vision(config, batch=workload.batch, image_tokens=workload.image_tokens,
+                       accumulation=workload.accumulation, compute_bytes=2 if bf16 else 4,
+                       embed_numel=max([u.numel for u in units if u.kind == "embed"] or [0]),
+                       largest_other=max([u.numel for u in units if u.kind != "embed"] or [0]),
+                       device_total=plan.device["total"], device_budget=device_budget, cuda=cuda,
+                       h2d_bytes_per_s=getattr(rates, "h2d_pinned", None) if rates is not None else None,
+                       flops_per_s=flops or None)
+    return [got.words()] if got is not None else []

@@ -32,7 +32,7 @@ from megatrain_nb.engine.planning.rates import precision_words
 from megatrain_nb.engine.planning.codec_choice import RECOMMENDED, estimate_lines, estimate_pick
 from megatrain_nb.engine.planning.estimator_dpo import format_bytes, reference_cache_bytes, reference_lines
 from megatrain_nb.engine.planning.estimator_grpo import plan_generation, price, split_seq
-from megatrain_nb.engine.planning.vision_plan import image_tokens_of
+from megatrain_nb.engine.planning.vision_plan import image_tokens_of, vision_lines
 from megatrain_nb.model_source import resolve
 from megatrain_nb.values import check
 
@@ -425,12 +425,12 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
                             disk_auto=disk_gb == "auto" and bool(offload_dir), disk_path=disk_path)
     notes += estimate_lines(compression, choice, comp, plan)
     notes += reference_lines(pairs) if pairs is not None else []   # a DPO run's reference pass
-    cache = reference_cache_bytes(pairs) if pairs is not None else None
+    notes += vision_lines(config, plan, units, work, budgets["device"], precision, device != "cpu", rates)
     est = Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
                                                                                 batch=batch, seq=seq),
                     notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min,
-                    reference_cache_bytes=cache,   # (TF32 off, as torch starts)
+                    reference_cache_bytes=reference_cache_bytes(pairs) if pairs is not None else None,
                     precision_note=precision_words(precision, False, rates) if device != "cpu" else None)
     est.grpo = plan_generation(config, units, plan, budgets, *grpo, precision=precision) if grpo else None   # GRPO
     if rates is not None:

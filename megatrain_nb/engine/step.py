@@ -65,6 +65,19 @@ from .updates.updates import StepContext
 from .window import BoundaryStore
 
 
+class _AllCaptured(BaseException):
+    """Raised by the capture once every layer's call is recorded: the rest of the model's forward
+    (its post-layer code: the final norm) is not run there -- the head replays it. A
+    BaseException, so a model's ``except Exception`` does not swallow it."""
+
+
+def head_late_order(units: List[Unit]) -> List[Unit]:
+    """The embedding, the layers, then the head: the order a training forward acquires units once
+    the model is known not to use the head's modules before its layers (:attr:`StepRunner.head_late`),
+    and the order a clipped step's updates then run in (the next forward's)."""
+    return [units[0]] + list(units[1:-1]) + [units[-1]]
+
+
 def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -115,6 +128,12 @@ class StepRunner:
         # the units' fp32 gradient sums on the device (``reached``: told what an outer unit's backward reached)
         self.sums = GradSums(pager, device, grad_buffer, reached)
         self._mode: Optional[Callable] = None   # the proxies' mode: capture or replay (None: run the layer)
+        #: Whether a training forward binds the head after its last layer (not before the first):
+        #: learned at the first training capture, which runs with the head bound and watches its
+        #: modules -- True when none ran before every layer's call was recorded. A clipped step's
+        #: updates then run embedding, layers, head, and the forward waits for the embedding's
+        #: update only before its first layer (the head's runs behind the layers' compute).
+        self.head_late: Optional[bool] = None
         self._tuple_out = False    # whether the layers return a tuple (learned from real calls)
         self._out_template: Dict[int, tuple] = {}   # per layer: proxies.template_of its output
         self._guessed: set = set()   # layers whose output shape _out guessed in this pass
@@ -141,10 +160,11 @@ class StepRunner:
         return self.sums.peak
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self, train: bool, k: Optional[int] = None) -> List[Unit]:
-        """The units' compute order; ``k``: the checkpoint interval (default the runner's)."""
+    def schedule(self, train: bool, k: Optional[int] = None, head_late: bool = False) -> List[Unit]:
+        """The units' compute order; ``k``: the checkpoint interval (default the runner's);
+        ``head_late``: a training forward that binds the head after its last layer."""
         layers = self.layers
-        order = forward_order(self.units)
+        order = head_late_order(self.units) if train and head_late else forward_order(self.units)
         k = self.checkpoint_interval if k is None else k
         if train and k > 0:
             n = len(layers)
@@ -226,13 +246,21 @@ class StepRunner:
             if unit.layer_index == 0:
                 h0.append(hidden)
             calls[unit.layer_index] = LayerCall.captured(args, kwargs, unit.layer_index, keys, keep_graph)
+            if len(calls) == len(self.layers):
+                raise _AllCaptured()
             return self._out(hidden, unit, args, kwargs)
 
         self._mode = capture
         self._guessed = set()
+        watch = self._watch_head(calls) if self.head_late is None and grad_on else None
         try:
             with self.images.mode(None if keep_graph else "record"):   # (the head's replay takes them: vision.py)
-                self._base_forward(ids, am)
+                try:
+                    self._base_forward(ids, am)
+                except _AllCaptured:
+                    pass
+            if watch is not None and len(calls) == len(self.layers):
+                self.head_late = not watch["used"]
         except (TypeError, ValueError, IndexError) as e:
             if not self._guessed:
                 raise
@@ -245,7 +273,23 @@ class StepRunner:
         finally:
             self._mode = None
             keys.close()
+            if watch is not None:
+                for h in watch["hooks"]:
+                    h.remove()
         return h0[0]
+
+    def _watch_head(self, calls: Dict[int, LayerCall]) -> dict:
+        """Forward pre-hooks on the head's modules for one capture: ``used`` when one runs before
+        every layer's call is recorded (a module registered after the layers, called before them)."""
+        watch = {"used": False, "hooks": []}
+        n = len(self.layers)
+
+        def pre(_mod, _args):
+            if len(calls) < n:
+                watch["used"] = True
+        mods = {id(m): m for e in self.head.params for m, _ in e.bindings}
+        watch["hooks"] = [m.register_forward_pre_hook(pre) for m in mods.values()]
+        return watch
 
     def _replay(self, ids, am, h_last: torch.Tensor) -> torch.Tensor:
         """The model's own post-layer code (final norm, ...) on ``h_last``: the base forward
@@ -299,9 +343,9 @@ class StepRunner:
         self._learn_output(unit, out)
         return out
 
-    def _bind_outer(self, requires_grad: bool) -> Dict[int, List[torch.Tensor]]:
+    def _bind_outer(self, requires_grad: bool, units=None) -> Dict[int, List[torch.Tensor]]:
         bound = {}
-        for u in (self.embed, self.head):
+        for u in units or (self.embed, self.head):
             bound[u.index] = bind(u, self.pager.acquire(u), requires_grad=requires_grad) \
                 if u.numel else []
         return bound
@@ -313,14 +357,17 @@ class StepRunner:
 
     # ------------------------------------------------------------------ one group of micro-batches
     def run(self, batches, *, loss_fn=None, step: StepContext, denom: float, tier: str = "device",
-            k: Optional[int] = None, data: Optional[list] = None) -> Tuple[float, int, int, List[HeadOut]]:
+            k: Optional[int] = None, data: Optional[list] = None,
+            head_late: bool = False) -> Tuple[float, int, int, List[HeadOut]]:
         """Forward and backward of ``batches`` (each ``(ids, am, labels)`` on the device),
         layer-major, with checkpoint interval ``k`` (default: the runner's; the planner may
         choose a larger one for a window, block recompute keeps the result the same), the
         boundary activations on ``tier``; the gradients go to the pager, that of ``sum of token
         losses / denom`` (a sequence objective's: of the sum of its micro-batch losses). ``data``:
-        each micro-batch's ``objective_data`` (None: none), handed to the head with it. Returns
-        (token loss sum, target tokens, tokens, each micro-batch's :class:`.HeadOut`)."""
+        each micro-batch's ``objective_data`` (None: none), handed to the head with it.
+        ``head_late``: the head is bound after the last layer (:attr:`head_late`; the pending
+        updates run in that order). Returns (token loss sum, target tokens, tokens, each
+        micro-batch's :class:`.HeadOut`)."""
         k = self.checkpoint_interval if k is None else k
         A = len(batches)
         long_attention(self.model, *batches[0][0].shape)   # eager attention at a long length: SDPA or a warning
@@ -333,11 +380,12 @@ class StepRunner:
         # for -- 10 % slower in bench_accumulation -- and it holds no more sums than that)
         self.sums.straight = step.straight and A > 1
         self.boundary.start(tier)
-        self._start(self.schedule(True, k), step)
+        head_late = head_late and bool(self.head_late)
+        self._start(self.schedule(True, k, head_late), step)
         training = self.model.training
         try:
             # 1. capture: each micro-batch's layer calls and layer 0's input
-            bound = self._bind_outer(requires_grad=True)
+            bound = self._bind_outer(requires_grad=True, units=(self.embed,) if head_late else None)
             calls: List[Dict[int, LayerCall]] = [{} for _ in range(A)]
             rng_embed = [None] * A
             rng: List[Dict[int, Any]] = [{} for _ in range(A)]
@@ -389,6 +437,8 @@ class StepRunner:
         last layer's output, a tied embedding's sum so far, the head's sum when it waits for the
         embedding's backward, else None)."""
         head, embed = self.head, self.embed
+        if head.index not in bound:   # (head_late: bound after the last layer)
+            bound.update(self._bind_outer(requires_grad=True, units=(head,)))
         head_acc = embed_acc = None
         heads, gs = [], []
         for a, (ids, am, _) in enumerate(batches):
@@ -625,6 +675,9 @@ class Steps:
         self.layer_names, self.clip_hold_disk = layer_names, clip_hold_disk
         self.last_plan: Optional[WindowPlan] = None
         self.boundary_peak = {"device": 0, "host": 0, "disk": 0}   # over all windows, per tier
+        #: The order the pending updates were queued in: head last (StepRunner.head_late), or
+        #: first. The next forward acquires its units in that order (a mismatch is only slower).
+        self._pending_late = False
 
     def hold(self) -> str:
         """Where final gradients wait for the clipping norm ("host" | "disk")."""
@@ -659,10 +712,11 @@ class Steps:
             last = g0 + wp.group_size >= len(batches)
             step = self.updates.context(step_lr if last else None, max_grad_norm if last else None, self.hold())
             self.updates.begin(step)
+            late_forward = self._order_updates(step)
             try:
                 part, cnt, tokens, got = self.runner.run(
                     group, loss_fn=loss_fn, step=step, denom=denom, tier=wp.tier, k=wp.checkpoint_interval,
-                    data=data[g0:g0 + wp.group_size] if data is not None else None)
+                    data=data[g0:g0 + wp.group_size] if data is not None else None, head_late=late_forward)
                 heads += got
                 self.pager.wait_grads()
                 # The finiteness check sees the whole window's loss (every group's so far): the
@@ -694,3 +748,15 @@ class Steps:
         self.counters.add("micro_batches", len(batches))
         self.counters.add("step_seconds", time.perf_counter() - t0)
         return loss_sum / max(n, 1), n, norm, skipped, heads
+
+    def _order_updates(self, step: StepContext) -> bool:
+        """Whether this micro-batch's forward binds the head last: the order the pending updates
+        were queued in (head last only once the runner learned the model allows it). A micro-batch
+        that updates queues its own in the order the next forward will take (the updates' order
+        when they wait for the norm: the next forward's)."""
+        late = self._pending_late
+        self._pending_late = bool(self.runner.head_late)
+        if step.updates:
+            units = self.updates.units
+            self.updates.update_order = head_late_order(units) if self._pending_late else forward_order(units)
+        return late

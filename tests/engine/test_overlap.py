@@ -16,7 +16,6 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.units import forward_order
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
@@ -35,9 +34,9 @@ class Recorder:
     the units whose updates ran after the norm, in order; the units the compute acquired, in order;
     and, once armed, each update held until the forward has acquired the unit before it."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, arm_at: int = 1):
         self.engine = engine
-        self.order = [u for u in forward_order(engine.units) if u.numel > 0]
+        self.order = []   # the units in the order the armed step's updates were queued
         self.armed = False
         self.applied, self.acquired = [], []
         self.seen = {u.index: threading.Event() for u in engine.units}
@@ -47,10 +46,12 @@ class Recorder:
         apply, acquire, ready = runner.apply, pager.acquire, runner.ready_weights
         after_norm, self.norms = runner.submit_after_norm, 0
 
-        def armed_after_norm(*args, **kw):   # armed for the first clipped step's updates only
+        def armed_after_norm(order, *args, **kw):   # armed for one clipped step's updates only
             self.norms += 1
-            self.armed = self.norms == 1
-            return after_norm(*args, **kw)
+            self.armed = self.norms == arm_at
+            if self.armed:
+                self.order = list(order)
+            return after_norm(order, *args, **kw)
 
         def gated_apply(unit, lr, grad=None, **kw):
             if self.armed:
@@ -86,31 +87,91 @@ def _engine(tmp_path, **options):
                            EngineConfig(device="cpu", offload_dir=str(tmp_path / "disk"), **options))
 
 
-@pytest.mark.parametrize("tier", [t if t == "ram" else pytest.param(t, marks=pytest.mark.slow) for t in TIERS])
-def test_clipped_updates_run_in_the_next_forwards_order_and_each_unit_waits_for_its_own(tmp_path, tier):
+def _run(tmp_path, tier: str, arm_at: int) -> Recorder:
+    """Steps of a clipped run, the updates of step ``arm_at`` recorded and gated while the next
+    forward runs."""
     e = _engine(tmp_path, **TIERS[tier])
     try:
-        rec = Recorder(e)
+        rec = Recorder(e, arm_at)
         ids = torch.randint(0, 256, (2, 16))
-        # step 1's updates wait for the norm and run while step 2's forward runs (armed from the
-        # moment they are queued to step 2's own); the coefficient clips (applied)
-        e.forward_backward(ids, step_lr=1e-3, max_grad_norm=1e-3)
-        e.forward_backward(ids, step_lr=1e-3, max_grad_norm=1e-3)
+        for _ in range(arm_at + 1):   # (max_grad_norm small enough to clip: the coefficient is applied)
+            e.forward_backward(ids, step_lr=1e-3, max_grad_norm=1e-3)
         e.updates.wait_all()
-        assert rec.norms == 2
-        names = [u.name for u in rec.order]
-        # every unit updated once, in the forward's order: the embedding, the head, the layers
-        assert rec.applied[:len(names)] == names, rec.applied
-        # the forward acquired them in that order too (then the recompute and the backward)
-        first = list(dict.fromkeys(rec.acquired))
-        assert first == names, rec.acquired
-        # each update ran only after the forward had acquired the unit before it: the forward took
-        # each unit as soon as its own update was done, never waiting for the ones after it
-        assert (rec.gates_passed, rec.gates_refused) == (len(names) - 1, 0)
-        # a forward load took its unit once that unit's update had run, and no update after it had to
-        for unit, done in rec.waiting_on_own:
-            if unit in names:
-                k = names.index(unit)
-                assert done == names[:k + 1], (unit, done)
+        assert rec.norms == arm_at + 1
+        rec.head_late = e.runner.head_late
+        return rec
     finally:
         e.close()
+
+
+def _check_overlap(rec: Recorder) -> None:
+    names = [u.name for u in rec.order]
+    # every unit updated once, in the order queued
+    assert rec.applied[:len(names)] == names, rec.applied
+    # the next forward acquired them in that order too (then the recompute and the backward)
+    assert list(dict.fromkeys(rec.acquired)) == names, rec.acquired
+    # each update ran only after the forward had acquired the unit before it: the forward took
+    # each unit as soon as its own update was done, never waiting for the ones after it
+    assert (rec.gates_passed, rec.gates_refused) == (len(names) - 1, 0)
+    # when a forward load went ahead, exactly the updates up to its unit had run
+    for unit, done in rec.waiting_on_own:
+        if unit in names:
+            assert done == names[:names.index(unit) + 1], (unit, done)
+
+
+@pytest.mark.parametrize("tier", [t if t == "ram" else pytest.param(t, marks=pytest.mark.slow) for t in TIERS])
+def test_clipped_updates_run_in_the_next_forwards_order_and_each_unit_waits_for_its_own(tmp_path, tier):
+    # the first step binds the embedding and the head before the layers (and learns that this
+    # model's code uses no head module before its layers): its updates run embed, head, layers
+    first = _run(tmp_path / "a", tier, arm_at=1)
+    assert first.head_late is True
+    assert [u.name for u in first.order][:2] == ["embed", "head"]
+    _check_overlap(first)
+    # from then on the forward binds the head after its last layer: the updates run embed,
+    # layers, head, and the forward waits for the embedding's update only before its first layer
+    later = _run(tmp_path / "b", tier, arm_at=2)
+    assert [u.name for u in later.order] == ["embed"] + [f"model.layers.{i}" for i in range(4)] + ["head"]
+    _check_overlap(later)
+
+
+def test_a_model_using_a_head_module_before_its_layers_keeps_the_head_first(tmp_path):
+    """A module registered after the layer list (so in the head unit) but called before the layers:
+    the first capture sees it run, and the forward keeps binding the head first."""
+    class Scaled(torch.nn.Module):   # registered after the layers, called on the embeddings
+        def __init__(self, n):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(n))
+
+        def forward(self, x):
+            return x * self.scale
+
+    model = AutoModelForCausalLM.from_config(CONFIG)
+    base = model.model
+    base.late_scale = Scaled(CONFIG.hidden_size)
+    embed = base.embed_tokens
+    base.embed_tokens = EmbedThen(embed, base.late_scale)
+    e = StreamingEngine(model, EngineConfig(device="cpu"))
+    try:
+        assert "model.late_scale.scale" in [p.name for p in e.units[-1].params]
+        rec = Recorder(e, arm_at=2)
+        ids = torch.randint(0, 256, (2, 16))
+        for _ in range(3):
+            e.forward_backward(ids, step_lr=1e-3, max_grad_norm=1e-3)
+        e.updates.wait_all()
+        assert e.runner.head_late is False
+        assert [u.name for u in rec.order][:2] == ["embed", "head"]
+        _check_overlap(rec)
+    finally:
+        e.close()
+
+
+class EmbedThen(torch.nn.Module):
+    """An embedding followed by a module of the model's registered elsewhere."""
+    def __init__(self, embed, then):
+        super().__init__()
+        self.embed = embed
+        self.then = [then]   # (not a child: its parameters stay where the model registered them)
+        self.weight = embed.weight
+
+    def forward(self, ids):
+        return self.then[0](self.embed(ids))

@@ -53,9 +53,9 @@ def test_each_window_is_bound_by_its_slowest_stream_plus_the_embeddings_update()
     assert other * f > max(ph["forward"], ph["h2d"] * f)
     assert other * (1 - f) + state > max(ph["backward"] + ph["recompute"], ph["h2d"] * (1 - f), ph["d2h"], state + opt)
     # the next forward's first need: the embedding's whole update (its states read, stepped and
-    # written), its weights written, then read back with the head's (both bound first)
-    E, HEAD = UNITS[0].numel, UNITS[-1].numel
-    first = (state + opt) * E / N + 4 * E / 1e7 + 4 * (E + HEAD) / 1e7
+    # written), its weights written, then read back (the head's load comes after the layers)
+    E = UNITS[0].numel
+    first = (state + opt) * E / N + 4 * E / 1e7 + 4 * E / 1e7
     assert p.windows == pytest.approx({"forward": other * f, "backward + updates": other * (1 - f) + state,
                                        "exposed update": first})
     assert p.step_seconds == pytest.approx(disk + first)
@@ -119,8 +119,8 @@ def test_with_clipping_the_updates_overlap_only_the_forward():
     backward = max(ph["backward"] + ph["recompute"], ph["d2h"], ph["h2d"] * (1 - f))
     assert opt > 10 * (forward + backward)
     # clipped: the updates wait for the norm and fill the next forward's window, which computes
-    # each layer after its update (the last layer's and the head's compute after all of them);
-    # the backward runs alone
+    # each layer after its update and the head after its own, the last (the head's load and
+    # compute after all of them); the backward runs alone
     after = _last_layer_and_head(ph["forward"], tokens=2 * 64)
     assert clip.windows == pytest.approx({"forward + updates": opt + after, "backward": backward})
     assert clip.step_seconds == pytest.approx(opt + after + backward)
@@ -131,30 +131,33 @@ def test_with_clipping_the_updates_overlap_only_the_forward():
 
 
 def _last_layer_and_head(forward: float, tokens: int, mm: float = 1e12) -> float:
-    """The forward after the updates it waits for: its last layer's load (fp32 at the made-up
-    10 GB/s) and compute, and the head's compute."""
+    """The forward after the updates it waits for (the head's is the last: the head is bound after
+    the layers): the head's load (fp32 at the made-up 10 GB/s) and compute."""
     head = 2 * VOCAB * H * tokens / mm
-    return LAYER * 4 / 10e9 + (forward - head) / LAYERS + head
+    return VOCAB * H * 4 / 10e9 + head
 
 
 def test_a_clipped_forward_computes_each_layer_after_its_update():
     """The updates run one unit after another in the forward's order; the forward waits for the
-    embedding's and the head's before its first layer and for each layer's before that layer."""
+    embedding's before its first layer, for each layer's before that layer and for the head's
+    (the last: the head is bound after the layers) before the head."""
     from megatrain_nb.engine.planning.prediction import forward_behind_updates
     from types import SimpleNamespace as U
 
     units = [U(numel=2)] + [U(numel=1)] * 3 + [U(numel=2)]   # embed, 3 layers, head: chain 1 s per numel
-    # slow updates: the embedding's and head's 4 s, then each layer's 1 s, its compute (0.5 s) after it
-    assert forward_behind_updates(units, 7.0, 1.5 + 1.0, 0.4) == pytest.approx(4 + 3 + 0.5 + 1.0)
-    # fast updates: the compute back to back once the first layer's is done
-    assert forward_behind_updates(units, 0.7, 1.5 + 1.0, 0.4) == pytest.approx(0.5 + 1.5 + 1.0)
+    # slow updates: the embedding's 2 s, each layer's 1 s with its compute (0.5 s) behind the next
+    # update, the head's 2 s, then the head's compute (1 s)
+    assert forward_behind_updates(units, 7.0, 1.5 + 1.0, 0.4) == pytest.approx(2 + 3 + 2 + 1.0)
+    # fast updates: the compute back to back once the first layer's update is done (the
+    # embedding's 0.2 s and the layer's 0.1 s); the head's update done long before the head
+    assert forward_behind_updates(units, 0.7, 1.5 + 1.0, 0.4) == pytest.approx(0.3 + 1.5 + 1.0)
     # each unit's load (0.25 s a parameter) starts once its update is done: slow updates, the
-    # last layer's load (0.25 s) between its update and its compute (the others' hidden behind
-    # the next updates)
-    assert forward_behind_updates(units, 7.0, 1.5 + 1.0, 0.4, 0.25) == pytest.approx(4 + 3 + 0.25 + 0.5 + 1.0)
-    # fast updates: the embedding's load after its update, the head's after that (both bound
-    # first), then the layers' loads prefetched behind the compute
-    assert forward_behind_updates(units, 0.7, 1.5 + 1.0, 0.4, 0.25) == pytest.approx(0.2 + 0.5 + 0.5 + 1.5 + 1.0)
+    # head's load (0.5 s) between its update, the last, and its compute (the others' hidden
+    # behind the next updates)
+    assert forward_behind_updates(units, 7.0, 1.5 + 1.0, 0.4, 0.25) == pytest.approx(7 + 0.5 + 1.0)
+    # fast updates: the embedding's load after its update, then the layers' loads (and the
+    # head's) prefetched behind the compute
+    assert forward_behind_updates(units, 0.7, 1.5 + 1.0, 0.4, 0.25) == pytest.approx(0.2 + 0.5 + 1.5 + 1.0)
 
 
 def test_a_clipped_units_load_after_its_update_costs_the_copies_and_on_the_disk_tier_the_cache_or_the_disk():

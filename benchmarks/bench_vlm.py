@@ -64,6 +64,7 @@ def paper() -> None:
         print(f"{name}: {est.num_parameters / 1e9:.2f}B parameters, {image_tokens} image tokens per 4096-token row, "
               f"feasible={est.feasible}, weights on {plan.placement['master_weights']}, "
               f"step {est.prediction.step_seconds:.1f} s ({est.prediction.bottleneck})")
+        print("  " + "\n  ".join(n for n in est.notes if n.startswith("vision tower")))   # resident vs streamed
         result(f"{name}_full_sft_device_gib", plan.device["total"] / 2**30, "GiB", "<=", 80)
         result(f"{name}_full_sft_host_gib", plan.host["total"] / 2**30, "GiB", "<=", 512)
         result(f"{name}_full_sft_disk_gib", plan.disk["total"] / 2**30, "GiB", "<=", 4000)

@@ -7,7 +7,7 @@ keeps decoding in lockstep with filler passes (its completions unchanged), the s
 checks. Two gloo ranks (slow): 2 ranks x accumulation 1 x steps_per_generation 2 against one
 process x accumulation 2 x steps_per_generation 4, per-rollout streams both: the same
 completions, every logged value within 1e-5 relative, the final weights equal to round-off, and an
-evaluation afterwards the same."""
+evaluation afterwards the same; the 2-rank run's checkpoints resumed in one process."""
 import json
 from pathlib import Path
 
@@ -184,3 +184,27 @@ def test_two_ranks_equal_one_process(tmp_path, beta, loss_type):
     moved = sum(float((w1[k] - start[k]).norm()) ** 2 for k in w1) ** 0.5
     diff = sum(float((w1[k] - w2[k]).norm()) ** 2 for k in w1) ** 0.5
     assert moved > 0.1 and diff <= 1e-3 * moved
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_resumes_in_one_process(tmp_path):
+    """Checkpoints of the 2-rank run (every step: step 1 in the middle of a generation batch, its
+    stored rollouts the whole batch's; step 2 at its end) resumed by one process at the same
+    global batch: the completions, logs and final weights of the 2-rank run."""
+    two = tmp_path / "two"
+    check(torchrun(WORKER, str(two), "1", "2", "0.0", "dapo", "1", nproc=2, timeout=400))
+    gens, logs, w2 = json.loads((two / "completions.json").read_text()), _logs(two), _weights(two)
+    start = tiny_model(tokenizer()).state_dict()
+    moved = sum(float((w2[k] - start[k]).norm()) ** 2 for k in w2) ** 0.5
+    for step in (1, 2):
+        one = tmp_path / f"one-{step}"
+        alone(WORKER, str(one), "2", "4", "0.0", "dapo", "0", str(two / f"checkpoint-{step}"), timeout=400)
+        resumed = json.loads((one / "completions.json").read_text())   # generation 2 and the evaluation's
+        assert len(resumed) == 3 and resumed == gens[-3:]
+        after = _logs(one)
+        assert [r["step"] for r in after] == [1, 2, 3, 4]   # (the history from the checkpoint, then its own)
+        for a, b in zip(logs, after):
+            for k in (k for k in a if k not in NOT_COMPARED):
+                assert (b[k] is None) if a[k] is None else b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+        w1 = _weights(one)
+        assert sum(float((w1[k] - w2[k]).norm()) ** 2 for k in w1) ** 0.5 <= 1e-3 * moved

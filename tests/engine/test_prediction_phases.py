@@ -15,8 +15,8 @@ CAST_RATE = 1e9 * CAST_VS_ADAMW   # rates()' adamw_per_thread is 1e9
 
 
 def test_a_bf16_update_casts_its_shadow_once_and_the_host_plan_holds_it_pinned():
-    bf16, c, plan, w = predict(rates(), precision="bf16")
-    fp32, *_ = predict(rates())
+    bf16, c, plan, w = predict(rates(), precision="bf16", optimizer_threads=1)   # (the cast on the update's thread)
+    fp32, *_ = predict(rates(), optimizer_threads=1)
     assert bf16.phases["cast"] == pytest.approx(N / CAST_RATE) and fp32.phases["cast"] == 0
     # on the update's thread: the update chain grows by the cast (unclipped: in the backward's window)
     assert bf16.streams["optimizer"] == pytest.approx(fp32.streams["optimizer"] + N / CAST_RATE)

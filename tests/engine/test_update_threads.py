@@ -172,3 +172,24 @@ def test_lr_scale_with_compressed_states_matches_torch_param_groups(codec):
     assert worst(unscaled, set(scales)) > 3 * BOUND[codec]
     for e in (engine, ring, unscaled):
         e.close()
+
+
+def test_the_prediction_prices_the_optimizer_per_thread_times_the_update_threads():
+    """Made-up rates (tests/engine/test_prediction.py): AdamW at 1e9 a thread. On CUDA with 14
+    cores each update gets 11 threads; optimizer_threads pins it; a CPU device keeps one. A
+    measured compressed chain (3 threads of a CUDA host's measurement) is priced per thread times
+    the update's threads; the estimate's words say how many."""
+    from tests.engine.test_prediction import N, predict, rates
+
+    gpu, *_ = predict(rates(cores=14))
+    assert gpu.phases["optimizer"] == pytest.approx(N / (1e9 * 11))
+    assert any("each update on 11 thread(s)" in o for o in gpu.overlaps)
+    four, *_ = predict(rates(cores=14), optimizer_threads=4)
+    assert four.phases["optimizer"] == pytest.approx(N / 4e9)
+    cpu, *_ = predict(rates(cores=14, compute_threads=1), cuda=False)
+    assert cpu.phases["optimizer"] == pytest.approx(N / 1e9)
+    chain = dict(cores=14, update_chain={"int8": 3e8}, update_chain_threads=3)
+    slow, *_ = predict(rates(**chain), optimizer_threads=3, optimizer_compression="int8", clipped=True)
+    fast, *_ = predict(rates(**chain), optimizer_compression="int8", clipped=True)   # 11 threads
+    assert slow.streams["optimizer"] == pytest.approx(N / 3e8)
+    assert fast.streams["optimizer"] == pytest.approx(N / (1e8 * 11))

@@ -368,6 +368,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
                                                    f"codec_per_thread[{codec}]", missing)
     a["head_share"] = min(a["head_flops"] / mm / ph["forward"], 1.0) if ph["forward"] > 0 and mm > 0 else 0.0
     pred = _schedule(ph, a, rates, cuda=cuda, clipped=workload.clipped, units=units)
+    pred.overlaps.append(_threads_words(team, rates, cfg, cuda, a["codec"]))
     pred.bytes = {"h2d": a["h2d"], "d2h": a["d2h"], "disk_read": a["disk"]["read"], "disk_write": a["disk"]["write"],
                   "disk_state_read": a["disk"]["state_read"], "disk_state_write": a["disk"]["state_write"]}
     pred.flops = a["forward_flops"] + a["backward_flops"] + a["recompute_flops"] + a["tile_flops"] + \
@@ -477,6 +478,16 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
                           overlaps=overlaps, tokens_per_step=a["tokens"])
 
 
+def _threads_words(team: int, rates, cfg, cuda: bool, codec: str) -> str:
+    """The estimate's line on the update's threads."""
+    why = "EngineConfig.optimizer_threads" if getattr(cfg, "optimizer_threads", None) else \
+        (f"the host's {int(rates.cores or 1)} cores less the engine's {ENGINE_CORE_THREADS}" if cuda
+         else "a CPU device's compute has the cores")
+    fused = f"; a fused {codec} chunk's count the two codec threads, at least 3" if codec != "none" else ""
+    return (f"optimizer: each update on {team} thread(s) ({why}{fused}), priced at the per-thread rates "
+            f"times the threads")
+
+
 def _chain(state_disk: float, cpu_s: float, units, params: int, cuda: bool) -> float:
     """Seconds of a step's update chain: its states' disk time and its CPU time. On CUDA the states
     are read a unit ahead and written behind by the I/O threads beside the update's cores: the
@@ -492,12 +503,16 @@ def chain_rate(rates, codec: str, threads: int, cuda: bool) -> float:
     """Parameters/s of a step's compressed updates at the measured ``update_chain`` (0: none
     measured): per thread of its measurement (``MachineRates.chain_threads``) times the threads a
     fused chunk runs on -- the update's team, the two codec threads joining it (at least 3) --
-    on the cores it gets (a CPU device's measurement left one to its compute thread, as a step does)."""
+    on the cores it gets. A CPU device's prediction takes its own measurement (the engine's split
+    beside a compute thread, as a step runs it) scaled by the threads over that split's."""
     measured = (getattr(rates, "update_chain", None) or {}).get(codec)
     if not measured:
         return 0.0
-    free = max(int(rates.cores or 1) - (0 if cuda else 1), 1)
-    return measured / rates.chain_threads() * min(max(int(threads), 3), free)
+    team = max(int(threads), 3)
+    if not cuda:   # this machine's own measurement, beside a compute thread as a step runs it
+        free = max(int(rates.cores or 1) - 1, 1)
+        return measured * min(team, free) / min(3, free)
+    return measured / rates.chain_threads() * min(team, max(int(rates.cores or 1), 1))
 
 
 def forward_behind_updates(units, chain_s: float, compute_s: float, head_share: float,

@@ -44,7 +44,7 @@ _TABLE = """
 mtnb-h2d | Pager | 1 | - | step | host->device weight copies
 mtnb-d2h | Pager | 1 | - | step | device->host gradient copies; the gradient intake
 mtnb-adamw | UpdateRunner | 1 | - | step | every AdamW update
-mtnb-update | UpdateTeam | EngineConfig.optimizer_threads - 1 (none at 1, a CPU device's default) | one torch thread | - | pieces of each AdamW update beside mtnb-adamw
+mtnb-update | UpdateTeam | EngineConfig.optimizer_threads - 1 (none at 1, a CPU device's default) | one torch thread | - | pieces of each fused compressed chunk beside mtnb-adamw
 mtnb-decode | OptimizerStates | 1 | one torch thread | step | decodes moment chunks ahead of AdamW
 mtnb-encode | OptimizerStates | 1 | one torch thread | step | encodes moment chunks after AdamW
 mtnb-disk | DiskStore | 2 (mtnb-disk_0, mtnb-disk_1) + mtnb-disk_urgent | - | step | reads and writes, by priority

@@ -1,11 +1,11 @@
-"""EngineConfig.optimizer_threads: each AdamW update (fp32 states, and the int8/int4 fused chunk)
-cut in contiguous pieces on codec-block / vector-width boundaries that the AdamW worker, its
-``mtnb-update`` helpers and the codec threads take in turn (updates/fused_update.py
-``UpdateTeam``). AdamW and the codecs are elementwise with absolute indices, so N threads give one
-thread's weights and stored states bit for bit -- weight decay and learning-rate groups
-(``lr_scale``) crossing the pieces included. Also: lr_scale with compressed states (one pass
-of the kernel, each group's piece at its own rate) against torch.optim.AdamW's parameter groups,
-within the codec's error."""
+"""EngineConfig.optimizer_threads: each update on a team of threads (updates/fused_update.py
+``UpdateTeam``). A fused int8/int4 chunk is cut in contiguous pieces on codec blocks that the
+AdamW worker, its ``mtnb-update`` helpers and the codec threads take in turn; a plain AdamW call
+(fp32 states) is torch's fused kernel on the team's count of torch threads. Both are elementwise
+with absolute indices, so N threads give one thread's weights and stored states bit for bit --
+weight decay and learning-rate groups (``lr_scale``) crossing the pieces included. Also: lr_scale
+with compressed states (one pass of the kernel, each group's piece at its own rate) against
+torch.optim.AdamW's parameter groups, within the codec's error; the prediction's per-thread pricing."""
 import copy
 import threading
 
@@ -47,18 +47,19 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(UpdateTeam, "PIECE", 300)
     names = []
     real_adamw = torch._fused_adamw_
+    k = fused_update.kernels()   # (built and checked against torch first: not spied on)
+    base = lambda: threading.current_thread().name.rsplit("_", 1)[0]   # noqa: E731 - a pool's thread: its name
 
     def torch_spy(*a, **kw):
-        names.append(threading.current_thread().name)
+        names.append(f"{base()} torch x{torch.get_num_threads()}")
         return real_adamw(*a, **kw)
     monkeypatch.setattr(torch, "_fused_adamw_", torch_spy)
-    k = fused_update.kernels()
     if k is not None:
         for fn in ("update", "adamw"):
             real = getattr(k, fn)
 
-            def spy(*a, _real=real, **kw):
-                names.append(threading.current_thread().name)
+            def spy(*a, _real=real, _fn=fn, **kw):
+                names.append(f"{base()} {_fn}")
                 return _real(*a, **kw)
             monkeypatch.setattr(k, fn, spy)
     return names
@@ -81,35 +82,44 @@ def test_n_threads_equal_one_thread_bitwise(small_pieces, codec, clip):
     for u in one.units:
         got, want = many.states.stored(u), one.states.stored(u)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), u.name
-    ran = {n.rsplit("_", 1)[0] for n in small_pieces}   # the pieces really ran on the helpers
-    assert "mtnb-update" in ran and "mtnb-adamw" in ran, ran
-    if fused_update.kernels() is not None:
-        if codec != "none":   # (and the codec threads joined the fused chunks)
-            assert {"mtnb-decode", "mtnb-encode"} <= ran, ran
+    ran = set(small_pieces)
+    if codec == "none":   # the team of 4: torch's fused AdamW, one call on 4 torch threads
+        assert "mtnb-adamw torch x4" in ran and not any(r.startswith("mtnb-update") for r in ran), ran
+    elif fused_update.kernels() is not None:   # the fused chunks' pieces on the helpers and the codec threads
+        assert {"mtnb-adamw update", "mtnb-update update", "mtnb-decode update", "mtnb-encode update"} <= ran, ran
     one.close()
     many.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("mtnb-update")]   # closed with the engine
 
 
-def test_the_torch_path_split_over_threads_equals_one_call(small_pieces):
-    """Without the kernels (torch._fused_adamw_ in pieces): pieces start on 64-element
-    boundaries, so only the last piece takes torch's scalar tail, as the whole call does."""
+def test_the_plain_update_on_n_threads_equals_one_thread():
+    """fp32 states on a team of 3: torch's fused AdamW on 3 torch threads (its split at cache
+    lines); on one thread the fused kernels' AdamW (torch's arithmetic): the same floats, a scalar
+    tail included, weight decay on."""
     from megatrain_nb.engine.updates.optimizer import UnitAdamW
 
     g = torch.Generator().manual_seed(0)
-    n = 10_000 + 13   # a tail on the scalar path
+    n = 300_000 + 13   # over torch's grain, a tail on the scalar path
     p, gr = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3
     m, v = torch.randn(n, generator=g) * 1e-4, torch.rand(n, generator=g) * 1e-6
     step = torch.tensor(5.0)
-    want = [t.clone() for t in (p, gr, m, v)]
-    torch._fused_adamw_([want[0]], [want[1]], [want[2]], [want[3]], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
-                        weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-    adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, threads=3)
-    with fused_update.torch_path():
-        adam.fused(p, gr, m, v, step, 1e-3, 0.1)
-    adam.close()
-    for got, w in zip((p, m, v), (want[0], want[2], want[3])):
-        assert torch.equal(got, w)
+    got = {}
+    for threads in (1, 3):
+        adam = UnitAdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, threads=threads)
+        t = [x.clone() for x in (p, gr, m, v)]
+        adam.fused(t[0], t[1], t[2], t[3], step, 1e-3, 0.1)
+        adam.close()
+        got[threads] = t
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = [x.clone() for x in (p, gr, m, v)]
+        torch._fused_adamw_([want[0]], [want[1]], [want[2]], [want[3]], [], [step], lr=1e-3, beta1=0.9,
+                            beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    finally:
+        torch.set_num_threads(prev)
+    for threads in (1, 3):
+        assert all(torch.equal(got[threads][i], want[i]) for i in (0, 2, 3)), threads
 
 
 def test_the_default_thread_count_and_its_refusals():

@@ -23,12 +23,6 @@ from .fused_update import CodedChunk, UpdateTeam, adam_args, kernels
 from ..planning.prediction import update_threads
 from ..units import Unit, train_numel
 
-#: Pieces of a plain AdamW call split over threads start on multiples of this many elements: a
-#: multiple of torch's vector width, so only the call's last piece has the scalar tail it has whole.
-ADAMW_ALIGN = 64
-#: A plain AdamW call is cut in one piece per thread: smaller pieces taken in turn measured slower
-#: against DeepSpeedCPUAdam (benchmarks/bench_update_speed.py; the calls' overhead, no cache reuse).
-ADAMW_PIECE = 1 << 62
 
 
 def lr_pieces(unit, a: int, b: int, weight_decay: float) -> List[Tuple[int, int, float, float]]:
@@ -136,33 +130,30 @@ class UnitAdamW:
         return UnitRun(self, unit, params, step, old)
 
     def fused(self, params, grads, exp_avg, exp_avg_sq, step, lr: float, wd: float) -> None:
-        """AdamW on flat fp32 buffers, one call of ``torch._fused_adamw_``'s result bit for bit: the
-        fused kernels' (``fused_update``: torch's arithmetic with one division fewer) where they are
-        built, else torch's own; in pieces on the update's threads (:attr:`team`; one piece per
-        thread, each starting on an :data:`ADAMW_ALIGN` boundary, so only the last one has the
-        scalar tail the whole call has)."""
-        k, n = kernels(), params.numel()
-        flat = all(t.is_contiguous() and t.device.type == "cpu" for t in (params, grads, exp_avg, exp_avg_sq))
-        if k is not None and flat and all(t.dtype == torch.float32 for t in (params, grads, exp_avg, exp_avg_sq)):
-            args = adam_args(lr=float(lr), beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd,
-                             step=float(step), decay_end=n, regions=[(0, n)], width=k.width)
-            self.team.run(n, ADAMW_ALIGN, lambda s, e: k.adamw(params[s:e], grads[s:e], exp_avg[s:e],
-                                                                exp_avg_sq[s:e], s, args), piece=ADAMW_PIECE)
-            return
-
-        def one(s: int, e: int) -> None:
-            torch._fused_adamw_([params[s:e]], [grads[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], [], [step],
-                                lr=float(lr), beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
-                                eps=self.eps, amsgrad=False, maximize=False)
-        if self.team.threads == 1 or not flat:
-            one(0, n)
+        """AdamW on flat fp32 buffers, ``torch._fused_adamw_``'s result bit for bit. On one thread
+        the fused kernels' (``fused_update``: torch's arithmetic with one division fewer; faster
+        than torch's per thread on an AVX2 host) where they are built; on the update's
+        :attr:`team` of N threads torch's own kernel, one call on N torch threads: its split at
+        cache lines gives one thread's floats, and against DeepSpeedCPUAdam it measured faster
+        than the kernel cut in a piece per thread (benchmarks/bench_update_speed.py)."""
+        k, threads = kernels(), self.team.threads
+        if threads == 1 and k is not None and all(t.dtype == torch.float32 and t.device.type == "cpu"
+                                                  and t.is_contiguous() for t in (params, grads, exp_avg, exp_avg_sq)):
+            n = params.numel()
+            k.adamw(params, grads, exp_avg, exp_avg_sq, 0, adam_args(
+                lr=float(lr), beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd, step=float(step),
+                decay_end=n, regions=[(0, n)], width=k.width))
             return
         prev = torch.get_num_threads()
-        torch.set_num_threads(1)   # (this thread is one of the team)
+        if prev != threads:
+            torch.set_num_threads(threads)
         try:
-            self.team.run(n, ADAMW_ALIGN, one, piece=ADAMW_PIECE)
+            torch._fused_adamw_([params], [grads], [exp_avg], [exp_avg_sq], [], [step], lr=float(lr),
+                                beta1=self.beta1, beta2=self.beta2, weight_decay=wd, eps=self.eps, amsgrad=False,
+                                maximize=False)
         finally:
-            torch.set_num_threads(prev)
+            if prev != threads:
+                torch.set_num_threads(prev)
 
     def close(self) -> None:
         """Stop the update's helper threads."""

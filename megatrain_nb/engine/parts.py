@@ -22,6 +22,7 @@ from .transport.pager import Pager
 from .planning.codec_choice import CodecPick, engine_codec
 from .planning.plan_pick import pick_plan
 from .planning.planner import Plan, Workload
+from .planning.vision_plan import vision_lines
 from .proxies import LayerProxy
 from .seams import DiskTier, Transport
 from .ranks.sharded import ShardedUnits
@@ -198,6 +199,10 @@ def _codec_and_plan(units, model_config, config: EngineConfig, device, dist, sta
         dist.check_same("optimizer codec", config.optimizer_compression)
     if codec.asked == "auto":   # (the run header prints chosen_by)
         plan.chosen_by = f"{plan.chosen_by}; {codec.line()}"
+    budget = int(config.max_vram_gb * 2 ** 30) if config.max_vram_gb else None   # the vision tower: where, why
+    for line in vision_lines(model_config, plan, units, workload or Workload(), budget, config.precision,
+                             torch.device(device).type == "cuda"):
+        plan.chosen_by = f"{plan.chosen_by}; {line}"
     return config, codec, plan
 
 

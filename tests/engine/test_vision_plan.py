@@ -109,8 +109,24 @@ def test_the_planner_counts_both_placements_of_the_tower_and_says_which():
     assert timed.extra_seconds == pytest.approx(2 * p / 25e9 + 2.0 * p * 1280 * 4 / 400e12)
 
 
+@pytest.mark.slow   # (two estimates: ~10 s loaded; the header's test below is the fast check)
 def test_the_estimate_says_where_the_tower_goes():
     cfg = _model("qwen2_vl").config
     line = [n for n in mt.estimate(cfg, seq=64, image_tokens=16, vram_gb=8).notes if n.startswith("vision tower")]
     assert len(line) == 1 and ": resident --" in line[0] and "streamed by blocks" in line[0]
     assert not [n for n in mt.estimate(cfg, seq=64, vram_gb=8).notes if n.startswith("vision tower")]
+
+
+def test_the_run_header_says_where_the_tower_goes():
+    """An engine built with a workload of image tokens: its plan's chosen_by (the run header's
+    plan line) carries the tower's placement; without image tokens it does not."""
+    from megatrain_nb.engine import EngineConfig, StreamingEngine
+    from megatrain_nb.engine.planning.planner import Workload
+
+    engine = StreamingEngine(_model("qwen2_vl"), EngineConfig(device="cpu", max_vram_gb=1),
+                             workload=Workload(batch=2, seq=64, image_tokens=16))
+    assert "vision tower (0.04M parameters with its projector): resident -- resident" in engine.plan.chosen_by
+    engine.close()
+    plain = StreamingEngine(_model("qwen2_vl"), EngineConfig(device="cpu"))
+    assert "vision tower" not in plain.plan.chosen_by
+    plain.close()

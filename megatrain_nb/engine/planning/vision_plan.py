@@ -152,17 +152,33 @@ class VisionPlacement:
     extra_seconds: Optional[float]
     reason: str
 
-    def words(self, fmt=lambda b: f"{b / 2 ** 30:.1f} GiB") -> str:
-        """The estimate's and the run header's line."""
-        cost = f"{fmt(self.extra_h2d_bytes)} more host->device and {self.extra_flops / 1e12:.2f} TFLOP recomputed a step"
+    def words(self, fmt=None) -> str:
+        """The estimate's and the run header's line (``fmt``: how bytes are written)."""
+        fmt = fmt or _size
+        cost = f"{fmt(self.extra_h2d_bytes)} more host->device and {_flops(self.extra_flops)} recomputed a step"
         if self.extra_seconds is not None:
             cost += f" (~{self.extra_seconds:.2f} s)"
-        line = (f"vision tower ({self.params / 1e9:.2f}B parameters with its projector): {self.choice} -- resident "
+        size = f"{self.params / 1e9:.2f}B" if self.params >= 1e8 else f"{self.params / 1e6:.2f}M"
+        line = (f"vision tower ({size} parameters with its projector): {self.choice} -- resident "
                 f"{fmt(self.resident_bytes)} on the device, streamed by blocks {fmt(self.streamed_bytes)} but "
                 f"{cost}; {self.reason}")
         if not self.built:
             line += " (streaming the tower by blocks is not built: the engine keeps it resident, over the budget)"
         return line
+
+
+def _size(b: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if b >= 0.1 * scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{int(b)} B"
+
+
+def _flops(f: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if f >= 0.1 * scale:
+            return f"{f / scale:.2f} {unit}"
+    return f"{f:.0f} FLOP"
 
 
 def place_vision(config, *, batch: int, image_tokens: int, accumulation: int = 1, compute_bytes: int,

@@ -110,13 +110,11 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       (``weight_store.DiskWeights.ranged_update``, ``chunk_ring.ChunkRing.run``;
       layer statistics, once turned on, read such a unit whole into the optimizer stream's
       buffers, not counted here) (``parts.build_parts``);
-    * final gradients: on CUDA the landing buffers of the device->host copies
-      (``pager.staging_buffers``: the ``depth`` units being updated, in the very buffers their
-      gradients arrived in, and the one next in line, waiting for its update slot:
-      ``intake.GradientIntake.arrived``), pinned, or pageable beside the ring of pinned chunks
-      they land through (``landing.landing_host_bytes``); on a CPU "device" ``depth`` pool
-      buffers and one more (the window's sum being formed, a lent pool buffer) and a tied
-      embedding's sum; + 2 when
+    * final gradients: on CUDA the landing buffers (``landing.landing_host_bytes``: the
+      ``depth`` units being updated in them and the one next in line,
+      ``intake.GradientIntake.arrived``; pinned, or pageable behind a ring of pinned chunks); on
+      a CPU "device" ``depth`` pool buffers and one more (the window's sum being formed, a lent
+      pool buffer) and a tied embedding's sum; + 2 when
       a clipping norm is waited for (the hold's disk writes; on CUDA one more: a held gradient
       is copied out of its staging buffer into a pool buffer) -- except, on CUDA, where the
       held gradients wait on the disk tier (``hold_disk``): each is written straight from its

@@ -49,6 +49,7 @@ mtnb-decode | OptimizerStates | 1 | one torch thread | step | decodes moment chu
 mtnb-encode | OptimizerStates | 1 | one torch thread | step | encodes moment chunks after AdamW
 mtnb-disk | DiskStore | 2 (mtnb-disk_0, mtnb-disk_1) + mtnb-disk_urgent | - | step | reads and writes, by priority
 mtnb-cache | HostCache | 1 | - | step | copies resident keys into readers' buffers
+mtnb-pin | PinnedPool | 1 per CUDA transport, from its first size-class buffer | - | - | registers pinned host blocks per size class ahead of need (cudaHostRegister off the compute thread)
 mtnb-transport-in | CpuTransport | 1, adversarial mode (tests) | - | - | delayed copies in; sharded gathers on CPU
 mtnb-transport-out | CpuTransport | 1, adversarial mode (tests) | - | - | delayed copies out; sharded reduce-scatters on CPU
 mtnb-manifest | manifest | up to 8 (a pool per call) | - | - | hashes checkpoint files
@@ -75,7 +76,7 @@ THREADS: Dict[str, ThreadSpec] = _parse(_TABLE)
 # the engine's
 H2D, D2H, ADAMW = THREADS["mtnb-h2d"], THREADS["mtnb-d2h"], THREADS["mtnb-adamw"]
 DECODE, ENCODE, UPDATE = THREADS["mtnb-decode"], THREADS["mtnb-encode"], THREADS["mtnb-update"]
-DISK, CACHE = THREADS["mtnb-disk"], THREADS["mtnb-cache"]
+DISK, CACHE, PIN = THREADS["mtnb-disk"], THREADS["mtnb-cache"], THREADS["mtnb-pin"]
 TRANSPORT_IN, TRANSPORT_OUT = THREADS["mtnb-transport-in"], THREADS["mtnb-transport-out"]
 # outside the engine
 MANIFEST, SNAPSHOT, SESSION = THREADS["mtnb-manifest"], THREADS["mtnb-snapshot"], THREADS["mtnb-session"]

@@ -411,7 +411,7 @@ def engine_pinned(engine) -> dict:
     from megatrain_nb.engine.tiers.host_store import pinned_layout
 
     store = engine.store.pinned_bytes()
-    pool = engine.transport.pinned.held if getattr(engine.transport.pinned, "pin", False) else 0
+    pool = engine.transport.pinned.total_held() if getattr(engine.transport.pinned, "pin", False) else 0
     on_disk = engine.plan.placement["master_weights"] == "disk"
     # (the disk tier's staging buffers are pinned in fp32 compute only: weight_store.make_weight_store)
     pinned_staging = on_disk and engine.store.pin and engine.config.compute_dtype == torch.float32

@@ -45,6 +45,8 @@ from typing import Dict, Optional
 
 import torch
 
+from ...threads import PIN, executor
+
 PAGE = 4096
 _state = {"exact": None, "warned": False}   # exact: None none yet, True registered, False fell back
 _lock = threading.RLock()   # (a finalizer may run in a collection while it is held)
@@ -162,18 +164,11 @@ def _unregister(ptr: int, nbytes: int) -> None:
         registered["bytes"] -= nbytes
 
 
-def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised pinned CPU tensor of ``shape`` (an int: 1-D) and ``dtype``: registered
-    page-aligned memory of its exact size (whole pages) where registration works, else the
-    caching host allocator's block (see the module doc). Page-aligned either way (direct I/O)."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if not exact_pinned() or not _cuda_present():
-        return _cached_pinned(shape, dtype)
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    span = max(PAGE, -(-nbytes // PAGE) * PAGE)   # whole pages: no page shared with other memory
+def _register_block(nbytes: int):
+    """A numpy byte array of ``nbytes`` (whole pages, page-aligned), registered with CUDA and kept
+    out of forks; unregistered just before its memory is freed. None where registration failed
+    (warned once, CUDA's error cleared on this thread: every later buffer falls back)."""
+    span = max(PAGE, -(-int(nbytes) // PAGE) * PAGE)   # whole pages: no page shared with other memory
     buf = _aligned(span)
     ptr = buf.ctypes.data
     forked = _madvise(ptr, span, MADV_DONTFORK)   # not inherited by processes forked later
@@ -183,7 +178,7 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             _madvise(ptr, span, MADV_DOFORK)
         with _lock:
             _fail(rc)
-        return _cached_pinned(shape, dtype)
+        return None
     with _lock:
         _state["exact"] = True
         registered["buffers"] += 1
@@ -191,16 +186,169 @@ def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         _uses[ptr] = {}
     fin = weakref.finalize(buf.base, _unregister, ptr, span)   # just before the memory is freed
     fin.atexit = False   # (at exit the driver releases it with the process)
+    return buf
+
+
+def _numel(shape) -> int:
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    return numel
+
+
+def pinned_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised pinned CPU tensor of ``shape`` (an int: 1-D) and ``dtype``: registered
+    page-aligned memory of its exact size (whole pages) where registration works, else the
+    caching host allocator's block (see the module doc). Page-aligned either way (direct I/O)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not exact_pinned() or not _cuda_present():
+        return _cached_pinned(shape, dtype)
+    nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = _register_block(nbytes)
+    if buf is None:
+        return _cached_pinned(shape, dtype)
     return torch.from_numpy(buf[:nbytes]).view(dtype).view(shape)
 
 
-class PinnedPool:
-    """Host buffers for one engine: pinned (``pin=True``: CUDA) or plain; ``held`` bytes so far."""
+def size_class(nbytes: int) -> int:
+    """The bytes of the registered block a host buffer of ``nbytes`` is served from: whole pages,
+    up to 8 pages exact, above that rounded up to an eighth of its power of two (at most 12.5%
+    more), so every length of a sequence dimension falls in one of a few classes."""
+    pages = max(1, -(-int(nbytes) // PAGE))
+    step = 1 << max(0, pages.bit_length() - 4)
+    return -(-pages // step) * step * PAGE
 
-    def __init__(self, *, pin: bool):
+
+class SizeClasses:
+    """Registered host blocks by :func:`size_class`, registered once and reused: a buffer handed
+    out (:meth:`take`) is a view of a block, and the block goes back to its class when the last
+    tensor on that view dies (a finalizer), after the copies noted on it (:func:`note_use`) are
+    done. Registration runs in ``run`` (a single-thread executor's ``submit``: the pool's
+    registrar, ``mtnb-pin``), never the caller's thread once a class is warm: a take that empties
+    its class queues one more block there (ahead of need), :meth:`reserve` queues blocks before
+    they are asked for, and a take that finds its class empty waits for a registration in flight
+    (``counts["waited"]``) or, none in flight, registers in line (``counts["inline"]``: a class's
+    first take). ``counts["registered"]``: blocks registered; ``held``: their bytes."""
+
+    def __init__(self, run):
+        self.run = run
+        self._lock = threading.Lock()
+        self._free: Dict[int, list] = {}      # class -> blocks not handed out
+        self._pending: Dict[int, list] = {}   # class -> registrations in flight (Futures)
+        self.counts = {"registered": 0, "inline": 0, "waited": 0, "reused": 0, "taken": 0}
+        self.held = 0
+        self.closed = False
+
+    def _register(self, cls: int):
+        buf = _register_block(cls)
+        if buf is not None:
+            with self._lock:
+                self.counts["registered"] += 1
+                self.held += cls
+        return buf
+
+    def _ahead(self, cls: int, count: int = 1) -> None:
+        """Queue ``count`` registrations of ``cls`` in the registrar (the caller holds the lock)."""
+        for _ in range(count):
+            fut = self.run(self._register, cls)
+            self._pending.setdefault(cls, []).append(fut)
+            fut.add_done_callback(lambda f, c=cls: self._arrived(c, f))
+
+    def _arrived(self, cls: int, fut) -> None:
+        buf = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        with self._lock:
+            pending = self._pending.get(cls, [])
+            if fut in pending:
+                pending.remove(fut)
+                if buf is not None and not self.closed:
+                    self._free.setdefault(cls, []).append(buf)
+
+    def reserve(self, nbytes: int, count: int = 1) -> None:
+        """Register ``count`` more blocks for buffers of ``nbytes`` ahead of need, in the registrar."""
+        with self._lock:
+            self._ahead(size_class(nbytes), count)
+
+    def _block(self, cls: int):
+        with self._lock:
+            free = self._free.get(cls)
+            if free:
+                self.counts["reused"] += 1
+                buf = free.pop()
+            else:
+                buf = None
+                pending = list(self._pending.get(cls, ()))
+            if buf is None and not pending:
+                self.counts["inline"] += 1
+        if buf is not None:
+            return buf
+        if not pending:
+            return self._register(cls)
+        fut = pending[0]
+        with self._lock:   # claim the registration in flight (else its callback freed it, or a take got it)
+            mine = fut in self._pending.get(cls, ())
+            if mine:
+                self._pending[cls].remove(fut)
+                self.counts["waited"] += 1
+        return fut.result() if mine else self._block(cls)
+
+    def take(self, shape, dtype) -> Optional[torch.Tensor]:
+        """A pinned tensor of ``shape`` and ``dtype`` on a block of its class; None where
+        registration failed (the caller falls back)."""
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        cls = size_class(nbytes)
+        buf = self._block(cls)
+        if buf is None:
+            return None
+        with self._lock:
+            self.counts["taken"] += 1
+            if not self._free.get(cls) and not self._pending.get(cls):
+                self._ahead(cls)   # the next take of this class finds one registered
+        ptr = buf.ctypes.data
+        with _lock:   # the block's last copies (noted by the transport) are done before it is rewritten
+            events = list(_uses.get(ptr, {}).values())
+        for ev in events:
+            ev.synchronize()
+        view = buf[:max(nbytes, 1)]
+        weakref.finalize(view, self._give, cls, buf)   # back to its class when its last tensor dies
+        return torch.from_numpy(view)[:nbytes].view(dtype).view(tuple(shape))
+
+    def _give(self, cls: int, buf) -> None:
+        with self._lock:
+            if not self.closed:
+                self._free.setdefault(cls, []).append(buf)
+
+    def close(self) -> None:
+        """Drop the free blocks (unregistered as they are freed) and forget those in flight."""
+        with self._lock:
+            self.closed = True
+            self._free.clear()
+            pending = [f for fs in self._pending.values() for f in fs]
+            self._pending.clear()
+            self.held = 0
+        for f in pending:
+            f.cancel()
+
+
+class PinnedPool:
+    """Host buffers for one engine: pinned (``pin=True``: CUDA) or plain; ``held`` bytes so far.
+    :meth:`empty` registers a buffer of its own (the engine's fixed ones: the landing ring, the
+    cast buffer); :meth:`recycled` serves buffers whose shapes vary (a window's host activations:
+    one per sequence length) from :class:`SizeClasses`, registered once per size class in the
+    pool's registrar thread (``mtnb-pin``, made on first need; ``run``: tests inject their own)."""
+
+    def __init__(self, *, pin: bool, device=None, run=None):
         self.pin = pin
         self.held = 0
+        self.device = device
         self._lock = threading.Lock()
+        self._registrar = None
+        self.classes = SizeClasses(run or self._submit)
+
+    def _submit(self, fn, *args):
+        with self._lock:
+            if self._registrar is None:
+                self._registrar = executor(PIN, device=self.device)
+            return self._registrar.submit(fn, *args)
 
     def empty(self, numel: int, dtype=torch.float32) -> torch.Tensor:
         t = pinned_empty(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype)
@@ -209,12 +357,36 @@ class PinnedPool:
             self.held += held_bytes(n, self.pin)
         return t
 
+    def recycled(self, shape, dtype=torch.float32) -> torch.Tensor:
+        """A host buffer of ``shape`` (an int: 1-D) and ``dtype``, pinned on a size class's block
+        where registration works (see :class:`SizeClasses`), else as :meth:`empty`."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if self.pin and exact_pinned() and _cuda_present():
+            t = self.classes.take(shape, dtype)
+            if t is not None:
+                return t
+        return self.empty(_numel(shape), dtype).view(shape)
+
+    def reserve(self, nbytes: int, count: int = 1) -> None:
+        """Register ``count`` blocks for buffers of ``nbytes`` ahead of their :meth:`recycled`, in the
+        registrar (a caller that knows its shapes before its compute: nothing registers there)."""
+        if self.pin and exact_pinned() and _cuda_present():
+            self.classes.reserve(nbytes, count)
+
+    def total_held(self) -> int:
+        """Bytes held: the buffers of :meth:`empty` and the size classes' blocks."""
+        return self.held + self.classes.held
+
     def close(self) -> None:
         """Forget the count and release the cached pinned blocks no tensor uses any more (the
         caching host allocator keeps them otherwise for the life of the process; registered
         buffers are unregistered as their last tensor dies)."""
         with self._lock:
             self.held = 0
+            registrar, self._registrar = self._registrar, None
+        self.classes.close()
+        if registrar is not None:
+            registrar.shutdown(wait=True)
         if self.pin:
             release_cached_pinned()
 

@@ -161,7 +161,7 @@ class _Landing:
     """A unit's gradient landing on the host (the pager's landing buffers, engine/transport/landing.py):
     straight into a pinned landing buffer, or -- where that pins less (:func:`.landing.lands_in_chunks`)
     -- into a pageable one through a ring of pinned chunks. Needs ``pinned`` (a PinnedPool),
-    ``host_buffer`` and ``_land_chunked``."""
+    ``_pinned_landing``, ``_issue_chunk`` and ``_land_chunked``."""
 
     def lands_in_chunks(self, largest_numel: int, depth: int = 1) -> bool:
         """Whether gradients of units of up to ``largest_numel`` land in chunks (pinned hosts only)."""
@@ -171,7 +171,7 @@ class _Landing:
         """A landing buffer of ``numel`` fp32 elements: pinned (``host_buffer``), or ``chunked``
         pageable and page-aligned, landed into through the ring (made with the first such buffer)."""
         if not chunked:
-            return self.host_buffer(numel)
+            return self._pinned_landing(numel)
         if self._ring is None:
             n = chunk_numel(numel)
             self._ring = LandingRing([self.pinned.empty(n) for _ in range(landing.LANDING_RING)], self._issue_chunk)
@@ -201,7 +201,7 @@ class CudaTransport(_Landing):
         self.device = device
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
-        self.pinned = PinnedPool(pin=True)
+        self.pinned = PinnedPool(pin=True, device=device)
         self._free: Dict[int, object] = {}   # buffer -> event recorded on the compute stream at its release
         self._lock = threading.Lock()
         # dtype -> [pinned buffer, event after its last copy]: fp32 weights cast for a bf16 slot
@@ -248,7 +248,12 @@ class CudaTransport(_Landing):
         return unit.numel
 
     def host_buffer(self, numel: int, dtype=torch.float32) -> torch.Tensor:
-        return self.pinned.empty(numel, dtype)
+        """A host buffer whose size varies with the batch (a window's activations): pinned on a
+        block of its size class, registered once per class off this thread (``pinned.SizeClasses``)."""
+        return self.pinned.recycled(numel, dtype)
+
+    def _pinned_landing(self, numel: int) -> torch.Tensor:
+        return self.pinned.empty(numel)   # (exact: the plan counts whole pages)
 
     def device_empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, device=self.device)
@@ -439,6 +444,9 @@ class CpuTransport(_Landing):
 
     def host_buffer(self, numel: int, dtype=torch.float32) -> torch.Tensor:
         return self.pinned.empty(numel, dtype)
+
+    def _pinned_landing(self, numel: int) -> torch.Tensor:
+        return self.host_buffer(numel)
 
     def device_empty(self, shape, dtype) -> torch.Tensor:
         t = torch.empty(tuple(shape), dtype=dtype)

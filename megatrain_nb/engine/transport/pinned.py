@@ -232,7 +232,7 @@ class SizeClasses:
 
     def __init__(self, run):
         self.run = run
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # (a block's finalizer may run in a collection while it is held)
         self._free: Dict[int, list] = {}      # class -> blocks not handed out
         self._pending: Dict[int, list] = {}   # class -> registrations in flight (Futures)
         self.counts = {"registered": 0, "inline": 0, "waited": 0, "reused": 0, "taken": 0}

@@ -223,3 +223,34 @@ def test_text_past_max_length_is_cut_as_trl_cuts_it(setup, tmp_path):
     assert all(torch.equal(a[k], b[k]) for a, b in zip(trl_seen, mt_seen) for k in a)
     assert [m["loss"] for m in mt_logs] == pytest.approx([t["loss"] for t in trl_logs], rel=1e-5)
     trainer.close()
+
+
+@pytest.mark.slow
+def test_evaluation_with_images_matches_trl_and_save_model_writes_the_processor(setup, tmp_path):
+    """evaluate() over vision pairs before training: eval_loss and the rewards/logps metrics are
+    TRL's (its reference model beside each batch; ours computed ahead); save_model() writes a folder
+    the processor and AutoModelForImageTextToText load, with the engine's weights."""
+    import trl
+    from transformers import AutoModelForImageTextToText
+
+    import megatrain_nb as mt
+    from megatrain_nb.assets.vision import ImageOnlyQwen2VLProcessor
+
+    proc, model, ds = setup
+    evalset = vision_pairs(6, seed=11)
+    kw = dict(max_length=None, max_steps=1, per_device_eval_batch_size=3)
+    theirs = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model),
+                            args=dpo_config(tmp_path / "trl", **kw), train_dataset=ds, eval_dataset=evalset,
+                            processing_class=copy.deepcopy(proc)).evaluate()
+    trainer = mt.DPOTrainer(model=copy.deepcopy(model), args=dpo_config(tmp_path / "mt", **kw), train_dataset=ds,
+                            eval_dataset=evalset, processing_class=copy.deepcopy(proc), device="cpu")
+    ours = trainer.evaluate()
+    for k in ("eval_loss", "eval_logps/chosen", "eval_logps/rejected", "eval_rewards/margins"):
+        assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=1e-6), k
+    folder = trainer.save_model(str(tmp_path / "saved"))
+    again = ImageOnlyQwen2VLProcessor.from_pretrained(folder)
+    assert again.tokenizer.get_vocab() == proc.tokenizer.get_vocab()
+    assert again.image_processor.to_dict() == proc.image_processor.to_dict()
+    loaded = dict(AutoModelForImageTextToText.from_pretrained(folder).named_parameters())
+    assert all(torch.equal(loaded[n], w) for n, w in trainer.engine.named_parameters())
+    trainer.close()

@@ -45,7 +45,7 @@ from .grpo_loss import GRPOObjective, GRPOSettings
 from .grpo_ranks import (check_rollout_seeds, gather_lists, gather_rewards, gather_rows, lockstep, rank_rows,
                          row_generators, sampling_base, seeded_shuffle)
 from .grpo_rollout import (advantages, check_generation, completion_logps, eos_token_ids, generation_config,
-                           length_metrics, make_policy, reward_metrics, score)
+                           generation_words, length_metrics, make_policy, reward_metrics, score)
 from .args import check_eval_plan
 from .grpo_fields import validate_grpo_args
 from .sft_data import require_trl
@@ -272,6 +272,7 @@ class GRPOTrainer(Trainer):
         self.eval_dataset = eval_dataset
         self._ref_engine = None
         self._policy = None
+        self.generation_where = ""   # where the first generation batch's completions were sampled, and why
         self._metrics = defaultdict(list)
         self.eval_metrics = defaultdict(list)   # an evaluation's rollout metrics (grpo_eval.py)
         self.train_metrics = MetricLists(skip_nan=True)   # the objective's, from the engine's outputs
@@ -330,12 +331,21 @@ class GRPOTrainer(Trainer):
                                 else StreamingEngine.from_pretrained(str(src), self._engine.config))
         return self._ref_engine
 
+    def generation_text(self, prompt_tokens: int) -> str:
+        """Where completions are sampled (and the decoder's KV cache kept) and why, for prompts of
+        ``prompt_tokens`` tokens at most (the run header's ``generation:`` line); once the first
+        generation batch is made, where they were (:attr:`generation_where`)."""
+        rows = self.args.generation_batch_size // self.dist.world
+        return self.generation_where or generation_words(self._engine, self.generation, rows,
+                                                         prompt_tokens + self.args.max_completion_length)
+
     def _completions(self, prompts, prompt_ids, mine: range):
         """Sampled completions (ids, text or messages) on the current weights: this rank makes the
         rows ``mine``, the others theirs, gathered (each rollout with its own stream: grpo_ranks.py)."""
         if self._policy is None:   # (the first generation batch's shape decides "auto")
             length = max(map(len, prompt_ids)) + self.args.max_completion_length
             self._policy = make_policy(self._engine, self.generation, len(mine), length)
+            self.generation_where = generation_words(self._engine, self.generation, len(mine), length)
         self._policy.refresh(self._engine, self.state.global_step)
         kw = {}
         if self.rollout_seeds == "per_rollout":

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatrain_nb.engine.compute.decode import StreamedDecoder, device_left
+from megatrain_nb.engine.compute.decode import StreamedDecoder, device_left, kv_place
 from megatrain_nb.engine.compute.objective import TOKEN_NLL
 from megatrain_nb.engine.planning.estimator_grpo import resident_need
 
@@ -213,6 +213,21 @@ def make_policy(engine, mode: str, rows: int, length: int):
     if mode == "streamed" or (mode == "auto" and not resident_fits(engine, rows, length)):
         return StreamedPolicy(engine)
     return ResidentPolicy(engine.model_config, engine.dtype)
+
+
+def generation_words(engine, mode: str, rows: int, length: int) -> str:
+    """Where ``make_policy`` samples ``rows`` x ``length`` tokens and why, and (streamed) where the
+    decoder's KV cache goes and why (``decode.kv_place``, the estimate's rule): the run's line."""
+    gib, left = 1 << 30, device_left(engine)
+    room = "no device budget" if left is None else f"{max(left, 0) / gib:.3f} GiB of device room beside the plan"
+    need = resident_bytes(engine, rows, length) / gib
+    if not (mode == "streamed" or (mode == "auto" and not resident_fits(engine, rows, length))):
+        return (f"resident copy (transformers' generate) for {rows} rollouts x {length} tokens: the copy and its KV "
+                f"cache ({need:.3f} GiB) fit {room}" + (" (generation='resident')" if mode == "resident" else ""))
+    why = "generation='streamed'" if mode == "streamed" else f"the resident copy and its KV cache ({need:.3f} GiB) exceed {room}"
+    place = kv_place(engine, rows, length)
+    return (f"layer-major streamed decoding for {rows} rollouts x {length} tokens ({why}); KV cache "
+            f"{ {'device': 'on the device', 'host': 'in host RAM', 'none': 'refused'}[place.tier]}: {place.why}")
 
 
 # ---------------------------------------------------------------------------------- log-probs

@@ -62,8 +62,9 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ... import threads
-from ..planning.estimator_grpo import kv_cache_bytes, streamed_need  # noqa: F401 - kv_cache_bytes re-exported
+from ..planning.estimator_grpo import KVPlace, kv_cache_bytes, place_kv, streamed_need  # noqa: F401 - re-exported
 from ..proxies import bind, unbind
+from .kv_offload import HostKVCache
 
 GIB = 1 << 30
 
@@ -102,20 +103,37 @@ def decode_fits(engine, rows: int, length: int) -> bool:
     return left is None or decode_bytes(engine, rows, length) <= left
 
 
-def check_kv_budget(engine, rows: int, length: int) -> int:
-    """:func:`decode_bytes` of ``rows`` x ``length``; refused where the device budget left beside
-    the engine's working set is smaller."""
-    need = decode_bytes(engine, rows, length)
+def host_left(engine) -> Optional[int]:
+    """Host bytes the host budget leaves beside the engine's planned host RAM (None: no budget)."""
+    cap = engine.plan.capacity.get("host")
+    return None if cap is None else max(cap - engine.plan.host["total"], 0)
+
+
+def kv_place(engine, rows: int, length: int) -> KVPlace:
+    """Where the KV cache of ``rows`` x ``length`` goes (the planner's rule, ``estimator_grpo.place_kv``):
+    "device", "host" or "none"."""
+    elem = torch.empty((), dtype=engine.dtype).element_size()
     left = device_left(engine)
-    if left is not None and need > left:
+    return place_kv(engine.model_config, rows, length, elem, None if left is None else max(left, 0),
+                    host_left(engine))
+
+
+def check_kv_budget(engine, rows: int, length: int) -> KVPlace:
+    """:func:`kv_place` of ``rows`` x ``length``; refused, with the numbers, where neither the
+    device budget beside the engine's working set nor host RAM beside its host plan holds it."""
+    place = kv_place(engine, rows, length)
+    if place.tier == "none":
+        left, host = device_left(engine), host_left(engine)
         raise ValueError(
-            f"streamed decoding of {rows} rollouts x {length} tokens (prompt + completion) needs {need / GIB:.3f} GiB "
-            f"on the device for its KV cache and logits, and the device budget (max_vram_gb="
-            f"{engine.config.max_vram_gb}) leaves {max(left, 0) / GIB:.3f} GiB beside the engine's working set "
-            f"({engine.plan.device['total'] / GIB:.3f} GiB); generate fewer rollouts at once (a smaller "
-            "generation_batch_size), shorten max_completion_length, or raise max_vram_gb (the KV cache is not "
-            "placed in host RAM)")
-    return need
+            f"streamed decoding of {rows} rollouts x {length} tokens (prompt + completion) needs "
+            f"{decode_bytes(engine, rows, length) / GIB:.3f} GiB for its KV cache and logits; the device budget "
+            f"(max_vram_gb={engine.config.max_vram_gb}) leaves {max(left or 0, 0) / GIB:.3f} GiB beside the engine's "
+            f"working set ({engine.plan.device['total'] / GIB:.3f} GiB), and in host RAM the cache would take "
+            f"{place.host_bytes / GIB:.3f} GiB of the {(host or 0) / GIB:.3f} GiB left beside the host plan "
+            f"({engine.plan.host['total'] / GIB:.3f} GiB), with {place.device_bytes / GIB:.3f} GiB still on the "
+            "device; generate fewer rollouts at once (a smaller generation_batch_size), shorten "
+            "max_completion_length, or raise max_vram_gb / max_host_gb")
+    return place
 
 
 def check_generation_config(gc: GenerationConfig) -> None:
@@ -201,8 +219,12 @@ def gathered(picked, rows: int, stats) -> Decoded:
 class StreamedDecoder:
     """Decodes on ``engine``'s streamed weights, all rows one token per pass (see the module)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, *, kv_tier: str = "auto"):
+        if kv_tier not in ("auto", "host"):
+            raise ValueError(f"kv_tier={kv_tier!r}: 'auto' (the planner's place: device, else host RAM) or 'host' "
+                             "(the KV cache in host RAM whatever fits)")
+        self.engine, self.kv_tier = engine, kv_tier
+        self.last_place: Optional[KVPlace] = None
         self.runner = engine.runner
         params = inspect.signature(self.runner.base.forward).parameters
         self.cache_key = "cache" if "cache" in params else "past_key_values"   # transformers 5.x / 4.x
@@ -227,9 +249,12 @@ class StreamedDecoder:
         row_prompt = [groups.setdefault(tuple(p), len(groups)) for p in prompt_ids]
         unique = list(groups)
         steps = int(gc.max_new_tokens)
-        kv = check_kv_budget(eng, len(prompt_ids), max(len(p) for p in unique) + steps)
+        length = max(len(p) for p in unique) + steps
+        place = check_kv_budget(eng, len(prompt_ids), length)
+        self.last_place = place
         stats = {"passes": 0, "rows": 0, "prefill_rows": len(unique), "rows_in": len(prompt_ids),
-                 "kv_bytes_planned": kv}
+                 "kv_bytes_planned": place.device_bytes, "kv_host_bytes": place.host_bytes,
+                 "kv_tier": place.tier, "kv_length": length}
         with eng.lock, torch.no_grad():
             threads.set_thread_device(eng.device)
             eng.updates.check()
@@ -240,7 +265,9 @@ class StreamedDecoder:
         pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids(gc) or [0])[0]
         stops = torch.tensor(eos_ids(gc) or [-1], device=dev)
         ids_u, mask_u, pos_u = (t.to(dev) for t in left_padded(unique, pad))
-        cache = DynamicCache(config=self.engine.model_config)   # (per layer type: hybrid families too)
+        cache = (HostKVCache(self.engine.model_config, len(row_prompt), stats["kv_length"])
+                 if stats["kv_tier"] == "host" or self.kv_tier == "host"
+                 else DynamicCache(config=self.engine.model_config))   # (per layer type: hybrid families too)
         logits = self._pass(ids_u, mask_u, pos_u, cache)          # the prefill: one row per distinct prompt
         stats["passes"] += 1
         rows = torch.tensor(row_prompt, device=dev)
@@ -283,6 +310,10 @@ class StreamedDecoder:
                 stats["filler_passes"] += 1
             else:
                 stats["rows"] += len(alive)
+        if isinstance(cache, HostKVCache):
+            stats["kv_tier"] = "host"
+            stats.update(kv_h2d_bytes=cache.moved["h2d_bytes"], kv_d2h_bytes=cache.moved["d2h_bytes"],
+                         kv_crossings=cache.moved["crossings"], kv_host_layers=cache.host_layers)
         return gathered(picked, len(row_prompt), stats)
 
     def _pass(self, ids, mask, pos, cache) -> torch.Tensor:
@@ -312,4 +343,4 @@ class StreamedDecoder:
 
 
 __all__ = ["Decoded", "StreamedDecoder", "check_kv_budget", "decode_bytes", "decode_fits", "device_left",
-           "kv_cache_bytes"]
+           "host_left", "kv_cache_bytes", "kv_place"]

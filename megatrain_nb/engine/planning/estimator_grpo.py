@@ -19,8 +19,12 @@ Where the generation runs (``GenerationPlan.mode``):
 * ``"streamed"`` (it does not fit): the layer-major decoder (``engine/compute/decode.py``)
   streams every unit's compute-dtype weights to the device once per decoded token for all
   rollouts at once: a token costs those bytes over the host link, overlapped with the compute of
-  all rollouts (whichever is longer). Its KV cache (compute dtype) and last logits must fit on
-  the device beside the working set (the decoder refuses otherwise: the lines say so).
+  all rollouts (whichever is longer). Its KV cache (compute dtype) is placed by :func:`place_kv`,
+  the decoder's own rule: on the device when it and the last logits fit beside the working set;
+  else the full-attention layers' K/V in host RAM when they fit beside the host plan (the rest,
+  and two layers' K/V in flight, on the device): each layer's K/V then crosses the link twice a
+  decoded token, in at its current length as the layer runs and the new token's entries back,
+  priced at the h2d and d2h rates beside the weights' bytes; else refused (the lines say so).
 
 The prefill is priced as every rollout's prompt (an upper bound: a group's shared prompt is
 prefilled once). No torch is imported here (``tests/test_planning_light.py``).
@@ -41,6 +45,9 @@ DEVICE_MEMORY = {
     "h200-pcie5-gen5nvme": (4.8e12, "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: GPU memory bandwidth 4.8TB/s"),
     "gh200": (4.0e12, "NVIDIA GH200 Grace Hopper Superchip datasheet: HBM3 96GB, 4 TB/s"),
 }
+#: The estimate's words for each KV cache tier
+KV_WHERE = {"device": "on the device", "host": "in host RAM, each layer's K/V streamed to the device as it runs",
+            "none": "does NOT fit (the device, nor host RAM): refused"}
 #: TRL's GRPOConfig.max_completion_length default (the estimate's when only ``rollouts`` is given)
 DEFAULT_COMPLETION_LENGTH = 256
 
@@ -81,6 +88,60 @@ def streamed_need(config, rows: int, tokens: int, bytes_per_value: int) -> int:
     return kv_cache_bytes(config, rows, tokens, bytes_per_value) + 3 * rows * family.vocab_size(config) * 4
 
 
+def host_kv_bytes(config, rows: int, tokens: int, bytes_per_value: int) -> int:
+    """Bytes of the keys and values the host tier holds: the full-attention layers' (a sliding
+    window and a linear-attention layer's states stay on the device, as transformers' own
+    offloading keeps them)."""
+    t = family.text_config(config)
+    if not (getattr(t, "num_attention_heads", 0) or getattr(t, "n_head", 0)):
+        return 0
+    layers, _, kv, head_dim = attention_shape(config)
+    types = list(getattr(t, "layer_types", None) or ["full_attention"] * layers)[:layers]
+    return 2 * kv * head_dim * bytes_per_value * int(rows) * int(tokens) * types.count("full_attention")
+
+
+def full_layers(config) -> int:
+    """Decoder layers whose K/V the host tier holds (full attention)."""
+    t = family.text_config(config)
+    layers = attention_shape(config)[0]
+    return list(getattr(t, "layer_types", None) or ["full_attention"] * layers)[:layers].count("full_attention")
+
+
+@dataclass
+class KVPlace:
+    """Where the streamed decoder's KV cache goes (:func:`place_kv`): ``tier`` "device" | "host" |
+    "none" (refused), the bytes each tier holds, the device bytes the decoding needs, and why."""
+
+    tier: str
+    device_bytes: int
+    host_bytes: int
+    kv_bytes: int
+    why: str
+
+
+def place_kv(config, rows: int, tokens: int, bytes_per_value: int, device_room: Optional[int],
+             host_room: Optional[int]) -> KVPlace:
+    """The streamed decoder's KV cache of ``rows`` x ``tokens``: on the device when it and the last
+    logits fit ``device_room`` (the budget beside the engine's plan; None: no budget); else the
+    full-attention layers' K/V in host RAM when they fit ``host_room`` (beside the host plan) and
+    the rest fits the device: the rest (logits, sliding windows, linear-attention states) and
+    two full layers' K/V in flight (the layer brought in, and it with the new token appended);
+    else refused ("none"), the numbers in ``why``."""
+    kv, need = kv_cache_bytes(config, rows, tokens, bytes_per_value), streamed_need(config, rows, tokens, bytes_per_value)
+    on = "" if device_room is None else f" the device room beside the engine's plan ({format_bytes(device_room)})"
+    if device_room is None or need <= device_room:
+        return KVPlace("device", need, 0, kv, f"KV cache and logits ({format_bytes(need)}) fit{on or ' (no budget)'}")
+    host, n_full = host_kv_bytes(config, rows, tokens, bytes_per_value), full_layers(config)
+    dev = need - host + (2 * host // n_full if n_full else 0)
+    hr = "no host budget" if host_room is None else f"host room beside the host plan {format_bytes(host_room)}"
+    why = (f"KV cache and logits ({format_bytes(need)}) exceed{on}; in host RAM: {format_bytes(host)} of "
+           f"full-attention K/V ({hr}), {format_bytes(dev)} on the device (logits, other layers' states, two "
+           "layers' K/V in flight)")
+    if host and dev <= device_room and (host_room is None or host <= host_room):
+        return KVPlace("host", dev, host, kv, why)
+    return KVPlace("none", need, host, kv, why + ": neither fits")
+
+
 def compute_bytes(precision: str) -> int:
     """Bytes of a value in the compute dtype (the resident copy's, its KV cache's, the streamed
     decoder's): 2 in bf16, 4 in fp32."""
@@ -117,7 +178,7 @@ class GenerationPlan:
     precision: str
     weights_bytes: int                    # the weights generation reads per token (the compute dtype's)
     kv_bytes: int                         # the KV cache of all rollouts at full length
-    kv_tier: str                          # "device", or "none" (the streamed decoder refuses it)
+    kv_tier: str                          # "device", "host" (streamed to the device per layer) or "none" (refused)
     mode: str                             # "resident" or "streamed"
     room_bytes: Optional[int]             # the device budget left beside the training working set
     generation_s: Optional[float] = None  # prefill + decode (+ the resident copy's refresh)
@@ -125,6 +186,10 @@ class GenerationPlan:
     token_s: float = 0.0                  # one decoded token of all rollouts
     token_bound: str = ""                 # what bounds a decoded token: "link", "compute", "device memory"
     link_bytes_per_token: int = 0
+    kv_host_bytes: int = 0                # the cache's bytes in host RAM (kv_tier "host")
+    kv_in_bytes_per_token: int = 0        # host->device: each full layer's K/V at an average length
+    kv_out_bytes_per_token: int = 0       # device->host: the new token's entries
+    kv_why: str = ""                      # why the cache is where it is (place_kv)
     training_s: Optional[float] = None
     notes: list = field(default_factory=list)
 
@@ -163,9 +228,16 @@ class GenerationPlan:
                f"<= {self.completion_length:,} tokens; generation on {where}",
                f"GRPO KV cache: {format_bytes(self.kv_bytes)} ("
                + (f"{self.precision}, the resident copy's) on the device" if self.mode == "resident" else
-                  f"{self.precision}) " + ("on the device" if self.kv_tier == "device" else "does NOT fit the device"))
+                  f"{self.precision}) " + KV_WHERE[self.kv_tier])
                + ("" if self.room_bytes is None else f" (device room beside training: {format_bytes(self.room_bytes)})"),
                ]
+        if self.kv_why and self.mode == "streamed":
+            out.append(f"GRPO KV cache tier: {self.kv_tier}: {self.kv_why}")
+        if self.kv_tier == "host":
+            out.append(f"GRPO KV cache over the link per decoded token: {format_bytes(self.kv_in_bytes_per_token)} in "
+                       f"(each full-attention layer's K/V as the layer runs, at the average length) + "
+                       f"{format_bytes(self.kv_out_bytes_per_token)} back (the new token's entries), beside the "
+                       f"weights' {format_bytes(self.weights_bytes)}")
         if self.step_s is not None and self.kv_tier != "none":
             s = self.step_s
             out.append(f"GRPO step: generation {fmt_seconds(self.generation_s)} ({self.generation_s / s:.0%}; prefill "
@@ -187,13 +259,13 @@ def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_le
     if room is None or resident_need(config, numel, rollouts, tokens, cb) <= room:
         return GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, "device",
                               "resident", room)
-    need = streamed_need(config, rollouts, tokens, cb)
-    gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv,
-                        "device" if need <= room else "none", "streamed", room)
+    host_room = None if budgets.get("host") is None else max(budgets["host"] - plan.host["total"], 0)
+    place = place_kv(config, rollouts, tokens, cb, room, host_room)
+    gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, place.tier, "streamed",
+                        room, kv_host_bytes=place.host_bytes if place.tier == "host" else 0, kv_why=place.why)
     if gp.kv_tier == "none":
-        gp.notes.append(f"the streamed decoder's KV cache and logits ({format_bytes(need)}) do not fit the "
-                        f"device room beside the working set ({format_bytes(room)}): the decoder refuses; generate "
-                        "fewer rollouts at once, shorten the completions, or raise the device budget")
+        gp.notes.append("the streamed decoder refuses this cache; generate fewer rollouts at once, shorten the "
+                        "completions, or raise the device or host budget")
     return gp
 
 
@@ -216,10 +288,17 @@ def price(gp: GenerationPlan, config, units, shape, rates, *, training_s: float,
     kv_avg = gp.kv_bytes * (P + C / 2) / (P + C)   # the cache read by an average decoded token
     compute_tok = compute(R, P + C / 2)
     if gp.mode == "streamed":
-        gp.link_bytes_per_token = gp.weights_bytes
-        link_tok = gp.link_bytes_per_token / link if link else 0.0
+        if gp.kv_tier == "host":   # each full layer's K/V in at the average length, the new token's entries back
+            gp.kv_in_bytes_per_token = int(gp.kv_host_bytes * (P + C / 2) / (P + C))
+            gp.kv_out_bytes_per_token = gp.kv_host_bytes // (P + C)
+        gp.link_bytes_per_token = gp.weights_bytes + gp.kv_in_bytes_per_token + gp.kv_out_bytes_per_token
+        back = (rates.d2h_pinned or rates.d2h_pageable) if cuda else rates.d2h_pageable
+        link_tok = ((gp.weights_bytes + gp.kv_in_bytes_per_token) / link if link else 0.0) + \
+            (gp.kv_out_bytes_per_token / back if back else 0.0)   # (the two directions not assumed to overlap)
         gp.token_s, gp.token_bound = max((link_tok, "link"), (compute_tok, "compute"))
         gp.prefill_s = max(compute(R * P, P / 2), gp.weights_bytes / link if link else 0.0)
+        if gp.kv_tier == "host" and back:   # the prompts' K/V to host RAM
+            gp.prefill_s += gp.kv_host_bytes * P / (P + C) / back
     else:
         memory = DEVICE_MEMORY.get(rates.source)
         mem_tok = (gp.weights_bytes + kv_avg) / memory[0] if memory else 0.0
@@ -236,5 +315,5 @@ def price(gp: GenerationPlan, config, units, shape, rates, *, training_s: float,
     return gp
 
 
-__all__ = ["DEVICE_MEMORY", "GenerationPlan", "attention_shape", "compute_bytes", "kv_cache_bytes", "plan_generation", "resident_need", "streamed_need",
+__all__ = ["DEVICE_MEMORY", "GenerationPlan", "KVPlace", "full_layers", "host_kv_bytes", "place_kv", "attention_shape", "compute_bytes", "kv_cache_bytes", "plan_generation", "resident_need", "streamed_need",
            "price", "split_seq"]

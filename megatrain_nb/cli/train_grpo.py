@@ -90,6 +90,7 @@ def cmd_train_grpo(ns, cfg: dict, base: Path) -> int:
         print_header(trainer, model=model_text, data=f"{where}, {len(train_ds):,} prompts x {args.num_generations} "
                                                      f"completions, rewards {', '.join(trainer.reward_func_names)}, "
                                                      f"loss {args.loss_type}, beta {args.beta}")
+        print(f"generation: {trainer.generation_text(64)}")   # (prompts of 64 tokens at most: fine_tune_parts' seq)
         summary = run_with_progress(trainer, resume=ns.resume if ns.resume is not None else None)
         _print_rewards(trainer)
         metrics = trainer.evaluate() if trainer.eval_dataset is not None else None

@@ -13,11 +13,12 @@ C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes
   fewer (the one by the constant ``sqrt(1 - beta2**t)`` is a multiply and an exact residual
   step, which rounds the same: Markstein's theorem; checked over 2·10**8 operands).
 
-Each entry point splits its range over the threads it is given, in whole blocks (no result
-depends on the split): the engine's plain AdamW passes its thread's ``torch.get_num_threads()``,
-as torch's fused kernel would use; a chunk of the compressed update is split between the AdamW
-worker and the two codec threads (``mtnb-decode``, ``mtnb-encode``: the threads the update ran
-on before), one part each.
+Each entry point can split its range over pthreads of its own, in whole blocks; the engine
+instead cuts a range in pieces on its :class:`UpdateTeam` (``EngineConfig.optimizer_threads``:
+the AdamW worker and its ``mtnb-update`` helpers; a compressed chunk's also the two codec
+threads ``mtnb-decode`` and ``mtnb-encode``) and calls each piece on one thread. The scalars
+carry absolute indices (weight decay's end, torch's scalar tail, a learning-rate group's
+``[lo, hi)``: :func:`group_args`), so no result depends on the split.
 
 What it computes. The arithmetic is the torch path's op for op (the same roundings, every fused
 multiply-add where torch's kernels fuse one, none elsewhere), with one difference: ``sqrt`` is

@@ -39,6 +39,15 @@ def _engine(model, codec, threads, **kw):
     return e
 
 
+def _assert_same_training(a, b) -> None:
+    """Two engines' weights and stored optimizer states equal bit for bit."""
+    theirs = dict(b.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in a.named_parameters())
+    for u in b.units:
+        got, want = a.states.stored(u), b.states.stored(u)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), u.name
+
+
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Pieces of a few hundred elements, so a tiny model's units are split many times (and across
@@ -76,12 +85,7 @@ def test_n_threads_equal_one_thread_bitwise(small_pieces, codec, clip):
         a = one.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
         b = many.forward_backward(ids, step_lr=3e-3, max_grad_norm=clip)
         assert a.loss == b.loss
-    mine = dict(many.named_parameters())
-    for n, p in one.named_parameters():
-        assert torch.equal(p, mine[n]), n
-    for u in one.units:
-        got, want = many.states.stored(u), one.states.stored(u)
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), u.name
+    _assert_same_training(many, one)
     ran = set(small_pieces)
     if codec == "none":   # the team of 4: torch's fused AdamW, one call on 4 torch threads
         assert "mtnb-adamw torch x4" in ran and not any(r.startswith("mtnb-update") for r in ran), ran
@@ -166,11 +170,8 @@ def test_lr_scale_with_compressed_states_matches_torch_param_groups(codec):
             e.forward_backward(batch)
             e.optimizer_step(LR)
             e.zero_grad()
-    mine, theirs = dict(engine.named_parameters()), dict(ring.named_parameters())
-    assert all(torch.equal(mine[n], theirs[n]) for n in mine)
-    for u in engine.units:
-        got, want = engine.states.stored(u), ring.states.stored(u)
-        assert all(torch.equal(got[k], want[k]) for k in want), u.name
+    _assert_same_training(engine, ring)
+    mine = dict(engine.named_parameters())
     w0 = dict(start.named_parameters())
 
     def worst(e, names):

@@ -139,7 +139,7 @@ def test_the_default_thread_count_and_its_refusals():
 
 # a parameter's distance from torch's groups over its movement: the codecs' round-trip error
 # (tests/engine/test_codecs.py: int8 2%, int4 15% per moment) compounded over three steps
-BOUND = {"int8": 0.15, "int4": 0.6}
+BOUND = {"int8": 0.06, "int4": 0.3}   # (measured 0.023 and 0.153; the unscaled engine ~9)
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])

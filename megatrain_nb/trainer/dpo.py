@@ -25,7 +25,6 @@ import copy
 import os
 import time
 import warnings
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -36,7 +35,6 @@ from megatrain_nb.engine.inputs import OBJECTIVE_DATA
 from megatrain_nb.values import DPO_FIELDS, ValueRefused, check, check_fields, row_name
 
 from .args import check_eval_plan, check_given, unusable_fields
-from . import saving
 from .data import EXTRA_INPUTS, DataError, count_tokens, eval_batches
 from .sharding import ZERO_WEIGHT
 from .dpo_data import PreferenceCollator, prepare_preference_dataset
@@ -47,7 +45,7 @@ from .dpo_reference import (ReferenceCache, ReferenceStopped, cache_parts, check
                             reference_pass, weights_fingerprint, with_reference)
 from .sft_data import first_row, require_trl
 from ..engine.vision import is_image_text_model
-from .sft_vision import is_processor, is_vision_row
+from .sft_vision import is_processor, is_vision_row, save_with_processor
 from .trainer import Trainer
 
 # DPOConfig fields (beyond TrainingArguments') that the trainer honours, and those that cannot
@@ -421,9 +419,7 @@ class DPOTrainer(Trainer):
         """As ``Trainer.save_model``; with a processor, its files too (``AutoProcessor`` loads the folder)."""
         if self.processor is None:
             return super().save_model(output_dir)
-        self.hooks.hold_weights("save_model()")
-        return saving.save_model_folder(self._engine, self.processor, self.dist,
-                                        Path(output_dir or self.args.output_dir))
+        return save_with_processor(self, output_dir)
 
     def close(self) -> None:
         """As :meth:`Trainer.close`, and the reference's own engine when one was kept."""

@@ -31,7 +31,6 @@ import dataclasses
 import math
 import os
 import warnings
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -41,7 +40,6 @@ from transformers import TrainerCallback
 from megatrain_nb.values import SFT_FIELDS, check, check_fields, row_name
 
 from ..engine.vision import is_image_text_model
-from . import saving
 from .args import check_eval_plan, check_given
 from .data import DataError, prepare_dataset
 from .kinds import kind
@@ -49,7 +47,7 @@ from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, fi
                        require_trl, to_trl_rows)
 from .sft_prepare import prepare_sft_dataset
 from .sft_vision import (VISION_HEAD, UserVisionCollator, VisionCollator, check_vision_args, check_vision_rows,
-                         is_processor, is_vision_row, with_row_index)
+                         is_processor, is_vision_row, save_with_processor, with_row_index)
 from .trainer import Trainer
 
 # SFTConfig fields that the trainer honours (beyond TrainingArguments'), and those that cannot
@@ -392,9 +390,7 @@ class SFTTrainer(Trainer):
         """As ``Trainer.save_model``; with a processor, its files too (``AutoProcessor`` loads the folder)."""
         if self.processor is None:
             return super().save_model(output_dir)
-        self.hooks.hold_weights("save_model()")
-        return saving.save_model_folder(self._engine, self.processor, self.dist,
-                                        Path(output_dir or self.args.output_dir))
+        return save_with_processor(self, output_dir)
 
     # ------------------------------------------------------------------ metrics
     def log(self, logs: dict) -> None:

@@ -28,10 +28,12 @@ Example::
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Optional
 
 import torch
 
+from . import saving
 from .data import EXTRA_INPUTS, DataError
 from .sft_data import PrepReport, column_names
 
@@ -222,6 +224,14 @@ class VisionCollator:
         if self.max_length is not None and self._check_lengths(out, names):
             out = self._collate(self.cut, rows, names)
         return split_extras(out)
+
+
+def save_with_processor(trainer, output_dir: Optional[str]) -> str:
+    """``save_model`` of a trainer with a processor (SFT's, DPO's): the model's folder and the
+    processor's files (``AutoProcessor`` loads it), the weights held still while it writes."""
+    trainer.hooks.hold_weights("save_model()")
+    return saving.save_model_folder(trainer.engine, trainer.processor, trainer.dist,
+                                    Path(output_dir or trainer.args.output_dir))
 
 
 def split_extras(out) -> dict:

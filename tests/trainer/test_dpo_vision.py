@@ -18,7 +18,9 @@ from datasets import Dataset  # noqa: E402
 from megatrain_nb.assets.vision import COLOURS, QUESTIONS, SHAPES, draw, tiny_qwen2_vl, vision_processor  # noqa: E402
 from megatrain_nb.trainer.data import DataError  # noqa: E402
 
-from .dpo_helpers import dpo_config, max_rel_diff  # noqa: E402
+from .dpo_helpers import dpo_config  # noqa: E402
+from .vision_helpers import (apart_with_other_pictures, check_weights, flipped, tower_names,  # noqa: E402
+                             train_mt, train_trl)
 
 KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
@@ -41,10 +43,6 @@ def vision_pairs(n: int = 8, seed: int = 0) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def _seen(kw):
-    return {k: kw[k].detach().clone() for k in KEYS if kw.get(k) is not None}
-
-
 @pytest.fixture(scope="module")
 def setup():
     proc = vision_processor()
@@ -54,15 +52,8 @@ def setup():
 def _run_trl(model, ds, args, proc):
     import trl
 
-    trainer = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model), args=args, train_dataset=ds,
-                             processing_class=copy.deepcopy(proc))
-    seen = []
-    h = trainer.model.register_forward_pre_hook(lambda m, a, kw: seen.append(_seen(kw)) if m.training else None,
-                                                with_kwargs=True)
-    trainer.train()
-    h.remove()
-    logs = [r for r in trainer.state.log_history if "loss" in r]
-    return seen, logs, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return train_trl(trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model), args=args,
+                                    train_dataset=ds, processing_class=copy.deepcopy(proc)), KEYS)
 
 
 def _run_mt(model, ds, args, proc, **engine):
@@ -70,20 +61,7 @@ def _run_mt(model, ds, args, proc, **engine):
 
     trainer = mt.DPOTrainer(model=copy.deepcopy(model), args=args, train_dataset=ds,
                             processing_class=copy.deepcopy(proc), device="cpu", **engine)
-    seen, original = [], trainer.engine.forward_backward
-
-    def record(batch, *a, **kw):
-        seen.extend(_seen(b) for b in (batch if isinstance(batch, list) else [batch]))
-        return original(batch, *a, **kw)
-
-    trainer.engine.forward_backward = record
-    trainer.train()
-    logs = [r for r in trainer.state.log_history if "loss" in r]
-    return seen, logs, {n: w.clone() for n, w in trainer.engine.named_parameters()}, trainer
-
-
-def _tower(model):
-    return [n for n, _ in model.named_parameters() if n.startswith("model.visual.") and ".merger." not in n]
+    return (*train_mt(trainer, KEYS), trainer)
 
 
 @pytest.mark.slow
@@ -97,7 +75,7 @@ def test_losses_metrics_and_weights_match_trl(setup, tmp_path, accumulation, fro
     trl_model = copy.deepcopy(model)
     if frozen:
         for n, p in trl_model.named_parameters():
-            p.requires_grad_(n not in _tower(model))
+            p.requires_grad_(n not in tower_names(model))
     kw = dict(max_length=None, max_steps=3, gradient_accumulation_steps=accumulation, weight_decay=0.01)
     trl_seen, trl_logs, trl_w = _run_trl(trl_model, ds, dpo_config(tmp_path / "trl", **kw), proc)
     engine = dict(frozen=("vision_tower",)) if frozen else {}
@@ -110,12 +88,7 @@ def test_losses_metrics_and_weights_match_trl(setup, tmp_path, accumulation, fro
     for t, m in zip(trl_logs, mt_logs):
         for k in METRICS:
             assert m[k] == pytest.approx(t[k], rel=1e-5, abs=1e-6), (k, m[k], t[k])
-    assert max_rel_diff(mt_w, trl_w, start) < 1e-4
-    tower = _tower(model)
-    if frozen:
-        assert all(torch.equal(mt_w[n], start[n]) and torch.equal(trl_w[n], start[n]) for n in tower)
-    else:
-        assert all(not torch.equal(mt_w[n], start[n]) for n in tower)
+    check_weights(mt_w, trl_w, start, tower_names(model), frozen)
     trainer.close()
 
 
@@ -155,8 +128,7 @@ def test_the_reference_log_probs_are_the_models_own_with_the_pictures(setup, tmp
     assert again.reference_seconds["train"] == 0.0
     assert again.train_dataset["ref_chosen_logps"] == got["ref_chosen_logps"]
     again.close()
-    flipped = ds.map(lambda ex: {"images": [im.transpose(0) for im in ex["images"]]})
-    other = mt.DPOTrainer(model=copy.deepcopy(model), args=args, train_dataset=flipped,
+    other = mt.DPOTrainer(model=copy.deepcopy(model), args=args, train_dataset=flipped(ds),
                           processing_class=copy.deepcopy(proc), device="cpu")
     other._ensure_reference()
     assert other.reference_seconds["train"] > 0
@@ -168,13 +140,7 @@ def test_the_reference_log_probs_are_the_models_own_with_the_pictures(setup, tmp
 def test_the_comparison_can_fail(setup, tmp_path):
     """Other pictures (the same questions and answers) train to other weights."""
     proc, model, ds = setup
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    kw = dict(max_length=None, max_steps=2)
-    _, _, trl_w = _run_trl(model, ds, dpo_config(tmp_path / "trl", **kw), proc)
-    flipped = ds.map(lambda ex: {"images": [im.transpose(0) for im in ex["images"]]})
-    _, _, mt_w, trainer = _run_mt(model, flipped, dpo_config(tmp_path / "mt", **kw), proc)
-    assert max_rel_diff(mt_w, trl_w, start) > 1e-3
-    trainer.close()
+    assert apart_with_other_pictures(_run_trl, _run_mt, model, ds, proc, dpo_config, tmp_path) > 1e-3
 
 
 def _refused(setup, tmp_path, ds=None, *, proc=None, model=None, match, error=(ValueError, DataError), **args):

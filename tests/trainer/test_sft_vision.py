@@ -16,13 +16,11 @@ from datasets import Dataset  # noqa: E402
 from megatrain_nb.assets.vision import draw, shapes_dataset, tiny_qwen2_vl, vision_processor  # noqa: E402
 from megatrain_nb.trainer.data import DataError  # noqa: E402
 
-from .sft_helpers import max_rel_diff, sft_config  # noqa: E402
+from .sft_helpers import sft_config  # noqa: E402
+from .vision_helpers import (apart_with_other_pictures, check_weights, flipped, tower_names,  # noqa: E402
+                             train_mt, train_trl)
 
 KEYS = ("input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw", "mm_token_type_ids")
-
-
-def _seen(kw):
-    return {k: kw[k].detach().clone() for k in KEYS if kw.get(k) is not None}
 
 
 def _run_trl(model, ds, args, proc):
@@ -30,13 +28,8 @@ def _run_trl(model, ds, args, proc):
 
     trainer = trl.SFTTrainer(model=copy.deepcopy(model), args=args, train_dataset=ds,
                              processing_class=copy.deepcopy(proc))
-    seen = []
-    h = trainer.model.register_forward_pre_hook(lambda m, a, kw: seen.append(_seen(kw)) if m.training else None,
-                                                with_kwargs=True)
-    trainer.train()
-    h.remove()
-    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    return seen, losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    seen, logs, weights = train_trl(trainer, KEYS)
+    return seen, [r["loss"] for r in logs], weights
 
 
 def _run_mt(model, ds, args, proc, **engine):
@@ -44,22 +37,8 @@ def _run_mt(model, ds, args, proc, **engine):
 
     trainer = mt.SFTTrainer(model=copy.deepcopy(model), args=args, train_dataset=ds,
                             processing_class=copy.deepcopy(proc), device="cpu", **engine)
-    seen, original = [], trainer.engine.forward_backward
-
-    def record(batch, *a, **kw):
-        seen.extend(_seen(b) for b in (batch if isinstance(batch, list) else [batch]))
-        return original(batch, *a, **kw)
-
-    trainer.engine.forward_backward = record
-    trainer.train()
-    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    weights = {n: w.clone() for n, w in trainer.engine.named_parameters()}
-    return seen, losses, weights, trainer
-
-
-def _tower(model):
-    """Qwen2-VL's vision tower without its merger (the projector)."""
-    return [n for n, _ in model.named_parameters() if n.startswith("model.visual.") and ".merger." not in n]
+    seen, logs, weights = train_mt(trainer, KEYS)
+    return seen, [r["loss"] for r in logs], weights, trainer
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +57,7 @@ def test_losses_and_weights_match_trl(setup, tmp_path, frozen, accumulation):
     if frozen:   # TRL trains what requires a gradient; mt freezes by the part's name
         model = copy.deepcopy(model)
         for n, p in model.named_parameters():
-            p.requires_grad_(n not in _tower(model))
+            p.requires_grad_(n not in tower_names(model))
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     kw = dict(max_length=None, assistant_only_loss=True, max_steps=3, gradient_accumulation_steps=accumulation,
               weight_decay=0.01)
@@ -96,12 +75,7 @@ def test_losses_and_weights_match_trl(setup, tmp_path, frozen, accumulation):
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert len(mt_losses) == len(trl_losses) == 3
     assert all(abs(m - t) <= 1e-5 * abs(t) for m, t in zip(mt_losses, trl_losses)), (mt_losses, trl_losses)
-    assert max_rel_diff(mt_w, trl_w, start) < 1e-4
-    tower = _tower(model)
-    if frozen:
-        assert all(torch.equal(mt_w[n], start[n]) and torch.equal(trl_w[n], start[n]) for n in tower)
-    else:
-        assert all(not torch.equal(mt_w[n], start[n]) for n in tower)
+    check_weights(mt_w, trl_w, start, tower_names(model), frozen)
     merger = [n for n in mt_w if ".merger." in n]
     assert all(not torch.equal(mt_w[n], start[n]) for n in merger)
     trainer.close()
@@ -111,13 +85,7 @@ def test_losses_and_weights_match_trl(setup, tmp_path, frozen, accumulation):
 def test_the_comparison_can_fail(setup, tmp_path):
     """Other pictures (the same questions and answers) train to other weights."""
     proc, model, ds = setup
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    kw = dict(max_length=None, max_steps=2)
-    _, _, trl_w = _run_trl(model, ds, sft_config(tmp_path / "trl", **kw), proc)
-    flipped = ds.map(lambda ex: {"images": [im.transpose(0) for im in ex["images"]]})
-    _, _, mt_w, trainer = _run_mt(model, flipped, sft_config(tmp_path / "mt", **kw), proc)
-    assert max_rel_diff(mt_w, trl_w, start) > 1e-3
-    trainer.close()
+    assert apart_with_other_pictures(_run_trl, _run_mt, model, ds, proc, sft_config, tmp_path) > 1e-3
 
 
 def _trainer(setup, tmp_path, rows=None, frozen=(), **kw):
@@ -215,7 +183,7 @@ def test_a_frozen_part_takes_no_adamw_state_and_no_gradient(setup, tmp_path):
     """frozen=("vision_tower",) (an EngineConfig field given to the trainer): the tower's elements
     leave the embed unit's gradient and its AdamW states (8 bytes each: m and v in fp32)."""
     proc, model, ds = setup
-    tower = sum(p.numel() for n, p in model.named_parameters() if n in _tower(model))
+    tower = sum(p.numel() for n, p in model.named_parameters() if n in tower_names(model))
     whole = _trainer(setup, tmp_path / "whole")
     frozen = _trainer(setup, tmp_path / "frozen", frozen=("vision_tower",))
     for t in (whole, frozen):
@@ -288,8 +256,7 @@ def test_evaluation_takes_the_images(setup, tmp_path):
             total += float(copy.deepcopy(model)(**batch).loss) * n
         tokens += n
     assert trainer.evaluate(evalset)["eval_loss"] == pytest.approx(total / tokens, rel=1e-5)
-    flipped = evalset.map(lambda ex: {"images": [im.transpose(0) for im in ex["images"]]})
-    assert abs(trainer.evaluate(flipped)["eval_loss"] - total / tokens) > 1e-4
+    assert abs(trainer.evaluate(flipped(evalset))["eval_loss"] - total / tokens) > 1e-4
     trainer.close()
 
 

@@ -139,7 +139,7 @@ def place_kv(config, rows: int, tokens: int, bytes_per_value: int, device_room: 
            "layers' K/V in flight)")
     if host and dev <= device_room and (host_room is None or host <= host_room):
         return KVPlace("host", dev, host, kv, why)
-    return KVPlace("none", need, host, kv, why + ": neither fits")
+    return KVPlace("none", dev, host, kv, why + ": neither fits")
 
 
 def compute_bytes(precision: str) -> int:

@@ -413,10 +413,8 @@ def engine_pinned(engine) -> dict:
     store = engine.store.pinned_bytes()
     pool = engine.transport.pinned.total_held() if getattr(engine.transport.pinned, "pin", False) else 0
     on_disk = engine.plan.placement["master_weights"] == "disk"
-    # (the disk tier's staging buffers are pinned in fp32 compute only: weight_store.make_weight_store)
-    pinned_staging = on_disk and engine.store.pin and engine.config.compute_dtype == torch.float32
-    staging = engine.weights.nbytes()["host"] if pinned_staging else 0
-    on_disk = engine.plan.placement["master_weights"] == "disk"
+    # (the disk tier's compute staging buffers, where pinned: fp32 compute, or its bf16 copy)
+    staging = engine.weights.pinned_bytes() if on_disk else 0
     plan = pinned_layout([u.numel for u in engine.state_units],
                          compute_bytes=torch.empty((), dtype=engine.config.compute_dtype).element_size(),
                          grads_in_flight=engine.config.overrides.inflight_depth, params_on_disk=on_disk)

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .disk_params import handed_units, weights_key
+from .disk_params import handed_units, shadow_key, weights_key
 from .disk_store import aligned_empty
 from ...threads import CACHE, executor
 from ..units import Unit
@@ -51,17 +51,20 @@ Access = Tuple[str, str, int]   # (key, READ | WRITE, nbytes)
 
 
 def step_accesses(compute_order: Sequence[Unit], update_order: Sequence[Unit], *, clipped: bool,
-                  params_on_disk: bool, state_key, state_nbytes) -> List[Access]:
+                  params_on_disk: bool, state_key, state_nbytes, shadow_bytes: int = 0) -> List[Access]:
     """One training step's disk accesses, in schedule order.
 
     Unclipped: each unit's update follows its last compute access (the backward's), and a unit
     loaded twice hands that read's buffer to its update (no third read). Clipped: every update
-    runs after the backward, in ``update_order``, and reads its weights again.
+    runs after the backward, in ``update_order``, and reads its weights again. ``shadow_bytes``
+    (the compute dtype's bytes a parameter: the disk tier's compute-dtype copy,
+    ``weight_store.DiskWeights``' ``shadow``): the loads read the copy, so every update reads
+    its fp32 masters and writes both.
     """
     seq: List[Access] = []
     compute = [u for u in compute_order if u.numel > 0]
     updates = [u for u in update_order if u.numel > 0]
-    handed = set() if clipped else handed_units(compute, updates)
+    handed = set() if clipped or shadow_bytes else handed_units(compute, updates)
     last = {u.index: i for i, u in enumerate(compute)}
 
     def update(u: Unit) -> None:
@@ -70,12 +73,15 @@ def step_accesses(compute_order: Sequence[Unit], update_order: Sequence[Unit], *
             seq.append((weights_key(u), READ, 4 * u.numel))
         if params_on_disk:
             seq.append((weights_key(u), WRITE, 4 * u.numel))
+        if params_on_disk and shadow_bytes:
+            seq.append((shadow_key(u), WRITE, shadow_bytes * u.numel))
         seq.append((state_key(u), WRITE, state_nbytes(u)))
 
     updated = {u.index for u in updates}
     for i, u in enumerate(compute):
         if params_on_disk:
-            seq.append((weights_key(u), READ, 4 * u.numel))
+            seq.append((shadow_key(u), READ, shadow_bytes * u.numel) if shadow_bytes else
+                       (weights_key(u), READ, 4 * u.numel))
         if not clipped and u.index in updated and last[u.index] == i:
             update(u)
     done = set() if clipped else {u.index for u in compute if u.index in updated}

@@ -28,6 +28,12 @@ def weights_key(unit: Unit) -> str:
     return f"weights-{unit.index:05d}"
 
 
+def shadow_key(unit: Unit) -> str:
+    """The key of a unit's compute-dtype copy on the disk tier (tensor ``"c"``), written by its
+    update beside the fp32 masters (``weight_store.DiskWeights`` with ``shadow``): what a load reads."""
+    return f"shadow-{unit.index:05d}"
+
+
 def handed_units(compute_order: Sequence[Unit], updated: Sequence[Unit]) -> set:
     """Units whose last compute read of a step (the backward's) hands its buffer to their
     update: those loaded more than once and updated. Unit indices."""
@@ -82,8 +88,10 @@ class DirtyUnits:
 class DiskReadStream:
     def __init__(self, disk, units: List[Unit], dirty: DirtyUnits, *, buffers: int, pin: bool, counters,
                  after_updates: bool, urgent: bool = False, fresh_source: Optional[Callable] = None,
-                 reclaim: Optional[Callable] = None):
+                 reclaim: Optional[Callable] = None, key: Callable[[Unit], str] = weights_key,
+                 name: str = "w", dtype: torch.dtype = torch.float32):
         self.disk = disk
+        self.key, self.name, self.dtype = key, name, dtype   # what it reads: a unit's masters, or its shadow
         self.dirty = dirty
         # The compute stream reads a unit only after its pending update is written; the
         # optimizer stream is the one doing the update, so it must not wait for itself.
@@ -110,11 +118,11 @@ class DiskReadStream:
 
     def _new_buffer(self) -> torch.Tensor:
         # Page-aligned (pinned memory is too), so direct I/O needs no bounce copy.
-        return pinned_empty(self._numel) if self._pin else aligned_empty(self._numel)
+        return pinned_empty(self._numel, self.dtype) if self._pin else aligned_empty(self._numel, self.dtype)
 
     def _buffer_bytes(self) -> int:
         """What one staging buffer holds (pinned: as ``pinned.held_bytes`` counts it)."""
-        return held_bytes(self._numel * 4, self._pin)
+        return held_bytes(self._numel * self.dtype.itemsize, self._pin)
 
     def grow(self, n: int) -> None:
         """At least ``n`` staging buffers from now on (more units' reads may be kept)."""
@@ -166,7 +174,7 @@ class DiskReadStream:
             fut.set_result(None)
         elif self._free:
             buf = self._free.pop()
-            fut = self.disk.read(weights_key(unit), out={"w": buf[:unit.numel]}, urgent=self.urgent)  # the pool's buffers bound these
+            fut = self.disk.read(self.key(unit), out={self.name: buf[:unit.numel]}, urgent=self.urgent)  # the pool's buffers bound these
         else:
             return False
         self._inflight.setdefault(unit.index, []).append((buf, fut, keep))
@@ -208,6 +216,11 @@ class DiskReadStream:
             self.counters.wait(fut, "disk")   # the disk, or the host cache that served it
             self.counters.prefetch_result("disk", not on_demand)  # issued ahead of need, or late
         return buf[:unit.numel]
+
+    @property
+    def pinned(self) -> bool:
+        """Whether its staging buffers are pinned."""
+        return self._pin
 
     @property
     def buffers(self) -> int:

@@ -39,7 +39,9 @@ def pinned_layout(unit_numels, *, compute_bytes: int = 4, grads_in_flight: int =
 
     * ``weights``: each unit's copy source -- in fp32 compute the master itself (4 B/param),
       narrower the shadow (``compute_bytes`` B/param); with the masters on the disk tier its
-      ``disk_buffers`` unit-sized staging buffers (fp32 compute) or one cast buffer (narrower);
+      ``disk_buffers`` unit-sized staging buffers, in the compute dtype (narrower: they hold the
+      tier's compute-dtype copy, so there is no cast buffer; that is without a host cache of the
+      tier -- with one, the fp32 masters are served from RAM and cast into one pinned buffer);
     * ``grad_landing``: what the gradients land through (``landing.landing_pinned_bytes``): a ring
       of pinned fp32 chunks in front of pageable landing buffers, or where that pins no less
       (small units) the landing buffers themselves (``pager.staging_buffers``, the largest unit each);
@@ -48,8 +50,8 @@ def pinned_layout(unit_numels, *, compute_bytes: int = 4, grads_in_flight: int =
     numels = [int(n) for n in unit_numels]
     big = max(numels, default=0)
     page = lambda n: held_bytes(n, True)   # noqa: E731
-    if params_on_disk:
-        weights = disk_buffers * page(big * 4) if compute_bytes == 4 else page(big * compute_bytes)
+    if params_on_disk:   # (narrower: the disk tier's compute-dtype copy, weight_store.DiskWeights' shadow)
+        weights = disk_buffers * page(big * compute_bytes)
     else:
         weights = sum(page(n * compute_bytes) for n in numels)
     out = {"weights": weights, "grad_landing": landing_pinned_bytes(big, grads_in_flight),

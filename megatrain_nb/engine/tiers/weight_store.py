@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 
-from .disk_params import DirtyUnits, DiskReadStream, handed_after_backward, handed_units, weights_key
+from .disk_params import DirtyUnits, DiskReadStream, handed_after_backward, handed_units, shadow_key, weights_key
 from .disk_store import WriteWindow, aligned_empty
 from .host_store import HostStore
 from ..units import Unit
@@ -75,11 +75,16 @@ def make_weight_store(units: List[Unit], host: HostStore, *, disk=None, pin: boo
     may read and write them range by range; ``held_units``: see :class:`DiskWeights`)."""
     if disk is None:
         return RamWeights(units, host)
-    # the staging buffers are a load's source in fp32 compute only (narrower: the transport's
-    # pinned cast buffer is, and the staging buffers stay pageable)
-    pin = pin and getattr(host, "compute_dtype", torch.float32) == torch.float32
+    # A narrower compute dtype with shadows (CUDA) and no host cache of the tier: the updates write
+    # each unit's compute-dtype copy beside its masters and the loads read that (DiskWeights'
+    # ``shadow``). The compute stream's staging buffers are a load's source -- pinned -- in fp32
+    # compute and with the copy; else (a host cache serves the fp32 masters from RAM) the
+    # transport's pinned cast buffer is, and the staging buffers stay pageable.
+    dtype = getattr(host, "compute_dtype", torch.float32)
+    shadow = dtype if getattr(host, "shadowed", False) and not getattr(disk, "capacity", 0) else None
+    pin = pin and (dtype == torch.float32 or shadow is not None)
     return DiskWeights(units, disk, pin=pin, counters=counters, compute_buffers=compute_buffers,
-                       optimizer_buffers=optimizer_buffers, ranged=ranged, held_units=held_units)
+                       optimizer_buffers=optimizer_buffers, ranged=ranged, held_units=held_units, shadow=shadow)
 
 
 class RamWeights:
@@ -136,13 +141,47 @@ class RamWeights:
         pass
 
 
+class ShadowedRewrite:
+    """A ranged rewrite of a unit's masters (``"w"``) that writes its compute-dtype copy too: each
+    range of ``"w"`` written is cast (in the writer's thread: the update's encoder) and written to
+    a ranged rewrite of the unit's shadow key; committed and aborted together (the copy first)."""
+
+    def __init__(self, weights, shadow, dtype: torch.dtype):
+        self.weights, self.shadow, self.dtype = weights, shadow, dtype
+
+    def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        return self.weights.read(name, start, out)
+
+    def write(self, name: str, start: int, src: torch.Tensor) -> None:
+        self.weights.write(name, start, src)
+        self.shadow.write("c", start, src.to(self.dtype))   # (a chunk: the update's cast of it)
+
+    def commit(self, behind: bool = False):
+        self.shadow.commit(behind=behind)
+        return self.weights.commit(behind=behind)
+
+    def abort(self, error) -> None:
+        try:
+            self.shadow.abort(error)
+        finally:
+            self.weights.abort(error)
+
+
 class DiskWeights:
-    """Weights on the disk tier (see the module docstring)."""
+    """Weights on the disk tier (see the module docstring). ``shadow`` (a compute dtype narrower
+    than fp32, no host cache of the tier): each update writes the unit's compute-dtype copy
+    beside its masters (key ``shadow-*``; a ranged update range by range: :class:`ShadowedRewrite`)
+    and the compute stream reads that copy into staging buffers of that dtype, so a load reads half
+    the bytes and nothing casts it; a load's buffer then serves no update (another dtype): every
+    update reads its fp32 masters (the optimizer stream, or range by range) and none is kept as a
+    fresh copy."""
 
     def __init__(self, units: List[Unit], disk, *, pin: bool, counters, compute_buffers: int = 3,
-                 optimizer_buffers: int = 1, ranged: bool = False, held_units: int = 0):
+                 optimizer_buffers: int = 1, ranged: bool = False, held_units: int = 0,
+                 shadow: Optional[torch.dtype] = None):
         self.units = units
         self.disk = disk
+        self.shadow = shadow
         self.counters = counters
         self.dirty = DirtyUnits()
         self._initial_writes = WriteWindow(2)  # bounded: at most a few units in RAM at once
@@ -151,9 +190,10 @@ class DiskWeights:
         self._fresh: Dict[int, dict] = {}             # unit -> updated buffer the next read may use
         self._fresh_wanted: set = set()
         self._last_compute: List[Unit] = []           # the recorded compute order of a training step
+        read = dict(key=shadow_key, name="c", dtype=shadow) if shadow is not None else {}
         self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters,
                                      after_updates=True, urgent=True, fresh_source=self._take_fresh,
-                                     reclaim=self._reclaim)
+                                     reclaim=self._reclaim, **read)
         #: A host cache of the disk tier decides what stays in RAM (disk_cache.HostCache): the
         #: fresh copies, whose survival depends on timing, are then not kept.
         self.cached = getattr(disk, "capacity", 0) > 0
@@ -163,7 +203,9 @@ class DiskWeights:
         self._compute_buffers = max(1, compute_buffers)
         #: Updates not handed a compute buffer read and write range by range (no optimizer stream).
         self.ranged = ranged and not self.cached and hasattr(disk, "ranged")
-        self._opt_args = dict(buffers=optimizer_buffers, pin=pin, counters=counters, after_updates=False)
+        # (the optimizer stream's buffers are no load's source with a shadow: pageable)
+        self._opt_args = dict(buffers=optimizer_buffers, pin=pin and shadow is None, counters=counters,
+                              after_updates=False)
         self._opt = None if self.ranged else self._opt_stream()
 
     def _opt_stream(self) -> DiskReadStream:
@@ -173,6 +215,8 @@ class DiskWeights:
     # ------------------------------------------------------------------ construction
     def put_initial(self, unit: Unit, flat: torch.Tensor) -> None:
         self._initial_writes.add(self.disk.write(weights_key(unit), {"w": flat}))
+        if self.shadow is not None:
+            self._initial_writes.add(self.disk.write(shadow_key(unit), {"c": flat.to(self.shadow)}))
 
     def finish_initial(self) -> None:
         self._initial_writes.drain()
@@ -183,7 +227,10 @@ class DiskWeights:
         """``updates_after_backward``: the updates wait for the whole backward (clipping) and run
         in the next forward's order, so every updated buffer is kept fresh for that forward."""
         keep, handed = [], set()
-        if optimizer_order is not None:
+        if optimizer_order is not None and self.shadow is not None:
+            with self._lock:   # a load's buffer holds the copy: no update takes it, none is kept fresh
+                self._fresh_wanted = set()
+        elif optimizer_order is not None:
             if compute_order:
                 self._last_compute = list(compute_order)
             last = {u.index: i for i, u in enumerate(compute_order)}
@@ -214,7 +261,9 @@ class DiskWeights:
         wanted = {u.index for u in compute_order}
         self._drop_fresh(lambda idx, e: idx not in wanted)  # not read by this schedule
         self._fetch.schedule(compute_order, keep=keep)
-        if optimizer_order is not None and self._opt is not None and not self.ranged:
+        # (with a shadow every update reads its masters, on demand: a read ahead could pass the
+        # unit's previous update, still queued while this step's reads are scheduled)
+        if optimizer_order is not None and self._opt is not None and not self.ranged and self.shadow is None:
             self._opt.schedule([u for u in optimizer_order if u.index not in handed], append=True)
 
     # ------------------------------------------------------------------ compute stream
@@ -259,7 +308,15 @@ class DiskWeights:
         to ``commit`` (then :meth:`update_done` with None) or ``abort``; else None."""
         if not self.ranged or self.handed(unit):
             return None
-        return self.disk.ranged(weights_key(unit), {"w": (torch.float32, (unit.numel,))}, read_old=True)
+        rw = self.disk.ranged(weights_key(unit), {"w": (torch.float32, (unit.numel,))}, read_old=True)
+        if self.shadow is None:
+            return rw
+        try:
+            copy = self.disk.ranged(shadow_key(unit), {"c": (self.shadow, (unit.numel,))}, read_old=False)
+        except BaseException as e:
+            rw.abort(e)
+            raise
+        return ShadowedRewrite(rw, copy, self.shadow)
 
     def update_done(self, unit: Unit, t: Optional[torch.Tensor]) -> None:
         """``t`` None: a ranged update, already committed (or aborted: the weights stay)."""
@@ -269,6 +326,8 @@ class DiskWeights:
         with self._lock:
             fresh = unit.index in self._fresh_wanted
         fut = self.disk.write(weights_key(unit), {"w": t})  # the pools bound these
+        if self.shadow is not None:   # the update's cast: the copy the loads read (before the unit is clean)
+            self.disk.write(shadow_key(unit), {"c": t.to(self.shadow)})
         if fresh:
             # Two users: the write, and the next compute read (or the schedule that drops it).
             entry = {"buf": t, "users": 2}
@@ -320,6 +379,8 @@ class DiskWeights:
         """New weights for a unit (loading a checkpoint)."""
         self._drop_fresh(lambda idx, e: idx == unit.index)  # its fresh copy would be stale
         self.disk.write(weights_key(unit), {"w": flat}).result()  # waited: no copy needed
+        if self.shadow is not None:
+            self.disk.write(shadow_key(unit), {"c": flat.to(self.shadow)}).result()
 
     def reset(self) -> None:
         with self._lock:
@@ -331,9 +392,14 @@ class DiskWeights:
         if self._opt is not None:
             self._opt.reset()
 
+    def pinned_bytes(self) -> int:
+        """Bytes of the compute stream's staging buffers where they are pinned (the loads' source:
+        fp32 compute, or the compute-dtype copy); 0 otherwise."""
+        return self._fetch.staging_bytes if self._fetch.pinned else 0
+
     def nbytes(self) -> Dict[str, int]:
         staging = self._fetch.staging_bytes + (self._opt.staging_bytes if self._opt is not None else 0)
         cached = self.disk.resident_bytes([weights_key(u) for u in self.units]) \
             if hasattr(self.disk, "resident_bytes") else 0   # in the disk tier's host cache
-        return {"host": staging, "disk": sum(self.disk.nbytes_of(weights_key(u)) for u in self.units),
-                "cached": cached}
+        keys = [weights_key(u) for u in self.units] + ([shadow_key(u) for u in self.units] if self.shadow else [])
+        return {"host": staging, "disk": sum(self.disk.nbytes_of(k) for k in keys), "cached": cached}

@@ -97,6 +97,21 @@ class Plan:
         return asdict(self)
 
 
+def _disk_weights_in_flight(u: int, depth: int, chunk: int, ring: int, held, pin: bool, compute_bytes: int) -> int:
+    """Host bytes of the master weights on the disk tier in flight (``u``: the largest unit; large:
+    over 256 MiB): the compute stream's staging buffers (``2 + depth``, large units 2), each a unit
+    in the compute dtype where it is narrower (on CUDA, no host cache: the tier's compute-dtype
+    copy, ``weight_store.DiskWeights``' ``shadow``, is what a load reads, so no cast buffer
+    either), else fp32 -- pinned (``held``: ``pinned.held_bytes``) as the loads' source; and the
+    optimizer's: ``ring`` chunks (chunked updates), else its buffers (2, large units 1: pinned in
+    fp32 compute; with the copy pageable, and beside each the update's cast of it, being written)."""
+    large = u * 4 > (256 << 20)
+    out = (2 if large else 2 + depth) * held(u * compute_bytes, pin)
+    if chunk:
+        return out + ring * chunk * 4
+    return out + (1 if large else 2) * (u * 4 + u * compute_bytes if compute_bytes < 4 else held(u * 4, pin))
+
+
 def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: bool, states_on_disk: bool,
                    cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20, compute_bytes: int = 4,
                    hold_disk: bool = False, pinned: Optional[bool] = None) -> int:
@@ -147,14 +162,11 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     if not units:
         return 0
     u = max(x.numel for x in units)
-    large = u * 4 > (256 << 20)
     pin = cuda if pinned is None else pinned
-    pu = held_bytes(u * 4, pin)   # a pinned unit-sized fp32 buffer
     out = 0
     chunk = update_chunk(compression, chunk_numel, u)
     if weights_on_disk:   # compute staging; the optimizer's, or (chunked updates) one chunk's
-        out += (2 if large else 2 + depth) * pu
-        out += RING * chunk * 4 if chunk else (1 if large else 2) * pu
+        out += _disk_weights_in_flight(u, depth, chunk, RING, held_bytes, pin, compute_bytes if cuda else 4)
     tied = any(x.tied_output for x in units if x.kind == "embed")
     if cuda and clipped and hold_disk:   # written from the staging buffers, read back in chunks
         out += landing_host_bytes(u, depth, pin) + (0 if chunk else 1) * u * 4
@@ -165,7 +177,7 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     if cuda and clipped and hold_disk and chunk:   # the ring's chunks of a held gradient read back (a CPU
         # "device" counts a whole unit for the read-back above, which covers them)
         out += RING * chunk * 4
-    if cuda and compute_bytes < 4:   # the host-side cast of the weights into the slot's dtype
+    if cuda and compute_bytes < 4 and not weights_on_disk:   # the host-side cast of the weights into the slot's dtype
         out += held_bytes(u * compute_bytes, pin)
     if compression == "none":
         if states_on_disk:

@@ -22,8 +22,10 @@ those amounts on the engine's streams:
   decode and encode threads (``codec_per_thread``) for compressed states;
 * **cast** (CUDA, a compute dtype narrower than fp32): each update writes its unit's
   compute-dtype shadow (``HostStore.refresh_shadow``: master weights in RAM) on the update's
-  thread, so a load is one copy with no cast; with the master weights on the disk tier the
-  transport casts each load on the CPU instead (its one pinned cast buffer). Priced at
+  thread, so a load is one copy with no cast; with the master weights on the disk tier (no host
+  cache) each update writes the unit's compute-dtype copy there too and a load reads that copy:
+  the compute dtype's bytes, no cast (``weight_store.DiskWeights``' ``shadow``); with a host cache
+  the transport casts each load on the CPU instead (its one pinned cast buffer). Priced at
   :data:`CAST_VS_ADAMW` x AdamW's rate, in the update chain or before the load's copy;
 * **tiles**: where the plan runs a layer's MLP in tiles (``plan.tile_tokens``: only where the
   layer does not fit, ``tiling.tile_tokens_for``), the tiled backward runs each tile's MLP forward
@@ -192,9 +194,11 @@ def compute_order(units, k: int, groups: int = 1) -> list:
 GROUPS_LISTED = 16
 
 
-def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale: float = 1.0) -> Dict[str, int]:
+def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale: float = 1.0,
+                shadow: int = 0) -> Dict[str, int]:
     """Disk bytes read and written per step: the schedule's accesses through the host cache
-    (``order``: the step's loads, or ``1 / scale`` of them: the schedule's figures times ``scale``)."""
+    (``order``: the step's loads, or ``1 / scale`` of them: the schedule's figures times ``scale``;
+    ``shadow``: the bytes a parameter of the tier's compute-dtype copy the loads read, 0: none)."""
     # light: the host cache's module (torch) away from the planning modules' import (--help, mt.estimate)
     from ..tiers.disk_cache import plan_cache, step_accesses
 
@@ -205,7 +209,8 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     per = codec_bytes_per_param(cfg.optimizer_compression)
     states = plan.placement.get("optimizer_states") == "disk"
     seq = step_accesses(order, [units[0]] + list(units[1:-1]) + [units[-1]], clipped=clipped, params_on_disk=on_disk,
-                        state_key=lambda u: f"state-{u.index}", state_nbytes=lambda u: int(per * u.numel))
+                        state_key=lambda u: f"state-{u.index}", state_nbytes=lambda u: int(per * u.numel),
+                        shadow_bytes=shadow)
     if not states:
         seq = [a for a in seq if not a[0].startswith("state-")]
     raw_r = sum(b for _, op, b in seq if op == "R")
@@ -224,7 +229,7 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     miss = read / raw_r if raw_r else 1.0   # the share of the schedule's reads the cache cannot serve
     start_read = start_write = 0
     if on_disk and not clipped:
-        start_read = int(4 * units[0].numel * miss)
+        start_read = int((shadow or 4) * units[0].numel * miss)
         start_write = int(4 * units[0].numel * write / raw_w) if raw_w else 0
     if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
         n = 4 * sum(u.numel for u in units)
@@ -267,19 +272,21 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
     total = sum(u.numel for u in units)
     cast = cuda and cb < 4
     on_disk = plan.placement.get("master_weights") == "disk"
+    copy = cast and on_disk and not cache_bytes   # the disk tier's compute-dtype copy (no host cache)
     return {
         "tokens": tokens, "k": k, "groups": groups,
         "tile_flops": _tile_flops(shape, plan, workload, n_layers),
-        # the compute-dtype copy: written by each update (RAM), or cast by the transport per load (disk)
-        "cast_update_params": total if cast and not on_disk else 0,
-        "cast_load_params": int(sum(u.numel for u in order) * scale) if cast and on_disk else 0,
+        # the compute-dtype copy: written by each update (RAM; the disk tier's copy), or cast by the
+        # transport per load (the disk tier behind a host cache)
+        "cast_update_params": total if cast and (copy or not on_disk) else 0,
+        "cast_load_params": int(sum(u.numel for u in order) * scale) if cast and on_disk and not copy else 0,
         "forward_flops": 2.0 * (layer_n + head_n) * tokens, "backward_flops": 4.0 * (layer_n + head_n) * tokens,
         "head_flops": 2.0 * head_n * tokens,
         "recompute_flops": 2.0 * layer_n * tokens * rec,
         "attention_flops": {"forward": attn, "backward": 2 * attn, "recompute": attn * rec},
         "h2d": int(sum(u.numel for u in order) * scale) * cb + boundary, "d2h": 4 * total * groups + boundary,
         "forward_loads": sum(u.numel for u in order[:len(units)]) * cb,
-        "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes, scale),
+        "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes, scale, shadow=cb if copy else 0),
         "params": total, "state_bytes_fp32": 8 * total, "codec": cfg.optimizer_compression,
         "compute_bytes": cb,
     }

@@ -1,7 +1,8 @@
 """The phases issue 45 added to the engine, counted by the plan and the prediction (arithmetic on
 made-up rates, nothing timed): the compute-dtype shadow each update writes (its cast in the update
-chain, its pinned bytes in the host plan, as ``host_store.pinned_layout`` counts them), the
-transport's cast of each load from the disk tier, and the tiled MLP's second forward only where the
+chain, its pinned bytes in the host plan, as ``host_store.pinned_layout`` counts them), the disk
+tier's bf16 copy written by the updates (the transport's cast of each load behind a host cache),
+and the tiled MLP's second forward only where the
 plan tiles (``tiling.tile_tokens_for``: where a micro-batch's MLP does not fit)."""
 import pytest
 
@@ -28,12 +29,21 @@ def test_a_bf16_update_casts_its_shadow_once_and_the_host_plan_holds_it_pinned()
     assert cpu.phases["cast"] == 0
 
 
-def test_a_bf16_load_from_the_disk_tier_is_cast_by_the_transport():
-    p, c, plan, w = predict(rates(), precision="bf16", offload_dir="/nowhere", offload_params=True)
+def test_a_bf16_load_from_the_disk_tier_reads_the_copy_its_update_wrote():
+    """No host cache: each update writes its unit's bf16 copy on the disk tier (the cast in the
+    update chain, once) and a load reads that copy, 2 bytes a parameter, with no cast before its
+    copy (``weight_store.DiskWeights``' shadow); behind a host cache the transport casts each load."""
+    disk = dict(offload_dir="/nowhere", offload_params=True, optimizer_threads=1)
+    p, c, plan, w = predict(rates(), precision="bf16", **disk)
+    fp32, *_ = predict(rates(), **disk)
     assert plan.placement["master_weights"] == "disk"
-    loaded = p.bytes["h2d"] / 2   # every load's parameters (bf16: 2 bytes each)
-    assert p.phases["cast"] == pytest.approx(loaded / CAST_RATE)
-    assert p.streams["h2d"] == pytest.approx(p.phases["h2d"] + p.phases["cast"])
+    assert p.phases["cast"] == pytest.approx(N / CAST_RATE)   # once per update, not per load
+    assert p.streams["h2d"] == pytest.approx(p.phases["h2d"])
+    assert p.bytes["disk_write"] == fp32.bytes["disk_write"] + 2 * N   # the copy, written beside the masters
+    cached, *_ = predict(rates(), precision="bf16", cache=1 << 40, **disk)
+    loaded = cached.bytes["h2d"] / 2   # every load's parameters (bf16: 2 bytes each)
+    assert cached.phases["cast"] == pytest.approx(loaded / CAST_RATE)
+    assert cached.streams["h2d"] == pytest.approx(cached.phases["h2d"] + cached.phases["cast"])
 
 
 def test_the_tiled_backward_forwards_the_mlp_again_only_where_the_plan_tiles():

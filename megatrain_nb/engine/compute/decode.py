@@ -9,7 +9,7 @@ Example::
                        GenerationConfig(max_new_tokens=32, do_sample=True, temperature=0.8, eos_token_id=2))
     out.completions       # each row's new ids, cut after its first end-of-sequence id
     out.logps             # each row's per-token log-probs of its tokens (the raw logits / logprob_temperature)
-    out.stats             # passes, rows computed, prefill rows, KV cache bytes
+    out.stats             # passes, rows computed, prefill rows, the KV cache's tier and bytes (moved)
 
 **Design.** A decoding pass is the model's own forward on the engine, exactly as
 ``engine.forward_logits`` runs one: the embedding and the head bound from their slots for the
@@ -41,10 +41,14 @@ per decoded token (``stats["passes"]``) whether 2 or 128 rows advance.
   GenerationConfig fields beyond these are refused by name (use ``generate`` on a resident model).
 - **The KV cache's size** is checked before anything runs: rows x (prompt + new tokens) x, per
   layer, 2 x key/value heads x head dim x the compute dtype's bytes (a sliding layer: its window
-  at most), plus the last logits. Where it exceeds the device budget left beside the engine's
-  working set (``max_vram_gb`` minus the plan's device total) the call is refused with those
-  numbers and what to change (fewer rollouts at once, shorter completions, a larger budget): the
-  cache is not placed in host RAM (not built yet). No budget set (``max_vram_gb=None``): no check.
+  at most), plus the last logits, placed by the planner's rule (:func:`kv_place`,
+  ``estimator_grpo.place_kv``): on the device when it fits the budget left beside the engine's
+  working set (``max_vram_gb`` minus the plan's device total; no budget: it fits); else its
+  full-attention layers' K/V in host RAM (:mod:`.kv_offload`: each layer's cache in to the device
+  as the layer runs, the new token's entries back, twice across the link per decoded token,
+  counted in ``stats``) when they fit beside the host plan and the rest fits the device; else the
+  call is refused with both tiers' numbers and what to change (fewer rollouts at once, shorter
+  completions, a larger budget).
 
 The whole decoding runs under ``engine.lock`` (the weights do not change under it), without
 gradients, in the model's own train/eval mode.

@@ -5,6 +5,7 @@ backward's inputs and the matmul FLOPs, which drop by exactly the frozen weights
 products), the other gradients are the Hugging Face model's own with ``requires_grad=False`` on
 those parameters, and the frozen weights stay bit-identical through AdamW steps that match
 ``torch.optim.AdamW``."""
+import contextlib
 import copy
 
 import pytest
@@ -31,8 +32,9 @@ def _batch_llm(seed=0):
     return {"input_ids": ids, "labels": ids}
 
 
-def _counted(engine, batch, monkeypatch):
-    """(the step's FLOPs, the number of tensors each layer backward asked autograd for)."""
+def _counted(engine, batch, monkeypatch, flops: bool = True):
+    """(the step's FLOPs -- None unless ``flops`` --, the number of tensors each layer backward
+    asked autograd for)."""
     asked, backward = [], torch.autograd.backward
 
     def counting(*args, **kw):
@@ -41,14 +43,14 @@ def _counted(engine, batch, monkeypatch):
         return backward(*args, **kw)
 
     monkeypatch.setattr(torch.autograd, "backward", counting)
-    with FlopCounterMode(display=False) as flops:
+    with FlopCounterMode(display=False) if flops else contextlib.nullcontext() as counter:
         engine.forward_backward(batch)
     monkeypatch.setattr(torch.autograd, "backward", backward)
-    return flops.get_total_flops(), asked
+    return (counter.get_total_flops() if flops else None), asked
 
 
-@pytest.mark.parametrize("entry,asked", [("model.layers.*.mlp", [7, 7]),
-                                         pytest.param("model.layers.1", [1, 10], marks=pytest.mark.slow)])
+@pytest.mark.slow   # (two engines under the FLOP counter: ~2 s; the next test is the fast check)
+@pytest.mark.parametrize("entry,asked", [("model.layers.*.mlp", [7, 7]), ("model.layers.1", [1, 10])])
 def test_a_frozen_weight_takes_no_weight_gradient_work(entry, asked, monkeypatch):
     """Llama, two layers: the unfrozen backward asks each layer for 10 tensors (the input and its 9
     weights); the MLPs frozen, 7 (gate, up, down left out); layer 1 wholly frozen, its input's
@@ -65,6 +67,14 @@ def test_a_frozen_weight_takes_no_weight_gradient_work(entry, asked, monkeypatch
     matrices = sum(p.numel() for n, p in model.named_parameters() if n in frozen and p.dim() == 2)
     assert full_asked == [10, 10] and got_asked == asked
     assert full_flops - got_flops == 2 * ROWS * SEQ * matrices > 0
+
+
+def test_a_layer_backward_asks_for_its_input_and_trained_weights_only(monkeypatch):
+    """The MLPs frozen: each Llama layer's backward asks autograd for 7 tensors (its input, the
+    attention's 4 matrices, the 2 norms), not 10."""
+    engine = StreamingEngine(_llama(), EngineConfig(device="cpu", frozen=("model.layers.*.mlp",)))
+    assert _counted(engine, _batch_llm(), monkeypatch, flops=False)[1] == [7, 7]
+    engine.close()
 
 
 def _hf_frozen(model, names):

@@ -95,8 +95,9 @@ def main(argv=None) -> None:
                           rollouts=rollouts * more, completion_length=a.completion, precision="bf16",
                           compression="int8", rates=PROFILE).grpo
         print(f"  {a.prompts * more} prompts x {a.generations}: generation {big.mode}, KV {big.kv_bytes / 2 ** 30:.1f} "
-              + (f"GiB: {big.tokens_per_second:,.0f} trained tokens/s end to end" if big.kv_tier == "device" else
-                 "GiB does not fit beside the working set: the decoder refuses"))
+              + (f"GiB {'on the device' if big.kv_tier == 'device' else 'in host RAM (streamed per layer)'}: "
+                 f"{big.tokens_per_second:,.0f} trained tokens/s end to end" if big.kv_tier != "none" else
+                 "GiB fits neither the device nor host RAM: the decoder refuses"))
 
 
 if __name__ == "__main__":

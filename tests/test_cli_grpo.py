@@ -32,6 +32,7 @@ def test_examples_grpo_yaml_trains_two_steps(tmp_path, capsys):
     assert main(["train", "--config", str(EXAMPLE), "--max-steps", "2", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "built-in arithmetic prompts, 80 prompts x 4 completions" in out and "reward: " in out
+    assert "\ngeneration: resident copy (transformers' generate)" in out   # (the run header's generation: line)
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "reward" in r and "event" not in r]
     assert [r["step"] for r in steps] == [1, 2]

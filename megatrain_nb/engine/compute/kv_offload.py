@@ -10,7 +10,8 @@ Example::
 **Design.** A transformers ``DynamicCache`` built from the model's config (sliding-window and
 linear-attention layers as transformers makes them, kept on the device), whose full-attention
 layers (``DynamicLayer``) are :class:`HostKVLayer`: a buffer in host RAM (pinned when the device
-is a GPU) of ``rows`` x heads x ``tokens`` x head size for the keys and the values, allocated at
+is a GPU) of ``tokens`` x ``rows`` x heads x head size for the keys and the values (tokens first,
+so the entries cached so far are one contiguous block: one copy from pinned memory), allocated at
 its first update with the shapes the attention gives. A layer's ``update`` (the model's attention
 calls it once per pass, as the layer runs, and layer-major decoding runs each layer once per
 decoded token) copies the layer's cached entries to the device (in), writes the new token's
@@ -33,25 +34,33 @@ from transformers.cache_utils import DynamicLayer
 
 
 class HostKVLayer(DynamicLayer):
-    """A full-attention layer's K/V in a host buffer (see the module)."""
+    """A full-attention layer's K/V in a host buffer (see the module). The buffer is laid out
+    tokens-first for the rows decoding (``[tokens, rows, heads, head size]``, compacted when rows
+    leave): the entries cached so far are one contiguous block, one copy to the device."""
 
     def __init__(self, rows: int, tokens: int, moved: Dict[str, int]):
         super().__init__()
         self.capacity, self.moved = (int(rows), int(tokens)), moved
         self.rows = self.length = 0
-        self.host_keys = self.host_values = None
+        self.host_keys = self.host_values = None   # flat buffers of capacity rows x tokens
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         pin = key_states.device.type == "cuda"
         rows, tokens = self.capacity
-        b, h, _, d = key_states.shape
-        if b > rows:
-            raise ValueError(f"the host KV cache holds {rows} rows; the model gave {b}")
-        self.host_keys = torch.empty((rows, h, tokens, d), dtype=key_states.dtype, pin_memory=pin)
-        self.host_values = torch.empty((rows, h, tokens, value_states.shape[-1]), dtype=value_states.dtype,
-                                       pin_memory=pin)
+        if key_states.shape[0] > rows:
+            raise ValueError(f"the host KV cache holds {rows} rows; the model gave {key_states.shape[0]}")
+        self.shapes = (tuple(key_states.shape[1:2] + key_states.shape[3:]),
+                       tuple(value_states.shape[1:2] + value_states.shape[3:]))   # (heads, head size) each
+        self.host_keys, self.host_values = (
+            torch.empty(rows * tokens * h * d, dtype=key_states.dtype, pin_memory=pin) for h, d in self.shapes)
         self.is_initialized = True
+
+    def held(self, rows: int):
+        """The keys' and values' buffers as ``[tokens, rows, heads, head size]`` for ``rows`` rows."""
+        t = self.capacity[1]
+        return tuple(flat[:t * rows * h * d].view(t, rows, h, d)
+                     for flat, (h, d) in zip((self.host_keys, self.host_values), self.shapes))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """The layer's cached entries and the new ones, on the device; the new ones kept in host RAM."""
@@ -62,16 +71,16 @@ class HostKVLayer(DynamicLayer):
             raise ValueError(f"the host KV cache holds {self.capacity[1]} tokens a row; the decoding reached {at + q}")
         if at and n != self.rows:
             raise ValueError(f"the host KV cache holds {self.rows} rows; the model gave {n} (reorder_cache first)")
-        old_k = self.host_keys[:n, :, :at].to(self.device, non_blocking=True)      # in (pinned: asynchronous)
-        old_v = self.host_values[:n, :, :at].to(self.device, non_blocking=True)
-        self.host_keys[:n, :, at:at + q].copy_(key_states)                         # back: the new entries
-        self.host_values[:n, :, at:at + q].copy_(value_states)
+        out = []
+        for buf, new in zip(self.held(n), (key_states, value_states)):
+            old = buf[:at].to(self.device, non_blocking=True).permute(1, 2, 0, 3)   # in (pinned: asynchronous)
+            buf[at:at + q].copy_(new.permute(2, 0, 1, 3))                            # back: the new entries
+            self.moved["h2d_bytes"] += old.numel() * old.element_size()
+            self.moved["d2h_bytes"] += new.numel() * new.element_size()
+            out.append(torch.cat([old, new], dim=-2))
         self.rows, self.length = n, at + q
-        size = key_states.element_size()
-        self.moved["h2d_bytes"] += (old_k.numel() + old_v.numel()) * size
-        self.moved["d2h_bytes"] += (key_states.numel() + value_states.numel()) * size
         self.moved["crossings"] += 2
-        return torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
+        return out[0], out[1]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -83,8 +92,8 @@ class HostKVLayer(DynamicLayer):
         idx, at = beam_idx.cpu(), self.length
         if len(idx) > self.capacity[0]:
             raise ValueError(f"the host KV cache holds {self.capacity[0]} rows; asked for {len(idx)}")
-        self.host_keys[:len(idx), :, :at] = self.host_keys[idx, :, :at]    # (the gather is a copy first)
-        self.host_values[:len(idx), :, :at] = self.host_values[idx, :, :at]
+        for now, then in zip(self.held(self.rows), self.held(len(idx))):
+            then[:at] = now[:at, idx]   # (the gather is a copy first: the two views share the buffer)
         self.rows = len(idx)
 
     def reset(self) -> None:

@@ -81,6 +81,12 @@ SOURCE = r"""/* megatrain_nb's fused optimizer-state kernels (see megatrain_nb/e
 #else
 #define MT_AVX512 0
 #endif
+#if !MT_AVX512 && defined(__AVX2__) && !defined(MT_NO_SIMD)
+#include <immintrin.h>
+#define MT_AVX2 1
+#else
+#define MT_AVX2 0
+#endif
 
 #include <pthread.h>
 
@@ -184,6 +190,14 @@ static inline void pack_nibbles(const int32_t *restrict c, uint8_t *restrict cod
                                     _mm512_and_si512(_mm512_srli_epi64(v, 28), _mm512_set1_epi64(0xF0)));
         _mm_storel_epi64((__m128i *)(codes + 8 * h), _mm512_cvtepi64_epi8(r));
     }
+#elif MT_AVX2   /* the 32 codes as bytes in order, then each pair of bytes into one */
+    __m256i a = _mm256_packs_epi32(_mm256_loadu_si256((const __m256i *)c), _mm256_loadu_si256((const __m256i *)(c + 8)));
+    __m256i b = _mm256_packs_epi32(_mm256_loadu_si256((const __m256i *)(c + 16)),
+                                   _mm256_loadu_si256((const __m256i *)(c + 24)));
+    __m256i d = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    __m256i w = _mm256_or_si256(_mm256_and_si256(d, _mm256_set1_epi16(0x0F)),
+                                _mm256_and_si256(_mm256_srli_epi16(d, 4), _mm256_set1_epi16(0xF0)));
+    _mm_storeu_si128((__m128i *)codes, _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
 #else
     for (int i = 0; i < I4B / 2; i++) codes[i] = (uint8_t)(c[2 * i] + 16 * c[2 * i + 1]);
 #endif
@@ -253,6 +267,17 @@ static inline void dec_i4(const uint8_t *restrict codes, float s, float *restric
     const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, i0, hi), L), S));
     _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, i1, hi), L), S));
+#elif MT_AVX2   /* the 16 levels in two registers: two lane permutes and a blend per 8 values */
+    const __m256 L0 = _mm256_loadu_ps(lut), L1 = _mm256_loadu_ps(lut + 8), S = _mm256_set1_ps(s);
+    const __m128i b = _mm_loadu_si128((const __m128i *)codes), f = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), f);
+    const __m128i ord[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};   /* the codes in order */
+    for (int h = 0; h < 4; h++) {
+        __m256i idx = _mm256_cvtepu8_epi32(h & 1 ? _mm_srli_si128(ord[h >> 1], 8) : ord[h >> 1]);
+        __m256 val = _mm256_blendv_ps(_mm256_permutevar8x32_ps(L0, idx), _mm256_permutevar8x32_ps(L1, idx),
+                                      _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(val, S));
+    }
 #else
     for (int i = 0; i < I4B / 2; i++) {
         out[2 * i] = lut[codes[i] & 15] * s;
@@ -401,30 +426,36 @@ static int update_range(int codec, float *p, const float *g,
               const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
               uint8_t *om, float *osm, uint8_t *ov, float *osv,
               int64_t n, int64_t base, const adam_t *A, int nA, const consts_t *C) {
-    int B = codec == 8 ? I8B : I4B, bad = 0;
-    int64_t nb = (n + B - 1) / B;
+    /* a step of S elements: one int8 block, or G4 int4 blocks (AdamW on 256 values at a time) */
+    const int B = codec == 8 ? I8B : I4B, S = I8B;
+    int bad = 0;
     float m[I8B], v[I8B];
-    for (int64_t j = 0; j < nb; j++) {
-        int64_t off = j * B;
-        int k = n - off < B ? (int)(n - off) : B;
+    for (int64_t off = 0; off < n; off += S) {
+        const int k = n - off < S ? (int)(n - off) : S, nb = (k + B - 1) / B;
+        const int64_t j0 = off / B;
         if (cm == NULL) {
             memset(m, 0, sizeof m); memset(v, 0, sizeof v);
         } else if (codec == 8) {
-            dec_i8m((const int8_t *)cm + off, sm[j], m, C);
-            dec_i8v(cv + off, sv[j], v, C);
+            dec_i8m((const int8_t *)cm + off, sm[j0], m, C);
+            dec_i8v(cv + off, sv[j0], v, C);
         } else {
-            dec_i4(cm + off / 2, sm[j], m, C->lut4m);
-            dec_i4(cv + off / 2, sv[j], v, C->lut4v);
-            floor_positive(sv[j], v, I4B, C);
+            for (int b = 0; b < nb; b++) {
+                dec_i4(cm + off / 2 + 16 * b, sm[j0 + b], m + I4B * b, C->lut4m);
+                dec_i4(cv + off / 2 + 16 * b, sv[j0 + b], v + I4B * b, C->lut4v);
+                floor_positive(sv[j0 + b], v + I4B * b, I4B, C);
+            }
         }
         adam_groups(p + off, g + off, m, v, k, base + off, A, nA);
-        if (k < B) { memset(m + k, 0, (size_t)(B - k) * 4); memset(v + k, 0, (size_t)(B - k) * 4); }
+        const int pad = nb * B - k;   /* (the last block's zero padding: 0 <= pad < B) */
+        if (pad > 0 && pad < B) { memset(m + k, 0, (size_t)pad * 4); memset(v + k, 0, (size_t)pad * 4); }
         if (codec == 8) {
-            bad |= enc_i8m(m, (int8_t *)om + off, osm + j, C);
-            bad |= enc_i8v(v, ov + off, osv + j, C) << 2;
+            bad |= enc_i8m(m, (int8_t *)om + off, osm + j0, C);
+            bad |= enc_i8v(v, ov + off, osv + j0, C) << 2;
         } else {
-            bad |= enc_i4m(m, om + off / 2, osm + j, C);
-            bad |= enc_i4v(v, ov + off / 2, osv + j, C) << 2;
+            for (int b = 0; b < nb; b++) {
+                bad |= enc_i4m(m + I4B * b, om + off / 2 + 16 * b, osm + j0 + b, C);
+                bad |= enc_i4v(v + I4B * b, ov + off / 2 + 16 * b, osv + j0 + b, C) << 2;
+            }
         }
     }
     return bad;

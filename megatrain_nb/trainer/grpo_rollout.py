@@ -224,7 +224,8 @@ def generation_words(engine, mode: str, rows: int, length: int) -> str:
     if not (mode == "streamed" or (mode == "auto" and not resident_fits(engine, rows, length))):
         return (f"resident copy (transformers' generate) for {rows} rollouts x {length} tokens: the copy and its KV "
                 f"cache ({need:.3f} GiB) fit {room}" + (" (generation='resident')" if mode == "resident" else ""))
-    why = "generation='streamed'" if mode == "streamed" else f"the resident copy and its KV cache ({need:.3f} GiB) exceed {room}"
+    why = ("generation='streamed'" if mode == "streamed" else
+           f"the resident copy and its KV cache ({need:.3f} GiB) exceed {room}")
     place = kv_place(engine, rows, length)
     return (f"layer-major streamed decoding for {rows} rollouts x {length} tokens ({why}); KV cache "
             f"{ {'device': 'on the device', 'host': 'in host RAM', 'none': 'refused'}[place.tier]}: {place.why}")

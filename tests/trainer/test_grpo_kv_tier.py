@@ -45,7 +45,8 @@ def test_auto_generation_keeps_the_cache_in_host_ram_and_trains_as_the_device_ca
     total = probe.engine.plan.device["total"]
     probe.close()
     host = place_kv(model.config, rows, length, 4, 0, None)
-    room = (host.device_bytes + 3 * streamed_need(model.config, rows, length, 4)) // 4   # the host tier's, not the device's
+    # a room that holds the host tier's device part, not the device tier's cache
+    room = (host.device_bytes + 3 * streamed_need(model.config, rows, length, 4)) // 4
     t = _trainer(tmp_path, "host", model, tok, max_vram_gb=(total + room) / GIB)
     assert abs(device_left(t.engine) - room) <= 2
     said = t.generation_text(length - 6)

@@ -127,7 +127,8 @@ def place_kv(config, rows: int, tokens: int, bytes_per_value: int, device_room: 
     the rest fits the device: the rest (logits, sliding windows, linear-attention states) and
     two full layers' K/V in flight (the layer brought in, and it with the new token appended);
     else refused ("none"), the numbers in ``why``."""
-    kv, need = kv_cache_bytes(config, rows, tokens, bytes_per_value), streamed_need(config, rows, tokens, bytes_per_value)
+    kv = kv_cache_bytes(config, rows, tokens, bytes_per_value)
+    need = streamed_need(config, rows, tokens, bytes_per_value)
     on = "" if device_room is None else f" the device room beside the engine's plan ({format_bytes(device_room)})"
     if device_room is None or need <= device_room:
         return KVPlace("device", need, 0, kv, f"KV cache and logits ({format_bytes(need)}) fit{on or ' (no budget)'}")
@@ -315,5 +316,6 @@ def price(gp: GenerationPlan, config, units, shape, rates, *, training_s: float,
     return gp
 
 
-__all__ = ["DEVICE_MEMORY", "GenerationPlan", "KVPlace", "full_layers", "host_kv_bytes", "place_kv", "attention_shape", "compute_bytes", "kv_cache_bytes", "plan_generation", "resident_need", "streamed_need",
-           "price", "split_seq"]
+__all__ = ["DEVICE_MEMORY", "GenerationPlan", "KVPlace", "attention_shape", "compute_bytes", "full_layers",
+           "host_kv_bytes", "kv_cache_bytes", "place_kv", "plan_generation", "price", "resident_need", "split_seq",
+           "streamed_need"]

@@ -152,6 +152,9 @@ static inline int enc_i8m(const float *restrict x, int8_t *restrict codes, float
     return isfinite(s) ? 0 : BAD_NONFINITE;
 }
 
+static inline void fourth_values(const float *restrict x, int n, float levels, float mul, float k, float fl,
+                                 float alpha, int32_t *restrict out);
+
 static inline int enc_fourth(const float *restrict x, int n, float levels, float floor_coef,
                              float *restrict scale, int32_t *restrict out, const consts_t *C) {
     int neg = 0;
@@ -160,7 +163,13 @@ static inline int enc_fourth(const float *restrict x, int n, float levels, float
     *scale = s;
     float mx, mul, k, fl;
     scale_setup(s, levels, floor_coef, 2, &mx, &mul, &k, &fl);
-    const float hi = levels + 0.5f, alpha = C->dither_alpha;
+    fourth_values(x, n, levels, mul, k, fl, C->dither_alpha, out);
+    return (neg ? BAD_NEGATIVE : 0) | (isfinite(s) ? 0 : BAD_NONFINITE);
+}
+
+static inline void fourth_values(const float *restrict x, int n, float levels, float mul, float k, float fl,
+                                 float alpha, int32_t *restrict out) {
+    const float hi = levels + 0.5f;
     for (int i = 0; i < n; i++) {
         float a = x[i] * mul;
         float r = sqrtf(sqrtf(a > fl ? a : fl)) * k;
@@ -170,7 +179,6 @@ static inline int enc_fourth(const float *restrict x, int n, float levels, float
         r = r > hi ? hi : r;
         out[i] = (int32_t)r;
     }
-    return (neg ? BAD_NEGATIVE : 0) | (isfinite(s) ? 0 : BAD_NONFINITE);
 }
 
 static inline int enc_i8v(const float *restrict x, uint8_t *restrict codes, float *restrict scale,
@@ -212,6 +220,8 @@ static inline int enc_i4v(const float *restrict x, uint8_t *restrict codes, floa
     return bad;
 }
 
+static inline void i4m_values(const float *restrict x, float k, uint8_t *restrict codes);
+
 static inline int enc_i4m(const float *restrict x, uint8_t *restrict codes, float *restrict scale,
                           const consts_t *C) {
     float s = absmax(x, I4B);
@@ -219,6 +229,11 @@ static inline int enc_i4m(const float *restrict x, uint8_t *restrict codes, floa
     float k = s < 0x1p-149f ? 0x1p-149f : s;
     if (s != s) k = s;
     k = 1.0f / sqrtf(k);
+    i4m_values(x, k, codes);
+    return isfinite(s) ? 0 : BAD_NONFINITE;
+}
+
+static inline void i4m_values(const float *restrict x, float k, uint8_t *restrict codes) {
     int32_t c[I4B];
     for (int i = 0; i < I4B; i++) {
         float y = (fabsf(x[i]) * k) * k;
@@ -231,7 +246,45 @@ static inline int enc_i4m(const float *restrict x, uint8_t *restrict codes, floa
         c[i] = (int32_t)q;
     }
     pack_nibbles(c, codes);
-    return isfinite(s) ? 0 : BAD_NONFINITE;
+}
+
+/* G4 int4 blocks (nb of them stored; x holds all G4): the blocks' maxima first, then their
+   scale constants (one vector of roots and divisions, no chain of them per block), then the
+   values: each block's arithmetic is enc_i4m's / enc_i4v's. */
+#define G4 (I8B / I4B)
+static inline int enc_i4m_group(const float *restrict x, int nb, uint8_t *restrict codes, float *restrict scales) {
+    float s[G4], kk[G4];
+    int bad = 0;
+    for (int b = 0; b < G4; b++) s[b] = absmax(x + I4B * b, I4B);
+    for (int b = 0; b < G4; b++) {
+        float k = s[b] < 0x1p-149f ? 0x1p-149f : s[b];
+        if (s[b] != s[b]) k = s[b];
+        kk[b] = 1.0f / sqrtf(k);
+    }
+    for (int b = 0; b < nb; b++) {
+        scales[b] = s[b];
+        bad |= isfinite(s[b]) ? 0 : BAD_NONFINITE;
+        i4m_values(x + I4B * b, kk[b], codes + I4B / 2 * b);
+    }
+    return bad;
+}
+
+static inline int enc_i4v_group(const float *restrict x, int nb, uint8_t *restrict codes, float *restrict scales,
+                                const consts_t *C) {
+    float s[G4], mul[G4], kk[G4], fl[G4], mx;
+    int neg = 0, bad = 0;
+    for (int i = 0; i < nb * I4B; i++) neg |= x[i] < 0.0f;
+    for (int b = 0; b < G4; b++) s[b] = absmax(x + I4B * b, I4B);
+    for (int b = 0; b < G4; b++) scale_setup(s[b], 16.0f, C->i4v_floor, 2, &mx, mul + b, kk + b, fl + b);
+    for (int b = 0; b < nb; b++) {
+        int32_t c[I4B];
+        scales[b] = s[b];
+        bad |= isfinite(s[b]) ? 0 : BAD_NONFINITE;
+        fourth_values(x + I4B * b, I4B, 16.0f, mul[b], kk[b], fl[b], C->dither_alpha, c);
+        for (int i = 0; i < I4B; i++) c[i] -= 1;
+        pack_nibbles(c, codes + I4B / 2 * b);
+    }
+    return bad | (neg ? BAD_NEGATIVE : 0);
 }
 
 /* ------------------------------------------------------------------ block decoders */
@@ -446,16 +499,15 @@ static int update_range(int codec, float *p, const float *g,
             }
         }
         adam_groups(p + off, g + off, m, v, k, base + off, A, nA);
-        const int pad = nb * B - k;   /* (the last block's zero padding: 0 <= pad < B) */
-        if (pad > 0 && pad < B) { memset(m + k, 0, (size_t)pad * 4); memset(v + k, 0, (size_t)pad * 4); }
+        if (k < S) {   /* the last block's zero padding (and, for int4, the step's blocks past it) */
+            memset(m + k, 0, (size_t)(S - k) * 4); memset(v + k, 0, (size_t)(S - k) * 4);
+        }
         if (codec == 8) {
             bad |= enc_i8m(m, (int8_t *)om + off, osm + j0, C);
             bad |= enc_i8v(v, ov + off, osv + j0, C) << 2;
         } else {
-            for (int b = 0; b < nb; b++) {
-                bad |= enc_i4m(m + I4B * b, om + off / 2 + 16 * b, osm + j0 + b, C);
-                bad |= enc_i4v(v + I4B * b, ov + off / 2 + 16 * b, osv + j0 + b, C) << 2;
-            }
+            bad |= enc_i4m_group(m, nb, om + off / 2, osm + j0);
+            bad |= enc_i4v_group(v, nb, ov + off / 2, osv + j0, C) << 2;
         }
     }
     return bad;

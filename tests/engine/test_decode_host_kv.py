@@ -185,3 +185,28 @@ def test_the_estimate_places_the_cache_in_host_ram_and_prices_its_crossings():
     assert "GRPO KV cache over the link per decoded token" in text
     short = mt.estimate(cfg, vram_gb=(need + kv // 4) / GIB, **{**base, "ram_gb": est.plan.host["total"] / GIB})
     assert short.grpo.kv_tier == "none" and "neither fits" in str(short)
+
+
+def test_a_host_tier_token_prices_the_caches_two_crossings_beside_the_weights():
+    """estimator_grpo.price (torch-free): with the cache in host RAM a decoded token moves the
+    weights and each full layer's K/V at the average length in (h2d), the new token's entries back
+    (d2h); the prefill sends the prompts' K/V to the host."""
+    from megatrain_nb.engine.planning.estimator_grpo import GenerationPlan, price
+    from megatrain_nb.engine.planning.planner import ModelShape, unit_specs_from_config
+
+    cfg, r = _config(), rates_for("h100-pcie5-gen4nvme")
+    units = unit_specs_from_config(cfg)
+    P, C, R = 64, 192, 32
+    kv = place_kv(cfg, R, P + C, 2, None, None).kv_bytes
+    plans = {tier: GenerationPlan(R, P, C, "bf16", 2 * sum(u.numel for u in units), kv, tier, "streamed", 0,
+                                  kv_host_bytes=kv if tier == "host" else 0) for tier in ("device", "host")}
+    for gp in plans.values():
+        price(gp, cfg, units, ModelShape.of(cfg), r, training_s=1.0, cuda=True)
+    dev, host = plans["device"], plans["host"]
+    assert (dev.kv_in_bytes_per_token, dev.kv_out_bytes_per_token) == (0, 0)
+    assert host.kv_in_bytes_per_token == int(kv * (P + C / 2) / (P + C)) and host.kv_out_bytes_per_token == kv // (P + C)
+    assert host.link_bytes_per_token == host.weights_bytes + host.kv_in_bytes_per_token + host.kv_out_bytes_per_token
+    link = (host.weights_bytes + host.kv_in_bytes_per_token) / r.h2d_pinned + host.kv_out_bytes_per_token / r.d2h_pinned
+    assert host.token_s == pytest.approx(max(link, dev.token_s if dev.token_bound == "compute" else 0.0))
+    assert host.prefill_s == pytest.approx(dev.prefill_s + kv * P / (P + C) / r.d2h_pinned)
+    assert any("over the link per decoded token" in line for line in host.lines())

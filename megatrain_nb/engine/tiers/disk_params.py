@@ -62,6 +62,7 @@ class DirtyUnits:
     def __init__(self):
         self._cv = threading.Condition()
         self._dirty = set()
+        self._cleans: Dict[int, int] = {}   # unit -> updates written (or dropped) so far
         self.listeners = []
 
     def mark(self, unit: Unit) -> None:
@@ -71,9 +72,22 @@ class DirtyUnits:
     def clean(self, unit: Unit) -> None:
         with self._cv:
             self._dirty.discard(unit.index)
+            self._cleans[unit.index] = self._cleans.get(unit.index, 0) + 1
             self._cv.notify_all()
         for fn in self.listeners:
             fn()
+
+    def written_after_pending(self, unit: Unit) -> int:
+        """What :meth:`cleaned` will be once the update of ``unit`` now pending (if any) is written:
+        a read that must not pass it waits for that count. (An update may be marked more than once
+        as it is queued and started: the pending one counts once.)"""
+        with self._cv:
+            return self._cleans.get(unit.index, 0) + (unit.index in self._dirty)
+
+    def cleaned(self, unit: Unit) -> int:
+        """Updates of ``unit`` whose write was submitted (or that will not run) so far."""
+        with self._cv:
+            return self._cleans.get(unit.index, 0)
 
     def is_dirty(self, unit: Unit) -> bool:
         with self._cv:
@@ -110,6 +124,10 @@ class DiskReadStream:
         self.staging_bytes = len(self._free) * self._buffer_bytes()
         self._cv = threading.Condition()
         self._order: List[Unit] = []
+        # per position in the order: the updates of its unit that must be written before its read
+        # starts (the optimizer stream: the one pending when it was scheduled -- an earlier step's,
+        # still running while the next step schedules its reads -- so the read cannot pass it)
+        self._need: List[int] = []
         self._issued = 0
         self._inflight: Dict[int, List[tuple]] = {}
         self._keep_at: set = set()        # positions in the order whose buffer is kept (handed off)
@@ -145,11 +163,13 @@ class DiskReadStream:
         with self._cv:
             positions = [i for i, u in enumerate(order) if u.numel > 0]
             new = [order[i] for i in positions]
+            need = [self.dirty.written_after_pending(u) for u in new]
             if append:
                 self._order = self._order[self._issued:] + new
+                self._need = self._need[self._issued:] + need
                 self._keep_at = set()
             else:
-                self._order = new
+                self._order, self._need = new, need
                 keep = set(keep)
                 self._keep_at = {j for j, i in enumerate(positions) if i in keep}
             self._issued = 0
@@ -161,6 +181,8 @@ class DiskReadStream:
                 u = self._order[self._issued]
                 if self.after_updates and self.dirty.is_dirty(u):
                     break  # strict order: wait for its update's write
+                if not self.after_updates and self.dirty.cleaned(u) < self._need[self._issued]:
+                    break  # its unit's previous update is not written yet: the read would pass it
                 if not self._start(u, keep=self._issued in self._keep_at):
                     break
                 self._issued += 1
@@ -201,6 +223,7 @@ class DiskReadStream:
                     for i in range(self._issued, len(self._order)):
                         if self._order[i] is unit:
                             del self._order[i]
+                            del self._need[i]
                             keep = i in self._keep_at
                             self._keep_at = {j - (j > i) for j in self._keep_at if j != i}
                             break
@@ -270,7 +293,7 @@ class DiskReadStream:
                         self._free.append(buf)
             self._inflight.clear()
             self._keep_at = set()
-            self._order = []
+            self._order, self._need = [], []
             self._issued = 0
         for fn in callbacks:
             fn()

@@ -261,9 +261,7 @@ class DiskWeights:
         wanted = {u.index for u in compute_order}
         self._drop_fresh(lambda idx, e: idx not in wanted)  # not read by this schedule
         self._fetch.schedule(compute_order, keep=keep)
-        # (with a shadow every update reads its masters, on demand: a read ahead could pass the
-        # unit's previous update, still queued while this step's reads are scheduled)
-        if optimizer_order is not None and self._opt is not None and not self.ranged and self.shadow is None:
+        if optimizer_order is not None and self._opt is not None and not self.ranged:
             self._opt.schedule([u for u in optimizer_order if u.index not in handed], append=True)
 
     # ------------------------------------------------------------------ compute stream

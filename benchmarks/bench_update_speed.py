@@ -55,13 +55,18 @@ DEPS = os.path.join(ROOT, ".venv", "bench-deps")
 DS_PACKAGES = ["deepspeed", "hjson", "py-cpuinfo", "einops", "msgpack"]
 
 
-def _median_time(fn, reps: int) -> float:
+def _median_time(fn, reps: int, cpu: list = None) -> float:
+    """The median wall time of ``fn`` over ``reps`` calls (after one warm-up); ``cpu``: a list
+    that gets the median of the calling thread's CPU time over the same calls."""
     fn()
-    times = []
+    times, cpu_times = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.thread_time() - c0)
+    if cpu is not None:
+        cpu.append(statistics.median(cpu_times))
     return statistics.median(times)
 
 
@@ -110,12 +115,13 @@ def update_ratios(numel: int, rounds: int, threads: int) -> None:
     times_engine = []
     times = {k: [] for k in ("fp32", "ours", "int8", "int4", "int8_torch", "int4_torch")}
     ratios = {c: [] for c in ("int8", "int4")}
+    cpu = {c: [] for c in ("fp32", "int8", "int4")}   # the calling thread's CPU time (threads == 1: all the work)
     for r in range(rounds):
-        t_plain = _median_time(plain, 3)
+        t_plain = _median_time(plain, 3, cpu["fp32"])
         times["fp32"].append(t_plain)
         times["ours"].append(_median_time(ours, 3))
         for c, (run, _) in chains.items():
-            t = _median_time(run, 3)
+            t = _median_time(run, 3, cpu[c])
             times[c].append(t)
             ratios[c].append(t_plain / t)
             if r < 2:   # the path before the kernel, twice (it is slow)
@@ -130,6 +136,10 @@ def update_ratios(numel: int, rounds: int, threads: int) -> None:
           f"int4 chain {rate['int4']:.0f} (torch path {rate['int4_torch']:.0f})")
     print(f"the engine's int8 chain (a chunk split over the AdamW worker and the two codec threads, as "
           f"mt.measure_machine times it): {numel / statistics.median(times_engine) / 1e6:.0f} M params/s")
+    if threads == 1:   # on a loaded machine the wall times are mostly the scheduler's; a quiet core's:
+        print("the same on the calling thread's CPU time (one thread does all the work; what a quiet core "
+              "shows): " + ", ".join(f"{c} {statistics.median(cpu['fp32']) / statistics.median(cpu[c]):.3g} x"
+                                     for c in ("int8", "int4")) + " of the fp32 AdamW")
     for c, target in (("int8", 0.5), ("int4", 0.4)):
         before = rate[c + "_torch"] / rate["fp32"]
         print(f"RESULT update_{c}_vs_fp32_adamw {statistics.median(ratios[c]):.3g} x (target >= {target}; "

@@ -67,9 +67,8 @@ def test_disk_tier_loads_read_the_bf16_copy_the_updates_wrote_bit_identically(tm
     ram = _run(tmp_path, monkeypatch, False, codec, disk=False)
     base = _run(tmp_path, monkeypatch, False, codec)
     got = _run(tmp_path, monkeypatch, True, codec)
-    # Bit for bit the RAM tier's. (Today's disk path, ``base``, is compared on its loads' bytes
-    # only: after a clipped step its updates' read-ahead can pass a unit's previous update, still
-    # queued, and read its weights before that update's write -- seen here once in a few runs.)
+    # Bit for bit the RAM tier's (today's disk path, ``base``, is compared on its loads' bytes;
+    # tests/engine/test_disk_update_reads.py checks its results)
     assert got[0] == ram[0]
     for a, b in ((got[1], ram[1]), (got[2], ram[2])):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

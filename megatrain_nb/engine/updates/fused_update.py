@@ -8,7 +8,9 @@ C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes
 * ``mt_encode`` / ``mt_decode``: the four block codecs of ``codecs.py`` (int8 and int4,
   ``exp_avg`` and ``exp_avg_sq``), one pass, each block in registers and L1;
 * ``mt_update``: a chunk of a unit's update -- each block's moments decoded into two L1 buffers,
-  AdamW on its weights and gradient, the new moments encoded -- with no fp32 moments in memory;
+  AdamW on its weights and gradient, the new moments encoded -- with no fp32 moments in memory
+  (int4: 8 blocks, 256 values, at a time -- decoded by lane permutes of the 16 levels, their
+  maxima, then their scale roots as one vector, then the values; the same arithmetic per block);
 * ``mt_adamw``: torch's fused AdamW over flat fp32 buffers, bit for bit, with one division
   fewer (the one by the constant ``sqrt(1 - beta2**t)`` is a multiply and an exact residual
   step, which rounds the same: Markstein's theorem; checked over 2·10**8 operands).

@@ -4,7 +4,6 @@ registered once per size class and off the compute thread (issue 45 item 4:
 which thread registers; a failed registration in the registrar clears CUDA's error there, warns
 once and falls back."""
 import gc
-import threading
 import warnings
 
 import pytest
@@ -12,36 +11,7 @@ import torch
 
 from megatrain_nb.engine.transport import pinned
 from megatrain_nb.engine.transport.pinned import PAGE, PinnedPool, size_class
-from tests.engine.test_pinned_register import FakeCudart
-
-
-class ThreadedCudart(FakeCudart):
-    """Records the thread of every registration, and of every error read."""
-
-    def __init__(self, fail_at=()):
-        super().__init__(fail_at)
-        self.threads, self.cleared = [], []
-
-    def cudaHostRegister(self, ptr, size, flags):
-        self.threads.append(threading.current_thread().name)
-        return super().cudaHostRegister(ptr, size, flags)
-
-    def cudaGetLastError(self):
-        self.cleared.append(threading.current_thread().name)
-        return 0
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    saved = dict(pinned._state)
-    rt = ThreadedCudart()
-    monkeypatch.setattr(pinned, "_cudart", lambda: rt)
-    monkeypatch.setattr(pinned, "_cuda_present", lambda: True)
-    monkeypatch.setattr(pinned, "_cached_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
-    pinned.reset_for_tests(None)
-    yield rt
-    gc.collect()
-    pinned._state.update(saved)
+from tests.engine.test_pinned_register import fake  # noqa: F401 - the fake cudart's fixture
 
 
 def test_size_classes_are_whole_pages_within_an_eighth():

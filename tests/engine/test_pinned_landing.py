@@ -5,7 +5,6 @@ buffers the updates run in are pageable; what is pinned is the ring (3 chunks), 
 plan counts it (``host_store.pinned_layout``, ``planner.host_in_flight``), and the weights after
 a few steps are bitwise those of the CPU engine's own path."""
 import copy
-import gc
 
 import pytest
 import torch
@@ -18,20 +17,7 @@ from megatrain_nb.engine.transport import landing, pinned
 from megatrain_nb.engine.transport.landing import LandingRing, landing_pinned_bytes, lands_in_chunks
 from megatrain_nb.engine.transport.transport import CpuTransport
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
-from tests.engine.test_pinned_register import FakeCudart
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    """A CUDA machine's registration with the fake cudart; restored after."""
-    saved = dict(pinned._state)
-    rt = FakeCudart()
-    monkeypatch.setattr(pinned, "_cudart", lambda: rt)
-    monkeypatch.setattr(pinned, "_cuda_present", lambda: True)
-    pinned.reset_for_tests(None)
-    yield rt
-    gc.collect()
-    pinned._state.update(saved)
+from tests.engine.test_pinned_register import fake  # noqa: F401 - the fake cudart's fixture
 
 
 class Copy:

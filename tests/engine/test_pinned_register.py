@@ -4,6 +4,7 @@ with a cudaHostUnregister when the memory's last tensor dies, exact sizes counte
 registration falls back to the caching host allocator, counted at its power of two, with one
 warning."""
 import gc
+import threading
 import warnings
 from types import SimpleNamespace
 
@@ -14,13 +15,19 @@ from megatrain_nb.engine.transport import pinned
 
 
 class FakeCudart:
-    """Records registrations; ``fail_at``: the call numbers (from 1) that return an error."""
+    """Records registrations (and the thread of each, and of each error read); ``fail_at``: the
+    call numbers (from 1) that return an error."""
 
     def __init__(self, fail_at=()):
         self.fail_at, self.calls, self.live = set(fail_at), 0, {}
-        self.unregistered = []
+        self.unregistered, self.threads, self.cleared = [], [], []
+
+    def cudaGetLastError(self):
+        self.cleared.append(threading.current_thread().name)
+        return 0
 
     def cudaHostRegister(self, ptr, size, flags):
+        self.threads.append(threading.current_thread().name)
         self.calls += 1
         if self.calls in self.fail_at:
             return 2   # cudaErrorMemoryAllocation

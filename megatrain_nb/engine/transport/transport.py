@@ -39,6 +39,7 @@ sends only this rank's shard to the host. Nothing else of the step knows about r
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -319,15 +320,23 @@ class CudaTransport(_Landing):
         note_use(chunk, ev, "d2h")   # (the ring's chunks are unregistered only after their copies)
         return ev
 
-    def _land_chunked(self, src: torch.Tensor, dst: torch.Tensor, after: Handle, reduce) -> torch.Tensor:
-        """``src`` (after ``after``; ``reduce(src)`` first, on the d2h stream) into pageable ``dst``
-        through the ring: the chunks cross on the d2h stream, each copied out here once done."""
+    @contextlib.contextmanager
+    def _on_d2h(self, src: torch.Tensor, after: Handle, reduce):
+        """In the d2h stream's context (this device), after ``after``: the tensor to copy out --
+        ``reduce(src)`` (a reduce-scatter, on this stream), or ``src`` kept alive until the
+        stream's copies of it are done (the caching allocator is told the stream uses it)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
             after.wait()
             if reduce is not None:
                 src = reduce(src)
             else:
                 src.record_stream(self.d2h)
+            yield src
+
+    def _land_chunked(self, src: torch.Tensor, dst: torch.Tensor, after: Handle, reduce) -> torch.Tensor:
+        """``src`` into pageable ``dst`` through the ring: the chunks cross on the d2h stream, each
+        copied out here once done."""
+        with self._on_d2h(src, after, reduce) as src:
             return self._ring.land(src, dst)
 
     def release(self, dst: torch.Tensor) -> Handle:
@@ -343,12 +352,7 @@ class CudaTransport(_Landing):
         """``dst <- src`` (``reduce(src)`` first: a reduce-scatter, on this stream) on the
         device->host stream, after ``after``. ``src`` stays alive until the copy is done (the
         caching allocator is told the stream uses it)."""
-        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
-            after.wait()
-            if reduce is not None:
-                src = reduce(src)
-            else:
-                src.record_stream(self.d2h)
+        with self._on_d2h(src, after, reduce) as src:
             out = _prefix(dst, src)
             out.copy_(src, non_blocking=True)
             ev = _event()

@@ -100,6 +100,9 @@ def test_units_the_host_cache_holds_are_exported_from_ram(tmp_path):
     try:
         engine = t.engine
         keys = [weights_key(u) for u in engine.units]
+        engine.pager.wait_grads()
+        for u in engine.units:   # the last step's writes issued (one may still move a unit into the cache)
+            engine.weights.dirty.wait_clean(u)
         held = [k for k in keys if engine.disk.resident_bytes([k])]
         assert engine.params_on_disk and 0 < len(held) < len(keys)   # some units in the cache, some not
         store, ranged = engine.disk.store, []

@@ -30,7 +30,8 @@ import xxhash
 
 from .data import EXTRA_INPUTS, DataError
 from .sft_data import head_rows
-from .sft_vision import ROW, image_token_ids, row_images, vision_row_problem, with_row_index
+from .sft_vision import (ROW, check_vision_rows, collate_named, image_token_ids, row_images, rows_over,
+                          vision_row_problem, with_row_index)
 
 #: The columns TRL's vision preference collator reads (its ``_signature_columns`` for vision data).
 VISION_PREF_COLUMNS = ("prompt", "chosen", "rejected", "image", "images", "tools", "chat_template_kwargs")
@@ -70,16 +71,6 @@ def pair_problem(ex: dict) -> Optional[str]:
     return None
 
 
-def check_vision_pairs(rows: list, what: str) -> None:
-    for i, ex in enumerate(rows):
-        if "image" not in ex and "images" not in ex:
-            raise DataError(f"{what}[{i}] has no 'image' or 'images' column while the rows before it have images; "
-                            "give every row its images (an empty list for a text-only row)")
-        bad = pair_problem(ex)
-        if bad:
-            raise DataError(f"{what}[{i}]: {bad}")
-
-
 def prepare_vision_pairs(ds, what: str):
     """``ds`` (a Dataset or a list of rows) as a Dataset with each row's name (``mt_row``); its
     first rows checked. Not tokenised: TRL's collator does it per batch."""
@@ -94,7 +85,7 @@ def prepare_vision_pairs(ds, what: str):
         raise DataError(f"{what} is a {type(ds).__name__}; DPOTrainer takes a datasets.Dataset or a list of dicts")
     if len(ds) == 0:
         raise DataError(f"{what} is empty (0 examples)")
-    check_vision_pairs(head_rows(ds, VISION_HEAD), what)
+    check_vision_rows(head_rows(ds, VISION_HEAD), what, problem=pair_problem)
     return with_row_index(ds, what)
 
 
@@ -134,27 +125,16 @@ class VisionPreferenceCollator:
         self.max_length, self.what = max_length, what
         self.image_ids = sorted(image_token_ids(processor))
 
-    def _collate(self, collator, rows: list, names: list):
-        try:
-            return collator([dict(r) for r in rows])   # (TRL's collator rewrites its examples' keys)
-        except ValueError as e:
-            raise DataError(f"{', '.join(names)}: the processor refused the batch: {e}") from e
-
     def _too_long(self, out, names: list) -> bool:
         """Whether a row is longer than max_length (refused when its image tokens reach past it)."""
-        ids, lengths = out["input_ids"], out["attention_mask"].sum(dim=1).tolist()
-        long = [i for i, n in enumerate(lengths) if n > self.max_length]
-        marks = torch.tensor(self.image_ids, dtype=ids.dtype)
-        for i in long:
-            at = torch.isin(ids[i], marks).nonzero().flatten() if self.image_ids else torch.empty(0)
-            if at.numel() and int(at[-1]) >= self.max_length:
-                side = "chosen" if i < len(names) else "rejected"
-                raise DataError(
-                    f"{names[i % len(names)]} ({side}) has {lengths[i]} tokens, {int(at.numel())} of them its "
-                    f"images' (the last at position {int(at[-1])}), more than max_length={self.max_length}: image "
-                    "tokens are never truncated. Raise DPOConfig.max_length, set it to None (TRL's advice for "
-                    "vision data), or make the images smaller (the processor's max_pixels)")
-        return bool(long)
+        def refuse(i, length, n_image, last):
+            side = "chosen" if i < len(names) else "rejected"
+            raise DataError(
+                f"{names[i % len(names)]} ({side}) has {length} tokens, {n_image} of them its "
+                f"images' (the last at position {last}), more than max_length={self.max_length}: image "
+                "tokens are never truncated. Raise DPOConfig.max_length, set it to None (TRL's advice for "
+                "vision data), or make the images smaller (the processor's max_pixels)")
+        return bool(rows_over(out, self.max_length, self.image_ids, refuse)[1])
 
     def __call__(self, examples: list) -> dict:
         names = [ex.get(ROW) or f"{self.what}: row {j} of a batch" for j, ex in enumerate(examples)]
@@ -163,9 +143,9 @@ class VisionPreferenceCollator:
             if bad:
                 raise DataError(f"{name}: {bad}")
         rows = [{k: v for k, v in ex.items() if k in VISION_PREF_COLUMNS} for ex in examples]
-        out = self._collate(self.whole, rows, names)
+        out = collate_named(self.whole, rows, names)
         if self.max_length is not None and self._too_long(out, names):
-            out = self._collate(self.cut, rows, names)
+            out = collate_named(self.cut, rows, names)
         ids, cm = out["input_ids"], out["completion_mask"]
         batch = {"input_ids": ids, "attention_mask": out["attention_mask"], "completion_mask": cm,
                  "labels": ids.masked_fill(cm == 0, -100)}
@@ -178,5 +158,5 @@ class VisionPreferenceCollator:
         return batch
 
 
-__all__ = ["VisionPreferenceCollator", "check_vision_dpo_args", "check_vision_pairs", "pair_problem",
+__all__ = ["VisionPreferenceCollator", "check_vision_dpo_args", "pair_problem",
            "prepare_vision_pairs", "vision_fingerprint"]

@@ -118,15 +118,38 @@ def vision_row_problem(ex: dict, text_field: str = "text") -> Optional[str]:
     return None
 
 
-def check_vision_rows(rows: list, what: str, text_field: str = "text") -> None:
-    """Refuse, naming the row, the first rows that are not TRL vision rows."""
+def check_vision_rows(rows: list, what: str, text_field: str = "text", problem=None) -> None:
+    """Refuse, naming the row, the first rows that are not TRL vision rows (``problem(ex)``: what is
+    wrong with one row, default :func:`vision_row_problem`; DPO's pairs give theirs)."""
     for i, ex in enumerate(rows):
         if not is_vision_row(ex):
             raise DataError(f"{what}[{i}] has no 'image' or 'images' column while the rows before it have images; "
                             "give every row its images (an empty list for a text-only row)")
-        bad = vision_row_problem(ex, text_field)
+        bad = problem(ex) if problem is not None else vision_row_problem(ex, text_field)
         if bad:
             raise DataError(f"{what}[{i}]: {bad}")
+
+
+def collate_named(collator, rows: list, names: list) -> dict:
+    """TRL's vision ``collator`` on ``rows``; the processor's refusal names the batch's rows."""
+    try:
+        return collator([dict(r) for r in rows])   # (TRL's collator rewrites its examples' keys)
+    except ValueError as e:
+        raise DataError(f"{', '.join(names)}: the processor refused the batch: {e}") from e
+
+
+def rows_over(out: dict, max_length: int, image_ids: list, refuse) -> tuple:
+    """(each row's length, the rows longer than ``max_length``) of a collated batch; a long row whose
+    image tokens reach past ``max_length`` is refused by ``refuse(i, length, image tokens, last
+    position)`` (it raises: image tokens are never truncated)."""
+    ids, lengths = out["input_ids"], out["attention_mask"].sum(dim=1).tolist()
+    long = [i for i, n in enumerate(lengths) if n > max_length]
+    marks = torch.tensor(image_ids, dtype=ids.dtype)
+    for i in long:
+        at = torch.isin(ids[i], marks).nonzero().flatten() if image_ids else torch.empty(0)
+        if at.numel() and int(at[-1]) >= max_length:
+            refuse(i, lengths[i], int(at.numel()), int(at[-1]))
+    return lengths, long
 
 
 def with_row_index(ds, what: str = "train_dataset"):
@@ -186,27 +209,16 @@ class VisionCollator:
             names.append(name)
         return rows, names
 
-    def _collate(self, collator, rows: list, names: list) -> dict:
-        try:
-            return collator([dict(r) for r in rows])   # (TRL's collator rewrites its examples' keys)
-        except ValueError as e:
-            raise DataError(f"{', '.join(names)}: the processor refused the batch: {e}") from e
-
     def _check_lengths(self, out: dict, names: list) -> list:
         """The rows longer than max_length (by their text only: refused when images reach past it)."""
-        lengths = out["attention_mask"].sum(dim=1).tolist()
-        long = [i for i, n in enumerate(lengths) if n > self.max_length]
-        ids = out["input_ids"]
-        for i in long:
-            at = torch.isin(ids[i], torch.tensor(self.image_ids, dtype=ids.dtype)).nonzero().flatten() \
-                if self.image_ids else torch.empty(0)
-            if at.numel() and int(at[-1]) >= self.max_length:
-                raise DataError(
-                    f"{names[i]} has {lengths[i]} tokens, {int(at.numel())} of them its images' "
-                    f"(the last at position {int(at[-1])}), more than max_length={self.max_length}: image tokens "
-                    "are never truncated (the model would get images without their tokens). Raise "
-                    "SFTConfig.max_length, set it to None (TRL's advice for vision data), or make the images smaller "
-                    "(the processor's max_pixels)")
+        def refuse(i, length, n_image, last):
+            raise DataError(
+                f"{names[i]} has {length} tokens, {n_image} of them its images' "
+                f"(the last at position {last}), more than max_length={self.max_length}: image tokens "
+                "are never truncated (the model would get images without their tokens). Raise "
+                "SFTConfig.max_length, set it to None (TRL's advice for vision data), or make the images smaller "
+                "(the processor's max_pixels)")
+        lengths, long = rows_over(out, self.max_length, self.image_ids, refuse)
         self.report.examples += len(lengths)
         if long:
             first = self.report.truncated == 0
@@ -220,9 +232,9 @@ class VisionCollator:
 
     def __call__(self, examples: list) -> dict:
         rows, names = self._rows(examples)
-        out = self._collate(self.whole, rows, names)
+        out = collate_named(self.whole, rows, names)
         if self.max_length is not None and self._check_lengths(out, names):
-            out = self._collate(self.cut, rows, names)
+            out = collate_named(self.cut, rows, names)
         return split_extras(out)
 
 

@@ -106,13 +106,21 @@ def gather_lists(dist, mine: list) -> list:
     return [x for part in dist.all_gather_json(list(mine)) for x in part]
 
 
+def _as_json(rows: torch.Tensor) -> dict:
+    """A float tensor ``[rows, ...]`` as JSON (exact: a float32 value survives JSON's float64)."""
+    return {"shape": list(rows.shape[1:]), "v": rows.double().tolist()}
+
+
+def _concat(parts: list, dtype) -> torch.Tensor:
+    """The ranks' :func:`_as_json` parts concatenated in rank order."""
+    return torch.cat([torch.tensor(p["v"], dtype=dtype).reshape(-1, *p["shape"]) for p in parts])
+
+
 def gather_rows(dist, mine: torch.Tensor) -> torch.Tensor:
-    """Every rank's rows of a float tensor ``[rows, ...]`` concatenated in rank order (exact: a
-    float32 value survives JSON's float64)."""
+    """Every rank's rows of a float tensor ``[rows, ...]`` concatenated in rank order."""
     if dist.world == 1:
         return mine
-    parts = dist.all_gather_json({"shape": list(mine.shape[1:]), "v": mine.double().tolist()})
-    return torch.cat([torch.tensor(p["v"], dtype=mine.dtype).reshape(-1, *p["shape"]) for p in parts])
+    return _concat(dist.all_gather_json(_as_json(mine)), mine.dtype)
 
 
 def gather_rewards(dist, score: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -121,14 +129,14 @@ def gather_rewards(dist, score: Callable[[], torch.Tensor]) -> torch.Tensor:
     if dist.world == 1:
         return score()
     try:
-        mine, error = score(), None
+        part = {"error": None, **_as_json(score())}
     except RewardError as e:
-        mine, error = None, str(e)
-    parts = dist.all_gather_json({"error": error, "v": None if mine is None else mine.double().tolist()})
+        part = {"error": str(e)}
+    parts = dist.all_gather_json(part)
     failed = [(r, p["error"]) for r, p in enumerate(parts) if p["error"] is not None]
     if failed:
         raise RewardError("; ".join(f"rank {r}: {msg}" for r, msg in failed))
-    return torch.cat([torch.tensor(p["v"], dtype=torch.float32).reshape(len(p["v"]), -1) for p in parts])
+    return _concat(parts, torch.float32)
 
 
 __all__ = ["ROLLOUT_SEEDS", "check_rollout_seeds", "gather_lists", "gather_rewards", "gather_rows", "lockstep",

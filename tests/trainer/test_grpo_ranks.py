@@ -126,7 +126,7 @@ class _Rank1:
 
 def test_gathers_keep_rank_order_and_values_and_a_failed_reward_stops_every_rank():
     mine = torch.tensor([[0.1, -3.25e-7], [float("nan"), 7.0]])
-    got = gather_rewards(_Rank1({"error": None, "v": [[1.5, 2.0]]}), lambda: mine)
+    got = gather_rewards(_Rank1({"error": None, "shape": [2], "v": [[1.5, 2.0]]}), lambda: mine)
     assert got.dtype == torch.float32 and got.shape == (3, 2) and got[0].tolist() == [1.5, 2.0]
     assert torch.equal(got[1:].nan_to_num(-1), mine.nan_to_num(-1))   # exact, None-as-NaN kept
     logps = torch.randn(2, 5)
@@ -138,7 +138,7 @@ def test_gathers_keep_rank_order_and_values_and_a_failed_reward_stops_every_rank
 
     # this rank's function failed: every rank raises (here rank 1, naming itself)...
     with pytest.raises(RewardError, match="rank 1: the reward function 'f' raised"):
-        gather_rewards(_Rank1({"error": None, "v": [[1.5, 2.0]]}), fails)
+        gather_rewards(_Rank1({"error": None, "shape": [2], "v": [[1.5, 2.0]]}), fails)
     # ...and so does a rank whose own functions succeeded, naming the one that failed
     with pytest.raises(RewardError, match="rank 0: boom"):
         gather_rewards(_Rank1({"error": "boom", "v": None}), lambda: mine)

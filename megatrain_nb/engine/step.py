@@ -401,6 +401,8 @@ class StepRunner:
             self._streams, self._state = SideStreams(calls), SharedState()
             self.meter.front = sum(_nbytes(h) for h in hs)
             self.meter.note()
+            if k:   # the forward's boundary puts: one per k-th layer and micro-batch
+                self.boundary.expect(hs, sum(1 for u in self.layers if u.layer_index % k == 0))
 
             # 2. forward: every layer once, all micro-batches
             kept = self._forward_layers(hs, calls, rng, k)

@@ -68,6 +68,26 @@ class BoundaryStore:
         self.peak = {"device": 0, "host": 0, "disk": 0}
         self.disk_ops = {"writes": 0, "reads": 0}
 
+    def expect(self, activations, count: int) -> None:
+        """The window will :meth:`put` ``count`` activations like each of ``activations`` (one per
+        micro-batch; tensors or (shape, dtype)): on the host tier, the buffers the free list
+        lacks are registered ahead in the transport's registrar, so the puts' first use of a size
+        class does not register on the compute thread (issue 45 item 4)."""
+        if self.tier != "host" or count <= 0:
+            return
+        need: Dict[tuple, int] = {}
+        for a in activations:
+            shape, dtype = (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else (tuple(a[0]), a[1])
+            need[(shape, dtype)] = need.get((shape, dtype), 0) + count
+        for (shape, dtype), n in need.items():
+            with self._lock:
+                n -= len(self._free.get((shape, dtype), ()))
+            if n > 0:
+                numel = 1
+                for d in shape:
+                    numel *= d
+                self.transport.reserve_host(numel, dtype, n)
+
     def _drop_stale(self) -> None:
         """A new pass: recycled buffers of shapes none of the last KEEP_PASSES passes used are
         freed (variable sequence lengths would otherwise keep a pinned set per length for good).

@@ -253,6 +253,11 @@ class CudaTransport(_Landing):
         block of its size class, registered once per class off this thread (``pinned.SizeClasses``)."""
         return self.pinned.recycled(numel, dtype)
 
+    def reserve_host(self, numel: int, dtype, count: int) -> None:
+        """``count`` :meth:`host_buffer` blocks of ``numel`` elements registered ahead, in the
+        registrar, while the compute goes on (a window's first use of a size class)."""
+        self.pinned.reserve(numel * torch.empty((), dtype=dtype).element_size(), count)
+
     def _pinned_landing(self, numel: int) -> torch.Tensor:
         return self.pinned.empty(numel)   # (exact: the plan counts whole pages)
 
@@ -449,6 +454,9 @@ class CpuTransport(_Landing):
     def host_buffer(self, numel: int, dtype=torch.float32) -> torch.Tensor:
         return self.pinned.empty(numel, dtype)
 
+    def reserve_host(self, numel: int, dtype, count: int) -> None:
+        """Nothing to register ahead: host buffers here are plain memory."""
+
     def _pinned_landing(self, numel: int) -> torch.Tensor:
         return self.host_buffer(numel)
 
@@ -622,6 +630,9 @@ class ShardedTransport:
 
     def host_buffer(self, numel: int, dtype=torch.float32) -> torch.Tensor:
         return self.inner.host_buffer(numel, dtype)
+
+    def reserve_host(self, numel: int, dtype, count: int) -> None:
+        self.inner.reserve_host(numel, dtype, count)
 
     def lands_in_chunks(self, largest_numel: int, depth: int = 1) -> bool:
         return self.inner.lands_in_chunks(largest_numel, depth)

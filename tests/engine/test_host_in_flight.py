@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM
 from megatrain_nb.engine import EngineConfig, StreamingEngine, parts
 from megatrain_nb.engine.transport.pager import staging_buffers
 from megatrain_nb.engine.planning.planner import UnitSpec, host_in_flight
+from megatrain_nb.engine.tiers.host_store import HostStore, wants_shadows
+from megatrain_nb.engine.units import Unit
 from megatrain_nb.engine.transport.transport import CpuTransport
 
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
@@ -71,6 +73,24 @@ def test_straight_updates_run_on_the_staging_buffer_bitwise(monkeypatch, clip, c
         e.close()
 
 
+def test_a_ram_tier_load_casts_nothing_and_the_planner_counts_no_cast_buffer():
+    """With a bf16 compute dtype on CUDA (shadows) a RAM-tier load's source is already bf16 --
+    ``CudaTransport.copy_in`` casts only where the source's dtype differs -- so the planner counts
+    no host-side cast buffer for it (it once counted one unit-sized pinned buffer, never made)."""
+    units = [Unit(n, k, i, [], m, m) for i, (n, k, m) in enumerate([("embed", "embed", 4096), ("layers.0", "layer", 8192),
+                                                                    ("head", "head", 4096)])]
+    store = HostStore(units, pin=False, compute_dtype=torch.bfloat16, shadows=wants_shadows(True, torch.bfloat16))
+    flats = {u.index: torch.randn(u.numel) for u in units}
+    for u in units:
+        store.set_params(u, flats[u.index])
+    assert store.shadowed
+    assert all(store.source(u).dtype == torch.bfloat16 for u in units)   # the load's source: no cast
+    assert all(torch.equal(store.source(u), flats[u.index].to(torch.bfloat16)) for u in units)
+    specs = [UnitSpec(u.name, u.numel, u.kind) for u in units]
+    kw = dict(weights_on_disk=False, states_on_disk=False, cuda=True, clipped=True)
+    assert host_in_flight(specs, "none", compute_bytes=2, **kw) == host_in_flight(specs, "none", compute_bytes=4, **kw)
+
+
 def test_planner_counts_the_staging_buffers_as_the_gradients_in_flight():
     u = 1 << 20
     units = [UnitSpec("e", u // 2, "embed"), UnitSpec("l", u, "layer"), UnitSpec("h", u // 2, "head")]
@@ -87,8 +107,8 @@ def test_planner_counts_the_staging_buffers_as_the_gradients_in_flight():
         chunked = host_in_flight(units, "int8", cuda=True, clipped=False, depth=depth, chunk_numel=4096, **kw)
         assert host_in_flight(units, "int8", cuda=True, clipped=True, depth=depth, chunk_numel=4096, hold_disk=True,
                               **kw) == chunked + 3 * 4096 * 4
-        # bf16 slots: the pinned buffer the weights are cast into on the host (issue 37)
-        assert host_in_flight(units, "none", cuda=True, clipped=False, depth=depth, compute_bytes=2, **kw) == cuda + 2 * u
+        # bf16 slots on the RAM tier: a load copies the unit's bf16 shadow, so no cast buffer (issue 45)
+        assert host_in_flight(units, "none", cuda=True, clipped=False, depth=depth, compute_bytes=2, **kw) == cuda
         assert host_in_flight(units, "none", cuda=False, clipped=False, depth=depth, compute_bytes=2, **kw) == \
             host_in_flight(units, "none", cuda=False, clipped=False, depth=depth, **kw)
 

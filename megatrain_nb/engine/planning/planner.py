@@ -144,10 +144,13 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
       set of the unit's codes;
       fp32 states on the disk tier are read into and written from whole-unit buffers (the unit
       being updated, reads ahead, writes behind); fp32 states in RAM are updated in place.
-    * on CUDA with a compute dtype narrower than fp32 (``compute_bytes`` 2): the pinned buffer
-      a slot fill is cast into on the host (``transport.CudaTransport._cast_in``), ``u`` of them.
-    Pinned buffers (``pinned``, default ``cuda``: the weight staging of the disk tier, the
-    gradient staging and the cast buffer) count as ``pinned.held_bytes`` says: registered at their
+    * no cast buffer: with a compute dtype narrower than fp32 on CUDA a RAM-tier load copies the
+      unit's compute-dtype shadow (``host_store.HostStore.source``, written by its update) and a
+      disk-tier load without a host cache the tier's compute-dtype copy (``DiskWeights``'
+      ``shadow``): nothing is cast at load time (only a disk tier behind a host cache casts, into
+      ``transport.CudaTransport._cast_in``'s buffer; this count is the tier without a cache).
+    Pinned buffers (``pinned``, default ``cuda``: the weight staging of the disk tier and the
+    gradient staging) count as ``pinned.held_bytes`` says: registered at their
     exact size (whole pages) where CUDA allows, else at the caching host allocator's power of two
     (a 5.8 GiB unit would hold 8 GiB); the rest as allocated.
     (Without a host cache of the disk tier: the estimate's least host RAM.)
@@ -177,8 +180,6 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     if cuda and clipped and hold_disk and chunk:   # the ring's chunks of a held gradient read back (a CPU
         # "device" counts a whole unit for the read-back above, which covers them)
         out += RING * chunk * 4
-    if cuda and compute_bytes < 4 and not weights_on_disk:   # the host-side cast of the weights into the slot's dtype
-        out += held_bytes(u * compute_bytes, pin)
     if compression == "none":
         if states_on_disk:
             out += (1 + min_reads_ahead(8 * u) + writes_pending(8 * u, False)) * 8 * u
@@ -197,7 +198,8 @@ def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: in
                      tile_tokens: Optional[int] = None, vision_bytes: int = 0) -> int:
     """Device bytes for activations of one micro-batch (an estimate; the engine also measures).
     ``tile_tokens``: the MLP runs in tiles of that many tokens (engine/compute/tiling.py; None or 0: whole).
-    ``vision_bytes``: a vision tower's graph in the embedding's backward (``vision_plan``)."""
+    ``vision_bytes``: a vision tower's graph, kept from the capture to the embedding's backward
+    (``vision_plan``; engine/vision.ImageFeatures), so held beside a layer's re-run and the head's chunk."""
     tok = batch * seq
     # One layer re-run under autograd: its saved activations and their gradients (the MLP's for one tile).
     layer_work = (tok * 12 * hidden_size + min(tok, tile_tokens or tok) * 4 * intermediate_size) * compute_bytes
@@ -211,7 +213,7 @@ def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: in
         block_inputs = (k - 1) * tok * hidden_size * compute_bytes
     chunk = min(loss_chunk_tokens, seq)
     head_work = 3 * batch * chunk * vocab_size * 4 + 2 * tok * hidden_size * 4
-    return saved_inputs + block_inputs + max(layer_work, head_work, vision_bytes)
+    return saved_inputs + block_inputs + vision_bytes + max(layer_work, head_work)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ __all__ = ["ActivationMeter", "restored_rng", "rng_state"]
 class ActivationMeter:
     """Device bytes of activations (saved inputs, work, logits): ``now`` and ``peak``.
     ``saved``: activations held across the step (boundary, fronts, kept graphs); ``front``: the
-    micro-batches' hidden states (or gradients) between the layers. ``boundary`` counts the
+    micro-batches' hidden states (or gradients) between the layers; ``held``: autograd graphs
+    held from the capture to the embedding's backward (a VLM's image features: vision.py).
+    ``boundary`` counts the
     boundary activations on the device; ``pager.slot_storages()`` names the weights' storages,
     which a layer's saved tensors do not count."""
 
@@ -26,10 +28,11 @@ class ActivationMeter:
         self.peak = 0
         self.saved = 0
         self.front = 0
+        self.held = 0
         self._slot_ptrs = None
 
     def note(self, extra: int = 0) -> None:
-        self.saved = self.boundary.bytes["device"] + self.front
+        self.saved = self.boundary.bytes["device"] + self.front + self.held
         self.at(self.saved + extra)
 
     def at(self, nbytes: int) -> None:
@@ -37,8 +40,9 @@ class ActivationMeter:
         self.peak = max(self.peak, nbytes)
 
     @contextlib.contextmanager
-    def count_saved(self, accumulate: bool = False):
-        """Count the bytes autograd saves while one layer is (re-)run (weights in slots excluded)."""
+    def count_saved(self, accumulate: bool = False, hold: bool = False):
+        """Count the bytes autograd saves while one layer is (re-)run (weights in slots excluded);
+        ``hold``: a graph kept until a later pass takes it (added to :attr:`held`)."""
         if self._slot_ptrs is None:
             self._slot_ptrs = self.pager.slot_storages()
         total = [0]
@@ -56,7 +60,10 @@ class ActivationMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
-        if accumulate:  # graphs kept for the backward (checkpoint_interval=0)
+        if hold:
+            self.held += total[0]
+            self.note()
+        elif accumulate:  # graphs kept for the backward (checkpoint_interval=0)
             self.saved += total[0]
             self.at(self.saved)
         else:  # saved tensors + their gradients flowing back, on top of the saved inputs

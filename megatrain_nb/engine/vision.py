@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .discovery import locate
 
@@ -231,34 +231,102 @@ def freeze(model: nn.Module, entries) -> set:
 
 class ImageFeatures:
     """A step's image features, computed once per micro-batch where the engine's passes of the
-    model's forward would compute them three times: the capture (layer 0's input) records them
-    (detached), the head's replay -- which needs only the post-layer code, its embeddings are
-    thrown away -- is served the recording instead of running the vision tower again, and the
-    embedding's backward computes them again with their graph (the vision tower's gradient).
-    Two runs of the vision tower per micro-batch, counted in tests/engine/test_vision_passes.py.
+    model's forward would compute them three times. The capture (layer 0's input) runs the vision
+    tower and the projector with their autograd graph (gradients on for that call alone) and
+    keeps it; the head's replay -- which needs only the post-layer code, its embeddings are thrown
+    away -- is served the features detached; the embedding's backward is served the kept graph
+    and back-propagates through it, so the tower's forward runs once per micro-batch (counted in
+    tests/engine/test_vision_passes.py). Where nothing of the tower and projector trains, the
+    features carry no graph and are served as they are (a frozen tower: no graph at all).
+
+    ``keep``: how many micro-batches of a group keep their graph (None: all; the plan's room for
+    them: ``planning/vision_plan.graphs_kept``); a micro-batch past it is captured without a
+    graph and its features are computed again, with their graph, in the embedding's backward.
+    ``meter``: the step's :class:`.recompute.ActivationMeter`; a kept graph's saved bytes are
+    counted as held (``meter.held``) until the embedding's backward takes it.
 
     ``base``'s ``get_image_features`` (every supported family's forward calls it once) is
     wrapped on the instance; a model without one is left alone (every call a no-op)."""
 
-    def __init__(self, base: nn.Module):
+    def __init__(self, base: nn.Module, meter=None, keep: Optional[int] = None):
         self._fn = getattr(base, "get_image_features", None) if callable(getattr(base, "get_image_features", None)) \
             else None
-        self._queue: deque = deque()
+        self._replay: deque = deque()   # per captured micro-batch: the features, detached (the head's replay)
+        self._held: deque = deque()     # per captured micro-batch: (features for the backward or None, bytes)
         self._mode: Optional[str] = None
+        self.meter, self.keep = meter, keep
+        self.kept = 0                   # graphs held now
+        self.runs = 0                   # the tower's runs (get_image_features calls that computed)
         if self._fn is not None:
             base.get_image_features = self._call   # (the instance's attribute; the class is left as it is)
 
     def _call(self, *args, **kwargs):
-        if self._mode == "replay" and self._queue:
-            return self._queue.popleft()
-        out = self._fn(*args, **kwargs)
-        if self._mode == "record":
-            self._queue.append(tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out))
+        if self._mode == "replay" and self._replay:
+            return self._replay.popleft()
+        if self._mode == "backward" and self._held:
+            out, nbytes = self._held.popleft()
+            if out is not None:
+                self._take(nbytes)
+                return out
+            with self._counted(hold=False):   # not kept: computed again with its graph
+                return self._run(args, kwargs)
+        if self._mode != "record":
+            return self._run(args, kwargs)
+        return self._record(args, kwargs)
+
+    def _run(self, args, kwargs):
+        self.runs += 1
+        return self._fn(*args, **kwargs)
+
+    def _record(self, args, kwargs):
+        """The capture's run: with its graph where there is room for it (:attr:`keep`)."""
+        room = self.keep is None or self.kept < self.keep
+        counted = {"bytes": 0}
+        with torch.enable_grad() if room else torch.no_grad(), self._counted(hold=True, into=counted) \
+                if room else contextlib.nullcontext():
+            out = self._run(args, kwargs)
+        detached = tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out)
+        self._replay.append(detached)
+        if not room:
+            self._held.append((None, 0))
+        elif not any(torch.is_tensor(t) and t.requires_grad for t in tree_leaves(out)):
+            self._drop(counted["bytes"])       # nothing in it trains: no graph (a frozen tower and projector)
+            self._held.append((detached, 0))
+            return detached
+        else:
+            self.kept += 1
+            self._held.append((out, counted["bytes"]))
         return out
 
     @contextlib.contextmanager
+    def _counted(self, hold: bool, into: Optional[dict] = None):
+        """The meter's count of the saved bytes of one run of the tower (none without a meter)."""
+        if self.meter is None:
+            yield
+            return
+        before = self.meter.held
+        with self.meter.count_saved(hold=hold):
+            yield
+        if into is not None:
+            into["bytes"] = self.meter.held - before
+
+    def _take(self, nbytes: int) -> None:
+        """A kept graph handed to the embedding's backward: held no more, its saved bytes and their
+        gradients live while it runs backward."""
+        self.kept -= 1
+        if self.meter is not None:
+            self.meter.held -= nbytes
+            self.meter.note(2 * nbytes)
+
+    def _drop(self, nbytes: int) -> None:
+        if self.meter is not None:
+            self.meter.held -= nbytes
+            self.meter.note()
+
+    @contextlib.contextmanager
     def mode(self, mode: Optional[str]):
-        """``"record"`` (a capture without its graph), ``"replay"`` (the head's pass), or None."""
+        """``"record"`` (the capture), ``"replay"`` (the head's pass), ``"backward"`` (the
+        embedding's backward), or None (a plain call: evaluation, decoding)."""
         before, self._mode = self._mode, mode
         try:
             yield
@@ -267,4 +335,8 @@ class ImageFeatures:
 
     def clear(self) -> None:
         """Drop what a step left (an error mid-step)."""
-        self._queue.clear()
+        self._replay.clear()
+        self._held.clear()
+        self.kept = 0
+        if self.meter is not None:
+            self.meter.held = 0

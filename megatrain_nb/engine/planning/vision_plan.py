@@ -3,10 +3,11 @@ config, image tokens from a pixel budget, and the device bytes its backward hold
 
 Where the engine runs the vision tower (engine/vision.py): inside the ``embed`` unit, whose
 weights (token embedding, vision tower, projector) are on the device for the whole step; per
-micro-batch it runs in the capture without a graph and again in the embedding's backward with
-its autograd graph, which then holds every vision layer's saved activations for the row's
-patches at once (no checkpointing inside the vision tower). That graph is counted here beside a
-decoder layer's re-run and the head's chunk (the larger of them is the step's working peak).
+micro-batch it runs once, in the capture, with its autograd graph, which is kept until the
+embedding's backward takes it: every vision layer's saved activations for the row's patches at
+once (no checkpointing inside the vision tower), held through the layers' forward and backward.
+That graph is counted here on top of a decoder layer's re-run or the head's chunk (the larger of
+them), for the micro-batches whose graphs the plan's room holds (:func:`graphs_kept`).
 Image tokens are tokens of the row: ``Workload.seq`` counts them, as TRL's ``max_length`` does,
 so the long-sequence tiling and the boundary activations count them as sequence.
 """
@@ -135,8 +136,8 @@ class VisionPlacement:
     """Where the vision tower's weights sit for a step, both options counted.
 
     ``resident``: inside the ``embed`` unit (what the engine runs): its weights on the device for
-    the whole step, in once and their gradient out once per step, its whole graph held in the
-    embedding's backward, and the embed unit (the largest unit: the device's gradient staging is
+    the whole step, in once and their gradient out once per step, its whole graph held from the
+    capture to the embedding's backward, and the embed unit (the largest unit: the device's gradient staging is
     sized by it) that much larger. ``streamed``: by vision blocks as the decoder layers stream (two
     block slots, one block's gradient, the blocks' boundary activations and one block's re-run),
     each block loaded twice per window (the capture and the backward) and its forward run once
@@ -240,3 +241,19 @@ def vision_lines(config, plan, units, workload, device_budget: Optional[int], pr
                        h2d_bytes_per_s=getattr(rates, "h2d_pinned", None) if rates is not None else None,
                        flops_per_s=flops or None)
     return [got.words()] if got is not None else []
+
+
+def graphs_kept(config, workload, *, device_total: int, device_budget: Optional[int], precision: str) -> Optional[int]:
+    """How many micro-batches of a group keep the vision tower's autograd graph from the capture
+    to the embedding's backward (``engine/vision.ImageFeatures.keep``; the others run the tower
+    again there). None (all) without a device budget or for a model without a vision tower; else
+    the one micro-batch's graph the plan counts (:func:`.planner.activation_bytes`) and as many
+    more as the budget's room over the plan's ``device_total`` holds."""
+    shape = VisionShape.of(config)
+    if shape is None or device_budget is None:
+        return None
+    graph = shape.work_bytes(batch=workload.batch, image_tokens=workload.image_tokens,
+                             compute_bytes=2 if precision == "bf16" else 4)
+    if graph <= 0:
+        return 1
+    return 1 + max(0, int(device_budget) - int(device_total)) // graph

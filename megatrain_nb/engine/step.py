@@ -110,7 +110,7 @@ class StepRunner:
                  plan_reads: Callable[[List[Unit], Optional[StepContext]], None],
                  grad_buffer: Optional[Callable[[int], torch.Tensor]] = None,
                  tile_tokens: Optional[int] = None, device_budget: Optional[int] = None,
-                 reached: Optional[Callable] = None):
+                 reached: Optional[Callable] = None, vision_keep: Optional[int] = None):
         self.model = model
         self.units = units
         self.embed, self.head, self.layers = units[0], units[-1], units[1:-1]
@@ -122,8 +122,9 @@ class StepRunner:
         self.loss_chunk_tokens = loss_chunk_tokens
         self.plan_reads = plan_reads
         base_name, self.base, path = locate(model)   # before the layer proxies go in
-        self.images = ImageFeatures(self.base)   # a VLM's image features: the vision tower twice per micro-batch
         self.meter = ActivationMeter(boundary, pager)   # device bytes of activations: now, peak
+        # a VLM's image features: the vision tower once per micro-batch, its graph kept (vision.py)
+        self.images = ImageFeatures(self.base, self.meter, keep=vision_keep)
         self.loss_head = LossHead(model, base_name, self.base, path, loss_chunk_tokens, self.meter)
         # the units' fp32 gradient sums on the device (``reached``: told what an outer unit's backward reached)
         self.sums = GradSums(pager, device, grad_buffer, reached)
@@ -254,7 +255,7 @@ class StepRunner:
         self._guessed = set()
         watch = self._watch_head(calls) if self.head_late is None and grad_on else None
         try:
-            with self.images.mode(None if keep_graph else "record"):   # (the head's replay takes them: vision.py)
+            with self.images.mode("backward" if keep_graph else "record"):   # (vision.ImageFeatures)
                 try:
                     self._base_forward(ids, am)
                 except _AllCaptured:

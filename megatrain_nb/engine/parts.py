@@ -22,7 +22,8 @@ from .transport.pager import Pager
 from .planning.codec_choice import CodecPick, engine_codec
 from .planning.plan_pick import pick_plan
 from .planning.planner import Plan, Workload
-from .planning.vision_plan import vision_lines
+from .planning.vision_plan import graphs_kept, vision_lines
+from .memory import device_capacity
 from .proxies import LayerProxy
 from .seams import DiskTier, Transport
 from .ranks.sharded import ShardedUnits
@@ -177,7 +178,8 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
                         checkpoint_interval=plan.checkpoint_interval,
                         loss_chunk_tokens=config.overrides.loss_chunk_tokens, plan_reads=plan_reads, grad_buffer=lend,
                         tile_tokens=config.overrides.tile_tokens, reached=None if sharded else store.mark_reached,
-                        device_budget=int(config.max_vram_gb * 2**30) if config.max_vram_gb else None)
+                        device_budget=int(config.max_vram_gb * 2**30) if config.max_vram_gb else None,
+                        vision_keep=_vision_keep(model.config, workload, plan, config, device))
     for u in units[1:-1]:
         layers[u.layer_index] = LayerProxy(runner.layer_call, u)
     steps = Steps(runner, boundary, updates=updates, pager=pager, counters=counters, config=config,
@@ -204,6 +206,16 @@ def _codec_and_plan(units, model_config, config: EngineConfig, device, dist, sta
                              torch.device(device).type == "cuda"):
         plan.chosen_by = f"{plan.chosen_by}; {line}"
     return config, codec, plan
+
+
+def _vision_keep(model_config, workload, plan: Plan, config: EngineConfig, device) -> Optional[int]:
+    """How many micro-batches' vision graphs a group keeps from the capture (vision_plan.graphs_kept):
+    the budget is max_vram_gb, else on CUDA the device's capacity (none on a CPU "device": all)."""
+    budget = int(config.max_vram_gb * 2 ** 30) if config.max_vram_gb else None
+    if budget is None and torch.device(device).type == "cuda":
+        budget = device_capacity(torch.device(device))
+    return graphs_kept(model_config, workload or Workload(), device_total=plan.device["total"],
+                       device_budget=budget, precision=config.precision)
 
 
 def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, counters, state_units=None):

@@ -25,7 +25,10 @@ Configurations (the same model, batch 1 x seq ``--seq``):
 Configurations it was not developed on (``NEW_CONFIGS``, issue 45: other hidden sizes 256-1024,
 batches 1-8, rows of 128-2048 tokens, RAM and disk tiers, fp32 and int8), each judged at the rates
 ``mt.measure_machine()`` returns called exactly as a user calls it (cached: the first call
-measures), with no re-measurement around its steps: ``trainer.prediction`` as the run starts.
+measures): ``trainer.prediction`` as the run starts. Its rates are measured again around its passes
+too, as ``measure_machine`` measures them (its default matmul shape, not the model's), and the
+prediction at their mean printed beside the RESULT (information: how much of a miss is the
+machine's drift since the run started). Each pass's first ``WARMUP`` steps are left out.
 
     python benchmarks/bench_prediction.py [--dir PATH] [--steps N] [--passes P] [--seq S] [--dump FILE]
     python benchmarks/bench_prediction.py --only new_h256_b1_s2048_ram_fp32 ... --passes 1 --steps 4
@@ -95,6 +98,11 @@ WAITS = {"disk": ("disk", "host_cache"), "optimizer": ("optimizer", "decode", "o
          "compute (sharing the CPU cores)": ("device", "grad_return")}
 
 
+#: steps left out of each pass's median as warm-up (the first builds the buffers and its clipped
+#: updates; the second is the first to run behind a whole step's updates)
+WARMUP = 2
+
+
 def timed(fn, reps: int = 5, least_s: float = 1.0) -> float:
     """Median seconds of ``fn()`` over at least ``reps`` calls and ``least_s`` seconds (a shared
     machine's load comes and goes: a longer window sees it as the training will)."""
@@ -151,27 +159,37 @@ def attention_rate(seq: int, h: int, heads: int) -> float:
     return 2.0 * seq * seq * h / timed(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), 10)
 
 
-def compute_now(rates: MachineRates, seq: int, folder: str) -> MachineRates:
+def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) -> MachineRates:
     """``rates`` with the compute rates (and the per-thread AdamW and codec rates, and the disk's)
     measured again now: on a shared machine the cores' load changes within minutes, and a configuration runs
-    against the rates of its own minutes."""
+    against the rates of its own minutes. ``user``: a new configuration's, whose rates are
+    ``mt.measure_machine()``'s: its compute rates again as that measures them (its default matmul
+    shape and head size, one thread), not at the model's shapes."""
+    from megatrain_nb.engine.measure import (measure_attention, measure_compute_beside_disk, measure_disk,
+                                             measure_matmul, sizes_for, update_rates)
+
     h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
+    sizes = sizes_for(False, False)
+    cpu = torch.device("cpu")
     n = torch.get_num_threads()
     torch.set_num_threads(1)   # one thread's rates, as measure_machine takes a CPU device's (compute_threads=1)
     try:
-        mm, at = layer_matmul_rate(seq, h, i), attention_rate(seq, h, heads)
+        if user:
+            mm, at = measure_matmul(cpu, *sizes.default_shape, sizes), measure_attention(cpu, 64, sizes)
+        else:
+            mm, at = layer_matmul_rate(seq, h, i), attention_rate(seq, h, heads)
     finally:
         torch.set_num_threads(n)
-    from megatrain_nb.engine.measure import measure_compute_beside_disk, measure_disk, sizes_for, update_rates
 
     # the CPU's per-thread update rates too, as measure_machine takes them (beside a compute
     # thread), the compute's rate beside the disk tier's I/O over its rate alone, and the disk's
     # own rates (this VM's disk moved from 1.85 / 1.49 GB/s read / write to 1.2 / 1.1 within the hour)
-    sizes = sizes_for(False, False)
-    adamw, codecs, chain = update_rates(torch.device("cpu"), sizes)
+    adamw, codecs, chain = update_rates(cpu, sizes)
     beside = measure_compute_beside_disk(folder, sizes)
     disk = measure_disk(folder, sizes)
+    by_head = {k: at for k in rates.attention_by_head} if user else {}
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
+                               attention_by_head=by_head,
                                adamw_per_thread=adamw, codec_per_thread=codecs, update_chain=chain,
                                compute_beside_disk=beside, disk_read=disk["disk_read"], disk_write=disk["disk_write"],
                                source=rates.source + " (compute now)")
@@ -252,7 +270,7 @@ def rates_for(folder: str, seq: int) -> MachineRates:
 
 
 def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: int, seq: int) -> dict:
-    """One pass of a configuration: its measured steps (the first, a warm-up, left out), the
+    """One pass of a configuration: its measured steps (the first ``WARMUP`` left out), the
     telemetry's waits per step, and the compute and per-thread update rates measured again just
     before its steps and just after them; ``pred_start``: ``trainer.prediction`` at ``rates``
     (the run's start); the trainer (closed) to price the plan it built again (:func:`combine`)."""
@@ -273,17 +291,18 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     trainer = mt.Trainer(model=model, train_dataset=data, args=args, seq_len=seq, **engine)
     trainer.engine.rates = rates
     pred_start = trainer.prediction
-    before = None if new else compute_now(rates, seq, folder)   # (a new one: the user's rates only)
-    times, tel0, last = [], None, None
+    before = compute_now(rates, seq, folder, user=new)   # (a new one: as measure_machine measures)
+    times, tel0, last, load = [], None, None, [os.getloadavg()[0]]
     for rec in trainer.iter_steps():
         now = time.perf_counter()
-        if last is not None and rec["step"] >= 2:
+        if last is not None and rec["step"] > WARMUP:
             times.append(now - last)
-        if rec["step"] == 1:
+        if rec["step"] == WARMUP:
             tel0 = trainer.engine.telemetry()
         last = now
     tel1 = trainer.engine.telemetry()
-    after = None if new else compute_now(rates, seq, folder)
+    load.append(os.getloadavg()[0])
+    after = compute_now(rates, seq, folder, user=new)
     n = max(tel1["steps"] - tel0["steps"], 1)
     waits = {k: (tel1["stall_seconds"].get(k, 0.0) - tel0["stall_seconds"].get(k, 0.0)) / n
              for k in tel1["stall_seconds"]}
@@ -294,35 +313,30 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
         (tel1["bytes"]["host_to_disk"] - tel0["bytes"]["host_to_disk"]) / n
     trainer.close()
     return {"trainer": trainer, "pred_start": pred_start, "before": before, "after": after,
-            "times": times, "waits": waits, "disk": disk}
+            "times": times, "waits": waits, "disk": disk, "load": load}
 
 
-def combine(passes: list) -> dict:
+def combine(passes: list, new: bool) -> dict:
     """A configuration's passes as one: the median of all their steps; the waits and disk bytes
     per step averaged; ``pred``: its plan priced at the mean of every rate measured around the
     passes; ``pred_before``: at those measured before the first pass only."""
     trainer = passes[-1]["trainer"]
     times = [t for p in passes for t in p["times"]]
-    if passes[0]["before"] is None:   # a new configuration: judged at the user's rates, as the run started
-        pred = passes[0]["pred_start"]
-        return {"pred": pred, "pred_start": pred, "pred_before": pred, "matmul_now": 0.0, "beside": 0.0,
-                "measured": median(times), "times": times, "waits": _mean_waits(passes),
-                "disk": tuple(sum(p["disk"][i] for p in passes) / len(passes) for i in range(2)), "rates_around": []}
     trainer.engine.rates = passes[0]["before"]
     pred_before = trainer.prediction
     around = [r for p in passes for r in (p["before"], p["after"])]
     trainer.engine.rates = mean_rates(around)
+    pred_around = trainer.prediction
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     waits = {k: mean([p["waits"].get(k, 0.0) for p in passes]) for k in passes[0]["waits"]}
-    return {"pred": trainer.prediction, "pred_start": passes[0]["pred_start"], "pred_before": pred_before,
-            "matmul_now": trainer.engine.rates.matmul_flops, "beside": trainer.engine.rates.compute_beside_disk,
-            "measured": median(times), "times": times, "waits": waits,
-            "disk": tuple(mean([p["disk"][i] for p in passes]) for i in range(2)),
-            "rates_around": [r.to_dict() for r in around]}
-
-
-def _mean_waits(passes: list) -> dict:
-    return {k: sum(p["waits"].get(k, 0.0) for p in passes) / len(passes) for k in passes[0]["waits"]}
+    # a new configuration is judged at the user's rates as its run started (mt.measure_machine() as
+    # the docs say); the prediction at the rates measured around its passes is printed beside it
+    judged = passes[0]["pred_start"] if new else pred_around
+    return {"pred": judged, "pred_around": pred_around, "pred_start": passes[0]["pred_start"],
+            "pred_before": pred_before, "matmul_now": trainer.engine.rates.matmul_flops,
+            "beside": trainer.engine.rates.compute_beside_disk, "measured": median(times), "times": times,
+            "waits": waits, "disk": tuple(mean([p["disk"][i] for p in passes]) for i in range(2)),
+            "rates_around": [r.to_dict() for r in around], "load": [x for p in passes for x in p["load"]]}
 
 
 def waiting_on(r: dict) -> str:
@@ -339,7 +353,7 @@ def waiting_on(r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=None, help="folder for the disk tier (default: a temporary folder)")
-    ap.add_argument("--steps", type=int, default=10, help="steps per pass (the first of each left out)")
+    ap.add_argument("--steps", type=int, default=10, help=f"steps per pass (the first {WARMUP} of each left out)")
     ap.add_argument("--passes", type=int, default=2, help="passes over the configurations, alternating")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--only", nargs="*", default=None, help="configurations to run (default: all)")
@@ -376,7 +390,7 @@ def main() -> int:
                   f"{median(passes[name][-1]['times']):.3f} s)", flush=True)
     dump = {}
     for name in names:
-        r = combine(passes[name])
+        r = combine(passes[name], name in NEW_CONFIGS)
         dump[name] = {k: r[k] for k in ("measured", "times", "waits", "disk", "rates_around")}
         p, ratio = r["pred"], r["measured"] / r["pred"].step_seconds
         seen = waiting_on(r)
@@ -386,7 +400,13 @@ def main() -> int:
               f"{({k: round(v, 3) for k, v in p.phases.items() if v})}; disk per step measured read "
               f"{r['disk'][0] / 1e6:.1f} MB write {r['disk'][1] / 1e6:.1f} MB, predicted read "
               f"{p.bytes['disk_read'] / 1e6:.1f} MB write {p.bytes['disk_write'] / 1e6:.1f} MB")
+        print(f"  load average (1 min) before and after each pass {[round(x, 2) for x in r['load']]}")
         print(f"  compute beside the disk (mean around the passes) {r['beside']:.2f} x alone")
+        if name in NEW_CONFIGS:
+            print(f"  with the rates measured around its passes (as measure_machine measures, not this model's "
+                  f"shapes): predicted {r['pred_around'].step_seconds:.3f} s, measured / predicted "
+                  f"{r['measured'] / r['pred_around'].step_seconds:.3g} (information: the RESULT is at "
+                  f"mt.measure_machine() as the run started)")
         print(f"  with the rates measured just before the first pass only: predicted {r['pred_before'].step_seconds:.3f} s, "
               f"measured / predicted {r['measured'] / r['pred_before'].step_seconds:.3g}")
         print(f"  compute rate (mean around the passes) {r['matmul_now'] / 1e9:.1f} GFLOP/s per thread; with the rates measured at the start: "

@@ -89,6 +89,13 @@ SOURCE = r"""/* megatrain_nb's fused optimizer-state kernels (see megatrain_nb/e
 #else
 #define MT_AVX2 0
 #endif
+/* the fused step's 8 lanes (AVX2 and FMA: the AVX-512 CPUs' code too) */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(MT_NO_SIMD)
+#include <immintrin.h>
+#define MT_V8 1
+#else
+#define MT_V8 0
+#endif
 
 #include <pthread.h>
 
@@ -472,6 +479,289 @@ void mt_decode(int kind, const uint8_t *codes, const float *scales, int64_t n, f
     }
 }
 
+/* ------------------------------------------------------------------ the fused step, 8 lanes */
+#if MT_V8
+/* update_range's common step (256 elements in one learning-rate group, on torch's vector lanes,
+   all decayed or none, moments stored) in two passes instead of five: (1) the codes decoded
+   straight into AdamW's lanes, the new moments' block maxima (and second moment's sign bits)
+   gathered on the way; (2) each block encoded from its known maximum. The arithmetic of every
+   value is the one of dec_*, adam_lanes and enc_*, op for op: the same floats and codes. */
+typedef struct { __m256 coef, pmul, b2, c2, bc2s, rb, eps, negss; } lanes_t;
+
+static inline lanes_t lanes_of(const adam_t *A) {
+    lanes_t L = {_mm256_set1_ps(A->coef), _mm256_set1_ps(A->pmul), _mm256_set1_ps(A->b2), _mm256_set1_ps(A->c2),
+                 _mm256_set1_ps(A->bc2s), _mm256_set1_ps(1.0f / A->bc2s), _mm256_set1_ps(A->eps), _mm256_set1_ps(A->negss)};
+    return L;
+}
+
+/* adam_lanes on 8 values whose moments are m, v: the new moments into mo, vo */
+static inline void adam_vec(float *p, const float *g, __m256 m, __m256 v, const lanes_t *L, const int decayed,
+                            __m256 *mo, __m256 *vo) {
+    __m256 gi = _mm256_loadu_ps(g), pi = _mm256_loadu_ps(p);
+    if (decayed) pi = _mm256_mul_ps(pi, L->pmul);
+    __m256 mi = _mm256_fmadd_ps(L->coef, _mm256_sub_ps(gi, m), m);
+    __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(L->c2, gi), gi, _mm256_mul_ps(v, L->b2));
+    __m256 a = _mm256_sqrt_ps(vi), q = _mm256_mul_ps(a, L->rb);
+    q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, L->bc2s, a), L->rb, q);
+    q = _mm256_blendv_ps(q, a, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_EQ_OQ));
+    __m256 den = _mm256_add_ps(q, L->eps);
+    _mm256_storeu_ps(p, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(L->negss, mi), den)));
+    *mo = mi;
+    *vo = vi;
+}
+
+static inline __m256i abs_bits(__m256 x) { return _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff)); }
+
+static inline float hmax_bits(__m256i x) {   /* the largest lane as a float's bits (absmax's) */
+    __m128i y = _mm_max_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    y = _mm_max_epi32(y, _mm_shuffle_epi32(y, 0x4E));
+    y = _mm_max_epi32(y, _mm_shuffle_epi32(y, 0xB1));
+    return _mm_cvtss_f32(_mm_castsi128_ps(y));
+}
+
+/* 8 vectors' maxima as one vector (lane j: vector j's largest lane) */
+static inline __m256i max8(const __m256i *x) {
+    __m256i q[4], h[2];
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm256_max_epi32(_mm256_unpacklo_epi32(x[2 * i], x[2 * i + 1]), _mm256_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        h[i] = _mm256_max_epi32(_mm256_unpacklo_epi64(q[2 * i], q[2 * i + 1]), _mm256_unpackhi_epi64(q[2 * i], q[2 * i + 1]));
+    return _mm256_max_epi32(_mm256_permute2x128_si256(h[0], h[1], 0x20), _mm256_permute2x128_si256(h[0], h[1], 0x31));
+}
+
+/* enc_i8m's codes of 8 values of a finite block (M: its mul, scaled: mul != 1) as int32 */
+static inline __m256i i8m_vec(__m256 x, __m256 M, __m256 K, __m256 FL, const int scaled) {
+    __m256 a = _mm256_castsi256_ps(abs_bits(x));
+    if (scaled) a = _mm256_mul_ps(a, M);
+    __m256 r = _mm256_mul_ps(_mm256_sqrt_ps(_mm256_max_ps(a, FL)), K);
+    /* rintf is the conversion's rounding (both the current mode); copysignf: the code's sign (x = +-0:
+       the code is 0, r being about 0.25 there) */
+    return _mm256_sign_epi32(_mm256_cvtps_epi32(r), _mm256_castps_si256(x));
+}
+
+/* fourth_values' codes of 8 values of a finite block as int32, before the clamp at levels */
+static inline __m256i fourth_vec(__m256 x, __m256 M, __m256 K, __m256 FL, __m256 A, const int scaled) {
+    __m256 a = scaled ? _mm256_mul_ps(x, M) : x;
+    __m256i ub = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0xFFFF));
+    __m256 u = _mm256_cvtepi32_ps(_mm256_add_epi32(ub, _mm256_set1_epi32(65)));
+    __m256 r = _mm256_fmadd_ps(u, A, _mm256_mul_ps(_mm256_sqrt_ps(_mm256_sqrt_ps(_mm256_max_ps(a, FL))), K));
+    return _mm256_cvttps_epi32(_mm256_max_ps(r, _mm256_set1_ps(1.0f)));
+}
+
+/* i4m_values' codes of 8 values of a finite block as int32 */
+static inline __m256i i4m_vec(__m256 x, __m256 K) {
+    const __m256 sgn = _mm256_set1_ps(-0.0f);
+    __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_andnot_ps(sgn, x), K), K);
+    __m256 q = _mm256_mul_ps(_mm256_or_ps(y, _mm256_and_ps(sgn, x)), _mm256_set1_ps(-7.5f));
+    q = _mm256_sub_ps(_mm256_fmadd_ps(y, _mm256_set1_ps(56.5f), q), _mm256_set1_ps(0.25f));
+    __m256i c = _mm256_cvtps_epi32(_mm256_sqrt_ps(_mm256_max_ps(q, _mm256_set1_ps(0.01f))));
+    return _mm256_add_epi32(_mm256_sign_epi32(c, _mm256_castps_si256(x)), _mm256_set1_epi32(8));
+}
+
+/* 32 int32 codes as 32 bytes in order: signed (saturating at -128, 127) or unsigned (0, 255) */
+static inline __m256i bytes32(__m256i a, __m256i b, __m256i c, __m256i d, const int sign) {
+    __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    __m256i w = sign ? _mm256_packs_epi16(ab, cd) : _mm256_packus_epi16(ab, cd);
+    return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* 32 bytes 0..15 (in order) as 16 bytes of nibbles: even index in the low nibble */
+static inline void store_nibbles(__m256i d, uint8_t *codes) {
+    __m256i w = _mm256_or_si256(_mm256_and_si256(d, _mm256_set1_epi16(0x0F)),
+                                _mm256_and_si256(_mm256_srli_epi16(d, 4), _mm256_set1_epi16(0xF0)));
+    _mm_storeu_si128((__m128i *)codes, _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
+
+static inline void i8m_block(const float *x, float mul, float k, float fl, int8_t *codes, const int scaled) {
+    const __m256 M = _mm256_set1_ps(mul), K = _mm256_set1_ps(k), FL = _mm256_set1_ps(fl);
+    for (int i = 0; i < I8B; i += 32) {
+        __m256i c[4];
+        for (int h = 0; h < 4; h++) c[h] = i8m_vec(_mm256_load_ps(x + i + 8 * h), M, K, FL, scaled);
+        _mm256_storeu_si256((__m256i *)(codes + i), bytes32(c[0], c[1], c[2], c[3], 1));
+    }
+}
+
+static inline void i8v_block(const float *x, float mul, float k, float fl, float alpha, uint8_t *codes, const int scaled) {
+    const __m256 M = _mm256_set1_ps(mul), K = _mm256_set1_ps(k), FL = _mm256_set1_ps(fl), A = _mm256_set1_ps(alpha);
+    for (int i = 0; i < I8B; i += 32) {   /* (levels 255: the unsigned pack's saturation is the clamp) */
+        __m256i c[4];
+        for (int h = 0; h < 4; h++) c[h] = fourth_vec(_mm256_load_ps(x + i + 8 * h), M, K, FL, A, scaled);
+        _mm256_storeu_si256((__m256i *)(codes + i), bytes32(c[0], c[1], c[2], c[3], 0));
+    }
+}
+
+static inline void i4v_block(const float *x, float mul, float k, float fl, float alpha, uint8_t *codes, const int scaled) {
+    const __m256 M = _mm256_set1_ps(mul), K = _mm256_set1_ps(k), FL = _mm256_set1_ps(fl), A = _mm256_set1_ps(alpha);
+    const __m256i one = _mm256_set1_epi32(1), top = _mm256_set1_epi32(15);
+    __m256i c[4];
+    for (int h = 0; h < 4; h++)
+        c[h] = _mm256_min_epi32(_mm256_sub_epi32(fourth_vec(_mm256_load_ps(x + 8 * h), M, K, FL, A, scaled), one), top);
+    store_nibbles(bytes32(c[0], c[1], c[2], c[3], 0), codes);
+}
+
+static inline void i4m_block(const float *x, float k, uint8_t *codes) {
+    const __m256 K = _mm256_set1_ps(k);
+    __m256i c[4];
+    for (int h = 0; h < 4; h++) c[h] = i4m_vec(_mm256_load_ps(x + 8 * h), K);
+    store_nibbles(bytes32(c[0], c[1], c[2], c[3], 0), codes);
+}
+
+/* the scalar set stepping all of [lo, hi) on torch's vector lanes, and whether it decays them all
+   (else none); NULL: none does (a group's edge, torch's scalar tail, a lerp from the gradient, the
+   decay's end inside): the step takes the general path */
+static inline const adam_t *lanes_group(const adam_t *A, int nA, int64_t lo, int64_t hi, int *decayed) {
+    for (int s = 0; s < nA; s++) {
+        if (A[s].lo > lo || A[s].hi < hi) continue;
+        const adam_t *a = A + s;
+        for (int t = 0; t < 4; t += 2)
+            if ((a->tail[t] > lo ? a->tail[t] : lo) < (a->tail[t + 1] < hi ? a->tail[t + 1] : hi)) return NULL;
+        if (a->lerp_from_grad || (a->decay_end > lo && a->decay_end < hi)) return NULL;
+        *decayed = a->decay_end >= hi;
+        return a;
+    }
+    return NULL;
+}
+
+/* enc_i8m / enc_i8v of a block whose maximum s (absmax's) is known; neg: whether a value may be < 0 */
+static inline int enc8_known(const float *m, const float *v, float s_m, float s_v, int neg, int8_t *om, float *osm,
+                             uint8_t *ov, float *osv, const consts_t *C) {
+    int bad = 0;
+    float mx, mul, k, fl;
+    if (isfinite(s_m)) {
+        *osm = s_m;
+        scale_setup(s_m, 127.0f, C->i8m_floor, 1, &mx, &mul, &k, &fl);
+        if (mul == 1.0f) i8m_block(m, mul, k, fl, om, 0);
+        else i8m_block(m, mul, k, fl, om, 1);
+    } else bad |= enc_i8m(m, om, osm, C);
+    if (isfinite(s_v) && !neg) {
+        *osv = s_v;
+        scale_setup(s_v, 255.0f, C->i8v_floor, 2, &mx, &mul, &k, &fl);
+        if (mul == 1.0f) i8v_block(v, mul, k, fl, C->dither_alpha, ov, 0);
+        else i8v_block(v, mul, k, fl, C->dither_alpha, ov, 1);
+    } else bad |= enc_i8v(v, ov, osv, C) << 2;
+    return bad;
+}
+
+static inline __attribute__((always_inline)) int step8(float *p, const float *g, const int8_t *cm, float sm, const uint8_t *cv, float sv,
+                 int8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed, const consts_t *C) {
+    float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32)));
+    const lanes_t L = lanes_of(A);
+    const __m256 i127 = _mm256_set1_ps(C->inv127), i255 = _mm256_set1_ps(C->inv255);
+    const __m256 SM = _mm256_set1_ps(sm), SV = _mm256_set1_ps(sv), sgn = _mm256_set1_ps(-0.0f);
+    __m256i mxm = _mm256_setzero_si256(), mxv = mxm, orv = mxm;
+    for (int i = 0; i < I8B; i += 8) {
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cm + i)))), i127);
+        __m256 mm = _mm256_mul_ps(_mm256_mul_ps(t, _mm256_andnot_ps(sgn, t)), SM);
+        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cv + i)))), i255);
+        u = _mm256_mul_ps(u, u);
+        __m256 mo, vo;
+        adam_vec(p + i, g + i, mm, _mm256_mul_ps(_mm256_mul_ps(u, u), SV), &L, decayed, &mo, &vo);
+        _mm256_store_ps(m + i, mo);
+        _mm256_store_ps(v + i, vo);
+        __m256i vb = _mm256_castps_si256(vo);
+        mxm = _mm256_max_epi32(mxm, abs_bits(mo));
+        mxv = _mm256_max_epi32(mxv, _mm256_and_si256(vb, _mm256_set1_epi32(0x7fffffff)));
+        orv = _mm256_or_si256(orv, vb);
+    }
+    return enc8_known(m, v, hmax_bits(mxm), hmax_bits(mxv), _mm256_movemask_ps(_mm256_castsi256_ps(orv)) != 0,
+                      om, osm, ov, osv, C);
+}
+
+/* 32 int4 codes (16 bytes) decoded with the 16 levels (L0, L1): dec_i4's AVX2 permutes, times S */
+static inline void nibbles_vec(const uint8_t *codes, __m256 L0, __m256 L1, __m256 S, __m256 *out) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)codes), f = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), f);
+    const __m128i ord[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+    for (int h = 0; h < 4; h++) {
+        __m256i idx = _mm256_cvtepu8_epi32(h & 1 ? _mm_srli_si128(ord[h >> 1], 8) : ord[h >> 1]);
+        __m256 val = _mm256_blendv_ps(_mm256_permutevar8x32_ps(L0, idx), _mm256_permutevar8x32_ps(L1, idx),
+                                      _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        out[h] = _mm256_mul_ps(val, S);
+    }
+}
+
+/* the scale constants of 8 int4 blocks, of their maxima sm (the first moment: enc_i4m_group's k)
+   and sv (the second: scale_setup's mul, k, floor), as one vector each: the arithmetic of theirs */
+static inline void scales4(__m256 sm, __m256 sv, const consts_t *C, float *km, float *mv, float *kv, float *fv) {
+    const __m256 tiny = _mm256_set1_ps(0x1p-149f), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    __m256 k = _mm256_blendv_ps(sm, tiny, _mm256_cmp_ps(sm, tiny, _CMP_LT_OQ));   /* (NaN: NaN) */
+    _mm256_storeu_ps(km, _mm256_div_ps(one, _mm256_sqrt_ps(k)));
+    __m256 small = _mm256_and_ps(_mm256_cmp_ps(sv, _mm256_set1_ps(0x1p-60f), _CMP_LT_OQ), _mm256_cmp_ps(sv, zero, _CMP_GT_OQ));
+    __m256 mul = _mm256_blendv_ps(one, _mm256_set1_ps(0x1p64f), small);
+    __m256 mx = _mm256_blendv_ps(sv, _mm256_mul_ps(sv, mul), small);
+    k = _mm256_sqrt_ps(_mm256_blendv_ps(mx, tiny, _mm256_cmp_ps(mx, tiny, _CMP_LT_OQ)));
+    k = _mm256_mul_ps(_mm256_div_ps(one, _mm256_sqrt_ps(k)), _mm256_set1_ps(16.0f));
+    k = _mm256_blendv_ps(k, zero, _mm256_cmp_ps(mx, zero, _CMP_EQ_OQ));
+    __m256 fl = _mm256_mul_ps(mx, _mm256_set1_ps(C->i4v_floor));
+    fl = _mm256_blendv_ps(fl, _mm256_set1_ps(0x1p-126f), _mm256_cmp_ps(fl, _mm256_set1_ps(0x1p-126f), _CMP_LT_OQ));
+    _mm256_storeu_ps(mv, mul); _mm256_storeu_ps(kv, k); _mm256_storeu_ps(fv, fl);
+}
+
+static inline __attribute__((always_inline)) int step4(float *p, const float *g, const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
+                 uint8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed, const consts_t *C) {
+    float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32)));
+    const lanes_t L = lanes_of(A);
+    const __m256 LM0 = _mm256_loadu_ps(C->lut4m), LM1 = _mm256_loadu_ps(C->lut4m + 8);
+    const __m256 LV0 = _mm256_loadu_ps(C->lut4v), LV1 = _mm256_loadu_ps(C->lut4v + 8);
+    __m256i mxm[G4], mxv[G4], orv = _mm256_setzero_si256();
+    for (int b = 0; b < G4; b++) {
+        __m256 dm[4], dv[4];
+        nibbles_vec(cm + 16 * b, LM0, LM1, _mm256_set1_ps(sm[b]), dm);
+        nibbles_vec(cv + 16 * b, LV0, LV1, _mm256_set1_ps(sv[b]), dv);
+        __m256i a = _mm256_setzero_si256(), c = a;
+        for (int h = 0; h < 4; h++) {
+            int i = I4B * b + 8 * h;
+            __m256 mo, vo;
+            adam_vec(p + i, g + i, dm[h], dv[h], &L, decayed, &mo, &vo);
+            _mm256_store_ps(m + i, mo);
+            _mm256_store_ps(v + i, vo);
+            __m256i vb = _mm256_castps_si256(vo);
+            a = _mm256_max_epi32(a, abs_bits(mo));
+            c = _mm256_max_epi32(c, _mm256_and_si256(vb, _mm256_set1_epi32(0x7fffffff)));
+            orv = _mm256_or_si256(orv, vb);
+        }
+        mxm[b] = a; mxv[b] = c;
+    }
+    float s_m[G4], s_v[G4], km[G4], mv[G4], kv[G4], fv[G4], mx, mul, k, fl;
+    const __m256 SMX = _mm256_castsi256_ps(max8(mxm)), SVX = _mm256_castsi256_ps(max8(mxv));
+    _mm256_storeu_ps(s_m, SMX);
+    _mm256_storeu_ps(s_v, SVX);
+    scales4(SMX, SVX, C, km, mv, kv, fv);
+    int bad = 0;
+    if (_mm256_movemask_ps(_mm256_castsi256_ps(orv))) {   /* a sign bit: enc_i4v_group's own checks */
+        bad |= enc_i4m_group(m, G4, om, osm);
+        return bad | enc_i4v_group(v, G4, ov, osv, C) << 2;
+    }
+    for (int b = 0; b < G4; b++) {
+        osm[b] = s_m[b];
+        if (isfinite(s_m[b])) i4m_block(m + I4B * b, km[b], om + 16 * b);
+        else { bad |= BAD_NONFINITE; i4m_values(m + I4B * b, km[b], om + 16 * b); }
+        osv[b] = s_v[b];
+        if (isfinite(s_v[b])) {
+            if (mv[b] == 1.0f) i4v_block(v + I4B * b, mv[b], kv[b], fv[b], C->dither_alpha, ov + 16 * b, 0);
+            else i4v_block(v + I4B * b, mv[b], kv[b], fv[b], C->dither_alpha, ov + 16 * b, 1);
+        } else {
+            int32_t c[I4B];
+            bad |= BAD_NONFINITE << 2;
+            scale_setup(s_v[b], 16.0f, C->i4v_floor, 2, &mx, &mul, &k, &fl);
+            fourth_values(v + I4B * b, I4B, 16.0f, mul, k, fl, C->dither_alpha, c);
+            for (int i = 0; i < I4B; i++) c[i] -= 1;
+            pack_nibbles(c, ov + 16 * b);
+        }
+    }
+    return bad;
+}
+#endif
+
+#if MT_V8
+/* whether none of n scales of the second moment has dec_i8v's / dec_i4's floor (floor_positive) */
+static inline int no_floor(const float *s, int n, const consts_t *C) {
+    for (int i = 0; i < n; i++)
+        if (s[i] > 0.0f && s[i] < C->tiny_scale) return 0;
+    return 1;
+}
+#endif
+
 /* ------------------------------------------------------------------ the fused update */
 /* One pass over n elements (absolute index base; base a multiple of the block): each block's
    moments decoded from (cm, sm, cv, sv) -- zeros when cm is NULL --, AdamW on p with g, and the
@@ -488,6 +778,23 @@ static int update_range(int codec, float *p, const float *g,
     for (int64_t off = 0; off < n; off += S) {
         const int k = n - off < S ? (int)(n - off) : S, nb = (k + B - 1) / B;
         const int64_t j0 = off / B;
+#if MT_V8
+        int decayed;
+        const adam_t *a = k == S && cm != NULL ? lanes_group(A, nA, base + off, base + off + S, &decayed) : NULL;
+        if (a != NULL && no_floor(sv + j0, nb, C)) {
+            if (codec == 8)
+                bad |= decayed ? step8(p + off, g + off, (const int8_t *)cm + off, sm[j0], cv + off, sv[j0],
+                                       (int8_t *)om + off, osm + j0, ov + off, osv + j0, a, 1, C)
+                               : step8(p + off, g + off, (const int8_t *)cm + off, sm[j0], cv + off, sv[j0],
+                                       (int8_t *)om + off, osm + j0, ov + off, osv + j0, a, 0, C);
+            else
+                bad |= decayed ? step4(p + off, g + off, cm + off / 2, sm + j0, cv + off / 2, sv + j0,
+                                       om + off / 2, osm + j0, ov + off / 2, osv + j0, a, 1, C)
+                               : step4(p + off, g + off, cm + off / 2, sm + j0, cv + off / 2, sv + j0,
+                                       om + off / 2, osm + j0, ov + off / 2, osv + j0, a, 0, C);
+            continue;
+        }
+#endif
         if (cm == NULL) {
             memset(m, 0, sizeof m); memset(v, 0, sizeof v);
         } else if (codec == 8) {

@@ -8,9 +8,11 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
+import megatrain_nb.engine.compute.decode as decode
 from megatrain_nb.engine import StreamingEngine
+from megatrain_nb.engine.compute.kv_offload import DeviceKVCache, DeviceKVLayer
 from megatrain_nb.engine.compute.decode import StreamedDecoder, kv_cache_bytes
 from megatrain_nb.model_configs import family_config, tiny
 
@@ -213,4 +215,38 @@ def test_weights_on_the_disk_tier_decode_as_in_ram(tmp_path):
     assert out.completions == _generate(ref, rows, gc)
     engine.pager.reset()
     assert dict(engine.counters.loads_per_unit) == {u.name: 5 for u in engine.units}
+    engine.close()
+
+
+def test_the_device_cache_writes_in_place_and_decodes_as_a_dynamic_cache(monkeypatch):
+    """The full-attention layers' K/V preallocated (kv_offload.DeviceKVLayer): every pass's keys
+    are a view of one buffer per layer (no copy of the past per token), and the tokens and
+    log-probs are bit for bit those of transformers' DynamicCache, with rows finishing apart and
+    a group's cache replicated; a sliding-window layer stays transformers' own."""
+    engine, ref, vocab = _pair("gemma2")   # (sliding and full attention layers alternate)
+    rows = _prompts(vocab, (5, 3, 7), copies=2)
+    free = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eos = _generate(ref, rows, free)[0][3]
+    gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    storages, made = [], []
+
+    class Spied(DeviceKVCache):
+        def __init__(self, *a):
+            super().__init__(*a)
+            made.append(self)
+            layer = next(x for x in self.layers if isinstance(x, DeviceKVLayer))
+            update = layer.update
+            layer.update = lambda *u, **k: storages.append(update(*u, **k)[0].untyped_storage().data_ptr()) \
+                or (layer.keys, layer.values)
+
+    monkeypatch.setattr(decode, "DeviceKVCache", Spied)
+    out = StreamedDecoder(engine).generate(rows, gc)
+    kinds = [type(x).__name__ for x in made[0].layers]
+    assert "DeviceKVLayer" in kinds and any(k != "DeviceKVLayer" for k in kinds)   # the sliding ones kept
+    assert len(storages) == out.stats["passes"] > 2 and len(set(storages)) == 1
+    monkeypatch.setattr(decode, "DeviceKVCache", lambda cfg, rows, tokens: DynamicCache(config=cfg))
+    plain = StreamedDecoder(engine).generate(rows, gc)
+    assert out.completions == plain.completions
+    assert len({len(c) for c in out.completions}) > 1   # (rows finished apart)
+    assert all(torch.equal(a, b) for a, b in zip(out.logps, plain.logps))
     engine.close()

@@ -19,6 +19,9 @@ schedule prefetching the next layers meanwhile. The model's forward gets
 ``use_cache=True`` and a transformers ``DynamicCache`` (built from the model's config, so sliding
 window layers keep only their window), so the model's own attention code fills and reads the KV
 cache, which stays on the device (checked against ``generate`` on some thirty families: docs/GRPO.md).
+Its full-attention layers are preallocated for the decoding's rows and tokens
+(:class:`.kv_offload.DeviceKVCache`): each pass writes the new entries in place and the attention
+reads a view, where ``DynamicLayer`` would copy the whole cache per layer per token.
 One pass is one decoded token for every row: the prompt's pass (the prefill) gives each row's
 first token, the next pass its second, and so on, so the transport loads each unit exactly once
 per decoded token (``stats["passes"]``) whether 2 or 128 rows advance.
@@ -60,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
                                                     RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -68,7 +71,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 from ... import threads
 from ..planning.estimator_grpo import KVPlace, kv_cache_bytes, place_kv, streamed_need  # noqa: F401 - re-exported
 from ..proxies import bind, unbind
-from .kv_offload import HostKVCache
+from .kv_offload import DeviceKVCache, HostKVCache
 
 GIB = 1 << 30
 
@@ -269,9 +272,9 @@ class StreamedDecoder:
         pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids(gc) or [0])[0]
         stops = torch.tensor(eos_ids(gc) or [-1], device=dev)
         ids_u, mask_u, pos_u = (t.to(dev) for t in left_padded(unique, pad))
-        cache = (HostKVCache(self.engine.model_config, len(row_prompt), stats["kv_length"])
-                 if stats["kv_tier"] == "host" or self.kv_tier == "host"
-                 else DynamicCache(config=self.engine.model_config))   # (per layer type: hybrid families too)
+        host = stats["kv_tier"] == "host" or self.kv_tier == "host"
+        cache = (HostKVCache if host else DeviceKVCache)(self.engine.model_config, len(row_prompt),
+                                                        stats["kv_length"])   # (per layer type: hybrid families too)
         logits = self._pass(ids_u, mask_u, pos_u, cache)          # the prefill: one row per distinct prompt
         stats["passes"] += 1
         rows = torch.tensor(row_prompt, device=dev)
@@ -291,7 +294,8 @@ class StreamedDecoder:
                     tok = draw(torch.softmax(scores, dim=-1), rows_gen)
                 else:
                     tok = torch.argmax(scores, dim=-1)
-                lp = torch.log_softmax(logits / temperature, dim=-1).gather(1, tok[:, None])[:, 0]
+                lp = torch.log_softmax(logits if temperature == 1 else logits / temperature,
+                                       dim=-1).gather(1, tok[:, None])[:, 0]
                 picked.append((alive, tok, lp))
                 keep = ~torch.isin(tok, stops)
             going = not filler and bool(keep.any())

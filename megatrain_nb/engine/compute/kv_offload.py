@@ -1,15 +1,27 @@
-"""The streamed decoder's KV cache in host RAM: each full-attention layer's keys and values live
-in a host buffer and cross to the device only while that layer runs.
+"""The streamed decoder's KV caches: preallocated on the device (:class:`DeviceKVCache`), or in
+host RAM (:class:`HostKVCache`), each layer's keys and values crossing to the device only while
+that layer runs.
 
 Example::
 
-    cache = HostKVCache(model_config, device, rows=64, tokens=1088)
+    cache = DeviceKVCache(model_config, rows=64, tokens=1088)   # or HostKVCache(...), same arguments
     model(input_ids=ids, cache=cache, use_cache=True)      # the model's own attention fills it
-    cache.moved    # {"h2d_bytes", "d2h_bytes", "crossings"}: what crossed the link
+    cache.moved    # (HostKVCache) {"h2d_bytes", "d2h_bytes", "crossings"}: what crossed the link
 
-**Design.** A transformers ``DynamicCache`` built from the model's config (sliding-window and
-linear-attention layers as transformers makes them, kept on the device), whose full-attention
-layers (``DynamicLayer``) are :class:`HostKVLayer`: a buffer in host RAM (pinned when the device
+**On the device** (:class:`DeviceKVLayer`): transformers' ``DynamicLayer`` concatenates each
+layer's whole cache with the new token's entries at every pass, a copy of the cache per layer
+per decoded token (quadratic in the completion's length, and growing with the rows). The
+decoder knows its rows and tokens before it starts (the planner sized the cache from them), so
+each full-attention layer holds one buffer of ``rows`` x heads x ``tokens`` x head size for its
+keys and one for its values, allocated at its first update (the shapes and dtype the attention
+gives), writes the new entries in place and hands the attention a view of the entries cached so
+far (``[rows decoding, heads, length, head size]``, strided over the capacity's tokens): no
+copy of the past per pass. ``reorder_cache`` (a group's prompt replicated, finished rows
+dropped) gathers the kept rows to the buffer's front, once per change of the rows.
+
+Both are a transformers ``DynamicCache`` built from the model's config (sliding-window and
+linear-attention layers as transformers makes them, kept on the device) whose full-attention
+layers (``DynamicLayer``) are replaced. **In host RAM** they are :class:`HostKVLayer`: a buffer in host RAM (pinned when the device
 is a GPU) of ``tokens`` x ``rows`` x heads x head size for the keys and the values (tokens first,
 so the entries cached so far are one contiguous block: one copy from pinned memory), allocated at
 its first update with the shapes the attention gives. A layer's ``update`` (the model's attention
@@ -31,6 +43,69 @@ from typing import Dict
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+
+class DeviceKVLayer(DynamicLayer):
+    """A full-attention layer's K/V in preallocated device buffers of ``rows`` x ``tokens`` (see the
+    module): the new entries written in place, the attention handed views of those cached so far."""
+
+    def __init__(self, rows: int, tokens: int):
+        super().__init__()
+        self.capacity = (int(rows), int(tokens))
+        self.rows = self.length = 0
+        self.buffers = None   # (keys, values): [rows, heads, tokens, head size] each
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        rows, tokens = self.capacity
+        self.buffers = tuple(torch.empty((rows, s.shape[1], tokens, s.shape[3]), dtype=s.dtype, device=s.device)
+                             for s in (key_states, value_states))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """The layer's cached entries with the new ones, as views of the buffers (no copy of the past)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q, at = key_states.shape[0], key_states.shape[-2], self.length
+        rows, tokens = self.capacity
+        if n > rows or at + q > tokens:
+            raise ValueError(f"the device KV cache holds {rows} rows x {tokens} tokens; the decoding reached "
+                             f"{n} rows x {at + q} tokens")
+        if at and n != self.rows:
+            raise ValueError(f"the device KV cache holds {self.rows} rows; the model gave {n} (reorder_cache first)")
+        for buf, new in zip(self.buffers, (key_states, value_states)):
+            buf[:n, :, at:at + q].copy_(new)
+        self.rows, self.length = n, at + q
+        self.keys, self.values = (buf[:n, :, :at + q] for buf in self.buffers)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows ``beam_idx`` to the buffers' front (replicated or dropped rows): one gather each."""
+        if not self.length:
+            return
+        if len(beam_idx) > self.capacity[0]:
+            raise ValueError(f"the device KV cache holds {self.capacity[0]} rows; asked for {len(beam_idx)}")
+        idx, at, m = beam_idx.to(self.device), self.length, len(beam_idx)
+        for buf in self.buffers:
+            buf[:m, :, :at] = buf[:self.rows, :, :at].index_select(0, idx)   # (a copy first: same buffer)
+        self.rows = m
+        self.keys, self.values = (buf[:m, :, :at] for buf in self.buffers)
+
+    def reset(self) -> None:
+        self.rows = self.length = 0
+        self.keys = self.values = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the device KV cache does not crop (streamed decoding never asks it to)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("the device KV cache replicates rows by reorder_cache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("the device KV cache selects rows by reorder_cache")
 
 
 class HostKVLayer(DynamicLayer):
@@ -103,6 +178,23 @@ class HostKVLayer(DynamicLayer):
         raise NotImplementedError("the host KV cache does not crop (streamed decoding never asks it to)")
 
 
+def full_attention_layers(cache: DynamicCache, make) -> int:
+    """``cache``'s plain full-attention layers (``DynamicLayer``, not sliding or linear) replaced by
+    ``make()``'s; how many."""
+    full = [type(layer) is DynamicLayer for layer in cache.layers]
+    cache.layers = [make() if f else layer for f, layer in zip(full, cache.layers)]
+    return sum(full)
+
+
+class DeviceKVCache(DynamicCache):
+    """A ``DynamicCache`` of the model's config whose full-attention layers are preallocated for
+    ``rows`` x ``tokens`` at most on the device (:class:`DeviceKVLayer`, see the module)."""
+
+    def __init__(self, config, rows: int, tokens: int):
+        super().__init__(config=config)
+        self.device_layers = full_attention_layers(self, lambda: DeviceKVLayer(rows, tokens))
+
+
 class HostKVCache(DynamicCache):
     """A ``DynamicCache`` of the model's config whose full-attention layers keep their K/V in host
     RAM for ``rows`` x ``tokens`` at most (see the module); :attr:`moved` counts the link's bytes."""
@@ -110,9 +202,7 @@ class HostKVCache(DynamicCache):
     def __init__(self, config, rows: int, tokens: int):
         super().__init__(config=config)
         self.moved: Dict[str, int] = {"h2d_bytes": 0, "d2h_bytes": 0, "crossings": 0}
-        self.layers = [HostKVLayer(rows, tokens, self.moved) if type(layer) is DynamicLayer else layer
-                       for layer in self.layers]
-        self.host_layers = sum(isinstance(layer, HostKVLayer) for layer in self.layers)
+        self.host_layers = full_attention_layers(self, lambda: HostKVLayer(rows, tokens, self.moved))
 
 
-__all__ = ["HostKVCache", "HostKVLayer"]
+__all__ = ["DeviceKVCache", "DeviceKVLayer", "HostKVCache", "HostKVLayer"]

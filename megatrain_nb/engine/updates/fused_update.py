@@ -503,7 +503,9 @@ static inline void adam_vec(float *p, const float *g, __m256 m, __m256 v, const 
     __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(L->c2, gi), gi, _mm256_mul_ps(v, L->b2));
     __m256 a = _mm256_sqrt_ps(vi), q = _mm256_mul_ps(a, L->rb);
     q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, L->bc2s, a), L->rb, q);
-    q = _mm256_blendv_ps(q, a, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_EQ_OQ));
+    /* div_bc2s's select of an infinite root as a max: a finite root's quotient is >= the root (bc2s <= 1),
+       an infinite root's is NaN (the max takes the root); a NaN root's quotient is that NaN */
+    q = _mm256_max_ps(q, a);
     __m256 den = _mm256_add_ps(q, L->eps);
     _mm256_storeu_ps(p, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(L->negss, mi), den)));
     *mo = mi;
@@ -539,23 +541,24 @@ static inline __m256i i8m_vec(__m256 x, __m256 M, __m256 K, __m256 FL, const int
     return _mm256_sign_epi32(_mm256_cvtps_epi32(r), _mm256_castps_si256(x));
 }
 
-/* fourth_values' codes of 8 values of a finite block as int32, before the clamp at levels */
+/* fourth_values' codes of 8 values of a finite block as int32, before its clamps (done on the bytes:
+   (int)max(r, 1) = max((int)r, 1), r >= 0) */
 static inline __m256i fourth_vec(__m256 x, __m256 M, __m256 K, __m256 FL, __m256 A, const int scaled) {
     __m256 a = scaled ? _mm256_mul_ps(x, M) : x;
     __m256i ub = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0xFFFF));
     __m256 u = _mm256_cvtepi32_ps(_mm256_add_epi32(ub, _mm256_set1_epi32(65)));
     __m256 r = _mm256_fmadd_ps(u, A, _mm256_mul_ps(_mm256_sqrt_ps(_mm256_sqrt_ps(_mm256_max_ps(a, FL))), K));
-    return _mm256_cvttps_epi32(_mm256_max_ps(r, _mm256_set1_ps(1.0f)));
+    return _mm256_cvttps_epi32(r);
 }
 
-/* i4m_values' codes of 8 values of a finite block as int32 */
+/* i4m_values' codes of 8 values of a finite block as int32, less 8: copysignf(y, x) is (x * k) * k
+   (rounding is symmetric), y its magnitude */
 static inline __m256i i4m_vec(__m256 x, __m256 K) {
-    const __m256 sgn = _mm256_set1_ps(-0.0f);
-    __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_andnot_ps(sgn, x), K), K);
-    __m256 q = _mm256_mul_ps(_mm256_or_ps(y, _mm256_and_ps(sgn, x)), _mm256_set1_ps(-7.5f));
-    q = _mm256_sub_ps(_mm256_fmadd_ps(y, _mm256_set1_ps(56.5f), q), _mm256_set1_ps(0.25f));
+    __m256 sy = _mm256_mul_ps(_mm256_mul_ps(x, K), K), y = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), sy);
+    __m256 q = _mm256_fmadd_ps(y, _mm256_set1_ps(56.5f), _mm256_mul_ps(sy, _mm256_set1_ps(-7.5f)));
+    q = _mm256_sub_ps(q, _mm256_set1_ps(0.25f));
     __m256i c = _mm256_cvtps_epi32(_mm256_sqrt_ps(_mm256_max_ps(q, _mm256_set1_ps(0.01f))));
-    return _mm256_add_epi32(_mm256_sign_epi32(c, _mm256_castps_si256(x)), _mm256_set1_epi32(8));
+    return _mm256_sign_epi32(c, _mm256_castps_si256(x));
 }
 
 /* 32 int32 codes as 32 bytes in order: signed (saturating at -128, 127) or unsigned (0, 255) */
@@ -586,24 +589,23 @@ static inline void i8v_block(const float *x, float mul, float k, float fl, float
     for (int i = 0; i < I8B; i += 32) {   /* (levels 255: the unsigned pack's saturation is the clamp) */
         __m256i c[4];
         for (int h = 0; h < 4; h++) c[h] = fourth_vec(_mm256_load_ps(x + i + 8 * h), M, K, FL, A, scaled);
-        _mm256_storeu_si256((__m256i *)(codes + i), bytes32(c[0], c[1], c[2], c[3], 0));
+        _mm256_storeu_si256((__m256i *)(codes + i), _mm256_max_epu8(bytes32(c[0], c[1], c[2], c[3], 0), _mm256_set1_epi8(1)));
     }
 }
 
 static inline void i4v_block(const float *x, float mul, float k, float fl, float alpha, uint8_t *codes, const int scaled) {
     const __m256 M = _mm256_set1_ps(mul), K = _mm256_set1_ps(k), FL = _mm256_set1_ps(fl), A = _mm256_set1_ps(alpha);
-    const __m256i one = _mm256_set1_epi32(1), top = _mm256_set1_epi32(15);
     __m256i c[4];
-    for (int h = 0; h < 4; h++)
-        c[h] = _mm256_min_epi32(_mm256_sub_epi32(fourth_vec(_mm256_load_ps(x + 8 * h), M, K, FL, A, scaled), one), top);
-    store_nibbles(bytes32(c[0], c[1], c[2], c[3], 0), codes);
+    for (int h = 0; h < 4; h++) c[h] = fourth_vec(_mm256_load_ps(x + 8 * h), M, K, FL, A, scaled);
+    __m256i b = _mm256_subs_epu8(bytes32(c[0], c[1], c[2], c[3], 0), _mm256_set1_epi8(1));   /* max(c, 1) - 1 */
+    store_nibbles(_mm256_min_epu8(b, _mm256_set1_epi8(15)), codes);
 }
 
 static inline void i4m_block(const float *x, float k, uint8_t *codes) {
     const __m256 K = _mm256_set1_ps(k);
     __m256i c[4];
     for (int h = 0; h < 4; h++) c[h] = i4m_vec(_mm256_load_ps(x + 8 * h), K);
-    store_nibbles(bytes32(c[0], c[1], c[2], c[3], 0), codes);
+    store_nibbles(_mm256_add_epi8(bytes32(c[0], c[1], c[2], c[3], 1), _mm256_set1_epi8(8)), codes);
 }
 
 /* the scalar set stepping all of [lo, hi) on torch's vector lanes, and whether it decays them all
@@ -660,7 +662,7 @@ static inline __attribute__((always_inline)) int step8(float *p, const float *g,
         _mm256_store_ps(v + i, vo);
         __m256i vb = _mm256_castps_si256(vo);
         mxm = _mm256_max_epi32(mxm, abs_bits(mo));
-        mxv = _mm256_max_epi32(mxv, _mm256_and_si256(vb, _mm256_set1_epi32(0x7fffffff)));
+        mxv = _mm256_max_epi32(mxv, vb);   /* (no sign bit, or the general encoders) */
         orv = _mm256_or_si256(orv, vb);
     }
     return enc8_known(m, v, hmax_bits(mxm), hmax_bits(mxv), _mm256_movemask_ps(_mm256_castsi256_ps(orv)) != 0,
@@ -717,7 +719,7 @@ static inline __attribute__((always_inline)) int step4(float *p, const float *g,
             _mm256_store_ps(v + i, vo);
             __m256i vb = _mm256_castps_si256(vo);
             a = _mm256_max_epi32(a, abs_bits(mo));
-            c = _mm256_max_epi32(c, _mm256_and_si256(vb, _mm256_set1_epi32(0x7fffffff)));
+            c = _mm256_max_epi32(c, vb);
             orv = _mm256_or_si256(orv, vb);
         }
         mxm[b] = a; mxv[b] = c;

@@ -33,14 +33,10 @@ from .transport.transport import make_transport
 from .units import Unit, build_units, find_layer_list, lr_scales
 from .vision import freeze
 from .updates.updates import UpdateScheduler
+from .tiers.staging import disk_staging_buffers
 from .tiers.weight_store import WeightStore, make_weight_store
 from .window import BoundaryStore
 from .tiers.disk_cache import HostCache, cache_budget
-
-#: Units up to this size get spare staging buffers (a spare or two per stream costs little RAM);
-#: larger ones the minimum (RAM stays flat for models far larger than RAM; their steps are
-#: long, so what a spare would overlap is small).
-SMALL_UNIT_BYTES = 256 << 20
 
 
 @dataclass
@@ -131,11 +127,11 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
                       shadows=False if sharded is not None else None)
     disk = _disk_tier(units, config, plan, params_on_disk, counters, state_units)
     depth = config.overrides.inflight_depth
-    small = max(u.numel for u in units) * 4 <= SMALL_UNIT_BYTES
+    compute_buffers, optimizer_buffers = disk_staging_buffers(max(u.numel for u in units), depth)
     chunked = update_chunk(config.optimizer_compression, config.overrides.update_chunk_numel,
                            max(u.train_numel for u in state_units)) > 0   # (as OptimizerStates decides)
     weights = make_weight_store(state_units, store, disk=disk if params_on_disk else None, pin=pin, counters=counters,
-                                compute_buffers=2 + depth if small else 2, optimizer_buffers=2 if small else 1,
+                                compute_buffers=compute_buffers, optimizer_buffers=optimizer_buffers,
                                 ranged=chunked, held_units=held_weight_units(state_units, config, plan, disk))
     # (under a budget -- a promise -- the states read ahead no deeper than the plan (and the cache) counted)
     read_ahead = read_ahead_allowance(state_units, config.optimizer_compression) if config.max_host_gb else None

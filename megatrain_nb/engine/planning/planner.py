@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from ..family import hidden_size, intermediate_size, text_config, vocab_size
+from ..tiers.staging import disk_staging_buffers
 from .vision_plan import VisionShape
 
 GiB = 1024 ** 3
@@ -105,18 +106,18 @@ def _disk_weights_in_flight(u: int, depth: int, chunk: int, ring: int, held, pin
     either), else fp32 -- pinned (``held``: ``pinned.held_bytes``) as the loads' source; and the
     optimizer's: ``ring`` chunks (chunked updates), else its buffers (2, large units 1: pinned in
     fp32 compute; with the copy pageable, and beside each the update's cast of it, being written)."""
-    large = u * 4 > (256 << 20)
-    out = (2 if large else 2 + depth) * held(u * compute_bytes, pin)
+    compute, optimizer = disk_staging_buffers(u, depth)
+    out = compute * held(u * compute_bytes, pin)
     if chunk:
         return out + ring * chunk * 4
-    return out + (1 if large else 2) * (u * 4 + u * compute_bytes if compute_bytes < 4 else held(u * 4, pin))
+    return out + optimizer * (u * 4 + u * compute_bytes if compute_bytes < 4 else held(u * 4, pin))
 
 
 def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: bool, states_on_disk: bool,
                    cuda: bool, clipped: bool, depth: int = 1, chunk_numel: int = 1 << 20, compute_bytes: int = 4,
                    hold_disk: bool = False, pinned: Optional[bool] = None) -> int:
     """Host RAM the engine's code holds in flight besides the stored state, as it allocates
-    it (``u``: the largest unit; "large": over 256 MiB, ``parts.SMALL_UNIT_BYTES``):
+    it (``u``: the largest unit; "large": over 256 MiB, ``staging.SMALL_UNIT_BYTES``):
 
     * master weights on the disk tier: the compute stream's staging buffers (``2 + depth``,
       large units 2), each ``u``, and the optimizer stream's (2, large units 1), each ``u``,

@@ -20,6 +20,7 @@ from ..transport.pinned import held_bytes, pinned_empty
 from ..units import Unit, train_numel
 from .disk_store import aligned_empty
 from .disk_store import ALIGN
+from .staging import disk_staging_buffers
 
 #: Shadows on a CPU "device" too (tests: the same code path as CUDA's; off by default, where the
 #: CPU transport's memcpy casts as it copies and the planner counts no shadow RAM).
@@ -33,15 +34,19 @@ def wants_shadows(pin: bool, compute_dtype: torch.dtype) -> bool:
 
 
 def pinned_layout(unit_numels, *, compute_bytes: int = 4, grads_in_flight: int = 1, params_on_disk: bool = False,
-                  disk_buffers: int = 3, window_host_bytes: int = 0) -> Dict[str, int]:
+                  disk_buffers: Optional[int] = None, held_units: int = 0,
+                  window_host_bytes: int = 0) -> Dict[str, int]:
     """Bytes the engine pins on CUDA for units of ``unit_numels`` (whole pages each, as
     ``pinned.held_bytes`` counts registered buffers): what crosses the link, and nothing else.
 
     * ``weights``: each unit's copy source -- in fp32 compute the master itself (4 B/param),
       narrower the shadow (``compute_bytes`` B/param); with the masters on the disk tier its
-      ``disk_buffers`` unit-sized staging buffers, in the compute dtype (narrower: they hold the
-      tier's compute-dtype copy, so there is no cast buffer; that is without a host cache of the
-      tier -- with one, the fp32 masters are served from RAM and cast into one pinned buffer);
+      ``disk_buffers`` unit-sized staging buffers (default: as the engine makes them,
+      ``staging.disk_staging_buffers`` with ``grads_in_flight`` as its depth), plus ``held_units`` more
+      where a clipped step holds backward reads for their updates (``parts.held_weight_units``),
+      in the compute dtype (narrower: they hold the tier's compute-dtype copy, so there is no cast
+      buffer; that is without a host cache of the tier -- with one, the fp32 masters are served
+      from RAM and cast into one pinned buffer);
     * ``grad_landing``: what the gradients land through (``landing.landing_pinned_bytes``): a ring
       of pinned fp32 chunks in front of pageable landing buffers, or where that pins no less
       (small units) the landing buffers themselves (``pager.staging_buffers``, the largest unit each);
@@ -51,7 +56,9 @@ def pinned_layout(unit_numels, *, compute_bytes: int = 4, grads_in_flight: int =
     big = max(numels, default=0)
     page = lambda n: held_bytes(n, True)   # noqa: E731
     if params_on_disk:   # (narrower: the disk tier's compute-dtype copy, weight_store.DiskWeights' shadow)
-        weights = disk_buffers * page(big * compute_bytes)
+        if disk_buffers is None:
+            disk_buffers = disk_staging_buffers(big, grads_in_flight)[0]
+        weights = (disk_buffers + held_units) * page(big * compute_bytes)
     else:
         weights = sum(page(n * compute_bytes) for n in numels)
     out = {"weights": weights, "grad_landing": landing_pinned_bytes(big, grads_in_flight),

@@ -417,7 +417,8 @@ def engine_pinned(engine) -> dict:
     staging = engine.weights.pinned_bytes() if on_disk else 0
     plan = pinned_layout([u.numel for u in engine.state_units],
                          compute_bytes=torch.empty((), dtype=engine.config.compute_dtype).element_size(),
-                         grads_in_flight=engine.config.overrides.inflight_depth, params_on_disk=on_disk)
+                         grads_in_flight=engine.config.overrides.inflight_depth, params_on_disk=on_disk,
+                         held_units=getattr(engine.weights, "held_units", 0) if on_disk else 0)
     return {"store": store["weights"] + store["grads"], "pool": pool, "staging": staging,
             "total": store["weights"] + store["grads"] + pool + staging, "plan": plan}
 

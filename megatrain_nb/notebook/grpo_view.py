@@ -110,8 +110,10 @@ def time_split(records: list) -> tuple:
 
 
 def is_grpo_run(session: Any) -> bool:
-    """A session whose trainer is an mt.GRPOTrainer (told without importing trl)."""
-    return hasattr(getattr(session, "trainer", None), "reward_func_names")
+    """A session whose trainer is an mt.GRPOTrainer (told without importing trl), or whose ranks
+    in worker processes train one (``remote.ProcessRun.training_kind``)."""
+    return (hasattr(getattr(session, "trainer", None), "reward_func_names")
+            or getattr(session, "training_kind", None) == "grpo")
 
 
 def attach_grpo_panel(dashboard: Any) -> None:

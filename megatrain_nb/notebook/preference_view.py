@@ -58,8 +58,10 @@ def reward_spec(records: list, height: int = 150, max_points: int = 400) -> dict
 
 
 def is_preference_run(session: Any) -> bool:
-    """A session whose trainer is an mt.DPOTrainer (told without importing trl)."""
-    return hasattr(getattr(session, "trainer", None), "reference_seconds")
+    """A session whose trainer is an mt.DPOTrainer (told without importing trl), or whose ranks
+    in worker processes train one (``remote.ProcessRun.training_kind``)."""
+    return (hasattr(getattr(session, "trainer", None), "reference_seconds")
+            or getattr(session, "training_kind", None) == "dpo")
 
 
 def attach_reward_panel(dashboard: Any) -> None:

@@ -59,6 +59,8 @@ from .run_state import Order, RunState
 from .worker_outcome import (WorkerError, agent_failures, attached_outcome, launched_outcome,  # noqa: F401
                              rank_errors, rank_reports, root_cause)
 
+#: the training kind a launched run's arguments' class builds (launch_spec._check_args)
+SPEC_KINDS = {"GRPOConfig": "grpo", "DPOConfig": "dpo", "SFTConfig": "sft"}
 #: after a rank reported an error, how long the agent gets to stop the others before we kill them
 ERROR_GRACE_S = 15.0
 POLL_S = 0.1
@@ -68,7 +70,7 @@ class ProcessRun:
     """Launches or follows the worker ranks of a Session (see the module docstring). Built by
     :meth:`launching` (``nproc_per_node=N``) or :meth:`attaching` (``Session.attach``)."""
 
-    public = ("nproc_per_node", "output_dir", "ranks", "worker_log", "launch_info", "run_dir")
+    public = ("nproc_per_node", "output_dir", "ranks", "worker_log", "launch_info", "run_dir", "training_kind")
     announces = False   # rank 0 announces the run: the sidebar lists it once
 
     def __init__(self, status: RunState, session_id: str, *, nproc: Optional[int], spec: Optional[dict] = None,
@@ -147,6 +149,15 @@ class ProcessRun:
         return run
 
     # ---- what only a run in worker processes has (the Session shows them as its own) -------------
+    @property
+    def training_kind(self) -> Optional[str]:
+        """What the ranks train (``trainer.kinds``: "grpo", "dpo", ...; the displays pick their
+        panels by it, as an in-kernel run's trainer tells them): a launched run's from the
+        arguments' class it wrote, an attached one's from rank 0's heartbeat; None: not known."""
+        if self._spec is not None:
+            return SPEC_KINDS.get(self._spec.get("args_class"), "plain")
+        return (self._attached or {}).get("training_kind")
+
     @property
     def ranks(self) -> list[dict]:
         """After the run: each rank's report (outcome, steps, the commands it applied at which step)."""

@@ -142,7 +142,7 @@ class RunControl:
 
     def heartbeat_extra(self) -> dict:
         t = self.trainer
-        return {"kind": "run", "world_size": t.dist.world, "run_id": t.run_id,
+        return {"kind": "run", "world_size": t.dist.world, "run_id": t.run_id, "training_kind": t.kind.name,
                 "output_dir": str(Path(t.args.output_dir).resolve()),
                 "metrics_log": str(Path(t.metrics_log.path).resolve()),
                 "launcher": os.environ.get(ENV_LAUNCHER) or "torchrun"}

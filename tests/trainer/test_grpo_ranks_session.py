@@ -87,3 +87,33 @@ def _weights_at(folder):
     from safetensors.torch import load_file
 
     return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.slow   # (three Sessions' launch folders: ~10 s)
+def test_a_multi_process_sessions_displays_know_what_its_ranks_train(tmp_path, monkeypatch):
+    """The dashboard picks its GRPO (or DPO) panel by what the ranks train, which a multi-process
+    Session's kernel knows from the arguments it wrote (no trainer lives in the kernel), and an
+    attached one from rank 0's heartbeat."""
+    import megatrain_nb as mt
+    from megatrain_nb.notebook.grpo_view import is_grpo_run
+    from megatrain_nb.notebook.preference_view import is_preference_run
+    from megatrain_nb.notebook.remote import ProcessRun
+    from megatrain_nb.notebook.run_state import RunState
+    from trl import DPOConfig
+
+    controller_env(tmp_path, monkeypatch)
+    grpo = mt.Session("micro", train_dataset=prompts(), args=config(tmp_path / "g"), reward_funcs=[reward_yes],
+                      nproc_per_node=2, device="cpu")   # (the workers start at train(): none here)
+    dpo_args = DPOConfig(output_dir=str(tmp_path / "d"), report_to="none", use_cpu=True)
+    dpo = mt.Session("micro", args=dpo_args, nproc_per_node=2, device="cpu")
+    plain = mt.Session("micro", nproc_per_node=2, device="cpu")
+    try:
+        assert [s.training_kind for s in (grpo, dpo, plain)] == ["grpo", "dpo", "plain"]
+        assert [is_grpo_run(s) for s in (grpo, dpo, plain)] == [True, False, False]
+        assert [is_preference_run(s) for s in (grpo, dpo, plain)] == [False, True, False]
+    finally:
+        for s in (grpo, dpo, plain):
+            s.close()
+    beat = {"id": "x", "world_size": 2, "training_kind": "grpo", "output_dir": str(tmp_path / "a")}
+    assert ProcessRun.attaching(RunState("x"), beat).training_kind == "grpo"
+    assert ProcessRun.attaching(RunState("x"), dict(beat, training_kind=None)).training_kind is None

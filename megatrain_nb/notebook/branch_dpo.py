@@ -16,12 +16,16 @@ from megatrain_nb.values import check, row_name
 DPO_FIELDS = ("beta", "loss_type")
 
 
-def check_dpo_changes(changes: dict, trainer: Any) -> None:
+def check_dpo_changes(changes: dict, trainer: Any, kind: Any = None) -> None:
     """Refuse ``beta``/``loss_type`` on a non-DPO run; normalise ``loss_type`` (a name -> a list of
-    names, as DPOConfig holds it) in ``changes`` and check the values."""
+    names, as DPOConfig holds it) in ``changes`` and check the values. ``kind``: what ranks in
+    worker processes train (``remote.ProcessRun.training_kind``), where no trainer is at hand."""
     given = [k for k in DPO_FIELDS if k in changes]
     if not given:
         return
+    if trainer is None and kind not in (None, "dpo"):
+        raise ValueError(f"a fork can change {', '.join(given)} only in a preference (DPO) run; its ranks train "
+                         f"a {kind} run")
     for k in given:   # the table's rules (megatrain_nb/values.py), as DPOTrainer and run.yaml apply them
         changes[k] = check(row_name(k, "dpo"), changes[k], f"fork({k})")
     if trainer is None:   # ranks in worker processes: their DPOTrainer checks the values as it is built

@@ -22,16 +22,20 @@ def is_grpo_trainer(trainer: Any) -> bool:
     return callable(getattr(trainer, "fork_trainer", None)) and hasattr(trainer, "reward_func_names")
 
 
-def check_grpo_changes(changes: dict, trainer: Any) -> None:
+def check_grpo_changes(changes: dict, trainer: Any, kind: Any = None) -> None:
     """Refuse ``temperature`` on a run that is not GRPO; check ``temperature``/``beta`` by the
-    table in ``changes`` (a GRPO run's ``beta`` by GRPO's row: 0 allowed)."""
+    table in ``changes`` (a GRPO run's ``beta`` by GRPO's row: 0 allowed). ``kind``: what ranks in
+    worker processes train (``remote.ProcessRun.training_kind``), where no trainer is at hand."""
     given = [k for k in GRPO_FIELDS if k in changes]
+    if trainer is None and kind is None:   # (the kind unknown: beta by DPO's rule, as it always was)
+        given = [k for k in given if k != "beta"]
     if not given:
         return
-    if trainer is not None and not is_grpo_trainer(trainer):
+    other = type(trainer).__name__ if trainer is not None and not is_grpo_trainer(trainer) else (
+        f"a {kind} run" if trainer is None and kind not in (None, "grpo") else None)
+    if other is not None:
         if "temperature" in given:
-            raise ValueError(f"a fork can change temperature only in a GRPO run; {type(trainer).__name__} samples "
-                             "no completions")
+            raise ValueError(f"a fork can change temperature only in a GRPO run; {other} samples no completions")
         return   # beta: DPO's (branch_dpo.py)
     for k in given:
         changes[k] = check(row_name(k, "grpo"), changes[k], f"fork({k})")

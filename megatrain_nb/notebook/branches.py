@@ -580,24 +580,28 @@ def _ref(obj):
         return lambda: obj
 
 
-def check_changes(changes: dict, trainer: Any = None) -> dict:
+def check_changes(changes: dict, trainer: Any = None, kind: Any = None) -> dict:
     """A fork's ``changes``, each name allowed and each value checked by the table of values
     (:mod:`megatrain_nb.values`, the Trainer's arguments' rules), at ``fork()``; the checked values.
-    ``beta``/``loss_type`` (``DPO_ALLOWED``) only in a DPO run, checked by ``branch_dpo``."""
+    ``beta``/``loss_type`` (``DPO_ALLOWED``) only in a DPO run, checked by ``branch_dpo``;
+    ``temperature``/``beta`` in a GRPO run by ``branch_grpo``. ``kind``: what ranks in worker
+    processes train (``remote.ProcessRun.training_kind``), where ``trainer`` is None."""
     bad = [k for k in changes if k not in ALLOWED + DPO_ALLOWED + GRPO_ALLOWED and k != PLACEMENT]
     if bad:
         why = "; ".join(f"{k}: {FIXED[k]}" if k in FIXED else f"{k}: not a setting a fork can change" for k in bad)
         raise ValueError(f"a fork cannot change {', '.join(bad)} mid-run ({why}). It can change: "
                          f"{', '.join(ALLOWED)} (and {', '.join(DPO_ALLOWED)} in a DPO run, "
                          f"{', '.join(GRPO_ALLOWED)} in a GRPO run)")
-    out = {k: check(k, v, f"fork({k})") if k in VALUES else v for k, v in changes.items()}
+    # (a field whose rule depends on the run's kind -- beta: DPO's > 0, GRPO's >= 0 -- by its kind's module)
+    own = DPO_ALLOWED + GRPO_ALLOWED
+    out = {k: check(k, v, f"fork({k})") if k in VALUES and k not in own else v for k, v in changes.items()}
     loss_fn = out.get("loss_fn")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"fork(loss_fn)={loss_fn!r}: must be a function (logits chunk, labels chunk) -> summed "
                          "loss, or None")
-    check_grpo_changes(out, trainer)
-    if not is_grpo_trainer(trainer):
-        check_dpo_changes(out, trainer)
+    check_grpo_changes(out, trainer, kind)
+    if not (is_grpo_trainer(trainer) or (trainer is None and kind == "grpo")):
+        check_dpo_changes(out, trainer, kind)
     return out
 
 

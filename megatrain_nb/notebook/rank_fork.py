@@ -34,7 +34,7 @@ BRANCHES = "branches"
 def fork_ranks(session: Any, run: Any, info: Any, name: Optional[str], changes: dict) -> Any:
     """The new Session: ``session`` (whose run controller is ``run``, a ``ProcessRun``) forked from
     snapshot ``info`` (a ``SnapshotInfo``) with ``changes`` (``branches.ALLOWED``)."""
-    changes = check_changes(changes, session.trainer)
+    changes = check_changes(changes, session.trainer, getattr(run, "training_kind", None))
     if PLACEMENT in changes:
         raise ValueError(f"{PLACEMENT}={changes[PLACEMENT]!r}: a fork of {session.name!r} trains on ranks of its own, "
                          "on the devices its parent's ranks use (nproc_per_node); leave device= out")

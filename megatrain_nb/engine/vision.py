@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import checkpoint
 
 from .discovery import locate
 
@@ -229,6 +230,17 @@ def freeze(model: nn.Module, entries) -> set:
     return names
 
 
+def tower_blocks(base: nn.Module) -> list:
+    """The vision tower's blocks (the longest ``nn.ModuleList`` under the base model's tower:
+    Qwen-VL's ``visual.blocks``, CLIP's and SigLIP's ``encoder.layers``); empty without a tower."""
+    for attr in PARTS["vision_tower"]:
+        tower = getattr(base, attr, None)
+        if isinstance(tower, nn.Module):
+            lists = [m for m in tower.modules() if isinstance(m, nn.ModuleList) and len(m)]
+            return list(max(lists, key=len)) if lists else []
+    return []
+
+
 class ImageFeatures:
     """A step's image features, computed once per micro-batch where the engine's passes of the
     model's forward would compute them three times. The capture (layer 0's input) runs the vision
@@ -245,10 +257,17 @@ class ImageFeatures:
     ``meter``: the step's :class:`.recompute.ActivationMeter`; a kept graph's saved bytes are
     counted as held (``meter.held``) until the embedding's backward takes it.
 
+    ``by_blocks`` (the planner's placement where the tower's whole graph does not fit the device:
+    ``planning/vision_plan.place_vision``): the tower's blocks run under non-reentrant activation
+    checkpointing, so the kept graph holds each block's input only (the blocks' boundaries) and
+    the embedding's backward runs each block again, one at a time, with its graph -- the schedule
+    of a tower streamed by blocks; its weights stay in the ``embed`` unit (on the device for the
+    step). The boundaries are the meter's held bytes.
+
     ``base``'s ``get_image_features`` (every supported family's forward calls it once) is
     wrapped on the instance; a model without one is left alone (every call a no-op)."""
 
-    def __init__(self, base: nn.Module, meter=None, keep: Optional[int] = None):
+    def __init__(self, base: nn.Module, meter=None, keep: Optional[int] = None, by_blocks: bool = False):
         self._fn = getattr(base, "get_image_features", None) if callable(getattr(base, "get_image_features", None)) \
             else None
         self._replay: deque = deque()   # per captured micro-batch: the features, detached (the head's replay)
@@ -257,8 +276,22 @@ class ImageFeatures:
         self.meter, self.keep = meter, keep
         self.kept = 0                   # graphs held now
         self.runs = 0                   # the tower's runs (get_image_features calls that computed)
+        self.by_blocks = by_blocks
+        self._boundary = 0              # by blocks: the blocks' input bytes of the run in progress
         if self._fn is not None:
             base.get_image_features = self._call   # (the instance's attribute; the class is left as it is)
+            for block in tower_blocks(base):
+                block.forward = self._block_forward(block.forward)   # (the instance's; by_blocks decides)
+
+    def _block_forward(self, forward):
+        """``forward`` of one tower block, under activation checkpointing while :attr:`by_blocks`
+        and gradients are on (the block's input kept, the block run again in the backward)."""
+        def run(*args, **kwargs):
+            if not (self.by_blocks and torch.is_grad_enabled()):
+                return forward(*args, **kwargs)
+            self._boundary += sum(t.untyped_storage().nbytes() for t in args[:1] if torch.is_tensor(t))
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return run
 
     def _call(self, *args, **kwargs):
         if self._mode == "replay" and self._replay:
@@ -282,9 +315,14 @@ class ImageFeatures:
         """The capture's run: with its graph where there is room for it (:attr:`keep`)."""
         room = self.keep is None or self.kept < self.keep
         counted = {"bytes": 0}
+        self._boundary = 0
         with torch.enable_grad() if room else torch.no_grad(), self._counted(hold=True, into=counted) \
                 if room else contextlib.nullcontext():
             out = self._run(args, kwargs)
+        if room and self._boundary and self.meter is not None:   # by blocks: the checkpoints hold the blocks' inputs
+            self.meter.held += self._boundary
+            counted["bytes"] += self._boundary
+            self.meter.note()
         detached = tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out)
         self._replay.append(detached)
         if not room:

@@ -83,27 +83,35 @@ def _placed(budget_gib, **kw):
                         **args)
 
 
-def test_the_planner_counts_both_placements_of_the_tower_and_says_which():
+def test_the_planner_counts_the_placements_of_the_tower_and_says_which():
     """Qwen2.5-VL-7B, 1,280 image tokens, bf16 on CUDA: resident costs the tower's weights, the
-    gradient staging the larger embed unit takes and its whole graph; streamed by blocks two block
-    slots, one block's gradient, the blocks' boundaries and one block's re-run, but one more load
-    of the tower and one more forward a micro-batch. Resident where the plan fits (it moves least),
-    streamed where only it fits (said not built), resident where neither fits."""
+    gradient staging the larger embed unit takes and its whole graph; by blocks the same weights
+    and staging, the blocks' inputs and one block's graph, and one more forward a micro-batch;
+    streamed by blocks two block slots, one block's gradient, the blocks' inputs and one block's
+    re-run, but one more load of the tower and one more forward a micro-batch. Resident where the
+    plan fits (it moves least), by blocks where that fits, streamed where only it fits (said not
+    built: the engine runs it by blocks), by blocks where nothing fits."""
     from megatrain_nb.engine.planning.vision_plan import VisionShape, tower_params
 
     cfg = _qwen25_vl_7b()
     p, shape = tower_params(cfg), VisionShape.of(cfg)
     graph = shape.work_bytes(batch=1, image_tokens=1280, compute_bytes=2)
+    boundary = shape.boundary_bytes(batch=1, image_tokens=1280, compute_bytes=2)
+    assert boundary == 32 * 1280 * 4 * 1280 * 2
     roomy = _placed(80)
-    assert roomy.params == p and roomy.choice == "resident" and roomy.built
+    assert roomy.params == p and roomy.choice == "resident" and roomy.built and roomy.runs == "resident"
     assert roomy.resident_bytes == p * 2 + p * (2 * 4 + 2) + graph
+    assert roomy.blocks_bytes == p * 2 + p * (2 * 4 + 2) + boundary + graph // 33
     assert roomy.streamed_bytes < roomy.resident_bytes / 10
     assert roomy.extra_h2d_bytes == 2 * p and roomy.extra_flops == 2.0 * p * 1280 * 4
     assert roomy.extra_seconds is None and "it fits the device budget" in roomy.words()
-    tight = _placed(24)
-    assert tight.choice == "streamed" and not tight.built
-    assert "over the 24.0 GiB budget" in tight.words() and "not built" in tight.words()
-    assert _placed(8).choice == "resident" and "neither fits" in _placed(8).reason
+    blocks = _placed(24)   # (the rest of the plan: 25 GiB less the resident tower, 8.8 GiB)
+    assert blocks.choice == "blocks" and blocks.built and blocks.runs == "blocks"
+    assert "over the 24.0 GiB budget; by blocks it needs 17.0 GiB" in blocks.words()
+    tight = _placed(12)
+    assert tight.choice == "streamed" and not tight.built and tight.runs == "blocks"
+    assert "over the 12.0 GiB budget" in tight.words() and "not built" in tight.words()
+    assert _placed(8).choice == "blocks" and "nothing fits" in _placed(8).reason
     assert _placed(None).choice == "resident"
     timed = _placed(80, h2d_bytes_per_s=25e9, flops_per_s=400e12)
     assert timed.extra_seconds == pytest.approx(2 * p / 25e9 + 2.0 * p * 1280 * 4 / 400e12)

@@ -51,6 +51,11 @@ class VisionShape:
         """Image tokens of an image of at most ``max_pixels`` pixels (a processor's budget)."""
         return max(1, int(max_pixels) // (self.patch_size ** 2 * self.patches_per_token))
 
+    def boundary_bytes(self, *, batch: int, image_tokens: int, compute_bytes: int) -> int:
+        """Device bytes of one micro-batch's vision blocks' inputs (the tower run by blocks keeps
+        them from the capture to the embedding's backward)."""
+        return self.depth * batch * image_tokens * self.patches_per_token * self.width * compute_bytes
+
     def work_bytes(self, *, batch: int, image_tokens: int, compute_bytes: int) -> int:
         """Device bytes of one micro-batch's vision graph in the embedding's backward (its saved
         activations and their gradients)."""
@@ -133,25 +138,34 @@ def text_config_of(config):
 
 @dataclass(frozen=True)
 class VisionPlacement:
-    """Where the vision tower's weights sit for a step, both options counted.
+    """Where the vision tower sits for a step, three options counted.
 
-    ``resident``: inside the ``embed`` unit (what the engine runs): its weights on the device for
-    the whole step, in once and their gradient out once per step, its whole graph held from the
-    capture to the embedding's backward, and the embed unit (the largest unit: the device's gradient staging is
-    sized by it) that much larger. ``streamed``: by vision blocks as the decoder layers stream (two
-    block slots, one block's gradient, the blocks' boundary activations and one block's re-run),
-    each block loaded twice per window (the capture and the backward) and its forward run once
-    more (the re-run). ``extra_*``: what the streamed option costs beyond the resident one per
-    step (bytes moved host->device, FLOPs recomputed, seconds at the given rates)."""
-    choice: str                 # "resident" | "streamed"
-    built: bool                 # whether the engine runs the choice (streaming the tower is not built)
+    ``resident``: inside the ``embed`` unit: its weights on the device for the whole step, in once
+    and their gradient out once per step, its whole graph held from the capture to the
+    embedding's backward, and the embed unit (the largest unit: the device's gradient staging is
+    sized by it) that much larger. ``blocks``: the same weights, but the tower's blocks run under
+    activation checkpointing (engine/vision.ImageFeatures ``by_blocks``): the blocks' boundary
+    activations held and one block's graph at a time, at the price of one more forward of the
+    tower a micro-batch. ``streamed``: by vision blocks as the decoder layers stream (two block
+    slots, one block's gradient, the blocks' boundary activations and one block's re-run), each
+    block loaded twice per window (the capture and the backward) and its forward run once more.
+    ``extra_*``: what ``streamed`` costs beyond ``resident`` per step (bytes moved host->device,
+    FLOPs recomputed -- ``blocks`` recomputes the same FLOPs --, seconds at the given rates)."""
+    choice: str                 # "resident" | "blocks" | "streamed"
+    built: bool                 # whether the engine runs the choice (streaming the tower's weights is not built)
     params: int
     resident_bytes: int         # device bytes the tower adds kept resident
     streamed_bytes: int         # ... streamed by blocks
     extra_h2d_bytes: int        # streamed: one more load of the tower's weights per step
-    extra_flops: float          # streamed: one more forward of the tower per micro-batch
+    extra_flops: float          # blocks, streamed: one more forward of the tower per micro-batch
     extra_seconds: Optional[float]
     reason: str
+    blocks_bytes: int = 0       # ... its weights resident, its graph by blocks
+
+    @property
+    def runs(self) -> str:
+        """What the engine runs: the choice, or by blocks where the choice is not built."""
+        return self.choice if self.built else "blocks"
 
     def words(self, fmt=None) -> str:
         """The estimate's and the run header's line (``fmt``: how bytes are written)."""
@@ -161,10 +175,12 @@ class VisionPlacement:
             cost += f" (~{self.extra_seconds:.2f} s)"
         size = f"{self.params / 1e9:.2f}B" if self.params >= 1e8 else f"{self.params / 1e6:.2f}M"
         line = (f"vision tower ({size} parameters with its projector): {self.choice} -- resident "
-                f"{fmt(self.resident_bytes)} on the device, streamed by blocks {fmt(self.streamed_bytes)} but "
-                f"{cost}; {self.reason}")
+                f"{fmt(self.resident_bytes)} on the device, by blocks (weights resident, each block's graph "
+                f"re-run in the backward) {fmt(self.blocks_bytes)} and {_flops(self.extra_flops)} recomputed a step, "
+                f"streamed by blocks {fmt(self.streamed_bytes)} but {cost}; {self.reason}")
         if not self.built:
-            line += " (streaming the tower by blocks is not built: the engine keeps it resident, over the budget)"
+            line += (" (streaming the tower's weights by blocks is not built: the engine runs it by blocks with its "
+                     "weights resident, over the budget)")
         return line
 
 
@@ -186,13 +202,14 @@ def place_vision(config, *, batch: int, image_tokens: int, accumulation: int = 1
                  embed_numel: int, largest_other: int, device_total: int, device_budget: Optional[int],
                  cuda: bool = True, h2d_bytes_per_s: Optional[float] = None,
                  flops_per_s: Optional[float] = None) -> Optional[VisionPlacement]:
-    """Both placements of the vision tower counted and one picked (None: no vision tower).
+    """The placements of the vision tower counted and one picked (None: no vision tower).
 
     ``embed_numel``: the embed unit with the tower inside; ``largest_other``: the largest other
-    unit (a layer or the head); ``device_total``: the
-    plan's device bytes with the tower resident (the engine's placement). Resident costs no
-    extra transfer or recompute, so it is picked wherever the plan fits the device budget (or no
-    budget is given); streamed where only it fits."""
+    unit (a layer or the head); ``device_total``: the plan's device bytes with the tower resident
+    (its graph kept). Resident costs no extra transfer or recompute, so it is picked wherever the
+    plan fits the device budget (or no budget is given); by blocks where that fits (one more
+    forward of the tower, no transfer); streamed where only it fits (not built); where nothing
+    fits, by blocks (the least of what the engine runs; the plan says what to change)."""
     shape = VisionShape.of(config)
     if shape is None:
         return None
@@ -203,57 +220,74 @@ def place_vision(config, *, batch: int, image_tokens: int, accumulation: int = 1
     staging_gain = (max(embed_numel, largest_other) - max(embed_numel - p, largest_other)) * per_grad
     resident = p * compute_bytes + staging_gain + graph
     block = max(1, p // max(1, shape.depth))
-    patches = batch * image_tokens * shape.patches_per_token
-    boundary = shape.depth * patches * shape.width * compute_bytes
+    boundary = shape.boundary_bytes(batch=batch, image_tokens=image_tokens, compute_bytes=compute_bytes)
     one_block = graph // max(1, shape.depth + 1)
+    by_blocks = p * compute_bytes + staging_gain + boundary + one_block
     streamed = 2 * block * compute_bytes + block * per_grad + boundary + one_block
     extra_h2d = p * compute_bytes                           # each block in twice per window, not once
+    patches = batch * image_tokens * shape.patches_per_token
     extra_flops = 2.0 * p * patches * max(1, accumulation)   # each micro-batch's tower forward once more
     secs = None
     if h2d_bytes_per_s and flops_per_s:
         secs = extra_h2d / h2d_bytes_per_s + extra_flops / flops_per_s
     other = device_total - resident
+    over = (f"resident the plan needs {device_total / 2 ** 30:.1f} GiB, over the "
+            f"{device_budget / 2 ** 30:.1f} GiB budget" if device_budget is not None else "")
     if device_budget is None or device_total <= device_budget:
         choice, why = "resident", ("it fits the device budget" if device_budget is not None else "no device budget")
         why += ", and it moves and recomputes least"
+    elif other + by_blocks <= device_budget:
+        choice, why = "blocks", f"{over}; by blocks it needs {(other + by_blocks) / 2 ** 30:.1f} GiB, and moves nothing more"
     elif other + streamed <= device_budget:
-        choice, why = "streamed", (f"resident the plan needs {device_total / 2 ** 30:.1f} GiB, over the "
-                                   f"{device_budget / 2 ** 30:.1f} GiB budget; streamed it needs "
-                                   f"{(other + streamed) / 2 ** 30:.1f} GiB")
+        choice, why = "streamed", f"{over}; streamed it needs {(other + streamed) / 2 ** 30:.1f} GiB"
     else:
-        choice, why = "resident", "neither fits the device budget; the plan says what to change"
-    return VisionPlacement(choice, choice == "resident", p, resident, streamed, extra_h2d, extra_flops, secs, why)
+        choice, why = "blocks", "nothing fits the device budget; by blocks needs the least the engine runs, the plan " \
+                                "says what to change"
+    return VisionPlacement(choice, choice != "streamed", p, resident, streamed, extra_h2d, extra_flops, secs, why,
+                           by_blocks)
+
+
+def vision_placement(config, units, workload, *, device_total: int, device_budget: Optional[int], precision: str,
+                     cuda: bool, rates=None) -> Optional[VisionPlacement]:
+    """:func:`place_vision` for a plan's unit specs ``units`` and ``workload`` (None for a
+    text-only model or a workload without image tokens); ``device_total``: the plan's device bytes
+    for that workload."""
+    if VisionShape.of(config) is None or not workload.image_tokens:
+        return None
+    bf16 = precision == "bf16"
+    flops = getattr(rates, "bf16_matmul_flops" if bf16 else "matmul_flops", 0.0) if rates is not None else 0.0
+    return place_vision(config, batch=workload.batch, image_tokens=workload.image_tokens,
+                        accumulation=workload.accumulation, compute_bytes=2 if bf16 else 4,
+                        embed_numel=max([u.numel for u in units if u.kind == "embed"] or [0]),
+                        largest_other=max([u.numel for u in units if u.kind != "embed"] or [0]),
+                        device_total=device_total, device_budget=device_budget, cuda=cuda,
+                        h2d_bytes_per_s=getattr(rates, "h2d_pinned", None) if rates is not None else None,
+                        flops_per_s=flops or None)
 
 
 def vision_lines(config, plan, units, workload, device_budget: Optional[int], precision: str, cuda: bool,
                  rates=None) -> list:
-    """The estimate's line on the vision tower's placement (:func:`place_vision`; none for a
-    text-only model or a workload without image tokens). ``units``: the plan's unit specs."""
-    if VisionShape.of(config) is None or not workload.image_tokens:
-        return []
-    bf16 = precision == "bf16"
-    flops = getattr(rates, "bf16_matmul_flops" if bf16 else "matmul_flops", 0.0) if rates is not None else 0.0
-    got = place_vision(config, batch=workload.batch, image_tokens=workload.image_tokens,
-                       accumulation=workload.accumulation, compute_bytes=2 if bf16 else 4,
-                       embed_numel=max([u.numel for u in units if u.kind == "embed"] or [0]),
-                       largest_other=max([u.numel for u in units if u.kind != "embed"] or [0]),
-                       device_total=plan.device["total"], device_budget=device_budget, cuda=cuda,
-                       h2d_bytes_per_s=getattr(rates, "h2d_pinned", None) if rates is not None else None,
-                       flops_per_s=flops or None)
+    """The estimate's line on the vision tower's placement (:func:`vision_placement` at the plan's
+    device bytes; none for a text-only model or a workload without image tokens)."""
+    got = vision_placement(config, units, workload, device_total=plan.device["total"], device_budget=device_budget,
+                           precision=precision, cuda=cuda, rates=rates)
     return [got.words()] if got is not None else []
 
 
-def graphs_kept(config, workload, *, device_total: int, device_budget: Optional[int], precision: str) -> Optional[int]:
+def graphs_kept(config, workload, *, device_total: int, device_budget: Optional[int], precision: str,
+                by_blocks: bool = False) -> Optional[int]:
     """How many micro-batches of a group keep the vision tower's autograd graph from the capture
     to the embedding's backward (``engine/vision.ImageFeatures.keep``; the others run the tower
     again there). None (all) without a device budget or for a model without a vision tower; else
-    the one micro-batch's graph the plan counts (:func:`.planner.activation_bytes`) and as many
-    more as the budget's room over the plan's ``device_total`` holds."""
+    the one micro-batch's graph the plan counts (:func:`.planner.activation_bytes`; ``device_total``
+    is the plan's with the whole graph) and as many more as the budget's room holds; ``by_blocks``:
+    a graph is the blocks' inputs (:meth:`VisionShape.boundary_bytes`)."""
     shape = VisionShape.of(config)
     if shape is None or device_budget is None:
         return None
-    graph = shape.work_bytes(batch=workload.batch, image_tokens=workload.image_tokens,
-                             compute_bytes=2 if precision == "bf16" else 4)
-    if graph <= 0:
+    size = dict(batch=workload.batch, image_tokens=workload.image_tokens, compute_bytes=2 if precision == "bf16" else 4)
+    graph = shape.work_bytes(**size)
+    held = shape.boundary_bytes(**size) if by_blocks else graph
+    if held <= 0:
         return 1
-    return 1 + max(0, int(device_budget) - int(device_total)) // graph
+    return 1 + max(0, int(device_budget) - (int(device_total) - graph + held)) // held

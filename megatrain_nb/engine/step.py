@@ -103,14 +103,16 @@ class StepRunner:
     meta ``placeholders`` parameters go back to after each use, the ``boundary`` store, and
     ``plan_reads(compute_order, step)`` (the update scheduler's disk read-ahead).
     ``grad_buffer(numel)``: where a unit's gradient sum is formed (a CPU "device": the update
-    scheduler's pool, handed over whole, adopted without a copy); None: fresh device tensors."""
+    scheduler's pool, handed over whole, adopted without a copy); None: fresh device tensors.
+    ``vision``: (how many micro-batches' vision graphs a group keeps, whether the tower runs by
+    blocks): the plan's placement of a VLM's vision tower (``vision.ImageFeatures``)."""
 
     def __init__(self, model, units: List[Unit], pager, placeholders, boundary: BoundaryStore, *,
                  device: torch.device, checkpoint_interval: int, loss_chunk_tokens: int,
                  plan_reads: Callable[[List[Unit], Optional[StepContext]], None],
                  grad_buffer: Optional[Callable[[int], torch.Tensor]] = None,
                  tile_tokens: Optional[int] = None, device_budget: Optional[int] = None,
-                 reached: Optional[Callable] = None, vision_keep: Optional[int] = None):
+                 reached: Optional[Callable] = None, vision: Tuple[Optional[int], bool] = (None, False)):
         self.model = model
         self.units = units
         self.embed, self.head, self.layers = units[0], units[-1], units[1:-1]
@@ -124,7 +126,7 @@ class StepRunner:
         base_name, self.base, path = locate(model)   # before the layer proxies go in
         self.meter = ActivationMeter(boundary, pager)   # device bytes of activations: now, peak
         # a VLM's image features: the vision tower once per micro-batch, its graph kept (vision.py)
-        self.images = ImageFeatures(self.base, self.meter, keep=vision_keep)
+        self.images = ImageFeatures(self.base, self.meter, keep=vision[0], by_blocks=vision[1])
         self.loss_head = LossHead(model, base_name, self.base, path, loss_chunk_tokens, self.meter)
         # the units' fp32 gradient sums on the device (``reached``: told what an outer unit's backward reached)
         self.sums = GradSums(pager, device, grad_buffer, reached)

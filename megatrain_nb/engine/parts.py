@@ -21,8 +21,8 @@ from .updates.optimizer import UnitAdamW
 from .transport.pager import Pager
 from .planning.codec_choice import CodecPick, engine_codec
 from .planning.plan_pick import pick_plan
-from .planning.planner import Plan, Workload
-from .planning.vision_plan import graphs_kept, vision_lines
+from .planning.planner import ModelShape, Plan, UnitSpec, Workload, make_plan
+from .planning.vision_plan import graphs_kept, vision_placement
 from .memory import device_capacity
 from .proxies import LayerProxy
 from .seams import DiskTier, Transport
@@ -175,7 +175,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
                         loss_chunk_tokens=config.overrides.loss_chunk_tokens, plan_reads=plan_reads, grad_buffer=lend,
                         tile_tokens=config.overrides.tile_tokens, reached=None if sharded else store.mark_reached,
                         device_budget=int(config.max_vram_gb * 2**30) if config.max_vram_gb else None,
-                        vision_keep=_vision_keep(model.config, workload, plan, config, device))
+                        vision=_vision(units, model.config, config, plan, workload, device))
     for u in units[1:-1]:
         layers[u.layer_index] = LayerProxy(runner.layer_call, u)
     steps = Steps(runner, boundary, updates=updates, pager=pager, counters=counters, config=config,
@@ -197,21 +197,28 @@ def _codec_and_plan(units, model_config, config: EngineConfig, device, dist, sta
         dist.check_same("optimizer codec", config.optimizer_compression)
     if codec.asked == "auto":   # (the run header prints chosen_by)
         plan.chosen_by = f"{plan.chosen_by}; {codec.line()}"
-    budget = int(config.max_vram_gb * 2 ** 30) if config.max_vram_gb else None   # the vision tower: where, why
-    for line in vision_lines(model_config, plan, units, workload or Workload(), budget, config.precision,
-                             torch.device(device).type == "cuda"):
-        plan.chosen_by = f"{plan.chosen_by}; {line}"
     return config, codec, plan
 
 
-def _vision_keep(model_config, workload, plan: Plan, config: EngineConfig, device) -> Optional[int]:
-    """How many micro-batches' vision graphs a group keeps from the capture (vision_plan.graphs_kept):
-    the budget is max_vram_gb, else on CUDA the device's capacity (none on a CPU "device": all)."""
+def _vision(units, model_config, config: EngineConfig, plan: Plan, workload, device):
+    """(how many micro-batches' vision graphs a group keeps, whether the tower runs by blocks):
+    the tower's placement planned at the run's workload (vision_plan.vision_placement: the plan's
+    device bytes for it, the budget max_vram_gb, else on CUDA the device's capacity; none on a CPU
+    "device"), said in plan.chosen_by (the run header's plan line)."""
+    work, cuda = workload or Workload(), torch.device(device).type == "cuda"
     budget = int(config.max_vram_gb * 2 ** 30) if config.max_vram_gb else None
-    if budget is None and torch.device(device).type == "cuda":
+    if budget is None and cuda:
         budget = device_capacity(torch.device(device))
-    return graphs_kept(model_config, workload or Workload(), device_total=plan.device["total"],
-                       device_budget=budget, precision=config.precision)
+    specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in units]
+    total = make_plan(specs, ModelShape.of(model_config), config.replace(checkpoint_interval=plan.checkpoint_interval),
+                      cuda=cuda, workload=work).device["total"] if work.image_tokens else plan.device["total"]
+    placed = vision_placement(model_config, specs, work, device_total=total, device_budget=budget,
+                              precision=config.precision, cuda=cuda)
+    if placed is not None:
+        plan.chosen_by = f"{plan.chosen_by}; {placed.words()}"
+    by_blocks = placed is not None and placed.runs == "blocks"
+    return graphs_kept(model_config, work, device_total=total, device_budget=budget, precision=config.precision,
+                       by_blocks=by_blocks), by_blocks
 
 
 def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, counters, state_units=None):

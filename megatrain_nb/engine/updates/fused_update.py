@@ -610,14 +610,14 @@ static inline void i4m_block(const float *x, float k, uint8_t *codes) {
 
 /* the scalar set stepping all of [lo, hi) on torch's vector lanes, and whether it decays them all
    (else none); NULL: none does (a group's edge, torch's scalar tail, a lerp from the gradient, the
-   decay's end inside): the step takes the general path */
+   decay's end inside, a bias correction above 1: adam_vec's max): the step takes the general path */
 static inline const adam_t *lanes_group(const adam_t *A, int nA, int64_t lo, int64_t hi, int *decayed) {
     for (int s = 0; s < nA; s++) {
         if (A[s].lo > lo || A[s].hi < hi) continue;
         const adam_t *a = A + s;
         for (int t = 0; t < 4; t += 2)
             if ((a->tail[t] > lo ? a->tail[t] : lo) < (a->tail[t + 1] < hi ? a->tail[t + 1] : hi)) return NULL;
-        if (a->lerp_from_grad || (a->decay_end > lo && a->decay_end < hi)) return NULL;
+        if (a->lerp_from_grad || (a->decay_end > lo && a->decay_end < hi) || !(a->bc2s <= 1.0f)) return NULL;
         *decayed = a->decay_end >= hi;
         return a;
     }
@@ -929,7 +929,8 @@ ALL = 1 << 62
 
 
 def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
+    """``x`` rounded to float as torch rounds it (a C cast, to nearest); ~60x faster than a tensor."""
+    return ctypes.c_float(x).value
 
 
 def adam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
@@ -1011,18 +1012,31 @@ class Kernels:
         ``params`` in place (``args``: one AdamArgs, or one per learning-rate group: :func:`group_args`),
         encoded into ``dst`` (may be ``src``), on ``threads`` threads (the result does not depend
         on it). Raises the torch path's error for a moment that cannot be encoded."""
-        s = src or {}
+        self.update_call(codec, params, grads, src, dst, base, args, threads)(0, params.numel())
+
+    def update_call(self, codec: str, params: torch.Tensor, grads: torch.Tensor, src, dst, base: int, args,
+                    threads: int = 1):
+        """:meth:`update` as ``call(s, e)``: the update of elements ``[s, e)`` of the chunk (``s`` a
+        block boundary), its pointers and scalars made once."""
         arr, count = group_args(args)
-        flags = self.lib.mt_update(_CODEC[codec], _ptr(params), _ptr(grads),
-                                   _ptr(s.get("exp_avg.codes")), _ptr(s.get("exp_avg.scales")),
-                                   _ptr(s.get("exp_avg_sq.codes")), _ptr(s.get("exp_avg_sq.scales")),
-                                   _ptr(dst["exp_avg.codes"]), _ptr(dst["exp_avg.scales"]),
-                                   _ptr(dst["exp_avg_sq.codes"]), _ptr(dst["exp_avg_sq.scales"]),
-                                   params.numel(), int(base), arr, count, self._c, int(threads))
-        for role, bits in (("exp_avg", flags & 3), ("exp_avg_sq", flags >> 2)):
-            err = encode_error(bits, codec, role)
-            if err is not None:
-                raise err
+        c = self.lib.mt_update
+        kind, block, per_byte, consts = _CODEC[codec], 256 if codec == "int8" else 32, 1 if codec == "int8" else 2, self._c
+        roles = ("exp_avg.codes", "exp_avg.scales", "exp_avg_sq.codes", "exp_avg_sq.scales")
+        ins = [0, 0, 0, 0] if src is None else [src[r].data_ptr() for r in roles]
+        outs = [dst[r].data_ptr() for r in roles]
+        p, g, base = params.data_ptr(), grads.data_ptr(), int(base)
+
+        def call(s: int, e: int) -> None:
+            cb, sb = s // per_byte, s // block * 4
+            i = (None, None, None, None) if src is None else (ins[0] + cb, ins[1] + sb, ins[2] + cb, ins[3] + sb)
+            flags = c(kind, p + 4 * s, g + 4 * s, *i, outs[0] + cb, outs[1] + sb, outs[2] + cb, outs[3] + sb,
+                      e - s, base + s, arr, count, consts, threads)
+            if flags:
+                for role, bits in (("exp_avg", flags & 3), ("exp_avg_sq", flags >> 2)):
+                    err = encode_error(bits, codec, role)
+                    if err is not None:
+                        raise err
+        return call
 
     def adamw(self, params, grads, exp_avg, exp_avg_sq, base: int, args, threads: int = 1) -> None:
         """AdamW over flat fp32 buffers in place (``base``: the absolute index of their first

@@ -228,7 +228,8 @@ def generation_words(engine, mode: str, rows: int, length: int) -> str:
            f"the resident copy and its KV cache ({need:.3f} GiB) exceed {room}")
     place = kv_place(engine, rows, length)
     return (f"layer-major streamed decoding for {rows} rollouts x {length} tokens ({why}); KV cache "
-            f"{ {'device': 'on the device', 'host': 'in host RAM', 'none': 'refused'}[place.tier]}: {place.why}")
+            f"{ {'device': 'on the device', 'host': 'in host RAM', 'none': 'refused'}[place.tier]}"
+            + (f" in {place.batches} sub-batches" if place.batches > 1 else "") + f": {place.why}")
 
 
 # ---------------------------------------------------------------------------------- log-probs

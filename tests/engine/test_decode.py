@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 import megatrain_nb.engine.compute.decode as decode
 from megatrain_nb.engine import StreamingEngine
 from megatrain_nb.engine.compute.kv_offload import DeviceKVCache, DeviceKVLayer
-from megatrain_nb.engine.compute.decode import StreamedDecoder, kv_cache_bytes
+from megatrain_nb.engine.compute.decode import StreamedDecoder, decode_bytes, device_left, kv_place
 from megatrain_nb.model_configs import family_config, tiny
 
 EOS_FREE = 0   # the pad id: never an end of sequence unless a test says so
@@ -134,16 +134,48 @@ def test_each_unit_is_loaded_once_per_decoded_token_whatever_the_rows(rollouts):
     engine.close()
 
 
-def test_a_kv_cache_over_the_device_budget_is_refused_with_the_numbers():
+def test_a_kv_cache_over_the_device_budget_decodes_in_sub_batches_with_the_same_tokens():
+    """64 rollouts whose cache exceeds the device room beside the plan decode in sub-batches the
+    planner sizes (whole groups, each fitting the room), one after another: the same greedy tokens
+    and log-probs as one batch on an engine without a budget, rows finishing apart; sampled with a
+    random stream per row, the same draws; each sub-batch's passes load every unit once."""
+    engine, _, vocab = _pair("llama", max_vram_gb=0.001)
+    free, _, _ = _pair("llama")
+    rows = _prompts(vocab, (8, 5, 6, 7) * 4, copies=4)
+    place = kv_place(engine, 64, 8 + 64, group=4)
+    assert place.tier == "device" and place.batches >= 2 and place.batch_rows % 4 == 0
+    assert decode_bytes(engine, 64, 72) > device_left(engine) >= decode_bytes(engine, place.batch_rows, 72)
+    plain = StreamedDecoder(free).generate(rows, GenerationConfig(max_new_tokens=64, do_sample=False,
+                                                                  eos_token_id=None, pad_token_id=0))
+    eos = plain.completions[0][5]
+    gc = GenerationConfig(max_new_tokens=64, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    whole = StreamedDecoder(free).generate(rows, gc)
+    seen, counts = _base_rows(engine), _copies_in(engine)
+    out = StreamedDecoder(engine).generate(rows, gc)
+    assert out.completions == whole.completions and len({len(c) for c in out.completions}) > 1
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(out.logps, whole.logps))
+    assert out.stats["kv_batches"] == place.batches and max(seen) <= place.batch_rows
+    assert out.stats["prefill_rows"] == 16 and out.stats["passes"] == len(seen) > whole.stats["passes"]
+    engine.pager.reset()
+    assert set(counts.values()) == {out.stats["passes"]}   # each unit once per pass of every sub-batch
+    gens = lambda: [torch.Generator().manual_seed(100 + i) for i in range(64)]   # noqa: E731
+    sampled = GenerationConfig(max_new_tokens=12, do_sample=True, top_k=20, eos_token_id=None, pad_token_id=0)
+    assert StreamedDecoder(engine).generate(rows, sampled, generator=gens()).completions == \
+        StreamedDecoder(free).generate(rows, sampled, generator=gens()).completions
+    engine.close()
+    free.close()
+
+
+def test_a_kv_cache_not_even_one_row_of_which_fits_is_refused_with_the_numbers():
     engine, _, vocab = _pair("llama", max_vram_gb=0.001)
     rows = _prompts(vocab, (8,), copies=64)
-    need = kv_cache_bytes(engine.model_config, 64, 8 + 64, 4)
-    assert need > engine.plan.capacity["device"] - engine.plan.device["total"]
+    room = device_left(engine)
+    gc = GenerationConfig(max_new_tokens=64, eos_token_id=2, pad_token_id=0)
+    StreamedDecoder(engine).generate(rows, gc)   # (in sub-batches: refused only when one row does not fit)
+    engine.plan.capacity["device"] -= room - decode_bytes(engine, 1, 72) + 1   # room: one row's need less a byte
+    assert kv_place(engine, 64, 72).tier == "none"
     with pytest.raises(ValueError, match=r"64 rollouts x 72 tokens .* GiB .*max_vram_gb=0.001.*generation_batch_size"):
-        StreamedDecoder(engine).generate(rows, GenerationConfig(max_new_tokens=64, eos_token_id=2, pad_token_id=0))
-    out = StreamedDecoder(engine).generate(rows[:2], GenerationConfig(max_new_tokens=4, do_sample=False,
-                                                                      eos_token_id=None, pad_token_id=0))
-    assert [len(c) for c in out.completions] == [4, 4]   # a cache that fits decodes
+        StreamedDecoder(engine).generate(rows, gc)
     engine.close()
 
 

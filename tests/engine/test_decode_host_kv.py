@@ -11,9 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import megatrain_nb as mt
+from megatrain_nb.assets import chat_tokenizer
 from megatrain_nb.engine import StreamingEngine
 from megatrain_nb.engine.compute.decode import StreamedDecoder, device_left, kv_place
 from megatrain_nb.engine.compute.kv_offload import HostKVCache
+from megatrain_nb.engine.compute.sampling import sample_text
 from megatrain_nb.engine.planning.estimator_grpo import host_kv_bytes, place_kv
 from megatrain_nb.engine.planning.rates import rates_for
 from megatrain_nb.model_configs import family_config, tiny
@@ -81,9 +83,19 @@ def test_the_planner_puts_the_cache_in_host_ram_when_only_host_ram_holds_it():
     # on the device: the logits and two layers' K/V in flight
     assert host.device_bytes == 3 * ROWS * cfg.vocab_size * 4 + 2 * kv // LAYERS
     assert "in host RAM" in host.why
-    none = place_kv(cfg, ROWS, LENGTH, 4, room, kv - 1)   # host RAM short by a byte
+    none = place_kv(cfg, ROWS, LENGTH, 4, room, kv - 1, split=False)   # host RAM short by a byte
     assert none.tier == "none" and "neither fits" in none.why
-    assert place_kv(cfg, ROWS, LENGTH, 4, host.device_bytes - 1, None).tier == "none"   # the device short of its part
+    assert place_kv(cfg, ROWS, LENGTH, 4, host.device_bytes - 1, None, split=False).tier == "none"   # the device short
+    # with sub-batches: host RAM short, the rows decode in sub-batches that fit the device room
+    sub = place_kv(cfg, ROWS, LENGTH, 4, room, kv - 1, group=4)
+    assert (sub.tier, sub.batch_rows, sub.batches) == ("device", 4, 2) and "2 sub-batches of <= 4 rows" in sub.why
+    assert sub.device_bytes == place_kv(cfg, 4, LENGTH, 4, None, None).device_bytes <= room
+    # both fit: the host tier where it moves fewer bytes per token than streaming the weights once per sub-batch
+    weights = host.host_bytes // 2   # (the host tier moves the weights and at least half its cache)
+    assert place_kv(cfg, ROWS, LENGTH, 4, room, None, weights_bytes=weights + 1, group=4).tier == "host"
+    assert place_kv(cfg, ROWS, LENGTH, 4, room, None, weights_bytes=weights, group=4).batches == 2
+    small = place_kv(cfg, ROWS, LENGTH, 4, sub.device_bytes - 1, kv - 1, group=4)   # no room for a whole group
+    assert (small.tier, small.batch_rows, small.batches) == ("device", 3, 3)
     # a sliding-window layer's K/V stay on the device (gemma2: every other layer slides)
     g = tiny("gemma3_text")
     assert 0 < host_kv_bytes(g, ROWS, LENGTH, 4) < place_kv(g, ROWS, LENGTH, 4, None, None).kv_bytes
@@ -137,15 +149,20 @@ def test_sampled_tokens_with_the_same_stream_and_the_bytes_each_pass_moves():
     plain.close()
 
 
-def test_a_cache_neither_tier_holds_is_refused_with_the_numbers():
+def test_a_cache_neither_tier_holds_whole_decodes_in_sub_batches_else_is_refused_with_the_numbers():
     probe = _engine(None)
     host_total = probe.plan.host["total"]
     probe.close()
     engine = _engine(_host_room(), max_host_gb=(host_total + 1024) / GIB)
-    assert kv_place(engine, ROWS, LENGTH).tier == "none"
+    assert kv_place(engine, ROWS, LENGTH, split=False).tier == "none"
+    gc = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = StreamedDecoder(engine).generate(_rows(), gc)
+    assert out.stats["kv_tier"] == "device" and out.stats["kv_batches"] == 2
+    assert out.completions == StreamedDecoder(_engine(None)).generate(_rows(), gc).completions
+    # lockstep ranks (``more``) decode their rows as one batch: refused there
     with pytest.raises(ValueError, match=r"8 rollouts x 16 tokens .* GiB .*max_vram_gb=.*in host RAM the cache would "
                                          r"take .* GiB .*max_host_gb"):
-        StreamedDecoder(engine).generate(_rows(), GenerationConfig(max_new_tokens=NEW, pad_token_id=0))
+        StreamedDecoder(engine).generate(_rows(), gc, more=lambda going: going)
     engine.close()
 
 
@@ -168,7 +185,10 @@ def test_forced_host_tier_on_a_sliding_window_family_keeps_the_windows_on_the_de
 
 
 @pytest.mark.slow
-def test_the_estimate_places_the_cache_in_host_ram_and_prices_its_crossings():
+def test_the_estimate_places_the_cache_where_it_moves_fewest_bytes_and_prices_it():
+    """A cache over the device room: narrow layers, many rollouts: sub-batches that fit the device
+    stream the weights once each a token, fewer bytes than the host tier's cache crossings (the
+    host tier's own pricing: the test below)."""
     cfg = family_config("llama", layers=4, vocab=64, max_position_embeddings=2048, intermediate_size=256)
     base = dict(ram_gb=8, disk_gb=8, batch=8, seq=1088, rollouts=64, completion_length=1024, precision="bf16",
                 rates=rates_for("h100-pcie5-gen4nvme"))
@@ -177,14 +197,13 @@ def test_the_estimate_places_the_cache_in_host_ram_and_prices_its_crossings():
     kv = roomy.grpo.kv_bytes
     est = mt.estimate(cfg, vram_gb=(need + kv // 4) / GIB, **base)   # (a room short of the cache, the copy's too)
     gp = est.grpo
-    assert gp.mode == "streamed" and gp.kv_tier == "host" and gp.kv_host_bytes == kv
-    assert gp.kv_in_bytes_per_token == int(kv * (64 + 512) / 1088) and gp.kv_out_bytes_per_token == kv // 1088
-    assert gp.link_bytes_per_token == gp.weights_bytes + gp.kv_in_bytes_per_token + gp.kv_out_bytes_per_token
+    k = gp.kv_batches
+    assert gp.mode == "streamed" and gp.kv_tier == "device" and k >= 2 and gp.kv_host_bytes == 0
+    host = host_kv_bytes(cfg, 64, 1088, 2)
+    assert gp.link_bytes_per_token == k * gp.weights_bytes < gp.weights_bytes + host // 2
     text = str(est)
-    assert "GRPO KV cache tier: host" in text and "in host RAM, each layer's K/V streamed" in text
-    assert "GRPO KV cache over the link per decoded token" in text
-    short = mt.estimate(cfg, vram_gb=(need + kv // 4) / GIB, **{**base, "ram_gb": est.plan.host["total"] / GIB})
-    assert short.grpo.kv_tier == "none" and "neither fits" in str(short)
+    assert "GRPO KV cache tier: device" in text and f"decoded in {k} sub-batches" in text
+    assert gp.room_bytes >= place_kv(cfg, 64 // k, 1088, 2, None, None).device_bytes > 0
 
 
 def test_a_host_tier_token_prices_the_caches_two_crossings_beside_the_weights():
@@ -210,3 +229,36 @@ def test_a_host_tier_token_prices_the_caches_two_crossings_beside_the_weights():
     assert host.token_s == pytest.approx(max(link, dev.token_s if dev.token_bound == "compute" else 0.0))
     assert host.prefill_s == pytest.approx(dev.prefill_s + kv * P / (P + C) / r.d2h_pinned)
     assert any("over the link per decoded token" in line for line in host.lines())
+
+
+def test_sample_text_decodes_with_the_cache_in_host_ram_where_only_host_ram_holds_it():
+    """sample_text's check is the planner's place (decode.kv_place), not the device alone: one row
+    whose cache the device room does not hold but host RAM does decodes with the cache (a prefill,
+    then a token a pass), the same text as with no budget."""
+    tok = chat_tokenizer()
+    cfg = family_config("llama", layers=LAYERS, vocab=len(tok), max_position_embeddings=128)
+
+    def engine(room=None):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        if room is None:
+            return StreamingEngine(model, device="cpu")
+        probe = StreamingEngine(copy.deepcopy(model), device="cpu", max_vram_gb=0.001)
+        total = probe.plan.device["total"]
+        probe.close()
+        return StreamingEngine(model, device="cpu", max_vram_gb=(total + room) / GIB)
+
+    n = len(tok("hello there", add_special_tokens=False)["input_ids"]) + 8
+    host = place_kv(cfg, 1, n, 4, 0, None)
+    whole = place_kv(cfg, 1, n, 4, None, None).device_bytes
+    budgeted = engine((host.device_bytes + whole) // 2)
+    assert kv_place(budgeted, 1, n).tier == "host"
+    seen = []
+    budgeted.runner.base.register_forward_pre_hook(lambda m, a, k: seen.append(tuple(k["input_ids"].shape)),
+                                                   with_kwargs=True)
+    text = sample_text(budgeted, tok, "hello there", max_new_tokens=8, temperature=0)
+    assert seen[0][1] > 1 and set(seen[1:]) == {(1, 1)}   # the cache's decoding, not the window's re-runs
+    free = engine()
+    assert text == sample_text(free, tok, "hello there", max_new_tokens=8, temperature=0)
+    budgeted.close()
+    free.close()

@@ -105,30 +105,28 @@ def decode_bytes(engine, rows: int, length: int) -> int:
     return streamed_need(engine.model_config, rows, length, elem)
 
 
-def decode_fits(engine, rows: int, length: int) -> bool:
-    left = device_left(engine)
-    return left is None or decode_bytes(engine, rows, length) <= left
-
-
 def host_left(engine) -> Optional[int]:
     """Host bytes the host budget leaves beside the engine's planned host RAM (None: no budget)."""
     cap = engine.plan.capacity.get("host")
     return None if cap is None else max(cap - engine.plan.host["total"], 0)
 
 
-def kv_place(engine, rows: int, length: int) -> KVPlace:
-    """Where the KV cache of ``rows`` x ``length`` goes (the planner's rule, ``estimator_grpo.place_kv``):
-    "device", "host" or "none"."""
+def kv_place(engine, rows: int, length: int, *, group: int = 1, split: bool = True) -> KVPlace:
+    """Where the KV cache of ``rows`` x ``length`` goes (the planner's rule, ``estimator_grpo.place_kv``,
+    priced with the engine's weights in its compute dtype): "device" (in ``place.batches``
+    sub-batches of ``group``-multiples where the whole does not fit and ``split``), "host" or "none"."""
     elem = torch.empty((), dtype=engine.dtype).element_size()
     left = device_left(engine)
     return place_kv(engine.model_config, rows, length, elem, None if left is None else max(left, 0),
-                    host_left(engine))
+                    host_left(engine), weights_bytes=elem * sum(u.numel for u in engine.units), group=group,
+                    split=split)
 
 
-def check_kv_budget(engine, rows: int, length: int) -> KVPlace:
+def check_kv_budget(engine, rows: int, length: int, *, group: int = 1, split: bool = True) -> KVPlace:
     """:func:`kv_place` of ``rows`` x ``length``; refused, with the numbers, where neither the
-    device budget beside the engine's working set nor host RAM beside its host plan holds it."""
-    place = kv_place(engine, rows, length)
+    device budget beside the engine's working set (whole or in sub-batches) nor host RAM beside
+    its host plan holds it."""
+    place = kv_place(engine, rows, length, group=group, split=split)
     if place.tier == "none":
         left, host = device_left(engine), host_left(engine)
         raise ValueError(
@@ -252,20 +250,33 @@ class StreamedDecoder:
         eng = self.engine
         if eng.closed:
             raise RuntimeError("this StreamingEngine is closed; create a new one.")
-        groups: Dict[tuple, int] = {}
-        row_prompt = [groups.setdefault(tuple(p), len(groups)) for p in prompt_ids]
-        unique = list(groups)
         steps = int(gc.max_new_tokens)
-        length = max(len(p) for p in unique) + steps
-        place = check_kv_budget(eng, len(prompt_ids), length)
+        length = max(len(p) for p in prompt_ids) + steps
+        group = next((i for i, p in enumerate(prompt_ids) if p != prompt_ids[0]), len(prompt_ids))
+        place = check_kv_budget(eng, len(prompt_ids), length, group=group, split=more is None)
         self.last_place = place
-        stats = {"passes": 0, "rows": 0, "prefill_rows": len(unique), "rows_in": len(prompt_ids),
-                 "kv_bytes_planned": place.device_bytes, "kv_host_bytes": place.host_bytes,
-                 "kv_tier": place.tier, "kv_length": length}
+        size = place.batch_rows or len(prompt_ids)
         with eng.lock, torch.no_grad():
             threads.set_thread_device(eng.device)
             eng.updates.check()
-            return self._decode(unique, row_prompt, gc, steps, logprob_temperature, stats, generator, more)
+            parts = [self._batch(prompt_ids[i:i + size], gc, place, length, logprob_temperature,
+                                 generator[i:i + size] if isinstance(generator, (list, tuple)) else generator, more)
+                     for i in range(0, len(prompt_ids), size)]
+        if len(parts) == 1:
+            return parts[0]
+        stats = {k: (sum(p.stats[k] for p in parts) if k in ("passes", "rows", "prefill_rows", "rows_in") else v)
+                 for k, v in parts[0].stats.items()}
+        stats["kv_batches"] = len(parts)
+        return Decoded([c for p in parts for c in p.completions], [lp for p in parts for lp in p.logps], stats)
+
+    def _batch(self, prompt_ids, gc, place, length, temperature, generator, more) -> Decoded:
+        """One (sub-)batch's decoding: its distinct prompts prefilled once, then a token a pass."""
+        groups: Dict[tuple, int] = {}
+        row_prompt = [groups.setdefault(tuple(p), len(groups)) for p in prompt_ids]
+        stats = {"passes": 0, "rows": 0, "prefill_rows": len(groups), "rows_in": len(prompt_ids),
+                 "kv_bytes_planned": place.device_bytes, "kv_host_bytes": place.host_bytes,
+                 "kv_tier": place.tier, "kv_length": length, "kv_batches": place.batches}
+        return self._decode(list(groups), row_prompt, gc, int(gc.max_new_tokens), temperature, stats, generator, more)
 
     def _decode(self, unique, row_prompt, gc, steps, temperature, stats, generator, more) -> Decoded:
         dev = self.engine.device
@@ -350,5 +361,5 @@ class StreamedDecoder:
         return logits
 
 
-__all__ = ["Decoded", "StreamedDecoder", "check_kv_budget", "decode_bytes", "decode_fits", "device_left",
+__all__ = ["Decoded", "StreamedDecoder", "check_kv_budget", "decode_bytes", "device_left",
            "host_left", "kv_cache_bytes", "kv_place"]

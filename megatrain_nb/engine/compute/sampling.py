@@ -1,6 +1,7 @@
 """Sampling text from the engine's current weights: the engine's streamed decoder
-(:mod:`.decode`: a KV cache on the device, each unit loaded once per token) when the prompt and
-the new tokens fit the model's positions and the device budget; else (or an engine that only
+(:mod:`.decode`: a KV cache on the device, or in host RAM where only host RAM holds it, each unit
+loaded once per token) when the prompt and the new tokens fit the model's positions and the
+planner places the cache (``decode.kv_place``); else (or an engine that only
 gives ``forward_logits``) each new token re-runs the window, the last ``max_positions`` tokens.
 
 Example::
@@ -17,7 +18,7 @@ from transformers import GenerationConfig
 from megatrain_nb.values import check
 
 from ..family import max_positions
-from .decode import StreamedDecoder, decode_fits
+from .decode import StreamedDecoder, kv_place
 
 
 def sample_text(
@@ -57,7 +58,7 @@ def sample_text(
     new: list[int] = []
     with engine.lock:
         if hasattr(engine, "runner") and len(ids) + max_new_tokens <= window \
-                and decode_fits(engine, 1, len(ids) + max_new_tokens):
+                and kv_place(engine, 1, len(ids) + max_new_tokens).tier != "none":
             new = _decoded(engine, ids, max_new_tokens, temperature, top_k, eos, gen)
         else:
             for _ in range(max_new_tokens):

@@ -117,30 +117,57 @@ class KVPlace:
     host_bytes: int
     kv_bytes: int
     why: str
+    batch_rows: int = 0   # tier "device" in sub-batches: the rows each decodes at most (0: one batch)
+    rows: int = 0         # the rows placed
+
+    @property
+    def batches(self) -> int:
+        """Sub-batches the rows decode in, one after another (1: all at once)."""
+        return -(-self.rows // self.batch_rows) if self.batch_rows else 1
 
 
 def place_kv(config, rows: int, tokens: int, bytes_per_value: int, device_room: Optional[int],
-             host_room: Optional[int]) -> KVPlace:
+             host_room: Optional[int], *, weights_bytes: Optional[int] = None, group: int = 1,
+             split: bool = True) -> KVPlace:
     """The streamed decoder's KV cache of ``rows`` x ``tokens``: on the device when it and the last
     logits fit ``device_room`` (the budget beside the engine's plan; None: no budget); else the
     full-attention layers' K/V in host RAM when they fit ``host_room`` (beside the host plan) and
     the rest fits the device: the rest (logits, sliding windows, linear-attention states) and
     two full layers' K/V in flight (the layer brought in, and it with the new token appended);
-    else refused ("none"), the numbers in ``why``."""
+    else (or where it moves fewer bytes) the rows decoded **in sub-batches** that each fit the
+    device (``split``; ``batch_rows`` a multiple of ``group``, a group's shared prompt, where one
+    fits): each sub-batch streams the weights once per token, so a token of all rows moves
+    ``batches`` x ``weights_bytes`` over the link against the host tier's ``weights_bytes`` +
+    its K/V in and out (at least half the host cache: the average length); without
+    ``weights_bytes`` the host tier is taken where it fits; else refused ("none"), the numbers
+    in ``why``."""
     kv = kv_cache_bytes(config, rows, tokens, bytes_per_value)
     need = streamed_need(config, rows, tokens, bytes_per_value)
     on = "" if device_room is None else f" the device room beside the engine's plan ({format_bytes(device_room)})"
     if device_room is None or need <= device_room:
-        return KVPlace("device", need, 0, kv, f"KV cache and logits ({format_bytes(need)}) fit{on or ' (no budget)'}")
+        return KVPlace("device", need, 0, kv, f"KV cache and logits ({format_bytes(need)}) fit{on or ' (no budget)'}",
+                       rows=rows)
     host, n_full = host_kv_bytes(config, rows, tokens, bytes_per_value), full_layers(config)
     dev = need - host + (2 * host // n_full if n_full else 0)
     hr = "no host budget" if host_room is None else f"host room beside the host plan {format_bytes(host_room)}"
     why = (f"KV cache and logits ({format_bytes(need)}) exceed{on}; in host RAM: {format_bytes(host)} of "
            f"full-attention K/V ({hr}), {format_bytes(dev)} on the device (logits, other layers' states, two "
            "layers' K/V in flight)")
-    if host and dev <= device_room and (host_room is None or host <= host_room):
-        return KVPlace("host", dev, host, kv, why)
-    return KVPlace("none", dev, host, kv, why + ": neither fits")
+    on_host = bool(host) and dev <= device_room and (host_room is None or host <= host_room)
+    fit = device_room // max(streamed_need(config, 1, tokens, bytes_per_value), 1) if split else 0
+    fit = fit // group * group if fit >= group > 1 else fit
+    if fit >= 1:
+        sub = KVPlace("device", streamed_need(config, min(fit, rows), tokens, bytes_per_value), 0, kv,
+                      "", batch_rows=fit, rows=rows)
+        host_moves = None if weights_bytes is None else weights_bytes + host // 2
+        if not on_host or (host_moves is not None and sub.batches * weights_bytes <= host_moves):
+            sub.why = (f"{why}; decoded in {sub.batches} sub-batches of <= {fit} rows, each fitting the device "
+                       f"({format_bytes(sub.device_bytes)})" + ("" if not on_host else
+                                                                  ": fewer bytes over the link than the host tier"))
+            return sub
+    if on_host:
+        return KVPlace("host", dev, host, kv, why, rows=rows)
+    return KVPlace("none", dev, host, kv, why + ": neither fits", rows=rows)
 
 
 def compute_bytes(precision: str) -> int:
@@ -191,6 +218,7 @@ class GenerationPlan:
     kv_in_bytes_per_token: int = 0        # host->device: each full layer's K/V at an average length
     kv_out_bytes_per_token: int = 0       # device->host: the new token's entries
     kv_why: str = ""                      # why the cache is where it is (place_kv)
+    kv_batches: int = 1                   # sub-batches the rollouts decode in (the weights streamed once each a token)
     training_s: Optional[float] = None
     notes: list = field(default_factory=list)
 
@@ -229,7 +257,8 @@ class GenerationPlan:
                f"<= {self.completion_length:,} tokens; generation on {where}",
                f"GRPO KV cache: {format_bytes(self.kv_bytes)} ("
                + (f"{self.precision}, the resident copy's) on the device" if self.mode == "resident" else
-                  f"{self.precision}) " + KV_WHERE[self.kv_tier])
+                  f"{self.precision}) " + KV_WHERE[self.kv_tier]
+                  + (f", the rollouts decoded in {self.kv_batches} sub-batches" if self.kv_batches > 1 else ""))
                + ("" if self.room_bytes is None else f" (device room beside training: {format_bytes(self.room_bytes)})"),
                ]
         if self.kv_why and self.mode == "streamed":
@@ -261,9 +290,10 @@ def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_le
         return GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, "device",
                               "resident", room)
     host_room = None if budgets.get("host") is None else max(budgets["host"] - plan.host["total"], 0)
-    place = place_kv(config, rollouts, tokens, cb, room, host_room)
+    place = place_kv(config, rollouts, tokens, cb, room, host_room, weights_bytes=cb * numel)
     gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, place.tier, "streamed",
-                        room, kv_host_bytes=place.host_bytes if place.tier == "host" else 0, kv_why=place.why)
+                        room, kv_host_bytes=place.host_bytes if place.tier == "host" else 0, kv_why=place.why,
+                        kv_batches=place.batches)
     if gp.kv_tier == "none":
         gp.notes.append("the streamed decoder refuses this cache; generate fewer rollouts at once, shorten the "
                         "completions, or raise the device or host budget")
@@ -292,12 +322,13 @@ def price(gp: GenerationPlan, config, units, shape, rates, *, training_s: float,
         if gp.kv_tier == "host":   # each full layer's K/V in at the average length, the new token's entries back
             gp.kv_in_bytes_per_token = int(gp.kv_host_bytes * (P + C / 2) / (P + C))
             gp.kv_out_bytes_per_token = gp.kv_host_bytes // (P + C)
-        gp.link_bytes_per_token = gp.weights_bytes + gp.kv_in_bytes_per_token + gp.kv_out_bytes_per_token
+        w = gp.weights_bytes * gp.kv_batches   # (sub-batches: the weights once per token of each)
+        gp.link_bytes_per_token = w + gp.kv_in_bytes_per_token + gp.kv_out_bytes_per_token
         back = (rates.d2h_pinned or rates.d2h_pageable) if cuda else rates.d2h_pageable
-        link_tok = ((gp.weights_bytes + gp.kv_in_bytes_per_token) / link if link else 0.0) + \
+        link_tok = ((w + gp.kv_in_bytes_per_token) / link if link else 0.0) + \
             (gp.kv_out_bytes_per_token / back if back else 0.0)   # (the two directions not assumed to overlap)
         gp.token_s, gp.token_bound = max((link_tok, "link"), (compute_tok, "compute"))
-        gp.prefill_s = max(compute(R * P, P / 2), gp.weights_bytes / link if link else 0.0)
+        gp.prefill_s = max(compute(R * P, P / 2), w / link if link else 0.0)
         if gp.kv_tier == "host" and back:   # the prompts' K/V to host RAM
             gp.prefill_s += gp.kv_host_bytes * P / (P + C) / back
     else:

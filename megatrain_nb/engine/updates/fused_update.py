@@ -494,9 +494,10 @@ static inline lanes_t lanes_of(const adam_t *A) {
     return L;
 }
 
-/* adam_lanes on 8 values whose moments are m, v: the new moments into mo, vo */
+/* adam_lanes on 8 values whose moments are m, v: the new moments into mo, vo, the new second
+   moment's root (sqrtf) into ro */
 static inline void adam_vec(float *p, const float *g, __m256 m, __m256 v, const lanes_t *L, const int decayed,
-                            __m256 *mo, __m256 *vo) {
+                            __m256 *mo, __m256 *vo, __m256 *ro) {
     __m256 gi = _mm256_loadu_ps(g), pi = _mm256_loadu_ps(p);
     if (decayed) pi = _mm256_mul_ps(pi, L->pmul);
     __m256 mi = _mm256_fmadd_ps(L->coef, _mm256_sub_ps(gi, m), m);
@@ -510,6 +511,7 @@ static inline void adam_vec(float *p, const float *g, __m256 m, __m256 v, const 
     _mm256_storeu_ps(p, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(L->negss, mi), den)));
     *mo = mi;
     *vo = vi;
+    *ro = a;
 }
 
 static inline __m256i abs_bits(__m256 x) { return _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff)); }
@@ -542,13 +544,14 @@ static inline __m256i i8m_vec(__m256 x, __m256 M, __m256 K, __m256 FL, const int
 }
 
 /* fourth_values' codes of 8 values of a finite block as int32, before its clamps (done on the bytes:
-   (int)max(r, 1) = max((int)r, 1), r >= 0) */
-static inline __m256i fourth_vec(__m256 x, __m256 M, __m256 K, __m256 FL, __m256 A, const int scaled) {
-    __m256 a = scaled ? _mm256_mul_ps(x, M) : x;
+   (int)max(r, 1) = max((int)r, 1), r >= 0). Unscaled (mul 1), the first root is AdamW's: sqrtf is
+   monotone, so sqrtf(max(x, fl)) = max(sqrtf(x), sqrtf(fl)), with sqrtf(x) the root AdamW took of
+   the new moment (at w) and FL = sqrtf(fl); scaled, FL = fl. */
+static inline __m256i fourth_vec(__m256 x, const float *w, __m256 M, __m256 K, __m256 FL, __m256 A, const int scaled) {
+    __m256 s = scaled ? _mm256_sqrt_ps(_mm256_max_ps(_mm256_mul_ps(x, M), FL)) : _mm256_max_ps(_mm256_load_ps(w), FL);
     __m256i ub = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0xFFFF));
     __m256 u = _mm256_cvtepi32_ps(_mm256_add_epi32(ub, _mm256_set1_epi32(65)));
-    __m256 r = _mm256_fmadd_ps(u, A, _mm256_mul_ps(_mm256_sqrt_ps(_mm256_sqrt_ps(_mm256_max_ps(a, FL))), K));
-    return _mm256_cvttps_epi32(r);
+    return _mm256_cvttps_epi32(_mm256_fmadd_ps(u, A, _mm256_mul_ps(_mm256_sqrt_ps(s), K)));
 }
 
 /* i4m_values' codes of 8 values of a finite block as int32, less 8: copysignf(y, x) is (x * k) * k
@@ -584,19 +587,23 @@ static inline void i8m_block(const float *x, float mul, float k, float fl, int8_
     }
 }
 
-static inline void i8v_block(const float *x, float mul, float k, float fl, float alpha, uint8_t *codes, const int scaled) {
-    const __m256 M = _mm256_set1_ps(mul), K = _mm256_set1_ps(k), FL = _mm256_set1_ps(fl), A = _mm256_set1_ps(alpha);
+static inline void i8v_block(const float *x, const float *w, float mul, float k, float fl, float alpha, uint8_t *codes,
+                             const int scaled) {
+    const __m256 M = _mm256_set1_ps(mul), K = _mm256_set1_ps(k), FL = _mm256_set1_ps(scaled ? fl : sqrtf(fl)),
+                 A = _mm256_set1_ps(alpha);
     for (int i = 0; i < I8B; i += 32) {   /* (levels 255: the unsigned pack's saturation is the clamp) */
         __m256i c[4];
-        for (int h = 0; h < 4; h++) c[h] = fourth_vec(_mm256_load_ps(x + i + 8 * h), M, K, FL, A, scaled);
+        for (int h = 0; h < 4; h++) c[h] = fourth_vec(_mm256_load_ps(x + i + 8 * h), w + i + 8 * h, M, K, FL, A, scaled);
         _mm256_storeu_si256((__m256i *)(codes + i), _mm256_max_epu8(bytes32(c[0], c[1], c[2], c[3], 0), _mm256_set1_epi8(1)));
     }
 }
 
-static inline void i4v_block(const float *x, float mul, float k, float fl, float alpha, uint8_t *codes, const int scaled) {
+/* (fl: sqrtf of the floor, unscaled: fourth_vec) */
+static inline void i4v_block(const float *x, const float *w, float mul, float k, float fl, float alpha, uint8_t *codes,
+                             const int scaled) {
     const __m256 M = _mm256_set1_ps(mul), K = _mm256_set1_ps(k), FL = _mm256_set1_ps(fl), A = _mm256_set1_ps(alpha);
     __m256i c[4];
-    for (int h = 0; h < 4; h++) c[h] = fourth_vec(_mm256_load_ps(x + 8 * h), M, K, FL, A, scaled);
+    for (int h = 0; h < 4; h++) c[h] = fourth_vec(_mm256_load_ps(x + 8 * h), w + 8 * h, M, K, FL, A, scaled);
     __m256i b = _mm256_subs_epu8(bytes32(c[0], c[1], c[2], c[3], 0), _mm256_set1_epi8(1));   /* max(c, 1) - 1 */
     store_nibbles(_mm256_min_epu8(b, _mm256_set1_epi8(15)), codes);
 }
@@ -625,8 +632,8 @@ static inline const adam_t *lanes_group(const adam_t *A, int nA, int64_t lo, int
 }
 
 /* enc_i8m / enc_i8v of a block whose maximum s (absmax's) is known; neg: whether a value may be < 0 */
-static inline int enc8_known(const float *m, const float *v, float s_m, float s_v, int neg, int8_t *om, float *osm,
-                             uint8_t *ov, float *osv, const consts_t *C) {
+static inline int enc8_known(const float *m, const float *v, const float *w, float s_m, float s_v, int neg, int8_t *om,
+                             float *osm, uint8_t *ov, float *osv, const consts_t *C) {
     int bad = 0;
     float mx, mul, k, fl;
     if (isfinite(s_m)) {
@@ -638,15 +645,15 @@ static inline int enc8_known(const float *m, const float *v, float s_m, float s_
     if (isfinite(s_v) && !neg) {
         *osv = s_v;
         scale_setup(s_v, 255.0f, C->i8v_floor, 2, &mx, &mul, &k, &fl);
-        if (mul == 1.0f) i8v_block(v, mul, k, fl, C->dither_alpha, ov, 0);
-        else i8v_block(v, mul, k, fl, C->dither_alpha, ov, 1);
+        if (mul == 1.0f) i8v_block(v, w, mul, k, fl, C->dither_alpha, ov, 0);
+        else i8v_block(v, w, mul, k, fl, C->dither_alpha, ov, 1);
     } else bad |= enc_i8v(v, ov, osv, C) << 2;
     return bad;
 }
 
 static inline __attribute__((always_inline)) int step8(float *p, const float *g, const int8_t *cm, float sm, const uint8_t *cv, float sv,
                  int8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed, const consts_t *C) {
-    float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32)));
+    float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32))), w[I8B] __attribute__((aligned(32)));
     const lanes_t L = lanes_of(A);
     const __m256 i127 = _mm256_set1_ps(C->inv127), i255 = _mm256_set1_ps(C->inv255);
     const __m256 SM = _mm256_set1_ps(sm), SV = _mm256_set1_ps(sv), sgn = _mm256_set1_ps(-0.0f);
@@ -656,16 +663,17 @@ static inline __attribute__((always_inline)) int step8(float *p, const float *g,
         __m256 mm = _mm256_mul_ps(_mm256_mul_ps(t, _mm256_andnot_ps(sgn, t)), SM);
         __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cv + i)))), i255);
         u = _mm256_mul_ps(u, u);
-        __m256 mo, vo;
-        adam_vec(p + i, g + i, mm, _mm256_mul_ps(_mm256_mul_ps(u, u), SV), &L, decayed, &mo, &vo);
+        __m256 mo, vo, ro;
+        adam_vec(p + i, g + i, mm, _mm256_mul_ps(_mm256_mul_ps(u, u), SV), &L, decayed, &mo, &vo, &ro);
         _mm256_store_ps(m + i, mo);
         _mm256_store_ps(v + i, vo);
+        _mm256_store_ps(w + i, ro);
         __m256i vb = _mm256_castps_si256(vo);
         mxm = _mm256_max_epi32(mxm, abs_bits(mo));
         mxv = _mm256_max_epi32(mxv, vb);   /* (no sign bit, or the general encoders) */
         orv = _mm256_or_si256(orv, vb);
     }
-    return enc8_known(m, v, hmax_bits(mxm), hmax_bits(mxv), _mm256_movemask_ps(_mm256_castsi256_ps(orv)) != 0,
+    return enc8_known(m, v, w, hmax_bits(mxm), hmax_bits(mxv), _mm256_movemask_ps(_mm256_castsi256_ps(orv)) != 0,
                       om, osm, ov, osv, C);
 }
 
@@ -701,7 +709,7 @@ static inline void scales4(__m256 sm, __m256 sv, const consts_t *C, float *km, f
 
 static inline __attribute__((always_inline)) int step4(float *p, const float *g, const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
                  uint8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed, const consts_t *C) {
-    float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32)));
+    float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32))), w[I8B] __attribute__((aligned(32)));
     const lanes_t L = lanes_of(A);
     const __m256 LM0 = _mm256_loadu_ps(C->lut4m), LM1 = _mm256_loadu_ps(C->lut4m + 8);
     const __m256 LV0 = _mm256_loadu_ps(C->lut4v), LV1 = _mm256_loadu_ps(C->lut4v + 8);
@@ -713,10 +721,11 @@ static inline __attribute__((always_inline)) int step4(float *p, const float *g,
         __m256i a = _mm256_setzero_si256(), c = a;
         for (int h = 0; h < 4; h++) {
             int i = I4B * b + 8 * h;
-            __m256 mo, vo;
-            adam_vec(p + i, g + i, dm[h], dv[h], &L, decayed, &mo, &vo);
+            __m256 mo, vo, ro;
+            adam_vec(p + i, g + i, dm[h], dv[h], &L, decayed, &mo, &vo, &ro);
             _mm256_store_ps(m + i, mo);
             _mm256_store_ps(v + i, vo);
+            _mm256_store_ps(w + i, ro);
             __m256i vb = _mm256_castps_si256(vo);
             a = _mm256_max_epi32(a, abs_bits(mo));
             c = _mm256_max_epi32(c, vb);
@@ -724,11 +733,12 @@ static inline __attribute__((always_inline)) int step4(float *p, const float *g,
         }
         mxm[b] = a; mxv[b] = c;
     }
-    float s_m[G4], s_v[G4], km[G4], mv[G4], kv[G4], fv[G4], mx, mul, k, fl;
+    float s_m[G4], s_v[G4], km[G4], mv[G4], kv[G4], fv[G4], sfv[G4], mx, mul, k, fl;
     const __m256 SMX = _mm256_castsi256_ps(max8(mxm)), SVX = _mm256_castsi256_ps(max8(mxv));
     _mm256_storeu_ps(s_m, SMX);
     _mm256_storeu_ps(s_v, SVX);
     scales4(SMX, SVX, C, km, mv, kv, fv);
+    _mm256_storeu_ps(sfv, _mm256_sqrt_ps(_mm256_loadu_ps(fv)));
     int bad = 0;
     if (_mm256_movemask_ps(_mm256_castsi256_ps(orv))) {   /* a sign bit: enc_i4v_group's own checks */
         bad |= enc_i4m_group(m, G4, om, osm);
@@ -740,8 +750,8 @@ static inline __attribute__((always_inline)) int step4(float *p, const float *g,
         else { bad |= BAD_NONFINITE; i4m_values(m + I4B * b, km[b], om + 16 * b); }
         osv[b] = s_v[b];
         if (isfinite(s_v[b])) {
-            if (mv[b] == 1.0f) i4v_block(v + I4B * b, mv[b], kv[b], fv[b], C->dither_alpha, ov + 16 * b, 0);
-            else i4v_block(v + I4B * b, mv[b], kv[b], fv[b], C->dither_alpha, ov + 16 * b, 1);
+            if (mv[b] == 1.0f) i4v_block(v + I4B * b, w + I4B * b, mv[b], kv[b], sfv[b], C->dither_alpha, ov + 16 * b, 0);
+            else i4v_block(v + I4B * b, w + I4B * b, mv[b], kv[b], fv[b], C->dither_alpha, ov + 16 * b, 1);
         } else {
             int32_t c[I4B];
             bad |= BAD_NONFINITE << 2;

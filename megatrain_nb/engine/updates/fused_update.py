@@ -1347,6 +1347,9 @@ class CodedChunk:
 
     def _part(self, params, grads, args, s: int, e: int) -> None:
         codec = next(iter(self.codecs.values())).name
+        if s == 0 and e == params.numel():   # the whole chunk (one thread): its own views
+            self.kernels.update(codec, params, grads, self.src, self.dst, self.a, args)
+            return
         self.kernels.update(codec, params[s:e], grads[s:e], chunk_views(self.codecs, self.src, s, e),
                             chunk_views(self.codecs, self.dst, s, e), self.a + s, args)
 

@@ -110,16 +110,19 @@ def _batches(batch: int, seq: int, image_tokens: int):
 
 
 def _timed(fa, fb, steps: int):
-    """(seconds of ``fa``, of ``fb``): each warmed up, then run in turns ``steps`` times, the median
-    of each (on a loaded machine turns see the same load, and the median drops a slow outlier)."""
+    """((wall seconds of ``fa``, of ``fb``), (the process's CPU seconds of each, all threads)):
+    each warmed up, then run in turns ``steps`` times, the median of each (on a loaded machine
+    turns see the same load, the median drops a slow outlier, and CPU time counts the work done
+    rather than the waits for a core)."""
     fa(), fb()   # warm-up
-    ta, tb = [], []
+    wall, cpu = ([], []), ([], [])
     for _ in range(steps):
-        for fn, out in ((fa, ta), (fb, tb)):
-            t0 = time.perf_counter()
+        for i, fn in enumerate((fa, fb)):
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            out.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
+            wall[i].append(time.perf_counter() - t0)
+            cpu[i].append(time.process_time() - c0)
+    return tuple(statistics.median(x) for x in wall), tuple(statistics.median(x) for x in cpu)
 
 
 def _hf_step(model, batch):
@@ -170,17 +173,21 @@ def measured(batch: int, seq: int, image_tokens: int, steps: int) -> None:
     image, text = _batches(batch, seq, image_tokens)
     model = _model()
     hf = copy.deepcopy(model)
-    hf_image, hf_text = _timed(_hf_step(hf, image), _hf_step(hf, text), steps)
+    (hf_image, hf_text), (hf_image_cpu, hf_text_cpu) = _timed(_hf_step(hf, image), _hf_step(hf, text), steps)
     work = Workload(batch=batch, seq=seq, accumulation=1, image_tokens=image_tokens)
     cuda = torch.cuda.is_available()
     engine = StreamingEngine(model, EngineConfig(device="cuda" if cuda else "cpu"), workload=work)
-    vlm_s, text_s = _timed(lambda: engine.forward_backward(**image, step_lr=1e-4),
-                           lambda: engine.forward_backward(**text, step_lr=1e-4), steps)
+    (vlm_s, text_s), (vlm_cpu, text_cpu) = _timed(lambda: engine.forward_backward(**image, step_lr=1e-4),
+                                                  lambda: engine.forward_backward(**text, step_lr=1e-4), steps)
     print(f"per step (median of {steps}, in turns): engine {vlm_s:.3f} s with images, {text_s:.3f} s text only "
           f"({batch}x{seq} tokens, {image_tokens} image tokens a row); Hugging Face forward+backward "
           f"{hf_image:.3f} s / {hf_text:.3f} s")
     result("vlm_step_vs_text_step", vlm_s / text_s, "x", "<=", 1.15)
     result("hf_vlm_step_vs_text_step", hf_image / hf_text, "x", "<=", 1.15)
+    print(f"CPU seconds (the process, all threads): engine {vlm_cpu:.3f} / {text_cpu:.3f}, Hugging Face "
+          f"{hf_image_cpu:.3f} / {hf_text_cpu:.3f}")
+    result("vlm_step_vs_text_step_cpu_time", vlm_cpu / text_cpu, "x", "<=", 1.15)
+    result("hf_vlm_step_vs_text_step_cpu_time", hf_image_cpu / hf_text_cpu, "x", "<=", 1.15)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         engine.forward_backward(**image, step_lr=1e-4)

@@ -7,10 +7,16 @@ C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes
 
 * ``mt_encode`` / ``mt_decode``: the four block codecs of ``codecs.py`` (int8 and int4,
   ``exp_avg`` and ``exp_avg_sq``), one pass, each block in registers and L1;
-* ``mt_update``: a chunk of a unit's update -- each block's moments decoded into two L1 buffers,
-  AdamW on its weights and gradient, the new moments encoded -- with no fp32 moments in memory
-  (int4: 8 blocks, 256 values, at a time -- decoded by lane permutes of the 16 levels, their
-  maxima, then their scale roots as one vector, then the values; the same arithmetic per block);
+* ``mt_update``: a chunk of a unit's update -- each block's moments decoded, AdamW on its
+  weights and gradient, the new moments encoded -- with no fp32 moments in memory. With AVX2 and
+  FMA a step of 256 values (one int8 block, 8 int4 ones) is two passes: the codes decoded straight
+  into AdamW's 8-float lanes, the new moments' block maxima gathered there; then each block
+  encoded from its known maximum, the second moment's first root being AdamW's (``sqrtf`` is
+  monotone: ``sqrtf(max(v, floor)) = max(sqrtf(v), sqrtf(floor))``). Steps at a group's edge, in
+  torch's scalar tail, with a lerp from the gradient, where the decay ends, on a floored scale,
+  the first one, and every step without AVX2 take the general path (each block decoded into L1
+  buffers, AdamW, encoded; int4: 8 blocks at a time, their scale roots as one vector). The same
+  arithmetic per value either way (tests/engine/test_fused_update_simd.py);
 * ``mt_adamw``: torch's fused AdamW over flat fp32 buffers, bit for bit, with one division
   fewer (the one by the constant ``sqrt(1 - beta2**t)`` is a multiply and an exact residual
   step, which rounds the same: Markstein's theorem; checked over 2·10**8 operands).

@@ -2,7 +2,8 @@
 a resident copy with its KV cache nor the streamed decoder's cache, but the decoder's part of a
 cache kept in host RAM, it decodes streamed with the K/V in host RAM, says so (``generation_text``,
 ``generation_where``: the run header's ``generation:`` line), and trains exactly as the device
-cache does (the same completions, logged metrics and weights)."""
+cache does (the same completions, logged metrics and weights); where host RAM is short too, it
+decodes in sub-batches and, with a random stream per rollout, trains as one batch does."""
 import copy
 
 import pytest
@@ -62,6 +63,38 @@ def test_auto_generation_keeps_the_cache_in_host_ram_and_trains_as_the_device_ca
     assert ref._policy.last_stats["kv_tier"] == "device"
     assert t._policy.last_stats["kv_crossings"] == 2 * LAYERS * t._policy.last_stats["passes"]
     assert "in host RAM" in t.generation_where
+    logs = [[{k: v for k, v in r.items() if not k.endswith("_s") and "time" not in k and "runtime" not in k}
+             for r in tr.state.log_history if "loss" in r] for tr in (t, ref)]
+    assert logs[0] == logs[1] and len(logs[0]) == 2
+    for (n, a), (_, b) in zip(t.engine.named_parameters(), ref.engine.named_parameters()):
+        assert torch.equal(a, b), n
+    t.close()
+    ref.close()
+
+
+@pytest.mark.slow
+def test_a_cache_neither_tier_holds_whole_decodes_in_sub_batches_and_trains_as_one_batch(tmp_path):
+    """Host RAM short of the cache too: the rollouts decode in sub-batches the planner sizes (2 of
+    2 rows, each within the device room), said, and with a random stream per rollout the run is
+    the unbudgeted one's: the same logged metrics and weights."""
+    tok = tokenizer()
+    model = _model(tok)
+    rows = 4   # a generation batch (one group of 4)
+    length = max(len(tok(p["prompt"])["input_ids"]) for p in prompts()) + 6
+    probe = _trainer(tmp_path, "probe", model, tok, max_vram_gb=0.001)
+    total, host_total = probe.engine.plan.device["total"], probe.engine.plan.host["total"]
+    probe.close()
+    room = (streamed_need(model.config, 2, length, 4) + streamed_need(model.config, 3, length, 4)) // 2
+    t = _trainer(tmp_path, "split", model, tok, max_vram_gb=(total + room) / GIB,
+                 max_host_gb=(host_total + 1024) / GIB, rollout_seeds="per_rollout")
+    said = t.generation_text(length - 6)
+    assert "layer-major streamed decoding" in said and "on the device in 2 sub-batches" in said, said
+    ref = _trainer(tmp_path, "whole", model, tok, rollout_seeds="per_rollout")
+    for tr in (t, ref):
+        torch.manual_seed(0)
+        tr.train()
+    assert t._policy.last_stats["kv_batches"] == 2 and ref._policy.last_stats.get("kv_batches", 1) == 1
+    assert t._policy.last_stats["prefill_rows"] == 2   # (the group's prompt, once in each sub-batch)
     logs = [[{k: v for k, v in r.items() if not k.endswith("_s") and "time" not in k and "runtime" not in k}
              for r in tr.state.log_history if "loss" in r] for tr in (t, ref)]
     assert logs[0] == logs[1] and len(logs[0]) == 2

@@ -95,7 +95,8 @@ def main(argv=None) -> None:
                           rollouts=rollouts * more, completion_length=a.completion, precision="bf16",
                           compression="int8", rates=PROFILE).grpo
         print(f"  {a.prompts * more} prompts x {a.generations}: generation {big.mode}, KV {big.kv_bytes / 2 ** 30:.1f} "
-              + (f"GiB {'on the device' if big.kv_tier == 'device' else 'in host RAM (streamed per layer)'}: "
+              + (f"GiB {'on the device' if big.kv_tier == 'device' else 'in host RAM (streamed per layer)'}"
+                 + (f" in {big.kv_batches} sub-batches" if big.kv_batches > 1 else "") + ": "
                  f"{big.tokens_per_second:,.0f} trained tokens/s end to end" if big.kv_tier != "none" else
                  "GiB fits neither the device nor host RAM: the decoder refuses"))
 

@@ -50,6 +50,7 @@ class ChunkRing:
         self._codes = None     # RING chunks' codes, read from a ranged rewrite
         self._weights = None   # RING chunks' fp32 master weights, read from a ranged rewrite
         self._grads = None     # RING chunks' fp32 final gradients, read from the disk tier
+        self._specs: Dict[int, list] = {}   # numel -> its code_specs' items (new_codes)
 
     def code_specs(self, numel: int) -> Dict[str, tuple]:
         """name -> (dtype, shape) of the stored codes and scales of ``numel`` elements."""
@@ -62,7 +63,10 @@ class ChunkRing:
         return out
 
     def new_codes(self, numel: int) -> Dict[str, torch.Tensor]:
-        return {k: torch.empty(shape, dtype=dtype) for k, (dtype, shape) in self.code_specs(numel).items()}
+        specs = self._specs.get(numel)
+        if specs is None:   # (a model's units come in a few sizes: each one's specs made once)
+            specs = self._specs[numel] = list(self.code_specs(numel).items())
+        return {k: torch.empty(shape, dtype=dtype) for k, (dtype, shape) in specs}
 
     def nbytes(self) -> int:
         """The ring's buffers (moments, and codes once a ranged update made them)."""

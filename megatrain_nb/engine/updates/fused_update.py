@@ -942,6 +942,7 @@ class AdamArgs(ctypes.Structure):
 
 #: ``AdamArgs.hi`` of scalars that step every element from ``lo`` on.
 ALL = 1 << 62
+_I64x4 = ctypes.c_int64 * 4
 
 
 def _f32(x: float) -> float:
@@ -962,9 +963,10 @@ def adam_args(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay
     small = abs(lerp) < 0.5
     tails = [(lo + (hi - lo) // width * width, hi) for lo, hi in regions if hi > lo][:2]
     tails += [(0, 0)] * (2 - len(tails))
-    return AdamArgs(lerp if small else _f32(lerp - 1.0), _f32(1 - lr * weight_decay) if weight_decay != 0 else 1.0,
-                    _f32(beta2), _f32(1 - beta2), _f32(math.sqrt(bc2)), _f32(eps), _f32(-(lr / bc1)),
-                    0 if small else 1, int(decay_end), (ctypes.c_int64 * 4)(*[i for t in tails for i in t]),
+    # (a c_float field rounds what it is given to float as _f32 does: a C cast, to nearest)
+    return AdamArgs(lerp if small else lerp - 1.0, 1 - lr * weight_decay if weight_decay != 0 else 1.0,
+                    beta2, 1 - beta2, math.sqrt(bc2), eps, -(lr / bc1),
+                    0 if small else 1, int(decay_end), _I64x4(*[i for t in tails for i in t]),
                     int(lo), int(hi))
 
 
@@ -972,6 +974,8 @@ def group_args(args):
     """``(array, count)`` for the kernels: one AdamArgs, or several (sorted by ``lo``, disjoint)."""
     if isinstance(args, AdamArgs):
         return ctypes.byref(args), 1
+    if isinstance(args, ctypes.Array):   # packed once for many calls (CodedChunk.step's pieces)
+        return args, len(args)
     arr = (AdamArgs * len(args))(*args)
     return arr, len(args)
 
@@ -1333,12 +1337,14 @@ class CodedChunk:
     ``pools``: single-thread executors (the codec threads) that join the update's team
     (:class:`UpdateTeam`) for the chunk; no result depends on the split."""
 
-    __slots__ = ("kernels", "codecs", "src", "dst", "a", "b", "pools", "done")
+    __slots__ = ("kernels", "codecs", "src", "dst", "a", "b", "pools", "done", "codec", "block")
 
     def __init__(self, kern: Kernels, codecs: Dict[str, object], src, dst, a: int, b: int, pools=()):
         self.kernels, self.codecs, self.src, self.dst, self.a, self.b = kern, codecs, src, dst, a, b
         self.pools = tuple(p for p in pools if p is not None)
         self.done = False
+        self.codec = next(iter(codecs.values())).name
+        self.block = max(c.block for c in codecs.values())
 
     def step(self, params: torch.Tensor, grads: torch.Tensor, args, team: UpdateTeam = SOLO) -> None:
         """AdamW on the chunk: ``params`` and ``grads`` its ``b - a`` elements (contiguous);
@@ -1348,15 +1354,15 @@ class CodedChunk:
             raise RuntimeError("a fused chunk is stepped once")
         self.done = True
         grads = grads.contiguous()
-        block = max(c.block for c in self.codecs.values())
-        team.run(params.numel(), block, lambda s, e: self._part(params, grads, args, s, e), extra=self.pools)
+        if not isinstance(args, AdamArgs):   # packed once, not once a piece
+            args = (AdamArgs * len(args))(*args)
+        team.run(params.numel(), self.block, lambda s, e: self._part(params, grads, args, s, e), extra=self.pools)
 
     def _part(self, params, grads, args, s: int, e: int) -> None:
-        codec = next(iter(self.codecs.values())).name
         if s == 0 and e == params.numel():   # the whole chunk (one thread): its own views
-            self.kernels.update(codec, params, grads, self.src, self.dst, self.a, args)
+            self.kernels.update(self.codec, params, grads, self.src, self.dst, self.a, args)
             return
-        self.kernels.update(codec, params[s:e], grads[s:e], chunk_views(self.codecs, self.src, s, e),
+        self.kernels.update(self.codec, params[s:e], grads[s:e], chunk_views(self.codecs, self.src, s, e),
                             chunk_views(self.codecs, self.dst, s, e), self.a + s, args)
 
 

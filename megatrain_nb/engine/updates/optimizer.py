@@ -226,13 +226,13 @@ class UnitRun:
         learning-rate group begins or ends) each get their own scalars, stepped in one pass by the
         kernel (a group may end inside a codec block): the same arithmetic as one fused call per
         piece, the fp32 path's."""
-        adam = self.adam
-        args = [adam_args(lr=float(lr) * scale, beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps,
-                          weight_decay=wd, step=float(self.step_t), decay_end=hi if wd else lo,
-                          regions=[(lo, hi)], width=chunk.kernels.width, lo=lo, hi=hi)
+        adam, lr, step, width = self.adam, float(lr), float(self.step_t), chunk.kernels.width
+        args = [adam_args(lr=lr * scale, beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps, weight_decay=wd,
+                          step=step, decay_end=hi if wd else lo, regions=[(lo, hi)], width=width, lo=lo, hi=hi)
                 for lo, hi, wd, scale in lr_pieces(self.unit, a, b, adam.weight_decay)]
-        w = self.params[a:b] if params is None else params
-        chunk.step(w, grads[a - grads_at:b - grads_at], args, team=adam.team)
+        w = params if params is not None else self.params if a == 0 and b == len(self.params) else self.params[a:b]
+        g = grads if a == grads_at and b - a == len(grads) else grads[a - grads_at:b - grads_at]
+        chunk.step(w, g, args, team=adam.team)
 
     def finish(self, grads: torch.Tensor, grad_norm: Optional[float] = None) -> None:
         if self.old is not None:

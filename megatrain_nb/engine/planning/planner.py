@@ -193,21 +193,80 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     return out
 
 
+#: Families whose layers norm the hidden state four times (around attention and around the MLP).
+SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text")
+#: Families with per-head RMSNorms on the queries and keys (``q_norm`` / ``k_norm``).
+QK_NORMS = ("qwen3", "qwen3_moe", "qwen3_vl_text", "gemma3", "gemma3_text", "olmo2", "olmo3")
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """A decoder layer's widths as its saved activations depend on them (0: derived from
+    ``hidden``: as many heads of query as of key/value, one head the width of the model)."""
+    hidden: int
+    inter: int
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    norms: int = 2              # hidden-wide RMSNorms a layer applies
+    qk_norm: bool = False       # per-head norms on q and k
+    norm_fp32: bool = False     # the norm's weight applied in fp32 (Gemma's ``1 + weight``)
+
+    def saved_bytes(self, tokens: int, mlp_tokens: int, cb: int) -> int:
+        """Bytes autograd saves running one layer over ``tokens`` (the MLP over ``mlp_tokens``: one
+        tile), counted from the ops of a Llama-style layer (tests/engine/test_activation_plan.py
+        checks it against the saved tensors' storages of llama, qwen2, qwen3, gemma layers):
+        each RMSNorm its input in fp32, its fp32 rsqrt, the normed input and its output (where
+        the weight is applied in fp32 the normed input is fp32 and the output is not saved: the
+        projections save the compute-dtype copy); attention its q, k, v after RoPE, its output
+        and log-sum-exp, RoPE's cos and sin; a gated MLP gate, up, act(gate) and their product.
+        The layer's input is the first norm's input."""
+        heads = self.heads or 1
+        hd = self.head_dim or self.hidden // heads
+        q, kv = heads * hd, (self.kv_heads or heads) * hd
+        norm_w = (8 + cb) if self.norm_fp32 else (4 + 2 * cb)       # bytes per element of the norm's width
+        norms = self.norms * (self.hidden * norm_w + 4)
+        attn = (2 * q + 2 * kv + 2 * hd) * cb + heads * 4
+        qk = ((q + kv) * (4 + cb) + (heads + (self.kv_heads or heads)) * 4) if self.qk_norm else 0
+        return tokens * (norms + attn + qk) + mlp_tokens * 4 * self.inter * cb
+
+    def work_bytes(self, tokens: int, mlp_tokens: int, cb: int) -> int:
+        """A layer re-run's device peak in its backward: the saved tensors, its output, and the
+        gradients of the two widest intermediates in flight at once (the MLP's: act(gate)'s and
+        up's, computed from their product's while both are still saved)."""
+        widest = max(mlp_tokens * self.inter * cb, tokens * self.hidden * 4)
+        return self.saved_bytes(tokens, mlp_tokens, cb) + tokens * self.hidden * cb + 2 * widest
+
+    @classmethod
+    def of(cls, model_config) -> "LayerDims":
+        t = text_config(model_config)
+        kind = str(getattr(t, "model_type", ""))
+        heads = int(getattr(t, "num_attention_heads", 0) or 0)
+        return cls(hidden_size(model_config), intermediate_size(model_config) or 4 * hidden_size(model_config),
+                   heads, int(getattr(t, "num_key_value_heads", 0) or heads), int(getattr(t, "head_dim", 0) or 0),
+                   4 if kind in SANDWICH_NORMS else 2, kind in QK_NORMS, kind.startswith("gemma"))
+
+
 def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: int, vocab_size: int,
                      batch: int, seq: int, checkpoint_interval: int, compute_bytes: int,
                      loss_chunk_tokens: int = 1024, num_heads: int = 0, eager_attention: bool = False,
-                     tile_tokens: Optional[int] = None, vision_bytes: int = 0) -> int:
+                     tile_tokens: Optional[int] = None, vision_bytes: int = 0,
+                     dims: Optional[LayerDims] = None) -> int:
     """Device bytes for activations of one micro-batch (an estimate; the engine also measures).
     ``tile_tokens``: the MLP runs in tiles of that many tokens (engine/compute/tiling.py; None or 0: whole).
     ``vision_bytes``: a vision tower's graph, kept from the capture to the embedding's backward
-    (``vision_plan``; engine/vision.ImageFeatures), so held beside a layer's re-run and the head's chunk."""
+    (``vision_plan``; engine/vision.ImageFeatures), so held beside a layer's re-run and the head's chunk.
+    ``dims``: the layer's attention widths and norms (:class:`LayerDims`; None: from the widths)."""
     tok = batch * seq
-    # One layer re-run under autograd: its saved activations and their gradients (the MLP's for one tile).
-    layer_work = (tok * 12 * hidden_size + min(tok, tile_tokens or tok) * 4 * intermediate_size) * compute_bytes
+    dims = dims or LayerDims(hidden_size, intermediate_size, num_heads)
+    mlp_tok = min(tok, tile_tokens or tok)
+    # One layer re-run under autograd: its saved activations and the gradients in flight (LayerDims).
+    layer_work = dims.work_bytes(tok, mlp_tok, compute_bytes)
     if eager_attention and num_heads:
         layer_work += 2 * batch * num_heads * seq * seq * compute_bytes
     if checkpoint_interval == 0:  # every layer's autograd graph kept for the step
-        saved_inputs, block_inputs = num_layers * layer_work // 2, 0
+        saved_inputs = num_layers * (dims.saved_bytes(tok, mlp_tok, compute_bytes) + tok * hidden_size * compute_bytes)
+        block_inputs = 0
     else:
         k = max(1, checkpoint_interval)
         saved_inputs = math.ceil(num_layers / k) * tok * hidden_size * compute_bytes
@@ -225,13 +284,19 @@ class ModelShape:
     intermediate_size: Optional[int] = None
     vocab_size: int = 0
     vision: Optional[VisionShape] = None   # a vision-language model's vision tower (vision_plan.py)
+    dims: Optional[LayerDims] = None       # a layer's attention widths and norms (None: from the widths)
+
+    def layer(self) -> LayerDims:
+        """The decoder layer's dimensions as its activations are planned."""
+        return self.dims or LayerDims(self.hidden_size, self.intermediate_size or 4 * self.hidden_size)
 
     @classmethod
     def of(cls, model_config, *, logits: bool = True) -> "ModelShape":
         """From a transformers config (``logits`` False: the head's logits are not planned)."""
         layers = int(getattr(text_config(model_config), "num_hidden_layers", 0) or 0)
         return cls(hidden_size(model_config), layers, intermediate_size(model_config),
-                   int(vocab_size(model_config) or 0) if logits else 0, VisionShape.of(model_config))
+                   int(vocab_size(model_config) or 0) if logits else 0, VisionShape.of(model_config),
+                   LayerDims.of(model_config))
 
 
 @dataclass(frozen=True)
@@ -318,7 +383,7 @@ class _PlanInputs:
                                 vocab_size=self.shape.vocab_size, batch=self.workload.batch, seq=self.workload.seq,
                                 checkpoint_interval=k, compute_bytes=self.cb,
                                 loss_chunk_tokens=self.cfg.overrides.loss_chunk_tokens, tile_tokens=self.tile,
-                                vision_bytes=self.vision_bytes())
+                                vision_bytes=self.vision_bytes(), dims=self.shape.layer())
 
     def vision_bytes(self) -> int:
         """One micro-batch's vision graph in the embedding's backward (0: no images planned)."""
@@ -487,7 +552,7 @@ def _plan_window(p: _PlanInputs, chosen_k: int, dev: dict, host: dict, placement
     hid = p.shape.hidden_size
     wp = window_plan(w.accumulation, tokens=w.batch * w.seq, hidden_size=hid, num_layers=p.shape.num_layers,
                      checkpoint_interval=chosen_k, compute_bytes=p.cb, device_free=free_dev, host_free=free_host,
-                     layer_work_bytes_per_token=(12 * hid + 4 * p.inter) * p.cb,
+                     layer_work_bytes_per_token=p.shape.layer().work_bytes(1, 1, p.cb),
                      accumulator_bytes=0 if host["grads"] else total * 4, disk_free=free_disk,
                      raise_interval=cfg.checkpoint_interval is not None and cfg.checkpoint_interval >= 1)
     if wp.groups > 1:   # a later group adds into the host accumulator
@@ -611,7 +676,7 @@ def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None) -> Pl
     specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in units]
     held = None if state_units is None else [UnitSpec(u.name, u.numel, u.kind) for u in state_units]
     shape = ModelShape.of(model_config, logits=False)
-    shape = ModelShape(shape.hidden_size, len(units) - 2, shape.intermediate_size, 0)
+    shape = ModelShape(shape.hidden_size, len(units) - 2, shape.intermediate_size, 0, dims=shape.dims)
     plan = make_plan(specs, shape, cfg, cuda=cuda, workload=Workload(batch=1, seq=1), state_units=held)
     if not plan.feasible and plan.limiting_tier == "host":
         raise ValueError(f"max_host_gb={cfg.max_host_gb}: {plan.reason}.")
@@ -800,13 +865,14 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
 
     esize = 2 if cfg.precision == "bf16" else 4
     cap = int(cfg.max_vram_gb * GiB) if cfg.max_vram_gb else device_capacity
-    hid, inter = hidden_size(model_config), intermediate_size(model_config) or 0
-    layer_work = (12 * hid + 4 * inter) * esize          # one layer re-run, per token (as activation_bytes)
+    hid = hidden_size(model_config)
+    dims = LayerDims.of(model_config)
+    layer_work = dims.work_bytes(1, 1, esize)            # one layer re-run, per token (as activation_bytes)
     tile = plan.tile_tokens or tokens                    # the MLP's intermediates for one tile
     dev_free = None
     if cap is not None:   # (the engine's plan is made without a window: its sums are taken here)
         dev_free = max(cap - plan.device["weights"] - plan.device["grads"] - plan.window_sum_bytes
-                       - tokens * 12 * hid * esize - min(tokens, tile) * 4 * inter * esize, 0)
+                       - dims.work_bytes(tokens, min(tokens, tile), esize), 0)
     # (a split window's accumulator is in RAM even where held final gradients go to disk)
     accumulator = plan.host["grads"] or plan.disk["grads"]
     if cfg.max_host_gb:  # a one-group layer-major step keeps no host gradient accumulator

@@ -45,7 +45,7 @@ class ActivationMeter:
         ``hold``: a graph kept until a later pass takes it (added to :attr:`held`)."""
         if self._slot_ptrs is None:
             self._slot_ptrs = self.pager.slot_storages()
-        total = [0]
+        total = [0, 0]   # all saved storages' bytes, the largest one's
         seen = set()
 
         def pack(t):
@@ -55,7 +55,9 @@ class ActivationMeter:
                 return t
             if ptr not in self._slot_ptrs and ptr not in seen:
                 seen.add(ptr)
-                total[0] += t.untyped_storage().nbytes()
+                n = t.untyped_storage().nbytes()
+                total[0] += n
+                total[1] = max(total[1], n)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -66,8 +68,11 @@ class ActivationMeter:
         elif accumulate:  # graphs kept for the backward (checkpoint_interval=0)
             self.saved += total[0]
             self.at(self.saved)
-        else:  # saved tensors + their gradients flowing back, on top of the saved inputs
-            self.at(self.saved + 2 * total[0])
+        else:  # the re-run's backward: its saved tensors, and the gradients of the two widest in
+            # flight at once (the MLP's act(gate) and up, from their product's); a layer's backward
+            # frees each node's saved tensors as it runs, so never all of them beside their gradients
+            # (planning/planner.LayerDims.work_bytes; tests/engine/test_activation_plan.py)
+            self.at(self.saved + total[0] + 2 * total[1])
 
 
 def rng_state(device: torch.device) -> dict:

@@ -227,7 +227,8 @@ def test_planner_counts_one_tile_of_the_mlp():
     kw = dict(hidden_size=64, intermediate_size=4096, num_layers=2, vocab_size=256, batch=1, seq=16384,
               checkpoint_interval=1, compute_bytes=4)
     whole, tiled = activation_bytes(**kw), activation_bytes(**kw, tile_tokens=1024)
-    assert whole - tiled == (16384 - 1024) * 4 * 4096 * 4
+    # the MLP's 4 saved intermediates and the 2 gradients in flight (LayerDims.work_bytes), for a tile
+    assert whole - tiled == (16384 - 1024) * (4 + 2) * 4096 * 4
     assert activation_bytes(**kw, tile_tokens=0) == whole
     assert tile_for(4096, 4) == 1024 and tile_for(4096, 4, pinned=0) == 0
 

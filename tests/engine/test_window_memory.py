@@ -205,14 +205,14 @@ def test_window_with_unused_parameters_matches_micro_batch_major(k):
 def test_engine_window_plan_leaves_the_device_room_for_the_sums():
     """The engine's window layout (engine_window_plan) takes the window's gradient sums out of
     the device room before placing boundary activations there."""
-    from megatrain_nb.engine.planning.planner import GiB, engine_window_plan
+    from megatrain_nb.engine.planning.planner import GiB, LayerDims, engine_window_plan
 
     eng = StreamingEngine(AutoModelForCausalLM.from_config(family_config("llama", layers=4, hidden=64)),
                           EngineConfig(device="cpu"))
     plan, A, tokens = eng.plan, 3, 24
     row = tokens * 64 * 4
     need = A * (4 * row + 2 * row)   # every layer's input + the front and one block input, per micro-batch
-    base = plan.device["weights"] + plan.device["grads"] + tokens * (12 * 64 + 4 * 128) * 4
+    base = plan.device["weights"] + plan.device["grads"] + LayerDims.of(eng.model_config).work_bytes(tokens, tokens, 4)
     assert plan.window_sum_bytes == 4 * max(u.numel for u in eng.units)
 
     def layout(room):

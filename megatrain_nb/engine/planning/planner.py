@@ -217,8 +217,8 @@ class LayerDims:
         tile), counted from the ops of a Llama-style layer (tests/engine/test_activation_plan.py
         checks it against the saved tensors' storages of llama, qwen2, qwen3, gemma layers):
         each RMSNorm its input in fp32, its fp32 rsqrt, the normed input and its output (where
-        the weight is applied in fp32 the normed input is fp32 and the output is not saved: the
-        projections save the compute-dtype copy); attention its q, k, v after RoPE, its output
+        the weight is applied in fp32 the normed input is fp32, the output is not saved -- the
+        projections save the compute-dtype copy -- and ``1 + weight`` is, once); attention its q, k, v after RoPE, its output
         and log-sum-exp, RoPE's cos and sin; a gated MLP gate, up, act(gate) and their product.
         The layer's input is the first norm's input."""
         heads = self.heads or 1
@@ -228,7 +228,8 @@ class LayerDims:
         norms = self.norms * (self.hidden * norm_w + 4)
         attn = (2 * q + 2 * kv + 2 * hd) * cb + heads * 4
         qk = ((q + kv) * (4 + cb) + (heads + (self.kv_heads or heads)) * 4) if self.qk_norm else 0
-        return tokens * (norms + attn + qk) + mlp_tokens * 4 * self.inter * cb
+        weights = self.norms * self.hidden * 4 if self.norm_fp32 else 0    # Gemma's fp32 ``1 + weight``
+        return tokens * (norms + attn + qk) + mlp_tokens * 4 * self.inter * cb + weights
 
     def work_bytes(self, tokens: int, mlp_tokens: int, cb: int) -> int:
         """A layer re-run's device peak in its backward: the saved tensors, its output, and the

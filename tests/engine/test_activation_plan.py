@@ -1,0 +1,136 @@
+"""The planner's activation bytes of a decoder layer (planning/planner.LayerDims) against what
+autograd really holds, counted on the models' own layers: the saved tensors' unique storages
+(``saved_tensors_hooks``, weights excluded) and the live bytes of every tensor the layer's
+forward-with-grad and backward allocate (a dispatch mode that follows each storage until it is
+freed). Deterministic counts, no timings. The engine's meter (recompute.ActivationMeter) counts
+the same re-run as the saved bytes plus the two widest gradients in flight."""
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import AutoModelForCausalLM
+
+from megatrain_nb.engine.planning.planner import LayerDims, activation_bytes
+from megatrain_nb.engine.recompute import ActivationMeter
+from megatrain_nb.model_configs import family_config
+
+
+class _Live(TorchDispatchMode):
+    """Bytes of the storages ops allocate while it is on, live now and at the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.ptrs = set()
+
+    def _free(self, ptr, n):
+        self.live -= n
+        self.ptrs.discard(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in self.ptrs:
+                    self.ptrs.add(ptr)
+                    self.live += st.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(st, self._free, ptr, st.nbytes())
+        return out
+
+
+# (family, hidden, intermediate, heads, kv heads, config fields): Llama's SwiGLU, Qwen2's biases,
+# Qwen3's per-head q/k norms with a head wider than hidden/heads, Gemma's fp32 norm weight and GeGLU
+CASES = [("llama", 64, 176, 4, 2, {}), ("qwen2", 48, 128, 4, 1, {}),
+         ("qwen3", 32, 96, 4, 2, dict(head_dim=16)), ("gemma", 32, 96, 4, 1, dict(head_dim=8))]
+
+
+def _layer(family, hidden, inter, heads, kv, extra, dtype):
+    cfg = family_config(family, layers=1, hidden=hidden, intermediate_size=inter, num_attention_heads=heads,
+                        num_key_value_heads=kv, max_position_embeddings=4096, **extra) \
+        if family in ("llama", "qwen2") else _config(family, hidden, inter, heads, kv, extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype).train()
+    return cfg, model.model
+
+
+def _config(family, hidden, inter, heads, kv, extra):
+    from transformers import AutoConfig
+    return AutoConfig.for_model(family, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
+                                num_attention_heads=heads, num_key_value_heads=kv, vocab_size=128,
+                                max_position_embeddings=4096, **extra)
+
+
+def _counted(inner, batch, seq, dtype, meter=None):
+    """(saved bytes, the re-run's live peak) of one layer over ``batch`` x ``seq`` tokens."""
+    layer = inner.layers[0]
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    for p in layer.parameters():   # weight gradients are the gradient sums' (accounted apart)
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    x = torch.randn(batch, seq, inner.config.hidden_size, dtype=dtype, requires_grad=True)
+    pos = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    pe = inner.rotary_emb(x, pos)
+    g = torch.randn_like(x)
+    seen, saved = set(), [0]
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            saved[0] += t.untyped_storage().nbytes()
+        return t
+    with _Live() as live:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if meter is not None:
+                with meter.count_saved():
+                    y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
+            else:
+                y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(g)
+        del y
+    return saved[0], live.peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_the_planned_saved_bytes_are_the_counted_ones(case, dtype):
+    """Exact to 0.1% (RoPE's cos/sin are planned per token, held per position and row), at two shapes."""
+    cb = 2 if dtype == torch.bfloat16 else 4
+    for batch, seq in ((1, 64), (2, 256)):
+        cfg, inner = _layer(*case, dtype)
+        saved, _ = _counted(inner, batch, seq, dtype)
+        tok = batch * seq
+        assert LayerDims.of(cfg).saved_bytes(tok, tok, cb) == pytest.approx(saved, rel=1e-3), (batch, seq)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_the_planned_layer_work_is_the_backward_peak_and_the_meter_counts_it(case):
+    """The planned re-run work (saved + output + two gradients in flight) within 0.9-1.05 of the
+    live peak of the layer's forward-with-grad and backward; the meter's count of the same re-run
+    within 0.9-1.05 of the plan (it sees no output: the incoming gradient it counts is that size)."""
+    cfg, inner = _layer(*case, torch.float32)
+    batch, seq = 2, 512
+    slots = {p.untyped_storage().data_ptr() for p in inner.layers[0].parameters()}
+    meter = ActivationMeter(type("B", (), {"bytes": {"device": 0}})(), type("P", (), {"slot_storages": lambda s: slots})())
+    _, peak = _counted(inner, batch, seq, torch.float32, meter)
+    planned = LayerDims.of(cfg).work_bytes(batch * seq, batch * seq, 4)
+    assert 0.9 <= planned / peak <= 1.05, planned / peak
+    assert 0.9 <= meter.peak / planned <= 1.05, meter.peak / planned
+
+
+def test_checkpoint_intervals_plan_the_layer_inputs_beside_one_re_run():
+    """Interval 1: every layer's input kept, one re-run beside them; interval 2: half the inputs
+    and the block's inner input; interval 0: every layer's saved tensors and output."""
+    dims = LayerDims(64, 176, 4, 2)
+    kw = dict(hidden_size=64, intermediate_size=176, num_layers=4, vocab_size=0, batch=2, seq=512,
+              compute_bytes=4, dims=dims)
+    tok, row = 1024, 1024 * 64 * 4
+    work = dims.work_bytes(tok, tok, 4)
+    assert activation_bytes(checkpoint_interval=1, **kw) == 4 * row + work
+    assert activation_bytes(checkpoint_interval=2, **kw) == 2 * row + row + work
+    assert activation_bytes(checkpoint_interval=0, **kw) == 4 * (dims.saved_bytes(tok, tok, 4) + row) + work

@@ -1026,24 +1026,27 @@ class Kernels:
         self.lib.mt_decode(_KIND[codec, role], _ptr(codes), _ptr(scales), out.numel(), _ptr(out), self._c)
 
     def update(self, codec: str, params: torch.Tensor, grads: torch.Tensor, src: Optional[Dict[str, torch.Tensor]],
-               dst: Dict[str, torch.Tensor], base: int, args, threads: int = 1) -> None:
+               dst: Dict[str, torch.Tensor], base: int, args, threads: int = 1, at: int = 0) -> None:
         """One chunk's update (``base``: its first element's index in the unit, a block
         boundary): ``src`` (codes and scales of both moments, or None: zeros) decoded, AdamW on
         ``params`` in place (``args``: one AdamArgs, or one per learning-rate group: :func:`group_args`),
         encoded into ``dst`` (may be ``src``), on ``threads`` threads (the result does not depend
-        on it). Raises the torch path's error for a moment that cannot be encoded."""
-        self.update_call(codec, params, grads, src, dst, base, args, threads)(0, params.numel())
+        on it). ``at``: the element of ``src``'s and ``dst``'s codes that ``params[0]`` is (a block
+        boundary; a piece of a chunk: no views made for it). Raises the torch path's error for a
+        moment that cannot be encoded."""
+        self.update_call(codec, params, grads, src, dst, base, args, threads, at)(0, params.numel())
 
     def update_call(self, codec: str, params: torch.Tensor, grads: torch.Tensor, src, dst, base: int, args,
-                    threads: int = 1):
+                    threads: int = 1, at: int = 0):
         """:meth:`update` as ``call(s, e)``: the update of elements ``[s, e)`` of the chunk (``s`` a
         block boundary), its pointers and scalars made once."""
         arr, count = group_args(args)
         c = self.lib.mt_update
         kind, block, per_byte, consts = _CODEC[codec], 256 if codec == "int8" else 32, 1 if codec == "int8" else 2, self._c
         roles = ("exp_avg.codes", "exp_avg.scales", "exp_avg_sq.codes", "exp_avg_sq.scales")
-        ins = [0, 0, 0, 0] if src is None else [src[r].data_ptr() for r in roles]
-        outs = [dst[r].data_ptr() for r in roles]
+        offs = (at // per_byte, at // block * 4) * 2   # (codes, scales) of each moment
+        ins = [0, 0, 0, 0] if src is None else [src[r].data_ptr() + o for r, o in zip(roles, offs)]
+        outs = [dst[r].data_ptr() + o for r, o in zip(roles, offs)]
         p, g, base = params.data_ptr(), grads.data_ptr(), int(base)
 
         def call(s: int, e: int) -> None:
@@ -1359,11 +1362,10 @@ class CodedChunk:
         team.run(params.numel(), self.block, lambda s, e: self._part(params, grads, args, s, e), extra=self.pools)
 
     def _part(self, params, grads, args, s: int, e: int) -> None:
-        if s == 0 and e == params.numel():   # the whole chunk (one thread): its own views
+        if s == 0 and e == params.numel():   # the whole chunk (one thread)
             self.kernels.update(self.codec, params, grads, self.src, self.dst, self.a, args)
             return
-        self.kernels.update(self.codec, params[s:e], grads[s:e], chunk_views(self.codecs, self.src, s, e),
-                            chunk_views(self.codecs, self.dst, s, e), self.a + s, args)
+        self.kernels.update(self.codec, params[s:e], grads[s:e], self.src, self.dst, self.a + s, args, at=s)
 
 
 def chunk_views(codecs: Dict[str, object], codes: Optional[Dict[str, torch.Tensor]], a: int, b: int):

@@ -29,6 +29,7 @@ class ActivationMeter:
         self.saved = 0
         self.front = 0
         self.held = 0
+        self.held_widest = 0   # the largest storage of a held graph (its backward's gradients in flight)
         self._slot_ptrs = None
 
     def note(self, extra: int = 0) -> None:
@@ -39,13 +40,21 @@ class ActivationMeter:
         self.now = nbytes
         self.peak = max(self.peak, nbytes)
 
+    def note_held_backward(self, nbytes: int) -> None:
+        """A held graph of ``nbytes`` saved bytes (no longer in :attr:`held`) running backward: its
+        saved tensors and the gradients of its two widest in flight, as a layer's re-run. Measured
+        on the Qwen2-VL tower of benchmarks/bench_vlm.py (CPU, fp32): the backward's live peak is
+        1.11x its saved bytes (pixels included), this count 0.93x that peak -- the rest is the
+        attention's per-image score matrices in the CPU kernel's backward --, 2x counted it 1.8x."""
+        self.note(nbytes + 2 * self.held_widest)
+
     @contextlib.contextmanager
     def count_saved(self, accumulate: bool = False, hold: bool = False):
         """Count the bytes autograd saves while one layer is (re-)run (weights in slots excluded);
         ``hold``: a graph kept until a later pass takes it (added to :attr:`held`)."""
         if self._slot_ptrs is None:
             self._slot_ptrs = self.pager.slot_storages()
-        total = [0, 0]   # all saved storages' bytes, the largest one's
+        total = [0, 0]   # all saved storages' bytes, the largest one's that takes a gradient
         seen = set()
 
         def pack(t):
@@ -57,13 +66,15 @@ class ActivationMeter:
                 seen.add(ptr)
                 n = t.untyped_storage().nbytes()
                 total[0] += n
-                total[1] = max(total[1], n)
+                if t.requires_grad:   # a gradient flows back to it (not to the pixels, masks, RoPE)
+                    total[1] = max(total[1], n)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         if hold:
             self.held += total[0]
+            self.held_widest = max(self.held_widest, total[1])
             self.note()
         elif accumulate:  # graphs kept for the backward (checkpoint_interval=0)
             self.saved += total[0]

@@ -134,3 +134,37 @@ def test_checkpoint_intervals_plan_the_layer_inputs_beside_one_re_run():
     assert activation_bytes(checkpoint_interval=1, **kw) == 4 * row + work
     assert activation_bytes(checkpoint_interval=2, **kw) == 2 * row + row + work
     assert activation_bytes(checkpoint_interval=0, **kw) == 4 * (dims.saved_bytes(tok, tok, 4) + row) + work
+
+
+def test_a_held_graphs_backward_is_counted_as_its_saved_bytes_and_two_gradients():
+    """A vision tower's graph held from the capture (Qwen2-VL's, counted with ``hold``), run
+    backward: the meter's count (note_held_backward) within 0.95-1.1 of the live peak, where 2x
+    its saved bytes was ~1.9x."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=4, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model("qwen2_vl", text_config=text,
+                                                                         vision_config=vision)).train()
+    visual = model.model.visual
+    slots = {p.untyped_storage().data_ptr() for p in visual.parameters()}
+    for p in visual.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    meter = ActivationMeter(type("B", (), {"bytes": {"device": 0}})(), type("P", (), {"slot_storages": lambda s: slots})())
+    side = 16   # patches per side: one 224-pixel image, 64 merged tokens
+    grid = torch.tensor([[1, side, side]] * 2)
+    with _Live() as live:
+        pixels = torch.randn(2 * side * side, 3 * 2 * 14 * 14)   # on the device, held with the graph
+        with meter.count_saved(hold=True):
+            out = visual(pixels, grid_thw=grid)
+        out = getattr(out, "pooler_output", out)
+        held = meter.held
+        meter.held -= held
+        meter.note_held_backward(held)
+        out.backward(torch.randn_like(out))
+        del out
+    assert 0.95 <= meter.peak / live.peak <= 1.1, meter.peak / live.peak
+    assert 2 * held / live.peak > 1.5   # what the old count said

@@ -316,7 +316,9 @@ class OptimizerStates:
         ``apply`` None: a skipped step -- the states are stored again as they are. ``weights``: a
         ranged rewrite of the unit's master weights, read and written with the codes, chunk by
         chunk (``ChunkRing.run``); ``apply(a, b, m, v, p)`` then gets each chunk's weights.
-        ``grads``: a final gradient held on the disk tier, read with them (``apply(..., g)``)."""
+        ``grads``: a final gradient held on the disk tier, read with them (``apply(..., g)``).
+        Where the fused kernel runs (:attr:`fused`: RAM or the host cache, no ranged weights or
+        held gradient) the unit is one chunk, stepped in one pass (:meth:`_update_fused`)."""
         self._bound_writes(unit)
         with self._lock:
             self._updating.add(unit.index)   # until stored: no read of it ahead of the write

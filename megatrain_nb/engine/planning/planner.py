@@ -218,8 +218,9 @@ class LayerDims:
         checks it against the saved tensors' storages of llama, qwen2, qwen3, gemma layers):
         each RMSNorm its input in fp32, its fp32 rsqrt, the normed input and its output (where
         the weight is applied in fp32 the normed input is fp32, the output is not saved -- the
-        projections save the compute-dtype copy -- and ``1 + weight`` is, once); attention its q, k, v after RoPE, its output
-        and log-sum-exp, RoPE's cos and sin; a gated MLP gate, up, act(gate) and their product.
+        projections save the compute-dtype copy -- and ``1 + weight`` is, once); attention its
+        q, k, v after RoPE, its output and log-sum-exp, RoPE's cos and sin; a gated MLP gate, up,
+        act(gate) and their product.
         The layer's input is the first norm's input."""
         heads = self.heads or 1
         hd = self.head_dim or self.hidden // heads

@@ -65,6 +65,12 @@ def _config(family, hidden, inter, heads, kv, extra):
                                 max_position_embeddings=4096, **extra)
 
 
+def _meter(slots):
+    """An ActivationMeter with no boundary activations, ``slots`` the weights' storages."""
+    boundary = type("Boundary", (), {"bytes": {"device": 0}})()
+    return ActivationMeter(boundary, type("Pager", (), {"slot_storages": lambda self: slots})())
+
+
 def _counted(inner, batch, seq, dtype, meter=None):
     """(saved bytes, the re-run's live peak) of one layer over ``batch`` x ``seq`` tokens."""
     layer = inner.layers[0]
@@ -116,7 +122,7 @@ def test_the_planned_layer_work_is_the_backward_peak_and_the_meter_counts_it(cas
     cfg, inner = _layer(*case, torch.float32)
     batch, seq = 2, 512
     slots = {p.untyped_storage().data_ptr() for p in inner.layers[0].parameters()}
-    meter = ActivationMeter(type("B", (), {"bytes": {"device": 0}})(), type("P", (), {"slot_storages": lambda s: slots})())
+    meter = _meter(slots)
     _, peak = _counted(inner, batch, seq, torch.float32, meter)
     planned = LayerDims.of(cfg).work_bytes(batch * seq, batch * seq, 4)
     assert 0.9 <= planned / peak <= 1.05, planned / peak
@@ -153,7 +159,7 @@ def test_a_held_graphs_backward_is_counted_as_its_saved_bytes_and_two_gradients(
     slots = {p.untyped_storage().data_ptr() for p in visual.parameters()}
     for p in visual.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    meter = ActivationMeter(type("B", (), {"bytes": {"device": 0}})(), type("P", (), {"slot_storages": lambda s: slots})())
+    meter = _meter(slots)
     side = 16   # patches per side: one 224-pixel image, 64 merged tokens
     grid = torch.tensor([[1, side, side]] * 2)
     with _Live() as live:

@@ -174,3 +174,29 @@ def test_a_held_graphs_backward_is_counted_as_its_saved_bytes_and_two_gradients(
         del out
     assert 0.95 <= meter.peak / live.peak <= 1.1, meter.peak / live.peak
     assert 2 * held / live.peak > 1.5   # what the old count said
+
+
+@pytest.mark.parametrize("family,k", [("llama", 1), ("qwen2", 2)])
+def test_the_engines_accounted_peak_is_the_plans_device_bytes(family, k):
+    """A step's device peak as the engine accounts it (weight slots, gradient sums, the meter's
+    activations) within 0.9-1.05 of make_plan's device bytes for the same workload, as mt.estimate
+    plans it (benchmarks/bench_vlm.py's text_device_peak_vs_plan, at a shape it was not tuned on)."""
+    from megatrain_nb.engine import EngineConfig, StreamingEngine
+    from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan
+
+    cfg = family_config(family, layers=4, hidden=64, intermediate_size=176, vocab=64, max_position_embeddings=512)
+    torch.manual_seed(0)
+    work = Workload(batch=2, seq=256)
+    engine = StreamingEngine(AutoModelForCausalLM.from_config(cfg), EngineConfig(device="cpu", checkpoint_interval=k),
+                             workload=work)
+    try:
+        ids = torch.randint(1, 64, (2, 256))
+        engine.forward_backward(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, step_lr=1e-4)
+        peak = engine.memory_report()["device"]["peak_bytes"]
+        ecfg = engine.parts.config.replace(checkpoint_interval=engine.runner.checkpoint_interval)
+        specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in engine.parts.units]
+        planned = make_plan(specs, ModelShape.of(engine.model_config), ecfg, cuda=False, workload=work).device["total"]
+    finally:
+        engine.close()
+    assert engine.runner.checkpoint_interval == k
+    assert 0.9 <= peak / planned <= 1.05, (peak, planned)

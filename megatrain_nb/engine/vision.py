@@ -354,7 +354,7 @@ class ImageFeatures:
         self.kept -= 1
         if self.meter is not None:
             self.meter.held -= nbytes
-            self.meter.note(2 * nbytes)
+            self.meter.note_held_backward(nbytes)   # (its saved bytes + two gradients in flight: recompute.py)
 
     def _drop(self, nbytes: int) -> None:
         if self.meter is not None:

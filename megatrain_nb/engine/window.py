@@ -13,8 +13,7 @@ import torch
 
 from .planning.planner import WindowPlan, engine_window_plan
 from .transport.transport import all_of
-from .family import hidden_size
-from .planning.planner import GiB
+from .planning.planner import GiB, LayerDims
 from .memory import device_capacity
 from .tiers.disk_store import aligned_empty  # page-aligned: direct I/O
 
@@ -254,7 +253,9 @@ def plan_for(batches, *, plan, model_config, config, num_layers: int, device: to
 def _length_refusal(plan, config, model_config, tokens: int) -> str:
     """A micro-batch longer than the device budget holds (``plan.longest_seq``), with the numbers."""
 
-    per_token = 12 * hidden_size(model_config) * (2 if config.precision == "bf16" else 4)
+    cb = 2 if config.precision == "bf16" else 4
+    mlp = min(tokens, plan.tile_tokens) if plan.tile_tokens else tokens
+    per_token = LayerDims.of(model_config).work_bytes(tokens, mlp, cb) / tokens   # (the planner's count)
     tile = f"in tiles of {plan.tile_tokens:,} tokens" if plan.tile_tokens else "untiled"
     return (f"a micro-batch of {tokens:,} tokens does not fit max_vram_gb={config.max_vram_gb}: the device "
             f"holds weights slots {plan.device['weights'] / GiB:.2f} GiB and gradient buffers "

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
-from megatrain_nb.engine.planning.planner import GiB, ModelShape, UnitSpec, Workload, make_plan
+from megatrain_nb.engine.planning.planner import GiB, LayerDims, ModelShape, UnitSpec, Workload, make_plan
 
 from .families import VOCAB, family_config, packed_rows, tiny_model, worst_rel
 
@@ -206,7 +206,10 @@ def test_the_engine_refuses_a_row_longer_than_its_device_budget_holds():
     z = engine.plan.longest_seq
     assert 32 < z < 1024
     with pytest.raises(ValueError, match=f"a micro-batch of {z + 1:,} tokens does not fit .* longest that fits is "
-                                         f"{z:,} tokens"):
+                                         f"{z:,} tokens") as refused:
         engine.forward_backward(torch.randint(1, VOCAB, (1, z + 1)))
+    # the working set a token it quotes is the planner's layer count (planner.LayerDims), not a rule of thumb
+    per_token = LayerDims.of(cfg).work_bytes(z + 1, 32, 4) / (z + 1) / 1024
+    assert f"about {per_token:.1f} KiB per token (its MLP in tiles of 32 tokens" in str(refused.value)
     assert engine.forward_backward(torch.randint(1, VOCAB, (1, z))).num_tokens == z - 1
     engine.close()

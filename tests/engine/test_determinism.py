@@ -85,9 +85,9 @@ def test_large_unit_minimum_staging_equals_ram(tmp_path, monkeypatch, max_norm):
     batches = _batches(STEPS * 2)
     common = dict(device="cpu", adam_betas=(0.9, 0.95), weight_decay=0.1, optimizer_compression="int8")
     ram = _run(copy.deepcopy(model), EngineConfig(**common), 2, max_norm, batches)
-    from megatrain_nb.engine import parts
+    from megatrain_nb.engine.tiers import staging
 
-    monkeypatch.setattr(parts, "SMALL_UNIT_BYTES", 0)
+    monkeypatch.setattr(staging, "SMALL_UNIT_BYTES", 0)
     cfg = EngineConfig(**common, offload_dir=str(tmp_path), offload_params=True)
     e = StreamingEngine(copy.deepcopy(model), cfg)
     largest = max(u.numel for u in e.units) * 4

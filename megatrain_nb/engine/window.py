@@ -4,6 +4,7 @@ between the forward and the backward of a layer-major step (step.py).
 """
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -82,10 +83,7 @@ class BoundaryStore:
             with self._lock:
                 n -= len(self._free.get((shape, dtype), ()))
             if n > 0:
-                numel = 1
-                for d in shape:
-                    numel *= d
-                self.transport.reserve_host(numel, dtype, n)
+                self.transport.reserve_host(math.prod(shape), dtype, n)
 
     def _drop_stale(self) -> None:
         """A new pass: recycled buffers of shapes none of the last KEEP_PASSES passes used are
@@ -105,13 +103,9 @@ class BoundaryStore:
             free = self._free.get((tuple(shape), dtype))
             if free:   # the oldest: its last transfer is the likeliest to be done (a disk read waits for it)
                 return free.pop(0)
-        numel = 1
-        for d in shape:
-            numel *= d
         if self.tier == "disk":
-
             return aligned_empty(tuple(shape), dtype), None
-        return self.transport.host_buffer(numel, dtype).view(tuple(shape)), None
+        return self.transport.host_buffer(math.prod(shape), dtype).view(tuple(shape)), None
 
     def _recycle(self, t: torch.Tensor, last=None) -> None:
         with self._lock:   # also from the disk workers (a write's buffer, once written)

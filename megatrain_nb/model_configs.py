@@ -89,6 +89,15 @@ PUBLISHED = {
                                   num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
                                   max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
                                   tie_word_embeddings=False, torch_dtype="bfloat16")),
+    # huggingface.co/Qwen/Qwen2-VL-7B-Instruct
+    "qwen2-vl-7b": ("qwen2_vl",
+                    dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+                         tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}),
+                    dict(depth=32, embed_dim=1280, hidden_size=3584, mlp_ratio=4, num_heads=16, in_channels=3,
+                         patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                    dict(tie_word_embeddings=False)),
     # huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct
     "qwen2.5-vl-7b": ("qwen2_5_vl",
                       dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -31,8 +31,11 @@ def check_grpo_changes(changes: dict, trainer: Any, kind: Any = None) -> None:
         given = [k for k in given if k != "beta"]
     if not given:
         return
-    other = type(trainer).__name__ if trainer is not None and not is_grpo_trainer(trainer) else (
-        f"a {kind} run" if trainer is None and kind not in (None, "grpo") else None)
+    other = None   # the run's kind when it is not GRPO
+    if trainer is not None and not is_grpo_trainer(trainer):
+        other = type(trainer).__name__
+    if trainer is None and kind not in (None, "grpo"):
+        other = f"a {kind} run"
     if other is not None:
         if "temperature" in given:
             raise ValueError(f"a fork can change temperature only in a GRPO run; {other} samples no completions")

@@ -230,8 +230,8 @@ class UnitRun:
         args = [adam_args(lr=lr * scale, beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps, weight_decay=wd,
                           step=step, decay_end=hi if wd else lo, regions=[(lo, hi)], width=width, lo=lo, hi=hi)
                 for lo, hi, wd, scale in lr_pieces(self.unit, a, b, adam.weight_decay)]
-        w = params if params is not None else self.params if a == 0 and b == len(self.params) else self.params[a:b]
-        g = grads if a == grads_at and b - a == len(grads) else grads[a - grads_at:b - grads_at]
+        w = params if params is not None else self.params[a:b]
+        g = grads[a - grads_at:b - grads_at]
         chunk.step(w, g, args, team=adam.team)
 
     def finish(self, grads: torch.Tensor, grad_norm: Optional[float] = None) -> None:

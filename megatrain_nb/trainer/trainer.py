@@ -237,12 +237,17 @@ class Trainer:
             if not (folder / "config.json").is_file():
                 raise ValueError(f"model={str(model)!r} is not a local model folder (no config.json in it); "
                                  "pass a folder written by save_pretrained, or a model object")
-            return None, StreamingEngine.from_pretrained(str(folder), config, workload=run_workload(self.args, seq_len),
+            return None, StreamingEngine.from_pretrained(str(folder), config, workload=self._planned_workload(seq_len),
                                                          codec_from=codec_from)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a *ForCausalLM module, a local folder or a StreamingEngine; "
                             f"got {type(model).__name__}")
-        return model, StreamingEngine(model, config, workload=run_workload(self.args, seq_len), codec_from=codec_from)
+        return model, StreamingEngine(model, config, workload=self._planned_workload(seq_len), codec_from=codec_from)
+
+    def _planned_workload(self, seq_len: Optional[int]) -> Workload:
+        """The workload the engine is planned at (:func:`run_workload`; the SFT and DPO trainers
+        add their vision rows' image tokens, counted before the engine is built)."""
+        return run_workload(self.args, seq_len)
 
     @property
     def engine(self):

@@ -319,7 +319,9 @@ class Pager:
         except Exception:
             pass
 
-    def close(self) -> None:
+    def close(self, transport: bool = True) -> None:
+        """Slots, threads and staging dropped; ``transport``: the transport closed too (False: a
+        second pager on a transport the engine's pager owns -- compute/vision_stream.py)."""
         self.reset()
         self._h2d.shutdown(wait=True)
         self._d2h.shutdown(wait=True)
@@ -327,4 +329,5 @@ class Pager:
         if self.transport.stages:
             self._grad_dev.clear()
             self._grad_host.clear()
-        self.transport.close()   # last: its pinned pool hands back the blocks dropped above
+        if transport:
+            self.transport.close()   # last: its pinned pool hands back the blocks dropped above

@@ -18,8 +18,16 @@ new tokens per row, greedy, no end of sequence (every row decodes every token):
   over 8 (each unit's weights cross once per token for all rows: the more rows, the more tokens
   per crossing). Target >= 6. (On a CPU "device" the rows' matrix products grow with the rows:
   the crossing is a memory copy, not a PCIe transfer, so the growth is the compute's.)
+- ``grpo_resident_generate_tokens_per_s_8_to_64``: the same ratio for transformers' ``generate``
+  on the resident copy, timed in the same rounds (no target: the CPU's own growth with the rows).
 
-The four decodings (streamed and resident at ``--rows``, streamed at 8 and 64) are timed in turn,
+Beside them: the matrix products of a decoding alone (the model's weights, random inputs) at 8
+and 64 rows, timed in the same rounds: FLOPs per row per pass, the rate, and the best 64/8 the
+decoder could reach were nothing but them to grow with the rows; and a pass's time split at 8
+and 64 rows (:func:`pass_split`: timers of this bench around the decoder's parts, on a decoding
+of their own).
+
+The decodings (streamed and resident at 8, 64 and ``--rows``) are timed in turn,
 round after round (``--decode-reps`` rounds after one to warm up); the figures use each one's best
 round, the run least disturbed by whatever else the machine runs, and the medians are printed.
 
@@ -122,8 +130,40 @@ def decode_loads(engine, vocab: int, tokens: int) -> None:
         result(f"grpo_decode_weight_loads_per_token[{n}]", max(per), "loads/unit/token", "==", 1)
 
 
+def _linears(resident, rows: int, prompts: int, prompt_len: int, tokens: int):
+    """The matrix products of a streamed decoding of ``rows`` rollouts on the model's own weights
+    (random inputs): the prefill's ``prompts`` x ``prompt_len`` tokens through every decoder
+    layer's linear layers and the head on their last position, then ``tokens - 1`` passes of
+    ``rows`` rows. Returns (a function running them, FLOPs per row per pass, FLOPs of the decoding)."""
+    import torch
+    import torch.nn.functional as F
+
+    top = resident.get_output_embeddings()
+    head = top.weight.detach()
+    ws = [m.weight.detach() for m in resident.modules() if isinstance(m, torch.nn.Linear) and m is not top]
+    ins = {w.shape[1] for w in ws + [head]}
+
+    def run(n):
+        x = {d: torch.randn(n, d) for d in ins}
+        for w in ws:
+            F.linear(x[w.shape[1]], w)
+
+    def decoding():
+        with torch.no_grad():
+            run(prompts * prompt_len)
+            F.linear(torch.randn(prompts, head.shape[1]), head)
+            for _ in range(tokens - 1):
+                run(rows)
+                F.linear(torch.randn(rows, head.shape[1]), head)
+
+    layer, top = 2 * sum(w.numel() for w in ws), 2 * head.numel()
+    return (decoding, layer + top,
+            layer * (prompts * prompt_len + (tokens - 1) * rows) + top * (prompts + (tokens - 1) * rows))
+
+
 def decode_speed(engine, resident, vocab: int, a) -> None:
-    """Streamed vs resident tokens/s at ``--rows``; streamed tokens/s at 64 over 8 rollouts."""
+    """Streamed vs resident tokens/s at ``--rows``; tokens/s at 64 over 8 rollouts, streamed and
+    resident; the matrix products' own growth from 8 to 64 rows (the arithmetic floor)."""
     import torch
 
     from megatrain_nb.engine.compute.decode import StreamedDecoder
@@ -152,15 +192,115 @@ def decode_speed(engine, resident, vocab: int, a) -> None:
         tok = {k: len(rows) * a.decode_tokens for k, (_, rows) in runs.items()}
         return ({k: tok[k] / min(v) for k, v in times.items()}, {k: tok[k] / median(v) for k, v in times.items()})
 
-    many = _rows(vocab, a.rows)
-    best, med = rates({"streamed": (streamed, many), "resident": (generate, many),
-                       "streamed 8": (streamed, _rows(vocab, 8)), "streamed 64": (streamed, _rows(vocab, 64))})
+    sets = {n: _rows(vocab, n) for n in sorted({8, 64, a.rows})}
+    mm = {n: _linears(resident, n, len(set(map(tuple, sets[n]))), 16, a.decode_tokens) for n in (8, 64)}
+    runs = {f"streamed {n}": (streamed, sets[n]) for n in sets}
+    runs.update({f"resident {n}": (generate, sets[n]) for n in sets})
+    runs.update({f"matmuls {n}": (lambda rows, f=mm[n][0]: f(), sets[n]) for n in mm})
+    best, med = rates(runs)
     for k in best:
         print(f"{k}: {best[k]:.0f} tokens/s best, {med[k]:.0f} median of {a.decode_reps}")
-    print(f"medians: streamed/resident {med['streamed'] / med['resident']:.3g}x, 64/8 "
-          f"{med['streamed 64'] / med['streamed 8']:.3g}x")
-    result("grpo_streamed_decode_vs_resident_generate", best["streamed"] / best["resident"], "x", ">=", 0.8)
+    s, r = f"streamed {a.rows}", f"resident {a.rows}"
+    print(f"medians: streamed/resident {med[s] / med[r]:.3g}x, 64/8 streamed "
+          f"{med['streamed 64'] / med['streamed 8']:.3g}x, resident {med['resident 64'] / med['resident 8']:.3g}x")
+    result("grpo_streamed_decode_vs_resident_generate", best[s] / best[r], "x", ">=", 0.8)
     result("grpo_streamed_decode_tokens_per_s_8_to_64", best["streamed 64"] / best["streamed 8"], "x", ">=", 6)
+    print(f"RESULT grpo_resident_generate_tokens_per_s_8_to_64 {best['resident 64'] / best['resident 8']:.4g} x "
+          "(transformers' generate on the resident copy, the same rounds: the CPU's own growth; no target)", flush=True)
+    floor(best, mm, a.decode_tokens)
+    print_split({n: pass_split(engine, dec, sets[n], gc) for n in (8, 64)})
+
+
+def floor(best, mm, tokens: int) -> None:
+    """The matrix products' share of the growth from 8 to 64 rows: the best 64/8 the streamed
+    decoder could reach were nothing but them to grow with the rows (its 8-row time as measured)."""
+    t = {n: n * tokens / best[f"matmuls {n}"] for n in (8, 64)}              # seconds per decoding
+    t8 = 8 * tokens / best["streamed 8"]
+    rate = mm[64][2] / t[64]
+    print(f"matrix products of a decoding (the layers' linear layers and the head, the prefill's distinct prompts "
+          f"included): 8 rows {t[8] * 1e3:.1f} ms, 64 rows {t[64] * 1e3:.1f} ms; {mm[64][1] / 1e6:.2f} MFLOP per row "
+          f"per pass at {rate / 1e9:.0f} GFLOP/s (64 rows) = {mm[64][1] / rate * 1e3:.3f} ms per row per pass; "
+          f"streamed 8 rows {t8 * 1e3:.1f} ms a decoding, so with nothing but the matrix products growing 64/8 "
+          f"would be at most {8 * t8 / (t8 + t[64] - t[8]):.2f}x")
+
+
+def pass_split(engine, dec, rows, gc) -> dict:
+    """ms per pass of one streamed decoding of ``rows``, split by timers around its parts (hooks
+    of this bench, removed after; the figures' decodings run without them): the weight copies (the
+    compute's wait on them; the copy thread's own time, overlapped, beside), the layers' linear
+    layers, the attention and KV cache (the attention modules less their linear layers), the rest
+    of the layers (norms, activation, residuals), the engine around each layer (slot, binding;
+    less the wait), the head's product, the sampling and log-probs (``decode.pick``), and the rest
+    (the embedding, the base model's masks and rotary tables, the head's call, the decoder's loop)."""
+    import torch
+
+    from megatrain_nb.engine.compute import decode
+    from megatrain_nb.engine.proxies import LayerProxy
+
+    spent = dict.fromkeys(("linear", "attn_linear", "attention", "layer", "proxy", "head", "pick"), 0.0)
+    hooks, at = [], {}
+
+    def timed(keys, mod):
+        def pre(m, *_):
+            at[m] = time.perf_counter()
+
+        def post(m, *_):
+            for k in keys:
+                spent[k] += time.perf_counter() - at[m]
+        hooks.extend([mod.register_forward_pre_hook(pre, with_kwargs=True),
+                      mod.register_forward_hook(post, with_kwargs=True)])
+
+    for m in engine.model.modules():
+        if isinstance(m, LayerProxy):
+            timed(("proxy",), m)
+            timed(("layer",), m._mt_unit.module)
+            for name, sub in m._mt_unit.module.named_modules():
+                if isinstance(sub, torch.nn.Linear):
+                    timed(("linear", "attn_linear") if "attn" in name else ("linear",), sub)
+                elif name.endswith("attn"):
+                    timed(("attention",), sub)
+    timed(("head",), engine.model.get_output_embeddings())
+    pick = decode.pick
+
+    def timed_pick(*args):
+        t0 = time.perf_counter()
+        try:
+            return pick(*args)
+        finally:
+            spent["pick"] += time.perf_counter() - t0
+    tel = engine.counters
+    stall0, copy0 = tel.stall_seconds.get("device", 0.0), tel.link_seconds.get("host_to_device", 0.0)
+    decode.pick = timed_pick
+    try:
+        t0 = time.perf_counter()
+        passes = dec.generate(rows, gc).stats["passes"]
+        total = time.perf_counter() - t0
+    finally:
+        decode.pick = pick
+        for h in hooks:
+            h.remove()
+    stall = tel.stall_seconds.get("device", 0.0) - stall0
+    got = spent
+    parts = {"weight copies, the compute's wait": stall,
+             "layers' linear layers": got["linear"],
+             "attention and KV cache (less its linear layers)": got["attention"] - got["attn_linear"],
+             "the layers' norms, activation, residuals": got["layer"] - got["attention"] - got["linear"]
+             + got["attn_linear"],
+             "engine around each layer (slot, binding)": got["proxy"] - got["layer"] - stall,
+             "head product": got["head"],
+             "sampling and log-probs": got["pick"],
+             "rest (embedding, masks, rotary, head call, loop)": total - got["proxy"] - got["head"] - got["pick"]}
+    ms = 1e3 / passes
+    return {"passes": passes, "pass ms": total * ms, "copy thread ms (overlapped)":
+            (tel.link_seconds.get("host_to_device", 0.0) - copy0) * ms, **{k: v * ms for k, v in parts.items()}}
+
+
+def print_split(splits) -> None:
+    """The splits of :func:`pass_split` side by side, ms per pass."""
+    ns = list(splits)
+    print("a pass's time split, ms per pass (timers on): " + " | ".join(f"{n} rows" for n in ns))
+    for k in splits[ns[0]]:
+        print(f"  {k}: " + " | ".join(f"{splits[n][k]:.2f}" for n in ns))
 
 
 # ---------------------------------------------------------------------------------- training step

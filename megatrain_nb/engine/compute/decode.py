@@ -199,6 +199,20 @@ def draw(probs: torch.Tensor, generator) -> torch.Tensor:
     return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(probs.device)
 
 
+def pick(logits, seqs, procs, gc: GenerationConfig, temperature: float, generator, alive):
+    """(tokens, their log-probs) of one pass: ``procs`` on the rows' ``logits`` [rows, vocab], then
+    a draw (``gc.do_sample``; ``generator`` a list: one per row of ``alive``) or the arg max; the
+    log-probs are those of the raw ``logits / temperature``."""
+    scores = procs(seqs, logits)
+    if gc.do_sample:
+        rows_gen = [generator[i] for i in alive.tolist()] if isinstance(generator, (list, tuple)) else generator
+        tok = draw(torch.softmax(scores, dim=-1), rows_gen)
+    else:
+        tok = torch.argmax(scores, dim=-1)
+    lp = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1).gather(1, tok[:, None])[:, 0]
+    return tok, lp
+
+
 def left_padded(rows: Sequence[Sequence[int]], pad: int):
     """(ids, mask, positions) [len(rows), longest], left-padded; positions as ``generate``'s."""
     n = max(len(r) for r in rows)
@@ -298,15 +312,7 @@ class StreamedDecoder:
         filler = False   # (lockstep ranks: this one's rows all ended, another's decode on)
         for t in range(steps):
             if not filler:
-                scores = procs(seqs, logits)
-                if gc.do_sample:
-                    rows_gen = [generator[i] for i in alive.tolist()] if isinstance(generator, (list, tuple)) \
-                        else generator
-                    tok = draw(torch.softmax(scores, dim=-1), rows_gen)
-                else:
-                    tok = torch.argmax(scores, dim=-1)
-                lp = torch.log_softmax(logits if temperature == 1 else logits / temperature,
-                                       dim=-1).gather(1, tok[:, None])[:, 0]
+                tok, lp = pick(logits, seqs, procs, gc, temperature, generator, alive)
                 picked.append((alive, tok, lp))
                 keep = ~torch.isin(tok, stops)
             going = not filler and bool(keep.any())

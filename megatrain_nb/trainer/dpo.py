@@ -45,7 +45,7 @@ from .dpo_reference import (ReferenceCache, ReferenceStopped, cache_parts, check
                             reference_pass, weights_fingerprint, with_reference)
 from .sft_data import first_row, require_trl
 from ..engine.vision import is_image_text_model
-from .sft_vision import is_processor, is_vision_row, save_with_processor
+from .sft_vision import is_processor, is_vision_row, save_with_processor, vision_rows_plan, with_image_tokens
 from .trainer import Trainer
 
 # DPOConfig fields (beyond TrainingArguments') that the trainer honours, and those that cannot
@@ -235,6 +235,9 @@ class DPOTrainer(Trainer):
         self._live_ref = None   # the reference's engine, kept while a streamed dataset trains
         ref_source = ref_model if ref_model is not None else model
         self._ref_weights = weights_fingerprint(ref_source) if isinstance(ref_source, torch.nn.Module) else None
+        # vision pairs: the engine is planned at their rows' length and image tokens (counted ahead of it)
+        self._vision_rows = (vision_rows_plan(self.processor, train_dataset, args.max_length, preference=True)
+                             if self.vision and self.processor is not None else None)
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
         if self._ref_weights is None:
@@ -292,6 +295,9 @@ class DPOTrainer(Trainer):
         return PreferenceCollator(data_collator)
 
     # ------------------------------------------------------------------ data and reference
+    def _planned_workload(self, seq_len):
+        return with_image_tokens(super()._planned_workload(seq_len), self._vision_rows)
+
     def _check_vision(self, model, args) -> None:
         """TRL's vision contract (trainer/dpo_vision.py): a processor, a vision-language model, its settings."""
         if self.processor is None:

@@ -47,6 +47,7 @@ from .sft_data import (PrepReport, SFTDataOptions, as_dataset, detect_format, fi
                        require_trl, to_trl_rows)
 from .sft_prepare import prepare_sft_dataset
 from .sft_vision import (VISION_HEAD, UserVisionCollator, VisionCollator, check_vision_args, check_vision_rows,
+                         vision_rows_plan, with_image_tokens,
                          is_processor, is_vision_row, save_with_processor, with_row_index)
 from .trainer import Trainer
 
@@ -220,6 +221,11 @@ class SFTTrainer(Trainer):
         check_eval_plan(args, eval_dataset)
         self.metrics = TokenMetrics(args.loss_type)
         self._eval_prefix, self._eval_extra = None, {}
+        # vision rows: the engine is planned at their length and image tokens (counted ahead of it)
+        self._vision_rows = (vision_rows_plan(processing_class, train_dataset, args.max_length,
+                                              args.dataset_text_field)
+                             if is_processor(processing_class) and is_vision_row(first_row(train_dataset,
+                                                                                           "train_dataset")) else None)
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
                          callbacks=[MetricsSchedule(self.metrics)] + list(callbacks or []), loss_fn=self.metrics,
                          **engine_options)
@@ -243,6 +249,9 @@ class SFTTrainer(Trainer):
         self.train_dataset = self._prepare(train_dataset, args.packing, "train_dataset")
         if eval_dataset is not None:
             self.eval_dataset = self._prepare(eval_dataset, self._eval_packing, "eval_dataset")
+
+    def _planned_workload(self, seq_len):
+        return with_image_tokens(super()._planned_workload(seq_len), self._vision_rows)
 
     def _setup_text(self, train_dataset, args, data_collator, formatting_func):
         """The collator of text rows (TRL's DataCollatorForLanguageModeling); the loss settings."""

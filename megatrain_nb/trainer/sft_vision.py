@@ -27,6 +27,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -35,7 +36,7 @@ import torch
 
 from . import saving
 from .data import EXTRA_INPUTS, DataError
-from .sft_data import PrepReport, column_names
+from .sft_data import PrepReport, column_names, head_rows
 
 #: The column a vision dataset carries so that a batch's rows can be named ("train_dataset[12]"); taken off
 #: before TRL's collator.
@@ -175,6 +176,59 @@ def image_token_ids(processor) -> set:
     if isinstance(token, str) and token in tok.get_vocab():
         ids.add(tok.convert_tokens_to_ids(token))
     return ids
+
+
+#: rows a vision dataset's plan is made from (the processor runs on them before the engine is built)
+PLAN_ROWS = 8
+
+
+def planned_rows(collate, rows: list, image_ids, max_length: Optional[int]) -> Optional[tuple]:
+    """(the longest row's tokens -- at most ``max_length`` --, the most image tokens a row has) of
+    ``rows`` as ``collate`` (TRL's vision collator, ``max_length=None``) makes them: what the
+    engine's plan prices a step at (``Workload.seq``, ``Workload.image_tokens``), counted before
+    the engine is built. None where it cannot say (no rows, no image token id, the processor
+    refused a row: the rows are checked, and named, when they are prepared)."""
+    if not rows or not image_ids:
+        return None
+    try:
+        out = collate([dict(r) for r in rows])
+    except Exception:   # (a probe: a row the collator refuses is named when the data is prepared)
+        return None
+    ids, lengths = out["input_ids"], out["attention_mask"].sum(dim=1)
+    images = torch.isin(ids, torch.tensor(sorted(image_ids), dtype=ids.dtype)).sum(dim=1)
+    seq = int(lengths.max())
+    return (min(seq, max_length) if max_length else seq), int(images.max())
+
+
+def vision_rows_plan(processor, dataset, max_length: Optional[int], text_field: str = "text",
+                     preference: bool = False) -> Optional[tuple]:
+    """:func:`planned_rows` of ``dataset``'s first :data:`PLAN_ROWS` rows, collated by TRL's vision
+    collator for ``processor`` (``preference``: its preference pairs' collator, chosen and
+    rejected rows both counted)."""
+    if preference:
+        from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+        collate = DataCollatorForVisionPreference(processor=processor, max_length=None)
+        keep = {"prompt", "chosen", "rejected", "image", "images", "tools", "chat_template_kwargs"}
+    else:
+        from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+        collate = DataCollatorForVisionLanguageModeling(processor=processor, max_length=None,
+                                                        dataset_text_field=text_field)
+        keep = set(VISION_COLUMNS) | {text_field}
+    try:
+        rows = head_rows(dataset, PLAN_ROWS)
+    except Exception:   # (a probe: a dataset it cannot read is named when it is prepared)
+        return None
+    rows = [{k: v for k, v in dict(r).items() if k in keep} for r in rows]
+    return planned_rows(collate, rows, image_token_ids(processor), max_length)
+
+
+def with_image_tokens(work, rows: Optional[tuple]):
+    """``work`` (a run's :class:`~megatrain_nb.engine.planning.planner.Workload`) with the vision
+    rows' length and image tokens (:func:`vision_rows_plan`; as it is where None)."""
+    if rows is None:
+        return work
+    seq, images = rows
+    return dataclasses.replace(work, seq=max(seq, images), image_tokens=images)
 
 
 class VisionCollator:

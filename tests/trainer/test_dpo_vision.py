@@ -220,3 +220,25 @@ def test_evaluation_with_images_matches_trl_and_save_model_writes_the_processor(
     loaded = dict(AutoModelForImageTextToText.from_pretrained(folder).named_parameters())
     assert all(torch.equal(loaded[n], w) for n, w in trainer.engine.named_parameters())
     trainer.close()
+
+
+def test_the_engine_is_planned_at_the_pairs_image_tokens(setup, tmp_path):
+    """The engine is built before the pairs are collated: its workload counts the rows' image tokens
+    (the prompt's images, by the processor's own image processor: patches over the 2x2 merge) and
+    their length (TRL's preference collator's chosen and rejected rows), not a text-only default."""
+    import megatrain_nb as mt
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    from megatrain_nb.trainer.sft_vision import PLAN_ROWS
+
+    proc, model, ds = setup
+    rows = [dict(ds[i]) for i in range(min(PLAN_ROWS, len(ds)))]
+    grids = [proc.image_processor(images=r["images"], return_tensors="pt")["image_grid_thw"] for r in rows]
+    images = max(int(g.prod(-1).sum()) // 4 for g in grids)
+    out = DataCollatorForVisionPreference(processor=proc, max_length=None)([dict(r) for r in rows])
+    trainer = mt.DPOTrainer(model=copy.deepcopy(model), args=dpo_config(tmp_path, max_steps=1), train_dataset=ds,
+                            processing_class=copy.deepcopy(proc), device="cpu")
+    work = trainer.engine.workload
+    assert images > 0
+    assert (work.image_tokens, work.seq) == (images, int(out["attention_mask"].sum(dim=1).max()))
+    trainer.close()

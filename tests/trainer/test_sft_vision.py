@@ -282,3 +282,24 @@ def test_resume_from_a_checkpoint_is_exact(setup, tmp_path):
     streamed.train()
     assert len([r for r in streamed.state.log_history if "loss" in r]) == 2
     streamed.close()
+
+
+def test_the_engine_is_planned_at_the_rows_image_tokens(setup, tmp_path):
+    """The engine is built (and planned) before the data is prepared: its workload counts the rows'
+    image tokens (each row's images' patches over the 2x2 merge, by the processor's own image
+    processor) and their length (TRL's collator's rows), not a text-only default."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from megatrain_nb.trainer.sft_vision import PLAN_ROWS
+
+    proc, _, ds = setup
+    rows = [ds[i] for i in range(PLAN_ROWS)]
+    grids = [proc.image_processor(images=r["images"], return_tensors="pt")["image_grid_thw"] for r in rows]
+    images = max(int(g.prod(-1).sum()) // 4 for g in grids)
+    out = DataCollatorForVisionLanguageModeling(processor=proc, max_length=None)([dict(r) for r in rows])
+    trainer = _trainer(setup, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    work = trainer.engine.workload
+    assert images > 0
+    assert (work.image_tokens, work.seq) == (images, int(out["attention_mask"].sum(dim=1).max()))
+    assert (work.batch, work.accumulation) == (2, 3)
+    trainer.close()

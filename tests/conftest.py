@@ -86,6 +86,9 @@ def pytest_cmdline_main(config):
         config.option.numprocesses = workers
         if config.option.dist == "no":
             config.option.dist = "loadgroup"
+            # the work goes out in the order `_longest_first` gives (xdist's own reorder would put
+            # the groups of most tests first, whatever they take)
+            config.option.loadscopereorder = False
 
 
 def pytest_addoption(parser):
@@ -197,6 +200,37 @@ SLOW_TESTS = {
     "tests/trainer/test_grpo.py::test_a_model_folder_trains_as_the_module",
 }
 
+# The longest tests of the last quiet CI run (their call time in seconds, `--durations`; a name
+# without a case id stands for every case of it): in a run of several workers they start first,
+# longest first (`_longest_first` below), so that no long test starts last and leaves the other
+# workers idle at the end. Only an order: a test missing here is merely started later.
+LONGEST = {
+    "tests/distributed/test_session_explore.py::test_snapshot_rewind_resume_and_fork_of_two_ranks_are_bit_exact": 91,
+    "tests/notebook/test_notebooks.py::test_notebook_executes[01-quickstart]": 55,
+    "tests/engine/test_tiers.py::test_large_model_never_whole_in_ram[safetensors]": 42,
+    "tests/lab/test_e2e_browser.py::test_quickstart_notebook": 41,
+    "tests/notebook/test_notebooks.py::test_notebook_executes[02-your-own-model]": 41,
+    "tests/distributed/test_zero3_flow.py::test_two_rank_launches_exit_cleanly_in_a_loop": 41,
+    "tests/trainer/test_soak.py::test_short_soak_with_pauses_lr_changes_and_kill9_resumes": 38,
+    "tests/distributed/test_sft_torchrun.py::test_sft_two_ranks_equal_one_process": 29,
+    "tests/trainer/test_grpo_ranks.py::test_a_two_rank_checkpoint_resumes_in_one_process": 32,
+    "tests/notebook/test_notebooks.py::test_notebook_executes": 25,
+    "tests/distributed/test_session_explore.py::test_a_fork_of_running_ranks_pauses_its_parent_when_it_starts": 27,
+    "tests/distributed/test_trainer_torchrun.py::test_rank_death_then_rerun_with_resume_true": 27,
+    "tests/distributed/test_sft_session.py::test_session_with_an_sft_config_trains_an_sft_trainer_on_two_ranks": 26,
+    "tests/engine/test_tiers.py::test_large_model_never_whole_in_ram[meta]": 26,
+    "tests/distributed/test_dpo_torchrun.py::test_dpo_two_ranks_equal_one_process": 25,
+    "tests/notebook/test_dashboard_browser.py::test_dashboard_renders_and_steers_the_run": 25,
+    "tests/notebook/test_untrusted_browser.py::test_an_untrusted_notebook_shows_the_snapshot_and_the_histogram_whole": 24,
+    "tests/distributed/test_dpo_session.py::test_session_with_a_dpo_config_trains_a_dpo_trainer_on_two_ranks": 24,
+    "tests/notebook/test_run_tree_live_browser.py::test_the_branches_chart_follows_rewinds_and_forks": 24,
+    "tests/distributed/test_trainer_torchrun.py::test_rank_death_restarts_and_resumes_exactly": 23,
+    "tests/trainer/test_grpo_ranks.py::test_two_ranks_equal_one_process": 22,
+}
+#: what a test not in LONGEST is taken to take: a slow one (a process, a notebook, a browser,
+#: many steps), any other
+SLOW_GUESS_S, FAST_GUESS_S = 8.0, 0.5
+
 # Tests that time how soon something answers (a command applied within a second, `train()`
 # returning within 0.3 s, a kernel's first answer within 2 s, a failed rank seen within a bound):
 # in a run of two workers each runs with no test of the other worker beside it
@@ -208,7 +242,11 @@ ALONE_TESTS = {
     "tests/lab/test_handlers.py::test_command_reaches_the_session_within_a_second",
     "tests/lab/test_beacon.py::test_command_takes_effect_within_one_second",
     "tests/notebook/test_kernel_launcher.py",
-    "tests/distributed/test_launcher.py",
+    # (of tests/distributed/test_launcher.py, the two that time an answer: `train()` returning within
+    # 3 s, the killed rank seen within SEEN_LATE_S of the error it caused; its others wait on
+    # bounds of a minute and run beside other tests)
+    "tests/distributed/test_launcher.py::test_launcher_pause_lr_checkpoint_stop_land_on_every_rank_at_one_step",
+    "tests/distributed/test_launcher.py::test_a_rank_killed_with_signal_9_is_named_first_not_the_rank_its_death_broke",
     "tests/engine/test_disk_store.py::test_a_read_that_takes_seconds_still_returns_the_right_data",
     "tests/engine/test_disk_store.py::test_eio_on_a_read_is_a_clear_error_in_bounded_time",
 }
@@ -283,12 +321,38 @@ def _group_shared_fixtures(items):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
+def _guess_s(item) -> float:
+    name = item.nodeid.split("@", 1)[0]
+    known = LONGEST.get(name, LONGEST.get(name.split("[", 1)[0]))
+    if known is not None:
+        return known
+    return SLOW_GUESS_S if item.get_closest_marker("slow") else FAST_GUESS_S
+
+
+def _longest_first(items) -> None:
+    """(A worker's collection, which xdist hands out in its order.) Each unit of work (a test, or
+    the tests of a group, kept together and in their order) in this order: the tests that must run
+    alone first (run at the start, one after another, they never wait for a long test of another
+    worker to end, nor keep another worker waiting mid-run), then the longest first (by LONGEST,
+    else a guess by the slow mark), the collection's order among equals."""
+    units: dict = {}
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        units.setdefault("_".join(groups) or item.nodeid, []).append(item)
+    ordered = sorted(enumerate(units.values()), key=lambda u: (
+        not any(_alone(i) for i in u[1]), -sum(_guess_s(i) for i in u[1]), u[0]))
+    items[:] = [item for _, unit in ordered for item in unit]
+
+
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Marks the slow kinds and groups the tests that share a module's fixture; without chromium
     (or playwright) the browser tests are left out, with one line saying why."""
     _mark_slow_kinds(items, config.args)
     _group_shared_fixtures(items)
+    if WORKER:
+        _longest_first(items)
     from tests.browser import missing
 
     browser = [item for item in items if item.get_closest_marker("browser")]

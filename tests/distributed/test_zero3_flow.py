@@ -14,10 +14,19 @@ CASES = list(flow.CASES)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def launch(tmp_path_factory):
+    """One two-rank launch of every case: its results, and the process (the first launch of
+    ``test_two_rank_launches_exit_cleanly_in_a_loop``)."""
     out = tmp_path_factory.mktemp("zero3")
-    check(torchrun(Path(flow.__file__), str(out), ",".join(CASES), nproc=2, timeout=300))
-    return {c: torch.load(out / f"{c}.pt") for c in CASES}
+    proc = torchrun(Path(flow.__file__), str(out), ",".join(CASES), nproc=2, timeout=300,
+                    env={"PYTHONFAULTHANDLER": "1"})
+    check(proc)
+    return proc, {c: torch.load(out / f"{c}.pt") for c in CASES}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(launch):
+    return launch[1]
 
 
 def _max_rel(a: dict, b: dict, element: float = 1e-5) -> float:
@@ -78,18 +87,20 @@ def test_bytes_sent_per_step_near_the_floor(two_ranks):
 
 
 @pytest.mark.slow
-def test_two_rank_launches_exit_cleanly_in_a_loop(tmp_path):
+def test_two_rank_launches_exit_cleanly_in_a_loop(tmp_path, launch):
     """Issue 33: one launch in ~12 aborted at exit ("terminate called without an active exception",
     SIGABRT): a gloo worker thread released a finished all-gather's tensors while the interpreter
     was being torn down (the groups' threads lived as long as their Python objects). Dist.close
-    now ends them in order. A few launches here; ``MEGATRAIN_NB_LAUNCH_LOOPS=30`` for more
-    (scripts/loop_two_ranks.sh)."""
+    now ends them in order. A few launches here, the module's launch of every case the first of
+    them; ``MEGATRAIN_NB_LAUNCH_LOOPS=30`` for more (scripts/loop_two_ranks.sh)."""
     import os
 
-    for i in range(int(os.environ.get("MEGATRAIN_NB_LAUNCH_LOOPS", "3"))):
+    procs = [launch[0]]
+    for i in range(1, int(os.environ.get("MEGATRAIN_NB_LAUNCH_LOOPS", "3"))):
         out = tmp_path / str(i)
         out.mkdir()
-        proc = torchrun(Path(flow.__file__), str(out), "adamw", nproc=2, timeout=300,
-                        env={"PYTHONFAULTHANDLER": "1"})
-        check(proc)
+        procs.append(torchrun(Path(flow.__file__), str(out), "adamw", nproc=2, timeout=300,
+                              env={"PYTHONFAULTHANDLER": "1"}))
+        check(procs[-1])
+    for i, proc in enumerate(procs):
         assert "terminate called" not in proc.stderr + proc.stdout, (i, proc.stderr[-3000:])

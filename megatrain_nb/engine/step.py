@@ -105,14 +105,15 @@ class StepRunner:
     ``grad_buffer(numel)``: where a unit's gradient sum is formed (a CPU "device": the update
     scheduler's pool, handed over whole, adopted without a copy); None: fresh device tensors.
     ``vision``: (how many micro-batches' vision graphs a group keeps, whether the tower runs by
-    blocks): the plan's placement of a VLM's vision tower (``vision.ImageFeatures``)."""
+    blocks[, the tower's blocks streamed: a ``compute/vision_stream.TowerStream`` or None]): the
+    plan's placement of a VLM's vision tower (``vision.ImageFeatures``)."""
 
     def __init__(self, model, units: List[Unit], pager, placeholders, boundary: BoundaryStore, *,
                  device: torch.device, checkpoint_interval: int, loss_chunk_tokens: int,
                  plan_reads: Callable[[List[Unit], Optional[StepContext]], None],
                  grad_buffer: Optional[Callable[[int], torch.Tensor]] = None,
                  tile_tokens: Optional[int] = None, device_budget: Optional[int] = None,
-                 reached: Optional[Callable] = None, vision: Tuple[Optional[int], bool] = (None, False)):
+                 reached: Optional[Callable] = None, vision: tuple = (None, False)):
         self.model = model
         self.units = units
         self.embed, self.head, self.layers = units[0], units[-1], units[1:-1]
@@ -127,6 +128,7 @@ class StepRunner:
         self.meter = ActivationMeter(boundary, pager)   # device bytes of activations: now, peak
         # a VLM's image features: the vision tower once per micro-batch, its graph kept (vision.py)
         self.images = ImageFeatures(self.base, self.meter, keep=vision[0], by_blocks=vision[1])
+        self.tower = vision[2] if len(vision) > 2 else None   # the streamed tower's blocks (or None)
         self.loss_head = LossHead(model, base_name, self.base, path, loss_chunk_tokens, self.meter)
         # the units' fp32 gradient sums on the device (``reached``: told what an outer unit's backward reached)
         self.sums = GradSums(pager, device, grad_buffer, reached)
@@ -177,6 +179,11 @@ class StepRunner:
                 order += list(reversed(layers[b:end]))     # then its backward
         return [u for u in order if u.numel > 0]
 
+    def close(self) -> None:
+        """The streamed vision tower's pager (slots, threads) dropped; the engine's pager is the engine's."""
+        if self.tower is not None:
+            self.tower.close()
+
     def _start(self, order: List[Unit], step: Optional[StepContext]) -> None:
         self.plan_reads(order, step)  # set first: the pager starts fetching at once
         self.pager.set_schedule(order)
@@ -187,6 +194,8 @@ class StepRunner:
             unbind(u, self.placeholders)
         self.pager.reset()
         self.images.clear()
+        if self.tower is not None:
+            self.tower.reset()
 
     # ------------------------------------------------------------------ the model's own code
     def layer_call(self, unit: Unit, args, kwargs):
@@ -482,8 +491,9 @@ class StepRunner:
             roots, grads = graph_roots(again, arg_grads[a])
             roots, grads = [h0] + roots, [gs[a]] + grads
             keep = [i for i, t in enumerate(roots) if t.requires_grad]
-            if keep:
-                torch.autograd.backward([roots[i] for i in keep], [grads[i] for i in keep])
+            if keep:   # (a streamed vision tower's blocks re-run in it: their gradients leave as they are done)
+                with self.tower.backward() if self.tower is not None else contextlib.nullcontext():
+                    torch.autograd.backward([roots[i] for i in keep], [grads[i] for i in keep])
             gs[a] = arg_grads[a] = None
             del h0, roots, grads, again
             if embed.numel:

@@ -422,6 +422,7 @@ class StreamingEngine(HoldsParts):
                 self.updates.close()
                 self.states.close()
                 self.boundary.close()
+                self.runner.close()   # (a streamed vision tower's pager, on the transport closed below)
                 self.pager.close()
                 self.weights.reset()
                 if self.disk is not None:

@@ -38,6 +38,7 @@ MEGATRAIN_NB_KEEP_SNAPSHOTS | trainer/control.py | all | how many of those snaps
 MEGATRAIN_NB_CONTROLLER_PID | notebook/launch_worker.py | unset | the launching kernel's pid: a worker whose controller is gone stops (set by the Session)
 MEGATRAIN_DIST_TIMEOUT_S | engine/ranks/dist.py | 600 | seconds a collective waits for the other ranks before the run fails
 MEGATRAIN_NB_PLAN_BY | engine/planning/plan_pick.py | auto | rules: every engine plans by the planner's rules even when the machine's rates are known, as EngineOverrides(plan_by='rules') (the test suite sets it: its plans must not follow a cached measurement)
+MEGATRAIN_NB_VISION_PLACEMENT | engine/compute/vision_stream.py | the planner's | resident, blocks or streamed: a vision-language model's vision tower placed so whatever the plan says (the tests force each placement with it); unset: the planner picks (planning/vision_plan.place_vision)
 MEGATRAIN_NB_FUSED_UPDATE | engine/updates/fused_update.py | 1 | 0: the optimizer-state codecs and the compressed update run on torch ops, never the fused C kernels (built once per machine under MEGATRAIN_NB_CACHE/kernels)
 MEGATRAIN_ADVERSARIAL_TRANSPORT | engine/transport/transport.py | 0 | 1: the CPU transport copies late, poisons released buffers and refuses early reuse (tests)
 """

@@ -22,7 +22,7 @@ from .transport.pager import Pager
 from .planning.codec_choice import CodecPick, engine_codec
 from .planning.plan_pick import pick_plan
 from .planning.planner import ModelShape, Plan, UnitSpec, Workload, make_plan
-from .planning.vision_plan import graphs_kept, vision_placement
+from .planning.vision_plan import VisionShape, graphs_kept, vision_placement
 from .memory import device_capacity
 from .proxies import LayerProxy
 from .seams import DiskTier, Transport
@@ -31,7 +31,9 @@ from .updates.states import OptimizerStates, open_disk_tier, read_ahead_allowanc
 from .step import StepRunner, Steps
 from .transport.transport import make_transport
 from .units import Unit, build_units, find_layer_list, lr_scales
-from .vision import freeze
+from .vision import freeze, tower_blocks
+from .compute.vision_stream import PLACEMENT_ENV, TowerStream, forced_placement
+from .discovery import locate
 from .updates.updates import UpdateScheduler
 from .tiers.staging import disk_staging_buffers
 from .tiers.weight_store import WeightStore, make_weight_store
@@ -156,26 +158,21 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
     updates = UpdateScheduler(state_units, grads=store, weights=weights, states=states, adam=adam, counters=counters,
                               disk=disk, depth=depth, sharded=sharded, policy=config.on_nonfinite,
                               staged=transport.stages)
-    source_fn, source_done, plan_reads = updates.ready_weights, weights.transfer_done, updates.plan_reads
-    grad_sink = updates.gradient_arrived
-    if sharded is not None:   # the pager sees whole units; the stores hold shards
-        shard = sharded.shard
-        source_fn = lambda u: updates.ready_weights(shard(u))                          # noqa: E731
-        source_done = lambda u, t: weights.transfer_done(shard(u), t)                  # noqa: E731
-        plan_reads = lambda order, step: updates.plan_reads([shard(u) for u in order], step)  # noqa: E731
-        grad_sink = lambda u, g: updates.gradient_arrived(shard(u), g)                 # noqa: E731
-    pager = Pager(units, device=device, dtype=config.compute_dtype, layer_slots=plan.layer_slots, source=source_fn,
-                  source_done=source_done, transport=transport, telemetry=counters, grad_sink=grad_sink,
-                  max_grads_in_flight=depth, votes=updates.votes if sharded is not None else None)
+    side = _host_side(updates, weights, store, sharded, device)
+    vision = _vision(units, model.config, config, plan, workload, device, sharded is None)
+    tower, device_units = _tower_stream(model, units, vision, side, placeholders=placeholders, transport=transport,
+                                        device=device, dtype=config.compute_dtype, telemetry=counters, depth=depth)
+    pager = Pager(device_units, device=device, dtype=config.compute_dtype, layer_slots=plan.layer_slots,
+                  source=side["source"], source_done=side["source_done"], transport=transport, telemetry=counters,
+                  grad_sink=side["grad_sink"], max_grads_in_flight=depth,
+                  votes=updates.votes if sharded is not None else None)
     boundary = BoundaryStore(device, transport, disk=disk)
-    # (a CPU "device" sums each unit's gradient in a pool buffer the update adopts)
-    lend = updates.lend_buffer if device.type == "cpu" and sharded is None else None
-    runner = StepRunner(model, units, pager, placeholders, boundary, device=device,
+    runner = StepRunner(model, device_units, pager, placeholders, boundary, device=device,
                         checkpoint_interval=plan.checkpoint_interval,
-                        loss_chunk_tokens=config.overrides.loss_chunk_tokens, plan_reads=plan_reads, grad_buffer=lend,
-                        tile_tokens=config.overrides.tile_tokens, reached=None if sharded else store.mark_reached,
+                        loss_chunk_tokens=config.overrides.loss_chunk_tokens, plan_reads=side["plan_reads"],
+                        grad_buffer=side["lend"], tile_tokens=config.overrides.tile_tokens, reached=side["reached"],
                         device_budget=int(config.max_vram_gb * 2**30) if config.max_vram_gb else None,
-                        vision=_vision(units, model.config, config, plan, workload, device))
+                        vision=vision[:2] + (tower,))
     for u in units[1:-1]:
         layers[u.layer_index] = LayerProxy(runner.layer_call, u)
     steps = Steps(runner, boundary, updates=updates, pager=pager, counters=counters, config=config,
@@ -184,6 +181,23 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
                        persistent_buffers=persistent, plan=plan, store=store, disk=disk, weights=weights,
                        states=states, adam=adam, updates=updates, transport=transport, pager=pager, runner=runner,
                        boundary=boundary, steps=steps, workload=workload, config=config, codec=codec)
+
+
+def _host_side(updates, weights, store, sharded, device) -> dict:
+    """What the pager and the step runner are handed of the host side: the weights' source and its
+    done, the gradients' sink, the disk read-ahead, the reached parameters, the lent sum buffers.
+    Data parallel, the pager sees whole units and the stores hold shards."""
+    side = dict(source=updates.ready_weights, source_done=weights.transfer_done, plan_reads=updates.plan_reads,
+                grad_sink=updates.gradient_arrived, reached=None if sharded else store.mark_reached,
+                # (a CPU "device" sums each unit's gradient in a pool buffer the update adopts)
+                lend=updates.lend_buffer if device.type == "cpu" and sharded is None else None)
+    if sharded is not None:
+        shard = sharded.shard
+        side.update(source=lambda u: updates.ready_weights(shard(u)),
+                    source_done=lambda u, t: weights.transfer_done(shard(u), t),
+                    plan_reads=lambda order, step: updates.plan_reads([shard(u) for u in order], step),
+                    grad_sink=lambda u, g: updates.gradient_arrived(shard(u), g))
+    return side
 
 
 def _codec_and_plan(units, model_config, config: EngineConfig, device, dist, state_units, workload, saved_codec):
@@ -200,11 +214,13 @@ def _codec_and_plan(units, model_config, config: EngineConfig, device, dist, sta
     return config, codec, plan
 
 
-def _vision(units, model_config, config: EngineConfig, plan: Plan, workload, device):
-    """(how many micro-batches' vision graphs a group keeps, whether the tower runs by blocks):
-    the tower's placement planned at the run's workload (vision_plan.vision_placement: the plan's
-    device bytes for it, the budget max_vram_gb, else on CUDA the device's capacity; none on a CPU
-    "device"), said in plan.chosen_by (the run header's plan line)."""
+def _vision(units, model_config, config: EngineConfig, plan: Plan, workload, device, streams: bool = True):
+    """(how many micro-batches' vision graphs a group keeps, whether the tower runs by blocks,
+    whether its weights stream by blocks): the tower's placement planned at the run's workload
+    (vision_plan.vision_placement: the plan's device bytes for it, the budget max_vram_gb, else on
+    CUDA the device's capacity; none on a CPU "device"), or the one MEGATRAIN_NB_VISION_PLACEMENT
+    forces (compute/vision_stream.forced_placement), said in plan.chosen_by (the run header's plan
+    line). ``streams``: whether the engine can stream the tower (one rank), else by blocks."""
     work, cuda = workload or Workload(), torch.device(device).type == "cuda"
     budget = int(config.max_vram_gb * 2 ** 30) if config.max_vram_gb else None
     if budget is None and cuda:
@@ -214,11 +230,36 @@ def _vision(units, model_config, config: EngineConfig, plan: Plan, workload, dev
                       cuda=cuda, workload=work).device["total"] if work.image_tokens else plan.device["total"]
     placed = vision_placement(model_config, specs, work, device_total=total, device_budget=budget,
                               precision=config.precision, cuda=cuda)
-    if placed is not None:
+    runs = placed.runs if placed is not None else None
+    forced = forced_placement() if VisionShape.of(model_config) is not None else None
+    if forced is not None:
+        runs = forced
+        plan.chosen_by = f"{plan.chosen_by}; vision tower: {forced} (forced by {PLACEMENT_ENV})"
+    elif placed is not None:
         plan.chosen_by = f"{plan.chosen_by}; {placed.words()}"
-    by_blocks = placed is not None and placed.runs == "blocks"
+    if runs == "streamed" and not streams:
+        runs = "blocks"
+        plan.chosen_by += " (streamed needs one rank: by blocks)"
+    by_blocks = runs in ("blocks", "streamed")
     return graphs_kept(model_config, work, device_total=total, device_budget=budget, precision=config.precision,
-                       by_blocks=by_blocks), by_blocks
+                       by_blocks=by_blocks), by_blocks, runs == "streamed"
+
+
+def _tower_stream(model: nn.Module, units, vision, side: dict, **wiring):
+    """(the streamed vision tower's blocks: compute/vision_stream.TowerStream, the units the device
+    sees) where the placement is "streamed" (``vision[2]``): the device sees the embed unit without
+    the tower's blocks (the tower's trunk), and ``side`` (:func:`_host_side`) is rewired through the
+    tower, which hands the host side the embed unit; else (None, ``units``)."""
+    blocks = tower_blocks(locate(model)[1]) if vision[2] else []
+    if not blocks:
+        return None, units
+    names = {id(m): n for n, m in model.named_modules()}
+    tower = TowerStream(units[0], blocks, [names.get(id(b), f"vision.{i}") for i, b in enumerate(blocks)],
+                        first_index=len(units), source=side["source"], source_done=side["source_done"],
+                        grad_sink=side["grad_sink"], reached=side["reached"], **wiring)
+    side.update(source=tower.source, source_done=tower.source_done, grad_sink=tower.grad_sink, reached=tower.reached,
+                plan_reads=tower.plan_reads(side["plan_reads"]), lend=None)   # (a lent buffer is adopted whole)
+    return tower, [tower.trunk] + units[1:]
 
 
 def _disk_tier(units, config: EngineConfig, plan: Plan, params_on_disk: bool, counters, state_units=None):

@@ -154,13 +154,27 @@ def _weights(folder):
     return load_file(str(folder / "final" / "model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def two_ranks_dapo(tmp_path_factory):
+    """The two-rank dapo run (beta 0), a checkpoint after every step: the run both the comparison
+    with one process and the resume in one process take (saving a checkpoint changes nothing the
+    run trains or logs: the comparison holds with them as without)."""
+    two = tmp_path_factory.mktemp("grpo-two-ranks") / "two"
+    check(torchrun(WORKER, str(two), "1", "2", "0.0", "dapo", "1", nproc=2, timeout=400))
+    return two
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("tests/trainer/test_grpo_ranks.py")   # on the worker of the module's two_ranks_dapo
 @pytest.mark.parametrize("beta,loss_type", [("0.0", "dapo"), ("0.04", "grpo")])
-def test_two_ranks_equal_one_process(tmp_path, beta, loss_type):
+def test_two_ranks_equal_one_process(tmp_path, request, beta, loss_type):
     two, one = tmp_path / "two", tmp_path / "one"
     # a generation batch of 2 prompts x 4 = 8 rollouts serving 2 optimizer steps of 4 rollouts (old
     # log-probs computed at generation); 4 steps. Two ranks: 2 per device x 1 accumulation x 2 ranks
-    check(torchrun(WORKER, str(two), "1", "2", beta, loss_type, nproc=2, timeout=400))
+    if (beta, loss_type) == ("0.0", "dapo"):   # the module's two-rank run (with its checkpoints)
+        two = request.getfixturevalue("two_ranks_dapo")
+    else:
+        check(torchrun(WORKER, str(two), "1", "2", beta, loss_type, nproc=2, timeout=400))
     alone(WORKER, str(one), "2", "4", beta, loss_type, timeout=400)   # one process: 2 x 2 accumulation
     gens_two = json.loads((two / "completions.json").read_text())   # 2 generation batches, 2 eval batches
     assert gens_two == json.loads((one / "completions.json").read_text()) and len(gens_two) == 4
@@ -187,12 +201,11 @@ def test_two_ranks_equal_one_process(tmp_path, beta, loss_type):
 
 
 @pytest.mark.slow
-def test_a_two_rank_checkpoint_resumes_in_one_process(tmp_path):
+def test_a_two_rank_checkpoint_resumes_in_one_process(tmp_path, two_ranks_dapo):
     """Checkpoints of the 2-rank run (every step: step 1 in the middle of a generation batch, its
     stored rollouts the whole batch's; step 2 at its end) resumed by one process at the same
     global batch: the completions, logs and final weights of the 2-rank run."""
-    two = tmp_path / "two"
-    check(torchrun(WORKER, str(two), "1", "2", "0.0", "dapo", "1", nproc=2, timeout=400))
+    two = two_ranks_dapo
     gens, logs, w2 = json.loads((two / "completions.json").read_text()), _logs(two), _weights(two)
     start = tiny_model(tokenizer()).state_dict()
     moved = sum(float((w2[k] - start[k]).norm()) ** 2 for k in w2) ** 0.5

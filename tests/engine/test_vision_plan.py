@@ -89,8 +89,8 @@ def test_the_planner_counts_the_placements_of_the_tower_and_says_which():
     and staging, the blocks' inputs and one block's graph, and one more forward a micro-batch;
     streamed by blocks two block slots, one block's gradient, the blocks' inputs and one block's
     re-run, but one more load of the tower and one more forward a micro-batch. Resident where the
-    plan fits (it moves least), by blocks where that fits, streamed where only it fits (said not
-    built: the engine runs it by blocks), by blocks where nothing fits."""
+    plan fits (it moves least), by blocks where that fits, streamed where only it fits (the engine
+    runs it: compute/vision_stream.py), by blocks where nothing fits."""
     from megatrain_nb.engine.planning.vision_plan import VisionShape, tower_params
 
     cfg = _qwen25_vl_7b()
@@ -109,8 +109,9 @@ def test_the_planner_counts_the_placements_of_the_tower_and_says_which():
     assert blocks.choice == "blocks" and blocks.built and blocks.runs == "blocks"
     assert "over the 24.0 GiB budget; by blocks it needs 17.0 GiB" in blocks.words()
     tight = _placed(12)
-    assert tight.choice == "streamed" and not tight.built and tight.runs == "blocks"
-    assert "over the 12.0 GiB budget" in tight.words() and "not built" in tight.words()
+    assert tight.choice == "streamed" and tight.built and tight.runs == "streamed"
+    assert "over the 12.0 GiB budget" in tight.words() and "the engine streams it: two block slots" in tight.words()
+    assert "not built" not in tight.words()
     assert _placed(8).choice == "blocks" and "nothing fits" in _placed(8).reason
     assert _placed(None).choice == "resident"
     timed = _placed(80, h2d_bytes_per_s=25e9, flops_per_s=400e12)

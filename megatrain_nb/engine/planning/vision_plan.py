@@ -152,7 +152,7 @@ class VisionPlacement:
     ``extra_*``: what ``streamed`` costs beyond ``resident`` per step (bytes moved host->device,
     FLOPs recomputed -- ``blocks`` recomputes the same FLOPs --, seconds at the given rates)."""
     choice: str                 # "resident" | "blocks" | "streamed"
-    built: bool                 # whether the engine runs the choice (streaming the tower's weights is not built)
+    built: bool                 # whether the engine runs the choice (all three are built: compute/vision_stream.py)
     params: int
     resident_bytes: int         # device bytes the tower adds kept resident
     streamed_bytes: int         # ... streamed by blocks
@@ -178,6 +178,9 @@ class VisionPlacement:
                 f"{fmt(self.resident_bytes)} on the device, by blocks (weights resident, each block's graph "
                 f"re-run in the backward) {fmt(self.blocks_bytes)} and {_flops(self.extra_flops)} recomputed a step, "
                 f"streamed by blocks {fmt(self.streamed_bytes)} but {cost}; {self.reason}")
+        if self.built and self.choice == "streamed":
+            line += (" (the engine streams it: two block slots on the device, each block loaded for the capture and "
+                     "again for its re-run in the backward, its gradient sent to the host as it is done)")
         if not self.built:
             line += (" (streaming the tower's weights by blocks is not built: the engine runs it by blocks with its "
                      "weights resident, over the budget)")
@@ -208,7 +211,7 @@ def place_vision(config, *, batch: int, image_tokens: int, accumulation: int = 1
     unit (a layer or the head); ``device_total``: the plan's device bytes with the tower resident
     (its graph kept). Resident costs no extra transfer or recompute, so it is picked wherever the
     plan fits the device budget (or no budget is given); by blocks where that fits (one more
-    forward of the tower, no transfer); streamed where only it fits (not built); where nothing
+    forward of the tower, no transfer); streamed where only it fits; where nothing
     fits, by blocks (the least of what the engine runs; the plan says what to change)."""
     shape = VisionShape.of(config)
     if shape is None:
@@ -243,7 +246,7 @@ def place_vision(config, *, batch: int, image_tokens: int, accumulation: int = 1
     else:
         choice, why = "blocks", "nothing fits the device budget; by blocks needs the least the engine runs, the plan " \
                                 "says what to change"
-    return VisionPlacement(choice, choice != "streamed", p, resident, streamed, extra_h2d, extra_flops, secs, why,
+    return VisionPlacement(choice, True, p, resident, streamed, extra_h2d, extra_flops, secs, why,
                            by_blocks)
 
 

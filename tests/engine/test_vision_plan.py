@@ -160,3 +160,24 @@ def test_the_graphs_a_group_keeps_follow_the_plans_room():
     text = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                 num_attention_heads=4, vocab_size=256)
     assert graphs_kept(text, work, device_total=0, device_budget=1 << 30, precision="fp32") is None
+
+
+def test_by_blocks_the_room_counts_the_block_run_again_in_the_backward():
+    """By blocks, a micro-batch's kept graph is the blocks' inputs, and the one whose backward runs
+    holds one block's graph, run again, beside them (``VisionShape.block_bytes``): a second graph
+    is kept only with room for both past the plan's."""
+    from megatrain_nb.engine.planning.planner import Workload
+    from megatrain_nb.engine.planning.vision_plan import graphs_kept
+
+    cfg = _model("qwen2_vl").config
+    work = Workload(batch=2, seq=64, image_tokens=16)
+    shape = VisionShape.of(cfg)
+    size = dict(batch=2, image_tokens=16, compute_bytes=4)
+    graph, inputs, block = shape.work_bytes(**size), shape.boundary_bytes(**size), shape.block_bytes(**size)
+    assert 0 < inputs < graph and 0 < block < graph
+    kept = lambda budget: graphs_kept(cfg, work, device_total=10 * graph, device_budget=budget,  # noqa: E731
+                                      precision="fp32", by_blocks=True)
+    by_blocks_total = 10 * graph - graph + inputs + block   # the plan's device bytes by blocks
+    assert kept(by_blocks_total + inputs) == 2 and kept(by_blocks_total + inputs - 1) == 1
+    assert kept(by_blocks_total + 3 * inputs) == 4
+

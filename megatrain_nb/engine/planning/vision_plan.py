@@ -56,6 +56,12 @@ class VisionShape:
         them from the capture to the embedding's backward)."""
         return self.depth * batch * image_tokens * self.patches_per_token * self.width * compute_bytes
 
+    def block_bytes(self, *, batch: int, image_tokens: int, compute_bytes: int) -> int:
+        """Device bytes of one vision block's graph, run again in the embedding's backward when the
+        tower runs by blocks (its share of :meth:`work_bytes`: depth blocks and the projector)."""
+        return self.work_bytes(batch=batch, image_tokens=image_tokens,
+                               compute_bytes=compute_bytes) // max(1, self.depth + 1)
+
     def work_bytes(self, *, batch: int, image_tokens: int, compute_bytes: int) -> int:
         """Device bytes of one micro-batch's vision graph in the embedding's backward (its saved
         activations and their gradients)."""
@@ -224,7 +230,7 @@ def place_vision(config, *, batch: int, image_tokens: int, accumulation: int = 1
     resident = p * compute_bytes + staging_gain + graph
     block = max(1, p // max(1, shape.depth))
     boundary = shape.boundary_bytes(batch=batch, image_tokens=image_tokens, compute_bytes=compute_bytes)
-    one_block = graph // max(1, shape.depth + 1)
+    one_block = shape.block_bytes(batch=batch, image_tokens=image_tokens, compute_bytes=compute_bytes)
     by_blocks = p * compute_bytes + staging_gain + boundary + one_block
     streamed = 2 * block * compute_bytes + block * per_grad + boundary + one_block
     extra_h2d = p * compute_bytes                           # each block in twice per window, not once
@@ -284,13 +290,15 @@ def graphs_kept(config, workload, *, device_total: int, device_budget: Optional[
     again there). None (all) without a device budget or for a model without a vision tower; else
     the one micro-batch's graph the plan counts (:func:`.planner.activation_bytes`; ``device_total``
     is the plan's with the whole graph) and as many more as the budget's room holds; ``by_blocks``:
-    a graph is the blocks' inputs (:meth:`VisionShape.boundary_bytes`)."""
+    a graph is the blocks' inputs (:meth:`VisionShape.boundary_bytes`), and the micro-batch whose
+    backward runs holds one block's graph, run again, beside them (:meth:`VisionShape.block_bytes`)."""
     shape = VisionShape.of(config)
     if shape is None or device_budget is None:
         return None
     size = dict(batch=workload.batch, image_tokens=workload.image_tokens, compute_bytes=2 if precision == "bf16" else 4)
     graph = shape.work_bytes(**size)
     held = shape.boundary_bytes(**size) if by_blocks else graph
+    rerun = shape.block_bytes(**size) if by_blocks else 0
     if held <= 0:
         return 1
-    return 1 + max(0, int(device_budget) - (int(device_total) - graph + held)) // held
+    return 1 + max(0, int(device_budget) - (int(device_total) - graph + held + rerun)) // held

@@ -26,7 +26,10 @@ def _until(pred, what, bound=BOUND):
     until(pred, what, bound)
 
 
-def _session(tmp_path, name, max_steps=KW["max_steps"], **kw):
+def _session(tmp_path, name, max_steps=KW["max_steps"], steered=True, **kw):
+    """``steered``: its ranks sleep 0.3 s after each step (SlowSteps), time for the controls sent
+    while they run; a run nothing steers mid-run (its forks too, which take its callbacks) trains
+    at full speed."""
     import megatrain_nb as mt
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -35,7 +38,7 @@ def _session(tmp_path, name, max_steps=KW["max_steps"], **kw):
     return mt.Session(micro_model(), train_dataset=token_dataset(64),
                       args=args(tmp_path / name, **dict(KW, max_steps=max_steps)),
                       nproc_per_node=2, device="cpu", name=name,
-                      callbacks=["tests.distributed.launcher_helpers:SlowSteps"], **kw)
+                      callbacks=["tests.distributed.launcher_helpers:SlowSteps"] if steered else [], **kw)
 
 
 def _weights(folder: Path) -> dict:
@@ -53,7 +56,7 @@ def test_snapshot_rewind_resume_and_fork_of_two_ranks_are_bit_exact(tmp_path):
     from megatrain_nb.trainer.snapshot import SnapshotInfo
 
     # the uninterrupted run, with the ranks' automatic snapshots every 3 steps
-    ref = _session(tmp_path, "ref", snapshot_steps=3)
+    ref = _session(tmp_path, "ref", snapshot_steps=3, steered=False)
     ref.train()
     assert ref.wait(timeout=3 * BOUND) == "finished", ref.worker_log
     root = ref.history[0]["run_id"]

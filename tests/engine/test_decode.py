@@ -282,3 +282,19 @@ def test_the_device_cache_writes_in_place_and_decodes_as_a_dynamic_cache(monkeyp
     assert len({len(c) for c in out.completions}) > 1   # (rows finished apart)
     assert all(torch.equal(a, b) for a, b in zip(out.logps, plain.logps))
     engine.close()
+
+
+def test_the_device_cache_moves_only_the_rows_after_the_first_that_changes():
+    """DeviceKVLayer.reorder_cache: dropping finished rows copies only the rows after the first
+    one dropped (rows_moved), and every kept row's K/V is the one it had (against a plain gather);
+    a group's replication copies every row after the first."""
+    layer = DeviceKVLayer(rows=6, tokens=8)
+    k, v = torch.randn(4, 2, 3, 5), torch.randn(4, 2, 3, 5)
+    layer.update(k, v)
+    for idx, moved, want in (([0, 1, 2], 0, [0, 1, 2]),        # the last row dropped: nothing moves
+                             ([0, 2], 1, [0, 2]),              # row 1 dropped: row 2 moves up
+                             ([0, 0, 1, 1], 3, [0, 0, 2, 2])):  # replicated: all but the first
+        before = layer.rows_moved
+        layer.reorder_cache(torch.tensor(idx))
+        assert layer.rows_moved - before == moved
+        assert torch.equal(layer.keys, k[want]) and torch.equal(layer.values, v[want])

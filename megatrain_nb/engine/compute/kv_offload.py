@@ -53,6 +53,7 @@ class DeviceKVLayer(DynamicLayer):
         super().__init__()
         self.capacity = (int(rows), int(tokens))
         self.rows = self.length = 0
+        self.rows_moved = 0   # rows gathered by reorder_cache (each layer, keys and values)
         self.buffers = None   # (keys, values): [rows, heads, tokens, head size] each
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -83,14 +84,20 @@ class DeviceKVLayer(DynamicLayer):
         return self.length
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Rows ``beam_idx`` to the buffers' front (replicated or dropped rows): one gather each."""
+        """Rows ``beam_idx`` to the buffers' front (replicated or dropped rows): one gather each, of
+        the rows from the first one that changes (a row kept where it is, and every row before it,
+        is not copied: dropping finished rows moves only those after the first finished one)."""
         if not self.length:
             return
         if len(beam_idx) > self.capacity[0]:
             raise ValueError(f"the device KV cache holds {self.capacity[0]} rows; asked for {len(beam_idx)}")
         idx, at, m = beam_idx.to(self.device), self.length, len(beam_idx)
-        for buf in self.buffers:
-            buf[:m, :, :at] = buf[:self.rows, :, :at].index_select(0, idx)   # (a copy first: same buffer)
+        n = min(m, self.rows)
+        first = int((idx[:n] == torch.arange(n, device=idx.device)).cumprod(0).sum())   # rows already in place
+        if first < m:
+            for buf in self.buffers:   # (the gather is a copy first: the same buffer)
+                buf[first:m, :, :at] = buf[:self.rows, :, :at].index_select(0, idx[first:])
+        self.rows_moved += m - first
         self.rows = m
         self.keys, self.values = (buf[:m, :, :at] for buf in self.buffers)
 

@@ -21,11 +21,10 @@ new tokens per row, greedy, no end of sequence (every row decodes every token):
 - ``grpo_resident_generate_tokens_per_s_8_to_64``: the same ratio for transformers' ``generate``
   on the resident copy, timed in the same rounds (no target: the CPU's own growth with the rows).
 
-Beside them: the matrix products of a decoding alone (the model's weights, random inputs) at 8
-and 64 rows, timed in the same rounds: FLOPs per row per pass, the rate, and the best 64/8 the
-decoder could reach were nothing but them to grow with the rows; and a pass's time split at 8
-and 64 rows (:func:`pass_split`: timers of this bench around the decoder's parts, on a decoding
-of their own).
+Beside them: the arithmetic floor (:func:`floor`): FLOPs per row per pass of the model's matrix
+products, their best rate at 64 rows on this machine, and the best 64/8 the decoder could reach
+were nothing but them to grow with the rows; and a pass's time split at 8 and 64 rows
+(:func:`pass_split`: timers of this bench around the decoder's parts, on a decoding of their own).
 
 The decodings (streamed and resident at 8, 64 and ``--rows``) are timed in turn,
 round after round (``--decode-reps`` rounds after one to warm up); the figures use each one's best
@@ -131,34 +130,27 @@ def decode_loads(engine, vocab: int, tokens: int) -> None:
 
 
 def _linears(resident, rows: int, prompts: int, prompt_len: int, tokens: int):
-    """The matrix products of a streamed decoding of ``rows`` rollouts on the model's own weights
-    (random inputs): the prefill's ``prompts`` x ``prompt_len`` tokens through every decoder
-    layer's linear layers and the head on their last position, then ``tokens - 1`` passes of
-    ``rows`` rows. Returns (a function running them, FLOPs per row per pass, FLOPs of the decoding)."""
+    """The matrix products of a streamed decoding of ``rows`` rollouts on the model's own weights:
+    (a function running one decoding pass's, on random inputs: every decoder layer's linear layers
+    and the head; FLOPs per row per pass; FLOPs of the whole decoding: the prefill's ``prompts`` x
+    ``prompt_len`` tokens through the layers and the head on their last position, then ``tokens -
+    1`` passes of ``rows`` rows)."""
     import torch
     import torch.nn.functional as F
 
     top = resident.get_output_embeddings()
-    head = top.weight.detach()
-    ws = [m.weight.detach() for m in resident.modules() if isinstance(m, torch.nn.Linear) and m is not top]
-    ins = {w.shape[1] for w in ws + [head]}
+    ws = [m.weight.detach() for m in resident.modules() if isinstance(m, torch.nn.Linear)]   # (the head's too)
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in ws}
 
-    def run(n):
-        x = {d: torch.randn(n, d) for d in ins}
-        for w in ws:
-            F.linear(x[w.shape[1]], w)
-
-    def decoding():
+    def one_pass():
         with torch.no_grad():
-            run(prompts * prompt_len)
-            F.linear(torch.randn(prompts, head.shape[1]), head)
-            for _ in range(tokens - 1):
-                run(rows)
-                F.linear(torch.randn(rows, head.shape[1]), head)
+            for w in ws:
+                F.linear(xs[w.shape[1]], w)
 
-    layer, top = 2 * sum(w.numel() for w in ws), 2 * head.numel()
-    return (decoding, layer + top,
-            layer * (prompts * prompt_len + (tokens - 1) * rows) + top * (prompts + (tokens - 1) * rows))
+    head = 2 * top.weight.numel()
+    layer = 2 * sum(w.numel() for w in ws) - head
+    return (one_pass, layer + head,
+            layer * (prompts * prompt_len + (tokens - 1) * rows) + head * (prompts + (tokens - 1) * rows))
 
 
 def decode_speed(engine, resident, vocab: int, a) -> None:
@@ -196,7 +188,6 @@ def decode_speed(engine, resident, vocab: int, a) -> None:
     mm = {n: _linears(resident, n, len(set(map(tuple, sets[n]))), 16, a.decode_tokens) for n in (8, 64)}
     runs = {f"streamed {n}": (streamed, sets[n]) for n in sets}
     runs.update({f"resident {n}": (generate, sets[n]) for n in sets})
-    runs.update({f"matmuls {n}": (lambda rows, f=mm[n][0]: f(), sets[n]) for n in mm})
     best, med = rates(runs)
     for k in best:
         print(f"{k}: {best[k]:.0f} tokens/s best, {med[k]:.0f} median of {a.decode_reps}")
@@ -211,17 +202,25 @@ def decode_speed(engine, resident, vocab: int, a) -> None:
     print_split({n: pass_split(engine, dec, sets[n], gc) for n in (8, 64)})
 
 
-def floor(best, mm, tokens: int) -> None:
-    """The matrix products' share of the growth from 8 to 64 rows: the best 64/8 the streamed
-    decoder could reach were nothing but them to grow with the rows (its 8-row time as measured)."""
-    t = {n: n * tokens / best[f"matmuls {n}"] for n in (8, 64)}              # seconds per decoding
+def floor(best, mm, tokens: int, samples: int = 40) -> None:
+    """The matrix products' own growth from 8 to 64 rows: the extra FLOPs of a 64-row decoding
+    over an 8-row one at the best rate one 64-row pass's products reach (the least disturbed of
+    ``samples`` short timings): the best 64/8 the streamed decoder could reach were nothing but
+    them to grow with the rows, its 8-row time as measured."""
+    run, per_row, _ = mm[64]
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    rate = per_row * 64 / min(times)
+    grow = (mm[64][2] - mm[8][2]) / rate
     t8 = 8 * tokens / best["streamed 8"]
-    rate = mm[64][2] / t[64]
-    print(f"matrix products of a decoding (the layers' linear layers and the head, the prefill's distinct prompts "
-          f"included): 8 rows {t[8] * 1e3:.1f} ms, 64 rows {t[64] * 1e3:.1f} ms; {mm[64][1] / 1e6:.2f} MFLOP per row "
-          f"per pass at {rate / 1e9:.0f} GFLOP/s (64 rows) = {mm[64][1] / rate * 1e3:.3f} ms per row per pass; "
-          f"streamed 8 rows {t8 * 1e3:.1f} ms a decoding, so with nothing but the matrix products growing 64/8 "
-          f"would be at most {8 * t8 / (t8 + t[64] - t[8]):.2f}x")
+    print(f"matrix products (the layers' linear layers and the head): {per_row / 1e6:.2f} MFLOP per row per pass, "
+          f"{rate / 1e9:.0f} GFLOP/s at 64 rows (best of {samples}) = {per_row / rate * 1e3:.3f} ms per row per pass; "
+          f"64 rows over 8 add {(mm[64][2] - mm[8][2]) / 1e9:.1f} GFLOP a decoding = {grow * 1e3:.0f} ms; streamed 8 rows "
+          f"{t8 * 1e3:.0f} ms a decoding, so with nothing but the matrix products growing 64/8 would be at most "
+          f"{8 * t8 / (t8 + grow):.2f}x")
 
 
 def pass_split(engine, dec, rows, gc) -> dict:
@@ -237,16 +236,20 @@ def pass_split(engine, dec, rows, gc) -> dict:
     from megatrain_nb.engine.compute import decode
     from megatrain_nb.engine.proxies import LayerProxy
 
-    spent = dict.fromkeys(("linear", "attn_linear", "attention", "layer", "proxy", "head", "pick"), 0.0)
+    spent = dict.fromkeys(("linear", "attn_linear", "attention", "layer", "proxy", "proxy_wait", "head", "pick"), 0.0)
     hooks, at = [], {}
+
+    tel = engine.counters
 
     def timed(keys, mod):
         def pre(m, *_):
-            at[m] = time.perf_counter()
+            at[m] = (time.perf_counter(), tel.stall_seconds.get("device", 0.0))
 
         def post(m, *_):
             for k in keys:
-                spent[k] += time.perf_counter() - at[m]
+                spent[k] += time.perf_counter() - at[m][0]
+            if "proxy" in keys:   # (a layer's wait for its weights: inside its proxy's call)
+                spent["proxy_wait"] += tel.stall_seconds.get("device", 0.0) - at[m][1]
         hooks.extend([mod.register_forward_pre_hook(pre, with_kwargs=True),
                       mod.register_forward_hook(post, with_kwargs=True)])
 
@@ -268,7 +271,6 @@ def pass_split(engine, dec, rows, gc) -> dict:
             return pick(*args)
         finally:
             spent["pick"] += time.perf_counter() - t0
-    tel = engine.counters
     stall0, copy0 = tel.stall_seconds.get("device", 0.0), tel.link_seconds.get("host_to_device", 0.0)
     decode.pick = timed_pick
     try:
@@ -286,10 +288,11 @@ def pass_split(engine, dec, rows, gc) -> dict:
              "attention and KV cache (less its linear layers)": got["attention"] - got["attn_linear"],
              "the layers' norms, activation, residuals": got["layer"] - got["attention"] - got["linear"]
              + got["attn_linear"],
-             "engine around each layer (slot, binding)": got["proxy"] - got["layer"] - stall,
+             "engine around each layer (slot, binding)": got["proxy"] - got["layer"] - got["proxy_wait"],
              "head product": got["head"],
              "sampling and log-probs": got["pick"],
-             "rest (embedding, masks, rotary, head call, loop)": total - got["proxy"] - got["head"] - got["pick"]}
+             "rest (embedding, masks, rotary, head call, loop)": total - got["proxy"] - got["head"] - got["pick"]
+             - (stall - got["proxy_wait"])}
     ms = 1e3 / passes
     return {"passes": passes, "pass ms": total * ms, "copy thread ms (overlapped)":
             (tel.link_seconds.get("host_to_device", 0.0) - copy0) * ms, **{k: v * ms for k, v in parts.items()}}

@@ -31,7 +31,11 @@ Rows of 320 tokens, 8 a step, one image each (the processor's layout: vision sta
 vision end). The text step: the same rows with the image tokens replaced by text tokens -- the
 same language model, the same tokens. Contenders side by side: the engine's ratio, and the
 model's own forward+backward's (Hugging Face, plain autograd): what the vision tower itself
-costs, which no placement removes. ``--flops-only``: the FLOP counts alone (seconds).
+costs, which no placement removes. Beside the seconds, the steps' FLOPs counted (load-free):
+``vlm_step_vs_text_step_flops`` (the engine's, whose text step also re-runs the layers under
+checkpointing), ``hf_vlm_step_vs_text_step_flops``, and ``vlm_image_flops_vs_hf``: what images
+add to the engine's step over what they add to Hugging Face's (1.000 measured: the tower runs
+once forward, once backward). ``--flops-only``: the FLOP counts alone (seconds).
 
 ``vlm_device_peak_vs_plan``: on CUDA the allocator's peak over the planner's device bytes for
 the step's workload (image tokens included; ``make_plan`` on the engine's units and config, as
@@ -298,6 +302,28 @@ def _step_times(model, engine, image, text, steps: int, label: str) -> None:
     result("hf_vlm_step_vs_text_step_cpu_time", hf_image_cpu / hf_text_cpu, "x", "<=", 1.15)
 
 
+def _step_flops(model, engine, image, text) -> None:
+    """The steps' FLOPs, counted (``FlopCounterMode`` over one step each, after the timed ones:
+    the engine's first step runs its layers' forward once more, a warm-up): the engine's image step
+    over its text step, Hugging Face's, and what images add to the engine's step over what they add
+    to Hugging Face's (1: the tower runs once forward and once backward, nothing more). The engine's
+    text step re-runs the layers (checkpointing), so its ratio is the lower of the two."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(fn) -> int:
+        with FlopCounterMode(display=False) as fc:
+            fn()
+        return fc.get_total_flops()
+    hf = copy.deepcopy(model)
+    e_image, e_text = (flops(lambda b=b: engine.forward_backward(**b, step_lr=1e-4)) for b in (image, text))
+    h_image, h_text = (flops(lambda b=b: hf(**b).loss.backward()) for b in (image, text))
+    print(f"FLOPs of a step, counted: engine {e_image / 1e9:.2f} / {e_text / 1e9:.2f} GFLOP with images / text only, "
+          f"Hugging Face forward+backward {h_image / 1e9:.2f} / {h_text / 1e9:.2f} GFLOP")
+    info("vlm_step_vs_text_step_flops", e_image / e_text, "x")
+    info("hf_vlm_step_vs_text_step_flops", h_image / h_text, "x")
+    info("vlm_image_flops_vs_hf", (e_image - e_text) / (h_image - h_text), "x")
+
+
 def measured(batch: int, seq: int, grid, vocab: int, steps: int) -> None:
     import torch
 
@@ -314,6 +340,7 @@ def measured(batch: int, seq: int, grid, vocab: int, steps: int) -> None:
     engine = StreamingEngine(copy.deepcopy(model), EngineConfig(device="cuda" if cuda else "cpu"), workload=work)
     _step_times(model, engine, image, text, steps,
                 f"{batch}x{seq} tokens, an image of {'x'.join(map(str, grid))} patches = {image_tokens} tokens a row")
+    _step_flops(model, engine, image, text)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         engine.forward_backward(**image, step_lr=1e-4)

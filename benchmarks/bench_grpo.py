@@ -162,6 +162,7 @@ def decode_speed(engine, resident, vocab: int, a) -> None:
     from megatrain_nb.trainer.grpo_rollout import left_pad
 
     dec, gc = StreamedDecoder(engine), _greedy(a.decode_tokens)
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
 
     def streamed(rows):
         dec.generate(rows, gc)
@@ -177,10 +178,10 @@ def decode_speed(engine, resident, vocab: int, a) -> None:
         times = {k: [] for k in runs}
         for i in range(1 + a.decode_reps):
             for k, (fn, rows) in runs.items():
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn(rows)
                 if i:
-                    times[k].append(time.perf_counter() - t0)
+                    times[k].append(clock() - t0)
         tok = {k: len(rows) * a.decode_tokens for k, (_, rows) in runs.items()}
         return ({k: tok[k] / min(v) for k, v in times.items()}, {k: tok[k] / median(v) for k, v in times.items()})
 
@@ -198,11 +199,11 @@ def decode_speed(engine, resident, vocab: int, a) -> None:
     result("grpo_streamed_decode_tokens_per_s_8_to_64", best["streamed 64"] / best["streamed 8"], "x", ">=", 6)
     print(f"RESULT grpo_resident_generate_tokens_per_s_8_to_64 {best['resident 64'] / best['resident 8']:.4g} x "
           "(transformers' generate on the resident copy, the same rounds: the CPU's own growth; no target)", flush=True)
-    floor(best, mm, a.decode_tokens)
-    print_split({n: pass_split(engine, dec, sets[n], gc) for n in (8, 64)})
+    floor(best, mm, a.decode_tokens, clock)
+    print_split({n: pass_split(engine, dec, sets[n], gc, a.clock) for n in (8, 64)})
 
 
-def floor(best, mm, tokens: int, samples: int = 40) -> None:
+def floor(best, mm, tokens: int, clock, samples: int = 40) -> None:
     """The matrix products' own growth from 8 to 64 rows: the extra FLOPs of a 64-row decoding
     over an 8-row one at the best rate one 64-row pass's products reach (the least disturbed of
     ``samples`` short timings): the best 64/8 the streamed decoder could reach were nothing but
@@ -210,9 +211,9 @@ def floor(best, mm, tokens: int, samples: int = 40) -> None:
     run, per_row, _ = mm[64]
     times = []
     for _ in range(samples):
-        t0 = time.perf_counter()
+        t0 = clock()
         run()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     rate = per_row * 64 / min(times)
     grow = (mm[64][2] - mm[8][2]) / rate
     t8 = 8 * tokens / best["streamed 8"]
@@ -223,32 +224,34 @@ def floor(best, mm, tokens: int, samples: int = 40) -> None:
           f"{8 * t8 / (t8 + grow):.2f}x")
 
 
-def pass_split(engine, dec, rows, gc) -> dict:
+def pass_split(engine, dec, rows, gc, clock: str = "wall") -> dict:
     """ms per pass of one streamed decoding of ``rows``, split by timers around its parts (hooks
     of this bench, removed after; the figures' decodings run without them): the weight copies (the
     compute's wait on them; the copy thread's own time, overlapped, beside), the layers' linear
     layers, the attention and KV cache (the attention modules less their linear layers), the rest
     of the layers (norms, activation, residuals), the engine around each layer (slot, binding;
     less the wait), the head's product, the sampling and log-probs (``decode.pick``), and the rest
-    (the embedding, the base model's masks and rotary tables, the head's call, the decoder's loop)."""
+    (the embedding, the base model's masks and rotary tables, the head's call, the decoder's loop).
+    ``clock="cpu"``: the parts timed by the decoding thread's CPU time (its waits for the copies
+    then cost it nothing: they are printed, wall time, but not taken off the parts)."""
     import torch
 
     from megatrain_nb.engine.compute import decode
     from megatrain_nb.engine.proxies import LayerProxy
 
     spent = dict.fromkeys(("linear", "attn_linear", "attention", "layer", "proxy", "proxy_wait", "head", "pick"), 0.0)
-    hooks, at = [], {}
-
-    tel = engine.counters
+    now = time.thread_time if clock == "cpu" else time.perf_counter
+    waits = clock != "cpu"   # (a wait spends no CPU time: nothing to take off the parts then)
+    hooks, at, tel = [], {}, engine.counters
 
     def timed(keys, mod):
         def pre(m, *_):
-            at[m] = (time.perf_counter(), tel.stall_seconds.get("device", 0.0))
+            at[m] = (now(), tel.stall_seconds.get("device", 0.0))
 
         def post(m, *_):
             for k in keys:
-                spent[k] += time.perf_counter() - at[m][0]
-            if "proxy" in keys:   # (a layer's wait for its weights: inside its proxy's call)
+                spent[k] += now() - at[m][0]
+            if "proxy" in keys and waits:   # (a layer's wait for its weights: inside its proxy's call)
                 spent["proxy_wait"] += tel.stall_seconds.get("device", 0.0) - at[m][1]
         hooks.extend([mod.register_forward_pre_hook(pre, with_kwargs=True),
                       mod.register_forward_hook(post, with_kwargs=True)])
@@ -266,24 +269,24 @@ def pass_split(engine, dec, rows, gc) -> dict:
     pick = decode.pick
 
     def timed_pick(*args):
-        t0 = time.perf_counter()
+        t0 = now()
         try:
             return pick(*args)
         finally:
-            spent["pick"] += time.perf_counter() - t0
+            spent["pick"] += now() - t0
     stall0, copy0 = tel.stall_seconds.get("device", 0.0), tel.link_seconds.get("host_to_device", 0.0)
     decode.pick = timed_pick
     try:
-        t0 = time.perf_counter()
+        t0 = now()
         passes = dec.generate(rows, gc).stats["passes"]
-        total = time.perf_counter() - t0
+        total = now() - t0
     finally:
         decode.pick = pick
         for h in hooks:
             h.remove()
     stall = tel.stall_seconds.get("device", 0.0) - stall0
     got = spent
-    parts = {"weight copies, the compute's wait": stall,
+    parts = {"weight copies, the compute's wait" + ("" if waits else " (wall; its CPU is nil)"): stall,
              "layers' linear layers": got["linear"],
              "attention and KV cache (less its linear layers)": got["attention"] - got["attn_linear"],
              "the layers' norms, activation, residuals": got["layer"] - got["attention"] - got["linear"]
@@ -292,7 +295,7 @@ def pass_split(engine, dec, rows, gc) -> dict:
              "head product": got["head"],
              "sampling and log-probs": got["pick"],
              "rest (embedding, masks, rotary, head call, loop)": total - got["proxy"] - got["head"] - got["pick"]
-             - (stall - got["proxy_wait"])}
+             - (stall - got["proxy_wait"] if waits else 0.0)}
     ms = 1e3 / passes
     return {"passes": passes, "pass ms": total * ms, "copy thread ms (overlapped)":
             (tel.link_seconds.get("host_to_device", 0.0) - copy0) * ms, **{k: v * ms for k, v in parts.items()}}
@@ -350,8 +353,15 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=16, help="new tokens per rollout")
     p.add_argument("--rows", type=int, default=64, help="rollouts of the streamed-vs-resident figure")
     p.add_argument("--decode-reps", type=int, default=5)
+    p.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the decodings timed by the process's CPU time (every thread's, the copies' "
+                        "included), which a shared machine's load does not stretch; with --threads 1")
     p.add_argument("--out", default="/tmp/bench_grpo")
     a = p.parse_args()
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
     print(machine())
     if a.only != "step":
         engine, resident, vocab = _decode_setup(a)

@@ -21,7 +21,7 @@ from . import fused_update
 from .codecs import ROLES as _ROLES, get_codec
 from .chunk_ring import ChunkRing
 from ..tiers.disk_store import DiskStore, WriteWindow, prepare_offload_dir
-from ..tiers.host_store import BufferPool, return_freed_memory_to_os
+from ..tiers.host_store import BufferPool
 from ..units import Unit, train_numel
 
 
@@ -663,7 +663,6 @@ def open_disk_tier(units, config, params_on_disk: bool):
     need = stored_state_bytes(units, config.optimizer_compression)
     if params_on_disk:
         need += sum(u.numel for u in units) * 4
-    return_freed_memory_to_os()  # RAM must stay flat while units stream through it
     prepare_offload_dir(config.offload_dir, need)  # created (0700) with its parents when missing
     # The engine bounds the memory its disk operations hold itself (staging pools, states
     # read ahead / written behind); the store queues whatever it is given.

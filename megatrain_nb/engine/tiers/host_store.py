@@ -18,8 +18,8 @@ import torch
 from ..transport.landing import landing_pinned_bytes
 from ..transport.pinned import held_bytes, pinned_empty
 from ..units import Unit, train_numel
+from .disk_format import aligned_storage_bytes
 from .disk_store import aligned_empty
-from .disk_store import ALIGN
 from .staging import disk_staging_buffers
 
 #: Shadows on a CPU "device" too (tests: the same code path as CUDA's; off by default, where the
@@ -68,36 +68,11 @@ def pinned_layout(unit_numels, *, compute_bytes: int = 4, grads_in_flight: int =
     return out
 
 
-_MALLOC_TUNED = False
-
-
-def return_freed_memory_to_os(threshold: int = 1 << 20) -> bool:
-    """Make glibc return freed large blocks to the OS (a fixed mmap threshold).
-
-    glibc raises its mmap threshold dynamically up to 32 MiB, after which freed unit-sized
-    buffers stay in the heap: the process's RSS then grows to the sum of every unit it ever
-    touched — the whole model, for the disk tier. With a fixed threshold every large buffer is
-    its own mapping and goes back to the OS when freed. Used when the disk tier is on.
-    """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED:
-        return True
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        M_MMAP_THRESHOLD = -3
-        _MALLOC_TUNED = bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
-    except (OSError, AttributeError):
-        _MALLOC_TUNED = False
-    return _MALLOC_TUNED
-
-
 class BufferPool:
     """Recycled page-aligned fp32 buffers, by size, for per-step temporaries of a unit (Adam
     moments read from disk, a final gradient): reusing them saves faulting in and zeroing fresh
-    pages every step (the fixed mmap threshold above returns every freed buffer to the OS).
+    pages every step (each buffer of 1 MiB or more is a mapping of its own, :func:`aligned_empty`,
+    given back to the OS when freed).
     Keeps at most ``max_bytes`` of free buffers.
 
     ``slot_numel`` (optional): :meth:`take_slot` hands out a prefix of a buffer of that many
@@ -135,7 +110,7 @@ class BufferPool:
         """A slot's prefix -> the whole slot buffer (its storage is a slot's: aligned_empty's)."""
 
         n = self.slot_numel
-        if n and t.numel() < n and t.untyped_storage().nbytes() == n * 4 + ALIGN:
+        if n and t.numel() < n and t.untyped_storage().nbytes() == aligned_storage_bytes(n * 4):
             return t.as_strided((n,), (1,), t.storage_offset())
         return t
 
@@ -217,8 +192,9 @@ class HostStore:
     def alloc(self, numel: int) -> torch.Tensor:
         """A master-weights buffer: pinned in place where it is the copy's source (``.pin_memory()``
         would make a pageable tensor first and copy it), registered at its exact size where CUDA
-        allows (``pinned.pinned_empty``)."""
-        return pinned_empty(numel) if self.pin_params else torch.empty(numel, dtype=torch.float32)
+        allows (``pinned.pinned_empty``); else page-aligned, from 1 MiB up a mapping of its own
+        (``aligned_empty``): a unit built and written to the disk tier leaves nothing in the heap."""
+        return pinned_empty(numel) if self.pin_params else aligned_empty(numel)
 
     def set_params(self, unit: Unit, flat: Optional[torch.Tensor]) -> None:
         self.params[unit.index] = flat

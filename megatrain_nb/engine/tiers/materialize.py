@@ -8,6 +8,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from .disk_format import aligned_empty
 from .io import shard_files
 from ..units import Unit
 
@@ -37,7 +38,7 @@ def init_unit(model: nn.Module, unit: Unit, layer_modules) -> Dict[str, torch.Te
         for attr, p in list(m._parameters.items()):
             if p is not None and p.is_meta:
                 saved.append((m, attr, p))
-                m._parameters[attr] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32),
+                m._parameters[attr] = nn.Parameter(aligned_empty(p.shape),   # (own mapping: no heap left behind)
                                                    requires_grad=p.requires_grad)
     # Tied weights: every binding of one entry must see the same tensor during init.
     for p in unit.params:
@@ -134,7 +135,7 @@ class SafetensorsSource:
                     t = fh.get_tensor(self.names.get(p.name, p.name))
                     if tuple(t.shape) != tuple(p.shape):
                         raise ValueError(f"{p.name}: shape {tuple(t.shape)} in {self.folder}, {p.shape} in the config.")
-                    out[p.name] = t.to(torch.float32, copy=True)
+                    out[p.name] = aligned_empty(t.shape).copy_(t)   # fp32, in a mapping of its own
         return out
 
 
@@ -143,7 +144,7 @@ def load_weights(engine, folder) -> None:
     source = SafetensorsSource(folder)
     for u in engine.units:
         values = source.unit_values(u)
-        flat = torch.empty(u.numel, dtype=torch.float32)
+        flat = aligned_empty(u.numel)
         for p in u.params:
             flat[p.offset:p.offset + p.numel].copy_(values[p.name].reshape(-1))
         engine.weights.overwrite(u, flat)

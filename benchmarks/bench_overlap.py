@@ -46,6 +46,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +88,30 @@ def pure_io(folder: str, block: int, read_bytes: int, write_bytes: int) -> float
     return t
 
 
+def thread_cpu() -> dict:
+    """CPU seconds (user + system) and minor page faults so far, per thread kind: the disk tier's
+    I/O threads (``mtnb-disk*``), the other named threads (``mtnb-*``: the update, the copies)
+    and the rest (the compute: the main thread and torch's)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {"io": [0.0, 0], "engine": [0.0, 0], "compute": [0.0, 0]}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "")
+        kind = "io" if name.startswith("mtnb-disk") else "engine" if name.startswith("mtnb-") else "compute"
+        out[kind][0] += (int(fields[11]) + int(fields[12])) / tick
+        out[kind][1] += int(fields[7])
+    return out
+
+
 def timed_steps(engine, ids, k: int, clip=None) -> dict:
     """k consecutive steps (steady state: one step's write-behind overlaps the next), ending
     with the write-behind drained so the time covers all the step's bytes; per step: seconds,
@@ -94,6 +119,7 @@ def timed_steps(engine, ids, k: int, clip=None) -> dict:
     disk = engine.disk
     r0 = disk.report() if disk is not None else None
     t0_tel = engine.telemetry()
+    th0 = thread_cpu()
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(k):
         engine.forward_backward(ids, step_lr=1e-4, max_grad_norm=clip)
@@ -103,6 +129,7 @@ def timed_steps(engine, ids, k: int, clip=None) -> dict:
         disk.flush()
     dt = (time.perf_counter() - t0) / k
     cpu = (time.process_time() - c0) / k   # core-seconds of every thread of this process
+    th1 = thread_cpu()
     t1_tel = engine.telemetry()
     r1 = disk.report() if disk is not None else None
     out = {"s": dt, "cpu": cpu, "read": 0, "written": 0,
@@ -114,7 +141,9 @@ def timed_steps(engine, ids, k: int, clip=None) -> dict:
            # the compute thread's own waits for its loads in steps 1..k (a CPU "device": every wait
            # of the compute for a unit, the updates' included): what the copy thread's wait above hid
            "device_mid": mid_tel["stall_seconds"].get("device", 0.0) - t0_tel["stall_seconds"].get("device", 0.0),
-           "opt_total": t1_tel["optimizer_seconds"] - t0_tel["optimizer_seconds"]}
+           "opt_total": t1_tel["optimizer_seconds"] - t0_tel["optimizer_seconds"],
+           # per thread kind: core-seconds and page faults per step (/proc/self/task)
+           "threads": {kind: ((th1[kind][0] - th0[kind][0]) / k, (th1[kind][1] - th0[kind][1]) / k) for kind in th0}}
     if r0 is not None:
         out["read"] = (r1["disk_read_bytes"] - r0["disk_read_bytes"]) // k
         out["written"] = (r1["disk_write_bytes"] - r0["disk_write_bytes"]) // k
@@ -243,6 +272,12 @@ def report(a, eng, runs, t_io, k):
     print(f"CPU work per step (process CPU time, every thread): compute figure {cpu_c:.3f} core-s (its compute and "
           f"its updates), disk-tier {cpu_d:.3f} core-s ({cpu_d - cpu_c:+.3f}: the disk tier's I/O threads); "
           f"{cores} cores")
+    for name in ("compute", "disk-tier", "disk-tier clipped"):
+        parts = ", ".join(f"{kind} {median([r['threads'][kind][0] for r in runs[name]]):.3f} core-s "
+                          f"({median([r['threads'][kind][1] for r in runs[name]]) * os.sysconf('SC_PAGE_SIZE') / MiB:.0f} MiB faulted in)"
+                          for kind in ("compute", "engine", "io"))
+        print(f"CPU per step by thread, {name}: {parts} (compute: the main thread and torch's; engine: the "
+              f"update and copy threads; io: the disk tier's)")
     print(f"CPU bound = (compute + optimizer core-s) / cores = {cpu_c / cores:.3f}s <= the compute figure's "
           f"{m['compute']:.3f}s (its updates already share its cores): max(compute, pure I/O, optimizer) stays the "
           f"bound; the disk tier's extra CPU work (+{max(cpu_d - cpu_c, 0) / cores:.3f}s over {cores} cores, at "

@@ -251,7 +251,7 @@ def _tower_stream(model: nn.Module, units, vision, side: dict, **wiring):
     the tower's blocks (the tower's trunk), and ``side`` (:func:`_host_side`) is rewired through the
     tower, which hands the host side the embed unit; else (None, ``units``)."""
     blocks = tower_blocks(locate(model)[1]) if vision[2] else []
-    if not blocks:
+    if not blocks or {id(b) for b in blocks} & {id(u.module) for u in units[1:-1]}:   # (the layers found: the tower's)
         return None, units
     names = {id(m): n for n, m in model.named_modules()}
     tower = TowerStream(units[0], blocks, [names.get(id(b), f"vision.{i}") for i, b in enumerate(blocks)],

@@ -12,7 +12,10 @@ import torch
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.compute.vision_stream import PLACEMENT_ENV, forced_placement
+from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan
+from megatrain_nb.engine.planning.vision_plan import vision_placement
 from megatrain_nb.engine.vision import tower_blocks
+from megatrain_nb.sweep.vision import tiny_vlm
 from tests.engine.test_vlm import _batch, _max_rel_err, _model, _reference
 
 
@@ -152,3 +155,37 @@ def test_a_placement_not_known_is_refused(monkeypatch):
     monkeypatch.setenv(PLACEMENT_ENV, "sideways")
     with pytest.raises(ValueError, match="resident, blocks, streamed"):
         forced_placement()
+
+
+#: A Qwen2-VL tower of 3 blocks (the tiny config's 2 blocks stream no cheaper than by blocks)
+_DEEP = dict(depth=3, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2, spatial_merge_size=2,
+             temporal_patch_size=2, in_channels=3, out_hidden_size=32, intermediate_size=64)
+
+
+@pytest.mark.slow   # (~7 s at load 8: a probe engine, then the engine the planner streams)
+def test_the_planner_streams_the_tower_where_only_streamed_fits_and_the_engine_runs_it(monkeypatch):
+    """A device budget of the plan with the tower resident, less the resident tower, plus the
+    streamed one: the planner picks "streamed", the run header says the engine streams it, and the
+    engine does (each of the 3 blocks loaded twice), with the model's own gradients."""
+    monkeypatch.delenv(PLACEMENT_ENV, raising=False)
+    work = Workload(batch=2, seq=64, image_tokens=16)
+    probe = StreamingEngine(tiny_vlm("qwen2_vl", vision_config=_DEEP), EngineConfig(device="cpu"))
+    specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in probe.parts.units]
+    cfg = probe.parts.config.replace(checkpoint_interval=probe.runner.checkpoint_interval)
+    total = make_plan(specs, ModelShape.of(probe.model_config), cfg, cuda=False, workload=work).device["total"]
+    placed = vision_placement(probe.model_config, specs, work, device_total=total, device_budget=total - 1,
+                              precision="fp32", cuda=False)
+    probe.close()
+    assert placed.choice == "blocks" and placed.streamed_bytes < placed.blocks_bytes
+    budget = total - placed.resident_bytes + placed.streamed_bytes
+    model = tiny_vlm("qwen2_vl", vision_config=_DEEP)
+    batch = _batch("qwen2_vl")
+    _, ref_grads = _reference(model, batch)
+    engine = StreamingEngine(model, EngineConfig(device="cpu", max_vram_gb=budget / 2 ** 30), workload=work)
+    assert ": streamed -- resident" in engine.plan.chosen_by and "the engine streams it" in engine.plan.chosen_by
+    assert engine.runner.tower is not None and engine.runner.images.by_blocks
+    assert all(".language_model.layers." in u.name for u in engine.layer_units)   # (the decoder's, not the tower's)
+    engine.forward_backward(batch)
+    assert _max_rel_err(engine, ref_grads) <= 1e-4
+    assert _block_loads(engine, model) == [2] * 3 and engine.runner.tower.peak_slots == 2
+    engine.close()

@@ -49,10 +49,13 @@ def memory_report(*, pager, runner, store, states, weights, updates, boundary, b
     """``{"device", "host", "disk"}`` with bytes per kind, used, peak and capacity. ``peaks``
     (``{"host", "disk"}``) carries the peaks seen across calls and is updated here.
     ``grad_sums_peak``: a layer-major window's fp32 gradient sums on the device (peak)."""
-    dev_w = pager.slot_bytes
-    dev_g = pager.grad_buf_bytes
+    tower = getattr(getattr(runner, "tower", None), "pager", None)   # a streamed vision tower's two block slots
+    dev_w = pager.slot_bytes + (tower.slot_bytes if tower is not None else 0)
+    dev_g = pager.grad_buf_bytes + (tower.grad_buf_bytes if tower is not None else 0)
     act = runner.activation_peak
     dev = {"weights": dev_w, "grads": dev_g, "activations": act,
+           # (part of "weights") the streamed vision tower's block slots (compute/vision_stream.py)
+           "vision_block_slots": tower.slot_bytes if tower is not None else 0,
            # layer-boundary activations of a layer-major window (part of "activations"); peak
            "boundary_activations": boundary_peak["device"],
            # a layer-major window's per-unit fp32 gradient sums (current unit, head, embedding);
@@ -84,7 +87,8 @@ def memory_report(*, pager, runner, store, states, weights, updates, boundary, b
             "optimizer_states": st["host"] + cached["optimizer_states"],
             # states read ahead of their updates + recycled scratch (moments, final gradients)
             # (and the pinned buffers gradients arrive in from the device, updated there)
-            "buffers": st["host_buffers"] + updates.buffer_bytes() + boundary.free_bytes() + pager.grad_host_bytes,
+            "buffers": st["host_buffers"] + updates.buffer_bytes() + boundary.free_bytes() + pager.grad_host_bytes
+            + (tower.grad_host_bytes if tower is not None else 0),
             # layer-boundary activations a layer-major window kept in host RAM (peak)
             "activations": boundary_peak["host"],
             "capacity_bytes": int(config.max_host_gb * GiB) if config.max_host_gb else ram_total()}

@@ -71,6 +71,9 @@ def test_streamed_gives_the_blocks_placements_gradients_and_the_models_own(monke
     embed = engine.units[0]
     assert engine.pager.pools["embed"][0].buf.numel() == tower.trunk.numel == embed.numel - sum(numels)
     assert engine.pager.slot_bytes == blocks_slot_bytes - sum(numels) * 4
+    device = engine.memory_report()["device"]   # (the engine's accounting: the block slots among the weights)
+    assert device["vision_block_slots"] == 2 * max(numels) * 4
+    assert device["weights"] == engine.pager.slot_bytes + 2 * max(numels) * 4
     engine.close()
 
 

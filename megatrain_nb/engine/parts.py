@@ -159,7 +159,7 @@ def build_parts(model: nn.Module, config: EngineConfig, *, dist, device: torch.d
                               disk=disk, depth=depth, sharded=sharded, policy=config.on_nonfinite,
                               staged=transport.stages)
     side = _host_side(updates, weights, store, sharded, device)
-    vision = _vision(units, model.config, config, plan, workload, device, sharded is None)
+    vision = _vision(units, model.config, config, plan, workload, device, sharded is None and not params_on_disk)
     tower, device_units = _tower_stream(model, units, vision, side, placeholders=placeholders, transport=transport,
                                         device=device, dtype=config.compute_dtype, telemetry=counters, depth=depth)
     pager = Pager(device_units, device=device, dtype=config.compute_dtype, layer_slots=plan.layer_slots,
@@ -220,7 +220,8 @@ def _vision(units, model_config, config: EngineConfig, plan: Plan, workload, dev
     (vision_plan.vision_placement: the plan's device bytes for it, the budget max_vram_gb, else on
     CUDA the device's capacity; none on a CPU "device"), or the one MEGATRAIN_NB_VISION_PLACEMENT
     forces (compute/vision_stream.forced_placement), said in plan.chosen_by (the run header's plan
-    line). ``streams``: whether the engine can stream the tower (one rank), else by blocks."""
+    line). ``streams``: whether the engine can stream the tower (one rank, the master weights in RAM:
+    each block's load gathers it from the embed unit's), else by blocks."""
     work, cuda = workload or Workload(), torch.device(device).type == "cuda"
     budget = int(config.max_vram_gb * 2 ** 30) if config.max_vram_gb else None
     if budget is None and cuda:
@@ -239,7 +240,7 @@ def _vision(units, model_config, config: EngineConfig, plan: Plan, workload, dev
         plan.chosen_by = f"{plan.chosen_by}; {placed.words()}"
     if runs == "streamed" and not streams:
         runs = "blocks"
-        plan.chosen_by += " (streamed needs one rank: by blocks)"
+        plan.chosen_by += " (streamed needs one rank and the master weights in RAM: by blocks)"
     by_blocks = runs in ("blocks", "streamed")
     return graphs_kept(model_config, work, device_total=total, device_budget=budget, precision=config.precision,
                        by_blocks=by_blocks), by_blocks, runs == "streamed"

@@ -192,3 +192,16 @@ def test_the_planner_streams_the_tower_where_only_streamed_fits_and_the_engine_r
     assert _max_rel_err(engine, ref_grads) <= 1e-4
     assert _block_loads(engine, model) == [2] * 3 and engine.runner.tower.peak_slots == 2
     engine.close()
+
+
+@pytest.mark.slow   # (~4 s at load 8: the disk tier opened)
+def test_streamed_falls_back_to_by_blocks_with_the_master_weights_on_disk(monkeypatch, tmp_path):
+    """Each block's load gathers its weights from the embed unit's host copy: with the master
+    weights on the disk tier the engine runs the tower by blocks instead, and says so."""
+    model = _model("qwen2_vl")
+    engine = _engine(monkeypatch, "streamed", model, offload_dir=str(tmp_path / "tier"), offload_params=True,
+                     host_cache_gb=0)
+    assert engine.plan.placement["master_weights"] == "disk"
+    assert engine.runner.tower is None and engine.runner.images.by_blocks
+    assert "streamed needs one rank and the master weights in RAM: by blocks" in engine.plan.chosen_by
+    engine.close()

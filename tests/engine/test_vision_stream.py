@@ -205,3 +205,18 @@ def test_streamed_falls_back_to_by_blocks_with_the_master_weights_on_disk(monkey
     assert engine.runner.tower is None and engine.runner.images.by_blocks
     assert "streamed needs one rank and the master weights in RAM: by blocks" in engine.plan.chosen_by
     engine.close()
+
+
+@pytest.mark.slow   # (~5 s at load 8: bf16 on a CPU)
+def test_bf16_clipped_steps_match_the_blocks_placement(monkeypatch):
+    """bf16 compute (the blocks' bf16 copies gathered from the embed unit's), two clipped AdamW
+    steps: the norms, the losses and the weights bit-identical to the "blocks" placement's."""
+    model = _model("qwen2_vl")
+    got = {}
+    for placement in ("blocks", "streamed"):
+        engine = _engine(monkeypatch, placement, copy.deepcopy(model), precision="bf16")
+        outs = [engine.forward_backward(_batch("qwen2_vl", seed=s), step_lr=1e-2, max_grad_norm=0.5) for s in (1, 2)]
+        got[placement] = ([(o.loss, o.grad_norm) for o in outs], {n: p.clone() for n, p in engine.named_parameters()})
+        engine.close()
+    assert got["blocks"][0] == got["streamed"][0] and got["blocks"][0][0][1] > 0.5   # (clipped)
+    assert all(torch.equal(got["blocks"][1][n], got["streamed"][1][n]) for n in got["blocks"][1])

@@ -157,8 +157,7 @@ class TowerStream:
         goes to the update whole; any other unit's goes on as it is."""
         if unit is not self.trunk:
             return self._sink(unit, grad)
-        self.pager.wait_grads()   # (the blocks' went before it)
-        with self._lock:
+        with self._lock:   # (the blocks' landed before it was sent: :meth:`backward`)
             full, self._full = self._full, None
         if full is None:
             full = torch.zeros(self.embed.train_numel, dtype=torch.float32)
@@ -264,6 +263,7 @@ class TowerStream:
             self._back = False
         if self._last_back is not None:
             self._send(self._last_back)
+        self.pager.wait_grads()   # (landed in the embed unit's before the trunk's sum, the window's last, is sent)
         if self._touched and self._runs:
             self._runs.popleft()   # (a block the loss does not reach has no gradient to send)
         self._last_back, self._touched = None, False

@@ -129,13 +129,16 @@ def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
     assert reads + saved == 2 * (3 * n + layers), (reads, saved)
     assert saved >= 2 * layers, saved
     # bytes: a layer's weights cross disk->host twice per step at most (never three times), the
-    # states once; the forward's reads are every unit's but those handed fresh copies
+    # states once; the forward's reads are every unit's but those handed fresh copies; the
+    # backward's every layer's but the last, whose forward buffer is carried across the head
+    # (DiskReadStream's carry, when that buffer is still out as the backward's read is scheduled)
     w = sum(u.numel * 4 for u in e.units)
     fresh = 4 * (e.embed_unit.numel + e.layer_units[0].numel)
     bwd = sum(u.numel * 4 for u in e.layer_units)
+    carried = 4 * e.layer_units[-1].numel
     upd = 4 * (e.embed_unit.numel + e.head_unit.numel)
     moved = tel["bytes"]["disk_to_host"]
-    assert 2 * (w - fresh + bwd + upd + 2 * w) <= moved <= 2 * (w + bwd + upd + 2 * w), moved
+    assert 2 * (w - fresh + bwd - carried + upd + 2 * w) <= moved <= 2 * (w + bwd + upd + 2 * w), moved
     assert moved % 4 == 0
     e.close()
 

@@ -9,7 +9,9 @@ orders a read after a write of the same key), so a read never sees stale weights
 
 A compute read can be marked *kept*: the unit's backward load is its last compute access of
 the step, and the weights it read are exactly what that unit's update needs, so the staging
-buffer is handed to the optimizer instead of reading the same bytes a third time.
+buffer is handed to the optimizer instead of reading the same bytes a third time. And a unit
+read again within ``CARRY_GAP`` reads of the compute stream (the last layer: its forward, the head,
+its backward) is read once: the first read's buffer is held and carried to the second.
 """
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ import torch
 from .disk_store import aligned_empty
 from ..transport.pinned import held_bytes, pinned_empty
 from ..units import Unit
+
+
+#: A unit read again within this many reads of the compute stream (the last layer: its forward,
+#: the head, its backward) is served by its first read's buffer, held meanwhile (no disk read).
+CARRY_GAP = 2
 
 
 def weights_key(unit: Unit) -> str:
@@ -103,7 +110,7 @@ class DiskReadStream:
     def __init__(self, disk, units: List[Unit], dirty: DirtyUnits, *, buffers: int, pin: bool, counters,
                  after_updates: bool, urgent: bool = False, fresh_source: Optional[Callable] = None,
                  reclaim: Optional[Callable] = None, key: Callable[[Unit], str] = weights_key,
-                 name: str = "w", dtype: torch.dtype = torch.float32):
+                 name: str = "w", dtype: torch.dtype = torch.float32, carry: bool = False):
         self.disk = disk
         self.key, self.name, self.dtype = key, name, dtype   # what it reads: a unit's masters, or its shadow
         self.dirty = dirty
@@ -131,6 +138,13 @@ class DiskReadStream:
         self._issued = 0
         self._inflight: Dict[int, List[tuple]] = {}
         self._keep_at: set = set()        # positions in the order whose buffer is kept (handed off)
+        # Positions that read a unit read at most CARRY_GAP positions before (the last layer's
+        # forward, the head, then that layer's backward): served by that read's buffer, handed on
+        # when released, not by a second disk read (:meth:`_carry`).
+        self._carry_at: set = set()
+        self._out: Dict[int, int] = {}   # unit -> data_ptr of its own buffer out of get(), not yet released
+        self.carry = carry   # (off behind a host cache: its plan counts every read by phase)
+        self._carry_src: Dict[int, Future] = {}   # data_ptr of a buffer out of get() -> the carry it feeds
         self._kept: Dict[int, bool] = {}  # data_ptr of a buffer returned by get() -> kept?
         dirty.listeners.append(self._top_up)
 
@@ -168,10 +182,13 @@ class DiskReadStream:
                 self._order = self._order[self._issued:] + new
                 self._need = self._need[self._issued:] + need
                 self._keep_at = set()
+                self._carry_at = set()
             else:
                 self._order, self._need = new, need
                 keep = set(keep)
                 self._keep_at = {j for j, i in enumerate(positions) if i in keep}
+                self._carry_at = {j for j in range(1, len(new))
+                                  if any(new[j] is new[i] for i in range(max(0, j - CARRY_GAP), j))}
             self._issued = 0
         self._top_up()
 
@@ -183,7 +200,8 @@ class DiskReadStream:
                     break  # strict order: wait for its update's write
                 if not self.after_updates and self.dirty.cleaned(u) < self._need[self._issued]:
                     break  # its unit's previous update is not written yet: the read would pass it
-                if not self._start(u, keep=self._issued in self._keep_at):
+                keep = self._issued in self._keep_at
+                if not (self._issued in self._carry_at and self._carry(u, keep)) and not self._start(u, keep=keep):
                     break
                 self._issued += 1
 
@@ -201,6 +219,25 @@ class DiskReadStream:
             return False
         self._inflight.setdefault(unit.index, []).append((buf, fut, keep))
         self._cv.notify_all()
+        return True
+
+    def _carry(self, unit: Unit, keep: bool) -> bool:
+        """(lock held) Serve this read of ``unit`` with the buffer of its read just before (still in
+        flight, one of this stream's own, not a fresh copy), handed on when :meth:`release` gets it."""
+        if not self.carry:
+            return False
+        before = self._inflight.get(unit.index)
+        if before:   # that read is still in flight: get() binds its buffer to this one
+            if before[-1][0] is None or before[-1][2] or before[-1][0].data_ptr() in self._foreign:
+                return False
+            before.append((None, Future(), keep))
+            return True
+        ptr = self._out.get(unit.index)   # or its buffer is out of get(), not yet released
+        if ptr is None or ptr in self._carry_src:
+            return False
+        fut = Future()
+        self._carry_src[ptr] = fut
+        self._inflight[unit.index] = [(None, fut, keep)]
         return True
 
     def get(self, unit: Unit) -> torch.Tensor:
@@ -226,6 +263,7 @@ class DiskReadStream:
                             del self._need[i]
                             keep = i in self._keep_at
                             self._keep_at = {j - (j > i) for j in self._keep_at if j != i}
+                            self._carry_at = {j - (j > i) for j in self._carry_at if j != i}
                             break
                     self._start(unit, keep=keep)  # a buffer is free: always starts
         with self._cv:
@@ -233,9 +271,20 @@ class DiskReadStream:
             buf, fut, keep = entries.pop(0)
             if not entries:
                 del self._inflight[unit.index]
+        carried = buf is None
+        if carried:   # the buffer of this unit's read just before, once released (_carry)
+            buf = fut.result()
+        with self._cv:
+            after = self._inflight.get(unit.index)
+            if after and after[0][0] is None:   # the next read of it is carried: this buffer feeds it
+                self._carry_src[buf.data_ptr()] = after[0][1]
             self._kept[buf.data_ptr()] = keep
             fresh = buf.data_ptr() in self._foreign
-        if not fresh:
+            if not keep and not fresh:
+                self._out[unit.index] = buf.data_ptr()
+        if carried:
+            self.counters.add("weight_reads_saved", 1)
+        elif not fresh:
             self.counters.wait(fut, "disk")   # the disk, or the host cache that served it
             self.counters.prefetch_result("disk", not on_demand)  # issued ahead of need, or late
         return buf[:unit.numel]
@@ -267,9 +316,15 @@ class DiskReadStream:
     def release(self, buf: torch.Tensor) -> None:
         with self._cv:
             self._kept.pop(buf.data_ptr(), None)
-            on_release = self._foreign.pop(buf.data_ptr(), None)
-            if on_release is None:
+            for idx in [i for i, p in self._out.items() if p == buf.data_ptr()]:
+                del self._out[idx]
+            carry = self._carry_src.pop(buf.data_ptr(), None)
+            on_release = None if carry is not None else self._foreign.pop(buf.data_ptr(), None)
+            if carry is None and on_release is None:
                 self._free.append(self._by_ptr[buf.data_ptr()])
+        if carry is not None:   # the same unit's next read takes it as it is
+            carry.set_result(self._by_ptr[buf.data_ptr()])
+            return
         if on_release is not None:
             on_release()
             return
@@ -282,6 +337,10 @@ class DiskReadStream:
         with self._cv:
             for entries in self._inflight.values():
                 for buf, fut, _ in entries:
+                    if buf is None:   # a carried read: its buffer, if already handed on, goes back
+                        if fut.done():
+                            self._free.append(fut.result())
+                        continue
                     try:
                         fut.result()
                     except Exception:
@@ -292,7 +351,9 @@ class DiskReadStream:
                     else:
                         self._free.append(buf)
             self._inflight.clear()
-            self._keep_at = set()
+            self._carry_src.clear()   # a buffer still out comes back to the pool when released
+            self._out.clear()
+            self._keep_at, self._carry_at = set(), set()
             self._order, self._need = [], []
             self._issued = 0
         for fn in callbacks:

@@ -191,12 +191,14 @@ class DiskWeights:
         self._fresh_wanted: set = set()
         self._last_compute: List[Unit] = []           # the recorded compute order of a training step
         read = dict(key=shadow_key, name="c", dtype=shadow) if shadow is not None else {}
-        self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters,
-                                     after_updates=True, urgent=True, fresh_source=self._take_fresh,
-                                     reclaim=self._reclaim, **read)
         #: A host cache of the disk tier decides what stays in RAM (disk_cache.HostCache): the
         #: fresh copies, whose survival depends on timing, are then not kept.
         self.cached = getattr(disk, "capacity", 0) > 0
+        # (without a cache, a unit read twice in a row -- the last layer's forward, then its
+        # backward -- is read once: the stream carries the first read's buffer on)
+        self._fetch = DiskReadStream(disk, units, self.dirty, buffers=compute_buffers, pin=pin, counters=counters,
+                                     after_updates=True, urgent=True, fresh_source=self._take_fresh,
+                                     reclaim=self._reclaim, carry=not self.cached, **read)
         #: A clipped step holds this many more backward reads for their updates (module docstring;
         #: without a cache only: with one, nothing is handed after the backward).
         self.held_units = held_units

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,6 +78,22 @@ def alone(script: Path, *argv: str, timeout: float = 300) -> None:
                             "PYTHONWARNINGS": "ignore"},
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+_ONCE: dict = {}
+
+
+def alone_once(script: Path, *argv: str, timeout: float = 300) -> Path:
+    """The output folder of ``alone(script, OUT, *argv)``, run once in this test process: the tests
+    that compare their own runs with the same one-process run share it (an xdist group of their
+    own puts them in one worker)."""
+    key = (str(script), argv)
+    out = _ONCE.get(key)
+    if out is None or not out.is_dir():
+        out = Path(tempfile.mkdtemp(prefix="one-process-", dir=os.environ.get("MEGATRAIN_NB_TEST_ROOT"))) / "one"
+        alone(script, str(out), *argv, timeout=timeout)
+        _ONCE[key] = out
+    return out
 
 
 def check(proc: subprocess.CompletedProcess) -> None:

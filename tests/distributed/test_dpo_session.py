@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from .launch import REPO
-from .test_dpo_torchrun import _alone
+from .launch import REPO, alone_once
+from .test_dpo_torchrun import DPO_ONE_PROCESS, HERE
 from .test_launcher import _env  # noqa: F401 - the same environment (autouse)
 from .test_trainer_torchrun import _agree, _weights
 
@@ -16,6 +16,7 @@ BOUND = 240
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(DPO_ONE_PROCESS)
 def test_session_with_a_dpo_config_trains_a_dpo_trainer_on_two_ranks(tmp_path):
     import megatrain_nb as mt
     from datasets import Dataset
@@ -33,7 +34,7 @@ def test_session_with_a_dpo_config_trains_a_dpo_trainer_on_two_ranks(tmp_path):
         assert s.wait(timeout=BOUND) == "finished", (s.state, getattr(s, "worker_log", None))
     finally:
         s.close()
-    _alone(str(tmp_path / "one"), "4")
+    one = alone_once(HERE / "w_dpo.py", "4")   # (test_dpo_torchrun.py's too)
     # the workers saved the model into output_dir; a plain Trainer could not have read the pairs
-    _agree(_weights(tmp_path / "two"), _weights(tmp_path / "one" / "final"))
+    _agree(_weights(tmp_path / "two"), _weights(one / "final"))
     assert list((tmp_path / "two" / "reference_logps").glob("train-*.safetensors"))

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from .launch import REPO
+from .launch import REPO, alone_once
 from .test_launcher import _env  # noqa: F401 - the same environment (autouse)
-from .test_sft_torchrun import _alone
+from .test_sft_torchrun import HERE, SFT_ONE_PROCESS
 from .test_trainer_torchrun import _agree, _weights
 
 pytest.importorskip("trl")
@@ -16,6 +16,7 @@ BOUND = 240
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(SFT_ONE_PROCESS)
 def test_session_with_an_sft_config_trains_an_sft_trainer_on_two_ranks(tmp_path):
     import megatrain_nb as mt
     from datasets import Dataset
@@ -35,6 +36,6 @@ def test_session_with_an_sft_config_trains_an_sft_trainer_on_two_ranks(tmp_path)
         assert s.wait(timeout=BOUND) == "finished", (s.state, getattr(s, "worker_log", None))
     finally:
         s.close()
-    _alone(str(tmp_path / "one"), "4", "assistant")
+    one = alone_once(HERE / "w_sft.py", "4", "assistant")   # (test_sft_torchrun.py's too)
     # the workers saved the model into output_dir; a plain Trainer on chat rows would not have trained
-    _agree(_weights(tmp_path / "two"), _weights(tmp_path / "one" / "final"))
+    _agree(_weights(tmp_path / "two"), _weights(one / "final"))

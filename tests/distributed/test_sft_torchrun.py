@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from .launch import alone, check, torchrun
+from .launch import alone, alone_once, check, torchrun
 from .test_trainer_torchrun import _agree, _weights
 
 pytest.importorskip("trl")
 
 HERE = Path(__file__).parent
+#: the xdist group of the tests that compare with the one-process run of the "assistant" case
+SFT_ONE_PROCESS = "sft-one-process"
 
 
 def _alone(*argv):
@@ -41,18 +43,19 @@ def _same_logs(two, one):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(SFT_ONE_PROCESS)
 @pytest.mark.parametrize("case", ["assistant", "packed"])
 def test_sft_two_ranks_equal_one_process(tmp_path, case):
     check(torchrun(HERE / "w_sft.py", str(tmp_path / "two"), "2", case, "save", nproc=2, timeout=300))
-    _alone(str(tmp_path / "one"), "4", case)
-    _agree(_weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final"))
-    _same_logs(tmp_path / "two", tmp_path / "one")
+    one = alone_once(HERE / "w_sft.py", "4", case)   # (test_sft_session.py's too)
+    _agree(_weights(tmp_path / "two" / "final"), _weights(one / "final"))
+    _same_logs(tmp_path / "two", one)
     ck = tmp_path / "two" / "checkpoint-2"
     assert sorted(f.name for f in ck.glob("shards-*")) == ["shards-00000-of-00002.safetensors",
                                                            "shards-00001-of-00002.safetensors"]
     if case == "packed":   # the 2 ranks' checkpoint, resumed by one process with accumulation 4
         _alone(str(tmp_path / "resumed"), "4", case, f"resume:{ck}")
-        _agree(_weights(tmp_path / "resumed" / "final"), _weights(tmp_path / "one" / "final"))
+        _agree(_weights(tmp_path / "resumed" / "final"), _weights(one / "final"))
 
 
 @pytest.mark.slow

@@ -35,6 +35,16 @@ def alone(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The two-rank run (accumulation 2) with a checkpoint at step 2: the run that ends where the
+    one-process run ends, and the checkpoint that one process resumes (saving it changes nothing
+    the run trains, logs or evaluates)."""
+    out = tmp_path_factory.mktemp("two-ranks") / "two"
+    check(torchrun(HERE / "w_trainer.py", str(out), "2", "save", nproc=2, timeout=300))
+    return out
+
+
 def _agree(a, b):
     assert a.keys() == b.keys()
     diff = sum(float((a[k] - b[k]).norm()) ** 2 for k in a) ** 0.5
@@ -42,14 +52,13 @@ def _agree(a, b):
     assert diff / norm <= 1e-5 and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-4
 
 
-def test_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path):
+def test_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path, two_ranks):
     """Trainer checkpoint written by 2 ranks (each its shards, rank 0 the shared files), resumed
     by one process with accumulation 4: it ends where the 2-rank run ended."""
-    check(torchrun(HERE / "w_trainer.py", str(tmp_path / "two"), "2", "save", nproc=2, timeout=300))
-    ck = tmp_path / "two" / "checkpoint-2"
+    ck = two_ranks / "checkpoint-2"
     assert sorted(f.name for f in ck.glob("shards-*")) == ["shards-00000-of-00002.safetensors",
                                                            "shards-00001-of-00002.safetensors"]
-    assert (ck / "trainer_state.json").is_file() and not list((tmp_path / "two").glob("*.tmp-*"))
+    assert (ck / "trainer_state.json").is_file() and not list(two_ranks.glob("*.tmp-*"))
     # rank 0's manifest covers every rank's shards; scheduler and RNG state are JSON, no pickles
     from megatrain_nb.manifest import verify_manifest
 
@@ -59,12 +68,12 @@ def test_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path):
             "scheduler.json", "rng_state.json"} <= listed
     assert not list(ck.glob("*.pt")) and not list(ck.glob("*.pth"))
     _alone(str(tmp_path / "one"), "4", f"resume:{ck}")
-    _agree(_weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final"))
+    _agree(_weights(two_ranks / "final"), _weights(tmp_path / "one" / "final"))
 
 
-def test_trainer_two_ranks_equal_one_process(tmp_path, alone):
-    check(torchrun(HERE / "w_trainer.py", str(tmp_path / "two"), "2", nproc=2, timeout=300))
-    a, b = _weights(tmp_path / "two" / "final"), _weights(alone / "final")
+def test_trainer_two_ranks_equal_one_process(two_ranks, alone):
+    two = two_ranks
+    a, b = _weights(two / "final"), _weights(alone / "final")
     assert a.keys() == b.keys()
     diff = sum(float((a[k] - b[k]).norm()) ** 2 for k in a) ** 0.5
     norm = sum(float(b[k].norm()) ** 2 for k in a) ** 0.5
@@ -74,7 +83,7 @@ def test_trainer_two_ranks_equal_one_process(tmp_path, alone):
     # single elements: Adam turns a summation-order rounding in a near-cancelling gradient
     # (an embedding row seen by both ranks) into a larger step; see test_zero3_flow._max_rel
     assert worst <= 1e-4
-    two_log = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    two_log = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     one_log = [json.loads(x) for x in (alone / "metrics.jsonl").read_text().splitlines()]
     steps2 = [r for r in two_log if "loss" in r and "event" not in r]
     steps1 = [r for r in one_log if "loss" in r and "event" not in r]
@@ -83,10 +92,10 @@ def test_trainer_two_ranks_equal_one_process(tmp_path, alone):
         assert r2["tokens"] == r1["tokens"]
         assert abs(r2["loss"] - r1["loss"]) <= 1e-5 * abs(r1["loss"])
         assert abs(r2["grad_norm"] - r1["grad_norm"]) <= 1e-5 * r1["grad_norm"]
-    assert not list((tmp_path / "two" / "final").glob(".save-tmp-*"))
+    assert not list((two / "final").glob(".save-tmp-*"))
     # evaluation is sharded: 5 eval batches, 3 on rank 0 and 2 + a zero-weight pad on rank 1;
     # the summed loss is the one-process eval loss
-    ev2 = [json.loads((tmp_path / "two" / f"eval-rank{r}.json").read_text()) for r in range(2)]
+    ev2 = [json.loads((two / f"eval-rank{r}.json").read_text()) for r in range(2)]
     ev1 = json.loads((alone / "eval-rank0.json").read_text())
     assert [e["batches"] for e in ev2] == [3, 3] and ev1["batches"] == 5
     assert ev2[0]["tokens"] == ev2[1]["tokens"] == ev1["tokens"]

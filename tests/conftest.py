@@ -271,7 +271,7 @@ def _turn(alone: bool):
         fcntl.flock(turn, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if alone:
             fcntl.flock(gate, fcntl.LOCK_UN)
-        yield
+        yield turn
     finally:
         for fd in (turn, gate):   # let go explicitly: a child forked meanwhile shares the open files
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -283,8 +283,27 @@ def pytest_runtest_protocol(item, nextitem):
     """In a worker, a test (its fixtures' setup and teardown included) runs in its turn."""
     if not WORKER:
         return (yield)
-    with _turn(_alone(item)):
-        return (yield)
+    with _turn(_alone(item)) as turn:
+        _TURNS[item.nodeid] = turn
+        try:
+            return (yield)
+        finally:
+            del _TURNS[item.nodeid]
+
+
+_TURNS: dict = {}   # a running test's node id -> its turn's lock
+
+
+@pytest.fixture
+def timed_part_done(request):
+    """For a test of ALONE_TESTS whose timed checks come first: calling it shares the machine again
+    (its lock held shared from then on), so that the other worker's tests run beside the rest of it
+    (a no-op in one process)."""
+    def share() -> None:
+        turn = _TURNS.get(request.node.nodeid)
+        if turn is not None:
+            fcntl.flock(turn, fcntl.LOCK_SH)
+    return share
 
 
 def _mark_slow_kinds(items, args=()):

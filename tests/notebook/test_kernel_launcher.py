@@ -37,7 +37,7 @@ def kernel(tmp_path, monkeypatch):
         k.close()
 
 
-def test_launcher_in_a_real_kernel(kernel, tmp_path):
+def test_launcher_in_a_real_kernel(kernel, tmp_path, timed_part_done):
     from megatrain_nb.channel.registry import enqueue_command, list_sessions
 
     k = kernel
@@ -59,6 +59,7 @@ def test_launcher_in_a_real_kernel(kernel, tmp_path):
         assert time.monotonic() - t0 < 2.0
     assert steps[-1] > steps[0] >= 2 and k.ok("print(session.state)").strip() == "running"
     assert k.ok("print(torch.cuda.is_initialized())").strip() == "False"
+    timed_part_done()   # (ALONE_TESTS) what follows waits on bounds of a minute: other tests may run beside it
 
     k.ok("%megatrain pause")
     k.ok("while session.state != 'paused': time.sleep(0.02)", timeout=30)

@@ -243,8 +243,8 @@ ALONE_TESTS = {
     "tests/lab/test_beacon.py::test_command_takes_effect_within_one_second",
     "tests/notebook/test_kernel_launcher.py",
     # (of tests/distributed/test_launcher.py, the two that time an answer: `train()` returning within
-    # 3 s, the killed rank seen within SEEN_LATE_S of the error it caused; its others wait on
-    # bounds of a minute and run beside other tests)
+    # 3 s -- alone until then, `timed_part_done` --, the killed rank seen within SEEN_LATE_S of the
+    # error it caused; its others wait on bounds of a minute and run beside other tests)
     "tests/distributed/test_launcher.py::test_launcher_pause_lr_checkpoint_stop_land_on_every_rank_at_one_step",
     "tests/distributed/test_launcher.py::test_a_rank_killed_with_signal_9_is_named_first_not_the_rank_its_death_broke",
     "tests/engine/test_disk_store.py::test_a_read_that_takes_seconds_still_returns_the_right_data",

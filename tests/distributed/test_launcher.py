@@ -31,7 +31,7 @@ def _data():
     return args, micro_model, token_dataset
 
 
-def test_launcher_pause_lr_checkpoint_stop_land_on_every_rank_at_one_step(tmp_path):
+def test_launcher_pause_lr_checkpoint_stop_land_on_every_rank_at_one_step(tmp_path, timed_part_done):
     import megatrain_nb as mt
     from megatrain_nb.channel.registry import list_sessions
     from megatrain_nb.trainer import Trainer
@@ -44,6 +44,7 @@ def test_launcher_pause_lr_checkpoint_stop_land_on_every_rank_at_one_step(tmp_pa
     t0 = time.monotonic()
     s.train()
     assert time.monotonic() - t0 < 3.0 and s.state == "running"
+    timed_part_done()   # (ALONE_TESTS) what follows waits on bounds of a minute: other tests may run beside it
     assert not torch.cuda.is_initialized()     # the controller never touches CUDA
     assert s.wait(timeout=BOUND, until_step=2) == "running" and s.step >= 2
     runs = [b for b in list_sessions() if b["name"] == "launch-test"]

@@ -273,8 +273,7 @@ def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: in
         k = max(1, checkpoint_interval)
         saved_inputs = math.ceil(num_layers / k) * tok * hidden_size * compute_bytes
         block_inputs = (k - 1) * tok * hidden_size * compute_bytes
-    # the head's chunk: loss_chunk_tokens over the batch's rows (engine/compute/loss_head._chunk)
-    chunk = max(1, min(seq, loss_chunk_tokens // max(batch, 1)))
+    chunk = min(loss_chunk_tokens, seq)
     head_work = 3 * batch * chunk * vocab_size * 4 + 2 * tok * hidden_size * 4
     return saved_inputs + block_inputs + vision_bytes + max(layer_work, head_work)
 

@@ -12,7 +12,8 @@ the engine, per-token log-probs by a forward-only pass of an engine, rewards and
   a token together, each unit crosses to the device once per decoded token.
 - :func:`make_policy`: which of the two (``generation="auto"``: the resident copy when it and its
   KV cache, both in the engine's compute dtype (:func:`resident_bytes`), fit the device budget
-  beside the engine's working set, else streamed).
+  between the engine's steps, else streamed; the copy's memory is released after each
+  generation batch, :meth:`ResidentPolicy.release`, so training runs beside none of it).
 - :func:`completion_logps`: the per-token log-probs of the completions (temperature applied, as
   TRL's fused head) through an engine's chunked head, forward only (:class:`TokenLogps`).
 - :func:`score`: every reward function on every completion; a function that raises, returns a
@@ -31,6 +32,9 @@ from megatrain_nb.engine.compute.objective import TOKEN_NLL
 from megatrain_nb.engine.planning.estimator_grpo import resident_need
 
 from .data import DataError
+
+#: ResidentPolicy.version while its parameters are released (any refresh copies the weights in again)
+RELEASED = object()
 
 #: GRPOTrainer's ``generation=`` (an engine option keyword): where the completions are sampled
 GENERATION_MODES = ("auto", "resident", "streamed")
@@ -123,6 +127,7 @@ class ResidentPolicy:
         self.model = model.eval()
         self.dtype = dtype
         self.version = None
+        self._released: Dict[str, torch.Size] = {}   # name -> shape of each parameter whose memory is released
         self.cast_refreshes = 0   # refreshes that cast a parameter from the fp32 masters (compute dtype != fp32)
 
     def refresh(self, engine, version) -> None:
@@ -132,6 +137,9 @@ class ResidentPolicy:
         if self.version is None:   # generation runs where the engine computes
             self.model.to(getattr(engine, "device", "cpu"))
         params = dict(self.model.named_parameters())
+        for name, shape in self._released.items():   # (released after the last generation: allocated again)
+            params[name].data = torch.empty(shape, dtype=params[name].dtype, device=params[name].device)
+        self._released = {}
         shadows, cast = None, False
         with torch.no_grad():
             for name, w in engine.named_parameters():   # (after every update: the shadows are current)
@@ -144,9 +152,30 @@ class ResidentPolicy:
         self.cast_refreshes += int(cast and self.dtype != torch.float32)
         self.version = version
 
+    def release(self) -> None:
+        """Free the device memory of the copy's parameters once a generation batch is made: the
+        training steps that follow run beside the engine's own slots and buffers only, as
+        :func:`resident_fits` (and the estimate) counts generation's room between the engine's
+        steps, not beside a step's activations. The next :meth:`refresh` allocates them again and
+        copies the weights in (which it does after every optimizer step anyway: only a second
+        generation on the same weights, an evaluation's, copies once more). The buffers (rotary
+        frequencies: small) stay."""
+        if self._released or self.version is None:
+            return
+        for name, p in self.model.named_parameters():
+            self._released[name] = p.shape
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.version = RELEASED
+
+    @property
+    def released(self) -> bool:
+        """Whether the copy's parameters are released (:meth:`release`) until the next refresh."""
+        return bool(self._released)
+
     def nbytes(self) -> int:
-        """Bytes of the copy's parameters (a tied weight once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of the copy's parameters (a tied weight once), whether held now or released."""
+        return sum(math.prod(self._released.get(n, p.shape)) * p.element_size()
+                   for n, p in self.model.named_parameters())
 
     @torch.no_grad()
     def generate(self, prompt_ids: List[List[int]], config, pad_id: int, eos_ids: List[int]) -> List[List[int]]:
@@ -176,6 +205,9 @@ class StreamedPolicy:
     def refresh(self, engine, version) -> None:
         return None
 
+    def release(self) -> None:
+        return None   # (the KV cache is freed as the decoding ends; the weights are the engine's)
+
     def generate(self, prompt_ids: List[List[int]], config, pad_id: int, eos_ids: List[int], *, generator=None,
                  more=None) -> List[List[int]]:
         """Each prompt's completion ids, cut after the first end-of-sequence id (``config``'s);
@@ -202,8 +234,10 @@ def resident_bytes(engine, rows: int, length: int) -> int:
 
 def resident_fits(engine, rows: int, length: int) -> bool:
     """Whether a resident copy of the model in the compute dtype and its KV cache for ``rows`` x
-    ``length`` tokens (:func:`resident_bytes`) fit the device budget left beside the engine's
-    working set (no budget: yes)."""
+    ``length`` tokens (:func:`resident_bytes`) fit the device budget left between the engine's
+    steps (``decode.device_left``: the budget less the weight slots and gradient buffers that stay
+    allocated; a step's activations are freed, and the copy is released after generating,
+    :meth:`ResidentPolicy.release`) (no budget: yes)."""
     left = device_left(engine)
     return left is None or resident_bytes(engine, rows, length) <= left
 

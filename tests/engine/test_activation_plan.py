@@ -176,21 +176,23 @@ def test_a_held_graphs_backward_is_counted_as_its_saved_bytes_and_two_gradients(
     assert 2 * held / live.peak > 1.5   # what the old count said
 
 
-@pytest.mark.parametrize("family,k", [("llama", 1), ("qwen2", 2)])
-def test_the_engines_accounted_peak_is_the_plans_device_bytes(family, k):
+@pytest.mark.parametrize("family,k,vocab,batch", [("llama", 1, 64, 2), ("qwen2", 2, 64, 2), ("llama", 1, 4096, 8)])
+def test_the_engines_accounted_peak_is_the_plans_device_bytes(family, k, vocab, batch):
     """A step's device peak as the engine accounts it (weight slots, gradient sums, the meter's
     activations) within 0.9-1.05 of make_plan's device bytes for the same workload, as mt.estimate
-    plans it (benchmarks/bench_vlm.py's text_device_peak_vs_plan, at a shape it was not tuned on)."""
+    plans it (benchmarks/bench_vlm.py's text_device_peak_vs_plan, at a shape it was not tuned on).
+    The third case's peak is the head's chunk (a wide vocabulary, 8 rows): loss_chunk_tokens over
+    the batch's rows, as the engine cuts it (the plan took that many tokens a row: 8x the bytes)."""
     from megatrain_nb.engine import EngineConfig, StreamingEngine
     from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan
 
-    cfg = family_config(family, layers=4, hidden=64, intermediate_size=176, vocab=64, max_position_embeddings=512)
+    cfg = family_config(family, layers=4, hidden=64, intermediate_size=176, vocab=vocab, max_position_embeddings=512)
     torch.manual_seed(0)
-    work = Workload(batch=2, seq=256)
+    work = Workload(batch=batch, seq=256)
     engine = StreamingEngine(AutoModelForCausalLM.from_config(cfg), EngineConfig(device="cpu", checkpoint_interval=k),
                              workload=work)
     try:
-        ids = torch.randint(1, 64, (2, 256))
+        ids = torch.randint(1, 64, (batch, 256))
         engine.forward_backward(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, step_lr=1e-4)
         peak = engine.memory_report()["device"]["peak_bytes"]
         ecfg = engine.parts.config.replace(checkpoint_interval=engine.runner.checkpoint_interval)

@@ -1,7 +1,8 @@
 """mt.estimate(..., rollouts=, completion_length=): a GRPO step's generation (issue 48 item 5): the
 KV cache's bytes against the cache a transformers model builds and the streamed decoder's count,
 where generation runs (the engine's rule: resident when a compute-dtype copy and its cache in
-the compute dtype fit beside the training working set, else streamed), the streamed decoder priced as the
+the compute dtype fit the device budget between training steps, beside what stays allocated
+between them, else streamed), the streamed decoder priced as the
 compute-dtype weights over the link per decoded token for all rollouts at once, and the refusals."""
 import json
 
@@ -13,6 +14,7 @@ import megatrain_nb as mt
 from megatrain_nb.cli import main
 from megatrain_nb.engine.compute import decode
 from megatrain_nb.engine.planning.estimator_grpo import kv_cache_bytes
+from megatrain_nb.engine.planning.planner import persistent_device_bytes
 from megatrain_nb.engine.planning.rates import rates_for
 from megatrain_nb.model_configs import family_config, tiny_config
 
@@ -55,13 +57,19 @@ def test_generation_is_resident_when_it_fits_and_streamed_when_not():
     assert "accumulation 4" in str(est)
     assert "GRPO KV cache" in est._repr_html_()   # the notebook's view of it too
     assert gp.weights_bytes == 4 * est.num_parameters   # fp32 compute: the copy is fp32 (grpo_rollout.resident_fits)
-    # a device budget that holds the training working set but not the fp32 copy + its cache
-    need = est.plan.device["total"]
-    small = mt.estimate(_config(), vram_gb=(need + gp.weights_bytes // 2) / 2 ** 30, ram_gb=8, disk_gb=8, batch=4,
-                        seq=96, rollouts=16, completion_length=64)
-    # nor the decoder's cache and logits, nor its device part with the K/V in host RAM (the logits, two layers' K/V):
-    # the rollouts decode in sub-batches that each fit (priced: test_decode_host_kv)
+    # generation runs between training steps: its room is the budget less the weight slots and gradient
+    # buffers that stay allocated (persistent_device_bytes), not less the step's activations and boundaries
+    assert gp.room_bytes == 8 * 2 ** 30 - est.plan.device["weights"] - est.plan.device["grads"]
+    assert gp.room_bytes > 8 * 2 ** 30 - est.plan.device["total"]
+    # a device budget that holds the training step (micro-batches of one row: its boundaries in host RAM) but
+    # between the steps not the fp32 copy + its cache, nor the decoder's cache and logits, nor its device part
+    # with the K/V in host RAM (the logits, two layers' K/V): the rollouts decode in sub-batches that each fit
+    # (priced: test_decode_host_kv)
+    left = 650 << 10
+    small = _est(batch=1, vram_gb=left / 2 ** 30)
     k = small.grpo.kv_batches
+    assert small.plan.feasible and small.plan.device["total"] <= left and small.plan.window["tier"] == "host"
+    assert small.grpo.room_bytes == left - persistent_device_bytes(small.plan) < small.grpo.weights_bytes + gp.kv_bytes
     assert small.grpo.mode == "streamed" and small.grpo.kv_tier == "device" and k > 1
     assert f"decoded in {k} sub-batches" in str(small) and "the streamed decoder refuses" not in str(small)
 
@@ -71,16 +79,19 @@ def test_a_streamed_token_is_the_weights_over_the_link_for_all_rollouts():
     parameter) whatever the number of rollouts; its time is the longer of that and the compute."""
     r = rates_for(PROFILE)
     wide = family_config("llama", layers=2, vocab=64, max_position_embeddings=256, intermediate_size=1024)
-    base = dict(ram_gb=8, disk_gb=8, batch=8, seq=96, completion_length=64, precision="bf16")
-    for rollouts in (8, 32, 128):
-        fits = mt.estimate(wide, vram_gb=8, rollouts=rollouts, **base).grpo   # resident (bf16 copy)
+    # (micro-batches of one row, many rollouts: a cache that outweighs a training step's activations, so a budget
+    # that holds the step can leave too little room between the steps for the copy beside the cache)
+    base = dict(ram_gb=8, disk_gb=8, batch=1, seq=96, completion_length=64, precision="bf16")
+    for rollouts in (256, 384, 512):
+        fits = mt.estimate(wide, vram_gb=8, rollouts=rollouts, **base)   # resident (bf16 copy)
         logits = 3 * rollouts * 64 * 4
-        assert fits.weights_bytes > logits   # (the premise: the bf16 copy outweighs the decoder's logits)
-        # room for the decoder's cache and logits, not for the bf16 copy beside the cache
-        vram = (8 * 2 ** 30 - fits.room_bytes + fits.kv_bytes + logits) / 2 ** 30
-        est = mt.estimate(wide, vram_gb=vram, rollouts=rollouts, rates=r, **base)
+        assert fits.grpo.mode == "resident" and fits.grpo.weights_bytes > logits   # (the premise: the copy outweighs
+        # the decoder's logits); room between the steps for the decoder's cache and logits, not for the copy beside it
+        vram = persistent_device_bytes(fits.plan) + fits.grpo.kv_bytes + logits
+        est = mt.estimate(wide, vram_gb=vram / 2 ** 30, rollouts=rollouts, rates=r, **base)
         gp = est.grpo
-        assert gp.mode == "streamed" and gp.kv_tier == "device"
+        assert est.plan.feasible and est.plan.device["total"] <= vram   # (the training step fits the budget)
+        assert gp.mode == "streamed" and gp.kv_tier == "device" and gp.kv_batches == 1
         assert gp.link_bytes_per_token == 2 * est.num_parameters
         assert gp.token_s >= gp.link_bytes_per_token / r.h2d_pinned
         assert gp.generation_s == pytest.approx(gp.prefill_s + 64 * gp.token_s)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import megatrain_nb as mt  # noqa: E402
 from megatrain_nb.engine.compute.decode import device_left  # noqa: E402
 from megatrain_nb.engine.planning.estimator_grpo import place_kv, streamed_need  # noqa: E402
+from megatrain_nb.engine.planning.planner import persistent_device_bytes  # noqa: E402
 from megatrain_nb.model_configs import family_config  # noqa: E402
 
 from .test_grpo_parity import config, prompts, reward_short, reward_yes, tokenizer  # noqa: E402
@@ -43,7 +44,7 @@ def test_auto_generation_keeps_the_cache_in_host_ram_and_trains_as_the_device_ca
     rows = 4   # a generation batch
     length = max(len(tok(p["prompt"])["input_ids"]) for p in prompts()) + 6
     probe = _trainer(tmp_path, "probe", model, tok, max_vram_gb=0.001)
-    total = probe.engine.plan.device["total"]
+    total = persistent_device_bytes(probe.engine.plan)   # (what stays on the device between the steps)
     probe.close()
     host = place_kv(model.config, rows, length, 4, 0, None)
     # a room that holds the host tier's device part, not the device tier's cache
@@ -88,7 +89,7 @@ def test_a_cache_neither_tier_holds_whole_decodes_in_sub_batches_and_trains_as_o
     rows = 4   # a generation batch (one group of 4)
     length = max(len(tok(p["prompt"])["input_ids"]) for p in prompts()) + 6
     probe = _trainer(tmp_path, "probe", model, tok, max_vram_gb=0.001)
-    total, host_total = probe.engine.plan.device["total"], probe.engine.plan.host["total"]
+    total, host_total = persistent_device_bytes(probe.engine.plan), probe.engine.plan.host["total"]
     probe.close()
     room = (streamed_need(model.config, 2, length, 4) + streamed_need(model.config, 3, length, 4)) // 2
     t = _trainer(tmp_path, "split", model, tok, max_vram_gb=(total + room) / GIB,

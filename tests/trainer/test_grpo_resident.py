@@ -69,6 +69,8 @@ def test_bf16_run_samples_what_a_bf16_copy_samples(tmp_path):
     assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
     n = t.engine.num_parameters()
     assert policy.nbytes() == 2 * n   # (an fp32 copy: 4 x n)
+    # released after each generation: the training steps ran beside none of it (resident_fits' room)
+    assert policy.released and all(p.numel() == 0 for p in policy.model.parameters())
     assert [s[2] for s in seen] == [0, 1]   # one generation per step (steps_per_generation 1), new weights each
     for got, want, _ in seen:
         assert got == want
@@ -121,6 +123,33 @@ def test_refresh_copies_the_compute_dtype_copies_the_update_writes(tmp_path, mon
         views[name].view(-1)[0] = 1232.0   # (a bf16 value)
         policy.refresh(t.engine, 1)
         assert float(params[name].detach().view(-1)[0]) == 1232.0 and policy.cast_refreshes == 0
+    t.close()
+
+
+def test_the_copy_is_released_after_generating_and_copied_in_whole_by_the_next_refresh(tmp_path):
+    """GRPOTrainer releases the copy's parameters once a generation batch is made (training runs
+    between generations beside the engine's slots alone: generation's room is counted between the
+    engine's steps, decode.device_left); the next refresh, even on the same weights, allocates and
+    copies them again: the same parameters bit for bit, the same greedy tokens."""
+    tok = tokenizer()
+    t = _trainer(tmp_path, tiny_model(tok), tok, "bf16")
+    policy = rollout.make_policy(t.engine, "resident", 4, 12)
+    policy.release()   # (nothing held yet: nothing to release)
+    assert not policy.released
+    policy.refresh(t.engine, 0)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id,
+                          eos_token_id=[tok.eos_token_id])
+    ids = [tok(r)["input_ids"] for r in prompts()["prompt"]]
+    want = policy.generate(ids, gc, tok.pad_token_id, [tok.eos_token_id])
+    held = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    n = policy.nbytes()
+    policy.release()
+    assert policy.released and all(p.numel() == 0 for p in policy.model.parameters()) and policy.nbytes() == n
+    policy.refresh(t.engine, 0)   # (the same step's weights: copied in again)
+    assert not policy.released
+    for name, p in policy.model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, held[name]), name
+    assert policy.generate(ids, gc, tok.pad_token_id, [tok.eos_token_id]) == want and sum(map(len, want)) > 0
     t.close()
 
 

@@ -45,8 +45,9 @@ per decoded token (``stats["passes"]``) whether 2 or 128 rows advance.
 - **The KV cache's size** is checked before anything runs: rows x (prompt + new tokens) x, per
   layer, 2 x key/value heads x head dim x the compute dtype's bytes (a sliding layer: its window
   at most), plus the last logits, placed by the planner's rule (:func:`kv_place`,
-  ``estimator_grpo.place_kv``): on the device when it fits the budget left beside the engine's
-  working set (``max_vram_gb`` minus the plan's device total; no budget: it fits); else its
+  ``estimator_grpo.place_kv``): on the device when it fits the budget left between the engine's
+  steps (``max_vram_gb`` minus the weight slots and gradient buffers that stay allocated,
+  ``planner.persistent_device_bytes``: a step's activations are freed; no budget: it fits); else its
   full-attention layers' K/V in host RAM (:mod:`.kv_offload`: each layer's cache in to the device
   as the layer runs, the new token's entries back, twice across the link per decoded token,
   counted in ``stats``) when they fit beside the host plan and the rest fits the device; else the
@@ -70,6 +71,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from ... import threads
 from ..planning.estimator_grpo import KVPlace, kv_cache_bytes, place_kv, streamed_need  # noqa: F401 - re-exported
+from ..planning.planner import persistent_device_bytes
 from ..proxies import bind, unbind
 from .kv_offload import DeviceKVCache, HostKVCache
 
@@ -93,9 +95,11 @@ class Decoded:
 
 
 def device_left(engine) -> Optional[int]:
-    """Device bytes the budget leaves beside the engine's planned working set (None: no budget)."""
+    """Device bytes the budget leaves between the engine's steps (None: no budget): the budget less
+    what stays allocated between them, the weight slots and the gradient staging buffers
+    (``planner.persistent_device_bytes``); a step's activations are freed before generation runs."""
     cap = engine.plan.capacity.get("device")
-    return None if cap is None else cap - engine.plan.device["total"]
+    return None if cap is None else cap - persistent_device_bytes(engine.plan)
 
 
 def decode_bytes(engine, rows: int, length: int) -> int:
@@ -124,7 +128,7 @@ def kv_place(engine, rows: int, length: int, *, group: int = 1, split: bool = Tr
 
 def check_kv_budget(engine, rows: int, length: int, *, group: int = 1, split: bool = True) -> KVPlace:
     """:func:`kv_place` of ``rows`` x ``length``; refused, with the numbers, where neither the
-    device budget beside the engine's working set (whole or in sub-batches) nor host RAM beside
+    device budget between the engine's steps (whole or in sub-batches) nor host RAM beside
     its host plan holds it."""
     place = kv_place(engine, rows, length, group=group, split=split)
     if place.tier == "none":
@@ -133,7 +137,7 @@ def check_kv_budget(engine, rows: int, length: int, *, group: int = 1, split: bo
             f"streamed decoding of {rows} rollouts x {length} tokens (prompt + completion) needs "
             f"{decode_bytes(engine, rows, length) / GIB:.3f} GiB for its KV cache and logits; the device budget "
             f"(max_vram_gb={engine.config.max_vram_gb}) leaves {max(left or 0, 0) / GIB:.3f} GiB beside the engine's "
-            f"working set ({engine.plan.device['total'] / GIB:.3f} GiB), and in host RAM the cache would take "
+            f"weight slots and gradient buffers ({persistent_device_bytes(engine.plan) / GIB:.3f} GiB), and in host RAM the cache would take "
             f"{place.host_bytes / GIB:.3f} GiB of the {(host or 0) / GIB:.3f} GiB left beside the host plan "
             f"({engine.plan.host['total'] / GIB:.3f} GiB), with {place.device_bytes / GIB:.3f} GiB still on the "
             "device; generate fewer rollouts at once (a smaller generation_batch_size), shorten "

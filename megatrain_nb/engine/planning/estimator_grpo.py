@@ -11,8 +11,11 @@ Where the generation runs (``GenerationPlan.mode``):
 
 * ``"resident"``: a resident copy of the weights in the compute dtype (bf16 under
   ``precision="bf16"``, else fp32) and its KV cache in the same dtype fit in the device budget
-  beside the training step's working set (``trainer/grpo_rollout.resident_fits``, the engine's
-  own rule): the copy (refreshed once per step: its bytes over the link once) decodes
+  beside what stays on the device between training steps (the weight slots and the gradient
+  staging buffers, ``planner.persistent_device_bytes``: generation and training are separate
+  phases, the step's activations and boundaries are freed before generation runs, and the copy's
+  device memory is released after it, ``grpo_rollout.ResidentPolicy.release``;
+  ``trainer/grpo_rollout.resident_fits``, the engine's own rule): the copy (refreshed once per step: its bytes over the link once) decodes
   with transformers' ``generate``. A decoded token costs the compute of all rollouts, at least
   the copy's bytes and the cache read from device memory (``DEVICE_MEMORY``: the profiles'
   GPUs; a measured machine has no such rate, and the figure is then the compute alone, said).
@@ -20,7 +23,7 @@ Where the generation runs (``GenerationPlan.mode``):
   streams every unit's compute-dtype weights to the device once per decoded token for all
   rollouts at once: a token costs those bytes over the host link, overlapped with the compute of
   all rollouts (whichever is longer). Its KV cache (compute dtype) is placed by :func:`place_kv`,
-  the decoder's own rule: on the device when it and the last logits fit beside the working set;
+  the decoder's own rule: on the device when it and the last logits fit the same room;
   else the full-attention layers' K/V in host RAM when they fit beside the host plan (the rest,
   and two layers' K/V in flight, on the device): each layer's K/V then crosses the link twice a
   decoded token, in at its current length as the layer runs and the new token's entries back,
@@ -37,6 +40,7 @@ from typing import Optional
 from megatrain_nb.engine import family
 
 from .estimator_dpo import format_bytes
+from .planner import persistent_device_bytes
 from .prediction import fmt_rate, fmt_seconds
 
 #: Device memory bandwidth of the profiles' GPUs (a resident decode reads every weight once per token)
@@ -83,7 +87,7 @@ def resident_need(config, numel: int, rows: int, tokens: int, bytes_per_value: i
 
 
 def streamed_need(config, rows: int, tokens: int, bytes_per_value: int) -> int:
-    """Device bytes the streamed decoder holds beside the engine's working set: the KV cache in the
+    """Device bytes the streamed decoder holds beside the engine's slots and buffers: the KV cache in the
     compute dtype and the last logits (fp32 logits, scores and probabilities)."""
     return kv_cache_bytes(config, rows, tokens, bytes_per_value) + 3 * rows * family.vocab_size(config) * 4
 
@@ -130,7 +134,8 @@ def place_kv(config, rows: int, tokens: int, bytes_per_value: int, device_room: 
              host_room: Optional[int], *, weights_bytes: Optional[int] = None, group: int = 1,
              split: bool = True) -> KVPlace:
     """The streamed decoder's KV cache of ``rows`` x ``tokens``: on the device when it and the last
-    logits fit ``device_room`` (the budget beside the engine's plan; None: no budget); else the
+    logits fit ``device_room`` (the budget less what persists between the engine's steps,
+    ``planner.persistent_device_bytes``; None: no budget); else the
     full-attention layers' K/V in host RAM when they fit ``host_room`` (beside the host plan) and
     the rest fits the device: the rest (logits, sliding windows, linear-attention states) and
     two full layers' K/V in flight (the layer brought in, and it with the new token appended);
@@ -143,7 +148,7 @@ def place_kv(config, rows: int, tokens: int, bytes_per_value: int, device_room: 
     in ``why``."""
     kv = kv_cache_bytes(config, rows, tokens, bytes_per_value)
     need = streamed_need(config, rows, tokens, bytes_per_value)
-    on = "" if device_room is None else f" the device room beside the engine's plan ({format_bytes(device_room)})"
+    on = "" if device_room is None else f" the device room between the engine's steps ({format_bytes(device_room)})"
     if device_room is None or need <= device_room:
         return KVPlace("device", need, 0, kv, f"KV cache and logits ({format_bytes(need)}) fit{on or ' (no budget)'}",
                        rows=rows)
@@ -208,7 +213,7 @@ class GenerationPlan:
     kv_bytes: int                         # the KV cache of all rollouts at full length
     kv_tier: str                          # "device", "host" (streamed to the device per layer) or "none" (refused)
     mode: str                             # "resident" or "streamed"
-    room_bytes: Optional[int]             # the device budget left beside the training working set
+    room_bytes: Optional[int]             # the device budget less what persists between training steps
     generation_s: Optional[float] = None  # prefill + decode (+ the resident copy's refresh)
     prefill_s: float = 0.0
     token_s: float = 0.0                  # one decoded token of all rollouts
@@ -259,7 +264,7 @@ class GenerationPlan:
                + (f"{self.precision}, the resident copy's) on the device" if self.mode == "resident" else
                   f"{self.precision}) " + KV_WHERE[self.kv_tier]
                   + (f", the rollouts decoded in {self.kv_batches} sub-batches" if self.kv_batches > 1 else ""))
-               + ("" if self.room_bytes is None else f" (device room beside training: {format_bytes(self.room_bytes)})"),
+               + ("" if self.room_bytes is None else f" (device room between training steps: {format_bytes(self.room_bytes)})"),
                ]
         if self.kv_why and self.mode == "streamed":
             out.append(f"GRPO KV cache tier: {self.kv_tier}: {self.kv_why}")
@@ -281,9 +286,12 @@ class GenerationPlan:
 def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_length: int,
                     completion_length: int, *, precision: str) -> GenerationPlan:
     """Where a step's generation runs and where its KV cache lives (no time: :func:`price`), by
-    the engine's rule (``grpo_rollout.resident_fits``, ``decode.check_kv_budget``)."""
+    the engine's rule (``grpo_rollout.resident_fits``, ``decode.check_kv_budget``): generation
+    runs between training steps, so its room is the device budget less what stays on the device
+    between them (``planner.persistent_device_bytes``: the weight slots and the gradient staging
+    buffers), not the training step's activations and boundaries, which the step frees."""
     numel, tokens = sum(u.numel for u in units), prompt_length + completion_length
-    room = None if budgets.get("device") is None else max(budgets["device"] - plan.device["total"], 0)
+    room = None if budgets.get("device") is None else max(budgets["device"] - persistent_device_bytes(plan), 0)
     cb = compute_bytes(precision)
     kv = kv_cache_bytes(config, rollouts, tokens, cb)
     if room is None or resident_need(config, numel, rollouts, tokens, cb) <= room:

@@ -98,6 +98,16 @@ class Plan:
         return asdict(self)
 
 
+def persistent_device_bytes(plan: Plan) -> int:
+    """Device bytes that stay allocated between the engine's steps: the weight slots and the
+    gradient staging buffers (``plan.device["weights"]`` + ``["grads"]``, what the pager allocates
+    once). Not the activations, a window's boundary activations nor its gradient sums: a step
+    frees them at its end. What another phase between steps (a GRPO run's generation:
+    ``estimator_grpo.plan_generation``, ``decode.device_left``) has beside it is the device
+    budget less these; the step's transient bytes are the step's alone."""
+    return int(plan.device["weights"]) + int(plan.device["grads"])
+
+
 def _disk_weights_in_flight(u: int, depth: int, chunk: int, ring: int, held, pin: bool, compute_bytes: int) -> int:
     """Host bytes of the master weights on the disk tier in flight (``u``: the largest unit; large:
     over 256 MiB): the compute stream's staging buffers (``2 + depth``, large units 2), each a unit
@@ -273,7 +283,8 @@ def activation_bytes(*, hidden_size: int, intermediate_size: int, num_layers: in
         k = max(1, checkpoint_interval)
         saved_inputs = math.ceil(num_layers / k) * tok * hidden_size * compute_bytes
         block_inputs = (k - 1) * tok * hidden_size * compute_bytes
-    chunk = min(loss_chunk_tokens, seq)
+    # the head's chunk: loss_chunk_tokens over the batch's rows (engine/compute/loss_head._chunk)
+    chunk = max(1, min(seq, loss_chunk_tokens // max(batch, 1)))
     head_work = 3 * batch * chunk * vocab_size * 4 + 2 * tok * hidden_size * 4
     return saved_inputs + block_inputs + vision_bytes + max(layer_work, head_work)
 

@@ -353,6 +353,7 @@ class GRPOTrainer(Trainer):
             kw = {"generator": row_generators(self._sampling_base, mine), "more": lockstep(self.dist)}
         ids = self._policy.generate([prompt_ids[i] for i in mine], self.generation_config,
                                     self.tokenizer.pad_token_id, self.eos_token_ids, **kw)
+        self._policy.release()   # (training runs beside none of generation's memory: resident_fits' room)
         ids = gather_lists(self.dist, ids)
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         from trl.data_utils import is_conversational

@@ -31,10 +31,10 @@ def _model(tok):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def _trainer(tmp_path, name, model, tok, **options):
+def _trainer(tmp_path, name, model, tok, args=None, **options):
     return mt.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=[reward_yes, reward_short],
-                          args=config(tmp_path / name, max_steps=2), train_dataset=prompts(), processing_class=tok,
-                          device="cpu", **options)
+                          args=config(tmp_path / name, max_steps=2, **(args or {})), train_dataset=prompts(),
+                          processing_class=tok, device="cpu", **options)
 
 
 @pytest.mark.slow
@@ -86,17 +86,19 @@ def test_a_cache_neither_tier_holds_whole_decodes_in_sub_batches_and_trains_as_o
     the unbudgeted one's: the same logged metrics and weights."""
     tok = tokenizer()
     model = _model(tok)
-    rows = 4   # a generation batch (one group of 4)
+    rows = 4   # a generation batch (one group of 4), trained a row a micro-batch: a training step that fits a
+    # budget whose room between the steps holds part of the cache (generation runs between the steps)
+    one = {"per_device_train_batch_size": 1, "steps_per_generation": 4}
     length = max(len(tok(p["prompt"])["input_ids"]) for p in prompts()) + 6
-    probe = _trainer(tmp_path, "probe", model, tok, max_vram_gb=0.001)
+    probe = _trainer(tmp_path, "probe", model, tok, args=one, max_vram_gb=0.001)
     total, host_total = persistent_device_bytes(probe.engine.plan), probe.engine.plan.host["total"]
     probe.close()
     room = (streamed_need(model.config, 2, length, 4) + streamed_need(model.config, 3, length, 4)) // 2
-    t = _trainer(tmp_path, "split", model, tok, max_vram_gb=(total + room) / GIB,
+    t = _trainer(tmp_path, "split", model, tok, args=one, max_vram_gb=(total + room) / GIB,
                  max_host_gb=(host_total + 1024) / GIB, rollout_seeds="per_rollout")
     said = t.generation_text(length - 6)
     assert "layer-major streamed decoding" in said and "on the device in 2 sub-batches" in said, said
-    ref = _trainer(tmp_path, "whole", model, tok, rollout_seeds="per_rollout")
+    ref = _trainer(tmp_path, "whole", model, tok, args=one, rollout_seeds="per_rollout")
     for tr in (t, ref):
         torch.manual_seed(0)
         tr.train()

@@ -253,7 +253,8 @@ def generation_words(engine, mode: str, rows: int, length: int) -> str:
     """Where ``make_policy`` samples ``rows`` x ``length`` tokens and why, and (streamed) where the
     decoder's KV cache goes and why (``decode.kv_place``, the estimate's rule): the run's line."""
     gib, left = 1 << 30, device_left(engine)
-    room = "no device budget" if left is None else f"{max(left, 0) / gib:.3f} GiB of device room beside the plan"
+    room = ("no device budget" if left is None else
+            f"{max(left, 0) / gib:.3f} GiB of device room between the engine's steps")
     need = resident_bytes(engine, rows, length) / gib
     if not (mode == "streamed" or (mode == "auto" and not resident_fits(engine, rows, length))):
         return (f"resident copy (transformers' generate) for {rows} rollouts x {length} tokens: the copy and its KV "

@@ -196,8 +196,10 @@ def test_the_estimate_places_the_cache_where_it_moves_fewest_bytes_and_prices_it
                 rates=rates_for("h100-pcie5-gen4nvme"))
     est = mt.estimate(cfg, vram_gb=8, **base)
     kv = est.grpo.kv_bytes
-    for _ in range(4):   # a room between the steps short of the cache (the copy's too): the budget less what the
-        keep = persistent_device_bytes(est.plan)   # plan it gets keeps between its steps (a tighter budget: fewer slots)
+    # a room between the steps short of the cache (the copy's too): the budget less what the plan it gets keeps
+    # between its steps (a tighter budget: fewer slots)
+    for _ in range(4):
+        keep = persistent_device_bytes(est.plan)
         budget = keep + kv // 3
         est = mt.estimate(cfg, vram_gb=budget / GIB, **base)
         if persistent_device_bytes(est.plan) == keep:

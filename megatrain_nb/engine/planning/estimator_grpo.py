@@ -15,7 +15,8 @@ Where the generation runs (``GenerationPlan.mode``):
   staging buffers, ``planner.persistent_device_bytes``: generation and training are separate
   phases, the step's activations and boundaries are freed before generation runs, and the copy's
   device memory is released after it, ``grpo_rollout.ResidentPolicy.release``;
-  ``trainer/grpo_rollout.resident_fits``, the engine's own rule): the copy (refreshed once per step: its bytes over the link once) decodes
+  ``trainer/grpo_rollout.resident_fits``, the engine's own rule): the copy (refreshed once per
+  step: its bytes over the link once) decodes
   with transformers' ``generate``. A decoded token costs the compute of all rollouts, at least
   the copy's bytes and the cache read from device memory (``DEVICE_MEMORY``: the profiles'
   GPUs; a measured machine has no such rate, and the figure is then the compute alone, said).
@@ -264,7 +265,8 @@ class GenerationPlan:
                + (f"{self.precision}, the resident copy's) on the device" if self.mode == "resident" else
                   f"{self.precision}) " + KV_WHERE[self.kv_tier]
                   + (f", the rollouts decoded in {self.kv_batches} sub-batches" if self.kv_batches > 1 else ""))
-               + ("" if self.room_bytes is None else f" (device room between training steps: {format_bytes(self.room_bytes)})"),
+               + ("" if self.room_bytes is None else
+                  f" (device room between training steps: {format_bytes(self.room_bytes)})"),
                ]
         if self.kv_why and self.mode == "streamed":
             out.append(f"GRPO KV cache tier: {self.kv_tier}: {self.kv_why}")

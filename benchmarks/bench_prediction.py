@@ -89,6 +89,24 @@ NEW_CONFIGS = {
     "new_h768_b4_s256_ram_accum2": dict(model=_model(768, 3, 12), batch=4, seq=256, engine={}, accumulation=2,
                                         clip=1.0),
 }
+#: Five more it was neither developed nor checked on while its compute model was built against
+#: NEW_CONFIGS (run once, after that model was committed): priced exactly as NEW_CONFIGS.
+FRESH_CONFIGS = {
+    "fresh_h640_b2_s512_ram_int4": dict(model=_model(640, 3, 10), batch=2, seq=512,
+                                        engine=dict(optimizer_compression="int4"), accumulation=1, clip=1.0),
+    "fresh_h320_b16_s64_ram_accum2": dict(model=_model(320, 6, 5), batch=16, seq=64, engine={}, accumulation=2,
+                                          clip=1.0),
+    "fresh_h896_b1_s1536_disk_int8": dict(model=_model(896, 2, 14), batch=1, seq=1536,
+                                          engine=dict(optimizer_compression="int8"), accumulation=1, clip=1.0,
+                                          disk=True),
+    "fresh_h448_b4_s384_disk_nocache": dict(model=_model(448, 5, 7), batch=4, seq=384,
+                                            engine=dict(offload_params=True, host_cache_gb=0), accumulation=1,
+                                            clip=0.0, disk=True),
+    "fresh_h1024_b8_s128_ram_fp32": dict(model=_model(1024, 2, 16), batch=8, seq=128, engine={}, accumulation=1,
+                                         clip=1.0),
+}
+#: every configuration priced at mt.measure_machine() as a user calls it
+USER_CONFIGS = {**NEW_CONFIGS, **FRESH_CONFIGS}
 #: the telemetry's wait (stall_seconds) that shows each predicted bottleneck
 #: (on a CPU "device" a unit's copy into its slot is a memcpy in a thread of its own: a wait for
 #: it is a wait for a core, what "compute (sharing the CPU cores)" predicts)
@@ -165,8 +183,8 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
     against the rates of its own minutes. ``user``: a new configuration's, whose rates are
     ``mt.measure_machine()``'s: its compute rates again as that measures them (its default matmul
     shape and head size, one thread), not at the model's shapes."""
-    from megatrain_nb.engine.measure import (measure_attention, measure_compute_beside_disk, measure_disk,
-                                             measure_matmul, sizes_for, update_rates)
+    from megatrain_nb.engine.measure import (measure_attention, measure_disk, measure_elementwise, measure_matmul,
+                                             measure_team_beside_disk, sizes_for, update_rates)
 
     h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
     sizes = sizes_for(False, False)
@@ -185,13 +203,15 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
     # thread), the compute's rate beside the disk tier's I/O over its rate alone, and the disk's
     # own rates (this VM's disk moved from 1.85 / 1.49 GB/s read / write to 1.2 / 1.1 within the hour)
     adamw, codecs, chain = update_rates(cpu, sizes)
-    beside = measure_compute_beside_disk(folder, sizes)
+    team, beside = measure_team_beside_disk(folder, sizes)   # (torch's threads: the compute's team)
+    elementwise = measure_elementwise(sizes)
     disk = measure_disk(folder, sizes)
     by_head = {k: at for k in rates.attention_by_head} if user else {}
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
                                attention_by_head=by_head,
                                adamw_per_thread=adamw, codec_per_thread=codecs, update_chain=chain,
-                               compute_beside_disk=beside, disk_read=disk["disk_read"], disk_write=disk["disk_write"],
+                               compute_beside_disk=beside, team_matmul_flops=team, elementwise_rate=elementwise,
+                               disk_read=disk["disk_read"], disk_write=disk["disk_write"],
                                source=rates.source + " (compute now)")
 
 
@@ -213,6 +233,7 @@ def mean_rates(measured: list) -> MachineRates:
                                disk_read=avg("disk_read"), disk_write=avg("disk_write"),
                                adamw_per_thread=avg("adamw_per_thread"), codec_per_thread=avg_dict("codec_per_thread"),
                                update_chain=avg_dict("update_chain"), compute_beside_disk=avg("compute_beside_disk"),
+                               team_matmul_flops=avg("team_matmul_flops"), elementwise_rate=avg("elementwise_rate"),
                                source=a.source + f" (mean of {n} measured around the steps)")
 
 
@@ -363,10 +384,10 @@ def main() -> int:
     print(f"machine: {machine()}; load average {os.getloadavg()}")
     folder = tempfile.mkdtemp(dir=a.dir)
     t0 = time.perf_counter()
-    names = [n for n in {**CONFIGS, **NEW_CONFIGS} if not a.only or n in a.only]
+    names = [n for n in {**CONFIGS, **USER_CONFIGS} if not a.only or n in a.only]
     rates = rates_for(folder, a.seq) if any(n in CONFIGS for n in names) else None
     user = None
-    if any(n in NEW_CONFIGS for n in names):
+    if any(n in USER_CONFIGS for n in names):
         t1 = time.perf_counter()
         user = mt.measure_machine()   # exactly as a user calls it (cached after the first call)
         print(f"mt.measure_machine() ({time.perf_counter() - t1:.1f} s; measured "
@@ -378,19 +399,21 @@ def main() -> int:
           f"GFLOP/s, attention {rates.attention_flops / 1e9:.1f} GFLOP/s, memcpy {rates.h2d_pageable / 1e9:.2f} GB/s, "
           f"disk read {rates.disk_read / 1e9:.2f} GB/s write {rates.disk_write / 1e9:.2f} GB/s, AdamW "
           f"{rates.adamw_per_thread / 1e6:.0f} M params/s, codec {rates.codec_per_thread}, update chain "
-          f"{rates.update_chain}, compute beside the disk {rates.compute_beside_disk:.2f} x")
+          f"{rates.update_chain}, compute beside the disk {rates.compute_beside_disk:.2f} x, matmul on torch's threads "
+          f"{rates.team_matmul_flops / 1e9:.1f} GFLOP/s ({rates.compute_team():.2f} x one thread's), non-matmul work "
+          f"{rates.elementwise_rate / 1e9:.2f} G element accesses/s")
     worst, agree = 1.0, 0
     passes = {name: [] for name in names}
     for i in range(a.passes):   # the configurations alternate, pass by pass (a VM's speed drifts)
         for name in names:
-            spec = CONFIGS.get(name) or NEW_CONFIGS[name]
-            passes[name].append(run_config(name, spec, user if name in NEW_CONFIGS else rates, folder, a.steps,
+            spec = CONFIGS.get(name) or USER_CONFIGS[name]
+            passes[name].append(run_config(name, spec, user if name in USER_CONFIGS else rates, folder, a.steps,
                                            a.seq))
             print(f"(pass {i + 1} of {a.passes}: {name} measured median "
                   f"{median(passes[name][-1]['times']):.3f} s)", flush=True)
     dump = {}
     for name in names:
-        r = combine(passes[name], name in NEW_CONFIGS)
+        r = combine(passes[name], name in USER_CONFIGS)
         dump[name] = {k: r[k] for k in ("measured", "times", "waits", "disk", "rates_around")}
         p, ratio = r["pred"], r["measured"] / r["pred"].step_seconds
         seen = waiting_on(r)
@@ -402,7 +425,7 @@ def main() -> int:
               f"{p.bytes['disk_read'] / 1e6:.1f} MB write {p.bytes['disk_write'] / 1e6:.1f} MB")
         print(f"  load average (1 min) before and after each pass {[round(x, 2) for x in r['load']]}")
         print(f"  compute beside the disk (mean around the passes) {r['beside']:.2f} x alone")
-        if name in NEW_CONFIGS:
+        if name in USER_CONFIGS:
             print(f"  with the rates measured around its passes (as measure_machine measures, not this model's "
                   f"shapes): predicted {r['pred_around'].step_seconds:.3f} s, measured / predicted "
                   f"{r['measured'] / r['pred_around'].step_seconds:.3g} (information: the RESULT is at "

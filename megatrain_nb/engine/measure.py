@@ -57,7 +57,7 @@ from .tiers.disk_store import DiskStore
 from .tiers.diskspace import filesystem_of, filesystem_text
 from .updates.optimizer import UnitAdamW
 from .transport.pinned import release_cached_pinned
-from .planning.rates import MachineRates, check_rates, shape_key
+from .planning.rates import MachineRates, check_rates, elementwise_accesses, shape_key
 from .planning.rates_cache import (CACHE_VERSION, CacheRefused, cache_dir, cache_key, cached_rates,  # noqa: F401 - re-exported
                           device_name, load_cached, save_cached)
 from .updates.states import OptimizerStates
@@ -199,13 +199,14 @@ def measure_disk(root: str, sizes: Sizes) -> dict:
     return dict(disk_read=r, disk_write=w, direct_io=direct)
 
 
-def measure_compute_beside_disk(root: str, sizes: Sizes) -> float:
+def measure_team_beside_disk(root: str, sizes: Sizes) -> Tuple[float, float]:
     """A CPU device's matmul rate while the DiskStore writes and reads under ``root``, over its
     rate alone (<= 1), on torch's threads as a step computes (its intra-op team): the disk tier's
     I/O threads (their syscalls, checksums, the transfers into memory) pre-empt the team's threads
     and it waits at its barriers. Measured on a 2-core VM: 0.64-0.79 with the team; one thread
     alone barely noticed (0.80-1.00, noise-sized: a reading of 1.00 made a clipped step's gradients
-    held on the disk look free to the planner, and the step ran 1.13 s against 1.0)."""
+    held on the disk look free to the planner, and the step ran 1.13 s against 1.0). Returns
+    (the team's FLOP/s alone, the mean of two; that ratio): ``team_matmul_flops``, ``compute_beside_disk``."""
     m, k, n = sizes.default_shape
     a, b = torch.randn(m, k), torch.randn(k, n)
     out = torch.empty(m, n)
@@ -223,7 +224,7 @@ def measure_compute_beside_disk(root: str, sizes: Sizes) -> float:
             failed.append(e)
 
     def matmul() -> float:
-        return _rate(lambda: torch.mm(a, b, out=out), 1.0, sizes)
+        return _rate(lambda: torch.mm(a, b, out=out), 2.0 * m * k * n, sizes)
 
     alone, beside = [], []
     for _ in range(2):   # alone and beside in turn, twice (a shared machine's load moves)
@@ -238,7 +239,65 @@ def measure_compute_beside_disk(root: str, sizes: Sizes) -> float:
             thread.join(timeout=30)
         if failed:
             raise RuntimeError(f"measure_machine: the disk under {root} failed beside the compute: {failed[0]}")
-    return min(sum(beside) / sum(alone), 1.0)
+    return sum(alone) / len(alone), min(sum(beside) / sum(alone), 1.0)
+
+
+def measure_compute_beside_disk(root: str, sizes: Sizes) -> float:
+    """:func:`measure_team_beside_disk`'s ratio alone."""
+    return measure_team_beside_disk(root, sizes)[1]
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm, op for op (``LlamaRMSNorm.forward``)."""
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def elementwise_layer(tokens: int, hidden: int, inter: int, heads: int, vocab: int) -> Callable[[], None]:
+    """One call: a decoder layer's non-matmul work and the loss head's log-softmax, forward and
+    backward under autograd, with the matmuls' outputs standing in as leaves (what
+    ``rates.elementwise_accesses`` counts: two RMSNorms, rotary on the queries and keys, the
+    attention's transposes, two residual adds, the gated MLP's silu and product; the log-softmax
+    and its loss over ``vocab``)."""
+    hd = hidden // heads
+    leaf = lambda *shape: torch.randn(*shape).requires_grad_()  # noqa: E731
+    x, q, k, o, gate, up, logits = (leaf(tokens, hidden), leaf(tokens, hidden), leaf(tokens, hidden),
+                                    leaf(tokens, hidden), leaf(tokens, inter), leaf(tokens, inter),
+                                    leaf(tokens, vocab))
+    w1, w2 = leaf(hidden), leaf(hidden)
+    ang = torch.arange(tokens)[:, None] * torch.rand(hd // 2)[None]
+    cos, sin = (torch.cat((f(ang), f(ang)), -1)[None] for f in (torch.cos, torch.sin))   # (1, tokens, hd)
+    labels = torch.randint(0, vocab, (tokens,))
+
+    def layer() -> None:
+        _rms_norm(x, w1)
+        qh, kh = (t.view(tokens, heads, hd).transpose(0, 1) for t in (q, k))
+        qr = qh * cos + _rotate_half(qh) * sin
+        kr = kh * cos + _rotate_half(kh) * sin
+        a = x + (qr + kr).transpose(0, 1).contiguous().view(tokens, hidden)   # (the attention's output, laid back)
+        n2 = _rms_norm(a, w2)
+        h2 = a + o
+        mlp = torch.nn.functional.silu(gate) * up
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        torch.autograd.backward([n2, h2, mlp, loss], [torch.ones_like(n2), torch.ones_like(h2),
+                                                        torch.ones_like(mlp), torch.ones(())])
+        for t in (x, q, k, o, gate, up, logits, w1, w2):
+            t.grad = None
+    return layer
+
+
+def measure_elementwise(sizes: Sizes) -> float:
+    """Element accesses/s (``rates.elementwise_accesses``) of :func:`elementwise_layer` at the
+    default shape's tokens x hidden (intermediate 8/3 of it, head size 64, a vocabulary of 8192) on
+    torch's threads, as a CPU step runs its non-matmul work."""
+    tokens, hidden = sizes.default_shape[0], sizes.default_shape[1]
+    inter, vocab = hidden * 8 // 3 // 32 * 32, 8192
+    work = elementwise_accesses(tokens, hidden, inter, vocab)
+    return _rate(elementwise_layer(tokens, hidden, inter, max(hidden // 64, 1), vocab), work, sizes)
 
 
 def adamw_step(numel: int, threads: int = 1) -> tuple:
@@ -406,13 +465,24 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
     r.disk_path = root
     r.filesystem = fs_text + (", direct I/O" if disk["direct_io"] else ", buffered I/O (no O_DIRECT)")
     if dev.type != "cuda":
-        r.compute_beside_disk = measure_compute_beside_disk(root, sizes)
+        _add_team(r, root, sizes)
     r.adamw_per_thread, r.codec_per_thread, r.update_chain = update_rates(dev, sizes)
     r.update_chain_threads = r.chain_threads()   # (the engine's split, as update_rates ran it)
     _add_model(r, dev, sizes, shapes)
     r.measured_at = time.time()
     r.seconds_taken = time.perf_counter() - t0
     return r
+
+
+def _add_team(r: MachineRates, root: str, sizes: Sizes) -> bool:
+    """A CPU device's rates on torch's threads (the compute's team): its matmul alone and beside the
+    disk tier (``team_matmul_flops``, ``compute_beside_disk``) and its non-matmul work
+    (``elementwise_rate``) -- measured where missing (a cache written before they were); True if any were."""
+    if r.team_matmul_flops and r.elementwise_rate and r.compute_beside_disk:
+        return False
+    r.team_matmul_flops, r.compute_beside_disk = measure_team_beside_disk(root, sizes)
+    r.elementwise_rate = measure_elementwise(sizes)
+    return True
 
 
 def _add_model(r: MachineRates, dev: torch.device, sizes: Sizes, shapes: Optional[ModelShapes]) -> bool:
@@ -466,7 +536,7 @@ def measure_machine(device=None, offload_dir=None, refresh: bool = False, model=
     rates = None if refresh else load_cached(path)
     if rates is None:
         rates = _measure_all(dev, name, root, filesystem_text(fs), sizes, shapes)
-    elif not _add_model(rates, dev, sizes, shapes):
+    elif not (_add_model(rates, dev, sizes, shapes) | (dev.type != "cuda" and _add_team(rates, root, sizes))):
         return rates
     if dev.type == "cuda":
         torch.cuda.empty_cache()

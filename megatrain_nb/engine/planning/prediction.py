@@ -58,6 +58,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 from . import rates as rates_mod
+from .rates import elementwise_accesses
 from .rates_cache import cached_rates
 from .planner import codec_bytes_per_param
 
@@ -288,8 +289,28 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
         "forward_loads": sum(u.numel for u in order[:len(units)]) * cb,
         "disk": _disk_bytes(units, order, cfg, plan, workload.clipped, cache_bytes, scale, shadow=cb if copy else 0),
         "params": total, "state_bytes_fp32": 8 * total, "codec": cfg.optimizer_compression,
-        "compute_bytes": cb,
+        "compute_bytes": cb, "elementwise": _elementwise_amounts(shape, tokens, n_layers, rec, total,
+                                                                 workload.accumulation),
     }
+
+
+#: Element accesses a parameter of each micro-batch: its gradient buffer zeroed (a write) and each
+#: matmul's weight gradient added into it (read, read, write).
+GRAD_ACCESSES_PER_PARAM = 4
+
+
+def _elementwise_amounts(shape, tokens: int, n_layers: int, rec: float, params: int, micro: int) -> Dict[str, float]:
+    """Element accesses of the step's non-matmul work per phase (``rates.elementwise_accesses``):
+    each layer's norms, rotary, activation and residual adds -- once forward, twice backward, ``rec``
+    more forwards' worth recomputed -- and the loss head's log-softmax forward and backward over the
+    vocabulary, counted with the backward; each micro-batch's gradient buffers zeroed and summed
+    into (:data:`GRAD_ACCESSES_PER_PARAM`), counted with the backward."""
+    h = shape.hidden_size
+    i = shape.intermediate_size or 4 * h
+    one = elementwise_accesses(tokens, h, i, 0, passes=1.0) * n_layers
+    return {"forward": one, "recompute": one * rec,
+            "backward": 2 * one + elementwise_accesses(tokens, h, i, shape.vocab_size, passes=0.0)
+            + GRAD_ACCESSES_PER_PARAM * params * max(int(micro), 1)}
 
 
 def _tile_flops(shape, plan, workload, n_layers: int) -> float:
@@ -336,6 +357,13 @@ def _compute_rates(rates, shape, workload, *, bf16: bool, cuda: bool) -> tuple:
     return mm * scale, at * scale
 
 
+def _elementwise_rate(rates, cuda: bool) -> float:
+    """Element accesses/s of a CPU device's non-matmul work (``MachineRates.elementwise_rate``,
+    measured on torch's threads as a step runs it); 0 on a GPU (its non-matmul kernels are not
+    measured: not priced) or where not measured."""
+    return 0.0 if cuda else float(getattr(rates, "elementwise_rate", 0.0) or 0.0)
+
+
 def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
                  cache_bytes: Optional[int] = None) -> StepPrediction:
     """The predicted :class:`StepPrediction` of one optimizer step (see the module's docstring).
@@ -357,6 +385,12 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
           + _per(a["attention_flops"]["backward"], at, "attention_flops", missing),
           "recompute": _per(a["recompute_flops"] + a["tile_flops"], mm, "matmul_flops", missing)
           + _per(a["attention_flops"]["recompute"], at, "attention_flops", missing)}
+    ew = _elementwise_rate(rates, cuda)
+    if ew:   # a CPU device's non-matmul work: memory-bound, at its own measured rate
+        for phase in ("forward", "backward", "recompute"):
+            ph[phase] += a["elementwise"][phase] / ew
+    elif not cuda and rates.source == "measured":
+        missing.append("elementwise_rate")
     h2d_rate = _h2d_rate(rates, cuda)
     d2h_rate = (rates.d2h_pinned or rates.d2h_pageable) if cuda else rates.d2h_pageable
     ph["h2d"] = _per(a["h2d"], h2d_rate, "h2d", missing)
@@ -416,7 +450,12 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     h2d, disk = ph["h2d"] + cast_l, ph["disk_read"] + ph["disk_write"]   # a disk-tier load: cast, then copied
     f = a["forward_loads"] / a["h2d"] if a["h2d"] else 0.0          # the forward's share of the loads
 
-    team = 0 if cuda else rates.compute_team() if rates.compute_threads == 1 else cores
+    # a CPU device's team of torch's threads holds every core while it computes at its measured
+    # speed-up; the engine's other CPU work beside it (AdamW, the codecs, the copies) pre-empts one of
+    # its threads, and it waits at its barrier: that work adds in full. Not measured (an older cache):
+    # every core but one computes, the rest shares the cores (as before)
+    measured_team = getattr(rates, "team_matmul_flops", 0.0) > 0
+    team = 0 if cuda else cores if measured_team or rates.compute_threads != 1 else rates.compute_team()
     # the update chain: a unit's update reads its states, decodes, steps, encodes and writes them
     # back; its disk traffic and its CPU work (on the cores the compute leaves; with compressed
     # states, at the chain's own measured rate where there is one) add up
@@ -427,15 +466,13 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         opt if cuda else max(opt, opt_cpu / max(cores - team, 1))
     chain = _chain(state_disk, cpu_chain, units, a["params"], cuda)
 
-    # unclipped, the next forward's first need: the embedding's whole update (its states read and
-    # written too), then its weights and the head's loaded (from the disk where they are there)
+    # unclipped, the next forward's first need: the embedding's whole update (its states too), then its weights
     share = units[0].numel / max(a["params"], 1)
     first_disk = state_disk * share + _per(a["disk"]["start_read"], rates.disk_read, "", []) + \
         _per(a["disk"]["start_write"], rates.disk_write, "", [])
     first = cpu_chain * share + first_disk
 
     beside = 0.0 if cuda else float(getattr(rates, "compute_beside_disk", 0.0) or 0.0)
-
     update_key = "disk" if state_disk > chain / 2 else "optimizer"   # an update chain mostly waiting on the disk
 
     def window(compute_s, h2d_s, d2h_s, disk_s, opt_s, opt_core_s, copy_s):
@@ -444,7 +481,8 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
             compute_s *= (1.0 - busy) + busy / beside
         streams = {"compute": compute_s, "h2d": h2d_s if cuda else 0.0, "d2h": d2h_s if cuda else 0.0,
                    "disk": disk_s, "optimizer": opt_s,
-                   "cpu": (compute_s * team + opt_core_s + copy_s) / cores}
+                   "cpu": compute_s + opt_core_s + copy_s if measured_team else
+                   (compute_s * team + opt_core_s + copy_s) / cores}
         key = max(streams, key=streams.get)
         if key == "optimizer":
             key = update_key
@@ -463,11 +501,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     overlaps = ["host->device prefetch overlaps the compute (the next units load while one computes)",
                 "disk reads run ahead and writes behind in the I/O threads (reads and writes share the disk)"]
     if not cuda:
-        overlaps.append(f"CPU device: compute, AdamW, the codec threads and the copies share {cores} core(s): "
-                        "a window takes at least its core-seconds / cores")
-        if 0.0 < beside < 1.0 and disk > 0:
-            overlaps.append(f"CPU device: its compute runs at {beside:.2f}x its rate alone while the disk tier "
-                            "reads and writes beside it (measured: MachineRates.compute_beside_disk)")
+        overlaps += _cpu_words(rates, cores, beside, disk, measured_team)
     if clipped:   # the forward waits for the embedding's update, then for each layer's and the head's in turn
         tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a["head_share"], _load_per_param(a, rates, cuda)))
         windows = {"forward + updates": tf, "backward": tb}
@@ -483,6 +517,20 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     return StepPrediction(step_seconds=sum(windows.values()), phases=dict(ph),
                           streams={k: sf[k] + sb[k] for k in sf}, windows=windows, bottleneck=bottleneck,
                           overlaps=overlaps, tokens_per_step=a["tokens"])
+
+
+def _cpu_words(rates, cores: int, beside: float, disk: float, measured_team: bool) -> List[str]:
+    """The overlaps' lines on a CPU device's cores."""
+    words = [f"CPU device: its compute runs on torch's threads at {rates.compute_team():.2f}x one thread's rates "
+             f"(measured: MachineRates.team_matmul_flops) on all {cores} core(s); AdamW, the codec threads and the "
+             "copies beside it pre-empt one of its threads and the team waits: their core-seconds add to a window's "
+             "compute" if measured_team else
+             f"CPU device: compute, AdamW, the codec threads and the copies share {cores} core(s): "
+             "a window takes at least its core-seconds / cores"]
+    if 0.0 < beside < 1.0 and disk > 0:
+        words.append(f"CPU device: its compute runs at {beside:.2f}x its rate alone while the disk tier "
+                     "reads and writes beside it (measured: MachineRates.compute_beside_disk)")
+    return words
 
 
 def _threads_words(team: int, rates, cfg, cuda: bool, codec: str) -> str:
@@ -576,8 +624,8 @@ def _bottleneck(windows: Dict[str, float], parts, clipped: bool, exposed: Dict[s
     waits: Dict[str, float] = {}
     for i, (t, streams, key) in enumerate(parts):
         wait = t - streams["compute"]
-        if clipped and i == 0 and t > max(v for k, v in streams.items() if k != "cpu"):
-            key = update_key   # (longer than any stream: waiting for the updates in turn)
+        if clipped and i == 0 and t > max(streams.values()) * (1 + 1e-9):
+            key = update_key   # (longer than any stream, the cores' sharing too: waiting for the updates in turn)
         if wait > 0 and key != "compute":
             waits[key] = waits.get(key, 0.0) + wait
     for key, wait in exposed.items():

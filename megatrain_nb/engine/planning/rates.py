@@ -43,6 +43,15 @@ class MachineRates:
     update_chain_threads: the threads the ``update_chain`` measurement's fused chunks ran on (the
         AdamW worker and the two codec threads, on the cores a CPU device's compute thread left:
         :meth:`chain_threads`); 0 = not recorded (an older measurement: the same, from ``cores``).
+    team_matmul_flops: a CPU device's fp32 matmul FLOP/s at the default shape on torch's threads
+        (the intra-op team a step computes on), alone: over the one thread's ``matmul_flops`` it is
+        the speed-up the team gives the compute (:meth:`compute_team`); 0 = not measured (an older
+        measurement, or a GPU).
+    elementwise_rate: a CPU device's element accesses/s (each element read or written, fp32) of a
+        decoder layer's non-matmul work -- its norms, rotary, activation and residual adds, forward
+        and backward under autograd, and the loss head's log-softmax -- on torch's threads at a
+        default shape (:func:`elementwise_accesses` counts them, for that shape as for a model's);
+        the prediction prices the non-matmul work of a CPU step at it; 0 = not measured.
     compute_beside_disk: a CPU device's compute rate (on torch's threads, as a step computes)
         while the disk tier reads and writes beside it, over its rate alone (0: not measured, or
         a GPU, whose compute the host's I/O leaves alone); the prediction slows a CPU step's
@@ -72,6 +81,8 @@ class MachineRates:
     update_chain: dict = field(default_factory=dict)
     update_chain_threads: int = 0
     compute_beside_disk: float = 0.0
+    team_matmul_flops: float = 0.0
+    elementwise_rate: float = 0.0
     source: str = "measured"
     sources: dict = field(default_factory=dict)
     measured_at: Optional[float] = None
@@ -89,13 +100,16 @@ class MachineRates:
         return cls(**d)
 
     # ------------------------------------------------------------------------------ look-ups
-    def compute_team(self) -> int:
-        """Threads a CPU device's compute runs at full speed on: every core but one. The engine's
-        own threads (the copies into the slots, the gradient intake, AdamW, the codecs) run beside
-        the compute, and an intra-op team one of whose threads is pre-empted waits at its barrier:
-        measured on a 2-core machine, a step took the same time with one compute thread as with
-        two (bench_prediction.py), so one core's worth of the team goes to those threads."""
-        return max(int(self.cores or 1) - 1, 1)
+    def compute_team(self) -> float:
+        """How many one-thread rates a CPU device's compute runs at: the measured speed-up of the
+        matmul on torch's threads (the intra-op team) over one thread's, ``team_matmul_flops`` /
+        ``matmul_flops``, from 1 to ``cores`` -- measured on this machine, quiet: 1.7-1.9 on 2 cores.
+        Not measured (an older cache): every core but one, as before (the engine's own threads
+        beside the compute)."""
+        cores = max(int(self.cores or 1), 1)
+        if self.team_matmul_flops > 0 and self.matmul_flops > 0:
+            return min(max(self.team_matmul_flops / self.matmul_flops, 1.0), float(cores))
+        return max(cores - 1, 1)
 
     def chain_threads(self) -> int:
         """Threads the ``update_chain`` rate was measured on (the prediction prices a compressed
@@ -108,7 +122,7 @@ class MachineRates:
 
     def compute_scale(self, cuda: bool) -> float:
         """What the matmul/attention rates are multiplied by for a step's compute: the CPU
-        team's threads when the rates are one thread's (``compute_threads`` 1), else 1."""
+        team's speed-up when the rates are one thread's (``compute_threads`` 1), else 1."""
         return float(self.compute_team()) if not cuda and self.compute_threads == 1 else 1.0
 
     def matmul_rate(self, m: int, k: int, n: int, *, bf16: bool = False) -> float:
@@ -162,15 +176,39 @@ def shape_key(m: int, k: int, n: int) -> str:
     return f"{int(m)}x{int(k)}x{int(n)}"
 
 
+#: Element accesses (an fp32 element read or written) of a decoder layer's non-matmul work per token,
+#: one forward, counted op by op from Llama's layer: two RMSNorms (pow, mean, x * rsqrt, weight *: 7
+#: a hidden element each), rotary on the queries and keys (x * cos, rotate_half's neg and cat,
+#: * sin, the add: 10 each, per hidden element of q and of k), the attention's transposes to and
+#: from its layout (4), two residual adds (3 each): 44 per hidden element; the gated MLP's
+#: activation and product (silu: 2, the product: 3): 5 per intermediate element. The backward
+#: does twice the forward's (each op's gradient reads its output's gradient and its inputs and
+#: writes its inputs' gradients).
+FORWARD_PER_HIDDEN, FORWARD_PER_INTERMEDIATE = 44, 5
+#: The loss head's per token: its log-softmax over the vocabulary forward (the max, the sum of
+#: exponentials, the output written: 4) and backward (4).
+HEAD_PER_VOCAB = 8
+
+
+def elementwise_accesses(tokens: float, hidden: int, intermediate: int, vocab: int = 0, passes: float = 3.0) -> float:
+    """Element accesses of ``tokens`` tokens through one decoder layer's non-matmul work, ``passes``
+    forwards' worth (3: a forward and its backward), plus the loss head's log-softmax over ``vocab``
+    forward and backward (0: none): what ``MachineRates.elementwise_rate`` is measured in
+    (``measure.measure_elementwise``) and what the prediction counts for a step."""
+    layer = passes * (FORWARD_PER_HIDDEN * hidden + FORWARD_PER_INTERMEDIATE * intermediate)
+    return float(tokens) * (layer + HEAD_PER_VOCAB * vocab)
+
+
 # ---------------------------------------------------------------------------------------- plausible values
 #: (low, high) of each rate a measurement can give, per second: beyond them the number is a
 #: measurement gone wrong or a file someone edited (a PCIe 7 link is 0.25 TB/s, an NVMe 30 GB/s,
 #: a GPU 10 PFLOP/s dense; a CPU core's AdamW ~2 G params/s).
 PLAUSIBLE = {"copy": (1e6, 1e13), "flops": (1e6, 1e17), "disk": (1e4, 1e12), "params": (1e3, 1e12),
-             "bytes": (1e3, 1e13)}
+             "bytes": (1e3, 1e13), "elements": (1e5, 1e14)}
 _KIND = {"h2d_pageable": "copy", "h2d_pinned": "copy", "d2h_pageable": "copy", "d2h_pinned": "copy",
          "matmul_flops": "flops", "attention_flops": "flops", "bf16_matmul_flops": "flops",
-         "bf16_attention_flops": "flops", "disk_read": "disk", "disk_write": "disk", "adamw_per_thread": "params"}
+         "bf16_attention_flops": "flops", "disk_read": "disk", "disk_write": "disk", "adamw_per_thread": "params",
+         "team_matmul_flops": "flops", "elementwise_rate": "elements"}
 _TABLES = {"matmul_by_shape": "flops", "attention_by_head": "flops", "codec_per_thread": "bytes",
            "update_chain": "params"}
 _TEXT = ("device", "source")
@@ -182,7 +220,7 @@ def _number(v) -> bool:
 
 
 #: Rates a file may leave at 0, "not measured" (the prediction names them in its notes).
-_MAY_BE_ZERO = ("bf16_matmul_flops", "bf16_attention_flops")
+_MAY_BE_ZERO = ("bf16_matmul_flops", "bf16_attention_flops", "team_matmul_flops", "elementwise_rate")
 
 
 def _in_range(name: str, v, kind: str) -> Optional[str]:
@@ -268,6 +306,11 @@ def _rows(r: MachineRates) -> list:
         rows.append(("codecs per thread", "-", "codec_per_thread"))
     rows += [(f"update chain {name} ({r.chain_threads()} threads)", f"{v / 1e6:.0f} M params/s", "update_chain")
              for name, v in sorted((r.update_chain or {}).items())]
+    if r.team_matmul_flops:
+        rows.append(("matmul fp32 on torch's threads", _flops(r.team_matmul_flops) + f" ({r.compute_team():.2f} x)",
+                     "team_matmul_flops"))
+    if r.elementwise_rate:
+        rows.append(("non-matmul work (element accesses)", f"{r.elementwise_rate / 1e9:.2f} G/s", "elementwise_rate"))
     if r.compute_beside_disk:
         rows.append(("compute beside the disk", f"{r.compute_beside_disk:.2f} x alone", "compute_beside_disk"))
     return rows

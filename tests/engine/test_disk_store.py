@@ -316,6 +316,30 @@ def test_urgent_reads_go_ahead_of_queued_work(tmp_path):
     store.close()
 
 
+def test_a_job_wakes_one_idle_worker(tmp_path):
+    """Each queued job wakes one idle worker (an urgent one the urgent-only worker), not every
+    idle worker: a wake is a thread that takes a core and the GIL from the compute. Jobs one at a
+    time, each waited for, with every worker idle: about one wake a job (a wait's 1 s timeout
+    adds at most one a worker a second); waking all three idle workers gave three a job."""
+    store = DiskStore(tmp_path, io_threads=2)
+    pool = store._pool
+    time.sleep(0.05)   # every worker waiting
+    jobs = 30
+    t0 = time.perf_counter()
+    with pool._cv:
+        before = pool.wakeups
+    for i in range(jobs):
+        done = threading.Event()
+        pool.submit(done.set, 0 if i % 2 else 1)   # urgent and general in turn
+        assert done.wait(10)
+        time.sleep(0.002)   # the worker back to waiting
+    with pool._cv:
+        woken = pool.wakeups - before
+    timeouts = 3 * (int(time.perf_counter() - t0) + 1)
+    assert woken <= jobs + timeouts, (woken, jobs)
+    store.close()
+
+
 def test_an_urgent_read_hurries_the_queued_write_it_waits_for(tmp_path):
     """The read of a key follows its last write; compute waits on an urgent read, so a write
     still queued (behind general work) is made urgent with it: the read does not wait for the

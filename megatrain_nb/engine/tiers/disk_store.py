@@ -80,7 +80,14 @@ class _PriorityPool:
     long write already in progress."""
 
     def __init__(self, threads: int, name: str):
-        self._cv = threading.Condition()
+        # One lock, two conditions: a job wakes one idle worker, not all of them. Every wake is a
+        # thread that takes the GIL and a core from the compute; with one shared condition each
+        # job woke every idle worker, and all but one went back to sleep.
+        lock = threading.Lock()
+        self._cv = threading.Condition(lock)           # the general workers wait on it
+        self._urgent_cv = threading.Condition(lock)    # the urgent-only worker waits on it
+        self._urgent_idle = False   # (under the lock) the urgent-only worker waits, not yet woken
+        self.wakeups = 0            # (under the lock) waits that ended, a timeout's included (tests count)
         self._heap: list = []
         self._seq = 0
         self._shutdown = False
@@ -110,9 +117,16 @@ class _PriorityPool:
                 self._push(0, job)
 
     def _push(self, priority: int, job: list) -> None:
+        """(Under the lock.) Queue the job and wake one idle worker for it: an urgent job the
+        urgent-only worker if it waits, else a general one (a busy worker looks at the queue
+        before it waits again, so a job nobody is woken for is taken when one is free)."""
         heapq.heappush(self._heap, (priority, self._seq, job))
         self._seq += 1
-        self._cv.notify_all()  # the urgent-only worker must hear of urgent jobs
+        if priority == 0 and self._urgent_idle:
+            self._urgent_idle = False
+            self._urgent_cv.notify()
+        else:
+            self._cv.notify()
 
     def _work(self, urgent_only: bool = False) -> None:
         registry.set_thread_device(self._device)
@@ -125,7 +139,13 @@ class _PriorityPool:
         while True:
             with self._cv:
                 while not ready() and not self._shutdown and not self.stopping:
-                    self._cv.wait(1.0)
+                    if urgent_only:
+                        self._urgent_idle = True
+                        self._urgent_cv.wait(1.0)
+                        self._urgent_idle = False
+                    else:
+                        self._cv.wait(1.0)
+                    self.wakeups += 1
                 if not ready():
                     return
                 fn = heapq.heappop(self._heap)[2].pop()
@@ -136,6 +156,7 @@ class _PriorityPool:
         with self._cv:
             self._shutdown = True
             self._cv.notify_all()
+            self._urgent_cv.notify_all()
         if wait:
             for t in self._threads:
                 if t is not threading.current_thread():

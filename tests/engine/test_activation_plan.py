@@ -182,9 +182,10 @@ def test_the_engines_accounted_peak_is_the_plans_device_bytes(family, k, vocab, 
     activations) within 0.9-1.05 of make_plan's device bytes for the same workload, as mt.estimate
     plans it (benchmarks/bench_vlm.py's text_device_peak_vs_plan, at a shape it was not tuned on).
     The third case's peak is the head's chunk (a wide vocabulary, 8 rows): loss_chunk_tokens over
-    the batch's rows, as the engine cuts it (the plan took that many tokens a row: 8x the bytes)."""
+    the batch's rows, as the engine cuts it (the plan took that many tokens a row: 8x the bytes).
+    After the step the device holds only the slots and buffers ``persistent_device_bytes`` counts."""
     from megatrain_nb.engine import EngineConfig, StreamingEngine
-    from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan
+    from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan, persistent_device_bytes
 
     cfg = family_config(family, layers=4, hidden=64, intermediate_size=176, vocab=vocab, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -194,7 +195,12 @@ def test_the_engines_accounted_peak_is_the_plans_device_bytes(family, k, vocab, 
     try:
         ids = torch.randint(1, 64, (batch, 256))
         engine.forward_backward(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, step_lr=1e-4)
-        peak = engine.memory_report()["device"]["peak_bytes"]
+        dev = engine.memory_report()["device"]
+        peak = dev["peak_bytes"]
+        # what the step leaves on the device: the slots and gradient buffers persistent_device_bytes counts (the
+        # room of a phase between steps, GRPO's generation: decode.device_left), none of its activations
+        assert dev["weights"] == engine.plan.device["weights"] and dev["used_bytes"] == dev["weights"] + dev["grads"]
+        assert dev["used_bytes"] <= persistent_device_bytes(engine.plan) < peak
         ecfg = engine.parts.config.replace(checkpoint_interval=engine.runner.checkpoint_interval)
         specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in engine.parts.units]
         planned = make_plan(specs, ModelShape.of(engine.model_config), ecfg, cuda=False, workload=work).device["total"]

@@ -192,10 +192,12 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
     n = torch.get_num_threads()
     torch.set_num_threads(1)   # one thread's rates, as measure_machine takes a CPU device's (compute_threads=1)
     try:
+        default = measure_matmul(cpu, *sizes.default_shape, sizes)   # (the team's speed-up is over it)
         if user:
-            mm, at = measure_matmul(cpu, *sizes.default_shape, sizes), measure_attention(cpu, 64, sizes)
+            mm, at = default, measure_attention(cpu, 64, sizes)
         else:
             mm, at = layer_matmul_rate(seq, h, i), attention_rate(seq, h, heads)
+        elementwise = measure_elementwise(sizes)
     finally:
         torch.set_num_threads(n)
 
@@ -204,7 +206,7 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
     # own rates (this VM's disk moved from 1.85 / 1.49 GB/s read / write to 1.2 / 1.1 within the hour)
     adamw, codecs, chain = update_rates(cpu, sizes)
     team, beside = measure_team_beside_disk(folder, sizes)   # (torch's threads: the compute's team)
-    elementwise = measure_elementwise(sizes)
+    team *= mm / default   # (its speed-up over one thread at the default shape, applied to the model's rate)
     disk = measure_disk(folder, sizes)
     by_head = {k: at for k in rates.attention_by_head} if user else {}
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},

@@ -293,7 +293,10 @@ def elementwise_layer(tokens: int, hidden: int, inter: int, heads: int, vocab: i
 def measure_elementwise(sizes: Sizes) -> float:
     """Element accesses/s (``rates.elementwise_accesses``) of :func:`elementwise_layer` at the
     default shape's tokens x hidden (intermediate 8/3 of it, head size 64, a vocabulary of 8192) on
-    torch's threads, as a CPU step runs its non-matmul work."""
+    the caller's threads (``measure_machine``: one, as the matmul's rate; the prediction scales both
+    by the team's measured speed-up. On the whole team the same chain ran 13x slower than on one
+    thread while other processes held the cores (load 4 on 2 cores), where a step ran 2.4x slower:
+    a team's rate is not what a step sees under load; one thread's is steady)."""
     tokens, hidden = sizes.default_shape[0], sizes.default_shape[1]
     inter, vocab = hidden * 8 // 3 // 32 * 32, 8192
     work = elementwise_accesses(tokens, hidden, inter, vocab)
@@ -475,13 +478,14 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
 
 
 def _add_team(r: MachineRates, root: str, sizes: Sizes) -> bool:
-    """A CPU device's rates on torch's threads (the compute's team): its matmul alone and beside the
-    disk tier (``team_matmul_flops``, ``compute_beside_disk``) and its non-matmul work
+    """A CPU device's matmul on torch's threads (the compute's team) alone and beside the disk tier
+    (``team_matmul_flops``, ``compute_beside_disk``) and its non-matmul work on one thread
     (``elementwise_rate``) -- measured where missing (a cache written before they were); True if any were."""
     if r.team_matmul_flops and r.elementwise_rate and r.compute_beside_disk:
         return False
     r.team_matmul_flops, r.compute_beside_disk = measure_team_beside_disk(root, sizes)
-    r.elementwise_rate = measure_elementwise(sizes)
+    with _OneThread():   # (one thread's, as the matmul's: the team's speed-up scales both)
+        r.elementwise_rate = measure_elementwise(sizes)
     return True
 
 

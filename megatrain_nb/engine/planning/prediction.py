@@ -358,10 +358,10 @@ def _compute_rates(rates, shape, workload, *, bf16: bool, cuda: bool) -> tuple:
 
 
 def _elementwise_rate(rates, cuda: bool) -> float:
-    """Element accesses/s of a CPU device's non-matmul work (``MachineRates.elementwise_rate``,
-    measured on torch's threads as a step runs it); 0 on a GPU (its non-matmul kernels are not
+    """Element accesses/s of a CPU device's non-matmul work: ``MachineRates.elementwise_rate`` (one
+    thread's) times the team's speed-up, as the matmul's; 0 on a GPU (its non-matmul kernels are not
     measured: not priced) or where not measured."""
-    return 0.0 if cuda else float(getattr(rates, "elementwise_rate", 0.0) or 0.0)
+    return 0.0 if cuda else float(getattr(rates, "elementwise_rate", 0.0) or 0.0) * rates.compute_scale(cuda)
 
 
 def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
@@ -487,7 +487,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         if key == "optimizer":
             key = update_key
         if key == "cpu":   # CPU sharing is named by its largest user
-            users = {"compute": 0.0 if cuda else compute_s, "optimizer": opt_core_s / cores}
+            users = {"compute": 0.0 if cuda else compute_s, "optimizer": opt_core_s / (1 if measured_team else cores)}
             key = max(users, key=users.get) + "+cpu"
         return max(streams.values()), streams, key
 

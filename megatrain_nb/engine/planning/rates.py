@@ -49,8 +49,8 @@ class MachineRates:
         measurement, or a GPU).
     elementwise_rate: a CPU device's element accesses/s (each element read or written, fp32) of a
         decoder layer's non-matmul work -- its norms, rotary, activation and residual adds, forward
-        and backward under autograd, and the loss head's log-softmax -- on torch's threads at a
-        default shape (:func:`elementwise_accesses` counts them, for that shape as for a model's);
+        and backward under autograd, and the loss head's log-softmax -- on one thread at a
+        default shape (scaled by :meth:`compute_team` as the matmul's) (:func:`elementwise_accesses` counts them, for that shape as for a model's);
         the prediction prices the non-matmul work of a CPU step at it; 0 = not measured.
     compute_beside_disk: a CPU device's compute rate (on torch's threads, as a step computes)
         while the disk tier reads and writes beside it, over its rate alone (0: not measured, or

@@ -4,6 +4,7 @@ where generation runs (the engine's rule: resident when a compute-dtype copy and
 the compute dtype fit the device budget between training steps, beside what stays allocated
 between them, else streamed), the streamed decoder priced as the
 compute-dtype weights over the link per decoded token for all rollouts at once, and the refusals."""
+import dataclasses
 import json
 
 import pytest
@@ -72,6 +73,26 @@ def test_generation_is_resident_when_it_fits_and_streamed_when_not():
     assert small.grpo.room_bytes == left - persistent_device_bytes(small.plan) < small.grpo.weights_bytes + gp.kv_bytes
     assert small.grpo.mode == "streamed" and small.grpo.kv_tier == "device" and k > 1
     assert f"decoded in {k} sub-batches" in str(small) and "the streamed decoder refuses" not in str(small)
+
+
+def test_host_rooms_are_counted_between_the_steps_too():
+    """The host room the KV cache's host tier gets is the host budget less what the plan keeps in RAM
+    between steps (planner.persistent_host_bytes): a window's boundary activations parked in host
+    RAM are the step's, freed at its end."""
+    from megatrain_nb.engine.planning.estimator_dpo import format_bytes
+    from megatrain_nb.engine.planning.estimator_grpo import plan_generation
+    from megatrain_nb.engine.planning.planner import persistent_host_bytes, unit_specs_from_config
+
+    est = _est(batch=1, vram_gb=(650 << 10) / 2 ** 30)   # (its window's boundaries in host RAM)
+    plan = est.plan
+    assert plan.window["tier"] == "host" and plan.host["activations"] > 0
+    assert persistent_host_bytes(plan) == plan.host["total"] - plan.host["activations"]
+    parked = 10 << 20   # a step's boundaries in RAM of 10 MiB: the budget holds them and 1 KiB more
+    wide = dataclasses.replace(plan, host=dict(plan.host, activations=parked,
+                                               total=plan.host["total"] - plan.host["activations"] + parked))
+    budgets = dict(est.budgets, host=wide.host["total"] + 1024)
+    gp = plan_generation(_config(), unit_specs_from_config(_config()), wide, budgets, 16, 32, 64, precision="fp32")
+    assert f"host room beside the host plan {format_bytes(parked + 1024)}" in gp.kv_why, gp.kv_why
 
 
 def test_a_streamed_token_is_the_weights_over_the_link_for_all_rollouts():

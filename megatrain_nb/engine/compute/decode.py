@@ -71,7 +71,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from ... import threads
 from ..planning.estimator_grpo import KVPlace, kv_cache_bytes, place_kv, streamed_need  # noqa: F401 - re-exported
-from ..planning.planner import persistent_device_bytes
+from ..planning.planner import persistent_device_bytes, persistent_host_bytes
 from ..proxies import bind, unbind
 from .kv_offload import DeviceKVCache, HostKVCache
 
@@ -110,9 +110,10 @@ def decode_bytes(engine, rows: int, length: int) -> int:
 
 
 def host_left(engine) -> Optional[int]:
-    """Host bytes the host budget leaves beside the engine's planned host RAM (None: no budget)."""
+    """Host bytes the host budget leaves beside what the engine's plan keeps in host RAM between
+    its steps (``planner.persistent_host_bytes``; None: no budget)."""
     cap = engine.plan.capacity.get("host")
-    return None if cap is None else max(cap - engine.plan.host["total"], 0)
+    return None if cap is None else max(cap - persistent_host_bytes(engine.plan), 0)
 
 
 def kv_place(engine, rows: int, length: int, *, group: int = 1, split: bool = True) -> KVPlace:
@@ -140,7 +141,7 @@ def check_kv_budget(engine, rows: int, length: int, *, group: int = 1, split: bo
             f"weight slots and gradient buffers ({persistent_device_bytes(engine.plan) / GIB:.3f} GiB), and in host "
             f"RAM the cache would take "
             f"{place.host_bytes / GIB:.3f} GiB of the {(host or 0) / GIB:.3f} GiB left beside the host plan "
-            f"({engine.plan.host['total'] / GIB:.3f} GiB), with {place.device_bytes / GIB:.3f} GiB still on the "
+            f"({persistent_host_bytes(engine.plan) / GIB:.3f} GiB), with {place.device_bytes / GIB:.3f} GiB still on the "
             "device; generate fewer rollouts at once (a smaller generation_batch_size), shorten "
             "max_completion_length, or raise max_vram_gb / max_host_gb")
     return place

@@ -41,7 +41,7 @@ from typing import Optional
 from megatrain_nb.engine import family
 
 from .estimator_dpo import format_bytes
-from .planner import persistent_device_bytes
+from .planner import persistent_device_bytes, persistent_host_bytes
 from .prediction import fmt_rate, fmt_seconds
 
 #: Device memory bandwidth of the profiles' GPUs (a resident decode reads every weight once per token)
@@ -291,7 +291,8 @@ def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_le
     the engine's rule (``grpo_rollout.resident_fits``, ``decode.check_kv_budget``): generation
     runs between training steps, so its room is the device budget less what stays on the device
     between them (``planner.persistent_device_bytes``: the weight slots and the gradient staging
-    buffers), not the training step's activations and boundaries, which the step frees."""
+    buffers), not the training step's activations and boundaries, which the step frees (host RAM's
+    room likewise: ``planner.persistent_host_bytes``)."""
     numel, tokens = sum(u.numel for u in units), prompt_length + completion_length
     room = None if budgets.get("device") is None else max(budgets["device"] - persistent_device_bytes(plan), 0)
     cb = compute_bytes(precision)
@@ -299,7 +300,7 @@ def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_le
     if room is None or resident_need(config, numel, rollouts, tokens, cb) <= room:
         return GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, "device",
                               "resident", room)
-    host_room = None if budgets.get("host") is None else max(budgets["host"] - plan.host["total"], 0)
+    host_room = None if budgets.get("host") is None else max(budgets["host"] - persistent_host_bytes(plan), 0)
     place = place_kv(config, rollouts, tokens, cb, room, host_room, weights_bytes=cb * numel)
     gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, place.tier, "streamed",
                         room, kv_host_bytes=place.host_bytes if place.tier == "host" else 0, kv_why=place.why,

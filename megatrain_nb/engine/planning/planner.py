@@ -108,6 +108,13 @@ def persistent_device_bytes(plan: Plan) -> int:
     return int(plan.device["weights"]) + int(plan.device["grads"])
 
 
+def persistent_host_bytes(plan: Plan) -> int:
+    """Host bytes the plan keeps between steps: its host total less the boundary activations a
+    step parks in host RAM (``host["activations"]``: a window's or a long row's, freed at the
+    step's end). The master weights, gradients, optimizer states and buffers in flight stay."""
+    return int(plan.host["total"]) - int(plan.host.get("activations", 0))
+
+
 def _disk_weights_in_flight(u: int, depth: int, chunk: int, ring: int, held, pin: bool, compute_bytes: int) -> int:
     """Host bytes of the master weights on the disk tier in flight (``u``: the largest unit; large:
     over 256 MiB): the compute stream's staging buffers (``2 + depth``, large units 2), each a unit

@@ -139,7 +139,7 @@ class ResidentPolicy:
         params = dict(self.model.named_parameters())
         for name, shape in self._released.items():   # (released after the last generation: allocated again)
             params[name].data = torch.empty(shape, dtype=params[name].dtype, device=params[name].device)
-        self._released = {}
+        unwritten, self._released = set(self._released), {}
         shadows, cast = None, False
         with torch.no_grad():
             for name, w in engine.named_parameters():   # (after every update: the shadows are current)
@@ -148,6 +148,10 @@ class ResidentPolicy:
                 src = shadows.get(name, w)
                 cast = cast or src.dtype != self.dtype
                 params[name].copy_(src, non_blocking=False)
+                unwritten.discard(name)
+        if unwritten:   # (allocated again, uninitialised: never generate on them)
+            raise RuntimeError(f"the resident copy's parameters {sorted(unwritten)[:3]} have no engine weight to copy "
+                               "in after their release: generate with generation='streamed'")
         self.model.tie_weights()
         self.cast_refreshes += int(cast and self.dtype != torch.float32)
         self.version = version

@@ -113,8 +113,8 @@ def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
     tel = e.telemetry()
     pf = tel["prefetch"]["disk"]
     reads = pf["ahead"] + pf["late"]
-    # Per step: weights for the forward (every unit but the two served fresh from the last
-    # updates: embed and layer 0), for the backward (every layer, whose buffer then serves its
+    # Per step: weights for the forward (every unit but the three served fresh from the last
+    # updates: embed, layers 0 and 1), for the backward (every layer, whose buffer then serves its
     # update), for the updates of embed and head; and the optimizer states of every unit.
     # Between these: a unit whose update is still running when the next forward asks for it is
     # handed its fresh copy instead of a read, and how many are depends on the threads' timing
@@ -133,7 +133,7 @@ def test_disk_reads_issued_ahead_from_the_second_step(tmp_path):
     # backward's every layer's but the last, whose forward buffer is carried across the head
     # (DiskReadStream's carry, when that buffer is still out as the backward's read is scheduled)
     w = sum(u.numel * 4 for u in e.units)
-    fresh = 4 * (e.embed_unit.numel + e.layer_units[0].numel)
+    fresh = 4 * (e.embed_unit.numel + e.layer_units[0].numel + e.layer_units[1].numel)
     bwd = sum(u.numel * 4 for u in e.layer_units)
     carried = 4 * e.layer_units[-1].numel
     upd = 4 * (e.embed_unit.numel + e.head_unit.numel)

@@ -43,9 +43,28 @@ from ..units import Unit
 #: Fresh copies are kept only for units among the first accesses of a step's compute order
 #: (embedding, head, the first layers): the next forward reads those before anything else.
 NEXT_FORWARD_FIRST = 4
-#: How many of a step's last updates may stay as fresh copies (the optimizer stream's
-#: staging buffers, two for small units, hold no more).
-LAST_UPDATES_KEPT = 2
+#: How many of a step's last updates may stay as fresh copies: the embedding's (an optimizer
+#: stream buffer) and the first layers' (the compute stream's buffers their backward handed over,
+#: all but one: :func:`fresh_after_step`). The third: without it the next forward's third unit
+#: waited for its update's write and then its read, at the very start of the step.
+LAST_UPDATES_KEPT = 3
+
+
+def fresh_after_step(optimizer_order: Sequence[Unit], early: set, handed: set, compute_buffers: int) -> set:
+    """Unit indices whose updated buffer stays as a fresh copy for the next forward: among the last
+    :data:`LAST_UPDATES_KEPT` updates, those the next forward reads among its first (``early``),
+    the later updates first; a unit whose buffer is a handed compute buffer (``handed``) only
+    while one of the compute stream's ``compute_buffers`` stays free for the forward's reads."""
+    fresh, held = set(), 0
+    for u in reversed(list(optimizer_order)[-LAST_UPDATES_KEPT:]):
+        if u.index not in early:
+            continue
+        if u.index in handed:
+            if held >= compute_buffers - 1:
+                continue
+            held += 1
+        fresh.add(u.index)
+    return fresh
 
 
 class WeightStore(Protocol):
@@ -255,7 +274,7 @@ class DiskWeights:
                 # The step's access order repeats: the last units updated that the next forward
                 # reads among its first stay fresh in their buffers.
                 early = {u.index for u in self._last_compute[:NEXT_FORWARD_FIRST]}
-                fresh = {u.index for u in list(optimizer_order)[-LAST_UPDATES_KEPT:] if u.index in early}
+                fresh = fresh_after_step(optimizer_order, early, handed, self._compute_buffers)
             if self.cached:
                 fresh = set()  # the host cache keeps what the plan says, deterministically
             with self._lock:

@@ -15,7 +15,8 @@ Printed: the step's time split and the trained tokens/s end to end (every rollou
 completion through the training pass, over generation + training) and the completion tokens/s
 of generation alone, with the generation the engine picks by its own rule
 (``grpo_rollout.resident_fits``: a resident copy in the compute dtype, bf16 here, and its bf16
-KV cache must fit beside the training working set; they do, so transformers' ``generate`` decodes
+KV cache must fit the device room between training steps, beside the weight slots and gradient
+buffers that stay there (``decode.device_left``); they do, so transformers' ``generate`` decodes
 on the copy, bound by device memory); beside it, the contender the layer-major streamed decoder
 is (every unit's bf16 weights over the link once per decoded token, for all 256 rollouts at
 once: what "auto" picked while the resident copy was fp32, which with its fp32 cache does not fit),
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
     result("grpo_7b_h100_generation_completion_tokens_per_s", gen_tokens, "tok/s", ">=", 1500)
     # the contenders, priced the same way: the streamed decoder forced (bf16 weights over the link once per
     # decoded token), and what the resident rule counted before the copy took the compute dtype (an fp32 copy
-    # and an fp32 cache: they do not fit beside training, so "auto" streamed)
+    # and an fp32 cache: they do not fit the room between training steps, so "auto" streamed)
     cfg, _ = resolve_config(config)
     units = unit_specs_from_config(cfg)
     numel, tokens = sum(u.numel for u in units), a.prompt + a.completion
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
     print(f"  (streamed: generation {streamed.generation_s:.1f} s, {streamed.token_s * 1e3:.0f} ms per decoded token "
           f"bound by the {streamed.token_bound}; the resident {gp.precision} copy "
           f"({gp.weights_bytes / 2 ** 30:.1f} GiB) + its cache ({gp.kv_bytes / 2 ** 30:.1f} GiB) "
-          f"{'fit' if gp.mode == 'resident' else 'do not fit'} the {gp.room_bytes / 2 ** 30:.1f} GiB beside training; "
+          f"{'fit' if gp.mode == 'resident' else 'do not fit'} the {gp.room_bytes / 2 ** 30:.1f} GiB of device room between training steps; "
           f"an fp32 copy + fp32 cache would need {fp32 / 2 ** 30:.1f} GiB)")
     for more in (2, 4):   # streamed decoding's cost per token is the same for more rollouts
         big = mt.estimate(config, vram_gb=80, ram_gb=512, disk_gb=4000, batch=a.batch, seq=a.prompt + a.completion,

@@ -184,7 +184,8 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
     ``mt.measure_machine()``'s: its compute rates again as that measures them (its default matmul
     shape and head size, one thread), not at the model's shapes."""
     from megatrain_nb.engine.measure import (measure_attention, measure_disk, measure_elementwise, measure_matmul,
-                                             measure_team_beside_disk, sizes_for, update_rates)
+                                             measure_copies, measure_softmax, measure_team_beside_disk, sizes_for,
+                                             update_rates)
 
     h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
     sizes = sizes_for(False, False)
@@ -197,7 +198,8 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
             mm, at = default, measure_attention(cpu, 64, sizes)
         else:
             mm, at = layer_matmul_rate(seq, h, i), attention_rate(seq, h, heads)
-        elementwise = measure_elementwise(sizes)
+        elementwise, softmax = measure_elementwise(sizes), measure_softmax(sizes)
+        copy_one = measure_copies(cpu, sizes.copy_bytes, sizes)["h2d_pageable"]
     finally:
         torch.set_num_threads(n)
 
@@ -207,12 +209,14 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
     adamw, codecs, chain = update_rates(cpu, sizes)
     team, beside = measure_team_beside_disk(folder, sizes)   # (torch's threads: the compute's team)
     team *= mm / default   # (its speed-up over one thread at the default shape, applied to the model's rate)
+    memory = measure_copies(cpu, sizes.copy_bytes, sizes)["h2d_pageable"] / copy_one   # (torch's threads)
     disk = measure_disk(folder, sizes)
     by_head = {k: at for k in rates.attention_by_head} if user else {}
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
                                attention_by_head=by_head,
                                adamw_per_thread=adamw, codec_per_thread=codecs, update_chain=chain,
                                compute_beside_disk=beside, team_matmul_flops=team, elementwise_rate=elementwise,
+                               softmax_rate=softmax, memory_speedup=memory,
                                disk_read=disk["disk_read"], disk_write=disk["disk_write"],
                                source=rates.source + " (compute now)")
 
@@ -236,6 +240,7 @@ def mean_rates(measured: list) -> MachineRates:
                                adamw_per_thread=avg("adamw_per_thread"), codec_per_thread=avg_dict("codec_per_thread"),
                                update_chain=avg_dict("update_chain"), compute_beside_disk=avg("compute_beside_disk"),
                                team_matmul_flops=avg("team_matmul_flops"), elementwise_rate=avg("elementwise_rate"),
+                               softmax_rate=avg("softmax_rate"), memory_speedup=avg("memory_speedup"),
                                source=a.source + f" (mean of {n} measured around the steps)")
 
 
@@ -403,7 +408,8 @@ def main() -> int:
           f"{rates.adamw_per_thread / 1e6:.0f} M params/s, codec {rates.codec_per_thread}, update chain "
           f"{rates.update_chain}, compute beside the disk {rates.compute_beside_disk:.2f} x, matmul on torch's threads "
           f"{rates.team_matmul_flops / 1e9:.1f} GFLOP/s ({rates.compute_team():.2f} x one thread's), non-matmul work "
-          f"{rates.elementwise_rate / 1e9:.2f} G element accesses/s")
+          f"{rates.elementwise_rate / 1e9:.2f} G element accesses/s, log-softmax {rates.softmax_rate / 1e6:.0f} M "
+          f"logits/s (per thread; memcpy on torch's threads {rates.memory_speedup:.2f} x one thread's)")
     worst, agree = 1.0, 0
     passes = {name: [] for name in names}
     for i in range(a.passes):   # the configurations alternate, pass by pass (a VM's speed drifts)

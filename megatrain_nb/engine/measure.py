@@ -51,6 +51,7 @@ from megatrain_nb.threads import MEASURE, thread_name
 from megatrain_nb.values import check
 
 from . import family
+from .config import EngineOverrides
 from .updates.codecs import codec_names, get_codec
 from .tiers.disk_format import aligned_empty
 from .tiers.disk_store import DiskStore
@@ -257,21 +258,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def elementwise_layer(tokens: int, hidden: int, inter: int, heads: int, vocab: int) -> Callable[[], None]:
-    """One call: a decoder layer's non-matmul work and the loss head's log-softmax, forward and
-    backward under autograd, with the matmuls' outputs standing in as leaves (what
-    ``rates.elementwise_accesses`` counts: two RMSNorms, rotary on the queries and keys, the
-    attention's transposes, two residual adds, the gated MLP's silu and product; the log-softmax
-    and its loss over ``vocab``)."""
+def elementwise_layer(tokens: int, hidden: int, inter: int, heads: int) -> Callable[[], None]:
+    """One call: a decoder layer's non-matmul work, forward and backward under autograd, with the
+    matmuls' outputs standing in as leaves (what ``rates.elementwise_accesses`` counts: two
+    RMSNorms, rotary on the queries and keys, the attention's transposes, two residual adds, the
+    gated MLP's silu and product)."""
     hd = hidden // heads
     leaf = lambda *shape: torch.randn(*shape).requires_grad_()  # noqa: E731
-    x, q, k, o, gate, up, logits = (leaf(tokens, hidden), leaf(tokens, hidden), leaf(tokens, hidden),
-                                    leaf(tokens, hidden), leaf(tokens, inter), leaf(tokens, inter),
-                                    leaf(tokens, vocab))
+    x, q, k, o, gate, up = (leaf(tokens, hidden), leaf(tokens, hidden), leaf(tokens, hidden), leaf(tokens, hidden),
+                            leaf(tokens, inter), leaf(tokens, inter))
     w1, w2 = leaf(hidden), leaf(hidden)
     ang = torch.arange(tokens)[:, None] * torch.rand(hd // 2)[None]
     cos, sin = (torch.cat((f(ang), f(ang)), -1)[None] for f in (torch.cos, torch.sin))   # (1, tokens, hd)
-    labels = torch.randint(0, vocab, (tokens,))
 
     def layer() -> None:
         _rms_norm(x, w1)
@@ -282,25 +280,37 @@ def elementwise_layer(tokens: int, hidden: int, inter: int, heads: int, vocab: i
         n2 = _rms_norm(a, w2)
         h2 = a + o
         mlp = torch.nn.functional.silu(gate) * up
-        loss = torch.nn.functional.cross_entropy(logits, labels)
-        torch.autograd.backward([n2, h2, mlp, loss], [torch.ones_like(n2), torch.ones_like(h2),
-                                                        torch.ones_like(mlp), torch.ones(())])
-        for t in (x, q, k, o, gate, up, logits, w1, w2):
+        torch.autograd.backward([n2, h2, mlp], [torch.ones_like(n2), torch.ones_like(h2), torch.ones_like(mlp)])
+        for t in (x, q, k, o, gate, up, w1, w2):
             t.grad = None
     return layer
 
 
 def measure_elementwise(sizes: Sizes) -> float:
     """Element accesses/s (``rates.elementwise_accesses``) of :func:`elementwise_layer` at the
-    default shape's tokens x hidden (intermediate 8/3 of it, head size 64, a vocabulary of 8192) on
-    the caller's threads (``measure_machine``: one, as the matmul's rate; the prediction scales both
-    by the team's measured speed-up. On the whole team the same chain ran 13x slower than on one
-    thread while other processes held the cores (load 4 on 2 cores), where a step ran 2.4x slower:
-    a team's rate is not what a step sees under load; one thread's is steady)."""
+    default shape's tokens x hidden (intermediate 8/3 of it, head size 64) on the caller's threads
+    (``measure_machine``: one, as the matmul's rate; the prediction scales both by the team's
+    measured speed-up. On the whole team such a chain ran 13x slower than on one thread while
+    other processes held the cores, load 4 on 2 cores, where a step ran 2.4x slower: a team's rate
+    is not what a step sees under load; one thread's is steady)."""
     tokens, hidden = sizes.default_shape[0], sizes.default_shape[1]
-    inter, vocab = hidden * 8 // 3 // 32 * 32, 8192
-    work = elementwise_accesses(tokens, hidden, inter, vocab)
-    return _rate(elementwise_layer(tokens, hidden, inter, max(hidden // 64, 1), vocab), work, sizes)
+    inter = hidden * 8 // 3 // 32 * 32
+    return _rate(elementwise_layer(tokens, hidden, inter, max(hidden // 64, 1)),
+                 elementwise_accesses(tokens, hidden, inter), sizes)
+
+
+def measure_softmax(sizes: Sizes) -> float:
+    """Logits/s of the loss head's log-softmax and loss (``cross_entropy``), forward and backward,
+    over one chunk of the engine's (``EngineOverrides.loss_chunk_tokens`` tokens by a vocabulary of
+    8192: its logits allocated as a step allocates them, beyond the caches; measured: per logit
+    4x slower than at a quarter of the chunk, 12x at twice it) on the caller's threads."""
+    tokens, vocab = (EngineOverrides().loss_chunk_tokens, 8192) if sizes.budget_s else (sizes.default_shape[0], 256)
+    logits, labels = torch.randn(tokens, vocab).requires_grad_(), torch.randint(0, vocab, (tokens,))
+
+    def head() -> None:
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+        logits.grad = None
+    return _rate(head, float(tokens * vocab), sizes)
 
 
 def adamw_step(numel: int, threads: int = 1) -> tuple:
@@ -480,12 +490,14 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
 def _add_team(r: MachineRates, root: str, sizes: Sizes) -> bool:
     """A CPU device's matmul on torch's threads (the compute's team) alone and beside the disk tier
     (``team_matmul_flops``, ``compute_beside_disk``) and its non-matmul work on one thread
-    (``elementwise_rate``) -- measured where missing (a cache written before they were); True if any were."""
-    if r.team_matmul_flops and r.elementwise_rate and r.compute_beside_disk:
+    (``elementwise_rate``, ``softmax_rate``), a memcpy's team over one thread (``memory_speedup``) -- measured where missing (a cache written before they were); True if any were."""
+    if r.team_matmul_flops and r.elementwise_rate and r.softmax_rate and r.compute_beside_disk and r.memory_speedup:
         return False
     r.team_matmul_flops, r.compute_beside_disk = measure_team_beside_disk(root, sizes)
-    with _OneThread():   # (one thread's, as the matmul's: the team's speed-up scales both)
-        r.elementwise_rate = measure_elementwise(sizes)
+    team_copy = measure_copies(torch.device("cpu"), sizes.copy_bytes, sizes)["h2d_pageable"]
+    with _OneThread():   # (one thread's, as the matmul's: the team's measured speed-ups scale them)
+        r.elementwise_rate, r.softmax_rate = measure_elementwise(sizes), measure_softmax(sizes)
+        r.memory_speedup = team_copy / measure_copies(torch.device("cpu"), sizes.copy_bytes, sizes)["h2d_pageable"]
     return True
 
 

@@ -9,8 +9,8 @@ import pytest
 
 import megatrain_nb as mt
 from megatrain_nb.engine import measure
-from megatrain_nb.engine.planning.rates import (FORWARD_PER_HIDDEN, FORWARD_PER_INTERMEDIATE, HEAD_PER_VOCAB,
-                                                MachineRates, elementwise_accesses)
+from megatrain_nb.engine.planning.rates import (FORWARD_PER_HIDDEN, FORWARD_PER_INTERMEDIATE, MachineRates,
+                                                elementwise_accesses)
 from megatrain_nb.engine.planning.prediction import GRAD_ACCESSES_PER_PARAM, step_amounts
 
 from .test_prediction import H, LAYERS, N, SHAPE, UNITS, VOCAB, predict, rates
@@ -44,18 +44,28 @@ def test_the_non_matmul_work_is_its_element_accesses_at_the_measured_rate():
     tokens = 2 * 64
     one = tokens * LAYERS * (FORWARD_PER_HIDDEN * H + FORWARD_PER_INTERMEDIATE * 4 * H)
     assert a["elementwise"]["forward"] == pytest.approx(one)
-    assert a["elementwise"]["backward"] == pytest.approx(2 * one + HEAD_PER_VOCAB * VOCAB * tokens
-                                                         + GRAD_ACCESSES_PER_PARAM * N)
+    assert a["elementwise"]["backward"] == pytest.approx(2 * one + GRAD_ACCESSES_PER_PARAM * N)
+    assert a["elementwise"]["logits"] == tokens * VOCAB
     assert a["elementwise"]["recompute"] == pytest.approx(one * (a["recompute_flops"] / (2.0 * LAYERS * UNITS[1].numel
                                                                                          * tokens)))
     for phase in ("forward", "backward", "recompute"):   # at one thread's rate times the team's speed-up
         assert ew.phases[phase] - base.phases[phase] == pytest.approx(a["elementwise"][phase] / 1.5e9)
+    # memory-bound: at the memcpy's measured speed-up on torch's threads, where measured
+    mem, *_ = predict(cpu(team_matmul_flops=1.5e11, elementwise_rate=1e9, memory_speedup=0.9), cuda=False, batch=2,
+                      seq=64)
+    assert mem.phases["forward"] - base.phases["forward"] == pytest.approx(a["elementwise"]["forward"] / 0.9e9)
+    assert cpu(memory_speedup=7.0).memory_team() == 2 and cpu(team_matmul_flops=1.5e11).memory_team() == 1.5
+    # the loss head's log-softmax: its logits at their own rate, in the backward
+    sm, *_ = predict(cpu(team_matmul_flops=1.5e11, elementwise_rate=1e9, softmax_rate=1e8), cuda=False, batch=2,
+                     seq=64)
+    assert sm.phases["backward"] - ew.phases["backward"] == pytest.approx(tokens * VOCAB / 1.5e8)
+    assert sm.phases["forward"] == pytest.approx(ew.phases["forward"])
     assert ew.step_seconds > base.step_seconds
     # twice the tokens, twice the layers' accesses; the count is the one measure_machine's rate is in
     longer, c2, plan2, w2 = predict(cpu(team_matmul_flops=1.5e11, elementwise_rate=1e9), cuda=False, batch=4, seq=64)
     assert step_amounts(UNITS, SHAPE, c2, plan2, w2, cuda=False, cache_bytes=0)["elementwise"]["forward"] == \
         pytest.approx(2 * one)
-    assert elementwise_accesses(tokens, H, 4 * H, 0, passes=1.0) * LAYERS == pytest.approx(one)
+    assert elementwise_accesses(tokens, H, 4 * H, passes=1.0) * LAYERS == pytest.approx(one)
     # a GPU's non-matmul kernels are not measured: not priced
     gpu, *_ = predict(cpu(elementwise_rate=1e9), cuda=True)
     gpu0, *_ = predict(cpu(), cuda=True)
@@ -64,9 +74,9 @@ def test_the_non_matmul_work_is_its_element_accesses_at_the_measured_rate():
 
 def test_a_measured_cpu_without_the_elementwise_rate_says_it_is_not_priced():
     p, *_ = predict(cpu(source="measured"), cuda=False)
-    assert any("elementwise_rate" in n for n in p.notes)
-    q, *_ = predict(cpu(source="measured", elementwise_rate=1e9), cuda=False)
-    assert not any("elementwise_rate" in n for n in q.notes)
+    assert any("elementwise_rate" in n and "softmax_rate" in n for n in p.notes)
+    q, *_ = predict(cpu(source="measured", elementwise_rate=1e9, softmax_rate=1e8), cuda=False)
+    assert not any("elementwise_rate" in n or "softmax_rate" in n for n in q.notes)
 
 
 def test_the_engines_other_cpu_work_adds_to_a_measured_teams_compute():
@@ -86,10 +96,10 @@ def test_the_engines_other_cpu_work_adds_to_a_measured_teams_compute():
 
 def test_old_fields_missing_load_as_unmeasured():
     d = cpu().to_dict()
-    for k in ("team_matmul_flops", "elementwise_rate"):
+    for k in ("team_matmul_flops", "elementwise_rate", "softmax_rate", "memory_speedup"):
         d.pop(k)
     r = MachineRates.from_dict(d)
-    assert r.team_matmul_flops == 0 and r.elementwise_rate == 0 and r.compute_team() == 1
+    assert r.team_matmul_flops == 0 and r.elementwise_rate == 0 and r.softmax_rate == 0 and r.compute_team() == 1
 
 
 @pytest.mark.slow   # (two quick measurements: ~3 s)
@@ -97,11 +107,12 @@ def test_a_cache_written_before_the_team_rates_loads_and_gets_them_measured(tmp_
     folder = tmp_path / "cache"
     monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(folder))
     first = mt.measure_machine(device="cpu", offload_dir=tmp_path, quick=True)
-    assert first.team_matmul_flops > 0 and first.elementwise_rate > 0 and first.compute_beside_disk > 0
+    assert first.team_matmul_flops > 0 and first.elementwise_rate > 0 and first.softmax_rate > 0
+    assert first.compute_beside_disk > 0
     assert "non-matmul work" in first.table() and "on torch's threads" in first.table()
     (path,) = folder.glob("machine-*.json")
     d = json.loads(path.read_text())
-    for k in ("team_matmul_flops", "elementwise_rate"):   # as an older measurement wrote it
+    for k in ("team_matmul_flops", "elementwise_rate", "softmax_rate", "memory_speedup"):   # as older ones wrote it
         d["rates"].pop(k)
     path.write_text(json.dumps(d))
     os.chmod(path, 0o600)
@@ -109,7 +120,8 @@ def test_a_cache_written_before_the_team_rates_loads_and_gets_them_measured(tmp_
     monkeypatch.setattr(measure, "_measure_all", lambda *a, **k: full.append(a))
     again = mt.measure_machine(device="cpu", offload_dir=tmp_path, quick=True)
     assert full == []                                   # loaded, not measured again whole
-    assert again.team_matmul_flops > 0 and again.elementwise_rate > 0
+    assert again.team_matmul_flops > 0 and again.elementwise_rate > 0 and again.softmax_rate > 0
+    assert again.memory_speedup > 0
     assert again.adamw_per_thread == first.adamw_per_thread   # the rest as cached
     saved = json.loads(path.read_text())["rates"]
     assert saved["team_matmul_flops"] == again.team_matmul_flops and saved["elementwise_rate"] > 0

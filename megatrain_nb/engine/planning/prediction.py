@@ -302,15 +302,15 @@ GRAD_ACCESSES_PER_PARAM = 4
 def _elementwise_amounts(shape, tokens: int, n_layers: int, rec: float, params: int, micro: int) -> Dict[str, float]:
     """Element accesses of the step's non-matmul work per phase (``rates.elementwise_accesses``):
     each layer's norms, rotary, activation and residual adds -- once forward, twice backward, ``rec``
-    more forwards' worth recomputed -- and the loss head's log-softmax forward and backward over the
-    vocabulary, counted with the backward; each micro-batch's gradient buffers zeroed and summed
-    into (:data:`GRAD_ACCESSES_PER_PARAM`), counted with the backward."""
+    more forwards' worth recomputed; each micro-batch's gradient buffers zeroed and summed into
+    (:data:`GRAD_ACCESSES_PER_PARAM`), counted with the backward. ``logits``: the loss head's
+    log-softmax forward and backward, a logit a token and vocabulary entry (its own rate)."""
     h = shape.hidden_size
     i = shape.intermediate_size or 4 * h
-    one = elementwise_accesses(tokens, h, i, 0, passes=1.0) * n_layers
+    one = elementwise_accesses(tokens, h, i, passes=1.0) * n_layers
     return {"forward": one, "recompute": one * rec,
-            "backward": 2 * one + elementwise_accesses(tokens, h, i, shape.vocab_size, passes=0.0)
-            + GRAD_ACCESSES_PER_PARAM * params * max(int(micro), 1)}
+            "backward": 2 * one + GRAD_ACCESSES_PER_PARAM * params * max(int(micro), 1),
+            "logits": float(tokens) * shape.vocab_size}
 
 
 def _tile_flops(shape, plan, workload, n_layers: int) -> float:
@@ -357,13 +357,6 @@ def _compute_rates(rates, shape, workload, *, bf16: bool, cuda: bool) -> tuple:
     return mm * scale, at * scale
 
 
-def _elementwise_rate(rates, cuda: bool) -> float:
-    """Element accesses/s of a CPU device's non-matmul work: ``MachineRates.elementwise_rate`` (one
-    thread's) times the team's speed-up, as the matmul's; 0 on a GPU (its non-matmul kernels are not
-    measured: not priced) or where not measured."""
-    return 0.0 if cuda else float(getattr(rates, "elementwise_rate", 0.0) or 0.0) * rates.compute_scale(cuda)
-
-
 def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
                  cache_bytes: Optional[int] = None) -> StepPrediction:
     """The predicted :class:`StepPrediction` of one optimizer step (see the module's docstring).
@@ -385,12 +378,13 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
           + _per(a["attention_flops"]["backward"], at, "attention_flops", missing),
           "recompute": _per(a["recompute_flops"] + a["tile_flops"], mm, "matmul_flops", missing)
           + _per(a["attention_flops"]["recompute"], at, "attention_flops", missing)}
-    ew = _elementwise_rate(rates, cuda)
-    if ew:   # a CPU device's non-matmul work: memory-bound, at its own measured rate
+    if not cuda:   # a CPU device's non-matmul work: memory-bound, at its own measured rates
+        scale = rates.memory_team() if rates.compute_threads == 1 else 1.0   # (memory-bound: the memcpy's speed-up)
+        ew, sm = (float(getattr(rates, f, 0.0) or 0.0) * scale for f in ("elementwise_rate", "softmax_rate"))
+        said = missing if rates.source == "measured" else []   # (a profile's or made-up rates: none is none)
         for phase in ("forward", "backward", "recompute"):
-            ph[phase] += a["elementwise"][phase] / ew
-    elif not cuda and rates.source == "measured":
-        missing.append("elementwise_rate")
+            ph[phase] += _per(a["elementwise"][phase], ew, "elementwise_rate", said)
+        ph["backward"] += _per(a["elementwise"]["logits"], sm, "softmax_rate", said)
     h2d_rate = _h2d_rate(rates, cuda)
     d2h_rate = (rates.d2h_pinned or rates.d2h_pageable) if cuda else rates.d2h_pageable
     ph["h2d"] = _per(a["h2d"], h2d_rate, "h2d", missing)

@@ -49,9 +49,16 @@ class MachineRates:
         measurement, or a GPU).
     elementwise_rate: a CPU device's element accesses/s (each element read or written, fp32) of a
         decoder layer's non-matmul work -- its norms, rotary, activation and residual adds, forward
-        and backward under autograd, and the loss head's log-softmax -- on one thread at a
-        default shape (scaled by :meth:`compute_team` as the matmul's) (:func:`elementwise_accesses` counts them, for that shape as for a model's);
-        the prediction prices the non-matmul work of a CPU step at it; 0 = not measured.
+        and backward under autograd -- on one thread at a default shape (scaled by
+        :meth:`compute_team` as the matmul's) (:func:`elementwise_accesses` counts them, for that shape as for a model's);
+        the prediction prices the non-matmul work of a CPU step's layers at it; 0 = not measured.
+    memory_speedup: a CPU device's memcpy rate (one layer-sized copy) on torch's threads over one
+        thread's, measured back to back: what the team gives memory-bound work (the non-matmul
+        work: ``elementwise_rate``, ``softmax_rate``); 0.9-1.0 on the 2-core VM, whose one thread
+        already takes the memory's bandwidth, where its matmul's was 1.7-1.9; 0 = not measured.
+    softmax_rate: a CPU device's logits/s through the loss head's log-softmax and loss, forward and
+        backward, over one chunk of the engine's (1024 tokens by a vocabulary of 8192: 32 MiB of
+        logits, beyond the caches, as a step allocates them), one thread; 0 = not measured.
     compute_beside_disk: a CPU device's compute rate (on torch's threads, as a step computes)
         while the disk tier reads and writes beside it, over its rate alone (0: not measured, or
         a GPU, whose compute the host's I/O leaves alone); the prediction slows a CPU step's
@@ -83,6 +90,8 @@ class MachineRates:
     compute_beside_disk: float = 0.0
     team_matmul_flops: float = 0.0
     elementwise_rate: float = 0.0
+    softmax_rate: float = 0.0
+    memory_speedup: float = 0.0
     source: str = "measured"
     sources: dict = field(default_factory=dict)
     measured_at: Optional[float] = None
@@ -110,6 +119,13 @@ class MachineRates:
         if self.team_matmul_flops > 0 and self.matmul_flops > 0:
             return min(max(self.team_matmul_flops / self.matmul_flops, 1.0), float(cores))
         return max(cores - 1, 1)
+
+    def memory_team(self) -> float:
+        """How many one-thread rates a CPU device's memory-bound work (its non-matmul work) runs at on
+        torch's threads: ``memory_speedup`` (at most ``cores``); not measured: :meth:`compute_team`."""
+        if self.memory_speedup > 0:
+            return min(float(self.memory_speedup), float(max(int(self.cores or 1), 1)))
+        return float(self.compute_team())
 
     def chain_threads(self) -> int:
         """Threads the ``update_chain`` rate was measured on (the prediction prices a compressed
@@ -185,18 +201,11 @@ def shape_key(m: int, k: int, n: int) -> str:
 #: does twice the forward's (each op's gradient reads its output's gradient and its inputs and
 #: writes its inputs' gradients).
 FORWARD_PER_HIDDEN, FORWARD_PER_INTERMEDIATE = 44, 5
-#: The loss head's per token: its log-softmax over the vocabulary forward (the max, the sum of
-#: exponentials, the output written: 4) and backward (4).
-HEAD_PER_VOCAB = 8
-
-
-def elementwise_accesses(tokens: float, hidden: int, intermediate: int, vocab: int = 0, passes: float = 3.0) -> float:
+def elementwise_accesses(tokens: float, hidden: int, intermediate: int, passes: float = 3.0) -> float:
     """Element accesses of ``tokens`` tokens through one decoder layer's non-matmul work, ``passes``
-    forwards' worth (3: a forward and its backward), plus the loss head's log-softmax over ``vocab``
-    forward and backward (0: none): what ``MachineRates.elementwise_rate`` is measured in
-    (``measure.measure_elementwise``) and what the prediction counts for a step."""
-    layer = passes * (FORWARD_PER_HIDDEN * hidden + FORWARD_PER_INTERMEDIATE * intermediate)
-    return float(tokens) * (layer + HEAD_PER_VOCAB * vocab)
+    forwards' worth (3: a forward and its backward): what ``MachineRates.elementwise_rate`` is
+    measured in (``measure.measure_elementwise``) and what the prediction counts for a step."""
+    return float(tokens) * passes * (FORWARD_PER_HIDDEN * hidden + FORWARD_PER_INTERMEDIATE * intermediate)
 
 
 # ---------------------------------------------------------------------------------------- plausible values
@@ -208,7 +217,7 @@ PLAUSIBLE = {"copy": (1e6, 1e13), "flops": (1e6, 1e17), "disk": (1e4, 1e12), "pa
 _KIND = {"h2d_pageable": "copy", "h2d_pinned": "copy", "d2h_pageable": "copy", "d2h_pinned": "copy",
          "matmul_flops": "flops", "attention_flops": "flops", "bf16_matmul_flops": "flops",
          "bf16_attention_flops": "flops", "disk_read": "disk", "disk_write": "disk", "adamw_per_thread": "params",
-         "team_matmul_flops": "flops", "elementwise_rate": "elements"}
+         "team_matmul_flops": "flops", "elementwise_rate": "elements", "softmax_rate": "elements"}
 _TABLES = {"matmul_by_shape": "flops", "attention_by_head": "flops", "codec_per_thread": "bytes",
            "update_chain": "params"}
 _TEXT = ("device", "source")
@@ -220,7 +229,10 @@ def _number(v) -> bool:
 
 
 #: Rates a file may leave at 0, "not measured" (the prediction names them in its notes).
-_MAY_BE_ZERO = ("bf16_matmul_flops", "bf16_attention_flops", "team_matmul_flops", "elementwise_rate")
+_MAY_BE_ZERO = ("bf16_matmul_flops", "bf16_attention_flops", "team_matmul_flops", "elementwise_rate",
+                "softmax_rate")
+#: Ratios a file may leave at 0 (not measured) and that are otherwise positive and below a bound.
+_RATIOS = {"compute_beside_disk": 1.0, "memory_speedup": 65536.0}
 
 
 def _in_range(name: str, v, kind: str) -> Optional[str]:
@@ -255,9 +267,10 @@ def check_rates(d: dict) -> List[str]:
             bad.append(f"{table}={t!r} (a table of rates)")
             continue
         bad += [p for k, v in t.items() if (p := _in_range(f"{table}[{k!r}]", v, kind))]
-    beside = d.get("compute_beside_disk", 0.0)
-    if not (_number(beside) and math.isfinite(beside) and 0 <= beside <= 1):
-        bad.append(f"compute_beside_disk={beside!r} (a number from 0 to 1)")
+    for name, high in _RATIOS.items():
+        v = d.get(name, 0.0)
+        if not (_number(v) and math.isfinite(v) and 0 <= v <= high):
+            bad.append(f"{name}={v!r} (a number from 0 to {high:g})")
     bad += [f"{k}={d[k]!r} (text)" for k in _TEXT if k in d and not isinstance(d[k], str)]
     bad += [f"{k}={d[k]!r} (text or null)" for k in _OPTIONAL_TEXT if d.get(k) is not None and not isinstance(d[k], str)]
     if not isinstance(d.get("sources", {}), dict):
@@ -310,7 +323,12 @@ def _rows(r: MachineRates) -> list:
         rows.append(("matmul fp32 on torch's threads", _flops(r.team_matmul_flops) + f" ({r.compute_team():.2f} x)",
                      "team_matmul_flops"))
     if r.elementwise_rate:
-        rows.append(("non-matmul work (element accesses)", f"{r.elementwise_rate / 1e9:.2f} G/s", "elementwise_rate"))
+        rows.append(("non-matmul work per thread (element accesses)", f"{r.elementwise_rate / 1e9:.2f} G/s",
+                     "elementwise_rate"))
+    if r.memory_speedup:
+        rows.append(("memcpy on torch's threads", f"{r.memory_speedup:.2f} x one thread's", "memory_speedup"))
+    if r.softmax_rate:
+        rows.append(("loss head's log-softmax per thread", f"{r.softmax_rate / 1e6:.0f} M logits/s", "softmax_rate"))
     if r.compute_beside_disk:
         rows.append(("compute beside the disk", f"{r.compute_beside_disk:.2f} x alone", "compute_beside_disk"))
     return rows

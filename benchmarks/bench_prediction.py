@@ -30,6 +30,12 @@ too, as ``measure_machine`` measures them (its default matmul shape, not the mod
 prediction at their mean printed beside the RESULT (information: how much of a miss is the
 machine's drift since the run started). Each pass's first ``WARMUP`` steps are left out.
 
+Five more (``FRESH_CONFIGS``: hidden 320-1024, batch 1-16, rows of 64-1536 tokens, int4, int8 and
+fp32 states, RAM and disk tiers, accumulation 2) were neither developed on nor run while the CPU
+compute model (the team's measured speed-ups, the non-matmul work's rates) was built against
+``NEW_CONFIGS``; they are priced exactly as ``NEW_CONFIGS``. ``prediction_error_worst`` and
+``bottleneck_agrees`` cover every configuration run.
+
     python benchmarks/bench_prediction.py [--dir PATH] [--steps N] [--passes P] [--seq S] [--dump FILE]
     python benchmarks/bench_prediction.py --only new_h256_b1_s2048_ram_fp32 ... --passes 1 --steps 4
 

@@ -386,14 +386,30 @@ class _PlanInputs:
         return self.workload.accumulation == 1 and need["total"] - self.boundary(k) <= self.vram_bytes
 
     def device_need(self, slots: int, k: int) -> Dict[str, int]:
-        """Device bytes of ``slots`` layer slots at checkpoint interval ``k``."""
+        """Device bytes of ``slots`` layer slots at checkpoint interval ``k``. A layer-major window
+        (``accumulation`` > 1): the least it runs in (:meth:`window_least`), its gradient sums
+        in ``grad_sums``: slots and intervals are chosen so that it fits."""
         by_kind, dev_max_unit = self.by_kind, max(u.numel for u in self.units)
         w = (by_kind["embed"] + by_kind["head"] + slots * by_kind["layer"]) * self.cb
         # CUDA: two fp32 staging buffers, and a unit's autograd.grad outputs in the compute
         # dtype until they are copied into one; a CPU "device" sums into a lent pool buffer
         grads = (2 * dev_max_unit * 4 + dev_max_unit * self.cb) if self.cuda else dev_max_unit * 4
+        if self.workload.accumulation > 1:
+            act, sums = self.window_least(k), window_sum_bytes(self.units)
+            return {"weights": w, "grads": grads, "grad_sums": sums, "activations": act,
+                    "total": w + grads + sums + act}
         act = self.activations(k)
         return {"weights": w, "grads": grads, "activations": act, "total": w + grads + act}
+
+    def window_least(self, k: int) -> int:
+        """Activation bytes on the device of the least layer-major window at interval ``k``: one
+        layer's re-run or the head's chunk, and a group of one micro-batch (``window_sizes``: its
+        fronts and block inputs; its boundary activations too at ``k`` 0, where they cannot leave
+        the device). Where host RAM or the disk tier cannot hold the boundaries either, make_plan
+        refuses the plan (``WindowPlan.fits``)."""
+        saved, work = window_sizes(k, self.workload.batch * self.workload.seq, self.shape.hidden_size,
+                                   self.shape.num_layers, self.cb, self.shape.layer().work_bytes(1, 1, self.cb))
+        return self.activations(k, num_layers=0) + work + (saved if k == 0 else 0)
 
     def activations(self, k: int, num_layers: Optional[int] = None) -> int:
         """One micro-batch's activation bytes at checkpoint interval ``k`` (``num_layers`` 0:
@@ -478,7 +494,9 @@ def _device_refusal(p: _PlanInputs, dev: dict, k: int, minimal: dict, k_min: int
     tile = f"its MLP in tiles of {p.tile:,} tokens" if p.tile and p.tile < w.batch * w.seq else "its MLP untiled"
     tokens = f"{w.seq:,} tokens need" if w.batch > 1 or w.seq != 1 else "one token needs"
     text = (f"{rows}{tokens} {need / GiB:.2f} GiB of device working set (weights slots "
-            f"{dev['weights'] / GiB:.2f} GiB, gradient buffers {dev['grads'] / GiB:.2f} GiB, one layer's "
+            f"{dev['weights'] / GiB:.2f} GiB, gradient buffers {dev['grads'] / GiB:.2f} GiB, "
+            + (f"the window's gradient sums {dev['grad_sums'] / GiB:.2f} GiB and one micro-batch's work, "
+               if "grad_sums" in dev else "") + f"one layer's "
             f"activations with {tile} and the checkpoint inputs {(dev['activations'] - off) / GiB:.2f} GiB"
             + (f"; the boundary activations, {off / GiB:.2f} GiB, may wait in host RAM or on disk" if off else "")
             + f") but max_vram_gb allows {vram / GiB:.2f} GiB")
@@ -592,6 +610,19 @@ def _plan_window(p: _PlanInputs, chosen_k: int, dev: dict, host: dict, placement
     return window, dev, grads_on_disk
 
 
+def _window_refusal(p: _PlanInputs, window: dict, dev: dict) -> str:
+    """A window whose group of one micro-batch fits no tier: its boundary activations fit neither
+    the device beside its working set nor host RAM (within ``1 - HOST_HEADROOM``) nor a disk tier."""
+    w = p.workload
+    return (f"a window of {w.accumulation} micro-batches of {w.batch * w.seq:,} tokens needs "
+            f"{dev['total'] / GiB:.4f} GiB of device working set (weights slots {dev['weights'] / GiB:.4f} GiB, "
+            f"gradient buffers {dev['grads'] / GiB:.4f} GiB, the window's gradient sums "
+            f"{dev['grad_sums'] / GiB:.4f} GiB, activations {dev['activations'] / GiB:.4f} GiB with one "
+            f"micro-batch's boundary activations, {window['boundary_bytes'] / GiB:.4f} GiB, on the device: "
+            f"{window['reason']}) but max_vram_gb allows {p.vram_bytes / GiB:.4f} GiB: raise max_vram_gb, or let "
+            "the boundary activations wait in host RAM (raise max_host_gb) or on disk (an offload_dir)")
+
+
 def _host_refusal(p: _PlanInputs, host: dict, placement: dict) -> str:
     return (f"host RAM needs {host['total'] / GiB:.2f} GiB (master weights {host['weights'] / GiB:.2f}, "
             f"gradients {host['grads'] / GiB:.2f}, optimizer states {host['optimizer_states'] / GiB:.2f}, "
@@ -634,6 +665,8 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
     if workload.accumulation > 1:
         window, dev, grads_on_disk = _plan_window(p, chosen_k, dev, host, placement, grads_on_disk, weights,
                                                   states, sums)
+        if feasible and p.vram_bytes is not None and (not window["fits"] or dev["total"] > p.vram_bytes):
+            feasible, limiting, reason = False, "device", _window_refusal(p, window, dev)
     elif feasible and p.vram_bytes is not None and dev["total"] > p.vram_bytes:   # a long row's boundaries
         dev = _place_boundaries(p, chosen_k, dev, host, placement, weights, states, grads_on_disk)
     host["total"] = sum(host.values())
@@ -690,14 +723,17 @@ def _place_boundaries(p: _PlanInputs, k: int, dev: dict, host: dict, placement: 
     return dev
 
 
-def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None) -> Plan:
+def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None, accumulation: int = 1) -> Plan:
     """The engine's plan for its units under an EngineConfig ``cfg``, or a ValueError naming
-    the budget to change. ``state_units``: this rank's shards when the state is sharded."""
+    the budget to change. ``state_units``: this rank's shards when the state is sharded.
+    ``accumulation`` > 1 (the run's workload, where the engine is told it): its layer slots
+    leave the device room for a layer-major window's gradient sums (``_PlanInputs.device_need``)."""
     specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in units]
     held = None if state_units is None else [UnitSpec(u.name, u.numel, u.kind) for u in state_units]
     shape = ModelShape.of(model_config, logits=False)
     shape = ModelShape(shape.hidden_size, len(units) - 2, shape.intermediate_size, 0, dims=shape.dims)
-    plan = make_plan(specs, shape, cfg, cuda=cuda, workload=Workload(batch=1, seq=1), state_units=held)
+    plan = make_plan(specs, shape, cfg, cuda=cuda, workload=Workload(batch=1, seq=1, accumulation=max(accumulation, 1)),
+                     state_units=held)
     if not plan.feasible and plan.limiting_tier == "host":
         raise ValueError(f"max_host_gb={cfg.max_host_gb}: {plan.reason}.")
     if cfg.offload_params and not cfg.offload_dir:
@@ -731,6 +767,9 @@ class WindowPlan:
     loads_per_layer: float             # weight loads per layer per optimizer step
     reason: str
     checkpoint_interval: int = 1
+    #: Whether the group fits its tier's room (False: not even one micro-batch fits anywhere; the
+    #: group of one on ``tier`` would go over the device budget: make_plan and the engine refuse it)
+    fits: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -751,6 +790,17 @@ def loads_per_layer(num_layers: int, checkpoint_interval: int, groups: int = 1) 
 WINDOW_INTERVALS = (2, 3, 4)
 
 
+def window_sizes(k: int, tokens: int, hidden_size: int, num_layers: int, compute_bytes: int,
+                 layer_work_bytes_per_token: int):
+    """(boundary bytes, device work bytes) of one micro-batch of ``tokens`` in a layer-major window
+    at checkpoint interval ``k``: the inputs of every k-th layer (k 0: every layer's autograd graph,
+    device only), and its current hidden state or gradient and a block's recomputed inputs."""
+    row = tokens * hidden_size * compute_bytes
+    if k == 0:
+        return num_layers * tokens * layer_work_bytes_per_token // 2 + row, row
+    return math.ceil(num_layers / k) * row, (k + 1) * row
+
+
 @dataclass
 class _WindowRoom:
     """A window's bytes per micro-batch and the room each tier leaves for them."""
@@ -767,10 +817,8 @@ class _WindowRoom:
 
     def sizes(self, k: int):
         """(boundary bytes, device work bytes) of one micro-batch at checkpoint interval ``k``."""
-        row = self.tokens * self.hidden_size * self.compute_bytes
-        if k == 0:
-            return self.num_layers * self.tokens * self.layer_work_bytes_per_token // 2 + row, row
-        return math.ceil(self.num_layers / k) * row, (k + 1) * row
+        return window_sizes(k, self.tokens, self.hidden_size, self.num_layers, self.compute_bytes,
+                            self.layer_work_bytes_per_token)
 
     def fits(self, g: int, where: str, k: int) -> bool:
         saved, work = self.sizes(k)
@@ -872,9 +920,13 @@ def window_plan(micro_batches: int, *, tokens: int, hidden_size: int, num_layers
     saved, work = room.sizes(k)
     groups = math.ceil(A / g)
     loads = loads_per_layer(num_layers, k, groups)
-    reason = _window_reason(A, g, groups, where, k, k0, loads, saved, tokens, by_tokens, max_group)
+    fits = room.fits(g, where, k)
+    reason = _window_reason(A, g, groups, where, k, k0, loads, saved, tokens, by_tokens, max_group) if fits else (
+        f"not even one micro-batch fits: its work on the device ({work / GiB:.4f} GiB) and its boundary "
+        f"activations ({saved / GiB:.4f} GiB) on no tier beside the device's working set")
     return WindowPlan(micro_batches=A, groups=groups, group_size=g, tier=where, boundary_bytes=g * saved,
-                      device_work_bytes=g * work, loads_per_layer=loads, reason=reason, checkpoint_interval=k)
+                      device_work_bytes=g * work, loads_per_layer=loads, reason=reason, checkpoint_interval=k,
+                      fits=fits)
 
 
 def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens: int, micro_batches: int,
@@ -890,9 +942,10 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
     layer_work = dims.work_bytes(1, 1, esize)            # one layer re-run, per token (as activation_bytes)
     tile = plan.tile_tokens or tokens                    # the MLP's intermediates for one tile
     dev_free = None
+    base = (plan.device["weights"] + plan.device["grads"] + plan.window_sum_bytes
+            + dims.work_bytes(tokens, min(tokens, tile), esize))
     if cap is not None:   # (the engine's plan is made without a window: its sums are taken here)
-        dev_free = max(cap - plan.device["weights"] - plan.device["grads"] - plan.window_sum_bytes
-                       - dims.work_bytes(tokens, min(tokens, tile), esize), 0)
+        dev_free = max(cap - base, 0)
     # (a split window's accumulator is in RAM even where held final gradients go to disk)
     accumulator = plan.host["grads"] or plan.disk["grads"]
     if cfg.max_host_gb:  # a one-group layer-major step keeps no host gradient accumulator
@@ -913,7 +966,20 @@ def engine_window_plan(plan: Plan, model_config, cfg, num_layers: int, *, tokens
         return WindowPlan(micro_batches=1, groups=1, group_size=1, tier=tier, boundary_bytes=saved,
                           device_work_bytes=0, loads_per_layer=loads_per_layer(num_layers, k),
                           reason=f"one micro-batch, boundary activations on the {tier}", checkpoint_interval=k)
-    return window_plan(micro_batches, tokens=tokens, hidden_size=hid, num_layers=num_layers,
-                       checkpoint_interval=plan.checkpoint_interval, compute_bytes=esize, device_free=dev_free,
-                       host_free=host_free, layer_work_bytes_per_token=layer_work, tier=cfg.window_tier,
-                       max_group=cfg.max_window_micro_batches, accumulator_bytes=accumulator, disk_free=disk_free)
+    wp = window_plan(micro_batches, tokens=tokens, hidden_size=hid, num_layers=num_layers,
+                     checkpoint_interval=plan.checkpoint_interval, compute_bytes=esize, device_free=dev_free,
+                     host_free=host_free, layer_work_bytes_per_token=layer_work, tier=cfg.window_tier,
+                     max_group=cfg.max_window_micro_batches, accumulator_bytes=accumulator, disk_free=disk_free)
+    if not wp.fits:   # a group of one over the device's room: refused, never run past the budget
+        least = base + wp.device_work_bytes + (wp.boundary_bytes if wp.tier == "device" else 0)
+        said = f"max_vram_gb={cfg.max_vram_gb}" if cfg.max_vram_gb else "the device's free memory"
+        raise ValueError(
+            f"{said} ({cap / GiB:.4f} GiB) cannot hold a window of {micro_batches} micro-batches of {tokens:,} "
+            f"tokens: {wp.reason} (weights slots {plan.device['weights'] / GiB:.4f} GiB, gradient buffers "
+            f"{plan.device['grads'] / GiB:.4f} GiB, the window's gradient sums {plan.window_sum_bytes / GiB:.4f} "
+            f"GiB; one micro-batch at a time needs about {least / GiB:.4f} GiB): raise max_vram_gb to at least "
+            f"{least / GiB:.4f}, shorten the micro-batches, "
+            + (f"keep 2 layer slots (it has {plan.layer_slots}: overrides={{'device_slots': 2}}), "
+               if plan.layer_slots > 2 else "")
+            + "or let the boundary activations wait in host RAM (max_host_gb) or on disk (offload_dir)")
+    return wp

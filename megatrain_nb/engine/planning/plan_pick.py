@@ -44,14 +44,16 @@ def pick_plan(units, model_config, cfg, *, device, dist=None, state_units=None,
               workload: Optional[Workload] = None) -> Plan:
     """The engine's plan for ``units`` under ``cfg`` (see the module's docstring)."""
     cuda = device.type == "cuda"
-    rules = engine_plan(units, model_config, cfg, cuda=cuda, state_units=state_units)
+    acc = workload.accumulation if workload is not None else 1   # (slots leave a window's sums their room)
+    rules = engine_plan(units, model_config, cfg, cuda=cuda, state_units=state_units, accumulation=acc)
     choice, why = _choose(units, model_config, cfg, device=device, state_units=state_units, workload=workload)
     if dist is not None and dist.world > 1:   # rank 0's choice for every rank
         choice, why = dist.all_gather_json([choice, why])[0]
     if choice is None:
         rules.chosen_by = why
         return rules
-    plan = engine_plan(units, model_config, cfg.replace(**choice), cuda=cuda, state_units=state_units)
+    plan = engine_plan(units, model_config, cfg.replace(**choice), cuda=cuda, state_units=state_units,
+                       accumulation=acc)
     plan.chosen_by, plan.choice = why, dict(choice)
     return plan
 

@@ -96,7 +96,7 @@ def test_a_field_the_user_set_is_never_varied(tmp_path):
 def test_without_rates_or_with_plan_by_rules_the_plan_is_the_rules(tmp_path, monkeypatch):
     units = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in unit_specs_from_config(CONFIG)]
     cfg = EngineConfig(offload_dir=str(tmp_path / "disk"), **BUDGETS)
-    rules = engine_plan(units, CONFIG, cfg, cuda=False).to_dict()
+    rules = engine_plan(units, CONFIG, cfg, cuda=False, accumulation=WORK.accumulation).to_dict()   # (the run's window)
     no_rates = _plan_of(tmp_path)
     assert no_rates.chosen_by.startswith("rules: no measured rates") and no_rates.choice is None
     pinned = _plan_of(tmp_path, rates=SLOW_DISK, overrides={"plan_by": "rules"})

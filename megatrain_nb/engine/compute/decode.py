@@ -60,6 +60,7 @@ gradients, in the model's own train/eval mode.
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -94,12 +95,41 @@ class Decoded:
     stats: Dict[str, int] = field(default_factory=dict)
 
 
+#: Engines whose device memory stays allocated beside an engine's between its steps (DPO's and
+#: GRPO's reference engine where ``beta`` > 0): :func:`share_device`. Weak: a collected engine
+#: leaves; a closed one counts nothing.
+_BESIDE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def share_device(engine, other) -> None:
+    """Count ``other``'s device memory between steps (:func:`kept_on_device`) in ``engine``'s room
+    (:func:`device_left`): a second engine on the same device, the reference model's."""
+    if other is not engine:
+        _BESIDE.setdefault(engine, weakref.WeakSet()).add(other)
+
+
+def kept_on_device(engine) -> int:
+    """Device bytes an open engine keeps between its steps: its plan's weight slots and gradient
+    staging buffers (``planner.persistent_device_bytes``) and a streamed vision tower's block
+    slots and gradient buffers (``compute/vision_stream.py``: ``memory_report``'s
+    ``vision_block_slots``, not in the engine's plan); 0 once closed."""
+    if getattr(engine, "closed", False):
+        return 0
+    tower = getattr(getattr(getattr(engine, "runner", None), "tower", None), "pager", None)
+    extra = int(tower.slot_bytes + tower.grad_buf_bytes) if tower is not None else 0
+    return persistent_device_bytes(engine.plan) + extra
+
+
 def device_left(engine) -> Optional[int]:
     """Device bytes the budget leaves between the engine's steps (None: no budget): the budget less
-    what stays allocated between them, the weight slots and the gradient staging buffers
-    (``planner.persistent_device_bytes``); a step's activations are freed before generation runs."""
+    what stays allocated between them (:func:`kept_on_device`: the weight slots, the gradient
+    staging buffers, a streamed vision tower's block slots) and what engines sharing the device
+    keep (:func:`share_device`: a DPO/GRPO reference engine); a step's activations are freed
+    before generation runs."""
     cap = engine.plan.capacity.get("device")
-    return None if cap is None else cap - persistent_device_bytes(engine.plan)
+    if cap is None:
+        return None
+    return cap - kept_on_device(engine) - sum(kept_on_device(o) for o in list(_BESIDE.get(engine, ())))
 
 
 def decode_bytes(engine, rows: int, length: int) -> int:
@@ -373,5 +403,5 @@ class StreamedDecoder:
         return logits
 
 
-__all__ = ["Decoded", "StreamedDecoder", "check_kv_budget", "decode_bytes", "device_left",
+__all__ = ["Decoded", "StreamedDecoder", "check_kv_budget", "decode_bytes", "device_left", "kept_on_device", "share_device",
            "host_left", "kv_cache_bytes", "kv_place"]

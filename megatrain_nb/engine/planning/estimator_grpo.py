@@ -286,25 +286,36 @@ class GenerationPlan:
 
 
 def plan_generation(config, units, plan, budgets: dict, rollouts: int, prompt_length: int,
-                    completion_length: int, *, precision: str) -> GenerationPlan:
+                    completion_length: int, *, precision: str, reference: bool = False,
+                    kept_beside: int = 0) -> GenerationPlan:
     """Where a step's generation runs and where its KV cache lives (no time: :func:`price`), by
     the engine's rule (``grpo_rollout.resident_fits``, ``decode.check_kv_budget``): generation
     runs between training steps, so its room is the device budget less what stays on the device
     between them (``planner.persistent_device_bytes``: the weight slots and the gradient staging
     buffers), not the training step's activations and boundaries, which the step frees (host RAM's
-    room likewise: ``planner.persistent_host_bytes``)."""
+    room likewise: ``planner.persistent_host_bytes``). ``reference`` (``beta`` > 0): the reference
+    model's engine, built with the policy's config, keeps the same slots and buffers beside them
+    (``decode.share_device``); ``kept_beside``: other device bytes kept between steps (a streamed
+    vision tower's block slots, ``decode.kept_on_device``)."""
+    if not isinstance(kept_beside, int) or kept_beside < 0:
+        raise ValueError(f"kept_beside={kept_beside!r}: the device bytes kept between steps beside the plan's, "
+                         "a whole number >= 0")
     numel, tokens = sum(u.numel for u in units), prompt_length + completion_length
-    room = None if budgets.get("device") is None else max(budgets["device"] - persistent_device_bytes(plan), 0)
+    kept = persistent_device_bytes(plan)
+    beside = (kept if reference else 0) + kept_beside
+    room = None if budgets.get("device") is None else max(budgets["device"] - kept - beside, 0)
+    notes = ([f"the reference engine (beta > 0) keeps its weight slots and gradient buffers ({format_bytes(kept)}) "
+              "on the device beside the policy's: counted out of generation's room"] if reference else [])
     cb = compute_bytes(precision)
     kv = kv_cache_bytes(config, rollouts, tokens, cb)
     if room is None or resident_need(config, numel, rollouts, tokens, cb) <= room:
         return GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, "device",
-                              "resident", room)
+                              "resident", room, notes=notes)
     host_room = None if budgets.get("host") is None else max(budgets["host"] - persistent_host_bytes(plan), 0)
     place = place_kv(config, rollouts, tokens, cb, room, host_room, weights_bytes=cb * numel)
     gp = GenerationPlan(rollouts, prompt_length, completion_length, precision, cb * numel, kv, place.tier, "streamed",
                         room, kv_host_bytes=place.host_bytes if place.tier == "host" else 0, kv_why=place.why,
-                        kv_batches=place.batches)
+                        kv_batches=place.batches, notes=notes)
     if gp.kv_tier == "none":
         gp.notes.append("the streamed decoder refuses this cache; generate fewer rollouts at once, shorten the "
                         "completions, or raise the device or host budget")

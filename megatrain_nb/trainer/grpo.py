@@ -37,6 +37,7 @@ from collections import defaultdict
 import torch
 
 from megatrain_nb.engine import StreamingEngine
+from megatrain_nb.engine.compute.decode import share_device
 
 from .kinds import MetricLists, register_kind
 from .grpo_eval import run_evaluation
@@ -329,6 +330,7 @@ class GRPOTrainer(Trainer):
             src = self._ref_source
             self._ref_engine = (StreamingEngine(src, self._engine.config) if isinstance(src, torch.nn.Module)
                                 else StreamingEngine.from_pretrained(str(src), self._engine.config))
+            share_device(self._engine, self._ref_engine)   # (its slots stay on the device: generation's room)
         return self._ref_engine
 
     def generation_text(self, prompt_tokens: int) -> str:

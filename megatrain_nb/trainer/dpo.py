@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from megatrain_nb.engine import StreamingEngine
+from megatrain_nb.engine.compute.decode import share_device
 from megatrain_nb.engine.inputs import OBJECTIVE_DATA
 
 from megatrain_nb.values import DPO_FIELDS, ValueRefused, check, check_fields, row_name
@@ -414,6 +415,7 @@ class DPOTrainer(Trainer):
             engine, own = self._reference_engine()
             if own:
                 self._live_ref = engine
+                share_device(self._engine, engine)   # (kept beside the policy: counted in its device room)
         obj = ReferenceLogps(self.settings)
         for b in todo:
             out = engine.evaluate(b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], loss_fn=obj,

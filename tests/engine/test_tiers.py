@@ -399,13 +399,13 @@ def _clipped_optimizer_reads(tmp_path, held, steps=3):
 def test_clipped_updates_read_only_the_weights_the_backward_did_not_hand_them(tmp_path):
     # Without a host cache, clipped updates run after the backward in the next forward's order:
     # the first ones want the units the backward read last, whose buffers (all the compute
-    # stream's but one: 2 + depth - 1 = 2) are handed to them; the optimizer's own read stream
+    # stream's but one: 3 + depth - 1 = 3) are handed to them; the optimizer's own read stream
     # (the store's non-urgent reads) reads the weights of every other updated unit, once.
     steps = 3
     e, optimizer_reads = _clipped_optimizer_reads(tmp_path, held=0, steps=steps)
-    handed = {u.name for u in e.layer_units[:2]}   # layers 0 and 1: the backward's last two
+    handed = {u.name for u in e.layer_units[:3]}   # layers 0, 1 and 2: the backward's last three
     assert sorted(set(optimizer_reads)) == sorted(u.name for u in e.units if u.name not in handed)
-    assert len(optimizer_reads) == steps * (len(e.units) - 2), optimizer_reads
+    assert len(optimizer_reads) == steps * (len(e.units) - 3), optimizer_reads
     assert e.telemetry()["weight_reads_saved"] >= 2 * steps
     e.close()
 
@@ -414,7 +414,7 @@ def test_clipped_updates_take_every_held_backward_read(tmp_path):
     # With room in the host budget (the default here: tiny units, no cache), every layer's
     # backward read is held for its update: only the units read once (the embedding at the
     # forward's start, the head) are read again for their updates; the compute stream's
-    # staging grew by the held reads only: its own 3 buffers (2 handed) + 2 for 4 layers.
+    # staging grew by the held reads only: its own 4 buffers (3 handed) + 1 for 4 layers.
     steps = 3
     e, optimizer_reads = _clipped_optimizer_reads(tmp_path, held=None, steps=steps)
     assert sorted(optimizer_reads) == sorted(["embed", "head"] * steps), optimizer_reads

@@ -45,7 +45,8 @@ def pick_plan(units, model_config, cfg, *, device, dist=None, state_units=None,
     """The engine's plan for ``units`` under ``cfg`` (see the module's docstring)."""
     cuda = device.type == "cuda"
     acc = workload.accumulation if workload is not None else 1   # (slots leave a window's sums their room)
-    rules = engine_plan(units, model_config, cfg, cuda=cuda, state_units=state_units, accumulation=acc)
+    rows = workload.batch * workload.seq if workload is not None else 1   # (and its rows theirs)
+    rules = engine_plan(units, model_config, cfg, cuda=cuda, state_units=state_units, accumulation=acc, rows=rows)
     choice, why = _choose(units, model_config, cfg, device=device, state_units=state_units, workload=workload)
     if dist is not None and dist.world > 1:   # rank 0's choice for every rank
         choice, why = dist.all_gather_json([choice, why])[0]
@@ -53,7 +54,7 @@ def pick_plan(units, model_config, cfg, *, device, dist=None, state_units=None,
         rules.chosen_by = why
         return rules
     plan = engine_plan(units, model_config, cfg.replace(**choice), cuda=cuda, state_units=state_units,
-                       accumulation=acc)
+                       accumulation=acc, rows=rows)
     plan.chosen_by, plan.choice = why, dict(choice)
     return plan
 

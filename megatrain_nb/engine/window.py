@@ -251,9 +251,11 @@ def _length_refusal(plan, config, model_config, tokens: int) -> str:
     mlp = min(tokens, plan.tile_tokens) if plan.tile_tokens else tokens
     per_token = LayerDims.of(model_config).work_bytes(tokens, mlp, cb) / tokens   # (the planner's count)
     tile = f"in tiles of {plan.tile_tokens:,} tokens" if plan.tile_tokens else "untiled"
+    slots = (f"keep 2 layer slots (it holds {plan.layer_slots}: overrides={{'device_slots': 2}} leaves the "
+             "activations more room), " if plan.layer_slots > 2 else "")
     return (f"a micro-batch of {tokens:,} tokens does not fit max_vram_gb={config.max_vram_gb}: the device "
-            f"holds weights slots {plan.device['weights'] / GiB:.2f} GiB and gradient buffers "
-            f"{plan.device['grads'] / GiB:.2f} GiB, and one layer's working set takes about {per_token / 1024:.1f} "
-            f"KiB per token (its MLP {tile}; boundary activations may wait in host RAM or on disk), so the "
-            f"longest that fits is {plan.longest_seq:,} tokens: shorten the rows (or the batch) or raise "
-            "max_vram_gb")
+            f"holds weights slots {plan.device['weights'] / GiB:.2f} GiB ({plan.layer_slots} layer slots) and "
+            f"gradient buffers {plan.device['grads'] / GiB:.2f} GiB, and one layer's working set takes about "
+            f"{per_token / 1024:.1f} KiB per token (its MLP {tile}; boundary activations may wait in host RAM or on "
+            f"disk), so the longest that fits is {plan.longest_seq:,} tokens: shorten the rows (or the batch), "
+            f"{slots}or raise max_vram_gb")

@@ -21,7 +21,7 @@ from megatrain_nb.model_configs import family_config  # noqa: E402
 from .test_grpo_parity import config, prompts, reward_short, reward_yes, tokenizer  # noqa: E402
 
 GIB = 1 << 30
-LAYERS = 12   # (the cache outweighs the training step's working set: the budget holds that, not the cache)
+LAYERS = 48   # (the cache outweighs the training step's working set: the budget holds that, not the cache)
 
 
 def _model(tok):

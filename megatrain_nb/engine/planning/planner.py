@@ -350,6 +350,7 @@ class _PlanInputs:
     inter: int                          # intermediate size
     by_kind: Dict[str, int]             # the largest unit of each kind (device working set)
     total: int                          # parameters whose state this process holds
+    rows: int = 1                       # tokens a row the engine's slots must leave room for (engine_plan)
 
     @classmethod
     def of(cls, units, shape, cfg, cuda, workload, disk_bytes, state_units) -> "_PlanInputs":
@@ -476,10 +477,20 @@ def _device_schedule(p: _PlanInputs):
     slots = layer_slots or 2
     if layer_slots is None and vram_bytes is not None and feasible:
         off = p.boundary(chosen_k) if dev["total"] > vram_bytes else 0   # boundaries already off the device
-        while slots < 4 and dev["total"] - off + p.by_kind["layer"] * p.cb <= vram_bytes:
+        while (slots < 4 and dev["total"] - off + p.by_kind["layer"] * p.cb <= vram_bytes
+               and _keeps_rows(p, slots, chosen_k)):
             slots += 1
             dev = p.device_need(slots, chosen_k)
     return chosen_k, dev, slots, feasible, limiting, reason
+
+
+def _keeps_rows(p: _PlanInputs, slots: int, k: int) -> bool:
+    """Whether one more layer slot still leaves the device room for the rows the engine was told
+    of (``p.rows`` tokens, or the longest that fits beside ``slots`` where that is shorter): an
+    extra slot only prefetches, so it never shortens the rows the budget holds below them."""
+    if p.rows <= 1:
+        return True
+    return longest_seq(p, upper=p.rows, slots=slots + 1, k=k) >= longest_seq(p, upper=p.rows, slots=slots, k=k)
 
 
 def _device_refusal(p: _PlanInputs, dev: dict, k: int, minimal: dict, k_min: int) -> str:
@@ -510,17 +521,21 @@ def _device_refusal(p: _PlanInputs, dev: dict, k: int, minimal: dict, k_min: int
     return text + "; no sequence fits (the weights slots and gradient buffers alone): raise max_vram_gb"
 
 
-def longest_seq(p: _PlanInputs, upper: int = 1 << 24) -> int:
+def longest_seq(p: _PlanInputs, upper: int = 1 << 24, slots: Optional[int] = None, k: Optional[int] = None) -> int:
     """The longest sequence (tokens per row, at ``p``'s batch) whose device working set fits the
-    budget under the same rules as ``p``'s workload (bisection over the planner's own
-    arithmetic; 0: not even one token; ``upper``: no budget or every length up to it fits)."""
+    budget beside ``slots`` layer slots (None: the least plan's, ``device_slots`` or 2; a plan's
+    own: ``plan.layer_slots``, the slots its engine holds) at checkpoint interval ``k`` (None:
+    any the planner may choose; a plan's own: the interval its engine runs) under the same rules
+    as ``p``'s workload (bisection over the planner's own arithmetic; 0: not even one token; ``upper``: no
+    budget or every length up to it fits)."""
     import dataclasses
 
     if p.vram_bytes is None:
         return upper
-    ks = [p.cfg.checkpoint_interval] if p.cfg.checkpoint_interval is not None else sorted(
+    ks = [k] if k is not None else [p.cfg.checkpoint_interval] if p.cfg.checkpoint_interval is not None else sorted(
         {1, 2, 3, 4, max(1, int(math.sqrt(p.shape.num_layers))), max(1, p.shape.num_layers)})
-    slots = max(p.shape.num_layers, 1) if p.cfg.checkpoint_interval == 0 else p.cfg.overrides.device_slots or 2
+    if slots is None:
+        slots = max(p.shape.num_layers, 1) if p.cfg.checkpoint_interval == 0 else p.cfg.overrides.device_slots or 2
 
     def ok(seq: int) -> bool:
         q = dataclasses.replace(p, workload=dataclasses.replace(p.workload, seq=seq))
@@ -636,7 +651,8 @@ def _host_refusal(p: _PlanInputs, host: dict, placement: dict) -> str:
 
 
 def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = True, workload: Workload = Workload(),
-              disk_bytes: Optional[int] = None, state_units: Optional[List[UnitSpec]] = None) -> Plan:
+              disk_bytes: Optional[int] = None, state_units: Optional[List[UnitSpec]] = None,
+              rows: int = 1) -> Plan:
     """Place a model's training state on (device, host, disk) under ``cfg``'s budgets (an
     EngineConfig: ``max_vram_gb``, ``max_host_gb``, ``offload_dir``, ``offload_params``,
     ``optimizer_compression``, ``precision``, ``checkpoint_interval``, ``clip_hold``,
@@ -656,8 +672,12 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
     in flight (:func:`host_in_flight`).
     ``state_units``: the part of each unit whose training state this process holds (data
     parallel: this rank's shards, ``engine/ranks/sharded.py``); host and disk figures are theirs, the
-    device working set stays that of the whole ``units``. Default: ``units``."""
+    device working set stays that of the whole ``units``. Default: ``units``.
+    ``rows``: tokens a row the engine will be given (the engine's plan is made at one token): its
+    layer slots grow past 2 only while rows that long still fit beside them (``_keeps_rows``);
+    ``plan.longest_seq`` is counted with the slots and the interval the plan holds."""
     p = _PlanInputs.of(units, shape, cfg, cuda, workload, disk_bytes, state_units)
+    p.rows = max(int(rows), 1)
     chosen_k, dev, slots, feasible, limiting, reason = _device_schedule(p)
     placement, host, grads_on_disk, weights, states = _host_placement(p)
     window = None
@@ -688,7 +708,7 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
                 capacity={"device": p.vram_bytes, "host": p.host_bytes, "disk": disk_bytes}, window=window,
                 window_sum_bytes=sums, tile_tokens=p.tile, seq=workload.seq,
-                longest_seq=longest_seq(p) if p.vram_bytes is not None else None)
+                longest_seq=longest_seq(p, slots=slots, k=chosen_k) if p.vram_bytes is not None else None)
 
 
 def boundary_tier(nbytes: int, device_free: Optional[int], host_free: Optional[int],
@@ -723,17 +743,20 @@ def _place_boundaries(p: _PlanInputs, k: int, dev: dict, host: dict, placement: 
     return dev
 
 
-def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None, accumulation: int = 1) -> Plan:
+def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None, accumulation: int = 1,
+                rows: int = 1) -> Plan:
     """The engine's plan for its units under an EngineConfig ``cfg``, or a ValueError naming
     the budget to change. ``state_units``: this rank's shards when the state is sharded.
     ``accumulation`` > 1 (the run's workload, where the engine is told it): its layer slots
-    leave the device room for a layer-major window's gradient sums (``_PlanInputs.device_need``)."""
+    leave the device room for a layer-major window's gradient sums (``_PlanInputs.device_need``);
+    ``rows``: tokens per micro-batch of that workload: a third or fourth slot is taken only where
+    rows that long still fit beside it (``plan.longest_seq``: the longest row beside the slots held)."""
     specs = [UnitSpec(u.name, u.numel, u.kind, u.tied_output) for u in units]
     held = None if state_units is None else [UnitSpec(u.name, u.numel, u.kind) for u in state_units]
     shape = ModelShape.of(model_config, logits=False)
     shape = ModelShape(shape.hidden_size, len(units) - 2, shape.intermediate_size, 0, dims=shape.dims)
     plan = make_plan(specs, shape, cfg, cuda=cuda, workload=Workload(batch=1, seq=1, accumulation=max(accumulation, 1)),
-                     state_units=held)
+                     state_units=held, rows=rows)
     if not plan.feasible and plan.limiting_tier == "host":
         raise ValueError(f"max_host_gb={cfg.max_host_gb}: {plan.reason}.")
     if cfg.offload_params and not cfg.offload_dir:

@@ -26,7 +26,8 @@ from typing import Optional, Union
 
 from megatrain_nb.engine import family
 from megatrain_nb.engine.planning.best_plans import MARGIN, best_plans, engine_pick, pinned_by_value, plan_key
-from megatrain_nb.engine.planning.planner import ModelShape, UnitSpec, Workload, make_plan, unit_specs_from_config
+from megatrain_nb.engine.planning.planner import (ModelShape, UnitSpec, Workload, make_plan, persistent_device_bytes,
+                                                  unit_specs_from_config)
 from megatrain_nb.engine.planning.prediction import fmt_rate, fmt_seconds, predict_step, resolve_rates
 from megatrain_nb.engine.planning.rates import precision_words
 from megatrain_nb.engine.planning.codec_choice import RECOMMENDED, estimate_lines, estimate_pick
@@ -362,7 +363,7 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
              names: Optional[dict] = None, accumulation: int = 1, clipping: bool = True,
              layer_major: bool = True, clip_hold: str = "auto", pairs: Optional[int] = None,
              rollouts: Optional[int] = None, completion_length: Optional[int] = None, rates=None,
-             image_tokens: Optional[int] = None, max_pixels: Optional[int] = None) -> Estimate:
+             image_tokens: Optional[int] = None, max_pixels: Optional[int] = None, beta: float = 0.0) -> Estimate:
     """Bytes per tier, placement, feasibility and the limiting tier for training ``model``.
 
     ``model``: a preset name, a local model folder, a ``config.json``, a config, a model or an engine.
@@ -379,8 +380,8 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
     set unchanged); ``estimator_dist.estimate_scale_out`` adds per-node figures.
     ``pairs``: a DPO run's pairs: its reference pass and cache as lines (``estimator_dpo``).
     ``rollouts``/``completion_length``: a GRPO step's completions and their most tokens (``seq``: prompt +
-    completion): ``Estimate.grpo``, its generation and KV cache (``estimator_grpo``). ``image_tokens``
-    per row (counted in ``seq``) or ``max_pixels`` per image: a vision-language model's (``vision_plan``).
+    completion): ``Estimate.grpo``, its generation and KV cache (``estimator_grpo``); ``beta`` > 0: a reference
+    engine on the device (``_checked_beta``). ``image_tokens`` per row (in ``seq``) or ``max_pixels`` per image.
     ``rates``: a ``MachineRates`` or a profile's name: the predicted step (``step_seconds``, ``phases``,
     ``bottleneck``, ``tokens_per_second``, ``run_seconds(n)``) and the three fastest plans within the budgets
     (``best``), the choices left at their defaults varied as an engine given these rates varies them.
@@ -390,7 +391,7 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
 
     batch, seq, accumulation, pairs, rollouts, completion_length = _checked(
         batch=batch, seq=seq, accumulation=accumulation, pairs=pairs, rollouts=rollouts, completion_length=completion_length)
-    grpo, accumulation = split_seq(seq, rollouts, completion_length, batch, accumulation)   # (rollouts, prompt, completion)
+    (grpo, accumulation), beta = split_seq(seq, rollouts, completion_length, batch, accumulation), _checked_beta(beta)
     config, name = resolve_config(model)
     comp, rates = None if compression == "auto" else normalize_compression(compression), resolve_rates(rates)
     units = unit_specs_from_config(config)
@@ -424,7 +425,7 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
                             clipping=clipping, accumulator=accumulator, ram_auto=ram_gb == "auto",
                             disk_auto=disk_gb == "auto" and bool(offload_dir), disk_path=disk_path)
     notes += estimate_lines(compression, choice, comp, plan)
-    notes += reference_lines(pairs) if pairs is not None else []   # a DPO run's reference pass
+    notes += reference_lines(pairs) + live_reference_lines(plan, beta) if pairs is not None else []   # DPO's reference
     notes += vision_lines(config, plan, units, work, budgets["device"], precision, device != "cpu", rates)
     est = Estimate(name=name, num_parameters=total, batch=batch, seq=seq, precision=precision, compression=comp,
                     budgets=budgets, plan=plan, gpu_resident=gpu_resident_bytes(config, num_parameters=total,
@@ -432,10 +433,32 @@ def estimate(model, *, vram_gb: Budget = ASSUMED_DEVICE_GB, ram_gb: Budget = "au
                     notes=notes, by_codec=by_codec, names=dict(names or {}), host_min=host_min,
                     reference_cache_bytes=reference_cache_bytes(pairs) if pairs is not None else None,
                     precision_note=precision_words(precision, False, rates) if device != "cpu" else None)
-    est.grpo = plan_generation(config, units, plan, budgets, *grpo, precision=precision) if grpo else None   # GRPO
+    est.grpo = plan_generation(config, units, plan, budgets, *grpo, precision=precision, reference=beta > 0) if grpo else None
     if rates is not None:
         _add_time(est, config, units, cfg_for(comp, budgets["host"]), work, rates, device=device, state_units=held)
     return est
+
+
+def _checked_beta(beta) -> float:
+    """``beta`` as a float >= 0 (a DPO/GRPO run's KL weight), else a ValueError naming it. Above 0 a
+    GRPO run keeps a reference engine with the policy's weight slots and gradient buffers on the
+    device between the steps, out of generation's room (``plan_generation(reference=)``); a DPO
+    run's reference log-probs are one cached pass, so only a line: a streamed dataset's live
+    reference engine keeps the same bytes beside the policy (:func:`live_reference_lines`)."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise ValueError(f"beta={beta!r}: the KL weight of a GRPO or DPO run, a number >= 0 (GRPO's default 0.0 "
+                         "keeps no reference model; above 0 its engine shares the device)")
+    return float(beta)
+
+
+def live_reference_lines(plan, beta: float) -> list:
+    """A DPO estimate's line for its reference's device bytes (``beta`` > 0): a streamed dataset's
+    reference log-probs come from a live reference engine kept beside the policy's
+    (``decode.share_device``), with the policy's slots and gradient buffers."""
+    if beta <= 0:
+        return []
+    return [f"DPO live reference (a streamed dataset): its engine keeps its weight slots and gradient buffers "
+            f"({format_bytes(persistent_device_bytes(plan))}) on the device beside the policy's between steps"]
 
 
 def _checked(**values) -> list:

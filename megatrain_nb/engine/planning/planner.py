@@ -652,7 +652,7 @@ def _host_refusal(p: _PlanInputs, host: dict, placement: dict) -> str:
 
 def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = True, workload: Workload = Workload(),
               disk_bytes: Optional[int] = None, state_units: Optional[List[UnitSpec]] = None,
-              rows: int = 1) -> Plan:
+              rows: Optional[int] = None) -> Plan:
     """Place a model's training state on (device, host, disk) under ``cfg``'s budgets (an
     EngineConfig: ``max_vram_gb``, ``max_host_gb``, ``offload_dir``, ``offload_params``,
     ``optimizer_compression``, ``precision``, ``checkpoint_interval``, ``clip_hold``,
@@ -673,12 +673,15 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
     ``state_units``: the part of each unit whose training state this process holds (data
     parallel: this rank's shards, ``engine/ranks/sharded.py``); host and disk figures are theirs, the
     device working set stays that of the whole ``units``. Default: ``units``.
-    ``rows``: tokens a row the engine will be given (the engine's plan is made at one token): its
-    layer slots grow past 2 only while rows that long still fit beside them (``_keeps_rows``);
-    ``plan.longest_seq`` is counted with the slots and the interval the plan holds."""
+    ``rows`` (the engine's plan, ``engine_plan``: made at one token, its slots then held whatever
+    the row): tokens a row the engine will be given; its layer slots grow past 2 only while rows
+    that long still fit beside them (``_keeps_rows``), and ``plan.longest_seq`` is counted beside
+    the slots and at the interval the plan holds. None (an estimate: a longer row gets a plan of
+    its own): ``plan.longest_seq`` is the longest any plan of 2 slots (``device_slots``) fits."""
     p = _PlanInputs.of(units, shape, cfg, cuda, workload, disk_bytes, state_units)
-    p.rows = max(int(rows), 1)
+    p.rows = max(int(rows or 1), 1)
     chosen_k, dev, slots, feasible, limiting, reason = _device_schedule(p)
+    held = (slots, chosen_k) if rows is not None else (None, None)   # (the engine's: longest_seq beside them)
     placement, host, grads_on_disk, weights, states = _host_placement(p)
     window = None
     sums = window_sum_bytes(units)   # a window sums each unit's gradient on the device (fp32)
@@ -708,7 +711,7 @@ def make_plan(units: List[UnitSpec], shape: ModelShape, cfg, *, cuda: bool = Tru
                 checkpoint_interval=chosen_k, feasible=feasible, limiting_tier=limiting, reason=reason,
                 capacity={"device": p.vram_bytes, "host": p.host_bytes, "disk": disk_bytes}, window=window,
                 window_sum_bytes=sums, tile_tokens=p.tile, seq=workload.seq,
-                longest_seq=longest_seq(p, slots=slots, k=chosen_k) if p.vram_bytes is not None else None)
+                longest_seq=longest_seq(p, slots=held[0], k=held[1]) if p.vram_bytes is not None else None)
 
 
 def boundary_tier(nbytes: int, device_free: Optional[int], host_free: Optional[int],
@@ -756,7 +759,7 @@ def engine_plan(units, model_config, cfg, *, cuda: bool, state_units=None, accum
     shape = ModelShape.of(model_config, logits=False)
     shape = ModelShape(shape.hidden_size, len(units) - 2, shape.intermediate_size, 0, dims=shape.dims)
     plan = make_plan(specs, shape, cfg, cuda=cuda, workload=Workload(batch=1, seq=1, accumulation=max(accumulation, 1)),
-                     state_units=held, rows=rows)
+                     state_units=held, rows=max(int(rows), 1))
     if not plan.feasible and plan.limiting_tier == "host":
         raise ValueError(f"max_host_gb={cfg.max_host_gb}: {plan.reason}.")
     if cfg.offload_params and not cfg.offload_dir:

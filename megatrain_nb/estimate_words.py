@@ -99,6 +99,9 @@ def add_estimate_arguments(e: argparse.ArgumentParser) -> None:
                         "completion")
     e.add_argument("--completion-length", type=table_number("estimate_completion_length", "--completion-length"),
                    default=None, help="GRPO: the most tokens of a completion (default 256, TRL's)")
+    e.add_argument("--beta", type=float, default=0.0,
+                   help="GRPO/DPO: the KL weight (default 0.0, TRL's GRPO); above 0 a reference engine keeps its "
+                        "slots on the device, out of generation's room")
 
 
 def estimate_parser() -> argparse.ArgumentParser:
@@ -132,6 +135,8 @@ def run_estimate(ns):
         kw.update(rollouts=ns.rollouts, completion_length=ns.completion_length)
     elif getattr(ns, "completion_length", None):
         kw["completion_length"] = ns.completion_length   # (refused by name: it needs --rollouts)
+    if getattr(ns, "beta", 0.0):   # GRPO/DPO: a reference engine beside the policy
+        kw["beta"] = ns.beta
     if getattr(ns, "profile", None):
         kw["rates"] = profile_rates(ns.profile)
     if ns.nodes == 1 and ns.gpus_per_node == 1:

@@ -4,10 +4,12 @@ a reference model's engine, built with the policy's config, on the same device
 generation's room falls by exactly those bytes (``estimator_grpo.plan_generation(reference=)``),
 and a copy that fits resident without the reference may have to stream with it."""
 import inspect
+import json
 
 import pytest
 
 import megatrain_nb as mt
+from megatrain_nb.cli import main
 from megatrain_nb.engine.planning.estimator_grpo import resident_need
 from megatrain_nb.engine.planning.planner import persistent_device_bytes
 from megatrain_nb.model_configs import family_config
@@ -58,3 +60,14 @@ def test_dpo_says_what_a_live_reference_keeps_and_bad_betas_are_refused():
     for bad in (-0.1, float("nan"), "0.1", True):
         with pytest.raises(ValueError, match=r"beta=.*a number >= 0"):
             _est(beta=bad)
+
+
+def test_the_cli_takes_beta(capsys):
+    args = ["estimate", "micro", "--ram", "8", "--disk", "8", "--seq", "96", "--batch", "4", "--rollouts", "16",
+            "--completion-length", "64", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + ["--beta", "0.04"]) == 0
+    kl = json.loads(capsys.readouterr().out)
+    kept = kl["tiers"]["device"]["weights"] + kl["tiers"]["device"]["grads"]   # (persistent_device_bytes)
+    assert kl["grpo"]["room_bytes"] == plain["grpo"]["room_bytes"] - kept

@@ -117,7 +117,7 @@ def persistent_host_bytes(plan: Plan) -> int:
 
 def _disk_weights_in_flight(u: int, depth: int, chunk: int, ring: int, held, pin: bool, compute_bytes: int) -> int:
     """Host bytes of the master weights on the disk tier in flight (``u``: the largest unit; large:
-    over 256 MiB): the compute stream's staging buffers (``2 + depth``, large units 2), each a unit
+    over 256 MiB): the compute stream's staging buffers (``3 + depth``, large units 2: ``staging.disk_staging_buffers``), each a unit
     in the compute dtype where it is narrower (on CUDA, no host cache: the tier's compute-dtype
     copy, ``weight_store.DiskWeights``' ``shadow``, is what a load reads, so no cast buffer
     either), else fp32 -- pinned (``held``: ``pinned.held_bytes``) as the loads' source; and the
@@ -136,8 +136,8 @@ def host_in_flight(units: List[UnitSpec], compression: str, *, weights_on_disk: 
     """Host RAM the engine's code holds in flight besides the stored state, as it allocates
     it (``u``: the largest unit; "large": over 256 MiB, ``staging.SMALL_UNIT_BYTES``):
 
-    * master weights on the disk tier: the compute stream's staging buffers (``2 + depth``,
-      large units 2), each ``u``, and the optimizer stream's (2, large units 1), each ``u``,
+    * master weights on the disk tier: the compute stream's staging buffers (``3 + depth``,
+      large units 2: ``staging.disk_staging_buffers``), each ``u``, and the optimizer stream's (2, large units 1), each ``u``,
       or with chunked updates ``RING`` chunks' buffers: an update not handed its backward's
       buffer reads and writes its weights range by range, a chunk ahead and a chunk behind
       (``weight_store.DiskWeights.ranged_update``, ``chunk_ring.ChunkRing.run``;

@@ -155,7 +155,7 @@ class Trainer:
         self._finalizer = (weakref.finalize(self, _release_engine, self._engine)
                            if not _is_engine(model) else None)
         if self.tokenizer is None and isinstance(model, (str, os.PathLike)):
-            self.tokenizer = _local_tokenizer(model)
+            self.tokenizer = local_tokenizer(model)
         check_seq_len(seq_len, max_positions(self._engine.model_config))
         self.seq_len = seq_len or _default_seq_len(self._engine)
         prep = dict(tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=text_column, packing=packing)
@@ -603,7 +603,8 @@ def _default_seq_len(engine) -> int:
     return min(n, 1024) if n else 1024
 
 
-def _local_tokenizer(folder):
+def local_tokenizer(folder):
+    """The tokenizer saved in a local model folder (None when it holds none)."""
     p = Path(folder)
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None

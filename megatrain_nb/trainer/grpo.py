@@ -41,7 +41,7 @@ from megatrain_nb.engine.compute.decode import share_device
 
 from .kinds import MetricLists, register_kind
 from .grpo_eval import run_evaluation
-from .grpo_data import RolloutStream, pad_rollouts, tokenize_prompts
+from .grpo_data import RolloutStream, longest_prompt_tokens, pad_rollouts, tokenize_prompts
 from .grpo_loss import GRPOObjective, GRPOSettings
 from .grpo_ranks import (check_rollout_seeds, gather_lists, gather_rewards, gather_rows, lockstep, rank_rows,
                          row_generators, sampling_base, seeded_shuffle)
@@ -50,7 +50,7 @@ from .grpo_rollout import (advantages, check_generation, completion_logps, eos_t
 from .args import check_eval_plan
 from .grpo_fields import validate_grpo_args
 from .sft_data import require_trl
-from .trainer import Trainer
+from .trainer import Trainer, local_tokenizer
 
 def coerce_grpo_args(args):
     """``args`` as a ``trl.GRPOConfig`` (None: TRL's defaults; a dict of its fields)."""
@@ -156,6 +156,14 @@ def _num(x):
     return None if x is None else float(x)
 
 
+def _row_tokens(tok, dataset, args):
+    """A rollout's tokens at most: the longest prompt the tokenizer makes of the dataset's first
+    rows (:func:`.grpo_data.longest_prompt_tokens`) plus ``max_completion_length``; None (the
+    Trainer's default row) when the prompts cannot be tokenised before the engine is built."""
+    prompt = longest_prompt_tokens(tok, dataset, args.chat_template_kwargs)
+    return None if prompt is None else prompt + args.max_completion_length
+
+
 class BranchStream(RolloutStream):
     """A fork's rollouts (``Session.fork``): they go on from the snapshot's data position (the
     sampler's order replayed to its epoch), the generation batch there made anew with the fork's
@@ -258,8 +266,12 @@ class GRPOTrainer(Trainer):
         # the reference (beta > 0): the policy as it starts, streamed through a frozen engine of its own
         self._ref_source = _reference_source(model, args.beta, ref_model)
         model_eos = _model_eos(model)
+        if processing_class is None and isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+            processing_class = local_tokenizer(model)   # (the folder's: the prompts' length before the engine is built)
+        self._row_tokens = _row_tokens(processing_class, train_dataset, args)   # what the engine's plan is made for
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
+        self._rows_seq = self._row_tokens   # (the prediction prices the same rows)
         # several ranks (grpo_ranks.py): rollouts split and gathered, per-rollout random streams, streamed decoding
         self.rollout_seeds = check_rollout_seeds(rollout_seeds, self.dist.world, self.generation)
         if self.rollout_seeds == "per_rollout" and self.generation == "auto":
@@ -281,6 +293,11 @@ class GRPOTrainer(Trainer):
         from transformers.trainer_utils import set_seed
 
         set_seed(args.seed)   # as transformers' Trainer seeds once the models are built (TRL's order of draws)
+
+    def _planned_workload(self, seq_len):
+        """The engine's plan made for the rows a step trains on: ``per_device_train_batch_size``
+        rollouts of the longest prompt plus ``max_completion_length`` tokens (:func:`_row_tokens`)."""
+        return super()._planned_workload(seq_len or self._row_tokens)
 
     def _setup_generation(self, model_eos) -> None:
         tok = self.tokenizer

@@ -11,6 +11,7 @@ permutation. So the same seed samples TRL's completions.
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import time
 from functools import partial
@@ -35,6 +36,22 @@ def tokenize_prompts(tok, prompts: list, chat_template_kwargs: Optional[dict] = 
                                       return_dict=True, **(chat_template_kwargs or {}))
         return [list(x) for x in out["input_ids"]]
     return [list(x) for x in tok(text=prompts)["input_ids"]]
+
+
+def longest_prompt_tokens(tok, dataset, chat_template_kwargs: Optional[dict] = None,
+                          sample: int = 256) -> Optional[int]:
+    """The longest prompt, in tokens as :func:`tokenize_prompts` makes them, of ``dataset``'s first
+    ``sample`` rows: the prompt part of the rows a run trains on (the engine's plan is made for
+    them). None without a tokenizer or when the prompts cannot be read or tokenised here (a probe:
+    generation says what is wrong with them)."""
+    if tok is None:
+        return None
+    try:
+        prompts = [dataset[i]["prompt"] for i in range(min(len(dataset), sample))]
+        ids = tokenize_prompts(tok, copy.deepcopy(prompts), chat_template_kwargs) if prompts else []
+    except Exception:   # noqa: BLE001 - a probe: the run's own tokenisation reports the cause
+        return None
+    return max(map(len, ids)) if ids else None
 
 
 def _draw() -> None:
@@ -212,4 +229,5 @@ def pad_rollouts(prompt_ids, completion_ids, pad_id: int) -> dict:
     return {"prompt_ids": p, "prompt_mask": pm, "completion_ids": c, "completion_mask": cm}
 
 
-__all__ = ["RolloutStream", "decode_tensors", "encode_tensors", "micro_batch", "pad_rollouts", "tokenize_prompts"]
+__all__ = ["RolloutStream", "decode_tensors", "encode_tensors", "longest_prompt_tokens", "micro_batch", "pad_rollouts",
+           "tokenize_prompts"]

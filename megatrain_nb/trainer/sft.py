@@ -251,7 +251,8 @@ class SFTTrainer(Trainer):
             self.eval_dataset = self._prepare(eval_dataset, self._eval_packing, "eval_dataset")
 
     def _planned_workload(self, seq_len):
-        return with_image_tokens(super()._planned_workload(seq_len), self._vision_rows)
+        # text rows are at most max_length tokens (packed rows exactly): the plan is made for them
+        return with_image_tokens(super()._planned_workload(seq_len or self.args.max_length), self._vision_rows)
 
     def _setup_text(self, train_dataset, args, data_collator, formatting_func):
         """The collator of text rows (TRL's DataCollatorForLanguageModeling); the loss settings."""

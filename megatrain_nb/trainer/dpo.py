@@ -22,6 +22,7 @@ apply are refused by name.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 import warnings
@@ -297,7 +298,9 @@ class DPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ data and reference
     def _planned_workload(self, seq_len):
-        return with_image_tokens(super()._planned_workload(seq_len), self._vision_rows)
+        # a micro-batch holds each pair's chosen and rejected rows, each at most max_length tokens
+        work = super()._planned_workload(seq_len or self.args.max_length)
+        return with_image_tokens(dataclasses.replace(work, batch=2 * work.batch), self._vision_rows)
 
     def _check_vision(self, model, args) -> None:
         """TRL's vision contract (trainer/dpo_vision.py): a processor, a vision-language model, its settings."""

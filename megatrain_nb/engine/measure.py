@@ -243,11 +243,6 @@ def measure_team_beside_disk(root: str, sizes: Sizes) -> Tuple[float, float]:
     return sum(alone) / len(alone), min(sum(beside) / sum(alone), 1.0)
 
 
-def measure_compute_beside_disk(root: str, sizes: Sizes) -> float:
-    """:func:`measure_team_beside_disk`'s ratio alone."""
-    return measure_team_beside_disk(root, sizes)[1]
-
-
 def _rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Llama's RMSNorm, op for op (``LlamaRMSNorm.forward``)."""
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))

@@ -3,12 +3,15 @@ buffers that the next forward reads first stay in RAM as its loads' source -- th
 optimizer stream buffer) and the first layers' (compute stream buffers their backward handed over,
 one of the stream's buffers left free for the forward's reads). Counted in bytes; the weights stay
 the RAM tier's bit for bit."""
+from collections import Counter
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_nb.engine import EngineConfig, StreamingEngine
 from megatrain_nb.engine.tiers import weight_store
+from megatrain_nb.engine.tiers.disk_params import weights_key
 from megatrain_nb.engine.tiers.weight_store import fresh_after_step
 from megatrain_nb.engine.units import Unit
 from megatrain_nb.model_configs import FAMILY_VOCAB as VOCAB, family_config
@@ -30,21 +33,27 @@ def test_fresh_after_step_leaves_a_compute_buffer_free():
 
 
 def _run(model, tmp_path, kept, monkeypatch, disk=True):
+    """Trains four steps; per step, how many times each unit's weights were read from disk."""
     monkeypatch.setattr(weight_store, "LAST_UPDATES_KEPT", kept)
     opts = dict(offload_dir=str(tmp_path), offload_params=True, host_cache_gb=0) if disk else {}
     e = StreamingEngine(model, EngineConfig(device="cpu", **opts))
     torch.manual_seed(1)
-    reads = []
+    reads, step = [], Counter()
+    if disk:
+        read = e.disk.read
+
+        def counted(key, *a, **kw):   # the reads the engine issues, named by key
+            step[key] += 1
+            return read(key, *a, **kw)
+        monkeypatch.setattr(e.disk, "read", counted)
     for b in [torch.randint(0, VOCAB, (2, 24)) for _ in range(4)]:
-        r0 = e.disk.report()["disk_read_bytes"] if disk else 0
+        step.clear()
         e.forward_backward(b, step_lr=1e-3)
-        if disk:
-            reads.append(e.disk.report()["disk_read_bytes"] - r0)
+        reads.append({u.index: step[weights_key(u)] for u in e.units})
     e.updates.wait_all()
     weights = [t.detach().clone() for _, t in e.named_parameters()]
-    layer = e.layer_units[1].numel
     e.close()
-    return reads, weights, layer
+    return reads, weights
 
 
 @pytest.mark.slow   # (three engines train four steps: seconds)
@@ -52,10 +61,16 @@ def test_the_second_layer_is_not_read_back_for_the_next_forward(tmp_path, monkey
     models = [AutoModelForCausalLM.from_config(family_config("llama")) for _ in range(3)]
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
-    three, w3, layer = _run(models[0], tmp_path / "three", 3, monkeypatch)
-    two, w2, _ = _run(models[1], tmp_path / "two", 2, monkeypatch)
-    _, w_ram, _ = _run(models[2], tmp_path / "ram", 3, monkeypatch, disk=False)
-    # steady steps (their forward follows a step's updates): the second layer's weights fewer
-    assert [t - h for t, h in zip(two[2:], three[2:])] == [4 * layer] * 2, (two, three)
+    three, w3 = _run(models[0], tmp_path / "three", 3, monkeypatch)
+    two, w2 = _run(models[1], tmp_path / "two", 2, monkeypatch)
+    _, w_ram = _run(models[2], tmp_path / "ram", 3, monkeypatch, disk=False)
+    # steady steps (their forward follows a step's updates): the second layer (unit 2) is read
+    # once fewer; the units after it, read as before. (The embedding's and the first layer's are
+    # fresh copies in both runs; whether one survives to the next forward's read can depend on
+    # timing -- an optimizer stream reclaiming its only buffer -- so they are not compared: the
+    # CI once saw the embedding's survive one step in one run.)
+    for t, h in zip(two[1:], three[1:]):
+        assert t[2] - h[2] == 1, (two, three)
+        assert t[3] == h[3] and t[4] == h[4], (two, three)
     for a, b, c in zip(w3, w2, w_ram):
         assert torch.equal(a, b) and torch.equal(a, c)

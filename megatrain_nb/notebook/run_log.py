@@ -123,10 +123,14 @@ class RunLog:
         self._version = 0
 
     # ---- writers (training thread) -------------------------------------------------------
-    def add_record(self, record: dict) -> None:
+    def add_record(self, record: dict, layer_stats: list[dict] | None = None) -> None:
+        """One step's record, with its layer statistics (``layer_stats``) if it has any: both
+        under one lock, so no view sees a step's statistics beside the previous step's record."""
         rec = dict(record)
         rec.setdefault("time", time.time())
         with self._lock:
+            if layer_stats:
+                self._put_layer_stats(int(rec.get("step", 0) or 0), layer_stats)
             self._records.append(rec)
             step = rec.get("step", len(self._records))
             self._steps.append(float(step))
@@ -143,20 +147,17 @@ class RunLog:
                 self._telemetry = (self._telemetry + [(rec["time"], rec["telemetry"])])[-2:]
             self._version += 1
 
-    def add_layer_stats(self, step: int, stats: list[dict]) -> None:
-        if not stats:
-            return
-        with self._lock:
-            names = [str(s.get("unit", i)) for i, s in enumerate(stats)]
-            if names != self._units:
-                self._units = names
-                for m in HEAT_METRICS:  # a different unit list starts a new matrix
-                    self._heat[m] = _HeatColumns(self._heat[m].capacity)
-            for name, s in zip(names, stats):
-                self._layers[name] = dict(s, step=step)
-            for m in HEAT_METRICS:
-                self._heat[m].append(step, np.array([_num(s.get(m)) for s in stats], dtype=float))
-            self._version += 1
+    def _put_layer_stats(self, step: int, stats: list[dict]) -> None:
+        """(under the lock)"""
+        names = [str(s.get("unit", i)) for i, s in enumerate(stats)]
+        if names != self._units:
+            self._units = names
+            for m in HEAT_METRICS:  # a different unit list starts a new matrix
+                self._heat[m] = _HeatColumns(self._heat[m].capacity)
+        for name, s in zip(names, stats):
+            self._layers[name] = dict(s, step=step)
+        for m in HEAT_METRICS:
+            self._heat[m].append(step, np.array([_num(s.get(m)) for s in stats], dtype=float))
 
     def add_event(self, kind: str, step: int, **fields: Any) -> dict:
         event = {"kind": kind, "step": int(step), "time": time.time(), **fields}

@@ -151,9 +151,7 @@ class ThreadRun:
 
     def _on_record(self, record: dict) -> None:
         stats = record.pop("layer_stats", None)   # (the dashboard's; not a field of the step's record)
-        if stats:
-            self.status.log.add_layer_stats(int(record.get("step", 0) or 0), list(stats))
-        self.status.log.add_record(record)
+        self.status.log.add_record(record, layer_stats=list(stats) if stats else None)   # one view: both or neither
         self.explorer.on_record(record)
         for hook in self.after_record:
             hook(record)

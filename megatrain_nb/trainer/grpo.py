@@ -268,10 +268,11 @@ class GRPOTrainer(Trainer):
         model_eos = _model_eos(model)
         if processing_class is None and isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
             processing_class = local_tokenizer(model)   # (the folder's: the prompts' length before the engine is built)
-        self._row_tokens = _row_tokens(processing_class, train_dataset, args)   # what the engine's plan is made for
+        # the rows a step trains on, which the engine's plan and the prediction are made for (the
+        # base class keeps it: its train_dataset, None here, has no rows of its own)
+        self._rows_seq = _row_tokens(processing_class, train_dataset, args)
         super().__init__(model=model, train_dataset=None, args=args, processing_class=processing_class,
                          callbacks=callbacks, loss_fn=self.objective, **engine_options)
-        self._rows_seq = self._row_tokens   # (the prediction prices the same rows)
         # several ranks (grpo_ranks.py): rollouts split and gathered, per-rollout random streams, streamed decoding
         self.rollout_seeds = check_rollout_seeds(rollout_seeds, self.dist.world, self.generation)
         if self.rollout_seeds == "per_rollout" and self.generation == "auto":
@@ -293,11 +294,6 @@ class GRPOTrainer(Trainer):
         from transformers.trainer_utils import set_seed
 
         set_seed(args.seed)   # as transformers' Trainer seeds once the models are built (TRL's order of draws)
-
-    def _planned_workload(self, seq_len):
-        """The engine's plan made for the rows a step trains on: ``per_device_train_batch_size``
-        rollouts of the longest prompt plus ``max_completion_length`` tokens (:func:`_row_tokens`)."""
-        return super()._planned_workload(seq_len or self._row_tokens)
 
     def _setup_generation(self, model_eos) -> None:
         tok = self.tokenizer

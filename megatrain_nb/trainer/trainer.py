@@ -127,6 +127,7 @@ class Trainer:
     """
 
     _eval_set_later = False   # SFTTrainer prepares its eval set after this constructor (and checks it)
+    _rows_seq: Optional[int] = None   # the tokens of a step's rows (GRPOTrainer sets its own before __init__)
 
     def __init__(self, model=None, train_dataset=None, args=None, eval_dataset=None, tokenizer=None,
                  data_collator=None, callbacks=None, *, processing_class=None, seq_len: Optional[int] = None,
@@ -148,7 +149,9 @@ class Trainer:
         source = resolve(model, revision=revision, token=token)   # a Hub id -> its cached folder
         if isinstance(model, (str, os.PathLike)):
             model = source.need_folder("mt.Trainer")
-        self._rows_seq = seq_len or data_row_tokens(train_dataset)   # what the plan and prediction price
+        # what the plan and the prediction price: seq_len, else the data's longest row, else a
+        # subclass's own rows set before this (GRPOTrainer's rollouts), else None (the default row)
+        self._rows_seq = seq_len or data_row_tokens(train_dataset) or self._rows_seq
         self.model, self._engine = self._build_engine(model, engine_options, self._rows_seq)
         # The engine this Trainer built is its own: released with it (close(), the with block,
         # or when the Trainer is collected, e.g. after a failed train() and `del trainer`).

@@ -222,8 +222,8 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
     ``mt.measure_machine()``'s: its compute rates again as that measures them (its default matmul
     shape and head size, one thread), not at the model's shapes."""
     from megatrain_nb.engine.measure import (measure_attention, measure_disk, measure_elementwise, measure_matmul,
-                                             measure_copies, measure_softmax, measure_team_beside_disk, sizes_for,
-                                             update_rates)
+                                             measure_copies, measure_softmax, measure_step_team,
+                                             measure_team_beside_disk, sizes_for, update_rates)
 
     h, i, heads = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_attention_heads"]
     sizes = sizes_for(False, False)
@@ -249,12 +249,16 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
     team *= mm / default   # (its speed-up over one thread at the default shape, applied to the model's rate)
     memory = measure_copies(cpu, sizes.copy_bytes, sizes)["h2d_pageable"] / copy_one   # (torch's threads)
     disk = measure_disk(folder, sizes)
+    # the team on a step-like chain at two sizes, over the one-thread count at these rates (as measure_machine)
+    step = measure_step_team(dataclasses.replace(rates, matmul_flops=default, attention_flops=at,
+                                                 attention_by_head={}, elementwise_rate=elementwise), sizes) \
+        if getattr(rates, "step_team", None) else {}
     by_head = {k: at for k in rates.attention_by_head} if user else {}
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
                                attention_by_head=by_head,
                                adamw_per_thread=adamw, codec_per_thread=codecs, update_chain=chain,
                                compute_beside_disk=beside, team_matmul_flops=team, elementwise_rate=elementwise,
-                               softmax_rate=softmax, memory_speedup=memory,
+                               softmax_rate=softmax, memory_speedup=memory, step_team=step,
                                disk_read=disk["disk_read"], disk_write=disk["disk_write"],
                                source=rates.source + " (compute now)")
 
@@ -279,7 +283,7 @@ def mean_rates(measured: list) -> MachineRates:
                                update_chain=avg_dict("update_chain"), compute_beside_disk=avg("compute_beside_disk"),
                                team_matmul_flops=avg("team_matmul_flops"), elementwise_rate=avg("elementwise_rate"),
                                softmax_rate=avg("softmax_rate"), memory_speedup=avg("memory_speedup"),
-                               source=a.source + f" (mean of {n} measured around the steps)")
+                               step_team=avg_dict("step_team"), source=a.source + f" (mean of {n} measured around the steps)")
 
 
 def codec_rate(name: str, chunk: int = 1 << 20) -> float:
@@ -493,7 +497,9 @@ def main() -> int:
           f"{rates.update_chain}, compute beside the disk {rates.compute_beside_disk:.2f} x, matmul on torch's threads "
           f"{rates.team_matmul_flops / 1e9:.1f} GFLOP/s ({rates.compute_team():.2f} x one thread's), non-matmul work "
           f"{rates.elementwise_rate / 1e9:.2f} G element accesses/s, log-softmax {rates.softmax_rate / 1e6:.0f} M "
-          f"logits/s (per thread; memcpy on torch's threads {rates.memory_speedup:.2f} x one thread's)")
+          f"logits/s (per thread; memcpy on torch's threads {rates.memory_speedup:.2f} x one thread's); a step's "
+          f"compute over its one-thread count (tokens x hidden) "
+          f"{ {k: round(v, 2) for k, v in (getattr(rates, 'step_team', None) or {}).items()} }")
     worst, unseen, agree = 1.0, 1.0, 0
     passes = {name: [] for name in names}
     for i in range(a.passes):   # the configurations alternate, pass by pass (a VM's speed drifts)

@@ -294,6 +294,75 @@ def measure_elementwise(sizes: Sizes) -> float:
                  elementwise_accesses(tokens, hidden, inter), sizes)
 
 
+#: The step-like chains the compute's team is measured on (``MachineRates.step_team``): (tokens,
+#: hidden, intermediate, heads, layers) of a small step of many small operations and a large one.
+STEP_CHAINS = ((64, 256, 672, 4, 4), (512, 1024, 1024, 16, 1))
+QUICK_CHAINS = ((16, 64, 128, 2, 2), (64, 128, 256, 2, 1))
+
+
+def decoder_chain(tokens: int, hidden: int, inter: int, heads: int, layers: int) -> Callable[[], None]:
+    """One call: ``layers`` Llama-like decoder layers (each its own weights: RMSNorm, q/k/v/o, rotary,
+    causal SDPA, the gated MLP, the residual adds) forward and backward under autograd on one row of
+    ``tokens`` -- the sequence of operations a CPU step runs, op by op, at one size."""
+    F = torch.nn.functional
+    hd = hidden // heads
+    leaf = lambda *shape: (torch.randn(*shape) * shape[-1] ** -0.5).requires_grad_()  # noqa: E731
+    ws = [dict(n1=leaf(hidden), n2=leaf(hidden), q=leaf(hidden, hidden), k=leaf(hidden, hidden),
+               v=leaf(hidden, hidden), o=leaf(hidden, hidden), g=leaf(inter, hidden), u=leaf(inter, hidden),
+               d=leaf(hidden, inter)) for _ in range(layers)]
+    x = torch.randn(tokens, hidden).requires_grad_()
+    ang = torch.arange(tokens)[:, None] * torch.rand(hd // 2)[None]
+    cos, sin = (torch.cat((f(ang), f(ang)), -1)[None] for f in (torch.cos, torch.sin))   # (1, tokens, hd)
+
+    def heads_of(t: torch.Tensor) -> torch.Tensor:
+        return t.view(tokens, heads, hd).transpose(0, 1)
+
+    def step() -> None:
+        h = x
+        for w in ws:
+            n = _rms_norm(h, w["n1"])
+            q, k, v = (heads_of(F.linear(n, w[key])) for key in ("q", "k", "v"))
+            q, k = (t * cos + _rotate_half(t) * sin for t in (q, k))
+            a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+            h = h + F.linear(a.transpose(0, 1).reshape(tokens, hidden), w["o"])
+            n2 = _rms_norm(h, w["n2"])
+            h = h + F.linear(F.silu(F.linear(n2, w["g"])) * F.linear(n2, w["u"]), w["d"])
+        h.sum().backward()
+        x.grad = None
+        for w in ws:
+            for t in w.values():
+                t.grad = None
+    return step
+
+
+def chain_count_seconds(r: MachineRates, tokens: int, hidden: int, inter: int, heads: int, layers: int) -> float:
+    """Seconds :func:`decoder_chain` takes as the prediction counts it at ``r``'s one-thread rates:
+    its matmuls (6 FLOPs a parameter a token) at ``matmul_flops``, its attention (2·s²·h forward,
+    twice backward) at the head size's rate, its non-matmul work (``elementwise_accesses``, three
+    passes, and 4 accesses a parameter for the gradients) at ``elementwise_rate``."""
+    params = layers * (4 * hidden * hidden + 3 * hidden * inter)
+    mm = 6.0 * params * tokens / r.matmul_flops
+    at = 3 * 2.0 * tokens * tokens * hidden * layers / (r.attention_rate(hidden // heads) or r.matmul_flops)
+    ew = (layers * elementwise_accesses(tokens, hidden, inter, 3.0) + 4.0 * params) / r.elementwise_rate
+    return mm + at + ew
+
+
+def measure_step_team(r: MachineRates, sizes: Sizes) -> dict:
+    """``MachineRates.step_team``: at each of :data:`STEP_CHAINS`' sizes, the seconds the prediction
+    counts for :func:`decoder_chain` at ``r``'s one-thread rates over the seconds it takes on torch's
+    threads (the compute's team, as a step runs it). A step of many small operations wakes the team
+    for each and gets less of it than a large matmul in a hot loop (``team_matmul_flops``);
+    the prediction interpolates between the sizes by a micro-batch's tokens x hidden. Needs ``r``'s
+    one-thread matmul, attention and element rates (measured before it)."""
+    out = {}
+    for tokens, hidden, inter, heads, layers in (STEP_CHAINS if sizes.budget_s else QUICK_CHAINS):
+        chain = decoder_chain(tokens, hidden, inter, heads, layers)
+        team = _rate(chain, 1.0, sizes)   # (calls a second, on torch's threads)
+        out[f"{tokens}x{hidden}"] = chain_count_seconds(
+            r, tokens, hidden, inter, heads, layers) * team
+    return out
+
+
 def measure_softmax(sizes: Sizes) -> float:
     """Logits/s of the loss head's log-softmax and loss (``cross_entropy``), forward and backward,
     over one chunk of the engine's (``EngineOverrides.loss_chunk_tokens`` tokens by a vocabulary of
@@ -485,15 +554,22 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
 def _add_team(r: MachineRates, root: str, sizes: Sizes) -> bool:
     """A CPU device's matmul on torch's threads (the compute's team) alone and beside the disk tier
     (``team_matmul_flops``, ``compute_beside_disk``) and its non-matmul work on one thread
-    (``elementwise_rate``, ``softmax_rate``), a memcpy's team over one thread (``memory_speedup``) -- measured where missing (a cache written before they were); True if any were."""
-    if r.team_matmul_flops and r.elementwise_rate and r.softmax_rate and r.compute_beside_disk and r.memory_speedup:
-        return False
-    r.team_matmul_flops, r.compute_beside_disk = measure_team_beside_disk(root, sizes)
-    team_copy = measure_copies(torch.device("cpu"), sizes.copy_bytes, sizes)["h2d_pageable"]
-    with _OneThread():   # (one thread's, as the matmul's: the team's measured speed-ups scale them)
-        r.elementwise_rate, r.softmax_rate = measure_elementwise(sizes), measure_softmax(sizes)
-        r.memory_speedup = team_copy / measure_copies(torch.device("cpu"), sizes.copy_bytes, sizes)["h2d_pageable"]
-    return True
+    (``elementwise_rate``, ``softmax_rate``), a memcpy's team over one thread (``memory_speedup``),
+    the team on a step-like chain of operations at a small and a large size (``step_team``) --
+    measured where missing (a cache written before they were); True if any were."""
+    added = False
+    if not (r.team_matmul_flops and r.elementwise_rate and r.softmax_rate and r.compute_beside_disk
+            and r.memory_speedup):
+        r.team_matmul_flops, r.compute_beside_disk = measure_team_beside_disk(root, sizes)
+        team_copy = measure_copies(torch.device("cpu"), sizes.copy_bytes, sizes)["h2d_pageable"]
+        with _OneThread():   # (one thread's, as the matmul's: the team's measured speed-ups scale them)
+            r.elementwise_rate, r.softmax_rate = measure_elementwise(sizes), measure_softmax(sizes)
+            r.memory_speedup = team_copy / measure_copies(torch.device("cpu"), sizes.copy_bytes, sizes)["h2d_pageable"]
+        added = True
+    if not r.step_team and r.matmul_flops and r.elementwise_rate:   # (a cache written before it: added)
+        r.step_team = measure_step_team(r, sizes)
+        added = True
+    return added
 
 
 def _add_model(r: MachineRates, dev: torch.device, sizes: Sizes, shapes: Optional[ModelShapes]) -> bool:

@@ -224,12 +224,14 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     st_r = sum(b for k, op, b in seq if op == "R" and k.startswith("state-"))
     st_w = sum(b for k, op, b in seq if op == "W" and k.startswith("state-"))
     state_read, state_write = int(read * st_r / raw_r) if raw_r else 0, int(write * st_w / raw_w) if raw_w else 0
-    # unclipped, weights on the disk tier: the next forward's first need, the embedding's updated
-    # weights, is written, then read back (the head's load comes after the layers) -- as much of
-    # it as reaches the disk past the cache
+    # unclipped, weights on the disk tier behind a host cache: the next forward's first need, the
+    # embedding's updated weights, is written, then read back (the head's load comes after the
+    # layers) -- as much of it as reaches the disk past the cache. Without a cache the last updates'
+    # buffers stay as fresh copies for the next forward (``weight_store.fresh_after_step``: the
+    # embedding's always, the first the forward reads): no read back, the write goes behind
     miss = read / raw_r if raw_r else 1.0   # the share of the schedule's reads the cache cannot serve
     start_read = start_write = 0
-    if on_disk and not clipped:
+    if on_disk and not clipped and cache_bytes > 0:
         start_read = int((shadow or 4) * units[0].numel * miss)
         start_write = int(4 * units[0].numel * write / raw_w) if raw_w else 0
     if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
@@ -348,12 +350,24 @@ def _matmul_rate(rates, shape, workload, bf16: bool = False) -> float:
     return float(rates.matmul_by_shape.get(key) or rates.matmul_flops)
 
 
+def step_team(rates, shape, workload, *, bf16: bool, cuda: bool) -> float:
+    """What a CPU device's step gets from torch's threads over the one-thread count of its layers'
+    work (matmuls, attention, non-matmul), measured on a step-like chain of operations at a small
+    and a large size and interpolated at the micro-batch's tokens x hidden
+    (``MachineRates.step_speedup``); 0: not measured (an older cache), a GPU, bf16 or rates not one
+    thread's -- then the matmul's team (``compute_team``) and the memcpy's (``memory_team``) apply."""
+    if cuda or bf16 or rates.compute_threads != 1 or not getattr(rates, "step_team", None):
+        return 0.0
+    return rates.step_speedup(workload.batch * workload.seq, shape.hidden_size)
+
+
 def _compute_rates(rates, shape, workload, *, bf16: bool, cuda: bool) -> tuple:
     """(matmul, attention) FLOP/s of the step's compute: the measured rates, a CPU device's
-    (one thread's: ``MachineRates.compute_threads``) times the threads its compute gets."""
+    (one thread's: ``MachineRates.compute_threads``) times what its compute gets from the threads
+    (the step's measured team at its size, :func:`step_team`; else the matmul's team)."""
     mm = _matmul_rate(rates, shape, workload, bf16)
     at = (getattr(rates, "bf16_attention_flops", 0) if bf16 else 0) or rates.attention_flops or mm
-    scale = rates.compute_scale(cuda)
+    scale = step_team(rates, shape, workload, bf16=bf16, cuda=cuda) or rates.compute_scale(cuda)
     return mm * scale, at * scale
 
 
@@ -380,7 +394,9 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
           + _per(a["attention_flops"]["recompute"], at, "attention_flops", missing)}
     if not cuda:   # a CPU device's non-matmul work: memory-bound, at its own measured rates
         scale = rates.memory_team() if rates.compute_threads == 1 else 1.0   # (memory-bound: the memcpy's speed-up)
-        ew, sm = (float(getattr(rates, f, 0.0) or 0.0) * scale for f in ("elementwise_rate", "softmax_rate"))
+        layer = step_team(rates, shape, workload, bf16=bf16, cuda=cuda) or scale   # (the layers' chain, measured)
+        ew = float(getattr(rates, "elementwise_rate", 0.0) or 0.0) * layer
+        sm = float(getattr(rates, "softmax_rate", 0.0) or 0.0) * scale
         said = missing if rates.source == "measured" else []   # (a profile's or made-up rates: none is none)
         for phase in ("forward", "backward", "recompute"):
             ph[phase] += _per(a["elementwise"][phase], ew, "elementwise_rate", said)
@@ -401,6 +417,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     codec = cfg.optimizer_compression
     ph["codec"] = 0.0 if codec == "none" else _per(a["state_bytes_fp32"], (rates.codec_per_thread or {}).get(codec, 0),
                                                    f"codec_per_thread[{codec}]", missing)
+    a["step_team"] = step_team(rates, shape, workload, bf16=bf16, cuda=cuda)
     a["head_share"] = min(a["head_flops"] / mm / ph["forward"], 1.0) if ph["forward"] > 0 and mm > 0 else 0.0
     pred = _schedule(ph, a, rates, cuda=cuda, clipped=workload.clipped, units=units)
     pred.overlaps.append(_threads_words(team, rates, cfg, cuda, a["codec"]))
@@ -460,9 +477,10 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         opt if cuda else max(opt, opt_cpu / max(cores - team, 1))
     chain = _chain(state_disk, cpu_chain, units, a["params"], cuda)
 
-    # unclipped, the next forward's first need: the embedding's whole update (its states too), then its weights
+    # unclipped, the next forward's first need: the embedding's update (its states read ahead, written
+    # behind: the backward window's disk stream, not a wait), behind a host cache its weights' write and read-back
     share = units[0].numel / max(a["params"], 1)
-    first_disk = state_disk * share + _per(a["disk"]["start_read"], rates.disk_read, "", []) + \
+    first_disk = _per(a["disk"]["start_read"], rates.disk_read, "", []) + \
         _per(a["disk"]["start_write"], rates.disk_write, "", [])
     first = cpu_chain * share + first_disk
 
@@ -495,7 +513,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     overlaps = ["host->device prefetch overlaps the compute (the next units load while one computes)",
                 "disk reads run ahead and writes behind in the I/O threads (reads and writes share the disk)"]
     if not cuda:
-        overlaps += _cpu_words(rates, cores, beside, disk, measured_team)
+        overlaps += _cpu_words(rates, cores, beside, disk, measured_team, a.get("step_team", 0.0))
     if clipped:   # the forward waits for the embedding's update, then for each layer's and the head's in turn
         tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a["head_share"], _load_per_param(a, rates, cuda)))
         windows = {"forward + updates": tf, "backward": tb}
@@ -513,10 +531,13 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
                           overlaps=overlaps, tokens_per_step=a["tokens"])
 
 
-def _cpu_words(rates, cores: int, beside: float, disk: float, measured_team: bool) -> List[str]:
-    """The overlaps' lines on a CPU device's cores."""
-    words = [f"CPU device: its compute runs on torch's threads at {rates.compute_team():.2f}x one thread's rates "
-             f"(measured: MachineRates.team_matmul_flops) on all {cores} core(s); AdamW, the codec threads and the "
+def _cpu_words(rates, cores: int, beside: float, disk: float, measured_team: bool, step: float = 0.0) -> List[str]:
+    """The overlaps' lines on a CPU device's cores (``step``: the step's measured team, ``step_team``)."""
+    speed = (f"its layers' work at {step:.2f}x their one-thread count (measured on a step-like chain of operations: "
+             "MachineRates.step_team, at this micro-batch's tokens x hidden)" if step else
+             f"{rates.compute_team():.2f}x one thread's rates (measured: MachineRates.team_matmul_flops)")
+    words = [f"CPU device: its compute runs on torch's threads at {speed} "
+             f"on all {cores} core(s); AdamW, the codec threads and the "
              "copies beside it pre-empt one of its threads and the team waits: their core-seconds add to a window's "
              "compute" if measured_team else
              f"CPU device: compute, AdamW, the codec threads and the copies share {cores} core(s): "

@@ -59,6 +59,11 @@ class MachineRates:
     softmax_rate: a CPU device's logits/s through the loss head's log-softmax and loss, forward and
         backward, over one chunk of the engine's (1024 tokens by a vocabulary of 8192: 32 MiB of
         logits, beyond the caches, as a step allocates them), one thread; 0 = not measured.
+    step_team: a CPU device's compute on torch's threads over what the prediction counts at the
+        one-thread rates, per "TxH" (a micro-batch's tokens x hidden): a step-like chain of decoder
+        layers (``measure.decoder_chain``), forward and backward, at a small and a large size; a
+        step of many small operations gets less of the team than a large matmul in a hot loop.
+        The prediction interpolates it by size (:meth:`step_speedup`); {} = not measured.
     compute_beside_disk: a CPU device's compute rate (on torch's threads, as a step computes)
         while the disk tier reads and writes beside it, over its rate alone (0: not measured, or
         a GPU, whose compute the host's I/O leaves alone); the prediction slows a CPU step's
@@ -92,6 +97,7 @@ class MachineRates:
     elementwise_rate: float = 0.0
     softmax_rate: float = 0.0
     memory_speedup: float = 0.0
+    step_team: dict = field(default_factory=dict)
     source: str = "measured"
     sources: dict = field(default_factory=dict)
     measured_at: Optional[float] = None
@@ -119,6 +125,23 @@ class MachineRates:
         if self.team_matmul_flops > 0 and self.matmul_flops > 0:
             return min(max(self.team_matmul_flops / self.matmul_flops, 1.0), float(cores))
         return max(cores - 1, 1)
+
+    def step_speedup(self, tokens: int, hidden: int) -> float:
+        """What a CPU step's compute at ``tokens`` a micro-batch and ``hidden`` gets over the
+        prediction's one-thread count: ``step_team`` interpolated in log(tokens x hidden) between
+        the measured sizes (the nearest outside them); 0 = not measured."""
+        points = sorted((int(k.split("x")[0]) * int(k.split("x")[1]), float(v))
+                        for k, v in (self.step_team or {}).items() if v and v > 0)
+        if not points:
+            return 0.0
+        size = max(float(tokens) * float(hidden), 1.0)
+        if size <= points[0][0]:
+            return points[0][1]
+        for (s0, v0), (s1, v1) in zip(points, points[1:]):
+            if size <= s1:
+                f = math.log(size / s0) / math.log(s1 / s0) if s1 > s0 else 1.0
+                return v0 + f * (v1 - v0)
+        return points[-1][1]
 
     def memory_team(self) -> float:
         """How many one-thread rates a CPU device's memory-bound work (its non-matmul work) runs at on
@@ -213,13 +236,13 @@ def elementwise_accesses(tokens: float, hidden: int, intermediate: int, passes: 
 #: measurement gone wrong or a file someone edited (a PCIe 7 link is 0.25 TB/s, an NVMe 30 GB/s,
 #: a GPU 10 PFLOP/s dense; a CPU core's AdamW ~2 G params/s).
 PLAUSIBLE = {"copy": (1e6, 1e13), "flops": (1e6, 1e17), "disk": (1e4, 1e12), "params": (1e3, 1e12),
-             "bytes": (1e3, 1e13), "elements": (1e5, 1e14)}
+             "bytes": (1e3, 1e13), "elements": (1e5, 1e14), "ratio": (1e-3, 65536.0)}
 _KIND = {"h2d_pageable": "copy", "h2d_pinned": "copy", "d2h_pageable": "copy", "d2h_pinned": "copy",
          "matmul_flops": "flops", "attention_flops": "flops", "bf16_matmul_flops": "flops",
          "bf16_attention_flops": "flops", "disk_read": "disk", "disk_write": "disk", "adamw_per_thread": "params",
          "team_matmul_flops": "flops", "elementwise_rate": "elements", "softmax_rate": "elements"}
 _TABLES = {"matmul_by_shape": "flops", "attention_by_head": "flops", "codec_per_thread": "bytes",
-           "update_chain": "params"}
+           "update_chain": "params", "step_team": "ratio"}
 _TEXT = ("device", "source")
 _OPTIONAL_TEXT = ("disk_path", "filesystem")
 
@@ -267,6 +290,10 @@ def check_rates(d: dict) -> List[str]:
             bad.append(f"{table}={t!r} (a table of rates)")
             continue
         bad += [p for k, v in t.items() if (p := _in_range(f"{table}[{k!r}]", v, kind))]
+        if table == "step_team":   # (keys "TxH": a micro-batch's tokens x hidden, both positive)
+            bad += [f"step_team[{k!r}] (a key \"TOKENSxHIDDEN\" of two whole numbers above 0)" for k in t
+                    if not (isinstance(k, str) and len(k.split("x")) == 2
+                            and all(p.isdigit() and int(p) > 0 for p in k.split("x")))]
     for name, high in _RATIOS.items():
         v = d.get(name, 0.0)
         if not (_number(v) and math.isfinite(v) and 0 <= v <= high):
@@ -329,6 +356,8 @@ def _rows(r: MachineRates) -> list:
         rows.append(("memcpy on torch's threads", f"{r.memory_speedup:.2f} x one thread's", "memory_speedup"))
     if r.softmax_rate:
         rows.append(("loss head's log-softmax per thread", f"{r.softmax_rate / 1e6:.0f} M logits/s", "softmax_rate"))
+    for key, v in sorted((r.step_team or {}).items(), key=lambda kv: int(kv[0].split("x")[0]) * int(kv[0].split("x")[1])):
+        rows.append((f"a step's compute at {key} (tokens x hidden)", f"{v:.2f} x the one-thread count", "step_team"))
     if r.compute_beside_disk:
         rows.append(("compute beside the disk", f"{r.compute_beside_disk:.2f} x alone", "compute_beside_disk"))
     return rows

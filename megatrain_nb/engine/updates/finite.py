@@ -53,18 +53,28 @@ class StepGuard:
     def check(self, unit: str, grad, finite: Optional[bool] = None) -> tuple[bool, Optional[NonFiniteError]]:
         """(skip this unit's update, the error to raise after it). ``finite``: the ranks' vote
         (data parallel), instead of this rank's shard alone."""
-        import torch
-
         if self.bad is not None:
             return True, None
-        # finite iff its largest |value| is (a NaN or an inf makes it NaN or inf): one reduction,
-        # no temporaries; isfinite(grad).all() made four unit-sized ones (abs, two compares, and)
-        if finite if finite is not None else (grad.numel() == 0 or bool(torch.isfinite(
-                torch.linalg.vector_norm(grad, float("inf"))))):
+        if finite if finite is not None else all_finite(grad):
             self.applied += 1
             return False, None
         self.bad = unit
         return True, NonFiniteError(self.step, None, None, unit=unit, partial=self.applied > 0)
+
+
+def all_finite(t) -> bool:
+    """Whether every value of ``t`` is finite (no NaN, no inf): its smallest and largest value
+    are, as torch's min and max propagate a NaN. One pass, no temporaries, at a plain
+    reduction's speed: ``isfinite(t).all()`` makes unit-sized temporaries and
+    ``vector_norm(t, inf)`` (the |x| max that propagates NaN) runs ~10x slower per element than
+    ``aminmax`` on one thread (a 4M-element fp32 gradient: 40 ms against 3.7, measured), and it
+    runs for every unit of every unclipped step."""
+    import torch   # (not at the top: config.py reads this module's policy checks without torch)
+
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def check_policy(value: str) -> str:

@@ -279,5 +279,5 @@ class GradientIntake:
         all-reduce of a flag on the reduce-scatter's channel, announced with the reduce-scatter
         by the program thread (engine/transport/issuer.py: every rank issues it at the same place); the
         unit's update reads the answer."""
-        bad = not (unit.numel == 0 or bool(torch.isfinite(grad).all()))
+        bad = not (unit.numel == 0 or finite.all_finite(grad))
         self.final.record_vote(unit, self.sharded.vote(unit, bad))

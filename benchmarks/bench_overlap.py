@@ -1,10 +1,13 @@
 """The disk tier really used: step time with master weights and optimizer states streamed from
 disk every step (the host cache of the disk tier off, or sized below the state) against
-max(compute alone, pure I/O of the same bytes, optimizer alone), all measured in the same run.
-On a CPU device the compute and the updates share the cores; "compute alone" is the whole step
-in RAM (its updates overlapped on those cores), so it already counts that sharing, and the CPU
-work over the cores (its process CPU time / cores, printed as a check with the disk tier's own)
-can never exceed it.
+max(compute alone, pure I/O of the same bytes, optimizer alone, CPU), all measured in the same
+run. On a CPU device the compute, the updates and the disk tier's I/O threads share the cores;
+"compute alone" is the whole step in RAM (its updates overlapped on those cores), so it already
+counts their sharing, and the CPU term, (its core-seconds + dd's core-seconds moving the same
+bytes) / cores, counts what moving the bytes costs the same cores (see ``cpu_report``). Each
+kind of thread's core-seconds, its wait for a core (the scheduler's run-queue delay) and its
+sleeps and pre-emptions are printed per step, and the disk-tier step's time beyond its bound
+is split into the compute's waits for loads, the extra CPU work and the extra wait for a core.
 
 Contenders, run one after the other in every repetition (alternating, medians over the reps):
 
@@ -43,6 +46,7 @@ import argparse
 import copy
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -72,20 +76,30 @@ def dd_seconds(args: list) -> float:
     return float(m.group(1))
 
 
-def pure_io(folder: str, block: int, read_bytes: int, write_bytes: int) -> float:
-    """Seconds dd (direct I/O) takes to write ``write_bytes`` then read ``read_bytes`` in
-    ``block``-byte blocks on ``folder``'s disk."""
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children (the dd runs)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def pure_io(folder: str, block: int, read_bytes: int, write_bytes: int) -> tuple:
+    """(seconds, CPU seconds) dd (direct I/O) takes to write ``write_bytes`` then read
+    ``read_bytes`` in ``block``-byte blocks on ``folder``'s disk: the CPU seconds (the kernel's
+    direct I/O: pinning the pages, building the requests) are the least CPU work moving those
+    bytes costs, which the step's cores must find room for beside the compute."""
     path = os.path.join(folder, "dd-probe.bin")
+    c0 = children_cpu()
     n_w = max(1, -(-write_bytes // block))
     n_r = max(1, -(-read_bytes // block))
     try:
         t = dd_seconds(["if=/dev/zero", f"of={path}", f"bs={block}", f"count={max(n_w, n_r)}",
                         "oflag=direct", "conv=fdatasync"]) * n_w / max(n_w, n_r)
+        c1 = children_cpu()   # (the write's CPU scaled as its seconds are: it wrote max(n_w, n_r) blocks)
         t += dd_seconds([f"if={path}", "of=/dev/null", f"bs={block}", f"count={n_r}", "iflag=direct"])
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    return t
+    return t, (c1 - c0) * n_w / max(n_w, n_r) + (children_cpu() - c1)
 
 
 def thread_cpu() -> dict:
@@ -94,7 +108,7 @@ def thread_cpu() -> dict:
     and the rest (the compute: the main thread and torch's)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {"io": [0.0, 0], "engine": [0.0, 0], "compute": [0.0, 0]}
+    out = {"io": [0.0, 0, 0.0, 0, 0], "engine": [0.0, 0, 0.0, 0, 0], "compute": [0.0, 0, 0.0, 0, 0]}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -103,12 +117,25 @@ def thread_cpu() -> dict:
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = f.read()
         except OSError:
             continue
         name = names.get(int(tid), "")
         kind = "io" if name.startswith("mtnb-disk") else "engine" if name.startswith("mtnb-") else "compute"
         out[kind][0] += (int(fields[11]) + int(fields[12])) / tick
         out[kind][1] += int(fields[7])
+        # seconds runnable but waiting for a core (the scheduler's run-queue delay), and the
+        # thread's voluntary (it slept: a wait, an idle OpenMP worker) and involuntary (a core
+        # taken from it) context switches
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[kind][2] += int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            pass
+        for i, key in ((3, "\nvoluntary_ctxt_switches:"), (4, "nonvoluntary_ctxt_switches:")):
+            if key in status:
+                out[kind][i] += int(status.split(key)[1].split()[0])
     return out
 
 
@@ -143,7 +170,7 @@ def timed_steps(engine, ids, k: int, clip=None) -> dict:
            "device_mid": mid_tel["stall_seconds"].get("device", 0.0) - t0_tel["stall_seconds"].get("device", 0.0),
            "opt_total": t1_tel["optimizer_seconds"] - t0_tel["optimizer_seconds"],
            # per thread kind: core-seconds and page faults per step (/proc/self/task)
-           "threads": {kind: ((th1[kind][0] - th0[kind][0]) / k, (th1[kind][1] - th0[kind][1]) / k) for kind in th0}}
+           "threads": {kind: tuple((th1[kind][i] - th0[kind][i]) / k for i in range(5)) for kind in th0}}
     if r0 is not None:
         out["read"] = (r1["disk_read_bytes"] - r0["disk_read_bytes"]) // k
         out["written"] = (r1["disk_write_bytes"] - r0["disk_write_bytes"]) // k
@@ -239,11 +266,57 @@ def main(argv=None):
             e.close()
 
 
+def cpu_report(runs, t_io, io_cpu, cores, bound) -> list:
+    """The step's CPU against its cores, and where the disk-tier step's time beyond the bound
+    goes; returns each rep's disk-tier step over that rep's bound.
+
+    On a CPU device the compute (torch's threads), the updates (the AdamW worker, the codec
+    threads) and the disk tier's I/O threads share the same cores. The compute figure is the
+    whole step in RAM with its updates overlapped on those cores, so its time already counts their
+    sharing; what it does not count is the CPU work moving the disk bytes takes. So the bound is
+    max(compute, pure I/O, optimizer, CPU), the CPU term being (the compute figure's core-seconds
+    + dd's core-seconds for the same bytes) / cores: no schedule on these cores can run the step
+    faster than its least CPU work allows. Each rep is taken against the bound measured in that
+    rep (the load of a shared machine drifts between reps)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    for name in ("compute", "disk-tier", "disk-tier clipped"):
+        rs = runs[name]
+        cpu, s = median([r["cpu"] for r in rs]), median([r["s"] for r in rs])
+        parts = "; ".join(
+            f"{kind} {median([r['threads'][kind][0] for r in rs]):.3f} core-s, waited "
+            f"{median([r['threads'][kind][2] for r in rs]):.3f}s for a core, "
+            f"{median([r['threads'][kind][3] for r in rs]):.0f} sleeps / "
+            f"{median([r['threads'][kind][4] for r in rs]):.0f} pre-emptions, "
+            f"{median([r['threads'][kind][1] for r in rs]) * page / MiB:.0f} MiB faulted in"
+            for kind in ("compute", "engine", "io"))
+        print(f"CPU per step, {name}: {cpu:.3f} core-s in {s:.3f}s = {cpu / max(s * cores, 1e-9):.0%} of {cores} "
+              f"cores; by thread (compute: the main thread and every OpenMP team's; engine: the update and copy "
+              f"threads; io: the disk tier's): {parts}")
+    print(f"pure I/O's CPU (dd, direct I/O, the same bytes): median {median(io_cpu):.3f} core-s "
+          f"{[round(x, 3) for x in io_cpu]}")
+    d, c = runs["disk-tier"], runs["compute"]
+    over = median([r["s"] for r in d]) - bound
+    waits = median([sum(r["stall"].values()) for r in d])
+    extra_cpu = (median([r["cpu"] for r in d]) - median([r["cpu"] for r in c])) / cores
+    extra_q = median([r["threads"]["compute"][2] for r in d]) - median([r["threads"]["compute"][2] for r in c])
+    print(f"disk-tier beyond its bound: {over:+.3f}s a step, of which the compute's waits for loads "
+          f"{waits:.3f}s, the extra CPU work over {cores} cores {extra_cpu:+.3f}s (I/O threads and the rest), the "
+          f"compute threads' extra wait for a core {extra_q:+.3f}s (summed over its threads)")
+    return [dr["s"] / max(cr["s"], io, cr["opt"], (cr["cpu"] + ic) / cores)
+            for dr, cr, io, ic in zip(d, c, t_io, io_cpu)]
+
+
 def report(a, eng, runs, t_io, k):
     m = {n: median([r["s"] for r in rs]) for n, rs in runs.items()}
     mo = median([r["opt"] for r in runs["compute"]])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    io_cpu = [c for _, c in t_io]
+    t_io = [t for t, _ in t_io]
     mio = median(t_io)
-    bound = max(m["compute"], mio, mo)
+    # the CPU term: the compute figure's CPU work (its compute and its updates, every thread) plus
+    # the least CPU work the disk bytes cost (dd's, moving the same bytes), over the cores
+    cpu_bound = (median([r["cpu"] for r in runs["compute"]]) + median(io_cpu)) / cores
+    bound = max(m["compute"], mio, mo, cpu_bound)
     print(f"load average at end: {os.getloadavg()}")
     for name in runs:
         print(describe(name, runs[name]))
@@ -259,37 +332,9 @@ def report(a, eng, runs, t_io, k):
     wr = median([r["written"] for r in runs["disk-tier"]])
     print(f"pure I/O (dd, direct I/O) of the disk-tier step's bytes ({rd / MiB:.0f} MiB read, {wr / MiB:.0f} MiB "
           f"written): median {mio:.3f}s {[round(x, 3) for x in t_io]}")
-    print(f"bound = max(compute {m['compute']:.3f}, pure I/O {mio:.3f}, optimizer {mo:.3f}) = {bound:.3f}s")
-    # On a CPU device the compute (torch's threads) and the updates (the AdamW worker, the codec
-    # threads) share the same cores, so max(compute, I/O, optimizer) would be no lower bound if
-    # "compute" were the compute alone. It is not: the compute figure is the whole step in RAM, its
-    # updates overlapped on the same cores, so its time already counts that sharing; and the
-    # step's CPU work over the cores (the compute figure's process CPU time per step / cores) is at
-    # most that time by construction (a process on n cores runs at most n core-seconds a second).
-    # Printed as a check, with the disk tier's own CPU work (its I/O threads) beside it.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cpu_c, cpu_d = median([r["cpu"] for r in runs["compute"]]), median([r["cpu"] for r in runs["disk-tier"]])
-    print(f"CPU work per step (process CPU time, every thread): compute figure {cpu_c:.3f} core-s (its compute and "
-          f"its updates), disk-tier {cpu_d:.3f} core-s ({cpu_d - cpu_c:+.3f}: the disk tier's I/O threads); "
-          f"{cores} cores")
-    for name in ("compute", "disk-tier", "disk-tier clipped"):
-        parts = ", ".join(f"{kind} {median([r['threads'][kind][0] for r in runs[name]]):.3f} core-s "
-                          f"({median([r['threads'][kind][1] for r in runs[name]]) * os.sysconf('SC_PAGE_SIZE') / MiB:.0f} MiB faulted in)"
-                          for kind in ("compute", "engine", "io"))
-        print(f"CPU per step by thread, {name}: {parts} (compute: the main thread and torch's; engine: the "
-              f"update and copy threads; io: the disk tier's)")
-    print(f"CPU bound = (compute + optimizer core-s) / cores = {cpu_c / cores:.3f}s <= the compute figure's "
-          f"{m['compute']:.3f}s (its updates already share its cores): max(compute, pure I/O, optimizer) stays the "
-          f"bound; the disk tier's extra CPU work (+{max(cpu_d - cpu_c, 0) / cores:.3f}s over {cores} cores, at "
-          f"least) is a cost of the engine's I/O, not of the bound")
-    # the load of a shared machine drifts between reps: each rep's figure against the bound
-    # measured in that rep, then the median of those
-    per_rep = [d["s"] / max(c["s"], io, c["opt"])
-               for d, c, io in zip(runs["disk-tier"], runs["compute"], t_io)]
-    per_rep_cpu = [d["s"] / max(c["s"], io, c["opt"], c["cpu"] / cores)
-                   for d, c, io in zip(runs["disk-tier"], runs["compute"], t_io)]
-    print(f"per rep: disk-tier / max(compute, I/O, optimizer, CPU bound) {[round(x, 3) for x in per_rep_cpu]} "
-          f"(median {median(per_rep_cpu):.3f}: the same, as it must be)")
+    print(f"bound = max(compute {m['compute']:.3f}, pure I/O {mio:.3f}, optimizer {mo:.3f}, CPU {cpu_bound:.3f}) "
+          f"= {bound:.3f}s")
+    per_rep = cpu_report(runs, t_io, io_cpu, cores, bound)
     clip_rep = [c["s"] / d["s"] for c, d in zip(runs["disk-tier clipped"], runs["disk-tier"])]
     print(f"per rep: disk-tier / bound {[round(x, 3) for x in per_rep]} (ratio of the medians "
           f"{m['disk-tier'] / bound:.3f}); clipped / unclipped {[round(x, 3) for x in clip_rep]} "

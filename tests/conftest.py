@@ -75,7 +75,15 @@ def pytest_cmdline_main(config):
     (default: 2, or the machine's cores if fewer) with pytest-xdist; a run naming files or tests runs
     in this one process, as does any run given `-n` itself (`-n 0`: one process), `--pdb`,
     `--collect-only` or `-p no:xdist`."""
-    if WORKER or not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None:
+    if WORKER:
+        # xdist's worker parses the command line again, without the `--dist` set below, so it would
+        # never add a test's group to its node id (`name@group`, what `loadgroup` schedules by): each
+        # test of a module sharing a module's fixture went to either worker, and both made the fixture
+        # (a torchrun job, a JupyterLab server, a trained model) -- told here by the controller
+        if getattr(config, "workerinput", {}).get("megatrain_nb_dist") == "loadgroup":
+            config.option.loadgroup = True
+        return
+    if not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None:
         return
     if config.getoption("usepdb", False) or config.getoption("collectonly", False):
         return
@@ -89,6 +97,13 @@ def pytest_cmdline_main(config):
             # the work goes out in the order `_longest_first` gives (xdist's own reorder would put
             # the groups of most tests first, whatever they take)
             config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(optionalhook=True)   # a hook of xdist's: unknown without it (-p no:xdist)
+def pytest_configure_node(node):
+    """(xdist's controller, for each worker it starts) The distribution mode, which the worker's own
+    options do not carry (`pytest_cmdline_main`)."""
+    node.workerinput["megatrain_nb_dist"] = node.config.option.dist
 
 
 def pytest_addoption(parser):
@@ -340,6 +355,24 @@ def _group_shared_fixtures(items):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
+def _name_groups(items) -> None:
+    """(A worker under `loadgroup`, after xdist's own hook) A grouped test's node id as `name@group`,
+    which is what xdist's controller schedules by. xdist (3.8) writes it into `item._nodeid`, which
+    pytest 9.2's items no longer read (their id is `item._id`, a NodeId): without this, every test
+    of a grouped module went to either worker and both made the module's fixture."""
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if not groups or "@" in item.nodeid:
+            continue
+        named = f"{item.nodeid}@{'_'.join(groups)}"
+        ident = getattr(item, "_id", None)
+        if ident is not None and not isinstance(ident, str):
+            item._id = type(ident).parse(named)
+        else:
+            item._nodeid = named
+
+
 def _guess_s(item) -> float:
     name = item.nodeid.split("@", 1)[0]
     known = LONGEST.get(name, LONGEST.get(name.split("[", 1)[0]))
@@ -382,6 +415,12 @@ def pytest_collection_modifyitems(config, items):
         config._megatrain_browser_note = f"browser tests skipped ({len(browser)}): {why}"
         if hasattr(config, "workeroutput"):   # an xdist worker: the note goes to the controller's summary
             config.workeroutput["megatrain_browser_note"] = config._megatrain_browser_note
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's worker sends its collection's node ids
+def pytest_collection_finish(session):
+    if WORKER and session.config.getvalue("loadgroup"):
+        _name_groups(session.items)
 
 
 @pytest.hookimpl(optionalhook=True)   # a hook of xdist's: unknown without it (-p no:xdist)

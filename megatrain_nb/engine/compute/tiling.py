@@ -65,7 +65,15 @@ def steady_host_allocator() -> Optional[str]:
     freed (up to 32 MiB), so after a tile's intermediates are freed the sequence-sized tensors
     of the next layers come from the heap, which fragments and does not shrink: measured, a
     step's peak RSS then grew by 16 KiB per token where the live tensors grew by 3.5. Applied
-    when a CPU device first runs a sequence longer than a tile (the device is the host's RAM)."""
+    when a CPU device first runs a sequence longer than a tile (the device is the host's RAM).
+
+    Still needed (re-measured 2026-12-07, bench_long_context's child: Llama hidden 64, intermediate
+    4096, 2 layers, one sequence on a CPU device, 3 steps, load ~10), pinned against not pinned:
+    peak RSS 614 vs 857 MiB at 8,192 tokens and 647 vs 951 MiB at 16,384, i.e. 4.1 vs 11.8 KiB
+    per token (bench_long_context's target is <= 6). Its price: the large temporaries are fresh
+    mappings, zeroed page by page (minor faults 3.6 M vs 0.7 M at 8,192 tokens, 7.1 M vs 1.1 M at
+    16,384; the step's CPU time 8.0 vs 5.4 s and 20.6 vs 14.3 s). Only a CPU device running
+    sequences longer than a tile pays it; a CUDA device's host side never calls this."""
     global _allocator_note
     if _allocator_note is None:
         _allocator_note = ""

@@ -75,7 +75,9 @@ if [ $# -eq 0 ]; then
   say "the engine's memory and parity tests again, planned by rates measured now (megatrain-nb machine," \
       "~25 s, into $rates)"
   MEGATRAIN_NB_CACHE="$rates" megatrain-nb machine --device cpu | tail -n 1
-  MEGATRAIN_NB_TEST_RATES="$rates" python -m pytest -q -m "not slow" tests/engine/test_measured_pass.py \
+  # in two processes as the suite is (files named: tests/conftest.py leaves the worker count to -n)
+  MEGATRAIN_NB_TEST_RATES="$rates" python -m pytest -q -n "${MEGATRAIN_NB_TEST_WORKERS:-2}" --dist loadgroup \
+    -m "not slow" tests/engine/test_measured_pass.py \
     tests/engine/test_engine.py tests/engine/test_window_memory.py tests/engine/test_parity.py tests/engine/test_tiers.py
   rm -rf "$rates"
 fi

@@ -15,13 +15,53 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 
+def torch_threads_here(n: int) -> None:
+    """This thread's torch kernels on ``n`` threads (its OpenMP team), the other threads' and
+    the ones started later left as they are. ``torch.set_num_threads`` would also set the
+    process-wide count every thread starts from (torch sets a thread's count from it on the
+    thread's first parallel op): a worker that calls it makes a compute thread started later
+    (a notebook session's) run on ``n``; measured: after an int8 engine's first step a new
+    thread ran on 1 of the 2 cores. So torch's own per-thread start runs first, then the
+    OpenMP runtime's per-thread setting (``torch.set_num_threads`` where none is found)."""
+    import torch
+
+    torch.get_num_threads()   # torch's per-thread start, from the process-wide count, done now
+    lib = _openmp_runtime()
+    if lib is None:
+        torch.set_num_threads(n)
+    else:
+        lib.omp_set_num_threads(int(n))
+
+
+_OPENMP = []
+
+
+def _openmp_runtime():
+    """The OpenMP runtime torch runs its parallel regions on (libgomp, libiomp5 or libomp, as
+    loaded in this process), or None."""
+    if not _OPENMP:
+        lib = None
+        try:
+            import ctypes
+
+            with open("/proc/self/maps") as f:
+                paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
+            for path in sorted(paths):
+                if path.rsplit("/", 1)[-1].startswith(("libgomp", "libiomp5", "libomp")):
+                    lib = ctypes.CDLL(path)
+                    lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+                    break
+        except (OSError, AttributeError):
+            lib = None
+        _OPENMP.append(lib)
+    return _OPENMP[0]
+
+
 def one_torch_thread() -> None:
     """Run this thread's kernels single-threaded: the worker runs beside the compute and the
     other workers, and more OpenMP teams on a busy 2-core machine mostly wait at barriers.
     (Elementwise kernels and exact max-reductions: results do not depend on it.)"""
-    import torch
-
-    torch.set_num_threads(1)
+    torch_threads_here(1)
 
 
 @dataclass(frozen=True)

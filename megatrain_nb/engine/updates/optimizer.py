@@ -22,6 +22,7 @@ import torch
 from .fused_update import CodedChunk, UpdateTeam, adam_args, kernels
 from ..planning.prediction import update_threads
 from ..units import Unit, train_numel
+from ...threads import torch_threads_here
 
 
 
@@ -145,15 +146,15 @@ class UnitAdamW:
                 decay_end=n, regions=[(0, n)], width=k.width))
             return
         prev = torch.get_num_threads()
-        if prev != threads:
-            torch.set_num_threads(threads)
+        if prev != threads:   # (this thread's count only: threads started later keep the default)
+            torch_threads_here(threads)
         try:
             torch._fused_adamw_([params], [grads], [exp_avg], [exp_avg_sq], [], [step], lr=float(lr),
                                 beta1=self.beta1, beta2=self.beta2, weight_decay=wd, eps=self.eps, amsgrad=False,
                                 maximize=False)
         finally:
             if prev != threads:
-                torch.set_num_threads(prev)
+                torch_threads_here(prev)
 
     def close(self) -> None:
         """Stop the update's helper threads."""

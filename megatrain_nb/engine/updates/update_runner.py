@@ -25,7 +25,7 @@ import torch
 from . import finite
 from .final_grads import FinalGradients
 from ..outcome import StepOutcome
-from ...threads import ADAMW, executor
+from ...threads import ADAMW, executor, torch_threads_here
 from ..units import Unit, train_numel
 
 
@@ -51,8 +51,11 @@ class UpdateRunner:
         self.guard: Optional[finite.StepGuard] = None   # the straight step's per-unit NaN/inf check
         self._pending: Dict[int, Future] = {}           # unit index -> its update of the last step
         self._worker = executor(ADAMW)
-        if adam.team.threads > 1:   # torch's ops in the worker (the compute-dtype shadow's cast) on the team's count
-            self._worker.submit(torch.set_num_threads, adam.team.threads)
+        # torch's ops in the worker (the finite check, the compute-dtype shadow's cast, a gradient's
+        # zeroing) on the team's count, 1 included: a fresh thread's torch runs an OpenMP team of
+        # its own, one thread per core, beside the compute's (on a 2-core CPU device two more
+        # threads wanting the cores the compute's parallel regions wait for)
+        self._worker.submit(torch_threads_here, adam.team.threads)
         self._slots = threading.BoundedSemaphore(depth)
 
     def next_step(self) -> int:

@@ -350,7 +350,7 @@ def chain_count_seconds(r: MachineRates, tokens: int, hidden: int, inter: int, h
 def measure_step_team(r: MachineRates, sizes: Sizes) -> dict:
     """``MachineRates.step_team``: at each of :data:`STEP_CHAINS`' sizes, the seconds the prediction
     counts for :func:`decoder_chain` at ``r``'s one-thread rates over the seconds it takes on torch's
-    threads (the compute's team, as a step runs it). A step of many small operations wakes the team
+    threads (the compute's team, as a step runs it), or on one thread where that is faster. A step of many small operations wakes the team
     for each and gets less of it than a large matmul in a hot loop (``team_matmul_flops``);
     the prediction interpolates between the sizes by a micro-batch's tokens x hidden. Needs ``r``'s
     one-thread matmul, attention and element rates (measured before it)."""
@@ -358,8 +358,12 @@ def measure_step_team(r: MachineRates, sizes: Sizes) -> dict:
     for tokens, hidden, inter, heads, layers in (STEP_CHAINS if sizes.budget_s else QUICK_CHAINS):
         chain = decoder_chain(tokens, hidden, inter, heads, layers)
         team = _rate(chain, 1.0, sizes)   # (calls a second, on torch's threads)
-        out[f"{tokens}x{hidden}"] = chain_count_seconds(
-            r, tokens, hidden, inter, heads, layers) * team
+        with _OneThread():
+            one = _rate(chain, 1.0, sizes)
+        # never below one thread's: while other processes hold the cores a team's small operations
+        # wait at every barrier (64 x 256 ran 20x the count on the team at load 9 on 2 cores, where
+        # the steps ran 2-3x their quiet time); one thread stays steady
+        out[f"{tokens}x{hidden}"] = chain_count_seconds(r, tokens, hidden, inter, heads, layers) * max(team, one)
     return out
 
 

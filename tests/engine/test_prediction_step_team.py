@@ -127,3 +127,16 @@ def test_a_cache_written_before_the_step_team_loads_and_gets_it_measured(tmp_pat
     assert set(again.step_team) == keys
     assert again.team_matmul_flops == first.team_matmul_flops and again.adamw_per_thread == first.adamw_per_thread
     assert json.loads(path.read_text())["rates"]["step_team"] == again.step_team
+
+
+def test_the_step_team_is_the_team_or_one_thread_whichever_ran_the_chain_faster(monkeypatch):
+    """A loaded machine's team waits at every small operation's barrier; one thread stays steady:
+    the measured speed-up is the faster of the two (calls a second: team, then one thread, per size)."""
+    calls = iter([1.0, 4.0, 10.0, 2.0])
+    monkeypatch.setattr(measure, "_rate", lambda fn, work, sizes, *a: next(calls))
+    monkeypatch.setattr(measure, "decoder_chain", lambda *a: (lambda: None))
+    r = MachineRates(matmul_flops=1e11, attention_flops=1e11, elementwise_rate=1e9)
+    out = measure.measure_step_team(r, measure.sizes_for(False, True))
+    (small, large) = measure.QUICK_CHAINS
+    assert out == pytest.approx({f"{small[0]}x{small[1]}": measure.chain_count_seconds(r, *small) * 4.0,
+                                 f"{large[0]}x{large[1]}": measure.chain_count_seconds(r, *large) * 10.0})

@@ -61,8 +61,9 @@ class MachineRates:
         logits, beyond the caches, as a step allocates them), one thread; 0 = not measured.
     step_team: a CPU device's compute on torch's threads over what the prediction counts at the
         one-thread rates, per "TxH" (a micro-batch's tokens x hidden): a step-like chain of decoder
-        layers (``measure.decoder_chain``), forward and backward, at a small and a large size; a
-        step of many small operations gets less of the team than a large matmul in a hot loop.
+        layers (``measure.decoder_chain``), forward and backward, at a small and a large size (or on
+        one thread where that was faster: a loaded machine's team); a step of many small operations
+        gets less of the team than a large matmul in a hot loop.
         The prediction interpolates it by size (:meth:`step_speedup`); {} = not measured.
     compute_beside_disk: a CPU device's compute rate (on torch's threads, as a step computes)
         while the disk tier reads and writes beside it, over its rate alone (0: not measured, or

@@ -4,7 +4,6 @@ seeded step boundaries (notebook calls and the beacon's command inbox), kill -9 
 (twice), resumed each time; the weights and every step's learning rate match an uninterrupted
 run with the same controls, and resources stay flat."""
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,9 @@ def test_the_plan_has_pauses_and_lr_changes_both_ways():
 @pytest.mark.slow
 def test_short_soak_with_pauses_lr_changes_and_kill9_resumes(tmp_path):
     soak = _soak()
-    t0 = time.time()
-    res = soak.run(tmp_path, steps=100, kills=2, save_every=5, seed=1, timeout=120)
-    assert time.time() - t0 < 240  # bounded (about 60 s on a busy 2-core machine)
+    # bounded by each process's timeout (a hang fails there: about 60 s a run on a busy 2-core
+    # machine, 164 s at load 10), not by the wall clock: the run's length asserts nothing
+    res = soak.run(tmp_path, steps=100, kills=2, save_every=5, seed=1, timeout=300)
     assert res["kills"] == 2 and res["starts"] == 3
     assert res["resumed_past_lr_change"]  # a resume had to take an LR change from its checkpoint
     assert res["pauses"] >= 1 and res["lr_changes"] >= 1 and res["lr_changed_steps"] > 10

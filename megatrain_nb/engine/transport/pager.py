@@ -29,7 +29,7 @@ import torch
 from .landing import landing_buffers as staging_buffers  # (the name planning and tests import)
 from .landing import landing_host_bytes
 from ..telemetry import Telemetry
-from ...threads import D2H, H2D, executor, torch_threads_here
+from ...threads import D2H, H2D, executor
 from ..units import Unit, train_numel
 
 
@@ -82,10 +82,6 @@ class Pager:
         self.transport = transport
         self._lock = threading.Condition()
         self._h2d, self._d2h = executor(H2D), executor(D2H)
-        for copier in (self._h2d, self._d2h):
-            # one torch thread each (the prediction gives each a core: ENGINE_CORE_THREADS), not an
-            # OpenMP team of their own beside the compute's and the update's
-            copier.submit(torch_threads_here, 1)
         self._grad_futures: List[Future] = []
         self.max_grads_in_flight = max_grads_in_flight
         esize = torch.tensor([], dtype=dtype).element_size()

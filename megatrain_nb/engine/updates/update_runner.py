@@ -51,11 +51,14 @@ class UpdateRunner:
         self.guard: Optional[finite.StepGuard] = None   # the straight step's per-unit NaN/inf check
         self._pending: Dict[int, Future] = {}           # unit index -> its update of the last step
         self._worker = executor(ADAMW)
-        # torch's ops in the worker (the finite check, the compute-dtype shadow's cast, a gradient's
-        # zeroing) on the team's count, 1 included: a fresh thread's torch runs an OpenMP team of
-        # its own, one thread per core, beside the compute's (on a 2-core CPU device two more
-        # threads wanting the cores the compute's parallel regions wait for)
-        self._worker.submit(torch_threads_here, adam.team.threads)
+        # torch's ops in the worker (the compute-dtype shadow's cast) on the team's count, set for
+        # this thread only. At 1 (a CPU device) the worker keeps torch's default OpenMP team: with
+        # it and the copy threads' teams the process has more OpenMP threads than cores and
+        # libgomp throttles its spin-wait; with the compute's team alone its idle thread spins
+        # after every parallel region (measured: the compute's CPU 4.0-4.3 core-s a step against
+        # 1.1, bench_overlap's model, disk tier, load 6-7; 1.1 with OMP_WAIT_POLICY=passive)
+        if adam.team.threads > 1:
+            self._worker.submit(torch_threads_here, adam.team.threads)
         self._slots = threading.BoundedSemaphore(depth)
 
     def next_step(self) -> int:

@@ -249,10 +249,11 @@ def compute_now(rates: MachineRates, seq: int, folder: str, user: bool = False) 
     team *= mm / default   # (its speed-up over one thread at the default shape, applied to the model's rate)
     memory = measure_copies(cpu, sizes.copy_bytes, sizes)["h2d_pageable"] / copy_one   # (torch's threads)
     disk = measure_disk(folder, sizes)
-    # the team on a step-like chain at two sizes, over the one-thread count at these rates (as measure_machine)
+    # the team on a step-like chain at two sizes, over the one-thread count at these rates (as
+    # measure_machine; ~3.5 s: a user configuration's, information only, keeps the start's)
     step = measure_step_team(dataclasses.replace(rates, matmul_flops=default, attention_flops=at,
                                                  attention_by_head={}, elementwise_rate=elementwise), sizes) \
-        if getattr(rates, "step_team", None) else {}
+        if getattr(rates, "step_team", None) and not user else dict(getattr(rates, "step_team", None) or {})
     by_head = {k: at for k in rates.attention_by_head} if user else {}
     return dataclasses.replace(rates, matmul_flops=mm, attention_flops=at, compute_threads=1, matmul_by_shape={},
                                attention_by_head=by_head,

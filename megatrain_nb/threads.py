@@ -9,6 +9,7 @@ against this registry and against the threads a training step really starts
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,28 +34,23 @@ def torch_threads_here(n: int) -> None:
         lib.omp_set_num_threads(int(n))
 
 
-_OPENMP = []
-
-
+@functools.lru_cache(maxsize=None)
 def _openmp_runtime():
     """The OpenMP runtime torch runs its parallel regions on (libgomp, libiomp5 or libomp, as
-    loaded in this process), or None."""
-    if not _OPENMP:
-        lib = None
-        try:
-            import ctypes
+    loaded in this process), or None (looked up once)."""
+    try:
+        import ctypes
 
-            with open("/proc/self/maps") as f:
-                paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
-            for path in sorted(paths):
-                if path.rsplit("/", 1)[-1].startswith(("libgomp", "libiomp5", "libomp")):
-                    lib = ctypes.CDLL(path)
-                    lib.omp_set_num_threads.argtypes = [ctypes.c_int]
-                    break
-        except (OSError, AttributeError):
-            lib = None
-        _OPENMP.append(lib)
-    return _OPENMP[0]
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
+        for path in sorted(paths):
+            if path.rsplit("/", 1)[-1].startswith(("libgomp", "libiomp5", "libomp")):
+                lib = ctypes.CDLL(path)
+                lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+                return lib
+    except (OSError, AttributeError):
+        pass
+    return None
 
 
 def one_torch_thread() -> None:

@@ -58,6 +58,7 @@ from .tiers.disk_store import DiskStore
 from .tiers.diskspace import filesystem_of, filesystem_text
 from .updates.optimizer import UnitAdamW
 from .transport.pinned import release_cached_pinned
+from .planning.prediction import GRAD_ACCESSES_PER_PARAM
 from .planning.rates import MachineRates, check_rates, elementwise_accesses, shape_key
 from .planning.rates_cache import (CACHE_VERSION, CacheRefused, cache_dir, cache_key, cached_rates,  # noqa: F401 - re-exported
                           device_name, load_cached, save_cached)
@@ -339,11 +340,11 @@ def chain_count_seconds(r: MachineRates, tokens: int, hidden: int, inter: int, h
     """Seconds :func:`decoder_chain` takes as the prediction counts it at ``r``'s one-thread rates:
     its matmuls (6 FLOPs a parameter a token) at ``matmul_flops``, its attention (2·s²·h forward,
     twice backward) at the head size's rate, its non-matmul work (``elementwise_accesses``, three
-    passes, and 4 accesses a parameter for the gradients) at ``elementwise_rate``."""
+    passes, and the gradients' accesses a parameter, as the prediction counts them) at ``elementwise_rate``."""
     params = layers * (4 * hidden * hidden + 3 * hidden * inter)
     mm = 6.0 * params * tokens / r.matmul_flops
     at = 3 * 2.0 * tokens * tokens * hidden * layers / (r.attention_rate(hidden // heads) or r.matmul_flops)
-    ew = (layers * elementwise_accesses(tokens, hidden, inter, 3.0) + 4.0 * params) / r.elementwise_rate
+    ew = (layers * elementwise_accesses(tokens, hidden, inter, 3.0) + GRAD_ACCESSES_PER_PARAM * params) / r.elementwise_rate
     return mm + at + ew
 
 

@@ -10,7 +10,9 @@ What is measured (each a median over repeated runs after a warm-up, within a tim
   larger than the measurement's memory cap is measured on a slice of it (the rate of a large
   matmul is that of its slices); bf16 at the default shape;
 * attention FLOP/s through ``scaled_dot_product_attention`` (causal forward, counted as
-  2·B·H·S²·D FLOPs) at the model's head size (64 without a model), fp32 and bf16;
+  2·B·H·S²·D FLOPs) at the model's head size (64 without a model), fp32 and bf16; on a CPU
+  device also its forward and backward at rows of 128, 512 and 2048 tokens (head size 64, one
+  thread: ``attention_by_seq``, ``attention_backward_by_seq``);
 * disk read and write through :class:`~.disk_store.DiskStore` itself (O_DIRECT where the
   filesystem takes it, its 32 MiB syscalls, its worker threads, several layer-sized files in
   flight, checksums, fdatasync and rename) in a private folder under ``offload_dir``;
@@ -169,6 +171,30 @@ def measure_attention(device: torch.device, head_dim: int, sizes: Sizes, dtype=t
     q, k, v = (torch.randn(1, heads, seq, head_dim, device=device).to(dtype) for _ in range(3))
     return _rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 2.0 * heads * seq * seq * head_dim,
                  sizes, _sync_for(device))
+
+
+#: Rows the attention is measured on by length (``MachineRates.attention_by_seq``): (tokens, heads),
+#: the same FLOPs at each length; QUICK_ROWS: tests'.
+ATTENTION_ROWS = ((128, 128), (512, 8), (2048, 2))
+QUICK_ROWS = ((16, 2), (64, 1))
+
+
+def measure_attention_rows(sizes: Sizes) -> Tuple[dict, dict]:
+    """(forward, backward) FLOP/s of a causal SDPA at head size 64 on the caller's threads, per row
+    length of :data:`ATTENTION_ROWS` (the backward's FLOPs counted as twice the forward's, as the
+    prediction counts them; the backward timed alone, on a kept graph)."""
+    import torch.nn.functional as F
+
+    fwd, bwd = {}, {}
+    for seq, heads in (ATTENTION_ROWS if sizes.budget_s else QUICK_ROWS):
+        q, k, v = (torch.randn(1, heads, seq, 64).requires_grad_() for _ in range(3))
+        flops = 2.0 * heads * seq * seq * 64
+        with torch.no_grad():
+            fwd[str(seq)] = _rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), flops, sizes)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grad = torch.randn_like(out)
+        bwd[str(seq)] = _rate(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), 2 * flops, sizes)
+    return fwd, bwd
 
 
 def _write_files(store: DiskStore, prefix: str, data: List[torch.Tensor]) -> None:
@@ -339,11 +365,12 @@ def decoder_chain(tokens: int, hidden: int, inter: int, heads: int, layers: int)
 def chain_count_seconds(r: MachineRates, tokens: int, hidden: int, inter: int, heads: int, layers: int) -> float:
     """Seconds :func:`decoder_chain` takes as the prediction counts it at ``r``'s one-thread rates:
     its matmuls (6 FLOPs a parameter a token) at ``matmul_flops``, its attention (2·s²·h forward,
-    twice backward) at the head size's rate, its non-matmul work (``elementwise_accesses``, three
+    twice backward) at the head size's forward and backward rates for its row (``attention_rates``), its non-matmul work (``elementwise_accesses``, three
     passes, and the gradients' accesses a parameter, as the prediction counts them) at ``elementwise_rate``."""
     params = layers * (4 * hidden * hidden + 3 * hidden * inter)
     mm = 6.0 * params * tokens / r.matmul_flops
-    at = 3 * 2.0 * tokens * tokens * hidden * layers / (r.attention_rate(hidden // heads) or r.matmul_flops)
+    fwd, bwd = r.attention_rates(hidden // heads, tokens)   # (a row of ``tokens``)
+    at = 2.0 * tokens * tokens * hidden * layers * (1 / (fwd or r.matmul_flops) + 2 / (bwd or r.matmul_flops))
     ew = (layers * elementwise_accesses(tokens, hidden, inter, 3.0) + GRAD_ACCESSES_PER_PARAM * params) / r.elementwise_rate
     return mm + at + ew
 
@@ -557,12 +584,18 @@ def _measure_all(dev: torch.device, name: str, root: str, fs_text: str, sizes: S
 
 
 def _add_team(r: MachineRates, root: str, sizes: Sizes) -> bool:
-    """A CPU device's matmul on torch's threads (the compute's team) alone and beside the disk tier
+    """A CPU device's attention by row length on one thread (``attention_by_seq``, its backward's),
+    its matmul on torch's threads (the compute's team) alone and beside the disk tier
     (``team_matmul_flops``, ``compute_beside_disk``) and its non-matmul work on one thread
     (``elementwise_rate``, ``softmax_rate``), a memcpy's team over one thread (``memory_speedup``),
     the team on a step-like chain of operations at a small and a large size (``step_team``) --
     measured where missing (a cache written before they were); True if any were."""
     added = False
+    if not r.attention_by_seq and r.attention_flops:   # (the step chains' count prices it: measured first)
+        with _OneThread():
+            r.attention_by_seq, r.attention_backward_by_seq = measure_attention_rows(sizes)
+        r.step_team = {}   # (a cache's, counted without it: measured again below)
+        added = True
     if not (r.team_matmul_flops and r.elementwise_rate and r.softmax_rate and r.compute_beside_disk
             and r.memory_speedup):
         r.team_matmul_flops, r.compute_beside_disk = measure_team_beside_disk(root, sizes)

@@ -9,7 +9,9 @@ those amounts on the engine's streams:
   (``N``: the parameters of the matmuls, layers and head; ``T``: tokens per step), the
   backward ``4·N·T``, the recompute (every layer's forward again under autograd at checkpoint
   interval k >= 1, plus the inner layers of a block once more at k > 1), and causal attention
-  (``2·b·s²·h`` per layer forward) at ``attention_flops``;
+  (``2·b·s²·h`` per layer forward, ``h`` the heads' width; twice that backward) at the head size's
+  forward and backward rates for rows of ``s`` tokens (``MachineRates.attention_rates``: a CPU's
+  measured by row length, the backward's apart);
 * **host->device / device->host** (``h2d``/``d2h``): each load of a unit in the compute order
   (``StepRunner.schedule``: embedding, head, layers; then per block the recompute and the
   backward), in the compute dtype; each unit's fp32 gradient leaving once per group;
@@ -267,7 +269,9 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
     head_n = units[-1].numel or units[0].numel   # a tied head multiplies by the embedding's weights
     cb = 2 if cfg.precision == "bf16" else 4
     rec = 0.0 if k == 0 else 1 + (n_layers - math.ceil(n_layers / max(k, 1))) / n_layers
-    attn = 2.0 * workload.batch * workload.seq ** 2 * shape.hidden_size * n_layers * workload.accumulation
+    dims = shape.layer()
+    width = dims.heads * dims.head_dim if dims.heads and dims.head_dim else shape.hidden_size   # (the heads' width)
+    attn = 2.0 * workload.batch * workload.seq ** 2 * width * n_layers * workload.accumulation
     listed = min(max(groups, 1), GROUPS_LISTED)
     order = compute_order(units, k, listed)
     scale = max(groups, 1) / listed
@@ -361,14 +365,22 @@ def step_team(rates, shape, workload, *, bf16: bool, cuda: bool) -> float:
     return rates.step_speedup(workload.batch * workload.seq, shape.hidden_size)
 
 
+def head_dim(shape) -> int:
+    """A layer's attention head size (64 where the model's config does not say)."""
+    d = shape.layer()
+    return int(d.head_dim or (d.hidden // d.heads if d.heads else 0) or 64)
+
+
 def _compute_rates(rates, shape, workload, *, bf16: bool, cuda: bool) -> tuple:
-    """(matmul, attention) FLOP/s of the step's compute: the measured rates, a CPU device's
-    (one thread's: ``MachineRates.compute_threads``) times what its compute gets from the threads
-    (the step's measured team at its size, :func:`step_team`; else the matmul's team)."""
+    """(matmul, attention forward, attention backward) FLOP/s of the step's compute: the measured
+    rates -- the attention's at the model's head size and the micro-batch's row length
+    (``MachineRates.attention_rates``) --, a CPU device's (one thread's:
+    ``MachineRates.compute_threads``) times what its compute gets from the threads (the step's
+    measured team at its size, :func:`step_team`; else the matmul's team)."""
     mm = _matmul_rate(rates, shape, workload, bf16)
-    at = (getattr(rates, "bf16_attention_flops", 0) if bf16 else 0) or rates.attention_flops or mm
+    fwd, bwd = rates.attention_rates(head_dim(shape), workload.seq, bf16=bf16)
     scale = step_team(rates, shape, workload, bf16=bf16, cuda=cuda) or rates.compute_scale(cuda)
-    return mm * scale, at * scale
+    return mm * scale, (fwd or mm) * scale, (bwd or fwd or mm) * scale
 
 
 def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
@@ -385,11 +397,11 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     a = step_amounts(units, shape, cfg, plan, workload, cuda=cuda, cache_bytes=cache_bytes)
     missing: List[str] = []
     bf16 = cfg.precision == "bf16"
-    mm, at = _compute_rates(rates, shape, workload, bf16=bf16, cuda=cuda)
+    mm, at, at_back = _compute_rates(rates, shape, workload, bf16=bf16, cuda=cuda)
     ph = {"forward": _per(a["forward_flops"], mm, "matmul_flops", missing)
           + _per(a["attention_flops"]["forward"], at, "attention_flops", missing),
           "backward": _per(a["backward_flops"], mm, "matmul_flops", missing)
-          + _per(a["attention_flops"]["backward"], at, "attention_flops", missing),
+          + _per(a["attention_flops"]["backward"], at_back, "attention_flops", missing),
           "recompute": _per(a["recompute_flops"] + a["tile_flops"], mm, "matmul_flops", missing)
           + _per(a["attention_flops"]["recompute"], at, "attention_flops", missing)}
     if not cuda:   # a CPU device's non-matmul work: memory-bound, at its own measured rates

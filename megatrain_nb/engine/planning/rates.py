@@ -29,6 +29,13 @@ class MachineRates:
     attention_flops: device FLOP/s of the attention kernel (SDPA, a causal forward counted as
         2·B·H·S²·D FLOPs: the half of the square it needs) at head size 64 (``attention_by_head``
         per head size, the model's too when measured for one; :meth:`attention_rate`).
+    attention_by_seq / attention_backward_by_seq: a CPU device's causal SDPA forward and backward
+        FLOP/s (the backward counted as twice the forward's FLOPs) at head size 64 on one thread, per
+        row length "S" (128, 512, 2048 tokens): one thread ran the forward at 2048 tokens ~1.7x as
+        fast as at 512 and its backward at 0.7-0.8x the forward's rate (where the prediction priced
+        every row at ``attention_flops`` and the backward at the forward's rate);
+        :meth:`attention_rates` interpolates them by a row's length; {} = not measured (a GPU, or an
+        older cache): every row at :meth:`attention_rate`.
     bf16_matmul_flops / bf16_attention_flops: the same in bf16 (``EngineConfig(precision="bf16")``).
     compute_threads: how many threads the matmul and attention rates were measured on: 1 for a
         CPU device (one thread's rates: the prediction runs a CPU step's compute on
@@ -82,6 +89,8 @@ class MachineRates:
     matmul_by_shape: dict = field(default_factory=dict)
     attention_flops: float = 0.0
     attention_by_head: dict = field(default_factory=dict)
+    attention_by_seq: dict = field(default_factory=dict)
+    attention_backward_by_seq: dict = field(default_factory=dict)
     bf16_matmul_flops: float = 0.0
     bf16_attention_flops: float = 0.0
     compute_threads: int = 0
@@ -131,18 +140,23 @@ class MachineRates:
         """What a CPU step's compute at ``tokens`` a micro-batch and ``hidden`` gets over the
         prediction's one-thread count: ``step_team`` interpolated in log(tokens x hidden) between
         the measured sizes (the nearest outside them); 0 = not measured."""
-        points = sorted((int(k.split("x")[0]) * int(k.split("x")[1]), float(v))
-                        for k, v in (self.step_team or {}).items() if v and v > 0)
-        if not points:
-            return 0.0
-        size = max(float(tokens) * float(hidden), 1.0)
-        if size <= points[0][0]:
-            return points[0][1]
-        for (s0, v0), (s1, v1) in zip(points, points[1:]):
-            if size <= s1:
-                f = math.log(size / s0) / math.log(s1 / s0) if s1 > s0 else 1.0
-                return v0 + f * (v1 - v0)
-        return points[-1][1]
+        points = [(int(k.split("x")[0]) * int(k.split("x")[1]), float(v)) for k, v in (self.step_team or {}).items()]
+        return log_interp(points, float(tokens) * float(hidden))
+
+    def attention_rates(self, head_dim: int, seq: int, *, bf16: bool = False) -> tuple:
+        """(forward, backward) FLOP/s of the attention at ``head_dim`` on rows of ``seq`` tokens (the
+        backward's FLOPs counted as twice the forward's): ``attention_by_seq`` and
+        ``attention_backward_by_seq`` interpolated in log(seq) (the nearest outside the measured
+        lengths), times the head size's rate over head 64's (:meth:`attention_rate`, both measured at
+        the default row); not measured by row length (a GPU, bf16, an older cache): the head size's
+        rate for both."""
+        base = self.attention_rate(head_dim, bf16=bf16)
+        if bf16 or not self.attention_by_seq or not self.attention_flops or not base:
+            return base, base
+        scale = base / self.attention_flops
+        fwd = log_interp([(int(k), float(v)) for k, v in self.attention_by_seq.items()], seq)
+        bwd = log_interp([(int(k), float(v)) for k, v in (self.attention_backward_by_seq or {}).items()], seq) or fwd
+        return fwd * scale, bwd * scale
 
     def memory_team(self) -> float:
         """How many one-thread rates a CPU device's memory-bound work (its non-matmul work) runs at on
@@ -211,6 +225,22 @@ class MachineRates:
         return format_rates(self)
 
 
+def log_interp(points, x: float) -> float:
+    """The value at ``x`` of ``points`` ((x, value) pairs, values > 0 kept) interpolated linearly in
+    log(x), the nearest value outside them; 0 = no points."""
+    points = sorted((float(p), float(v)) for p, v in points if v and v > 0 and p > 0)
+    if not points:
+        return 0.0
+    x = max(float(x), 1.0)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, v0), (x1, v1) in zip(points, points[1:]):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0) if x1 > x0 else 1.0
+            return v0 + f * (v1 - v0)
+    return points[-1][1]
+
+
 def shape_key(m: int, k: int, n: int) -> str:
     """``matmul_by_shape``'s key: "MxKxN" (tokens x input features x output features)."""
     return f"{int(m)}x{int(k)}x{int(n)}"
@@ -243,7 +273,8 @@ _KIND = {"h2d_pageable": "copy", "h2d_pinned": "copy", "d2h_pageable": "copy", "
          "bf16_attention_flops": "flops", "disk_read": "disk", "disk_write": "disk", "adamw_per_thread": "params",
          "team_matmul_flops": "flops", "elementwise_rate": "elements", "softmax_rate": "elements"}
 _TABLES = {"matmul_by_shape": "flops", "attention_by_head": "flops", "codec_per_thread": "bytes",
-           "update_chain": "params", "step_team": "ratio"}
+           "update_chain": "params", "step_team": "ratio", "attention_by_seq": "flops",
+           "attention_backward_by_seq": "flops"}
 _TEXT = ("device", "source")
 _OPTIONAL_TEXT = ("disk_path", "filesystem")
 
@@ -295,6 +326,9 @@ def check_rates(d: dict) -> List[str]:
             bad += [f"step_team[{k!r}] (a key \"TOKENSxHIDDEN\" of two whole numbers above 0)" for k in t
                     if not (isinstance(k, str) and len(k.split("x")) == 2
                             and all(p.isdigit() and int(p) > 0 for p in k.split("x")))]
+        if table in ("attention_by_seq", "attention_backward_by_seq"):   # (keys: a row's tokens)
+            bad += [f"{table}[{k!r}] (a key of a whole number of tokens above 0)" for k in t
+                    if not (isinstance(k, str) and k.isdigit() and int(k) > 0)]
     for name, high in _RATIOS.items():
         v = d.get(name, 0.0)
         if not (_number(v) and math.isfinite(v) and 0 <= v <= high):
@@ -334,6 +368,9 @@ def _rows(r: MachineRates) -> list:
     rows.append((f"attention fp32 (SDPA){one}", _flops(r.attention_flops), "attention_flops"))
     heads = sorted(r.attention_by_head.items(), key=lambda x: int(x[0]))
     rows += [(f"  head size {h}", _flops(v), None) for h, v in heads]
+    back = r.attention_backward_by_seq or {}
+    rows += [(f"  rows of {k} tokens: forward / backward", f"{_flops(v)} / {_flops(back.get(k, 0.0))}", None)
+             for k, v in sorted((r.attention_by_seq or {}).items(), key=lambda kv: int(kv[0]))]
     rows += [(f"matmul bf16{one}", _flops(r.bf16_matmul_flops), "bf16_matmul_flops"),
              (f"attention bf16 (SDPA){one}", _flops(r.bf16_attention_flops), "bf16_attention_flops"),
              ("disk read", _bps(r.disk_read), "disk_read"),

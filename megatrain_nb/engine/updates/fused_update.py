@@ -657,30 +657,81 @@ static inline int enc8_known(const float *m, const float *v, const float *w, flo
     return bad;
 }
 
+/* The common step in two passes over L1 arrays. Pass A (multiplies, conversions): the codes decoded,
+   the new moments into m, v, their blocks' maxima. Pass B (the divider: three roots and a division
+   per 8 values): AdamW's root and the weights' step, and, where both blocks are on the common case
+   (finite, no sign bit in the second moment, mul 1), both moments' codes in the same loop (the
+   second moment's first root being AdamW's). Before, one loop did the decode, the moments and the
+   weights: its dependent chain (decode, sqrt, division: ~70 cycles) held more of it in flight than
+   the scheduler does, and the divider idled. Each value's arithmetic is the same either way. */
+static inline __m256 weights_vec(float *p, __m256 mi, __m256 vi, const lanes_t *L, const int decayed) {
+    __m256 pi = _mm256_loadu_ps(p);
+    if (decayed) pi = _mm256_mul_ps(pi, L->pmul);
+    __m256 a = _mm256_sqrt_ps(vi), q = _mm256_mul_ps(a, L->rb);
+    q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, L->bc2s, a), L->rb, q);
+    q = _mm256_max_ps(q, a);   /* (adam_vec's select) */
+    __m256 den = _mm256_add_ps(q, L->eps);
+    _mm256_storeu_ps(p, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(L->negss, mi), den)));
+    return a;
+}
+
+/* fourth_vec, unscaled, of x whose sqrtf is a */
+static inline __m256i fourth_root_vec(__m256 x, __m256 a, __m256 K, __m256 FL, __m256 A) {
+    __m256 s = _mm256_max_ps(a, FL);
+    __m256i ub = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0xFFFF));
+    __m256 u = _mm256_cvtepi32_ps(_mm256_add_epi32(ub, _mm256_set1_epi32(65)));
+    return _mm256_cvttps_epi32(_mm256_fmadd_ps(u, A, _mm256_mul_ps(_mm256_sqrt_ps(s), K)));
+}
+
 static inline __attribute__((always_inline)) int step8(float *p, const float *g, const int8_t *cm, float sm, const uint8_t *cv, float sv,
                  int8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed, const consts_t *C) {
     float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32))), w[I8B] __attribute__((aligned(32)));
     const lanes_t L = lanes_of(A);
-    const __m256 i127 = _mm256_set1_ps(C->inv127), i255 = _mm256_set1_ps(C->inv255);
-    const __m256 SM = _mm256_set1_ps(sm), SV = _mm256_set1_ps(sv), sgn = _mm256_set1_ps(-0.0f);
-    __m256i mxm = _mm256_setzero_si256(), mxv = mxm, orv = mxm;
-    for (int i = 0; i < I8B; i += 8) {
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cm + i)))), i127);
-        __m256 mm = _mm256_mul_ps(_mm256_mul_ps(t, _mm256_andnot_ps(sgn, t)), SM);
-        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cv + i)))), i255);
-        u = _mm256_mul_ps(u, u);
-        __m256 mo, vo, ro;
-        adam_vec(p + i, g + i, mm, _mm256_mul_ps(_mm256_mul_ps(u, u), SV), &L, decayed, &mo, &vo, &ro);
-        _mm256_store_ps(m + i, mo);
-        _mm256_store_ps(v + i, vo);
-        _mm256_store_ps(w + i, ro);
-        __m256i vb = _mm256_castps_si256(vo);
-        mxm = _mm256_max_epi32(mxm, abs_bits(mo));
-        mxv = _mm256_max_epi32(mxv, vb);   /* (no sign bit, or the general encoders) */
-        orv = _mm256_or_si256(orv, vb);
+    {
+        const __m256 i127 = _mm256_set1_ps(C->inv127), i255 = _mm256_set1_ps(C->inv255);
+        const __m256 SM = _mm256_set1_ps(sm), SV = _mm256_set1_ps(sv), sgn = _mm256_set1_ps(-0.0f);
+        __m256i mxm = _mm256_setzero_si256(), mxv = mxm, orv = mxm;
+        for (int i = 0; i < I8B; i += 8) {
+            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cm + i)))), i127);
+            __m256 mm = _mm256_mul_ps(_mm256_mul_ps(t, _mm256_andnot_ps(sgn, t)), SM);
+            __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cv + i)))), i255);
+            u = _mm256_mul_ps(u, u);
+            __m256 vv = _mm256_mul_ps(_mm256_mul_ps(u, u), SV), gi = _mm256_loadu_ps(g + i);
+            __m256 mo = _mm256_fmadd_ps(L.coef, _mm256_sub_ps(gi, mm), mm);
+            __m256 vo = _mm256_fmadd_ps(_mm256_mul_ps(L.c2, gi), gi, _mm256_mul_ps(vv, L.b2));
+            _mm256_store_ps(m + i, mo);
+            _mm256_store_ps(v + i, vo);
+            __m256i vb = _mm256_castps_si256(vo);
+            mxm = _mm256_max_epi32(mxm, abs_bits(mo));
+            mxv = _mm256_max_epi32(mxv, vb);   /* (no sign bit, or the general encoders) */
+            orv = _mm256_or_si256(orv, vb);
+        }
+        sm = hmax_bits(mxm); sv = hmax_bits(mxv);
+        const int neg = _mm256_movemask_ps(_mm256_castsi256_ps(orv)) != 0;
+        float mx, mulm = 0.0f, km = 0.0f, flm = 0.0f, mulv = 0.0f, kv = 0.0f, flv = 0.0f;
+        if (isfinite(sm)) scale_setup(sm, 127.0f, C->i8m_floor, 1, &mx, &mulm, &km, &flm);
+        if (isfinite(sv) && !neg) scale_setup(sv, 255.0f, C->i8v_floor, 2, &mx, &mulv, &kv, &flv);
+        if (mulm == 1.0f && mulv == 1.0f) {   /* the common case: pass B with both encoders */
+            const __m256 KM = _mm256_set1_ps(km), FLM = _mm256_set1_ps(flm), KV = _mm256_set1_ps(kv),
+                         FLV = _mm256_set1_ps(sqrtf(flv)), AL = _mm256_set1_ps(C->dither_alpha);
+            *osm = sm; *osv = sv;
+            for (int i = 0; i < I8B; i += 32) {
+                __m256i c[4], d[4];
+                for (int h = 0; h < 4; h++) {
+                    const __m256 mi = _mm256_load_ps(m + i + 8 * h), vi = _mm256_load_ps(v + i + 8 * h);
+                    const __m256 a = weights_vec(p + i + 8 * h, mi, vi, &L, decayed);
+                    c[h] = i8m_vec(mi, KM, KM, FLM, 0);
+                    d[h] = fourth_root_vec(vi, a, KV, FLV, AL);
+                }
+                _mm256_storeu_si256((__m256i *)(om + i), bytes32(c[0], c[1], c[2], c[3], 1));
+                _mm256_storeu_si256((__m256i *)(ov + i), _mm256_max_epu8(bytes32(d[0], d[1], d[2], d[3], 0), _mm256_set1_epi8(1)));
+            }
+            return 0;
+        }
+        for (int i = 0; i < I8B; i += 8)
+            _mm256_store_ps(w + i, weights_vec(p + i, _mm256_load_ps(m + i), _mm256_load_ps(v + i), &L, decayed));
+        return enc8_known(m, v, w, sm, sv, neg, om, osm, ov, osv, C);
     }
-    return enc8_known(m, v, w, hmax_bits(mxm), hmax_bits(mxv), _mm256_movemask_ps(_mm256_castsi256_ps(orv)) != 0,
-                      om, osm, ov, osv, C);
 }
 
 /* 32 int4 codes (16 bytes) decoded with the 16 levels (L0, L1): dec_i4's AVX2 permutes, times S */
@@ -716,28 +767,30 @@ static inline void scales4(__m256 sm, __m256 sv, const consts_t *C, float *km, f
 static inline __attribute__((always_inline)) int step4(float *p, const float *g, const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
                  uint8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed, const consts_t *C) {
     float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32))), w[I8B] __attribute__((aligned(32)));
+    __m256i mxm[G4], mxv[G4], orv = _mm256_setzero_si256();   /* (in memory: the blocks' maxima, 8 lanes each) */
     const lanes_t L = lanes_of(A);
-    const __m256 LM0 = _mm256_loadu_ps(C->lut4m), LM1 = _mm256_loadu_ps(C->lut4m + 8);
-    const __m256 LV0 = _mm256_loadu_ps(C->lut4v), LV1 = _mm256_loadu_ps(C->lut4v + 8);
-    __m256i mxm[G4], mxv[G4], orv = _mm256_setzero_si256();
-    for (int b = 0; b < G4; b++) {
-        __m256 dm[4], dv[4];
-        nibbles_vec(cm + 16 * b, LM0, LM1, _mm256_set1_ps(sm[b]), dm);
-        nibbles_vec(cv + 16 * b, LV0, LV1, _mm256_set1_ps(sv[b]), dv);
-        __m256i a = _mm256_setzero_si256(), c = a;
-        for (int h = 0; h < 4; h++) {
-            int i = I4B * b + 8 * h;
-            __m256 mo, vo, ro;
-            adam_vec(p + i, g + i, dm[h], dv[h], &L, decayed, &mo, &vo, &ro);
-            _mm256_store_ps(m + i, mo);
-            _mm256_store_ps(v + i, vo);
-            _mm256_store_ps(w + i, ro);
-            __m256i vb = _mm256_castps_si256(vo);
-            a = _mm256_max_epi32(a, abs_bits(mo));
-            c = _mm256_max_epi32(c, vb);
-            orv = _mm256_or_si256(orv, vb);
+    {
+        const __m256 LM0 = _mm256_loadu_ps(C->lut4m), LM1 = _mm256_loadu_ps(C->lut4m + 8);
+        const __m256 LV0 = _mm256_loadu_ps(C->lut4v), LV1 = _mm256_loadu_ps(C->lut4v + 8);
+        for (int b = 0; b < G4; b++) {
+            __m256 dm[4], dv[4];
+            nibbles_vec(cm + 16 * b, LM0, LM1, _mm256_set1_ps(sm[b]), dm);
+            nibbles_vec(cv + 16 * b, LV0, LV1, _mm256_set1_ps(sv[b]), dv);
+            __m256i a = _mm256_setzero_si256(), c = a;
+            for (int h = 0; h < 4; h++) {
+                int i = I4B * b + 8 * h;
+                __m256 gi = _mm256_loadu_ps(g + i);
+                __m256 mo = _mm256_fmadd_ps(L.coef, _mm256_sub_ps(gi, dm[h]), dm[h]);
+                __m256 vo = _mm256_fmadd_ps(_mm256_mul_ps(L.c2, gi), gi, _mm256_mul_ps(dv[h], L.b2));
+                _mm256_store_ps(m + i, mo);
+                _mm256_store_ps(v + i, vo);
+                __m256i vb = _mm256_castps_si256(vo);
+                a = _mm256_max_epi32(a, abs_bits(mo));
+                c = _mm256_max_epi32(c, vb);
+                orv = _mm256_or_si256(orv, vb);
+            }
+            _mm256_store_si256(mxm + b, a); _mm256_store_si256(mxv + b, c);
         }
-        mxm[b] = a; mxv[b] = c;
     }
     float s_m[G4], s_v[G4], km[G4], mv[G4], kv[G4], fv[G4], sfv[G4], mx, mul, k, fl;
     const __m256 SMX = _mm256_castsi256_ps(max8(mxm)), SVX = _mm256_castsi256_ps(max8(mxv));
@@ -745,6 +798,29 @@ static inline __attribute__((always_inline)) int step4(float *p, const float *g,
     _mm256_storeu_ps(s_v, SVX);
     scales4(SMX, SVX, C, km, mv, kv, fv);
     _mm256_storeu_ps(sfv, _mm256_sqrt_ps(_mm256_loadu_ps(fv)));
+    int common = !_mm256_movemask_ps(_mm256_castsi256_ps(orv));
+    for (int b = 0; b < G4; b++) common &= isfinite(s_m[b]) && isfinite(s_v[b]) && mv[b] == 1.0f;
+    if (common) {   /* pass B with both encoders (step8's) */
+        const __m256 AL = _mm256_set1_ps(C->dither_alpha);
+        for (int b = 0; b < G4; b++) {
+            const __m256 KM = _mm256_set1_ps(km[b]), KV = _mm256_set1_ps(kv[b]), FLV = _mm256_set1_ps(sfv[b]);
+            __m256i c[4], d[4];
+            for (int h = 0; h < 4; h++) {
+                const int i = I4B * b + 8 * h;
+                const __m256 mi = _mm256_load_ps(m + i), vi = _mm256_load_ps(v + i);
+                const __m256 a = weights_vec(p + i, mi, vi, &L, decayed);
+                c[h] = i4m_vec(mi, KM);
+                d[h] = fourth_root_vec(vi, a, KV, FLV, AL);
+            }
+            store_nibbles(_mm256_add_epi8(bytes32(c[0], c[1], c[2], c[3], 1), _mm256_set1_epi8(8)), om + 16 * b);
+            store_nibbles(_mm256_min_epu8(_mm256_subs_epu8(bytes32(d[0], d[1], d[2], d[3], 0), _mm256_set1_epi8(1)),
+                                          _mm256_set1_epi8(15)), ov + 16 * b);
+            osm[b] = s_m[b]; osv[b] = s_v[b];
+        }
+        return 0;
+    }
+    for (int i = 0; i < I8B; i += 8)
+        _mm256_store_ps(w + i, weights_vec(p + i, _mm256_load_ps(m + i), _mm256_load_ps(v + i), &L, decayed));
     int bad = 0;
     if (_mm256_movemask_ps(_mm256_castsi256_ps(orv))) {   /* a sign bit: enc_i4v_group's own checks */
         bad |= enc_i4m_group(m, G4, om, osm);

@@ -66,6 +66,12 @@ os.environ["MEGATRAIN_NB_CACHE"] = _test_cache()
 # core, and on a busy 2-core machine torch's spinning OpenMP workers burned several times the CPU.
 # Measured: the slow engine tests 15-20% shorter with one thread than with two.
 torch.set_num_threads(1)
+# And the same for every process a test starts (a notebook's kernel, a JupyterLab server's kernels,
+# a CLI run, a worker script) that does not say otherwise: torch there took both cores, its OpenMP
+# workers spinning beside the other worker's test. Set after torch's import, this process keeps
+# the count set above. Measured (notebook 01 under nbclient, load 3.5-5, two pairs): the kernel's
+# CPU 72 -> 57 s and 68 -> 62 s; notebook 02's the same either way (46-48 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.hookimpl(tryfirst=True)

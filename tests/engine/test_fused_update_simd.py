@@ -2,7 +2,8 @@
 maxima, the second moment's first root taken from AdamW's) against the kernels' plain C build
 (-DMT_NO_SIMD): weights, codes and scales bit for bit over several steps, through every case the
 step hands to the general path (first step, group edges inside a block, scalar tails, decay ending
-inside a block, a lerp from the gradient, tiny and subnormal blocks); and the source builds for
+inside a block, a lerp from the gradient, tiny and subnormal blocks) and every block the 8-lane
+step encodes with its own general encoders (new moments below 2**-60); and the source builds for
 the CPUs the kernels are cached for."""
 
 import ctypes
@@ -51,11 +52,13 @@ def test_the_simd_update_is_the_plain_c_update_bit_for_bit(tmp_path, name):
     simd, plain = fused_update.kernels(), _build(tmp_path, "plain", "-DMT_NO_SIMD")
     n = 3 * 4096 + 77
     m, v = _hard_moments(n, seed=21)
+    v[2560:2688] *= 1e-20   # an int4 step of 4 blocks below 2**-60 (no floor) beside 4 normal ones
     g = torch.Generator().manual_seed(22)
     p = torch.randn(n, generator=g)
     for case, scale in (("first", 1e-3), ("plain", 1e-3), ("plain", 1e-7), ("plain", 30.0), ("groups", 1e-3)):
         grads = torch.randn(n, generator=g) * scale * torch.randn(n, generator=g).mul_(0.7).exp_()
         grads[::9] = 0.0
+        grads[2048:2816] = 0.0   # the tiny blocks' new moments stay below 2**-60: the 8-lane step's own general encoders
         stored = {f"{r}.{k}": t for r, x in zip(ROLES, (m, v)) for k, t in get_codec(name, r).encode(x).items()}
         outs = []
         for k in (simd, plain):

@@ -9,10 +9,23 @@ C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes
   ``exp_avg`` and ``exp_avg_sq``), one pass, each block in registers and L1;
 * ``mt_update``: a chunk of a unit's update -- each block's moments decoded, AdamW on its
   weights and gradient, the new moments encoded -- with no fp32 moments in memory. With AVX2 and
-  FMA a step of 256 values (one int8 block, 8 int4 ones) is two passes: the codes decoded straight
-  into AdamW's 8-float lanes, the new moments' block maxima gathered there; then each block
-  encoded from its known maximum, the second moment's first root being AdamW's (``sqrtf`` is
-  monotone: ``sqrtf(max(v, floor)) = max(sqrtf(v), sqrtf(floor))``). Steps at a group's edge, in
+  FMA a step of 256 values (one int8 block, 8 int4 ones) is two passes over L1 arrays: (A) the
+  codes decoded straight into AdamW's 8-float lanes, the new moments and their block maxima (no
+  root: multiplies, conversions, permutes); (B) AdamW's root and division on the weights and each
+  block encoded from its known maximum in the same loop, the second moment's first root being
+  AdamW's (``sqrtf`` is monotone: ``sqrtf(max(v, floor)) = max(sqrtf(v), sqrtf(floor))``): three
+  roots and a division per 8 values, the divider's work together. Before (issue 45) the cut was
+  elsewhere (decode, moments, root and division in one loop, whose dependent chain of ~70
+  cycles per 8 values held more of it in flight than Zen 3's scheduler does; then the encoders'
+  roots alone): the new cut measured int8 +9.9%, int4 +8.5% on the benchmark's chain (in one
+  process, alternating, 8 rounds of 4194304 parameters on one thread, load ~4.3 on 2 cores: int8
+  519 -> 557 M params/s, int4 424 -> 457, the fp32 AdamW 957-1116), the kernel alone +8-10% and
+  +9%. Tried beside it and not kept (same A/B): a step's pass A in one loop with the previous
+  step's pass B (int8: no change, within +-3%), pass B cut again (roots; division and the second
+  moment's code: -6% both), the encoders' roots from ``vrsqrtps``, a Goldschmidt step and the
+  exact residual (equal to the IEEE root on every float >= 2**-102 here, all 2.1e9 checked; int8
+  +2-5% for the first moment's root, -6% for the fourth root's, int4 -5%: not worth an exactness
+  that rests on one CPU's ``rsqrt`` table), ``-fschedule-insns`` (no change). Steps at a group's edge, in
   torch's scalar tail, with a lerp from the gradient, where the decay ends, on a floored scale,
   the first one, and every step without AVX2 take the general path (each block decoded into L1
   buffers, AdamW, encoded; int4: 8 blocks at a time, their scale roots as one vector). The same
@@ -488,36 +501,17 @@ void mt_decode(int kind, const uint8_t *codes, const float *scales, int64_t n, f
 /* ------------------------------------------------------------------ the fused step, 8 lanes */
 #if MT_V8
 /* update_range's common step (256 elements in one learning-rate group, on torch's vector lanes,
-   all decayed or none, moments stored) in two passes instead of five: (1) the codes decoded
-   straight into AdamW's lanes, the new moments' block maxima (and second moment's sign bits)
-   gathered on the way; (2) each block encoded from its known maximum. The arithmetic of every
-   value is the one of dec_*, adam_lanes and enc_*, op for op: the same floats and codes. */
+   all decayed or none, moments stored) in two passes instead of five: (A) the codes decoded
+   straight into AdamW's lanes, the new moments and their block maxima (and second moment's sign
+   bits); (B) AdamW's root and division on the weights, each block encoded from its known maximum
+   in the same loop (step8). The arithmetic of every value is the one of dec_*, adam_lanes and
+   enc_*, op for op: the same floats and codes. */
 typedef struct { __m256 coef, pmul, b2, c2, bc2s, rb, eps, negss; } lanes_t;
 
 static inline lanes_t lanes_of(const adam_t *A) {
     lanes_t L = {_mm256_set1_ps(A->coef), _mm256_set1_ps(A->pmul), _mm256_set1_ps(A->b2), _mm256_set1_ps(A->c2),
                  _mm256_set1_ps(A->bc2s), _mm256_set1_ps(1.0f / A->bc2s), _mm256_set1_ps(A->eps), _mm256_set1_ps(A->negss)};
     return L;
-}
-
-/* adam_lanes on 8 values whose moments are m, v: the new moments into mo, vo, the new second
-   moment's root (sqrtf) into ro */
-static inline void adam_vec(float *p, const float *g, __m256 m, __m256 v, const lanes_t *L, const int decayed,
-                            __m256 *mo, __m256 *vo, __m256 *ro) {
-    __m256 gi = _mm256_loadu_ps(g), pi = _mm256_loadu_ps(p);
-    if (decayed) pi = _mm256_mul_ps(pi, L->pmul);
-    __m256 mi = _mm256_fmadd_ps(L->coef, _mm256_sub_ps(gi, m), m);
-    __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(L->c2, gi), gi, _mm256_mul_ps(v, L->b2));
-    __m256 a = _mm256_sqrt_ps(vi), q = _mm256_mul_ps(a, L->rb);
-    q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, L->bc2s, a), L->rb, q);
-    /* div_bc2s's select of an infinite root as a max: a finite root's quotient is >= the root (bc2s <= 1),
-       an infinite root's is NaN (the max takes the root); a NaN root's quotient is that NaN */
-    q = _mm256_max_ps(q, a);
-    __m256 den = _mm256_add_ps(q, L->eps);
-    _mm256_storeu_ps(p, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(L->negss, mi), den)));
-    *mo = mi;
-    *vo = vi;
-    *ro = a;
 }
 
 static inline __m256i abs_bits(__m256 x) { return _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff)); }
@@ -623,7 +617,7 @@ static inline void i4m_block(const float *x, float k, uint8_t *codes) {
 
 /* the scalar set stepping all of [lo, hi) on torch's vector lanes, and whether it decays them all
    (else none); NULL: none does (a group's edge, torch's scalar tail, a lerp from the gradient, the
-   decay's end inside, a bias correction above 1: adam_vec's max): the step takes the general path */
+   decay's end inside, a bias correction above 1: weights_vec's max): the step takes the general path */
 static inline const adam_t *lanes_group(const adam_t *A, int nA, int64_t lo, int64_t hi, int *decayed) {
     for (int s = 0; s < nA; s++) {
         if (A[s].lo > lo || A[s].hi < hi) continue;
@@ -657,19 +651,23 @@ static inline int enc8_known(const float *m, const float *v, const float *w, flo
     return bad;
 }
 
-/* The common step in two passes over L1 arrays. Pass A (multiplies, conversions): the codes decoded,
-   the new moments into m, v, their blocks' maxima. Pass B (the divider: three roots and a division
-   per 8 values): AdamW's root and the weights' step, and, where both blocks are on the common case
-   (finite, no sign bit in the second moment, mul 1), both moments' codes in the same loop (the
-   second moment's first root being AdamW's). Before, one loop did the decode, the moments and the
-   weights: its dependent chain (decode, sqrt, division: ~70 cycles) held more of it in flight than
-   the scheduler does, and the divider idled. Each value's arithmetic is the same either way. */
+/* The common step in two passes over L1 arrays. Pass A (multiplies, conversions, permutes; no
+   root): the codes decoded, the new moments into m, v, their blocks' maxima. Pass B (the divider:
+   three roots and a division per 8 values): AdamW's root and the weights' step (weights_vec), and,
+   where the blocks are on the common case (finite, no sign bit in the second moment, mul 1), both
+   moments' codes in the same loop (the second moment's first root being AdamW's); else the root
+   into w and the block encoders after. Before, one loop did the decode, the moments and the
+   weights' root and division (a dependent chain of ~70 cycles per 8 values: more of it in flight
+   than Zen 3's scheduler holds), then the encoders ran their roots alone. Each value's arithmetic
+   is the same either way. */
 static inline __m256 weights_vec(float *p, __m256 mi, __m256 vi, const lanes_t *L, const int decayed) {
     __m256 pi = _mm256_loadu_ps(p);
     if (decayed) pi = _mm256_mul_ps(pi, L->pmul);
     __m256 a = _mm256_sqrt_ps(vi), q = _mm256_mul_ps(a, L->rb);
     q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, L->bc2s, a), L->rb, q);
-    q = _mm256_max_ps(q, a);   /* (adam_vec's select) */
+    /* div_bc2s's select of an infinite root as a max: a finite root's quotient is >= the root (bc2s <= 1),
+       an infinite root's is NaN (the max takes the root); a NaN root's quotient is that NaN */
+    q = _mm256_max_ps(q, a);
     __m256 den = _mm256_add_ps(q, L->eps);
     _mm256_storeu_ps(p, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(L->negss, mi), den)));
     return a;

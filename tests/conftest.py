@@ -355,8 +355,12 @@ def _mark_slow_kinds(items, args=()):
 
 def _group_shared_fixtures(items):
     """A module whose tests share a fixture of module scope (a torchrun job, a JupyterLab server, a
-    trained model) runs on one worker, so that the fixture is made once (xdist's `loadgroup`)."""
+    trained model) runs on one worker, so that the fixture is made once (xdist's `loadgroup`). A
+    test marked with a group of its own (a launch that tests of several modules read, made once a
+    worker: tests/distributed/launch.py's `engine_flow_runs`) keeps that one group alone."""
     for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         if any(d.scope in ("module", "class", "package", "session") and d.baseid
                for ds in defs.values() for d in ds):

@@ -96,6 +96,30 @@ def alone_once(script: Path, *argv: str, timeout: float = 300) -> Path:
     return out
 
 
+#: every run of engine_flow.py that a module-scoped ``two_ranks`` fixture reads (test_engine_sharded's
+#: cases, test_sharded_window_disk's variants, test_estimate_sharded's runs): one two-rank launch
+#: makes them all (each run seeds its own model and data: what it gives does not depend on the
+#: others in the launch), where each module launched its own and three runs were made twice
+ENGINE_FLOW_RUNS = ("adamw", "clip_wd", "tied_clip_wd", "tied", "int8", "moe",
+                    "clip_wd+window", "tied_clip_wd+window", "clip_wd+params_on_disk",
+                    "clip_wd+window+params_on_disk", "int8+params_on_disk")
+#: the xdist group of the tests that read it (so that one worker launches it)
+ENGINE_FLOW = "engine-flow"
+
+
+def engine_flow_runs() -> Path:
+    """The output folder of one launch of ``engine_flow.py`` on 2 ranks with every run of
+    ENGINE_FLOW_RUNS (``<run>-rank<r>.pt``), launched once in this test process."""
+    key = ("engine_flow", ENGINE_FLOW_RUNS)
+    out = _ONCE.get(key)
+    if out is None or not out.is_dir():
+        out = Path(tempfile.mkdtemp(prefix="engine-flow-", dir=os.environ.get("MEGATRAIN_NB_TEST_ROOT")))
+        check(torchrun(Path(__file__).with_name("engine_flow.py"), str(out), ",".join(ENGINE_FLOW_RUNS),
+                       nproc=2, timeout=600))
+        _ONCE[key] = out
+    return out
+
+
 def check(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"torchrun failed (rc {proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 

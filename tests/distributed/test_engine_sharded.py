@@ -10,7 +10,7 @@ import torch
 from megatrain_nb.engine.ranks.dist import Dist
 
 from . import zero3_flow as flow
-from .launch import check, torchrun, two_agents
+from .launch import ENGINE_FLOW, check, engine_flow_runs, two_agents
 from .test_zero3_flow import _max_rel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -20,12 +20,12 @@ CASES = list(flow.CASES)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine2")
-    check(torchrun(Path(engine_flow.__file__), str(out), ",".join(CASES), nproc=2, timeout=420))
+def two_ranks():
+    out = engine_flow_runs()   # (the launch test_sharded_window_disk's and test_estimate_sharded's read too)
     return {c: [torch.load(out / f"{c}-rank{r}.pt") for r in range(2)] for c in CASES}
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 @pytest.mark.parametrize("case", [c for c in CASES if flow.CASES[c][3] == "none"])
 def test_two_ranks_match_one_process(two_ranks, case):
     r0, r1 = two_ranks[case]
@@ -39,6 +39,7 @@ def test_two_ranks_match_one_process(two_ranks, case):
         assert r0["norms"] == pytest.approx(one["norms"], rel=1e-6)
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_int8_states_on_disk_two_ranks_match_one_rank(two_ranks):
     """int8 Adam states on each rank's disk tier (see test_zero3_flow for why int8 agrees to the
     codec's re-drawn rounding, not to fp32 precision)."""
@@ -50,6 +51,7 @@ def test_int8_states_on_disk_two_ranks_match_one_rank(two_ranks):
     assert ranks_diff <= 1e-4 and ranks_diff <= 0.1 * _max_rel(one, fp32, element=1.0)
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_each_rank_holds_about_half(two_ranks):
     one = engine_flow.run_engine(Dist.single(), "adamw", 2 * flow.ACC)
     for r in range(2):
@@ -59,6 +61,7 @@ def test_each_rank_holds_about_half(two_ranks):
         assert host["optimizer_states"] <= 0.5 * one["host"]["optimizer_states"] + 2 * 4 * 256 * 4 * 4
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_traffic_is_the_zero3_floor(two_ranks):
     """Per micro-batch: each unit gathered for the forward and again for the recompute, its
     gradient reduce-scattered once; bytes sent within 1.1x of (N-1)/N of that (shard padding)."""

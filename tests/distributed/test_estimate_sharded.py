@@ -1,8 +1,6 @@
 """The estimator's scale-out figures (``estimate --nodes M --gpus-per-node N``) against the
 engine's own accounting on 2 gloo ranks: a rank's host and disk bytes per kind, and the bytes on
 the wire per step (Dist.traffic's floor); one node with one GPU is today's table unchanged."""
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -11,16 +9,14 @@ from megatrain_nb.engine.planning.estimator import estimate
 from megatrain_nb.engine.planning.estimator_dist import estimate_scale_out
 
 from . import zero3_flow as flow
-from .launch import check, torchrun
+from .launch import ENGINE_FLOW, engine_flow_runs
 
-HERE = Path(__file__).parent
 RUNS = ["adamw", "clip_wd+window", "int8+params_on_disk"]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("est2")
-    check(torchrun(HERE / "engine_flow.py", str(out), ",".join(RUNS), nproc=2, timeout=300))
+def two_ranks():
+    out = engine_flow_runs()   # (the launch test_engine_sharded's and test_sharded_window_disk's read too)
     return {v: torch.load(out / f"{v}-rank0.pt") for v in RUNS}   # rank 0 holds the largest shards
 
 
@@ -33,6 +29,7 @@ def _rank_estimate(**kw):
     return estimate_scale_out(_config(), nodes=1, gpus_per_node=2, **{**base, **kw})
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_rank_host_bytes_equal_the_engine(two_ranks):
     """fp32 states in RAM, micro-batch-major accumulation: master weights, gradient accumulators
     and Adam moments of one rank, byte for byte."""
@@ -47,6 +44,7 @@ def test_rank_host_bytes_equal_the_engine(two_ranks):
     assert est.per_node()["host"] == 2 * host["total"]
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_rank_disk_bytes_match_the_engine(two_ranks):
     """Master weights and int8 states on each rank's disk tier (files round up to 4 KiB pages)."""
     # a node RAM budget below two shards' weights and gradients puts the master weights on disk
@@ -60,6 +58,7 @@ def test_rank_disk_bytes_match_the_engine(two_ranks):
         assert disk[kind] <= real[kind] <= disk[kind] + 2 * 4096 * units, (kind, disk[kind], real[kind])
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 @pytest.mark.parametrize("run,layer_major", [("adamw", False), ("clip_wd+window", True)])
 def test_wire_bytes_are_the_engines_floor(two_ranks, run, layer_major):
     est = _rank_estimate(compression="none", offload_dir=False, layer_major=layer_major)

@@ -11,7 +11,7 @@ import torch
 from megatrain_nb.engine.ranks.dist import Dist
 
 from . import zero3_flow as flow
-from .launch import check, torchrun
+from .launch import ENGINE_FLOW, check, engine_flow_runs, torchrun
 from .test_zero3_flow import _max_rel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -22,12 +22,12 @@ VARIANTS = ["clip_wd+window", "tied_clip_wd+window", "clip_wd+params_on_disk", "
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("variants2")
-    check(torchrun(Path(engine_flow.__file__), str(out), ",".join(VARIANTS), nproc=2, timeout=300))
+def two_ranks():
+    out = engine_flow_runs()   # (the launch test_engine_sharded's and test_estimate_sharded's read too)
     return {v: [torch.load(out / f"{v}-rank{r}.pt") for r in range(2)] for v in VARIANTS}
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 @pytest.mark.parametrize("spec", [v for v in VARIANTS if not v.startswith("int8")])
 def test_two_ranks_match_one_process(two_ranks, spec):
     case, kw = engine_flow._variant(spec)
@@ -45,6 +45,7 @@ def test_two_ranks_match_one_process(two_ranks, spec):
             assert 0 < r["disk"]["weights"] <= 0.5 * one["disk"]["weights"] + 4 * 256 * 4 * 4
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_int8_states_and_weights_on_disk(two_ranks):
     """int8 states re-draw their stochastic rounding on any ulp difference: agreement far inside
     the codec's own error (as test_engine_sharded's int8 case)."""
@@ -56,6 +57,7 @@ def test_int8_states_and_weights_on_disk(two_ranks):
     assert diff <= 1e-4 and diff <= 0.1 * _max_rel(one, fp32, element=1.0)
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_window_traffic_is_one_pass_per_step(two_ranks):
     """A one-group window gathers each layer twice per step and reduce-scatters each gradient
     once per step (micro-batch-major: per micro-batch)."""

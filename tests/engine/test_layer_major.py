@@ -478,21 +478,31 @@ def test_engine_runs_a_window_at_the_planned_interval():
 
 def test_clipped_window_keeps_no_host_accumulator_and_pool_is_bounded():
     """After a clipped layer-major step no host gradient accumulator exists (the final
-    gradients wait for the norm in buffers their updates free); the recycled final-gradient
-    buffers are bounded by what the update pipeline has in flight, not the model size."""
+    gradients wait for the norm in buffers their updates give back); the recycled final-gradient
+    buffers are bounded by what the plan counts for them -- the update pipeline's buffers in
+    flight and the gradients held for the norm (the host's ``grads``) -- and a steady clipped
+    step makes none afresh (each would be a new mapping faulted in on the compute's threads)."""
     model = AutoModelForCausalLM.from_config(family_config("llama", layers=4)).eval()
     eng = StreamingEngine(model, EngineConfig(device="cpu"))
-    largest = max(u.numel for u in eng.units) * 4
-    bound = eng.updates.intake.pool.max_bytes
-    assert bound < 4 * eng.num_parameters() and bound >= largest
-    for w in _windows(2, 3):
+    pool = eng.updates.intake.pool
+    in_flight = pool.max_bytes
+    assert in_flight < 4 * eng.num_parameters() and in_flight >= max(u.numel for u in eng.units) * 4
+    assert eng.plan.host["grads"] == 4 * eng.num_parameters() and eng.plan.host["buffers"] >= in_flight
+    bound = eng.plan.host["grads"] + in_flight
+    made = []
+    for w in _windows(3, 3):
+        before = pool.allocations
         out = eng.forward_backward(w, step_lr=1e-3, max_grad_norm=0.01)
         assert out.grad_norm > 0.01
         eng.updates.wait_all()
+        made.append(pool.allocations - before)
         assert not [g for g in eng.store.grads.values() if g is not None]   # never allocated
         mem = eng.memory_report()
         assert mem["host"]["grads"] == 0 and eng.updates.held_ram_bytes() == 0
         assert eng.updates.buffer_bytes() <= bound
+        assert mem["host"]["buffers"] >= eng.updates.buffer_bytes()   # counted where RAM is reported
+    assert made[0] == len(eng.units) and made[1:] == [0, 0]   # one per unit, once
+    assert pool.dropped == 0
     eng.close()
 
 

@@ -89,6 +89,10 @@ class BufferPool:
         # Buffers lent out (lend) that may come back as they are (take_back), by data pointer;
         # weak: one that never comes back is simply freed.
         self._lent: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        #: buffers made (not served from the free ones) and dropped (given back beyond
+        #: ``max_bytes``) so far: each one made is a fresh mapping faulted in (tests count them)
+        self.allocations = 0
+        self.dropped = 0
 
     def take(self, numel: int) -> torch.Tensor:
         with self._lock:
@@ -96,7 +100,7 @@ class BufferPool:
             if bufs:
                 self._free_bytes -= numel * 4
                 return bufs.pop()
-
+            self.allocations += 1
         return aligned_empty(numel)
 
     def take_slot(self, numel: int) -> torch.Tensor:
@@ -151,6 +155,8 @@ class BufferPool:
                 if t.dtype == torch.float32 and self._free_bytes + n * 4 <= self.max_bytes:
                     self._free.setdefault(n, []).append(t)
                     self._free_bytes += n * 4
+                else:
+                    self.dropped += 1
 
     def trim(self, max_bytes: int) -> None:
         """Keep at most ``max_bytes`` of free buffers from now on (the rest is freed now)."""

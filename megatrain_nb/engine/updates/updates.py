@@ -42,19 +42,29 @@ from ..tiers.disk_cache import step_accesses
 __all__ = ["StepContext", "UpdateScheduler", "final_gradient_pool_bytes"]
 
 
-def final_gradient_pool_bytes(units: Sequence[Unit], depth: int, clipped: Optional[bool]) -> int:
+def final_gradient_pool_bytes(units: Sequence[Unit], depth: int, clipped: Optional[bool],
+                              held_in_ram: bool = False) -> int:
     """The final-gradient buffers worth keeping for a step (``clipped`` None: any step). A
     gradient that goes straight to its update is in one of ``depth + 1`` buffers: the units
     being updated and the one gradient next in line (a window's sum being formed on a CPU
     "device", or one copied off the device while the update before it runs). A clipping
     step's come back from the norm's hold one by one (and ``hold="disk"`` has a few writes in
     flight). A tied embedding's sum (CPU "device": a lent buffer) is formed through the whole
-    backward beside them. The planner counts the same (``planner.host_in_flight``)."""
+    backward beside them. The planner counts the same (``planner.host_in_flight``).
+
+    ``held_in_ram``: a clipping step whose final gradients wait for the norm in host RAM
+    (``hold="host"``) holds one buffer per unit at once, and the plan counts them (the host's
+    ``grads``, every unit's fp32 gradient): the pool keeps them all for the next such step.
+    Kept to the buffers above only, the units' beyond them were freed after their updates and
+    made afresh by the next step's backward, each a new mapping faulted in and zeroed on the
+    compute's threads (bench_overlap's clipped disk-tier step: 5 of 10 units' buffers, ~64 MiB
+    a step)."""
     largest = max((train_numel(u) for u in units), default=0)
     n = depth + 1 + sum(1 for u in list(units)[:1] if getattr(u, "tied_output", False))
     if clipped is None or clipped:
         n += HOLD_WRITES
-    return n * largest * 4
+    held = sum(train_numel(u) for u in units) if clipped and held_in_ram else 0
+    return (n * largest + held) * 4
 
 
 class UpdateScheduler:
@@ -97,7 +107,8 @@ class UpdateScheduler:
         """A training micro-batch starts. (A unit's pending update from the last step finishes
         before its forward reads it, so before its new gradient reaches the accumulator.)"""
         if step.updates:   # free buffers beyond what this step can have in flight
-            self.intake.pool.trim(final_gradient_pool_bytes(self.units, self.depth, step.clipped))
+            held = step.clipped and not self.intake.policy.hold_on_disk(step)
+            self.intake.pool.trim(final_gradient_pool_bytes(self.units, self.depth, step.clipped, held))
         self.intake.begin(step)
         self.runner.begin(step.straight)
 

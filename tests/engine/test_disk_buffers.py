@@ -1,0 +1,58 @@
+"""The disk tier's own buffers (``disk_format.aligned_empty`` from 1 MiB up, the I/O threads'
+staging): private anonymous mappings that ask for transparent huge pages.
+
+Shared anonymous memory (``mmap.mmap(-1, n)``'s default) is shmem: a fault costs about twice a
+private one, and a process forked later writes into the parent's pages. Huge pages cut the
+kernel's per-page work of every direct-I/O read and write into these buffers (docs/TIERS.md)."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from megatrain_nb.engine.tiers.disk_format import HUGE_PAGE, OWN_MAPPING_MIN, aligned_empty, anonymous_mapping
+
+linux = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+
+
+def _vm_flags(addr: int) -> set:
+    """The VmFlags of the mapping that holds ``addr`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@linux
+def test_large_buffers_are_private_mappings_that_ask_for_huge_pages():
+    big = aligned_empty(HUGE_PAGE)          # 8 MiB of fp32
+    mid = aligned_empty(OWN_MAPPING_MIN // 4)   # 1 MiB: a mapping of its own, under a huge page
+    for t in (big, mid):
+        assert t.data_ptr() % 4096 == 0
+        assert "sh" not in _vm_flags(t.data_ptr())   # not shmem
+    assert "hg" in _vm_flags(big.data_ptr())         # MADV_HUGEPAGE
+    assert "hg" not in _vm_flags(mid.data_ptr())
+    mm = anonymous_mapping(HUGE_PAGE)
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    assert {"hg"} <= _vm_flags(t.data_ptr()) and "sh" not in _vm_flags(t.data_ptr())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_write_into_the_parents_buffer():
+    t = aligned_empty(1 << 20)   # 4 MiB
+    t.fill_(1.0)
+    pid = os.fork()
+    if pid == 0:   # the child: write (libc, not torch: its OpenMP pool does not survive a fork), leave
+        ctypes.memset(t.data_ptr(), 0x40, t.numel() * 4)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert float(t.min()) == 1.0 and float(t.max()) == 1.0

@@ -3,8 +3,9 @@ maxima, the second moment's first root taken from AdamW's) against the kernels' 
 (-DMT_NO_SIMD): weights, codes and scales bit for bit over several steps, through every case the
 step hands to the general path (first step, group edges inside a block, scalar tails, decay ending
 inside a block, a lerp from the gradient, tiny and subnormal blocks) and every block the 8-lane
-step encodes with its own general encoders (new moments below 2**-60); and the source builds for
-the CPUs the kernels are cached for."""
+step encodes with its own general encoders (new moments below 2**-60), and a range ending on an
+8-lane step (int8 finishes a step's second pass inside the next one's first); and the source
+builds for the CPUs the kernels are cached for."""
 
 import ctypes
 import platform
@@ -66,6 +67,8 @@ def test_the_simd_update_is_the_plain_c_update_bit_for_bit(tmp_path, name):
             args = _args(n, k.width, case)
             for _ in range(3):
                 k.update(name, w, grads, None if case == "first" else codes, codes, 0, args)
+            # and a range that ends on an 8-lane step (int8: the last step's second pass after the loop)
+            k.update_call(name, w, grads, None if case == "first" else codes, codes, 0, args)(0, 2 * 4096)
             outs.append((w, codes))
         (w0, c0), (w1, c1) = outs
         assert torch.equal(w0.view(torch.int32), w1.view(torch.int32)), (case, scale)

@@ -14,15 +14,19 @@ C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes
   root: multiplies, conversions, permutes); (B) AdamW's root and division on the weights and each
   block encoded from its known maximum in the same loop, the second moment's first root being
   AdamW's (``sqrtf`` is monotone: ``sqrtf(max(v, floor)) = max(sqrtf(v), sqrtf(floor))``): three
-  roots and a division per 8 values, the divider's work together. Before (issue 45) the cut was
-  elsewhere (decode, moments, root and division in one loop, whose dependent chain of ~70
-  cycles per 8 values held more of it in flight than Zen 3's scheduler does; then the encoders'
-  roots alone): the new cut measured int8 +9.9%, int4 +8.5% on the benchmark's chain (in one
-  process, alternating, 8 rounds of 4194304 parameters on one thread, load ~4.3 on 2 cores: int8
-  519 -> 557 M params/s, int4 424 -> 457, the fp32 AdamW 957-1116), the kernel alone +8-10% and
-  +9%. Tried beside it and not kept (same A/B): a step's pass A in one loop with the previous
-  step's pass B (int8: no change, within +-3%), pass B cut again (roots; division and the second
-  moment's code: -6% both), the encoders' roots from ``vrsqrtps``, a Goldschmidt step and the
+  roots and a division per 8 values, the divider's work together; int8 runs a step's pass A inside
+  the previous step's pass B, 8 values of each in turn, so that the multiplies of one fill the
+  divider's waits of the other. Before (issue 45) the cut was elsewhere (decode, moments, root and
+  division in one loop, whose dependent chain of ~70 cycles per 8 values held more of it in flight
+  than Zen 3's scheduler does; then the encoders' roots alone): the new cut measured int8 +9.9%,
+  int4 +8.5% on the benchmark's chain (in one process, alternating, 8 rounds of 4194304
+  parameters on one thread, load ~4.3 on 2 cores: int8 519 -> 557 M params/s, int4 424 -> 457,
+  the fp32 AdamW 957-1116), the kernel alone +8-10% and +9%; int8's interleave of two steps
+  another +9.5% on the chain (553 -> 633 and 626 -> 687 M params/s, load ~2.9) and +15% over
+  the first cut's kernel alone. Tried beside it and not kept (same A/B): the interleave a block
+  (32 values) of each at a time (int8 +2-6%), int4's interleave (8 values: -4 to -7%; a block:
+  -11%), pass B cut again (roots; division and the second moment's code: -6% both), the
+  encoders' roots from ``vrsqrtps``, a Goldschmidt step and the
   exact residual (equal to the IEEE root on every float >= 2**-102 here, all 2.1e9 checked; int8
   +2-5% for the first moment's root, -6% for the fourth root's, int4 -5%: not worth an exactness
   that rests on one CPU's ``rsqrt`` table), ``-fschedule-insns`` (no change). Steps at a group's edge, in
@@ -656,10 +660,12 @@ static inline int enc8_known(const float *m, const float *v, const float *w, flo
    three roots and a division per 8 values): AdamW's root and the weights' step (weights_vec), and,
    where the blocks are on the common case (finite, no sign bit in the second moment, mul 1), both
    moments' codes in the same loop (the second moment's first root being AdamW's); else the root
-   into w and the block encoders after. Before, one loop did the decode, the moments and the
-   weights' root and division (a dependent chain of ~70 cycles per 8 values: more of it in flight
-   than Zen 3's scheduler holds), then the encoders ran their roots alone. Each value's arithmetic
-   is the same either way. */
+   into w and the block encoders after. int8 runs a step's pass A inside the previous step's pass B,
+   8 values of each at a time (ab8: the multiplies of one among the divider's work of the other);
+   int4 does not (its pass A's permutes beside pass B measured 4-10% slower). Before, one loop did
+   the decode, the moments and the weights' root and division (a dependent chain of ~70 cycles per
+   8 values: more of it in flight than Zen 3's scheduler holds), then the encoders ran their roots
+   alone. Each value's arithmetic is the same either way. */
 static inline __m256 weights_vec(float *p, __m256 mi, __m256 vi, const lanes_t *L, const int decayed) {
     __m256 pi = _mm256_loadu_ps(p);
     if (decayed) pi = _mm256_mul_ps(pi, L->pmul);
@@ -681,55 +687,114 @@ static inline __m256i fourth_root_vec(__m256 x, __m256 a, __m256 K, __m256 FL, _
     return _mm256_cvttps_epi32(_mm256_fmadd_ps(u, A, _mm256_mul_ps(_mm256_sqrt_ps(s), K)));
 }
 
-static inline __attribute__((always_inline)) int step8(float *p, const float *g, const int8_t *cm, float sm, const uint8_t *cv, float sv,
-                 int8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed, const consts_t *C) {
-    float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32))), w[I8B] __attribute__((aligned(32)));
-    const lanes_t L = lanes_of(A);
-    {
-        const __m256 i127 = _mm256_set1_ps(C->inv127), i255 = _mm256_set1_ps(C->inv255);
-        const __m256 SM = _mm256_set1_ps(sm), SV = _mm256_set1_ps(sv), sgn = _mm256_set1_ps(-0.0f);
-        __m256i mxm = _mm256_setzero_si256(), mxv = mxm, orv = mxm;
-        for (int i = 0; i < I8B; i += 8) {
-            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cm + i)))), i127);
-            __m256 mm = _mm256_mul_ps(_mm256_mul_ps(t, _mm256_andnot_ps(sgn, t)), SM);
-            __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cv + i)))), i255);
-            u = _mm256_mul_ps(u, u);
-            __m256 vv = _mm256_mul_ps(_mm256_mul_ps(u, u), SV), gi = _mm256_loadu_ps(g + i);
-            __m256 mo = _mm256_fmadd_ps(L.coef, _mm256_sub_ps(gi, mm), mm);
-            __m256 vo = _mm256_fmadd_ps(_mm256_mul_ps(L.c2, gi), gi, _mm256_mul_ps(vv, L.b2));
-            _mm256_store_ps(m + i, mo);
-            _mm256_store_ps(v + i, vo);
-            __m256i vb = _mm256_castps_si256(vo);
-            mxm = _mm256_max_epi32(mxm, abs_bits(mo));
-            mxv = _mm256_max_epi32(mxv, vb);   /* (no sign bit, or the general encoders) */
-            orv = _mm256_or_si256(orv, vb);
-        }
-        sm = hmax_bits(mxm); sv = hmax_bits(mxv);
-        const int neg = _mm256_movemask_ps(_mm256_castsi256_ps(orv)) != 0;
-        float mx, mulm = 0.0f, km = 0.0f, flm = 0.0f, mulv = 0.0f, kv = 0.0f, flv = 0.0f;
-        if (isfinite(sm)) scale_setup(sm, 127.0f, C->i8m_floor, 1, &mx, &mulm, &km, &flm);
-        if (isfinite(sv) && !neg) scale_setup(sv, 255.0f, C->i8v_floor, 2, &mx, &mulv, &kv, &flv);
-        if (mulm == 1.0f && mulv == 1.0f) {   /* the common case: pass B with both encoders */
-            const __m256 KM = _mm256_set1_ps(km), FLM = _mm256_set1_ps(flm), KV = _mm256_set1_ps(kv),
-                         FLV = _mm256_set1_ps(sqrtf(flv)), AL = _mm256_set1_ps(C->dither_alpha);
-            *osm = sm; *osv = sv;
-            for (int i = 0; i < I8B; i += 32) {
-                __m256i c[4], d[4];
-                for (int h = 0; h < 4; h++) {
-                    const __m256 mi = _mm256_load_ps(m + i + 8 * h), vi = _mm256_load_ps(v + i + 8 * h);
-                    const __m256 a = weights_vec(p + i + 8 * h, mi, vi, &L, decayed);
-                    c[h] = i8m_vec(mi, KM, KM, FLM, 0);
-                    d[h] = fourth_root_vec(vi, a, KV, FLV, AL);
-                }
-                _mm256_storeu_si256((__m256i *)(om + i), bytes32(c[0], c[1], c[2], c[3], 1));
-                _mm256_storeu_si256((__m256i *)(ov + i), _mm256_max_epu8(bytes32(d[0], d[1], d[2], d[3], 0), _mm256_set1_epi8(1)));
-            }
-            return 0;
-        }
-        for (int i = 0; i < I8B; i += 8)
-            _mm256_store_ps(w + i, weights_vec(p + i, _mm256_load_ps(m + i), _mm256_load_ps(v + i), &L, decayed));
-        return enc8_known(m, v, w, sm, sv, neg, om, osm, ov, osv, C);
+/* An int8 step whose pass A is done, waiting for its pass B: update_range runs a step's pass A in the
+   same loop as the previous step's pass B (step8), and the last one's alone (b8_flush) */
+typedef struct {
+    int live, common, decayed;
+    const adam_t *a;
+    float *p; uint8_t *om, *ov; float *osm, *osv;
+    float sm, sv, km, flm, kv, flv;   /* int8: the block's maxima and, common, its encoders' constants */
+    int neg;   /* a sign bit in the second moment */
+    float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32)));
+} pend_t;
+
+/* pass A of int8 values [i0, i0 + n) of a step into m, v, their maxima into mxm, mxv, orv */
+static inline __attribute__((always_inline)) void a8_vals(const int8_t *cm, const uint8_t *cv, const float *g,
+        __m256 SM, __m256 SV, const lanes_t *L, const consts_t *C, float *m, float *v, __m256i *mxm,
+        __m256i *mxv, __m256i *orv, int i0, const int n) {
+    const __m256 i127 = _mm256_set1_ps(C->inv127), i255 = _mm256_set1_ps(C->inv255), sgn = _mm256_set1_ps(-0.0f);
+    for (int i = i0; i < i0 + n; i += 8) {
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cm + i)))), i127);
+        __m256 mm = _mm256_mul_ps(_mm256_mul_ps(t, _mm256_andnot_ps(sgn, t)), SM);
+        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cv + i)))), i255);
+        u = _mm256_mul_ps(u, u);
+        __m256 vv = _mm256_mul_ps(_mm256_mul_ps(u, u), SV), gi = _mm256_loadu_ps(g + i);
+        __m256 mo = _mm256_fmadd_ps(L->coef, _mm256_sub_ps(gi, mm), mm);
+        __m256 vo = _mm256_fmadd_ps(_mm256_mul_ps(L->c2, gi), gi, _mm256_mul_ps(vv, L->b2));
+        _mm256_store_ps(m + i, mo);
+        _mm256_store_ps(v + i, vo);
+        __m256i vb = _mm256_castps_si256(vo);
+        *mxm = _mm256_max_epi32(*mxm, abs_bits(mo));
+        *mxv = _mm256_max_epi32(*mxv, vb);   /* (no sign bit, or the general encoders) */
+        *orv = _mm256_or_si256(*orv, vb);
     }
+}
+
+/* pass B of a pending int8 step off the common case: the weights, then enc8_known */
+static int b8_general(pend_t *P, const consts_t *C) {
+    float w[I8B] __attribute__((aligned(32)));
+    const lanes_t L = lanes_of(P->a);
+    for (int i = 0; i < I8B; i += 8) {
+        const __m256 mi = _mm256_load_ps(P->m + i), vi = _mm256_load_ps(P->v + i);
+        _mm256_store_ps(w + i, P->decayed ? weights_vec(P->p + i, mi, vi, &L, 1) : weights_vec(P->p + i, mi, vi, &L, 0));
+    }
+    return enc8_known(P->m, P->v, w, P->sm, P->sv, P->neg, (int8_t *)P->om, P->osm, P->ov, P->osv, C);
+}
+
+/* pass B of a pending common int8 step (AdamW's root and division, both codes), each 8 values beside
+   8 of the next step's pass A into nx (with_a; the multiplies of one among the divider's work of the
+   other: one vector of each at a time, so neither waits behind the other in the scheduler) */
+static inline __attribute__((always_inline)) void ab8(pend_t *P, const int decayed, const int with_a, pend_t *nx,
+        const int8_t *cm, const uint8_t *cv, const float *g, __m256 SM, __m256 SV, const lanes_t *LA,
+        const consts_t *C, __m256i *mxm, __m256i *mxv, __m256i *orv) {
+    const lanes_t L = lanes_of(P->a);
+    const __m256 KM = _mm256_set1_ps(P->km), FLM = _mm256_set1_ps(P->flm), KV = _mm256_set1_ps(P->kv),
+                 FLV = _mm256_set1_ps(sqrtf(P->flv)), AL = _mm256_set1_ps(C->dither_alpha);
+    *P->osm = P->sm; *P->osv = P->sv;
+    for (int i = 0; i < I8B; i += 32) {
+        __m256i c[4], d[4];
+        for (int h = 0; h < 4; h++) {
+            if (with_a) a8_vals(cm, cv, g, SM, SV, LA, C, nx->m, nx->v, mxm, mxv, orv, i + 8 * h, 8);
+            const __m256 mi = _mm256_load_ps(P->m + i + 8 * h), vi = _mm256_load_ps(P->v + i + 8 * h);
+            const __m256 a = weights_vec(P->p + i + 8 * h, mi, vi, &L, decayed);
+            c[h] = i8m_vec(mi, KM, KM, FLM, 0);
+            d[h] = fourth_root_vec(vi, a, KV, FLV, AL);
+        }
+        _mm256_storeu_si256((__m256i *)(P->om + i), bytes32(c[0], c[1], c[2], c[3], 1));
+        _mm256_storeu_si256((__m256i *)(P->ov + i), _mm256_max_epu8(bytes32(d[0], d[1], d[2], d[3], 0), _mm256_set1_epi8(1)));
+    }
+}
+
+/* pass B of the pending int8 step, alone (the range's end, or a step on the general path next) */
+static int b8_flush(pend_t *P, const consts_t *C) {
+    if (!P->live) return 0;
+    P->live = 0;
+    if (!P->common) return b8_general(P, C);
+    const __m256 z = _mm256_setzero_ps();
+    if (P->decayed) ab8(P, 1, 0, NULL, NULL, NULL, NULL, z, z, NULL, C, NULL, NULL, NULL);
+    else ab8(P, 0, 0, NULL, NULL, NULL, NULL, z, z, NULL, C, NULL, NULL, NULL);
+    return 0;
+}
+
+/* the common int8 step at p: its pass A (with the pending step's pass B where that is common; else
+   that one's pass B first), then it becomes the pending step (P[0] and P[1] swap: *cur) */
+static int step8(pend_t *P, int *cur, float *p, const float *g, const int8_t *cm, float sm, const uint8_t *cv,
+                 float sv, int8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed,
+                 const consts_t *C) {
+    pend_t *pd = P + *cur, *nx = P + (1 - *cur);
+    const lanes_t LA = lanes_of(A);
+    const __m256 SM = _mm256_set1_ps(sm), SV = _mm256_set1_ps(sv);
+    __m256i mxm = _mm256_setzero_si256(), mxv = mxm, orv = mxm;
+    int bad = 0;
+    if (pd->live && pd->common) {
+        pd->live = 0;
+        if (pd->decayed) ab8(pd, 1, 1, nx, cm, cv, g, SM, SV, &LA, C, &mxm, &mxv, &orv);
+        else ab8(pd, 0, 1, nx, cm, cv, g, SM, SV, &LA, C, &mxm, &mxv, &orv);
+    } else {
+        bad = b8_flush(pd, C);
+        a8_vals(cm, cv, g, SM, SV, &LA, C, nx->m, nx->v, &mxm, &mxv, &orv, 0, I8B);
+    }
+    nx->sm = hmax_bits(mxm); nx->sv = hmax_bits(mxv);
+    nx->neg = _mm256_movemask_ps(_mm256_castsi256_ps(orv)) != 0;
+    float mx, mulm = 0.0f, mulv = 0.0f;
+    nx->km = nx->flm = nx->kv = nx->flv = 0.0f;
+    if (isfinite(nx->sm)) scale_setup(nx->sm, 127.0f, C->i8m_floor, 1, &mx, &mulm, &nx->km, &nx->flm);
+    if (isfinite(nx->sv) && !nx->neg) scale_setup(nx->sv, 255.0f, C->i8v_floor, 2, &mx, &mulv, &nx->kv, &nx->flv);
+    nx->common = mulm == 1.0f && mulv == 1.0f;
+    nx->live = 1; nx->decayed = decayed; nx->a = A;
+    nx->p = p; nx->om = (uint8_t *)om; nx->ov = ov; nx->osm = osm; nx->osv = osv;
+    *cur = 1 - *cur;
+    return bad;
 }
 
 /* 32 int4 codes (16 bytes) decoded with the 16 levels (L0, L1): dec_i4's AVX2 permutes, times S */
@@ -867,6 +932,11 @@ static int update_range(int codec, float *p, const float *g,
     const int B = codec == 8 ? I8B : I4B, S = I8B;
     int bad = 0;
     float m[I8B], v[I8B];
+#if MT_V8
+    pend_t P[2];
+    int cur = 0;
+    P[0].live = P[1].live = 0;
+#endif
     for (int64_t off = 0; off < n; off += S) {
         const int k = n - off < S ? (int)(n - off) : S, nb = (k + B - 1) / B;
         const int64_t j0 = off / B;
@@ -875,10 +945,8 @@ static int update_range(int codec, float *p, const float *g,
         const adam_t *a = k == S && cm != NULL ? lanes_group(A, nA, base + off, base + off + S, &decayed) : NULL;
         if (a != NULL && no_floor(sv + j0, nb, C)) {
             if (codec == 8)
-                bad |= decayed ? step8(p + off, g + off, (const int8_t *)cm + off, sm[j0], cv + off, sv[j0],
-                                       (int8_t *)om + off, osm + j0, ov + off, osv + j0, a, 1, C)
-                               : step8(p + off, g + off, (const int8_t *)cm + off, sm[j0], cv + off, sv[j0],
-                                       (int8_t *)om + off, osm + j0, ov + off, osv + j0, a, 0, C);
+                bad |= step8(P, &cur, p + off, g + off, (const int8_t *)cm + off, sm[j0], cv + off, sv[j0],
+                             (int8_t *)om + off, osm + j0, ov + off, osv + j0, a, decayed, C);
             else
                 bad |= decayed ? step4(p + off, g + off, cm + off / 2, sm + j0, cv + off / 2, sv + j0,
                                        om + off / 2, osm + j0, ov + off / 2, osv + j0, a, 1, C)
@@ -886,6 +954,7 @@ static int update_range(int codec, float *p, const float *g,
                                        om + off / 2, osm + j0, ov + off / 2, osv + j0, a, 0, C);
             continue;
         }
+        if (codec == 8) bad |= b8_flush(P + cur, C);
 #endif
         if (cm == NULL) {
             memset(m, 0, sizeof m); memset(v, 0, sizeof v);
@@ -911,6 +980,9 @@ static int update_range(int codec, float *p, const float *g,
             bad |= enc_i4v_group(v, nb, ov + off / 2, osv + j0, C) << 2;
         }
     }
+#if MT_V8
+    if (codec == 8) bad |= b8_flush(P + cur, C);
+#endif
     return bad;
 }
 

@@ -76,21 +76,26 @@ def _variant(spec: str) -> tuple:
     return case, {"window": "window" in flags, "offload_params": "params_on_disk" in flags}
 
 
+def _checkpoint_run(dist: Dist, out_dir: str, spec: str) -> None:
+    """``save=<variant>``: the first 2 steps, then a sharded checkpoint into ``OUT/ckpt-save=<variant>``;
+    ``resume=<variant>``: the last step from ``OUT/ckpt-one=<variant>``, a checkpoint one process
+    wrote before the launch (``launch.engine_flow_runs``)."""
+    mode, variant = spec.split("=", 1)
+    case, kw = _variant(variant)
+    if mode == "save":
+        res = run_engine(dist, case, ACC, steps=(0, 2), save_to=f"{out_dir}/ckpt-{spec}", **kw)
+    else:
+        res = run_engine(dist, case, ACC, steps=(2, STEPS), load_from=f"{out_dir}/ckpt-one={variant}", **kw)
+    torch.save(res, f"{out_dir}/{spec}-rank{dist.rank}.pt")
+
+
 def main(out_dir: str, cases: str) -> None:
     torch.manual_seed(0)
     dist = Dist.from_env()
-    if cases.startswith("ckpt:"):          # ckpt:<save|resume>:<case[+flags]>:<folder>
-        _, mode, spec, folder = cases.split(":", 3)
-        case, kw = _variant(spec)
-        if mode == "save":
-            res = run_engine(dist, case, ACC, steps=(0, 2), save_to=folder, **kw)
-        else:
-            res = run_engine(dist, case, ACC, steps=(2, STEPS), load_from=folder, **kw)
-        torch.save(res, f"{out_dir}/ckpt-{mode}-rank{dist.rank}.pt")
-        dist.barrier()
-        dist.close()
-        return
     for spec in cases.split(","):
+        if spec.startswith(("save=", "resume=")):   # a checkpoint's two-rank side, beside the other runs
+            _checkpoint_run(dist, out_dir, spec)
+            continue
         case, kw = _variant(spec)
         off = None
         if CASES[case][3] != "none":          # compressed states on the disk tier

@@ -11,7 +11,7 @@ import torch
 from megatrain_nb.engine.ranks.dist import Dist
 
 from . import zero3_flow as flow
-from .launch import ENGINE_FLOW, check, engine_flow_runs, torchrun
+from .launch import ENGINE_FLOW, engine_flow_runs
 from .test_zero3_flow import _max_rel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -73,18 +73,18 @@ def _uninterrupted():
     return engine_flow.run_engine(Dist.single(), "clip_wd", 2 * flow.ACC, offload_params=True)["weights"]
 
 
-def test_disk_weights_checkpoint_two_ranks_to_one(tmp_path):
-    ck = tmp_path / "ck"
-    check(torchrun(Path(engine_flow.__file__), str(tmp_path), f"ckpt:save:{SPEC}:{ck}", nproc=2, timeout=240))
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
+def test_disk_weights_checkpoint_two_ranks_to_one():
+    ck = engine_flow_runs() / f"ckpt-save={SPEC}"   # written by the 2 ranks of the shared launch
     got = engine_flow.run_engine(Dist.single(), "clip_wd", 2 * flow.ACC, steps=(2, flow.STEPS), load_from=str(ck),
                                  offload_params=True)
     assert _max_rel(got["weights"], _uninterrupted()) <= 1e-5
 
 
-def test_disk_weights_checkpoint_one_to_two_ranks(tmp_path):
-    ck = tmp_path / "ck"
-    engine_flow.run_engine(Dist.single(), "clip_wd", 2 * flow.ACC, steps=(0, 2), save_to=str(ck), offload_params=True)
-    check(torchrun(Path(engine_flow.__file__), str(tmp_path), f"ckpt:resume:{SPEC}:{ck}", nproc=2, timeout=240))
-    got = torch.load(tmp_path / "ckpt-resume-rank0.pt")
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
+def test_disk_weights_checkpoint_one_to_two_ranks():
+    # this process's checkpoint after 2 steps (engine_flow_runs: "clip_wd", offload_params=True),
+    # resumed by the 2 ranks of the shared launch
+    got = torch.load(engine_flow_runs() / f"resume={SPEC}-rank0.pt")
     assert got["disk"]["weights"] > 0
     assert _max_rel(got["weights"], _uninterrupted()) <= 1e-5

@@ -107,13 +107,21 @@ ENGINE_FLOW_RUNS = ("adamw", "clip_wd", "tied_clip_wd", "tied", "int8", "moe",
                     # test_sharded_window_disk's of master weights on the disk tier): written by the
                     # 2 ranks, and resumed by them from one written by one process
                     "save=clip_wd", "resume=clip_wd", "save=clip_wd+params_on_disk",
-                    "resume=clip_wd+params_on_disk")
+                    "resume=clip_wd+params_on_disk",
+                    # and zero3_flow.py's harness on every one of its cases (test_zero3_flow's)
+                    "zero3=adamw", "zero3=clip_wd", "zero3=tied_clip_wd", "zero3=tied", "zero3=int8",
+                    "zero3=moe")
 #: the xdist group of the tests that read it (so that one worker launches it)
 ENGINE_FLOW = "engine-flow"
 
 
 def engine_flow_runs() -> Path:
-    """The output folder of one launch of ``engine_flow.py`` on 2 ranks with every run of
+    """The output folder of the shared launch (engine_flow_launch)."""
+    return engine_flow_launch()[0]
+
+
+def engine_flow_launch() -> tuple:
+    """(The output folder, the finished process) of one launch of ``engine_flow.py`` on 2 ranks with every run of
     ENGINE_FLOW_RUNS (``<run>-rank<r>.pt``; ``ckpt-save=<variant>``, the 2 ranks' checkpoints), launched
     once in this test process; before it, this process writes the checkpoints the ranks resume
     (``ckpt-one=<variant>``: the first 2 steps of the one-process run, accumulation 2A)."""
@@ -122,18 +130,19 @@ def engine_flow_runs() -> Path:
     from . import engine_flow
 
     key = ("engine_flow", ENGINE_FLOW_RUNS)
-    out = _ONCE.get(key)
-    if out is None or not out.is_dir():
+    done = _ONCE.get(key)
+    if done is None or not done[0].is_dir():
         out = Path(tempfile.mkdtemp(prefix="engine-flow-", dir=os.environ.get("MEGATRAIN_NB_TEST_ROOT")))
         for run in ENGINE_FLOW_RUNS:
             if run.startswith("resume="):
                 case, kw = engine_flow._variant(run.split("=", 1)[1])
                 engine_flow.run_engine(Dist.single(), case, 2 * engine_flow.ACC, steps=(0, 2),
                                        save_to=str(out / f"ckpt-one={run.split('=', 1)[1]}"), **kw)
-        check(torchrun(Path(__file__).with_name("engine_flow.py"), str(out), ",".join(ENGINE_FLOW_RUNS),
-                       nproc=2, timeout=600))
-        _ONCE[key] = out
-    return out
+        proc = torchrun(Path(__file__).with_name("engine_flow.py"), str(out), ",".join(ENGINE_FLOW_RUNS),
+                        nproc=2, timeout=600, env={"PYTHONFAULTHANDLER": "1"})
+        check(proc)
+        done = _ONCE[key] = (out, proc)
+    return done
 
 
 def check(proc: subprocess.CompletedProcess) -> None:

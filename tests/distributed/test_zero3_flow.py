@@ -8,20 +8,18 @@ import torch
 from megatrain_nb.engine.ranks.dist import Dist
 
 from . import zero3_flow as flow
-from .launch import check, torchrun
+from .launch import ENGINE_FLOW, check, engine_flow_launch, torchrun
 
 CASES = list(flow.CASES)
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """One two-rank launch of every case: its results, and the process (the first launch of
+def launch():
+    """Every case on two ranks, run in the shared launch of engine_flow.py (launch.py's
+    ENGINE_FLOW_RUNS, ``zero3=<case>``): its results, and the process (the first launch of
     ``test_two_rank_launches_exit_cleanly_in_a_loop``)."""
-    out = tmp_path_factory.mktemp("zero3")
-    proc = torchrun(Path(flow.__file__), str(out), ",".join(CASES), nproc=2, timeout=300,
-                    env={"PYTHONFAULTHANDLER": "1"})
-    check(proc)
-    return proc, {c: torch.load(out / f"{c}.pt") for c in CASES}
+    out, proc = engine_flow_launch()
+    return proc, {c: torch.load(out / f"zero3={c}.pt") for c in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +42,7 @@ def _moved(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 @pytest.mark.parametrize("case", [c for c in CASES if flow.CASES[c][3] == "none"])
 def test_two_ranks_match_torch_adamw_one_process(two_ranks, case):
     ref = flow.run_reference(case, 2 * flow.ACC)
@@ -59,6 +58,7 @@ def test_one_rank_sharded_path_matches_torch_adamw():
     assert _max_rel(got, flow.run_reference("clip_wd", 2 * flow.ACC)["weights"]) <= 1e-5
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_int8_states_two_ranks_match_one_rank(two_ranks):
     """Compressed Adam states, sharded on block boundaries: 2 ranks as 1 rank with 2A.
 
@@ -72,11 +72,13 @@ def test_int8_states_two_ranks_match_one_rank(two_ranks):
     assert ranks_diff <= 1e-4 and ranks_diff <= 0.1 * codec_diff, (ranks_diff, codec_diff)
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_each_rank_holds_half_the_state(two_ranks):
     for res in two_ranks.values():
         assert res["state_numel"] <= 0.5 * res["model_numel"] + 256 * 4   # <= one aligned block per unit extra
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 def test_bytes_sent_per_step_near_the_floor(two_ranks):
     """Per micro-batch a unit is gathered once here (no recompute in this harness) and its gradient
     reduce-scattered once: sent / floor only exceeds 1 by the shards' padding."""
@@ -86,13 +88,14 @@ def test_bytes_sent_per_step_near_the_floor(two_ranks):
     assert floor > 0 and sent / floor <= 1.1
 
 
+@pytest.mark.xdist_group(ENGINE_FLOW)   # on the worker of the shared launch
 @pytest.mark.slow
 def test_two_rank_launches_exit_cleanly_in_a_loop(tmp_path, launch):
     """Issue 33: one launch in ~12 aborted at exit ("terminate called without an active exception",
     SIGABRT): a gloo worker thread released a finished all-gather's tensors while the interpreter
     was being torn down (the groups' threads lived as long as their Python objects). Dist.close
-    now ends them in order. Two launches here, the module's launch of every case the first of
-    them; ``MEGATRAIN_NB_LAUNCH_LOOPS=30`` for more (scripts/loop_two_ranks.sh). (Every other
+    now ends them in order. Two launches here, the first the shared launch of engine_flow.py that
+    runs every case of this harness (and the engine's); ``MEGATRAIN_NB_LAUNCH_LOOPS=30`` for more (scripts/loop_two_ranks.sh). (Every other
     two-rank launch of the suite, two dozen torchrun jobs and the Sessions' ranks, exits through
     the same Dist.close after its all-gathers, and fails on a rank's abort by its exit status:
     the third identical launch this loop made, ~20 s on two cores, repeated that.)"""

@@ -13,10 +13,21 @@ from .launch import check, torchrun
 HERE = Path(__file__).parent
 
 
+VARIANTS = ["ram", "disk_int8"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both variants' runs, in one launch of 2 ranks (w_rewind.py: each into its own folder)."""
+    out = tmp_path_factory.mktemp("rewind-ranks")
+    check(torchrun(HERE / "w_rewind.py", str(out), ",".join(VARIANTS), nproc=2, timeout=400))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["ram", "disk_int8"])
-def test_snapshot_then_rewind_on_every_rank_is_bit_exact(tmp_path, variant):
-    check(torchrun(HERE / "w_rewind.py", str(tmp_path), variant, nproc=2, timeout=300))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_snapshot_then_rewind_on_every_rank_is_bit_exact(runs, variant):
+    tmp_path = runs / variant
     for rank in range(2):
         full = torch.load(tmp_path / f"full-rank{rank}.pt")
         back = torch.load(tmp_path / f"rewind-rank{rank}.pt")

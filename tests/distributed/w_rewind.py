@@ -1,12 +1,13 @@
 """Worker: the ranks' run control takes "snapshot" and "rewind" (issue 21, item 3).
-``w_rewind.py OUT ram|disk_int8``, in one torchrun of 2 ranks, two runs one after the other:
+``w_rewind.py OUT ram|disk_int8[,...]``, in one torchrun of 2 ranks, for each variant two runs one
+after the other, into ``OUT/<variant>/``:
 
-- ``OUT/full``: 4 steps, uninterrupted;
-- ``OUT/rewind``: rank 0's inbox gets "snapshot" during step 2 and "rewind 2" during step 4; every
+- ``full``: 4 steps, uninterrupted;
+- ``rewind``: rank 0's inbox gets "snapshot" during step 2 and "rewind 2" during step 4; every
   rank applies them at those steps' boundaries: a snapshot of each rank's shard at step 2, and
   after step 4 ``train()`` starts again from it as a branch and trains steps 3 and 4 again.
 
-Each rank writes ``OUT/<run>-rank<r>.pt``: its shard of every unit's weights and optimizer
+Each rank writes ``OUT/<variant>/<run>-rank<r>.pt``: its shard of every unit's weights and optimizer
 states (stored form: int8 codes and scales), and the steps it trained."""
 import os
 import sys
@@ -97,9 +98,11 @@ def run(out_dir: str, variant: str, rewind: bool) -> None:
     t.close()
 
 
-def main(out: str, variant: str) -> None:
-    run(f"{out}/full", variant, rewind=False)
-    run(f"{out}/rewind", variant, rewind=True)
+def main(out: str, variants: str) -> None:
+    """``variants``: one, or several comma-separated, each into ``OUT/<variant>/``."""
+    for variant in variants.split(","):
+        run(f"{out}/{variant}/full", variant, rewind=False)
+        run(f"{out}/{variant}/rewind", variant, rewind=True)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,17 @@ from zero3_flow import LR, micro_batches, tiny_model  # noqa: E402
 ACC, STEPS, BAD_STEP, BAD_UNIT = 2, 3, 2, "model.layers.0"
 
 
-def main(out_dir: str, policy: str) -> None:
-    torch.manual_seed(0)
+def main(out_dir: str, policies: str) -> None:
+    """``policies``: one on_nonfinite policy, or several comma-separated, one engine each in turn."""
     dist = Dist.from_env()
+    for policy in policies.split(","):
+        run(dist, out_dir, policy)
+    dist.barrier()
+    dist.close()
+
+
+def run(dist: Dist, out_dir: str, policy: str) -> None:
+    torch.manual_seed(0)
     engine = StreamingEngine(tiny_model(False), device="cpu", on_nonfinite=policy, dist=dist)
     updates = engine.updates
     real = updates.intake.arrived   # gradients arrive as this rank's shard, reduce-scattered
@@ -61,8 +69,6 @@ def main(out_dir: str, policy: str) -> None:
     res["skipped_steps"] = engine.telemetry().get("skipped_steps")
     engine.close()
     torch.save(res, f"{out_dir}/nonfinite-{policy}-rank{dist.rank}.pt")
-    dist.barrier()
-    dist.close()
 
 
 if __name__ == "__main__":

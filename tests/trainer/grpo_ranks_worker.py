@@ -1,5 +1,6 @@
 """Worker: mt.GRPOTrainer under torchrun (or alone),
-``grpo_ranks_worker.py OUT GA SPG [beta loss_type [save_steps [resume_from]]]``:
+``grpo_ranks_worker.py OUT GA SPG [beta loss_type [save_steps [resume_from]]] [-- OUT GA SPG ...]``
+(several runs one after the other, in one process):
 a tiny llama from a config, two rule-based rewards, per-rollout random streams, streamed generation;
 4 steps, then an evaluation.
 Rank 0 writes ``OUT/final`` (the weights), ``OUT/log_history.json`` and ``OUT/completions.json``
@@ -47,5 +48,18 @@ def main(out_dir: str, ga: str, spg: str, beta: str = "0.0", loss_type: str = "d
     t.close()
 
 
+def runs(argv: list) -> None:
+    """Several runs one after the other in this process (one launch): their argument lists
+    separated by ``--`` (``OUT GA SPG ... -- OUT GA SPG ...``)."""
+    group: list = []
+    for arg in [*argv, "--"]:
+        if arg == "--":
+            if group:
+                main(*group)
+            group = []
+        else:
+            group.append(arg)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    runs(sys.argv[1:])

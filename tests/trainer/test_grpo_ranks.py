@@ -154,28 +154,43 @@ def _weights(folder):
     return load_file(str(folder / "final" / "model.safetensors"))
 
 
+CASES = [("0.0", "dapo"), ("0.04", "grpo")]
+
+
 @pytest.fixture(scope="module")
-def two_ranks_dapo(tmp_path_factory):
-    """The two-rank dapo run (beta 0), a checkpoint after every step: the run both the comparison
-    with one process and the resume in one process take (saving a checkpoint changes nothing the
-    run trains or logs: the comparison holds with them as without)."""
-    two = tmp_path_factory.mktemp("grpo-two-ranks") / "two"
-    check(torchrun(WORKER, str(two), "1", "2", "0.0", "dapo", "1", nproc=2, timeout=400))
-    return two
+def two_rank_runs(tmp_path_factory):
+    """Both cases' two-rank runs, one after the other in one launch (``<loss_type>/``). The dapo run
+    (beta 0) saves a checkpoint after every step: the run both the comparison with one process and
+    the resume in one process take (saving a checkpoint changes nothing the run trains or logs: the
+    comparison holds with them as without)."""
+    base = tmp_path_factory.mktemp("grpo-two-ranks")
+    check(torchrun(WORKER, str(base / "dapo"), "1", "2", "0.0", "dapo", "1", "--",
+                   str(base / "grpo"), "1", "2", "0.04", "grpo", nproc=2, timeout=600))
+    return base
+
+
+@pytest.fixture(scope="module")
+def two_ranks_dapo(two_rank_runs):
+    return two_rank_runs / "dapo"
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    """Both cases' one-process runs (2 x 2 accumulation), one after the other in one process."""
+    base = tmp_path_factory.mktemp("grpo-one-process")
+    alone(WORKER, *(a for beta, loss_type in CASES for a in ("--", str(base / loss_type), "2", "4", beta, loss_type)),
+          timeout=600)
+    return base
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("tests/trainer/test_grpo_ranks.py")   # on the worker of the module's two_ranks_dapo
-@pytest.mark.parametrize("beta,loss_type", [("0.0", "dapo"), ("0.04", "grpo")])
-def test_two_ranks_equal_one_process(tmp_path, request, beta, loss_type):
-    two, one = tmp_path / "two", tmp_path / "one"
+@pytest.mark.xdist_group("tests/trainer/test_grpo_ranks.py")   # on the worker of the module's runs
+@pytest.mark.parametrize("beta,loss_type", CASES)
+def test_two_ranks_equal_one_process(two_rank_runs, one_process_runs, beta, loss_type):
     # a generation batch of 2 prompts x 4 = 8 rollouts serving 2 optimizer steps of 4 rollouts (old
-    # log-probs computed at generation); 4 steps. Two ranks: 2 per device x 1 accumulation x 2 ranks
-    if (beta, loss_type) == ("0.0", "dapo"):   # the module's two-rank run (with its checkpoints)
-        two = request.getfixturevalue("two_ranks_dapo")
-    else:
-        check(torchrun(WORKER, str(two), "1", "2", beta, loss_type, nproc=2, timeout=400))
-    alone(WORKER, str(one), "2", "4", beta, loss_type, timeout=400)   # one process: 2 x 2 accumulation
+    # log-probs computed at generation); 4 steps. Two ranks: 2 per device x 1 accumulation x 2 ranks;
+    # one process: 2 x 2 accumulation
+    two, one = two_rank_runs / loss_type, one_process_runs / loss_type
     gens_two = json.loads((two / "completions.json").read_text())   # 2 generation batches, 2 eval batches
     assert gens_two == json.loads((one / "completions.json").read_text()) and len(gens_two) == 4
     # each rank decoded its half of every batch (8 rollouts, the eval's 4), both the same number of passes
@@ -209,9 +224,11 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(tmp_path, two_ranks_dapo):
     gens, logs, w2 = json.loads((two / "completions.json").read_text()), _logs(two), _weights(two)
     start = tiny_model(tokenizer()).state_dict()
     moved = sum(float((w2[k] - start[k]).norm()) ** 2 for k in w2) ** 0.5
+    # both resumes one after the other in one process
+    alone(WORKER, *(a for step in (1, 2) for a in ("--", str(tmp_path / f"one-{step}"), "2", "4", "0.0", "dapo", "0",
+                                                   str(two / f"checkpoint-{step}"))), timeout=600)
     for step in (1, 2):
         one = tmp_path / f"one-{step}"
-        alone(WORKER, str(one), "2", "4", "0.0", "dapo", "0", str(two / f"checkpoint-{step}"), timeout=400)
         resumed = json.loads((one / "completions.json").read_text())   # generation 2 and the evaluation's
         assert len(resumed) == 3 and resumed == gens[-3:]
         after = _logs(one)

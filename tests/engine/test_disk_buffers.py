@@ -56,3 +56,45 @@ def test_a_forked_child_does_not_write_into_the_parents_buffer():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert float(t.min()) == 1.0 and float(t.max()) == 1.0
+
+
+def test_a_units_file_moves_in_one_vectored_syscall_each_way(tmp_path, monkeypatch):
+    """A unit's two moments (page-aligned buffers, lengths a whole number of 512-byte sectors but
+    not of pages, as a layer's are) are written in one ``pwritev`` and read back in the header's
+    read and one ``preadv``, not one syscall per tensor and one per tensor's partial last block
+    (each a sleep and a wake of an I/O thread beside the compute); the file's bytes are the
+    per-tensor path's, and a tensor that does not keep to the sector takes that path."""
+    from megatrain_nb.engine.tiers import disk_format as df
+    from megatrain_nb.engine.tiers.disk_store import DiskStore
+    calls = {"vectored": 0, "pread": 0, "pwrite": 0}
+
+    def counted(name, fn):
+        def call(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return call
+    monkeypatch.setattr(df, "_vec_all", counted("vectored", df._vec_all))
+    monkeypatch.setattr(df, "pread_all", counted("pread", df.pread_all))
+    monkeypatch.setattr(df, "pwrite_all", counted("pwrite", df.pwrite_all))
+    numel = 3146240   # bench_overlap's layer: 12,584,960 bytes = 24,580 sectors, 3072.5 pages
+    m, v = aligned_empty(numel).normal_(), aligned_empty(numel).uniform_()
+    with DiskStore(tmp_path) as store:
+        if not store.direct_io or store.dio_sector != 512:
+            pytest.skip(f"direct I/O at 512-byte sectors not available here (direct_io={store.direct_io})")
+        store.write("u", {"exp_avg": m, "exp_avg_sq": v}).result()
+        assert calls == {"vectored": 1, "pread": 0, "pwrite": 0}
+        got = store.read("u").result()
+        assert calls == {"vectored": 2, "pread": 1, "pwrite": 0}
+        assert torch.equal(got["exp_avg"], m) and torch.equal(got["exp_avg_sq"], v)
+        with open(store.key_path("u"), "rb") as f:
+            vectored_bytes = f.read()
+        store.dio_sector = 0   # the per-tensor path
+        store.write("u", {"exp_avg": m, "exp_avg_sq": v}).result()
+        assert calls["pwrite"] >= 5 and calls["vectored"] == 2
+        with open(store.key_path("u"), "rb") as f:
+            assert f.read() == vectored_bytes
+        store.dio_sector = 512
+        odd = torch.arange(numel + 3, dtype=torch.float32)   # not a whole number of sectors
+        store.write("odd", {"w": odd}).result()
+        assert calls["vectored"] == 2
+        assert torch.equal(store.read("odd").result()["w"], odd)

@@ -298,13 +298,110 @@ def round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def transfer(fd: int, segments, file_size: int, staging, *, write: bool) -> None:
+def probe_dio_sector(folder: str) -> int:
+    """The smallest direct-I/O alignment ``folder``'s filesystem takes for memory, offsets and
+    lengths: 512 where a 512-byte write at offset 512 from memory 512 bytes into a page is
+    accepted (ext4 and xfs on most disks: the device's logical block), else :data:`ALIGN`."""
+    path = os.path.join(folder, ".dio-sector-probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except (OSError, AttributeError):
+        return ALIGN
+    try:
+        with mmap.mmap(-1, ALIGN) as mm:
+            os.pwrite(fd, memoryview(mm)[512:1024], 512)
+        return 512
+    except OSError:
+        return ALIGN
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+#: Bytes at the end of the staging buffer that :func:`vectored` reads gaps into or writes them from.
+GAP_ROOM = 64 << 10
+
+
+def vectored(fd: int, segments, file_size: int, staging, *, write: bool, sector: int) -> bool:
+    """Direct I/O of ``segments`` [(file offset, uint8 tensor)] (sorted, not overlapping) as few
+    vectored syscalls (``preadv`` / ``pwritev`` of up to ``IO_CHUNK`` bytes), straight between
+    the tensors and the disk: the gaps between them (and, writing, the padding up to
+    ``file_size``) come from ``GAP_ROOM`` zeros at the staging buffer's end, and a write's
+    unaligned header (the first segment, at offset 0) is copied to the staging buffer's start.
+    A file of a unit's weights or its two moments is then one syscall, where :func:`transfer`
+    made one per tensor and one per tensor's last partial block: each a sleep and a wake of the
+    I/O thread, and the GIL taken back after it, beside the compute. False (nothing done) where
+    a segment is not ``sector``-aligned in memory, offset or length: :func:`transfer` then."""
+    buf, _ = staging
+    if not segments or len(buf) < 2 * GAP_ROOM:
+        return False
+    gaps = buf[len(buf) - GAP_ROOM:]
+    parts: list = []
+    cursor = segments[0][0]
+    for i, (off, t) in enumerate(segments):
+        n = t.numel()
+        if write and i == 0 and off == 0 and t.data_ptr() % sector:
+            head = align_up(n) if len(segments) == 1 else segments[1][0]
+            if head > len(buf) - GAP_ROOM or head % sector:
+                return False
+            buf[:n].copy_(t)
+            buf[n:head].zero_()
+            parts.append(buf[:head])
+            cursor = head
+            continue
+        if off < cursor or n == 0 or off % sector or n % sector or t.data_ptr() % sector or off - cursor > GAP_ROOM:
+            return False
+        if off > cursor:
+            parts.append(gaps[:off - cursor])
+        parts.append(t)
+        cursor = off + n
+    end = file_size if write else cursor
+    if end - cursor > GAP_ROOM or (end - cursor) % sector:
+        return False
+    if end > cursor:
+        parts.append(gaps[:end - cursor])
+    if write:
+        gaps.zero_()
+    offset, batch, size = segments[0][0], [], 0
+    for part in parts:
+        for a in range(0, part.numel(), IO_CHUNK):
+            piece = as_numpy(part[a:a + IO_CHUNK])
+            if batch and size + len(piece) > IO_CHUNK:
+                _vec_all(fd, batch, offset, write)
+                offset, batch, size = offset + size, [], 0
+            batch.append(piece)
+            size += len(piece)
+    if batch:
+        _vec_all(fd, batch, offset, write)
+    return True
+
+
+def _vec_all(fd: int, arrays: list, offset: int, write: bool) -> None:
+    """``preadv`` / ``pwritev`` of ``arrays`` at ``offset``, again from where a short one stopped."""
+    views = [memoryview(a).cast("B") for a in arrays]
+    while views:
+        n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
+        if n == 0 and not write:
+            raise OSError(errno.EIO, "unexpected end of file")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def transfer(fd: int, segments, file_size: int, staging, *, write: bool, sector: int = 0) -> None:
     """Direct I/O of ``segments`` [(file offset, uint8 tensor)], sorted by offset.
 
-    A segment whose memory and offset are ALIGN-aligned moves straight between the tensor and
+    With ``sector`` (the filesystem's direct-I/O alignment, :func:`probe_dio_sector`), segments
+    that all keep to it move in vectored syscalls (:func:`vectored`). Else a segment whose memory
+    and offset are ALIGN-aligned moves straight between the tensor and
     the disk (its last partial block excepted); everything else is gathered into / scattered
     from the aligned staging buffer in windows of up to ``IO_CHUNK`` bytes, with the gaps
     between segments zero-filled when writing."""
+    if sector and vectored(fd, segments, file_size, staging, write=write, sector=sector):
+        return
     run: list[tuple[int, torch.Tensor]] = []
     for off, t in segments:
         n = t.numel()

@@ -63,7 +63,7 @@ from megatrain_nb.formatting import fmt_bytes
 
 from .disk_format import (ALIGN, SUFFIX, OffloadError, Staging, aligned_empty, as_numpy, buffered_read,
                           buffered_write, bytes_view, drop_cache, large_unaligned, layout, payload_ok, pread_all,
-                          probe_direct_io, read_header, transfer)
+                          probe_dio_sector, probe_direct_io, read_header, transfer)
 from .disk_ranged import RangedRead, RangedRewrite
 from .diskspace import filesystem_of, filesystem_text
 from .reclaim import folder_prefix, reclaim
@@ -271,6 +271,8 @@ class DiskStore:
         self.path = folder
         self.keep = keep
         self.direct_io = probe_direct_io(folder)
+        #: direct I/O's alignment here (512 or 4096): files move in vectored syscalls (disk_format.vectored)
+        self.dio_sector = probe_dio_sector(folder) if self.direct_io else 0
         self._pool = _PriorityPool(io_threads, DISK.name)
         self._staging = Staging()
         self._lock = threading.Lock()
@@ -637,7 +639,7 @@ class DiskStore:
             fd = os.open(tmp, flags, 0o600)
             try:
                 if self.direct_io:
-                    transfer(fd, segments, file_size, self._staging.get(), write=True)
+                    transfer(fd, segments, file_size, self._staging.get(), write=True, sector=self.dio_sector)
                 else:
                     buffered_write(fd, segments, file_size)
                 os.fdatasync(fd)
@@ -712,7 +714,8 @@ class DiskStore:
                 if bounce:
                     buffered_read(path, bounce)
                     segments = [(o, d) for o, d in segments if not large_unaligned(d)]
-                transfer(fd, segments, meta["file_size"], self._staging.get(), write=False)
+                transfer(fd, segments, meta["file_size"], self._staging.get(), write=False,
+                         sector=self.dio_sector)
             else:
                 for off, dest in segments:
                     pread_all(fd, as_numpy(dest), off)

@@ -23,7 +23,10 @@ C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes
   parameters on one thread, load ~4.3 on 2 cores: int8 519 -> 557 M params/s, int4 424 -> 457,
   the fp32 AdamW 957-1116), the kernel alone +8-10% and +9%; int8's interleave of two steps
   another +9.5% on the chain (553 -> 633 and 626 -> 687 M params/s, load ~2.9) and +15% over
-  the first cut's kernel alone. Tried beside it and not kept (same A/B): the interleave a block
+  the first cut's kernel alone; int4's codes decoded by byte shuffles of the levels' byte planes
+  instead of AVX2 lane permutes (``vpermps``: ~1.3 cycles each on Zen 3, and slowed by the divider's
+  work beside it, where ``vpshufb`` is not) +2-5% (613 and 621 M params/s against 595 and 593 on
+  the thread's CPU time, load ~4.2). Tried beside it and not kept (same A/B): the interleave a block
   (32 values) of each at a time (int8 +2-6%), int4's interleave (8 values: -4 to -7%; a block:
   -11%), pass B cut again (roots; division and the second moment's code: -6% both), the
   encoders' roots from ``vrsqrtps``, a Goldschmidt step and the
@@ -797,17 +800,34 @@ static int step8(pend_t *P, int *cur, float *p, const float *g, const int8_t *cm
     return bad;
 }
 
-/* 32 int4 codes (16 bytes) decoded with the 16 levels (L0, L1): dec_i4's AVX2 permutes, times S */
-static inline void nibbles_vec(const uint8_t *codes, __m256 L0, __m256 L1, __m256 S, __m256 *out) {
+/* 32 int4 codes (16 bytes) decoded, times S: dec_i4's values with byte shuffles instead of its lane
+   permutes (vpermps, slow on Zen 3 and beside the divider; this measured int4 +2-5%). T[j] holds
+   byte j of each of the 16 levels (in both 128-bit lanes); the codes are laid out so that the
+   in-lane unpacks of the four looked-up byte planes give the values in order: the same floats. */
+static inline void nibbles_shuf(const uint8_t *codes, const __m256i *T, __m256 S, __m256 *out) {
     const __m128i b = _mm_loadu_si128((const __m128i *)codes), f = _mm_set1_epi8(15);
     const __m128i lo = _mm_and_si128(b, f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), f);
-    const __m128i ord[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
-    for (int h = 0; h < 4; h++) {
-        __m256i idx = _mm256_cvtepu8_epi32(h & 1 ? _mm_srli_si128(ord[h >> 1], 8) : ord[h >> 1]);
-        __m256 val = _mm256_blendv_ps(_mm256_permutevar8x32_ps(L0, idx), _mm256_permutevar8x32_ps(L1, idx),
-                                      _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
-        out[h] = _mm256_mul_ps(val, S);
-    }
+    const __m128 o0 = _mm_castsi128_ps(_mm_unpacklo_epi8(lo, hi)), o1 = _mm_castsi128_ps(_mm_unpackhi_epi8(lo, hi));
+    /* lane 0: values 0-3, 8-11, 16-19, 24-27; lane 1: 4-7, 12-15, 20-23, 28-31 */
+    const __m256i y = _mm256_set_m128i(_mm_castps_si128(_mm_shuffle_ps(o0, o1, _MM_SHUFFLE(3, 1, 3, 1))),
+                                       _mm_castps_si128(_mm_shuffle_ps(o0, o1, _MM_SHUFFLE(2, 0, 2, 0))));
+    const __m256i b0 = _mm256_shuffle_epi8(T[0], y), b1 = _mm256_shuffle_epi8(T[1], y);
+    const __m256i b2 = _mm256_shuffle_epi8(T[2], y), b3 = _mm256_shuffle_epi8(T[3], y);
+    const __m256i l01 = _mm256_unpacklo_epi8(b0, b1), h01 = _mm256_unpackhi_epi8(b0, b1);
+    const __m256i l23 = _mm256_unpacklo_epi8(b2, b3), h23 = _mm256_unpackhi_epi8(b2, b3);
+    out[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(l01, l23)), S);
+    out[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(l01, l23)), S);
+    out[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(h01, h23)), S);
+    out[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(h01, h23)), S);
+}
+
+/* the byte planes of 16 levels (nibbles_shuf's T) */
+static inline void level_planes(const float *lut, __m256i *T) {
+    uint8_t pl[4][16], by[64];
+    memcpy(by, lut, 64);
+    for (int j = 0; j < 4; j++)
+        for (int k = 0; k < 16; k++) pl[j][k] = by[4 * k + j];
+    for (int j = 0; j < 4; j++) T[j] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)pl[j]));
 }
 
 /* the scale constants of 8 int4 blocks, of their maxima sm (the first moment: enc_i4m_group's k)
@@ -828,17 +848,16 @@ static inline void scales4(__m256 sm, __m256 sv, const consts_t *C, float *km, f
 }
 
 static inline __attribute__((always_inline)) int step4(float *p, const float *g, const uint8_t *cm, const float *sm, const uint8_t *cv, const float *sv,
-                 uint8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed, const consts_t *C) {
+                 uint8_t *om, float *osm, uint8_t *ov, float *osv, const adam_t *A, const int decayed, const consts_t *C,
+                 const __m256i *TM, const __m256i *TV) {
     float m[I8B] __attribute__((aligned(32))), v[I8B] __attribute__((aligned(32))), w[I8B] __attribute__((aligned(32)));
     __m256i mxm[G4], mxv[G4], orv = _mm256_setzero_si256();   /* (in memory: the blocks' maxima, 8 lanes each) */
     const lanes_t L = lanes_of(A);
     {
-        const __m256 LM0 = _mm256_loadu_ps(C->lut4m), LM1 = _mm256_loadu_ps(C->lut4m + 8);
-        const __m256 LV0 = _mm256_loadu_ps(C->lut4v), LV1 = _mm256_loadu_ps(C->lut4v + 8);
         for (int b = 0; b < G4; b++) {
             __m256 dm[4], dv[4];
-            nibbles_vec(cm + 16 * b, LM0, LM1, _mm256_set1_ps(sm[b]), dm);
-            nibbles_vec(cv + 16 * b, LV0, LV1, _mm256_set1_ps(sv[b]), dv);
+            nibbles_shuf(cm + 16 * b, TM, _mm256_set1_ps(sm[b]), dm);
+            nibbles_shuf(cv + 16 * b, TV, _mm256_set1_ps(sv[b]), dv);
             __m256i a = _mm256_setzero_si256(), c = a;
             for (int h = 0; h < 4; h++) {
                 int i = I4B * b + 8 * h;
@@ -936,6 +955,8 @@ static int update_range(int codec, float *p, const float *g,
     pend_t P[2];
     int cur = 0;
     P[0].live = P[1].live = 0;
+    __m256i TM[4], TV[4];   /* int4: the levels' byte planes */
+    if (codec == 4) { level_planes(C->lut4m, TM); level_planes(C->lut4v, TV); }
 #endif
     for (int64_t off = 0; off < n; off += S) {
         const int k = n - off < S ? (int)(n - off) : S, nb = (k + B - 1) / B;
@@ -949,9 +970,9 @@ static int update_range(int codec, float *p, const float *g,
                              (int8_t *)om + off, osm + j0, ov + off, osv + j0, a, decayed, C);
             else
                 bad |= decayed ? step4(p + off, g + off, cm + off / 2, sm + j0, cv + off / 2, sv + j0,
-                                       om + off / 2, osm + j0, ov + off / 2, osv + j0, a, 1, C)
+                                       om + off / 2, osm + j0, ov + off / 2, osv + j0, a, 1, C, TM, TV)
                                : step4(p + off, g + off, cm + off / 2, sm + j0, cv + off / 2, sv + j0,
-                                       om + off / 2, osm + j0, ov + off / 2, osv + j0, a, 0, C);
+                                       om + off / 2, osm + j0, ov + off / 2, osv + j0, a, 0, C, TM, TV);
             continue;
         }
         if (codec == 8) bad |= b8_flush(P + cur, C);

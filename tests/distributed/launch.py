@@ -11,6 +11,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def argument_groups(argv: list) -> list:
+    """A worker script's several runs in one process (one launch): their argument lists, separated
+    by ``--`` on its command line (``OUT ... -- OUT ...``; an empty list is left out)."""
+    groups: list = [[]]
+    for arg in argv:
+        if arg == "--":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    return [g for g in groups if g]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -42,15 +42,29 @@ def _same_logs(two, one):
         [r["eval_mean_token_accuracy"] for r in _logs(one, "eval_mean_token_accuracy")], rel=1e-9) and ev
 
 
+CASES = ["assistant", "packed"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Both cases' two-rank runs (accumulation 2, a checkpoint at step 2), one after the other in
+    one launch: ``<case>/``."""
+    base = tmp_path_factory.mktemp("sft-two-ranks")
+    # (no leading "--": torchrun's own parser would take it)
+    argv = [a for case in CASES for a in ("--", str(base / case), "2", case, "save")][1:]
+    check(torchrun(HERE / "w_sft.py", *argv, nproc=2, timeout=450))
+    return base
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group(SFT_ONE_PROCESS)
-@pytest.mark.parametrize("case", ["assistant", "packed"])
-def test_sft_two_ranks_equal_one_process(tmp_path, case):
-    check(torchrun(HERE / "w_sft.py", str(tmp_path / "two"), "2", case, "save", nproc=2, timeout=300))
+@pytest.mark.parametrize("case", CASES)
+def test_sft_two_ranks_equal_one_process(two_rank_runs, tmp_path, case):
+    two = two_rank_runs / case
     one = alone_once(HERE / "w_sft.py", "4", case)   # (test_sft_session.py's too)
-    _agree(_weights(tmp_path / "two" / "final"), _weights(one / "final"))
-    _same_logs(tmp_path / "two", one)
-    ck = tmp_path / "two" / "checkpoint-2"
+    _agree(_weights(two / "final"), _weights(one / "final"))
+    _same_logs(two, one)
+    ck = two / "checkpoint-2"
     assert sorted(f.name for f in ck.glob("shards-*")) == ["shards-00000-of-00002.safetensors",
                                                            "shards-00001-of-00002.safetensors"]
     if case == "packed":   # the 2 ranks' checkpoint, resumed by one process with accumulation 4

@@ -1,5 +1,5 @@
 """Worker: mt.SFTTrainer under torchrun (or alone), issue 20:
-``w_sft.py OUT GA CASE [save | resume:<ck> | nan]``.
+``w_sft.py OUT GA CASE [save | resume:<ck> | nan] [-- OUT GA CASE ...]`` (several runs, one after the other).
 CASE ``assistant`` (conversational, assistant_only_loss) or ``packed`` (the same, packed by TRL's
 "bfd" strategy: padding-free rows with per-document position ids). ``nan``: on_nonfinite="skip"
 and a NaN in rank 1's gradient shard during step 2. Rank 0 writes ``OUT/final`` and
@@ -13,6 +13,7 @@ from datasets import Dataset  # noqa: E402
 
 from trainer.sft_helpers import CONVS, sft_config, tiny_llama, tokenizer  # noqa: E402
 
+from distributed.launch import argument_groups  # noqa: E402
 from megatrain_nb.trainer.sft import SFTTrainer  # noqa: E402
 
 CASES = {"assistant": dict(assistant_only_loss=True),
@@ -54,4 +55,5 @@ def poison_rank1_at_step2(t) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    for argv in argument_groups(sys.argv[1:]):   # several runs, one after the other
+        main(*argv)

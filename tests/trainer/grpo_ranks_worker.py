@@ -14,6 +14,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])   # tests/ (for the GRPO test hel
 from trainer.test_grpo_parity import config, prompts, reward_short, reward_yes, tiny_model, tokenizer  # noqa: E402
 
 import megatrain_nb as mt  # noqa: E402
+from distributed.launch import argument_groups  # noqa: E402
 
 
 def main(out_dir: str, ga: str, spg: str, beta: str = "0.0", loss_type: str = "dapo", save_steps: str = "0",
@@ -48,18 +49,6 @@ def main(out_dir: str, ga: str, spg: str, beta: str = "0.0", loss_type: str = "d
     t.close()
 
 
-def runs(argv: list) -> None:
-    """Several runs one after the other in this process (one launch): their argument lists
-    separated by ``--`` (``OUT GA SPG ... -- OUT GA SPG ...``)."""
-    group: list = []
-    for arg in [*argv, "--"]:
-        if arg == "--":
-            if group:
-                main(*group)
-            group = []
-        else:
-            group.append(arg)
-
-
 if __name__ == "__main__":
-    runs(sys.argv[1:])
+    for argv in argument_groups(sys.argv[1:]):   # several runs, one after the other
+        main(*argv)

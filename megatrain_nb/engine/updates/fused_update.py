@@ -26,9 +26,11 @@ C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes
   the first cut's kernel alone; int4's codes decoded by byte shuffles of the levels' byte planes
   instead of AVX2 lane permutes (``vpermps``: ~1.3 cycles each on Zen 3, and slowed by the divider's
   work beside it, where ``vpshufb`` is not) +2-5% (613 and 621 M params/s against 595 and 593 on
-  the thread's CPU time, load ~4.2). Tried beside it and not kept (same A/B): the interleave a block
+  the thread's CPU time, load ~4.2). All together, the kernel alone against the one before them
+  (thread CPU time, 11 rounds, load ~4.6): int8 873 against 740 M params/s, int4 658-660 against
+  544-567 (+19-20%). Tried beside it and not kept (same A/B): the interleave a block
   (32 values) of each at a time (int8 +2-6%), int4's interleave (8 values: -4 to -7%; a block:
-  -11%), pass B cut again (roots; division and the second moment's code: -6% both), the
+  -11%; with the byte shuffles, within +-8%), pass B cut again (roots; division and the second moment's code: -6% both), the
   encoders' roots from ``vrsqrtps``, a Goldschmidt step and the
   exact residual (equal to the IEEE root on every float >= 2**-102 here, all 2.1e9 checked; int8
   +2-5% for the first moment's root, -6% for the fourth root's, int4 -5%: not worth an exactness

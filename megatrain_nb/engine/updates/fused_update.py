@@ -30,12 +30,12 @@ C file (:data:`SOURCE`) with the machine's C compiler and loads it with ``ctypes
   (thread CPU time, 11 rounds, load ~4.6): int8 873 against 740 M params/s, int4 658-660 against
   544-567 (+19-20%). Tried beside it and not kept (same A/B): the interleave a block
   (32 values) of each at a time (int8 +2-6%), int4's interleave (8 values: -4 to -7%; a block:
-  -11%; with the byte shuffles, within +-8%), pass B cut again (roots; division and the second moment's code: -6% both), the
-  encoders' roots from ``vrsqrtps``, a Goldschmidt step and the
+  -11%; with the byte shuffles, within +-8%), pass B cut again (roots; division and the second
+  moment's code: -6% both), the encoders' roots from ``vrsqrtps``, a Goldschmidt step and the
   exact residual (equal to the IEEE root on every float >= 2**-102 here, all 2.1e9 checked; int8
   +2-5% for the first moment's root, -6% for the fourth root's, int4 -5%: not worth an exactness
-  that rests on one CPU's ``rsqrt`` table), ``-fschedule-insns`` (no change). Steps at a group's edge, in
-  torch's scalar tail, with a lerp from the gradient, where the decay ends, on a floored scale,
+  that rests on one CPU's ``rsqrt`` table), ``-fschedule-insns`` (no change). Steps at a group's
+  edge, in torch's scalar tail, with a lerp from the gradient, where the decay ends, on a floored scale,
   the first one, and every step without AVX2 take the general path (each block decoded into L1
   buffers, AdamW, encoded; int4: 8 blocks at a time, their scale roots as one vector). The same
   arithmetic per value either way (tests/engine/test_fused_update_simd.py);

@@ -139,6 +139,33 @@ def thread_cpu() -> dict:
     return out
 
 
+KERNEL_WORKERS = ("kworker", "jbd2", "ksoftirqd")
+
+
+def kernel_workers_cpu() -> float:
+    """CPU seconds so far of the machine's kernel worker threads (kworker, jbd2, ksoftirqd): work
+    the kernel defers out of the process's own threads -- a direct-I/O read into shmem pages has
+    its pages dirtied by a kworker, say -- which the process's CPU does not count but which
+    pre-empts its threads all the same (machine-wide: other processes' share too)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if not f.read().startswith(KERNEL_WORKERS):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def timed_steps(engine, ids, k: int, clip=None) -> dict:
     """k consecutive steps (steady state: one step's write-behind overlaps the next), ending
     with the write-behind drained so the time covers all the step's bytes; per step: seconds,
@@ -146,7 +173,7 @@ def timed_steps(engine, ids, k: int, clip=None) -> dict:
     disk = engine.disk
     r0 = disk.report() if disk is not None else None
     t0_tel = engine.telemetry()
-    th0 = thread_cpu()
+    th0, kw0 = thread_cpu(), kernel_workers_cpu()
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(k):
         engine.forward_backward(ids, step_lr=1e-4, max_grad_norm=clip)
@@ -156,7 +183,7 @@ def timed_steps(engine, ids, k: int, clip=None) -> dict:
         disk.flush()
     dt = (time.perf_counter() - t0) / k
     cpu = (time.process_time() - c0) / k   # core-seconds of every thread of this process
-    th1 = thread_cpu()
+    th1, kw1 = thread_cpu(), kernel_workers_cpu()
     t1_tel = engine.telemetry()
     r1 = disk.report() if disk is not None else None
     out = {"s": dt, "cpu": cpu, "read": 0, "written": 0,
@@ -170,7 +197,8 @@ def timed_steps(engine, ids, k: int, clip=None) -> dict:
            "device_mid": mid_tel["stall_seconds"].get("device", 0.0) - t0_tel["stall_seconds"].get("device", 0.0),
            "opt_total": t1_tel["optimizer_seconds"] - t0_tel["optimizer_seconds"],
            # per thread kind: core-seconds and page faults per step (/proc/self/task)
-           "threads": {kind: tuple((th1[kind][i] - th0[kind][i]) / k for i in range(5)) for kind in th0}}
+           "threads": {kind: tuple((th1[kind][i] - th0[kind][i]) / k for i in range(5)) for kind in th0},
+           "kworkers": (kw1 - kw0) / k}
     if r0 is not None:
         out["read"] = (r1["disk_read_bytes"] - r0["disk_read_bytes"]) // k
         out["written"] = (r1["disk_write_bytes"] - r0["disk_write_bytes"]) // k
@@ -291,7 +319,8 @@ def cpu_report(runs, t_io, io_cpu, cores, bound) -> list:
             for kind in ("compute", "engine", "io"))
         print(f"CPU per step, {name}: {cpu:.3f} core-s in {s:.3f}s = {cpu / max(s * cores, 1e-9):.0%} of {cores} "
               f"cores; by thread (compute: the main thread and every OpenMP team's; engine: the update and copy "
-              f"threads; io: the disk tier's): {parts}")
+              f"threads; io: the disk tier's): {parts}; beside them the machine's kernel workers "
+              f"{median([r['kworkers'] for r in rs]):.3f} core-s")
     print(f"pure I/O's CPU (dd, direct I/O, the same bytes): median {median(io_cpu):.3f} core-s "
           f"{[round(x, 3) for x in io_cpu]}")
     d, c = runs["disk-tier"], runs["compute"]

@@ -185,7 +185,7 @@ def probe_direct_io(folder: str) -> bool:
     """True if ``folder``'s filesystem accepts O_DIRECT writes of aligned buffers."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    path = os.path.join(folder, ".direct-io-probe")
+    path = _probe_path(folder, "direct-io")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
     except OSError:
@@ -197,8 +197,21 @@ def probe_direct_io(folder: str) -> bool:
     except OSError:
         return False
     finally:
-        os.close(fd)
+        _close_and_remove(fd, path)
+
+
+def _probe_path(folder: str, what: str) -> str:
+    """A probe file's name of this process's and thread's own (two stores on one folder, in two
+    ranks or two threads, probe at once)."""
+    return os.path.join(folder, f".{what}-probe-{os.getpid()}-{threading.get_ident()}")
+
+
+def _close_and_remove(fd: int, path: str) -> None:
+    os.close(fd)
+    try:
         os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 
@@ -302,7 +315,7 @@ def probe_dio_sector(folder: str) -> int:
     """The smallest direct-I/O alignment ``folder``'s filesystem takes for memory, offsets and
     lengths: 512 where a 512-byte write at offset 512 from memory 512 bytes into a page is
     accepted (ext4 and xfs on most disks: the device's logical block), else :data:`ALIGN`."""
-    path = os.path.join(folder, ".dio-sector-probe")
+    path = _probe_path(folder, "dio-sector")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
     except (OSError, AttributeError):
@@ -314,8 +327,7 @@ def probe_dio_sector(folder: str) -> int:
     except OSError:
         return ALIGN
     finally:
-        os.close(fd)
-        os.unlink(path)
+        _close_and_remove(fd, path)
 
 
 #: Bytes at the end of the staging buffer that :func:`vectored` reads gaps into or writes them from.

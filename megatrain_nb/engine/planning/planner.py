@@ -229,6 +229,14 @@ class LayerDims:
     qk_norm: bool = False       # per-head norms on q and k
     norm_fp32: bool = False     # the norm's weight applied in fp32 (Gemma's ``1 + weight``)
 
+    def head_size(self) -> int:
+        """An attention head's width (the config's, else the hidden size over the heads)."""
+        return self.head_dim or self.hidden // (self.heads or 1)
+
+    def query_width(self) -> int:
+        """The query heads' width together (the attention's ``h`` in its FLOPs)."""
+        return (self.heads or 1) * self.head_size()
+
     def saved_bytes(self, tokens: int, mlp_tokens: int, cb: int) -> int:
         """Bytes autograd saves running one layer over ``tokens`` (the MLP over ``mlp_tokens``: one
         tile), counted from the ops of a Llama-style layer (tests/engine/test_activation_plan.py
@@ -239,9 +247,8 @@ class LayerDims:
         q, k, v after RoPE, its output and log-sum-exp, RoPE's cos and sin; a gated MLP gate, up,
         act(gate) and their product.
         The layer's input is the first norm's input."""
-        heads = self.heads or 1
-        hd = self.head_dim or self.hidden // heads
-        q, kv = heads * hd, (self.kv_heads or heads) * hd
+        heads, hd = self.heads or 1, self.head_size()
+        q, kv = self.query_width(), (self.kv_heads or heads) * hd
         norm_w = (8 + cb) if self.norm_fp32 else (4 + 2 * cb)       # bytes per element of the norm's width
         norms = self.norms * (self.hidden * norm_w + 4)
         attn = (2 * q + 2 * kv + 2 * hd) * cb + heads * 4

@@ -269,8 +269,7 @@ def step_amounts(units, shape, cfg, plan, workload, *, cuda: bool, cache_bytes: 
     head_n = units[-1].numel or units[0].numel   # a tied head multiplies by the embedding's weights
     cb = 2 if cfg.precision == "bf16" else 4
     rec = 0.0 if k == 0 else 1 + (n_layers - math.ceil(n_layers / max(k, 1))) / n_layers
-    dims = shape.layer()
-    width = dims.heads * dims.head_dim if dims.heads and dims.head_dim else shape.hidden_size   # (the heads' width)
+    width = shape.layer().query_width()   # (the query heads' width: the hidden size where the config does not say)
     attn = 2.0 * workload.batch * workload.seq ** 2 * width * n_layers * workload.accumulation
     listed = min(max(groups, 1), GROUPS_LISTED)
     order = compute_order(units, k, listed)
@@ -368,7 +367,7 @@ def step_team(rates, shape, workload, *, bf16: bool, cuda: bool) -> float:
 def head_dim(shape) -> int:
     """A layer's attention head size (64 where the model's config does not say)."""
     d = shape.layer()
-    return int(d.head_dim or (d.hidden // d.heads if d.heads else 0) or 64)
+    return int(d.head_size()) if d.heads or d.head_dim else 64
 
 
 def _compute_rates(rates, shape, workload, *, bf16: bool, cuda: bool) -> tuple:

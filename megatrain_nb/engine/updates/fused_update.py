@@ -556,11 +556,15 @@ static inline __m256i i8m_vec(__m256 x, __m256 M, __m256 K, __m256 FL, const int
    (int)max(r, 1) = max((int)r, 1), r >= 0). Unscaled (mul 1), the first root is AdamW's: sqrtf is
    monotone, so sqrtf(max(x, fl)) = max(sqrtf(x), sqrtf(fl)), with sqrtf(x) the root AdamW took of
    the new moment (at w) and FL = sqrtf(fl); scaled, FL = fl. */
-static inline __m256i fourth_vec(__m256 x, const float *w, __m256 M, __m256 K, __m256 FL, __m256 A, const int scaled) {
-    __m256 s = scaled ? _mm256_sqrt_ps(_mm256_max_ps(_mm256_mul_ps(x, M), FL)) : _mm256_max_ps(_mm256_load_ps(w), FL);
+static inline __m256i fourth_of_root(__m256 x, __m256 s, __m256 K, __m256 A) {   /* s: the first root, floored */
     __m256i ub = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0xFFFF));
     __m256 u = _mm256_cvtepi32_ps(_mm256_add_epi32(ub, _mm256_set1_epi32(65)));
     return _mm256_cvttps_epi32(_mm256_fmadd_ps(u, A, _mm256_mul_ps(_mm256_sqrt_ps(s), K)));
+}
+
+static inline __m256i fourth_vec(__m256 x, const float *w, __m256 M, __m256 K, __m256 FL, __m256 A, const int scaled) {
+    return fourth_of_root(x, scaled ? _mm256_sqrt_ps(_mm256_max_ps(_mm256_mul_ps(x, M), FL))
+                                    : _mm256_max_ps(_mm256_load_ps(w), FL), K, A);
 }
 
 /* i4m_values' codes of 8 values of a finite block as int32, less 8: copysignf(y, x) is (x * k) * k
@@ -686,10 +690,7 @@ static inline __m256 weights_vec(float *p, __m256 mi, __m256 vi, const lanes_t *
 
 /* fourth_vec, unscaled, of x whose sqrtf is a */
 static inline __m256i fourth_root_vec(__m256 x, __m256 a, __m256 K, __m256 FL, __m256 A) {
-    __m256 s = _mm256_max_ps(a, FL);
-    __m256i ub = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0xFFFF));
-    __m256 u = _mm256_cvtepi32_ps(_mm256_add_epi32(ub, _mm256_set1_epi32(65)));
-    return _mm256_cvttps_epi32(_mm256_fmadd_ps(u, A, _mm256_mul_ps(_mm256_sqrt_ps(s), K)));
+    return fourth_of_root(x, _mm256_max_ps(a, FL), K, A);
 }
 
 /* An int8 step whose pass A is done, waiting for its pass B: update_range runs a step's pass A in the

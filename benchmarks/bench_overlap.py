@@ -9,6 +9,10 @@ kind of thread's core-seconds, its wait for a core (the scheduler's run-queue de
 sleeps and pre-emptions are printed per step, and the disk-tier step's time beyond its bound
 is split into the compute's waits for loads, the extra CPU work and the extra wait for a core.
 
+Each contender's steps are timed in steady state: a lead-in step, then ``--steps-per-rep`` steps
+timed from its end to theirs (the same work in flight at both ends); the drain after the last
+(its updates and writes, nothing left to overlap) is printed apart, as a run pays it once.
+
 Contenders, run one after the other in every repetition (alternating, medians over the reps):
 
 * ``compute``: the same step with everything in RAM (same codec): the compute bound; its
@@ -167,34 +171,40 @@ def kernel_workers_cpu() -> float:
 
 
 def timed_steps(engine, ids, k: int, clip=None) -> dict:
-    """k consecutive steps (steady state: one step's write-behind overlaps the next), ending
-    with the write-behind drained so the time covers all the step's bytes; per step: seconds,
-    disk bytes read / written, stall seconds per tier, optimizer seconds."""
+    """k consecutive steps in steady state, timed from the end of a lead-in step to the end of
+    the k-th: at both ends the same work is in flight (a clipped step's updates, which overlap
+    the next forward; the write-behind), so the time and the bytes between them are k steps'.
+    The drain after the last step (its updates and writes with nothing left to overlap) is timed
+    apart: a run pays it once, at its end or a checkpoint, not every step (timed inside the k
+    steps, as before the ninth session, it added a clipped step's whole update round over k).
+    Per step: seconds, disk bytes read / written, stall seconds per tier, optimizer seconds."""
     disk = engine.disk
+    engine.forward_backward(ids, step_lr=1e-4, max_grad_norm=clip)   # the lead-in: steady state from here
     r0 = disk.report() if disk is not None else None
     t0_tel = engine.telemetry()
     th0, kw0 = thread_cpu(), kernel_workers_cpu()
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(k):
         engine.forward_backward(ids, step_lr=1e-4, max_grad_norm=clip)
-    mid_tel = engine.telemetry()
-    engine.zero_grad()
-    if disk is not None:
-        disk.flush()
     dt = (time.perf_counter() - t0) / k
     cpu = (time.process_time() - c0) / k   # core-seconds of every thread of this process
     th1, kw1 = thread_cpu(), kernel_workers_cpu()
     t1_tel = engine.telemetry()
     r1 = disk.report() if disk is not None else None
-    out = {"s": dt, "cpu": cpu, "read": 0, "written": 0,
+    t_end = time.perf_counter()
+    engine.zero_grad()
+    if disk is not None:
+        disk.flush()
+    drain = time.perf_counter() - t_end
+    out = {"s": dt, "cpu": cpu, "read": 0, "written": 0, "drain": drain,
            "stall": {t: (t1_tel["stall_seconds"].get(t, 0.0) - t0_tel["stall_seconds"].get(t, 0.0)) / k
                      for t in TIERS},
            "opt": (t1_tel["optimizer_seconds"] - t0_tel["optimizer_seconds"]) / k,
-           # the next forwards' wait for the previous step's updates (clipped): steps 2..k
-           "exposed_mid": mid_tel["optimizer_exposed_seconds"] - t0_tel["optimizer_exposed_seconds"],
-           # the compute thread's own waits for its loads in steps 1..k (a CPU "device": every wait
+           # the forwards' waits for the previous step's updates (clipped: every timed step's)
+           "exposed": t1_tel["optimizer_exposed_seconds"] - t0_tel["optimizer_exposed_seconds"],
+           # the compute thread's own waits for its loads in the k steps (a CPU "device": every wait
            # of the compute for a unit, the updates' included): what the copy thread's wait above hid
-           "device_mid": mid_tel["stall_seconds"].get("device", 0.0) - t0_tel["stall_seconds"].get("device", 0.0),
+           "device": t1_tel["stall_seconds"].get("device", 0.0) - t0_tel["stall_seconds"].get("device", 0.0),
            "opt_total": t1_tel["optimizer_seconds"] - t0_tel["optimizer_seconds"],
            # per thread kind: core-seconds and page faults per step (/proc/self/task)
            "threads": {kind: tuple((th1[kind][i] - th0[kind][i]) / k for i in range(5)) for kind in th0},
@@ -209,7 +219,8 @@ def describe(name: str, runs: list) -> str:
     secs = [r["s"] for r in runs]
     rd, wr = median([r["read"] for r in runs]), median([r["written"] for r in runs])
     line = (f"{name:<26} median {median(secs):.3f}s {[round(x, 3) for x in secs]}; disk per step: "
-            f"read {rd / MiB:.1f} MiB, written {wr / MiB:.1f} MiB")
+            f"read {rd / MiB:.1f} MiB, written {wr / MiB:.1f} MiB; drain after the last step (once a run) "
+            f"{median([r['drain'] for r in runs]):.3f}s")
     if rd + wr == 0 and name.startswith("disk-tier"):
         line += "  <- NO DISK BYTES: this figure measured the host cache, not the disk"
     return line
@@ -289,7 +300,7 @@ def main(argv=None):
                 runs[name].append(timed_steps(e, ids, k, clip=CLIP if "clipped" in name else None))
             last = runs["disk-tier"][-1]
             t_io.append(pure_io(d, block, last["read"], last["written"]))
-        report(a, eng, runs, t_io, k)
+        report(a, eng, runs, t_io)
         for e in eng.values():
             e.close()
 
@@ -335,7 +346,7 @@ def cpu_report(runs, t_io, io_cpu, cores, bound) -> list:
             for dr, cr, io, ic in zip(d, c, t_io, io_cpu)]
 
 
-def report(a, eng, runs, t_io, k):
+def report(a, eng, runs, t_io):
     m = {n: median([r["s"] for r in rs]) for n, rs in runs.items()}
     mo = median([r["opt"] for r in runs["compute"]])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -375,12 +386,12 @@ def report(a, eng, runs, t_io, k):
     print(f"disk-tier: {tel['weight_reads_saved']} weight reads saved; disk prefetch {pf['ahead']} ahead, "
           f"{pf['late']} late")
     share = tel["optimizer_exposed_seconds"] / max(tel["optimizer_seconds"], 1e-9)
-    # clipped: the forwards of steps 2..k waited for the previous step's updates; the drain after
-    # step k (nothing left to overlap with) is not a training step's cost
-    clip_exposed = sum(r["exposed_mid"] for r in runs["disk-tier clipped"])
-    clip_overlappable = sum(r["opt_total"] * (k - 1) / k for r in runs["disk-tier clipped"])
+    # clipped: every timed step's forward overlapped (and waited for) the previous step's updates;
+    # the drain after the last (nothing left to overlap with) is not a training step's cost
+    clip_exposed = sum(r["exposed"] for r in runs["disk-tier clipped"])
+    clip_overlappable = sum(r["opt_total"] for r in runs["disk-tier clipped"])
     clip_share = clip_exposed / max(clip_overlappable, 1e-9)
-    clip_compute = sum(r["device_mid"] for r in runs["disk-tier clipped"])
+    clip_compute = sum(r["device"] for r in runs["disk-tier clipped"])
     print(f"disk-tier optimizer exposed {tel['optimizer_exposed_seconds']:.3f}s of {tel['optimizer_seconds']:.3f}s; "
           f"clipped: the next forward's loads (the copy thread, prefetching a unit ahead) waited {clip_exposed:.3f}s "
           f"for {clip_overlappable:.3f}s of updates; the compute itself waited {clip_compute:.3f}s for all its loads "

@@ -177,6 +177,20 @@ def _per(amount: float, rate: float, what: str, missing: List[str]) -> float:
     return amount / rate
 
 
+#: The disk's traffic a step's prediction counts apart (bytes, and with ``_files`` the files).
+_DISK_KEYS = ("read", "write", "state_read", "state_write", "start_read", "start_write")
+
+
+def _disk_s(d: dict, kind: str, rates, what: str = "", missing: Optional[List[str]] = None) -> float:
+    """Seconds the disk takes for ``d[kind]`` bytes (a :func:`_disk_bytes` figure) in
+    ``d[kind + "_files"]`` files: the bytes at the measured bandwidth, each file at its measured
+    cost beyond them (``MachineRates.disk_read_file_s``; 0 where not measured)."""
+    read = kind.endswith("read")
+    t = _per(d[kind], rates.disk_read if read else rates.disk_write, what, [] if missing is None else missing)
+    cost = float(getattr(rates, "disk_read_file_s" if read else "disk_write_file_s", 0.0) or 0.0)
+    return t + (d.get(kind + "_files", 0.0) * cost if t > 0 else 0.0)
+
+
 def compute_order(units, k: int, groups: int = 1) -> list:
     """The units' loads of one step (``StepRunner.schedule``), once per group: the embedding, the
     layers, the head (the engine binds the head after the last layer once its first step has seen
@@ -206,8 +220,8 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     from ..tiers.disk_cache import plan_cache, step_accesses
 
     if not cfg.offload_dir:
-        return {"read": 0, "write": 0, "raw_read": 0, "raw_write": 0, "state_read": 0, "state_write": 0,
-                "start_read": 0, "start_write": 0, "read_miss": 0.0, "weights_on_disk": False}
+        return dict.fromkeys(_DISK_KEYS + tuple(k + "_files" for k in _DISK_KEYS), 0) | \
+            {"raw_read": 0, "raw_write": 0, "read_miss": 0.0, "weights_on_disk": False}
     on_disk = plan.placement.get("master_weights") == "disk"
     per = codec_bytes_per_param(cfg.optimizer_compression)
     states = plan.placement.get("optimizer_states") == "disk"
@@ -226,6 +240,11 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     st_r = sum(b for k, op, b in seq if op == "R" and k.startswith("state-"))
     st_w = sum(b for k, op, b in seq if op == "W" and k.startswith("state-"))
     state_read, state_write = int(read * st_r / raw_r) if raw_r else 0, int(write * st_w / raw_w) if raw_w else 0
+    # the files moved: the schedule's accesses, each a file, in the share the cache lets reach the disk
+    miss_r, miss_w = (read / raw_r if raw_r else 0.0), (write / raw_w if raw_w else 0.0)
+    files = {"read": miss_r * sum(op == "R" for _, op, _ in seq), "write": miss_w * sum(op == "W" for _, op, _ in seq),
+             "state_read": miss_r * sum(op == "R" and k.startswith("state-") for k, op, _ in seq),
+             "state_write": miss_w * sum(op == "W" and k.startswith("state-") for k, op, _ in seq)}
     # unclipped, weights on the disk tier behind a host cache: the next forward's first need, the
     # embedding's updated weights, is written, then read back (the head's load comes after the
     # layers) -- as much of it as reaches the disk past the cache. Without a cache the last updates'
@@ -233,19 +252,25 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     # embedding's always, the first the forward reads): no read back, the write goes behind
     miss = read / raw_r if raw_r else 1.0   # the share of the schedule's reads the cache cannot serve
     start_read = start_write = 0
+    files["start_read"] = files["start_write"] = 0.0
     if on_disk and not clipped and cache_bytes > 0:
         start_read = int((shadow or 4) * units[0].numel * miss)
         start_write = int(4 * units[0].numel * write / raw_w) if raw_w else 0
+        files["start_read"], files["start_write"] = miss, miss_w
     if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
         n = 4 * sum(u.numel for u in units)
         read, write = read + n, write + n
+        files["read"] += len(units)
+        files["write"] += len(units)
     window = plan.window or {}
     if window.get("tier") == "disk":
         b = boundary_total(window)
         read, write = read + b, write + b
+    if scale != 1.0:
+        files = {k: v * scale for k, v in files.items()}
     return {"read": read, "write": write, "raw_read": raw_r, "raw_write": raw_w, "state_read": state_read,
             "state_write": state_write, "start_read": start_read, "start_write": start_write, "read_miss": miss,
-            "weights_on_disk": on_disk}
+            "weights_on_disk": on_disk} | {k + "_files": v for k, v in files.items()}
 
 
 def boundary_total(window: dict) -> int:
@@ -416,8 +441,8 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     d2h_rate = (rates.d2h_pinned or rates.d2h_pageable) if cuda else rates.d2h_pageable
     ph["h2d"] = _per(a["h2d"], h2d_rate, "h2d", missing)
     ph["d2h"] = _per(a["d2h"], d2h_rate, "d2h", missing)
-    ph["disk_read"] = _per(a["disk"]["read"], rates.disk_read, "disk_read", missing)
-    ph["disk_write"] = _per(a["disk"]["write"], rates.disk_write, "disk_write", missing)
+    ph["disk_read"] = _disk_s(a["disk"], "read", rates, "disk_read", missing)
+    ph["disk_write"] = _disk_s(a["disk"], "write", rates, "disk_write", missing)
     team = a["update_threads"] = min(update_threads(cuda, rates.cores, getattr(cfg, "optimizer_threads", None)),
                                      max(int(rates.cores or 1), 1))
     ph["optimizer"] = _per(a["params"], rates.adamw_per_thread * team, "adamw_per_thread", missing)
@@ -481,8 +506,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     # the update chain: a unit's update reads its states, decodes, steps, encodes and writes them
     # back; its disk traffic and its CPU work (on the cores the compute leaves; with compressed
     # states, at the chain's own measured rate where there is one) add up
-    state_disk = _per(a["disk"]["state_read"], rates.disk_read, "", []) + \
-        _per(a["disk"]["state_write"], rates.disk_write, "", [])
+    state_disk = _disk_s(a["disk"], "state_read", rates) + _disk_s(a["disk"], "state_write", rates)
     measured = chain_rate(rates, a["codec"], threads, cuda)
     cpu_chain = a["params"] / measured + cast_u if measured else \
         opt if cuda else max(opt, opt_cpu / max(cores - team, 1))
@@ -491,8 +515,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     # unclipped, the next forward's first need: the embedding's update (its states read ahead, written
     # behind: the backward window's disk stream, not a wait), behind a host cache its weights' write and read-back
     share = units[0].numel / max(a["params"], 1)
-    first_disk = _per(a["disk"]["start_read"], rates.disk_read, "", []) + \
-        _per(a["disk"]["start_write"], rates.disk_write, "", [])
+    first_disk = _disk_s(a["disk"], "start_read", rates) + _disk_s(a["disk"], "start_write", rates)
     first = cpu_chain * share + first_disk
 
     beside = 0.0 if cuda else float(getattr(rates, "compute_beside_disk", 0.0) or 0.0)

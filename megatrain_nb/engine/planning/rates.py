@@ -41,7 +41,11 @@ class MachineRates:
         CPU device (one thread's rates: the prediction runs a CPU step's compute on
         :meth:`compute_team` threads), 0 for a GPU (the device's own rate).
     disk_read / disk_write: bytes/s through the engine's own I/O path (O_DIRECT where the
-        filesystem has it, its block sizes and queue depth) on ``disk_path``'s filesystem.
+        filesystem has it, its block sizes and queue depth) on ``disk_path``'s filesystem, beyond
+        the cost of each file below (an older measurement: layer-sized files' rates, it included).
+    disk_read_file_s / disk_write_file_s: seconds each file read or written costs beyond its
+        bytes (opening it, its header, a write's sync and rename), measured on files of two sizes;
+        a step pays it once per unit file it moves; 0 = not measured (an older cache, a profile).
     adamw_per_thread: parameters/s of the fused CPU AdamW on one thread (fp32 states).
     codec_per_thread: bytes of fp32 states/s encoded+decoded on one thread, per codec ("int8", "int4").
     update_chain: parameters/s of one unit's whole update with compressed states, per codec, as
@@ -96,6 +100,8 @@ class MachineRates:
     compute_threads: int = 0
     disk_read: float = 0.0
     disk_write: float = 0.0
+    disk_read_file_s: float = 0.0
+    disk_write_file_s: float = 0.0
     disk_path: Optional[str] = None
     filesystem: Optional[str] = None
     adamw_per_thread: float = 0.0
@@ -286,8 +292,10 @@ def _number(v) -> bool:
 #: Rates a file may leave at 0, "not measured" (the prediction names them in its notes).
 _MAY_BE_ZERO = ("bf16_matmul_flops", "bf16_attention_flops", "team_matmul_flops", "elementwise_rate",
                 "softmax_rate")
-#: Ratios a file may leave at 0 (not measured) and that are otherwise positive and below a bound.
-_RATIOS = {"compute_beside_disk": 1.0, "memory_speedup": 65536.0}
+#: Ratios (and the disk's seconds a file) a file may leave at 0 (not measured) and that are
+#: otherwise positive and below a bound.
+_RATIOS = {"compute_beside_disk": 1.0, "memory_speedup": 65536.0, "disk_read_file_s": 10.0,
+           "disk_write_file_s": 10.0}
 
 
 def _in_range(name: str, v, kind: str) -> Optional[str]:
@@ -375,6 +383,9 @@ def _rows(r: MachineRates) -> list:
              (f"attention bf16 (SDPA){one}", _flops(r.bf16_attention_flops), "bf16_attention_flops"),
              ("disk read", _bps(r.disk_read), "disk_read"),
              ("disk write", _bps(r.disk_write), "disk_write"),
+             ("disk, each file beyond its bytes: read / write",
+              f"{r.disk_read_file_s * 1e3:.2f} / {r.disk_write_file_s * 1e3:.2f} ms" if r.disk_read_file_s else "-",
+              "disk_read_file_s"),
              ("AdamW per thread", f"{r.adamw_per_thread / 1e6:.0f} M params/s" if r.adamw_per_thread else
               "-", "adamw_per_thread")]
     codecs = r.codec_per_thread or {}

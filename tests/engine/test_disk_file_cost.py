@@ -1,0 +1,89 @@
+"""The disk's cost a file beyond its bytes (``MachineRates.disk_read_file_s``,
+``disk_write_file_s``; issue 45 item 8): each file the disk tier writes is opened, synced and
+renamed, each read opened and its header read -- measured on a 2-core VM's ext4, ~2.6 ms a file
+written, so a 1 MiB file went at 130-250 MB/s where 64 MiB ones went at 440-470, and a step of
+small units moved its bytes slower than the layer-sized files' rate said. Made-up rates and
+counts; nothing here is timed but the quick measurement."""
+import json
+
+import pytest
+
+import megatrain_nb as mt
+from megatrain_nb.engine import measure
+from megatrain_nb.engine.planning.prediction import step_amounts
+from megatrain_nb.engine.planning.rates import MachineRates, check_rates
+from megatrain_nb.engine.tiers.disk_cache import step_accesses
+
+from .test_prediction import SHAPE, UNITS, predict, rates
+
+
+def test_the_cost_a_file_and_the_bandwidth_are_solved_from_two_sizes_of_files():
+    a, bw = 2.5e-3, 400e6
+    big, small = 4 * a + 128e6 / bw, 16 * a + 32e6 / bw    # 4 files of 32 MB, 16 of 2 MB
+    got_bw, got_a = measure._file_cost(big, small, 4, 16, 128_000_000, 32_000_000)
+    assert got_a == pytest.approx(a, rel=1e-9) and got_bw == pytest.approx(bw, rel=1e-9)
+    # small files no slower a byte than large ones (noise): no cost a file, the large files' rate
+    assert measure._file_cost(0.32, 0.07, 4, 16, 128_000_000, 32_000_000) == (pytest.approx(128e6 / 0.32, rel=1e-4), 1e-6)
+    # a cost that would leave the large files almost no time for their bytes is noise too
+    assert measure._file_cost(0.1, 10.0, 4, 16, 128_000_000, 32_000_000)[1] == 1e-6
+
+
+def _disk_tier(r, **kw):
+    return predict(r, offload_dir="/nowhere", offload_params=True, **kw)
+
+
+@pytest.mark.parametrize("clipped", [False, True], ids=["unclipped", "clipped"])
+def test_each_file_a_step_moves_adds_its_cost_to_the_disk_phases(clipped):
+    base = rates(disk_read=1e9, disk_write=5e8)
+    plain, c, plan, w = _disk_tier(base, clipped=clipped)
+    costly, *_ = _disk_tier(rates(disk_read=1e9, disk_write=5e8, disk_read_file_s=0.003, disk_write_file_s=0.011),
+                            clipped=clipped)
+    d = step_amounts(UNITS, SHAPE, c, plan, w, cuda=True, cache_bytes=0)["disk"]
+    assert d["read_files"] > len(UNITS) and d["write_files"] >= len(UNITS)   # weights and states, each unit
+    assert costly.phases["disk_read"] - plain.phases["disk_read"] == pytest.approx(0.003 * d["read_files"])
+    assert costly.phases["disk_write"] - plain.phases["disk_write"] == pytest.approx(0.011 * d["write_files"])
+    assert costly.step_seconds > plain.step_seconds
+    # no cost measured (an older cache, a profile): the bytes at the rates, as before
+    again, *_ = _disk_tier(rates(disk_read=1e9, disk_write=5e8, disk_read_file_s=0.0), clipped=clipped)
+    assert again.phases == plain.phases and again.step_seconds == plain.step_seconds
+
+
+def test_the_files_counted_are_the_schedules_accesses():
+    """Unclipped, weights and states on the disk tier, no host cache: each unit's weights file
+    read by its forward and by its backward, its states file read once, both written once by its
+    update -- the schedule's accesses (``disk_cache.step_accesses``), a file each."""
+    n = len(UNITS)
+    p, c, plan, w = _disk_tier(rates())
+    d = step_amounts(UNITS, SHAPE, c, plan, w, cuda=True, cache_bytes=0)["disk"]
+    assert (d["read_files"], d["write_files"], d["state_read_files"], d["state_write_files"]) == (3 * n, 2 * n, n, n)
+    # behind a host cache that keeps a share of the reads, that share of the files is not read
+    p, c, plan, w = _disk_tier(rates(), cache=10 ** 12)
+    cached = step_amounts(UNITS, SHAPE, c, plan, w, cuda=True, cache_bytes=10 ** 12)["disk"]
+    assert cached["read_files"] == pytest.approx(3 * n * cached["read"] / cached["raw_read"])
+    assert cached["read_files"] < 3 * n
+
+
+def test_an_older_cache_gets_the_cost_a_file_measured_once_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_NB_CACHE", str(tmp_path / "cache"))
+    first = mt.measure_machine(device="cpu", offload_dir=tmp_path, quick=True)
+    assert first.disk_read_file_s > 0 and first.disk_write_file_s > 0 and check_rates(first.to_dict()) == []
+    assert "each file beyond its bytes" in first.table()
+    (path,) = [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("machine-")]
+    old = json.loads(path.read_text())   # a cache written before the cost a file was measured
+    for k in ("disk_read_file_s", "disk_write_file_s"):
+        del old["rates"][k]
+    path.write_text(json.dumps(old))
+    calls = []
+    real = measure.measure_disk
+    monkeypatch.setattr(measure, "measure_disk", lambda *a: calls.append(a) or real(*a))
+    upgraded = mt.measure_machine(device="cpu", offload_dir=tmp_path, quick=True)
+    assert len(calls) == 1 and upgraded.disk_read_file_s > 0 and upgraded.disk_write_file_s > 0
+    mt.measure_machine(device="cpu", offload_dir=tmp_path, quick=True)
+    assert len(calls) == 1                         # kept in the cache: not measured again
+    assert json.loads(path.read_text())["rates"]["disk_write_file_s"] == upgraded.disk_write_file_s
+
+
+@pytest.mark.parametrize("value", [-1e-3, 11.0, float("nan"), "2 ms"])
+def test_a_cost_a_file_out_of_range_is_refused_by_name(value):
+    bad = check_rates(MachineRates(disk_write_file_s=value).to_dict() | {"disk_write_file_s": value})
+    assert any(b.startswith("disk_write_file_s=") for b in bad)

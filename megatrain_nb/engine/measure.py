@@ -214,6 +214,9 @@ def _read_files(store: DiskStore, prefix: str, outs: List[torch.Tensor]) -> None
 #: each this many times smaller (a quarter of the bytes).
 SMALL_FILES = 4
 SMALL_FILE_SHARE = 16
+#: Rounds of the four timings (large and small files, written and read), the first a warm-up: at
+#: least this many, more while twice the budget of a rate lasts, at most the second.
+DISK_ROUNDS, DISK_ROUNDS_MAX = 4, 12
 
 
 def _file_cost(big: float, small: float, n_big: int, n_small: int, bytes_big: int, bytes_small: int) -> Tuple[float, float]:
@@ -234,7 +237,7 @@ def measure_disk(root: str, sizes: Sizes) -> dict:
     file costs beyond its bytes (its open, header, sync and rename; ``disk_read_file_s``,
     ``disk_write_file_s``): ``disk_files`` layer-sized files written behind (timed to
     ``flush()``), then read ahead into aligned buffers, and the same for :data:`SMALL_FILES` times
-    as many files :data:`SMALL_FILE_SHARE` times smaller. Measured on a 2-core VM's ext4: ~2.6 ms a
+    as many files :data:`SMALL_FILE_SHARE` times smaller, the four in turn (medians of the rounds). Measured on a 2-core VM's ext4: ~2.6 ms a
     file written and ~1 ms read, a 1 MiB file written at 130-250 MB/s where 64 MiB ones went at
     440-470: a step whose units are small pays it on every file."""
     numel = sizes.disk_file_bytes // 4
@@ -245,16 +248,25 @@ def measure_disk(root: str, sizes: Sizes) -> dict:
     bits = [aligned_empty(small).fill_(2.0 + i) for i in range(n_small)]
     bit_outs = [aligned_empty(small) for _ in bits]
     total, total_small = 4 * numel * len(data), 4 * small * n_small
+    calls = (lambda: _write_files(store, "rate", data), lambda: _write_files(store, "small", bits),
+             lambda: _read_files(store, "rate", outs), lambda: _read_files(store, "small", bit_outs))
+    times: List[List[float]] = [[] for _ in calls]
     with DiskStore(root) as store:
-        w = _rate(lambda: _write_files(store, "rate", data), total, sizes)
-        r = _rate(lambda: _read_files(store, "rate", outs), total, sizes)
-        ws = _rate(lambda: _write_files(store, "small", bits), total_small, sizes)
-        rs = _rate(lambda: _read_files(store, "small", bit_outs), total_small, sizes)
+        # the four in turn, round after round (a VM's disk drifts: each pair is timed side by side)
+        end = time.perf_counter() + 2 * sizes.budget_s
+        for i in range(DISK_ROUNDS_MAX):
+            for call, ts in zip(calls, times):
+                t0 = time.perf_counter()
+                call()
+                ts.append(time.perf_counter() - t0)
+            if i + 1 >= max(sizes.min_runs, DISK_ROUNDS) and time.perf_counter() > end:
+                break
         direct = store.direct_io
     if not all(torch.equal(a, b) for a, b in zip(data + bits, outs + bit_outs)):
         raise RuntimeError(f"measure_machine: the disk under {root} read back different data")
-    write, write_file = _file_cost(total / w, total_small / ws, len(data), n_small, total, total_small)
-    read, read_file = _file_cost(total / r, total_small / rs, len(data), n_small, total, total_small)
+    w, ws, r, rs = (statistics.median(ts[1:]) for ts in times)   # (the first round: a warm-up)
+    write, write_file = _file_cost(w, ws, len(data), n_small, total, total_small)
+    read, read_file = _file_cost(r, rs, len(data), n_small, total, total_small)
     return dict(disk_read=read, disk_write=write, disk_read_file_s=read_file, disk_write_file_s=write_file,
                 direct_io=direct)
 

@@ -87,3 +87,22 @@ def test_an_older_cache_gets_the_cost_a_file_measured_once_and_kept(tmp_path, mo
 def test_a_cost_a_file_out_of_range_is_refused_by_name(value):
     bad = check_rates(MachineRates(disk_write_file_s=value).to_dict() | {"disk_write_file_s": value})
     assert any(b.startswith("disk_write_file_s=") for b in bad)
+
+
+def test_the_compute_beside_the_disk_is_a_mean_over_a_stretch_not_a_median_of_calls(monkeypatch):
+    """The disk tier's I/O threads take a core in bursts: most single calls run clean. On a fake
+    clock, a call that takes 1 ms and every fourth 21 ms: a median of calls says 1 ms a call (what
+    ``compute_beside_disk`` read, 0.97-1.00, once the I/O threads' CPU fell), the stretch's mean
+    6 ms (what a step sees: measured 0.63-0.79 beside the disk)."""
+    now = [0.0]
+    calls = [0]
+
+    def call():
+        calls[0] += 1
+        now[0] += 0.021 if calls[0] % 4 == 0 else 0.001
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])
+    sizes = measure.sizes_for(False, False)
+    assert measure._rate(call, 1.0, sizes) == pytest.approx(1000.0)            # the median: clean calls
+    calls[0] = 0
+    assert measure._mean_rate(call, 1.0, sizes) == pytest.approx(1000.0 / 6, rel=0.05)   # the mean

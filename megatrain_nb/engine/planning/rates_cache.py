@@ -17,7 +17,8 @@ from typing import Optional
 from ..tiers.diskspace import filesystem_of
 from .rates import MachineRates, check_rates
 
-CACHE_VERSION = 4   # 2: compute_beside_disk; 3: measured on the compute's own threads; 4: the fused update
+CACHE_VERSION = 5   # 2: compute_beside_disk; 3: measured on the compute's own threads; 4: the fused update;
+#                     5: compute_beside_disk a mean over a stretch (a median of calls hid the I/O bursts), the disk's cost a file
 
 
 def device_name(device=None) -> str:

@@ -240,22 +240,22 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     st_r = sum(b for k, op, b in seq if op == "R" and k.startswith("state-"))
     st_w = sum(b for k, op, b in seq if op == "W" and k.startswith("state-"))
     state_read, state_write = int(read * st_r / raw_r) if raw_r else 0, int(write * st_w / raw_w) if raw_w else 0
+    miss = read / raw_r if raw_r else 1.0   # the share of the schedule's reads the cache cannot serve
+    miss_w = write / raw_w if raw_w else 1.0
     # the files moved: the schedule's accesses, each a file, in the share the cache lets reach the disk
-    miss_r, miss_w = (read / raw_r if raw_r else 0.0), (write / raw_w if raw_w else 0.0)
-    files = {"read": miss_r * sum(op == "R" for _, op, _ in seq), "write": miss_w * sum(op == "W" for _, op, _ in seq),
-             "state_read": miss_r * sum(op == "R" and k.startswith("state-") for k, op, _ in seq),
+    files = {"read": miss * sum(op == "R" for _, op, _ in seq), "write": miss_w * sum(op == "W" for _, op, _ in seq),
+             "state_read": miss * sum(op == "R" and k.startswith("state-") for k, op, _ in seq),
              "state_write": miss_w * sum(op == "W" and k.startswith("state-") for k, op, _ in seq)}
     # unclipped, weights on the disk tier behind a host cache: the next forward's first need, the
     # embedding's updated weights, is written, then read back (the head's load comes after the
     # layers) -- as much of it as reaches the disk past the cache. Without a cache the last updates'
     # buffers stay as fresh copies for the next forward (``weight_store.fresh_after_step``: the
     # embedding's always, the first the forward reads): no read back, the write goes behind
-    miss = read / raw_r if raw_r else 1.0   # the share of the schedule's reads the cache cannot serve
     start_read = start_write = 0
     files["start_read"] = files["start_write"] = 0.0
     if on_disk and not clipped and cache_bytes > 0:
         start_read = int((shadow or 4) * units[0].numel * miss)
-        start_write = int(4 * units[0].numel * write / raw_w) if raw_w else 0
+        start_write = int(4 * units[0].numel * miss_w) if raw_w else 0
         files["start_read"], files["start_write"] = miss, miss_w
     if plan.placement.get("gradients") == "disk" and clipped:   # held for the norm: written, read back
         n = 4 * sum(u.numel for u in units)

@@ -98,3 +98,32 @@ def test_a_units_file_moves_in_one_vectored_syscall_each_way(tmp_path, monkeypat
         store.write("odd", {"w": odd}).result()
         assert calls["vectored"] == 2
         assert torch.equal(store.read("odd").result()["w"], odd)
+
+
+def test_a_header_whose_memory_lands_on_a_sector_still_moves_in_one_vectored_write(tmp_path):
+    """The header's bytes live in a fresh ``bytearray``; about one time in 32 its memory lands on a
+    512-byte boundary by chance. Its length is never a whole number of sectors, so it must still
+    be copied to the staging buffer's start: the vectored write once refused such a file and took
+    the per-tensor path (a CI run caught it: 5 pwrites where one pwritev was counted)."""
+    from megatrain_nb.engine.tiers import disk_format as df
+    from megatrain_nb.engine.tiers.disk_store import DiskStore
+    numel = 3146240
+    m = aligned_empty(numel).normal_()
+    with DiskStore(tmp_path) as store:
+        if not store.direct_io or store.dio_sector != 512:
+            pytest.skip(f"direct I/O at 512-byte sectors not available here (direct_io={store.direct_io})")
+        header, offsets, size = df.layout("u", [("w", m)])
+        aligned_header = aligned_empty(len(header), torch.uint8)   # its memory on a page, so on a sector
+        aligned_header.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        assert aligned_header.data_ptr() % 512 == 0 and len(header) % 512
+        path = str(tmp_path / "aligned-header.bin")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            assert df.vectored(fd, [(0, aligned_header), (offsets[0], df.bytes_view(m))], size,
+                               store._staging.get(), write=True, sector=512)
+        finally:
+            os.close(fd)
+        with open(path, "rb") as f:
+            data = f.read()
+        assert data[:len(header)] == header and len(data) == size
+        assert data[offsets[0]:offsets[0] + 4 * numel] == df.bytes_view(m).numpy().tobytes()

@@ -352,7 +352,8 @@ def vectored(fd: int, segments, file_size: int, staging, *, write: bool, sector:
     cursor = segments[0][0]
     for i, (off, t) in enumerate(segments):
         n = t.numel()
-        if write and i == 0 and off == 0 and t.data_ptr() % sector:
+        # (the header's memory may land on a sector by chance, 1 time in 32: its length does not)
+        if write and i == 0 and off == 0 and (t.data_ptr() % sector or n % sector):
             head = align_up(n) if len(segments) == 1 else segments[1][0]
             if head > len(buf) - GAP_ROOM or head % sector:
                 return False

@@ -253,9 +253,10 @@ def measure_disk(root: str, sizes: Sizes) -> dict:
     file costs beyond its bytes (its open, header, sync and rename; ``disk_read_file_s``,
     ``disk_write_file_s``): ``disk_files`` layer-sized files written behind (timed to
     ``flush()``), then read ahead into aligned buffers, and the same for :data:`SMALL_FILES` times
-    as many files :data:`SMALL_FILE_SHARE` times smaller, the four in turn (medians of the rounds). Measured on a 2-core VM's ext4: ~2.6 ms a
-    file written and ~1 ms read, a 1 MiB file written at 130-250 MB/s where 64 MiB ones went at
-    440-470: a step whose units are small pays it on every file."""
+    as many files :data:`SMALL_FILE_SHARE` times smaller, the four in turn (medians of the
+    rounds). Measured on a 2-core VM's ext4: 0.74-1.08 ms a file written and 0.27-0.33 ms read
+    when quiet, ~2.6 and ~1 ms beside a test suite (a 1 MiB file written at 130-250 MB/s where
+    64 MiB ones went at 440-470): a step whose units are small pays it on every file."""
     numel = sizes.disk_file_bytes // 4
     small = max(numel // SMALL_FILE_SHARE, 1024)
     n_small = SMALL_FILES * sizes.disk_files

@@ -1,7 +1,7 @@
 """The disk's cost a file beyond its bytes (``MachineRates.disk_read_file_s``,
 ``disk_write_file_s``; issue 45 item 8): each file the disk tier writes is opened, synced and
-renamed, each read opened and its header read -- measured on a 2-core VM's ext4, ~2.6 ms a file
-written, so a 1 MiB file went at 130-250 MB/s where 64 MiB ones went at 440-470, and a step of
+renamed, each read opened and its header read -- measured on a 2-core VM's ext4, 0.7-1.1 ms a
+file written when quiet and ~2.6 ms beside a test suite, so a 1 MiB file went at 130-250 MB/s where 64 MiB ones went at 440-470, and a step of
 small units moved its bytes slower than the layer-sized files' rate said. Made-up rates and
 counts; nothing here is timed but the quick measurement."""
 import json

@@ -5,14 +5,13 @@ Rates: ``mt.measure_machine`` (``megatrain_nb.engine.measure``) when this build 
 small local measurement here (:func:`local_rates`: a matmul and an attention at the model's
 shapes, a memcpy of one layer, ``dd`` with direct I/O on the offload folder's disk, the fused
 AdamW and the codec on one layer's elements), taken once, before the configurations, in the
-same run. The configurations alternate, pass by pass (``--passes``, 2 by default: this VM's
-speed drifts by up to 1.7x within minutes, and a configuration measured in one stretch only
-takes whatever stretch it got); just before and just after each pass of a configuration's steps
-the compute rates (matmul, attention), the per-thread update rates (AdamW, codecs, the update
-chain) and the disk's read and write rates are measured again, and the RESULT lines use the prediction at the mean of all of them
-against the median of all the configuration's steps (the lines before them also print it at the
-rates measured before its first pass only and at the start). The model is never fitted to this
-run: the prediction is the engine's schedule priced at those rates (engine/planning/prediction.py).
+same run. A configuration's passes (``--passes``, 2 by default) run back to back; just before and
+just after each pass of the five below the compute rates (matmul, attention), the per-thread
+update rates (AdamW, codecs, the update chain) and the disk's read and write rates are measured
+again, and the RESULT lines use the prediction at the mean of all of them against the median of
+all the configuration's steps (the lines before them also print it at the rates measured before
+its first pass only). The model is never fitted to this run: the prediction is the engine's
+schedule priced at those rates (engine/planning/prediction.py).
 
 Configurations (the same model, batch 1 x seq ``--seq``):
 
@@ -24,11 +23,15 @@ Configurations (the same model, batch 1 x seq ``--seq``):
 
 Configurations it was not developed on (``NEW_CONFIGS``, issue 45: other hidden sizes 256-1024,
 batches 1-8, rows of 128-2048 tokens, RAM and disk tiers, fp32 and int8), each judged at the rates
-``mt.measure_machine()`` returns called exactly as a user calls it (cached: the first call
-measures): ``trainer.prediction`` as the run starts. Its rates are measured again around its passes
-too, as ``measure_machine`` measures them (its default matmul shape, not the model's), and the
-prediction at their mean printed beside the RESULT (information: how much of a miss is the
-machine's drift since the run started). Each pass's first ``WARMUP`` steps are left out.
+``mt.measure_machine(offload_dir=..., refresh=True)`` returns, called as the docs say ("measure
+when it is as quiet as the run will be", on the disk tier's folder) just before the
+configuration's passes: ``trainer.prediction`` as its run starts. This VM's speed drifted 1.4-1.8x
+within the half hour of one run (compute 47-90 GFLOP/s a thread), so a single call at the run's
+start (the benchmark's judge until the ninth session) measured the drift as much as the
+prediction: the prediction at that first call is printed beside each RESULT, and its worst
+after them, as information. The same rates are measured again just after the last pass
+(:func:`compute_now`, as ``measure_machine`` measures them) and the prediction at the mean of
+the two printed too. Each pass's first ``WARMUP`` steps are left out.
 
 Five more (``FRESH_CONFIGS``: hidden 320-1024, batch 1-16, rows of 64-1536 tokens, int4, int8 and
 fp32 states, RAM and disk tiers, accumulation 2) were neither developed on nor run while the CPU
@@ -39,13 +42,14 @@ compute model (the team's measured speed-ups, the non-matmul work's rates) was b
 A fourth set (``UNSEEN_CONFIGS``: hidden 256-1024, batch 1-8, rows of 128-2048 tokens, fp32, int8
 and int4, RAM and disk tiers with and without the host cache, clipped and unclipped) was fixed
 before the team's speed-up by op size and the disk tier's bottleneck were modelled (issue 45,
-seventh session) and is not tuned on; priced as ``NEW_CONFIGS``, its rates measured once, after
-its last pass (the benchmark's time). A fifth (``LATE_CONFIGS``: head sizes 32-128, rows of
+seventh session) and is not tuned on; priced as ``NEW_CONFIGS``. A fifth (``LATE_CONFIGS``: head sizes 32-128, rows of
 256-2048 tokens) was fixed before the attention was priced by row length (eighth session) and is
 judged with the fourth (``prediction_error_worst_unseen``) and on its own
 (``prediction_error_worst_late``). A sixth (``DISK_CONFIGS``: the disk tier with units of 0.5-11 M
 parameters) was fixed with the disk's cost a file (ninth session) and run only after it was
-committed: judged with them and on its own (``prediction_error_worst_disk``). ``--dump FILE`` keeps each configuration's measured steps,
+committed: judged with them and on its own (``prediction_error_worst_disk``). A seventh
+(``TENTH_CONFIGS``) was fixed with the judge's change above (tenth session), before it ran:
+judged with them and on its own (``prediction_error_worst_tenth``). ``--dump FILE`` keeps each configuration's measured steps,
 waits and rates; ``--reprice FILE`` prices that run again with this checkout's prediction (the
 plans built, no step run): the same measured steps, before and after a change to the model.
 
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -67,6 +72,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
@@ -188,10 +194,25 @@ DISK_CONFIGS = {
                                            engine=dict(offload_params=True, host_cache_gb=0), accumulation=1,
                                            clip=0.0, disk=True),
 }
-#: the sets measured once, after their last pass, and judged apart (prediction_error_worst_unseen)
-HELD_OUT = {**UNSEEN_CONFIGS, **LATE_CONFIGS, **DISK_CONFIGS}
+#: A seventh set (tenth session), fixed with the judge's change (each configuration priced at
+#: ``mt.measure_machine(refresh=True)`` just before its passes) and before that benchmark ran:
+#: other widths, batches and rows again, int4 and int8 on the disk tier with and without its
+#: cache, accumulation 3. Priced and measured as UNSEEN_CONFIGS.
+TENTH_CONFIGS = {
+    "tenth_h832_b2_s384_ram_int4_clip": dict(model=_model(832, 2, 13), batch=2, seq=384,
+                                             engine=dict(optimizer_compression="int4"), accumulation=1, clip=1.0),
+    "tenth_h576_b4_s256_disk_int8_nocache": dict(model=_model(576, 3, 9), batch=4, seq=256,
+                                                 engine=dict(optimizer_compression="int8", offload_params=True,
+                                                             host_cache_gb=0), accumulation=1, clip=0.0, disk=True),
+    "tenth_h288_b1_s1024_disk_fp32_noclip": dict(model=_model(288, 6, 4), batch=1, seq=1024, engine={},
+                                                 accumulation=1, clip=0.0, disk=True),
+    "tenth_h448_b2_s256_ram_fp32_accum3": dict(model=_model(448, 4, 7), batch=2, seq=256, engine={},
+                                               accumulation=3, clip=1.0),
+}
+#: the sets judged apart (prediction_error_worst_unseen)
+HELD_OUT = {**UNSEEN_CONFIGS, **LATE_CONFIGS, **DISK_CONFIGS, **TENTH_CONFIGS}
 #: every configuration priced at mt.measure_machine() as a user calls it
-USER_CONFIGS = {**NEW_CONFIGS, **FRESH_CONFIGS, **UNSEEN_CONFIGS, **LATE_CONFIGS, **DISK_CONFIGS}
+USER_CONFIGS = {**NEW_CONFIGS, **FRESH_CONFIGS, **HELD_OUT}
 #: the telemetry's wait (stall_seconds) that shows each predicted bottleneck
 #: (on a CPU "device" a unit's copy into its slot is a memcpy in a thread of its own: a wait for
 #: it is a wait for a core, what "compute (sharing the CPU cores)" predicts)
@@ -409,17 +430,24 @@ def build_trainer(spec: dict, folder: str, steps: int, seq: int):
 
 
 def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: int, seq: int,
-               before_pass: bool = True, after_pass: bool = True) -> dict:
+               before_pass: bool = True, after_pass: bool = True, start: MachineRates = None) -> dict:
     """One pass of a configuration: its measured steps (the first ``WARMUP`` left out), the
     telemetry's waits per step, and the compute and per-thread update rates measured again just
     before its steps and just after them (``before_pass``, ``after_pass``; None where not);
-    ``pred_start``: ``trainer.prediction`` at ``rates`` (the run's start); the trainer (closed) to
+    ``pred_given``: ``trainer.prediction`` at ``rates`` (a user configuration's: ``mt.measure_machine``
+    just before its passes; the others': the run's start); ``pred_start``: at ``start`` (the user's
+    first ``mt.measure_machine()`` as the run started; None: ``rates``); the trainer (closed) to
     price the plan it built again (:func:`combine`)."""
     new = "model" in spec
     seq = spec.get("seq", seq)
     trainer = build_trainer(spec, folder, steps, seq)
+    pred_start = None
+    if start is not None:
+        trainer.engine.rates = start
+        pred_start = trainer.prediction
     trainer.engine.rates = rates
-    pred_start = trainer.prediction
+    pred_given = trainer.prediction
+    pred_start = pred_start or pred_given
     before = compute_now(rates, seq, folder, user=new) if before_pass else None   # (a new one: as measure_machine measures)
     times, tel0, last, load = [], None, None, [os.getloadavg()[0]]
     for rec in trainer.iter_steps():
@@ -441,7 +469,7 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     disk = (tel1["bytes"]["disk_to_host"] - tel0["bytes"]["disk_to_host"]) / n, \
         (tel1["bytes"]["host_to_disk"] - tel0["bytes"]["host_to_disk"]) / n
     trainer.close()
-    return {"trainer": trainer, "pred_start": pred_start, "before": before, "after": after,
+    return {"trainer": trainer, "pred_given": pred_given, "pred_start": pred_start, "given": rates, "before": before, "after": after,
             "times": times, "waits": waits, "disk": disk, "load": load}
 
 
@@ -452,15 +480,18 @@ def combine(passes: list, new: bool) -> dict:
     trainer = passes[-1]["trainer"]
     times = [t for p in passes for t in p["times"]]
     around = [r for p in passes for r in (p["before"], p["after"]) if r is not None]
+    if new:   # the user's call just before the passes, and the same rates measured again after them
+        around = [passes[0]["given"]] + around
     trainer.engine.rates = passes[0]["before"] or around[0]
     pred_before = trainer.prediction
     trainer.engine.rates = mean_rates(around)
     pred_around = trainer.prediction
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     waits = {k: mean([p["waits"].get(k, 0.0) for p in passes]) for k in passes[0]["waits"]}
-    # a new configuration is judged at the user's rates as its run started (mt.measure_machine() as
-    # the docs say); the prediction at the rates measured around its passes is printed beside it
-    judged = passes[0]["pred_start"] if new else pred_around
+    # a user configuration is judged at mt.measure_machine() called as the docs say, just before its
+    # passes; the prediction at the run start's call and at the rates measured around its passes
+    # are printed beside it
+    judged = passes[0]["pred_given"] if new else pred_around
     return {"pred": judged, "pred_around": pred_around, "pred_start": passes[0]["pred_start"],
             "pred_before": pred_before, "matmul_now": trainer.engine.rates.matmul_flops,
             "beside": trainer.engine.rates.compute_beside_disk, "measured": median(times), "times": times,
@@ -492,8 +523,8 @@ def reprice(path: str, folder_root=None) -> int:
         d = run["configs"][name]
         spec = CONFIGS.get(name) or USER_CONFIGS[name]
         trainer = build_trainer(spec, folder, run["steps"], run["seq"])
-        if name in USER_CONFIGS:
-            trainer.engine.rates = MachineRates.from_dict(d["rates_start"])
+        if name in USER_CONFIGS:   # (a dump before the tenth session: the run start's call)
+            trainer.engine.rates = MachineRates.from_dict(d.get("rates_judged") or d["rates_start"])
         else:
             trainer.engine.rates = mean_rates([MachineRates.from_dict(r) for r in d["rates_around"]])
         p = trainer.prediction
@@ -553,20 +584,41 @@ def main() -> int:
           f"compute over its one-thread count (tokens x hidden) "
           f"{ {k: round(v, 2) for k, v in (getattr(rates, 'step_team', None) or {}).items()} }")
     worst, unseen, late, on_disk, agree = 1.0, 1.0, 1.0, 1.0, 0
+    worst_start, tenth = 1.0, 1.0
     passes = {name: [] for name in names}
-    for i in range(a.passes):   # the configurations alternate, pass by pass (a VM's speed drifts)
-        for name in names:
-            spec = CONFIGS.get(name) or USER_CONFIGS[name]
-            once = name in HELD_OUT   # (its rates measured once, after its last pass: the run's time)
-            passes[name].append(run_config(name, spec, user if name in USER_CONFIGS else rates, folder, a.steps,
-                                           a.seq, before_pass=not once, after_pass=not once or i == a.passes - 1))
+    judged_rates, started, combined = {}, {}, {}
+    for name in names:   # a configuration's passes back to back, just after its rates were measured
+        spec = CONFIGS.get(name) or USER_CONFIGS[name]
+        started[name] = time.perf_counter()
+        if name in USER_CONFIGS:
+            # as the docs say: measured when the machine is as the run will be, on the disk tier's
+            # folder (this VM's speed drifted 1.4-1.8x within the 30 minutes of one run)
+            t1 = time.perf_counter()
+            judged_rates[name] = mt.measure_machine(offload_dir=folder, refresh=True)
+            print(f"({name}: mt.measure_machine(offload_dir=..., refresh=True) {time.perf_counter() - t1:.1f} s: "
+                  f"matmul {judged_rates[name].matmul_flops / 1e9:.1f} GFLOP/s per thread, compute beside the disk "
+                  f"{judged_rates[name].compute_beside_disk:.2f} x)", flush=True)
+        for i in range(a.passes):
+            last = i == a.passes - 1
+            user_config = name in USER_CONFIGS   # (its rates around the passes: once, after its last one)
+            passes[name].append(run_config(name, spec, judged_rates.get(name, rates), folder, a.steps, a.seq,
+                                           before_pass=not user_config, after_pass=not user_config or last,
+                                           start=user if user_config else None))
             print(f"(pass {i + 1} of {a.passes}: {name} measured median "
                   f"{median(passes[name][-1]['times']):.3f} s)", flush=True)
+        # priced again at once and the trainers let go: a closed trainer still holds its model, and
+        # 31 of them filled the RAM the disk tier's host cache is sized from
+        combined[name] = combine(passes.pop(name), name in USER_CONFIGS)
+        gc.collect()
+        print(f"({name}: this process's RSS {psutil.Process().memory_info().rss / 2 ** 30:.2f} GiB, "
+              f"available {psutil.virtual_memory().available / 2 ** 30:.1f} GiB)", flush=True)
     dump = {}
     for name in names:
-        r = combine(passes[name], name in USER_CONFIGS)
+        r = combined[name]
         dump[name] = {k: r[k] for k in ("measured", "times", "waits", "disk", "rates_around")}
         dump[name]["rates_start"] = (user if name in USER_CONFIGS else rates).to_dict()
+        if name in USER_CONFIGS:
+            dump[name]["rates_judged"] = judged_rates[name].to_dict()
         p, ratio = r["pred"], r["measured"] / r["pred"].step_seconds
         seen = waiting_on(r)
         agree += seen == p.bottleneck or (seen == "compute" and p.bottleneck.startswith("compute"))
@@ -578,15 +630,19 @@ def main() -> int:
         print(f"  load average (1 min) before and after each pass {[round(x, 2) for x in r['load']]}")
         print(f"  compute beside the disk (mean around the passes) {r['beside']:.2f} x alone")
         if name in USER_CONFIGS:
-            print(f"  with the rates measured around its passes (as measure_machine measures, not this model's "
-                  f"shapes): predicted {r['pred_around'].step_seconds:.3f} s, measured / predicted "
-                  f"{r['measured'] / r['pred_around'].step_seconds:.3g} (information: the RESULT is at "
-                  f"mt.measure_machine() as the run started)")
-        print(f"  with the rates measured just before the first pass only: predicted {r['pred_before'].step_seconds:.3f} s, "
-              f"measured / predicted {r['measured'] / r['pred_before'].step_seconds:.3g}")
-        print(f"  compute rate (mean around the passes) {r['matmul_now'] / 1e9:.1f} GFLOP/s per thread; with the rates measured at the start: "
-              f"predicted {r['pred_start'].step_seconds:.3f} s, measured / predicted "
-              f"{r['measured'] / r['pred_start'].step_seconds:.3g}")
+            print(f"  with the rates measured around its passes (mt.measure_machine just before them, the same rates "
+                  f"measured again just after): predicted {r['pred_around'].step_seconds:.3f} s, measured / predicted "
+                  f"{r['measured'] / r['pred_around'].step_seconds:.3g}")
+            start_ratio = r["measured"] / r["pred_start"].step_seconds
+            worst_start = start_ratio if abs(start_ratio - 1) > abs(worst_start - 1) else worst_start
+            print(f"  with mt.measure_machine() as the run started (measured once, {(started[name] - t0) / 60:.0f} min earlier): "
+                  f"predicted {r['pred_start'].step_seconds:.3f} s, measured / predicted {start_ratio:.3g} "
+                  f"(information: the machine's drift since)")
+        else:
+            print(f"  with the rates measured just before the first pass only: predicted "
+                  f"{r['pred_before'].step_seconds:.3f} s, measured / predicted "
+                  f"{r['measured'] / r['pred_before'].step_seconds:.3g}")
+        print(f"  compute rate (mean around the passes) {r['matmul_now'] / 1e9:.1f} GFLOP/s per thread")
         print(f"  bottleneck predicted: {p.bottleneck}; telemetry waits per step "
               f"{({k: round(v, 3) for k, v in r['waits'].items() if v})} -> {seen}")
         for note in p.notes:
@@ -596,15 +652,21 @@ def main() -> int:
         unseen = ratio if name in HELD_OUT and abs(ratio - 1) > abs(unseen - 1) else unseen
         late = ratio if name in LATE_CONFIGS and abs(ratio - 1) > abs(late - 1) else late
         on_disk = ratio if name in DISK_CONFIGS and abs(ratio - 1) > abs(on_disk - 1) else on_disk
+        tenth = ratio if name in TENTH_CONFIGS and abs(ratio - 1) > abs(tenth - 1) else tenth
     if any(n in HELD_OUT for n in names):
         print(f"RESULT prediction_error_worst_unseen {unseen:.3g} x (target within 0.8-1.25)", flush=True)
     if any(n in LATE_CONFIGS for n in names):
         print(f"RESULT prediction_error_worst_late {late:.3g} x (target within 0.8-1.25)", flush=True)
     if any(n in DISK_CONFIGS for n in names):
         print(f"RESULT prediction_error_worst_disk {on_disk:.3g} x (target within 0.8-1.25)", flush=True)
+    if any(n in TENTH_CONFIGS for n in names):
+        print(f"RESULT prediction_error_worst_tenth {tenth:.3g} x (target within 0.8-1.25)", flush=True)
     if a.dump:
         with open(a.dump, "w") as f:
             json.dump({"seq": a.seq, "steps": a.steps, "configs": dump}, f, indent=1)
+    if any(n in USER_CONFIGS for n in names):
+        print(f"(information) prediction_error_worst at mt.measure_machine() as the run started, not measured again: "
+              f"{worst_start:.3g} x: the machine's drift through the run")
     print(f"RESULT prediction_error_worst {worst:.3g} x (target within 0.8-1.25)", flush=True)
     result("bottleneck_agrees", agree, f"of {len(names)}", ">=", len(names))
     print(f"load average at the end {os.getloadavg()}")

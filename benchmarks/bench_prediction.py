@@ -49,7 +49,10 @@ judged with the fourth (``prediction_error_worst_unseen``) and on its own
 parameters) was fixed with the disk's cost a file (ninth session) and run only after it was
 committed: judged with them and on its own (``prediction_error_worst_disk``). A seventh
 (``TENTH_CONFIGS``) was fixed with the judge's change above (tenth session), before it ran:
-judged with them and on its own (``prediction_error_worst_tenth``). ``--dump FILE`` keeps each configuration's measured steps,
+judged with them and on its own (``prediction_error_worst_tenth``). An eighth
+(``RANGED_CONFIGS``: compressed states on the disk tier without a host cache) was fixed with the
+embedding's ranged update priced as exposed and run only after that was committed
+(``prediction_error_worst_ranged``). ``--dump FILE`` keeps each configuration's measured steps,
 waits and rates; ``--reprice FILE`` prices that run again with this checkout's prediction (the
 plans built, no step run): the same measured steps, before and after a change to the model.
 
@@ -209,8 +212,27 @@ TENTH_CONFIGS = {
     "tenth_h448_b2_s256_ram_fp32_accum3": dict(model=_model(448, 4, 7), batch=2, seq=256, engine={},
                                                accumulation=3, clip=1.0),
 }
+#: An eighth set (tenth session), fixed with the embedding's ranged update priced as exposed
+#: (compressed states on the disk tier without a host cache: ``prediction._disk_bytes``) and run only
+#: after that was committed: int8 and int4 states without a cache, weights on the disk tier or in
+#: RAM, one clipped. Priced and measured as UNSEEN_CONFIGS.
+RANGED_CONFIGS = {
+    "ranged_h512_b2_s512_disk_int4_nocache": dict(model=_model(512, 4, 8), batch=2, seq=512,
+                                                  engine=dict(optimizer_compression="int4", offload_params=True,
+                                                              host_cache_gb=0), accumulation=1, clip=0.0, disk=True),
+    "ranged_h640_b1_s768_states_int8_nocache": dict(model=_model(640, 3, 10), batch=1, seq=768,
+                                                    engine=dict(optimizer_compression="int8", host_cache_gb=0),
+                                                    accumulation=1, clip=0.0, disk=True),
+    "ranged_h384_b4_s256_disk_int8_nocache": dict(model=_model(384, 6, 6), batch=4, seq=256,
+                                                  engine=dict(optimizer_compression="int8", offload_params=True,
+                                                              host_cache_gb=0), accumulation=1, clip=0.0, disk=True),
+    "ranged_h768_b2_s256_disk_int4_nocache_clip": dict(model=_model(768, 2, 12), batch=2, seq=256,
+                                                       engine=dict(optimizer_compression="int4", offload_params=True,
+                                                                   host_cache_gb=0), accumulation=1, clip=1.0,
+                                                       disk=True),
+}
 #: the sets judged apart (prediction_error_worst_unseen)
-HELD_OUT = {**UNSEEN_CONFIGS, **LATE_CONFIGS, **DISK_CONFIGS, **TENTH_CONFIGS}
+HELD_OUT = {**UNSEEN_CONFIGS, **LATE_CONFIGS, **DISK_CONFIGS, **TENTH_CONFIGS, **RANGED_CONFIGS}
 #: every configuration priced at mt.measure_machine() as a user calls it
 USER_CONFIGS = {**NEW_CONFIGS, **FRESH_CONFIGS, **HELD_OUT}
 #: the telemetry's wait (stall_seconds) that shows each predicted bottleneck
@@ -584,7 +606,7 @@ def main() -> int:
           f"compute over its one-thread count (tokens x hidden) "
           f"{ {k: round(v, 2) for k, v in (getattr(rates, 'step_team', None) or {}).items()} }")
     worst, unseen, late, on_disk, agree = 1.0, 1.0, 1.0, 1.0, 0
-    worst_start, tenth = 1.0, 1.0
+    worst_start, tenth, ranged = 1.0, 1.0, 1.0
     passes = {name: [] for name in names}
     judged_rates, started, combined = {}, {}, {}
     for name in names:   # a configuration's passes back to back, just after its rates were measured
@@ -653,6 +675,7 @@ def main() -> int:
         late = ratio if name in LATE_CONFIGS and abs(ratio - 1) > abs(late - 1) else late
         on_disk = ratio if name in DISK_CONFIGS and abs(ratio - 1) > abs(on_disk - 1) else on_disk
         tenth = ratio if name in TENTH_CONFIGS and abs(ratio - 1) > abs(tenth - 1) else tenth
+        ranged = ratio if name in RANGED_CONFIGS and abs(ratio - 1) > abs(ranged - 1) else ranged
     if any(n in HELD_OUT for n in names):
         print(f"RESULT prediction_error_worst_unseen {unseen:.3g} x (target within 0.8-1.25)", flush=True)
     if any(n in LATE_CONFIGS for n in names):
@@ -661,6 +684,8 @@ def main() -> int:
         print(f"RESULT prediction_error_worst_disk {on_disk:.3g} x (target within 0.8-1.25)", flush=True)
     if any(n in TENTH_CONFIGS for n in names):
         print(f"RESULT prediction_error_worst_tenth {tenth:.3g} x (target within 0.8-1.25)", flush=True)
+    if any(n in RANGED_CONFIGS for n in names):
+        print(f"RESULT prediction_error_worst_ranged {ranged:.3g} x (target within 0.8-1.25)", flush=True)
     if a.dump:
         with open(a.dump, "w") as f:
             json.dump({"seq": a.seq, "steps": a.steps, "configs": dump}, f, indent=1)

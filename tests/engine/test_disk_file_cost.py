@@ -106,3 +106,38 @@ def test_the_compute_beside_the_disk_is_a_mean_over_a_stretch_not_a_median_of_ca
     assert measure._rate(call, 1.0, sizes) == pytest.approx(1000.0)            # the median: clean calls
     calls[0] = 0
     assert measure._mean_rate(call, 1.0, sizes) == pytest.approx(1000.0 / 6, rel=0.05)   # the mean
+
+
+@pytest.mark.parametrize("weights_on_disk", [True, False], ids=["weights-on-disk", "weights-in-ram"])
+def test_compressed_states_without_a_cache_leave_the_embeddings_ranged_update_exposed(weights_on_disk):
+    """Unclipped, int8 states on the disk tier, no host cache: the states are read and written range
+    by range inside each update (``OptimizerStates.ranged_io``), and so are the weights of the
+    embedding (no backward hands it its buffer: ``DiskWeights.ranged_update``). The embedding's
+    update, the next forward's first need, then waits in the open for its codes and weights read
+    and written and the weights read back: the tenth session's quiet run measured the forward
+    waiting 0.066-0.107 s a step for it where 0.005-0.009 was priced. fp32 states (read ahead,
+    written behind), a host cache and a clipped step price none of it."""
+    r = rates(disk_read=1e9, disk_write=5e8, disk_read_file_s=0.001, disk_write_file_s=0.002)
+    kw = dict(offload_dir="/nowhere", offload_params=weights_on_disk)
+    p, c, plan, w = predict(r, optimizer_compression="int8", **kw)
+    d = step_amounts(UNITS, SHAPE, c, plan, w, cuda=True, cache_bytes=0)["disk"]
+    n = UNITS[0].numel
+    codes, wb = int(2.03125 * n), (4 * n if weights_on_disk else 0)
+    assert (d["start_read"], d["start_write"]) == (codes + 2 * wb, codes + wb)
+    assert (d["start_read_files"], d["start_write_files"]) == ((3.0, 2.0) if weights_on_disk else (1.0, 1.0))
+    disk_s = (codes + 2 * wb) / 1e9 + d["start_read_files"] * 0.001 + (codes + wb) / 5e8 + d["start_write_files"] * 0.002
+    # the same step on a disk twice as fast with no cost a file: the exposed update is shorter by
+    # what the disk's part of it saves (its CPU part, the chain's share, is the same)
+    fast, *_ = predict(rates(disk_read=2e9, disk_write=1e9), optimizer_compression="int8", **kw)
+    saved = disk_s - (codes + 2 * wb) / 2e9 - (codes + wb) / 1e9
+    assert p.windows["exposed update"] - fast.windows["exposed update"] == pytest.approx(saved, rel=1e-6)
+    fp32, *_ = predict(r, **kw)
+    assert p.windows["exposed update"] > disk_s and fp32.windows["exposed update"] < disk_s / 4
+    # none of it with fp32 states, behind a host cache, or clipped (the updates run in the forward's window)
+    for other in (step_amounts(UNITS, SHAPE, *predict(r, **kw)[1:], cuda=True, cache_bytes=0)["disk"],
+                  step_amounts(UNITS, SHAPE, *predict(r, optimizer_compression="int8", clipped=True, **kw)[1:],
+                               cuda=True, cache_bytes=0)["disk"]):
+        assert other["start_read"] == other["start_write"] == 0
+    cached = step_amounts(UNITS, SHAPE, *predict(r, optimizer_compression="int8", cache=10 ** 12, **kw)[1:],
+                          cuda=True, cache_bytes=10 ** 12)["disk"]
+    assert cached["start_read"] <= 4 * n and cached["start_write"] <= 4 * n   # (the cache's own start: weights only)

@@ -60,10 +60,25 @@ def _smaller_codec_hint(compression: str) -> str:
 
 def codec_bytes_per_param(compression: str) -> float:
     """Stored bytes per parameter for both Adam moments together."""
+    return _codec_facts(compression)[0]
+
+
+def codec_in_blocks(compression: str) -> bool:
+    """Whether ``compression`` stores whole blocks that decode alone (``states.sliceable``): its
+    states are then updated in chunks (``states.update_chunk``), on the disk tier without a host
+    cache read and written range by range inside each update."""
+    return compression != "none" and _codec_facts(compression)[1]
+
+
+def _codec_facts(compression: str):
+    """(stored bytes per parameter of both moments, whether both roles' codecs store blocks)."""
     from ..updates.codecs import ROLES, get_codec   # light: torch at plan time only
 
     n = 1 << 20
-    return sum(get_codec(compression, role).encoded_nbytes(n) for role in ROLES) / n
+    codecs = [get_codec(compression, role) for role in ROLES]
+    blocks = all(all(hasattr(c, a) for a in ("block", "codes_per_byte", "code_dtype")) and c.block > 0
+                 for c in codecs)
+    return sum(c.encoded_nbytes(n) for c in codecs) / n, blocks
 
 
 @dataclass

@@ -64,7 +64,7 @@ def codec_bytes_per_param(compression: str) -> float:
 
 
 def codec_in_blocks(compression: str) -> bool:
-    """Whether ``compression`` stores whole blocks that decode alone (``states.sliceable``): its
+    """Whether ``compression`` stores whole blocks that decode alone (``codecs.sliceable``): its
     states are then updated in chunks (``states.update_chunk``), on the disk tier without a host
     cache read and written range by range inside each update."""
     return compression != "none" and _codec_facts(compression)[1]
@@ -72,13 +72,11 @@ def codec_in_blocks(compression: str) -> bool:
 
 def _codec_facts(compression: str):
     """(stored bytes per parameter of both moments, whether both roles' codecs store blocks)."""
-    from ..updates.codecs import ROLES, get_codec   # light: torch at plan time only
+    from ..updates.codecs import ROLES, get_codec, sliceable   # light: torch at plan time only
 
     n = 1 << 20
     codecs = [get_codec(compression, role) for role in ROLES]
-    blocks = all(all(hasattr(c, a) for a in ("block", "codes_per_byte", "code_dtype")) and c.block > 0
-                 for c in codecs)
-    return sum(c.encoded_nbytes(n) for c in codecs) / n, blocks
+    return sum(c.encoded_nbytes(n) for c in codecs) / n, all(sliceable(c) for c in codecs)
 
 
 @dataclass

@@ -167,6 +167,12 @@ def get_codec(name: str, role: str) -> StateCodec:
     return CODECS[normalize_compression(name)](role)
 
 
+def sliceable(codec) -> bool:
+    """Whether a codec stores whole blocks independently (``block``, ``codes_per_byte``,
+    ``code_dtype``, codes and scales): a slice of blocks then decodes and encodes alone."""
+    return all(hasattr(codec, a) for a in ("block", "codes_per_byte", "code_dtype")) and codec.block > 0
+
+
 def codec_names() -> tuple[str, ...]:
     """The registered codec names (what ``optimizer_compression`` accepts), "none" first."""
     return tuple(CODECS)

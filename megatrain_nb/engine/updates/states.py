@@ -18,7 +18,7 @@ import torch
 
 from ...threads import DECODE, ENCODE, executor
 from . import fused_update
-from .codecs import ROLES as _ROLES, get_codec
+from .codecs import ROLES as _ROLES, get_codec, sliceable
 from .chunk_ring import ChunkRing
 from ..tiers.disk_store import DiskStore, WriteWindow, prepare_offload_dir
 from ..tiers.host_store import BufferPool
@@ -71,12 +71,6 @@ def update_chunk(codec_name: str, chunk_numel: int, largest_unit: int) -> int:
     align = math.lcm(*(c.block for c in codecs))
     want = min(chunk_numel, -(-max(largest_unit, 1) // align) * align)
     return max(align, want // align * align)
-
-
-def sliceable(codec) -> bool:
-    """Whether a codec stores whole blocks independently (``block``, ``codes_per_byte``,
-    ``code_dtype``, codes and scales): a slice of blocks then decodes and encodes alone."""
-    return all(hasattr(codec, a) for a in ("block", "codes_per_byte", "code_dtype")) and codec.block > 0
 
 
 class OptimizerStates:

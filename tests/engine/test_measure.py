@@ -2,6 +2,7 @@
 measured positive and finite at tiny sizes, the cache (atomic, reused, refreshed, per filesystem,
 re-measured when damaged), a model's shapes added to it, the published profiles' sources, and
 ``megatrain-nb machine``. No assertion on a speed beyond > 0."""
+import dataclasses
 import json
 import math
 import os
@@ -321,3 +322,44 @@ def test_a_missing_offload_dir_is_made_as_the_engine_makes_it(cache, tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         _quick(tmp_path / "new" / "tier", refresh=True)
     assert seen == [str(tmp_path / "new" / "tier")] and (tmp_path / "new" / "tier").is_dir()
+
+
+def _contradicting(**kw) -> MachineRates:
+    """Rates whose AdamW reading its update chain contradicts (plain AdamW 100 M params/s, the int8
+    chain, which runs the same AdamW and more, 500) and whose one-thread matmul its team does (10
+    GFLOP/s, two threads 100)."""
+    fields = dict(device="cpu", cores=2, compute_threads=1, adamw_per_thread=100e6, update_chain={"int8": 500e6},
+                  matmul_flops=10e9, team_matmul_flops=100e9)
+    fields.update(kw)
+    return MachineRates(**fields)
+
+
+def test_a_contradicted_reading_is_taken_again_and_its_largest_kept(monkeypatch):
+    adamw, matmul = iter([300e6, 600e6]), iter([40e9, 30e9])
+    took = []
+    monkeypatch.setattr(measure, "measure_adamw", lambda *a: took.append("adamw") or next(adamw))
+    monkeypatch.setattr(measure, "measure_matmul", lambda *a, **k: took.append("matmul") or next(matmul))
+    r = _contradicting()
+    assert len(measure._contradicted(r)) == 2
+    left = measure.retake_contradicted(r, torch.device("cpu"), measure.sizes_for(False, True))
+    # 300 M is still below 500 / 1.5: taken once more; 40 GFLOP/s agrees with a team of 100 at once
+    assert left == [] and took == ["adamw", "matmul", "adamw"]
+    assert r.adamw_per_thread == 600e6 and r.matmul_flops == 40e9
+    # readings that agree are not taken again
+    took.clear()
+    fine = _contradicting(adamw_per_thread=450e6, matmul_flops=40e9)
+    assert measure.retake_contradicted(fine, torch.device("cpu"), measure.sizes_for(False, True)) == []
+    assert took == []
+
+
+def test_a_reading_still_contradicted_is_named_in_a_warning_and_not_cached(cache, tmp_path, monkeypatch):
+    folder, _ = cache
+    base = _quick(tmp_path)   # (every other rate plausible: cached apart, as tiny sizes are)
+    bad = dataclasses.replace(base, adamw_per_thread=100e6, update_chain={"int8": 500e6})
+    took = []
+    monkeypatch.setattr(measure, "_measure_all", lambda *a, **k: bad)
+    monkeypatch.setattr(measure, "measure_adamw", lambda *a: took.append(1) or 120e6)
+    with pytest.warns(UserWarning, match=r"not cached: adamw_per_thread=120 M params/s .*measured 500\)"):
+        r = mt.measure_machine(device="cpu", offload_dir=tmp_path, refresh=True)
+    assert len(took) == measure.RETAKES and r.adamw_per_thread == 120e6   # used once, as measured
+    assert [f for f in os.listdir(folder) if not f.endswith("-quick.json")] == []

@@ -556,3 +556,23 @@ def test_measured_rates_without_the_models_shapes_say_the_prediction_is_rough():
     shaped, *_ = predict(rates(source="measured", matmul_by_shape={key: 1e12}), batch=2, seq=64)
     assert not [n for n in shaped.notes if "default shape" in n]
     assert not [n for n in predict(rates(), batch=2, seq=64)[0].notes if "default shape" in n]   # (made-up: as given)
+
+
+def test_a_step_well_off_names_how_old_the_measured_rates_are():
+    """The machine's speed moves (1.4-1.8x within half an hour on the project's 2-core VM): a step
+    well off a prediction made at measured rates names their age and the call that measures them
+    again; a profile's rates (nothing measured) get no such words."""
+    from megatrain_nb.engine.planning.prediction_check import difference_line
+
+    r = rates(source="measured", measured_at=1_000_000.0)
+    p, *_ = predict(r, clipped=True)
+    assert p.rates_measured_at == 1_000_000.0
+    compute = p.phases["forward"] + p.phases["backward"] + p.phases["recompute"]
+    slow = {"step": p.step_seconds * 2, "optimizer": 0.0, "disk_read": 0.0, "disk_write": 0.0, "waits": {}}
+    line = difference_line(p, slow, now=1_000_000.0 + 3 * 3600)
+    assert "the largest miss is compute" in line and compute > 0
+    assert "rates were measured 3.0 h ago" in line and "refresh=True" in line and "--refresh" in line, line
+    assert difference_line(p, {**slow, "step": p.step_seconds * 1.1}) is None   # (within 25%: no line at all)
+    r.source = "profile"
+    q, *_ = predict(r, clipped=True)
+    assert q.rates_measured_at is None and "rates were measured" not in difference_line(q, slow)

@@ -112,6 +112,9 @@ class StepPrediction:
     #: The EngineConfig fields the engine's plan took from this prediction (``Plan.choice``; None:
     #: the rules' plan): a step well off the prediction then names the way back to the rules.
     plan_choice: Optional[dict] = None
+    #: When the rates were measured (``MachineRates.measured_at``, seconds since the epoch; None:
+    #: a profile's or made-up rates): a step well off the prediction names their age.
+    rates_measured_at: Optional[float] = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -473,6 +476,7 @@ def predict_step(units, shape, cfg, plan, workload, rates, *, cuda: bool,
     pred.flops = a["forward_flops"] + a["backward_flops"] + a["recompute_flops"] + a["tile_flops"] + \
         sum(a["attention_flops"].values())
     pred.source = rates.source
+    pred.rates_measured_at = getattr(rates, "measured_at", None) if rates.source == "measured" else None
     rough = _shapes_missing(rates, shape, workload, bf16)
     if rough:
         pred.notes.append(rough)

@@ -9,6 +9,7 @@ user asks (``mt.measure_machine()``, ``megatrain-nb machine``).
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from .planner import ModelShape, Workload, engine_window_plan
@@ -72,11 +73,21 @@ _WHY = {"compute": "compute slower than its measured rate (a busy CPU, or rates 
         "optimizer": "AdamW slower than measured (a busy CPU?)"}
 
 
-def difference_line(pred: StepPrediction, measured: dict) -> Optional[str]:
+def rates_age_words(measured_at: float, now: Optional[float] = None) -> str:
+    """How old the machine's rates are, and how to measure them again."""
+    age = max((time.time() if now is None else now) - measured_at, 0.0)
+    return (f"The machine's rates were measured {fmt_seconds(age)} ago: a machine whose speed moves (a shared "
+            "or virtual one: 1.4-1.8x within half an hour on the 2-core VM the project is developed on) needs "
+            "them measured again when it is as quiet as the run, mt.measure_machine(offload_dir=..., "
+            "refresh=True) or `megatrain-nb machine --refresh`")
+
+
+def difference_line(pred: StepPrediction, measured: dict, now: Optional[float] = None) -> Optional[str]:
     """A line when the measured step is more than ``OFF_BY`` off the prediction: by how much, and
     the phase with the largest absolute miss in seconds (the compute, the optimizer, the disk
-    each way), or None. A plan the engine took from this prediction (``pred.plan_choice``) is
-    named with the way back to the rules' plan."""
+    each way), and how old the machine's rates are (``pred.rates_measured_at``, at ``now``) with
+    how to measure them again; or None. A plan the engine took from this prediction
+    (``pred.plan_choice``) is named with the way back to the rules' plan."""
     step = measured["step"]
     if pred.step_seconds <= 0 or abs(step / pred.step_seconds - 1) <= OFF_BY:
         return None
@@ -98,6 +109,8 @@ def difference_line(pred: StepPrediction, measured: dict) -> Optional[str]:
         waits = {k: v for k, v in measured.get("waits", {}).items() if v > 0.05 * step}
         line += ("; waits per step: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in waits.items())
                  if waits else "; no phase stands out: compute slower than its measured rate (a busy CPU?)")
+    if pred.rates_measured_at:
+        line += ". " + rates_age_words(pred.rates_measured_at, now)
     if pred.plan_choice:
         line += (f". The plan was picked by this prediction ({', '.join(f'{k}={v!r}' for k, v in pred.plan_choice.items())}): "
                  f"MEGATRAIN_NB_PLAN_BY=rules or EngineOverrides(plan_by='rules') builds the rules' plan")

@@ -326,30 +326,33 @@ def test_a_missing_offload_dir_is_made_as_the_engine_makes_it(cache, tmp_path, m
 
 def _contradicting(**kw) -> MachineRates:
     """Rates whose AdamW reading its update chain contradicts (plain AdamW 100 M params/s, the int8
-    chain, which runs the same AdamW and more, 500) and whose one-thread matmul its team does (10
-    GFLOP/s, two threads 100)."""
+    chain, which runs the same AdamW on fewer bytes, 500: more than 2.5x) and whose one-thread
+    matmul its team does (10 GFLOP/s, two threads 100: more than 1.25x two)."""
     fields = dict(device="cpu", cores=2, compute_threads=1, adamw_per_thread=100e6, update_chain={"int8": 500e6},
-                  matmul_flops=10e9, team_matmul_flops=100e9)
+                  matmul_flops=10e9, team_matmul_flops=100e9, step_team={"64x256": 9.0})
     fields.update(kw)
     return MachineRates(**fields)
 
 
 def test_a_contradicted_reading_is_taken_again_and_its_largest_kept(monkeypatch):
-    adamw, matmul = iter([300e6, 600e6]), iter([40e9, 30e9])
+    adamw, matmul = iter([150e6, 600e6]), iter([40e9, 30e9])
     took = []
     monkeypatch.setattr(measure, "measure_adamw", lambda *a: took.append("adamw") or next(adamw))
     monkeypatch.setattr(measure, "measure_matmul", lambda *a, **k: took.append("matmul") or next(matmul))
+    monkeypatch.setattr(measure, "measure_step_team", lambda *a: took.append("step team") or {"64x256": 1.5})
     r = _contradicting()
     assert len(measure._contradicted(r)) == 2
     left = measure.retake_contradicted(r, torch.device("cpu"), measure.sizes_for(False, True))
-    # 300 M is still below 500 / 1.5: taken once more; 40 GFLOP/s agrees with a team of 100 at once
-    assert left == [] and took == ["adamw", "matmul", "adamw"]
-    assert r.adamw_per_thread == 600e6 and r.matmul_flops == 40e9
-    # readings that agree are not taken again
+    # 150 M is still below 500 / 2.5: taken once more; 40 GFLOP/s agrees with a team of 100 at once,
+    # and the step's team, counted at the one-thread rates, is measured again at the new one
+    assert left == [] and took == ["adamw", "matmul", "adamw", "step team"]
+    assert r.adamw_per_thread == 600e6 and r.matmul_flops == 40e9 and r.step_team == {"64x256": 1.5}
+    # readings that agree are not taken again: a chain up to 2.5x a plain AdamW (memory-bound, it
+    # moves fewer bytes), a team up to 1.25x its cores
     took.clear()
-    fine = _contradicting(adamw_per_thread=450e6, matmul_flops=40e9)
+    fine = _contradicting(adamw_per_thread=300e6, matmul_flops=45e9)
     assert measure.retake_contradicted(fine, torch.device("cpu"), measure.sizes_for(False, True)) == []
-    assert took == []
+    assert took == [] and fine.step_team == {"64x256": 9.0}
 
 
 def test_a_reading_still_contradicted_is_named_in_a_warning_and_not_cached(cache, tmp_path, monkeypatch):

@@ -49,7 +49,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -610,18 +610,18 @@ TEAM_OVER_CORES = 1.25
 RETAKES = 2
 
 
-def _contradicted(r: MachineRates) -> List[str]:
+def _contradicted(r: MachineRates) -> Dict[str, str]:
     """The readings of ``r`` its other readings contradict (:data:`CHAIN_OVER_ADAMW`,
-    :data:`TEAM_OVER_CORES`), each as "field=value (why)"."""
-    out = []
+    :data:`TEAM_OVER_CORES`): field -> "field=value (why)"."""
+    out = {}
     chain = max((r.update_chain or {}).values(), default=0.0)
     if r.adamw_per_thread and r.adamw_per_thread * CHAIN_OVER_ADAMW < chain:
-        out.append(f"adamw_per_thread={r.adamw_per_thread / 1e6:.0f} M params/s (a compressed update chain, which "
-                   f"runs the same AdamW on fewer bytes, measured {chain / 1e6:.0f})")
+        out["adamw_per_thread"] = (f"adamw_per_thread={r.adamw_per_thread / 1e6:.0f} M params/s (a compressed update "
+                                   f"chain, which runs the same AdamW on fewer bytes, measured {chain / 1e6:.0f})")
     team, cores_ = r.team_matmul_flops or 0.0, max(int(r.cores or 1), 1)
     if r.compute_threads == 1 and r.matmul_flops and team > r.matmul_flops * cores_ * TEAM_OVER_CORES:
-        out.append(f"matmul_flops={r.matmul_flops / 1e9:.1f} GFLOP/s one thread (torch's {cores_} threads "
-                   f"measured {team / 1e9:.1f})")
+        out["matmul_flops"] = (f"matmul_flops={r.matmul_flops / 1e9:.1f} GFLOP/s one thread (torch's {cores_} "
+                               f"threads measured {team / 1e9:.1f})")
     return out
 
 
@@ -633,17 +633,17 @@ def retake_contradicted(r: MachineRates, dev: torch.device, sizes: Sizes) -> Lis
     matmul = r.matmul_flops
     for _ in range(RETAKES):
         bad = _contradicted(r)
-        if not bad:
-            break
-        if any(b.startswith("adamw_per_thread") for b in bad):
+        if "adamw_per_thread" in bad:
             with _BesideCompute(dev):
                 r.adamw_per_thread = max(r.adamw_per_thread, measure_adamw(sizes.adamw_numel, sizes))
-        if any(b.startswith("matmul_flops") for b in bad):
+        if "matmul_flops" in bad:
             with _compute_threads(dev, r):
                 r.matmul_flops = max(r.matmul_flops, measure_matmul(dev, *sizes.default_shape, sizes))
+        if not bad:
+            break
     if r.matmul_flops != matmul and r.step_team:
         r.step_team = measure_step_team(r, sizes)
-    return _contradicted(r)
+    return list(_contradicted(r).values())
 
 
 def cores() -> int:

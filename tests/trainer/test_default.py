@@ -12,6 +12,29 @@ def test_corpus_is_deterministic_and_from_the_stdlib():
     assert not any("site-packages" in p.parts or "test" in p.parts for p in a)
 
 
+def test_the_pruned_walk_finds_what_rglob_and_the_skip_rule_find(tmp_path):
+    """stdlib_files prunes skipped folders as it walks; the files are the ones the rule names:
+    every ``*.py`` file under the root, none with a skipped folder in its path, symlinked folders
+    not followed, in sorted order (a global site-packages inside the stdlib's folder is not walked)."""
+    import os
+
+    root = tmp_path / "lib"
+    for rel in ["a.py", "b.txt", "pkg/c.py", "pkg/tests/t.py", "site-packages/x/y.py", "pkg/sub/d.py",
+                "encodings/e.py", "pkg/test_like.py", "z/__pycache__/q.py", "dir.py/inner.py"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    os.symlink(root / "pkg", root / "linked")          # a symlinked folder: not followed
+    os.symlink(root / "a.py", root / "alias.py")       # a symlinked file: a file
+    os.symlink(root / "gone.py", root / "broken.py")   # a broken link: not a file
+    want = sorted(p for p in root.rglob("*.py")
+                  if not builtin._SKIP_PARTS.intersection(p.relative_to(root).parts) and p.is_file())
+    got = builtin.stdlib_files(10**9, root=root)
+    assert got == want
+    assert [p.relative_to(root).as_posix() for p in got] == [
+        "a.py", "alias.py", "dir.py/inner.py", "pkg/c.py", "pkg/sub/d.py", "pkg/test_like.py"]
+    assert builtin.stdlib_files(1, root=root) == got[:1]   # the byte cap: at least one file
+
+
 def test_load_default_trains_once_then_uses_the_cache(small_cache, monkeypatch):
     tok, train, evals = builtin.load_default(seq_len=32, vocab_size=512, max_bytes=150_000, eval_every=5)
     assert len(tok) == 512 and tok.eos_token == builtin.EOS and tok.pad_token == builtin.PAD

@@ -220,7 +220,7 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     (``order``: the step's loads, or ``1 / scale`` of them: the schedule's figures times ``scale``;
     ``shadow``: the bytes a parameter of the tier's compute-dtype copy the loads read, 0: none)."""
     # light: the host cache's module (torch) away from the planning modules' import (--help, mt.estimate)
-    from ..tiers.disk_cache import plan_cache, step_accesses
+    from ..tiers.disk_cache import held_after_backward, plan_cache, step_accesses
 
     if not cfg.offload_dir:
         return dict.fromkeys(_DISK_KEYS + tuple(k + "_files" for k in _DISK_KEYS), 0) | \
@@ -228,9 +228,14 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     on_disk = plan.placement.get("master_weights") == "disk"
     per = codec_bytes_per_param(cfg.optimizer_compression)
     states = plan.placement.get("optimizer_states") == "disk"
-    seq = step_accesses(order, [units[0]] + list(units[1:-1]) + [units[-1]], clipped=clipped, params_on_disk=on_disk,
+    updates = [units[0]] + list(units[1:-1]) + [units[-1]]
+    held = None   # a clipped step without a host cache: the backward's last reads held for their updates
+    if on_disk and clipped and cache_bytes <= 0:
+        held = held_after_backward(order, updates, held_units=_held_units(units, cfg, plan),
+                                   depth=cfg.overrides.inflight_depth)
+    seq = step_accesses(order, updates, clipped=clipped, params_on_disk=on_disk,
                         state_key=lambda u: f"state-{u.index}", state_nbytes=lambda u: int(per * u.numel),
-                        shadow_bytes=shadow)
+                        shadow_bytes=shadow, held_after_backward=held)
     if not states:
         seq = [a for a in seq if not a[0].startswith("state-")]
     raw_r = sum(b for _, op, b in seq if op == "R")
@@ -285,6 +290,18 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
     return {"read": read, "write": write, "raw_read": raw_r, "raw_write": raw_w, "state_read": state_read,
             "state_write": state_write, "start_read": start_read, "start_write": start_write, "read_miss": miss,
             "weights_on_disk": on_disk} | {k + "_files": v for k, v in files.items()}
+
+
+def _held_units(units, cfg, plan) -> int:
+    """``parts.held_weight_units`` from the plan alone: the override, else as many units as the room
+    ``max_host_gb`` leaves beside the plan's host needs (no budget: free RAM decides, and every unit
+    is assumed to fit, as ``default_cache_bytes`` assumes of a cache)."""
+    if cfg.overrides.held_weight_units is not None:
+        return min(cfg.overrides.held_weight_units, len(units))
+    if cfg.max_host_gb is None:
+        return len(units)
+    room = max(int(cfg.max_host_gb * (1 << 30)) - plan.host["total"], 0)
+    return min(len(units), room // max(4 * max((u.numel for u in units), default=0), 1))
 
 
 def boundary_total(window: dict) -> int:

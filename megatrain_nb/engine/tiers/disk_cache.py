@@ -41,8 +41,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .disk_params import handed_units, shadow_key, weights_key
+from .disk_params import handed_after_backward, handed_units, shadow_key, weights_key
 from .disk_store import aligned_empty
+from .staging import disk_staging_buffers
 from ...threads import CACHE, executor
 from ..units import Unit
 
@@ -51,21 +52,29 @@ Access = Tuple[str, str, int]   # (key, READ | WRITE, nbytes)
 
 
 def step_accesses(compute_order: Sequence[Unit], update_order: Sequence[Unit], *, clipped: bool,
-                  params_on_disk: bool, state_key, state_nbytes, shadow_bytes: int = 0) -> List[Access]:
+                  params_on_disk: bool, state_key, state_nbytes, shadow_bytes: int = 0,
+                  held_after_backward: Optional[set] = None) -> List[Access]:
     """One training step's disk accesses, in schedule order.
 
     Unclipped: each unit's update follows its last compute access (the backward's), and a unit
     loaded twice hands that read's buffer to its update (no third read). Clipped: every update
-    runs after the backward, in ``update_order``, and reads its weights again. ``shadow_bytes``
-    (the compute dtype's bytes a parameter: the disk tier's compute-dtype copy,
-    ``weight_store.DiskWeights``' ``shadow``): the loads read the copy, so every update reads
-    its fp32 masters and writes both.
+    runs after the backward, in ``update_order``, and reads its weights again -- but for the
+    units in ``held_after_backward`` (no host cache: ``disk_params.handed_after_backward``,
+    the backward's last reads held for their updates, whose buffers then stay as fresh copies
+    for the next forward, ``weight_store.DiskWeights.schedule``): no update read, and no read by
+    the forward's first load of them. ``shadow_bytes`` (the compute dtype's bytes a parameter:
+    the disk tier's compute-dtype copy, ``weight_store.DiskWeights``' ``shadow``): the loads
+    read the copy, so every update reads its fp32 masters and writes both.
     """
     seq: List[Access] = []
     compute = [u for u in compute_order if u.numel > 0]
     updates = [u for u in update_order if u.numel > 0]
-    handed = set() if clipped or shadow_bytes else handed_units(compute, updates)
+    held = set(held_after_backward or ()) if clipped and not shadow_bytes else set()
+    handed = held if clipped or shadow_bytes else handed_units(compute, updates)
     last = {u.index: i for i, u in enumerate(compute)}
+    first = {}
+    for i, u in enumerate(compute):
+        first.setdefault(u.index, i)
 
     def update(u: Unit) -> None:
         seq.append((state_key(u), READ, state_nbytes(u)))
@@ -79,7 +88,7 @@ def step_accesses(compute_order: Sequence[Unit], update_order: Sequence[Unit], *
 
     updated = {u.index for u in updates}
     for i, u in enumerate(compute):
-        if params_on_disk:
+        if params_on_disk and not (u.index in held and first[u.index] == i):   # (held: a fresh copy)
             seq.append((shadow_key(u), READ, shadow_bytes * u.numel) if shadow_bytes else
                        (weights_key(u), READ, 4 * u.numel))
         if not clipped and u.index in updated and last[u.index] == i:
@@ -89,6 +98,17 @@ def step_accesses(compute_order: Sequence[Unit], update_order: Sequence[Unit], *
         if u.index not in done:
             update(u)
     return seq
+
+
+def held_after_backward(compute_order: Sequence[Unit], update_order: Sequence[Unit], *, held_units: int,
+                        depth: int) -> set:
+    """The units a clipped step without a host cache holds from the backward for their updates
+    (``weight_store.DiskWeights.schedule``): the compute stream's buffers but one
+    (``staging.disk_staging_buffers``) and ``held_units`` more (``parts.held_weight_units``).
+    Unit indices, for :func:`step_accesses`' ``held_after_backward``."""
+    big = max((u.numel for u in compute_order), default=0)
+    own = disk_staging_buffers(big, depth)[0] - 1
+    return handed_after_backward(compute_order, update_order, own + held_units)
 
 
 def _phases(seq: Sequence[Access]) -> List[tuple]:

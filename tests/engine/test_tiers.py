@@ -436,7 +436,7 @@ def test_clipped_updates_take_every_held_backward_read(tmp_path):
 @pytest.mark.parametrize("codec,held", [("none", None), ("int4", None), ("int4", 2)])
 def test_the_prediction_reads_what_a_clipped_step_without_a_cache_reads(tmp_path, codec, held):
     """The prediction's disk reads of a clipped step without a host cache (``disk_cache.step_accesses``
-    given ``held_after_backward``) against the engine's own: the held units' updates read nothing
+    given ``held``, from ``held_after_backward``) against the engine's own: the held units' updates read nothing
     and the next forward's first load of each takes its fresh copy, so each layer is read once a
     step (the backward's read), not three times (the tenth session's 301 MB priced against 188 read).
     Within one unit: a fresh copy of an update that was not held (fp32 states: the embedding's,

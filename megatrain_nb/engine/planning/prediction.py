@@ -235,7 +235,7 @@ def _disk_bytes(units, order, cfg, plan, clipped: bool, cache_bytes: int, scale:
                                    depth=cfg.overrides.inflight_depth)
     seq = step_accesses(order, updates, clipped=clipped, params_on_disk=on_disk,
                         state_key=lambda u: f"state-{u.index}", state_nbytes=lambda u: int(per * u.numel),
-                        shadow_bytes=shadow, held_after_backward=held)
+                        shadow_bytes=shadow, held=held)
     if not states:
         seq = [a for a in seq if not a[0].startswith("state-")]
     raw_r = sum(b for _, op, b in seq if op == "R")

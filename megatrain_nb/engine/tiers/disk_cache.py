@@ -53,13 +53,13 @@ Access = Tuple[str, str, int]   # (key, READ | WRITE, nbytes)
 
 def step_accesses(compute_order: Sequence[Unit], update_order: Sequence[Unit], *, clipped: bool,
                   params_on_disk: bool, state_key, state_nbytes, shadow_bytes: int = 0,
-                  held_after_backward: Optional[set] = None) -> List[Access]:
+                  held: Optional[set] = None) -> List[Access]:
     """One training step's disk accesses, in schedule order.
 
     Unclipped: each unit's update follows its last compute access (the backward's), and a unit
     loaded twice hands that read's buffer to its update (no third read). Clipped: every update
     runs after the backward, in ``update_order``, and reads its weights again -- but for the
-    units in ``held_after_backward`` (no host cache: ``disk_params.handed_after_backward``,
+    units in ``held`` (no host cache: :func:`held_after_backward`,
     the backward's last reads held for their updates, whose buffers then stay as fresh copies
     for the next forward, ``weight_store.DiskWeights.schedule``): no update read, and no read by
     the forward's first load of them. ``shadow_bytes`` (the compute dtype's bytes a parameter:
@@ -69,7 +69,7 @@ def step_accesses(compute_order: Sequence[Unit], update_order: Sequence[Unit], *
     seq: List[Access] = []
     compute = [u for u in compute_order if u.numel > 0]
     updates = [u for u in update_order if u.numel > 0]
-    held = set(held_after_backward or ()) if clipped and not shadow_bytes else set()
+    held = set(held or ()) if clipped and not shadow_bytes else set()
     handed = held if clipped or shadow_bytes else handed_units(compute, updates)
     last = {u.index: i for i, u in enumerate(compute)}
     first = {}
@@ -105,7 +105,7 @@ def held_after_backward(compute_order: Sequence[Unit], update_order: Sequence[Un
     """The units a clipped step without a host cache holds from the backward for their updates
     (``weight_store.DiskWeights.schedule``): the compute stream's buffers but one
     (``staging.disk_staging_buffers``) and ``held_units`` more (``parts.held_weight_units``).
-    Unit indices, for :func:`step_accesses`' ``held_after_backward``."""
+    Unit indices, for :func:`step_accesses`' ``held``."""
     big = max((u.numel for u in compute_order), default=0)
     own = disk_staging_buffers(big, depth)[0] - 1
     return handed_after_backward(compute_order, update_order, own + held_units)

@@ -166,6 +166,34 @@ def test_a_clipped_forward_computes_each_layer_after_its_update():
     assert forward_behind_updates(units, 0.7, 1.5 + 1.0, 0.4, 0.25) == pytest.approx(0.2 + 0.5 + 1.5 + 1.0)
 
 
+def test_clipped_updates_that_read_their_states_from_the_disk_queue_behind_the_windows_disk(monkeypatch):
+    """Without a host cache each clipped update reads its states from the disk, behind what the
+    disk already has queued in the forward's window (the weights and states the updates before
+    it write behind them): the chain the forward waits for goes at the pace of that window's
+    whole disk stream, not of the updates' own state traffic. With a cache that keeps the
+    states, nothing of theirs is read from the disk and the chain is the updates' own."""
+    from megatrain_nb.engine.planning import prediction
+
+    chains = []
+    real = prediction.forward_behind_updates
+    monkeypatch.setattr(prediction, "forward_behind_updates",
+                        lambda units, chain, *a: chains.append(chain) or real(units, chain, *a))
+    slow = rates(disk_read=1e7, disk_write=1e7)
+    p, *_ = predict(slow, clipped=True, offload_dir="/nowhere", offload_params=True)   # no cache
+    ph, f = p.phases, _f_share()
+    state = (p.bytes["disk_state_read"] + p.bytes["disk_state_write"]) / 1e7
+    window_disk = (ph["disk_read"] + ph["disk_write"] - state) * f + state   # the forward's disk stream
+    big = LAYER / N   # the largest unit's share (on CUDA: its first read and last write stand out)
+    own = max(state, ph["optimizer"]) + state * big
+    assert 0 < own < window_disk
+    assert chains[-1] == pytest.approx(max(window_disk, ph["optimizer"]) + window_disk * big)
+    assert p.windows["forward + updates"] > window_disk   # the forward waits for them beyond the stream
+    assert p.bottleneck == "disk"
+    cached, *_ = predict(slow, clipped=True, offload_dir="/nowhere", offload_params=True, cache=10 * 4 * N)
+    assert cached.bytes["disk_state_read"] == 0
+    assert chains[-1] == pytest.approx(max(cached.phases["optimizer"], 0.0))
+
+
 def test_a_clipped_units_load_after_its_update_costs_the_copies_and_on_the_disk_tier_the_cache_or_the_disk():
     """The load that follows each update: the copy into its slot; with the weights on the disk
     tier, before it the copy out of the host cache (where it keeps them) or the disk's read."""
@@ -204,6 +232,25 @@ def test_few_cores_add_the_cpu_phases_many_overlap_them():
     bwd = ph["backward"] + ph["recompute"]
     assert many.windows["backward + updates"] == pytest.approx(max(bwd + (opt + copies * (1 - f)) / 1000, opt))
     assert many.step_seconds < one.step_seconds
+
+
+def test_a_cpu_devices_shared_cores_are_named_the_compute_whatever_shares_them(monkeypatch):
+    """On a CPU device the compute's threads run slower beside the updates and copies; they do not
+    wait (its telemetry shows no stall): a window bound by the cores' sharing is the compute's,
+    even where the updates' core-seconds are the larger part of it. On CUDA the device waits for
+    the host's cores, busy with the updates: the optimizer."""
+    from megatrain_nb.engine.planning import prediction
+
+    names = []
+    real = prediction._bottleneck
+    monkeypatch.setattr(prediction, "_bottleneck",
+                        lambda windows, parts, *a: names.append([k for _, _, k in parts]) or real(windows, parts, *a))
+    r = rates(cores=1, adamw_per_thread=2e7, team_matmul_flops=1e12)   # AdamW's core-seconds > the compute's
+    p, *_ = predict(r, cuda=False)
+    ph = p.phases
+    assert ph["optimizer"] > ph["backward"] + ph["recompute"]
+    assert names[-1][1] == "compute+cpu"   # the backward's window, its updates beside it
+    assert p.bottleneck == "compute (sharing the CPU cores)"
 
 
 def test_a_cpu_devices_one_thread_rates_run_on_every_core_but_one():

@@ -565,9 +565,9 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
         key = max(streams, key=streams.get)
         if key == "optimizer":
             key = update_key
-        if key == "cpu":   # CPU sharing is named by its largest user
-            users = {"compute": 0.0 if cuda else compute_s, "optimizer": opt_core_s / (1 if measured_team else cores)}
-            key = max(users, key=users.get) + "+cpu"
+        if key == "cpu":   # CUDA waits for the host's cores, busy with the updates; a CPU device's threads run
+            # slower beside the updates and copies, they do not wait (no stall in its telemetry): the compute
+            key = ("optimizer" if cuda and opt_core_s > 0 else "compute") + "+cpu"
         return max(streams.values()), streams, key
 
     fc, bc = ph["forward"], ph["backward"] + ph["recompute"]
@@ -582,7 +582,7 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     if not cuda:
         overlaps += _cpu_words(rates, cores, beside, disk, measured_team, a.get("step_team", 0.0))
     if clipped:   # the forward waits for the embedding's update, then for each layer's and the head's in turn
-        tf = max(tf, forward_behind_updates(units, chain, sf["compute"], a["head_share"], _load_per_param(a, rates, cuda)))
+        tf = max(tf, _forward_after_updates(units, chain, cpu_chain, sf, a, rates, cuda))
         windows = {"forward + updates": tf, "backward": tb}
         overlaps.append("clipping: updates wait for the global norm after the backward, then overlap only "
                         "the next forward (each unit's forward waits for its update)")
@@ -596,6 +596,17 @@ def _schedule(ph: Dict[str, float], a: dict, rates, *, cuda: bool, clipped: bool
     return StepPrediction(step_seconds=sum(windows.values()), phases=dict(ph),
                           streams={k: sf[k] + sb[k] for k in sf}, windows=windows, bottleneck=bottleneck,
                           overlaps=overlaps, tokens_per_step=a["tokens"])
+
+
+def _forward_after_updates(units, chain: float, cpu_chain: float, sf: Dict[str, float], a: dict, rates,
+                           cuda: bool) -> float:
+    """A clipped forward's window behind the updates (:func:`forward_behind_updates`). Updates
+    that read their states from the disk queue behind what the disk does in that window (``sf``'s
+    disk stream: the weights and states the updates before them write behind): their chain goes
+    at the pace of the window's whole disk stream, not of their own reads and writes alone."""
+    if a["disk"]["state_read"]:
+        chain = _chain(sf["disk"], cpu_chain, units, a["params"], cuda)
+    return forward_behind_updates(units, chain, sf["compute"], a["head_share"], _load_per_param(a, rates, cuda))
 
 
 def _cpu_words(rates, cores: int, beside: float, disk: float, measured_team: bool, step: float = 0.0) -> List[str]:

@@ -239,8 +239,10 @@ USER_CONFIGS = {**NEW_CONFIGS, **FRESH_CONFIGS, **HELD_OUT}
 #: (on a CPU "device" a unit's copy into its slot is a memcpy in a thread of its own: a wait for
 #: it is a wait for a core, what "compute (sharing the CPU cores)" predicts)
 #: (a forward waiting for a unit's pending update -- the weights' copy waits, ``optimizer_exposed`` --
-#: waits for the optimizer, not for the copy: that part of the "device" wait is the optimizer's)
-WAITS = {"disk": ("disk", "host_cache"), "optimizer": ("optimizer", "decode", "optimizer_exposed"),
+#: waits for the optimizer, not for the copy: that part of the "device" wait is the optimizer's;
+#: of it, the part the updates themselves waited for the disk tier, ``optimizer_exposed_disk``, the disk's)
+WAITS = {"disk": ("disk", "host_cache", "optimizer_exposed_disk"),
+         "optimizer": ("optimizer", "decode", "optimizer_exposed"),
          "compute (sharing the CPU cores)": ("device", "grad_return")}
 
 
@@ -486,7 +488,8 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     waits = {k: (tel1["stall_seconds"].get(k, 0.0) - tel0["stall_seconds"].get(k, 0.0)) / n
              for k in tel1["stall_seconds"]}
     exposed = (tel1["optimizer_exposed_seconds"] - tel0["optimizer_exposed_seconds"]) / n
-    waits["optimizer_exposed"] = exposed
+    on_disk = (tel1.get("optimizer_exposed_disk_seconds", 0.0) - tel0.get("optimizer_exposed_disk_seconds", 0.0)) / n
+    waits["optimizer_exposed"], waits["optimizer_exposed_disk"] = exposed - on_disk, on_disk
     waits["device"] = max(waits.get("device", 0.0) - exposed, 0.0)
     disk = (tel1["bytes"]["disk_to_host"] - tel0["bytes"]["disk_to_host"]) / n, \
         (tel1["bytes"]["host_to_disk"] - tel0["bytes"]["host_to_disk"]) / n

@@ -33,6 +33,7 @@ class Telemetry:
             self.step_seconds = 0.0
             self.optimizer_seconds = 0.0
             self.optimizer_exposed_seconds = 0.0
+            self.optimizer_exposed_disk_seconds = 0.0   # of it, the updates waiting for the disk tier
             self.weight_reads_saved = 0   # disk reads of master weights served by a kept buffer
             self.skipped_steps = 0        # non-finite steps dropped (on_nonfinite="skip")
             # Per optimizer step (the last one closed): see close_step().
@@ -139,6 +140,7 @@ class Telemetry:
                 "step_seconds": self.step_seconds,
                 "optimizer_seconds": self.optimizer_seconds,
                 "optimizer_exposed_seconds": self.optimizer_exposed_seconds,
+                "optimizer_exposed_disk_seconds": self.optimizer_exposed_disk_seconds,
                 "weight_reads_saved": self.weight_reads_saved,
                 "skipped_steps": self.skipped_steps,
                 "last_step": dict(self.last_step),

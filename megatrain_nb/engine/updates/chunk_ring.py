@@ -14,6 +14,7 @@ ring's own fp32 weight buffers; a final gradient held on the disk tier for a cli
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from typing import Dict, List, Optional, Tuple
 
@@ -51,6 +52,9 @@ class ChunkRing:
         self._weights = None   # RING chunks' fp32 master weights, read from a ranged rewrite
         self._grads = None     # RING chunks' fp32 final gradients, read from the disk tier
         self._specs: Dict[int, list] = {}   # numel -> its code_specs' items (new_codes)
+        #: seconds the caller's thread waited for the disk in :meth:`run` (cumulative): each wait
+        #: for a decode or an encode, times the share of that job spent reading or writing the disk
+        self.disk_wait = 0.0
 
     def code_specs(self, numel: int) -> Dict[str, tuple]:
         """name -> (dtype, shape) of the stored codes and scales of ``numel`` elements."""
@@ -91,49 +95,80 @@ class ChunkRing:
         wbufs = None if weights is None else self._ring_weights()
         gbufs = None if grads is None else self._ring_grads()
 
+        io: Dict[tuple, tuple] = {}   # ("d"/"e", chunk) -> (its disk seconds, its seconds)
+        disk_in, disk_out = not isinstance(stored, dict) and stored is not None, not isinstance(out, dict)
+
         def decode(i):
             a, b = chunks[i]
+            t0 = time.perf_counter()
+            disk = 0.0
             m, v = (t[:b - a] for t in ring[i % RING])
             for role, t in zip(ROLES, (m, v)):
                 if stored is None:
                     t.zero_()
                 else:
-                    self.codecs[role].decode(self._slice(role, stored, a, b, codes and codes[i % RING]), t)
-            got = (m, v)
+                    r0 = time.perf_counter()
+                    part = self._slice(role, stored, a, b, codes and codes[i % RING])
+                    disk += (time.perf_counter() - r0) if disk_in else 0.0
+                    self.codecs[role].decode(part, t)
+            got, r0 = (m, v), time.perf_counter()   # (ranged weights and a held gradient: the disk tier's)
             if wbufs is not None:
                 got += (weights.read("w", a, wbufs[i % RING][:b - a]),)
             if gbufs is not None:
                 got += (grads.read(a, gbufs[i % RING][:b - a]),)
+            io["d", i] = (disk + time.perf_counter() - r0, time.perf_counter() - t0)
             return got
 
         def encode(i, m, v, *rest):
             a, b = chunks[i]
+            t0 = time.perf_counter()
+            disk = 0.0
             for role, t in zip(ROLES, (m, v)):
-                self._put(role, out, a, b, self.codecs[role].encode(t))
+                enc = self.codecs[role].encode(t)
+                w0 = time.perf_counter()
+                self._put(role, out, a, b, enc)
+                disk += (time.perf_counter() - w0) if disk_out else 0.0
+            w0 = time.perf_counter()
             if wbufs is not None:
                 weights.write("w", a, rest[0])
+            io["e", i] = (disk + time.perf_counter() - w0, time.perf_counter() - t0)
+
+        def wait(fut: Future, job: tuple):
+            return self._wait(fut, io, job, inline=(decoder if job[0] == "d" else encoder) is None)
 
         decoded = {0: run_on(decoder, decode, 0)}
         encoded: List[Future] = []
+        done = False
         try:
             for i, (a, b) in enumerate(chunks):
                 if i + 1 < len(chunks):
                     if i + 1 >= RING:   # chunk i+1's ring slot is free once chunk i+1-RING is encoded
-                        encoded[i + 1 - RING].result()
+                        wait(encoded[i + 1 - RING], ("e", i + 1 - RING))
                     decoded[i + 1] = run_on(decoder, decode, i + 1)
-                got = decoded.pop(i).result()
+                got = wait(decoded.pop(i), ("d", i))
                 apply(a, b, *got)
                 encoded.append(run_on(encoder, encode, i, *got))
+            for i, f in enumerate(encoded):   # (a failed encode raises here)
+                wait(f, ("e", i))
+            done = True
         finally:   # nothing may still write into the ring (a failure: the next update reuses it)
-            for f in list(decoded.values()) + encoded:
+            for f in [] if done else list(decoded.values()) + encoded:
                 try:
                     f.result()
-                except BaseException:  # noqa: BLE001 - raised below or already raising
+                except BaseException:  # noqa: BLE001 - already raising
                     pass
-        for f in encoded:
-            f.result()
 
     # ------------------------------------------------------------------ internals
+    def _wait(self, fut: Future, io: dict, job: tuple, inline: bool):
+        """``fut``'s result, the disk's share of the job waited for added to :attr:`disk_wait`
+        (a job run in line: its disk time, this thread's own)."""
+        t0 = time.perf_counter()
+        got = fut.result()
+        disk, total = io.get(job, (0.0, 0.0))
+        if disk > 0:
+            self.disk_wait += disk if inline else (time.perf_counter() - t0) * min(disk / max(total, 1e-9), 1.0)
+        return got
+
     def _ring(self):
         if self._moments is None:
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 from concurrent.futures import Future
 from typing import Dict, Optional, Tuple
 
@@ -125,6 +126,13 @@ class OptimizerStates:
             fused_update.kernels()
         self._encoding: Dict[int, Future] = {}   # unit -> its encode and write issue (codec thread)
         self._decoded: Dict[int, Future] = {}    # unit -> its moments decoded ahead (codec thread)
+        self._disk_wait = 0.0   # seconds the updates waited for their states' disk reads and writes (disk_wait)
+
+    def disk_wait(self) -> float:
+        """Seconds the updates' thread has waited for the disk tier (cumulative): for its states'
+        reads, for their writes to settle (the bound on writes behind) and, in chunks, the disk's
+        share of each decode and encode it waited for (``ChunkRing.disk_wait``)."""
+        return self._disk_wait + (self.ring.disk_wait if self.ring is not None else 0.0)
 
     # ------------------------------------------------------------------ sizes
     # ------------------------------------------------------------------ encode / decode
@@ -228,7 +236,7 @@ class OptimizerStates:
         # and the step's peak RSS is a unit's moments lower (bench_bigger_than_ram).
         limit = self.writes_behind if 8 * train_numel(unit) <= self.encode_behind_bytes else 1
         while len(self._writes) >= limit and not last and self._behind_bytes() > self.encode_behind_bytes:
-            _settle(self._writes.pop(0))   # a failed encode or write raises here, in the update
+            self._disk_wait += _settle_timed(self._writes.pop(0))   # (a failed encode or write raises)
         for w in [w for w in self._writes if w.done()]:
             self._writes.remove(w)
             _settle(w)
@@ -271,10 +279,15 @@ class OptimizerStates:
     def _waited(self, fut: Future):
         """A read's (or a read-ahead decode's) result, the wait counted against its cause: the
         disk, the host cache (disk_cache.HostCache marks its futures), or the decode."""
-        read = getattr(fut, "read", None)
-        if read is not None:   # a decode of states read ahead: first the read, then the decode
-            self.counters.wait(read, "disk")
-        return self.counters.wait(fut, "disk" if read is None else "decode")
+        read = getattr(fut, "read", None)   # a decode of states read ahead: first the read, then the decode
+        first = fut if read is None else read
+        t0 = time.perf_counter()
+        try:
+            got = self.counters.wait(first, "disk")
+        finally:
+            if getattr(first, "stall_kind", "disk") == "disk":   # (not a copy out of the host cache)
+                self._disk_wait += time.perf_counter() - t0
+        return got if read is None else self.counters.wait(fut, "decode")
 
     def _decode_next(self) -> None:
         """Decode the next update's states (read ahead) in the codec thread, now, while this
@@ -391,7 +404,7 @@ class OptimizerStates:
         # being written while the next unit's are read and updated)
         limit = self.writes_behind if self._stored_nbytes(unit) <= self.encode_behind_bytes else 1  # writes_pending
         while len(self._writes) >= limit and not last:
-            _settle(self._writes.pop(0))   # a failed write raises here, in the update
+            self._disk_wait += _settle_timed(self._writes.pop(0))   # a failed write raises here, in the update
         for w in [w for w in self._writes if w.done()]:
             self._writes.remove(w)
             _settle(w)
@@ -634,6 +647,13 @@ class OptimizerStates:
         else:
             self._drop_codec_work()
             self.ram[unit.index] = stored
+
+
+def _settle_timed(f: Future) -> float:
+    """Seconds :func:`_settle` waited for a pending write (a failed one raises)."""
+    t0 = time.perf_counter()
+    _settle(f)
+    return time.perf_counter() - t0
 
 
 def _settle(f: Future):

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,6 +61,10 @@ class UpdateRunner:
         if adam.team.threads > 1:
             self._worker.submit(torch_threads_here, adam.team.threads)
         self._slots = threading.BoundedSemaphore(depth)
+        # the last updates' (start, end, seconds waited for the disk tier) in the worker, newest
+        # last: the part of a forward's wait for them that was the disk's (exposed_disk)
+        self._spans: Deque[Tuple[float, float, float]] = deque(maxlen=len(units) + 8)
+        self._spans_lock = threading.Lock()
 
     def next_step(self) -> int:
         """The number of the optimizer step about to be applied (1-based, survives a resume)."""
@@ -146,7 +151,7 @@ class UpdateRunner:
               release: Optional[Callable] = None) -> None:
         """``skip``: a non-finite step -- weights and states go back as they came. ``release``
         hands ``grad``'s buffer back when the update is done with it."""
-        t0 = time.perf_counter()
+        t0, disk0 = time.perf_counter(), self.states.disk_wait()
         self.weights.mark_updating(unit)
         if grad is None:   # (an update in chunks reads a gradient held on the disk tier chunk by chunk)
             grad, release = self.final.claim(unit, self.states.chunked and not self.adam.collect_stats)
@@ -174,7 +179,10 @@ class UpdateRunner:
                 release(grad)
         if zero:
             self.grads.zero_unit(unit)
-        self.counters.add("optimizer_seconds", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self.counters.add("optimizer_seconds", t1 - t0)
+        with self._spans_lock:
+            self._spans.append((t0, t1, self.states.disk_wait() - disk0))
         if error is not None:
             raise error
 
@@ -247,8 +255,19 @@ class UpdateRunner:
             self.outcome.record_failure(e)  # some units may be updated and others not
             self.settle_disk()
             raise
-        self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
+        self._exposed(t0)
         return True
+
+    def _exposed(self, t0: float) -> None:
+        """A wait for updates from ``t0`` to now: ``optimizer_exposed_seconds``, and of it
+        ``optimizer_exposed_disk_seconds``: the disk tier's share of the updates it overlapped
+        (each update's wait for the disk spread evenly over its span)."""
+        t1 = time.perf_counter()
+        with self._spans_lock:
+            spans = list(self._spans)
+        disk = sum(d * (min(e, t1) - max(s, t0)) / max(e - s, 1e-9) for s, e, d in spans if d > 0 and e > t0 and s < t1)
+        self.counters.add("optimizer_exposed_seconds", t1 - t0)
+        self.counters.add("optimizer_exposed_disk_seconds", min(disk, t1 - t0))
 
     # ------------------------------------------------------------------ waiting for updates
     def ready_weights(self, unit: Unit) -> torch.Tensor:
@@ -273,7 +292,7 @@ class UpdateRunner:
                 self.settle_disk()
             raise
         self._pending.pop(unit.index, None)
-        self.counters.add("optimizer_exposed_seconds", time.perf_counter() - t0)
+        self._exposed(t0)
 
     def wait_all(self) -> None:
         try:

@@ -248,6 +248,12 @@ def test_progress_labels_and_streaming_wording():
     assert "hit rate" not in line
     assert streaming_text({"prefetch": {"device": {"ahead": 0, "late": 0}}, "stall_seconds": {"device": 0.0}}) \
         == "no time spent waiting"
+    # a forward's wait for its pending updates is in the "device" wait (it waits for their weights):
+    # it is named the updates', with the part they waited for the disk tier themselves
+    line = streaming_text({"stall_seconds": {"device": 3.0, "disk": 0.5}, "optimizer_exposed_seconds": 2.0,
+                           "optimizer_exposed_disk_seconds": 1.25})
+    assert line == ("time spent waiting: for weights to reach the device 1.00 s, for disk reads 0.50 s, "
+                    "for optimizer updates 2.00 s (1.25 s of it theirs for the disk)")
 
 
 def test_demo_again_into_the_same_folder_is_a_new_run(tmp_path, monkeypatch, shared_cache, capsys):

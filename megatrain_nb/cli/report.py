@@ -192,7 +192,17 @@ def streaming_text(tel: dict) -> str:
     loads = (pf.get("ahead") or 0) + (pf.get("late") or 0)
     if loads:
         parts.append(f"{pf.get('ahead', 0) / loads:.0%} of {loads:,} weight loads issued ahead of need")
-    waits = [f"{_WAITS.get(k, k)} {v:.2f} s" for k, v in (tel.get("stall_seconds") or {}).items() if v >= 0.005]
+    stalls = dict(tel.get("stall_seconds") or {})
+    # a forward waiting for a unit's pending update waits for its weights too: that part of the
+    # "device" wait is the updates' (optimizer_exposed_seconds), and of it the part the updates
+    # themselves waited for the disk tier (optimizer_exposed_disk_seconds)
+    exposed, on_disk = tel.get("optimizer_exposed_seconds") or 0.0, tel.get("optimizer_exposed_disk_seconds") or 0.0
+    if exposed >= 0.005 and "device" in stalls:
+        stalls["device"] = max(stalls["device"] - exposed, 0.0)
+        stalls["optimizer"] = stalls.get("optimizer", 0.0) + exposed
+    waits = [f"{_WAITS.get(k, k)} {v:.2f} s" + (f" ({on_disk:.2f} s of it theirs for the disk)"
+                                                 if k == "optimizer" and on_disk >= 0.005 else "")
+             for k, v in stalls.items() if v >= 0.005]
     if tel.get("stall_seconds") is not None:
         parts.append("time spent waiting: " + ", ".join(waits) if waits else "no time spent waiting")
     return "; ".join(parts)

@@ -202,6 +202,8 @@ def timed_steps(engine, ids, k: int, clip=None) -> dict:
            "opt": (t1_tel["optimizer_seconds"] - t0_tel["optimizer_seconds"]) / k,
            # the forwards' waits for the previous step's updates (clipped: every timed step's)
            "exposed": t1_tel["optimizer_exposed_seconds"] - t0_tel["optimizer_exposed_seconds"],
+           # of them, the part the updates themselves spent waiting for the disk tier
+           "exposed_disk": t1_tel["optimizer_exposed_disk_seconds"] - t0_tel["optimizer_exposed_disk_seconds"],
            # the compute thread's own waits for its loads in the k steps (a CPU "device": every wait
            # of the compute for a unit, the updates' included): what the copy thread's wait above hid
            "device": t1_tel["stall_seconds"].get("device", 0.0) - t0_tel["stall_seconds"].get("device", 0.0),
@@ -392,10 +394,13 @@ def report(a, eng, runs, t_io):
     clip_overlappable = sum(r["opt_total"] for r in runs["disk-tier clipped"])
     clip_share = clip_exposed / max(clip_overlappable, 1e-9)
     clip_compute = sum(r["device"] for r in runs["disk-tier clipped"])
+    clip_disk = sum(r["exposed_disk"] for r in runs["disk-tier clipped"])
     print(f"disk-tier optimizer exposed {tel['optimizer_exposed_seconds']:.3f}s of {tel['optimizer_seconds']:.3f}s; "
           f"clipped: the next forward's loads (the copy thread, prefetching a unit ahead) waited {clip_exposed:.3f}s "
           f"for {clip_overlappable:.3f}s of updates; the compute itself waited {clip_compute:.3f}s for all its loads "
-          f"(share {clip_compute / max(clip_overlappable, 1e-9):.3f}, an upper bound of its wait for the updates)")
+          f"(share {clip_compute / max(clip_overlappable, 1e-9):.3f}, an upper bound of its wait for the updates); "
+          f"of the loads' wait, the updates themselves waited {clip_disk:.3f}s for the disk tier "
+          f"(optimizer_exposed_disk_seconds: {clip_disk / max(clip_exposed, 1e-9):.0%} of it)")
     crep = eng["cache"].disk.report()
     plan = crep["planned"] or {"read_bytes_per_step": 0, "write_bytes_per_step": 0}
     got = runs["cache"][-1]["read"] + runs["cache"][-1]["written"]

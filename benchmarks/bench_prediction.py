@@ -85,6 +85,7 @@ from common import machine, median, result  # noqa: E402
 
 import megatrain_nb as mt  # noqa: E402
 from megatrain_nb.engine.planning.rates import MachineRates  # noqa: E402
+from megatrain_nb.engine.telemetry import waits_by_cause  # noqa: E402
 
 CONFIG = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -485,12 +486,7 @@ def run_config(name: str, spec: dict, rates: MachineRates, folder: str, steps: i
     load.append(os.getloadavg()[0])
     after = compute_now(rates, seq, folder, user=new) if after_pass else None
     n = max(tel1["steps"] - tel0["steps"], 1)
-    waits = {k: (tel1["stall_seconds"].get(k, 0.0) - tel0["stall_seconds"].get(k, 0.0)) / n
-             for k in tel1["stall_seconds"]}
-    exposed = (tel1["optimizer_exposed_seconds"] - tel0["optimizer_exposed_seconds"]) / n
-    on_disk = (tel1.get("optimizer_exposed_disk_seconds", 0.0) - tel0.get("optimizer_exposed_disk_seconds", 0.0)) / n
-    waits["optimizer_exposed"], waits["optimizer_exposed_disk"] = exposed - on_disk, on_disk
-    waits["device"] = max(waits.get("device", 0.0) - exposed, 0.0)
+    waits = {k: v / n for k, v in waits_by_cause(tel1, tel0).items()}
     disk = (tel1["bytes"]["disk_to_host"] - tel0["bytes"]["disk_to_host"]) / n, \
         (tel1["bytes"]["host_to_disk"] - tel0["bytes"]["host_to_disk"]) / n
     trainer.close()

@@ -13,6 +13,7 @@ from megatrain_nb.engine.memory import precision_note
 from megatrain_nb.engine.planning.planner import codec_bytes_per_param
 from megatrain_nb.engine.planning.prediction import fmt_rate, fmt_seconds
 from megatrain_nb.engine.planning.prediction_check import comparison_lines
+from megatrain_nb.engine.telemetry import waits_by_cause
 from megatrain_nb.engine.tiers.diskspace import filesystem_text
 from megatrain_nb.formatting import fmt_bytes
 from megatrain_nb.trainer.checkpoint import list_checkpoints
@@ -192,14 +193,11 @@ def streaming_text(tel: dict) -> str:
     loads = (pf.get("ahead") or 0) + (pf.get("late") or 0)
     if loads:
         parts.append(f"{pf.get('ahead', 0) / loads:.0%} of {loads:,} weight loads issued ahead of need")
-    stalls = dict(tel.get("stall_seconds") or {})
-    # a forward waiting for a unit's pending update waits for its weights too: that part of the
-    # "device" wait is the updates' (optimizer_exposed_seconds), and of it the part the updates
-    # themselves waited for the disk tier (optimizer_exposed_disk_seconds)
-    exposed, on_disk = tel.get("optimizer_exposed_seconds") or 0.0, tel.get("optimizer_exposed_disk_seconds") or 0.0
-    if exposed >= 0.005 and "device" in stalls:
-        stalls["device"] = max(stalls["device"] - exposed, 0.0)
-        stalls["optimizer"] = stalls.get("optimizer", 0.0) + exposed
+    stalls = waits_by_cause(tel)
+    # a forward's wait for a unit's pending update is the updates', and of it the part they
+    # themselves waited for the disk tier
+    on_disk = stalls.pop("optimizer_exposed_disk")
+    stalls["optimizer"] = stalls.get("optimizer", 0.0) + stalls.pop("optimizer_exposed") + on_disk
     waits = [f"{_WAITS.get(k, k)} {v:.2f} s" + (f" ({on_disk:.2f} s of it theirs for the disk)"
                                                  if k == "optimizer" and on_disk >= 0.005 else "")
              for k, v in stalls.items() if v >= 0.005]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Dict
+from typing import Dict, Optional
 
 
 class Telemetry:
@@ -145,3 +145,20 @@ class Telemetry:
                 "skipped_steps": self.skipped_steps,
                 "last_step": dict(self.last_step),
             }
+
+
+def waits_by_cause(tel: dict, since: Optional[dict] = None) -> Dict[str, float]:
+    """The seconds the training thread waited, by cause, in a :meth:`Telemetry.snapshot` (less
+    ``since``'s, an earlier one): ``stall_seconds``' causes, except that a forward waiting for a
+    unit's pending update, which waits on that unit's weights, is taken out of the "device" wait
+    and split into ``optimizer_exposed`` (the updates' own time) and ``optimizer_exposed_disk``
+    (the updates waiting for the disk tier)."""
+    def diff(key: str, sub: Optional[str] = None) -> float:
+        now, then = (t.get(key) or ({} if sub else 0.0) for t in (tel, since or {}))
+        return (now.get(sub, 0.0) - then.get(sub, 0.0)) if sub else now - then
+
+    waits = {k: diff("stall_seconds", k) for k in tel.get("stall_seconds") or {}}
+    exposed, on_disk = diff("optimizer_exposed_seconds"), diff("optimizer_exposed_disk_seconds")
+    waits["optimizer_exposed"], waits["optimizer_exposed_disk"] = exposed - on_disk, on_disk
+    waits["device"] = max(waits.get("device", 0.0) - exposed, 0.0)
+    return waits

@@ -54,3 +54,23 @@ def test_updates_with_their_states_in_ram_wait_for_no_disk(tmp_path, monkeypatch
     """No disk tier: the updates' states are in RAM, so none of the forward's wait for them is the disk's."""
     exposed, disk = _exposed(monkeypatch, slow=True, optimizer_compression=codec)
     assert disk == 0.0 and exposed > 0.0
+
+
+def test_waits_by_cause_take_the_updates_wait_out_of_the_devices():
+    from megatrain_nb.engine.telemetry import Telemetry, waits_by_cause
+
+    tel = Telemetry()
+    tel.stall("device", 3.0)
+    tel.stall("disk", 0.5)
+    before = tel.snapshot()
+    tel.stall("device", 4.0)   # of it, 2.5 s a forward waiting for pending updates, 1 s of theirs for the disk
+    tel.stall("grad_return", 0.25)
+    tel.add("optimizer_exposed_seconds", 2.5)
+    tel.add("optimizer_exposed_disk_seconds", 1.0)
+    waits = waits_by_cause(tel.snapshot(), before)
+    assert waits["device"] == pytest.approx(1.5) and waits["disk"] == 0.0 and waits["grad_return"] == 0.25
+    assert waits["optimizer_exposed"] == pytest.approx(1.5) and waits["optimizer_exposed_disk"] == 1.0
+    whole = waits_by_cause(tel.snapshot())
+    assert whole["device"] == pytest.approx(4.5) and whole["disk"] == 0.5
+    # a wait for updates never makes the device's negative (the counters are read apart)
+    assert waits_by_cause({"stall_seconds": {"device": 0.1}, "optimizer_exposed_seconds": 0.3})["device"] == 0.0

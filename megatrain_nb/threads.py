@@ -141,9 +141,19 @@ def set_thread_device(device) -> None:
 
     if device is None:
         return
-    device = torch.device(device)
+    device = with_index(torch.device(device))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def with_index(device):
+    """``device`` with its index where it is a GPU's: ``cuda`` is the current one, ``cuda:0`` on a
+    fresh thread (``torch.cuda.set_device`` refuses a device without an index)."""
+    import torch
+
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from megatrain_nb.threads import with_index
 from megatrain_nb.values import ValueRefused, check
 
 from .updates.codecs import normalize_compression
@@ -256,9 +257,11 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device is None:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """The device, a GPU's with its index (``"cuda"`` is the current one: ``torch.cuda.set_device``
+        and the engine's threads need the index)."""
+        dev = torch.device(self.device if self.device is not None else
+                           "cuda" if torch.cuda.is_available() else "cpu")
+        return with_index(dev)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -48,3 +48,27 @@ def test_every_engine_thread_and_the_compute_thread_set_the_engine_device(monkey
     for prefix in ("mtnb-h2d", "mtnb-d2h", "mtnb-adamw", "mtnb-decode", "mtnb-encode", "mtnb-disk"):
         assert any(n.startswith(prefix) for n in started), (prefix, sorted(started))
     assert threading.current_thread().name in started   # the compute thread, on entering the engine
+
+
+def test_a_gpu_without_an_index_is_the_current_one_wherever_a_thread_sets_it(monkeypatch):
+    """``device="cuda"`` (and EngineConfig's default on a GPU machine) names no index, and
+    ``torch.cuda.set_device`` refuses such a device (ValueError): every engine thread failed on
+    starting. The config, the threads' hook and a rank's group give it the index."""
+    from torch.cuda._utils import _get_device_index
+
+    from megatrain_nb.engine.ranks.dist import Dist
+
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # torch's own check (what set_device does first), then recorded instead of touching a GPU
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_to.append(_get_device_index(d)))
+    assert EngineConfig(device="cuda").torch_device == torch.device("cuda", 1)
+    assert EngineConfig().torch_device == torch.device("cuda", 1)   # the default on a GPU machine
+    assert EngineConfig(device="cuda:0").torch_device == torch.device("cuda", 0)
+    assert EngineConfig(device="cpu").torch_device == torch.device("cpu")
+    threads.set_thread_device(torch.device("cuda"))
+    threads.set_thread_device("cuda:0")
+    threads.set_thread_device(torch.device("cpu"))
+    assert set_to == [1, 0]
+    assert Dist(_single=True, device="cuda", local_rank=3).device == torch.device("cuda", 3)

@@ -207,6 +207,8 @@ class Dist:
         self.local_rank = _env_int("LOCAL_RANK", self.rank if self.world > 1 else 0) \
             if local_rank is None else int(local_rank)
         self.device = torch.device(device) if device is not None else self._default_device()
+        if self.device.type == "cuda" and self.device.index is None:   # "cuda": this rank's GPU
+            self.device = torch.device("cuda", self.local_rank)
         if self.backend == "nccl" and self.device.type != "cuda":
             raise DistError(f"the NCCL backend needs a CUDA device, got {self.device}; use gloo on the CPU")
         self._native = self._probe_collectives()
@@ -239,6 +241,8 @@ class Dist:
         if device is None:
             device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:   # "cuda": this rank's GPU (set_device needs an index)
+            device = torch.device("cuda", local_rank)
         if backend is None:
             backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":

@@ -456,17 +456,17 @@ def fake_registration():
             self.live.pop(ptr)
             return 0
 
-        def cudaGetLastError(self):
+        def cudaGetLastError(self):   # (the runtime's, which pinned opens through ctypes)
             return 0
 
-    rt, saved = Rt(), (pinned._cudart, pinned._cuda_present, dict(pinned._state))
-    pinned._cudart, pinned._cuda_present = (lambda: rt), (lambda: True)
+    rt, saved = Rt(), (pinned._cudart, pinned._cuda_present, pinned._runtime_library, dict(pinned._state))
+    pinned._cudart, pinned._cuda_present, pinned._runtime_library = (lambda: rt), (lambda: True), (lambda: rt)
     pinned.reset_for_tests(None)
     try:
         yield rt
     finally:
-        pinned._cudart, pinned._cuda_present = saved[0], saved[1]
-        pinned._state.update(saved[2])
+        pinned._cudart, pinned._cuda_present, pinned._runtime_library = saved[:3]
+        pinned._state.update(saved[3])
 
 
 def registered_rehearsal() -> dict:

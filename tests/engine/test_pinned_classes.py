@@ -61,7 +61,7 @@ def test_every_sequence_length_reuses_its_classes_registered_off_the_callers_thr
 
 def test_a_block_is_reused_only_once_its_last_copy_is_done(fake):
     """A buffer's last copies (noted by the transport) are waited for before its block serves
-    another buffer."""
+    another buffer; a class's longest free block serves first (its copies the likeliest done)."""
     pool = PinnedPool(pin=True)
     waited = []
 
@@ -74,7 +74,9 @@ def test_a_block_is_reused_only_once_its_last_copy_is_done(fake):
     pool.classes.run(lambda: None).result()   # (the block registered ahead is in: t's goes back last)
     del t
     gc.collect()
-    u = pool.recycled(2900)   # the same class: the same block
+    first = pool.recycled(2900)   # the same class: the longest free block first (the one registered ahead) ...
+    assert first.data_ptr() != ptr and waited == []
+    u = pool.recycled(2900)   # ... then t's, once its last copy is done
     assert u.data_ptr() == ptr and waited == [1]
     pool.close()
 

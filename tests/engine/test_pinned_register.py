@@ -22,7 +22,7 @@ class FakeCudart:
         self.fail_at, self.calls, self.live = set(fail_at), 0, {}
         self.unregistered, self.threads, self.cleared = [], [], []
 
-    def cudaGetLastError(self):
+    def get_last_error(self):   # the runtime's cudaGetLastError (torch.cuda.cudart() has none)
         self.cleared.append(threading.current_thread().name)
         return 0
 
@@ -46,6 +46,7 @@ def fake(monkeypatch):
     saved = dict(pinned._state)
     rt = FakeCudart()
     monkeypatch.setattr(pinned, "_cudart", lambda: rt)
+    monkeypatch.setattr(pinned, "_runtime_library", lambda: SimpleNamespace(cudaGetLastError=rt.get_last_error))
     monkeypatch.setattr(pinned, "_cuda_present", lambda: True)
     monkeypatch.setattr(pinned, "_cached_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     pinned.reset_for_tests(None)
@@ -190,7 +191,7 @@ def test_the_copies_that_used_a_buffer_are_waited_for_before_it_is_unregistered(
     order = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append(("device sync", device)))
     real = fake.cudaHostUnregister
-    fake.cudaHostUnregister = lambda ptr: order.append(("unregister", real(ptr)))
+    fake.cudaHostUnregister = lambda ptr: order.append(("unregister", real(ptr))) or 0
     t = pinned.pinned_empty(3000)
     other = pinned.pinned_empty(3000)
     pinned.note_use(t[10:], FakeEvent("h2d 1", order), "h2d")   # a view: the same registration
@@ -207,11 +208,9 @@ def test_a_failed_registration_clears_cudas_sticky_error(fake):
     """cudaHostRegister's failure is CUDA's last error until read: it is read at once, so the
     next kernel on the thread does not raise it."""
     fake.fail_at = {1}
-    reads = []
-    fake.cudaGetLastError = lambda: reads.append(1) or 0
     with pytest.warns(RuntimeWarning, match="cudaHostRegister failed"):
         pinned.pinned_empty(3000)
-    assert reads == [1]
+    assert fake.cleared == [threading.current_thread().name]
 
 
 def _vm_flags(ptr: int) -> str:
@@ -240,3 +239,38 @@ def test_registered_memory_is_not_inherited_by_forks_and_given_back_when_freed(f
     del t
     gc.collect()
     assert calls == [(ptr, 4 << 20, pinned.MADV_DOFORK)] and fake.live == {}
+
+
+def test_cudas_last_error_is_read_from_the_runtime_torch_loaded_never_a_second_one():
+    """torch.cuda.cudart() binds no cudaGetLastError: pinned opens the runtime already loaded
+    through ctypes (RTLD_NOLOAD), and on a machine without one (this CPU build) opens nothing."""
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    assert pinned.open_loaded([libc, "libc.so.6"], "getpid") is not None   # loaded: found
+    assert pinned.open_loaded(["libc.so.6"], "no_such_symbol") is None
+    assert pinned.open_loaded(["/nonexistent/libcudart.so.12"], "cudaGetLastError") is None
+    if not torch.cuda.is_available():
+        assert pinned._runtime_library() is None
+        with open("/proc/self/maps") as f:
+            assert "libcudart" not in f.read()   # nothing loaded by asking
+
+
+def test_a_failed_unregistration_clears_the_error_on_the_thread_that_collects(fake):
+    t = pinned.pinned_empty(5000, torch.uint8)
+    real = fake.cudaHostUnregister
+    fake.cudaHostUnregister = lambda ptr: real(ptr) or 1   # cudaErrorInvalidValue
+    before = pinned.registered["buffers"]
+    del t
+    gc.collect()
+    assert fake.live == {} and fake.cleared == [threading.current_thread().name]
+    assert pinned.registered["buffers"] == before - 1
+
+
+def test_a_registration_that_succeeds_after_one_failed_keeps_the_fallback(fake):
+    fake.fail_at = {1}
+    with pytest.warns(RuntimeWarning, match="cudaHostRegister failed"):
+        assert pinned._register_block(5000) is None
+    kept = pinned._register_block(5000)   # (one queued before the failure, done after it)
+    assert kept is not None and not pinned.exact_pinned()
+    assert pinned.held_bytes(5000, True) == pinned.pinned_bytes(5000)

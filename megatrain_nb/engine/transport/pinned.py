@@ -27,7 +27,8 @@ on paper for a CUDA machine with it) until one fails: then a one-time warning sa
 later pinned buffer of the process comes from the caching host allocator, counted at its power
 of two (buffers already registered stay so). A failed registration also sets CUDA's sticky
 "last error", which the next kernel launch on that thread would raise: it is read (and so
-cleared) at once with ``cudaGetLastError``.
+cleared) at once with ``cudaGetLastError``, from the CUDA runtime torch loaded, opened again
+through ctypes (``torch.cuda.cudart()`` does not bind it).
 :func:`held_bytes` counts pinned buffers accordingly: exact while registration works, the power
 of two otherwise. The planner (``planner.host_in_flight``, ``_PlanInputs.pinned_units``),
 ``host_store.HostStore``, ``disk_params.DiskReadStream``, the pager's gradient staging and
@@ -36,6 +37,7 @@ process holds.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import threading
@@ -92,14 +94,59 @@ def held_bytes(nbytes: int, pinned: bool) -> int:
 
 
 def _clear_error() -> None:
-    """Read CUDA's last error (a failed cudaHostRegister leaves it set; reading clears it), so the
-    next kernel on this thread does not raise it."""
-    get = getattr(_cudart(), "cudaGetLastError", None)
-    if get is not None:
+    """Read CUDA's last error on this thread (a failed cudaHostRegister leaves it set; reading
+    clears it), so that the next kernel launched here does not raise it."""
+    lib = _runtime_library()
+    if lib is not None:
         try:
-            get()
+            lib.cudaGetLastError()
         except Exception:  # noqa: BLE001 - nothing more to clear
             pass
+
+
+_runtime = {"lib": None, "tried": False}
+#: the CUDA runtime's names, newest first, after the paths of any the process has loaded
+CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
+
+
+def _runtime_library():
+    """The CUDA runtime torch loaded, opened again through ctypes for ``cudaGetLastError``, which
+    ``torch.cuda.cudart()`` does not bind (it binds cudaHostRegister, cudaHostUnregister and a few
+    more); None where none is loaded (a CPU build, a statically linked runtime)."""
+    with _lock:
+        if not _runtime["tried"]:
+            _runtime["tried"] = True
+            _runtime["lib"] = open_loaded(_loaded_paths("libcudart") + list(CUDART_NAMES), "cudaGetLastError")
+        return _runtime["lib"]
+
+
+def _loaded_paths(stem: str) -> list:
+    """The files of the libraries named ``stem...`` mapped into this process (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if f"/{stem}" in ln})
+    except OSError:
+        return []
+
+
+def open_loaded(names, symbol: str):
+    """The first of ``names`` (paths or sonames) that this process has loaded already and that has
+    ``symbol`` (an ``int f(void)``), through ctypes; None if none. Never loads a library
+    (``RTLD_NOLOAD``): a second CUDA runtime would have errors of its own."""
+    import os
+
+    noload = getattr(os, "RTLD_NOLOAD", None)
+    if noload is None:
+        return None
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name, mode=noload | getattr(os, "RTLD_NOW", 2))
+            fn = getattr(lib, symbol)
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_int, []
+        return lib
+    return None
 
 
 def _fail(rc) -> bool:
@@ -150,15 +197,19 @@ def note_use(t: torch.Tensor, event, stream_key=0) -> None:
             uses[stream_key] = event
 
 
-def _unregister(ptr: int, nbytes: int) -> None:
+def _unregister(ptr: int, nbytes: int, device: Optional[int]) -> None:
     # A copy may still read or write the memory: wait for the copies that used it (their
-    # events, noted by the transport), not the device; then give the pages back to forks.
+    # events, noted by the transport), not the device; then give the pages back to forks. On
+    # whatever thread collects the buffer: under the device it was registered on (no context
+    # made on another GPU), a failure's error read at once (not raised by this thread's next kernel).
     with _lock:
         events = list(_uses.pop(ptr, {}).values())
     for ev in events:
         ev.synchronize()
     _madvise(ptr, nbytes, MADV_DOFORK)
-    _cudart().cudaHostUnregister(ptr)
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        if int(_cudart().cudaHostUnregister(ptr)) != 0:
+            _clear_error()
     with _lock:
         registered["buffers"] -= 1
         registered["bytes"] -= nbytes
@@ -180,11 +231,13 @@ def _register_block(nbytes: int):
             _fail(rc)
         return None
     with _lock:
-        _state["exact"] = True
+        if _state["exact"] is None:   # (a registration queued before one failed does not turn it back on)
+            _state["exact"] = True
         registered["buffers"] += 1
         registered["bytes"] += span
         _uses[ptr] = {}
-    fin = weakref.finalize(buf.base, _unregister, ptr, span)   # just before the memory is freed
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    fin = weakref.finalize(buf.base, _unregister, ptr, span, device)   # just before the memory is freed
     fin.atexit = False   # (at exit the driver releases it with the process)
     return buf
 
@@ -273,7 +326,7 @@ class SizeClasses:
             free = self._free.get(cls)
             if free:
                 self.counts["reused"] += 1
-                buf = free.pop()
+                buf = free.pop(0)   # the longest free: its last copies the likeliest done (take waits for them)
             else:
                 buf = None
                 pending = list(self._pending.get(cls, ()))

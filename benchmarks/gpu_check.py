@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import os
 import subprocess
 import sys
@@ -75,6 +76,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from common import machine, median  # noqa: E402
 from megatrain_nb.engine import EngineConfig, StreamingEngine  # noqa: E402
+from megatrain_nb.engine.telemetry import waits_by_cause  # noqa: E402
 
 import gpu_sections as sec  # noqa: E402
 
@@ -135,14 +137,16 @@ def parity(c: Check, precision: str) -> float:
     out = ref(input_ids=ids, attention_mask=am, labels=ids.masked_fill(am == 0, -100))
     out.loss.backward()
     engine = StreamingEngine(model, EngineConfig(device=c.device, precision=precision))
-    mine = engine.forward_backward(ids, attention_mask=am)
-    grads = {n: p.grad.float().cpu() for n, p in ref.named_parameters()}
-    worst = 0.0
-    for name, g in engine.named_gradients():
-        r = grads[name]
-        worst = max(worst, float((g - r).norm() / (r.norm() + 1e-12)))
+    try:
+        mine = engine.forward_backward(ids, attention_mask=am)
+        grads = {n: p.grad.float().cpu() for n, p in ref.named_parameters()}
+        worst = 0.0
+        for name, g in engine.named_gradients():
+            r = grads[name]
+            worst = max(worst, float((g - r).norm() / (r.norm() + 1e-12)))
+    finally:
+        engine.close()
     print(f"parity {precision}: loss {mine.loss:.6f} vs {float(out.loss.detach()):.6f}; worst relative grad error {worst:.2e}")
-    engine.close()
     return worst
 
 
@@ -228,17 +232,29 @@ def throughput(c: Check) -> dict:
                           "used": total - min(free0, torch.cuda.mem_get_info()[0])}
         print(f"throughput: {n / 1e9:.3f}B params, batch {a.batch}x{a.seq}, {a.precision}: step {step:.3f}s "
               f"{[round(t, 3) for t in times]}, {out['tflops']:.2f} TFLOPS")
-        pred = predicted_step(engine, a, c.shared.get("rates"))
+        # (each part below on its own: a failure prints its traceback and leaves the timed figures
+        # to the sections that read them)
+        pred = _guarded("the prediction", lambda: predicted_step(engine, a, c.shared.get("rates")))
         out["predicted"] = pred.step_seconds if pred is not None else float("nan")
         out["bottleneck"] = pred.bottleneck if pred is not None else ""
         if pred is not None:
             print(f"prediction at the measured rates: {pred}")
-        out["pinned"] = sec.engine_pinned(engine)
+        out["pinned"] = _guarded("the pinned bytes", lambda: sec.engine_pinned(engine)) or {}
         if c.cuda:
-            out.update(_profiled_step(engine, ids, a))
+            out.update(_guarded("the profiled step", lambda: _profiled_step(engine, ids, a)) or {})
         return out
     finally:
         engine.close()
+
+
+def _guarded(what: str, fn):
+    """``fn()``, or None with its traceback printed."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - said, and the section goes on
+        print(f"throughput: {what} failed:")
+        traceback.print_exc(file=sys.stdout)
+        return None
 
 
 def _profiled_step(engine, ids, a) -> dict:
@@ -269,7 +285,10 @@ def plan_plus_5(c: Check, plan_bytes: int) -> tuple:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     cap = plan_bytes * 1.05 / 2**30
-    done, err = 0, ""
+    done, err, engine = 0, "", None
+    # the cap held by the caching allocator too (max_vram_gb only steers the plan): past it, an OOM
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(cap * 2**30 / total, 1.0))
     try:
         cfg, engine = _meta_engine(c, vram=cap)
         ids = torch.randint(0, cfg.vocab_size, (c.a.batch, c.a.seq))
@@ -277,9 +296,12 @@ def plan_plus_5(c: Check, plan_bytes: int) -> tuple:
             engine.forward_backward(ids, step_lr=1e-5)
             torch.cuda.synchronize()
             done += 1
-        engine.close()
     except Exception as e:  # noqa: BLE001 - an OOM here is the finding
         err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        if engine is not None:
+            engine.close()
     peak = torch.cuda.max_memory_reserved()
     print(f"plan + 5% ({cap:.2f} GiB): {done} steps, reserved peak {peak / 2**30:.2f} GiB {err}")
     return done, err, peak
@@ -412,9 +434,11 @@ def s_memory(c: Check) -> None:
 
 def s_idle_and_link(c: Check) -> None:
     thr = _thr(c)
-    stalls, step = thr["tel"]["stall_seconds"], thr["total"]
-    on_copies = stalls["device"] / step
-    on_cpu = (stalls["optimizer"] + stalls["decode"] + stalls["disk"]) / step
+    # a forward's wait for its pending updates is in the "device" wait (it waits for their
+    # weights): the CPU's (telemetry.waits_by_cause), not the copies'
+    waits, step = waits_by_cause(thr["tel"]), thr["total"]
+    on_copies = waits["device"] / step
+    on_cpu = sum(waits[k] for k in ("optimizer", "optimizer_exposed", "optimizer_exposed_disk", "decode", "disk")) / step
     cpu_bound = on_cpu > on_copies
     print(f"the compute waited {on_copies:.3f} of the step for copies in, {on_cpu:.3f} for the CPU "
           f"(updates, decodes, disk){': the step is CPU-bound, not stalled on the link' if cpu_bound else ''}")
@@ -467,7 +491,8 @@ def s_machine_rates(c: Check) -> None:
     c.emit("machine_rates_not_positive", len(bad), "rates", "==", 0)
     if c.cuda:
         raw = _raw_h2d(c)
-        c.emit("machine_rates_h2d_pinned_vs_raw", rates.h2d_pinned / 1e9 / raw, "x", ">=", 0.8)
+        # (--quick measures tiny copies, launch-bound: said, not checked)
+        c.emit("machine_rates_h2d_pinned_vs_raw", rates.h2d_pinned / 1e9 / raw, "x", ">=", 0.8, check=not c.a.quick)
 
 
 def s_registered_pinned(c: Check) -> None:
@@ -481,7 +506,8 @@ def s_registered_pinned(c: Check) -> None:
     reg = sec.registered_pinned()
     c.emit("registered_pinned_exact", int(reg["exact"] and reg["registered"] == 600 << 20), "", "==", 1)
     c.emit("registered_is_pinned", int(reg["is_pinned"]), "", "==", 1)
-    c.emit("registered_host_allocator_growth", reg["host_alloc_grew"], "bytes", "==", 0)
+    c.emit("registered_host_allocator_growth", reg["host_alloc_grew"], "bytes", "==", 0,
+           check=reg["host_alloc_grew"] >= 0)   # (-1: this torch keeps no host stats)
     c.emit("registered_roundtrip_exact", int(reg["roundtrip"]), "", "==", 1)
     c.emit("registered_h2d_vs_caching_block", reg["gbps"] / reg["raw_gbps"], "x", ">=", 0.9)
     c.emit("registered_left_after_free", reg["left_registered"], "buffers", "==", 0)
@@ -675,6 +701,10 @@ def two_gpus() -> tuple:
 
 
 # --------------------------------------------------------------------------------------- runner
+#: a section's seconds after which the stacks of a possible hang are printed
+SECTION_HANG_S = 180.0
+
+
 def run_sections(c: Check, names, fail=()) -> int:
     """Each section in turn, isolated; its RESULT lines printed as it ends. Returns the exit status."""
     t_start, failed, skipped = time.perf_counter(), [], []
@@ -687,6 +717,11 @@ def run_sections(c: Check, names, fail=()) -> int:
             continue
         print(f"== {name}: {what}", flush=True)
         t0 = time.perf_counter()
+        # a section still running after SECTION_HANG_S prints every thread's stack (once; it runs on)
+        try:
+            faulthandler.dump_traceback_later(SECTION_HANG_S, exit=False, file=sys.stdout)
+        except (ValueError, OSError, AttributeError):   # (a stdout without a file descriptor)
+            pass
         try:
             if name in fail:
                 raise RuntimeError(f"injected failure of section {name!r} ({FAIL_ENV} / --fail-section)")
@@ -696,6 +731,7 @@ def run_sections(c: Check, names, fail=()) -> int:
             traceback.print_exc(file=sys.stdout)
             c.lines.append((f"{c.prefix}section_failed_{name.replace('-', '_')}", 1.0, "", "==", 0, True))
         finally:
+            faulthandler.cancel_dump_traceback_later()
             if c.cuda:
                 torch.cuda.empty_cache()
             c.flush()

@@ -314,10 +314,12 @@ def registered_pinned(nbytes: int = 600 << 20) -> dict:
 
     def reserved():
         try:
-            return torch.cuda.host_memory_stats().get("reserved_bytes.current", -1)
+            stats = torch.cuda.host_memory_stats()   # (the caching host allocator's blocks, cached ones too)
+            return stats.get("allocated_bytes.current", stats.get("reserved_bytes.current", -1))
         except Exception:  # noqa: BLE001 - a build without host stats: unknown
             return -1
     exact = pinned.exact_pinned()
+    gc.collect()   # (earlier sections' buffers unregistered now, not inside the count below)
     before, live = reserved(), dict(pinned.registered)
     t = pinned.pinned_empty(nbytes // 4)
     grew = reserved() - before if before >= 0 else -1

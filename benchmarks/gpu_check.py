@@ -8,7 +8,8 @@
     python benchmarks/gpu_check.py --sanitizer-only   # the sanitizer section alone (about 1-3 minutes)
 
 It runs from a bare checkout: the checkout's root goes first on ``sys.path``, so ``megatrain_nb``
-is this checkout's whether or not it is installed (torch and transformers must be).
+is this checkout's whether or not it is installed (torch, transformers and the few packages the
+engine imports must be: a missing one is named at the start, with the pip command).
 
 Each section is isolated: an exception prints its traceback and the next section runs; each
 section's RESULT lines are printed (and flushed) as it ends, so a crash or a timeout later keeps
@@ -70,6 +71,29 @@ for _p in (str(HERE), str(ROOT)):   # the checkout first: its megatrain_nb, inst
     while _p in sys.path:
         sys.path.remove(_p)
     sys.path.insert(0, _p)
+
+#: what the engine imports besides torch and transformers (import name: what pip installs)
+ENGINE_NEEDS = {"xxhash": "xxhash", "psutil": "psutil", "safetensors": "safetensors", "yaml": "pyyaml",
+                "numpy": "numpy"}
+
+
+def missing_modules(needs=None) -> list:
+    """The pip names of ``needs`` (default: the engine's, :data:`ENGINE_NEEDS`, and torch and
+    transformers) that this interpreter cannot import."""
+    import importlib.util
+
+    needs = dict(ENGINE_NEEDS, torch="torch", transformers="transformers") if needs is None else needs
+    def absent(mod: str) -> bool:
+        try:
+            return importlib.util.find_spec(mod) is None
+        except (ImportError, ValueError):   # (a finder that refuses it: as good as absent)
+            return True
+    return [pip for mod, pip in needs.items() if absent(mod)]
+
+
+if __name__ == "__main__" and missing_modules():   # (said in one line, not a traceback deep in an import)
+    sys.exit(f"gpu_check: this Python lacks {', '.join(missing_modules())}, which the engine imports: "
+             f"pip install {' '.join(missing_modules())} (or pip install -e . in the checkout)")
 
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402

@@ -89,3 +89,22 @@ def test_an_injected_section_failure_leaves_the_other_sections_lines():
     assert "rehearsal_section_failed_cpu_side" in res and "rehearsal_pinned_bytes_per_param_7b_bf16" not in res
     assert {"rehearsal_poisoning_caught", "rehearsal_registered_exact", "rehearsal_registered_left_after_free"} <= set(res)
     assert "sections failed ['cpu-side']" in p.stdout
+
+
+def test_a_python_without_the_engines_packages_is_told_which_in_one_line(tmp_path):
+    """The GPU machine may have torch and transformers only: the missing ones (xxhash here, hidden
+    by a meta path finder) are named with the pip command, before any import fails deep inside."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'xxhash':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n")
+    env = dict(os.environ, PYTHONPATH=str(hide))
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--list"], cwd=str(tmp_path),
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "gpu_check: this Python lacks xxhash, which the engine imports: pip install xxhash" in p.stderr

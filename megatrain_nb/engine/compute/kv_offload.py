@@ -29,7 +29,12 @@ calls it once per pass, as the layer runs, and layer-major decoding runs each la
 decoded token) copies the layer's cached entries to the device (in), writes the new token's
 entries into the buffer (back), and returns the two concatenated on the device: each layer
 crosses the link twice per decoded token, counted in :attr:`HostKVCache.moved` (a CPU device
-counts the same bytes, which on a GPU cross the link). ``reorder_cache`` (shared prompts
+counts the same bytes, which on a GPU cross the link). On a GPU both copies are asynchronous, in
+the compute stream's order (the next pass's copy in follows this one's copy back): the host
+never waits for a layer, and an event after each layer's copies is what the host waits for
+before it touches the buffer itself (``reorder_cache``) and what its pinned buffer's finalizer
+waits for (``pinned.note_use``); the buffers are registered at their exact size
+(``pinned.pinned_empty``, as the plan counts them). ``reorder_cache`` (shared prompts
 replicated, finished rows dropped) reorders the host buffer's rows in place.
 
 transformers' own ``DynamicCache(offloading=True)`` is not used: it synchronises through
@@ -43,6 +48,8 @@ from typing import Dict
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from ..transport.pinned import note_use, pinned_empty
 
 
 class DeviceKVLayer(DynamicLayer):
@@ -125,6 +132,7 @@ class HostKVLayer(DynamicLayer):
         self.capacity, self.moved = (int(rows), int(tokens)), moved
         self.rows = self.length = 0
         self.host_keys = self.host_values = None   # flat buffers of capacity rows x tokens
+        self.written = None   # (a GPU) the event after the last copies to and from the buffers
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -135,7 +143,8 @@ class HostKVLayer(DynamicLayer):
         self.shapes = (tuple(key_states.shape[1:2] + key_states.shape[3:]),
                        tuple(value_states.shape[1:2] + value_states.shape[3:]))   # (heads, head size) each
         self.host_keys, self.host_values = (
-            torch.empty(rows * tokens * h * d, dtype=key_states.dtype, pin_memory=pin) for h, d in self.shapes)
+            pinned_empty(rows * tokens * h * d, key_states.dtype) if pin else
+            torch.empty(rows * tokens * h * d, dtype=key_states.dtype) for h, d in self.shapes)
         self.is_initialized = True
 
     def held(self, rows: int):
@@ -153,13 +162,18 @@ class HostKVLayer(DynamicLayer):
             raise ValueError(f"the host KV cache holds {self.capacity[1]} tokens a row; the decoding reached {at + q}")
         if at and n != self.rows:
             raise ValueError(f"the host KV cache holds {self.rows} rows; the model gave {n} (reorder_cache first)")
-        out = []
+        out, cuda = [], self.device.type == "cuda"
         for buf, new in zip(self.held(n), (key_states, value_states)):
             old = buf[:at].to(self.device, non_blocking=True).permute(1, 2, 0, 3)   # in (pinned: asynchronous)
-            buf[at:at + q].copy_(new.permute(2, 0, 1, 3))                            # back: the new entries
+            buf[at:at + q].copy_(new.permute(2, 0, 1, 3), non_blocking=cuda)          # back: the new entries
             self.moved["h2d_bytes"] += old.numel() * old.element_size()
             self.moved["d2h_bytes"] += new.numel() * new.element_size()
             out.append(torch.cat([old, new], dim=-2))
+        if cuda:   # what the host waits for before touching the buffers, and their finalizer too
+            self.written = torch.cuda.Event()
+            self.written.record()
+            for flat in (self.host_keys, self.host_values):
+                note_use(flat, self.written, "kv")
         self.rows, self.length = n, at + q
         self.moved["crossings"] += 2
         return out[0], out[1]
@@ -174,6 +188,8 @@ class HostKVLayer(DynamicLayer):
         idx, at = beam_idx.cpu(), self.length
         if len(idx) > self.capacity[0]:
             raise ValueError(f"the host KV cache holds {self.capacity[0]} rows; asked for {len(idx)}")
+        if self.written is not None:   # the copies in and back under way, done before the host rewrites
+            self.written.synchronize()
         for now, then in zip(self.held(self.rows), self.held(len(idx))):
             then[:at] = now[:at, idx]   # (the gather is a copy first: the two views share the buffer)
         self.rows = len(idx)

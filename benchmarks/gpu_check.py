@@ -145,7 +145,12 @@ def _met(value: float, op: str, target: float) -> bool:
 
 
 def llama(layers, hidden, vocab=32000, heads=16):
-    return AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+    # Llama's MLP width: 8/3 of the hidden, up to a multiple of 256 at a GPU's sizes (5461 for a
+    # hidden of 2048 would leave the bf16 GEMMs on slower kernels: 5632)
+    inter = hidden * 8 // 3
+    if hidden >= 1024:
+        inter = -(-inter // 256) * 256
+    return AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                                 max_position_embeddings=4096, tie_word_embeddings=False)
 

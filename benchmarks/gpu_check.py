@@ -823,14 +823,19 @@ def main(argv=None) -> int:
     if a.two_gpu_child:
         return two_gpu_child()
     names = {n for n, _, _ in SECTIONS} if a.sections is None else set(a.sections.split(","))
-    unknown = names - {n for n, _, _ in SECTIONS}
+    if a.sanitizer_only:
+        names = {"sanitizer"}
+    fail = {s for s in (a.fail_section, os.environ.get(FAIL_ENV)) if s}
+    unknown = (names | fail) - {n for n, _, _ in SECTIONS}
     if unknown:
         print(f"unknown section(s) {sorted(unknown)}; --list names them")
         return 2
-    if a.quick and a.sections is None and not a.cpu_rehearsal:
+    if a.steps < 1:
+        print(f"--steps {a.steps}: the timed sections need at least one step")
+        return 2
+    if a.quick and a.sections is None and not a.cpu_rehearsal and not a.sanitizer_only:
         names.discard("sanitizer")
         print("--quick: the sanitizer section is left out (--sanitizer-only runs it: 1-3 minutes)")
-    fail = {s for s in (a.fail_section, os.environ.get(FAIL_ENV)) if s}
     print(machine(), "torch", torch.__version__, flush=True)
     if a.cpu_rehearsal:
         return run_sections(Check(a, "cpu"), names, fail)
@@ -838,8 +843,6 @@ def main(argv=None) -> int:
         print("no CUDA device here: nothing to check (run this on a GPU machine; --cpu-rehearsal runs it on the CPU)")
         return 0
     print(torch.cuda.get_device_name(), flush=True)
-    if a.sanitizer_only:
-        names = {"sanitizer"}
     return run_sections(Check(a, "cuda"), names, fail)
 
 

@@ -236,6 +236,7 @@ def throughput(c: Check) -> dict:
     seconds per engine thread per step, the step predicted at the machine-rates section's rates;
     on CUDA one profiled step (the compute stream's idle time, the copies' rate)."""
     a = c.a
+    base = _outside_the_plan(c)
     cfg, engine = _meta_engine(c)
     try:
         n = engine.num_parameters()
@@ -257,7 +258,8 @@ def throughput(c: Check) -> dict:
                "plan": real_plan(engine, cfg, a).device["total"], "engine_plan": engine.plan.device["total"],
                "device_peak": engine.memory_report()["device"]["peak_bytes"]}
         if c.cuda:
-            out["mem"] = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
+            out["mem"] = {"allocated": torch.cuda.max_memory_allocated() - base[0],
+                          "reserved": torch.cuda.max_memory_reserved() - base[1],
                           "used": total - min(free0, torch.cuda.mem_get_info()[0])}
         print(f"throughput: {n / 1e9:.3f}B params, batch {a.batch}x{a.seq}, {a.precision}: step {step:.3f}s "
               f"{[round(t, 3) for t in times]}, {out['tflops']:.2f} TFLOPS")
@@ -274,6 +276,20 @@ def throughput(c: Check) -> dict:
         return out
     finally:
         engine.close()
+
+
+def _outside_the_plan(c: Check) -> tuple:
+    """(allocated, reserved) device bytes before the engine, with cuBLAS's workspaces made: one per
+    thread that multiplies (this one's, autograd's backward thread's), in fp32 and in the compute
+    dtype. They stay allocated, outside any plan (memory.DEVICE_HEADROOM_BYTES), and are not the
+    engine's peak against its plan. (0, 0) on a CPU device."""
+    if not c.cuda:
+        return 0, 0
+    for dtype in {torch.float32, torch.bfloat16 if c.a.precision == "bf16" else torch.float32}:
+        x = torch.randn(64, 64, device=c.device, dtype=dtype, requires_grad=True)
+        (x @ x).sum().backward()   # (the backward's matmuls on autograd's thread)
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
 def _guarded(what: str, fn):
@@ -315,9 +331,11 @@ def plan_plus_5(c: Check, plan_bytes: int) -> tuple:
     torch.cuda.reset_peak_memory_stats()
     cap = plan_bytes * 1.05 / 2**30
     done, err, engine = 0, "", None
-    # the cap held by the caching allocator too (max_vram_gb only steers the plan): past it, an OOM
+    # the cap held by the caching allocator too (max_vram_gb only steers the plan): past it, an OOM;
+    # over what it holds outside any plan already (cuBLAS's workspaces)
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(cap * 2**30 / total, 1.0))
+    outside = _outside_the_plan(c)[1]
+    torch.cuda.set_per_process_memory_fraction(min((cap * 2**30 + outside) / total, 1.0))
     try:
         cfg, engine = _meta_engine(c, vram=cap)
         ids = torch.randint(0, cfg.vocab_size, (c.a.batch, c.a.seq))

@@ -91,9 +91,10 @@ def missing_modules(needs=None) -> list:
     return [pip for mod, pip in needs.items() if absent(mod)]
 
 
-if __name__ == "__main__" and missing_modules():   # (said in one line, not a traceback deep in an import)
-    sys.exit(f"gpu_check: this Python lacks {', '.join(missing_modules())}, which the engine imports: "
-             f"pip install {' '.join(missing_modules())} (or pip install -e . in the checkout)")
+_MISSING = missing_modules() if __name__ == "__main__" else []
+if _MISSING:   # (said in one line, not a traceback deep in an import)
+    sys.exit(f"gpu_check: this Python lacks {', '.join(_MISSING)}, which the engine imports: "
+             f"pip install {' '.join(_MISSING)} (or pip install -e . in the checkout)")
 
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402

@@ -14,6 +14,8 @@ import tempfile
 import warnings
 from typing import Optional
 
+from megatrain_nb.threads import with_index
+
 from ..tiers.diskspace import filesystem_of
 from .rates import MachineRates, check_rates
 
@@ -37,7 +39,7 @@ def device_name(device=None) -> str:
         if not torch.cuda.is_available():
             raise ValueError(f"measure_machine: device {device!r} asked for, but CUDA is not available here; "
                              "pass device='cpu' or leave it out")
-        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        dev = with_index(dev)
         return f"{dev} {torch.cuda.get_device_name(dev)}"
     if dev.type != "cpu":
         raise ValueError(f"measure_machine: device {device!r} is neither cpu nor cuda")
